@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# Both create .venv when it is missing (CPU torch first, so nothing pulls a CUDA build),
+# re-install only when pyproject.toml changed, then run.
+
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+TORCH   ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-slow bench proto clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install --upgrade pip >/dev/null
+
+$(STAMP): pyproject.toml | $(VPY)
+	$(VPY) -m pip install "$(TORCH)"
+	$(VPY) -m pip install -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/pdserve demo
+
+test: $(STAMP)
+	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	PDSERVE_SLOW=1 $(VPY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(VPY) bench/engine_vs_transformers.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,96 @@
+"""One allocator for a model that mixes paged attention and GDN state slots.
+
+The budget (`kv_cache_memory`, per rank) first pays for the GDN state slots (fixed size per
+request, bounded concurrency), and the rest becomes KV pages. Each layer's pool is one large
+tensor allocated once at start-up, so the transfer layer can register it with NIXL as it is.
+
+Capacity in tokens divides the page memory by the per-token bytes of the groups that grow
+with length (full attention) only; dividing by every cache group would understate it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache.spec import CacheSpec, GDNStateSpec, PagedAttentionSpec
+
+
+@dataclass(frozen=True)
+class Capacity:
+    cache_bytes: int  # the budget
+    state_bytes: int  # GDN state slots, all layers
+    kv_bytes: int  # KV pages, all attention layers
+    num_blocks: int
+    block_size: int
+    kv_bytes_per_token: int  # summed over the attention layers (the only groups that grow)
+    num_state_slots: int
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens the KV pages hold, across all requests."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> int:
+        """Requests that can be live at once (one GDN state slot each)."""
+        return self.num_state_slots
+
+    def summary(self) -> str:
+        mib = 2**20
+        return (
+            f"cache {self.cache_bytes / mib:.1f} MiB: {self.num_blocks} KV blocks x {self.block_size} tokens "
+            f"= {self.max_tokens} tokens ({self.kv_bytes_per_token} B/token over attention layers, "
+            f"{self.kv_bytes / mib:.1f} MiB); {self.num_state_slots} GDN state slots "
+            f"({self.state_bytes / mib:.1f} MiB) bound concurrency to {self.max_concurrency}"
+        )
+
+
+def plan_capacity(specs: list[CacheSpec], budget: int, num_slots: int, block_size: int) -> Capacity:
+    attn = [s for s in specs if isinstance(s, PagedAttentionSpec)]
+    gdn = [s for s in specs if isinstance(s, GDNStateSpec)]
+    state_bytes = num_slots * sum(s.page_size_bytes for s in gdn)
+    block_bytes = sum(s.page_size_bytes for s in attn)
+    if not attn:
+        raise ValueError("the model has no full-attention layer; pdserve serves hybrid models")
+    num_blocks = (budget - state_bytes) // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory={budget} B leaves no room for KV pages after {num_slots} GDN state slots "
+            f"({state_bytes} B) and one {block_bytes} B block; raise kv_cache_memory or lower max_num_seqs"
+        )
+    return Capacity(
+        cache_bytes=budget,
+        state_bytes=state_bytes,
+        kv_bytes=num_blocks * block_bytes,
+        num_blocks=int(num_blocks),
+        block_size=block_size,
+        kv_bytes_per_token=block_bytes // block_size,
+        num_state_slots=num_slots,
+    )
+
+
+class CachePools:
+    """Per-layer pools: kv[layer] for attention, conv[layer] + recurrent[layer] for GDN."""
+
+    def __init__(self, specs: list[CacheSpec], capacity: Capacity, device: str | torch.device = "cpu"):
+        self.specs = {s.layer: s for s in specs}
+        self.capacity = capacity
+        self.kv: dict[int, torch.Tensor] = {}
+        self.conv: dict[int, torch.Tensor] = {}
+        self.recurrent: dict[int, torch.Tensor] = {}
+        for s in specs:  # zeroed: pages and slots never hold NaN, even before first use
+            if isinstance(s, PagedAttentionSpec):
+                self.kv[s.layer] = torch.zeros(s.pool_shape(capacity.num_blocks), dtype=s.dtype, device=device)
+            else:
+                n = capacity.num_state_slots
+                self.conv[s.layer] = torch.zeros((n, *s.conv_shape), dtype=s.conv_dtype, device=device)
+                self.recurrent[s.layer] = torch.zeros((n, *s.recurrent_shape), dtype=s.recurrent_dtype, device=device)
+
+    def tensors(self) -> list[tuple[str, int, torch.Tensor]]:
+        """(kind, layer, tensor) for every pool: what the transfer layer registers."""
+        out = [("paged_kv", i, t) for i, t in self.kv.items()]
+        out += [("gdn_conv", i, t) for i, t in self.conv.items()]
+        out += [("gdn_recurrent", i, t) for i, t in self.recurrent.items()]
+        return sorted(out, key=lambda x: (x[1], x[0]))

@@ -1,0 +1,245 @@
+"""Configuration: one frozen dataclass per concern, composed into `EngineConfig`.
+
+Checks run in `__post_init__`; derived values are properties; nothing is written back after
+start-up. `ModelConfig.from_dir` reads a checkpoint's config.json (no transformers import).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def parse_bytes(value: int | str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '4096' or an int -> bytes."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*", str(value), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot read a memory size from {value!r}; use e.g. '2GiB', '512MiB' or bytes")
+    unit = (m.group(2) or "").upper().rstrip("B")
+    powers = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+    if unit not in powers:
+        raise ValueError(f"unknown memory unit in {value!r}")
+    return int(float(m.group(1)) * powers[unit])
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The text model of a Qwen3.5 hybrid checkpoint, global (unsharded) sizes."""
+
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]  # "linear_attention" (GDN) | "full_attention"
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    linear_num_key_heads: int  # Hk
+    linear_num_value_heads: int  # Hv
+    linear_key_head_dim: int  # dk
+    linear_value_head_dim: int  # dv
+    linear_conv_kernel_dim: int  # Kc
+    rms_norm_eps: float
+    rope_theta: float
+    partial_rotary_factor: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    dtype: torch.dtype  # the weights' dtype at run time
+    eos_token_ids: tuple[int, ...] = ()
+    weight_prefix: str = "model."  # where the text model's weights live in the checkpoint
+
+    def __post_init__(self):
+        bad = {t for t in self.layer_types if t not in ("linear_attention", "full_attention")}
+        if bad:
+            raise ValueError(f"unsupported layer types {sorted(bad)}; supported: linear_attention, full_attention")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
+                f"linear_num_key_heads={self.linear_num_key_heads}"
+            )
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def gdn_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike, dtype: DTypeName = "auto") -> "ModelConfig":
+        cfg_path = Path(path) / "config.json"
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"no config.json in {path}: pass a checkpoint directory written by save_pretrained")
+        raw = json.loads(cfg_path.read_text())
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or raw.get('model_type')!r} in {cfg_path}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        prefix = "model."
+        text = raw
+        if arch == "Qwen3_5ForConditionalGeneration":
+            text = raw.get("text_config") or {}
+            prefix = "model.language_model."
+        if text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
+            raise ValueError(f"expected a qwen3_5_text model, found model_type {text.get('model_type')!r}")
+        n_layers = text["num_hidden_layers"]
+        layer_types = text.get("layer_types") or [
+            "full_attention" if (i + 1) % text.get("full_attention_interval", 4) == 0 else "linear_attention"
+            for i in range(n_layers)
+        ]
+        rope = text.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported rope_type {rope.get('rope_type')!r}; supported: default")
+        cfg_dtype = text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or "float32"
+        want = cfg_dtype if dtype == "auto" else dtype
+        if want not in _DTYPES:
+            raise ValueError(f"unsupported dtype {want!r}; supported: auto, {', '.join(_DTYPES)}")
+        eos = text.get("eos_token_id", raw.get("eos_token_id"))
+        gen_cfg = Path(path) / "generation_config.json"
+        if eos is None and gen_cfg.is_file():
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            path=str(path),
+            architecture=arch,
+            vocab_size=text["vocab_size"],
+            hidden_size=text["hidden_size"],
+            intermediate_size=text["intermediate_size"],
+            layer_types=tuple(layer_types[:n_layers]),
+            num_attention_heads=text["num_attention_heads"],
+            num_kv_heads=text["num_key_value_heads"],
+            head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
+            linear_num_key_heads=text["linear_num_key_heads"],
+            linear_num_value_heads=text["linear_num_value_heads"],
+            linear_key_head_dim=text["linear_key_head_dim"],
+            linear_value_head_dim=text["linear_value_head_dim"],
+            linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
+            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", text.get("rope_theta", 10000.0)),
+            partial_rotary_factor=rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)),
+            max_position_embeddings=text.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            dtype=_DTYPES[want],
+            eos_token_ids=eos_ids,
+            weight_prefix=prefix,
+        )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1  # ranks per node, one process each (gloo on CPU, nccl on CUDA)
+
+    def __post_init__(self):
+        if self.tensor_parallel_size not in (1, 2, 4, 8):
+            raise ValueError(f"tensor_parallel_size must be 1, 2, 4 or 8 (got {self.tensor_parallel_size})")
+
+    def check_model(self, m: ModelConfig) -> None:
+        """Every head count must split evenly; KV heads may instead be replicated (t > KVH)."""
+        t = self.tensor_parallel_size
+        for name, count in (
+            ("linear_num_key_heads", m.linear_num_key_heads),
+            ("linear_num_value_heads", m.linear_num_value_heads),
+            ("num_attention_heads", m.num_attention_heads),
+            ("intermediate_size", m.intermediate_size),
+        ):
+            if count % t:
+                raise ValueError(f"tensor_parallel_size={t} does not divide {name}={count}")
+        kvh = m.num_kv_heads
+        if (t <= kvh and kvh % t) or (t > kvh and t % kvh):
+            raise ValueError(
+                f"tensor_parallel_size={t} and num_key_value_heads={kvh}: one must divide the other"
+            )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV page
+    kv_cache_memory: int | str = "256MiB"  # budget for KV pages + GDN state slots, per rank
+    num_state_slots: int | None = None  # GDN state slots; default max_num_seqs
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two (got {self.block_size})")
+        if self.memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory must be positive (got {self.kv_cache_memory!r})")
+
+    @property
+    def memory_bytes(self) -> int:
+        return parse_bytes(self.kv_cache_memory)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # requests in the running batch
+    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits prompts)
+    max_model_len: int | None = None  # prompt + output tokens; default the model's max positions
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self):
+        self.parallel.check_model(self.model)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len or self.model.max_position_embeddings
+
+    @property
+    def num_state_slots(self) -> int:
+        return self.cache.num_state_slots or self.scheduler.max_num_seqs

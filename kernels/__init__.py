@@ -1,0 +1,23 @@
+"""Ops on the hot path of the hybrid stack.
+
+Each op has a PyTorch implementation here (the CPU path, and the reference for the Triton
+kernels); `naive.py` holds per-token loops used only by tests.
+"""
+
+from kernels.attention import gather_kv, paged_attention, store_kv
+from kernels.conv import causal_conv1d, causal_conv1d_update
+from kernels.gdn import gdn_chunk_prefill, gdn_recurrent, l2norm
+from kernels.norm import gated_rms_norm, rms_norm
+
+__all__ = [
+    "causal_conv1d",
+    "causal_conv1d_update",
+    "gated_rms_norm",
+    "gather_kv",
+    "gdn_chunk_prefill",
+    "gdn_recurrent",
+    "l2norm",
+    "paged_attention",
+    "rms_norm",
+    "store_kv",
+]

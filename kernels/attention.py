@@ -1,0 +1,72 @@
+"""Paged attention: the KV store and causal attention over pages (PyTorch path).
+
+Page layout, one pool per full-attention layer, head-major so that one head's slice of a
+block is one contiguous range (what the transfer layer moves):
+    kv_pool [num_blocks, 2, KVH, block_size, hd]     (index 0 = K, 1 = V)
+
+    q            [T, H, hd]   packed new tokens of B sequences (cu_seqlens_q [B+1])
+    seq_lens     [B]          tokens in context for each sequence, the new ones included
+    block_tables [B, max_blocks] int   page ids of each sequence, in token order
+The new tokens of sequence b sit at positions seq_lens[b] - q_len_b ... seq_lens[b] - 1, so the
+same call serves decode (q_len 1), speculative verification (q_len k+1) and chunked prefill
+(earlier chunks read back from pages). Query head h reads KV head h // (H / KVH).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.checks import check_paged_inputs
+from kernels.gdn import pad_packed, unpad_packed
+
+__all__ = ["store_kv", "paged_attention", "gather_kv"]
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_pool: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write k, v [T, KVH, hd] at flat token slots (block_id * block_size + offset)."""
+    if k.shape != v.shape or k.dim() != 3 or tuple(k.shape[1:]) != (kv_pool.shape[2], kv_pool.shape[4]):
+        raise ValueError(
+            f"k, v must be [T, KVH={kv_pool.shape[2]}, hd={kv_pool.shape[4]}] "
+            f"(got k={tuple(k.shape)}, v={tuple(v.shape)}, kv_pool={tuple(kv_pool.shape)})"
+        )
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"slot_mapping must be [T={k.shape[0]}] (got {tuple(slot_mapping.shape)})")
+    bs = kv_pool.shape[3]
+    blk, off = slot_mapping // bs, slot_mapping % bs
+    kv_pool[blk, 0, :, off] = k.to(kv_pool.dtype)
+    kv_pool[blk, 1, :, off] = v.to(kv_pool.dtype)
+
+
+def gather_kv(kv_pool: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole pages of each sequence -> K, V [B, KVH, max_blocks * block_size, hd]."""
+    B, nb = block_tables.shape
+    _, _, kvh, bs, hd = kv_pool.shape
+    pages = kv_pool.index_select(0, block_tables.reshape(-1)).view(B, nb, 2, kvh, bs, hd)
+    pages = pages.permute(2, 0, 3, 1, 4, 5).reshape(2, B, kvh, nb * bs, hd)
+    return pages[0], pages[1]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the new tokens over their sequence's pages. Returns [T, H, hd]."""
+    check_paged_inputs(q, kv_pool, cu_seqlens_q, seq_lens, block_tables)
+    B = seq_lens.numel()
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    q_max = int(q_lens.max())
+    K, V = gather_kv(kv_pool, block_tables)
+    n_kv = K.shape[2]
+    qp = pad_packed(q, cu_seqlens_q, q_max).transpose(1, 2)  # [B, H, q_max, hd]
+    q_pos = (seq_lens - q_lens)[:, None] + torch.arange(q_max, device=q.device)[None, :]  # [B, q_max]
+    k_pos = torch.arange(n_kv, device=q.device)
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # causal; also hides pages past seq_len
+    o = F.scaled_dot_product_attention(
+        qp, K.to(q.dtype), V.to(q.dtype), attn_mask=mask[:, None], scale=scale, enable_gqa=True
+    )
+    return unpad_packed(o.transpose(1, 2), cu_seqlens_q)

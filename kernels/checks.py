@@ -1,0 +1,67 @@
+"""Argument checks shared by the PyTorch and Triton paths: a wrong call raises ValueError
+quoting the actual shapes, dtypes and strides; the kernels themselves check nothing."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _fail(what: str, **tensors: torch.Tensor) -> None:
+    desc = ", ".join(
+        f"{n}={tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for n, t in tensors.items() if t is not None
+    )
+    raise ValueError(f"{what} (got {desc})")
+
+
+def check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids) -> None:
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3:
+        _fail("q, k must be [T, Hk, dk] and v [T, Hv, dv]", q=q, k=k, v=v)
+    T, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    if v.shape[0] != T or hv % hk:
+        _fail("v must be [T, Hv, dv] with Hv a multiple of Hk", q=q, v=v)
+    if g.shape != (T, hv) or beta.shape != (T, hv):
+        _fail("g and beta must be [T, Hv]", v=v, g=g, beta=beta)
+    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (hv, dk, dv):
+        _fail(f"state_pool must be [S, Hv={hv}, dk={dk}, dv={dv}]", state_pool=state_pool)
+    if state_pool.dtype != torch.float32:
+        _fail("state_pool must be float32", state_pool=state_pool)
+    B = cu_seqlens.numel() - 1
+    if cu_seqlens.dim() != 1 or B < 1 or slot_ids.shape != (B,):
+        _fail("cu_seqlens must be [B+1] and slot_ids [B]", cu_seqlens=cu_seqlens, slot_ids=slot_ids)
+    if int(cu_seqlens[-1]) != T:
+        raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but there are T={T} tokens")
+
+
+def check_conv_inputs(x, weight, cu_seqlens, conv_pool, slot_ids) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
+        _fail("x must be [T, D] and weight [D, Kc]", x=x, weight=weight)
+    D, kc = weight.shape
+    if conv_pool.dim() != 3 or tuple(conv_pool.shape[1:]) != (D, kc - 1):
+        _fail(f"conv_pool must be [S, D={D}, Kc-1={kc - 1}] (channels, time)", conv_pool=conv_pool)
+    if conv_pool.stride(-1) != 1:
+        raise ValueError(f"conv_pool must be contiguous in time (strides {conv_pool.stride()})")
+    B = cu_seqlens.numel() - 1
+    if B < 1 or slot_ids.shape != (B,):
+        _fail("cu_seqlens must be [B+1] and slot_ids [B]", cu_seqlens=cu_seqlens, slot_ids=slot_ids)
+    if int(cu_seqlens[-1]) != x.shape[0]:
+        raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but there are T={x.shape[0]} tokens")
+
+
+def check_paged_inputs(q, kv_pool, cu_seqlens_q, seq_lens, block_tables) -> None:
+    if q.dim() != 3:
+        _fail("q must be [T, H, hd]", q=q)
+    if kv_pool.dim() != 5 or kv_pool.shape[1] != 2 or kv_pool.shape[-1] != q.shape[-1]:
+        _fail("kv_pool must be [num_blocks, 2, KVH, block_size, hd]", q=q, kv_pool=kv_pool)
+    if q.shape[1] % kv_pool.shape[2]:
+        _fail("query heads must be a multiple of KV heads", q=q, kv_pool=kv_pool)
+    B = seq_lens.numel()
+    if cu_seqlens_q.shape != (B + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != B:
+        _fail(
+            "cu_seqlens_q must be [B+1], seq_lens [B], block_tables [B, max_blocks]",
+            cu_seqlens_q=cu_seqlens_q,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+        )
+    if int(cu_seqlens_q[-1]) != q.shape[0]:
+        raise ValueError(f"cu_seqlens_q ends at {int(cu_seqlens_q[-1])} but q has {q.shape[0]} tokens")

@@ -1,0 +1,86 @@
+"""Depthwise causal conv1d over the GDN [q | k | v] channels, with slot-indexed state.
+
+    x          [T, D]            packed tokens of B sequences (cu_seqlens [B+1])
+    weight     [D, Kc]
+    conv_pool  [S, D, Kc-1]      layout "DS": channels, then time, most recent column last
+    slot_ids   [B]
+
+y_t = silu(sum_j w[:, j] * ext[:, t + j]) where ext is the slot's Kc-1 saved inputs followed by
+the row's new inputs; afterwards the slot holds the last Kc-1 columns of ext. A sequence
+shorter than Kc-1 with no initial state leaves zeros on the left.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.checks import check_conv_inputs
+from kernels.gdn import pad_packed, unpad_packed
+
+__all__ = ["causal_conv1d", "causal_conv1d_update"]
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    conv_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor | None = None,
+    activation: bool = True,
+    intermediate_states: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Variable-length causal conv (prefill, or decode rows of several tokens).
+
+    intermediate_states, when given, is [B, n_max, D, Kc-1] and receives the conv state after
+    every token of each row (for speculative rollback). Returns y [T, D] in x's dtype.
+    """
+    check_conv_inputs(x, weight, cu_seqlens, conv_pool, slot_ids)
+    D, kc = weight.shape
+    B = cu_seqlens.numel() - 1
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    L = int(lens.max())
+    state = conv_pool.index_select(0, slot_ids).float()  # [B, D, Kc-1]
+    if has_initial_state is not None:
+        state = torch.where(has_initial_state[:, None, None], state, torch.zeros((), device=x.device))
+    xp = pad_packed(x.float(), cu_seqlens, L).transpose(1, 2)  # [B, D, L]
+    ext = torch.cat([state, xp], dim=-1)  # [B, D, Kc-1+L]
+    y = F.conv1d(ext, weight.float()[:, None, :], groups=D)  # [B, D, L]
+    if activation:
+        y = F.silu(y)
+
+    # New state: ext[:, :, len_b : len_b + Kc-1] for each row.
+    cols = lens[:, None] + torch.arange(kc - 1, device=x.device)[None, :]  # [B, Kc-1]
+    new_state = ext.gather(2, cols[:, None, :].expand(B, D, kc - 1))
+    conv_pool.index_copy_(0, slot_ids, new_state.to(conv_pool.dtype))
+    if intermediate_states is not None:
+        for t in range(L):
+            live = (t < lens)[:, None, None]
+            snap = ext[:, :, t + 1 : t + kc]
+            intermediate_states[:, t] = torch.where(live, snap.to(intermediate_states.dtype), intermediate_states[:, t])
+    return unpad_packed(y.transpose(1, 2), cu_seqlens).to(x.dtype)
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    activation: bool = True,
+    intermediate_states: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One new token per row (plain decode): x [B, D] -> y [B, D]; slots shift left by one."""
+    B = x.shape[0]
+    cu = torch.arange(B + 1, device=x.device)
+    check_conv_inputs(x, weight, cu, conv_pool, slot_ids)
+    state = conv_pool.index_select(0, slot_ids)
+    ext = torch.cat([state.float(), x.float()[:, :, None]], dim=-1)  # [B, D, Kc]
+    y = (ext * weight.float()).sum(-1)
+    if activation:
+        y = F.silu(y)
+    new_state = ext[:, :, 1:]
+    conv_pool.index_copy_(0, slot_ids, new_state.to(conv_pool.dtype))
+    if intermediate_states is not None:
+        intermediate_states[:, 0] = new_state.to(intermediate_states.dtype)
+    return y.to(x.dtype)

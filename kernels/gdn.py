@@ -1,0 +1,194 @@
+"""Gated DeltaNet (gated delta rule) ops: PyTorch path, slot-indexed state.
+
+Shapes, packed over a batch of B sequences with T tokens in all:
+    q, k   [T, Hk, dk]   already L2-normalised (see `l2norm`); q is scaled by `scale` here
+    v      [T, Hv, dv]
+    g      [T, Hv]       float32 log-decay (<= 0); alpha = exp(g)
+    beta   [T, Hv]       float32 write strength in (0, 1)
+    cu_seqlens [B+1]     int64 offsets of each sequence in the packed tokens
+    state_pool [S, Hv, dk, dv] float32, one slot per live request; `slot_ids` [B] pick the rows
+
+Value head h reads key head h // (Hv / Hk). The recurrence (DESIGN.md section 3):
+    S_t = alpha_t S_{t-1} + beta_t k_t (v_t - alpha_t S_{t-1}^T k_t)^T,   o_t = S_t^T q_t
+`gdn_chunk_prefill` evaluates it chunk-parallel (prefill), `gdn_recurrent` token by token
+(decode rows of 1 token, or k+1 tokens when verifying k speculative tokens).
+Both read each sequence's initial state from its slot and write the final state back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.checks import check_gdn_inputs
+
+__all__ = ["l2norm", "gdn_chunk_prefill", "gdn_recurrent", "expand_heads", "pad_packed", "unpad_packed"]
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps) over the last axis, in float32."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def expand_heads(x: torch.Tensor, hv: int) -> torch.Tensor:
+    """[..., Hk, d] -> [..., Hv, d]: each key head serves Hv/Hk consecutive value heads."""
+    hk = x.shape[-2]
+    return x if hk == hv else x.repeat_interleave(hv // hk, dim=-2)
+
+
+def _pad_index(cu_seqlens: torch.Tensor, padded_len: int, total: int) -> torch.Tensor:
+    """[B, padded_len] index into a packed tensor with one zero row appended at `total`."""
+    starts = cu_seqlens[:-1, None]
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1])[:, None]
+    pos = torch.arange(padded_len, device=cu_seqlens.device)[None, :]
+    return torch.where(pos < lens, starts + pos, torch.full_like(pos, total))
+
+
+def pad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, padded_len: int) -> torch.Tensor:
+    """Packed [T, ...] -> [B, padded_len, ...], zeros after each sequence's end."""
+    xz = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
+    return xz[_pad_index(cu_seqlens, padded_len, x.shape[0])]
+
+
+def unpad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[B, L, ...] -> packed [T, ...] keeping the first len_b positions of row b."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    row = torch.repeat_interleave(torch.arange(len(lens), device=x.device), lens)
+    col = torch.arange(int(cu_seqlens[-1]), device=x.device) - cu_seqlens[:-1][row]
+    return x[row, col]
+
+
+def _initial_states(state_pool, slot_ids, has_initial_state):
+    s = state_pool.index_select(0, slot_ids).float()
+    if has_initial_state is None:
+        return s
+    # where(), not a multiply: a never-written slot may hold NaN.
+    return torch.where(has_initial_state[:, None, None, None], s, torch.zeros((), dtype=s.dtype, device=s.device))
+
+
+def gdn_chunk_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """Chunked gated delta rule over packed variable-length sequences.
+
+    Returns o [T, Hv, dv] in v's dtype; writes each sequence's final state into
+    state_pool[slot_ids]. Sequences with has_initial_state False start from zero.
+    """
+    check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids)
+    T, hv, dv = v.shape
+    dk = q.shape[-1]
+    scale = dk**-0.5 if scale is None else scale
+    B = cu_seqlens.numel() - 1
+    C = chunk_size
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    n_chunks = max(1, -(-int(lens.max()) // C))
+    L = n_chunks * C
+
+    # Padding rows carry k = 0, beta = 0, g = 0: they neither decay nor write the state.
+    qp = pad_packed(expand_heads(q, hv).float() * scale, cu_seqlens, L)  # [B, L, H, dk]
+    kp = pad_packed(expand_heads(k, hv).float(), cu_seqlens, L)
+    vp = pad_packed(v.float(), cu_seqlens, L)  # [B, L, H, dv]
+    gp = pad_packed(g.float(), cu_seqlens, L)  # [B, L, H]
+    bp = pad_packed(beta.float(), cu_seqlens, L)
+
+    def chunks(x):  # [B, L, H, d] -> [B, H, N, C, d]
+        return x.transpose(1, 2).reshape(B, hv, n_chunks, C, x.shape[-1])
+
+    Q, K, V = chunks(qp), chunks(kp), chunks(vp)
+    gamma = gp.transpose(1, 2).reshape(B, hv, n_chunks, C).cumsum(-1)  # in-chunk cumsum of g
+    bet = bp.transpose(1, 2).reshape(B, hv, n_chunks, C)
+
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    diff = gamma[..., :, None] - gamma[..., None, :]
+    decay = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()  # Gamma_ij, i >= j
+
+    kb = K * bet[..., None]
+    A = (kb @ K.transpose(-1, -2)) * decay  # diagonal ignored by the unit-triangular solve
+    eg = gamma.exp()[..., None]
+    rhs = torch.cat([V * bet[..., None], kb * eg], dim=-1)
+    sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+    U, W = sol[..., :dv], sol[..., dv:]  # U = T diag(beta) V ; W = T diag(beta e^gamma) K
+
+    intra = (Q @ K.transpose(-1, -2)) * decay
+    Qd = Q * eg
+    last = gamma[..., -1:]  # [B, H, N, 1]
+    Kd = K * (last - gamma).exp()[..., None]
+    chunk_decay = last.exp()[..., None]  # [B, H, N, 1, 1]
+
+    S = _initial_states(state_pool, slot_ids, has_initial_state)
+    O = torch.empty_like(V)
+    for n in range(n_chunks):
+        vn = U[:, :, n] - W[:, :, n] @ S
+        O[:, :, n] = Qd[:, :, n] @ S + intra[:, :, n] @ vn
+        S = S * chunk_decay[:, :, n] + Kd[:, :, n].transpose(-1, -2) @ vn
+
+    state_pool.index_copy_(0, slot_ids, S.to(state_pool.dtype))
+    out = O.reshape(B, hv, L, dv).transpose(1, 2)  # [B, L, H, dv]
+    return unpad_packed(out, cu_seqlens).to(v.dtype)
+
+
+def gdn_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    intermediate_states: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Token-by-token gated delta rule for decode rows of 1..n tokens each.
+
+    intermediate_states, when given, is [B, n_max, Hv, dk, dv] float32 and receives the state
+    after every token of each row (entries past a row's length are left as they were), so a
+    rejected speculative suffix can roll back to the state after the last accepted token.
+    Returns o [T, Hv, dv]; writes the final state of each row into state_pool[slot_ids].
+    """
+    check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids)
+    T, hv, dv = v.shape
+    dk = q.shape[-1]
+    scale = dk**-0.5 if scale is None else scale
+    B = cu_seqlens.numel() - 1
+    S = _initial_states(state_pool, slot_ids, has_initial_state)
+    qf = expand_heads(q, hv).float() * scale
+    kf = expand_heads(k, hv).float()
+    vf, gf, bf = v.float(), g.float(), beta.float()
+
+    if T == B:  # every row has exactly one token: one vectorised step
+        S = S * gf.exp()[:, :, None, None]
+        delta = (vf - torch.einsum("bhkv,bhk->bhv", S, kf)) * bf[..., None]
+        S = S + kf[..., None] * delta[:, :, None, :]
+        out = torch.einsum("bhkv,bhk->bhv", S, qf)
+        if intermediate_states is not None:
+            intermediate_states[:, 0] = S
+        state_pool.index_copy_(0, slot_ids, S.to(state_pool.dtype))
+        return out.to(v.dtype)
+
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    n_max = int(lens.max())
+    Qp, Kp, Vp = (pad_packed(x, cu_seqlens, n_max) for x in (qf, kf, vf))
+    Gp, Bp = pad_packed(gf, cu_seqlens, n_max), pad_packed(bf, cu_seqlens, n_max)
+    Op = torch.empty_like(Vp)
+    for t in range(n_max):  # padded steps have g = 0, beta = 0, k = 0: state unchanged
+        S = S * Gp[:, t].exp()[:, :, None, None]
+        delta = (Vp[:, t] - torch.einsum("bhkv,bhk->bhv", S, Kp[:, t])) * Bp[:, t][..., None]
+        S = S + Kp[:, t][..., None] * delta[:, :, None, :]
+        Op[:, t] = torch.einsum("bhkv,bhk->bhv", S, Qp[:, t])
+        if intermediate_states is not None:
+            live = (t < lens)[:, None, None, None]
+            intermediate_states[:, t] = torch.where(live, S, intermediate_states[:, t])
+    state_pool.index_copy_(0, slot_ids, S.to(state_pool.dtype))
+    return unpad_packed(Op, cu_seqlens).to(v.dtype)
