@@ -19,12 +19,17 @@ import torch.nn.functional as F
 
 from kernels.checks import check_paged_inputs
 from kernels.gdn import pad_packed, unpad_packed
+from kernels.triton import force_triton as _force_triton
 
 __all__ = ["store_kv", "paged_attention", "gather_kv"]
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_pool: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write k, v [T, KVH, hd] at flat token slots (block_id * block_size + offset)."""
+    if k.is_cuda or _force_triton():
+        from kernels.triton.paged_attention import store_kv_triton
+
+        return store_kv_triton(k, v, kv_pool, slot_mapping)
     if k.shape != v.shape or k.dim() != 3 or tuple(k.shape[1:]) != (kv_pool.shape[2], kv_pool.shape[4]):
         raise ValueError(
             f"k, v must be [T, KVH={kv_pool.shape[2]}, hd={kv_pool.shape[4]}] "
@@ -56,6 +61,10 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of the new tokens over their sequence's pages. Returns [T, H, hd]."""
+    if q.is_cuda or _force_triton():
+        from kernels.triton.paged_attention import paged_attention_triton
+
+        return paged_attention_triton(q, kv_pool, cu_seqlens_q, seq_lens, block_tables, scale)
     check_paged_inputs(q, kv_pool, cu_seqlens_q, seq_lens, block_tables)
     B = seq_lens.numel()
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from kernels.checks import check_conv_inputs
 from kernels.gdn import pad_packed, unpad_packed
+from kernels.triton import force_triton as _force_triton
 
 __all__ = ["causal_conv1d", "causal_conv1d_update"]
 
@@ -36,6 +37,10 @@ def causal_conv1d(
     intermediate_states, when given, is [B, n_max, D, Kc-1] and receives the conv state after
     every token of each row (for speculative rollback). Returns y [T, D] in x's dtype.
     """
+    if x.is_cuda or _force_triton():
+        from kernels.triton.conv import causal_conv1d_triton
+
+        return causal_conv1d_triton(x, weight, cu_seqlens, conv_pool, slot_ids, has_initial_state, activation, intermediate_states)
     check_conv_inputs(x, weight, cu_seqlens, conv_pool, slot_ids)
     D, kc = weight.shape
     B = cu_seqlens.numel() - 1
@@ -71,6 +76,10 @@ def causal_conv1d_update(
     intermediate_states: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per row (plain decode): x [B, D] -> y [B, D]; slots shift left by one."""
+    if x.is_cuda or _force_triton():
+        from kernels.triton.conv import causal_conv1d_update_triton
+
+        return causal_conv1d_update_triton(x, weight, conv_pool, slot_ids, activation, intermediate_states)
     B = x.shape[0]
     cu = torch.arange(B + 1, device=x.device)
     check_conv_inputs(x, weight, cu, conv_pool, slot_ids)

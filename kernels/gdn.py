@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from kernels.checks import check_gdn_inputs
+from kernels.triton import force_triton as _force_triton
 
 __all__ = ["l2norm", "gdn_chunk_prefill", "gdn_recurrent", "expand_heads", "pad_packed", "unpad_packed"]
 
@@ -84,6 +85,10 @@ def gdn_chunk_prefill(
     Returns o [T, Hv, dv] in v's dtype; writes each sequence's final state into
     state_pool[slot_ids]. Sequences with has_initial_state False start from zero.
     """
+    if q.is_cuda or _force_triton():
+        from kernels.triton.gdn_chunk import gdn_chunk_prefill_triton
+
+        return gdn_chunk_prefill_triton(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, has_initial_state, scale, chunk_size)
     check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids)
     T, hv, dv = v.shape
     dk = q.shape[-1]
@@ -157,6 +162,12 @@ def gdn_recurrent(
     rejected speculative suffix can roll back to the state after the last accepted token.
     Returns o [T, Hv, dv]; writes the final state of each row into state_pool[slot_ids].
     """
+    if q.is_cuda or _force_triton():
+        from kernels.triton.gdn_recurrent import gdn_recurrent_triton
+
+        return gdn_recurrent_triton(
+            q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, has_initial_state, scale, intermediate_states
+        )
     check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids)
     T, hv, dv = v.shape
     dk = q.shape[-1]

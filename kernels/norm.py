@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.triton import force_triton as _force_triton
+
 __all__ = ["rms_norm", "gated_rms_norm"]
 
 
@@ -20,6 +22,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.is_cuda or _force_triton():
+        from kernels.triton.norm import gated_rms_norm_triton
+
+        return gated_rms_norm_triton(x, z, weight, eps)
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     y = weight * y

@@ -1,0 +1,175 @@
+"""Chunked gated delta rule over packed variable-length sequences (prefill), Triton.
+
+Same contract as kernels.gdn.gdn_chunk_prefill (shapes there and in DESIGN.md section 3):
+    q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv], cu_seqlens [B+1],
+    state_pool [S, Hv, dk, dv] float32, slot_ids [B], has_initial_state [B] bool or None
+Returns o [T, Hv, dv] in v's dtype and writes each row's final state to state_pool[slot_ids].
+
+Design (correctness first): one program per (sequence, value head, block of dv columns) walks
+its sequence chunk by chunk with the state block S [dk, BV] held in registers, so there is no
+separate inter-chunk pass and no host loop over chunks. Inside a chunk of C tokens:
+    gamma = cumsum(g);  Gamma_ij = exp(gamma_i - gamma_j) (i >= j)
+    A = strict_lower(diag(beta) K K^T * Gamma);  X = (I + A)^-1
+    U = X diag(beta) V;  W = X diag(beta e^gamma) K;  V' = U - W S
+    O = diag(e^gamma) Q S + ((Q K^T) * Gamma) V';  S <- e^{gamma_C} S + (diag(e^{gamma_C - gamma}) K)^T V'
+X comes from block forward substitution: the 16x16 diagonal blocks are inverted row by row
+(all blocks at once, one masked matmul per row), then block rows are merged in order,
+X_i = D_i^-1 (I_i - sum_{k<i} A_ik X_k). Every step is an exact substitution (no Neumann
+series), so it is as stable as the triangular solve in the PyTorch path.
+The W / X work is recomputed by each dv block; all matmuls run in float32 ("ieee"), which
+keeps the 1e-4 agreement with the reference and gives up tensor-core speed for bf16 inputs.
+Padding rows of the last chunk load k = v = g = beta = 0: they neither decay nor write S.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import check_gdn_inputs
+from kernels.triton._common import (
+    check_flags,
+    check_index,
+    check_last_contiguous,
+    check_out,
+    check_same_device,
+    pow2,
+    row_lengths,
+)
+
+__all__ = ["gdn_chunk_prefill_triton"]
+
+_SUB = 16  # diagonal block of the triangular inverse
+
+
+@triton.jit
+def _gdn_chunk_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
+    cu_ptr, slot_ptr, init_ptr, pool_ptr,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
+    s_ps, s_ph, s_pk, s_pv,
+    scale,
+    GROUP: tl.constexpr,  # Hv // Hk
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    C: tl.constexpr, SUB: tl.constexpr, HAS_INIT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // GROUP
+    start = tl.load(cu_ptr + b).to(tl.int64)
+    end = tl.load(cu_ptr + b + 1).to(tl.int64)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+
+    rk = tl.arange(0, BK)
+    rv = tl.program_id(2) * BV + tl.arange(0, BV)
+    mk = rk < DK
+    mv = rv < DV
+    rc = tl.arange(0, C)
+
+    s_ptrs = pool_ptr + slot * s_ps + h * s_ph + rk[:, None] * s_pk + rv[None, :] * s_pv
+    s_mask = mk[:, None] & mv[None, :]
+    S = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    if HAS_INIT:
+        # where(), not a multiply: a never-written slot may hold NaN.
+        S = tl.where(tl.load(init_ptr + b) != 0, S, 0.0)
+
+    causal = rc[:, None] >= rc[None, :]
+    strict = rc[:, None] > rc[None, :]
+    eye = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
+    sub_r = rc // SUB
+    same_sub = sub_r[:, None] == sub_r[None, :]
+    in_sub = rc % SUB
+
+    for c0 in range(start, end, C):
+        rows = c0 + rc
+        mr = rows < end
+        K = tl.load(k_ptr + rows[:, None] * s_kt + hk * s_kh + rk[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
+        Q = tl.load(q_ptr + rows[:, None] * s_qt + hk * s_qh + rk[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
+        V = tl.load(v_ptr + rows[:, None] * s_vt + h * s_vh + rv[None, :], mask=mr[:, None] & mv[None, :], other=0.0)
+        gv = tl.load(g_ptr + rows * s_gt + h * s_gh, mask=mr, other=0.0).to(tl.float32)
+        be = tl.load(beta_ptr + rows * s_bt + h * s_bh, mask=mr, other=0.0).to(tl.float32)
+        K = K.to(tl.float32)
+        Q = Q.to(tl.float32) * scale
+        V = V.to(tl.float32)
+
+        gam = tl.cumsum(gv, 0)
+        Gam = tl.exp(tl.where(causal, gam[:, None] - gam[None, :], float("-inf")))
+        A = tl.dot(K * be[:, None], tl.trans(K), input_precision="ieee")
+        A = tl.where(strict, A * Gam, 0.0)
+
+        # X = (I + A)^-1: diagonal blocks row by row, then block rows in order.
+        A_diag = tl.where(same_sub, A, 0.0)
+        X = eye
+        for i in range(1, SUB):
+            X = tl.where(in_sub[:, None] == i, eye - tl.dot(A_diag, X, input_precision="ieee"), X)
+        X_diag = X
+        for blk in range(1, C // SUB):
+            row_in = sub_r[:, None] == blk
+            R = tl.dot(tl.where(row_in & (sub_r[None, :] < blk), A, 0.0), X, input_precision="ieee")
+            X = tl.where(row_in, X - tl.dot(X_diag, R, input_precision="ieee"), X)
+
+        eg = tl.exp(gam)
+        U = tl.dot(X, V * be[:, None], input_precision="ieee")
+        W = tl.dot(X, K * (be * eg)[:, None], input_precision="ieee")
+        Vn = U - tl.dot(W, S, input_precision="ieee")
+        P = tl.where(causal, tl.dot(Q, tl.trans(K), input_precision="ieee") * Gam, 0.0)
+        O = tl.dot(Q * eg[:, None], S, input_precision="ieee") + tl.dot(P, Vn, input_precision="ieee")
+        tl.store(
+            o_ptr + rows[:, None] * s_ot + h * s_oh + rv[None, :],
+            O.to(o_ptr.dtype.element_ty),
+            mask=mr[:, None] & mv[None, :],
+        )
+
+        g_last = tl.sum(gv, 0)  # = gamma at the chunk's last valid row (padding has g = 0)
+        Kd = K * tl.exp(g_last - gam)[:, None]
+        S = S * tl.exp(g_last) + tl.dot(tl.trans(Kd), Vn, input_precision="ieee")
+
+    tl.store(s_ptrs, S, mask=s_mask)
+
+
+def gdn_chunk_prefill_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton gdn_chunk_prefill (see kernels.gdn). `out` [T, Hv, dv] in v's dtype, if given,
+    receives o. chunk_size must be a power of two >= 16; slot_ids must be distinct."""
+    check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids)
+    check_index(cu_seqlens=cu_seqlens, slot_ids=slot_ids)
+    check_last_contiguous(q=q, k=k, v=v)
+    check_same_device(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, state_pool=state_pool, slot_ids=slot_ids)
+    B = cu_seqlens.numel() - 1
+    check_flags("has_initial_state", has_initial_state, B)
+    if chunk_size < _SUB or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two >= {_SUB} (got {chunk_size})")
+    row_lengths(cu_seqlens)
+    T, hv, dv = v.shape
+    hk, dk = q.shape[1:]
+    check_out(out, (T, hv, dv), v.dtype, v.device)
+    o = torch.empty_like(v, memory_format=torch.contiguous_format) if out is None else out
+    scale = dk**-0.5 if scale is None else scale
+    BK = pow2(dk)
+    BV = min(pow2(dv), 64)
+    init = has_initial_state if has_initial_state is not None else slot_ids  # unread when HAS_INIT is False
+    grid = (B, hv, triton.cdiv(dv, BV))
+    _gdn_chunk_kernel[grid](
+        q, k, v, g, beta, o,
+        cu_seqlens, slot_ids, init, state_pool,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
+        *state_pool.stride(),
+        float(scale),
+        GROUP=hv // hk, DK=dk, DV=dv, BK=BK, BV=BV, C=chunk_size, SUB=_SUB,
+        HAS_INIT=has_initial_state is not None,
+    )
+    return o

@@ -1,0 +1,144 @@
+"""Token-by-token gated delta rule for decode rows of 1..n tokens each, Triton.
+
+Same contract as kernels.gdn.gdn_recurrent:
+    q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv], cu_seqlens [B+1] (row b has
+    cu_seqlens[b+1] - cu_seqlens[b] tokens: 1 for plain decode, k+1 when verifying k draft
+    tokens; a batch may mix them), state_pool [S, Hv, dk, dv] float32, slot_ids [B],
+    intermediate_states [B, n_max, Hv, dk, dv] float32 or None
+Returns o [T, Hv, dv] in v's dtype and writes each row's final state to state_pool[slot_ids].
+With intermediate_states, entry [b, t] receives the state after token t of row b (t < len_b;
+later entries are left as they were): rolling back to the first j accepted tokens is copying
+intermediate_states[b, j-1] into the slot.
+
+One program per (row, value head, block of dv columns) keeps S [dk, BV] in registers and walks
+the row's tokens; each row's length is read from cu_seqlens in the kernel, so no batch shape
+needs a separate launch or a host sync beyond the argument checks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import check_gdn_inputs
+from kernels.triton._common import (
+    check_flags,
+    check_index,
+    check_last_contiguous,
+    check_out,
+    check_same_device,
+    pow2,
+    row_lengths,
+)
+
+__all__ = ["gdn_recurrent_triton"]
+
+
+@triton.jit
+def _gdn_recurrent_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
+    cu_ptr, slot_ptr, init_ptr, pool_ptr, inter_ptr,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
+    s_ps, s_ph, s_pk, s_pv,
+    s_ib, s_it, s_ih, s_ik, s_iv,
+    scale,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_INIT: tl.constexpr, HAS_INTER: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // GROUP
+    start = tl.load(cu_ptr + b).to(tl.int64)
+    end = tl.load(cu_ptr + b + 1).to(tl.int64)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+
+    rk = tl.arange(0, BK)
+    rv = tl.program_id(2) * BV + tl.arange(0, BV)
+    mk = rk < DK
+    mv = rv < DV
+    s_mask = mk[:, None] & mv[None, :]
+    s_ptrs = pool_ptr + slot * s_ps + h * s_ph + rk[:, None] * s_pk + rv[None, :] * s_pv
+    S = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    if HAS_INIT:
+        S = tl.where(tl.load(init_ptr + b) != 0, S, 0.0)  # a never-written slot may hold NaN
+    i_ptrs = inter_ptr + b.to(tl.int64) * s_ib + h * s_ih + rk[:, None] * s_ik + rv[None, :] * s_iv
+
+    for t in range(start, end):
+        kt = tl.load(k_ptr + t * s_kt + hk * s_kh + rk, mask=mk, other=0.0).to(tl.float32)
+        qt = tl.load(q_ptr + t * s_qt + hk * s_qh + rk, mask=mk, other=0.0).to(tl.float32) * scale
+        vt = tl.load(v_ptr + t * s_vt + h * s_vh + rv, mask=mv, other=0.0).to(tl.float32)
+        gt = tl.load(g_ptr + t * s_gt + h * s_gh).to(tl.float32)
+        bt = tl.load(beta_ptr + t * s_bt + h * s_bh).to(tl.float32)
+        S = S * tl.exp(gt)
+        delta = (vt - tl.sum(S * kt[:, None], 0)) * bt
+        S = S + kt[:, None] * delta[None, :]
+        ot = tl.sum(S * qt[:, None], 0)
+        tl.store(o_ptr + t * s_ot + h * s_oh + rv, ot.to(o_ptr.dtype.element_ty), mask=mv)
+        if HAS_INTER:
+            tl.store(i_ptrs + (t - start) * s_it, S, mask=s_mask)
+
+    tl.store(s_ptrs, S, mask=s_mask)
+
+
+def gdn_recurrent_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    intermediate_states: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton gdn_recurrent (see kernels.gdn). `out` [T, Hv, dv] in v's dtype, if given,
+    receives o. slot_ids must be distinct."""
+    check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids)
+    check_index(cu_seqlens=cu_seqlens, slot_ids=slot_ids)
+    check_last_contiguous(q=q, k=k, v=v)
+    check_same_device(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, state_pool=state_pool, slot_ids=slot_ids)
+    B = cu_seqlens.numel() - 1
+    check_flags("has_initial_state", has_initial_state, B)
+    lens = row_lengths(cu_seqlens)
+    T, hv, dv = v.shape
+    hk, dk = q.shape[1:]
+    inter = intermediate_states
+    if inter is not None:
+        n_max = max(lens)
+        if (
+            inter.dim() != 5
+            or inter.shape[0] != B
+            or inter.shape[1] < n_max
+            or tuple(inter.shape[2:]) != (hv, dk, dv)
+            or inter.dtype != torch.float32
+            or inter.device != v.device
+        ):
+            raise ValueError(
+                f"intermediate_states must be float32 [B={B}, n>={n_max}, Hv={hv}, dk={dk}, dv={dv}] "
+                f"(got {tuple(inter.shape)}:{str(inter.dtype).removeprefix('torch.')})"
+            )
+    check_out(out, (T, hv, dv), v.dtype, v.device)
+    o = torch.empty_like(v, memory_format=torch.contiguous_format) if out is None else out
+    scale = dk**-0.5 if scale is None else scale
+    BK = pow2(dk)
+    BV = min(pow2(dv), 32)
+    init = has_initial_state if has_initial_state is not None else slot_ids
+    inter_arg = inter if inter is not None else state_pool
+    inter_strides = inter.stride() if inter is not None else (0, 0, 0, 0, 0)
+    grid = (B, hv, triton.cdiv(dv, BV))
+    _gdn_recurrent_kernel[grid](
+        q, k, v, g, beta, o,
+        cu_seqlens, slot_ids, init, state_pool, inter_arg,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
+        *state_pool.stride(),
+        *inter_strides,
+        float(scale),
+        GROUP=hv // hk, DK=dk, DV=dv, BK=BK, BV=BV,
+        HAS_INIT=has_initial_state is not None, HAS_INTER=inter is not None,
+    )
+    return o

@@ -1,0 +1,165 @@
+"""Paged attention and the KV store, Triton.
+
+Same contract as kernels.attention:
+    kv_pool      [num_blocks, 2, KVH, block_size, hd]   (0 = K, 1 = V; head-major pages)
+    k, v         [T, KVH, hd], slot_mapping [T]          store_kv: token i -> flat slot
+    q            [T, H, hd] packed new tokens, cu_seqlens_q [B+1]
+    seq_lens     [B] tokens in context (new ones included), block_tables [B, max_blocks]
+The new tokens of row b sit at positions seq_lens[b] - q_len_b ... seq_lens[b] - 1, so one
+launch serves decode, speculative verification (k+1 tokens) and chunked prefill over earlier
+pages, mixed in one batch. Query head h reads KV head h // (H / KVH).
+
+paged_attention: one program per (row, query head, tile of BM new tokens) streams the row's
+pages one at a time (a page is one [block_size, hd] tile per head, contiguous in the head-major
+layout) with an online softmax, stopping at the last page its tile can see. Everything is
+computed in float32 ("ieee" matmuls, also for bf16 inputs: correctness first; the interpreter
+cannot run bf16 matmuls, so a bf16 tensor-core variant could not be checked here). A decode row
+uses 1 of the BM query rows; packing a GQA group's heads into the tile is the next step.
+store_kv: one program per token copies its [KVH, hd] K and V into the page.
+slot_mapping entries must be valid slots (no negative padding entries), as in the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import check_paged_inputs
+from kernels.triton._common import check_index, check_last_contiguous, check_out, check_same_device, pow2, row_lengths
+
+__all__ = ["store_kv_triton", "paged_attention_triton"]
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, pool_ptr, slot_ptr,
+    s_kt, s_kh, s_vt, s_vh, s_pb, s_pkv, s_ph, s_pt,
+    KVH: tl.constexpr, HD: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    rh = tl.arange(0, BH)
+    rd = tl.arange(0, BD)
+    m = (rh < KVH)[:, None] & (rd < HD)[None, :]
+    dst = pool_ptr + blk * s_pb + rh[:, None] * s_ph + off * s_pt + rd[None, :]
+    kt = tl.load(k_ptr + t * s_kt + rh[:, None] * s_kh + rd[None, :], mask=m)
+    vt = tl.load(v_ptr + t * s_vt + rh[:, None] * s_vh + rd[None, :], mask=m)
+    tl.store(dst, kt.to(pool_ptr.dtype.element_ty), mask=m)
+    tl.store(dst + s_pkv, vt.to(pool_ptr.dtype.element_ty), mask=m)
+
+
+def store_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_pool: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Triton store_kv (see kernels.attention): k, v [T, KVH, hd] at flat token slots."""
+    if k.shape != v.shape or k.dim() != 3 or kv_pool.dim() != 5 or tuple(k.shape[1:]) != (kv_pool.shape[2], kv_pool.shape[4]):
+        raise ValueError(
+            f"k, v must be [T, KVH, hd] matching kv_pool [num_blocks, 2, KVH, block_size, hd] "
+            f"(got k={tuple(k.shape)}, v={tuple(v.shape)}, kv_pool={tuple(kv_pool.shape)})"
+        )
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"slot_mapping must be [T={k.shape[0]}] (got {tuple(slot_mapping.shape)})")
+    check_index(slot_mapping=slot_mapping)
+    check_last_contiguous(k=k, v=v, kv_pool=kv_pool)
+    check_same_device(k=k, v=v, kv_pool=kv_pool, slot_mapping=slot_mapping)
+    T, kvh, hd = k.shape
+    if T == 0:
+        return
+    _store_kv_kernel[(T,)](
+        k, v, kv_pool, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
+        KVH=kvh, HD=hd, BH=triton.next_power_of_2(kvh), BD=triton.next_power_of_2(hd), BLOCK_SIZE=kv_pool.shape[3],
+    )
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, o_ptr, pool_ptr, cu_ptr, seq_lens_ptr, bt_ptr,
+    s_qt, s_qh, s_ot, s_oh, s_pb, s_pkv, s_ph, s_pt, s_btb,
+    scale,
+    GROUP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BN: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    q_start = tl.load(cu_ptr + b).to(tl.int64)
+    q_len = tl.load(cu_ptr + b + 1).to(tl.int64) - q_start
+    ctx = tl.load(seq_lens_ptr + b).to(tl.int64)
+
+    rm = tl.program_id(2) * BM + tl.arange(0, BM)
+    mm = rm < q_len
+    q_pos = ctx - q_len + rm  # [BM] absolute positions of this tile's tokens
+    rd = tl.arange(0, BD)
+    md = rd < HD
+    q = tl.load(q_ptr + (q_start + rm)[:, None] * s_qt + h * s_qh + rd[None, :], mask=mm[:, None] & md[None, :], other=0.0)
+    q = q.to(tl.float32)
+
+    m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BM,), dtype=tl.float32)
+    acc = tl.zeros((BM, BD), dtype=tl.float32)
+    rn = tl.arange(0, BN)
+    mn = rn < BLOCK_SIZE
+    # One past the last position this tile attends to; a tile past the row's end reads nothing.
+    kv_end = ctx - q_len + tl.minimum((tl.program_id(2) + 1) * BM, q_len)
+    kv_end = tl.where(tl.program_id(2) * BM < q_len, kv_end, 0)
+    for j in range(0, tl.cdiv(kv_end, BLOCK_SIZE)):
+        page = tl.load(bt_ptr + b.to(tl.int64) * s_btb + j).to(tl.int64)
+        base = pool_ptr + page * s_pb + kvh * s_ph + rn[:, None] * s_pt + rd[None, :]
+        # Pages are read as the reference reads them (cast to q's dtype), then computed in float32.
+        kt = tl.load(base, mask=mn[:, None] & md[None, :], other=0.0).to(q_ptr.dtype.element_ty).to(tl.float32)
+        vt = tl.load(base + s_pkv, mask=mn[:, None] & md[None, :], other=0.0).to(q_ptr.dtype.element_ty).to(tl.float32)
+        k_pos = j * BLOCK_SIZE + rn
+        s = tl.dot(q, tl.trans(kt), input_precision="ieee") * scale
+        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & (k_pos < ctx)[None, :] & mn[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+        m_i = m_new
+
+    o = acc / l_i[:, None]
+    tl.store(o_ptr + (q_start + rm)[:, None] * s_ot + h * s_oh + rd[None, :], o.to(o_ptr.dtype.element_ty), mask=mm[:, None] & md[None, :])
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton paged_attention (see kernels.attention). Returns [T, H, hd] in q's dtype (into
+    `out` when given). Every row must have seq_lens[b] >= its number of new tokens."""
+    check_paged_inputs(q, kv_pool, cu_seqlens_q, seq_lens, block_tables)
+    check_index(cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
+    if block_tables.dtype not in (torch.int32, torch.int64) or block_tables.stride(-1) != 1:
+        raise ValueError(
+            f"block_tables must be int32/int64 with unit stride on its last axis "
+            f"(got {tuple(block_tables.shape)}:{block_tables.dtype} strides {block_tables.stride()})"
+        )
+    check_last_contiguous(q=q, kv_pool=kv_pool)
+    check_same_device(q=q, kv_pool=kv_pool, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_tables=block_tables)
+    q_lens = row_lengths(cu_seqlens_q)
+    T, H, hd = q.shape
+    check_out(out, (T, H, hd), q.dtype, q.device)
+    o = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    if T == 0:
+        return o
+    kvh, bs = kv_pool.shape[2], kv_pool.shape[3]
+    BM = 16
+    grid = (len(q_lens), H, triton.cdiv(max(q_lens), BM))
+    _paged_attention_kernel[grid](
+        q, o, kv_pool, cu_seqlens_q, seq_lens, block_tables,
+        q.stride(0), q.stride(1), o.stride(0), o.stride(1),
+        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), block_tables.stride(0),
+        float(scale),
+        GROUP=H // kvh, HD=hd, BD=pow2(hd), BM=BM, BLOCK_SIZE=bs, BN=pow2(bs),
+    )
+    return o
