@@ -1,0 +1,112 @@
+"""transfer.plan against a brute-force gather/scatter through the global layout, for every
+(a, b) in {1, 2, 4}^2, with Hv = Hk and Hv = 2 Hk, and KVH = 1, 2, 4 (replicated KV heads)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from transfer.errors import PlanError
+from transfer.plan import pair_templates, plan, sources_for
+from transfer.schema import build_schema
+from xfer_state import engine_cfg, global_state, make_pools, noise, place, snapshot, tiny_model
+
+TOKENS = 15  # 4 blocks of 4, the last one partly filled
+SRC_BLOCKS = [6, 7, 8, 2]  # partly consecutive: some ranges coalesce, some do not
+DST_BLOCKS = [1, 2, 3, 9]
+SRC_SLOT, DST_SLOT = 2, 1
+
+CASES = [
+    pytest.param(hk, hv, kvh, a, b, id=f"Hk{hk}-Hv{hv}-KVH{kvh}-tp{a}to{b}")
+    for (hk, hv) in ((4, 4), (4, 8))
+    for kvh in (1, 2, 4)
+    for a, b in itertools.product((1, 2, 4), repeat=2)
+]
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+@pytest.mark.parametrize("hk,hv,kvh,a,b", CASES)
+def test_plan_matches_global_reshard(hk, hv, kvh, a, b):
+    model = tiny_model(hk=hk, hv=hv, kvh=kvh)
+    src_cfg, dst_cfg = engine_cfg(model, a), engine_cfg(model, b, memory="128KiB")
+    state = global_state(model, TOKENS, 4, seed=a * 10 + b)
+    src_pools = [make_pools(src_cfg, r) for r in range(a)]
+    dst_pools = [make_pools(dst_cfg, r) for r in range(b)]
+    for r, p in enumerate(src_pools):
+        noise(p, seed=100 + r)
+        place(p, src_cfg, r, state, SRC_BLOCKS, SRC_SLOT)
+    expected = []
+    for r, p in enumerate(dst_pools):
+        noise(p, seed=200 + r)
+        exp = make_pools(dst_cfg, r)
+        for kind, layer, t in exp.tensors():
+            t.copy_(dict(((k, l), x) for k, l, x in p.tensors())[(kind, layer)])
+        place(exp, dst_cfg, r, state, DST_BLOCKS, DST_SLOT)
+        expected.append(snapshot(exp))
+
+    src_s = [build_schema(src_cfg, r, p) for r, p in enumerate(src_pools)]
+    dst_s = [build_schema(dst_cfg, r, p) for r, p in enumerate(dst_pools)]
+    for rd, (dp, ds) in enumerate(zip(dst_pools, dst_s)):
+        dst_regions = {(kind, layer): _bytes(t) for kind, layer, t in dp.tensors()}
+        writes = {k: np.zeros(v.shape, dtype=np.int32) for k, v in dst_regions.items()}
+        senders = 0
+        for rs, (sp, ss) in enumerate(zip(src_pools, src_s)):
+            src_regions = {(kind, layer): _bytes(t) for kind, layer, t in sp.tensors()}
+            ranges = plan(ss, ds, SRC_BLOCKS, DST_BLOCKS, SRC_SLOT, DST_SLOT)
+            senders += bool(ranges)
+            for layer, kind, so, do, n in ranges:
+                dst_regions[(kind, layer)][do:do + n] = src_regions[(kind, layer)][so:so + n]
+                writes[(kind, layer)][do:do + n] += 1
+        for key, w in writes.items():
+            assert w.max() <= 1, f"dst rank {rd} {key}: a byte is written by two sources"
+        for kind, layer, t in dp.tensors():
+            e = expected[rd][(kind, layer)]
+            same = torch.equal(t.reshape(-1).view(torch.uint8), e.reshape(-1).view(torch.uint8))
+            assert same, f"tp {a}->{b}: dst rank {rd} {kind} layer {layer} differs from the re-sharded global state"
+        assert sources_for(src_s, ds) == [r for r in range(a) if pair_templates(src_s[r], ds)]
+        assert senders == len(sources_for(src_s, ds))
+
+
+def test_plan_coalesces_consecutive_blocks():
+    model = tiny_model(hk=4, hv=8, kvh=2)
+    cfg = engine_cfg(model, 1)
+    s = build_schema(cfg, 0, make_pools(cfg, 0))
+    d = build_schema(cfg, 0, make_pools(cfg, 0))
+    ranges = plan(s, d, [3, 4, 5, 6], [10, 11, 12, 13], 0, 1)
+    # TP 1 -> 1: one range per KV layer (4 whole pages), one per conv and per recurrent slot
+    assert len(ranges) == len(model.attention_layers) + 2 * len(model.gdn_layers)
+    kv = [r for r in ranges if r.kind == "paged_kv"]
+    page = s.tensor(1, "paged_kv").page_stride
+    assert all(r.length == 4 * page and r.src_off == 3 * page and r.dst_off == 10 * page for r in kv)
+
+
+def test_plan_conv_is_segment_aware():
+    """TP 1 -> 2: rank 1's conv state is [q_1 | k_1 | v_1], three ranges, not one contiguous half."""
+    model = tiny_model(hk=4, hv=8, kvh=2)
+    s = build_schema(engine_cfg(model, 1), 0, make_pools(engine_cfg(model, 1), 0))
+    d = build_schema(engine_cfg(model, 2), 1, make_pools(engine_cfg(model, 2), 1))
+    conv = [r for r in plan(s, d, [0], [0], 0, 0) if r.kind == "gdn_conv" and r.layer == 0]
+    row = 3 * 2  # Kc - 1 columns of bf16
+    kd, vd = 4 * 4, 8 * 8
+    assert [(r.src_off // row, r.dst_off // row, r.length // row) for r in conv] == [
+        (kd // 2, 0, kd // 2), (kd + kd // 2, kd // 2, kd // 2), (2 * kd + vd // 2, kd, vd // 2)]
+
+
+def test_plan_refuses_bad_ids():
+    model = tiny_model()
+    cfg = engine_cfg(model, 1)
+    s = build_schema(cfg, 0, make_pools(cfg, 0))
+    with pytest.raises(PlanError, match="outside"):
+        plan(s, s, [0, 10_000], [0, 1], 0, 0)
+    with pytest.raises(PlanError, match="duplicate"):
+        plan(s, s, [1, 1], [0, 1], 0, 0)
+    with pytest.raises(PlanError, match="state slot"):
+        plan(s, s, [0], [0], 0, 99)
+    with pytest.raises(PlanError, match="source blocks"):
+        plan(s, s, [0, 1], [0], 0, 0)

@@ -1,0 +1,101 @@
+"""transfer.schema round trip and transfer.handshake: one refusal test per field."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from transfer.errors import HandshakeError
+from transfer.handshake import check_peer, check_schema
+from transfer.schema import SCHEMA_VERSION, PeerInfo, build_schema, decode_peer, decode_schema, encode
+from xfer_state import engine_cfg, make_pools, tiny_model
+
+
+def schema(tp=1, rank=0, **model_over):
+    cfg = engine_cfg(tiny_model(**model_over), tp)
+    return build_schema(cfg, rank, make_pools(cfg, rank))
+
+
+def peer(s, role="receiver", backend="nixl") -> PeerInfo:
+    return PeerInfo(SCHEMA_VERSION, backend, f"{role}-x", "x", "n0", role, s, b"blob")
+
+
+def test_schema_round_trip():
+    s = schema(tp=2, rank=1, kvh=1)
+    assert decode_schema(encode(s)) == s
+    p = peer(s)
+    assert decode_peer(encode(p)) == p
+
+
+def test_schema_describes_pools():
+    cfg = engine_cfg(tiny_model(kvh=1), 2)
+    pools = make_pools(cfg, 1)
+    s = build_schema(cfg, 1, pools)
+    kv = s.tensor(1, "paged_kv")
+    assert kv.local_shape == tuple(pools.kv[1].shape) and kv.base_addr == pools.kv[1].data_ptr()
+    assert kv.heads == (0,) and kv.replication == 2 and kv.replica == 1
+    assert kv.page_stride == pools.specs[1].page_size_bytes
+    conv = s.tensor(0, "gdn_conv")
+    assert [g.name for g in conv.segments] == ["q", "k", "v"] and conv.axes == ("slot", "channel", "time")
+    rec = s.tensor(0, "gdn_recurrent")
+    assert rec.dtype == "float32" and rec.axes == ("slot", "head", "dk", "dv") and rec.heads == (4, 5, 6, 7)
+
+
+def test_decode_is_typed():
+    with pytest.raises(msgspec.ValidationError):
+        decode_schema(msgspec.msgpack.encode({"version": 1, "digest": "nope"}))
+
+
+def test_compatible_across_tp():
+    check_schema(schema(tp=1), schema(tp=2, rank=1))
+    check_peer(peer(schema(tp=2), "sender"), peer(schema(tp=1)))
+
+
+def _with_tensor(s, kind, **changes):
+    tensors = tuple(msgspec.structs.replace(t, **changes) if t.kind == kind else t for t in s.tensors)
+    return msgspec.structs.replace(s, tensors=tensors)
+
+
+@pytest.mark.parametrize(
+    "field,remote",
+    [
+        ("dtype", lambda: schema(dtype=torch.float32)),
+        ("num_layers", lambda: schema(layer_types=("linear_attention", "full_attention"))),
+        ("layer_types", lambda: schema(layer_types=("full_attention", "linear_attention") * 2)),
+        ("linear_num_key_heads", lambda: schema(hk=2)),
+        ("linear_num_value_heads", lambda: schema(hv=4)),
+        ("linear_key_head_dim", lambda: schema(linear_key_head_dim=8)),
+        ("linear_value_head_dim", lambda: schema(linear_value_head_dim=4)),
+        ("linear_conv_kernel_dim", lambda: schema(linear_conv_kernel_dim=3)),
+        ("num_kv_heads", lambda: schema(kvh=4)),
+        ("head_dim", lambda: schema(head_dim=16)),
+        ("num_speculative_slots", lambda: msgspec.structs.replace(
+            schema(), digest=msgspec.structs.replace(schema().digest, num_speculative_slots=2))),
+        ("schema_version", lambda: msgspec.structs.replace(schema(), version=SCHEMA_VERSION + 1)),
+        ("block_size", lambda: build_schema(c := engine_cfg(tiny_model(), 1, block_size=8), 0, make_pools(c, 0))),
+        ("conv layout", lambda: _with_tensor(schema(), "gdn_conv", axes=("slot", "time", "channel"))),
+        ("recurrent axis order", lambda: _with_tensor(schema(), "gdn_recurrent", axes=("slot", "head", "dv", "dk"))),
+        ("dtype of gdn_recurrent", lambda: _with_tensor(schema(), "gdn_recurrent", dtype="bfloat16")),
+    ],
+)
+def test_handshake_refuses(field, remote):
+    local, other = schema(), remote()
+    with pytest.raises(HandshakeError) as e:
+        check_schema(local, other)
+    assert e.value.field.startswith(field), str(e.value)
+    msg = str(e.value)
+    assert field in msg and repr(e.value.local) in msg and repr(e.value.remote) in msg
+
+
+def test_handshake_refuses_version_before_decoding():
+    data = encode(msgspec.structs.replace(peer(schema()), version=SCHEMA_VERSION + 7))
+    with pytest.raises(HandshakeError, match="schema_version"):
+        decode_peer(data)
+
+
+def test_handshake_refuses_backend_and_role():
+    with pytest.raises(HandshakeError, match="backend"):
+        check_peer(peer(schema(), "sender"), peer(schema(), backend="ucxx"))
+    with pytest.raises(HandshakeError, match="role"):
+        check_peer(peer(schema()), peer(schema()))

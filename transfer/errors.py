@@ -1,0 +1,20 @@
+"""Errors of the transfer layer; each names what was refused and why."""
+
+from __future__ import annotations
+
+
+class TransferError(RuntimeError):
+    """A transfer could not be set up or did not complete."""
+
+
+class HandshakeError(TransferError):
+    """Two endpoints cannot exchange state: `field` differs and no plan can bridge it."""
+
+    def __init__(self, field: str, local: object, remote: object, detail: str = ""):
+        self.field, self.local, self.remote = field, local, remote
+        extra = f"; {detail}" if detail else ""
+        super().__init__(f"transfer handshake refused: {field} differs (local {local!r}, remote {remote!r}){extra}")
+
+
+class PlanError(TransferError):
+    """The request's block ids or slots do not fit the schemas."""

@@ -1,0 +1,207 @@
+"""Transfer plans: which bytes of a source rank's pools go to which bytes of a destination
+rank's pools, for one request, re-sharding TP a -> b without a staging copy (DESIGN.md section 4).
+
+Two steps, both pure:
+- `pair_templates(src, dst)`: once per (source rank, destination rank) pair, the pieces of one
+  page (KV block or state slot) that the source writes into the destination, per layer and kind.
+  Conv channels are split segment by segment ([q | k | v], each re-sharded on its own), the
+  recurrent state by head rows, KV pages by head (one source replica per head when a > KVH;
+  every destination replica gets a copy when b > KVH).
+- `expand(...)` / `plan(...)`: the request's block ids and slots turn templates into absolute
+  byte ranges inside each region (pool tensor), in a canonical order (regions in layer order,
+  then template, then source block id), and adjacent ranges are coalesced.
+
+The NIXL backend prepares descriptor lists from the same templates in the same order, so the
+descriptors NIXL merges are exactly the ranges `plan` returns.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from transfer.errors import PlanError
+from transfer.schema import KINDS, RankSchema, TensorDesc
+
+
+class Template(NamedTuple):
+    """A contiguous piece of one page: offsets from the page start, in bytes."""
+
+    src_off: int
+    dst_off: int
+    length: int
+
+
+class RegionPair(NamedTuple):
+    """The templates of one layer and kind for one (source rank, destination rank) pair."""
+
+    layer: int
+    kind: str
+    src: TensorDesc
+    dst: TensorDesc
+    templates: tuple[Template, ...]
+
+    @property
+    def paged(self) -> bool:
+        return self.kind == "paged_kv"
+
+
+class Range(NamedTuple):
+    """Bytes [src_off, src_off + length) of the source region go to [dst_off, ...) of the destination's."""
+
+    layer: int
+    kind: str
+    src_off: int
+    dst_off: int
+    length: int
+
+
+def _coalesce_templates(pieces: list[Template]) -> tuple[Template, ...]:
+    out: list[Template] = []
+    for p in sorted(pieces):
+        if out and out[-1].src_off + out[-1].length == p.src_off and out[-1].dst_off + out[-1].length == p.dst_off:
+            out[-1] = Template(out[-1].src_off, out[-1].dst_off, out[-1].length + p.length)
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def _kv_templates(s: TensorDesc, d: TensorDesc) -> list[Template]:
+    """Per (K|V, head): a head's slice of a page is one contiguous run (head-major pages)."""
+    _, _, kvh_s, bs, hd = s.local_shape
+    kvh_d = d.local_shape[2]
+    piece = bs * hd * s.itemsize
+    out = []
+    for kv in (0, 1):
+        for j, h in enumerate(d.heads):
+            if h not in s.heads or s.replica != d.tp_rank % s.replication:
+                continue  # not held here, or another source replica of this head serves d
+            i = s.heads.index(h)
+            out.append(Template((kv * kvh_s + i) * piece, (kv * kvh_d + j) * piece, piece))
+    return out
+
+
+def _conv_templates(s: TensorDesc, d: TensorDesc) -> list[Template]:
+    """Per segment: the overlap of the two ranks' channel pieces (DS layout: channels are rows)."""
+    row = s.local_shape[2] * s.itemsize  # Kc - 1 columns of one channel
+    dseg = {g.name: g for g in d.segments}
+    out = []
+    for a in s.segments:
+        b = dseg[a.name]
+        lo, hi = max(a.rank_start, b.rank_start), min(a.rank_start + a.local_width, b.rank_start + b.local_width)
+        if lo < hi:
+            out.append(Template((a.local_offset + lo - a.rank_start) * row,
+                                (b.local_offset + lo - b.rank_start) * row, (hi - lo) * row))
+    return out
+
+
+def _head_templates(s: TensorDesc, d: TensorDesc) -> list[Template]:
+    """Recurrent state: one (dk, dv) block per value head, head-major."""
+    head = int(np.prod(s.local_shape[2:])) * s.itemsize
+    pos = {h: i for i, h in enumerate(s.heads)}
+    return [Template(pos[h] * head, j * head, head) for j, h in enumerate(d.heads) if h in pos]
+
+
+_TEMPLATES = {"paged_kv": _kv_templates, "gdn_conv": _conv_templates, "gdn_recurrent": _head_templates}
+
+
+def pair_templates(src: RankSchema, dst: RankSchema) -> tuple[RegionPair, ...]:
+    """What source rank `src.tp_rank` writes into destination rank `dst.tp_rank`, per page.
+
+    Regions the pair does not share (e.g. KV heads another source replica serves) are left out,
+    so an empty result means this source sends nothing to this destination.
+    """
+    if src.digest != dst.digest or src.block_size != dst.block_size:
+        raise PlanError("schemas differ in model digest or block size; run the handshake first")
+    dst_t = {t.key: t for t in dst.tensors}
+    out = []
+    for s in src.tensors:
+        d = dst_t[s.key]
+        if s.dtype != d.dtype or s.axes != d.axes:
+            raise PlanError(f"{s.kind} layer {s.layer}: dtype/axes differ ({s.dtype} {s.axes} vs {d.dtype} {d.axes})")
+        t = _coalesce_templates(_TEMPLATES[s.kind](s, d))
+        if t:
+            out.append(RegionPair(s.layer, s.kind, s, d, t))
+    out.sort(key=lambda p: (p.layer, KINDS.index(p.kind)))
+    return tuple(out)
+
+
+def check_ids(pairs: Sequence[RegionPair], src_blocks, dst_blocks, src_slot: int, dst_slot: int) -> None:
+    """Refuse ids that are out of range, duplicated, or unpaired."""
+    if len(src_blocks) != len(dst_blocks):
+        raise PlanError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
+    for name, ids in (("source", src_blocks), ("destination", dst_blocks)):
+        if len(set(ids)) != len(ids):
+            raise PlanError(f"duplicate {name} block ids {sorted(ids)}")
+    for p in pairs:
+        if p.paged:
+            for name, ids, desc in (("source", src_blocks, p.src), ("destination", dst_blocks, p.dst)):
+                if len(ids) and (min(ids) < 0 or max(ids) >= desc.num_pages):
+                    raise PlanError(f"{name} block ids {min(ids)}..{max(ids)} outside 0..{desc.num_pages - 1}")
+        else:
+            for name, slot, desc in (("source", src_slot, p.src), ("destination", dst_slot, p.dst)):
+                if not 0 <= slot < desc.num_pages:
+                    raise PlanError(f"{name} state slot {slot} outside 0..{desc.num_pages - 1}")
+
+
+def block_order(src_blocks, dst_blocks) -> tuple[np.ndarray, np.ndarray]:
+    """Block pairs sorted by source id: consecutive ids become adjacent, hence coalescible."""
+    s = np.asarray(src_blocks, dtype=np.int64)
+    d = np.asarray(dst_blocks, dtype=np.int64)
+    order = np.argsort(s, kind="stable")
+    return s[order], d[order]
+
+
+def selected(pairs: Sequence[RegionPair], layers=None, kinds=None) -> list[RegionPair]:
+    return [p for p in pairs if (layers is None or p.layer in layers) and (kinds is None or p.kind in kinds)]
+
+
+def expand_arrays(pairs: Sequence[RegionPair], src_blocks, dst_blocks, src_slot: int, dst_slot: int):
+    """(region index, src offset, dst offset, length) arrays, coalesced; region index into `pairs`."""
+    check_ids(pairs, src_blocks, dst_blocks, src_slot, dst_slot)
+    sb, db = block_order(src_blocks, dst_blocks)
+    reg, so, do, ln = [], [], [], []
+    for i, p in enumerate(pairs):
+        for t in p.templates:
+            if p.paged:
+                s = sb * p.src.page_stride + t.src_off
+                d = db * p.dst.page_stride + t.dst_off
+            else:
+                s = np.array([src_slot * p.src.page_stride + t.src_off], dtype=np.int64)
+                d = np.array([dst_slot * p.dst.page_stride + t.dst_off], dtype=np.int64)
+            reg.append(np.full(len(s), i, dtype=np.int64))
+            so.append(s)
+            do.append(d)
+            ln.append(np.full(len(s), t.length, dtype=np.int64))
+    if not reg:
+        z = np.zeros(0, dtype=np.int64)
+        return z, z, z, z
+    reg, so, do, ln = (np.concatenate(x) for x in (reg, so, do, ln))
+    if len(reg) == 0:
+        return reg, so, do, ln
+    start = np.ones(len(reg), dtype=bool)
+    start[1:] = (reg[1:] != reg[:-1]) | (so[1:] != so[:-1] + ln[:-1]) | (do[1:] != do[:-1] + ln[:-1])
+    first = np.flatnonzero(start)
+    return reg[first], so[first], do[first], np.add.reduceat(ln, first)
+
+
+def expand(pairs: Sequence[RegionPair], src_blocks, dst_blocks, src_slot: int, dst_slot: int) -> list[Range]:
+    reg, so, do, ln = expand_arrays(pairs, src_blocks, dst_blocks, src_slot, dst_slot)
+    return [Range(pairs[r].layer, pairs[r].kind, s, d, n)
+            for r, s, d, n in zip(reg.tolist(), so.tolist(), do.tolist(), ln.tolist())]
+
+
+def plan(src: RankSchema, dst: RankSchema, src_blocks, dst_blocks, src_slot: int, dst_slot: int,
+         layers=None, kinds=None) -> list[Range]:
+    """The coalesced byte ranges source rank `src.tp_rank` writes into destination rank `dst.tp_rank`.
+
+    `src_blocks[i]` holds the same tokens as `dst_blocks[i]`; `src_slot` / `dst_slot` are the
+    request's GDN state slots. `layers` / `kinds` restrict the plan (streaming KV by layer).
+    """
+    return expand(selected(pair_templates(src, dst), layers, kinds), src_blocks, dst_blocks, src_slot, dst_slot)
+
+
+def sources_for(src_schemas: Sequence[RankSchema], dst: RankSchema) -> list[int]:
+    """Source ranks that send something to `dst`: the notifications a destination rank waits for."""
+    return [s.tp_rank for s in src_schemas if pair_templates(s, dst)]

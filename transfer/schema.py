@@ -1,0 +1,250 @@
+"""The transfer schema (DESIGN.md section 4): typed, versioned records that one rank publishes
+so that a peer can plan writes into (or out of) its cache pools without guessing.
+
+One `TensorDesc` per pool tensor (one per layer and state kind), a `ModelDigest` of every size
+the state depends on, and a `RankSchema` that bundles them with the rank's place in its
+tensor-parallel group. Everything is derived from the engine's `build_specs(cfg, rank)` and the
+`CachePools` built from them (one source of truth); nothing here re-derives a shape.
+
+Wire format: msgpack through msgspec, decoded with typed decoders (`decode_schema`,
+`decode_peer`), so a malformed or foreign record fails at decode time, not later in a plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Literal
+
+import msgspec
+import torch
+
+from engine.cache.allocator import CachePools
+from engine.cache.spec import GDNStateSpec, PagedAttentionSpec, build_specs
+from engine.config import EngineConfig, dtype_name
+from transfer.errors import HandshakeError
+
+SCHEMA_VERSION = 1
+
+Kind = Literal["paged_kv", "gdn_conv", "gdn_recurrent"]
+KINDS: tuple[str, ...] = ("paged_kv", "gdn_conv", "gdn_recurrent")
+
+
+class SegmentDesc(msgspec.Struct, frozen=True):
+    """A named range of a concatenated axis (the GDN conv channels [q | k | v])."""
+
+    name: str
+    global_offset: int  # first channel of the segment in the unsharded axis
+    width: int  # channels of the segment in the unsharded axis
+    head_size: int
+    local_offset: int  # where this rank's piece starts on its local axis
+    local_width: int  # channels of this rank's piece
+    rank_start: int  # offset, inside the segment, of this rank's first channel
+
+
+class TensorDesc(msgspec.Struct, frozen=True):
+    """One pool tensor of one rank: [pages, *page] where a page is a KV block or a state slot."""
+
+    kind: Kind
+    layer: int
+    dtype: str  # e.g. "bfloat16"; the recurrent state is always "float32"
+    global_shape: tuple[int, ...]  # one page, unsharded: (2, KVH, bs, hd) | (conv_dim, Kc-1) | (Hv, dk, dv)
+    local_shape: tuple[int, ...]  # the whole pool on this rank, leading axis = pages
+    axes: tuple[str, ...]  # labels of local_shape, e.g. ("slot", "head", "dk", "dv")
+    shard_axis: str  # "head" | "channel"
+    segments: tuple[SegmentDesc, ...]  # concatenated-axis segments (gdn_conv), else ()
+    heads: tuple[int, ...]  # global heads held (KV heads or GDN value heads); () for conv
+    replication: int  # ranks holding each of these heads (tp / KVH when tp > KVH, else 1)
+    replica: int  # this rank's index among those ranks
+    tp_size: int
+    tp_rank: int
+    block_size: int  # tokens per page for paged kinds; 0 for per-sequence state
+    tokens_per_page: int  # tokens one page covers: block_size, or 0 = the whole prefix (state)
+    page_stride: int  # bytes from one page (block or slot) to the next
+    num_pages: int
+    itemsize: int
+    mem_type: Literal["DRAM", "VRAM"]
+    device_id: int
+    base_addr: int  # address of page 0; with nbytes this is the registered region
+    nbytes: int
+    region: str  # registration handle: the region's name, unique per rank ("L3.paged_kv")
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return (self.layer, self.kind)
+
+
+class ModelDigest(msgspec.Struct, frozen=True):
+    """Every model property the transferred state depends on. Compared field by field."""
+
+    architecture: str
+    num_layers: int
+    layer_types: tuple[str, ...]
+    hidden_size: int
+    num_kv_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    dtype: str  # model dtype: KV pages and conv state
+    recurrent_dtype: str
+    num_speculative_slots: int  # extra state slots per request for speculative decoding
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
+
+
+class RankSchema(msgspec.Struct, frozen=True):
+    """What one rank publishes: version, model digest, its TP place and one TensorDesc per pool."""
+
+    version: int
+    digest: ModelDigest
+    tp_size: int
+    tp_rank: int
+    block_size: int
+    num_blocks: int
+    num_slots: int
+    tensors: tuple[TensorDesc, ...]  # layer order; kinds in KINDS order within a layer
+
+    def tensor(self, layer: int, kind: str) -> TensorDesc:
+        for t in self.tensors:
+            if t.layer == layer and t.kind == kind:
+                return t
+        raise KeyError(f"rank {self.tp_rank} schema has no {kind} tensor for layer {layer}")
+
+
+class PeerInfo(msgspec.Struct, frozen=True):
+    """Published by every transfer endpoint at handshake (out of band: router, test harness)."""
+
+    version: int
+    backend: str  # "nixl" | "ucxx"
+    agent: str  # unique name, includes the incarnation
+    incarnation: str
+    node: str  # the node (TP group) this rank belongs to
+    role: Literal["sender", "receiver"]
+    schema: RankSchema
+    transport: bytes  # backend connection blob (NIXL agent metadata, UCX worker address)
+
+
+class _VersionProbe(msgspec.Struct):
+    version: int
+
+
+def model_digest(cfg: EngineConfig, num_speculative_slots: int = 0) -> ModelDigest:
+    m = cfg.model
+    return ModelDigest(
+        architecture=m.architecture,
+        num_layers=m.num_layers,
+        layer_types=tuple(m.layer_types),
+        hidden_size=m.hidden_size,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        linear_num_key_heads=m.linear_num_key_heads,
+        linear_num_value_heads=m.linear_num_value_heads,
+        linear_key_head_dim=m.linear_key_head_dim,
+        linear_value_head_dim=m.linear_value_head_dim,
+        linear_conv_kernel_dim=m.linear_conv_kernel_dim,
+        dtype=dtype_name(m.dtype),
+        recurrent_dtype=dtype_name(GDNStateSpec.recurrent_dtype),
+        num_speculative_slots=num_speculative_slots,
+    )
+
+
+def _mem(t: torch.Tensor) -> tuple[str, int]:
+    return ("DRAM", 0) if t.device.type == "cpu" else ("VRAM", t.device.index or 0)
+
+
+def _desc(kind: str, spec, pool: torch.Tensor, global_shape, axes, shard_axis, *, segments=(), heads=(),
+          replication=1, replica=0, tp: int, rank: int, block_size: int = 0) -> TensorDesc:
+    if not pool.is_contiguous():
+        raise ValueError(f"{kind} pool of layer {spec.layer} is not contiguous; the transfer registers pools as they are")
+    mem_type, dev = _mem(pool)
+    return TensorDesc(
+        kind=kind,
+        layer=spec.layer,
+        dtype=dtype_name(pool.dtype),
+        global_shape=tuple(global_shape),
+        local_shape=tuple(pool.shape),
+        axes=axes,
+        shard_axis=shard_axis,
+        segments=tuple(segments),
+        heads=tuple(heads),
+        replication=replication,
+        replica=replica,
+        tp_size=tp,
+        tp_rank=rank,
+        block_size=block_size,
+        tokens_per_page=block_size,
+        page_stride=pool[0].numel() * pool.element_size(),
+        num_pages=pool.shape[0],
+        itemsize=pool.element_size(),
+        mem_type=mem_type,
+        device_id=dev,
+        base_addr=pool.data_ptr(),
+        nbytes=pool.numel() * pool.element_size(),
+        region=f"L{spec.layer}.{kind}",
+    )
+
+
+def build_schema(cfg: EngineConfig, rank: int, pools: CachePools, num_speculative_slots: int = 0) -> RankSchema:
+    """The schema of `rank`, from the engine's specs for that rank and the pools built from them."""
+    m = cfg.model
+    t = cfg.parallel.tensor_parallel_size
+    specs = build_specs(cfg, rank)
+    if specs != list(pools.specs.values()):
+        raise ValueError(f"pools were not built from build_specs(cfg, rank={rank}); the schema would describe other memory")
+    tensors: list[TensorDesc] = []
+    for s in specs:
+        if isinstance(s, PagedAttentionSpec):
+            rep = t // m.num_kv_heads if t > m.num_kv_heads else 1
+            tensors.append(_desc(
+                "paged_kv", s, pools.kv[s.layer],
+                (2, m.num_kv_heads, s.block_size, s.head_dim), ("block", "kv", "head", "token", "dim"), "head",
+                heads=s.kv_heads, replication=rep, replica=rank % rep, tp=t, rank=rank, block_size=s.block_size,
+            ))
+        else:
+            segs = [SegmentDesc(g.name, g.global_offset, g.global_width, g.head_size, g.local_offset,
+                                g.local_width, g.rank_start) for g in s.conv_segments]
+            conv_axes = {"DS": ("slot", "channel", "time"), "SD": ("slot", "time", "channel")}[s.conv_layout]
+            tensors.append(_desc(
+                "gdn_conv", s, pools.conv[s.layer], (m.conv_dim, s.conv_width), conv_axes, "channel",
+                segments=segs, tp=t, rank=rank,
+            ))
+            tensors.append(_desc(
+                "gdn_recurrent", s, pools.recurrent[s.layer],
+                (m.linear_num_value_heads, *s.recurrent_shape[1:]), ("slot", *s.recurrent_axes), "head",
+                heads=s.v_heads, tp=t, rank=rank,
+            ))
+    return RankSchema(
+        version=SCHEMA_VERSION,
+        digest=model_digest(cfg, num_speculative_slots),
+        tp_size=t,
+        tp_rank=rank,
+        block_size=cfg.cache.block_size,
+        num_blocks=pools.capacity.num_blocks,
+        num_slots=pools.capacity.num_state_slots,
+        tensors=tuple(tensors),
+    )
+
+
+_encoder = msgspec.msgpack.Encoder()
+_schema_decoder = msgspec.msgpack.Decoder(RankSchema)
+_peer_decoder = msgspec.msgpack.Decoder(PeerInfo)
+_probe_decoder = msgspec.msgpack.Decoder(_VersionProbe)
+
+
+def encode(obj: msgspec.Struct) -> bytes:
+    return _encoder.encode(obj)
+
+
+def decode_schema(data: bytes) -> RankSchema:
+    return _schema_decoder.decode(data)
+
+
+def decode_peer(data: bytes) -> PeerInfo:
+    """Decode a peer's PeerInfo; a different schema version is refused before the full decode."""
+    version = _probe_decoder.decode(data).version
+    if version != SCHEMA_VERSION:
+        raise HandshakeError("schema_version", SCHEMA_VERSION, version)
+    return _peer_decoder.decode(data)
