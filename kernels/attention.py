@@ -71,9 +71,15 @@ def paged_attention(
     q_max = int(q_lens.max())
     K, V = gather_kv(kv_pool, block_tables)
     n_kv = K.shape[2]
+    k_pos = torch.arange(n_kv, device=q.device)
+    if q.shape[0] == B:  # one new token per row (decode): no padding of queries
+        mask = k_pos[None, :] < seq_lens[:, None]
+        o = F.scaled_dot_product_attention(
+            q[:, :, None, :], K.to(q.dtype), V.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+        )
+        return o[:, :, 0, :]
     qp = pad_packed(q, cu_seqlens_q, q_max).transpose(1, 2)  # [B, H, q_max, hd]
     q_pos = (seq_lens - q_lens)[:, None] + torch.arange(q_max, device=q.device)[None, :]  # [B, q_max]
-    k_pos = torch.arange(n_kv, device=q.device)
     mask = k_pos[None, None, :] <= q_pos[:, :, None]  # causal; also hides pages past seq_len
     o = F.scaled_dot_product_attention(
         qp, K.to(q.dtype), V.to(q.dtype), attn_mask=mask[:, None], scale=scale, enable_gqa=True

@@ -174,20 +174,24 @@ def gdn_recurrent(
     scale = dk**-0.5 if scale is None else scale
     B = cu_seqlens.numel() - 1
     S = _initial_states(state_pool, slot_ids, has_initial_state)
-    qf = expand_heads(q, hv).float() * scale
-    kf = expand_heads(k, hv).float()
-    vf, gf, bf = v.float(), g.float(), beta.float()
 
-    if T == B:  # every row has exactly one token: one vectorised step
-        S = S * gf.exp()[:, :, None, None]
-        delta = (vf - torch.einsum("bhkv,bhk->bhv", S, kf)) * bf[..., None]
-        S = S + kf[..., None] * delta[:, :, None, :]
-        out = torch.einsum("bhkv,bhk->bhv", S, qf)
+    if T == B:  # every row has exactly one token: one vectorised step, heads grouped by key head
+        hk, r = q.shape[1], hv // q.shape[1]
+        S = S.view(B, hk, r, dk, dv) * g.float().exp().view(B, hk, r, 1, 1)
+        kk = k.float().view(B, hk, 1, 1, dk)
+        pred = (kk @ S).view(B, hk, r, dv)
+        delta = (v.float().view(B, hk, r, dv) - pred) * beta.float().view(B, hk, r, 1)
+        S = S + kk.transpose(-1, -2) * delta.view(B, hk, r, 1, dv)
+        out = ((q.float() * scale).view(B, hk, 1, 1, dk) @ S).view(B, hv, dv)
+        S = S.view(B, hv, dk, dv)
         if intermediate_states is not None:
             intermediate_states[:, 0] = S
         state_pool.index_copy_(0, slot_ids, S.to(state_pool.dtype))
         return out.to(v.dtype)
 
+    qf = expand_heads(q, hv).float() * scale
+    kf = expand_heads(k, hv).float()
+    vf, gf, bf = v.float(), g.float(), beta.float()
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     n_max = int(lens.max())
     Qp, Kp, Vp = (pad_packed(x, cu_seqlens, n_max) for x in (qf, kf, vf))

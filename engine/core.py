@@ -1,0 +1,141 @@
+"""EngineCore: validates requests, runs scheduler steps on the executor, reports outputs.
+
+Used by `LLM` (offline batches) and by the serving nodes (one request at a time, streamed).
+A bad request is refused with ValueError before it touches the scheduler, so the requests
+already in flight carry on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+from engine.cache.block_manager import BlockManager, SlotPool
+from engine.config import EngineConfig
+from engine.executor import make_executor
+from engine.outputs import RequestOutput
+from engine.request import Request, Status
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.step import RowInput, StepInput
+
+log = logging.getLogger("pdserve.engine")
+
+
+class EngineCore:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        t0 = time.perf_counter()
+        self.executor = make_executor(cfg)
+        self.capacity = self.executor.capacity
+        self.blocks = BlockManager(self.capacity.num_blocks, cfg.cache.block_size)
+        self.slots = SlotPool(self.capacity.num_state_slots)
+        self.scheduler = Scheduler(cfg.scheduler, self.blocks, self.slots, cfg.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        log.info(
+            "engine ready in %.1f s: %s, tp=%d, %s",
+            time.perf_counter() - t0,
+            cfg.model.architecture,
+            cfg.parallel.tensor_parallel_size,
+            self.capacity.summary(),
+        )
+
+    # ---- requests -------------------------------------------------------------------
+    def validate(self, prompt_token_ids, params) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams (got {type(params).__name__})")
+        if not isinstance(prompt_token_ids, (list, tuple)) or len(prompt_token_ids) == 0:
+            raise ValueError("empty prompt: give at least one token")
+        vocab = self.cfg.model.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id(s) {bad[:5]} out of range [0, {vocab}) for this model's vocabulary")
+        n, limit = len(prompt_token_ids), self.cfg.max_model_len
+        if n >= limit:
+            raise ValueError(f"prompt of {n} tokens leaves no room to generate: max_model_len is {limit}")
+        need = self.blocks.blocks_for(n + 1)
+        if need > self.capacity.num_blocks:
+            raise ValueError(
+                f"prompt of {n} tokens needs {need} KV blocks but the cache holds {self.capacity.num_blocks}; "
+                "raise kv_cache_memory"
+            )
+
+    def add_request(
+        self, prompt_token_ids, params: SamplingParams, request_id: str | None = None, want_logits: bool = False
+    ) -> str:
+        self.validate(prompt_token_ids, params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in flight")
+        req = Request(rid, list(prompt_token_ids), params, want_logits=want_logits)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req, "abort")
+        return self._output(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- steps ----------------------------------------------------------------------
+    def _step_input(self, so: SchedulerOutput) -> StepInput:
+        rows = []
+        for r in so.rows:
+            req = r.request
+            start = req.num_computed_tokens
+            rows.append(
+                RowInput(
+                    request_id=req.request_id,
+                    token_ids=req.token_ids(start, start + r.num_new_tokens),
+                    start_pos=start,
+                    slot=req.slot,
+                    block_ids=list(req.block_ids),
+                    is_decode=r.is_decode,
+                    sample=r.samples,
+                    want_logits=req.want_logits and r.samples,
+                    params=req.params if r.samples else None,
+                )
+            )
+        return StepInput(rows, so.finished_ids)
+
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        if so.rows:
+            res = self.executor.execute(self._step_input(so))
+            for rid, lg in res.logits.items():
+                self.requests[rid].logits = lg
+            touched = self.scheduler.update(so, res.sampled, self.cfg.model.eos_token_ids)
+            outputs = [self._output(r) for r in touched]
+        # requests finished without a new token this step (stopped for lack of pages)
+        for req in list(self.requests.values()):
+            if req.status is Status.FINISHED:
+                if not any(o.request_id == req.request_id for o in outputs):
+                    outputs.append(self._output(req))
+                del self.requests[req.request_id]
+        return outputs
+
+    def _output(self, req: Request) -> RequestOutput:
+        new = req.output_token_ids[req._sent :]
+        req._sent = len(req.output_token_ids)
+        done = req.status is Status.FINISHED
+        metrics = {"num_preemptions": req.num_preemptions}
+        if req.first_token_time is not None:
+            metrics["ttft_s"] = req.first_token_time - req.arrival_time
+        if done and req.finish_time is not None:
+            metrics["e2e_s"] = req.finish_time - req.arrival_time
+        return RequestOutput(
+            req.request_id, req.prompt_token_ids, list(req.output_token_ids), new, done, req.finish_reason, metrics=metrics
+        )
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None

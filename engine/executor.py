@@ -1,0 +1,136 @@
+"""Executors run a step on every tensor-parallel rank.
+
+`InProcExecutor` (t = 1): the worker lives in the caller's process.
+`MultiProcExecutor` (t > 1): one spawned process per rank, joined by torch.distributed
+(gloo on CPU, nccl on CUDA); each step is sent to every rank over a pipe and rank 0 answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+import torch
+
+from engine.cache.allocator import Capacity
+from engine.config import EngineConfig
+from engine.step import StepInput, StepOutput
+
+log = logging.getLogger("pdserve.executor")
+STARTUP_TIMEOUT_S = 300.0
+STEP_TIMEOUT_S = 600.0
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+class InProcExecutor:
+    def __init__(self, cfg: EngineConfig):
+        from engine.worker import Worker
+
+        self.worker = Worker(cfg)
+        self.capacity: Capacity = self.worker.capacity
+
+    def execute(self, step: StepInput) -> StepOutput:
+        return self.worker.execute(step)
+
+    def close(self) -> None:
+        self.worker = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(cfg: EngineConfig, rank: int, port: int, conn) -> None:
+    import torch.distributed as dist
+
+    from engine.worker import Worker
+
+    try:
+        t = cfg.parallel.tensor_parallel_size
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // t))
+        backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=t)
+
+        def all_reduce(x: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(x)
+            return x
+
+        worker = Worker(cfg, rank, all_reduce)
+        conn.send(("ready", worker.capacity))
+    except BaseException:  # report start-up failures to the parent instead of dying silently
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        try:
+            conn.send(("ok", worker.execute(msg)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class MultiProcExecutor:
+    def __init__(self, cfg: EngineConfig):
+        t = cfg.parallel.tensor_parallel_size
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.conns, self.procs = [], []
+        for rank in range(t):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_rank_main, args=(cfg, rank, port, child), daemon=True, name=f"pdserve-rank{rank}")
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+        caps = [self._recv(c, STARTUP_TIMEOUT_S, "start") for c in self.conns]
+        self.capacity: Capacity = caps[0]
+
+    def _recv(self, conn, timeout: float, what: str):
+        if not conn.poll(timeout):
+            self.close()
+            raise WorkerError(f"a tensor-parallel worker did not answer {what} within {timeout:.0f} s")
+        try:
+            kind, payload = conn.recv()
+        except EOFError:
+            self.close()
+            raise WorkerError(f"a tensor-parallel worker died during {what}; see its log above") from None
+        if kind == "error":
+            self.close()
+            raise WorkerError(f"a tensor-parallel worker failed during {what}:\n{payload}")
+        return payload
+
+    def execute(self, step: StepInput) -> StepOutput:
+        for c in self.conns:
+            c.send(step)
+        outs = [self._recv(c, STEP_TIMEOUT_S, "a step") for c in self.conns]
+        return outs[0]
+
+    def close(self) -> None:
+        for c in self.conns:
+            try:
+                c.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        self.conns, self.procs = [], []
+
+
+def make_executor(cfg: EngineConfig):
+    if cfg.parallel.tensor_parallel_size == 1:
+        return InProcExecutor(cfg)
+    return MultiProcExecutor(cfg)

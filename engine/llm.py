@@ -1,0 +1,110 @@
+"""LLM: the offline entry point. `LLM(path).generate(...)` runs a batch to completion."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.cache.allocator import Capacity
+from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from engine.core import EngineCore
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger("pdserve.llm")
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        tensor_parallel_size: int = 1,
+        dtype: str = "auto",
+        kv_cache_memory: int | str = "256MiB",
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        device: str = "cpu",
+    ):
+        mcfg = ModelConfig.from_dir(model, dtype)
+        self.config = EngineConfig(
+            model=mcfg,
+            parallel=ParallelConfig(tensor_parallel_size),
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
+            device=device,
+            seed=seed,
+        )
+        self.tokenizer = Tokenizer(model) if Tokenizer.exists(model) else None
+        self.engine = EngineCore(self.config)
+
+    def capacity(self) -> Capacity:
+        return self.engine.capacity
+
+    def _prompts(self, prompts, prompt_token_ids) -> list[list[int]]:
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompts=[str, ...] or prompt_token_ids=[[int, ...], ...]")
+        if prompt_token_ids is not None:
+            return [list(p) for p in prompt_token_ids]
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer.json: pass prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        return [self.tokenizer.encode(p) for p in prompts]
+
+    def generate(
+        self,
+        prompts: list[str] | str | None = None,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        prompt_token_ids: list[list[int]] | None = None,
+    ) -> list[RequestOutput]:
+        ids = self._prompts(prompts, prompt_token_ids)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids)
+        if len(params) != len(ids):
+            raise ValueError(f"{len(params)} sampling_params for {len(ids)} prompts")
+        for i, (p, sp) in enumerate(zip(ids, params)):  # refuse the batch before any of it runs
+            try:
+                self.engine.validate(p, sp)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        rids = [self.engine.add_request(p, sp) for p, sp in zip(ids, params)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(rids):
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        outs = [done[r] for r in rids]
+        if self.tokenizer is not None:
+            for o in outs:
+                o.text = self.tokenizer.decode(o.output_token_ids)
+        return outs
+
+    def compute_logits(self, prompt_token_ids: list[list[int]]) -> list[torch.Tensor]:
+        """Next-token logits [vocab] (float32) after each prompt, through the serving path."""
+        sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        rids = [self.engine.add_request(list(p), sp, want_logits=True) for p in prompt_token_ids]
+        reqs = {r: self.engine.requests[r] for r in rids}
+        while any(r.logits is None for r in reqs.values()):
+            self.engine.step()
+        return [reqs[r].logits for r in rids]
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,136 @@
+"""The three blocks of a Qwen3.5 decoder layer, on one tensor-parallel rank.
+
+Weights are plain tensors already sharded and fused by the loader:
+    GDN        w_in = [qkv_r | z_r | b_r | a_r], conv weight [D_r, Kc], A_log, dt_bias, norm, w_out
+    attention  w_qkv = [q_and_gate_r | k_r | v_r], q_norm, k_norm, w_o
+    MLP        w_gate_up = [gate_r | up_r], w_down
+Row-parallel outputs (GDN out_proj, o_proj, down_proj) are summed over ranks by `all_reduce`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels import (
+    causal_conv1d,
+    causal_conv1d_update,
+    gated_rms_norm,
+    gdn_chunk_prefill,
+    gdn_recurrent,
+    l2norm,
+    paged_attention,
+    rms_norm,
+    store_kv,
+)
+from engine.model.batch import ForwardBatch
+from engine.model.rotary import apply_rotary
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class GDNWeights:
+    w_in: torch.Tensor
+    conv: torch.Tensor  # [D_r, Kc]
+    A_log: torch.Tensor  # [Hv_r]
+    dt_bias: torch.Tensor  # [Hv_r]
+    norm: torch.Tensor  # [dv]
+    w_out: torch.Tensor  # [hidden, Hv_r * dv]
+
+
+@dataclass
+class AttentionWeights:
+    w_qkv: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    w_o: torch.Tensor
+
+
+@dataclass
+class MLPWeights:
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+def _per_group(batch: ForwardBatch, x, fn):
+    """Run fn(group, x[group's tokens]) for the decode and prefill groups, joining the results.
+    x is a tensor or a tuple of tensors split the same way."""
+    groups = batch.groups
+    parts = x if isinstance(x, tuple) else (x,)
+    if len(groups) == 1:
+        return fn(groups[0], *parts)
+    outs = [fn(g, *(p[g.tok_start : g.tok_end] for p in parts)) for g in groups]
+    return torch.cat(outs)
+
+
+class GatedDeltaNet:
+    def __init__(self, w: GDNWeights, hk: int, hv: int, dk: int, dv: int, eps: float, all_reduce: AllReduce):
+        self.w, self.hk, self.hv, self.dk, self.dv, self.eps = w, hk, hv, dk, dv, eps
+        self.all_reduce = all_reduce
+        self.key_dim, self.value_dim = hk * dk, hv * dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.neg_A = -w.A_log.float().exp()
+        self.dt_bias = w.dt_bias.float()
+
+    def _conv(self, conv_pool, grp, qkv):
+        if grp.decode:
+            return causal_conv1d_update(qkv, self.w.conv, conv_pool, grp.slot_ids)
+        return causal_conv1d(qkv, self.w.conv, grp.cu_seqlens, conv_pool, grp.slot_ids, grp.has_initial_state)
+
+    def _delta_rule(self, rec_pool, grp, q, k, v, g, beta):
+        if grp.decode:
+            return gdn_recurrent(q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids)
+        return gdn_chunk_prefill(q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids, grp.has_initial_state)
+
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch, conv_pool: torch.Tensor, rec_pool: torch.Tensor):
+        T = x.shape[0]
+        proj = F.linear(x, self.w.w_in)
+        qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
+
+        mixed = _per_group(batch, qkv, partial(self._conv, conv_pool))
+        qk, v = mixed.split([2 * self.key_dim, self.value_dim], dim=-1)
+        qk = l2norm(qk.reshape(T, 2 * self.hk, self.dk))
+        q, k = qk[:, : self.hk], qk[:, self.hk :]
+        v = v.reshape(T, self.hv, self.dv)
+        beta = b.float().sigmoid()
+        g = self.neg_A * F.softplus(a.float() + self.dt_bias)
+        o = _per_group(batch, (q, k, v, g, beta), partial(self._delta_rule, rec_pool))
+        o = gated_rms_norm(o, z.reshape(T, self.hv, self.dv), self.w.norm, self.eps)
+        return self.all_reduce(F.linear(o.reshape(T, -1), self.w.w_out))
+
+
+class Attention:
+    def __init__(self, w: AttentionWeights, n_heads: int, n_kv: int, hd: int, eps: float, all_reduce: AllReduce):
+        self.w, self.h, self.kvh, self.hd, self.eps = w, n_heads, n_kv, hd, eps
+        self.all_reduce = all_reduce
+        self.scale = hd**-0.5
+
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor, cos, sin):
+        T = x.shape[0]
+        qkv = F.linear(x, self.w.w_qkv)
+        qg, k, v = qkv.split([2 * self.h * self.hd, self.kvh * self.hd, self.kvh * self.hd], dim=-1)
+        qg = qg.view(T, self.h, 2 * self.hd)
+        q, gate = qg[..., : self.hd], qg[..., self.hd :].reshape(T, -1)
+        q = apply_rotary(rms_norm(q, self.w.q_norm, self.eps), cos, sin)
+        k = apply_rotary(rms_norm(k.view(T, self.kvh, self.hd), self.w.k_norm, self.eps), cos, sin)
+        store_kv(k, v.view(T, self.kvh, self.hd), kv_pool, batch.slot_mapping)
+
+        o = _per_group(
+            batch, q, lambda grp, qg: paged_attention(qg, kv_pool, grp.cu_seqlens, grp.seq_lens, grp.block_tables, self.scale)
+        )
+        o = o.reshape(T, -1) * torch.sigmoid(gate)
+        return self.all_reduce(F.linear(o, self.w.w_o))
+
+
+class MLP:
+    def __init__(self, w: MLPWeights, all_reduce: AllReduce):
+        self.w, self.all_reduce = w, all_reduce
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.w.w_gate_up).chunk(2, dim=-1)
+        return self.all_reduce(F.linear(F.silu(gate) * up, self.w.w_down))

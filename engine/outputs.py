@@ -1,0 +1,17 @@
+"""What the engine hands back per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    new_token_ids: list[int]  # tokens produced since the last output for this request
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    text: str | None = None
+    metrics: dict = field(default_factory=dict)  # ttft_s, e2e_s, num_preemptions

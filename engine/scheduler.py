@@ -1,0 +1,164 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step has a token budget. Running requests go first, in admission order: a decoding
+request takes 1 token, a request still in its prompt takes the next chunk. Then waiting
+requests join while budget, a GDN state slot and KV pages are free and the batch is under
+`max_num_seqs`. When pages run out, the most recently admitted running request is preempted:
+its pages and slot are freed and it goes back to the front of the queue, to recompute its
+prompt and output so far when it is admitted again.
+
+The step is a typed `SchedulerOutput`; rows are ordered decode first (one token each, the
+recurrent GDN path), then prefill chunks (the chunked path).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from engine.cache.block_manager import BlockManager, SlotPool
+from engine.config import SchedulerConfig
+from engine.request import Request, Status
+
+log = logging.getLogger("pdserve.scheduler")
+
+
+@dataclass
+class ScheduledRow:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.request.num_computed_tokens > 0
+
+    @property
+    def samples(self) -> bool:
+        """This row reaches the end of the known tokens, so it produces the next one."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    rows: list[ScheduledRow]
+    preempted: list[Request]
+    finished_ids: list[str]  # finished since the last step (workers drop their per-request state)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.rows)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, slots: SlotPool, max_model_len: int):
+        self.cfg = cfg
+        self.blocks = blocks
+        self.slots = slots
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.cfg.max_num_batched_tokens
+        rows: list[ScheduledRow] = []
+        preempted: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = self.blocks.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
+            while need > 0 and not self.blocks.can_allocate(need):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                if not self.running:  # alone and still does not fit: it never will
+                    self.finish(req, "length")
+                    log.warning("request %s needs more KV pages than the cache holds; stopped", req.request_id)
+                break
+            if need > 0:
+                req.block_ids += self.blocks.allocate(need)
+            rows.append(ScheduledRow(req, n))
+            budget -= n
+            i += 1
+
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = self.blocks.blocks_for(n)
+            if not self.blocks.can_allocate(need) or self.slots.num_free == 0:
+                break
+            self.waiting.popleft()
+            req.slot = self.slots.allocate()
+            req.block_ids = self.blocks.allocate(need)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            rows.append(ScheduledRow(req, n))
+            budget -= n
+
+        rows.sort(key=lambda r: not r.is_decode)
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(rows, preempted, finished)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status = Status.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        log.info("preempted %s (recompute %d tokens later)", req.request_id, req.num_tokens)
+
+    def _release(self, req: Request) -> None:
+        if req.block_ids:
+            self.blocks.free(req.block_ids)
+            req.block_ids = []
+        if req.slot is not None:
+            self.slots.free(req.slot)
+            req.slot = None
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.finish_time = time.monotonic()
+        self._finished_ids.append(req.request_id)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int], eos: tuple[int, ...]) -> list[Request]:
+        """Advance every scheduled row by its tokens; append sampled tokens; finish what stops.
+        Returns the requests that got a new token or finished."""
+        touched = []
+        for row in out.rows:
+            req = row.request
+            if req.status is not Status.RUNNING:
+                continue
+            req.num_computed_tokens += row.num_new_tokens
+            if req.num_computed_tokens < req.num_tokens:
+                continue
+            tok = sampled[req.request_id]
+            req.output_token_ids.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            touched.append(req)
+            p = req.params
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
+                self.finish(req, "stop")
+            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                self.finish(req, "length")
+        return touched

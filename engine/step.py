@@ -1,0 +1,34 @@
+"""What the scheduler sends each rank for one step, and what rank 0 sends back.
+Plain dataclasses: pickled across a pipe for tensor-parallel worker processes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class RowInput:
+    request_id: str
+    token_ids: list[int]  # the row's new tokens
+    start_pos: int  # position of token_ids[0] (= tokens already in the cache)
+    slot: int  # GDN state slot
+    block_ids: list[int]  # the request's KV pages, in token order
+    is_decode: bool
+    sample: bool  # produce the next token from this row's last position
+    want_logits: bool = False
+    params: SamplingParams | None = None  # set when sample
+
+
+@dataclass
+class StepInput:
+    rows: list[RowInput]  # decode rows first
+    finished_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StepOutput:
+    sampled: dict[str, int]
+    logits: dict[str, object] = field(default_factory=dict)  # request id -> [vocab] float32 tensor
+    seconds: float = 0.0

@@ -1,0 +1,103 @@
+"""One tensor-parallel rank: its shard of the weights, its cache pools, and the step loop.
+
+Every rank runs the same step on the same inputs; row-parallel layers sum partial results
+with `all_reduce`. Rank 0 computes the logits it needs and samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.cache.allocator import CachePools, Capacity, plan_capacity
+from engine.cache.spec import build_specs
+from engine.config import EngineConfig
+from engine.loader import load_weights
+from engine.model.batch import ForwardBatch, make_group
+from engine.model.layers import AllReduce
+from engine.model.qwen3_5 import Qwen35Model
+from engine.sampler import Sampler
+from engine.step import RowInput, StepInput, StepOutput
+
+log = logging.getLogger("pdserve.worker")
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class Worker:
+    def __init__(self, cfg: EngineConfig, rank: int = 0, all_reduce: AllReduce = _identity):
+        self.cfg, self.rank = cfg, rank
+        self.device = torch.device(cfg.device)
+        t = cfg.parallel.tensor_parallel_size
+        self.specs = build_specs(cfg, rank)
+        self.capacity: Capacity = plan_capacity(
+            self.specs, cfg.cache.memory_bytes, cfg.num_state_slots, cfg.cache.block_size
+        )
+        weights = load_weights(cfg.model, t, rank, self.device)
+        self.model = Qwen35Model(cfg.model, weights, t, all_reduce, cfg.max_model_len + 1, self.device)
+        self.pools = CachePools(self.specs, self.capacity, self.device)
+        self.sampler = Sampler(cfg.seed)
+        self.block_size = cfg.cache.block_size
+
+    def _group(self, rows: list[RowInput], tok_start: int, decode: bool):
+        if not rows:
+            return None
+        return make_group(
+            tok_start,
+            [len(r.token_ids) for r in rows],
+            [r.slot for r in rows],
+            [r.start_pos > 0 for r in rows],
+            [r.start_pos + len(r.token_ids) for r in rows],
+            [r.block_ids for r in rows],
+            self.device,
+            decode,
+        )
+
+    def build_batch(self, step: StepInput) -> ForwardBatch:
+        ids, pos, slots, logit_idx = [], [], [], []
+        bs = self.block_size
+        for r in step.rows:
+            n = len(r.token_ids)
+            ids += r.token_ids
+            p = range(r.start_pos, r.start_pos + n)
+            pos += p
+            slots += [r.block_ids[q // bs] * bs + q % bs for q in p]
+            if r.sample or r.want_logits:
+                logit_idx.append(len(ids) - 1)
+        n_dec = sum(r.is_decode for r in step.rows)
+        dec_rows, pre_rows = step.rows[:n_dec], step.rows[n_dec:]
+        n_dec_tok = sum(len(r.token_ids) for r in dec_rows)
+        t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
+        return ForwardBatch(
+            input_ids=t(ids),
+            positions=t(pos),
+            slot_mapping=t(slots),
+            decode=self._group(dec_rows, 0, True),
+            prefill=self._group(pre_rows, n_dec_tok, False),
+            logits_indices=t(logit_idx),
+        )
+
+    def execute(self, step: StepInput) -> StepOutput | None:
+        t0 = time.perf_counter()
+        self.sampler.drop(step.finished_ids)
+        if not step.rows:
+            return StepOutput({}) if self.rank == 0 else None
+        logits = self.model.forward(self.build_batch(step), self.pools)
+        if self.rank != 0:
+            return None
+        out_rows = [r for r in step.rows if r.sample or r.want_logits]
+        out = StepOutput({})
+        samp = [(i, r) for i, r in enumerate(out_rows) if r.sample]
+        if samp:
+            idx = torch.tensor([i for i, _ in samp])
+            toks = self.sampler(logits[idx], [r.request_id for _, r in samp], [r.params for _, r in samp])
+            out.sampled = {r.request_id: tok for (_, r), tok in zip(samp, toks)}
+        for i, r in enumerate(out_rows):
+            if r.want_logits:
+                out.logits[r.request_id] = logits[i].cpu()
+        out.seconds = time.perf_counter() - t0
+        return out

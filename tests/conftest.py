@@ -1,0 +1,24 @@
+"""Shared fixtures: tiny Qwen3.5 checkpoints written by transformers' own classes (random
+weights, fixed seed, save_pretrained) and loaded through our loader, as real ones would be."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    slow = os.environ.get("PDSERVE_SLOW") == "1"
+    for item in items:
+        if "gpu" in item.keywords and not _cuda():
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        if "slow" in item.keywords and not slow:
+            item.add_marker(pytest.mark.skip(reason="slow tier: run with PDSERVE_SLOW=1"))

@@ -1,0 +1,49 @@
+"""Tiny checkpoints for the engine tests and the transformers reference outputs."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from engine.tiny_model import TinyModelSpec, make_tiny_model
+
+# Hv = 2 Hk (the Qwen3.5 shape) and Hv = Hk.
+SPEC_HV2 = TinyModelSpec(layers=8, linear_key_heads=4, linear_value_heads=8, tokenizer=False, seed=0)
+SPEC_HV1 = TinyModelSpec(
+    layers=8, linear_key_heads=4, linear_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=48,
+    tokenizer=False, seed=1,
+)
+PROMPT_LENS = (1, 2, 3, 63, 64, 65, 200)
+
+
+def make(path, spec: TinyModelSpec) -> str:
+    return str(make_tiny_model(path, spec))
+
+
+def prompts(vocab: int = 1024, lens=PROMPT_LENS, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_model(path: str):
+    from transformers import Qwen3_5ForCausalLM
+
+    return Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(path: str, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' own generate, one prompt at a time (no padding), greedy."""
+    model = _hf_model(path)
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def hf_last_logits(path: str, prompt: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return _hf_model(path)(torch.tensor([prompt])).logits[0, -1].float()
