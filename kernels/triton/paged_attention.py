@@ -108,12 +108,15 @@ def _paged_attention_kernel(
     for j in range(0, tl.cdiv(kv_end, BLOCK_SIZE)):
         page = tl.load(bt_ptr + b.to(tl.int64) * s_btb + j).to(tl.int64)
         base = pool_ptr + page * s_pb + kvh * s_ph + rn[:, None] * s_pt + rd[None, :]
-        # Pages are read as the reference reads them (cast to q's dtype), then computed in float32.
-        kt = tl.load(base, mask=mn[:, None] & md[None, :], other=0.0).to(q_ptr.dtype.element_ty).to(tl.float32)
-        vt = tl.load(base + s_pkv, mask=mn[:, None] & md[None, :], other=0.0).to(q_ptr.dtype.element_ty).to(tl.float32)
         k_pos = j * BLOCK_SIZE + rn
+        # Positions past seq_len are never read: a page's unwritten tail may hold anything.
+        # Pages are cast to q's dtype as the reference does, then computed in float32.
+        key_ok = mn & (k_pos < ctx)
+        kv_mask = key_ok[:, None] & md[None, :]
+        kt = tl.load(base, mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty).to(tl.float32)
+        vt = tl.load(base + s_pkv, mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty).to(tl.float32)
         s = tl.dot(q, tl.trans(kt), input_precision="ieee") * scale
-        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & (k_pos < ctx)[None, :] & mn[None, :], s, float("-inf"))
+        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
         p = tl.exp(s - m_safe[:, None])
@@ -122,7 +125,7 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
         m_i = m_new
 
-    o = acc / l_i[:, None]
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i = 0 only on padding rows, never stored
     tl.store(o_ptr + (q_start + rm)[:, None] * s_ot + h * s_oh + rd[None, :], o.to(o_ptr.dtype.element_ty), mask=mm[:, None] & md[None, :])
 
 
