@@ -1,0 +1,30 @@
+"""Transfer configuration: one frozen dataclass, checked at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    backend: Literal["nixl", "ucxx"] = "nixl"  # data plane; see transfer.backend.TRANSPORTS
+    checksum: bool = False  # crc32 over a channel's bytes, sent with Done, checked by the destination
+    lease_s: float = 60.0  # receiver: a reservation not completed by then is released
+    grant_timeout_s: float = 30.0  # sender: a destination that neither grants nor refuses by then fails the request
+    quiesce_timeout_s: float = 30.0  # sender: a write still in flight this long after an abort is cancelled
+    num_speculative_slots: int = 0  # published in the model digest; both sides must agree
+    # NIXL's own progress thread busy-polls a core even when idle; endpoints progress NIXL from
+    # poll() instead. Turn it on where cores are plentiful and poll() runs rarely.
+    nixl_progress_thread: bool = False
+
+    def __post_init__(self):
+        from transfer.backend import TRANSPORTS  # noqa: PLC0415
+
+        if self.backend not in TRANSPORTS:
+            raise ValueError(f"unknown transfer backend {self.backend!r}; known backends: {', '.join(sorted(TRANSPORTS))}")
+        for name in ("lease_s", "grant_timeout_s", "quiesce_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive (got {getattr(self, name)})")
+        if self.num_speculative_slots < 0:
+            raise ValueError(f"num_speculative_slots must be >= 0 (got {self.num_speculative_slots})")

@@ -1,0 +1,123 @@
+"""Control messages between a sender rank and a receiver rank, and the reservation target.
+
+Protocol for one request and one (source rank -> destination rank) channel:
+
+    receiver.reserve() -> TargetRank (blocks, slot, incarnation) -> router -> sender
+    sender   --Begin(src/dst ids)-->  receiver   checks the reservation is live and the ids match
+    sender   <--Grant | Refuse----    receiver   a Grant means: no write before this, memory held
+    sender   ==WRITE (data)=======>   receiver   one-sided (NIXL) or tagged messages (UCXX)
+    sender   --Done(bytes, crc)--->   receiver   after its writes landed; complete when all sources did
+    receiver --Release(reason)---->   sender     abort / lease expiry: stop; answer Abort when quiet
+    sender   --Abort(reason)------>   receiver   no write of this source can land any more
+
+Every message carries the request id *and* the reservation's incarnation: a late message of an
+aborted or older reservation with the same request id never matches a newer one.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+MAGIC = b"PDX1"  # prefix of every control payload: foreign notifications are ignored
+
+
+class TargetRank(msgspec.Struct, frozen=True):
+    """One destination rank's reservation for one request."""
+
+    agent: str
+    rank: int
+    blocks: list[int]
+    slot: int
+    incarnation: int
+
+
+class Target(msgspec.Struct, frozen=True):
+    """Where a request's state goes: every destination rank's reservation (what the router carries)."""
+
+    request_id: str
+    node: str
+    tp_size: int
+    digest: str  # ModelDigest.fingerprint() of the destination
+    num_tokens: int
+    ranks: list[TargetRank]
+
+
+class Begin(msgspec.Struct, tag="begin", frozen=True):
+    request_id: str
+    incarnation: int
+    src: str  # sender agent
+    node: str
+    rank: int
+    tp_size: int
+    num_tokens: int
+    src_blocks: list[int]
+    src_slot: int
+    dst_blocks: list[int]
+    dst_slot: int
+
+
+class Grant(msgspec.Struct, tag="grant", frozen=True):
+    request_id: str
+    incarnation: int
+    src: str  # receiver agent
+    tag_base: int = 0  # UCXX: the data tags of this channel start here
+
+
+class Refuse(msgspec.Struct, tag="refuse", frozen=True):
+    request_id: str
+    incarnation: int
+    src: str
+    reason: str
+
+
+class Done(msgspec.Struct, tag="done", frozen=True):
+    request_id: str
+    incarnation: int
+    src: str
+    rank: int
+    nbytes: int
+    checksum: int | None = None
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True):
+    request_id: str
+    incarnation: int
+    src: str
+    rank: int
+    reason: str
+
+
+class Release(msgspec.Struct, tag="release", frozen=True):
+    request_id: str
+    incarnation: int
+    src: str
+    reason: str
+
+
+Control = Begin | Grant | Refuse | Done | Abort | Release
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(Control)
+_target_dec = msgspec.msgpack.Decoder(Target)
+
+
+def encode_control(msg: Control) -> bytes:
+    return MAGIC + _enc.encode(msg)
+
+
+def decode_control(data: bytes) -> Control | None:
+    """The message, or None for a payload that is not ours or does not decode."""
+    if not data.startswith(MAGIC):
+        return None
+    try:
+        return _dec.decode(data[len(MAGIC):])
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def encode_target(t: Target) -> bytes:
+    return _enc.encode(t)
+
+
+def decode_target(data: bytes) -> Target:
+    return _target_dec.decode(data)

@@ -1,0 +1,172 @@
+"""NIXL data plane: one-sided WRITE from a source rank's pools into a destination rank's pools.
+
+Start-up: every pool tensor is registered once. Per peer (once, at handshake): two descriptor
+lists are prepared from the pair's templates, one descriptor per (region, template, page), over
+*every* page of the pool, local side and remote side. Per request: indices into those lists
+(block ids and slot ids, numpy arithmetic), one `make_prepped_xfer` per channel; NIXL merges
+adjacent descriptors, which the index order makes exactly the ranges `transfer.plan` coalesces.
+Notifications use NIXL's notification mechanism (attached to the transfer, or standalone).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import numpy as np
+
+from transfer.backend import TransferState, Transport, WriteJob
+from transfer.plan import RegionPair, block_order
+
+log = logging.getLogger(__name__)
+
+
+class _Prepped:
+    """Prepared descriptor lists for one peer and the index base of each (pair, template)."""
+
+    def __init__(self, local, remote, lbase: dict, rbase: dict, num_descs: int):
+        self.local, self.remote = local, remote
+        self.lbase, self.rbase = lbase, rbase
+        self.num_descs = num_descs
+
+
+def _rows(pairs: Sequence[RegionPair], side: str) -> tuple[np.ndarray, dict]:
+    """(N, 3) descriptor rows (addr, len, dev) and the first row of each (pair index, template index).
+
+    Paged regions: (template, page) order, so consecutive block ids are adjacent indices.
+    Slot regions: (slot, template) order, so a slot's templates are adjacent indices.
+    """
+    chunks, base, n = [], {}, 0
+    for i, p in enumerate(pairs):
+        d = p.src if side == "src" else p.dst
+        offs = np.array([t.src_off if side == "src" else t.dst_off for t in p.templates], dtype=np.uint64)
+        lens = np.array([t.length for t in p.templates], dtype=np.uint64)
+        pages = np.arange(d.num_pages, dtype=np.uint64) * np.uint64(d.page_stride) + np.uint64(d.base_addr)
+        if p.paged:
+            addr = (offs[:, None] + pages[None, :]).reshape(-1)
+            ln = np.repeat(lens, d.num_pages)
+            for j in range(len(p.templates)):
+                base[(i, j)] = n + j * d.num_pages
+        else:
+            addr = (pages[:, None] + offs[None, :]).reshape(-1)
+            ln = np.tile(lens, d.num_pages)
+            base[(i, 0)] = n
+        rows = np.stack([addr, ln, np.full(len(addr), d.device_id, dtype=np.uint64)], axis=1)
+        chunks.append(rows)
+        n += len(rows)
+    return (np.concatenate(chunks) if chunks else np.zeros((0, 3), dtype=np.uint64)), base
+
+
+def job_indices(pairs: Sequence[tuple[int, RegionPair]], lbase: dict, rbase: dict, job: WriteJob):
+    """Local and remote descriptor indices of a job, in the plan's canonical order."""
+    sb, db = block_order(job.src_blocks, job.dst_blocks)
+    li, ri = [], []
+    for i, p in pairs:
+        nt = len(p.templates)
+        if p.paged:
+            for j in range(nt):
+                li.append(lbase[(i, j)] + sb)
+                ri.append(rbase[(i, j)] + db)
+        else:
+            li.append(lbase[(i, 0)] + job.src_slot * nt + np.arange(nt))
+            ri.append(rbase[(i, 0)] + job.dst_slot * nt + np.arange(nt))
+    if not li:
+        return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32)
+    return np.concatenate(li).astype(np.int32), np.concatenate(ri).astype(np.int32)
+
+
+class NixlTransport(Transport):
+    name = "nixl"
+
+    def __init__(self, agent, regions, progress_thread: bool = False):
+        super().__init__(agent, regions)
+        from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415
+
+        self.nx = nixl_agent(agent, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
+        tensors = list(regions.values())
+        mem = "DRAM" if tensors[0].device.type == "cpu" else "VRAM"
+        self.mem_type = mem
+        self.reg = self.nx.register_memory(tensors)  # once, for the endpoint's lifetime
+        self.prepped: dict[str, _Prepped] = {}
+        self.handles: dict[str, set] = {}  # peer -> live xfer handles
+
+    def metadata(self) -> bytes:
+        return self.nx.get_agent_metadata()
+
+    def add_peer(self, agent, blob):
+        name = self.nx.add_remote_agent(blob)
+        name = name.decode() if isinstance(name, bytes) else name
+        if name != agent:
+            self.nx.remove_remote_agent(name)
+            raise ValueError(f"NIXL metadata names agent {name!r}, the handshake said {agent!r}")
+        self.handles[agent] = set()
+
+    def prepare(self, agent, pairs):
+        lrows, lbase = _rows(pairs, "src")
+        rrows, rbase = _rows(pairs, "dst")
+        local = self.nx.prep_xfer_dlist("NIXL_INIT_AGENT", lrows, self.mem_type)
+        remote = self.nx.prep_xfer_dlist(agent, rrows, self.mem_type)
+        self.prepped[agent] = _Prepped(local, remote, lbase, rbase, len(lrows))
+
+    def write(self, agent, job: WriteJob):
+        pp = self.prepped[agent]
+        li, ri = job_indices(job.pairs, pp.lbase, pp.rbase, job)
+        if len(li) == 0:
+            if job.notif is not None:
+                self.nx.send_notif(agent, job.notif)
+            return None
+        h = self.nx.make_prepped_xfer("WRITE", pp.local, li, pp.remote, ri, job.notif or b"")
+        if self.nx.transfer(h) == "ERR":
+            h.release()
+            raise RuntimeError(f"NIXL refused to post a WRITE of {len(li)} descriptors to {agent}")
+        self.handles[agent].add(h)
+        return (agent, h)
+
+    def state(self, handle):
+        if handle is None:
+            return TransferState.DONE
+        s = self.nx.check_xfer_state(handle[1])
+        return {"DONE": TransferState.DONE, "PROC": TransferState.TRANSFERRING}.get(s, TransferState.FAILED)
+
+    def release(self, handle, force=False):
+        if handle is None:
+            return True
+        agent, h = handle
+        if not force and self.state(handle) is TransferState.TRANSFERRING:
+            return False
+        try:
+            h.release()  # cancels a transfer still in flight, or raises if it cannot
+        except Exception as e:  # noqa: BLE001 (NIXL raises its own error types)
+            log.warning("NIXL could not release a transfer to %s: %s", agent, e)
+            return False
+        self.handles.get(agent, set()).discard(h)
+        return True
+
+    def remove_peer(self, agent):
+        for h in list(self.handles.pop(agent, ())):
+            try:
+                h.release()
+            except Exception as e:  # noqa: BLE001
+                log.warning("NIXL transfer to removed agent %s not released: %s", agent, e)
+        pp = self.prepped.pop(agent, None)
+        if pp is not None:
+            pp.local.release()
+            pp.remote.release()
+        try:
+            self.nx.remove_remote_agent(agent)
+        except Exception as e:  # noqa: BLE001
+            log.warning("NIXL remove_remote_agent(%s): %s", agent, e)
+
+    def send_control(self, agent, payload):
+        self.nx.send_notif(agent, payload)
+
+    def poll_control(self):
+        out = []
+        for msgs in self.nx.get_new_notifs().values():
+            out.extend(msgs)
+        return out
+
+    def close(self):
+        for agent in list(self.handles):
+            self.remove_peer(agent)
+        self.nx.deregister_memory(self.reg)

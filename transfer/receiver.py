@@ -1,0 +1,281 @@
+"""The decode side: reserves memory for a request, grants writes into it, and completes the
+request when every source rank that has bytes for this rank reported Done.
+
+Lifecycle of a `RecvRequest` (one per request and reservation on each destination rank):
+
+    reserve(request_id, prompt_len) -> KV blocks for prompt_len + 1 tokens and a state slot  PENDING
+    Begin from a source rank: ids checked against the reservation, Grant (memory held)    TRANSFERRING
+    Done (+crc checked) from every expected source rank                                    DONE
+        -> take() hands blocks and slot to the engine, or release() frees them
+    lease expiry / abort() / source Abort / source removed / bad checksum                  FAILED
+        -> Release to every granted source still writing; the memory is freed only once each
+           of them answered (Done or Abort) or was removed as dead: no write can still land.
+
+A message whose (request id, incarnation) names no live reservation is ignored and recorded in
+`stale`; a Begin for a released reservation is refused, so nothing is written into it.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections import OrderedDict
+
+from transfer.backend import TransferState, byte_view
+from transfer.endpoint import Endpoint, Peer
+from transfer.errors import TransferError
+from transfer.messages import Abort, Begin, Done, Grant, Refuse, Release, Target, TargetRank
+from transfer.plan import PlanError, check_ids, pair_templates
+from transfer.sender import channel_checksum
+
+log = logging.getLogger(__name__)
+
+TAG_CHANNEL_SHIFT = 31  # UCXX data tags of channel n start at n << 31 (bit 63 is for control)
+
+
+class RecvRequest:
+    def __init__(self, receiver: "Receiver", request_id: str, incarnation: int, blocks: list[int], slot: int,
+                 prompt_len: int, deadline: float):
+        self.receiver, self.request_id, self.incarnation = receiver, request_id, incarnation
+        self.blocks, self.slot, self.prompt_len, self.deadline = blocks, slot, prompt_len, deadline
+        self.state = TransferState.PENDING
+        self.error: str | None = None
+        self.node: str | None = None  # the source node, bound by the first Begin
+        self.expected: set[int] = set()  # source ranks with bytes for this rank
+        self.begins: dict[int, Begin] = {}  # granted source rank -> its Begin
+        self.expects: dict[int, object] = {}  # source rank -> backend receive handle (two-sided)
+        self.dones: dict[int, Done] = {}  # Done received, bytes may still be settling
+        self.finished: set[int] = set()  # source ranks whose bytes all landed (and checked)
+        self.quiet: set[int] = set()  # granted source ranks that can no longer write here
+        self.freed = False
+        self.taken = False
+
+    @property
+    def target(self) -> TargetRank:
+        r = self.receiver
+        return TargetRank(r.agent, r.rank, list(self.blocks), self.slot, self.incarnation)
+
+    def poll(self) -> TransferState:
+        self.receiver.poll()
+        return self.state
+
+    def failure(self) -> str | None:
+        return self.error
+
+    def abort(self, reason: str = "aborted by the receiver") -> None:
+        if self.state is TransferState.DONE:
+            self.release()
+        else:
+            self.receiver._fail(self, reason)
+
+    def take(self) -> tuple[list[int], int]:
+        """Hand a DONE request's blocks and slot to the engine (which frees them when it finishes)."""
+        if self.state is not TransferState.DONE or self.freed:
+            raise TransferError(f"request {self.request_id} is {self.state.value}; only a done request is taken")
+        self.taken = self.freed = True
+        self.receiver._forget(self)
+        return self.blocks, self.slot
+
+    def release(self) -> None:
+        """Free a DONE request's memory without using it. Failed requests free themselves when safe."""
+        if self.state is not TransferState.DONE:
+            raise TransferError(f"request {self.request_id} is {self.state.value}; abort() it instead")
+        if not self.freed:
+            self.receiver._free(self)
+
+
+class Receiver(Endpoint):
+    role = "receiver"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.requests: dict[tuple[str, int], RecvRequest] = {}
+        self.recent: OrderedDict[tuple[str, int], str] = OrderedDict()  # ended reservations -> why
+        self.views = ({k: byte_view(t) for k, t in self.transport.regions.items()}
+                      if self.config.checksum else {})
+        self._channels = 0
+
+    def _pairs(self, info):
+        return pair_templates(info.schema, self.schema)
+
+    # -- reservations --------------------------------------------------------------------------
+
+    def reserve(self, request_id: str, prompt_len: int, lease_s: float | None = None,
+                incarnation: int | None = None) -> RecvRequest:
+        """KV blocks for prompt_len + 1 tokens and one state slot, under a lease; raises MemoryError."""
+        n = self.blocks.blocks_for(prompt_len + 1)
+        if not self.blocks.can_allocate(n) or self.slots.num_free == 0:
+            raise MemoryError(f"{self.agent}: need {n} KV blocks and a state slot; "
+                              f"{self.blocks.num_free} blocks and {self.slots.num_free} slots free")
+        blocks = self.blocks.allocate(n)
+        slot = self.slots.allocate()
+        inc = incarnation if incarnation is not None else secrets.randbits(62)
+        deadline = time.monotonic() + (lease_s or self.config.lease_s)
+        req = RecvRequest(self, request_id, inc, blocks, slot, prompt_len, deadline)
+        self.requests[(request_id, inc)] = req
+        return req
+
+    def target(self, ranks: list[TargetRank], request_id: str, prompt_len: int) -> Target:
+        """The node-wide target (every destination rank's TargetRank, by rank) to hand to the router."""
+        return Target(request_id, self.node, self.schema.tp_size, self.digest, prompt_len,
+                      sorted(ranks, key=lambda t: t.rank))
+
+    # -- protocol events -----------------------------------------------------------------------
+
+    def _handle(self, msg):
+        if isinstance(msg, Begin):
+            self._begin(msg)
+        elif isinstance(msg, (Done, Abort)):
+            req = self.requests.get((msg.request_id, msg.incarnation))
+            b = req.begins.get(msg.rank) if req is not None else None
+            if req is not None and b is None and isinstance(msg, Abort) and msg.src in self.peers:
+                self._fail(req, f"source rank {msg.rank} aborted before writing: {msg.reason}")
+                return
+            if req is None or b is None or b.src != msg.src or msg.rank in req.quiet:
+                why = self.recent.get((msg.request_id, msg.incarnation), "no live reservation")
+                self._stale(f"{type(msg).__name__} for {msg.request_id}/{msg.incarnation} from {msg.src} ({why})")
+                return
+            if isinstance(msg, Done):
+                req.dones[msg.rank] = msg
+            else:
+                req.quiet.add(msg.rank)
+                self._fail(req, f"source rank {msg.rank} aborted: {msg.reason}")
+        else:
+            self._stale(f"{type(msg).__name__} from {msg.src}: not a receiver message")
+
+    def _begin(self, msg: Begin) -> None:
+        peer = self.peers.get(msg.src)
+        if peer is None:
+            self._stale(f"Begin for {msg.request_id} from unknown agent {msg.src}")
+            return
+        req = self.requests.get((msg.request_id, msg.incarnation))
+        try:
+            if req is None:
+                why = self.recent.get((msg.request_id, msg.incarnation))
+                raise TransferError(f"reservation {msg.request_id}/{msg.incarnation} was released ({why})" if why
+                                    else f"no reservation {msg.request_id}/{msg.incarnation} on {self.agent}")
+            if req.state.terminal:
+                raise TransferError(f"reservation {msg.request_id} is {req.state.value}: {req.error}")
+            self._check_begin(req, peer, msg)
+        except (TransferError, PlanError) as e:
+            self._send(msg.src, Refuse(msg.request_id, msg.incarnation, self.agent, str(e)))
+            if req is not None and not req.state.terminal:
+                self._fail(req, f"refused source rank {msg.rank}: {e}")
+            return
+        tag_base = 0
+        if self.config.backend != "nixl":
+            self._channels += 1
+            tag_base = self._channels << TAG_CHANNEL_SHIFT
+        req.expects[msg.rank] = self.transport.expect(msg.src, peer.pairs, msg.src_blocks, msg.dst_blocks,
+                                                      msg.src_slot, msg.dst_slot, tag_base)
+        req.begins[msg.rank] = msg
+        req.state = TransferState.TRANSFERRING
+        self._send(msg.src, Grant(msg.request_id, msg.incarnation, self.agent, tag_base))
+
+    def _check_begin(self, req: RecvRequest, peer: Peer, msg: Begin) -> None:
+        if req.node is None:
+            group = {p.rank: p for p in self.peers.values() if p.info.node == msg.node}
+            missing = sorted(set(range(msg.tp_size)) - set(group))
+            if missing:
+                raise TransferError(f"source ranks {missing} of node {msg.node} are not connected to {self.agent}")
+            req.node = msg.node
+            req.expected = {r for r, p in group.items() if p.pairs}
+        if msg.node != req.node:
+            raise TransferError(f"request {req.request_id} is bound to source node {req.node}, not {msg.node}")
+        if msg.rank not in req.expected or msg.rank in req.begins:
+            raise TransferError(f"unexpected or repeated Begin from source rank {msg.rank}")
+        bs = self.schema.block_size
+        if msg.num_tokens > req.prompt_len or len(msg.src_blocks) != -(-msg.num_tokens // bs):
+            raise TransferError(f"{msg.num_tokens} tokens in {len(msg.src_blocks)} blocks do not fit a reservation "
+                                f"for {req.prompt_len} tokens")
+        if msg.dst_blocks != req.blocks[:len(msg.src_blocks)] or msg.dst_slot != req.slot:
+            raise TransferError(f"ids {msg.dst_blocks}/{msg.dst_slot} are not this reservation's "
+                                f"{req.blocks[:len(msg.src_blocks)]}/{req.slot}")
+        check_ids(peer.pairs, msg.src_blocks, msg.dst_blocks, msg.src_slot, msg.dst_slot)
+
+    def _peer_removed(self, peer: Peer, reason: str) -> None:
+        for req in list(self.requests.values()):
+            if req.state is TransferState.DONE:
+                continue
+            granted = peer.rank in req.begins and req.begins[peer.rank].src == peer.agent
+            if granted:
+                req.quiet.add(peer.rank)
+                req.expects.pop(peer.rank, None)  # the transport cancels its posted receives
+            if granted or (req.node == peer.info.node and peer.rank in req.expected):
+                self._fail(req, f"source agent {peer.agent} removed ({reason})")
+
+    # -- state changes -------------------------------------------------------------------------
+
+    def _fail(self, req: RecvRequest, reason: str) -> None:
+        if req.state.terminal:
+            return
+        log.info("%s: request %s/%s failed: %s", self.agent, req.request_id, req.incarnation, reason)
+        req.state, req.error = TransferState.FAILED, reason
+        for rank, b in req.begins.items():
+            if rank not in req.quiet and rank not in req.finished:
+                self._send(b.src, Release(req.request_id, req.incarnation, self.agent, reason))
+        self._maybe_free(req)
+
+    def _maybe_free(self, req: RecvRequest) -> None:
+        """Free a failed reservation once no granted source can still write into it."""
+        if req.freed or req.state is not TransferState.FAILED:
+            return
+        for rank in req.begins:
+            if rank not in req.quiet and rank not in req.finished:
+                return
+            if self.transport.expect_state(req.expects.get(rank)) is TransferState.TRANSFERRING:
+                return
+        self._free(req)
+
+    def _free(self, req: RecvRequest) -> None:
+        for h in req.expects.values():
+            self.transport.release(h, force=True)
+        req.expects.clear()
+        self.blocks.free(req.blocks)
+        self.slots.free(req.slot)
+        req.freed = True
+        self._forget(req)
+
+    def _forget(self, req: RecvRequest) -> None:
+        key = (req.request_id, req.incarnation)
+        self.requests.pop(key, None)
+        self.recent[key] = req.error or req.state.value
+        while len(self.recent) > 4096:
+            self.recent.popitem(last=False)
+
+    def _tick(self, now):
+        for req in list(self.requests.values()):
+            for rank, done in list(req.dones.items()):
+                st = self.transport.expect_state(req.expects.get(rank))
+                if st is TransferState.TRANSFERRING:
+                    continue
+                del req.dones[rank]
+                req.quiet.add(rank)
+                if st is TransferState.FAILED:
+                    self._fail(req, f"receiving from source rank {rank} failed")
+                elif self._verify(req, rank, done):
+                    req.finished.add(rank)
+            if not req.state.terminal and req.expected and req.finished >= req.expected:
+                req.state = TransferState.DONE
+            if not req.state.terminal and now > req.deadline:
+                self._fail(req, f"lease expired ({'no source began' if not req.begins else 'transfer incomplete'})")
+            self._maybe_free(req)
+
+    def _verify(self, req: RecvRequest, rank: int, done: Done) -> bool:
+        if not self.config.checksum:
+            return True
+        if done.checksum is None:
+            self._fail(req, f"source rank {rank} sent no checksum; this receiver requires one")
+            return False
+        b = req.begins[rank]
+        peer = self.peers.get(b.src)
+        if peer is None:
+            self._fail(req, f"source rank {rank} was removed before its checksum was checked")
+            return False
+        crc, n = channel_checksum(peer.pairs, self.views, "dst", b.src_blocks, b.dst_blocks, b.src_slot, b.dst_slot)
+        if (crc, n) != (done.checksum, done.nbytes):
+            self._fail(req, f"checksum mismatch from source rank {rank}: got crc {crc:#010x} over {n} bytes, "
+                            f"sender reported {done.checksum:#010x} over {done.nbytes}")
+            return False
+        return True

@@ -1,0 +1,305 @@
+"""The prefill side: writes one request's state from this rank's pools into the destination's.
+
+Lifecycle of a `SendRequest` (one per request on each source rank):
+
+    open(target, src ids) --Begin--> every destination rank this rank has bytes for   PENDING
+    Grant from each; post() / post(layers=..., final=False) writes ranges      -> TRANSFERRING
+    final post lands, Done (+crc) delivered to each destination                -> DONE
+    Refuse / Release / write error / abort() / grant timeout / peer removed    -> FAILED
+    `quiet` once no write can still read the source pages; then owned source blocks and the
+    slot go back to the BlockManager / SlotPool, and each granted destination got Done or Abort.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+
+from transfer.backend import TransferState, WriteJob, byte_view
+from transfer.endpoint import Endpoint, Peer
+from transfer.errors import PlanError, TransferError
+from transfer.messages import Abort, Begin, Done, Grant, Refuse, Release, Target, TargetRank, encode_control
+from transfer.plan import check_ids, expand_arrays, pair_templates
+
+log = logging.getLogger(__name__)
+
+
+def channel_checksum(pairs, views, side: str, src_blocks, dst_blocks, src_slot, dst_slot) -> tuple[int, int]:
+    """(crc32, bytes) over a channel's ranges in plan order, read on `side` ("src" | "dst")."""
+    reg, so, do, ln = expand_arrays(pairs, src_blocks, dst_blocks, src_slot, dst_slot)
+    offs = so if side == "src" else do
+    crc, total = 0, 0
+    for r, o, n in zip(reg.tolist(), offs.tolist(), ln.tolist()):
+        crc = zlib.crc32(views[(pairs[r].layer, pairs[r].kind)][o:o + n], crc)
+        total += n
+    return crc, total
+
+
+class _Channel:
+    """This source rank -> one destination rank, for one request."""
+
+    def __init__(self, dst: TargetRank, peer: Peer):
+        self.dst, self.peer = dst, peer
+        self.granted: bool | None = None  # None: Begin sent, no answer yet
+        self.tag_base = 0
+        self.sent: set[int] = set()  # indices into peer.pairs already posted
+        self.xfers: list = []
+        self.final_posted = False
+        self.done_sent = False  # Done delivered (with the last write or standalone)
+        self.closed = False  # Done or Abort sent: the destination expects nothing more
+        self.pending_done: bytes | None = None  # Done to send once earlier parts landed
+
+
+class SendRequest:
+    def __init__(self, sender: "Sender", request_id: str, target: Target, src_blocks: list[int], src_slot: int,
+                 num_tokens: int, owned: bool):
+        self.sender, self.request_id, self.target = sender, request_id, target
+        self.src_blocks, self.src_slot, self.num_tokens, self.owned = src_blocks, src_slot, num_tokens, owned
+        self.state = TransferState.PENDING
+        self.error: str | None = None
+        self.channels: dict[int, _Channel] = {}
+        self.queued: list[tuple[set[int] | None, bool]] = []  # posts waiting for grants
+        self.opened_at = time.monotonic()
+        self.failed_at: float | None = None
+        self.quiet = False  # no write can still read the source memory; owned memory freed
+        self.nbytes = 0
+
+    # -- caller API ----------------------------------------------------------------------------
+
+    def post(self, layers=None, final: bool = True) -> None:
+        """Write the plan's ranges of `layers` (None: every layer not yet sent); `final` sends the
+        rest and Done. Queued until every destination granted; no-op once failed."""
+        if self.state is TransferState.FAILED:
+            return
+        if self.queued and self.queued[-1][1]:
+            raise TransferError(f"request {self.request_id}: already posted its final part")
+        self.queued.append((None if layers is None else set(layers), final))
+        self.sender._advance(self)
+
+    def poll(self) -> TransferState:
+        self.sender.poll()
+        return self.state
+
+    def failure(self) -> str | None:
+        return self.error
+
+    def abort(self, reason: str = "aborted by the sender") -> None:
+        self.sender._fail(self, reason)
+
+    def release(self) -> None:
+        """Forget a finished request (its memory is already back once `quiet`)."""
+        if not (self.state.terminal and self.quiet):
+            raise TransferError(f"request {self.request_id} is {self.state.value}; release it once terminal and quiet")
+        self.sender.requests.pop(self.request_id, None)
+
+
+class Sender(Endpoint):
+    role = "sender"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.requests: dict[str, SendRequest] = {}
+        self.views = ({k: byte_view(t) for k, t in self.transport.regions.items()}
+                      if self.config.checksum else {})
+
+    def _pairs(self, info):
+        return pair_templates(self.schema, info.schema)
+
+    def _peer_added(self, peer):
+        if peer.pairs:
+            self.transport.prepare(peer.agent, peer.pairs)  # descriptor lists, once per peer
+
+    def _peer_removed(self, peer, reason):
+        for req in list(self.requests.values()):
+            for ch in req.channels.values():
+                if ch.peer is peer and not ch.closed:
+                    for x, _ in ch.xfers:
+                        self.transport.release(x, force=True)
+                    ch.xfers.clear()
+                    ch.closed = True
+                    self._fail(req, f"destination agent {peer.agent} removed ({reason})")
+
+    # -- open / post ---------------------------------------------------------------------------
+
+    def open(self, request_id: str, target: Target, src_blocks: list[int], src_slot: int, num_tokens: int,
+             owned: bool = False) -> SendRequest:
+        """Start a request: Begin to every destination rank this rank has bytes for.
+
+        `owned`: the source blocks and slot go back to this endpoint's BlockManager / SlotPool
+        once the request is quiet (done, or failed with no write in flight).
+        """
+        old = self.requests.get(request_id)
+        if old is not None and not (old.state.terminal and old.quiet):
+            raise TransferError(f"request {request_id} is already open on {self.agent} ({old.state.value})")
+        if target.digest != self.digest:
+            raise TransferError(f"target {request_id} is for model digest {target.digest}, this rank serves {self.digest}")
+        bs = self.schema.block_size
+        if len(src_blocks) != -(-num_tokens // bs):
+            raise PlanError(f"{num_tokens} tokens need {-(-num_tokens // bs)} blocks of {bs}, got {len(src_blocks)}")
+        req = SendRequest(self, request_id, target, list(src_blocks), src_slot, num_tokens, owned)
+        for tr in target.ranks:
+            peer = self.peers.get(tr.agent)
+            if peer is None:
+                raise TransferError(f"destination agent {tr.agent} (rank {tr.rank}) is not connected; add_peer first")
+            if not peer.pairs:
+                continue
+            if len(tr.blocks) < len(src_blocks):
+                raise PlanError(f"destination rank {tr.rank} reserved {len(tr.blocks)} blocks, {len(src_blocks)} needed")
+            check_ids(peer.pairs, src_blocks, tr.blocks[:len(src_blocks)], src_slot, tr.slot)
+            req.channels[tr.rank] = _Channel(tr, peer)
+        self.requests[request_id] = req
+        for ch in req.channels.values():
+            self._send(ch.peer.agent, Begin(request_id, ch.dst.incarnation, self.agent, self.node, self.rank,
+                                            self.schema.tp_size, num_tokens, req.src_blocks, src_slot,
+                                            ch.dst.blocks[:len(src_blocks)], ch.dst.slot))
+        if not req.channels:
+            req.state = TransferState.DONE  # nothing of this rank is needed (e.g. a KV replica)
+            self._settle(req)
+        return req
+
+    def send(self, request_id: str, target: Target, src_blocks: list[int], src_slot: int, num_tokens: int,
+             owned: bool = False) -> SendRequest:
+        """open() + post(final=True): the whole state in one write per destination rank."""
+        req = self.open(request_id, target, src_blocks, src_slot, num_tokens, owned)
+        req.post()
+        return req
+
+    def _advance(self, req: SendRequest) -> None:
+        """Run queued posts once every channel is granted."""
+        if req.state.terminal or not req.queued or not all(ch.granted for ch in req.channels.values()):
+            return
+        try:
+            while req.queued:
+                layers, final = req.queued.pop(0)
+                for ch in req.channels.values():
+                    self._post(req, ch, layers, final)
+        except Exception as e:  # noqa: BLE001 (a backend refusing a post fails this request only)
+            self._fail(req, f"posting a write failed: {e}")
+            return
+        if req.state is TransferState.PENDING and any(ch.xfers or ch.final_posted for ch in req.channels.values()):
+            req.state = TransferState.TRANSFERRING
+
+    def _post(self, req: SendRequest, ch: _Channel, layers, final: bool) -> None:
+        pairs = ch.peer.pairs
+        todo = [i for i in range(len(pairs)) if i not in ch.sent and (final or layers is None or pairs[i].layer in layers)]
+        ch.sent.update(todo)
+        dst_blocks = ch.dst.blocks[:len(req.src_blocks)]
+        notif = None
+        if final:
+            ch.final_posted = True
+            crc = None
+            if self.config.checksum:
+                crc, _ = channel_checksum(pairs, self.views, "src", req.src_blocks, dst_blocks, req.src_slot, ch.dst.slot)
+            nbytes = int(expand_arrays(pairs, req.src_blocks, dst_blocks, req.src_slot, ch.dst.slot)[3].sum())
+            req.nbytes += nbytes
+            done = Done(req.request_id, ch.dst.incarnation, self.agent, self.rank, nbytes, crc)
+            notif = encode_control(done)
+            if ch.xfers:  # earlier parts still in flight: Done goes standalone once they landed
+                ch.pending_done = notif
+                notif = None
+        job = WriteJob([(i, pairs[i]) for i in todo], req.src_blocks, dst_blocks, req.src_slot, ch.dst.slot,
+                       notif, ch.tag_base)
+        if todo or notif is not None:
+            x = self.transport.write(ch.peer.agent, job)
+            ch.xfers.append((x, notif is not None))
+
+    # -- events --------------------------------------------------------------------------------
+
+    def _lookup(self, msg) -> tuple[SendRequest, _Channel] | None:
+        req = self.requests.get(msg.request_id)
+        if req is not None:
+            for ch in req.channels.values():
+                if ch.dst.incarnation == msg.incarnation and ch.peer.agent == msg.src:
+                    return req, ch
+        self._stale(f"{type(msg).__name__} for {msg.request_id}/{msg.incarnation} from {msg.src}: no such channel")
+        return None
+
+    def _handle(self, msg):
+        if not isinstance(msg, (Grant, Refuse, Release)):
+            self._stale(f"{type(msg).__name__} from {getattr(msg, 'src', '?')}: not a sender message")
+            return
+        found = self._lookup(msg)
+        if found is None:
+            return
+        req, ch = found
+        if isinstance(msg, Grant):
+            if ch.granted is None:
+                ch.granted, ch.tag_base = True, msg.tag_base
+                self._advance(req)
+        elif isinstance(msg, Refuse):
+            ch.granted = False
+            ch.closed = True  # a refused channel holds nothing on the destination
+            self._fail(req, f"destination rank {ch.dst.rank} refused: {msg.reason}")
+        else:
+            self._fail(req, f"destination rank {ch.dst.rank} released the reservation: {msg.reason}")
+
+    def _fail(self, req: SendRequest, reason: str) -> None:
+        if req.state.terminal:
+            return
+        log.info("%s: request %s failed: %s", self.agent, req.request_id, reason)
+        req.state, req.error, req.failed_at = TransferState.FAILED, reason, time.monotonic()
+        req.queued.clear()
+        self._settle(req)
+
+    def _tick(self, now):
+        for req in list(self.requests.values()):
+            if req.quiet:
+                continue
+            for ch in req.channels.values():
+                self._check_xfers(req, ch)
+            if req.state is TransferState.PENDING and now - req.opened_at > self.config.grant_timeout_s:
+                waiting = [ch.dst.rank for ch in req.channels.values() if ch.granted is None]
+                self._fail(req, f"no grant from destination ranks {waiting} within {self.config.grant_timeout_s} s")
+            if req.state is TransferState.TRANSFERRING and all(ch.done_sent for ch in req.channels.values()):
+                req.state = TransferState.DONE
+            if req.failed_at is not None and now - req.failed_at > self.config.quiesce_timeout_s:
+                for ch in req.channels.values():
+                    for x, _ in ch.xfers:
+                        self.transport.release(x, force=True)
+                    ch.xfers.clear()
+            self._settle(req)
+
+    def _check_xfers(self, req: SendRequest, ch: _Channel) -> None:
+        keep = []
+        for x, carries_done in ch.xfers:
+            st = self.transport.state(x)
+            if st is TransferState.TRANSFERRING:
+                keep.append((x, carries_done))
+                continue
+            self.transport.release(x)
+            if st is TransferState.FAILED:
+                self._fail(req, f"write to destination rank {ch.dst.rank} failed")
+            elif carries_done:
+                ch.done_sent = ch.closed = True
+        ch.xfers = keep
+        if ch.pending_done is not None and not ch.xfers and req.state is not TransferState.FAILED:
+            try:
+                self.transport.send_control(ch.peer.agent, ch.pending_done)
+            except Exception as e:  # noqa: BLE001
+                self._fail(req, f"Done to destination rank {ch.dst.rank} not sent: {e}")
+                return
+            ch.pending_done = None
+            ch.done_sent = ch.closed = True
+
+    def _settle(self, req: SendRequest) -> None:
+        """Once nothing is in flight: tell granted destinations we stopped, free owned memory."""
+        if req.quiet or not req.state.terminal:
+            return
+        if any(ch.xfers for ch in req.channels.values()):
+            return
+        for ch in req.channels.values():
+            if ch.closed or ch.peer.agent not in self.peers:
+                continue
+            if ch.granted:
+                unsent = [(i, p) for i, p in enumerate(ch.peer.pairs) if i not in ch.sent]
+                dst_blocks = ch.dst.blocks[:len(req.src_blocks)]
+                self.transport.drain(ch.peer.agent, unsent, req.src_blocks, dst_blocks, req.src_slot,
+                                     ch.dst.slot, ch.tag_base)
+            self._send(ch.peer.agent, Abort(req.request_id, ch.dst.incarnation, self.agent, self.rank,
+                                            req.error or "aborted"))
+            ch.closed = True
+        req.quiet = True
+        if req.owned:
+            self.blocks.free(req.src_blocks)
+            self.slots.free(req.src_slot)

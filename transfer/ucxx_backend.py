@@ -1,0 +1,186 @@
+"""UCXX data plane: the same channel plans carried as UCX tagged messages (for clusters without NIXL).
+
+Two-sided: before granting a channel, the receiver posts one tag receive per plan range directly
+into its pool memory (no staging copy); the sender then sends each range from its pool memory
+with the matching tag. Tags: bit 63 marks control messages; a data tag is
+`tag_base | region index << 20 | range index`, where the receiver picks `tag_base` from a counter
+that is never reused, so a message of an old channel can never land in a new one. Receives are
+posted on the peer's endpoint, so closing it (peer removed) cancels whatever is still posted.
+On abort the sender settles the ranges it will not send with empty messages (`drain`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+
+import numpy as np
+
+from transfer.backend import TransferState, Transport, WriteJob, byte_view
+from transfer.plan import expand_arrays
+
+log = logging.getLogger(__name__)
+
+CONTROL_TAG = 1 << 63
+REGION_SHIFT = 20
+CHANNEL_SHIFT = 31
+
+
+def channel_tag_base(channel_id: int) -> int:
+    return channel_id << CHANNEL_SHIFT
+
+
+class _Requests:
+    """UCX requests of one channel post, the buffers they need alive, and a notification to
+    send once all of them completed."""
+
+    def __init__(self, agent: str, reqs: list, keep: list, notif: bytes | None):
+        self.agent, self.reqs, self.keep, self.notif = agent, reqs, keep, notif
+        self.error: str | None = None
+
+
+class UcxxTransport(Transport):
+    name = "ucxx"
+
+    def __init__(self, agent, regions):
+        super().__init__(agent, regions)
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        from ucxx._lib import libucxx as ucx  # noqa: PLC0415
+        from ucxx._lib.arr import Array  # noqa: PLC0415
+
+        self.ucx, self.Array = ucx, Array
+        self.ctx = ucx.UCXContext(feature_flags=(ucx.Feature.TAG,))
+        self.worker = ucx.UCXWorker(self.ctx)
+        if any(t.device.type != "cpu" for t in regions.values()):
+            raise NotImplementedError("the UCXX backend moves CPU pools only in this version")
+        self.views = {k: byte_view(t) for k, t in regions.items()}
+        self.eps: dict[str, object] = {}
+        self._sends: list[tuple[object, bytes]] = []  # control sends in flight, with their buffers
+        self._ctl_recvs: deque = deque()  # (request, buffer) in arrival order
+        self._empty = np.zeros(0, dtype=np.uint8)
+
+    def metadata(self):
+        return self.worker.address.tobytes()
+
+    def add_peer(self, agent, blob):
+        addr = self.ucx.UCXAddress.create_from_buffer(blob)
+        self.eps[agent] = self.worker.create_endpoint_from_worker_address(addr, True)
+
+    def remove_peer(self, agent):
+        ep = self.eps.pop(agent, None)
+        if ep is not None:
+            ep.close()  # cancels receives still posted on it
+            self.worker.progress()
+
+    def _tag(self, base: int, region: int, j: int):
+        return self.ucx.UCXXTag(base | (region << REGION_SHIFT) | j)
+
+    def write(self, agent, job: WriteJob):
+        ep = self.eps[agent]
+        pairs = [p for _, p in job.pairs]
+        index = [i for i, _ in job.pairs]
+        reg, so, _, ln = expand_arrays(pairs, job.src_blocks, job.dst_blocks, job.src_slot, job.dst_slot)
+        reqs, keep, j, last = [], [], 0, -1
+        for r, s, n in zip(reg.tolist(), so.tolist(), ln.tolist()):
+            j = j + 1 if r == last else 0
+            last = r
+            p = pairs[r]
+            buf = self.views[(p.layer, p.kind)][s:s + n]
+            keep.append(buf)
+            reqs.append(ep.tag_send(self.Array(buf), self._tag(job.tag_base, index[r], j)))
+        return _Requests(agent, reqs, keep, job.notif)
+
+    def expect(self, agent, pairs, src_blocks, dst_blocks, src_slot, dst_slot, tag_base):
+        ep = self.eps[agent]
+        reg, _, do, ln = expand_arrays(pairs, src_blocks, dst_blocks, src_slot, dst_slot)
+        reqs, keep, j, last = [], [], 0, -1
+        for r, d, n in zip(reg.tolist(), do.tolist(), ln.tolist()):
+            j = j + 1 if r == last else 0
+            last = r
+            p = pairs[r]
+            buf = self.views[(p.layer, p.kind)][d:d + n]
+            keep.append(buf)
+            reqs.append(ep.tag_recv(self.Array(buf), self._tag(tag_base, r, j)))
+        return _Requests(agent, reqs, keep, None)
+
+    def drain(self, agent, pairs, src_blocks, dst_blocks, src_slot, dst_slot, tag_base):
+        """Empty messages for the ranges of `pairs` the receiver still waits for."""
+        ep = self.eps.get(agent)
+        if ep is None or not pairs:
+            return None
+        reg, _, _, _ = expand_arrays([p for _, p in pairs], src_blocks, dst_blocks, src_slot, dst_slot)
+        j, last = 0, -1
+        for r in reg.tolist():
+            j = j + 1 if r == last else 0
+            last = r
+            self._sends.append((ep.tag_send(self.Array(self._empty), self._tag(tag_base, pairs[r][0], j)), None))
+        return None
+
+    def _settle(self, h: _Requests) -> TransferState:
+        if h.error is not None:
+            return TransferState.FAILED
+        self.worker.progress()
+        if not all(r.completed for r in h.reqs):
+            return TransferState.TRANSFERRING
+        for r in h.reqs:
+            try:
+                r.check_error()
+            except Exception as e:  # noqa: BLE001 (UCX errors: peer gone, canceled, truncated)
+                h.error = f"{type(e).__name__}: {e}"
+                return TransferState.FAILED
+        if h.notif is not None:
+            try:
+                self.send_control(h.agent, h.notif)
+            except KeyError as e:
+                h.error = str(e)
+                return TransferState.FAILED
+            h.notif = None
+        return TransferState.DONE
+
+    def state(self, handle):
+        return self._settle(handle)
+
+    def expect_state(self, handle):
+        return TransferState.DONE if handle is None else self._settle(handle)
+
+    def release(self, handle, force=False):
+        if handle is None:
+            return True
+        if self._settle(handle) is TransferState.TRANSFERRING and not force:
+            return False
+        handle.keep.clear()
+        return True
+
+    def send_control(self, agent, payload):
+        ep = self.eps.get(agent)
+        if ep is None:
+            raise KeyError(f"no UCX endpoint to {agent}")
+        buf = np.frombuffer(bytes(payload), dtype=np.uint8).copy()
+        self._sends.append((ep.tag_send(self.Array(buf), self.ucx.UCXXTag(CONTROL_TAG)), buf))
+
+    def progress(self):
+        self.worker.progress()
+        self._sends = [(r, b) for r, b in self._sends if not r.completed]
+
+    def poll_control(self):
+        self.worker.progress()
+        while True:
+            probe = self.worker.tag_probe(self.ucx.UCXXTag(CONTROL_TAG), remove=True)
+            if not probe.matched:
+                break
+            buf = np.empty(probe.length, dtype=np.uint8)
+            self._ctl_recvs.append((self.worker.tag_recv_with_handle(self.Array(buf), probe), buf))
+        out = []
+        while self._ctl_recvs and self._ctl_recvs[0][0].completed:
+            req, buf = self._ctl_recvs.popleft()
+            try:
+                req.check_error()
+                out.append(buf.tobytes())
+            except Exception as e:  # noqa: BLE001
+                log.warning("UCXX control message lost: %s", e)
+        return out
+
+    def close(self):
+        for agent in list(self.eps):
+            self.remove_peer(agent)
