@@ -225,11 +225,28 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    num_tokens: int = 0  # draft tokens verified per decode row (0: no speculation)
+    method: Literal["ngram"] = "ngram"  # prompt-lookup drafts: continue an earlier match of the last n tokens
+    ngram_max: int = 4  # longest suffix to look up
+    ngram_min: int = 1  # shortest suffix to look up
+
+    def __post_init__(self):
+        if self.num_tokens < 0 or self.num_tokens > 16:
+            raise ValueError(f"speculative num_tokens must be in [0, 16] (got {self.num_tokens})")
+        if self.method != "ngram":
+            raise ValueError(f"unknown speculative method {self.method!r}; known: ngram")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("need 1 <= ngram_min <= ngram_max")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     device: str = "cpu"
     seed: int = 0
 

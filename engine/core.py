@@ -18,6 +18,7 @@ from engine.outputs import RequestOutput
 from engine.request import Request, Status
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.spec_decode import NgramProposer
 from engine.step import RowInput, StepInput
 
 log = logging.getLogger("pdserve.engine")
@@ -31,7 +32,11 @@ class EngineCore:
         self.capacity = self.executor.capacity
         self.blocks = BlockManager(self.capacity.num_blocks, cfg.cache.block_size)
         self.slots = SlotPool(self.capacity.num_state_slots)
-        self.scheduler = Scheduler(cfg.scheduler, self.blocks, self.slots, cfg.max_model_len)
+        spec = cfg.speculative
+        self.proposer = NgramProposer(spec.ngram_min, spec.ngram_max) if spec.num_tokens else None
+        self.scheduler = Scheduler(
+            cfg.scheduler, self.blocks, self.slots, cfg.max_model_len, spec.num_tokens, self._propose
+        )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         log.info(
@@ -41,6 +46,9 @@ class EngineCore:
             cfg.parallel.tensor_parallel_size,
             self.capacity.summary(),
         )
+
+    def _propose(self, tokens: list[int], k: int) -> list[int]:
+        return self.proposer(tokens, k) if self.proposer is not None else []
 
     # ---- requests -------------------------------------------------------------------
     def validate(self, prompt_token_ids, params) -> None:
@@ -90,10 +98,11 @@ class EngineCore:
         for r in so.rows:
             req = r.request
             start = req.num_computed_tokens
+            n_known = r.num_new_tokens - len(r.draft_token_ids)
             rows.append(
                 RowInput(
                     request_id=req.request_id,
-                    token_ids=req.token_ids(start, start + r.num_new_tokens),
+                    token_ids=req.token_ids(start, start + n_known) + r.draft_token_ids,
                     start_pos=start,
                     slot=req.slot,
                     block_ids=list(req.block_ids),
@@ -101,6 +110,7 @@ class EngineCore:
                     sample=r.samples,
                     want_logits=req.want_logits and r.samples,
                     params=req.params if r.samples else None,
+                    num_draft=len(r.draft_token_ids),
                 )
             )
         return StepInput(rows, so.finished_ids)

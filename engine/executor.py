@@ -63,7 +63,11 @@ def _rank_main(cfg: EngineConfig, rank: int, port: int, conn) -> None:
             dist.all_reduce(x)
             return x
 
-        worker = Worker(cfg, rank, all_reduce)
+        def broadcast(x: torch.Tensor) -> torch.Tensor:
+            dist.broadcast(x, src=0)
+            return x
+
+        worker = Worker(cfg, rank, all_reduce, broadcast)
         conn.send(("ready", worker.capacity))
     except BaseException:  # report start-up failures to the parent instead of dying silently
         conn.send(("error", traceback.format_exc()))

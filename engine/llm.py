@@ -7,7 +7,14 @@ import logging
 import torch
 
 from engine.cache.allocator import Capacity
-from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from engine.core import EngineCore
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -29,6 +36,7 @@ class LLM:
         max_model_len: int | None = None,
         seed: int = 0,
         device: str = "cpu",
+        num_speculative_tokens: int = 0,
     ):
         mcfg = ModelConfig.from_dir(model, dtype)
         self.config = EngineConfig(
@@ -36,6 +44,7 @@ class LLM:
             parallel=ParallelConfig(tensor_parallel_size),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
+            speculative=SpeculativeConfig(num_tokens=num_speculative_tokens),
             device=device,
             seed=seed,
         )

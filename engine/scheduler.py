@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 from engine.cache.block_manager import BlockManager, SlotPool
 from engine.config import SchedulerConfig
@@ -28,17 +29,19 @@ log = logging.getLogger("pdserve.scheduler")
 @dataclass
 class ScheduledRow:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # drafts included
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
-        return self.num_new_tokens == 1 and self.request.num_computed_tokens > 0
+        """Continues a sequence with its one pending token (plus drafts): the recurrent path."""
+        return self.num_new_tokens - len(self.draft_token_ids) == 1 and self.request.num_computed_tokens > 0
 
     @property
     def samples(self) -> bool:
         """This row reaches the end of the known tokens, so it produces the next one."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids) == r.num_tokens
 
 
 @dataclass
@@ -53,8 +56,18 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, slots: SlotPool, max_model_len: int):
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        blocks: BlockManager,
+        slots: SlotPool,
+        max_model_len: int,
+        num_spec_tokens: int = 0,
+        proposer: Callable[[list[int], int], list[int]] | None = None,
+    ):
         self.cfg = cfg
+        self.num_spec_tokens = num_spec_tokens
+        self.proposer = proposer
         self.blocks = blocks
         self.slots = slots
         self.max_model_len = max_model_len
@@ -76,6 +89,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            drafts = self._drafts(req, budget) if n == 1 and req.num_computed_tokens > 0 else []
+            n += len(drafts)
             need = self.blocks.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
             while need > 0 and not self.blocks.can_allocate(need):
                 victim = self.running[-1]
@@ -90,7 +105,7 @@ class Scheduler:
                 break
             if need > 0:
                 req.block_ids += self.blocks.allocate(need)
-            rows.append(ScheduledRow(req, n))
+            rows.append(ScheduledRow(req, n, drafts))
             budget -= n
             i += 1
 
@@ -108,9 +123,23 @@ class Scheduler:
             rows.append(ScheduledRow(req, n))
             budget -= n
 
-        rows.sort(key=lambda r: not r.is_decode)
+        rows.sort(key=lambda r: (not r.is_decode, r.request.slot if r.is_decode else 0))
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(rows, preempted, finished)
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens for a decoding request, never past max_tokens, max_model_len or the budget."""
+        if not self.num_spec_tokens or self.proposer is None:
+            return []
+        room = min(
+            self.num_spec_tokens,
+            budget - 1,
+            req.params.max_tokens - len(req.output_token_ids) - 1,
+            self.max_model_len - req.num_tokens - 1,
+        )
+        if room <= 0:
+            return []
+        return list(self.proposer(req.prompt_token_ids + req.output_token_ids, room))[:room]
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -140,25 +169,30 @@ class Scheduler:
         req.finish_time = time.monotonic()
         self._finished_ids.append(req.request_id)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int], eos: tuple[int, ...]) -> list[Request]:
-        """Advance every scheduled row by its tokens; append sampled tokens; finish what stops.
-        Returns the requests that got a new token or finished."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]], eos: tuple[int, ...]) -> list[Request]:
+        """Advance every scheduled row by its computed tokens; append the emitted tokens (one, or
+        the accepted drafts plus one); finish what stops. Returns requests that got tokens or finished."""
         touched = []
         for row in out.rows:
             req = row.request
             if req.status is not Status.RUNNING:
                 continue
-            req.num_computed_tokens += row.num_new_tokens
-            if req.num_computed_tokens < req.num_tokens:
+            if not row.samples:
+                req.num_computed_tokens += row.num_new_tokens
                 continue
-            tok = sampled[req.request_id]
-            req.output_token_ids.append(tok)
+            toks = sampled[req.request_id]
+            # the pending token and the accepted drafts are now in the cache
+            req.num_computed_tokens += row.num_new_tokens - len(row.draft_token_ids) + len(toks) - 1
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             touched.append(req)
             p = req.params
-            if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
-                self.finish(req, "stop")
-            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-                self.finish(req, "length")
+            for tok in toks:
+                req.output_token_ids.append(tok)
+                if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
+                    self.finish(req, "stop")
+                    break
+                if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                    self.finish(req, "length")
+                    break
         return touched

@@ -19,6 +19,7 @@ class RowInput:
     sample: bool  # produce the next token from this row's last position
     want_logits: bool = False
     params: SamplingParams | None = None  # set when sample
+    num_draft: int = 0  # the last num_draft of token_ids are speculative drafts to verify
 
 
 @dataclass
@@ -29,6 +30,6 @@ class StepInput:
 
 @dataclass
 class StepOutput:
-    sampled: dict[str, int]
+    sampled: dict[str, list[int]]  # emitted tokens per sampling row (1, or up to k+1 when verifying drafts)
     logits: dict[str, object] = field(default_factory=dict)  # request id -> [vocab] float32 tensor
     seconds: float = 0.0

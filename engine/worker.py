@@ -29,17 +29,22 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 
 class Worker:
-    def __init__(self, cfg: EngineConfig, rank: int = 0, all_reduce: AllReduce = _identity):
+    def __init__(
+        self, cfg: EngineConfig, rank: int = 0, all_reduce: AllReduce = _identity, broadcast: AllReduce = _identity
+    ):
+        """broadcast(t) must give every rank rank 0's `t` (identity when t = 1)."""
         self.cfg, self.rank = cfg, rank
+        self.broadcast = broadcast
         self.device = torch.device(cfg.device)
         t = cfg.parallel.tensor_parallel_size
         self.specs = build_specs(cfg, rank)
+        k = cfg.speculative.num_tokens
         self.capacity: Capacity = plan_capacity(
-            self.specs, cfg.cache.memory_bytes, cfg.num_state_slots, cfg.cache.block_size
+            self.specs, cfg.cache.memory_bytes, cfg.num_state_slots, cfg.cache.block_size, k
         )
         weights = load_weights(cfg.model, t, rank, self.device)
         self.model = Qwen35Model(cfg.model, weights, t, all_reduce, cfg.max_model_len + 1, self.device)
-        self.pools = CachePools(self.specs, self.capacity, self.device)
+        self.pools = CachePools(self.specs, self.capacity, self.device, k)
         self.sampler = Sampler(cfg.seed)
         self.block_size = cfg.cache.block_size
 
@@ -66,7 +71,9 @@ class Worker:
             p = range(r.start_pos, r.start_pos + n)
             pos += p
             slots += [r.block_ids[q // bs] * bs + q % bs for q in p]
-            if r.sample or r.want_logits:
+            if r.num_draft:  # score the pending token and every draft
+                logit_idx += range(len(ids) - r.num_draft - 1, len(ids))
+            elif r.sample or r.want_logits:
                 logit_idx.append(len(ids) - 1)
         n_dec = sum(r.is_decode for r in step.rows)
         dec_rows, pre_rows = step.rows[:n_dec], step.rows[n_dec:]
@@ -87,17 +94,34 @@ class Worker:
         if not step.rows:
             return StepOutput({}) if self.rank == 0 else None
         logits = self.model.forward(self.build_batch(step), self.pools)
-        if self.rank != 0:
-            return None
-        out_rows = [r for r in step.rows if r.sample or r.want_logits]
+        spec_rows = [(b, r) for b, r in enumerate(step.rows) if r.num_draft]  # decode rows come first
+        accepted = torch.zeros(len(spec_rows), dtype=torch.int64)
         out = StepOutput({})
-        samp = [(i, r) for i, r in enumerate(out_rows) if r.sample]
-        if samp:
-            idx = torch.tensor([i for i, _ in samp])
-            toks = self.sampler(logits[idx], [r.request_id for _, r in samp], [r.params for _, r in samp])
-            out.sampled = {r.request_id: tok for (_, r), tok in zip(samp, toks)}
-        for i, r in enumerate(out_rows):
-            if r.want_logits:
-                out.logits[r.request_id] = logits[i].cpu()
+        if self.rank == 0:
+            i = si = 0
+            plain = []  # (logit row, RowInput)
+            for r in step.rows:
+                if r.num_draft:
+                    drafts = r.token_ids[-r.num_draft :]
+                    toks = self.sampler.verify(logits[i : i + r.num_draft + 1], drafts, r.request_id, r.params)
+                    out.sampled[r.request_id] = toks
+                    accepted[si] = len(toks) - 1
+                    i, si = i + r.num_draft + 1, si + 1
+                elif r.sample or r.want_logits:
+                    plain.append((i, r))
+                    i += 1
+            samp = [(j, r) for j, r in plain if r.sample]
+            if samp:
+                idx = torch.tensor([j for j, _ in samp])
+                toks = self.sampler(logits[idx], [r.request_id for _, r in samp], [r.params for _, r in samp])
+                out.sampled.update({r.request_id: [t] for (_, r), t in zip(samp, toks)})
+            for j, r in plain:
+                if r.want_logits:
+                    out.logits[r.request_id] = logits[j].cpu()
+        if spec_rows:
+            accepted = self.broadcast(accepted)
+            self.pools.rollback(
+                [(r.slot, b, int(j)) for (b, r), j in zip(spec_rows, accepted.tolist()) if j < r.num_draft]
+            )
         out.seconds = time.perf_counter() - t0
-        return out
+        return out if self.rank == 0 else None

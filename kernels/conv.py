@@ -19,7 +19,7 @@ from kernels.checks import check_conv_inputs
 from kernels.gdn import pad_packed, unpad_packed
 from kernels.triton import force_triton as _force_triton
 
-__all__ = ["causal_conv1d", "causal_conv1d_update"]
+__all__ = ["causal_conv1d", "causal_conv1d_update", "conv_update_"]
 
 
 def causal_conv1d(
@@ -67,6 +67,15 @@ def causal_conv1d(
     return unpad_packed(y.transpose(1, 2), cu_seqlens).to(x.dtype)
 
 
+def conv_update_(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, activation: bool = True) -> torch.Tensor:
+    """One token per row, shifting `state` [B, D, Kc-1] in place (it may be a contiguous run of
+    a pool's slots). Returns y [B, D]."""
+    ext = torch.cat([state.float(), x.float()[:, :, None]], dim=-1)  # [B, D, Kc]
+    y = (ext * weight.float()).sum(-1)
+    state.copy_(ext[:, :, 1:])
+    return (F.silu(y) if activation else y).to(x.dtype)
+
+
 def causal_conv1d_update(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -84,12 +93,8 @@ def causal_conv1d_update(
     cu = torch.arange(B + 1, device=x.device)
     check_conv_inputs(x, weight, cu, conv_pool, slot_ids)
     state = conv_pool.index_select(0, slot_ids)
-    ext = torch.cat([state.float(), x.float()[:, :, None]], dim=-1)  # [B, D, Kc]
-    y = (ext * weight.float()).sum(-1)
-    if activation:
-        y = F.silu(y)
-    new_state = ext[:, :, 1:]
-    conv_pool.index_copy_(0, slot_ids, new_state.to(conv_pool.dtype))
+    y = conv_update_(x, weight, state, activation)
+    conv_pool.index_copy_(0, slot_ids, state)
     if intermediate_states is not None:
-        intermediate_states[:, 0] = new_state.to(intermediate_states.dtype)
-    return y.to(x.dtype)
+        intermediate_states[:, 0] = state.to(intermediate_states.dtype)
+    return y

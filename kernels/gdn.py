@@ -22,7 +22,7 @@ import torch
 from kernels.checks import check_gdn_inputs
 from kernels.triton import force_triton as _force_triton
 
-__all__ = ["l2norm", "gdn_chunk_prefill", "gdn_recurrent", "expand_heads", "pad_packed", "unpad_packed"]
+__all__ = ["l2norm", "gdn_chunk_prefill", "gdn_recurrent", "gdn_decode_step_", "expand_heads", "pad_packed", "unpad_packed"]
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -142,6 +142,23 @@ def gdn_chunk_prefill(
     return unpad_packed(out, cu_seqlens).to(v.dtype)
 
 
+def gdn_decode_step_(q, k, v, g, beta, state: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """One token per row, updating `state` [B, Hv, dk, dv] float32 in place (it may be a
+    contiguous run of a pool's slots: no gather, no scatter). Returns o [B, Hv, dv]."""
+    B, hv, dk, dv = state.shape
+    hk = q.shape[1]
+    scale = dk**-0.5 if scale is None else scale
+    S = state.view(B, hk, hv // hk, dk, dv)
+    S.mul_(g.float().exp().view(B, hk, -1, 1, 1))
+    kk = k.float().view(B, hk, 1, 1, dk)
+    pred = (kk @ S).view(B, hv, dv)
+    delta = (v.float() - pred) * beta.float()[..., None]
+    # S += k delta^T per value head, in place (no [B, Hv, dk, dv] temporary)
+    state.view(B * hv, dk, dv).baddbmm_(expand_heads(kk.view(B, hk, dk), hv).reshape(B * hv, dk, 1), delta.view(B * hv, 1, dv))
+    out = ((q.float() * scale).view(B, hk, 1, 1, dk) @ S).view(B, hv, dv)
+    return out.to(v.dtype)
+
+
 def gdn_recurrent(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -175,19 +192,12 @@ def gdn_recurrent(
     B = cu_seqlens.numel() - 1
     S = _initial_states(state_pool, slot_ids, has_initial_state)
 
-    if T == B:  # every row has exactly one token: one vectorised step, heads grouped by key head
-        hk, r = q.shape[1], hv // q.shape[1]
-        S = S.view(B, hk, r, dk, dv) * g.float().exp().view(B, hk, r, 1, 1)
-        kk = k.float().view(B, hk, 1, 1, dk)
-        pred = (kk @ S).view(B, hk, r, dv)
-        delta = (v.float().view(B, hk, r, dv) - pred) * beta.float().view(B, hk, r, 1)
-        S = S + kk.transpose(-1, -2) * delta.view(B, hk, r, 1, dv)
-        out = ((q.float() * scale).view(B, hk, 1, 1, dk) @ S).view(B, hv, dv)
-        S = S.view(B, hv, dk, dv)
+    if T == B:  # every row has exactly one token: one vectorised step on the gathered states
+        out = gdn_decode_step_(q, k, v, g, beta, S, scale)
         if intermediate_states is not None:
             intermediate_states[:, 0] = S
         state_pool.index_copy_(0, slot_ids, S.to(state_pool.dtype))
-        return out.to(v.dtype)
+        return out
 
     qf = expand_heads(q, hv).float() * scale
     kf = expand_heads(k, hv).float()

@@ -26,6 +26,7 @@ class Capacity:
     block_size: int
     kv_bytes_per_token: int  # summed over the attention layers (the only groups that grow)
     num_state_slots: int
+    spec_scratch_bytes: int = 0  # per-token GDN states of speculative rows, for rollback
 
     @property
     def max_tokens(self) -> int:
@@ -39,26 +40,31 @@ class Capacity:
 
     def summary(self) -> str:
         mib = 2**20
+        spec = f", speculative scratch {self.spec_scratch_bytes / mib:.1f} MiB" if self.spec_scratch_bytes else ""
         return (
             f"cache {self.cache_bytes / mib:.1f} MiB: {self.num_blocks} KV blocks x {self.block_size} tokens "
             f"= {self.max_tokens} tokens ({self.kv_bytes_per_token} B/token over attention layers, "
             f"{self.kv_bytes / mib:.1f} MiB); {self.num_state_slots} GDN state slots "
-            f"({self.state_bytes / mib:.1f} MiB) bound concurrency to {self.max_concurrency}"
+            f"({self.state_bytes / mib:.1f} MiB) bound concurrency to {self.max_concurrency}{spec}"
         )
 
 
-def plan_capacity(specs: list[CacheSpec], budget: int, num_slots: int, block_size: int) -> Capacity:
+def plan_capacity(
+    specs: list[CacheSpec], budget: int, num_slots: int, block_size: int, num_spec_tokens: int = 0
+) -> Capacity:
     attn = [s for s in specs if isinstance(s, PagedAttentionSpec)]
     gdn = [s for s in specs if isinstance(s, GDNStateSpec)]
     state_bytes = num_slots * sum(s.page_size_bytes for s in gdn)
+    scratch = num_slots * (num_spec_tokens + 1) * sum(s.page_size_bytes for s in gdn) if num_spec_tokens else 0
     block_bytes = sum(s.page_size_bytes for s in attn)
     if not attn:
         raise ValueError("the model has no full-attention layer; pdserve serves hybrid models")
-    num_blocks = (budget - state_bytes) // block_bytes
+    num_blocks = (budget - state_bytes - scratch) // block_bytes
     if num_blocks < 1:
         raise ValueError(
             f"kv_cache_memory={budget} B leaves no room for KV pages after {num_slots} GDN state slots "
-            f"({state_bytes} B) and one {block_bytes} B block; raise kv_cache_memory or lower max_num_seqs"
+            f"({state_bytes + scratch} B with speculative scratch) and one {block_bytes} B block; "
+            "raise kv_cache_memory or lower max_num_seqs"
         )
     return Capacity(
         cache_bytes=budget,
@@ -68,18 +74,24 @@ def plan_capacity(specs: list[CacheSpec], budget: int, num_slots: int, block_siz
         block_size=block_size,
         kv_bytes_per_token=block_bytes // block_size,
         num_state_slots=num_slots,
+        spec_scratch_bytes=scratch,
     )
 
 
 class CachePools:
     """Per-layer pools: kv[layer] for attention, conv[layer] + recurrent[layer] for GDN."""
 
-    def __init__(self, specs: list[CacheSpec], capacity: Capacity, device: str | torch.device = "cpu"):
+    def __init__(
+        self, specs: list[CacheSpec], capacity: Capacity, device: str | torch.device = "cpu", num_spec_tokens: int = 0
+    ):
         self.specs = {s.layer: s for s in specs}
         self.capacity = capacity
         self.kv: dict[int, torch.Tensor] = {}
         self.conv: dict[int, torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
+        # speculative rows: the state after every verified token, row-indexed [rows, k+1, ...]
+        self.conv_scratch: dict[int, torch.Tensor] = {}
+        self.recurrent_scratch: dict[int, torch.Tensor] = {}
         for s in specs:  # zeroed: pages and slots never hold NaN, even before first use
             if isinstance(s, PagedAttentionSpec):
                 self.kv[s.layer] = torch.zeros(s.pool_shape(capacity.num_blocks), dtype=s.dtype, device=device)
@@ -87,6 +99,20 @@ class CachePools:
                 n = capacity.num_state_slots
                 self.conv[s.layer] = torch.zeros((n, *s.conv_shape), dtype=s.conv_dtype, device=device)
                 self.recurrent[s.layer] = torch.zeros((n, *s.recurrent_shape), dtype=s.recurrent_dtype, device=device)
+                if num_spec_tokens:
+                    k1 = num_spec_tokens + 1
+                    self.conv_scratch[s.layer] = torch.zeros((n, k1, *s.conv_shape), dtype=s.conv_dtype, device=device)
+                    self.recurrent_scratch[s.layer] = torch.zeros(
+                        (n, k1, *s.recurrent_shape), dtype=s.recurrent_dtype, device=device
+                    )
+
+    def rollback(self, rows: list[tuple[int, int, int]]) -> None:
+        """(slot, decode row, index) per speculative row that kept only part of its drafts: the
+        slot takes the state after token `index` of that row, in every GDN layer."""
+        for layer, conv in self.conv.items():
+            for slot, row, idx in rows:
+                conv[slot].copy_(self.conv_scratch[layer][row, idx])
+                self.recurrent[layer][slot].copy_(self.recurrent_scratch[layer][row, idx])
 
     def tensors(self) -> list[tuple[str, int, torch.Tensor]]:
         """(kind, layer, tensor) for every pool: what the transfer layer registers."""

@@ -3,6 +3,7 @@ slots (one per live request). Free counts are exact after finish, abort and pree
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 
 
@@ -41,11 +42,13 @@ class BlockManager:
 
 
 class SlotPool:
-    """GDN state slots: the same slot index in every GDN layer's conv and recurrent pools."""
+    """GDN state slots: the same slot index in every GDN layer's conv and recurrent pools.
+    The lowest free slot is handed out first, so a decode batch tends to occupy one contiguous
+    run of slots, which the CPU path updates in place."""
 
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
-        self._free: deque[int] = deque(range(num_slots))
+        self._free: list[int] = list(range(num_slots))  # a heap
         self._used: set[int] = set()
 
     @property
@@ -55,7 +58,7 @@ class SlotPool:
     def allocate(self) -> int | None:
         if not self._free:
             return None
-        s = self._free.popleft()
+        s = heapq.heappop(self._free)
         self._used.add(s)
         return s
 
@@ -63,4 +66,4 @@ class SlotPool:
         if slot not in self._used:
             raise ValueError(f"state slot {slot} freed twice or never allocated")
         self._used.remove(slot)
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)

@@ -23,6 +23,8 @@ class RowGroup:
     seq_lens: torch.Tensor  # [B] tokens in context including this step's
     block_tables: torch.Tensor  # [B, max_blocks]
     decode: bool = False  # one new token per row, continuing a sequence (recurrent GDN path)
+    slot_start: int | None = None  # set when slot_ids are slot_start, slot_start+1, ... (update in place)
+    max_row_tokens: int = 1  # > 1 in a decode group: speculative rows (k+1 tokens) are present
 
     @property
     def num_rows(self) -> int:
@@ -62,4 +64,6 @@ def make_group(tok_start, lens, slots, has_init, seq_lens, block_tables, device,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
         block_tables=torch.tensor(table, dtype=torch.int64, device=device),
         decode=decode,
+        max_row_tokens=max(lens),
+        slot_start=slots[0] if list(slots) == list(range(slots[0], slots[0] + len(slots))) else None,
     )

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from kernels import (
     causal_conv1d,
     causal_conv1d_update,
+    conv_update_,
+    gdn_decode_step_,
     gated_rms_norm,
     gdn_chunk_prefill,
     gdn_recurrent,
@@ -27,6 +29,7 @@ from kernels import (
     rms_norm,
     store_kv,
 )
+from engine.cache.allocator import CachePools
 from engine.model.batch import ForwardBatch
 from engine.model.rotary import apply_rotary
 
@@ -69,7 +72,10 @@ def _per_group(batch: ForwardBatch, x, fn):
 
 
 class GatedDeltaNet:
-    def __init__(self, w: GDNWeights, hk: int, hv: int, dk: int, dv: int, eps: float, all_reduce: AllReduce):
+    def __init__(
+        self, layer: int, w: GDNWeights, hk: int, hv: int, dk: int, dv: int, eps: float, all_reduce: AllReduce
+    ):
+        self.layer = layer
         self.w, self.hk, self.hv, self.dk, self.dv, self.eps = w, hk, hv, dk, dv, eps
         self.all_reduce = all_reduce
         self.key_dim, self.value_dim = hk * dk, hv * dv
@@ -77,29 +83,41 @@ class GatedDeltaNet:
         self.neg_A = -w.A_log.float().exp()
         self.dt_bias = w.dt_bias.float()
 
-    def _conv(self, conv_pool, grp, qkv):
+    def _conv(self, pools, grp, qkv):
+        conv_pool = pools.conv[self.layer]
+        if grp.decode and grp.max_row_tokens > 1:  # speculative rows: keep the state after each token
+            scratch = pools.conv_scratch[self.layer][: grp.num_rows, : grp.max_row_tokens]
+            return causal_conv1d(qkv, self.w.conv, grp.cu_seqlens, conv_pool, grp.slot_ids, None, True, scratch)
+        if grp.decode and grp.slot_start is not None and not qkv.is_cuda:
+            return conv_update_(qkv, self.w.conv, conv_pool[grp.slot_start : grp.slot_start + grp.num_rows])
         if grp.decode:
             return causal_conv1d_update(qkv, self.w.conv, conv_pool, grp.slot_ids)
         return causal_conv1d(qkv, self.w.conv, grp.cu_seqlens, conv_pool, grp.slot_ids, grp.has_initial_state)
 
-    def _delta_rule(self, rec_pool, grp, q, k, v, g, beta):
+    def _delta_rule(self, pools, grp, q, k, v, g, beta):
+        rec_pool = pools.recurrent[self.layer]
+        if grp.decode and grp.max_row_tokens > 1:
+            scratch = pools.recurrent_scratch[self.layer][: grp.num_rows, : grp.max_row_tokens]
+            return gdn_recurrent(q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids, None, None, scratch)
+        if grp.decode and grp.slot_start is not None and not q.is_cuda:
+            return gdn_decode_step_(q, k, v, g, beta, rec_pool[grp.slot_start : grp.slot_start + grp.num_rows])
         if grp.decode:
             return gdn_recurrent(q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids)
         return gdn_chunk_prefill(q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids, grp.has_initial_state)
 
-    def __call__(self, x: torch.Tensor, batch: ForwardBatch, conv_pool: torch.Tensor, rec_pool: torch.Tensor):
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch, pools: CachePools):
         T = x.shape[0]
         proj = F.linear(x, self.w.w_in)
         qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
 
-        mixed = _per_group(batch, qkv, partial(self._conv, conv_pool))
+        mixed = _per_group(batch, qkv, partial(self._conv, pools))
         qk, v = mixed.split([2 * self.key_dim, self.value_dim], dim=-1)
         qk = l2norm(qk.reshape(T, 2 * self.hk, self.dk))
         q, k = qk[:, : self.hk], qk[:, self.hk :]
         v = v.reshape(T, self.hv, self.dv)
         beta = b.float().sigmoid()
         g = self.neg_A * F.softplus(a.float() + self.dt_bias)
-        o = _per_group(batch, (q, k, v, g, beta), partial(self._delta_rule, rec_pool))
+        o = _per_group(batch, (q, k, v, g, beta), partial(self._delta_rule, pools))
         o = gated_rms_norm(o, z.reshape(T, self.hv, self.dv), self.w.norm, self.eps)
         return self.all_reduce(F.linear(o.reshape(T, -1), self.w.w_out))
 

@@ -40,6 +40,7 @@ class Qwen35Model:
             lw = weights["layers"][i]
             if kind == "linear_attention":
                 mixer = GatedDeltaNet(
+                    i,
                     GDNWeights(**lw["mixer"]),
                     cfg.linear_num_key_heads // tp,
                     cfg.linear_num_value_heads // tp,
@@ -66,7 +67,7 @@ class Qwen35Model:
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, self.eps, zero_centered=False)
             if layer.kind == "linear_attention":
-                h = layer.mixer(h, batch, pools.conv[i], pools.recurrent[i])
+                h = layer.mixer(h, batch, pools)
             else:
                 h = layer.mixer(h, batch, pools.kv[i], cos, sin)
             x = x + h
