@@ -143,9 +143,10 @@ def load_weights(cfg: ModelConfig, tp: int, rank: int, device="cpu") -> dict:
             }
         else:
             a = lp + "self_attn."
+            qg = get(a + "q_proj.weight", q_rows).view(len(qh), 2, hd, -1)  # per head [q | gate]
             layer["mixer"] = {
-                "w_qkv": torch.cat([get(a + "q_proj.weight", q_rows), get(a + "k_proj.weight", kv_rows),
-                                    get(a + "v_proj.weight", kv_rows)]),
+                "w_qkv": torch.cat([qg[:, 0].reshape(-1, qg.shape[-1]), get(a + "k_proj.weight", kv_rows),
+                                    qg[:, 1].reshape(-1, qg.shape[-1]), get(a + "v_proj.weight", kv_rows)]),
                 "q_norm": get(a + "q_norm.weight"),
                 "k_norm": get(a + "k_norm.weight"),
                 "w_o": get(a + "o_proj.weight", cols=q_cols),

@@ -24,14 +24,12 @@ from kernels import (
     gated_rms_norm,
     gdn_chunk_prefill,
     gdn_recurrent,
-    l2norm,
     paged_attention,
-    rms_norm,
     store_kv,
 )
 from engine.cache.allocator import CachePools
 from engine.model.batch import ForwardBatch
-from engine.model.rotary import apply_rotary
+from engine.model.rotary import apply_rotary_
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -82,6 +80,7 @@ class GatedDeltaNet:
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.neg_A = -w.A_log.float().exp()
         self.dt_bias = w.dt_bias.float()
+        self.qk_scale = torch.tensor([1.0 / dk] * hk + [dk**-0.5] * hk, device=w.w_in.device)[:, None]
 
     def _conv(self, pools, grp, qkv):
         conv_pool = pools.conv[self.layer]
@@ -98,12 +97,14 @@ class GatedDeltaNet:
         rec_pool = pools.recurrent[self.layer]
         if grp.decode and grp.max_row_tokens > 1:
             scratch = pools.recurrent_scratch[self.layer][: grp.num_rows, : grp.max_row_tokens]
-            return gdn_recurrent(q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids, None, None, scratch)
+            return gdn_recurrent(q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids, None, 1.0, scratch)
         if grp.decode and grp.slot_start is not None and not q.is_cuda:
-            return gdn_decode_step_(q, k, v, g, beta, rec_pool[grp.slot_start : grp.slot_start + grp.num_rows])
+            return gdn_decode_step_(q, k, v, g, beta, rec_pool[grp.slot_start : grp.slot_start + grp.num_rows], 1.0)
         if grp.decode:
-            return gdn_recurrent(q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids)
-        return gdn_chunk_prefill(q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids, grp.has_initial_state)
+            return gdn_recurrent(q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids, scale=1.0)
+        return gdn_chunk_prefill(
+            q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids, grp.has_initial_state, scale=1.0
+        )
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, pools: CachePools):
         T = x.shape[0]
@@ -112,7 +113,8 @@ class GatedDeltaNet:
 
         mixed = _per_group(batch, qkv, partial(self._conv, pools))
         qk, v = mixed.split([2 * self.key_dim, self.value_dim], dim=-1)
-        qk = l2norm(qk.reshape(T, 2 * self.hk, self.dk))
+        # l2norm(x) == rms_norm(x, eps/dk) / sqrt(dk); q also takes the dk^-0.5 attention scale
+        qk = F.rms_norm(qk.reshape(T, 2 * self.hk, self.dk).float(), (self.dk,), None, 1e-6 / self.dk) * self.qk_scale
         q, k = qk[:, : self.hk], qk[:, self.hk :]
         v = v.reshape(T, self.hv, self.dv)
         beta = b.float().sigmoid()
@@ -127,15 +129,17 @@ class Attention:
         self.w, self.h, self.kvh, self.hd, self.eps = w, n_heads, n_kv, hd, eps
         self.all_reduce = all_reduce
         self.scale = hd**-0.5
+        # per-head (1 + w) of q_norm for query heads and k_norm for key heads
+        self.qk_norm = torch.cat([(1.0 + w.q_norm.float()).expand(n_heads, hd), (1.0 + w.k_norm.float()).expand(n_kv, hd)])
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor, cos, sin):
         T = x.shape[0]
-        qkv = F.linear(x, self.w.w_qkv)
-        qg, k, v = qkv.split([2 * self.h * self.hd, self.kvh * self.hd, self.kvh * self.hd], dim=-1)
-        qg = qg.view(T, self.h, 2 * self.hd)
-        q, gate = qg[..., : self.hd], qg[..., self.hd :].reshape(T, -1)
-        q = apply_rotary(rms_norm(q, self.w.q_norm, self.eps), cos, sin)
-        k = apply_rotary(rms_norm(k.view(T, self.kvh, self.hd), self.w.k_norm, self.eps), cos, sin)
+        qkv = F.linear(x, self.w.w_qkv)  # rows [q | k | gate | v] (reordered by the loader)
+        nqk = (self.h + self.kvh) * self.hd
+        qk, gate, v = qkv.split([nqk, self.h * self.hd, self.kvh * self.hd], dim=-1)
+        qk = F.rms_norm(qk.reshape(T, self.h + self.kvh, self.hd).float(), (self.hd,), None, self.eps)
+        qk = apply_rotary_((qk * self.qk_norm).to(x.dtype), cos, sin)
+        q, k = qk[:, : self.h], qk[:, self.h :]
         store_kv(k, v.view(T, self.kvh, self.hd), kv_pool, batch.slot_mapping)
 
         o = _per_group(

@@ -19,10 +19,11 @@ class Rotary:
         return self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, rd]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, hd]: rotate the first rotary_dim dims, pass the rest through."""
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, hd], in place: rotate the first rotary_dim dims (rotate-half form), keep the rest."""
     rd = cos.shape[-1]
-    xr, xp = x[..., :rd], x[..., rd:]
     half = rd // 2
+    xr = x[..., :rd]
     rot = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
-    return torch.cat([xr * cos + rot * sin, xp], dim=-1)
+    xr.mul_(cos).addcmul_(rot, sin)
+    return x
