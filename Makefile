@@ -29,6 +29,9 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	PDSERVE_SLOW=1 $(VPY) -m pytest -q $(PYTEST_ARGS)
 
+proto: $(STAMP)
+	$(VPY) proto/generate.py
+
 bench: $(STAMP)
 	$(VPY) bench/engine_vs_transformers.py
 
