@@ -70,17 +70,62 @@ class EngineCore:
                 "raise kv_cache_memory"
             )
 
-    def add_request(
-        self, prompt_token_ids, params: SamplingParams, request_id: str | None = None, want_logits: bool = False
-    ) -> str:
+    def _new(self, prompt_token_ids, params, request_id, **kw) -> Request:
         self.validate(prompt_token_ids, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in flight")
-        req = Request(rid, list(prompt_token_ids), params, want_logits=want_logits)
-        self.requests[rid] = req
+        return Request(rid, list(prompt_token_ids), params, **kw)
+
+    def add_request(
+        self,
+        prompt_token_ids,
+        params: SamplingParams,
+        request_id: str | None = None,
+        want_logits: bool = False,
+        prefill_only: bool = False,
+    ) -> str:
+        """Queue a request. prefill_only: stop after the first token and HOLD its pages and
+        slot for a transfer (release them with `release`)."""
+        req = self._new(prompt_token_ids, params, request_id, want_logits=want_logits, prefill_only=prefill_only)
+        self.requests[req.request_id] = req
         self.scheduler.add(req)
-        return rid
+        return req.request_id
+
+    # ---- disaggregation hooks ----------------------------------------------------------
+    def reserve(self, prompt_token_ids, params: SamplingParams, request_id: str) -> tuple[list[int], int] | None:
+        """Decode side: set aside pages for prompt + 1 tokens and a GDN slot for a state another
+        node will write. Returns (block_ids, slot), or None when there is no room now."""
+        req = self._new(prompt_token_ids, params, request_id)
+        if not self.scheduler.reserve(req):
+            return None
+        self.requests[req.request_id] = req
+        return list(req.block_ids), req.slot
+
+    def activate(self, request_id: str, first_token: int) -> RequestOutput:
+        """Decode side: the reserved state has landed; the request joins the batch."""
+        req = self.requests[request_id]
+        if req.status is not Status.RESERVED:
+            raise ValueError(f"request {request_id!r} is {req.status.value}, not reserved")
+        self.scheduler.activate(req, first_token, self.cfg.model.eos_token_ids)
+        out = self._output(req)
+        if req.status is Status.FINISHED:
+            del self.requests[request_id]
+        return out
+
+    def held(self, request_id: str) -> tuple[list[int], int]:
+        """Prefill side: (block_ids, slot) a HELD request's state occupies."""
+        req = self.requests[request_id]
+        if req.status is not Status.HELD:
+            raise ValueError(f"request {request_id!r} is {req.status.value}, not held")
+        return list(req.block_ids), req.slot
+
+    def release(self, request_id: str) -> None:
+        """Free a HELD (transfer read it) or RESERVED (transfer abandoned) request's memory."""
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            reason = req.finish_reason if req.status is Status.HELD else "abort"
+            self.scheduler.finish(req, reason)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)
@@ -135,7 +180,7 @@ class EngineCore:
     def _output(self, req: Request) -> RequestOutput:
         new = req.output_token_ids[req._sent :]
         req._sent = len(req.output_token_ids)
-        done = req.status is Status.FINISHED
+        done = req.status in (Status.FINISHED, Status.HELD)
         metrics = {"num_preemptions": req.num_preemptions}
         if req.first_token_time is not None:
             metrics["ttft_s"] = req.first_token_time - req.arrival_time

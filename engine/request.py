@@ -1,5 +1,13 @@
 """A request's life inside one engine: WAITING -> RUNNING -> FINISHED (preemption sends a
-RUNNING request back to WAITING; it then recomputes prompt + output so far)."""
+RUNNING request back to WAITING; it then recomputes prompt + output so far).
+
+Disaggregated serving adds two states that hold memory outside the running batch:
+- HELD (prefill side): the prompt is computed and the first token sampled; its KV pages and
+  GDN slot stay allocated until the transfer has read them (`release`).
+- RESERVED (decode side): pages for prompt + 1 tokens and a slot are set aside for a state
+  that another node is writing; `activate` adds the request to the running batch with its
+  first token, or `release` gives the memory back.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +21,8 @@ from engine.sampling_params import SamplingParams
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    HELD = "held"
+    RESERVED = "reserved"
     FINISHED = "finished"
 
 
@@ -22,6 +32,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     want_logits: bool = False
+    prefill_only: bool = False  # stop after the first token and hold the memory for a transfer
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -158,6 +158,31 @@ class Scheduler:
             self.slots.free(req.slot)
             req.slot = None
 
+    # ---- disaggregation: memory held outside the running batch -------------------------
+    def reserve(self, req: Request) -> bool:
+        """Pages for the prompt and the first decoded token, and a GDN slot, or False."""
+        need = self.blocks.blocks_for(req.num_tokens + 1)
+        if not self.blocks.can_allocate(need) or self.slots.num_free == 0:
+            return False
+        req.block_ids = self.blocks.allocate(need)
+        req.slot = self.slots.allocate()
+        req.status = Status.RESERVED
+        return True
+
+    def activate(self, req: Request, first_token: int, eos: tuple[int, ...]) -> None:
+        """The prompt's state has landed in the reservation: decode from the first token on."""
+        assert req.status is Status.RESERVED, req.status
+        req.num_computed_tokens = len(req.prompt_token_ids)
+        req.status = Status.RUNNING
+        self.running.append(req)
+        self._emit(req, [first_token], eos)
+
+    def _hold(self, req: Request) -> None:
+        self.running.remove(req)
+        req.status = Status.HELD
+        req.finish_reason = "prefilled"
+        req.finish_time = time.monotonic()
+
     def finish(self, req: Request, reason: str) -> None:
         if req.status is Status.RUNNING:
             self.running.remove(req)
@@ -183,16 +208,22 @@ class Scheduler:
             toks = sampled[req.request_id]
             # the pending token and the accepted drafts are now in the cache
             req.num_computed_tokens += row.num_new_tokens - len(row.draft_token_ids) + len(toks) - 1
-            if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
             touched.append(req)
-            p = req.params
-            for tok in toks:
-                req.output_token_ids.append(tok)
-                if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
-                    self.finish(req, "stop")
-                    break
-                if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-                    self.finish(req, "length")
-                    break
+            self._emit(req, toks, eos)
+            if req.prefill_only and req.status is Status.RUNNING:
+                self._hold(req)
         return touched
+
+    def _emit(self, req: Request, toks: list[int], eos: tuple[int, ...]) -> None:
+        """Append tokens one by one, finishing on a stop token, EOS, max_tokens or max_model_len."""
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        p = req.params
+        for tok in toks:
+            req.output_token_ids.append(tok)
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
+                self.finish(req, "stop")
+                return
+            if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                self.finish(req, "length")
+                return
