@@ -1,10 +1,14 @@
 """The `pdserve` command line.
 
     pdserve make-tiny-model DIR [--layers 8 --hidden 256 ... --seed 0]
-    pdserve demo [--model DIR] [--tp 1]
-    pdserve bench-engine ...   (see bench/)
+    pdserve demo [--model DIR] [--tp 1] [--max-tokens 32]     # `up`, a few prompts via the SDK, shutdown
+    pdserve up --model DIR --prefill N --decode M --prefill-tp a --decode-tp b --port P  (or --config pools.yaml)
+    pdserve router --port P [--model DIR] [--decode ADDR ...] [--prefill ADDR ...]
+    pdserve decode --model DIR --router HOST:PORT [--port 0] [--tp b] [--local-prefill-threshold T]
+    pdserve prefill --model DIR --router HOST:PORT      (a stub until the prefill pool lands)
+    pdserve generate --addr HOST:PORT "text" [--max-tokens 32 --temperature 0]
 
-Errors print one line and exit non-zero; no stack traces.
+Errors print one line and exit with status 2; no stack traces.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -24,6 +30,9 @@ DEMO_PROMPTS = [
     "Hybrid language models mix linear attention layers with",
     "Once upon a time there was a small model",
 ]
+
+
+SERVER_COMMANDS = ("up", "router", "decode", "prefill")
 
 
 def default_model_dir() -> Path:
@@ -59,26 +68,219 @@ def cmd_make_tiny_model(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from engine import LLM, SamplingParams
+    """`up` with the built-in tiny model (one decode node), a few prompts streamed through the SDK."""
+    from client import Client, GenerateResult
+    from engine.config import ModelConfig
+    from router.launch import Cluster, PoolSpec
 
     model = Path(args.model) if args.model else default_model_dir()
-    print(f"loading {model} (tp={args.tp}) ...", flush=True)
-    with LLM(str(model), tensor_parallel_size=args.tp, dtype="float32") as llm:
-        print(llm.capacity().summary())
-        sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-        t0 = time.perf_counter()
-        outs = llm.generate(DEMO_PROMPTS, sp)
-        dt = time.perf_counter() - t0
-        for prompt, o in zip(DEMO_PROMPTS, outs):
-            print(f"\n> {prompt}\n  {o.text!r}\n  tokens {o.output_token_ids[:12]}... ({o.finish_reason})")
-        n = sum(len(o.output_token_ids) for o in outs)
-        print(f"\n{len(outs)} requests, {n} new tokens in {dt:.2f} s: {n / dt:.1f} tokens/s")
+    ModelConfig.from_dir(model)  # a bad directory fails here, in one line
+    spec = PoolSpec(model=str(model), decode=1, decode_tp=args.tp, port=0, dtype="float32",
+                    log_level=args.log_level or "WARNING")  # fmt: skip
+    print(f"starting a router and 1 decode node (tp={args.tp}) on {model} ...", flush=True)
+    with Cluster(spec) as cl:
+        cl.start()
+        print(f"ready at {cl.address}", flush=True)
+        with Client(cl.address) as c:
+            c.wait_ready(timeout=60)
+            t0 = time.perf_counter()
+            n = 0
+            for prompt in DEMO_PROMPTS:
+                print(f"\n> {prompt}\n  ", end="", flush=True)
+                res = GenerateResult()
+                with c.stream(prompt=prompt, max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True) as s:
+                    for chunk in s:
+                        res.add(chunk)
+                        print(chunk.text, end="", flush=True)
+                n += len(res.token_ids)
+                print(
+                    f"\n  tokens {res.token_ids[:12]}... ({res.finish_reason}) on {res.decode_node}, "
+                    f"prefill {res.prefill_node or 'local'}: TTFT {res.ttft_s * 1e3:.1f} ms, TPOT {res.tpot_s * 1e3:.1f} ms"
+                )
+            dt = time.perf_counter() - t0
+        print(f"\n{len(DEMO_PROMPTS)} requests, {n} new tokens in {dt:.2f} s: {n / dt:.1f} tokens/s; shutting down")
+    return 0
+
+
+# ---- serving components ---------------------------------------------------------------------
+def _serve_until_signal(node) -> int:
+    """Block until SIGINT / SIGTERM, then stop the server (and its engine) cleanly."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        pass
+    node.stop()
+    return 0
+
+
+def cmd_router(args) -> int:
+    from router.server import RouterConfig, serve
+
+    cfg = RouterConfig(
+        model=args.model,
+        static_decode=tuple(args.decode or ()),
+        static_prefill=tuple(args.prefill or ()),
+        heartbeat_interval_s=args.heartbeat_interval,
+        dead_after_s=args.dead_after,
+        admission_timeout_s=args.admission_timeout,
+        policy=args.policy,
+    )
+    router, port = serve(f"{args.host}:{args.port}", cfg)
+    if args.port_file:
+        tmp = Path(args.port_file + ".tmp")
+        tmp.write_text(str(port))
+        tmp.rename(args.port_file)
+    print(f"router listening on {args.host}:{port}", flush=True)
+    return _serve_until_signal(router)
+
+
+def cmd_decode(args) -> int:
+    from decode_node.config import DecodeNodeConfig
+    from decode_node.server import serve
+
+    cfg = DecodeNodeConfig(
+        model=str(args.model or default_model_dir()),
+        node_id=args.node_id,
+        tensor_parallel_size=args.tp,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        local_prefill_threshold=args.local_prefill_threshold,
+        router=args.router,
+        advertise_host=args.advertise_host or args.host,
+    )
+    node, port = serve(f"{args.host}:{args.port}", cfg)
+    print(f"decode node {cfg.node_id} listening on {node.address}", flush=True)
+    return _serve_until_signal(node)
+
+
+def cmd_prefill(args) -> int:
+    from prefill_node.server import PrefillNodeConfig, serve
+
+    cfg = PrefillNodeConfig(
+        model=str(args.model or default_model_dir()),
+        node_id=args.node_id,
+        tensor_parallel_size=args.tp,
+        router=args.router,
+        advertise_host=args.advertise_host or args.host,
+    )
+    node, port = serve(f"{args.host}:{args.port}", cfg)
+    print(f"prefill node {cfg.node_id} (stub: prefill pool not available yet) listening on {node.address}", flush=True)
+    return _serve_until_signal(node)
+
+
+_UP_DEFAULTS = dict(model=None, prefill=0, decode=1, prefill_tp=1, decode_tp=1, host="127.0.0.1", port=50051,
+                    dtype="auto", kv_cache_memory="256MiB", max_num_seqs=64, local_prefill_threshold=0,
+                    policy="least-loaded", admission_timeout=30.0)  # fmt: skip
+
+
+def _up_spec(args):
+    from router.launch import PoolSpec
+
+    vals = {k: getattr(args, k) for k in _UP_DEFAULTS}
+    if args.config:
+        import yaml
+
+        raw = yaml.safe_load(Path(args.config).read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{args.config}: expected a mapping of options")
+        flat = {}
+        for k, v in raw.items():
+            if k in ("prefill", "decode") and isinstance(v, dict):  # prefill: {count: 1, tp: 2}
+                flat[k] = v.get("count", _UP_DEFAULTS[k])
+                flat[f"{k}_tp"] = v.get("tp", 1)
+                for kk, vv in v.items():
+                    if kk not in ("count", "tp"):
+                        flat[kk.replace("-", "_")] = vv
+            else:
+                flat[k.replace("-", "_")] = v
+        unknown = sorted(set(flat) - set(_UP_DEFAULTS))
+        if unknown:
+            raise ValueError(f"{args.config}: unknown option(s) {', '.join(unknown)}; known: {', '.join(_UP_DEFAULTS)}")
+        for k, v in flat.items():
+            if vals[k] is None:  # the command line wins
+                vals[k] = v
+    vals = {k: (_UP_DEFAULTS[k] if v is None else v) for k, v in vals.items()}
+    if vals["model"] is None:
+        vals["model"] = str(default_model_dir())
+    from engine.config import ModelConfig
+
+    ModelConfig.from_dir(vals["model"])
+    return PoolSpec(
+        model=str(Path(vals["model"]).resolve()), prefill=vals["prefill"], decode=vals["decode"],
+        prefill_tp=vals["prefill_tp"], decode_tp=vals["decode_tp"], host=vals["host"], port=vals["port"],
+        dtype=vals["dtype"], kv_cache_memory=str(vals["kv_cache_memory"]), max_num_seqs=vals["max_num_seqs"],
+        local_prefill_threshold=vals["local_prefill_threshold"], policy=vals["policy"],
+        admission_timeout_s=float(vals["admission_timeout"]), log_level=args.log_level or "INFO",
+    )  # fmt: skip
+
+
+def cmd_up(args) -> int:
+    from router.launch import Cluster
+
+    spec = _up_spec(args)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    cl = Cluster(spec)
+    try:
+        print(
+            f"pdserve up: router + {spec.prefill} prefill (tp={spec.prefill_tp}) + {spec.decode} decode "
+            f"(tp={spec.decode_tp}) node(s) on {spec.model}",
+            flush=True,
+        )
+        cl.start()
+        if stop.is_set():
+            return 130
+        print(f"pdserve up: ready at {cl.address}", flush=True)
+        while not stop.wait(0.2):
+            dead = cl.poll_exited()
+            if dead:
+                raise RuntimeError(f"{dead[0]} exited with status {dead[1]}; stopping everything")
+        print("pdserve up: stopping", flush=True)
+        return 0
+    finally:
+        cl.stop()
+
+
+def cmd_generate(args) -> int:
+    from client import Client, GenerateResult, PdserveError
+
+    kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+              seed=args.seed, ignore_eos=args.ignore_eos)  # fmt: skip
+    if args.token_ids:
+        kw["prompt_token_ids"] = [int(t) for t in args.token_ids.replace(",", " ").split()]
+    elif args.prompt is None:
+        raise ValueError("give a prompt (text) or --token-ids")
+    else:
+        kw["prompt"] = args.prompt
+    with Client(args.addr) as c:
+        try:
+            c.wait_ready(timeout=args.wait)
+            res = GenerateResult()
+            with c.stream(**kw) as s:
+                for chunk in s:
+                    res.add(chunk)
+                    print(chunk.text if chunk.text or not chunk.token_ids else f" {chunk.token_ids}", end="", flush=True)
+        except PdserveError as e:
+            raise ValueError(f"{e.code.name}: {e.message}") from None
+        except TimeoutError as e:
+            raise ValueError(str(e)) from None
+    print(
+        f"\n[{len(res.token_ids)} tokens, {res.finish_reason}; TTFT {res.ttft_s * 1e3:.1f} ms, "
+        f"TPOT {res.tpot_s * 1e3:.1f} ms]",
+        file=sys.stderr,
+    )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pdserve", description="Disaggregated serving for hybrid LLMs")
-    ap.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG", "WARNING"))
+    ap.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG"), help="default INFO for servers, else WARNING")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("make-tiny-model", help="write a small random Qwen3.5 checkpoint + tokenizer")
@@ -86,22 +288,87 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tiny_args(p)
     p.set_defaults(func=cmd_make_tiny_model)
 
-    p = sub.add_parser("demo", help="run the built-in tiny model on a few prompts")
+    p = sub.add_parser("demo", help="serve the built-in tiny model and stream a few prompts through it")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=32)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("up", help="run a router and node pools as local processes")
+    p.add_argument("--config", default=None, help="pools.yaml: the options below as keys (the command line wins)")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
+    p.add_argument("--prefill", type=int, default=None, help="prefill nodes (stubs for now; default 0)")
+    p.add_argument("--decode", type=int, default=None, help="decode nodes (default 1)")
+    p.add_argument("--prefill-tp", type=int, default=None)
+    p.add_argument("--decode-tp", type=int, default=None)
+    p.add_argument("--host", default=None, help="address every component binds (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="router port (default 50051; 0 picks one)")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--kv-cache-memory", default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--local-prefill-threshold", type=int, default=None)
+    p.add_argument("--policy", default=None)
+    p.add_argument("--admission-timeout", type=float, default=None)
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("router", help="run the router")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--port-file", default=None, help="write the bound port here (for --port 0)")
+    p.add_argument("--model", default=None, help="checkpoint whose tokenizer serves text prompts")
+    p.add_argument("--decode", action="append", metavar="ADDR", help="a static decode node (repeatable)")
+    p.add_argument("--prefill", action="append", metavar="ADDR", help="a static prefill node (repeatable)")
+    p.add_argument("--heartbeat-interval", type=float, default=0.5)
+    p.add_argument("--dead-after", type=float, default=3.0)
+    p.add_argument("--admission-timeout", type=float, default=30.0)
+    p.add_argument("--policy", default="least-loaded")
+    p.set_defaults(func=cmd_router)
+
+    for kind in ("decode", "prefill"):
+        p = sub.add_parser(kind, help=f"run one {kind} node" + (" (stub for now)" if kind == "prefill" else ""))
+        p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
+        p.add_argument("--router", default=None, help="router HOST:PORT to register with")
+        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--port", type=int, default=0)
+        p.add_argument("--advertise-host", default=None, help="host the router dials (default --host)")
+        p.add_argument("--node-id", default=f"{kind}-0")
+        p.add_argument("--tp", type=int, default=1)
+        if kind == "decode":
+            p.add_argument("--dtype", default="auto")
+            p.add_argument("--kv-cache-memory", default="256MiB")
+            p.add_argument("--max-num-seqs", type=int, default=64)
+            p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+            p.add_argument("--block-size", type=int, default=16)
+            p.add_argument("--max-model-len", type=int, default=None)
+            p.add_argument("--local-prefill-threshold", type=int, default=0,
+                           help="prompts shorter than this prefill here (0: always the prefill pool; "
+                                "until it exists every prompt prefills here)")  # fmt: skip
+        p.set_defaults(func=cmd_decode if kind == "decode" else cmd_prefill)
+
+    p = sub.add_parser("generate", help="stream a completion from a router")
+    p.add_argument("prompt", nargs="?", default=None)
+    p.add_argument("--addr", default="127.0.0.1:50051")
+    p.add_argument("--token-ids", default=None, help="send token ids instead of text: '1,2,3'")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the router to be ready")
+    p.set_defaults(func=cmd_generate)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = args.log_level or ("INFO" if args.cmd in SERVER_COMMANDS else "WARNING")
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except (ValueError, FileNotFoundError, OSError, RuntimeError, TimeoutError) as e:
         print(f"pdserve {args.cmd}: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,112 @@
+"""What the SDK returns, and how a request is put on the wire (shared by Client and AsyncClient)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from proto import pb
+
+
+class PdserveError(Exception):
+    """A failed call: `code` is the grpc.StatusCode, `message` the server's explanation."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+    @classmethod
+    def from_rpc(cls, e: grpc.RpcError) -> "PdserveError":
+        code = e.code() if callable(getattr(e, "code", None)) else grpc.StatusCode.UNKNOWN
+        details = e.details() if callable(getattr(e, "details", None)) else str(e)
+        return cls(code or grpc.StatusCode.UNKNOWN, details or "")
+
+
+@dataclass
+class StreamChunk:
+    request_id: str
+    token_ids: list[int]  # new tokens in this chunk
+    text: str  # their text (empty without a tokenizer on the router)
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort" on the last chunk
+    timings: pb.Timings
+    prompt_tokens: int = 0  # set on the first chunk
+    decode_node: str = ""  # set on the first chunk
+    prefill_node: str = ""
+
+
+@dataclass
+class GenerateResult:
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    decode_node: str = ""
+    prefill_node: str = ""
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    e2e_s: float = 0.0
+    queue_s: float = 0.0
+    transfer_s: float = 0.0
+    transfer_bytes: int = 0
+
+    def add(self, c: StreamChunk) -> None:
+        self.request_id = c.request_id
+        self.token_ids.extend(c.token_ids)
+        self.text += c.text
+        if c.prompt_tokens:
+            self.prompt_tokens, self.decode_node, self.prefill_node = c.prompt_tokens, c.decode_node, c.prefill_node
+        t = c.timings
+        self.ttft_s = t.ttft_s or self.ttft_s
+        self.queue_s = t.queue_s or self.queue_s
+        if c.finish_reason:
+            self.finish_reason = c.finish_reason
+            self.tpot_s, self.e2e_s = t.tpot_s, t.e2e_s
+            self.transfer_s, self.transfer_bytes = t.transfer_s, t.transfer_bytes
+
+
+def chunk_from(m: pb.GenerateResponse) -> StreamChunk:
+    return StreamChunk(
+        request_id=m.request_id,
+        token_ids=list(m.token_ids),
+        text=m.text,
+        finish_reason=m.finish_reason or None,
+        timings=m.timings,
+        prompt_tokens=m.prompt_tokens,
+        decode_node=m.decode_node,
+        prefill_node=m.prefill_node,
+    )
+
+
+def build_request(
+    prompt: str | None = None,
+    prompt_token_ids=None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_k: int = 0,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop_token_ids=(),
+    ignore_eos: bool = False,
+    request_id: str | None = None,
+) -> pb.GenerateRequest:
+    """Unset options (None) take the server's defaults."""
+    if (prompt is None) == (prompt_token_ids is None):
+        raise ValueError("give exactly one of prompt= (text) or prompt_token_ids=")
+    sp = pb.SamplingParams(top_k=top_k, stop_token_ids=list(stop_token_ids or ()), ignore_eos=ignore_eos)
+    if max_tokens is not None:
+        sp.max_tokens = max_tokens
+    if temperature is not None:
+        sp.temperature = temperature
+    if top_p is not None:
+        sp.top_p = top_p
+    if seed is not None:
+        sp.seed = seed
+    req = pb.GenerateRequest(request_id=request_id or "", sampling=sp)
+    if prompt is not None:
+        req.prompt = prompt
+    else:
+        req.prompt_token_ids.extend(int(t) for t in prompt_token_ids)
+    return req

@@ -1,0 +1,172 @@
+"""The engine loop: one thread owns the EngineCore; gRPC handler threads talk to it by queues.
+
+    handler --submit(rid, ids, params)--> inbox --(loop thread) add_request / abort / call-->
+    EngineCore.step() -> RequestOutput -> the request's Stream (a queue) -> handler -> client
+
+A handler's `Stream` yields ("out", RequestOutput) items until a finished one, or a single
+("error", ValueError) when the engine refused the request. Aborting an id is keyed by its Stream,
+so a late abort for a finished request (or another request that reused the id) does nothing.
+Capacity counters are snapshotted by the loop thread after every command and step, so readers
+(heartbeats, Stats) never touch engine state from another thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+log = logging.getLogger("pdserve.decode")
+
+
+@dataclass
+class Stream:
+    request_id: str
+    num_prompt_tokens: int
+    received: float = field(default_factory=time.monotonic)  # handler got it
+    added: float | None = None  # the engine took it
+    q: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+
+    def get(self, timeout: float | None = None):
+        return self.q.get(timeout=timeout)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    total_blocks: int = 0
+    free_blocks: int = 0
+    block_size: int = 0
+    total_slots: int = 0
+    free_slots: int = 0
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    reserved: int = 0
+
+
+class EngineLoop:
+    def __init__(self, engine, name: str = "engine"):
+        self.engine = engine
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.streams: dict[str, Stream] = {}
+        self.snapshot = Snapshot()
+        self.initial = None  # the first snapshot (idle): what "all free" looks like
+        self._stop = threading.Event()
+        self._snap()
+        self.initial = self.snapshot
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> "EngineLoop":
+        self.thread.start()
+        return self
+
+    # ---- called from handler threads ----------------------------------------------------
+    def submit(self, request_id: str, prompt_token_ids: list[int], params) -> Stream:
+        s = Stream(request_id, len(prompt_token_ids))
+        self.inbox.put(("add", s, prompt_token_ids, params))
+        return s
+
+    def abort(self, stream: Stream) -> None:
+        self.inbox.put(("abort", stream))
+
+    def call(self, fn, timeout: float = 30.0):
+        """Run fn(engine) on the loop thread (reservations and other engine state)."""
+        fut: Future = Future()
+        self.inbox.put(("call", fn, fut))
+        return fut.result(timeout=timeout)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.inbox.put(("wake",))
+        self.thread.join(timeout=30)
+
+    # ---- the loop thread -------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            busy = eng.has_unfinished()
+            try:
+                cmd = self.inbox.get_nowait() if busy else self.inbox.get()  # idle: sleep until work
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                self._handle(cmd)
+                try:
+                    cmd = self.inbox.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self._stop.is_set():
+                break
+            if eng.has_unfinished():
+                try:
+                    outs = eng.step()
+                except Exception as e:  # the engine is broken: fail what is in flight, keep serving
+                    log.exception("engine step failed")
+                    self._fail_all(e)
+                    outs = []
+                for o in outs:
+                    s = self.streams.get(o.request_id)
+                    if s is None:
+                        continue
+                    if o.finished:
+                        del self.streams[o.request_id]
+                    s.q.put(("out", o))
+            self._snap()
+        self._fail_all(RuntimeError("node shutting down"))
+
+    def _handle(self, cmd) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, s, ids, params = cmd
+            try:
+                self.engine.add_request(ids, params, s.request_id)
+            except Exception as e:  # ValueError: a bad request; anything else: reported as internal
+                s.q.put(("error", e))
+                return
+            s.added = time.monotonic()
+            self.streams[s.request_id] = s
+        elif kind == "abort":
+            s = cmd[1]
+            if self.streams.get(s.request_id) is s:
+                del self.streams[s.request_id]
+                out = self.engine.abort(s.request_id)
+                if out is not None:
+                    s.q.put(("out", out))
+        elif kind == "call":
+            _, fn, fut = cmd
+            try:
+                fut.set_result(fn(self.engine))
+            except Exception as e:
+                fut.set_exception(e)
+        self._snap()
+
+    def _fail_all(self, err: Exception) -> None:
+        for rid, s in list(self.streams.items()):
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                log.exception("abort of %s failed", rid)
+            s.q.put(("error", err))
+        self.streams.clear()
+
+    def _snap(self) -> None:
+        eng = self.engine
+        sched = eng.scheduler
+        queued = 0
+        for r in list(getattr(sched, "waiting", ())) + list(getattr(sched, "running", ())):
+            queued += max(0, len(r.prompt_token_ids) - r.num_computed_tokens)
+        reserved = sum(1 for r in eng.requests.values() if getattr(r.status, "value", "") == "reserved")
+        self.snapshot = Snapshot(
+            total_blocks=eng.capacity.num_blocks,
+            free_blocks=eng.blocks.num_free,
+            block_size=eng.capacity.block_size,
+            total_slots=eng.capacity.num_state_slots,
+            free_slots=eng.slots.num_free,
+            running=len(getattr(sched, "running", ())),
+            waiting=len(getattr(sched, "waiting", ())),
+            queued_prefill_tokens=queued,
+            reserved=reserved,
+        )

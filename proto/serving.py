@@ -1,0 +1,118 @@
+"""Wire-level helpers shared by the router and the nodes (gRPC and the stubs only, no engine).
+
+- `start_server`: a gRPC server with health checking and reflection for the given services,
+  bound to `addr` (port 0 picks a free port); returns (server, port, health servicer).
+- `Heartbeater`: a node's thread that registers with the router, then heartbeats its capacity;
+  a heartbeat the router does not recognise (router restarted, node declared dead) registers
+  again. The node goes on serving while the router is away.
+- `sampling_kwargs`: SamplingParams (wire) -> keyword arguments of engine.SamplingParams.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+from typing import Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from proto import pb, rpc
+
+log = logging.getLogger("pdserve.serving")
+
+# Ids the engine accepts as request ids, and names a log line can carry.
+MAX_REQUEST_ID_LEN = 128
+
+
+def start_server(
+    addr: str, add_servicers: Callable[[grpc.Server], None], service_names: Iterable[str], max_workers: int = 64
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        options=[("grpc.so_reuseport", 0)],
+    )
+    add_servicers(server)
+    hs = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    names = [pb.DESCRIPTOR.services_by_name[n].full_name for n in service_names]
+    for n in [*names, ""]:
+        hs.set(n, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(addr)
+    if port == 0:
+        raise OSError(f"cannot bind {addr}")
+    server.start()
+    return server, port, hs
+
+
+def set_not_serving(hs: health.HealthServicer) -> None:
+    hs.enter_graceful_shutdown()
+
+
+def sampling_kwargs(sp: pb.SamplingParams) -> dict:
+    """Only the fields the caller set, so engine defaults apply to the rest."""
+    kw: dict = {"top_k": sp.top_k, "ignore_eos": sp.ignore_eos, "stop_token_ids": tuple(sp.stop_token_ids)}
+    for name in ("max_tokens", "temperature", "top_p", "seed"):
+        if sp.HasField(name):
+            kw[name] = getattr(sp, name)
+    if "temperature" in kw:
+        kw["temperature"] = float(kw["temperature"])
+    return kw
+
+
+def channel(addr: str) -> grpc.Channel:
+    return grpc.insecure_channel(addr, options=[("grpc.enable_retries", 0)])
+
+
+class Heartbeater:
+    """Register `info()` with the router at `router_addr`, then send a heartbeat every interval."""
+
+    def __init__(self, router_addr: str, info: Callable[[], pb.NodeInfo], interval_s: float = 0.5):
+        self.router_addr = router_addr
+        self.info = info
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._chan = channel(router_addr)
+        self._stub = rpc.RegistryStub(self._chan)
+        self._registered = False
+        self._warned = False
+        self.thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeater":
+        self.thread.start()
+        return self
+
+    def _beat(self) -> None:
+        node = self.info()
+        if not self._registered:
+            r = self._stub.Register(pb.RegisterRequest(node=node), timeout=5)
+            self.interval_s = r.heartbeat_interval_s or self.interval_s
+            self._registered = True
+            log.info("registered %s (%s) with the router at %s", node.node_id, node.address, self.router_addr)
+            return
+        r = self._stub.Heartbeat(
+            pb.HeartbeatRequest(node_id=node.node_id, incarnation=node.incarnation, capacity=node.capacity), timeout=5
+        )
+        if not r.known:
+            self._registered = False
+            self._beat()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._beat()
+                self._warned = False
+            except grpc.RpcError as e:
+                self._registered = False
+                if not self._warned:
+                    log.warning("router %s unreachable (%s); retrying", self.router_addr, e.code().name)
+                    self._warned = True
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=5)
+        self._chan.close()
