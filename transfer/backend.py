@@ -78,6 +78,10 @@ class Transport(ABC):
     def release(self, handle: object, force: bool = False) -> bool:
         """Free a finished handle. `force` also cancels one in flight (peer gone); True if freed."""
 
+    def new_tag_base(self) -> int:
+        """Receiver side: a fresh, never reused base for the data tags of one channel (tagged backends)."""
+        return 0
+
     def expect(self, agent: str, pairs: Sequence[RegionPair], src_blocks, dst_blocks, src_slot: int,
                dst_slot: int, tag_base: int) -> object | None:
         """Receiver side: make room for a channel's bytes before granting it (two-sided backends)."""
@@ -105,9 +109,14 @@ class Transport(ABC):
     def close(self) -> None: ...
 
 
-def byte_view(t: torch.Tensor) -> np.ndarray:
-    """The tensor's bytes as a flat uint8 numpy array sharing its (CPU) memory."""
-    return t.reshape(-1).view(torch.uint8).numpy()
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor sharing its memory."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def host_bytes(t: torch.Tensor) -> np.ndarray:
+    """A byte range as numpy: shared for CPU memory, copied for device memory."""
+    return (t if t.device.type == "cpu" else t.cpu()).numpy()
 
 
 def _nixl():

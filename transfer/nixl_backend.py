@@ -11,6 +11,7 @@ Notifications use NIXL's notification mechanism (attached to the transfer, or st
 from __future__ import annotations
 
 import logging
+import time
 from typing import Sequence
 
 import numpy as np
@@ -89,6 +90,7 @@ class NixlTransport(Transport):
         self.reg = self.nx.register_memory(tensors)  # once, for the endpoint's lifetime
         self.prepped: dict[str, _Prepped] = {}
         self.handles: dict[str, set] = {}  # peer -> live xfer handles
+        self.last_post: dict = {}  # indices, make_s, post_s of the latest write (observability)
 
     def metadata(self) -> bytes:
         return self.nx.get_agent_metadata()
@@ -115,8 +117,12 @@ class NixlTransport(Transport):
             if job.notif is not None:
                 self.nx.send_notif(agent, job.notif)
             return None
+        t0 = time.perf_counter()
         h = self.nx.make_prepped_xfer("WRITE", pp.local, li, pp.remote, ri, job.notif or b"")
-        if self.nx.transfer(h) == "ERR":
+        t1 = time.perf_counter()
+        status = self.nx.transfer(h)
+        self.last_post = {"indices": len(li), "make_s": t1 - t0, "post_s": time.perf_counter() - t1}
+        if status == "ERR":
             h.release()
             raise RuntimeError(f"NIXL refused to post a WRITE of {len(li)} descriptors to {agent}")
         self.handles[agent].add(h)

@@ -31,8 +31,6 @@ from transfer.sender import channel_checksum
 
 log = logging.getLogger(__name__)
 
-TAG_CHANNEL_SHIFT = 31  # UCXX data tags of channel n start at n << 31 (bit 63 is for control)
-
 
 class RecvRequest:
     def __init__(self, receiver: "Receiver", request_id: str, incarnation: int, blocks: list[int], slot: int,
@@ -94,7 +92,6 @@ class Receiver(Endpoint):
         self.recent: OrderedDict[tuple[str, int], str] = OrderedDict()  # ended reservations -> why
         self.views = ({k: byte_view(t) for k, t in self.transport.regions.items()}
                       if self.config.checksum else {})
-        self._channels = 0
 
     def _pairs(self, info):
         return pair_templates(info.schema, self.schema)
@@ -163,10 +160,7 @@ class Receiver(Endpoint):
             if req is not None and not req.state.terminal:
                 self._fail(req, f"refused source rank {msg.rank}: {e}")
             return
-        tag_base = 0
-        if self.config.backend != "nixl":
-            self._channels += 1
-            tag_base = self._channels << TAG_CHANNEL_SHIFT
+        tag_base = self.transport.new_tag_base()
         req.expects[msg.rank] = self.transport.expect(msg.src, peer.pairs, msg.src_blocks, msg.dst_blocks,
                                                       msg.src_slot, msg.dst_slot, tag_base)
         req.begins[msg.rank] = msg

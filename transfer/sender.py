@@ -7,7 +7,8 @@ Lifecycle of a `SendRequest` (one per request on each source rank):
     final post lands, Done (+crc) delivered to each destination                -> DONE
     Refuse / Release / write error / abort() / grant timeout / peer removed    -> FAILED
     `quiet` once no write can still read the source pages; then owned source blocks and the
-    slot go back to the BlockManager / SlotPool, and each granted destination got Done or Abort.
+    slot go back to the BlockManager / SlotPool, each granted destination got Done or Abort, and
+    the sender forgets the request (the caller's SendRequest keeps its final state and error).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import time
 import zlib
 
-from transfer.backend import TransferState, WriteJob, byte_view
+from transfer.backend import TransferState, WriteJob, byte_view, host_bytes
 from transfer.endpoint import Endpoint, Peer
 from transfer.errors import PlanError, TransferError
 from transfer.messages import Abort, Begin, Done, Grant, Refuse, Release, Target, TargetRank, encode_control
@@ -31,7 +32,7 @@ def channel_checksum(pairs, views, side: str, src_blocks, dst_blocks, src_slot, 
     offs = so if side == "src" else do
     crc, total = 0, 0
     for r, o, n in zip(reg.tolist(), offs.tolist(), ln.tolist()):
-        crc = zlib.crc32(views[(pairs[r].layer, pairs[r].kind)][o:o + n], crc)
+        crc = zlib.crc32(host_bytes(views[(pairs[r].layer, pairs[r].kind)][o:o + n]), crc)
         total += n
     return crc, total
 
@@ -88,10 +89,10 @@ class SendRequest:
         self.sender._fail(self, reason)
 
     def release(self) -> None:
-        """Forget a finished request (its memory is already back once `quiet`)."""
+        """Check that a request is over: terminal and quiet (then its owned memory is back and the
+        sender has already forgotten it). Raises while a write may still read the source pages."""
         if not (self.state.terminal and self.quiet):
             raise TransferError(f"request {self.request_id} is {self.state.value}; release it once terminal and quiet")
-        self.sender.requests.pop(self.request_id, None)
 
 
 class Sender(Endpoint):
@@ -130,7 +131,7 @@ class Sender(Endpoint):
         once the request is quiet (done, or failed with no write in flight).
         """
         old = self.requests.get(request_id)
-        if old is not None and not (old.state.terminal and old.quiet):
+        if old is not None:
             raise TransferError(f"request {request_id} is already open on {self.agent} ({old.state.value})")
         if target.digest != self.digest:
             raise TransferError(f"target {request_id} is for model digest {target.digest}, this rank serves {self.digest}")
@@ -303,3 +304,5 @@ class Sender(Endpoint):
         if req.owned:
             self.blocks.free(req.src_blocks)
             self.slots.free(req.src_slot)
+        if self.requests.get(req.request_id) is req:
+            del self.requests[req.request_id]  # the caller keeps the object; late messages are stale

@@ -27,10 +27,6 @@ REGION_SHIFT = 20
 CHANNEL_SHIFT = 31
 
 
-def channel_tag_base(channel_id: int) -> int:
-    return channel_id << CHANNEL_SHIFT
-
-
 class _Requests:
     """UCX requests of one channel post, the buffers they need alive, and a notification to
     send once all of them completed."""
@@ -54,11 +50,12 @@ class UcxxTransport(Transport):
         self.worker = ucx.UCXWorker(self.ctx)
         if any(t.device.type != "cpu" for t in regions.values()):
             raise NotImplementedError("the UCXX backend moves CPU pools only in this version")
-        self.views = {k: byte_view(t) for k, t in regions.items()}
+        self.views = {k: byte_view(t).numpy() for k, t in regions.items()}
         self.eps: dict[str, object] = {}
         self._sends: list[tuple[object, bytes]] = []  # control sends in flight, with their buffers
         self._ctl_recvs: deque = deque()  # (request, buffer) in arrival order
         self._empty = np.zeros(0, dtype=np.uint8)
+        self._channels = 0
 
     def metadata(self):
         return self.worker.address.tobytes()
@@ -69,9 +66,17 @@ class UcxxTransport(Transport):
 
     def remove_peer(self, agent):
         ep = self.eps.pop(agent, None)
-        if ep is not None:
-            ep.close()  # cancels receives still posted on it
-            self.worker.progress()
+        if ep is None:
+            return
+        self.worker.progress()  # lets UCX notice a dead peer: its endpoint error cancels the receives
+        if ep.alive:
+            ep.close()  # a live peer: closing cancels receives still posted on it
+        # (closing an endpoint that already failed crashes ucxx 0.52, so a dead one is dropped as is)
+        self.worker.progress()
+
+    def new_tag_base(self):
+        self._channels += 1
+        return self._channels << CHANNEL_SHIFT
 
     def _tag(self, base: int, region: int, j: int):
         return self.ucx.UCXXTag(base | (region << REGION_SHIFT) | j)

@@ -100,8 +100,9 @@ def test_source_killed_during_transfer(hosts):
         c.assert_counts_initial()
 
 
-def test_source_killed_then_removed(hosts):
-    with Cluster(hosts, "nixl", 1, 2) as c:
+@pytest.mark.parametrize("backend", ["nixl", "ucxx"])
+def test_source_killed_then_removed(hosts, backend):
+    with Cluster(hosts, backend, 1, 2) as c:
         c.fill("r", 1, TOKENS)
         target = c.reserve("r", TOKENS)
         c.send("r", target, TOKENS, mode="partial")
