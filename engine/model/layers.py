@@ -85,7 +85,7 @@ class GatedDeltaNet:
     def _conv(self, pools, grp, qkv):
         conv_pool = pools.conv[self.layer]
         if grp.decode and grp.max_row_tokens > 1:  # speculative rows: keep the state after each token
-            scratch = pools.conv_scratch[self.layer][: grp.num_rows, : grp.max_row_tokens]
+            scratch = pools.conv_scratch[self.layer][: grp.num_rows]
             return causal_conv1d(qkv, self.w.conv, grp.cu_seqlens, conv_pool, grp.slot_ids, None, True, scratch)
         if grp.decode and grp.slot_start is not None and not qkv.is_cuda:
             return conv_update_(qkv, self.w.conv, conv_pool[grp.slot_start : grp.slot_start + grp.num_rows])
@@ -96,7 +96,7 @@ class GatedDeltaNet:
     def _delta_rule(self, pools, grp, q, k, v, g, beta):
         rec_pool = pools.recurrent[self.layer]
         if grp.decode and grp.max_row_tokens > 1:
-            scratch = pools.recurrent_scratch[self.layer][: grp.num_rows, : grp.max_row_tokens]
+            scratch = pools.recurrent_scratch[self.layer][: grp.num_rows]
             return gdn_recurrent(q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids, None, 1.0, scratch)
         if grp.decode and grp.slot_start is not None and not q.is_cuda:
             return gdn_decode_step_(q, k, v, g, beta, rec_pool[grp.slot_start : grp.slot_start + grp.num_rows], 1.0)
