@@ -1,0 +1,213 @@
+"""`pdserve up` (router + one decode node + a stub prefill node) through the SDK: greedy tokens
+equal transformers' generate, cancellation frees the node's pages and slots, bad requests are
+INVALID_ARGUMENT with a message and the servers go on serving."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from conftest import ROOT, decode_stats, nodes, wait_for
+
+import hybrid_ckpt as hc
+
+LENS = (1, 3, 64, 65, 200)
+NEW = 16
+
+
+@pytest.fixture(scope="module")
+def refs(ckpt):
+    ps = hc.prompts(lens=LENS, seed=5)
+    return ps, [hc.hf_greedy(ckpt, p, NEW) for p in ps]
+
+
+def _decode_node(cluster):
+    ns = [n for n in nodes(cluster.address) if n.node.node_id == "decode-0"]
+    assert ns and ns[0].alive
+    return ns[0].node
+
+
+def test_registry_lists_both_pools(cluster):
+    from proto import pb
+
+    got = {n.node.node_id: n for n in nodes(cluster.address)}
+    assert set(got) == {"decode-0", "prefill-0"}
+    assert got["decode-0"].alive and got["decode-0"].node.kind == pb.NODE_KIND_DECODE
+    assert got["prefill-0"].node.kind == pb.NODE_KIND_PREFILL and not got["prefill-0"].node.prefill_ready
+    cap = got["decode-0"].node.capacity
+    assert cap.total_slots > 0 and cap.total_blocks > 0 and cap.block_size > 0
+
+
+def test_greedy_matches_transformers_16_concurrent(client, refs):
+    ps, want = refs
+    jobs = [i % len(ps) for i in range(16)]
+
+    def one(i):
+        return client.generate(prompt_token_ids=ps[i], max_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+    with ThreadPoolExecutor(16) as ex:
+        outs = list(ex.map(one, jobs))
+    for i, r in zip(jobs, outs):
+        assert r.token_ids == want[i], f"prompt of {len(ps[i])} tokens"
+        assert r.finish_reason == "length" and r.prompt_tokens == len(ps[i])
+        assert r.decode_node == "decode-0" and r.prefill_node == ""
+        assert 0 < r.ttft_s <= r.e2e_s and r.tpot_s > 0
+
+
+def test_async_client_matches(cluster, refs):
+    from client import AsyncClient
+
+    ps, want = refs
+
+    async def main():
+        async with AsyncClient(cluster.address, timeout=120) as c:
+            await c.wait_ready(timeout=30)
+            rs = await asyncio.gather(
+                *[c.generate(prompt_token_ids=p, max_tokens=NEW, temperature=0.0, ignore_eos=True) for p in ps[:3]]
+            )
+            chunks = []
+            async with c.stream(prompt_token_ids=ps[1], max_tokens=NEW, temperature=0.0, ignore_eos=True) as s:
+                async for ch in s:
+                    chunks.append(ch)
+            return rs, chunks
+
+    rs, chunks = asyncio.run(main())
+    assert [r.token_ids for r in rs] == want[:3]
+    assert sum((c.token_ids for c in chunks), []) == want[1] and chunks[-1].finish_reason == "length"
+
+
+def test_text_prompt_streams_text(client, ckpt):
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(ckpt)
+    chunks = list(client.stream(prompt="hello world", max_tokens=12, temperature=0.0, ignore_eos=True))
+    ids = sum((c.token_ids for c in chunks), [])
+    assert len(ids) == 12 and chunks[-1].finish_reason == "length"
+    assert "".join(c.text for c in chunks) == tok.decode(ids)
+    r = client.generate(prompt_token_ids=tok.encode("hello world"), max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert r.token_ids == ids
+
+
+def test_cancelled_stream_frees_pages_and_slots(client, cluster):
+    node = _decode_node(cluster)
+    initial = decode_stats(node.address).capacity
+    assert initial.free_slots == initial.total_slots and initial.free_blocks == initial.total_blocks
+    s = client.stream(prompt_token_ids=list(range(1, 100)), max_tokens=4000, ignore_eos=True, temperature=0.0)
+    it = iter(s)
+    got = [next(it) for _ in range(3)]
+    assert all(c.finish_reason is None for c in got)
+    mid = decode_stats(node.address).capacity
+    assert mid.free_slots == initial.free_slots - 1 and mid.free_blocks < initial.free_blocks and mid.running == 1
+    s.close()
+
+    def back():
+        c = decode_stats(node.address).capacity
+        return c.free_slots == initial.free_slots and c.free_blocks == initial.free_blocks and c.running == 0
+
+    wait_for(back, 20, "free pages and slots back to their initial counts")
+    # the router's view (heartbeats) agrees
+    wait_for(lambda: _decode_node(cluster).capacity.free_slots == initial.free_slots, 10, "heartbeat")
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(prompt_token_ids=[]), "empty prompt"),
+        (dict(prompt=""), "empty prompt"),
+        (dict(prompt_token_ids=[1] * 4096), "max_model_len"),
+        (dict(prompt_token_ids=[1, 5000]), "out of range"),
+        (dict(prompt_token_ids=[1, 2], max_tokens=0), "max_tokens"),
+        (dict(prompt_token_ids=[1, 2], temperature=-1.0), "temperature"),
+        (dict(prompt_token_ids=[1, 2], top_p=0.0), "top_p"),
+        (dict(prompt_token_ids=[1, 2], top_k=-7), "top_k"),
+        (dict(prompt_token_ids=[1, 2], seed=-1), "seed"),
+    ],
+    ids=["empty-ids", "empty-text", "oversized", "vocab", "max_tokens", "temperature", "top_p", "top_k", "seed"],
+)
+def test_bad_requests_are_invalid_argument(client, kwargs, needle):
+    from client import PdserveError
+
+    with pytest.raises(PdserveError) as ei:
+        client.generate(**kwargs)
+    assert ei.value.code == grpc.StatusCode.INVALID_ARGUMENT and needle in ei.value.message
+    r = client.generate(prompt_token_ids=[1, 2, 3], max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert len(r.token_ids) == 4  # still serving
+
+
+def test_decode_node_refuses_bad_input_itself(cluster):
+    """The node validates too (a router is not its only caller)."""
+    from proto import pb, rpc
+    from proto.serving import channel
+
+    node = _decode_node(cluster)
+    with channel(node.address) as ch:
+        stub = rpc.DecodeNodeStub(ch)
+        for req, needle in [
+            (pb.DecodeRequest(prompt_token_ids=[], sampling=pb.SamplingParams()), "empty prompt"),
+            (pb.DecodeRequest(prompt_token_ids=[1], sampling=pb.SamplingParams(top_p=2.0)), "top_p"),
+            (pb.DecodeRequest(prompt_token_ids=[1] * 5000, sampling=pb.SamplingParams()), "max_model_len"),
+        ]:
+            with pytest.raises(grpc.RpcError) as ei:
+                list(stub.Generate(req, timeout=30))
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in ei.value.details()
+        out = list(stub.Generate(pb.DecodeRequest(prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_tokens=3)), timeout=30))
+        assert sum(len(m.token_ids) for m in out) == 3 and out[-1].finish_reason == "length"
+
+
+def test_health_and_reflection(cluster):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from proto.serving import channel
+
+    for addr, service in [(cluster.address, "pdserve.v1.Generation"), (_decode_node(cluster).address, "pdserve.v1.DecodeNode")]:
+        with channel(addr) as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert r.status == health_pb2.HealthCheckResponse.SERVING
+            resp = next(
+                reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+                )
+            )
+            assert service in {s.name for s in resp.list_services_response.service}
+
+
+def test_list_models(client, ckpt):
+    ms = client.list_models()
+    assert [m.path for m in ms] == [ckpt] and ms[0].has_tokenizer and ms[0].vocab_size == 1024
+
+
+def test_cli_generate_streams_text(cluster):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run(
+        [sys.executable, "-m", "router.cli", "generate", "--addr", cluster.address, "hello", "--max-tokens", "5",
+         "--temperature", "0", "--ignore-eos"],
+        capture_output=True, text=True, env=env, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "5 tokens, length" in r.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "router.cli", "generate", "--addr", cluster.address, "--token-ids", "1,2", "--max-tokens", "0"],
+        capture_output=True, text=True, env=env, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "Traceback" not in bad.stderr
+    assert "INVALID_ARGUMENT" in bad.stderr and "max_tokens" in bad.stderr
+
+
+def test_one_log_line_per_request(client, cluster):
+    r = client.generate(prompt_token_ids=[7, 8, 9], max_tokens=5, temperature=0.0, ignore_eos=True, request_id="log-me")
+    assert r.request_id == "log-me"
+
+    def lines():
+        return [ln for ln in cluster.lines if "request log-me:" in ln]
+
+    got = wait_for(lambda: len(lines()) >= 2 and lines(), 10, "the router's and the node's log lines")
+    router = [ln for ln in got if "pdserve.router" in ln]
+    node = [ln for ln in got if "pdserve.decode" in ln]
+    assert len(router) == 1 and len(node) == 1, got
+    assert "prompt 3, decode decode-0, prefill local" in router[0] and "ttft" in router[0] and "tpot" in router[0]

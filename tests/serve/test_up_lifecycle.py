@@ -1,0 +1,76 @@
+"""`pdserve up` process lifecycle: SIGTERM stops every child (TP worker processes included)
+with no orphans; a full node answers RESOURCE_EXHAUSTED after the bounded admission wait."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import grpc
+import pytest
+from conftest import Up, nodes, wait_for
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            kids.setdefault(ppid, []).append(int(d))
+    return kids
+
+
+def descendants(pid: int) -> set[int]:
+    kids, out, todo = _children(), set(), [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_sigterm_leaves_no_orphans_and_admission_is_bounded(ckpt):
+    from client import Client, PdserveError
+
+    up = Up("--model", ckpt, "--dtype", "float32", "--decode", "1", "--decode-tp", "2", "--prefill", "1",
+            "--max-num-seqs", "1", "--admission-timeout", "0.5")  # fmt: skip
+    try:
+        procs = descendants(up.proc.pid)
+        # router, prefill, decode, and the decode node's 2 TP workers (plus spawn helpers)
+        assert len(procs) >= 5, procs
+        assert {n.node.node_id for n in nodes(up.address) if n.alive} == {"decode-0", "prefill-0"}
+        with Client(up.address, timeout=60) as c:
+            c.wait_ready(timeout=30)
+            r = c.generate(prompt_token_ids=[1, 2, 3], max_tokens=4, temperature=0.0, ignore_eos=True)
+            assert len(r.token_ids) == 4
+            s = c.stream(prompt_token_ids=[1, 2, 3], max_tokens=4000, temperature=0.0, ignore_eos=True)
+            it = iter(s)
+            next(it)  # holds the only state slot
+            t0 = time.monotonic()
+            with pytest.raises(PdserveError) as ei:
+                c.generate(prompt_token_ids=[4, 5], max_tokens=4)
+            assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "no decode node had room" in ei.value.message
+            assert 0.4 < time.monotonic() - t0 < 10
+            s.close()
+            # the slot comes back, and the next request is admitted
+            r = c.generate(prompt_token_ids=[4, 5], max_tokens=3, temperature=0.0, ignore_eos=True)
+            assert len(r.token_ids) == 3
+        procs |= descendants(up.proc.pid)
+    finally:
+        rc = up.stop()
+    assert rc == 0, up.output()
+    wait_for(lambda: not [p for p in procs if alive(p)], 30, "every child of `pdserve up` to exit")
+    assert "pdserve up: stopping" in up.output()
