@@ -62,7 +62,8 @@ class Endpoint:
         self.blocks = blocks or BlockManager(cap.num_blocks, cap.block_size)
         self.slots = slots or SlotPool(cap.num_state_slots)
         regions = {(layer, kind): t for kind, layer, t in pools.tensors()}
-        opts = {"progress_thread": self.config.nixl_progress_thread} if self.config.backend == "nixl" else {}
+        opts = ({"progress_thread": self.config.nixl_progress_thread} if self.config.backend == "nixl"
+                else {"error_handling": self.config.ucxx_error_handling})
         self.transport: Transport = get_transport(self.config.backend)(self.agent, regions, **opts)
         self.info = PeerInfo(SCHEMA_VERSION, self.config.backend, self.agent, self.incarnation, node, self.role,
                              self.schema, self.transport.metadata())

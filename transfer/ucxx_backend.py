@@ -39,9 +39,11 @@ class _Requests:
 class UcxxTransport(Transport):
     name = "ucxx"
 
-    def __init__(self, agent, regions):
+    def __init__(self, agent, regions, error_handling: bool = True):
         super().__init__(agent, regions)
+        self.error_handling = error_handling
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        os.environ.setdefault("UCX_RNDV_FRAG_MEM_TYPE", "host")  # CPU pools; ucxx would pick "cuda"
         from ucxx._lib import libucxx as ucx  # noqa: PLC0415
         from ucxx._lib.arr import Array  # noqa: PLC0415
 
@@ -62,7 +64,7 @@ class UcxxTransport(Transport):
 
     def add_peer(self, agent, blob):
         addr = self.ucx.UCXAddress.create_from_buffer(blob)
-        self.eps[agent] = self.worker.create_endpoint_from_worker_address(addr, True)
+        self.eps[agent] = self.worker.create_endpoint_from_worker_address(addr, self.error_handling)
 
     def remove_peer(self, agent):
         ep = self.eps.pop(agent, None)
