@@ -92,8 +92,12 @@ class Endpoint:
             return info.agent
         peer = Peer(info, self._pairs(info))
         self.transport.add_peer(info.agent, info.transport)
+        try:
+            self._peer_added(peer)
+        except Exception:
+            self.transport.remove_peer(info.agent)
+            raise
         self.peers[info.agent] = peer
-        self._peer_added(peer)
         return info.agent
 
     def remove_peer(self, agent: str, reason: str = "declared dead") -> None:
@@ -101,8 +105,8 @@ class Endpoint:
         peer = self.peers.pop(agent, None)
         if peer is None:
             return
+        self.transport.remove_peer(agent)  # first: its posted receives are cancelled, handles released
         self._peer_removed(peer, reason)
-        self.transport.remove_peer(agent)
 
     def _pairs(self, info: PeerInfo) -> tuple[RegionPair, ...]:
         raise NotImplementedError

@@ -249,8 +249,8 @@ class Sender(Endpoint):
                 continue
             for ch in req.channels.values():
                 self._check_xfers(req, ch)
-            if req.state is TransferState.PENDING and now - req.opened_at > self.config.grant_timeout_s:
-                waiting = [ch.dst.rank for ch in req.channels.values() if ch.granted is None]
+            waiting = [ch.dst.rank for ch in req.channels.values() if ch.granted is None]
+            if waiting and not req.state.terminal and now - req.opened_at > self.config.grant_timeout_s:
                 self._fail(req, f"no grant from destination ranks {waiting} within {self.config.grant_timeout_s} s")
             if req.state is TransferState.TRANSFERRING and all(ch.done_sent for ch in req.channels.values()):
                 req.state = TransferState.DONE

@@ -198,3 +198,36 @@ def test_nixl_descriptors_merge_into_exactly_the_plan(a, b, kvh):
                 for r in plan(src, dst, sb, db, 1, 2)]
     assert merged == expected
     assert np.all(lrows[li][:, 1] == rrows[ri][:, 1])
+
+
+@pytest.mark.parametrize("backend", ["nixl", "ucxx"])
+def test_streamed_in_parts_after_a_long_prefill(backend):
+    """Grants are taken at open; KV goes first, the GDN state last (after a prefill longer than
+    the grant timeout); the destination completes only on the final part, bit-exact."""
+    model, sc, dc, tx, rx = _pair(backend, grant_timeout_s=0.2)
+    try:
+        before = snapshot(rx.pools)
+        blocks, slot = _fill(tx, sc, model)
+        r = rx.reserve("q", TOKENS)
+        s = tx.open("q", rx.target([r.target], "q", TOKENS), blocks, slot, TOKENS, owned=True)
+        _drive(tx, rx, until=lambda: all(ch.granted for ch in s.channels.values()))
+        deadline = time.monotonic() + 0.4
+        _drive(tx, rx, until=lambda: time.monotonic() > deadline)  # "prefill" outlives the grant timeout
+        assert s.state.value == "pending" and r.state.value == "transferring"
+        s.post(layers=model.attention_layers, final=False)
+        _drive(tx, rx, until=lambda: not any(ch.xfers for ch in s.channels.values()))
+        assert r.state.value == "transferring"  # KV landed, no Done yet
+        s.post()  # the GDN state and Done
+        _drive(tx, rx, until=lambda: s.state.terminal and s.quiet and r.state.terminal)
+        assert (s.state.value, r.state.value) == ("done", "done"), (s.error, r.error)
+        exp = make_pools(dc, 0)
+        for kind, layer, t in exp.tensors():
+            t.copy_(before[(kind, layer)])
+        place(exp, dc, 0, global_state(model, TOKENS, 4, 5), r.blocks[:len(blocks)], r.slot)
+        assert mismatches(rx.pools, snapshot(exp)) == []
+        r.release()
+        assert rx.blocks.num_free == rx.blocks.num_blocks and rx.slots.num_free == rx.slots.num_slots
+        assert tx.blocks.num_free == tx.blocks.num_blocks and tx.slots.num_free == tx.slots.num_slots
+    finally:
+        tx.close()
+        rx.close()
