@@ -38,6 +38,10 @@ class InProcExecutor:
     def execute(self, step: StepInput) -> StepOutput:
         return self.worker.execute(step)
 
+    def call_all(self, fn, *args, **kwargs) -> list:
+        """fn(worker, *args, **kwargs) on every rank (here, the one): results by rank."""
+        return [self.worker.call(fn, *args, **kwargs)]
+
     def close(self) -> None:
         self.worker = None
 
@@ -80,6 +84,10 @@ def _rank_main(cfg: EngineConfig, rank: int, port: int, conn) -> None:
         if msg is None:
             break
         try:
+            if isinstance(msg, tuple) and msg and msg[0] == "call":
+                _, fn, args, kwargs = msg
+                conn.send(("ok", worker.call(fn, *args, **kwargs)))
+                continue
             conn.send(("ok", worker.execute(msg)))
         except BaseException:
             conn.send(("error", traceback.format_exc()))
@@ -101,7 +109,7 @@ class MultiProcExecutor:
         caps = [self._recv(c, STARTUP_TIMEOUT_S, "start") for c in self.conns]
         self.capacity: Capacity = caps[0]
 
-    def _recv(self, conn, timeout: float, what: str):
+    def _recv(self, conn, timeout: float, what: str, fatal: bool = True):
         if not conn.poll(timeout):
             self.close()
             raise WorkerError(f"a tensor-parallel worker did not answer {what} within {timeout:.0f} s")
@@ -111,7 +119,8 @@ class MultiProcExecutor:
             self.close()
             raise WorkerError(f"a tensor-parallel worker died during {what}; see its log above") from None
         if kind == "error":
-            self.close()
+            if fatal:
+                self.close()
             raise WorkerError(f"a tensor-parallel worker failed during {what}:\n{payload}")
         return payload
 
@@ -120,6 +129,23 @@ class MultiProcExecutor:
             c.send(step)
         outs = [self._recv(c, STEP_TIMEOUT_S, "a step") for c in self.conns]
         return outs[0]
+
+    def call_all(self, fn, *args, **kwargs) -> list:
+        """fn(worker, *args, **kwargs) on every rank (fn must be importable by name); results by rank."""
+        for c in self.conns:
+            c.send(("call", fn, args, kwargs))
+        what = f"call {getattr(fn, '__name__', fn)}"
+        outs, err = [], None
+        for c in self.conns:  # drain every rank's answer before raising, to keep the pipes in step
+            try:
+                outs.append(self._recv(c, STEP_TIMEOUT_S, what, fatal=False))
+            except WorkerError as e:
+                if not self.conns:
+                    raise
+                err = err or e
+        if err is not None:
+            raise err
+        return outs
 
     def close(self) -> None:
         for c in self.conns:

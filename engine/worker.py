@@ -47,6 +47,12 @@ class Worker:
         self.pools = CachePools(self.specs, self.capacity, self.device, k)
         self.sampler = Sampler(cfg.seed)
         self.block_size = cfg.cache.block_size
+        self.ext: dict[str, object] = {}  # per-rank objects owned by node packages (e.g. transfer endpoints)
+
+    def call(self, fn, *args, **kwargs):
+        """Run fn(worker, ...) on this rank: how node packages (transfer endpoints, stats) reach
+        a rank's pools without the engine importing them."""
+        return fn(self, *args, **kwargs)
 
     def _group(self, rows: list[RowInput], tok_start: int, decode: bool):
         if not rows:
