@@ -44,11 +44,25 @@ BLOCK = 16
 
 def model_config() -> ModelConfig:
     return ModelConfig(
-        path="<bench>", architecture="Qwen3_5ForCausalLM", vocab_size=151936, hidden_size=1024,
-        intermediate_size=3584, layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 6,
-        num_attention_heads=8, num_kv_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
-        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
-        rope_theta=1e7, partial_rotary_factor=0.25, max_position_embeddings=65536, tie_word_embeddings=False,
+        path="<bench>",
+        architecture="Qwen3_5ForCausalLM",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3584,
+        layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 6,
+        num_attention_heads=8,
+        num_kv_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6,
+        rope_theta=1e7,
+        partial_rotary_factor=0.25,
+        max_position_embeddings=65536,
+        tie_word_embeddings=False,
         dtype=torch.bfloat16,
     )
 
@@ -76,8 +90,9 @@ def rank_main(conn, role: str, tp: int, rank: int, max_tokens: int, backend: str
     cfg = engine_config(tp, max_tokens)
     specs = build_specs(cfg, rank)
     pools = CachePools(specs, plan_capacity(specs, cfg.cache.memory_bytes, 2, BLOCK))
-    ep = (Sender if role == "sender" else Receiver)(cfg, rank, pools, "P" if role == "sender" else "D",
-                                                  TransferConfig(backend=backend, ucxx_error_handling=eh))
+    ep = (Sender if role == "sender" else Receiver)(
+        cfg, rank, pools, "P" if role == "sender" else "D", TransferConfig(backend=backend, ucxx_error_handling=eh)
+    )
     reqs, scratch = {}, {}
     if backend == "nixl":  # a contiguous registered buffer for the one-WRITE baseline, before publishing
         n = sum(s.page_size_bytes * (-(-max_tokens // BLOCK) if s.kind == "paged_kv" else 1) for s in specs)
@@ -105,12 +120,14 @@ def rank_main(conn, role: str, tp: int, rank: int, max_tokens: int, backend: str
             target = decode_target(target)
             blocks = ep.blocks.allocate(-(-tokens // BLOCK))
             req = ep.open(rid, target, blocks, ep.slots.allocate(), tokens, owned=True)
-            ep.wait(req, 30, until=lambda r: r.state.terminal or all(ch.granted for ch in r.channels.values()), sleep_s=0)
+            ep.wait(
+                req, 30, until=lambda r: r.state.terminal or all(ch.granted for ch in r.channels.values()), sleep_s=0
+            )
             assert not req.state.terminal, req.error
             reqs[rid] = req
             descs = 0
             for ch in req.channels.values():
-                dst = ch.dst.blocks[:len(blocks)]
+                dst = ch.dst.blocks[: len(blocks)]
                 descs += len(expand_arrays(ch.peer.pairs, blocks, dst, req.src_slot, ch.dst.slot)[0])
             conn.send(descs)
         elif cmd == "go":  # sender: post and wait until quiet
@@ -214,8 +231,13 @@ class Ranks:
         goes = [self._recv(c) for c in self.src]
         t_done = self._recv(self.dst)
         t0 = min(g[0] for g in goes)
-        return dict(time=t_done - t0, make=max(g[1] for g in goes), idx=sum(g[2] for g in goes),
-                    bytes=sum(g[3] for g in goes), descs=sum(opened))
+        return dict(
+            time=t_done - t0,
+            make=max(g[1] for g in goes),
+            idx=sum(g[2] for g in goes),
+            bytes=sum(g[3] for g in goes),
+            descs=sum(opened),
+        )
 
     def contiguous(self, per_src: list[int]) -> float:
         """One contiguous NIXL WRITE per source rank (its share of the bytes), with a notification."""
@@ -255,8 +277,11 @@ def main() -> None:
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="source TP sizes (destination TP is 1)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--backend", default="nixl", choices=["nixl", "ucxx"])
-    ap.add_argument("--no-ucx-error-handling", action="store_true",
-                    help="ucxx: endpoints without peer-failure handling (shared-memory transports)")
+    ap.add_argument(
+        "--no-ucx-error-handling",
+        action="store_true",
+        help="ucxx: endpoints without peer-failure handling (shared-memory transports)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
@@ -293,8 +318,10 @@ def _fmt(a, tokens, r) -> str:
     gbs = r["bytes"] / r["time"] / 1e9
     contig = f"{r['contig'] / r['time']:.2f} ({r['contig'] * 1e3:.1f} ms)" if r["contig"] else "-"
     memcpy = f"{r['memcpy'] / r['time']:.2f} ({r['memcpy'] * 1e3:.1f} ms)"
-    return (f"| {a}->1 | {tokens} | {r['bytes'] / 1e6:.1f} | {int(r['descs'])} ({int(r['idx'])}) | "
-            f"{r['make'] * 1e3:.2f} | {r['time'] * 1e3:.1f} | {gbs:.2f} | {contig} | {memcpy} |")
+    return (
+        f"| {a}->1 | {tokens} | {r['bytes'] / 1e6:.1f} | {int(r['descs'])} ({int(r['idx'])}) | "
+        f"{r['make'] * 1e3:.2f} | {r['time'] * 1e3:.1f} | {gbs:.2f} | {contig} | {memcpy} |"
+    )
 
 
 if __name__ == "__main__":

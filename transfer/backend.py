@@ -82,16 +82,32 @@ class Transport(ABC):
         """Receiver side: a fresh, never reused base for the data tags of one channel (tagged backends)."""
         return 0
 
-    def expect(self, agent: str, pairs: Sequence[RegionPair], src_blocks, dst_blocks, src_slot: int,
-               dst_slot: int, tag_base: int) -> object | None:
+    def expect(
+        self,
+        agent: str,
+        pairs: Sequence[RegionPair],
+        src_blocks,
+        dst_blocks,
+        src_slot: int,
+        dst_slot: int,
+        tag_base: int,
+    ) -> object | None:
         """Receiver side: make room for a channel's bytes before granting it (two-sided backends)."""
         return None
 
     def expect_state(self, handle: object | None) -> TransferState:
         return TransferState.DONE
 
-    def drain(self, agent: str, pairs: Sequence[tuple[int, RegionPair]], src_blocks, dst_blocks, src_slot: int,
-              dst_slot: int, tag_base: int) -> object | None:
+    def drain(
+        self,
+        agent: str,
+        pairs: Sequence[tuple[int, RegionPair]],
+        src_blocks,
+        dst_blocks,
+        src_slot: int,
+        dst_slot: int,
+        tag_base: int,
+    ) -> object | None:
         """Sender side, on abort: settle what the receiver still expects for unsent regions."""
         return None
 

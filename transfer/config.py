@@ -26,7 +26,9 @@ class TransferConfig:
         from transfer.backend import TRANSPORTS  # noqa: PLC0415
 
         if self.backend not in TRANSPORTS:
-            raise ValueError(f"unknown transfer backend {self.backend!r}; known backends: {', '.join(sorted(TRANSPORTS))}")
+            raise ValueError(
+                f"unknown transfer backend {self.backend!r}; known backends: {', '.join(sorted(TRANSPORTS))}"
+            )
         for name in ("lease_s", "grant_timeout_s", "quiesce_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive (got {getattr(self, name)})")

@@ -49,9 +49,17 @@ class Peer:
 class Endpoint:
     role: ClassVar[str]
 
-    def __init__(self, cfg: EngineConfig, rank: int, pools: CachePools, node: str,
-                 config: TransferConfig | None = None, *, blocks: BlockManager | None = None,
-                 slots: SlotPool | None = None):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        rank: int,
+        pools: CachePools,
+        node: str,
+        config: TransferConfig | None = None,
+        *,
+        blocks: BlockManager | None = None,
+        slots: SlotPool | None = None,
+    ):
         self.config = config or TransferConfig()
         self.cfg, self.rank, self.pools, self.node = cfg, rank, pools, node
         self.schema = build_schema(cfg, rank, pools, self.config.num_speculative_slots)
@@ -62,11 +70,22 @@ class Endpoint:
         self.blocks = blocks or BlockManager(cap.num_blocks, cap.block_size)
         self.slots = slots or SlotPool(cap.num_state_slots)
         regions = {(layer, kind): t for kind, layer, t in pools.tensors()}
-        opts = ({"progress_thread": self.config.nixl_progress_thread} if self.config.backend == "nixl"
-                else {"error_handling": self.config.ucxx_error_handling})
+        opts = (
+            {"progress_thread": self.config.nixl_progress_thread}
+            if self.config.backend == "nixl"
+            else {"error_handling": self.config.ucxx_error_handling}
+        )
         self.transport: Transport = get_transport(self.config.backend)(self.agent, regions, **opts)
-        self.info = PeerInfo(SCHEMA_VERSION, self.config.backend, self.agent, self.incarnation, node, self.role,
-                             self.schema, self.transport.metadata())
+        self.info = PeerInfo(
+            SCHEMA_VERSION,
+            self.config.backend,
+            self.agent,
+            self.incarnation,
+            node,
+            self.role,
+            self.schema,
+            self.transport.metadata(),
+        )
         self.peers: dict[str, Peer] = {}
         self.stale: deque[str] = deque(maxlen=256)  # messages ignored as stale or foreign, newest last
         self._closed = False
@@ -158,8 +177,9 @@ class Endpoint:
         deadline = time.monotonic() + timeout_s
         while not until(request):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.agent}: request {request.request_id} still {request.state.value} "
-                                   f"after {timeout_s:.1f} s")
+                raise TimeoutError(
+                    f"{self.agent}: request {request.request_id} still {request.state.value} after {timeout_s:.1f} s"
+                )
             self.poll()
             if sleep_s:
                 time.sleep(sleep_s)

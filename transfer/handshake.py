@@ -45,8 +45,12 @@ def check_schema(local: RankSchema, remote: RankSchema) -> None:
         raise HandshakeError("schema_version", local.version, remote.version)
     check_digest(local.digest, remote.digest)
     if local.block_size != remote.block_size:
-        raise HandshakeError("block_size", local.block_size, remote.block_size,
-                             "pages of different sizes are not mapped by token position in this version")
+        raise HandshakeError(
+            "block_size",
+            local.block_size,
+            remote.block_size,
+            "pages of different sizes are not mapped by token position in this version",
+        )
     mine = {t.key: t for t in local.tensors}
     theirs = {t.key: t for t in remote.tensors}
     if mine.keys() != theirs.keys():

@@ -110,7 +110,7 @@ def decode_control(data: bytes) -> Control | None:
     if not data.startswith(MAGIC):
         return None
     try:
-        return _dec.decode(data[len(MAGIC):])
+        return _dec.decode(data[len(MAGIC) :])
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
 

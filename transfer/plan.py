@@ -91,8 +91,13 @@ def _conv_templates(s: TensorDesc, d: TensorDesc) -> list[Template]:
         b = dseg[a.name]
         lo, hi = max(a.rank_start, b.rank_start), min(a.rank_start + a.local_width, b.rank_start + b.local_width)
         if lo < hi:
-            out.append(Template((a.local_offset + lo - a.rank_start) * row,
-                                (b.local_offset + lo - b.rank_start) * row, (hi - lo) * row))
+            out.append(
+                Template(
+                    (a.local_offset + lo - a.rank_start) * row,
+                    (b.local_offset + lo - b.rank_start) * row,
+                    (hi - lo) * row,
+                )
+            )
     return out
 
 
@@ -188,12 +193,15 @@ def expand_arrays(pairs: Sequence[RegionPair], src_blocks, dst_blocks, src_slot:
 
 def expand(pairs: Sequence[RegionPair], src_blocks, dst_blocks, src_slot: int, dst_slot: int) -> list[Range]:
     reg, so, do, ln = expand_arrays(pairs, src_blocks, dst_blocks, src_slot, dst_slot)
-    return [Range(pairs[r].layer, pairs[r].kind, s, d, n)
-            for r, s, d, n in zip(reg.tolist(), so.tolist(), do.tolist(), ln.tolist())]
+    return [
+        Range(pairs[r].layer, pairs[r].kind, s, d, n)
+        for r, s, d, n in zip(reg.tolist(), so.tolist(), do.tolist(), ln.tolist())
+    ]
 
 
-def plan(src: RankSchema, dst: RankSchema, src_blocks, dst_blocks, src_slot: int, dst_slot: int,
-         layers=None, kinds=None) -> list[Range]:
+def plan(
+    src: RankSchema, dst: RankSchema, src_blocks, dst_blocks, src_slot: int, dst_slot: int, layers=None, kinds=None
+) -> list[Range]:
     """The coalesced byte ranges source rank `src.tp_rank` writes into destination rank `dst.tp_rank`.
 
     `src_blocks[i]` holds the same tokens as `dst_blocks[i]`; `src_slot` / `dst_slot` are the

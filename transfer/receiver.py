@@ -33,8 +33,16 @@ log = logging.getLogger(__name__)
 
 
 class RecvRequest:
-    def __init__(self, receiver: "Receiver", request_id: str, incarnation: int, blocks: list[int], slot: int,
-                 prompt_len: int, deadline: float):
+    def __init__(
+        self,
+        receiver: "Receiver",
+        request_id: str,
+        incarnation: int,
+        blocks: list[int],
+        slot: int,
+        prompt_len: int,
+        deadline: float,
+    ):
         self.receiver, self.request_id, self.incarnation = receiver, request_id, incarnation
         self.blocks, self.slot, self.prompt_len, self.deadline = blocks, slot, prompt_len, deadline
         self.state = TransferState.PENDING
@@ -90,21 +98,23 @@ class Receiver(Endpoint):
         super().__init__(*args, **kwargs)
         self.requests: dict[tuple[str, int], RecvRequest] = {}
         self.recent: OrderedDict[tuple[str, int], str] = OrderedDict()  # ended reservations -> why
-        self.views = ({k: byte_view(t) for k, t in self.transport.regions.items()}
-                      if self.config.checksum else {})
+        self.views = {k: byte_view(t) for k, t in self.transport.regions.items()} if self.config.checksum else {}
 
     def _pairs(self, info):
         return pair_templates(info.schema, self.schema)
 
     # -- reservations --------------------------------------------------------------------------
 
-    def reserve(self, request_id: str, prompt_len: int, lease_s: float | None = None,
-                incarnation: int | None = None) -> RecvRequest:
+    def reserve(
+        self, request_id: str, prompt_len: int, lease_s: float | None = None, incarnation: int | None = None
+    ) -> RecvRequest:
         """KV blocks for prompt_len + 1 tokens and one state slot, under a lease; raises MemoryError."""
         n = self.blocks.blocks_for(prompt_len + 1)
         if not self.blocks.can_allocate(n) or self.slots.num_free == 0:
-            raise MemoryError(f"{self.agent}: need {n} KV blocks and a state slot; "
-                              f"{self.blocks.num_free} blocks and {self.slots.num_free} slots free")
+            raise MemoryError(
+                f"{self.agent}: need {n} KV blocks and a state slot; "
+                f"{self.blocks.num_free} blocks and {self.slots.num_free} slots free"
+            )
         blocks = self.blocks.allocate(n)
         slot = self.slots.allocate()
         inc = incarnation if incarnation is not None else secrets.randbits(62)
@@ -115,8 +125,9 @@ class Receiver(Endpoint):
 
     def target(self, ranks: list[TargetRank], request_id: str, prompt_len: int) -> Target:
         """The node-wide target (every destination rank's TargetRank, by rank) to hand to the router."""
-        return Target(request_id, self.node, self.schema.tp_size, self.digest, prompt_len,
-                      sorted(ranks, key=lambda t: t.rank))
+        return Target(
+            request_id, self.node, self.schema.tp_size, self.digest, prompt_len, sorted(ranks, key=lambda t: t.rank)
+        )
 
     # -- protocol events -----------------------------------------------------------------------
 
@@ -150,8 +161,11 @@ class Receiver(Endpoint):
         try:
             if req is None:
                 why = self.recent.get((msg.request_id, msg.incarnation))
-                raise TransferError(f"reservation {msg.request_id}/{msg.incarnation} was released ({why})" if why
-                                    else f"no reservation {msg.request_id}/{msg.incarnation} on {self.agent}")
+                raise TransferError(
+                    f"reservation {msg.request_id}/{msg.incarnation} was released ({why})"
+                    if why
+                    else f"no reservation {msg.request_id}/{msg.incarnation} on {self.agent}"
+                )
             if req.state.terminal:
                 raise TransferError(f"reservation {msg.request_id} is {req.state.value}: {req.error}")
             self._check_begin(req, peer, msg)
@@ -161,8 +175,9 @@ class Receiver(Endpoint):
                 self._fail(req, f"refused source rank {msg.rank}: {e}")
             return
         tag_base = self.transport.new_tag_base()
-        req.expects[msg.rank] = self.transport.expect(msg.src, peer.pairs, msg.src_blocks, msg.dst_blocks,
-                                                      msg.src_slot, msg.dst_slot, tag_base)
+        req.expects[msg.rank] = self.transport.expect(
+            msg.src, peer.pairs, msg.src_blocks, msg.dst_blocks, msg.src_slot, msg.dst_slot, tag_base
+        )
         req.begins[msg.rank] = msg
         req.state = TransferState.TRANSFERRING
         self._send(msg.src, Grant(msg.request_id, msg.incarnation, self.agent, tag_base))
@@ -181,11 +196,15 @@ class Receiver(Endpoint):
             raise TransferError(f"unexpected or repeated Begin from source rank {msg.rank}")
         bs = self.schema.block_size
         if msg.num_tokens > req.prompt_len or len(msg.src_blocks) != -(-msg.num_tokens // bs):
-            raise TransferError(f"{msg.num_tokens} tokens in {len(msg.src_blocks)} blocks do not fit a reservation "
-                                f"for {req.prompt_len} tokens")
-        if msg.dst_blocks != req.blocks[:len(msg.src_blocks)] or msg.dst_slot != req.slot:
-            raise TransferError(f"ids {msg.dst_blocks}/{msg.dst_slot} are not this reservation's "
-                                f"{req.blocks[:len(msg.src_blocks)]}/{req.slot}")
+            raise TransferError(
+                f"{msg.num_tokens} tokens in {len(msg.src_blocks)} blocks do not fit a reservation "
+                f"for {req.prompt_len} tokens"
+            )
+        if msg.dst_blocks != req.blocks[: len(msg.src_blocks)] or msg.dst_slot != req.slot:
+            raise TransferError(
+                f"ids {msg.dst_blocks}/{msg.dst_slot} are not this reservation's "
+                f"{req.blocks[: len(msg.src_blocks)]}/{req.slot}"
+            )
         check_ids(peer.pairs, msg.src_blocks, msg.dst_blocks, msg.src_slot, msg.dst_slot)
 
     def _peer_removed(self, peer: Peer, reason: str) -> None:
@@ -269,7 +288,10 @@ class Receiver(Endpoint):
             return False
         crc, n = channel_checksum(peer.pairs, self.views, "dst", b.src_blocks, b.dst_blocks, b.src_slot, b.dst_slot)
         if (crc, n) != (done.checksum, done.nbytes):
-            self._fail(req, f"checksum mismatch from source rank {rank}: got crc {crc:#010x} over {n} bytes, "
-                            f"sender reported {done.checksum:#010x} over {done.nbytes}")
+            self._fail(
+                req,
+                f"checksum mismatch from source rank {rank}: got crc {crc:#010x} over {n} bytes, "
+                f"sender reported {done.checksum:#010x} over {done.nbytes}",
+            )
             return False
         return True

@@ -155,10 +155,26 @@ def _mem(t: torch.Tensor) -> tuple[str, int]:
     return ("DRAM", 0) if t.device.type == "cpu" else ("VRAM", t.device.index or 0)
 
 
-def _desc(kind: str, spec, pool: torch.Tensor, global_shape, axes, shard_axis, *, segments=(), heads=(),
-          replication=1, replica=0, tp: int, rank: int, block_size: int = 0) -> TensorDesc:
+def _desc(
+    kind: str,
+    spec,
+    pool: torch.Tensor,
+    global_shape,
+    axes,
+    shard_axis,
+    *,
+    segments=(),
+    heads=(),
+    replication=1,
+    replica=0,
+    tp: int,
+    rank: int,
+    block_size: int = 0,
+) -> TensorDesc:
     if not pool.is_contiguous():
-        raise ValueError(f"{kind} pool of layer {spec.layer} is not contiguous; the transfer registers pools as they are")
+        raise ValueError(
+            f"{kind} pool of layer {spec.layer} is not contiguous; the transfer registers pools as they are"
+        )
     mem_type, dev = _mem(pool)
     return TensorDesc(
         kind=kind,
@@ -193,29 +209,63 @@ def build_schema(cfg: EngineConfig, rank: int, pools: CachePools, num_speculativ
     t = cfg.parallel.tensor_parallel_size
     specs = build_specs(cfg, rank)
     if specs != list(pools.specs.values()):
-        raise ValueError(f"pools were not built from build_specs(cfg, rank={rank}); the schema would describe other memory")
+        raise ValueError(
+            f"pools were not built from build_specs(cfg, rank={rank}); the schema would describe other memory"
+        )
     tensors: list[TensorDesc] = []
     for s in specs:
         if isinstance(s, PagedAttentionSpec):
             rep = t // m.num_kv_heads if t > m.num_kv_heads else 1
-            tensors.append(_desc(
-                "paged_kv", s, pools.kv[s.layer],
-                (2, m.num_kv_heads, s.block_size, s.head_dim), ("block", "kv", "head", "token", "dim"), "head",
-                heads=s.kv_heads, replication=rep, replica=rank % rep, tp=t, rank=rank, block_size=s.block_size,
-            ))
+            tensors.append(
+                _desc(
+                    "paged_kv",
+                    s,
+                    pools.kv[s.layer],
+                    (2, m.num_kv_heads, s.block_size, s.head_dim),
+                    ("block", "kv", "head", "token", "dim"),
+                    "head",
+                    heads=s.kv_heads,
+                    replication=rep,
+                    replica=rank % rep,
+                    tp=t,
+                    rank=rank,
+                    block_size=s.block_size,
+                )
+            )
         else:
-            segs = [SegmentDesc(g.name, g.global_offset, g.global_width, g.head_size, g.local_offset,
-                                g.local_width, g.rank_start) for g in s.conv_segments]
+            segs = [
+                SegmentDesc(
+                    g.name, g.global_offset, g.global_width, g.head_size, g.local_offset, g.local_width, g.rank_start
+                )
+                for g in s.conv_segments
+            ]
             conv_axes = {"DS": ("slot", "channel", "time"), "SD": ("slot", "time", "channel")}[s.conv_layout]
-            tensors.append(_desc(
-                "gdn_conv", s, pools.conv[s.layer], (m.conv_dim, s.conv_width), conv_axes, "channel",
-                segments=segs, tp=t, rank=rank,
-            ))
-            tensors.append(_desc(
-                "gdn_recurrent", s, pools.recurrent[s.layer],
-                (m.linear_num_value_heads, *s.recurrent_shape[1:]), ("slot", *s.recurrent_axes), "head",
-                heads=s.v_heads, tp=t, rank=rank,
-            ))
+            tensors.append(
+                _desc(
+                    "gdn_conv",
+                    s,
+                    pools.conv[s.layer],
+                    (m.conv_dim, s.conv_width),
+                    conv_axes,
+                    "channel",
+                    segments=segs,
+                    tp=t,
+                    rank=rank,
+                )
+            )
+            tensors.append(
+                _desc(
+                    "gdn_recurrent",
+                    s,
+                    pools.recurrent[s.layer],
+                    (m.linear_num_value_heads, *s.recurrent_shape[1:]),
+                    ("slot", *s.recurrent_axes),
+                    "head",
+                    heads=s.v_heads,
+                    tp=t,
+                    rank=rank,
+                )
+            )
     return RankSchema(
         version=SCHEMA_VERSION,
         digest=model_digest(cfg, num_speculative_slots),

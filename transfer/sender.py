@@ -32,7 +32,7 @@ def channel_checksum(pairs, views, side: str, src_blocks, dst_blocks, src_slot, 
     offs = so if side == "src" else do
     crc, total = 0, 0
     for r, o, n in zip(reg.tolist(), offs.tolist(), ln.tolist()):
-        crc = zlib.crc32(host_bytes(views[(pairs[r].layer, pairs[r].kind)][o:o + n]), crc)
+        crc = zlib.crc32(host_bytes(views[(pairs[r].layer, pairs[r].kind)][o : o + n]), crc)
         total += n
     return crc, total
 
@@ -53,8 +53,16 @@ class _Channel:
 
 
 class SendRequest:
-    def __init__(self, sender: "Sender", request_id: str, target: Target, src_blocks: list[int], src_slot: int,
-                 num_tokens: int, owned: bool):
+    def __init__(
+        self,
+        sender: "Sender",
+        request_id: str,
+        target: Target,
+        src_blocks: list[int],
+        src_slot: int,
+        num_tokens: int,
+        owned: bool,
+    ):
         self.sender, self.request_id, self.target = sender, request_id, target
         self.src_blocks, self.src_slot, self.num_tokens, self.owned = src_blocks, src_slot, num_tokens, owned
         self.state = TransferState.PENDING
@@ -101,8 +109,7 @@ class Sender(Endpoint):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.requests: dict[str, SendRequest] = {}
-        self.views = ({k: byte_view(t) for k, t in self.transport.regions.items()}
-                      if self.config.checksum else {})
+        self.views = {k: byte_view(t) for k, t in self.transport.regions.items()} if self.config.checksum else {}
 
     def _pairs(self, info):
         return pair_templates(self.schema, info.schema)
@@ -123,8 +130,15 @@ class Sender(Endpoint):
 
     # -- open / post ---------------------------------------------------------------------------
 
-    def open(self, request_id: str, target: Target, src_blocks: list[int], src_slot: int, num_tokens: int,
-             owned: bool = False) -> SendRequest:
+    def open(
+        self,
+        request_id: str,
+        target: Target,
+        src_blocks: list[int],
+        src_slot: int,
+        num_tokens: int,
+        owned: bool = False,
+    ) -> SendRequest:
         """Start a request: Begin to every destination rank this rank has bytes for.
 
         `owned`: the source blocks and slot go back to this endpoint's BlockManager / SlotPool
@@ -134,7 +148,9 @@ class Sender(Endpoint):
         if old is not None:
             raise TransferError(f"request {request_id} is already open on {self.agent} ({old.state.value})")
         if target.digest != self.digest:
-            raise TransferError(f"target {request_id} is for model digest {target.digest}, this rank serves {self.digest}")
+            raise TransferError(
+                f"target {request_id} is for model digest {target.digest}, this rank serves {self.digest}"
+            )
         bs = self.schema.block_size
         if len(src_blocks) != -(-num_tokens // bs):
             raise PlanError(f"{num_tokens} tokens need {-(-num_tokens // bs)} blocks of {bs}, got {len(src_blocks)}")
@@ -146,21 +162,43 @@ class Sender(Endpoint):
             if not peer.pairs:
                 continue
             if len(tr.blocks) < len(src_blocks):
-                raise PlanError(f"destination rank {tr.rank} reserved {len(tr.blocks)} blocks, {len(src_blocks)} needed")
-            check_ids(peer.pairs, src_blocks, tr.blocks[:len(src_blocks)], src_slot, tr.slot)
+                raise PlanError(
+                    f"destination rank {tr.rank} reserved {len(tr.blocks)} blocks, {len(src_blocks)} needed"
+                )
+            check_ids(peer.pairs, src_blocks, tr.blocks[: len(src_blocks)], src_slot, tr.slot)
             req.channels[tr.rank] = _Channel(tr, peer)
         self.requests[request_id] = req
         for ch in req.channels.values():
-            self._send(ch.peer.agent, Begin(request_id, ch.dst.incarnation, self.agent, self.node, self.rank,
-                                            self.schema.tp_size, num_tokens, req.src_blocks, src_slot,
-                                            ch.dst.blocks[:len(src_blocks)], ch.dst.slot))
+            self._send(
+                ch.peer.agent,
+                Begin(
+                    request_id,
+                    ch.dst.incarnation,
+                    self.agent,
+                    self.node,
+                    self.rank,
+                    self.schema.tp_size,
+                    num_tokens,
+                    req.src_blocks,
+                    src_slot,
+                    ch.dst.blocks[: len(src_blocks)],
+                    ch.dst.slot,
+                ),
+            )
         if not req.channels:
             req.state = TransferState.DONE  # nothing of this rank is needed (e.g. a KV replica)
             self._settle(req)
         return req
 
-    def send(self, request_id: str, target: Target, src_blocks: list[int], src_slot: int, num_tokens: int,
-             owned: bool = False) -> SendRequest:
+    def send(
+        self,
+        request_id: str,
+        target: Target,
+        src_blocks: list[int],
+        src_slot: int,
+        num_tokens: int,
+        owned: bool = False,
+    ) -> SendRequest:
         """open() + post(final=True): the whole state in one write per destination rank."""
         req = self.open(request_id, target, src_blocks, src_slot, num_tokens, owned)
         req.post()
@@ -183,15 +221,19 @@ class Sender(Endpoint):
 
     def _post(self, req: SendRequest, ch: _Channel, layers, final: bool) -> None:
         pairs = ch.peer.pairs
-        todo = [i for i in range(len(pairs)) if i not in ch.sent and (final or layers is None or pairs[i].layer in layers)]
+        todo = [
+            i for i in range(len(pairs)) if i not in ch.sent and (final or layers is None or pairs[i].layer in layers)
+        ]
         ch.sent.update(todo)
-        dst_blocks = ch.dst.blocks[:len(req.src_blocks)]
+        dst_blocks = ch.dst.blocks[: len(req.src_blocks)]
         notif = None
         if final:
             ch.final_posted = True
             crc = None
             if self.config.checksum:
-                crc, _ = channel_checksum(pairs, self.views, "src", req.src_blocks, dst_blocks, req.src_slot, ch.dst.slot)
+                crc, _ = channel_checksum(
+                    pairs, self.views, "src", req.src_blocks, dst_blocks, req.src_slot, ch.dst.slot
+                )
             nbytes = int(expand_arrays(pairs, req.src_blocks, dst_blocks, req.src_slot, ch.dst.slot)[3].sum())
             req.nbytes += nbytes
             done = Done(req.request_id, ch.dst.incarnation, self.agent, self.rank, nbytes, crc)
@@ -199,8 +241,9 @@ class Sender(Endpoint):
             if ch.xfers:  # earlier parts still in flight: Done goes standalone once they landed
                 ch.pending_done = notif
                 notif = None
-        job = WriteJob([(i, pairs[i]) for i in todo], req.src_blocks, dst_blocks, req.src_slot, ch.dst.slot,
-                       notif, ch.tag_base)
+        job = WriteJob(
+            [(i, pairs[i]) for i in todo], req.src_blocks, dst_blocks, req.src_slot, ch.dst.slot, notif, ch.tag_base
+        )
         if todo or notif is not None:
             x = self.transport.write(ch.peer.agent, job)
             ch.xfers.append((x, notif is not None))
@@ -294,11 +337,13 @@ class Sender(Endpoint):
                 continue
             if ch.granted:
                 unsent = [(i, p) for i, p in enumerate(ch.peer.pairs) if i not in ch.sent]
-                dst_blocks = ch.dst.blocks[:len(req.src_blocks)]
-                self.transport.drain(ch.peer.agent, unsent, req.src_blocks, dst_blocks, req.src_slot,
-                                     ch.dst.slot, ch.tag_base)
-            self._send(ch.peer.agent, Abort(req.request_id, ch.dst.incarnation, self.agent, self.rank,
-                                            req.error or "aborted"))
+                dst_blocks = ch.dst.blocks[: len(req.src_blocks)]
+                self.transport.drain(
+                    ch.peer.agent, unsent, req.src_blocks, dst_blocks, req.src_slot, ch.dst.slot, ch.tag_base
+                )
+            self._send(
+                ch.peer.agent, Abort(req.request_id, ch.dst.incarnation, self.agent, self.rank, req.error or "aborted")
+            )
             ch.closed = True
         req.quiet = True
         if req.owned:

@@ -93,7 +93,7 @@ class UcxxTransport(Transport):
             j = j + 1 if r == last else 0
             last = r
             p = pairs[r]
-            buf = self.views[(p.layer, p.kind)][s:s + n]
+            buf = self.views[(p.layer, p.kind)][s : s + n]
             keep.append(buf)
             reqs.append(ep.tag_send(self.Array(buf), self._tag(job.tag_base, index[r], j)))
         return _Requests(agent, reqs, keep, job.notif)
@@ -106,7 +106,7 @@ class UcxxTransport(Transport):
             j = j + 1 if r == last else 0
             last = r
             p = pairs[r]
-            buf = self.views[(p.layer, p.kind)][d:d + n]
+            buf = self.views[(p.layer, p.kind)][d : d + n]
             keep.append(buf)
             reqs.append(ep.tag_recv(self.Array(buf), self._tag(tag_base, r, j)))
         return _Requests(agent, reqs, keep, None)

@@ -5,7 +5,6 @@ global state re-sharded. Plus abort, a killed source, stale notifications and re
 from __future__ import annotations
 
 import pytest
-
 from xfer_harness import Cluster
 
 pytestmark = pytest.mark.timeout(180)
@@ -31,17 +30,21 @@ def _transfer_and_check(c: Cluster, rids=("r1", "r2")):
     c.assert_counts_initial()
 
 
-PAIRS = [
-    pytest.param("nixl", 1, 1, 2, id="nixl-1to1-kvh2"),
-    pytest.param("nixl", 2, 1, 1, id="nixl-2to1-kvh1"),
-    pytest.param("nixl", 1, 2, 2, id="nixl-1to2-kvh2"),
-    pytest.param("nixl", 2, 2, 1, id="nixl-2to2-kvh1"),
-    pytest.param("ucxx", 2, 1, 2, id="ucxx-2to1-kvh2"),
-    pytest.param("ucxx", 1, 2, 1, id="ucxx-1to2-kvh1"),
-] + [
-    pytest.param("nixl", a, b, kvh, id=f"nixl-{a}to{b}-kvh{kvh}", marks=pytest.mark.slow)
-    for a, b, kvh in ((4, 1, 2), (1, 4, 2), (4, 2, 1), (2, 4, 4), (4, 4, 2))
-] + [pytest.param("ucxx", 4, 2, 2, id="ucxx-4to2-kvh2", marks=pytest.mark.slow)]
+PAIRS = (
+    [
+        pytest.param("nixl", 1, 1, 2, id="nixl-1to1-kvh2"),
+        pytest.param("nixl", 2, 1, 1, id="nixl-2to1-kvh1"),
+        pytest.param("nixl", 1, 2, 2, id="nixl-1to2-kvh2"),
+        pytest.param("nixl", 2, 2, 1, id="nixl-2to2-kvh1"),
+        pytest.param("ucxx", 2, 1, 2, id="ucxx-2to1-kvh2"),
+        pytest.param("ucxx", 1, 2, 1, id="ucxx-1to2-kvh1"),
+    ]
+    + [
+        pytest.param("nixl", a, b, kvh, id=f"nixl-{a}to{b}-kvh{kvh}", marks=pytest.mark.slow)
+        for a, b, kvh in ((4, 1, 2), (1, 4, 2), (4, 2, 1), (2, 4, 4), (4, 4, 2))
+    ]
+    + [pytest.param("ucxx", 4, 2, 2, id="ucxx-4to2-kvh2", marks=pytest.mark.slow)]
+)
 
 
 @pytest.mark.parametrize("backend,a,b,kvh", PAIRS)
@@ -90,7 +93,10 @@ def test_source_killed_during_transfer(hosts):
         dead.proc.kill()
         dead.proc.join(10)
         d = c.dst[0]
-        assert d.call("wait", "r", 10.0, "terminal", timeout=30)[1:] == ("failed", "lease expired (transfer incomplete)")
+        assert d.call("wait", "r", 10.0, "terminal", timeout=30)[1:] == (
+            "failed",
+            "lease expired (transfer incomplete)",
+        )
         assert d.call("counts")[0] != tuple(d.free0), "freed while the dead source could still write"
         # the live source answered the Release; it is quiet and its memory is back
         [(state, err)] = c.wait(c.src[1:], "r")

@@ -8,13 +8,12 @@ import time
 import msgspec
 import numpy as np
 import pytest
+from xfer_state import engine_cfg, global_state, make_pools, mismatches, noise, place, snapshot, tiny_model
 
 from transfer import HandshakeError, Receiver, Sender, TransferConfig, TransferError, get_transport, plan
-from transfer.nixl_backend import _rows, job_indices
 from transfer.backend import WriteJob
-from transfer.messages import Target
+from transfer.nixl_backend import _rows, job_indices
 from transfer.plan import pair_templates
-from xfer_state import engine_cfg, global_state, make_pools, mismatches, noise, place, snapshot, tiny_model
 
 pytestmark = pytest.mark.timeout(120)
 TOKENS = 15
@@ -68,7 +67,7 @@ def test_two_endpoints_in_one_process(backend):
         exp = make_pools(dc, 0)
         for kind, layer, t in exp.tensors():
             t.copy_(before[(kind, layer)])
-        place(exp, dc, 0, global_state(model, TOKENS, 4, 5), r.blocks[:len(blocks)], r.slot)
+        place(exp, dc, 0, global_state(model, TOKENS, 4, 5), r.blocks[: len(blocks)], r.slot)
         assert mismatches(rx.pools, snapshot(exp)) == []
         assert r.take() == (r.blocks, r.slot)
         assert tx.blocks.num_free == tx.blocks.num_blocks and tx.slots.num_free == tx.slots.num_slots
@@ -101,7 +100,9 @@ def test_ids_that_are_not_the_reservation_are_refused():
         blocks, slot = _fill(tx, sc, model)
         r = rx.reserve("q", TOKENS)
         t = rx.target([r.target], "q", TOKENS)
-        forged = msgspec.structs.replace(t, ranks=[msgspec.structs.replace(t.ranks[0], blocks=[b + 1 for b in r.blocks])])
+        forged = msgspec.structs.replace(
+            t, ranks=[msgspec.structs.replace(t.ranks[0], blocks=[b + 1 for b in r.blocks])]
+        )
         s = tx.send("q", forged, blocks, slot, TOKENS)
         _drive(tx, rx, until=lambda: s.state.terminal and r.state.terminal and r.freed)
         assert "refused" in s.error and "not this reservation's" in s.error
@@ -194,8 +195,10 @@ def test_nixl_descriptors_merge_into_exactly_the_plan(a, b, kvh):
             merged.append([la, ra, ln])
     bases = {(t.layer, t.kind): (t.base_addr, None) for t in src.tensors}
     dbase = {(t.layer, t.kind): t.base_addr for t in dst.tensors}
-    expected = [[bases[(r.layer, r.kind)][0] + r.src_off, dbase[(r.layer, r.kind)] + r.dst_off, r.length]
-                for r in plan(src, dst, sb, db, 1, 2)]
+    expected = [
+        [bases[(r.layer, r.kind)][0] + r.src_off, dbase[(r.layer, r.kind)] + r.dst_off, r.length]
+        for r in plan(src, dst, sb, db, 1, 2)
+    ]
     assert merged == expected
     assert np.all(lrows[li][:, 1] == rrows[ri][:, 1])
 
@@ -223,7 +226,7 @@ def test_streamed_in_parts_after_a_long_prefill(backend):
         exp = make_pools(dc, 0)
         for kind, layer, t in exp.tensors():
             t.copy_(before[(kind, layer)])
-        place(exp, dc, 0, global_state(model, TOKENS, 4, 5), r.blocks[:len(blocks)], r.slot)
+        place(exp, dc, 0, global_state(model, TOKENS, 4, 5), r.blocks[: len(blocks)], r.slot)
         assert mismatches(rx.pools, snapshot(exp)) == []
         r.release()
         assert rx.blocks.num_free == rx.blocks.num_blocks and rx.slots.num_free == rx.slots.num_slots

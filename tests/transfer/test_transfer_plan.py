@@ -8,11 +8,11 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from xfer_state import engine_cfg, global_state, make_pools, noise, place, snapshot, tiny_model
 
 from transfer.errors import PlanError
 from transfer.plan import pair_templates, plan, sources_for
 from transfer.schema import build_schema
-from xfer_state import engine_cfg, global_state, make_pools, noise, place, snapshot, tiny_model
 
 TOKENS = 15  # 4 blocks of 4, the last one partly filled
 SRC_BLOCKS = [6, 7, 8, 2]  # partly consecutive: some ranges coalesce, some do not
@@ -45,8 +45,9 @@ def test_plan_matches_global_reshard(hk, hv, kvh, a, b):
     for r, p in enumerate(dst_pools):
         noise(p, seed=200 + r)
         exp = make_pools(dst_cfg, r)
+        noisy = snapshot(p)
         for kind, layer, t in exp.tensors():
-            t.copy_(dict(((k, l), x) for k, l, x in p.tensors())[(kind, layer)])
+            t.copy_(noisy[(kind, layer)])
         place(exp, dst_cfg, r, state, DST_BLOCKS, DST_SLOT)
         expected.append(snapshot(exp))
 
@@ -56,13 +57,13 @@ def test_plan_matches_global_reshard(hk, hv, kvh, a, b):
         dst_regions = {(kind, layer): _bytes(t) for kind, layer, t in dp.tensors()}
         writes = {k: np.zeros(v.shape, dtype=np.int32) for k, v in dst_regions.items()}
         senders = 0
-        for rs, (sp, ss) in enumerate(zip(src_pools, src_s)):
+        for sp, ss in zip(src_pools, src_s):
             src_regions = {(kind, layer): _bytes(t) for kind, layer, t in sp.tensors()}
             ranges = plan(ss, ds, SRC_BLOCKS, DST_BLOCKS, SRC_SLOT, DST_SLOT)
             senders += bool(ranges)
             for layer, kind, so, do, n in ranges:
-                dst_regions[(kind, layer)][do:do + n] = src_regions[(kind, layer)][so:so + n]
-                writes[(kind, layer)][do:do + n] += 1
+                dst_regions[(kind, layer)][do : do + n] = src_regions[(kind, layer)][so : so + n]
+                writes[(kind, layer)][do : do + n] += 1
         for key, w in writes.items():
             assert w.max() <= 1, f"dst rank {rd} {key}: a byte is written by two sources"
         for kind, layer, t in dp.tensors():
@@ -95,7 +96,10 @@ def test_plan_conv_is_segment_aware():
     row = 3 * 2  # Kc - 1 columns of bf16
     kd, vd = 4 * 4, 8 * 8
     assert [(r.src_off // row, r.dst_off // row, r.length // row) for r in conv] == [
-        (kd // 2, 0, kd // 2), (kd + kd // 2, kd // 2, kd // 2), (2 * kd + vd // 2, kd, vd // 2)]
+        (kd // 2, 0, kd // 2),
+        (kd + kd // 2, kd // 2, kd // 2),
+        (2 * kd + vd // 2, kd, vd // 2),
+    ]
 
 
 def test_plan_refuses_bad_ids():

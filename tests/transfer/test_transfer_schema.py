@@ -5,11 +5,11 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
+from xfer_state import engine_cfg, make_pools, tiny_model
 
 from transfer.errors import HandshakeError
 from transfer.handshake import check_peer, check_schema
 from transfer.schema import SCHEMA_VERSION, PeerInfo, build_schema, decode_peer, decode_schema, encode
-from xfer_state import engine_cfg, make_pools, tiny_model
 
 
 def schema(tp=1, rank=0, **model_over):
@@ -70,8 +70,12 @@ def _with_tensor(s, kind, **changes):
         ("linear_conv_kernel_dim", lambda: schema(linear_conv_kernel_dim=3)),
         ("num_kv_heads", lambda: schema(kvh=4)),
         ("head_dim", lambda: schema(head_dim=16)),
-        ("num_speculative_slots", lambda: msgspec.structs.replace(
-            schema(), digest=msgspec.structs.replace(schema().digest, num_speculative_slots=2))),
+        (
+            "num_speculative_slots",
+            lambda: msgspec.structs.replace(
+                schema(), digest=msgspec.structs.replace(schema().digest, num_speculative_slots=2)
+            ),
+        ),
         ("schema_version", lambda: msgspec.structs.replace(schema(), version=SCHEMA_VERSION + 1)),
         ("block_size", lambda: build_schema(c := engine_cfg(tiny_model(), 1, block_size=8), 0, make_pools(c, 0))),
         ("conv layout", lambda: _with_tensor(schema(), "gdn_conv", axes=("slot", "time", "channel"))),

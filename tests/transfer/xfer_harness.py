@@ -42,9 +42,10 @@ def _host_main(conn) -> None:
 
 
 def _serve(conn, spec: dict) -> None:
+    from xfer_state import engine_cfg, global_state, make_pools, mismatches, noise, place, snapshot, tiny_model  # noqa: PLC0415
+
     from transfer import Receiver, Sender, TransferConfig, decode_target  # noqa: PLC0415
     from transfer.messages import Done, encode_control  # noqa: PLC0415
-    from xfer_state import engine_cfg, global_state, make_pools, mismatches, noise, place, snapshot, tiny_model  # noqa: PLC0415
 
     model = tiny_model(**spec["model"])
     cfg = engine_cfg(model, spec["tp"], block_size=spec.get("block_size", 4), memory=spec.get("memory", "96KiB"))
@@ -52,8 +53,9 @@ def _serve(conn, spec: dict) -> None:
     pools = make_pools(cfg, rank)
     noise(pools, seed=1000 * (spec["role"] == "receiver") + 10 * spec["tp"] + rank)
     initial = snapshot(pools)
-    tcfg = TransferConfig(backend=spec["backend"], checksum=spec.get("checksum", True),
-                          lease_s=spec.get("lease_s", 60.0))
+    tcfg = TransferConfig(
+        backend=spec["backend"], checksum=spec.get("checksum", True), lease_s=spec.get("lease_s", 60.0)
+    )
     cls = Sender if spec["role"] == "sender" else Receiver
     ep = cls(cfg, rank, pools, spec["node"], tcfg)
     free0 = (ep.blocks.num_free, ep.slots.num_free)
@@ -85,8 +87,8 @@ def _serve(conn, spec: dict) -> None:
             rid, seed, tokens = args
             n = -(-tokens // cfg.cache.block_size)
             ids = ep.blocks.allocate(n + 2)
-            blocks = ids[: n // 2] + ids[n // 2 + 2:]  # two runs of consecutive ids
-            ep.blocks.free(ids[n // 2: n // 2 + 2])
+            blocks = ids[: n // 2] + ids[n // 2 + 2 :]  # two runs of consecutive ids
+            ep.blocks.free(ids[n // 2 : n // 2 + 2])
             slot = ep.slots.allocate()
             place(pools, cfg, rank, global_state(model, tokens, cfg.cache.block_size, seed), blocks, slot)
             reqs[rid] = (blocks, slot)
@@ -115,7 +117,8 @@ def _serve(conn, spec: dict) -> None:
                 "terminal": lambda r: r.state.terminal,
                 "transferring": lambda r: r.state.value != "pending",
                 # sender: quiet (no write reads its pages, owned memory back); receiver: done or freed
-                "settled": (lambda r: r.state.terminal and r.quiet) if spec["role"] == "sender"
+                "settled": (lambda r: r.state.terminal and r.quiet)
+                if spec["role"] == "sender"
                 else (lambda r: r.state.value == "done" or r.freed),
             }
             ok = wait(rid, timeout, conds[what])
@@ -128,7 +131,9 @@ def _serve(conn, spec: dict) -> None:
             for rid, seed, tokens in args[0]:
                 r = reqs[rid]
                 n = -(-tokens // cfg.cache.block_size)
-                place(exp_pools, cfg, rank, global_state(model, tokens, cfg.cache.block_size, seed), r.blocks[:n], r.slot)
+                place(
+                    exp_pools, cfg, rank, global_state(model, tokens, cfg.cache.block_size, seed), r.blocks[:n], r.slot
+                )
             conn.send(("ok", mismatches(pools, snapshot(exp_pools))))
         elif cmd == "release":
             reqs[args[0]].release()
@@ -282,7 +287,7 @@ class Cluster:
         return encode_target(Target(rid, "D", len(self.dst), self.dst[0].digest, tokens, ranks))
 
     def send(self, rid: str, target: bytes, tokens: int, mode: str = "all", ranks=None):
-        for p in (self.src if ranks is None else [self.src[r] for r in ranks]):
+        for p in self.src if ranks is None else [self.src[r] for r in ranks]:
             p.call("send", rid, target, tokens, mode)
 
     def wait(self, procs, rid: str, what: str = "settled", timeout: float = 30.0):

@@ -15,19 +15,38 @@ LAYERS = ("linear_attention", "full_attention", "linear_attention", "full_attent
 
 def tiny_model(hk: int = 4, hv: int = 8, kvh: int = 2, dtype: torch.dtype = torch.bfloat16, **over) -> ModelConfig:
     fields = dict(
-        path="<tiny>", architecture="Qwen3_5ForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
-        layer_types=LAYERS, num_attention_heads=8, num_kv_heads=kvh, head_dim=8,
-        linear_num_key_heads=hk, linear_num_value_heads=hv, linear_key_head_dim=4, linear_value_head_dim=8,
-        linear_conv_kernel_dim=4, rms_norm_eps=1e-6, rope_theta=10000.0, partial_rotary_factor=0.25,
-        max_position_embeddings=256, tie_word_embeddings=False, dtype=dtype,
+        path="<tiny>",
+        architecture="Qwen3_5ForCausalLM",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        layer_types=LAYERS,
+        num_attention_heads=8,
+        num_kv_heads=kvh,
+        head_dim=8,
+        linear_num_key_heads=hk,
+        linear_num_value_heads=hv,
+        linear_key_head_dim=4,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.25,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        dtype=dtype,
     )
     fields.update(over)
     return ModelConfig(**fields)
 
 
 def engine_cfg(model: ModelConfig, tp: int, block_size: int = 4, memory: str = "96KiB", slots: int = 4) -> EngineConfig:
-    return EngineConfig(model=model, parallel=ParallelConfig(tp), cache=CacheConfig(block_size, memory, slots),
-                        scheduler=SchedulerConfig(max_num_seqs=slots))
+    return EngineConfig(
+        model=model,
+        parallel=ParallelConfig(tp),
+        cache=CacheConfig(block_size, memory, slots),
+        scheduler=SchedulerConfig(max_num_seqs=slots),
+    )
 
 
 def make_pools(cfg: EngineConfig, rank: int) -> CachePools:
@@ -46,9 +65,12 @@ def global_state(model: ModelConfig, num_tokens: int, block_size: int, seed: int
             shape = (nb, 2, model.num_kv_heads, block_size, model.head_dim)
             out["kv"][i] = torch.randn(shape, generator=g).to(model.dtype)
         else:
-            out["conv"][i] = torch.randn((model.conv_dim, model.linear_conv_kernel_dim - 1), generator=g).to(model.dtype)
-            out["rec"][i] = torch.randn((model.linear_num_value_heads, model.linear_key_head_dim,
-                                         model.linear_value_head_dim), generator=g)
+            out["conv"][i] = torch.randn((model.conv_dim, model.linear_conv_kernel_dim - 1), generator=g).to(
+                model.dtype
+            )
+            out["rec"][i] = torch.randn(
+                (model.linear_num_value_heads, model.linear_key_head_dim, model.linear_value_head_dim), generator=g
+            )
     return out
 
 
