@@ -226,21 +226,25 @@ def cmd_up(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    cl = Cluster(spec)
+    cl = Cluster(spec, should_stop=stop.is_set)
     try:
         print(
             f"pdserve up: router + {spec.prefill} prefill (tp={spec.prefill_tp}) + {spec.decode} decode "
             f"(tp={spec.decode_tp}) node(s) on {spec.model}",
             flush=True,
         )
-        cl.start()
-        if stop.is_set():
+        try:
+            cl.start()
+        except KeyboardInterrupt:
+            print("pdserve up: interrupted during start-up; stopping", flush=True)
             return 130
         print(f"pdserve up: ready at {cl.address}", flush=True)
         while not stop.wait(0.2):
-            dead = cl.poll_exited()
-            if dead:
-                raise RuntimeError(f"{dead[0]} exited with status {dead[1]}; stopping everything")
+            for name, rc in cl.poll_exited():
+                if name == "router":
+                    raise RuntimeError(f"the router exited with status {rc}; stopping everything")
+                # the router notices through missing heartbeats and routes around the node
+                print(f"pdserve up: {name} exited with status {rc}", flush=True)
         print("pdserve up: stopping", flush=True)
         return 0
     finally:

@@ -57,11 +57,13 @@ class PoolSpec:
 
 
 class Cluster:
-    def __init__(self, spec: PoolSpec, out=sys.stdout):
+    def __init__(self, spec: PoolSpec, out=sys.stdout, should_stop=lambda: False):
         self.spec = spec
+        self.should_stop = should_stop  # checked while waiting: a signal during start-up
         self.out = out
         self.procs: dict[str, subprocess.Popen] = {}
         self.port: int | None = None
+        self._reported: set[str] = set()
         self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-up-")
 
     @property
@@ -108,6 +110,8 @@ class Cluster:
         self._wait_registered(deadline)
 
     def _check_children(self, deadline: float) -> None:
+        if self.should_stop():
+            raise KeyboardInterrupt
         for name, p in self.procs.items():
             if p.poll() is not None:
                 raise RuntimeError(f"{name} exited with status {p.returncode} during start-up")
@@ -138,11 +142,14 @@ class Cluster:
                     return
                 time.sleep(0.1)
 
-    def poll_exited(self) -> tuple[str, int] | None:
+    def poll_exited(self) -> list[tuple[str, int]]:
+        """Children that exited since the last call (each reported once)."""
+        out = []
         for name, p in self.procs.items():
-            if p.poll() is not None:
-                return name, p.returncode
-        return None
+            if p.poll() is not None and name not in self._reported:
+                self._reported.add(name)
+                out.append((name, p.returncode))
+        return out
 
     def stop(self, timeout: float = 15.0) -> None:
         for p in self.procs.values():

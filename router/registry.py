@@ -34,6 +34,9 @@ class NodeEntry:
     inflight: int = 0  # requests the router has on this node now
     inflight_blocks: int = 0  # KV blocks those requests' prompts need
     inflight_prefill_tokens: int = 0
+    # finished by the router since the node's last report: free on the node, not yet reported
+    freed_slots: int = 0
+    freed_blocks: int = 0
     chan: grpc.Channel | None = None
     stub: object = None
 
@@ -60,11 +63,16 @@ class NodeEntry:
     # capacity as the router estimates it now
     def est_free_slots(self) -> int:
         c = self.info.capacity
-        return min(c.free_slots, c.total_slots - self.inflight)
+        return min(c.free_slots + self.freed_slots, c.total_slots - self.inflight)
 
     def est_free_blocks(self) -> int:
         c = self.info.capacity
-        return min(c.free_blocks, c.total_blocks - self.inflight_blocks)
+        return min(c.free_blocks + self.freed_blocks, c.total_blocks - self.inflight_blocks)
+
+    def reported(self) -> None:
+        """A fresh capacity report arrived: it includes what the router saw finish."""
+        self.last_seen = time.monotonic()
+        self.freed_slots = self.freed_blocks = 0
 
     def blocks_for(self, num_tokens: int) -> int:
         bs = self.info.capacity.block_size or 1
@@ -85,7 +93,7 @@ class NodeRegistry:
             old = self.nodes.get(info.node_id)
             if old is not None and old.info.incarnation == info.incarnation and old.info.address == info.address:
                 old.info = info
-                old.last_seen = time.monotonic()
+                old.reported()
                 if not old.alive:
                     log.info("node %s (%s) is back", info.node_id, info.address)
                 old.alive = True
@@ -111,7 +119,7 @@ class NodeRegistry:
             if e is None or e.info.incarnation != incarnation:
                 return False
             e.info.capacity.CopyFrom(capacity)
-            e.last_seen = time.monotonic()
+            e.reported()
             if not e.alive:
                 log.info("node %s is back", node_id)
             e.alive = True
@@ -150,7 +158,8 @@ class NodeRegistry:
             return [(e, now - e.last_seen) for e in self.nodes.values()]
 
     def live(self, kind: int) -> list[NodeEntry]:
-        return [e for e in self.nodes.values() if e.alive and e.kind == kind]
+        with self.cond:  # re-entrant: callers may already hold it
+            return [e for e in self.nodes.values() if e.alive and e.kind == kind]
 
     def close(self) -> None:
         with self.cond:

@@ -198,6 +198,8 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         with self.registry.cond:
             e.inflight -= 1
             e.inflight_blocks -= e.blocks_for(prompt_len + 1)
+            e.freed_slots += 1
+            e.freed_blocks += e.blocks_for(prompt_len + 1)
             self.registry.cond.notify_all()
 
     def _prefill(self, d: NodeEntry, prompt_len: int) -> NodeEntry | None:

@@ -1,0 +1,135 @@
+"""The router's registry and policy, in process, with fake nodes: registration, heartbeats,
+death after missed heartbeats, re-registration of a new incarnation, static nodes polled with
+Stats, and the least-loaded choice. Plus the pools file of `pdserve up`."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import wait_for
+
+from proto import pb, rpc
+from proto.serving import channel, start_server
+
+
+def _info(node_id, address, inc=1, free_slots=8, free_blocks=100, running=0, kind=pb.NODE_KIND_DECODE):
+    return pb.NodeInfo(
+        node_id=node_id, kind=kind, address=address, incarnation=inc, tp_size=1, model="/m", vocab_size=1024,
+        max_model_len=4096,
+        capacity=pb.Capacity(total_blocks=100, free_blocks=free_blocks, block_size=16, total_slots=8,
+                             free_slots=free_slots, running=running),
+    )  # fmt: skip
+
+
+@pytest.fixture()
+def router():
+    from router.server import RouterConfig, serve
+
+    r, port = serve("127.0.0.1:0", RouterConfig(heartbeat_interval_s=0.1, dead_after_s=0.5, admission_timeout_s=0.2))
+    ch = channel(f"127.0.0.1:{port}")
+    yield r, rpc.RegistryStub(ch)
+    ch.close()
+    r.stop(0)
+
+
+def _alive(stub) -> dict[str, bool]:
+    return {n.node.node_id: n.alive for n in stub.ListNodes(pb.ListNodesRequest(), timeout=5).nodes}
+
+
+def test_register_heartbeat_death_and_new_incarnation(router):
+    r, stub = router
+    hb = stub.Register(pb.RegisterRequest(node=_info("d0", "127.0.0.1:1")), timeout=5)
+    assert hb.heartbeat_interval_s == pytest.approx(0.1)
+    assert _alive(stub) == {"d0": True}
+    for _ in range(8):  # heartbeats keep it alive past dead_after_s
+        assert stub.Heartbeat(pb.HeartbeatRequest(node_id="d0", incarnation=1, capacity=pb.Capacity()), timeout=5).known
+        time.sleep(0.1)
+    assert _alive(stub) == {"d0": True}
+    wait_for(lambda: _alive(stub) == {"d0": False}, 5, "d0 marked dead")
+    # a heartbeat from an unknown id or an old incarnation asks the node to register again
+    assert not stub.Heartbeat(pb.HeartbeatRequest(node_id="nope", incarnation=1), timeout=5).known
+    stub.Register(pb.RegisterRequest(node=_info("d0", "127.0.0.1:1", inc=2)), timeout=5)
+    assert not stub.Heartbeat(pb.HeartbeatRequest(node_id="d0", incarnation=1), timeout=5).known
+    assert stub.Heartbeat(pb.HeartbeatRequest(node_id="d0", incarnation=2, capacity=pb.Capacity()), timeout=5).known
+    assert _alive(stub)["d0"]
+
+
+def test_registration_needs_id_and_address(router):
+    import grpc
+
+    _, stub = router
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.Register(pb.RegisterRequest(node=pb.NodeInfo(node_id="x")), timeout=5)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_least_loaded_policy():
+    from router.policy import make_policy
+    from router.registry import NodeEntry
+
+    pol = make_policy("least-loaded")
+    a = NodeEntry(_info("a", "x:1", free_slots=2, free_blocks=90))
+    b = NodeEntry(_info("b", "x:2", free_slots=6, free_blocks=90))
+    c = NodeEntry(_info("c", "x:3", free_slots=6, free_blocks=90, running=1))
+    assert pol.choose_decode([a, b, c], 10) is b  # most free, then the smaller batch
+    b.inflight = 5  # the router's own in-flight requests count before the next heartbeat
+    assert pol.choose_decode([a, b, c], 10) is c
+    full = NodeEntry(_info("f", "x:4", free_slots=0))
+    assert pol.choose_decode([full], 10) is None
+    small = NodeEntry(_info("s", "x:5", free_blocks=2))
+    assert pol.choose_decode([small], 16) is not None and pol.choose_decode([small], 32) is None  # 33 tokens: 3 blocks
+    p1 = NodeEntry(_info("p1", "x:6", kind=pb.NODE_KIND_PREFILL))
+    p2 = NodeEntry(_info("p2", "x:7", kind=pb.NODE_KIND_PREFILL))
+    p1.info.capacity.queued_prefill_tokens = 500
+    assert pol.choose_prefill([p1, p2], 10) is p2
+    with pytest.raises(ValueError, match="known: least-loaded, round-robin"):
+        make_policy("random")
+
+
+class _FakeDecode(rpc.DecodeNodeServicer):
+    def __init__(self):
+        self.address = ""
+
+    def Stats(self, request, context):
+        return _info("static-0", self.address)
+
+
+def test_static_node_is_polled():
+    from router.server import RouterConfig, serve
+
+    fake = _FakeDecode()
+    srv, port, _ = start_server("127.0.0.1:0", lambda s: rpc.add_DecodeNodeServicer_to_server(fake, s), ["DecodeNode"])
+    fake.address = f"127.0.0.1:{port}"
+    r, rport = serve("127.0.0.1:0", RouterConfig(static_decode=(fake.address,), heartbeat_interval_s=0.1, dead_after_s=0.5, admission_timeout_s=0.3))
+    try:
+        with channel(f"127.0.0.1:{rport}") as ch:
+            stub = rpc.RegistryStub(ch)
+            wait_for(lambda: _alive(stub) == {"static-0": True}, 5, "the static node polled")
+            assert stub.ListNodes(pb.ListNodesRequest(), timeout=5).nodes[0].static
+            srv.stop(0).wait()
+            wait_for(lambda: _alive(stub) == {"static-0": False}, 5, "the static node marked dead")
+            # no live decode node: UNAVAILABLE after the admission wait
+            from client import Client, PdserveError
+
+            with Client(f"127.0.0.1:{rport}") as c, pytest.raises(PdserveError) as ei:
+                c.generate(prompt_token_ids=[1], max_tokens=1)
+            import grpc
+
+            assert ei.value.code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        r.stop(0)
+        srv.stop(0)
+
+
+def test_pools_file(tmp_path, ckpt):
+    from router.cli import _up_spec, build_parser
+
+    cfg = tmp_path / "pools.yaml"
+    cfg.write_text(f"model: {ckpt}\nport: 0\nprefill: {{count: 2, tp: 2}}\ndecode: {{count: 3, tp: 1, local_prefill_threshold: 64}}\n")
+    spec = _up_spec(build_parser().parse_args(["up", "--config", str(cfg), "--decode", "1"]))
+    assert (spec.prefill, spec.prefill_tp, spec.decode, spec.decode_tp) == (2, 2, 1, 1)  # the command line wins
+    assert spec.local_prefill_threshold == 64 and spec.port == 0
+    cfg.write_text("bogus: 1\n")
+    with pytest.raises(ValueError, match="unknown option"):
+        _up_spec(build_parser().parse_args(["up", "--config", str(cfg)]))
