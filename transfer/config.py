@@ -13,7 +13,6 @@ class TransferConfig:
     lease_s: float = 60.0  # receiver: a reservation not completed by then is released
     grant_timeout_s: float = 30.0  # sender: a destination that neither grants nor refuses by then fails the request
     quiesce_timeout_s: float = 30.0  # sender: a write still in flight this long after an abort is cancelled
-    num_speculative_slots: int = 0  # published in the model digest; both sides must agree
     # NIXL's own progress thread busy-polls a core even when idle; endpoints progress NIXL from
     # poll() instead. Turn it on where cores are plentiful and poll() runs rarely.
     nixl_progress_thread: bool = False
@@ -32,5 +31,3 @@ class TransferConfig:
         for name in ("lease_s", "grant_timeout_s", "quiesce_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive (got {getattr(self, name)})")
-        if self.num_speculative_slots < 0:
-            raise ValueError(f"num_speculative_slots must be >= 0 (got {self.num_speculative_slots})")

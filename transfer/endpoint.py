@@ -62,7 +62,7 @@ class Endpoint:
     ):
         self.config = config or TransferConfig()
         self.cfg, self.rank, self.pools, self.node = cfg, rank, pools, node
-        self.schema = build_schema(cfg, rank, pools, self.config.num_speculative_slots)
+        self.schema = build_schema(cfg, rank, pools)
         self.digest = self.schema.digest.fingerprint()
         self.incarnation = secrets.token_hex(4)
         self.agent = f"{node}.{self.role}.r{rank}.{self.incarnation}"

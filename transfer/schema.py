@@ -89,7 +89,7 @@ class ModelDigest(msgspec.Struct, frozen=True):
     linear_conv_kernel_dim: int
     dtype: str  # model dtype: KV pages and conv state
     recurrent_dtype: str
-    num_speculative_slots: int  # extra state slots per request for speculative decoding
+    num_speculative_slots: int  # draft tokens verified per decode row (EngineConfig.speculative.num_tokens)
 
     def fingerprint(self) -> str:
         return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
@@ -131,7 +131,7 @@ class _VersionProbe(msgspec.Struct):
     version: int
 
 
-def model_digest(cfg: EngineConfig, num_speculative_slots: int = 0) -> ModelDigest:
+def model_digest(cfg: EngineConfig) -> ModelDigest:
     m = cfg.model
     return ModelDigest(
         architecture=m.architecture,
@@ -147,7 +147,7 @@ def model_digest(cfg: EngineConfig, num_speculative_slots: int = 0) -> ModelDige
         linear_conv_kernel_dim=m.linear_conv_kernel_dim,
         dtype=dtype_name(m.dtype),
         recurrent_dtype=dtype_name(GDNStateSpec.recurrent_dtype),
-        num_speculative_slots=num_speculative_slots,
+        num_speculative_slots=cfg.speculative.num_tokens,
     )
 
 
@@ -203,7 +203,7 @@ def _desc(
     )
 
 
-def build_schema(cfg: EngineConfig, rank: int, pools: CachePools, num_speculative_slots: int = 0) -> RankSchema:
+def build_schema(cfg: EngineConfig, rank: int, pools: CachePools) -> RankSchema:
     """The schema of `rank`, from the engine's specs for that rank and the pools built from them."""
     m = cfg.model
     t = cfg.parallel.tensor_parallel_size
@@ -268,7 +268,7 @@ def build_schema(cfg: EngineConfig, rank: int, pools: CachePools, num_speculativ
             )
     return RankSchema(
         version=SCHEMA_VERSION,
-        digest=model_digest(cfg, num_speculative_slots),
+        digest=model_digest(cfg),
         tp_size=t,
         tp_rank=rank,
         block_size=cfg.cache.block_size,

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import msgspec
 import pytest
 import torch
 from xfer_state import engine_cfg, make_pools, tiny_model
 
+from engine.config import SpeculativeConfig
 from transfer.errors import HandshakeError
 from transfer.handshake import check_peer, check_schema
 from transfer.schema import SCHEMA_VERSION, PeerInfo, build_schema, decode_peer, decode_schema, encode
@@ -72,8 +75,8 @@ def _with_tensor(s, kind, **changes):
         ("head_dim", lambda: schema(head_dim=16)),
         (
             "num_speculative_slots",
-            lambda: msgspec.structs.replace(
-                schema(), digest=msgspec.structs.replace(schema().digest, num_speculative_slots=2)
+            lambda: build_schema(
+                c := replace(engine_cfg(tiny_model(), 1), speculative=SpeculativeConfig(2)), 0, make_pools(c, 0)
             ),
         ),
         ("schema_version", lambda: msgspec.structs.replace(schema(), version=SCHEMA_VERSION + 1)),
