@@ -21,6 +21,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
+from typing import Callable
 
 from transfer.backend import TransferState, byte_view
 from transfer.endpoint import Endpoint, Peer
@@ -56,6 +57,7 @@ class RecvRequest:
         self.quiet: set[int] = set()  # granted source ranks that can no longer write here
         self.freed = False
         self.taken = False
+        self.free_fn: Callable[[list[int], int], None] | None = None  # set by Receiver.adopt
 
     @property
     def target(self) -> TargetRank:
@@ -108,7 +110,8 @@ class Receiver(Endpoint):
     def reserve(
         self, request_id: str, prompt_len: int, lease_s: float | None = None, incarnation: int | None = None
     ) -> RecvRequest:
-        """KV blocks for prompt_len + 1 tokens and one state slot, under a lease; raises MemoryError."""
+        """KV blocks for prompt_len + 1 tokens and one state slot from this endpoint's BlockManager /
+        SlotPool, under a lease; raises MemoryError when they do not fit."""
         n = self.blocks.blocks_for(prompt_len + 1)
         if not self.blocks.can_allocate(n) or self.slots.num_free == 0:
             raise MemoryError(
@@ -117,9 +120,27 @@ class Receiver(Endpoint):
             )
         blocks = self.blocks.allocate(n)
         slot = self.slots.allocate()
+        return self.adopt(request_id, prompt_len, blocks, slot, lease_s, incarnation)
+
+    def adopt(
+        self,
+        request_id: str,
+        prompt_len: int,
+        blocks: list[int],
+        slot: int,
+        lease_s: float | None = None,
+        incarnation: int | None = None,
+        free: Callable[[list[int], int], None] | None = None,
+    ) -> RecvRequest:
+        """Reserve memory the caller already allocated (e.g. the engine's scheduler). When the
+        reservation fails, `free(blocks, slot)` is called once no write can land (default: this
+        endpoint's BlockManager / SlotPool); a done request is handed back by take()."""
         inc = incarnation if incarnation is not None else secrets.randbits(62)
+        if (request_id, inc) in self.requests:
+            raise TransferError(f"reservation {request_id}/{inc} exists on {self.agent}")
         deadline = time.monotonic() + (lease_s or self.config.lease_s)
-        req = RecvRequest(self, request_id, inc, blocks, slot, prompt_len, deadline)
+        req = RecvRequest(self, request_id, inc, list(blocks), slot, prompt_len, deadline)
+        req.free_fn = free
         self.requests[(request_id, inc)] = req
         return req
 
@@ -245,8 +266,11 @@ class Receiver(Endpoint):
         for h in req.expects.values():
             self.transport.release(h, force=True)
         req.expects.clear()
-        self.blocks.free(req.blocks)
-        self.slots.free(req.slot)
+        if req.free_fn is not None:
+            req.free_fn(req.blocks, req.slot)
+        else:
+            self.blocks.free(req.blocks)
+            self.slots.free(req.slot)
         req.freed = True
         self._forget(req)
 

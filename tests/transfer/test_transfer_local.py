@@ -234,3 +234,22 @@ def test_streamed_in_parts_after_a_long_prefill(backend):
     finally:
         tx.close()
         rx.close()
+
+
+def test_adopted_reservation_is_freed_through_the_callers_callback():
+    """Memory the engine allocated is reserved with adopt(); on failure the transfer layer hands
+    it back through the callback, once, when no write can land."""
+    model, sc, dc, tx, rx = _pair()
+    try:
+        freed = []
+        blocks = rx.blocks.allocate(rx.blocks.blocks_for(TOKENS + 1))
+        slot = rx.slots.allocate()
+        r = rx.adopt("q", TOKENS, blocks, slot, lease_s=0.2, free=lambda b, s: freed.append((b, s)))
+        _drive(rx, until=lambda: r.freed)
+        assert r.state.value == "failed" and r.error == "lease expired (no source began)"
+        assert freed == [(blocks, slot)]
+        rx.blocks.free(blocks)
+        rx.slots.free(slot)
+    finally:
+        tx.close()
+        rx.close()
