@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 log = logging.getLogger("pdserve.decode")
 
 
+class ShuttingDown(RuntimeError):
+    """The node is stopping: requests still in flight end with UNAVAILABLE."""
+
+
 @dataclass
 class Stream:
     request_id: str
@@ -115,7 +119,7 @@ class EngineLoop:
                         del self.streams[o.request_id]
                     s.q.put(("out", o))
             self._snap()
-        self._fail_all(RuntimeError("node shutting down"))
+        self._fail_all(ShuttingDown("the decode node is shutting down"))
 
     def _handle(self, cmd) -> None:
         kind = cmd[0]

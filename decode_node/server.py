@@ -24,7 +24,7 @@ import uuid
 import grpc
 
 from decode_node.config import DecodeNodeConfig
-from decode_node.loop import EngineLoop, Stream
+from decode_node.loop import EngineLoop, ShuttingDown, Stream
 from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
 from proto import pb, rpc
@@ -131,7 +131,12 @@ class DecodeNode(rpc.DecodeNodeServicer):
                     return
                 continue
             if kind == "error":
-                code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(item, ValueError) else grpc.StatusCode.INTERNAL
+                if isinstance(item, ValueError):
+                    code = grpc.StatusCode.INVALID_ARGUMENT
+                elif isinstance(item, ShuttingDown):
+                    code = grpc.StatusCode.UNAVAILABLE
+                else:
+                    code = grpc.StatusCode.INTERNAL
                 context.abort(code, str(item))
             now = time.monotonic()
             new = item.new_token_ids

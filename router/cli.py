@@ -152,6 +152,7 @@ def cmd_decode(args) -> int:
         local_prefill_threshold=args.local_prefill_threshold,
         router=args.router,
         advertise_host=args.advertise_host or args.host,
+        device=args.device,
     )
     node, port = serve(f"{args.host}:{args.port}", cfg)
     print(f"decode node {cfg.node_id} listening on {node.address}", flush=True)
@@ -174,7 +175,7 @@ def cmd_prefill(args) -> int:
 
 
 _UP_DEFAULTS = dict(model=None, prefill=0, decode=1, prefill_tp=1, decode_tp=1, host="127.0.0.1", port=50051,
-                    dtype="auto", kv_cache_memory="256MiB", max_num_seqs=64, local_prefill_threshold=0,
+                    dtype="auto", device="cpu", kv_cache_memory="256MiB", max_num_seqs=64, local_prefill_threshold=0,
                     policy="least-loaded", admission_timeout=30.0)  # fmt: skip
 
 
@@ -213,7 +214,7 @@ def _up_spec(args):
     return PoolSpec(
         model=str(Path(vals["model"]).resolve()), prefill=vals["prefill"], decode=vals["decode"],
         prefill_tp=vals["prefill_tp"], decode_tp=vals["decode_tp"], host=vals["host"], port=vals["port"],
-        dtype=vals["dtype"], kv_cache_memory=str(vals["kv_cache_memory"]), max_num_seqs=vals["max_num_seqs"],
+        dtype=vals["dtype"], device=vals["device"], kv_cache_memory=str(vals["kv_cache_memory"]), max_num_seqs=vals["max_num_seqs"],
         local_prefill_threshold=vals["local_prefill_threshold"], policy=vals["policy"],
         admission_timeout_s=float(vals["admission_timeout"]), log_level=args.log_level or "INFO",
     )  # fmt: skip
@@ -308,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help="address every component binds (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="router port (default 50051; 0 picks one)")
     p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default=None, help="cpu | cuda (decode nodes)")
     p.add_argument("--kv-cache-memory", default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--local-prefill-threshold", type=int, default=None)
@@ -339,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--tp", type=int, default=1)
         if kind == "decode":
             p.add_argument("--dtype", default="auto")
+            p.add_argument("--device", default="cpu", help="cpu | cuda")
             p.add_argument("--kv-cache-memory", default="256MiB")
             p.add_argument("--max-num-seqs", type=int, default=64)
             p.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -41,6 +41,7 @@ class PoolSpec:
     host: str = "127.0.0.1"
     port: int = 50051
     dtype: str = "auto"
+    device: str = "cpu"
     kv_cache_memory: str = "256MiB"
     max_num_seqs: int = 64
     local_prefill_threshold: int = 0
@@ -103,7 +104,7 @@ class Cluster:
             self._spawn(
                 f"decode-{i}",
                 ["decode", "--model", s.model, "--router", self.address, "--host", s.host, "--port", "0",
-                 "--node-id", f"decode-{i}", "--tp", str(s.decode_tp), "--dtype", s.dtype,
+                 "--node-id", f"decode-{i}", "--tp", str(s.decode_tp), "--dtype", s.dtype, "--device", s.device,
                  "--kv-cache-memory", s.kv_cache_memory, "--max-num-seqs", str(s.max_num_seqs),
                  "--local-prefill-threshold", str(s.local_prefill_threshold), *s.extra_decode_args],
             )  # fmt: skip

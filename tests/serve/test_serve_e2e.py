@@ -211,3 +211,37 @@ def test_one_log_line_per_request(client, cluster):
     node = [ln for ln in got if "pdserve.decode" in ln]
     assert len(router) == 1 and len(node) == 1, got
     assert "prompt 3, decode decode-0, prefill local" in router[0] and "ttft" in router[0] and "tpot" in router[0]
+
+
+def test_reserve_release_and_lease_expiry(cluster):
+    """The decode node's reservation seam: pages for prompt + 1 tokens and one GDN slot, held
+    under a lease, returned by Release or by the lease running out."""
+    from proto import pb, rpc
+    from proto.serving import channel
+
+    node = _decode_node(cluster)
+    initial = decode_stats(node.address).capacity
+    with channel(node.address) as ch:
+        stub = rpc.DecodeNodeStub(ch)
+        sp = pb.SamplingParams(max_tokens=4)
+        t = stub.Reserve(pb.ReserveRequest(request_id="res-1", prompt_token_ids=[1] * 40, sampling=sp), timeout=30).target
+        assert t.request_id == "res-1" and t.node_id == "decode-0" and t.num_tokens == 40 and t.tp_size == 1
+        assert len(t.ranks) == 1 and len(t.ranks[0].block_ids) == 3  # 41 tokens in 16-token pages
+        assert t.schema_digest == node.schema_digest and t.lease_s > 0
+        held = decode_stats(node.address).capacity
+        assert (held.free_slots, held.free_blocks, held.reserved) == (initial.free_slots - 1, initial.free_blocks - 3, 1)
+        assert stub.Release(pb.ReleaseRequest(request_id="res-1"), timeout=30).released
+        assert not stub.Release(pb.ReleaseRequest(request_id="res-1"), timeout=30).released
+        c = decode_stats(node.address).capacity
+        assert (c.free_slots, c.free_blocks, c.reserved) == (initial.free_slots, initial.free_blocks, 0)
+        stub.Reserve(pb.ReserveRequest(request_id="res-2", prompt_token_ids=[2] * 5, sampling=sp, lease_s=0.3), timeout=30)
+        assert decode_stats(node.address).capacity.reserved == 1
+
+        def expired():
+            c = decode_stats(node.address).capacity
+            return c.reserved == 0 and c.free_slots == initial.free_slots and c.free_blocks == initial.free_blocks
+
+        wait_for(expired, 10, "the lease to expire")
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.Reserve(pb.ReserveRequest(request_id="res-3", prompt_token_ids=[], sampling=sp), timeout=30)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
