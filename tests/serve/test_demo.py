@@ -1,0 +1,20 @@
+"""`pdserve demo`: up, a few prompts streamed through the SDK, TTFT / TPOT per request, clean exit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_demo_streams_and_exits_cleanly(ckpt):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run(
+        [sys.executable, "-m", "router.cli", "demo", "--model", ckpt, "--max-tokens", "6"],
+        capture_output=True, text=True, env=env, timeout=180, cwd=ROOT,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("TTFT") == 4 and r.stdout.count("TPOT") == 4
+    assert "nodes registered: 1/1 decode-0" in r.stdout and "4 requests, 24 new tokens" in r.stdout
