@@ -16,8 +16,12 @@ A worker creates its endpoint from the pools it holds:
     tx = Sender(cfg, rank, pools, node="P0", blocks=block_manager, slots=slot_pool)     # prefill
     tx.add_peer(rx.metadata()); rx.add_peer(tx.metadata())                             # handshake
     r = rx.reserve("req-1", prompt_len)            -> r.target (TargetRank) -> router -> Target
+        (or rx.adopt(request_id, prompt_len, blocks, slot, free=...) for memory the engine allocated)
     s = tx.send("req-1", target, src_blocks, src_slot, prompt_len, owned=True)
+        (or s = tx.open(...) at prefill start; s.post(layers=..., final=False) per finished layer; s.post())
     poll both endpoints until s.state / r.state is DONE or FAILED; r.take() -> (blocks, slot)
+
+Endpoints never block and start no thread: the owner calls poll() (each engine step).
 """
 
 from transfer.backend import TRANSPORTS, TransferState, get_transport
