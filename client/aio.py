@@ -82,11 +82,15 @@ class AsyncClient:
         except grpc.RpcError as e:
             raise PdserveError.from_rpc(e) from None
 
-    def stream(self, prompt: str | None = None, prompt_token_ids=None, timeout: float | None = None, **sampling) -> AsyncTokenStream:
+    def stream(
+        self, prompt: str | None = None, prompt_token_ids=None, timeout: float | None = None, **sampling
+    ) -> AsyncTokenStream:
         req = build_request(prompt, prompt_token_ids, **sampling)
         return AsyncTokenStream(self._stub.Generate(req, timeout=timeout or self.timeout))
 
-    async def generate(self, prompt: str | None = None, prompt_token_ids=None, timeout: float | None = None, **sampling) -> GenerateResult:
+    async def generate(
+        self, prompt: str | None = None, prompt_token_ids=None, timeout: float | None = None, **sampling
+    ) -> GenerateResult:
         res = GenerateResult()
         async with self.stream(prompt, prompt_token_ids, timeout=timeout, **sampling) as s:
             async for c in s:

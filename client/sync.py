@@ -84,13 +84,17 @@ class Client:
         except grpc.RpcError as e:
             raise PdserveError.from_rpc(e) from None
 
-    def stream(self, prompt: str | None = None, prompt_token_ids=None, timeout: float | None = None, **sampling) -> TokenStream:
+    def stream(
+        self, prompt: str | None = None, prompt_token_ids=None, timeout: float | None = None, **sampling
+    ) -> TokenStream:
         """Chunks as the tokens come. Options: max_tokens, temperature, top_k, top_p, seed,
         stop_token_ids, ignore_eos, request_id."""
         req = build_request(prompt, prompt_token_ids, **sampling)
         return TokenStream(self._stub.Generate(req, timeout=timeout or self.timeout))
 
-    def generate(self, prompt: str | None = None, prompt_token_ids=None, timeout: float | None = None, **sampling) -> GenerateResult:
+    def generate(
+        self, prompt: str | None = None, prompt_token_ids=None, timeout: float | None = None, **sampling
+    ) -> GenerateResult:
         res = GenerateResult()
         with self.stream(prompt, prompt_token_ids, timeout=timeout, **sampling) as s:
             for c in s:

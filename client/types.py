@@ -18,7 +18,7 @@ class PdserveError(Exception):
         self.message = message
 
     @classmethod
-    def from_rpc(cls, e: grpc.RpcError) -> "PdserveError":
+    def from_rpc(cls, e: grpc.RpcError) -> PdserveError:
         code = e.code() if callable(getattr(e, "code", None)) else grpc.StatusCode.UNKNOWN
         details = e.details() if callable(getattr(e, "details", None)) else str(e)
         return cls(code or grpc.StatusCode.UNKNOWN, details or "")

@@ -63,7 +63,7 @@ class EngineLoop:
         self.initial = self.snapshot
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
-    def start(self) -> "EngineLoop":
+    def start(self) -> EngineLoop:
         self.thread.start()
         return self
 

@@ -112,7 +112,9 @@ class DecodeNode(rpc.DecodeNodeServicer):
         if request.reserved:
             # Seam for the prefill pool: wait for the transfer into the reservation, then
             # EngineCore.activate(request_id, first_token_id) and stream like below.
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "decoding from a reservation needs the transfer (not wired yet)")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "decoding from a reservation needs the transfer (not wired yet)"
+            )
         rid = self._request_id(request.request_id, context)
         params = self._params(request.sampling, context)
         stream = self.loop.submit(rid, list(request.prompt_token_ids), params)
@@ -155,7 +157,10 @@ class DecodeNode(rpc.DecodeNodeServicer):
                 if n > 1:
                     t.tpot_s = (last_tok - first_tok) / (n - 1)
             msg = pb.GenerateResponse(
-                request_id=s.request_id, token_ids=new, finish_reason=item.finish_reason or "" if done else "", timings=t
+                request_id=s.request_id,
+                token_ids=new,
+                finish_reason=item.finish_reason or "" if done else "",
+                timings=t,
             )
             if first_msg:
                 msg.prompt_tokens = s.num_prompt_tokens

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Iterable
 from concurrent import futures
-from typing import Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -48,10 +48,6 @@ def start_server(
     return server, port, hs
 
 
-def set_not_serving(hs: health.HealthServicer) -> None:
-    hs.enter_graceful_shutdown()
-
-
 def sampling_kwargs(sp: pb.SamplingParams) -> dict:
     """Only the fields the caller set, so engine defaults apply to the rest."""
     kw: dict = {"top_k": sp.top_k, "ignore_eos": sp.ignore_eos, "stop_token_ids": tuple(sp.stop_token_ids)}
@@ -81,7 +77,7 @@ class Heartbeater:
         self._warned = False
         self.thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
-    def start(self) -> "Heartbeater":
+    def start(self) -> Heartbeater:
         self.thread.start()
         return self
 

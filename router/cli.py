@@ -95,7 +95,8 @@ def cmd_demo(args) -> int:
                 n += len(res.token_ids)
                 print(
                     f"\n  tokens {res.token_ids[:12]}... ({res.finish_reason}) on {res.decode_node}, "
-                    f"prefill {res.prefill_node or 'local'}: TTFT {res.ttft_s * 1e3:.1f} ms, TPOT {res.tpot_s * 1e3:.1f} ms"
+                    f"prefill {res.prefill_node or 'local'}: "
+                    f"TTFT {res.ttft_s * 1e3:.1f} ms, TPOT {res.tpot_s * 1e3:.1f} ms"
                 )
             dt = time.perf_counter() - t0
         print(f"\n{len(DEMO_PROMPTS)} requests, {n} new tokens in {dt:.2f} s: {n / dt:.1f} tokens/s; shutting down")
@@ -214,7 +215,8 @@ def _up_spec(args):
     return PoolSpec(
         model=str(Path(vals["model"]).resolve()), prefill=vals["prefill"], decode=vals["decode"],
         prefill_tp=vals["prefill_tp"], decode_tp=vals["decode_tp"], host=vals["host"], port=vals["port"],
-        dtype=vals["dtype"], device=vals["device"], kv_cache_memory=str(vals["kv_cache_memory"]), max_num_seqs=vals["max_num_seqs"],
+        dtype=vals["dtype"], device=vals["device"], kv_cache_memory=str(vals["kv_cache_memory"]),
+        max_num_seqs=vals["max_num_seqs"],
         local_prefill_threshold=vals["local_prefill_threshold"], policy=vals["policy"],
         admission_timeout_s=float(vals["admission_timeout"]), log_level=args.log_level or "INFO",
     )  # fmt: skip
@@ -270,7 +272,9 @@ def cmd_generate(args) -> int:
             with c.stream(**kw) as s:
                 for chunk in s:
                     res.add(chunk)
-                    print(chunk.text if chunk.text or not chunk.token_ids else f" {chunk.token_ids}", end="", flush=True)
+                    print(
+                        chunk.text if chunk.text or not chunk.token_ids else f" {chunk.token_ids}", end="", flush=True
+                    )
         except PdserveError as e:
             raise ValueError(f"{e.code.name}: {e.message}") from None
         except TimeoutError as e:

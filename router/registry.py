@@ -103,7 +103,9 @@ class NodeRegistry:
             e.connect()
             if old is not None:
                 old.close()
-                log.info("node %s re-registered (incarnation %x -> %x)", info.node_id, old.info.incarnation, info.incarnation)
+                log.info(
+                    "node %s re-registered (incarnation %x -> %x)", info.node_id, old.info.incarnation, info.incarnation
+                )
             else:
                 log.info(
                     "node %s registered: %s at %s, tp=%d",
@@ -137,7 +139,12 @@ class NodeRegistry:
             for e in self.nodes.values():
                 if e.alive and now - e.last_seen > self.dead_after_s:
                     e.alive = False
-                    log.warning("node %s (%s): no heartbeat for %.1f s, marked dead", e.node_id, e.info.address, now - e.last_seen)
+                    log.warning(
+                        "node %s (%s): no heartbeat for %.1f s, marked dead",
+                        e.node_id,
+                        e.info.address,
+                        now - e.last_seen,
+                    )
             fresh = {e.info.address for e in self.nodes.values() if now - e.last_seen < self.heartbeat_interval_s}
         for addr, kind in list(self.static_addrs.items()):
             if addr in fresh:

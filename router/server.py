@@ -99,7 +99,9 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         return pb.RegisterResponse(heartbeat_interval_s=self.cfg.heartbeat_interval_s)
 
     def Heartbeat(self, request, context):
-        return pb.HeartbeatResponse(known=self.registry.heartbeat(request.node_id, request.incarnation, request.capacity))
+        return pb.HeartbeatResponse(
+            known=self.registry.heartbeat(request.node_id, request.incarnation, request.capacity)
+        )
 
     def ListNodes(self, request, context):
         return pb.ListNodesResponse(
@@ -170,7 +172,9 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             vocab = min(e.info.vocab_size for e in nodes)
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt token id(s) {bad[:5]} out of range [0, {vocab})")
+                raise _Abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"prompt token id(s) {bad[:5]} out of range [0, {vocab})"
+                )
 
     def _admit(self, prompt_len: int, context, exclude: set[str]) -> NodeEntry:
         """Wait (bounded) for a decode node with room; count the request against it."""
@@ -190,7 +194,8 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                         raise _Abort(grpc.StatusCode.UNAVAILABLE, "no live decode node")
                     raise _Abort(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"no decode node had room for a {prompt_len}-token prompt within {self.cfg.admission_timeout_s:g} s",
+                        f"no decode node had room for a {prompt_len}-token prompt "
+                        f"within {self.cfg.admission_timeout_s:g} s",
                     )
                 reg.cond.wait(min(left, 0.25))
 

@@ -16,9 +16,8 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 import hybrid_ckpt as hc
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = dataclasses.replace(hc.SPEC_HV2, tokenizer=True)

@@ -101,7 +101,12 @@ def test_static_node_is_polled():
     fake = _FakeDecode()
     srv, port, _ = start_server("127.0.0.1:0", lambda s: rpc.add_DecodeNodeServicer_to_server(fake, s), ["DecodeNode"])
     fake.address = f"127.0.0.1:{port}"
-    r, rport = serve("127.0.0.1:0", RouterConfig(static_decode=(fake.address,), heartbeat_interval_s=0.1, dead_after_s=0.5, admission_timeout_s=0.3))
+    r, rport = serve(
+        "127.0.0.1:0",
+        RouterConfig(
+            static_decode=(fake.address,), heartbeat_interval_s=0.1, dead_after_s=0.5, admission_timeout_s=0.3
+        ),
+    )
     try:
         with channel(f"127.0.0.1:{rport}") as ch:
             stub = rpc.RegistryStub(ch)
@@ -126,7 +131,10 @@ def test_pools_file(tmp_path, ckpt):
     from router.cli import _up_spec, build_parser
 
     cfg = tmp_path / "pools.yaml"
-    cfg.write_text(f"model: {ckpt}\nport: 0\nprefill: {{count: 2, tp: 2}}\ndecode: {{count: 3, tp: 1, local_prefill_threshold: 64}}\n")
+    cfg.write_text(
+        f"model: {ckpt}\nport: 0\nprefill: {{count: 2, tp: 2}}\n"
+        "decode: {count: 3, tp: 1, local_prefill_threshold: 64}\n"
+    )
     spec = _up_spec(build_parser().parse_args(["up", "--config", str(cfg), "--decode", "1"]))
     assert (spec.prefill, spec.prefill_tp, spec.decode, spec.decode_tp) == (2, 2, 1, 1)  # the command line wins
     assert spec.local_prefill_threshold == 64 and spec.port == 0

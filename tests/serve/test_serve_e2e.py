@@ -11,10 +11,9 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import hybrid_ckpt as hc
 import pytest
 from conftest import ROOT, decode_stats, nodes, wait_for
-
-import hybrid_ckpt as hc
 
 LENS = (1, 3, 64, 65, 200)
 NEW = 16
@@ -52,7 +51,7 @@ def test_greedy_matches_transformers_16_concurrent(client, refs):
 
     with ThreadPoolExecutor(16) as ex:
         outs = list(ex.map(one, jobs))
-    for i, r in zip(jobs, outs):
+    for i, r in zip(jobs, outs, strict=True):
         assert r.token_ids == want[i], f"prompt of {len(ps[i])} tokens"
         assert r.finish_reason == "length" and r.prompt_tokens == len(ps[i])
         assert r.decode_node == "decode-0" and r.prefill_node == ""
@@ -155,7 +154,11 @@ def test_decode_node_refuses_bad_input_itself(cluster):
             with pytest.raises(grpc.RpcError) as ei:
                 list(stub.Generate(req, timeout=30))
             assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in ei.value.details()
-        out = list(stub.Generate(pb.DecodeRequest(prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_tokens=3)), timeout=30))
+        out = list(
+            stub.Generate(
+                pb.DecodeRequest(prompt_token_ids=[1, 2], sampling=pb.SamplingParams(max_tokens=3)), timeout=30
+            )
+        )
         assert sum(len(m.token_ids) for m in out) == 3 and out[-1].finish_reason == "length"
 
 
@@ -165,7 +168,10 @@ def test_health_and_reflection(cluster):
 
     from proto.serving import channel
 
-    for addr, service in [(cluster.address, "pdserve.v1.Generation"), (_decode_node(cluster).address, "pdserve.v1.DecodeNode")]:
+    for addr, service in [
+        (cluster.address, "pdserve.v1.Generation"),
+        (_decode_node(cluster).address, "pdserve.v1.DecodeNode"),
+    ]:
         with channel(addr) as ch:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
             assert r.status == health_pb2.HealthCheckResponse.SERVING
@@ -192,7 +198,8 @@ def test_cli_generate_streams_text(cluster):
     assert r.returncode == 0, r.stderr
     assert "5 tokens, length" in r.stderr
     bad = subprocess.run(
-        [sys.executable, "-m", "router.cli", "generate", "--addr", cluster.address, "--token-ids", "1,2", "--max-tokens", "0"],
+        [sys.executable, "-m", "router.cli", "generate", "--addr", cluster.address, "--token-ids", "1,2",
+         "--max-tokens", "0"],
         capture_output=True, text=True, env=env, timeout=120, cwd=ROOT,
     )  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "Traceback" not in bad.stderr
@@ -224,17 +231,25 @@ def test_reserve_release_and_lease_expiry(cluster):
     with channel(node.address) as ch:
         stub = rpc.DecodeNodeStub(ch)
         sp = pb.SamplingParams(max_tokens=4)
-        t = stub.Reserve(pb.ReserveRequest(request_id="res-1", prompt_token_ids=[1] * 40, sampling=sp), timeout=30).target
+        t = stub.Reserve(
+            pb.ReserveRequest(request_id="res-1", prompt_token_ids=[1] * 40, sampling=sp), timeout=30
+        ).target
         assert t.request_id == "res-1" and t.node_id == "decode-0" and t.num_tokens == 40 and t.tp_size == 1
         assert len(t.ranks) == 1 and len(t.ranks[0].block_ids) == 3  # 41 tokens in 16-token pages
         assert t.schema_digest == node.schema_digest and t.lease_s > 0
         held = decode_stats(node.address).capacity
-        assert (held.free_slots, held.free_blocks, held.reserved) == (initial.free_slots - 1, initial.free_blocks - 3, 1)
+        assert (held.free_slots, held.free_blocks, held.reserved) == (
+            initial.free_slots - 1,
+            initial.free_blocks - 3,
+            1,
+        )
         assert stub.Release(pb.ReleaseRequest(request_id="res-1"), timeout=30).released
         assert not stub.Release(pb.ReleaseRequest(request_id="res-1"), timeout=30).released
         c = decode_stats(node.address).capacity
         assert (c.free_slots, c.free_blocks, c.reserved) == (initial.free_slots, initial.free_blocks, 0)
-        stub.Reserve(pb.ReserveRequest(request_id="res-2", prompt_token_ids=[2] * 5, sampling=sp, lease_s=0.3), timeout=30)
+        stub.Reserve(
+            pb.ReserveRequest(request_id="res-2", prompt_token_ids=[2] * 5, sampling=sp, lease_s=0.3), timeout=30
+        )
         assert decode_stats(node.address).capacity.reserved == 1
 
         def expired():
