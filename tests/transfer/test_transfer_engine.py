@@ -1,0 +1,171 @@
+"""The real engine on both sides: a prefill engine at TP=a computes a prompt and holds its
+state; its ranks WRITE it (NIXL or UCXX, separate processes when TP > 1) into a decode engine's
+reservation at TP=b. Each destination rank then holds, bit for bit, the source state carried
+through the global layout and re-sharded for TP=b; and decoding from it gives the same tokens
+as the colocated engine."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import hybrid_ckpt as hc
+from engine import SamplingParams
+from engine.core import EngineCore
+from engine.llm import LLM
+from engine.shard import conv_channel_index, head_range, kv_head_range
+from transfer import TransferConfig
+from transfer import rank as xr
+
+SP = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPT_LENS = (37, 70)
+TIMEOUT_S = 60.0
+
+
+def read_state(worker, blocks: list[int], slot: int) -> dict:
+    """(runs on a rank) a copy of one request's pages and slot."""
+    p = worker.pools
+    idx = torch.tensor(blocks)
+    return {
+        "kv": {i: t[idx].clone() for i, t in p.kv.items()},
+        "conv": {i: t[slot].clone() for i, t in p.conv.items()},
+        "rec": {i: t[slot].clone() for i, t in p.recurrent.items()},
+    }
+
+
+def to_global(cfg, shards: list[dict]) -> dict:
+    """Source ranks' pieces -> the unsharded state (through engine.shard, not the plan)."""
+    m, t = cfg.model, cfg.parallel.tensor_parallel_size
+    out = {"kv": {}, "conv": {}, "rec": {}}
+    for i in shards[0]["kv"]:
+        nb, _, _, bs, hd = shards[0]["kv"][i].shape
+        g = torch.empty((nb, 2, m.num_kv_heads, bs, hd), dtype=m.dtype)
+        for r, s in enumerate(shards):
+            g[:, :, list(kv_head_range(m.num_kv_heads, t, r))] = s["kv"][i]
+        out["kv"][i] = g
+    for i in shards[0]["conv"]:
+        conv = torch.empty((m.conv_dim, m.linear_conv_kernel_dim - 1), dtype=m.dtype)
+        rec = torch.empty((m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim))
+        for r, s in enumerate(shards):
+            conv[conv_channel_index(m, t, r)] = s["conv"][i]
+            rec[list(head_range(m.linear_num_value_heads, t, r))] = s["rec"][i]
+        out["conv"][i], out["rec"][i] = conv, rec
+    return out
+
+
+def reshard(cfg, g: dict, rank: int) -> dict:
+    m, t = cfg.model, cfg.parallel.tensor_parallel_size
+    return {
+        "kv": {i: v[:, :, list(kv_head_range(m.num_kv_heads, t, rank))] for i, v in g["kv"].items()},
+        "conv": {i: v[conv_channel_index(m, t, rank)] for i, v in g["conv"].items()},
+        "rec": {i: v[list(head_range(m.linear_num_value_heads, t, rank))] for i, v in g["rec"].items()},
+    }
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def engine(path: str, tp: int) -> LLM:
+    return LLM(path, dtype="float32", tensor_parallel_size=tp, kv_cache_memory="24MiB", max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return hc.make(tmp_path_factory.mktemp("xfer") / "ckpt", hc.SPEC_HV2)
+
+
+@pytest.fixture(scope="module")
+def engines(ckpt):
+    """Prefill and decode engines at TP 1 and 2, each rank with a NIXL and a UCXX endpoint."""
+    es = {}
+    for role, node in (("sender", "P"), ("receiver", "D")):
+        for tp in (1, 2):
+            llm = engine(ckpt, tp)
+            for backend in ("nixl", "ucxx"):
+                cfg = TransferConfig(backend=backend, checksum=True)
+                llm.engine.executor.call_all(xr.open_endpoint, role, f"{node}{tp}", cfg)
+            es[(node, tp)] = llm
+    yield {k: llm.engine for k, llm in es.items()}
+    for llm in es.values():
+        for backend in ("nixl", "ucxx"):
+            llm.engine.executor.call_all(xr.close, backend)
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def colocated(ckpt):
+    with LLM(ckpt, dtype="float32") as llm:
+        yield [o.output_token_ids for o in llm.generate(prompt_token_ids=hc.prompts(lens=PROMPT_LENS), sampling_params=SP)]
+
+
+def _connect(P: EngineCore, D: EngineCore, backend: str, done: set) -> None:
+    if (id(P), id(D), backend) in done:
+        return
+    p_meta = P.executor.call_all(_metadata, backend)
+    d_meta = D.executor.call_all(_metadata, backend)
+    P.executor.call_all(xr.add_peers, backend, d_meta)
+    D.executor.call_all(xr.add_peers, backend, p_meta)
+    done.add((id(P), id(D), backend))
+
+
+def _metadata(worker, backend: str) -> bytes:
+    return xr.endpoint(worker, backend).metadata()
+
+
+def _until(P, D, backend, rid, want_quiet=True):
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        src = P.executor.call_all(xr.poll, backend, rid)
+        dst = D.executor.call_all(xr.poll, backend, rid)
+        if any(s[0] == "failed" for s in src + dst):
+            raise AssertionError(f"transfer failed: {src} {dst}")
+        if all(s[0] == "done" for s in dst) and all(s[0] == "done" and (s[2] or not want_quiet) for s in src):
+            return
+    raise AssertionError(f"transfer did not finish within {TIMEOUT_S} s")
+
+
+PAIRS = [("nixl", 1, 1), ("nixl", 2, 1), ("nixl", 1, 2), ("nixl", 2, 2), ("ucxx", 2, 1), ("ucxx", 1, 2)]
+_connected: set = set()
+
+
+@pytest.mark.parametrize("backend,a,b", PAIRS, ids=[f"{be}-tp{a}to{b}" for be, a, b in PAIRS])
+def test_engine_prefill_transfer_decode(engines, colocated, backend, a, b):
+    P, D = engines[("P", a)], engines[("D", b)]
+    _connect(P, D, backend, _connected)
+    free = (P.blocks.num_free, P.slots.num_free, D.blocks.num_free, D.slots.num_free)
+    digest = D.executor.call_all(xr.digest, backend)[0]
+    for i, prompt in enumerate(hc.prompts(lens=PROMPT_LENS)):
+        rid = f"{backend}-{a}{b}-{i}"
+        # decode node reserves first, then the prefill node computes and pushes
+        dst_blocks, dst_slot = D.reserve(prompt, SP, rid)
+        ranks = D.executor.call_all(xr.adopt, backend, rid, len(prompt), dst_blocks, dst_slot)
+        target = xr.make_target(ranks, f"D{b}", rid, len(prompt), b, digest)
+        P.add_request(prompt, SP, rid, prefill_only=True)
+        first = None
+        while first is None:
+            for o in P.step():
+                if o.request_id == rid and o.finished:
+                    assert o.finish_reason == "prefilled"
+                    first = o.output_token_ids[0]
+        src_blocks, src_slot = P.held(rid)
+        P.executor.call_all(xr.send, backend, rid, target, src_blocks, src_slot, len(prompt))
+        _until(P, D, backend, rid)
+
+        want = to_global(P.cfg, P.executor.call_all(read_state, src_blocks, src_slot))
+        got = D.executor.call_all(read_state, dst_blocks[: len(src_blocks)], dst_slot)
+        for r, g in enumerate(got):
+            exp = reshard(D.cfg, want, r)
+            for kind in ("kv", "conv", "rec"):
+                for layer in exp[kind]:
+                    assert same_bits(g[kind][layer], exp[kind][layer]), f"rank {r} {kind} layer {layer} differs"
+
+        P.release(rid)
+        D.executor.call_all(xr.take, backend, rid)
+        toks = D.activate(rid, first).new_token_ids
+        while D.has_unfinished():
+            toks += sum((o.new_token_ids for o in D.step() if o.request_id == rid), [])
+        assert toks == colocated[i], f"prompt of {len(prompt)} tokens"
+    assert (P.blocks.num_free, P.slots.num_free, D.blocks.num_free, D.slots.num_free) == free
