@@ -1,66 +1,15 @@
 """Serving tests: real processes (`pdserve up` = router + node processes) on loopback ports.
 
-One cluster per session (a tiny Qwen3.5 checkpoint with a tokenizer, float32, one decode node
-and one stub prefill node), started through the CLI exactly as a user would.
+One cluster per test module that asks for it (a tiny Qwen3.5 checkpoint with a tokenizer, float32, one decode node
+and one stub prefill node), started through the CLI exactly as a user would. Helpers live in
+serve_harness.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import re
-import signal
-import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
-
 import hybrid_ckpt as hc
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-SPEC = dataclasses.replace(hc.SPEC_HV2, tokenizer=True)
-
-
-class Up:
-    """`pdserve up ...` as a subprocess; its output is collected by a reader thread."""
-
-    def __init__(self, *args: str, timeout: float = 180.0):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PDSERVE_LOG="INFO")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "up", "--port", "0", *args],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        self.lines: list[str] = []
-        self._ready = threading.Event()
-        self.address: str | None = None
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self._ready.wait(timeout) or self.address is None:
-            self.stop()
-            raise RuntimeError("pdserve up did not become ready:\n" + self.output())
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            m = re.search(r"pdserve up: ready at (\S+)", line)
-            if m:
-                self.address = m.group(1)
-                self._ready.set()
-        self._ready.set()  # exited
-
-    def output(self) -> str:
-        return "".join(self.lines[-200:])
-
-    def stop(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-            raise
+from serve_harness import LENS, NEW, SPEC, Up
 
 
 @pytest.fixture(scope="session")
@@ -69,6 +18,13 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def refs(ckpt):
+    """Prompts of LENS tokens and transformers' greedy NEW tokens after each."""
+    ps = hc.prompts(lens=LENS, seed=5)
+    return ps, [hc.hf_greedy(ckpt, p, NEW) for p in ps]
+
+
+@pytest.fixture(scope="module")
 def cluster(ckpt):
     up = Up("--model", ckpt, "--dtype", "float32", "--decode", "1", "--prefill", "1")
     yield up
@@ -84,29 +40,3 @@ def client(cluster):
     c.wait_ready(timeout=60)
     yield c
     c.close()
-
-
-def nodes(address: str):
-    from proto import pb, rpc
-    from proto.serving import channel
-
-    with channel(address) as ch:
-        return list(rpc.RegistryStub(ch).ListNodes(pb.ListNodesRequest(), timeout=10).nodes)
-
-
-def decode_stats(node_address: str):
-    from proto import pb, rpc
-    from proto.serving import channel
-
-    with channel(node_address) as ch:
-        return rpc.DecodeNodeStub(ch).Stats(pb.StatsRequest(), timeout=10)
-
-
-def wait_for(pred, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

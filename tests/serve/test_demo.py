@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT
+from serve_harness import ROOT
 
 
 def test_demo_streams_and_exits_cleanly(ckpt):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import wait_for
+from serve_harness import wait_for
 
 from proto import pb, rpc
 from proto.serving import channel, start_server

@@ -11,18 +11,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import hybrid_ckpt as hc
 import pytest
-from conftest import ROOT, decode_stats, nodes, wait_for
-
-LENS = (1, 3, 64, 65, 200)
-NEW = 16
-
-
-@pytest.fixture(scope="module")
-def refs(ckpt):
-    ps = hc.prompts(lens=LENS, seed=5)
-    return ps, [hc.hf_greedy(ckpt, p, NEW) for p in ps]
+from serve_harness import NEW, ROOT, decode_stats, nodes, wait_for
 
 
 def _decode_node(cluster):

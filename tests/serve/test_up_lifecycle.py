@@ -1,5 +1,6 @@
-"""`pdserve up` process lifecycle: SIGTERM stops every child (TP worker processes included)
-with no orphans; a full node answers RESOURCE_EXHAUSTED after the bounded admission wait."""
+"""`pdserve up` process lifecycle with a TP=2 decode node: its greedy tokens equal transformers',
+a full node answers RESOURCE_EXHAUSTED after the bounded admission wait, and SIGTERM stops every
+child (TP worker processes included) with no orphans."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 
 import grpc
 import pytest
-from conftest import Up, nodes, wait_for
+from serve_harness import NEW, Up, nodes, wait_for
 
 
 def _children() -> dict[int, list[int]]:
@@ -42,7 +43,7 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def test_sigterm_leaves_no_orphans_and_admission_is_bounded(ckpt):
+def test_sigterm_leaves_no_orphans_and_admission_is_bounded(ckpt, refs):
     from client import Client, PdserveError
 
     up = Up("--model", ckpt, "--dtype", "float32", "--decode", "1", "--decode-tp", "2", "--prefill", "1",
@@ -54,8 +55,10 @@ def test_sigterm_leaves_no_orphans_and_admission_is_bounded(ckpt):
         assert {n.node.node_id for n in nodes(up.address) if n.alive} == {"decode-0", "prefill-0"}
         with Client(up.address, timeout=60) as c:
             c.wait_ready(timeout=30)
-            r = c.generate(prompt_token_ids=[1, 2, 3], max_tokens=4, temperature=0.0, ignore_eos=True)
-            assert len(r.token_ids) == 4
+            ps, want = refs  # a TP=2 decode node gives transformers' tokens too (one at a time: 1 slot)
+            for p, w in zip(ps, want, strict=True):
+                r = c.generate(prompt_token_ids=p, max_tokens=NEW, temperature=0.0, ignore_eos=True)
+                assert r.token_ids == w, f"prompt of {len(p)} tokens"
             s = c.stream(prompt_token_ids=[1, 2, 3], max_tokens=4000, temperature=0.0, ignore_eos=True)
             it = iter(s)
             next(it)  # holds the only state slot
