@@ -69,6 +69,8 @@ class _Trace:
     last: float | None = None
     n: int = 0
     finish: str = "-"
+    transfer_bytes: int = 0
+    transfer_s: float = 0.0
 
 
 class Router(rpc.GenerationServicer, rpc.RegistryServicer):
@@ -264,6 +266,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                     self._timings(out.timings, m.timings, tr, now, done=bool(m.finish_reason))
                     if m.finish_reason:
                         tr.finish = m.finish_reason
+                        tr.transfer_bytes, tr.transfer_s = m.timings.transfer_bytes, m.timings.transfer_s
                     yield out
                 return
             except grpc.RpcError as e:
@@ -294,8 +297,10 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         ttft = f"{(tr.first - tr.received) * 1e3:.1f} ms" if tr.first else "-"
         tpot = f"{(tr.last - tr.first) / (tr.n - 1) * 1e3:.1f} ms" if tr.n > 1 else "-"
         log.info(
-            "request %s: prompt %d, decode %s, prefill %s, queue %.1f ms, ttft %s, tpot %s, %d tokens, %s",
+            "request %s: prompt %d, decode %s, prefill %s, queue %.1f ms, ttft %s, tpot %s, %d tokens, %s; "
+            "transfer %d B in %.1f ms",
             tr.request_id, tr.prompt_len, tr.decode, tr.prefill, tr.queue_s * 1e3, ttft, tpot, tr.n, tr.finish,
+            tr.transfer_bytes, tr.transfer_s * 1e3,
         )  # fmt: skip
 
     # ---- lifecycle ----------------------------------------------------------------------------

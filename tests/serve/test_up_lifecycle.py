@@ -1,10 +1,11 @@
 """`pdserve up` process lifecycle with a TP=2 decode node: its greedy tokens equal transformers',
-a full node answers RESOURCE_EXHAUSTED after the bounded admission wait, and SIGTERM stops every
-child (TP worker processes included) with no orphans."""
+a full node answers RESOURCE_EXHAUSTED after the bounded admission wait, a killed node is marked
+dead by the router, and SIGTERM stops every child (TP worker processes included) with no orphans."""
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import grpc
@@ -43,7 +44,7 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def test_sigterm_leaves_no_orphans_and_admission_is_bounded(ckpt, refs):
+def test_tp2_tokens_admission_node_death_and_no_orphans(ckpt, refs):
     from client import Client, PdserveError
 
     up = Up("--model", ckpt, "--dtype", "float32", "--decode", "1", "--decode-tp", "2", "--prefill", "1",
@@ -72,6 +73,14 @@ def test_sigterm_leaves_no_orphans_and_admission_is_bounded(ckpt, refs):
             r = c.generate(prompt_token_ids=[4, 5], max_tokens=3, temperature=0.0, ignore_eos=True)
             assert len(r.token_ids) == 3
         procs |= descendants(up.proc.pid)
+        # a node that dies is marked dead by the router (missed heartbeats); `up` reports it and goes on
+        prefill = [p for p in procs if b"prefill-0" in open(f"/proc/{p}/cmdline", "rb").read()]
+        assert len(prefill) == 1
+        os.kill(prefill[0], signal.SIGKILL)
+        wait_for(lambda: {n.node.node_id: n.alive for n in nodes(up.address)} == {"decode-0": True, "prefill-0": False},
+                 15, "the router to mark prefill-0 dead")  # fmt: skip
+        wait_for(lambda: "prefill-0 exited with status -9" in up.output(), 10, "up to report the exit")
+        assert up.proc.poll() is None
     finally:
         rc = up.stop()
     assert rc == 0, up.output()
