@@ -118,8 +118,11 @@ class DecodeNode(rpc.DecodeNodeServicer):
         rid = self._request_id(request.request_id, context)
         params = self._params(request.sampling, context)
         stream = self.loop.submit(rid, list(request.prompt_token_ids), params)
-        context.add_callback(lambda: self.loop.abort(stream))
-        yield from self._relay(stream, context)
+        context.add_callback(lambda: self.loop.abort(stream))  # prompt, even while _relay waits
+        try:
+            yield from self._relay(stream, context)
+        finally:  # however the call ends; a no-op for a finished request
+            self.loop.abort(stream)
 
     def _relay(self, s: Stream, context):
         first_tok = last_tok = None

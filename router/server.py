@@ -227,6 +227,9 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         except _Abort as a:
             tr.finish = a.code.name
             context.abort(a.code, a.msg)
+        except GeneratorExit:  # the client went away between messages
+            tr.finish = "cancelled"
+            raise
         finally:
             self._log(tr)
 
@@ -274,11 +277,13 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                     tr.finish = "cancelled"
                     return
                 code = e.code()
-                if code == grpc.StatusCode.UNAVAILABLE and tr.n == 0 and len(tried) < 2:
+                others = [n for n in self.registry.live(pb.NODE_KIND_DECODE) if n.node_id not in tried]
+                if code == grpc.StatusCode.UNAVAILABLE and tr.n == 0 and len(tried) < 2 and others:
                     log.warning("request %s: decode node %s unavailable, retrying elsewhere", tr.request_id, d.node_id)
                     continue
                 raise _Abort(code, e.details() or code.name) from None
             finally:
+                call.cancel()  # no-op when it completed; stops the node's work otherwise
                 self._done(d, len(ids))
 
     @staticmethod
