@@ -250,3 +250,29 @@ def test_reserve_release_and_lease_expiry(cluster):
         with pytest.raises(grpc.RpcError) as ei:
             stub.Reserve(pb.ReserveRequest(request_id="res-3", prompt_token_ids=[], sampling=sp), timeout=30)
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_async_stream_close_cancels(cluster):
+    from client import AsyncClient
+
+    node = _decode_node(cluster)
+    initial = decode_stats(node.address).capacity
+
+    async def main():
+        async with AsyncClient(cluster.address, timeout=120) as c:
+            s = c.stream(prompt_token_ids=[5, 6, 7], max_tokens=4000, ignore_eos=True)
+            n = 0
+            async for ch in s:
+                n += len(ch.token_ids)
+                if n >= 3:
+                    break
+            assert decode_stats(node.address).capacity.free_slots == initial.free_slots - 1
+            await s.close()
+
+    asyncio.run(main())
+
+    def back():
+        c = decode_stats(node.address).capacity
+        return c.free_slots == initial.free_slots and c.free_blocks == initial.free_blocks and c.running == 0
+
+    wait_for(back, 20, "free pages and slots back after the async stream closed")
