@@ -8,6 +8,14 @@
     pdserve prefill --model DIR --router HOST:PORT      (a stub until the prefill pool lands)
     pdserve generate --addr HOST:PORT "text" [--max-tokens 32 --temperature 0]
 
+A pools file for `up --config` takes the `up` options as keys; the command line wins:
+
+    model: /path/to/checkpoint
+    port: 50051
+    prefill: {count: 1, tp: 2}
+    decode: {count: 2, tp: 1, local_prefill_threshold: 64, kv_cache_memory: 2GiB}
+    policy: least-loaded
+
 Errors print one line and exit with status 2; no stack traces.
 """
 
