@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # runs in the child between fork and exec
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:
@@ -79,7 +79,7 @@ class Cluster:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         cmd = [sys.executable, "-m", "router.cli", "--log-level", self.spec.log_level, *args]
-        self.procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        self.procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
 
     def start(self, ready_timeout: float = 300.0) -> None:
         s = self.spec

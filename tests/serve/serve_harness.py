@@ -14,6 +14,8 @@ from pathlib import Path
 
 import hybrid_ckpt as hc
 
+from router.launch import die_with_parent
+
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = dataclasses.replace(hc.SPEC_HV2, tokenizer=True)
 
@@ -30,6 +32,7 @@ class Up:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "router.cli", "up", "--port", "0", *args],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            preexec_fn=die_with_parent,  # a killed test run takes its cluster down with it
         )  # fmt: skip
         self.lines: list[str] = []
         self._ready = threading.Event()
