@@ -28,13 +28,14 @@ class DecodeNodeConfig:
     seed: int = 0
     device: str = "cpu"
     # Prompts shorter than this many tokens are prefilled here (conditional disaggregation);
-    # 0 means always use the prefill pool. Until the prefill pool is wired, every prompt is
-    # prefilled locally whatever this says (the router decides; see router/policy.py).
+    # 0 means always use the prefill pool (the router decides; it also prefills here when no
+    # prefill node is ready).
     local_prefill_threshold: int = 0
     router: str | None = None  # host:port of the router to register with (None: standalone)
     advertise_host: str = "127.0.0.1"  # the host part of the address the router dials
     heartbeat_interval_s: float = 0.5
     reservation_lease_s: float = 30.0  # default lease of a Reserve that names none
+    transfer_backend: str = "nixl"  # data plane of the receiver endpoints (transfer.TRANSPORTS)
 
     def __post_init__(self):
         if self.local_prefill_threshold < 0:

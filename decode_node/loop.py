@@ -8,6 +8,10 @@ A handler's `Stream` yields ("out", RequestOutput) items until a finished one, o
 so a late abort for a finished request (or another request that reused the id) does nothing.
 Capacity counters are snapshotted by the loop thread after every command and step, so readers
 (heartbeats, Stats) never touch engine state from another thread.
+
+Transfer endpoints are polled, never threaded: a node sets `tick` (a function run on the loop
+thread after every command batch and step, returning True while it has transfers in flight);
+while it does, an idle loop wakes every `poll_interval_s` instead of sleeping until work.
 """
 
 from __future__ import annotations
@@ -52,8 +56,11 @@ class Snapshot:
 
 
 class EngineLoop:
-    def __init__(self, engine, name: str = "engine"):
+    def __init__(self, engine, name: str = "engine", poll_interval_s: float = 0.001):
         self.engine = engine
+        self.tick = None  # () -> bool: node work on the loop thread (transfer polling)
+        self.poll_interval_s = poll_interval_s
+        self._pending = False
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[str, Stream] = {}
         self.snapshot = Snapshot()
@@ -68,9 +75,12 @@ class EngineLoop:
         return self
 
     # ---- called from handler threads ----------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], params) -> Stream:
+    def submit(self, request_id: str, prompt_token_ids: list[int], params, prefill_only: bool = False,
+               start=None) -> Stream:
+        """Queue a request. `start(engine) -> RequestOutput` replaces add_request (a reservation
+        joining the batch: EngineCore.activate); its output is the stream's first item."""
         s = Stream(request_id, len(prompt_token_ids))
-        self.inbox.put(("add", s, prompt_token_ids, params))
+        self.inbox.put(("add", s, prompt_token_ids, params, prefill_only, start))
         return s
 
     def abort(self, stream: Stream) -> None:
@@ -93,7 +103,12 @@ class EngineLoop:
         while not self._stop.is_set():
             busy = eng.has_unfinished()
             try:
-                cmd = self.inbox.get_nowait() if busy else self.inbox.get()  # idle: sleep until work
+                if busy:
+                    cmd = self.inbox.get_nowait()
+                elif self._pending:  # transfers in flight: keep polling them
+                    cmd = self.inbox.get(timeout=self.poll_interval_s)
+                else:
+                    cmd = self.inbox.get()  # idle: sleep until work
             except queue.Empty:
                 cmd = None
             while cmd is not None:
@@ -118,19 +133,33 @@ class EngineLoop:
                     if o.finished:
                         del self.streams[o.request_id]
                     s.q.put(("out", o))
+            if self.tick is not None:
+                try:
+                    self._pending = bool(self.tick())
+                except Exception:
+                    log.exception("transfer tick failed")
+                    self._pending = True
             self._snap()
         self._fail_all(ShuttingDown("the decode node is shutting down"))
 
     def _handle(self, cmd) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, s, ids, params = cmd
+            _, s, ids, params, prefill_only, start = cmd
             try:
-                self.engine.add_request(ids, params, s.request_id)
+                if start is not None:
+                    first = start(self.engine)
+                else:
+                    self.engine.add_request(ids, params, s.request_id, prefill_only=prefill_only)
+                    first = None
             except Exception as e:  # ValueError: a bad request; anything else: reported as internal
                 s.q.put(("error", e))
                 return
             s.added = time.monotonic()
+            if first is not None:
+                s.q.put(("out", first))
+                if first.finished:
+                    return
             self.streams[s.request_id] = s
         elif kind == "abort":
             s = cmd[1]

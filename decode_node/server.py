@@ -7,22 +7,34 @@ heartbeats stop, in-flight streams end, engine workers exit.
 
 Requests:
 - Generate without a reservation: colocated; the engine prefills the prompt itself.
-- Reserve / Release: KV pages for prompt + 1 tokens and a GDN slot set aside under a lease,
-  for a prefill node to write into (needs EngineCore.reserve; the transfer endpoint that fills
-  it and Generate(reserved=True) that activates it come with the prefill pool).
+- Reserve: KV pages for prompt + 1 tokens and a GDN slot set aside (EngineCore.reserve), adopted
+  by the receiver endpoint of every rank under a lease (decode_node/ranks.py); the answer is the
+  TransferTarget (every rank's agent, blocks, slot, incarnation) the prefill node writes into.
+- Generate(reserved=True, first_token_id): waits (bounded by the lease) until every rank saw
+  every source rank's Done, hands the memory to the engine (take) and activates the request in
+  the running batch, then streams like the colocated case. A failed or expired transfer frees
+  the reservation (once no write can land) and ends the call ABORTED with the reason.
+- Release: aborts a reservation (pages and slot back once no write can land); with
+  dead_prefill_node, first drops that node's transfer agents (the router declared it dead).
+- Handshake: adds the prefill node's rank blobs as peers on every rank, answers with ours.
 Client cancellation aborts the engine request, so pages and slot return to the free lists.
+Receiver endpoints are polled by the engine loop thread (EngineLoop.tick) while any
+reservation is open; every engine and executor call stays on that thread.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 import uuid
 
 import grpc
+import msgspec
 
+from decode_node import ranks as dranks
 from decode_node.config import DecodeNodeConfig
 from decode_node.loop import EngineLoop, ShuttingDown, Stream
 from engine.core import EngineCore
@@ -46,6 +58,18 @@ def _digest(ecfg) -> str:
         return ""
 
 
+class _Xfer:
+    """One reservation awaiting (or holding) a transferred state; touched on the loop thread only,
+    except the events handlers wait on."""
+
+    def __init__(self, rid: str, inc: int, deadline: float):
+        self.rid, self.inc, self.deadline = rid, inc, deadline
+        self.phase = "wait"  # wait -> ready -> taken | failing -> (released)
+        self.error: str | None = None
+        self.changed = threading.Event()  # ready, failing or released
+        self.released = threading.Event()  # memory back in the free lists
+
+
 class DecodeNode(rpc.DecodeNodeServicer):
     def __init__(self, cfg: DecodeNodeConfig):
         self.cfg = cfg
@@ -54,14 +78,25 @@ class DecodeNode(rpc.DecodeNodeServicer):
         self.engine = EngineCore(self.ecfg)
         self.loop = EngineLoop(self.engine, name=f"{cfg.node_id}-engine").start()
         self.digest = _digest(self.ecfg)
+        self.backend = cfg.transfer_backend
+        self.blobs: list[bytes] | None = None  # every rank's receiver metadata (None: colocated only)
+        self.xfers: dict[str, _Xfer] = {}  # loop thread only
+        try:
+            from transfer import TransferConfig
+            from transfer import rank as xr
+
+            tcfg = TransferConfig(backend=self.backend, lease_s=cfg.reservation_lease_s)
+            self.blobs = self.engine.executor.call_all(xr.open_endpoint, "receiver", cfg.node_id, tcfg)
+            self.digest = self.engine.executor.call_all(xr.digest, self.backend)[0]
+        except Exception as e:  # no data plane here: the node still serves colocated requests
+            log.warning("decode node %s: no %s transfer endpoint (%s); prefilling locally only", cfg.node_id,
+                        self.backend, e)  # fmt: skip
+        self.loop.tick = self._tick
         self.address = ""
         self.server: grpc.Server | None = None
         self._health = None
         self._hb: Heartbeater | None = None
-        self._leases: dict[str, float] = {}  # reserved request id -> deadline (monotonic)
-        self._lease_lock = threading.Lock()
         self._stopped = threading.Event()
-        self._reaper = threading.Thread(target=self._reap_leases, name="leases", daemon=True)
 
     # ---- info ---------------------------------------------------------------------------
     def capacity(self) -> pb.Capacity:
@@ -110,11 +145,8 @@ class DecodeNode(rpc.DecodeNodeServicer):
 
     def Generate(self, request, context):
         if request.reserved:
-            # Seam for the prefill pool: wait for the transfer into the reservation, then
-            # EngineCore.activate(request_id, first_token_id) and stream like below.
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, "decoding from a reservation needs the transfer (not wired yet)"
-            )
+            yield from self._generate_reserved(request, context)
+            return
         rid = self._request_id(request.request_id, context)
         params = self._params(request.sampling, context)
         stream = self.loop.submit(rid, list(request.prompt_token_ids), params)
@@ -124,7 +156,44 @@ class DecodeNode(rpc.DecodeNodeServicer):
         finally:  # however the call ends; a no-op for a finished request
             self.loop.abort(stream)
 
-    def _relay(self, s: Stream, context):
+    def _generate_reserved(self, request, context):
+        rid = request.request_id
+        x = self.loop.call(lambda e: self.xfers.get(rid)) if rid else None
+        if x is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no reservation {rid!r} on {self.cfg.node_id}")
+        try:
+            while not x.changed.wait(0.05):  # bounded: the tick fails the reservation at its lease
+                if not context.is_active():
+                    self._release(rid, "the caller went away")
+                    return
+            if x.phase != "ready":
+                context.abort(
+                    grpc.StatusCode.ABORTED,
+                    f"state transfer for request {rid} failed: {x.error}; reservation released",
+                )
+            first = request.first_token_id
+
+            def start(e):
+                if self.xfers.get(rid) is not x or x.phase != "ready":
+                    raise RuntimeError(f"reservation {rid} ended before decode began: {x.error}")
+                e.executor.call_all(dranks.take, self.backend, rid, x.inc)
+                del self.xfers[rid]
+                x.phase = "taken"
+                return e.activate(rid, first)
+
+            stream = self.loop.submit(rid, list(request.prompt_token_ids), None, start=start)
+        except BaseException:
+            if x.phase in ("wait", "ready"):
+                self._release(rid, "the decode call ended")
+            raise
+        context.add_callback(lambda: self.loop.abort(stream))
+        try:
+            yield from self._relay(stream, context, skip=1)
+        finally:
+            self.loop.abort(stream)
+
+    def _relay(self, s: Stream, context, skip: int = 0):
+        """skip: leading tokens the caller already has (the prefill node's first token)."""
         first_tok = last_tok = None
         n = 0
         first_msg = True
@@ -145,6 +214,8 @@ class DecodeNode(rpc.DecodeNodeServicer):
                 context.abort(code, str(item))
             now = time.monotonic()
             new = item.new_token_ids
+            if skip:
+                new, skip = new[skip:], max(0, skip - len(new))
             if new:
                 first_tok = first_tok if first_tok is not None else now
                 last_tok = now
@@ -180,26 +251,33 @@ class DecodeNode(rpc.DecodeNodeServicer):
                 return
 
     def Reserve(self, request, context):
-        if not hasattr(self.engine, "reserve"):
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this engine has no reservations (EngineCore.reserve)")
+        if self.blobs is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"decode node {self.cfg.node_id} has no transfer endpoint")
         rid = self._request_id(request.request_id, context)
         params = self._params(request.sampling, context)
         ids = list(request.prompt_token_ids)
+        lease = request.lease_s or self.cfg.reservation_lease_s
+
+        def reserve(e):
+            got = e.reserve(ids, params, rid)
+            if got is None:
+                return None
+            blocks, slot = got
+            inc = secrets.randbits(62)
+            try:
+                ranks = e.executor.call_all(dranks.adopt, self.backend, rid, len(ids), blocks, slot, lease, inc)
+            except Exception:
+                e.release(rid)
+                raise
+            self.xfers[rid] = _Xfer(rid, inc, time.monotonic() + lease)
+            return ranks
+
         try:
-            got = self.loop.call(lambda e: e.reserve(ids, params, rid))
+            ranks = self.loop.call(reserve)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if got is None:
+        if ranks is None:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV pages or state slot for this prompt now")
-        blocks, slot = got
-        lease = request.lease_s or self.cfg.reservation_lease_s
-        with self._lease_lock:
-            self._leases[rid] = time.monotonic() + lease
-        # Seam: one TargetRank per worker rank, with that rank's transfer agent name.
-        ranks = [
-            pb.TargetRank(agent="", rank=r, block_ids=blocks, slot=slot, incarnation=self.incarnation)
-            for r in range(self.cfg.tensor_parallel_size)
-        ]
         return pb.ReserveResponse(
             target=pb.TransferTarget(
                 request_id=rid,
@@ -207,32 +285,89 @@ class DecodeNode(rpc.DecodeNodeServicer):
                 tp_size=self.cfg.tensor_parallel_size,
                 schema_digest=self.digest,
                 num_tokens=len(ids),
-                ranks=ranks,
+                ranks=[
+                    pb.TargetRank(agent=t.agent, rank=t.rank, block_ids=t.blocks, slot=t.slot, incarnation=t.incarnation)
+                    for t in ranks
+                ],
                 lease_s=lease,
             )
         )
 
-    def _release(self, rid: str) -> bool:
-        with self._lease_lock:
-            held = self._leases.pop(rid, None) is not None
-        if held:
-            self.loop.call(lambda e: e.release(rid))
-        return held
+    def _release(self, rid: str, reason: str, wait_s: float = 10.0) -> bool:
+        """Abort a reservation; wait (bounded) until its memory is back. False: none under that id."""
+
+        def rel(e):
+            x = self.xfers.get(rid)
+            if x is not None and x.phase in ("wait", "ready"):
+                self._fail(x, reason)
+            return x
+
+        x = self.loop.call(rel)
+        if x is None:
+            return False
+        if not x.released.wait(wait_s):
+            log.warning("reservation %s: memory not back %.0f s after release (a write may be in flight)", rid, wait_s)
+        return True
 
     def Release(self, request, context):
-        return pb.ReleaseResponse(released=self._release(request.request_id))
+        if request.dead_prefill_node and self.blobs is not None:
+            node = request.dead_prefill_node
+            gone = self.loop.call(lambda e: e.executor.call_all(dranks.drop_node, self.backend, node))
+            if gone and gone[0]:
+                log.warning("dropped the transfer agents of %s (declared dead): %s", node, ", ".join(sum(gone, [])))
+        if not request.request_id:
+            return pb.ReleaseResponse(released=False)
+        return pb.ReleaseResponse(released=self._release(request.request_id, request.reason or "released by the caller"))
 
-    def _reap_leases(self) -> None:
-        while not self._stopped.wait(0.5):
-            now = time.monotonic()
-            with self._lease_lock:
-                expired = [r for r, d in self._leases.items() if d <= now]
-            for rid in expired:
-                log.warning("reservation %s: lease expired, released", rid)
-                self._release(rid)
+    # ---- transfers (loop thread) ---------------------------------------------------------------
+    def _fail(self, x: _Xfer, reason: str) -> None:
+        log.warning("reservation %s: %s", x.rid, reason)
+        x.phase, x.error = "failing", reason
+        self.engine.executor.call_all(dranks.abort, self.backend, x.rid, x.inc, reason)
+        x.changed.set()
+
+    def _tick(self) -> bool:
+        if not self.xfers:
+            return False
+        xs = list(self.xfers.values())
+        res = self.engine.executor.call_all(dranks.poll, self.backend, [(x.rid, x.inc) for x in xs])
+        now = time.monotonic()
+        for i, x in enumerate(xs):
+            per = [r[i] for r in res]
+            if x.phase == "wait":
+                if all(p[0] == "done" for p in per):
+                    x.phase = "ready"
+                    x.changed.set()
+                elif any(p[0] in ("failed", "gone") for p in per):
+                    why = next((p[1] for p in per if p[1]), None) or "the transfer failed"
+                    self._fail(x, why)
+                    continue
+            if x.phase in ("wait", "ready") and now > x.deadline:
+                self._fail(x, "lease expired" + (" before decode began" if x.phase == "ready" else ""))
+                continue
+            if x.phase == "failing" and all(p[2] for p in per):
+                self.engine.release(x.rid)
+                del self.xfers[x.rid]
+                x.released.set()
+                x.changed.set()
+        return bool(self.xfers)
 
     def Handshake(self, request, context):
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, "the transfer endpoint is not wired on decode nodes yet")
+        if self.blobs is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"decode node {self.cfg.node_id} has no transfer endpoint")
+        peers = msgspec.msgpack.decode(request.schema, type=list[bytes]) if request.schema else []
+        if peers:
+            from transfer import rank as xr
+            from transfer.errors import HandshakeError
+
+            try:
+                self.loop.call(lambda e: e.executor.call_all(xr.add_peers, self.backend, peers))
+            except HandshakeError as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"handshake with {request.node_id} refused: {e}")
+            log.info("handshake with %s (%d ranks)", request.node_id, len(peers))
+        return pb.HandshakeResponse(
+            node_id=self.cfg.node_id, incarnation=self.incarnation, schema=msgspec.msgpack.encode(self.blobs)
+        )
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self, addr: str) -> int:
@@ -240,7 +375,6 @@ class DecodeNode(rpc.DecodeNodeServicer):
             addr, lambda s: rpc.add_DecodeNodeServicer_to_server(self, s), ["DecodeNode"]
         )
         self.address = f"{self.cfg.advertise_host}:{port}"
-        self._reaper.start()
         if self.cfg.router:
             self._hb = Heartbeater(self.cfg.router, self.info, self.cfg.heartbeat_interval_s).start()
         log.info("decode node %s serving on %s (%s)", self.cfg.node_id, self.address, self.engine.capacity.summary())
@@ -257,6 +391,13 @@ class DecodeNode(rpc.DecodeNodeServicer):
         self.loop.stop()
         if self.server is not None:
             self.server.stop(grace).wait(timeout=(grace or 0) + 5)
+        if self.blobs is not None:
+            from transfer import rank as xr
+
+            try:
+                self.engine.executor.call_all(xr.close, self.backend)
+            except Exception:
+                log.exception("closing the transfer endpoints failed")
         self.engine.close()
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:

@@ -1,11 +1,20 @@
-"""The prefill node's gRPC server: `serve(addr, cfg) -> (node, port)`. A STUB for now.
+"""The prefill node's gRPC server: `serve(addr, cfg) -> (node, port)`.
 
-It serves PrefillNode (+ health and reflection), registers with the router as a prefill node
-with `prefill_ready=False` and heartbeats, so pools, registration and shutdown can be exercised;
-Prefill / Abort / Handshake answer UNIMPLEMENTED. The router never routes to a node that is not
-prefill_ready. What comes next (issue 5): an EngineCore with `prefill_only=True` requests (hold
-pages + slot after the first token), a transfer Sender per rank fed by the request's
-TransferTarget, first token + timings in PrefillResponse, Abort -> sender abort + engine release.
+An EngineCore (t worker ranks) whose requests are `prefill_only`: the engine computes the
+prompt, samples the first token and HOLDS the pages and GDN slot. Every rank has a transfer
+Sender (prefill_node/ranks.py); the engine loop thread (decode_node/loop.py EngineLoop, shared)
+polls them while a push is in flight. Every engine and executor call stays on that thread.
+
+    Prefill(prompt, sampling, target) -> queue (engine waiting list) -> prefill -> first token
+      "prefilled": every rank WRITEs its pieces into the target reservation (re-sharded a -> b)
+      -> wait (bounded) until every rank is done and quiet -> release the held memory
+      -> PrefillResponse(first token, timings: queue_s, prefill_s, transfer_s, transfer_bytes)
+      "stop" / "length" (the first token ended it): nothing to push; finish_reason says so
+    Abort(request_id) / the caller cancelling: engine abort before the first token, else abort
+      the push; the held memory is released once no write can still read it.
+    Handshake: adds the decode node's rank blobs as peers on every rank, answers with ours.
+
+Registers with the router as prefill_ready with the prompt tokens it has queued in capacity.
 """
 
 from __future__ import annotations
@@ -13,12 +22,16 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import grpc
+import msgspec
 
+from decode_node.loop import EngineLoop, ShuttingDown
+from prefill_node import ranks as pranks
 from proto import pb, rpc
-from proto.serving import Heartbeater, start_server
+from proto.serving import MAX_REQUEST_ID_LEN, Heartbeater, sampling_kwargs, start_server
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -31,22 +44,81 @@ class PrefillNodeConfig:
     router: str | None = None  # host:port of the router to register with
     advertise_host: str = "127.0.0.1"
     heartbeat_interval_s: float = 0.5
+    dtype: str = "auto"
+    device: str = "cpu"
+    kv_cache_memory: str = "256MiB"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    max_model_len: int | None = None
+    seed: int = 0
+    transfer_backend: str = "nixl"
+    push_timeout_s: float = 60.0  # a push not done (and quiet) by then fails the call
+
+    def engine_config(self):
+        from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+
+        return EngineConfig(
+            model=ModelConfig.from_dir(self.model, self.dtype),
+            parallel=ParallelConfig(self.tensor_parallel_size),
+            cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory),
+            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len),
+            device=self.device,
+            seed=self.seed,
+        )
+
+
+class _Push:
+    """One request's push from the held state into its target; loop thread only (but `done`)."""
+
+    def __init__(self, rid: str, target, nranks: int, deadline: float):
+        self.rid, self.target, self.deadline = rid, target, deadline
+        self.started = time.monotonic()
+        self.finished: float | None = None
+        self.error: str | None = None
+        self.aborted = False
+        self.nbytes = 0
+        self.done = threading.Event()  # every rank terminal and quiet; held memory released
+
+
+def _target(t: pb.TransferTarget):
+    from transfer.messages import Target, TargetRank
+
+    ranks = [TargetRank(r.agent, r.rank, list(r.block_ids), r.slot, r.incarnation) for r in t.ranks]
+    return Target(t.request_id, t.node_id, t.tp_size, t.schema_digest, t.num_tokens, sorted(ranks, key=lambda r: r.rank))
 
 
 class PrefillNode(rpc.PrefillNodeServicer):
     def __init__(self, cfg: PrefillNodeConfig):
-        from engine.config import ModelConfig
+        from engine.core import EngineCore
+        from transfer import TransferConfig
+        from transfer import rank as xr
 
         self.cfg = cfg
-        self.model = ModelConfig.from_dir(cfg.model)  # checks the checkpoint; no weights loaded
+        self.ecfg = cfg.engine_config()
         self.incarnation = int.from_bytes(os.urandom(7), "little")
+        self.backend = cfg.transfer_backend
+        self.engine = EngineCore(self.ecfg)
+        try:
+            tcfg = TransferConfig(backend=self.backend)
+            self.blobs: list[bytes] = self.engine.executor.call_all(xr.open_endpoint, "sender", cfg.node_id, tcfg)
+            self.digest = self.engine.executor.call_all(xr.digest, self.backend)[0]
+        except Exception:
+            self.engine.close()
+            raise
+        self.pushes: dict[str, _Push] = {}  # loop thread only
+        self.loop = EngineLoop(self.engine, name=f"{cfg.node_id}-engine")
+        self.loop.tick = self._tick
+        self.loop.start()
         self.address = ""
         self.server = None
         self._health = None
         self._hb = None
         self._stopped = threading.Event()
 
+    # ---- info ---------------------------------------------------------------------------------
     def info(self) -> pb.NodeInfo:
+        s = self.loop.snapshot
         return pb.NodeInfo(
             node_id=self.cfg.node_id,
             kind=pb.NODE_KIND_PREFILL,
@@ -54,32 +126,205 @@ class PrefillNode(rpc.PrefillNodeServicer):
             incarnation=self.incarnation,
             tp_size=self.cfg.tensor_parallel_size,
             model=self.cfg.model,
-            vocab_size=self.model.vocab_size,
-            max_model_len=self.model.max_position_embeddings,
-            prefill_ready=False,
-            capacity=pb.Capacity(),
-        )
+            vocab_size=self.ecfg.model.vocab_size,
+            max_model_len=self.ecfg.max_model_len,
+            schema_digest=self.digest,
+            prefill_ready=True,
+            capacity=pb.Capacity(
+                total_blocks=s.total_blocks, free_blocks=s.free_blocks, block_size=s.block_size,
+                total_slots=s.total_slots, free_slots=s.free_slots, running=s.running, waiting=s.waiting,
+                queued_prefill_tokens=s.queued_prefill_tokens,
+            ),
+        )  # fmt: skip
 
     def Stats(self, request, context):
         return self.info()
 
+    # ---- Prefill ------------------------------------------------------------------------------
     def Prefill(self, request, context):
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, "the prefill pool is not available yet (stub prefill node)")
+        from engine.sampling_params import SamplingParams
 
+        rid = request.request_id
+        if not rid or len(rid) > MAX_REQUEST_ID_LEN:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id must have 1..{MAX_REQUEST_ID_LEN} characters")
+        if not request.HasField("target") or not request.target.ranks:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a TransferTarget with every destination rank is required")
+        if request.target.schema_digest != self.digest:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"target model digest {request.target.schema_digest} differs from this node's {self.digest}",
+            )
+        try:
+            params = SamplingParams(**sampling_kwargs(request.sampling))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        target = _target(request.target)
+        ids = list(request.prompt_token_ids)
+        t0 = time.monotonic()
+        stream = self.loop.submit(rid, ids, params, prefill_only=True)
+        state = {"push": None, "cancelled": False}
+
+        def cancel():
+            state["cancelled"] = True
+            self.loop.abort(stream)  # before the first token; a no-op after
+            p = state["push"]
+            if p is not None:
+                self.loop.inbox.put(("call", lambda e: self._abort_push(p, "cancelled by the caller"), _NoFuture()))
+
+        context.add_callback(cancel)
+        try:
+            out = self._first(stream, context)
+        except ShuttingDown as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        if out is None:
+            context.abort(grpc.StatusCode.CANCELLED, f"request {rid} cancelled before its first token")
+        t_first = time.monotonic()
+        first = out.output_token_ids[0] if out.output_token_ids else -1
+        t = pb.Timings(
+            queue_s=(stream.added or t0) - t0,
+            prefill_s=t_first - (stream.added or t0),
+            ttft_s=t_first - t0,
+        )
+        if out.finish_reason != "prefilled":
+            if out.finish_reason not in ("stop", "length"):
+                context.abort(grpc.StatusCode.ABORTED, f"request {rid} ended before its first token ({out.finish_reason})")
+            self._log(rid, len(ids), first, t, out.finish_reason, target)
+            return pb.PrefillResponse(first_token_id=first, timings=t, finish_reason=out.finish_reason)
+        try:
+            push = self.loop.call(lambda e: self._start_push(rid, target))
+        except Exception as e:
+            context.abort(grpc.StatusCode.INTERNAL, f"request {rid}: starting the push failed: {e}")
+        state["push"] = push
+        if state["cancelled"]:
+            self.loop.call(lambda e: self._abort_push(push, "cancelled by the caller"))
+        while not push.done.wait(0.05):
+            if time.monotonic() > push.deadline + 30:  # the push itself is bounded; this is a backstop
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid}: the push never settled")
+        t.transfer_s = (push.finished or time.monotonic()) - push.started
+        t.transfer_bytes = push.nbytes
+        if push.error is not None:
+            code = grpc.StatusCode.CANCELLED if push.aborted else grpc.StatusCode.ABORTED
+            self._log(rid, len(ids), first, t, f"push failed: {push.error}", target)
+            context.abort(code, f"request {rid}: pushing the state to {target.node} failed: {push.error}")
+        self._log(rid, len(ids), first, t, "pushed", target)
+        return pb.PrefillResponse(first_token_id=first, timings=t)
+
+    def _first(self, stream, context):
+        """The request's finished output (prefilled or ended), or None when aborted / cancelled."""
+        while True:
+            try:
+                kind, item = stream.get(timeout=0.5)
+            except Exception:  # queue.Empty
+                if not self.loop.thread.is_alive():
+                    raise ShuttingDown("the prefill node is shutting down") from None
+                if not context.is_active():
+                    return None
+                continue
+            if kind == "error":
+                if isinstance(item, ShuttingDown):
+                    raise item
+                code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(item, ValueError) else grpc.StatusCode.INTERNAL
+                context.abort(code, str(item))
+            if item.finished:
+                return None if item.finish_reason == "abort" else item
+
+    def _log(self, rid, n, first, t, what, target) -> None:
+        log.info(
+            "request %s: prompt %d -> %s, first token %d, %s; queue %.1f ms, prefill %.1f ms, transfer %d B in %.1f ms",
+            rid, n, target.node, first, what, t.queue_s * 1e3, t.prefill_s * 1e3, t.transfer_bytes, t.transfer_s * 1e3,
+        )  # fmt: skip
+
+    # ---- pushes (loop thread) -----------------------------------------------------------------
+    def _start_push(self, rid: str, target) -> _Push:
+        e = self.engine
+        p = _Push(rid, target, self.cfg.tensor_parallel_size, time.monotonic() + self.cfg.push_timeout_s)
+        self.pushes[rid] = p
+        try:
+            blocks, slot = e.held(rid)
+            e.executor.call_all(pranks.send, self.backend, rid, target, blocks, slot, len(e.requests[rid].prompt_token_ids))
+        except Exception as ex:  # some ranks may have started: abort them, release once quiet
+            log.warning("request %s: push did not start: %s", rid, ex)
+            p.error = str(ex)
+            try:
+                e.executor.call_all(pranks.abort, self.backend, rid, str(ex))
+            except Exception:
+                log.exception("aborting %s failed", rid)
+        return p
+
+    def _abort_push(self, p: _Push, reason: str) -> None:
+        if self.pushes.get(p.rid) is not p or p.done.is_set():
+            return
+        p.aborted = True
+        p.error = p.error or reason
+        self.engine.executor.call_all(pranks.abort, self.backend, p.rid, reason)
+
+    def _tick(self) -> bool:
+        if not self.pushes:
+            return False
+        ps = list(self.pushes.values())
+        res = self.engine.executor.call_all(pranks.poll, self.backend, [p.rid for p in ps])
+        now = time.monotonic()
+        for i, p in enumerate(ps):
+            per = [r[i] for r in res]
+            if p.error is None and any(s[0] == "failed" for s in per):
+                p.error = next((s[1] for s in per if s[1]), "failed")
+                self.engine.executor.call_all(pranks.abort, self.backend, p.rid, p.error)  # the other ranks too
+            if p.error is None and now > p.deadline:
+                p.error = f"not done within {self.cfg.push_timeout_s:g} s"
+                self.engine.executor.call_all(pranks.abort, self.backend, p.rid, p.error)
+            if all(s[0] in ("done", "failed", "gone") and s[2] for s in per):
+                p.finished = now
+                p.nbytes = sum(s[3] for s in per)
+                self.engine.executor.call_all(pranks.forget, self.backend, p.rid)
+                self.engine.release(p.rid)  # no write can still read the held pages
+                del self.pushes[p.rid]
+                p.done.set()
+        return bool(self.pushes)
+
+    # ---- Abort / Handshake ------------------------------------------------------------------
     def Abort(self, request, context):
-        return pb.AbortResponse(aborted=False)
+        rid = request.request_id
+        reason = request.reason or "aborted by the router"
+
+        def abort(e):
+            p = self.pushes.get(rid)
+            if p is not None:
+                self._abort_push(p, reason)
+                return True
+            s = self.loop.streams.get(rid)
+            if s is not None:
+                del self.loop.streams[rid]
+                out = e.abort(rid)
+                s.q.put(("out", out) if out is not None else ("error", RuntimeError("aborted")))
+                return True
+            return False
+
+        return pb.AbortResponse(aborted=self.loop.call(abort))
 
     def Handshake(self, request, context):
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, "the transfer endpoint is not wired on prefill nodes yet")
+        from transfer import rank as xr
+        from transfer.errors import HandshakeError
 
+        peers = msgspec.msgpack.decode(request.schema, type=list[bytes]) if request.schema else []
+        if peers:
+            try:
+                self.loop.call(lambda e: e.executor.call_all(xr.add_peers, self.backend, peers))
+            except HandshakeError as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"handshake with {request.node_id} refused: {e}")
+            log.info("handshake with %s (%d ranks)", request.node_id, len(peers))
+        return pb.HandshakeResponse(
+            node_id=self.cfg.node_id, incarnation=self.incarnation, schema=msgspec.msgpack.encode(self.blobs)
+        )
+
+    # ---- lifecycle ----------------------------------------------------------------------------
     def start(self, addr: str) -> int:
         self.server, port, self._health = start_server(
-            addr, lambda s: rpc.add_PrefillNodeServicer_to_server(self, s), ["PrefillNode"], max_workers=16
+            addr, lambda s: rpc.add_PrefillNodeServicer_to_server(self, s), ["PrefillNode"], max_workers=64
         )
         self.address = f"{self.cfg.advertise_host}:{port}"
         if self.cfg.router:
             self._hb = Heartbeater(self.cfg.router, self.info, self.cfg.heartbeat_interval_s).start()
-        log.info("prefill node %s (stub) serving on %s", self.cfg.node_id, self.address)
+        log.info("prefill node %s serving on %s (%s)", self.cfg.node_id, self.address, self.engine.capacity.summary())
         return port
 
     def stop(self, grace: float | None = 2.0) -> None:
@@ -90,13 +335,36 @@ class PrefillNode(rpc.PrefillNodeServicer):
             self._health.enter_graceful_shutdown()
         if self._hb is not None:
             self._hb.stop()
+        self.loop.stop()
         if self.server is not None:
             self.server.stop(grace).wait(timeout=(grace or 0) + 5)
+        from transfer import rank as xr
+
+        try:
+            self.engine.executor.call_all(xr.close, self.backend)
+        except Exception:
+            log.exception("closing the transfer endpoints failed")
+        self.engine.close()
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         return self.server.wait_for_termination(timeout)
 
 
+class _NoFuture:
+    """A stand-in Future for fire-and-forget loop calls."""
+
+    def set_result(self, _):
+        pass
+
+    def set_exception(self, e):
+        log.warning("loop call failed: %s", e)
+
+
 def serve(addr: str, cfg: PrefillNodeConfig) -> tuple[PrefillNode, int]:
     node = PrefillNode(cfg)
-    return node, node.start(addr)
+    try:
+        port = node.start(addr)
+    except Exception:
+        node.stop(0)
+        raise
+    return node, port

@@ -263,12 +263,14 @@ class ReserveResponse(_message.Message):
     def __init__(self, target: _Optional[_Union[TransferTarget, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_id", "reason")
+    __slots__ = ("request_id", "reason", "dead_prefill_node")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    DEAD_PREFILL_NODE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reason: str
-    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    dead_prefill_node: str
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ..., dead_prefill_node: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)
@@ -303,12 +305,14 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., target: _Optional[_Union[TransferTarget, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "timings")
+    __slots__ = ("first_token_id", "timings", "finish_reason")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     timings: Timings
-    def __init__(self, first_token_id: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    finish_reason: str
+    def __init__(self, first_token_id: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "reason")

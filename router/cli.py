@@ -5,7 +5,7 @@
     pdserve up --model DIR --prefill N --decode M --prefill-tp a --decode-tp b --port P  (or --config pools.yaml)
     pdserve router --port P [--model DIR] [--decode ADDR ...] [--prefill ADDR ...]
     pdserve decode --model DIR --router HOST:PORT [--port 0] [--tp b] [--local-prefill-threshold T]
-    pdserve prefill --model DIR --router HOST:PORT      (a stub until the prefill pool lands)
+    pdserve prefill --model DIR --router HOST:PORT [--port 0] [--tp a] [--transfer-backend nixl]
     pdserve generate --addr HOST:PORT "text" [--max-tokens 32 --temperature 0]
 
 A pools file for `up --config` takes the `up` options as keys; the command line wins:
@@ -76,16 +76,17 @@ def cmd_make_tiny_model(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """`up` with the built-in tiny model (one decode node), a few prompts streamed through the SDK."""
+    """`up` with the built-in tiny model (one prefill + one decode node), a few prompts streamed
+    through the SDK with per-request TTFT / TPOT / transfer figures."""
     from client import Client, GenerateResult
     from engine.config import ModelConfig
     from router.launch import Cluster, PoolSpec
 
     model = Path(args.model) if args.model else default_model_dir()
     ModelConfig.from_dir(model)  # a bad directory fails here, in one line
-    spec = PoolSpec(model=str(model), decode=1, decode_tp=args.tp, port=0, dtype="float32",
-                    log_level=args.log_level or "WARNING")  # fmt: skip
-    print(f"starting a router and 1 decode node (tp={args.tp}) on {model} ...", flush=True)
+    spec = PoolSpec(model=str(model), prefill=1, decode=1, prefill_tp=args.tp, decode_tp=args.tp, port=0,
+                    dtype="float32", log_level=args.log_level or "WARNING")  # fmt: skip
+    print(f"starting a router, 1 prefill and 1 decode node (tp={args.tp}) on {model} ...", flush=True)
     with Cluster(spec) as cl:
         cl.start()
         print(f"ready at {cl.address}", flush=True)
@@ -104,7 +105,8 @@ def cmd_demo(args) -> int:
                 print(
                     f"\n  tokens {res.token_ids[:12]}... ({res.finish_reason}) on {res.decode_node}, "
                     f"prefill {res.prefill_node or 'local'}: "
-                    f"TTFT {res.ttft_s * 1e3:.1f} ms, TPOT {res.tpot_s * 1e3:.1f} ms"
+                    f"TTFT {res.ttft_s * 1e3:.1f} ms, TPOT {res.tpot_s * 1e3:.1f} ms, "
+                    f"transfer {res.transfer_bytes} B in {res.transfer_s * 1e3:.1f} ms"
                 )
             dt = time.perf_counter() - t0
         print(f"\n{len(DEMO_PROMPTS)} requests, {n} new tokens in {dt:.2f} s: {n / dt:.1f} tokens/s; shutting down")
@@ -162,6 +164,7 @@ def cmd_decode(args) -> int:
         router=args.router,
         advertise_host=args.advertise_host or args.host,
         device=args.device,
+        transfer_backend=args.transfer_backend,
     )
     node, port = serve(f"{args.host}:{args.port}", cfg)
     print(f"decode node {cfg.node_id} listening on {node.address}", flush=True)
@@ -177,15 +180,23 @@ def cmd_prefill(args) -> int:
         tensor_parallel_size=args.tp,
         router=args.router,
         advertise_host=args.advertise_host or args.host,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        transfer_backend=args.transfer_backend,
     )
     node, port = serve(f"{args.host}:{args.port}", cfg)
-    print(f"prefill node {cfg.node_id} (stub: prefill pool not available yet) listening on {node.address}", flush=True)
+    print(f"prefill node {cfg.node_id} listening on {node.address}", flush=True)
     return _serve_until_signal(node)
 
 
-_UP_DEFAULTS = dict(model=None, prefill=0, decode=1, prefill_tp=1, decode_tp=1, host="127.0.0.1", port=50051,
+_UP_DEFAULTS = dict(model=None, prefill=1, decode=1, prefill_tp=1, decode_tp=1, host="127.0.0.1", port=50051,
                     dtype="auto", device="cpu", kv_cache_memory="256MiB", max_num_seqs=64, local_prefill_threshold=0,
-                    policy="least-loaded", admission_timeout=30.0)  # fmt: skip
+                    policy="least-loaded", admission_timeout=30.0, transfer_backend="nixl")  # fmt: skip
 
 
 def _up_spec(args):
@@ -227,6 +238,7 @@ def _up_spec(args):
         max_num_seqs=vals["max_num_seqs"],
         local_prefill_threshold=vals["local_prefill_threshold"], policy=vals["policy"],
         admission_timeout_s=float(vals["admission_timeout"]), log_level=args.log_level or "INFO",
+        transfer_backend=vals["transfer_backend"],
     )  # fmt: skip
 
 
@@ -314,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="run a router and node pools as local processes")
     p.add_argument("--config", default=None, help="pools.yaml: the options below as keys (the command line wins)")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
-    p.add_argument("--prefill", type=int, default=None, help="prefill nodes (stubs for now; default 0)")
+    p.add_argument("--prefill", type=int, default=None, help="prefill nodes (default 1; 0: decode nodes prefill)")
     p.add_argument("--decode", type=int, default=None, help="decode nodes (default 1)")
     p.add_argument("--prefill-tp", type=int, default=None)
     p.add_argument("--decode-tp", type=int, default=None)
@@ -327,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-prefill-threshold", type=int, default=None)
     p.add_argument("--policy", default=None)
     p.add_argument("--admission-timeout", type=float, default=None)
+    p.add_argument("--transfer-backend", default=None, help="nixl | ucxx (default nixl)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("router", help="run the router")
@@ -343,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_router)
 
     for kind in ("decode", "prefill"):
-        p = sub.add_parser(kind, help=f"run one {kind} node" + (" (stub for now)" if kind == "prefill" else ""))
+        p = sub.add_parser(kind, help=f"run one {kind} node")
         p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
         p.add_argument("--router", default=None, help="router HOST:PORT to register with")
         p.add_argument("--host", default="127.0.0.1")
@@ -351,17 +364,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--advertise-host", default=None, help="host the router dials (default --host)")
         p.add_argument("--node-id", default=f"{kind}-0")
         p.add_argument("--tp", type=int, default=1)
+        p.add_argument("--dtype", default="auto")
+        p.add_argument("--device", default="cpu", help="cpu | cuda")
+        p.add_argument("--kv-cache-memory", default="256MiB")
+        p.add_argument("--max-num-seqs", type=int, default=64)
+        p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        p.add_argument("--block-size", type=int, default=16)
+        p.add_argument("--max-model-len", type=int, default=None)
+        p.add_argument("--transfer-backend", default="nixl", help="nixl | ucxx")
         if kind == "decode":
-            p.add_argument("--dtype", default="auto")
-            p.add_argument("--device", default="cpu", help="cpu | cuda")
-            p.add_argument("--kv-cache-memory", default="256MiB")
-            p.add_argument("--max-num-seqs", type=int, default=64)
-            p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-            p.add_argument("--block-size", type=int, default=16)
-            p.add_argument("--max-model-len", type=int, default=None)
             p.add_argument("--local-prefill-threshold", type=int, default=0,
-                           help="prompts shorter than this prefill here (0: always the prefill pool; "
-                                "until it exists every prompt prefills here)")  # fmt: skip
+                           help="prompts shorter than this prefill here (0: always the prefill pool, "
+                                "when a prefill node is ready)")  # fmt: skip
         p.set_defaults(func=cmd_decode if kind == "decode" else cmd_prefill)
 
     p = sub.add_parser("generate", help="stream a completion from a router")

@@ -34,7 +34,7 @@ class PoolSpec:
     """What `up` launches (from the command line or a pools file)."""
 
     model: str
-    prefill: int = 0
+    prefill: int = 1
     decode: int = 1
     prefill_tp: int = 1
     decode_tp: int = 1
@@ -48,6 +48,7 @@ class PoolSpec:
     policy: str = "least-loaded"
     admission_timeout_s: float = 30.0
     log_level: str = "INFO"
+    transfer_backend: str = "nixl"
     extra_decode_args: list[str] = field(default_factory=list)
 
     def __post_init__(self):
@@ -98,7 +99,9 @@ class Cluster:
             self._spawn(
                 f"prefill-{i}",
                 ["prefill", "--model", s.model, "--router", self.address, "--host", s.host, "--port", "0",
-                 "--node-id", f"prefill-{i}", "--tp", str(s.prefill_tp)],
+                 "--node-id", f"prefill-{i}", "--tp", str(s.prefill_tp), "--dtype", s.dtype, "--device", s.device,
+                 "--kv-cache-memory", s.kv_cache_memory, "--max-num-seqs", str(s.max_num_seqs),
+                 "--transfer-backend", s.transfer_backend],
             )  # fmt: skip
         for i in range(s.decode):
             self._spawn(
@@ -106,7 +109,8 @@ class Cluster:
                 ["decode", "--model", s.model, "--router", self.address, "--host", s.host, "--port", "0",
                  "--node-id", f"decode-{i}", "--tp", str(s.decode_tp), "--dtype", s.dtype, "--device", s.device,
                  "--kv-cache-memory", s.kv_cache_memory, "--max-num-seqs", str(s.max_num_seqs),
-                 "--local-prefill-threshold", str(s.local_prefill_threshold), *s.extra_decode_args],
+                 "--local-prefill-threshold", str(s.local_prefill_threshold),
+                 "--transfer-backend", s.transfer_backend, *s.extra_decode_args],
             )  # fmt: skip
         self._wait_registered(deadline)
 

@@ -3,12 +3,22 @@
 Serves `Generation` (clients) and `Registry` (nodes), plus health and reflection. One request:
 
     validate (prompt, sampling) -> tokenize text -> admission: wait (bounded) until the policy
-    finds a decode node with room -> [prefill phase: seam, see _prefill] -> stream the decode
-    node's tokens back, with text deltas and the router's timings -> one INFO line
+    finds a decode node D with room -> prefill phase (_prefill) -> stream D's tokens back, with
+    text deltas and the router's timings -> one INFO line (with transfer bytes and ms)
 
-A client that cancels cancels the upstream call, and the decode node aborts the request.
-If the chosen decode node is unreachable before the first token, the request is tried once
-more on another node. A background thread sweeps heartbeats (router/registry.py).
+Prefill phase (DESIGN.md section 1), when the prompt is at least D's local-prefill threshold
+and a prefill node is ready: D.Reserve -> TransferTarget; choose a prefill node P (policy);
+make sure P and D have handshaken (the router brokers it once per node pair and incarnation:
+P's rank blobs to D, D's to P); P.Prefill(prompt, target) -> the first token goes to the client
+at once; D.Generate(reserved=True, first_token_id) streams the rest. A failed prefill releases
+the reservation and is tried once more on another prefill node (a new reservation); a prefill
+node that answered UNAVAILABLE is marked dead and D drops its transfer agents; with no other
+prefill node left, D prefills the prompt itself. Otherwise D prefills locally (colocated).
+
+A client that cancels cancels the upstream calls: the prefill node aborts the push, the
+reservation is released, the decode node aborts the request. If the chosen decode node is
+unreachable before the first token, the request is tried once more on another node. A
+background thread sweeps heartbeats (router/registry.py).
 """
 
 from __future__ import annotations
@@ -40,6 +50,8 @@ class RouterConfig:
     dead_after_s: float = 3.0  # no heartbeat for this long: the node is dead
     admission_timeout_s: float = 30.0  # wait this long for room, then RESOURCE_EXHAUSTED
     policy: str = "least-loaded"
+    reservation_lease_s: float = 30.0  # lease asked of a decode node's Reserve
+    prefill_timeout_s: float = 120.0  # one Prefill call (queue + compute + push) at most
 
     def __post_init__(self):
         if self.dead_after_s <= self.heartbeat_interval_s:
@@ -47,6 +59,14 @@ class RouterConfig:
         if self.admission_timeout_s < 0:
             raise ValueError("admission_timeout_s must be >= 0")
         make_policy(self.policy)
+
+
+class _DecodeFailed(Exception):
+    """The decode node refused or could not take a reservation (retry on another decode node)."""
+
+    def __init__(self, err: grpc.RpcError):
+        super().__init__(str(err))
+        self.err = err
 
 
 class _Abort(Exception):
@@ -90,6 +110,8 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                 self.tokenizer = Tokenizer(cfg.model)
         self.server: grpc.Server | None = None
         self._health = None
+        self._pairs: set[tuple] = set()  # (prefill id, incarnation, decode id, incarnation) handshaken
+        self._pair_lock = threading.Lock()
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="sweeper", daemon=True)
 
@@ -209,13 +231,130 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             e.freed_blocks += e.blocks_for(prompt_len + 1)
             self.registry.cond.notify_all()
 
-    def _prefill(self, d: NodeEntry, prompt_len: int) -> NodeEntry | None:
-        """Seam for the prefill pool. Returns the prefill node to use, or None to prefill on d.
-        Disaggregated path (next): if prompt_len >= d's local_prefill_threshold and a live
-        prefill node is prefill_ready: d.Reserve -> TransferTarget, p.Prefill(prompt, target) ->
-        first token (send it at once), then d.Generate(reserved=True, first_token_id); on a
-        failed prefill retry once on another prefill node; on cancel p.Abort + d.Release."""
-        return None
+    # ---- the prefill pool ----------------------------------------------------------------------
+    def _ready_prefill(self, d: NodeEntry, exclude: set[str]) -> list[NodeEntry]:
+        dg = d.info.schema_digest
+        return [
+            p
+            for p in self.registry.live(pb.NODE_KIND_PREFILL)
+            if p.info.prefill_ready and p.node_id not in exclude and (not dg or p.info.schema_digest in ("", dg))
+        ]
+
+    def _use_pool(self, d: NodeEntry, prompt_len: int) -> bool:
+        """Conditional disaggregation: short prompts (under D's threshold) prefill on D, as do all
+        prompts when no prefill node is ready."""
+        if prompt_len < d.info.local_prefill_threshold or not d.info.schema_digest:
+            return False
+        return bool(self._ready_prefill(d, set()))
+
+    def _handshake(self, p: NodeEntry, d: NodeEntry) -> None:
+        """Broker the transfer handshake of (P, D) once per pair of incarnations."""
+        key = (p.node_id, p.info.incarnation, d.node_id, d.info.incarnation)
+        if key in self._pairs:
+            return
+        with self._pair_lock:
+            if key in self._pairs:
+                return
+            pr = p.stub.Handshake(pb.HandshakeRequest(node_id="router"), timeout=60)
+            dr = d.stub.Handshake(
+                pb.HandshakeRequest(node_id=p.node_id, incarnation=p.info.incarnation, schema=pr.schema), timeout=60
+            )
+            p.stub.Handshake(
+                pb.HandshakeRequest(node_id=d.node_id, incarnation=d.info.incarnation, schema=dr.schema), timeout=60
+            )
+            self._pairs.add(key)
+            log.info("transfer handshake %s <-> %s done", p.node_id, d.node_id)
+
+    def _forget_prefill(self, p: NodeEntry) -> None:
+        with self._pair_lock:
+            self._pairs = {k for k in self._pairs if k[0] != p.node_id}
+
+    def _release(self, d: NodeEntry, rid: str, reason: str, dead_prefill: str = "") -> None:
+        try:
+            d.stub.Release(
+                pb.ReleaseRequest(request_id=rid, reason=reason, dead_prefill_node=dead_prefill), timeout=30
+            )
+        except grpc.RpcError as e:
+            log.warning("release of %s on %s failed: %s", rid, d.node_id, e.code().name)
+
+    def _reserve(self, d: NodeEntry, rid: str, ids: list[int], request, context) -> pb.TransferTarget:
+        """D.Reserve, retried while D is momentarily full (bounded by the admission wait)."""
+        deadline = time.monotonic() + self.cfg.admission_timeout_s
+        while True:
+            try:
+                return d.stub.Reserve(
+                    pb.ReserveRequest(
+                        request_id=rid, prompt_token_ids=ids, sampling=request.sampling,
+                        lease_s=self.cfg.reservation_lease_s,
+                    ),
+                    timeout=30,
+                ).target  # fmt: skip
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                    raise
+                if not context.is_active():
+                    raise _Abort(grpc.StatusCode.CANCELLED, "the client went away") from None
+                time.sleep(0.02)
+
+    def _prefill(self, d: NodeEntry, request, ids: list[int], tr: _Trace, context):
+        """Reserve on D, prefill on a prefill node (one retry elsewhere). Returns
+        (prefill node, D's request id, PrefillResponse), or None to prefill on D itself."""
+        n = len(ids)
+        tried: set[str] = set()
+        attempt = 0
+        while True:
+            with self.registry.cond:
+                p = self.policy.choose_prefill(self._ready_prefill(d, tried), n)
+                if p is not None:
+                    p.inflight_prefill_tokens += n
+            if p is None:
+                return None
+            tried.add(p.node_id)
+            rid = tr.request_id if attempt == 0 else f"{tr.request_id}~{attempt}"
+            reserved = False
+            try:
+                try:
+                    target = self._reserve(d, rid, ids, request, context)
+                except grpc.RpcError as e:
+                    raise _DecodeFailed(e) from None
+                reserved = True
+                self._handshake(p, d)
+                fut = p.stub.Prefill.future(
+                    pb.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=request.sampling, target=target),
+                    timeout=self.cfg.prefill_timeout_s,
+                )
+                context.add_callback(fut.cancel)
+                resp = fut.result()
+                return p, rid, resp
+            except (grpc.RpcError, grpc.FutureCancelledError) as e:
+                if not context.is_active() or isinstance(e, grpc.FutureCancelledError):
+                    if reserved:
+                        self._release(d, rid, "the client went away")
+                    raise _Abort(grpc.StatusCode.CANCELLED, "the client went away") from None
+                code = e.code()
+                dead = code == grpc.StatusCode.UNAVAILABLE
+                if dead:
+                    with self.registry.cond:
+                        p.alive = False  # back with its next heartbeat, if it is alive after all
+                    self._forget_prefill(p)
+                if reserved:
+                    self._release(d, rid, f"prefill on {p.node_id} failed: {code.name}", p.node_id if dead else "")
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise _Abort(code, e.details() or code.name) from None
+                attempt += 1
+                others = self._ready_prefill(d, tried)
+                log.warning(
+                    "request %s: prefill on %s failed (%s: %s)%s", tr.request_id, p.node_id, code.name, e.details(),
+                    "; retrying on another prefill node" if attempt < 2 and others else "",
+                )  # fmt: skip
+                if attempt < 2 and others:
+                    continue
+                if dead and not others:
+                    return None  # no prefill node left: D prefills the prompt itself
+                raise _Abort(code, f"prefill failed on {p.node_id}: {e.details() or code.name}") from None
+            finally:
+                with self.registry.cond:
+                    p.inflight_prefill_tokens -= n
 
     def Generate(self, request, context):
         tr = _Trace(request.request_id or uuid.uuid4().hex)
@@ -242,36 +381,47 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             tr.queue_s += time.monotonic() - t_admit
             tr.decode = d.node_id
             tried.add(d.node_id)
-            p = self._prefill(d, len(ids))
-            tr.prefill = p.node_id if p is not None else "local"
-            call = d.stub.Generate(
-                pb.DecodeRequest(request_id=tr.request_id, prompt_token_ids=ids, sampling=request.sampling)
-            )
-            context.add_callback(call.cancel)
-            first = True
+            pre = None
+            call = None
             try:
-                for m in call:
-                    now = time.monotonic()
-                    if m.token_ids:
-                        tr.first = tr.first or now
-                        tr.last = now
-                        tr.n += len(m.token_ids)
-                    out = pb.GenerateResponse(
-                        request_id=tr.request_id, token_ids=m.token_ids, finish_reason=m.finish_reason
+                if self._use_pool(d, len(ids)):
+                    pre = self._prefill(d, request, ids, tr, context)
+                if pre is None:
+                    tr.prefill = "local"
+                    call = d.stub.Generate(
+                        pb.DecodeRequest(request_id=tr.request_id, prompt_token_ids=ids, sampling=request.sampling)
                     )
-                    if detok is not None and (m.token_ids or m.finish_reason):
-                        out.text = detok.push(list(m.token_ids), final=bool(m.finish_reason))
-                    if first:
-                        first = False
-                        out.prompt_tokens = tr.prompt_len
-                        out.decode_node = tr.decode
-                        out.prefill_node = "" if p is None else p.node_id
-                    self._timings(out.timings, m.timings, tr, now, done=bool(m.finish_reason))
-                    if m.finish_reason:
-                        tr.finish = m.finish_reason
-                        tr.transfer_bytes, tr.transfer_s = m.timings.transfer_bytes, m.timings.transfer_s
-                    yield out
+                else:
+                    p, rid, resp = pre
+                    tr.prefill = p.node_id
+                    tr.transfer_bytes, tr.transfer_s = resp.timings.transfer_bytes, resp.timings.transfer_s
+                    # the first token goes to the client at once
+                    m = pb.GenerateResponse(token_ids=[resp.first_token_id], finish_reason=resp.finish_reason)
+                    m.timings.CopyFrom(resp.timings)
+                    yield self._relay_msg(m, tr, detok, pre, first=True)
+                    if resp.finish_reason:  # the first token ended it: nothing was pushed
+                        self._release(d, rid, "finished at the first token")
+                        return
+                    call = d.stub.Generate(
+                        pb.DecodeRequest(
+                            request_id=rid, prompt_token_ids=ids, sampling=request.sampling, reserved=True,
+                            first_token_id=resp.first_token_id,
+                        )
+                    )  # fmt: skip
+                context.add_callback(call.cancel)
+                first = pre is None
+                for m in call:
+                    yield self._relay_msg(m, tr, detok, pre, first=first)
+                    first = False
                 return
+            except _DecodeFailed as df:
+                e = df.err
+                code = e.code()
+                others = [n for n in self.registry.live(pb.NODE_KIND_DECODE) if n.node_id not in tried]
+                if code == grpc.StatusCode.UNAVAILABLE and tr.n == 0 and len(tried) < 2 and others:
+                    log.warning("request %s: decode node %s unavailable, retrying elsewhere", tr.request_id, d.node_id)
+                    continue
+                raise _Abort(code, e.details() or code.name) from None
             except grpc.RpcError as e:
                 if not context.is_active():  # the client went away; the callback cancelled upstream
                     tr.finish = "cancelled"
@@ -283,8 +433,34 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                     continue
                 raise _Abort(code, e.details() or code.name) from None
             finally:
-                call.cancel()  # no-op when it completed; stops the node's work otherwise
+                if call is not None:
+                    call.cancel()  # no-op when it completed; stops the node's work otherwise
                 self._done(d, len(ids))
+
+    def _relay_msg(self, m, tr: _Trace, detok, pre, first: bool) -> pb.GenerateResponse:
+        now = time.monotonic()
+        if m.token_ids:
+            tr.first = tr.first or now
+            tr.last = now
+            tr.n += len(m.token_ids)
+        out = pb.GenerateResponse(request_id=tr.request_id, token_ids=m.token_ids, finish_reason=m.finish_reason)
+        if detok is not None and (m.token_ids or m.finish_reason):
+            out.text = detok.push(list(m.token_ids), final=bool(m.finish_reason))
+        if first:
+            out.prompt_tokens = tr.prompt_len
+            out.decode_node = tr.decode
+            out.prefill_node = "" if pre is None else pre[0].node_id
+        self._timings(out.timings, m.timings, tr, now, done=bool(m.finish_reason))
+        if pre is not None:
+            t = pre[2].timings
+            out.timings.prefill_s, out.timings.transfer_s, out.timings.transfer_bytes = (
+                t.prefill_s, t.transfer_s, t.transfer_bytes,
+            )  # fmt: skip
+        if m.finish_reason:
+            tr.finish = m.finish_reason
+            if pre is None:
+                tr.transfer_bytes, tr.transfer_s = m.timings.transfer_bytes, m.timings.transfer_s
+        return out
 
     @staticmethod
     def _timings(t: pb.Timings, node: pb.Timings, tr: _Trace, now: float, done: bool) -> None:
