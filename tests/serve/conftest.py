@@ -1,7 +1,7 @@
 """Serving tests: real processes (`pdserve up` = router + node processes) on loopback ports.
 
-One cluster per test module that asks for it (a tiny Qwen3.5 checkpoint with a tokenizer, float32, one decode node
-and one stub prefill node), started through the CLI exactly as a user would. Helpers live in
+One cluster per test module that asks for it (a tiny Qwen3.5 checkpoint with a tokenizer, float32, one prefill
+and one decode node, disaggregated: local-prefill threshold 0), started through the CLI exactly as a user would. Helpers live in
 serve_harness.py.
 """
 

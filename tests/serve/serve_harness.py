@@ -81,6 +81,14 @@ def decode_stats(node_address: str):
         return rpc.DecodeNodeStub(ch).Stats(pb.StatsRequest(), timeout=10)
 
 
+def prefill_stats(node_address: str):
+    from proto import pb, rpc
+    from proto.serving import channel
+
+    with channel(node_address) as ch:
+        return rpc.PrefillNodeStub(ch).Stats(pb.StatsRequest(), timeout=10)
+
+
 def wait_for(pred, timeout: float = 20.0, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -1,24 +1,34 @@
-"""`pdserve up` (router + one decode node + a stub prefill node) through the SDK: greedy tokens
-equal transformers' generate, cancellation frees the node's pages and slots, bad requests are
-INVALID_ARGUMENT with a message and the servers go on serving."""
+"""`pdserve up` (router + one prefill node + one decode node, every prompt through the state
+transfer) through the SDK: greedy tokens equal transformers' generate, cancellation frees both
+nodes' pages and slots, bad requests are INVALID_ARGUMENT with a message and the servers go on
+serving."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from serve_harness import NEW, ROOT, decode_stats, nodes, wait_for
+from serve_harness import NEW, ROOT, decode_stats, nodes, prefill_stats, wait_for
+
+
+def _node(cluster, node_id):
+    ns = [n for n in nodes(cluster.address) if n.node.node_id == node_id]
+    assert ns and ns[0].alive
+    return ns[0].node
 
 
 def _decode_node(cluster):
-    ns = [n for n in nodes(cluster.address) if n.node.node_id == "decode-0"]
-    assert ns and ns[0].alive
-    return ns[0].node
+    return _node(cluster, "decode-0")
+
+
+def _all_free(c) -> bool:
+    return c.free_slots == c.total_slots and c.free_blocks == c.total_blocks and c.running == 0 and c.reserved == 0
 
 
 def test_registry_lists_both_pools(cluster):
@@ -27,7 +37,8 @@ def test_registry_lists_both_pools(cluster):
     got = {n.node.node_id: n for n in nodes(cluster.address)}
     assert set(got) == {"decode-0", "prefill-0"}
     assert got["decode-0"].alive and got["decode-0"].node.kind == pb.NODE_KIND_DECODE
-    assert got["prefill-0"].node.kind == pb.NODE_KIND_PREFILL and not got["prefill-0"].node.prefill_ready
+    assert got["prefill-0"].node.kind == pb.NODE_KIND_PREFILL and got["prefill-0"].node.prefill_ready
+    assert got["prefill-0"].node.schema_digest == got["decode-0"].node.schema_digest != ""
     cap = got["decode-0"].node.capacity
     assert cap.total_slots > 0 and cap.total_blocks > 0 and cap.block_size > 0
 
@@ -44,8 +55,9 @@ def test_greedy_matches_transformers_16_concurrent(client, refs):
     for i, r in zip(jobs, outs, strict=True):
         assert r.token_ids == want[i], f"prompt of {len(ps[i])} tokens"
         assert r.finish_reason == "length" and r.prompt_tokens == len(ps[i])
-        assert r.decode_node == "decode-0" and r.prefill_node == ""
+        assert r.decode_node == "decode-0" and r.prefill_node == "prefill-0"
         assert 0 < r.ttft_s <= r.e2e_s and r.tpot_s > 0
+        assert r.transfer_bytes > 0 and r.transfer_s > 0
 
 
 def test_async_client_matches(cluster, refs):
@@ -84,8 +96,9 @@ def test_text_prompt_streams_text(client, ckpt):
 
 def test_cancelled_stream_frees_pages_and_slots(client, cluster):
     node = _decode_node(cluster)
+    pnode = _node(cluster, "prefill-0")
     initial = decode_stats(node.address).capacity
-    assert initial.free_slots == initial.total_slots and initial.free_blocks == initial.total_blocks
+    assert _all_free(initial) and _all_free(prefill_stats(pnode.address).capacity)
     s = client.stream(prompt_token_ids=list(range(1, 100)), max_tokens=4000, ignore_eos=True, temperature=0.0)
     it = iter(s)
     got = [next(it) for _ in range(3)]
@@ -99,6 +112,7 @@ def test_cancelled_stream_frees_pages_and_slots(client, cluster):
         return c.free_slots == initial.free_slots and c.free_blocks == initial.free_blocks and c.running == 0
 
     wait_for(back, 20, "free pages and slots back to their initial counts")
+    wait_for(lambda: _all_free(prefill_stats(pnode.address).capacity), 20, "the prefill node's memory back")
     # the router's view (heartbeats) agrees
     wait_for(lambda: _decode_node(cluster).capacity.free_slots == initial.free_slots, 10, "heartbeat")
 
@@ -207,7 +221,11 @@ def test_one_log_line_per_request(client, cluster):
     router = [ln for ln in got if "pdserve.router" in ln]
     node = [ln for ln in got if "pdserve.decode" in ln]
     assert len(router) == 1 and len(node) == 1, got
-    assert "prompt 3, decode decode-0, prefill local" in router[0] and "ttft" in router[0] and "tpot" in router[0]
+    assert "prompt 3, decode decode-0, prefill prefill-0" in router[0] and "ttft" in router[0] and "tpot" in router[0]
+    assert re.search(r"transfer [1-9]\d* B in \d+\.\d ms", router[0]), router[0]
+    pre = wait_for(lambda: [ln for ln in cluster.lines if "pdserve.prefill" in ln and "request log-me:" in ln], 10,
+                   "the prefill node's log line")  # fmt: skip
+    assert len(pre) == 1 and "pushed" in pre[0]
 
 
 def test_reserve_release_and_lease_expiry(cluster):
@@ -226,6 +244,7 @@ def test_reserve_release_and_lease_expiry(cluster):
         ).target
         assert t.request_id == "res-1" and t.node_id == "decode-0" and t.num_tokens == 40 and t.tp_size == 1
         assert len(t.ranks) == 1 and len(t.ranks[0].block_ids) == 3  # 41 tokens in 16-token pages
+        assert t.ranks[0].agent.startswith("decode-0.receiver.r0.") and t.ranks[0].incarnation
         assert t.schema_digest == node.schema_digest and t.lease_s > 0
         held = decode_stats(node.address).capacity
         assert (held.free_slots, held.free_blocks, held.reserved) == (

@@ -1,6 +1,9 @@
-"""`pdserve up` process lifecycle with a TP=2 decode node: its greedy tokens equal transformers',
+"""`pdserve up` process lifecycle with a TP=1 prefill and a TP=2 decode node: greedy tokens through the
+transfer equal transformers',
+
 a full node answers RESOURCE_EXHAUSTED after the bounded admission wait, a killed node is marked
-dead by the router, and SIGTERM stops every child (TP worker processes included) with no orphans."""
+dead by the router (with no prefill node left, the decode node prefills), and SIGTERM stops every
+child (TP worker processes included) with no orphans."""
 
 from __future__ import annotations
 
@@ -60,6 +63,7 @@ def test_tp2_tokens_admission_node_death_and_no_orphans(ckpt, refs):
             for p, w in zip(ps, want, strict=True):
                 r = c.generate(prompt_token_ids=p, max_tokens=NEW, temperature=0.0, ignore_eos=True)
                 assert r.token_ids == w, f"prompt of {len(p)} tokens"
+                assert r.prefill_node == "prefill-0" and r.transfer_bytes > 0
             s = c.stream(prompt_token_ids=[1, 2, 3], max_tokens=4000, temperature=0.0, ignore_eos=True)
             it = iter(s)
             next(it)  # holds the only state slot
@@ -81,6 +85,9 @@ def test_tp2_tokens_admission_node_death_and_no_orphans(ckpt, refs):
                  15, "the router to mark prefill-0 dead")  # fmt: skip
         wait_for(lambda: "prefill-0 exited with status -9" in up.output(), 10, "up to report the exit")
         assert up.proc.poll() is None
+        with Client(up.address, timeout=60) as c:  # no prefill node left: the decode node prefills
+            r = c.generate(prompt_token_ids=ps[2], max_tokens=NEW, temperature=0.0, ignore_eos=True)
+            assert r.token_ids == want[2] and r.prefill_node == ""
     finally:
         rc = up.stop()
     assert rc == 0, up.output()
