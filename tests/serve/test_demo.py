@@ -1,4 +1,5 @@
-"""`pdserve demo`: up, a few prompts streamed through the SDK, TTFT / TPOT per request, clean exit."""
+"""`pdserve demo`: up (one prefill + one decode node), a few prompts streamed through the SDK,
+TTFT / TPOT / transfer figures per request, clean exit."""
 
 from __future__ import annotations
 
@@ -17,4 +18,6 @@ def test_demo_streams_and_exits_cleanly(ckpt):
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("TTFT") == 4 and r.stdout.count("TPOT") == 4
-    assert "nodes registered: 1/1 decode-0" in r.stdout and "4 requests, 24 new tokens" in r.stdout
+    assert "nodes registered: 2/2 decode-0 prefill-0" in r.stdout and "4 requests, 24 new tokens" in r.stdout
+    assert r.stdout.count("prefill prefill-0") == 4 and r.stdout.count(" B in ") == 4
+    assert "transfer 0 B" not in r.stdout
