@@ -1,0 +1,148 @@
+"""Serving benchmark (not a test): the tiny default model behind the router, three ways.
+
+    python bench/serve.py [--requests 64] [--prompt-len 512] [--new-tokens 64] [--concurrency 16]
+
+(a) disaggregated: `pdserve up` with one prefill and one decode node (every prompt through the
+    state transfer, local-prefill threshold 0);
+(b) colocated: the same router with one decode node that prefills locally (no prefill node);
+(c) transformers' `generate` on the same prompts, `concurrency` prompts per batch.
+Greedy, float32, CPU. Per request: TTFT (router received -> first token) and TPOT (mean time per
+output token after the first) as the SDK reports them; throughput = new tokens / wall time.
+For (c), TTFT is the batch's time to its first new token and TPOT its mean step after that
+(timestamps from a logits processor). All processes share this machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+def run_cluster(model, prompts, new_tokens, conc, prefill: int) -> tuple[dict, list[list[int]]]:
+    from client import Client
+    from router.launch import Cluster, PoolSpec
+
+    spec = PoolSpec(model=str(model), prefill=prefill, decode=1, port=0, dtype="float32", log_level="WARNING",
+                    kv_cache_memory="512MiB")  # fmt: skip
+    with Cluster(spec, out=sys.stderr) as cl:
+        cl.start()
+        with Client(cl.address, timeout=600) as c:
+            c.wait_ready(timeout=60)
+            for p in prompts[:2]:  # warm-up
+                c.generate(prompt_token_ids=p, max_tokens=4, temperature=0.0, ignore_eos=True)
+
+            def one(p):
+                return c.generate(prompt_token_ids=p, max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(conc) as ex:
+                rs = list(ex.map(one, prompts))
+            wall = time.perf_counter() - t0
+    assert all(len(r.token_ids) == new_tokens for r in rs)
+    if prefill:
+        assert all(r.prefill_node for r in rs), "a request skipped the prefill pool"
+    m = {
+        "ttft": [r.ttft_s for r in rs],
+        "tpot": [r.tpot_s for r in rs],
+        "tput": len(rs) * new_tokens / wall,
+        "wall": wall,
+        "xfer_ms": statistics.mean(r.transfer_s for r in rs) * 1e3,
+        "xfer_kib": statistics.mean(r.transfer_bytes for r in rs) / 1024,
+    }
+    return m, [r.token_ids for r in rs]
+
+
+def run_transformers(model, prompts, new_tokens, conc) -> tuple[dict, list[list[int]]]:
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList, Qwen3_5ForCausalLM
+
+    class Stamp(LogitsProcessor):
+        def __init__(self):
+            self.t: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.t.append(time.perf_counter())
+            return scores
+
+    hf = Qwen3_5ForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    ttft, tpot, toks = [], [], []
+    t_all = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), conc):
+            ids = torch.tensor(prompts[i : i + conc])
+            st = Stamp()
+            t0 = time.perf_counter()
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False,
+                              logits_processor=LogitsProcessorList([st]))  # fmt: skip
+            toks += out[:, ids.shape[1] :].tolist()
+            t_first = st.t[0] - t0
+            step = (st.t[-1] - st.t[0]) / max(1, len(st.t) - 1)
+            ttft += [t_first] * len(ids)
+            tpot += [step] * len(ids)
+    wall = time.perf_counter() - t_all
+    return {"ttft": ttft, "tpot": tpot, "tput": len(prompts) * new_tokens / wall, "wall": wall,
+            "xfer_ms": 0.0, "xfer_kib": 0.0}, toks  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="checkpoint (default: the built-in tiny model)")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    import torch
+
+    from router.cli import default_model_dir
+
+    model = Path(args.model) if args.model else default_model_dir()
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(1, 1000, (args.requests, args.prompt_len), generator=g).tolist()
+    rows = {}
+    toks = {}
+    for name, fn in [
+        ("disaggregated 1P+1D", lambda: run_cluster(model, prompts, args.new_tokens, args.concurrency, prefill=1)),
+        ("colocated 1D", lambda: run_cluster(model, prompts, args.new_tokens, args.concurrency, prefill=0)),
+        ("transformers generate", lambda: run_transformers(model, prompts, args.new_tokens, args.concurrency)),
+    ]:
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        rows[name], toks[name] = fn()
+    same = {n: sum(a == b for a, b in zip(t, toks["transformers generate"])) for n, t in toks.items()}
+    print(f"\n{args.requests} requests, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
+          f"{args.concurrency} concurrent; model {model}\n")  # fmt: skip
+    hdr = (f"{'config':<24}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}{'tok/s':>9}"
+           f"{'wall s':>8}{'xfer ms':>9}{'xfer KiB':>10}{'=HF':>7}")  # fmt: skip
+    print(hdr)
+    print("-" * len(hdr))
+    for n, m in rows.items():
+        print(
+            f"{n:<24}{pct(m['ttft'], 50) * 1e3:>8.1f}ms{pct(m['ttft'], 99) * 1e3:>8.1f}ms"
+            f"{pct(m['tpot'], 50) * 1e3:>8.1f}ms{pct(m['tpot'], 99) * 1e3:>8.1f}ms{m['tput']:>9.1f}"
+            f"{m['wall']:>8.2f}{m['xfer_ms']:>9.2f}{m['xfer_kib']:>10.0f}{same[n]:>4}/{args.requests}"
+        )
+    a, b, c = rows["disaggregated 1P+1D"], rows["colocated 1D"], rows["transformers generate"]
+    print(f"\nthroughput: disaggregated / colocated = {a['tput'] / b['tput']:.2f}, "
+          f"disaggregated / transformers = {a['tput'] / c['tput']:.2f}, colocated / transformers = "
+          f"{b['tput'] / c['tput']:.2f}")  # fmt: skip
+    print(f"TTFT p50: disaggregated / colocated = {pct(a['ttft'], 50) / pct(b['ttft'], 50):.2f}; "
+          f"TPOT p50: disaggregated / colocated = {pct(a['tpot'], 50) / pct(b['tpot'], 50):.2f}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
