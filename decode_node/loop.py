@@ -59,6 +59,7 @@ class EngineLoop:
     def __init__(self, engine, name: str = "engine", poll_interval_s: float = 0.001):
         self.engine = engine
         self.tick = None  # () -> bool: node work on the loop thread (transfer polling)
+        self.on_output = None  # (RequestOutput) -> None: sees every output first (starts pushes)
         self.poll_interval_s = poll_interval_s
         self._pending = False
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -119,6 +120,8 @@ class EngineLoop:
                     cmd = None
             if self._stop.is_set():
                 break
+            if self.tick is not None and self._pending and eng.has_unfinished():
+                self._tick()  # transfers move between steps too, not once per (long) step
             if eng.has_unfinished():
                 try:
                     outs = eng.step()
@@ -127,6 +130,8 @@ class EngineLoop:
                     self._fail_all(e)
                     outs = []
                 for o in outs:
+                    if self.on_output is not None:
+                        self.on_output(o)  # loop thread, before the handler sees it
                     s = self.streams.get(o.request_id)
                     if s is None:
                         continue
@@ -134,13 +139,16 @@ class EngineLoop:
                         del self.streams[o.request_id]
                     s.q.put(("out", o))
             if self.tick is not None:
-                try:
-                    self._pending = bool(self.tick())
-                except Exception:
-                    log.exception("transfer tick failed")
-                    self._pending = True
+                self._tick()
             self._snap()
         self._fail_all(ShuttingDown("the decode node is shutting down"))
+
+    def _tick(self) -> None:
+        try:
+            self._pending = bool(self.tick())
+        except Exception:
+            log.exception("transfer tick failed")
+            self._pending = True
 
     def _handle(self, cmd) -> None:
         kind = cmd[0]

@@ -107,8 +107,11 @@ class PrefillNode(rpc.PrefillNodeServicer):
             self.engine.close()
             raise
         self.pushes: dict[str, _Push] = {}  # loop thread only
+        self._targets: dict = {}  # request id -> Target, set by the handler before it queues the request
+        self._started: dict[str, _Push] = {}  # request id -> its push, set by the loop thread for the handler
         self.loop = EngineLoop(self.engine, name=f"{cfg.node_id}-engine")
         self.loop.tick = self._tick
+        self.loop.on_output = self._on_output
         self.loop.start()
         self.address = ""
         self.server = None
@@ -161,6 +164,16 @@ class PrefillNode(rpc.PrefillNodeServicer):
         target = _target(request.target)
         ids = list(request.prompt_token_ids)
         t0 = time.monotonic()
+        if rid in self._targets:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already in flight here")
+        self._targets[rid] = target
+        try:
+            return self._prefill(rid, ids, params, target, t0, context)
+        finally:
+            self._targets.pop(rid, None)
+            self._started.pop(rid, None)
+
+    def _prefill(self, rid, ids, params, target, t0, context):
         stream = self.loop.submit(rid, ids, params, prefill_only=True)
         state = {"push": None, "cancelled": False}
 
@@ -190,10 +203,9 @@ class PrefillNode(rpc.PrefillNodeServicer):
                 context.abort(grpc.StatusCode.ABORTED, f"request {rid} ended before its first token ({out.finish_reason})")
             self._log(rid, len(ids), first, t, out.finish_reason, target)
             return pb.PrefillResponse(first_token_id=first, timings=t, finish_reason=out.finish_reason)
-        try:
-            push = self.loop.call(lambda e: self._start_push(rid, target))
-        except Exception as e:
-            context.abort(grpc.StatusCode.INTERNAL, f"request {rid}: starting the push failed: {e}")
+        push = self._started.get(rid)  # the loop thread started it when the first token came out
+        if push is None:
+            context.abort(grpc.StatusCode.INTERNAL, f"request {rid}: its push did not start")
         state["push"] = push
         if state["cancelled"]:
             self.loop.call(lambda e: self._abort_push(push, "cancelled by the caller"))
@@ -235,6 +247,15 @@ class PrefillNode(rpc.PrefillNodeServicer):
         )  # fmt: skip
 
     # ---- pushes (loop thread) -----------------------------------------------------------------
+    def _on_output(self, o) -> None:
+        """Start the push as soon as the first token is out (no hop through the handler)."""
+        if o.finished and o.finish_reason == "prefilled":
+            target = self._targets.get(o.request_id)
+            if target is None:  # nobody waits for it any more: nothing to push
+                self.engine.release(o.request_id)
+                return
+            self._started[o.request_id] = self._start_push(o.request_id, target)
+
     def _start_push(self, rid: str, target) -> _Push:
         e = self.engine
         p = _Push(rid, target, self.cfg.tensor_parallel_size, time.monotonic() + self.cfg.push_timeout_s)
