@@ -1,0 +1,307 @@
+"""deploy/: the Kubernetes manifests and the Dockerfiles, checked offline.
+
+kubectl is not installed where these tests run, so `k8s_render.render` does the kustomize build
+(base + overlay patches, namespace, images) in Python; it refuses kustomize features it does not
+implement. Every rendered object is validated with kubernetes-validate (strict: unknown fields
+fail) against the newest Kubernetes schema the package ships. Then what a schema cannot see:
+
+- each pdserve container's args, with $(VAR) expanded from its ConfigMap and downward-API env as
+  the kubelet would, parse with the real `pdserve` argument parser (router.cli.build_parser), so
+  every flag exists;
+- the ports the servers listen on (--port, or the parser's default where the manifest sets none)
+  are the containerPorts and the ports of the startup / readiness / liveness gRPC probes, and the
+  readiness probes name services the proto defines;
+- nodes register with the router Service's DNS name, whose port reaches the router's port;
+- the gpu overlay requests nvidia.com/gpu = --tp for each pool; the others request no GPU;
+- preStop hooks fit in the grace period; one PodDisruptionBudget selects each pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import re
+import tomllib
+from pathlib import Path
+
+import kubernetes_validate as kv  # the dev extras
+import pytest
+from k8s_render import RenderError, render, strategic_merge
+from kubernetes_validate import utils as kv_utils
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+TARGETS = {"base": K8S / "base", "cpu-dev": K8S / "overlays" / "cpu-dev", "gpu": K8S / "overlays" / "gpu"}
+COMPONENTS = {"router": "Generation", "prefill": "PrefillNode", "decode": "DecodeNode"}  # kind -> served service
+POOLS = ("prefill", "decode")
+FIELD_REFS = {"metadata.name": "pdserve-x-0", "status.podIP": "10.0.0.7", "metadata.namespace": "ns"}
+GPU = "nvidia.com/gpu"
+
+
+# ---- helpers -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def parser() -> argparse.ArgumentParser:
+    from router.cli import build_parser
+
+    return build_parser()
+
+
+def _subparser(parser: argparse.ArgumentParser, cmd: str) -> argparse.ArgumentParser:
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices[cmd]
+
+
+# ids name the directory: a bare "gpu" id would be taken for the `gpu` marker and skipped
+@pytest.fixture(scope="module", params=list(TARGETS), ids=[str(p.relative_to(K8S)) for p in TARGETS.values()])
+def rendered(request) -> tuple[str, list[dict]]:
+    return request.param, render(TARGETS[request.param])
+
+
+def _find(objs: list[dict], kind: str, name: str) -> dict:
+    hits = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(hits) == 1, f"{len(hits)} {kind}/{name} in the rendered manifests"
+    return hits[0]
+
+
+def _workload(objs: list[dict], component: str) -> dict:
+    hits = [
+        o
+        for o in objs
+        if o["kind"] in ("Deployment", "StatefulSet")
+        and o["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component") == component
+    ]
+    assert len(hits) == 1, f"{len(hits)} workloads for {component}"
+    return hits[0]
+
+
+def _container(obj: dict, name: str) -> dict:
+    (c,) = [c for c in obj["spec"]["template"]["spec"]["containers"] if c["name"] == name]
+    return c
+
+
+def _env(objs: list[dict], c: dict) -> dict[str, str]:
+    """The container's environment as the kubelet builds it: envFrom first, then env."""
+    env: dict[str, str] = {}
+    for src in c.get("envFrom", []):
+        env.update(_find(objs, "ConfigMap", src["configMapRef"]["name"])["data"])
+    for e in c.get("env", []):
+        if "value" in e:
+            env[e["name"]] = e["value"]
+        elif "fieldRef" in e.get("valueFrom", {}):
+            env[e["name"]] = FIELD_REFS[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            ref = e["valueFrom"]["configMapKeyRef"]
+            env[e["name"]] = _find(objs, "ConfigMap", ref["name"])["data"][ref["key"]]
+    return env
+
+
+def _expand(arg: str, env: dict[str, str]) -> str:
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
+
+
+def _parse(parser, objs, c: dict) -> argparse.Namespace:
+    args = [_expand(a, _env(objs, c)) for a in [*c.get("command", [])[1:], *c.get("args", [])]]
+    unresolved = [a for a in args if "$(" in a]
+    assert not unresolved, f"{c['name']}: variables with no value in the container's env: {unresolved}"
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parser.parse_args(args)
+    except SystemExit:
+        pytest.fail(f"{c['name']}: `pdserve {' '.join(args)}` does not parse: {err.getvalue().strip()}")
+
+
+def _pdserve_containers(obj: dict) -> list[dict]:
+    spec = obj["spec"]["template"]["spec"]
+    return [c for c in [*spec.get("initContainers", []), *spec["containers"]] if c["image"].split(":")[0] == "pdserve"]
+
+
+# ---- the renderer itself -------------------------------------------------------------------
+def test_strategic_merge_semantics():
+    base = {
+        "containers": [{"name": "a", "args": ["x", "y"], "resources": {"requests": {"cpu": "1"}}}, {"name": "b"}],
+        "volumes": [{"name": "m", "persistentVolumeClaim": {"claimName": "c"}}],
+        "tolerations": [{"key": "k1"}],
+    }
+    patch = {
+        "containers": [{"name": "a", "args": ["z"], "resources": {"requests": {"memory": "1Gi"}}}, {"name": "c"}],
+        "volumes": [{"name": "m", "persistentVolumeClaim": None, "emptyDir": {}}],
+        "tolerations": [{"key": "k2"}],
+    }
+    out = strategic_merge(base, patch)
+    assert out["containers"] == [
+        {"name": "a", "args": ["z"], "resources": {"requests": {"cpu": "1", "memory": "1Gi"}}},
+        {"name": "b"},
+        {"name": "c"},
+    ]
+    assert out["volumes"] == [{"name": "m", "emptyDir": {}}]
+    assert out["tolerations"] == [{"key": "k2"}]
+    assert base["volumes"][0]["persistentVolumeClaim"] == {"claimName": "c"}  # inputs unchanged
+    with pytest.raises(RenderError):
+        strategic_merge(base, {"containers": [{"$patch": "delete", "name": "a"}]})
+
+
+# ---- schema --------------------------------------------------------------------------------
+def test_every_rendered_object_validates(rendered):
+    name, objs = rendered
+    version = kv_utils.latest_version()
+    assert tuple(int(x) for x in version.split(".")[:2]) >= (1, 33), f"kubernetes-validate ships only {version}"
+    for o in objs:
+        try:
+            kv.validate(o, version, strict=True)
+        except kv_utils.ValidationError as e:
+            pytest.fail(f"{name}: {o['kind']}/{o['metadata']['name']} fails Kubernetes {version}: {e.message}")
+    kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objs)
+    for want in [("ConfigMap", "pdserve-config"), ("Deployment", "pdserve-router"), ("Service", "pdserve-router")]:
+        assert want in kinds
+    for pool in POOLS:
+        assert ("StatefulSet", f"pdserve-{pool}") in kinds and ("PodDisruptionBudget", f"pdserve-{pool}") in kinds
+
+
+def test_selectors_match_their_pods_and_volumes_exist(rendered):
+    name, objs = rendered
+    for o in objs:
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            labels = o["spec"]["template"]["metadata"]["labels"]
+            assert o["spec"]["selector"]["matchLabels"].items() <= labels.items(), o["metadata"]["name"]
+            spec = o["spec"]["template"]["spec"]
+            vols = {v["name"]: v for v in spec.get("volumes", [])}
+            for c in [*spec.get("initContainers", []), *spec["containers"]]:
+                for m in c.get("volumeMounts", []):
+                    assert m["name"] in vols, f"{o['metadata']['name']}/{c['name']}: no volume {m['name']}"
+            for v in vols.values():
+                claim = v.get("persistentVolumeClaim", {}).get("claimName")
+                if claim and name != "base":  # the base leaves the claim to the overlay
+                    _find(objs, "PersistentVolumeClaim", claim)
+            if o["kind"] == "StatefulSet":
+                _find(objs, "Service", o["spec"]["serviceName"])
+
+
+# ---- the servers' real flags and ports -----------------------------------------------------
+def test_args_parse_with_the_pdserve_cli(rendered, parser):
+    name, objs = rendered
+    for component in COMPONENTS:
+        w = _workload(objs, component)
+        for c in _pdserve_containers(w):
+            ns = _parse(parser, objs, c)
+            if c["name"] == component:
+                assert ns.cmd == component
+                model_mounts = [m["mountPath"] for m in c["volumeMounts"] if m["name"] == "models"]
+                assert any(ns.model.startswith(p.rstrip("/") + "/") for p in model_mounts), (ns.model, model_mounts)
+            else:  # cpu-dev's init container writes the checkpoint the servers read
+                assert ns.cmd == "make-tiny-model" and ns.dir == _parse(parser, objs, _container(w, component)).model
+
+
+def test_probes_name_the_ports_the_servers_listen_on(rendered, parser):
+    from proto import pb
+
+    name, objs = rendered
+    for component, service in COMPONENTS.items():
+        c = _container(_workload(objs, component), component)
+        ns = _parse(parser, objs, c)
+        default = _subparser(parser, component).get_default("port")
+        if component == "router":
+            assert ns.port == default == 50051, "the router listens on its CLI default port"
+        else:
+            assert default == 0 and ns.port > 0, f"{component}: the CLI default port is random; set a fixed --port"
+        assert ns.host == "0.0.0.0", f"{component} must bind every interface to be reachable from other pods"
+        assert [p["containerPort"] for p in c["ports"]] == [ns.port]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"]["port"] == ns.port, f"{name}: {component} {probe} port != --port {ns.port}"
+        full = c["readinessProbe"]["grpc"].get("service", "")
+        assert full == pb.DESCRIPTOR.services_by_name[service].full_name
+        assert "service" not in c["livenessProbe"]["grpc"]  # "" is the server's overall health
+
+
+def test_nodes_register_with_the_router_service(rendered, parser):
+    name, objs = rendered
+    router = _workload(objs, "router")
+    router_port = _parse(parser, objs, _container(router, "router")).port
+    svc = _find(objs, "Service", router["metadata"]["name"])
+    assert svc["spec"]["selector"].items() <= router["spec"]["template"]["metadata"]["labels"].items()
+    for pool in POOLS:
+        w = _workload(objs, pool)
+        c = _container(w, pool)
+        ns = _parse(parser, objs, c)
+        host, _, port = ns.router.rpartition(":")
+        assert host.split(".")[0] == svc["metadata"]["name"], f"{pool} --router {ns.router} is not the router Service"
+        (sp,) = [p for p in svc["spec"]["ports"] if p["port"] == int(port)]
+        target = sp.get("targetPort", sp["port"])
+        if isinstance(target, str):
+            (target,) = [p["containerPort"] for p in _container(router, "router")["ports"] if p.get("name") == target]
+        assert target == router_port
+        # the router dials the pod IP it is given, under the pod's stable StatefulSet name
+        assert w["kind"] == "StatefulSet"
+        assert ns.advertise_host == FIELD_REFS["status.podIP"] and ns.node_id == FIELD_REFS["metadata.name"]
+
+
+def test_gpu_requests_equal_tp_in_the_gpu_overlay_only(rendered, parser):
+    name, objs = rendered
+    assert _workload(objs, "router")["spec"]["template"]["spec"]["containers"][0].get("resources", {}).get(
+        "limits", {}
+    ).get(GPU) is None
+    for pool in POOLS:
+        c = _container(_workload(objs, pool), pool)
+        ns = _parse(parser, objs, c)
+        res = c.get("resources", {})
+        if name == "gpu":
+            assert ns.device == "cuda"
+            assert int(res["limits"][GPU]) == ns.tp == int(res["requests"].get(GPU, ns.tp)), (pool, res, ns.tp)
+        else:
+            assert ns.device == "cpu" and GPU not in res.get("limits", {}) and GPU not in res.get("requests", {})
+
+
+def test_graceful_termination(rendered):
+    name, objs = rendered
+    for component in COMPONENTS:
+        w = _workload(objs, component)
+        c = _container(w, component)
+        cmd = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert cmd[0] == "sleep", cmd
+        # after the preStop the server stops: 2 s of gRPC grace + up to 5 s (+ the engine loop's
+        # join, up to 30 s, on nodes); the grace period must cover both.
+        budget = int(cmd[1]) + (7 if component == "router" else 37)
+        assert w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= budget, component
+
+
+def test_one_disruption_budget_per_pool(rendered):
+    name, objs = rendered
+    pdbs = [o for o in objs if o["kind"] == "PodDisruptionBudget"]
+    for pool in POOLS:
+        labels = _workload(objs, pool)["spec"]["template"]["metadata"]["labels"]
+        hits = [p for p in pdbs if p["spec"]["selector"]["matchLabels"].items() <= labels.items()]
+        assert len(hits) == 1, f"{pool}: {len(hits)} PodDisruptionBudgets select it"
+
+
+def test_overlays_pick_their_image(rendered):
+    name, objs = rendered
+    want = {"base": "pdserve", "cpu-dev": "pdserve:cpu", "gpu": "pdserve:cuda"}[name]
+    for component in COMPONENTS:
+        for c in _pdserve_containers(_workload(objs, component)):
+            assert c["image"] == want
+
+
+# ---- Dockerfiles ---------------------------------------------------------------------------
+@pytest.mark.parametrize("flavour", ["cpu", "cuda"], ids=["Dockerfile.cpu", "Dockerfile.cuda"])
+def test_dockerfile_installs_the_project_as_a_non_root_pdserve(flavour):
+    text = (ROOT / "deploy" / "docker" / f"Dockerfile.{flavour}").read_text()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    py = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert py["project"]["scripts"]["pdserve"] == "router.cli:main"
+    copied = {ln.split()[1].rstrip("/") for ln in lines if ln.startswith("COPY ")}
+    for pattern in py["tool"]["setuptools"]["packages"]["find"]["include"]:
+        assert pattern.rstrip("*") in copied, f"Dockerfile.{flavour} does not copy the {pattern} packages"
+    assert {"pyproject.toml", "README.md"} <= {w for ln in lines if ln.startswith("COPY ") for w in ln.split()[1:-1]}
+    # torch from the flavour's wheel index before the project, so pip keeps that build
+    i_torch = next(i for i, ln in enumerate(lines) if 'pip install "${TORCH}" --index-url' in ln)
+    i_proj = next(i for i, ln in enumerate(lines) if "pip install ." in ln)
+    assert i_torch < i_proj
+    user = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
+    assert user and user[-1].split(":")[0].isdigit() and user[-1].split(":")[0] != "0"
+    assert [ln for ln in lines if ln.startswith("ENTRYPOINT")] == ['ENTRYPOINT ["pdserve"]']
+    if flavour == "cpu":
+        assert any(ln.startswith("FROM python:3.11-slim") for ln in lines)
+        assert "download.pytorch.org/whl/cpu" in text
+    else:
+        assert "FROM ${CUDA_IMAGE}" in lines and re.search(r"CUDA_IMAGE=nvidia/cuda:[\d.]+-\S*runtime", text)
