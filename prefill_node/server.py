@@ -54,6 +54,9 @@ class PrefillNodeConfig:
     seed: int = 0
     transfer_backend: str = "nixl"
     push_timeout_s: float = 60.0  # a push not done (and quiet) by then fails the call
+    # Between engine steps, keep polling in-flight pushes this long (grants and write completions
+    # otherwise wait for the next, possibly long, prefill step): TTFT includes the push.
+    push_spin_s: float = 0.005
 
     def engine_config(self):
         from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
@@ -280,6 +283,14 @@ class PrefillNode(rpc.PrefillNodeServicer):
         self.engine.executor.call_all(pranks.abort, self.backend, p.rid, reason)
 
     def _tick(self) -> bool:
+        deadline = time.monotonic() + self.cfg.push_spin_s
+        while True:
+            pending = self._tick_once()
+            if not pending or time.monotonic() >= deadline:
+                return pending
+            time.sleep(0.0005)
+
+    def _tick_once(self) -> bool:
         if not self.pushes:
             return False
         ps = list(self.pushes.values())
