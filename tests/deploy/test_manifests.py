@@ -1,8 +1,9 @@
 """deploy/: the Kubernetes manifests and the Dockerfiles, checked offline.
 
-kubectl is not installed where these tests run, so `k8s_render.render` does the kustomize build
-(base + overlay patches, namespace, images) in Python; it refuses kustomize features it does not
-implement. Every rendered object is validated with kubernetes-validate (strict: unknown fields
+`k8s_render.render` does the kustomize build (base + overlay patches, namespace, images) in Python,
+so the tests run where kubectl is not installed; it refuses kustomize features it does not
+implement. Where kubectl is installed, `kubectl kustomize` renders each target too and the two
+must agree (up to the order of volumes and volumeMounts). Every rendered object is validated with kubernetes-validate (strict: unknown fields
 fail) against the newest Kubernetes schema the package ships. Then what a schema cannot see:
 
 - each pdserve container's args, with $(VAR) expanded from its ConfigMap and downward-API env as
@@ -22,11 +23,14 @@ import argparse
 import contextlib
 import io
 import re
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 
 import kubernetes_validate as kv  # the dev extras
 import pytest
+import yaml
 from k8s_render import RenderError, render, strategic_merge
 from kubernetes_validate import utils as kv_utils
 
@@ -52,10 +56,33 @@ def _subparser(parser: argparse.ArgumentParser, cmd: str) -> argparse.ArgumentPa
     return sub.choices[cmd]
 
 
+def _normalized(objs: list[dict]) -> dict:
+    """Objects by (kind, name), volumes and volumeMounts in name order: kustomize puts the items a
+    patch touched first, where the Python renderer keeps the base's order; both mean the same."""
+
+    def norm(x, field=""):
+        if isinstance(x, dict):
+            return {k: norm(v, k) for k, v in x.items()}
+        if isinstance(x, list):
+            items = [norm(v) for v in x]
+            return sorted(items, key=lambda v: v.get("name", "")) if field in ("volumes", "volumeMounts") else items
+        return x
+
+    return {(o["kind"], o["metadata"]["name"]): norm(o) for o in objs}
+
+
 # ids name the directory: a bare "gpu" id would be taken for the `gpu` marker and skipped
 @pytest.fixture(scope="module", params=list(TARGETS), ids=[str(p.relative_to(K8S)) for p in TARGETS.values()])
 def rendered(request) -> tuple[str, list[dict]]:
-    return request.param, render(TARGETS[request.param])
+    """The Python rendering; where kubectl is installed, also `kubectl kustomize`, which must agree."""
+    objs = render(TARGETS[request.param])
+    kubectl = shutil.which("kubectl")
+    if kubectl:
+        out = subprocess.run([kubectl, "kustomize", str(TARGETS[request.param])], capture_output=True, text=True,
+                             timeout=60, check=True).stdout  # fmt: skip
+        real = [d for d in yaml.safe_load_all(out) if d is not None]
+        assert _normalized(real) == _normalized(objs), f"k8s_render and kubectl kustomize differ on {request.param}"
+    return request.param, objs
 
 
 def _find(objs: list[dict], kind: str, name: str) -> dict:
