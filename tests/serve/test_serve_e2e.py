@@ -295,3 +295,29 @@ def test_async_stream_close_cancels(cluster):
         return c.free_slots == initial.free_slots and c.free_blocks == initial.free_blocks and c.running == 0
 
     wait_for(back, 20, "free pages and slots back after the async stream closed")
+
+
+def test_cancel_during_prefill_releases_both_nodes(cluster, client):
+    """Cancelled while the prefill node computes (or pushes): the push is aborted, the
+    reservation released, and both nodes' pages and slots come back."""
+    import time
+
+    from proto import pb, rpc
+    from proto.serving import channel
+
+    d, p = _decode_node(cluster), _node(cluster, "prefill-0")
+    with channel(cluster.address) as ch:
+        stub = rpc.GenerationStub(ch)
+        for delay in (0.05, 0.3):
+            call = stub.Generate(
+                pb.GenerateRequest(prompt_token_ids=[3] * 2000, sampling=pb.SamplingParams(max_tokens=8))
+            )
+            time.sleep(delay)
+            call.cancel()
+            with pytest.raises(grpc.RpcError) as ei:
+                list(call)
+            assert ei.value.code() == grpc.StatusCode.CANCELLED
+    wait_for(lambda: _all_free(decode_stats(d.address).capacity), 20, "the decode node's memory back")
+    wait_for(lambda: _all_free(prefill_stats(p.address).capacity), 20, "the prefill node's memory back")
+    r = client.generate(prompt_token_ids=[1, 2, 3], max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert len(r.token_ids) == 4 and r.prefill_node == "prefill-0"
