@@ -286,7 +286,9 @@ class DecodeNode(rpc.DecodeNodeServicer):
                 schema_digest=self.digest,
                 num_tokens=len(ids),
                 ranks=[
-                    pb.TargetRank(agent=t.agent, rank=t.rank, block_ids=t.blocks, slot=t.slot, incarnation=t.incarnation)
+                    pb.TargetRank(
+                        agent=t.agent, rank=t.rank, block_ids=t.blocks, slot=t.slot, incarnation=t.incarnation
+                    )
                     for t in ranks
                 ],
                 lease_s=lease,
@@ -317,7 +319,8 @@ class DecodeNode(rpc.DecodeNodeServicer):
                 log.warning("dropped the transfer agents of %s (declared dead): %s", node, ", ".join(sum(gone, [])))
         if not request.request_id:
             return pb.ReleaseResponse(released=False)
-        return pb.ReleaseResponse(released=self._release(request.request_id, request.reason or "released by the caller"))
+        reason = request.reason or "released by the caller"
+        return pb.ReleaseResponse(released=self._release(request.request_id, reason))
 
     # ---- transfers (loop thread) ---------------------------------------------------------------
     def _fail(self, x: _Xfer, reason: str) -> None:

@@ -88,7 +88,8 @@ def _target(t: pb.TransferTarget):
     from transfer.messages import Target, TargetRank
 
     ranks = [TargetRank(r.agent, r.rank, list(r.block_ids), r.slot, r.incarnation) for r in t.ranks]
-    return Target(t.request_id, t.node_id, t.tp_size, t.schema_digest, t.num_tokens, sorted(ranks, key=lambda r: r.rank))
+    ranks.sort(key=lambda r: r.rank)
+    return Target(t.request_id, t.node_id, t.tp_size, t.schema_digest, t.num_tokens, ranks)
 
 
 class PrefillNode(rpc.PrefillNodeServicer):
@@ -203,7 +204,9 @@ class PrefillNode(rpc.PrefillNodeServicer):
         )
         if out.finish_reason != "prefilled":
             if out.finish_reason not in ("stop", "length"):
-                context.abort(grpc.StatusCode.ABORTED, f"request {rid} ended before its first token ({out.finish_reason})")
+                context.abort(
+                    grpc.StatusCode.ABORTED, f"request {rid} ended before its first token ({out.finish_reason})"
+                )
             self._log(rid, len(ids), first, t, out.finish_reason, target)
             return pb.PrefillResponse(first_token_id=first, timings=t, finish_reason=out.finish_reason)
         push = self._started.get(rid)  # the loop thread started it when the first token came out
@@ -265,7 +268,8 @@ class PrefillNode(rpc.PrefillNodeServicer):
         self.pushes[rid] = p
         try:
             blocks, slot = e.held(rid)
-            e.executor.call_all(pranks.send, self.backend, rid, target, blocks, slot, len(e.requests[rid].prompt_token_ids))
+            n = len(e.requests[rid].prompt_token_ids)
+            e.executor.call_all(pranks.send, self.backend, rid, target, blocks, slot, n)
         except Exception as ex:  # some ranks may have started: abort them, release once quiet
             log.warning("request %s: push did not start: %s", rid, ex)
             p.error = str(ex)

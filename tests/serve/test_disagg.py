@@ -62,7 +62,9 @@ def test_prefill_node_killed_with_requests_in_flight(ckpt):
         initial = decode_stats(d.address).capacity
         with Client(up.address, timeout=90) as c:
             c.wait_ready(timeout=60)
-            want = [c.generate(prompt_token_ids=p, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids for p in ps]
+            want = [
+                c.generate(prompt_token_ids=p, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids for p in ps
+            ]
 
             def one(i):
                 try:
@@ -71,7 +73,9 @@ def test_prefill_node_killed_with_requests_in_flight(ckpt):
                 except PdserveError as e:
                     return i, e.code, e.message
 
-            victim = next(p for p in descendants(up.proc.pid) if b"prefill-0" in open(f"/proc/{p}/cmdline", "rb").read())
+            victim = next(
+                p for p in descendants(up.proc.pid) if b"prefill-0" in open(f"/proc/{p}/cmdline", "rb").read()
+            )
             with ThreadPoolExecutor(16) as ex:
                 futs = [ex.submit(one, i) for i in range(16)]
                 wait_for(lambda: _node(up.address, "prefill-0").capacity.queued_prefill_tokens > 0, 20,
