@@ -96,3 +96,28 @@ def test_prefill_node_killed_with_requests_in_flight(ckpt):
     finally:
         rc = up.stop()
     assert rc == 0, up.output()
+
+
+def test_conditional_disaggregation_same_tokens(ckpt, refs):
+    """Prompts shorter than the decode node's --local-prefill-threshold prefill there; the rest go
+    through the prefill pool; transformers' tokens either way."""
+    from client import Client
+
+    ps, want = refs
+    up = Up("--model", ckpt, "--dtype", "float32", "--local-prefill-threshold", "64")
+    try:
+        assert _node(up.address, "decode-0").local_prefill_threshold == 64
+        with Client(up.address, timeout=120) as c:
+            c.wait_ready(timeout=60)
+            with ThreadPoolExecutor(len(ps)) as ex:
+                outs = list(
+                    ex.map(lambda p: c.generate(prompt_token_ids=p, max_tokens=NEW, temperature=0.0,
+                                                ignore_eos=True), ps)  # fmt: skip
+                )
+        for p, w, r in zip(ps, want, outs, strict=True):
+            assert r.token_ids == w, f"prompt of {len(p)} tokens"
+            assert r.prefill_node == ("" if len(p) < 64 else "prefill-0"), len(p)
+            assert (r.transfer_bytes > 0) == (len(p) >= 64)
+    finally:
+        rc = up.stop()
+    assert rc == 0, up.output()
