@@ -383,6 +383,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             tried.add(d.node_id)
             pre = None
             call = None
+            settled = False  # the reservation (if any) is activated, released or never made
             try:
                 if self._use_pool(d, len(ids)):
                     pre = self._prefill(d, request, ids, tr, context)
@@ -400,6 +401,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                     m.timings.CopyFrom(resp.timings)
                     yield self._relay_msg(m, tr, detok, pre, first=True)
                     if resp.finish_reason:  # the first token ended it: nothing was pushed
+                        settled = True
                         self._release(d, rid, "finished at the first token")
                         return
                     call = d.stub.Generate(
@@ -411,8 +413,10 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                 context.add_callback(call.cancel)
                 first = pre is None
                 for m in call:
+                    settled = True  # D activated the reservation (or failed and released it)
                     yield self._relay_msg(m, tr, detok, pre, first=first)
                     first = False
+                settled = True
                 return
             except _DecodeFailed as df:
                 e = df.err
@@ -435,6 +439,8 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             finally:
                 if call is not None:
                     call.cancel()  # no-op when it completed; stops the node's work otherwise
+                if pre is not None and not settled:  # ended between the prefill and decode: free it now
+                    self._release(d, pre[1], "the request ended before decode began")
                 self._done(d, len(ids))
 
     def _relay_msg(self, m, tr: _Trace, detok, pre, first: bool) -> pb.GenerateResponse:
