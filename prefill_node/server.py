@@ -156,6 +156,12 @@ class PrefillNode(rpc.PrefillNodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id must have 1..{MAX_REQUEST_ID_LEN} characters")
         if not request.HasField("target") or not request.target.ranks:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a TransferTarget with every destination rank is required")
+        if request.target.num_tokens != len(request.prompt_token_ids):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"target reserved for {request.target.num_tokens} tokens, the prompt has "
+                f"{len(request.prompt_token_ids)}",
+            )
         if request.target.schema_digest != self.digest:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
