@@ -17,6 +17,8 @@ adopts the engine's reservation, and memory of a failed reservation is reported 
 
 from __future__ import annotations
 
+from collections import deque
+
 from transfer.backend import TransferState
 from transfer.config import TransferConfig
 from transfer.messages import Target, TargetRank
@@ -43,7 +45,7 @@ def open_endpoint(worker, role: str, node: str, config: TransferConfig | None = 
         raise ValueError(f"unknown transfer role {role!r}; known: sender, receiver")
     ep = cls(worker.cfg, worker.rank, worker.pools, node=node, config=config)
     worker.ext[_key(config.backend)] = ep
-    worker.ext.setdefault("transfer.freed", [])
+    worker.ext.setdefault("transfer.freed", deque(maxlen=4096))  # recent failed reservations, freed
     return ep.metadata()
 
 
