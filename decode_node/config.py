@@ -36,6 +36,7 @@ class DecodeNodeConfig:
     heartbeat_interval_s: float = 0.5
     reservation_lease_s: float = 30.0  # default lease of a Reserve that names none
     transfer_backend: str = "nixl"  # data plane of the receiver endpoints (transfer.TRANSPORTS)
+    metrics_port: int | None = None  # Prometheus /metrics on this port (0 picks one; None: off)
 
     def __post_init__(self):
         if self.local_prefill_threshold < 0:

@@ -40,6 +40,7 @@ from decode_node.loop import EngineLoop, ShuttingDown, Stream
 from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
 from proto import pb, rpc
+from proto.metrics import ServingMetrics, capacity_gauges
 from proto.serving import MAX_REQUEST_ID_LEN, Heartbeater, sampling_kwargs, start_server
 
 log = logging.getLogger("pdserve.decode")
@@ -97,6 +98,8 @@ class DecodeNode(rpc.DecodeNodeServicer):
         self._health = None
         self._hb: Heartbeater | None = None
         self._stopped = threading.Event()
+        self.metrics = ServingMetrics("pdserve_decode", lambda: capacity_gauges(self.loop.snapshot))
+        self.metrics_port: int | None = None
 
     # ---- info ---------------------------------------------------------------------------
     def capacity(self) -> pb.Capacity:
@@ -193,7 +196,15 @@ class DecodeNode(rpc.DecodeNodeServicer):
             self.loop.abort(stream)
 
     def _relay(self, s: Stream, context, skip: int = 0):
-        """skip: leading tokens the caller already has (the prefill node's first token)."""
+        """skip: leading tokens the caller already has (the prefill node's first token). Counts the
+        request in the metrics once, however it ends."""
+        box = {"outcome": "cancelled", "ttft": None, "tpot": None, "n": 0}
+        try:
+            yield from self._relay_loop(s, context, skip, box)
+        finally:
+            self.metrics.request_done(box["outcome"], box["ttft"], box["tpot"], box["n"])
+
+    def _relay_loop(self, s: Stream, context, skip: int, box: dict):
         first_tok = last_tok = None
         n = 0
         first_msg = True
@@ -211,6 +222,7 @@ class DecodeNode(rpc.DecodeNodeServicer):
                     code = grpc.StatusCode.UNAVAILABLE
                 else:
                     code = grpc.StatusCode.INTERNAL
+                box["outcome"] = "error"
                 context.abort(code, str(item))
             now = time.monotonic()
             new = item.new_token_ids
@@ -240,6 +252,11 @@ class DecodeNode(rpc.DecodeNodeServicer):
                 msg.prompt_tokens = s.num_prompt_tokens
                 msg.decode_node = self.cfg.node_id
                 first_msg = False
+            box["n"] = n
+            if done:
+                box["outcome"] = "cancelled" if item.finish_reason == "abort" else "ok"
+                box["ttft"] = t.ttft_s if first_tok is not None else None
+                box["tpot"] = t.tpot_s if n > 1 else None
             if new or done:
                 yield msg
             if done:
@@ -325,6 +342,7 @@ class DecodeNode(rpc.DecodeNodeServicer):
     # ---- transfers (loop thread) ---------------------------------------------------------------
     def _fail(self, x: _Xfer, reason: str) -> None:
         log.warning("reservation %s: %s", x.rid, reason)
+        self.metrics.transfer_done(0, 0.0, ok=False)
         x.phase, x.error = "failing", reason
         self.engine.executor.call_all(dranks.abort, self.backend, x.rid, x.inc, reason)
         x.changed.set()
@@ -340,6 +358,7 @@ class DecodeNode(rpc.DecodeNodeServicer):
             if x.phase == "wait":
                 if all(p[0] == "done" for p in per):
                     x.phase = "ready"
+                    self.metrics.transfers.inc()
                     x.changed.set()
                 elif any(p[0] in ("failed", "gone") for p in per):
                     why = next((p[1] for p in per if p[1]), None) or "the transfer failed"
@@ -381,6 +400,10 @@ class DecodeNode(rpc.DecodeNodeServicer):
         if self.cfg.router:
             self._hb = Heartbeater(self.cfg.router, self.info, self.cfg.heartbeat_interval_s).start()
         log.info("decode node %s serving on %s (%s)", self.cfg.node_id, self.address, self.engine.capacity.summary())
+        if self.cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.cfg.advertise_host, self.cfg.metrics_port)
+            log.info("decode node %s metrics at http://%s:%d/metrics", self.cfg.node_id, self.cfg.advertise_host,
+                     self.metrics_port)  # fmt: skip
         return port
 
     def stop(self, grace: float | None = 2.0) -> None:
@@ -392,6 +415,7 @@ class DecodeNode(rpc.DecodeNodeServicer):
         if self._hb is not None:
             self._hb.stop()
         self.loop.stop()
+        self.metrics.stop()
         if self.server is not None:
             self.server.stop(grace).wait(timeout=(grace or 0) + 5)
         if self.blobs is not None:

@@ -13,6 +13,12 @@ class Tokenizer:
         self._tok = _T.from_file(str(Path(path) / "tokenizer.json"))
         cfg = Path(path) / "tokenizer_config.json"
         self.config = json.loads(cfg.read_text()) if cfg.is_file() else {}
+        # a Jinja2 string: tokenizer_config.json's `chat_template`, or chat_template.jinja (newer checkpoints)
+        tmpl = Path(path) / "chat_template.jinja"
+        ct = self.config.get("chat_template")
+        if isinstance(ct, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            ct = next((t.get("template") for t in ct if t.get("name") == "default"), None)
+        self.chat_template: str | None = ct or (tmpl.read_text() if tmpl.is_file() else None)
 
     @staticmethod
     def exists(path: str | Path) -> bool:

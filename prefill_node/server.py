@@ -31,6 +31,7 @@ import msgspec
 from decode_node.loop import EngineLoop, ShuttingDown
 from prefill_node import ranks as pranks
 from proto import pb, rpc
+from proto.metrics import ServingMetrics, capacity_gauges
 from proto.serving import MAX_REQUEST_ID_LEN, Heartbeater, sampling_kwargs, start_server
 
 log = logging.getLogger("pdserve.prefill")
@@ -53,6 +54,7 @@ class PrefillNodeConfig:
     max_model_len: int | None = None
     seed: int = 0
     transfer_backend: str = "nixl"
+    metrics_port: int | None = None  # Prometheus /metrics on this port (0 picks one; None: off)
     push_timeout_s: float = 60.0  # a push not done (and quiet) by then fails the call
     # Between engine steps, keep polling in-flight pushes this long (grants and write completions
     # otherwise wait for the next, possibly long, prefill step): TTFT includes the push.
@@ -122,6 +124,8 @@ class PrefillNode(rpc.PrefillNodeServicer):
         self._health = None
         self._hb = None
         self._stopped = threading.Event()
+        self.metrics = ServingMetrics("pdserve_prefill", lambda: capacity_gauges(self.loop.snapshot))
+        self.metrics_port: int | None = None
 
     # ---- info ---------------------------------------------------------------------------------
     def info(self) -> pb.NodeInfo:
@@ -177,9 +181,19 @@ class PrefillNode(rpc.PrefillNodeServicer):
         if rid in self._targets:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already in flight here")
         self._targets[rid] = target
+        outcome = "error"
         try:
-            return self._prefill(rid, ids, params, target, t0, context)
+            resp = self._prefill(rid, ids, params, target, t0, context)
+            outcome = "ok"
+            self.metrics.ttft.observe(resp.timings.ttft_s)
+            self.metrics.tokens.inc(1)
+            return resp
+        except BaseException:
+            if not context.is_active():
+                outcome = "cancelled"
+            raise
         finally:
+            self.metrics.requests.labels(outcome=outcome).inc()
             self._targets.pop(rid, None)
             self._started.pop(rid, None)
 
@@ -226,6 +240,7 @@ class PrefillNode(rpc.PrefillNodeServicer):
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid}: the push never settled")
         t.transfer_s = (push.finished or time.monotonic()) - push.started
         t.transfer_bytes = push.nbytes
+        self.metrics.transfer_done(push.nbytes, t.transfer_s, ok=push.error is None)
         if push.error is not None:
             code = grpc.StatusCode.CANCELLED if push.aborted else grpc.StatusCode.ABORTED
             self._log(rid, len(ids), first, t, f"push failed: {push.error}", target)
@@ -367,6 +382,10 @@ class PrefillNode(rpc.PrefillNodeServicer):
         if self.cfg.router:
             self._hb = Heartbeater(self.cfg.router, self.info, self.cfg.heartbeat_interval_s).start()
         log.info("prefill node %s serving on %s (%s)", self.cfg.node_id, self.address, self.engine.capacity.summary())
+        if self.cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.cfg.advertise_host, self.cfg.metrics_port)
+            log.info("prefill node %s metrics at http://%s:%d/metrics", self.cfg.node_id, self.cfg.advertise_host,
+                     self.metrics_port)  # fmt: skip
         return port
 
     def stop(self, grace: float | None = 2.0) -> None:
@@ -378,6 +397,7 @@ class PrefillNode(rpc.PrefillNodeServicer):
         if self._hb is not None:
             self._hb.stop()
         self.loop.stop()
+        self.metrics.stop()
         if self.server is not None:
             self.server.stop(grace).wait(timeout=(grace or 0) + 5)
         from transfer import rank as xr

@@ -136,6 +136,9 @@ def cmd_router(args) -> int:
         dead_after_s=args.dead_after,
         admission_timeout_s=args.admission_timeout,
         policy=args.policy,
+        metrics_port=args.metrics_port,
+        http_port=args.http_port,
+        host=args.host,
     )
     router, port = serve(f"{args.host}:{args.port}", cfg)
     if args.port_file:
@@ -143,6 +146,8 @@ def cmd_router(args) -> int:
         tmp.write_text(str(port))
         tmp.rename(args.port_file)
     print(f"router listening on {args.host}:{port}", flush=True)
+    if router.http_port is not None:
+        print(f"router OpenAI-compatible HTTP on http://{args.host}:{router.http_port}/v1", flush=True)
     return _serve_until_signal(router)
 
 
@@ -165,6 +170,7 @@ def cmd_decode(args) -> int:
         advertise_host=args.advertise_host or args.host,
         device=args.device,
         transfer_backend=args.transfer_backend,
+        metrics_port=args.metrics_port,
     )
     node, port = serve(f"{args.host}:{args.port}", cfg)
     print(f"decode node {cfg.node_id} listening on {node.address}", flush=True)
@@ -188,6 +194,7 @@ def cmd_prefill(args) -> int:
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         transfer_backend=args.transfer_backend,
+        metrics_port=args.metrics_port,
     )
     node, port = serve(f"{args.host}:{args.port}", cfg)
     print(f"prefill node {cfg.node_id} listening on {node.address}", flush=True)
@@ -196,7 +203,8 @@ def cmd_prefill(args) -> int:
 
 _UP_DEFAULTS = dict(model=None, prefill=1, decode=1, prefill_tp=1, decode_tp=1, host="127.0.0.1", port=50051,
                     dtype="auto", device="cpu", kv_cache_memory="256MiB", max_num_seqs=64, local_prefill_threshold=0,
-                    policy="least-loaded", admission_timeout=30.0, transfer_backend="nixl")  # fmt: skip
+                    policy="least-loaded", admission_timeout=30.0, transfer_backend="nixl",
+                    http_port=None, metrics_port=None)  # fmt: skip
 
 
 def _up_spec(args):
@@ -238,7 +246,8 @@ def _up_spec(args):
         max_num_seqs=vals["max_num_seqs"],
         local_prefill_threshold=vals["local_prefill_threshold"], policy=vals["policy"],
         admission_timeout_s=float(vals["admission_timeout"]), log_level=args.log_level or "INFO",
-        transfer_backend=vals["transfer_backend"],
+        transfer_backend=vals["transfer_backend"], http_port=vals["http_port"],
+        metrics_port=vals["metrics_port"],
     )  # fmt: skip
 
 
@@ -340,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default=None)
     p.add_argument("--admission-timeout", type=float, default=None)
     p.add_argument("--transfer-backend", default=None, help="nixl | ucxx (default nixl)")
+    p.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP on the router (0 picks one)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus /metrics on the router (0 picks one); every node then serves one on a free port")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("router", help="run the router")
@@ -353,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dead-after", type=float, default=3.0)
     p.add_argument("--admission-timeout", type=float, default=30.0)
     p.add_argument("--policy", default="least-loaded")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 picks one; default off)")
+    p.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (0 picks one; default off)")
     p.set_defaults(func=cmd_router)
 
     for kind in ("decode", "prefill"):
@@ -372,6 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--block-size", type=int, default=16)
         p.add_argument("--max-model-len", type=int, default=None)
         p.add_argument("--transfer-backend", default="nixl", help="nixl | ucxx")
+        p.add_argument("--metrics-port", type=int, default=None,
+                       help="Prometheus /metrics port (0 picks one; default off)")  # fmt: skip
         if kind == "decode":
             p.add_argument("--local-prefill-threshold", type=int, default=0,
                            help="prompts shorter than this prefill here (0: always the prefill pool, "

@@ -49,6 +49,8 @@ class PoolSpec:
     admission_timeout_s: float = 30.0
     log_level: str = "INFO"
     transfer_backend: str = "nixl"
+    http_port: int | None = None  # the router's OpenAI-compatible HTTP port (None: off)
+    metrics_port: int | None = None  # the router's /metrics port; nodes then serve theirs on free ports
     extra_decode_args: list[str] = field(default_factory=list)
 
     def __post_init__(self):
@@ -88,7 +90,7 @@ class Cluster:
         self._spawn(
             "router",
             ["router", "--host", s.host, "--port", str(s.port), "--port-file", str(port_file), "--model", s.model,
-             "--policy", s.policy, "--admission-timeout", str(s.admission_timeout_s)],
+             "--policy", s.policy, "--admission-timeout", str(s.admission_timeout_s), *self._router_ports()],
         )  # fmt: skip
         deadline = time.monotonic() + ready_timeout
         while not (port_file.is_file() and port_file.read_text().strip()):
@@ -101,7 +103,7 @@ class Cluster:
                 ["prefill", "--model", s.model, "--router", self.address, "--host", s.host, "--port", "0",
                  "--node-id", f"prefill-{i}", "--tp", str(s.prefill_tp), "--dtype", s.dtype, "--device", s.device,
                  "--kv-cache-memory", s.kv_cache_memory, "--max-num-seqs", str(s.max_num_seqs),
-                 "--transfer-backend", s.transfer_backend],
+                 "--transfer-backend", s.transfer_backend, *self._node_metrics()],
             )  # fmt: skip
         for i in range(s.decode):
             self._spawn(
@@ -110,9 +112,20 @@ class Cluster:
                  "--node-id", f"decode-{i}", "--tp", str(s.decode_tp), "--dtype", s.dtype, "--device", s.device,
                  "--kv-cache-memory", s.kv_cache_memory, "--max-num-seqs", str(s.max_num_seqs),
                  "--local-prefill-threshold", str(s.local_prefill_threshold),
-                 "--transfer-backend", s.transfer_backend, *s.extra_decode_args],
+                 "--transfer-backend", s.transfer_backend, *self._node_metrics(), *s.extra_decode_args],
             )  # fmt: skip
         self._wait_registered(deadline)
+
+    def _router_ports(self) -> list[str]:
+        s, out = self.spec, []
+        if s.http_port is not None:
+            out += ["--http-port", str(s.http_port)]
+        if s.metrics_port is not None:
+            out += ["--metrics-port", str(s.metrics_port)]
+        return out
+
+    def _node_metrics(self) -> list[str]:
+        return [] if self.spec.metrics_port is None else ["--metrics-port", "0"]
 
     def _check_children(self, deadline: float) -> None:
         if self.should_stop():

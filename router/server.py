@@ -33,6 +33,7 @@ from pathlib import Path
 import grpc
 
 from proto import pb, rpc
+from proto.metrics import ServingMetrics
 from proto.serving import MAX_REQUEST_ID_LEN, sampling_kwargs, start_server
 from router.detok import IncrementalDetokenizer
 from router.policy import make_policy
@@ -52,6 +53,9 @@ class RouterConfig:
     policy: str = "least-loaded"
     reservation_lease_s: float = 30.0  # lease asked of a decode node's Reserve
     prefill_timeout_s: float = 120.0  # one Prefill call (queue + compute + push) at most
+    metrics_port: int | None = None  # Prometheus /metrics on this port (0 picks one; None: off)
+    http_port: int | None = None  # OpenAI-compatible HTTP on this port (0 picks one; None: off)
+    host: str = "127.0.0.1"  # where the metrics and HTTP ports bind
 
     def __post_init__(self):
         if self.dead_after_s <= self.heartbeat_interval_s:
@@ -114,6 +118,30 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         self._pair_lock = threading.Lock()
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="sweeper", daemon=True)
+        self._queued = 0  # requests waiting in admission (under registry.cond)
+        self._active = 0  # requests in Generate (under registry.cond)
+        self.metrics = ServingMetrics("pdserve_router", self._gauges)
+        self.metrics_port: int | None = None
+        self.http = None  # router.http.OpenAIServer when cfg.http_port is set
+        self.http_port: int | None = None
+
+    def _gauges(self) -> dict[str, tuple[str, float]]:
+        dec = self.registry.live(pb.NODE_KIND_DECODE)
+        caps = [e.info.capacity for e in dec]
+        return {
+            "queue_depth": ("Requests waiting for admission", self._queued),
+            "active_requests": ("Requests in flight through the router", self._active),
+            "decode_nodes_live": ("Live decode nodes", len(dec)),
+            "prefill_nodes_live": ("Live prefill nodes", len(self.registry.live(pb.NODE_KIND_PREFILL))),
+            "kv_pages_free": ("KV pages free over live decode nodes (last heartbeat)",
+                              sum(c.free_blocks for c in caps)),
+            "kv_pages_used": ("KV pages in use over live decode nodes (last heartbeat)",
+                              sum(c.total_blocks - c.free_blocks for c in caps)),
+            "state_slots_free": ("State slots free over live decode nodes (last heartbeat)",
+                                 sum(c.free_slots for c in caps)),
+            "state_slots_used": ("State slots in use over live decode nodes (last heartbeat)",
+                                 sum(c.total_slots - c.free_slots for c in caps)),
+        }  # fmt: skip
 
     # ---- Registry ---------------------------------------------------------------------------
     def Register(self, request, context):
@@ -205,23 +233,31 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         deadline = time.monotonic() + self.cfg.admission_timeout_s
         reg = self.registry
         with reg.cond:
-            while True:
-                nodes = [e for e in reg.live(pb.NODE_KIND_DECODE) if e.node_id not in exclude]
-                e = self.policy.choose_decode(nodes, prompt_len)
-                if e is not None:
-                    e.inflight += 1
-                    e.inflight_blocks += e.blocks_for(prompt_len + 1)
-                    return e
-                left = deadline - time.monotonic()
-                if left <= 0 or not context.is_active():
-                    if not nodes:
-                        raise _Abort(grpc.StatusCode.UNAVAILABLE, "no live decode node")
-                    raise _Abort(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"no decode node had room for a {prompt_len}-token prompt "
-                        f"within {self.cfg.admission_timeout_s:g} s",
-                    )
-                reg.cond.wait(min(left, 0.25))
+            self._queued += 1
+            try:
+                return self._admit_locked(prompt_len, context, exclude, deadline)
+            finally:
+                self._queued -= 1
+
+    def _admit_locked(self, prompt_len: int, context, exclude: set[str], deadline: float) -> NodeEntry:
+        reg = self.registry
+        while True:
+            nodes = [e for e in reg.live(pb.NODE_KIND_DECODE) if e.node_id not in exclude]
+            e = self.policy.choose_decode(nodes, prompt_len)
+            if e is not None:
+                e.inflight += 1
+                e.inflight_blocks += e.blocks_for(prompt_len + 1)
+                return e
+            left = deadline - time.monotonic()
+            if left <= 0 or not context.is_active():
+                if not nodes:
+                    raise _Abort(grpc.StatusCode.UNAVAILABLE, "no live decode node")
+                raise _Abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"no decode node had room for a {prompt_len}-token prompt "
+                    f"within {self.cfg.admission_timeout_s:g} s",
+                )
+            reg.cond.wait(min(left, 0.25))
 
     def _done(self, e: NodeEntry, prompt_len: int) -> None:
         with self.registry.cond:
@@ -358,6 +394,8 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
 
     def Generate(self, request, context):
         tr = _Trace(request.request_id or uuid.uuid4().hex)
+        with self.registry.cond:
+            self._active += 1
         try:
             ids = self._prompt_ids(request)
             tr.prompt_len = len(ids)
@@ -371,6 +409,22 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             raise
         finally:
             self._log(tr)
+            self._count(tr)
+            with self.registry.cond:
+                self._active -= 1
+
+    def _count(self, tr: _Trace) -> None:
+        if tr.finish in ("stop", "length"):
+            outcome = "ok"
+        elif tr.finish in ("cancelled", "abort", "CANCELLED", "-"):
+            outcome = "cancelled"
+        else:
+            outcome = "error"
+        ttft = tr.first - tr.received if tr.first else None
+        tpot = (tr.last - tr.first) / (tr.n - 1) if tr.n > 1 else None
+        self.metrics.request_done(outcome, ttft, tpot, tr.n)
+        if tr.transfer_bytes:
+            self.metrics.transfer_done(tr.transfer_bytes, tr.transfer_s)
 
     def _generate(self, request, ids: list[int], tr: _Trace, context):
         detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
@@ -499,6 +553,16 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         self.server, port, self._health = start_server(addr, add, ["Generation", "Registry"], max_workers=256)
         self._sweeper.start()
         log.info("router serving on port %d (policy %s)", port, self.policy.name)
+        host = self.cfg.host
+        if self.cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(host, self.cfg.metrics_port)
+            log.info("router metrics at http://%s:%d/metrics", host, self.metrics_port)
+        if self.cfg.http_port is not None:
+            from router.http import OpenAIServer
+
+            self.http = OpenAIServer(self, f"127.0.0.1:{port}")
+            self.http_port = self.http.start(host, self.cfg.http_port)
+            log.info("router OpenAI-compatible HTTP at http://%s:%d/v1", host, self.http_port)
         return port
 
     def stop(self, grace: float | None = 2.0) -> None:
@@ -507,6 +571,9 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         self._stop.set()
         if self._health is not None:
             self._health.enter_graceful_shutdown()
+        if self.http is not None:
+            self.http.stop()
+        self.metrics.stop()
         if self.server is not None:
             self.server.stop(grace).wait(timeout=(grace or 0) + 5)
         self.registry.close()

@@ -1,0 +1,117 @@
+"""Prometheus metrics shared by the router and the nodes: one `CollectorRegistry` per server (so
+several servers can share a process), served on its own HTTP port at `/metrics`.
+
+`ServingMetrics` holds the counters and histograms every server keeps (requests by outcome, TTFT,
+TPOT, generated tokens, transfer bytes / seconds / failures); gauges that mirror live state (queue
+depth, KV pages and state slots) are read at scrape time from a callback, so they are never stale.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client.core import GaugeMetricFamily
+
+log = logging.getLogger("pdserve.metrics")
+
+OUTCOMES = ("ok", "error", "cancelled")
+_LAT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class _Gauges:
+    """A collector whose gauges come from `read()` -> {name: (help, value)} at every scrape."""
+
+    def __init__(self, prefix: str, read: Callable[[], dict[str, tuple[str, float]]]):
+        self.prefix, self.read = prefix, read
+
+    def collect(self):
+        try:
+            vals = self.read()
+        except Exception:  # a scrape must not fail because a node is stopping
+            log.debug("metrics gauge read failed", exc_info=True)
+            return
+        for name, (doc, v) in vals.items():
+            g = GaugeMetricFamily(f"{self.prefix}_{name}", doc)
+            g.add_metric([], float(v))
+            yield g
+
+
+class ServingMetrics:
+    """The metrics of one server; `prefix` is pdserve_router / pdserve_decode / pdserve_prefill."""
+
+    def __init__(self, prefix: str, gauges: Callable[[], dict[str, tuple[str, float]]] | None = None):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(f"{prefix}_requests", "Finished requests by outcome", ["outcome"], registry=r)
+        for o in OUTCOMES:
+            self.requests.labels(outcome=o)
+        self.ttft = Histogram(f"{prefix}_ttft_seconds", "Time to first token", buckets=_LAT_BUCKETS, registry=r)
+        self.tpot = Histogram(f"{prefix}_tpot_seconds", "Time per output token after the first",
+                              buckets=_TPOT_BUCKETS, registry=r)  # fmt: skip
+        self.tokens = Counter(f"{prefix}_generated_tokens", "Tokens generated", registry=r)
+        self.transfer_bytes = Counter(f"{prefix}_transfer_bytes", "State bytes transferred", registry=r)
+        self.transfer_seconds = Counter(f"{prefix}_transfer_seconds", "Time spent transferring state", registry=r)
+        self.transfers = Counter(f"{prefix}_transfers", "State transfers completed", registry=r)
+        self.transfer_failures = Counter(f"{prefix}_transfer_failures", "State transfers that failed", registry=r)
+        if gauges is not None:
+            r.register(_Gauges(prefix, gauges))
+        self._server = None
+
+    def request_done(self, outcome: str, ttft_s: float | None = None, tpot_s: float | None = None,
+                     tokens: int = 0) -> None:  # fmt: skip
+        self.requests.labels(outcome=outcome).inc()
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+        if tokens:
+            self.tokens.inc(tokens)
+
+    def transfer_done(self, nbytes: int, seconds: float, ok: bool = True) -> None:
+        if ok:
+            self.transfers.inc()
+            self.transfer_bytes.inc(nbytes)
+            self.transfer_seconds.inc(max(0.0, seconds))
+        else:
+            self.transfer_failures.inc()
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve `/metrics` on host:port (0 picks a free port) from a daemon thread; returns the port."""
+        self._server = make_server(host, port, make_wsgi_app(self.registry), _ThreadingWSGIServer, _QuietHandler)
+        threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True).start()
+        return self._server.server_port
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, *args):  # no access log line per scrape
+        pass
+
+
+def capacity_gauges(snapshot) -> dict[str, tuple[str, float]]:
+    """The node gauges from an engine-loop Snapshot."""
+    s = snapshot
+    return {
+        "kv_pages_free": ("KV cache pages free", s.free_blocks),
+        "kv_pages_used": ("KV cache pages in use", s.total_blocks - s.free_blocks),
+        "state_slots_free": ("GDN state slots free", s.free_slots),
+        "state_slots_used": ("GDN state slots in use", s.total_slots - s.free_slots),
+        "running": ("Requests running", s.running),
+        "queue_depth": ("Requests waiting to be scheduled", s.waiting),
+        "queued_prefill_tokens": ("Prompt tokens waiting for prefill", s.queued_prefill_tokens),
+    }

@@ -1,0 +1,183 @@
+"""OpenAI-compatible HTTP and Prometheus /metrics against a running `pdserve up` (one prefill + one
+decode node, tiny model with a tokenizer): the official `openai` client for completions and chat
+completions, streamed and not, gives the SDK's greedy text; bad parameters give OpenAI's error
+shape; every server's /metrics parses as Prometheus exposition and its counters move by exactly
+the requests sent."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+
+import pytest
+from serve_harness import Up, nodes, wait_for
+
+PROMPT = "Hello world! How are you"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+GREEDY = dict(max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
+
+
+@pytest.fixture(scope="module")
+def up(ckpt):
+    u = Up("--model", ckpt, "--dtype", "float32", "--decode", "1", "--prefill", "1", "--http-port", "0",
+           "--metrics-port", "0")  # fmt: skip
+    yield u
+    rc = u.stop()
+    assert rc == 0, u.output()
+
+
+def _url(up: Up, pattern: str) -> str:
+    return wait_for(lambda: next((m.group(1) for ln in up.lines if (m := re.search(pattern, ln))), None),
+                    20, pattern)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def base_url(up):
+    return _url(up, r"OpenAI-compatible HTTP on (http://\S+/v1)")
+
+
+@pytest.fixture(scope="module")
+def oai(base_url):
+    import openai
+
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def sdk(up):
+    from client import Client
+
+    with Client(up.address, timeout=120) as c:
+        c.wait_ready(timeout=60)
+        yield c
+
+
+def _sdk_text(sdk, prompt: str) -> str:
+    return sdk.generate(prompt=prompt, max_tokens=8, temperature=0.0, ignore_eos=True).text
+
+
+def test_models_and_completions(oai, sdk, ckpt):
+    models = [m.id for m in oai.models.list().data]
+    assert len(models) == 1
+    want = _sdk_text(sdk, PROMPT)
+    assert want
+    r = oai.completions.create(model=models[0], prompt=PROMPT, **GREEDY)
+    assert r.choices[0].text == want
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 0
+    chunks = list(oai.completions.create(model=models[0], prompt=PROMPT, stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_completions(oai, sdk, ckpt):
+    from transformers import AutoTokenizer
+
+    model = oai.models.list().data[0].id
+    prompt = AutoTokenizer.from_pretrained(ckpt).apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True
+    )
+    want = _sdk_text(sdk, prompt)
+    r = oai.chat.completions.create(model=model, messages=MESSAGES, **GREEDY)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want
+    chunks = list(oai.chat.completions.create(model=model, messages=MESSAGES, stream=True, **GREEDY))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_bad_parameters_give_openai_errors(oai, base_url):
+    import openai
+
+    model = oai.models.list().data[0].id
+    for kw, param in (
+        (dict(temperature=-1.0), "temperature"),
+        (dict(n=2), "n"),
+        (dict(stop="\n"), "stop"),
+        (dict(max_tokens=0), "max_tokens"),
+    ):
+        with pytest.raises(openai.BadRequestError) as ei:
+            oai.completions.create(model=model, prompt=PROMPT, **kw)
+        assert ei.value.status_code == 400
+        assert ei.value.body["param"] == param and ei.value.body["message"], ei.value.body
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=model, messages=[], max_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=4)
+    # a prompt no node can take: the router's INVALID_ARGUMENT, mapped to 400 in the same shape
+    req = urllib.request.Request(
+        base_url + "/completions", method="POST", headers={"Content-Type": "application/json"},
+        data=json.dumps({"model": model, "prompt": [10**6], "max_tokens": 4}).encode(),
+    )  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as ei:
+        urllib.request.urlopen(req, timeout=60)
+    assert ei.value.code == 400
+    err = json.loads(ei.value.read())["error"]
+    assert set(err) == {"message", "type", "param", "code"} and "out of range" in err["message"], err
+
+
+def _scrape(url: str) -> dict[tuple, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def test_metrics_count_requests(up, sdk):
+    from client import PdserveError
+
+    urls = {
+        "router": _url(up, r"router metrics at (http://\S+/metrics)"),
+        "decode": _url(up, r"decode node decode-0 metrics at (http://\S+/metrics)"),
+        "prefill": _url(up, r"prefill node prefill-0 metrics at (http://\S+/metrics)"),
+    }
+    wait_for(lambda: len([n for n in nodes(up.address) if n.alive]) == 2, 20, "both nodes alive")
+    before = {k: _scrape(u) for k, u in urls.items()}
+    k, new = 3, 5
+    for i in range(k):
+        r = sdk.generate(prompt_token_ids=[5 + i] * 20, max_tokens=new, temperature=0.0, ignore_eos=True)
+        assert len(r.token_ids) == new and r.prefill_node == "prefill-0"
+    with pytest.raises(PdserveError):
+        sdk.generate(prompt_token_ids=[10**6], max_tokens=2)  # refused by the router: one error
+    after = {k: _scrape(u) for k, u in urls.items()}
+
+    def moved(server: str, name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after[server][key] - before[server].get(key, 0.0)
+
+    r = "pdserve_router"
+    assert moved("router", f"{r}_requests_total", outcome="ok") == k
+    assert moved("router", f"{r}_requests_total", outcome="error") == 1
+    assert moved("router", f"{r}_requests_total", outcome="cancelled") == 0
+    assert moved("router", f"{r}_generated_tokens_total") == k * new
+    assert moved("router", f"{r}_ttft_seconds_count") == k
+    assert moved("router", f"{r}_tpot_seconds_count") == k
+    assert moved("router", f"{r}_transfers_total") == k
+    assert moved("router", f"{r}_transfer_bytes_total") > 0
+    assert after["router"][(f"{r}_queue_depth", ())] == 0
+    assert after["router"][(f"{r}_kv_pages_free", ())] > 0
+
+    d, p = "pdserve_decode", "pdserve_prefill"
+    assert moved("decode", f"{d}_requests_total", outcome="ok") == k
+    assert moved("decode", f"{d}_transfers_total") == k
+    assert moved("prefill", f"{p}_requests_total", outcome="ok") == k
+    assert moved("prefill", f"{p}_transfers_total") == k
+    assert moved("prefill", f"{p}_transfer_failures_total") == 0
+    assert moved("prefill", f"{p}_transfer_bytes_total") == moved("router", f"{r}_transfer_bytes_total")
+    # the prefill node makes each first token, the decode node the rest
+    assert moved("prefill", f"{p}_generated_tokens_total") == k
+    assert moved("decode", f"{d}_generated_tokens_total") == k * (new - 1)
+    for server, pre in (("decode", d), ("prefill", p)):
+        s = after[server]
+        total = s[(f"{pre}_kv_pages_free", ())] + s[(f"{pre}_kv_pages_used", ())]
+        assert total > 0 and s[(f"{pre}_state_slots_free", ())] > 0
+        assert (f"{pre}_queue_depth", ()) in s
