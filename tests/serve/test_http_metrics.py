@@ -181,3 +181,44 @@ def test_metrics_count_requests(up, sdk):
         total = s[(f"{pre}_kv_pages_free", ())] + s[(f"{pre}_kv_pages_used", ())]
         assert total > 0 and s[(f"{pre}_state_slots_free", ())] > 0
         assert (f"{pre}_queue_depth", ()) in s
+
+
+class _Rpc(Exception):
+    def __init__(self, code, details):
+        self._c, self._d = code, details
+
+    def code(self):
+        return self._c
+
+    def details(self):
+        return self._d
+
+
+@pytest.mark.parametrize(
+    "code,status",
+    [("INVALID_ARGUMENT", 400), ("RESOURCE_EXHAUSTED", 429), ("UNAVAILABLE", 503), ("INTERNAL", 500)],
+    ids=lambda v: str(v),
+)
+def test_grpc_codes_map_to_http(code, status):
+    import grpc
+
+    from router.http import ApiError
+
+    e = ApiError.from_rpc(_Rpc(getattr(grpc.StatusCode, code), "why"))
+    assert e.status == status
+    assert e.body() == {"error": {"message": "why", "type": e.type, "param": None, "code": code.lower()}}
+
+
+def test_openai_parameters_map_to_sampling():
+    from router.http import ApiError, sampling
+
+    sp = sampling({"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": [5, 6], "n": 1})
+    assert (sp.max_tokens, sp.temperature, round(sp.top_p, 6), sp.seed, list(sp.stop_token_ids)) == (
+        7, 0.5, 0.9, 3, [5, 6],
+    )  # fmt: skip
+    assert not sampling({}).HasField("max_tokens")  # unset: the server's defaults
+    for bad, param in (({"top_p": 1.5}, "top_p"), ({"seed": "x"}, "seed"), ({"stop": ["a"]}, "stop"),
+                       ({"max_tokens": True}, "max_tokens"), ({"stream_options": None, "n": 3}, "n")):  # fmt: skip
+        with pytest.raises(ApiError) as ei:
+            sampling(bad)
+        assert ei.value.status == 400 and ei.value.param == param, bad
