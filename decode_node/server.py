@@ -1,7 +1,7 @@
 """The decode node's gRPC server: `serve(addr, cfg) -> (node, port)`.
 
 Lifecycle: load the engine (t worker processes when tensor parallel), start the engine loop
-thread (decode_node/loop.py), bind the gRPC server (DecodeNode + health + reflection), then
+thread (engine/loop.py), bind the gRPC server (DecodeNode + health + reflection), then
 register with the router and heartbeat capacity. `node.stop()` reverses it: not serving,
 heartbeats stop, in-flight streams end, engine workers exit.
 
@@ -36,7 +36,7 @@ import msgspec
 
 from decode_node import ranks as dranks
 from decode_node.config import DecodeNodeConfig
-from decode_node.loop import EngineLoop, ShuttingDown, Stream
+from engine.loop import EngineLoop, ShuttingDown, Stream
 from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
 from proto import pb, rpc

@@ -2,7 +2,7 @@
 
 An EngineCore (t worker ranks) whose requests are `prefill_only`: the engine computes the
 prompt, samples the first token and HOLDS the pages and GDN slot. Every rank has a transfer
-Sender (prefill_node/ranks.py); the engine loop thread (decode_node/loop.py EngineLoop, shared)
+Sender (prefill_node/ranks.py); the engine loop thread (engine/loop.py EngineLoop, shared)
 polls them while a push is in flight. Every engine and executor call stays on that thread.
 
     Prefill(prompt, sampling, target) -> queue (engine waiting list) -> prefill -> first token
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import grpc
 import msgspec
 
-from decode_node.loop import EngineLoop, ShuttingDown
+from engine.loop import EngineLoop, ShuttingDown
 from prefill_node import ranks as pranks
 from proto import pb, rpc
 from proto.metrics import ServingMetrics, capacity_gauges

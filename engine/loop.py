@@ -1,4 +1,5 @@
-"""The engine loop: one thread owns the EngineCore; gRPC handler threads talk to it by queues.
+"""The engine loop, shared by both node kinds: one thread owns the EngineCore; gRPC handler
+threads talk to it by queues.
 
     handler --submit(rid, ids, params)--> inbox --(loop thread) add_request / abort / call-->
     EngineCore.step() -> RequestOutput -> the request's Stream (a queue) -> handler -> client
