@@ -17,6 +17,9 @@ Requests:
 - Release: aborts a reservation (pages and slot back once no write can land); with
   dead_prefill_node, first drops that node's transfer agents (the router declared it dead).
 - Handshake: adds the prefill node's rank blobs as peers on every rank, answers with ours.
+Draining (proto/node.py, on SIGTERM): Reserve and unreserved Generate are refused with
+UNAVAILABLE + `pdserve-draining`; Generate(reserved) and Release still work, so what the router
+already placed here finishes; the node stops once nothing is in flight.
 Client cancellation aborts the engine request, so pages and slot return to the free lists.
 Receiver endpoints are polled by the engine loop thread (EngineLoop.tick) while any
 reservation is open; every engine and executor call stays on that thread.
@@ -32,8 +35,6 @@ import time
 import uuid
 
 import grpc
-import msgspec
-
 from decode_node import ranks as dranks
 from decode_node.config import DecodeNodeConfig
 from engine.loop import EngineLoop, ShuttingDown, Stream
@@ -41,7 +42,8 @@ from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
 from proto import pb, rpc
 from proto.metrics import ServingMetrics, capacity_gauges
-from proto.serving import MAX_REQUEST_ID_LEN, Heartbeater, sampling_kwargs, start_server
+from proto.node import NodeServer, serve_node
+from proto.serving import MAX_REQUEST_ID_LEN, sampling_kwargs
 
 log = logging.getLogger("pdserve.decode")
 
@@ -71,8 +73,12 @@ class _Xfer:
         self.released = threading.Event()  # memory back in the free lists
 
 
-class DecodeNode(rpc.DecodeNodeServicer):
+class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
+    KIND = "decode"
+    SERVICE = "DecodeNode"
+
     def __init__(self, cfg: DecodeNodeConfig):
+        self._init_lifecycle()
         self.cfg = cfg
         self.incarnation = new_incarnation()
         self.ecfg = cfg.engine_config()
@@ -93,13 +99,7 @@ class DecodeNode(rpc.DecodeNodeServicer):
             log.warning("decode node %s: no %s transfer endpoint (%s); prefilling locally only", cfg.node_id,
                         self.backend, e)  # fmt: skip
         self.loop.tick = self._tick
-        self.address = ""
-        self.server: grpc.Server | None = None
-        self._health = None
-        self._hb: Heartbeater | None = None
-        self._stopped = threading.Event()
         self.metrics = ServingMetrics("pdserve_decode", lambda: capacity_gauges(self.loop.snapshot))
-        self.metrics_port: int | None = None
 
     # ---- info ---------------------------------------------------------------------------
     def capacity(self) -> pb.Capacity:
@@ -129,7 +129,15 @@ class DecodeNode(rpc.DecodeNodeServicer):
             local_prefill_threshold=self.cfg.local_prefill_threshold,
             schema_digest=self.digest,
             capacity=self.capacity(),
+            draining=self.draining,
         )
+
+    def in_flight(self) -> int:
+        s = self.loop.snapshot
+        return max(len(self.loop.streams) + len(self.xfers), s.running + s.waiting + s.reserved)
+
+    def _add_servicer(self, server) -> None:
+        rpc.add_DecodeNodeServicer_to_server(self, server)
 
     # ---- RPCs ---------------------------------------------------------------------------
     def Stats(self, request, context):
@@ -150,6 +158,7 @@ class DecodeNode(rpc.DecodeNodeServicer):
         if request.reserved:
             yield from self._generate_reserved(request, context)
             return
+        self.refuse_if_draining(context)
         rid = self._request_id(request.request_id, context)
         params = self._params(request.sampling, context)
         stream = self.loop.submit(rid, list(request.prompt_token_ids), params)
@@ -270,6 +279,7 @@ class DecodeNode(rpc.DecodeNodeServicer):
     def Reserve(self, request, context):
         if self.blobs is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"decode node {self.cfg.node_id} has no transfer endpoint")
+        self.refuse_if_draining(context)
         rid = self._request_id(request.request_id, context)
         params = self._params(request.sampling, context)
         ids = list(request.prompt_token_ids)
@@ -374,69 +384,7 @@ class DecodeNode(rpc.DecodeNodeServicer):
                 x.changed.set()
         return bool(self.xfers)
 
-    def Handshake(self, request, context):
-        if self.blobs is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"decode node {self.cfg.node_id} has no transfer endpoint")
-        peers = msgspec.msgpack.decode(request.schema, type=list[bytes]) if request.schema else []
-        if peers:
-            from transfer import rank as xr
-            from transfer.errors import HandshakeError
-
-            try:
-                self.loop.call(lambda e: e.executor.call_all(xr.add_peers, self.backend, peers))
-            except HandshakeError as e:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"handshake with {request.node_id} refused: {e}")
-            log.info("handshake with %s (%d ranks)", request.node_id, len(peers))
-        return pb.HandshakeResponse(
-            node_id=self.cfg.node_id, incarnation=self.incarnation, schema=msgspec.msgpack.encode(self.blobs)
-        )
-
-    # ---- lifecycle ------------------------------------------------------------------------
-    def start(self, addr: str) -> int:
-        self.server, port, self._health = start_server(
-            addr, lambda s: rpc.add_DecodeNodeServicer_to_server(self, s), ["DecodeNode"]
-        )
-        self.address = f"{self.cfg.advertise_host}:{port}"
-        if self.cfg.router:
-            self._hb = Heartbeater(self.cfg.router, self.info, self.cfg.heartbeat_interval_s).start()
-        log.info("decode node %s serving on %s (%s)", self.cfg.node_id, self.address, self.engine.capacity.summary())
-        if self.cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.cfg.advertise_host, self.cfg.metrics_port)
-            log.info("decode node %s metrics at http://%s:%d/metrics", self.cfg.node_id, self.cfg.advertise_host,
-                     self.metrics_port)  # fmt: skip
-        return port
-
-    def stop(self, grace: float | None = 2.0) -> None:
-        if self._stopped.is_set():
-            return
-        self._stopped.set()
-        if self._health is not None:
-            self._health.enter_graceful_shutdown()
-        if self._hb is not None:
-            self._hb.stop()
-        self.loop.stop()
-        self.metrics.stop()
-        if self.server is not None:
-            self.server.stop(grace).wait(timeout=(grace or 0) + 5)
-        if self.blobs is not None:
-            from transfer import rank as xr
-
-            try:
-                self.engine.executor.call_all(xr.close, self.backend)
-            except Exception as e:  # ranks already gone (a signal to the whole process group)
-                log.debug("closing the transfer endpoints: %s", e)
-        self.engine.close()
-
-    def wait_for_termination(self, timeout: float | None = None) -> bool:
-        return self.server.wait_for_termination(timeout)
-
 
 def serve(addr: str, cfg: DecodeNodeConfig) -> tuple[DecodeNode, int]:
     """Load the engine and serve on addr ("host:0" picks a port). Returns (node, port)."""
-    node = DecodeNode(cfg)
-    try:
-        port = node.start(addr)
-    except Exception:
-        node.stop(0)
-        raise
-    return node, port
+    return serve_node(DecodeNode(cfg), addr)

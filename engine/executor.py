@@ -53,7 +53,14 @@ def _free_port() -> int:
 
 
 def _rank_main(cfg: EngineConfig, rank: int, port: int, conn) -> None:
+    import signal
+
     import torch.distributed as dist
+
+    # A rank follows its engine: it exits when the pipe closes (close() or the parent's death),
+    # never on a signal to the process group, so a node can drain on SIGTERM with its ranks alive.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     from engine.worker import Worker
 

@@ -142,7 +142,7 @@ class EngineLoop:
             if self.tick is not None:
                 self._tick()
             self._snap()
-        self._fail_all(ShuttingDown("the decode node is shutting down"))
+        self._fail_all(ShuttingDown("the node is shutting down"))
 
     def _tick(self) -> None:
         try:

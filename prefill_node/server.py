@@ -15,6 +15,9 @@ polls them while a push is in flight. Every engine and executor call stays on th
     Handshake: adds the decode node's rank blobs as peers on every rank, answers with ours.
 
 Registers with the router as prefill_ready with the prompt tokens it has queued in capacity.
+Draining (proto/node.py, on SIGTERM): new Prefill calls are refused with UNAVAILABLE +
+`pdserve-draining` (the router tries another prefill node, or lets the decode node prefill);
+queued prompts are computed and pushed; the node stops once nothing is in flight.
 """
 
 from __future__ import annotations
@@ -26,13 +29,13 @@ import time
 from dataclasses import dataclass
 
 import grpc
-import msgspec
 
 from engine.loop import EngineLoop, ShuttingDown
 from prefill_node import ranks as pranks
 from proto import pb, rpc
 from proto.metrics import ServingMetrics, capacity_gauges
-from proto.serving import MAX_REQUEST_ID_LEN, Heartbeater, sampling_kwargs, start_server
+from proto.node import NodeServer, serve_node
+from proto.serving import MAX_REQUEST_ID_LEN, sampling_kwargs
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -94,12 +97,16 @@ def _target(t: pb.TransferTarget):
     return Target(t.request_id, t.node_id, t.tp_size, t.schema_digest, t.num_tokens, ranks)
 
 
-class PrefillNode(rpc.PrefillNodeServicer):
+class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
+    KIND = "prefill"
+    SERVICE = "PrefillNode"
+
     def __init__(self, cfg: PrefillNodeConfig):
         from engine.core import EngineCore
         from transfer import TransferConfig
         from transfer import rank as xr
 
+        self._init_lifecycle()
         self.cfg = cfg
         self.ecfg = cfg.engine_config()
         self.incarnation = int.from_bytes(os.urandom(7), "little")
@@ -119,13 +126,7 @@ class PrefillNode(rpc.PrefillNodeServicer):
         self.loop.tick = self._tick
         self.loop.on_output = self._on_output
         self.loop.start()
-        self.address = ""
-        self.server = None
-        self._health = None
-        self._hb = None
-        self._stopped = threading.Event()
         self.metrics = ServingMetrics("pdserve_prefill", lambda: capacity_gauges(self.loop.snapshot))
-        self.metrics_port: int | None = None
 
     # ---- info ---------------------------------------------------------------------------------
     def info(self) -> pb.NodeInfo:
@@ -146,7 +147,15 @@ class PrefillNode(rpc.PrefillNodeServicer):
                 total_slots=s.total_slots, free_slots=s.free_slots, running=s.running, waiting=s.waiting,
                 queued_prefill_tokens=s.queued_prefill_tokens,
             ),
+            draining=self.draining,
         )  # fmt: skip
+
+    def in_flight(self) -> int:
+        s = self.loop.snapshot
+        return max(len(self._targets) + len(self.pushes), s.running + s.waiting)
+
+    def _add_servicer(self, server) -> None:
+        rpc.add_PrefillNodeServicer_to_server(self, server)
 
     def Stats(self, request, context):
         return self.info()
@@ -155,6 +164,7 @@ class PrefillNode(rpc.PrefillNodeServicer):
     def Prefill(self, request, context):
         from engine.sampling_params import SamplingParams
 
+        self.refuse_if_draining(context)
         rid = request.request_id
         if not rid or len(rid) > MAX_REQUEST_ID_LEN:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id must have 1..{MAX_REQUEST_ID_LEN} characters")
@@ -338,7 +348,7 @@ class PrefillNode(rpc.PrefillNodeServicer):
                 p.done.set()
         return bool(self.pushes)
 
-    # ---- Abort / Handshake ------------------------------------------------------------------
+    # ---- Abort ------------------------------------------------------------------------------------
     def Abort(self, request, context):
         rid = request.request_id
         reason = request.reason or "aborted by the router"
@@ -358,59 +368,6 @@ class PrefillNode(rpc.PrefillNodeServicer):
 
         return pb.AbortResponse(aborted=self.loop.call(abort))
 
-    def Handshake(self, request, context):
-        from transfer import rank as xr
-        from transfer.errors import HandshakeError
-
-        peers = msgspec.msgpack.decode(request.schema, type=list[bytes]) if request.schema else []
-        if peers:
-            try:
-                self.loop.call(lambda e: e.executor.call_all(xr.add_peers, self.backend, peers))
-            except HandshakeError as e:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"handshake with {request.node_id} refused: {e}")
-            log.info("handshake with %s (%d ranks)", request.node_id, len(peers))
-        return pb.HandshakeResponse(
-            node_id=self.cfg.node_id, incarnation=self.incarnation, schema=msgspec.msgpack.encode(self.blobs)
-        )
-
-    # ---- lifecycle ----------------------------------------------------------------------------
-    def start(self, addr: str) -> int:
-        self.server, port, self._health = start_server(
-            addr, lambda s: rpc.add_PrefillNodeServicer_to_server(self, s), ["PrefillNode"], max_workers=64
-        )
-        self.address = f"{self.cfg.advertise_host}:{port}"
-        if self.cfg.router:
-            self._hb = Heartbeater(self.cfg.router, self.info, self.cfg.heartbeat_interval_s).start()
-        log.info("prefill node %s serving on %s (%s)", self.cfg.node_id, self.address, self.engine.capacity.summary())
-        if self.cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.cfg.advertise_host, self.cfg.metrics_port)
-            log.info("prefill node %s metrics at http://%s:%d/metrics", self.cfg.node_id, self.cfg.advertise_host,
-                     self.metrics_port)  # fmt: skip
-        return port
-
-    def stop(self, grace: float | None = 2.0) -> None:
-        if self._stopped.is_set():
-            return
-        self._stopped.set()
-        if self._health is not None:
-            self._health.enter_graceful_shutdown()
-        if self._hb is not None:
-            self._hb.stop()
-        self.loop.stop()
-        self.metrics.stop()
-        if self.server is not None:
-            self.server.stop(grace).wait(timeout=(grace or 0) + 5)
-        from transfer import rank as xr
-
-        try:
-            self.engine.executor.call_all(xr.close, self.backend)
-        except Exception as e:  # ranks already gone (a signal to the whole process group)
-            log.debug("closing the transfer endpoints: %s", e)
-        self.engine.close()
-
-    def wait_for_termination(self, timeout: float | None = None) -> bool:
-        return self.server.wait_for_termination(timeout)
-
 
 class _NoFuture:
     """A stand-in Future for fire-and-forget loop calls."""
@@ -423,10 +380,4 @@ class _NoFuture:
 
 
 def serve(addr: str, cfg: PrefillNodeConfig) -> tuple[PrefillNode, int]:
-    node = PrefillNode(cfg)
-    try:
-        port = node.start(addr)
-    except Exception:
-        node.stop(0)
-        raise
-    return node, port
+    return serve_node(PrefillNode(cfg), addr)

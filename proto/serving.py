@@ -6,12 +6,16 @@
   a heartbeat the router does not recognise (router restarted, node declared dead) registers
   again. The node goes on serving while the router is away.
 - `sampling_kwargs`: SamplingParams (wire) -> keyword arguments of engine.SamplingParams.
+- `DRAINING_KEY` / `is_draining`: the trailing metadata a draining server puts on the
+  UNAVAILABLE it answers new work with, so a caller retries elsewhere instead of declaring
+  the server dead.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent import futures
 
@@ -25,6 +29,48 @@ log = logging.getLogger("pdserve.serving")
 
 # Ids the engine accepts as request ids, and names a log line can carry.
 MAX_REQUEST_ID_LEN = 128
+
+# Trailing metadata on the UNAVAILABLE a draining server refuses new work with.
+DRAINING_KEY = "pdserve-draining"
+
+
+def is_draining(err: grpc.RpcError) -> bool:
+    """The call was refused because its server is draining (alive, finishing what it holds)."""
+    try:
+        md = err.trailing_metadata() or ()
+    except Exception:  # not a call error (e.g. a cancelled future)
+        return False
+    return any(k == DRAINING_KEY for k, _ in md)
+
+
+def refuse_draining(context, what: str) -> None:
+    """Abort the call with UNAVAILABLE, marked as a drain refusal (retry elsewhere)."""
+    context.set_trailing_metadata(((DRAINING_KEY, "1"),))
+    context.abort(grpc.StatusCode.UNAVAILABLE, f"{what} is draining (shutting down): send new requests elsewhere")
+
+
+def not_serving(health_servicer, service: str) -> None:
+    """Mark one service NOT_SERVING (a readiness probe on it fails); the overall status ("",
+    what a liveness probe asks) stays SERVING."""
+    if health_servicer is not None:
+        full = pb.DESCRIPTOR.services_by_name[service].full_name
+        health_servicer.set(full, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def wait_idle(what: str, in_flight: Callable[[], int], timeout_s: float, interrupt: threading.Event | None) -> bool:
+    """Wait until in_flight() is 0, at most timeout_s or until `interrupt` is set; log the
+    outcome. True when nothing was left."""
+    t0 = time.monotonic()
+    log.info("%s draining: %d in flight; waiting up to %g s for them", what, in_flight(), timeout_s)
+    left = in_flight()
+    while left and time.monotonic() - t0 < timeout_s and not (interrupt is not None and interrupt.is_set()):
+        time.sleep(0.05)
+        left = in_flight()
+    if left:
+        log.warning("%s drained for %.1f s; %d still in flight end now", what, time.monotonic() - t0, left)
+    else:
+        log.info("%s drained in %.1f s", what, time.monotonic() - t0)
+    return not left
 
 
 def start_server(
@@ -71,6 +117,7 @@ class Heartbeater:
         self.info = info
         self.interval_s = interval_s
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._chan = channel(router_addr)
         self._stub = rpc.RegistryStub(self._chan)
         self._registered = False
@@ -90,7 +137,10 @@ class Heartbeater:
             log.info("registered %s (%s) with the router at %s", node.node_id, node.address, self.router_addr)
             return
         r = self._stub.Heartbeat(
-            pb.HeartbeatRequest(node_id=node.node_id, incarnation=node.incarnation, capacity=node.capacity), timeout=5
+            pb.HeartbeatRequest(
+                node_id=node.node_id, incarnation=node.incarnation, capacity=node.capacity, draining=node.draining
+            ),
+            timeout=5,
         )
         if not r.known:
             self._registered = False
@@ -106,9 +156,15 @@ class Heartbeater:
                 if not self._warned:
                     log.warning("router %s unreachable (%s); retrying", self.router_addr, e.code().name)
                     self._warned = True
-            self._stop.wait(self.interval_s)
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+
+    def beat_now(self) -> None:
+        """Send the next heartbeat at once (the node's state changed: draining)."""
+        self._wake.set()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         self.thread.join(timeout=5)
         self._chan.close()

@@ -41,6 +41,8 @@ DEMO_PROMPTS = [
 
 
 SERVER_COMMANDS = ("up", "router", "decode", "prefill")
+DRAIN_HELP = ("on SIGTERM / SIGINT, finish what is in flight for at most this many seconds, taking nothing new, "
+              "then stop (0: stop at once; a second signal cuts the wait short)")
 
 
 def default_model_dir() -> Path:
@@ -114,14 +116,21 @@ def cmd_demo(args) -> int:
 
 
 # ---- serving components ---------------------------------------------------------------------
-def _serve_until_signal(node) -> int:
-    """Block until SIGINT / SIGTERM, then stop the server (and its engine) cleanly."""
-    stop = threading.Event()
+def _serve_until_signal(server, drain_timeout: float) -> int:
+    """Block until SIGINT / SIGTERM; then drain (take nothing new, let what is in flight finish,
+    at most drain_timeout seconds; a second signal cuts it short) and stop cleanly."""
+    stop, now = threading.Event(), threading.Event()
+
+    def on_signal(*_):
+        (now if stop.is_set() else stop).set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     while not stop.wait(0.5):
         pass
-    node.stop()
+    if drain_timeout > 0:
+        server.drain(drain_timeout, interrupt=now)
+    server.stop()
     return 0
 
 
@@ -148,7 +157,7 @@ def cmd_router(args) -> int:
     print(f"router listening on {args.host}:{port}", flush=True)
     if router.http_port is not None:
         print(f"router OpenAI-compatible HTTP on http://{args.host}:{router.http_port}/v1", flush=True)
-    return _serve_until_signal(router)
+    return _serve_until_signal(router, args.drain_timeout)
 
 
 def cmd_decode(args) -> int:
@@ -174,7 +183,7 @@ def cmd_decode(args) -> int:
     )
     node, port = serve(f"{args.host}:{args.port}", cfg)
     print(f"decode node {cfg.node_id} listening on {node.address}", flush=True)
-    return _serve_until_signal(node)
+    return _serve_until_signal(node, args.drain_timeout)
 
 
 def cmd_prefill(args) -> int:
@@ -198,13 +207,13 @@ def cmd_prefill(args) -> int:
     )
     node, port = serve(f"{args.host}:{args.port}", cfg)
     print(f"prefill node {cfg.node_id} listening on {node.address}", flush=True)
-    return _serve_until_signal(node)
+    return _serve_until_signal(node, args.drain_timeout)
 
 
 _UP_DEFAULTS = dict(model=None, prefill=1, decode=1, prefill_tp=1, decode_tp=1, host="127.0.0.1", port=50051,
                     dtype="auto", device="cpu", kv_cache_memory="256MiB", max_num_seqs=64, local_prefill_threshold=0,
                     policy="least-loaded", admission_timeout=30.0, transfer_backend="nixl",
-                    http_port=None, metrics_port=None)  # fmt: skip
+                    http_port=None, metrics_port=None, drain_timeout=30.0)  # fmt: skip
 
 
 def _up_spec(args):
@@ -247,7 +256,7 @@ def _up_spec(args):
         local_prefill_threshold=vals["local_prefill_threshold"], policy=vals["policy"],
         admission_timeout_s=float(vals["admission_timeout"]), log_level=args.log_level or "INFO",
         transfer_backend=vals["transfer_backend"], http_port=vals["http_port"],
-        metrics_port=vals["metrics_port"],
+        metrics_port=vals["metrics_port"], drain_timeout_s=float(vals["drain_timeout"]),
     )  # fmt: skip
 
 
@@ -352,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP on the router (0 picks one)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus /metrics on the router (0 picks one); every node then serves one on a free port")
+    p.add_argument("--drain-timeout", type=float, default=None, help=DRAIN_HELP + " (every component; default 30)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("router", help="run the router")
@@ -367,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="least-loaded")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 picks one; default off)")
     p.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (0 picks one; default off)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help=DRAIN_HELP)
     p.set_defaults(func=cmd_router)
 
     for kind in ("decode", "prefill"):
@@ -388,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--transfer-backend", default="nixl", help="nixl | ucxx")
         p.add_argument("--metrics-port", type=int, default=None,
                        help="Prometheus /metrics port (0 picks one; default off)")  # fmt: skip
+        p.add_argument("--drain-timeout", type=float, default=30.0, help=DRAIN_HELP)
         if kind == "decode":
             p.add_argument("--local-prefill-threshold", type=int, default=0,
                            help="prompts shorter than this prefill here (0: always the prefill pool, "

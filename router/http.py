@@ -120,10 +120,13 @@ class OpenAIServer:
         if not isinstance(name, str) or not name:
             raise _bad("'model' is required", "model")
         known = self.models()
+        if not known:  # nothing registered (yet, or any more): a state to wait out, not a bad name
+            raise ApiError(503, "no live node serves a model now; retry shortly", "service_unavailable", None,
+                           "unavailable")  # fmt: skip
         for m in known:
             if name in (m.id, m.path, Path(m.path).name):
                 return m.id
-        ids = ", ".join(m.id for m in known) or "none (no live node)"
+        ids = ", ".join(m.id for m in known)
         raise ApiError(404, f"model {name!r} not found; serving: {ids}", "invalid_request_error", "model",
                        "model_not_found")  # fmt: skip
 
@@ -202,6 +205,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _json(self, status: int, obj: dict) -> None:
         data = json.dumps(obj).encode()
         self.send_response(status)
+        if status in (429, 503):  # full, or no node takes new work now (draining): come back soon
+            self.send_header("Retry-After", "1")
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()

@@ -4,7 +4,9 @@ Each child is `python -m router.cli <component> ...` in its own process group (s
 worker processes go down with it), and asks the kernel for SIGTERM should `up` itself die
 (PR_SET_PDEATHSIG), so no child outlives it. Start-up order: the router (it reports its port
 through a file, so `--port 0` works), then every node pointed at it; ready when every node
-has registered. `stop()` sends SIGTERM to every group, waits, then SIGKILLs what is left.
+has registered. `stop()` sends SIGTERM to every group (each component drains: what is in flight
+finishes, for at most `drain_timeout_s`; TP worker processes ignore it and follow their node),
+waits, then SIGKILLs what is left.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class PoolSpec:
     transfer_backend: str = "nixl"
     http_port: int | None = None  # the router's OpenAI-compatible HTTP port (None: off)
     metrics_port: int | None = None  # the router's /metrics port; nodes then serve theirs on free ports
+    drain_timeout_s: float = 30.0  # every component's --drain-timeout
     extra_decode_args: list[str] = field(default_factory=list)
 
     def __post_init__(self):
@@ -81,7 +84,8 @@ class Cluster:
     def _spawn(self, name: str, args: list[str]) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-        cmd = [sys.executable, "-m", "router.cli", "--log-level", self.spec.log_level, *args]
+        cmd = [sys.executable, "-m", "router.cli", "--log-level", self.spec.log_level, *args,
+               "--drain-timeout", str(self.spec.drain_timeout_s)]  # fmt: skip
         self.procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
 
     def start(self, ready_timeout: float = 300.0) -> None:
@@ -169,7 +173,10 @@ class Cluster:
                 out.append((name, p.returncode))
         return out
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """SIGTERM every component; SIGKILL what has not exited after its drain + 15 s."""
+        if timeout is None:
+            timeout = self.spec.drain_timeout_s + 15.0
         for p in self.procs.values():
             if p.poll() is None:
                 try:

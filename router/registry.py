@@ -5,6 +5,8 @@ addresses from the command line / pools file, which the router polls with Stats.
 last heartbeat (or successful poll) is older than `dead_after_s` is marked dead and gets no new
 requests; a heartbeat from an unknown node id or an older incarnation is answered
 `known=False`, which makes the node register again (a restart is a new incarnation).
+A draining node (heartbeat `draining`, or a call it refused with `pdserve-draining`) is alive
+but `routable` no more: it finishes what it holds and gets nothing new.
 
 Between heartbeats the router discounts what it has itself sent to a node (`inflight`,
 `inflight_blocks`), so a burst of requests does not all land on the node that looked emptiest.
@@ -115,12 +117,15 @@ class NodeRegistry:
             self.cond.notify_all()
             return e
 
-    def heartbeat(self, node_id: str, incarnation: int, capacity: pb.Capacity) -> bool:
+    def heartbeat(self, node_id: str, incarnation: int, capacity: pb.Capacity, draining: bool = False) -> bool:
         with self.cond:
             e = self.nodes.get(node_id)
             if e is None or e.info.incarnation != incarnation:
                 return False
             e.info.capacity.CopyFrom(capacity)
+            if draining and not e.info.draining:
+                log.info("node %s is draining: no new requests go there", node_id)
+            e.info.draining = draining
             e.reported()
             if not e.alive:
                 log.info("node %s is back", node_id)
@@ -167,6 +172,18 @@ class NodeRegistry:
     def live(self, kind: int) -> list[NodeEntry]:
         with self.cond:  # re-entrant: callers may already hold it
             return [e for e in self.nodes.values() if e.alive and e.kind == kind]
+
+    def routable(self, kind: int) -> list[NodeEntry]:
+        """Live and not draining: nodes that may get new requests."""
+        with self.cond:
+            return [e for e in self.nodes.values() if e.alive and not e.info.draining and e.kind == kind]
+
+    def mark_draining(self, e: NodeEntry) -> None:
+        """The node refused a call because it drains (until a heartbeat says otherwise)."""
+        with self.cond:
+            if not e.info.draining:
+                log.info("node %s is draining: no new requests go there", e.node_id)
+            e.info.draining = True
 
     def close(self) -> None:
         with self.cond:

@@ -19,6 +19,12 @@ A client that cancels cancels the upstream calls: the prefill node aborts the pu
 reservation is released, the decode node aborts the request. If the chosen decode node is
 unreachable before the first token, the request is tried once more on another node. A
 background thread sweeps heartbeats (router/registry.py).
+
+Draining: a node that refuses a call with `pdserve-draining` (proto/serving.py) is marked
+draining, not dead: its in-flight requests and transfers go on, and the request is placed
+elsewhere (another decode node; another prefill node, else the decode node prefills). The
+router drains too (`drain`, on SIGTERM): new Generate calls get UNAVAILABLE + `pdserve-draining`
+while the ones in flight finish.
 """
 
 from __future__ import annotations
@@ -34,7 +40,15 @@ import grpc
 
 from proto import pb, rpc
 from proto.metrics import ServingMetrics
-from proto.serving import MAX_REQUEST_ID_LEN, sampling_kwargs, start_server
+from proto.serving import (
+    MAX_REQUEST_ID_LEN,
+    is_draining,
+    not_serving,
+    refuse_draining,
+    sampling_kwargs,
+    start_server,
+    wait_idle,
+)
 from router.detok import IncrementalDetokenizer
 from router.policy import make_policy
 from router.registry import NodeEntry, NodeRegistry
@@ -124,6 +138,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         self.metrics_port: int | None = None
         self.http = None  # router.http.OpenAIServer when cfg.http_port is set
         self.http_port: int | None = None
+        self.draining = False
 
     def _gauges(self) -> dict[str, tuple[str, float]]:
         dec = self.registry.live(pb.NODE_KIND_DECODE)
@@ -133,6 +148,8 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             "active_requests": ("Requests in flight through the router", self._active),
             "decode_nodes_live": ("Live decode nodes", len(dec)),
             "prefill_nodes_live": ("Live prefill nodes", len(self.registry.live(pb.NODE_KIND_PREFILL))),
+            "nodes_draining": ("Live nodes that drain (finish what they hold, take nothing new)",
+                               sum(1 for e, _ in self.registry.snapshot() if e.alive and e.info.draining)),
             "kv_pages_free": ("KV pages free over live decode nodes (last heartbeat)",
                               sum(c.free_blocks for c in caps)),
             "kv_pages_used": ("KV pages in use over live decode nodes (last heartbeat)",
@@ -152,7 +169,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
 
     def Heartbeat(self, request, context):
         return pb.HeartbeatResponse(
-            known=self.registry.heartbeat(request.node_id, request.incarnation, request.capacity)
+            known=self.registry.heartbeat(request.node_id, request.incarnation, request.capacity, request.draining)
         )
 
     def ListNodes(self, request, context):
@@ -242,7 +259,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
     def _admit_locked(self, prompt_len: int, context, exclude: set[str], deadline: float) -> NodeEntry:
         reg = self.registry
         while True:
-            nodes = [e for e in reg.live(pb.NODE_KIND_DECODE) if e.node_id not in exclude]
+            nodes = [e for e in reg.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]
             e = self.policy.choose_decode(nodes, prompt_len)
             if e is not None:
                 e.inflight += 1
@@ -251,7 +268,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             left = deadline - time.monotonic()
             if left <= 0 or not context.is_active():
                 if not nodes:
-                    raise _Abort(grpc.StatusCode.UNAVAILABLE, "no live decode node")
+                    raise _Abort(grpc.StatusCode.UNAVAILABLE, "no live decode node takes new requests")
                 raise _Abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"no decode node had room for a {prompt_len}-token prompt "
@@ -272,7 +289,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         dg = d.info.schema_digest
         return [
             p
-            for p in self.registry.live(pb.NODE_KIND_PREFILL)
+            for p in self.registry.routable(pb.NODE_KIND_PREFILL)
             if p.info.prefill_ready and p.node_id not in exclude and (not dg or p.info.schema_digest in ("", dg))
         ]
 
@@ -337,7 +354,8 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         (prefill node, D's request id, PrefillResponse), or None to prefill on D itself."""
         n = len(ids)
         tried: set[str] = set()
-        attempt = 0
+        attempt = 0  # reservations made (each under its own id)
+        failures = 0  # prefill calls that failed (a drain refusal is not one)
         while True:
             with self.registry.cond:
                 p = self.policy.choose_prefill(self._ready_prefill(d, tried), n)
@@ -368,6 +386,14 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                         self._release(d, rid, "the client went away")
                     raise _Abort(grpc.StatusCode.CANCELLED, "the client went away") from None
                 code = e.code()
+                attempt += 1
+                if is_draining(e):  # alive, finishing its own work: place this prompt elsewhere
+                    self.registry.mark_draining(p)
+                    if reserved:
+                        self._release(d, rid, f"{p.node_id} is draining")
+                    if self._ready_prefill(d, tried):
+                        continue
+                    return None  # no other prefill node: D prefills the prompt itself
                 dead = code == grpc.StatusCode.UNAVAILABLE
                 if dead:
                     with self.registry.cond:
@@ -377,13 +403,13 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                     self._release(d, rid, f"prefill on {p.node_id} failed: {code.name}", p.node_id if dead else "")
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise _Abort(code, e.details() or code.name) from None
-                attempt += 1
+                failures += 1
                 others = self._ready_prefill(d, tried)
                 log.warning(
                     "request %s: prefill on %s failed (%s: %s)%s", tr.request_id, p.node_id, code.name, e.details(),
-                    "; retrying on another prefill node" if attempt < 2 and others else "",
+                    "; retrying on another prefill node" if failures < 2 and others else "",
                 )  # fmt: skip
-                if attempt < 2 and others:
+                if failures < 2 and others:
                     continue
                 if dead and not others:
                     return None  # no prefill node left: D prefills the prompt itself
@@ -393,6 +419,8 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                     p.inflight_prefill_tokens -= n
 
     def Generate(self, request, context):
+        if self.draining:
+            refuse_draining(context, "the router")
         tr = _Trace(request.request_id or uuid.uuid4().hex)
         with self.registry.cond:
             self._active += 1
@@ -475,6 +503,8 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             except _DecodeFailed as df:
                 e = df.err
                 code = e.code()
+                if self._placed_elsewhere(e, d, tr):
+                    continue
                 others = [n for n in self.registry.live(pb.NODE_KIND_DECODE) if n.node_id not in tried]
                 if code == grpc.StatusCode.UNAVAILABLE and tr.n == 0 and len(tried) < 2 and others:
                     log.warning("request %s: decode node %s unavailable, retrying elsewhere", tr.request_id, d.node_id)
@@ -485,6 +515,8 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                     tr.finish = "cancelled"
                     return
                 code = e.code()
+                if self._placed_elsewhere(e, d, tr):
+                    continue
                 others = [n for n in self.registry.live(pb.NODE_KIND_DECODE) if n.node_id not in tried]
                 if code == grpc.StatusCode.UNAVAILABLE and tr.n == 0 and len(tried) < 2 and others:
                     log.warning("request %s: decode node %s unavailable, retrying elsewhere", tr.request_id, d.node_id)
@@ -496,6 +528,14 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                 if pre is not None and not settled:  # ended between the prefill and decode: free it now
                     self._release(d, pre[1], "the request ended before decode began")
                 self._done(d, len(ids))
+
+    def _placed_elsewhere(self, e: grpc.RpcError, d: NodeEntry, tr: _Trace) -> bool:
+        """D refused the request because it drains (before any token): place it on another node."""
+        if tr.n or not is_draining(e):
+            return False
+        self.registry.mark_draining(d)
+        log.info("request %s: decode node %s is draining, placing it elsewhere", tr.request_id, d.node_id)
+        return True
 
     def _relay_msg(self, m, tr: _Trace, detok, pre, first: bool) -> pb.GenerateResponse:
         now = time.monotonic()
@@ -564,6 +604,14 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             self.http_port = self.http.start(host, self.cfg.http_port)
             log.info("router OpenAI-compatible HTTP at http://%s:%d/v1", host, self.http_port)
         return port
+
+    def drain(self, timeout_s: float, interrupt: threading.Event | None = None) -> bool:
+        """Refuse new Generate calls (UNAVAILABLE, `pdserve-draining`; readiness NOT_SERVING) and
+        wait, at most timeout_s or until `interrupt` is set, for those in flight. True: none left."""
+        if not self.draining:
+            self.draining = True
+            not_serving(self._health, "Generation")
+        return wait_idle("router", lambda: self._active, timeout_s, interrupt)
 
     def stop(self, grace: float | None = 2.0) -> None:
         if self._stop.is_set():

@@ -12,9 +12,12 @@ fail) against the newest Kubernetes schema the package ships. Then what a schema
 - the ports the servers listen on (--port, or the parser's default where the manifest sets none)
   are the containerPorts and the ports of the startup / readiness / liveness gRPC probes, and the
   readiness probes name services the proto defines;
+- every component serves /metrics (--metrics-port) on a declared port that its pod's Prometheus
+  annotations name; the router's OpenAI HTTP port (--http-port) is declared and in its Service;
 - nodes register with the router Service's DNS name, whose port reaches the router's port;
 - the gpu overlay requests nvidia.com/gpu = --tp for each pool; the others request no GPU;
-- preStop hooks fit in the grace period; one PodDisruptionBudget selects each pool.
+- every component drains on SIGTERM (--drain-timeout > 0), and any preStop plus the drain plus
+  the stop fit in the grace period; one PodDisruptionBudget selects each pool.
 """
 
 from __future__ import annotations
@@ -139,6 +142,14 @@ def _parse(parser, objs, c: dict) -> argparse.Namespace:
         pytest.fail(f"{c['name']}: `pdserve {' '.join(args)}` does not parse: {err.getvalue().strip()}")
 
 
+def _servers(parser, objs):
+    """(component, workload, its server container, the container's parsed args) for each component."""
+    for component in COMPONENTS:
+        w = _workload(objs, component)
+        c = _container(w, component)
+        yield component, w, c, _parse(parser, objs, c)
+
+
 def _pdserve_containers(obj: dict) -> list[dict]:
     spec = obj["spec"]["template"]["spec"]
     return [c for c in [*spec.get("initContainers", []), *spec["containers"]] if c["image"].split(":")[0] == "pdserve"]
@@ -233,12 +244,30 @@ def test_probes_name_the_ports_the_servers_listen_on(rendered, parser):
         else:
             assert default == 0 and ns.port > 0, f"{component}: the CLI default port is random; set a fixed --port"
         assert ns.host == "0.0.0.0", f"{component} must bind every interface to be reachable from other pods"
-        assert [p["containerPort"] for p in c["ports"]] == [ns.port]
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports["grpc"] == ns.port
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"]["port"] == ns.port, f"{name}: {component} {probe} port != --port {ns.port}"
         full = c["readinessProbe"]["grpc"].get("service", "")
         assert full == pb.DESCRIPTOR.services_by_name[service].full_name
         assert "service" not in c["livenessProbe"]["grpc"]  # "" is the server's overall health
+
+
+def test_metrics_and_http_ports_are_declared_and_scraped(rendered, parser):
+    name, objs = rendered
+    for component, w, c, ns in _servers(parser, objs):
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ns.metrics_port and ports["metrics"] == ns.metrics_port, f"{name}: {component} metrics port"
+        ann = w["spec"]["template"]["metadata"].get("annotations", {})
+        assert ann.get("prometheus.io/scrape") == "true", f"{name}: {component} is not scraped"
+        assert ann.get("prometheus.io/port") == str(ns.metrics_port) and ann.get("prometheus.io/path") == "/metrics"
+        want = {"grpc", "metrics"} | ({"http"} if component == "router" else set())
+        assert set(ports) == want, f"{name}: {component} declares {sorted(ports)}"
+        assert len(set(ports.values())) == len(ports), f"{name}: {component} uses one port twice"
+        if component == "router":
+            assert ns.http_port and ports["http"] == ns.http_port
+            svc = _find(objs, "Service", w["metadata"]["name"])
+            assert any(sp.get("targetPort") == "http" for sp in svc["spec"]["ports"]), "the Service has no HTTP port"
 
 
 def test_nodes_register_with_the_router_service(rendered, parser):
@@ -279,16 +308,18 @@ def test_gpu_requests_equal_tp_in_the_gpu_overlay_only(rendered, parser):
             assert ns.device == "cpu" and GPU not in res.get("limits", {}) and GPU not in res.get("requests", {})
 
 
-def test_graceful_termination(rendered):
+def test_graceful_termination(rendered, parser):
     name, objs = rendered
-    for component in COMPONENTS:
-        w = _workload(objs, component)
-        c = _container(w, component)
-        cmd = c["lifecycle"]["preStop"]["exec"]["command"]
-        assert cmd[0] == "sleep", cmd
-        # after the preStop the server stops: 2 s of gRPC grace + up to 5 s (+ the engine loop's
-        # join, up to 30 s, on nodes); the grace period must cover both.
-        budget = int(cmd[1]) + (7 if component == "router" else 37)
+    for component, w, c, ns in _servers(parser, objs):
+        assert ns.drain_timeout > 0, f"{component} must drain on SIGTERM"
+        pre = 0
+        if "lifecycle" in c:
+            cmd = c["lifecycle"]["preStop"]["exec"]["command"]
+            assert cmd[0] == "sleep", cmd
+            pre = int(cmd[1])
+        # preStop, then the drain (at most --drain-timeout), then the stop: 2 s of gRPC grace + up
+        # to 5 s (+ the engine loop's join, up to 30 s, on nodes); the grace period covers them all.
+        budget = pre + ns.drain_timeout + (7 if component == "router" else 37)
         assert w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= budget, component
 
 

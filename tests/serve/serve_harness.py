@@ -24,29 +24,31 @@ LENS = (1, 3, 64, 65, 200)
 NEW = 16
 
 
-class Up:
-    """`pdserve up ...` as a subprocess; its output is collected by a reader thread."""
+class Proc:
+    """`python -m router.cli ARGS` (any `pdserve` command) as a subprocess; its output is
+    collected by a reader thread. Ready when a line matches `ready` (its first group is kept)."""
 
-    def __init__(self, *args: str, timeout: float = 180.0):
+    def __init__(self, *args: str, ready: str, timeout: float = 180.0):
         env = dict(os.environ, PYTHONPATH=str(ROOT), PDSERVE_LOG="INFO")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "router.cli", "up", "--port", "0", *args],
+            [sys.executable, "-m", "router.cli", *args],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            preexec_fn=die_with_parent,  # a killed test run takes its cluster down with it
+            preexec_fn=die_with_parent,  # a killed test run takes its processes down with it
         )  # fmt: skip
         self.lines: list[str] = []
+        self._pattern = re.compile(ready)
         self._ready = threading.Event()
         self.address: str | None = None
         threading.Thread(target=self._read, daemon=True).start()
         if not self._ready.wait(timeout) or self.address is None:
             self.stop()
-            raise RuntimeError("pdserve up did not become ready:\n" + self.output())
+            raise RuntimeError(f"`pdserve {args[0]}` did not become ready:\n" + self.output())
 
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.lines.append(line)
-            m = re.search(r"pdserve up: ready at (\S+)", line)
-            if m:
+            m = self._pattern.search(line)
+            if m and self.address is None:
                 self.address = m.group(1)
                 self._ready.set()
         self._ready.set()  # exited
@@ -54,7 +56,13 @@ class Up:
     def output(self) -> str:
         return "".join(self.lines[-200:])
 
-    def stop(self, timeout: float = 60.0) -> int:
+    def find(self, pattern: str, timeout: float = 20.0) -> str:
+        """The first group of the first output line matching pattern (waits for it)."""
+        rx = re.compile(pattern)
+        return wait_for(lambda: next((m.group(1) for ln in list(self.lines) if (m := rx.search(ln))), None),
+                        timeout, pattern)  # fmt: skip
+
+    def stop(self, timeout: float = 90.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
@@ -63,6 +71,50 @@ class Up:
             self.proc.kill()
             self.proc.wait(10)
             raise
+
+
+class Up(Proc):
+    """`pdserve up --port 0 ...`; ready at "pdserve up: ready at ADDR"."""
+
+    def __init__(self, *args: str, timeout: float = 180.0):
+        super().__init__("up", "--port", "0", *args, ready=r"pdserve up: ready at (\S+)", timeout=timeout)
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            kids.setdefault(ppid, []).append(int(d))
+    return kids
+
+
+def descendants(pid: int) -> set[int]:
+    kids, out, todo = _children(), set(), [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def node_pid(up: Up, node_id: str) -> int:
+    """The process of one node `up` started (not its TP workers)."""
+    want = f"--node-id\0{node_id}\0".encode()
+    return next(p for p in descendants(up.proc.pid) if want in open(f"/proc/{p}/cmdline", "rb").read())
 
 
 def nodes(address: str):

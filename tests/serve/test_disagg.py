@@ -11,8 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from serve_harness import NEW, Up, decode_stats, nodes, wait_for
-from test_up_lifecycle import descendants
+from serve_harness import NEW, Up, decode_stats, descendants, nodes, wait_for
 
 
 def _node(address, node_id):

@@ -1,6 +1,6 @@
 """The router's registry and policy, in process, with fake nodes: registration, heartbeats,
 death after missed heartbeats, re-registration of a new incarnation, static nodes polled with
-Stats, and the least-loaded choice. Plus the pools file of `pdserve up`."""
+Stats, draining nodes (alive, not routable), and the least-loaded choice. Plus the pools file of `pdserve up`."""
 
 from __future__ import annotations
 
@@ -53,6 +53,23 @@ def test_register_heartbeat_death_and_new_incarnation(router):
     assert not stub.Heartbeat(pb.HeartbeatRequest(node_id="d0", incarnation=1), timeout=5).known
     assert stub.Heartbeat(pb.HeartbeatRequest(node_id="d0", incarnation=2, capacity=pb.Capacity()), timeout=5).known
     assert _alive(stub)["d0"]
+
+
+def test_draining_node_is_alive_but_not_routable(router):
+    r, stub = router
+    for nid in ("d0", "d1"):
+        stub.Register(pb.RegisterRequest(node=_info(nid, "127.0.0.1:1")), timeout=5)
+    assert stub.Heartbeat(pb.HeartbeatRequest(node_id="d0", incarnation=1, capacity=_info("d0", "").capacity,
+                                              draining=True), timeout=5).known  # fmt: skip
+    listed = {n.node.node_id: (n.alive, n.node.draining) for n in stub.ListNodes(pb.ListNodesRequest()).nodes}
+    assert listed == {"d0": (True, True), "d1": (True, False)}
+    assert [e.node_id for e in r.registry.routable(pb.NODE_KIND_DECODE)] == ["d1"]
+    assert {e.node_id for e in r.registry.live(pb.NODE_KIND_DECODE)} == {"d0", "d1"}
+    # a refusal marks a node draining before its heartbeat says so; a heartbeat without it clears it
+    r.registry.mark_draining(r.registry.nodes["d1"])
+    assert r.registry.routable(pb.NODE_KIND_DECODE) == []
+    stub.Heartbeat(pb.HeartbeatRequest(node_id="d1", incarnation=1, capacity=_info("d1", "").capacity), timeout=5)
+    assert [e.node_id for e in r.registry.routable(pb.NODE_KIND_DECODE)] == ["d1"]
 
 
 def test_registration_needs_id_and_address(router):

@@ -13,38 +13,7 @@ import time
 
 import grpc
 import pytest
-from serve_harness import NEW, Up, nodes, wait_for
-
-
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                stat = open(f"/proc/{d}/stat").read()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            kids.setdefault(ppid, []).append(int(d))
-    return kids
-
-
-def descendants(pid: int) -> set[int]:
-    kids, out, todo = _children(), set(), [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            if c not in out:
-                out.add(c)
-                todo.append(c)
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
+from serve_harness import NEW, Up, alive, descendants, nodes, wait_for
 
 
 def test_tp2_tokens_admission_node_death_and_no_orphans(ckpt, refs):

@@ -1,0 +1,139 @@
+"""The lifecycle both node kinds share (decode_node/server.py, prefill_node/server.py).
+
+    start(addr) -> gRPC server (the node's service + health + reflection) -> register with the
+        router and heartbeat -> optional Prometheus /metrics port
+    drain(timeout) -> draining: health NOT_SERVING for the node's service (a Kubernetes
+        readiness probe fails; liveness, on the overall status, does not), a heartbeat at once
+        with `draining` set (the router stops choosing the node), new work refused with
+        UNAVAILABLE + `pdserve-draining` (proto/serving.py refuse_draining) -> wait, bounded,
+        until `in_flight()` is 0 -> True when nothing was left
+    stop(grace) -> not serving, heartbeats stop, engine loop stops (what is still in flight ends
+        UNAVAILABLE), gRPC grace, transfer endpoints closed, engine workers exit
+
+A subclass sets KIND ("decode" | "prefill") and SERVICE (its gRPC service), has `cfg`, `engine`,
+`loop`, `metrics`, `backend` and `blobs` (its ranks' transfer metadata, None without a data plane),
+and implements `info()`, `in_flight()` and `_add_servicer(server)`. It also gets the transfer
+Handshake RPC, which is the same on both kinds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+import msgspec
+
+from proto import pb
+from proto.serving import Heartbeater, not_serving, refuse_draining, start_server, wait_idle
+
+log = logging.getLogger("pdserve.node")
+
+
+class NodeServer:
+    KIND = ""
+    SERVICE = ""
+
+    def _init_lifecycle(self) -> None:
+        self.address = ""
+        self.server: grpc.Server | None = None
+        self.metrics_port: int | None = None
+        self.draining = False
+        self._health = None
+        self._hb: Heartbeater | None = None
+        self._stopped = threading.Event()
+
+    @property
+    def name(self) -> str:
+        return f"{self.KIND} node {self.cfg.node_id}"
+
+    # ---- provided by the node --------------------------------------------------------------------
+    def info(self) -> pb.NodeInfo:
+        raise NotImplementedError
+
+    def in_flight(self) -> int:
+        """Requests, reservations and pushes this node still holds."""
+        raise NotImplementedError
+
+    def _add_servicer(self, server: grpc.Server) -> None:
+        raise NotImplementedError
+
+    # ---- new work ----------------------------------------------------------------------------
+    def refuse_if_draining(self, context) -> None:
+        if self.draining:
+            refuse_draining(context, self.name)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def start(self, addr: str) -> int:
+        self.server, port, self._health = start_server(addr, self._add_servicer, [self.SERVICE], max_workers=64)
+        self.address = f"{self.cfg.advertise_host}:{port}"
+        if self.cfg.router:
+            self._hb = Heartbeater(self.cfg.router, self.info, self.cfg.heartbeat_interval_s).start()
+        log.info("%s serving on %s (%s)", self.name, self.address, self.engine.capacity.summary())
+        if self.cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.cfg.advertise_host, self.cfg.metrics_port)
+            log.info("%s metrics at http://%s:%d/metrics", self.name, self.cfg.advertise_host, self.metrics_port)
+        return port
+
+    def drain(self, timeout_s: float, interrupt: threading.Event | None = None) -> bool:
+        """Take no new work and wait (at most timeout_s, or until `interrupt` is set) for what is
+        in flight to finish. True when nothing is left."""
+        if not self.draining:
+            self.draining = True
+            not_serving(self._health, self.SERVICE)
+            if self._hb is not None:
+                self._hb.beat_now()
+        return wait_idle(self.name, self.in_flight, timeout_s, interrupt)
+
+    def stop(self, grace: float | None = 2.0) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self._health is not None:
+            self._health.enter_graceful_shutdown()
+        if self._hb is not None:
+            self._hb.stop()
+        self.loop.stop()
+        self.metrics.stop()
+        if self.server is not None:
+            self.server.stop(grace).wait(timeout=(grace or 0) + 5)
+        if self.blobs is not None:
+            from transfer import rank as xr
+
+            try:
+                self.engine.executor.call_all(xr.close, self.backend)
+            except Exception as e:  # ranks already gone (a signal to the whole process group)
+                log.debug("closing the transfer endpoints: %s", e)
+        self.engine.close()
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return self.server.wait_for_termination(timeout)
+
+    # ---- the transfer handshake ----------------------------------------------------------------
+    def Handshake(self, request, context):
+        """Add the caller's rank blobs as peers on every rank; answer with ours."""
+        if self.blobs is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} has no transfer endpoint")
+        peers = msgspec.msgpack.decode(request.schema, type=list[bytes]) if request.schema else []
+        if peers:
+            from transfer import rank as xr
+            from transfer.errors import HandshakeError
+
+            try:
+                self.loop.call(lambda e: e.executor.call_all(xr.add_peers, self.backend, peers))
+            except HandshakeError as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"handshake with {request.node_id} refused: {e}")
+            log.info("handshake with %s (%d ranks)", request.node_id, len(peers))
+        return pb.HandshakeResponse(
+            node_id=self.cfg.node_id, incarnation=self.incarnation, schema=msgspec.msgpack.encode(self.blobs)
+        )
+
+
+def serve_node(node: NodeServer, addr: str) -> tuple[NodeServer, int]:
+    """Start a constructed node on addr ("host:0" picks a port); stop it when that fails."""
+    try:
+        port = node.start(addr)
+    except Exception:
+        node.stop(0)
+        raise
+    return node, port
