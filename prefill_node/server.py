@@ -6,10 +6,11 @@ Sender (prefill_node/ranks.py); the engine loop thread (engine/loop.py EngineLoo
 polls them while a push is in flight. Every engine and executor call stays on that thread.
 
     Prefill(prompt, sampling, target) -> queue (engine waiting list) -> prefill -> first token
-      "prefilled": every rank WRITEs its pieces into the target reservation (re-sharded a -> b)
-      -> wait (bounded) until every rank is done and quiet -> release the held memory
-      -> PrefillResponse(first token, timings: queue_s, prefill_s, transfer_s, transfer_bytes)
-      "stop" / "length" (the first token ended it): nothing to push; finish_reason says so
+      "prefilled": every rank starts WRITEing its pieces into the target reservation (re-sharded
+      a -> b) and the first message goes out at once: PrefillResponse(first token, timings:
+      queue_s, prefill_s, ttft_s) -> wait (bounded) until every rank is done and quiet ->
+      release the held memory -> PrefillResponse(pushed, timings: transfer_s, transfer_bytes)
+      "stop" / "length" (the first token ended it): nothing to push; the one message says so
     Abort(request_id) / the caller cancelling: engine abort before the first token, else abort
       the push; the held memory is released once no write can still read it.
     Handshake: adds the decode node's rank blobs as peers on every rank, answers with ours.
@@ -193,11 +194,12 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         self._targets[rid] = target
         outcome = "error"
         try:
-            resp = self._prefill(rid, ids, params, target, t0, context)
+            for resp in self._prefill(rid, ids, params, target, t0, context):
+                if not resp.pushed:
+                    self.metrics.ttft.observe(resp.timings.ttft_s)
+                    self.metrics.tokens.inc(1)
+                yield resp
             outcome = "ok"
-            self.metrics.ttft.observe(resp.timings.ttft_s)
-            self.metrics.tokens.inc(1)
-            return resp
         except BaseException:
             if not context.is_active():
                 outcome = "cancelled"
@@ -208,6 +210,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             self._started.pop(rid, None)
 
     def _prefill(self, rid, ids, params, target, t0, context):
+        """Yields the first-token message at once, then (state pushed) the `pushed` message."""
         stream = self.loop.submit(rid, ids, params, prefill_only=True)
         state = {"push": None, "cancelled": False}
 
@@ -238,11 +241,13 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
                     grpc.StatusCode.ABORTED, f"request {rid} ended before its first token ({out.finish_reason})"
                 )
             self._log(rid, len(ids), first, t, out.finish_reason, target)
-            return pb.PrefillResponse(first_token_id=first, timings=t, finish_reason=out.finish_reason)
+            yield pb.PrefillResponse(first_token_id=first, timings=t, finish_reason=out.finish_reason)
+            return
         push = self._started.get(rid)  # the loop thread started it when the first token came out
         if push is None:
             context.abort(grpc.StatusCode.INTERNAL, f"request {rid}: its push did not start")
         state["push"] = push
+        yield pb.PrefillResponse(first_token_id=first, timings=t)  # the first token, while the push runs
         if state["cancelled"]:
             self.loop.call(lambda e: self._abort_push(push, "cancelled by the caller"))
         while not push.done.wait(0.05):
@@ -256,7 +261,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             self._log(rid, len(ids), first, t, f"push failed: {push.error}", target)
             context.abort(code, f"request {rid}: pushing the state to {target.node} failed: {push.error}")
         self._log(rid, len(ids), first, t, "pushed", target)
-        return pb.PrefillResponse(first_token_id=first, timings=t)
+        yield pb.PrefillResponse(first_token_id=first, timings=t, pushed=True)
 
     def _first(self, stream, context):
         """The request's finished output (prefilled or ended), or None when aborted / cancelled."""

@@ -563,7 +563,7 @@ class PrefillNodeStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_unary(
+        self.Prefill = channel.unary_stream(
                 '/pdserve.v1.PrefillNode/Prefill',
                 request_serializer=proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.PrefillResponse.FromString,
@@ -615,7 +615,7 @@ class PrefillNodeServicer:
 
 def add_PrefillNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_unary_rpc_method_handler(
+            'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=proto_dot_pdserve__pb2.PrefillRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.PrefillResponse.SerializeToString,
@@ -657,7 +657,7 @@ class PrefillNode:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/pdserve.v1.PrefillNode/Prefill',

@@ -9,8 +9,11 @@ Serves `Generation` (clients) and `Registry` (nodes), plus health and reflection
 Prefill phase (DESIGN.md section 1), when the prompt is at least D's local-prefill threshold
 and a prefill node is ready: D.Reserve -> TransferTarget; choose a prefill node P (policy);
 make sure P and D have handshaken (the router brokers it once per node pair and incarnation:
-P's rank blobs to D, D's to P); P.Prefill(prompt, target) -> the first token goes to the client
-at once; D.Generate(reserved=True, first_token_id) streams the rest. A failed prefill releases
+P's rank blobs to D, D's to P); P.Prefill(prompt, target) streams the first token as soon as it
+is sampled, which goes to the client at once, while P's ranks push the state; D.Generate(
+reserved=True, first_token_id) waits on D for every rank's state and streams the rest. A thread
+reads P's stream to its end (`_Push`): the transfer figures, or a failed push, which releases
+D's reservation (D's call then ends ABORTED and the client gets the push's error). A failed prefill releases
 the reservation and is tried once more on another prefill node (a new reservation); a prefill
 node that answered UNAVAILABLE is marked dead and D drops its transfer agents; with no other
 prefill node left, D prefills the prompt itself. Otherwise D prefills locally (colocated).
@@ -85,6 +88,43 @@ class _DecodeFailed(Exception):
     def __init__(self, err: grpc.RpcError):
         super().__init__(str(err))
         self.err = err
+
+
+class _Push:
+    """A prefill node's push into D's reservation, after it streamed the first token: a thread
+    reads the rest of the Prefill stream (the `pushed` message with the transfer figures, or the
+    status of a failed push) while D already waits for the state and then decodes."""
+
+    def __init__(self, p: NodeEntry, d: NodeEntry, rid: str, first: pb.PrefillResponse, call, on_fail):
+        self.p, self.d, self.rid, self.first, self.call = p, d, rid, first, call
+        self.pushed: pb.Timings | None = None
+        self.error: grpc.RpcError | None = None
+        self.done = threading.Event()
+        self._on_fail = on_fail
+        if first.finish_reason:  # the first token ended the request: nothing is pushed
+            self.done.set()
+        else:
+            threading.Thread(target=self._watch, name=f"push-{rid}", daemon=True).start()
+
+    def _watch(self) -> None:
+        try:
+            for m in self.call:
+                if m.pushed:
+                    self.pushed = m.timings
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                self.error = e
+                self._on_fail(self, e)
+        finally:
+            self.done.set()
+
+    def timings(self, wait_s: float = 0.0) -> pb.Timings:
+        """prefill_s from the first message; transfer_s and bytes once pushed (waits up to wait_s)."""
+        self.done.wait(wait_s)
+        t = pb.Timings(prefill_s=self.first.timings.prefill_s)
+        if self.pushed is not None:
+            t.transfer_s, t.transfer_bytes = self.pushed.transfer_s, self.pushed.transfer_bytes
+        return t
 
 
 class _Abort(Exception):
@@ -349,9 +389,9 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                     raise _Abort(grpc.StatusCode.CANCELLED, "the client went away") from None
                 time.sleep(0.02)
 
-    def _prefill(self, d: NodeEntry, request, ids: list[int], tr: _Trace, context):
-        """Reserve on D, prefill on a prefill node (one retry elsewhere). Returns
-        (prefill node, D's request id, PrefillResponse), or None to prefill on D itself."""
+    def _prefill(self, d: NodeEntry, request, ids: list[int], tr: _Trace, context) -> _Push | None:
+        """Reserve on D, prefill on a prefill node (one retry elsewhere) until it streams the first
+        token. Returns the _Push (first token, the push still running), or None to prefill on D."""
         n = len(ids)
         tried: set[str] = set()
         attempt = 0  # reservations made (each under its own id)
@@ -373,15 +413,18 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                     raise _DecodeFailed(e) from None
                 reserved = True
                 self._handshake(p, d)
-                fut = p.stub.Prefill.future(
+                call = p.stub.Prefill(
                     pb.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=request.sampling, target=target),
                     timeout=self.cfg.prefill_timeout_s,
                 )
-                context.add_callback(fut.cancel)
-                resp = fut.result()
-                return p, rid, resp
-            except (grpc.RpcError, grpc.FutureCancelledError) as e:
-                if not context.is_active() or isinstance(e, grpc.FutureCancelledError):
+                context.add_callback(call.cancel)
+                first = next(call, None)
+                if first is None:  # a stream with no message: a broken node
+                    call.cancel()
+                    raise _Abort(grpc.StatusCode.INTERNAL, f"prefill node {p.node_id} answered nothing")
+                return _Push(p, d, rid, first, call, self._push_failed)
+            except grpc.RpcError as e:
+                if not context.is_active():
                     if reserved:
                         self._release(d, rid, "the client went away")
                     raise _Abort(grpc.StatusCode.CANCELLED, "the client went away") from None
@@ -417,6 +460,19 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             finally:
                 with self.registry.cond:
                     p.inflight_prefill_tokens -= n
+
+    def _push_failed(self, push: _Push, e: grpc.RpcError) -> None:
+        """The push failed after the first token went out (watcher thread): free D's reservation,
+        which ends D's Generate(reserved) with ABORTED; a prefill node that became unreachable
+        is marked dead and D drops its transfer agents."""
+        dead = e.code() == grpc.StatusCode.UNAVAILABLE and not is_draining(e)
+        log.warning("request %s: push from %s failed (%s: %s)", push.rid, push.p.node_id, e.code().name, e.details())
+        if dead:
+            with self.registry.cond:
+                push.p.alive = False
+            self._forget_prefill(push.p)
+        self._release(push.d, push.rid, f"push from {push.p.node_id} failed: {e.code().name}",
+                      push.p.node_id if dead else "")  # fmt: skip
 
     def Generate(self, request, context):
         if self.draining:
@@ -475,20 +531,20 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                         pb.DecodeRequest(request_id=tr.request_id, prompt_token_ids=ids, sampling=request.sampling)
                     )
                 else:
-                    p, rid, resp = pre
-                    tr.prefill = p.node_id
-                    tr.transfer_bytes, tr.transfer_s = resp.timings.transfer_bytes, resp.timings.transfer_s
-                    # the first token goes to the client at once
+                    resp = pre.first
+                    tr.prefill = pre.p.node_id
+                    # the first token goes to the client at once, while the push runs
                     m = pb.GenerateResponse(token_ids=[resp.first_token_id], finish_reason=resp.finish_reason)
                     m.timings.CopyFrom(resp.timings)
                     yield self._relay_msg(m, tr, detok, pre, first=True)
                     if resp.finish_reason:  # the first token ended it: nothing was pushed
                         settled = True
-                        self._release(d, rid, "finished at the first token")
+                        self._release(d, pre.rid, "finished at the first token")
                         return
+                    # D waits for every rank's state, then decodes
                     call = d.stub.Generate(
                         pb.DecodeRequest(
-                            request_id=rid, prompt_token_ids=ids, sampling=request.sampling, reserved=True,
+                            request_id=pre.rid, prompt_token_ids=ids, sampling=request.sampling, reserved=True,
                             first_token_id=resp.first_token_id,
                         )
                     )  # fmt: skip
@@ -517,6 +573,10 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                 code = e.code()
                 if self._placed_elsewhere(e, d, tr):
                     continue
+                if pre is not None and code == grpc.StatusCode.ABORTED and pre.done.wait(5.0) and pre.error is not None:
+                    pe = pre.error  # D gave up because the push failed: report why
+                    raise _Abort(pe.code(), f"pushing the state from {pre.p.node_id} failed: "
+                                 f"{pe.details() or pe.code().name}") from None  # fmt: skip
                 others = [n for n in self.registry.live(pb.NODE_KIND_DECODE) if n.node_id not in tried]
                 if code == grpc.StatusCode.UNAVAILABLE and tr.n == 0 and len(tried) < 2 and others:
                     log.warning("request %s: decode node %s unavailable, retrying elsewhere", tr.request_id, d.node_id)
@@ -525,8 +585,11 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             finally:
                 if call is not None:
                     call.cancel()  # no-op when it completed; stops the node's work otherwise
-                if pre is not None and not settled:  # ended between the prefill and decode: free it now
-                    self._release(d, pre[1], "the request ended before decode began")
+                if pre is not None:
+                    if not settled:  # ended between the prefill and decode: free it now
+                        self._release(d, pre.rid, "the request ended before decode began")
+                    if not pre.done.is_set():
+                        pre.call.cancel()  # the request is over: the prefill node aborts what is left
                 self._done(d, len(ids))
 
     def _placed_elsewhere(self, e: grpc.RpcError, d: NodeEntry, tr: _Trace) -> bool:
@@ -549,17 +612,16 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         if first:
             out.prompt_tokens = tr.prompt_len
             out.decode_node = tr.decode
-            out.prefill_node = "" if pre is None else pre[0].node_id
+            out.prefill_node = "" if pre is None else pre.p.node_id
         self._timings(out.timings, m.timings, tr, now, done=bool(m.finish_reason))
-        if pre is not None:
-            t = pre[2].timings
+        if pre is not None:  # the transfer figures, complete on the last message
+            t = pre.timings(wait_s=5.0 if m.finish_reason and not first else 0.0)
             out.timings.prefill_s, out.timings.transfer_s, out.timings.transfer_bytes = (
                 t.prefill_s, t.transfer_s, t.transfer_bytes,
             )  # fmt: skip
         if m.finish_reason:
             tr.finish = m.finish_reason
-            if pre is None:
-                tr.transfer_bytes, tr.transfer_s = m.timings.transfer_bytes, m.timings.transfer_s
+            tr.transfer_bytes, tr.transfer_s = out.timings.transfer_bytes, out.timings.transfer_s
         return out
 
     @staticmethod

@@ -271,6 +271,40 @@ def test_reserve_release_and_lease_expiry(cluster):
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_prefill_streams_first_token_before_the_push_report(cluster, refs):
+    """The node-facing seam, driven by hand as the router drives it: Reserve on the decode node,
+    broker the handshake, then PrefillNode.Prefill streams the first token (no transfer figures
+    yet) and afterwards a `pushed` message with them; the decode node's Generate(reserved) then
+    continues with transformers' tokens."""
+    from proto import pb, rpc
+    from proto.serving import channel
+
+    ps, want = refs
+    prompt = ps[3]  # 65 tokens: five pages
+    d, p = _decode_node(cluster), _node(cluster, "prefill-0")
+    sp = pb.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    with channel(d.address) as dch, channel(p.address) as pch:
+        dec, pre = rpc.DecodeNodeStub(dch), rpc.PrefillNodeStub(pch)
+        pr = pre.Handshake(pb.HandshakeRequest(node_id="test"), timeout=60)
+        dr = dec.Handshake(pb.HandshakeRequest(node_id=p.node_id, incarnation=p.incarnation, schema=pr.schema),
+                           timeout=60)  # fmt: skip
+        pre.Handshake(pb.HandshakeRequest(node_id=d.node_id, incarnation=d.incarnation, schema=dr.schema), timeout=60)
+        target = dec.Reserve(pb.ReserveRequest(request_id="two-msg", prompt_token_ids=prompt, sampling=sp),
+                             timeout=30).target  # fmt: skip
+        msgs = list(pre.Prefill(pb.PrefillRequest(request_id="two-msg", prompt_token_ids=prompt, sampling=sp,
+                                                  target=target), timeout=60))  # fmt: skip
+        assert len(msgs) == 2, msgs
+        first, pushed = msgs
+        assert not first.pushed and first.finish_reason == "" and first.first_token_id == want[3][0]
+        assert first.timings.ttft_s > 0 and first.timings.transfer_bytes == 0  # sent before the push report
+        assert pushed.pushed and pushed.timings.transfer_bytes > 0 and pushed.timings.transfer_s > 0
+        rest = [t for m in dec.Generate(pb.DecodeRequest(request_id="two-msg", prompt_token_ids=prompt, sampling=sp,
+                                                         reserved=True, first_token_id=first.first_token_id),
+                                        timeout=60) for t in m.token_ids]  # fmt: skip
+        assert [first.first_token_id, *rest] == want[3]
+    wait_for(lambda: _all_free(decode_stats(d.address).capacity), 20, "the decode node's memory back")
+
+
 def test_async_stream_close_cancels(cluster):
     from client import AsyncClient
 
