@@ -39,6 +39,8 @@ class EngineCore:
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        # (SchedulerOutput) -> None, run after scheduling and before the forward pass of every step
+        self.on_schedule = None
         log.info(
             "engine ready in %.1f s: %s, tp=%d, %s",
             time.perf_counter() - t0,
@@ -163,6 +165,8 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
+        if so.rows and self.on_schedule is not None:
+            self.on_schedule(so)  # e.g. a prefill node opening transfers that this step's rows will finish
         if so.rows:
             res = self.executor.execute(self._step_input(so))
             for rid, lg in res.logits.items():

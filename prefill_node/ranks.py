@@ -14,6 +14,18 @@ def send(worker, backend: str, rid: str, target, blocks: list[int], slot: int, n
     worker.ext.setdefault(_KEY, {})[rid] = req
 
 
+def open_send(worker, backend: str, rid: str, target, blocks: list[int], slot: int, num_tokens: int) -> None:
+    """Begin to the destination ranks now; the writes follow with `post` once the state exists."""
+    req = xr.endpoint(worker, backend).open(rid, target, blocks, slot, num_tokens, owned=False)
+    worker.ext.setdefault(_KEY, {})[rid] = req
+
+
+def post(worker, backend: str, rid: str) -> None:
+    """Write everything and Done: at once when the grants are in (polled first), else when they come."""
+    xr.endpoint(worker, backend).poll()
+    worker.ext[_KEY][rid].post()
+
+
 def poll(worker, backend: str, rids: list[str]) -> list[tuple[str, str | None, bool, int]]:
     """Drive the endpoint once; (state, failure, quiet, bytes) per request ("gone": never opened here)."""
     ep = xr.endpoint(worker, backend)

@@ -5,7 +5,9 @@ prompt, samples the first token and HOLDS the pages and GDN slot. Every rank has
 Sender (prefill_node/ranks.py); the engine loop thread (engine/loop.py EngineLoop, shared)
 polls them while a push is in flight. Every engine and executor call stays on that thread.
 
-    Prefill(prompt, sampling, target) -> queue (engine waiting list) -> prefill -> first token
+    Prefill(prompt, sampling, target) -> queue (engine waiting list) -> prefill; when the last
+      prompt chunk is scheduled, every rank opens the push (Begin to its destination ranks), so
+      the grants arrive while that chunk computes -> first token
       "prefilled": every rank starts WRITEing its pieces into the target reservation (re-sharded
       a -> b) and the first message goes out at once: PrefillResponse(first token, timings:
       queue_s, prefill_s, ttft_s) -> wait (bounded) until every rank is done and quiet ->
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 import grpc
 
 from engine.loop import EngineLoop, ShuttingDown
+from engine.request import Status
 from prefill_node import ranks as pranks
 from proto import pb, rpc
 from proto.metrics import ServingMetrics, capacity_gauges
@@ -82,7 +85,9 @@ class _Push:
 
     def __init__(self, rid: str, target, nranks: int, deadline: float):
         self.rid, self.target, self.deadline = rid, target, deadline
-        self.started = time.monotonic()
+        self.started = time.monotonic()  # the writes were posted (reset by post)
+        self.opened: tuple[list[int], int] | None = None  # (blocks, slot) when opened before the first token
+        self.posted = False
         self.finished: float | None = None
         self.error: str | None = None
         self.aborted = False
@@ -126,6 +131,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         self.loop = EngineLoop(self.engine, name=f"{cfg.node_id}-engine")
         self.loop.tick = self._tick
         self.loop.on_output = self._on_output
+        self.engine.on_schedule = self._on_schedule
         self.loop.start()
         self.metrics = ServingMetrics("pdserve_prefill", lambda: capacity_gauges(self.loop.snapshot))
 
@@ -289,14 +295,56 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         )  # fmt: skip
 
     # ---- pushes (loop thread) -----------------------------------------------------------------
+    def _on_schedule(self, so) -> None:
+        """A request's last prompt chunk is about to run: open its push now (Begin to every
+        destination rank), so the grants come back while the chunk computes and the writes go
+        out the moment the first token exists."""
+        e = self.engine
+        for r in so.rows:
+            req = r.request
+            rid = req.request_id
+            target = self._targets.get(rid)
+            if not (req.prefill_only and r.samples) or target is None or rid in self.pushes:
+                continue
+            p = _Push(rid, target, self.cfg.tensor_parallel_size, time.monotonic() + self.cfg.push_timeout_s)
+            self.pushes[rid] = p
+            try:
+                blocks = list(req.block_ids)
+                e.executor.call_all(pranks.open_send, self.backend, rid, target, blocks, req.slot,
+                                    len(req.prompt_token_ids))  # fmt: skip
+                p.opened = (blocks, req.slot)
+            except Exception as ex:  # the request still runs; its push fails and the router retries
+                self._push_failed(p, f"push did not open: {ex}")
+
     def _on_output(self, o) -> None:
-        """Start the push as soon as the first token is out (no hop through the handler)."""
+        """Post the push as soon as the first token is out (no hop through the handler)."""
+        rid = o.request_id
+        p = self.pushes.get(rid)
         if o.finished and o.finish_reason == "prefilled":
-            target = self._targets.get(o.request_id)
+            target = self._targets.get(rid)
             if target is None:  # nobody waits for it any more: nothing to push
-                self.engine.release(o.request_id)
+                if p is None:
+                    self.engine.release(rid)
+                else:  # released by the tick once quiet
+                    self._abort_push(p, "the caller went away")
                 return
-            self._started[o.request_id] = self._start_push(o.request_id, target)
+            self._started[rid] = self._post(p) if p is not None else self._start_push(rid, target)
+        elif o.finished and p is not None and not p.posted:  # ended at its first token: nothing to push
+            self._abort_push(p, f"the request ended before its push ({o.finish_reason})")
+
+    def _post(self, p: _Push) -> _Push:
+        if p.error is not None:
+            return p
+        e = self.engine
+        try:
+            held = e.held(p.rid)
+            if (held[0], held[1]) != p.opened:
+                raise RuntimeError(f"the request's memory changed after its push opened ({p.opened} -> {held})")
+            e.executor.call_all(pranks.post, self.backend, p.rid)
+            p.posted, p.started = True, time.monotonic()
+        except Exception as ex:
+            self._push_failed(p, f"push did not start: {ex}")
+        return p
 
     def _start_push(self, rid: str, target) -> _Push:
         e = self.engine
@@ -306,14 +354,19 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             blocks, slot = e.held(rid)
             n = len(e.requests[rid].prompt_token_ids)
             e.executor.call_all(pranks.send, self.backend, rid, target, blocks, slot, n)
-        except Exception as ex:  # some ranks may have started: abort them, release once quiet
-            log.warning("request %s: push did not start: %s", rid, ex)
-            p.error = str(ex)
-            try:
-                e.executor.call_all(pranks.abort, self.backend, rid, str(ex))
-            except Exception:
-                log.exception("aborting %s failed", rid)
+            p.posted = True
+        except Exception as ex:
+            self._push_failed(p, f"push did not start: {ex}")
         return p
+
+    def _push_failed(self, p: _Push, why: str) -> None:
+        """Some ranks may have started: abort them; the tick releases the memory once quiet."""
+        log.warning("request %s: %s", p.rid, why)
+        p.error = why
+        try:
+            self.engine.executor.call_all(pranks.abort, self.backend, p.rid, why)
+        except Exception:
+            log.exception("aborting %s failed", p.rid)
 
     def _abort_push(self, p: _Push, reason: str) -> None:
         if self.pushes.get(p.rid) is not p or p.done.is_set():
@@ -338,13 +391,17 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         now = time.monotonic()
         for i, p in enumerate(ps):
             per = [r[i] for r in res]
+            if not p.posted and p.error is None and p.rid not in self.engine.requests:
+                self._abort_push(p, "the request ended before its first token")  # aborted or failed
             if p.error is None and any(s[0] == "failed" for s in per):
                 p.error = next((s[1] for s in per if s[1]), "failed")
                 self.engine.executor.call_all(pranks.abort, self.backend, p.rid, p.error)  # the other ranks too
             if p.error is None and now > p.deadline:
                 p.error = f"not done within {self.cfg.push_timeout_s:g} s"
                 self.engine.executor.call_all(pranks.abort, self.backend, p.rid, p.error)
-            if all(s[0] in ("done", "failed", "gone") and s[2] for s in per):
+            req = self.engine.requests.get(p.rid)
+            computing = req is not None and req.status is not Status.HELD  # a failed early push waits for it
+            if all(s[0] in ("done", "failed", "gone") and s[2] for s in per) and not computing:
                 p.finished = now
                 p.nbytes = sum(s[3] for s in per)
                 self.engine.executor.call_all(pranks.forget, self.backend, p.rid)
@@ -359,17 +416,18 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         reason = request.reason or "aborted by the router"
 
         def abort(e):
+            found = False
             p = self.pushes.get(rid)
-            if p is not None:
+            if p is not None:  # opened or running
                 self._abort_push(p, reason)
-                return True
+                found = True
             s = self.loop.streams.get(rid)
-            if s is not None:
+            if s is not None:  # still computing its prompt
                 del self.loop.streams[rid]
                 out = e.abort(rid)
                 s.q.put(("out", out) if out is not None else ("error", RuntimeError("aborted")))
-                return True
-            return False
+                found = True
+            return found
 
         return pb.AbortResponse(aborted=self.loop.call(abort))
 
