@@ -41,6 +41,8 @@ DEMO_PROMPTS = [
 
 
 SERVER_COMMANDS = ("up", "router", "decode", "prefill")
+QUEUE_HELP = ("when every prefill node has this many prompt tokens queued, decode nodes prefill new prompts "
+              "themselves (0: no limit)")
 DRAIN_HELP = ("on SIGTERM / SIGINT, finish what is in flight for at most this many seconds, taking nothing new, "
               "then stop (0: stop at once; a second signal cuts the wait short)")
 
@@ -144,6 +146,7 @@ def cmd_router(args) -> int:
         heartbeat_interval_s=args.heartbeat_interval,
         dead_after_s=args.dead_after,
         admission_timeout_s=args.admission_timeout,
+        max_prefill_queue_tokens=args.max_prefill_queue_tokens,
         policy=args.policy,
         metrics_port=args.metrics_port,
         http_port=args.http_port,
@@ -212,7 +215,7 @@ def cmd_prefill(args) -> int:
 
 _UP_DEFAULTS = dict(model=None, prefill=1, decode=1, prefill_tp=1, decode_tp=1, host="127.0.0.1", port=50051,
                     dtype="auto", device="cpu", kv_cache_memory="256MiB", max_num_seqs=64, local_prefill_threshold=0,
-                    policy="least-loaded", admission_timeout=30.0, transfer_backend="nixl",
+                    policy="least-loaded", admission_timeout=30.0, max_prefill_queue_tokens=0, transfer_backend="nixl",
                     http_port=None, metrics_port=None, drain_timeout=30.0)  # fmt: skip
 
 
@@ -255,6 +258,7 @@ def _up_spec(args):
         max_num_seqs=vals["max_num_seqs"],
         local_prefill_threshold=vals["local_prefill_threshold"], policy=vals["policy"],
         admission_timeout_s=float(vals["admission_timeout"]), log_level=args.log_level or "INFO",
+        max_prefill_queue_tokens=int(vals["max_prefill_queue_tokens"]),
         transfer_backend=vals["transfer_backend"], http_port=vals["http_port"],
         metrics_port=vals["metrics_port"], drain_timeout_s=float(vals["drain_timeout"]),
     )  # fmt: skip
@@ -357,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-prefill-threshold", type=int, default=None)
     p.add_argument("--policy", default=None)
     p.add_argument("--admission-timeout", type=float, default=None)
+    p.add_argument("--max-prefill-queue-tokens", type=int, default=None, help=QUEUE_HELP)
     p.add_argument("--transfer-backend", default=None, help="nixl | ucxx (default nixl)")
     p.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP on the router (0 picks one)")
     p.add_argument("--metrics-port", type=int, default=None,
@@ -374,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
     p.add_argument("--dead-after", type=float, default=3.0)
     p.add_argument("--admission-timeout", type=float, default=30.0)
+    p.add_argument("--max-prefill-queue-tokens", type=int, default=0, help=QUEUE_HELP)
     p.add_argument("--policy", default="least-loaded")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 picks one; default off)")
     p.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (0 picks one; default off)")

@@ -49,6 +49,7 @@ class PoolSpec:
     local_prefill_threshold: int = 0
     policy: str = "least-loaded"
     admission_timeout_s: float = 30.0
+    max_prefill_queue_tokens: int = 0  # the router's --max-prefill-queue-tokens
     log_level: str = "INFO"
     transfer_backend: str = "nixl"
     http_port: int | None = None  # the router's OpenAI-compatible HTTP port (None: off)
@@ -94,7 +95,8 @@ class Cluster:
         self._spawn(
             "router",
             ["router", "--host", s.host, "--port", str(s.port), "--port-file", str(port_file), "--model", s.model,
-             "--policy", s.policy, "--admission-timeout", str(s.admission_timeout_s), *self._router_ports()],
+             "--policy", s.policy, "--admission-timeout", str(s.admission_timeout_s),
+             "--max-prefill-queue-tokens", str(s.max_prefill_queue_tokens), *self._router_ports()],
         )  # fmt: skip
         deadline = time.monotonic() + ready_timeout
         while not (port_file.is_file() and port_file.read_text().strip()):

@@ -70,6 +70,10 @@ class RouterConfig:
     policy: str = "least-loaded"
     reservation_lease_s: float = 30.0  # lease asked of a decode node's Reserve
     prefill_timeout_s: float = 120.0  # one Prefill call (queue + compute + push) at most
+    # Conditional disaggregation by load: when every ready prefill node has at least this many
+    # prompt tokens queued (its last report plus what the router sent since), the decode node
+    # prefills the prompt itself instead of queueing behind them. 0: no limit.
+    max_prefill_queue_tokens: int = 0
     metrics_port: int | None = None  # Prometheus /metrics on this port (0 picks one; None: off)
     http_port: int | None = None  # OpenAI-compatible HTTP on this port (0 picks one; None: off)
     host: str = "127.0.0.1"  # where the metrics and HTTP ports bind
@@ -79,6 +83,8 @@ class RouterConfig:
             raise ValueError("dead_after_s must exceed heartbeat_interval_s")
         if self.admission_timeout_s < 0:
             raise ValueError("admission_timeout_s must be >= 0")
+        if self.max_prefill_queue_tokens < 0:
+            raise ValueError("max_prefill_queue_tokens must be >= 0 (0: no limit)")
         make_policy(self.policy)
 
 
@@ -335,10 +341,18 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
 
     def _use_pool(self, d: NodeEntry, prompt_len: int) -> bool:
         """Conditional disaggregation: short prompts (under D's threshold) prefill on D, as do all
-        prompts when no prefill node is ready."""
+        prompts when no prefill node is ready or every one is loaded past
+        `max_prefill_queue_tokens`."""
         if prompt_len < d.info.local_prefill_threshold or not d.info.schema_digest:
             return False
-        return bool(self._ready_prefill(d, set()))
+        ready = self._ready_prefill(d, set())
+        limit = self.cfg.max_prefill_queue_tokens
+        if limit and ready:
+            with self.registry.cond:
+                queued = [p.info.capacity.queued_prefill_tokens + p.inflight_prefill_tokens for p in ready]
+            if min(queued) >= limit:
+                return False
+        return bool(ready)
 
     def _handshake(self, p: NodeEntry, d: NodeEntry) -> None:
         """Broker the transfer handshake of (P, D) once per pair of incarnations."""

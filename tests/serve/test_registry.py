@@ -72,6 +72,31 @@ def test_draining_node_is_alive_but_not_routable(router):
     assert [e.node_id for e in r.registry.routable(pb.NODE_KIND_DECODE)] == ["d1"]
 
 
+def test_decode_node_prefills_when_every_prefill_node_is_loaded():
+    """--max-prefill-queue-tokens: the prefill pool is used until every ready prefill node has that
+    many prompt tokens queued (reported, plus what the router itself sent since)."""
+    from router.server import RouterConfig, serve
+
+    r, port = serve("127.0.0.1:0", RouterConfig(max_prefill_queue_tokens=1000))
+    try:
+        d = r.registry.register(_info("d0", "127.0.0.1:1"))
+        d.info.schema_digest = "x"
+        p0 = _info("p0", "127.0.0.1:2", kind=pb.NODE_KIND_PREFILL)
+        p0.schema_digest, p0.prefill_ready, p0.capacity.queued_prefill_tokens = "x", True, 500
+        e0 = r.registry.register(p0)
+        assert r._use_pool(d, 64)
+        e0.inflight_prefill_tokens = 600  # sent by the router since p0's report: 1100 queued
+        assert not r._use_pool(d, 64)
+        p1 = _info("p1", "127.0.0.1:3", kind=pb.NODE_KIND_PREFILL)
+        p1.schema_digest, p1.prefill_ready = "x", True
+        r.registry.register(p1)
+        assert r._use_pool(d, 64)  # one prefill node has room
+    finally:
+        r.stop(0)
+    with pytest.raises(ValueError, match="max_prefill_queue_tokens"):
+        RouterConfig(max_prefill_queue_tokens=-1)
+
+
 def test_registration_needs_id_and_address(router):
     import grpc
 
