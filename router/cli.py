@@ -329,6 +329,36 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_nodes(args) -> int:
+    """The nodes a router knows, one line each (what an operator checks first)."""
+    import grpc
+
+    from proto import pb, rpc
+    from proto.serving import channel
+
+    with channel(args.addr) as ch:
+        try:
+            nodes = rpc.RegistryStub(ch).ListNodes(pb.ListNodesRequest(), timeout=args.wait).nodes
+        except grpc.RpcError as e:
+            raise ValueError(f"router {args.addr}: {e.code().name}: {e.details()}") from None
+    head = ("node", "kind", "address", "state", "tp", "pages free", "slots free", "running", "waiting",
+            "queued tokens", "seen")  # fmt: skip
+    rows = []
+    for n in sorted(nodes, key=lambda n: (n.node.kind, n.node.node_id)):
+        i, c = n.node, n.node.capacity
+        state = "dead" if not n.alive else "draining" if i.draining else "up"
+        rows.append((i.node_id, pb.NodeKind.Name(i.kind).removeprefix("NODE_KIND_").lower(), i.address, state,
+                     str(i.tp_size), f"{c.free_blocks}/{c.total_blocks}", f"{c.free_slots}/{c.total_slots}",
+                     str(c.running), str(c.waiting), str(c.queued_prefill_tokens),
+                     f"{n.last_seen_s:.1f}s ago"))  # fmt: skip
+    widths = [max(len(r[k]) for r in [head, *rows]) for k in range(len(head))]
+    for r in [head, *rows]:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+    if not rows:
+        print(f"(no node has registered with {args.addr})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pdserve", description="Disaggregated serving for hybrid LLMs")
     ap.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG"), help="default INFO for servers, else WARNING")
@@ -411,6 +441,11 @@ def build_parser() -> argparse.ArgumentParser:
                            help="prompts shorter than this prefill here (0: always the prefill pool, "
                                 "when a prefill node is ready)")  # fmt: skip
         p.set_defaults(func=cmd_decode if kind == "decode" else cmd_prefill)
+
+    p = sub.add_parser("nodes", help="list the nodes a router knows: state, capacity, load")
+    p.add_argument("--addr", default="127.0.0.1:50051")
+    p.add_argument("--wait", type=float, default=10.0, help="seconds to wait for the router")
+    p.set_defaults(func=cmd_nodes)
 
     p = sub.add_parser("generate", help="stream a completion from a router")
     p.add_argument("prompt", nargs="?", default=None)

@@ -1,0 +1,43 @@
+"""`pdserve nodes`: the router's view of its nodes as a table, and one line with exit status 2
+when the router cannot be reached."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from serve_harness import ROOT
+
+from proto import pb
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "router.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+
+
+def test_nodes_table_and_unreachable_router():
+    from router.server import RouterConfig, serve
+
+    r, port = serve("127.0.0.1:0", RouterConfig())
+    try:
+        out = _run("nodes", "--addr", f"127.0.0.1:{port}")
+        assert out.returncode == 0 and "no node has registered" in out.stdout
+        cap = pb.Capacity(total_blocks=100, free_blocks=40, block_size=16, total_slots=8, free_slots=3, running=5)
+        r.registry.register(pb.NodeInfo(node_id="decode-7", kind=pb.NODE_KIND_DECODE, address="10.0.0.1:50062",
+                                         incarnation=1, tp_size=2, capacity=cap))  # fmt: skip
+        p = r.registry.register(pb.NodeInfo(node_id="prefill-3", kind=pb.NODE_KIND_PREFILL, address="10.0.0.2:50061",
+                                             incarnation=1, tp_size=1))  # fmt: skip
+        r.registry.mark_draining(p)
+        out = _run("nodes", "--addr", f"127.0.0.1:{port}")
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert lines[0].split()[:4] == ["node", "kind", "address", "state"]
+        rows = {ln.split()[0]: ln.split() for ln in lines[1:]}
+        assert rows["decode-7"][1:7] == ["decode", "10.0.0.1:50062", "up", "2", "40/100", "3/8"]
+        assert rows["prefill-3"][1:4] == ["prefill", "10.0.0.2:50061", "draining"]
+    finally:
+        r.stop(0)
+    out = _run("nodes", "--addr", f"127.0.0.1:{port}", "--wait", "1")
+    assert out.returncode == 2 and out.stdout == ""
+    assert len(out.stderr.strip().splitlines()) == 1 and "UNAVAILABLE" in out.stderr, out.stderr
