@@ -6,6 +6,9 @@ its own port), so admission, routing, cancellation and metrics are exactly those
 Chat messages are rendered to a prompt with the tokenizer's Jinja2 `chat_template`
 (`add_generation_prompt=True`). A client that disconnects mid-stream cancels the gRPC call.
 
+`GET /health` answers 200 `{"status": "ok", "decode_nodes": N}` while the router takes requests and
+503 `{"status": "draining"}` once it drains (for HTTP load balancers and probes).
+
 Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 for bad
 parameters, 404 for an unknown model or path, 429 when admission answers RESOURCE_EXHAUSTED, 503
 when no node can serve.
@@ -217,6 +220,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         try:
+            if self.path.rstrip("/") == "/health":  # for HTTP load balancers and probes
+                router = self.server_ref.router
+                live = sum(1 for e, _ in router.registry.snapshot() if e.alive and not e.info.draining
+                           and e.kind == pb.NODE_KIND_DECODE)  # fmt: skip
+                if router.draining:
+                    self._json(503, {"status": "draining"})
+                else:
+                    self._json(200, {"status": "ok", "decode_nodes": live})
+                return
             if self.path.rstrip("/") != "/v1/models":
                 raise ApiError(404, f"no route GET {self.path}", "invalid_request_error")
             created = int(time.time())

@@ -120,6 +120,14 @@ def _post(url: str, body: dict) -> tuple[int, dict, dict]:
         return e.code, json.loads(e.read()), dict(e.headers)
 
 
+def _get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
 def _error_shape(status: int, body: dict, headers: dict, want_status: int, want_type: str) -> str:
     assert status == want_status, body
     err = body["error"]
@@ -152,6 +160,7 @@ def test_router_http_statuses_and_drain(ckpt, tmp_path):
                           "--max-num-seqs", "1", "--drain-timeout", "60",
                           ready=r"decode node \S+ listening on (\S+)")  # fmt: skip
             c.wait_ready(timeout=60)
+            assert _get(base.removesuffix("/v1") + "/health") == (200, {"status": "ok", "decode_nodes": 1})
             # the one state slot taken: 429 after the bounded admission wait
             hold = c.stream(prompt_token_ids=[7, 8, 9], max_tokens=3000, temperature=0.0, ignore_eos=True)
             next(iter(hold))
@@ -171,6 +180,7 @@ def test_router_http_statuses_and_drain(ckpt, tmp_path):
             assert ei.value.code == grpc.StatusCode.UNAVAILABLE and "draining" in ei.value.message
             msg = _error_shape(*_post(f"{base}/completions", completion), 503, "service_unavailable")
             assert "draining" in msg
+            assert _get(base.removesuffix("/v1") + "/health") == (503, {"status": "draining"})
             for ch in it:
                 res.add(ch)
             assert len(res.token_ids) == N and not hc.hf_greedy_violations(ckpt, [7, 8, 9], res.token_ids)
