@@ -11,6 +11,7 @@ from engine.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 
 
@@ -37,6 +38,7 @@ class DecodeNodeConfig:
     reservation_lease_s: float = 30.0  # default lease of a Reserve that names none
     transfer_backend: str = "nixl"  # data plane of the receiver endpoints (transfer.TRANSPORTS)
     metrics_port: int | None = None  # Prometheus /metrics on this port (0 picks one; None: off)
+    num_speculative_tokens: int = 0  # n-gram drafts verified per decode row (prefill nodes must match)
 
     def __post_init__(self):
         if self.local_prefill_threshold < 0:
@@ -52,4 +54,5 @@ class DecodeNodeConfig:
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len),
             device=self.device,
             seed=self.seed,
+            speculative=SpeculativeConfig(num_tokens=self.num_speculative_tokens),
         )

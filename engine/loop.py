@@ -54,6 +54,8 @@ class Snapshot:
     waiting: int = 0
     queued_prefill_tokens: int = 0
     reserved: int = 0
+    spec_draft_tokens: int = 0  # totals since start (speculative decoding)
+    spec_accepted_tokens: int = 0
 
 
 class EngineLoop:
@@ -211,4 +213,6 @@ class EngineLoop:
             waiting=len(getattr(sched, "waiting", ())),
             queued_prefill_tokens=queued,
             reserved=reserved,
+            spec_draft_tokens=getattr(sched, "num_draft_tokens", 0),
+            spec_accepted_tokens=getattr(sched, "num_accepted_tokens", 0),
         )

@@ -74,6 +74,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_ids: list[str] = []
+        self.num_draft_tokens = 0  # drafts verified so far (speculative decoding), and accepted
+        self.num_accepted_tokens = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -206,6 +208,8 @@ class Scheduler:
                 req.num_computed_tokens += row.num_new_tokens
                 continue
             toks = sampled[req.request_id]
+            self.num_draft_tokens += len(row.draft_token_ids)
+            self.num_accepted_tokens += len(toks) - 1 if row.draft_token_ids else 0
             # the pending token and the accepted drafts are now in the cache
             req.num_computed_tokens += row.num_new_tokens - len(row.draft_token_ids) + len(toks) - 1
             touched.append(req)

@@ -66,9 +66,18 @@ class PrefillNodeConfig:
     # Between engine steps, keep polling in-flight pushes this long (grants and write completions
     # otherwise wait for the next, possibly long, prefill step): TTFT includes the push.
     push_spin_s: float = 0.005
+    # Must equal the decode nodes' (it sizes the state pools the transfer schema describes).
+    num_speculative_tokens: int = 0
 
     def engine_config(self):
-        from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+        from engine.config import (
+            CacheConfig,
+            EngineConfig,
+            ModelConfig,
+            ParallelConfig,
+            SchedulerConfig,
+            SpeculativeConfig,
+        )
 
         return EngineConfig(
             model=ModelConfig.from_dir(self.model, self.dtype),
@@ -77,6 +86,7 @@ class PrefillNodeConfig:
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len),
             device=self.device,
             seed=self.seed,
+            speculative=SpeculativeConfig(num_tokens=self.num_speculative_tokens),
         )
 
 

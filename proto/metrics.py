@@ -15,7 +15,7 @@ from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger("pdserve.metrics")
 
@@ -25,7 +25,8 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 
 
 class _Gauges:
-    """A collector whose gauges come from `read()` -> {name: (help, value)} at every scrape."""
+    """A collector whose gauges come from `read()` -> {name: (help, value)} at every scrape; a
+    name ending in `_total` is a counter (a running total the engine keeps)."""
 
     def __init__(self, prefix: str, read: Callable[[], dict[str, tuple[str, float]]]):
         self.prefix, self.read = prefix, read
@@ -37,6 +38,9 @@ class _Gauges:
             log.debug("metrics gauge read failed", exc_info=True)
             return
         for name, (doc, v) in vals.items():
+            if name.endswith("_total"):
+                yield CounterMetricFamily(f"{self.prefix}_{name.removesuffix('_total')}", doc, value=float(v))
+                continue
             g = GaugeMetricFamily(f"{self.prefix}_{name}", doc)
             g.add_metric([], float(v))
             yield g
@@ -114,4 +118,6 @@ def capacity_gauges(snapshot) -> dict[str, tuple[str, float]]:
         "running": ("Requests running", s.running),
         "queue_depth": ("Requests waiting to be scheduled", s.waiting),
         "queued_prefill_tokens": ("Prompt tokens waiting for prefill", s.queued_prefill_tokens),
+        "spec_draft_tokens_total": ("Draft tokens verified (speculative decoding)", s.spec_draft_tokens),
+        "spec_accepted_tokens_total": ("Draft tokens accepted (speculative decoding)", s.spec_accepted_tokens),
     }

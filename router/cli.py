@@ -41,6 +41,8 @@ DEMO_PROMPTS = [
 
 
 SERVER_COMMANDS = ("up", "router", "decode", "prefill")
+SPEC_HELP = ("n-gram draft tokens verified per decode step (0: off); prefill and decode nodes must use the same "
+             "value")
 QUEUE_HELP = ("when every prefill node has this many prompt tokens queued, decode nodes prefill new prompts "
               "themselves (0: no limit)")
 DRAIN_HELP = ("on SIGTERM / SIGINT, finish what is in flight for at most this many seconds, taking nothing new, "
@@ -183,6 +185,7 @@ def cmd_decode(args) -> int:
         device=args.device,
         transfer_backend=args.transfer_backend,
         metrics_port=args.metrics_port,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
     node, port = serve(f"{args.host}:{args.port}", cfg)
     print(f"decode node {cfg.node_id} listening on {node.address}", flush=True)
@@ -207,6 +210,7 @@ def cmd_prefill(args) -> int:
         max_model_len=args.max_model_len,
         transfer_backend=args.transfer_backend,
         metrics_port=args.metrics_port,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
     node, port = serve(f"{args.host}:{args.port}", cfg)
     print(f"prefill node {cfg.node_id} listening on {node.address}", flush=True)
@@ -216,6 +220,7 @@ def cmd_prefill(args) -> int:
 _UP_DEFAULTS = dict(model=None, prefill=1, decode=1, prefill_tp=1, decode_tp=1, host="127.0.0.1", port=50051,
                     dtype="auto", device="cpu", kv_cache_memory="256MiB", max_num_seqs=64, local_prefill_threshold=0,
                     policy="least-loaded", admission_timeout=30.0, max_prefill_queue_tokens=0, transfer_backend="nixl",
+                    num_speculative_tokens=0,
                     http_port=None, metrics_port=None, drain_timeout=30.0)  # fmt: skip
 
 
@@ -259,6 +264,7 @@ def _up_spec(args):
         local_prefill_threshold=vals["local_prefill_threshold"], policy=vals["policy"],
         admission_timeout_s=float(vals["admission_timeout"]), log_level=args.log_level or "INFO",
         max_prefill_queue_tokens=int(vals["max_prefill_queue_tokens"]),
+        num_speculative_tokens=int(vals["num_speculative_tokens"]),
         transfer_backend=vals["transfer_backend"], http_port=vals["http_port"],
         metrics_port=vals["metrics_port"], drain_timeout_s=float(vals["drain_timeout"]),
     )  # fmt: skip
@@ -392,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default=None)
     p.add_argument("--admission-timeout", type=float, default=None)
     p.add_argument("--max-prefill-queue-tokens", type=int, default=None, help=QUEUE_HELP)
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help=SPEC_HELP + " (every node; default 0)")
     p.add_argument("--transfer-backend", default=None, help="nixl | ucxx (default nixl)")
     p.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP on the router (0 picks one)")
     p.add_argument("--metrics-port", type=int, default=None,
@@ -436,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--metrics-port", type=int, default=None,
                        help="Prometheus /metrics port (0 picks one; default off)")  # fmt: skip
         p.add_argument("--drain-timeout", type=float, default=30.0, help=DRAIN_HELP)
+        p.add_argument("--num-speculative-tokens", type=int, default=0, help=SPEC_HELP)
         if kind == "decode":
             p.add_argument("--local-prefill-threshold", type=int, default=0,
                            help="prompts shorter than this prefill here (0: always the prefill pool, "

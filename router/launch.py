@@ -50,6 +50,7 @@ class PoolSpec:
     policy: str = "least-loaded"
     admission_timeout_s: float = 30.0
     max_prefill_queue_tokens: int = 0  # the router's --max-prefill-queue-tokens
+    num_speculative_tokens: int = 0  # every node's --num-speculative-tokens
     log_level: str = "INFO"
     transfer_backend: str = "nixl"
     http_port: int | None = None  # the router's OpenAI-compatible HTTP port (None: off)
@@ -109,7 +110,7 @@ class Cluster:
                 ["prefill", "--model", s.model, "--router", self.address, "--host", s.host, "--port", "0",
                  "--node-id", f"prefill-{i}", "--tp", str(s.prefill_tp), "--dtype", s.dtype, "--device", s.device,
                  "--kv-cache-memory", s.kv_cache_memory, "--max-num-seqs", str(s.max_num_seqs),
-                 "--transfer-backend", s.transfer_backend, *self._node_metrics()],
+                 "--transfer-backend", s.transfer_backend, *self._node_metrics(), *self._spec()],
             )  # fmt: skip
         for i in range(s.decode):
             self._spawn(
@@ -118,7 +119,8 @@ class Cluster:
                  "--node-id", f"decode-{i}", "--tp", str(s.decode_tp), "--dtype", s.dtype, "--device", s.device,
                  "--kv-cache-memory", s.kv_cache_memory, "--max-num-seqs", str(s.max_num_seqs),
                  "--local-prefill-threshold", str(s.local_prefill_threshold),
-                 "--transfer-backend", s.transfer_backend, *self._node_metrics(), *s.extra_decode_args],
+                 "--transfer-backend", s.transfer_backend, *self._node_metrics(), *self._spec(),
+                 *s.extra_decode_args],
             )  # fmt: skip
         self._wait_registered(deadline)
 
@@ -129,6 +131,9 @@ class Cluster:
         if s.metrics_port is not None:
             out += ["--metrics-port", str(s.metrics_port)]
         return out
+
+    def _spec(self) -> list[str]:
+        return ["--num-speculative-tokens", str(self.spec.num_speculative_tokens)]
 
     def _node_metrics(self) -> list[str]:
         return [] if self.spec.metrics_port is None else ["--metrics-port", "0"]

@@ -120,3 +120,37 @@ def test_conditional_disaggregation_same_tokens(ckpt, refs):
     finally:
         rc = up.stop()
     assert rc == 0, up.output()
+
+
+def test_speculative_decode_nodes_match_transformers(ckpt):
+    """`up --num-speculative-tokens 3`: every node runs n-gram drafts (prefill and decode must
+    agree, it sizes the transferred state pools); the decode node verifies them in its batch and
+    the greedy tokens stay transformers'. Its /metrics count the drafts it verified."""
+    import re
+    import urllib.request
+
+    from client import Client
+
+    import hybrid_ckpt as hc
+
+    ps = [[5, 6, 7, 8] * 20, [11, 12, 13] * 30 + [14], *hc.prompts(lens=(70,), seed=4)]
+    want = [hc.hf_greedy(ckpt, p, 24) for p in ps]
+    up = Up("--model", ckpt, "--dtype", "float32", "--prefill", "1", "--decode", "1",
+            "--num-speculative-tokens", "3", "--metrics-port", "0")  # fmt: skip
+    try:
+        with Client(up.address, timeout=120) as c:
+            c.wait_ready(timeout=60)
+            with ThreadPoolExecutor(3) as ex:
+                outs = list(ex.map(lambda p: c.generate(prompt_token_ids=p, max_tokens=24, temperature=0.0,
+                                                        ignore_eos=True), ps))  # fmt: skip
+        for p, r, w in zip(ps, outs, want, strict=True):
+            assert r.token_ids == w and r.prefill_node == "prefill-0", f"prompt of {len(p)} tokens"
+        url = wait_for(lambda: next((m.group(1) for ln in up.lines
+                                     if (m := re.search(r"decode node decode-0 metrics at (http://\S+)", ln))), None),
+                       10, "the decode node's metrics URL")  # fmt: skip
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        val = {m.group(1): float(m.group(2)) for m in re.finditer(r"^pdserve_decode_(spec_\w+_total) (\S+)$", text, re.M)}
+        assert val["spec_draft_tokens_total"] > 0 and 0 <= val["spec_accepted_tokens_total"] <= val["spec_draft_tokens_total"]
+    finally:
+        rc = up.stop()
+    assert rc == 0, up.output()
