@@ -253,6 +253,15 @@ def test_probes_name_the_ports_the_servers_listen_on(rendered, parser):
         assert "service" not in c["livenessProbe"]["grpc"]  # "" is the server's overall health
 
 
+def test_pools_agree_on_what_sizes_the_transferred_state(rendered, parser):
+    """The transfer handshake refuses pools whose state pools differ: dtype, block size and the
+    speculative draft count must be the same on both sides."""
+    name, objs = rendered
+    pre, dec = (_parse(parser, objs, _container(_workload(objs, pool), pool)) for pool in POOLS)
+    for flag in ("dtype", "block_size", "num_speculative_tokens", "model"):
+        assert getattr(pre, flag) == getattr(dec, flag), f"{name}: prefill and decode differ in --{flag}"
+
+
 def test_metrics_and_http_ports_are_declared_and_scraped(rendered, parser):
     name, objs = rendered
     for component, w, c, ns in _servers(parser, objs):
