@@ -1,7 +1,7 @@
 """The lifecycle both node kinds share (decode_node/server.py, prefill_node/server.py).
 
-    start(addr) -> gRPC server (the node's service + health + reflection) -> register with the
-        router and heartbeat -> optional Prometheus /metrics port
+    start(addr) -> gRPC server (the node's service + health + reflection) -> register with every
+        router (`--router a:p,b:q`) and heartbeat each -> optional Prometheus /metrics port
     drain(timeout) -> draining: health NOT_SERVING for the node's service (a Kubernetes
         readiness probe fails; liveness, on the overall status, does not), a heartbeat at once
         with `draining` set (the router stops choosing the node), new work refused with
@@ -40,7 +40,7 @@ class NodeServer:
         self.metrics_port: int | None = None
         self.draining = False
         self._health = None
-        self._hb: Heartbeater | None = None
+        self._hbs: list[Heartbeater] = []  # one per router
         self._stopped = threading.Event()
 
     @property
@@ -68,7 +68,7 @@ class NodeServer:
         self.server, port, self._health = start_server(addr, self._add_servicer, [self.SERVICE], max_workers=64)
         self.address = f"{self.cfg.advertise_host}:{port}"
         if self.cfg.router:
-            self._hb = Heartbeater(self.cfg.router, self.info, self.cfg.heartbeat_interval_s).start()
+            self._hbs = [Heartbeater(a, self.info, self.cfg.heartbeat_interval_s).start() for a in routers(self.cfg.router)]
         log.info("%s serving on %s (%s)", self.name, self.address, self.engine.capacity.summary())
         if self.cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.cfg.advertise_host, self.cfg.metrics_port)
@@ -81,8 +81,8 @@ class NodeServer:
         if not self.draining:
             self.draining = True
             not_serving(self._health, self.SERVICE)
-            if self._hb is not None:
-                self._hb.beat_now()
+            for hb in self._hbs:
+                hb.beat_now()
         return wait_idle(self.name, self.in_flight, timeout_s, interrupt)
 
     def stop(self, grace: float | None = 2.0) -> None:
@@ -91,8 +91,8 @@ class NodeServer:
         self._stopped.set()
         if self._health is not None:
             self._health.enter_graceful_shutdown()
-        if self._hb is not None:
-            self._hb.stop()
+        for hb in self._hbs:
+            hb.stop()
         self.loop.stop()
         self.metrics.stop()
         if self.server is not None:
@@ -127,6 +127,12 @@ class NodeServer:
         return pb.HandshakeResponse(
             node_id=self.cfg.node_id, incarnation=self.incarnation, schema=msgspec.msgpack.encode(self.blobs)
         )
+
+
+def routers(spec: str | None) -> list[str]:
+    """`--router` as a list: "host:port" or several, comma-separated (every router gets the node's
+    registration and heartbeats, so each can route to it)."""
+    return [a.strip() for a in (spec or "").split(",") if a.strip()]
 
 
 def serve_node(node: NodeServer, addr: str) -> tuple[NodeServer, int]:

@@ -426,7 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     for kind in ("decode", "prefill"):
         p = sub.add_parser(kind, help=f"run one {kind} node")
         p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
-        p.add_argument("--router", default=None, help="router HOST:PORT to register with")
+        p.add_argument("--router", default=None,
+                       help="router HOST:PORT to register with; several, comma-separated, for more than one "
+                            "router (each can then route here)")  # fmt: skip
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--port", type=int, default=0)
         p.add_argument("--advertise-host", default=None, help="host the router dials (default --host)")

@@ -376,6 +376,12 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         with self._pair_lock:
             self._pairs = {k for k in self._pairs if k[0] != p.node_id}
 
+    def _forget_pair(self, p: NodeEntry, d: NodeEntry) -> None:
+        """Handshake (P, D) again next time: a failed prefill may mean D dropped P's agents (another
+        router declared P dead); the handshake is idempotent and cheap."""
+        with self._pair_lock:
+            self._pairs = {k for k in self._pairs if (k[0], k[2]) != (p.node_id, d.node_id)}
+
     def _release(self, d: NodeEntry, rid: str, reason: str, dead_prefill: str = "") -> None:
         try:
             d.stub.Release(
@@ -456,6 +462,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                     with self.registry.cond:
                         p.alive = False  # back with its next heartbeat, if it is alive after all
                     self._forget_prefill(p)
+                self._forget_pair(p, d)
                 if reserved:
                     self._release(d, rid, f"prefill on {p.node_id} failed: {code.name}", p.node_id if dead else "")
                 if code == grpc.StatusCode.INVALID_ARGUMENT:

@@ -1,0 +1,46 @@
+"""Two routers in front of the same pools (`--router A,B` on every node): both route to every node
+with transformers' tokens, and when one router stops the other goes on serving, so the router is
+not a single point of failure."""
+
+from __future__ import annotations
+
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+from serve_harness import NEW, Proc, nodes, wait_for
+
+
+def test_two_routers_share_the_pools(ckpt, refs):
+    from client import Client
+
+    ps, want = refs
+    procs: list[Proc] = []
+    try:
+        ra, rb = (Proc("router", "--port", "0", "--model", ckpt, ready=r"router listening on (\S+)") for _ in "ab")
+        procs += [ra, rb]
+        both = f"{ra.address},{rb.address}"
+        for kind in ("prefill", "decode"):
+            procs.append(Proc(kind, "--model", ckpt, "--dtype", "float32", "--router", both,
+                              ready=rf"{kind} node \S+ listening on (\S+)"))  # fmt: skip
+        for r in (ra, rb):
+            wait_for(lambda r=r: {n.node.node_id for n in nodes(r.address) if n.alive} == {"prefill-0", "decode-0"},
+                     60, f"both nodes registered with {r.address}")  # fmt: skip
+        with Client(ra.address, timeout=120) as a, Client(rb.address, timeout=120) as b:
+            a.wait_ready(60)
+            b.wait_ready(60)
+            jobs = [(c, i) for i in range(len(ps)) for c in (a, b)]
+            with ThreadPoolExecutor(len(jobs)) as ex:
+                outs = list(ex.map(lambda j: j[0].generate(prompt_token_ids=ps[j[1]], max_tokens=NEW, temperature=0.0,
+                                                           ignore_eos=True), jobs))  # fmt: skip
+            for (_, i), r in zip(jobs, outs, strict=True):
+                assert r.token_ids == want[i] and r.prefill_node == "prefill-0", f"prompt of {len(ps[i])} tokens"
+            ra.proc.send_signal(signal.SIGTERM)
+            assert ra.proc.wait(60) == 0, ra.output()
+            for i in range(len(ps)):  # the other router serves alone
+                r = b.generate(prompt_token_ids=ps[i], max_tokens=NEW, temperature=0.0, ignore_eos=True)
+                assert r.token_ids == want[i] and r.prefill_node == "prefill-0"
+    finally:
+        for p in reversed(procs):
+            p.stop()
+    for p in procs[2:]:
+        assert p.proc.returncode == 0, p.output()
