@@ -14,7 +14,8 @@ fail) against the newest Kubernetes schema the package ships. Then what a schema
   readiness probes name services the proto defines;
 - every component serves /metrics (--metrics-port) on a declared port that its pod's Prometheus
   annotations name; the router's OpenAI HTTP port (--http-port) is declared and in its Service;
-- nodes register with the router Service's DNS name, whose port reaches the router's port;
+- nodes register with every router pod (StatefulSet DNS names through the headless Service), one
+  address per replica, on the router's port; clients use the pdserve-router Service;
 - the gpu overlay requests nvidia.com/gpu = --tp for each pool; the others request no GPU;
 - every component drains on SIGTERM (--drain-timeout > 0), and any preStop plus the drain plus
   the stop fit in the grace period; one PodDisruptionBudget selects each pool.
@@ -191,7 +192,7 @@ def test_every_rendered_object_validates(rendered):
         except kv_utils.ValidationError as e:
             pytest.fail(f"{name}: {o['kind']}/{o['metadata']['name']} fails Kubernetes {version}: {e.message}")
     kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objs)
-    for want in [("ConfigMap", "pdserve-config"), ("Deployment", "pdserve-router"), ("Service", "pdserve-router")]:
+    for want in [("ConfigMap", "pdserve-config"), ("StatefulSet", "pdserve-router"), ("Service", "pdserve-router")]:
         assert want in kinds
     for pool in POOLS:
         assert ("StatefulSet", f"pdserve-{pool}") in kinds and ("PodDisruptionBudget", f"pdserve-{pool}") in kinds
@@ -279,23 +280,36 @@ def test_metrics_and_http_ports_are_declared_and_scraped(rendered, parser):
             assert any(sp.get("targetPort") == "http" for sp in svc["spec"]["ports"]), "the Service has no HTTP port"
 
 
-def test_nodes_register_with_the_router_service(rendered, parser):
+def _target_port(svc_port: dict, container: dict) -> int:
+    target = svc_port.get("targetPort", svc_port["port"])
+    if isinstance(target, str):
+        (target,) = [p["containerPort"] for p in container["ports"] if p.get("name") == target]
+    return target
+
+
+def test_nodes_register_with_every_router(rendered, parser):
+    """Nodes register with each router pod by its StatefulSet DNS name (through the headless
+    Service), one address per replica, on the router's port; clients use the pdserve-router Service."""
     name, objs = rendered
     router = _workload(objs, "router")
-    router_port = _parse(parser, objs, _container(router, "router")).port
-    svc = _find(objs, "Service", router["metadata"]["name"])
-    assert svc["spec"]["selector"].items() <= router["spec"]["template"]["metadata"]["labels"].items()
+    rc = _container(router, "router")
+    router_port = _parse(parser, objs, rc).port
+    pod_labels = router["spec"]["template"]["metadata"]["labels"].items()
+    svc = _find(objs, "Service", "pdserve-router")  # clients
+    assert svc["spec"]["selector"].items() <= pod_labels
+    assert [_target_port(sp, rc) for sp in svc["spec"]["ports"] if sp["name"] == "grpc"] == [router_port]
+    assert router["kind"] == "StatefulSet"
+    pods = _find(objs, "Service", router["spec"]["serviceName"])
+    assert pods["spec"].get("clusterIP") == "None" and pods["spec"]["selector"].items() <= pod_labels
+    want = [f"{router['metadata']['name']}-{i}.{pods['metadata']['name']}" for i in range(router["spec"]["replicas"])]
     for pool in POOLS:
         w = _workload(objs, pool)
-        c = _container(w, pool)
-        ns = _parse(parser, objs, c)
-        host, _, port = ns.router.rpartition(":")
-        assert host.split(".")[0] == svc["metadata"]["name"], f"{pool} --router {ns.router} is not the router Service"
-        (sp,) = [p for p in svc["spec"]["ports"] if p["port"] == int(port)]
-        target = sp.get("targetPort", sp["port"])
-        if isinstance(target, str):
-            (target,) = [p["containerPort"] for p in _container(router, "router")["ports"] if p.get("name") == target]
-        assert target == router_port
+        ns = _parse(parser, objs, _container(w, pool))
+        addrs = [a.rpartition(":") for a in ns.router.split(",")]
+        assert [h for h, _, _ in addrs] == want, f"{name}: {pool} --router {ns.router} is not every router pod"
+        for _, _, port in addrs:
+            (sp,) = [p for p in pods["spec"]["ports"] if p["port"] == int(port)]
+            assert _target_port(sp, rc) == router_port
         # the router dials the pod IP it is given, under the pod's stable StatefulSet name
         assert w["kind"] == "StatefulSet"
         assert ns.advertise_host == FIELD_REFS["status.podIP"] and ns.node_id == FIELD_REFS["metadata.name"]
