@@ -582,7 +582,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                 code = e.code()
                 if self._placed_elsewhere(e, d, tr):
                     continue
-                others = [n for n in self.registry.live(pb.NODE_KIND_DECODE) if n.node_id not in tried]
+                others = [n for n in self.registry.routable(pb.NODE_KIND_DECODE) if n.node_id not in tried]
                 if code == grpc.StatusCode.UNAVAILABLE and tr.n == 0 and len(tried) < 2 and others:
                     log.warning("request %s: decode node %s unavailable, retrying elsewhere", tr.request_id, d.node_id)
                     continue
@@ -598,7 +598,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                     pe = pre.error  # D gave up because the push failed: report why
                     raise _Abort(pe.code(), f"pushing the state from {pre.p.node_id} failed: "
                                  f"{pe.details() or pe.code().name}") from None  # fmt: skip
-                others = [n for n in self.registry.live(pb.NODE_KIND_DECODE) if n.node_id not in tried]
+                others = [n for n in self.registry.routable(pb.NODE_KIND_DECODE) if n.node_id not in tried]
                 if code == grpc.StatusCode.UNAVAILABLE and tr.n == 0 and len(tried) < 2 and others:
                     log.warning("request %s: decode node %s unavailable, retrying elsewhere", tr.request_id, d.node_id)
                     continue
