@@ -9,31 +9,42 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.sync import GENERATION
-from client.types import GenerateResult, PdserveError, build_request, chunk_from
+from client.types import GenerateResult, PdserveError, Failover, addresses, build_request, chunk_from
 from proto import pb, rpc
 
 
 class AsyncTokenStream:
-    """`async for` StreamChunks; `await close()` (or `async with`) cancels the request."""
+    """`async for` StreamChunks; `await close()` (or `async with`) cancels the request. Fails over
+    to the next router like client.sync.TokenStream."""
 
-    def __init__(self, call):
-        self._call = call
+    def __init__(self, start, first: int = 0, routers: int = 1, on_switch=None):
+        self._routes = Failover(start, first, routers, on_switch)
         self.closed = False
+
+    @property
+    def _call(self):
+        return self._routes.call
 
     def __aiter__(self):
         return self._gen()
 
     async def _gen(self):
-        try:
-            async for m in self._call:
-                yield chunk_from(m)
-        except grpc.RpcError as e:
-            if self.closed and e.code() == grpc.StatusCode.CANCELLED:
+        yielded = False
+        while True:
+            try:
+                async for m in self._call:
+                    yielded = True
+                    yield chunk_from(m)
                 return
-            raise PdserveError.from_rpc(e) from None
-        except asyncio.CancelledError:
-            self._call.cancel()
-            raise
+            except grpc.RpcError as e:
+                if self.closed and e.code() == grpc.StatusCode.CANCELLED:
+                    return
+                if self._routes.retry(e, yielded, self.closed):
+                    continue
+                raise PdserveError.from_rpc(e) from None
+            except asyncio.CancelledError:
+                self._call.cancel()
+                raise
 
     async def close(self) -> None:
         if not self.closed:
@@ -50,35 +61,48 @@ class AsyncTokenStream:
 
 
 class AsyncClient:
-    def __init__(self, addr: str, timeout: float | None = None):
-        self.addr = addr
+    def __init__(self, addr, timeout: float | None = None):
+        """addr: one router's host:port, or several of the same pools ("a:1,b:2" or a list)."""
+        self.addrs = addresses(addr)
         self.timeout = timeout
-        self._chan = grpc.aio.insecure_channel(addr)
-        self._stub = rpc.GenerationStub(self._chan)
-        self._health = health_pb2_grpc.HealthStub(self._chan)
+        self._chans = [grpc.aio.insecure_channel(a) for a in self.addrs]
+        self._stubs = [rpc.GenerationStub(c) for c in self._chans]
+        self._healths = [health_pb2_grpc.HealthStub(c) for c in self._chans]
+        self._cur = 0
+
+    @property
+    def addr(self) -> str:
+        return self.addrs[self._cur]
+
+    def _use(self, i: int) -> None:
+        self._cur = i % len(self.addrs)
 
     async def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
-        last = "not reachable"
+        last: dict[str, str] = {}
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"router {self.addr} not ready after {timeout:g} s ({last})")
-            try:
-                r = await self._health.Check(health_pb2.HealthCheckRequest(service=GENERATION), timeout=min(left, 2.0))
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    if (await self._stub.ListModels(pb.ListModelsRequest(), timeout=min(left, 2.0))).models:
-                        return
-                    last = "no live node"
-                else:
-                    last = "not serving"
-            except grpc.RpcError as e:
-                last = e.code().name
+            for i in range(len(self.addrs)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    why = ", ".join(f"{a}: {last.get(a, 'not reachable')}" for a in self.addrs)
+                    raise TimeoutError(f"no router ready after {timeout:g} s ({why})")
+                try:
+                    r = await self._healths[i].Check(health_pb2.HealthCheckRequest(service=GENERATION),
+                                                     timeout=min(left, 2.0))  # fmt: skip
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        if (await self._stubs[i].ListModels(pb.ListModelsRequest(), timeout=min(left, 2.0))).models:
+                            self._use(i)
+                            return
+                        last[self.addrs[i]] = "no live node"
+                    else:
+                        last[self.addrs[i]] = "not serving"
+                except grpc.RpcError as e:
+                    last[self.addrs[i]] = e.code().name
             await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
     async def list_models(self) -> list[pb.ModelInfo]:
         try:
-            return list((await self._stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout)).models)
+            return list((await self._stubs[self._cur].ListModels(pb.ListModelsRequest(), timeout=self.timeout)).models)
         except grpc.RpcError as e:
             raise PdserveError.from_rpc(e) from None
 
@@ -86,7 +110,9 @@ class AsyncClient:
         self, prompt: str | None = None, prompt_token_ids=None, timeout: float | None = None, **sampling
     ) -> AsyncTokenStream:
         req = build_request(prompt, prompt_token_ids, **sampling)
-        return AsyncTokenStream(self._stub.Generate(req, timeout=timeout or self.timeout))
+        n = len(self.addrs)
+        return AsyncTokenStream(lambda i: self._stubs[i % n].Generate(req, timeout=timeout or self.timeout),
+                                self._cur, n, self._use)  # fmt: skip
 
     async def generate(
         self, prompt: str | None = None, prompt_token_ids=None, timeout: float | None = None, **sampling
@@ -98,7 +124,8 @@ class AsyncClient:
         return res
 
     async def close(self) -> None:
-        await self._chan.close()
+        for c in self._chans:
+            await c.close()
 
     async def __aenter__(self):
         return self

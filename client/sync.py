@@ -7,27 +7,40 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.types import GenerateResult, PdserveError, StreamChunk, build_request, chunk_from
+from client.types import GenerateResult, PdserveError, StreamChunk, Failover, addresses, build_request, chunk_from
 from proto import pb, rpc
 
 GENERATION = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 class TokenStream:
-    """Iterate for StreamChunks; close() (or the end of a `with` block) cancels the request."""
+    """Iterate for StreamChunks; close() (or the end of a `with` block) cancels the request.
 
-    def __init__(self, call):
-        self._call = call
+    `start(i)` makes the call on router i; with several routers, a call that fails UNAVAILABLE
+    before its first chunk is made again on the next router (each router once)."""
+
+    def __init__(self, start, first: int = 0, routers: int = 1, on_switch=None):
+        self._routes = Failover(start, first, routers, on_switch)
         self.closed = False
 
+    @property
+    def _call(self):
+        return self._routes.call
+
     def __iter__(self):
-        try:
-            for m in self._call:
-                yield chunk_from(m)
-        except grpc.RpcError as e:
-            if self.closed and e.code() == grpc.StatusCode.CANCELLED:
+        yielded = False
+        while True:
+            try:
+                for m in self._call:
+                    yielded = True
+                    yield chunk_from(m)
                 return
-            raise PdserveError.from_rpc(e) from None
+            except grpc.RpcError as e:
+                if self.closed and e.code() == grpc.StatusCode.CANCELLED:
+                    return
+                if self._routes.retry(e, yielded, self.closed):
+                    continue
+                raise PdserveError.from_rpc(e) from None
 
     def close(self) -> None:
         if not self.closed:
@@ -50,37 +63,50 @@ class TokenStream:
 
 
 class Client:
-    def __init__(self, addr: str, timeout: float | None = None):
-        """addr: the router's host:port. timeout: default deadline of every call (seconds)."""
-        self.addr = addr
+    def __init__(self, addr, timeout: float | None = None):
+        """addr: the router's host:port, or several routers of the same pools ("a:1,b:2" or a list),
+        tried in turn. timeout: default deadline of every call (seconds)."""
+        self.addrs = addresses(addr)
         self.timeout = timeout
-        self._chan = grpc.insecure_channel(addr)
-        self._stub = rpc.GenerationStub(self._chan)
-        self._health = health_pb2_grpc.HealthStub(self._chan)
+        self._chans = [grpc.insecure_channel(a) for a in self.addrs]
+        self._stubs = [rpc.GenerationStub(c) for c in self._chans]
+        self._healths = [health_pb2_grpc.HealthStub(c) for c in self._chans]
+        self._cur = 0  # the router calls go to first
+
+    @property
+    def addr(self) -> str:
+        return self.addrs[self._cur]
+
+    def _use(self, i: int) -> None:
+        self._cur = i % len(self.addrs)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        """Until the router serves and knows at least one live model (node); TimeoutError after."""
+        """Until a router serves and knows at least one live model (node); TimeoutError after."""
         deadline = time.monotonic() + timeout
-        last = "not reachable"
+        last: dict[str, str] = {}
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"router {self.addr} not ready after {timeout:g} s ({last})")
-            try:
-                r = self._health.Check(health_pb2.HealthCheckRequest(service=GENERATION), timeout=min(left, 2.0))
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    if self._stub.ListModels(pb.ListModelsRequest(), timeout=min(left, 2.0)).models:
-                        return
-                    last = "no live node"
-                else:
-                    last = "not serving"
-            except grpc.RpcError as e:
-                last = e.code().name
+            for i in range(len(self.addrs)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    why = ", ".join(f"{a}: {last.get(a, 'not reachable')}" for a in self.addrs)
+                    raise TimeoutError(f"no router ready after {timeout:g} s ({why})")
+                try:
+                    r = self._healths[i].Check(health_pb2.HealthCheckRequest(service=GENERATION),
+                                               timeout=min(left, 2.0))  # fmt: skip
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        if self._stubs[i].ListModels(pb.ListModelsRequest(), timeout=min(left, 2.0)).models:
+                            self._use(i)
+                            return
+                        last[self.addrs[i]] = "no live node"
+                    else:
+                        last[self.addrs[i]] = "not serving"
+                except grpc.RpcError as e:
+                    last[self.addrs[i]] = e.code().name
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
     def list_models(self) -> list[pb.ModelInfo]:
         try:
-            return list(self._stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout).models)
+            return list(self._stubs[self._cur].ListModels(pb.ListModelsRequest(), timeout=self.timeout).models)
         except grpc.RpcError as e:
             raise PdserveError.from_rpc(e) from None
 
@@ -90,7 +116,9 @@ class Client:
         """Chunks as the tokens come. Options: max_tokens, temperature, top_k, top_p, seed,
         stop_token_ids, ignore_eos, request_id."""
         req = build_request(prompt, prompt_token_ids, **sampling)
-        return TokenStream(self._stub.Generate(req, timeout=timeout or self.timeout))
+        n = len(self.addrs)
+        return TokenStream(lambda i: self._stubs[i % n].Generate(req, timeout=timeout or self.timeout),
+                           self._cur, n, self._use)  # fmt: skip
 
     def generate(
         self, prompt: str | None = None, prompt_token_ids=None, timeout: float | None = None, **sampling
@@ -102,7 +130,8 @@ class Client:
         return res
 
     def close(self) -> None:
-        self._chan.close()
+        for c in self._chans:
+            c.close()
 
     def __enter__(self):
         return self

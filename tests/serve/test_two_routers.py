@@ -1,9 +1,10 @@
 """Two routers in front of the same pools (`--router A,B` on every node): both route to every node
 with transformers' tokens, and when one router stops the other goes on serving, so the router is
-not a single point of failure."""
+not a single point of failure; an SDK client given both routers fails over to the live one."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,7 +12,7 @@ from serve_harness import NEW, Proc, nodes, wait_for
 
 
 def test_two_routers_share_the_pools(ckpt, refs):
-    from client import Client
+    from client import AsyncClient, Client
 
     ps, want = refs
     procs: list[Proc] = []
@@ -39,6 +40,16 @@ def test_two_routers_share_the_pools(ckpt, refs):
             for i in range(len(ps)):  # the other router serves alone
                 r = b.generate(prompt_token_ids=ps[i], max_tokens=NEW, temperature=0.0, ignore_eos=True)
                 assert r.token_ids == want[i] and r.prefill_node == "prefill-0"
+        # an SDK given both routers fails over to the live one (the first is gone: UNAVAILABLE)
+        with Client([ra.address, rb.address], timeout=120) as c:
+            r = c.generate(prompt_token_ids=ps[2], max_tokens=NEW, temperature=0.0, ignore_eos=True)
+            assert r.token_ids == want[2] and c.addr == rb.address
+
+        async def via_async():
+            async with AsyncClient(f"{ra.address},{rb.address}", timeout=120) as ac:
+                return await ac.generate(prompt_token_ids=ps[3], max_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+        assert asyncio.run(via_async()).token_ids == want[3]
     finally:
         for p in reversed(procs):
             p.stop()
