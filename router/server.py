@@ -3,20 +3,15 @@
 Serves `Generation` (clients) and `Registry` (nodes), plus health and reflection. One request:
 
     validate (prompt, sampling) -> tokenize text -> admission: wait (bounded) until the policy
-    finds a decode node D with room -> prefill phase (_prefill) -> stream D's tokens back, with
-    text deltas and the router's timings -> one INFO line (with transfer bytes and ms)
+    finds a decode node D with room -> prefill phase -> stream D's tokens back, with text deltas
+    and the router's timings -> one INFO line (with transfer bytes and ms)
 
-Prefill phase (DESIGN.md section 1), when the prompt is at least D's local-prefill threshold
-and a prefill node is ready: D.Reserve -> TransferTarget; choose a prefill node P (policy);
-make sure P and D have handshaken (the router brokers it once per node pair and incarnation:
-P's rank blobs to D, D's to P); P.Prefill(prompt, target) streams the first token as soon as it
-is sampled, which goes to the client at once, while P's ranks push the state; D.Generate(
-reserved=True, first_token_id) waits on D for every rank's state and streams the rest. A thread
-reads P's stream to its end (`_Push`): the transfer figures, or a failed push, which releases
-D's reservation (D's call then ends ABORTED and the client gets the push's error). A failed prefill releases
-the reservation and is tried once more on another prefill node (a new reservation); a prefill
-node that answered UNAVAILABLE is marked dead and D drops its transfer agents; with no other
-prefill node left, D prefills the prompt itself. Otherwise D prefills locally (colocated).
+The prefill phase (router/prefill.py), when the prompt is at least D's local-prefill threshold
+and a prefill node is ready and not overloaded, returns a Push: a reservation on D and the first
+token from a prefill node P, which goes to the client at once while P's ranks still write the
+state; then D.Generate(reserved=True, first_token_id) waits on D for every rank's state and
+streams the rest. If the push fails, D's call ends ABORTED and the client gets the push's error.
+Otherwise D prefills locally (colocated).
 
 A client that cancels cancels the upstream calls: the prefill node aborts the push, the
 reservation is released, the decode node aborts the request. If the chosen decode node is
@@ -52,91 +47,14 @@ from proto.serving import (
     start_server,
     wait_idle,
 )
+from router.config import RouterConfig
 from router.detok import IncrementalDetokenizer
+from router.errors import Abort, DecodeFailed
 from router.policy import make_policy
+from router.prefill import PrefillPhase
 from router.registry import NodeEntry, NodeRegistry
 
 log = logging.getLogger("pdserve.router")
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    model: str | None = None  # checkpoint directory: its tokenizer serves text prompts
-    static_decode: tuple[str, ...] = ()  # decode node addresses polled with Stats
-    static_prefill: tuple[str, ...] = ()  # prefill node addresses polled with Stats
-    heartbeat_interval_s: float = 0.5  # what nodes are told to use
-    dead_after_s: float = 3.0  # no heartbeat for this long: the node is dead
-    admission_timeout_s: float = 30.0  # wait this long for room, then RESOURCE_EXHAUSTED
-    policy: str = "least-loaded"
-    reservation_lease_s: float = 30.0  # lease asked of a decode node's Reserve
-    prefill_timeout_s: float = 120.0  # one Prefill call (queue + compute + push) at most
-    # Conditional disaggregation by load: when every ready prefill node has at least this many
-    # prompt tokens queued (its last report plus what the router sent since), the decode node
-    # prefills the prompt itself instead of queueing behind them. 0: no limit.
-    max_prefill_queue_tokens: int = 0
-    metrics_port: int | None = None  # Prometheus /metrics on this port (0 picks one; None: off)
-    http_port: int | None = None  # OpenAI-compatible HTTP on this port (0 picks one; None: off)
-    host: str = "127.0.0.1"  # where the metrics and HTTP ports bind
-
-    def __post_init__(self):
-        if self.dead_after_s <= self.heartbeat_interval_s:
-            raise ValueError("dead_after_s must exceed heartbeat_interval_s")
-        if self.admission_timeout_s < 0:
-            raise ValueError("admission_timeout_s must be >= 0")
-        if self.max_prefill_queue_tokens < 0:
-            raise ValueError("max_prefill_queue_tokens must be >= 0 (0: no limit)")
-        make_policy(self.policy)
-
-
-class _DecodeFailed(Exception):
-    """The decode node refused or could not take a reservation (retry on another decode node)."""
-
-    def __init__(self, err: grpc.RpcError):
-        super().__init__(str(err))
-        self.err = err
-
-
-class _Push:
-    """A prefill node's push into D's reservation, after it streamed the first token: a thread
-    reads the rest of the Prefill stream (the `pushed` message with the transfer figures, or the
-    status of a failed push) while D already waits for the state and then decodes."""
-
-    def __init__(self, p: NodeEntry, d: NodeEntry, rid: str, first: pb.PrefillResponse, call, on_fail):
-        self.p, self.d, self.rid, self.first, self.call = p, d, rid, first, call
-        self.pushed: pb.Timings | None = None
-        self.error: grpc.RpcError | None = None
-        self.done = threading.Event()
-        self._on_fail = on_fail
-        if first.finish_reason:  # the first token ended the request: nothing is pushed
-            self.done.set()
-        else:
-            threading.Thread(target=self._watch, name=f"push-{rid}", daemon=True).start()
-
-    def _watch(self) -> None:
-        try:
-            for m in self.call:
-                if m.pushed:
-                    self.pushed = m.timings
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED:
-                self.error = e
-                self._on_fail(self, e)
-        finally:
-            self.done.set()
-
-    def timings(self, wait_s: float = 0.0) -> pb.Timings:
-        """prefill_s from the first message; transfer_s and bytes once pushed (waits up to wait_s)."""
-        self.done.wait(wait_s)
-        t = pb.Timings(prefill_s=self.first.timings.prefill_s)
-        if self.pushed is not None:
-            t.transfer_s, t.transfer_bytes = self.pushed.transfer_s, self.pushed.transfer_bytes
-        return t
-
-
-class _Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, msg: str):
-        super().__init__(msg)
-        self.code, self.msg = code, msg
 
 
 @dataclass
@@ -166,6 +84,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         for a in cfg.static_prefill:
             self.registry.add_static(a, pb.NODE_KIND_PREFILL)
         self.policy = make_policy(cfg.policy)
+        self.prefill = PrefillPhase(cfg, self.registry, self.policy)
         self.tokenizer = None
         if cfg.model:
             from engine.tokenizer import Tokenizer
@@ -174,8 +93,6 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                 self.tokenizer = Tokenizer(cfg.model)
         self.server: grpc.Server | None = None
         self._health = None
-        self._pairs: set[tuple] = set()  # (prefill id, incarnation, decode id, incarnation) handshaken
-        self._pair_lock = threading.Lock()
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="sweeper", daemon=True)
         self._queued = 0  # requests waiting in admission (under registry.cond)
@@ -249,15 +166,15 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
 
     def _prompt_ids(self, request) -> list[int]:
         if request.prompt and request.prompt_token_ids:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "give prompt text or prompt_token_ids, not both")
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "give prompt text or prompt_token_ids, not both")
         if request.prompt:
             if self.tokenizer is None:
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "this router has no tokenizer: send prompt_token_ids")
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "this router has no tokenizer: send prompt_token_ids")
             ids = self.tokenizer.encode(request.prompt)
         else:
             ids = list(request.prompt_token_ids)
         if not ids:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt: give at least one token")
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt: give at least one token")
         return ids
 
     def _check(self, request, ids: list[int]) -> None:
@@ -266,28 +183,28 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         try:
             SamplingParams(**sampling_kwargs(request.sampling))
         except ValueError as e:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         if len(request.request_id) > MAX_REQUEST_ID_LEN:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id longer than {MAX_REQUEST_ID_LEN} characters")
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id longer than {MAX_REQUEST_ID_LEN} characters")
         nodes = self.registry.live(pb.NODE_KIND_DECODE)
         if nodes:  # refuse what no node could ever take, rather than queueing it
             limit = max(e.info.max_model_len for e in nodes)
             if len(ids) >= limit:
-                raise _Abort(
+                raise Abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"prompt of {len(ids)} tokens leaves no room to generate: max_model_len is {limit}",
                 )
             most = max(e.info.capacity.total_blocks for e in nodes)
             need = nodes[0].blocks_for(len(ids) + 1)
             if need > most:
-                raise _Abort(
+                raise Abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"prompt of {len(ids)} tokens needs {need} KV blocks; the largest decode node holds {most}",
                 )
             vocab = min(e.info.vocab_size for e in nodes)
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise _Abort(
+                raise Abort(
                     grpc.StatusCode.INVALID_ARGUMENT, f"prompt token id(s) {bad[:5]} out of range [0, {vocab})"
                 )
 
@@ -314,8 +231,8 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             left = deadline - time.monotonic()
             if left <= 0 or not context.is_active():
                 if not nodes:
-                    raise _Abort(grpc.StatusCode.UNAVAILABLE, "no live decode node takes new requests")
-                raise _Abort(
+                    raise Abort(grpc.StatusCode.UNAVAILABLE, "no live decode node takes new requests")
+                raise Abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"no decode node had room for a {prompt_len}-token prompt "
                     f"within {self.cfg.admission_timeout_s:g} s",
@@ -330,171 +247,6 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             e.freed_blocks += e.blocks_for(prompt_len + 1)
             self.registry.cond.notify_all()
 
-    # ---- the prefill pool ----------------------------------------------------------------------
-    def _ready_prefill(self, d: NodeEntry, exclude: set[str]) -> list[NodeEntry]:
-        dg = d.info.schema_digest
-        return [
-            p
-            for p in self.registry.routable(pb.NODE_KIND_PREFILL)
-            if p.info.prefill_ready and p.node_id not in exclude and (not dg or p.info.schema_digest in ("", dg))
-        ]
-
-    def _use_pool(self, d: NodeEntry, prompt_len: int) -> bool:
-        """Conditional disaggregation: short prompts (under D's threshold) prefill on D, as do all
-        prompts when no prefill node is ready or every one is loaded past
-        `max_prefill_queue_tokens`."""
-        if prompt_len < d.info.local_prefill_threshold or not d.info.schema_digest:
-            return False
-        ready = self._ready_prefill(d, set())
-        limit = self.cfg.max_prefill_queue_tokens
-        if limit and ready:
-            with self.registry.cond:
-                queued = [p.info.capacity.queued_prefill_tokens + p.inflight_prefill_tokens for p in ready]
-            if min(queued) >= limit:
-                return False
-        return bool(ready)
-
-    def _handshake(self, p: NodeEntry, d: NodeEntry) -> None:
-        """Broker the transfer handshake of (P, D) once per pair of incarnations."""
-        key = (p.node_id, p.info.incarnation, d.node_id, d.info.incarnation)
-        if key in self._pairs:
-            return
-        with self._pair_lock:
-            if key in self._pairs:
-                return
-            pr = p.stub.Handshake(pb.HandshakeRequest(node_id="router"), timeout=60)
-            dr = d.stub.Handshake(
-                pb.HandshakeRequest(node_id=p.node_id, incarnation=p.info.incarnation, schema=pr.schema), timeout=60
-            )
-            p.stub.Handshake(
-                pb.HandshakeRequest(node_id=d.node_id, incarnation=d.info.incarnation, schema=dr.schema), timeout=60
-            )
-            self._pairs.add(key)
-            log.info("transfer handshake %s <-> %s done", p.node_id, d.node_id)
-
-    def _forget_prefill(self, p: NodeEntry) -> None:
-        with self._pair_lock:
-            self._pairs = {k for k in self._pairs if k[0] != p.node_id}
-
-    def _forget_pair(self, p: NodeEntry, d: NodeEntry) -> None:
-        """Handshake (P, D) again next time: a failed prefill may mean D dropped P's agents (another
-        router declared P dead); the handshake is idempotent and cheap."""
-        with self._pair_lock:
-            self._pairs = {k for k in self._pairs if (k[0], k[2]) != (p.node_id, d.node_id)}
-
-    def _release(self, d: NodeEntry, rid: str, reason: str, dead_prefill: str = "") -> None:
-        try:
-            d.stub.Release(
-                pb.ReleaseRequest(request_id=rid, reason=reason, dead_prefill_node=dead_prefill), timeout=30
-            )
-        except grpc.RpcError as e:
-            log.warning("release of %s on %s failed: %s", rid, d.node_id, e.code().name)
-
-    def _reserve(self, d: NodeEntry, rid: str, ids: list[int], request, context) -> pb.TransferTarget:
-        """D.Reserve, retried while D is momentarily full (bounded by the admission wait)."""
-        deadline = time.monotonic() + self.cfg.admission_timeout_s
-        while True:
-            try:
-                return d.stub.Reserve(
-                    pb.ReserveRequest(
-                        request_id=rid, prompt_token_ids=ids, sampling=request.sampling,
-                        lease_s=self.cfg.reservation_lease_s,
-                    ),
-                    timeout=30,
-                ).target  # fmt: skip
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
-                    raise
-                if not context.is_active():
-                    raise _Abort(grpc.StatusCode.CANCELLED, "the client went away") from None
-                time.sleep(0.02)
-
-    def _prefill(self, d: NodeEntry, request, ids: list[int], tr: _Trace, context) -> _Push | None:
-        """Reserve on D, prefill on a prefill node (one retry elsewhere) until it streams the first
-        token. Returns the _Push (first token, the push still running), or None to prefill on D."""
-        n = len(ids)
-        tried: set[str] = set()
-        attempt = 0  # reservations made (each under its own id)
-        failures = 0  # prefill calls that failed (a drain refusal is not one)
-        while True:
-            with self.registry.cond:
-                p = self.policy.choose_prefill(self._ready_prefill(d, tried), n)
-                if p is not None:
-                    p.inflight_prefill_tokens += n
-            if p is None:
-                return None
-            tried.add(p.node_id)
-            rid = tr.request_id if attempt == 0 else f"{tr.request_id}~{attempt}"
-            reserved = False
-            try:
-                try:
-                    target = self._reserve(d, rid, ids, request, context)
-                except grpc.RpcError as e:
-                    raise _DecodeFailed(e) from None
-                reserved = True
-                self._handshake(p, d)
-                call = p.stub.Prefill(
-                    pb.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=request.sampling, target=target),
-                    timeout=self.cfg.prefill_timeout_s,
-                )
-                context.add_callback(call.cancel)
-                first = next(call, None)
-                if first is None:  # a stream with no message: a broken node
-                    call.cancel()
-                    raise _Abort(grpc.StatusCode.INTERNAL, f"prefill node {p.node_id} answered nothing")
-                return _Push(p, d, rid, first, call, self._push_failed)
-            except grpc.RpcError as e:
-                if not context.is_active():
-                    if reserved:
-                        self._release(d, rid, "the client went away")
-                    raise _Abort(grpc.StatusCode.CANCELLED, "the client went away") from None
-                code = e.code()
-                attempt += 1
-                if is_draining(e):  # alive, finishing its own work: place this prompt elsewhere
-                    self.registry.mark_draining(p)
-                    if reserved:
-                        self._release(d, rid, f"{p.node_id} is draining")
-                    if self._ready_prefill(d, tried):
-                        continue
-                    return None  # no other prefill node: D prefills the prompt itself
-                dead = code == grpc.StatusCode.UNAVAILABLE
-                if dead:
-                    with self.registry.cond:
-                        p.alive = False  # back with its next heartbeat, if it is alive after all
-                    self._forget_prefill(p)
-                self._forget_pair(p, d)
-                if reserved:
-                    self._release(d, rid, f"prefill on {p.node_id} failed: {code.name}", p.node_id if dead else "")
-                if code == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise _Abort(code, e.details() or code.name) from None
-                failures += 1
-                others = self._ready_prefill(d, tried)
-                log.warning(
-                    "request %s: prefill on %s failed (%s: %s)%s", tr.request_id, p.node_id, code.name, e.details(),
-                    "; retrying on another prefill node" if failures < 2 and others else "",
-                )  # fmt: skip
-                if failures < 2 and others:
-                    continue
-                if dead and not others:
-                    return None  # no prefill node left: D prefills the prompt itself
-                raise _Abort(code, f"prefill failed on {p.node_id}: {e.details() or code.name}") from None
-            finally:
-                with self.registry.cond:
-                    p.inflight_prefill_tokens -= n
-
-    def _push_failed(self, push: _Push, e: grpc.RpcError) -> None:
-        """The push failed after the first token went out (watcher thread): free D's reservation,
-        which ends D's Generate(reserved) with ABORTED; a prefill node that became unreachable
-        is marked dead and D drops its transfer agents."""
-        dead = e.code() == grpc.StatusCode.UNAVAILABLE and not is_draining(e)
-        log.warning("request %s: push from %s failed (%s: %s)", push.rid, push.p.node_id, e.code().name, e.details())
-        if dead:
-            with self.registry.cond:
-                push.p.alive = False
-            self._forget_prefill(push.p)
-        self._release(push.d, push.rid, f"push from {push.p.node_id} failed: {e.code().name}",
-                      push.p.node_id if dead else "")  # fmt: skip
-
     def Generate(self, request, context):
         if self.draining:
             refuse_draining(context, "the router")
@@ -506,7 +258,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             tr.prompt_len = len(ids)
             self._check(request, ids)
             yield from self._generate(request, ids, tr, context)
-        except _Abort as a:
+        except Abort as a:
             tr.finish = a.code.name
             context.abort(a.code, a.msg)
         except GeneratorExit:  # the client went away between messages
@@ -544,8 +296,8 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             call = None
             settled = False  # the reservation (if any) is activated, released or never made
             try:
-                if self._use_pool(d, len(ids)):
-                    pre = self._prefill(d, request, ids, tr, context)
+                if self.prefill.use_pool(d, len(ids)):
+                    pre = self.prefill.run(d, request, ids, tr.request_id, context)
                 if pre is None:
                     tr.prefill = "local"
                     call = d.stub.Generate(
@@ -560,7 +312,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                     yield self._relay_msg(m, tr, detok, pre, first=True)
                     if resp.finish_reason:  # the first token ended it: nothing was pushed
                         settled = True
-                        self._release(d, pre.rid, "finished at the first token")
+                        self.prefill.release(d, pre.rid, "finished at the first token")
                         return
                     # D waits for every rank's state, then decodes
                     call = d.stub.Generate(
@@ -577,7 +329,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                     first = False
                 settled = True
                 return
-            except _DecodeFailed as df:
+            except DecodeFailed as df:
                 e = df.err
                 code = e.code()
                 if self._placed_elsewhere(e, d, tr):
@@ -586,7 +338,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                 if code == grpc.StatusCode.UNAVAILABLE and tr.n == 0 and len(tried) < 2 and others:
                     log.warning("request %s: decode node %s unavailable, retrying elsewhere", tr.request_id, d.node_id)
                     continue
-                raise _Abort(code, e.details() or code.name) from None
+                raise Abort(code, e.details() or code.name) from None
             except grpc.RpcError as e:
                 if not context.is_active():  # the client went away; the callback cancelled upstream
                     tr.finish = "cancelled"
@@ -596,19 +348,19 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                     continue
                 if pre is not None and code == grpc.StatusCode.ABORTED and pre.done.wait(5.0) and pre.error is not None:
                     pe = pre.error  # D gave up because the push failed: report why
-                    raise _Abort(pe.code(), f"pushing the state from {pre.p.node_id} failed: "
+                    raise Abort(pe.code(), f"pushing the state from {pre.p.node_id} failed: "
                                  f"{pe.details() or pe.code().name}") from None  # fmt: skip
                 others = [n for n in self.registry.routable(pb.NODE_KIND_DECODE) if n.node_id not in tried]
                 if code == grpc.StatusCode.UNAVAILABLE and tr.n == 0 and len(tried) < 2 and others:
                     log.warning("request %s: decode node %s unavailable, retrying elsewhere", tr.request_id, d.node_id)
                     continue
-                raise _Abort(code, e.details() or code.name) from None
+                raise Abort(code, e.details() or code.name) from None
             finally:
                 if call is not None:
                     call.cancel()  # no-op when it completed; stops the node's work otherwise
                 if pre is not None:
                     if not settled:  # ended between the prefill and decode: free it now
-                        self._release(d, pre.rid, "the request ended before decode began")
+                        self.prefill.release(d, pre.rid, "the request ended before decode began")
                     if not pre.done.is_set():
                         pre.call.cancel()  # the request is over: the prefill node aborts what is left
                 self._done(d, len(ids))
@@ -711,6 +463,9 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         return self.server.wait_for_termination(timeout)
+
+
+__all__ = ["Router", "RouterConfig", "serve"]
 
 
 def serve(addr: str, cfg: RouterConfig) -> tuple[Router, int]:

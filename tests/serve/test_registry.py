@@ -84,13 +84,13 @@ def test_decode_node_prefills_when_every_prefill_node_is_loaded():
         p0 = _info("p0", "127.0.0.1:2", kind=pb.NODE_KIND_PREFILL)
         p0.schema_digest, p0.prefill_ready, p0.capacity.queued_prefill_tokens = "x", True, 500
         e0 = r.registry.register(p0)
-        assert r._use_pool(d, 64)
+        assert r.prefill.use_pool(d, 64)
         e0.inflight_prefill_tokens = 600  # sent by the router since p0's report: 1100 queued
-        assert not r._use_pool(d, 64)
+        assert not r.prefill.use_pool(d, 64)
         p1 = _info("p1", "127.0.0.1:3", kind=pb.NODE_KIND_PREFILL)
         p1.schema_digest, p1.prefill_ready = "x", True
         r.registry.register(p1)
-        assert r._use_pool(d, 64)  # one prefill node has room
+        assert r.prefill.use_pool(d, 64)  # one prefill node has room
     finally:
         r.stop(0)
     with pytest.raises(ValueError, match="max_prefill_queue_tokens"):

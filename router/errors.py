@@ -1,0 +1,20 @@
+"""How the router's request path unwinds: `Abort` ends the client's call with a status; a
+`DecodeFailed` is a decode node refusing or failing a reservation (tried on another node)."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class DecodeFailed(Exception):
+    """The decode node refused or could not take a reservation (retry on another decode node)."""
+
+    def __init__(self, err: grpc.RpcError):
+        super().__init__(str(err))
+        self.err = err
+
+
+class Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, msg: str):
+        super().__init__(msg)
+        self.code, self.msg = code, msg

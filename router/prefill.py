@@ -1,0 +1,239 @@
+"""The prefill phase of a disaggregated request (DESIGN.md section 1), as the router runs it.
+
+    run(D, request): choose a prefill node P (policy) -> D.Reserve (TransferTarget; retried while D
+    is momentarily full) -> make sure P and D have handshaken (brokered once per pair of
+    incarnations: P's rank blobs to D, D's to P) -> P.Prefill(prompt, target), a stream: its first
+    message is the first token -> a `Push` (first token in hand, P's ranks still writing)
+
+A thread (`Push._watch`) reads the rest of P's stream: the `pushed` message with the transfer
+figures, or a failed push, which releases D's reservation (`push_failed`). A prefill that fails
+before its first token releases the reservation and is tried once more on another prefill node (a
+new reservation); a prefill node that answered UNAVAILABLE is marked dead and D drops its
+transfer agents; one that refused because it drains is only routed around. With no prefill node
+left (or none ready, or every one loaded past `max_prefill_queue_tokens`: `use_pool`), the decode
+node prefills the prompt itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+
+from proto import pb
+from proto.serving import is_draining
+from router.config import RouterConfig
+from router.errors import Abort, DecodeFailed
+from router.registry import NodeEntry, NodeRegistry
+
+log = logging.getLogger("pdserve.router")
+
+
+class Push:
+    """A prefill node's push into D's reservation, after it streamed the first token: a thread
+    reads the rest of the Prefill stream (the `pushed` message with the transfer figures, or the
+    status of a failed push) while D already waits for the state and then decodes."""
+
+    def __init__(self, p: NodeEntry, d: NodeEntry, rid: str, first: pb.PrefillResponse, call, on_fail):
+        self.p, self.d, self.rid, self.first, self.call = p, d, rid, first, call
+        self.pushed: pb.Timings | None = None
+        self.error: grpc.RpcError | None = None
+        self.done = threading.Event()
+        self._on_fail = on_fail
+        if first.finish_reason:  # the first token ended the request: nothing is pushed
+            self.done.set()
+        else:
+            threading.Thread(target=self._watch, name=f"push-{rid}", daemon=True).start()
+
+    def _watch(self) -> None:
+        try:
+            for m in self.call:
+                if m.pushed:
+                    self.pushed = m.timings
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                self.error = e
+                self._on_fail(self, e)
+        finally:
+            self.done.set()
+
+    def timings(self, wait_s: float = 0.0) -> pb.Timings:
+        """prefill_s from the first message; transfer_s and bytes once pushed (waits up to wait_s)."""
+        self.done.wait(wait_s)
+        t = pb.Timings(prefill_s=self.first.timings.prefill_s)
+        if self.pushed is not None:
+            t.transfer_s, t.transfer_bytes = self.pushed.transfer_s, self.pushed.transfer_bytes
+        return t
+
+
+class PrefillPhase:
+    def __init__(self, cfg: RouterConfig, registry: NodeRegistry, policy):
+        self.cfg, self.registry, self.policy = cfg, registry, policy
+        self._pairs: set[tuple] = set()  # (prefill id, incarnation, decode id, incarnation) handshaken
+        self._pair_lock = threading.Lock()
+
+    def ready(self, d: NodeEntry, exclude: set[str]) -> list[NodeEntry]:
+        dg = d.info.schema_digest
+        return [
+            p
+            for p in self.registry.routable(pb.NODE_KIND_PREFILL)
+            if p.info.prefill_ready and p.node_id not in exclude and (not dg or p.info.schema_digest in ("", dg))
+        ]
+
+    def use_pool(self, d: NodeEntry, prompt_len: int) -> bool:
+        """Conditional disaggregation: short prompts (under D's threshold) prefill on D, as do all
+        prompts when no prefill node is ready or every one is loaded past
+        `max_prefill_queue_tokens`."""
+        if prompt_len < d.info.local_prefill_threshold or not d.info.schema_digest:
+            return False
+        ready = self.ready(d, set())
+        limit = self.cfg.max_prefill_queue_tokens
+        if limit and ready:
+            with self.registry.cond:
+                queued = [p.info.capacity.queued_prefill_tokens + p.inflight_prefill_tokens for p in ready]
+            if min(queued) >= limit:
+                return False
+        return bool(ready)
+
+    def handshake(self, p: NodeEntry, d: NodeEntry) -> None:
+        """Broker the transfer handshake of (P, D) once per pair of incarnations."""
+        key = (p.node_id, p.info.incarnation, d.node_id, d.info.incarnation)
+        if key in self._pairs:
+            return
+        with self._pair_lock:
+            if key in self._pairs:
+                return
+            pr = p.stub.Handshake(pb.HandshakeRequest(node_id="router"), timeout=60)
+            dr = d.stub.Handshake(
+                pb.HandshakeRequest(node_id=p.node_id, incarnation=p.info.incarnation, schema=pr.schema), timeout=60
+            )
+            p.stub.Handshake(
+                pb.HandshakeRequest(node_id=d.node_id, incarnation=d.info.incarnation, schema=dr.schema), timeout=60
+            )
+            self._pairs.add(key)
+            log.info("transfer handshake %s <-> %s done", p.node_id, d.node_id)
+
+    def forget_prefill(self, p: NodeEntry) -> None:
+        with self._pair_lock:
+            self._pairs = {k for k in self._pairs if k[0] != p.node_id}
+
+    def forget_pair(self, p: NodeEntry, d: NodeEntry) -> None:
+        """Handshake (P, D) again next time: a failed prefill may mean D dropped P's agents (another
+        router declared P dead); the handshake is idempotent and cheap."""
+        with self._pair_lock:
+            self._pairs = {k for k in self._pairs if (k[0], k[2]) != (p.node_id, d.node_id)}
+
+    def release(self, d: NodeEntry, rid: str, reason: str, dead_prefill: str = "") -> None:
+        try:
+            d.stub.Release(
+                pb.ReleaseRequest(request_id=rid, reason=reason, dead_prefill_node=dead_prefill), timeout=30
+            )
+        except grpc.RpcError as e:
+            log.warning("release of %s on %s failed: %s", rid, d.node_id, e.code().name)
+
+    def reserve(self, d: NodeEntry, rid: str, ids: list[int], request, context) -> pb.TransferTarget:
+        """D.Reserve, retried while D is momentarily full (bounded by the admission wait)."""
+        deadline = time.monotonic() + self.cfg.admission_timeout_s
+        while True:
+            try:
+                return d.stub.Reserve(
+                    pb.ReserveRequest(
+                        request_id=rid, prompt_token_ids=ids, sampling=request.sampling,
+                        lease_s=self.cfg.reservation_lease_s,
+                    ),
+                    timeout=30,
+                ).target  # fmt: skip
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                    raise
+                if not context.is_active():
+                    raise Abort(grpc.StatusCode.CANCELLED, "the client went away") from None
+                time.sleep(0.02)
+
+    def run(self, d: NodeEntry, request, ids: list[int], request_id: str, context) -> Push | None:
+        """Reserve on D, prefill on a prefill node (one retry elsewhere) until it streams the first
+        token. Returns the _Push (first token, the push still running), or None to prefill on D."""
+        n = len(ids)
+        tried: set[str] = set()
+        attempt = 0  # reservations made (each under its own id)
+        failures = 0  # prefill calls that failed (a drain refusal is not one)
+        while True:
+            with self.registry.cond:
+                p = self.policy.choose_prefill(self.ready(d, tried), n)
+                if p is not None:
+                    p.inflight_prefill_tokens += n
+            if p is None:
+                return None
+            tried.add(p.node_id)
+            rid = request_id if attempt == 0 else f"{request_id}~{attempt}"
+            reserved = False
+            try:
+                try:
+                    target = self.reserve(d, rid, ids, request, context)
+                except grpc.RpcError as e:
+                    raise DecodeFailed(e) from None
+                reserved = True
+                self.handshake(p, d)
+                call = p.stub.Prefill(
+                    pb.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=request.sampling, target=target),
+                    timeout=self.cfg.prefill_timeout_s,
+                )
+                context.add_callback(call.cancel)
+                first = next(call, None)
+                if first is None:  # a stream with no message: a broken node
+                    call.cancel()
+                    raise Abort(grpc.StatusCode.INTERNAL, f"prefill node {p.node_id} answered nothing")
+                return Push(p, d, rid, first, call, self.push_failed)
+            except grpc.RpcError as e:
+                if not context.is_active():
+                    if reserved:
+                        self.release(d, rid, "the client went away")
+                    raise Abort(grpc.StatusCode.CANCELLED, "the client went away") from None
+                code = e.code()
+                attempt += 1
+                if is_draining(e):  # alive, finishing its own work: place this prompt elsewhere
+                    self.registry.mark_draining(p)
+                    if reserved:
+                        self.release(d, rid, f"{p.node_id} is draining")
+                    if self.ready(d, tried):
+                        continue
+                    return None  # no other prefill node: D prefills the prompt itself
+                dead = code == grpc.StatusCode.UNAVAILABLE
+                if dead:
+                    with self.registry.cond:
+                        p.alive = False  # back with its next heartbeat, if it is alive after all
+                    self.forget_prefill(p)
+                self.forget_pair(p, d)
+                if reserved:
+                    self.release(d, rid, f"prefill on {p.node_id} failed: {code.name}", p.node_id if dead else "")
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise Abort(code, e.details() or code.name) from None
+                failures += 1
+                others = self.ready(d, tried)
+                log.warning(
+                    "request %s: prefill on %s failed (%s: %s)%s", request_id, p.node_id, code.name, e.details(),
+                    "; retrying on another prefill node" if failures < 2 and others else "",
+                )  # fmt: skip
+                if failures < 2 and others:
+                    continue
+                if dead and not others:
+                    return None  # no prefill node left: D prefills the prompt itself
+                raise Abort(code, f"prefill failed on {p.node_id}: {e.details() or code.name}") from None
+            finally:
+                with self.registry.cond:
+                    p.inflight_prefill_tokens -= n
+
+    def push_failed(self, push: Push, e: grpc.RpcError) -> None:
+        """The push failed after the first token went out (watcher thread): free D's reservation,
+        which ends D's Generate(reserved) with ABORTED; a prefill node that became unreachable
+        is marked dead and D drops its transfer agents."""
+        dead = e.code() == grpc.StatusCode.UNAVAILABLE and not is_draining(e)
+        log.warning("request %s: push from %s failed (%s: %s)", push.rid, push.p.node_id, e.code().name, e.details())
+        if dead:
+            with self.registry.cond:
+                push.p.alive = False
+            self.forget_prefill(push.p)
+        self.release(push.d, push.rid, f"push from {push.p.node_id} failed: {e.code().name}",
+                      push.p.node_id if dead else "")  # fmt: skip
