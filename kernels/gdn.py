@@ -59,6 +59,9 @@ def unpad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     return x[row, col]
 
 
+_GROUP_ELEMS = 1 << 17  # elements of a [G, B, H, C, C] temporary in the CPU chunked prefill
+
+
 def _initial_states(state_pool, slot_ids, has_initial_state):
     s = state_pool.index_select(0, slot_ids).float()
     if has_initial_state is None:
@@ -99,46 +102,46 @@ def gdn_chunk_prefill(
     n_chunks = max(1, -(-int(lens.max()) // C))
     L = n_chunks * C
 
+    def chunks(x):  # packed [T, H, d] -> [N, B, H, C, d], chunk-major, zeros after each sequence's end
+        x = pad_packed(x, cu_seqlens, L)
+        return x.view(B, n_chunks, C, hv, -1).permute(1, 0, 3, 2, 4).contiguous()
+
     # Padding rows carry k = 0, beta = 0, g = 0: they neither decay nor write the state.
-    qp = pad_packed(expand_heads(q, hv).float() * scale, cu_seqlens, L)  # [B, L, H, dk]
-    kp = pad_packed(expand_heads(k, hv).float(), cu_seqlens, L)
-    vp = pad_packed(v.float(), cu_seqlens, L)  # [B, L, H, dv]
-    gp = pad_packed(g.float(), cu_seqlens, L)  # [B, L, H]
-    bp = pad_packed(beta.float(), cu_seqlens, L)
-
-    def chunks(x):  # [B, L, H, d] -> [B, H, N, C, d]
-        return x.transpose(1, 2).reshape(B, hv, n_chunks, C, x.shape[-1])
-
-    Q, K, V = chunks(qp), chunks(kp), chunks(vp)
-    gamma = gp.transpose(1, 2).reshape(B, hv, n_chunks, C).cumsum(-1)  # in-chunk cumsum of g
-    bet = bp.transpose(1, 2).reshape(B, hv, n_chunks, C)
-
+    Q = chunks(expand_heads(q, hv).float() * scale)
+    K = chunks(expand_heads(k, hv).float())
+    V = chunks(v.float())
+    gamma = chunks(g.float()[..., None])[..., 0].cumsum_(-1)  # [N, B, H, C] in-chunk cumsum of g
+    bet = chunks(beta.float()[..., None])  # [N, B, H, C, 1]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    diff = gamma[..., :, None] - gamma[..., None, :]
-    decay = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()  # Gamma_ij, i >= j
-
-    kb = K * bet[..., None]
-    A = (kb @ K.transpose(-1, -2)) * decay  # diagonal ignored by the unit-triangular solve
-    eg = gamma.exp()[..., None]
-    rhs = torch.cat([V * bet[..., None], kb * eg], dim=-1)
-    sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
-    U, W = sol[..., :dv], sol[..., dv:]  # U = T diag(beta) V ; W = T diag(beta e^gamma) K
-
-    intra = (Q @ K.transpose(-1, -2)) * decay
-    Qd = Q * eg
-    last = gamma[..., -1:]  # [B, H, N, 1]
-    Kd = K * (last - gamma).exp()[..., None]
-    chunk_decay = last.exp()[..., None]  # [B, H, N, 1, 1]
 
     S = _initial_states(state_pool, slot_ids, has_initial_state)
     O = torch.empty_like(V)
-    for n in range(n_chunks):
-        vn = U[:, :, n] - W[:, :, n] @ S
-        O[:, :, n] = Qd[:, :, n] @ S + intra[:, :, n] @ vn
-        S = S * chunk_decay[:, :, n] + Kd[:, :, n].transpose(-1, -2) @ vn
+    # Chunks go in groups small enough for the [G, B, H, C, C] temporaries to stay in cache.
+    G = max(1, min(n_chunks, _GROUP_ELEMS // (B * hv * C * C)))
+    for n0 in range(0, n_chunks, G):
+        Qg, Kg, Vg, gam, bg = Q[n0 : n0 + G], K[n0 : n0 + G], V[n0 : n0 + G], gamma[n0 : n0 + G], bet[n0 : n0 + G]
+        # Gamma_ij = exp(gamma_i - gamma_j) for i >= j, else 0. Clamped at -80 so that exp never
+        # underflows (slow on CPUs); e^-80 is as good as zero next to the diagonal's 1.
+        decay = (gam[..., :, None] - gam[..., None, :]).clamp_(-80.0, 0.0).exp_().masked_fill_(~causal, 0.0)
+        kb = Kg * bg
+        Kt = Kg.transpose(-1, -2)
+        A = (kb @ Kt).mul_(decay)  # diagonal ignored by the unit-triangular solve
+        eg = gam.exp()[..., None]
+        rhs = torch.cat([Vg * bg, kb.mul_(eg)], dim=-1)
+        sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+        U, W = sol[..., :dv], sol[..., dv:]  # U = T diag(beta) V ; W = T diag(beta e^gamma) K
+        intra = (Qg @ Kt).mul_(decay)
+        Qd = Qg * eg
+        last = gam[..., -1:]  # [G, B, H, 1]
+        KdT = (Kg * (last - gam).exp_()[..., None]).transpose(-1, -2)
+        chunk_decay = last.exp()[..., None]  # [G, B, H, 1, 1]
+        for n in range(Qg.shape[0]):
+            vn = U[n] - W[n] @ S
+            O[n0 + n] = Qd[n] @ S + intra[n] @ vn
+            S = S * chunk_decay[n] + KdT[n] @ vn
 
     state_pool.index_copy_(0, slot_ids, S.to(state_pool.dtype))
-    out = O.reshape(B, hv, L, dv).transpose(1, 2)  # [B, L, H, dv]
+    out = O.permute(1, 0, 3, 2, 4).reshape(B, L, hv, dv)
     return unpad_packed(out, cu_seqlens).to(v.dtype)
 
 
