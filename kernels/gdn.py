@@ -155,10 +155,11 @@ def gdn_decode_step_(q, k, v, g, beta, state: torch.Tensor, scale: float | None 
     S.mul_(g.float().exp().view(B, hk, -1, 1, 1))
     kk = k.float().view(B, hk, 1, 1, dk)
     pred = (kk @ S).view(B, hv, dv)
-    delta = (v.float() - pred) * beta.float()[..., None]
-    # S += k delta^T per value head, in place (no [B, Hv, dk, dv] temporary)
-    state.view(B * hv, dk, dv).baddbmm_(expand_heads(kk.view(B, hk, dk), hv).reshape(B * hv, dk, 1), delta.view(B * hv, 1, dv))
-    out = ((q.float() * scale).view(B, hk, 1, 1, dk) @ S).view(B, hv, dv)
+    delta = (v.float() - pred).mul_(beta.float()[..., None])
+    # S += k delta^T per value head, in place and broadcast over the heads sharing a key head
+    S.addcmul_(kk.view(B, hk, 1, dk, 1), delta.view(B, hk, -1, 1, dv))
+    qq = q.float() if scale == 1.0 else q.float() * scale
+    out = (qq.view(B, hk, 1, 1, dk) @ S).view(B, hv, dv)
     return out.to(v.dtype)
 
 
