@@ -73,9 +73,10 @@ def causal_conv1d(
 def conv_update_(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, activation: bool = True) -> torch.Tensor:
     """One token per row, shifting `state` [B, D, Kc-1] in place (it may be a contiguous run of
     a pool's slots). Returns y [B, D]."""
-    ext = torch.cat([state.float(), x.float()[:, :, None]], dim=-1)  # [B, D, Kc]
-    y = (ext * weight.float()).sum(-1)
-    state.copy_(ext[:, :, 1:])
+    # Time-major [B, Kc, D]: the sum over Kc runs along an outer axis, which vectorises over D.
+    ext = torch.cat([state.float().transpose(1, 2), x.float()[:, None, :]], dim=1)
+    y = (ext * weight.float().t()).sum(1)
+    state.copy_(ext[:, 1:].transpose(1, 2))
     return (F.silu(y, inplace=True) if activation else y).to(x.dtype)
 
 

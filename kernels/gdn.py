@@ -46,13 +46,23 @@ def _pad_index(cu_seqlens: torch.Tensor, padded_len: int, total: int) -> torch.T
 
 
 def pad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, padded_len: int) -> torch.Tensor:
-    """Packed [T, ...] -> [B, padded_len, ...], zeros after each sequence's end."""
+    """Packed [T, ...] -> [B, padded_len, ...], zeros after each sequence's end (a view when
+    every sequence is padded_len long)."""
+    B = cu_seqlens.numel() - 1
+    if x.shape[0] == B * padded_len:
+        return x.view(B, padded_len, *x.shape[1:])
+    if B == 1:
+        return torch.cat([x, x.new_zeros((padded_len - x.shape[0], *x.shape[1:]))])[None]
     xz = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
     return xz[_pad_index(cu_seqlens, padded_len, x.shape[0])]
 
 
 def unpad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """[B, L, ...] -> packed [T, ...] keeping the first len_b positions of row b."""
+    B, L = x.shape[:2]
+    T = int(cu_seqlens[-1])
+    if T == B * L or B == 1:
+        return x[:, : T // B].reshape(T, *x.shape[2:]).contiguous()
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     row = torch.repeat_interleave(torch.arange(len(lens), device=x.device), lens)
     col = torch.arange(int(cu_seqlens[-1]), device=x.device) - cu_seqlens[:-1][row]
@@ -81,23 +91,26 @@ def gdn_chunk_prefill(
     slot_ids: torch.Tensor,
     has_initial_state: torch.Tensor | None = None,
     scale: float | None = None,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Chunked gated delta rule over packed variable-length sequences.
 
     Returns o [T, Hv, dv] in v's dtype; writes each sequence's final state into
     state_pool[slot_ids]. Sequences with has_initial_state False start from zero.
+    chunk_size None: 64 for the Triton kernel, 32 here (smaller [C, C] work, faster on CPUs).
     """
     if q.is_cuda or _force_triton():
         from kernels.triton.gdn_chunk import gdn_chunk_prefill_triton
 
-        return gdn_chunk_prefill_triton(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, has_initial_state, scale, chunk_size)
+        return gdn_chunk_prefill_triton(
+            q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, has_initial_state, scale, chunk_size or 64
+        )
     check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids)
     T, hv, dv = v.shape
     dk = q.shape[-1]
     scale = dk**-0.5 if scale is None else scale
     B = cu_seqlens.numel() - 1
-    C = chunk_size
+    C = chunk_size or 32
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     n_chunks = max(1, -(-int(lens.max()) // C))
     L = n_chunks * C
