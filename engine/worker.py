@@ -15,11 +15,11 @@ from engine.cache.allocator import CachePools, Capacity, plan_capacity
 from engine.cache.spec import build_specs
 from engine.config import EngineConfig
 from engine.loader import load_weights
-from engine.model.batch import ForwardBatch, make_group
+from engine.model.batch import ForwardBatch, IntPack, group_fields, make_group
 from engine.model.layers import AllReduce
 from engine.model.qwen3_5 import Qwen35Model
 from engine.sampler import Sampler
-from engine.step import RowInput, StepInput, StepOutput
+from engine.step import StepInput, StepOutput
 
 log = logging.getLogger("pdserve.worker")
 
@@ -54,20 +54,6 @@ class Worker:
         a rank's pools without the engine importing them."""
         return fn(self, *args, **kwargs)
 
-    def _group(self, rows: list[RowInput], tok_start: int, decode: bool):
-        if not rows:
-            return None
-        return make_group(
-            tok_start,
-            [len(r.token_ids) for r in rows],
-            [r.slot for r in rows],
-            [r.start_pos > 0 for r in rows],
-            [r.start_pos + len(r.token_ids) for r in rows],
-            [r.block_ids for r in rows],
-            self.device,
-            decode,
-        )
-
     def build_batch(self, step: StepInput) -> ForwardBatch:
         ids, pos, slots, logit_idx = [], [], [], []
         bs = self.block_size
@@ -82,16 +68,26 @@ class Worker:
             elif r.sample or r.want_logits:
                 logit_idx.append(len(ids) - 1)
         n_dec = sum(r.is_decode for r in step.rows)
-        dec_rows, pre_rows = step.rows[:n_dec], step.rows[n_dec:]
-        n_dec_tok = sum(len(r.token_ids) for r in dec_rows)
-        t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
+        groups = [(rows, dec) for rows, dec in ((step.rows[:n_dec], True), (step.rows[n_dec:], False)) if rows]
+        pack = IntPack()
+        fields = [pack.add(x) for x in (ids, pos, slots, logit_idx)]
+        gf = [
+            group_fields(pack, [len(r.token_ids) for r in rows], [r.slot for r in rows],
+                         [r.start_pos for r in rows], [r.block_ids for r in rows])
+            for rows, _ in groups
+        ]
+        pack.build(self.device)
+        made, tok = {}, 0
+        for (_, dec), f in zip(groups, gf):
+            made[dec] = make_group(tok, pack, f, dec)
+            tok = made[dec].tok_end
         return ForwardBatch(
-            input_ids=t(ids),
-            positions=t(pos),
-            slot_mapping=t(slots),
-            decode=self._group(dec_rows, 0, True),
-            prefill=self._group(pre_rows, n_dec_tok, False),
-            logits_indices=t(logit_idx),
+            input_ids=pack[fields[0]],
+            positions=pack[fields[1]],
+            slot_mapping=pack[fields[2]],
+            decode=made.get(True),
+            prefill=made.get(False),
+            logits_indices=pack[fields[3]],
         )
 
     def execute(self, step: StepInput) -> StepOutput | None:

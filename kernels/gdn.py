@@ -46,17 +46,30 @@ def _pad_index(cu_seqlens: torch.Tensor, padded_len: int, total: int) -> torch.T
 
 
 def pad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, padded_len: int) -> torch.Tensor:
-    """Packed [T, ...] -> [B, padded_len, ...], zeros after each sequence's end."""
+    """Packed [T, ...] -> [B, padded_len, ...], zeros after each sequence's end (a view when
+    every sequence is padded_len long)."""
+    B = cu_seqlens.numel() - 1
+    if x.shape[0] == B * padded_len:
+        return x.view(B, padded_len, *x.shape[1:])
+    if B == 1:
+        return torch.cat([x, x.new_zeros((padded_len - x.shape[0], *x.shape[1:]))])[None]
     xz = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
     return xz[_pad_index(cu_seqlens, padded_len, x.shape[0])]
 
 
 def unpad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """[B, L, ...] -> packed [T, ...] keeping the first len_b positions of row b."""
+    B, L = x.shape[:2]
+    T = int(cu_seqlens[-1])
+    if T == B * L or B == 1:
+        return x[:, : T // B].reshape(T, *x.shape[2:]).contiguous()
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     row = torch.repeat_interleave(torch.arange(len(lens), device=x.device), lens)
     col = torch.arange(int(cu_seqlens[-1]), device=x.device) - cu_seqlens[:-1][row]
     return x[row, col]
+
+
+_GROUP_ELEMS = 1 << 17  # elements of a [G, B, H, C, C] temporary in the CPU chunked prefill
 
 
 def _initial_states(state_pool, slot_ids, has_initial_state):
@@ -78,67 +91,70 @@ def gdn_chunk_prefill(
     slot_ids: torch.Tensor,
     has_initial_state: torch.Tensor | None = None,
     scale: float | None = None,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Chunked gated delta rule over packed variable-length sequences.
 
     Returns o [T, Hv, dv] in v's dtype; writes each sequence's final state into
     state_pool[slot_ids]. Sequences with has_initial_state False start from zero.
+    chunk_size None: 64 for the Triton kernel, 32 here (smaller [C, C] work, faster on CPUs).
     """
     if q.is_cuda or _force_triton():
         from kernels.triton.gdn_chunk import gdn_chunk_prefill_triton
 
-        return gdn_chunk_prefill_triton(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, has_initial_state, scale, chunk_size)
+        return gdn_chunk_prefill_triton(
+            q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, has_initial_state, scale, chunk_size or 64
+        )
     check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids)
     T, hv, dv = v.shape
     dk = q.shape[-1]
     scale = dk**-0.5 if scale is None else scale
     B = cu_seqlens.numel() - 1
-    C = chunk_size
+    C = chunk_size or 32
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     n_chunks = max(1, -(-int(lens.max()) // C))
     L = n_chunks * C
 
+    def chunks(x):  # packed [T, H, d] -> [N, B, H, C, d], chunk-major, zeros after each sequence's end
+        x = pad_packed(x, cu_seqlens, L)
+        return x.view(B, n_chunks, C, hv, -1).permute(1, 0, 3, 2, 4).contiguous()
+
     # Padding rows carry k = 0, beta = 0, g = 0: they neither decay nor write the state.
-    qp = pad_packed(expand_heads(q, hv).float() * scale, cu_seqlens, L)  # [B, L, H, dk]
-    kp = pad_packed(expand_heads(k, hv).float(), cu_seqlens, L)
-    vp = pad_packed(v.float(), cu_seqlens, L)  # [B, L, H, dv]
-    gp = pad_packed(g.float(), cu_seqlens, L)  # [B, L, H]
-    bp = pad_packed(beta.float(), cu_seqlens, L)
-
-    def chunks(x):  # [B, L, H, d] -> [B, H, N, C, d]
-        return x.transpose(1, 2).reshape(B, hv, n_chunks, C, x.shape[-1])
-
-    Q, K, V = chunks(qp), chunks(kp), chunks(vp)
-    gamma = gp.transpose(1, 2).reshape(B, hv, n_chunks, C).cumsum(-1)  # in-chunk cumsum of g
-    bet = bp.transpose(1, 2).reshape(B, hv, n_chunks, C)
-
+    Q = chunks(expand_heads(q, hv).float() * scale)
+    K = chunks(expand_heads(k, hv).float())
+    V = chunks(v.float())
+    gamma = chunks(g.float()[..., None])[..., 0].cumsum_(-1)  # [N, B, H, C] in-chunk cumsum of g
+    bet = chunks(beta.float()[..., None])  # [N, B, H, C, 1]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    diff = gamma[..., :, None] - gamma[..., None, :]
-    decay = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()  # Gamma_ij, i >= j
-
-    kb = K * bet[..., None]
-    A = (kb @ K.transpose(-1, -2)) * decay  # diagonal ignored by the unit-triangular solve
-    eg = gamma.exp()[..., None]
-    rhs = torch.cat([V * bet[..., None], kb * eg], dim=-1)
-    sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
-    U, W = sol[..., :dv], sol[..., dv:]  # U = T diag(beta) V ; W = T diag(beta e^gamma) K
-
-    intra = (Q @ K.transpose(-1, -2)) * decay
-    Qd = Q * eg
-    last = gamma[..., -1:]  # [B, H, N, 1]
-    Kd = K * (last - gamma).exp()[..., None]
-    chunk_decay = last.exp()[..., None]  # [B, H, N, 1, 1]
 
     S = _initial_states(state_pool, slot_ids, has_initial_state)
     O = torch.empty_like(V)
-    for n in range(n_chunks):
-        vn = U[:, :, n] - W[:, :, n] @ S
-        O[:, :, n] = Qd[:, :, n] @ S + intra[:, :, n] @ vn
-        S = S * chunk_decay[:, :, n] + Kd[:, :, n].transpose(-1, -2) @ vn
+    # Chunks go in groups small enough for the [G, B, H, C, C] temporaries to stay in cache.
+    G = max(1, min(n_chunks, _GROUP_ELEMS // (B * hv * C * C)))
+    for n0 in range(0, n_chunks, G):
+        Qg, Kg, Vg, gam, bg = Q[n0 : n0 + G], K[n0 : n0 + G], V[n0 : n0 + G], gamma[n0 : n0 + G], bet[n0 : n0 + G]
+        # Gamma_ij = exp(gamma_i - gamma_j) for i >= j, else 0. Clamped at -80 so that exp never
+        # underflows (slow on CPUs); e^-80 is as good as zero next to the diagonal's 1.
+        decay = (gam[..., :, None] - gam[..., None, :]).clamp_(-80.0, 0.0).exp_().masked_fill_(~causal, 0.0)
+        kb = Kg * bg
+        Kt = Kg.transpose(-1, -2)
+        A = (kb @ Kt).mul_(decay)  # diagonal ignored by the unit-triangular solve
+        eg = gam.exp()[..., None]
+        rhs = torch.cat([Vg * bg, kb.mul_(eg)], dim=-1)
+        sol = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+        U, W = sol[..., :dv], sol[..., dv:]  # U = T diag(beta) V ; W = T diag(beta e^gamma) K
+        intra = (Qg @ Kt).mul_(decay)
+        Qd = Qg * eg
+        last = gam[..., -1:]  # [G, B, H, 1]
+        KdT = (Kg * (last - gam).exp_()[..., None]).transpose(-1, -2)
+        chunk_decay = last.exp()[..., None]  # [G, B, H, 1, 1]
+        for n in range(Qg.shape[0]):
+            vn = U[n] - W[n] @ S
+            O[n0 + n] = Qd[n] @ S + intra[n] @ vn
+            S = S * chunk_decay[n] + KdT[n] @ vn
 
     state_pool.index_copy_(0, slot_ids, S.to(state_pool.dtype))
-    out = O.reshape(B, hv, L, dv).transpose(1, 2)  # [B, L, H, dv]
+    out = O.permute(1, 0, 3, 2, 4).reshape(B, L, hv, dv)
     return unpad_packed(out, cu_seqlens).to(v.dtype)
 
 
@@ -152,10 +168,11 @@ def gdn_decode_step_(q, k, v, g, beta, state: torch.Tensor, scale: float | None 
     S.mul_(g.float().exp().view(B, hk, -1, 1, 1))
     kk = k.float().view(B, hk, 1, 1, dk)
     pred = (kk @ S).view(B, hv, dv)
-    delta = (v.float() - pred) * beta.float()[..., None]
-    # S += k delta^T per value head, in place (no [B, Hv, dk, dv] temporary)
-    state.view(B * hv, dk, dv).baddbmm_(expand_heads(kk.view(B, hk, dk), hv).reshape(B * hv, dk, 1), delta.view(B * hv, 1, dv))
-    out = ((q.float() * scale).view(B, hk, 1, 1, dk) @ S).view(B, hv, dv)
+    delta = (v.float() - pred).mul_(beta.float()[..., None])
+    # S += k delta^T per value head, in place and broadcast over the heads sharing a key head
+    S.addcmul_(kk.view(B, hk, 1, dk, 1), delta.view(B, hk, -1, 1, dv))
+    qq = q.float() if scale == 1.0 else q.float() * scale
+    out = (qq.view(B, hk, 1, 1, dk) @ S).view(B, hv, dv)
     return out.to(v.dtype)
 
 

@@ -49,21 +49,53 @@ class ForwardBatch:
         return [g for g in (self.decode, self.prefill) if g is not None]
 
 
-def make_group(tok_start, lens, slots, has_init, seq_lens, block_tables, device, decode=False) -> RowGroup:
+class IntPack:
+    """Int lists collected for one step, then made into ONE int64 tensor whose slices are the
+    step's index tensors (a tensor creation costs more than the copy on the CPU)."""
+
+    def __init__(self):
+        self.vals: list[int] = []
+        self._spans: list[tuple[int, int]] = []
+        self._tensor: torch.Tensor | None = None
+
+    def add(self, xs) -> int:
+        self._spans.append((len(self.vals), len(xs)))
+        self.vals.extend(xs)
+        return len(self._spans) - 1
+
+    def build(self, device) -> None:
+        self._tensor = torch.tensor(self.vals, dtype=torch.int64, device=device)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        start, n = self._spans[i]
+        return self._tensor[start : start + n]
+
+
+def group_fields(pack: IntPack, lens, slots, start_pos, block_tables) -> dict:
+    """Adds a group's index lists to `pack`; `make_group` reads them back once it is built."""
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
     width = max(len(b) for b in block_tables)
-    table = [b + [0] * (width - len(b)) for b in block_tables]
+    table = [x for b in block_tables for x in (b + [0] * (width - len(b)))]
+    return dict(
+        cu=pack.add(cu), slots=pack.add(slots), start_pos=pack.add(start_pos),
+        seq_lens=pack.add([p + n for p, n in zip(start_pos, lens)]), table=pack.add(table),
+        width=width, num_tokens=cu[-1], max_row_tokens=max(lens),
+        slot_start=slots[0] if list(slots) == list(range(slots[0], slots[0] + len(slots))) else None,
+    )
+
+
+def make_group(tok_start: int, pack: IntPack, f: dict, decode: bool = False) -> RowGroup:
     return RowGroup(
         tok_start=tok_start,
-        tok_end=tok_start + cu[-1],
-        cu_seqlens=torch.tensor(cu, dtype=torch.int64, device=device),
-        slot_ids=torch.tensor(slots, dtype=torch.int64, device=device),
-        has_initial_state=torch.tensor(has_init, dtype=torch.bool, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-        block_tables=torch.tensor(table, dtype=torch.int64, device=device),
+        tok_end=tok_start + f["num_tokens"],
+        cu_seqlens=pack[f["cu"]],
+        slot_ids=pack[f["slots"]],
+        has_initial_state=pack[f["start_pos"]] > 0,
+        seq_lens=pack[f["seq_lens"]],
+        block_tables=pack[f["table"]].view(-1, f["width"]),
         decode=decode,
-        max_row_tokens=max(lens),
-        slot_start=slots[0] if list(slots) == list(range(slots[0], slots[0] + len(slots))) else None,
+        max_row_tokens=f["max_row_tokens"],
+        slot_start=f["slot_start"],
     )
