@@ -25,6 +25,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from engine.cache.spec import PagedAttentionSpec
 from transfer.errors import PlanError
 from transfer.schema import KINDS, RankSchema, TensorDesc
 
@@ -72,18 +73,15 @@ def _coalesce_templates(pieces: list[Template]) -> tuple[Template, ...]:
     return tuple(out)
 
 
-KV_AXES = ("head", "block", "kv", "token", "dim")
-
-
 def _kv_templates(s: TensorDesc, d: TensorDesc) -> list[Template]:
     """Per head: its K and V of one block is one contiguous run (head-major pool), and the
     head's next block follows it, so consecutive blocks coalesce."""
-    if s.axes != KV_AXES:
-        raise PlanError(f"paged_kv layer {s.layer}: pool axes {s.axes}, this plan knows {KV_AXES}")
+    if s.axes != PagedAttentionSpec.storage_axes:
+        raise PlanError(f"paged_kv layer {s.layer}: pool axes {s.axes}, this plan knows {PagedAttentionSpec.storage_axes}")
     piece = int(np.prod(s.local_shape[2:])) * s.itemsize  # (2, bs, hd)
     if piece != s.page_stride or piece != d.page_stride:
         raise PlanError(
-            f"paged_kv layer {s.layer}: a head's block is {piece} B but page strides are {s.page_stride} / {d.page_stride}"
+            f"paged_kv layer {s.layer}: a head's block is {piece} B, page strides {s.page_stride} / {d.page_stride}"
         )
     out = []
     for j, h in enumerate(d.heads):

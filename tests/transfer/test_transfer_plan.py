@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -166,3 +167,16 @@ def test_plan_refuses_bad_ids():
         plan(s, s, [0], [0], 0, 99)
     with pytest.raises(PlanError, match="source blocks"):
         plan(s, s, [0, 1], [0], 0, 0)
+
+
+def test_plan_refuses_unknown_kv_layout():
+    """A KV pool described in another axis order (e.g. block-major pages) is refused, not guessed."""
+    model = tiny_model()
+    (s,) = _schemas(model, 1)
+    old = tuple(
+        msgspec.structs.replace(t, axes=("block", "kv", "head", "token", "dim")) if t.kind == "paged_kv" else t
+        for t in s.tensors
+    )
+    s = msgspec.structs.replace(s, tensors=old)
+    with pytest.raises(PlanError, match="pool axes"):
+        plan(s, s, [0], [0], 0, 0)
