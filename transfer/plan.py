@@ -200,6 +200,12 @@ def expand_arrays(pairs: Sequence[RegionPair], src_blocks, dst_blocks, src_slot:
     return reg[first], so[first], do[first], np.add.reduceat(ln, first)
 
 
+def plan_nbytes(pairs: Sequence[RegionPair], num_blocks: int) -> int:
+    """Bytes the ranges of `pairs` cover for a request of `num_blocks` blocks: what
+    `expand_arrays` returns summed, without expanding (coalescing never changes the sum)."""
+    return sum(t.length * (num_blocks if p.paged else 1) for p in pairs for t in p.templates)
+
+
 def expand(pairs: Sequence[RegionPair], src_blocks, dst_blocks, src_slot: int, dst_slot: int) -> list[Range]:
     reg, so, do, ln = expand_arrays(pairs, src_blocks, dst_blocks, src_slot, dst_slot)
     return [

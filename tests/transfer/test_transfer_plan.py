@@ -12,7 +12,7 @@ import torch
 from xfer_state import engine_cfg, global_state, make_pools, noise, place, snapshot, tiny_model
 
 from transfer.errors import PlanError
-from transfer.plan import pair_templates, plan, sources_for
+from transfer.plan import pair_templates, plan, plan_nbytes, sources_for
 from transfer.schema import build_schema
 
 TOKENS = 15  # 4 blocks of 4, the last one partly filled
@@ -61,6 +61,7 @@ def test_plan_matches_global_reshard(hk, hv, kvh, a, b):
         for sp, ss in zip(src_pools, src_s):
             src_regions = {(kind, layer): _bytes(t) for kind, layer, t in sp.tensors()}
             ranges = plan(ss, ds, SRC_BLOCKS, DST_BLOCKS, SRC_SLOT, DST_SLOT)
+            assert plan_nbytes(pair_templates(ss, ds), len(SRC_BLOCKS)) == sum(r.length for r in ranges)
             senders += bool(ranges)
             for layer, kind, so, do, n in ranges:
                 dst_regions[(kind, layer)][do : do + n] = src_regions[(kind, layer)][so : so + n]
