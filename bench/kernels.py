@@ -147,6 +147,7 @@ def cuda_part(device: str, small: bool) -> None:
     from kernels.triton.gdn_chunk import gdn_chunk_prefill_triton
     from kernels.triton.gdn_recurrent import gdn_recurrent_triton
     from kernels.triton.norm import gated_rms_norm_triton
+    from engine.cache.allocator import kv_pool_view
     from kernels.triton.paged_attention import paged_attention_triton, store_kv_triton
 
     timer = Timer(device)
@@ -205,7 +206,7 @@ def cuda_part(device: str, small: bool) -> None:
 
     # KV store and paged attention (decode; prefill)
     nblk = Bd * -(-ctx // bs) + 1
-    kv = torch.randn(nblk, 2, KVH, bs, hd, device=device, dtype=dt)
+    kv = kv_pool_view(torch.randn(KVH, nblk, 2, bs, hd, device=device, dtype=dt))  # head-major, as the engine
     tables = torch.arange(1, nblk, device=device, dtype=torch.int32).view(Bd, -1)
     kn = torch.randn(Bd, KVH, hd, device=device, dtype=dt)
     slot_map = tables[:, -1].long() * bs

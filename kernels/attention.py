@@ -1,8 +1,11 @@
 """Paged attention: the KV store and causal attention over pages (PyTorch path).
 
-Page layout, one pool per full-attention layer, head-major so that one head's slice of a
-block is one contiguous range (what the transfer layer moves):
+One pool per full-attention layer, seen by every function here as
     kv_pool [num_blocks, 2, KVH, block_size, hd]     (index 0 = K, 1 = V)
+with any strides (unit stride on hd). The engine's pools are this view of head-major memory,
+[KVH, num_blocks, 2, block_size, hd] (engine.cache.allocator), so that one head's K and V of a
+run of consecutive blocks is one contiguous range (what the transfer layer moves); a contiguous
+pool in the view's own order works the same.
 
     q            [T, H, hd]   packed new tokens of B sequences (cu_seqlens_q [B+1])
     seq_lens     [B]          tokens in context for each sequence, the new ones included
@@ -47,8 +50,8 @@ def gather_kv(kv_pool: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.
     """Whole pages of each sequence -> K, V [B, KVH, max_blocks * block_size, hd]."""
     B, nb = block_tables.shape
     _, _, kvh, bs, hd = kv_pool.shape
-    pages = kv_pool.index_select(0, block_tables.reshape(-1)).view(B, nb, 2, kvh, bs, hd)
-    pages = pages.permute(2, 0, 3, 1, 4, 5).reshape(2, B, kvh, nb * bs, hd)
+    pages = kv_pool.index_select(0, block_tables.reshape(-1)).reshape(B, nb, 2, kvh, bs, hd)
+    pages = pages.permute(2, 0, 3, 1, 4, 5).reshape(2, B, kvh, nb * bs, hd)  # one copy of the pages
     return pages[0], pages[1]
 
 

@@ -1,10 +1,12 @@
 """NIXL data plane: one-sided WRITE from a source rank's pools into a destination rank's pools.
 
-Start-up: every pool tensor is registered once. Per peer (once, at handshake): two descriptor
-lists are prepared from the pair's templates, one descriptor per (region, template, page), over
-*every* page of the pool, local side and remote side. Per request: indices into those lists
-(block ids and slot ids, numpy arithmetic), one `make_prepped_xfer` per channel; NIXL merges
-adjacent descriptors, which the index order makes exactly the ranges `transfer.plan` coalesces.
+Start-up: every pool tensor is registered once (its whole memory; KV pools are head-major).
+Per peer (once, at handshake): two descriptor lists are prepared from the pair's templates, one
+descriptor per (region, template, page), over *every* page of the pool, local side and remote
+side (a KV template is one head, so a head's blocks are consecutive descriptors). Per request:
+indices into those lists (block ids and slot ids, numpy arithmetic), one `make_prepped_xfer` per
+channel; NIXL merges adjacent descriptors, which the index order makes exactly the ranges
+`transfer.plan` coalesces.
 Notifications use NIXL's notification mechanism (attached to the transfer, or standalone).
 """
 

@@ -2,14 +2,18 @@
 rank's pools, for one request, re-sharding TP a -> b without a staging copy (DESIGN.md section 4).
 
 Two steps, both pure:
-- `pair_templates(src, dst)`: once per (source rank, destination rank) pair, the pieces of one
-  page (KV block or state slot) that the source writes into the destination, per layer and kind.
-  Conv channels are split segment by segment ([q | k | v], each re-sharded on its own), the
-  recurrent state by head rows, KV pages by head (one source replica per head when a > KVH;
-  every destination replica gets a copy when b > KVH).
+- `pair_templates(src, dst)`: once per (source rank, destination rank) pair, the pieces of page 0
+  (KV block or state slot) that the source writes into the destination, per layer and kind; the
+  same piece of page p lies p * page_stride further on each side. Conv channels are split
+  segment by segment ([q | k | v], each re-sharded on its own), the recurrent state by head
+  rows, KV pages by head (one source replica per head when a > KVH; every destination replica
+  gets a copy when b > KVH).
 - `expand(...)` / `plan(...)`: the request's block ids and slots turn templates into absolute
   byte ranges inside each region (pool tensor), in a canonical order (regions in layer order,
-  then template, then source block id), and adjacent ranges are coalesced.
+  then template, then source block id), and adjacent ranges are coalesced. KV pools are
+  head-major (transfer.schema), so a head's K and V of a run of blocks consecutive on both sides
+  is one range: a request whose blocks were handed out in order moves as one range per
+  (layer, head), whatever the two TP sizes.
 
 The NIXL backend prepares descriptor lists from the same templates in the same order, so the
 descriptors NIXL merges are exactly the ranges `plan` returns.
@@ -21,12 +25,14 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from engine.cache.spec import PagedAttentionSpec
 from transfer.errors import PlanError
 from transfer.schema import KINDS, RankSchema, TensorDesc
 
 
 class Template(NamedTuple):
-    """A contiguous piece of one page: offsets from the page start, in bytes."""
+    """A contiguous piece of page 0, as byte offsets from the region start; page p's piece is
+    p * page_stride further (on each side, with that side's page stride)."""
 
     src_off: int
     dst_off: int
@@ -68,17 +74,20 @@ def _coalesce_templates(pieces: list[Template]) -> tuple[Template, ...]:
 
 
 def _kv_templates(s: TensorDesc, d: TensorDesc) -> list[Template]:
-    """Per (K|V, head): a head's slice of a page is one contiguous run (head-major pages)."""
-    _, _, kvh_s, bs, hd = s.local_shape
-    kvh_d = d.local_shape[2]
-    piece = bs * hd * s.itemsize
+    """Per head: its K and V of one block is one contiguous run (head-major pool), and the
+    head's next block follows it, so consecutive blocks coalesce."""
+    if s.axes != PagedAttentionSpec.storage_axes:
+        raise PlanError(f"paged_kv layer {s.layer}: pool axes {s.axes}, this plan knows {PagedAttentionSpec.storage_axes}")
+    piece = int(np.prod(s.local_shape[2:])) * s.itemsize  # (2, bs, hd)
+    if piece != s.page_stride or piece != d.page_stride:
+        raise PlanError(
+            f"paged_kv layer {s.layer}: a head's block is {piece} B, page strides {s.page_stride} / {d.page_stride}"
+        )
     out = []
-    for kv in (0, 1):
-        for j, h in enumerate(d.heads):
-            if h not in s.heads or s.replica != d.tp_rank % s.replication:
-                continue  # not held here, or another source replica of this head serves d
-            i = s.heads.index(h)
-            out.append(Template((kv * kvh_s + i) * piece, (kv * kvh_d + j) * piece, piece))
+    for j, h in enumerate(d.heads):
+        if h not in s.heads or s.replica != d.tp_rank % s.replication:
+            continue  # not held here, or another source replica of this head serves d
+        out.append(Template(s.heads.index(h) * s.head_stride, j * d.head_stride, piece))
     return out
 
 
@@ -102,10 +111,10 @@ def _conv_templates(s: TensorDesc, d: TensorDesc) -> list[Template]:
 
 
 def _head_templates(s: TensorDesc, d: TensorDesc) -> list[Template]:
-    """Recurrent state: one (dk, dv) block per value head, head-major."""
+    """Recurrent state: one (dk, dv) block per value head, head-major within a slot."""
     head = int(np.prod(s.local_shape[2:])) * s.itemsize
     pos = {h: i for i, h in enumerate(s.heads)}
-    return [Template(pos[h] * head, j * head, head) for j, h in enumerate(d.heads) if h in pos]
+    return [Template(pos[h] * s.head_stride, j * d.head_stride, head) for j, h in enumerate(d.heads) if h in pos]
 
 
 _TEMPLATES = {"paged_kv": _kv_templates, "gdn_conv": _conv_templates, "gdn_recurrent": _head_templates}
@@ -189,6 +198,12 @@ def expand_arrays(pairs: Sequence[RegionPair], src_blocks, dst_blocks, src_slot:
     start[1:] = (reg[1:] != reg[:-1]) | (so[1:] != so[:-1] + ln[:-1]) | (do[1:] != do[:-1] + ln[:-1])
     first = np.flatnonzero(start)
     return reg[first], so[first], do[first], np.add.reduceat(ln, first)
+
+
+def plan_nbytes(pairs: Sequence[RegionPair], num_blocks: int) -> int:
+    """Bytes the ranges of `pairs` cover for a request of `num_blocks` blocks: what
+    `expand_arrays` returns summed, without expanding (coalescing never changes the sum)."""
+    return sum(t.length * (num_blocks if p.paged else 1) for p in pairs for t in p.templates)
 
 
 def expand(pairs: Sequence[RegionPair], src_blocks, dst_blocks, src_slot: int, dst_slot: int) -> list[Range]:

@@ -18,15 +18,16 @@ from typing import Literal
 import msgspec
 import torch
 
-from engine.cache.allocator import CachePools
+from engine.cache.allocator import CachePools, kv_storage
 from engine.cache.spec import GDNStateSpec, PagedAttentionSpec, build_specs
 from engine.config import EngineConfig, dtype_name
 from transfer.errors import HandshakeError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: head-major KV pools, described by axes + page_stride + head_stride
 
 Kind = Literal["paged_kv", "gdn_conv", "gdn_recurrent"]
 KINDS: tuple[str, ...] = ("paged_kv", "gdn_conv", "gdn_recurrent")
+PAGE_AXIS = {"paged_kv": "block", "gdn_conv": "slot", "gdn_recurrent": "slot"}  # label of the page axis
 
 
 class SegmentDesc(msgspec.Struct, frozen=True):
@@ -42,14 +43,22 @@ class SegmentDesc(msgspec.Struct, frozen=True):
 
 
 class TensorDesc(msgspec.Struct, frozen=True):
-    """One pool tensor of one rank: [pages, *page] where a page is a KV block or a state slot."""
+    """One pool tensor of one rank, as it lies in memory (the registered region).
+
+    A page is a KV block or a state slot; the page axis is labelled "block" or "slot" in `axes`
+    and need not lead. KV pools are head-major, axes ("head", "block", "kv", "token", "dim"):
+    one head's K and V of one block is `page_stride` bytes, a head's blocks follow each other,
+    and the next head starts `head_stride` bytes further. State pools lead with "slot".
+    Byte offset of (page p, head i) in the region = p * page_stride + i * head_stride.
+    """
 
     kind: Kind
     layer: int
     dtype: str  # e.g. "bfloat16"; the recurrent state is always "float32"
-    global_shape: tuple[int, ...]  # one page, unsharded: (2, KVH, bs, hd) | (conv_dim, Kc-1) | (Hv, dk, dv)
-    local_shape: tuple[int, ...]  # the whole pool on this rank, leading axis = pages
-    axes: tuple[str, ...]  # labels of local_shape, e.g. ("slot", "head", "dk", "dv")
+    global_shape: tuple[int, ...]  # unsharded sizes of the axes other than the page axis, in memory
+    # order: (KVH, 2, bs, hd) | (conv_dim, Kc-1) | (Hv, dk, dv)
+    local_shape: tuple[int, ...]  # the whole pool on this rank, in memory order (row-major, contiguous)
+    axes: tuple[str, ...]  # labels of local_shape, e.g. ("slot", "head", "dk", "dv"), ("head", "block", ...)
     shard_axis: str  # "head" | "channel"
     segments: tuple[SegmentDesc, ...]  # concatenated-axis segments (gdn_conv), else ()
     heads: tuple[int, ...]  # global heads held (KV heads or GDN value heads); () for conv
@@ -59,12 +68,13 @@ class TensorDesc(msgspec.Struct, frozen=True):
     tp_rank: int
     block_size: int  # tokens per page for paged kinds; 0 for per-sequence state
     tokens_per_page: int  # tokens one page covers: block_size, or 0 = the whole prefix (state)
-    page_stride: int  # bytes from one page (block or slot) to the next
+    page_stride: int  # bytes from one page (block or slot) to the next along the page axis
+    head_stride: int  # bytes from one head to the next along the "head" axis; 0 without one (conv)
     num_pages: int
     itemsize: int
     mem_type: Literal["DRAM", "VRAM"]
     device_id: int
-    base_addr: int  # address of page 0; with nbytes this is the registered region
+    base_addr: int  # start of the pool's memory; with nbytes this is the registered region
     nbytes: int
     region: str  # registration handle: the region's name, unique per rank ("L3.paged_kv")
 
@@ -171,11 +181,13 @@ def _desc(
     rank: int,
     block_size: int = 0,
 ) -> TensorDesc:
-    if not pool.is_contiguous():
+    if not pool.is_contiguous() or len(axes) != pool.dim():
         raise ValueError(
-            f"{kind} pool of layer {spec.layer} is not contiguous; the transfer registers pools as they are"
+            f"{kind} pool of layer {spec.layer} {tuple(pool.shape)} is not contiguous or not labelled by {axes}; "
+            "the transfer registers pools as they lie in memory"
         )
     mem_type, dev = _mem(pool)
+    page_axis = axes.index(PAGE_AXIS[kind])
     return TensorDesc(
         kind=kind,
         layer=spec.layer,
@@ -192,8 +204,9 @@ def _desc(
         tp_rank=rank,
         block_size=block_size,
         tokens_per_page=block_size,
-        page_stride=pool[0].numel() * pool.element_size(),
-        num_pages=pool.shape[0],
+        page_stride=pool.stride(page_axis) * pool.element_size(),
+        head_stride=pool.stride(axes.index("head")) * pool.element_size() if "head" in axes else 0,
+        num_pages=pool.shape[page_axis],
         itemsize=pool.element_size(),
         mem_type=mem_type,
         device_id=dev,
@@ -220,9 +233,9 @@ def build_schema(cfg: EngineConfig, rank: int, pools: CachePools) -> RankSchema:
                 _desc(
                     "paged_kv",
                     s,
-                    pools.kv[s.layer],
-                    (2, m.num_kv_heads, s.block_size, s.head_dim),
-                    ("block", "kv", "head", "token", "dim"),
+                    kv_storage(pools.kv[s.layer]),
+                    (m.num_kv_heads, 2, s.block_size, s.head_dim),
+                    s.storage_axes,
                     "head",
                     heads=s.kv_heads,
                     replication=rep,

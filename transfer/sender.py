@@ -21,7 +21,7 @@ from transfer.backend import TransferState, WriteJob, byte_view, host_bytes
 from transfer.endpoint import Endpoint, Peer
 from transfer.errors import PlanError, TransferError
 from transfer.messages import Abort, Begin, Done, Grant, Refuse, Release, Target, TargetRank, encode_control
-from transfer.plan import check_ids, expand_arrays, pair_templates
+from transfer.plan import check_ids, expand_arrays, pair_templates, plan_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ class Sender(Endpoint):
                 crc, _ = channel_checksum(
                     pairs, self.views, "src", req.src_blocks, dst_blocks, req.src_slot, ch.dst.slot
                 )
-            nbytes = int(expand_arrays(pairs, req.src_blocks, dst_blocks, req.src_slot, ch.dst.slot)[3].sum())
+            nbytes = plan_nbytes(pairs, len(req.src_blocks))  # on the post's path: no expansion
             req.nbytes += nbytes
             done = Done(req.request_id, ch.dst.incarnation, self.agent, self.rank, nbytes, crc)
             notif = encode_control(done)

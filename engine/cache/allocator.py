@@ -3,6 +3,9 @@
 The budget (`kv_cache_memory`, per rank) first pays for the GDN state slots (fixed size per
 request, bounded concurrency), and the rest becomes KV pages. Each layer's pool is one large
 tensor allocated once at start-up, so the transfer layer can register it with NIXL as it is.
+KV pools are allocated head-major ([KVH, num_blocks, 2, block_size, hd]) and handed to the model
+as a permuted view in the kernels' [num_blocks, 2, KVH, block_size, hd] order (no copy);
+`CachePools.tensors()` gives the transfer layer the contiguous head-major tensor itself.
 
 Capacity in tokens divides the page memory by the per-token bytes of the groups that grow
 with length (full attention) only; dividing by every cache group would understate it.
@@ -78,8 +81,27 @@ def plan_capacity(
     )
 
 
+def kv_pool_view(storage: torch.Tensor) -> torch.Tensor:
+    """Head-major storage [KVH, num_blocks, 2, bs, hd] -> the kernels' [num_blocks, 2, KVH, bs, hd] view."""
+    return storage.permute(1, 2, 0, 3, 4)
+
+
+def kv_storage(pool: torch.Tensor) -> torch.Tensor:
+    """The contiguous head-major tensor behind a pool view made by `kv_pool_view`."""
+    storage = pool.permute(2, 0, 1, 3, 4)
+    if not storage.is_contiguous():
+        raise ValueError(
+            f"KV pool {tuple(pool.shape)} with strides {pool.stride()} is not a view of contiguous "
+            "head-major storage [KVH, num_blocks, 2, block_size, hd]"
+        )
+    return storage
+
+
 class CachePools:
-    """Per-layer pools: kv[layer] for attention, conv[layer] + recurrent[layer] for GDN."""
+    """Per-layer pools: kv[layer] for attention, conv[layer] + recurrent[layer] for GDN.
+
+    kv[layer] is the kernels' view [num_blocks, 2, KVH, bs, hd] of head-major storage.
+    """
 
     def __init__(
         self, specs: list[CacheSpec], capacity: Capacity, device: str | torch.device = "cpu", num_spec_tokens: int = 0
@@ -94,7 +116,8 @@ class CachePools:
         self.recurrent_scratch: dict[int, torch.Tensor] = {}
         for s in specs:  # zeroed: pages and slots never hold NaN, even before first use
             if isinstance(s, PagedAttentionSpec):
-                self.kv[s.layer] = torch.zeros(s.pool_shape(capacity.num_blocks), dtype=s.dtype, device=device)
+                storage = torch.zeros(s.storage_shape(capacity.num_blocks), dtype=s.dtype, device=device)
+                self.kv[s.layer] = kv_pool_view(storage)
             else:
                 n = capacity.num_state_slots
                 self.conv[s.layer] = torch.zeros((n, *s.conv_shape), dtype=s.conv_dtype, device=device)
@@ -115,8 +138,9 @@ class CachePools:
                 self.recurrent[layer][slot].copy_(self.recurrent_scratch[layer][row, idx])
 
     def tensors(self) -> list[tuple[str, int, torch.Tensor]]:
-        """(kind, layer, tensor) for every pool: what the transfer layer registers."""
-        out = [("paged_kv", i, t) for i, t in self.kv.items()]
+        """(kind, layer, tensor) for every pool: what the transfer layer registers. Each tensor
+        is contiguous and covers its whole allocation (KV: the head-major storage, not the view)."""
+        out = [("paged_kv", i, kv_storage(t)) for i, t in self.kv.items()]
         out += [("gdn_conv", i, t) for i, t in self.conv.items()]
         out += [("gdn_recurrent", i, t) for i, t in self.recurrent.items()]
         return sorted(out, key=lambda x: (x[1], x[0]))

@@ -18,9 +18,16 @@ from engine.shard import Segment, conv_segments, head_range, kv_head_range
 
 @dataclass(frozen=True)
 class PagedAttentionSpec:
-    """KV pages of one full-attention layer: pool [num_blocks, 2, KVH_local, block_size, hd]."""
+    """KV pages of one full-attention layer.
+
+    The kernels see the pool as [num_blocks, 2, KVH_local, block_size, hd] (`pool_shape`); the
+    memory behind it is head-major, [KVH_local, num_blocks, 2, block_size, hd] (`storage_shape`),
+    so one head's K and V of a run of consecutive blocks is one contiguous byte range: what a
+    transfer between ranks holding different heads moves as one piece.
+    """
 
     kind: ClassVar[str] = "paged_kv"
+    storage_axes: ClassVar[tuple[str, ...]] = ("head", "block", "kv", "token", "dim")
     layer: int
     block_size: int
     num_kv_heads: int  # held by this rank
@@ -37,7 +44,12 @@ class PagedAttentionSpec:
         return self.page_size_bytes // self.block_size
 
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The kernels' (logical) view of the pool."""
         return (num_blocks, 2, self.num_kv_heads, self.block_size, self.head_dim)
+
+    def storage_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The pool's memory, axes `storage_axes` (head-major)."""
+        return (self.num_kv_heads, num_blocks, 2, self.block_size, self.head_dim)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Paged attention and the KV store, Triton.
 
 Same contract as kernels.attention:
-    kv_pool      [num_blocks, 2, KVH, block_size, hd]   (0 = K, 1 = V; head-major pages)
+    kv_pool      [num_blocks, 2, KVH, block_size, hd]   (0 = K, 1 = V; any strides, unit on hd)
     k, v         [T, KVH, hd], slot_mapping [T]          store_kv: token i -> flat slot
     q            [T, H, hd] packed new tokens, cu_seqlens_q [B+1]
     seq_lens     [B] tokens in context (new ones included), block_tables [B, max_blocks]
@@ -10,8 +10,10 @@ launch serves decode, speculative verification (k+1 tokens) and chunked prefill 
 pages, mixed in one batch. Query head h reads KV head h // (H / KVH).
 
 paged_attention: one program per (row, query head, tile of BM new tokens) streams the row's
-pages one at a time (a page is one [block_size, hd] tile per head, contiguous in the head-major
-layout) with an online softmax, stopping at the last page its tile can see. Everything is
+pages one at a time (a page is one [block_size, hd] tile per head, contiguous in the engine's
+head-major storage [KVH, num_blocks, 2, block_size, hd]; the kernels only follow the strides)
+with an online softmax, stopping at the last page its tile can see. Offsets are int64: in
+head-major storage a head's offset spans every page of the pool. Everything is
 computed in float32 ("ieee" matmuls, also for bf16 inputs: correctness first; the interpreter
 cannot run bf16 matmuls, so a bf16 tensor-core variant could not be checked here). A decode row
 uses 1 of the BM query rows; packing a GQA group's heads into the tile is the next step.
@@ -41,7 +43,7 @@ def _store_kv_kernel(
     slot = tl.load(slot_ptr + t).to(tl.int64)
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
-    rh = tl.arange(0, BH)
+    rh = tl.arange(0, BH).to(tl.int64)
     rd = tl.arange(0, BD)
     m = (rh < KVH)[:, None] & (rd < HD)[None, :]
     dst = pool_ptr + blk * s_pb + rh[:, None] * s_ph + off * s_pt + rd[None, :]
@@ -84,7 +86,7 @@ def _paged_attention_kernel(
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    kvh = h // GROUP
+    kvh = (h // GROUP).to(tl.int64)
     q_start = tl.load(cu_ptr + b).to(tl.int64)
     q_len = tl.load(cu_ptr + b + 1).to(tl.int64) - q_start
     ctx = tl.load(seq_lens_ptr + b).to(tl.int64)

@@ -60,7 +60,10 @@ def test_capacity_reported_by_llm(llm_hv2):
     state = cfg.num_state_slots * sum(s.page_size_bytes for s in specs if isinstance(s, GDNStateSpec))
     assert cap.max_tokens == (cfg.cache.memory_bytes - state) // (per_tok * 16) * 16
     pools = llm_hv2.engine.executor.worker.pools
-    assert pools.kv[3].shape == (cap.num_blocks, 2, 2, 16, 64)
+    assert pools.kv[3].shape == (cap.num_blocks, 2, 2, 16, 64)  # the kernels' view ...
+    storage = dict(((kind, layer), t) for kind, layer, t in pools.tensors())[("paged_kv", 3)]
+    assert storage.shape == (2, cap.num_blocks, 2, 16, 64) and storage.is_contiguous()  # ... of head-major memory
+    assert storage.data_ptr() == pools.kv[3].data_ptr() and torch.equal(storage.permute(1, 2, 0, 3, 4), pools.kv[3])
     assert pools.recurrent[0].shape == (cap.num_state_slots, 8, 32, 32)
     assert pools.recurrent[0].dtype == torch.float32
 

@@ -52,5 +52,11 @@ def pick_slots(n_slots: int, batch: int, gen: torch.Generator) -> tuple[torch.Te
     return perm[:batch].clone(), perm[batch:].clone()
 
 
+def head_major(pool: torch.Tensor) -> torch.Tensor:
+    """The same pool [num_blocks, 2, KVH, bs, hd] as a view of head-major storage
+    [KVH, num_blocks, 2, bs, hd], the engine's layout (strides differ, values do not)."""
+    return pool.permute(2, 0, 1, 3, 4).contiguous().permute(1, 2, 0, 3, 4)
+
+
 def to_dev(*xs):
     return tuple(None if x is None else x.to(DEVICE) for x in xs)

@@ -1,13 +1,15 @@
 """KV store and paged attention: Triton vs the PyTorch reference over prefill, chunked prefill
 (earlier pages read back), decode and mixed speculative batches, with GQA; pages and page tails
-the batch does not own are NaN, so reading them fails the test."""
+the batch does not own are NaN, so reading them fails the test. The pools under test are views
+of head-major storage, as the engine allocates them, and the references get contiguous pools in
+the view's order, so every comparison also checks that the layout does not change a value."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernel_testing import DEVICE, TOL, assert_close, assert_unchanged, cu_seqlens, nan_like, to_dev
+from kernel_testing import DEVICE, TOL, assert_close, assert_unchanged, cu_seqlens, head_major, nan_like, to_dev
 from kernels.attention import paged_attention, store_kv
 
 LENGTHS = [1, 7, 63, 64, 65, 130]
@@ -15,6 +17,7 @@ DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.bfloat16, id
 # (H, KVH): GQA and plain multi-head.
 HEADS = [pytest.param((4, 2), id="gqa-h4-kvh2"), pytest.param((2, 2), id="mha-h2")]
 HD = 32
+LAYOUTS = [pytest.param(head_major, id="head-major"), pytest.param(lambda p: p, id="block-major")]
 # Rows as (new tokens, tokens in context including them).
 BATCHES = (
     [pytest.param([(n, n)], id=f"prefill-len{n}") for n in LENGTHS]
@@ -27,10 +30,11 @@ BATCHES = (
 )
 
 
-def make_case(rows, heads, dtype, block_size=16, seed=0, spare_pages=3, hd=HD):
+def make_case(rows, heads, dtype, block_size=16, seed=0, spare_pages=3, hd=HD, layout=head_major):
     """Pages for each row in random order; page 0 is an all-zero page that pads the block
-    tables. For the Triton run every unowned page and every page tail past seq_len is NaN; the
-    reference (whose masked softmax would turn a NaN value into a NaN output) gets zeros there."""
+    tables. For the Triton run every unowned page and every page tail past seq_len is NaN (pool
+    in `layout`); the reference (whose masked softmax would turn a NaN value into a NaN output)
+    gets zeros there, in a contiguous pool."""
     gen = torch.Generator().manual_seed(seed)
     H, kvh = heads
     n_pages = [-(-ctx // block_size) for _, ctx in rows]
@@ -49,7 +53,8 @@ def make_case(rows, heads, dtype, block_size=16, seed=0, spare_pages=3, hd=HD):
         i += n
     poisoned = pool.clone()
     poisoned.masked_fill_(~used[:, None, None, :, None], float("nan"))
-    ref_pool = poisoned.nan_to_num(0.0)
+    ref_pool = poisoned.nan_to_num(0.0).contiguous()
+    poisoned = layout(poisoned)
     q = torch.randn(sum(n for n, _ in rows), H, hd, generator=gen).to(dtype)
     cu = cu_seqlens([n for n, _ in rows])
     seq_lens = torch.tensor([ctx for _, ctx in rows], dtype=torch.int64)
@@ -71,12 +76,16 @@ def test_paged_attention_triton_matches_reference(rows, heads, dtype):
     assert_close("o", o, o_ref, TOL[dtype])
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("heads", [(4, 1), (4, 2)], ids=["kvh1", "kvh2"])
 @pytest.mark.parametrize("block_size", [8, 12, 32], ids=lambda n: f"block{n}")
-def test_paged_attention_triton_other_block_sizes(block_size):
+def test_paged_attention_triton_other_block_sizes(block_size, heads, layout):
     from kernels.triton.paged_attention import paged_attention_triton
 
     rows = [(40, 100), (1, 33), (4, 9)]
-    q, pool, ref_pool, cu, seq_lens, tables = make_case(rows, (4, 1), torch.float32, block_size=block_size, seed=1)
+    q, pool, ref_pool, cu, seq_lens, tables = make_case(
+        rows, heads, torch.float32, block_size=block_size, seed=1, layout=layout
+    )
     o_ref = paged_attention(q, ref_pool, cu, seq_lens, tables, 0.3)
     o = paged_attention_triton(*to_dev(q, pool, cu, seq_lens, tables), 0.3)
     assert_close("o", o, o_ref, TOL[torch.float32])
@@ -87,7 +96,8 @@ def test_paged_attention_triton_other_block_sizes(block_size):
     [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
     ids=["f32", "bf16", "f32-into-bf16"],
 )
-def test_store_kv_triton_matches_reference(dtypes):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_store_kv_triton_matches_reference(dtypes, layout):
     from kernels.triton.paged_attention import store_kv_triton
 
     src, dst = dtypes
@@ -99,7 +109,7 @@ def test_store_kv_triton_matches_reference(dtypes):
     slots = torch.randperm(num_blocks * bs, generator=gen)[:T]
     ref = pool0.clone()
     store_kv(k, v, ref, slots)
-    pool = pool0.clone().to(DEVICE)
+    pool = layout(pool0.clone()).to(DEVICE)
     store_kv_triton(*to_dev(k, v), pool, slots.to(DEVICE))
     pool = pool.cpu()
     written = torch.zeros(num_blocks * bs, dtype=torch.bool)
@@ -130,6 +140,26 @@ def test_store_then_attend_matches_reference():
     store_kv_triton(*to_dev(k_new, v_new), pool, slot_mapping.to(DEVICE))
     o = paged_attention_triton(*to_dev(q), pool, *to_dev(cu, seq_lens, tables), 0.2)
     assert_close("o", o, o_ref, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_is_layout_independent(dtype):
+    """The PyTorch path (the engine's CPU path) writes and reads a head-major pool view exactly
+    as a contiguous pool: same bytes stored, bit-identical attention output."""
+    rows = [(20, 50), (1, 17), (4, 36)]
+    q, _, flat, cu, seq_lens, tables = make_case(rows, (4, 2), dtype, seed=6)
+    hm = head_major(flat)
+    assert hm.permute(2, 0, 1, 3, 4).is_contiguous() and not hm.is_contiguous()
+    gen = torch.Generator().manual_seed(7)
+    pos = torch.cat([torch.arange(ctx - n, ctx) for n, ctx in rows])
+    row = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([n for n, _ in rows]))
+    slot_mapping = tables[row, pos // 16].long() * 16 + pos % 16
+    k_new, v_new = torch.randn(2, len(pos), 2, HD, generator=gen)
+    for pool in (flat, hm):
+        store_kv(k_new, v_new, pool, slot_mapping)
+    assert_unchanged("stored pool", hm, flat)
+    o_flat = paged_attention(q, flat, cu, seq_lens, tables, 0.2)
+    assert_unchanged("o", paged_attention(q, hm, cu, seq_lens, tables, 0.2), o_flat)
 
 
 def test_attention_wrappers_reject_bad_arguments():

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 from xfer_state import engine_cfg, global_state, make_pools, noise, place, snapshot, tiny_model
 
 from transfer.errors import PlanError
-from transfer.plan import pair_templates, plan, sources_for
+from transfer.plan import pair_templates, plan, plan_nbytes, sources_for
 from transfer.schema import build_schema
 
 TOKENS = 15  # 4 blocks of 4, the last one partly filled
@@ -60,6 +61,7 @@ def test_plan_matches_global_reshard(hk, hv, kvh, a, b):
         for sp, ss in zip(src_pools, src_s):
             src_regions = {(kind, layer): _bytes(t) for kind, layer, t in sp.tensors()}
             ranges = plan(ss, ds, SRC_BLOCKS, DST_BLOCKS, SRC_SLOT, DST_SLOT)
+            assert plan_nbytes(pair_templates(ss, ds), len(SRC_BLOCKS)) == sum(r.length for r in ranges)
             senders += bool(ranges)
             for layer, kind, so, do, n in ranges:
                 dst_regions[(kind, layer)][do : do + n] = src_regions[(kind, layer)][so : so + n]
@@ -74,17 +76,69 @@ def test_plan_matches_global_reshard(hk, hv, kvh, a, b):
         assert senders == len(sources_for(src_s, ds))
 
 
-def test_plan_coalesces_consecutive_blocks():
+def _schemas(model, tp: int) -> list:
+    cfg = engine_cfg(model, tp)
+    return [build_schema(cfg, r, make_pools(cfg, r)) for r in range(tp)]
+
+
+def _kv_ranges(s, d, src_blocks, dst_blocks) -> list:
+    return [r for r in plan(s, d, src_blocks, dst_blocks, 0, 1) if r.kind == "paged_kv"]
+
+
+@pytest.mark.parametrize("a,b", [(1, 1), (2, 1), (1, 2), (2, 2)], ids=lambda n: f"tp{n}")
+def test_plan_consecutive_blocks_one_range_per_layer_and_head(a, b):
+    """Blocks consecutive on both sides: one range per (layer, KV head) for every TP pair, since
+    KV pools are head-major (a head's K and V of a run of blocks is contiguous on each side)."""
     model = tiny_model(hk=4, hv=8, kvh=2)
-    cfg = engine_cfg(model, 1)
-    s = build_schema(cfg, 0, make_pools(cfg, 0))
-    d = build_schema(cfg, 0, make_pools(cfg, 0))
+    src, dst = _schemas(model, a), _schemas(model, b)
+    total = 0
+    for d in dst:
+        for s in src:
+            ranges = _kv_ranges(s, d, [3, 4, 5, 6], [10, 11, 12, 13])
+            expected = []
+            for layer in model.attention_layers:
+                st, dt = s.tensor(layer, "paged_kv"), d.tensor(layer, "paged_kv")
+                page = st.page_stride
+                assert page == dt.page_stride == 2 * 4 * model.head_dim * 2  # K+V of 4 tokens, bf16
+                for j, h in enumerate(dt.heads):
+                    if h in st.heads:
+                        i = st.heads.index(h)
+                        expected.append((layer, i * st.head_stride + 3 * page, j * dt.head_stride + 10 * page, 4 * page))
+            assert [(r.layer, r.src_off, r.dst_off, r.length) for r in ranges] == expected
+            total += len(ranges)
+    # every (destination rank, layer, head it holds) is served by exactly one range
+    assert total == len(model.attention_layers) * model.num_kv_heads * (b if b > model.num_kv_heads else 1)
+
+
+def test_plan_tp1_coalesces_state_too():
+    """TP 1 -> 1: one range per (KV layer, head), one per conv and per recurrent slot."""
+    model = tiny_model(hk=4, hv=8, kvh=2)
+    (s,), (d,) = _schemas(model, 1), _schemas(model, 1)
     ranges = plan(s, d, [3, 4, 5, 6], [10, 11, 12, 13], 0, 1)
-    # TP 1 -> 1: one range per KV layer (4 whole pages), one per conv and per recurrent slot
-    assert len(ranges) == len(model.attention_layers) + 2 * len(model.gdn_layers)
-    kv = [r for r in ranges if r.kind == "paged_kv"]
-    page = s.tensor(1, "paged_kv").page_stride
-    assert all(r.length == 4 * page and r.src_off == 3 * page and r.dst_off == 10 * page for r in kv)
+    kvh = model.num_kv_heads
+    assert len(ranges) == kvh * len(model.attention_layers) + 2 * len(model.gdn_layers)
+
+
+@pytest.mark.parametrize("a,b", [(2, 1), (1, 2)], ids=lambda n: f"tp{n}")
+@pytest.mark.parametrize(
+    "src_blocks,dst_blocks,runs",
+    [
+        pytest.param([6, 7, 8, 2], [1, 2, 3, 9], 2, id="src-gap"),  # sorted by source: 2 | 6 7 8
+        pytest.param([3, 4, 5, 6], [10, 11, 20, 21], 2, id="dst-gap"),
+        pytest.param([1, 3, 5, 7], [2, 4, 6, 8], 4, id="no-run"),
+    ],
+)
+def test_plan_non_consecutive_blocks(a, b, src_blocks, dst_blocks, runs):
+    """Blocks that are not consecutive on both sides: one range per run, per (layer, head)."""
+    model = tiny_model(hk=4, hv=8, kvh=2)
+    src, dst = _schemas(model, a), _schemas(model, b)
+    for d in dst:
+        for s in src:
+            ranges = _kv_ranges(s, d, src_blocks, dst_blocks)
+            heads = len(set(s.tensor(1, "paged_kv").heads) & set(d.tensor(1, "paged_kv").heads))
+            assert len(ranges) == runs * heads * len(model.attention_layers)
+            page = s.tensor(1, "paged_kv").page_stride
+            assert sum(r.length for r in ranges) == len(src_blocks) * page * heads * len(model.attention_layers)
 
 
 def test_plan_conv_is_segment_aware():
@@ -114,3 +168,16 @@ def test_plan_refuses_bad_ids():
         plan(s, s, [0], [0], 0, 99)
     with pytest.raises(PlanError, match="source blocks"):
         plan(s, s, [0, 1], [0], 0, 0)
+
+
+def test_plan_refuses_unknown_kv_layout():
+    """A KV pool described in another axis order (e.g. block-major pages) is refused, not guessed."""
+    model = tiny_model()
+    (s,) = _schemas(model, 1)
+    old = tuple(
+        msgspec.structs.replace(t, axes=("block", "kv", "head", "token", "dim")) if t.kind == "paged_kv" else t
+        for t in s.tensors
+    )
+    s = msgspec.structs.replace(s, tensors=old)
+    with pytest.raises(PlanError, match="pool axes"):
+        plan(s, s, [0], [0], 0, 0)

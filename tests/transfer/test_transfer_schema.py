@@ -36,13 +36,35 @@ def test_schema_describes_pools():
     pools = make_pools(cfg, 1)
     s = build_schema(cfg, 1, pools)
     kv = s.tensor(1, "paged_kv")
-    assert kv.local_shape == tuple(pools.kv[1].shape) and kv.base_addr == pools.kv[1].data_ptr()
+    nb = pools.capacity.num_blocks
+    assert kv.local_shape == (1, nb, 2, 4, 8) and kv.axes == ("head", "block", "kv", "token", "dim")
+    assert kv.base_addr == pools.kv[1].data_ptr() and kv.nbytes == pools.kv[1].numel() * 2
     assert kv.heads == (0,) and kv.replication == 2 and kv.replica == 1
-    assert kv.page_stride == pools.specs[1].page_size_bytes
+    assert kv.page_stride == pools.specs[1].page_size_bytes and kv.num_pages == nb
     conv = s.tensor(0, "gdn_conv")
     assert [g.name for g in conv.segments] == ["q", "k", "v"] and conv.axes == ("slot", "channel", "time")
     rec = s.tensor(0, "gdn_recurrent")
     assert rec.dtype == "float32" and rec.axes == ("slot", "head", "dk", "dv") and rec.heads == (4, 5, 6, 7)
+
+
+def test_schema_describes_head_major_kv():
+    """KVH 2 on one rank: the registered region is the whole head-major storage, a block of one
+    head is page_stride bytes and the next head starts after all of the first head's blocks."""
+    cfg = engine_cfg(tiny_model(kvh=2), 1)
+    pools = make_pools(cfg, 0)
+    kv = build_schema(cfg, 0, pools).tensor(1, "paged_kv")
+    nb, pool = pools.capacity.num_blocks, pools.kv[1]
+    assert tuple(pool.shape) == (nb, 2, 2, 4, 8) and not pool.is_contiguous()  # the kernels' view
+    assert kv.local_shape == (2, nb, 2, 4, 8) and kv.global_shape == (2, 2, 4, 8)
+    assert kv.page_stride == 2 * 4 * 8 * 2 and kv.head_stride == nb * kv.page_stride
+    assert kv.base_addr == pool.data_ptr() and kv.nbytes == pool.numel() * pool.element_size()
+    # block 3, V, head 1, token 2, dim 0: at 1 * head_stride + 3 * page_stride in the region
+    pool.zero_()
+    pool[3, 1, 1, 2, 0] = 1.0
+    (kind, layer, region), *_ = [t for t in pools.tensors() if t[:2] == ("paged_kv", 1)]
+    flat = region.reshape(-1).view(torch.uint8)
+    off = kv.head_stride + 3 * kv.page_stride + (4 + 2) * 8 * 2
+    assert flat.nonzero().min().item() == off and int(flat.count_nonzero()) <= 2
 
 
 def test_decode_is_typed():
@@ -82,6 +104,7 @@ def _with_tensor(s, kind, **changes):
         ("schema_version", lambda: msgspec.structs.replace(schema(), version=SCHEMA_VERSION + 1)),
         ("block_size", lambda: build_schema(c := engine_cfg(tiny_model(), 1, block_size=8), 0, make_pools(c, 0))),
         ("conv layout", lambda: _with_tensor(schema(), "gdn_conv", axes=("slot", "time", "channel"))),
+        ("kv page layout", lambda: _with_tensor(schema(), "paged_kv", axes=("block", "kv", "head", "token", "dim"))),
         ("recurrent axis order", lambda: _with_tensor(schema(), "gdn_recurrent", axes=("slot", "head", "dv", "dk"))),
         ("dtype of gdn_recurrent", lambda: _with_tensor(schema(), "gdn_recurrent", dtype="bfloat16")),
     ],
@@ -95,8 +118,9 @@ def test_handshake_refuses(field, remote):
     assert field in msg and repr(e.value.local) in msg and repr(e.value.remote) in msg
 
 
-def test_handshake_refuses_version_before_decoding():
-    data = encode(msgspec.structs.replace(peer(schema()), version=SCHEMA_VERSION + 7))
+@pytest.mark.parametrize("version", [1, SCHEMA_VERSION + 7], ids=["v1-block-major-kv", "newer"])
+def test_handshake_refuses_version_before_decoding(version):
+    data = encode(msgspec.structs.replace(peer(schema()), version=version))
     with pytest.raises(HandshakeError, match="schema_version"):
         decode_peer(data)
 
