@@ -6,24 +6,15 @@ import asyncio
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
-from client.sync import GENERATION
-from client.types import GenerateResult, PdserveError, Failover, addresses, build_request, chunk_from
-from proto import pb, rpc
+from client.routers import GENERATION, Routers, StreamBase
+from client.types import GenerateResult, PdserveError, build_request, chunk_from
+from proto import pb
 
 
-class AsyncTokenStream:
-    """`async for` StreamChunks; `await close()` (or `async with`) cancels the request. Fails over
-    to the next router like client.sync.TokenStream."""
-
-    def __init__(self, start, first: int = 0, routers: int = 1, on_switch=None):
-        self._routes = Failover(start, first, routers, on_switch)
-        self.closed = False
-
-    @property
-    def _call(self):
-        return self._routes.call
+class AsyncTokenStream(StreamBase):
+    """`async for` StreamChunks; `await close()` (or `async with`) cancels the request."""
 
     def __aiter__(self):
         return self._gen()
@@ -37,11 +28,8 @@ class AsyncTokenStream:
                     yield chunk_from(m)
                 return
             except grpc.RpcError as e:
-                if self.closed and e.code() == grpc.StatusCode.CANCELLED:
+                if not self._on_error(e, yielded):
                     return
-                if self._routes.retry(e, yielded, self.closed):
-                    continue
-                raise PdserveError.from_rpc(e) from None
             except asyncio.CancelledError:
                 self._call.cancel()
                 raise
@@ -63,56 +51,46 @@ class AsyncTokenStream:
 class AsyncClient:
     def __init__(self, addr, timeout: float | None = None):
         """addr: one router's host:port, or several of the same pools ("a:1,b:2" or a list)."""
-        self.addrs = addresses(addr)
         self.timeout = timeout
-        self._chans = [grpc.aio.insecure_channel(a) for a in self.addrs]
-        self._stubs = [rpc.GenerationStub(c) for c in self._chans]
-        self._healths = [health_pb2_grpc.HealthStub(c) for c in self._chans]
-        self._cur = 0
+        self._r = Routers(addr, grpc.aio.insecure_channel)
 
     @property
     def addr(self) -> str:
-        return self.addrs[self._cur]
-
-    def _use(self, i: int) -> None:
-        self._cur = i % len(self.addrs)
+        return self._r.addrs[self._r.cur]
 
     async def wait_ready(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        last: dict[str, str] = {}
+        r, deadline = self._r, time.monotonic() + timeout
         while True:
-            for i in range(len(self.addrs)):
+            for i, a in enumerate(r.addrs):
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    why = ", ".join(f"{a}: {last.get(a, 'not reachable')}" for a in self.addrs)
-                    raise TimeoutError(f"no router ready after {timeout:g} s ({why})")
+                    raise r.not_ready(timeout)
                 try:
-                    r = await self._healths[i].Check(health_pb2.HealthCheckRequest(service=GENERATION),
-                                                     timeout=min(left, 2.0))  # fmt: skip
-                    if r.status == health_pb2.HealthCheckResponse.SERVING:
-                        if (await self._stubs[i].ListModels(pb.ListModelsRequest(), timeout=min(left, 2.0))).models:
-                            self._use(i)
-                            return
-                        last[self.addrs[i]] = "no live node"
+                    h = await r.healths[i].Check(health_pb2.HealthCheckRequest(service=GENERATION),
+                                                 timeout=min(left, 2.0))  # fmt: skip
+                    if h.status != health_pb2.HealthCheckResponse.SERVING:
+                        r.why[a] = "not serving"
+                    elif (await r.stubs[i].ListModels(pb.ListModelsRequest(), timeout=min(left, 2.0))).models:
+                        r.use(i)
+                        return
                     else:
-                        last[self.addrs[i]] = "not serving"
+                        r.why[a] = "no live node"
                 except grpc.RpcError as e:
-                    last[self.addrs[i]] = e.code().name
+                    r.why[a] = e.code().name
             await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
     async def list_models(self) -> list[pb.ModelInfo]:
         try:
-            return list((await self._stubs[self._cur].ListModels(pb.ListModelsRequest(), timeout=self.timeout)).models)
+            got = await self._r.stubs[self._r.cur].ListModels(pb.ListModelsRequest(), timeout=self.timeout)
         except grpc.RpcError as e:
             raise PdserveError.from_rpc(e) from None
+        return list(got.models)
 
     def stream(
         self, prompt: str | None = None, prompt_token_ids=None, timeout: float | None = None, **sampling
     ) -> AsyncTokenStream:
         req = build_request(prompt, prompt_token_ids, **sampling)
-        n = len(self.addrs)
-        return AsyncTokenStream(lambda i: self._stubs[i % n].Generate(req, timeout=timeout or self.timeout),
-                                self._cur, n, self._use)  # fmt: skip
+        return AsyncTokenStream(self._r.generate(req, timeout or self.timeout), self._r)
 
     async def generate(
         self, prompt: str | None = None, prompt_token_ids=None, timeout: float | None = None, **sampling
@@ -124,7 +102,7 @@ class AsyncClient:
         return res
 
     async def close(self) -> None:
-        for c in self._chans:
+        for c in self._r.chans:
             await c.close()
 
     async def __aenter__(self):

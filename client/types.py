@@ -9,38 +9,6 @@ import grpc
 from proto import pb
 
 
-def addresses(addr) -> list[str]:
-    """Router addresses: "host:port", "a:1,b:2", or a list of them. Several routers fronting the same
-    pools are tried in turn: a call that fails UNAVAILABLE before its first token (router down or
-    draining) goes to the next one."""
-    items = [addr] if isinstance(addr, str) else list(addr)
-    out = [a.strip() for item in items for a in item.split(",") if a.strip()]
-    if not out:
-        raise ValueError("give at least one router address (host:port)")
-    return out
-
-
-class Failover:
-    """Which router a stream's call runs on. `start(i)` makes the call on router i; a call that
-    failed UNAVAILABLE before its first token never produced anything (router down, or draining),
-    so `retry` makes it again on the next router, each router once."""
-
-    def __init__(self, start, first: int, routers: int, on_switch=None):
-        self._start, self._i, self._left, self._on_switch = start, first, routers - 1, on_switch
-        self.call = start(first)
-
-    def retry(self, e: grpc.RpcError, yielded: bool, closed: bool) -> bool:
-        code = e.code() if callable(getattr(e, "code", None)) else None
-        if self._left <= 0 or closed or yielded or code != grpc.StatusCode.UNAVAILABLE:
-            return False
-        self._left -= 1
-        self._i += 1
-        self.call = self._start(self._i)
-        if self._on_switch is not None:
-            self._on_switch(self._i)
-        return True
-
-
 class PdserveError(Exception):
     """A failed call: `code` is the grpc.StatusCode, `message` the server's explanation."""
 

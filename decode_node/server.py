@@ -76,6 +76,7 @@ class _Xfer:
 class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
     KIND = "decode"
     SERVICE = "DecodeNode"
+    NODE_KIND = pb.NODE_KIND_DECODE
 
     def __init__(self, cfg: DecodeNodeConfig):
         self._init_lifecycle()
@@ -102,35 +103,8 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         self.metrics = ServingMetrics("pdserve_decode", lambda: capacity_gauges(self.loop.snapshot))
 
     # ---- info ---------------------------------------------------------------------------
-    def capacity(self) -> pb.Capacity:
-        s = self.loop.snapshot
-        return pb.Capacity(
-            total_blocks=s.total_blocks,
-            free_blocks=s.free_blocks,
-            block_size=s.block_size,
-            total_slots=s.total_slots,
-            free_slots=s.free_slots,
-            running=s.running,
-            waiting=s.waiting,
-            queued_prefill_tokens=s.queued_prefill_tokens,
-            reserved=s.reserved,
-        )
-
-    def info(self) -> pb.NodeInfo:
-        return pb.NodeInfo(
-            node_id=self.cfg.node_id,
-            kind=pb.NODE_KIND_DECODE,
-            address=self.address,
-            incarnation=self.incarnation,
-            tp_size=self.cfg.tensor_parallel_size,
-            model=self.cfg.model,
-            vocab_size=self.ecfg.model.vocab_size,
-            max_model_len=self.ecfg.max_model_len,
-            local_prefill_threshold=self.cfg.local_prefill_threshold,
-            schema_digest=self.digest,
-            capacity=self.capacity(),
-            draining=self.draining,
-        )
+    def _describe(self, info: pb.NodeInfo) -> None:
+        info.local_prefill_threshold = self.cfg.local_prefill_threshold
 
     def in_flight(self) -> int:
         s = self.loop.snapshot
@@ -140,9 +114,6 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         rpc.add_DecodeNodeServicer_to_server(self, server)
 
     # ---- RPCs ---------------------------------------------------------------------------
-    def Stats(self, request, context):
-        return self.info()
-
     def _params(self, sampling, context) -> SamplingParams:
         try:
             return SamplingParams(**sampling_kwargs(sampling))

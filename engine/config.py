@@ -260,3 +260,32 @@ class EngineConfig:
     @property
     def num_state_slots(self) -> int:
         return self.cache.num_state_slots or self.scheduler.max_num_seqs
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The flat engine settings a user gives (`LLM`, the node commands), turned into one
+    EngineConfig by `engine_config()`. Node configs extend it with their own fields."""
+
+    model: str  # checkpoint directory
+    tensor_parallel_size: int = 1
+    dtype: DTypeName = "auto"
+    kv_cache_memory: int | str = "256MiB"  # KV pages + GDN state slots, per rank
+    max_num_seqs: int = 64  # running batch (and GDN state slots)
+    max_num_batched_tokens: int = 2048  # token budget of one engine step
+    block_size: int = 16
+    max_model_len: int | None = None
+    seed: int = 0
+    device: str = "cpu"
+    num_speculative_tokens: int = 0  # n-gram drafts verified per decode row (0: off)
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=ModelConfig.from_dir(self.model, self.dtype),
+            parallel=ParallelConfig(self.tensor_parallel_size),
+            cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory),
+            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len),
+            speculative=SpeculativeConfig(num_tokens=self.num_speculative_tokens),
+            device=self.device,
+            seed=self.seed,
+        )

@@ -7,14 +7,7 @@ import logging
 import torch
 
 from engine.cache.allocator import Capacity
-from engine.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-)
+from engine.config import EngineArgs
 from engine.core import EngineCore
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -38,16 +31,10 @@ class LLM:
         device: str = "cpu",
         num_speculative_tokens: int = 0,
     ):
-        mcfg = ModelConfig.from_dir(model, dtype)
-        self.config = EngineConfig(
-            model=mcfg,
-            parallel=ParallelConfig(tensor_parallel_size),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
-            speculative=SpeculativeConfig(num_tokens=num_speculative_tokens),
-            device=device,
-            seed=seed,
-        )
+        self.config = EngineArgs(
+            model, tensor_parallel_size, dtype, kv_cache_memory, max_num_seqs, max_num_batched_tokens, block_size,
+            max_model_len, seed, device, num_speculative_tokens,
+        ).engine_config()
         self.tokenizer = Tokenizer(model) if Tokenizer.exists(model) else None
         self.engine = EngineCore(self.config)
 

@@ -24,7 +24,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-log = logging.getLogger("pdserve.decode")
+log = logging.getLogger("pdserve.engine")
 
 
 class ShuttingDown(RuntimeError):
@@ -213,6 +213,6 @@ class EngineLoop:
             waiting=len(getattr(sched, "waiting", ())),
             queued_prefill_tokens=queued,
             reserved=reserved,
-            spec_draft_tokens=getattr(sched, "num_draft_tokens", 0),
-            spec_accepted_tokens=getattr(sched, "num_accepted_tokens", 0),
+            spec_draft_tokens=sched.num_draft_tokens,
+            spec_accepted_tokens=sched.num_accepted_tokens,
         )

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from engine.config import EngineArgs
 from engine.loop import EngineLoop, ShuttingDown
 from engine.request import Status
 from prefill_node import ranks as pranks
@@ -45,55 +46,26 @@ log = logging.getLogger("pdserve.prefill")
 
 
 @dataclass(frozen=True)
-class PrefillNodeConfig:
-    model: str  # checkpoint directory
+class PrefillNodeConfig(EngineArgs):
+    """The engine (EngineArgs; num_speculative_tokens must equal the decode nodes', it sizes the
+    state pools the transfer schema describes) plus how the node joins the router and pushes."""
+
     node_id: str = "prefill-0"
-    tensor_parallel_size: int = 1
-    router: str | None = None  # host:port of the router to register with
+    router: str | None = None  # host:port of the router(s) to register with
     advertise_host: str = "127.0.0.1"
     heartbeat_interval_s: float = 0.5
-    dtype: str = "auto"
-    device: str = "cpu"
-    kv_cache_memory: str = "256MiB"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    max_model_len: int | None = None
-    seed: int = 0
     transfer_backend: str = "nixl"
     metrics_port: int | None = None  # Prometheus /metrics on this port (0 picks one; None: off)
     push_timeout_s: float = 60.0  # a push not done (and quiet) by then fails the call
     # Between engine steps, keep polling in-flight pushes this long (grants and write completions
-    # otherwise wait for the next, possibly long, prefill step): TTFT includes the push.
+    # otherwise wait for the next, possibly long, prefill step).
     push_spin_s: float = 0.005
-    # Must equal the decode nodes' (it sizes the state pools the transfer schema describes).
-    num_speculative_tokens: int = 0
-
-    def engine_config(self):
-        from engine.config import (
-            CacheConfig,
-            EngineConfig,
-            ModelConfig,
-            ParallelConfig,
-            SchedulerConfig,
-            SpeculativeConfig,
-        )
-
-        return EngineConfig(
-            model=ModelConfig.from_dir(self.model, self.dtype),
-            parallel=ParallelConfig(self.tensor_parallel_size),
-            cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory),
-            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len),
-            device=self.device,
-            seed=self.seed,
-            speculative=SpeculativeConfig(num_tokens=self.num_speculative_tokens),
-        )
 
 
 class _Push:
     """One request's push from the held state into its target; loop thread only (but `done`)."""
 
-    def __init__(self, rid: str, target, nranks: int, deadline: float):
+    def __init__(self, rid: str, target, deadline: float):
         self.rid, self.target, self.deadline = rid, target, deadline
         self.started = time.monotonic()  # the writes were posted (reset by post)
         self.opened: tuple[list[int], int] | None = None  # (blocks, slot) when opened before the first token
@@ -116,6 +88,7 @@ def _target(t: pb.TransferTarget):
 class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
     KIND = "prefill"
     SERVICE = "PrefillNode"
+    NODE_KIND = pb.NODE_KIND_PREFILL
 
     def __init__(self, cfg: PrefillNodeConfig):
         from engine.core import EngineCore
@@ -146,26 +119,8 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         self.metrics = ServingMetrics("pdserve_prefill", lambda: capacity_gauges(self.loop.snapshot))
 
     # ---- info ---------------------------------------------------------------------------------
-    def info(self) -> pb.NodeInfo:
-        s = self.loop.snapshot
-        return pb.NodeInfo(
-            node_id=self.cfg.node_id,
-            kind=pb.NODE_KIND_PREFILL,
-            address=self.address,
-            incarnation=self.incarnation,
-            tp_size=self.cfg.tensor_parallel_size,
-            model=self.cfg.model,
-            vocab_size=self.ecfg.model.vocab_size,
-            max_model_len=self.ecfg.max_model_len,
-            schema_digest=self.digest,
-            prefill_ready=True,
-            capacity=pb.Capacity(
-                total_blocks=s.total_blocks, free_blocks=s.free_blocks, block_size=s.block_size,
-                total_slots=s.total_slots, free_slots=s.free_slots, running=s.running, waiting=s.waiting,
-                queued_prefill_tokens=s.queued_prefill_tokens,
-            ),
-            draining=self.draining,
-        )  # fmt: skip
+    def _describe(self, info: pb.NodeInfo) -> None:
+        info.prefill_ready = True
 
     def in_flight(self) -> int:
         s = self.loop.snapshot
@@ -173,9 +128,6 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
 
     def _add_servicer(self, server) -> None:
         rpc.add_PrefillNodeServicer_to_server(self, server)
-
-    def Stats(self, request, context):
-        return self.info()
 
     # ---- Prefill ------------------------------------------------------------------------------
     def Prefill(self, request, context):
@@ -316,7 +268,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             target = self._targets.get(rid)
             if not (req.prefill_only and r.samples) or target is None or rid in self.pushes:
                 continue
-            p = _Push(rid, target, self.cfg.tensor_parallel_size, time.monotonic() + self.cfg.push_timeout_s)
+            p = _Push(rid, target, time.monotonic() + self.cfg.push_timeout_s)
             self.pushes[rid] = p
             try:
                 blocks = list(req.block_ids)
@@ -358,7 +310,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
 
     def _start_push(self, rid: str, target) -> _Push:
         e = self.engine
-        p = _Push(rid, target, self.cfg.tensor_parallel_size, time.monotonic() + self.cfg.push_timeout_s)
+        p = _Push(rid, target, time.monotonic() + self.cfg.push_timeout_s)
         self.pushes[rid] = p
         try:
             blocks, slot = e.held(rid)

@@ -10,10 +10,10 @@
     stop(grace) -> not serving, heartbeats stop, engine loop stops (what is still in flight ends
         UNAVAILABLE), gRPC grace, transfer endpoints closed, engine workers exit
 
-A subclass sets KIND ("decode" | "prefill") and SERVICE (its gRPC service), has `cfg`, `engine`,
-`loop`, `metrics`, `backend` and `blobs` (its ranks' transfer metadata, None without a data plane),
-and implements `info()`, `in_flight()` and `_add_servicer(server)`. It also gets the transfer
-Handshake RPC, which is the same on both kinds.
+A subclass sets KIND, SERVICE and NODE_KIND, has `cfg`, `ecfg`, `engine`, `loop`, `metrics`,
+`incarnation`, `digest`, `backend` and `blobs` (its ranks' transfer metadata, None without a data
+plane), and implements `in_flight()`, `_add_servicer(server)` and `_describe(info)` (its own
+NodeInfo fields). It gets `info()` and the Stats and Handshake RPCs, the same on both kinds.
 """
 
 from __future__ import annotations
@@ -25,14 +25,15 @@ import grpc
 import msgspec
 
 from proto import pb
-from proto.serving import Heartbeater, not_serving, refuse_draining, start_server, wait_idle
+from proto.serving import Heartbeater, addresses, not_serving, refuse_draining, start_server, wait_idle
 
 log = logging.getLogger("pdserve.node")
 
 
 class NodeServer:
-    KIND = ""
-    SERVICE = ""
+    KIND = ""  # "decode" | "prefill"
+    SERVICE = ""  # its gRPC service in pdserve.proto
+    NODE_KIND = pb.NODE_KIND_UNSPECIFIED
 
     def _init_lifecycle(self) -> None:
         self.address = ""
@@ -47,9 +48,28 @@ class NodeServer:
     def name(self) -> str:
         return f"{self.KIND} node {self.cfg.node_id}"
 
-    # ---- provided by the node --------------------------------------------------------------------
+    # ---- what the node reports (registration, heartbeats, Stats) ------------------------------
     def info(self) -> pb.NodeInfo:
-        raise NotImplementedError
+        s = self.loop.snapshot
+        info = pb.NodeInfo(
+            node_id=self.cfg.node_id, kind=self.NODE_KIND, address=self.address, incarnation=self.incarnation,
+            tp_size=self.cfg.tensor_parallel_size, model=self.cfg.model, vocab_size=self.ecfg.model.vocab_size,
+            max_model_len=self.ecfg.max_model_len, schema_digest=self.digest, draining=self.draining,
+            capacity=pb.Capacity(
+                total_blocks=s.total_blocks, free_blocks=s.free_blocks, block_size=s.block_size,
+                total_slots=s.total_slots, free_slots=s.free_slots, running=s.running, waiting=s.waiting,
+                queued_prefill_tokens=s.queued_prefill_tokens, reserved=s.reserved,
+            ),
+        )  # fmt: skip
+        self._describe(info)
+        return info
+
+    def Stats(self, request, context):
+        return self.info()
+
+    # ---- provided by the node --------------------------------------------------------------------
+    def _describe(self, info: pb.NodeInfo) -> None:
+        """Set the fields only this kind of node reports."""
 
     def in_flight(self) -> int:
         """Requests, reservations and pushes this node still holds."""
@@ -68,7 +88,8 @@ class NodeServer:
         self.server, port, self._health = start_server(addr, self._add_servicer, [self.SERVICE], max_workers=64)
         self.address = f"{self.cfg.advertise_host}:{port}"
         if self.cfg.router:
-            self._hbs = [Heartbeater(a, self.info, self.cfg.heartbeat_interval_s).start() for a in routers(self.cfg.router)]
+            hb = self.cfg.heartbeat_interval_s
+            self._hbs = [Heartbeater(a, self.info, hb).start() for a in addresses(self.cfg.router)]
         log.info("%s serving on %s (%s)", self.name, self.address, self.engine.capacity.summary())
         if self.cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.cfg.advertise_host, self.cfg.metrics_port)
@@ -127,12 +148,6 @@ class NodeServer:
         return pb.HandshakeResponse(
             node_id=self.cfg.node_id, incarnation=self.incarnation, schema=msgspec.msgpack.encode(self.blobs)
         )
-
-
-def routers(spec: str | None) -> list[str]:
-    """`--router` as a list: "host:port" or several, comma-separated (every router gets the node's
-    registration and heartbeats, so each can route to it)."""
-    return [a.strip() for a in (spec or "").split(",") if a.strip()]
 
 
 def serve_node(node: NodeServer, addr: str) -> tuple[NodeServer, int]:

@@ -165,13 +165,10 @@ def cmd_router(args) -> int:
     return _serve_until_signal(router, args.drain_timeout)
 
 
-def cmd_decode(args) -> int:
-    from decode_node.config import DecodeNodeConfig
-    from decode_node.server import serve
-
-    cfg = DecodeNodeConfig(
+def _node_config(cls, args, **extra):
+    """A node's config from its command line: the engine settings plus how it joins the router."""
+    return cls(
         model=str(args.model or default_model_dir()),
-        node_id=args.node_id,
         tensor_parallel_size=args.tp,
         dtype=args.dtype,
         kv_cache_memory=args.kv_cache_memory,
@@ -179,42 +176,35 @@ def cmd_decode(args) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
-        local_prefill_threshold=args.local_prefill_threshold,
+        device=args.device,
+        num_speculative_tokens=args.num_speculative_tokens,
+        node_id=args.node_id,
         router=args.router,
         advertise_host=args.advertise_host or args.host,
-        device=args.device,
         transfer_backend=args.transfer_backend,
         metrics_port=args.metrics_port,
-        num_speculative_tokens=args.num_speculative_tokens,
+        **extra,
     )
-    node, port = serve(f"{args.host}:{args.port}", cfg)
-    print(f"decode node {cfg.node_id} listening on {node.address}", flush=True)
+
+
+def _serve_node(kind: str, serve, cfg, args) -> int:
+    node, _ = serve(f"{args.host}:{args.port}", cfg)
+    print(f"{kind} node {cfg.node_id} listening on {node.address}", flush=True)
     return _serve_until_signal(node, args.drain_timeout)
+
+
+def cmd_decode(args) -> int:
+    from decode_node.config import DecodeNodeConfig
+    from decode_node.server import serve
+
+    cfg = _node_config(DecodeNodeConfig, args, local_prefill_threshold=args.local_prefill_threshold)
+    return _serve_node("decode", serve, cfg, args)
 
 
 def cmd_prefill(args) -> int:
     from prefill_node.server import PrefillNodeConfig, serve
 
-    cfg = PrefillNodeConfig(
-        model=str(args.model or default_model_dir()),
-        node_id=args.node_id,
-        tensor_parallel_size=args.tp,
-        router=args.router,
-        advertise_host=args.advertise_host or args.host,
-        dtype=args.dtype,
-        device=args.device,
-        kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        transfer_backend=args.transfer_backend,
-        metrics_port=args.metrics_port,
-        num_speculative_tokens=args.num_speculative_tokens,
-    )
-    node, port = serve(f"{args.host}:{args.port}", cfg)
-    print(f"prefill node {cfg.node_id} listening on {node.address}", flush=True)
-    return _serve_until_signal(node, args.drain_timeout)
+    return _serve_node("prefill", serve, _node_config(PrefillNodeConfig, args), args)
 
 
 _UP_DEFAULTS = dict(model=None, prefill=1, decode=1, prefill_tp=1, decode_tp=1, host="127.0.0.1", port=50051,

@@ -105,23 +105,10 @@ class Cluster:
             time.sleep(0.05)
         self.port = int(port_file.read_text())
         for i in range(s.prefill):
-            self._spawn(
-                f"prefill-{i}",
-                ["prefill", "--model", s.model, "--router", self.address, "--host", s.host, "--port", "0",
-                 "--node-id", f"prefill-{i}", "--tp", str(s.prefill_tp), "--dtype", s.dtype, "--device", s.device,
-                 "--kv-cache-memory", s.kv_cache_memory, "--max-num-seqs", str(s.max_num_seqs),
-                 "--transfer-backend", s.transfer_backend, *self._node_metrics(), *self._spec()],
-            )  # fmt: skip
+            self._spawn_node("prefill", i, s.prefill_tp)
         for i in range(s.decode):
-            self._spawn(
-                f"decode-{i}",
-                ["decode", "--model", s.model, "--router", self.address, "--host", s.host, "--port", "0",
-                 "--node-id", f"decode-{i}", "--tp", str(s.decode_tp), "--dtype", s.dtype, "--device", s.device,
-                 "--kv-cache-memory", s.kv_cache_memory, "--max-num-seqs", str(s.max_num_seqs),
-                 "--local-prefill-threshold", str(s.local_prefill_threshold),
-                 "--transfer-backend", s.transfer_backend, *self._node_metrics(), *self._spec(),
-                 *s.extra_decode_args],
-            )  # fmt: skip
+            self._spawn_node("decode", i, s.decode_tp,
+                             "--local-prefill-threshold", str(s.local_prefill_threshold), *s.extra_decode_args)
         self._wait_registered(deadline)
 
     def _router_ports(self) -> list[str]:
@@ -132,11 +119,17 @@ class Cluster:
             out += ["--metrics-port", str(s.metrics_port)]
         return out
 
-    def _spec(self) -> list[str]:
-        return ["--num-speculative-tokens", str(self.spec.num_speculative_tokens)]
-
-    def _node_metrics(self) -> list[str]:
-        return [] if self.spec.metrics_port is None else ["--metrics-port", "0"]
+    def _spawn_node(self, kind: str, i: int, tp: int, *extra: str) -> None:
+        s = self.spec
+        metrics = [] if s.metrics_port is None else ["--metrics-port", "0"]  # the router's port is fixed
+        self._spawn(
+            f"{kind}-{i}",
+            [kind, "--model", s.model, "--router", self.address, "--host", s.host, "--port", "0",
+             "--node-id", f"{kind}-{i}", "--tp", str(tp), "--dtype", s.dtype, "--device", s.device,
+             "--kv-cache-memory", s.kv_cache_memory, "--max-num-seqs", str(s.max_num_seqs),
+             "--transfer-backend", s.transfer_backend, "--num-speculative-tokens", str(s.num_speculative_tokens),
+             *metrics, *extra],
+        )  # fmt: skip
 
     def _check_children(self, deadline: float) -> None:
         if self.should_stop():

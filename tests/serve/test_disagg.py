@@ -149,8 +149,9 @@ def test_speculative_decode_nodes_match_transformers(ckpt):
                                      if (m := re.search(r"decode node decode-0 metrics at (http://\S+)", ln))), None),
                        10, "the decode node's metrics URL")  # fmt: skip
         text = urllib.request.urlopen(url, timeout=10).read().decode()
-        val = {m.group(1): float(m.group(2)) for m in re.finditer(r"^pdserve_decode_(spec_\w+_total) (\S+)$", text, re.M)}
-        assert val["spec_draft_tokens_total"] > 0 and 0 <= val["spec_accepted_tokens_total"] <= val["spec_draft_tokens_total"]
+        val = {m.group(1): float(m.group(2))
+               for m in re.finditer(r"^pdserve_decode_spec_(\w+)_tokens_total (\S+)$", text, re.M)}  # fmt: skip
+        assert val["draft"] > 0 and 0 <= val["accepted"] <= val["draft"]
     finally:
         rc = up.stop()
     assert rc == 0, up.output()
