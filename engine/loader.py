@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
+from engine.model.linear import Linear
 from engine.shard import conv_channel_index, head_range, kv_head_range
 
 IGNORED = (re.compile(r"^mtp\."), re.compile(r"^model\.visual\."), re.compile(r"^visual\."))
@@ -95,8 +96,7 @@ def load_weights(cfg: ModelConfig, tp: int, rank: int, device="cpu") -> dict:
             w = w[:, cols]
         return w.to(dtype=dt, device=device).contiguous()
 
-    def t(w):  # projections are stored [in, out]: x @ w is faster on the CPU than F.linear at few rows
-        return w.t().contiguous()
+    t = Linear  # a projection's [out, in] weight, in the layout its dtype multiplies fastest
 
     p = cfg.weight_prefix
     hd, dk, dv = cfg.head_dim, cfg.linear_key_head_dim, cfg.linear_value_head_dim
