@@ -7,12 +7,14 @@ kernels); `naive.py` holds per-token loops used only by tests.
 from kernels.attention import gather_kv, paged_attention, store_kv
 from kernels.conv import causal_conv1d, causal_conv1d_update, conv_update_
 from kernels.gdn import gdn_chunk_prefill, gdn_decode_step_, gdn_recurrent, l2norm
+from kernels.moe import fused_moe, select_experts
 from kernels.norm import gated_rms_norm, rms_norm
 
 __all__ = [
     "causal_conv1d",
     "causal_conv1d_update",
     "conv_update_",
+    "fused_moe",
     "gated_rms_norm",
     "gather_kv",
     "gdn_chunk_prefill",
@@ -21,5 +23,6 @@ __all__ = [
     "l2norm",
     "paged_attention",
     "rms_norm",
+    "select_experts",
     "store_kv",
 ]

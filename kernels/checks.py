@@ -65,3 +65,18 @@ def check_paged_inputs(q, kv_pool, cu_seqlens_q, seq_lens, block_tables) -> None
         )
     if int(cu_seqlens_q[-1]) != q.shape[0]:
         raise ValueError(f"cu_seqlens_q ends at {int(cu_seqlens_q[-1])} but q has {q.shape[0]} tokens")
+
+
+def check_moe_inputs(x, w13, w2, topk_weights, topk_ids) -> None:
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        _fail("x must be [T, H], w13 [E, 2*I, H] and w2 [E, H, I]", x=x, w13=w13, w2=w2)
+    T, H = x.shape
+    E, two_i, _ = w13.shape
+    if two_i % 2 or tuple(w13.shape) != (E, two_i, H) or tuple(w2.shape) != (E, H, two_i // 2):
+        _fail(f"w13 must be [E, 2*I, H={H}] and w2 [E, H={H}, I]", x=x, w13=w13, w2=w2)
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        _fail("w13 and w2 must have x's dtype", x=x, w13=w13, w2=w2)
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
+        _fail(f"topk_weights and topk_ids must be [T={T}, k]", topk_weights=topk_weights, topk_ids=topk_ids)
+    if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.is_floating_point():
+        _fail("topk_ids must be int64 (or int32) and topk_weights float32", topk_weights=topk_weights, topk_ids=topk_ids)
