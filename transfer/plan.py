@@ -1,5 +1,5 @@
 """Transfer plans: which bytes of a source rank's pools go to which bytes of a destination
-rank's pools, for one request, re-sharding TP a -> b without a staging copy (DESIGN.md section 4).
+rank's pools, for one request, re-sharding TP a -> b without a staging copy (docs/DESIGN.md §4).
 
 Two steps, both pure:
 - `pair_templates(src, dst)`: once per (source rank, destination rank) pair, the pieces of page 0

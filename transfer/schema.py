@@ -1,4 +1,4 @@
-"""The transfer schema (DESIGN.md section 4): typed, versioned records that one rank publishes
+"""The transfer schema (docs/DESIGN.md §4): typed, versioned records that one rank publishes
 so that a peer can plan writes into (or out of) its cache pools without guessing.
 
 One `TensorDesc` per pool tensor (one per layer and state kind), a `ModelDigest` of every size
