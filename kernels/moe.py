@@ -36,7 +36,7 @@ __all__ = ["select_experts", "fused_moe", "sort_by_expert"]
 # its weights: CPUs without bf16 units (AVX2) take ~1 row per GEMV pass in bf16, while the copy
 # costs about one such pass and the float32 GEMM blocks all rows. The result is the same
 # float32-accumulated GEMM, rounded once to x's dtype.
-_UPCAST_ROWS = 4
+_UPCAST_ROWS = 2
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,9 +57,13 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     """(order [T*k], counts [E]): the flat pair indices t*k + j sorted by expert id (stable),
     and the number of pairs per expert. Raises ValueError for an id outside [0, E)."""
     flat = topk_ids.reshape(-1)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
+    try:
+        counts = torch.bincount(flat, minlength=num_experts)
+    except RuntimeError:  # a negative id
+        counts = None
+    if counts is None or counts.numel() != num_experts:
         raise ValueError(f"topk_ids must be in [0, E={num_experts}) (got min {int(flat.min())}, max {int(flat.max())})")
-    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_experts)
+    return torch.argsort(flat, stable=True), counts
 
 
 def _gemm(x: torch.Tensor, w: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
@@ -100,11 +104,10 @@ def fused_moe(
     if x.dtype != torch.float32 and T * k >= _UPCAST_ROWS:
         bufs = (torch.empty(w13.shape[1:], dtype=torch.float32), torch.empty(w2.shape[1:], dtype=torch.float32))
     ys = torch.empty(T * k, H, dtype=torch.float32)
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        if n:
-            rows = slice(start, start + n)
-            torch.mul(_expert(xs[rows], w13[e], w2[e], bufs), ws[rows], out=ys[rows])
-            start += n
+    counts = counts.tolist()
+    groups = zip(xs.split(counts), ws.split(counts), ys.split(counts))
+    for e, (x_e, w_e, y_e) in enumerate(groups):
+        if x_e.shape[0]:
+            torch.mul(_expert(x_e, w13[e], w2[e], bufs), w_e, out=y_e)
     pairs = torch.empty_like(ys).index_copy_(0, order, ys)  # back to (token, j) order
     return pairs.view(T, k, H).sum(1).to(x.dtype)
