@@ -18,38 +18,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.checks import check_fp8_block
 from kernels.triton import force_triton as _force_triton
 
-__all__ = ["FP8_MAX", "dequant_fp8_block", "quant_fp8_block", "fp8_block_linear", "fp8_block_linear_ref", "check_fp8_block"]
+__all__ = ["FP8_MAX", "dequant_fp8_block", "quant_fp8_block", "fp8_block_linear", "fp8_block_linear_ref"]
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
-
-
-def _blocks(n: int, b: int) -> int:
-    return -(-n // b)
-
-
-def check_fp8_block(w: torch.Tensor, scale_inv: torch.Tensor, block_size) -> tuple[int, int]:
-    """Raise ValueError unless w [..., N, K] float8_e4m3fn and scale_inv [..., ceil(N/bn),
-    ceil(K/bk)] float32 agree with block_size (bn, bk); returns (bn, bk)."""
-    if len(block_size) != 2 or min(block_size) < 1:
-        raise ValueError(f"block_size must be (bn, bk) >= 1 (got {tuple(block_size)})")
-    bn, bk = (int(b) for b in block_size)
-    if w.dim() < 2 or w.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"w must be a float8_e4m3fn [..., N, K] tensor (got {tuple(w.shape)}:{w.dtype})")
-    want = (*w.shape[:-2], _blocks(w.shape[-2], bn), _blocks(w.shape[-1], bk))
-    if tuple(scale_inv.shape) != want or scale_inv.dtype != torch.float32:
-        raise ValueError(
-            f"scale_inv must be float32 {want} for w {tuple(w.shape)} in blocks ({bn}, {bk}) "
-            f"(got {tuple(scale_inv.shape)}:{scale_inv.dtype})"
-        )
-    return bn, bk
 
 
 def _padded_blocks(x: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
     """float32 [..., N, K] -> [..., nN, bn, nK, bk], zero-padded to whole blocks."""
     N, K = x.shape[-2:]
-    nN, nK = _blocks(N, bn), _blocks(K, bk)
+    nN, nK = -(-N // bn), -(-K // bk)
     x = F.pad(x, (0, nK * bk - K, 0, nN * bn - N))
     return x.view(*x.shape[:-2], nN, bn, nK, bk)
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.checks import check_moe_inputs
+from kernels.fp8 import dequant_fp8_block
 from kernels.triton import force_triton as _force_triton
 
 __all__ = ["select_experts", "fused_moe", "sort_by_expert"]
@@ -88,13 +89,21 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_scale_inv: torch.Tensor | None = None,
+    w2_scale_inv: torch.Tensor | None = None,
+    block_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """The routed experts' weighted sum for each token: [T, H] in x's dtype (see the module)."""
+    """The routed experts' weighted sum for each token: [T, H] in x's dtype (see the module).
+
+    FP8 experts: w13 and w2 float8_e4m3fn with w13_scale_inv [E, ceil(2I/bn), ceil(H/bk)] and
+    w2_scale_inv [E, ceil(H/bn), ceil(I/bk)] in blocks block_size (kernels/fp8.py); each active
+    expert is dequantized into x's dtype as it is used.
+    """
     if x.is_cuda or _force_triton():
         from kernels.triton.moe import fused_moe_triton
 
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
-    check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size)
+    check_moe_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size)
     T, H = x.shape
     k = topk_ids.shape[1]
     order, counts = sort_by_expert(topk_ids, w13.shape[0])
@@ -108,6 +117,10 @@ def fused_moe(
     groups = zip(xs.split(counts), ws.split(counts), ys.split(counts))
     for e, (x_e, w_e, y_e) in enumerate(groups):
         if x_e.shape[0]:
-            torch.mul(_expert(x_e, w13[e], w2[e], bufs), w_e, out=y_e)
+            w13_e, w2_e = w13[e], w2[e]
+            if w13_scale_inv is not None:
+                w13_e = dequant_fp8_block(w13_e, w13_scale_inv[e], block_size, x.dtype)
+                w2_e = dequant_fp8_block(w2_e, w2_scale_inv[e], block_size, x.dtype)
+            torch.mul(_expert(x_e, w13_e, w2_e, bufs), w_e, out=y_e)
     pairs = torch.empty_like(ys).index_copy_(0, order, ys)  # back to (token, j) order
     return pairs.view(T, k, H).sum(1).to(x.dtype)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import check_fp8_block
+from kernels.checks import check_fp8_block
 from kernels.triton._common import (
     TL_DTYPES,
     check_last_contiguous,
@@ -33,7 +33,22 @@ from kernels.triton._common import (
     round_to,
 )
 
-__all__ = ["fp8_block_linear_triton"]
+__all__ = ["fp8_block_linear_triton", "weight_tile", "k_tile"]
+
+
+@triton.jit
+def weight_tile(w_rows, s_rows, kk, k0, n_in, k_in, QK, SCALED: tl.constexpr, ALIGNED: tl.constexpr, XDT: tl.constexpr):
+    """A [BN, BK] tile of an [N, K] weight in XDT: rows `w_rows` [BN, 1] (pointers), columns kk.
+    SCALED: the weight is float8_e4m3fn and s_rows [BN, 1] point at each row's scales (one per QK
+    columns); the tile is dequantized and rounded to XDT. ALIGNED: the tile lies in one scale block."""
+    w = tl.load(w_rows + kk[None, :], mask=n_in[:, None] & k_in[None, :], other=0.0)
+    if SCALED:
+        if ALIGNED:
+            s = tl.load(s_rows + k0 // QK, mask=n_in[:, None], other=0.0)
+        else:
+            s = tl.load(s_rows + (kk // QK)[None, :], mask=n_in[:, None] & k_in[None, :], other=0.0)
+        w = round_to(w.to(tl.float32) * s, XDT).to(XDT)
+    return w
 
 
 @triton.jit
@@ -48,24 +63,20 @@ def _fp8_block_linear_kernel(
     m_in, n_in = rm < T, rn < N
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * s_x
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * s_w
-    s_rows = s_ptr + (rn // QN)[:, None] * s_s  # [BN, 1]: each output column's row of scales
+    s_rows = s_ptr + (rn // QN)[:, None] * s_s  # each output column's row of scales
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + rk
         k_in = kk < K
         x = tl.load(x_rows + kk[None, :], mask=m_in[:, None] & k_in[None, :], other=0.0)
-        w = tl.load(w_rows + kk[None, :], mask=n_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
-        if ALIGNED:
-            s = tl.load(s_rows + k0 // QK, mask=n_in[:, None], other=0.0)
-        else:
-            s = tl.load(s_rows + (kk // QK)[None, :], mask=n_in[:, None] & k_in[None, :], other=0.0)
-        acc += dot(x, tl.trans(round_to(w * s, XDT).to(XDT)), DOT_F32)
+        w = weight_tile(w_rows, s_rows, kk, k0, n_in, k_in, QK, True, ALIGNED, XDT)
+        acc += dot(x, tl.trans(w), DOT_F32)
     y = y_ptr + rm.to(tl.int64)[:, None] * s_y + rn[None, :]
     tl.store(y, round_to(acc, XDT).to(y_ptr.dtype.element_ty), mask=m_in[:, None] & n_in[None, :])
 
 
-def _k_tile(bk: int) -> tuple[int, bool]:
-    """(K tile, whether it stays inside one scale block)."""
+def k_tile(bk: int) -> tuple[int, bool]:
+    """(K tile, whether it stays inside one scale block of bk columns)."""
     tile = bk & -bk  # largest power of two dividing bk
     if tile >= 16:
         return min(tile, 128), True
@@ -90,7 +101,7 @@ def fp8_block_linear_triton(
     if y.numel():
         BM = min(64, max(16, triton.next_power_of_2(T)))
         BN = 64
-        BK, aligned = _k_tile(bk)
+        BK, aligned = k_tile(bk)
         grid = (triton.cdiv(T, BM), triton.cdiv(N, BN))
         _fp8_block_linear_kernel[grid](
             x, w_fp8, scale_inv, y, T, N, K, x.stride(0), w_fp8.stride(0), scale_inv.stride(0), y.stride(0), bn, bk,
