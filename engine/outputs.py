@@ -15,3 +15,4 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     text: str | None = None
     metrics: dict = field(default_factory=dict)  # ttft_s, e2e_s, num_preemptions
+    draft_token_ids: list[int] = field(default_factory=list)  # prefill-only with MTP: drafts for the first decode step
