@@ -131,6 +131,33 @@ PAIRS = [("nixl", 1, 1), ("nixl", 2, 1), ("nixl", 1, 2), ("nixl", 2, 2), ("ucxx"
 _connected: set = set()
 
 
+def _prefill_and_push(P: EngineCore, D: EngineCore, backend: str, rid: str, prompt, b: int, digest: str):
+    """D reserves, P prefills (prefill-only) and pushes; once every rank is done and D holds,
+    bit for bit, P's state re-sharded for TP=b, P releases. Returns P's finished output."""
+    dst_blocks, dst_slot = D.reserve(prompt, SP, rid)
+    ranks = D.executor.call_all(xr.adopt, backend, rid, len(prompt), dst_blocks, dst_slot)
+    target = xr.make_target(ranks, f"D{b}", rid, len(prompt), b, digest)
+    P.add_request(prompt, SP, rid, prefill_only=True)
+    out = None
+    while out is None:
+        out = next((o for o in P.step() if o.request_id == rid and o.finished), None)
+    assert out.finish_reason == "prefilled"
+    src_blocks, src_slot = P.held(rid)
+    assert len(src_blocks) == -(-len(prompt) // P.cfg.cache.block_size)  # the prompt's pages only
+    P.executor.call_all(xr.send, backend, rid, target, src_blocks, src_slot, len(prompt))
+    _until(P, D, backend, rid)
+    want = to_global(P.cfg, P.executor.call_all(read_state, src_blocks, src_slot))
+    got = D.executor.call_all(read_state, dst_blocks[: len(src_blocks)], dst_slot)
+    for r, g in enumerate(got):
+        exp = reshard(D.cfg, want, r)
+        for kind in ("kv", "conv", "rec"):
+            for layer in exp[kind]:
+                assert same_bits(g[kind][layer], exp[kind][layer]), f"rank {r} {kind} layer {layer} differs"
+    P.release(rid)
+    D.executor.call_all(xr.take, backend, rid)
+    return out, want
+
+
 @pytest.mark.parametrize("backend,a,b", PAIRS, ids=[f"{be}-tp{a}to{b}" for be, a, b in PAIRS])
 def test_engine_prefill_transfer_decode(engines, colocated, backend, a, b):
     P, D = engines[("P", a)], engines[("D", b)]
@@ -139,32 +166,8 @@ def test_engine_prefill_transfer_decode(engines, colocated, backend, a, b):
     digest = D.executor.call_all(xr.digest, backend)[0]
     for i, prompt in enumerate(hc.prompts(lens=PROMPT_LENS)):
         rid = f"{backend}-{a}{b}-{i}"
-        # decode node reserves first, then the prefill node computes and pushes
-        dst_blocks, dst_slot = D.reserve(prompt, SP, rid)
-        ranks = D.executor.call_all(xr.adopt, backend, rid, len(prompt), dst_blocks, dst_slot)
-        target = xr.make_target(ranks, f"D{b}", rid, len(prompt), b, digest)
-        P.add_request(prompt, SP, rid, prefill_only=True)
-        first = None
-        while first is None:
-            for o in P.step():
-                if o.request_id == rid and o.finished:
-                    assert o.finish_reason == "prefilled"
-                    first = o.output_token_ids[0]
-        src_blocks, src_slot = P.held(rid)
-        P.executor.call_all(xr.send, backend, rid, target, src_blocks, src_slot, len(prompt))
-        _until(P, D, backend, rid)
-
-        want = to_global(P.cfg, P.executor.call_all(read_state, src_blocks, src_slot))
-        got = D.executor.call_all(read_state, dst_blocks[: len(src_blocks)], dst_slot)
-        for r, g in enumerate(got):
-            exp = reshard(D.cfg, want, r)
-            for kind in ("kv", "conv", "rec"):
-                for layer in exp[kind]:
-                    assert same_bits(g[kind][layer], exp[kind][layer]), f"rank {r} {kind} layer {layer} differs"
-
-        P.release(rid)
-        D.executor.call_all(xr.take, backend, rid)
-        toks = D.activate(rid, first).new_token_ids
+        out, _ = _prefill_and_push(P, D, backend, rid, prompt, b, digest)
+        toks = D.activate(rid, out.output_token_ids[0]).new_token_ids
         while D.has_unfinished():
             toks += sum((o.new_token_ids for o in D.step() if o.request_id == rid), [])
         assert toks == colocated[i], f"prompt of {len(prompt)} tokens"
@@ -226,27 +229,8 @@ def test_mtp_state_and_drafts_cross_the_pools(ckpt_mtp, mtp_colocated, a, b):
         mtp_layer = P.cfg.model.num_layers
         for i, prompt in enumerate(hc.prompts(lens=PROMPT_LENS)):
             rid = f"mtp-{a}{b}-{i}"
-            dst_blocks, dst_slot = D.reserve(prompt, SP, rid)
-            ranks = D.executor.call_all(xr.adopt, backend, rid, len(prompt), dst_blocks, dst_slot)
-            target = xr.make_target(ranks, f"D{b}", rid, len(prompt), b, digest)
-            P.add_request(prompt, SP, rid, prefill_only=True)
-            out = None
-            while out is None:
-                out = next((o for o in P.step() if o.request_id == rid and o.finished), None)
-            src_blocks, src_slot = P.held(rid)
-            assert len(src_blocks) == -(-len(prompt) // P.cfg.cache.block_size)  # no draft lookahead pages held
-            P.executor.call_all(xr.send, backend, rid, target, src_blocks, src_slot, len(prompt))
-            _until(P, D, backend, rid)
-            want = to_global(P.cfg, P.executor.call_all(read_state, src_blocks, src_slot))
-            got = D.executor.call_all(read_state, dst_blocks[: len(src_blocks)], dst_slot)
-            assert mtp_layer in want["kv"]
-            for r, g in enumerate(got):
-                exp = reshard(D.cfg, want, r)
-                for kind in ("kv", "conv", "rec"):
-                    for layer in exp[kind]:
-                        assert same_bits(g[kind][layer], exp[kind][layer]), f"rank {r} {kind} layer {layer} differs"
-            P.release(rid)
-            D.executor.call_all(xr.take, backend, rid)
+            out, want = _prefill_and_push(P, D, backend, rid, prompt, b, digest)
+            assert mtp_layer in want["kv"]  # the MTP layer's KV was compared with the rest
             first = D.activate(rid, out.output_token_ids[0], out.draft_token_ids)
             toks, drafts = _draft_trace(D, rid, [first])
             assert (toks, drafts) == mtp_colocated[i], f"prompt of {len(prompt)} tokens, tp {a} -> {b}"
