@@ -18,9 +18,10 @@ CPU path: the T*k (token, expert) pairs are sorted by expert, each active expert
 over its rows (experts with no rows cost nothing), and the weighted rows are summed per token
 over k in float32. The GEMMs of all experts are one call of torch's grouped GEMM where it
 can take them (float32, or 16-bit with one row per expert; 16-byte aligned strides), which
-saves the per-expert Python overhead; otherwise one F.linear per active expert. Rounding follows transformers: each GEMM's output, silu and the product are
-rounded to x's dtype, the routing weights too (its router casts them to the hidden dtype), and
-the combine accumulates in float32 and rounds once. On CUDA tensors (or with
+saves the per-expert Python overhead; otherwise one F.linear per active expert. Rounding
+follows transformers: each GEMM's output, silu and the product are rounded to x's dtype, the
+routing weights too (its router casts them to the hidden dtype), and the combine accumulates in
+float32 and rounds once. On CUDA tensors (or with
 PDSERVE_FORCE_TRITON=1) `fused_moe` runs the Triton kernels in kernels/triton/moe.py.
 """
 
@@ -57,7 +58,8 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     """router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int64), highest
     probability first."""
     if router_logits.dim() != 2 or not router_logits.is_floating_point():
-        raise ValueError(f"router_logits must be a float [T, E] tensor (got {tuple(router_logits.shape)}:{router_logits.dtype})")
+        got = f"{tuple(router_logits.shape)}:{router_logits.dtype}"
+        raise ValueError(f"router_logits must be a float [T, E] tensor (got {got})")
     if not 1 <= top_k <= router_logits.shape[1]:
         raise ValueError(f"top_k must be in [1, E={router_logits.shape[1]}] (got {top_k})")
     probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
