@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from prometheus_client import Counter, Histogram
 
 from proto import pb, rpc
 from proto.metrics import ServingMetrics
@@ -49,8 +50,6 @@ from proto.serving import (
     start_server,
     wait_idle,
 )
-from prometheus_client import Counter, Histogram
-
 from router.admission import Admission
 from router.config import RouterConfig
 from router.detok import IncrementalDetokenizer
@@ -238,8 +237,9 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                 return Abort(grpc.StatusCode.UNAVAILABLE, "no live decode node takes new requests")
             return Abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the pools had no room for a {prompt_len}-token prompt within {self.cfg.admission_timeout_s:g} s "
-                f"({self.admission.depth()} requests waiting): try again later",
+                f"no decode node had room (or no prefill node was within its window) for a {prompt_len}-token "
+                f"prompt within {self.cfg.admission_timeout_s:g} s ({self.admission.depth()} in the admission queue): "
+                "try again later",
             )
 
         return self.admission.wait(lambda: self._place(prompt_len, exclude), context, refuse)
