@@ -55,6 +55,7 @@ class PoolSpec:
     reservation_lease_s: float = 15.0  # the router's --reservation-lease
     max_prefill_queue_tokens: int = 0  # the router's --max-prefill-queue-tokens
     num_speculative_tokens: int = 0  # every node's --num-speculative-tokens
+    speculative_method: str = "ngram"  # every node's --speculative-method: ngram | mtp
     log_level: str = "INFO"
     transfer_backend: str = "nixl"
     http_port: int | None = None  # the router's OpenAI-compatible HTTP port (None: off)
@@ -136,7 +137,7 @@ class Cluster:
              "--kv-cache-memory", s.kv_cache_memory, "--max-num-seqs", str(s.max_num_seqs),
              "--max-num-batched-tokens", str(s.max_num_batched_tokens),
              "--transfer-backend", s.transfer_backend, "--num-speculative-tokens", str(s.num_speculative_tokens),
-             *metrics, *extra],
+             "--speculative-method", s.speculative_method, *metrics, *extra],
         )  # fmt: skip
 
     def _check_children(self, deadline: float) -> None:

@@ -1,4 +1,4 @@
-"""The prefill phase of a disaggregated request (DESIGN.md section 1), as the router runs it.
+"""The prefill phase of a disaggregated request (docs/DESIGN.md §1), as the router runs it.
 
     run(D, P, request): P was chosen at admission, within its window -> make sure P and D have
     handshaken (brokered once per pair of incarnations: P's rank blobs to D, D's to P) -> D.Reserve

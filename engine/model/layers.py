@@ -1,7 +1,7 @@
 """The three blocks of a Qwen3.5 decoder layer, on one tensor-parallel rank.
 
-Weights are plain tensors already sharded and fused by the loader, projections stored
-transposed ([in, out], so `x @ w`):
+Weights are already sharded and fused by the loader; projections are `Linear`s (called as
+`w(x)`, layout chosen per dtype in engine/model/linear.py):
     GDN        w_in = [qkv_r | z_r | b_r | a_r], conv weight [D_r, Kc], A_log, dt_bias, norm, w_out
     attention  w_qkv = [q_and_gate_r | k_r | v_r], q_norm, k_norm, w_o
     MLP        w_gate_up = [gate_r | up_r], w_down
@@ -30,6 +30,7 @@ from kernels import (
 )
 from engine.cache.allocator import CachePools
 from engine.model.batch import ForwardBatch
+from engine.model.linear import Linear
 from engine.model.rotary import apply_rotary_
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -37,26 +38,26 @@ AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass
 class GDNWeights:
-    w_in: torch.Tensor
+    w_in: Linear
     conv: torch.Tensor  # [D_r, Kc]
     A_log: torch.Tensor  # [Hv_r]
     dt_bias: torch.Tensor  # [Hv_r]
     norm: torch.Tensor  # [dv]
-    w_out: torch.Tensor  # [Hv_r * dv, hidden]
+    w_out: Linear  # [hidden, Hv_r * dv]
 
 
 @dataclass
 class AttentionWeights:
-    w_qkv: torch.Tensor
+    w_qkv: Linear
     q_norm: torch.Tensor
     k_norm: torch.Tensor
-    w_o: torch.Tensor
+    w_o: Linear
 
 
 @dataclass
 class MLPWeights:
-    w_gate_up: torch.Tensor
-    w_down: torch.Tensor
+    w_gate_up: Linear
+    w_down: Linear
 
 
 def _per_group(batch: ForwardBatch, x, fn):
@@ -109,7 +110,7 @@ class GatedDeltaNet:
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, pools: CachePools):
         T = x.shape[0]
-        proj = x @ self.w.w_in
+        proj = self.w.w_in(x)
         qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
 
         mixed = _per_group(batch, qkv, partial(self._conv, pools))
@@ -122,7 +123,7 @@ class GatedDeltaNet:
         g = self.neg_A * F.softplus(a.float() + self.dt_bias)
         o = _per_group(batch, (q, k, v, g, beta), partial(self._delta_rule, pools))
         o = gated_rms_norm(o, z.reshape(T, self.hv, self.dv), self.w.norm, self.eps)
-        return self.all_reduce(o.reshape(T, -1) @ self.w.w_out)
+        return self.all_reduce(self.w.w_out(o.reshape(T, -1)))
 
 
 class Attention:
@@ -135,7 +136,7 @@ class Attention:
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor, cos, sin):
         T = x.shape[0]
-        qkv = x @ self.w.w_qkv  # rows [q | k | gate | v] (reordered by the loader)
+        qkv = self.w.w_qkv(x)  # rows [q | k | gate | v] (reordered by the loader)
         nqk = (self.h + self.kvh) * self.hd
         qk, gate, v = qkv.split([nqk, self.h * self.hd, self.kvh * self.hd], dim=-1)
         qk = F.rms_norm(qk.reshape(T, self.h + self.kvh, self.hd).float(), (self.hd,), None, self.eps)
@@ -147,7 +148,7 @@ class Attention:
             batch, q, lambda grp, qg: paged_attention(qg, kv_pool, grp.cu_seqlens, grp.seq_lens, grp.block_tables, self.scale)
         )
         o = o.reshape(T, -1) * torch.sigmoid(gate)
-        return self.all_reduce(o @ self.w.w_o)
+        return self.all_reduce(self.w.w_o(o))
 
 
 class MLP:
@@ -155,5 +156,5 @@ class MLP:
         self.w, self.all_reduce = w, all_reduce
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = (x @ self.w.w_gate_up).chunk(2, dim=-1)
-        return self.all_reduce(F.silu(gate, inplace=True).mul_(up) @ self.w.w_down)  # in place: no [T, I] temporaries
+        gate, up = self.w.w_gate_up(x).chunk(2, dim=-1)
+        return self.all_reduce(self.w.w_down(F.silu(gate, inplace=True).mul_(up)))  # in place: no [T, I] temporaries

@@ -1,0 +1,126 @@
+"""Mixture-of-experts block ops (Qwen3.5-MoE, Qwen3-Next): routing and the routed experts.
+
+    router_logits  [T, E]        any float dtype
+    x              [T, H]
+    w13            [E, 2*I, H]   each expert's [gate | up] projection, nn.Linear [out, in] layout
+    w2             [E, H, I]     each expert's down projection, nn.Linear layout
+    topk_weights   [T, k]        float32 routing weights
+    topk_ids       [T, k]        int64 expert ids in [0, E)
+
+`select_experts` is the router after its linear: softmax over experts in float32, top-k, and
+(renormalize) division by the k weights' sum: transformers' Qwen3.5-MoE router always
+renormalises, Qwen3-Next's when `norm_topk_prob`. `fused_moe` is the routed experts:
+out_t = sum_j w_tj * W2[e_tj] (silu(gate) * up), (gate | up) = W13[e_tj] x_t. I is whatever the
+tensors hold, so a tensor-parallel rank passes its slice of every expert's intermediate
+dimension and reduces the [T, H] partial sums itself; the shared expert is the caller's.
+
+CPU path: the T*k (token, expert) pairs are sorted by expert, each active expert runs one GEMM
+over its rows (experts with no rows cost nothing), and the weighted rows are summed per token
+over k in float32. Rounding follows transformers: each GEMM's output, silu and the product are
+rounded to x's dtype, the routing weights too (its router casts them to the hidden dtype), and
+the combine accumulates in float32 and rounds once. On CUDA tensors (or with
+PDSERVE_FORCE_TRITON=1) `fused_moe` runs the Triton kernels in kernels/triton/moe.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.checks import check_moe_inputs
+from kernels.fp8 import dequant_fp8_block
+from kernels.triton import force_triton as _force_triton
+
+__all__ = ["select_experts", "fused_moe", "sort_by_expert"]
+
+# A 16-bit expert with at least this many rows runs its GEMMs in float32 on a float32 copy of
+# its weights: CPUs without bf16 units (AVX2) take ~1 row per GEMV pass in bf16, while the copy
+# costs about one such pass and the float32 GEMM blocks all rows. The result is the same
+# float32-accumulated GEMM, rounded once to x's dtype.
+_UPCAST_ROWS = 2
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int64), highest
+    probability first."""
+    if router_logits.dim() != 2 or not router_logits.is_floating_point():
+        raise ValueError(f"router_logits must be a float [T, E] tensor (got {tuple(router_logits.shape)}:{router_logits.dtype})")
+    if not 1 <= top_k <= router_logits.shape[1]:
+        raise ValueError(f"top_k must be in [1, E={router_logits.shape[1]}] (got {top_k})")
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        topk_weights /= topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [T*k], counts [E]): the flat pair indices t*k + j sorted by expert id (stable),
+    and the number of pairs per expert. Raises ValueError for an id outside [0, E)."""
+    flat = topk_ids.reshape(-1)
+    try:
+        counts = torch.bincount(flat, minlength=num_experts)
+    except RuntimeError:  # a negative id
+        counts = None
+    if counts is None or counts.numel() != num_experts:
+        raise ValueError(f"topk_ids must be in [0, E={num_experts}) (got min {int(flat.min())}, max {int(flat.max())})")
+    return torch.argsort(flat, stable=True), counts
+
+
+def _gemm(x: torch.Tensor, w: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
+    """x [n, K] @ w[N, K]^T in x's dtype; through a float32 copy of w (buf) when given."""
+    if buf is None:
+        return F.linear(x, w)
+    return F.linear(x.float(), buf.copy_(w)).to(x.dtype)
+
+
+def _expert(xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, bufs) -> torch.Tensor:
+    """One expert's SwiGLU MLP over its rows: xs [n, H] -> [n, H] in xs's dtype."""
+    upcast = bufs is not None and xs.shape[0] >= _UPCAST_ROWS
+    h = _gemm(xs, w13, bufs[0] if upcast else None)
+    i = w2.shape[1]
+    act = F.silu(h[:, :i], inplace=True).mul_(h[:, i:])
+    return _gemm(act, w2, bufs[1] if upcast else None)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale_inv: torch.Tensor | None = None,
+    w2_scale_inv: torch.Tensor | None = None,
+    block_size: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """The routed experts' weighted sum for each token: [T, H] in x's dtype (see the module).
+
+    FP8 experts: w13 and w2 float8_e4m3fn with w13_scale_inv [E, ceil(2I/bn), ceil(H/bk)] and
+    w2_scale_inv [E, ceil(H/bn), ceil(I/bk)] in blocks block_size (kernels/fp8.py); each active
+    expert is dequantized into x's dtype as it is used.
+    """
+    if x.is_cuda or _force_triton():
+        from kernels.triton.moe import fused_moe_triton
+
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size)
+    check_moe_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size)
+    T, H = x.shape
+    k = topk_ids.shape[1]
+    order, counts = sort_by_expert(topk_ids, w13.shape[0])
+    xs = x.index_select(0, order // k)  # [T*k, H] rows grouped by expert
+    ws = topk_weights.reshape(-1)[order].to(x.dtype).float()[:, None]  # rounded as transformers rounds
+    bufs = None
+    if x.dtype != torch.float32 and T * k >= _UPCAST_ROWS:
+        bufs = (torch.empty(w13.shape[1:], dtype=torch.float32), torch.empty(w2.shape[1:], dtype=torch.float32))
+    ys = torch.empty(T * k, H, dtype=torch.float32)
+    counts = counts.tolist()
+    groups = zip(xs.split(counts), ws.split(counts), ys.split(counts))
+    for e, (x_e, w_e, y_e) in enumerate(groups):
+        if x_e.shape[0]:
+            w13_e, w2_e = w13[e], w2[e]
+            if w13_scale_inv is not None:
+                w13_e = dequant_fp8_block(w13_e, w13_scale_inv[e], block_size, x.dtype)
+                w2_e = dequant_fp8_block(w2_e, w2_scale_inv[e], block_size, x.dtype)
+            torch.mul(_expert(x_e, w13_e, w2_e, bufs), w_e, out=y_e)
+    pairs = torch.empty_like(ys).index_copy_(0, order, ys)  # back to (token, j) order
+    return pairs.view(T, k, H).sum(1).to(x.dtype)
