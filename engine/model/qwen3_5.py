@@ -13,6 +13,7 @@ from kernels import rms_norm
 from engine.cache.allocator import CachePools
 from engine.config import ModelConfig
 from engine.model.batch import ForwardBatch
+from engine.model.linear import Linear
 from engine.model.layers import MLP, AllReduce, Attention, AttentionWeights, GatedDeltaNet, GDNWeights, MLPWeights
 from engine.model.rotary import Rotary
 
@@ -31,7 +32,7 @@ class Qwen35Model:
         self.cfg = cfg
         self.embed = weights["embed"]
         self.final_norm = weights["norm"]
-        self.lm_head = weights["lm_head"]
+        self.lm_head = Linear(weights["lm_head"])  # may share the embedding tensor; its GEMM copy is its own
         self.eps = cfg.rms_norm_eps
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, max_positions, cfg.dtype, device)
         kvh = max(1, cfg.num_kv_heads // tp)
@@ -73,4 +74,4 @@ class Qwen35Model:
             x = x + h
             x = x + layer.mlp(rms_norm(x, layer.post_norm, self.eps, zero_centered=False))
         x = rms_norm(x[batch.logits_indices], self.final_norm, self.eps, zero_centered=False)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()
