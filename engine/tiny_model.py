@@ -51,6 +51,7 @@ class TinyModelSpec:
     dtype: str = "float32"
     init_std: float = 0.02
     tokenizer: bool = True
+    mtp: bool = False  # also write a multi-token-prediction block (`mtp.*`, one layer)
 
 
 def _train_tokenizer(vocab: int):
@@ -106,6 +107,8 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
     torch.manual_seed(spec.seed)
     model = Qwen3_5ForCausalLM(cfg).to(getattr(torch, spec.dtype))
     model.save_pretrained(out)
+    if spec.mtp:
+        add_mtp_block(out, cfg, spec.seed, getattr(torch, spec.dtype))
     if tok is not None:
         fast = PreTrainedTokenizerFast(
             tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
@@ -113,3 +116,47 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
         fast.save_pretrained(out)
     (out / "pdserve_tiny.json").write_text(json.dumps(spec.__dict__, indent=2))
     return out
+
+
+def mtp_modules(cfg):
+    """transformers' own modules shaped as the published MTP block: (norms, fc, decoder layer).
+    The decoder layer is a full-attention Qwen3.5 layer with the model's MLP."""
+    import torch
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+
+    full = cfg.layer_types.index("full_attention")
+    h = cfg.hidden_size
+    return {
+        "pre_fc_norm_embedding": Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps),
+        "pre_fc_norm_hidden": Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps),
+        "fc": torch.nn.Linear(2 * h, h, bias=False),
+        "layers.0": Qwen3_5DecoderLayer(cfg, full),
+        "norm": Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps),
+    }
+
+
+def add_mtp_block(out_dir: str | Path, cfg, seed: int, dtype) -> None:
+    """Add random `mtp.*` tensors under the published names to the checkpoint written by
+    save_pretrained, and `mtp_num_hidden_layers: 1` to its config.json. Norm weights are random
+    too (not zero), so a reader that gets the (1 + w) convention wrong is caught."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out_dir)
+    g = torch.Generator().manual_seed(seed + 7)
+    tensors = {}
+    for prefix, mod in mtp_modules(cfg).items():
+        for name, p in mod.state_dict().items():
+            std = 0.1 if "norm" in f"{prefix}.{name}" else cfg.initializer_range
+            w = torch.randn(p.shape, generator=g) * std
+            tensors[f"mtp.{prefix}.{name}"] = w.to(dtype).contiguous()
+    files = sorted(out.glob("*.safetensors"))
+    if len(files) != 1:
+        raise ValueError(f"expected one safetensors file in {out}, found {len(files)}")
+    weights = load_file(str(files[0]))
+    weights.update(tensors)
+    save_file(weights, str(files[0]), metadata={"format": "pt"})
+    cfg_path = out / "config.json"
+    raw = json.loads(cfg_path.read_text())
+    raw["mtp_num_hidden_layers"] = 1
+    cfg_path.write_text(json.dumps(raw, indent=2))

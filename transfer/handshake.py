@@ -28,6 +28,7 @@ DIGEST_FIELDS: tuple[str, ...] = (
     "dtype",
     "recurrent_dtype",
     "num_speculative_slots",
+    "speculative_method",
 )
 assert set(DIGEST_FIELDS) == set(ModelDigest.__struct_fields__), "compare every digest field"
 
