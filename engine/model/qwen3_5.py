@@ -1,5 +1,7 @@
 """Qwen3.5 hybrid text model on one tensor-parallel rank: embeddings, a stack of GDN and
 gated full-attention decoder layers reading and writing the cache pools, final norm, LM head.
+Each layer's MLP is dense or the sparse MoE block (Qwen3.5-MoE, Qwen3-Next: engine/model/moe.py);
+Qwen3-Next's layers are the same blocks once the loader has mapped its GDN projections.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from engine.cache.allocator import CachePools
 from engine.config import ModelConfig
 from engine.model.batch import ForwardBatch
 from engine.model.layers import MLP, AllReduce, Attention, AttentionWeights, GatedDeltaNet, GDNWeights, MLPWeights
+from engine.model.moe import MoEWeights, SparseMoE
 from engine.model.rotary import Rotary
 
 
@@ -23,7 +26,7 @@ class DecoderLayer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     mixer: GatedDeltaNet | Attention
-    mlp: MLP
+    mlp: MLP | SparseMoE
 
 
 class Qwen35Model:
@@ -53,9 +56,12 @@ class Qwen35Model:
                 mixer = Attention(
                     AttentionWeights(**lw["mixer"]), cfg.num_attention_heads // tp, kvh, cfg.head_dim, self.eps, all_reduce
                 )
+            if cfg.is_moe_layer(i):
+                mlp = SparseMoE(MoEWeights(**lw["mlp"]), cfg.num_experts_per_tok, cfg.norm_topk_prob, all_reduce)
+            else:
+                mlp = MLP(MLPWeights(**lw["mlp"]), all_reduce)
             self.layers.append(
-                DecoderLayer(kind, 1.0 + lw["input_norm"].float(), 1.0 + lw["post_norm"].float(), mixer,
-                             MLP(MLPWeights(**lw["mlp"]), all_reduce))
+                DecoderLayer(kind, 1.0 + lw["input_norm"].float(), 1.0 + lw["post_norm"].float(), mixer, mlp)
             )
         self.final_norm = 1.0 + self.final_norm.float()  # norms store (1 + w), precomputed
 
