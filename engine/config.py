@@ -84,6 +84,7 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
     # FP8 block-quantized weights ([bn, bk] blocks, `*.weight_scale_inv` beside them), dequantized at load
     fp8_block_size: tuple[int, int] | None = None
+    mtp_num_layers: int = 0  # multi-token-prediction layers the config declares (`mtp.layers.*`)
 
     def __post_init__(self):
         bad = {t for t in self.layer_types if t not in ("linear_attention", "full_attention")}
@@ -210,6 +211,7 @@ class ModelConfig:
             weight_prefix=prefix,
             fp8_block_size=fp8_block,
             **_moe_fields(text, want_type),
+            mtp_num_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
         )
 
 
@@ -312,20 +314,39 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
 
 
+SpeculativeMethod = Literal["ngram", "mtp"]
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "mtp")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     num_tokens: int = 0  # draft tokens verified per decode row (0: no speculation)
-    method: Literal["ngram"] = "ngram"  # prompt-lookup drafts: continue an earlier match of the last n tokens
+    # "ngram": prompt-lookup drafts (continue an earlier match of the last n tokens);
+    # "mtp": the checkpoint's multi-token-prediction block (`mtp.*`) drafts, reused recursively for k > 1
+    method: SpeculativeMethod = "ngram"
     ngram_max: int = 4  # longest suffix to look up
     ngram_min: int = 1  # shortest suffix to look up
+    # MTP depth control: a request's draft depth drops by one (down to 1) when the acceptance rate
+    # of its recent drafts (exponential average, weight `depth_ema`) falls under `depth_lower`, and
+    # climbs back by one (up to num_tokens) when it exceeds `depth_raise`
+    depth_lower: float = 0.3
+    depth_raise: float = 0.6
+    depth_ema: float = 0.5
 
     def __post_init__(self):
         if self.num_tokens < 0 or self.num_tokens > 16:
             raise ValueError(f"speculative num_tokens must be in [0, 16] (got {self.num_tokens})")
-        if self.method != "ngram":
-            raise ValueError(f"unknown speculative method {self.method!r}; known: ngram")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; known: {', '.join(SPECULATIVE_METHODS)}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if not 0.0 <= self.depth_lower <= self.depth_raise <= 1.0 or not 0.0 < self.depth_ema <= 1.0:
+            raise ValueError("need 0 <= depth_lower <= depth_raise <= 1 and 0 < depth_ema <= 1")
+
+    @property
+    def mtp(self) -> bool:
+        """Drafts come from the model's MTP block (its KV is a cache kind of its own)."""
+        return self.method == "mtp" and self.num_tokens > 0
 
 
 @dataclass(frozen=True)
@@ -340,6 +361,13 @@ class EngineConfig:
 
     def __post_init__(self):
         self.parallel.check_model(self.model)
+        if self.speculative.mtp and self.model.mtp_num_layers < 1:
+            raise ValueError(
+                f"speculative_method='mtp' needs the checkpoint's mtp.* weights; {self.model.path} declares none "
+                "(config.json has no mtp_num_hidden_layers)"
+            )
+        if self.speculative.mtp and self.model.mtp_num_layers != 1:
+            raise ValueError(f"speculative_method='mtp' supports one MTP layer; {self.model.path} declares {self.model.mtp_num_layers}")
 
     @property
     def max_model_len(self) -> int:
@@ -365,7 +393,8 @@ class EngineArgs:
     max_model_len: int | None = None
     seed: int = 0
     device: str = "cpu"
-    num_speculative_tokens: int = 0  # n-gram drafts verified per decode row (0: off)
+    num_speculative_tokens: int = 0  # drafts verified per decode row (0: off)
+    speculative_method: SpeculativeMethod = "ngram"  # where drafts come from: "ngram" | "mtp" (the checkpoint's MTP block)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -373,7 +402,7 @@ class EngineArgs:
             parallel=ParallelConfig(self.tensor_parallel_size),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len),
-            speculative=SpeculativeConfig(num_tokens=self.num_speculative_tokens),
+            speculative=SpeculativeConfig(num_tokens=self.num_speculative_tokens, method=self.speculative_method),
             device=self.device,
             seed=self.seed,
         )

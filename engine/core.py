@@ -33,9 +33,9 @@ class EngineCore:
         self.blocks = BlockManager(self.capacity.num_blocks, cfg.cache.block_size)
         self.slots = SlotPool(self.capacity.num_state_slots)
         spec = cfg.speculative
-        self.proposer = NgramProposer(spec.ngram_min, spec.ngram_max) if spec.num_tokens else None
+        self.proposer = NgramProposer(spec.ngram_min, spec.ngram_max) if spec.num_tokens and not spec.mtp else None
         self.scheduler = Scheduler(
-            cfg.scheduler, self.blocks, self.slots, cfg.max_model_len, spec.num_tokens, self._propose
+            cfg.scheduler, self.blocks, self.slots, cfg.max_model_len, spec.num_tokens, self._propose, spec
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -104,12 +104,13 @@ class EngineCore:
         self.requests[req.request_id] = req
         return list(req.block_ids), req.slot
 
-    def activate(self, request_id: str, first_token: int) -> RequestOutput:
-        """Decode side: the reserved state has landed; the request joins the batch."""
+    def activate(self, request_id: str, first_token: int, drafts: list[int] = ()) -> RequestOutput:
+        """Decode side: the reserved state has landed; the request joins the batch (with the
+        prefill side's MTP drafts for its first step, when it sent them)."""
         req = self.requests[request_id]
         if req.status is not Status.RESERVED:
             raise ValueError(f"request {request_id!r} is {req.status.value}, not reserved")
-        self.scheduler.activate(req, first_token, self.cfg.model.eos_token_ids)
+        self.scheduler.activate(req, first_token, self.cfg.model.eos_token_ids, drafts)
         out = self._output(req)
         if req.status is Status.FINISHED:
             del self.requests[request_id]
@@ -142,10 +143,12 @@ class EngineCore:
     # ---- steps ----------------------------------------------------------------------
     def _step_input(self, so: SchedulerOutput) -> StepInput:
         rows = []
+        mtp = self.cfg.speculative.mtp
         for r in so.rows:
             req = r.request
             start = req.num_computed_tokens
             n_known = r.num_new_tokens - len(r.draft_token_ids)
+            nxt = req.token_ids(start + n_known, start + n_known + 1) if mtp and not r.samples else []
             rows.append(
                 RowInput(
                     request_id=req.request_id,
@@ -158,6 +161,8 @@ class EngineCore:
                     want_logits=req.want_logits and r.samples,
                     params=req.params if r.samples else None,
                     num_draft=len(r.draft_token_ids),
+                    next_token=nxt[0] if nxt else None,
+                    draft_depth=req.spec_depth if mtp and r.samples else 0,
                 )
             )
         return StepInput(rows, so.finished_ids)
@@ -171,7 +176,7 @@ class EngineCore:
             res = self.executor.execute(self._step_input(so))
             for rid, lg in res.logits.items():
                 self.requests[rid].logits = lg
-            touched = self.scheduler.update(so, res.sampled, self.cfg.model.eos_token_ids)
+            touched = self.scheduler.update(so, res.sampled, self.cfg.model.eos_token_ids, res.drafts)
             outputs = [self._output(r) for r in touched]
         # requests finished without a new token this step (stopped for lack of pages)
         for req in list(self.requests.values()):

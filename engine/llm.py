@@ -30,10 +30,11 @@ class LLM:
         seed: int = 0,
         device: str = "cpu",
         num_speculative_tokens: int = 0,
+        speculative_method: str = "ngram",
     ):
         self.config = EngineArgs(
             model, tensor_parallel_size, dtype, kv_cache_memory, max_num_seqs, max_num_batched_tokens, block_size,
-            max_model_len, seed, device, num_speculative_tokens,
+            max_model_len, seed, device, num_speculative_tokens, speculative_method,
         ).engine_config()
         self.tokenizer = Tokenizer(model) if Tokenizer.exists(model) else None
         self.engine = EngineCore(self.config)

@@ -19,6 +19,10 @@ and another loads it:
 FP8 checkpoints (`quant_method: fp8`): a weight stored as float8_e4m3fn has its block scales
 beside it in `<name>_scale_inv` ([ceil(N/bn), ceil(K/bk)]); it is dequantized once, here, into
 the compute dtype. Which weights are quantized is read from the checkpoint, not assumed.
+
+The multi-token-prediction block (`mtp.*`) is read by `load_mtp_weights` only when MTP
+speculative decoding is on; its decoder layer loads through the same per-block functions (an MoE
+MLP in an MoE model).
 """
 
 from __future__ import annotations
@@ -196,7 +200,7 @@ def check_checkpoint(cfg: ModelConfig, reader: _Reader) -> Shapes:
             why = "has no " + n + SCALE_SUFFIX if cfg.fp8_block_size else "is float8 but config.json has no fp8 quantization_config"
             raise ValueError(f"checkpoint {where}: {n} {why}")
     for what, count in ignored.items():
-        log.info("ignoring %d weight(s) of the %s in %s", count, what, where)
+        log.info("main model: leaving out %d weight(s) of the %s in %s", count, what, where)
     return scales
 
 
@@ -325,6 +329,23 @@ def _load_moe(cfg: ModelConfig, get: _Weights, m: str, tp: int, rank: int) -> di
     }
 
 
+def _load_layer(cfg: ModelConfig, get: _Weights, lp: str, kind: str, moe: bool, tp: int, rank: int) -> dict:
+    if kind == "linear_attention":
+        mixer = _load_gdn(cfg, get, lp + "linear_attn.", tp, rank)
+    else:
+        mixer = _load_attention(cfg, get, lp + "self_attn.", tp, rank)
+    if moe:
+        mlp = _load_moe(cfg, get, lp + "mlp.", tp, rank)
+    else:
+        mlp = _load_mlp(get, lp + "mlp.", _rank_range(cfg.intermediate_size, tp, rank))
+    return {
+        "input_norm": get(lp + "input_layernorm.weight"),
+        "post_norm": get(lp + "post_attention_layernorm.weight"),
+        "mixer": mixer,
+        "mlp": mlp,
+    }
+
+
 def load_weights(cfg: ModelConfig, tp: int, rank: int, device="cpu") -> dict:
     """Weights of `rank` as {"embed", "norm", "lm_head", "layers": [{"input_norm", "post_norm", "mixer", "mlp"}]};
     a MoE layer's "mlp" has "router", "w13", "w2", "shared", "shared_gate"."""
@@ -332,26 +353,61 @@ def load_weights(cfg: ModelConfig, tp: int, rank: int, device="cpu") -> dict:
     get = _Weights(cfg, reader, check_checkpoint(cfg, reader), device)
     p = cfg.weight_prefix
     embed = get(f"{p}embed_tokens.weight")
-    out = {
+    return {
         "embed": embed,
         "norm": get(f"{p}norm.weight"),
         "lm_head": embed if cfg.tie_word_embeddings else get("lm_head.weight"),
-        "layers": [],
+        "layers": [_load_layer(cfg, get, f"{p}layers.{i}.", kind, cfg.is_moe_layer(i), tp, rank)
+                   for i, kind in enumerate(cfg.layer_types)],
     }
-    for i, kind in enumerate(cfg.layer_types):
-        lp = f"{p}layers.{i}."
-        if kind == "linear_attention":
-            mixer = _load_gdn(cfg, get, lp + "linear_attn.", tp, rank)
+
+
+def expected_mtp_weights(cfg: ModelConfig, names=()) -> Shapes:
+    """The multi-token-prediction block as published (docs/ARCHITECTURE.md, speculative decoding):
+    two pre-fc norms, `fc` over [embedding | hidden], full-attention decoder layers with the
+    model's MLP (the MoE block in an MoE model), a final norm."""
+    H = cfg.hidden_size
+    out = {"mtp.pre_fc_norm_embedding.weight": (H,), "mtp.pre_fc_norm_hidden.weight": (H,),
+           "mtp.fc.weight": (H, 2 * H), "mtp.norm.weight": (H,)}
+    for j in range(cfg.mtp_num_layers):
+        lp = f"mtp.layers.{j}."
+        out[lp + "input_layernorm.weight"] = (H,)
+        out[lp + "post_attention_layernorm.weight"] = (H,)
+        out.update(_attention_shapes(cfg, lp + "self_attn."))
+        if cfg.num_experts:
+            out.update(_moe_shapes(cfg, lp + "mlp.", names))
         else:
-            mixer = _load_attention(cfg, get, lp + "self_attn.", tp, rank)
-        if cfg.is_moe_layer(i):
-            mlp = _load_moe(cfg, get, lp + "mlp.", tp, rank)
-        else:
-            mlp = _load_mlp(get, lp + "mlp.", _rank_range(cfg.intermediate_size, tp, rank))
-        out["layers"].append({
-            "input_norm": get(lp + "input_layernorm.weight"),
-            "post_norm": get(lp + "post_attention_layernorm.weight"),
-            "mixer": mixer,
-            "mlp": mlp,
-        })
+            out.update(_mlp_shapes(lp + "mlp.", H, cfg.intermediate_size))
     return out
+
+
+def expected_mtp_weight_names(cfg: ModelConfig) -> list[str]:
+    return list(expected_mtp_weights(cfg))
+
+
+def load_mtp_weights(cfg: ModelConfig, tp: int, rank: int, device="cpu") -> dict:
+    """The `mtp.*` block of `rank` as {"norm_embed", "norm_hidden", "fc", "norm", "layers": [...]}
+    (layers as in `load_weights`, full attention); embedding and LM head are the main model's."""
+    reader = _Reader(Path(cfg.path))
+    expected = expected_mtp_weights(cfg, reader.where)
+    missing = [n for n in expected if n not in reader.where]
+    if missing:
+        raise ValueError(
+            f"speculative_method='mtp' needs the checkpoint's mtp.* weights; {cfg.path} lacks {len(missing)}: "
+            f"{', '.join(missing[:6])}"
+        )
+    for n, want in expected.items():
+        if reader.shape[n] != want:
+            raise ValueError(f"checkpoint {cfg.path}: {n} has shape {list(reader.shape[n])}, expected {list(want)}")
+    scales = {}
+    if cfg.fp8_block_size is not None:
+        scales = {n + SCALE_SUFFIX: _scale_shape(cfg, s) for n, s in expected.items() if n + SCALE_SUFFIX in reader.where}
+    get = _Weights(cfg, reader, scales, device)
+    return {
+        "norm_embed": get("mtp.pre_fc_norm_embedding.weight"),
+        "norm_hidden": get("mtp.pre_fc_norm_hidden.weight"),
+        "fc": Linear(get("mtp.fc.weight")),  # [hidden, 2 * hidden], replicated
+        "norm": get("mtp.norm.weight"),
+        "layers": [_load_layer(cfg, get, f"mtp.layers.{j}.", "full_attention", cfg.num_experts > 0, tp, rank)
+                   for j in range(cfg.mtp_num_layers)],
+    }

@@ -44,6 +44,9 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     logits: object = None  # last-position logits when want_logits
+    draft_token_ids: list[int] = field(default_factory=list)  # MTP drafts proposed for the next step
+    spec_depth: int = 0  # drafts per step for this request (lowered when acceptance is low); 0: off
+    spec_acceptance: float = 1.0  # exponential average of the accepted fraction of its drafts
     _sent: int = 0  # output tokens already reported to the caller
 
     @property

@@ -9,6 +9,15 @@ prompt and output so far when it is admitted again.
 
 The step is a typed `SchedulerOutput`; rows are ordered decode first (one token each, the
 recurrent GDN path), then prefill chunks (the chunked path).
+
+Speculative decoding: a decoding request's row carries up to its draft depth of drafts (n-gram
+proposals, or the MTP drafts the previous step left on the request), never past max_tokens,
+max_model_len or the budget, so one batch mixes plain rows, rows with k drafts and rows with
+fewer. With MTP, a row that samples also gets pages for the positions its next drafts occupy
+(the MTP block writes its KV there while drafting). Depth control, per request: after each
+verification the accepted fraction a/d updates an exponential average (weight `depth_ema`);
+under `depth_lower` the depth drops by one (not below 1), over `depth_raise` it climbs by one
+(not above k).
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from engine.cache.block_manager import BlockManager, SlotPool
-from engine.config import SchedulerConfig
+from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.request import Request, Status
 
 log = logging.getLogger("pdserve.scheduler")
@@ -64,9 +73,12 @@ class Scheduler:
         max_model_len: int,
         num_spec_tokens: int = 0,
         proposer: Callable[[list[int], int], list[int]] | None = None,
+        spec: SpeculativeConfig | None = None,
     ):
         self.cfg = cfg
+        self.spec = spec or SpeculativeConfig(num_tokens=num_spec_tokens)
         self.num_spec_tokens = num_spec_tokens
+        self.mtp = self.spec.mtp  # drafts come from the model (StepOutput.drafts), not the proposer
         self.proposer = proposer
         self.blocks = blocks
         self.slots = slots
@@ -76,8 +88,11 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self.num_draft_tokens = 0  # drafts verified so far (speculative decoding), and accepted
         self.num_accepted_tokens = 0
+        self.drafts_per_position = [0] * num_spec_tokens  # drafts verified at position i of a row
+        self.accepted_per_position = [0] * num_spec_tokens  # ... and accepted there
 
     def add(self, req: Request) -> None:
+        req.spec_depth = self.num_spec_tokens
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
@@ -107,6 +122,7 @@ class Scheduler:
                 break
             if need > 0:
                 req.block_ids += self.blocks.allocate(need)
+            self._lookahead(req, n, len(drafts))
             rows.append(ScheduledRow(req, n, drafts))
             budget -= n
             i += 1
@@ -120,6 +136,7 @@ class Scheduler:
             self.waiting.popleft()
             req.slot = self.slots.allocate()
             req.block_ids = self.blocks.allocate(need)
+            self._lookahead(req, n, 0)
             req.status = Status.RUNNING
             self.running.append(req)
             rows.append(ScheduledRow(req, n))
@@ -129,22 +146,52 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(rows, preempted, finished)
 
+    def _lookahead(self, req: Request, n: int, num_drafts: int) -> None:
+        """With MTP, a row that samples also takes pages, while free ones remain, for the positions
+        its next drafts occupy (capped at max_model_len); it never preempts for them: without
+        them the worker drafts fewer tokens."""
+        end = req.num_computed_tokens + n
+        if not self.mtp or end - num_drafts < req.num_tokens:
+            return
+        end = min(end + max(req.spec_depth - 1, 0), self.max_model_len)
+        extra = min(self.blocks.blocks_for(end) - len(req.block_ids), self.blocks.num_free)
+        if extra > 0:
+            req.block_ids += self.blocks.allocate(extra)
+
     def _drafts(self, req: Request, budget: int) -> list[int]:
-        """Draft tokens for a decoding request, never past max_tokens, max_model_len or the budget."""
-        if not self.num_spec_tokens or self.proposer is None:
+        """Draft tokens for a decoding request, never past its depth, max_tokens, max_model_len
+        or the budget."""
+        if not self.num_spec_tokens or (self.proposer is None and not self.mtp):
             return []
         room = min(
-            self.num_spec_tokens,
+            req.spec_depth,
             budget - 1,
             req.params.max_tokens - len(req.output_token_ids) - 1,
             self.max_model_len - req.num_tokens - 1,
         )
         if room <= 0:
             return []
+        if self.mtp:
+            return req.draft_token_ids[:room]
         return list(self.proposer(req.prompt_token_ids + req.output_token_ids, room))[:room]
+
+    def _record(self, req: Request, proposed: int, accepted: int) -> None:
+        """Counters per draft position, and the request's depth control (module docstring)."""
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        for i in range(proposed):
+            self.drafts_per_position[i] += 1
+            self.accepted_per_position[i] += i < accepted
+        w = self.spec.depth_ema
+        req.spec_acceptance = (1 - w) * req.spec_acceptance + w * accepted / proposed
+        if req.spec_acceptance < self.spec.depth_lower and req.spec_depth > 1:
+            req.spec_depth -= 1
+        elif req.spec_acceptance > self.spec.depth_raise and req.spec_depth < self.num_spec_tokens:
+            req.spec_depth += 1
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        req.draft_token_ids = []
         self._release(req)
         req.status = Status.WAITING
         req.num_computed_tokens = 0
@@ -171,10 +218,13 @@ class Scheduler:
         req.status = Status.RESERVED
         return True
 
-    def activate(self, req: Request, first_token: int, eos: tuple[int, ...]) -> None:
-        """The prompt's state has landed in the reservation: decode from the first token on."""
+    def activate(self, req: Request, first_token: int, eos: tuple[int, ...], drafts: list[int] = ()) -> None:
+        """The prompt's state has landed in the reservation: decode from the first token on
+        (with the drafts the prefill side's MTP block proposed, when there are any)."""
         assert req.status is Status.RESERVED, req.status
         req.num_computed_tokens = len(req.prompt_token_ids)
+        req.spec_depth = self.num_spec_tokens
+        req.draft_token_ids = list(drafts)[: self.num_spec_tokens] if self.mtp else []
         req.status = Status.RUNNING
         self.running.append(req)
         self._emit(req, [first_token], eos)
@@ -196,7 +246,9 @@ class Scheduler:
         req.finish_time = time.monotonic()
         self._finished_ids.append(req.request_id)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]], eos: tuple[int, ...]) -> list[Request]:
+    def update(
+        self, out: SchedulerOutput, sampled: dict[str, list[int]], eos: tuple[int, ...], drafts: dict | None = None
+    ) -> list[Request]:
         """Advance every scheduled row by its computed tokens; append the emitted tokens (one, or
         the accepted drafts plus one); finish what stops. Returns requests that got tokens or finished."""
         touched = []
@@ -208,8 +260,10 @@ class Scheduler:
                 req.num_computed_tokens += row.num_new_tokens
                 continue
             toks = sampled[req.request_id]
-            self.num_draft_tokens += len(row.draft_token_ids)
-            self.num_accepted_tokens += len(toks) - 1 if row.draft_token_ids else 0
+            if row.draft_token_ids:
+                self._record(req, len(row.draft_token_ids), len(toks) - 1)
+            if self.mtp:
+                req.draft_token_ids = drafts.get(req.request_id, []) if drafts else []
             # the pending token and the accepted drafts are now in the cache
             req.num_computed_tokens += row.num_new_tokens - len(row.draft_token_ids) + len(toks) - 1
             touched.append(req)

@@ -1,4 +1,4 @@
-"""Tensor-parallel partition of the hybrid stack (DESIGN.md section 2): one source of truth
+"""Tensor-parallel partition of the hybrid stack (docs/DESIGN.md §2): one source of truth
 for which global heads and channels a rank holds, read by the loader, the cache specs and
 the transfer plans.
 

@@ -20,6 +20,8 @@ class RowInput:
     want_logits: bool = False
     params: SamplingParams | None = None  # set when sample
     num_draft: int = 0  # the last num_draft of token_ids are speculative drafts to verify
+    next_token: int | None = None  # the known token after token_ids (a prompt chunk that does not sample)
+    draft_depth: int = 0  # MTP: drafts to propose for this row's next step (when it samples)
 
 
 @dataclass
@@ -32,4 +34,5 @@ class StepInput:
 class StepOutput:
     sampled: dict[str, list[int]]  # emitted tokens per sampling row (1, or up to k+1 when verifying drafts)
     logits: dict[str, object] = field(default_factory=dict)  # request id -> [vocab] float32 tensor
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # MTP drafts for each sampling row's next step
     seconds: float = 0.0

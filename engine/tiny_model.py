@@ -76,10 +76,13 @@ class TinyModelSpec:
     norm_topk_prob: bool = True  # qwen3_next (qwen3_5_moe always renormalises)
     fp8: bool = False  # store projections block-quantized to float8_e4m3fn with weight_scale_inv
     fp8_block: int = 128  # the [fp8_block, fp8_block] quantization block
+    mtp: bool = False  # also write a multi-token-prediction block (`mtp.*`, one layer)
 
     def __post_init__(self):
         if self.arch not in ARCHS:
             raise ValueError(f"unknown arch {self.arch!r}; known: {', '.join(ARCHS)}")
+        if self.mtp and self.arch != "qwen3_5":
+            raise ValueError(f"mtp writes a dense Qwen3.5 MTP block; it needs arch qwen3_5 (got {self.arch})")
 
 
 def _train_tokenizer(vocab: int):
@@ -135,7 +138,7 @@ def _config(spec: TinyModelSpec, eos):
 
 
 def _quantizable(name: str, shape) -> bool:
-    if len(shape) != 2 or not name.endswith(".weight") or "embed_tokens" in name or name.startswith("lm_head"):
+    if len(shape) != 2 or not name.endswith(".weight") or "embed_tokens" in name or name.startswith(("lm_head", "mtp.")):
         return False
     module = name.removesuffix(".weight")
     return not any(module.endswith(k) for k in FP8_KEEP)
@@ -190,6 +193,8 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
     torch.manual_seed(spec.seed)
     model = getattr(transformers, ARCHS[spec.arch])(cfg).to(getattr(torch, spec.dtype))
     model.save_pretrained(out)
+    if spec.mtp:
+        add_mtp_block(out, cfg, spec.seed, getattr(torch, spec.dtype))
     if spec.fp8:
         quantize_checkpoint_fp8(out, spec.fp8_block)
     if tok is not None:
@@ -199,3 +204,47 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
         fast.save_pretrained(out)
     (out / "pdserve_tiny.json").write_text(json.dumps(spec.__dict__, indent=2))
     return out
+
+
+def mtp_modules(cfg):
+    """transformers' own modules shaped as the published MTP block: (norms, fc, decoder layer).
+    The decoder layer is a full-attention Qwen3.5 layer with the model's MLP."""
+    import torch
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+
+    full = cfg.layer_types.index("full_attention")
+    h = cfg.hidden_size
+    return {
+        "pre_fc_norm_embedding": Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps),
+        "pre_fc_norm_hidden": Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps),
+        "fc": torch.nn.Linear(2 * h, h, bias=False),
+        "layers.0": Qwen3_5DecoderLayer(cfg, full),
+        "norm": Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps),
+    }
+
+
+def add_mtp_block(out_dir: str | Path, cfg, seed: int, dtype) -> None:
+    """Add random `mtp.*` tensors under the published names to the checkpoint written by
+    save_pretrained, and `mtp_num_hidden_layers: 1` to its config.json. Norm weights are random
+    too (not zero), so a reader that gets the (1 + w) convention wrong is caught."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out_dir)
+    g = torch.Generator().manual_seed(seed + 7)
+    tensors = {}
+    for prefix, mod in mtp_modules(cfg).items():
+        for name, p in mod.state_dict().items():
+            std = 0.1 if "norm" in f"{prefix}.{name}" else cfg.initializer_range
+            w = torch.randn(p.shape, generator=g) * std
+            tensors[f"mtp.{prefix}.{name}"] = w.to(dtype).contiguous()
+    files = sorted(out.glob("*.safetensors"))
+    if len(files) != 1:
+        raise ValueError(f"expected one safetensors file in {out}, found {len(files)}")
+    weights = load_file(str(files[0]))
+    weights.update(tensors)
+    save_file(weights, str(files[0]), metadata={"format": "pt"})
+    cfg_path = out / "config.json"
+    raw = json.loads(cfg_path.read_text())
+    raw["mtp_num_hidden_layers"] = 1
+    cfg_path.write_text(json.dumps(raw, indent=2))

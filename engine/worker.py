@@ -14,9 +14,10 @@ import torch
 from engine.cache.allocator import CachePools, Capacity, plan_capacity
 from engine.cache.spec import build_specs
 from engine.config import EngineConfig
-from engine.loader import load_weights
+from engine.loader import load_mtp_weights, load_weights
 from engine.model.batch import ForwardBatch, IntPack, group_fields, make_group
 from engine.model.layers import AllReduce
+from engine.model.mtp import MTPBlock, MTPDrafter
 from engine.model.qwen3_5 import Qwen35Model
 from engine.sampler import Sampler
 from engine.step import StepInput, StepOutput
@@ -45,6 +46,11 @@ class Worker:
         weights = load_weights(cfg.model, t, rank, self.device)
         self.model = Qwen35Model(cfg.model, weights, t, all_reduce, cfg.max_model_len + 1, self.device)
         self.pools = CachePools(self.specs, self.capacity, self.device, k)
+        self.drafter: MTPDrafter | None = None
+        if cfg.speculative.mtp:
+            block = MTPBlock(cfg.model, load_mtp_weights(cfg.model, t, rank, self.device), self.model.embed,
+                             self.model.lm_head, t, all_reduce)
+            self.drafter = MTPDrafter(block, self.model.rotary, cfg.cache.block_size, cfg.max_model_len + 1, self.device)
         self.sampler = Sampler(cfg.seed)
         self.block_size = cfg.cache.block_size
         self.ext: dict[str, object] = {}  # per-rank objects owned by node packages (e.g. transfer endpoints)
@@ -95,35 +101,59 @@ class Worker:
         self.sampler.drop(step.finished_ids)
         if not step.rows:
             return StepOutput({}) if self.rank == 0 else None
-        logits = self.model.forward(self.build_batch(step), self.pools)
-        spec_rows = [(b, r) for b, r in enumerate(step.rows) if r.num_draft]  # decode rows come first
-        accepted = torch.zeros(len(spec_rows), dtype=torch.int64)
+        batch = self.build_batch(step)
+        hidden = None
+        if self.drafter is not None:
+            logits, hidden = self.model.forward(batch, self.pools, want_hidden=True)
+        else:
+            logits = self.model.forward(batch, self.pools)
         out = StepOutput({})
         if self.rank == 0:
-            i = si = 0
-            plain = []  # (logit row, RowInput)
-            for r in step.rows:
-                if r.num_draft:
-                    drafts = r.token_ids[-r.num_draft :]
-                    toks = self.sampler.verify(logits[i : i + r.num_draft + 1], drafts, r.request_id, r.params)
-                    out.sampled[r.request_id] = toks
-                    accepted[si] = len(toks) - 1
-                    i, si = i + r.num_draft + 1, si + 1
-                elif r.sample or r.want_logits:
-                    plain.append((i, r))
-                    i += 1
-            samp = [(j, r) for j, r in plain if r.sample]
-            if samp:
-                idx = torch.tensor([j for j, _ in samp])
-                toks = self.sampler(logits[idx], [r.request_id for _, r in samp], [r.params for _, r in samp])
-                out.sampled.update({r.request_id: [t] for (_, r), t in zip(samp, toks)})
-            for j, r in plain:
-                if r.want_logits:
-                    out.logits[r.request_id] = logits[j].cpu()
+            self._sample(step, logits, out)
+        spec_rows = [(b, r) for b, r in enumerate(step.rows) if r.num_draft]  # decode rows come first
+        if not spec_rows and self.drafter is None:
+            out.seconds = time.perf_counter() - t0
+            return out if self.rank == 0 else None
+        # every rank needs the emitted tokens: GDN rollback and the MTP block's inputs
+        k1 = self.cfg.speculative.num_tokens + 1
+        emitted = torch.full((len(step.rows), k1), -1, dtype=torch.int64)
+        if self.rank == 0:
+            for b, r in enumerate(step.rows):
+                toks = out.sampled.get(r.request_id) if r.sample else None
+                if toks:
+                    emitted[b, : len(toks)] = torch.tensor(toks)
+        emitted = self.broadcast(emitted.to(self.device)).cpu()
+        rows_emitted = [[t for t in row if t >= 0] for row in emitted.tolist()]
         if spec_rows:
-            accepted = self.broadcast(accepted)
             self.pools.rollback(
-                [(r.slot, b, int(j)) for (b, r), j in zip(spec_rows, accepted.tolist()) if j < r.num_draft]
+                [(r.slot, b, len(rows_emitted[b]) - 1) for b, r in spec_rows if len(rows_emitted[b]) - 1 < r.num_draft]
             )
+        if self.drafter is not None:
+            drafts = self.drafter(step.rows, hidden, rows_emitted, self.pools.kv)
+            if self.rank == 0:
+                out.drafts = {r.request_id: d for r, d in zip(step.rows, drafts) if r.sample}
         out.seconds = time.perf_counter() - t0
         return out if self.rank == 0 else None
+
+    def _sample(self, step: StepInput, logits: torch.Tensor, out: StepOutput) -> None:
+        """Rank 0: verify drafts, sample plain rows, keep wanted logits (into `out`)."""
+        i = 0
+        plain = []  # (logit row, RowInput)
+        for r in step.rows:
+            if r.num_draft:
+                drafts = r.token_ids[-r.num_draft :]
+                out.sampled[r.request_id] = self.sampler.verify(
+                    logits[i : i + r.num_draft + 1], drafts, r.request_id, r.params
+                )
+                i += r.num_draft + 1
+            elif r.sample or r.want_logits:
+                plain.append((i, r))
+                i += 1
+        samp = [(j, r) for j, r in plain if r.sample]
+        if samp:
+            idx = torch.tensor([j for j, _ in samp])
+            toks = self.sampler(logits[idx], [r.request_id for _, r in samp], [r.params for _, r in samp])
+            out.sampled.update({r.request_id: [t] for (_, r), t in zip(samp, toks)})
+        for j, r in plain:
+            if r.want_logits:
+                out.logits[r.request_id] = logits[j].cpu()

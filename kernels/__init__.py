@@ -6,6 +6,7 @@ kernels); `naive.py` holds per-token loops used only by tests.
 
 from kernels.attention import gather_kv, paged_attention, store_kv
 from kernels.conv import causal_conv1d, causal_conv1d_update, conv_update_
+from kernels.fp8 import dequant_fp8_block, fp8_block_linear, quant_fp8_block
 from kernels.gdn import gdn_chunk_prefill, gdn_decode_step_, gdn_recurrent, l2norm
 from kernels.moe import fused_moe, select_experts
 from kernels.norm import gated_rms_norm, rms_norm
@@ -14,6 +15,8 @@ __all__ = [
     "causal_conv1d",
     "causal_conv1d_update",
     "conv_update_",
+    "dequant_fp8_block",
+    "fp8_block_linear",
     "fused_moe",
     "gated_rms_norm",
     "gather_kv",
@@ -22,6 +25,7 @@ __all__ = [
     "gdn_recurrent",
     "l2norm",
     "paged_attention",
+    "quant_fp8_block",
     "rms_norm",
     "select_experts",
     "store_kv",

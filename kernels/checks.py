@@ -67,15 +67,33 @@ def check_paged_inputs(q, kv_pool, cu_seqlens_q, seq_lens, block_tables) -> None
         raise ValueError(f"cu_seqlens_q ends at {int(cu_seqlens_q[-1])} but q has {q.shape[0]} tokens")
 
 
-def check_moe_inputs(x, w13, w2, topk_weights, topk_ids) -> None:
+def check_fp8_block(w, scale_inv, block_size) -> tuple[int, int]:
+    """w [..., N, K] float8_e4m3fn and scale_inv [..., ceil(N/bn), ceil(K/bk)] float32 in blocks
+    block_size = (bn, bk); returns (bn, bk)."""
+    if block_size is None or len(block_size) != 2 or min(block_size) < 1:
+        raise ValueError(f"block_size must be (bn, bk) >= 1 (got {block_size})")
+    bn, bk = (int(b) for b in block_size)
+    if w.dim() < 2 or w.dtype != torch.float8_e4m3fn:
+        _fail("w must be a float8_e4m3fn [..., N, K] tensor", w=w)
+    want = (*w.shape[:-2], -(-w.shape[-2] // bn), -(-w.shape[-1] // bk))
+    if scale_inv is None or tuple(scale_inv.shape) != want or scale_inv.dtype != torch.float32:
+        got = "None" if scale_inv is None else f"{tuple(scale_inv.shape)}:{scale_inv.dtype}"
+        raise ValueError(f"scale_inv must be float32 {want} for w {tuple(w.shape)} in blocks ({bn}, {bk}) (got {got})")
+    return bn, bk
+
+
+def check_moe_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale_inv=None, w2_scale_inv=None, block_size=None) -> None:
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         _fail("x must be [T, H], w13 [E, 2*I, H] and w2 [E, H, I]", x=x, w13=w13, w2=w2)
     T, H = x.shape
     E, two_i, _ = w13.shape
     if two_i % 2 or tuple(w13.shape) != (E, two_i, H) or tuple(w2.shape) != (E, H, two_i // 2):
         _fail(f"w13 must be [E, 2*I, H={H}] and w2 [E, H={H}, I]", x=x, w13=w13, w2=w2)
-    if w13.dtype != x.dtype or w2.dtype != x.dtype:
-        _fail("w13 and w2 must have x's dtype", x=x, w13=w13, w2=w2)
+    if w13_scale_inv is not None or w2_scale_inv is not None:
+        check_fp8_block(w13, w13_scale_inv, block_size)
+        check_fp8_block(w2, w2_scale_inv, block_size)
+    elif w13.dtype != x.dtype or w2.dtype != x.dtype:
+        _fail("w13 and w2 must have x's dtype (or be float8_e4m3fn with scales)", x=x, w13=w13, w2=w2)
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
         _fail(f"topk_weights and topk_ids must be [T={T}, k]", topk_weights=topk_weights, topk_ids=topk_ids)
     if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.is_floating_point():

@@ -8,7 +8,7 @@ Shapes, packed over a batch of B sequences with T tokens in all:
     cu_seqlens [B+1]     int64 offsets of each sequence in the packed tokens
     state_pool [S, Hv, dk, dv] float32, one slot per live request; `slot_ids` [B] pick the rows
 
-Value head h reads key head h // (Hv / Hk). The recurrence (DESIGN.md section 3):
+Value head h reads key head h // (Hv / Hk). The recurrence (docs/DESIGN.md §3):
     S_t = alpha_t S_{t-1} + beta_t k_t (v_t - alpha_t S_{t-1}^T k_t)^T,   o_t = S_t^T q_t
 `gdn_chunk_prefill` evaluates it chunk-parallel (prefill), `gdn_recurrent` token by token
 (decode rows of 1 token, or k+1 tokens when verifying k speculative tokens).

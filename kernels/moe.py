@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.checks import check_moe_inputs
+from kernels.fp8 import dequant_fp8_block
 from kernels.triton import force_triton as _force_triton
 
 __all__ = ["select_experts", "fused_moe", "sort_by_expert"]
@@ -36,7 +37,7 @@ __all__ = ["select_experts", "fused_moe", "sort_by_expert"]
 # its weights: CPUs without bf16 units (AVX2) take ~1 row per GEMV pass in bf16, while the copy
 # costs about one such pass and the float32 GEMM blocks all rows. The result is the same
 # float32-accumulated GEMM, rounded once to x's dtype.
-_UPCAST_ROWS = 4
+_UPCAST_ROWS = 2
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,9 +58,13 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     """(order [T*k], counts [E]): the flat pair indices t*k + j sorted by expert id (stable),
     and the number of pairs per expert. Raises ValueError for an id outside [0, E)."""
     flat = topk_ids.reshape(-1)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
+    try:
+        counts = torch.bincount(flat, minlength=num_experts)
+    except RuntimeError:  # a negative id
+        counts = None
+    if counts is None or counts.numel() != num_experts:
         raise ValueError(f"topk_ids must be in [0, E={num_experts}) (got min {int(flat.min())}, max {int(flat.max())})")
-    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_experts)
+    return torch.argsort(flat, stable=True), counts
 
 
 def _gemm(x: torch.Tensor, w: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
@@ -84,13 +89,21 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_scale_inv: torch.Tensor | None = None,
+    w2_scale_inv: torch.Tensor | None = None,
+    block_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """The routed experts' weighted sum for each token: [T, H] in x's dtype (see the module)."""
+    """The routed experts' weighted sum for each token: [T, H] in x's dtype (see the module).
+
+    FP8 experts: w13 and w2 float8_e4m3fn with w13_scale_inv [E, ceil(2I/bn), ceil(H/bk)] and
+    w2_scale_inv [E, ceil(H/bn), ceil(I/bk)] in blocks block_size (kernels/fp8.py); each active
+    expert is dequantized into x's dtype as it is used.
+    """
     if x.is_cuda or _force_triton():
         from kernels.triton.moe import fused_moe_triton
 
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
-    check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size)
+    check_moe_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size)
     T, H = x.shape
     k = topk_ids.shape[1]
     order, counts = sort_by_expert(topk_ids, w13.shape[0])
@@ -100,11 +113,14 @@ def fused_moe(
     if x.dtype != torch.float32 and T * k >= _UPCAST_ROWS:
         bufs = (torch.empty(w13.shape[1:], dtype=torch.float32), torch.empty(w2.shape[1:], dtype=torch.float32))
     ys = torch.empty(T * k, H, dtype=torch.float32)
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        if n:
-            rows = slice(start, start + n)
-            torch.mul(_expert(xs[rows], w13[e], w2[e], bufs), ws[rows], out=ys[rows])
-            start += n
+    counts = counts.tolist()
+    groups = zip(xs.split(counts), ws.split(counts), ys.split(counts))
+    for e, (x_e, w_e, y_e) in enumerate(groups):
+        if x_e.shape[0]:
+            w13_e, w2_e = w13[e], w2[e]
+            if w13_scale_inv is not None:
+                w13_e = dequant_fp8_block(w13_e, w13_scale_inv[e], block_size, x.dtype)
+                w2_e = dequant_fp8_block(w2_e, w2_scale_inv[e], block_size, x.dtype)
+            torch.mul(_expert(x_e, w13_e, w2_e, bufs), w_e, out=y_e)
     pairs = torch.empty_like(ys).index_copy_(0, order, ys)  # back to (token, j) order
     return pairs.view(T, k, H).sum(1).to(x.dtype)

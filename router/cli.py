@@ -42,8 +42,11 @@ DEMO_PROMPTS = [
 
 
 SERVER_COMMANDS = ("up", "router", "decode", "prefill")
-SPEC_HELP = ("n-gram draft tokens verified per decode step (0: off); prefill and decode nodes must use the same "
+SPECULATIVE_METHODS = ("ngram", "mtp")  # engine.config.SPECULATIVE_METHODS, without importing torch here
+SPEC_HELP = ("draft tokens verified per decode step (0: off); prefill and decode nodes must use the same "
              "value")
+SPEC_METHOD_HELP = ("where drafts come from: ngram (prompt lookup) or mtp (the checkpoint's multi-token-prediction "
+                    "block); prefill and decode nodes must use the same method")
 QUEUE_HELP = ("when every prefill node has this many prompt tokens queued, decode nodes prefill new prompts "
               "themselves (0: no limit)")
 DRAIN_HELP = ("on SIGTERM / SIGINT, finish what is in flight for at most this many seconds, taking nothing new, "
@@ -185,6 +188,7 @@ def _node_config(cls, args, **extra):
         max_model_len=args.max_model_len,
         device=args.device,
         num_speculative_tokens=args.num_speculative_tokens,
+        speculative_method=args.speculative_method,
         node_id=args.node_id,
         router=args.router,
         advertise_host=args.advertise_host or args.host,
@@ -217,7 +221,7 @@ def cmd_prefill(args) -> int:
 _UP_DEFAULTS = dict(model=None, prefill=1, decode=1, prefill_tp=1, decode_tp=1, host="127.0.0.1", port=50051,
                     dtype="auto", device="cpu", kv_cache_memory="256MiB", max_num_seqs=64, local_prefill_threshold=0,
                     policy="least-loaded", admission_timeout=30.0, max_prefill_queue_tokens=0, transfer_backend="nixl",
-                    num_speculative_tokens=0,
+                    num_speculative_tokens=0, speculative_method="ngram",
                     http_port=None, metrics_port=None, drain_timeout=30.0)  # fmt: skip
 
 
@@ -262,6 +266,7 @@ def _up_spec(args):
         admission_timeout_s=float(vals["admission_timeout"]), log_level=args.log_level or "INFO",
         max_prefill_queue_tokens=int(vals["max_prefill_queue_tokens"]),
         num_speculative_tokens=int(vals["num_speculative_tokens"]),
+        speculative_method=str(vals["speculative_method"]),
         transfer_backend=vals["transfer_backend"], http_port=vals["http_port"],
         metrics_port=vals["metrics_port"], drain_timeout_s=float(vals["drain_timeout"]),
     )  # fmt: skip
@@ -396,6 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admission-timeout", type=float, default=None)
     p.add_argument("--max-prefill-queue-tokens", type=int, default=None, help=QUEUE_HELP)
     p.add_argument("--num-speculative-tokens", type=int, default=None, help=SPEC_HELP + " (every node; default 0)")
+    p.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
+                   help=SPEC_METHOD_HELP + " (every node; default ngram)")
     p.add_argument("--transfer-backend", default=None, help="nixl | ucxx (default nixl)")
     p.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP on the router (0 picks one)")
     p.add_argument("--metrics-port", type=int, default=None,
@@ -443,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Prometheus /metrics port (0 picks one; default off)")  # fmt: skip
         p.add_argument("--drain-timeout", type=float, default=30.0, help=DRAIN_HELP)
         p.add_argument("--num-speculative-tokens", type=int, default=0, help=SPEC_HELP)
+        p.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default="ngram", help=SPEC_METHOD_HELP)
         if kind == "decode":
             p.add_argument("--local-prefill-threshold", type=int, default=0,
                            help="prompts shorter than this prefill here (0: always the prefill pool, "

@@ -51,6 +51,7 @@ class PoolSpec:
     admission_timeout_s: float = 30.0
     max_prefill_queue_tokens: int = 0  # the router's --max-prefill-queue-tokens
     num_speculative_tokens: int = 0  # every node's --num-speculative-tokens
+    speculative_method: str = "ngram"  # every node's --speculative-method: ngram | mtp
     log_level: str = "INFO"
     transfer_backend: str = "nixl"
     http_port: int | None = None  # the router's OpenAI-compatible HTTP port (None: off)
@@ -128,7 +129,7 @@ class Cluster:
              "--node-id", f"{kind}-{i}", "--tp", str(tp), "--dtype", s.dtype, "--device", s.device,
              "--kv-cache-memory", s.kv_cache_memory, "--max-num-seqs", str(s.max_num_seqs),
              "--transfer-backend", s.transfer_backend, "--num-speculative-tokens", str(s.num_speculative_tokens),
-             *metrics, *extra],
+             "--speculative-method", s.speculative_method, *metrics, *extra],
         )  # fmt: skip
 
     def _check_children(self, deadline: float) -> None:

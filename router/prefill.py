@@ -1,4 +1,4 @@
-"""The prefill phase of a disaggregated request (DESIGN.md section 1), as the router runs it.
+"""The prefill phase of a disaggregated request (docs/DESIGN.md §1), as the router runs it.
 
     run(D, request): choose a prefill node P (policy) -> D.Reserve (TransferTarget; retried while D
     is momentarily full) -> make sure P and D have handshaken (brokered once per pair of

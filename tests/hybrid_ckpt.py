@@ -16,6 +16,8 @@ SPEC_HV1 = TinyModelSpec(
     layers=8, linear_key_heads=4, linear_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=48,
     tokenizer=False, seed=1,
 )
+# with a multi-token-prediction block (`mtp.*` under the published names), for MTP drafting
+SPEC_MTP = TinyModelSpec(layers=4, tokenizer=False, seed=2, mtp=True)
 PROMPT_LENS = (1, 2, 3, 63, 64, 65, 200)
 
 # MoE: odd sizes that still split over 8 ranks; 6 experts, top-3, one KV head; Qwen3-Next has a
@@ -77,3 +79,41 @@ def hf_greedy_violations(path: str, prompt: list[int], tokens: list[int], tol: f
     t = torch.tensor(tokens)
     short = lg.max(-1).values - lg.gather(1, t[:, None])[:, 0]
     return [k for k in (short > tol).nonzero().flatten().tolist()]
+
+
+def hf_mtp_logits(path: str, tokens: list[int], extra: list[tuple[int, torch.Tensor]] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """The published MTP block composed from transformers' own modules (RMSNorm, Linear, a
+    full-attention Qwen3.5 decoder layer) with the checkpoint's `mtp.*` weights.
+
+    Position p pairs the main model's final-normed hidden state at p with token p + 1 of
+    `tokens`; `extra` appends (token, hidden) pairs (a recursive draft step: the previous draft
+    and the block's own output). Returns (logits [P, V], block outputs [P, H]) at every position."""
+    from safetensors.torch import load_file
+
+    from engine.tiny_model import mtp_modules
+
+    model = _hf_model(path)
+    mods = mtp_modules(model.config)
+    weights = {}
+    for f in sorted(__import__("pathlib").Path(path).glob("*.safetensors")):
+        weights.update({k: v for k, v in load_file(str(f)).items() if k.startswith("mtp.")})
+    for prefix, mod in mods.items():
+        mod.load_state_dict({n[len(prefix) + 5 :]: w for n, w in weights.items() if n.startswith(f"mtp.{prefix}.")})
+        mod.float().eval()
+    with torch.inference_mode():
+        ids = torch.tensor([tokens])
+        hidden = model.model(ids).last_hidden_state[0, :-1]  # after the final norm
+        nxt = ids[0, 1:]
+        if extra:
+            nxt = torch.cat([nxt, torch.tensor([t for t, _ in extra])])
+            hidden = torch.cat([hidden, torch.stack([h for _, h in extra])])
+        e = mods["pre_fc_norm_embedding"](model.model.embed_tokens(nxt))
+        x = mods["fc"](torch.cat([e, mods["pre_fc_norm_hidden"](hidden)], dim=-1))[None]
+        n = x.shape[1]
+        pos = torch.arange(n)[None]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        x = mods["layers.0"](x, position_embeddings=model.model.rotary_emb(x, pos), attention_mask=mask, position_ids=pos)
+        if isinstance(x, tuple):
+            x = x[0]
+        out = mods["norm"](x)[0]
+        return model.lm_head(out).float(), out

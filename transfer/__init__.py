@@ -1,5 +1,5 @@
 """Typed transfer of one request's hybrid state (paged KV + GDN conv/recurrent) between the
-prefill node's workers (TP=a) and the decode node's workers (TP=b). DESIGN.md sections 1, 4.
+prefill node's workers (TP=a) and the decode node's workers (TP=b). docs/DESIGN.md §1, §4.
 
 Modules, by role:
 - schema:     msgspec records each rank publishes (TensorDesc per pool, ModelDigest, version)

@@ -28,6 +28,7 @@ DIGEST_FIELDS: tuple[str, ...] = (
     "dtype",
     "recurrent_dtype",
     "num_speculative_slots",
+    "speculative_method",
     "num_experts",
     "num_experts_per_tok",
     "moe_intermediate_size",

@@ -1,5 +1,5 @@
 """Transfer plans: which bytes of a source rank's pools go to which bytes of a destination
-rank's pools, for one request, re-sharding TP a -> b without a staging copy (DESIGN.md section 4).
+rank's pools, for one request, re-sharding TP a -> b without a staging copy (docs/DESIGN.md §4).
 
 Two steps, both pure:
 - `pair_templates(src, dst)`: once per (source rank, destination rank) pair, the pieces of page 0
@@ -27,7 +27,7 @@ import numpy as np
 
 from engine.cache.spec import PagedAttentionSpec
 from transfer.errors import PlanError
-from transfer.schema import KINDS, RankSchema, TensorDesc
+from transfer.schema import KINDS, PAGED_KINDS, RankSchema, TensorDesc
 
 
 class Template(NamedTuple):
@@ -50,7 +50,7 @@ class RegionPair(NamedTuple):
 
     @property
     def paged(self) -> bool:
-        return self.kind == "paged_kv"
+        return self.kind in PAGED_KINDS
 
 
 class Range(NamedTuple):
@@ -117,7 +117,12 @@ def _head_templates(s: TensorDesc, d: TensorDesc) -> list[Template]:
     return [Template(pos[h] * s.head_stride, j * d.head_stride, head) for j, h in enumerate(d.heads) if h in pos]
 
 
-_TEMPLATES = {"paged_kv": _kv_templates, "gdn_conv": _conv_templates, "gdn_recurrent": _head_templates}
+_TEMPLATES = {
+    "paged_kv": _kv_templates,
+    "mtp_kv": _kv_templates,  # the MTP layer's KV: same layout, own pool, same block ids
+    "gdn_conv": _conv_templates,
+    "gdn_recurrent": _head_templates,
+}
 
 
 def pair_templates(src: RankSchema, dst: RankSchema) -> tuple[RegionPair, ...]:

@@ -1,4 +1,4 @@
-"""The transfer schema (DESIGN.md section 4): typed, versioned records that one rank publishes
+"""The transfer schema (docs/DESIGN.md §4): typed, versioned records that one rank publishes
 so that a peer can plan writes into (or out of) its cache pools without guessing.
 
 One `TensorDesc` per pool tensor (one per layer and state kind), a `ModelDigest` of every size
@@ -23,11 +23,14 @@ from engine.cache.spec import GDNStateSpec, PagedAttentionSpec, build_specs
 from engine.config import EngineConfig, dtype_name
 from transfer.errors import HandshakeError
 
-SCHEMA_VERSION = 3  # 2: head-major KV pools, described by axes + page_stride + head_stride; 3: MoE in the digest
+SCHEMA_VERSION = 4  # 2: head-major KV pools, described by axes + page_stride + head_stride;
+# 3: the MTP layer's KV ("mtp_kv", layers num_layers + j) and the speculative method in the digest;
+# 4: the MoE sizes, sparse layers and weight quantization in the digest
 
-Kind = Literal["paged_kv", "gdn_conv", "gdn_recurrent"]
-KINDS: tuple[str, ...] = ("paged_kv", "gdn_conv", "gdn_recurrent")
-PAGE_AXIS = {"paged_kv": "block", "gdn_conv": "slot", "gdn_recurrent": "slot"}  # label of the page axis
+Kind = Literal["paged_kv", "gdn_conv", "gdn_recurrent", "mtp_kv"]
+KINDS: tuple[str, ...] = ("paged_kv", "gdn_conv", "gdn_recurrent", "mtp_kv")
+PAGED_KINDS: tuple[str, ...] = ("paged_kv", "mtp_kv")  # pages indexed by the request's block table
+PAGE_AXIS = {"paged_kv": "block", "gdn_conv": "slot", "gdn_recurrent": "slot", "mtp_kv": "block"}  # label of the page axis
 
 
 class SegmentDesc(msgspec.Struct, frozen=True):
@@ -100,6 +103,7 @@ class ModelDigest(msgspec.Struct, frozen=True):
     dtype: str  # model dtype: KV pages and conv state
     recurrent_dtype: str
     num_speculative_slots: int  # draft tokens verified per decode row (EngineConfig.speculative.num_tokens)
+    speculative_method: str  # "ngram" | "mtp": with "mtp" the MTP layer's KV is part of the state
     # MoE adds no state, but P and D must run the same model: experts, top-k, sizes, sparse layers
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -165,6 +169,7 @@ def model_digest(cfg: EngineConfig) -> ModelDigest:
         dtype=dtype_name(m.dtype),
         recurrent_dtype=dtype_name(GDNStateSpec.recurrent_dtype),
         num_speculative_slots=cfg.speculative.num_tokens,
+        speculative_method=cfg.speculative.method if cfg.speculative.num_tokens else "none",
         num_experts=m.num_experts,
         num_experts_per_tok=m.num_experts_per_tok,
         moe_intermediate_size=m.moe_intermediate_size,
@@ -244,7 +249,7 @@ def build_schema(cfg: EngineConfig, rank: int, pools: CachePools) -> RankSchema:
             rep = t // m.num_kv_heads if t > m.num_kv_heads else 1
             tensors.append(
                 _desc(
-                    "paged_kv",
+                    s.kind,
                     s,
                     kv_storage(pools.kv[s.layer]),
                     (m.num_kv_heads, 2, s.block_size, s.head_dim),

@@ -2,7 +2,7 @@
 
 from engine.cache.allocator import CachePools, Capacity, plan_capacity
 from engine.cache.block_manager import BlockManager, SlotPool
-from engine.cache.spec import CacheSpec, GDNStateSpec, PagedAttentionSpec, build_specs
+from engine.cache.spec import CacheSpec, GDNStateSpec, MTPAttentionSpec, PagedAttentionSpec, build_specs
 
 __all__ = [
     "BlockManager",
@@ -10,6 +10,7 @@ __all__ = [
     "CacheSpec",
     "Capacity",
     "GDNStateSpec",
+    "MTPAttentionSpec",
     "PagedAttentionSpec",
     "SlotPool",
     "build_specs",

@@ -8,7 +8,8 @@ as a permuted view in the kernels' [num_blocks, 2, KVH, block_size, hd] order (n
 `CachePools.tensors()` gives the transfer layer the contiguous head-major tensor itself.
 
 Capacity in tokens divides the page memory by the per-token bytes of the groups that grow
-with length (full attention) only; dividing by every cache group would understate it.
+with length (full attention, and the MTP layer's attention when MTP drafts) only; dividing by
+every cache group would understate it. A block id names one page in every attention pool.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class Capacity:
     kv_bytes: int  # KV pages, all attention layers
     num_blocks: int
     block_size: int
-    kv_bytes_per_token: int  # summed over the attention layers (the only groups that grow)
+    kv_bytes_per_token: int  # summed over the attention layers, MTP ones included (the only groups that grow)
     num_state_slots: int
     spec_scratch_bytes: int = 0  # per-token GDN states of speculative rows, for rollback
 
@@ -140,7 +141,7 @@ class CachePools:
     def tensors(self) -> list[tuple[str, int, torch.Tensor]]:
         """(kind, layer, tensor) for every pool: what the transfer layer registers. Each tensor
         is contiguous and covers its whole allocation (KV: the head-major storage, not the view)."""
-        out = [("paged_kv", i, kv_storage(t)) for i, t in self.kv.items()]
+        out = [(self.specs[i].kind, i, kv_storage(t)) for i, t in self.kv.items()]
         out += [("gdn_conv", i, t) for i, t in self.conv.items()]
         out += [("gdn_recurrent", i, t) for i, t in self.recurrent.items()]
         return sorted(out, key=lambda x: (x[1], x[0]))

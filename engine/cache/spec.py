@@ -53,6 +53,15 @@ class PagedAttentionSpec:
 
 
 @dataclass(frozen=True)
+class MTPAttentionSpec(PagedAttentionSpec):
+    """KV pages of a multi-token-prediction layer (layer index num_layers + j): pages of their own,
+    indexed by the same block tables as the main KV, so the block budget pays for both. A cache
+    kind of its own in the transfer schema ("mtp_kv"), next to the main KV and the GDN state."""
+
+    kind: ClassVar[str] = "mtp_kv"
+
+
+@dataclass(frozen=True)
 class GDNStateSpec:
     """Conv + recurrent state of one GDN layer, one slot per request.
 
@@ -100,11 +109,12 @@ class GDNStateSpec:
         return self.conv_bytes + self.recurrent_bytes
 
 
-CacheSpec = PagedAttentionSpec | GDNStateSpec
+CacheSpec = PagedAttentionSpec | MTPAttentionSpec | GDNStateSpec
 
 
 def build_specs(cfg: EngineConfig, rank: int) -> list[CacheSpec]:
-    """One spec per layer, in layer order, for tensor-parallel `rank`."""
+    """One spec per layer, in layer order, for tensor-parallel `rank`; MTP layers (when MTP
+    speculative decoding is on) follow the main layers."""
     m: ModelConfig = cfg.model
     t = cfg.parallel.tensor_parallel_size
     specs: list[CacheSpec] = []
@@ -126,10 +136,14 @@ def build_specs(cfg: EngineConfig, rank: int) -> list[CacheSpec]:
                     value_head_dim=m.linear_value_head_dim,
                 )
             )
+    if cfg.speculative.mtp:
+        heads = tuple(kv_head_range(m.num_kv_heads, t, rank))
+        for j in range(m.mtp_num_layers):
+            specs.append(MTPAttentionSpec(m.num_layers + j, cfg.cache.block_size, len(heads), heads, m.head_dim, m.dtype))
     return specs
 
 
 def describe(spec: CacheSpec) -> str:
     if isinstance(spec, PagedAttentionSpec):
-        return f"paged_kv(layer {spec.layer}, {spec.num_kv_heads}x{spec.head_dim} {dtype_name(spec.dtype)}, page {spec.page_size_bytes} B)"
+        return f"{spec.kind}(layer {spec.layer}, {spec.num_kv_heads}x{spec.head_dim} {dtype_name(spec.dtype)}, page {spec.page_size_bytes} B)"
     return f"gdn(layer {spec.layer}, conv {spec.conv_shape}, recurrent {spec.recurrent_shape}, slot {spec.page_size_bytes} B)"

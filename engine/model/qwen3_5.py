@@ -29,54 +29,64 @@ class DecoderLayer:
     mlp: MLP | SparseMoE
 
 
+def build_layer(cfg: ModelConfig, i: int, kind: str, lw: dict, tp: int, all_reduce: AllReduce) -> DecoderLayer:
+    """Decoder layer `i` (GDN or full attention, with the model's MLP) from its loaded weights;
+    the MTP block builds its layer here too."""
+    eps = cfg.rms_norm_eps
+    if kind == "linear_attention":
+        mixer = GatedDeltaNet(
+            i,
+            GDNWeights(**lw["mixer"]),
+            cfg.linear_num_key_heads // tp,
+            cfg.linear_num_value_heads // tp,
+            cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim,
+            eps,
+            all_reduce,
+        )
+    else:
+        kvh = max(1, cfg.num_kv_heads // tp)
+        mixer = Attention(AttentionWeights(**lw["mixer"]), cfg.num_attention_heads // tp, kvh, cfg.head_dim, eps, all_reduce)
+    if "router" in lw["mlp"]:  # the sparse MoE block (cfg.is_moe_layer)
+        mlp = SparseMoE(MoEWeights(**lw["mlp"]), cfg.num_experts_per_tok, cfg.norm_topk_prob, all_reduce)
+    else:
+        mlp = MLP(MLPWeights(**lw["mlp"]), all_reduce)
+    return DecoderLayer(kind, 1.0 + lw["input_norm"].float(), 1.0 + lw["post_norm"].float(), mixer, mlp)
+
+
+def run_layer(layer: DecoderLayer, x: torch.Tensor, batch: ForwardBatch, pools: CachePools, kv_pool, cos, sin, eps):
+    """x + mixer(norm(x)), then + mlp(norm(.)): one pre-norm decoder layer."""
+    h = rms_norm(x, layer.input_norm, eps, zero_centered=False)
+    if layer.kind == "linear_attention":
+        h = layer.mixer(h, batch, pools)
+    else:
+        h = layer.mixer(h, batch, kv_pool, cos, sin)
+    x = x + h
+    return x + layer.mlp(rms_norm(x, layer.post_norm, eps, zero_centered=False))
+
+
 class Qwen35Model:
     def __init__(self, cfg: ModelConfig, weights: dict, tp: int, all_reduce: AllReduce, max_positions: int, device):
         self.cfg = cfg
         self.embed = weights["embed"]
-        self.final_norm = weights["norm"]
         self.lm_head = weights["lm_head"]
         self.eps = cfg.rms_norm_eps
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, max_positions, cfg.dtype, device)
-        kvh = max(1, cfg.num_kv_heads // tp)
-        self.layers: list[DecoderLayer] = []
-        for i, kind in enumerate(cfg.layer_types):
-            lw = weights["layers"][i]
-            if kind == "linear_attention":
-                mixer = GatedDeltaNet(
-                    i,
-                    GDNWeights(**lw["mixer"]),
-                    cfg.linear_num_key_heads // tp,
-                    cfg.linear_num_value_heads // tp,
-                    cfg.linear_key_head_dim,
-                    cfg.linear_value_head_dim,
-                    self.eps,
-                    all_reduce,
-                )
-            else:
-                mixer = Attention(
-                    AttentionWeights(**lw["mixer"]), cfg.num_attention_heads // tp, kvh, cfg.head_dim, self.eps, all_reduce
-                )
-            if cfg.is_moe_layer(i):
-                mlp = SparseMoE(MoEWeights(**lw["mlp"]), cfg.num_experts_per_tok, cfg.norm_topk_prob, all_reduce)
-            else:
-                mlp = MLP(MLPWeights(**lw["mlp"]), all_reduce)
-            self.layers.append(
-                DecoderLayer(kind, 1.0 + lw["input_norm"].float(), 1.0 + lw["post_norm"].float(), mixer, mlp)
-            )
-        self.final_norm = 1.0 + self.final_norm.float()  # norms store (1 + w), precomputed
+        self.layers: list[DecoderLayer] = [
+            build_layer(cfg, i, kind, weights["layers"][i], tp, all_reduce) for i, kind in enumerate(cfg.layer_types)
+        ]
+        self.final_norm = 1.0 + weights["norm"].float()  # norms store (1 + w), precomputed
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, pools: CachePools) -> torch.Tensor:
-        """Returns logits [R, vocab] (float32) at batch.logits_indices."""
+    def forward(self, batch: ForwardBatch, pools: CachePools, want_hidden: bool = False):
+        """Returns logits [R, vocab] (float32) at batch.logits_indices; with want_hidden, also the
+        final-normed hidden state of every token [T, hidden] (what the MTP block drafts from)."""
         x = F.embedding(batch.input_ids, self.embed)
         cos, sin = self.rotary(batch.positions)
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, self.eps, zero_centered=False)
-            if layer.kind == "linear_attention":
-                h = layer.mixer(h, batch, pools)
-            else:
-                h = layer.mixer(h, batch, pools.kv[i], cos, sin)
-            x = x + h
-            x = x + layer.mlp(rms_norm(x, layer.post_norm, self.eps, zero_centered=False))
+            x = run_layer(layer, x, batch, pools, pools.kv.get(i), cos, sin, self.eps)
+        if want_hidden:
+            h = rms_norm(x, self.final_norm, self.eps, zero_centered=False)
+            return F.linear(h[batch.logits_indices], self.lm_head).float(), h
         x = rms_norm(x[batch.logits_indices], self.final_norm, self.eps, zero_centered=False)
         return F.linear(x, self.lm_head).float()

@@ -1,7 +1,7 @@
 """Triton kernels: the GPU path of the ops in kernels/*.py.
 
 Each module holds one family of kernels and a Python wrapper per op with the same arguments and
-semantics as its PyTorch reference (kernels/gdn.py, conv.py, attention.py, norm.py), plus an
+semantics as its PyTorch reference (kernels/gdn.py, conv.py, attention.py, norm.py, fp8.py), plus an
 optional preallocated `out`. The wrappers check shapes, dtypes and strides and raise ValueError
 quoting the actual shapes; the kernels check nothing.
 
@@ -10,6 +10,7 @@ quoting the actual shapes; the kernels check nothing.
     conv.py             causal_conv1d_triton, causal_conv1d_update_triton
     paged_attention.py  store_kv_triton, paged_attention_triton
     norm.py             gated_rms_norm_triton
+    fp8.py              fp8_block_linear_triton      block-scaled FP8 weights, dequantized per tile
 
 The ops in kernels/*.py dispatch here when their first tensor is on CUDA, or on any device when
 PDSERVE_FORCE_TRITON=1 (with TRITON_INTERPRET=1 that runs the kernels on CPU tensors; tests call

@@ -4,10 +4,42 @@ dtypes they write."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
+import triton.language as tl
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def round_to(x, DT: tl.constexpr):
+    """float32 x rounded to DT (round to nearest even), returned as float32. bfloat16 is rounded
+    by hand: the interpreter truncates on a cast, which would double the error of each step."""
+    if DT == tl.bfloat16:
+        u = x.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        return u.to(tl.float32, bitcast=True)
+    else:
+        return x.to(DT).to(tl.float32)
+
+
+def dot_in_f32(dtype: torch.dtype) -> bool:
+    """Whether `dot` should multiply in float32 (IEEE): for float32 operands (no TF32), and under
+    the interpreter, whose 16-bit dots are wrong. A 16-bit dot accumulates in float32 and products
+    of 16-bit floats are exact in float32, so both ways give the same sums."""
+    return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def dot(a, b, F32: tl.constexpr):
+    """a @ b accumulated in float32; in float32 (IEEE) when F32, else on the operands' dtype."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
 
 
 def pow2(n: int, lo: int = 16) -> int:

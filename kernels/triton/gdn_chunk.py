@@ -1,6 +1,6 @@
 """Chunked gated delta rule over packed variable-length sequences (prefill), Triton.
 
-Same contract as kernels.gdn.gdn_chunk_prefill (shapes there and in DESIGN.md section 3):
+Same contract as kernels.gdn.gdn_chunk_prefill (shapes there and in docs/DESIGN.md §3):
     q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv], cu_seqlens [B+1],
     state_pool [S, Hv, dk, dv] float32, slot_ids [B], has_initial_state [B] bool or None
 Returns o [T, Hv, dv] in v's dtype and writes each row's final state to state_pool[slot_ids].

@@ -13,23 +13,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton._common import TL_DTYPES as _TL
 from kernels.triton._common import check_last_contiguous, check_same_device
+from kernels.triton._common import round_to as _round
 
 __all__ = ["gated_rms_norm_triton"]
-
-_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-@triton.jit
-def _round(x, DT: tl.constexpr):
-    """float32 x rounded to DT (round to nearest even), returned as float32. bfloat16 is rounded
-    by hand: the interpreter truncates on a cast, which would double the error of each step."""
-    if DT == tl.bfloat16:
-        u = x.to(tl.uint32, bitcast=True)
-        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-        return u.to(tl.float32, bitcast=True)
-    else:
-        return x.to(DT).to(tl.float32)
 
 
 @triton.jit

@@ -1,6 +1,7 @@
 """MoE routing and routed experts: select_experts against transformers' Qwen3.5-MoE and
 Qwen3-Next routers, the CPU fused_moe against the naive per-token loop and against
-transformers' experts and sparse MoE block with the same weights, and the argument checks."""
+transformers' experts and sparse MoE block with the same weights, FP8 experts, the Triton
+kernel (interpreter without a GPU) against the PyTorch path, and the argument checks."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_testing import NAIVE_TOL, TOL, assert_close
+from kernel_testing import DEVICE, NAIVE_TOL, TOL, assert_close, to_dev
+from kernels.fp8 import dequant_fp8_block, quant_fp8_block
 from kernels.moe import fused_moe, select_experts
 
 DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.bfloat16, id="bf16")]
@@ -172,3 +174,78 @@ def test_fused_moe_rejects_bad_arguments():
         fused_moe(x, w13, w2, tw, torch.where(ti == ti.max(), 5, ti))
     with pytest.raises(ValueError, match=r"top_k must be in \[1, E=5\] \(got 6\)"):
         select_experts(torch.zeros(4, 5), 6, True)
+
+
+def fp8_experts(w13, w2, block):
+    q13, s13 = quant_fp8_block(w13.float(), block)
+    q2, s2 = quant_fp8_block(w2.float(), block)
+    return q13, q2, s13, s2
+
+
+@pytest.mark.parametrize("block", [(16, 16), (8, 12)], ids=["b16", "b8x12"])
+def test_fused_moe_fp8_experts_match_dequantized(block):
+    """FP8 experts give what the dequantized experts give (the CPU load path's weights)."""
+    x, w13, w2, tw, ti = make_case(9, 40, 12, 5, 3, torch.bfloat16, seed=7)
+    q13, q2, s13, s2 = fp8_experts(w13, w2, block)
+    out = fused_moe(x, q13, q2, tw, ti, s13, s2, block)
+    ref = fused_moe(x, dequant_fp8_block(q13, s13, block, x.dtype), dequant_fp8_block(q2, s2, block, x.dtype), tw, ti)
+    assert torch.equal(out, ref)
+
+
+def test_align_by_expert_layout():
+    from kernels.triton.moe import align_by_expert
+
+    topk_ids = torch.tensor([[4, 0], [4, 2], [0, 4], [4, 1]])  # expert 3 idle, expert 4 has 4 pairs
+    slot_pair, block_expert = align_by_expert(topk_ids, 5, 2)
+    P = 8
+    assert block_expert.tolist() == [0, 1, 2, 4, 4, 5, 5, 5, 5]  # 4 blocks used of ceil(8/2) + 5
+    assert slot_pair.view(-1, 2).tolist()[:5] == [[1, 4], [7, P], [3, P], [0, 2], [5, 6]]
+    assert (slot_pair[10:] == P).all()
+
+
+TRITON_SHAPES = [
+    pytest.param((1, 24, 10, 5, 3), id="T1-E5-k3"),
+    pytest.param((7, 40, 12, 5, 3), id="T7-E5-k3"),
+    pytest.param((3, 32, 7, 11, 2), id="T3-E11-k2-idle-experts", marks=pytest.mark.slow),
+    pytest.param((40, 48, 20, 6, 3), id="T40-E6-k3", marks=pytest.mark.slow),
+    pytest.param((300, 64, 40, 9, 3), id="T300-E9-k3", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", TRITON_SHAPES)
+def test_fused_moe_triton_matches_reference(shape, dtype):
+    from kernels.triton.moe import fused_moe_triton
+
+    x, w13, w2, tw, ti = make_case(*shape, dtype, seed=8)
+    ref = fused_moe(x, w13, w2, tw, ti)
+    out = fused_moe_triton(*to_dev(x, w13, w2, tw, ti))
+    assert out.dtype == dtype and out.device.type == DEVICE
+    assert_close("out", out, ref, TOL[dtype])
+
+
+@pytest.mark.parametrize(
+    "dtype,block", [(torch.bfloat16, (16, 16)), (torch.float32, (8, 12))], ids=["bf16-b16", "f32-b8x12-unaligned"]
+)
+def test_fused_moe_triton_fp8_experts(dtype, block):
+    from kernels.triton.moe import fused_moe_triton
+
+    x, w13, w2, tw, ti = make_case(6, 40, 12, 5, 3, dtype, seed=9)
+    q13, q2, s13, s2 = fp8_experts(w13, w2, block)
+    ref = fused_moe(x, q13, q2, tw, ti, s13, s2, block)
+    out = fused_moe_triton(*to_dev(x, q13, q2, tw, ti, s13, s2), block)
+    assert_close("out", out, ref, TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 16, 512], ids=lambda t: f"T{t}")
+def test_fused_moe_triton_gpu_sizes(T, dtype):
+    """Qwen3.5-35B-A3B's expert sizes at TP 2 (I = 256 of 512) with fewer experts, and FP8 experts."""
+    from kernels.triton.moe import fused_moe_triton
+
+    x, w13, w2, tw, ti = make_case(T, 2048, 256, 64, 8, dtype, seed=10)
+    assert_close("out", fused_moe_triton(*to_dev(x, w13, w2, tw, ti)), fused_moe(x, w13, w2, tw, ti), TOL[dtype])
+    q13, q2, s13, s2 = fp8_experts(w13, w2, (128, 128))
+    ref = fused_moe(x, q13, q2, tw, ti, s13, s2, (128, 128))
+    assert_close("out fp8", fused_moe_triton(*to_dev(x, q13, q2, tw, ti, s13, s2), (128, 128)), ref, TOL[dtype])

@@ -1,0 +1,94 @@
+"""MoE routed-experts benchmark on the CPU (not a test).
+
+    python bench/moe.py [--experts 128] [--tokens 1,16,512] [--reps 5] [--threads N] [--cpu-time]
+
+kernels.moe.fused_moe against transformers' own Qwen3.5-MoE experts module (both of its CPU
+implementations: "eager", a loop over hit experts with index_add, and "grouped_mm", sorted rows
+through torch's grouped GEMM) on the same weights and routing, float32 and bfloat16. Sizes are
+Qwen3.5-35B-A3B's per layer (hidden 2048, expert intermediate 512, top-8) with fewer experts
+(--experts) to fit this machine's memory; per token the work is the same. Prints the median time
+of each (wall time, or with --cpu-time this process's CPU time), alternating runs so that load
+from other processes hits all alike, the ratio transformers / ours, and the largest relative
+difference of outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from kernels.moe import fused_moe, select_experts  # noqa: E402
+
+
+def _once(fn, clock) -> float:
+    t0 = clock()
+    fn()
+    return clock() - t0
+
+
+def hf_experts(H: int, I: int, E: int, k: int, impl: str, w13: torch.Tensor, w2: torch.Tensor):
+    from transformers import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExperts
+
+    config = Qwen3_5MoeTextConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k)
+    config._experts_implementation = impl
+    experts = Qwen3_5MoeExperts(config)
+    experts.gate_up_proj.data = w13  # shared, not copied
+    experts.down_proj.data = w2
+    return experts.eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=512)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--tokens", default="1,16,512")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--cpu-time", action="store_true", help="time by this process's CPU time, not wall time "
+                    "(steadier on a shared machine; with --threads 1 it is the single thread's time)")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    H, I, E, k = a.hidden, a.intermediate, a.experts, a.top_k
+    clock = time.process_time if a.cpu_time else time.perf_counter
+    gen = torch.Generator().manual_seed(0)
+    print(f"MoE experts H={H} I={I} E={E} top-{k}, {torch.get_num_threads()} threads, median of {a.reps} alternating runs, "
+          f"{'CPU' if a.cpu_time else 'wall'} time")
+    print(f"{'dtype':>9} {'T':>5} {'ours ms':>9} {'eager ms':>9} {'grouped ms':>10} {'eager/ours':>10} {'grouped/ours':>12} {'max rel diff':>12}")
+    for dt in (getattr(torch, d) for d in a.dtypes.split(",")):
+        w13 = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).to(dt)
+        w2 = (torch.randn(E, H, I, generator=gen) * I**-0.5).to(dt)
+        impls = {name: hf_experts(H, I, E, k, name, w13, w2) for name in ("eager", "grouped_mm")}
+        for T in (int(t) for t in a.tokens.split(",")):
+            x = torch.randn(T, H, generator=gen).to(dt)
+            tw, ti = select_experts(torch.randn(T, E, generator=gen), k, renormalize=True)
+            fns = {"ours": lambda: fused_moe(x, w13, w2, tw, ti)}
+            for name, mod in impls.items():
+                fns[name] = lambda mod=mod: mod(x, ti, tw.to(dt))
+            with torch.inference_mode():
+                outs = {name: fn() for name, fn in fns.items()}  # also the warm-up
+                ref = outs["grouped_mm"].double()
+                diff = max(((o.double() - ref).abs().max() / ref.abs().max()).item() for o in outs.values())
+                times = {name: [] for name in fns}
+                for _ in range(a.reps):
+                    for name, fn in fns.items():
+                        times[name].append(_once(fn, clock))
+            ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+            print(f"{str(dt).removeprefix('torch.'):>9} {T:>5} {ms['ours']:>9.2f} {ms['eager']:>9.2f} {ms['grouped_mm']:>10.2f} "
+                  f"{ms['eager'] / ms['ours']:>9.2f}x {ms['grouped_mm'] / ms['ours']:>11.2f}x {diff:>12.1e}")
+        del w13, w2, impls
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""The multi-token-prediction (MTP) block of a Qwen3.5 checkpoint, used as the speculative drafter.
+
+As published (`mtp.*`, docs/ARCHITECTURE.md "Speculative decoding"): for the pair (hidden state
+h_p of the main model at position p after its final norm, token t_{p+1}),
+
+    x = fc([pre_fc_norm_embedding(embed(t_{p+1})) | pre_fc_norm_hidden(h_p)])     fc: [H, 2H]
+    x = decoder layer (gated full attention + the model's MLP), at position p, own KV pages
+    h'_p = norm(x);   logits = lm_head(h'_p)   -> a draft of t_{p+2}
+
+All norms are the model's zero-centred RMSNorm (scale 1 + w). The embedding and LM head are the
+main model's. Draft k > 1 reuses the block on (h'_p, draft) at position p + 1, and so on.
+
+`MTPDrafter` runs the block after a step's tokens are known: over every position whose next
+token is now known (prompt chunks, the pending token and the accepted drafts of a decode row),
+which fills the block's KV with the main model's hidden states, then recursively for the next
+step's drafts. Invariant: the MTP KV holds position p for every p < num_computed_tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import rms_norm
+from engine.config import ModelConfig
+from engine.model.batch import ForwardBatch, IntPack, group_fields, make_group
+from engine.model.layers import AllReduce
+from engine.model.qwen3_5 import DecoderLayer, build_layer, run_layer
+from engine.model.rotary import Rotary
+from engine.step import RowInput
+
+
+class MTPBlock:
+    def __init__(self, cfg: ModelConfig, weights: dict, embed: torch.Tensor, lm_head: torch.Tensor, tp: int,
+                 all_reduce: AllReduce):
+        self.eps = cfg.rms_norm_eps
+        self.embed, self.lm_head = embed, lm_head
+        self.norm_embed = 1.0 + weights["norm_embed"].float()  # zero-centred norms: (1 + w), precomputed
+        self.norm_hidden = 1.0 + weights["norm_hidden"].float()
+        self.fc = weights["fc"]
+        self.norm = 1.0 + weights["norm"].float()
+        self.first_layer = cfg.num_layers  # the block's layers are numbered after the main ones
+        self.layers: list[DecoderLayer] = [
+            build_layer(cfg, cfg.num_layers + j, "full_attention", lw, tp, all_reduce)
+            for j, lw in enumerate(weights["layers"])
+        ]
+
+    def __call__(self, ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv: dict[int, torch.Tensor],
+                 cos, sin) -> torch.Tensor:
+        """ids [T] (the next tokens), hidden [T, H] (main model, after its final norm) -> the
+        block's normed output [T, H]; writes the block's KV at batch.slot_mapping."""
+        e = rms_norm(F.embedding(ids, self.embed), self.norm_embed, self.eps, zero_centered=False)
+        h = rms_norm(hidden, self.norm_hidden, self.eps, zero_centered=False)
+        x = self.fc(torch.cat([e, h], dim=-1))
+        for j, layer in enumerate(self.layers):
+            x = run_layer(layer, x, batch, None, kv[self.first_layer + j], cos, sin, self.eps)
+        return rms_norm(x, self.norm, self.eps, zero_centered=False)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.lm_head).float()
+
+
+def mtp_batch(rows, block_size: int, device) -> ForwardBatch:
+    """A batch of MTP rows (start_pos, num_tokens, block_ids): one group on the general
+    (chunked) attention path; the block has no GDN state, so slots are unused."""
+    pack = IntPack()
+    pos, slots = [], []
+    for start, n, blocks in rows:
+        p = range(start, start + n)
+        pos += p
+        slots += [blocks[q // block_size] * block_size + q % block_size for q in p]
+    fields = [pack.add(pos), pack.add(slots)]
+    last, tok = [], 0
+    for _, n, _ in rows:
+        tok += n
+        last.append(tok - 1)
+    fields.append(pack.add(last))
+    gf = group_fields(pack, [n for _, n, _ in rows], [0] * len(rows), [s for s, _, _ in rows], [b for _, _, b in rows])
+    pack.build(device)
+    return ForwardBatch(
+        input_ids=pack[fields[0]],  # unused: the block takes its ids separately
+        positions=pack[fields[0]],
+        slot_mapping=pack[fields[1]],
+        decode=None,
+        prefill=make_group(0, pack, gf),
+        logits_indices=pack[fields[2]],
+    )
+
+
+class MTPDrafter:
+    """Runs the MTP block after a step: fills its KV at the newly known positions and drafts."""
+
+    def __init__(self, block: MTPBlock, rotary: Rotary, block_size: int, max_positions: int, device):
+        self.block, self.rotary = block, rotary
+        self.block_size, self.max_positions, self.device = block_size, max_positions, device
+
+    @torch.inference_mode()
+    def __call__(self, rows: list[RowInput], hidden: torch.Tensor, emitted: list[list[int]], kv) -> list[list[int]]:
+        """rows: the step's rows; hidden [T, H]: the main model's normed hidden state at every
+        token of the step; emitted[i]: row i's emitted tokens (empty when it did not sample).
+        Returns the drafts of every row (empty for rows that do not draft)."""
+        bs = self.block_size
+        seg, ids, hid_idx = [], [], []  # (row, start_pos, n, blocks, depth) per MTP row
+        off = 0
+        for i, r in enumerate(rows):
+            n = len(r.token_ids)
+            known = r.token_ids[1 : n - r.num_draft]
+            nxt = emitted[i] if r.sample else ([r.next_token] if r.next_token is not None else [])
+            m = len(known) + len(nxt)  # positions start_pos .. start_pos + m - 1 have their next token
+            if m > 0:
+                cap = min(len(r.block_ids) * bs, self.max_positions) - (r.start_pos + m - 1)
+                depth = max(0, min(r.draft_depth, cap)) if r.sample else 0
+                seg.append((i, r.start_pos, m, r.block_ids, depth))
+                ids += known + nxt
+                hid_idx += range(off, off + m)
+            off += n
+        drafts: list[list[int]] = [[] for _ in rows]
+        if not seg:
+            return drafts
+        idx = torch.tensor(hid_idx, device=hidden.device)
+        batch = mtp_batch([(s, m, b) for _, s, m, b, _ in seg], bs, self.device)
+        out = self._run(torch.tensor(ids, device=self.device), hidden[idx], batch, kv)
+        live = [j for j, sg in enumerate(seg) if sg[4] > 0]
+        if not live:
+            return drafts
+        h = out[batch.logits_indices[torch.tensor(live, device=self.device)]]
+        tok = self.block.logits(h).argmax(-1)
+        for step in range(max(seg[j][4] for j in live)):
+            for j, t in zip(live, tok.tolist()):
+                drafts[seg[j][0]].append(t)
+            live_next = [q for q, j in enumerate(live) if seg[j][4] > step + 1]
+            if not live_next:
+                break
+            sel = torch.tensor(live_next, device=self.device)
+            live = [live[q] for q in live_next]
+            h, tok = h[sel], tok[sel]
+            # the draft just made sits at position (last known position) + step + 1
+            batch = mtp_batch([(seg[j][1] + seg[j][2] + step, 1, seg[j][3]) for j in live], bs, self.device)
+            h = self._run(tok, h, batch, kv)
+            tok = self.block.logits(h).argmax(-1)
+        return drafts
+
+    def _run(self, ids, hidden, batch: ForwardBatch, kv) -> torch.Tensor:
+        cos, sin = self.rotary(batch.positions)
+        return self.block(ids, hidden, batch, kv, cos, sin)

@@ -1,0 +1,70 @@
+"""Block-quantized FP8 weights, as the Qwen3.5 FP8 checkpoints store them
+(`quantization_config: {quant_method: fp8, fmt: e4m3, weight_block_size: [bn, bk]}`).
+
+    w_fp8      [..., N, K]                  float8_e4m3fn, nn.Linear [out, in] layout
+    scale_inv  [..., ceil(N/bn), ceil(K/bk)] float32 `weight_scale_inv`: one per [bn, bk] block
+    W          [..., N, K] = w_fp8 * scale_inv of the element's block (edge blocks are partial)
+
+`dequant_fp8_block` is the CPU load path (dequantize once into the compute dtype);
+`quant_fp8_block` writes the published layout (a block's scale_inv is its amax / 448, the
+largest e4m3 value, so the block's largest element maps to +-448; an all-zero block gets 1).
+`fp8_block_linear` is y = x W^T without materialising W: on CUDA tensors (or with
+PDSERVE_FORCE_TRITON=1) the Triton kernel in kernels/triton/fp8.py, elsewhere
+`fp8_block_linear_ref`, which dequantizes and calls F.linear.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.checks import check_fp8_block
+from kernels.triton import force_triton as _force_triton
+
+__all__ = ["FP8_MAX", "dequant_fp8_block", "quant_fp8_block", "fp8_block_linear", "fp8_block_linear_ref"]
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+def _padded_blocks(x: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """float32 [..., N, K] -> [..., nN, bn, nK, bk], zero-padded to whole blocks."""
+    N, K = x.shape[-2:]
+    nN, nK = -(-N // bn), -(-K // bk)
+    x = F.pad(x, (0, nK * bk - K, 0, nN * bn - N))
+    return x.view(*x.shape[:-2], nN, bn, nK, bk)
+
+
+def dequant_fp8_block(w: torch.Tensor, scale_inv: torch.Tensor, block_size, dtype: torch.dtype) -> torch.Tensor:
+    """[..., N, K] in dtype: each element times its block's scale_inv, in float32."""
+    bn, bk = check_fp8_block(w, scale_inv, block_size)
+    N, K = w.shape[-2:]
+    blocks = _padded_blocks(w.float(), bn, bk).mul_(scale_inv[..., :, None, :, None])
+    return blocks.flatten(-4, -3).flatten(-2, -1)[..., :N, :K].to(dtype)
+
+
+def quant_fp8_block(w: torch.Tensor, block_size) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] (any float dtype) -> (w_fp8 [..., N, K] float8_e4m3fn, scale_inv float32
+    [..., ceil(N/bn), ceil(K/bk)]) with scale_inv = the block's amax / 448."""
+    if len(block_size) != 2 or min(block_size) < 1 or w.dim() < 2 or not w.is_floating_point():
+        raise ValueError(f"w must be a float [..., N, K] tensor and block_size (bn, bk) >= 1 (got {tuple(w.shape)}:{w.dtype}, {tuple(block_size)})")
+    bn, bk = (int(b) for b in block_size)
+    N, K = w.shape[-2:]
+    blocks = _padded_blocks(w.float(), bn, bk)
+    amax = blocks.abs().amax(dim=(-3, -1))  # [..., nN, nK]
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale_inv[..., :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-4, -3).flatten(-2, -1)[..., :N, :K].contiguous(), scale_inv
+
+
+def fp8_block_linear_ref(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, block_size) -> torch.Tensor:
+    """x [T, K] @ W^T -> [T, N] in x's dtype, W dequantized into x's dtype (the reference)."""
+    return F.linear(x, dequant_fp8_block(w_fp8, scale_inv, block_size, x.dtype))
+
+
+def fp8_block_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, block_size) -> torch.Tensor:
+    """x [T, K], w_fp8 [N, K], scale_inv [ceil(N/bn), ceil(K/bk)] -> [T, N] in x's dtype."""
+    if x.is_cuda or _force_triton():
+        from kernels.triton.fp8 import fp8_block_linear_triton
+
+        return fp8_block_linear_triton(x, w_fp8, scale_inv, block_size)
+    return fp8_block_linear_ref(x, w_fp8, scale_inv, block_size)

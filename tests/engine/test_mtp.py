@@ -1,0 +1,135 @@
+"""MTP speculative decoding from the checkpoint's own `mtp.*` block: the block's draft logits
+against a reference built from transformers' modules, tokens identical to transformers'
+greedy output for k = 1, 2, 3 (TP 1 and 2), rows near max_model_len beside drafting rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hybrid_ckpt as hc
+from engine import LLM, SamplingParams
+from engine.cache.allocator import kv_pool_view
+from engine.config import EngineArgs
+from engine.loader import load_mtp_weights, load_weights
+from engine.model.mtp import MTPBlock, mtp_batch
+from engine.model.qwen3_5 import Qwen35Model
+
+NEW = 24
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+LENS = (1, 5, 40)
+
+
+@pytest.fixture(scope="module")
+def ckpt_mtp(tmp_path_factory):
+    return hc.make(tmp_path_factory.mktemp("mtp") / "ckpt", hc.SPEC_MTP)
+
+
+@pytest.fixture(scope="module")
+def mtp_prompts():
+    return hc.prompts(lens=LENS, seed=3)
+
+
+@pytest.fixture(scope="module")
+def hf_ref_mtp(ckpt_mtp, mtp_prompts):
+    return [hc.hf_greedy(ckpt_mtp, p, NEW) for p in mtp_prompts]
+
+
+def _rel(a, b) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_mtp_block_logits_match_transformers_modules(ckpt_mtp):
+    cfg = EngineArgs(ckpt_mtp, dtype="float32").engine_config().model
+    w = load_weights(cfg, 1, 0)
+    model = Qwen35Model(cfg, w, 1, lambda x: x, 128, "cpu")
+    block = MTPBlock(cfg, load_mtp_weights(cfg, 1, 0), model.embed, model.lm_head, 1, lambda x: x)
+    tokens = hc.prompts(lens=(33,), seed=5)[0]
+    ref_logits, ref_out = hc.hf_mtp_logits(ckpt_mtp, tokens)
+    n = len(tokens) - 1
+    bs = 16
+    kv = {cfg.num_layers: kv_pool_view(torch.zeros(cfg.num_kv_heads, 8, 2, bs, cfg.head_dim))}
+    blocks = [5, 2, 7, 0]  # out of order on purpose
+    hidden = hc._hf_model(ckpt_mtp).model(torch.tensor([tokens])).last_hidden_state[0, :-1]
+    batch = mtp_batch([(0, n, blocks)], bs, "cpu")
+    cos, sin = model.rotary(batch.positions)
+    with torch.inference_mode():
+        out = block(torch.tensor(tokens[1:]), hidden, batch, kv, cos, sin)
+        logits = block.logits(out)
+    assert _rel(logits, ref_logits) < 1e-4
+    # a recursive step: (the block's own output, its draft) at the next position, over the KV above
+    d1 = int(logits[-1].argmax())
+    ref2, _ = hc.hf_mtp_logits(ckpt_mtp, tokens, [(d1, ref_out[-1])])
+    batch = mtp_batch([(n, 1, blocks)], bs, "cpu")
+    cos, sin = model.rotary(batch.positions)
+    with torch.inference_mode():
+        l2 = block.logits(block(torch.tensor([d1]), out[-1:], batch, kv, cos, sin))
+    assert _rel(l2[0], ref2[-1]) < 1e-4
+
+
+def test_engine_drafts_are_the_blocks_argmax(ckpt_mtp):
+    """The drafts left after a prompt's prefill are the reference block's greedy chain."""
+    prompt = hc.prompts(lens=(21,), seed=6)[0]
+    with LLM(ckpt_mtp, dtype="float32", speculative_method="mtp", num_speculative_tokens=2) as llm:
+        rid = llm.engine.add_request(prompt, GREEDY)
+        req = llm.engine.requests[rid]
+        llm.engine.step()
+        first, drafts = req.output_token_ids[0], list(req.draft_token_ids)
+    logits, out = hc.hf_mtp_logits(ckpt_mtp, prompt + [first])
+    d1 = int(logits[-1].argmax())
+    l2, _ = hc.hf_mtp_logits(ckpt_mtp, prompt + [first], [(d1, out[-1])])
+    assert drafts == [d1, int(l2[-1].argmax())]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_mtp_greedy_matches_transformers(ckpt_mtp, mtp_prompts, hf_ref_mtp, k):
+    with LLM(ckpt_mtp, dtype="float32", speculative_method="mtp", num_speculative_tokens=k) as llm:
+        outs = llm.generate(prompt_token_ids=mtp_prompts, sampling_params=GREEDY)
+        assert [o.output_token_ids for o in outs] == hf_ref_mtp
+        s = llm.engine.scheduler
+        assert s.num_draft_tokens > 0 and s.drafts_per_position[0] > 0
+        assert llm.engine.blocks.num_free == llm.capacity().num_blocks
+        assert llm.engine.slots.num_free == llm.capacity().num_state_slots
+
+
+def test_mtp_greedy_matches_transformers_tp2(ckpt_mtp, mtp_prompts, hf_ref_mtp):
+    with LLM(ckpt_mtp, dtype="float32", speculative_method="mtp", num_speculative_tokens=2,
+             tensor_parallel_size=2) as llm:
+        outs = llm.generate(prompt_token_ids=mtp_prompts, sampling_params=GREEDY)
+    assert [o.output_token_ids for o in outs] == hf_ref_mtp
+
+
+def test_row_reaches_max_model_len_while_others_draft(ckpt_mtp, mtp_prompts, hf_ref_mtp):
+    """max_model_len = 48: the 40-token prompt stops after 8 tokens (its last rows carry fewer
+    drafts, then none) while the short prompts keep drafting; same tokens, nothing leaks."""
+    with LLM(ckpt_mtp, dtype="float32", speculative_method="mtp", num_speculative_tokens=3,
+             max_model_len=48) as llm:
+        outs = llm.generate(prompt_token_ids=mtp_prompts, sampling_params=GREEDY)
+        assert outs[2].finish_reason == "length" and len(outs[2].output_token_ids) == 48 - 40
+        assert outs[2].output_token_ids == hf_ref_mtp[2][:8]
+        assert [o.output_token_ids for o in outs[:2]] == hf_ref_mtp[:2]
+        assert llm.engine.blocks.num_free == llm.capacity().num_blocks
+
+
+def test_mtp_capacity_counts_the_drafters_pages(ckpt_mtp):
+    with LLM(ckpt_mtp, dtype="float32", kv_cache_memory="64MiB", max_num_seqs=4) as plain, \
+         LLM(ckpt_mtp, dtype="float32", kv_cache_memory="64MiB", max_num_seqs=4, speculative_method="mtp",
+             num_speculative_tokens=2) as spec:
+        a, b = plain.capacity(), spec.capacity()
+    cfg = EngineArgs(ckpt_mtp).engine_config().model
+    per_layer = a.kv_bytes_per_token // len(cfg.attention_layers)
+    assert b.kv_bytes_per_token == a.kv_bytes_per_token + per_layer
+    assert b.num_blocks < a.num_blocks
+
+
+def test_mtp_without_mtp_weights_fails_in_one_line(ckpt_hv2):
+    with pytest.raises(ValueError) as e:
+        LLM(ckpt_hv2, dtype="float32", speculative_method="mtp", num_speculative_tokens=2)
+    assert "mtp" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cli_knows_the_engines_speculative_methods():
+    from engine.config import SPECULATIVE_METHODS
+    from router.cli import SPECULATIVE_METHODS as cli_methods
+
+    assert cli_methods == SPECULATIVE_METHODS
