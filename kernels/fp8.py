@@ -46,7 +46,8 @@ def quant_fp8_block(w: torch.Tensor, block_size) -> tuple[torch.Tensor, torch.Te
     """w [..., N, K] (any float dtype) -> (w_fp8 [..., N, K] float8_e4m3fn, scale_inv float32
     [..., ceil(N/bn), ceil(K/bk)]) with scale_inv = the block's amax / 448."""
     if len(block_size) != 2 or min(block_size) < 1 or w.dim() < 2 or not w.is_floating_point():
-        raise ValueError(f"w must be a float [..., N, K] tensor and block_size (bn, bk) >= 1 (got {tuple(w.shape)}:{w.dtype}, {tuple(block_size)})")
+        got = f"{tuple(w.shape)}:{w.dtype}, {tuple(block_size)}"
+        raise ValueError(f"w must be a float [..., N, K] tensor and block_size (bn, bk) >= 1 (got {got})")
     bn, bk = (int(b) for b in block_size)
     N, K = w.shape[-2:]
     blocks = _padded_blocks(w.float(), bn, bk)

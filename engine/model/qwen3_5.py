@@ -15,6 +15,7 @@ from kernels import rms_norm
 from engine.cache.allocator import CachePools
 from engine.config import ModelConfig
 from engine.model.batch import ForwardBatch
+from engine.model.linear import Linear
 from engine.model.layers import MLP, AllReduce, Attention, AttentionWeights, GatedDeltaNet, GDNWeights, MLPWeights
 from engine.model.moe import MoEWeights, SparseMoE
 from engine.model.rotary import Rotary
@@ -69,7 +70,7 @@ class Qwen35Model:
     def __init__(self, cfg: ModelConfig, weights: dict, tp: int, all_reduce: AllReduce, max_positions: int, device):
         self.cfg = cfg
         self.embed = weights["embed"]
-        self.lm_head = weights["lm_head"]
+        self.lm_head = Linear(weights["lm_head"])  # may share the embedding tensor; its GEMM copy is its own
         self.eps = cfg.rms_norm_eps
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, max_positions, cfg.dtype, device)
         self.layers: list[DecoderLayer] = [
@@ -87,6 +88,6 @@ class Qwen35Model:
             x = run_layer(layer, x, batch, pools, pools.kv.get(i), cos, sin, self.eps)
         if want_hidden:
             h = rms_norm(x, self.final_norm, self.eps, zero_centered=False)
-            return F.linear(h[batch.logits_indices], self.lm_head).float(), h
+            return self.lm_head(h[batch.logits_indices]).float(), h
         x = rms_norm(x[batch.logits_indices], self.final_norm, self.eps, zero_centered=False)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()

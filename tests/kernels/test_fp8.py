@@ -75,12 +75,14 @@ def test_stacked_experts_quantize_per_expert():
     for e in range(3):
         q_e, s_e = quant_fp8_block(w[e], (16, 16))
         assert torch.equal(q[e].view(torch.uint8), q_e.view(torch.uint8)) and torch.equal(s[e], s_e)
-        assert torch.equal(dequant_fp8_block(q, s, (16, 16), torch.float32)[e], dequant_fp8_block(q_e, s_e, (16, 16), torch.float32))
+        got = dequant_fp8_block(q, s, (16, 16), torch.float32)[e]
+        assert torch.equal(got, dequant_fp8_block(q_e, s_e, (16, 16), torch.float32))
 
 
 def test_fp8_rejects_bad_arguments():
     q, s = quant_fp8_block(random_weight((40, 24)), (16, 16))
-    with pytest.raises(ValueError, match=r"scale_inv must be float32 \(3, 2\) for w \(40, 24\) in blocks \(16, 16\) \(got \(2, 2\):torch.float32\)"):
+    want = r"scale_inv must be float32 \(3, 2\) for w \(40, 24\) in blocks \(16, 16\) \(got \(2, 2\):torch.float32\)"
+    with pytest.raises(ValueError, match=want):
         dequant_fp8_block(q, s[:2], (16, 16), torch.float32)
     with pytest.raises(ValueError, match=r"got w=\(40, 24\):float32"):
         dequant_fp8_block(q.float(), s, (16, 16), torch.float32)
