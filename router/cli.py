@@ -1,6 +1,6 @@
 """The `pdserve` command line.
 
-    pdserve make-tiny-model DIR [--layers 8 --hidden 256 ... --seed 0]
+    pdserve make-tiny-model DIR [--arch qwen3_5|qwen3_5_moe|qwen3_next --layers 8 --hidden 256 ... --seed 0]
     pdserve demo [--model DIR] [--tp 1] [--max-tokens 32]     # `up`, a few prompts via the SDK, shutdown
     pdserve up --model DIR --prefill N --decode M --prefill-tp a --decode-tp b --port P  (or --config pools.yaml)
     pdserve router --port P [--model DIR] [--decode ADDR ...] [--prefill ADDR ...]
@@ -28,6 +28,7 @@ import signal
 import sys
 import threading
 import time
+import typing
 from dataclasses import fields
 from pathlib import Path
 
@@ -72,10 +73,13 @@ def default_model_dir() -> Path:
 def _add_tiny_args(p: argparse.ArgumentParser) -> None:
     from engine.tiny_model import TinyModelSpec
 
+    hints = typing.get_type_hints(TinyModelSpec)
     for f in fields(TinyModelSpec):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        elif typing.get_origin(hints[f.name]) is typing.Literal:
+            p.add_argument(flag, choices=typing.get_args(hints[f.name]), default=f.default)
         else:
             typ = {"int": int, "float": float, "str": str}.get(str(f.type), type(f.default))
             p.add_argument(flag, type=typ, default=f.default)
@@ -86,7 +90,10 @@ def cmd_make_tiny_model(args) -> int:
 
     spec = TinyModelSpec(**{f.name: getattr(args, f.name) for f in fields(TinyModelSpec)})
     out = make_tiny_model(args.dir, spec)
-    print(f"wrote {out} ({spec.layers} layers, hidden {spec.hidden}, vocab {spec.vocab}, seed {spec.seed})")
+    moe = f", {spec.experts} experts top-{spec.top_k}" if spec.arch != "qwen3_5" else ""
+    fp8 = f", fp8 blocks {spec.fp8_block}" if spec.fp8 else ""
+    print(f"wrote {out} ({spec.arch}, {spec.layers} layers, hidden {spec.hidden}{moe}{fp8}, vocab {spec.vocab}, "
+          f"seed {spec.seed})")
     return 0
 
 
@@ -379,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG"), help="default INFO for servers, else WARNING")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    p = sub.add_parser("make-tiny-model", help="write a small random Qwen3.5 checkpoint + tokenizer")
+    p = sub.add_parser("make-tiny-model", help="write a small random Qwen3.5 / Qwen3.5-MoE / Qwen3-Next checkpoint + tokenizer")
     p.add_argument("dir")
     _add_tiny_args(p)
     p.set_defaults(func=cmd_make_tiny_model)
