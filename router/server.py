@@ -286,6 +286,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                 self._active += 1
         if full:
             self._left_queue("queue_full", 0.0)
+            log.info("request %s: refused RESOURCE_EXHAUSTED, %d requests in flight", tr.request_id, self.generate_limit)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"the router has {self.generate_limit} requests in flight, its limit: try again later")
         try:
