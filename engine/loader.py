@@ -218,11 +218,7 @@ class _Weights:
         if name + SCALE_SUFFIX in self.scales:
             from kernels.fp8 import dequant_fp8_block
 
-            s = self.reader.get(name + SCALE_SUFFIX)
-            bs, dt = self.cfg.fp8_block_size, self.cfg.dtype
-            if w.dim() == 2:
-                return dequant_fp8_block(w, s, bs, dt)
-            return torch.stack([dequant_fp8_block(w[e], s[e], bs, dt) for e in range(w.shape[0])])
+            return dequant_fp8_block(w, self.reader.get(name + SCALE_SUFFIX), self.cfg.fp8_block_size, self.cfg.dtype)
         return w
 
     def __call__(self, name: str, rows=None, cols=None) -> torch.Tensor:

@@ -61,6 +61,13 @@ from router.stops import with_stops
 
 log = logging.getLogger("pdserve.router")
 
+# Every Generate call holds a server thread while it waits for admission or streams: the router
+# takes up to max_queued_requests + STREAMING of them (more are refused RESOURCE_EXHAUSTED at once)
+# and keeps SPARE_THREADS beyond that for heartbeats, registration and health checks, which must
+# never wait behind client requests under overload.
+STREAMING = 1024
+SPARE_THREADS = 64
+
 
 @dataclass
 class _Trace:
@@ -113,6 +120,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             self.refused.labels(reason=reason)
         self.admission = Admission(self.registry.cond, cfg.max_queued_requests, cfg.admission_timeout_s,
                                    self._left_queue)  # fmt: skip
+        self.generate_limit = (cfg.max_queued_requests or 4096) + STREAMING
         self.metrics_port: int | None = None
         self.http = None  # router.http.OpenAIServer when cfg.http_port is set
         self.http_port: int | None = None
@@ -277,7 +285,14 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             refuse_draining(context, "the router")
         tr = _Trace(request.request_id or uuid.uuid4().hex)
         with self.registry.cond:
-            self._active += 1
+            full = self._active >= self.generate_limit
+            if not full:
+                self._active += 1
+        if full:
+            self._left_queue("queue_full", 0.0)
+            log.info("request %s: refused RESOURCE_EXHAUSTED, %d requests in flight", tr.request_id, self.generate_limit)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"the router has {self.generate_limit} requests in flight, its limit: try again later")
         try:
             ids = self._prompt_ids(request)
             tr.prompt_len = len(ids)
@@ -454,7 +469,8 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             rpc.add_GenerationServicer_to_server(self, s)
             rpc.add_RegistryServicer_to_server(self, s)
 
-        self.server, port, self._health = start_server(addr, add, ["Generation", "Registry"], max_workers=256)
+        self.server, port, self._health = start_server(addr, add, ["Generation", "Registry"],
+                                                        max_workers=self.generate_limit + SPARE_THREADS)
         self._sweeper.start()
         log.info("router serving on port %d (policy %s)", port, self.policy.name)
         host = self.cfg.host

@@ -255,3 +255,60 @@ def test_unknown_quantization_is_refused(moe_ckpt, tmp_path, monkeypatch):
     d = _broken(moe_ckpt("qwen3_5_moe"), tmp_path / "ck",
                 edit_config=lambda c: c.__setitem__("quantization_config", {"quant_method": "awq", "bits": 4}))
     _refused(d, r"unsupported quantization method 'awq'.*supported: fp8", monkeypatch)
+
+
+# ---- FP8 block-quantized checkpoints, written by make-tiny-model --fp8 ----------------------
+
+
+def _dequantized_copy(src, dst):
+    """The same checkpoint with every FP8 weight dequantized to float32 and no quantization_config:
+    what transformers runs as the reference."""
+    from safetensors.torch import load_file, save_file
+
+    from kernels.fp8 import dequant_fp8_block
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    block = cfg.pop("quantization_config")["weight_block_size"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    w = load_file(dst / "model.safetensors")
+    for name in [n for n in w if n.endswith("_scale_inv")]:
+        base = name.removesuffix("_scale_inv")
+        w[base] = dequant_fp8_block(w[base], w.pop(name), block, torch.float32).contiguous()
+    save_file(w, dst / "model.safetensors", metadata={"format": "pt"})
+    return str(dst)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(arch, moe_prompts, tmp_path):
+    from cli.test_cli_engine import run_cli
+
+    spec = hc.SPEC_MOE[arch]
+    args = ["make-tiny-model", str(tmp_path / "fp8"), "--arch", arch, "--fp8", "--fp8-block", "16", "--no-tokenizer"]
+    for f in ("layers", "hidden", "heads", "kv_heads", "head_dim", "linear_key_heads", "linear_value_heads",
+              "linear_key_head_dim", "linear_value_head_dim", "vocab", "intermediate", "experts", "top_k",
+              "moe_intermediate", "shared_intermediate", "seed"):
+        args += ["--" + f.replace("_", "-"), str(getattr(spec, f))]
+    if arch == "qwen3_next":
+        args += ["--mlp-only-layers", spec.mlp_only_layers, "--no-norm-topk-prob"]
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr
+    d = tmp_path / "fp8"
+    qc = json.loads((d / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [16, 16]
+    with safe_open(str(d / "model.safetensors"), framework="pt") as h:
+        expert = "model.layers.1.mlp.experts.2.down_proj.weight"
+        assert h.get_tensor(expert).dtype == torch.float8_e4m3fn
+        assert tuple(h.get_tensor(expert + "_scale_inv").shape) == (4, 2)  # [64, 24] in 16 x 16 blocks
+        assert h.get_tensor("model.layers.1.mlp.gate.weight").dtype == torch.float32  # the router stays
+        assert "model.layers.1.mlp.shared_expert_gate.weight_scale_inv" not in h.keys()
+    ref_dir = _dequantized_copy(d, tmp_path / "dequantized")
+    ref = [hc.hf_greedy(ref_dir, p, NEW) for p in moe_prompts]
+    assert _tokens(_generate(d, moe_prompts)) == ref
+    assert _tokens(_generate(d, moe_prompts[2:], tensor_parallel_size=2)) == ref[2:]
+
+
+def test_fp8_weight_without_scale_is_refused(moe_ckpt, tmp_path, monkeypatch):
+    name = "model.layers.3.self_attn.o_proj.weight"
+    d = _broken(moe_ckpt("qwen3_5_moe"), tmp_path / "ck", lambda w: w.__setitem__(name, w[name].to(torch.float8_e4m3fn)))
+    _refused(d, rf"{name} is float8 but config.json has no fp8 quantization_config", monkeypatch)

@@ -207,3 +207,49 @@ def test_prefill_node_killed_mid_queue_frees_reservations_within_the_lease(ckpt,
     finally:
         rc = up.stop()
     assert rc == 0, up.output()
+
+
+def test_hung_prefill_node_stops_renewing_and_its_reservations_expire(ckpt, burst):
+    """The lease is for a dead or hung peer: the only prefill node is frozen (SIGSTOP) with requests
+    queued, so nobody renews their reservations. Those no write was granted for are freed within a
+    lease (counted as expiries); once the node is killed, the rest are freed, the decode node
+    prefills what is left, and at most the request whose push was cut off fails."""
+    from client import Client
+
+    ps, want = burst
+    up = Up("--model", ckpt, "--dtype", "float32", "--prefill", "1", "--decode", "1", "--metrics-port", "0",
+            "--reservation-lease", str(LEASE), "--prefill-window-tokens", "0", "--admission-timeout", "300", *STEP)
+    try:
+        d = _node(up.address, "decode-0")
+        initial = decode_stats(d.address).capacity
+        durl = log_url(up, r"decode node decode-0 metrics at (http://\S+/metrics)")
+        victim = next(p for p in descendants(up.proc.pid) if b"prefill-0" in open(f"/proc/{p}/cmdline", "rb").read())
+        n = 12
+        with Client(up.address, timeout=300) as c:
+            c.wait_ready(timeout=60)
+            with ThreadPoolExecutor(n) as ex:
+                futs = [ex.submit(_run, c, ps[i % 3]) for i in range(n)]
+                wait_for(lambda: decode_stats(d.address).capacity.reserved >= n // 2, 30, "reservations held")
+                os.kill(victim, signal.SIGSTOP)
+                held = decode_stats(d.address).capacity.reserved
+                t_stop = time.monotonic()
+                wait_for(lambda: decode_stats(d.address).capacity.reserved <= 2, LEASE + 2, "leases expired")
+                assert time.monotonic() - t_stop < LEASE + 2
+                expired = scrape(durl)[("pdserve_decode_lease_expiries_total", ())]
+                # all but those a write was granted for (the last step's, at most 2 of 256 tokens) and
+                # one whose state was in when the node froze
+                assert expired >= held - 3, (held, expired)
+                assert "lease expired (no source began)" in up.output()
+                os.kill(victim, signal.SIGKILL)
+                outs = [f.result(timeout=300) for f in futs]
+        failed = [(i, r) for i, r in enumerate(outs) if isinstance(r, Exception)]
+        assert len(failed) <= 1, failed
+        for i, e in failed:  # its state was being pushed when the node froze
+            assert e.code in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE), (i, e.code, e.message)
+        for i, r in enumerate(outs):
+            if not isinstance(r, Exception):
+                assert r.token_ids == want[i % 3], (i, r.prefill_node)
+        wait_for(lambda: decode_stats(d.address).capacity == initial, 20, "the decode node's pages and slots back")
+    finally:
+        rc = up.stop()
+    assert rc == 0, up.output()
