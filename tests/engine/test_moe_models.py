@@ -347,3 +347,21 @@ def test_qwen3_next_state_is_the_qwen35_typed_state(moe_ckpt):
             rec[list(head_range(m.linear_num_value_heads, 2, r))] = s["rec"][layer]
         torch.testing.assert_close(conv, cache.get_conv_state(layer, state_idx=0)[0, :, 1:], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(rec, cache.get_recurrent_state(layer, state_idx=0)[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mtp_block_of_a_moe_model(arch, moe_prompts, tmp_path):
+    """The MTP block's decoder layer carries the MoE block: the engine's drafts are the argmax of
+    the block built from transformers' modules, and MTP decoding keeps transformers' tokens."""
+    from dataclasses import replace
+
+    path = hc.make(tmp_path / "ckpt", replace(hc.SPEC_MOE[arch], mtp=True))
+    prompt = moe_prompts[2]
+    with LLM(path, dtype="float32", speculative_method="mtp", num_speculative_tokens=1) as llm:
+        first, drafts = hc.first_step_drafts(llm, prompt, GREEDY)
+        logits, _ = hc.hf_mtp_logits(path, prompt + [first])
+        assert drafts == [int(logits[-1].argmax())]
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        outs = llm.generate(prompt_token_ids=moe_prompts, sampling_params=GREEDY)
+    assert _tokens(outs) == [hc.hf_greedy(path, p, NEW) for p in moe_prompts]
