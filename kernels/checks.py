@@ -82,7 +82,9 @@ def check_fp8_block(w, scale_inv, block_size) -> tuple[int, int]:
     return bn, bk
 
 
-def check_moe_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale_inv=None, w2_scale_inv=None, block_size=None) -> None:
+def check_moe_inputs(
+    x, w13, w2, topk_weights, topk_ids, w13_scale_inv=None, w2_scale_inv=None, block_size=None
+) -> None:
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         _fail("x must be [T, H], w13 [E, 2*I, H] and w2 [E, H, I]", x=x, w13=w13, w2=w2)
     T, H = x.shape
@@ -97,4 +99,4 @@ def check_moe_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale_inv=None, w2_
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
         _fail(f"topk_weights and topk_ids must be [T={T}, k]", topk_weights=topk_weights, topk_ids=topk_ids)
     if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.is_floating_point():
-        _fail("topk_ids must be int64 (or int32) and topk_weights float32", topk_weights=topk_weights, topk_ids=topk_ids)
+        _fail("topk_ids must be int64 (or int32), topk_weights float32", topk_weights=topk_weights, topk_ids=topk_ids)

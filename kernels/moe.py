@@ -16,9 +16,12 @@ dimension and reduces the [T, H] partial sums itself; the shared expert is the c
 
 CPU path: the T*k (token, expert) pairs are sorted by expert, each active expert runs one GEMM
 over its rows (experts with no rows cost nothing), and the weighted rows are summed per token
-over k in float32. Rounding follows transformers: each GEMM's output, silu and the product are
-rounded to x's dtype, the routing weights too (its router casts them to the hidden dtype), and
-the combine accumulates in float32 and rounds once. On CUDA tensors (or with
+over k in float32. The GEMMs of all experts are one call of torch's grouped GEMM where it
+can take them (16-byte aligned strides; float32, or 16-bit while the experts average few rows),
+which saves the per-expert Python overhead; otherwise one F.linear per active expert. Rounding
+follows transformers: each GEMM's output, silu and the product are rounded to x's dtype, the
+routing weights too (its router casts them to the hidden dtype), and the combine accumulates in
+float32 and rounds once. On CUDA tensors (or with
 PDSERVE_FORCE_TRITON=1) `fused_moe` runs the Triton kernels in kernels/triton/moe.py.
 """
 
@@ -38,13 +41,32 @@ __all__ = ["select_experts", "fused_moe", "sort_by_expert"]
 # costs about one such pass and the float32 GEMM blocks all rows. The result is the same
 # float32-accumulated GEMM, rounded once to x's dtype.
 _UPCAST_ROWS = 2
+# ... but while the active experts average fewer rows than this, most have one and the copies
+# cost more than they save: one grouped call of 16-bit GEMMs is faster (measured with
+# Qwen3.5-35B-A3B's expert sizes, bench/moe.py).
+_UPCAST_MEAN_ROWS = 2.5
+
+
+def _grouped_gemm_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: list[int]) -> bool:
+    """Whether torch's grouped GEMM should run these experts (rows[e] rows each): it exists on
+    this build, needs 16-byte aligned pointers and strides, and runs 16-bit GEMMs without the
+    float32 copies."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if x.dtype != torch.float32 and sum(rows) >= _UPCAST_MEAN_ROWS * sum(1 for r in rows if r):
+        return False
+    for t in (w13, w2):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]):
+            return False
+    return x.shape[1] * x.element_size() % 16 == 0 and w2.shape[2] * x.element_size() % 16 == 0
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int64), highest
     probability first."""
     if router_logits.dim() != 2 or not router_logits.is_floating_point():
-        raise ValueError(f"router_logits must be a float [T, E] tensor (got {tuple(router_logits.shape)}:{router_logits.dtype})")
+        got = f"{tuple(router_logits.shape)}:{router_logits.dtype}"
+        raise ValueError(f"router_logits must be a float [T, E] tensor (got {got})")
     if not 1 <= top_k <= router_logits.shape[1]:
         raise ValueError(f"top_k must be in [1, E={router_logits.shape[1]}] (got {top_k})")
     probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
@@ -107,20 +129,33 @@ def fused_moe(
     T, H = x.shape
     k = topk_ids.shape[1]
     order, counts = sort_by_expert(topk_ids, w13.shape[0])
-    xs = x.index_select(0, order // k)  # [T*k, H] rows grouped by expert
-    ws = topk_weights.reshape(-1)[order].to(x.dtype).float()[:, None]  # rounded as transformers rounds
+    xs = x.index_select(0, torch.div(order, k, rounding_mode="trunc"))  # [T*k, H] rows grouped by expert
+    ws = topk_weights.reshape(-1).index_select(0, order).to(x.dtype).float()[:, None]  # rounded as transformers rounds
+    rows = counts.tolist()
+    if w13_scale_inv is None and _grouped_gemm_ok(x, w13, w2, rows):
+        offs = counts.cumsum(0, dtype=torch.int32)
+        h = F.grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+        i = w2.shape[2]
+        act = F.silu(h[:, :i], inplace=True).mul_(h[:, i:])
+        ys = torch.mul(F.grouped_mm(act, w2.transpose(1, 2), offs=offs), ws)
+    else:
+        ys = _experts_one_by_one(xs, ws, rows, w13, w2, w13_scale_inv, w2_scale_inv, block_size)
+    pairs = torch.empty_like(ys).index_copy_(0, order, ys)  # back to (token, j) order
+    return pairs.view(T, k, H).sum(1).to(x.dtype)
+
+
+def _experts_one_by_one(xs, ws, rows, w13, w2, w13_scale_inv, w2_scale_inv, block_size) -> torch.Tensor:
+    """Rows xs [P, H] grouped by expert (rows[e] of expert e) through their experts, times ws
+    [P, 1]: [P, H] float32."""
     bufs = None
-    if x.dtype != torch.float32 and T * k >= _UPCAST_ROWS:
+    if xs.dtype != torch.float32 and max(rows) >= _UPCAST_ROWS:
         bufs = (torch.empty(w13.shape[1:], dtype=torch.float32), torch.empty(w2.shape[1:], dtype=torch.float32))
-    ys = torch.empty(T * k, H, dtype=torch.float32)
-    counts = counts.tolist()
-    groups = zip(xs.split(counts), ws.split(counts), ys.split(counts))
-    for e, (x_e, w_e, y_e) in enumerate(groups):
+    ys = torch.empty(xs.shape, dtype=torch.float32)
+    for e, (x_e, w_e, y_e) in enumerate(zip(xs.split(rows), ws.split(rows), ys.split(rows))):
         if x_e.shape[0]:
             w13_e, w2_e = w13[e], w2[e]
             if w13_scale_inv is not None:
-                w13_e = dequant_fp8_block(w13_e, w13_scale_inv[e], block_size, x.dtype)
-                w2_e = dequant_fp8_block(w2_e, w2_scale_inv[e], block_size, x.dtype)
+                w13_e = dequant_fp8_block(w13_e, w13_scale_inv[e], block_size, xs.dtype)
+                w2_e = dequant_fp8_block(w2_e, w2_scale_inv[e], block_size, xs.dtype)
             torch.mul(_expert(x_e, w13_e, w2_e, bufs), w_e, out=y_e)
-    pairs = torch.empty_like(ys).index_copy_(0, order, ys)  # back to (token, j) order
-    return pairs.view(T, k, H).sum(1).to(x.dtype)
+    return ys

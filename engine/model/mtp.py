@@ -25,13 +25,14 @@ from kernels import rms_norm
 from engine.config import ModelConfig
 from engine.model.batch import ForwardBatch, IntPack, group_fields, make_group
 from engine.model.layers import AllReduce
+from engine.model.linear import Linear
 from engine.model.qwen3_5 import DecoderLayer, build_layer, run_layer
 from engine.model.rotary import Rotary
 from engine.step import RowInput
 
 
 class MTPBlock:
-    def __init__(self, cfg: ModelConfig, weights: dict, embed: torch.Tensor, lm_head: torch.Tensor, tp: int,
+    def __init__(self, cfg: ModelConfig, weights: dict, embed: torch.Tensor, lm_head: Linear, tp: int,
                  all_reduce: AllReduce):
         self.eps = cfg.rms_norm_eps
         self.embed, self.lm_head = embed, lm_head
@@ -57,7 +58,7 @@ class MTPBlock:
         return rms_norm(x, self.norm, self.eps, zero_centered=False)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()
 
 
 def mtp_batch(rows, block_size: int, device) -> ForwardBatch:

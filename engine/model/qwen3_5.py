@@ -1,5 +1,7 @@
 """Qwen3.5 hybrid text model on one tensor-parallel rank: embeddings, a stack of GDN and
 gated full-attention decoder layers reading and writing the cache pools, final norm, LM head.
+Each layer's MLP is dense or the sparse MoE block (Qwen3.5-MoE, Qwen3-Next: engine/model/moe.py);
+Qwen3-Next's layers are the same blocks once the loader has mapped its GDN projections.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from kernels import rms_norm
 from engine.cache.allocator import CachePools
 from engine.config import ModelConfig
 from engine.model.batch import ForwardBatch
+from engine.model.linear import Linear
 from engine.model.layers import MLP, AllReduce, Attention, AttentionWeights, GatedDeltaNet, GDNWeights, MLPWeights
+from engine.model.moe import MoEWeights, SparseMoE
 from engine.model.rotary import Rotary
 
 
@@ -23,7 +27,7 @@ class DecoderLayer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     mixer: GatedDeltaNet | Attention
-    mlp: MLP
+    mlp: MLP | SparseMoE
 
 
 def build_layer(cfg: ModelConfig, i: int, kind: str, lw: dict, tp: int, all_reduce: AllReduce) -> DecoderLayer:
@@ -44,8 +48,11 @@ def build_layer(cfg: ModelConfig, i: int, kind: str, lw: dict, tp: int, all_redu
     else:
         kvh = max(1, cfg.num_kv_heads // tp)
         mixer = Attention(AttentionWeights(**lw["mixer"]), cfg.num_attention_heads // tp, kvh, cfg.head_dim, eps, all_reduce)
-    return DecoderLayer(kind, 1.0 + lw["input_norm"].float(), 1.0 + lw["post_norm"].float(), mixer,
-                        MLP(MLPWeights(**lw["mlp"]), all_reduce))
+    if "router" in lw["mlp"]:  # the sparse MoE block (cfg.is_moe_layer)
+        mlp = SparseMoE(MoEWeights(**lw["mlp"]), cfg.num_experts_per_tok, cfg.norm_topk_prob, all_reduce)
+    else:
+        mlp = MLP(MLPWeights(**lw["mlp"]), all_reduce)
+    return DecoderLayer(kind, 1.0 + lw["input_norm"].float(), 1.0 + lw["post_norm"].float(), mixer, mlp)
 
 
 def run_layer(layer: DecoderLayer, x: torch.Tensor, batch: ForwardBatch, pools: CachePools, kv_pool, cos, sin, eps):
@@ -63,7 +70,7 @@ class Qwen35Model:
     def __init__(self, cfg: ModelConfig, weights: dict, tp: int, all_reduce: AllReduce, max_positions: int, device):
         self.cfg = cfg
         self.embed = weights["embed"]
-        self.lm_head = weights["lm_head"]
+        self.lm_head = Linear(weights["lm_head"])  # may share the embedding tensor; its GEMM copy is its own
         self.eps = cfg.rms_norm_eps
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, max_positions, cfg.dtype, device)
         self.layers: list[DecoderLayer] = [
@@ -81,6 +88,6 @@ class Qwen35Model:
             x = run_layer(layer, x, batch, pools, pools.kv.get(i), cos, sin, self.eps)
         if want_hidden:
             h = rms_norm(x, self.final_norm, self.eps, zero_centered=False)
-            return F.linear(h[batch.logits_indices], self.lm_head).float(), h
+            return self.lm_head(h[batch.logits_indices]).float(), h
         x = rms_norm(x[batch.logits_indices], self.final_norm, self.eps, zero_centered=False)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()

@@ -48,7 +48,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     """(slot_pair [n_blocks*BM], block_expert [n_blocks]) for topk_ids [T, k] (see the module)."""
     flat = topk_ids.reshape(-1)
     P, dev = flat.numel(), flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
+    ones = torch.ones(P, dtype=torch.int64, device=dev)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat.long(), ones)
     blocks = (counts + block_m - 1) // block_m
     block_end = blocks.cumsum(0)
     order = torch.argsort(flat, stable=True)
@@ -171,7 +172,9 @@ def fused_moe_triton(
     BN = 64
     slot_pair, block_expert = align_by_expert(topk_ids, E, BM)
     n_blocks = block_expert.numel()
-    common = dict(BM=BM, BN=BN, BK=BK, SCALED=scaled, ALIGNED=aligned, XDT=TL_DTYPES[x.dtype], DOT_F32=dot_in_f32(x.dtype))
+    common = dict(
+        BM=BM, BN=BN, BK=BK, SCALED=scaled, ALIGNED=aligned, XDT=TL_DTYPES[x.dtype], DOT_F32=dot_in_f32(x.dtype)
+    )
     a = torch.empty((n_blocks * BM, I), dtype=x.dtype, device=x.device)
     _moe_up_kernel[(n_blocks, triton.cdiv(I, BN))](
         x, w13, s13, slot_pair, block_expert, a,
