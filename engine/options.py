@@ -110,16 +110,12 @@ def add_options(parser: argparse.ArgumentParser, opts: list[Opt], *, unset: bool
         parser.add_argument(o.flag, **kw)
 
 
-def values(opts: list[Opt], ns: argparse.Namespace, *, given_only: bool = False) -> dict[str, Any]:
-    """field -> value from a parsed namespace (`given_only`: leave out what is None)."""
+def values(opts: list[Opt], ns: argparse.Namespace) -> dict[str, Any]:
+    """field -> value from a parsed namespace."""
     out = {}
     for o in opts:
         v = getattr(ns, o.dest)
-        if o.repeat:
-            v = o.default if v is None else tuple(v)
-        if v is None and given_only:
-            continue
-        out[o.name] = v
+        out[o.name] = (o.default if v is None else tuple(v)) if o.repeat else v
     return out
 
 

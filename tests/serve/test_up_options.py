@@ -41,7 +41,7 @@ def test_every_field_is_a_documented_flag(cmd):
     flags = _flags(cmd)
     for o in opts:
         assert o.help and o.flag in flags, o.name
-        assert flags[o.flag].choices == (list(o.choices) if o.choices else None) or flags[o.flag].choices == o.choices
+        assert flags[o.flag].choices == o.choices
         if o.flag != "--advertise-host":
             assert _sub(cmd).get_default(o.dest) == (None if o.repeat else o.default), o.name
 
@@ -100,7 +100,7 @@ def test_pools_file_per_pool_keys_and_precedence(ckpt, tmp_path):
     assert "--local-prefill-threshold" not in pre and "--push-timeout" not in dec
     for argv in (pre, dec):
         assert argv[argv.index("--max-model-len") + 1] == "300" and argv[argv.index("--block-size") + 1] == "32"
-        ns = build_parser().parse_args([argv is pre and "prefill" or "decode", *argv])  # the node reads them back
+        ns = build_parser().parse_args(["prefill" if argv is pre else "decode", *argv])  # the node reads them back
         assert ns.max_model_len == 300 and ns.block_size == 32
     assert spec.router_argv() == ["--policy", "round-robin"]
     # the command line wins over a pool's key too
