@@ -45,7 +45,7 @@ from engine.sampling_params import SamplingParams
 from proto import pb, rpc
 from proto.metrics import ServingMetrics, capacity_gauges
 from proto.node import NodeServer, serve_node
-from proto.serving import MAX_REQUEST_ID_LEN, sampling_kwargs
+from proto.serving import MAX_REQUEST_ID_LEN, logprobs_pb, sampling_kwargs
 
 log = logging.getLogger("pdserve.decode")
 
@@ -217,9 +217,9 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                 box["outcome"] = "error"
                 context.abort(code, str(item))
             now = time.monotonic()
-            new = item.new_token_ids
+            new, lps = item.new_token_ids, item.logprobs
             if skip:
-                new, skip = new[skip:], max(0, skip - len(new))
+                new, lps, skip = new[skip:], (lps or [])[skip:], max(0, skip - len(new))
             if new:
                 first_tok = first_tok if first_tok is not None else now
                 last_tok = now
@@ -240,6 +240,10 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                 finish_reason=item.finish_reason or "" if done else "",
                 timings=t,
             )
+            if lps:
+                msg.logprobs.extend(logprobs_pb(lps))
+            if item.prompt_logprobs:
+                msg.prompt_logprobs.extend(logprobs_pb(item.prompt_logprobs))
             if first_msg:
                 msg.prompt_tokens = s.num_prompt_tokens
                 msg.decode_node = self.cfg.node_id

@@ -53,7 +53,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The text model of a Qwen3.5 hybrid checkpoint, global (unsharded) sizes."""
+    """The text model of a Qwen3.5 / Qwen3.5-MoE / Qwen3-Next hybrid checkpoint, global
+    (unsharded) sizes."""
 
     path: str
     architecture: str

@@ -36,9 +36,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kernels.fp8 import dequant_fp8_block
 from engine.config import ModelConfig
 from engine.model.linear import Linear
-from engine.shard import conv_channel_index, head_range, kv_head_range
+from engine.shard import conv_channel_index, head_range, intermediate_range, kv_head_range
 
 log = logging.getLogger("pdserve.loader")
 
@@ -160,10 +161,6 @@ def expected_weights(cfg: ModelConfig, names=()) -> Shapes:
     return out
 
 
-def expected_weight_names(cfg: ModelConfig) -> list[str]:
-    return list(expected_weights(cfg))
-
-
 def _scale_shape(cfg: ModelConfig, shape: tuple[int, ...]) -> tuple[int, ...]:
     bn, bk = cfg.fp8_block_size
     return (*shape[:-2], math.ceil(shape[-2] / bn), math.ceil(shape[-1] / bk))
@@ -177,9 +174,7 @@ def check_checkpoint(cfg: ModelConfig, reader: _Reader) -> Shapes:
     if missing:
         shown = ", ".join(f"{n} (expected shape {list(expected[n])})" for n in missing[:4])
         raise ValueError(f"checkpoint {where} lacks {len(missing)} weight(s): {shown}")
-    scales = {}
-    if cfg.fp8_block_size is not None:
-        scales = {n + SCALE_SUFFIX: _scale_shape(cfg, s) for n, s in expected.items() if n + SCALE_SUFFIX in reader.where}
+    scales = _fp8_scales(cfg, reader, expected)
     known = set(expected) | set(scales) | ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     unexpected, ignored = [], {}
     for n in reader.where:
@@ -192,16 +187,27 @@ def check_checkpoint(cfg: ModelConfig, reader: _Reader) -> Shapes:
             ignored[what] = ignored.get(what, 0) + 1
     if unexpected:
         raise ValueError(f"checkpoint {where} has {len(unexpected)} unexpected weight(s): {', '.join(unexpected[:8])}")
-    for n, want in {**expected, **scales}.items():
-        if reader.shape[n] != want:
-            raise ValueError(f"checkpoint {where}: {n} has shape {list(reader.shape[n])}, expected {list(want)}")
-    for n in expected:
-        if reader.dtype[n] in FP8_DTYPES and n + SCALE_SUFFIX not in scales:
-            why = "has no " + n + SCALE_SUFFIX if cfg.fp8_block_size else "is float8 but config.json has no fp8 quantization_config"
-            raise ValueError(f"checkpoint {where}: {n} {why}")
+    _check_shapes(cfg, reader, expected, scales)
     for what, count in ignored.items():
         log.info("main model: leaving out %d weight(s) of the %s in %s", count, what, where)
     return scales
+
+
+def _fp8_scales(cfg: ModelConfig, reader: _Reader, expected: Shapes) -> Shapes:
+    """The `*_scale_inv` tensors beside expected weights, with their expected shapes."""
+    if cfg.fp8_block_size is None:
+        return {}
+    return {n + SCALE_SUFFIX: _scale_shape(cfg, s) for n, s in expected.items() if n + SCALE_SUFFIX in reader.where}
+
+
+def _check_shapes(cfg: ModelConfig, reader: _Reader, expected: Shapes, scales: Shapes) -> None:
+    for n, want in {**expected, **scales}.items():
+        if reader.shape[n] != want:
+            raise ValueError(f"checkpoint {cfg.path}: {n} has shape {list(reader.shape[n])}, expected {list(want)}")
+    for n in expected:
+        if reader.dtype[n] in FP8_DTYPES and n + SCALE_SUFFIX not in scales:
+            why = "has no " + n + SCALE_SUFFIX if cfg.fp8_block_size else "is float8 but config.json has no fp8 quantization_config"
+            raise ValueError(f"checkpoint {cfg.path}: {n} {why}")
 
 
 # ---- loading, one function per block -------------------------------------------------------
@@ -216,8 +222,6 @@ class _Weights:
     def full(self, name: str) -> torch.Tensor:
         w = self.reader.get(name)
         if name + SCALE_SUFFIX in self.scales:
-            from kernels.fp8 import dequant_fp8_block
-
             return dequant_fp8_block(w, self.reader.get(name + SCALE_SUFFIX), self.cfg.fp8_block_size, self.cfg.dtype)
         return w
 
@@ -232,7 +236,7 @@ class _Weights:
 
 
 def _rank_range(size: int, tp: int, rank: int) -> torch.Tensor:
-    r = head_range(size, tp, rank)  # an even split, like heads
+    r = intermediate_range(size, tp, rank)
     return torch.arange(r.start, r.stop)
 
 
@@ -305,7 +309,7 @@ def _load_mlp(get: _Weights, m: str, rows: torch.Tensor) -> dict:
 
 def _load_moe(cfg: ModelConfig, get: _Weights, m: str, tp: int, rank: int) -> dict:
     """Router and shared-expert gate replicated; every expert's (and the shared expert's)
-    intermediate dimension split evenly over ranks (docs/ARCHITECTURE.md, engine)."""
+    intermediate dimension split over ranks as engine/shard.py says."""
     inter = cfg.moe_intermediate_size
     rows = _rank_range(inter, tp, rank)
     if _fused_experts(m, get.reader.where):
@@ -377,10 +381,6 @@ def expected_mtp_weights(cfg: ModelConfig, names=()) -> Shapes:
     return out
 
 
-def expected_mtp_weight_names(cfg: ModelConfig) -> list[str]:
-    return list(expected_mtp_weights(cfg))
-
-
 def load_mtp_weights(cfg: ModelConfig, tp: int, rank: int, device="cpu") -> dict:
     """The `mtp.*` block of `rank` as {"norm_embed", "norm_hidden", "fc", "norm", "layers": [...]}
     (layers as in `load_weights`, full attention); embedding and LM head are the main model's."""
@@ -392,12 +392,8 @@ def load_mtp_weights(cfg: ModelConfig, tp: int, rank: int, device="cpu") -> dict
             f"speculative_method='mtp' needs the checkpoint's mtp.* weights; {cfg.path} lacks {len(missing)}: "
             f"{', '.join(missing[:6])}"
         )
-    for n, want in expected.items():
-        if reader.shape[n] != want:
-            raise ValueError(f"checkpoint {cfg.path}: {n} has shape {list(reader.shape[n])}, expected {list(want)}")
-    scales = {}
-    if cfg.fp8_block_size is not None:
-        scales = {n + SCALE_SUFFIX: _scale_shape(cfg, s) for n, s in expected.items() if n + SCALE_SUFFIX in reader.where}
+    scales = _fp8_scales(cfg, reader, expected)
+    _check_shapes(cfg, reader, expected, scales)
     get = _Weights(cfg, reader, scales, device)
     return {
         "norm_embed": get("mtp.pre_fc_norm_embedding.weight"),

@@ -81,8 +81,6 @@ class TinyModelSpec:
     def __post_init__(self):
         if self.arch not in ARCHS:
             raise ValueError(f"unknown arch {self.arch!r}; known: {', '.join(ARCHS)}")
-        if self.mtp and self.arch != "qwen3_5":
-            raise ValueError(f"mtp writes a dense Qwen3.5 MTP block; it needs arch qwen3_5 (got {self.arch})")
 
 
 def _train_tokenizer(vocab: int):
@@ -208,9 +206,15 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
 
 def mtp_modules(cfg):
     """transformers' own modules shaped as the published MTP block: (norms, fc, decoder layer).
-    The decoder layer is a full-attention Qwen3.5 layer with the model's MLP."""
+    The decoder layer is a full-attention layer of the model's own class, with its MLP (the
+    sparse MoE block for Qwen3.5-MoE and Qwen3-Next)."""
     import torch
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer
+
+    layer_cls = {"qwen3_5_text": Qwen3_5DecoderLayer, "qwen3_5_moe_text": Qwen3_5MoeDecoderLayer,
+                 "qwen3_next": Qwen3NextDecoderLayer}[cfg.model_type]
 
     full = cfg.layer_types.index("full_attention")
     h = cfg.hidden_size
@@ -218,7 +222,7 @@ def mtp_modules(cfg):
         "pre_fc_norm_embedding": Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps),
         "pre_fc_norm_hidden": Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps),
         "fc": torch.nn.Linear(2 * h, h, bias=False),
-        "layers.0": Qwen3_5DecoderLayer(cfg, full),
+        "layers.0": layer_cls(cfg, full),
         "norm": Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps),
     }
 

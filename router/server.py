@@ -57,6 +57,7 @@ from router.errors import Abort, DecodeFailed
 from router.policy import make_policy
 from router.prefill import PrefillPhase
 from router.registry import NodeEntry, NodeRegistry
+from router.stops import with_stops
 
 log = logging.getLogger("pdserve.router")
 
@@ -206,6 +207,8 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             SamplingParams(**sampling_kwargs(request.sampling))
         except ValueError as e:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if request.sampling.stop and self.tokenizer is None:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "stop strings need a tokenizer on the router: use stop_token_ids")
         if len(request.request_id) > MAX_REQUEST_ID_LEN:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id longer than {MAX_REQUEST_ID_LEN} characters")
         nodes = self.registry.live(pb.NODE_KIND_DECODE)
@@ -236,9 +239,10 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         if outcome != "queue_full":
             self.queue_wait.observe(wait_s)
 
-    def _admit(self, prompt_len: int, context, exclude: set[str]) -> tuple[NodeEntry, NodeEntry | None]:
+    def _admit(self, prompt_len: int, context, exclude: set[str], local: bool = False) -> tuple[NodeEntry, NodeEntry | None]:
         """Wait in the admission queue until the request is placed: (decode node, prefill node or
-        None to prefill on the decode node), both counted against (router/admission.py)."""
+        None to prefill on the decode node), both counted against (router/admission.py).
+        local: prefill on the decode node (logprobs: the prefill node does not return them)."""
 
         def refuse() -> Abort:
             if not [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]:
@@ -250,9 +254,9 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                 "try again later",
             )
 
-        return self.admission.wait(lambda: self._place(prompt_len, exclude), context, refuse)
+        return self.admission.wait(lambda: self._place(prompt_len, exclude, local), context, refuse)
 
-    def _place(self, prompt_len: int, exclude: set[str]) -> tuple[NodeEntry, NodeEntry | None] | None:
+    def _place(self, prompt_len: int, exclude: set[str], local: bool = False) -> tuple[NodeEntry, NodeEntry | None] | None:
         """Under registry.cond: a decode node with room and, when the prompt goes through the
         prefill pool, a prefill node within its window; None: not now."""
         nodes = [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]
@@ -260,7 +264,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         if d is None:
             return None
         p = None
-        if self.prefill.use_pool(d, prompt_len):
+        if not local and self.prefill.use_pool(d, prompt_len):
             p = self.prefill.choose(d, prompt_len, set(), window=True)
             if p is None:
                 return None  # every prefill node has its window of work: wait, reserving nothing
@@ -293,7 +297,9 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             ids = self._prompt_ids(request)
             tr.prompt_len = len(ids)
             self._check(request, ids)
-            yield from self._generate(request, ids, tr, context)
+            stream = self._generate(request, ids, tr, context)
+            yield from with_stops(stream, list(request.sampling.stop), request.sampling.min_tokens,
+                                  lambda: setattr(tr, "finish", "stop"))  # fmt: skip
         except Abort as a:
             tr.finish = a.code.name
             context.abort(a.code, a.msg)
@@ -324,7 +330,8 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         tried: set[str] = set()
         while True:
             t_admit = time.monotonic()
-            d, p = self._admit(len(ids), context, tried)
+            sp = request.sampling
+            d, p = self._admit(len(ids), context, tried, sp.HasField("logprobs") or sp.HasField("prompt_logprobs"))
             tr.queue_s += time.monotonic() - t_admit
             tr.decode = d.node_id
             tried.add(d.node_id)
@@ -415,7 +422,8 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             tr.first = tr.first or now
             tr.last = now
             tr.n += len(m.token_ids)
-        out = pb.GenerateResponse(request_id=tr.request_id, token_ids=m.token_ids, finish_reason=m.finish_reason)
+        out = pb.GenerateResponse(request_id=tr.request_id, token_ids=m.token_ids, finish_reason=m.finish_reason,
+                                  logprobs=m.logprobs, prompt_logprobs=m.prompt_logprobs)  # fmt: skip
         if detok is not None and (m.token_ids or m.finish_reason):
             out.text = detok.push(list(m.token_ids), final=bool(m.finish_reason))
         if first:

@@ -81,6 +81,14 @@ def hf_greedy_violations(path: str, prompt: list[int], tokens: list[int], tol: f
     return [k for k in (short > tol).nonzero().flatten().tolist()]
 
 
+def first_step_drafts(llm, prompt: list[int], params) -> tuple[int, list[int]]:
+    """One engine step on a new request: its first token and the drafts left for its next step."""
+    rid = llm.engine.add_request(prompt, params)
+    req = llm.engine.requests[rid]
+    llm.engine.step()
+    return req.output_token_ids[0], list(req.draft_token_ids)
+
+
 def hf_mtp_logits(path: str, tokens: list[int], extra: list[tuple[int, torch.Tensor]] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """The published MTP block composed from transformers' own modules (RMSNorm, Linear, a
     full-attention Qwen3.5 decoder layer) with the checkpoint's `mtp.*` weights.

@@ -89,9 +89,9 @@ def test_bad_parameters_give_openai_errors(oai, base_url):
     model = oai.models.list().data[0].id
     for kw, param in (
         (dict(temperature=-1.0), "temperature"),
-        (dict(n=2), "n"),
-        (dict(stop="\n"), "stop"),
-        (dict(max_tokens=0), "max_tokens"),
+        (dict(n=17), "n"),
+        (dict(logit_bias={"5": 1.0}), "logit_bias"),
+        (dict(max_tokens=-1), "max_tokens"),
     ):
         with pytest.raises(openai.BadRequestError) as ei:
             oai.completions.create(model=model, prompt=PROMPT, **kw)
@@ -198,8 +198,8 @@ def test_openai_parameters_map_to_sampling():
         7, 0.5, 0.9, 3, [5, 6],
     )  # fmt: skip
     assert not sampling({}).HasField("max_tokens")  # unset: the server's defaults
-    for bad, param in (({"top_p": 1.5}, "top_p"), ({"seed": "x"}, "seed"), ({"stop": ["a"]}, "stop"),
-                       ({"max_tokens": True}, "max_tokens"), ({"stream_options": None, "n": 3}, "n")):  # fmt: skip
+    for bad, param in (({"top_p": 1.5}, "top_p"), ({"seed": "x"}, "seed"), ({"stop": [1.5]}, "stop"),
+                       ({"max_tokens": True}, "max_tokens"), ({"logprobs": 21}, "logprobs")):  # fmt: skip
         with pytest.raises(ApiError) as ei:
             sampling(bad)
         assert ei.value.status == 400 and ei.value.param == param, bad
