@@ -1,6 +1,9 @@
-"""MoE routed-experts benchmark on the CPU (not a test).
+"""MoE routed-experts benchmark (not a test).
 
     python bench/moe.py [--experts 128] [--tokens 1,16,512] [--reps 5] [--threads N] [--cpu-time]
+    python bench/moe.py --cuda [--experts 128] [--tokens 1,16,512]    the Triton kernels on a GPU
+    python bench/moe.py --smoke      the CUDA table's code on tiny shapes under the Triton
+                                     interpreter (checks the plumbing, times mean nothing)
 
 kernels.moe.fused_moe against transformers' own Qwen3.5-MoE experts module (both of its CPU
 implementations: "eager", a loop over hit experts with index_add, and "grouped_mm", sorted rows
@@ -10,17 +13,25 @@ Qwen3.5-35B-A3B's per layer (hidden 2048, expert intermediate 512, top-8) with f
 of each (wall time, or with --cpu-time this process's CPU time), alternating runs so that load
 from other processes hits all alike, the ratio transformers / ours, and the largest relative
 difference of outputs.
+
+--cuda: the Triton fused MoE in bfloat16, with bf16 and with FP8 block-quantized experts
+([128, 128] blocks), against transformers' experts on torch's grouped GEMM, timed by
+triton.testing.do_bench, with the bandwidth each achieves over the weights of the experts hit.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
 
 import torch  # noqa: E402
 
@@ -45,6 +56,46 @@ def hf_experts(H: int, I: int, E: int, k: int, impl: str, w13: torch.Tensor, w2:
     return experts.eval()
 
 
+def cuda_part(H: int, I: int, E: int, k: int, tokens: list[int], smoke: bool) -> None:
+    from kernels.fp8 import quant_fp8_block
+    from kernels.triton.moe import fused_moe_triton
+
+    if smoke:
+        H, I, E, k, block, device = 64, 32, 6, 3, (16, 16), "cpu"
+        tokens = [1, 16]
+
+        def ms(fn):
+            return _once(fn, time.perf_counter) * 1e3
+    else:
+        import triton.testing
+
+        block, device = (128, 128), "cuda"
+
+        def ms(fn):
+            return triton.testing.do_bench(fn, warmup=25, rep=100)
+
+    dt = torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).to(dt).to(device)
+    w2 = (torch.randn(E, H, I, generator=gen) * I**-0.5).to(dt).to(device)
+    q13, s13 = quant_fp8_block(w13, block)
+    q2, s2 = quant_fp8_block(w2, block)
+    hf = hf_experts(H, I, E, k, "grouped_mm", w13, w2)
+    print(f"Triton fused MoE H={H} I={I} E={E} top-{k} bf16 on {device}; GB/s over the experts' weights hit")
+    print(f"{'T':>5} {'active':>6} {'bf16 ms':>8} {'GB/s':>6} {'fp8 ms':>8} {'GB/s':>6} {'hf ms':>8} {'hf/bf16':>8}")
+    for T in tokens:
+        x = torch.randn(T, H, generator=gen).to(dt).to(device)
+        tw, ti = (t.to(device) for t in select_experts(torch.randn(T, E, generator=gen), k, renormalize=True))
+        active = int(torch.unique(ti).numel())
+        with torch.inference_mode():
+            t16 = ms(lambda: fused_moe_triton(x, w13, w2, tw, ti))
+            t8 = ms(lambda: fused_moe_triton(x, q13, q2, tw, ti, s13, s2, block))
+            thf = ms(lambda: hf(x, ti, tw.to(dt)))
+        mel = active * 3 * H * I / 1e6  # weight elements read, in millions; bytes / 1e6 / ms = GB/s
+        print(f"{T:>5} {active:>6} {t16:>8.3f} {2 * mel / t16:>6.0f} {t8:>8.3f} {mel / t8:>6.0f} {thf:>8.3f} "
+              f"{thf / t16:>7.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experts", type=int, default=128)
@@ -57,7 +108,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--cpu-time", action="store_true", help="time by this process's CPU time, not wall time "
                     "(steadier on a shared machine; with --threads 1 it is the single thread's time)")
+    ap.add_argument("--cuda", action="store_true", help="the Triton kernels on a GPU")
+    ap.add_argument("--smoke", action="store_true", help="the --cuda code on tiny shapes under the interpreter")
     a = ap.parse_args()
+    if a.cuda or a.smoke:
+        if a.cuda and not torch.cuda.is_available():
+            print("no CUDA device: nothing to time")
+            return
+        cuda_part(a.hidden, a.intermediate, a.experts, a.top_k, [int(t) for t in a.tokens.split(",")], a.smoke)
+        return
     if a.threads:
         torch.set_num_threads(a.threads)
     H, I, E, k = a.hidden, a.intermediate, a.experts, a.top_k

@@ -1,6 +1,7 @@
 """Serving benchmark (not a test): the tiny default model behind the router, three ways.
 
     python bench/serve.py [--requests 64] [--prompt-len 512] [--new-tokens 64] [--concurrency 16]
+    python bench/serve.py --overload [--requests 64] [--prompt-len 512] [--new-tokens 64] [--concurrency 16]
 
 (a) disaggregated: `pdserve up` with one prefill and one decode node (every prompt through the
     state transfer, local-prefill threshold 0);
@@ -10,14 +11,24 @@ Greedy, float32, CPU. Per request: TTFT (router received -> first token) and TPO
 output token after the first) as the SDK reports them; throughput = new tokens / wall time.
 For (c), TTFT is the batch's time to its first new token and TPOT its mean step after that
 (timestamps from a logits processor). All processes share this machine's cores.
+
+--overload, for (a) and (b): first the load the pools sustain, measured closed-loop (`concurrency`
+requests in flight, `requests` of them: completed requests / wall time); then `requests` arrivals
+at 2x and at 4x that rate, open-loop (evenly spaced, whether or not earlier ones finished). Per
+load: goodput (requests completed with TTFT within --ttft-slo, per second of the run), completed
+requests / s, p50 / p99 TTFT of the completed ones, and the failed requests by status code
+(RESOURCE_EXHAUSTED: refused by admission before any work). Tokens are checked equal to the
+unloaded run's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,26 +40,33 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
 
-def run_cluster(model, prompts, new_tokens, conc, prefill: int) -> tuple[dict, list[list[int]]]:
+@contextlib.contextmanager
+def cluster_client(model, prompts, prefill: int, **spec):
+    """`up` with one decode node (and `prefill` prefill nodes), warmed up; yields a Client."""
     from client import Client
     from router.launch import Cluster, PoolSpec
 
     spec = PoolSpec(model=str(model), prefill=prefill, decode=1, port=0, dtype="float32", log_level="WARNING",
-                    kv_cache_memory="512MiB")  # fmt: skip
+                    kv_cache_memory="512MiB", **spec)  # fmt: skip
     with Cluster(spec, out=sys.stderr) as cl:
         cl.start()
         with Client(cl.address, timeout=600) as c:
             c.wait_ready(timeout=60)
             for p in prompts[:2]:  # warm-up
                 c.generate(prompt_token_ids=p, max_tokens=4, temperature=0.0, ignore_eos=True)
+            yield c
 
-            def one(p):
-                return c.generate(prompt_token_ids=p, max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(conc) as ex:
-                rs = list(ex.map(one, prompts))
-            wall = time.perf_counter() - t0
+def run_cluster(model, prompts, new_tokens, conc, prefill: int) -> tuple[dict, list[list[int]]]:
+    with cluster_client(model, prompts, prefill) as c:
+
+        def one(p):
+            return c.generate(prompt_token_ids=p, max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(conc) as ex:
+            rs = list(ex.map(one, prompts))
+        wall = time.perf_counter() - t0
     assert all(len(r.token_ids) == new_tokens for r in rs)
     if prefill:
         assert all(r.prefill_node for r in rs), "a request skipped the prefill pool"
@@ -61,6 +79,72 @@ def run_cluster(model, prompts, new_tokens, conc, prefill: int) -> tuple[dict, l
         "xfer_kib": statistics.mean(r.transfer_bytes for r in rs) / 1024,
     }
     return m, [r.token_ids for r in rs]
+
+
+def _one(c, p, new_tokens):
+    from client import PdserveError
+
+    try:
+        return c.generate(prompt_token_ids=p, max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    except PdserveError as e:
+        return e
+
+
+def run_overload(model, prompts, new_tokens, conc, prefill: int, admission_timeout: float, slo: float) -> list[dict]:
+    """Sustained load (closed loop), then open-loop arrivals at 2x and 4x it, on one cluster."""
+    rows = []
+    with cluster_client(model, prompts, prefill, admission_timeout_s=admission_timeout) as c:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(conc) as ex:
+            base = list(ex.map(lambda p: _one(c, p, new_tokens), prompts))
+        wall = time.perf_counter() - t0
+        rate = sum(1 for r in base if not isinstance(r, Exception)) / wall
+        rows.append(_load_row("1x (closed loop)", base, base, wall, rate, slo))
+        for mult in (2, 4):
+            gap = 1.0 / (mult * rate)
+            with ThreadPoolExecutor(len(prompts)) as ex:
+                t0 = time.perf_counter()
+                futs = []
+                for i, p in enumerate(prompts):
+                    time.sleep(max(0.0, t0 + i * gap - time.perf_counter()))
+                    futs.append(ex.submit(_one, c, p, new_tokens))
+                rs = [f.result() for f in futs]
+            wall = time.perf_counter() - t0
+            rows.append(_load_row(f"{mult}x ({mult * rate:.2f} req/s)", rs, base, wall, mult * rate, slo))
+    return rows
+
+
+def _load_row(name, rs, base, wall, rate, slo) -> dict:
+    ok = [(r, b) for r, b in zip(rs, base) if not isinstance(r, Exception)]
+    failed = Counter(r.code.name for r in rs if isinstance(r, Exception))
+    ttft = [r.ttft_s for r, _ in ok] or [float("nan")]
+    return {
+        "load": name, "offered": rate, "done": len(ok) / wall, "goodput": sum(r.ttft_s <= slo for r, _ in ok) / wall,
+        "ttft50": pct(ttft, 50), "ttft99": pct(ttft, 99), "n": len(rs), "ok": len(ok), "failed": dict(failed),
+        "same": sum(not isinstance(b, Exception) and r.token_ids == b.token_ids for r, b in ok),
+    }  # fmt: skip
+
+
+def overload_main(args, model, prompts) -> int:
+    out = {}
+    for name, prefill in (("disaggregated 1P+1D", 1), ("colocated 1D", 0)):
+        print(f"running {name} (overload) ...", file=sys.stderr, flush=True)
+        out[name] = run_overload(model, prompts, args.new_tokens, args.concurrency, prefill, args.admission_timeout,
+                                 args.ttft_slo)  # fmt: skip
+    print(f"\noverload: {args.requests} requests per load, {args.prompt_len}-token prompts, {args.new_tokens} new "
+          f"tokens; sustained load measured at concurrency {args.concurrency}; admission timeout "
+          f"{args.admission_timeout:g} s; goodput = completed with TTFT <= {args.ttft_slo:g} s, per s; model {model}\n")
+    hdr = (f"{'config':<22}{'load':<22}{'goodput/s':>10}{'done/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}"
+           f"{'ok':>5}{'=1x':>5}  failed by code")  # fmt: skip
+    print(hdr)
+    print("-" * (len(hdr) + 24))
+    for name, rows in out.items():
+        for m in rows:
+            failed = ", ".join(f"{k} {v}" for k, v in sorted(m["failed"].items())) or "-"
+            print(f"{name:<22}{m['load']:<22}{m['goodput']:>10.2f}{m['done']:>8.2f}{m['ttft50']:>9.2f}s"
+                  f"{m['ttft99']:>9.2f}s{m['ok']:>5}{m['same']:>5}  {failed}")
+    print("\n=1x: completed requests whose tokens equal the closed-loop run's")
+    return 0
 
 
 def run_transformers(model, prompts, new_tokens, conc) -> tuple[dict, list[list[int]]]:
@@ -104,6 +188,9 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--overload", action="store_true", help="goodput and failures at 2x and 4x the sustained load")
+    ap.add_argument("--admission-timeout", type=float, default=30.0, help="--overload: the router's admission wait")
+    ap.add_argument("--ttft-slo", type=float, default=10.0, help="--overload: TTFT that counts toward goodput (s)")
     args = ap.parse_args()
 
     import torch
@@ -113,6 +200,8 @@ def main() -> int:
     model = Path(args.model) if args.model else default_model_dir()
     g = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(1, 1000, (args.requests, args.prompt_len), generator=g).tolist()
+    if args.overload:
+        return overload_main(args, model, prompts)
     rows = {}
     toks = {}
     for name, fn in [

@@ -14,6 +14,7 @@ request on the server. Failures raise `PdserveError` with the gRPC `code` and th
 
 from client.aio import AsyncClient, AsyncTokenStream
 from client.sync import Client, TokenStream
-from client.types import GenerateResult, PdserveError, StreamChunk
+from client.types import GenerateResult, PdserveError, StreamChunk, TokenLogprob
 
-__all__ = ["AsyncClient", "AsyncTokenStream", "Client", "GenerateResult", "PdserveError", "StreamChunk", "TokenStream"]
+__all__ = ["AsyncClient", "AsyncTokenStream", "Client", "GenerateResult", "PdserveError", "StreamChunk", "TokenLogprob",
+           "TokenStream"]

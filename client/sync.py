@@ -90,7 +90,8 @@ class Client:
         self, prompt: str | None = None, prompt_token_ids=None, timeout: float | None = None, **sampling
     ) -> TokenStream:
         """Chunks as the tokens come. Options: max_tokens, temperature, top_k, top_p, seed,
-        stop_token_ids, ignore_eos, request_id."""
+        stop_token_ids, ignore_eos, request_id, stop (strings), min_tokens, presence_penalty,
+        frequency_penalty, repetition_penalty, logprobs, prompt_logprobs (docs/api.md)."""
         req = build_request(prompt, prompt_token_ids, **sampling)
         return TokenStream(self._r.generate(req, timeout or self.timeout), self._r)
 

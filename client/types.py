@@ -34,6 +34,15 @@ class StreamChunk:
     prompt_tokens: int = 0  # set on the first chunk
     decode_node: str = ""  # set on the first chunk
     prefill_node: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids entry (logprobs=)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # first chunk: prompt tokens 1..n-1
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
 
 
 @dataclass
@@ -51,10 +60,14 @@ class GenerateResult:
     queue_s: float = 0.0
     transfer_s: float = 0.0
     transfer_bytes: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, c: StreamChunk) -> None:
         self.request_id = c.request_id
         self.token_ids.extend(c.token_ids)
+        self.logprobs.extend(c.logprobs)
+        self.prompt_logprobs.extend(c.prompt_logprobs)
         self.text += c.text
         if c.prompt_tokens:
             self.prompt_tokens, self.decode_node, self.prefill_node = c.prompt_tokens, c.decode_node, c.prefill_node
@@ -77,7 +90,13 @@ def chunk_from(m: pb.GenerateResponse) -> StreamChunk:
         prompt_tokens=m.prompt_tokens,
         decode_node=m.decode_node,
         prefill_node=m.prefill_node,
+        logprobs=_logprobs(m.logprobs),
+        prompt_logprobs=_logprobs(m.prompt_logprobs),
     )
+
+
+def _logprobs(entries) -> list[TokenLogprob]:
+    return [TokenLogprob(e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top]) for e in entries]
 
 
 def build_request(
@@ -91,11 +110,24 @@ def build_request(
     stop_token_ids=(),
     ignore_eos: bool = False,
     request_id: str | None = None,
+    stop: str | list[str] = (),
+    min_tokens: int = 0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float | None = None,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> pb.GenerateRequest:
-    """Unset options (None) take the server's defaults."""
+    """Unset options (None) take the server's defaults. docs/api.md describes each."""
     if (prompt is None) == (prompt_token_ids is None):
         raise ValueError("give exactly one of prompt= (text) or prompt_token_ids=")
-    sp = pb.SamplingParams(top_k=top_k, stop_token_ids=list(stop_token_ids or ()), ignore_eos=ignore_eos)
+    sp = pb.SamplingParams(top_k=top_k, stop_token_ids=list(stop_token_ids or ()), ignore_eos=ignore_eos,
+                           stop=[stop] if isinstance(stop, str) else list(stop or ()), min_tokens=min_tokens,
+                           presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)  # fmt: skip
+    for name, v in (("repetition_penalty", repetition_penalty), ("logprobs", logprobs),
+                    ("prompt_logprobs", prompt_logprobs)):  # fmt: skip
+        if v is not None:
+            setattr(sp, name, v)
     if max_tokens is not None:
         sp.max_tokens = max_tokens
     if temperature is not None:

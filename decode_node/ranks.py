@@ -11,14 +11,18 @@ def adopt(worker, backend: str, rid: str, prompt_len: int, blocks: list[int], sl
     return xr.adopt(worker, backend, rid, prompt_len, blocks, slot, lease_s=lease_s, incarnation=inc)
 
 
-def poll(worker, backend: str, keys: list[tuple[str, int]]) -> list[tuple[str, str | None, bool]]:
-    """Drive the endpoint once; (state, failure, freed) per reservation ("gone" once forgotten)."""
+def poll(worker, backend: str, keys: list[tuple[str, int]]) -> list[tuple[str, str | None, bool, int, bool]]:
+    """Drive the endpoint once; (state, failure, freed, lease renewals, lease expired) per
+    reservation ("gone" once forgotten)."""
     ep = xr.endpoint(worker, backend)
     ep.poll()
     out = []
     for rid, inc in keys:
         r = ep.requests.get((rid, inc))
-        out.append(("gone", None, True) if r is None else (r.state.value, r.error, r.freed))
+        if r is None:  # ended (taken, or failed and freed): say why it failed, if it did
+            out.append(("gone", ep.recent.get((rid, inc)), True, 0, (rid, inc) in ep.recent_expired))
+        else:
+            out.append((r.state.value, r.error, r.freed, r.renewals, r.expired))
     return out
 
 

@@ -35,6 +35,8 @@ import time
 import uuid
 
 import grpc
+from prometheus_client import Counter
+
 from decode_node import ranks as dranks
 from decode_node.config import DecodeNodeConfig
 from engine.loop import EngineLoop, ShuttingDown, Stream
@@ -43,7 +45,7 @@ from engine.sampling_params import SamplingParams
 from proto import pb, rpc
 from proto.metrics import ServingMetrics, capacity_gauges
 from proto.node import NodeServer, serve_node
-from proto.serving import MAX_REQUEST_ID_LEN, sampling_kwargs
+from proto.serving import MAX_REQUEST_ID_LEN, logprobs_pb, sampling_kwargs
 
 log = logging.getLogger("pdserve.decode")
 
@@ -63,10 +65,14 @@ def _digest(ecfg) -> str:
 
 class _Xfer:
     """One reservation awaiting (or holding) a transferred state; touched on the loop thread only,
-    except the events handlers wait on."""
+    except the events handlers wait on. While it waits, every rank's receiver holds the lease (the
+    prefill node renews it); once the state is in (`ready`) the node gives the decode call one
+    more lease to take it."""
 
-    def __init__(self, rid: str, inc: int, deadline: float):
-        self.rid, self.inc, self.deadline = rid, inc, deadline
+    def __init__(self, rid: str, inc: int, lease_s: float):
+        self.rid, self.inc, self.lease_s = rid, inc, lease_s
+        self.deadline = float("inf")  # set when ready
+        self.renewals = 0  # renewals rank 0's receiver counted so far
         self.phase = "wait"  # wait -> ready -> taken | failing -> (released)
         self.error: str | None = None
         self.changed = threading.Event()  # ready, failing or released
@@ -101,6 +107,12 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                         self.backend, e)  # fmt: skip
         self.loop.tick = self._tick
         self.metrics = ServingMetrics("pdserve_decode", lambda: capacity_gauges(self.loop.snapshot))
+        reg = self.metrics.registry
+        self.lease_renewals = Counter("pdserve_decode_lease_renewals",
+                                      "Reservation leases restarted by a prefill node still working on the request",
+                                      registry=reg)  # fmt: skip
+        self.lease_expiries = Counter("pdserve_decode_lease_expiries",
+                                      "Reservations failed because their lease ran out (no renewal)", registry=reg)
 
     # ---- info ---------------------------------------------------------------------------
     def _describe(self, info: pb.NodeInfo) -> None:
@@ -205,9 +217,9 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                 box["outcome"] = "error"
                 context.abort(code, str(item))
             now = time.monotonic()
-            new = item.new_token_ids
+            new, lps = item.new_token_ids, item.logprobs
             if skip:
-                new, skip = new[skip:], max(0, skip - len(new))
+                new, lps, skip = new[skip:], (lps or [])[skip:], max(0, skip - len(new))
             if new:
                 first_tok = first_tok if first_tok is not None else now
                 last_tok = now
@@ -228,6 +240,10 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                 finish_reason=item.finish_reason or "" if done else "",
                 timings=t,
             )
+            if lps:
+                msg.logprobs.extend(logprobs_pb(lps))
+            if item.prompt_logprobs:
+                msg.prompt_logprobs.extend(logprobs_pb(item.prompt_logprobs))
             if first_msg:
                 msg.prompt_tokens = s.num_prompt_tokens
                 msg.decode_node = self.cfg.node_id
@@ -267,7 +283,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
             except Exception:
                 e.release(rid)
                 raise
-            self.xfers[rid] = _Xfer(rid, inc, time.monotonic() + lease)
+            self.xfers[rid] = _Xfer(rid, inc, lease)
             return ranks
 
         try:
@@ -336,17 +352,24 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         now = time.monotonic()
         for i, x in enumerate(xs):
             per = [r[i] for r in res]
+            if per[0][3] > x.renewals:
+                self.lease_renewals.inc(per[0][3] - x.renewals)
+                x.renewals = per[0][3]
             if x.phase == "wait":
                 if all(p[0] == "done" for p in per):
                     x.phase = "ready"
+                    x.deadline = now + x.lease_s
                     self.metrics.transfers.inc()
                     x.changed.set()
                 elif any(p[0] in ("failed", "gone") for p in per):
                     why = next((p[1] for p in per if p[1]), None) or "the transfer failed"
+                    if any(p[4] for p in per):
+                        self.lease_expiries.inc()
                     self._fail(x, why)
                     continue
-            if x.phase in ("wait", "ready") and now > x.deadline:
-                self._fail(x, "lease expired" + (" before decode began" if x.phase == "ready" else ""))
+            if x.phase == "ready" and now > x.deadline:
+                self.lease_expiries.inc()
+                self._fail(x, "lease expired before decode began")
                 continue
             if x.phase == "failing" and all(p[2] for p in per):
                 self.engine.release(x.rid)

@@ -15,7 +15,17 @@ from typing import Literal
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+# architecture -> the text model's model_type (a wrapper's text_config holds the text model)
+ARCHITECTURES = {
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5_text",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe_text",
+    "Qwen3NextForCausalLM": "qwen3_next",
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+_WRAPPERS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")  # text under text_config
+SUPPORTED_QUANTIZATION = ("fp8",)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -40,7 +50,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The text model of a Qwen3.5 hybrid checkpoint, global (unsharded) sizes."""
+    """The text model of a Qwen3.5 / Qwen3.5-MoE / Qwen3-Next hybrid checkpoint, global
+    (unsharded) sizes."""
 
     path: str
     architecture: str
@@ -64,6 +75,16 @@ class ModelConfig:
     dtype: torch.dtype  # the weights' dtype at run time
     eos_token_ids: tuple[int, ...] = ()
     weight_prefix: str = "model."  # where the text model's weights live in the checkpoint
+    # Mixture of experts (0 experts: every layer is a dense MLP of intermediate_size)
+    num_experts: int = 0  # routed experts per MoE layer
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each routed expert's intermediate size
+    shared_expert_intermediate_size: int = 0  # the shared expert's (gated by sigmoid(shared_expert_gate(x)))
+    norm_topk_prob: bool = True  # renormalise the k routing weights to sum to 1
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    # FP8 block-quantized weights ([bn, bk] blocks, `*.weight_scale_inv` beside them), dequantized at load
+    fp8_block_size: tuple[int, int] | None = None
     mtp_num_layers: int = 0  # multi-token-prediction layers the config declares (`mtp.layers.*`)
 
     def __post_init__(self):
@@ -75,6 +96,12 @@ class ModelConfig:
                 f"linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
                 f"linear_num_key_heads={self.linear_num_key_heads}"
             )
+        if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts):
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]"
+            )
+        if self.num_experts and (self.moe_intermediate_size <= 0 or self.shared_expert_intermediate_size <= 0):
+            raise ValueError("an MoE model needs moe_intermediate_size and shared_expert_intermediate_size > 0")
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of num_key_value_heads={self.num_kv_heads}"
@@ -91,6 +118,19 @@ class ModelConfig:
     @property
     def attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is the sparse MoE block (else a dense MLP of intermediate_size)."""
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
+
+    @property
+    def fused_gdn_projections(self) -> bool:
+        """Qwen3-Next stores GDN projections as in_proj_qkvz / in_proj_ba, grouped per key head."""
+        return self.architecture == "Qwen3NextForCausalLM"
 
     @property
     def key_dim(self) -> int:
@@ -123,11 +163,13 @@ class ModelConfig:
             )
         prefix = "model."
         text = raw
-        if arch == "Qwen3_5ForConditionalGeneration":
+        if arch in _WRAPPERS:
             text = raw.get("text_config") or {}
             prefix = "model.language_model."
-        if text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
-            raise ValueError(f"expected a qwen3_5_text model, found model_type {text.get('model_type')!r}")
+        want_type = ARCHITECTURES[arch]
+        if text.get("model_type", want_type) != want_type:
+            raise ValueError(f"{arch} expects a {want_type} text model, found model_type {text.get('model_type')!r}")
+        fp8_block = _fp8_block_size(raw.get("quantization_config") or text.get("quantization_config"), cfg_path)
         n_layers = text["num_hidden_layers"]
         layer_types = text.get("layer_types") or [
             "full_attention" if (i + 1) % text.get("full_attention_interval", 4) == 0 else "linear_attention"
@@ -150,7 +192,7 @@ class ModelConfig:
             architecture=arch,
             vocab_size=text["vocab_size"],
             hidden_size=text["hidden_size"],
-            intermediate_size=text["intermediate_size"],
+            intermediate_size=text.get("intermediate_size", 0),  # Qwen3.5-MoE has no dense MLP
             layer_types=tuple(layer_types[:n_layers]),
             num_attention_heads=text["num_attention_heads"],
             num_kv_heads=text["num_key_value_heads"],
@@ -168,8 +210,49 @@ class ModelConfig:
             dtype=_DTYPES[want],
             eos_token_ids=eos_ids,
             weight_prefix=prefix,
+            fp8_block_size=fp8_block,
+            **_moe_fields(text, want_type),
             mtp_num_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
         )
+
+
+def _moe_fields(text: dict, model_type: str) -> dict:
+    """The MoE sizes of a text config. Qwen3.5-MoE has every layer sparse and always renormalises
+    its top-k weights (its config has no norm_topk_prob, decoder_sparse_step or mlp_only_layers);
+    Qwen3-Next reads all three."""
+    if model_type == "qwen3_5_text" or not text.get("num_experts"):
+        return {}
+    out = dict(
+        num_experts=text["num_experts"],
+        num_experts_per_tok=text["num_experts_per_tok"],
+        moe_intermediate_size=text["moe_intermediate_size"],
+        shared_expert_intermediate_size=text["shared_expert_intermediate_size"],
+    )
+    if model_type == "qwen3_next":
+        out.update(
+            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+            decoder_sparse_step=text.get("decoder_sparse_step", 1),
+            mlp_only_layers=tuple(text.get("mlp_only_layers") or ()),
+        )
+    return out
+
+
+def _fp8_block_size(qc: dict | None, where: Path) -> tuple[int, int] | None:
+    """The weight block of a `quant_method: fp8` config; any other method is refused."""
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method not in SUPPORTED_QUANTIZATION:
+        raise ValueError(
+            f"unsupported quantization method {method!r} (quantization_config in {where}); "
+            f"supported: {', '.join(SUPPORTED_QUANTIZATION)} with weight_block_size"
+        )
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"fp8 quantization needs weight_block_size [bn, bk] (got {block!r}) in {where}")
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"unsupported fp8 format {qc.get('fmt')!r} in {where}; supported: e4m3")
+    return (block[0], block[1])
 
 
 @dataclass(frozen=True)
@@ -181,14 +264,20 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size must be 1, 2, 4 or 8 (got {self.tensor_parallel_size})")
 
     def check_model(self, m: ModelConfig) -> None:
-        """Every head count must split evenly; KV heads may instead be replicated (t > KVH)."""
+        """Every head count and intermediate size must split evenly; KV heads may instead be
+        replicated (t > KVH)."""
         t = self.tensor_parallel_size
-        for name, count in (
+        sizes = [
             ("linear_num_key_heads", m.linear_num_key_heads),
             ("linear_num_value_heads", m.linear_num_value_heads),
             ("num_attention_heads", m.num_attention_heads),
-            ("intermediate_size", m.intermediate_size),
-        ):
+        ]
+        if len(m.moe_layers) < m.num_layers:  # some layer has a dense MLP
+            sizes.append(("intermediate_size", m.intermediate_size))
+        if m.moe_layers:  # each rank holds a slice of every expert's (and the shared expert's) intermediate
+            sizes += [("moe_intermediate_size", m.moe_intermediate_size),
+                      ("shared_expert_intermediate_size", m.shared_expert_intermediate_size)]
+        for name, count in sizes:
             if count % t:
                 raise ValueError(f"tensor_parallel_size={t} does not divide {name}={count}")
         kvh = m.num_kv_heads

@@ -148,7 +148,10 @@ class EngineCore:
             req = r.request
             start = req.num_computed_tokens
             n_known = r.num_new_tokens - len(r.draft_token_ids)
-            nxt = req.token_ids(start + n_known, start + n_known + 1) if mtp and not r.samples else []
+            p = req.params
+            # prompt logprobs: every position of a chunk that still predicts prompt tokens
+            plp = p.prompt_logprobs if p.prompt_logprobs is not None and start < len(req.prompt_token_ids) - 1 else None
+            nxt = req.token_ids(start + n_known, start + n_known + 1) if (mtp or plp is not None) and not r.samples else []
             rows.append(
                 RowInput(
                     request_id=req.request_id,
@@ -163,6 +166,10 @@ class EngineCore:
                     num_draft=len(r.draft_token_ids),
                     next_token=nxt[0] if nxt else None,
                     draft_depth=req.spec_depth if mtp and r.samples else 0,
+                    prompt_logprobs=plp,
+                    history=(req.prompt_token_ids, req.output_token_ids)
+                    if r.samples and (p.penalized or len(req.output_token_ids) < p.min_tokens)
+                    else None,
                 )
             )
         return StepInput(rows, so.finished_ids)
@@ -176,7 +183,11 @@ class EngineCore:
             res = self.executor.execute(self._step_input(so))
             for rid, lg in res.logits.items():
                 self.requests[rid].logits = lg
+            self._keep_prompt_logprobs(res.prompt_logprobs)
             touched = self.scheduler.update(so, res.sampled, self.cfg.model.eos_token_ids, res.drafts)
+            for rid, lps in res.logprobs.items():  # aligned with the tokens the scheduler kept
+                req = self.requests[rid]
+                req.output_logprobs += lps[: len(req.output_token_ids) - len(req.output_logprobs)]
             outputs = [self._output(r) for r in touched]
         # requests finished without a new token this step (stopped for lack of pages)
         for req in list(self.requests.values()):
@@ -185,6 +196,16 @@ class EngineCore:
                     outputs.append(self._output(req))
                 del self.requests[req.request_id]
         return outputs
+
+    def _keep_prompt_logprobs(self, got: dict) -> None:
+        """Entry i of req.prompt_logprobs is prompt token i+1's; a chunk computed again (after a
+        preemption) adds nothing."""
+        for rid, (start, lps) in got.items():
+            req = self.requests[rid]
+            have = len(req.prompt_logprobs)
+            end = len(req.prompt_token_ids) - 1
+            if start <= have < start + len(lps):
+                req.prompt_logprobs += lps[have - start : end - start]
 
     def _output(self, req: Request) -> RequestOutput:
         new = req.output_token_ids[req._sent :]
@@ -195,9 +216,16 @@ class EngineCore:
             metrics["ttft_s"] = req.first_token_time - req.arrival_time
         if done and req.finish_time is not None:
             metrics["e2e_s"] = req.finish_time - req.arrival_time
-        return RequestOutput(
+        out = RequestOutput(
             req.request_id, req.prompt_token_ids, list(req.output_token_ids), new, done, req.finish_reason, metrics=metrics
         )
+        if req.params.logprobs is not None:
+            out.logprobs = req.output_logprobs[req._sent_logprobs :]
+            req._sent_logprobs = len(req.output_logprobs)
+        if req.params.prompt_logprobs is not None and not req._sent_prompt_logprobs and (new or done):
+            out.prompt_logprobs = list(req.prompt_logprobs)
+            req._sent_prompt_logprobs = True
+        return out
 
     def close(self) -> None:
         if self.executor is not None:

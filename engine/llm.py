@@ -72,11 +72,19 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
         rids = [self.engine.add_request(p, sp) for p, sp in zip(ids, params)]
         done: dict[str, RequestOutput] = {}
+        logprobs: dict[str, list] = {r: [] for r in rids}
+        prompt_logprobs: dict[str, list] = {}
         while len(done) < len(rids):
             for out in self.engine.step():
+                logprobs[out.request_id] += out.logprobs or []
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 if out.finished:
                     done[out.request_id] = out
         outs = [done[r] for r in rids]
+        for o, sp in zip(outs, params):  # the whole request's, not the last step's
+            o.logprobs = logprobs[o.request_id] if sp.logprobs is not None else None
+            o.prompt_logprobs = prompt_logprobs.get(o.request_id) if sp.prompt_logprobs is not None else None
         if self.tokenizer is not None:
             for o in outs:
                 o.text = self.tokenizer.decode(o.output_token_ids)

@@ -1,26 +1,55 @@
 """Checkpoint loading: safetensors files as transformers writes them (one file, or shards with
 model.safetensors.index.json), sharded for one tensor-parallel rank and fused for the model.
 
-Every weight the model needs must be present and every tensor in the checkpoint must be used
-or knowingly ignored (vision tower, multi-token-prediction block); otherwise the error names them.
+Before any tensor is read, every weight the model needs must be present with its expected
+shape, and every tensor in the checkpoint must be used or knowingly ignored (vision tower,
+multi-token-prediction head); otherwise one line names the tensor (and both shapes), so a bad
+checkpoint never starts half-loaded. One function per block gives the block's expected shapes
+and another loads it:
+
+    GDN        in_proj_qkv / in_proj_z / in_proj_b / in_proj_a (Qwen3.5), or in_proj_qkvz /
+               in_proj_ba grouped per key head (Qwen3-Next), both mapped to the same
+               w_in = [qkv_r | z_r | b_r | a_r] over the conv channels engine/shard.py assigns
+    attention  q_proj ([q | gate] per head), k_proj, v_proj, o_proj, q_norm, k_norm
+    MLP        gate_proj, up_proj, down_proj (a dense layer)
+    MoE        gate (router), experts as published (experts.{e}.{gate,up,down}_proj.weight) or
+               as transformers fuses them (experts.gate_up_proj [E, 2I, H], experts.down_proj
+               [E, H, I]), shared_expert.{gate,up,down}_proj, shared_expert_gate
+
+FP8 checkpoints (`quant_method: fp8`): a weight stored as float8_e4m3fn has its block scales
+beside it in `<name>_scale_inv` ([ceil(N/bn), ceil(K/bk)]); it is dequantized once, here, into
+the compute dtype. Which weights are quantized is read from the checkpoint, not assumed.
+
 The multi-token-prediction block (`mtp.*`) is read by `load_mtp_weights` only when MTP
-speculative decoding is on; its decoder layer loads through the same per-block functions.
+speculative decoding is on; its decoder layer loads through the same per-block functions (an MoE
+MLP in an MoE model).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from kernels.fp8 import dequant_fp8_block
 from engine.config import ModelConfig
 from engine.model.linear import Linear
-from engine.shard import conv_channel_index, head_range, kv_head_range
+from engine.shard import conv_channel_index, head_range, intermediate_range, kv_head_range
 
-IGNORED = (re.compile(r"^mtp\."), re.compile(r"^model\.visual\."), re.compile(r"^visual\."))
+log = logging.getLogger("pdserve.loader")
+
+IGNORED = {  # what the text model does not use: pattern -> what it is, for the one log line
+    "multi-token-prediction head": re.compile(r"^mtp\."),
+    "vision tower": re.compile(r"^(model\.)?visual\."),
+}
+SCALE_SUFFIX = "_scale_inv"
+FP8_DTYPES = (torch.float8_e4m3fn,)
+Shapes = dict[str, tuple[int, ...]]
 
 
 def _checkpoint_files(path: Path) -> list[Path]:
@@ -38,182 +67,339 @@ def _checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn}
+
+
 class _Reader:
+    """Tensor names, shapes and dtypes from the safetensors headers; tensors read on demand."""
+
     def __init__(self, path: Path):
         self.where: dict[str, Path] = {}
+        self.shape: dict[str, tuple[int, ...]] = {}
+        self.dtype: dict[str, object] = {}
         for f in _checkpoint_files(path):
             with safe_open(str(f), framework="pt") as h:
                 for k in h.keys():
+                    s = h.get_slice(k)
                     self.where[k] = f
-        self.used: set[str] = set()
+                    self.shape[k] = tuple(s.get_shape())
+                    self.dtype[k] = _ST_DTYPES.get(s.get_dtype(), s.get_dtype())
         self._handles: dict[Path, object] = {}
 
     def get(self, name: str) -> torch.Tensor:
         f = self.where[name]
         if f not in self._handles:
             self._handles[f] = safe_open(str(f), framework="pt")
-        self.used.add(name)
         return self._handles[f].get_tensor(name)
 
 
-def _attention_names(lp: str) -> list[str]:
-    a = lp + "self_attn."
-    return [a + f"{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+# ---- expected shapes, one function per block ----------------------------------------------
 
 
-def _mlp_names(lp: str) -> list[str]:
-    return [lp + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+def _gdn_shapes(cfg: ModelConfig, a: str) -> Shapes:
+    H, hv, kc = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_conv_kernel_dim
+    out = {a + "conv1d.weight": (cfg.conv_dim, 1, kc), a + "A_log": (hv,), a + "dt_bias": (hv,),
+           a + "norm.weight": (cfg.linear_value_head_dim,), a + "out_proj.weight": (H, cfg.value_dim)}
+    if cfg.fused_gdn_projections:
+        out[a + "in_proj_qkvz.weight"] = (cfg.conv_dim + cfg.value_dim, H)
+        out[a + "in_proj_ba.weight"] = (2 * hv, H)
+    else:
+        out.update({a + "in_proj_qkv.weight": (cfg.conv_dim, H), a + "in_proj_z.weight": (cfg.value_dim, H),
+                    a + "in_proj_b.weight": (hv, H), a + "in_proj_a.weight": (hv, H)})
+    return out
 
 
-def expected_weight_names(cfg: ModelConfig) -> list[str]:
-    p = cfg.weight_prefix
-    names = [f"{p}embed_tokens.weight", f"{p}norm.weight"]
+def _attention_shapes(cfg: ModelConfig, a: str) -> Shapes:
+    H, hd, nh, kvh = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_kv_heads
+    return {a + "q_proj.weight": (2 * nh * hd, H), a + "k_proj.weight": (kvh * hd, H),
+            a + "v_proj.weight": (kvh * hd, H), a + "o_proj.weight": (H, nh * hd),
+            a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)}
+
+
+def _mlp_shapes(m: str, hidden: int, inter: int) -> Shapes:
+    return {m + "gate_proj.weight": (inter, hidden), m + "up_proj.weight": (inter, hidden),
+            m + "down_proj.weight": (hidden, inter)}
+
+
+def _fused_experts(m: str, names) -> bool:
+    """Experts stored as transformers fuses them in memory, rather than one tensor per expert."""
+    return m + "experts.gate_up_proj" in names
+
+
+def _moe_shapes(cfg: ModelConfig, m: str, names) -> Shapes:
+    H, E, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    out = {m + "gate.weight": (E, H), m + "shared_expert_gate.weight": (1, H)}
+    out.update(_mlp_shapes(m + "shared_expert.", H, cfg.shared_expert_intermediate_size))
+    if _fused_experts(m, names):
+        out[m + "experts.gate_up_proj"] = (E, 2 * inter, H)
+        out[m + "experts.down_proj"] = (E, H, inter)
+    else:
+        for e in range(E):
+            out.update(_mlp_shapes(f"{m}experts.{e}.", H, inter))
+    return out
+
+
+def expected_weights(cfg: ModelConfig, names=()) -> Shapes:
+    """Every tensor the text model needs, with its global shape. `names` (the checkpoint's) picks
+    the expert layout of each MoE layer."""
+    p, H = cfg.weight_prefix, cfg.hidden_size
+    out = {f"{p}embed_tokens.weight": (cfg.vocab_size, H), f"{p}norm.weight": (H,)}
     if not cfg.tie_word_embeddings:
-        names.append("lm_head.weight")
+        out["lm_head.weight"] = (cfg.vocab_size, H)
     for i, kind in enumerate(cfg.layer_types):
         lp = f"{p}layers.{i}."
-        names += [lp + "input_layernorm.weight", lp + "post_attention_layernorm.weight"]
-        names += _mlp_names(lp)
+        out[lp + "input_layernorm.weight"] = (H,)
+        out[lp + "post_attention_layernorm.weight"] = (H,)
         if kind == "linear_attention":
-            a = lp + "linear_attn."
-            names += [a + n for n in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
-                                      "in_proj_a.weight", "conv1d.weight", "A_log", "dt_bias",
-                                      "norm.weight", "out_proj.weight")]
+            out.update(_gdn_shapes(cfg, lp + "linear_attn."))
         else:
-            names += _attention_names(lp)
-    return names
+            out.update(_attention_shapes(cfg, lp + "self_attn."))
+        if cfg.is_moe_layer(i):
+            out.update(_moe_shapes(cfg, lp + "mlp.", names))
+        else:
+            out.update(_mlp_shapes(lp + "mlp.", H, cfg.intermediate_size))
+    return out
 
 
-def expected_mtp_weight_names(cfg: ModelConfig) -> list[str]:
-    """The multi-token-prediction block as published (docs/ARCHITECTURE.md, speculative decoding):
-    two pre-fc norms, `fc` over [embedding | hidden], full-attention decoder layers, a final norm."""
-    names = [f"mtp.{n}.weight" for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")]
-    for j in range(cfg.mtp_num_layers):
-        lp = f"mtp.layers.{j}."
-        names += [lp + "input_layernorm.weight", lp + "post_attention_layernorm.weight"]
-        names += _attention_names(lp) + _mlp_names(lp)
-    return names
+def _scale_shape(cfg: ModelConfig, shape: tuple[int, ...]) -> tuple[int, ...]:
+    bn, bk = cfg.fp8_block_size
+    return (*shape[:-2], math.ceil(shape[-2] / bn), math.ceil(shape[-1] / bk))
 
 
-class _Shard:
-    """Index sets of one tensor-parallel rank, and a getter that slices, casts and moves."""
+def check_checkpoint(cfg: ModelConfig, reader: _Reader) -> Shapes:
+    """Refuse a checkpoint that cannot be loaded whole, before anything is read; one line each."""
+    where = cfg.path
+    expected = expected_weights(cfg, reader.where)
+    missing = [n for n in expected if n not in reader.where]
+    if missing:
+        shown = ", ".join(f"{n} (expected shape {list(expected[n])})" for n in missing[:4])
+        raise ValueError(f"checkpoint {where} lacks {len(missing)} weight(s): {shown}")
+    scales = _fp8_scales(cfg, reader, expected)
+    known = set(expected) | set(scales) | ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    unexpected, ignored = [], {}
+    for n in reader.where:
+        if n in known:
+            continue
+        what = next((w for w, r in IGNORED.items() if r.match(n)), None)
+        if what is None:
+            unexpected.append(n)
+        else:
+            ignored[what] = ignored.get(what, 0) + 1
+    if unexpected:
+        raise ValueError(f"checkpoint {where} has {len(unexpected)} unexpected weight(s): {', '.join(unexpected[:8])}")
+    _check_shapes(cfg, reader, expected, scales)
+    for what, count in ignored.items():
+        log.info("main model: leaving out %d weight(s) of the %s in %s", count, what, where)
+    return scales
 
-    def __init__(self, cfg: ModelConfig, reader: _Reader, tp: int, rank: int, device):
-        self.reader, self.dtype, self.device = reader, cfg.dtype, device
-        hd, dv = cfg.head_dim, cfg.linear_value_head_dim
-        self.vh = vh = head_range(cfg.linear_num_value_heads, tp, rank)
-        self.v_rows = torch.arange(vh.start * dv, vh.stop * dv)
-        self.vh_idx = torch.arange(vh.start, vh.stop)
-        self.conv_idx = torch.tensor(conv_channel_index(cfg, tp, rank))
-        self.qh = qh = head_range(cfg.num_attention_heads, tp, rank)
-        kvh = kv_head_range(cfg.num_kv_heads, tp, rank)
-        self.q_rows = torch.arange(qh.start * 2 * hd, qh.stop * 2 * hd)  # q_proj rows are [q | gate] per head
-        self.q_cols = torch.arange(qh.start * hd, qh.stop * hd)
-        self.kv_rows = torch.arange(kvh.start * hd, kvh.stop * hd)
-        inter = cfg.intermediate_size // tp
-        self.m_rows = torch.arange(rank * inter, (rank + 1) * inter)
-        self.head_dim = hd
 
-    def get(self, name, rows=None, cols=None):
+def _fp8_scales(cfg: ModelConfig, reader: _Reader, expected: Shapes) -> Shapes:
+    """The `*_scale_inv` tensors beside expected weights, with their expected shapes."""
+    if cfg.fp8_block_size is None:
+        return {}
+    return {n + SCALE_SUFFIX: _scale_shape(cfg, s) for n, s in expected.items() if n + SCALE_SUFFIX in reader.where}
+
+
+def _check_shapes(cfg: ModelConfig, reader: _Reader, expected: Shapes, scales: Shapes) -> None:
+    for n, want in {**expected, **scales}.items():
+        if reader.shape[n] != want:
+            raise ValueError(f"checkpoint {cfg.path}: {n} has shape {list(reader.shape[n])}, expected {list(want)}")
+    for n in expected:
+        if reader.dtype[n] in FP8_DTYPES and n + SCALE_SUFFIX not in scales:
+            why = "has no " + n + SCALE_SUFFIX if cfg.fp8_block_size else "is float8 but config.json has no fp8 quantization_config"
+            raise ValueError(f"checkpoint {cfg.path}: {n} {why}")
+
+
+# ---- loading, one function per block -------------------------------------------------------
+
+
+class _Weights:
+    """Reads a checkpoint tensor in the compute dtype (dequantizing FP8 blocks) and slices it."""
+
+    def __init__(self, cfg: ModelConfig, reader: _Reader, scales: Shapes, device):
+        self.cfg, self.reader, self.scales, self.device = cfg, reader, scales, device
+
+    def full(self, name: str) -> torch.Tensor:
         w = self.reader.get(name)
+        if name + SCALE_SUFFIX in self.scales:
+            return dequant_fp8_block(w, self.reader.get(name + SCALE_SUFFIX), self.cfg.fp8_block_size, self.cfg.dtype)
+        return w
+
+    def __call__(self, name: str, rows=None, cols=None) -> torch.Tensor:
+        """The tensor, rows (dim 0) and columns (dim 1) indexed when given, contiguous."""
+        w = self.full(name)
         if rows is not None:
             w = w[rows]
         if cols is not None:
             w = w[:, cols]
-        return w.to(dtype=self.dtype, device=self.device).contiguous()
+        return w.to(dtype=self.cfg.dtype, device=self.device).contiguous()
 
 
-def _load_attention(sh: _Shard, lp: str) -> dict:
-    """Gated full attention of the layer at prefix `lp`: one [q | k | gate | v] projection."""
-    a = lp + "self_attn."
-    get, hd = sh.get, sh.head_dim
-    qg = get(a + "q_proj.weight", sh.q_rows).view(len(sh.qh), 2, hd, -1)  # per head [q | gate]
+def _rank_range(size: int, tp: int, rank: int) -> torch.Tensor:
+    r = intermediate_range(size, tp, rank)
+    return torch.arange(r.start, r.stop)
+
+
+def _qwen3_next_gdn_rows(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of Qwen3-Next's in_proj_qkvz / in_proj_ba that hold, in the Qwen3.5 order, the global
+    conv channels [q | k | v], z, b and a. Per key head g, in_proj_qkvz stores
+    [q_g (dk) | k_g (dk) | v_g (r*dv) | z_g (r*dv)] and in_proj_ba [b_g (r) | a_g (r)], r = Hv/Hk,
+    value head h = g*r + j; both layouts feed the same conv segments and recurrent state."""
+    hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r = hv // hk
+    group = 2 * dk + 2 * r * dv
+    g_k = torch.arange(hk)[:, None] * group
+    q = (g_k + torch.arange(dk)).flatten()
+    k = (g_k + dk + torch.arange(dk)).flatten()
+    v = (g_k + 2 * dk + torch.arange(r * dv)).flatten()
+    z = v + r * dv
+    g_ba = torch.arange(hk)[:, None] * 2 * r
+    b = (g_ba + torch.arange(r)).flatten()
+    return torch.cat([q, k, v]), z, b, b + r
+
+
+def _load_gdn(cfg: ModelConfig, get: _Weights, a: str, tp: int, rank: int) -> dict:
+    dv = cfg.linear_value_head_dim
+    vh = head_range(cfg.linear_num_value_heads, tp, rank)
+    v_rows = torch.arange(vh.start * dv, vh.stop * dv)
+    vh_idx = torch.arange(vh.start, vh.stop)
+    conv_idx = torch.tensor(conv_channel_index(cfg, tp, rank))
+    if cfg.fused_gdn_projections:
+        qkv, z, b, a_ = _qwen3_next_gdn_rows(cfg)
+        qkvz, ba = get.full(a + "in_proj_qkvz.weight"), get.full(a + "in_proj_ba.weight")
+        w_in = torch.cat([qkvz[qkv[conv_idx]], qkvz[z[v_rows]], ba[b[vh_idx]], ba[a_[vh_idx]]])
+        w_in = w_in.to(dtype=cfg.dtype, device=get.device)
+    else:
+        w_in = torch.cat([get(a + "in_proj_qkv.weight", conv_idx), get(a + "in_proj_z.weight", v_rows),
+                          get(a + "in_proj_b.weight", vh_idx), get(a + "in_proj_a.weight", vh_idx)])
     return {
-        "w_qkv": Linear(torch.cat([qg[:, 0].reshape(-1, qg.shape[-1]), get(a + "k_proj.weight", sh.kv_rows),
-                                   qg[:, 1].reshape(-1, qg.shape[-1]), get(a + "v_proj.weight", sh.kv_rows)])),
+        "w_in": Linear(w_in),
+        "conv": get(a + "conv1d.weight", conv_idx)[:, 0, :].contiguous(),
+        "A_log": get(a + "A_log", vh_idx).float(),
+        "dt_bias": get(a + "dt_bias", vh_idx),
+        "norm": get(a + "norm.weight"),
+        "w_out": Linear(get(a + "out_proj.weight", cols=v_rows)),
+    }
+
+
+def _load_attention(cfg: ModelConfig, get: _Weights, a: str, tp: int, rank: int) -> dict:
+    hd = cfg.head_dim
+    qh = head_range(cfg.num_attention_heads, tp, rank)
+    kvh = kv_head_range(cfg.num_kv_heads, tp, rank)
+    q_rows = torch.arange(qh.start * 2 * hd, qh.stop * 2 * hd)  # q_proj rows are [q | gate] per head
+    q_cols = torch.arange(qh.start * hd, qh.stop * hd)
+    kv_rows = torch.arange(kvh.start * hd, kvh.stop * hd)
+    qg = get(a + "q_proj.weight", q_rows).view(len(qh), 2, hd, -1)  # per head [q | gate]
+    return {
+        "w_qkv": Linear(torch.cat([qg[:, 0].reshape(-1, qg.shape[-1]), get(a + "k_proj.weight", kv_rows),
+                                   qg[:, 1].reshape(-1, qg.shape[-1]), get(a + "v_proj.weight", kv_rows)])),
         "q_norm": get(a + "q_norm.weight"),
         "k_norm": get(a + "k_norm.weight"),
-        "w_o": Linear(get(a + "o_proj.weight", cols=sh.q_cols)),
+        "w_o": Linear(get(a + "o_proj.weight", cols=q_cols)),
     }
 
 
-def _load_mlp(sh: _Shard, lp: str) -> dict:
-    get = sh.get
+def _load_mlp(get: _Weights, m: str, rows: torch.Tensor) -> dict:
+    """A SwiGLU MLP's column-parallel [gate_r | up_r] and row-parallel down_r."""
     return {
-        "w_gate_up": Linear(torch.cat([get(lp + "mlp.gate_proj.weight", sh.m_rows), get(lp + "mlp.up_proj.weight", sh.m_rows)])),
-        "w_down": Linear(get(lp + "mlp.down_proj.weight", cols=sh.m_rows)),
+        "w_gate_up": Linear(torch.cat([get(m + "gate_proj.weight", rows), get(m + "up_proj.weight", rows)])),
+        "w_down": Linear(get(m + "down_proj.weight", cols=rows)),
     }
 
 
-def _load_gdn(sh: _Shard, lp: str) -> dict:
-    a = lp + "linear_attn."
-    get = sh.get
+def _load_moe(cfg: ModelConfig, get: _Weights, m: str, tp: int, rank: int) -> dict:
+    """Router and shared-expert gate replicated; every expert's (and the shared expert's)
+    intermediate dimension split over ranks as engine/shard.py says."""
+    inter = cfg.moe_intermediate_size
+    rows = _rank_range(inter, tp, rank)
+    if _fused_experts(m, get.reader.where):
+        gate_up = get.full(m + "experts.gate_up_proj")  # [E, 2I, H]
+        w13 = gate_up[:, torch.cat([rows, inter + rows])]
+        w2 = get.full(m + "experts.down_proj")[:, :, rows]  # [E, H, I_r]
+    else:
+        e_ = [f"{m}experts.{e}." for e in range(cfg.num_experts)]
+        w13 = torch.stack([torch.cat([get(p + "gate_proj.weight", rows), get(p + "up_proj.weight", rows)]) for p in e_])
+        w2 = torch.stack([get(p + "down_proj.weight", cols=rows) for p in e_])
     return {
-        "w_in": Linear(torch.cat([
-            get(a + "in_proj_qkv.weight", sh.conv_idx),
-            get(a + "in_proj_z.weight", sh.v_rows),
-            get(a + "in_proj_b.weight", sh.vh_idx),
-            get(a + "in_proj_a.weight", sh.vh_idx),
-        ])),
-        "conv": get(a + "conv1d.weight", sh.conv_idx)[:, 0, :].contiguous(),
-        "A_log": get(a + "A_log", sh.vh_idx).float(),
-        "dt_bias": get(a + "dt_bias", sh.vh_idx),
-        "norm": get(a + "norm.weight"),
-        "w_out": Linear(get(a + "out_proj.weight", cols=sh.v_rows)),
+        "router": Linear(get(m + "gate.weight")),
+        "w13": w13.to(dtype=cfg.dtype, device=get.device).contiguous(),
+        "w2": w2.to(dtype=cfg.dtype, device=get.device).contiguous(),
+        "shared": _load_mlp(get, m + "shared_expert.", _rank_range(cfg.shared_expert_intermediate_size, tp, rank)),
+        "shared_gate": Linear(get(m + "shared_expert_gate.weight")),
     }
 
 
-def _load_layer(sh: _Shard, lp: str, kind: str) -> dict:
+def _load_layer(cfg: ModelConfig, get: _Weights, lp: str, kind: str, moe: bool, tp: int, rank: int) -> dict:
+    if kind == "linear_attention":
+        mixer = _load_gdn(cfg, get, lp + "linear_attn.", tp, rank)
+    else:
+        mixer = _load_attention(cfg, get, lp + "self_attn.", tp, rank)
+    if moe:
+        mlp = _load_moe(cfg, get, lp + "mlp.", tp, rank)
+    else:
+        mlp = _load_mlp(get, lp + "mlp.", _rank_range(cfg.intermediate_size, tp, rank))
     return {
-        "input_norm": sh.get(lp + "input_layernorm.weight"),
-        "post_norm": sh.get(lp + "post_attention_layernorm.weight"),
-        "mlp": _load_mlp(sh, lp),
-        "mixer": _load_gdn(sh, lp) if kind == "linear_attention" else _load_attention(sh, lp),
+        "input_norm": get(lp + "input_layernorm.weight"),
+        "post_norm": get(lp + "post_attention_layernorm.weight"),
+        "mixer": mixer,
+        "mlp": mlp,
     }
-
-
-def _check_names(cfg: ModelConfig, reader: _Reader, expected: list[str], known: set[str], ignored) -> None:
-    missing = [n for n in expected if n not in reader.where]
-    if missing:
-        raise ValueError(f"checkpoint {cfg.path} lacks {len(missing)} weight(s): {', '.join(missing[:8])}")
-    unexpected = [n for n in reader.where if n not in known and not any(r.match(n) for r in ignored)]
-    if unexpected:
-        raise ValueError(f"checkpoint {cfg.path} has {len(unexpected)} unexpected weight(s): {', '.join(unexpected[:8])}")
 
 
 def load_weights(cfg: ModelConfig, tp: int, rank: int, device="cpu") -> dict:
-    """Weights of `rank` as {"embed", "norm", "lm_head", "layers": [{"input_norm", "post_norm", "mixer", "mlp"}]}."""
+    """Weights of `rank` as {"embed", "norm", "lm_head", "layers": [{"input_norm", "post_norm", "mixer", "mlp"}]};
+    a MoE layer's "mlp" has "router", "w13", "w2", "shared", "shared_gate"."""
     reader = _Reader(Path(cfg.path))
-    expected = expected_weight_names(cfg)
-    known = set(expected) | ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
-    _check_names(cfg, reader, expected, known, IGNORED)
-    sh = _Shard(cfg, reader, tp, rank, device)
+    get = _Weights(cfg, reader, check_checkpoint(cfg, reader), device)
     p = cfg.weight_prefix
-    embed = sh.get(f"{p}embed_tokens.weight")
+    embed = get(f"{p}embed_tokens.weight")
     return {
         "embed": embed,
-        "norm": sh.get(f"{p}norm.weight"),
-        "lm_head": embed if cfg.tie_word_embeddings else sh.get("lm_head.weight"),
-        "layers": [_load_layer(sh, f"{p}layers.{i}.", kind) for i, kind in enumerate(cfg.layer_types)],
+        "norm": get(f"{p}norm.weight"),
+        "lm_head": embed if cfg.tie_word_embeddings else get("lm_head.weight"),
+        "layers": [_load_layer(cfg, get, f"{p}layers.{i}.", kind, cfg.is_moe_layer(i), tp, rank)
+                   for i, kind in enumerate(cfg.layer_types)],
     }
+
+
+def expected_mtp_weights(cfg: ModelConfig, names=()) -> Shapes:
+    """The multi-token-prediction block as published (docs/ARCHITECTURE.md, speculative decoding):
+    two pre-fc norms, `fc` over [embedding | hidden], full-attention decoder layers with the
+    model's MLP (the MoE block in an MoE model), a final norm."""
+    H = cfg.hidden_size
+    out = {"mtp.pre_fc_norm_embedding.weight": (H,), "mtp.pre_fc_norm_hidden.weight": (H,),
+           "mtp.fc.weight": (H, 2 * H), "mtp.norm.weight": (H,)}
+    for j in range(cfg.mtp_num_layers):
+        lp = f"mtp.layers.{j}."
+        out[lp + "input_layernorm.weight"] = (H,)
+        out[lp + "post_attention_layernorm.weight"] = (H,)
+        out.update(_attention_shapes(cfg, lp + "self_attn."))
+        if cfg.num_experts:
+            out.update(_moe_shapes(cfg, lp + "mlp.", names))
+        else:
+            out.update(_mlp_shapes(lp + "mlp.", H, cfg.intermediate_size))
+    return out
 
 
 def load_mtp_weights(cfg: ModelConfig, tp: int, rank: int, device="cpu") -> dict:
     """The `mtp.*` block of `rank` as {"norm_embed", "norm_hidden", "fc", "norm", "layers": [...]}
     (layers as in `load_weights`, full attention); embedding and LM head are the main model's."""
     reader = _Reader(Path(cfg.path))
-    expected = expected_mtp_weight_names(cfg)
+    expected = expected_mtp_weights(cfg, reader.where)
     missing = [n for n in expected if n not in reader.where]
     if missing:
         raise ValueError(
             f"speculative_method='mtp' needs the checkpoint's mtp.* weights; {cfg.path} lacks {len(missing)}: "
             f"{', '.join(missing[:6])}"
         )
-    sh = _Shard(cfg, reader, tp, rank, device)
+    scales = _fp8_scales(cfg, reader, expected)
+    _check_shapes(cfg, reader, expected, scales)
+    get = _Weights(cfg, reader, scales, device)
     return {
-        "norm_embed": sh.get("mtp.pre_fc_norm_embedding.weight"),
-        "norm_hidden": sh.get("mtp.pre_fc_norm_hidden.weight"),
-        "fc": Linear(sh.get("mtp.fc.weight")),  # [hidden, 2 * hidden], replicated
-        "norm": sh.get("mtp.norm.weight"),
-        "layers": [_load_layer(sh, f"mtp.layers.{j}.", "full_attention") for j in range(cfg.mtp_num_layers)],
+        "norm_embed": get("mtp.pre_fc_norm_embedding.weight"),
+        "norm_hidden": get("mtp.pre_fc_norm_hidden.weight"),
+        "fc": Linear(get("mtp.fc.weight")),  # [hidden, 2 * hidden], replicated
+        "norm": get("mtp.norm.weight"),
+        "layers": [_load_layer(cfg, get, f"mtp.layers.{j}.", "full_attention", cfg.num_experts > 0, tp, rank)
+                   for j in range(cfg.mtp_num_layers)],
     }

@@ -47,7 +47,11 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)  # MTP drafts proposed for the next step
     spec_depth: int = 0  # drafts per step for this request (lowered when acceptance is low); 0: off
     spec_acceptance: float = 1.0  # exponential average of the accepted fraction of its drafts
+    output_logprobs: list = field(default_factory=list)  # params.logprobs: one TokenLogprob per output token
+    prompt_logprobs: list = field(default_factory=list)  # params.prompt_logprobs: one per prompt token after the first
     _sent: int = 0  # output tokens already reported to the caller
+    _sent_logprobs: int = 0
+    _sent_prompt_logprobs: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -1,13 +1,18 @@
 """Token sampling on rank 0: greedy, temperature, top-k, top-p, per-request seeded generators
-(the same seed gives the same tokens whatever else shares the batch), and verification of
-speculative drafts."""
+(the same seed gives the same tokens whatever else shares the batch), penalties and min_tokens
+on the logits before any of that, log-probabilities, and verification of speculative drafts."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 
 from engine.sampling_params import SamplingParams
 from engine.spec_decode import verify_row
+
+# (token id, log-probability, [(id, log-probability) of the n most likely, most likely first])
+TokenLogprob = tuple[int, float, list[tuple[int, float]]]
 
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -25,10 +30,41 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def apply_penalties(row: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """[V] logits -> a penalized copy (docs/api.md, "Sampling"): the repetition penalty on every
+    token of prompt or output (positive logits divided by it, negative ones multiplied), then
+    minus presence_penalty for each distinct output token and frequency_penalty per occurrence."""
+    row = row.float().clone()
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=row.device)
+        if len(seen):
+            v = row[seen]
+            row[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+    if output and (p.presence_penalty or p.frequency_penalty):
+        counts = Counter(output)
+        ids = torch.tensor(list(counts), dtype=torch.long, device=row.device)
+        n = torch.tensor(list(counts.values()), dtype=row.dtype, device=row.device)
+        row[ids] -= p.frequency_penalty * n + p.presence_penalty
+    return row
+
+
+def token_logprobs(logprobs: torch.Tensor, targets: list[int], n: int) -> list[TokenLogprob]:
+    """logprobs [R, V] (log-softmax) and one target id per row -> each target's log-probability
+    and the n most likely ids of its row (ties: the lower id first, as torch.topk orders them)."""
+    picked = logprobs.gather(-1, torch.tensor(targets, device=logprobs.device)[:, None])[:, 0].tolist()
+    if n:
+        top = torch.topk(logprobs, n, dim=-1)
+        ids, vals = top.indices.tolist(), top.values.tolist()
+    else:
+        ids = vals = [[] for _ in targets]
+    return [(t, lp, list(zip(i, v))) for t, lp, i, v in zip(targets, picked, ids, vals)]
+
+
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, eos_token_ids: tuple[int, ...] = ()):
         self._gens: dict[str, torch.Generator] = {}
         self._base = torch.Generator().manual_seed(seed)
+        self.eos = tuple(eos_token_ids)
 
     def generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         g = self._gens.get(request_id)
@@ -41,13 +77,36 @@ class Sampler:
         for r in request_ids:
             self._gens.pop(r, None)
 
-    def __call__(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
-        """logits [R, V] float32 -> one token per row."""
+    def adjust(self, row: torch.Tensor, p: SamplingParams, history) -> torch.Tensor:
+        """The logits a request samples from: penalties, and EOS / stop ids masked while fewer
+        than min_tokens new tokens exist. history: (prompt ids, output ids)."""
+        prompt, output = history
+        if p.penalized:
+            row = apply_penalties(row, p, prompt, output)
+        if len(output) < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos))
+            banned = [t for t in banned if t < row.shape[-1]]
+            if banned:
+                row = row.float().clone()
+                row[banned] = float("-inf")
+        return row
+
+    def __call__(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams], histories=None
+    ) -> list[int]:
+        """logits [R, V] float32 -> one token per row. histories: per row (prompt ids, output
+        ids), needed for rows with penalties or min_tokens (None elsewhere)."""
         out = logits.argmax(-1).tolist()
         for i, p in enumerate(params):
+            row = logits[i]
+            adjusted = histories is not None and histories[i] is not None
+            if adjusted:
+                row = self.adjust(row, p, histories[i])
             if not p.greedy:
-                probs = filtered_probs(logits[i].cpu(), p)
+                probs = filtered_probs(row.cpu(), p)
                 out[i] = int(torch.multinomial(probs, 1, generator=self.generator(request_ids[i], p)))
+            elif adjusted:
+                out[i] = int(row.argmax())
         return out
 
     def verify(self, logits: torch.Tensor, drafts: list[int], request_id: str, p: SamplingParams) -> list[int]:

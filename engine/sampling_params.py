@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 
+MAX_LOGPROBS = 20  # most alternatives per position (OpenAI's top_logprobs limit)
+
+
 @dataclass(frozen=True, init=False)
 class SamplingParams:
     max_tokens: int = 16  # new tokens at most (finish reason "length")
@@ -14,6 +17,13 @@ class SamplingParams:
     seed: int | None = None  # same seed, same tokens, whatever else is in the batch
     stop_token_ids: tuple[int, ...] = ()  # finish (reason "stop") after emitting one of these
     ignore_eos: bool = False  # keep going past the model's end-of-sequence tokens
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many new tokens
+    # Penalties (docs/api.md), applied to the logits before temperature, top-k and top-p:
+    presence_penalty: float = 0.0  # minus this for every token already in the output
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # logits of prompt or output tokens: positive / it, negative * it
+    logprobs: int | None = None  # per new token: its log-probability and the n most likely (0..20)
+    prompt_logprobs: int | None = None  # per prompt token after the first: the same (0..20)
 
     def __init__(self, **kwargs):
         names = {f.name for f in fields(self)}
@@ -36,12 +46,38 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (got {self.top_p!r})")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer (got {self.seed!r})")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer (got {self.min_tokens!r})")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (got {v!r})")
+        rp = self.repetition_penalty
+        if not isinstance(rp, (int, float)) or isinstance(rp, bool) or not 0.0 < rp <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10] (got {rp!r})")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (got {v!r})")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers (got {list(self.stop_token_ids)!r})")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
+
+    @property
+    def speculates(self) -> bool:
+        """Whether speculative decoding may draft for this request: not with penalties,
+        min_tokens or logprobs, which the draft verification does not apply (such a request
+        decodes one token per step in the same batch)."""
+        return not (self.penalized or self.min_tokens or self.logprobs is not None or self.prompt_logprobs is not None)
 
     def to_dict(self) -> dict:
         d = asdict(self)

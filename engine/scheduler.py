@@ -92,7 +92,7 @@ class Scheduler:
         self.accepted_per_position = [0] * num_spec_tokens  # ... and accepted there
 
     def add(self, req: Request) -> None:
-        req.spec_depth = self.num_spec_tokens
+        req.spec_depth = self.num_spec_tokens if req.params.speculates else 0
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
@@ -223,8 +223,8 @@ class Scheduler:
         (with the drafts the prefill side's MTP block proposed, when there are any)."""
         assert req.status is Status.RESERVED, req.status
         req.num_computed_tokens = len(req.prompt_token_ids)
-        req.spec_depth = self.num_spec_tokens
-        req.draft_token_ids = list(drafts)[: self.num_spec_tokens] if self.mtp else []
+        req.spec_depth = self.num_spec_tokens if req.params.speculates else 0
+        req.draft_token_ids = list(drafts)[: req.spec_depth] if self.mtp else []
         req.status = Status.RUNNING
         self.running.append(req)
         self._emit(req, [first_token], eos)

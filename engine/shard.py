@@ -7,6 +7,9 @@ GDN: rank r holds key heads [r*Hk/t, (r+1)*Hk/t) for q and k and value heads
 segments [q_r | k_r | v_r], NOT a contiguous 1/t slice of conv_dim.
 Attention: query heads split evenly; KV heads split when t <= KVH, else rank r holds the one
 head r // (t / KVH) (replicated).
+MLP and MoE: rank r holds rows [r*I/t, (r+1)*I/t) of the intermediate dimension of the dense
+MLP, of every routed expert and of the shared expert (all columns of gate/up, those columns of
+down); the router and shared_expert_gate are replicated (docs/ARCHITECTURE.md, engine).
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ class Segment:
 def head_range(n_heads: int, tp: int, rank: int) -> range:
     per = n_heads // tp
     return range(rank * per, (rank + 1) * per)
+
+
+def intermediate_range(size: int, tp: int, rank: int) -> range:
+    """Rows of an MLP's (or an expert's) intermediate dimension held by `rank`."""
+    return head_range(size, tp, rank)
 
 
 def kv_head_range(n_kv: int, tp: int, rank: int) -> range:

@@ -22,6 +22,8 @@ class RowInput:
     num_draft: int = 0  # the last num_draft of token_ids are speculative drafts to verify
     next_token: int | None = None  # the known token after token_ids (a prompt chunk that does not sample)
     draft_depth: int = 0  # MTP: drafts to propose for this row's next step (when it samples)
+    prompt_logprobs: int | None = None  # set: logits at every position of this prompt chunk (top-n kept)
+    history: tuple[list[int], list[int]] | None = None  # (prompt, output) ids: penalties and min_tokens
 
 
 @dataclass
@@ -35,4 +37,8 @@ class StepOutput:
     sampled: dict[str, list[int]]  # emitted tokens per sampling row (1, or up to k+1 when verifying drafts)
     logits: dict[str, object] = field(default_factory=dict)  # request id -> [vocab] float32 tensor
     drafts: dict[str, list[int]] = field(default_factory=dict)  # MTP drafts for each sampling row's next step
+    # params.logprobs: (token, logprob, top) per emitted token (engine.sampler.TokenLogprob)
+    logprobs: dict[str, list] = field(default_factory=dict)
+    # params.prompt_logprobs: (position of the row's first token, [TokenLogprob of the token after each position])
+    prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
     seconds: float = 0.0

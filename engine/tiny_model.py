@@ -1,6 +1,14 @@
-"""`pdserve make-tiny-model`: a small random Qwen3.5 checkpoint written by transformers' own
-`Qwen3_5ForCausalLM(...).save_pretrained`, plus a byte-level BPE tokenizer trained here on a
-built-in text, loadable with `AutoTokenizer.from_pretrained(DIR)` and no download.
+"""`pdserve make-tiny-model`: a small random checkpoint written by transformers' own classes
+(`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM` or `Qwen3NextForCausalLM` `.save_pretrained`,
+which writes routed experts one tensor per expert, as the published checkpoints are laid out),
+plus a byte-level BPE tokenizer trained here on a built-in text, loadable with
+`AutoTokenizer.from_pretrained(DIR)` and no download.
+
+`fp8=True` then rewrites the weights as the published FP8 releases store them: every 2-D
+projection except the router, shared_expert_gate and the GDN in_proj_b / in_proj_a / in_proj_ba
+becomes float8_e4m3fn with block scales beside it in `<name>_scale_inv`; embeddings, lm_head,
+norms, conv and A_log / dt_bias stay as they were (config: `quant_method: fp8`,
+`weight_block_size`, `modules_to_not_convert`).
 
 This is a tool, not the serving path: it is the one place the engine package imports
 transformers' modeling code.
@@ -11,6 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -31,8 +40,15 @@ Tokens stream back to the client one at a time until the request stops or reache
 """
 
 
+ARCHS = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+# Left unquantized by fp8 (besides 1-D tensors, conv1d, embeddings and lm_head)
+FP8_KEEP = ("mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_b", "linear_attn.in_proj_a",
+            "linear_attn.in_proj_ba")
+
+
 @dataclass(frozen=True)
 class TinyModelSpec:
+    arch: Literal["qwen3_5", "qwen3_5_moe", "qwen3_next"] = "qwen3_5"
     layers: int = 8
     hidden: int = 256
     intermediate: int = 512
@@ -51,7 +67,20 @@ class TinyModelSpec:
     dtype: str = "float32"
     init_std: float = 0.02
     tokenizer: bool = True
+    experts: int = 6  # routed experts per MoE layer (qwen3_5_moe, qwen3_next)
+    top_k: int = 3
+    moe_intermediate: int = 64
+    shared_intermediate: int = 96
+    mlp_only_layers: str = ""  # qwen3_next: comma-separated layers with a dense MLP of `intermediate`
+    decoder_sparse_step: int = 1  # qwen3_next: layer i is MoE when (i + 1) % step == 0
+    norm_topk_prob: bool = True  # qwen3_next (qwen3_5_moe always renormalises)
+    fp8: bool = False  # store projections block-quantized to float8_e4m3fn with weight_scale_inv
+    fp8_block: int = 128  # the [fp8_block, fp8_block] quantization block
     mtp: bool = False  # also write a multi-token-prediction block (`mtp.*`, one layer)
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ValueError(f"unknown arch {self.arch!r}; known: {', '.join(ARCHS)}")
 
 
 def _train_tokenizer(vocab: int):
@@ -70,23 +99,12 @@ def _train_tokenizer(vocab: int):
     return tok
 
 
-def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
-    import torch
-    from transformers import PreTrainedTokenizerFast, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+def _config(spec: TinyModelSpec, eos):
+    import transformers
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    eos = None
-    tok = None
-    if spec.tokenizer:
-        if spec.vocab < 256 + len(SPECIAL_TOKENS):
-            raise ValueError(f"vocab {spec.vocab} is too small for a byte-level tokenizer (needs >= 259)")
-        tok = _train_tokenizer(spec.vocab)
-        eos = tok.token_to_id("<|endoftext|>")
-    cfg = Qwen3_5TextConfig(
+    common = dict(
         vocab_size=spec.vocab,
         hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate,
         num_hidden_layers=spec.layers,
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads,
@@ -104,11 +122,79 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
         pad_token_id=None,
         tie_word_embeddings=False,
     )
+    moe = dict(num_experts=spec.experts, num_experts_per_tok=spec.top_k, moe_intermediate_size=spec.moe_intermediate,
+               shared_expert_intermediate_size=spec.shared_intermediate)
+    if spec.arch == "qwen3_5":
+        return transformers.Qwen3_5TextConfig(intermediate_size=spec.intermediate, **common)
+    if spec.arch == "qwen3_5_moe":
+        return transformers.Qwen3_5MoeTextConfig(**moe, **common)
+    only = [int(i) for i in spec.mlp_only_layers.split(",") if i.strip()]
+    return transformers.Qwen3NextConfig(
+        intermediate_size=spec.intermediate, mlp_only_layers=only, decoder_sparse_step=spec.decoder_sparse_step,
+        norm_topk_prob=spec.norm_topk_prob, **moe, **common,
+    )
+
+
+def _quantizable(name: str, shape) -> bool:
+    if len(shape) != 2 or not name.endswith(".weight") or "embed_tokens" in name or name.startswith(("lm_head", "mtp.")):
+        return False
+    module = name.removesuffix(".weight")
+    return not any(module.endswith(k) for k in FP8_KEEP)
+
+
+def quantize_checkpoint_fp8(out: Path, block: int) -> None:
+    """Rewrite a save_pretrained checkpoint's projections as FP8 blocks with `*_scale_inv`
+    (module docstring), in place, shard by shard."""
+    from safetensors.torch import load_file, save_file
+
+    from kernels.fp8 import quant_fp8_block
+
+    files = sorted(out.glob("*.safetensors"))
+    index = out / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    for f in files:
+        tensors = load_file(f)
+        for name in [n for n, t in tensors.items() if _quantizable(n, t.shape)]:
+            q, scale = quant_fp8_block(tensors[name], (block, block))
+            tensors[name], tensors[name + "_scale_inv"] = q, scale
+            if weight_map is not None:
+                weight_map[name + "_scale_inv"] = f.name
+        save_file(tensors, f, metadata={"format": "pt"})
+    if weight_map is not None:
+        index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+        "modules_to_not_convert": ["lm_head", "embed_tokens", "norm", "conv1d", *FP8_KEEP],
+    }
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    import torch
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    eos = None
+    tok = None
+    if spec.tokenizer:
+        if spec.vocab < 256 + len(SPECIAL_TOKENS):
+            raise ValueError(f"vocab {spec.vocab} is too small for a byte-level tokenizer (needs >= 259)")
+        tok = _train_tokenizer(spec.vocab)
+        eos = tok.token_to_id("<|endoftext|>")
+    cfg = _config(spec, eos)
     torch.manual_seed(spec.seed)
-    model = Qwen3_5ForCausalLM(cfg).to(getattr(torch, spec.dtype))
+    model = getattr(transformers, ARCHS[spec.arch])(cfg).to(getattr(torch, spec.dtype))
     model.save_pretrained(out)
     if spec.mtp:
         add_mtp_block(out, cfg, spec.seed, getattr(torch, spec.dtype))
+    if spec.fp8:
+        quantize_checkpoint_fp8(out, spec.fp8_block)
     if tok is not None:
         fast = PreTrainedTokenizerFast(
             tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
@@ -120,9 +206,15 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
 
 def mtp_modules(cfg):
     """transformers' own modules shaped as the published MTP block: (norms, fc, decoder layer).
-    The decoder layer is a full-attention Qwen3.5 layer with the model's MLP."""
+    The decoder layer is a full-attention layer of the model's own class, with its MLP (the
+    sparse MoE block for Qwen3.5-MoE and Qwen3-Next)."""
     import torch
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer
+
+    layer_cls = {"qwen3_5_text": Qwen3_5DecoderLayer, "qwen3_5_moe_text": Qwen3_5MoeDecoderLayer,
+                 "qwen3_next": Qwen3NextDecoderLayer}[cfg.model_type]
 
     full = cfg.layer_types.index("full_attention")
     h = cfg.hidden_size
@@ -130,7 +222,7 @@ def mtp_modules(cfg):
         "pre_fc_norm_embedding": Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps),
         "pre_fc_norm_hidden": Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps),
         "fc": torch.nn.Linear(2 * h, h, bias=False),
-        "layers.0": Qwen3_5DecoderLayer(cfg, full),
+        "layers.0": layer_cls(cfg, full),
         "norm": Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps),
     }
 

@@ -19,7 +19,7 @@ from engine.model.batch import ForwardBatch, IntPack, group_fields, make_group
 from engine.model.layers import AllReduce
 from engine.model.mtp import MTPBlock, MTPDrafter
 from engine.model.qwen3_5 import Qwen35Model
-from engine.sampler import Sampler
+from engine.sampler import Sampler, token_logprobs
 from engine.step import StepInput, StepOutput
 
 log = logging.getLogger("pdserve.worker")
@@ -51,7 +51,7 @@ class Worker:
             block = MTPBlock(cfg.model, load_mtp_weights(cfg.model, t, rank, self.device), self.model.embed,
                              self.model.lm_head, t, all_reduce)
             self.drafter = MTPDrafter(block, self.model.rotary, cfg.cache.block_size, cfg.max_model_len + 1, self.device)
-        self.sampler = Sampler(cfg.seed)
+        self.sampler = Sampler(cfg.seed, cfg.model.eos_token_ids)
         self.block_size = cfg.cache.block_size
         self.ext: dict[str, object] = {}  # per-rank objects owned by node packages (e.g. transfer endpoints)
 
@@ -71,6 +71,8 @@ class Worker:
             slots += [r.block_ids[q // bs] * bs + q % bs for q in p]
             if r.num_draft:  # score the pending token and every draft
                 logit_idx += range(len(ids) - r.num_draft - 1, len(ids))
+            elif r.prompt_logprobs is not None:  # prompt logprobs: every position
+                logit_idx += range(len(ids) - n, len(ids))
             elif r.sample or r.want_logits:
                 logit_idx.append(len(ids) - 1)
         n_dec = sum(r.is_decode for r in step.rows)
@@ -136,7 +138,7 @@ class Worker:
         return out if self.rank == 0 else None
 
     def _sample(self, step: StepInput, logits: torch.Tensor, out: StepOutput) -> None:
-        """Rank 0: verify drafts, sample plain rows, keep wanted logits (into `out`)."""
+        """Rank 0: verify drafts, sample plain rows, keep wanted logits and logprobs (into `out`)."""
         i = 0
         plain = []  # (logit row, RowInput)
         for r in step.rows:
@@ -146,14 +148,36 @@ class Worker:
                     logits[i : i + r.num_draft + 1], drafts, r.request_id, r.params
                 )
                 i += r.num_draft + 1
-            elif r.sample or r.want_logits:
+                continue
+            if r.prompt_logprobs is not None:  # the row has a logit at every position; its last samples
+                self._prompt_logprobs(r, logits[i : i + len(r.token_ids)], out)
+                i += len(r.token_ids) - 1
+                if not (r.sample or r.want_logits):
+                    i += 1
+                    continue
+            if r.sample or r.want_logits:
                 plain.append((i, r))
                 i += 1
         samp = [(j, r) for j, r in plain if r.sample]
         if samp:
             idx = torch.tensor([j for j, _ in samp])
-            toks = self.sampler(logits[idx], [r.request_id for _, r in samp], [r.params for _, r in samp])
+            toks = self.sampler(logits[idx], [r.request_id for _, r in samp], [r.params for _, r in samp],
+                                [r.history for _, r in samp])  # fmt: skip
             out.sampled.update({r.request_id: [t] for (_, r), t in zip(samp, toks)})
+            lp = [(j, r, t) for (j, r), t in zip(samp, toks) if r.params.logprobs is not None]
+            for j, r, t in lp:  # of the model's distribution, before penalties and temperature
+                row = torch.log_softmax(logits[j : j + 1].float(), -1)
+                out.logprobs[r.request_id] = token_logprobs(row, [t], r.params.logprobs)
         for j, r in plain:
             if r.want_logits:
                 out.logits[r.request_id] = logits[j].cpu()
+
+    @staticmethod
+    def _prompt_logprobs(r, logits: torch.Tensor, out: StepOutput) -> None:
+        """logits [n, V] at every position of a prompt chunk: the log-probability of the token
+        after each position that has a known next token (not the last one of a sampling row)."""
+        targets = list(r.token_ids[1:]) + ([] if r.next_token is None else [r.next_token])
+        if not targets:
+            return
+        lsm = torch.log_softmax(logits[: len(targets)].float(), -1)
+        out.prompt_logprobs[r.request_id] = (r.start_pos, token_logprobs(lsm, targets, r.prompt_logprobs))

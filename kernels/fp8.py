@@ -8,6 +8,9 @@
 `dequant_fp8_block` is the CPU load path (dequantize once into the compute dtype);
 `quant_fp8_block` writes the published layout (a block's scale_inv is its amax / 448, the
 largest e4m3 value, so the block's largest element maps to +-448; an all-zero block gets 1).
+`narrow_fp8_block` takes a tensor-parallel slice of such a weight that need not start or end on
+a block boundary: it re-expresses the scales in finer blocks (each one scale of the original,
+repeated) so that the slice is whole blocks again, and the kernels take any block size.
 `fp8_block_linear` is y = x W^T without materialising W: on CUDA tensors (or with
 PDSERVE_FORCE_TRITON=1) the Triton kernel in kernels/triton/fp8.py, elsewhere
 `fp8_block_linear_ref`, which dequantizes and calls F.linear.
@@ -15,13 +18,22 @@ PDSERVE_FORCE_TRITON=1) the Triton kernel in kernels/triton/fp8.py, elsewhere
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from kernels.checks import check_fp8_block
 from kernels.triton import force_triton as _force_triton
 
-__all__ = ["FP8_MAX", "dequant_fp8_block", "quant_fp8_block", "fp8_block_linear", "fp8_block_linear_ref"]
+__all__ = [
+    "FP8_MAX",
+    "dequant_fp8_block",
+    "quant_fp8_block",
+    "narrow_fp8_block",
+    "fp8_block_linear",
+    "fp8_block_linear_ref",
+]
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
@@ -55,6 +67,26 @@ def quant_fp8_block(w: torch.Tensor, block_size) -> tuple[torch.Tensor, torch.Te
     scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (blocks / scale_inv[..., :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.flatten(-4, -3).flatten(-2, -1)[..., :N, :K].contiguous(), scale_inv
+
+
+def narrow_fp8_block(
+    w: torch.Tensor, scale_inv: torch.Tensor, block_size, dim: int, start: int, length: int
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+    """w.narrow(dim, start, length) for dim one of the last two axes, with its scales:
+    (w part, scale_inv part, block size). Along dim the block becomes gcd(block, start, length)
+    (length alone when the part runs to the end), so parts of equal length from every rank share
+    one block size and concatenate along dim like plain tensors."""
+    bn, bk = check_fp8_block(w, scale_inv, block_size)
+    axis = dim % w.dim()
+    if axis < w.dim() - 2 or not 0 <= start <= start + length <= w.shape[axis] or length < 1:
+        raise ValueError(f"cannot narrow w {tuple(w.shape)} on dim {dim} to [{start}, {start + length})")
+    last = axis == w.dim() - 1
+    b = bk if last else bn
+    fine = math.gcd(b, start, length) if start + length < w.shape[axis] else math.gcd(b, start)
+    scales = scale_inv.repeat_interleave(b // fine, dim=axis)
+    first, end = start // fine, -(-(start + length) // fine)
+    part_scales = scales.narrow(axis, first, end - first).contiguous()
+    return w.narrow(axis, start, length).contiguous(), part_scales, (bn, fine) if last else (fine, bk)
 
 
 def fp8_block_linear_ref(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, block_size) -> torch.Tensor:

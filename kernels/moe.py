@@ -17,8 +17,8 @@ dimension and reduces the [T, H] partial sums itself; the shared expert is the c
 CPU path: the T*k (token, expert) pairs are sorted by expert, each active expert runs one GEMM
 over its rows (experts with no rows cost nothing), and the weighted rows are summed per token
 over k in float32. The GEMMs of all experts are one call of torch's grouped GEMM where it
-can take them (float32, or 16-bit with one row per expert; 16-byte aligned strides), which
-saves the per-expert Python overhead; otherwise one F.linear per active expert. Rounding
+can take them (16-byte aligned strides; float32, or 16-bit while the experts average few rows),
+which saves the per-expert Python overhead; otherwise one F.linear per active expert. Rounding
 follows transformers: each GEMM's output, silu and the product are rounded to x's dtype, the
 routing weights too (its router casts them to the hidden dtype), and the combine accumulates in
 float32 and rounds once. On CUDA tensors (or with
@@ -41,12 +41,19 @@ __all__ = ["select_experts", "fused_moe", "sort_by_expert"]
 # costs about one such pass and the float32 GEMM blocks all rows. The result is the same
 # float32-accumulated GEMM, rounded once to x's dtype.
 _UPCAST_ROWS = 2
+# ... but while the active experts average fewer rows than this, most have one and the copies
+# cost more than they save: one grouped call of 16-bit GEMMs is faster (measured with
+# Qwen3.5-35B-A3B's expert sizes, bench/moe.py).
+_UPCAST_MEAN_ROWS = 2.5
 
 
-def _grouped_gemm_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, max_rows: int) -> bool:
-    """Whether torch's grouped GEMM can run these experts: it exists on this build, needs
-    16-byte aligned pointers and strides, and runs 16-bit GEMMs without the float32 copies."""
-    if not hasattr(F, "grouped_mm") or (x.dtype != torch.float32 and max_rows >= _UPCAST_ROWS):
+def _grouped_gemm_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: list[int]) -> bool:
+    """Whether torch's grouped GEMM should run these experts (rows[e] rows each): it exists on
+    this build, needs 16-byte aligned pointers and strides, and runs 16-bit GEMMs without the
+    float32 copies."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if x.dtype != torch.float32 and sum(rows) >= _UPCAST_MEAN_ROWS * sum(1 for r in rows if r):
         return False
     for t in (w13, w2):
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]):
@@ -125,7 +132,7 @@ def fused_moe(
     xs = x.index_select(0, torch.div(order, k, rounding_mode="trunc"))  # [T*k, H] rows grouped by expert
     ws = topk_weights.reshape(-1).index_select(0, order).to(x.dtype).float()[:, None]  # rounded as transformers rounds
     rows = counts.tolist()
-    if w13_scale_inv is None and _grouped_gemm_ok(x, w13, w2, max(rows, default=0)):
+    if w13_scale_inv is None and _grouped_gemm_ok(x, w13, w2, rows):
         offs = counts.cumsum(0, dtype=torch.int32)
         h = F.grouped_mm(xs, w13.transpose(1, 2), offs=offs)
         i = w2.shape[2]

@@ -26,6 +26,12 @@ def post(worker, backend: str, rid: str) -> None:
     worker.ext[_KEY][rid].post()
 
 
+def renew(worker, backend: str, targets: list) -> int:
+    """Restart the lease of each target's reservation on the destination ranks this rank writes."""
+    ep = xr.endpoint(worker, backend)
+    return sum(ep.renew(t) for t in targets)
+
+
 def poll(worker, backend: str, rids: list[str]) -> list[tuple[str, str | None, bool, int]]:
     """Drive the endpoint once; (state, failure, quiet, bytes) per request ("gone": never opened here)."""
     ep = xr.endpoint(worker, backend)

@@ -15,6 +15,9 @@ polls them while a push is in flight. Every engine and executor call stays on th
       "stop" / "length" (the first token ended it): nothing to push; the one message says so
     Abort(request_id) / the caller cancelling: engine abort before the first token, else abort
       the push; the held memory is released once no write can still read it.
+    While a request is here (queued, prefilling, pushing), the loop thread renews its decode
+      reservation's lease every third of it (a Renew from each rank to the destination ranks it
+      writes): the lease only runs out when this node stops working (docs/ARCHITECTURE.md).
     Handshake: adds the decode node's rank blobs as peers on every rank, answers with ours.
 
 Registers with the router as prefill_ready with the prompt tokens it has queued in capacity.
@@ -110,6 +113,9 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             raise
         self.pushes: dict[str, _Push] = {}  # loop thread only
         self._targets: dict = {}  # request id -> Target, set by the handler before it queues the request
+        # request id -> [lease_s, next renewal] of its reservation; set and removed by the handler
+        # with _targets, the renewal time moved on by the loop thread
+        self._leases: dict[str, list[float]] = {}
         self._started: dict[str, _Push] = {}  # request id -> its push, set by the loop thread for the handler
         self.loop = EngineLoop(self.engine, name=f"{cfg.node_id}-engine")
         self.loop.tick = self._tick
@@ -160,6 +166,8 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         if rid in self._targets:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already in flight here")
         self._targets[rid] = target
+        if request.target.lease_s > 0:
+            self._leases[rid] = [request.target.lease_s, t0 + request.target.lease_s / 3]
         outcome = "error"
         try:
             for resp in self._prefill(rid, ids, params, target, t0, context):
@@ -174,6 +182,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             raise
         finally:
             self.metrics.requests.labels(outcome=outcome).inc()
+            self._leases.pop(rid, None)
             self._targets.pop(rid, None)
             self._started.pop(rid, None)
 
@@ -337,12 +346,25 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         p.error = p.error or reason
         self.engine.executor.call_all(pranks.abort, self.backend, p.rid, reason)
 
+    def _renew(self) -> None:
+        """Renew the reservation lease of every request here whose renewal is due."""
+        now = time.monotonic()
+        due = []
+        for rid, lease in list(self._leases.items()):
+            target = self._targets.get(rid)
+            if target is not None and now >= lease[1]:
+                lease[1] = now + lease[0] / 3
+                due.append(target)
+        if due:
+            self.engine.executor.call_all(pranks.renew, self.backend, due)
+
     def _tick(self) -> bool:
+        self._renew()
         deadline = time.monotonic() + self.cfg.push_spin_s
         while True:
             pending = self._tick_once()
             if not pending or time.monotonic() >= deadline:
-                return pending
+                return pending or bool(self._leases)
             time.sleep(0.0005)
 
     def _tick_once(self) -> bool:

@@ -1,6 +1,6 @@
 """The `pdserve` command line.
 
-    pdserve make-tiny-model DIR [--layers 8 --hidden 256 ... --seed 0]
+    pdserve make-tiny-model DIR [--arch qwen3_5|qwen3_5_moe|qwen3_next --layers 8 --hidden 256 ... --seed 0]
     pdserve demo [--model DIR] [--tp 1] [--max-tokens 32]     # `up`, a few prompts via the SDK, shutdown
     pdserve up --model DIR --prefill N --decode M --prefill-tp a --decode-tp b --port P  (or --config pools.yaml)
     pdserve router --port P [--model DIR] [--decode ADDR ...] [--prefill ADDR ...]
@@ -28,6 +28,7 @@ import signal
 import sys
 import threading
 import time
+import typing
 from dataclasses import fields
 from pathlib import Path
 
@@ -48,6 +49,12 @@ SPEC_METHOD_HELP = ("where drafts come from: ngram (prompt lookup) or mtp (the c
                     "block); prefill and decode nodes must use the same method")
 QUEUE_HELP = ("when every prefill node has this many prompt tokens queued, decode nodes prefill new prompts "
               "themselves (0: no limit)")
+ADMISSION_HELP = "seconds a request waits in the router's FIFO admission queue, then RESOURCE_EXHAUSTED"
+QUEUE_LIMIT_HELP = "requests that may wait for admission; one more is refused RESOURCE_EXHAUSTED at once (0: no limit)"
+WINDOW_HELP = ("prompt tokens the router keeps outstanding per prefill node (sent, first token not back); the rest "
+               "wait in the admission queue without reserving decode memory (0: no window)")
+LEASE_HELP = ("seconds a decode reservation lives without a renewal; prefill nodes renew it while they work on the "
+              "request, so it runs out only for a dead or hung prefill node")
 DRAIN_HELP = ("on SIGTERM / SIGINT, finish what is in flight for at most this many seconds, taking nothing new, "
               "then stop (0: stop at once; a second signal cuts the wait short)")
 
@@ -66,10 +73,13 @@ def default_model_dir() -> Path:
 def _add_tiny_args(p: argparse.ArgumentParser) -> None:
     from engine.tiny_model import TinyModelSpec
 
+    hints = typing.get_type_hints(TinyModelSpec)
     for f in fields(TinyModelSpec):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        elif typing.get_origin(hints[f.name]) is typing.Literal:
+            p.add_argument(flag, choices=typing.get_args(hints[f.name]), default=f.default)
         else:
             typ = {"int": int, "float": float, "str": str}.get(str(f.type), type(f.default))
             p.add_argument(flag, type=typ, default=f.default)
@@ -80,7 +90,10 @@ def cmd_make_tiny_model(args) -> int:
 
     spec = TinyModelSpec(**{f.name: getattr(args, f.name) for f in fields(TinyModelSpec)})
     out = make_tiny_model(args.dir, spec)
-    print(f"wrote {out} ({spec.layers} layers, hidden {spec.hidden}, vocab {spec.vocab}, seed {spec.seed})")
+    moe = f", {spec.experts} experts top-{spec.top_k}" if spec.arch != "qwen3_5" else ""
+    fp8 = f", fp8 blocks {spec.fp8_block}" if spec.fp8 else ""
+    print(f"wrote {out} ({spec.arch}, {spec.layers} layers, hidden {spec.hidden}{moe}{fp8}, vocab {spec.vocab}, "
+          f"seed {spec.seed})")
     return 0
 
 
@@ -151,6 +164,9 @@ def cmd_router(args) -> int:
         heartbeat_interval_s=args.heartbeat_interval,
         dead_after_s=args.dead_after,
         admission_timeout_s=args.admission_timeout,
+        max_queued_requests=args.max_queued_requests,
+        prefill_window_tokens=args.prefill_window_tokens,
+        reservation_lease_s=args.reservation_lease,
         max_prefill_queue_tokens=args.max_prefill_queue_tokens,
         policy=args.policy,
         metrics_port=args.metrics_port,
@@ -212,9 +228,11 @@ def cmd_prefill(args) -> int:
 
 
 _UP_DEFAULTS = dict(model=None, prefill=1, decode=1, prefill_tp=1, decode_tp=1, host="127.0.0.1", port=50051,
-                    dtype="auto", device="cpu", kv_cache_memory="256MiB", max_num_seqs=64, local_prefill_threshold=0,
-                    policy="least-loaded", admission_timeout=30.0, max_prefill_queue_tokens=0, transfer_backend="nixl",
-                    num_speculative_tokens=0, speculative_method="ngram",
+                    dtype="auto", device="cpu", kv_cache_memory="256MiB", max_num_seqs=64,
+                    max_num_batched_tokens=2048, local_prefill_threshold=0,
+                    policy="least-loaded", admission_timeout=30.0, max_queued_requests=512,
+                    prefill_window_tokens=8192, reservation_lease=15.0, max_prefill_queue_tokens=0,
+                    transfer_backend="nixl", num_speculative_tokens=0, speculative_method="ngram",
                     http_port=None, metrics_port=None, drain_timeout=30.0)  # fmt: skip
 
 
@@ -254,9 +272,12 @@ def _up_spec(args):
         model=str(Path(vals["model"]).resolve()), prefill=vals["prefill"], decode=vals["decode"],
         prefill_tp=vals["prefill_tp"], decode_tp=vals["decode_tp"], host=vals["host"], port=vals["port"],
         dtype=vals["dtype"], device=vals["device"], kv_cache_memory=str(vals["kv_cache_memory"]),
-        max_num_seqs=vals["max_num_seqs"],
+        max_num_seqs=vals["max_num_seqs"], max_num_batched_tokens=int(vals["max_num_batched_tokens"]),
         local_prefill_threshold=vals["local_prefill_threshold"], policy=vals["policy"],
         admission_timeout_s=float(vals["admission_timeout"]), log_level=args.log_level or "INFO",
+        max_queued_requests=int(vals["max_queued_requests"]),
+        prefill_window_tokens=int(vals["prefill_window_tokens"]),
+        reservation_lease_s=float(vals["reservation_lease"]),
         max_prefill_queue_tokens=int(vals["max_prefill_queue_tokens"]),
         num_speculative_tokens=int(vals["num_speculative_tokens"]),
         speculative_method=str(vals["speculative_method"]),
@@ -365,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG"), help="default INFO for servers, else WARNING")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    p = sub.add_parser("make-tiny-model", help="write a small random Qwen3.5 checkpoint + tokenizer")
+    p = sub.add_parser("make-tiny-model", help="write a small random Qwen3.5 / Qwen3.5-MoE / Qwen3-Next checkpoint + tokenizer")
     p.add_argument("dir")
     _add_tiny_args(p)
     p.set_defaults(func=cmd_make_tiny_model)
@@ -389,9 +410,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu | cuda (decode nodes)")
     p.add_argument("--kv-cache-memory", default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="every node's token budget per engine step (default 2048); a prefill step is at most this "
+                        "long, and a reservation lease must outlast one")  # fmt: skip
     p.add_argument("--local-prefill-threshold", type=int, default=None)
     p.add_argument("--policy", default=None)
-    p.add_argument("--admission-timeout", type=float, default=None)
+    p.add_argument("--admission-timeout", type=float, default=None, help=ADMISSION_HELP + " (default 30)")
+    p.add_argument("--max-queued-requests", type=int, default=None, help=QUEUE_LIMIT_HELP + " (default 512)")
+    p.add_argument("--prefill-window-tokens", type=int, default=None, help=WINDOW_HELP + " (default 8192)")
+    p.add_argument("--reservation-lease", type=float, default=None, help=LEASE_HELP + " (default 15)")
     p.add_argument("--max-prefill-queue-tokens", type=int, default=None, help=QUEUE_HELP)
     p.add_argument("--num-speculative-tokens", type=int, default=None, help=SPEC_HELP + " (every node; default 0)")
     p.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
@@ -412,7 +439,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", action="append", metavar="ADDR", help="a static prefill node (repeatable)")
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
     p.add_argument("--dead-after", type=float, default=3.0)
-    p.add_argument("--admission-timeout", type=float, default=30.0)
+    p.add_argument("--admission-timeout", type=float, default=30.0, help=ADMISSION_HELP)
+    p.add_argument("--max-queued-requests", type=int, default=512, help=QUEUE_LIMIT_HELP)
+    p.add_argument("--prefill-window-tokens", type=int, default=8192, help=WINDOW_HELP)
+    p.add_argument("--reservation-lease", type=float, default=15.0, help=LEASE_HELP)
     p.add_argument("--max-prefill-queue-tokens", type=int, default=0, help=QUEUE_HELP)
     p.add_argument("--policy", default="least-loaded")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 picks one; default off)")

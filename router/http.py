@@ -1,8 +1,13 @@
 """OpenAI-compatible HTTP on the router: `GET /v1/models`, `POST /v1/completions`,
 `POST /v1/chat/completions`, streamed as server-sent events (`"stream": true`) or not.
 
-Each HTTP request becomes one call to the router's own gRPC `Generation.Generate` (a channel to
-its own port), so admission, routing, cancellation and metrics are exactly those of a gRPC client.
+Each HTTP request becomes one call to the router's own gRPC `Generation.Generate` per choice (a
+channel to its own port; `n` > 1 makes n calls, choice i with seed + i), so admission, routing,
+cancellation and metrics are exactly those of a gRPC client. Options map onto SamplingParams
+(`sampling`); the router matches string `stop` sequences (router/stops.py); `echo` puts the
+prompt before the output, and with `logprobs` asks for the prompt's logprobs too, shaped as
+OpenAI's completions (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`) or chat
+(`content: [{token, logprob, bytes, top_logprobs}]`) logprobs.
 Chat messages are rendered to a prompt with the tokenizer's Jinja2 `chat_template`
 (`add_generation_prompt=True`). A client that disconnects mid-stream cancels the gRPC call.
 
@@ -18,9 +23,11 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -71,36 +78,82 @@ def _num(body: dict, name: str, kind, lo=None, hi=None):
     return kind(v)
 
 
-def sampling(body: dict) -> pb.SamplingParams:
-    """OpenAI parameters -> SamplingParams; the engine checks the rest (a gRPC INVALID_ARGUMENT -> 400)."""
-    n = _num(body, "n", int)
-    if n not in (None, 1):
-        raise _bad(f"only n=1 is supported (got {n})", "n")
-    if body.get("best_of") not in (None, 1):
-        raise _bad("best_of is not supported", "best_of")
-    if body.get("logprobs") not in (None, False, 0) or body.get("echo"):
-        raise _bad("logprobs and echo are not supported", "logprobs" if body.get("logprobs") else "echo")
-    sp = pb.SamplingParams(top_k=_num(body, "top_k", int) or 0, ignore_eos=bool(body.get("ignore_eos", False)))
-    mt = _num(body, "max_completion_tokens", int, 1) or _num(body, "max_tokens", int, 1)
+MAX_N = 16  # most choices per request
+_REFUSED = ("logit_bias", "suffix", "tools", "functions", "tool_choice", "function_call")
+
+
+def _flag(body: dict, name: str) -> bool:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise _bad(f"'{name}' must be true or false (got {v!r})", name)
+    return bool(v)
+
+
+def _stops(body: dict) -> tuple[list[str], list[int]]:
+    """`stop`: a string, a list of strings, or (an extension) token ids; plus `stop_token_ids`."""
+    stop = body.get("stop")
+    items = [] if stop is None else stop if isinstance(stop, list) else [stop]
+    strs = [t for t in items if isinstance(t, str)]
+    toks = [t for t in items if isinstance(t, int) and not isinstance(t, bool)]
+    if len(strs) + len(toks) != len(items):
+        raise _bad(f"'stop' takes a string or a list of strings (got {stop!r})", "stop")
+    ids = toks + list(body.get("stop_token_ids") or ())
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise _bad(f"stop token ids must be non-negative integers (got {ids!r})", "stop_token_ids")
+    return strs, ids
+
+
+def choices(body: dict) -> int:
+    """`n`: independent samples of the same prompt (one gRPC request each)."""
+    n = _num(body, "n", int, 1, MAX_N) or 1
+    if body.get("best_of") not in (None, n):
+        raise _bad("best_of other than n is not supported", "best_of")
+    return n
+
+
+def sampling(body: dict, chat: bool = False) -> pb.SamplingParams:
+    """OpenAI parameters -> SamplingParams; the engine checks the rest (a gRPC INVALID_ARGUMENT ->
+    400). `max_tokens: 0` asks for one token (the caller returns none of it). Logprobs: chat
+    `logprobs: true` with `top_logprobs: k`; completions `logprobs: k` and, with `echo`, the
+    prompt's too (prompt_logprobs)."""
+    for name in _REFUSED:
+        if body.get(name) not in (None, {}, []):
+            raise _bad(f"'{name}' is not supported", name)
+    rf = body.get("response_format")
+    if rf not in (None, {}) and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise _bad("only response_format {'type': 'text'} is supported", "response_format")
+    sp = pb.SamplingParams(top_k=_num(body, "top_k", int) or 0, ignore_eos=_flag(body, "ignore_eos"))
+    mt = _num(body, "max_completion_tokens", int, 0)
+    mt = _num(body, "max_tokens", int, 0) if mt is None else mt
     if mt is not None:
-        sp.max_tokens = mt
-    for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
+        sp.max_tokens = max(mt, 1)  # 0: generate one token and return none (prompt logprobs only)
+    for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("presence_penalty", -2.0, 2.0),
+                         ("frequency_penalty", -2.0, 2.0), ("repetition_penalty", 0.0, 10.0)):  # fmt: skip
         v = _num(body, name, float, lo, hi)
         if v is not None:
             setattr(sp, name, v)
-    seed = _num(body, "seed", int)
-    if seed is not None:
-        sp.seed = seed
-    stop = body.get("stop")
-    stops = list(body.get("stop_token_ids") or ())
-    if stop is not None:
-        items = stop if isinstance(stop, list) else [stop]
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-            raise _bad("'stop' takes token ids (integers) only; string stop sequences are not supported", "stop")
-        stops += items
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stops):
-        raise _bad(f"stop token ids must be non-negative integers (got {stops!r})", "stop")
-    sp.stop_token_ids.extend(stops)
+    for name in ("seed", "min_tokens"):
+        v = _num(body, name, int, 0)
+        if v is not None:
+            setattr(sp, name, v)
+    strs, ids = _stops(body)
+    sp.stop.extend(strs)
+    sp.stop_token_ids.extend(ids)
+    if chat:
+        if _flag(body, "logprobs"):
+            sp.logprobs = _num(body, "top_logprobs", int, 0, 20) or 0
+        elif body.get("top_logprobs") is not None:
+            raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if body.get("echo"):
+            raise _bad("'echo' is not supported for chat completions", "echo")
+    else:
+        if body.get("top_logprobs") is not None:
+            raise _bad("'top_logprobs' is a chat option; completions take 'logprobs': N", "top_logprobs")
+        lp = body.get("logprobs")
+        if lp is not None and lp is not False:
+            sp.logprobs = _num(body, "logprobs", int, 0, 20)
+        if _flag(body, "echo") and sp.HasField("logprobs"):
+            sp.prompt_logprobs = sp.logprobs
     return sp
 
 
@@ -159,24 +212,49 @@ class OpenAIServer:
         except Exception as e:
             raise _bad(f"the chat template refused the messages: {e}", "messages") from None
 
-    def request(self, body: dict, chat: bool) -> tuple[str, pb.GenerateRequest]:
+    def request(self, body: dict, chat: bool) -> Job:
         model = self._model(body)
-        sp = sampling(body)
+        sp, n = sampling(body, chat), choices(body)
+        no_output = body.get("max_completion_tokens", body.get("max_tokens")) == 0
         req = pb.GenerateRequest(request_id=uuid.uuid4().hex, sampling=sp)
+        echo = None
         if chat:
             req.prompt = self.chat_prompt(body.get("messages"))
-            return model, req
-        p = body.get("prompt")
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]  # a batch of one
-        if isinstance(p, str) and p:
-            req.prompt = p
-        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            req.prompt_token_ids.extend(p)
         else:
-            raise _bad("'prompt' must be a non-empty string or a list of token ids (batches are not supported)",
-                       "prompt")  # fmt: skip
-        return model, req
+            p = body.get("prompt")
+            if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+                p = p[0]  # a batch of one
+            if isinstance(p, str) and p:
+                req.prompt = p
+            elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                req.prompt_token_ids.extend(p)
+            else:
+                raise _bad("'prompt' must be a non-empty string or a list of token ids (batches are not supported)",
+                           "prompt")  # fmt: skip
+            if _flag(body, "echo"):
+                tok = self.router.tokenizer
+                if req.prompt:
+                    echo = req.prompt
+                    if sp.HasField("prompt_logprobs"):  # the ids the logprobs are for
+                        if tok is None:
+                            raise _bad("this router has no tokenizer: send the prompt as token ids", "prompt")
+                        req.prompt_token_ids.extend(tok.encode(req.prompt))
+                        req.prompt = ""
+                else:
+                    echo = tok.decode(list(req.prompt_token_ids)) if tok is not None else ""
+        if sp.HasField("logprobs") and self.router.tokenizer is None:
+            raise _bad("logprobs need a tokenizer on the router", "logprobs")
+        reqs = []
+        for i in range(n):  # independent samples; with a seed, choice i uses seed + i
+            r = pb.GenerateRequest()
+            r.CopyFrom(req)
+            if n > 1:
+                r.request_id = f"{req.request_id}-{i}"
+                if sp.HasField("seed"):
+                    r.sampling.seed = sp.seed + i
+            reqs.append(r)
+        return Job(model, chat, req.request_id, reqs, echo, list(req.prompt_token_ids), no_output,
+                   sp.logprobs if sp.HasField("logprobs") else None)  # fmt: skip
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self, host: str, port: int) -> int:
@@ -252,12 +330,11 @@ class _Handler(BaseHTTPRequestHandler):
                 raise _bad(f"the body is not JSON: {e}") from None
             if not isinstance(body, dict):
                 raise _bad("the body must be a JSON object")
-            chat = path.endswith("chat/completions")
-            model, req = self.server_ref.request(body, chat)
+            job = self.server_ref.request(body, path.endswith("chat/completions"))
             if body.get("stream"):
-                self._stream(model, req, chat, bool((body.get("stream_options") or {}).get("include_usage")))
+                self._stream(job, bool((body.get("stream_options") or {}).get("include_usage")))
             else:
-                self._whole(model, req, chat)
+                self._whole(job)
         except ApiError as e:
             self._error(e)
         except grpc.RpcError as e:
@@ -265,80 +342,202 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ---- responses ------------------------------------------------------------------------------
     @staticmethod
-    def _head(model: str, chat: bool, chunk: bool) -> dict:
-        obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
-        return {"id": "", "object": obj, "created": int(time.time()), "model": model}
+    def _head(job: Job, chunk: bool) -> dict:
+        obj = ("chat.completion.chunk" if chunk else "chat.completion") if job.chat else "text_completion"
+        return {"id": ("chatcmpl-" if job.chat else "cmpl-") + job.id, "object": obj, "created": int(time.time()),
+                "model": job.model}  # fmt: skip
 
-    def _whole(self, model: str, req, chat: bool) -> None:
-        text, n, finish, prompt_tokens = [], 0, None, 0
-        for m in self.server_ref.stub.Generate(req):
-            text.append(m.text)
-            n += len(m.token_ids)
-            prompt_tokens = prompt_tokens or m.prompt_tokens
-            finish = m.finish_reason or finish
-        out = self._head(model, chat, chunk=False)
-        out["id"] = ("chatcmpl-" if chat else "cmpl-") + req.request_id
-        choice = {"index": 0, "finish_reason": finish}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice.update(text="".join(text), logprobs=None)
-        out["choices"] = [choice]
-        out["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+    def _whole(self, job: Job) -> None:
+        q, calls = _start(self.server_ref.stub, job.reqs)
+        choices = [_Choice(job, i, self.server_ref.router.tokenizer) for i in range(len(job.reqs))]
+        try:
+            for i, m in _events(q, len(calls)):
+                if isinstance(m, grpc.RpcError):
+                    raise m
+                if m is not None:
+                    choices[i].add(m)
+        finally:
+            for c in calls:
+                c.cancel()
+        out = self._head(job, chunk=False)
+        out["choices"] = [c.whole() for c in choices]
+        out["usage"] = _usage(choices)
         self._json(200, out)
 
-    def _stream(self, model: str, req, chat: bool, usage: bool) -> None:
-        call = self.server_ref.stub.Generate(req)
+    def _stream(self, job: Job, usage: bool) -> None:
+        q, calls = _start(self.server_ref.stub, job.reqs)
+        choices = [_Choice(job, i, self.server_ref.router.tokenizer) for i in range(len(job.reqs))]
+        events = _events(q, len(calls))
         try:
-            first = next(call)  # errors before the first token still get an HTTP status
-        except StopIteration:
-            first = None
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.close_connection = True
-        head = self._head(model, chat, chunk=True)
-        head["id"] = ("chatcmpl-" if chat else "cmpl-") + req.request_id
-        n = prompt_tokens = 0
+            first = next(events)  # errors before the first token still get an HTTP status
+            if isinstance(first[1], grpc.RpcError):
+                raise first[1]
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.close_connection = True
+            head = self._head(job, chunk=True)
 
-        def send(obj) -> None:
-            self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-            self.wfile.flush()
+            def send(obj) -> None:
+                self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+                self.wfile.flush()
 
-        try:
-            if chat:
-                send(dict(head, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                          "finish_reason": None}]))  # fmt: skip
-            msgs = [] if first is None else [first]
-            for m in _chain(msgs, call):
-                n += len(m.token_ids)
-                prompt_tokens = prompt_tokens or m.prompt_tokens
-                fin = m.finish_reason or None
-                if not m.text and fin is None:
-                    continue
-                if chat:
-                    delta = {"content": m.text} if m.text else {}
-                    choice = {"index": 0, "delta": delta, "finish_reason": fin}
-                else:
-                    choice = {"index": 0, "text": m.text, "logprobs": None, "finish_reason": fin}
-                send(dict(head, choices=[choice]))
-            if usage:
-                send(dict(head, choices=[], usage={"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                                                   "total_tokens": prompt_tokens + n}))  # fmt: skip
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-        except grpc.RpcError as e:  # mid-stream: an error event, then the end
+            if job.chat:
+                for c in choices:
+                    send(dict(head, choices=[{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}]))  # fmt: skip
             try:
-                send(ApiError.from_rpc(e).body())
+                for i, m in _chain([first], events):
+                    if isinstance(m, grpc.RpcError):
+                        raise m
+                    if m is not None:
+                        for choice in choices[i].deltas(m):
+                            send(dict(head, choices=[choice]))
+                if usage:
+                    send(dict(head, choices=[], usage=_usage(choices)))
                 self.wfile.write(b"data: [DONE]\n\n")
-            except OSError:
-                pass
+                self.wfile.flush()
+            except grpc.RpcError as e:  # mid-stream: an error event, then the end
+                try:
+                    send(ApiError.from_rpc(e).body())
+                    self.wfile.write(b"data: [DONE]\n\n")
+                except OSError:
+                    pass
         except OSError:  # the client went away: cancel the request
-            call.cancel()
+            pass
         finally:
-            call.cancel()
+            for c in calls:
+                c.cancel()
+
+
+@dataclass
+class Job:
+    """One HTTP request: n gRPC requests (one per choice) and how to shape the answer."""
+
+    model: str
+    chat: bool
+    id: str
+    reqs: list[pb.GenerateRequest]
+    echo: str | None  # completions with echo: the prompt text, put before the output
+    prompt_ids: list[int]  # the prompt's ids when sent as ids (echo with logprobs)
+    no_output: bool  # max_tokens 0: the one token generated is not returned
+    logprobs: int | None  # alternatives per position, when logprobs were asked for
+
+
+class _Choice:
+    """One choice's text, tokens and logprobs as its gRPC messages arrive."""
+
+    def __init__(self, job: Job, index: int, tok):
+        self.job, self.index, self.tok = job, index, tok
+        self.text: list[str] = []
+        self.entries: list = []  # pb.TokenLogprob per returned token; echo: the prompt's first
+        self.n = 0
+        self.prompt_tokens = 0
+        self.finish: str | None = None
+        self.offset = 0  # completions text_offset of the next token
+        self.started = False
+
+    def _take(self, m) -> tuple[str, list]:
+        """The text and logprob entries this message adds (echo: the prompt's on the first)."""
+        text, entries = "", []
+        if not self.started:
+            self.started = True
+            self.prompt_tokens = m.prompt_tokens
+            if self.job.echo is not None:
+                text = self.job.echo
+                if self.job.logprobs is not None and self.job.prompt_ids:
+                    entries = [pb.TokenLogprob(token_id=self.job.prompt_ids[0], logprob=float("nan"))]
+                    entries += list(m.prompt_logprobs)
+        if not self.job.no_output:
+            text += m.text
+            entries += list(m.logprobs)
+            self.n += len(m.token_ids)
+        self.finish = m.finish_reason or self.finish
+        return text, entries
+
+    def add(self, m) -> None:
+        text, entries = self._take(m)
+        self.text.append(text)
+        self.entries += entries
+
+    def whole(self) -> dict:
+        c = {"index": self.index, "finish_reason": self.finish}
+        lp = self._logprobs(self.entries) if self.job.logprobs is not None else None
+        if self.job.chat:
+            c["message"] = {"role": "assistant", "content": "".join(self.text)}
+            c["logprobs"] = lp
+        else:
+            c.update(text="".join(self.text), logprobs=lp)
+        return c
+
+    def deltas(self, m) -> list[dict]:
+        text, entries = self._take(m)
+        fin = m.finish_reason or None
+        if not text and not entries and fin is None:
+            return []
+        lp = self._logprobs(entries) if self.job.logprobs is not None else None
+        if self.job.chat:
+            return [{"index": self.index, "delta": {"content": text} if text else {}, "logprobs": lp,
+                     "finish_reason": fin}]  # fmt: skip
+        return [{"index": self.index, "text": text, "logprobs": lp, "finish_reason": fin}]
+
+    def _str(self, token_id: int) -> str:
+        return self.tok.decode([token_id])
+
+    def _logprobs(self, entries) -> dict:
+        if self.job.chat:
+            def one(t, lp):
+                s = self._str(t)
+                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+            return {"content": [dict(one(e.token_id, e.logprob), top_logprobs=[one(t.token_id, t.logprob) for t in e.top])
+                                for e in entries]}  # fmt: skip
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            s = self._str(e.token_id)
+            first = e.logprob != e.logprob  # NaN marks the prompt's first token: no logprob
+            out["tokens"].append(s)
+            out["token_logprobs"].append(None if first else e.logprob)
+            out["top_logprobs"].append(None if first else {self._str(t.token_id): t.logprob for t in e.top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(s)
+        return out
+
+
+def _usage(choices: list[_Choice]) -> dict:
+    p = choices[0].prompt_tokens if choices else 0
+    n = sum(c.n for c in choices)
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+
+
+def _start(stub, reqs) -> tuple[queue.Queue, list]:
+    """Start one Generate per request; a thread per call puts (index, message) on the queue,
+    then (index, None) at its end or (index, RpcError)."""
+    q: queue.Queue = queue.Queue()
+    calls = [stub.Generate(r) for r in reqs]
+
+    def pump(i: int, call) -> None:
+        try:
+            for m in call:
+                q.put((i, m))
+            q.put((i, None))
+        except grpc.RpcError as e:
+            q.put((i, e))
+
+    for i, c in enumerate(calls):
+        threading.Thread(target=pump, args=(i, c), name="openai-call", daemon=True).start()
+    return q, calls
+
+
+def _events(q: queue.Queue, n: int):
+    left = n
+    while left:
+        i, m = q.get()
+        if m is None or isinstance(m, grpc.RpcError):
+            left -= 1
+        yield i, m
 
 
 def _chain(first: list, rest):

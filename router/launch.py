@@ -46,9 +46,13 @@ class PoolSpec:
     device: str = "cpu"
     kv_cache_memory: str = "256MiB"
     max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # every node's engine step budget (prompt tokens per step)
     local_prefill_threshold: int = 0
     policy: str = "least-loaded"
     admission_timeout_s: float = 30.0
+    max_queued_requests: int = 512  # the router's --max-queued-requests
+    prefill_window_tokens: int = 8192  # the router's --prefill-window-tokens
+    reservation_lease_s: float = 15.0  # the router's --reservation-lease
     max_prefill_queue_tokens: int = 0  # the router's --max-prefill-queue-tokens
     num_speculative_tokens: int = 0  # every node's --num-speculative-tokens
     speculative_method: str = "ngram"  # every node's --speculative-method: ngram | mtp
@@ -98,6 +102,9 @@ class Cluster:
             "router",
             ["router", "--host", s.host, "--port", str(s.port), "--port-file", str(port_file), "--model", s.model,
              "--policy", s.policy, "--admission-timeout", str(s.admission_timeout_s),
+             "--max-queued-requests", str(s.max_queued_requests),
+             "--prefill-window-tokens", str(s.prefill_window_tokens),
+             "--reservation-lease", str(s.reservation_lease_s),
              "--max-prefill-queue-tokens", str(s.max_prefill_queue_tokens), *self._router_ports()],
         )  # fmt: skip
         deadline = time.monotonic() + ready_timeout
@@ -128,6 +135,7 @@ class Cluster:
             [kind, "--model", s.model, "--router", self.address, "--host", s.host, "--port", "0",
              "--node-id", f"{kind}-{i}", "--tp", str(tp), "--dtype", s.dtype, "--device", s.device,
              "--kv-cache-memory", s.kv_cache_memory, "--max-num-seqs", str(s.max_num_seqs),
+             "--max-num-batched-tokens", str(s.max_num_batched_tokens),
              "--transfer-backend", s.transfer_backend, "--num-speculative-tokens", str(s.num_speculative_tokens),
              "--speculative-method", s.speculative_method, *metrics, *extra],
         )  # fmt: skip

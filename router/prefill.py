@@ -1,9 +1,15 @@
 """The prefill phase of a disaggregated request (docs/DESIGN.md §1), as the router runs it.
 
-    run(D, request): choose a prefill node P (policy) -> D.Reserve (TransferTarget; retried while D
-    is momentarily full) -> make sure P and D have handshaken (brokered once per pair of
-    incarnations: P's rank blobs to D, D's to P) -> P.Prefill(prompt, target), a stream: its first
-    message is the first token -> a `Push` (first token in hand, P's ranks still writing)
+    run(D, P, request): P was chosen at admission, within its window -> make sure P and D have
+    handshaken (brokered once per pair of incarnations: P's rank blobs to D, D's to P) -> D.Reserve
+    (TransferTarget under a short lease that P renews while it works on the request; retried while
+    D is momentarily full) -> P.Prefill(prompt, target), a stream: its first message is the first
+    token -> a `Push` (first token in hand, P's ranks still writing)
+
+The window: the prompt tokens this router has sent to P whose first token has not come back
+(`inflight_prefill_tokens`). Admission places a request on P only while that stays within
+`prefill_window_tokens` (or P has none), so decode memory is reserved only for work P will
+start soon; the rest waits in the router's queue holding nothing (router/admission.py).
 
 A thread (`Push._watch`) reads the rest of P's stream: the `pushed` message with the transfer
 figures, or a failed push, which releases D's reservation (`push_failed`). A prefill that fails
@@ -97,6 +103,18 @@ class PrefillPhase:
                 return False
         return bool(ready)
 
+    def choose(self, d: NodeEntry, prompt_len: int, exclude: set[str], window: bool) -> NodeEntry | None:
+        """Under registry.cond: a ready prefill node for D (within its window when `window`),
+        with the prompt counted against it; None when there is none."""
+        w = self.cfg.prefill_window_tokens
+        nodes = self.ready(d, exclude)
+        if window and w:
+            nodes = [p for p in nodes if not p.inflight_prefill_tokens or p.inflight_prefill_tokens + prompt_len <= w]
+        p = self.policy.choose_prefill(nodes, prompt_len)
+        if p is not None:
+            p.inflight_prefill_tokens += prompt_len
+        return p
+
     def handshake(self, p: NodeEntry, d: NodeEntry) -> None:
         """Broker the transfer handshake of (P, D) once per pair of incarnations."""
         key = (p.node_id, p.info.incarnation, d.node_id, d.info.incarnation)
@@ -152,30 +170,30 @@ class PrefillPhase:
                     raise Abort(grpc.StatusCode.CANCELLED, "the client went away") from None
                 time.sleep(0.02)
 
-    def run(self, d: NodeEntry, request, ids: list[int], request_id: str, context) -> Push | None:
-        """Reserve on D, prefill on a prefill node (one retry elsewhere) until it streams the first
-        token. Returns the _Push (first token, the push still running), or None to prefill on D."""
+    def run(self, d: NodeEntry, p: NodeEntry, request, ids: list[int], request_id: str, context) -> Push | None:
+        """Reserve on D, prefill on P (counted against it by admission; one retry elsewhere) until
+        it streams the first token. Returns the Push (first token, the push still running), or
+        None to prefill on D."""
         n = len(ids)
         tried: set[str] = set()
         attempt = 0  # reservations made (each under its own id)
         failures = 0  # prefill calls that failed (a drain refusal is not one)
         while True:
-            with self.registry.cond:
-                p = self.policy.choose_prefill(self.ready(d, tried), n)
-                if p is not None:
-                    p.inflight_prefill_tokens += n
             if p is None:
-                return None
+                with self.registry.cond:
+                    p = self.choose(d, n, tried, window=False)  # a retry: admitted already
+                if p is None:
+                    return None
             tried.add(p.node_id)
             rid = request_id if attempt == 0 else f"{request_id}~{attempt}"
             reserved = False
             try:
+                self.handshake(p, d)  # first: the lease starts when P can renew it
                 try:
                     target = self.reserve(d, rid, ids, request, context)
                 except grpc.RpcError as e:
                     raise DecodeFailed(e) from None
                 reserved = True
-                self.handshake(p, d)
                 call = p.stub.Prefill(
                     pb.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=request.sampling, target=target),
                     timeout=self.cfg.prefill_timeout_s,
@@ -224,6 +242,8 @@ class PrefillPhase:
             finally:
                 with self.registry.cond:
                     p.inflight_prefill_tokens -= n
+                    self.registry.cond.notify_all()  # within its window again: admit the next
+                p = None
 
     def push_failed(self, push: Push, e: grpc.RpcError) -> None:
         """The push failed after the first token went out (watcher thread): free D's reservation,

@@ -2,9 +2,11 @@
 
 Serves `Generation` (clients) and `Registry` (nodes), plus health and reflection. One request:
 
-    validate (prompt, sampling) -> tokenize text -> admission: wait (bounded) until the policy
-    finds a decode node D with room -> prefill phase -> stream D's tokens back, with text deltas
-    and the router's timings -> one INFO line (with transfer bytes and ms)
+    validate (prompt, sampling) -> tokenize text -> admission (router/admission.py): FIFO, bounded
+    by --admission-timeout and --max-queued-requests, until the policy finds a decode node D with
+    room and, for the prefill pool, a prefill node P within its --prefill-window-tokens -> prefill
+    phase -> stream D's tokens back, with text deltas and the router's timings -> one INFO line
+    (with queue wait, transfer bytes and ms)
 
 The prefill phase (router/prefill.py), when the prompt is at least D's local-prefill threshold
 and a prefill node is ready and not overloaded, returns a Push: a reservation on D and the first
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from prometheus_client import Counter, Histogram
 
 from proto import pb, rpc
 from proto.metrics import ServingMetrics
@@ -47,14 +50,23 @@ from proto.serving import (
     start_server,
     wait_idle,
 )
+from router.admission import Admission
 from router.config import RouterConfig
 from router.detok import IncrementalDetokenizer
 from router.errors import Abort, DecodeFailed
 from router.policy import make_policy
 from router.prefill import PrefillPhase
 from router.registry import NodeEntry, NodeRegistry
+from router.stops import with_stops
 
 log = logging.getLogger("pdserve.router")
+
+# Every Generate call holds a server thread while it waits for admission or streams: the router
+# takes up to max_queued_requests + STREAMING of them (more are refused RESOURCE_EXHAUSTED at once)
+# and keeps SPARE_THREADS beyond that for heartbeats, registration and health checks, which must
+# never wait behind client requests under overload.
+STREAMING = 1024
+SPARE_THREADS = 64
 
 
 @dataclass
@@ -95,9 +107,20 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         self._health = None
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="sweeper", daemon=True)
-        self._queued = 0  # requests waiting in admission (under registry.cond)
         self._active = 0  # requests in Generate (under registry.cond)
         self.metrics = ServingMetrics("pdserve_router", self._gauges)
+        reg = self.metrics.registry
+        self.queue_wait = Histogram("pdserve_router_queue_wait_seconds", "Time requests waited for admission",
+                                    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+                                    registry=reg)  # fmt: skip
+        self.refused = Counter("pdserve_router_admission_refused",
+                               "Requests refused RESOURCE_EXHAUSTED before any work: queue full, or no room in time",
+                               ["reason"], registry=reg)  # fmt: skip
+        for reason in ("queue_full", "timeout"):
+            self.refused.labels(reason=reason)
+        self.admission = Admission(self.registry.cond, cfg.max_queued_requests, cfg.admission_timeout_s,
+                                   self._left_queue)  # fmt: skip
+        self.generate_limit = (cfg.max_queued_requests or 4096) + STREAMING
         self.metrics_port: int | None = None
         self.http = None  # router.http.OpenAIServer when cfg.http_port is set
         self.http_port: int | None = None
@@ -107,7 +130,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         dec = self.registry.live(pb.NODE_KIND_DECODE)
         caps = [e.info.capacity for e in dec]
         return {
-            "queue_depth": ("Requests waiting for admission", self._queued),
+            "queue_depth": ("Requests waiting for admission", self.admission.depth()),
             "active_requests": ("Requests in flight through the router", self._active),
             "decode_nodes_live": ("Live decode nodes", len(dec)),
             "prefill_nodes_live": ("Live prefill nodes", len(self.registry.live(pb.NODE_KIND_PREFILL))),
@@ -184,6 +207,8 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             SamplingParams(**sampling_kwargs(request.sampling))
         except ValueError as e:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if request.sampling.stop and self.tokenizer is None:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "stop strings need a tokenizer on the router: use stop_token_ids")
         if len(request.request_id) > MAX_REQUEST_ID_LEN:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id longer than {MAX_REQUEST_ID_LEN} characters")
         nodes = self.registry.live(pb.NODE_KIND_DECODE)
@@ -208,36 +233,44 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                     grpc.StatusCode.INVALID_ARGUMENT, f"prompt token id(s) {bad[:5]} out of range [0, {vocab})"
                 )
 
-    def _admit(self, prompt_len: int, context, exclude: set[str]) -> NodeEntry:
-        """Wait (bounded) for a decode node with room; count the request against it."""
-        deadline = time.monotonic() + self.cfg.admission_timeout_s
-        reg = self.registry
-        with reg.cond:
-            self._queued += 1
-            try:
-                return self._admit_locked(prompt_len, context, exclude, deadline)
-            finally:
-                self._queued -= 1
+    def _left_queue(self, outcome: str, wait_s: float) -> None:
+        if outcome in ("queue_full", "timeout"):
+            self.refused.labels(reason=outcome).inc()
+        if outcome != "queue_full":
+            self.queue_wait.observe(wait_s)
 
-    def _admit_locked(self, prompt_len: int, context, exclude: set[str], deadline: float) -> NodeEntry:
-        reg = self.registry
-        while True:
-            nodes = [e for e in reg.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]
-            e = self.policy.choose_decode(nodes, prompt_len)
-            if e is not None:
-                e.inflight += 1
-                e.inflight_blocks += e.blocks_for(prompt_len + 1)
-                return e
-            left = deadline - time.monotonic()
-            if left <= 0 or not context.is_active():
-                if not nodes:
-                    raise Abort(grpc.StatusCode.UNAVAILABLE, "no live decode node takes new requests")
-                raise Abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"no decode node had room for a {prompt_len}-token prompt "
-                    f"within {self.cfg.admission_timeout_s:g} s",
-                )
-            reg.cond.wait(min(left, 0.25))
+    def _admit(self, prompt_len: int, context, exclude: set[str], local: bool = False) -> tuple[NodeEntry, NodeEntry | None]:
+        """Wait in the admission queue until the request is placed: (decode node, prefill node or
+        None to prefill on the decode node), both counted against (router/admission.py).
+        local: prefill on the decode node (logprobs: the prefill node does not return them)."""
+
+        def refuse() -> Abort:
+            if not [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]:
+                return Abort(grpc.StatusCode.UNAVAILABLE, "no live decode node takes new requests")
+            return Abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"no decode node had room (or no prefill node was within its window) for a {prompt_len}-token "
+                f"prompt within {self.cfg.admission_timeout_s:g} s ({self.admission.depth()} in the admission queue): "
+                "try again later",
+            )
+
+        return self.admission.wait(lambda: self._place(prompt_len, exclude, local), context, refuse)
+
+    def _place(self, prompt_len: int, exclude: set[str], local: bool = False) -> tuple[NodeEntry, NodeEntry | None] | None:
+        """Under registry.cond: a decode node with room and, when the prompt goes through the
+        prefill pool, a prefill node within its window; None: not now."""
+        nodes = [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]
+        d = self.policy.choose_decode(nodes, prompt_len)
+        if d is None:
+            return None
+        p = None
+        if not local and self.prefill.use_pool(d, prompt_len):
+            p = self.prefill.choose(d, prompt_len, set(), window=True)
+            if p is None:
+                return None  # every prefill node has its window of work: wait, reserving nothing
+        d.inflight += 1
+        d.inflight_blocks += d.blocks_for(prompt_len + 1)
+        return d, p
 
     def _done(self, e: NodeEntry, prompt_len: int) -> None:
         with self.registry.cond:
@@ -252,12 +285,21 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             refuse_draining(context, "the router")
         tr = _Trace(request.request_id or uuid.uuid4().hex)
         with self.registry.cond:
-            self._active += 1
+            full = self._active >= self.generate_limit
+            if not full:
+                self._active += 1
+        if full:
+            self._left_queue("queue_full", 0.0)
+            log.info("request %s: refused RESOURCE_EXHAUSTED, %d requests in flight", tr.request_id, self.generate_limit)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"the router has {self.generate_limit} requests in flight, its limit: try again later")
         try:
             ids = self._prompt_ids(request)
             tr.prompt_len = len(ids)
             self._check(request, ids)
-            yield from self._generate(request, ids, tr, context)
+            stream = self._generate(request, ids, tr, context)
+            yield from with_stops(stream, list(request.sampling.stop), request.sampling.min_tokens,
+                                  lambda: setattr(tr, "finish", "stop"))  # fmt: skip
         except Abort as a:
             tr.finish = a.code.name
             context.abort(a.code, a.msg)
@@ -288,7 +330,8 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         tried: set[str] = set()
         while True:
             t_admit = time.monotonic()
-            d = self._admit(len(ids), context, tried)
+            sp = request.sampling
+            d, p = self._admit(len(ids), context, tried, sp.HasField("logprobs") or sp.HasField("prompt_logprobs"))
             tr.queue_s += time.monotonic() - t_admit
             tr.decode = d.node_id
             tried.add(d.node_id)
@@ -296,8 +339,8 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             call = None
             settled = False  # the reservation (if any) is activated, released or never made
             try:
-                if self.prefill.use_pool(d, len(ids)):
-                    pre = self.prefill.run(d, request, ids, tr.request_id, context)
+                if p is not None:
+                    pre = self.prefill.run(d, p, request, ids, tr.request_id, context)
                 if pre is None:
                     tr.prefill = "local"
                     call = d.stub.Generate(
@@ -379,7 +422,8 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             tr.first = tr.first or now
             tr.last = now
             tr.n += len(m.token_ids)
-        out = pb.GenerateResponse(request_id=tr.request_id, token_ids=m.token_ids, finish_reason=m.finish_reason)
+        out = pb.GenerateResponse(request_id=tr.request_id, token_ids=m.token_ids, finish_reason=m.finish_reason,
+                                  logprobs=m.logprobs, prompt_logprobs=m.prompt_logprobs)  # fmt: skip
         if detok is not None and (m.token_ids or m.finish_reason):
             out.text = detok.push(list(m.token_ids), final=bool(m.finish_reason))
         if first:
@@ -425,7 +469,8 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             rpc.add_GenerationServicer_to_server(self, s)
             rpc.add_RegistryServicer_to_server(self, s)
 
-        self.server, port, self._health = start_server(addr, add, ["Generation", "Registry"], max_workers=256)
+        self.server, port, self._health = start_server(addr, add, ["Generation", "Registry"],
+                                                        max_workers=self.generate_limit + SPARE_THREADS)
         self._sweeper.start()
         log.info("router serving on port %d (policy %s)", port, self.policy.name)
         host = self.cfg.host

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import torch
 
@@ -18,6 +20,17 @@ SPEC_HV1 = TinyModelSpec(
 SPEC_MTP = TinyModelSpec(layers=4, tokenizer=False, seed=2, mtp=True)
 PROMPT_LENS = (1, 2, 3, 63, 64, 65, 200)
 
+# MoE: odd sizes that still split over 8 ranks; 6 experts, top-3, one KV head; Qwen3-Next has a
+# dense layer (0) among sparse ones and does not renormalise its top-k weights.
+_MOE = dict(layers=4, hidden=64, heads=8, kv_heads=1, head_dim=16, linear_key_heads=8, linear_value_heads=16,
+            linear_key_head_dim=8, linear_value_head_dim=8, vocab=320, intermediate=48, experts=6, top_k=3,
+            moe_intermediate=24, shared_intermediate=40, tokenizer=False)
+SPEC_MOE = {
+    "qwen3_5_moe": TinyModelSpec(arch="qwen3_5_moe", seed=3, **_MOE),
+    "qwen3_next": TinyModelSpec(arch="qwen3_next", seed=4, mlp_only_layers="0", norm_topk_prob=False, **_MOE),
+}
+MOE_PROMPT_LENS = (1, 5, 17, 40)
+
 
 def make(path, spec: TinyModelSpec) -> str:
     return str(make_tiny_model(path, spec))
@@ -29,15 +42,17 @@ def prompts(vocab: int = 1024, lens=PROMPT_LENS, seed: int = 0) -> list[list[int
 
 
 @functools.lru_cache(maxsize=4)
-def _hf_model(path: str, dtype: torch.dtype = torch.float32):
-    from transformers import Qwen3_5ForCausalLM
+def _hf_model(path: str, cls_name: str | None = None, dtype: torch.dtype = torch.float32):
+    """transformers' own model class for the checkpoint: `cls_name`, or its config's architecture."""
+    import transformers
 
-    return Qwen3_5ForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    cls_name = cls_name or json.loads((Path(path) / "config.json").read_text())["architectures"][0]
+    return getattr(transformers, cls_name).from_pretrained(path, dtype=dtype).eval()
 
 
 def hf_greedy(path: str, prompt: list[int], new_tokens: int, dtype: torch.dtype = torch.float32) -> list[int]:
     """transformers' own generate, one prompt at a time (no padding), greedy."""
-    model = _hf_model(path, dtype)
+    model = _hf_model(path, dtype=dtype)
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         out = model.generate(
@@ -69,9 +84,17 @@ def hf_logit_shortfall(path: str, prompt: list[int], tokens: list[int], dtype: t
     """[len(tokens)]: how far below transformers' max logit each token is, teacher-forced (one
     full forward over prompt + tokens); 0 where the token is the argmax."""
     with torch.inference_mode():
-        lg = _hf_model(path, dtype)(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :].float()
+        lg = _hf_model(path, dtype=dtype)(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :].float()
     t = torch.tensor(tokens)
     return lg.max(-1).values - lg.gather(1, t[:, None])[:, 0]
+
+
+def first_step_drafts(llm, prompt: list[int], params) -> tuple[int, list[int]]:
+    """One engine step on a new request: its first token and the drafts left for its next step."""
+    rid = llm.engine.add_request(prompt, params)
+    req = llm.engine.requests[rid]
+    llm.engine.step()
+    return req.output_token_ids[0], list(req.draft_token_ids)
 
 
 def hf_mtp_logits(path: str, tokens: list[int], extra: list[tuple[int, torch.Tensor]] = ()) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,6 +29,12 @@ DIGEST_FIELDS: tuple[str, ...] = (
     "recurrent_dtype",
     "num_speculative_slots",
     "speculative_method",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "moe_layers",
+    "weight_quantization",
 )
 assert set(DIGEST_FIELDS) == set(ModelDigest.__struct_fields__), "compare every digest field"
 

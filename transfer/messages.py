@@ -9,6 +9,12 @@ Protocol for one request and one (source rank -> destination rank) channel:
     sender   --Done(bytes, crc)--->   receiver   after its writes landed; complete when all sources did
     receiver --Release(reason)---->   sender     abort / lease expiry: stop; answer Abort when quiet
     sender   --Abort(reason)------>   receiver   no write of this source can land any more
+    sender   --Renew------------->   receiver   the request progresses (queued, prefilling, pushing):
+                                                 the reservation's lease starts again
+
+The lease exists for a dead source: a live one renews it while its request is queued or computes
+(docs/ARCHITECTURE.md, "Leases and admission"). A receiver that predates `Renew` ignores it as
+undecodable, and its leases run as before.
 
 Every message carries the request id *and* the reservation's incarnation: a late message of an
 aborted or older reservation with the same request id never matches a newer one.
@@ -94,7 +100,14 @@ class Release(msgspec.Struct, tag="release", frozen=True):
     reason: str
 
 
-Control = Begin | Grant | Refuse | Done | Abort | Release
+class Renew(msgspec.Struct, tag="renew", frozen=True):
+    request_id: str
+    incarnation: int
+    src: str  # sender agent
+    node: str  # sender node
+
+
+Control = Begin | Grant | Refuse | Done | Abort | Release | Renew
 
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Control)

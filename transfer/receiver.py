@@ -7,6 +7,7 @@ Lifecycle of a `RecvRequest` (one per request and reservation on each destinatio
     Begin from a source rank: ids checked against the reservation, Grant (memory held)    TRANSFERRING
     Done (+crc checked) from every expected source rank                                    DONE
         -> take() hands blocks and slot to the engine, or release() frees them
+    Renew from a rank of the source node (or none bound yet): the lease starts again
     lease expiry / abort() / source Abort / source removed / bad checksum                  FAILED
         -> Release to every granted source still writing; the memory is freed only once each
            of them answered (Done or Abort) or was removed as dead: no write can still land.
@@ -26,7 +27,7 @@ from typing import Callable
 from transfer.backend import TransferState, byte_view
 from transfer.endpoint import Endpoint, Peer
 from transfer.errors import TransferError
-from transfer.messages import Abort, Begin, Done, Grant, Refuse, Release, Target, TargetRank
+from transfer.messages import Abort, Begin, Done, Grant, Refuse, Release, Renew, Target, TargetRank
 from transfer.plan import PlanError, check_ids, pair_templates
 from transfer.sender import channel_checksum
 
@@ -42,10 +43,14 @@ class RecvRequest:
         blocks: list[int],
         slot: int,
         prompt_len: int,
-        deadline: float,
+        lease_s: float,
     ):
         self.receiver, self.request_id, self.incarnation = receiver, request_id, incarnation
-        self.blocks, self.slot, self.prompt_len, self.deadline = blocks, slot, prompt_len, deadline
+        self.blocks, self.slot, self.prompt_len = blocks, slot, prompt_len
+        self.lease_s = lease_s
+        self.deadline = time.monotonic() + lease_s
+        self.renewals = 0  # Renew messages that restarted the lease
+        self.expired = False  # failed because the lease ran out
         self.state = TransferState.PENDING
         self.error: str | None = None
         self.node: str | None = None  # the source node, bound by the first Begin
@@ -100,6 +105,7 @@ class Receiver(Endpoint):
         super().__init__(*args, **kwargs)
         self.requests: dict[tuple[str, int], RecvRequest] = {}
         self.recent: OrderedDict[tuple[str, int], str] = OrderedDict()  # ended reservations -> why
+        self.recent_expired: set[tuple[str, int]] = set()  # those of `recent` whose lease ran out
         self.views = {k: byte_view(t) for k, t in self.transport.regions.items()} if self.config.checksum else {}
 
     def _pairs(self, info):
@@ -138,8 +144,7 @@ class Receiver(Endpoint):
         inc = incarnation if incarnation is not None else secrets.randbits(62)
         if (request_id, inc) in self.requests:
             raise TransferError(f"reservation {request_id}/{inc} exists on {self.agent}")
-        deadline = time.monotonic() + (lease_s or self.config.lease_s)
-        req = RecvRequest(self, request_id, inc, list(blocks), slot, prompt_len, deadline)
+        req = RecvRequest(self, request_id, inc, list(blocks), slot, prompt_len, lease_s or self.config.lease_s)
         req.free_fn = free
         self.requests[(request_id, inc)] = req
         return req
@@ -155,6 +160,8 @@ class Receiver(Endpoint):
     def _handle(self, msg):
         if isinstance(msg, Begin):
             self._begin(msg)
+        elif isinstance(msg, Renew):
+            self._renew(msg)
         elif isinstance(msg, (Done, Abort)):
             req = self.requests.get((msg.request_id, msg.incarnation))
             b = req.begins.get(msg.rank) if req is not None else None
@@ -202,6 +209,18 @@ class Receiver(Endpoint):
         req.begins[msg.rank] = msg
         req.state = TransferState.TRANSFERRING
         self._send(msg.src, Grant(msg.request_id, msg.incarnation, self.agent, tag_base))
+
+    def _renew(self, msg: Renew) -> None:
+        """A source that still works on the request (queued, prefilling, pushing) restarts its lease."""
+        req = self.requests.get((msg.request_id, msg.incarnation))
+        peer = self.peers.get(msg.src)
+        if req is None or peer is None or peer.info.node != msg.node or req.node not in (None, msg.node):
+            why = self.recent.get((msg.request_id, msg.incarnation), "no live reservation")
+            self._stale(f"Renew for {msg.request_id}/{msg.incarnation} from {msg.src} ({why})")
+            return
+        if not req.state.terminal:
+            req.deadline = max(req.deadline, time.monotonic() + req.lease_s)
+            req.renewals += 1
 
     def _check_begin(self, req: RecvRequest, peer: Peer, msg: Begin) -> None:
         if req.node is None:
@@ -278,8 +297,10 @@ class Receiver(Endpoint):
         key = (req.request_id, req.incarnation)
         self.requests.pop(key, None)
         self.recent[key] = req.error or req.state.value
+        if req.expired:
+            self.recent_expired.add(key)
         while len(self.recent) > 4096:
-            self.recent.popitem(last=False)
+            self.recent_expired.discard(self.recent.popitem(last=False)[0])
 
     def _tick(self, now):
         for req in list(self.requests.values()):
@@ -296,6 +317,7 @@ class Receiver(Endpoint):
             if not req.state.terminal and req.expected and req.finished >= req.expected:
                 req.state = TransferState.DONE
             if not req.state.terminal and now > req.deadline:
+                req.expired = True
                 self._fail(req, f"lease expired ({'no source began' if not req.begins else 'transfer incomplete'})")
             self._maybe_free(req)
 

@@ -23,8 +23,9 @@ from engine.cache.spec import GDNStateSpec, PagedAttentionSpec, build_specs
 from engine.config import EngineConfig, dtype_name
 from transfer.errors import HandshakeError
 
-SCHEMA_VERSION = 3  # 2: head-major KV pools, described by axes + page_stride + head_stride;
-# 3: the MTP layer's KV ("mtp_kv", layers num_layers + j) and the speculative method in the digest
+SCHEMA_VERSION = 4  # 2: head-major KV pools, described by axes + page_stride + head_stride;
+# 3: the MTP layer's KV ("mtp_kv", layers num_layers + j) and the speculative method in the digest;
+# 4: the MoE sizes, sparse layers and weight quantization in the digest
 
 Kind = Literal["paged_kv", "gdn_conv", "gdn_recurrent", "mtp_kv"]
 KINDS: tuple[str, ...] = ("paged_kv", "gdn_conv", "gdn_recurrent", "mtp_kv")
@@ -103,6 +104,13 @@ class ModelDigest(msgspec.Struct, frozen=True):
     recurrent_dtype: str
     num_speculative_slots: int  # draft tokens verified per decode row (EngineConfig.speculative.num_tokens)
     speculative_method: str  # "ngram" | "mtp": with "mtp" the MTP layer's KV is part of the state
+    # MoE adds no state, but P and D must run the same model: experts, top-k, sizes, sparse layers
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
+    weight_quantization: str = ""  # "" or "fp8 [bn, bk]": the checkpoint's block-quantized weights
 
     def fingerprint(self) -> str:
         return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
@@ -162,6 +170,12 @@ def model_digest(cfg: EngineConfig) -> ModelDigest:
         recurrent_dtype=dtype_name(GDNStateSpec.recurrent_dtype),
         num_speculative_slots=cfg.speculative.num_tokens,
         speculative_method=cfg.speculative.method if cfg.speculative.num_tokens else "none",
+        num_experts=m.num_experts,
+        num_experts_per_tok=m.num_experts_per_tok,
+        moe_intermediate_size=m.moe_intermediate_size,
+        shared_expert_intermediate_size=m.shared_expert_intermediate_size,
+        moe_layers=m.moe_layers,
+        weight_quantization="" if m.fp8_block_size is None else f"fp8 {list(m.fp8_block_size)}",
     )
 
 

@@ -6,6 +6,8 @@ Lifecycle of a `SendRequest` (one per request on each source rank):
     Grant from each; post() / post(layers=..., final=False) writes ranges      -> TRANSFERRING
     final post lands, Done (+crc) delivered to each destination                -> DONE
     Refuse / Release / write error / abort() / grant timeout / peer removed    -> FAILED
+    renew(target), any time (even before open): Renew to the destination ranks, whose
+    reservation lease starts again; the node calls it while the request is queued or computes
     `quiet` once no write can still read the source pages; then owned source blocks and the
     slot go back to the BlockManager / SlotPool, each granted destination got Done or Abort, and
     the sender forgets the request (the caller's SendRequest keeps its final state and error).
@@ -20,7 +22,7 @@ import zlib
 from transfer.backend import TransferState, WriteJob, byte_view, host_bytes
 from transfer.endpoint import Endpoint, Peer
 from transfer.errors import PlanError, TransferError
-from transfer.messages import Abort, Begin, Done, Grant, Refuse, Release, Target, TargetRank, encode_control
+from transfer.messages import Abort, Begin, Done, Grant, Refuse, Release, Renew, Target, TargetRank, encode_control
 from transfer.plan import check_ids, expand_arrays, pair_templates, plan_nbytes
 
 log = logging.getLogger(__name__)
@@ -189,6 +191,16 @@ class Sender(Endpoint):
             req.state = TransferState.DONE  # nothing of this rank is needed (e.g. a KV replica)
             self._settle(req)
         return req
+
+    def renew(self, target: Target) -> int:
+        """Restart the lease of `target`'s reservation on every destination rank this rank has
+        bytes for (the request is queued, prefilling or pushing here). Returns the ranks told."""
+        n = 0
+        for tr in target.ranks:
+            peer = self.peers.get(tr.agent)
+            if peer is not None and peer.pairs:
+                n += self._send(tr.agent, Renew(target.request_id, tr.incarnation, self.agent, self.node))
+        return n
 
     def send(
         self,

@@ -1,5 +1,7 @@
 """Qwen3.5 hybrid text model on one tensor-parallel rank: embeddings, a stack of GDN and
 gated full-attention decoder layers reading and writing the cache pools, final norm, LM head.
+Each layer's MLP is dense or the sparse MoE block (Qwen3.5-MoE, Qwen3-Next: engine/model/moe.py);
+Qwen3-Next's layers are the same blocks once the loader has mapped its GDN projections.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from engine.config import ModelConfig
 from engine.model.batch import ForwardBatch
 from engine.model.linear import Linear
 from engine.model.layers import MLP, AllReduce, Attention, AttentionWeights, GatedDeltaNet, GDNWeights, MLPWeights
+from engine.model.moe import MoEWeights, SparseMoE
 from engine.model.rotary import Rotary
 
 
@@ -24,7 +27,7 @@ class DecoderLayer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     mixer: GatedDeltaNet | Attention
-    mlp: MLP
+    mlp: MLP | SparseMoE
 
 
 def build_layer(cfg: ModelConfig, i: int, kind: str, lw: dict, tp: int, all_reduce: AllReduce) -> DecoderLayer:
@@ -45,8 +48,11 @@ def build_layer(cfg: ModelConfig, i: int, kind: str, lw: dict, tp: int, all_redu
     else:
         kvh = max(1, cfg.num_kv_heads // tp)
         mixer = Attention(AttentionWeights(**lw["mixer"]), cfg.num_attention_heads // tp, kvh, cfg.head_dim, eps, all_reduce)
-    return DecoderLayer(kind, 1.0 + lw["input_norm"].float(), 1.0 + lw["post_norm"].float(), mixer,
-                        MLP(MLPWeights(**lw["mlp"]), all_reduce))
+    if "router" in lw["mlp"]:  # the sparse MoE block (cfg.is_moe_layer)
+        mlp = SparseMoE(MoEWeights(**lw["mlp"]), cfg.num_experts_per_tok, cfg.norm_topk_prob, all_reduce)
+    else:
+        mlp = MLP(MLPWeights(**lw["mlp"]), all_reduce)
+    return DecoderLayer(kind, 1.0 + lw["input_norm"].float(), 1.0 + lw["post_norm"].float(), mixer, mlp)
 
 
 def run_layer(layer: DecoderLayer, x: torch.Tensor, batch: ForwardBatch, pools: CachePools, kv_pool, cos, sin, eps):

@@ -71,10 +71,7 @@ def test_engine_drafts_are_the_blocks_argmax(ckpt_mtp):
     """The drafts left after a prompt's prefill are the reference block's greedy chain."""
     prompt = hc.prompts(lens=(21,), seed=6)[0]
     with LLM(ckpt_mtp, dtype="float32", speculative_method="mtp", num_speculative_tokens=2) as llm:
-        rid = llm.engine.add_request(prompt, GREEDY)
-        req = llm.engine.requests[rid]
-        llm.engine.step()
-        first, drafts = req.output_token_ids[0], list(req.draft_token_ids)
+        first, drafts = hc.first_step_drafts(llm, prompt, GREEDY)
     logits, out = hc.hf_mtp_logits(ckpt_mtp, prompt + [first])
     d1 = int(logits[-1].argmax())
     l2, _ = hc.hf_mtp_logits(ckpt_mtp, prompt + [first], [(d1, out[-1])])

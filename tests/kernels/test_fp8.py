@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernel_testing import NAIVE_TOL, TOL, assert_close, to_dev
-from kernels.fp8 import FP8_MAX, dequant_fp8_block, fp8_block_linear_ref, quant_fp8_block
+from kernels.fp8 import FP8_MAX, dequant_fp8_block, fp8_block_linear_ref, narrow_fp8_block, quant_fp8_block
 
 # (N, K, block): whole blocks, partial edge blocks on both axes, the published [128, 128].
 SHAPES = [
@@ -127,3 +127,30 @@ def test_fp8_block_linear_reference_is_the_dequantized_gemm():
     x = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
     ref = x.double() @ dequant_fp8_block(q, s, (16, 16), torch.float32).double().T
     assert_close("y", fp8_block_linear_ref(x, q, s, (16, 16)), ref, NAIVE_TOL)
+
+
+@pytest.mark.parametrize(
+    "dim,start,length",
+    [(0, 0, 64), (0, 64, 64), (0, 96, 48), (0, 120, 24), (1, 0, 100), (1, 33, 40), (1, 160, 40)],
+    ids=["rows-first-half", "rows-second-half", "rows-mid-block", "rows-to-end", "cols-partial", "cols-odd",
+         "cols-to-end"],
+)
+def test_narrow_fp8_block_matches_narrowed_dequant(dim, start, length):
+    """A tensor-parallel slice that starts or ends inside a block keeps exactly its weights."""
+    w, s = quant_fp8_block(random_weight((144, 200)), (32, 64))
+    part, part_s, block = narrow_fp8_block(w, s, (32, 64), dim, start, length)
+    ref = dequant_fp8_block(w, s, (32, 64), torch.float32).narrow(dim, start, length)
+    assert torch.equal(dequant_fp8_block(part, part_s, block, torch.float32), ref)
+
+
+def test_narrow_fp8_block_parts_concatenate():
+    """[gate | up] of one rank: two parts of equal length share a block size and concatenate."""
+    w, s = quant_fp8_block(random_weight((2 * 96, 40)), (64, 16))  # I = 96, 2 ranks of 48 rows
+    full = dequant_fp8_block(w, s, (64, 16), torch.float32)
+    for r in range(2):
+        (g, gs, gb), (u, us, ub) = (narrow_fp8_block(w, s, (64, 16), 0, off + r * 48, 48) for off in (0, 96))
+        assert gb == ub == (16, 16)
+        got = dequant_fp8_block(torch.cat([g, u]), torch.cat([gs, us]), gb, torch.float32)
+        assert torch.equal(got, torch.cat([full[r * 48 : (r + 1) * 48], full[96 + r * 48 : 96 + (r + 1) * 48]]))
+    with pytest.raises(ValueError, match=r"cannot narrow w \(192, 40\) on dim 0 to \[180, 200\)"):
+        narrow_fp8_block(w, s, (64, 16), 0, 180, 20)

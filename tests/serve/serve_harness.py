@@ -149,3 +149,24 @@ def wait_for(pred, timeout: float = 20.0, what: str = "condition"):
             return v
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def log_url(up: Proc, pattern: str) -> str:
+    """The first group of the first output line matching pattern (a URL a server logged)."""
+    return up.find(pattern, 20)
+
+
+def scrape(url: str) -> dict[tuple, float]:
+    """A /metrics page: {(sample name, sorted labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }

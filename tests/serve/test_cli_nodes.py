@@ -19,7 +19,8 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def test_nodes_table_and_unreachable_router():
     from router.server import RouterConfig, serve
 
-    r, port = serve("127.0.0.1:0", RouterConfig())
+    # the fake nodes never heartbeat: keep them alive for the whole test, however slow the machine
+    r, port = serve("127.0.0.1:0", RouterConfig(dead_after_s=600.0))
     try:
         out = _run("nodes", "--addr", f"127.0.0.1:{port}")
         assert out.returncode == 0 and "no node has registered" in out.stdout

@@ -253,3 +253,36 @@ def test_adopted_reservation_is_freed_through_the_callers_callback():
     finally:
         tx.close()
         rx.close()
+
+
+def test_renew_keeps_a_reservation_past_its_lease_and_silence_expires_it():
+    """A source's Renew restarts the lease (the request is queued or computes there): the
+    reservation outlives several leases while renewed, the data still lands, and a reservation
+    nobody renews fails at its lease, flagged as expired, its memory back at once."""
+    model, sc, dc, tx, rx = _pair()
+    try:
+        r = rx.reserve("q", TOKENS, lease_s=0.3)
+        idle = rx.reserve("idle", TOKENS, lease_s=0.3)
+        target = rx.target([r.target], "q", TOKENS)
+        other = rx.target([rx.target([idle.target], "idle", TOKENS).ranks[0]], "idle", TOKENS)
+        end = time.monotonic() + 1.2  # four leases
+        while time.monotonic() < end:
+            assert tx.renew(target) == 1
+            for _ in range(5):
+                tx.poll()
+                rx.poll()
+                time.sleep(0.01)
+        assert idle.state.value == "failed" and idle.expired and idle.freed
+        assert idle.error == "lease expired (no source began)"
+        assert r.state.value == "pending" and not r.expired and r.renewals >= 10
+        assert tx.renew(other) == 1  # a Renew for an ended reservation is ignored, not an error
+        _drive(tx, rx, until=lambda: any("Renew for idle" in s for s in rx.stale))
+        blocks = tx.blocks.allocate(tx.blocks.blocks_for(TOKENS))
+        slot = tx.slots.allocate()
+        s = tx.send("q", target, blocks, slot, TOKENS, owned=True)
+        _drive(tx, rx, until=lambda: r.state.value == "done" and s.quiet)
+        r.release()
+        assert rx.blocks.num_free == rx.blocks.num_blocks and rx.slots.num_free == rx.slots.num_slots
+    finally:
+        tx.close()
+        rx.close()

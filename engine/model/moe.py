@@ -1,0 +1,46 @@
+"""The sparse mixture-of-experts block of Qwen3.5-MoE and Qwen3-Next, on one tensor-parallel rank.
+
+    out = sum_j w_j * expert_{e_j}(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+
+The router (softmax over experts, top-k, renormalised when the config says so) and
+shared_expert_gate are replicated; every rank holds a slice of each routed expert's
+intermediate dimension (w13 = [gate_r | up_r] per expert, w2 = down_r) and of the shared
+expert's, so a rank's output is a partial sum over its slices and one all-reduce completes it,
+as for the dense MLP. The gate scales the shared expert's partial sum before the reduction,
+which is exact because the sum over ranks is linear.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import fused_moe, select_experts
+from engine.model.layers import MLP, AllReduce, MLPWeights
+from engine.model.linear import Linear
+
+
+def _no_reduce(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@dataclass
+class MoEWeights:
+    router: Linear  # [E, hidden], replicated
+    w13: torch.Tensor  # [E, 2 * I_r, hidden]: each expert's [gate_r | up_r]
+    w2: torch.Tensor  # [E, hidden, I_r]
+    shared: dict  # the shared expert's MLPWeights fields (its intermediate sliced like the experts')
+    shared_gate: Linear  # [1, hidden], replicated
+
+
+class SparseMoE:
+    def __init__(self, w: MoEWeights, top_k: int, renormalize: bool, all_reduce: AllReduce):
+        self.w, self.top_k, self.renormalize, self.all_reduce = w, top_k, renormalize, all_reduce
+        self.shared = MLP(MLPWeights(**w.shared), _no_reduce)  # reduced together with the experts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(self.w.router(x), self.top_k, self.renormalize)
+        out = fused_moe(x, self.w.w13, self.w.w2, topk_weights, topk_ids)
+        out += torch.sigmoid(self.w.shared_gate(x)) * self.shared(x)
+        return self.all_reduce(out)

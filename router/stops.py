@@ -1,0 +1,63 @@
+"""Text stop sequences (`SamplingParams.stop`), matched on the detokenized output in the router.
+
+The text a request streams ends right before the first occurrence of any stop string, and the
+request then finishes with reason "stop" (the decode node's work is cancelled). Text that could
+be the start of a match (a suffix of what has been decoded that is a prefix of a stop string)
+is held back until more text shows it is not, so a client never sees part of a stop string,
+even one split across several tokens. As with min_tokens for stop token ids, matching starts
+once the request has min_tokens new tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+
+class StopMatcher:
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add decoded text; returns (text safe to emit now, whether a stop string matched)."""
+        buf = self.held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return buf[: min(hits)], True
+        keep = max((k for s in self.stops for k in range(1, min(len(s) - 1, len(buf)) + 1)
+                    if buf.endswith(s[:k])), default=0)  # fmt: skip
+        self.held = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held
+
+
+def with_stops(msgs: Iterator, stops: list[str], min_tokens: int = 0, on_stop: Callable[[], None] | None = None):
+    """Wrap a stream of GenerateResponse messages (text deltas): hold back and cut at stop
+    strings; on a match, the message that completed it is the last one (finish_reason "stop")
+    and `msgs` is closed, which cancels the request upstream."""
+    if not [s for s in stops if s]:
+        yield from msgs
+        return
+    m = StopMatcher(list(stops))
+    n = 0
+    try:
+        for msg in msgs:
+            n += len(msg.token_ids)
+            if n < min_tokens:
+                yield msg
+                continue
+            text, hit = m.push(msg.text)
+            if hit:
+                msg.text, msg.finish_reason = text, "stop"
+                if on_stop is not None:
+                    on_stop()
+                yield msg
+                return
+            msg.text = text + (m.flush() if msg.finish_reason else "")
+            yield msg
+    finally:
+        msgs.close()

@@ -1,0 +1,107 @@
+"""Sampling options against independent references: prompt and output logprobs equal the
+log-softmax of transformers' float32 logits (in chunks of a small step budget too), top-n in
+order; penalties equal a per-token loop over the same logits; min_tokens holds stop tokens back;
+with speculative decoding such requests decode without drafts and give the same tokens."""
+
+from __future__ import annotations
+
+import hybrid_ckpt as hc
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+PROMPTS = [[5, 17, 300, 42, 9, 77, 1000, 3], list(range(100, 170))]  # 70 tokens: chunked at budget 32
+
+
+def _hf_logprobs(ckpt, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.log_softmax(hc._hf_model(ckpt)(torch.tensor([tokens])).logits[0].float(), -1)
+
+
+def _check_logprobs(ckpt, prompt, out, n_prompt, n_out):
+    ref = _hf_logprobs(ckpt, prompt + out.output_token_ids)
+    entries = out.prompt_logprobs + out.logprobs
+    assert len(out.prompt_logprobs) == len(prompt) - 1 and len(out.logprobs) == len(out.output_token_ids)
+    for pos, (tok, lp, top) in enumerate(entries):  # entry pos: token pos + 1, predicted at position pos
+        assert tok == (prompt + out.output_token_ids)[pos + 1]
+        assert lp == pytest.approx(ref[pos, tok].item(), abs=1e-4), f"position {pos}"
+        vals, ids = torch.topk(ref[pos], n_prompt if pos < len(prompt) - 1 else n_out)
+        assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+        assert [v for _, v in top] == pytest.approx(vals.tolist(), abs=1e-4), f"position {pos}"
+        assert [i for i, _ in top][:1] == ids.tolist()[:1]
+
+
+@pytest.fixture(scope="module")
+def llm_chunked(ckpt_hv2):
+    """n-gram speculation and a 32-token step budget (prompts prefill in chunks)."""
+    with LLM(ckpt_hv2, dtype="float32", num_speculative_tokens=2, max_num_batched_tokens=32) as llm:
+        yield llm
+
+
+@pytest.mark.parametrize("which", ["plain", "chunked+spec"])
+def test_prompt_and_output_logprobs_match_transformers(ckpt_hv2, llm_hv2, llm_chunked, which):
+    llm = llm_hv2 if which == "plain" else llm_chunked
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    for prompt, out in zip(PROMPTS, llm.generate(prompt_token_ids=PROMPTS, sampling_params=sp)):
+        _check_logprobs(ckpt_hv2, prompt, out, 2, 3)
+        assert out.output_token_ids == [t for t, _, top in out.logprobs if top[0][0] == t]  # greedy = top-1
+
+
+def _naive_penalized(logits: torch.Tensor, prompt, output, p: SamplingParams) -> torch.Tensor:
+    """One token at a time, as the definitions read (docs/api.md)."""
+    row = logits.tolist()
+    for t in set(prompt) | set(output):
+        if p.repetition_penalty != 1.0:
+            row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
+    for t in set(output):
+        row[t] -= p.presence_penalty + p.frequency_penalty * output.count(t)
+    return torch.tensor(row)
+
+
+@pytest.mark.parametrize("pen", [dict(repetition_penalty=1.8), dict(presence_penalty=1.5),
+                                 dict(frequency_penalty=0.7), dict(repetition_penalty=0.6, presence_penalty=-0.5,
+                                                                   frequency_penalty=0.4)],
+                         ids=["repetition", "presence", "frequency", "all"])  # fmt: skip
+def test_penalties_match_naive_reference(ckpt_hv2, llm_hv2, llm_chunked, pen):
+    prompt = [7, 7, 7, 8, 8, 9, 10, 7, 8, 9]
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, **pen)
+    got = llm_hv2.generate(prompt_token_ids=[prompt], sampling_params=sp)[0].output_token_ids
+    want: list[int] = []
+    for _ in range(8):
+        with torch.inference_mode():
+            lg = hc._hf_model(ckpt_hv2)(torch.tensor([prompt + want])).logits[0, -1].float()
+        want.append(int(_naive_penalized(lg, prompt, want, sp).argmax()))
+    assert got == want
+    # speculative decoding (n-gram, k=2) and chunked prefill give the same tokens
+    assert llm_chunked.generate(prompt_token_ids=[prompt], sampling_params=sp)[0].output_token_ids == got
+
+
+def test_min_tokens_holds_back_stop_tokens(llm_hv2):
+    prompt = PROMPTS[0]
+    greedy = llm_hv2.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+        max_tokens=4, temperature=0.0, ignore_eos=True))[0].output_token_ids  # fmt: skip
+    stop = greedy[0]
+    early = llm_hv2.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+        max_tokens=4, temperature=0.0, stop_token_ids=[stop]))[0]  # fmt: skip
+    assert early.output_token_ids == [stop] and early.finish_reason == "stop"
+    held = llm_hv2.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+        max_tokens=4, temperature=0.0, stop_token_ids=[stop], min_tokens=2, logprobs=2))[0]  # fmt: skip
+    assert stop not in held.output_token_ids[:2]
+    first = held.logprobs[0][2]
+    assert first[0][0] == stop and held.output_token_ids[0] == first[1][0]  # the runner-up
+
+
+def test_speculation_off_only_for_such_requests():
+    assert SamplingParams().speculates and SamplingParams(temperature=0.5, seed=1).speculates
+    for kw in (dict(logprobs=0), dict(prompt_logprobs=1), dict(min_tokens=1), dict(presence_penalty=0.1),
+               dict(frequency_penalty=-0.1), dict(repetition_penalty=1.1)):  # fmt: skip
+        assert not SamplingParams(**kw).speculates, kw
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(logprobs=21), "logprobs"), (dict(presence_penalty=3.0), "presence_penalty"),
+                                    (dict(repetition_penalty=0.0), "repetition_penalty"),
+                                    (dict(min_tokens=20, max_tokens=10), "min_tokens")])  # fmt: skip
+def test_bad_options_refused(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**kw)

@@ -1,0 +1,53 @@
+"""Compile the MoE and FP8 Triton kernels for sm_90 (Hopper) without a GPU: type and lowering
+errors that the interpreter does not see show up here. Run by test_moe.py in a process without
+TRITON_INTERPRET (the interpreter's kernels cannot be compiled).
+
+    python tests/kernels/compile_for_hopper.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels.triton import fp8, moe  # noqa: E402
+
+DTYPES = (("bf16", tl.bfloat16, False), ("fp32", tl.float32, True))
+# Pointer arguments by name (without _ptr); the others are activations, or weights ("w").
+POINTER_TYPES = {"s": "*fp32", "slot_pair": "*i64", "block_expert": "*i64", "tw": "*fp32", "out": "*fp32"}
+
+
+def compile_kernel(kernel, xdt: str, scaled: bool, constexprs: dict) -> None:
+    sig = {}
+    for name in kernel.arg_names:
+        base = name.removesuffix("_ptr")
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = POINTER_TYPES.get(base, "*fp8e4nv" if base == "w" and scaled else "*" + xdt)
+        else:
+            sig[name] = "i32"
+    triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+
+
+def main() -> None:
+    for xdt, tdt, f32 in DTYPES:
+        for scaled in (False, True):
+            for kernel, bm in ((moe._moe_up_kernel, 16), (moe._moe_down_kernel, 64)):
+                ce = dict(BM=bm, BN=64, BK=128 if scaled else 64, SCALED=scaled, ALIGNED=True, XDT=tdt, DOT_F32=f32)
+                compile_kernel(kernel, xdt, scaled, ce)
+        for aligned in (True, False):
+            ce = dict(BM=16, BN=64, BK=128 if aligned else 32, ALIGNED=aligned, XDT=tdt, DOT_F32=f32)
+            compile_kernel(fp8._fp8_block_linear_kernel, xdt, True, ce)
+    print("compiled")
+
+
+if __name__ == "__main__":
+    main()

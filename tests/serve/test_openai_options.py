@@ -1,0 +1,231 @@
+"""The OpenAI options that evaluation and benchmark clients use, through the official `openai`
+client against `pdserve up` (one prefill + one decode node, disaggregated, tiny model with a
+tokenizer), each against an independent reference: string stop sequences (one split across
+two tokens, streamed and not), echo with prompt logprobs equal to the log-softmax of
+transformers' float32 logits, top-logprobs in order, penalties equal to a per-token loop over
+transformers' logits, n > 1 with seeds equal to single requests with seed + i, and the requests
+lm-evaluation-harness's `local-completions` model sends for `generate_until` and
+loglikelihood tasks."""
+
+from __future__ import annotations
+
+import math
+
+import hybrid_ckpt as hc
+import pytest
+import torch
+from serve_harness import Up, log_url
+
+PROMPT = "Hello world! How are you"
+GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
+
+
+@pytest.fixture(scope="module")
+def up(ckpt):
+    u = Up("--model", ckpt, "--dtype", "float32", "--decode", "1", "--prefill", "1", "--http-port", "0")
+    yield u
+    rc = u.stop()
+    assert rc == 0, u.output()
+
+
+@pytest.fixture(scope="module")
+def oai(up):
+    import openai
+
+    with openai.OpenAI(base_url=log_url(up, r"OpenAI-compatible HTTP on (http://\S+/v1)"), api_key="unused",
+                       max_retries=0, timeout=120) as c:  # fmt: skip
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(oai):
+    return oai.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def sdk(up):
+    from client import Client
+
+    with Client(up.address, timeout=120) as c:
+        c.wait_ready(timeout=60)
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tok(ckpt):
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer(ckpt)
+
+
+def _hf_logprobs(ckpt, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.log_softmax(hc._hf_model(ckpt)(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def test_stop_string_split_across_two_tokens(oai, model, sdk, tok):
+    ids = sdk.generate(prompt=PROMPT, max_tokens=24, temperature=0.0, ignore_eos=True).token_ids
+    ends = [len(tok.decode(ids[:k])) for k in range(len(ids) + 1)]  # text length after k tokens
+    text = tok.decode(ids)
+    # a boundary between two tokens of 2+ characters each, with clean text around it
+    k = next(k for k in range(1, len(ids) - 1) if ends[k] - ends[k - 1] >= 2 and ends[k + 1] - ends[k] >= 2
+             and "\ufffd" not in text[ends[k - 1] : ends[k + 1]] and tok.decode(ids[:k]) == text[: ends[k]])  # fmt: skip
+    stop = text[ends[k] - 2 : ends[k] + 2]
+    want = text[: text.find(stop)]
+    r = oai.completions.create(model=model, prompt=PROMPT, max_tokens=24, stop=[stop, "never-seen"], **GREEDY)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+    chunks = list(oai.completions.create(model=model, prompt=PROMPT, max_tokens=24, stop=stop, stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert len(chunks) >= 2  # text deltas, then the last with finish_reason; none carried any of `stop`
+    # the SDK (gRPC) takes the same stop strings
+    g = sdk.generate(prompt=PROMPT, max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
+    assert (g.text, g.finish_reason) == (want, "stop")
+    # chat: the same text-level matching
+    chat = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=12,
+                                       **GREEDY)  # fmt: skip
+    full = chat.choices[0].message.content
+    if len(full) >= 4:
+        cut = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=12,
+                                          stop=[full[2:4]], **GREEDY)  # fmt: skip
+        assert cut.choices[0].message.content == full[: full.find(full[2:4])]
+        assert cut.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_logprobs_match_transformers(oai, model, sdk, ckpt, tok, max_tokens):
+    """What loglikelihood scoring asks for: the prompt's logprobs (and the next token's)."""
+    ids = tok.encode(PROMPT)
+    r = oai.completions.create(model=model, prompt=ids, max_tokens=max_tokens, echo=True, logprobs=3, temperature=0)
+    c = r.choices[0]
+    lp = c.logprobs
+    assert len(lp.token_logprobs) == len(ids) + max_tokens and lp.token_logprobs[0] is None
+    assert c.text == tok.decode(ids) + "".join(lp.tokens[len(ids) :])
+    # the same request over gRPC gives token ids: check them against transformers
+    g = sdk.generate(prompt_token_ids=ids, max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=3,
+                     prompt_logprobs=3)  # fmt: skip
+    assert g.prefill_node == ""  # logprobs make the request prefill on the decode node
+    every = ids + g.token_ids
+    ref = _hf_logprobs(ckpt, every)
+    for pos, e in enumerate(g.prompt_logprobs + g.logprobs, start=1):  # the entry of token `pos`
+        assert e.token_id == every[pos]
+        assert e.logprob == pytest.approx(ref[pos - 1, every[pos]].item(), abs=1e-4), pos
+        vals, top_ids = torch.topk(ref[pos - 1], 3)
+        assert [v for _, v in e.top] == pytest.approx(vals.tolist(), abs=1e-4), pos
+        assert e.top[0][0] == top_ids[0].item()
+        if pos < len(ids) + max_tokens:  # HTTP: the same numbers under token strings
+            assert lp.token_logprobs[pos] == e.logprob
+            assert lp.top_logprobs[pos] == {tok.decode([i]): v for i, v in e.top}
+    assert lp.tokens[: len(ids)] == [tok.decode([t]) for t in ids]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert r.usage.completion_tokens == max_tokens and r.usage.prompt_tokens == len(ids)
+
+
+def test_chat_top_logprobs_in_order(oai, model, ckpt):
+    msgs = [{"role": "user", "content": "Say something."}]
+    r = oai.chat.completions.create(model=model, messages=msgs, max_tokens=4, logprobs=True, top_logprobs=5, **GREEDY)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    for e in content:
+        vals = [t.logprob for t in e.top_logprobs]
+        assert len(vals) == 5 and vals == sorted(vals, reverse=True)
+        assert e.top_logprobs[0].token == e.token and e.logprob == vals[0]  # greedy: the most likely
+        assert bytes(e.bytes).decode() == e.token
+    chunks = list(oai.chat.completions.create(model=model, messages=msgs, max_tokens=4, logprobs=True, top_logprobs=5,
+                                              stream=True, **GREEDY))  # fmt: skip
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+
+def _naive_greedy(ckpt, prompt: list[int], n: int, rep: float, pres: float, freq: float) -> list[int]:
+    out: list[int] = []
+    for _ in range(n):
+        row = hc.hf_last_logits(ckpt, prompt + out).tolist()
+        for t in set(prompt + out):
+            row[t] = row[t] / rep if row[t] > 0 else row[t] * rep
+        for t in set(out):
+            row[t] -= pres + freq * out.count(t)
+        out.append(max(range(len(row)), key=row.__getitem__))
+    return out
+
+
+def test_penalties_match_naive_reference(oai, model, sdk, ckpt):
+    prompt = [7, 7, 7, 8, 8, 9, 10, 7, 8, 9]
+    pen = dict(presence_penalty=0.8, frequency_penalty=0.5)
+    want = _naive_greedy(ckpt, prompt, 6, 1.7, 0.8, 0.5)
+    # gRPC through the prefill node (which samples the first token, with the repetition penalty)
+    g = sdk.generate(prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True, repetition_penalty=1.7,
+                     **pen)  # fmt: skip
+    assert g.token_ids == want and g.prefill_node
+    r = oai.completions.create(model=model, prompt=prompt, max_tokens=6, **pen, logprobs=0,
+                               temperature=0.0, extra_body={"ignore_eos": True, "repetition_penalty": 1.7})  # fmt: skip
+    assert r.choices[0].text == g.text
+
+
+def test_n_with_seed(oai, model):
+    kw = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    r = oai.completions.create(n=3, seed=7, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 24
+    singles = [oai.completions.create(seed=7 + i, **kw).choices[0].text for i in range(3)]
+    assert [c.text for c in r.choices] == singles
+    assert len(set(singles)) > 1
+    chunks = list(oai.completions.create(n=3, seed=7, stream=True, stream_options={"include_usage": True}, **kw))
+    texts = ["", "", ""]
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+    assert texts == singles and chunks[-1].usage.completion_tokens == 24
+
+
+def test_min_tokens_and_max_completion_tokens(oai, model, sdk, tok):
+    ids = sdk.generate(prompt=PROMPT, max_tokens=3, temperature=0.0, ignore_eos=True).token_ids
+    r = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_completion_tokens=3,
+                                    temperature=0.0, extra_body={"ignore_eos": True})  # fmt: skip
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+    r = oai.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0.0,
+                               extra_body={"stop_token_ids": [ids[0]], "min_tokens": 1})  # fmt: skip
+    assert r.usage.completion_tokens >= 1 and not r.choices[0].text.startswith(tok.decode(ids[:1]) or "\0")
+
+
+def test_lm_eval_requests(oai, model, tok):
+    """The payloads lm-evaluation-harness's `local-completions` sends (token-id prompts in a batch
+    of one), read the way it reads them."""
+    ctx, cont = tok.encode("Question: What is 2+2?\nAnswer:"), tok.encode(" 4")
+    gen = oai.completions.create(model=model, prompt=[ctx], max_tokens=32, temperature=0.0, seed=1234,
+                                 stop=["\n\n", "Question:"])  # fmt: skip
+    assert "\n\n" not in gen.choices[0].text and "Question:" not in gen.choices[0].text
+    ll = oai.completions.create(model=model, prompt=[ctx + cont], max_tokens=1, temperature=0.0, logprobs=1,
+                                echo=True, seed=1234)  # fmt: skip
+    lp = ll.choices[0].logprobs
+    tokens_lp, tops = lp.token_logprobs[len(ctx) : -1], lp.top_logprobs[len(ctx) : -1]
+    assert len(tokens_lp) == len(cont) and all(math.isfinite(x) and x < 0 for x in tokens_lp)
+    assert all(len(t) == 1 for t in tops)
+    is_greedy = all(t == max(top.values()) for t, top in zip(tokens_lp, tops))
+    assert isinstance(is_greedy, bool)
+
+
+def test_unsupported_options_name_the_parameter(oai, model):
+    import openai
+
+    for kw, param in ((dict(extra_body={"top_logprobs": 2}), "top_logprobs"), (dict(logit_bias={"3": 1}), "logit_bias"),
+                      (dict(n=0), "n"), (dict(extra_body={"best_of": 3}), "best_of")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as ei:
+            oai.completions.create(model=model, prompt=PROMPT, max_tokens=2, **kw)
+        assert ei.value.body["param"] == param, ei.value.body
+    with pytest.raises(openai.BadRequestError) as ei:
+        oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                    top_logprobs=2)  # fmt: skip
+    assert ei.value.body["param"] == "top_logprobs"
+
+
+def test_stop_matcher_holds_back_partial_matches():
+    from router.stops import StopMatcher
+
+    m = StopMatcher(["Question:", "\n\n"])
+    assert m.push("The answer") == ("The answer", False)
+    assert m.push(" is 4.\n") == (" is 4.", False)  # "\n" may start "\n\n"
+    assert m.push("Que") == ("\n", False)  # it did not; "Que" may start "Question:"
+    assert m.push("st") == ("", False)
+    assert m.push("ion: next") == ("", True)  # the match and everything after it are dropped
+    m = StopMatcher(["ab"])
+    assert m.push("xa") == ("x", False) and m.flush() == "a"

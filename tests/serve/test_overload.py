@@ -1,0 +1,255 @@
+"""Overload through `pdserve up` with a short reservation lease (docs/ARCHITECTURE.md, "Leases and
+admission"): a burst with more prefill work than one lease covers completes with transformers'
+greedy tokens because the prefill node renews the reservations it works on; with a prefill
+window and a queue limit the rest waits in the router holding no decode memory, or is refused
+RESOURCE_EXHAUSTED (HTTP 429 + Retry-After) before any work; a prefill node killed mid-queue
+frees the decode reservations within the lease. No lease expires where a peer is alive, and
+every page and slot is free afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import hybrid_ckpt as hc
+import pytest
+from serve_harness import Up, decode_stats, descendants, log_url, nodes, prefill_stats, scrape, wait_for
+
+LEASE = 2.0  # seconds; the prefill node renews every third of it, between engine steps
+STEP = ("--max-num-batched-tokens", "128")  # prefill steps well inside a lease on a slow machine
+PROMPT_LEN, NEW = 300, 8
+
+
+@pytest.fixture(scope="module")
+def burst(ckpt):
+    """Three distinct prompts and transformers' greedy tokens after each."""
+    ps = hc.prompts(lens=(PROMPT_LEN, PROMPT_LEN + 7, PROMPT_LEN - 9), seed=21)
+    return ps, [hc.hf_greedy(ckpt, p, NEW) for p in ps]
+
+
+def _node(address, node_id):
+    return next(n.node for n in nodes(address) if n.node.node_id == node_id)
+
+
+def _run(c, p):
+    from client import PdserveError
+
+    try:
+        return c.generate(prompt_token_ids=p, max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    except PdserveError as e:
+        return e
+
+
+class _MaxReserved:
+    """Samples the decode node's open reservations (Stats) in a thread; `peak` is the most seen."""
+
+    def __init__(self, address: str):
+        self.address, self.peak, self._stop = address, 0, threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, decode_stats(self.address).capacity.reserved)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join(10)
+        return self.peak
+
+
+def _no_expiry_all_free(up: Up, decode_metrics: dict, initial) -> None:
+    """No lease expired (metric and logs); every page and slot is free on both nodes."""
+    assert decode_metrics[("pdserve_decode_lease_expiries_total", ())] == 0
+    assert "lease expired" not in up.output()
+    d, p = _node(up.address, "decode-0"), _node(up.address, "prefill-0")
+    wait_for(lambda: decode_stats(d.address).capacity == initial, 20, "the decode node's pages and slots back")
+    c = prefill_stats(p.address).capacity
+    assert (c.free_blocks, c.free_slots, c.running, c.waiting) == (c.total_blocks, c.total_slots, 0, 0)
+
+
+def test_burst_longer_than_a_lease_completes_with_renewed_leases(ckpt, burst):
+    """No prefill window: every request reserves at once, so most reservations wait on the prefill
+    node's queue far longer than a lease. The prefill node renews them; all complete exactly."""
+    from client import Client
+
+    ps, want = burst
+    up = Up("--model", ckpt, "--dtype", "float32", "--prefill", "1", "--decode", "1", "--metrics-port", "0",
+            "--reservation-lease", str(LEASE), "--prefill-window-tokens", "0", "--admission-timeout", "300", *STEP)
+    try:
+        d = _node(up.address, "decode-0")
+        initial = decode_stats(d.address).capacity
+        durl = log_url(up, r"decode node decode-0 metrics at (http://\S+/metrics)")
+        n = 60  # 18k prompt tokens: several leases of prefill on any machine this runs on
+        with Client(up.address, timeout=300) as c:
+            c.wait_ready(timeout=60)
+            peak = _MaxReserved(d.address)
+            with ThreadPoolExecutor(n) as ex:
+                outs = list(ex.map(lambda i: _run(c, ps[i % 3]), range(n)))
+            peak = peak.stop()
+        for i, r in enumerate(outs):
+            assert not isinstance(r, Exception), (i, r)
+            assert r.token_ids == want[i % 3] and r.prefill_node == "prefill-0", i
+        assert max(r.ttft_s for r in outs) > LEASE, "the burst must outlast a lease to test renewals"
+        assert peak > n // 2, f"most requests should hold a reservation while queued (peak {peak})"
+        m = scrape(durl)
+        assert m[("pdserve_decode_lease_renewals_total", ())] >= n
+        _no_expiry_all_free(up, m, initial)
+    finally:
+        rc = up.stop()
+    assert rc == 0, up.output()
+
+
+def test_overload_waits_unreserved_in_the_router_or_is_refused_before_work(ckpt, burst):
+    """A window of two prompts per prefill node and a queue of four: a burst of 20 reserves at most
+    a few pages at a time; each request completes exactly or is refused RESOURCE_EXHAUSTED (at once
+    when the queue is full, or after the admission timeout) having reached no node; HTTP says 429
+    with Retry-After; a client that leaves the queue is gone from it at once."""
+    from client import Client
+
+    ps, want = burst
+    window, queue = 2 * PROMPT_LEN + 20, 4
+    up = Up("--model", ckpt, "--dtype", "float32", "--prefill", "1", "--decode", "1", "--metrics-port", "0",
+            "--http-port", "0", "--reservation-lease", str(LEASE), "--prefill-window-tokens", str(window),
+            "--max-queued-requests", str(queue), "--admission-timeout", "6", *STEP)  # fmt: skip
+    try:
+        d = _node(up.address, "decode-0")
+        initial = decode_stats(d.address).capacity
+        urls = {k: log_url(up, rf"{k} metrics at (http://\S+/metrics)")
+                for k in ("router", "decode node decode-0", "prefill node prefill-0")}  # fmt: skip
+        base = log_url(up, r"OpenAI-compatible HTTP on (http://\S+/v1)")
+        n = 20
+        with Client(up.address, timeout=300) as c:
+            c.wait_ready(timeout=60)
+            peak = _MaxReserved(d.address)
+            with ThreadPoolExecutor(n) as ex:
+                futs = [ex.submit(_run, c, ps[i % 3]) for i in range(n)]
+                wait_for(lambda: scrape(urls["router"])[("pdserve_router_queue_depth", ())] == queue, 30,
+                         "a full admission queue")  # fmt: skip
+                body = json.dumps({"model": "ckpt", "prompt": [1, 2, 3], "max_tokens": 2}).encode()
+                req = urllib.request.Request(base + "/completions", body, {"Content-Type": "application/json"})
+                with pytest.raises(urllib.error.HTTPError) as ei:
+                    urllib.request.urlopen(req, timeout=60)
+                assert ei.value.code == 429 and ei.value.headers["Retry-After"], ei.value.read()
+                outs = [f.result(timeout=300) for f in futs]
+            peak = peak.stop()
+            # a client that goes away while queued leaves at once: fill the queue, cancel one
+            with ThreadPoolExecutor(n) as ex:
+                futs = [ex.submit(_run, c, ps[0]) for _ in range(6)]
+                wait_for(lambda: scrape(urls["router"])[("pdserve_router_queue_depth", ())] >= 2, 30, "a queue")
+                s = c.stream(prompt_token_ids=ps[1], max_tokens=NEW, temperature=0.0, ignore_eos=True)
+                depth = wait_for(lambda: (q := scrape(urls["router"])[("pdserve_router_queue_depth", ())]) > 2
+                                 and q, 30, "the stream queued")  # fmt: skip
+                t = time.monotonic()
+                s.cancel()
+                wait_for(lambda: scrape(urls["router"])[("pdserve_router_queue_depth", ())] < depth, 5,
+                         "the cancelled request out of the queue")  # fmt: skip
+                assert time.monotonic() - t < 2.0
+                [f.result(timeout=300) for f in futs]
+        done = [(i, r) for i, r in enumerate(outs) if not isinstance(r, Exception)]
+        refused = [(i, r) for i, r in enumerate(outs) if isinstance(r, Exception)]
+        for i, r in done:
+            assert r.token_ids == want[i % 3] and r.prefill_node == "prefill-0", i
+        for i, e in refused:
+            assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED, (i, e.code, e.message)
+        assert done and refused, outs
+        assert peak <= 3, f"{peak} reservations at once: the window allows two prompts (+ one pushing)"
+        r, p, dm = (scrape(urls[k]) for k in ("router", "prefill node prefill-0", "decode node decode-0"))
+        refused_total = sum(r[("pdserve_router_admission_refused_total", (("reason", k),))]
+                            for k in ("queue_full", "timeout"))  # fmt: skip
+        assert refused_total >= len(refused) + 1  # the burst's and the HTTP request
+        assert r[("pdserve_router_queue_wait_seconds_count", ())] >= len(done)
+        # refused requests never reached a node: the prefill node computed only what completed
+        assert p[("pdserve_prefill_requests_total", (("outcome", "error"),))] == 0
+        _no_expiry_all_free(up, dm, initial)
+    finally:
+        rc = up.stop()
+    assert rc == 0, up.output()
+
+
+def test_prefill_node_killed_mid_queue_frees_reservations_within_the_lease(ckpt, burst):
+    """Requests hold reservations while queued on the only prefill node; it is SIGKILLed. The
+    decode node's pages and slots are back within a lease, and every request completes with
+    transformers' tokens (the decode node prefills what is left)."""
+    from client import Client
+
+    ps, want = burst
+    up = Up("--model", ckpt, "--dtype", "float32", "--prefill", "1", "--decode", "1",
+            "--reservation-lease", str(LEASE), "--prefill-window-tokens", "0", "--admission-timeout", "300", *STEP)
+    try:
+        d = _node(up.address, "decode-0")
+        initial = decode_stats(d.address).capacity
+        victim = next(p for p in descendants(up.proc.pid) if b"prefill-0" in open(f"/proc/{p}/cmdline", "rb").read())
+        n = 12
+        with Client(up.address, timeout=300) as c:
+            c.wait_ready(timeout=60)
+            with ThreadPoolExecutor(n) as ex:
+                futs = [ex.submit(_run, c, ps[i % 3]) for i in range(n)]
+                wait_for(lambda: decode_stats(d.address).capacity.reserved >= n // 2, 30, "reservations held")
+                os.kill(victim, signal.SIGKILL)
+                t_kill = time.monotonic()
+                wait_for(lambda: decode_stats(d.address).capacity.reserved == 0, LEASE, "reservations freed")
+                freed_s = time.monotonic() - t_kill
+                outs = [f.result(timeout=300) for f in futs]
+        assert freed_s < LEASE
+        for i, r in enumerate(outs):
+            assert not isinstance(r, Exception), (i, r)
+            assert r.token_ids == want[i % 3], (i, r.prefill_node)
+        assert any(r.prefill_node == "" for r in outs)  # prefilled on the decode node after the kill
+        wait_for(lambda: decode_stats(d.address).capacity == initial, 20, "the decode node's pages and slots back")
+    finally:
+        rc = up.stop()
+    assert rc == 0, up.output()
+
+
+def test_hung_prefill_node_stops_renewing_and_its_reservations_expire(ckpt, burst):
+    """The lease is for a dead or hung peer: the only prefill node is frozen (SIGSTOP) with requests
+    queued, so nobody renews their reservations. Those no write was granted for are freed within a
+    lease (counted as expiries); once the node is killed, the rest are freed, the decode node
+    prefills what is left, and at most the request whose push was cut off fails."""
+    from client import Client
+
+    ps, want = burst
+    up = Up("--model", ckpt, "--dtype", "float32", "--prefill", "1", "--decode", "1", "--metrics-port", "0",
+            "--reservation-lease", str(LEASE), "--prefill-window-tokens", "0", "--admission-timeout", "300", *STEP)
+    try:
+        d = _node(up.address, "decode-0")
+        initial = decode_stats(d.address).capacity
+        durl = log_url(up, r"decode node decode-0 metrics at (http://\S+/metrics)")
+        victim = next(p for p in descendants(up.proc.pid) if b"prefill-0" in open(f"/proc/{p}/cmdline", "rb").read())
+        n = 12
+        with Client(up.address, timeout=300) as c:
+            c.wait_ready(timeout=60)
+            with ThreadPoolExecutor(n) as ex:
+                futs = [ex.submit(_run, c, ps[i % 3]) for i in range(n)]
+                wait_for(lambda: decode_stats(d.address).capacity.reserved >= n // 2, 30, "reservations held")
+                os.kill(victim, signal.SIGSTOP)
+                held = decode_stats(d.address).capacity.reserved
+                t_stop = time.monotonic()
+                wait_for(lambda: decode_stats(d.address).capacity.reserved <= 2, LEASE + 2, "leases expired")
+                assert time.monotonic() - t_stop < LEASE + 2
+                expired = scrape(durl)[("pdserve_decode_lease_expiries_total", ())]
+                # all but those a write was granted for (the last step's, at most 2 of 128 tokens) and
+                # one whose state was in when the node froze
+                assert expired >= held - 3, (held, expired)
+                assert "lease expired (no source began)" in up.output()
+                os.kill(victim, signal.SIGKILL)
+                outs = [f.result(timeout=300) for f in futs]
+        failed = [(i, r) for i, r in enumerate(outs) if isinstance(r, Exception)]
+        assert len(failed) <= 1, failed
+        for i, e in failed:  # its state was being pushed when the node froze
+            assert e.code in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE), (i, e.code, e.message)
+        for i, r in enumerate(outs):
+            if not isinstance(r, Exception):
+                assert r.token_ids == want[i % 3], (i, r.prefill_node)
+        wait_for(lambda: decode_stats(d.address).capacity == initial, 20, "the decode node's pages and slots back")
+    finally:
+        rc = up.stop()
+    assert rc == 0, up.output()
