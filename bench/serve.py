@@ -41,13 +41,14 @@ def pct(xs, q):
 
 
 @contextlib.contextmanager
-def cluster_client(model, prompts, prefill: int, **spec):
+def cluster_client(model, prompts, prefill: int, **router_options):
     """`up` with one decode node (and `prefill` prefill nodes), warmed up; yields a Client."""
     from client import Client
     from router.launch import Cluster, PoolSpec
 
-    spec = PoolSpec(model=str(model), prefill=prefill, decode=1, port=0, dtype="float32", log_level="WARNING",
-                    kv_cache_memory="512MiB", **spec)  # fmt: skip
+    spec = PoolSpec(model=str(model), prefill=prefill, decode=1, port=0, log_level="WARNING",
+                    node_options={"dtype": "float32", "kv_cache_memory": "512MiB"},
+                    router_options=router_options)  # fmt: skip
     with Cluster(spec, out=sys.stderr) as cl:
         cl.start()
         with Client(cl.address, timeout=600) as c:

@@ -1,5 +1,10 @@
-"""The engine shared by both node kinds: model, caches, scheduler, workers."""
+"""The engine shared by both node kinds: model, caches, scheduler, workers.
 
+The names below load on first use (PEP 562), so `engine.config` and `engine.options` import
+without torch (the command line is built from them).
+"""
+
+import importlib
 import os
 
 # OpenMP threads that finish a parallel region sleep instead of spinning (read when torch loads,
@@ -9,18 +14,21 @@ import os
 # 4.8 s passive, a 12-layer hidden-768 decode step 209 ms against 72 ms (docs/ARCHITECTURE.md).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig  # noqa: E402
-from engine.llm import LLM
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "CacheConfig": "engine.config",
+    "EngineConfig": "engine.config",
+    "ModelConfig": "engine.config",
+    "ParallelConfig": "engine.config",
+    "RequestOutput": "engine.outputs",
+    "SamplingParams": "engine.sampling_params",
+    "SchedulerConfig": "engine.config",
+}
 
-__all__ = [
-    "LLM",
-    "CacheConfig",
-    "EngineConfig",
-    "ModelConfig",
-    "ParallelConfig",
-    "RequestOutput",
-    "SamplingParams",
-    "SchedulerConfig",
-]
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

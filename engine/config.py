@@ -11,9 +11,12 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+from engine.options import option
+
+if TYPE_CHECKING:
+    import torch
 
 # architecture -> the text model's model_type (a wrapper's text_config holds the text model)
 ARCHITECTURES = {
@@ -26,7 +29,7 @@ ARCHITECTURES = {
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 _WRAPPERS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")  # text under text_config
 SUPPORTED_QUANTIZATION = ("fp8",)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
 
@@ -150,6 +153,8 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike, dtype: DTypeName = "auto") -> "ModelConfig":
+        import torch  # noqa: PLC0415 (the command line imports this module without torch)
+
         cfg_path = Path(path) / "config.json"
         if not cfg_path.is_file():
             raise FileNotFoundError(f"no config.json in {path}: pass a checkpoint directory written by save_pretrained")
@@ -207,7 +212,7 @@ class ModelConfig:
             partial_rotary_factor=rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)),
             max_position_embeddings=text.get("max_position_embeddings", 32768),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            dtype=_DTYPES[want],
+            dtype=getattr(torch, want),
             eos_token_ids=eos_ids,
             weight_prefix=prefix,
             fp8_block_size=fp8_block,
@@ -382,20 +387,26 @@ class EngineConfig:
 @dataclass(frozen=True)
 class EngineArgs:
     """The flat engine settings a user gives (`LLM`, the node commands), turned into one
-    EngineConfig by `engine_config()`. Node configs extend it with their own fields."""
+    EngineConfig by `engine_config()`. Node configs extend it with their own fields. Each field is
+    an option of `pdserve prefill`, `decode` and `up` (engine/options.py)."""
 
-    model: str  # checkpoint directory
-    tensor_parallel_size: int = 1
-    dtype: DTypeName = "auto"
-    kv_cache_memory: int | str = "256MiB"  # KV pages + GDN state slots, per rank
-    max_num_seqs: int = 64  # running batch (and GDN state slots)
-    max_num_batched_tokens: int = 2048  # token budget of one engine step
-    block_size: int = 16
-    max_model_len: int | None = None
-    seed: int = 0
-    device: str = "cpu"
-    num_speculative_tokens: int = 0  # drafts verified per decode row (0: off)
-    speculative_method: SpeculativeMethod = "ngram"  # where drafts come from: "ngram" | "mtp" (the checkpoint's MTP block)
+    model: str = option(help="checkpoint directory (on the command line, default the built-in tiny model)")
+    tensor_parallel_size: int = option(1, "tensor-parallel ranks of a node, one process each (1, 2, 4, 8)", flag="--tp")
+    dtype: DTypeName = option("auto", "weights and activations (auto: the checkpoint's); GDN state is always float32")
+    kv_cache_memory: int | str = option("256MiB", "memory for KV pages + GDN state slots, per rank (e.g. 2GiB)")
+    max_num_seqs: int = option(64, "requests in the running batch (and GDN state slots)")
+    max_num_batched_tokens: int = option(
+        2048, "token budget of one engine step (chunked prefill splits longer prompts); a prefill step is at most "
+        "this long, and a reservation lease must outlast one")
+    block_size: int = option(16, "tokens per KV page (a power of two); prefill and decode nodes must agree")
+    max_model_len: int | None = option(None, "prompt + output tokens at most (default: the model's max positions)")
+    seed: int = option(0, "seed of the sampler for requests that name none")
+    device: str = option("cpu", "cpu | cuda")
+    num_speculative_tokens: int = option(
+        0, "draft tokens verified per decode row (0: off); prefill and decode nodes must use the same value")
+    speculative_method: SpeculativeMethod = option(
+        "ngram", "where drafts come from: ngram (prompt lookup) or mtp (the checkpoint's multi-token-prediction "
+        "block); prefill and decode nodes must use the same method")
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -407,3 +418,23 @@ class EngineArgs:
             device=self.device,
             seed=self.seed,
         )
+
+
+@dataclass(frozen=True)
+class NodeArgs(EngineArgs):
+    """EngineArgs plus how a serving node joins the router: what both node configs
+    (decode_node/config.py, prefill_node/config.py) share and proto/node.py reads."""
+
+    node_id: str = option("node-0", "unique among the router's nodes")
+    router: str | None = option(
+        None, "router HOST:PORT to register with; several, comma-separated, for more than one router (each can "
+        "then route here); none: standalone")
+    advertise_host: str = option("127.0.0.1", "the host part of the address the router dials (on the command line, "
+                                 "default --host)")  # fmt: skip
+    heartbeat_interval_s: float = option(0.5, "seconds between heartbeats until the router names its own")
+    transfer_backend: Literal["nixl", "ucxx"] = option("nixl", "data plane of the transfer endpoints")
+    metrics_port: int | None = option(None, "Prometheus /metrics on this port (0 picks one; default off)")
+
+    def __post_init__(self):
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError(f"heartbeat_interval_s must be positive (got {self.heartbeat_interval_s})")

@@ -32,37 +32,19 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 
 import grpc
 
-from engine.config import EngineArgs
 from engine.loop import EngineLoop, ShuttingDown
 from engine.request import Status
 from prefill_node import ranks as pranks
+from prefill_node.config import PrefillNodeConfig
 from proto import pb, rpc
 from proto.metrics import ServingMetrics, capacity_gauges
 from proto.node import NodeServer, serve_node
 from proto.serving import MAX_REQUEST_ID_LEN, sampling_kwargs
 
 log = logging.getLogger("pdserve.prefill")
-
-
-@dataclass(frozen=True)
-class PrefillNodeConfig(EngineArgs):
-    """The engine (EngineArgs; num_speculative_tokens must equal the decode nodes', it sizes the
-    state pools the transfer schema describes) plus how the node joins the router and pushes."""
-
-    node_id: str = "prefill-0"
-    router: str | None = None  # host:port of the router(s) to register with
-    advertise_host: str = "127.0.0.1"
-    heartbeat_interval_s: float = 0.5
-    transfer_backend: str = "nixl"
-    metrics_port: int | None = None  # Prometheus /metrics on this port (0 picks one; None: off)
-    push_timeout_s: float = 60.0  # a push not done (and quiet) by then fails the call
-    # Between engine steps, keep polling in-flight pushes this long (grants and write completions
-    # otherwise wait for the next, possibly long, prefill step).
-    push_spin_s: float = 0.005
 
 
 class _Push:

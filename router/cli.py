@@ -8,11 +8,14 @@
     pdserve prefill --model DIR --router HOST:PORT [--port 0] [--tp a] [--transfer-backend nixl]
     pdserve generate --addr HOST:PORT "text" [--max-tokens 32 --temperature 0]
 
-A pools file for `up --config` takes the `up` options as keys; the command line wins:
+The flags of `router`, `decode` and `prefill` are generated from their configs (router/config.py,
+decode_node/config.py, prefill_node/config.py; engine/options.py), and `up` has every one of them
+it does not set itself. A pools file for `up --config` takes the `up` options as keys, per pool
+under `prefill:` / `decode:`; the command line wins (router/pools.py):
 
     model: /path/to/checkpoint
     port: 50051
-    prefill: {count: 1, tp: 2}
+    prefill: {count: 1, tp: 2, max_num_seqs: 8}
     decode: {count: 2, tp: 1, local_prefill_threshold: 64, kv_cache_memory: 2GiB}
     policy: least-loaded
 
@@ -42,19 +45,6 @@ DEMO_PROMPTS = [
 
 
 SERVER_COMMANDS = ("up", "router", "decode", "prefill")
-SPECULATIVE_METHODS = ("ngram", "mtp")  # engine.config.SPECULATIVE_METHODS, without importing torch here
-SPEC_HELP = ("draft tokens verified per decode step (0: off); prefill and decode nodes must use the same "
-             "value")
-SPEC_METHOD_HELP = ("where drafts come from: ngram (prompt lookup) or mtp (the checkpoint's multi-token-prediction "
-                    "block); prefill and decode nodes must use the same method")
-QUEUE_HELP = ("when every prefill node has this many prompt tokens queued, decode nodes prefill new prompts "
-              "themselves (0: no limit)")
-ADMISSION_HELP = "seconds a request waits in the router's FIFO admission queue, then RESOURCE_EXHAUSTED"
-QUEUE_LIMIT_HELP = "requests that may wait for admission; one more is refused RESOURCE_EXHAUSTED at once (0: no limit)"
-WINDOW_HELP = ("prompt tokens the router keeps outstanding per prefill node (sent, first token not back); the rest "
-               "wait in the admission queue without reserving decode memory (0: no window)")
-LEASE_HELP = ("seconds a decode reservation lives without a renewal; prefill nodes renew it while they work on the "
-              "request, so it runs out only for a dead or hung prefill node")
 DRAIN_HELP = ("on SIGTERM / SIGINT, finish what is in flight for at most this many seconds, taking nothing new, "
               "then stop (0: stop at once; a second signal cuts the wait short)")
 
@@ -107,7 +97,7 @@ def cmd_demo(args) -> int:
     model = Path(args.model) if args.model else default_model_dir()
     ModelConfig.from_dir(model)  # a bad directory fails here, in one line
     spec = PoolSpec(model=str(model), prefill=1, decode=1, prefill_tp=args.tp, decode_tp=args.tp, port=0,
-                    dtype="float32", log_level=args.log_level or "WARNING")  # fmt: skip
+                    node_options={"dtype": "float32"}, log_level=args.log_level or "WARNING")  # fmt: skip
     print(f"starting a router, 1 prefill and 1 decode node (tp={args.tp}) on {model} ...", flush=True)
     with Cluster(spec) as cl:
         cl.start()
@@ -155,56 +145,29 @@ def _serve_until_signal(server, drain_timeout: float) -> int:
 
 
 def cmd_router(args) -> int:
+    from engine.options import options, values
     from router.server import RouterConfig, serve
 
-    cfg = RouterConfig(
-        model=args.model,
-        static_decode=tuple(args.decode or ()),
-        static_prefill=tuple(args.prefill or ()),
-        heartbeat_interval_s=args.heartbeat_interval,
-        dead_after_s=args.dead_after,
-        admission_timeout_s=args.admission_timeout,
-        max_queued_requests=args.max_queued_requests,
-        prefill_window_tokens=args.prefill_window_tokens,
-        reservation_lease_s=args.reservation_lease,
-        max_prefill_queue_tokens=args.max_prefill_queue_tokens,
-        policy=args.policy,
-        metrics_port=args.metrics_port,
-        http_port=args.http_port,
-        host=args.host,
-    )
-    router, port = serve(f"{args.host}:{args.port}", cfg)
+    cfg = RouterConfig(**values(options(RouterConfig), args))
+    router, port = serve(f"{cfg.host}:{args.port}", cfg)
     if args.port_file:
         tmp = Path(args.port_file + ".tmp")
         tmp.write_text(str(port))
         tmp.rename(args.port_file)
-    print(f"router listening on {args.host}:{port}", flush=True)
+    print(f"router listening on {cfg.host}:{port}", flush=True)
     if router.http_port is not None:
-        print(f"router OpenAI-compatible HTTP on http://{args.host}:{router.http_port}/v1", flush=True)
+        print(f"router OpenAI-compatible HTTP on http://{cfg.host}:{router.http_port}/v1", flush=True)
     return _serve_until_signal(router, args.drain_timeout)
 
 
-def _node_config(cls, args, **extra):
-    """A node's config from its command line: the engine settings plus how it joins the router."""
-    return cls(
-        model=str(args.model or default_model_dir()),
-        tensor_parallel_size=args.tp,
-        dtype=args.dtype,
-        kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        device=args.device,
-        num_speculative_tokens=args.num_speculative_tokens,
-        speculative_method=args.speculative_method,
-        node_id=args.node_id,
-        router=args.router,
-        advertise_host=args.advertise_host or args.host,
-        transfer_backend=args.transfer_backend,
-        metrics_port=args.metrics_port,
-        **extra,
-    )
+def _node_config(cls, args):
+    """A node's config from its command line: every option of `cls`."""
+    from engine.options import options, values
+
+    vals = values(options(cls), args)
+    vals["model"] = str(vals["model"] or default_model_dir())
+    vals["advertise_host"] = vals["advertise_host"] or args.host
+    return cls(**vals)
 
 
 def _serve_node(kind: str, serve, cfg, args) -> int:
@@ -217,73 +180,20 @@ def cmd_decode(args) -> int:
     from decode_node.config import DecodeNodeConfig
     from decode_node.server import serve
 
-    cfg = _node_config(DecodeNodeConfig, args, local_prefill_threshold=args.local_prefill_threshold)
-    return _serve_node("decode", serve, cfg, args)
+    return _serve_node("decode", serve, _node_config(DecodeNodeConfig, args), args)
 
 
 def cmd_prefill(args) -> int:
-    from prefill_node.server import PrefillNodeConfig, serve
+    from prefill_node.config import PrefillNodeConfig
+    from prefill_node.server import serve
 
     return _serve_node("prefill", serve, _node_config(PrefillNodeConfig, args), args)
 
 
-_UP_DEFAULTS = dict(model=None, prefill=1, decode=1, prefill_tp=1, decode_tp=1, host="127.0.0.1", port=50051,
-                    dtype="auto", device="cpu", kv_cache_memory="256MiB", max_num_seqs=64,
-                    max_num_batched_tokens=2048, local_prefill_threshold=0,
-                    policy="least-loaded", admission_timeout=30.0, max_queued_requests=512,
-                    prefill_window_tokens=8192, reservation_lease=15.0, max_prefill_queue_tokens=0,
-                    transfer_backend="nixl", num_speculative_tokens=0, speculative_method="ngram",
-                    http_port=None, metrics_port=None, drain_timeout=30.0)  # fmt: skip
-
-
 def _up_spec(args):
-    from router.launch import PoolSpec
+    from router.pools import spec_from_args
 
-    vals = {k: getattr(args, k) for k in _UP_DEFAULTS}
-    if args.config:
-        import yaml
-
-        raw = yaml.safe_load(Path(args.config).read_text()) or {}
-        if not isinstance(raw, dict):
-            raise ValueError(f"{args.config}: expected a mapping of options")
-        flat = {}
-        for k, v in raw.items():
-            if k in ("prefill", "decode") and isinstance(v, dict):  # prefill: {count: 1, tp: 2}
-                flat[k] = v.get("count", _UP_DEFAULTS[k])
-                flat[f"{k}_tp"] = v.get("tp", 1)
-                for kk, vv in v.items():
-                    if kk not in ("count", "tp"):
-                        flat[kk.replace("-", "_")] = vv
-            else:
-                flat[k.replace("-", "_")] = v
-        unknown = sorted(set(flat) - set(_UP_DEFAULTS))
-        if unknown:
-            raise ValueError(f"{args.config}: unknown option(s) {', '.join(unknown)}; known: {', '.join(_UP_DEFAULTS)}")
-        for k, v in flat.items():
-            if vals[k] is None:  # the command line wins
-                vals[k] = v
-    vals = {k: (_UP_DEFAULTS[k] if v is None else v) for k, v in vals.items()}
-    if vals["model"] is None:
-        vals["model"] = str(default_model_dir())
-    from engine.config import ModelConfig
-
-    ModelConfig.from_dir(vals["model"])
-    return PoolSpec(
-        model=str(Path(vals["model"]).resolve()), prefill=vals["prefill"], decode=vals["decode"],
-        prefill_tp=vals["prefill_tp"], decode_tp=vals["decode_tp"], host=vals["host"], port=vals["port"],
-        dtype=vals["dtype"], device=vals["device"], kv_cache_memory=str(vals["kv_cache_memory"]),
-        max_num_seqs=vals["max_num_seqs"], max_num_batched_tokens=int(vals["max_num_batched_tokens"]),
-        local_prefill_threshold=vals["local_prefill_threshold"], policy=vals["policy"],
-        admission_timeout_s=float(vals["admission_timeout"]), log_level=args.log_level or "INFO",
-        max_queued_requests=int(vals["max_queued_requests"]),
-        prefill_window_tokens=int(vals["prefill_window_tokens"]),
-        reservation_lease_s=float(vals["reservation_lease"]),
-        max_prefill_queue_tokens=int(vals["max_prefill_queue_tokens"]),
-        num_speculative_tokens=int(vals["num_speculative_tokens"]),
-        speculative_method=str(vals["speculative_method"]),
-        transfer_backend=vals["transfer_backend"], http_port=vals["http_port"],
-        metrics_port=vals["metrics_port"], drain_timeout_s=float(vals["drain_timeout"]),
-    )  # fmt: skip
+    return spec_from_args(args, default_model=default_model_dir)
 
 
 def cmd_up(args) -> int:
@@ -382,6 +292,12 @@ def cmd_nodes(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from decode_node.config import DecodeNodeConfig
+    from engine.options import add_options, options
+    from prefill_node.config import PrefillNodeConfig
+    from router.config import RouterConfig
+    from router.pools import add_up_options
+
     ap = argparse.ArgumentParser(prog="pdserve", description="Disaggregated serving for hybrid LLMs")
     ap.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG"), help="default INFO for servers, else WARNING")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -398,86 +314,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("up", help="run a router and node pools as local processes")
-    p.add_argument("--config", default=None, help="pools.yaml: the options below as keys (the command line wins)")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
-    p.add_argument("--prefill", type=int, default=None, help="prefill nodes (default 1; 0: decode nodes prefill)")
-    p.add_argument("--decode", type=int, default=None, help="decode nodes (default 1)")
-    p.add_argument("--prefill-tp", type=int, default=None)
-    p.add_argument("--decode-tp", type=int, default=None)
-    p.add_argument("--host", default=None, help="address every component binds (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="router port (default 50051; 0 picks one)")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--device", default=None, help="cpu | cuda (decode nodes)")
-    p.add_argument("--kv-cache-memory", default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="every node's token budget per engine step (default 2048); a prefill step is at most this "
-                        "long, and a reservation lease must outlast one")  # fmt: skip
-    p.add_argument("--local-prefill-threshold", type=int, default=None)
-    p.add_argument("--policy", default=None)
-    p.add_argument("--admission-timeout", type=float, default=None, help=ADMISSION_HELP + " (default 30)")
-    p.add_argument("--max-queued-requests", type=int, default=None, help=QUEUE_LIMIT_HELP + " (default 512)")
-    p.add_argument("--prefill-window-tokens", type=int, default=None, help=WINDOW_HELP + " (default 8192)")
-    p.add_argument("--reservation-lease", type=float, default=None, help=LEASE_HELP + " (default 15)")
-    p.add_argument("--max-prefill-queue-tokens", type=int, default=None, help=QUEUE_HELP)
-    p.add_argument("--num-speculative-tokens", type=int, default=None, help=SPEC_HELP + " (every node; default 0)")
-    p.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
-                   help=SPEC_METHOD_HELP + " (every node; default ngram)")
-    p.add_argument("--transfer-backend", default=None, help="nixl | ucxx (default nixl)")
-    p.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP on the router (0 picks one)")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="Prometheus /metrics on the router (0 picks one); every node then serves one on a free port")
-    p.add_argument("--drain-timeout", type=float, default=None, help=DRAIN_HELP + " (every component; default 30)")
+    add_up_options(p)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("router", help="run the router")
-    p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--port-file", default=None, help="write the bound port here (for --port 0)")
-    p.add_argument("--model", default=None, help="checkpoint whose tokenizer serves text prompts")
-    p.add_argument("--decode", action="append", metavar="ADDR", help="a static decode node (repeatable)")
-    p.add_argument("--prefill", action="append", metavar="ADDR", help="a static prefill node (repeatable)")
-    p.add_argument("--heartbeat-interval", type=float, default=0.5)
-    p.add_argument("--dead-after", type=float, default=3.0)
-    p.add_argument("--admission-timeout", type=float, default=30.0, help=ADMISSION_HELP)
-    p.add_argument("--max-queued-requests", type=int, default=512, help=QUEUE_LIMIT_HELP)
-    p.add_argument("--prefill-window-tokens", type=int, default=8192, help=WINDOW_HELP)
-    p.add_argument("--reservation-lease", type=float, default=15.0, help=LEASE_HELP)
-    p.add_argument("--max-prefill-queue-tokens", type=int, default=0, help=QUEUE_HELP)
-    p.add_argument("--policy", default="least-loaded")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 picks one; default off)")
-    p.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (0 picks one; default off)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help=DRAIN_HELP)
+    add_options(p, options(RouterConfig))
     p.set_defaults(func=cmd_router)
 
-    for kind in ("decode", "prefill"):
+    for kind, cls in (("decode", DecodeNodeConfig), ("prefill", PrefillNodeConfig)):
         p = sub.add_parser(kind, help=f"run one {kind} node")
-        p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
-        p.add_argument("--router", default=None,
-                       help="router HOST:PORT to register with; several, comma-separated, for more than one "
-                            "router (each can then route here)")  # fmt: skip
-        p.add_argument("--host", default="127.0.0.1")
-        p.add_argument("--port", type=int, default=0)
-        p.add_argument("--advertise-host", default=None, help="host the router dials (default --host)")
-        p.add_argument("--node-id", default=f"{kind}-0")
-        p.add_argument("--tp", type=int, default=1)
-        p.add_argument("--dtype", default="auto")
-        p.add_argument("--device", default="cpu", help="cpu | cuda")
-        p.add_argument("--kv-cache-memory", default="256MiB")
-        p.add_argument("--max-num-seqs", type=int, default=64)
-        p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-        p.add_argument("--block-size", type=int, default=16)
-        p.add_argument("--max-model-len", type=int, default=None)
-        p.add_argument("--transfer-backend", default="nixl", help="nixl | ucxx")
-        p.add_argument("--metrics-port", type=int, default=None,
-                       help="Prometheus /metrics port (0 picks one; default off)")  # fmt: skip
+        p.add_argument("--host", default="127.0.0.1", help="address the node binds")
+        p.add_argument("--port", type=int, default=0, help="gRPC port (0 picks one)")
         p.add_argument("--drain-timeout", type=float, default=30.0, help=DRAIN_HELP)
-        p.add_argument("--num-speculative-tokens", type=int, default=0, help=SPEC_HELP)
-        p.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default="ngram", help=SPEC_METHOD_HELP)
-        if kind == "decode":
-            p.add_argument("--local-prefill-threshold", type=int, default=0,
-                           help="prompts shorter than this prefill here (0: always the prefill pool, "
-                                "when a prefill node is ready)")  # fmt: skip
+        add_options(p, options(cls), defaults={"advertise_host": None})
         p.set_defaults(func=cmd_decode if kind == "decode" else cmd_prefill)
 
     p = sub.add_parser("nodes", help="list the nodes a router knows: state, capacity, load")

@@ -1,39 +1,51 @@
-"""RouterConfig: what one router runs with (admission, policy, timeouts, ports)."""
+"""RouterConfig: what one router runs with (admission, policy, timeouts, ports).
+
+Every field is an option of `pdserve router` (engine/options.py); `pdserve up` gives the router
+all of them but the node lists and the host, which it sets itself."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.policy import make_policy
+from engine.options import option
+from router.policy import PolicyName, make_policy
+
+ADMISSION_HELP = "seconds a request waits in the router's FIFO admission queue, then RESOURCE_EXHAUSTED"
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    model: str | None = None  # checkpoint directory: its tokenizer serves text prompts
-    static_decode: tuple[str, ...] = ()  # decode node addresses polled with Stats
-    static_prefill: tuple[str, ...] = ()  # prefill node addresses polled with Stats
-    heartbeat_interval_s: float = 0.5  # what nodes are told to use
-    dead_after_s: float = 3.0  # no heartbeat for this long: the node is dead
+    model: str | None = option(None, "checkpoint directory: its tokenizer serves text prompts")
+    static_decode: tuple[str, ...] = option((), "a static decode node, polled with Stats (repeatable)",
+                                            flag="--decode", metavar="ADDR")  # fmt: skip
+    static_prefill: tuple[str, ...] = option((), "a static prefill node, polled with Stats (repeatable)",
+                                             flag="--prefill", metavar="ADDR")  # fmt: skip
+    heartbeat_interval_s: float = option(0.5, "seconds between node heartbeats (nodes are told to use it)")
+    dead_after_s: float = option(3.0, "a node with no heartbeat for this many seconds is dead")
     # Admission (router/admission.py): requests wait in FIFO order for room, at most this long,
     # then RESOURCE_EXHAUSTED; a request that finds max_queued_requests waiting is refused at once.
-    admission_timeout_s: float = 30.0
-    max_queued_requests: int = 512  # 0: no limit
-    # Prompt tokens the router keeps outstanding on one prefill node (sent, first token not back);
-    # beyond it requests wait in the admission queue and reserve no decode memory. A prompt larger
-    # than the window still goes to an idle node. 0: no window (reserve at once for everything).
-    prefill_window_tokens: int = 8192
-    policy: str = "least-loaded"
-    # Lease asked of a decode node's Reserve: the prefill node renews it every third of it while it
-    # works on the request, so it only runs out when that node stops (dead or hung).
-    reservation_lease_s: float = 15.0
-    prefill_timeout_s: float = 120.0  # one Prefill call (queue + compute + push) at most
-    # Conditional disaggregation by load: when every ready prefill node has at least this many
-    # prompt tokens queued (its last report plus what the router sent since), the decode node
-    # prefills the prompt itself instead of queueing behind them. 0: no limit.
-    max_prefill_queue_tokens: int = 0
-    metrics_port: int | None = None  # Prometheus /metrics on this port (0 picks one; None: off)
-    http_port: int | None = None  # OpenAI-compatible HTTP on this port (0 picks one; None: off)
-    host: str = "127.0.0.1"  # where the metrics and HTTP ports bind
+    admission_timeout_s: float = option(30.0, ADMISSION_HELP)
+    max_queued_requests: int = option(
+        512, "requests that may wait for admission; one more is refused RESOURCE_EXHAUSTED at once (0: no limit)")
+    # Beyond the window requests wait in the admission queue and reserve no decode memory. A prompt
+    # larger than the window still goes to an idle node.
+    prefill_window_tokens: int = option(
+        8192, "prompt tokens the router keeps outstanding per prefill node (sent, first token not back); the rest "
+        "wait in the admission queue without reserving decode memory (0: no window)")
+    policy: PolicyName = option("least-loaded", "routing policy")
+    # The prefill node renews the lease every third of it while it works on the request, so it only
+    # runs out when that node stops (dead or hung).
+    reservation_lease_s: float = option(
+        15.0, "seconds a decode reservation lives without a renewal; prefill nodes renew it while they work on "
+        "the request, so it runs out only for a dead or hung prefill node")
+    prefill_timeout_s: float = option(120.0, "seconds one Prefill call (queue + compute + push) may take")
+    # Conditional disaggregation by load: counts a node's last report plus what the router sent since.
+    max_prefill_queue_tokens: int = option(
+        0, "when every prefill node has this many prompt tokens queued, decode nodes prefill new prompts "
+        "themselves (0: no limit)")
+    metrics_port: int | None = option(None, "Prometheus /metrics on this port (0 picks one; default off)")
+    http_port: int | None = option(None, "OpenAI-compatible HTTP on this port (0 picks one; default off)")
+    host: str = option("127.0.0.1", "address the router binds (gRPC, metrics and HTTP)")
 
     def __post_init__(self):
         if self.dead_after_s <= self.heartbeat_interval_s:

@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -213,48 +213,39 @@ class OpenAIServer:
             raise _bad(f"the chat template refused the messages: {e}", "messages") from None
 
     def request(self, body: dict, chat: bool) -> Job:
+        """The gRPC requests for an HTTP body: n per prompt (completions take a batch of
+        prompts; choice j * n + i is sample i of prompt j)."""
         model = self._model(body)
         sp, n = sampling(body, chat), choices(body)
-        no_output = body.get("max_completion_tokens", body.get("max_tokens")) == 0
-        req = pb.GenerateRequest(request_id=uuid.uuid4().hex, sampling=sp)
-        echo = None
-        if chat:
-            req.prompt = self.chat_prompt(body.get("messages"))
-        else:
-            p = body.get("prompt")
-            if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-                p = p[0]  # a batch of one
-            if isinstance(p, str) and p:
-                req.prompt = p
-            elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                req.prompt_token_ids.extend(p)
-            else:
-                raise _bad("'prompt' must be a non-empty string or a list of token ids (batches are not supported)",
-                           "prompt")  # fmt: skip
-            if _flag(body, "echo"):
-                tok = self.router.tokenizer
-                if req.prompt:
-                    echo = req.prompt
-                    if sp.HasField("prompt_logprobs"):  # the ids the logprobs are for
-                        if tok is None:
-                            raise _bad("this router has no tokenizer: send the prompt as token ids", "prompt")
-                        req.prompt_token_ids.extend(tok.encode(req.prompt))
-                        req.prompt = ""
-                else:
-                    echo = tok.decode(list(req.prompt_token_ids)) if tok is not None else ""
         if sp.HasField("logprobs") and self.router.tokenizer is None:
             raise _bad("logprobs need a tokenizer on the router", "logprobs")
-        reqs = []
-        for i in range(n):  # independent samples; with a seed, choice i uses seed + i
-            r = pb.GenerateRequest()
-            r.CopyFrom(req)
-            if n > 1:
-                r.request_id = f"{req.request_id}-{i}"
+        rid = uuid.uuid4().hex
+        prompts = [self.chat_prompt(body.get("messages"))] if chat else _prompts(body.get("prompt"))
+        echo = not chat and _flag(body, "echo")
+        tok = self.router.tokenizer
+        job = Job(model, chat, rid, n, body.get("max_completion_tokens", body.get("max_tokens")) == 0,
+                  sp.logprobs if sp.HasField("logprobs") else None)  # fmt: skip
+        for j, p in enumerate(prompts):
+            req = pb.GenerateRequest(sampling=sp)
+            if isinstance(p, str) and (not echo or not sp.HasField("prompt_logprobs")):
+                req.prompt = p
+            elif isinstance(p, str):  # echo with logprobs: the ids the logprobs are for
+                if tok is None:
+                    raise _bad("this router has no tokenizer: send the prompt as token ids", "prompt")
+                req.prompt_token_ids.extend(tok.encode(p))
+            else:
+                req.prompt_token_ids.extend(p)
+            text = p if isinstance(p, str) else tok.decode(p) if tok is not None else ""
+            for i in range(n):  # independent samples; with a seed, sample i uses seed + i
+                r = pb.GenerateRequest()
+                r.CopyFrom(req)
+                r.request_id = rid if len(prompts) * n == 1 else f"{rid}-{j * n + i}"
                 if sp.HasField("seed"):
                     r.sampling.seed = sp.seed + i
-            reqs.append(r)
-        return Job(model, chat, req.request_id, reqs, echo, list(req.prompt_token_ids), no_output,
-                   sp.logprobs if sp.HasField("logprobs") else None)  # fmt: skip
+                job.reqs.append(r)
+                job.echoes.append(text if echo else None)
+                job.prompt_ids.append(list(req.prompt_token_ids))
+        return job
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self, host: str, port: int) -> int:
@@ -412,18 +403,36 @@ class _Handler(BaseHTTPRequestHandler):
                 c.cancel()
 
 
+MAX_BATCH = 64  # most prompts in one completions request
+
+
+def _prompts(p) -> list[str | list[int]]:
+    """`prompt`: a string, a list of token ids, or a batch (list) of either."""
+
+    def ids(x) -> bool:
+        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if (isinstance(p, str) and p) or ids(p):
+        return [p]
+    if isinstance(p, list) and 0 < len(p) <= MAX_BATCH and all((isinstance(x, str) and x) or ids(x) for x in p):
+        return p
+    raise _bad(f"'prompt' must be a non-empty string, a list of token ids, or a list of up to {MAX_BATCH} of either",
+               "prompt")  # fmt: skip
+
+
 @dataclass
 class Job:
-    """One HTTP request: n gRPC requests (one per choice) and how to shape the answer."""
+    """One HTTP request: a gRPC request per choice, and how to shape the answer."""
 
     model: str
     chat: bool
     id: str
-    reqs: list[pb.GenerateRequest]
-    echo: str | None  # completions with echo: the prompt text, put before the output
-    prompt_ids: list[int]  # the prompt's ids when sent as ids (echo with logprobs)
+    n: int  # choices per prompt
     no_output: bool  # max_tokens 0: the one token generated is not returned
     logprobs: int | None  # alternatives per position, when logprobs were asked for
+    reqs: list[pb.GenerateRequest] = field(default_factory=list)  # per choice, in choice order
+    echoes: list[str | None] = field(default_factory=list)  # per choice: with echo, its prompt's text
+    prompt_ids: list[list[int]] = field(default_factory=list)  # per choice: its prompt's ids, when sent as ids
 
 
 class _Choice:
@@ -445,10 +454,11 @@ class _Choice:
         if not self.started:
             self.started = True
             self.prompt_tokens = m.prompt_tokens
-            if self.job.echo is not None:
-                text = self.job.echo
-                if self.job.logprobs is not None and self.job.prompt_ids:
-                    entries = [pb.TokenLogprob(token_id=self.job.prompt_ids[0], logprob=float("nan"))]
+            echo, ids = self.job.echoes[self.index], self.job.prompt_ids[self.index]
+            if echo is not None:
+                text = echo
+                if self.job.logprobs is not None and ids:  # NaN: the first token has no logprob
+                    entries = [pb.TokenLogprob(token_id=ids[0], logprob=float("nan"))]
                     entries += list(m.prompt_logprobs)
         if not self.job.no_output:
             text += m.text
@@ -507,7 +517,7 @@ class _Choice:
 
 
 def _usage(choices: list[_Choice]) -> dict:
-    p = choices[0].prompt_tokens if choices else 0
+    p = sum(c.prompt_tokens for c in choices if c.index % c.job.n == 0)  # once per prompt
     n = sum(c.n for c in choices)
     return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
 

@@ -20,6 +20,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from decode_node.config import DecodeNodeConfig
+from engine.options import options, to_argv
+from prefill_node.config import PrefillNodeConfig
+from router.config import RouterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,9 +37,18 @@ def die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
+NODE_CONFIGS = {"prefill": PrefillNodeConfig, "decode": DecodeNodeConfig}
+# set by `up` itself for every process it starts
+ROUTER_MANAGED = ("model", "host", "static_decode", "static_prefill")
+NODE_MANAGED = ("model", "tensor_parallel_size", "node_id", "router", "advertise_host", "metrics_port")
+
+
 @dataclass
 class PoolSpec:
-    """What `up` launches (from the command line or a pools file)."""
+    """What `up` launches (from the command line or a pools file). Options are config fields
+    (router.config.RouterConfig, the node configs) -> values; what is left out keeps its default.
+    `node_options` go to every node whose config has the field; `prefill_options` and
+    `decode_options` to one pool, over `node_options`."""
 
     model: str
     prefill: int = 1
@@ -42,32 +57,56 @@ class PoolSpec:
     decode_tp: int = 1
     host: str = "127.0.0.1"
     port: int = 50051
-    dtype: str = "auto"
-    device: str = "cpu"
-    kv_cache_memory: str = "256MiB"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # every node's engine step budget (prompt tokens per step)
-    local_prefill_threshold: int = 0
-    policy: str = "least-loaded"
-    admission_timeout_s: float = 30.0
-    max_queued_requests: int = 512  # the router's --max-queued-requests
-    prefill_window_tokens: int = 8192  # the router's --prefill-window-tokens
-    reservation_lease_s: float = 15.0  # the router's --reservation-lease
-    max_prefill_queue_tokens: int = 0  # the router's --max-prefill-queue-tokens
-    num_speculative_tokens: int = 0  # every node's --num-speculative-tokens
-    speculative_method: str = "ngram"  # every node's --speculative-method: ngram | mtp
     log_level: str = "INFO"
-    transfer_backend: str = "nixl"
-    http_port: int | None = None  # the router's OpenAI-compatible HTTP port (None: off)
-    metrics_port: int | None = None  # the router's /metrics port; nodes then serve theirs on free ports
     drain_timeout_s: float = 30.0  # every component's --drain-timeout
-    extra_decode_args: list[str] = field(default_factory=list)
+    # the router's; with metrics_port set, every node serves /metrics on a free port
+    router_options: dict[str, Any] = field(default_factory=dict)
+    node_options: dict[str, Any] = field(default_factory=dict)
+    prefill_options: dict[str, Any] = field(default_factory=dict)
+    decode_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.decode < 1:
             raise ValueError(f"need at least one decode node (got --decode {self.decode})")
         if self.prefill < 0:
             raise ValueError(f"--prefill must be >= 0 (got {self.prefill})")
+        _check_keys("router", self.router_options, settable(RouterConfig, ROUTER_MANAGED))
+        _check_keys("node", self.node_options, node_settable())
+        for pool, cls in NODE_CONFIGS.items():
+            _check_keys(f"{pool} pool", getattr(self, f"{pool}_options"), settable(cls, NODE_MANAGED))
+
+    def pool_options(self, pool: str) -> dict[str, Any]:
+        """The options of one pool's nodes: node_options its config has, then the pool's own."""
+        names = _names(NODE_CONFIGS[pool])
+        return {k: v for k, v in self.node_options.items() if k in names} | getattr(self, f"{pool}_options")
+
+    def router_argv(self) -> list[str]:
+        return to_argv(options(RouterConfig), self.router_options)
+
+    def node_argv(self, pool: str) -> list[str]:
+        """The options every node of `pool` is started with (beyond model, router, id, tp)."""
+        metrics = {} if self.router_options.get("metrics_port") is None else {"metrics_port": 0}
+        return to_argv(options(NODE_CONFIGS[pool]), {**self.pool_options(pool), **metrics})
+
+
+def _names(cls) -> set[str]:
+    return {o.name for o in options(cls)}
+
+
+def settable(cls, managed: tuple[str, ...]) -> list[str]:
+    """The options of `cls` that `up` passes on (the rest it sets itself)."""
+    return [o.name for o in options(cls) if o.name not in managed]
+
+
+def node_settable() -> list[str]:
+    """Options of either node kind that `up` passes on, decode's first."""
+    return list(dict.fromkeys(n for cls in (DecodeNodeConfig, PrefillNodeConfig) for n in settable(cls, NODE_MANAGED)))
+
+
+def _check_keys(what: str, opts: dict, known: list[str]) -> None:
+    bad = sorted(set(opts) - set(known))
+    if bad:
+        raise ValueError(f"unknown {what} option(s) {', '.join(bad)}; known: {', '.join(known)}")
 
 
 class Cluster:
@@ -98,15 +137,8 @@ class Cluster:
     def start(self, ready_timeout: float = 300.0) -> None:
         s = self.spec
         port_file = Path(self._tmp.name) / "router.port"
-        self._spawn(
-            "router",
-            ["router", "--host", s.host, "--port", str(s.port), "--port-file", str(port_file), "--model", s.model,
-             "--policy", s.policy, "--admission-timeout", str(s.admission_timeout_s),
-             "--max-queued-requests", str(s.max_queued_requests),
-             "--prefill-window-tokens", str(s.prefill_window_tokens),
-             "--reservation-lease", str(s.reservation_lease_s),
-             "--max-prefill-queue-tokens", str(s.max_prefill_queue_tokens), *self._router_ports()],
-        )  # fmt: skip
+        self._spawn("router", ["router", "--host", s.host, "--port", str(s.port), "--port-file", str(port_file),
+                               "--model", s.model, *s.router_argv()])  # fmt: skip
         deadline = time.monotonic() + ready_timeout
         while not (port_file.is_file() and port_file.read_text().strip()):
             self._check_children(deadline)
@@ -115,30 +147,13 @@ class Cluster:
         for i in range(s.prefill):
             self._spawn_node("prefill", i, s.prefill_tp)
         for i in range(s.decode):
-            self._spawn_node("decode", i, s.decode_tp,
-                             "--local-prefill-threshold", str(s.local_prefill_threshold), *s.extra_decode_args)
+            self._spawn_node("decode", i, s.decode_tp)
         self._wait_registered(deadline)
 
-    def _router_ports(self) -> list[str]:
-        s, out = self.spec, []
-        if s.http_port is not None:
-            out += ["--http-port", str(s.http_port)]
-        if s.metrics_port is not None:
-            out += ["--metrics-port", str(s.metrics_port)]
-        return out
-
-    def _spawn_node(self, kind: str, i: int, tp: int, *extra: str) -> None:
+    def _spawn_node(self, kind: str, i: int, tp: int) -> None:
         s = self.spec
-        metrics = [] if s.metrics_port is None else ["--metrics-port", "0"]  # the router's port is fixed
-        self._spawn(
-            f"{kind}-{i}",
-            [kind, "--model", s.model, "--router", self.address, "--host", s.host, "--port", "0",
-             "--node-id", f"{kind}-{i}", "--tp", str(tp), "--dtype", s.dtype, "--device", s.device,
-             "--kv-cache-memory", s.kv_cache_memory, "--max-num-seqs", str(s.max_num_seqs),
-             "--max-num-batched-tokens", str(s.max_num_batched_tokens),
-             "--transfer-backend", s.transfer_backend, "--num-speculative-tokens", str(s.num_speculative_tokens),
-             "--speculative-method", s.speculative_method, *metrics, *extra],
-        )  # fmt: skip
+        self._spawn(f"{kind}-{i}", [kind, "--model", s.model, "--router", self.address, "--host", s.host,
+                                    "--port", "0", "--node-id", f"{kind}-{i}", "--tp", str(tp), *s.node_argv(kind)])  # fmt: skip
 
     def _check_children(self, deadline: float) -> None:
         if self.should_stop():

@@ -7,7 +7,7 @@ waits, bounded, for capacity). Policies are chosen by name from `POLICIES`.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Literal, Protocol
 
 from router.registry import NodeEntry
 
@@ -67,6 +67,7 @@ class RoundRobin:
 
 
 POLICIES = {p.name: p for p in (LeastLoaded, RoundRobin)}
+PolicyName = Literal["least-loaded", "round-robin"]  # the keys of POLICIES
 
 
 def make_policy(name: str) -> RoutingPolicy:

@@ -202,6 +202,14 @@ def test_lm_eval_requests(oai, model, tok):
     assert all(len(t) == 1 for t in tops)
     is_greedy = all(t == max(top.values()) for t, top in zip(tokens_lp, tops))
     assert isinstance(is_greedy, bool)
+    # lm-eval's --batch_size N: a batch of prompts, one choice each, in order
+    other = tok.encode("Question: Name a color.\nAnswer: blue")
+    batch = oai.completions.create(model=model, prompt=[ctx + cont, other], max_tokens=1, temperature=0.0,
+                                   logprobs=1, echo=True, seed=1234)  # fmt: skip
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.choices[0].logprobs.token_logprobs == lp.token_logprobs
+    assert len(batch.choices[1].logprobs.token_logprobs) == len(other) + 1
+    assert batch.usage.prompt_tokens == len(ctx + cont) + len(other)
 
 
 def test_unsupported_options_name_the_parameter(oai, model):

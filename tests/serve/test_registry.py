@@ -179,7 +179,7 @@ def test_pools_file(tmp_path, ckpt):
     )
     spec = _up_spec(build_parser().parse_args(["up", "--config", str(cfg), "--decode", "1"]))
     assert (spec.prefill, spec.prefill_tp, spec.decode, spec.decode_tp) == (2, 2, 1, 1)  # the command line wins
-    assert spec.local_prefill_threshold == 64 and spec.port == 0
+    assert spec.decode_options["local_prefill_threshold"] == 64 and spec.port == 0
     cfg.write_text("bogus: 1\n")
-    with pytest.raises(ValueError, match="unknown option"):
+    with pytest.raises(ValueError, match="unknown key"):
         _up_spec(build_parser().parse_args(["up", "--config", str(cfg)]))

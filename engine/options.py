@@ -1,0 +1,157 @@
+"""Options declared once, as documented dataclass fields; the command line is generated from them.
+
+A config dataclass (engine.config.EngineArgs, the node configs, router.config.RouterConfig)
+declares each option with `option`, which is `dataclasses.field` with the help text (and, where
+the flag's name is not the field's, the flag) in the field's metadata:
+
+    max_num_seqs: int = option(64, "requests in the running batch")
+    tensor_parallel_size: int = option(1, "ranks per node", flag="--tp")
+    speculative_method: Literal["ngram", "mtp"] = option("ngram", "where drafts come from")
+
+`options(cls)` lists them as `Opt`s: the flag is `--field-name` with a trailing `_s` (seconds)
+dropped unless named; the annotation gives the type (`Literal[...]`: choices; `bool`: --x and
+--no-x; `tuple[...]`: a repeatable flag; `X | None`: X). `add_options` adds them to an argparse
+parser, `values` reads a parsed namespace back as field -> value, and `to_argv` writes values as
+flags again (how `pdserve up` hands options to the processes it starts). Nothing here imports
+torch, so the command line stays fast to build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,  # noqa: A002
+           metavar: str | None = None) -> Any:  # fmt: skip
+    """A config field that is also a command-line option (see the module docstring)."""
+    if not help:
+        raise TypeError("an option needs its help text")
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "metavar": metavar})
+
+
+@dataclass(frozen=True)
+class Opt:
+    """One option of a config dataclass, as the command line sees it."""
+
+    name: str  # the dataclass field
+    flag: str  # "--max-num-seqs"
+    type: type  # int | float | str | bool (of each item, for a repeatable flag)
+    default: Any  # the field's default (None where it has none)
+    help: str
+    choices: tuple | None = None
+    repeat: bool = False  # tuple[...] field: the flag may be given several times
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:
+        """The argparse destination: the flag's name with underscores (`--tp` -> `tp`)."""
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+def _scalar(tp) -> tuple[type, tuple | None]:
+    if typing.get_origin(tp) is Literal:
+        args = typing.get_args(tp)
+        return type(args[0]), args
+    if tp in (bool, int, float, str):
+        return tp, None
+    raise TypeError(f"no command-line form for {tp!r}")
+
+
+def options(cls) -> list[Opt]:
+    """Every option `cls` declares, in field order; a field declared without `option` is not one."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if "help" not in f.metadata:
+            continue
+        tp = hints[f.name]
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            tp = str if str in args else args[0]  # `int | str` (a memory size) is read as text
+        repeat = typing.get_origin(tp) is tuple
+        if repeat:
+            tp = typing.get_args(tp)[0]
+        typ, choices = _scalar(tp)
+        default = None if f.default is dataclasses.MISSING else f.default
+        flag = f.metadata["flag"] or "--" + f.name.removesuffix("_s").replace("_", "-")
+        out.append(Opt(f.name, flag, typ, default, f.metadata["help"], choices, repeat, f.metadata["metavar"]))
+    return out
+
+
+def _shown(v: Any) -> str:
+    return ",".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+def add_options(parser: argparse.ArgumentParser, opts: list[Opt], *, unset: bool = False,
+                defaults: dict[str, Any] | None = None, note: str = "") -> None:  # fmt: skip
+    """One flag per option. `unset`: every default is None (given or not, for merging with a
+    file), the field's default shown in the help; `defaults` replace a field's default (by name);
+    `note` is appended to every help text."""
+    defaults = defaults or {}
+    for o in opts:
+        default = defaults.get(o.name, o.default)
+        shown = "" if default in (None, ()) else f" (default {_shown(default)})"
+        kw: dict[str, Any] = dict(default=None if unset else default, help=o.help + shown + note)
+        if o.type is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw.update(type=o.type, metavar=o.metavar)
+            if o.choices:
+                kw["choices"] = o.choices
+            if o.repeat:
+                kw["action"] = "append"
+                if not unset:
+                    kw["default"] = None  # argparse appends to a given list; the field's default is ()
+        parser.add_argument(o.flag, **kw)
+
+
+def values(opts: list[Opt], ns: argparse.Namespace) -> dict[str, Any]:
+    """field -> value from a parsed namespace."""
+    out = {}
+    for o in opts:
+        v = getattr(ns, o.dest)
+        out[o.name] = (o.default if v is None else tuple(v)) if o.repeat else v
+    return out
+
+
+def coerce(o: Opt, v: Any) -> Any:
+    """A value from a file (YAML) as the flag would have read it; ValueError naming the option."""
+    try:
+        if o.repeat:
+            return tuple(o.type(x) for x in (v if isinstance(v, list | tuple) else [v]))
+        if o.type is bool:
+            if not isinstance(v, bool):
+                raise ValueError
+            return v
+        v = o.type(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"{o.dest}: cannot read {v!r} as {o.type.__name__}") from None
+    if o.choices and v not in o.choices:
+        raise ValueError(f"{o.dest}: {v!r} is not one of {', '.join(map(str, o.choices))}")
+    return v
+
+
+def to_argv(opts: list[Opt], vals: dict[str, Any]) -> list[str]:
+    """The flags that give `vals` (field -> value); None leaves an option at its default."""
+    by_name = {o.name: o for o in opts}
+    unknown = sorted(set(vals) - set(by_name))
+    if unknown:
+        raise ValueError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(by_name)}")
+    argv: list[str] = []
+    for name, v in vals.items():
+        o = by_name[name]
+        if v is None:
+            continue
+        if o.type is bool:
+            argv.append(o.flag if v else "--no-" + o.flag.removeprefix("--"))
+        elif o.repeat:
+            for x in v:
+                argv += [o.flag, str(x)]
+        else:
+            argv += [o.flag, str(v)]
+    return argv

@@ -1,0 +1,28 @@
+"""PrefillNodeConfig: what one prefill node runs (engine sizes), how it joins the router and pushes.
+
+Every field is an option of `pdserve prefill` and `pdserve up` (engine/options.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import NodeArgs
+from engine.options import option
+
+
+@dataclass(frozen=True)
+class PrefillNodeConfig(NodeArgs):
+    """The engine (EngineArgs; num_speculative_tokens must equal the decode nodes', it sizes the
+    state pools the transfer schema describes), how the node joins the router (NodeArgs), and how
+    it pushes."""
+
+    node_id: str = option("prefill-0", "unique among the router's nodes")
+    push_timeout_s: float = option(60.0, "seconds a push may take (done and quiet) before the call fails")
+    # Between engine steps the loop keeps polling in-flight pushes this long (grants and write
+    # completions otherwise wait for the next, possibly long, prefill step).
+    push_spin_s: float = option(0.005, "seconds to keep polling in-flight pushes between engine steps")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.push_timeout_s <= 0 or self.push_spin_s < 0:
+            raise ValueError("push_timeout_s must be positive and push_spin_s >= 0")

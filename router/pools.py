@@ -1,0 +1,153 @@
+"""`pdserve up`'s options and its pools file, resolved into a PoolSpec (router/launch.py).
+
+`up` has a flag for every option of the router (router.config.RouterConfig) and of either node
+kind (decode_node / prefill_node config), generated from their declarations (engine/options.py),
+but those it sets itself for each process (model, host and port, node ids, the router's address,
+tp per pool, node metrics ports). An option that several components declare under the same flag
+(`--heartbeat-interval`, `--reservation-lease`) goes to each of them.
+
+A pools file (`up --config pools.yaml`) takes the same options as keys (`max_num_seqs` or
+`max-num-seqs`); top-level keys apply to every component that has the option, the keys under
+`prefill:` and `decode:` to that pool only (with `count` and `tp`):
+
+    model: /path/to/checkpoint
+    port: 50051
+    block_size: 32
+    prefill: {count: 1, tp: 2, max_num_seqs: 8}
+    decode: {count: 2, tp: 1, max_num_seqs: 64, local_prefill_threshold: 64, kv_cache_memory: 2GiB}
+
+Precedence: the option's default, then the top-level key, then the pool's key, then the command
+line, which wins over the file. An unknown key is refused in one line that lists the known ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from decode_node.config import DecodeNodeConfig
+from engine.options import Opt, add_options, coerce, options
+from prefill_node.config import PrefillNodeConfig
+from router.config import RouterConfig
+from router.launch import NODE_CONFIGS, NODE_MANAGED, ROUTER_MANAGED, PoolSpec
+
+COMPONENTS = {"router": RouterConfig, "decode": DecodeNodeConfig, "prefill": PrefillNodeConfig}
+LABELS = {"router": "the router", "decode": "decode nodes", "prefill": "prefill nodes"}
+POOLS = tuple(NODE_CONFIGS)
+# up's own options: dest -> (type, default, help); the file takes them at the top level
+OWN: dict[str, tuple[type, Any, str]] = {
+    "model": (str, None, "checkpoint directory, for the router and every node (default: the built-in tiny model)"),
+    "prefill": (int, 1, "prefill nodes (0: decode nodes prefill); in the file, a number or {count: N, tp: a, ...}"),
+    "decode": (int, 1, "decode nodes; in the file, a number or {count: N, tp: b, ...}"),
+    "prefill_tp": (int, 1, "tensor-parallel ranks of each prefill node"),
+    "decode_tp": (int, 1, "tensor-parallel ranks of each decode node"),
+    "host": (str, "127.0.0.1", "address every component binds"),
+    "port": (int, 50051, "router port (0 picks one)"),
+    "drain_timeout": (float, 30.0, "on SIGTERM, every component finishes what is in flight for at most this many "
+                                   "seconds, taking nothing new (0: stop at once)"),
+}
+
+
+@dataclass
+class UpOption:
+    """One generated flag of `up` and the field it sets in each component that has it."""
+
+    flag: Opt  # the declaration whose flag, type and help `up` shows
+    fields: dict[str, Opt] = field(default_factory=dict)  # component -> its declaration
+
+
+def up_options() -> dict[str, UpOption]:
+    """dest -> UpOption for every option `up` passes on: the router's, then decode's, then prefill's."""
+    table: dict[str, UpOption] = {}
+    for comp, cls in COMPONENTS.items():
+        managed = ROUTER_MANAGED if comp == "router" else NODE_MANAGED
+        for o in options(cls):
+            if o.name not in managed:
+                table.setdefault(o.dest, UpOption(o)).fields[comp] = o
+    return table
+
+
+def add_up_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="pools.yaml: these options as keys, per pool under prefill: "
+                                                  "and decode: (the command line wins)")  # fmt: skip
+    for dest, (typ, default, text) in OWN.items():
+        shown = "" if default is None else f" (default {default})"
+        p.add_argument("--" + dest.replace("_", "-"), type=typ, default=None, help=text + shown)
+    for u in up_options().values():
+        who = [LABELS[c] for c in u.fields]
+        if who == [LABELS["decode"], LABELS["prefill"]]:
+            who = ["every node"]
+        if u.flag.name == "metrics_port":
+            who = ["the router; every node then serves one on a free port"]
+        add_options(p, [u.flag], unset=True, note=f" [{'; '.join(who)}]")
+
+
+def _key(k: Any) -> str:
+    return str(k).replace("-", "_")
+
+
+def _read_file(path: str, table: dict[str, UpOption]) -> tuple[dict, dict[str, dict]]:
+    """(top-level keys, {pool: its keys}) of a pools file, keys as dests; unknown keys refused."""
+    import yaml
+
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a mapping of options at the top level")
+    top: dict[str, Any] = {}
+    pools: dict[str, dict] = {pool: {} for pool in POOLS}
+    for k, v in raw.items():
+        k = _key(k)
+        if k in POOLS and isinstance(v, dict):
+            known = ["count", "tp", *(d for d, u in table.items() if k in u.fields)]
+            keys = {_key(kk): vv for kk, vv in v.items()}
+            bad = sorted(set(keys) - set(known))
+            if bad:
+                raise ValueError(f"{path}: unknown key(s) under {k}: {', '.join(bad)}; known: {', '.join(known)}")
+            if "count" in keys:
+                top[k] = keys.pop("count")
+            if "tp" in keys:
+                top[f"{k}_tp"] = keys.pop("tp")
+            pools[k] = keys
+        elif k in OWN or k in table:
+            top[k] = v
+        else:
+            bad = sorted({_key(x) for x in raw} - set(OWN) - set(table))
+            raise ValueError(f"{path}: unknown key(s) {', '.join(bad)}; known: {', '.join([*OWN, *table])}")
+    return top, pools
+
+
+def spec_from_args(args: argparse.Namespace, default_model: Callable[[], Any]) -> PoolSpec:
+    """The PoolSpec of `up`'s command line and pools file (see the module docstring)."""
+    table = up_options()
+    top, pools = _read_file(args.config, table) if args.config else ({}, {pool: {} for pool in POOLS})
+    cli = {d: v for d in [*OWN, *table] if (v := getattr(args, d)) is not None}
+
+    own = {}
+    for d, (typ, default, _) in OWN.items():
+        v = cli.get(d, top.get(d, default))
+        try:
+            own[d] = None if v is None else typ(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"{d}: cannot read {v!r} as {typ.__name__}") from None
+    opts: dict[str, dict[str, Any]] = {comp: {} for comp in COMPONENTS}
+    for d, u in table.items():
+        for comp, o in u.fields.items():
+            if d in cli:
+                opts[comp][o.name] = cli[d]
+            elif d in pools.get(comp, {}):
+                opts[comp][o.name] = coerce(o, pools[comp][d])
+            elif d in top:
+                opts[comp][o.name] = coerce(o, top[d])
+    model = str(Path(own["model"] or default_model()).resolve())
+    RouterConfig(model=model, **opts["router"])  # every check (a bad directory too), before anything starts
+    for pool in POOLS:
+        NODE_CONFIGS[pool](model=model, tensor_parallel_size=own[f"{pool}_tp"], **opts[pool]).engine_config()
+    return PoolSpec(
+        model=model, prefill=own["prefill"], decode=own["decode"], prefill_tp=own["prefill_tp"],
+        decode_tp=own["decode_tp"], host=own["host"], port=own["port"], log_level=args.log_level or "INFO",
+        drain_timeout_s=own["drain_timeout"], router_options=opts["router"], prefill_options=opts["prefill"],
+        decode_options=opts["decode"],
+    )  # fmt: skip
