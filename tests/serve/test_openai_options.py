@@ -151,14 +151,15 @@ def _naive_greedy(ckpt, prompt: list[int], n: int, rep: float, pres: float, freq
 
 def test_penalties_match_naive_reference(oai, model, sdk, ckpt):
     prompt = [7, 7, 7, 8, 8, 9, 10, 7, 8, 9]
-    pen = dict(presence_penalty=0.8, frequency_penalty=0.5)
-    want = _naive_greedy(ckpt, prompt, 6, 1.7, 0.8, 0.5)
-    # gRPC through the prefill node (which samples the first token, with the repetition penalty)
-    g = sdk.generate(prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True, repetition_penalty=1.7,
+    pen = dict(presence_penalty=-0.5, frequency_penalty=0.4)  # favour repeats, less so the more there are
+    want = _naive_greedy(ckpt, prompt, 6, 0.5, -0.5, 0.4)
+    # gRPC through the prefill node, which samples the first token (with the repetition penalty)
+    g = sdk.generate(prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True, repetition_penalty=0.5,
                      **pen)  # fmt: skip
-    assert g.token_ids == want and g.prefill_node
-    r = oai.completions.create(model=model, prompt=prompt, max_tokens=6, **pen, logprobs=0,
-                               temperature=0.0, extra_body={"ignore_eos": True, "repetition_penalty": 1.7})  # fmt: skip
+    plain = sdk.generate(prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert g.token_ids == want and g.prefill_node and want != plain.token_ids
+    r = oai.completions.create(model=model, prompt=prompt, max_tokens=6, **pen, temperature=0.0,
+                               extra_body={"ignore_eos": True, "repetition_penalty": 0.5})  # fmt: skip
     assert r.choices[0].text == g.text
 
 
