@@ -166,7 +166,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                     grpc.StatusCode.ABORTED,
                     f"state transfer for request {rid} failed: {x.error}; reservation released",
                 )
-            first = request.first_token_id
+            first, drafts = request.first_token_id, list(request.draft_token_ids)
 
             def start(e):
                 if self.xfers.get(rid) is not x or x.phase != "ready":
@@ -174,7 +174,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                 e.executor.call_all(dranks.take, self.backend, rid, x.inc)
                 del self.xfers[rid]
                 x.phase = "taken"
-                return e.activate(rid, first)
+                return e.activate(rid, first, drafts)
 
             stream = self.loop.submit(rid, list(request.prompt_token_ids), None, start=start)
         except BaseException:

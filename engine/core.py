@@ -216,8 +216,10 @@ class EngineCore:
             metrics["ttft_s"] = req.first_token_time - req.arrival_time
         if done and req.finish_time is not None:
             metrics["e2e_s"] = req.finish_time - req.arrival_time
+        drafts = list(req.draft_token_ids) if req.status is Status.HELD else []
         out = RequestOutput(
-            req.request_id, req.prompt_token_ids, list(req.output_token_ids), new, done, req.finish_reason, metrics=metrics
+            req.request_id, req.prompt_token_ids, list(req.output_token_ids), new, done, req.finish_reason,
+            metrics=metrics, draft_token_ids=drafts,
         )
         if req.params.logprobs is not None:
             out.logprobs = req.output_logprobs[req._sent_logprobs :]

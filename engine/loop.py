@@ -56,6 +56,8 @@ class Snapshot:
     reserved: int = 0
     spec_draft_tokens: int = 0  # totals since start (speculative decoding)
     spec_accepted_tokens: int = 0
+    spec_drafts_per_position: tuple[int, ...] = ()  # drafts verified at place i + 1 of a row, and accepted
+    spec_accepted_per_position: tuple[int, ...] = ()
 
 
 class EngineLoop:
@@ -215,4 +217,6 @@ class EngineLoop:
             reserved=reserved,
             spec_draft_tokens=sched.num_draft_tokens,
             spec_accepted_tokens=sched.num_accepted_tokens,
+            spec_drafts_per_position=tuple(sched.drafts_per_position),
+            spec_accepted_per_position=tuple(sched.accepted_per_position),
         )

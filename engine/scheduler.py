@@ -230,6 +230,12 @@ class Scheduler:
         self._emit(req, [first_token], eos)
 
     def _hold(self, req: Request) -> None:
+        """Prefill side: keep the prompt's pages and slot for the transfer (pages taken only for
+        the MTP drafts' positions go back now)."""
+        keep = self.blocks.blocks_for(len(req.prompt_token_ids))
+        if len(req.block_ids) > keep:
+            self.blocks.free(req.block_ids[keep:])
+            del req.block_ids[keep:]
         self.running.remove(req)
         req.status = Status.HELD
         req.finish_reason = "prefilled"

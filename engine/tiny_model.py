@@ -252,3 +252,68 @@ def add_mtp_block(out_dir: str | Path, cfg, seed: int, dtype) -> None:
     raw = json.loads(cfg_path.read_text())
     raw["mtp_num_hidden_layers"] = 1
     cfg_path.write_text(json.dumps(raw, indent=2))
+
+
+def fit_mtp_block(path: str | Path, seqs=None, steps: int = 300, num_seqs: int = 64, seq_len: int = 64,
+                  batch: int = 8, lr: float = 3e-3, seed: int = 0, log=None) -> float:
+    """Fit the checkpoint's `mtp.*` block (fc, norms, decoder layer; embedding and LM head frozen)
+    to the model's own greedy choices, and write it back in place.
+
+    The block at position p sees (the final-normed hidden state at p, token p + 1) and should
+    propose what the model's greedy step takes after token p + 1: the argmax of its logits at
+    p + 1. That is what verification accepts, whatever the tokens before, so the pairs come from
+    one forward pass over the sequences: `seqs` (equal-length token lists, e.g. prompts with
+    the model's greedy continuations), else `num_seqs` random ones of `seq_len`. Adam over
+    `batch` sequences a step on the CPU; returns the training accuracy of the block's argmax at
+    the last step."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5ForCausalLM
+
+    out = Path(path)
+    model = Qwen3_5ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    if seqs is None:
+        seqs = torch.randint(0, cfg.vocab_size, (num_seqs, seq_len), generator=g)
+    seqs = torch.as_tensor(seqs)
+    num_seqs, batch = seqs.shape[0], min(batch, seqs.shape[0])
+    with torch.inference_mode():
+        last = model.model(seqs).last_hidden_state  # after the final norm
+        greedy = model.lm_head(last).argmax(-1)[:, 1:]  # the model's choice after token p + 1
+        hidden = last[:, :-1]  # at p
+        embed_next = model.model.embed_tokens(seqs[:, 1:])  # token p + 1
+    hidden, embed_next, greedy = hidden.clone(), embed_next.clone(), greedy.clone()
+    mods = mtp_modules(cfg)
+    files = sorted(out.glob("*.safetensors"))
+    weights = load_file(str(files[0]))
+    for prefix, mod in mods.items():
+        mod.load_state_dict({n[len(prefix) + 5 :]: w.float() for n, w in weights.items() if n.startswith(f"mtp.{prefix}.")})
+        mod.float().train()
+    opt = torch.optim.Adam([p for m in mods.values() for p in m.parameters()], lr=lr)
+    lm_head = model.lm_head.weight.detach()
+    n = hidden.shape[1]
+    pos = torch.arange(n)[None].expand(batch, n)
+    mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+    rope = model.model.rotary_emb(hidden[:batch], pos)
+    acc = 0.0
+    for step in range(steps):
+        idx = torch.randint(0, num_seqs, (batch,), generator=g)
+        e = mods["pre_fc_norm_embedding"](embed_next[idx])
+        x = mods["fc"](torch.cat([e, mods["pre_fc_norm_hidden"](hidden[idx])], dim=-1))
+        x = mods["layers.0"](x, position_embeddings=rope, attention_mask=mask, position_ids=pos)
+        logits = mods["norm"](x[0] if isinstance(x, tuple) else x) @ lm_head.T
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), greedy[idx].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 50 == 0 or step == steps - 1:
+            acc = float((logits.argmax(-1) == greedy[idx]).float().mean())
+            if log is not None:
+                log(f"step {step}: loss {loss.item():.3f}, batch accuracy {acc:.3f}")
+    dtype = next(iter(weights.values())).dtype
+    for prefix, mod in mods.items():
+        for name, p in mod.state_dict().items():
+            weights[f"mtp.{prefix}.{name}"] = p.detach().to(dtype).contiguous()
+    save_file(weights, str(files[0]), metadata={"format": "pt"})
+    return acc

@@ -206,7 +206,8 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         if push is None:
             context.abort(grpc.StatusCode.INTERNAL, f"request {rid}: its push did not start")
         state["push"] = push
-        yield pb.PrefillResponse(first_token_id=first, timings=t)  # the first token, while the push runs
+        # the first token (and MTP drafts), while the push runs
+        yield pb.PrefillResponse(first_token_id=first, timings=t, draft_token_ids=out.draft_token_ids)
         if state["cancelled"]:
             self.loop.call(lambda e: self._abort_push(push, "cancelled by the caller"))
         while not push.done.wait(0.05):
@@ -262,7 +263,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             p = _Push(rid, target, time.monotonic() + self.cfg.push_timeout_s)
             self.pushes[rid] = p
             try:
-                blocks = list(req.block_ids)
+                blocks = list(req.block_ids[: e.blocks.blocks_for(len(req.prompt_token_ids))])  # not MTP lookahead
                 e.executor.call_all(pranks.open_send, self.backend, rid, target, blocks, req.slot,
                                     len(req.prompt_token_ids))  # fmt: skip
                 p.opened = (blocks, req.slot)

@@ -26,7 +26,8 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 
 class _Gauges:
     """A collector whose gauges come from `read()` -> {name: (help, value)} at every scrape; a
-    name ending in `_total` is a counter (a running total the engine keeps)."""
+    name ending in `_total` is a counter (a running total the engine keeps). A value that is a
+    dict {label value: v} is one series per label value, labelled `position`."""
 
     def __init__(self, prefix: str, read: Callable[[], dict[str, tuple[str, float]]]):
         self.prefix, self.read = prefix, read
@@ -38,6 +39,12 @@ class _Gauges:
             log.debug("metrics gauge read failed", exc_info=True)
             return
         for name, (doc, v) in vals.items():
+            if isinstance(v, dict):
+                c = CounterMetricFamily(f"{self.prefix}_{name.removesuffix('_total')}", doc, labels=["position"])
+                for label, x in v.items():
+                    c.add_metric([str(label)], float(x))
+                yield c
+                continue
             if name.endswith("_total"):
                 yield CounterMetricFamily(f"{self.prefix}_{name.removesuffix('_total')}", doc, value=float(v))
                 continue
@@ -120,4 +127,12 @@ def capacity_gauges(snapshot) -> dict[str, tuple[str, float]]:
         "queued_prefill_tokens": ("Prompt tokens waiting for prefill", s.queued_prefill_tokens),
         "spec_draft_tokens_total": ("Draft tokens verified (speculative decoding)", s.spec_draft_tokens),
         "spec_accepted_tokens_total": ("Draft tokens accepted (speculative decoding)", s.spec_accepted_tokens),
+        "spec_position_drafts_total": (
+            "Drafts verified at each place of a row (position 1 = the first draft)",
+            {i + 1: v for i, v in enumerate(s.spec_drafts_per_position)},
+        ),
+        "spec_position_accepted_total": (
+            "Drafts accepted at each place of a row (position 1 = the first draft)",
+            {i + 1: v for i, v in enumerate(s.spec_accepted_per_position)},
+        ),
     }

@@ -60,6 +60,11 @@ class NodeServer:
                 total_slots=s.total_slots, free_slots=s.free_slots, running=s.running, waiting=s.waiting,
                 queued_prefill_tokens=s.queued_prefill_tokens, reserved=s.reserved,
             ),
+            speculation=pb.Speculation(
+                method=self.ecfg.speculative.method if self.ecfg.speculative.num_tokens else "",
+                num_tokens=self.ecfg.speculative.num_tokens, drafts_per_position=s.spec_drafts_per_position,
+                accepted_per_position=s.spec_accepted_per_position,
+            ),
         )  # fmt: skip
         self._describe(info)
         return info

@@ -167,7 +167,7 @@ class Capacity(_message.Message):
     def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., total_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., reserved: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "kind", "address", "incarnation", "tp_size", "model", "vocab_size", "max_model_len", "local_prefill_threshold", "schema_digest", "prefill_ready", "capacity", "draining")
+    __slots__ = ("node_id", "kind", "address", "incarnation", "tp_size", "model", "vocab_size", "max_model_len", "local_prefill_threshold", "schema_digest", "prefill_ready", "capacity", "draining", "speculation")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +181,7 @@ class NodeInfo(_message.Message):
     PREFILL_READY_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     kind: NodeKind
     address: str
@@ -194,7 +195,20 @@ class NodeInfo(_message.Message):
     prefill_ready: bool
     capacity: Capacity
     draining: bool
-    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[_Union[NodeKind, str]] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., tp_size: _Optional[int] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., local_prefill_threshold: _Optional[int] = ..., schema_digest: _Optional[str] = ..., prefill_ready: _Optional[bool] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    speculation: Speculation
+    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[_Union[NodeKind, str]] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., tp_size: _Optional[int] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., local_prefill_threshold: _Optional[int] = ..., schema_digest: _Optional[str] = ..., prefill_ready: _Optional[bool] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., draining: _Optional[bool] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
+
+class Speculation(_message.Message):
+    __slots__ = ("method", "num_tokens", "drafts_per_position", "accepted_per_position")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    num_tokens: int
+    drafts_per_position: _containers.RepeatedScalarFieldContainer[int]
+    accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, method: _Optional[str] = ..., num_tokens: _Optional[int] = ..., drafts_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("node",)
@@ -319,18 +333,20 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reserved", "first_token_id")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "reserved", "first_token_id", "draft_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESERVED_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     reserved: bool
     first_token_id: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reserved: _Optional[bool] = ..., first_token_id: _Optional[int] = ...) -> None: ...
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reserved: _Optional[bool] = ..., first_token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "target")
@@ -345,16 +361,18 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., target: _Optional[_Union[TransferTarget, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "timings", "finish_reason", "pushed")
+    __slots__ = ("first_token_id", "timings", "finish_reason", "pushed", "draft_token_ids")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PUSHED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     timings: Timings
     finish_reason: str
     pushed: bool
-    def __init__(self, first_token_id: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[str] = ..., pushed: _Optional[bool] = ...) -> None: ...
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, first_token_id: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[str] = ..., pushed: _Optional[bool] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "reason")

@@ -361,7 +361,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                     call = d.stub.Generate(
                         pb.DecodeRequest(
                             request_id=pre.rid, prompt_token_ids=ids, sampling=request.sampling, reserved=True,
-                            first_token_id=resp.first_token_id,
+                            first_token_id=resp.first_token_id, draft_token_ids=resp.draft_token_ids,
                         )
                     )  # fmt: skip
                 context.add_callback(call.cancel)

@@ -131,6 +131,33 @@ PAIRS = [("nixl", 1, 1), ("nixl", 2, 1), ("nixl", 1, 2), ("nixl", 2, 2), ("ucxx"
 _connected: set = set()
 
 
+def _prefill_and_push(P: EngineCore, D: EngineCore, backend: str, rid: str, prompt, b: int, digest: str):
+    """D reserves, P prefills (prefill-only) and pushes; once every rank is done and D holds,
+    bit for bit, P's state re-sharded for TP=b, P releases. Returns P's finished output."""
+    dst_blocks, dst_slot = D.reserve(prompt, SP, rid)
+    ranks = D.executor.call_all(xr.adopt, backend, rid, len(prompt), dst_blocks, dst_slot)
+    target = xr.make_target(ranks, f"D{b}", rid, len(prompt), b, digest)
+    P.add_request(prompt, SP, rid, prefill_only=True)
+    out = None
+    while out is None:
+        out = next((o for o in P.step() if o.request_id == rid and o.finished), None)
+    assert out.finish_reason == "prefilled"
+    src_blocks, src_slot = P.held(rid)
+    assert len(src_blocks) == -(-len(prompt) // P.cfg.cache.block_size)  # the prompt's pages only
+    P.executor.call_all(xr.send, backend, rid, target, src_blocks, src_slot, len(prompt))
+    _until(P, D, backend, rid)
+    want = to_global(P.cfg, P.executor.call_all(read_state, src_blocks, src_slot))
+    got = D.executor.call_all(read_state, dst_blocks[: len(src_blocks)], dst_slot)
+    for r, g in enumerate(got):
+        exp = reshard(D.cfg, want, r)
+        for kind in ("kv", "conv", "rec"):
+            for layer in exp[kind]:
+                assert same_bits(g[kind][layer], exp[kind][layer]), f"rank {r} {kind} layer {layer} differs"
+    P.release(rid)
+    D.executor.call_all(xr.take, backend, rid)
+    return out, want
+
+
 @pytest.mark.parametrize("backend,a,b", PAIRS, ids=[f"{be}-tp{a}to{b}" for be, a, b in PAIRS])
 def test_engine_prefill_transfer_decode(engines, colocated, backend, a, b):
     P, D = engines[("P", a)], engines[("D", b)]
@@ -139,33 +166,75 @@ def test_engine_prefill_transfer_decode(engines, colocated, backend, a, b):
     digest = D.executor.call_all(xr.digest, backend)[0]
     for i, prompt in enumerate(hc.prompts(lens=PROMPT_LENS)):
         rid = f"{backend}-{a}{b}-{i}"
-        # decode node reserves first, then the prefill node computes and pushes
-        dst_blocks, dst_slot = D.reserve(prompt, SP, rid)
-        ranks = D.executor.call_all(xr.adopt, backend, rid, len(prompt), dst_blocks, dst_slot)
-        target = xr.make_target(ranks, f"D{b}", rid, len(prompt), b, digest)
-        P.add_request(prompt, SP, rid, prefill_only=True)
-        first = None
-        while first is None:
-            for o in P.step():
-                if o.request_id == rid and o.finished:
-                    assert o.finish_reason == "prefilled"
-                    first = o.output_token_ids[0]
-        src_blocks, src_slot = P.held(rid)
-        P.executor.call_all(xr.send, backend, rid, target, src_blocks, src_slot, len(prompt))
-        _until(P, D, backend, rid)
-
-        want = to_global(P.cfg, P.executor.call_all(read_state, src_blocks, src_slot))
-        got = D.executor.call_all(read_state, dst_blocks[: len(src_blocks)], dst_slot)
-        for r, g in enumerate(got):
-            exp = reshard(D.cfg, want, r)
-            for kind in ("kv", "conv", "rec"):
-                for layer in exp[kind]:
-                    assert same_bits(g[kind][layer], exp[kind][layer]), f"rank {r} {kind} layer {layer} differs"
-
-        P.release(rid)
-        D.executor.call_all(xr.take, backend, rid)
-        toks = D.activate(rid, first).new_token_ids
+        out, _ = _prefill_and_push(P, D, backend, rid, prompt, b, digest)
+        toks = D.activate(rid, out.output_token_ids[0]).new_token_ids
         while D.has_unfinished():
             toks += sum((o.new_token_ids for o in D.step() if o.request_id == rid), [])
         assert toks == colocated[i], f"prompt of {len(prompt)} tokens"
     assert (P.blocks.num_free, P.slots.num_free, D.blocks.num_free, D.slots.num_free) == free
+
+
+# ---- MTP drafting: the drafter's KV travels as its own kind, and the drafts go with the first token
+
+MTP_PAIRS = [(1, 2), (2, 1)]
+
+
+def mtp_engine(path: str, tp: int) -> LLM:
+    return LLM(path, dtype="float32", tensor_parallel_size=tp, kv_cache_memory="24MiB", max_num_seqs=8,
+               speculative_method="mtp", num_speculative_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def ckpt_mtp(tmp_path_factory):
+    return hc.make(tmp_path_factory.mktemp("xfer-mtp") / "ckpt", hc.SPEC_MTP)
+
+
+def _draft_trace(engine: EngineCore, rid: str, outs) -> tuple[list[int], list[list[int]]]:
+    """Step until `rid` finishes: its tokens and the drafts it held after every step."""
+    toks = sum((o.new_token_ids for o in outs if o.request_id == rid), [])
+    drafts = [list(engine.requests[rid].draft_token_ids)] if rid in engine.requests else []
+    while engine.has_unfinished():
+        outs = engine.step()
+        toks += sum((o.new_token_ids for o in outs if o.request_id == rid), [])
+        if rid in engine.requests:
+            drafts.append(list(engine.requests[rid].draft_token_ids))
+    return toks, drafts
+
+
+@pytest.fixture(scope="module")
+def mtp_colocated(ckpt_mtp):
+    out = []
+    with mtp_engine(ckpt_mtp, 1) as llm:
+        for i, prompt in enumerate(hc.prompts(lens=PROMPT_LENS)):
+            rid = f"colocated-{i}"
+            llm.engine.add_request(prompt, SP, rid)
+            first = llm.engine.step()
+            out.append(_draft_trace(llm.engine, rid, first))
+    return out
+
+
+@pytest.mark.parametrize("a,b", MTP_PAIRS, ids=[f"tp{a}to{b}" for a, b in MTP_PAIRS])
+def test_mtp_state_and_drafts_cross_the_pools(ckpt_mtp, mtp_colocated, a, b):
+    """The MTP layer's KV arrives bit for bit next to the main KV and GDN state (re-sharded a -> b),
+    and the decode side then drafts exactly what the colocated engine drafts at every step, from
+    its first step (the prefill side's drafts) on: same drafts, so the same acceptance."""
+    backend = "nixl"
+    llms = (mtp_engine(ckpt_mtp, a), mtp_engine(ckpt_mtp, b))
+    P, D = (llm.engine for llm in llms)
+    try:
+        for e, role, node in ((P, "sender", f"P{a}"), (D, "receiver", f"D{b}")):
+            e.executor.call_all(xr.open_endpoint, role, node, TransferConfig(backend=backend, checksum=True))
+        _connect(P, D, backend, set())
+        digest = D.executor.call_all(xr.digest, backend)[0]
+        mtp_layer = P.cfg.model.num_layers
+        for i, prompt in enumerate(hc.prompts(lens=PROMPT_LENS)):
+            rid = f"mtp-{a}{b}-{i}"
+            out, want = _prefill_and_push(P, D, backend, rid, prompt, b, digest)
+            assert mtp_layer in want["kv"]  # the MTP layer's KV was compared with the rest
+            first = D.activate(rid, out.output_token_ids[0], out.draft_token_ids)
+            toks, drafts = _draft_trace(D, rid, [first])
+            assert (toks, drafts) == mtp_colocated[i], f"prompt of {len(prompt)} tokens, tp {a} -> {b}"
+    finally:
+        for llm in llms:
+            llm.engine.executor.call_all(xr.close, backend)
+            llm.close()
