@@ -217,7 +217,8 @@ def test_unsupported_options_name_the_parameter(oai, model):
     import openai
 
     for kw, param in ((dict(extra_body={"top_logprobs": 2}), "top_logprobs"), (dict(logit_bias={"3": 1}), "logit_bias"),
-                      (dict(n=0), "n"), (dict(extra_body={"best_of": 3}), "best_of")):  # fmt: skip
+                      (dict(n=0), "n"), (dict(extra_body={"best_of": 3}), "best_of"),
+                      (dict(extra_body={"tool_choice": "required"}), "tool_choice")):  # fmt: skip
         with pytest.raises(openai.BadRequestError) as ei:
             oai.completions.create(model=model, prompt=PROMPT, max_tokens=2, **kw)
         assert ei.value.body["param"] == param, ei.value.body
