@@ -20,9 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine import LLM, SamplingParams  # noqa: E402  (before torch: engine/__init__.py sets the OpenMP wait policy)
 import torch  # noqa: E402
-
-from engine import LLM, SamplingParams  # noqa: E402
 from engine.tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
 
 ARCHS = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",

@@ -9,9 +9,10 @@ from kernels.conv import causal_conv1d, causal_conv1d_update, conv_update_
 from kernels.fp8 import dequant_fp8_block, fp8_block_linear, narrow_fp8_block, quant_fp8_block
 from kernels.gdn import gdn_chunk_prefill, gdn_decode_step_, gdn_recurrent, l2norm
 from kernels.moe import fused_moe, select_experts
-from kernels.norm import gated_rms_norm, rms_norm
+from kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
 
 __all__ = [
+    "add_rms_norm",
     "causal_conv1d",
     "causal_conv1d_update",
     "conv_update_",

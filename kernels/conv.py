@@ -55,6 +55,8 @@ def causal_conv1d(
     y = ext[:, :, :L] * w[:, :1]  # [B, D, L]: Kc shifted multiply-adds (faster than a depthwise conv1d on CPU)
     for j in range(1, kc):
         y.addcmul_(ext[:, :, j : j + L], w[:, j : j + 1])
+    if x.dtype != torch.float32:
+        y = y.to(x.dtype).float()  # the conv's output is rounded before the activation, as transformers does
     if activation:
         F.silu(y, inplace=True)
 
@@ -76,6 +78,8 @@ def conv_update_(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, act
     # Time-major [B, Kc, D]: the sum over Kc runs along an outer axis, which vectorises over D.
     ext = torch.cat([state.float().transpose(1, 2), x.float()[:, None, :]], dim=1)
     y = (ext * weight.float().t()).sum(1)
+    if x.dtype != torch.float32:
+        y = y.to(x.dtype).float()  # rounded before the activation, as above
     state.copy_(ext[:, 1:].transpose(1, 2))
     return (F.silu(y, inplace=True) if activation else y).to(x.dtype)
 

@@ -42,17 +42,17 @@ def prompts(vocab: int = 1024, lens=PROMPT_LENS, seed: int = 0) -> list[list[int
 
 
 @functools.lru_cache(maxsize=4)
-def _hf_model(path: str, cls_name: str | None = None):
+def _hf_model(path: str, cls_name: str | None = None, dtype: torch.dtype = torch.float32):
     """transformers' own model class for the checkpoint: `cls_name`, or its config's architecture."""
     import transformers
 
     cls_name = cls_name or json.loads((Path(path) / "config.json").read_text())["architectures"][0]
-    return getattr(transformers, cls_name).from_pretrained(path, dtype=torch.float32).eval()
+    return getattr(transformers, cls_name).from_pretrained(path, dtype=dtype).eval()
 
 
-def hf_greedy(path: str, prompt: list[int], new_tokens: int) -> list[int]:
+def hf_greedy(path: str, prompt: list[int], new_tokens: int, dtype: torch.dtype = torch.float32) -> list[int]:
     """transformers' own generate, one prompt at a time (no padding), greedy."""
-    model = _hf_model(path)
+    model = _hf_model(path, dtype=dtype)
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         out = model.generate(
@@ -66,7 +66,9 @@ def hf_last_logits(path: str, prompt: list[int]) -> torch.Tensor:
         return _hf_model(path)(torch.tensor([prompt])).logits[0, -1].float()
 
 
-def hf_greedy_violations(path: str, prompt: list[int], tokens: list[int], tol: float = 1e-4) -> list[int]:
+def hf_greedy_violations(
+    path: str, prompt: list[int], tokens: list[int], tol: float = 1e-4, dtype: torch.dtype = torch.float32
+) -> list[int]:
     """Positions where `tokens` is not transformers' greedy choice, checked teacher-forced: one
     full forward over prompt + tokens, and at every position the token must be the argmax, or
     within `tol` of it (a near-tie, which the order of float sums may decide either way).
@@ -74,11 +76,17 @@ def hf_greedy_violations(path: str, prompt: list[int], tokens: list[int], tol: f
     For long generations this is the reference to use: transformers' own cached `generate` can
     part from its full forward after a few hundred tokens (seen at token 162 of a 40-token
     prompt with the serve-test checkpoint, with a top-2 gap of 0.04 on the forward)."""
-    with torch.inference_mode():
-        lg = _hf_model(path)(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :].float()
-    t = torch.tensor(tokens)
-    short = lg.max(-1).values - lg.gather(1, t[:, None])[:, 0]
+    short = hf_logit_shortfall(path, prompt, tokens, dtype)
     return [k for k in (short > tol).nonzero().flatten().tolist()]
+
+
+def hf_logit_shortfall(path: str, prompt: list[int], tokens: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[len(tokens)]: how far below transformers' max logit each token is, teacher-forced (one
+    full forward over prompt + tokens); 0 where the token is the argmax."""
+    with torch.inference_mode():
+        lg = _hf_model(path, dtype=dtype)(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :].float()
+    t = torch.tensor(tokens)
+    return lg.max(-1).values - lg.gather(1, t[:, None])[:, 0]
 
 
 def first_step_drafts(llm, prompt: list[int], params) -> tuple[int, list[int]]:

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ops
 from kernels import (
     causal_conv1d,
     causal_conv1d_update,
@@ -111,6 +112,11 @@ class GatedDeltaNet:
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, pools: CachePools):
         T = x.shape[0]
         proj = self.w.w_in(x)
+        if batch.prefill is None and batch.decode.max_row_tokens == 1 and not x.is_cuda and cpu_ops.available(x.dtype):
+            o = cpu_ops.gdn_decode(proj, self.w.conv, pools.conv[self.layer], pools.recurrent[self.layer],
+                                   batch.decode.slot_ids, self.neg_A, self.dt_bias, self.w.norm,
+                                   self.hk, self.hv, self.dk, self.dv, self.eps)  # the steps below, fused
+            return self.all_reduce(self.w.w_out(o))
         qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
 
         mixed = _per_group(batch, qkv, partial(self._conv, pools))
@@ -119,7 +125,7 @@ class GatedDeltaNet:
         qk = F.rms_norm(qk.reshape(T, 2 * self.hk, self.dk).float(), (self.dk,), None, 1e-6 / self.dk) * self.qk_scale
         q, k = qk[:, : self.hk], qk[:, self.hk :]
         v = v.reshape(T, self.hv, self.dv)
-        beta = b.float().sigmoid()
+        beta = b.sigmoid().float()  # in the model dtype, as transformers does
         g = self.neg_A * F.softplus(a.float() + self.dt_bias)
         o = _per_group(batch, (q, k, v, g, beta), partial(self._delta_rule, pools))
         o = gated_rms_norm(o, z.reshape(T, self.hv, self.dv), self.w.norm, self.eps)

@@ -33,7 +33,12 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ops
+
 Kind = Literal["native", "fp32"]
+
+GEMV_MAX_ROWS = 4  # up to this many rows, a bfloat16 weight is read as it is (kernels/cpu_ops.py)
+_GEMV_THREADED = 1 << 20  # weights of at least this many elements split over torch's threads
 
 
 def gemm_kind(dtype: torch.dtype, device: torch.device) -> Kind:
@@ -50,7 +55,7 @@ def gemm_kind(dtype: torch.dtype, device: torch.device) -> Kind:
 class Linear:
     """y = x @ W^T for W `[out, in]`; x `[T, in]` -> y `[T, out]` in the model's dtype."""
 
-    __slots__ = ("w", "dtype", "kind")
+    __slots__ = ("w", "w16", "dtype", "kind", "threads")
 
     def __init__(self, weight: torch.Tensor, kind: Kind | None = None):
         if weight.dim() != 2:
@@ -58,6 +63,10 @@ class Linear:
         self.dtype = weight.dtype
         self.kind = kind or gemm_kind(weight.dtype, weight.device)
         self.w = weight.float().contiguous() if self.kind == "fp32" else weight.contiguous()
+        # few rows are bound by reading the weight: keep the bfloat16 one too for the C GEMV
+        gemv = self.kind == "fp32" and weight.dtype == torch.bfloat16 and cpu_ops.available()
+        self.w16 = weight.contiguous() if gemv else None
+        self.threads = torch.get_num_threads() if weight.numel() >= _GEMV_THREADED else 1
 
     @property
     def weight(self) -> torch.Tensor:
@@ -77,6 +86,8 @@ class Linear:
         return self.w.device
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w16 is not None and x.shape[0] <= GEMV_MAX_ROWS and x.dim() == 2:
+            return cpu_ops.gemv_bf16(x, self.w16, self.dtype, self.threads)
         if self.kind == "fp32":
             return F.linear(x.float(), self.w).to(self.dtype)
         return F.linear(x, self.w)

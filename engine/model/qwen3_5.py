@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import rms_norm
+from kernels import add_rms_norm, rms_norm
 from engine.cache.allocator import CachePools
 from engine.config import ModelConfig
 from engine.model.batch import ForwardBatch
@@ -57,13 +57,13 @@ def build_layer(cfg: ModelConfig, i: int, kind: str, lw: dict, tp: int, all_redu
 
 def run_layer(layer: DecoderLayer, x: torch.Tensor, batch: ForwardBatch, pools: CachePools, kv_pool, cos, sin, eps):
     """x + mixer(norm(x)), then + mlp(norm(.)): one pre-norm decoder layer."""
-    h = rms_norm(x, layer.input_norm, eps, zero_centered=False)
+    _, h = add_rms_norm(x, None, layer.input_norm, eps)
     if layer.kind == "linear_attention":
         h = layer.mixer(h, batch, pools)
     else:
         h = layer.mixer(h, batch, kv_pool, cos, sin)
-    x = x + h
-    return x + layer.mlp(rms_norm(x, layer.post_norm, eps, zero_centered=False))
+    x, h = add_rms_norm(x, h, layer.post_norm, eps)
+    return x + layer.mlp(h)
 
 
 class Qwen35Model:

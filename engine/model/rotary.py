@@ -25,5 +25,5 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     half = rd // 2
     xr = x[..., :rd]
     rot = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
-    xr.mul_(cos).addcmul_(rot, sin)
+    xr.mul_(cos).add_(rot.mul_(sin))  # two roundings in bfloat16, as transformers does
     return x

@@ -1,0 +1,147 @@
+"""Fused CPU ops of the decode step, in C (`csrc/cpu_ops.c`), built on first use.
+
+A decode step is hundreds of small eager ops; on a CPU their dispatch costs more than their
+arithmetic at small batches. These ops do one GDN layer's decode (conv update, q/k L2 norm,
+gates, the delta-rule step on the slot's state, gated RMS norm) and a residual add + RMS norm
+in one call each, in float32 arithmetic with values rounded to bfloat16 where transformers'
+eager model rounds them (docs/ARCHITECTURE.md, "CPU decode").
+
+The C file is compiled once per machine with the system C compiler (`$CC`, else `cc`;
+`-O3 -march=native`) into `$PDSERVE_HOME/kernels` (default `~/.cache/pdserve/kernels`), named
+by a hash of the source, flags and CPU, and loaded with ctypes (calls release the GIL). No
+compiler, a failed build, or `PDSERVE_CPU_OPS=0` leaves `available()` False and the engine on
+its PyTorch path, which computes the same thing op by op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["available", "gdn_decode", "add_rms_norm", "gemv_bf16"]
+
+_SRC = Path(__file__).with_name("csrc") / "cpu_ops.c"
+_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-pthread"]
+_log = logging.getLogger("pdserve.kernels")
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+_i64, _p, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+_SIGS = {
+    "gdn_decode": [_i64] * 7 + [_p, _i64, _p, _p, _p, _p, _p, _p, _p, _f32, _p, _p, _int],
+    "add_rms_norm": [_i64, _i64, _i64, _p, _p, _p, _p, _f32, _p, _p, _int],
+    "gemv_bf16": [_i64, _i64, _i64, _p, _p, _p, _int, _i64],
+}
+
+
+def _cpu_id() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _build() -> ctypes.CDLL | None:
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        _log.info("no C compiler: the decode step stays on the PyTorch path")
+        return None
+    src = _SRC.read_bytes()
+    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
+    home = Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
+    out = home / "kernels" / f"cpu_ops-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        r = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SRC), "-lm"], capture_output=True, text=True)
+        if r.returncode != 0:
+            os.unlink(tmp)
+            _log.warning("building %s failed, the decode step stays on the PyTorch path:\n%s", _SRC.name, r.stderr)
+            return None
+        os.replace(tmp, out)  # atomic: concurrent builders each write their own file
+    lib = ctypes.CDLL(str(out))
+    for name, args in _SIGS.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    return lib
+
+
+def _get() -> ctypes.CDLL | None:
+    global _lib, _tried
+    if not _tried:
+        with _lock:
+            if not _tried:
+                if os.environ.get("PDSERVE_CPU_OPS", "1") != "0":
+                    try:
+                        _lib = _build()
+                    except OSError as e:
+                        _log.warning("loading the CPU ops failed (%s): the decode step stays on the PyTorch path", e)
+                _tried = True
+    return _lib
+
+
+def available(dtype: torch.dtype | None = None) -> bool:
+    """True when the C ops are built and handle this dtype (float32, bfloat16)."""
+    return (dtype is None or dtype in (torch.float32, torch.bfloat16)) and _get() is not None
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def gdn_decode(proj, conv_w, conv_pool, rec_pool, slots, neg_A, dt_bias, norm_w, hk, hv, dk, dv, eps) -> torch.Tensor:
+    """One token per row through a GDN layer after its input projection.
+
+    proj [B, D + Hv*dv + 2*Hv] rows [qkv | z | b | a] (model dtype, unit stride on the last axis),
+    conv_w [D, Kc], conv_pool [S, D, Kc-1] (model dtype), rec_pool [S, Hv, dk, dv] float32,
+    slots [B] int64, neg_A / dt_bias [Hv] float32, norm_w [dv]. Updates the rows' slots in place
+    and returns the gated-normed output [B, Hv*dv] in the model dtype.
+    """
+    B, dtype = proj.shape[0], proj.dtype
+    D, kc = conv_w.shape
+    assert proj.stride(1) == 1 and conv_pool.is_contiguous() and rec_pool.is_contiguous()
+    assert conv_pool.dtype == dtype and conv_w.dtype == dtype and norm_w.dtype == dtype and rec_pool.dtype == torch.float32
+    out = torch.empty(B, hv * dv, dtype=dtype)
+    work = torch.empty(D + 2 * hv, dtype=torch.float32)
+    _get().gdn_decode(0, B, hk, hv, dk, dv, kc, _ptr(proj), proj.stride(0), _ptr(conv_w), _ptr(conv_pool),
+                      _ptr(rec_pool), _ptr(slots), _ptr(neg_A), _ptr(dt_bias), _ptr(norm_w), eps, _ptr(out),
+                      _ptr(work), int(dtype == torch.bfloat16))
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor | None, w: torch.Tensor, eps: float):
+    """x, h [T, H] model dtype (contiguous), w [H] float32 (the 1 + w of a zero-centred norm).
+    Returns (x + h rounded to the model dtype, its RMS norm times w), both new tensors; with h
+    None, (x, the norm of x)."""
+    T, H = x.shape
+    xo = x if h is None else torch.empty_like(x)
+    y = torch.empty_like(x)
+    work = torch.empty(H, dtype=torch.float32)
+    _get().add_rms_norm(0, T, H, _ptr(x), _ptr(h), _ptr(xo), _ptr(w), eps, _ptr(y), _ptr(work),
+                        int(x.dtype == torch.bfloat16))
+    return xo, y
+
+
+def gemv_bf16(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, threads: int = 1) -> torch.Tensor:
+    """x [M, K] (any float dtype) @ w [N, K]^T for a contiguous bfloat16 w, float32 arithmetic;
+    returns [M, N] in out_dtype (float32 or bfloat16). For a few rows (decode)."""
+    M, K = x.shape
+    N = w.shape[0]
+    xf = x.float().contiguous()
+    y = torch.empty(M, N, dtype=out_dtype)
+    _get().gemv_bf16(M, N, K, _ptr(xf), _ptr(w), _ptr(y), int(out_dtype == torch.bfloat16), threads)
+    return y

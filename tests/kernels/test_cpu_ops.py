@@ -1,0 +1,86 @@
+"""The fused C ops of the CPU decode step (kernels/cpu_ops.py) against the PyTorch ops they
+replace: float32 to float32 rounding, bfloat16 to a few bfloat16 ulps. They need the C
+compiler `make test` machines have."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import conv_update_, cpu_ops, gated_rms_norm, gdn_decode_step_, rms_norm
+from kernel_testing import assert_close
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def test_built():
+    assert cpu_ops.available(), "kernels/csrc/cpu_ops.c did not build (see the pdserve.kernels log)"
+
+
+def _eager_gdn(proj, conv_w, conv_pool, rec_pool, slots, neg_A, dt_bias, norm_w, hk, hv, dk, dv, eps):
+    """The engine's PyTorch path for one decode token per row (engine/model/layers.py)."""
+    B, dt = proj.shape[0], proj.dtype
+    D = conv_w.shape[0]
+    qkv, z, b, a = proj.split([D, hv * dv, hv, hv], dim=-1)
+    state = conv_pool[slots]
+    y = conv_update_(qkv, conv_w, state)
+    conv_pool[slots] = state
+    qk, v = y.split([2 * hk * dk, hv * dv], dim=-1)
+    qk = qk.reshape(B, 2 * hk, dk).float()
+    qk = qk * torch.rsqrt((qk * qk).sum(-1, keepdim=True) + 1e-6)
+    q, k = qk[:, :hk] * dk**-0.5, qk[:, hk:]
+    beta = b.sigmoid().float()
+    g = neg_A * F.softplus(a.float() + dt_bias)
+    S = rec_pool[slots]
+    o = gdn_decode_step_(q, k, v.reshape(B, hv, dv), g, beta, S, 1.0)
+    rec_pool[slots] = S
+    return gated_rms_norm(o, z.reshape(B, hv, dv), norm_w, eps).reshape(B, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("B,hk,hv,dk,dv", [(1, 2, 4, 32, 32), (5, 4, 8, 64, 64), (3, 3, 3, 16, 48)],
+                         ids=["b1-hv2x", "b5-d64", "b3-hv1x"])
+def test_gdn_decode_matches_pytorch(dtype, B, hk, hv, dk, dv):
+    g = torch.Generator().manual_seed(0)
+    D, kc, S = 2 * hk * dk + hv * dv, 4, 7
+    proj = torch.randn(B, D + hv * dv + 2 * hv, generator=g).to(dtype)
+    conv_w = (torch.randn(D, kc, generator=g) * 0.5).to(dtype)
+    conv_pool = torch.randn(S, D, kc - 1, generator=g).to(dtype)
+    rec_pool = torch.randn(S, hv, dk, dv, generator=g) * 0.1
+    slots = torch.randperm(S, generator=g)[:B]
+    neg_A = -torch.rand(hv, generator=g) * 2
+    dt_bias = torch.randn(hv, generator=g).to(dtype).float()
+    norm_w = (1 + 0.1 * torch.randn(dv, generator=g)).to(dtype)
+    args = (slots, neg_A, dt_bias, norm_w, hk, hv, dk, dv, 1e-6)
+    conv_ref, rec_ref = conv_pool.clone(), rec_pool.clone()
+    ref = _eager_gdn(proj, conv_w, conv_ref, rec_ref, *args)
+    got = cpu_ops.gdn_decode(proj, conv_w, conv_pool, rec_pool, *args)
+    assert_close("gdn_decode out", got, ref, TOL[dtype])
+    assert_close("conv state", conv_pool, conv_ref, TOL[dtype] / 10)
+    assert_close("recurrent state", rec_pool, rec_ref, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("with_h", [True, False], ids=["add", "norm-only"])
+def test_add_rms_norm_matches_pytorch(dtype, with_h):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(6, 96, generator=g) * 3).to(dtype)
+    h = torch.randn(6, 96, generator=g).to(dtype) if with_h else None
+    w = 1 + 0.1 * torch.randn(96, generator=g)
+    xs = x + h if with_h else x
+    xo, y = cpu_ops.add_rms_norm(x, h, w, 1e-6)
+    assert torch.equal(xo, xs), "the residual sum is rounded once, like x + h"
+    assert_close("add_rms_norm", y, rms_norm(xs, w, 1e-6, zero_centered=False), TOL[dtype] / 2)
+
+
+@pytest.mark.parametrize("M", [1, 3, 4])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemv_bf16_matches_float32_gemm(M, threads):
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(300, 131, generator=g).bfloat16()  # K not a multiple of 8: the tail loop
+    x = torch.randn(M, 131, generator=g).bfloat16()
+    ref = F.linear(x.float(), w.float())
+    assert_close("gemv_bf16 float32 out", cpu_ops.gemv_bf16(x, w, torch.float32, threads), ref, 1e-6)
+    got = cpu_ops.gemv_bf16(x, w, torch.bfloat16, threads)
+    assert (got.float() - ref.bfloat16().float()).abs().max() <= ref.abs().max() * 2**-8, "rounded to bf16 once"
