@@ -79,7 +79,7 @@ def _num(body: dict, name: str, kind, lo=None, hi=None):
 
 
 MAX_N = 16  # most choices per request
-_REFUSED = ("logit_bias", "suffix", "tools", "functions", "tool_choice", "function_call")
+_REFUSED = ("logit_bias", "suffix", "tools", "functions")
 
 
 def _flag(body: dict, name: str) -> bool:
@@ -119,6 +119,9 @@ def sampling(body: dict, chat: bool = False) -> pb.SamplingParams:
     for name in _REFUSED:
         if body.get(name) not in (None, {}, []):
             raise _bad(f"'{name}' is not supported", name)
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none", "auto"):
+            raise _bad(f"'{name}' is not supported (no tools)", name)
     rf = body.get("response_format")
     if rf not in (None, {}) and not (isinstance(rf, dict) and rf.get("type") == "text"):
         raise _bad("only response_format {'type': 'text'} is supported", "response_format")

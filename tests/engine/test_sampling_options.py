@@ -59,16 +59,35 @@ def _naive_penalized(logits: torch.Tensor, prompt, output, p: SamplingParams) ->
     return torch.tensor(row)
 
 
-@pytest.mark.parametrize("pen", [dict(repetition_penalty=1.8), dict(presence_penalty=1.5),
-                                 dict(frequency_penalty=0.7), dict(repetition_penalty=0.6, presence_penalty=-0.5,
-                                                                   frequency_penalty=0.4)],
-                         ids=["repetition", "presence", "frequency", "all"])  # fmt: skip
+def test_penalty_arithmetic_matches_naive_reference():
+    """Both signs of logits, tokens in the prompt only, the output only, and both."""
+    from engine.sampler import apply_penalties
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, generator=g) * 3
+    prompt, output = [1, 2, 3, 3, 40], [3, 5, 5, 5, 40, 41]
+    for pen in (dict(repetition_penalty=1.7), dict(repetition_penalty=0.4), dict(presence_penalty=1.2),
+                dict(frequency_penalty=-0.8), dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25)):
+        p = SamplingParams(**pen)
+        want = _naive_penalized(logits, prompt, output, p)
+        assert torch.allclose(apply_penalties(logits, p, prompt, output), want, atol=1e-6), pen
+
+
+# The tiny random model's greedy text does not repeat on its own, so these penalties favour
+# repeats (negative ones) or mix both signs: each changes the greedy tokens.
+@pytest.mark.parametrize("pen", [dict(repetition_penalty=0.5), dict(presence_penalty=-1.0),
+                                 dict(presence_penalty=-1.0, frequency_penalty=0.6),
+                                 dict(repetition_penalty=0.6, presence_penalty=-0.5, frequency_penalty=0.4)],
+                         ids=["repetition", "presence", "presence+frequency", "all"])  # fmt: skip
 def test_penalties_match_naive_reference(ckpt_hv2, llm_hv2, llm_chunked, pen):
     prompt = [7, 7, 7, 8, 8, 9, 10, 7, 8, 9]
-    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, **pen)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, **pen)
     got = llm_hv2.generate(prompt_token_ids=[prompt], sampling_params=sp)[0].output_token_ids
+    plain = llm_hv2.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True))[0].output_token_ids  # fmt: skip
+    assert got != plain
     want: list[int] = []
-    for _ in range(8):
+    for _ in range(6):
         with torch.inference_mode():
             lg = hc._hf_model(ckpt_hv2)(torch.tensor([prompt + want])).logits[0, -1].float()
         want.append(int(_naive_penalized(lg, prompt, want, sp).argmax()))

@@ -151,14 +151,15 @@ def _naive_greedy(ckpt, prompt: list[int], n: int, rep: float, pres: float, freq
 
 def test_penalties_match_naive_reference(oai, model, sdk, ckpt):
     prompt = [7, 7, 7, 8, 8, 9, 10, 7, 8, 9]
-    pen = dict(presence_penalty=0.8, frequency_penalty=0.5)
-    want = _naive_greedy(ckpt, prompt, 6, 1.7, 0.8, 0.5)
-    # gRPC through the prefill node (which samples the first token, with the repetition penalty)
-    g = sdk.generate(prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True, repetition_penalty=1.7,
+    pen = dict(presence_penalty=-0.5, frequency_penalty=0.4)  # favour repeats, less so the more there are
+    want = _naive_greedy(ckpt, prompt, 6, 0.5, -0.5, 0.4)
+    # gRPC through the prefill node, which samples the first token (with the repetition penalty)
+    g = sdk.generate(prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True, repetition_penalty=0.5,
                      **pen)  # fmt: skip
-    assert g.token_ids == want and g.prefill_node
-    r = oai.completions.create(model=model, prompt=prompt, max_tokens=6, **pen, logprobs=0,
-                               temperature=0.0, extra_body={"ignore_eos": True, "repetition_penalty": 1.7})  # fmt: skip
+    plain = sdk.generate(prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert g.token_ids == want and g.prefill_node and want != plain.token_ids
+    r = oai.completions.create(model=model, prompt=prompt, max_tokens=6, **pen, temperature=0.0,
+                               extra_body={"ignore_eos": True, "repetition_penalty": 0.5})  # fmt: skip
     assert r.choices[0].text == g.text
 
 
@@ -216,7 +217,8 @@ def test_unsupported_options_name_the_parameter(oai, model):
     import openai
 
     for kw, param in ((dict(extra_body={"top_logprobs": 2}), "top_logprobs"), (dict(logit_bias={"3": 1}), "logit_bias"),
-                      (dict(n=0), "n"), (dict(extra_body={"best_of": 3}), "best_of")):  # fmt: skip
+                      (dict(n=0), "n"), (dict(extra_body={"best_of": 3}), "best_of"),
+                      (dict(extra_body={"tool_choice": "required"}), "tool_choice")):  # fmt: skip
         with pytest.raises(openai.BadRequestError) as ei:
             oai.completions.create(model=model, prompt=PROMPT, max_tokens=2, **kw)
         assert ei.value.body["param"] == param, ei.value.body
