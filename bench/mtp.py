@@ -1,6 +1,7 @@
 """MTP speculative decoding on the CPU: acceptance per draft position and decode speed-up.
 
     python bench/mtp.py [--fit-steps 300] [--prompts 8] [--prompt-len 32] [--new-tokens 64] [--k 1 2 3]
+                        [--reps 3] [--cpu-time] [--save DIR | --model DIR]
 
 A random MTP block drafts nothing useful, so the tiny checkpoint's block (8 layers, hidden 256,
 vocab 1024, `--mtp`) is first fitted for `--fit-steps` Adam steps to the model's own greedy
@@ -9,6 +10,9 @@ choices over its greedy continuations of the `fit` prompts (engine/tiny_model.py
 and with MTP drafting at each k: new tokens/s of the batch, the speed-up over no speculation,
 and for each draft position the accepted fraction. `fit`: the prompts the block was fitted on;
 `fresh`: prompts it never saw (acceptance there says how far the tiny fit generalises).
+Each configuration runs `--reps` times, interleaved, and the best time counts (wall time, or
+with --cpu-time this process's CPU time, which load from other processes disturbs less).
+`--save DIR` keeps the fitted checkpoint; `--model DIR` measures one saved before (no fit).
 """
 
 from __future__ import annotations
@@ -27,19 +31,17 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.tiny_model import TinyModelSpec, fit_mtp_block, make_tiny_model  # noqa: E402
 
 
-def run(path: str, prompts, sp, k: int, batch: int):
-    kw = dict(speculative_method="mtp", num_speculative_tokens=k) if k else {}
-    with LLM(path, dtype="float32", **kw) as llm:
-        llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(max_tokens=4, temperature=0.0))
-        s = llm.engine.scheduler
-        base_d, base_a = list(s.drafts_per_position), list(s.accepted_per_position)
-        t0 = time.perf_counter()
-        outs = []
-        for i in range(0, len(prompts), batch):
-            outs += llm.generate(prompt_token_ids=prompts[i : i + batch], sampling_params=sp)
-        dt = time.perf_counter() - t0
-        drafted = [x - y for x, y in zip(s.drafts_per_position, base_d)]
-        accepted = [x - y for x, y in zip(s.accepted_per_position, base_a)]
+def run(llm: LLM, prompts, sp, batch: int, clock):
+    """(tokens, seconds, drafts per position, accepted per position) of one pass over prompts."""
+    s = llm.engine.scheduler
+    base_d, base_a = list(s.drafts_per_position), list(s.accepted_per_position)
+    t0 = clock()
+    outs = []
+    for i in range(0, len(prompts), batch):
+        outs += llm.generate(prompt_token_ids=prompts[i : i + batch], sampling_params=sp)
+    dt = clock() - t0
+    drafted = [x - y for x, y in zip(s.drafts_per_position, base_d)]
+    accepted = [x - y for x, y in zip(s.accepted_per_position, base_a)]
     return [o.output_token_ids for o in outs], dt, drafted, accepted
 
 
@@ -51,32 +53,54 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--batch", type=int, default=1, help="requests per generate call (1: one at a time)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--cpu-time", action="store_true")
+    ap.add_argument("--save", default=None, help="keep the fitted checkpoint here")
+    ap.add_argument("--model", default=None, help="a checkpoint fitted and saved before (skips the fit)")
     args = ap.parse_args()
     torch.manual_seed(0)
+    clock = time.process_time if args.cpu_time else time.perf_counter
     sp = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(1)
     sets = {name: torch.randint(0, 1024, (args.prompts, args.prompt_len), generator=g).tolist() for name in ("fit", "fresh")}
     with tempfile.TemporaryDirectory() as d:
-        path = str(make_tiny_model(Path(d) / "tiny-mtp", TinyModelSpec(tokenizer=False, mtp=True)))
-        with LLM(path, dtype="float32") as llm:
-            conts = llm.generate(prompt_token_ids=sets["fit"], sampling_params=sp)
-        seqs = [p + o.output_token_ids for p, o in zip(sets["fit"], conts)]
-        t0 = time.perf_counter()
-        acc = fit_mtp_block(path, seqs, steps=args.fit_steps, batch=args.prompts)
-        print(f"fitted the MTP block: {args.fit_steps} steps in {time.perf_counter() - t0:.0f} s, "
-              f"training accuracy {acc:.3f}")  # fmt: skip
+        path = args.model
+        if path is None:
+            path = str(make_tiny_model(Path(args.save or d) / "tiny-mtp", TinyModelSpec(tokenizer=False, mtp=True)))
+            with LLM(path, dtype="float32") as llm:
+                conts = llm.generate(prompt_token_ids=sets["fit"], sampling_params=sp)
+            seqs = [p + o.output_token_ids for p, o in zip(sets["fit"], conts)]
+            t0 = time.perf_counter()
+            acc = fit_mtp_block(path, seqs, steps=args.fit_steps, batch=args.prompts)
+            print(f"fitted the MTP block: {args.fit_steps} steps in {time.perf_counter() - t0:.0f} s, "
+                  f"training accuracy {acc:.3f}")  # fmt: skip
         print(f"{args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens each, "
-              f"{args.batch} request(s) per batch, greedy float32, {torch.get_num_threads()} threads")  # fmt: skip
+              f"{args.batch} request(s) per batch, greedy float32, {torch.get_num_threads()} threads, "
+              f"best of {args.reps} ({'CPU' if args.cpu_time else 'wall'} time)")  # fmt: skip
+        ks = [0, *args.k]
+        llms = {k: LLM(path, dtype="float32", **(dict(speculative_method="mtp", num_speculative_tokens=k) if k else {}))
+                for k in ks}  # fmt: skip
+        warm = SamplingParams(max_tokens=4, temperature=0.0)
+        for llm in llms.values():
+            llm.generate(prompt_token_ids=sets["fit"][:1], sampling_params=warm)
         print("| prompts | k | tok/s | speed-up | accepted / drafted at position 1, 2, ... | tokens same |")
         print("|---|---|---|---|---|---|")
         for name, prompts in sets.items():
-            ref, base, _, _ = run(path, prompts, sp, 0, args.batch)
+            best = {k: float("inf") for k in ks}
+            res = {}
+            for _ in range(args.reps):
+                for k in ks:
+                    toks, dt, drafted, accepted = run(llms[k], prompts, sp, args.batch, clock)
+                    best[k] = min(best[k], dt)
+                    res[k] = (toks, drafted, accepted)
             n = len(prompts) * args.new_tokens
-            print(f"| {name} | 0 | {n / base:.1f} | 1.00 | - | yes |")
-            for k in args.k:
-                toks, dt, drafted, accepted = run(path, prompts, sp, k, args.batch)
-                pos = ", ".join(f"{a}/{d} ({a / d:.2f})" if d else "0/0" for a, d in zip(accepted, drafted))
-                print(f"| {name} | {k} | {n / dt:.1f} | {base / dt:.2f} | {pos} | {'yes' if toks == ref else 'NO'} |")
+            for k in ks:
+                toks, drafted, accepted = res[k]
+                pos = ", ".join(f"{a}/{d} ({a / d:.2f})" if d else "0/0" for a, d in zip(accepted, drafted)) or "-"
+                same = "yes" if toks == res[0][0] else "NO"
+                print(f"| {name} | {k} | {n / best[k]:.1f} | {best[0] / best[k]:.2f} | {pos} | {same} |")
+        for llm in llms.values():
+            llm.close()
 
 
 if __name__ == "__main__":

@@ -124,3 +124,28 @@ def test_mtp_without_mtp_weights_fails_in_one_line(ckpt_hv2):
         LLM(ckpt_hv2, dtype="float32", speculative_method="mtp", num_speculative_tokens=2)
     assert "mtp" in str(e.value) and "\n" not in str(e.value)
 
+
+
+def test_depth_control_lowers_and_restores_a_requests_draft_depth():
+    """Exponential average (weight 0.5) of the accepted fraction: under 0.3 the depth drops by
+    one (not below 1), over 0.6 it climbs by one (not above k); counters per draft position."""
+    from engine.cache.block_manager import BlockManager, SlotPool
+    from engine.config import SchedulerConfig, SpeculativeConfig
+    from engine.request import Request
+    from engine.scheduler import Scheduler
+
+    s = Scheduler(SchedulerConfig(), BlockManager(8, 16), SlotPool(2), 128, 3, None,
+                  SpeculativeConfig(num_tokens=3, method="mtp"))
+    req = Request("r", [1, 2, 3], GREEDY)
+    s.add(req)
+    assert req.spec_depth == 3
+    depths = []
+    for _ in range(4):  # nothing accepted: 1.0 -> 0.5 -> 0.25 (drop) -> 0.125 (drop) -> ...
+        s._record(req, req.spec_depth, 0)
+        depths.append(req.spec_depth)
+    assert depths == [3, 2, 1, 1]
+    for _ in range(3):  # all accepted: 0.56 -> 0.78 (raise) -> 0.89 (raise)
+        s._record(req, req.spec_depth, req.spec_depth)
+        depths.append(req.spec_depth)
+    assert depths[4:] == [1, 2, 3]
+    assert s.drafts_per_position == [7, 4, 2] and s.accepted_per_position == [3, 1, 0]
