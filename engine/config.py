@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
 from engine.options import option
 
@@ -321,7 +321,7 @@ class SchedulerConfig:
 
 
 SpeculativeMethod = Literal["ngram", "mtp"]
-SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "mtp")
+SPECULATIVE_METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
 
 
 @dataclass(frozen=True)

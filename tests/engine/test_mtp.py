@@ -124,9 +124,3 @@ def test_mtp_without_mtp_weights_fails_in_one_line(ckpt_hv2):
         LLM(ckpt_hv2, dtype="float32", speculative_method="mtp", num_speculative_tokens=2)
     assert "mtp" in str(e.value) and "\n" not in str(e.value)
 
-
-def test_cli_knows_the_engines_speculative_methods():
-    from engine.config import SPECULATIVE_METHODS
-    from router.cli import SPECULATIVE_METHODS as cli_methods
-
-    assert cli_methods == SPECULATIVE_METHODS
