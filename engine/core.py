@@ -167,6 +167,7 @@ class EngineCore:
                     next_token=nxt[0] if nxt else None,
                     draft_depth=req.spec_depth if mtp and r.samples else 0,
                     prompt_logprobs=plp,
+                    num_output=len(req.output_token_ids),
                     history=(req.prompt_token_ids, req.output_token_ids)
                     if r.samples and (p.penalized or len(req.output_token_ids) < p.min_tokens)
                     else None,

@@ -1,6 +1,11 @@
-"""Token sampling on rank 0: greedy, temperature, top-k, top-p, per-request seeded generators
-(the same seed gives the same tokens whatever else shares the batch), penalties and min_tokens
-on the logits before any of that, log-probabilities, and verification of speculative drafts."""
+"""Token sampling on rank 0: greedy, temperature, top-k, top-p, seeded generators, penalties
+and min_tokens on the logits before any of that, log-probabilities, and verification of
+speculative drafts.
+
+A seeded request samples its i-th new token (and verifies drafts from there) with a generator
+seeded from (seed, i): the same seed gives the same tokens whatever else shares the batch and
+whichever node samples them (the prefill node its first token, the decode node the rest, or the
+decode node all of them). An unseeded request draws from one generator of its own."""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from engine.spec_decode import verify_row
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # seeds of consecutive positions far apart
 
 # (token id, log-probability, [(id, log-probability) of the n most likely, most likely first])
 TokenLogprob = tuple[int, float, list[tuple[int, float]]]
@@ -66,10 +73,13 @@ class Sampler:
         self._base = torch.Generator().manual_seed(seed)
         self.eos = tuple(eos_token_ids)
 
-    def generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+    def generator(self, request_id: str, params: SamplingParams, position: int = 0) -> torch.Generator:
+        """position: new tokens the request has before this draw."""
+        if params.seed is not None:
+            return torch.Generator().manual_seed((params.seed + position * _SEED_STRIDE) % 2**63)
         g = self._gens.get(request_id)
         if g is None:
-            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._base))
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._base))
             g = self._gens[request_id] = torch.Generator().manual_seed(seed)
         return g
 
@@ -92,10 +102,11 @@ class Sampler:
         return row
 
     def __call__(
-        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams], histories=None
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams], histories=None, positions=None
     ) -> list[int]:
         """logits [R, V] float32 -> one token per row. histories: per row (prompt ids, output
-        ids), needed for rows with penalties or min_tokens (None elsewhere)."""
+        ids), needed for rows with penalties or min_tokens (None elsewhere); positions: per row,
+        the new tokens its request has."""
         out = logits.argmax(-1).tolist()
         for i, p in enumerate(params):
             row = logits[i]
@@ -104,13 +115,16 @@ class Sampler:
                 row = self.adjust(row, p, histories[i])
             if not p.greedy:
                 probs = filtered_probs(row.cpu(), p)
-                out[i] = int(torch.multinomial(probs, 1, generator=self.generator(request_ids[i], p)))
+                g = self.generator(request_ids[i], p, positions[i] if positions is not None else 0)
+                out[i] = int(torch.multinomial(probs, 1, generator=g))
             elif adjusted:
                 out[i] = int(row.argmax())
         return out
 
-    def verify(self, logits: torch.Tensor, drafts: list[int], request_id: str, p: SamplingParams) -> list[int]:
+    def verify(
+        self, logits: torch.Tensor, drafts: list[int], request_id: str, p: SamplingParams, position: int = 0
+    ) -> list[int]:
         """logits [k+1, V] at the row's last token and its k drafts -> emitted tokens (1..k+1)."""
         if p.greedy:
             return verify_row(logits, drafts, True, None)
-        return verify_row(filtered_probs(logits.cpu(), p), drafts, False, self.generator(request_id, p))
+        return verify_row(filtered_probs(logits.cpu(), p), drafts, False, self.generator(request_id, p, position))

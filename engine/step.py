@@ -24,6 +24,7 @@ class RowInput:
     draft_depth: int = 0  # MTP: drafts to propose for this row's next step (when it samples)
     prompt_logprobs: int | None = None  # set: logits at every position of this prompt chunk (top-n kept)
     history: tuple[list[int], list[int]] | None = None  # (prompt, output) ids: penalties and min_tokens
+    num_output: int = 0  # new tokens the request has before this row samples (seeded sampling)
 
 
 @dataclass

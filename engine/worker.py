@@ -145,7 +145,7 @@ class Worker:
             if r.num_draft:
                 drafts = r.token_ids[-r.num_draft :]
                 out.sampled[r.request_id] = self.sampler.verify(
-                    logits[i : i + r.num_draft + 1], drafts, r.request_id, r.params
+                    logits[i : i + r.num_draft + 1], drafts, r.request_id, r.params, r.num_output
                 )
                 i += r.num_draft + 1
                 continue
@@ -162,7 +162,7 @@ class Worker:
         if samp:
             idx = torch.tensor([j for j, _ in samp])
             toks = self.sampler(logits[idx], [r.request_id for _, r in samp], [r.params for _, r in samp],
-                                [r.history for _, r in samp])  # fmt: skip
+                                [r.history for _, r in samp], [r.num_output for _, r in samp])  # fmt: skip
             out.sampled.update({r.request_id: [t] for (_, r), t in zip(samp, toks)})
             lp = [(j, r, t) for (j, r), t in zip(samp, toks) if r.params.logprobs is not None]
             for j, r, t in lp:  # of the model's distribution, before penalties and temperature

@@ -170,6 +170,8 @@ def test_n_with_seed(oai, model):
     singles = [oai.completions.create(seed=7 + i, **kw).choices[0].text for i in range(3)]
     assert [c.text for c in r.choices] == singles
     assert len(set(singles)) > 1
+    # logprobs prefill on the decode node, which then samples the first token too: same tokens
+    assert oai.completions.create(seed=8, logprobs=0, **kw).choices[0].text == singles[1]
     chunks = list(oai.completions.create(n=3, seed=7, stream=True, stream_options={"include_usage": True}, **kw))
     texts = ["", "", ""]
     for c in chunks:
