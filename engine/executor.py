@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import socket
 import traceback
+from datetime import timedelta
 
 import torch
 
@@ -46,10 +46,14 @@ class InProcExecutor:
         self.worker = None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_store(t: int):
+    """The ranks' rendezvous store, served by the parent on a port the OS picks and the parent
+    holds for the executor's life: no port is chosen free and then lost to another process
+    before a rank binds it."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world_size=t, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=STARTUP_TIMEOUT_S))  # fmt: skip
 
 
 def _rank_main(cfg: EngineConfig, rank: int, port: int, conn) -> None:
@@ -68,7 +72,8 @@ def _rank_main(cfg: EngineConfig, rank: int, port: int, conn) -> None:
         t = cfg.parallel.tensor_parallel_size
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // t))
         backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=t)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=t)
 
         def all_reduce(x: torch.Tensor) -> torch.Tensor:
             dist.all_reduce(x)
@@ -105,7 +110,8 @@ class MultiProcExecutor:
     def __init__(self, cfg: EngineConfig):
         t = cfg.parallel.tensor_parallel_size
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        self._store = _rendezvous_store(t)
+        port = self._store.port
         self.conns, self.procs = [], []
         for rank in range(t):
             parent, child = ctx.Pipe()
@@ -165,6 +171,7 @@ class MultiProcExecutor:
             if p.is_alive():
                 p.kill()
         self.conns, self.procs = [], []
+        self._store = None  # after the ranks: they may use the store until they exit
 
 
 def make_executor(cfg: EngineConfig):
