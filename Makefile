@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.installed
 TORCH   ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-slow bench proto clean
+.PHONY: demo test test-slow lint format bench proto clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 test-slow: $(STAMP)
 	PDSERVE_SLOW=1 $(VPY) -m pytest -q $(PYTEST_ARGS)

@@ -20,8 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import LLM, SamplingParams  # noqa: E402  (before torch: engine/__init__.py sets the OpenMP wait policy)
 import torch  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402  (before torch: engine/__init__.py sets the OpenMP wait policy)
 from engine.tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
 
 ARCHS = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
@@ -38,7 +39,11 @@ def bench_transformers(path, prompts, new_tokens, dtype):
         model.generate(ids[:, :8], attention_mask=torch.ones_like(ids[:, :8]), max_new_tokens=2, do_sample=False)
         t0 = time.perf_counter()
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
         )
         dt = time.perf_counter() - t0
     return out[:, ids.shape[1] :].tolist(), dt
@@ -46,7 +51,9 @@ def bench_transformers(path, prompts, new_tokens, dtype):
 
 def bench_engine(llm, prompts, new_tokens):
     sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompt_token_ids=[p[:8] for p in prompts[:2]], sampling_params=SamplingParams(max_tokens=2, temperature=0.0))
+    llm.generate(
+        prompt_token_ids=[p[:8] for p in prompts[:2]], sampling_params=SamplingParams(max_tokens=2, temperature=0.0)
+    )
     t0 = time.perf_counter()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
     dt = time.perf_counter() - t0
@@ -66,13 +73,21 @@ def main():
     ap.add_argument("--moe-intermediate", type=int, default=128)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    spec = TinyModelSpec(arch=args.arch, tokenizer=False, experts=args.experts, top_k=args.top_k,
-                         moe_intermediate=args.moe_intermediate, shared_intermediate=args.moe_intermediate)
+    spec = TinyModelSpec(
+        arch=args.arch,
+        tokenizer=False,
+        experts=args.experts,
+        top_k=args.top_k,
+        moe_intermediate=args.moe_intermediate,
+        shared_intermediate=args.moe_intermediate,
+    )
     with tempfile.TemporaryDirectory() as d:
         path = make_tiny_model(Path(d) / "tiny", spec)
         moe = f", {spec.experts} experts top-{spec.top_k} of {spec.moe_intermediate}" if args.arch != "qwen3_5" else ""
         print(f"{args.arch}{moe}: threads {args.threads}, prompt {args.prompt_len}, new tokens {args.new_tokens}")
-        print(f"{'dtype':>9} {'batch':>5} {'engine tok/s':>13} {'transformers tok/s':>19} {'ratio':>6} {'same tokens':>12}")
+        print(
+            f"{'dtype':>9} {'batch':>5} {'engine tok/s':>13} {'transformers tok/s':>19} {'ratio':>6} {'same tokens':>12}"
+        )
         for dtype in args.dtype:
             llm = LLM(str(path), dtype=dtype, max_num_batched_tokens=4096)
             for b in args.batches:

@@ -91,12 +91,16 @@ def cpu_part(reps: int = 5) -> None:
         pairs = [(_median_s(ours, 1), _median_s(theirs, 1)) for _ in range(reps)]
         t_ours = statistics.median(p[0] for p in pairs)
         t_theirs = statistics.median(p[1] for p in pairs)
-    print(f"CPU GDN chunked prefill  B={B} T={T} Hk={hk} Hv={hv} dk={dk} dv={dv} float32, "
-          f"{torch.get_num_threads()} threads, median of {reps} alternating runs")
+    print(
+        f"CPU GDN chunked prefill  B={B} T={T} Hk={hk} Hv={hv} dk={dk} dv={dv} float32, "
+        f"{torch.get_num_threads()} threads, median of {reps} alternating runs"
+    )
     print(f"  kernels.gdn.gdn_chunk_prefill (PyTorch)       {t_ours * 1e3:9.1f} ms")
     print(f"  transformers torch_chunk_gated_delta_rule     {t_theirs * 1e3:9.1f} ms")
-    print(f"  ratio transformers / ours                     {t_theirs / t_ours:9.2f}x "
-          f"({'ours' if t_ours < t_theirs else 'transformers'} faster)")
+    print(
+        f"  ratio transformers / ours                     {t_theirs / t_ours:9.2f}x "
+        f"({'ours' if t_ours < t_theirs else 'transformers'} faster)"
+    )
     print(f"  max relative difference of outputs and states {diff:9.1e}")
 
 
@@ -143,11 +147,11 @@ def nbytes(*xs) -> int:
 
 
 def cuda_part(device: str, small: bool) -> None:
+    from engine.cache.allocator import kv_pool_view
     from kernels.triton.conv import causal_conv1d_triton, causal_conv1d_update_triton
     from kernels.triton.gdn_chunk import gdn_chunk_prefill_triton
     from kernels.triton.gdn_recurrent import gdn_recurrent_triton
     from kernels.triton.norm import gated_rms_norm_triton
-    from engine.cache.allocator import kv_pool_view
     from kernels.triton.paged_attention import paged_attention_triton, store_kv_triton
 
     timer = Timer(device)
@@ -173,10 +177,16 @@ def cuda_part(device: str, small: bool) -> None:
     n_chunks = Bp * -(-Tp // C) * hv
     n_vblk = -(-dv // 64)
     per_chunk = (  # matmul flops executed per (chunk, head, dv block)
-        2 * C * C * dk * 2 + (SUB - 1) * 2 * C**3 + (C // SUB - 1) * 4 * C**3
-        + 2 * C * C * (dk + 64) + 2 * C * C * 64 + 3 * 2 * C * dk * 64
+        2 * C * C * dk * 2
+        + (SUB - 1) * 2 * C**3
+        + (C // SUB - 1) * 4 * C**3
+        + 2 * C * C * (dk + 64)
+        + 2 * C * C * 64
+        + 3 * 2 * C * dk * 64
     )
-    rows.append(("gdn_chunk_prefill", ms, nbytes(q, k, v, g, beta, v) + 2 * nbytes(pool), n_chunks * n_vblk * per_chunk))
+    rows.append(
+        ("gdn_chunk_prefill", ms, nbytes(q, k, v, g, beta, v) + 2 * nbytes(pool), n_chunks * n_vblk * per_chunk)
+    )
 
     # GDN recurrent decode: plain rows, then a batch mixing plain and k+1-token rows
     for name, lens in (("gdn_recurrent plain", [1] * Bd), ("gdn_recurrent mixed 1/k+1", [1, spec_k + 1] * (Bd // 2))):
@@ -268,10 +278,13 @@ def _fla_compare(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, timer
     qe, ke = q.repeat_interleave(rep, 1)[None], k.repeat_interleave(rep, 1)[None]
     ours = timer.ms(lambda: gdn_chunk_prefill_triton(q, k, v, g, beta, cu, pool, slots))
     theirs = timer.ms(
-        lambda: chunk_gated_delta_rule(qe, ke, v[None], g[None], beta[None].to(dt), initial_state=pool,
-                                       output_final_state=True, cu_seqlens=cu)
+        lambda: chunk_gated_delta_rule(
+            qe, ke, v[None], g[None], beta[None].to(dt), initial_state=pool, output_final_state=True, cu_seqlens=cu
+        )
     )
-    print(f"  vs fla chunk_gated_delta_rule:          ours {ours:.3f} ms, fla {theirs:.3f} ms, ratio {ours / theirs:.2f}x")
+    print(
+        f"  vs fla chunk_gated_delta_rule:          ours {ours:.3f} ms, fla {theirs:.3f} ms, ratio {ours / theirs:.2f}x"
+    )
     q, k, v, g, beta, _ = _gdn_inputs(1, Bd, hk, hv, dk, dv, dt, device)
     cu = torch.arange(Bd + 1, device=device)
     pool = torch.zeros(Bd, hv, dk, dv, device=device)
@@ -279,10 +292,13 @@ def _fla_compare(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, timer
     qe, ke = q.repeat_interleave(rep, 1)[None], k.repeat_interleave(rep, 1)[None]
     ours = timer.ms(lambda: gdn_recurrent_triton(q, k, v, g, beta, cu, pool, slots))
     theirs = timer.ms(
-        lambda: fused_recurrent_gated_delta_rule(qe, ke, v[None], g[None], beta[None].to(dt), initial_state=pool,
-                                                 output_final_state=True, cu_seqlens=cu)
+        lambda: fused_recurrent_gated_delta_rule(
+            qe, ke, v[None], g[None], beta[None].to(dt), initial_state=pool, output_final_state=True, cu_seqlens=cu
+        )
     )
-    print(f"  vs fla fused_recurrent_gated_delta_rule: ours {ours:.3f} ms, fla {theirs:.3f} ms, ratio {ours / theirs:.2f}x")
+    print(
+        f"  vs fla fused_recurrent_gated_delta_rule: ours {ours:.3f} ms, fla {theirs:.3f} ms, ratio {ours / theirs:.2f}x"
+    )
 
 
 def main() -> int:

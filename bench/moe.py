@@ -92,8 +92,10 @@ def cuda_part(H: int, I: int, E: int, k: int, tokens: list[int], smoke: bool) ->
             t8 = ms(lambda: fused_moe_triton(x, q13, q2, tw, ti, s13, s2, block))
             thf = ms(lambda: hf(x, ti, tw.to(dt)))
         mel = active * 3 * H * I / 1e6  # weight elements read, in millions; bytes / 1e6 / ms = GB/s
-        print(f"{T:>5} {active:>6} {t16:>8.3f} {2 * mel / t16:>6.0f} {t8:>8.3f} {mel / t8:>6.0f} {thf:>8.3f} "
-              f"{thf / t16:>7.2f}x")
+        print(
+            f"{T:>5} {active:>6} {t16:>8.3f} {2 * mel / t16:>6.0f} {t8:>8.3f} {mel / t8:>6.0f} {thf:>8.3f} "
+            f"{thf / t16:>7.2f}x"
+        )
 
 
 def main() -> None:
@@ -106,8 +108,12 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--cpu-time", action="store_true", help="time by this process's CPU time, not wall time "
-                    "(steadier on a shared machine; with --threads 1 it is the single thread's time)")
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time by this process's CPU time, not wall time "
+        "(steadier on a shared machine; with --threads 1 it is the single thread's time)",
+    )
     ap.add_argument("--cuda", action="store_true", help="the Triton kernels on a GPU")
     ap.add_argument("--smoke", action="store_true", help="the --cuda code on tiny shapes under the interpreter")
     a = ap.parse_args()
@@ -122,9 +128,18 @@ def main() -> None:
     H, I, E, k = a.hidden, a.intermediate, a.experts, a.top_k
     clock = time.process_time if a.cpu_time else time.perf_counter
     gen = torch.Generator().manual_seed(0)
-    print(f"MoE experts H={H} I={I} E={E} top-{k}, {torch.get_num_threads()} threads, "
-          f"median of {a.reps} alternating runs, {'CPU' if a.cpu_time else 'wall'} time")
-    cols = ("dtype", 9), ("T", 5), ("ours ms", 9), ("eager ms", 9), ("grouped ms", 10), ("eager/ours", 10),
+    print(
+        f"MoE experts H={H} I={I} E={E} top-{k}, {torch.get_num_threads()} threads, "
+        f"median of {a.reps} alternating runs, {'CPU' if a.cpu_time else 'wall'} time"
+    )
+    cols = (
+        ("dtype", 9),
+        ("T", 5),
+        ("ours ms", 9),
+        ("eager ms", 9),
+        ("grouped ms", 10),
+        ("eager/ours", 10),
+    )
     cols += ("grouped/ours", 12), ("max rel diff", 12)
     print(" ".join(f"{name:>{width}}" for name, width in cols))
     for dt in (getattr(torch, d) for d in a.dtypes.split(",")):
@@ -147,8 +162,10 @@ def main() -> None:
                         times[name].append(_once(fn, clock))
             ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
             eager, grouped = ms["eager"] / ms["ours"], ms["grouped_mm"] / ms["ours"]
-            print(f"{str(dt).removeprefix('torch.'):>9} {T:>5} {ms['ours']:>9.2f} {ms['eager']:>9.2f} "
-                  f"{ms['grouped_mm']:>10.2f} {eager:>9.2f}x {grouped:>11.2f}x {diff:>12.1e}")
+            print(
+                f"{str(dt).removeprefix('torch.'):>9} {T:>5} {ms['ours']:>9.2f} {ms['eager']:>9.2f} "
+                f"{ms['grouped_mm']:>10.2f} {eager:>9.2f}x {grouped:>11.2f}x {diff:>12.1e}"
+            )
         del w13, w2, impls
 
 

@@ -68,7 +68,9 @@ def main() -> None:
     clock = time.process_time if args.cpu_time else time.perf_counter
     sp = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(1)
-    sets = {name: torch.randint(0, 1024, (args.prompts, args.prompt_len), generator=g).tolist() for name in ("fit", "fresh")}
+    sets = {
+        name: torch.randint(0, 1024, (args.prompts, args.prompt_len), generator=g).tolist() for name in ("fit", "fresh")
+    }
     with tempfile.TemporaryDirectory() as d:
         path = args.model
         if path is None:

@@ -132,9 +132,11 @@ def overload_main(args, model, prompts) -> int:
         print(f"running {name} (overload) ...", file=sys.stderr, flush=True)
         out[name] = run_overload(model, prompts, args.new_tokens, args.concurrency, prefill, args.admission_timeout,
                                  args.ttft_slo)  # fmt: skip
-    print(f"\noverload: {args.requests} requests per load, {args.prompt_len}-token prompts, {args.new_tokens} new "
-          f"tokens; sustained load measured at concurrency {args.concurrency}; admission timeout "
-          f"{args.admission_timeout:g} s; goodput = completed with TTFT <= {args.ttft_slo:g} s, per s; model {model}\n")
+    print(
+        f"\noverload: {args.requests} requests per load, {args.prompt_len}-token prompts, {args.new_tokens} new "
+        f"tokens; sustained load measured at concurrency {args.concurrency}; admission timeout "
+        f"{args.admission_timeout:g} s; goodput = completed with TTFT <= {args.ttft_slo:g} s, per s; model {model}\n"
+    )
     hdr = (f"{'config':<22}{'load':<22}{'goodput/s':>10}{'done/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}"
            f"{'ok':>5}{'=1x':>5}  failed by code")  # fmt: skip
     print(hdr)
@@ -142,8 +144,10 @@ def overload_main(args, model, prompts) -> int:
     for name, rows in out.items():
         for m in rows:
             failed = ", ".join(f"{k} {v}" for k, v in sorted(m["failed"].items())) or "-"
-            print(f"{name:<22}{m['load']:<22}{m['goodput']:>10.2f}{m['done']:>8.2f}{m['ttft50']:>9.2f}s"
-                  f"{m['ttft99']:>9.2f}s{m['ok']:>5}{m['same']:>5}  {failed}")
+            print(
+                f"{name:<22}{m['load']:<22}{m['goodput']:>10.2f}{m['done']:>8.2f}{m['ttft50']:>9.2f}s"
+                f"{m['ttft99']:>9.2f}s{m['ok']:>5}{m['same']:>5}  {failed}"
+            )
     print("\n=1x: completed requests whose tokens equal the closed-loop run's")
     return 0
 

@@ -36,9 +36,30 @@ if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
     sys.path.pop(0)  # bench/kernels.py would shadow the kernels package
 MODELS = {
     "tiny": ["--linear-key-head-dim", "64", "--linear-value-head-dim", "64"],
-    "m768": ["--layers", "12", "--hidden", "768", "--intermediate", "3072", "--heads", "12", "--kv-heads", "4",
-             "--head-dim", "64", "--linear-key-heads", "6", "--linear-value-heads", "12",
-             "--linear-key-head-dim", "64", "--linear-value-head-dim", "64", "--vocab", "32000"],
+    "m768": [
+        "--layers",
+        "12",
+        "--hidden",
+        "768",
+        "--intermediate",
+        "3072",
+        "--heads",
+        "12",
+        "--kv-heads",
+        "4",
+        "--head-dim",
+        "64",
+        "--linear-key-heads",
+        "6",
+        "--linear-value-heads",
+        "12",
+        "--linear-key-head-dim",
+        "64",
+        "--linear-value-head-dim",
+        "64",
+        "--vocab",
+        "32000",
+    ],
 }
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 # every system runs with the OpenMP wait policy pdserve's engine picks (engine/__init__.py)
@@ -79,10 +100,17 @@ def worker_pdserve(model, batches, plen, new):
 def worker_vllm(model, batches, plen, new):
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    llm = LLM(model=model, dtype="bfloat16", max_model_len=plen + new + 16, max_num_seqs=max(batches),
-              max_num_batched_tokens=4096, seed=0)
-    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(2, 8, 0)], SamplingParams(max_tokens=2),
-                 use_tqdm=False)
+    llm = LLM(
+        model=model,
+        dtype="bfloat16",
+        max_model_len=plen + new + 16,
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=4096,
+        seed=0,
+    )
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts(2, 8, 0)], SamplingParams(max_tokens=2), use_tqdm=False
+    )
     out = {}
     for b in batches:
         ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(b, plen, b)]
@@ -107,8 +135,9 @@ def worker_transformers(model, batches, plen, new):
         for b in batches:
             ids = torch.tensor(prompts(b, plen, b))
             t0, l0 = time.perf_counter(), load1()
-            o = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False)
+            o = m.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False
+            )
             dt = time.perf_counter() - t0
             out[b] = dict(tps=b * new / dt, load=max(l0, load1()), first=o[0, plen : plen + 4].tolist())
     return out
@@ -127,9 +156,20 @@ def env_with_repo() -> dict:
 
 
 def run_worker(system, python, model, args) -> dict | None:
-    cmd = [python, str(Path(__file__).resolve()), "--worker", system, "--model", str(model),
-           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
-           "--batches", *map(str, args.batches)]
+    cmd = [
+        python,
+        str(Path(__file__).resolve()),
+        "--worker",
+        system,
+        "--model",
+        str(model),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--batches",
+        *map(str, args.batches),
+    ]
     env = (os.environ | VLLM_ENV if system == "vllm" else env_with_repo()) | OMP_ENV
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd="/tmp" if system == "vllm" else ROOT)
     for line in r.stdout.splitlines():
@@ -155,15 +195,50 @@ def http(url, body=None, timeout=900):
 def start_server(system, model, vllm_python, log):
     port = free_port()
     if system == "vllm":
-        cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "bfloat16",
-               "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0",
-               "--uvicorn-log-level", "warning"]
+        cmd = [
+            vllm_python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--dtype",
+            "bfloat16",
+            "--port",
+            str(port),
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "16",
+            "--seed",
+            "0",
+            "--uvicorn-log-level",
+            "warning",
+        ]
         env, cwd = os.environ | VLLM_ENV | OMP_ENV, "/tmp"
     else:
         prefill = "1" if system == "pdserve-disagg" else "0"
-        cmd = [sys.executable, "-m", "router.cli", "up", "--model", str(model), "--prefill", prefill, "--decode", "1",
-               "--port", "0", "--http-port", str(port), "--dtype", "bfloat16", "--max-num-seqs", "16",
-               "--kv-cache-memory", "512MiB"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "up",
+            "--model",
+            str(model),
+            "--prefill",
+            prefill,
+            "--decode",
+            "1",
+            "--port",
+            "0",
+            "--http-port",
+            str(port),
+            "--dtype",
+            "bfloat16",
+            "--max-num-seqs",
+            "16",
+            "--kv-cache-memory",
+            "512MiB",
+        ]
         env, cwd = env_with_repo() | OMP_ENV | {"PDSERVE_LOG": "WARNING"}, ROOT
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -199,6 +274,7 @@ def run_served(system, model, args) -> dict | None:
         print(f"  {e}", file=sys.stderr)
         return None
     try:
+
         def one(p, new=args.new_tokens):
             body = dict(model=name, prompt=p, max_tokens=new, temperature=0.0, ignore_eos=True)
             if system == "vllm":
@@ -223,8 +299,13 @@ def make_models(names, home: Path) -> dict:
     for n in names:
         d = home / f"bench-bf16-{n}"
         if not (d / "config.json").exists():
-            subprocess.run([sys.executable, "-m", "router.cli", "make-tiny-model", str(d), "--dtype", "bfloat16",
-                            *MODELS[n]], check=True, env=env_with_repo(), cwd=ROOT, capture_output=True)
+            subprocess.run(
+                [sys.executable, "-m", "router.cli", "make-tiny-model", str(d), "--dtype", "bfloat16", *MODELS[n]],
+                check=True,
+                env=env_with_repo(),
+                cwd=ROOT,
+                capture_output=True,
+            )
         paths[n] = d
     return paths
 
@@ -260,10 +341,15 @@ def main() -> int:
 
     flags = next((ln.split(":", 1)[1].split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
     simd = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))]
-    print(f"CPU: {os.cpu_count()} cores, {' '.join(simd)}; torch {torch.__version__} capability "
-          f"{torch.backends.cpu.get_cpu_capability()}; bf16 GEMM native: {torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
-    print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new, greedy, bfloat16; reps {args.reps}; "
-          f"OMP_WAIT_POLICY={OMP_ENV['OMP_WAIT_POLICY']} for every system", flush=True)
+    print(
+        f"CPU: {os.cpu_count()} cores, {' '.join(simd)}; torch {torch.__version__} capability "
+        f"{torch.backends.cpu.get_cpu_capability()}; bf16 GEMM native: {torch.ops.mkldnn._is_mkldnn_bf16_supported()}"
+    )
+    print(
+        f"prompt {args.prompt_len} tokens, {args.new_tokens} new, greedy, bfloat16; reps {args.reps}; "
+        f"OMP_WAIT_POLICY={OMP_ENV['OMP_WAIT_POLICY']} for every system",
+        flush=True,
+    )
     home = Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
     paths = make_models(sorted(set(args.models) | set(args.served_models)), home)
     python = {"pdserve": sys.executable, "transformers": sys.executable, "vllm": args.vllm_python}
@@ -273,23 +359,29 @@ def main() -> int:
     served_systems = ["pdserve-coloc", "pdserve-disagg", "vllm"]
     for rep in range(args.reps):
         for name in args.models:
-            systems = args.systems[rep % len(args.systems):] + args.systems[: rep % len(args.systems)]
+            systems = args.systems[rep % len(args.systems) :] + args.systems[: rep % len(args.systems)]
             for s in systems:
                 if s == "transformers" and rep >= args.transformers_reps:
                     continue
                 res = run_worker(s, python[s], paths[name], args)
                 for b, r in (res or {}).items():
                     offline.setdefault((name, b, s), []).append((r["tps"], r["load"]))
-                    print(f"  rep {rep} {name:5} batch {b:2} {s:12} {r['tps']:8.1f} tok/s  load {r['load']:.1f}  "
-                          f"first {r['first']}", flush=True)
+                    print(
+                        f"  rep {rep} {name:5} batch {b:2} {s:12} {r['tps']:8.1f} tok/s  load {r['load']:.1f}  "
+                        f"first {r['first']}",
+                        flush=True,
+                    )
         for name in args.served_models:
             k = rep % len(served_systems)
             for s in served_systems[k:] + served_systems[:k]:
                 r = run_served(s, paths[name], args)
                 if r:
                     served.setdefault((name, s), []).append((r["tps"], r["load"]))
-                    print(f"  rep {rep} {name:5} served c{args.concurrency} {s:14} {r['tps']:8.1f} tok/s  "
-                          f"load {r['load']:.1f}", flush=True)
+                    print(
+                        f"  rep {rep} {name:5} served c{args.concurrency} {s:14} {r['tps']:8.1f} tok/s  "
+                        f"load {r['load']:.1f}",
+                        flush=True,
+                    )
 
     print("\noffline, bfloat16: median tok/s (load) and ratios")
     for name in args.models:
@@ -297,17 +389,21 @@ def main() -> int:
             t = {s: med([x for x, _ in offline.get((name, b, s), [])]) for s in args.systems}
             loads = ",".join(f"{l:.1f}" for s in args.systems for _, l in offline.get((name, b, s), []))
             line = "  ".join(f"{s} {t[s]:.1f}" for s in args.systems)
-            ratios = "  ".join(f"pdserve/{s} {t['pdserve'] / t[s]:.2f}x" for s in args.systems
-                               if s != "pdserve" and "pdserve" in t)
+            ratios = "  ".join(
+                f"pdserve/{s} {t['pdserve'] / t[s]:.2f}x" for s in args.systems if s != "pdserve" and "pdserve" in t
+            )
             print(f"  {name:5} batch {b:2}: {line}   {ratios}   (load {loads})")
     if served:
         print(f"served, bfloat16, {args.requests} requests at concurrency {args.concurrency}: median tok/s and ratios")
         for name in args.served_models:
             t = {s: med([x for x, _ in served.get((name, s), [])]) for s in served_systems}
             loads = ",".join(f"{l:.1f}" for s in served_systems for _, l in served.get((name, s), []))
-            print(f"  {name:5}: " + "  ".join(f"{s} {t[s]:.1f}" for s in served_systems)
-                  + f"   colocated/vllm {t['pdserve-coloc'] / t['vllm']:.2f}x  disagg/vllm "
-                  f"{t['pdserve-disagg'] / t['vllm']:.2f}x   (load {loads})")
+            print(
+                f"  {name:5}: "
+                + "  ".join(f"{s} {t[s]:.1f}" for s in served_systems)
+                + f"   colocated/vllm {t['pdserve-coloc'] / t['vllm']:.2f}x  disagg/vllm "
+                f"{t['pdserve-disagg'] / t['vllm']:.2f}x   (load {loads})"
+            )
     return 0
 
 

@@ -16,5 +16,13 @@ from client.aio import AsyncClient, AsyncTokenStream
 from client.sync import Client, TokenStream
 from client.types import GenerateResult, PdserveError, StreamChunk, TokenLogprob
 
-__all__ = ["AsyncClient", "AsyncTokenStream", "Client", "GenerateResult", "PdserveError", "StreamChunk", "TokenLogprob",
-           "TokenStream"]
+__all__ = [
+    "AsyncClient",
+    "AsyncTokenStream",
+    "Client",
+    "GenerateResult",
+    "PdserveError",
+    "StreamChunk",
+    "TokenLogprob",
+    "TokenStream",
+]

@@ -17,8 +17,10 @@ class DecodeNodeConfig(NodeArgs):
 
     node_id: str = option("decode-0", "unique among the router's nodes")
     local_prefill_threshold: int = option(
-        0, "prompts shorter than this many tokens are prefilled here (0: always the prefill pool, when a prefill "
-        "node is ready; the router also prefills here when none is)")
+        0,
+        "prompts shorter than this many tokens are prefilled here (0: always the prefill pool, when a prefill "
+        "node is ready; the router also prefills here when none is)",
+    )
     reservation_lease_s: float = option(30.0, "seconds a reservation lives unrenewed when Reserve names no lease",
                                         flag="--default-reservation-lease")  # fmt: skip
 

@@ -39,8 +39,8 @@ from prometheus_client import Counter
 
 from decode_node import ranks as dranks
 from decode_node.config import DecodeNodeConfig
-from engine.loop import EngineLoop, ShuttingDown, Stream
 from engine.core import EngineCore
+from engine.loop import EngineLoop, ShuttingDown, Stream
 from engine.sampling_params import SamplingParams
 from proto import pb, rpc
 from proto.metrics import ServingMetrics, capacity_gauges
@@ -111,8 +111,11 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         self.lease_renewals = Counter("pdserve_decode_lease_renewals",
                                       "Reservation leases restarted by a prefill node still working on the request",
                                       registry=reg)  # fmt: skip
-        self.lease_expiries = Counter("pdserve_decode_lease_expiries",
-                                      "Reservations failed because their lease ran out (no renewal)", registry=reg)
+        self.lease_expiries = Counter(
+            "pdserve_decode_lease_expiries",
+            "Reservations failed because their lease ran out (no renewal)",
+            registry=reg,
+        )
 
     # ---- info ---------------------------------------------------------------------------
     def _describe(self, info: pb.NodeInfo) -> None:

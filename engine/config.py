@@ -152,7 +152,7 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
-    def from_dir(cls, path: str | os.PathLike, dtype: DTypeName = "auto") -> "ModelConfig":
+    def from_dir(cls, path: str | os.PathLike, dtype: DTypeName = "auto") -> ModelConfig:
         import torch  # noqa: PLC0415 (the command line imports this module without torch)
 
         cfg_path = Path(path) / "config.json"
@@ -280,16 +280,16 @@ class ParallelConfig:
         if len(m.moe_layers) < m.num_layers:  # some layer has a dense MLP
             sizes.append(("intermediate_size", m.intermediate_size))
         if m.moe_layers:  # each rank holds a slice of every expert's (and the shared expert's) intermediate
-            sizes += [("moe_intermediate_size", m.moe_intermediate_size),
-                      ("shared_expert_intermediate_size", m.shared_expert_intermediate_size)]
+            sizes += [
+                ("moe_intermediate_size", m.moe_intermediate_size),
+                ("shared_expert_intermediate_size", m.shared_expert_intermediate_size),
+            ]
         for name, count in sizes:
             if count % t:
                 raise ValueError(f"tensor_parallel_size={t} does not divide {name}={count}")
         kvh = m.num_kv_heads
         if (t <= kvh and kvh % t) or (t > kvh and t % kvh):
-            raise ValueError(
-                f"tensor_parallel_size={t} and num_key_value_heads={kvh}: one must divide the other"
-            )
+            raise ValueError(f"tensor_parallel_size={t} and num_key_value_heads={kvh}: one must divide the other")
 
 
 @dataclass(frozen=True)
@@ -373,7 +373,9 @@ class EngineConfig:
                 "(config.json has no mtp_num_hidden_layers)"
             )
         if self.speculative.mtp and self.model.mtp_num_layers != 1:
-            raise ValueError(f"speculative_method='mtp' supports one MTP layer; {self.model.path} declares {self.model.mtp_num_layers}")
+            raise ValueError(
+                f"speculative_method='mtp' supports one MTP layer; {self.model.path} declares {self.model.mtp_num_layers}"
+            )
 
     @property
     def max_model_len(self) -> int:
@@ -396,17 +398,22 @@ class EngineArgs:
     kv_cache_memory: int | str = option("256MiB", "memory for KV pages + GDN state slots, per rank (e.g. 2GiB)")
     max_num_seqs: int = option(64, "requests in the running batch (and GDN state slots)")
     max_num_batched_tokens: int = option(
-        2048, "token budget of one engine step (chunked prefill splits longer prompts); a prefill step is at most "
-        "this long, and a reservation lease must outlast one")
+        2048,
+        "token budget of one engine step (chunked prefill splits longer prompts); a prefill step is at most "
+        "this long, and a reservation lease must outlast one",
+    )
     block_size: int = option(16, "tokens per KV page (a power of two); prefill and decode nodes must agree")
     max_model_len: int | None = option(None, "prompt + output tokens at most (default: the model's max positions)")
     seed: int = option(0, "seed of the sampler for requests that name none")
     device: str = option("cpu", "cpu | cuda")
     num_speculative_tokens: int = option(
-        0, "draft tokens verified per decode row (0: off); prefill and decode nodes must use the same value")
+        0, "draft tokens verified per decode row (0: off); prefill and decode nodes must use the same value"
+    )
     speculative_method: SpeculativeMethod = option(
-        "ngram", "where drafts come from: ngram (prompt lookup) or mtp (the checkpoint's multi-token-prediction "
-        "block); prefill and decode nodes must use the same method")
+        "ngram",
+        "where drafts come from: ngram (prompt lookup) or mtp (the checkpoint's multi-token-prediction "
+        "block); prefill and decode nodes must use the same method",
+    )
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -427,8 +434,10 @@ class NodeArgs(EngineArgs):
 
     node_id: str = option("node-0", "unique among the router's nodes")
     router: str | None = option(
-        None, "router HOST:PORT to register with; several, comma-separated, for more than one router (each can "
-        "then route here); none: standalone")
+        None,
+        "router HOST:PORT to register with; several, comma-separated, for more than one router (each can "
+        "then route here); none: standalone",
+    )
     advertise_host: str = option("127.0.0.1", "the host part of the address the router dials (on the command line, "
                                  "default --host)")  # fmt: skip
     heartbeat_interval_s: float = option(0.5, "seconds between heartbeats until the router names its own")

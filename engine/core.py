@@ -151,7 +151,11 @@ class EngineCore:
             p = req.params
             # prompt logprobs: every position of a chunk that still predicts prompt tokens
             plp = p.prompt_logprobs if p.prompt_logprobs is not None and start < len(req.prompt_token_ids) - 1 else None
-            nxt = req.token_ids(start + n_known, start + n_known + 1) if (mtp or plp is not None) and not r.samples else []
+            nxt = (
+                req.token_ids(start + n_known, start + n_known + 1)
+                if (mtp or plp is not None) and not r.samples
+                else []
+            )
             rows.append(
                 RowInput(
                     request_id=req.request_id,
@@ -219,8 +223,14 @@ class EngineCore:
             metrics["e2e_s"] = req.finish_time - req.arrival_time
         drafts = list(req.draft_token_ids) if req.status is Status.HELD else []
         out = RequestOutput(
-            req.request_id, req.prompt_token_ids, list(req.output_token_ids), new, done, req.finish_reason,
-            metrics=metrics, draft_token_ids=drafts,
+            req.request_id,
+            req.prompt_token_ids,
+            list(req.output_token_ids),
+            new,
+            done,
+            req.finish_reason,
+            metrics=metrics,
+            draft_token_ids=drafts,
         )
         if req.params.logprobs is not None:
             out.logprobs = req.output_logprobs[req._sent_logprobs :]

@@ -33,8 +33,18 @@ class LLM:
         speculative_method: str = "ngram",
     ):
         self.config = EngineArgs(
-            model, tensor_parallel_size, dtype, kv_cache_memory, max_num_seqs, max_num_batched_tokens, block_size,
-            max_model_len, seed, device, num_speculative_tokens, speculative_method,
+            model,
+            tensor_parallel_size,
+            dtype,
+            kv_cache_memory,
+            max_num_seqs,
+            max_num_batched_tokens,
+            block_size,
+            max_model_len,
+            seed,
+            device,
+            num_speculative_tokens,
+            speculative_method,
         ).engine_config()
         self.tokenizer = Tokenizer(model) if Tokenizer.exists(model) else None
         self.engine = EngineCore(self.config)

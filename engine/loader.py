@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kernels.fp8 import dequant_fp8_block
 from engine.config import ModelConfig
 from engine.model.linear import Linear
 from engine.shard import conv_channel_index, head_range, intermediate_range, kv_head_range
+from kernels.fp8 import dequant_fp8_block
 
 log = logging.getLogger("pdserve.loader")
 
@@ -98,27 +98,46 @@ class _Reader:
 
 def _gdn_shapes(cfg: ModelConfig, a: str) -> Shapes:
     H, hv, kc = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_conv_kernel_dim
-    out = {a + "conv1d.weight": (cfg.conv_dim, 1, kc), a + "A_log": (hv,), a + "dt_bias": (hv,),
-           a + "norm.weight": (cfg.linear_value_head_dim,), a + "out_proj.weight": (H, cfg.value_dim)}
+    out = {
+        a + "conv1d.weight": (cfg.conv_dim, 1, kc),
+        a + "A_log": (hv,),
+        a + "dt_bias": (hv,),
+        a + "norm.weight": (cfg.linear_value_head_dim,),
+        a + "out_proj.weight": (H, cfg.value_dim),
+    }
     if cfg.fused_gdn_projections:
         out[a + "in_proj_qkvz.weight"] = (cfg.conv_dim + cfg.value_dim, H)
         out[a + "in_proj_ba.weight"] = (2 * hv, H)
     else:
-        out.update({a + "in_proj_qkv.weight": (cfg.conv_dim, H), a + "in_proj_z.weight": (cfg.value_dim, H),
-                    a + "in_proj_b.weight": (hv, H), a + "in_proj_a.weight": (hv, H)})
+        out.update(
+            {
+                a + "in_proj_qkv.weight": (cfg.conv_dim, H),
+                a + "in_proj_z.weight": (cfg.value_dim, H),
+                a + "in_proj_b.weight": (hv, H),
+                a + "in_proj_a.weight": (hv, H),
+            }
+        )
     return out
 
 
 def _attention_shapes(cfg: ModelConfig, a: str) -> Shapes:
     H, hd, nh, kvh = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_kv_heads
-    return {a + "q_proj.weight": (2 * nh * hd, H), a + "k_proj.weight": (kvh * hd, H),
-            a + "v_proj.weight": (kvh * hd, H), a + "o_proj.weight": (H, nh * hd),
-            a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)}
+    return {
+        a + "q_proj.weight": (2 * nh * hd, H),
+        a + "k_proj.weight": (kvh * hd, H),
+        a + "v_proj.weight": (kvh * hd, H),
+        a + "o_proj.weight": (H, nh * hd),
+        a + "q_norm.weight": (hd,),
+        a + "k_norm.weight": (hd,),
+    }
 
 
 def _mlp_shapes(m: str, hidden: int, inter: int) -> Shapes:
-    return {m + "gate_proj.weight": (inter, hidden), m + "up_proj.weight": (inter, hidden),
-            m + "down_proj.weight": (hidden, inter)}
+    return {
+        m + "gate_proj.weight": (inter, hidden),
+        m + "up_proj.weight": (inter, hidden),
+        m + "down_proj.weight": (hidden, inter),
+    }
 
 
 def _fused_experts(m: str, names) -> bool:
@@ -206,7 +225,11 @@ def _check_shapes(cfg: ModelConfig, reader: _Reader, expected: Shapes, scales: S
             raise ValueError(f"checkpoint {cfg.path}: {n} has shape {list(reader.shape[n])}, expected {list(want)}")
     for n in expected:
         if reader.dtype[n] in FP8_DTYPES and n + SCALE_SUFFIX not in scales:
-            why = "has no " + n + SCALE_SUFFIX if cfg.fp8_block_size else "is float8 but config.json has no fp8 quantization_config"
+            why = (
+                "has no " + n + SCALE_SUFFIX
+                if cfg.fp8_block_size
+                else "is float8 but config.json has no fp8 quantization_config"
+            )
             raise ValueError(f"checkpoint {cfg.path}: {n} {why}")
 
 
@@ -245,7 +268,12 @@ def _qwen3_next_gdn_rows(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, 
     conv channels [q | k | v], z, b and a. Per key head g, in_proj_qkvz stores
     [q_g (dk) | k_g (dk) | v_g (r*dv) | z_g (r*dv)] and in_proj_ba [b_g (r) | a_g (r)], r = Hv/Hk,
     value head h = g*r + j; both layouts feed the same conv segments and recurrent state."""
-    hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    hk, hv, dk, dv = (
+        cfg.linear_num_key_heads,
+        cfg.linear_num_value_heads,
+        cfg.linear_key_head_dim,
+        cfg.linear_value_head_dim,
+    )
     r = hv // hk
     group = 2 * dk + 2 * r * dv
     g_k = torch.arange(hk)[:, None] * group
@@ -270,8 +298,14 @@ def _load_gdn(cfg: ModelConfig, get: _Weights, a: str, tp: int, rank: int) -> di
         w_in = torch.cat([qkvz[qkv[conv_idx]], qkvz[z[v_rows]], ba[b[vh_idx]], ba[a_[vh_idx]]])
         w_in = w_in.to(dtype=cfg.dtype, device=get.device)
     else:
-        w_in = torch.cat([get(a + "in_proj_qkv.weight", conv_idx), get(a + "in_proj_z.weight", v_rows),
-                          get(a + "in_proj_b.weight", vh_idx), get(a + "in_proj_a.weight", vh_idx)])
+        w_in = torch.cat(
+            [
+                get(a + "in_proj_qkv.weight", conv_idx),
+                get(a + "in_proj_z.weight", v_rows),
+                get(a + "in_proj_b.weight", vh_idx),
+                get(a + "in_proj_a.weight", vh_idx),
+            ]
+        )
     return {
         "w_in": Linear(w_in),
         "conv": get(a + "conv1d.weight", conv_idx)[:, 0, :].contiguous(),
@@ -291,8 +325,16 @@ def _load_attention(cfg: ModelConfig, get: _Weights, a: str, tp: int, rank: int)
     kv_rows = torch.arange(kvh.start * hd, kvh.stop * hd)
     qg = get(a + "q_proj.weight", q_rows).view(len(qh), 2, hd, -1)  # per head [q | gate]
     return {
-        "w_qkv": Linear(torch.cat([qg[:, 0].reshape(-1, qg.shape[-1]), get(a + "k_proj.weight", kv_rows),
-                                   qg[:, 1].reshape(-1, qg.shape[-1]), get(a + "v_proj.weight", kv_rows)])),
+        "w_qkv": Linear(
+            torch.cat(
+                [
+                    qg[:, 0].reshape(-1, qg.shape[-1]),
+                    get(a + "k_proj.weight", kv_rows),
+                    qg[:, 1].reshape(-1, qg.shape[-1]),
+                    get(a + "v_proj.weight", kv_rows),
+                ]
+            )
+        ),
         "q_norm": get(a + "q_norm.weight"),
         "k_norm": get(a + "k_norm.weight"),
         "w_o": Linear(get(a + "o_proj.weight", cols=q_cols)),
@@ -357,8 +399,10 @@ def load_weights(cfg: ModelConfig, tp: int, rank: int, device="cpu") -> dict:
         "embed": embed,
         "norm": get(f"{p}norm.weight"),
         "lm_head": embed if cfg.tie_word_embeddings else get("lm_head.weight"),
-        "layers": [_load_layer(cfg, get, f"{p}layers.{i}.", kind, cfg.is_moe_layer(i), tp, rank)
-                   for i, kind in enumerate(cfg.layer_types)],
+        "layers": [
+            _load_layer(cfg, get, f"{p}layers.{i}.", kind, cfg.is_moe_layer(i), tp, rank)
+            for i, kind in enumerate(cfg.layer_types)
+        ],
     }
 
 
@@ -367,8 +411,12 @@ def expected_mtp_weights(cfg: ModelConfig, names=()) -> Shapes:
     two pre-fc norms, `fc` over [embedding | hidden], full-attention decoder layers with the
     model's MLP (the MoE block in an MoE model), a final norm."""
     H = cfg.hidden_size
-    out = {"mtp.pre_fc_norm_embedding.weight": (H,), "mtp.pre_fc_norm_hidden.weight": (H,),
-           "mtp.fc.weight": (H, 2 * H), "mtp.norm.weight": (H,)}
+    out = {
+        "mtp.pre_fc_norm_embedding.weight": (H,),
+        "mtp.pre_fc_norm_hidden.weight": (H,),
+        "mtp.fc.weight": (H, 2 * H),
+        "mtp.norm.weight": (H,),
+    }
     for j in range(cfg.mtp_num_layers):
         lp = f"mtp.layers.{j}."
         out[lp + "input_layernorm.weight"] = (H,)
@@ -400,6 +448,8 @@ def load_mtp_weights(cfg: ModelConfig, tp: int, rank: int, device="cpu") -> dict
         "norm_hidden": get("mtp.pre_fc_norm_hidden.weight"),
         "fc": Linear(get("mtp.fc.weight")),  # [hidden, 2 * hidden], replicated
         "norm": get("mtp.norm.weight"),
-        "layers": [_load_layer(cfg, get, f"mtp.layers.{j}.", "full_attention", cfg.num_experts > 0, tp, rank)
-                   for j in range(cfg.mtp_num_layers)],
+        "layers": [
+            _load_layer(cfg, get, f"mtp.layers.{j}.", "full_attention", cfg.num_experts > 0, tp, rank)
+            for j in range(cfg.mtp_num_layers)
+        ],
     }

@@ -81,8 +81,9 @@ class EngineLoop:
         return self
 
     # ---- called from handler threads ----------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], params, prefill_only: bool = False,
-               start=None) -> Stream:
+    def submit(
+        self, request_id: str, prompt_token_ids: list[int], params, prefill_only: bool = False, start=None
+    ) -> Stream:
         """Queue a request. `start(engine) -> RequestOutput` replaces add_request (a reservation
         joining the batch: EngineCore.activate); its output is the stream's first item."""
         s = Stream(request_id, len(prompt_token_ids))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-
 MAX_LOGPROBS = 20  # most alternatives per position (OpenAI's top_logprobs limit)
 
 
@@ -85,5 +84,5 @@ class SamplingParams:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SamplingParams":
+    def from_dict(cls, d: dict) -> SamplingParams:
         return cls(**d)

@@ -25,8 +25,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from engine.cache.block_manager import BlockManager, SlotPool
 from engine.config import SchedulerConfig, SpeculativeConfig

@@ -32,7 +32,9 @@ class NgramProposer:
         return []
 
 
-def verify_row(probs_or_logits: torch.Tensor, drafts: list[int], greedy: bool, gen: torch.Generator | None) -> list[int]:
+def verify_row(
+    probs_or_logits: torch.Tensor, drafts: list[int], greedy: bool, gen: torch.Generator | None
+) -> list[int]:
     """Rows of [k+1, V]: greedy takes logits, sampling takes filtered probabilities.
     Returns the emitted tokens: accepted drafts plus one corrected or bonus token."""
     out: list[int] = []

@@ -42,8 +42,13 @@ Tokens stream back to the client one at a time until the request stops or reache
 
 ARCHS = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 # Left unquantized by fp8 (besides 1-D tensors, conv1d, embeddings and lm_head)
-FP8_KEEP = ("mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_b", "linear_attn.in_proj_a",
-            "linear_attn.in_proj_ba")
+FP8_KEEP = (
+    "mlp.gate",
+    "mlp.shared_expert_gate",
+    "linear_attn.in_proj_b",
+    "linear_attn.in_proj_a",
+    "linear_attn.in_proj_ba",
+)
 
 
 @dataclass(frozen=True)
@@ -122,21 +127,34 @@ def _config(spec: TinyModelSpec, eos):
         pad_token_id=None,
         tie_word_embeddings=False,
     )
-    moe = dict(num_experts=spec.experts, num_experts_per_tok=spec.top_k, moe_intermediate_size=spec.moe_intermediate,
-               shared_expert_intermediate_size=spec.shared_intermediate)
+    moe = dict(
+        num_experts=spec.experts,
+        num_experts_per_tok=spec.top_k,
+        moe_intermediate_size=spec.moe_intermediate,
+        shared_expert_intermediate_size=spec.shared_intermediate,
+    )
     if spec.arch == "qwen3_5":
         return transformers.Qwen3_5TextConfig(intermediate_size=spec.intermediate, **common)
     if spec.arch == "qwen3_5_moe":
         return transformers.Qwen3_5MoeTextConfig(**moe, **common)
     only = [int(i) for i in spec.mlp_only_layers.split(",") if i.strip()]
     return transformers.Qwen3NextConfig(
-        intermediate_size=spec.intermediate, mlp_only_layers=only, decoder_sparse_step=spec.decoder_sparse_step,
-        norm_topk_prob=spec.norm_topk_prob, **moe, **common,
+        intermediate_size=spec.intermediate,
+        mlp_only_layers=only,
+        decoder_sparse_step=spec.decoder_sparse_step,
+        norm_topk_prob=spec.norm_topk_prob,
+        **moe,
+        **common,
     )
 
 
 def _quantizable(name: str, shape) -> bool:
-    if len(shape) != 2 or not name.endswith(".weight") or "embed_tokens" in name or name.startswith(("lm_head", "mtp.")):
+    if (
+        len(shape) != 2
+        or not name.endswith(".weight")
+        or "embed_tokens" in name
+        or name.startswith(("lm_head", "mtp."))
+    ):
         return False
     module = name.removesuffix(".weight")
     return not any(module.endswith(k) for k in FP8_KEEP)
@@ -213,8 +231,11 @@ def mtp_modules(cfg):
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer
 
-    layer_cls = {"qwen3_5_text": Qwen3_5DecoderLayer, "qwen3_5_moe_text": Qwen3_5MoeDecoderLayer,
-                 "qwen3_next": Qwen3NextDecoderLayer}[cfg.model_type]
+    layer_cls = {
+        "qwen3_5_text": Qwen3_5DecoderLayer,
+        "qwen3_5_moe_text": Qwen3_5MoeDecoderLayer,
+        "qwen3_next": Qwen3NextDecoderLayer,
+    }[cfg.model_type]
 
     full = cfg.layer_types.index("full_attention")
     h = cfg.hidden_size
@@ -254,8 +275,17 @@ def add_mtp_block(out_dir: str | Path, cfg, seed: int, dtype) -> None:
     cfg_path.write_text(json.dumps(raw, indent=2))
 
 
-def fit_mtp_block(path: str | Path, seqs=None, steps: int = 300, num_seqs: int = 64, seq_len: int = 64,
-                  batch: int = 8, lr: float = 3e-3, seed: int = 0, log=None) -> float:
+def fit_mtp_block(
+    path: str | Path,
+    seqs=None,
+    steps: int = 300,
+    num_seqs: int = 64,
+    seq_len: int = 64,
+    batch: int = 8,
+    lr: float = 3e-3,
+    seed: int = 0,
+    log=None,
+) -> float:
     """Fit the checkpoint's `mtp.*` block (fc, norms, decoder layer; embedding and LM head frozen)
     to the model's own greedy choices, and write it back in place.
 
@@ -288,7 +318,9 @@ def fit_mtp_block(path: str | Path, seqs=None, steps: int = 300, num_seqs: int =
     files = sorted(out.glob("*.safetensors"))
     weights = load_file(str(files[0]))
     for prefix, mod in mods.items():
-        mod.load_state_dict({n[len(prefix) + 5 :]: w.float() for n, w in weights.items() if n.startswith(f"mtp.{prefix}.")})
+        mod.load_state_dict(
+            {n[len(prefix) + 5 :]: w.float() for n, w in weights.items() if n.startswith(f"mtp.{prefix}.")}
+        )
         mod.float().train()
     opt = torch.optim.Adam([p for m in mods.values() for p in m.parameters()], lr=lr)
     lm_head = model.lm_head.weight.detach()

@@ -48,9 +48,17 @@ class Worker:
         self.pools = CachePools(self.specs, self.capacity, self.device, k)
         self.drafter: MTPDrafter | None = None
         if cfg.speculative.mtp:
-            block = MTPBlock(cfg.model, load_mtp_weights(cfg.model, t, rank, self.device), self.model.embed,
-                             self.model.lm_head, t, all_reduce)
-            self.drafter = MTPDrafter(block, self.model.rotary, cfg.cache.block_size, cfg.max_model_len + 1, self.device)
+            block = MTPBlock(
+                cfg.model,
+                load_mtp_weights(cfg.model, t, rank, self.device),
+                self.model.embed,
+                self.model.lm_head,
+                t,
+                all_reduce,
+            )
+            self.drafter = MTPDrafter(
+                block, self.model.rotary, cfg.cache.block_size, cfg.max_model_len + 1, self.device
+            )
         self.sampler = Sampler(cfg.seed, cfg.model.eos_token_ids)
         self.block_size = cfg.cache.block_size
         self.ext: dict[str, object] = {}  # per-rank objects owned by node packages (e.g. transfer endpoints)
@@ -80,8 +88,13 @@ class Worker:
         pack = IntPack()
         fields = [pack.add(x) for x in (ids, pos, slots, logit_idx)]
         gf = [
-            group_fields(pack, [len(r.token_ids) for r in rows], [r.slot for r in rows],
-                         [r.start_pos for r in rows], [r.block_ids for r in rows])
+            group_fields(
+                pack,
+                [len(r.token_ids) for r in rows],
+                [r.slot for r in rows],
+                [r.start_pos for r in rows],
+                [r.block_ids for r in rows],
+            )
             for rows, _ in groups
         ]
         pack.build(self.device)

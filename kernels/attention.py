@@ -78,7 +78,12 @@ def paged_attention(
     if q.shape[0] == B:  # one new token per row (decode): no padding of queries
         mask = k_pos[None, :] < seq_lens[:, None]
         o = F.scaled_dot_product_attention(
-            q[:, :, None, :], K.to(q.dtype), V.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+            q[:, :, None, :],
+            K.to(q.dtype),
+            V.to(q.dtype),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
         )
         return o[:, :, 0, :]
     qp = pad_packed(q, cu_seqlens_q, q_max).transpose(1, 2)  # [B, H, q_max, hd]

@@ -114,12 +114,33 @@ def gdn_decode(proj, conv_w, conv_pool, rec_pool, slots, neg_A, dt_bias, norm_w,
     B, dtype = proj.shape[0], proj.dtype
     D, kc = conv_w.shape
     assert proj.stride(1) == 1 and conv_pool.is_contiguous() and rec_pool.is_contiguous()
-    assert conv_pool.dtype == dtype and conv_w.dtype == dtype and norm_w.dtype == dtype and rec_pool.dtype == torch.float32
+    assert (
+        conv_pool.dtype == dtype and conv_w.dtype == dtype and norm_w.dtype == dtype and rec_pool.dtype == torch.float32
+    )
     out = torch.empty(B, hv * dv, dtype=dtype)
     work = torch.empty(D + 2 * hv, dtype=torch.float32)
-    _get().gdn_decode(0, B, hk, hv, dk, dv, kc, _ptr(proj), proj.stride(0), _ptr(conv_w), _ptr(conv_pool),
-                      _ptr(rec_pool), _ptr(slots), _ptr(neg_A), _ptr(dt_bias), _ptr(norm_w), eps, _ptr(out),
-                      _ptr(work), int(dtype == torch.bfloat16))
+    _get().gdn_decode(
+        0,
+        B,
+        hk,
+        hv,
+        dk,
+        dv,
+        kc,
+        _ptr(proj),
+        proj.stride(0),
+        _ptr(conv_w),
+        _ptr(conv_pool),
+        _ptr(rec_pool),
+        _ptr(slots),
+        _ptr(neg_A),
+        _ptr(dt_bias),
+        _ptr(norm_w),
+        eps,
+        _ptr(out),
+        _ptr(work),
+        int(dtype == torch.bfloat16),
+    )
     return out
 
 
@@ -131,8 +152,9 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor | None, w: torch.Tensor, eps: 
     xo = x if h is None else torch.empty_like(x)
     y = torch.empty_like(x)
     work = torch.empty(H, dtype=torch.float32)
-    _get().add_rms_norm(0, T, H, _ptr(x), _ptr(h), _ptr(xo), _ptr(w), eps, _ptr(y), _ptr(work),
-                        int(x.dtype == torch.bfloat16))
+    _get().add_rms_norm(
+        0, T, H, _ptr(x), _ptr(h), _ptr(xo), _ptr(w), eps, _ptr(y), _ptr(work), int(x.dtype == torch.bfloat16)
+    )
     return xo, y
 
 

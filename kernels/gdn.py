@@ -22,7 +22,15 @@ import torch
 from kernels.checks import check_gdn_inputs
 from kernels.triton import force_triton as _force_triton
 
-__all__ = ["l2norm", "gdn_chunk_prefill", "gdn_recurrent", "gdn_decode_step_", "expand_heads", "pad_packed", "unpad_packed"]
+__all__ = [
+    "l2norm",
+    "gdn_chunk_prefill",
+    "gdn_recurrent",
+    "gdn_decode_step_",
+    "expand_heads",
+    "pad_packed",
+    "unpad_packed",
+]
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -36,8 +36,12 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 def add_rms_norm(x: torch.Tensor, h: torch.Tensor | None, scale: torch.Tensor, eps: float):
     """Returns (x + h, the RMS norm of x + h times `scale`) with x + h rounded to x's dtype first
     (h None: (x, its norm)). `scale` is float32, the precomputed 1 + w."""
-    if not x.is_cuda and x.dim() == 2 and x.is_contiguous() and cpu_ops.available(x.dtype) and (
-        h is None or (h.is_contiguous() and h.dtype == x.dtype and h.shape == x.shape)
+    if (
+        not x.is_cuda
+        and x.dim() == 2
+        and x.is_contiguous()
+        and cpu_ops.available(x.dtype)
+        and (h is None or (h.is_contiguous() and h.dtype == x.dtype and h.shape == x.shape))
     ):
         return cpu_ops.add_rms_norm(x, h, scale, eps)
     if h is not None:

@@ -30,6 +30,7 @@ log = logging.getLogger("pdserve.serving")
 # Ids the engine accepts as request ids, and names a log line can carry.
 MAX_REQUEST_ID_LEN = 128
 
+
 def addresses(spec) -> list[str]:
     """Router addresses from "host:port", "a:1,b:2" or a list of them (nodes' --router, the SDK).
     Empty for None or ""."""

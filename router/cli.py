@@ -45,8 +45,10 @@ DEMO_PROMPTS = [
 
 
 SERVER_COMMANDS = ("up", "router", "decode", "prefill")
-DRAIN_HELP = ("on SIGTERM / SIGINT, finish what is in flight for at most this many seconds, taking nothing new, "
-              "then stop (0: stop at once; a second signal cuts the wait short)")
+DRAIN_HELP = (
+    "on SIGTERM / SIGINT, finish what is in flight for at most this many seconds, taking nothing new, "
+    "then stop (0: stop at once; a second signal cuts the wait short)"
+)
 
 
 def default_model_dir() -> Path:
@@ -82,8 +84,10 @@ def cmd_make_tiny_model(args) -> int:
     out = make_tiny_model(args.dir, spec)
     moe = f", {spec.experts} experts top-{spec.top_k}" if spec.arch != "qwen3_5" else ""
     fp8 = f", fp8 blocks {spec.fp8_block}" if spec.fp8 else ""
-    print(f"wrote {out} ({spec.arch}, {spec.layers} layers, hidden {spec.hidden}{moe}{fp8}, vocab {spec.vocab}, "
-          f"seed {spec.seed})")
+    print(
+        f"wrote {out} ({spec.arch}, {spec.layers} layers, hidden {spec.hidden}{moe}{fp8}, vocab {spec.vocab}, "
+        f"seed {spec.seed})"
+    )
     return 0
 
 
@@ -302,7 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG"), help="default INFO for servers, else WARNING")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    p = sub.add_parser("make-tiny-model", help="write a small random Qwen3.5 / Qwen3.5-MoE / Qwen3-Next checkpoint + tokenizer")
+    p = sub.add_parser(
+        "make-tiny-model", help="write a small random Qwen3.5 / Qwen3.5-MoE / Qwen3-Next checkpoint + tokenizer"
+    )
     p.add_argument("dir")
     _add_tiny_args(p)
     p.set_defaults(func=cmd_make_tiny_model)

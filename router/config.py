@@ -26,23 +26,30 @@ class RouterConfig:
     # then RESOURCE_EXHAUSTED; a request that finds max_queued_requests waiting is refused at once.
     admission_timeout_s: float = option(30.0, ADMISSION_HELP)
     max_queued_requests: int = option(
-        512, "requests that may wait for admission; one more is refused RESOURCE_EXHAUSTED at once (0: no limit)")
+        512, "requests that may wait for admission; one more is refused RESOURCE_EXHAUSTED at once (0: no limit)"
+    )
     # Beyond the window requests wait in the admission queue and reserve no decode memory. A prompt
     # larger than the window still goes to an idle node.
     prefill_window_tokens: int = option(
-        8192, "prompt tokens the router keeps outstanding per prefill node (sent, first token not back); the rest "
-        "wait in the admission queue without reserving decode memory (0: no window)")
+        8192,
+        "prompt tokens the router keeps outstanding per prefill node (sent, first token not back); the rest "
+        "wait in the admission queue without reserving decode memory (0: no window)",
+    )
     policy: PolicyName = option("least-loaded", "routing policy")
     # The prefill node renews the lease every third of it while it works on the request, so it only
     # runs out when that node stops (dead or hung).
     reservation_lease_s: float = option(
-        15.0, "seconds a decode reservation lives without a renewal; prefill nodes renew it while they work on "
-        "the request, so it runs out only for a dead or hung prefill node")
+        15.0,
+        "seconds a decode reservation lives without a renewal; prefill nodes renew it while they work on "
+        "the request, so it runs out only for a dead or hung prefill node",
+    )
     prefill_timeout_s: float = option(120.0, "seconds one Prefill call (queue + compute + push) may take")
     # Conditional disaggregation by load: counts a node's last report plus what the router sent since.
     max_prefill_queue_tokens: int = option(
-        0, "when every prefill node has this many prompt tokens queued, decode nodes prefill new prompts "
-        "themselves (0: no limit)")
+        0,
+        "when every prefill node has this many prompt tokens queued, decode nodes prefill new prompts "
+        "themselves (0: no limit)",
+    )
     metrics_port: int | None = option(None, "Prometheus /metrics on this port (0 picks one; default off)")
     http_port: int | None = option(None, "OpenAI-compatible HTTP on this port (0 picks one; default off)")
     host: str = option("127.0.0.1", "address the router binds (gRPC, metrics and HTTP)")

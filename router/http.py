@@ -501,6 +501,7 @@ class _Choice:
 
     def _logprobs(self, entries) -> dict:
         if self.job.chat:
+
             def one(t, lp):
                 s = self._str(t)
                 return {"token": s, "logprob": lp, "bytes": list(s.encode())}

@@ -46,8 +46,12 @@ OWN: dict[str, tuple[type, Any, str]] = {
     "decode_tp": (int, 1, "tensor-parallel ranks of each decode node"),
     "host": (str, "127.0.0.1", "address every component binds"),
     "port": (int, 50051, "router port (0 picks one)"),
-    "drain_timeout": (float, 30.0, "on SIGTERM, every component finishes what is in flight for at most this many "
-                                   "seconds, taking nothing new (0: stop at once)"),
+    "drain_timeout": (
+        float,
+        30.0,
+        "on SIGTERM, every component finishes what is in flight for at most this many "
+        "seconds, taking nothing new (0: stop at once)",
+    ),
 }
 
 

@@ -145,9 +145,7 @@ class PrefillPhase:
 
     def release(self, d: NodeEntry, rid: str, reason: str, dead_prefill: str = "") -> None:
         try:
-            d.stub.Release(
-                pb.ReleaseRequest(request_id=rid, reason=reason, dead_prefill_node=dead_prefill), timeout=30
-            )
+            d.stub.Release(pb.ReleaseRequest(request_id=rid, reason=reason, dead_prefill_node=dead_prefill), timeout=30)
         except grpc.RpcError as e:
             log.warning("release of %s on %s failed: %s", rid, d.node_id, e.code().name)
 

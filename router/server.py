@@ -208,7 +208,9 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         except ValueError as e:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         if request.sampling.stop and self.tokenizer is None:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "stop strings need a tokenizer on the router: use stop_token_ids")
+            raise Abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "stop strings need a tokenizer on the router: use stop_token_ids"
+            )
         if len(request.request_id) > MAX_REQUEST_ID_LEN:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id longer than {MAX_REQUEST_ID_LEN} characters")
         nodes = self.registry.live(pb.NODE_KIND_DECODE)
@@ -229,9 +231,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             vocab = min(e.info.vocab_size for e in nodes)
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise Abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"prompt token id(s) {bad[:5]} out of range [0, {vocab})"
-                )
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt token id(s) {bad[:5]} out of range [0, {vocab})")
 
     def _left_queue(self, outcome: str, wait_s: float) -> None:
         if outcome in ("queue_full", "timeout"):
@@ -239,7 +239,9 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
         if outcome != "queue_full":
             self.queue_wait.observe(wait_s)
 
-    def _admit(self, prompt_len: int, context, exclude: set[str], local: bool = False) -> tuple[NodeEntry, NodeEntry | None]:
+    def _admit(
+        self, prompt_len: int, context, exclude: set[str], local: bool = False
+    ) -> tuple[NodeEntry, NodeEntry | None]:
         """Wait in the admission queue until the request is placed: (decode node, prefill node or
         None to prefill on the decode node), both counted against (router/admission.py).
         local: prefill on the decode node (logprobs: the prefill node does not return them)."""
@@ -256,7 +258,9 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
 
         return self.admission.wait(lambda: self._place(prompt_len, exclude, local), context, refuse)
 
-    def _place(self, prompt_len: int, exclude: set[str], local: bool = False) -> tuple[NodeEntry, NodeEntry | None] | None:
+    def _place(
+        self, prompt_len: int, exclude: set[str], local: bool = False
+    ) -> tuple[NodeEntry, NodeEntry | None] | None:
         """Under registry.cond: a decode node with room and, when the prompt goes through the
         prefill pool, a prefill node within its window; None: not now."""
         nodes = [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]
@@ -290,9 +294,13 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
                 self._active += 1
         if full:
             self._left_queue("queue_full", 0.0)
-            log.info("request %s: refused RESOURCE_EXHAUSTED, %d requests in flight", tr.request_id, self.generate_limit)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"the router has {self.generate_limit} requests in flight, its limit: try again later")
+            log.info(
+                "request %s: refused RESOURCE_EXHAUSTED, %d requests in flight", tr.request_id, self.generate_limit
+            )
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the router has {self.generate_limit} requests in flight, its limit: try again later",
+            )
         try:
             ids = self._prompt_ids(request)
             tr.prompt_len = len(ids)
@@ -469,8 +477,9 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             rpc.add_GenerationServicer_to_server(self, s)
             rpc.add_RegistryServicer_to_server(self, s)
 
-        self.server, port, self._health = start_server(addr, add, ["Generation", "Registry"],
-                                                        max_workers=self.generate_limit + SPARE_THREADS)
+        self.server, port, self._health = start_server(
+            addr, add, ["Generation", "Registry"], max_workers=self.generate_limit + SPARE_THREADS
+        )
         self._sweeper.start()
         log.info("router serving on port %d (policy %s)", port, self.policy.name)
         host = self.cfg.host

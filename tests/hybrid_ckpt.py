@@ -13,8 +13,13 @@ from engine.tiny_model import TinyModelSpec, make_tiny_model
 # Hv = 2 Hk (the Qwen3.5 shape) and Hv = Hk.
 SPEC_HV2 = TinyModelSpec(layers=8, linear_key_heads=4, linear_value_heads=8, tokenizer=False, seed=0)
 SPEC_HV1 = TinyModelSpec(
-    layers=8, linear_key_heads=4, linear_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=48,
-    tokenizer=False, seed=1,
+    layers=8,
+    linear_key_heads=4,
+    linear_value_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=48,
+    tokenizer=False,
+    seed=1,
 )
 # with a multi-token-prediction block (`mtp.*` under the published names), for MTP drafting
 SPEC_MTP = TinyModelSpec(layers=4, tokenizer=False, seed=2, mtp=True)
@@ -22,9 +27,24 @@ PROMPT_LENS = (1, 2, 3, 63, 64, 65, 200)
 
 # MoE: odd sizes that still split over 8 ranks; 6 experts, top-3, one KV head; Qwen3-Next has a
 # dense layer (0) among sparse ones and does not renormalise its top-k weights.
-_MOE = dict(layers=4, hidden=64, heads=8, kv_heads=1, head_dim=16, linear_key_heads=8, linear_value_heads=16,
-            linear_key_head_dim=8, linear_value_head_dim=8, vocab=320, intermediate=48, experts=6, top_k=3,
-            moe_intermediate=24, shared_intermediate=40, tokenizer=False)
+_MOE = dict(
+    layers=4,
+    hidden=64,
+    heads=8,
+    kv_heads=1,
+    head_dim=16,
+    linear_key_heads=8,
+    linear_value_heads=16,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    vocab=320,
+    intermediate=48,
+    experts=6,
+    top_k=3,
+    moe_intermediate=24,
+    shared_intermediate=40,
+    tokenizer=False,
+)
 SPEC_MOE = {
     "qwen3_5_moe": TinyModelSpec(arch="qwen3_5_moe", seed=3, **_MOE),
     "qwen3_next": TinyModelSpec(arch="qwen3_next", seed=4, mlp_only_layers="0", norm_topk_prob=False, **_MOE),
@@ -56,7 +76,11 @@ def hf_greedy(path: str, prompt: list[int], new_tokens: int, dtype: torch.dtype 
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
         )
     return out[0, len(prompt) :].tolist()
 
@@ -80,7 +104,9 @@ def hf_greedy_violations(
     return [k for k in (short > tol).nonzero().flatten().tolist()]
 
 
-def hf_logit_shortfall(path: str, prompt: list[int], tokens: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def hf_logit_shortfall(
+    path: str, prompt: list[int], tokens: list[int], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """[len(tokens)]: how far below transformers' max logit each token is, teacher-forced (one
     full forward over prompt + tokens); 0 where the token is the argmax."""
     with torch.inference_mode():
@@ -97,7 +123,9 @@ def first_step_drafts(llm, prompt: list[int], params) -> tuple[int, list[int]]:
     return req.output_token_ids[0], list(req.draft_token_ids)
 
 
-def hf_mtp_logits(path: str, tokens: list[int], extra: list[tuple[int, torch.Tensor]] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+def hf_mtp_logits(
+    path: str, tokens: list[int], extra: list[tuple[int, torch.Tensor]] = ()
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The published MTP block composed from transformers' own modules (RMSNorm, Linear, a
     full-attention Qwen3.5 decoder layer) with the checkpoint's `mtp.*` weights.
 
@@ -128,7 +156,9 @@ def hf_mtp_logits(path: str, tokens: list[int], extra: list[tuple[int, torch.Ten
         n = x.shape[1]
         pos = torch.arange(n)[None]
         mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-        x = mods["layers.0"](x, position_embeddings=model.model.rotary_emb(x, pos), attention_mask=mask, position_ids=pos)
+        x = mods["layers.0"](
+            x, position_embeddings=model.model.rotary_emb(x, pos), attention_mask=mask, position_ids=pos
+        )
         if isinstance(x, tuple):
             x = x[0]
         out = mods["norm"](x)[0]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from typing import ClassVar, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -63,7 +64,7 @@ class Transport(ABC):
     def remove_peer(self, agent: str) -> None:
         """Forget a peer (declared dead or replaced): nothing of it can land here afterwards."""
 
-    def prepare(self, agent: str, pairs: Sequence[RegionPair]) -> None:
+    def prepare(self, agent: str, pairs: Sequence[RegionPair]) -> None:  # noqa: B027 (optional hook, no-op by default)
         """Sender side, once per peer: prepare descriptors for every page of every region pair."""
 
     @abstractmethod
@@ -118,7 +119,7 @@ class Transport(ABC):
     def poll_control(self) -> list[bytes]:
         """Control payloads received since the last call, in arrival order."""
 
-    def progress(self) -> None:
+    def progress(self) -> None:  # noqa: B027 (optional hook, no-op by default)
         """Drive the backend (two-sided backends progress their worker here)."""
 
     @abstractmethod

@@ -21,7 +21,8 @@ descriptors NIXL merges are exactly the ranges `plan` returns.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -77,7 +78,9 @@ def _kv_templates(s: TensorDesc, d: TensorDesc) -> list[Template]:
     """Per head: its K and V of one block is one contiguous run (head-major pool), and the
     head's next block follows it, so consecutive blocks coalesce."""
     if s.axes != PagedAttentionSpec.storage_axes:
-        raise PlanError(f"paged_kv layer {s.layer}: pool axes {s.axes}, this plan knows {PagedAttentionSpec.storage_axes}")
+        raise PlanError(
+            f"paged_kv layer {s.layer}: pool axes {s.axes}, this plan knows {PagedAttentionSpec.storage_axes}"
+        )
     piece = int(np.prod(s.local_shape[2:])) * s.itemsize  # (2, bs, hd)
     if piece != s.page_stride or piece != d.page_stride:
         raise PlanError(

@@ -59,12 +59,25 @@ def remove_peer(worker, backend: str, agent: str, reason: str = "declared dead")
     endpoint(worker, backend).remove_peer(agent, reason)
 
 
-def adopt(worker, backend: str, request_id: str, prompt_len: int, blocks: list[int], slot: int,
-          lease_s: float | None = None, incarnation: int | None = None) -> TargetRank:
+def adopt(
+    worker,
+    backend: str,
+    request_id: str,
+    prompt_len: int,
+    blocks: list[int],
+    slot: int,
+    lease_s: float | None = None,
+    incarnation: int | None = None,
+) -> TargetRank:
     """Receiver: take the engine's reservation under a lease; returns this rank's target."""
     freed = worker.ext["transfer.freed"]
     req = endpoint(worker, backend).adopt(
-        request_id, prompt_len, blocks, slot, lease_s=lease_s, incarnation=incarnation,
+        request_id,
+        prompt_len,
+        blocks,
+        slot,
+        lease_s=lease_s,
+        incarnation=incarnation,
         free=lambda b, s: freed.append(request_id),
     )
     return req.target

@@ -22,7 +22,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 from transfer.backend import TransferState, byte_view
 from transfer.endpoint import Endpoint, Peer
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 class RecvRequest:
     def __init__(
         self,
-        receiver: "Receiver",
+        receiver: Receiver,
         request_id: str,
         incarnation: int,
         blocks: list[int],

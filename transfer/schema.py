@@ -30,7 +30,12 @@ SCHEMA_VERSION = 4  # 2: head-major KV pools, described by axes + page_stride + 
 Kind = Literal["paged_kv", "gdn_conv", "gdn_recurrent", "mtp_kv"]
 KINDS: tuple[str, ...] = ("paged_kv", "gdn_conv", "gdn_recurrent", "mtp_kv")
 PAGED_KINDS: tuple[str, ...] = ("paged_kv", "mtp_kv")  # pages indexed by the request's block table
-PAGE_AXIS = {"paged_kv": "block", "gdn_conv": "slot", "gdn_recurrent": "slot", "mtp_kv": "block"}  # label of the page axis
+PAGE_AXIS = {
+    "paged_kv": "block",
+    "gdn_conv": "slot",
+    "gdn_recurrent": "slot",
+    "mtp_kv": "block",
+}  # label of the page axis
 
 
 class SegmentDesc(msgspec.Struct, frozen=True):

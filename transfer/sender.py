@@ -57,7 +57,7 @@ class _Channel:
 class SendRequest:
     def __init__(
         self,
-        sender: "Sender",
+        sender: Sender,
         request_id: str,
         target: Target,
         src_blocks: list[int],

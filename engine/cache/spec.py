@@ -139,7 +139,9 @@ def build_specs(cfg: EngineConfig, rank: int) -> list[CacheSpec]:
     if cfg.speculative.mtp:
         heads = tuple(kv_head_range(m.num_kv_heads, t, rank))
         for j in range(m.mtp_num_layers):
-            specs.append(MTPAttentionSpec(m.num_layers + j, cfg.cache.block_size, len(heads), heads, m.head_dim, m.dtype))
+            specs.append(
+                MTPAttentionSpec(m.num_layers + j, cfg.cache.block_size, len(heads), heads, m.head_dim, m.dtype)
+            )
     return specs
 
 

@@ -79,9 +79,14 @@ def group_fields(pack: IntPack, lens, slots, start_pos, block_tables) -> dict:
     width = max(len(b) for b in block_tables)
     table = [x for b in block_tables for x in (b + [0] * (width - len(b)))]
     return dict(
-        cu=pack.add(cu), slots=pack.add(slots), start_pos=pack.add(start_pos),
-        seq_lens=pack.add([p + n for p, n in zip(start_pos, lens)]), table=pack.add(table),
-        width=width, num_tokens=cu[-1], max_row_tokens=max(lens),
+        cu=pack.add(cu),
+        slots=pack.add(slots),
+        start_pos=pack.add(start_pos),
+        seq_lens=pack.add([p + n for p, n in zip(start_pos, lens)]),
+        table=pack.add(table),
+        width=width,
+        num_tokens=cu[-1],
+        max_row_tokens=max(lens),
         slot_start=slots[0] if list(slots) == list(range(slots[0], slots[0] + len(slots))) else None,
     )
 

@@ -10,29 +10,29 @@ Row-parallel outputs (GDN out_proj, o_proj, down_proj) are summed over ranks by 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
-from kernels import (
-    causal_conv1d,
-    causal_conv1d_update,
-    conv_update_,
-    gdn_decode_step_,
-    gated_rms_norm,
-    gdn_chunk_prefill,
-    gdn_recurrent,
-    paged_attention,
-    store_kv,
-)
 from engine.cache.allocator import CachePools
 from engine.model.batch import ForwardBatch
 from engine.model.linear import Linear
 from engine.model.rotary import apply_rotary_
+from kernels import (
+    causal_conv1d,
+    causal_conv1d_update,
+    conv_update_,
+    cpu_ops,
+    gated_rms_norm,
+    gdn_chunk_prefill,
+    gdn_decode_step_,
+    gdn_recurrent,
+    paged_attention,
+    store_kv,
+)
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -113,9 +113,21 @@ class GatedDeltaNet:
         T = x.shape[0]
         proj = self.w.w_in(x)
         if batch.prefill is None and batch.decode.max_row_tokens == 1 and not x.is_cuda and cpu_ops.available(x.dtype):
-            o = cpu_ops.gdn_decode(proj, self.w.conv, pools.conv[self.layer], pools.recurrent[self.layer],
-                                   batch.decode.slot_ids, self.neg_A, self.dt_bias, self.w.norm,
-                                   self.hk, self.hv, self.dk, self.dv, self.eps)  # the steps below, fused
+            o = cpu_ops.gdn_decode(
+                proj,
+                self.w.conv,
+                pools.conv[self.layer],
+                pools.recurrent[self.layer],
+                batch.decode.slot_ids,
+                self.neg_A,
+                self.dt_bias,
+                self.w.norm,
+                self.hk,
+                self.hv,
+                self.dk,
+                self.dv,
+                self.eps,
+            )  # the steps below, fused
             return self.all_reduce(self.w.w_out(o))
         qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
 
@@ -138,7 +150,9 @@ class Attention:
         self.all_reduce = all_reduce
         self.scale = hd**-0.5
         # per-head (1 + w) of q_norm for query heads and k_norm for key heads
-        self.qk_norm = torch.cat([(1.0 + w.q_norm.float()).expand(n_heads, hd), (1.0 + w.k_norm.float()).expand(n_kv, hd)])
+        self.qk_norm = torch.cat(
+            [(1.0 + w.q_norm.float()).expand(n_heads, hd), (1.0 + w.k_norm.float()).expand(n_kv, hd)]
+        )
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor, cos, sin):
         T = x.shape[0]
@@ -151,7 +165,9 @@ class Attention:
         store_kv(k, v.view(T, self.kvh, self.hd), kv_pool, batch.slot_mapping)
 
         o = _per_group(
-            batch, q, lambda grp, qg: paged_attention(qg, kv_pool, grp.cu_seqlens, grp.seq_lens, grp.block_tables, self.scale)
+            batch,
+            q,
+            lambda grp, qg: paged_attention(qg, kv_pool, grp.cu_seqlens, grp.seq_lens, grp.block_tables, self.scale),
         )
         o = o.reshape(T, -1) * torch.sigmoid(gate)
         return self.all_reduce(self.w.w_o(o))

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import fused_moe, select_experts
 from engine.model.layers import MLP, AllReduce, MLPWeights
 from engine.model.linear import Linear
+from kernels import fused_moe, select_experts
 
 
 def _no_reduce(x: torch.Tensor) -> torch.Tensor:

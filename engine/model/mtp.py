@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import rms_norm
 from engine.config import ModelConfig
 from engine.model.batch import ForwardBatch, IntPack, group_fields, make_group
 from engine.model.layers import AllReduce
@@ -29,11 +28,13 @@ from engine.model.linear import Linear
 from engine.model.qwen3_5 import DecoderLayer, build_layer, run_layer
 from engine.model.rotary import Rotary
 from engine.step import RowInput
+from kernels import rms_norm
 
 
 class MTPBlock:
-    def __init__(self, cfg: ModelConfig, weights: dict, embed: torch.Tensor, lm_head: Linear, tp: int,
-                 all_reduce: AllReduce):
+    def __init__(
+        self, cfg: ModelConfig, weights: dict, embed: torch.Tensor, lm_head: Linear, tp: int, all_reduce: AllReduce
+    ):
         self.eps = cfg.rms_norm_eps
         self.embed, self.lm_head = embed, lm_head
         self.norm_embed = 1.0 + weights["norm_embed"].float()  # zero-centred norms: (1 + w), precomputed
@@ -46,8 +47,9 @@ class MTPBlock:
             for j, lw in enumerate(weights["layers"])
         ]
 
-    def __call__(self, ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv: dict[int, torch.Tensor],
-                 cos, sin) -> torch.Tensor:
+    def __call__(
+        self, ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv: dict[int, torch.Tensor], cos, sin
+    ) -> torch.Tensor:
         """ids [T] (the next tokens), hidden [T, H] (main model, after its final norm) -> the
         block's normed output [T, H]; writes the block's KV at batch.slot_mapping."""
         e = rms_norm(F.embedding(ids, self.embed), self.norm_embed, self.eps, zero_centered=False)

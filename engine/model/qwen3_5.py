@@ -11,14 +11,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import add_rms_norm, rms_norm
 from engine.cache.allocator import CachePools
 from engine.config import ModelConfig
 from engine.model.batch import ForwardBatch
-from engine.model.linear import Linear
 from engine.model.layers import MLP, AllReduce, Attention, AttentionWeights, GatedDeltaNet, GDNWeights, MLPWeights
+from engine.model.linear import Linear
 from engine.model.moe import MoEWeights, SparseMoE
 from engine.model.rotary import Rotary
+from kernels import add_rms_norm, rms_norm
 
 
 @dataclass
@@ -47,7 +47,9 @@ def build_layer(cfg: ModelConfig, i: int, kind: str, lw: dict, tp: int, all_redu
         )
     else:
         kvh = max(1, cfg.num_kv_heads // tp)
-        mixer = Attention(AttentionWeights(**lw["mixer"]), cfg.num_attention_heads // tp, kvh, cfg.head_dim, eps, all_reduce)
+        mixer = Attention(
+            AttentionWeights(**lw["mixer"]), cfg.num_attention_heads // tp, kvh, cfg.head_dim, eps, all_reduce
+        )
     if "router" in lw["mlp"]:  # the sparse MoE block (cfg.is_moe_layer)
         mlp = SparseMoE(MoEWeights(**lw["mlp"]), cfg.num_experts_per_tok, cfg.norm_topk_prob, all_reduce)
     else:

@@ -55,11 +55,31 @@ def _ext_tile(x_ptr, st_ptrs, start, pos, valid, state_lo, s_xt, rd, md, KC: tl.
 
 @triton.jit
 def _conv_kernel(
-    x_ptr, w_ptr, y_ptr, cu_ptr, slot_ptr, init_ptr, pool_ptr, inter_ptr,
-    s_xt, s_yt, s_wd, s_wk, s_ps, s_pd, s_ib, s_it, s_id,
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    cu_ptr,
+    slot_ptr,
+    init_ptr,
+    pool_ptr,
+    inter_ptr,
+    s_xt,
+    s_yt,
+    s_wd,
+    s_wk,
+    s_ps,
+    s_pd,
+    s_ib,
+    s_it,
+    s_id,
     D,
-    KC: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-    HAS_INIT: tl.constexpr, HAS_INTER: tl.constexpr, ACT: tl.constexpr,
+    KC: tl.constexpr,
+    KP: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    HAS_INTER: tl.constexpr,
+    ACT: tl.constexpr,
 ):
     b = tl.program_id(0)
     rd = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -84,7 +104,11 @@ def _conv_kernel(
             acc += _ext_tile(x_ptr, st_ptrs, start, t + j - (KC - 1), mt, state_lo, s_xt, rd, md, KC) * w[None, :]
         if ACT:
             acc = acc * tl.sigmoid(acc)
-        tl.store(y_ptr + (start + t)[:, None] * s_yt + rd[None, :], acc.to(y_ptr.dtype.element_ty), mask=mt[:, None] & md[None, :])
+        tl.store(
+            y_ptr + (start + t)[:, None] * s_yt + rd[None, :],
+            acc.to(y_ptr.dtype.element_ty),
+            mask=mt[:, None] & md[None, :],
+        )
         if HAS_INTER:  # state after token t: ext[t + 1 : t + KC]
             for c in tl.static_range(KC - 1):
                 snap = _ext_tile(x_ptr, st_ptrs, start, t + 1 + c - (KC - 1), mt, state_lo, s_xt, rd, md, KC)
@@ -98,7 +122,9 @@ def _conv_kernel(
     rc = tl.arange(0, KP)
     new = _ext_tile(x_ptr, st_ptrs, start, L + rc - (KC - 1), rc < KC - 1, state_lo, s_xt, rd, md, KC)
     tl.debug_barrier()
-    tl.store(st_ptrs[None, :] + rc[:, None], new.to(pool_ptr.dtype.element_ty), mask=(rc < KC - 1)[:, None] & md[None, :])
+    tl.store(
+        st_ptrs[None, :] + rc[:, None], new.to(pool_ptr.dtype.element_ty), mask=(rc < KC - 1)[:, None] & md[None, :]
+    )
 
 
 def _launch(x, weight, cu_seqlens, conv_pool, slot_ids, has_initial_state, activation, inter, out):
@@ -112,12 +138,29 @@ def _launch(x, weight, cu_seqlens, conv_pool, slot_ids, has_initial_state, activ
     i_strides = (inter.stride(0), inter.stride(1), inter.stride(2)) if inter is not None else (0, 0, 0)
     grid = (B, triton.cdiv(D, BD))
     _conv_kernel[grid](
-        x, weight, y, cu_seqlens, slot_ids, init, conv_pool, inter_arg,
-        x.stride(0), y.stride(0), weight.stride(0), weight.stride(1), conv_pool.stride(0), conv_pool.stride(1),
+        x,
+        weight,
+        y,
+        cu_seqlens,
+        slot_ids,
+        init,
+        conv_pool,
+        inter_arg,
+        x.stride(0),
+        y.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        conv_pool.stride(0),
+        conv_pool.stride(1),
         *i_strides,
         D,
-        KC=kc, KP=KP, BT=16, BD=BD,
-        HAS_INIT=has_initial_state is not None, HAS_INTER=inter is not None, ACT=bool(activation),
+        KC=kc,
+        KP=KP,
+        BT=16,
+        BD=BD,
+        HAS_INIT=has_initial_state is not None,
+        HAS_INTER=inter is not None,
+        ACT=bool(activation),
     )
     return y
 

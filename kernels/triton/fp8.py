@@ -53,8 +53,24 @@ def weight_tile(w_rows, s_rows, kk, k0, n_in, k_in, QK, SCALED: tl.constexpr, AL
 
 @triton.jit
 def _fp8_block_linear_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, T, N, K, s_x, s_w, s_s, s_y, QN, QK,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGNED: tl.constexpr, XDT: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    T,
+    N,
+    K,
+    s_x,
+    s_w,
+    s_s,
+    s_y,
+    QN,
+    QK,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    XDT: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -104,7 +120,24 @@ def fp8_block_linear_triton(
         BK, aligned = k_tile(bk)
         grid = (triton.cdiv(T, BM), triton.cdiv(N, BN))
         _fp8_block_linear_kernel[grid](
-            x, w_fp8, scale_inv, y, T, N, K, x.stride(0), w_fp8.stride(0), scale_inv.stride(0), y.stride(0), bn, bk,
-            BM=BM, BN=BN, BK=BK, ALIGNED=aligned, XDT=TL_DTYPES[x.dtype], DOT_F32=dot_in_f32(x.dtype),
+            x,
+            w_fp8,
+            scale_inv,
+            y,
+            T,
+            N,
+            K,
+            x.stride(0),
+            w_fp8.stride(0),
+            scale_inv.stride(0),
+            y.stride(0),
+            bn,
+            bk,
+            BM=BM,
+            BN=BN,
+            BK=BK,
+            ALIGNED=aligned,
+            XDT=TL_DTYPES[x.dtype],
+            DOT_F32=dot_in_f32(x.dtype),
         )
     return y

@@ -22,8 +22,18 @@ __all__ = ["gated_rms_norm_triton"]
 
 @triton.jit
 def _gated_rms_norm_kernel(
-    x_ptr, z_ptr, w_ptr, y_ptr, s_x, s_z, s_y, D, eps,
-    BD: tl.constexpr, XDT: tl.constexpr, PDT: tl.constexpr,
+    x_ptr,
+    z_ptr,
+    w_ptr,
+    y_ptr,
+    s_x,
+    s_z,
+    s_y,
+    D,
+    eps,
+    BD: tl.constexpr,
+    XDT: tl.constexpr,
+    PDT: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     rd = tl.arange(0, BD)
@@ -54,7 +64,17 @@ def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
     y = torch.empty((x2.shape[0], D), dtype=x.dtype, device=x.device)
     if y.numel():
         _gated_rms_norm_kernel[(x2.shape[0],)](
-            x2, z2, weight, y, x2.stride(0), z2.stride(0), y.stride(0), D, float(eps),
-            BD=triton.next_power_of_2(D), XDT=_TL[x.dtype], PDT=_TL[torch.promote_types(weight.dtype, x.dtype)],
+            x2,
+            z2,
+            weight,
+            y,
+            x2.stride(0),
+            z2.stride(0),
+            y.stride(0),
+            D,
+            float(eps),
+            BD=triton.next_power_of_2(D),
+            XDT=_TL[x.dtype],
+            PDT=_TL[torch.promote_types(weight.dtype, x.dtype)],
         )
     return y.view(x.shape)

@@ -35,9 +35,23 @@ __all__ = ["store_kv_triton", "paged_attention_triton"]
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, pool_ptr, slot_ptr,
-    s_kt, s_kh, s_vt, s_vh, s_pb, s_pkv, s_ph, s_pt,
-    KVH: tl.constexpr, HD: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    pool_ptr,
+    slot_ptr,
+    s_kt,
+    s_kh,
+    s_vt,
+    s_vh,
+    s_pb,
+    s_pkv,
+    s_ph,
+    s_pt,
+    KVH: tl.constexpr,
+    HD: tl.constexpr,
+    BH: tl.constexpr,
+    BD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -55,7 +69,12 @@ def _store_kv_kernel(
 
 def store_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_pool: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Triton store_kv (see kernels.attention): k, v [T, KVH, hd] at flat token slots."""
-    if k.shape != v.shape or k.dim() != 3 or kv_pool.dim() != 5 or tuple(k.shape[1:]) != (kv_pool.shape[2], kv_pool.shape[4]):
+    if (
+        k.shape != v.shape
+        or k.dim() != 3
+        or kv_pool.dim() != 5
+        or tuple(k.shape[1:]) != (kv_pool.shape[2], kv_pool.shape[4])
+    ):
         raise ValueError(
             f"k, v must be [T, KVH, hd] matching kv_pool [num_blocks, 2, KVH, block_size, hd] "
             f"(got k={tuple(k.shape)}, v={tuple(v.shape)}, kv_pool={tuple(kv_pool.shape)})"
@@ -69,20 +88,50 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_pool: torch.Tensor, slo
     if T == 0:
         return
     _store_kv_kernel[(T,)](
-        k, v, kv_pool, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
-        KVH=kvh, HD=hd, BH=triton.next_power_of_2(kvh), BD=triton.next_power_of_2(hd), BLOCK_SIZE=kv_pool.shape[3],
+        k,
+        v,
+        kv_pool,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kv_pool.stride(0),
+        kv_pool.stride(1),
+        kv_pool.stride(2),
+        kv_pool.stride(3),
+        KVH=kvh,
+        HD=hd,
+        BH=triton.next_power_of_2(kvh),
+        BD=triton.next_power_of_2(hd),
+        BLOCK_SIZE=kv_pool.shape[3],
     )
 
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, o_ptr, pool_ptr, cu_ptr, seq_lens_ptr, bt_ptr,
-    s_qt, s_qh, s_ot, s_oh, s_pb, s_pkv, s_ph, s_pt, s_btb,
+    q_ptr,
+    o_ptr,
+    pool_ptr,
+    cu_ptr,
+    seq_lens_ptr,
+    bt_ptr,
+    s_qt,
+    s_qh,
+    s_ot,
+    s_oh,
+    s_pb,
+    s_pkv,
+    s_ph,
+    s_pt,
+    s_btb,
     scale,
-    GROUP: tl.constexpr, HD: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BN: tl.constexpr,
+    GROUP: tl.constexpr,
+    HD: tl.constexpr,
+    BD: tl.constexpr,
+    BM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BN: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -96,7 +145,9 @@ def _paged_attention_kernel(
     q_pos = ctx - q_len + rm  # [BM] absolute positions of this tile's tokens
     rd = tl.arange(0, BD)
     md = rd < HD
-    q = tl.load(q_ptr + (q_start + rm)[:, None] * s_qt + h * s_qh + rd[None, :], mask=mm[:, None] & md[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + (q_start + rm)[:, None] * s_qt + h * s_qh + rd[None, :], mask=mm[:, None] & md[None, :], other=0.0
+    )
     q = q.to(tl.float32)
 
     m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
@@ -128,7 +179,11 @@ def _paged_attention_kernel(
         m_i = m_new
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i = 0 only on padding rows, never stored
-    tl.store(o_ptr + (q_start + rm)[:, None] * s_ot + h * s_oh + rd[None, :], o.to(o_ptr.dtype.element_ty), mask=mm[:, None] & md[None, :])
+    tl.store(
+        o_ptr + (q_start + rm)[:, None] * s_ot + h * s_oh + rd[None, :],
+        o.to(o_ptr.dtype.element_ty),
+        mask=mm[:, None] & md[None, :],
+    )
 
 
 def paged_attention_triton(
@@ -161,10 +216,27 @@ def paged_attention_triton(
     BM = 16
     grid = (len(q_lens), H, triton.cdiv(max(q_lens), BM))
     _paged_attention_kernel[grid](
-        q, o, kv_pool, cu_seqlens_q, seq_lens, block_tables,
-        q.stride(0), q.stride(1), o.stride(0), o.stride(1),
-        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), block_tables.stride(0),
+        q,
+        o,
+        kv_pool,
+        cu_seqlens_q,
+        seq_lens,
+        block_tables,
+        q.stride(0),
+        q.stride(1),
+        o.stride(0),
+        o.stride(1),
+        kv_pool.stride(0),
+        kv_pool.stride(1),
+        kv_pool.stride(2),
+        kv_pool.stride(3),
+        block_tables.stride(0),
         float(scale),
-        GROUP=H // kvh, HD=hd, BD=pow2(hd), BM=BM, BLOCK_SIZE=bs, BN=pow2(bs),
+        GROUP=H // kvh,
+        HD=hd,
+        BD=pow2(hd),
+        BM=BM,
+        BLOCK_SIZE=bs,
+        BN=pow2(bs),
     )
     return o

@@ -317,9 +317,13 @@ def test_nodes_register_with_every_router(rendered, parser):
 
 def test_gpu_requests_equal_tp_in_the_gpu_overlay_only(rendered, parser):
     name, objs = rendered
-    assert _workload(objs, "router")["spec"]["template"]["spec"]["containers"][0].get("resources", {}).get(
-        "limits", {}
-    ).get(GPU) is None
+    assert (
+        _workload(objs, "router")["spec"]["template"]["spec"]["containers"][0]
+        .get("resources", {})
+        .get("limits", {})
+        .get(GPU)
+        is None
+    )
     for pool in POOLS:
         c = _container(_workload(objs, pool), pool)
         ns = _parse(parser, objs, c)

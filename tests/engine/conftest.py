@@ -1,8 +1,7 @@
 from __future__ import annotations
 
-import pytest
-
 import hybrid_ckpt as hc
+import pytest
 
 
 @pytest.fixture(scope="session")

@@ -6,16 +6,17 @@ have a clear argmax; bfloat16 near-ties may go either way, in transformers as he
 
 from __future__ import annotations
 
+import hybrid_ckpt as hc
 import pytest
 import torch
 
-import hybrid_ckpt as hc
 from engine import LLM, SamplingParams
 from engine.tiny_model import TinyModelSpec
 from kernels import cpu_ops
 
-SPEC_BF16 = TinyModelSpec(linear_key_head_dim=64, linear_value_head_dim=64, init_std=0.1, dtype="bfloat16",
-                          tokenizer=False, seed=0)
+SPEC_BF16 = TinyModelSpec(
+    linear_key_head_dim=64, linear_value_head_dim=64, init_std=0.1, dtype="bfloat16", tokenizer=False, seed=0
+)
 NEW = 16
 TOL = 0.25  # a logit gap bfloat16 rounding cannot bridge: the engine's token is never further below the max
 
@@ -31,8 +32,9 @@ def test_bf16_greedy_follows_transformers_bf16(ckpt_bf16, cpu_ops_on, monkeypatc
         monkeypatch.setattr(cpu_ops, "available", lambda dtype=None: False)
     prompts = hc.prompts(lens=(3, 40, 200))
     with LLM(ckpt_bf16, dtype="bfloat16") as llm:
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=NEW, temperature=0.0,
-                                                                                    ignore_eos=True))
+        outs = llm.generate(
+            prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+        )
     not_argmax = 0
     for p, o in zip(prompts, outs):
         toks = o.output_token_ids

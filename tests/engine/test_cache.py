@@ -11,11 +11,26 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 
 def model_cfg(**kw) -> ModelConfig:
     base = dict(
-        path="unused", architecture="Qwen3_5ForCausalLM", vocab_size=1024, hidden_size=256, intermediate_size=512,
-        layer_types=tuple(["linear_attention"] * 3 + ["full_attention"]) * 2, num_attention_heads=4, num_kv_heads=2,
-        head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
-        linear_value_head_dim=32, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, rope_theta=1e4,
-        partial_rotary_factor=0.25, max_position_embeddings=4096, tie_word_embeddings=False, dtype=torch.bfloat16,
+        path="unused",
+        architecture="Qwen3_5ForCausalLM",
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        layer_types=tuple(["linear_attention"] * 3 + ["full_attention"]) * 2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        partial_rotary_factor=0.25,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        dtype=torch.bfloat16,
     )
     base.update(kw)
     return ModelConfig(**base)
@@ -38,8 +53,11 @@ def test_spec_sizes_by_hand():
 def test_capacity_divides_by_attention_bytes_only():
     """Full attention is 1/4 of the layers: tokens = KV memory / attention bytes per token,
     not a quarter of it (dividing by every cache group would understate it 4x)."""
-    cfg = EngineConfig(model_cfg(), cache=CacheConfig(block_size=16, kv_cache_memory="64MiB"),
-                       scheduler=SchedulerConfig(max_num_seqs=10))
+    cfg = EngineConfig(
+        model_cfg(),
+        cache=CacheConfig(block_size=16, kv_cache_memory="64MiB"),
+        scheduler=SchedulerConfig(max_num_seqs=10),
+    )
     specs = build_specs(cfg, 0)
     cap = plan_capacity(specs, cfg.cache.memory_bytes, cfg.num_state_slots, 16)
     attn_bytes_per_token = 2 * (2 * 2 * 64 * 2)  # two attention layers, K+V, 2 heads x 64, bf16
@@ -79,7 +97,10 @@ def test_tp_shards_follow_segments():
     g0 = build_specs(cfg, 0)[0]
     g1 = build_specs(cfg, 1)[0]
     assert [(s.name, s.local_offset, s.local_width, s.rank_start) for s in g1.conv_segments] == [
-        ("q", 0, 64, 64), ("k", 64, 64, 64), ("v", 128, 128, 128)]
+        ("q", 0, 64, 64),
+        ("k", 64, 64, 64),
+        ("v", 128, 128, 128),
+    ]
     assert g0.v_heads == (0, 1, 2, 3) and g1.v_heads == (4, 5, 6, 7)
     a3 = build_specs(EngineConfig(model_cfg(), parallel=ParallelConfig(4)), 3)[3]
     assert a3.kv_heads == (1,)  # 4 ranks, 2 KV heads: replicated, rank 3 holds head 1

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import shutil
 
+import hybrid_ckpt as hc
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import hybrid_ckpt as hc
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
 
@@ -54,16 +54,28 @@ def test_sharded_checkpoint_with_index(ckpt_hv2, tmp_path):
     p = hc.prompts(lens=(5, 70))
     with LLM(ckpt_hv2, dtype="float32") as a, LLM(str(tmp_path / "sharded"), dtype="float32") as b:
         assert [o.output_token_ids for o in a.generate(prompt_token_ids=p, sampling_params=SP)] == [
-            o.output_token_ids for o in b.generate(prompt_token_ids=p, sampling_params=SP)]
+            o.output_token_ids for o in b.generate(prompt_token_ids=p, sampling_params=SP)
+        ]
 
 
 def test_conditional_generation_text_part(tmp_path):
     """Qwen3_5ForConditionalGeneration: the text model is served, the vision tower ignored."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    text = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
-                linear_key_head_dim=32, linear_value_head_dim=32, max_position_embeddings=1024)
+    text = dict(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        max_position_embeddings=1024,
+    )
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128, patch_size=4)
     torch.manual_seed(0)
     model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).eval()
@@ -72,7 +84,9 @@ def test_conditional_generation_text_part(tmp_path):
     assert mcfg.weight_prefix == "model.language_model." and mcfg.num_layers == 4
     prompt = [3, 14, 15, 92, 65, 35]
     with torch.inference_mode():
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, 6:].tolist()
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[
+            0, 6:
+        ].tolist()
     with LLM(str(tmp_path / "vl"), dtype="float32") as llm:
         assert llm.generate(prompt_token_ids=[prompt], sampling_params=SP)[0].output_token_ids == ref
 

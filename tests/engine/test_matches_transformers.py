@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import hybrid_ckpt as hc
 import pytest
 
-import hybrid_ckpt as hc
 from engine import LLM, SamplingParams
 
 GREEDY48 = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import shutil
 
+import hybrid_ckpt as hc
 import pytest
 import torch
 from safetensors import safe_open
 
-import hybrid_ckpt as hc
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
 
@@ -85,7 +85,12 @@ def _tokens(outs):
 
 def test_config_reads_moe_fields(moe_ckpt):
     a = ModelConfig.from_dir(moe_ckpt("qwen3_5_moe"))
-    assert (a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size, a.shared_expert_intermediate_size) == (6, 3, 24, 40)
+    assert (a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size, a.shared_expert_intermediate_size) == (
+        6,
+        3,
+        24,
+        40,
+    )
     assert a.moe_layers == (0, 1, 2, 3) and a.norm_topk_prob and not a.fused_gdn_projections
     n = ModelConfig.from_dir(moe_ckpt("qwen3_next"))
     assert n.moe_layers == (1, 2, 3) and n.intermediate_size == 48 and not n.norm_topk_prob and n.fused_gdn_projections
@@ -134,8 +139,14 @@ def test_fused_and_sharded_expert_layouts(arch, moe_ckpt, moe_prompts, moe_ref, 
     sharded, fused = _keys(tmp_path / "sharded"), _keys(tmp_path / "fused")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
-    assert "model.layers.1.mlp.experts.5.gate_proj.weight" in sharded and "model.layers.1.mlp.shared_expert_gate.weight" in sharded
-    assert "model.layers.1.mlp.experts.gate_up_proj" in fused and "model.layers.1.mlp.experts.0.up_proj.weight" not in fused
+    assert (
+        "model.layers.1.mlp.experts.5.gate_proj.weight" in sharded
+        and "model.layers.1.mlp.shared_expert_gate.weight" in sharded
+    )
+    assert (
+        "model.layers.1.mlp.experts.gate_up_proj" in fused
+        and "model.layers.1.mlp.experts.0.up_proj.weight" not in fused
+    )
     for d in ("sharded", "fused"):
         assert _tokens(_generate(tmp_path / d, moe_prompts[:2])) == moe_ref(arch)[:2], d
 
@@ -146,10 +157,23 @@ def test_conditional_generation_text_part_and_mtp_skipped(tmp_path, caplog):
     from safetensors.torch import load_file, save_file
     from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
-    text = dict(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
-                head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                linear_value_head_dim=16, max_position_embeddings=512, num_experts=6, num_experts_per_tok=3,
-                moe_intermediate_size=24, shared_expert_intermediate_size=40)
+    text = dict(
+        vocab_size=320,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        max_position_embeddings=512,
+        num_experts=6,
+        num_experts_per_tok=3,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+    )
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4)
     torch.manual_seed(0)
     model = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text, vision_config=vision)).eval()
@@ -163,7 +187,9 @@ def test_conditional_generation_text_part_and_mtp_skipped(tmp_path, caplog):
     assert mcfg.weight_prefix == "model.language_model." and mcfg.moe_layers == (0, 1, 2, 3)
     prompt = [3, 14, 15, 92, 65, 35]
     with torch.inference_mode():
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, 6:].tolist()
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[
+            0, 6:
+        ].tolist()
     with caplog.at_level("INFO", logger="pdserve.loader"):
         out = _generate(d, [prompt])[0].output_token_ids[:8]
     assert out == ref
@@ -194,11 +220,24 @@ def test_digest_names_moe_and_capacity_is_unchanged(moe_ckpt):
     from transfer.schema import model_digest
 
     m = ModelConfig.from_dir(moe_ckpt("qwen3_5_moe"))
-    dense = ModelConfig(**{**m.__dict__, "num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0,
-                           "shared_expert_intermediate_size": 0, "intermediate_size": 48})
+    dense = ModelConfig(
+        **{
+            **m.__dict__,
+            "num_experts": 0,
+            "num_experts_per_tok": 0,
+            "moe_intermediate_size": 0,
+            "shared_expert_intermediate_size": 0,
+            "intermediate_size": 48,
+        }
+    )
     assert build_specs(EngineConfig(m), 0) == build_specs(EngineConfig(dense), 0)
     d = model_digest(EngineConfig(m))
-    assert (d.architecture, d.num_experts, d.num_experts_per_tok, d.moe_layers) == ("Qwen3_5MoeForCausalLM", 6, 3, (0, 1, 2, 3))
+    assert (d.architecture, d.num_experts, d.num_experts_per_tok, d.moe_layers) == (
+        "Qwen3_5MoeForCausalLM",
+        6,
+        3,
+        (0, 1, 2, 3),
+    )
     with pytest.raises(HandshakeError, match="num_experts"):
         check_digest(d, model_digest(EngineConfig(dense)))
 
@@ -252,8 +291,11 @@ def test_wrong_fused_gdn_shape_is_named(moe_ckpt, tmp_path, monkeypatch):
 
 
 def test_unknown_quantization_is_refused(moe_ckpt, tmp_path, monkeypatch):
-    d = _broken(moe_ckpt("qwen3_5_moe"), tmp_path / "ck",
-                edit_config=lambda c: c.__setitem__("quantization_config", {"quant_method": "awq", "bits": 4}))
+    d = _broken(
+        moe_ckpt("qwen3_5_moe"),
+        tmp_path / "ck",
+        edit_config=lambda c: c.__setitem__("quantization_config", {"quant_method": "awq", "bits": 4}),
+    )
     _refused(d, r"unsupported quantization method 'awq'.*supported: fp8", monkeypatch)
 
 
@@ -285,9 +327,24 @@ def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(arch, moe_pr
 
     spec = hc.SPEC_MOE[arch]
     args = ["make-tiny-model", str(tmp_path / "fp8"), "--arch", arch, "--fp8", "--fp8-block", "16", "--no-tokenizer"]
-    for f in ("layers", "hidden", "heads", "kv_heads", "head_dim", "linear_key_heads", "linear_value_heads",
-              "linear_key_head_dim", "linear_value_head_dim", "vocab", "intermediate", "experts", "top_k",
-              "moe_intermediate", "shared_intermediate", "seed"):
+    for f in (
+        "layers",
+        "hidden",
+        "heads",
+        "kv_heads",
+        "head_dim",
+        "linear_key_heads",
+        "linear_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "vocab",
+        "intermediate",
+        "experts",
+        "top_k",
+        "moe_intermediate",
+        "shared_intermediate",
+        "seed",
+    ):
         args += ["--" + f.replace("_", "-"), str(getattr(spec, f))]
     if arch == "qwen3_next":
         args += ["--mlp-only-layers", spec.mlp_only_layers, "--no-norm-topk-prob"]
@@ -311,14 +368,19 @@ def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(arch, moe_pr
 
 def test_fp8_weight_without_scale_is_refused(moe_ckpt, tmp_path, monkeypatch):
     name = "model.layers.3.self_attn.o_proj.weight"
-    d = _broken(moe_ckpt("qwen3_5_moe"), tmp_path / "ck", lambda w: w.__setitem__(name, w[name].to(torch.float8_e4m3fn)))
+    d = _broken(
+        moe_ckpt("qwen3_5_moe"), tmp_path / "ck", lambda w: w.__setitem__(name, w[name].to(torch.float8_e4m3fn))
+    )
     _refused(d, rf"{name} is float8 but config.json has no fp8 quantization_config", monkeypatch)
 
 
 def _held_state(worker, slot: int) -> dict:
     """(runs on a rank) a copy of one slot's GDN conv and recurrent state."""
     p = worker.pools
-    return {"conv": {i: t[slot].clone() for i, t in p.conv.items()}, "rec": {i: t[slot].clone() for i, t in p.recurrent.items()}}
+    return {
+        "conv": {i: t[slot].clone() for i, t in p.conv.items()},
+        "rec": {i: t[slot].clone() for i, t in p.recurrent.items()},
+    }
 
 
 def test_qwen3_next_state_is_the_qwen35_typed_state(moe_ckpt):

@@ -4,10 +4,10 @@ greedy output for k = 1, 2, 3 (TP 1 and 2), rows near max_model_len beside draft
 
 from __future__ import annotations
 
+import hybrid_ckpt as hc
 import pytest
 import torch
 
-import hybrid_ckpt as hc
 from engine import LLM, SamplingParams
 from engine.cache.allocator import kv_pool_view
 from engine.config import EngineArgs
@@ -90,8 +90,9 @@ def test_mtp_greedy_matches_transformers(ckpt_mtp, mtp_prompts, hf_ref_mtp, k):
 
 
 def test_mtp_greedy_matches_transformers_tp2(ckpt_mtp, mtp_prompts, hf_ref_mtp):
-    with LLM(ckpt_mtp, dtype="float32", speculative_method="mtp", num_speculative_tokens=2,
-             tensor_parallel_size=2) as llm:
+    with LLM(
+        ckpt_mtp, dtype="float32", speculative_method="mtp", num_speculative_tokens=2, tensor_parallel_size=2
+    ) as llm:
         outs = llm.generate(prompt_token_ids=mtp_prompts, sampling_params=GREEDY)
     assert [o.output_token_ids for o in outs] == hf_ref_mtp
 
@@ -99,8 +100,7 @@ def test_mtp_greedy_matches_transformers_tp2(ckpt_mtp, mtp_prompts, hf_ref_mtp):
 def test_row_reaches_max_model_len_while_others_draft(ckpt_mtp, mtp_prompts, hf_ref_mtp):
     """max_model_len = 48: the 40-token prompt stops after 8 tokens (its last rows carry fewer
     drafts, then none) while the short prompts keep drafting; same tokens, nothing leaks."""
-    with LLM(ckpt_mtp, dtype="float32", speculative_method="mtp", num_speculative_tokens=3,
-             max_model_len=48) as llm:
+    with LLM(ckpt_mtp, dtype="float32", speculative_method="mtp", num_speculative_tokens=3, max_model_len=48) as llm:
         outs = llm.generate(prompt_token_ids=mtp_prompts, sampling_params=GREEDY)
         assert outs[2].finish_reason == "length" and len(outs[2].output_token_ids) == 48 - 40
         assert outs[2].output_token_ids == hf_ref_mtp[2][:8]
@@ -109,9 +109,17 @@ def test_row_reaches_max_model_len_while_others_draft(ckpt_mtp, mtp_prompts, hf_
 
 
 def test_mtp_capacity_counts_the_drafters_pages(ckpt_mtp):
-    with LLM(ckpt_mtp, dtype="float32", kv_cache_memory="64MiB", max_num_seqs=4) as plain, \
-         LLM(ckpt_mtp, dtype="float32", kv_cache_memory="64MiB", max_num_seqs=4, speculative_method="mtp",
-             num_speculative_tokens=2) as spec:
+    with (
+        LLM(ckpt_mtp, dtype="float32", kv_cache_memory="64MiB", max_num_seqs=4) as plain,
+        LLM(
+            ckpt_mtp,
+            dtype="float32",
+            kv_cache_memory="64MiB",
+            max_num_seqs=4,
+            speculative_method="mtp",
+            num_speculative_tokens=2,
+        ) as spec,
+    ):
         a, b = plain.capacity(), spec.capacity()
     cfg = EngineArgs(ckpt_mtp).engine_config().model
     per_layer = a.kv_bytes_per_token // len(cfg.attention_layers)
@@ -125,7 +133,6 @@ def test_mtp_without_mtp_weights_fails_in_one_line(ckpt_hv2):
     assert "mtp" in str(e.value) and "\n" not in str(e.value)
 
 
-
 def test_depth_control_lowers_and_restores_a_requests_draft_depth():
     """Exponential average (weight 0.5) of the accepted fraction: under 0.3 the depth drops by
     one (not below 1), over 0.6 it climbs by one (not above k); counters per draft position."""
@@ -134,8 +141,9 @@ def test_depth_control_lowers_and_restores_a_requests_draft_depth():
     from engine.request import Request
     from engine.scheduler import Scheduler
 
-    s = Scheduler(SchedulerConfig(), BlockManager(8, 16), SlotPool(2), 128, 3, None,
-                  SpeculativeConfig(num_tokens=3, method="mtp"))
+    s = Scheduler(
+        SchedulerConfig(), BlockManager(8, 16), SlotPool(2), 128, 3, None, SpeculativeConfig(num_tokens=3, method="mtp")
+    )
     req = Request("r", [1, 2, 3], GREEDY)
     s.add(req)
     assert req.spec_depth == 3

@@ -66,8 +66,13 @@ def test_penalty_arithmetic_matches_naive_reference():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(64, generator=g) * 3
     prompt, output = [1, 2, 3, 3, 40], [3, 5, 5, 5, 40, 41]
-    for pen in (dict(repetition_penalty=1.7), dict(repetition_penalty=0.4), dict(presence_penalty=1.2),
-                dict(frequency_penalty=-0.8), dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25)):
+    for pen in (
+        dict(repetition_penalty=1.7),
+        dict(repetition_penalty=0.4),
+        dict(presence_penalty=1.2),
+        dict(frequency_penalty=-0.8),
+        dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25),
+    ):
         p = SamplingParams(**pen)
         want = _naive_penalized(logits, prompt, output, p)
         assert torch.allclose(apply_penalties(logits, p, prompt, output), want, atol=1e-6), pen

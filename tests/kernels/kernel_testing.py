@@ -33,7 +33,9 @@ def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float) ->
 def assert_unchanged(name: str, after: torch.Tensor, before: torch.Tensor) -> None:
     """Bit-for-bit equality (NaN == NaN)."""
     a, b = after.detach().cpu().contiguous(), before.detach().cpu().contiguous()
-    assert a.shape == b.shape and a.dtype == b.dtype, f"{name}: {tuple(b.shape)}:{b.dtype} -> {tuple(a.shape)}:{a.dtype}"
+    assert a.shape == b.shape and a.dtype == b.dtype, (
+        f"{name}: {tuple(b.shape)}:{b.dtype} -> {tuple(a.shape)}:{a.dtype}"
+    )
     same = a.flatten().view(torch.uint8) == b.flatten().view(torch.uint8)
     assert bool(same.all()), f"{name}: {int((~same).sum())} bytes changed that must not"
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kernel_testing import DEVICE, TOL, assert_close, assert_unchanged, cu_seqlens, head_major, nan_like, to_dev
+
 from kernels.attention import paged_attention, store_kv
 
 LENGTHS = [1, 7, 63, 64, 65, 130]
@@ -19,15 +19,12 @@ HEADS = [pytest.param((4, 2), id="gqa-h4-kvh2"), pytest.param((2, 2), id="mha-h2
 HD = 32
 LAYOUTS = [pytest.param(head_major, id="head-major"), pytest.param(lambda p: p, id="block-major")]
 # Rows as (new tokens, tokens in context including them).
-BATCHES = (
-    [pytest.param([(n, n)], id=f"prefill-len{n}") for n in LENGTHS]
-    + [
-        pytest.param([(64, 130), (7, 70), (65, 65)], id="chunked-prefill"),
-        pytest.param([(1, 1), (1, 17), (1, 130), (1, 64)], id="decode"),
-        pytest.param([(1, 30), (4, 33), (1, 5), (4, 4), (4, 100)], id="mixed-decode-and-spec-k3"),
-        pytest.param([(130, 130), (1, 40), (4, 70), (20, 85)], id="mixed-prefill-decode-spec"),
-    ]
-)
+BATCHES = [pytest.param([(n, n)], id=f"prefill-len{n}") for n in LENGTHS] + [
+    pytest.param([(64, 130), (7, 70), (65, 65)], id="chunked-prefill"),
+    pytest.param([(1, 1), (1, 17), (1, 130), (1, 64)], id="decode"),
+    pytest.param([(1, 30), (4, 33), (1, 5), (4, 4), (4, 100)], id="mixed-decode-and-spec-k3"),
+    pytest.param([(130, 130), (1, 40), (4, 70), (20, 85)], id="mixed-prefill-decode-spec"),
+]
 
 
 def make_case(rows, heads, dtype, block_size=16, seed=0, spare_pages=3, hd=HD, layout=head_major):
@@ -166,7 +163,9 @@ def test_attention_wrappers_reject_bad_arguments():
     from kernels.triton.paged_attention import paged_attention_triton, store_kv_triton
 
     q, pool, _, cu, seq_lens, tables = make_case([(3, 20), (1, 5)], (4, 2), torch.float32)
-    with pytest.raises(ValueError, match=r"kv_pool must be \[num_blocks, 2, KVH, block_size, hd\].*kv_pool=\(7, 2, 2, 32, 16\)"):
+    with pytest.raises(
+        ValueError, match=r"kv_pool must be \[num_blocks, 2, KVH, block_size, hd\].*kv_pool=\(7, 2, 2, 32, 16\)"
+    ):
         paged_attention_triton(q, pool.transpose(-1, -2).contiguous(), cu, seq_lens, tables, 1.0)
     with pytest.raises(ValueError, match=r"query heads must be a multiple of KV heads.*q=\(4, 3, 32\)"):
         paged_attention_triton(q[:, :3].contiguous(), pool, cu, seq_lens, tables, 1.0)

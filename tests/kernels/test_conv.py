@@ -5,8 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_testing import (
+    DEVICE,
+    NAIVE_TOL,
+    TOL,
+    assert_close,
+    assert_unchanged,
+    cu_seqlens,
+    nan_like,
+    pick_slots,
+    to_dev,
+)
 
-from kernel_testing import DEVICE, NAIVE_TOL, TOL, assert_close, assert_unchanged, cu_seqlens, nan_like, pick_slots, to_dev
 from kernels.conv import causal_conv1d, causal_conv1d_update
 from kernels.naive import naive_conv
 
@@ -83,7 +93,9 @@ def test_conv_decode_rows_with_intermediate_states(lens, dtype):
     y_ref = causal_conv1d(x, w, cu, pool_ref, slots, intermediate_states=inter_ref)
     pool = pool0.clone().to(DEVICE)
     inter = nan_like(inter_ref).to(DEVICE)
-    y = causal_conv1d_triton(*to_dev(x, w, cu), pool, slots.to(DEVICE), intermediate_states=inter, out=nan_like(y_ref).to(DEVICE))
+    y = causal_conv1d_triton(
+        *to_dev(x, w, cu), pool, slots.to(DEVICE), intermediate_states=inter, out=nan_like(y_ref).to(DEVICE)
+    )
     assert_close("y", y, y_ref, TOL[dtype])
     assert_close("conv state", pool.cpu()[slots], pool_ref[slots], TOL[dtype])
     assert_unchanged("slots not in the batch", pool.cpu()[others], pool0[others])
@@ -103,7 +115,9 @@ def test_conv_update_triton_matches_reference(dtype):
     y_ref = causal_conv1d_update(x, w, pool_ref, slots, intermediate_states=inter_ref)
     pool = pool0.clone().to(DEVICE)
     inter = nan_like(inter_ref).to(DEVICE)
-    y = causal_conv1d_update_triton(*to_dev(x, w), pool, slots.to(DEVICE), intermediate_states=inter, out=nan_like(y_ref).to(DEVICE))
+    y = causal_conv1d_update_triton(
+        *to_dev(x, w), pool, slots.to(DEVICE), intermediate_states=inter, out=nan_like(y_ref).to(DEVICE)
+    )
     assert_close("y", y, y_ref, TOL[dtype])
     assert_close("conv state", pool.cpu()[slots], pool_ref[slots], TOL[dtype])
     assert_unchanged("slots not in the batch", pool.cpu()[others], pool0[others])
@@ -144,7 +158,9 @@ def test_conv_wrappers_reject_bad_arguments():
         causal_conv1d_triton(x, w, cu, pool.transpose(1, 2).contiguous(), slots)
     with pytest.raises(ValueError, match=r"conv_pool must be contiguous in time"):
         causal_conv1d_triton(x, w, cu, pool.transpose(1, 2).contiguous().transpose(1, 2), slots)
-    with pytest.raises(ValueError, match=r"intermediate_states must be \[B=2, n>=3, D=40, Kc-1=3\].*got \(2, 3, 3, 40\)"):
+    with pytest.raises(
+        ValueError, match=r"intermediate_states must be \[B=2, n>=3, D=40, Kc-1=3\].*got \(2, 3, 3, 40\)"
+    ):
         causal_conv1d_triton(x, w, cu, pool, slots, intermediate_states=torch.zeros(2, 3, 3, 40))
     with pytest.raises(ValueError, match=r"x must be \[T, D\] and weight \[D, Kc\].*weight=\(4, 40\)"):
         causal_conv1d_update_triton(x[:2], w.T.contiguous(), pool, slots)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_testing import assert_close
 
 from kernels import conv_update_, cpu_ops, gated_rms_norm, gdn_decode_step_, rms_norm
-from kernel_testing import assert_close
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -20,7 +20,7 @@ def test_built():
 
 def _eager_gdn(proj, conv_w, conv_pool, rec_pool, slots, neg_A, dt_bias, norm_w, hk, hv, dk, dv, eps):
     """The engine's PyTorch path for one decode token per row (engine/model/layers.py)."""
-    B, dt = proj.shape[0], proj.dtype
+    B = proj.shape[0]
     D = conv_w.shape[0]
     qkv, z, b, a = proj.split([D, hv * dv, hv, hv], dim=-1)
     state = conv_pool[slots]
@@ -39,8 +39,9 @@ def _eager_gdn(proj, conv_w, conv_pool, rec_pool, slots, neg_A, dt_bias, norm_w,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("B,hk,hv,dk,dv", [(1, 2, 4, 32, 32), (5, 4, 8, 64, 64), (3, 3, 3, 16, 48)],
-                         ids=["b1-hv2x", "b5-d64", "b3-hv1x"])
+@pytest.mark.parametrize(
+    "B,hk,hv,dk,dv", [(1, 2, 4, 32, 32), (5, 4, 8, 64, 64), (3, 3, 3, 16, 48)], ids=["b1-hv2x", "b5-d64", "b3-hv1x"]
+)
 def test_gdn_decode_matches_pytorch(dtype, B, hk, hv, dk, dv):
     g = torch.Generator().manual_seed(0)
     D, kc, S = 2 * hk * dk + hv * dv, 4, 7

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kernel_testing import NAIVE_TOL, TOL, assert_close, to_dev
+
 from kernels.fp8 import FP8_MAX, dequant_fp8_block, fp8_block_linear_ref, narrow_fp8_block, quant_fp8_block
 
 # (N, K, block): whole blocks, partial edge blocks on both axes, the published [128, 128].
@@ -132,8 +132,15 @@ def test_fp8_block_linear_reference_is_the_dequantized_gemm():
 @pytest.mark.parametrize(
     "dim,start,length",
     [(0, 0, 64), (0, 64, 64), (0, 96, 48), (0, 120, 24), (1, 0, 100), (1, 33, 40), (1, 160, 40)],
-    ids=["rows-first-half", "rows-second-half", "rows-mid-block", "rows-to-end", "cols-partial", "cols-odd",
-         "cols-to-end"],
+    ids=[
+        "rows-first-half",
+        "rows-second-half",
+        "rows-mid-block",
+        "rows-to-end",
+        "cols-partial",
+        "cols-odd",
+        "cols-to-end",
+    ],
 )
 def test_narrow_fp8_block_matches_narrowed_dequant(dim, start, length):
     """A tensor-parallel slice that starts or ends inside a block keeps exactly its weights."""

@@ -8,8 +8,6 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-
-import kernels.gdn
 from kernel_testing import (
     DEVICE,
     NAIVE_TOL,
@@ -21,6 +19,8 @@ from kernel_testing import (
     pick_slots,
     to_dev,
 )
+
+import kernels.gdn
 from kernels.gdn import gdn_chunk_prefill, gdn_recurrent, l2norm
 from kernels.naive import naive_gdn
 
@@ -110,7 +110,14 @@ def test_recurrent_reference_matches_naive(lens, heads):
     for b, n in enumerate(lens):  # state after every token: the naive loop over a prefix
         s, init = int(c.cu[b]), (c.pool[c.slots[b]] if c.has_init[b] else None)
         for t in range(n):
-            _, st = naive_gdn(c.q[s : s + t + 1], c.k[s : s + t + 1], c.v[s : s + t + 1], c.g[s : s + t + 1], c.beta[s : s + t + 1], init)
+            _, st = naive_gdn(
+                c.q[s : s + t + 1],
+                c.k[s : s + t + 1],
+                c.v[s : s + t + 1],
+                c.g[s : s + t + 1],
+                c.beta[s : s + t + 1],
+                init,
+            )
             assert_close(f"intermediate state row {b} token {t}", inter[b, t], st, NAIVE_TOL)
         assert torch.isnan(inter[b, n:]).all(), f"row {b}: intermediate entries past its {n} tokens were written"
 
@@ -184,7 +191,9 @@ def test_recurrent_triton_matches_reference(lens, heads, dtype, with_inter):
     n_max = max(lens) + 1  # scratch longer than any row: the tail must stay untouched
     inter_ref = torch.full((len(lens), n_max, *c.pool.shape[1:]), float("nan")) if with_inter else None
     pool_ref = c.pool.clone()
-    o_ref = gdn_recurrent(c.q, c.k, c.v, c.g, c.beta, c.cu, pool_ref, c.slots, c.has_init, intermediate_states=inter_ref)
+    o_ref = gdn_recurrent(
+        c.q, c.k, c.v, c.g, c.beta, c.cu, pool_ref, c.slots, c.has_init, intermediate_states=inter_ref
+    )
 
     pool, slots, has_init = to_dev(c.pool.clone(), c.slots, c.has_init)
     inter = nan_like(inter_ref).to(DEVICE) if with_inter else None
@@ -327,7 +336,9 @@ def test_recurrent_triton_large(dtype):
     c = make_case(lens, (4, 8, 128, 128), dtype, seed=10)
     inter_ref = torch.full((len(lens), 5, *c.pool.shape[1:]), float("nan"))
     pool_ref = c.pool.clone()
-    o_ref = gdn_recurrent(c.q, c.k, c.v, c.g, c.beta, c.cu, pool_ref, c.slots, c.has_init, intermediate_states=inter_ref)
+    o_ref = gdn_recurrent(
+        c.q, c.k, c.v, c.g, c.beta, c.cu, pool_ref, c.slots, c.has_init, intermediate_states=inter_ref
+    )
     pool, slots, has_init = to_dev(c.pool.clone(), c.slots, c.has_init)
     inter = nan_like(inter_ref).to(DEVICE)
     o = gdn_recurrent_triton(*c.args(DEVICE), pool, slots, has_init, intermediate_states=inter)

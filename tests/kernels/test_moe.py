@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from kernel_testing import DEVICE, NAIVE_TOL, TOL, assert_close, to_dev
+
 from kernels.fp8 import dequant_fp8_block, quant_fp8_block
 from kernels.moe import fused_moe, select_experts
 
@@ -61,8 +61,14 @@ def tiny_moe_config(arch: str, H: int, I: int, E: int, k: int, **extra):
     else:
         from transformers import Qwen3NextConfig as Config
     return Config(
-        hidden_size=H, moe_intermediate_size=I, shared_expert_intermediate_size=I + 3, num_experts=E,
-        num_experts_per_tok=k, num_hidden_layers=1, vocab_size=32, **extra,
+        hidden_size=H,
+        moe_intermediate_size=I,
+        shared_expert_intermediate_size=I + 3,
+        num_experts=E,
+        num_experts_per_tok=k,
+        num_hidden_layers=1,
+        vocab_size=32,
+        **extra,
     )
 
 

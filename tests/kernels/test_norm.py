@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kernel_testing import DEVICE, TOL, assert_close, to_dev
+
 from kernels.norm import gated_rms_norm
 
 
@@ -33,4 +33,6 @@ def test_gated_rms_norm_rejects_bad_shapes():
     from kernels.triton.norm import gated_rms_norm_triton
 
     with pytest.raises(ValueError, match=r"x=\(3, 8\), z=\(3, 8\), weight=\(4,\)"):
-        gated_rms_norm_triton(torch.zeros(3, 8, device=DEVICE), torch.zeros(3, 8, device=DEVICE), torch.ones(4, device=DEVICE), 1e-6)
+        gated_rms_norm_triton(
+            torch.zeros(3, 8, device=DEVICE), torch.zeros(3, 8, device=DEVICE), torch.ones(4, device=DEVICE), 1e-6
+        )

@@ -34,8 +34,10 @@ def test_greedy_matches_transformers_across_tp(ckpt, refs, a, b):
             jobs = [i % len(ps) for i in range(16)]
             with ThreadPoolExecutor(16) as ex:
                 outs = list(
-                    ex.map(lambda i: c.generate(prompt_token_ids=ps[i], max_tokens=NEW, temperature=0.0,
-                                                ignore_eos=True), jobs)  # fmt: skip
+                    ex.map(
+                        lambda i: c.generate(prompt_token_ids=ps[i], max_tokens=NEW, temperature=0.0, ignore_eos=True),
+                        jobs,
+                    )  # fmt: skip
                 )
         for i, r in zip(jobs, outs, strict=True):
             assert r.token_ids == want[i], f"prompt of {len(ps[i])} tokens, tp {a} -> {b}"
@@ -50,9 +52,9 @@ def test_prefill_node_killed_with_requests_in_flight(ckpt):
     """Two prefill nodes; one is SIGKILLed while long prompts are queued on both. Every request
     completes (elsewhere, with the tokens an undisturbed run gives) or fails UNAVAILABLE, none
     hangs, and the decode node's free pages and slots return to their initial counts."""
-    from client import Client, PdserveError
-
     import hybrid_ckpt as hc
+
+    from client import Client, PdserveError
 
     ps = hc.prompts(lens=(1500, 1400), seed=11)
     up = Up("--model", ckpt, "--dtype", "float32", "--prefill", "2", "--decode", "1", "--max-num-seqs", "32")
@@ -110,8 +112,9 @@ def test_conditional_disaggregation_same_tokens(ckpt, refs):
             c.wait_ready(timeout=60)
             with ThreadPoolExecutor(len(ps)) as ex:
                 outs = list(
-                    ex.map(lambda p: c.generate(prompt_token_ids=p, max_tokens=NEW, temperature=0.0,
-                                                ignore_eos=True), ps)  # fmt: skip
+                    ex.map(
+                        lambda p: c.generate(prompt_token_ids=p, max_tokens=NEW, temperature=0.0, ignore_eos=True), ps
+                    )  # fmt: skip
                 )
         for p, w, r in zip(ps, want, outs, strict=True):
             assert r.token_ids == w, f"prompt of {len(p)} tokens"
@@ -129,9 +132,9 @@ def test_speculative_decode_nodes_match_transformers(ckpt):
     import re
     import urllib.request
 
-    from client import Client
-
     import hybrid_ckpt as hc
+
+    from client import Client
 
     ps = [[5, 6, 7, 8] * 20, [11, 12, 13] * 30 + [14], *hc.prompts(lens=(70,), seed=4)]
     want = [hc.hf_greedy(ckpt, p, 24) for p in ps]

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import hybrid_ckpt as hc
 import pytest
 from serve_harness import Up, decode_stats, nodes, wait_for
-
-import hybrid_ckpt as hc
 
 NEW = 12
 PAIRS = [(2, 1), (1, 2), (4, 2)]

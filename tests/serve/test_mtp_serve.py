@@ -9,10 +9,9 @@ import dataclasses
 import re
 import urllib.request
 
+import hybrid_ckpt as hc
 import pytest
 from serve_harness import Up, decode_stats, nodes, wait_for
-
-import hybrid_ckpt as hc
 
 NEW = 16
 

@@ -81,8 +81,25 @@ def test_burst_longer_than_a_lease_completes_with_renewed_leases(ckpt, burst):
     from client import Client
 
     ps, want = burst
-    up = Up("--model", ckpt, "--dtype", "float32", "--prefill", "1", "--decode", "1", "--metrics-port", "0",
-            "--reservation-lease", str(LEASE), "--prefill-window-tokens", "0", "--admission-timeout", "300", *STEP)
+    up = Up(
+        "--model",
+        ckpt,
+        "--dtype",
+        "float32",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--metrics-port",
+        "0",
+        "--reservation-lease",
+        str(LEASE),
+        "--prefill-window-tokens",
+        "0",
+        "--admission-timeout",
+        "300",
+        *STEP,
+    )
     try:
         d = _node(up.address, "decode-0")
         initial = decode_stats(d.address).capacity
@@ -181,8 +198,23 @@ def test_prefill_node_killed_mid_queue_frees_reservations_within_the_lease(ckpt,
     from client import Client
 
     ps, want = burst
-    up = Up("--model", ckpt, "--dtype", "float32", "--prefill", "1", "--decode", "1",
-            "--reservation-lease", str(LEASE), "--prefill-window-tokens", "0", "--admission-timeout", "300", *STEP)
+    up = Up(
+        "--model",
+        ckpt,
+        "--dtype",
+        "float32",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--reservation-lease",
+        str(LEASE),
+        "--prefill-window-tokens",
+        "0",
+        "--admission-timeout",
+        "300",
+        *STEP,
+    )
     try:
         d = _node(up.address, "decode-0")
         initial = decode_stats(d.address).capacity
@@ -217,8 +249,25 @@ def test_hung_prefill_node_stops_renewing_and_its_reservations_expire(ckpt, burs
     from client import Client
 
     ps, want = burst
-    up = Up("--model", ckpt, "--dtype", "float32", "--prefill", "1", "--decode", "1", "--metrics-port", "0",
-            "--reservation-lease", str(LEASE), "--prefill-window-tokens", "0", "--admission-timeout", "300", *STEP)
+    up = Up(
+        "--model",
+        ckpt,
+        "--dtype",
+        "float32",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--metrics-port",
+        "0",
+        "--reservation-lease",
+        str(LEASE),
+        "--prefill-window-tokens",
+        "0",
+        "--admission-timeout",
+        "300",
+        *STEP,
+    )
     try:
         d = _node(up.address, "decode-0")
         initial = decode_stats(d.address).capacity

@@ -24,10 +24,16 @@ def _version(path: Path, pattern: str) -> str | None:
 def test_checked_in_stubs_are_fresh(tmp_path):
     # protoc runs in a child process: grpc_tools' compiler and NIXL's native libraries crash when
     # loaded into one process (either order), and the test session loads NIXL elsewhere.
-    r = subprocess.run([sys.executable, str(ROOT / "proto" / "generate.py"), str(tmp_path)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "proto" / "generate.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
-    fresh = sorted(p for p in (tmp_path / "proto").iterdir() if p.name.endswith(("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")))
+    fresh = sorted(
+        p for p in (tmp_path / "proto").iterdir() if p.name.endswith(("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))
+    )
     assert fresh, "nothing generated"
     # Byte-identical when this machine's protoc / grpc plugin wrote the checked-in files too;
     # otherwise the wire schema (the serialized descriptor) must still be identical.

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import time
 
+import hybrid_ckpt as hc
 import pytest
 import torch
 
-import hybrid_ckpt as hc
 from engine import SamplingParams
 from engine.core import EngineCore
 from engine.llm import LLM
@@ -98,7 +98,9 @@ def engines(ckpt):
 @pytest.fixture(scope="module")
 def colocated(ckpt):
     with LLM(ckpt, dtype="float32") as llm:
-        yield [o.output_token_ids for o in llm.generate(prompt_token_ids=hc.prompts(lens=PROMPT_LENS), sampling_params=SP)]
+        yield [
+            o.output_token_ids for o in llm.generate(prompt_token_ids=hc.prompts(lens=PROMPT_LENS), sampling_params=SP)
+        ]
 
 
 def _connect(P: EngineCore, D: EngineCore, backend: str, done: set) -> None:
@@ -180,8 +182,15 @@ MTP_PAIRS = [(1, 2), (2, 1)]
 
 
 def mtp_engine(path: str, tp: int) -> LLM:
-    return LLM(path, dtype="float32", tensor_parallel_size=tp, kv_cache_memory="24MiB", max_num_seqs=8,
-               speculative_method="mtp", num_speculative_tokens=2)
+    return LLM(
+        path,
+        dtype="float32",
+        tensor_parallel_size=tp,
+        kv_cache_memory="24MiB",
+        max_num_seqs=8,
+        speculative_method="mtp",
+        num_speculative_tokens=2,
+    )
 
 
 @pytest.fixture(scope="module")

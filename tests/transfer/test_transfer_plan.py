@@ -103,7 +103,9 @@ def test_plan_consecutive_blocks_one_range_per_layer_and_head(a, b):
                 for j, h in enumerate(dt.heads):
                     if h in st.heads:
                         i = st.heads.index(h)
-                        expected.append((layer, i * st.head_stride + 3 * page, j * dt.head_stride + 10 * page, 4 * page))
+                        expected.append(
+                            (layer, i * st.head_stride + 3 * page, j * dt.head_stride + 10 * page, 4 * page)
+                        )
             assert [(r.layer, r.src_off, r.dst_off, r.length) for r in ranges] == expected
             total += len(ranges)
     # every (destination rank, layer, head it holds) is served by exactly one range
