@@ -170,3 +170,40 @@ def scrape(url: str) -> dict[tuple, float]:
         for fam in text_string_to_metric_families(text)
         for s in fam.samples
     }
+
+
+def node_info(address: str, node_id: str):
+    """The router's NodeInfo of one node."""
+    return next(n.node for n in nodes(address) if n.node.node_id == node_id)
+
+
+def check_disaggregated_greedy(model: str, ps, want, a: int, b: int, requests: int, what: str = "") -> None:
+    """`pdserve up` with one prefill node at TP a and one decode node at TP b, every prompt through
+    the transfer: `requests` concurrent greedy SDK calls over the prompts `ps` give `want`, each
+    prefilled on the prefill node with bytes moved, and the decode node's memory comes back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from client import Client
+
+    up = Up("--model", model, "--dtype", "float32", "--prefill", "1", "--decode", "1", "--prefill-tp", str(a),
+            "--decode-tp", str(b), "--local-prefill-threshold", "0")  # fmt: skip
+    try:
+        d = node_info(up.address, "decode-0")
+        assert d.tp_size == b and node_info(up.address, "prefill-0").tp_size == a
+        initial = decode_stats(d.address).capacity
+        with Client(up.address, timeout=180) as c:
+            c.wait_ready(timeout=90)
+            jobs = [i % len(ps) for i in range(requests)]
+
+            def one(i):
+                return c.generate(prompt_token_ids=ps[i], max_tokens=len(want[i]), temperature=0.0, ignore_eos=True)
+
+            with ThreadPoolExecutor(requests) as ex:
+                outs = list(ex.map(one, jobs))
+        for i, r in zip(jobs, outs, strict=True):
+            assert r.token_ids == want[i], f"{what}prompt of {len(ps[i])} tokens, tp {a} -> {b}"
+            assert r.prefill_node == "prefill-0" and r.transfer_bytes > 0
+        wait_for(lambda: decode_stats(d.address).capacity == initial, 30, "the decode node's memory back")
+    finally:
+        rc = up.stop()
+    assert rc == 0, up.output()

@@ -11,41 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from serve_harness import NEW, Up, decode_stats, descendants, nodes, wait_for
-
-
-def _node(address, node_id):
-    return next(n.node for n in nodes(address) if n.node.node_id == node_id)
+from serve_harness import NEW, Up, check_disaggregated_greedy, decode_stats, descendants, node_info, wait_for
 
 
 @pytest.mark.parametrize("a,b", [(2, 1), (1, 2)], ids=["tp2to1", "tp1to2"])
 def test_greedy_matches_transformers_across_tp(ckpt, refs, a, b):
-    from client import Client
-
     ps, want = refs
-    up = Up("--model", ckpt, "--dtype", "float32", "--prefill", "1", "--decode", "1", "--prefill-tp", str(a),
-            "--decode-tp", str(b), "--local-prefill-threshold", "0")  # fmt: skip
-    try:
-        d = _node(up.address, "decode-0")
-        assert d.tp_size == b and _node(up.address, "prefill-0").tp_size == a
-        initial = decode_stats(d.address).capacity
-        with Client(up.address, timeout=120) as c:
-            c.wait_ready(timeout=60)
-            jobs = [i % len(ps) for i in range(16)]
-            with ThreadPoolExecutor(16) as ex:
-                outs = list(
-                    ex.map(
-                        lambda i: c.generate(prompt_token_ids=ps[i], max_tokens=NEW, temperature=0.0, ignore_eos=True),
-                        jobs,
-                    )  # fmt: skip
-                )
-        for i, r in zip(jobs, outs, strict=True):
-            assert r.token_ids == want[i], f"prompt of {len(ps[i])} tokens, tp {a} -> {b}"
-            assert r.prefill_node == "prefill-0" and r.transfer_bytes > 0
-        wait_for(lambda: decode_stats(d.address).capacity == initial, 20, "the decode node's memory back")
-    finally:
-        rc = up.stop()
-    assert rc == 0, up.output()
+    check_disaggregated_greedy(ckpt, ps, want, a, b, requests=16)
 
 
 def test_prefill_node_killed_with_requests_in_flight(ckpt):
@@ -59,7 +31,7 @@ def test_prefill_node_killed_with_requests_in_flight(ckpt):
     ps = hc.prompts(lens=(1500, 1400), seed=11)
     up = Up("--model", ckpt, "--dtype", "float32", "--prefill", "2", "--decode", "1", "--max-num-seqs", "32")
     try:
-        d = _node(up.address, "decode-0")
+        d = node_info(up.address, "decode-0")
         initial = decode_stats(d.address).capacity
         with Client(up.address, timeout=90) as c:
             c.wait_ready(timeout=60)
@@ -79,7 +51,7 @@ def test_prefill_node_killed_with_requests_in_flight(ckpt):
             )
             with ThreadPoolExecutor(16) as ex:
                 futs = [ex.submit(one, i) for i in range(16)]
-                wait_for(lambda: _node(up.address, "prefill-0").capacity.queued_prefill_tokens > 0, 20,
+                wait_for(lambda: node_info(up.address, "prefill-0").capacity.queued_prefill_tokens > 0, 20,
                          "prompts queued on prefill-0")  # fmt: skip
                 os.kill(victim, signal.SIGKILL)
                 t_kill = time.monotonic()
@@ -107,7 +79,7 @@ def test_conditional_disaggregation_same_tokens(ckpt, refs):
     ps, want = refs
     up = Up("--model", ckpt, "--dtype", "float32", "--local-prefill-threshold", "64")
     try:
-        assert _node(up.address, "decode-0").local_prefill_threshold == 64
+        assert node_info(up.address, "decode-0").local_prefill_threshold == 64
         with Client(up.address, timeout=120) as c:
             c.wait_ready(timeout=60)
             with ThreadPoolExecutor(len(ps)) as ex:
