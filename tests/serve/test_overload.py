@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import hybrid_ckpt as hc
 import pytest
-from serve_harness import Up, decode_stats, descendants, log_url, nodes, prefill_stats, scrape, wait_for
+from serve_harness import Up, decode_stats, descendants, log_url, node_info, prefill_stats, scrape, wait_for
 
 LEASE = 2.0  # seconds; the prefill node renews every third of it, between engine steps
 STEP = ("--max-num-batched-tokens", "128")  # prefill steps well inside a lease on a slow machine
@@ -34,8 +34,12 @@ def burst(ckpt):
     return ps, [hc.hf_greedy(ckpt, p, NEW) for p in ps]
 
 
-def _node(address, node_id):
-    return next(n.node for n in nodes(address) if n.node.node_id == node_id)
+def _unwindowed(ckpt) -> Up:
+    """1 prefill + 1 decode node, a short lease, no prefill window: every request reserves at
+    once, so reservations wait on the prefill node's queue for longer than a lease."""
+    return Up("--model", ckpt, "--dtype", "float32", "--prefill", "1", "--decode", "1", "--metrics-port", "0",
+              "--reservation-lease", str(LEASE), "--prefill-window-tokens", "0", "--admission-timeout", "300",
+              *STEP)  # fmt: skip
 
 
 def _run(c, p):
@@ -69,7 +73,7 @@ def _no_expiry_all_free(up: Up, decode_metrics: dict, initial) -> None:
     """No lease expired (metric and logs); every page and slot is free on both nodes."""
     assert decode_metrics[("pdserve_decode_lease_expiries_total", ())] == 0
     assert "lease expired" not in up.output()
-    d, p = _node(up.address, "decode-0"), _node(up.address, "prefill-0")
+    d, p = node_info(up.address, "decode-0"), node_info(up.address, "prefill-0")
     wait_for(lambda: decode_stats(d.address).capacity == initial, 20, "the decode node's pages and slots back")
     c = prefill_stats(p.address).capacity
     assert (c.free_blocks, c.free_slots, c.running, c.waiting) == (c.total_blocks, c.total_slots, 0, 0)
@@ -81,27 +85,9 @@ def test_burst_longer_than_a_lease_completes_with_renewed_leases(ckpt, burst):
     from client import Client
 
     ps, want = burst
-    up = Up(
-        "--model",
-        ckpt,
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--metrics-port",
-        "0",
-        "--reservation-lease",
-        str(LEASE),
-        "--prefill-window-tokens",
-        "0",
-        "--admission-timeout",
-        "300",
-        *STEP,
-    )
+    up = _unwindowed(ckpt)
     try:
-        d = _node(up.address, "decode-0")
+        d = node_info(up.address, "decode-0")
         initial = decode_stats(d.address).capacity
         durl = log_url(up, r"decode node decode-0 metrics at (http://\S+/metrics)")
         n = 60  # 18k prompt tokens: several leases of prefill on any machine this runs on
@@ -137,7 +123,7 @@ def test_overload_waits_unreserved_in_the_router_or_is_refused_before_work(ckpt,
             "--http-port", "0", "--reservation-lease", str(LEASE), "--prefill-window-tokens", str(window),
             "--max-queued-requests", str(queue), "--admission-timeout", "6", *STEP)  # fmt: skip
     try:
-        d = _node(up.address, "decode-0")
+        d = node_info(up.address, "decode-0")
         initial = decode_stats(d.address).capacity
         urls = {k: log_url(up, rf"{k} metrics at (http://\S+/metrics)")
                 for k in ("router", "decode node decode-0", "prefill node prefill-0")}  # fmt: skip
@@ -198,25 +184,9 @@ def test_prefill_node_killed_mid_queue_frees_reservations_within_the_lease(ckpt,
     from client import Client
 
     ps, want = burst
-    up = Up(
-        "--model",
-        ckpt,
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--reservation-lease",
-        str(LEASE),
-        "--prefill-window-tokens",
-        "0",
-        "--admission-timeout",
-        "300",
-        *STEP,
-    )
+    up = _unwindowed(ckpt)
     try:
-        d = _node(up.address, "decode-0")
+        d = node_info(up.address, "decode-0")
         initial = decode_stats(d.address).capacity
         victim = next(p for p in descendants(up.proc.pid) if b"prefill-0" in open(f"/proc/{p}/cmdline", "rb").read())
         n = 12
@@ -249,27 +219,9 @@ def test_hung_prefill_node_stops_renewing_and_its_reservations_expire(ckpt, burs
     from client import Client
 
     ps, want = burst
-    up = Up(
-        "--model",
-        ckpt,
-        "--dtype",
-        "float32",
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--metrics-port",
-        "0",
-        "--reservation-lease",
-        str(LEASE),
-        "--prefill-window-tokens",
-        "0",
-        "--admission-timeout",
-        "300",
-        *STEP,
-    )
+    up = _unwindowed(ckpt)
     try:
-        d = _node(up.address, "decode-0")
+        d = node_info(up.address, "decode-0")
         initial = decode_stats(d.address).capacity
         durl = log_url(up, r"decode node decode-0 metrics at (http://\S+/metrics)")
         victim = next(p for p in descendants(up.proc.pid) if b"prefill-0" in open(f"/proc/{p}/cmdline", "rb").read())
