@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "gdn_decode", "add_rms_norm", "gemv_bf16"]
+__all__ = ["available", "gdn_decode", "add_rms_norm", "gemv_bf16", "attn_decode", "threads"]
 
 _SRC = Path(__file__).with_name("csrc") / "cpu_ops.c"
 _FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-pthread"]
@@ -41,6 +41,9 @@ _SIGS = {
     "gdn_decode": [_i64] * 7 + [_p, _i64, _p, _p, _p, _p, _p, _p, _p, _f32, _p, _p, _int],
     "add_rms_norm": [_i64, _i64, _i64, _p, _p, _p, _p, _f32, _p, _p, _int],
     "gemv_bf16": [_i64, _i64, _i64, _p, _p, _p, _int, _i64],
+    "attn_decode": [_i64] * 5 + [_p, _i64, _p, _f32, _p, _p, _p] + [_i64] * 5 + [_p, _p, _i64, _p, _f32]
+    + [_p, _p, _i64, _int, _i64],
+    "gdn_decode_mt": [_i64] * 6 + [_p, _i64, _p, _p, _p, _p, _p, _p, _p, _f32, _p, _p, _i64, _int, _i64],
 }
 
 
@@ -103,13 +106,20 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
+def threads(rows: int) -> int:
+    """Threads a C op of the decode step splits `rows` rows over: torch's intra-op threads, one
+    per row at most (a thread costs a few microseconds to start)."""
+    return max(1, min(torch.get_num_threads(), rows, 8))
+
+
 def gdn_decode(proj, conv_w, conv_pool, rec_pool, slots, neg_A, dt_bias, norm_w, hk, hv, dk, dv, eps) -> torch.Tensor:
     """One token per row through a GDN layer after its input projection.
 
     proj [B, D + Hv*dv + 2*Hv] rows [qkv | z | b | a] (model dtype, unit stride on the last axis),
     conv_w [D, Kc], conv_pool [S, D, Kc-1] (model dtype), rec_pool [S, Hv, dk, dv] float32,
-    slots [B] int64, neg_A / dt_bias [Hv] float32, norm_w [dv]. Updates the rows' slots in place
-    and returns the gated-normed output [B, Hv*dv] in the model dtype.
+    slots [B] int64 (distinct), neg_A / dt_bias [Hv] float32, norm_w [dv]. Updates the rows'
+    slots in place and returns the gated-normed output [B, Hv*dv] in the model dtype. Rows are
+    split over `threads(B)` threads.
     """
     B, dtype = proj.shape[0], proj.dtype
     D, kc = conv_w.shape
@@ -118,29 +128,14 @@ def gdn_decode(proj, conv_w, conv_pool, rec_pool, slots, neg_A, dt_bias, norm_w,
         conv_pool.dtype == dtype and conv_w.dtype == dtype and norm_w.dtype == dtype and rec_pool.dtype == torch.float32
     )
     out = torch.empty(B, hv * dv, dtype=dtype)
-    work = torch.empty(D + 2 * hv, dtype=torch.float32)
-    _get().gdn_decode(
-        0,
-        B,
-        hk,
-        hv,
-        dk,
-        dv,
-        kc,
-        _ptr(proj),
-        proj.stride(0),
-        _ptr(conv_w),
-        _ptr(conv_pool),
-        _ptr(rec_pool),
-        _ptr(slots),
-        _ptr(neg_A),
-        _ptr(dt_bias),
-        _ptr(norm_w),
-        eps,
-        _ptr(out),
-        _ptr(work),
-        int(dtype == torch.bfloat16),
-    )
+    nt = threads(B)
+    stride = D + 2 * hv
+    work = torch.empty(nt * stride, dtype=torch.float32)
+    _get().gdn_decode_mt(
+        B, hk, hv, dk, dv, kc, _ptr(proj), proj.stride(0), _ptr(conv_w), _ptr(conv_pool), _ptr(rec_pool),
+        _ptr(slots), _ptr(neg_A), _ptr(dt_bias), _ptr(norm_w), eps, _ptr(out), _ptr(work), stride,
+        int(dtype == torch.bfloat16), nt,
+    )  # fmt: skip
     return out
 
 
@@ -167,3 +162,34 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, threads:
     y = torch.empty(M, N, dtype=out_dtype)
     _get().gemv_bf16(M, N, K, _ptr(xf), _ptr(w), _ptr(y), int(out_dtype == torch.bfloat16), threads)
     return y
+
+
+def attn_decode(qkv, qk_norm, eps, cos, sin, kv_pool, slot_mapping, block_tables, seq_lens, h, kvh, scale):
+    """One token per row through a gated attention layer after its qkv projection.
+
+    qkv [B, >= 2*(H+KVH)*hd] rows [q | k | gate | v] (model dtype, unit stride on the last axis),
+    qk_norm [H+KVH, hd] float32 (1 + w of q_norm per query head, then of k_norm per KV head),
+    cos, sin [B, rd] (or [B, 1, rd]) the rotary tables at the rows' positions, kv_pool the
+    kernels' view [num_blocks, 2, KVH, bs, hd] (any strides, unit stride on hd, model dtype),
+    slot_mapping / seq_lens [B] int64, block_tables [B, max_blocks] int64. Writes the new k, v
+    to their pages and returns attention(q, pages) * sigmoid(gate) [B, H*hd] in the model dtype
+    (kernels/attention.py is the reference). Rows are split over `threads(B)` threads.
+    """
+    B, dtype = qkv.shape[0], qkv.dtype
+    hd = kv_pool.shape[-1]
+    rd = cos.shape[-1]
+    assert qkv.stride(1) == 1 and kv_pool.stride(-1) == 1 and kv_pool.dtype == dtype
+    assert cos.dtype == dtype and sin.dtype == dtype and qk_norm.dtype == torch.float32
+    cos, sin = cos.reshape(B, rd).contiguous(), sin.reshape(B, rd).contiguous()
+    block_tables = block_tables.contiguous()
+    out = torch.empty(B, h * hd, dtype=dtype)
+    nt = threads(B)
+    stride = (h + kvh) * hd + hd + block_tables.shape[1] * kv_pool.shape[3]
+    work = torch.empty(nt * stride, dtype=torch.float32)
+    s_blk, s_kv, s_head, s_tok, _ = kv_pool.stride()
+    _get().attn_decode(
+        B, h, kvh, hd, rd, _ptr(qkv), qkv.stride(0), _ptr(qk_norm.contiguous()), eps, _ptr(cos), _ptr(sin),
+        _ptr(kv_pool), s_blk, s_kv, s_head, s_tok, kv_pool.shape[3], _ptr(slot_mapping), _ptr(block_tables),
+        block_tables.shape[1], _ptr(seq_lens), scale, _ptr(out), _ptr(work), stride, int(dtype == torch.bfloat16), nt,
+    )  # fmt: skip
+    return out

@@ -157,6 +157,19 @@ class Attention:
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor, cos, sin):
         T = x.shape[0]
         qkv = self.w.w_qkv(x)  # rows [q | k | gate | v] (reordered by the loader)
+        dec = batch.decode
+        if (
+            batch.prefill is None
+            and dec.max_row_tokens == 1
+            and not x.is_cuda
+            and kv_pool.dtype == x.dtype
+            and cpu_ops.available(x.dtype)
+        ):  # the steps below, fused
+            o = cpu_ops.attn_decode(
+                qkv, self.qk_norm, self.eps, cos, sin, kv_pool, batch.slot_mapping, dec.block_tables,
+                dec.seq_lens, self.h, self.kvh, self.scale,
+            )  # fmt: skip
+            return self.all_reduce(self.w.w_o(o))
         nqk = (self.h + self.kvh) * self.hd
         qk, gate, v = qkv.split([nqk, self.h * self.hd, self.kvh * self.hd], dim=-1)
         qk = F.rms_norm(qk.reshape(T, self.h + self.kvh, self.hd).float(), (self.hd,), None, self.eps)
