@@ -62,6 +62,8 @@ _SIGS = {
         _int,
         _i64,
     ],
+    "pack_f32": [_i64, _i64, _p, _p],
+    "gemm_f32": [_i64, _i64, _i64, _p, _p, _p, _i64],
     "gdn_decode_mt": [_i64] * 6 + [_p, _i64, _p, _p, _p, _p, _p, _p, _p, _f32, _p, _p, _i64, _int, _i64],
 }
 
@@ -212,3 +214,25 @@ def attn_decode(qkv, qk_norm, eps, cos, sin, kv_pool, slot_mapping, block_tables
         block_tables.shape[1], _ptr(seq_lens), scale, _ptr(out), _ptr(work), stride, int(dtype == torch.bfloat16), nt,
     )  # fmt: skip
     return out
+
+
+def pack_f32(w: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [N, K] packed for `gemm_f32`: [ceil(N/16), K, 16], panels of 16 output
+    columns (the last one zero-padded)."""
+    N, K = w.shape
+    w = w.float().contiguous()
+    wp = torch.empty((N + 15) // 16, K, 16, dtype=torch.float32)
+    _get().pack_f32(N, K, _ptr(w), _ptr(wp))
+    return wp
+
+
+def gemm_f32(x: torch.Tensor, wp: torch.Tensor, n: int, threads: int = 1) -> torch.Tensor:
+    """x [M, K] float32 @ w^T for wp = pack_f32(w [n, K]): y [M, n] float32, output panels split
+    over `threads` threads. For a decode step's few rows."""
+    M, K = x.shape
+    if wp.shape != ((n + 15) // 16, K, 16):
+        raise ValueError(f"packed weight {tuple(wp.shape)} does not fit x {tuple(x.shape)} and n={n}")
+    x = x.contiguous()
+    y = torch.empty(M, n, dtype=torch.float32)
+    _get().gemm_f32(M, n, K, _ptr(x), _ptr(wp), _ptr(y), threads)
+    return y

@@ -439,3 +439,92 @@ void gdn_decode_mt(int64_t B, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, in
                                    dt_bias, eps, bf16};
     run_jobs(gdn_run, jobs, sizeof(struct gdn_job), nthreads);
 }
+
+/* ======================================================================================
+ * Float32 GEMM for few rows over a packed weight: y [M, N] = x [M, K] @ w^T.
+ *
+ * pack_f32 stores w [N, K] as panels of 16 output columns, each K x 16 contiguous (the last
+ * panel zero-padded): wp [ceil(N/16), K, 16]. gemm_f32 walks the panels (split over threads),
+ * and for each panel runs tiles of up to 6 rows of x against it: 12 ymm accumulators, a panel
+ * row of 2 vectors and one broadcast, all in registers, while the panel stays in L1.
+ * ====================================================================================== */
+
+void pack_f32(int64_t N, int64_t K, const float *w, float *wp) {
+    for (int64_t p = 0; p < (N + 15) / 16; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t c = 0; c < 16; c++) {
+                const int64_t n = p * 16 + c;
+                wp[(p * K + k) * 16 + c] = n < N ? w[n * K + k] : 0.0f;
+            }
+}
+
+static inline __attribute__((always_inline)) void gemm_tile(int64_t K, const float *x, int64_t ldx,
+                                                            const float *panel, float *y, int64_t ldy, int64_t nc,
+                                                            const int mr) {
+    v8f acc0[6] = {{0}}, acc1[6] = {{0}};
+    for (int64_t k = 0; k < K; k++) {
+        v8f w0, w1;
+        memcpy(&w0, panel + k * 16, 32);
+        memcpy(&w1, panel + k * 16 + 8, 32);
+        for (int r = 0; r < mr; r++) {
+            const float xv = x[r * ldx + k];
+            const v8f xb = {xv, xv, xv, xv, xv, xv, xv, xv};
+            acc0[r] += xb * w0;
+            acc1[r] += xb * w1;
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        if (nc == 16) {
+            memcpy(y + r * ldy, &acc0[r], 32);
+            memcpy(y + r * ldy + 8, &acc1[r], 32);
+        } else {
+            float tmp[16];
+            memcpy(tmp, &acc0[r], 32);
+            memcpy(tmp + 8, &acc1[r], 32);
+            memcpy(y + r * ldy, tmp, nc * 4);
+        }
+    }
+}
+
+struct gemm_job {
+    int64_t p0, p1, M, N, K;
+    const float *x, *wp;
+    float *y;
+};
+
+static void *gemm_run(void *arg) {
+    const struct gemm_job *j = arg;
+    const int64_t M = j->M, N = j->N, K = j->K;
+    /* blocks of rows small enough to stay in L2 while every panel passes over them */
+    const int64_t mb = K > 0 ? 6 * (1 + (96 * 1024 / (K * 4)) / 6) : M;
+    for (int64_t m1 = 0; m1 < M; m1 += mb)
+    for (int64_t p = j->p0; p < j->p1; p++) {
+        const float *panel = j->wp + p * K * 16;
+        const int64_t n0 = p * 16, nc = N - n0 < 16 ? N - n0 : 16, m2 = m1 + mb < M ? m1 + mb : M;
+        for (int64_t m0 = m1; m0 < m2; m0 += 6) {
+            const float *x = j->x + m0 * K;
+            float *y = j->y + m0 * N + n0;
+            switch (m2 - m0 < 6 ? m2 - m0 : 6) {
+            case 1: gemm_tile(K, x, K, panel, y, N, nc, 1); break;
+            case 2: gemm_tile(K, x, K, panel, y, N, nc, 2); break;
+            case 3: gemm_tile(K, x, K, panel, y, N, nc, 3); break;
+            case 4: gemm_tile(K, x, K, panel, y, N, nc, 4); break;
+            case 5: gemm_tile(K, x, K, panel, y, N, nc, 5); break;
+            default: gemm_tile(K, x, K, panel, y, N, nc, 6); break;
+            }
+        }
+    }
+    return NULL;
+}
+
+/* y [M, N] = x [M, K] @ w^T for wp = pack_f32(w); x, y float32 contiguous; panels split over
+ * nthreads (<= 8) threads. */
+void gemm_f32(int64_t M, int64_t N, int64_t K, const float *x, const float *wp, float *y, int64_t nthreads) {
+    const int64_t P = (N + 15) / 16;
+    if (nthreads > P) nthreads = P;
+    if (nthreads > 8) nthreads = 8;
+    if (nthreads < 1) nthreads = 1;
+    struct gemm_job jobs[8];
+    for (int64_t t = 0; t < nthreads; t++) jobs[t] = (struct gemm_job){P * t / nthreads, P * (t + 1) / nthreads, M, N, K, x, wp, y};
+    run_jobs(gemm_run, jobs, sizeof(struct gemm_job), nthreads);
+}
