@@ -27,7 +27,17 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "gdn_decode", "add_rms_norm", "gemv_bf16", "attn_decode", "threads"]
+__all__ = [
+    "available",
+    "gdn_decode",
+    "gdn_rows",
+    "add_rms_norm",
+    "gemv_bf16",
+    "attn_decode",
+    "pack_f32",
+    "gemm_f32",
+    "threads",
+]
 
 _SRC = Path(__file__).with_name("csrc") / "cpu_ops.c"
 _FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-pthread"]
@@ -63,6 +73,28 @@ _SIGS = {
         _i64,
     ],
     "pack_f32": [_i64, _i64, _p, _p],
+    "gdn_rows_mt": [
+        _i64,
+        _p,
+        _p,
+        _p,
+        _p,
+        *[_i64] * 5,
+        _p,
+        _i64,
+        _p,
+        _p,
+        _p,
+        _p,
+        _p,
+        _p,
+        _f32,
+        _p,
+        _p,
+        _i64,
+        _int,
+        _i64,
+    ],
     "gemm_f32": [_i64, _i64, _i64, _p, _p, _p, _i64],
     "gdn_decode_mt": [_i64] * 6 + [_p, _i64, _p, _p, _p, _p, _p, _p, _p, _f32, _p, _p, _i64, _int, _i64],
 }
@@ -236,3 +268,47 @@ def gemm_f32(x: torch.Tensor, wp: torch.Tensor, n: int, threads: int = 1) -> tor
     y = torch.empty(M, n, dtype=torch.float32)
     _get().gemm_f32(M, n, K, _ptr(x), _ptr(wp), _ptr(y), threads)
     return y
+
+
+def gdn_rows(
+    proj,
+    row_cu,
+    row_slots,
+    row_init,
+    tok_slots,
+    conv_w,
+    conv_pool,
+    rec_pool,
+    neg_A,
+    dt_bias,
+    norm_w,
+    hk,
+    hv,
+    dk,
+    dv,
+    eps,
+):
+    """A GDN layer after its input projection for rows of any length (decode rows, prefill
+    chunks, both), token by token in the recurrent form (`gdn_decode` per token).
+
+    proj [T, D + Hv*dv + 2*Hv] rows [qkv | z | b | a]; row_cu [R+1] int64 token offsets of the
+    rows; row_slots [R] int64 (distinct); row_init [R] bool (False: the row starts from zero
+    state); tok_slots [T] int64 each token's slot; the rest as `gdn_decode`. Returns [T, Hv*dv]
+    and leaves each row's final conv and recurrent state in its slot (kernels/gdn.py's
+    gdn_chunk_prefill / causal_conv1d compute the same). Rows are split over threads by tokens.
+    """
+    T, dtype = proj.shape[0], proj.dtype
+    D, kc = conv_w.shape
+    R = row_slots.numel()
+    assert proj.stride(1) == 1 and conv_pool.is_contiguous() and rec_pool.is_contiguous()
+    assert row_init.dtype == torch.bool and row_cu.shape == (R + 1,) and tok_slots.shape == (T,)
+    out = torch.empty(T, hv * dv, dtype=dtype)
+    nt = threads(R)
+    stride = D + 2 * hv
+    work = torch.empty(nt * stride, dtype=torch.float32)
+    _get().gdn_rows_mt(
+        R, _ptr(row_cu), _ptr(row_slots), _ptr(row_init), _ptr(tok_slots), hk, hv, dk, dv, kc, _ptr(proj),
+        proj.stride(0), _ptr(conv_w), _ptr(conv_pool), _ptr(rec_pool), _ptr(neg_A), _ptr(dt_bias), _ptr(norm_w),
+        eps, _ptr(out), _ptr(work), stride, int(dtype == torch.bfloat16), nt,
+    )  # fmt: skip
+    return out

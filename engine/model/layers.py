@@ -112,6 +112,19 @@ class GatedDeltaNet:
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, pools: CachePools):
         T = x.shape[0]
         proj = self.w.w_in(x)
+        if (
+            batch.prefill is not None
+            and x.dtype == torch.float32
+            and (batch.decode is None or batch.decode.max_row_tokens == 1)
+            and not x.is_cuda
+            and cpu_ops.available(x.dtype)
+        ):  # prefill chunks (and decode rows beside them) token by token in C; float32 only:
+            # bfloat16 prefill keeps the chunked path, whose roundings follow transformers' own
+            o = cpu_ops.gdn_rows(
+                proj, *batch.gdn_rows(), self.w.conv, pools.conv[self.layer], pools.recurrent[self.layer],
+                self.neg_A, self.dt_bias, self.w.norm, self.hk, self.hv, self.dk, self.dv, self.eps,
+            )  # fmt: skip
+            return self.all_reduce(self.w.w_out(o))
         if batch.prefill is None and batch.decode.max_row_tokens == 1 and not x.is_cuda and cpu_ops.available(x.dtype):
             o = cpu_ops.gdn_decode(
                 proj,

@@ -38,7 +38,71 @@ static inline void store(void *p, int64_t i, float x, int bf16) {
     else ((float *)p)[i] = x;
 }
 
-static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+/* exp(x), relative error ~2e-7 (libm's expf: 0.5 ulp): Cody-Waite range reduction and a
+ * degree-6 polynomial, branch-free so that loops over it vectorise (a libm call does not). */
+static inline float exp_fast(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t e = ((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &e, 4);
+    return p * s;
+}
+
+static inline float silu(float x) { return x / (1.0f + exp_fast(-x)); }
+
+/* exp_fast on eight lanes (GCC vector extensions; plain AVX2 code with -march=native) */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8f sel8(v8i m, v8f a, v8f b) { return (v8f)((m & (v8i)a) | (~m & (v8i)b)); }
+
+static inline v8f exp8(v8f x) {
+    const v8f lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f}, hi = 1.0f - lo;
+    x = sel8(x < lo, lo, x);
+    x = sel8(x > hi, hi, x);
+    const v8f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const v8f r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    v8f p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * (v8f)((__builtin_convertvector(n, v8i) + 127) << 23);
+}
+
+/* y[i] = silu(y[i]) for i < n */
+static inline void silu_rows(float *y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f v;
+        memcpy(&v, y + i, 32);
+        v = v / (1.0f + exp8(-v));
+        memcpy(y + i, &v, 32);
+    }
+    for (; i < n; i++) y[i] = silu(y[i]);
+}
+
+/* x[i] = exp(x[i] - shift) for i < n */
+static inline void exp_rows(float *x, int64_t n, float shift) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f v;
+        memcpy(&v, x + i, 32);
+        v = exp8(v - shift);
+        memcpy(x + i, &v, 32);
+    }
+    for (; i < n; i++) x[i] = exp_fast(x[i] - shift);
+}
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 /* One decode token per row through a GDN layer, from its input projection to the gated norm.
@@ -72,8 +136,11 @@ gdn_decode_rows(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int6
             acc += load(conv_w, c * Kc + K1, bf16) * x;
             for (int64_t j = 0; j + 1 < K1; j++) store(conv_pool, st + j, load(conv_pool, st + j + 1, bf16), bf16);
             if (K1 > 0) store(conv_pool, st + K1 - 1, x, bf16);
-            y[c] = rnd(silu(rnd(acc, bf16)), bf16);
+            y[c] = rnd(acc, bf16);
         }
+        silu_rows(y, D);
+        if (bf16)
+            for (int64_t c = 0; c < D; c++) y[c] = rnd(y[c], bf16);
         /* q, k: L2 norm per head (eps 1e-6), q also scaled by dk^-1/2 */
         for (int64_t h = 0; h < 2 * Hk; h++) {
             float *v = y + h * dk, ss = 0.0f;
@@ -106,9 +173,12 @@ gdn_decode_rows(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int6
             float ss = 0.0f;
             for (int64_t j = 0; j < dv; j++) { o[j] = rnd(o[j], bf16); ss += o[j] * o[j]; }
             const float inv = 1.0f / sqrtf(ss / (float)dv + eps);
+            float zs[dv];
+            for (int64_t j = 0; j < dv; j++) zs[j] = load(proj, zo + h * dv + j, bf16);
+            silu_rows(zs, dv);
             for (int64_t j = 0; j < dv; j++) {
                 const float n = rnd(rnd(o[j] * inv, bf16) * load(norm_w, j, bf16), bf16);
-                store(out, b * Hv * dv + h * dv + j, n * silu(load(proj, zo + h * dv + j, bf16)), bf16);
+                store(out, b * Hv * dv + h * dv + j, n * zs[j], bf16);
             }
         }
     }
@@ -152,7 +222,6 @@ void add_rms_norm(int64_t b0, int64_t b1, int64_t H, const void *x, const void *
  * the model dtype. For few rows: each weight row is read from memory once for all M rows of x
  * (a decode step is bound by reading the weights: half the bytes of a float32 copy).
  * x is float32 [M, K]; nthreads > 1 splits N over that many threads. */
-typedef float v8f __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 
@@ -225,25 +294,6 @@ void gemv_bf16(int64_t M, int64_t N, int64_t K, const float *x, const bf16_t *w,
  * pages, and the sigmoid gate. gdn_decode_mt splits gdn_decode's rows over threads. Both use
  * the helpers and the rounding convention of the top of this file.
  * ====================================================================================== */
-
-/* exp(x) for x <= 0 (a softmax's shifted scores), relative error ~2e-7: Cody-Waite range
- * reduction and a degree-6 polynomial, written so that loops over it vectorise. */
-static inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t e = ((int32_t)n + 127) << 23;
-    float s;
-    memcpy(&s, &e, 4);
-    return p * s;
-}
 
 /* sum_j a[j] * b[j] with eight partial sums (a plain loop is one serial chain of adds). */
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
@@ -331,7 +381,7 @@ static inline __attribute__((always_inline)) void attn_rows(const struct attn_jo
                     mx = sc[t0 + t] > mx ? sc[t0 + t] : mx;
                 }
             }
-            for (int64_t t = 0; t < n; t++) sc[t] = exp_neg(sc[t] - mx);
+            exp_rows(sc, n, mx);
             float sum = 0.0f;
             for (int64_t t = 0; t < n; t++) sum += sc[t];
             for (int64_t j = 0; j < hd; j++) acc[j] = 0.0f;
@@ -527,4 +577,61 @@ void gemm_f32(int64_t M, int64_t N, int64_t K, const float *x, const float *wp, 
     struct gemm_job jobs[8];
     for (int64_t t = 0; t < nthreads; t++) jobs[t] = (struct gemm_job){P * t / nthreads, P * (t + 1) / nthreads, M, N, K, x, wp, y};
     run_jobs(gemm_run, jobs, sizeof(struct gemm_job), nthreads);
+}
+
+struct gdn_rows_job {
+    int64_t r0, r1, Hk, Hv, dk, dv, Kc, ld_proj;
+    const int64_t *row_cu, *row_slots, *tok_slots;
+    const uint8_t *row_init;
+    const void *proj, *conv_w, *norm_w;
+    void *conv_pool, *out;
+    float *rec_pool, *work;
+    const float *neg_A, *dt_bias;
+    float eps;
+    int bf16;
+};
+
+static void *gdn_rows_run(void *arg) {
+    const struct gdn_rows_job *j = arg;
+    const int64_t D = 2 * j->Hk * j->dk + j->Hv * j->dv, K1 = j->Kc - 1, esz = j->bf16 ? 2 : 4;
+    for (int64_t r = j->r0; r < j->r1; r++) {
+        const int64_t s = j->row_slots[r];
+        if (!j->row_init[r]) { /* a new sequence starts from zero state (the slot may hold anything) */
+            memset((char *)j->conv_pool + s * D * K1 * esz, 0, D * K1 * esz);
+            memset(j->rec_pool + s * j->Hv * j->dk * j->dv, 0, j->Hv * j->dk * j->dv * sizeof(float));
+        }
+        /* the row's tokens in order, each one gdn_decode step on the slot */
+        gdn_decode(j->row_cu[r], j->row_cu[r + 1], j->Hk, j->Hv, j->dk, j->dv, j->Kc, j->proj, j->ld_proj, j->conv_w,
+                   j->conv_pool, j->rec_pool, j->tok_slots, j->neg_A, j->dt_bias, j->norm_w, j->eps, j->out, j->work,
+                   j->bf16);
+    }
+    return NULL;
+}
+
+/* A GDN layer after its input projection for R rows of any length (decode rows of one token,
+ * prefill chunks), token by token: the recurrent form, which on a CPU with small heads costs
+ * less than the chunked one. Row r covers tokens row_cu[r] <= t < row_cu[r+1] at slot
+ * row_slots[r]; tok_slots [T] is each token's slot; row_init[r] = 0 starts the row from zero
+ * state. proj, out, pools, weights and work as gdn_decode / gdn_decode_mt; rows (distinct
+ * slots) are split over nthreads (<= 8) threads by token count. */
+void gdn_rows_mt(int64_t R, const int64_t *row_cu, const int64_t *row_slots, const uint8_t *row_init,
+                 const int64_t *tok_slots, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc,
+                 const void *proj, int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool,
+                 const float *neg_A, const float *dt_bias, const void *norm_w, float eps, void *out, float *work,
+                 int64_t work_stride, int bf16, int64_t nthreads) {
+    if (nthreads > R) nthreads = R;
+    if (nthreads > 8) nthreads = 8;
+    if (nthreads < 1) nthreads = 1;
+    struct gdn_rows_job jobs[8];
+    const int64_t T = row_cu[R];
+    int64_t r = 0;
+    for (int64_t t = 0; t < nthreads; t++) {
+        const int64_t r0 = r, goal = T * (t + 1) / nthreads;
+        while (r < R && (row_cu[r + 1] <= goal || r == r0)) r++;
+        if (t == nthreads - 1) r = R;
+        jobs[t] = (struct gdn_rows_job){r0, r, Hk, Hv, dk, dv, Kc, ld_proj, row_cu, row_slots, tok_slots, row_init,
+                                        proj, conv_w, norm_w, conv_pool, out, rec_pool, work + t * work_stride, neg_A,
+                                        dt_bias, eps, bf16};
+    }
+    run_jobs(gdn_rows_run, jobs, sizeof(struct gdn_rows_job), nthreads);
 }
