@@ -146,7 +146,9 @@ class OpenAIFront:
                 base.prompt_token_ids.extend(self.tok.encode(p))
             else:
                 base.prompt_token_ids.extend(p)
-            text = p if isinstance(p, str) else self.tok.decode(p) if self.tok is not None else ""
+            text = None
+            if echo:
+                text = p if isinstance(p, str) else self.tok.decode(p) if self.tok is not None else ""
             for i in range(n):
                 r = pb.GenerateRequest()
                 r.CopyFrom(base)
@@ -154,7 +156,7 @@ class OpenAIFront:
                 if sp.HasField("seed"):
                     r.sampling.seed = sp.seed + i
                 job.reqs.append(r)
-                job.echoes.append(text if echo else None)
+                job.echoes.append(text)
                 job.prompt_ids.append(list(base.prompt_token_ids))
         return job
 
