@@ -26,7 +26,7 @@ def _naive_row(proj, conv_w, conv0, rec0, neg_A, dt_bias, norm_w, hk, hv, dk, dv
         qkv, z, b, a = proj[t : t + 1].float().split([D, hv * dv, hv, hv], dim=-1)
         y, conv = naive_conv(qkv, conv_w.float(), conv)
         q, k = y[:, : 2 * hk * dk].reshape(1, 2 * hk, dk).split(hk, dim=1)
-        q, k = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6), k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))  # L2 norm, eps 1e-6
         v = y[:, 2 * hk * dk :].reshape(1, hv, dv)
         g = neg_A * F.softplus(a + dt_bias)
         o, rec = naive_gdn(q, k, v, g, b.sigmoid(), rec, scale=dk**-0.5)
