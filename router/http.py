@@ -447,6 +447,7 @@ class _Choice:
         self.entries: list = []  # pb.TokenLogprob per returned token; echo: the prompt's first
         self.n = 0
         self.prompt_tokens = 0
+        self.cached_tokens = 0
         self.finish: str | None = None
         self.offset = 0  # completions text_offset of the next token
         self.started = False
@@ -456,7 +457,7 @@ class _Choice:
         text, entries = "", []
         if not self.started:
             self.started = True
-            self.prompt_tokens = m.prompt_tokens
+            self.prompt_tokens, self.cached_tokens = m.prompt_tokens, m.cached_tokens
             echo, ids = self.job.echoes[self.index], self.job.prompt_ids[self.index]
             if echo is not None:
                 text = echo
@@ -523,7 +524,9 @@ class _Choice:
 def _usage(choices: list[_Choice]) -> dict:
     p = sum(c.prompt_tokens for c in choices if c.index % c.job.n == 0)  # once per prompt
     n = sum(c.n for c in choices)
-    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+    cached = sum(c.cached_tokens for c in choices if c.index % c.job.n == 0)
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
+            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
 
 
 def _start(stub, reqs) -> tuple[queue.Queue, list]:

@@ -438,6 +438,7 @@ class Router(rpc.GenerationServicer, rpc.RegistryServicer):
             out.prompt_tokens = tr.prompt_len
             out.decode_node = tr.decode
             out.prefill_node = "" if pre is None else pre.p.node_id
+            out.cached_tokens = m.cached_tokens if pre is None else pre.first.cached_tokens
         self._timings(out.timings, m.timings, tr, now, done=bool(m.finish_reason))
         if pre is not None:  # the transfer figures, complete on the last message
             t = pre.timings(wait_s=5.0 if m.finish_reason and not first else 0.0)
