@@ -183,7 +183,7 @@ class _Rpc(Exception):
 def test_grpc_codes_map_to_http(code, status):
     import grpc
 
-    from router.http import ApiError
+    from router.openai_models import ApiError
 
     e = ApiError.from_rpc(_Rpc(getattr(grpc.StatusCode, code), "why"))
     assert e.status == status
@@ -191,17 +191,20 @@ def test_grpc_codes_map_to_http(code, status):
 
 
 def test_openai_parameters_map_to_sampling():
-    from router.http import ApiError, sampling
+    from router.openai_models import ApiError, CompletionRequest, parse, sampling
 
-    sp = sampling({"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": [5, 6], "n": 1})
+    def sampling_of(body: dict):
+        return sampling(parse(CompletionRequest, {"model": "m", "prompt": "x", **body}))
+
+    sp = sampling_of({"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": [5, 6], "n": 1})
     assert (sp.max_tokens, sp.temperature, round(sp.top_p, 6), sp.seed, list(sp.stop_token_ids)) == (
         7, 0.5, 0.9, 3, [5, 6],
     )  # fmt: skip
-    assert not sampling({}).HasField("max_tokens")  # unset: the server's defaults
+    assert not sampling_of({}).HasField("max_tokens")  # unset: the server's defaults
     for bad, param in (({"top_p": 1.5}, "top_p"), ({"seed": "x"}, "seed"), ({"stop": [1.5]}, "stop"),
                        ({"max_tokens": True}, "max_tokens"), ({"logprobs": 21}, "logprobs")):  # fmt: skip
         with pytest.raises(ApiError) as ei:
-            sampling(bad)
+            sampling_of(bad)
         assert ei.value.status == 400 and ei.value.param == param, bad
 
 
