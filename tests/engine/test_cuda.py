@@ -7,8 +7,8 @@ wide (std 0.1) so that first tokens have a clear argmax margin; wherever transfo
 is clear (most prompts), the engine's first token is transformers' bfloat16 first token, and no
 token is more than a rounding gap below transformers' bfloat16 maximum (teacher-forced), as in
 test_bf16.py on CPU.
-transformers runs its own PyTorch path on the GPU (or flash-linear-attention's kernels when the
-`fla` package is installed), independent of ours."""
+transformers runs its own PyTorch path on the GPU (tests/conftest.py keeps it off
+flash-linear-attention's kernels), independent of ours."""
 
 from __future__ import annotations
 
