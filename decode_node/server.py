@@ -8,7 +8,7 @@ heartbeats stop, in-flight streams end, engine workers exit.
 Requests:
 - Generate without a reservation: colocated; the engine prefills the prompt itself.
 - Reserve: KV pages for prompt + 1 tokens and a GDN slot set aside (EngineCore.reserve), adopted
-  by the receiver endpoint of every rank under a lease (decode_node/ranks.py); the answer is the
+  by the receiver endpoint of every rank under a lease (transfer/rank.py); the answer is the
   TransferTarget (every rank's agent, blocks, slot, incarnation) the prefill node writes into.
 - Generate(reserved=True, first_token_id): waits (bounded by the lease) until every rank saw
   every source rank's Done, hands the memory to the engine (take) and activates the request in
@@ -21,8 +21,10 @@ Draining (proto/node.py, on SIGTERM): Reserve and unreserved Generate are refuse
 UNAVAILABLE + `pdserve-draining`; Generate(reserved) and Release still work, so what the router
 already placed here finishes; the node stops once nothing is in flight.
 Client cancellation aborts the engine request, so pages and slot return to the free lists.
-Receiver endpoints are polled by the engine loop thread (EngineLoop.tick) while any
-reservation is open; every engine and executor call stays on that thread.
+Receiver endpoints are polled by the engine loop thread (the node's tick) while any
+reservation is open; every engine and executor call stays on that thread. Handlers use only the
+loop's API (engine/commands.py) and wait on events: a request's handle, a reservation's
+`changed` (ready, failing, or the loop stopping).
 """
 
 from __future__ import annotations

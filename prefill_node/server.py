@@ -2,8 +2,10 @@
 
 An EngineCore (t worker ranks) whose requests are `prefill_only`: the engine computes the
 prompt, samples the first token and HOLDS the pages and GDN slot. Every rank has a transfer
-Sender (prefill_node/ranks.py); the engine loop thread (engine/loop.py EngineLoop, shared)
-polls them while a push is in flight. Every engine and executor call stays on that thread.
+Sender (transfer/rank.py); the engine loop thread (engine/loop.py EngineLoop, shared) polls
+them while a push is in flight. Every engine and executor call stays on that thread; handlers
+use only the loop's API (a RequestHandle per request, futures for the rest) and wait on events
+(the handle, the push's `done`), which a cancel, an Abort or the loop stopping sets.
 
     Prefill(prompt, sampling, target) -> queue (engine waiting list) -> prefill; when the last
       prompt chunk is scheduled, every rank opens the push (Begin to its destination ranks), so
