@@ -189,6 +189,11 @@ class Snapshot:
     queued_prefill_tokens: int = 0
     reserved: int = 0
     spec_draft_tokens: int = 0  # totals since start (speculative decoding)
+    prefix_query_tokens: int = 0  # totals since start (prefix caching): prompt tokens looked up ...
+    prefix_hit_tokens: int = 0  # ... and found in the cache
+    prefix_snapshots_used: int = 0  # GDN state snapshots held, of prefix_snapshots
+    prefix_snapshots: int = 0
+    prefix_snapshot_bytes: int = 0  # the snapshot pool's memory, per rank
     spec_accepted_tokens: int = 0
     spec_drafts_per_position: tuple[int, ...] = field(default=())  # drafts verified at place i + 1, and accepted
     spec_accepted_per_position: tuple[int, ...] = field(default=())

@@ -386,7 +386,21 @@ class EngineLoop:
             queued_prefill_tokens=queued,
             reserved=reserved,
             spec_draft_tokens=sched.num_draft_tokens,
+            **_prefix_figures(eng),
             spec_accepted_tokens=sched.num_accepted_tokens,
             spec_drafts_per_position=tuple(sched.drafts_per_position),
             spec_accepted_per_position=tuple(sched.accepted_per_position),
         )
+
+
+def _prefix_figures(eng) -> dict:
+    pc = getattr(eng, "prefix", None)
+    if pc is None:
+        return {}
+    return dict(
+        prefix_query_tokens=pc.stats.query_tokens,
+        prefix_hit_tokens=pc.stats.hit_tokens,
+        prefix_snapshots_used=pc.num_used,
+        prefix_snapshots=pc.num_snapshots,
+        prefix_snapshot_bytes=eng.capacity.snapshot_bytes,
+    )

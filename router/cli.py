@@ -150,18 +150,10 @@ def _serve_until_signal(server, drain_timeout: float) -> int:
 
 def cmd_router(args) -> int:
     from engine.options import options, values
-    from router.server import RouterConfig, serve
+    from router.server import RouterConfig, run
 
     cfg = RouterConfig(**values(options(RouterConfig), args))
-    router, port = serve(f"{cfg.host}:{args.port}", cfg)
-    if args.port_file:
-        tmp = Path(args.port_file + ".tmp")
-        tmp.write_text(str(port))
-        tmp.rename(args.port_file)
-    print(f"router listening on {cfg.host}:{port}", flush=True)
-    if router.http_port is not None:
-        print(f"router OpenAI-compatible HTTP on http://{cfg.host}:{router.http_port}/v1", flush=True)
-    return _serve_until_signal(router, args.drain_timeout)
+    return run(cfg, args.port, args.port_file, args.drain_timeout)
 
 
 def _node_config(cls, args):
