@@ -84,6 +84,16 @@ class NodeServer:
         raise NotImplementedError
 
     # ---- new work ----------------------------------------------------------------------------
+    def loop_api(self, context, fn):
+        """fn() (a call of the engine loop's API); the loop having stopped ends the RPC with
+        UNAVAILABLE."""
+        from engine.commands import ShuttingDown
+
+        try:
+            return fn()
+        except ShuttingDown as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name}: {e}")
+
     def refuse_if_draining(self, context) -> None:
         if self.draining:
             refuse_draining(context, self.name)
@@ -146,13 +156,22 @@ class NodeServer:
             from transfer.errors import HandshakeError
 
             try:
-                self.loop.call(lambda e: e.executor.call_all(xr.add_peers, self.backend, peers))
+                self.loop_api(
+                    context, lambda: self.loop.call(lambda e: e.executor.call_all(xr.add_peers, self.backend, peers))
+                )
             except HandshakeError as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"handshake with {request.node_id} refused: {e}")
             log.info("handshake with %s (%d ranks)", request.node_id, len(peers))
         return pb.HandshakeResponse(
             node_id=self.cfg.node_id, incarnation=self.incarnation, schema=msgspec.msgpack.encode(self.blobs)
         )
+
+
+def on_cancel(context, fn) -> None:
+    """Run fn once the RPC ends (the caller cancelled, or the call is over); at once when it
+    already has: what wakes a handler that waits on the engine loop when its caller goes away."""
+    if not context.add_callback(fn):
+        fn()
 
 
 def serve_node(node: NodeServer, addr: str) -> tuple[NodeServer, int]:

@@ -217,7 +217,11 @@ def test_one_log_line_per_request(client, cluster):
     def lines():
         return [ln for ln in cluster.lines if "request log-me:" in ln]
 
-    got = wait_for(lambda: len(lines()) >= 2 and lines(), 10, "the router's and the node's log lines")
+    def both():  # the prefill node logs too, and any of the three may come first
+        got = lines()
+        return any("pdserve.router" in ln for ln in got) and any("pdserve.decode" in ln for ln in got) and got
+
+    got = wait_for(both, 10, "the router's and the node's log lines")
     router = [ln for ln in got if "pdserve.router" in ln]
     node = [ln for ln in got if "pdserve.decode" in ln]
     assert len(router) == 1 and len(node) == 1, got
