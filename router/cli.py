@@ -166,14 +166,13 @@ def _node_config(cls, args):
     vals = values(options(cls), args)
     vals["model"] = str(vals["model"] or default_model_dir())
     vals["advertise_host"] = vals["advertise_host"] or args.host
-    cfg = cls(**vals)
-    from proto.security import credentials, require_token
-
-    require_token(credentials(cfg), cfg.insecure_open_cluster, f"pdserve {args.cmd}")
-    return cfg
+    return cls(**vals)
 
 
 def _serve_node(kind: str, serve, cfg, args) -> int:
+    from proto.security import credentials, require_token
+
+    require_token(credentials(cfg), cfg.insecure_open_cluster, f"pdserve {kind}")
     node, _ = serve(f"{args.host}:{args.port}", cfg)
     print(f"{kind} node {cfg.node_id} listening on {node.address}", flush=True)
     return _serve_until_signal(node, args.drain_timeout)

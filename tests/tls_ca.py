@@ -34,7 +34,7 @@ def _key_pem(k) -> bytes:
     return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
 
 
-class TestCA:
+class CA:
     def __init__(self, d: Path, name: str = "pdserve test CA"):
         self.dir = Path(d)
         self.key = _key()
