@@ -57,6 +57,8 @@ def main() -> int:
         with Client(cl.address, timeout=60) as c:
             c.wait_ready(timeout=60)
             conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=60)
+            conn.connect()
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as gRPC's own sockets do
             conn.request("GET", "/v1/models")
             name = json.loads(conn.getresponse().read())["data"][0]["id"]
 

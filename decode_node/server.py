@@ -249,6 +249,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                 msg.prompt_logprobs.extend(logprobs_pb(item.prompt_logprobs))
             if first_msg:
                 msg.prompt_tokens = s.num_prompt_tokens
+                msg.cached_tokens = box["cached"] = item.num_cached_tokens
                 msg.decode_node = self.cfg.node_id
                 first_msg = False
             box["n"] = n
@@ -260,8 +261,9 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                 yield msg
             if done:
                 log.info(
-                    "request %s: prompt %d, output %d, %s; queue %.1f ms, ttft %.1f ms, tpot %.1f ms, e2e %.1f ms",
-                    s.request_id, s.num_prompt_tokens, n, item.finish_reason,
+                    "request %s: prompt %d (cached %d), output %d, %s; queue %.1f ms, ttft %.1f ms, tpot %.1f ms, "
+                    "e2e %.1f ms",
+                    s.request_id, s.num_prompt_tokens, box.get("cached", 0), n, item.finish_reason,
                     t.queue_s * 1e3, t.ttft_s * 1e3, t.tpot_s * 1e3, t.e2e_s * 1e3,
                 )  # fmt: skip
                 return

@@ -55,6 +55,11 @@ class Snapshot:
     queued_prefill_tokens: int = 0
     reserved: int = 0
     spec_draft_tokens: int = 0  # totals since start (speculative decoding)
+    prefix_query_tokens: int = 0  # totals since start (prefix caching): prompt tokens looked up ...
+    prefix_hit_tokens: int = 0  # ... and found in the cache
+    prefix_snapshots_used: int = 0  # GDN state snapshots held, of prefix_snapshots
+    prefix_snapshots: int = 0
+    prefix_snapshot_bytes: int = 0  # the snapshot pool's memory, per rank
     spec_accepted_tokens: int = 0
     spec_drafts_per_position: tuple[int, ...] = ()  # drafts verified at place i + 1 of a row, and accepted
     spec_accepted_per_position: tuple[int, ...] = ()
@@ -217,7 +222,21 @@ class EngineLoop:
             queued_prefill_tokens=queued,
             reserved=reserved,
             spec_draft_tokens=sched.num_draft_tokens,
+            **_prefix_figures(eng),
             spec_accepted_tokens=sched.num_accepted_tokens,
             spec_drafts_per_position=tuple(sched.drafts_per_position),
             spec_accepted_per_position=tuple(sched.accepted_per_position),
         )
+
+
+def _prefix_figures(eng) -> dict:
+    pc = getattr(eng, "prefix", None)
+    if pc is None:
+        return {}
+    return dict(
+        prefix_query_tokens=pc.stats.query_tokens,
+        prefix_hit_tokens=pc.stats.hit_tokens,
+        prefix_snapshots_used=pc.num_used,
+        prefix_snapshots=pc.num_snapshots,
+        prefix_snapshot_bytes=eng.capacity.snapshot_bytes,
+    )

@@ -199,15 +199,19 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
                 context.abort(
                     grpc.StatusCode.ABORTED, f"request {rid} ended before its first token ({out.finish_reason})"
                 )
-            self._log(rid, len(ids), first, t, out.finish_reason, target)
-            yield pb.PrefillResponse(first_token_id=first, timings=t, finish_reason=out.finish_reason)
+            self._log(rid, len(ids), first, t, out.finish_reason, target, out.num_cached_tokens)
+            yield pb.PrefillResponse(
+                first_token_id=first, timings=t, finish_reason=out.finish_reason, cached_tokens=out.num_cached_tokens
+            )
             return
         push = self._started.get(rid)  # the loop thread started it when the first token came out
         if push is None:
             context.abort(grpc.StatusCode.INTERNAL, f"request {rid}: its push did not start")
         state["push"] = push
         # the first token (and MTP drafts), while the push runs
-        yield pb.PrefillResponse(first_token_id=first, timings=t, draft_token_ids=out.draft_token_ids)
+        yield pb.PrefillResponse(
+            first_token_id=first, timings=t, draft_token_ids=out.draft_token_ids, cached_tokens=out.num_cached_tokens
+        )
         if state["cancelled"]:
             self.loop.call(lambda e: self._abort_push(push, "cancelled by the caller"))
         while not push.done.wait(0.05):
@@ -218,9 +222,9 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         self.metrics.transfer_done(push.nbytes, t.transfer_s, ok=push.error is None)
         if push.error is not None:
             code = grpc.StatusCode.CANCELLED if push.aborted else grpc.StatusCode.ABORTED
-            self._log(rid, len(ids), first, t, f"push failed: {push.error}", target)
+            self._log(rid, len(ids), first, t, f"push failed: {push.error}", target, out.num_cached_tokens)
             context.abort(code, f"request {rid}: pushing the state to {target.node} failed: {push.error}")
-        self._log(rid, len(ids), first, t, "pushed", target)
+        self._log(rid, len(ids), first, t, "pushed", target, out.num_cached_tokens)
         yield pb.PrefillResponse(first_token_id=first, timings=t, pushed=True)
 
     def _first(self, stream, context):
@@ -242,10 +246,11 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             if item.finished:
                 return None if item.finish_reason == "abort" else item
 
-    def _log(self, rid, n, first, t, what, target) -> None:
+    def _log(self, rid, n, first, t, what, target, cached=0) -> None:
         log.info(
-            "request %s: prompt %d -> %s, first token %d, %s; queue %.1f ms, prefill %.1f ms, transfer %d B in %.1f ms",
-            rid, n, target.node, first, what, t.queue_s * 1e3, t.prefill_s * 1e3, t.transfer_bytes, t.transfer_s * 1e3,
+            "request %s: prompt %d (cached %d) -> %s, first token %d, %s; queue %.1f ms, prefill %.1f ms, "
+            "transfer %d B in %.1f ms",
+            rid, n, cached, target.node, first, what, t.queue_s * 1e3, t.prefill_s * 1e3, t.transfer_bytes, t.transfer_s * 1e3,
         )  # fmt: skip
 
     # ---- pushes (loop thread) -----------------------------------------------------------------

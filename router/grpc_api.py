@@ -25,6 +25,7 @@ def response(c: Chunk) -> pb.GenerateResponse:
                             timings=c.timings)  # fmt: skip
     if c.first:
         m.prompt_tokens, m.decode_node, m.prefill_node = c.prompt_tokens, c.decode_node, c.prefill_node
+        m.cached_tokens = c.cached_tokens
     return m
 
 

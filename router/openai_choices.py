@@ -47,6 +47,7 @@ class Choice:
         self.entries: list = []  # pb.TokenLogprob per returned token; echo: the prompt's first
         self.n = 0
         self.prompt_tokens = 0
+        self.cached_tokens = 0
         self.finish: str | None = None
         self.offset = 0  # completions text_offset of the next token
         self.started = False
@@ -56,7 +57,7 @@ class Choice:
         text, entries = "", []
         if not self.started:
             self.started = True
-            self.prompt_tokens = c.prompt_tokens
+            self.prompt_tokens, self.cached_tokens = c.prompt_tokens, c.cached_tokens
             echo, ids = self.job.echoes[self.index], self.job.prompt_ids[self.index]
             if echo is not None:
                 text = echo
@@ -124,4 +125,6 @@ class Choice:
 def usage(choices: list[Choice]) -> dict:
     p = sum(c.prompt_tokens for c in choices if c.index % c.job.n == 0)  # once per prompt
     n = sum(c.n for c in choices)
-    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+    cached = sum(c.cached_tokens for c in choices if c.index % c.job.n == 0)
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
+            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip

@@ -44,6 +44,7 @@ class Chunk:
     request_id: str = ""
     first: bool = False  # the first chunk: prompt_tokens and the nodes below are set
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefilling node took from its prefix cache
     decode_node: str = ""
     prefill_node: str = ""
 
@@ -197,6 +198,7 @@ class RequestRun:
         if first:
             c.first, c.prompt_tokens = True, tr.prompt_len
             c.decode_node, c.prefill_node = tr.decode, "" if pre is None else pre.p.node_id
+            c.cached_tokens = m.cached_tokens if pre is None else pre.first.cached_tokens
         t, node = c.timings, m.timings
         t.queue_s = tr.queue_s + node.queue_s
         t.prefill_s, t.transfer_s, t.transfer_bytes = node.prefill_s, node.transfer_s, node.transfer_bytes

@@ -163,3 +163,22 @@ def hf_mtp_logits(
             x = x[0]
         out = mods["norm"](x)[0]
         return model.lm_head(out).float(), out
+
+
+def make_fitted_mtp(path, spec: TinyModelSpec, fit_prompts: list[list[int]], length: int = 64, steps: int = 40) -> str:
+    """A checkpoint whose `mtp.*` block was fitted (engine/tiny_model.py `fit_mtp_block`) to the
+    model's own greedy continuations of `fit_prompts`, each continued to `length` tokens by the
+    engine without speculation: on those prompts its drafts are mostly accepted, so verification
+    takes its accept paths as well as its rollbacks (a random block's drafts are all rejected).
+    The tests still compare with transformers' tokens. Dense Qwen3.5 only."""
+    from engine import LLM, SamplingParams
+    from engine.tiny_model import fit_mtp_block
+
+    out = make(path, spec)
+    with LLM(out, dtype="float32") as llm:
+        seqs = []
+        for p in fit_prompts:
+            sp = SamplingParams(max_tokens=length - len(p), temperature=0.0, ignore_eos=True)
+            seqs.append(p + llm.generate(prompt_token_ids=[p], sampling_params=sp)[0].output_token_ids)
+    fit_mtp_block(out, seqs, steps=steps, batch=len(seqs))
+    return out
