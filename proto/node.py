@@ -1,7 +1,9 @@
 """The lifecycle both node kinds share (decode_node/server.py, prefill_node/server.py).
 
-    start(addr) -> gRPC server (the node's service + health + reflection) -> register with every
-        router (`--router a:p,b:q`) and heartbeat each -> optional Prometheus /metrics port
+    start(addr) -> gRPC server (the node's service + health + reflection; the service takes the
+        cluster token, TLS with --tls-cert, the caller's certificate too with --tls-ca) ->
+        register with every router (`--router a:p,b:q`) and heartbeat each -> optional
+        Prometheus /metrics port
     drain(timeout) -> draining: health NOT_SERVING for the node's service (a Kubernetes
         readiness probe fails; liveness, on the overall status, does not), a heartbeat at once
         with `draining` set (the router stops choosing the node), new work refused with
@@ -25,6 +27,7 @@ import grpc
 import msgspec
 
 from proto import pb
+from proto.security import credentials
 from proto.serving import Heartbeater, addresses, not_serving, refuse_draining, start_server, wait_idle
 
 log = logging.getLogger("pdserve.node")
@@ -100,11 +103,14 @@ class NodeServer:
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self, addr: str) -> int:
-        self.server, port, self._health = start_server(addr, self._add_servicer, [self.SERVICE], max_workers=64)
+        creds = credentials(self.cfg)  # the cluster token, TLS (proto/security.py)
+        self.server, port, self._health = start_server(
+            addr, self._add_servicer, [self.SERVICE], max_workers=64, creds=creds
+        )
         self.address = f"{self.cfg.advertise_host}:{port}"
         if self.cfg.router:
             hb = self.cfg.heartbeat_interval_s
-            self._hbs = [Heartbeater(a, self.info, hb).start() for a in addresses(self.cfg.router)]
+            self._hbs = [Heartbeater(a, self.info, hb, creds).start() for a in addresses(self.cfg.router)]
         log.info("%s serving on %s (%s)", self.name, self.address, self.engine.capacity.summary())
         if self.cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.cfg.advertise_host, self.cfg.metrics_port)
