@@ -4,10 +4,13 @@
     python bench/transfer.py --tokens 4096 --reps 3
     python bench/transfer.py --backend ucxx      the same over UCXX tagged messages
     python bench/transfer.py --backend ucxx --no-ucx-error-handling
+    python bench/transfer.py --device cuda       pools (and the baseline's buffers) in GPU memory
+    python bench/transfer.py --json OUT.json     also write the rows as JSON
 
 Config shaped like a small production Qwen3.5: 24 layers (18 GDN + 6 full attention), hidden
 1024, 16 key and 16 value GDN heads of 128, conv kernel 4, 2 KV heads of 256, bfloat16, block 16.
-Every rank is its own process (spawn), endpoints on loopback, memory on CPU.
+Every rank is its own process (spawn), endpoints on loopback, memory on CPU (or with --device cuda
+on GPU 0, registered with NIXL as VRAM).
 
 Per (TP pair, prompt), median of --reps runs after a warm-up:
 - bytes      what every source rank writes (KV pages of the prompt + conv and recurrent state)
@@ -19,12 +22,13 @@ Per (TP pair, prompt), median of --reps runs after a warm-up:
              shared by the processes); grants are taken before (they overlap the prefill)
 - vs contig  time of one contiguous NIXL WRITE of the same bytes between the same processes
              (each source rank writes its share, with a notification) / our time
-- vs memcpy  time of one torch copy_ of the same bytes in one process / our time
+- vs memcpy  time of one torch copy_ of the same bytes in one process (on --device) / our time
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import statistics
 import sys
@@ -81,7 +85,7 @@ def engine_config(tp: int, max_tokens: int) -> EngineConfig:
 # -- rank processes ----------------------------------------------------------------------------
 
 
-def rank_main(conn, role: str, tp: int, rank: int, max_tokens: int, backend: str, eh: bool) -> None:
+def rank_main(conn, role: str, tp: int, rank: int, max_tokens: int, backend: str, eh: bool, device: str) -> None:
     import msgspec  # noqa: PLC0415
 
     from transfer import Receiver, Sender, TransferConfig, decode_target  # noqa: PLC0415
@@ -89,14 +93,14 @@ def rank_main(conn, role: str, tp: int, rank: int, max_tokens: int, backend: str
 
     cfg = engine_config(tp, max_tokens)
     specs = build_specs(cfg, rank)
-    pools = CachePools(specs, plan_capacity(specs, cfg.cache.memory_bytes, 2, BLOCK))
+    pools = CachePools(specs, plan_capacity(specs, cfg.cache.memory_bytes, 2, BLOCK), device)
     ep = (Sender if role == "sender" else Receiver)(
         cfg, rank, pools, "P" if role == "sender" else "D", TransferConfig(backend=backend, ucxx_error_handling=eh)
     )
     reqs, scratch = {}, {}
     if backend == "nixl":  # a contiguous registered buffer for the one-WRITE baseline, before publishing
         n = sum(s.page_size_bytes * (-(-max_tokens // BLOCK) if s.kind == "paged_kv" else 1) for s in specs)
-        scratch["buf"] = torch.zeros(n, dtype=torch.uint8)
+        scratch["buf"] = torch.zeros(n, dtype=torch.uint8, device=device)
         ep.transport.nx.register_memory(scratch["buf"])
         ep.info = msgspec.structs.replace(ep.info, transport=ep.transport.metadata())
     conn.send((ep.metadata(), scratch["buf"].data_ptr() if scratch else 0))
@@ -149,8 +153,9 @@ def rank_main(conn, role: str, tp: int, rank: int, max_tokens: int, backend: str
             peer, remote_addr, n = args
             nx = ep.transport.nx
             buf = scratch["buf"]
-            scratch["local"] = nx.prep_xfer_dlist("NIXL_INIT_AGENT", [(buf.data_ptr(), n, 0)], "DRAM")
-            scratch["remote"] = nx.prep_xfer_dlist(peer, [(remote_addr, n, 0)], "DRAM")
+            mem, dev = ("DRAM", 0) if buf.device.type == "cpu" else ("VRAM", buf.device.index or 0)
+            scratch["local"] = nx.prep_xfer_dlist("NIXL_INIT_AGENT", [(buf.data_ptr(), n, dev)], mem)
+            scratch["remote"] = nx.prep_xfer_dlist(peer, [(remote_addr, n, dev)], mem)
             scratch["peer"] = peer
             conn.send("ok")
         elif cmd == "raw_go":
@@ -178,14 +183,16 @@ def rank_main(conn, role: str, tp: int, rank: int, max_tokens: int, backend: str
 class Ranks:
     """a source ranks (node P, TP=a) and one destination rank (node D), one process each."""
 
-    def __init__(self, a: int, max_tokens: int, backend: str, eh: bool = True):
+    def __init__(self, a: int, max_tokens: int, backend: str, eh: bool = True, device: str = "cpu"):
         from transfer.schema import decode_peer  # noqa: PLC0415
 
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
         for role, tp, rank in [("sender", a, r) for r in range(a)] + [("receiver", 1, 0)]:
             c, child = ctx.Pipe()
-            p = ctx.Process(target=rank_main, args=(child, role, tp, rank, max_tokens, backend, eh), daemon=True)
+            p = ctx.Process(
+                target=rank_main, args=(child, role, tp, rank, max_tokens, backend, eh, device), daemon=True
+            )
             p.start()
             self.procs.append(p)
             self.conns.append(c)
@@ -259,14 +266,17 @@ class Ranks:
         return self._recv(self.dst) - t0
 
 
-def memcpy_s(nbytes: int, reps: int) -> float:
-    a = torch.ones(nbytes, dtype=torch.uint8)
-    b = torch.zeros(nbytes, dtype=torch.uint8)
+def memcpy_s(nbytes: int, reps: int, device: str = "cpu") -> float:
+    a = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    b = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
     b.copy_(a)
+    sync()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         b.copy_(a)
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -277,6 +287,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="source TP sizes (destination TP is 1)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--backend", default="nixl", choices=["nixl", "ucxx"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where every rank's pools lie")
+    ap.add_argument("--json", help="also write the rows here")
     ap.add_argument(
         "--no-ucx-error-handling",
         action="store_true",
@@ -286,7 +298,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = []
     for a in args.tp:
-        ranks = Ranks(a, max(args.tokens), args.backend, not args.no_ucx_error_handling)
+        ranks = Ranks(a, max(args.tokens), args.backend, not args.no_ucx_error_handling, args.device)
         try:
             for tokens in args.tokens:
                 warm = ranks.transfer(f"warm-{tokens}", tokens)  # connections, first touch of pages
@@ -298,17 +310,22 @@ def main() -> None:
                         contig.append(ranks.contiguous(per_src))
                 res = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                 res["contig"] = statistics.median(contig) if contig else None
-                res["memcpy"] = memcpy_s(int(res["bytes"]), args.reps)
+                res["memcpy"] = memcpy_s(int(res["bytes"]), args.reps, args.device)
                 rows.append((a, tokens, res))
                 print(_fmt(a, tokens, res), flush=True)
         finally:
             ranks.close()
     print()
-    print(f"backend {args.backend}; ratios are baseline time / our time (1.0 = as fast as the baseline)")
+    print(
+        f"backend {args.backend}, memory on {args.device}; ratios are baseline time / our time (1.0 = as fast as the baseline)"
+    )
     print(HEADER)
     print("|---|---|---|---|---|---|---|---|---|")
     for a, tokens, r in rows:
         print(_fmt(a, tokens, r))
+    if args.json:
+        out = [dict(r, tp=f"{a}->1", tokens=tokens, device=args.device, backend=args.backend) for a, tokens, r in rows]
+        Path(args.json).write_text(json.dumps(out, indent=1))
 
 
 HEADER = "| TP | tokens | MB | descs (indices) | make ms | time ms | GB/s | vs contig NIXL | vs memcpy |"

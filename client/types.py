@@ -32,6 +32,7 @@ class StreamChunk:
     finish_reason: str | None  # None while running; "stop" | "length" | "abort" on the last chunk
     timings: pb.Timings
     prompt_tokens: int = 0  # set on the first chunk
+    cached_tokens: int = 0  # first chunk: prompt tokens taken from a node's prefix cache
     decode_node: str = ""  # set on the first chunk
     prefill_node: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids entry (logprobs=)
@@ -52,6 +53,7 @@ class GenerateResult:
     text: str = ""
     finish_reason: str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from a node's prefix cache
     decode_node: str = ""
     prefill_node: str = ""
     ttft_s: float = 0.0
@@ -71,6 +73,7 @@ class GenerateResult:
         self.text += c.text
         if c.prompt_tokens:
             self.prompt_tokens, self.decode_node, self.prefill_node = c.prompt_tokens, c.decode_node, c.prefill_node
+            self.cached_tokens = c.cached_tokens
         t = c.timings
         self.ttft_s = t.ttft_s or self.ttft_s
         self.queue_s = t.queue_s or self.queue_s
@@ -88,6 +91,7 @@ def chunk_from(m: pb.GenerateResponse) -> StreamChunk:
         finish_reason=m.finish_reason or None,
         timings=m.timings,
         prompt_tokens=m.prompt_tokens,
+        cached_tokens=m.cached_tokens,
         decode_node=m.decode_node,
         prefill_node=m.prefill_node,
         logprobs=_logprobs(m.logprobs),

@@ -297,10 +297,20 @@ class CacheConfig:
     block_size: int = 16  # tokens per KV page
     kv_cache_memory: int | str = "256MiB"  # budget for KV pages + GDN state slots, per rank
     num_state_slots: int | None = None  # GDN state slots; default max_num_seqs
+    # prefix caching (engine/cache/prefix.py): shared full pages + GDN state snapshots taken every
+    # `snapshot_interval` prompt tokens and at each prompt's end, in a pool of
+    # `snapshot_fraction` of the budget
+    enable_prefix_caching: bool = True
+    snapshot_interval: int = 256
+    snapshot_fraction: float = 0.1
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two (got {self.block_size})")
+        if self.snapshot_interval < 1:
+            raise ValueError(f"prefix_snapshot_interval must be >= 1 (got {self.snapshot_interval})")
+        if not 0.0 <= self.snapshot_fraction < 1.0:
+            raise ValueError(f"prefix_snapshot_memory must be in [0, 1) (got {self.snapshot_fraction})")
         if self.memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory must be positive (got {self.kv_cache_memory!r})")
 
@@ -385,6 +395,12 @@ class EngineConfig:
     def num_state_slots(self) -> int:
         return self.cache.num_state_slots or self.scheduler.max_num_seqs
 
+    @property
+    def snapshot_fraction(self) -> float:
+        """The budget share of the prefix snapshot pool (0 with prefix caching off)."""
+        c = self.cache
+        return c.snapshot_fraction if c.enable_prefix_caching and not self.speculative.mtp else 0.0
+
 
 @dataclass(frozen=True)
 class EngineArgs:
@@ -414,12 +430,29 @@ class EngineArgs:
         "where drafts come from: ngram (prompt lookup) or mtp (the checkpoint's multi-token-prediction "
         "block); prefill and decode nodes must use the same method",
     )
+    enable_prefix_caching: bool = option(
+        True,
+        "reuse the cached KV pages and GDN state snapshots of earlier prompts' prefixes",
+        flag="--prefix-caching",
+    )
+    prefix_snapshot_interval: int = option(
+        256, "prefix caching: save the GDN state every this many prompt tokens (and at each prompt's end)"
+    )
+    prefix_snapshot_memory: float = option(
+        0.1, "prefix caching: share of --kv-cache-memory for GDN state snapshots (LRU-evicted when full)"
+    )
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             model=ModelConfig.from_dir(self.model, self.dtype),
             parallel=ParallelConfig(self.tensor_parallel_size),
-            cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory=self.kv_cache_memory,
+                enable_prefix_caching=self.enable_prefix_caching,
+                snapshot_interval=self.prefix_snapshot_interval,
+                snapshot_fraction=self.prefix_snapshot_memory,
+            ),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len),
             speculative=SpeculativeConfig(num_tokens=self.num_speculative_tokens, method=self.speculative_method),
             device=self.device,
@@ -428,7 +461,35 @@ class EngineArgs:
 
 
 @dataclass(frozen=True)
-class NodeArgs(EngineArgs):
+class SecurityArgs:
+    """How a server proves itself to its peers and checks them (router and both node kinds;
+    proto/security.py). The secrets themselves are read from files or the environment, never
+    kept in a config."""
+
+    cluster_token_file: str | None = option(
+        None, "file holding the cluster token, the node plane's shared secret (or PDSERVE_CLUSTER_TOKEN)"
+    )
+    insecure_open_cluster: bool = option(
+        False, "start without a cluster token: any process that reaches this server can join the cluster"
+    )
+    tls_cert: str | None = option(None, "PEM certificate: serve gRPC (and HTTP) over TLS, shown to peers")
+    tls_key: str | None = option(None, "PEM private key of --tls-cert")
+    tls_ca: str | None = option(
+        None, "PEM CA bundle peers' certificates are checked against; nodes then require the router's (mutual TLS)"
+    )
+    tls_server_name: str | None = option(
+        None, "the name peers' certificates are checked against (default: the host dialed)"
+    )
+
+    def check_security(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.insecure_open_cluster and self.cluster_token_file:
+            raise ValueError("--insecure-open-cluster and --cluster-token-file exclude each other")
+
+
+@dataclass(frozen=True)
+class NodeArgs(SecurityArgs, EngineArgs):
     """EngineArgs plus how a serving node joins the router: what both node configs
     (decode_node/config.py, prefill_node/config.py) share and proto/node.py reads."""
 
@@ -445,5 +506,6 @@ class NodeArgs(EngineArgs):
     metrics_port: int | None = option(None, "Prometheus /metrics on this port (0 picks one; default off)")
 
     def __post_init__(self):
+        self.check_security()
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s must be positive (got {self.heartbeat_interval_s})")

@@ -12,6 +12,7 @@ import logging
 import time
 
 from engine.cache.block_manager import BlockManager, SlotPool
+from engine.cache.prefix import PrefixCache
 from engine.config import EngineConfig
 from engine.executor import make_executor
 from engine.outputs import RequestOutput
@@ -32,10 +33,11 @@ class EngineCore:
         self.capacity = self.executor.capacity
         self.blocks = BlockManager(self.capacity.num_blocks, cfg.cache.block_size)
         self.slots = SlotPool(self.capacity.num_state_slots)
+        self.prefix = self._prefix_cache()
         spec = cfg.speculative
         self.proposer = NgramProposer(spec.ngram_min, spec.ngram_max) if spec.num_tokens and not spec.mtp else None
         self.scheduler = Scheduler(
-            cfg.scheduler, self.blocks, self.slots, cfg.max_model_len, spec.num_tokens, self._propose, spec
+            cfg.scheduler, self.blocks, self.slots, cfg.max_model_len, spec.num_tokens, self._propose, spec, self.prefix
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -48,6 +50,20 @@ class EngineCore:
             cfg.parallel.tensor_parallel_size,
             self.capacity.summary(),
         )
+
+    def _prefix_cache(self) -> PrefixCache | None:
+        c = self.cfg.cache
+        if not c.enable_prefix_caching:
+            return None
+        if self.cfg.speculative.mtp:  # the MTP layer's KV at a prefix's last position depends on the next token
+            log.warning("prefix caching is off: MTP drafting keeps KV that depends on the token after a prefix")
+            return None
+        if self.capacity.num_snapshots == 0:
+            log.warning(
+                "prefix caching is off: prefix_snapshot_memory=%.3g of the cache holds no snapshot", c.snapshot_fraction
+            )
+            return None
+        return PrefixCache(self.blocks, self.capacity.num_snapshots, c.snapshot_interval)
 
     def _propose(self, tokens: list[int], k: int) -> list[int]:
         return self.proposer(tokens, k) if self.proposer is not None else []
@@ -177,7 +193,7 @@ class EngineCore:
                     else None,
                 )
             )
-        return StepInput(rows, so.finished_ids)
+        return StepInput(rows, so.finished_ids, [c for _, c in so.restores], [c for _, c in so.saves])
 
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()
@@ -216,7 +232,7 @@ class EngineCore:
         new = req.output_token_ids[req._sent :]
         req._sent = len(req.output_token_ids)
         done = req.status in (Status.FINISHED, Status.HELD)
-        metrics = {"num_preemptions": req.num_preemptions}
+        metrics = {"num_preemptions": req.num_preemptions, "cached_tokens": req.num_cached_tokens}
         if req.first_token_time is not None:
             metrics["ttft_s"] = req.first_token_time - req.arrival_time
         if done and req.finish_time is not None:
@@ -231,6 +247,7 @@ class EngineCore:
             req.finish_reason,
             metrics=metrics,
             draft_token_ids=drafts,
+            num_cached_tokens=req.num_cached_tokens,
         )
         if req.params.logprobs is not None:
             out.logprobs = req.output_logprobs[req._sent_logprobs :]

@@ -31,6 +31,9 @@ class LLM:
         device: str = "cpu",
         num_speculative_tokens: int = 0,
         speculative_method: str = "ngram",
+        enable_prefix_caching: bool = True,
+        prefix_snapshot_interval: int = 256,
+        prefix_snapshot_memory: float = 0.1,
     ):
         self.config = EngineArgs(
             model,
@@ -45,6 +48,9 @@ class LLM:
             device,
             num_speculative_tokens,
             speculative_method,
+            enable_prefix_caching,
+            prefix_snapshot_interval,
+            prefix_snapshot_memory,
         ).engine_config()
         self.tokenizer = Tokenizer(model) if Tokenizer.exists(model) else None
         self.engine = EngineCore(self.config)

@@ -14,9 +14,10 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     text: str | None = None
-    metrics: dict = field(default_factory=dict)  # ttft_s, e2e_s, num_preemptions
+    metrics: dict = field(default_factory=dict)  # ttft_s, e2e_s, num_preemptions, cached_tokens
     draft_token_ids: list[int] = field(default_factory=list)  # prefill-only with MTP: drafts for the first decode step
     # params.logprobs: (token, logprob, [(id, logprob) most likely first]) for each of new_token_ids
     logprobs: list | None = None
     # params.prompt_logprobs: the same for prompt tokens 1..n-1, on the request's first output
     prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache

@@ -49,6 +49,9 @@ class Request:
     spec_acceptance: float = 1.0  # exponential average of the accepted fraction of its drafts
     output_logprobs: list = field(default_factory=list)  # params.logprobs: one TokenLogprob per output token
     prompt_logprobs: list = field(default_factory=list)  # params.prompt_logprobs: one per prompt token after the first
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at first admission
+    block_hashes: list[int] | None = None  # prefix caching: chained hash of each full prompt page
+    num_registered: int = 0  # pages of this request registered in the prefix cache
     _sent: int = 0  # output tokens already reported to the caller
     _sent_logprobs: int = 0
     _sent_prompt_logprobs: bool = False

@@ -18,6 +18,14 @@ fewer. With MTP, a row that samples also gets pages for the positions its next d
 verification the accepted fraction a/d updates an exponential average (weight `depth_ema`);
 under `depth_lower` the depth drops by one (not below 1), over `depth_raise` it climbs by one
 (not above k).
+
+Prefix caching (engine/cache/prefix.py): a waiting request is admitted from the longest cached
+prefix that has both its full pages and a GDN state snapshot; the step restores the snapshot into
+its slot (and its partial page) before the forward and the request computes from there. Snapshots
+are taken at exact token positions: a prompt chunk never runs past the next snapshot position
+(every `interval` tokens, and the prompt's end), and a chunk that ends on one saves the state
+after the forward. Full prompt pages are registered once computed; the scheduler frees pages by
+reference, so a page another request shares is never handed out.
 """
 
 from __future__ import annotations
@@ -29,8 +37,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.cache.block_manager import BlockManager, SlotPool
+from engine.cache.prefix import PrefixCache, PrefixHit, Snapshot, prompt_hashes
 from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.request import Request, Status
+from engine.step import SnapshotCopy
 
 log = logging.getLogger("pdserve.scheduler")
 
@@ -58,6 +68,8 @@ class SchedulerOutput:
     rows: list[ScheduledRow]
     preempted: list[Request]
     finished_ids: list[str]  # finished since the last step (workers drop their per-request state)
+    restores: list[tuple[Snapshot, SnapshotCopy]] = field(default_factory=list)  # prefix hits, pinned
+    saves: list[tuple[Snapshot, SnapshotCopy]] = field(default_factory=list)  # snapshots this step writes
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +86,7 @@ class Scheduler:
         num_spec_tokens: int = 0,
         proposer: Callable[[list[int], int], list[int]] | None = None,
         spec: SpeculativeConfig | None = None,
+        prefix: PrefixCache | None = None,
     ):
         self.cfg = cfg
         self.spec = spec or SpeculativeConfig(num_tokens=num_spec_tokens)
@@ -82,6 +95,7 @@ class Scheduler:
         self.proposer = proposer
         self.blocks = blocks
         self.slots = slots
+        self.prefix = prefix
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -102,10 +116,12 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         rows: list[ScheduledRow] = []
         preempted: list[Request] = []
+        restores: list[tuple[Snapshot, SnapshotCopy]] = []
+        saves: list[tuple[Snapshot, SnapshotCopy]] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._cut(req, min(req.num_tokens - req.num_computed_tokens, budget), req.num_computed_tokens)
             drafts = self._drafts(req, budget) if n == 1 and req.num_computed_tokens > 0 else []
             n += len(drafts)
             need = self.blocks.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
@@ -123,20 +139,34 @@ class Scheduler:
             if need > 0:
                 req.block_ids += self.blocks.allocate(need)
             self._lookahead(req, n, len(drafts))
+            self._plan_save(req, n, saves)
             rows.append(ScheduledRow(req, n, drafts))
             budget -= n
             i += 1
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            need = self.blocks.blocks_for(n)
-            if not self.blocks.can_allocate(need) or self.slots.num_free == 0:
+            hit = self._lookup(req)
+            p = hit.num_tokens if hit else 0
+            n = self._cut(req, min(req.num_tokens - p, budget), p)
+            shared = hit.pages if hit else []
+            need = self.blocks.blocks_for(p + n) - len(shared)
+            taken = sum(self.blocks.is_free(b) for b in shared)  # cached pages nobody used: now in use
+            if not self.blocks.can_allocate(need + taken) or self.slots.num_free == 0:
                 break
             self.waiting.popleft()
             req.slot = self.slots.allocate()
-            req.block_ids = self.blocks.allocate(need)
+            self.blocks.touch(shared)
+            req.block_ids = shared + self.blocks.allocate(need)
+            req.num_registered = len(shared)
+            if hit:
+                self._admit_hit(req, hit, restores)
+            if self.prefix is not None and req.num_preemptions == 0:
+                self.prefix.stats.query_tokens += len(req.prompt_token_ids)
+                self.prefix.stats.hit_tokens += p
+                req.num_cached_tokens = p
             self._lookahead(req, n, 0)
+            self._plan_save(req, n, saves)
             req.status = Status.RUNNING
             self.running.append(req)
             rows.append(ScheduledRow(req, n))
@@ -144,7 +174,60 @@ class Scheduler:
 
         rows.sort(key=lambda r: (not r.is_decode, r.request.slot if r.is_decode else 0))
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(rows, preempted, finished)
+        return SchedulerOutput(rows, preempted, finished, restores, saves)
+
+    # ---- prefix caching --------------------------------------------------------------------
+    def _hashes(self, req: Request) -> list[int]:
+        if req.block_hashes is None:
+            req.block_hashes = prompt_hashes(req.prompt_token_ids, self.blocks.block_size)
+        return req.block_hashes
+
+    def _lookup(self, req: Request) -> PrefixHit | None:
+        """The cached prefix a waiting request can start from (none for prompt logprobs, which
+        need logits at every prompt position)."""
+        if self.prefix is None or req.params.prompt_logprobs is not None:
+            return None
+        limit = min(len(req.prompt_token_ids), req.num_tokens - 1)
+        return self.prefix.lookup(req.prompt_token_ids, self._hashes(req), limit)
+
+    def _admit_hit(self, req: Request, hit: PrefixHit, restores: list) -> None:
+        p, bs = hit.num_tokens, self.blocks.block_size
+        req.num_computed_tokens = p
+        self.prefix.acquire(hit.snapshot)
+        page = req.block_ids[p // bs] if p % bs else None
+        restores.append((hit.snapshot, SnapshotCopy(hit.snapshot.index, req.slot, page)))
+        log.debug("request %s resumes from a cached prefix of %d tokens", req.request_id, p)
+
+    def _cut(self, req: Request, n: int, start: int) -> int:
+        """A prompt chunk stops at the next snapshot position (a multiple of the interval, or the
+        prompt's end), so that the state there can be saved."""
+        plen = len(req.prompt_token_ids)
+        if self.prefix is None or start >= plen:
+            return n
+        step = self.prefix.interval
+        return min(n, min((start // step + 1) * step, plen) - start)
+
+    def _plan_save(self, req: Request, n: int, saves: list) -> None:
+        """A chunk that ends on a snapshot position saves the state there after the forward."""
+        start, plen = req.num_computed_tokens, len(req.prompt_token_ids)
+        end = start + n
+        if self.prefix is None or start >= plen or end > plen or (end % self.prefix.interval and end != plen):
+            return
+        parent, tail = self.prefix.key_for(req.prompt_token_ids, self._hashes(req), end)
+        s = self.prefix.reserve(parent, tail, end)
+        if s is not None:
+            bs = self.blocks.block_size
+            saves.append((s, SnapshotCopy(s.index, req.slot, req.block_ids[end // bs] if end % bs else None)))
+
+    def _register(self, req: Request) -> None:
+        """Full prompt pages whose KV is now computed become cached blocks."""
+        if self.prefix is None:
+            return
+        full = min(req.num_computed_tokens, len(req.prompt_token_ids)) // self.blocks.block_size
+        hashes = self._hashes(req)
+        for j in range(req.num_registered, full):
+            self.blocks.register(req.block_ids[j], hashes[j])
+        req.num_registered = max(req.num_registered, full)
 
     def _lookahead(self, req: Request, n: int, num_drafts: int) -> None:
         """With MTP, a row that samples also takes pages, while free ones remain, for the positions
@@ -201,7 +284,7 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         if req.block_ids:
-            self.blocks.free(req.block_ids)
+            self.blocks.free(req.block_ids[::-1])  # a chain's last pages are evicted first
             req.block_ids = []
         if req.slot is not None:
             self.slots.free(req.slot)
@@ -258,12 +341,18 @@ class Scheduler:
         """Advance every scheduled row by its computed tokens; append the emitted tokens (one, or
         the accepted drafts plus one); finish what stops. Returns requests that got tokens or finished."""
         touched = []
+        if self.prefix is not None:  # the step has run: saved snapshots are usable, restores done
+            for s, _ in out.saves:
+                self.prefix.commit(s)
+            for s, _ in out.restores:
+                self.prefix.release(s)
         for row in out.rows:
             req = row.request
             if req.status is not Status.RUNNING:
                 continue
             if not row.samples:
                 req.num_computed_tokens += row.num_new_tokens
+                self._register(req)
                 continue
             toks = sampled[req.request_id]
             if row.draft_token_ids:
@@ -272,6 +361,7 @@ class Scheduler:
                 req.draft_token_ids = drafts.get(req.request_id, []) if drafts else []
             # the pending token and the accepted drafts are now in the cache
             req.num_computed_tokens += row.num_new_tokens - len(row.draft_token_ids) + len(toks) - 1
+            self._register(req)
             touched.append(req)
             self._emit(req, toks, eos)
             if req.prefill_only and req.status is Status.RUNNING:

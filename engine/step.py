@@ -28,9 +28,22 @@ class RowInput:
 
 
 @dataclass
+class SnapshotCopy:
+    """A prefix snapshot copy (engine/cache/prefix.py): entry `index` of the snapshot pool <-> GDN
+    state slot `slot`, and its partial KV page <-> page `page` (None: the prefix ends on a page
+    boundary)."""
+
+    index: int
+    slot: int
+    page: int | None = None
+
+
+@dataclass
 class StepInput:
     rows: list[RowInput]  # decode rows first
     finished_ids: list[str] = field(default_factory=list)
+    restores: list[SnapshotCopy] = field(default_factory=list)  # into slots and pages, before the forward
+    saves: list[SnapshotCopy] = field(default_factory=list)  # from slots and pages, after the forward
 
 
 @dataclass

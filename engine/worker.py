@@ -41,7 +41,7 @@ class Worker:
         self.specs = build_specs(cfg, rank)
         k = cfg.speculative.num_tokens
         self.capacity: Capacity = plan_capacity(
-            self.specs, cfg.cache.memory_bytes, cfg.num_state_slots, cfg.cache.block_size, k
+            self.specs, cfg.cache.memory_bytes, cfg.num_state_slots, cfg.cache.block_size, k, cfg.snapshot_fraction
         )
         weights = load_weights(cfg.model, t, rank, self.device)
         self.model = Qwen35Model(cfg.model, weights, t, all_reduce, cfg.max_model_len + 1, self.device)
@@ -117,11 +117,13 @@ class Worker:
         if not step.rows:
             return StepOutput({}) if self.rank == 0 else None
         batch = self.build_batch(step)
+        self.pools.snapshots.restore(self.pools, step.restores)  # prefix hits start from their snapshot
         hidden = None
         if self.drafter is not None:
             logits, hidden = self.model.forward(batch, self.pools, want_hidden=True)
         else:
             logits = self.model.forward(batch, self.pools)
+        self.pools.snapshots.save(self.pools, step.saves)
         out = StepOutput({})
         if self.rank == 0:
             self._sample(step, logits, out)

@@ -37,6 +37,7 @@ __all__ = [
     "pack_f32",
     "gemm_f32",
     "threads",
+    "gdn_verify",
 ]
 
 _SRC = Path(__file__).with_name("csrc") / "cpu_ops.c"
@@ -97,6 +98,7 @@ _SIGS = {
     ],
     "gemm_f32": [_i64, _i64, _i64, _p, _p, _p, _i64],
     "gdn_decode_mt": [_i64] * 6 + [_p, _i64, _p, _p, _p, _p, _p, _p, _p, _f32, _p, _p, _i64, _int, _i64],
+    "gdn_verify": [_i64, _p] + [_i64] * 5 + [_p, _i64, _p, _p, _p, _p, _p, _p, _p, _f32, _p, _p, _int, _p, _p, _i64],
 }
 
 
@@ -310,5 +312,41 @@ def gdn_rows(
         R, _ptr(row_cu), _ptr(row_slots), _ptr(row_init), _ptr(tok_slots), hk, hv, dk, dv, kc, _ptr(proj),
         proj.stride(0), _ptr(conv_w), _ptr(conv_pool), _ptr(rec_pool), _ptr(neg_A), _ptr(dt_bias), _ptr(norm_w),
         eps, _ptr(out), _ptr(work), stride, int(dtype == torch.bfloat16), nt,
+    )  # fmt: skip
+    return out
+
+
+# ---- Speculative verification (kernels/csrc/cpu_ops.c, last section) --------------------------
+
+
+def gdn_verify(
+    proj, conv_w, conv_pool, rec_pool, slots, cu_seqlens, conv_scratch, rec_scratch, neg_A, dt_bias, norm_w,
+    hk, hv, dk, dv, eps,
+) -> torch.Tensor:  # fmt: skip
+    """Decode rows of 1..n tokens each (a pending token and its drafts) through a GDN layer:
+    `gdn_decode` token by token on each row's slot, keeping the state after every token but a
+    row's last in its scratch entries, for rollback.
+
+    proj [T, D + Hv*dv + 2*Hv] packed over the rows (cu_seqlens [B+1] int64), slots [B] int64,
+    conv_scratch [>= B, n1, D, Kc-1] model dtype and rec_scratch [>= B, n1, Hv, dk, dv] float32
+    (entry [b, j]: row b after its token j, for j < len_b - 1; n1 >= the longest row), the rest
+    as for `gdn_decode`. Returns the gated-normed output [T, Hv*dv] in the model dtype.
+    """
+    T, dtype = proj.shape[0], proj.dtype
+    D, kc = conv_w.shape
+    B = slots.numel()
+    n1 = conv_scratch.shape[1]
+    assert proj.stride(1) == 1 and conv_pool.is_contiguous() and rec_pool.is_contiguous()
+    assert conv_scratch.is_contiguous() and rec_scratch.is_contiguous() and rec_scratch.shape[1] == n1
+    assert conv_scratch.shape[0] >= B and rec_scratch.shape[0] >= B and cu_seqlens.shape == (B + 1,)
+    assert conv_pool.dtype == conv_scratch.dtype == conv_w.dtype == norm_w.dtype == dtype
+    assert rec_pool.dtype == rec_scratch.dtype == torch.float32
+    assert slots.dtype == cu_seqlens.dtype == torch.int64 and slots.is_contiguous() and cu_seqlens.is_contiguous()
+    out = torch.empty(T, hv * dv, dtype=dtype)
+    work = torch.empty(D + 2 * hv, dtype=torch.float32)
+    _get().gdn_verify(
+        B, _ptr(cu_seqlens), hk, hv, dk, dv, kc, _ptr(proj), proj.stride(0), _ptr(conv_w), _ptr(conv_pool),
+        _ptr(rec_pool), _ptr(slots), _ptr(neg_A), _ptr(dt_bias), _ptr(norm_w), eps, _ptr(out), _ptr(work),
+        int(dtype == torch.bfloat16), _ptr(conv_scratch), _ptr(rec_scratch), n1,
     )  # fmt: skip
     return out

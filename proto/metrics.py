@@ -125,6 +125,16 @@ def capacity_gauges(snapshot) -> dict[str, tuple[str, float]]:
         "running": ("Requests running", s.running),
         "queue_depth": ("Requests waiting to be scheduled", s.waiting),
         "queued_prefill_tokens": ("Prompt tokens waiting for prefill", s.queued_prefill_tokens),
+        "prefix_hit_tokens_total": ("Prompt tokens taken from the prefix cache", s.prefix_hit_tokens),
+        "prefix_miss_tokens_total": (
+            "Prompt tokens computed: not in the prefix cache",
+            s.prefix_query_tokens - s.prefix_hit_tokens,
+        ),
+        "prefix_snapshots_used": ("GDN state snapshots held by the prefix cache", s.prefix_snapshots_used),
+        "prefix_snapshot_memory_bytes": (
+            "Memory of the prefix cache's GDN state snapshots held, per rank",
+            s.prefix_snapshot_bytes * s.prefix_snapshots_used // max(s.prefix_snapshots, 1),
+        ),
         "spec_draft_tokens_total": ("Draft tokens verified (speculative decoding)", s.spec_draft_tokens),
         "spec_accepted_tokens_total": ("Draft tokens accepted (speculative decoding)", s.spec_accepted_tokens),
         "spec_position_drafts_total": (

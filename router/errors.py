@@ -18,3 +18,13 @@ class Abort(Exception):
     def __init__(self, code: grpc.StatusCode, msg: str):
         super().__init__(msg)
         self.code, self.msg = code, msg
+
+
+class Draining(Abort):
+    """The router (or a node) drains: UNAVAILABLE, marked so that a caller retries elsewhere
+    (gRPC: the `pdserve-draining` trailing metadata; HTTP: 503 with Retry-After)."""
+
+    def __init__(self, what: str):
+        super().__init__(
+            grpc.StatusCode.UNAVAILABLE, f"{what} is draining (shutting down): send new requests elsewhere"
+        )

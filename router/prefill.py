@@ -11,7 +11,7 @@ The window: the prompt tokens this router has sent to P whose first token has no
 `prefill_window_tokens` (or P has none), so decode memory is reserved only for work P will
 start soon; the rest waits in the router's queue holding nothing (router/admission.py).
 
-A thread (`Push._watch`) reads the rest of P's stream: the `pushed` message with the transfer
+A task (`Push._watch`) reads the rest of P's stream: the `pushed` message with the transfer
 figures, or a failed push, which releases D's reservation (`push_failed`). A prefill that fails
 before its first token releases the reservation and is tried once more on another prefill node (a
 new reservation); a prefill node that answered UNAVAILABLE is marked dead and D drops its
@@ -22,9 +22,10 @@ node prefills the prompt itself.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -38,36 +39,49 @@ log = logging.getLogger("pdserve.router")
 
 
 class Push:
-    """A prefill node's push into D's reservation, after it streamed the first token: a thread
+    """A prefill node's push into D's reservation, after it streamed the first token: a task
     reads the rest of the Prefill stream (the `pushed` message with the transfer figures, or the
     status of a failed push) while D already waits for the state and then decodes."""
 
-    def __init__(self, p: NodeEntry, d: NodeEntry, rid: str, first: pb.PrefillResponse, call, on_fail):
+    def __init__(self, p: NodeEntry, d: NodeEntry, rid: str, first: pb.PrefillResponse, call, on_fail, spawn):
         self.p, self.d, self.rid, self.first, self.call = p, d, rid, first, call
         self.pushed: pb.Timings | None = None
         self.error: grpc.RpcError | None = None
-        self.done = threading.Event()
+        self.done = asyncio.Event()
         self._on_fail = on_fail
         if first.finish_reason:  # the first token ended the request: nothing is pushed
             self.done.set()
         else:
-            threading.Thread(target=self._watch, name=f"push-{rid}", daemon=True).start()
+            spawn(self._watch())
 
-    def _watch(self) -> None:
+    async def _watch(self) -> None:
         try:
-            for m in self.call:
+            while (m := await self.call.read()) is not grpc.aio.EOF:  # read(), as for the first message
                 if m.pushed:
                     self.pushed = m.timings
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED:
                 self.error = e
-                self._on_fail(self, e)
+                await self._on_fail(self, e)
+        except asyncio.CancelledError:
+            self.call.cancel()
+            raise
+        except Exception:  # a bug here must not go unseen: D's lease frees the reservation
+            log.exception("request %s: reading the push from %s failed", self.rid, self.p.node_id)
         finally:
             self.done.set()
 
-    def timings(self, wait_s: float = 0.0) -> pb.Timings:
-        """prefill_s from the first message; transfer_s and bytes once pushed (waits up to wait_s)."""
-        self.done.wait(wait_s)
+    async def wait(self, timeout_s: float) -> bool:
+        """True once the push has ended (pushed, failed or cancelled), waiting at most timeout_s."""
+        if not self.done.is_set() and timeout_s > 0:
+            try:
+                await asyncio.wait_for(self.done.wait(), timeout_s)
+            except TimeoutError:
+                pass
+        return self.done.is_set()
+
+    def timings(self) -> pb.Timings:
+        """prefill_s from the first message; transfer_s and bytes once pushed."""
         t = pb.Timings(prefill_s=self.first.timings.prefill_s)
         if self.pushed is not None:
             t.transfer_s, t.transfer_bytes = self.pushed.transfer_s, self.pushed.transfer_bytes
@@ -75,10 +89,14 @@ class Push:
 
 
 class PrefillPhase:
-    def __init__(self, cfg: RouterConfig, registry: NodeRegistry, policy):
+    """Owns the prefill nodes' `inflight_prefill_tokens` (counted in `choose`, given back when
+    the first token is back or the call failed) and the handshaken pairs."""
+
+    def __init__(self, cfg: RouterConfig, registry: NodeRegistry, policy, spawn: Callable):
         self.cfg, self.registry, self.policy = cfg, registry, policy
+        self._spawn = spawn  # runs a coroutine as a task the router keeps until it ends
         self._pairs: set[tuple] = set()  # (prefill id, incarnation, decode id, incarnation) handshaken
-        self._pair_lock = threading.Lock()
+        self._pair_lock = asyncio.Lock()
 
     def ready(self, d: NodeEntry, exclude: set[str]) -> list[NodeEntry]:
         dg = d.info.schema_digest
@@ -97,161 +115,185 @@ class PrefillPhase:
         ready = self.ready(d, set())
         limit = self.cfg.max_prefill_queue_tokens
         if limit and ready:
-            with self.registry.cond:
+            with self.registry.lock:
                 queued = [p.info.capacity.queued_prefill_tokens + p.inflight_prefill_tokens for p in ready]
             if min(queued) >= limit:
                 return False
         return bool(ready)
 
     def choose(self, d: NodeEntry, prompt_len: int, exclude: set[str], window: bool) -> NodeEntry | None:
-        """Under registry.cond: a ready prefill node for D (within its window when `window`),
-        with the prompt counted against it; None when there is none."""
+        """A ready prefill node for D (within its window when `window`), with the prompt counted
+        against it until `_given_back`; None when there is none."""
         w = self.cfg.prefill_window_tokens
-        nodes = self.ready(d, exclude)
-        if window and w:
-            nodes = [p for p in nodes if not p.inflight_prefill_tokens or p.inflight_prefill_tokens + prompt_len <= w]
-        p = self.policy.choose_prefill(nodes, prompt_len)
-        if p is not None:
-            p.inflight_prefill_tokens += prompt_len
+        with self.registry.lock:
+            nodes = self.ready(d, exclude)
+            if window and w:
+                nodes = [p for p in nodes
+                         if not p.inflight_prefill_tokens or p.inflight_prefill_tokens + prompt_len <= w]  # fmt: skip
+            p = self.policy.choose_prefill(nodes, prompt_len)
+            if p is not None:
+                p.inflight_prefill_tokens += prompt_len
         return p
 
-    def handshake(self, p: NodeEntry, d: NodeEntry) -> None:
+    def _given_back(self, p: NodeEntry, prompt_len: int) -> None:
+        with self.registry.lock:
+            p.inflight_prefill_tokens -= prompt_len
+        self.registry.on_change()  # within its window again: admit the next
+
+    async def handshake(self, p: NodeEntry, d: NodeEntry) -> None:
         """Broker the transfer handshake of (P, D) once per pair of incarnations."""
         key = (p.node_id, p.info.incarnation, d.node_id, d.info.incarnation)
         if key in self._pairs:
             return
-        with self._pair_lock:
+        async with self._pair_lock:
             if key in self._pairs:
                 return
-            pr = p.stub.Handshake(pb.HandshakeRequest(node_id="router"), timeout=60)
-            dr = d.stub.Handshake(
+            pr = await p.stub.Handshake(pb.HandshakeRequest(node_id="router"), timeout=60)
+            dr = await d.stub.Handshake(
                 pb.HandshakeRequest(node_id=p.node_id, incarnation=p.info.incarnation, schema=pr.schema), timeout=60
             )
-            p.stub.Handshake(
+            await p.stub.Handshake(
                 pb.HandshakeRequest(node_id=d.node_id, incarnation=d.info.incarnation, schema=dr.schema), timeout=60
             )
             self._pairs.add(key)
             log.info("transfer handshake %s <-> %s done", p.node_id, d.node_id)
 
     def forget_prefill(self, p: NodeEntry) -> None:
-        with self._pair_lock:
-            self._pairs = {k for k in self._pairs if k[0] != p.node_id}
+        self._pairs = {k for k in self._pairs if k[0] != p.node_id}
 
     def forget_pair(self, p: NodeEntry, d: NodeEntry) -> None:
         """Handshake (P, D) again next time: a failed prefill may mean D dropped P's agents (another
         router declared P dead); the handshake is idempotent and cheap."""
-        with self._pair_lock:
-            self._pairs = {k for k in self._pairs if (k[0], k[2]) != (p.node_id, d.node_id)}
+        self._pairs = {k for k in self._pairs if (k[0], k[2]) != (p.node_id, d.node_id)}
 
-    def release(self, d: NodeEntry, rid: str, reason: str, dead_prefill: str = "") -> None:
+    async def release(self, d: NodeEntry, rid: str, reason: str, dead_prefill: str = "") -> None:
         try:
-            d.stub.Release(pb.ReleaseRequest(request_id=rid, reason=reason, dead_prefill_node=dead_prefill), timeout=30)
+            await d.stub.Release(pb.ReleaseRequest(request_id=rid, reason=reason, dead_prefill_node=dead_prefill),
+                                 timeout=30)  # fmt: skip
         except grpc.RpcError as e:
             log.warning("release of %s on %s failed: %s", rid, d.node_id, e.code().name)
 
-    def reserve(self, d: NodeEntry, rid: str, ids: list[int], request, context) -> pb.TransferTarget:
+    def release_later(self, d: NodeEntry, rid: str, reason: str, dead_prefill: str = "") -> None:
+        """Release from a path that is unwinding (a cancelled request): a task of its own."""
+        self._spawn(self.release(d, rid, reason, dead_prefill))
+
+    async def reserve(self, d: NodeEntry, rid: str, ids: list[int], request) -> pb.TransferTarget:
         """D.Reserve, retried while D is momentarily full (bounded by the admission wait)."""
         deadline = time.monotonic() + self.cfg.admission_timeout_s
+        req = pb.ReserveRequest(request_id=rid, prompt_token_ids=ids, sampling=request.sampling,
+                                lease_s=self.cfg.reservation_lease_s)  # fmt: skip
         while True:
             try:
-                return d.stub.Reserve(
-                    pb.ReserveRequest(
-                        request_id=rid, prompt_token_ids=ids, sampling=request.sampling,
-                        lease_s=self.cfg.reservation_lease_s,
-                    ),
-                    timeout=30,
-                ).target  # fmt: skip
+                return (await d.stub.Reserve(req, timeout=30)).target
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
                     raise
-                if not context.is_active():
-                    raise Abort(grpc.StatusCode.CANCELLED, "the client went away") from None
-                time.sleep(0.02)
+            await asyncio.sleep(0.02)  # the node's memory frees on its own schedule: ask again shortly
 
-    def run(self, d: NodeEntry, p: NodeEntry, request, ids: list[int], request_id: str, context) -> Push | None:
+    async def run(self, d: NodeEntry, p: NodeEntry, request, ids: list[int], request_id: str) -> Push | None:
         """Reserve on D, prefill on P (counted against it by admission; one retry elsewhere) until
         it streams the first token. Returns the Push (first token, the push still running), or
         None to prefill on D."""
-        n = len(ids)
         tried: set[str] = set()
         attempt = 0  # reservations made (each under its own id)
         failures = 0  # prefill calls that failed (a drain refusal is not one)
         while True:
             if p is None:
-                with self.registry.cond:
-                    p = self.choose(d, n, tried, window=False)  # a retry: admitted already
+                p = self.choose(d, len(ids), tried, window=False)  # a retry: admitted already
                 if p is None:
                     return None
             tried.add(p.node_id)
             rid = request_id if attempt == 0 else f"{request_id}~{attempt}"
-            reserved = False
             try:
-                self.handshake(p, d)  # first: the lease starts when P can renew it
-                try:
-                    target = self.reserve(d, rid, ids, request, context)
-                except grpc.RpcError as e:
-                    raise DecodeFailed(e) from None
-                reserved = True
-                call = p.stub.Prefill(
-                    pb.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=request.sampling, target=target),
-                    timeout=self.cfg.prefill_timeout_s,
-                )
-                context.add_callback(call.cancel)
-                first = next(call, None)
-                if first is None:  # a stream with no message: a broken node
-                    call.cancel()
-                    raise Abort(grpc.StatusCode.INTERNAL, f"prefill node {p.node_id} answered nothing")
-                return Push(p, d, rid, first, call, self.push_failed)
-            except grpc.RpcError as e:
-                if not context.is_active():
-                    if reserved:
-                        self.release(d, rid, "the client went away")
-                    raise Abort(grpc.StatusCode.CANCELLED, "the client went away") from None
-                code = e.code()
+                return await self._attempt(d, p, request, ids, rid)
+            except _Failed as f:
                 attempt += 1
-                if is_draining(e):  # alive, finishing its own work: place this prompt elsewhere
-                    self.registry.mark_draining(p)
-                    if reserved:
-                        self.release(d, rid, f"{p.node_id} is draining")
-                    if self.ready(d, tried):
-                        continue
-                    return None  # no other prefill node: D prefills the prompt itself
-                dead = code == grpc.StatusCode.UNAVAILABLE
-                if dead:
-                    with self.registry.cond:
-                        p.alive = False  # back with its next heartbeat, if it is alive after all
-                    self.forget_prefill(p)
-                self.forget_pair(p, d)
-                if reserved:
-                    self.release(d, rid, f"prefill on {p.node_id} failed: {code.name}", p.node_id if dead else "")
-                if code == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise Abort(code, e.details() or code.name) from None
-                failures += 1
-                others = self.ready(d, tried)
-                log.warning(
-                    "request %s: prefill on %s failed (%s: %s)%s", request_id, p.node_id, code.name, e.details(),
-                    "; retrying on another prefill node" if failures < 2 and others else "",
-                )  # fmt: skip
-                if failures < 2 and others:
-                    continue
-                if dead and not others:
-                    return None  # no prefill node left: D prefills the prompt itself
-                raise Abort(code, f"prefill failed on {p.node_id}: {e.details() or code.name}") from None
+                failures += not f.draining
+                retry = await self._after_failure(d, p, f, request_id, tried, failures)
+                if retry is not True:
+                    return retry
             finally:
-                with self.registry.cond:
-                    p.inflight_prefill_tokens -= n
-                    self.registry.cond.notify_all()  # within its window again: admit the next
+                self._given_back(p, len(ids))
                 p = None
 
-    def push_failed(self, push: Push, e: grpc.RpcError) -> None:
-        """The push failed after the first token went out (watcher thread): free D's reservation,
-        which ends D's Generate(reserved) with ABORTED; a prefill node that became unreachable
-        is marked dead and D drops its transfer agents."""
+    async def _attempt(self, d: NodeEntry, p: NodeEntry, request, ids: list[int], rid: str) -> Push:
+        """One reservation and one Prefill call, to P's first token."""
+        try:
+            await self.handshake(p, d)  # first: the lease starts when P can renew it
+        except grpc.RpcError as e:
+            raise _Failed(e, rid, reserved=False) from None
+        try:
+            target = await self.reserve(d, rid, ids, request)
+        except grpc.RpcError as e:
+            raise DecodeFailed(e) from None
+        call = None
+        try:
+            call = p.stub.Prefill(
+                pb.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=request.sampling, target=target),
+                timeout=self.cfg.prefill_timeout_s,
+            )
+            first = await call.read()
+            if first is grpc.aio.EOF:  # a stream with no message: a broken node
+                call.cancel()
+                self.release_later(d, rid, f"prefill node {p.node_id} answered nothing")
+                raise Abort(grpc.StatusCode.INTERNAL, f"prefill node {p.node_id} answered nothing")
+        except grpc.RpcError as e:
+            raise _Failed(e, rid, reserved=True) from None
+        except asyncio.CancelledError:  # the client went away: P aborts, D's reservation goes
+            if call is not None:
+                call.cancel()
+            self.release_later(d, rid, "the client went away")
+            raise
+        return Push(p, d, rid, first, call, self.push_failed, self._spawn)
+
+    async def _after_failure(self, d, p, f: _Failed, request_id: str, tried: set[str], failures: int):
+        """After a failed attempt: True to try another prefill node, None to prefill on D;
+        raises Abort when the request fails."""
+        e, code = f.err, f.err.code()
+        if f.draining:  # alive, finishing its own work: place this prompt elsewhere
+            self.registry.mark_draining(p)
+            if f.reserved:
+                await self.release(d, f.rid, f"{p.node_id} is draining")
+            return True if self.ready(d, tried) else None  # none other: D prefills the prompt itself
+        dead = code == grpc.StatusCode.UNAVAILABLE
+        if dead:
+            with self.registry.lock:
+                p.alive = False  # back with its next heartbeat, if it is alive after all
+            self.forget_prefill(p)
+        self.forget_pair(p, d)
+        if f.reserved:
+            await self.release(d, f.rid, f"prefill on {p.node_id} failed: {code.name}", p.node_id if dead else "")
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise Abort(code, e.details() or code.name)
+        others = self.ready(d, tried)
+        log.warning(
+            "request %s: prefill on %s failed (%s: %s)%s", request_id, p.node_id, code.name, e.details(),
+            "; retrying on another prefill node" if failures < 2 and others else "",
+        )  # fmt: skip
+        if failures < 2 and others:
+            return True
+        if dead and not others:
+            return None  # no prefill node left: D prefills the prompt itself
+        raise Abort(code, f"prefill failed on {p.node_id}: {e.details() or code.name}")
+
+    async def push_failed(self, push: Push, e: grpc.RpcError) -> None:
+        """The push failed after the first token went out (its watcher task): free D's
+        reservation, which ends D's Generate(reserved) with ABORTED; a prefill node that became
+        unreachable is marked dead and D drops its transfer agents."""
         dead = e.code() == grpc.StatusCode.UNAVAILABLE and not is_draining(e)
         log.warning("request %s: push from %s failed (%s: %s)", push.rid, push.p.node_id, e.code().name, e.details())
         if dead:
-            with self.registry.cond:
+            with self.registry.lock:
                 push.p.alive = False
             self.forget_prefill(push.p)
-        self.release(push.d, push.rid, f"push from {push.p.node_id} failed: {e.code().name}",
-                      push.p.node_id if dead else "")  # fmt: skip
+        await self.release(push.d, push.rid, f"push from {push.p.node_id} failed: {e.code().name}",
+                           push.p.node_id if dead else "")  # fmt: skip
+
+
+class _Failed(Exception):
+    """A Prefill attempt failed with a status (after D's reservation `rid` was made)."""
+
+    def __init__(self, err: grpc.RpcError, rid: str, reserved: bool):
+        super().__init__(str(err))
+        self.err, self.rid, self.reserved = err, rid, reserved
+        self.draining = is_draining(err)

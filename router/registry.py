@@ -10,19 +10,26 @@ but `routable` no more: it finishes what it holds and gets nothing new.
 
 Between heartbeats the router discounts what it has itself sent to a node (`inflight`,
 `inflight_blocks`), so a burst of requests does not all land on the node that looked emptiest.
+
+The registry lives on the router's event loop; its state sits under a plain lock (held for a few
+field updates, never across an await) so that code on another thread can read it. Every change
+that may let a queued request in calls `on_change` (the admission queue's wake-up), from any thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 
 from proto import pb, rpc
-from proto.serving import channel
+from proto.security import OPEN, Credentials
+from router.net import node_channel
 
 log = logging.getLogger("pdserve.router")
 
@@ -39,8 +46,9 @@ class NodeEntry:
     # finished by the router since the node's last report: free on the node, not yet reported
     freed_slots: int = 0
     freed_blocks: int = 0
-    chan: grpc.Channel | None = None
-    stub: object = None
+    chan: grpc.aio.Channel | None = None
+    _stub: object = None
+    creds: Credentials = OPEN  # how the router dials the node (the cluster token, TLS)
 
     @property
     def node_id(self) -> str:
@@ -50,17 +58,19 @@ class NodeEntry:
     def kind(self) -> int:
         return self.info.kind
 
-    def connect(self) -> None:
-        self.chan = channel(self.info.address)
-        if self.info.kind == pb.NODE_KIND_DECODE:
-            self.stub = rpc.DecodeNodeStub(self.chan)
-        else:
-            self.stub = rpc.PrefillNodeStub(self.chan)
+    @property
+    def stub(self):
+        """The node's aio stub, made on first use (on the event loop, where every call runs)."""
+        if self._stub is None:
+            self.chan = node_channel(self.info.address, self.creds)
+            cls = rpc.DecodeNodeStub if self.info.kind == pb.NODE_KIND_DECODE else rpc.PrefillNodeStub
+            self._stub = cls(self.chan)
+        return self._stub
 
-    def close(self) -> None:
-        if self.chan is not None:
-            self.chan.close()
-            self.chan = None
+    def close(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        chan, self.chan, self._stub = self.chan, None, None
+        if chan is not None and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(lambda: loop.create_task(chan.close()))
 
     # capacity as the router estimates it now
     def est_free_slots(self) -> int:
@@ -82,16 +92,19 @@ class NodeEntry:
 
 
 class NodeRegistry:
-    def __init__(self, heartbeat_interval_s: float = 0.5, dead_after_s: float = 3.0):
+    def __init__(self, heartbeat_interval_s: float = 0.5, dead_after_s: float = 3.0, creds: Credentials = OPEN):
+        self.creds = creds
         self.heartbeat_interval_s = heartbeat_interval_s
         self.dead_after_s = dead_after_s
         self.nodes: dict[str, NodeEntry] = {}
         self.static_addrs: dict[str, int] = {}  # address -> expected kind
-        self.cond = threading.Condition()  # notified on any change that may admit a request
+        self.lock = threading.RLock()
+        self.on_change: Callable[[], None] = lambda: None  # set by the router: wake the admission queue
+        self.loop: asyncio.AbstractEventLoop | None = None  # the router's loop (node channels close there)
 
     # ---- registration ---------------------------------------------------------------------
     def register(self, info: pb.NodeInfo, static: bool = False) -> NodeEntry:
-        with self.cond:
+        with self.lock:
             old = self.nodes.get(info.node_id)
             if old is not None and old.info.incarnation == info.incarnation and old.info.address == info.address:
                 old.info = info
@@ -99,12 +112,11 @@ class NodeRegistry:
                 if not old.alive:
                     log.info("node %s (%s) is back", info.node_id, info.address)
                 old.alive = True
-                self.cond.notify_all()
+                self.on_change()
                 return old
-            e = NodeEntry(info=info, static=static or (old is not None and old.static))
-            e.connect()
+            e = NodeEntry(info=info, static=static or (old is not None and old.static), creds=self.creds)
             if old is not None:
-                old.close()
+                old.close(self.loop)
                 log.info(
                     "node %s re-registered (incarnation %x -> %x)", info.node_id, old.info.incarnation, info.incarnation
                 )
@@ -114,11 +126,11 @@ class NodeRegistry:
                     info.node_id, pb.NodeKind.Name(info.kind), info.address, info.tp_size,
                 )  # fmt: skip
             self.nodes[info.node_id] = e
-            self.cond.notify_all()
+            self.on_change()
             return e
 
     def heartbeat(self, node_id: str, incarnation: int, capacity: pb.Capacity, draining: bool = False) -> bool:
-        with self.cond:
+        with self.lock:
             e = self.nodes.get(node_id)
             if e is None or e.info.incarnation != incarnation:
                 return False
@@ -130,17 +142,17 @@ class NodeRegistry:
             if not e.alive:
                 log.info("node %s is back", node_id)
             e.alive = True
-            self.cond.notify_all()
+            self.on_change()
             return True
 
     def add_static(self, address: str, kind: int) -> None:
         self.static_addrs[address] = kind
 
     # ---- health -------------------------------------------------------------------------------
-    def sweep(self) -> None:
+    async def sweep(self) -> None:
         """Mark nodes without a recent heartbeat dead; poll static nodes that are not heartbeating."""
         now = time.monotonic()
-        with self.cond:
+        with self.lock:
             for e in self.nodes.values():
                 if e.alive and now - e.last_seen > self.dead_after_s:
                     e.alive = False
@@ -154,38 +166,39 @@ class NodeRegistry:
         for addr, kind in list(self.static_addrs.items()):
             if addr in fresh:
                 continue
-            ch = channel(addr)
-            try:
+            async with node_channel(addr, self.creds) as ch:
                 stub = rpc.DecodeNodeStub(ch) if kind == pb.NODE_KIND_DECODE else rpc.PrefillNodeStub(ch)
-                info = stub.Stats(pb.StatsRequest(), timeout=1.0)
-                self.register(info, static=True)
-            except grpc.RpcError:
-                pass
-            finally:
-                ch.close()
+                try:
+                    info = await stub.Stats(pb.StatsRequest(), timeout=1.0)
+                except grpc.RpcError:
+                    continue
+            self.register(info, static=True)
 
     def snapshot(self) -> list[tuple[NodeEntry, float]]:
         now = time.monotonic()
-        with self.cond:
+        with self.lock:
             return [(e, now - e.last_seen) for e in self.nodes.values()]
 
     def live(self, kind: int) -> list[NodeEntry]:
-        with self.cond:  # re-entrant: callers may already hold it
+        with self.lock:  # re-entrant: callers may already hold it
             return [e for e in self.nodes.values() if e.alive and e.kind == kind]
 
     def routable(self, kind: int) -> list[NodeEntry]:
         """Live and not draining: nodes that may get new requests."""
-        with self.cond:
+        with self.lock:
             return [e for e in self.nodes.values() if e.alive and not e.info.draining and e.kind == kind]
 
     def mark_draining(self, e: NodeEntry) -> None:
         """The node refused a call because it drains (until a heartbeat says otherwise)."""
-        with self.cond:
+        with self.lock:
             if not e.info.draining:
                 log.info("node %s is draining: no new requests go there", e.node_id)
             e.info.draining = True
 
-    def close(self) -> None:
-        with self.cond:
+    async def close(self) -> None:
+        with self.lock:
+            chans = [e.chan for e in self.nodes.values() if e.chan is not None]
             for e in self.nodes.values():
-                e.close()
+                e.chan = e._stub = None
+        for ch in chans:
+            await ch.close()

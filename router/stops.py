@@ -10,7 +10,7 @@ once the request has min_tokens new tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
 
 class StopMatcher:
@@ -35,29 +35,31 @@ class StopMatcher:
         return held
 
 
-def with_stops(msgs: Iterator, stops: list[str], min_tokens: int = 0, on_stop: Callable[[], None] | None = None):
-    """Wrap a stream of GenerateResponse messages (text deltas): hold back and cut at stop
-    strings; on a match, the message that completed it is the last one (finish_reason "stop")
-    and `msgs` is closed, which cancels the request upstream."""
+async def with_stops(chunks: AsyncIterator, stops: list[str], min_tokens: int = 0,
+                     on_stop: Callable[[], None] | None = None) -> AsyncIterator:  # fmt: skip
+    """Wrap a stream of chunks with text deltas (router/request.py `Chunk`): hold back and cut at
+    stop strings; on a match, the chunk that completed it is the last one (finish_reason "stop")
+    and `chunks` is closed, which cancels the request upstream."""
     if not [s for s in stops if s]:
-        yield from msgs
+        async for c in chunks:
+            yield c
         return
     m = StopMatcher(list(stops))
     n = 0
     try:
-        for msg in msgs:
-            n += len(msg.token_ids)
+        async for c in chunks:
+            n += len(c.token_ids)
             if n < min_tokens:
-                yield msg
+                yield c
                 continue
-            text, hit = m.push(msg.text)
+            text, hit = m.push(c.text)
             if hit:
-                msg.text, msg.finish_reason = text, "stop"
+                c.text, c.finish_reason = text, "stop"
                 if on_stop is not None:
                     on_stop()
-                yield msg
+                yield c
                 return
-            msg.text = text + (m.flush() if msg.finish_reason else "")
-            yield msg
+            c.text = text + (m.flush() if c.finish_reason else "")
+            yield c
     finally:
-        msgs.close()
+        await chunks.aclose()

@@ -4,9 +4,16 @@ weights, fixed seed, save_pretrained) and loaded through our loader, as real one
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
+
+# transformers is the reference: keep it on its own PyTorch code even where flash-linear-attention
+# or causal-conv1d is installed (tools/gpu_check.sh prepare --fla brings fla for the benchmark),
+# whose kernels its Qwen3.5 modules would otherwise pick when first imported.
+for _pkg in ("fla", "causal_conv1d"):
+    sys.modules.setdefault(_pkg, None)
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

@@ -24,6 +24,10 @@ SPEC_HV1 = TinyModelSpec(
 # with a multi-token-prediction block (`mtp.*` under the published names), for MTP drafting
 SPEC_MTP = TinyModelSpec(layers=4, tokenizer=False, seed=2, mtp=True)
 PROMPT_LENS = (1, 2, 3, 63, 64, 65, 200)
+# bfloat16: weights drawn wider than the default (std 0.1), so that most positions have a clear argmax
+SPEC_BF16 = TinyModelSpec(
+    linear_key_head_dim=64, linear_value_head_dim=64, init_std=0.1, dtype="bfloat16", tokenizer=False, seed=0
+)
 
 # MoE: odd sizes that still split over 8 ranks; 6 experts, top-3, one KV head; Qwen3-Next has a
 # dense layer (0) among sparse ones and does not renormalise its top-k weights.
@@ -62,18 +66,20 @@ def prompts(vocab: int = 1024, lens=PROMPT_LENS, seed: int = 0) -> list[list[int
 
 
 @functools.lru_cache(maxsize=4)
-def _hf_model(path: str, cls_name: str | None = None, dtype: torch.dtype = torch.float32):
+def _hf_model(path: str, cls_name: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """transformers' own model class for the checkpoint: `cls_name`, or its config's architecture."""
     import transformers
 
     cls_name = cls_name or json.loads((Path(path) / "config.json").read_text())["architectures"][0]
-    return getattr(transformers, cls_name).from_pretrained(path, dtype=dtype).eval()
+    return getattr(transformers, cls_name).from_pretrained(path, dtype=dtype).to(device).eval()
 
 
-def hf_greedy(path: str, prompt: list[int], new_tokens: int, dtype: torch.dtype = torch.float32) -> list[int]:
+def hf_greedy(
+    path: str, prompt: list[int], new_tokens: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> list[int]:
     """transformers' own generate, one prompt at a time (no padding), greedy."""
-    model = _hf_model(path, dtype=dtype)
-    ids = torch.tensor([prompt])
+    model = _hf_model(path, dtype=dtype, device=device)
+    ids = torch.tensor([prompt], device=device)
     with torch.inference_mode():
         out = model.generate(
             ids,
@@ -105,12 +111,13 @@ def hf_greedy_violations(
 
 
 def hf_logit_shortfall(
-    path: str, prompt: list[int], tokens: list[int], dtype: torch.dtype = torch.float32
+    path: str, prompt: list[int], tokens: list[int], dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> torch.Tensor:
     """[len(tokens)]: how far below transformers' max logit each token is, teacher-forced (one
     full forward over prompt + tokens); 0 where the token is the argmax."""
     with torch.inference_mode():
-        lg = _hf_model(path, dtype=dtype)(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :].float()
+        ids = torch.tensor([prompt + tokens[:-1]], device=device)
+        lg = _hf_model(path, dtype=dtype, device=device)(ids).logits[0, len(prompt) - 1 :].float().cpu()
     t = torch.tensor(tokens)
     return lg.max(-1).values - lg.gather(1, t[:, None])[:, 0]
 
@@ -163,3 +170,22 @@ def hf_mtp_logits(
             x = x[0]
         out = mods["norm"](x)[0]
         return model.lm_head(out).float(), out
+
+
+def make_fitted_mtp(path, spec: TinyModelSpec, fit_prompts: list[list[int]], length: int = 64, steps: int = 40) -> str:
+    """A checkpoint whose `mtp.*` block was fitted (engine/tiny_model.py `fit_mtp_block`) to the
+    model's own greedy continuations of `fit_prompts`, each continued to `length` tokens by the
+    engine without speculation: on those prompts its drafts are mostly accepted, so verification
+    takes its accept paths as well as its rollbacks (a random block's drafts are all rejected).
+    The tests still compare with transformers' tokens. Dense Qwen3.5 only."""
+    from engine import LLM, SamplingParams
+    from engine.tiny_model import fit_mtp_block
+
+    out = make(path, spec)
+    with LLM(out, dtype="float32") as llm:
+        seqs = []
+        for p in fit_prompts:
+            sp = SamplingParams(max_tokens=length - len(p), temperature=0.0, ignore_eos=True)
+            seqs.append(p + llm.generate(prompt_token_ids=[p], sampling_params=sp)[0].output_token_ids)
+    fit_mtp_block(out, seqs, steps=steps, batch=len(seqs))
+    return out

@@ -1,6 +1,8 @@
 """NIXL data plane: one-sided WRITE from a source rank's pools into a destination rank's pools.
 
-Start-up: every pool tensor is registered once (its whole memory; KV pools are head-major).
+Start-up: every pool tensor is registered once (its whole memory; KV pools are head-major), as
+host memory (DRAM) when it lies on the CPU and as device memory (VRAM, with its CUDA device
+index) when it lies on a GPU; a rank whose pools span devices registers one list per device.
 Per peer (once, at handshake): two descriptor lists are prepared from the pair's templates, one
 descriptor per (region, template, page), over *every* page of the pool, local side and remote
 side (a KV template is one head, so a head's blocks are consecutive descriptors). Per request:
@@ -78,6 +80,28 @@ def job_indices(pairs: Sequence[tuple[int, RegionPair]], lbase: dict, rbase: dic
     return np.concatenate(li).astype(np.int32), np.concatenate(ri).astype(np.int32)
 
 
+def registration(tensors) -> list[tuple[str, np.ndarray]]:
+    """Pool tensors as NIXL registration rows (addr, len, device), one list per memory type and
+    device: ("DRAM", rows) for CPU tensors, ("VRAM", rows) for each CUDA device's tensors."""
+    groups: dict[tuple[str, int], list] = {}
+    for t in tensors:
+        if not t.is_contiguous():
+            raise ValueError(f"NIXL registers whole contiguous pools (got {tuple(t.shape)} strides {t.stride()})")
+        if t.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"NIXL registers CPU or CUDA memory (got a pool on {t.device})")
+        key = ("DRAM", 0) if t.device.type == "cpu" else ("VRAM", t.device.index or 0)
+        groups.setdefault(key, []).append((t.data_ptr(), t.numel() * t.element_size(), key[1]))
+    return [(mem, np.array(rows, dtype=np.uint64)) for (mem, _), rows in groups.items()]
+
+
+def side_mem_type(pairs: Sequence[RegionPair], side: str) -> str:
+    """The one memory type of a side's regions (a prepared descriptor list holds one type)."""
+    kinds = {(p.src if side == "src" else p.dst).mem_type for p in pairs}
+    if len(kinds) > 1:
+        raise ValueError(f"{side} regions mix memory types {sorted(kinds)}; NIXL prepares one type per list")
+    return kinds.pop() if kinds else "DRAM"
+
+
 class NixlTransport(Transport):
     name = "nixl"
 
@@ -86,10 +110,7 @@ class NixlTransport(Transport):
         from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415
 
         self.nx = nixl_agent(agent, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
-        tensors = list(regions.values())
-        mem = "DRAM" if tensors[0].device.type == "cpu" else "VRAM"
-        self.mem_type = mem
-        self.reg = self.nx.register_memory(tensors)  # once, for the endpoint's lifetime
+        self.reg = [self.nx.register_memory(rows, mem) for mem, rows in registration(regions.values())]
         self.prepped: dict[str, _Prepped] = {}
         self.handles: dict[str, set] = {}  # peer -> live xfer handles
         self.last_post: dict = {}  # indices, make_s, post_s of the latest write (observability)
@@ -108,8 +129,8 @@ class NixlTransport(Transport):
     def prepare(self, agent, pairs):
         lrows, lbase = _rows(pairs, "src")
         rrows, rbase = _rows(pairs, "dst")
-        local = self.nx.prep_xfer_dlist("NIXL_INIT_AGENT", lrows, self.mem_type)
-        remote = self.nx.prep_xfer_dlist(agent, rrows, self.mem_type)
+        local = self.nx.prep_xfer_dlist("NIXL_INIT_AGENT", lrows, side_mem_type(pairs, "src"))
+        remote = self.nx.prep_xfer_dlist(agent, rrows, side_mem_type(pairs, "dst"))
         self.prepped[agent] = _Prepped(local, remote, lbase, rbase, len(lrows))
 
     def write(self, agent, job: WriteJob):
@@ -177,4 +198,5 @@ class NixlTransport(Transport):
     def close(self):
         for agent in list(self.handles):
             self.remove_peer(agent)
-        self.nx.deregister_memory(self.reg)
+        for reg in self.reg:
+            self.nx.deregister_memory(reg)

@@ -10,6 +10,13 @@ as a permuted view in the kernels' [num_blocks, 2, KVH, block_size, hd] order (n
 Capacity in tokens divides the page memory by the per-token bytes of the groups that grow
 with length (full attention, and the MTP layer's attention when MTP drafts) only; dividing by
 every cache group would understate it. A block id names one page in every attention pool.
+
+Prefix caching takes its share of the budget first (`snapshot_fraction`): a pool of whole
+prefix snapshots (`PrefixSnapshotSpec`: GDN state of every layer + one partial KV page per
+attention layer), M = share // snapshot bytes of them. Snapshots are a fixed-size state like the
+slots: they bound how many prefixes can be resumed, not how many tokens fit, so they come off the
+budget before the page division and the token capacity stays page memory / attention bytes per
+token (docs/DESIGN.md §2). Cached full pages are ordinary KV pages (shared, counted once).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache.spec import CacheSpec, GDNStateSpec, PagedAttentionSpec
+from engine.cache.spec import CacheSpec, GDNStateSpec, PagedAttentionSpec, PrefixSnapshotSpec
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,8 @@ class Capacity:
     kv_bytes_per_token: int  # summed over the attention layers, MTP ones included (the only groups that grow)
     num_state_slots: int
     spec_scratch_bytes: int = 0  # per-token GDN states of speculative rows, for rollback
+    num_snapshots: int = 0  # prefix-cache snapshots the snapshot pool holds
+    snapshot_bytes: int = 0  # the snapshot pool, all layers
 
     @property
     def max_tokens(self) -> int:
@@ -45,6 +54,8 @@ class Capacity:
     def summary(self) -> str:
         mib = 2**20
         spec = f", speculative scratch {self.spec_scratch_bytes / mib:.1f} MiB" if self.spec_scratch_bytes else ""
+        if self.snapshot_bytes:
+            spec += f"; {self.num_snapshots} prefix snapshots ({self.snapshot_bytes / mib:.1f} MiB)"
         return (
             f"cache {self.cache_bytes / mib:.1f} MiB: {self.num_blocks} KV blocks x {self.block_size} tokens "
             f"= {self.max_tokens} tokens ({self.kv_bytes_per_token} B/token over attention layers, "
@@ -54,7 +65,12 @@ class Capacity:
 
 
 def plan_capacity(
-    specs: list[CacheSpec], budget: int, num_slots: int, block_size: int, num_spec_tokens: int = 0
+    specs: list[CacheSpec],
+    budget: int,
+    num_slots: int,
+    block_size: int,
+    num_spec_tokens: int = 0,
+    snapshot_fraction: float = 0.0,
 ) -> Capacity:
     attn = [s for s in specs if isinstance(s, PagedAttentionSpec)]
     gdn = [s for s in specs if isinstance(s, GDNStateSpec)]
@@ -63,11 +79,15 @@ def plan_capacity(
     block_bytes = sum(s.page_size_bytes for s in attn)
     if not attn:
         raise ValueError("the model has no full-attention layer; pdserve serves hybrid models")
-    num_blocks = (budget - state_bytes - scratch) // block_bytes
+    snap = PrefixSnapshotSpec.of(specs).page_size_bytes
+    num_snapshots = int(budget * snapshot_fraction) // snap
+    snapshot_bytes = num_snapshots * snap
+    num_blocks = (budget - state_bytes - scratch - snapshot_bytes) // block_bytes
     if num_blocks < 1:
         raise ValueError(
             f"kv_cache_memory={budget} B leaves no room for KV pages after {num_slots} GDN state slots "
-            f"({state_bytes + scratch} B with speculative scratch) and one {block_bytes} B block; "
+            f"({state_bytes + scratch} B with speculative scratch), {snapshot_bytes} B of prefix snapshots "
+            f"and one {block_bytes} B block; "
             "raise kv_cache_memory or lower max_num_seqs"
         )
     return Capacity(
@@ -79,6 +99,8 @@ def plan_capacity(
         kv_bytes_per_token=block_bytes // block_size,
         num_state_slots=num_slots,
         spec_scratch_bytes=scratch,
+        num_snapshots=num_snapshots,
+        snapshot_bytes=snapshot_bytes,
     )
 
 
@@ -130,6 +152,8 @@ class CachePools:
                         (n, k1, *s.recurrent_shape), dtype=s.recurrent_dtype, device=device
                     )
 
+        self.snapshots = SnapshotPool(PrefixSnapshotSpec.of(specs), capacity.num_snapshots, device)
+
     def rollback(self, rows: list[tuple[int, int, int]]) -> None:
         """(slot, decode row, index) per speculative row that kept only part of its drafts: the
         slot takes the state after token `index` of that row, in every GDN layer."""
@@ -145,3 +169,46 @@ class CachePools:
         out += [("gdn_conv", i, t) for i, t in self.conv.items()]
         out += [("gdn_recurrent", i, t) for i, t in self.recurrent.items()]
         return sorted(out, key=lambda x: (x[1], x[0]))
+
+
+class SnapshotPool:
+    """The prefix snapshots' memory (`PrefixSnapshotSpec`), M entries, and the two copies that
+    use it: `save` (a slot's GDN state + a request's partial page -> entry) after a step's
+    forward, `restore` (entry -> a slot + a fresh page) before it. Not part of `tensors()`:
+    snapshots never travel."""
+
+    def __init__(self, spec: PrefixSnapshotSpec, num: int, device: str | torch.device = "cpu"):
+        self.spec, self.num = spec, num
+        self.conv = {s.layer: torch.zeros((num, *s.conv_shape), dtype=s.conv_dtype, device=device) for s in spec.gdn}
+        self.recurrent = {
+            s.layer: torch.zeros((num, *s.recurrent_shape), dtype=s.recurrent_dtype, device=device) for s in spec.gdn
+        }
+        self.tail = {s.layer: torch.zeros(s.pool_shape(num), dtype=s.dtype, device=device) for s in spec.attention}
+
+    def save(self, pools: CachePools, copies) -> None:
+        """copies: `SnapshotCopy`s (index, slot, page or None)."""
+        self._copy(pools, copies, to_snapshot=True)
+
+    def restore(self, pools: CachePools, copies) -> None:
+        self._copy(pools, copies, to_snapshot=False)
+
+    def _copy(self, pools: CachePools, copies, to_snapshot: bool) -> None:
+        if not copies:
+            return
+        dev = next(iter(self.conv.values())).device if self.conv else None
+        idx = torch.tensor([c.index for c in copies], device=dev)
+        slots = torch.tensor([c.slot for c in copies], device=dev)
+        for layer in self.conv:
+            for snap, pool in ((self.conv[layer], pools.conv[layer]), (self.recurrent[layer], pools.recurrent[layer])):
+                if to_snapshot:
+                    snap.index_copy_(0, idx, pool.index_select(0, slots))
+                else:
+                    pool.index_copy_(0, slots, snap.index_select(0, idx))
+        paged = [c for c in copies if c.page is not None]
+        for layer, tail in self.tail.items():
+            kv = pools.kv[layer]  # a strided view: copy page by page
+            for c in paged:
+                if to_snapshot:
+                    tail[c.index].copy_(kv[c.page])
+                else:
+                    kv[c.page].copy_(tail[c.index])

@@ -1,10 +1,16 @@
 """Free lists for the two kinds of cache memory: KV pages (grow with length) and GDN state
-slots (one per live request). Free counts are exact after finish, abort and preemption."""
+slots (one per live request). Free counts are exact after finish, abort and preemption.
+
+KV pages are reference counted so that requests sharing a prompt prefix share its full pages
+(engine/cache/prefix.py). A page whose count drops to 0 goes back to the free list; if it holds a
+cached block (a content hash), it keeps it there and can be taken back (`touch`) until the page
+is handed out again, which evicts the block: the free list is the LRU order of cached pages.
+"""
 
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import Counter, OrderedDict
 
 
 class BlockManager:
@@ -13,12 +19,20 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
-        self._used: set[int] = set()
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
+        self.ref: dict[int, int] = {}  # page -> requests using it (pages with ref 0 are free)
+        self.hash_of: dict[int, int] = {}  # page -> the block hash it holds (cached pages)
+        self.cached: dict[int, int] = {}  # block hash -> page
+        self.num_evicted = 0  # cached pages handed out again
 
     @property
     def num_free(self) -> int:
+        """Pages that can be allocated, cached pages no request uses included."""
         return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -29,16 +43,52 @@ class BlockManager:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise MemoryError(f"need {n} KV blocks, {len(self._free)} free")
-        ids = [self._free.popleft() for _ in range(n)]
-        self._used.update(ids)
+        ids = []
+        for _ in range(n):
+            i, _ = self._free.popitem(last=False)
+            h = self.hash_of.pop(i, None)
+            if h is not None:
+                del self.cached[h]
+                self.num_evicted += 1
+            self.ref[i] = 1
+            ids.append(i)
         return ids
 
-    def free(self, ids: list[int]) -> None:
+    def touch(self, ids: list[int]) -> None:
+        """One more user of each (cached) page; a free one leaves the free list."""
         for i in ids:
-            if i not in self._used:
+            if i in self._free:
+                del self._free[i]
+                self.ref[i] = 1
+            else:
+                self.ref[i] += 1
+
+    def free(self, ids: list[int]) -> None:
+        """One user fewer of each page; a page nobody uses is free again (cached ones stay cached
+        until handed out). The first page of `ids` is evicted first."""
+        for i, n in Counter(ids).items():
+            if self.ref.get(i, 0) < n:
                 raise ValueError(f"KV block {i} freed twice or never allocated")
-            self._used.remove(i)
-            self._free.append(i)
+        for i in ids:
+            self.ref[i] -= 1
+            if self.ref[i] == 0:
+                del self.ref[i]
+                self._free[i] = None
+
+    def register(self, page: int, block_hash: int) -> bool:
+        """Page `page` (in use, fully written) holds the block `block_hash`. False when another
+        page already holds it (that one stays the cached copy)."""
+        if block_hash in self.cached or page in self.hash_of:
+            return False
+        self.cached[block_hash] = page
+        self.hash_of[page] = block_hash
+        return True
+
+    def lookup(self, block_hash: int) -> int | None:
+        return self.cached.get(block_hash)
+
+    def is_free(self, page: int) -> bool:
+        return page in self._free
 
 
 class SlotPool:

@@ -112,6 +112,35 @@ class GDNStateSpec:
 CacheSpec = PagedAttentionSpec | MTPAttentionSpec | GDNStateSpec
 
 
+@dataclass(frozen=True)
+class PrefixSnapshotSpec:
+    """One saved prefix state (prefix caching, engine/cache/prefix.py): the conv + recurrent state
+    of every GDN layer after the prefix's last token, and the prefix's last partial KV page of
+    every attention layer (the tokens after its last full page; full pages are shared by
+    reference, not copied). Snapshots live in a pool of their own, sized by the operator's share
+    of the cache budget, apart from the running requests' slots and pages.
+
+    Pool per GDN layer: conv [M, *conv_shape], recurrent [M, *recurrent_shape]; per attention
+    layer: tail [M, 2, KVH_local, block_size, hd] (one page of the kernels' view).
+    """
+
+    kind: ClassVar[str] = "prefix_snapshot"
+    gdn: tuple[GDNStateSpec, ...]
+    attention: tuple[PagedAttentionSpec, ...]
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one snapshot, all layers."""
+        return sum(s.page_size_bytes for s in self.gdn) + sum(s.page_size_bytes for s in self.attention)
+
+    @classmethod
+    def of(cls, specs: list[CacheSpec]) -> PrefixSnapshotSpec:
+        return cls(
+            tuple(s for s in specs if isinstance(s, GDNStateSpec)),
+            tuple(s for s in specs if isinstance(s, PagedAttentionSpec)),
+        )
+
+
 def build_specs(cfg: EngineConfig, rank: int) -> list[CacheSpec]:
     """One spec per layer, in layer order, for tensor-parallel `rank`; MTP layers (when MTP
     speculative decoding is on) follow the main layers."""

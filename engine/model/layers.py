@@ -142,6 +142,27 @@ class GatedDeltaNet:
                 self.eps,
             )  # the steps below, fused
             return self.all_reduce(self.w.w_out(o))
+        if batch.prefill is None and not x.is_cuda and cpu_ops.available(x.dtype):  # speculative rows, fused
+            grp = batch.decode
+            o = cpu_ops.gdn_verify(
+                proj,
+                self.w.conv,
+                pools.conv[self.layer],
+                pools.recurrent[self.layer],
+                grp.slot_ids,
+                grp.cu_seqlens,
+                pools.conv_scratch[self.layer],
+                pools.recurrent_scratch[self.layer],
+                self.neg_A,
+                self.dt_bias,
+                self.w.norm,
+                self.hk,
+                self.hv,
+                self.dk,
+                self.dv,
+                self.eps,
+            )
+            return self.all_reduce(self.w.w_out(o))
         qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
 
         mixed = _per_group(batch, qkv, partial(self._conv, pools))

@@ -635,3 +635,36 @@ void gdn_rows_mt(int64_t R, const int64_t *row_cu, const int64_t *row_slots, con
     }
     run_jobs(gdn_rows_run, jobs, sizeof(struct gdn_rows_job), nthreads);
 }
+
+/* ---- Speculative verification: decode rows of several tokens through a GDN layer ----------
+ *
+ * Row b holds tokens cu[b] <= t < cu[b+1] (the pending token and its drafts; a plain decode
+ * row has one). Each token runs through `gdn_decode` in order on the row's slot, which updates
+ * the slot's conv and recurrent state in place, so the slot ends in the state after the row's
+ * last token. For rollback, the state after every token but the last is copied to the row's
+ * scratch entries (the state after the last token is the slot itself):
+ *   conv_scratch [B', n1, D, Kc-1] model dtype, rec_scratch [B', n1, Hv, dk, dv] float32,
+ *   entry (b, t - cu[b]); n1 >= the longest row. Other arguments as for `gdn_decode`, with
+ *   proj and out [T, ...] over the packed tokens and slots [B] one per row.
+ */
+void gdn_verify(int64_t B, const int64_t *cu, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc,
+                const void *proj, int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool,
+                const int64_t *slots, const float *neg_A, const float *dt_bias, const void *norm_w, float eps,
+                void *out, float *work, int bf16, void *conv_scratch, float *rec_scratch, int64_t n1) {
+    const int64_t esz = bf16 ? 2 : 4, D = 2 * Hk * dk + Hv * dv;
+    const int64_t conv_n = D * (Kc - 1), rec_n = Hv * dk * dv;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t s = slots[b];
+        for (int64_t t = cu[b]; t < cu[b + 1]; t++) {
+            gdn_decode(0, 1, Hk, Hv, dk, dv, Kc, (const char *)proj + t * ld_proj * esz, ld_proj, conv_w,
+                       conv_pool, rec_pool, &s, neg_A, dt_bias, norm_w, eps, (char *)out + t * Hv * dv * esz,
+                       work, bf16);
+            if (t + 1 < cu[b + 1]) {
+                const int64_t e = b * n1 + (t - cu[b]);
+                memcpy((char *)conv_scratch + e * conv_n * esz, (const char *)conv_pool + s * conv_n * esz,
+                       conv_n * esz);
+                memcpy(rec_scratch + e * rec_n, rec_pool + s * rec_n, rec_n * 4);
+            }
+        }
+    }
+}

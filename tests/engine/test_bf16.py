@@ -11,19 +11,15 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.tiny_model import TinyModelSpec
 from kernels import cpu_ops
 
-SPEC_BF16 = TinyModelSpec(
-    linear_key_head_dim=64, linear_value_head_dim=64, init_std=0.1, dtype="bfloat16", tokenizer=False, seed=0
-)
 NEW = 16
 TOL = 0.25  # a logit gap bfloat16 rounding cannot bridge: the engine's token is never further below the max
 
 
 @pytest.fixture(scope="module")
 def ckpt_bf16(tmp_path_factory):
-    return hc.make(tmp_path_factory.mktemp("bf16") / "ckpt", SPEC_BF16)
+    return hc.make(tmp_path_factory.mktemp("bf16") / "ckpt", hc.SPEC_BF16)
 
 
 @pytest.mark.parametrize("cpu_ops_on", [True, False], ids=["fused", "eager"])

@@ -76,8 +76,14 @@ def test_capacity_reported_by_llm(llm_hv2):
     specs = build_specs(cfg, 0)
     per_tok = sum(s.bytes_per_token for s in specs if isinstance(s, PagedAttentionSpec))
     state = cfg.num_state_slots * sum(s.page_size_bytes for s in specs if isinstance(s, GDNStateSpec))
-    assert cap.max_tokens == (cfg.cache.memory_bytes - state) // (per_tok * 16) * 16
+    # the prefix snapshot pool (10% by default) comes off the budget first: whole GDN states plus one
+    # partial page per attention layer each; it bounds resumable prefixes, not tokens
+    snap = state // cfg.num_state_slots + per_tok * 16
+    snaps = int(cfg.cache.memory_bytes * 0.1) // snap
+    assert (cap.num_snapshots, cap.snapshot_bytes) == (snaps, snaps * snap)
+    assert cap.max_tokens == (cfg.cache.memory_bytes - state - snaps * snap) // (per_tok * 16) * 16
     pools = llm_hv2.engine.executor.worker.pools
+    assert pools.snapshots.recurrent[0].shape == (snaps, 8, 32, 32) and pools.snapshots.tail[3].shape[0] == snaps
     assert pools.kv[3].shape == (cap.num_blocks, 2, 2, 16, 64)  # the kernels' view ...
     storage = dict(((kind, layer), t) for kind, layer, t in pools.tensors())[("paged_kv", 3)]
     assert storage.shape == (2, cap.num_blocks, 2, 16, 64) and storage.is_contiguous()  # ... of head-major memory

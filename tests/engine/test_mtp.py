@@ -1,6 +1,11 @@
 """MTP speculative decoding from the checkpoint's own `mtp.*` block: the block's draft logits
 against a reference built from transformers' modules, tokens identical to transformers'
-greedy output for k = 1, 2, 3 (TP 1 and 2), rows near max_model_len beside drafting rows."""
+greedy output for k = 1, 2, 3 (TP 1 and 2), rows near max_model_len beside drafting rows.
+
+The checkpoint's block is fitted to the model's greedy continuations of the 1- and 40-token
+prompts, so their drafts are mostly accepted (the accept paths of verification, at every draft
+position, and near max_model_len) while the 5-token prompt's are mostly rejected (rollback),
+in the same batches."""
 
 from __future__ import annotations
 
@@ -21,13 +26,19 @@ LENS = (1, 5, 40)
 
 
 @pytest.fixture(scope="module")
-def ckpt_mtp(tmp_path_factory):
-    return hc.make(tmp_path_factory.mktemp("mtp") / "ckpt", hc.SPEC_MTP)
+def mtp_prompts():
+    return hc.prompts(lens=LENS, seed=3)
 
 
 @pytest.fixture(scope="module")
-def mtp_prompts():
-    return hc.prompts(lens=LENS, seed=3)
+def ckpt_mtp(tmp_path_factory, mtp_prompts):
+    return hc.make_fitted_mtp(tmp_path_factory.mktemp("mtp") / "ckpt", hc.SPEC_MTP, mtp_prompts[::2])
+
+
+def _drafts_accepted_and_rejected(s) -> None:
+    """Drafts were accepted at every position (accept paths) and some were rejected (rollback)."""
+    assert all(a > 0 for a in s.accepted_per_position), (s.drafts_per_position, s.accepted_per_position)
+    assert sum(s.accepted_per_position) < sum(s.drafts_per_position)
 
 
 @pytest.fixture(scope="module")
@@ -84,16 +95,19 @@ def test_mtp_greedy_matches_transformers(ckpt_mtp, mtp_prompts, hf_ref_mtp, k):
         outs = llm.generate(prompt_token_ids=mtp_prompts, sampling_params=GREEDY)
         assert [o.output_token_ids for o in outs] == hf_ref_mtp
         s = llm.engine.scheduler
-        assert s.num_draft_tokens > 0 and s.drafts_per_position[0] > 0
+        assert s.num_draft_tokens > 0 and len(s.drafts_per_position) == k
+        _drafts_accepted_and_rejected(s)
         assert llm.engine.blocks.num_free == llm.capacity().num_blocks
         assert llm.engine.slots.num_free == llm.capacity().num_state_slots
 
 
-def test_mtp_greedy_matches_transformers_tp2(ckpt_mtp, mtp_prompts, hf_ref_mtp):
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_mtp_greedy_matches_transformers_tp2(ckpt_mtp, mtp_prompts, hf_ref_mtp, k):
     with LLM(
-        ckpt_mtp, dtype="float32", speculative_method="mtp", num_speculative_tokens=2, tensor_parallel_size=2
+        ckpt_mtp, dtype="float32", speculative_method="mtp", num_speculative_tokens=k, tensor_parallel_size=2
     ) as llm:
         outs = llm.generate(prompt_token_ids=mtp_prompts, sampling_params=GREEDY)
+        _drafts_accepted_and_rejected(llm.engine.scheduler)
     assert [o.output_token_ids for o in outs] == hf_ref_mtp
 
 

@@ -183,7 +183,7 @@ class _Rpc(Exception):
 def test_grpc_codes_map_to_http(code, status):
     import grpc
 
-    from router.http import ApiError
+    from router.openai_models import ApiError
 
     e = ApiError.from_rpc(_Rpc(getattr(grpc.StatusCode, code), "why"))
     assert e.status == status
@@ -191,15 +191,42 @@ def test_grpc_codes_map_to_http(code, status):
 
 
 def test_openai_parameters_map_to_sampling():
-    from router.http import ApiError, sampling
+    from router.openai_models import ApiError, CompletionRequest, parse, sampling
 
-    sp = sampling({"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": [5, 6], "n": 1})
+    def sampling_of(body: dict):
+        return sampling(parse(CompletionRequest, {"model": "m", "prompt": "x", **body}))
+
+    sp = sampling_of({"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": [5, 6], "n": 1})
     assert (sp.max_tokens, sp.temperature, round(sp.top_p, 6), sp.seed, list(sp.stop_token_ids)) == (
         7, 0.5, 0.9, 3, [5, 6],
     )  # fmt: skip
-    assert not sampling({}).HasField("max_tokens")  # unset: the server's defaults
+    assert not sampling_of({}).HasField("max_tokens")  # unset: the server's defaults
     for bad, param in (({"top_p": 1.5}, "top_p"), ({"seed": "x"}, "seed"), ({"stop": [1.5]}, "stop"),
                        ({"max_tokens": True}, "max_tokens"), ({"logprobs": 21}, "logprobs")):  # fmt: skip
         with pytest.raises(ApiError) as ei:
-            sampling(bad)
+            sampling_of(bad)
         assert ei.value.status == 400 and ei.value.param == param, bad
+
+
+def test_prefix_cache_hits_reach_sdk_usage_and_metrics(up, sdk, oai):
+    """A prompt, then two that extend it: the prefill node resumes them from the first one's
+    end-of-prompt snapshot, and each layer reports the tokens it skipped."""
+    url = log_url(up, r"prefill node prefill-0 metrics at (http://\S+/metrics)")
+    p = "pdserve_prefill"
+    before = scrape(url)
+    ids = [300 + i for i in range(37)]  # 37 tokens: two full pages and a partial one
+    first = sdk.generate(prompt_token_ids=ids, max_tokens=2, temperature=0.0, ignore_eos=True)
+    assert first.cached_tokens == 0 and first.prefill_node == "prefill-0"
+    again = sdk.generate(prompt_token_ids=ids + [9, 8], max_tokens=2, temperature=0.0, ignore_eos=True)
+    assert again.cached_tokens == len(ids) and again.prompt_tokens == len(ids) + 2
+    model = oai.models.list().data[0].id
+    r = oai.completions.create(model=model, prompt=ids + [7, 6, 5], **GREEDY)
+    assert r.usage.prompt_tokens_details.cached_tokens == len(ids) and r.usage.prompt_tokens == len(ids) + 3
+    after = scrape(url)
+
+    def moved(name: str) -> float:
+        return after[(name, ())] - before.get((name, ()), 0.0)
+
+    assert moved(f"{p}_prefix_hit_tokens_total") == 2 * len(ids)
+    assert moved(f"{p}_prefix_miss_tokens_total") == len(ids) + 2 + 3
+    assert after[(f"{p}_prefix_snapshots_used", ())] >= 3 and after[(f"{p}_prefix_snapshot_memory_bytes", ())] > 0

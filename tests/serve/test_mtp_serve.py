@@ -1,5 +1,7 @@
 """MTP speculative decoding through `pdserve up`: prefill and decode pools at different TP sizes
-(both `--speculative-method mtp`) give transformers' greedy tokens; the decode node reports its
+(both `--speculative-method mtp`, k = 1, 2, 3) give transformers' greedy tokens, with the
+checkpoint's block fitted to the prompts' greedy continuations so that drafts after the
+transfer are accepted and verified (tests/hybrid_ckpt.py `make_fitted_mtp`); the decode node reports its
 drafts per position in Stats and as Prometheus counters; a method mismatch is refused at the
 transfer handshake, naming both values."""
 
@@ -16,15 +18,18 @@ from serve_harness import Up, decode_stats, nodes, wait_for
 NEW = 16
 
 
+PROMPTS = hc.prompts(lens=(3, 40), seed=9)
+
+
 @pytest.fixture(scope="module")
 def ckpt_mtp(tmp_path_factory):
-    return hc.make(tmp_path_factory.mktemp("serve-mtp") / "ckpt", dataclasses.replace(hc.SPEC_MTP, tokenizer=True))
+    spec = dataclasses.replace(hc.SPEC_MTP, tokenizer=True)
+    return hc.make_fitted_mtp(tmp_path_factory.mktemp("serve-mtp") / "ckpt", spec, PROMPTS)
 
 
 @pytest.fixture(scope="module")
 def mtp_refs(ckpt_mtp):
-    ps = hc.prompts(lens=(3, 40), seed=9)
-    return ps, [hc.hf_greedy(ckpt_mtp, p, NEW) for p in ps]
+    return PROMPTS, [hc.hf_greedy(ckpt_mtp, p, NEW) for p in PROMPTS]
 
 
 def _scrape(url: str) -> dict:
@@ -36,7 +41,7 @@ def _scrape(url: str) -> dict:
             for s in f.samples}  # fmt: skip
 
 
-@pytest.mark.parametrize("a,b,k", [(1, 2, 2), (2, 1, 3)], ids=["tp1to2-k2", "tp2to1-k3"])
+@pytest.mark.parametrize("a,b,k", [(1, 2, 1), (1, 2, 2), (2, 1, 3)], ids=["tp1to2-k1", "tp1to2-k2", "tp2to1-k3"])
 def test_mtp_greedy_matches_transformers_across_tp(ckpt_mtp, mtp_refs, a, b, k):
     from client import Client
 
@@ -55,7 +60,7 @@ def test_mtp_greedy_matches_transformers_across_tp(ckpt_mtp, mtp_refs, a, b, k):
                 assert r.prefill_node == "prefill-0" and r.transfer_bytes > 0
         spec = decode_stats(d.address).speculation
         assert spec.method == "mtp" and spec.num_tokens == k
-        assert len(spec.drafts_per_position) == k and spec.drafts_per_position[0] > 0
+        assert len(spec.drafts_per_position) == k and spec.accepted_per_position[0] > 0
         assert all(x <= y for x, y in zip(spec.accepted_per_position, spec.drafts_per_position))
         url = wait_for(lambda: next((m.group(1) for ln in up.lines
                                      if (m := re.search(r"decode node decode-0 metrics at (http://\S+/metrics)", ln))),

@@ -50,7 +50,8 @@ def _serve(conn, spec: dict) -> None:
     model = tiny_model(**spec["model"])
     cfg = engine_cfg(model, spec["tp"], block_size=spec.get("block_size", 4), memory=spec.get("memory", "96KiB"))
     rank = spec["rank"]
-    pools = make_pools(cfg, rank)
+    device = spec.get("device", "cpu")
+    pools = make_pools(cfg, rank, device)
     noise(pools, seed=1000 * (spec["role"] == "receiver") + 10 * spec["tp"] + rank)
     initial = snapshot(pools)
     tcfg = TransferConfig(
@@ -125,7 +126,7 @@ def _serve(conn, spec: dict) -> None:
             r = reqs[rid]
             conn.send(("ok", ok, r.state.value, r.error))
         elif cmd == "check":  # receiver: pools == initial noise + each request's re-sharded global state
-            exp_pools = make_pools(cfg, rank)
+            exp_pools = make_pools(cfg, rank, device)
             for kind, layer, t in exp_pools.tensors():
                 t.copy_(initial[(kind, layer)])
             for rid, seed, tokens in args[0]:

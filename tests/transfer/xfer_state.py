@@ -49,10 +49,10 @@ def engine_cfg(model: ModelConfig, tp: int, block_size: int = 4, memory: str = "
     )
 
 
-def make_pools(cfg: EngineConfig, rank: int) -> CachePools:
+def make_pools(cfg: EngineConfig, rank: int, device: str = "cpu") -> CachePools:
     specs = build_specs(cfg, rank)
     cap = plan_capacity(specs, cfg.cache.memory_bytes, cfg.num_state_slots, cfg.cache.block_size)
-    return CachePools(specs, cap)
+    return CachePools(specs, cap, device)
 
 
 def global_state(model: ModelConfig, num_tokens: int, block_size: int, seed: int) -> dict:
@@ -80,19 +80,19 @@ def place(pools: CachePools, cfg: EngineConfig, rank: int, state: dict, blocks: 
     kvh = list(kv_head_range(m.num_kv_heads, t, rank))
     ch = conv_channel_index(m, t, rank)
     vh = list(head_range(m.linear_num_value_heads, t, rank))
-    idx = torch.tensor(blocks, dtype=torch.long)
     for layer, kv in state["kv"].items():
-        pools.kv[layer][idx] = kv[:, :, kvh]
+        dev = pools.kv[layer].device
+        pools.kv[layer][torch.tensor(blocks, dtype=torch.long, device=dev)] = kv[:, :, kvh].to(dev)
     for layer, conv in state["conv"].items():
-        pools.conv[layer][slot] = conv[ch]
-        pools.recurrent[layer][slot] = state["rec"][layer][vh]
+        pools.conv[layer][slot] = conv[ch].to(pools.conv[layer].device)
+        pools.recurrent[layer][slot] = state["rec"][layer][vh].to(pools.recurrent[layer].device)
 
 
 def noise(pools: CachePools, seed: int) -> None:
     """Fill every pool with noise so that an unwritten byte never looks right by chance."""
     g = torch.Generator().manual_seed(seed)
     for _, _, t in pools.tensors():
-        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))  # drawn on the CPU, copied to the pool's device
 
 
 def snapshot(pools: CachePools) -> dict:

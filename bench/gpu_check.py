@@ -1,0 +1,210 @@
+"""The short CUDA benchmark of tools/gpu_check.sh (not a test): three figures, each as a ratio.
+
+    python bench/gpu_check.py [--json OUT.json] [--reps 3]
+
+1. GDN chunked prefill at Qwen3.5-35B-A3B's per-layer sizes (16 key / 32 value heads of 128,
+   bfloat16), one 4k-token prompt and four: our Triton kernel against flash-linear-attention's
+   chunk_gated_delta_rule on the same inputs when the `fla` package is installed (ratio = fla
+   time / ours), else our time alone.
+2. Decode step time at batch 1 and 64: the engine on CUDA, bfloat16, a random checkpoint with
+   the model's layer sizes (4 layers: 3 GDN + 1 attention, dense MLP), prompts of 128 tokens;
+   median wall time of an engine step once every row decodes (ratio = 64 * t1 / t64, the
+   throughput a batch of 64 buys).
+3. Transfer: one 4k-token request's KV pages and GDN state between processes, GPU memory to GPU
+   memory over NIXL (bench/transfer.py --device cuda, TP 1 -> 1 and 2 -> 1), GB/s, against one
+   contiguous NIXL WRITE of the same bytes between the same processes (ratio = contiguous time
+   / ours; 1.0 = as fast as one big write).
+
+Without a CUDA device it says so, writes {"skipped": ...} and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+HK, HV, DK, DV = 16, 32, 128, 128
+
+
+def _ms(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100)
+
+
+def gdn_prefill(results: dict) -> None:
+    from kernels.gdn import l2norm
+    from kernels.triton.gdn_chunk import gdn_chunk_prefill_triton
+
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        chunk_gated_delta_rule = None
+    dt, dev = torch.bfloat16, "cuda"
+    for B in (1, 4):
+        T = 4096
+        gen = torch.Generator().manual_seed(B)
+        N = B * T
+        q = l2norm(torch.randn(N, HK, DK, generator=gen)).to(dt).to(dev)
+        k = l2norm(torch.randn(N, HK, DK, generator=gen)).to(dt).to(dev)
+        v = torch.randn(N, HV, DV, generator=gen).to(dt).to(dev)
+        g = (-F.softplus(torch.randn(N, HV, generator=gen) - 1.0)).to(dev)
+        beta = torch.sigmoid(torch.randn(N, HV, generator=gen)).to(dev)
+        cu = (torch.arange(B + 1, dtype=torch.int64) * T).to(dev)
+        pool = torch.zeros(B, HV, DK, DV, device=dev)
+        slots = torch.arange(B, device=dev)
+        ours = _ms(lambda: gdn_chunk_prefill_triton(q, k, v, g, beta, cu, pool, slots))
+        row = {"batch": B, "tokens": T, "ours_ms": ours}
+        line = f"GDN chunked prefill {B} x {T} tokens: ours {ours:.3f} ms"
+        if chunk_gated_delta_rule is None:
+            line += " (flash-linear-attention not installed: no comparison)"
+        else:
+            try:
+                rep = HV // HK  # value heads per key head, expanded for fla
+                qe, ke = q.repeat_interleave(rep, 1)[None], k.repeat_interleave(rep, 1)[None]
+                init = torch.zeros(B, HV, DK, DV, device=dev)
+                theirs = _ms(
+                    lambda: chunk_gated_delta_rule(
+                        qe,
+                        ke,
+                        v[None],
+                        g[None],
+                        beta[None].to(dt),
+                        initial_state=init,
+                        output_final_state=True,
+                        cu_seqlens=cu,
+                    )
+                )
+                row.update(fla_ms=theirs, ratio_fla_over_ours=theirs / ours)
+                line += f", fla {theirs:.3f} ms, ratio fla/ours {theirs / ours:.2f}"
+            except Exception as e:  # fla's API moves between releases; report it, keep the rest
+                row["fla_error"] = f"{type(e).__name__}: {e}"
+                line += f" (fla comparison failed: {row['fla_error']})"
+        print(line, flush=True)
+        results.setdefault("gdn_prefill", []).append(row)
+
+
+def decode_steps(results: dict, reps: int, device: str = "cuda") -> None:
+    from engine import LLM
+    from engine.tiny_model import TinyModelSpec, make_tiny_model
+
+    spec = TinyModelSpec(
+        layers=4,
+        hidden=2048,
+        intermediate=1024,
+        heads=16,
+        kv_heads=2,
+        head_dim=256,
+        linear_key_heads=HK,
+        linear_value_heads=HV,
+        linear_key_head_dim=DK,
+        linear_value_head_dim=DV,
+        vocab=4096,
+        dtype="bfloat16",
+        tokenizer=False,
+        seed=0,
+    )
+    steps = 10 * reps
+    with tempfile.TemporaryDirectory() as d:
+        path = str(make_tiny_model(Path(d) / "ckpt", spec))
+        with LLM(path, dtype="bfloat16", device=device, kv_cache_memory="4GiB", max_num_seqs=64) as llm:
+            times = {}
+            for B in (1, 64):
+                times[B] = _decode_step_ms(llm, B, steps)
+    ratio = 64 * times[1] / times[64]
+    print(
+        f"decode step (4 layers at model sizes, bf16): batch 1 {times[1]:.2f} ms, batch 64 {times[64]:.2f} ms, "
+        f"throughput ratio 64*t1/t64 {ratio:.1f}",
+        flush=True,
+    )
+    results["decode"] = {"batch1_ms": times[1], "batch64_ms": times[64], "ratio_throughput_64_over_1": ratio}
+
+
+def _decode_step_ms(llm, B: int, steps: int) -> float:
+    from engine import SamplingParams
+
+    eng = llm.engine
+    gen = torch.Generator().manual_seed(B)
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    rids = [eng.add_request(torch.randint(0, 4096, (128,), generator=gen).tolist(), params) for _ in range(B)]
+    while any(not eng.requests[r].output_token_ids for r in rids):  # prefill every row
+        eng.step()
+    for _ in range(3):  # warm-up decode steps
+        eng.step()
+    times = []
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        eng.step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    while eng.has_unfinished():
+        eng.step()
+    return statistics.median(times) * 1e3
+
+
+def transfer(results: dict, reps: int, device: str = "cuda") -> None:
+    """bench/transfer.py in its own process (its ranks are spawned processes that import it)."""
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "transfer.json"
+        cmd = [sys.executable, str(Path(__file__).with_name("transfer.py")), "--device", device]
+        cmd += ["--tokens", "4096", "--tp", "1", "2", "--reps", str(reps), "--json", str(out)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            raise RuntimeError(f"bench/transfer.py exited {r.returncode}:\n{r.stdout[-2000:]}{r.stderr[-4000:]}")
+        rows = json.loads(out.read_text())
+    for row in rows:
+        gbs = row["bytes"] / row["time"] / 1e9
+        ratio = row["contig"] / row["time"]
+        print(
+            f"transfer TP {row['tp']}, {row['tokens']} tokens, {row['bytes'] / 1e6:.1f} MB {device} -> {device}: "
+            f"{gbs:.2f} GB/s, one contiguous NIXL WRITE {row['bytes'] / row['contig'] / 1e9:.2f} GB/s, "
+            f"ratio contiguous/ours {ratio:.2f}",
+            flush=True,
+        )
+        results.setdefault("transfer", []).append(
+            {
+                "tp": row["tp"],
+                "tokens": row["tokens"],
+                "bytes": row["bytes"],
+                "gbs": gbs,
+                "ratio_contig_over_ours": ratio,
+            }
+        )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    results: dict = {}
+    if not torch.cuda.is_available():
+        results["skipped"] = "no CUDA device (torch.cuda.is_available() is False)"
+        print(f"benchmark skipped: {results['skipped']}")
+    else:
+        results["device"] = torch.cuda.get_device_name()
+        print(f"on {results['device']}")
+        gdn_prefill(results)
+        decode_steps(results, args.reps)
+        transfer(results, args.reps)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

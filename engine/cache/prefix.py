@@ -1,0 +1,176 @@
+"""Prefix caching for a hybrid model: shared attention pages plus GDN state snapshots.
+
+A full-attention layer can resume at any block boundary, since its KV for a prefix is just the
+prefix's pages. A GDN layer cannot: its state after token p exists only where it was saved. So
+the cache has two halves (docs/DESIGN.md §6):
+
+- Pages: every full page of a prompt is named by a chained hash of its tokens
+  (`block_hash(parent, tokens)`, the parent being the previous page's hash), registered in the
+  `BlockManager` once its KV is written, and shared by reference count. A page nobody uses stays
+  cached on the free list until it is handed out again (LRU).
+- Snapshots: the GDN state (conv + recurrent, every layer) after token p, taken on a grid of its
+  own (every `interval` tokens) and at the end of each prompt, together with the KV of the
+  tokens after the last full page before p (the partial page; `PrefixSnapshotSpec`). They live in
+  their own pool; one no request is restoring or writing is evictable, least recently used first.
+
+A request resumes from the longest prefix p that has both: a snapshot at p and every full page
+before p cached. It shares those pages, copies the snapshot into its slot and the partial page
+into a fresh page of its own, and computes from p on. p stays below the prompt's length, since
+the last prompt token must be computed for its logits.
+
+A snapshot is keyed by (hash of the full pages before p, the tokens after them), so lookup walks
+the prompt's page hashes once and checks the few snapshots hanging off each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from engine.cache.block_manager import BlockManager
+
+ROOT_HASH = 0  # the parent of a prompt's first page
+
+
+def block_hash(parent: int, tokens) -> int:
+    """Content hash of a full page given its parent's: 128 bits, the same in every process."""
+    h = hashlib.blake2b(parent.to_bytes(16, "little"), digest_size=16)
+    h.update(array("q", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def prompt_hashes(tokens: list[int], block_size: int) -> list[int]:
+    """The chained hash of every full page of `tokens`."""
+    out, parent = [], ROOT_HASH
+    for j in range(len(tokens) // block_size):
+        parent = block_hash(parent, tokens[j * block_size : (j + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+@dataclass(eq=False)
+class Snapshot:
+    index: int  # entry of the snapshot pool
+    num_tokens: int  # the state after this many tokens
+    parent: int  # hash of the full pages before num_tokens (ROOT_HASH: none)
+    tail: tuple[int, ...]  # the tokens after them
+    ref: int = 0  # steps reading (restore) or writing (save) it now; > 0: not evictable
+    ready: bool = False  # written: lookups may use it
+
+
+@dataclass
+class PrefixHit:
+    num_tokens: int  # tokens the request skips
+    pages: list[int]  # cached full pages covering [0, num_tokens // block_size * block_size)
+    snapshot: Snapshot
+
+
+@dataclass
+class PrefixStats:
+    query_tokens: int = 0  # prompt tokens of requests looked up (first admission only)
+    hit_tokens: int = 0  # ... of which came from the cache
+    saved: int = 0  # snapshots written
+    evicted: int = 0  # snapshots dropped for newer ones
+
+
+class PrefixCache:
+    def __init__(self, blocks: BlockManager, num_snapshots: int, interval: int):
+        if interval < 1:
+            raise ValueError(f"prefix snapshot interval must be >= 1 (got {interval})")
+        self.blocks = blocks
+        self.block_size = blocks.block_size
+        self.interval = interval
+        self.num_snapshots = num_snapshots
+        self._free_idx = list(range(num_snapshots - 1, -1, -1))
+        self._by_key: dict[tuple[int, tuple[int, ...]], Snapshot] = {}
+        self._by_parent: dict[int, list[Snapshot]] = {}
+        self._lru: OrderedDict[Snapshot, None] = OrderedDict()  # ready, ref 0; oldest first
+        self.stats = PrefixStats()
+
+    @property
+    def num_used(self) -> int:
+        return self.num_snapshots - len(self._free_idx)
+
+    # ---- lookup ----------------------------------------------------------------------
+    def lookup(self, tokens: list[int], hashes: list[int], limit: int) -> PrefixHit | None:
+        """The longest usable prefix p <= limit of `tokens` (whose full-page hashes are
+        `hashes`): a ready snapshot at p with every full page before p cached. Changes nothing."""
+        bs = self.block_size
+        best: Snapshot | None = None
+        pages: list[int] = []
+        parent = ROOT_HASH
+        for j in range(len(hashes) + 1):
+            base = j * bs
+            for s in self._by_parent.get(parent, ()):
+                if (
+                    s.ready
+                    and s.num_tokens <= limit
+                    and (best is None or s.num_tokens > best.num_tokens)
+                    and tuple(tokens[base : s.num_tokens]) == s.tail
+                ):
+                    best = s
+            if j == len(hashes) or base + bs > limit:
+                break
+            page = self.blocks.lookup(hashes[j])
+            if page is None:
+                break
+            pages.append(page)
+            parent = hashes[j]
+        if best is None:
+            return None
+        return PrefixHit(best.num_tokens, pages[: best.num_tokens // bs], best)
+
+    # ---- pins ------------------------------------------------------------------------
+    def acquire(self, s: Snapshot) -> None:
+        s.ref += 1
+        self._lru.pop(s, None)
+
+    def release(self, s: Snapshot) -> None:
+        if s.ref < 1:
+            raise ValueError(f"snapshot {s.index} released more often than acquired")
+        s.ref -= 1
+        if s.ref == 0 and s.ready and self._by_key.get((s.parent, s.tail)) is s:
+            self._lru[s] = None
+
+    # ---- saving ----------------------------------------------------------------------
+    def reserve(self, parent: int, tail: tuple[int, ...], num_tokens: int) -> Snapshot | None:
+        """An entry to save the state after `num_tokens` tokens into (pinned until `commit`), or
+        None: that prefix is saved already, or every entry is in use."""
+        old = self._by_key.get((parent, tail))
+        if old is not None:
+            if old in self._lru:
+                self._lru.move_to_end(old)
+            return None
+        if self._free_idx:
+            idx = self._free_idx.pop()
+        elif self._lru:
+            victim, _ = self._lru.popitem(last=False)
+            self._drop(victim)
+            idx = victim.index
+            self.stats.evicted += 1
+        else:
+            return None
+        s = Snapshot(idx, num_tokens, parent, tail, ref=1)
+        self._by_key[(parent, tail)] = s
+        self._by_parent.setdefault(parent, []).append(s)
+        return s
+
+    def commit(self, s: Snapshot) -> None:
+        """The step that saved `s` has run: lookups may use it."""
+        s.ready = True
+        self.stats.saved += 1
+        self.release(s)
+
+    def _drop(self, s: Snapshot) -> None:
+        del self._by_key[(s.parent, s.tail)]
+        sibs = self._by_parent[s.parent]
+        sibs.remove(s)
+        if not sibs:
+            del self._by_parent[s.parent]
+
+    def key_for(self, tokens: list[int], hashes: list[int], p: int) -> tuple[int, tuple[int, ...]]:
+        """(parent, tail) of the prefix tokens[:p]."""
+        j = p // self.block_size
+        return (hashes[j - 1] if j else ROOT_HASH), tuple(tokens[j * self.block_size : p])

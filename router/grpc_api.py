@@ -1,0 +1,75 @@
+"""The router's gRPC services on `grpc.aio`: `Generation` for clients (each Generate call is one
+`GenerateService.generate`, its chunks as GenerateResponse messages) and `Registry` for nodes
+(Register, Heartbeat) and operators (ListNodes).
+
+A client that cancels its call cancels the servicer's task: the request's generator unwinds and
+cancels its calls to the nodes (router/request.py). Errors end the call with their status code
+and message; a draining router adds the `pdserve-draining` trailing metadata.
+"""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+
+import grpc
+
+from proto import pb, rpc
+from proto.serving import DRAINING_KEY
+from router.errors import Abort, Draining
+from router.request import Chunk
+
+
+def response(c: Chunk) -> pb.GenerateResponse:
+    m = pb.GenerateResponse(request_id=c.request_id, token_ids=c.token_ids, text=c.text,
+                            finish_reason=c.finish_reason, logprobs=c.logprobs, prompt_logprobs=c.prompt_logprobs,
+                            timings=c.timings)  # fmt: skip
+    if c.first:
+        m.prompt_tokens, m.decode_node, m.prefill_node = c.prompt_tokens, c.decode_node, c.prefill_node
+        m.cached_tokens = c.cached_tokens
+    return m
+
+
+class GenerationApi(rpc.GenerationServicer):
+    def __init__(self, service):
+        self.service = service
+
+    async def Generate(self, request, context):
+        try:
+            async with aclosing(self.service.generate(request)) as chunks:
+                async for c in chunks:
+                    yield response(c)
+        except Abort as a:
+            if isinstance(a, Draining):
+                context.set_trailing_metadata(((DRAINING_KEY, "1"),))
+            await context.abort(a.code, a.msg)
+
+    async def ListModels(self, request, context):
+        return pb.ListModelsResponse(models=self.service.models())
+
+
+class RegistryApi(rpc.RegistryServicer):
+    def __init__(self, service):
+        self.service, self.registry = service, service.registry
+
+    async def Register(self, request, context):
+        if not request.node.node_id or not request.node.address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node_id and address are required")
+        self.registry.register(request.node)
+        return pb.RegisterResponse(heartbeat_interval_s=self.service.cfg.heartbeat_interval_s)
+
+    async def Heartbeat(self, request, context):
+        known = self.registry.heartbeat(request.node_id, request.incarnation, request.capacity, request.draining)
+        return pb.HeartbeatResponse(known=known)
+
+    async def ListNodes(self, request, context):
+        return pb.ListNodesResponse(
+            nodes=[
+                pb.NodeStatus(node=e.info, alive=e.alive, last_seen_s=age, static=e.static)
+                for e, age in self.registry.snapshot()
+            ]
+        )
+
+
+def add_services(server: grpc.aio.Server, service) -> None:
+    rpc.add_GenerationServicer_to_server(GenerationApi(service), server)
+    rpc.add_RegistryServicer_to_server(RegistryApi(service), server)

@@ -1,0 +1,311 @@
+"""OpenAI-compatible HTTP on the router (FastAPI, served by uvicorn on the router's loop):
+`GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (server-sent events with
+`"stream": true`), `GET /health` and `GET /metrics`.
+
+Each HTTP request becomes one in-process `GenerateService.generate` per choice (router/service.py:
+the same admission, routing, cancellation and metrics as a gRPC client, without a hop). Bodies
+are pydantic models (router/openai_models.py); answers are shaped by router/openai_choices.py.
+Chat messages are rendered to a prompt with the tokenizer's Jinja2 `chat_template`
+(`add_generation_prompt=True`). A client that disconnects (while queued, while a whole answer is
+made, or mid-stream) cancels its requests on the nodes.
+
+`GET /health` answers 200 `{"status": "ok", "decode_nodes": N}` while the router takes requests and
+503 `{"status": "draining"}` once it drains (for HTTP load balancers and probes).
+
+Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 for bad
+parameters, 404 for an unknown model or path, 429 when admission refuses (RESOURCE_EXHAUSTED),
+503 when no node can serve or the router drains; 429 and 503 carry `Retry-After: 1`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from proto import pb
+from router.errors import Abort
+from router.openai_choices import Choice, Job, usage
+from router.openai_models import ApiError, ChatRequest, CompletionRequest, bad, from_validation, prompts, sampling
+from router.request import Chunk
+
+log = logging.getLogger("pdserve.http")
+
+
+def _json(status: int, obj: dict) -> Response:
+    headers = {"Retry-After": "1"} if status in (429, 503) else None  # full, or draining: come back soon
+    return Response(json.dumps(obj), status, headers, media_type="application/json")
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+class _Gone(Exception):
+    """The HTTP client disconnected."""
+
+
+async def _until_disconnect(request: Request, work: Awaitable):
+    """Run `work`; if the client disconnects first, cancel it (its requests unwind) and raise _Gone."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # let its requests unwind
+    if task.cancelled():
+        raise _Gone
+    return task.result()
+
+
+class OpenAIFront:
+    """What the routes do, over one GenerateService."""
+
+    def __init__(self, service):
+        self.service = service
+        self._env = None
+
+    @property
+    def tok(self):
+        return self.service.tokenizer
+
+    def model(self, name: str) -> str:
+        known = self.service.models()
+        if not known:  # nothing registered (yet, or any more): a state to wait out, not a bad name
+            raise ApiError(503, "no live node serves a model now; retry shortly", "service_unavailable", None,
+                           "unavailable")  # fmt: skip
+        for m in known:
+            if name in (m.id, m.path, Path(m.path).name):
+                return m.id
+        ids = ", ".join(m.id for m in known)
+        raise ApiError(404, f"model {name!r} not found; serving: {ids}", "invalid_request_error", "model",
+                       "model_not_found")  # fmt: skip
+
+    def chat_prompt(self, req: ChatRequest) -> str:
+        tmpl = self.tok.chat_template if self.tok is not None else None
+        if tmpl is None:
+            raise bad("this model's tokenizer has no chat_template", "messages")
+        messages = []
+        for m in req.messages:
+            d = m.model_dump()
+            if isinstance(d["content"], list):  # content parts: keep the text ones
+                d["content"] = "".join(str(p.get("text", "")) for p in d["content"])
+            messages.append(d)
+        if self._env is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(msg):
+                raise ValueError(msg)
+
+            self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            self._env.globals["raise_exception"] = raise_exception
+            self._env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(v, ensure_ascii=False, indent=indent)
+        try:
+            return self._env.from_string(tmpl).render(messages=messages, add_generation_prompt=True)
+        except Exception as e:
+            raise bad(f"the chat template refused the messages: {e}", "messages") from None
+
+    def job(self, req: CompletionRequest | ChatRequest) -> Job:
+        """The GenerateRequests of an HTTP body: n per prompt (completions take a batch of
+        prompts; choice j * n + i is sample i of prompt j; with a seed, sample i uses seed + i)."""
+        chat = isinstance(req, ChatRequest)
+        model = self.model(req.model)
+        sp = sampling(req)
+        if sp.HasField("logprobs") and self.tok is None:
+            raise bad("logprobs need a tokenizer on the router", "logprobs")
+        ps = [self.chat_prompt(req)] if chat else prompts(req)
+        echo = not chat and req.echo
+        n, rid = req.n, uuid.uuid4().hex
+        job = Job(model, chat, rid, n, req.no_output, sp.logprobs if sp.HasField("logprobs") else None)
+        for j, p in enumerate(ps):
+            base = pb.GenerateRequest(sampling=sp)
+            if isinstance(p, str) and (not echo or not sp.HasField("prompt_logprobs")):
+                base.prompt = p
+            elif isinstance(p, str):  # echo with logprobs: the ids the logprobs are for
+                if self.tok is None:
+                    raise bad("this router has no tokenizer: send the prompt as token ids", "prompt")
+                base.prompt_token_ids.extend(self.tok.encode(p))
+            else:
+                base.prompt_token_ids.extend(p)
+            text = None
+            if echo:
+                text = p if isinstance(p, str) else self.tok.decode(p) if self.tok is not None else ""
+            for i in range(n):
+                r = pb.GenerateRequest()
+                r.CopyFrom(base)
+                r.request_id = rid if len(ps) * n == 1 else f"{rid}-{j * n + i}"
+                if sp.HasField("seed"):
+                    r.sampling.seed = sp.seed + i
+                job.reqs.append(r)
+                job.echoes.append(text)
+                job.prompt_ids.append(list(base.prompt_token_ids))
+        return job
+
+    async def events(self, job: Job) -> AsyncIterator[tuple[int, Chunk]]:
+        """(choice, chunk) as they come, over every choice's generate; raises the first Abort."""
+        if len(job.reqs) == 1:
+            async with aclosing(self.service.generate(job.reqs[0])) as g:
+                async for c in g:
+                    yield 0, c
+            return
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, req: pb.GenerateRequest) -> None:
+            try:
+                async with aclosing(self.service.generate(req)) as g:
+                    async for c in g:
+                        q.put_nowait((i, c))
+                q.put_nowait((i, None))
+            except Abort as a:
+                q.put_nowait((i, a))
+
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(job.reqs)]
+        try:
+            left = len(tasks)
+            while left:
+                i, c = await q.get()
+                if isinstance(c, Abort):
+                    raise c
+                if c is None:
+                    left -= 1
+                else:
+                    yield i, c
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # ---- answers --------------------------------------------------------------------------------
+    async def whole(self, job: Job) -> Response:
+        choices = [Choice(job, i, self.tok) for i in range(len(job.reqs))]
+        async with aclosing(self.events(job)) as ev:
+            async for i, c in ev:
+                choices[i].add(c)
+        out = job.head(chunk=False)
+        out["choices"] = [c.whole() for c in choices]
+        out["usage"] = usage(choices)
+        return _json(200, out)
+
+    async def stream(self, job: Job, include_usage: bool, request: Request) -> Response:
+        """Errors before the first chunk get an HTTP status; later ones an error event, then the end."""
+        ev = self.events(job)
+        try:
+            first = await _until_disconnect(request, ev.__anext__())
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await ev.aclose()
+            raise
+        choices = [Choice(job, i, self.tok) for i in range(len(job.reqs))]
+        head = job.head(chunk=True)
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                if job.chat:
+                    for c in choices:
+                        yield _sse(dict(head, choices=[{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                        "logprobs": None, "finish_reason": None}]))  # fmt: skip
+                pending = [first] if first is not None else []
+                while True:
+                    if pending:
+                        i, c = pending.pop()
+                    else:
+                        try:
+                            i, c = await ev.__anext__()
+                        except StopAsyncIteration:
+                            break
+                    d = choices[i].delta(c)
+                    if d is not None:
+                        yield _sse(dict(head, choices=[d]))
+                if include_usage:
+                    yield _sse(dict(head, choices=[], usage=usage(choices)))
+            except Abort as a:  # mid-stream: an error event, then the end
+                yield _sse(ApiError.from_status(a.code, a.msg).body())
+            finally:
+                await ev.aclose()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def make_app(service) -> FastAPI:
+    """The router's HTTP app over `service` (router/service.py)."""
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    front = OpenAIFront(service)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request, e: ApiError):
+        return _json(e.status, e.body())
+
+    @app.exception_handler(Abort)
+    async def abort(request, a: Abort):
+        e = ApiError.from_status(a.code, a.msg)
+        return _json(e.status, e.body())
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, e: RequestValidationError):
+        err = from_validation(list(e.errors()))
+        return _json(err.status, err.body())
+
+    @app.exception_handler(Exception)
+    async def internal(request, e: Exception):
+        log.exception("%s %s failed", request.method, request.url.path)
+        return _json(500, ApiError(500, f"internal error: {type(e).__name__}", "internal_error").body())
+
+    @app.exception_handler(HTTPException)
+    async def no_route(request: Request, e: HTTPException):
+        return _json(e.status_code, ApiError(e.status_code, f"no route {request.method} {request.url.path}").body())
+
+    @app.get("/health")
+    async def health():
+        if service.draining:
+            return _json(503, {"status": "draining"})
+        live = [e for e in service.registry.routable(pb.NODE_KIND_DECODE)]
+        return _json(200, {"status": "ok", "decode_nodes": len(live)})
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        data = [{"id": m.id, "object": "model", "created": int(time.time()), "owned_by": "pdserve",
+                 "max_model_len": m.max_model_len} for m in service.models()]  # fmt: skip
+        return _json(200, {"object": "list", "data": data})
+
+    async def answer(req: CompletionRequest | ChatRequest, request: Request) -> Response:
+        job = front.job(req)
+        try:
+            if req.stream:
+                return await front.stream(job, req.include_usage, request)
+            return await _until_disconnect(request, front.whole(job))
+        except _Gone:
+            return Response(status_code=499)  # nobody reads it
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        return await answer(req, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request):
+        return await answer(req, request)
+
+    return app

@@ -1,0 +1,130 @@
+"""One HTTP request's choices, shaped as OpenAI answers them: a `Job` (one GenerateRequest per
+choice: n per prompt, choice j * n + i is sample i of prompt j) and a `Choice` per request that
+collects its chunks into a whole answer or turns each into a stream delta.
+
+`echo` puts the prompt before the output, and with logprobs the prompt's logprobs before the
+output's (the first prompt token has none). Logprobs are shaped as completions'
+(`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`) or chat's
+(`content: [{token, logprob, bytes, top_logprobs}]`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from proto import pb
+from router.request import Chunk
+
+
+@dataclass
+class Job:
+    """One HTTP request: a GenerateRequest per choice, and how to shape the answer."""
+
+    model: str
+    chat: bool
+    id: str
+    n: int  # choices per prompt
+    no_output: bool  # max_tokens 0: the one token generated is not returned
+    logprobs: int | None  # alternatives per position, when logprobs were asked for
+    reqs: list[pb.GenerateRequest] = field(default_factory=list)  # per choice, in choice order
+    echoes: list[str | None] = field(default_factory=list)  # per choice: with echo, its prompt's text
+    prompt_ids: list[list[int]] = field(default_factory=list)  # per choice: its prompt's ids, when sent as ids
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def head(self, chunk: bool) -> dict:
+        obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": ("chatcmpl-" if self.chat else "cmpl-") + self.id, "object": obj, "created": self.created,
+                "model": self.model}  # fmt: skip
+
+
+class Choice:
+    """One choice's text, tokens and logprobs as its chunks arrive."""
+
+    def __init__(self, job: Job, index: int, tok):
+        self.job, self.index, self.tok = job, index, tok
+        self.text: list[str] = []
+        self.entries: list = []  # pb.TokenLogprob per returned token; echo: the prompt's first
+        self.n = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.finish: str | None = None
+        self.offset = 0  # completions text_offset of the next token
+        self.started = False
+
+    def _take(self, c: Chunk) -> tuple[str, list]:
+        """The text and logprob entries this chunk adds (echo: the prompt's on the first)."""
+        text, entries = "", []
+        if not self.started:
+            self.started = True
+            self.prompt_tokens, self.cached_tokens = c.prompt_tokens, c.cached_tokens
+            echo, ids = self.job.echoes[self.index], self.job.prompt_ids[self.index]
+            if echo is not None:
+                text = echo
+                if self.job.logprobs is not None and ids:  # NaN: the first token has no logprob
+                    entries = [pb.TokenLogprob(token_id=ids[0], logprob=float("nan"))]
+                    entries += list(c.prompt_logprobs)
+        if not self.job.no_output:
+            text += c.text
+            entries += list(c.logprobs)
+            self.n += len(c.token_ids)
+        self.finish = c.finish_reason or self.finish
+        return text, entries
+
+    def add(self, c: Chunk) -> None:
+        text, entries = self._take(c)
+        self.text.append(text)
+        self.entries += entries
+
+    def whole(self) -> dict:
+        out = {"index": self.index, "finish_reason": self.finish}
+        lp = self._logprobs(self.entries) if self.job.logprobs is not None else None
+        if self.job.chat:
+            out["message"] = {"role": "assistant", "content": "".join(self.text)}
+            out["logprobs"] = lp
+        else:
+            out.update(text="".join(self.text), logprobs=lp)
+        return out
+
+    def delta(self, c: Chunk) -> dict | None:
+        """The stream delta of this chunk; None when it adds nothing."""
+        text, entries = self._take(c)
+        fin = c.finish_reason or None
+        if not text and not entries and fin is None:
+            return None
+        lp = self._logprobs(entries) if self.job.logprobs is not None else None
+        if self.job.chat:
+            return {"index": self.index, "delta": {"content": text} if text else {}, "logprobs": lp,
+                    "finish_reason": fin}  # fmt: skip
+        return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": fin}
+
+    def _str(self, token_id: int) -> str:
+        return self.tok.decode([token_id])
+
+    def _logprobs(self, entries) -> dict:
+        if self.job.chat:
+
+            def one(t, lp):
+                s = self._str(t)
+                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+            return {"content": [dict(one(e.token_id, e.logprob), top_logprobs=[one(t.token_id, t.logprob) for t in e.top])
+                                for e in entries]}  # fmt: skip
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            s = self._str(e.token_id)
+            first = e.logprob != e.logprob  # NaN marks the prompt's first token: no logprob
+            out["tokens"].append(s)
+            out["token_logprobs"].append(None if first else e.logprob)
+            out["top_logprobs"].append(None if first else {self._str(t.token_id): t.logprob for t in e.top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(s)
+        return out
+
+
+def usage(choices: list[Choice]) -> dict:
+    p = sum(c.prompt_tokens for c in choices if c.index % c.job.n == 0)  # once per prompt
+    n = sum(c.n for c in choices)
+    cached = sum(c.cached_tokens for c in choices if c.index % c.job.n == 0)
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
+            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip

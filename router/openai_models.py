@@ -1,0 +1,219 @@
+"""The OpenAI request bodies as pydantic models (strict: a string is not a number, `true` is not
+an integer), their mapping onto SamplingParams, and OpenAI's error shape.
+
+Types and ranges are the models' (a failure is a 400 naming the field); what depends on several
+fields (`best_of`, `top_logprobs` without `logprobs`, options pdserve does not have) is checked
+in `sampling`, with the same 400. Unknown fields are ignored; known ones that pdserve does not
+support (`logit_bias`, `suffix`, tools) are refused by name.
+
+    sampling(req) -> pb.SamplingParams: `max_tokens` / `max_completion_tokens` (0: one token is
+    generated and none returned: prompt logprobs only), temperature, top_p, top_k, penalties,
+    seed, min_tokens, `stop` (strings, matched by the router; ints as an extension: token ids),
+    `stop_token_ids`, `ignore_eos`; logprobs: chat `logprobs: true` + `top_logprobs: k`,
+    completions `logprobs: k` and with `echo` the prompt's too (prompt_logprobs).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from proto import pb
+
+MAX_N = 16  # most choices per request
+MAX_BATCH = 64  # most prompts in one completions request
+
+_HTTP_OF = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    @classmethod
+    def from_status(cls, code: grpc.StatusCode, message: str) -> ApiError:
+        status, typ = _HTTP_OF.get(code, (500, "internal_error"))
+        return cls(status, message or code.name, typ, code=code.name.lower())
+
+    @classmethod
+    def from_rpc(cls, e: grpc.RpcError) -> ApiError:
+        return cls.from_status(e.code(), e.details())
+
+
+def bad(msg: str, param: str | None = None) -> ApiError:
+    return ApiError(400, msg, "invalid_request_error", param)
+
+
+def from_validation(errors: list[dict]) -> ApiError:
+    """pydantic's errors (FastAPI's, with "body" first in `loc`) -> one 400 naming the field."""
+    e = errors[0]
+    loc = [x for x in e.get("loc", ()) if x != "body"]
+    if e.get("type") == "json_invalid":
+        return bad(f"the body is not JSON: {e.get('msg')}")
+    if not loc or not isinstance(loc[0], str):
+        return bad("the body must be a JSON object with the request's fields")
+    param = loc[0]
+    got = e.get("input")
+    shown = "" if e.get("type") == "missing" else f" (got {got!r})"[:200]
+    return bad(f"'{param}': {e.get('msg', 'invalid')}{shown}", param)
+
+
+def parse(model: type[BaseModel], body: Any) -> BaseModel:
+    """Validate a decoded body; ApiError 400 on failure."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise from_validation(e.errors()) from None
+
+
+Float = Annotated[float, Field(allow_inf_nan=False)]
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: Annotated[str, Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
+    temperature: Annotated[Float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None
+    top_k: int | None = None
+    presence_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[Float, Field(ge=0.0, le=10.0)] | None = None
+    seed: Annotated[int, Field(ge=0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    best_of: int | None = None
+    stop: str | list[str | int] | None = None  # ints: token ids (an extension)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # refused by name unless empty / the default
+    logit_bias: Any = None
+    suffix: Any = None
+    tools: Any = None
+    functions: Any = None
+    tool_choice: Any = None
+    function_call: Any = None
+    response_format: Any = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def no_output(self) -> bool:
+        """max_tokens 0: the one token generated is not returned."""
+        mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return mt == 0
+
+
+class CompletionRequest(_Request):
+    # a string, token ids, or a batch of up to MAX_BATCH of either (checked in `prompts`)
+    prompt: str | list[int] | list[str | list[int]]
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=20)] | bool | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None
+
+
+class ChatRequest(_Request):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    logprobs: bool = False
+    echo: Any = None
+
+
+def prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """`prompt`: a string, a list of token ids, or a batch (list) of either."""
+    p = req.prompt
+
+    def ids(x) -> bool:
+        return isinstance(x, list) and bool(x) and all(isinstance(t, int) for t in x)
+
+    if (isinstance(p, str) and p) or ids(p):
+        return [p]
+    if isinstance(p, list) and 0 < len(p) <= MAX_BATCH and all((isinstance(x, str) and x) or ids(x) for x in p):
+        return p
+    raise bad(f"'prompt' must be a non-empty string, a list of token ids, or a list of up to {MAX_BATCH} of either",
+              "prompt")  # fmt: skip
+
+
+def _refuse_unsupported(req: _Request) -> None:
+    for name in ("logit_bias", "suffix", "tools", "functions"):
+        if getattr(req, name) not in (None, {}, []):
+            raise bad(f"'{name}' is not supported", name)
+    for name in ("tool_choice", "function_call"):
+        if getattr(req, name) not in (None, "none", "auto"):
+            raise bad(f"'{name}' is not supported (no tools)", name)
+    rf = req.response_format
+    if rf not in (None, {}) and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise bad("only response_format {'type': 'text'} is supported", "response_format")
+    if req.best_of not in (None, req.n):
+        raise bad("best_of other than n is not supported", "best_of")
+
+
+def sampling(req: CompletionRequest | ChatRequest) -> pb.SamplingParams:
+    """The request's SamplingParams; the engine checks the rest (INVALID_ARGUMENT -> 400)."""
+    _refuse_unsupported(req)
+    chat = isinstance(req, ChatRequest)
+    sp = pb.SamplingParams(top_k=req.top_k or 0, ignore_eos=req.ignore_eos)
+    mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if mt is not None:
+        sp.max_tokens = max(mt, 1)  # 0: generate one token and return none (prompt logprobs only)
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
+                 "min_tokens"):  # fmt: skip
+        v = getattr(req, name)
+        if v is not None:
+            setattr(sp, name, v)
+    stop = [] if req.stop is None else [req.stop] if isinstance(req.stop, str) else req.stop
+    sp.stop.extend(t for t in stop if isinstance(t, str))
+    ids = [t for t in stop if isinstance(t, int)] + list(req.stop_token_ids or ())
+    if any(t < 0 for t in ids):
+        raise bad(f"stop token ids must be non-negative integers (got {ids!r})", "stop_token_ids")
+    sp.stop_token_ids.extend(ids)
+    if chat:
+        if req.logprobs:
+            sp.logprobs = req.top_logprobs or 0
+        elif req.top_logprobs is not None:
+            raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if req.echo:
+            raise bad("'echo' is not supported for chat completions", "echo")
+        return sp
+    if req.top_logprobs is not None:
+        raise bad("'top_logprobs' is a chat option; completions take 'logprobs': N", "top_logprobs")
+    if req.logprobs is True:
+        raise bad("'logprobs' takes the number of alternatives per token, 0 to 20 (got true)", "logprobs")
+    if req.logprobs is not None and req.logprobs is not False:
+        sp.logprobs = req.logprobs
+    if req.echo and sp.HasField("logprobs"):
+        sp.prompt_logprobs = sp.logprobs
+    return sp

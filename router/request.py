@@ -1,0 +1,217 @@
+"""One request through the router, in phases, as an async generator of `Chunk`s:
+
+    admit (router/admission.py: a decode node D, and a prefill node P or none)
+      -> prefill (router/prefill.py: D's reservation, P's first token, the push running) or none
+      -> decode (D.Generate: local prefill, or the reserved request once P's state is in)
+      -> relay (each node message -> a Chunk with text delta, timings, the first one placed)
+    a decode node that drains or is unreachable before the first token: admit again, elsewhere
+
+Unwinding (the consumer closes the generator, or its task is cancelled: a client that went away)
+cancels the calls to the nodes (D aborts the request, P aborts the push) and releases a
+reservation that was not activated; the release runs as a task of its own, so the unwinding
+path never waits on a node. The `Trace` is what the per-request log line and the metrics read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from proto import pb
+from proto.serving import is_draining
+from router.detok import IncrementalDetokenizer
+from router.errors import Abort, DecodeFailed
+from router.prefill import Push
+from router.registry import NodeEntry
+
+log = logging.getLogger("pdserve.router")
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One event of a request's stream, as both front ends read it."""
+
+    token_ids: Sequence[int]
+    text: str = ""
+    finish_reason: str = ""  # "" until the last chunk
+    logprobs: Sequence[pb.TokenLogprob] = ()
+    prompt_logprobs: Sequence[pb.TokenLogprob] = ()
+    timings: pb.Timings = field(default_factory=pb.Timings)
+    request_id: str = ""
+    first: bool = False  # the first chunk: prompt_tokens and the nodes below are set
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefilling node took from its prefix cache
+    decode_node: str = ""
+    prefill_node: str = ""
+
+
+@dataclass
+class Trace:
+    """What the per-request log line reports."""
+
+    request_id: str
+    received: float = field(default_factory=time.monotonic)
+    prompt_len: int = 0
+    decode: str = "-"
+    prefill: str = "local"
+    queue_s: float = 0.0
+    first: float | None = None
+    last: float | None = None
+    n: int = 0
+    finish: str = "-"
+    transfer_bytes: int = 0
+    transfer_s: float = 0.0
+
+    def outcome(self) -> str:
+        if self.finish in ("stop", "length"):
+            return "ok"
+        if self.finish in ("cancelled", "abort", "CANCELLED", "-"):
+            return "cancelled"
+        return "error"
+
+    def ttft(self) -> float | None:
+        return self.first - self.received if self.first else None
+
+    def tpot(self) -> float | None:
+        return (self.last - self.first) / (self.n - 1) if self.n > 1 else None
+
+    def log(self) -> None:
+        ttft, tpot = self.ttft(), self.tpot()
+        log.info(
+            "request %s: prompt %d, decode %s, prefill %s, queue %.1f ms, ttft %s, tpot %s, %d tokens, %s; "
+            "transfer %d B in %.1f ms",
+            self.request_id, self.prompt_len, self.decode, self.prefill, self.queue_s * 1e3,
+            "-" if ttft is None else f"{ttft * 1e3:.1f} ms", "-" if tpot is None else f"{tpot * 1e3:.1f} ms",
+            self.n, self.finish, self.transfer_bytes, self.transfer_s * 1e3,
+        )  # fmt: skip
+
+
+class _Retry(Exception):
+    """Place the request again (on another decode node)."""
+
+
+class RequestRun:
+    """The phases of one request; `svc` is the GenerateService (admission, decode counters,
+    prefill phase, registry, tokenizer)."""
+
+    def __init__(self, svc, request: pb.GenerateRequest, ids: list[int], trace: Trace):
+        self.svc, self.request, self.ids, self.tr = svc, request, ids, trace
+        self.detok = IncrementalDetokenizer(svc.tokenizer, ids) if svc.tokenizer is not None else None
+        self.tried: set[str] = set()
+        sp = request.sampling
+        self.local = sp.HasField("logprobs") or sp.HasField("prompt_logprobs")  # P returns no logprobs
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        while True:
+            t0 = time.monotonic()
+            d, p = await self.svc.admit(len(self.ids), self.tried, self.local)
+            self.tr.queue_s += time.monotonic() - t0
+            self.tr.decode = d.node_id
+            self.tried.add(d.node_id)
+            try:
+                async for c in self._attempt(d, p):
+                    yield c
+                return
+            except _Retry:
+                continue
+            finally:
+                self.svc.done(d, len(self.ids))
+
+    async def _attempt(self, d: NodeEntry, p: NodeEntry | None) -> AsyncIterator[Chunk]:
+        """Prefill (on P, or none), then D's stream, relayed."""
+        pre: Push | None = None
+        call = None
+        settled = False  # the reservation (if any) is activated, released or never made
+        rid, sp, ids = self.tr.request_id, self.request.sampling, self.ids
+        try:
+            if p is not None:
+                pre = await self.svc.prefill.run(d, p, self.request, ids, rid)
+            if pre is None:
+                self.tr.prefill = "local"
+                call = d.stub.Generate(pb.DecodeRequest(request_id=rid, prompt_token_ids=ids, sampling=sp))
+            else:
+                f = pre.first
+                self.tr.prefill = pre.p.node_id
+                # the first token goes to the client at once, while the push runs
+                yield self._relay(pb.GenerateResponse(token_ids=[f.first_token_id], finish_reason=f.finish_reason,
+                                                      timings=f.timings), pre, first=True)  # fmt: skip
+                if f.finish_reason:  # the first token ended it: nothing was pushed
+                    settled = True
+                    self.svc.prefill.release_later(d, pre.rid, "finished at the first token")
+                    return
+                # D waits for every rank's state, then decodes
+                call = d.stub.Generate(
+                    pb.DecodeRequest(request_id=pre.rid, prompt_token_ids=ids, sampling=sp, reserved=True,
+                                     first_token_id=f.first_token_id, draft_token_ids=f.draft_token_ids)
+                )  # fmt: skip
+            first = pre is None
+            async for m in call:
+                settled = True  # D activated the reservation (or failed and released it)
+                if pre is not None and m.finish_reason:
+                    await pre.wait(5.0)  # the transfer figures, complete on the last message
+                yield self._relay(m, pre, first=first)
+                first = False
+            settled = True
+        except DecodeFailed as df:
+            await self._decode_failed(df.err, d, None)
+        except grpc.RpcError as e:
+            await self._decode_failed(e, d, pre)
+        finally:
+            if call is not None:
+                call.cancel()  # no-op when it completed; stops the node's work otherwise
+            if pre is not None:
+                if not settled:  # ended between the prefill and decode: free it now
+                    self.svc.prefill.release_later(d, pre.rid, "the request ended before decode began")
+                if not pre.done.is_set():
+                    pre.call.cancel()  # the request is over: the prefill node aborts what is left
+
+    async def _decode_failed(self, e: grpc.RpcError, d: NodeEntry, pre: Push | None) -> None:
+        """D refused or failed the request: raise _Retry (place it elsewhere) or Abort."""
+        code = e.code()
+        if not self.tr.n and is_draining(e):  # D drains (before any token): place it on another node
+            self.svc.registry.mark_draining(d)
+            log.info("request %s: decode node %s is draining, placing it elsewhere", self.tr.request_id, d.node_id)
+            raise _Retry
+        if pre is not None and code == grpc.StatusCode.ABORTED and await pre.wait(5.0) and pre.error is not None:
+            pe = pre.error  # D gave up because the push failed: report why
+            raise Abort(pe.code(), f"pushing the state from {pre.p.node_id} failed: {pe.details() or pe.code().name}")
+        others = [n for n in self.svc.registry.routable(pb.NODE_KIND_DECODE) if n.node_id not in self.tried]
+        if code == grpc.StatusCode.UNAVAILABLE and self.tr.n == 0 and len(self.tried) < 2 and others:
+            log.warning("request %s: decode node %s unavailable, retrying elsewhere", self.tr.request_id, d.node_id)
+            raise _Retry
+        raise Abort(code, e.details() or code.name)
+
+    def _relay(self, m: pb.GenerateResponse, pre: Push | None, first: bool) -> Chunk:
+        tr, now = self.tr, time.monotonic()
+        if m.token_ids:
+            tr.first = tr.first or now
+            tr.last = now
+            tr.n += len(m.token_ids)
+        c = Chunk(token_ids=list(m.token_ids), finish_reason=m.finish_reason, logprobs=m.logprobs,
+                  prompt_logprobs=m.prompt_logprobs, request_id=tr.request_id)  # fmt: skip
+        if self.detok is not None and (m.token_ids or m.finish_reason):
+            c.text = self.detok.push(list(m.token_ids), final=bool(m.finish_reason))
+        if first:
+            c.first, c.prompt_tokens = True, tr.prompt_len
+            c.decode_node, c.prefill_node = tr.decode, "" if pre is None else pre.p.node_id
+            c.cached_tokens = m.cached_tokens if pre is None else pre.first.cached_tokens
+        t, node = c.timings, m.timings
+        t.queue_s = tr.queue_s + node.queue_s
+        t.prefill_s, t.transfer_s, t.transfer_bytes = node.prefill_s, node.transfer_s, node.transfer_bytes
+        if tr.first is not None:
+            t.ttft_s = tr.first - tr.received
+        if m.finish_reason:
+            t.e2e_s = now - tr.received
+            if tr.n > 1:
+                t.tpot_s = (tr.last - tr.first) / (tr.n - 1)
+        if pre is not None:  # the transfer figures, complete on the last message
+            pt = pre.timings()
+            t.prefill_s, t.transfer_s, t.transfer_bytes = pt.prefill_s, pt.transfer_s, pt.transfer_bytes
+        if m.finish_reason:
+            tr.finish = m.finish_reason
+            tr.transfer_bytes, tr.transfer_s = t.transfer_bytes, t.transfer_s
+        return c

@@ -1,0 +1,253 @@
+"""The router's one in-process `generate`: what the gRPC API (router/grpc_api.py) and the
+OpenAI HTTP API (router/openai_api.py) both call, on the router's event loop.
+
+    generate(GenerateRequest) -> async iterator of Chunk (router/request.py)
+      refuse while draining (`Draining`) or with `generate_limit` requests in flight
+      -> prompt ids (text tokenized here) -> checks no node could pass (length, KV, vocab)
+      -> RequestRun: admit -> prefill -> decode -> relay -> string stops (router/stops.py)
+      -> one INFO line and the request's metrics, however it ended
+
+Errors are `Abort(code, message)` with a gRPC status code, which each front end maps to its own
+shape. Counters and their one owner each: `active` (generate), the decode nodes' `inflight` and
+`inflight_blocks` (admit / done, here), the prefill nodes' `inflight_prefill_tokens`
+(router/prefill.py), the admission queue (router/admission.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import aclosing
+from pathlib import Path
+
+import grpc
+from prometheus_client import Counter, Histogram
+
+from proto import pb
+from proto.metrics import ServingMetrics
+from proto.security import OPEN, Credentials
+from proto.serving import MAX_REQUEST_ID_LEN, sampling_kwargs
+from router.admission import Admission
+from router.config import RouterConfig
+from router.errors import Abort, Draining
+from router.policy import make_policy
+from router.prefill import PrefillPhase
+from router.registry import NodeEntry, NodeRegistry
+from router.request import Chunk, RequestRun, Trace
+from router.stops import with_stops
+
+log = logging.getLogger("pdserve.router")
+
+# Requests in flight beyond the admission queue's limit that the router still takes (streaming);
+# more are refused RESOURCE_EXHAUSTED at once.
+STREAMING = 1024
+
+
+class GenerateService:
+    def __init__(self, cfg: RouterConfig, creds: Credentials = OPEN):
+        self.cfg = cfg
+        self.registry = NodeRegistry(cfg.heartbeat_interval_s, cfg.dead_after_s, creds)
+        for a in cfg.static_decode:
+            self.registry.add_static(a, pb.NODE_KIND_DECODE)
+        for a in cfg.static_prefill:
+            self.registry.add_static(a, pb.NODE_KIND_PREFILL)
+        self.policy = make_policy(cfg.policy)
+        self._tasks: set[asyncio.Task] = set()
+        self.prefill = PrefillPhase(cfg, self.registry, self.policy, self.spawn)
+        self.tokenizer = None
+        if cfg.model:
+            from engine.tokenizer import Tokenizer
+
+            if Tokenizer.exists(cfg.model):
+                self.tokenizer = Tokenizer(cfg.model)
+        self.active = 0  # requests in generate
+        self.idle = asyncio.Event()  # set while active == 0 (the drain waits on it)
+        self.idle.set()
+        self.draining = False
+        self.metrics = ServingMetrics("pdserve_router", self._gauges)
+        reg = self.metrics.registry
+        self.queue_wait = Histogram("pdserve_router_queue_wait_seconds", "Time requests waited for admission",
+                                    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+                                    registry=reg)  # fmt: skip
+        self.refused = Counter("pdserve_router_admission_refused",
+                               "Requests refused RESOURCE_EXHAUSTED before any work: queue full, or no room in time",
+                               ["reason"], registry=reg)  # fmt: skip
+        for reason in ("queue_full", "timeout"):
+            self.refused.labels(reason=reason)
+        self.admission = Admission(cfg.max_queued_requests, cfg.admission_timeout_s, self._left_queue)
+        self.generate_limit = (cfg.max_queued_requests or 4096) + STREAMING
+
+    def spawn(self, coro: Coroutine) -> asyncio.Task:
+        """Run a coroutine as a task held until it ends (releases, push watchers)."""
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    def _gauges(self) -> dict[str, tuple[str, float]]:
+        dec = self.registry.live(pb.NODE_KIND_DECODE)
+        caps = [e.info.capacity for e in dec]
+        return {
+            "queue_depth": ("Requests waiting for admission", self.admission.depth()),
+            "active_requests": ("Requests in flight through the router", self.active),
+            "decode_nodes_live": ("Live decode nodes", len(dec)),
+            "prefill_nodes_live": ("Live prefill nodes", len(self.registry.live(pb.NODE_KIND_PREFILL))),
+            "nodes_draining": ("Live nodes that drain (finish what they hold, take nothing new)",
+                               sum(1 for e, _ in self.registry.snapshot() if e.alive and e.info.draining)),
+            "kv_pages_free": ("KV pages free over live decode nodes (last heartbeat)",
+                              sum(c.free_blocks for c in caps)),
+            "kv_pages_used": ("KV pages in use over live decode nodes (last heartbeat)",
+                              sum(c.total_blocks - c.free_blocks for c in caps)),
+            "state_slots_free": ("State slots free over live decode nodes (last heartbeat)",
+                                 sum(c.free_slots for c in caps)),
+            "state_slots_used": ("State slots in use over live decode nodes (last heartbeat)",
+                                 sum(c.total_slots - c.free_slots for c in caps)),
+        }  # fmt: skip
+
+    def models(self) -> list[pb.ModelInfo]:
+        seen: dict[str, pb.ModelInfo] = {}
+        for e, _ in self.registry.snapshot():
+            if e.alive and e.info.model and e.info.model not in seen:
+                seen[e.info.model] = pb.ModelInfo(
+                    id=Path(e.info.model).name, path=e.info.model, vocab_size=e.info.vocab_size,
+                    max_model_len=e.info.max_model_len, has_tokenizer=self.tokenizer is not None,
+                )  # fmt: skip
+        return list(seen.values())
+
+    # ---- the request path -------------------------------------------------------------------
+    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[Chunk]:
+        """The chunks of one request; raises Abort (Draining while the router drains)."""
+        if self.draining:
+            raise Draining("the router")
+        tr = Trace(request.request_id or uuid.uuid4().hex)
+        if self.active >= self.generate_limit:
+            self._left_queue("queue_full", 0.0)
+            log.info("request %s: refused RESOURCE_EXHAUSTED, %d requests in flight", tr.request_id, self.active)
+            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"the router has {self.generate_limit} requests in flight, its limit: try again later")  # fmt: skip
+        self.active += 1
+        self.idle.clear()
+        try:
+            ids = self._prompt_ids(request)
+            tr.prompt_len = len(ids)
+            self._check(request, ids)
+            run = RequestRun(self, request, ids, tr)
+            sp = request.sampling
+            stream = with_stops(run.chunks(), list(sp.stop), sp.min_tokens, lambda: setattr(tr, "finish", "stop"))
+            async with aclosing(stream) as chunks:
+                async for c in chunks:
+                    yield c
+        except Abort as a:
+            tr.finish = a.code.name
+            raise
+        except (GeneratorExit, asyncio.CancelledError):  # the client went away
+            tr.finish = "cancelled"
+            raise
+        finally:
+            tr.log()
+            self.metrics.request_done(tr.outcome(), tr.ttft(), tr.tpot(), tr.n)
+            if tr.transfer_bytes:
+                self.metrics.transfer_done(tr.transfer_bytes, tr.transfer_s)
+            self.active -= 1
+            if not self.active:
+                self.idle.set()
+
+    def _prompt_ids(self, request) -> list[int]:
+        if request.prompt and request.prompt_token_ids:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "give prompt text or prompt_token_ids, not both")
+        if request.prompt:
+            if self.tokenizer is None:
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "this router has no tokenizer: send prompt_token_ids")
+            ids = self.tokenizer.encode(request.prompt)
+        else:
+            ids = list(request.prompt_token_ids)
+        if not ids:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt: give at least one token")
+        return ids
+
+    def _check(self, request, ids: list[int]) -> None:
+        from engine.sampling_params import SamplingParams
+
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        try:
+            SamplingParams(**sampling_kwargs(request.sampling))
+        except ValueError as e:
+            raise Abort(bad, str(e)) from None
+        if request.sampling.stop and self.tokenizer is None:
+            raise Abort(bad, "stop strings need a tokenizer on the router: use stop_token_ids")
+        if len(request.request_id) > MAX_REQUEST_ID_LEN:
+            raise Abort(bad, f"request_id longer than {MAX_REQUEST_ID_LEN} characters")
+        nodes = self.registry.live(pb.NODE_KIND_DECODE)
+        if not nodes:
+            return
+        # refuse what no node could ever take, rather than queueing it
+        limit = max(e.info.max_model_len for e in nodes)
+        if len(ids) >= limit:
+            raise Abort(bad, f"prompt of {len(ids)} tokens leaves no room to generate: max_model_len is {limit}")
+        most = max(e.info.capacity.total_blocks for e in nodes)
+        need = nodes[0].blocks_for(len(ids) + 1)
+        if need > most:
+            raise Abort(
+                bad, f"prompt of {len(ids)} tokens needs {need} KV blocks; the largest decode node holds {most}"
+            )
+        vocab = min(e.info.vocab_size for e in nodes)
+        out = [t for t in ids if not 0 <= t < vocab]
+        if out:
+            raise Abort(bad, f"prompt token id(s) {out[:5]} out of range [0, {vocab})")
+
+    # ---- admission and the decode nodes' counters -------------------------------------------
+    def _left_queue(self, outcome: str, wait_s: float) -> None:
+        if outcome in ("queue_full", "timeout"):
+            self.refused.labels(reason=outcome).inc()
+        if outcome != "queue_full":
+            self.queue_wait.observe(wait_s)
+
+    async def admit(self, prompt_len: int, exclude: set[str], local: bool) -> tuple[NodeEntry, NodeEntry | None]:
+        """Wait in the admission queue until the request is placed: (decode node, prefill node or
+        None to prefill on the decode node), both counted against until `done` (and the prefill
+        phase's own give-back). local: prefill on the decode node (logprobs: P returns none)."""
+
+        def refuse() -> Abort:
+            if not [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]:
+                return Abort(grpc.StatusCode.UNAVAILABLE, "no live decode node takes new requests")
+            return Abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"no decode node had room (or no prefill node was within its window) for a {prompt_len}-token "
+                f"prompt within {self.cfg.admission_timeout_s:g} s ({self.admission.depth()} in the admission queue): "
+                "try again later",
+            )
+
+        return await self.admission.wait(lambda: self._place(prompt_len, exclude, local), refuse)
+
+    def _place(self, prompt_len: int, exclude: set[str], local: bool) -> tuple[NodeEntry, NodeEntry | None] | None:
+        """A decode node with room and, when the prompt goes through the prefill pool, a prefill
+        node within its window; None: not now."""
+        with self.registry.lock:
+            nodes = [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]
+            d = self.policy.choose_decode(nodes, prompt_len)
+            if d is None:
+                return None
+            p = None
+            if not local and self.prefill.use_pool(d, prompt_len):
+                p = self.prefill.choose(d, prompt_len, set(), window=True)
+                if p is None:
+                    return None  # every prefill node has its window of work: wait, reserving nothing
+            d.inflight += 1
+            d.inflight_blocks += d.blocks_for(prompt_len + 1)
+            return d, p
+
+    def done(self, d: NodeEntry, prompt_len: int) -> None:
+        with self.registry.lock:
+            d.inflight -= 1
+            d.inflight_blocks -= d.blocks_for(prompt_len + 1)
+            d.freed_slots += 1
+            d.freed_blocks += d.blocks_for(prompt_len + 1)
+        self.registry.on_change()
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.registry.close()

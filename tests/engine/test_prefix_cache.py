@@ -1,0 +1,54 @@
+"""Prefix caching end to end in the engine: greedy float32 tokens with the cache on equal the
+tokens with it off and transformers', for prompts that share a prefix of every length class,
+and every page, slot and snapshot pin is back afterwards."""
+
+from __future__ import annotations
+
+import hybrid_ckpt as hc
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _rand(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+BASE = _rand(100, 5)
+SHORT = BASE[:10]  # shorter than a page (16 tokens): its end-of-prompt snapshot is all there is
+LONG = BASE[:80] + _rand(5, 1)  # snapshots at 32, 64 (the grid) and 85 (its end)
+# (prompt, cached tokens expected once SHORT and LONG ran)
+LATER = [
+    (BASE[:10] + _rand(5, 2), 10),  # shorter than a page: SHORT's end, copied partial page
+    (BASE[:50] + _rand(7, 3), 32),  # between snapshots: trimmed to the grid snapshot at 32
+    (BASE[:64] + _rand(3, 4), 64),  # exactly at a grid snapshot, on a page boundary
+    (LONG + _rand(4, 5), 85),  # exactly at LONG's end, mid-page
+]
+
+
+@pytest.fixture(scope="module")
+def refs(ckpt_hv2):
+    return [hc.hf_greedy(ckpt_hv2, p, 12) for p, _ in LATER]
+
+
+def test_cached_prefixes_give_the_same_tokens(ckpt_hv2, refs):
+    prompts = [p for p, _ in LATER]
+    with LLM(ckpt_hv2, dtype="float32", enable_prefix_caching=False) as llm:
+        assert llm.engine.prefix is None and llm.capacity().num_snapshots == 0
+        off = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    with LLM(ckpt_hv2, dtype="float32", prefix_snapshot_interval=32) as llm:
+        first = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0] for p in (SHORT, LONG)]
+        assert [o.num_cached_tokens for o in first] == [0, 10]  # LONG starts with SHORT
+        on = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+        e = llm.engine
+        assert (e.blocks.num_free, e.slots.num_free) == (llm.capacity().num_blocks, llm.capacity().num_state_slots)
+        assert not e.blocks.ref and all(s.ref == 0 for s in e.prefix._by_key.values())
+        st = e.prefix.stats
+        assert st.hit_tokens == 10 + sum(n for _, n in LATER)
+        assert st.query_tokens == len(SHORT) + len(LONG) + sum(len(p) for p in prompts)
+    for (p, n), a, b, ref in zip(LATER, on, off, refs):
+        assert a.num_cached_tokens == n and b.num_cached_tokens == 0
+        assert a.output_token_ids == b.output_token_ids == ref, f"{len(p)}-token prompt, {n} cached"

@@ -1,0 +1,162 @@
+"""Prefix caching bookkeeping: exact page ids, reference counts, free counts and snapshot entries
+after a miss, a hit, eviction, abort, preemption and the release of held memory.
+
+The scheduler runs with a stand-in for the model (every sampling row gets token 7), so the
+expected values below are worked out by hand from the rules in engine/cache/prefix.py."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from engine.cache.block_manager import BlockManager, SlotPool
+from engine.cache.prefix import ROOT_HASH, PrefixCache, block_hash
+from engine.config import EngineArgs, SchedulerConfig
+from engine.options import add_options, options, to_argv, values
+from engine.request import Request, Status
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.step import SnapshotCopy
+
+PROMPT = list(range(1, 11))  # 10 tokens: pages [1..4] [5..8], then a partial page [9, 10]
+
+
+def make(num_blocks=8, snaps=3):
+    blocks = BlockManager(num_blocks, 4)
+    slots = SlotPool(2)
+    prefix = PrefixCache(blocks, snaps, interval=4)
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
+    return Scheduler(cfg, blocks, slots, 1000, prefix=prefix), blocks, slots, prefix
+
+
+def req(rid, prompt, max_tokens=2, prefill_only=False):
+    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), prefill_only=prefill_only)
+
+
+def step(sched):
+    out = sched.schedule()
+    sched.update(out, {r.request.request_id: [7] for r in out.rows if r.samples}, ())
+    return out
+
+
+def run_first(sched):
+    """Request a: prompt PROMPT, 2 new tokens. Chunks stop on the snapshot grid (every 4 tokens)
+    and at the prompt's end: [0, 4) [4, 8) [8, 10), each saving a snapshot, then one decode step."""
+    a = req("a", PROMPT)
+    sched.add(a)
+    saves = [[c for _, c in step(sched).saves] for _ in range(3)]
+    assert saves == [[SnapshotCopy(0, 0, None)], [SnapshotCopy(1, 0, None)], [SnapshotCopy(2, 0, 2)]]
+    assert a.block_ids == [0, 1, 2] and a.output_token_ids == [7]
+    step(sched)
+    assert a.status is Status.FINISHED
+    return a
+
+
+H0 = block_hash(ROOT_HASH, [1, 2, 3, 4])
+H1 = block_hash(H0, [5, 6, 7, 8])
+
+
+def test_miss_then_hit_shares_pages_and_copies_the_partial_page():
+    sched, blocks, slots, prefix = make()
+    run_first(sched)
+    # pages 0 and 1 are cached (full prompt pages), page 2 is not; none is in use
+    assert blocks.cached == {H0: 0, H1: 1} and blocks.ref == {} and blocks.num_free == 8
+    assert prefix.num_used == 3 and prefix.stats.saved == 3
+
+    b = req("b", PROMPT + [20, 21], max_tokens=1)
+    sched.add(b)
+    out = sched.schedule()
+    # the snapshot at 10 (end of a's prompt) with pages 0, 1 shared; a fresh page (3) takes a
+    # copy of the partial page; the slot takes the snapshot's state
+    assert b.num_computed_tokens == 10 and b.num_cached_tokens == 10
+    assert b.block_ids == [0, 1, 3] and blocks.ref == {0: 1, 1: 1, 3: 1} and blocks.num_free == 5
+    assert [c for _, c in out.restores] == [SnapshotCopy(2, b.slot, 3)]
+    assert [r.num_new_tokens for r in out.rows] == [2]
+    # b's prompt end (12) is saved into the least recently used entry (4 tokens: entry 0)
+    assert [c for _, c in out.saves] == [SnapshotCopy(0, b.slot, None)] and prefix.stats.evicted == 1
+    assert out.restores[0][0].ref == 1  # pinned while the step runs
+    sched.update(out, {"b": [7]}, ())
+    assert out.restores[0][0].ref == 0 and b.status is Status.FINISHED
+    assert blocks.ref == {} and blocks.num_free == 8 and slots.num_free == 2
+    assert blocks.cached[block_hash(H1, [9, 10, 20, 21])] == 3
+    assert (prefix.stats.query_tokens, prefix.stats.hit_tokens) == (22, 10)
+
+
+def test_hit_is_trimmed_to_the_last_snapshot_and_the_pages_still_cached():
+    sched, blocks, slots, prefix = make(snaps=4)
+    run_first(sched)
+    # between snapshots: 9 shared tokens resume at the grid snapshot 8
+    c = req("c", PROMPT[:9] + [30, 31])
+    sched.add(c)
+    step(sched)
+    assert c.num_cached_tokens == 8 and c.block_ids[:2] == [0, 1]
+    sched.finish(c, "abort")
+    assert blocks.ref == {} and blocks.num_free == 8
+    # another request's demand hands out every free page but one: the cached page 1 is evicted
+    # (pages freed last are handed out last; a chain's deeper page is freed first)
+    held = blocks.allocate(7)
+    assert 1 in held and 0 not in held and blocks.cached == {H0: 0} and blocks.num_evicted == 1
+    blocks.free(held)
+    d = req("d", PROMPT + [40])
+    sched.add(d)
+    step(sched)
+    assert d.num_cached_tokens == 4 and d.block_ids[0] == 0  # page 1 is gone: only the snapshot at 4 is usable
+
+
+def test_abort_and_preemption_never_free_a_page_another_request_uses():
+    sched, blocks, slots, prefix = make()
+    run_first(sched)
+    b, c = req("b", PROMPT + [50], max_tokens=4), req("c", PROMPT + [60], max_tokens=4)
+    sched.add(b)
+    sched.add(c)
+    out = sched.schedule()
+    assert [r.request.request_id for r in out.rows] == ["b", "c"]
+    assert b.block_ids[:2] == c.block_ids[:2] == [0, 1] and blocks.ref[0] == blocks.ref[1] == 2
+    assert out.restores[0][0] is out.restores[1][0] and out.restores[0][0].ref == 2
+    sched.update(out, {"b": [7], "c": [7]}, ())
+    sched.finish(b, "abort")  # b's own pages are free, the shared ones still c's
+    assert blocks.ref == {0: 1, 1: 1, c.block_ids[2]: 1} and blocks.num_free == 5 and not blocks.is_free(0)
+    sched._preempt(c)  # c gives everything back and recomputes later, from the cache
+    assert blocks.ref == {} and blocks.num_free == 8 and slots.num_free == 2
+    step(sched)
+    # back from the prefix: prompt + its first token; the snapshot at the prompt's end (11) is usable
+    assert c.status is Status.RUNNING and c.num_computed_tokens == 12 and c.block_ids[:2] == [0, 1]
+    assert c.num_cached_tokens == 10  # what its first admission took from the cache
+    while c.status is not Status.FINISHED:
+        step(sched)
+    assert blocks.ref == {} and blocks.num_free == 8 and slots.num_free == 2
+    assert all(s.ref == 0 for s in prefix._by_key.values())
+
+
+def test_held_and_released_prefill_keeps_shared_pages_until_release():
+    sched, blocks, slots, prefix = make()
+    run_first(sched)
+    p = req("p", PROMPT + [70, 71], prefill_only=True)
+    sched.add(p)
+    step(sched)
+    assert p.status is Status.HELD and p.block_ids[:2] == [0, 1] and blocks.ref[0] == 1
+    sched.finish(p, "prefilled")  # the transfer read it (or the node it pushed to died)
+    assert blocks.ref == {} and blocks.num_free == 8 and slots.num_free == 2
+
+
+def test_snapshot_pool_full_of_pinned_entries_saves_nothing():
+    sched, blocks, slots, prefix = make(snaps=1)
+    first = prefix.reserve(ROOT_HASH, (1,), 1)
+    assert first is not None and prefix.reserve(ROOT_HASH, (2,), 1) is None  # the only entry is being written
+    prefix.commit(first)
+    assert prefix.reserve(ROOT_HASH, (1,), 1) is None  # saved already: kept, not written twice
+    second = prefix.reserve(ROOT_HASH, (2,), 1)
+    assert second.index == first.index and prefix.stats.evicted == 1
+    with pytest.raises(ValueError, match="released more often"):
+        prefix.release(first)
+
+
+def test_prefix_caching_flag_is_generated_from_the_option():
+    opts = options(EngineArgs)
+    assert to_argv(opts, {"enable_prefix_caching": False}) == ["--no-prefix-caching"]
+    parser = argparse.ArgumentParser()
+    add_options(parser, opts)
+    got = values(opts, parser.parse_args(["--no-prefix-caching", "--prefix-snapshot-interval", "64"]))
+    assert got["enable_prefix_caching"] is False and got["prefix_snapshot_interval"] == 64
+    assert values(opts, parser.parse_args([]))["enable_prefix_caching"] is True

@@ -1,0 +1,147 @@
+"""The router's one process, in-process against a fake decode node (a real gRPC server that
+streams the tokens of a text, one every 20 ms, and records how each call ended): the same request through gRPC
+and HTTP (streamed and whole) reaches the node once each; a client that goes away (gRPC cancel,
+HTTP disconnect while streaming or while waiting for a whole answer) cancels the node's call and
+leaves nothing in flight; the HTTP server answers without a delayed-ACK stall (TCP_NODELAY on
+its connections); /metrics and /health on the HTTP app; unknown paths in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+from serve_harness import wait_for
+
+from proto import pb, rpc
+from proto.serving import start_server
+
+
+class _FakeDecode(rpc.DecodeNodeServicer):
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens  # streamed in turn
+        self.calls: list[str] = []  # how each Generate ended: "done" or "cancelled"
+        self.lock = threading.Lock()
+
+    def Generate(self, request, context):
+        ended = threading.Event()
+
+        def cancelled():
+            if not ended.is_set():
+                with self.lock:
+                    self.calls.append("cancelled")
+
+        context.add_callback(cancelled)
+        n = request.sampling.max_tokens
+        for i in range(n):
+            time.sleep(0.02)
+            if not context.is_active():
+                return
+            yield pb.GenerateResponse(
+                token_ids=[self.tokens[i % len(self.tokens)]], finish_reason="length" if i == n - 1 else ""
+            )
+        ended.set()
+        with self.lock:
+            self.calls.append("done")
+
+
+@pytest.fixture()
+def cluster(ckpt):
+    from engine.tokenizer import Tokenizer
+    from router.server import RouterConfig, serve
+
+    fake = _FakeDecode(Tokenizer(ckpt).encode(" and so on"))
+    srv, nport, _ = start_server("127.0.0.1:0", lambda s: rpc.add_DecodeNodeServicer_to_server(fake, s), ["DecodeNode"])
+    r, port = serve("127.0.0.1:0", RouterConfig(model=str(ckpt), dead_after_s=600.0, http_port=0))
+    cap = pb.Capacity(total_blocks=100, free_blocks=100, block_size=16, total_slots=8, free_slots=8)
+    r.registry.register(pb.NodeInfo(node_id="d0", kind=pb.NODE_KIND_DECODE, address=f"127.0.0.1:{nport}",
+                                    incarnation=1, model="/models/m", vocab_size=100, max_model_len=512,
+                                    capacity=cap))  # fmt: skip
+    yield r, port, fake
+    r.stop(0)
+    srv.stop(0)
+
+
+def _body(max_tokens: int, stream: bool = False) -> str:
+    return json.dumps({"model": "m", "prompt": [1, 2, 3], "max_tokens": max_tokens, "stream": stream})
+
+
+def _idle(r, fake, n: int) -> None:
+    wait_for(lambda: len(fake.calls) == n and r.service.active == 0, 10, f"{n} node calls ended, none in flight")
+
+
+def test_grpc_and_http_reach_the_node_once_each(cluster):
+    from client import Client
+
+    r, port, fake = cluster
+    with Client(f"127.0.0.1:{port}", timeout=30) as c:
+        assert c.generate(prompt_token_ids=[1, 2, 3], max_tokens=3).token_ids == fake.tokens[:3]
+    conn = http.client.HTTPConnection("127.0.0.1", r.http_port, timeout=30)
+    conn.request("POST", "/v1/completions", _body(3), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    out = json.loads(resp.read())
+    assert resp.status == 200 and out["usage"]["completion_tokens"] == 3, out
+    assert out["choices"][0]["finish_reason"] == "length"
+    conn.request("POST", "/v1/completions", _body(2, stream=True), {"Content-Type": "application/json"})
+    events = conn.getresponse().read().decode().split("\n\n")
+    assert events[-2] == "data: [DONE]" and json.loads(events[-3][6:])["choices"][0]["finish_reason"] == "length"
+    _idle(r, fake, 3)
+    assert fake.calls == ["done"] * 3
+    # health and metrics on the same app; the metrics counted all three
+    conn.request("GET", "/health")
+    assert json.loads(conn.getresponse().read()) == {"status": "ok", "decode_nodes": 1}
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    assert 'pdserve_router_requests_total{outcome="ok"} 3.0' in text
+    conn.request("GET", "/nope")
+    resp = conn.getresponse()
+    err = json.loads(resp.read())["error"]
+    assert resp.status == 404 and set(err) == {"message", "type", "param", "code"} and "/nope" in err["message"]
+    conn.close()
+
+
+def test_clients_that_go_away_cancel_the_node_call(cluster):
+    from client import Client
+
+    r, port, fake = cluster
+    with Client(f"127.0.0.1:{port}", timeout=30) as c:  # gRPC: cancel after the first token
+        s = c.stream(prompt_token_ids=[1, 2, 3], max_tokens=500)
+        next(iter(s))
+        s.cancel()
+    _idle(r, fake, 1)
+    # HTTP, streamed: disconnect after the first event
+    sock = socket.create_connection(("127.0.0.1", r.http_port))
+    body = _body(500, stream=True).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    got = b""
+    while b"data: " not in got:  # the headers, then the first event
+        got += sock.recv(65536)
+    sock.close()
+    _idle(r, fake, 2)
+    # HTTP, whole answer: disconnect while it is being made
+    sock = socket.create_connection(("127.0.0.1", r.http_port))
+    body = _body(500).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    wait_for(lambda: r.service.active == 1, 10, "the request in flight")
+    sock.close()
+    _idle(r, fake, 3)
+    assert fake.calls == ["cancelled"] * 3
+    e = r.registry.nodes["d0"]
+    assert (e.inflight, e.inflight_blocks) == (0, 0)  # the router's own counts are back
+
+
+def test_http_connections_do_not_wait_for_delayed_acks(cluster):
+    """The body of a response must not sit behind its headers for the client's delayed ACK."""
+    r, _, _ = cluster
+    conn = http.client.HTTPConnection("127.0.0.1", r.http_port, timeout=30)
+    conn.request("GET", "/health")
+    conn.getresponse().read()
+    (h,) = [h for h in r.router._https if h.port == r.http_port]
+    socks = [c.transport.get_extra_info("socket") for c in list(h.server.server_state.connections)]
+    assert socks and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in socks)
+    conn.close()
