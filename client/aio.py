@@ -8,7 +8,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2
 
-from client.routers import GENERATION, Routers, StreamBase
+from client.routers import GENERATION, Routers, StreamBase, connection
 from client.types import GenerateResult, PdserveError, build_request, chunk_from
 from proto import pb
 
@@ -49,10 +49,12 @@ class AsyncTokenStream(StreamBase):
 
 
 class AsyncClient:
-    def __init__(self, addr, timeout: float | None = None):
-        """addr: one router's host:port, or several of the same pools ("a:1,b:2" or a list)."""
+    def __init__(self, addr, timeout: float | None = None, api_key: str | None = None, tls_ca=None,
+                 tls_cert=None, tls_key=None, tls_server_name: str | None = None):  # fmt: skip
+        """addr: one router's host:port, or several of the same pools ("a:1,b:2" or a list); the
+        rest as Client's."""
         self.timeout = timeout
-        self._r = Routers(addr, grpc.aio.insecure_channel)
+        self._r = Routers(addr, True, *connection(api_key, tls_ca, tls_cert, tls_key, tls_server_name))
 
     @property
     def addr(self) -> str:
@@ -70,7 +72,9 @@ class AsyncClient:
                                                  timeout=min(left, 2.0))  # fmt: skip
                     if h.status != health_pb2.HealthCheckResponse.SERVING:
                         r.why[a] = "not serving"
-                    elif (await r.stubs[i].ListModels(pb.ListModelsRequest(), timeout=min(left, 2.0))).models:
+                    elif (
+                        await r.stubs[i].ListModels(pb.ListModelsRequest(), timeout=min(left, 2.0), metadata=r.md)
+                    ).models:
                         r.use(i)
                         return
                     else:
@@ -81,7 +85,9 @@ class AsyncClient:
 
     async def list_models(self) -> list[pb.ModelInfo]:
         try:
-            got = await self._r.stubs[self._r.cur].ListModels(pb.ListModelsRequest(), timeout=self.timeout)
+            got = await self._r.stubs[self._r.cur].ListModels(
+                pb.ListModelsRequest(), timeout=self.timeout, metadata=self._r.md
+            )
         except grpc.RpcError as e:
             raise PdserveError.from_rpc(e) from None
         return list(got.models)

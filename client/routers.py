@@ -8,24 +8,46 @@ the current one.
 
 from __future__ import annotations
 
+import os
+
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from client.types import PdserveError
 from proto import pb, rpc
+from proto.security import API_KEY_ENV, AUTH_KEY, Tls, channel_credentials, channel_options, read_file
 from proto.serving import addresses
 
 GENERATION = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
-class Routers:
-    """One channel (Generation and Health stubs) per router; `cur` is where calls go first."""
+def connection(api_key: str | None, tls_ca, tls_cert, tls_key, tls_server_name) -> tuple:
+    """(call metadata, Tls or None) from the SDK's arguments: the key (else PDSERVE_API_KEY, its
+    first key) as `authorization: Bearer KEY`; TLS when a CA or a client certificate is given
+    (PEM bytes or file paths)."""
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV, "").split(",")[0].strip()
+    md = ((AUTH_KEY, f"Bearer {key}"),) if key else ()
+    pems = [None if v is None else v if isinstance(v, bytes) else read_file(str(v), what)
+            for v, what in ((tls_cert, "tls_cert"), (tls_key, "tls_key"), (tls_ca, "tls_ca"))]  # fmt: skip
+    tls = Tls(*pems, server_name=tls_server_name) if any(p is not None for p in pems) else None
+    return md, tls
 
-    def __init__(self, addr, make_channel):
+
+class Routers:
+    """One channel (Generation and Health stubs) per router; `cur` is where calls go first;
+    `md` goes with every call (the API key)."""
+
+    def __init__(self, addr, aio: bool, md: tuple = (), tls: Tls | None = None):
         self.addrs = addresses(addr)
         if not self.addrs:
             raise ValueError("give at least one router address (host:port)")
-        self.chans = [make_channel(a) for a in self.addrs]
+        self.md = md
+        mod = grpc.aio if aio else grpc
+        if tls is not None:
+            creds, opts = channel_credentials(tls), channel_options(tls)
+            self.chans = [mod.secure_channel(a, creds, options=opts) for a in self.addrs]
+        else:
+            self.chans = [mod.insecure_channel(a, options=channel_options(None)) for a in self.addrs]
         self.stubs = [rpc.GenerationStub(c) for c in self.chans]
         self.healths = [health_pb2_grpc.HealthStub(c) for c in self.chans]
         self.cur = 0
@@ -36,7 +58,7 @@ class Routers:
 
     def generate(self, req: pb.GenerateRequest, timeout: float | None):
         """`start(i)` for a stream: the Generate call on router i."""
-        return lambda i: self.stubs[i % len(self.stubs)].Generate(req, timeout=timeout)
+        return lambda i: self.stubs[i % len(self.stubs)].Generate(req, timeout=timeout, metadata=self.md)
 
     def not_ready(self, timeout: float) -> TimeoutError:
         why = ", ".join(f"{a}: {self.why.get(a, 'not reachable')}" for a in self.addrs)

@@ -7,7 +7,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2
 
-from client.routers import GENERATION, Routers, StreamBase
+from client.routers import GENERATION, Routers, StreamBase, connection
 from client.types import GenerateResult, PdserveError, StreamChunk, build_request, chunk_from
 from proto import pb
 
@@ -48,11 +48,15 @@ class TokenStream(StreamBase):
 
 
 class Client:
-    def __init__(self, addr, timeout: float | None = None):
+    def __init__(self, addr, timeout: float | None = None, api_key: str | None = None, tls_ca=None,
+                 tls_cert=None, tls_key=None, tls_server_name: str | None = None):  # fmt: skip
         """addr: the router's host:port, or several routers of the same pools ("a:1,b:2" or a list),
-        tried in turn (client/routers.py). timeout: default deadline of every call (seconds)."""
+        tried in turn (client/routers.py). timeout: default deadline of every call (seconds).
+        api_key: the router's client key (default: PDSERVE_API_KEY). TLS: tls_ca (PEM bytes or a
+        file) verifies the router's certificate; tls_cert + tls_key show the client's; tls_server_name
+        is the name the router's certificate is checked against (default: the host dialed)."""
         self.timeout = timeout
-        self._r = Routers(addr, grpc.insecure_channel)
+        self._r = Routers(addr, False, *connection(api_key, tls_ca, tls_cert, tls_key, tls_server_name))
 
     @property
     def addr(self) -> str:
@@ -71,7 +75,7 @@ class Client:
                     h = r.healths[i].Check(health_pb2.HealthCheckRequest(service=GENERATION), timeout=min(left, 2.0))
                     if h.status != health_pb2.HealthCheckResponse.SERVING:
                         r.why[a] = "not serving"
-                    elif r.stubs[i].ListModels(pb.ListModelsRequest(), timeout=min(left, 2.0)).models:
+                    elif r.stubs[i].ListModels(pb.ListModelsRequest(), timeout=min(left, 2.0), metadata=r.md).models:
                         r.use(i)
                         return
                     else:
@@ -82,7 +86,11 @@ class Client:
 
     def list_models(self) -> list[pb.ModelInfo]:
         try:
-            return list(self._r.stubs[self._r.cur].ListModels(pb.ListModelsRequest(), timeout=self.timeout).models)
+            return list(
+                self._r.stubs[self._r.cur]
+                .ListModels(pb.ListModelsRequest(), timeout=self.timeout, metadata=self._r.md)
+                .models
+            )
         except grpc.RpcError as e:
             raise PdserveError.from_rpc(e) from None
 

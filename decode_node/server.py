@@ -8,7 +8,7 @@ heartbeats stop, in-flight streams end, engine workers exit.
 Requests:
 - Generate without a reservation: colocated; the engine prefills the prompt itself.
 - Reserve: KV pages for prompt + 1 tokens and a GDN slot set aside (EngineCore.reserve), adopted
-  by the receiver endpoint of every rank under a lease (decode_node/ranks.py); the answer is the
+  by the receiver endpoint of every rank under a lease (transfer/rank.py); the answer is the
   TransferTarget (every rank's agent, blocks, slot, incarnation) the prefill node writes into.
 - Generate(reserved=True, first_token_id): waits (bounded by the lease) until every rank saw
   every source rank's Done, hands the memory to the engine (take) and activates the request in
@@ -21,8 +21,10 @@ Draining (proto/node.py, on SIGTERM): Reserve and unreserved Generate are refuse
 UNAVAILABLE + `pdserve-draining`; Generate(reserved) and Release still work, so what the router
 already placed here finishes; the node stops once nothing is in flight.
 Client cancellation aborts the engine request, so pages and slot return to the free lists.
-Receiver endpoints are polled by the engine loop thread (EngineLoop.tick) while any
-reservation is open; every engine and executor call stays on that thread.
+Receiver endpoints are polled by the engine loop thread (the node's tick) while any
+reservation is open; every engine and executor call stays on that thread. Handlers use only the
+loop's API (engine/commands.py) and wait on events: a request's handle, a reservation's
+`changed` (ready, failing, or the loop stopping).
 """
 
 from __future__ import annotations
@@ -37,15 +39,17 @@ import uuid
 import grpc
 from prometheus_client import Counter
 
-from decode_node import ranks as dranks
 from decode_node.config import DecodeNodeConfig
+from engine.commands import NoRoom, RequestHandle, Reservation, ShuttingDown
 from engine.core import EngineCore
-from engine.loop import EngineLoop, ShuttingDown, Stream
+from engine.loop import EngineLoop
 from engine.sampling_params import SamplingParams
 from proto import pb, rpc
 from proto.metrics import ServingMetrics, capacity_gauges
-from proto.node import NodeServer, serve_node
+from proto.node import NodeServer, on_cancel, serve_node
 from proto.serving import MAX_REQUEST_ID_LEN, logprobs_pb, sampling_kwargs
+from transfer import rank as xr
+from transfer.rank import RecvStatus
 
 log = logging.getLogger("pdserve.decode")
 
@@ -90,14 +94,12 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         self.incarnation = new_incarnation()
         self.ecfg = cfg.engine_config()
         self.engine = EngineCore(self.ecfg)
-        self.loop = EngineLoop(self.engine, name=f"{cfg.node_id}-engine").start()
         self.digest = _digest(self.ecfg)
         self.backend = cfg.transfer_backend
         self.blobs: list[bytes] | None = None  # every rank's receiver metadata (None: colocated only)
         self.xfers: dict[str, _Xfer] = {}  # loop thread only
         try:
             from transfer import TransferConfig
-            from transfer import rank as xr
 
             tcfg = TransferConfig(backend=self.backend, lease_s=cfg.reservation_lease_s)
             self.blobs = self.engine.executor.call_all(xr.open_endpoint, "receiver", cfg.node_id, tcfg)
@@ -105,7 +107,9 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         except Exception as e:  # no data plane here: the node still serves colocated requests
             log.warning("decode node %s: no %s transfer endpoint (%s); prefilling locally only", cfg.node_id,
                         self.backend, e)  # fmt: skip
-        self.loop.tick = self._tick
+        self.loop = EngineLoop(
+            self.engine, name=f"{cfg.node_id}-engine", tick=self._tick, on_stop=self._on_loop_stop
+        ).start()
         self.metrics = ServingMetrics("pdserve_decode", lambda: capacity_gauges(self.loop.snapshot))
         reg = self.metrics.registry
         self.lease_renewals = Counter("pdserve_decode_lease_renewals",
@@ -123,7 +127,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
 
     def in_flight(self) -> int:
         s = self.loop.snapshot
-        return max(len(self.loop.streams) + len(self.xfers), s.running + s.waiting + s.reserved)
+        return max(self.loop.num_streaming + len(self.xfers), s.running + s.waiting + s.reserved)
 
     def _add_servicer(self, server) -> None:
         rpc.add_DecodeNodeServicer_to_server(self, server)
@@ -147,78 +151,91 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         self.refuse_if_draining(context)
         rid = self._request_id(request.request_id, context)
         params = self._params(request.sampling, context)
-        stream = self.loop.submit(rid, list(request.prompt_token_ids), params)
-        context.add_callback(lambda: self.loop.abort(stream))  # prompt, even while _relay waits
+        ids = list(request.prompt_token_ids)
+        handle = self.loop_api(context, lambda: self.loop.submit(rid, ids, params))
+        on_cancel(context, handle.abort)  # prompt, even while _relay waits
         try:
-            yield from self._relay(stream, context)
+            yield from self._relay(handle, context)
         finally:  # however the call ends; a no-op for a finished request
-            self.loop.abort(stream)
+            handle.abort()
 
     def _generate_reserved(self, request, context):
         rid = request.request_id
-        x = self.loop.call(lambda e: self.xfers.get(rid)) if rid else None
+        x = self.loop_api(context, lambda: self.loop.call(lambda e: self.xfers.get(rid))) if rid else None
         if x is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no reservation {rid!r} on {self.cfg.node_id}")
+        live: dict = {"handle": None}
+
+        def cancel():  # the caller went away: end the reservation, or the decoding request
+            h = live["handle"]
+            if h is not None:
+                h.abort()
+            self._release_soon(x, "the caller went away")
+
+        on_cancel(context, cancel)
         try:
-            while not x.changed.wait(0.05):  # bounded: the tick fails the reservation at its lease
-                if not context.is_active():
-                    self._release(rid, "the caller went away")
-                    return
+            x.changed.wait()  # set on ready, on failing (lease, abort, the caller gone) and at stop
+            if not context.is_active():
+                x.released.wait(10.0)
+                return
+            if x.phase == "wait":  # woken by the loop stopping
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"decode node {self.cfg.node_id} is shutting down")
             if x.phase != "ready":
                 context.abort(
                     grpc.StatusCode.ABORTED,
                     f"state transfer for request {rid} failed: {x.error}; reservation released",
                 )
-            first, drafts = request.first_token_id, list(request.draft_token_ids)
 
-            def start(e):
+            def take():
                 if self.xfers.get(rid) is not x or x.phase != "ready":
                     raise RuntimeError(f"reservation {rid} ended before decode began: {x.error}")
-                e.executor.call_all(dranks.take, self.backend, rid, x.inc)
+                self.engine.executor.call_all(xr.take, self.backend, rid, x.inc)
                 del self.xfers[rid]
                 x.phase = "taken"
-                return e.activate(rid, first, drafts)
 
-            stream = self.loop.submit(rid, list(request.prompt_token_ids), None, start=start)
+            ids = request.prompt_token_ids
+            first, drafts = request.first_token_id, list(request.draft_token_ids)
+            handle = self.loop_api(context, lambda: self.loop.admit(rid, len(ids), first, drafts, prepare=take))
+            live["handle"] = handle
         except BaseException:
             if x.phase in ("wait", "ready"):
-                self._release(rid, "the decode call ended")
+                try:
+                    self._release(rid, "the decode call ended")
+                except ShuttingDown:
+                    pass
             raise
-        context.add_callback(lambda: self.loop.abort(stream))
+        if not context.is_active():
+            handle.abort()
         try:
-            yield from self._relay(stream, context, skip=1)
+            yield from self._relay(handle, context, skip=1)
         finally:
-            self.loop.abort(stream)
+            handle.abort()
 
-    def _relay(self, s: Stream, context, skip: int = 0):
+    def _relay(self, h: RequestHandle, context, skip: int = 0):
         """skip: leading tokens the caller already has (the prefill node's first token). Counts the
         request in the metrics once, however it ends."""
         box = {"outcome": "cancelled", "ttft": None, "tpot": None, "n": 0}
         try:
-            yield from self._relay_loop(s, context, skip, box)
+            yield from self._relay_loop(h, context, skip, box)
         finally:
             self.metrics.request_done(box["outcome"], box["ttft"], box["tpot"], box["n"])
 
-    def _relay_loop(self, s: Stream, context, skip: int, box: dict):
+    def _relay_loop(self, h: RequestHandle, context, skip: int, box: dict):
         first_tok = last_tok = None
         n = 0
         first_msg = True
         while True:
             try:
-                kind, item = s.get(timeout=1.0)
-            except Exception:  # queue.Empty: check the client and the loop are still there
-                if not context.is_active() or not self.loop.thread.is_alive():
-                    return
-                continue
-            if kind == "error":
-                if isinstance(item, ValueError):
+                item = h.next()  # every handle ends: finished, aborted (the caller's cancel) or failed
+            except Exception as e:
+                if isinstance(e, ValueError):
                     code = grpc.StatusCode.INVALID_ARGUMENT
-                elif isinstance(item, ShuttingDown):
+                elif isinstance(e, ShuttingDown):
                     code = grpc.StatusCode.UNAVAILABLE
                 else:
                     code = grpc.StatusCode.INTERNAL
                 box["outcome"] = "error"
-                context.abort(code, str(item))
+                context.abort(code, str(e))
             now = time.monotonic()
             new, lps = item.new_token_ids, item.logprobs
             if skip:
@@ -230,15 +247,15 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
             done = item.finished
             t = pb.Timings()
             if first_tok is not None:
-                t.ttft_s = first_tok - s.received
-            if s.added is not None:
-                t.queue_s = s.added - s.received
+                t.ttft_s = first_tok - h.received
+            if h.added is not None:
+                t.queue_s = h.added - h.received
             if done:
-                t.e2e_s = now - s.received
+                t.e2e_s = now - h.received
                 if n > 1:
                     t.tpot_s = (last_tok - first_tok) / (n - 1)
             msg = pb.GenerateResponse(
-                request_id=s.request_id,
+                request_id=h.request_id,
                 token_ids=new,
                 finish_reason=item.finish_reason or "" if done else "",
                 timings=t,
@@ -248,7 +265,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
             if item.prompt_logprobs:
                 msg.prompt_logprobs.extend(logprobs_pb(item.prompt_logprobs))
             if first_msg:
-                msg.prompt_tokens = s.num_prompt_tokens
+                msg.prompt_tokens = h.num_prompt_tokens
                 msg.cached_tokens = box["cached"] = item.num_cached_tokens
                 msg.decode_node = self.cfg.node_id
                 first_msg = False
@@ -263,7 +280,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                 log.info(
                     "request %s: prompt %d (cached %d), output %d, %s; queue %.1f ms, ttft %.1f ms, tpot %.1f ms, "
                     "e2e %.1f ms",
-                    s.request_id, s.num_prompt_tokens, box.get("cached", 0), n, item.finish_reason,
+                    h.request_id, h.num_prompt_tokens, box.get("cached", 0), n, item.finish_reason,
                     t.queue_s * 1e3, t.ttft_s * 1e3, t.tpot_s * 1e3, t.e2e_s * 1e3,
                 )  # fmt: skip
                 return
@@ -277,26 +294,22 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         ids = list(request.prompt_token_ids)
         lease = request.lease_s or self.cfg.reservation_lease_s
 
-        def reserve(e):
-            got = e.reserve(ids, params, rid)
-            if got is None:
-                return None
-            blocks, slot = got
+        def adopt(res: Reservation):  # loop thread: every rank's receiver takes the reservation
             inc = secrets.randbits(62)
-            try:
-                ranks = e.executor.call_all(dranks.adopt, self.backend, rid, len(ids), blocks, slot, lease, inc)
-            except Exception:
-                e.release(rid)
-                raise
+            ranks = self.engine.executor.call_all(
+                xr.adopt, self.backend, rid, len(ids), list(res.block_ids), res.slot, lease, inc
+            )
             self.xfers[rid] = _Xfer(rid, inc, lease)
             return ranks
 
         try:
-            ranks = self.loop.call(reserve)
+            ranks = self.loop_api(
+                context, lambda: self.loop.reserve(rid, ids, params, on_reserved=adopt).result()
+            ).value
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if ranks is None:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV pages or state slot for this prompt now")
+        except NoRoom as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         return pb.ReserveResponse(
             target=pb.TransferTarget(
                 request_id=rid,
@@ -313,6 +326,18 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                 lease_s=lease,
             )
         )
+
+    def _release_soon(self, x: _Xfer, reason: str) -> None:
+        """Fail a reservation still open (no wait; its waiters wake on x.changed)."""
+
+        def rel(e):
+            if self.xfers.get(x.rid) is x and x.phase in ("wait", "ready"):
+                self._fail(x, reason)
+
+        try:
+            self.loop.run(rel)
+        except ShuttingDown:
+            pass  # the loop wakes every waiter as it stops
 
     def _release(self, rid: str, reason: str, wait_s: float = 10.0) -> bool:
         """Abort a reservation; wait (bounded) until its memory is back. False: none under that id."""
@@ -333,42 +358,44 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
     def Release(self, request, context):
         if request.dead_prefill_node and self.blobs is not None:
             node = request.dead_prefill_node
-            gone = self.loop.call(lambda e: e.executor.call_all(dranks.drop_node, self.backend, node))
+            gone = self.loop_api(
+                context, lambda: self.loop.call(lambda e: e.executor.call_all(xr.drop_node, self.backend, node))
+            )
             if gone and gone[0]:
                 log.warning("dropped the transfer agents of %s (declared dead): %s", node, ", ".join(sum(gone, [])))
         if not request.request_id:
             return pb.ReleaseResponse(released=False)
         reason = request.reason or "released by the caller"
-        return pb.ReleaseResponse(released=self._release(request.request_id, reason))
+        return pb.ReleaseResponse(released=self.loop_api(context, lambda: self._release(request.request_id, reason)))
 
     # ---- transfers (loop thread) ---------------------------------------------------------------
     def _fail(self, x: _Xfer, reason: str) -> None:
         log.warning("reservation %s: %s", x.rid, reason)
         self.metrics.transfer_done(0, 0.0, ok=False)
         x.phase, x.error = "failing", reason
-        self.engine.executor.call_all(dranks.abort, self.backend, x.rid, x.inc, reason)
+        self.engine.executor.call_all(xr.abort_reservation, self.backend, x.rid, x.inc, reason)
         x.changed.set()
 
     def _tick(self) -> bool:
         if not self.xfers:
             return False
         xs = list(self.xfers.values())
-        res = self.engine.executor.call_all(dranks.poll, self.backend, [(x.rid, x.inc) for x in xs])
+        res = self.engine.executor.call_all(xr.poll_reservations, self.backend, [(x.rid, x.inc) for x in xs])
         now = time.monotonic()
         for i, x in enumerate(xs):
-            per = [r[i] for r in res]
-            if per[0][3] > x.renewals:
-                self.lease_renewals.inc(per[0][3] - x.renewals)
-                x.renewals = per[0][3]
+            per: list[RecvStatus] = [r[i] for r in res]  # this reservation on every rank
+            if per[0].renewals > x.renewals:
+                self.lease_renewals.inc(per[0].renewals - x.renewals)
+                x.renewals = per[0].renewals
             if x.phase == "wait":
-                if all(p[0] == "done" for p in per):
+                if all(p.state == "done" for p in per):
                     x.phase = "ready"
                     x.deadline = now + x.lease_s
                     self.metrics.transfers.inc()
                     x.changed.set()
-                elif any(p[0] in ("failed", "gone") for p in per):
-                    why = next((p[1] for p in per if p[1]), None) or "the transfer failed"
-                    if any(p[4] for p in per):
+                elif any(p.state in ("failed", xr.GONE) for p in per):
+                    why = next((p.error for p in per if p.error), None) or "the transfer failed"
+                    if any(p.expired for p in per):
                         self.lease_expiries.inc()
                     self._fail(x, why)
                     continue
@@ -376,12 +403,18 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                 self.lease_expiries.inc()
                 self._fail(x, "lease expired before decode began")
                 continue
-            if x.phase == "failing" and all(p[2] for p in per):
+            if x.phase == "failing" and all(p.freed for p in per):
                 self.engine.release(x.rid)
                 del self.xfers[x.rid]
                 x.released.set()
                 x.changed.set()
         return bool(self.xfers)
+
+    def _on_loop_stop(self) -> None:
+        """Loop thread, as it exits: wake every handler waiting on a reservation."""
+        for x in self.xfers.values():
+            x.changed.set()
+            x.released.set()
 
 
 def serve(addr: str, cfg: DecodeNodeConfig) -> tuple[DecodeNode, int]:

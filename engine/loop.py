@@ -1,18 +1,22 @@
-"""The engine loop, shared by both node kinds: one thread owns the EngineCore; gRPC handler
-threads talk to it by queues.
+"""The engine loop, shared by both node kinds: one thread owns the EngineCore; handler threads
+talk to it only through the typed API below (commands in engine/commands.py).
 
-    handler --submit(rid, ids, params)--> inbox --(loop thread) add_request / abort / call-->
-    EngineCore.step() -> RequestOutput -> the request's Stream (a queue) -> handler -> client
+    handler --submit / admit--> RequestHandle      --AddRequest / AdmitTransferred--> inbox
+    handler --abort / reserve / release / stats / run--> Future --command--> inbox
+    loop thread: commands -> EngineCore (add_request, activate, abort, reserve, release)
+                 -> tick (node transfer work) -> EngineCore.step() -> RequestOutput
+                 -> on_output (node hook) -> the request's RequestHandle -> handler -> client
 
-A handler's `Stream` yields ("out", RequestOutput) items until a finished one, or a single
-("error", ValueError) when the engine refused the request. Aborting an id is keyed by its Stream,
-so a late abort for a finished request (or another request that reused the id) does nothing.
-Capacity counters are snapshotted by the loop thread after every command and step, so readers
-(heartbeats, Stats) never touch engine state from another thread.
+Every request a handle streams ends with a finished output, or with an error (ValueError: the
+engine refused it; ShuttingDown: the loop stopped). Aborting through a handle acts only while the
+loop still streams that handle's request, so a late abort (or one for another request that reused
+the id) does nothing. Once `stop()` is called every command is refused with ShuttingDown, and
+whatever was queued or streaming ends with ShuttingDown: no caller waits forever.
 
-Transfer endpoints are polled, never threaded: a node sets `tick` (a function run on the loop
-thread after every command batch and step, returning True while it has transfers in flight);
-while it does, an idle loop wakes every `poll_interval_s` instead of sleeping until work.
+Waits are on queues and futures: an idle loop sleeps in the inbox until a command arrives. Only
+transfer progress is polled (the transports report it through polls, not events): a node's
+`tick` (run on the loop thread after every command batch and step) returns True while it has
+transfers in flight, and while it does an idle loop wakes every `poll_interval_s`.
 """
 
 from __future__ import annotations
@@ -21,188 +25,348 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from typing import Any
+
+from engine.commands import (
+    Aborted,
+    AbortRequest,
+    AddRequest,
+    AdmitTransferred,
+    Command,
+    Failed,
+    GetStats,
+    LoopError,
+    NoRoom,
+    Release,
+    RequestHandle,
+    Reservation,
+    Reserve,
+    Reserved,
+    Run,
+    ShuttingDown,
+    Snapshot,
+    UnknownRequest,
+    Wake,
+)
 
 log = logging.getLogger("pdserve.engine")
 
-
-class ShuttingDown(RuntimeError):
-    """The node is stopping: requests still in flight end with UNAVAILABLE."""
-
-
-@dataclass
-class Stream:
-    request_id: str
-    num_prompt_tokens: int
-    received: float = field(default_factory=time.monotonic)  # handler got it
-    added: float | None = None  # the engine took it
-    q: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-
-    def get(self, timeout: float | None = None):
-        return self.q.get(timeout=timeout)
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    total_blocks: int = 0
-    free_blocks: int = 0
-    block_size: int = 0
-    total_slots: int = 0
-    free_slots: int = 0
-    running: int = 0
-    waiting: int = 0
-    queued_prefill_tokens: int = 0
-    reserved: int = 0
-    spec_draft_tokens: int = 0  # totals since start (speculative decoding)
-    prefix_query_tokens: int = 0  # totals since start (prefix caching): prompt tokens looked up ...
-    prefix_hit_tokens: int = 0  # ... and found in the cache
-    prefix_snapshots_used: int = 0  # GDN state snapshots held, of prefix_snapshots
-    prefix_snapshots: int = 0
-    prefix_snapshot_bytes: int = 0  # the snapshot pool's memory, per rank
-    spec_accepted_tokens: int = 0
-    spec_drafts_per_position: tuple[int, ...] = ()  # drafts verified at place i + 1 of a row, and accepted
-    spec_accepted_per_position: tuple[int, ...] = ()
+__all__ = ["EngineLoop", "LoopError", "NoRoom", "RequestHandle", "ShuttingDown", "Snapshot", "UnknownRequest"]
 
 
 class EngineLoop:
-    def __init__(self, engine, name: str = "engine", poll_interval_s: float = 0.001):
+    """tick() -> bool: node work on the loop thread (transfer polling), True while transfers are
+    in flight. on_output(RequestOutput): sees every output before its handle (starts pushes).
+    on_stop(): run on the loop thread as it exits (nodes wake what their handlers wait on)."""
+
+    def __init__(
+        self,
+        engine,
+        name: str = "engine",
+        poll_interval_s: float = 0.001,
+        tick: Callable[[], bool] | None = None,
+        on_output: Callable[[Any], None] | None = None,
+        on_stop: Callable[[], None] | None = None,
+    ):
         self.engine = engine
-        self.tick = None  # () -> bool: node work on the loop thread (transfer polling)
-        self.on_output = None  # (RequestOutput) -> None: sees every output first (starts pushes)
         self.poll_interval_s = poll_interval_s
+        self._tick_fn, self._on_output, self._on_stop = tick, on_output, on_stop
         self._pending = False
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.streams: dict[str, Stream] = {}
-        self.snapshot = Snapshot()
-        self.initial = None  # the first snapshot (idle): what "all free" looks like
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._handles: dict[str, RequestHandle] = {}  # loop thread only
+        self._lock = threading.Lock()  # orders posts against stop
+        self._closed = False
         self._stop = threading.Event()
+        self.iterations = 0  # loop passes (commands or steps) since start: idle means it stays put
+        self.snapshot = Snapshot()
         self._snap()
-        self.initial = self.snapshot
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.initial = self.snapshot  # the first snapshot (idle): what "all free" looks like
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> EngineLoop:
-        self.thread.start()
+        self._thread.start()
         return self
 
-    # ---- called from handler threads ----------------------------------------------------
-    def submit(
-        self, request_id: str, prompt_token_ids: list[int], params, prefill_only: bool = False, start=None
-    ) -> Stream:
-        """Queue a request. `start(engine) -> RequestOutput` replaces add_request (a reservation
-        joining the batch: EngineCore.activate); its output is the stream's first item."""
-        s = Stream(request_id, len(prompt_token_ids))
-        self.inbox.put(("add", s, prompt_token_ids, params, prefill_only, start))
-        return s
+    # ---- the API (any thread) ---------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._closed
 
-    def abort(self, stream: Stream) -> None:
-        self.inbox.put(("abort", stream))
+    @property
+    def num_streaming(self) -> int:
+        """Requests a handle still streams (queued, computing or decoding)."""
+        return len(self._handles)
 
-    def call(self, fn, timeout: float = 30.0):
-        """Run fn(engine) on the loop thread (reservations and other engine state)."""
+    def submit(self, request_id: str, prompt_token_ids: list[int], params, prefill_only: bool = False) -> RequestHandle:
+        """Queue a request for the engine; its outputs come through the handle."""
+        h = RequestHandle(self._abort_handle, request_id, len(prompt_token_ids))
+        self._post(AddRequest(h, list(prompt_token_ids), params, prefill_only))
+        return h
+
+    def admit(
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        first_token: int,
+        drafts=(),
+        prepare: Callable[[], None] | None = None,
+    ) -> RequestHandle:
+        """A RESERVED request whose state has landed joins the batch with its first token
+        (EngineCore.activate); `prepare` runs on the loop thread first."""
+        h = RequestHandle(self._abort_handle, request_id, num_prompt_tokens)
+        self._post(AdmitTransferred(h, first_token, tuple(drafts), prepare))
+        return h
+
+    def abort(self, request_id: str) -> Future[Aborted]:
+        """Abort the request a handle streams under this id; UnknownRequest when there is none."""
         fut: Future = Future()
-        self.inbox.put(("call", fn, fut))
-        return fut.result(timeout=timeout)
+        self._post(AbortRequest(request_id, None, fut))
+        return fut
 
-    def stop(self) -> None:
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params, on_reserved=None) -> Future[Reserved]:
+        """Set aside pages for prompt + 1 tokens and a state slot (EngineCore.reserve); NoRoom
+        when there is none now, ValueError for a bad request. `on_reserved(Reservation)` runs on
+        the loop thread; its result is `Reserved.value`, and if it raises the memory goes back."""
+        fut: Future = Future()
+        self._post(Reserve(request_id, list(prompt_token_ids), params, fut, on_reserved))
+        return fut
+
+    def release(self, request_id: str) -> Future[None]:
+        """Free a HELD or RESERVED request's memory (UnknownRequest when there is no such request)."""
+        fut: Future = Future()
+        self._post(Release(request_id, fut))
+        return fut
+
+    def stats(self) -> Future[Snapshot]:
+        """A snapshot taken on the loop thread after every command queued before this one."""
+        fut: Future = Future()
+        self._post(GetStats(fut))
+        return fut
+
+    def run(self, fn: Callable[[Any], Any]) -> Future:
+        """fn(engine) on the loop thread (node work: executor calls, transfer state)."""
+        fut: Future = Future()
+        self._post(Run(fn, fut))
+        return fut
+
+    def call(self, fn: Callable[[Any], Any], timeout: float = 30.0):
+        """run(fn) and wait for its result."""
+        return self.run(fn).result(timeout=timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Refuse new commands, end what is in flight with ShuttingDown, join the thread."""
+        with self._lock:
+            self._closed = True
         self._stop.set()
-        self.inbox.put(("wake",))
-        self.thread.join(timeout=30)
+        self._inbox.put(Wake())
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout)
+        elif self._thread.ident is None:  # never started: answer what was queued
+            self._drain_inbox()
 
-    # ---- the loop thread -------------------------------------------------------------
+    def _post(self, cmd: Command) -> None:
+        with self._lock:
+            if self._closed:
+                raise ShuttingDown("the engine loop has stopped: the node is shutting down")
+            self._inbox.put(cmd)
+
+    def _abort_handle(self, h: RequestHandle) -> None:
+        try:
+            self._post(AbortRequest(h.request_id, h))
+        except ShuttingDown:
+            pass  # the loop ends every handle itself as it stops
+
+    # ---- the loop thread ---------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:
+            log.exception("the engine loop died")
+            raise
+        finally:
+            with self._lock:
+                self._closed = True
+            if self._on_stop is not None:
+                try:
+                    self._on_stop()
+                except Exception:
+                    log.exception("engine loop on_stop failed")
+            self._fail_all(ShuttingDown("the node is shutting down"))
+            self._drain_inbox()
+
+    def _loop(self) -> None:
         eng = self.engine
         while not self._stop.is_set():
             busy = eng.has_unfinished()
             try:
                 if busy:
-                    cmd = self.inbox.get_nowait()
+                    cmd = self._inbox.get_nowait()
                 elif self._pending:  # transfers in flight: keep polling them
-                    cmd = self.inbox.get(timeout=self.poll_interval_s)
+                    cmd = self._inbox.get(timeout=self.poll_interval_s)
                 else:
-                    cmd = self.inbox.get()  # idle: sleep until work
+                    cmd = self._inbox.get()  # idle: sleep until a command
             except queue.Empty:
                 cmd = None
+            self.iterations += 1
             while cmd is not None:
                 self._handle(cmd)
                 try:
-                    cmd = self.inbox.get_nowait()
+                    cmd = self._inbox.get_nowait()
                 except queue.Empty:
                     cmd = None
             if self._stop.is_set():
                 break
-            if self.tick is not None and self._pending and eng.has_unfinished():
+            if self._tick_fn is not None and self._pending and eng.has_unfinished():
                 self._tick()  # transfers move between steps too, not once per (long) step
             if eng.has_unfinished():
-                try:
-                    outs = eng.step()
-                except Exception as e:  # the engine is broken: fail what is in flight, keep serving
-                    log.exception("engine step failed")
-                    self._fail_all(e)
-                    outs = []
-                for o in outs:
-                    if self.on_output is not None:
-                        self.on_output(o)  # loop thread, before the handler sees it
-                    s = self.streams.get(o.request_id)
-                    if s is None:
-                        continue
-                    if o.finished:
-                        del self.streams[o.request_id]
-                    s.q.put(("out", o))
-            if self.tick is not None:
+                self._step()
+            if self._tick_fn is not None:
                 self._tick()
             self._snap()
-        self._fail_all(ShuttingDown("the node is shutting down"))
+
+    def _step(self) -> None:
+        try:
+            outs = self.engine.step()
+        except Exception as e:  # the engine is broken: fail what is in flight, keep serving
+            log.exception("engine step failed")
+            self._fail_all(e)
+            return
+        for o in outs:
+            if self._on_output is not None:
+                self._on_output(o)  # loop thread, before the handler sees it
+            h = self._handles.get(o.request_id)
+            if h is None:
+                continue
+            if o.finished:
+                del self._handles[o.request_id]
+            h._put(o)
 
     def _tick(self) -> None:
         try:
-            self._pending = bool(self.tick())
+            self._pending = bool(self._tick_fn())
         except Exception:
             log.exception("transfer tick failed")
             self._pending = True
 
-    def _handle(self, cmd) -> None:
-        kind = cmd[0]
-        if kind == "add":
-            _, s, ids, params, prefill_only, start = cmd
-            try:
-                if start is not None:
-                    first = start(self.engine)
-                else:
-                    self.engine.add_request(ids, params, s.request_id, prefill_only=prefill_only)
-                    first = None
-            except Exception as e:  # ValueError: a bad request; anything else: reported as internal
-                s.q.put(("error", e))
-                return
-            s.added = time.monotonic()
-            if first is not None:
-                s.q.put(("out", first))
-                if first.finished:
-                    return
-            self.streams[s.request_id] = s
-        elif kind == "abort":
-            s = cmd[1]
-            if self.streams.get(s.request_id) is s:
-                del self.streams[s.request_id]
-                out = self.engine.abort(s.request_id)
-                if out is not None:
-                    s.q.put(("out", out))
-        elif kind == "call":
-            _, fn, fut = cmd
-            try:
-                fut.set_result(fn(self.engine))
-            except Exception as e:
-                fut.set_exception(e)
+    def _handle(self, cmd: Command) -> None:
+        match cmd:
+            case AddRequest(h, ids, params, prefill_only):
+                self._start(h, lambda: self._add(h.request_id, ids, params, prefill_only))
+            case AdmitTransferred(h, first, drafts, prepare):
+                self._start(h, lambda: self._activate(h.request_id, first, drafts, prepare))
+            case AbortRequest(rid, h, fut):
+                self._answer(fut, lambda: self._abort(rid, h))
+            case Reserve(rid, ids, params, fut, on_reserved):
+                self._answer(fut, lambda: self._reserve(rid, ids, params, on_reserved))
+            case Release(rid, fut):
+                self._answer(fut, lambda: self._release(rid))
+            case GetStats(fut):
+                self._snap()
+                fut.set_result(self.snapshot)
+            case Run(fn, fut):
+                self._answer(fut, lambda: fn(self.engine))
+            case Wake():
+                pass
         self._snap()
 
+    @staticmethod
+    def _answer(fut: Future | None, fn) -> None:
+        try:
+            r = fn()
+        except Exception as e:
+            if fut is not None:
+                fut.set_exception(e)
+            return
+        if fut is not None:
+            fut.set_result(r)
+
+    def _start(self, h: RequestHandle, add) -> None:
+        """Put a request into the engine; its first output (if the start produced one) first."""
+        if h.request_id in self._handles:
+            h._put(Failed(ValueError(f"request id {h.request_id!r} is already in flight")))
+            return
+        try:
+            first = add()
+        except Exception as e:  # ValueError: a bad request; anything else: reported as internal
+            h._put(Failed(e))
+            return
+        h.added = time.monotonic()
+        if first is not None:
+            h._put(first)
+            if first.finished:
+                return
+        self._handles[h.request_id] = h
+
+    def _add(self, rid: str, ids: list[int], params, prefill_only: bool) -> None:
+        self.engine.add_request(ids, params, rid, prefill_only=prefill_only)  # outputs come with steps
+
+    def _activate(self, rid: str, first: int, drafts, prepare):
+        if rid not in self.engine.requests:
+            raise UnknownRequest(rid, "reserved on this node")
+        if prepare is not None:
+            prepare()
+        return self.engine.activate(rid, first, list(drafts))
+
+    def _abort(self, rid: str, h: RequestHandle | None) -> Aborted:
+        cur = self._handles.get(rid)
+        if cur is None or (h is not None and cur is not h):
+            if h is None:
+                raise UnknownRequest(rid, "streaming on this node")
+            return Aborted(rid, None)
+        del self._handles[rid]
+        out = self.engine.abort(rid)
+        cur._put(out if out is not None else Failed(LoopError(f"request {rid} aborted")))
+        return Aborted(rid, out)
+
+    def _reserve(self, rid: str, ids: list[int], params, on_reserved) -> Reserved:
+        got = self.engine.reserve(ids, params, rid)
+        if got is None:
+            raise NoRoom("no free KV pages or state slot for this prompt now")
+        res = Reservation(rid, tuple(got[0]), got[1])
+        if on_reserved is None:
+            return Reserved(res)
+        try:
+            return Reserved(res, on_reserved(res))
+        except BaseException:
+            self.engine.release(rid)
+            raise
+
+    def _release(self, rid: str) -> None:
+        if rid not in self.engine.requests or rid in self._handles:
+            raise UnknownRequest(rid, "held or reserved on this node")
+        self.engine.release(rid)
+
     def _fail_all(self, err: Exception) -> None:
-        for rid, s in list(self.streams.items()):
+        for rid, h in list(self._handles.items()):
             try:
                 self.engine.abort(rid)
             except Exception:
                 log.exception("abort of %s failed", rid)
-            s.q.put(("error", err))
-        self.streams.clear()
+            h._put(Failed(err))
+        self._handles.clear()
+
+    def _drain_inbox(self) -> None:
+        """Answer every command still queued (the loop stopped before it ran)."""
+        err = ShuttingDown("the engine loop has stopped: the node is shutting down")
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            match cmd:
+                case AddRequest(h) | AdmitTransferred(h):
+                    h._put(Failed(err))
+                case (
+                    AbortRequest(future=fut)
+                    | Reserve(future=fut)
+                    | Release(future=fut)
+                    | GetStats(fut)
+                    | Run(future=fut)
+                ):
+                    if fut is not None:
+                        fut.set_exception(err)
 
     def _snap(self) -> None:
         eng = self.engine

@@ -27,11 +27,13 @@ from typing import Any, Literal
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,  # noqa: A002
-           metavar: str | None = None) -> Any:  # fmt: skip
-    """A config field that is also a command-line option (see the module docstring)."""
+           metavar: str | None = None, secret: bool = False) -> Any:  # fmt: skip
+    """A config field that is also a command-line option (see the module docstring). A `secret`
+    one is left out of the config's repr."""
     if not help:
         raise TypeError("an option needs its help text")
-    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "metavar": metavar})
+    return dataclasses.field(default=default, repr=not secret,
+                             metadata={"help": help, "flag": flag, "metavar": metavar, "secret": secret})  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,10 @@
 
 An EngineCore (t worker ranks) whose requests are `prefill_only`: the engine computes the
 prompt, samples the first token and HOLDS the pages and GDN slot. Every rank has a transfer
-Sender (prefill_node/ranks.py); the engine loop thread (engine/loop.py EngineLoop, shared)
-polls them while a push is in flight. Every engine and executor call stays on that thread.
+Sender (transfer/rank.py); the engine loop thread (engine/loop.py EngineLoop, shared) polls
+them while a push is in flight. Every engine and executor call stays on that thread; handlers
+use only the loop's API (a RequestHandle per request, futures for the rest) and wait on events
+(the handle, the push's `done`), which a cancel, an Abort or the loop stopping sets.
 
     Prefill(prompt, sampling, target) -> queue (engine waiting list) -> prefill; when the last
       prompt chunk is scheduled, every rank opens the push (Begin to its destination ranks), so
@@ -35,14 +37,16 @@ import time
 
 import grpc
 
-from engine.loop import EngineLoop, ShuttingDown
+from engine.commands import LoopError, RequestHandle, ShuttingDown, UnknownRequest
+from engine.loop import EngineLoop
 from engine.request import Status
-from prefill_node import ranks as pranks
 from prefill_node.config import PrefillNodeConfig
 from proto import pb, rpc
 from proto.metrics import ServingMetrics, capacity_gauges
-from proto.node import NodeServer, serve_node
+from proto.node import NodeServer, on_cancel, serve_node
 from proto.serving import MAX_REQUEST_ID_LEN, sampling_kwargs
+from transfer import rank as xr
+from transfer.rank import SendStatus
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -78,7 +82,6 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
     def __init__(self, cfg: PrefillNodeConfig):
         from engine.core import EngineCore
         from transfer import TransferConfig
-        from transfer import rank as xr
 
         self._init_lifecycle()
         self.cfg = cfg
@@ -99,11 +102,14 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         # with _targets, the renewal time moved on by the loop thread
         self._leases: dict[str, list[float]] = {}
         self._started: dict[str, _Push] = {}  # request id -> its push, set by the loop thread for the handler
-        self.loop = EngineLoop(self.engine, name=f"{cfg.node_id}-engine")
-        self.loop.tick = self._tick
-        self.loop.on_output = self._on_output
         self.engine.on_schedule = self._on_schedule
-        self.loop.start()
+        self.loop = EngineLoop(
+            self.engine,
+            name=f"{cfg.node_id}-engine",
+            tick=self._tick,
+            on_output=self._on_output,
+            on_stop=self._on_loop_stop,
+        ).start()
         self.metrics = ServingMetrics("pdserve_prefill", lambda: capacity_gauges(self.loop.snapshot))
 
     # ---- info ---------------------------------------------------------------------------------
@@ -170,28 +176,25 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
 
     def _prefill(self, rid, ids, params, target, t0, context):
         """Yields the first-token message at once, then (state pushed) the `pushed` message."""
-        stream = self.loop.submit(rid, ids, params, prefill_only=True)
+        handle = self.loop_api(context, lambda: self.loop.submit(rid, ids, params, prefill_only=True))
         state = {"push": None, "cancelled": False}
 
-        def cancel():
+        def cancel():  # the call ended (the caller cancelled, or it is over): no-ops once finished
             state["cancelled"] = True
-            self.loop.abort(stream)  # before the first token; a no-op after
+            handle.abort()  # before the first token
             p = state["push"]
             if p is not None:
-                self.loop.inbox.put(("call", lambda e: self._abort_push(p, "cancelled by the caller"), _NoFuture()))
+                self._abort_push_soon(p, "cancelled by the caller")
 
-        context.add_callback(cancel)
-        try:
-            out = self._first(stream, context)
-        except ShuttingDown as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        on_cancel(context, cancel)
+        out = self._first(handle, context)
         if out is None:
             context.abort(grpc.StatusCode.CANCELLED, f"request {rid} cancelled before its first token")
         t_first = time.monotonic()
         first = out.output_token_ids[0] if out.output_token_ids else -1
         t = pb.Timings(
-            queue_s=(stream.added or t0) - t0,
-            prefill_s=t_first - (stream.added or t0),
+            queue_s=(handle.added or t0) - t0,
+            prefill_s=t_first - (handle.added or t0),
             ttft_s=t_first - t0,
         )
         if out.finish_reason != "prefilled":
@@ -213,10 +216,11 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             first_token_id=first, timings=t, draft_token_ids=out.draft_token_ids, cached_tokens=out.num_cached_tokens
         )
         if state["cancelled"]:
-            self.loop.call(lambda e: self._abort_push(push, "cancelled by the caller"))
-        while not push.done.wait(0.05):
-            if time.monotonic() > push.deadline + 30:  # the push itself is bounded; this is a backstop
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid}: the push never settled")
+            self._abort_push_soon(push, "cancelled by the caller")
+        # set by the tick once every rank is terminal and quiet (the push is bounded by its
+        # deadline), or as the loop stops; the timeout is a backstop
+        if not push.done.wait(max(0.0, push.deadline + 30 - time.monotonic())):
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid}: the push never settled")
         t.transfer_s = (push.finished or time.monotonic()) - push.started
         t.transfer_bytes = push.nbytes
         self.metrics.transfer_done(push.nbytes, t.transfer_s, ok=push.error is None)
@@ -227,24 +231,20 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         self._log(rid, len(ids), first, t, "pushed", target, out.num_cached_tokens)
         yield pb.PrefillResponse(first_token_id=first, timings=t, pushed=True)
 
-    def _first(self, stream, context):
+    def _first(self, handle: RequestHandle, context):
         """The request's finished output (prefilled or ended), or None when aborted / cancelled."""
-        while True:
-            try:
-                kind, item = stream.get(timeout=0.5)
-            except Exception:  # queue.Empty
-                if not self.loop.thread.is_alive():
-                    raise ShuttingDown("the prefill node is shutting down") from None
-                if not context.is_active():
-                    return None
-                continue
-            if kind == "error":
-                if isinstance(item, ShuttingDown):
-                    raise item
-                code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(item, ValueError) else grpc.StatusCode.INTERNAL
-                context.abort(code, str(item))
-            if item.finished:
-                return None if item.finish_reason == "abort" else item
+        try:
+            for out in handle:  # blocks on the handle; a cancel aborts it, a stop fails it
+                if out.finished:
+                    return None if out.finish_reason == "abort" else out
+        except ShuttingDown as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except LoopError:  # aborted by id with nothing left in the engine
+            return None
+        except Exception as e:
+            context.abort(grpc.StatusCode.INTERNAL, str(e))
 
     def _log(self, rid, n, first, t, what, target, cached=0) -> None:
         log.info(
@@ -269,7 +269,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             self.pushes[rid] = p
             try:
                 blocks = list(req.block_ids[: e.blocks.blocks_for(len(req.prompt_token_ids))])  # not MTP lookahead
-                e.executor.call_all(pranks.open_send, self.backend, rid, target, blocks, req.slot,
+                e.executor.call_all(xr.open_send, self.backend, rid, target, blocks, req.slot,
                                     len(req.prompt_token_ids))  # fmt: skip
                 p.opened = (blocks, req.slot)
             except Exception as ex:  # the request still runs; its push fails and the router retries
@@ -299,7 +299,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             held = e.held(p.rid)
             if (held[0], held[1]) != p.opened:
                 raise RuntimeError(f"the request's memory changed after its push opened ({p.opened} -> {held})")
-            e.executor.call_all(pranks.post, self.backend, p.rid)
+            e.executor.call_all(xr.post, self.backend, p.rid)
             p.posted, p.started = True, time.monotonic()
         except Exception as ex:
             self._push_failed(p, f"push did not start: {ex}")
@@ -312,7 +312,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         try:
             blocks, slot = e.held(rid)
             n = len(e.requests[rid].prompt_token_ids)
-            e.executor.call_all(pranks.send, self.backend, rid, target, blocks, slot, n)
+            e.executor.call_all(xr.send, self.backend, rid, target, blocks, slot, n)
             p.posted = True
         except Exception as ex:
             self._push_failed(p, f"push did not start: {ex}")
@@ -323,7 +323,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         log.warning("request %s: %s", p.rid, why)
         p.error = why
         try:
-            self.engine.executor.call_all(pranks.abort, self.backend, p.rid, why)
+            self.engine.executor.call_all(xr.abort_send, self.backend, p.rid, why)
         except Exception:
             log.exception("aborting %s failed", p.rid)
 
@@ -332,7 +332,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             return
         p.aborted = True
         p.error = p.error or reason
-        self.engine.executor.call_all(pranks.abort, self.backend, p.rid, reason)
+        self.engine.executor.call_all(xr.abort_send, self.backend, p.rid, reason)
 
     def _renew(self) -> None:
         """Renew the reservation lease of every request here whose renewal is due."""
@@ -344,7 +344,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
                 lease[1] = now + lease[0] / 3
                 due.append(target)
         if due:
-            self.engine.executor.call_all(pranks.renew, self.backend, due)
+            self.engine.executor.call_all(xr.renew, self.backend, due)
 
     def _tick(self) -> bool:
         self._renew()
@@ -359,59 +359,68 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         if not self.pushes:
             return False
         ps = list(self.pushes.values())
-        res = self.engine.executor.call_all(pranks.poll, self.backend, [p.rid for p in ps])
+        res = self.engine.executor.call_all(xr.poll_sends, self.backend, [p.rid for p in ps])
         now = time.monotonic()
         for i, p in enumerate(ps):
-            per = [r[i] for r in res]
+            per: list[SendStatus] = [r[i] for r in res]  # this push on every rank
             if not p.posted and p.error is None and p.rid not in self.engine.requests:
                 self._abort_push(p, "the request ended before its first token")  # aborted or failed
-            if p.error is None and any(s[0] == "failed" for s in per):
-                p.error = next((s[1] for s in per if s[1]), "failed")
-                self.engine.executor.call_all(pranks.abort, self.backend, p.rid, p.error)  # the other ranks too
+            if p.error is None and any(s.state == "failed" for s in per):
+                p.error = next((s.error for s in per if s.error), "failed")
+                self.engine.executor.call_all(xr.abort_send, self.backend, p.rid, p.error)  # the other ranks too
             if p.error is None and now > p.deadline:
                 p.error = f"not done within {self.cfg.push_timeout_s:g} s"
-                self.engine.executor.call_all(pranks.abort, self.backend, p.rid, p.error)
+                self.engine.executor.call_all(xr.abort_send, self.backend, p.rid, p.error)
             req = self.engine.requests.get(p.rid)
             computing = req is not None and req.status is not Status.HELD  # a failed early push waits for it
-            if all(s[0] in ("done", "failed", "gone") and s[2] for s in per) and not computing:
+            if all(s.state in ("done", "failed", xr.GONE) and s.quiet for s in per) and not computing:
                 p.finished = now
-                p.nbytes = sum(s[3] for s in per)
-                self.engine.executor.call_all(pranks.forget, self.backend, p.rid)
+                p.nbytes = sum(s.nbytes for s in per)
+                self.engine.executor.call_all(xr.forget_send, self.backend, p.rid)
                 self.engine.release(p.rid)  # no write can still read the held pages
                 del self.pushes[p.rid]
                 p.done.set()
         return bool(self.pushes)
 
+    def _abort_push_soon(self, p: _Push, reason: str) -> None:
+        """Abort a push from a handler thread (no wait; the handler waits on p.done)."""
+        try:
+            self.loop.run(lambda e: self._abort_push(p, reason)).add_done_callback(_log_failure)
+        except ShuttingDown:
+            pass  # the loop ends every push as it stops
+
+    def _on_loop_stop(self) -> None:
+        """Loop thread, as it exits: end every push, so no handler waits for one."""
+        for p in self.pushes.values():
+            p.error = p.error or "the prefill node is shutting down"
+            p.done.set()
+
     # ---- Abort ------------------------------------------------------------------------------------
     def Abort(self, request, context):
+        """Abort a push (opened or running) and the request still computing its prompt, if any."""
         rid = request.request_id
         reason = request.reason or "aborted by the router"
 
-        def abort(e):
-            found = False
+        def abort_push(e) -> bool:
             p = self.pushes.get(rid)
-            if p is not None:  # opened or running
+            if p is not None:
                 self._abort_push(p, reason)
-                found = True
-            s = self.loop.streams.get(rid)
-            if s is not None:  # still computing its prompt
-                del self.loop.streams[rid]
-                out = e.abort(rid)
-                s.q.put(("out", out) if out is not None else ("error", RuntimeError("aborted")))
-                found = True
-            return found
+            return p is not None
 
-        return pb.AbortResponse(aborted=self.loop.call(abort))
+        pushed = self.loop_api(context, lambda: self.loop.run(abort_push))
+        computing = self.loop_api(context, lambda: self.loop.abort(rid))  # after the push's, in order
+        found = self.loop_api(context, lambda: pushed.result(30))
+        try:
+            self.loop_api(context, lambda: computing.result(30))
+            found = True
+        except UnknownRequest:
+            pass
+        return pb.AbortResponse(aborted=found)
 
 
-class _NoFuture:
-    """A stand-in Future for fire-and-forget loop calls."""
-
-    def set_result(self, _):
-        pass
-
-    def set_exception(self, e):
-        log.warning("loop call failed: %s", e)
+def _log_failure(fut) -> None:
+    if fut.exception() is not None:
+        log.warning("engine loop call failed: %s", fut.exception())
 
 
 def serve(addr: str, cfg: PrefillNodeConfig) -> tuple[PrefillNode, int]:

@@ -1,7 +1,9 @@
 """The lifecycle both node kinds share (decode_node/server.py, prefill_node/server.py).
 
-    start(addr) -> gRPC server (the node's service + health + reflection) -> register with every
-        router (`--router a:p,b:q`) and heartbeat each -> optional Prometheus /metrics port
+    start(addr) -> gRPC server (the node's service + health + reflection; the service takes the
+        cluster token, TLS with --tls-cert, the caller's certificate too with --tls-ca) ->
+        register with every router (`--router a:p,b:q`) and heartbeat each -> optional
+        Prometheus /metrics port
     drain(timeout) -> draining: health NOT_SERVING for the node's service (a Kubernetes
         readiness probe fails; liveness, on the overall status, does not), a heartbeat at once
         with `draining` set (the router stops choosing the node), new work refused with
@@ -25,6 +27,7 @@ import grpc
 import msgspec
 
 from proto import pb
+from proto.security import credentials
 from proto.serving import Heartbeater, addresses, not_serving, refuse_draining, start_server, wait_idle
 
 log = logging.getLogger("pdserve.node")
@@ -84,17 +87,30 @@ class NodeServer:
         raise NotImplementedError
 
     # ---- new work ----------------------------------------------------------------------------
+    def loop_api(self, context, fn):
+        """fn() (a call of the engine loop's API); the loop having stopped ends the RPC with
+        UNAVAILABLE."""
+        from engine.commands import ShuttingDown
+
+        try:
+            return fn()
+        except ShuttingDown as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name}: {e}")
+
     def refuse_if_draining(self, context) -> None:
         if self.draining:
             refuse_draining(context, self.name)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self, addr: str) -> int:
-        self.server, port, self._health = start_server(addr, self._add_servicer, [self.SERVICE], max_workers=64)
+        creds = credentials(self.cfg)  # the cluster token, TLS (proto/security.py)
+        self.server, port, self._health = start_server(
+            addr, self._add_servicer, [self.SERVICE], max_workers=64, creds=creds
+        )
         self.address = f"{self.cfg.advertise_host}:{port}"
         if self.cfg.router:
             hb = self.cfg.heartbeat_interval_s
-            self._hbs = [Heartbeater(a, self.info, hb).start() for a in addresses(self.cfg.router)]
+            self._hbs = [Heartbeater(a, self.info, hb, creds).start() for a in addresses(self.cfg.router)]
         log.info("%s serving on %s (%s)", self.name, self.address, self.engine.capacity.summary())
         if self.cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.cfg.advertise_host, self.cfg.metrics_port)
@@ -146,13 +162,22 @@ class NodeServer:
             from transfer.errors import HandshakeError
 
             try:
-                self.loop.call(lambda e: e.executor.call_all(xr.add_peers, self.backend, peers))
+                self.loop_api(
+                    context, lambda: self.loop.call(lambda e: e.executor.call_all(xr.add_peers, self.backend, peers))
+                )
             except HandshakeError as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"handshake with {request.node_id} refused: {e}")
             log.info("handshake with %s (%d ranks)", request.node_id, len(peers))
         return pb.HandshakeResponse(
             node_id=self.cfg.node_id, incarnation=self.incarnation, schema=msgspec.msgpack.encode(self.blobs)
         )
+
+
+def on_cancel(context, fn) -> None:
+    """Run fn once the RPC ends (the caller cancelled, or the call is over); at once when it
+    already has: what wakes a handler that waits on the engine loop when its caller goes away."""
+    if not context.add_callback(fn):
+        fn()
 
 
 def serve_node(node: NodeServer, addr: str) -> tuple[NodeServer, int]:

@@ -1,7 +1,9 @@
 """Wire-level helpers shared by the router and the nodes (gRPC and the stubs only, no engine).
 
 - `start_server`: a gRPC server with health checking and reflection for the given services,
-  bound to `addr` (port 0 picks a free port); returns (server, port, health servicer).
+  bound to `addr` (port 0 picks a free port), the node plane guarded by the credentials given
+  (proto/security.py: cluster token, TLS); returns (server, port, health servicer).
+- `channel`: a sync channel with those credentials (TLS, the cluster token on every call).
 - `Heartbeater`: a node's thread that registers with the router, then heartbeats its capacity;
   a heartbeat the router does not recognise (router restarted, node declared dead) registers
   again. The node goes on serving while the router is away.
@@ -24,6 +26,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto import pb, rpc
+from proto.security import OPEN, Credentials, NodeGuard, add_port
+from proto.security import channel as secure_channel
 
 log = logging.getLogger("pdserve.serving")
 
@@ -82,10 +86,16 @@ def wait_idle(what: str, in_flight: Callable[[], int], timeout_s: float, interru
 
 
 def start_server(
-    addr: str, add_servicers: Callable[[grpc.Server], None], service_names: Iterable[str], max_workers: int = 64
+    addr: str,
+    add_servicers: Callable[[grpc.Server], None],
+    service_names: Iterable[str],
+    max_workers: int = 64,
+    creds: Credentials = OPEN,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """With creds.tls and a CA the server requires its callers' certificates (mutual TLS)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=[NodeGuard(creds)] if creds.cluster_token else None,
         options=[("grpc.so_reuseport", 0)],
     )
     add_servicers(server)
@@ -95,9 +105,7 @@ def start_server(
     for n in [*names, ""]:
         hs.set(n, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(addr)
-    if port == 0:
-        raise OSError(f"cannot bind {addr}")
+    port = add_port(server, addr, creds.tls, mutual=True)
     server.start()
     return server, port, hs
 
@@ -122,20 +130,23 @@ def logprobs_pb(entries) -> list[pb.TokenLogprob]:
             for t, lp, top in entries]  # fmt: skip
 
 
-def channel(addr: str) -> grpc.Channel:
-    return grpc.insecure_channel(addr, options=[("grpc.enable_retries", 0)])
+def channel(addr: str, creds: Credentials = OPEN) -> grpc.Channel:
+    """A channel to a router or node: TLS with creds.tls, the cluster token on every call."""
+    return secure_channel(addr, creds)
 
 
 class Heartbeater:
     """Register `info()` with the router at `router_addr`, then send a heartbeat every interval."""
 
-    def __init__(self, router_addr: str, info: Callable[[], pb.NodeInfo], interval_s: float = 0.5):
+    def __init__(
+        self, router_addr: str, info: Callable[[], pb.NodeInfo], interval_s: float = 0.5, creds: Credentials = OPEN
+    ):
         self.router_addr = router_addr
         self.info = info
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._chan = channel(router_addr)
+        self._chan = channel(router_addr, creds)
         self._stub = rpc.RegistryStub(self._chan)
         self._registered = False
         self._warned = False
@@ -171,7 +182,11 @@ class Heartbeater:
             except grpc.RpcError as e:
                 self._registered = False
                 if not self._warned:
-                    log.warning("router %s unreachable (%s); retrying", self.router_addr, e.code().name)
+                    code = e.code()
+                    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                        log.error("router %s refused this node: %s; retrying", self.router_addr, e.details())
+                    else:
+                        log.warning("router %s unreachable (%s); retrying", self.router_addr, code.name)
                     self._warned = True
             self._wake.wait(self.interval_s)
             self._wake.clear()

@@ -150,10 +150,13 @@ def _serve_until_signal(server, drain_timeout: float) -> int:
 
 def cmd_router(args) -> int:
     from engine.options import options, values
+    from proto.security import credentials, require_token
     from router.server import RouterConfig, run
 
     cfg = RouterConfig(**values(options(RouterConfig), args))
-    return run(cfg, args.port, args.port_file, args.drain_timeout)
+    creds = credentials(cfg, api_keys=True)
+    require_token(creds, cfg.insecure_open_cluster, "pdserve router")
+    return run(cfg, args.port, args.port_file, args.drain_timeout, creds)
 
 
 def _node_config(cls, args):
@@ -167,6 +170,9 @@ def _node_config(cls, args):
 
 
 def _serve_node(kind: str, serve, cfg, args) -> int:
+    from proto.security import credentials, require_token
+
+    require_token(credentials(cfg), cfg.insecure_open_cluster, f"pdserve {kind}")
     node, _ = serve(f"{args.host}:{args.port}", cfg)
     print(f"{kind} node {cfg.node_id} listening on {node.address}", flush=True)
     return _serve_until_signal(node, args.drain_timeout)
@@ -235,7 +241,8 @@ def cmd_generate(args) -> int:
         raise ValueError("give a prompt (text) or --token-ids")
     else:
         kw["prompt"] = args.prompt
-    with Client(args.addr) as c:
+    tls = dict(tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_server_name=args.tls_server_name)
+    with Client(args.addr, api_key=args.api_key, **tls) as c:
         try:
             c.wait_ready(timeout=args.wait)
             res = GenerateResult()
@@ -262,9 +269,10 @@ def cmd_nodes(args) -> int:
     import grpc
 
     from proto import pb, rpc
+    from proto.security import credentials
     from proto.serving import channel
 
-    with channel(args.addr) as ch:
+    with channel(args.addr, credentials(args)) as ch:
         try:
             nodes = rpc.RegistryStub(ch).ListNodes(pb.ListNodesRequest(), timeout=args.wait).nodes
         except grpc.RpcError as e:
@@ -285,6 +293,19 @@ def cmd_nodes(args) -> int:
     if not rows:
         print(f"(no node has registered with {args.addr})")
     return 0
+
+
+def _add_client_security(p: argparse.ArgumentParser, node_plane: bool) -> None:
+    """A client's credentials: the API key (generate) or the cluster token (nodes), and TLS."""
+    if node_plane:
+        p.add_argument("--cluster-token-file", default=None, help="file holding the cluster token "
+                       "(default: PDSERVE_CLUSTER_TOKEN)")  # fmt: skip
+    else:
+        p.add_argument("--api-key", default=None, help="the router's client API key (default: PDSERVE_API_KEY)")
+    p.add_argument("--tls-ca", default=None, help="PEM CA bundle the router's certificate is checked against (TLS)")
+    p.add_argument("--tls-cert", default=None, help="PEM client certificate to show (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-server-name", default=None, help="the name the router's certificate is checked against")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -333,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("nodes", help="list the nodes a router knows: state, capacity, load")
     p.add_argument("--addr", default="127.0.0.1:50051")
     p.add_argument("--wait", type=float, default=10.0, help="seconds to wait for the router")
+    _add_client_security(p, node_plane=True)
     p.set_defaults(func=cmd_nodes)
 
     p = sub.add_parser("generate", help="stream a completion from a router")
@@ -346,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the router to be ready")
+    _add_client_security(p, node_plane=False)
     p.set_defaults(func=cmd_generate)
     return ap
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.config import SecurityArgs
 from engine.options import option
 from router.policy import PolicyName, make_policy
 
@@ -14,7 +15,7 @@ ADMISSION_HELP = "seconds a request waits in the router's FIFO admission queue, 
 
 
 @dataclass(frozen=True)
-class RouterConfig:
+class RouterConfig(SecurityArgs):
     model: str | None = option(None, "checkpoint directory: its tokenizer serves text prompts")
     static_decode: tuple[str, ...] = option((), "a static decode node, polled with Stats (repeatable)",
                                             flag="--decode", metavar="ADDR")  # fmt: skip
@@ -53,8 +54,18 @@ class RouterConfig:
     metrics_port: int | None = option(None, "Prometheus /metrics on this port (0 picks one; default off)")
     http_port: int | None = option(None, "OpenAI-compatible HTTP on this port (0 picks one; default off)")
     host: str = option("127.0.0.1", "address the router binds (gRPC, metrics and HTTP)")
+    # Client API keys (proto/security.py): none given, the client plane is open.
+    api_key: tuple[str, ...] = option((), "a client API key (repeatable; visible in the process list: prefer "
+                                          "--api-key-file or PDSERVE_API_KEY)", secret=True)  # fmt: skip
+    api_key_file: str | None = option(None, "file of client API keys, one a line (PDSERVE_API_KEY adds more, "
+                                            "comma-separated)")  # fmt: skip
+    max_requests_per_key: int = option(0, "requests one API key may have in flight; more are refused "
+                                          "RESOURCE_EXHAUSTED / HTTP 429 (0: no limit)")  # fmt: skip
 
     def __post_init__(self):
+        self.check_security()
+        if self.max_requests_per_key < 0:
+            raise ValueError("max_requests_per_key must be >= 0 (0: no limit)")
         if self.dead_after_s <= self.heartbeat_interval_s:
             raise ValueError("dead_after_s must exceed heartbeat_interval_s")
         if self.admission_timeout_s < 0:

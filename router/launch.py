@@ -7,12 +7,17 @@ through a file, so `--port 0` works), then every node pointed at it; ready when 
 has registered. `stop()` sends SIGTERM to every group (each component drains: what is in flight
 finishes, for at most `drain_timeout_s`; TP worker processes ignore it and follow their node),
 waits, then SIGKILLs what is left.
+
+Security (proto/security.py): every child gets the cluster's token in PDSERVE_CLUSTER_TOKEN (the
+one `up` was given, else a new random one), the router the client API keys in PDSERVE_API_KEY;
+neither appears on a command line. TLS files go to every component as flags.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -25,6 +30,7 @@ from typing import Any
 from decode_node.config import DecodeNodeConfig
 from engine.options import options, to_argv
 from prefill_node.config import PrefillNodeConfig
+from proto.security import API_KEY_ENV, TOKEN_ENV, Credentials, Tls
 from router.config import RouterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,9 +44,11 @@ def die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 NODE_CONFIGS = {"prefill": PrefillNodeConfig, "decode": DecodeNodeConfig}
-# set by `up` itself for every process it starts
-ROUTER_MANAGED = ("model", "host", "static_decode", "static_prefill")
-NODE_MANAGED = ("model", "tensor_parallel_size", "node_id", "router", "advertise_host", "metrics_port")
+# set by `up` itself for every process it starts (the cluster token through the environment)
+SECURITY_MANAGED = ("cluster_token_file", "insecure_open_cluster")
+ROUTER_MANAGED = ("model", "host", "static_decode", "static_prefill", *SECURITY_MANAGED)
+NODE_MANAGED = ("model", "tensor_parallel_size", "node_id", "router", "advertise_host", "metrics_port",
+                *SECURITY_MANAGED)  # fmt: skip
 
 
 @dataclass
@@ -59,6 +67,9 @@ class PoolSpec:
     port: int = 50051
     log_level: str = "INFO"
     drain_timeout_s: float = 30.0  # every component's --drain-timeout
+    # the node plane's secret, handed to every process in PDSERVE_CLUSTER_TOKEN (never on a command
+    # line); None: PDSERVE_CLUSTER_TOKEN of `up` itself, else a new random one per cluster
+    cluster_token: str | None = field(default=None, repr=False)
     # the router's; with metrics_port set, every node serves /metrics on a free port
     router_options: dict[str, Any] = field(default_factory=dict)
     node_options: dict[str, Any] = field(default_factory=dict)
@@ -81,7 +92,18 @@ class PoolSpec:
         return {k: v for k, v in self.node_options.items() if k in names} | getattr(self, f"{pool}_options")
 
     def router_argv(self) -> list[str]:
-        return to_argv(options(RouterConfig), self.router_options)
+        """The router's flags; client API keys go through its environment instead (router_env)."""
+        return to_argv(options(RouterConfig), {k: v for k, v in self.router_options.items() if k != "api_key"})
+
+    def router_env(self) -> dict[str, str]:
+        keys = [*self.router_options.get("api_key", ()), *filter(None, os.environ.get(API_KEY_ENV, "").split(","))]
+        return {API_KEY_ENV: ",".join(keys)} if keys else {}
+
+    def credentials(self, token: str) -> Credentials:
+        """What `up` itself dials the router with (ListNodes while it waits for the nodes)."""
+        o = self.router_options
+        tls = Tls.from_files(o.get("tls_cert"), o.get("tls_key"), o.get("tls_ca"), o.get("tls_server_name"))
+        return Credentials(cluster_token=token.encode(), tls=tls)
 
     def node_argv(self, pool: str) -> list[str]:
         """The options every node of `pool` is started with (beyond model, router, id, tp)."""
@@ -118,6 +140,8 @@ class Cluster:
         self.port: int | None = None
         self._reported: set[str] = set()
         self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-up-")
+        self._token = spec.cluster_token or os.environ.get(TOKEN_ENV, "").strip() or secrets.token_urlsafe(32)
+        self.credentials = spec.credentials(self._token)
 
     @property
     def address(self) -> str:
@@ -127,8 +151,9 @@ class Cluster:
         s = self.spec
         return [f"prefill-{i}" for i in range(s.prefill)] + [f"decode-{i}" for i in range(s.decode)]
 
-    def _spawn(self, name: str, args: list[str]) -> None:
-        env = dict(os.environ)
+    def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> None:
+        env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}  # client keys: the router's only
+        env.update({TOKEN_ENV: self._token}, **(extra_env or {}))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         cmd = [sys.executable, "-m", "router.cli", "--log-level", self.spec.log_level, *args,
                "--drain-timeout", str(self.spec.drain_timeout_s)]  # fmt: skip
@@ -138,7 +163,7 @@ class Cluster:
         s = self.spec
         port_file = Path(self._tmp.name) / "router.port"
         self._spawn("router", ["router", "--host", s.host, "--port", str(s.port), "--port-file", str(port_file),
-                               "--model", s.model, *s.router_argv()])  # fmt: skip
+                               "--model", s.model, *s.router_argv()], s.router_env())  # fmt: skip
         deadline = time.monotonic() + ready_timeout
         while not (port_file.is_file() and port_file.read_text().strip()):
             self._check_children(deadline)
@@ -172,7 +197,7 @@ class Cluster:
 
         want = set(self.node_ids())
         shown = -1
-        with channel(self.address) as ch:
+        with channel(self.address, self.credentials) as ch:
             stub = rpc.RegistryStub(ch)
             while True:
                 self._check_children(deadline)

@@ -1,14 +1,18 @@
 """Where the router's sockets are made: its gRPC server, its channels to nodes, its HTTP servers.
 
-Every listener and channel of the router comes from here, so credentials (TLS, API keys for
-clients, a cluster token for nodes) are added in one place:
+Every listener and channel of the router comes from here, with its credentials
+(proto/security.py, router/auth.py):
 
-- `start_grpc(addr, add_servicers, names)`: a `grpc.aio` server with health checking and
-  reflection for the named services; returns (server, port, health servicer).
-- `node_channel(addr)`: the aio channel the router calls a node on (Reserve, Prefill, Generate,
-  Release, Handshake, Stats).
-- `start_http(app, host, port)`: an ASGI app (the OpenAI API, /metrics) served by uvicorn on the
-  running loop, on a socket bound here (port 0 picks one); returns an `HttpServer`.
+- `start_grpc(addr, add_servicers, names, creds, limits)`: a `grpc.aio` server with health
+  checking and reflection for the named services, `AioGuard` in front (API keys on `Generation`,
+  the cluster token on `Registry`), TLS with `creds.tls.cert` (no client certificate asked:
+  clients show API keys, nodes the token); returns (server, port, health servicer).
+- `node_channel(addr, creds)`: the aio channel the router calls a node on (Reserve, Prefill,
+  Generate, Release, Handshake, Stats): the cluster token on every call; TLS with `creds.tls`,
+  showing the router's certificate (nodes with a CA require it).
+- `start_http(app, host, port, tls, guard)`: an ASGI app (the OpenAI API, /metrics) served by
+  uvicorn on the running loop, on a socket bound here (port 0 picks one), HTTPS with `tls`, behind
+  `guard` (router/auth.py HttpGuard) when given; returns an `HttpServer`.
 """
 
 from __future__ import annotations
@@ -23,18 +27,49 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto import pb
+from proto.security import OPEN, Credentials, Tls, add_port, channel_credentials, channel_options, token_metadata
+from router.auth import AioGuard, KeyLimits
 
-_CHANNEL_OPTIONS = [("grpc.enable_retries", 0)]
+
+class _AioMeta:
+    """Adds the cluster token to every call (aio client interceptors: the kinds the router makes)."""
+
+    def __init__(self, md):
+        self.md = md
+
+    def _details(self, d):
+        return d._replace(metadata=grpc.aio.Metadata(*(d.metadata or ()), *self.md))
 
 
-def node_channel(addr: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(addr, options=_CHANNEL_OPTIONS)
+class _UnaryMeta(_AioMeta, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, d, request):
+        return await continuation(self._details(d), request)
+
+
+class _StreamMeta(_AioMeta, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, d, request):
+        return await continuation(self._details(d), request)
+
+
+def node_channel(addr: str, creds: Credentials = OPEN) -> grpc.aio.Channel:
+    md = token_metadata(creds)
+    icp = [_UnaryMeta(md), _StreamMeta(md)] if md else None
+    if creds.tls is not None:
+        return grpc.aio.secure_channel(addr, channel_credentials(creds.tls), options=channel_options(creds.tls),
+                                       interceptors=icp)  # fmt: skip
+    return grpc.aio.insecure_channel(addr, options=channel_options(None), interceptors=icp)
 
 
 async def start_grpc(
-    addr: str, add_servicers: Callable[[grpc.aio.Server], None], service_names: Iterable[str]
+    addr: str,
+    add_servicers: Callable[[grpc.aio.Server], None],
+    service_names: Iterable[str],
+    creds: Credentials = OPEN,
+    limits: KeyLimits | None = None,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    guarded = creds.cluster_token or creds.api_keys
+    icp = [AioGuard(creds, limits or KeyLimits(0))] if guarded else None
+    server = grpc.aio.server(interceptors=icp, options=[("grpc.so_reuseport", 0)])
     add_servicers(server)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
@@ -42,12 +77,7 @@ async def start_grpc(
     for n in [*names, ""]:
         await hs.set(n, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    try:
-        port = server.add_insecure_port(addr)
-    except RuntimeError as e:
-        raise OSError(f"cannot bind {addr}: {e}") from None
-    if port == 0:
-        raise OSError(f"cannot bind {addr}")
+    port = add_port(server, addr, creds.tls, mutual=False)
     await server.start()
     return server, port, hs
 
@@ -63,7 +93,7 @@ class HttpServer:
         await self.server.shutdown()
 
 
-async def start_http(app, host: str, port: int) -> HttpServer:
+async def start_http(app, host: str, port: int, tls: Tls | None = None, guard=None) -> HttpServer:
     # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say so (with proto 0, a
     # response's body waits behind its headers for the client's delayed ACK, ~40 ms)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -75,11 +105,22 @@ async def start_http(app, host: str, port: int) -> HttpServer:
         sock.close()
         raise OSError(f"cannot bind HTTP {host}:{port}: {e.strerror}") from None
     sock.setblocking(False)
+    if guard is not None:
+        app = guard(app)
     cfg = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None, date_header=False,
-                         timeout_graceful_shutdown=1, ws="none")  # fmt: skip
+                         timeout_graceful_shutdown=1, ws="none", **_https(tls))  # fmt: skip
     cfg.load()
     server = uvicorn.Server(cfg)
     server.lifespan = cfg.lifespan_class(cfg)
     await server.startup(sockets=[sock])
     await asyncio.sleep(0)
     return HttpServer(server, sock.getsockname()[1])
+
+
+def _https(tls: Tls | None) -> dict:
+    """uvicorn's TLS settings (it reads the files itself)."""
+    if tls is None or tls.cert is None:
+        return {}
+    if not (tls.cert_file and tls.key_file):
+        raise ValueError("HTTPS needs the certificate and key as files (--tls-cert, --tls-key)")
+    return {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}

@@ -46,6 +46,12 @@ OWN: dict[str, tuple[type, Any, str]] = {
     "decode_tp": (int, 1, "tensor-parallel ranks of each decode node"),
     "host": (str, "127.0.0.1", "address every component binds"),
     "port": (int, 50051, "router port (0 picks one)"),
+    "cluster_token_file": (
+        str,
+        None,
+        "file holding the cluster token, handed to every component (default: PDSERVE_CLUSTER_TOKEN, else a new "
+        "random one for this cluster)",
+    ),
     "drain_timeout": (
         float,
         30.0,
@@ -153,5 +159,12 @@ def spec_from_args(args: argparse.Namespace, default_model: Callable[[], Any]) -
         model=model, prefill=own["prefill"], decode=own["decode"], prefill_tp=own["prefill_tp"],
         decode_tp=own["decode_tp"], host=own["host"], port=own["port"], log_level=args.log_level or "INFO",
         drain_timeout_s=own["drain_timeout"], router_options=opts["router"], prefill_options=opts["prefill"],
-        decode_options=opts["decode"],
+        decode_options=opts["decode"], cluster_token=_token(own["cluster_token_file"]),
     )  # fmt: skip
+
+
+def _token(path: str | None) -> str | None:
+    from proto.security import read_token
+
+    raw = read_token(path, {}) if path else None
+    return None if raw is None else raw.decode()

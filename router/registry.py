@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from proto import pb, rpc
+from proto.security import OPEN, Credentials
 from router.net import node_channel
 
 log = logging.getLogger("pdserve.router")
@@ -47,6 +48,7 @@ class NodeEntry:
     freed_blocks: int = 0
     chan: grpc.aio.Channel | None = None
     _stub: object = None
+    creds: Credentials = OPEN  # how the router dials the node (the cluster token, TLS)
 
     @property
     def node_id(self) -> str:
@@ -60,7 +62,7 @@ class NodeEntry:
     def stub(self):
         """The node's aio stub, made on first use (on the event loop, where every call runs)."""
         if self._stub is None:
-            self.chan = node_channel(self.info.address)
+            self.chan = node_channel(self.info.address, self.creds)
             cls = rpc.DecodeNodeStub if self.info.kind == pb.NODE_KIND_DECODE else rpc.PrefillNodeStub
             self._stub = cls(self.chan)
         return self._stub
@@ -90,7 +92,8 @@ class NodeEntry:
 
 
 class NodeRegistry:
-    def __init__(self, heartbeat_interval_s: float = 0.5, dead_after_s: float = 3.0):
+    def __init__(self, heartbeat_interval_s: float = 0.5, dead_after_s: float = 3.0, creds: Credentials = OPEN):
+        self.creds = creds
         self.heartbeat_interval_s = heartbeat_interval_s
         self.dead_after_s = dead_after_s
         self.nodes: dict[str, NodeEntry] = {}
@@ -111,7 +114,7 @@ class NodeRegistry:
                 old.alive = True
                 self.on_change()
                 return old
-            e = NodeEntry(info=info, static=static or (old is not None and old.static))
+            e = NodeEntry(info=info, static=static or (old is not None and old.static), creds=self.creds)
             if old is not None:
                 old.close(self.loop)
                 log.info(
@@ -163,7 +166,7 @@ class NodeRegistry:
         for addr, kind in list(self.static_addrs.items()):
             if addr in fresh:
                 continue
-            async with node_channel(addr) as ch:
+            async with node_channel(addr, self.creds) as ch:
                 stub = rpc.DecodeNodeStub(ch) if kind == pb.NODE_KIND_DECODE else rpc.PrefillNodeStub(ch)
                 try:
                     info = await stub.Stats(pb.StatsRequest(), timeout=1.0)

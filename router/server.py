@@ -30,6 +30,8 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import make_asgi_app
 
 from proto import pb
+from proto.security import Credentials, credentials
+from router.auth import HttpGuard, KeyLimits
 from router.config import RouterConfig
 from router.grpc_api import add_services
 from router.net import HttpServer, start_grpc, start_http
@@ -39,9 +41,13 @@ log = logging.getLogger("pdserve.router")
 
 
 class Router:
-    def __init__(self, cfg: RouterConfig):
+    def __init__(self, cfg: RouterConfig, creds: Credentials | None = None):
+        """creds: what the router accepts and presents; by default read as its options say
+        (--cluster-token-file or PDSERVE_CLUSTER_TOKEN, API keys, TLS files)."""
         self.cfg = cfg
-        self.service = GenerateService(cfg)
+        self.creds = credentials(cfg, api_keys=True) if creds is None else creds
+        self.limits = KeyLimits(cfg.max_requests_per_key)
+        self.service = GenerateService(cfg, self.creds)
         self.registry, self.prefill, self.metrics = self.service.registry, self.service.prefill, self.service.metrics
         self.server = None
         self._health = None
@@ -67,11 +73,12 @@ class Router:
 
         self.registry.loop, self.registry.on_change = loop, changed
         self.server, port, self._health = await start_grpc(
-            addr, lambda s: add_services(s, self.service), ["Generation", "Registry"]
+            addr, lambda s: add_services(s, self.service), ["Generation", "Registry"], self.creds, self.limits
         )
         self._sweeper = loop.create_task(self._sweep())
-        log.info("router serving on port %d (policy %s)", port, self.service.policy.name)
-        host = self.cfg.host
+        log.info("router serving on port %d (policy %s; %s)", port, self.service.policy.name, self.creds)
+        host, tls = self.cfg.host, self.creds.tls
+        scheme = "https" if tls is not None and tls.cert is not None else "http"
         if self.cfg.metrics_port is not None:
             h = await start_http(make_asgi_app(self.metrics.registry), host, self.cfg.metrics_port)
             self._https.append(h)
@@ -80,10 +87,11 @@ class Router:
         if self.cfg.http_port is not None:
             from router.openai_api import make_app
 
-            h = await start_http(make_app(self.service), host, self.cfg.http_port)
+            guard = lambda app: HttpGuard(app, self.creds, self.limits)  # noqa: E731
+            h = await start_http(make_app(self.service), host, self.cfg.http_port, tls, guard)
             self._https.append(h)
             self.http_port = h.port
-            log.info("router OpenAI-compatible HTTP at http://%s:%d/v1", host, self.http_port)
+            log.info("router OpenAI-compatible HTTP at %s://%s:%d/v1", scheme, host, self.http_port)
         return port
 
     async def _sweep(self) -> None:
@@ -134,12 +142,13 @@ class Router:
         await self.service.close()
 
 
-def run(cfg: RouterConfig, port: int, port_file: str | None, drain_timeout: float) -> int:
+def run(cfg: RouterConfig, port: int, port_file: str | None, drain_timeout: float,
+        creds: Credentials | None = None) -> int:  # fmt: skip
     """`pdserve router`: serve until SIGINT / SIGTERM; then drain (take nothing new, let what is in
     flight finish, at most drain_timeout seconds; a second signal cuts it short) and stop."""
 
     async def main() -> int:
-        router = Router(cfg)
+        router = Router(cfg, creds)
         bound = await router.start(f"{cfg.host}:{port}")
         if port_file:
             tmp = Path(port_file + ".tmp")
@@ -147,7 +156,8 @@ def run(cfg: RouterConfig, port: int, port_file: str | None, drain_timeout: floa
             tmp.rename(port_file)
         print(f"router listening on {cfg.host}:{bound}", flush=True)
         if router.http_port is not None:
-            print(f"router OpenAI-compatible HTTP on http://{cfg.host}:{router.http_port}/v1", flush=True)
+            scheme = "https" if cfg.tls_cert else "http"
+            print(f"router OpenAI-compatible HTTP on {scheme}://{cfg.host}:{router.http_port}/v1", flush=True)
         stop, now = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -165,11 +175,11 @@ class BackgroundRouter:
     """A Router on an event loop thread of its own, driven from ordinary (non-async) code: its
     `registry` and `prefill` are the router's; `drain` and `stop` wait for the loop."""
 
-    def __init__(self, cfg: RouterConfig):
+    def __init__(self, cfg: RouterConfig, creds: Credentials | None = None):
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="router-loop", daemon=True)
         self._thread.start()
-        self.router = Router(cfg)
+        self.router = Router(cfg, creds)
         self.registry, self.prefill, self.service = self.router.registry, self.router.prefill, self.router.service
 
     def _call(self, coro, timeout: float | None = None):
@@ -207,6 +217,6 @@ class BackgroundRouter:
 __all__ = ["BackgroundRouter", "Router", "RouterConfig", "run", "serve"]
 
 
-def serve(addr: str, cfg: RouterConfig) -> tuple[BackgroundRouter, int]:
-    r = BackgroundRouter(cfg)
+def serve(addr: str, cfg: RouterConfig, creds: Credentials | None = None) -> tuple[BackgroundRouter, int]:
+    r = BackgroundRouter(cfg, creds)
     return r, r.start(addr)

@@ -27,6 +27,7 @@ from prometheus_client import Counter, Histogram
 
 from proto import pb
 from proto.metrics import ServingMetrics
+from proto.security import OPEN, Credentials
 from proto.serving import MAX_REQUEST_ID_LEN, sampling_kwargs
 from router.admission import Admission
 from router.config import RouterConfig
@@ -45,9 +46,9 @@ STREAMING = 1024
 
 
 class GenerateService:
-    def __init__(self, cfg: RouterConfig):
+    def __init__(self, cfg: RouterConfig, creds: Credentials = OPEN):
         self.cfg = cfg
-        self.registry = NodeRegistry(cfg.heartbeat_interval_s, cfg.dead_after_s)
+        self.registry = NodeRegistry(cfg.heartbeat_interval_s, cfg.dead_after_s, creds)
         for a in cfg.static_decode:
             self.registry.add_static(a, pb.NODE_KIND_DECODE)
         for a in cfg.static_prefill:

@@ -1,29 +1,61 @@
-"""Transfer endpoints inside an engine's tensor-parallel workers.
+"""Transfer endpoints inside an engine's tensor-parallel workers: the one rank-side layer both
+node kinds use.
 
 A node drives its ranks through the engine executor: `engine.executor.call_all(fn, ...)` runs
-`fn(worker, ...)` on every rank, where each rank's `Sender` / `Receiver` lives next to its
-pools in `worker.ext`. The engine's scheduler owns block and slot allocation; the receiver
-adopts the engine's reservation, and memory of a failed reservation is reported back through
-`freed` once no write can still land, so the node can return it to the scheduler.
+`fn(worker, ...)` on every rank (in the rank's own process when TP > 1), where each rank's
+`Sender` / `Receiver` lives next to its pools in `worker.ext`. The engine's scheduler owns block
+and slot allocation: a receiver adopts the engine's reservation, a sender reads the engine's
+HELD pages, and neither ever frees engine memory itself; the node returns it to the scheduler
+once a poll says no write can still touch it. Every poll answers with typed records
+(`SendStatus`, `RecvStatus`), one per request asked about, by rank.
 
-    metas = D.executor.call_all(open_endpoint, "receiver", "D0", cfg)      # one blob per rank
-    P.executor.call_all(add_peers, "nixl", metas) ...                        # and the reverse
-    blocks, slot = D.reserve(prompt, params, rid)                            # engine allocates
-    ranks = D.executor.call_all(adopt, "nixl", rid, len(prompt), blocks, slot)
-    target = make_target(ranks, rid, len(prompt), ...)                      # to the prefill node
-    P.executor.call_all(send, "nixl", rid, target, *P.held(rid), len(prompt))
-    poll both until every rank reports DONE; D.activate(rid, first_token); P.release(rid)
+    blobs = D.executor.call_all(open_endpoint, "receiver", "D0", cfg)        # one blob per rank
+    P.executor.call_all(add_peers, "nixl", blobs) ...                         # and the reverse
+    blocks, slot = D.reserve(prompt, params, rid)                              # engine allocates
+    ranks = D.executor.call_all(adopt, "nixl", rid, len(prompt), blocks, slot, lease_s, inc)
+    target = make_target(ranks, "D0", rid, len(prompt), tp, digest)          # to the prefill node
+    P.executor.call_all(open_send, "nixl", rid, target, *P.held(rid), len(prompt))   # Begin
+    P.executor.call_all(post, "nixl", rid)                                     # writes, Done
+    poll_sends / poll_reservations until every rank is done (and the sender quiet);
+    D: take, then activate(rid, first_token); P: forget, then release(rid)
+
+A sender rank keeps each request's SendRequest until the node forgets it, so a failure that
+turned quiet between two polls is still reported as a failure. A reservation is keyed by
+(request id, incarnation): one incarnation for all ranks of one Reserve.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import msgspec
 
-from transfer.backend import TransferState
 from transfer.config import TransferConfig
 from transfer.messages import Target, TargetRank
 from transfer.receiver import Receiver
 from transfer.sender import Sender
+
+GONE = "gone"  # the state of a request this rank no longer (or never) held
+
+
+class SendStatus(msgspec.Struct, frozen=True):
+    """One sender rank's view of one push."""
+
+    state: str  # a TransferState value, or "gone": never opened here, or forgotten
+    error: str | None = None
+    quiet: bool = True  # no write can still read the source pages
+    nbytes: int = 0  # bytes this rank wrote so far
+
+
+class RecvStatus(msgspec.Struct, frozen=True):
+    """One receiver rank's view of one reservation."""
+
+    state: str  # a TransferState value, or "gone": taken, or failed and freed
+    error: str | None = None  # why it failed (also remembered a while once gone)
+    freed: bool = True  # no write can still land in its memory
+    renewals: int = 0  # lease renewals counted so far
+    expired: bool = False  # failed because its lease ran out
+
+
+_SENDS = "transfer.sends"  # request id -> SendRequest, until forgotten
 
 
 def _key(backend: str) -> str:
@@ -37,6 +69,21 @@ def endpoint(worker, backend: str):
     return ep
 
 
+def _sender(worker, backend: str) -> Sender:
+    ep = endpoint(worker, backend)
+    if not isinstance(ep, Sender):
+        raise RuntimeError(f"rank {worker.rank}'s {backend} endpoint is a receiver, not a sender")
+    return ep
+
+
+def _receiver(worker, backend: str) -> Receiver:
+    ep = endpoint(worker, backend)
+    if not isinstance(ep, Receiver):
+        raise RuntimeError(f"rank {worker.rank}'s {backend} endpoint is a sender, not a receiver")
+    return ep
+
+
+# ---- both roles ------------------------------------------------------------------------------
 def open_endpoint(worker, role: str, node: str, config: TransferConfig | None = None) -> bytes:
     """Create this rank's sender or receiver over its pools; returns its handshake blob."""
     config = config or TransferConfig()
@@ -45,8 +92,15 @@ def open_endpoint(worker, role: str, node: str, config: TransferConfig | None = 
         raise ValueError(f"unknown transfer role {role!r}; known: sender, receiver")
     ep = cls(worker.cfg, worker.rank, worker.pools, node=node, config=config)
     worker.ext[_key(config.backend)] = ep
-    worker.ext.setdefault("transfer.freed", deque(maxlen=4096))  # recent failed reservations, freed
     return ep.metadata()
+
+
+def metadata(worker, backend: str) -> bytes:
+    return endpoint(worker, backend).metadata()
+
+
+def digest(worker, backend: str) -> str:
+    return endpoint(worker, backend).digest
 
 
 def add_peers(worker, backend: str, blobs: list[bytes]) -> list[str]:
@@ -59,78 +113,110 @@ def remove_peer(worker, backend: str, agent: str, reason: str = "declared dead")
     endpoint(worker, backend).remove_peer(agent, reason)
 
 
-def adopt(
-    worker,
-    backend: str,
-    request_id: str,
-    prompt_len: int,
-    blocks: list[int],
-    slot: int,
-    lease_s: float | None = None,
-    incarnation: int | None = None,
-) -> TargetRank:
-    """Receiver: take the engine's reservation under a lease; returns this rank's target."""
-    freed = worker.ext["transfer.freed"]
-    req = endpoint(worker, backend).adopt(
-        request_id,
-        prompt_len,
-        blocks,
-        slot,
-        lease_s=lease_s,
-        incarnation=incarnation,
-        free=lambda b, s: freed.append(request_id),
-    )
-    return req.target
+def drop_node(worker, backend: str, node: str, reason: str = "declared dead by the router") -> list[str]:
+    """Remove every agent of a peer node: its requests here fail (and free once safe)."""
+    ep = endpoint(worker, backend)
+    gone = [a for a, p in list(ep.peers.items()) if p.info.node == node]
+    for a in gone:
+        ep.remove_peer(a, reason)
+    return gone
+
+
+def close(worker, backend: str) -> None:
+    ep = worker.ext.pop(_key(backend), None)
+    worker.ext.pop(_SENDS, None)
+    if ep is not None:
+        ep.close()
 
 
 def make_target(ranks: list[TargetRank], node: str, request_id: str, prompt_len: int, tp: int, digest: str) -> Target:
     return Target(request_id, node, tp, digest, prompt_len, sorted(ranks, key=lambda t: t.rank))
 
 
-def digest(worker, backend: str) -> str:
-    return endpoint(worker, backend).digest
+# ---- sender (prefill) --------------------------------------------------------------------------
+def open_send(worker, backend: str, rid: str, target: Target, blocks: list[int], slot: int, num_tokens: int) -> None:
+    """Begin to the destination ranks now; the writes follow with `post` once the state exists.
+    The memory stays the engine's (release the HELD request once every rank is quiet)."""
+    req = _sender(worker, backend).open(rid, target, blocks, slot, num_tokens, owned=False)
+    worker.ext.setdefault(_SENDS, {})[rid] = req
 
 
-def send(worker, backend: str, request_id: str, target: Target, blocks: list[int], slot: int, num_tokens: int) -> None:
-    """Sender: write this rank's pieces of the request's state into the target (memory stays the
-    engine's: release the HELD request once every rank reports quiet)."""
-    endpoint(worker, backend).send(request_id, target, blocks, slot, num_tokens, owned=False)
+def send(worker, backend: str, rid: str, target: Target, blocks: list[int], slot: int, num_tokens: int) -> None:
+    """Open and post at once (the state already exists)."""
+    req = _sender(worker, backend).send(rid, target, blocks, slot, num_tokens, owned=False)
+    worker.ext.setdefault(_SENDS, {})[rid] = req
 
 
-def poll(worker, backend: str, request_id: str) -> tuple[str, str | None, bool]:
-    """(state, failure, quiet) of this rank's side of the request; drives the endpoint."""
-    ep = endpoint(worker, backend)
+def post(worker, backend: str, rid: str) -> None:
+    """Write everything and Done: at once when the grants are in (polled first), else when they come."""
+    _sender(worker, backend).poll()
+    worker.ext[_SENDS][rid].post()
+
+
+def renew(worker, backend: str, targets: list[Target]) -> int:
+    """Restart the lease of each target's reservation on the destination ranks this rank writes."""
+    ep = _sender(worker, backend)
+    return sum(ep.renew(t) for t in targets)
+
+
+def poll_sends(worker, backend: str, rids: list[str]) -> list[SendStatus]:
+    """Drive the endpoint once; one SendStatus per request id."""
+    _sender(worker, backend).poll()
+    store = worker.ext.get(_SENDS, {})
+    out = []
+    for rid in rids:
+        r = store.get(rid)
+        out.append(SendStatus(GONE) if r is None else SendStatus(r.state.value, r.error, r.quiet, r.nbytes))
+    return out
+
+
+def abort_send(worker, backend: str, rid: str, reason: str) -> None:
+    r = worker.ext.get(_SENDS, {}).get(rid)
+    if r is not None:
+        r.abort(reason)
+
+
+def forget_send(worker, backend: str, rid: str) -> None:
+    worker.ext.get(_SENDS, {}).pop(rid, None)
+
+
+# ---- receiver (decode) -------------------------------------------------------------------------
+def _no_free(blocks: list[int], slot: int) -> None:
+    """The engine's scheduler frees an adopted reservation (EngineCore.release), not the endpoint."""
+
+
+def adopt(
+    worker, backend: str, rid: str, prompt_len: int, blocks: list[int], slot: int, lease_s: float | None, inc: int
+) -> TargetRank:
+    """Take the engine's reservation under a lease (None: the endpoint's TransferConfig.lease_s);
+    returns this rank's target."""
+    req = _receiver(worker, backend).adopt(
+        rid, prompt_len, blocks, slot, lease_s=lease_s, incarnation=inc, free=_no_free
+    )
+    return req.target
+
+
+def poll_reservations(worker, backend: str, keys: list[tuple[str, int]]) -> list[RecvStatus]:
+    """Drive the endpoint once; one RecvStatus per (request id, incarnation)."""
+    ep = _receiver(worker, backend)
     ep.poll()
-    if isinstance(ep, Sender):
-        req = ep.requests.get(request_id)
-        if req is None:  # forgotten once quiet and terminal
-            return TransferState.DONE.value, None, True
-        return req.state.value, req.failure(), req.quiet
-    req = next((r for (rid, _), r in ep.requests.items() if rid == request_id), None)
-    if req is None:
-        freed = request_id in worker.ext["transfer.freed"]
-        return (TransferState.FAILED.value if freed else "unknown"), None, True
-    return req.state.value, req.failure(), req.freed
+    out = []
+    for key in keys:
+        r = ep.requests.get(key)
+        if r is None:  # ended (taken, or failed and freed): say why it failed, if it did
+            out.append(RecvStatus(GONE, ep.recent.get(key), True, 0, key in ep.recent_expired))
+        else:
+            out.append(RecvStatus(r.state.value, r.error, r.freed, r.renewals, r.expired))
+    return out
 
 
-def take(worker, backend: str, request_id: str) -> None:
-    """Receiver: a DONE request's memory goes back to the engine's request (now decoding)."""
-    ep = endpoint(worker, backend)
-    req = next(r for (rid, _), r in ep.requests.items() if rid == request_id)
-    req.take()
+def abort_reservation(worker, backend: str, rid: str, inc: int, reason: str) -> None:
+    """Fail (or, when done, release) a reservation; its memory is freed once no write can land."""
+    r = _receiver(worker, backend).requests.get((rid, inc))
+    if r is not None:
+        r.abort(reason)
 
 
-def abort(worker, backend: str, request_id: str, reason: str = "aborted") -> None:
-    ep = endpoint(worker, backend)
-    if isinstance(ep, Sender):
-        req = ep.requests.get(request_id)
-    else:
-        req = next((r for (rid, _), r in ep.requests.items() if rid == request_id), None)
-    if req is not None:
-        req.abort(reason)
-
-
-def close(worker, backend: str) -> None:
-    ep = worker.ext.pop(_key(backend), None)
-    if ep is not None:
-        ep.close()
+def take(worker, backend: str, rid: str, inc: int) -> None:
+    """A DONE reservation's memory goes to the engine's request (now decoding)."""
+    _receiver(worker, backend).requests[(rid, inc)].take()

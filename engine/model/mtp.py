@@ -28,7 +28,7 @@ from engine.model.linear import Linear
 from engine.model.qwen3_5 import DecoderLayer, build_layer, run_layer
 from engine.model.rotary import Rotary
 from engine.step import RowInput
-from kernels import rms_norm
+from kernels import add_rms_norm
 
 
 class MTPBlock:
@@ -52,12 +52,13 @@ class MTPBlock:
     ) -> torch.Tensor:
         """ids [T] (the next tokens), hidden [T, H] (main model, after its final norm) -> the
         block's normed output [T, H]; writes the block's KV at batch.slot_mapping."""
-        e = rms_norm(F.embedding(ids, self.embed), self.norm_embed, self.eps, zero_centered=False)
-        h = rms_norm(hidden, self.norm_hidden, self.eps, zero_centered=False)
+        # add_rms_norm with no residual: the norm alone, one fused C call on the CPU
+        _, e = add_rms_norm(F.embedding(ids, self.embed), None, self.norm_embed, self.eps)
+        _, h = add_rms_norm(hidden.contiguous(), None, self.norm_hidden, self.eps)
         x = self.fc(torch.cat([e, h], dim=-1))
         for j, layer in enumerate(self.layers):
             x = run_layer(layer, x, batch, None, kv[self.first_layer + j], cos, sin, self.eps)
-        return rms_norm(x, self.norm, self.eps, zero_centered=False)
+        return add_rms_norm(x.contiguous(), None, self.norm, self.eps)[1]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h).float()

@@ -390,3 +390,35 @@ def test_dockerfile_installs_the_project_as_a_non_root_pdserve(flavour):
         assert "download.pytorch.org/whl/cpu" in text
     else:
         assert "FROM ${CUDA_IMAGE}" in lines and re.search(r"CUDA_IMAGE=nvidia/cuda:[\d.]+-\S*runtime", text)
+
+
+# ---- secrets -------------------------------------------------------------------------------
+def _secret_file(w: dict, c: dict, path: str) -> tuple[str, str]:
+    """(Secret name, key) of the file at `path` in container c, mounted from a secret volume."""
+    vols = {v["name"]: v for v in w["spec"]["template"]["spec"]["volumes"]}
+    for m in c.get("volumeMounts", []):
+        prefix = m["mountPath"].rstrip("/") + "/"
+        if path.startswith(prefix) and "secret" in vols[m["name"]]:
+            assert m.get("readOnly"), f"{c['name']}: {m['mountPath']} is writable"
+            sec = vols[m["name"]]["secret"]
+            rel = path[len(prefix) :]
+            items = {i["path"]: i["key"] for i in sec.get("items", [])} or {rel: rel}
+            assert rel in items, f"{c['name']}: {path} is not a key of Secret {sec['secretName']}"
+            assert sec.get("defaultMode", 0o644) & 0o007 == 0, f"{sec['secretName']} is world-readable"
+            return sec["secretName"], items[rel]
+    raise AssertionError(f"{c['name']}: {path} is not in a mounted Secret")
+
+
+def test_the_cluster_token_and_api_keys_come_from_secrets(rendered, parser):
+    """Every server joins with the cluster token (a file from Secret pdserve-cluster-token), none
+    runs the node plane open; the router reads the client API keys from Secret pdserve-api-keys.
+    No secret is in the ConfigMap or on a command line."""
+    name, objs = rendered
+    for component, w, c, ns in _servers(parser, objs):
+        assert not ns.insecure_open_cluster, f"{name}: {component} runs the node plane open"
+        assert _secret_file(w, c, ns.cluster_token_file) == ("pdserve-cluster-token", "token"), component
+        if component == "router":
+            assert _secret_file(w, c, ns.api_key_file) == ("pdserve-api-keys", "keys")
+            assert not ns.api_key, f"{name}: an API key on the router's command line"
+    config = _find(objs, "ConfigMap", "pdserve-config")["data"]
+    assert not [k for k in config if k.endswith(("_TOKEN", "_KEY", "_KEYS"))], f"{name}: a secret in the ConfigMap"

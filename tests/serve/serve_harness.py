@@ -18,6 +18,9 @@ from router.launch import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = dataclasses.replace(hc.SPEC_HV2, tokenizer=True)
+# Every process a test starts joins the cluster with this token (PDSERVE_CLUSTER_TOKEN); the
+# helpers below call the node plane with it.
+CLUSTER_TOKEN = "serve-tests-cluster-token"
 
 
 LENS = (1, 3, 64, 65, 200)
@@ -28,8 +31,9 @@ class Proc:
     """`python -m router.cli ARGS` (any `pdserve` command) as a subprocess; its output is
     collected by a reader thread. Ready when a line matches `ready` (its first group is kept)."""
 
-    def __init__(self, *args: str, ready: str, timeout: float = 180.0):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PDSERVE_LOG="INFO")
+    def __init__(self, *args: str, ready: str, timeout: float = 180.0, env: dict[str, str] | None = None):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_LOG": "INFO", "PDSERVE_CLUSTER_TOKEN": CLUSTER_TOKEN,
+               **(env or {})}  # fmt: skip
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "router.cli", *args],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -76,8 +80,8 @@ class Proc:
 class Up(Proc):
     """`pdserve up --port 0 ...`; ready at "pdserve up: ready at ADDR"."""
 
-    def __init__(self, *args: str, timeout: float = 180.0):
-        super().__init__("up", "--port", "0", *args, ready=r"pdserve up: ready at (\S+)", timeout=timeout)
+    def __init__(self, *args: str, timeout: float = 180.0, env: dict[str, str] | None = None):
+        super().__init__("up", "--port", "0", *args, ready=r"pdserve up: ready at (\S+)", timeout=timeout, env=env)
 
 
 def _children() -> dict[int, list[int]]:
@@ -117,19 +121,19 @@ def node_pid(up: Up, node_id: str) -> int:
     return next(p for p in descendants(up.proc.pid) if want in open(f"/proc/{p}/cmdline", "rb").read())
 
 
-def nodes(address: str):
+def nodes(address: str, c=None):
     from proto import pb, rpc
     from proto.serving import channel
 
-    with channel(address) as ch:
+    with channel(address, c or creds()) as ch:
         return list(rpc.RegistryStub(ch).ListNodes(pb.ListNodesRequest(), timeout=10).nodes)
 
 
-def decode_stats(node_address: str):
+def decode_stats(node_address: str, c=None):
     from proto import pb, rpc
     from proto.serving import channel
 
-    with channel(node_address) as ch:
+    with channel(node_address, c or creds()) as ch:
         return rpc.DecodeNodeStub(ch).Stats(pb.StatsRequest(), timeout=10)
 
 
@@ -137,8 +141,15 @@ def prefill_stats(node_address: str):
     from proto import pb, rpc
     from proto.serving import channel
 
-    with channel(node_address) as ch:
+    with channel(node_address, creds()) as ch:
         return rpc.PrefillNodeStub(ch).Stats(pb.StatsRequest(), timeout=10)
+
+
+def creds(tls=None):
+    """What the tests call the node plane with: the cluster token (and TLS when given)."""
+    from proto.security import Credentials
+
+    return Credentials(cluster_token=CLUSTER_TOKEN.encode(), tls=tls)
 
 
 def wait_for(pred, timeout: float = 20.0, what: str = "condition"):
@@ -172,38 +183,44 @@ def scrape(url: str) -> dict[tuple, float]:
     }
 
 
-def node_info(address: str, node_id: str):
+def node_info(address: str, node_id: str, c=None):
     """The router's NodeInfo of one node."""
-    return next(n.node for n in nodes(address) if n.node.node_id == node_id)
+    return next(n.node for n in nodes(address, c) if n.node.node_id == node_id)
 
 
 def check_disaggregated_greedy(model: str, ps, want, a: int, b: int, requests: int, what: str = "") -> None:
     """`pdserve up` with one prefill node at TP a and one decode node at TP b, every prompt through
-    the transfer: `requests` concurrent greedy SDK calls over the prompts `ps` give `want`, each
-    prefilled on the prefill node with bytes moved, and the decode node's memory comes back."""
+    the transfer: `greedy_through_transfer`."""
+    up = Up("--model", model, "--dtype", "float32", "--prefill", "1", "--decode", "1", "--prefill-tp", str(a),
+            "--decode-tp", str(b), "--local-prefill-threshold", "0")  # fmt: skip
+    try:
+        assert node_info(up.address, "decode-0").tp_size == b and node_info(up.address, "prefill-0").tp_size == a
+        greedy_through_transfer(up.address, ps, want, requests, f"{what}tp {a} -> {b}: ")
+    finally:
+        rc = up.stop()
+    assert rc == 0, up.output()
+
+
+def greedy_through_transfer(address: str, ps, want, requests: int, what: str = "", node_creds=None, **client_kw):
+    """On a cluster of one prefill and one decode node: `requests` concurrent greedy SDK calls
+    (`Client(address, **client_kw)`) over the prompts `ps` give `want`, each prefilled on the
+    prefill node with bytes moved, and the decode node's memory comes back."""
     from concurrent.futures import ThreadPoolExecutor
 
     from client import Client
 
-    up = Up("--model", model, "--dtype", "float32", "--prefill", "1", "--decode", "1", "--prefill-tp", str(a),
-            "--decode-tp", str(b), "--local-prefill-threshold", "0")  # fmt: skip
-    try:
-        d = node_info(up.address, "decode-0")
-        assert d.tp_size == b and node_info(up.address, "prefill-0").tp_size == a
-        initial = decode_stats(d.address).capacity
-        with Client(up.address, timeout=180) as c:
-            c.wait_ready(timeout=90)
-            jobs = [i % len(ps) for i in range(requests)]
+    d = node_info(address, "decode-0", node_creds)
+    initial = decode_stats(d.address, node_creds).capacity
+    with Client(address, timeout=180, **client_kw) as c:
+        c.wait_ready(timeout=90)
+        jobs = [i % len(ps) for i in range(requests)]
 
-            def one(i):
-                return c.generate(prompt_token_ids=ps[i], max_tokens=len(want[i]), temperature=0.0, ignore_eos=True)
+        def one(i):
+            return c.generate(prompt_token_ids=ps[i], max_tokens=len(want[i]), temperature=0.0, ignore_eos=True)
 
-            with ThreadPoolExecutor(requests) as ex:
-                outs = list(ex.map(one, jobs))
-        for i, r in zip(jobs, outs, strict=True):
-            assert r.token_ids == want[i], f"{what}prompt of {len(ps[i])} tokens, tp {a} -> {b}"
-            assert r.prefill_node == "prefill-0" and r.transfer_bytes > 0
-        wait_for(lambda: decode_stats(d.address).capacity == initial, 30, "the decode node's memory back")
-    finally:
-        rc = up.stop()
-    assert rc == 0, up.output()
+        with ThreadPoolExecutor(requests) as ex:
+            outs = list(ex.map(one, jobs))
+    for i, r in zip(jobs, outs, strict=True):
+        assert r.token_ids == want[i], f"{what}prompt of {len(ps[i])} tokens"
+        assert r.prefill_node == "prefill-0" and r.transfer_bytes > 0
+    wait_for(lambda: decode_stats(d.address, node_creds).capacity == initial, 30, "the decode node's memory back")

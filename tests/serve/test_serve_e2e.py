@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from serve_harness import NEW, ROOT, decode_stats, nodes, prefill_stats, wait_for
+from serve_harness import NEW, ROOT, creds, decode_stats, nodes, prefill_stats, wait_for
 
 
 def _node(cluster, node_id):
@@ -148,7 +148,7 @@ def test_decode_node_refuses_bad_input_itself(cluster):
     from proto.serving import channel
 
     node = _decode_node(cluster)
-    with channel(node.address) as ch:
+    with channel(node.address, creds()) as ch:
         stub = rpc.DecodeNodeStub(ch)
         for req, needle in [
             (pb.DecodeRequest(prompt_token_ids=[], sampling=pb.SamplingParams()), "empty prompt"),
@@ -176,7 +176,7 @@ def test_health_and_reflection(cluster):
         (cluster.address, "pdserve.v1.Generation"),
         (_decode_node(cluster).address, "pdserve.v1.DecodeNode"),
     ]:
-        with channel(addr) as ch:
+        with channel(addr, creds()) as ch:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
             assert r.status == health_pb2.HealthCheckResponse.SERVING
             resp = next(
@@ -217,7 +217,11 @@ def test_one_log_line_per_request(client, cluster):
     def lines():
         return [ln for ln in cluster.lines if "request log-me:" in ln]
 
-    got = wait_for(lambda: len(lines()) >= 2 and lines(), 10, "the router's and the node's log lines")
+    def both():  # the prefill node logs too, and any of the three may come first
+        got = lines()
+        return any("pdserve.router" in ln for ln in got) and any("pdserve.decode" in ln for ln in got) and got
+
+    got = wait_for(both, 10, "the router's and the node's log lines")
     router = [ln for ln in got if "pdserve.router" in ln]
     node = [ln for ln in got if "pdserve.decode" in ln]
     assert len(router) == 1 and len(node) == 1, got
@@ -236,7 +240,7 @@ def test_reserve_release_and_lease_expiry(cluster):
 
     node = _decode_node(cluster)
     initial = decode_stats(node.address).capacity
-    with channel(node.address) as ch:
+    with channel(node.address, creds()) as ch:
         stub = rpc.DecodeNodeStub(ch)
         sp = pb.SamplingParams(max_tokens=4)
         t = stub.Reserve(
@@ -283,7 +287,7 @@ def test_prefill_streams_first_token_before_the_push_report(cluster, refs):
     prompt = ps[3]  # 65 tokens: five pages
     d, p = _decode_node(cluster), _node(cluster, "prefill-0")
     sp = pb.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
-    with channel(d.address) as dch, channel(p.address) as pch:
+    with channel(d.address, creds()) as dch, channel(p.address, creds()) as pch:
         dec, pre = rpc.DecodeNodeStub(dch), rpc.PrefillNodeStub(pch)
         pr = pre.Handshake(pb.HandshakeRequest(node_id="test"), timeout=60)
         dr = dec.Handshake(pb.HandshakeRequest(node_id=p.node_id, incarnation=p.incarnation, schema=pr.schema),
@@ -340,7 +344,7 @@ def test_cancel_during_prefill_releases_both_nodes(cluster, client):
     from proto.serving import channel
 
     d, p = _decode_node(cluster), _node(cluster, "prefill-0")
-    with channel(cluster.address) as ch:
+    with channel(cluster.address, creds()) as ch:
         stub = rpc.GenerationStub(ch)
         for delay in (0.05, 0.3):
             call = stub.Generate(

@@ -6,6 +6,7 @@ as the colocated engine."""
 
 from __future__ import annotations
 
+import secrets
 import time
 
 import hybrid_ckpt as hc
@@ -117,14 +118,14 @@ def _metadata(worker, backend: str) -> bytes:
     return xr.endpoint(worker, backend).metadata()
 
 
-def _until(P, D, backend, rid, want_quiet=True):
+def _until(P, D, backend, rid, inc, want_quiet=True):
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
-        src = P.executor.call_all(xr.poll, backend, rid)
-        dst = D.executor.call_all(xr.poll, backend, rid)
-        if any(s[0] == "failed" for s in src + dst):
+        src = [r[0] for r in P.executor.call_all(xr.poll_sends, backend, [rid])]
+        dst = [r[0] for r in D.executor.call_all(xr.poll_reservations, backend, [(rid, inc)])]
+        if any(s.state == "failed" for s in src + dst):
             raise AssertionError(f"transfer failed: {src} {dst}")
-        if all(s[0] == "done" for s in dst) and all(s[0] == "done" and (s[2] or not want_quiet) for s in src):
+        if all(s.state == "done" for s in dst) and all(s.state == "done" and (s.quiet or not want_quiet) for s in src):
             return
     raise AssertionError(f"transfer did not finish within {TIMEOUT_S} s")
 
@@ -137,7 +138,8 @@ def _prefill_and_push(P: EngineCore, D: EngineCore, backend: str, rid: str, prom
     """D reserves, P prefills (prefill-only) and pushes; once every rank is done and D holds,
     bit for bit, P's state re-sharded for TP=b, P releases. Returns P's finished output."""
     dst_blocks, dst_slot = D.reserve(prompt, SP, rid)
-    ranks = D.executor.call_all(xr.adopt, backend, rid, len(prompt), dst_blocks, dst_slot)
+    inc = secrets.randbits(62)
+    ranks = D.executor.call_all(xr.adopt, backend, rid, len(prompt), dst_blocks, dst_slot, None, inc)
     target = xr.make_target(ranks, f"D{b}", rid, len(prompt), b, digest)
     P.add_request(prompt, SP, rid, prefill_only=True)
     out = None
@@ -147,7 +149,7 @@ def _prefill_and_push(P: EngineCore, D: EngineCore, backend: str, rid: str, prom
     src_blocks, src_slot = P.held(rid)
     assert len(src_blocks) == -(-len(prompt) // P.cfg.cache.block_size)  # the prompt's pages only
     P.executor.call_all(xr.send, backend, rid, target, src_blocks, src_slot, len(prompt))
-    _until(P, D, backend, rid)
+    _until(P, D, backend, rid, inc)
     want = to_global(P.cfg, P.executor.call_all(read_state, src_blocks, src_slot))
     got = D.executor.call_all(read_state, dst_blocks[: len(src_blocks)], dst_slot)
     for r, g in enumerate(got):
@@ -155,8 +157,9 @@ def _prefill_and_push(P: EngineCore, D: EngineCore, backend: str, rid: str, prom
         for kind in ("kv", "conv", "rec"):
             for layer in exp[kind]:
                 assert same_bits(g[kind][layer], exp[kind][layer]), f"rank {r} {kind} layer {layer} differs"
+    P.executor.call_all(xr.forget_send, backend, rid)
     P.release(rid)
-    D.executor.call_all(xr.take, backend, rid)
+    D.executor.call_all(xr.take, backend, rid, inc)
     return out, want
 
 

@@ -1,0 +1,199 @@
+"""The engine loop's typed API (engine/loop.py): the commands a handler thread posts, the records
+it gets back, and the errors it can meet.
+
+A command is a frozen record carried to the loop thread; the loop answers through the command's
+Future (or, for a request, its `RequestHandle`). Nothing else crosses between the threads.
+
+    AddRequest        a request to compute (colocated, or prefill-only)  -> RequestHandle
+    AdmitTransferred  a reservation whose state has landed joins the batch -> RequestHandle
+    AbortRequest      by handle (idempotent) or by id (UnknownRequest when the loop streams no such request)
+    Reserve           pages + slot set aside for a state another node writes -> Reserved | NoRoom
+    Release           a HELD or RESERVED request's memory back               -> None | UnknownRequest
+    GetStats          a fresh Snapshot, taken on the loop thread
+    Run               node work that must run on the loop thread (executor calls) -> its result
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+# ---- errors ----------------------------------------------------------------------------------
+class LoopError(RuntimeError):
+    """Base of the errors the engine loop answers with."""
+
+
+class ShuttingDown(LoopError):
+    """The loop stopped (or is stopping): the command was not run, or the request it streamed
+    was cut off. Nodes answer UNAVAILABLE."""
+
+
+class UnknownRequest(LoopError, LookupError):
+    """No request under that id in the state the command needs."""
+
+    def __init__(self, request_id: str, what: str = "in flight"):
+        super().__init__(f"no request {request_id!r} {what}")
+        self.request_id = request_id
+
+
+class NoRoom(LoopError):
+    """A reservation found no free pages or state slot now."""
+
+
+# ---- results ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Aborted:
+    request_id: str
+    output: RequestOutput | None  # the final (finish_reason "abort") output, None when it had ended
+
+
+@dataclass(frozen=True)
+class Reservation:
+    request_id: str
+    block_ids: tuple[int, ...]
+    slot: int
+
+
+@dataclass(frozen=True)
+class Reserved:
+    reservation: Reservation
+    value: Any = None  # what the command's on_reserved hook returned
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The last item of a handle whose request the engine refused or lost."""
+
+    error: BaseException
+
+
+class RequestHandle:
+    """One request's outputs as the loop produces them: `next()` blocks (on the handle's queue,
+    no polling) until the next RequestOutput, raising the error that ended the request instead;
+    the last output has `finished` set. `abort()` may be called any number of times, also after
+    the end or after the loop stopped."""
+
+    def __init__(self, abort: Callable[[RequestHandle], None], request_id: str, num_prompt_tokens: int):
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.received = time.monotonic()  # the handler posted it
+        self.added: float | None = None  # the engine took it (set by the loop before the first item)
+        self._abort = abort
+        self._items: queue.SimpleQueue[RequestOutput | Failed] = queue.SimpleQueue()
+
+    def next(self, timeout: float | None = None) -> RequestOutput:
+        try:
+            item = self._items.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"request {self.request_id}: no output within {timeout} s") from None
+        if isinstance(item, Failed):
+            raise item.error
+        return item
+
+    def __iter__(self):
+        while True:
+            out = self.next()
+            yield out
+            if out.finished:
+                return
+
+    def abort(self) -> None:
+        self._abort(self)
+
+    # loop thread
+    def _put(self, item: RequestOutput | Failed) -> None:
+        self._items.put(item)
+
+
+# ---- commands --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AddRequest:
+    handle: RequestHandle
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prefill_only: bool = False
+
+
+@dataclass(frozen=True)
+class AdmitTransferred:
+    handle: RequestHandle
+    first_token: int
+    drafts: tuple[int, ...] = ()
+    # node work on the loop thread before the request joins the batch (hand the transferred
+    # memory to the engine); raising ends the handle with that error
+    prepare: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+    handle: RequestHandle | None = None  # set: only if still that handle's request, no error
+    future: Future | None = None
+
+
+@dataclass(frozen=True)
+class Reserve:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    future: Future
+    # node work on the loop thread once the pages are set aside; raising releases them again
+    on_reserved: Callable[[Reservation], Any] | None = None
+
+
+@dataclass(frozen=True)
+class Release:
+    request_id: str
+    future: Future
+
+
+@dataclass(frozen=True)
+class GetStats:
+    future: Future
+
+
+@dataclass(frozen=True)
+class Run:
+    fn: Callable[[Any], Any]  # fn(engine)
+    future: Future
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Wakes an idle loop (stop)."""
+
+
+Command = AddRequest | AdmitTransferred | AbortRequest | Reserve | Release | GetStats | Run | Wake
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Capacity counters, taken by the loop thread after every command batch and step, so readers
+    (heartbeats, Stats, metrics) never touch engine state from another thread."""
+
+    total_blocks: int = 0
+    free_blocks: int = 0
+    block_size: int = 0
+    total_slots: int = 0
+    free_slots: int = 0
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    reserved: int = 0
+    spec_draft_tokens: int = 0  # totals since start (speculative decoding)
+    prefix_query_tokens: int = 0  # totals since start (prefix caching): prompt tokens looked up ...
+    prefix_hit_tokens: int = 0  # ... and found in the cache
+    prefix_snapshots_used: int = 0  # GDN state snapshots held, of prefix_snapshots
+    prefix_snapshots: int = 0
+    prefix_snapshot_bytes: int = 0  # the snapshot pool's memory, per rank
+    spec_accepted_tokens: int = 0
+    spec_drafts_per_position: tuple[int, ...] = field(default=())  # drafts verified at place i + 1, and accepted
+    spec_accepted_per_position: tuple[int, ...] = field(default=())

@@ -1,0 +1,325 @@
+"""Who may call what: client API keys, the cluster token, TLS (docs/deploy.md, "Security").
+
+Two planes, two secrets:
+
+- the client plane, `Generation` (Generate, ListModels), takes a client API key in the metadata
+  `authorization: Bearer KEY` (the router's HTTP API takes the same header);
+- the node plane, `Registry` (Register, Heartbeat, ListNodes), `DecodeNode` and `PrefillNode`
+  (Reserve, Release, Generate, Prefill, Abort, Handshake, Stats), takes the cluster token in the
+  metadata `pdserve-cluster-token: TOKEN`. A client API key does not open it.
+
+Health checking and reflection stay open (probes). `Credentials` holds what one process
+presents and accepts; keys and the token are compared in constant time (over their SHA-256, so
+not even their length leaks) and never logged: a key is named by `key_id`, a prefix of its hash.
+
+    creds = Credentials(cluster_token=b"...", api_keys=digests([...]), tls=Tls(cert, key, ca))
+    server: NodeGuard(creds) (sync) / router.auth.AioGuard (the router) as interceptors,
+            add_port(server, addr, creds.tls, mutual=...)
+    client: channel(addr, creds) (sync; the token on every call), channel_credentials(creds.tls)
+
+TLS: with `Tls.cert` a server listens with TLS; with `Tls.ca` peers' certificates are verified
+against that CA (else the system's roots), and a node requires the caller's certificate
+(mutual TLS between the router and the nodes). `Tls.server_name` is the name the peers'
+certificates are checked against when it is not the host dialed (pods dialed by IP).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from proto import pb
+
+log = logging.getLogger("pdserve.security")
+
+TOKEN_KEY = "pdserve-cluster-token"  # metadata of the node plane
+AUTH_KEY = "authorization"  # metadata of the client plane: "Bearer KEY"
+TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
+API_KEY_ENV = "PDSERVE_API_KEY"  # one key, or several comma-separated
+
+CLIENT_SERVICES = ("Generation",)
+NODE_SERVICES = ("Registry", "DecodeNode", "PrefillNode")
+
+
+def _prefixes(names: Iterable[str]) -> tuple[str, ...]:
+    return tuple(f"/{pb.DESCRIPTOR.services_by_name[n].full_name}/" for n in names)
+
+
+_CLIENT, _NODE = _prefixes(CLIENT_SERVICES), _prefixes(NODE_SERVICES)
+
+
+def plane(method: str) -> str | None:
+    """ "client", "node" or None (open: health, reflection) for a full method name."""
+    if method.startswith(_NODE):
+        return "node"
+    if method.startswith(_CLIENT):
+        return "client"
+    return None
+
+
+def digest(secret: str | bytes) -> bytes:
+    return hashlib.sha256(secret.encode() if isinstance(secret, str) else secret).digest()
+
+
+def key_id(d: bytes) -> str:
+    """How logs and metrics name a key: the first 8 hex digits of its SHA-256."""
+    return d.hex()[:8]
+
+
+def match(given: str | bytes | None, digests: tuple[bytes, ...]) -> bytes | None:
+    """The digest of the key among `digests` that `given` is, or None; every digest is compared
+    (constant time, whichever matches)."""
+    if given is None or not digests:
+        return None
+    g, hit = digest(given), None
+    for d in digests:
+        if hmac.compare_digest(g, d):
+            hit = d
+    return hit
+
+
+def bearer(value: str | None) -> str | None:
+    """The key of an `authorization: Bearer KEY` value."""
+    if not value:
+        return None
+    scheme, _, key = value.strip().partition(" ")
+    return key.strip() or None if scheme.lower() == "bearer" else None
+
+
+@dataclass(frozen=True, repr=False)
+class Tls:
+    """PEM bytes: this process's certificate and key, and the CA its peers' certificates chain to."""
+
+    cert: bytes | None = None
+    key: bytes | None = None
+    ca: bytes | None = None
+    server_name: str | None = None
+    cert_file: str | None = None  # where cert and key were read from (HTTPS servers read files)
+    key_file: str | None = None
+
+    def __post_init__(self):
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+
+    @classmethod
+    def from_files(cls, cert=None, key=None, ca=None, server_name=None) -> Tls | None:
+        """None when no file is named (no TLS)."""
+        if not (cert or key or ca):
+            return None
+        pems = [read_file(p, what) if p else None for p, what in ((cert, "--tls-cert"), (key, "--tls-key"),
+                                                                 (ca, "--tls-ca"))]  # fmt: skip
+        return cls(*pems, server_name=server_name, cert_file=cert, key_file=key)
+
+    def __repr__(self) -> str:
+        return f"Tls(cert={self.cert is not None}, ca={self.ca is not None}, server_name={self.server_name!r})"
+
+
+@dataclass(frozen=True, repr=False)
+class Credentials:
+    """What one process accepts and presents. Empty: an open cluster without TLS (in-process
+    servers, tests); the command line refuses to start a server that way unless told to."""
+
+    cluster_token: bytes | None = None  # the node plane's shared secret
+    api_keys: tuple[bytes, ...] = ()  # digests of the client keys (router); none: the client plane is open
+    tls: Tls | None = None
+
+    @property
+    def token_digest(self) -> tuple[bytes, ...]:
+        return (digest(self.cluster_token),) if self.cluster_token else ()
+
+    def __repr__(self) -> str:  # never the secrets
+        return (f"Credentials(cluster_token={'set' if self.cluster_token else 'none'}, "
+                f"api_keys={len(self.api_keys)}, tls={self.tls!r})")  # fmt: skip
+
+
+OPEN = Credentials()
+
+
+def read_file(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"{what} {path}: {e.strerror}") from None
+
+
+def read_token(path: str | None, env: Mapping[str, str]) -> bytes | None:
+    """The cluster token from a file (surrounding whitespace dropped) or the environment."""
+    raw = read_file(path, "--cluster-token-file").strip() if path else env.get(TOKEN_ENV, "").strip().encode()
+    if path and not raw:
+        raise ValueError(f"--cluster-token-file {path} is empty")
+    if not all(33 <= b < 127 for b in raw):  # it travels as gRPC metadata
+        raise ValueError("the cluster token must be printable ASCII without spaces")
+    return raw or None
+
+
+def read_api_keys(keys: Iterable[str] = (), path: str | None = None, env: Mapping[str, str] | None = None) -> tuple:
+    """Digests of the client keys: given ones, a file's lines (blank and `#` lines skipped) and
+    PDSERVE_API_KEY (comma-separated)."""
+    found = [k.strip() for k in keys]
+    if path:
+        lines = read_file(path, "--api-key-file").decode().splitlines()
+        found += [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    found += (env or {}).get(API_KEY_ENV, "").split(",")
+    return tuple(dict.fromkeys(digest(k) for k in found if k))
+
+
+def credentials(args, env: Mapping[str, str] | None = None, *, api_keys: bool = False) -> Credentials:
+    """A server's Credentials from its config (engine.config.SecurityArgs fields; the router's
+    api_key fields with `api_keys`) and the environment."""
+    env = os.environ if env is None else env
+    tls = Tls.from_files(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
+    keys = read_api_keys(args.api_key, args.api_key_file, env) if api_keys else ()
+    return Credentials(read_token(args.cluster_token_file, env), keys, tls)
+
+
+def require_token(creds: Credentials, insecure_open_cluster: bool, what: str) -> None:
+    """A server process starts with a cluster token, or open only when told so (a warning)."""
+    if creds.cluster_token:
+        return
+    if not insecure_open_cluster:
+        raise ValueError(f"{what}: no cluster token (give --cluster-token-file or {TOKEN_ENV}; "
+                         "--insecure-open-cluster runs the node plane open to anyone who can reach it)")  # fmt: skip
+    log.warning("%s: --insecure-open-cluster: any process that reaches it can join the cluster", what)
+
+
+# ---- servers ---------------------------------------------------------------------------------
+def server_credentials(tls: Tls, mutual: bool) -> grpc.ServerCredentials:
+    if tls.cert is None:
+        raise ValueError("a TLS server needs --tls-cert and --tls-key")
+    return grpc.ssl_server_credentials(
+        [(tls.key, tls.cert)], root_certificates=tls.ca if mutual else None, require_client_auth=mutual and bool(tls.ca)
+    )
+
+
+def add_port(server, addr: str, tls: Tls | None, mutual: bool) -> int:
+    """Bind addr (plain, or TLS with `tls.cert`; `mutual`: callers must show a certificate the CA
+    signed). Returns the port; OSError naming addr when it cannot bind."""
+    try:
+        if tls is not None and tls.cert is not None:
+            port = server.add_secure_port(addr, server_credentials(tls, mutual))
+        else:
+            port = server.add_insecure_port(addr)
+    except RuntimeError as e:
+        raise OSError(f"cannot bind {addr}: {e}") from None
+    if port == 0:
+        raise OSError(f"cannot bind {addr}")
+    return port
+
+
+def refusal(method: str, md: Iterable, creds: Credentials) -> tuple[grpc.StatusCode, str] | None:
+    """Why a call of `method` with invocation metadata `md` is refused (status, message), or None."""
+    p = plane(method)
+    if p == "node" and creds.cluster_token:
+        given = next((v for k, v in md if k == TOKEN_KEY), None)
+        if given is None:
+            return grpc.StatusCode.UNAUTHENTICATED, "the node plane needs the cluster token"
+        if match(given, creds.token_digest) is None:
+            return grpc.StatusCode.PERMISSION_DENIED, "wrong cluster token"
+    elif p == "client" and creds.api_keys:
+        if match(bearer(next((v for k, v in md if k == AUTH_KEY), None)), creds.api_keys) is None:
+            return grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key (metadata authorization: Bearer KEY)"
+    return None
+
+
+def refusing_handler(h: grpc.RpcMethodHandler, code: grpc.StatusCode, msg: str, aio: bool):
+    """A handler of h's kind that ends every call with (code, msg)."""
+    if aio:
+
+        async def unary(req, ctx):
+            await ctx.abort(code, msg)
+
+        async def stream(req, ctx):
+            await ctx.abort(code, msg)
+            yield  # an async generator, as a streaming handler is
+
+    else:
+
+        def unary(req, ctx):
+            ctx.abort(code, msg)
+
+        def stream(req, ctx):
+            ctx.abort(code, msg)
+            yield
+
+    kind = ("stream" if h.request_streaming else "unary") + "_" + ("stream" if h.response_streaming else "unary")
+    make = getattr(grpc, f"{kind}_rpc_method_handler")
+    return make(stream if h.response_streaming else unary, h.request_deserializer, h.response_serializer)
+
+
+class NodeGuard(grpc.ServerInterceptor):
+    """A sync server's check (the nodes): the node plane needs the cluster token."""
+
+    def __init__(self, creds: Credentials):
+        self.creds = creds
+
+    def intercept_service(self, continuation, details):
+        h = continuation(details)
+        why = None if h is None else refusal(details.method, details.invocation_metadata or (), self.creds)
+        if why is None:
+            return h
+        log.info("refused %s: %s", details.method, why[1])
+        return refusing_handler(h, *why, aio=False)
+
+
+# ---- clients ---------------------------------------------------------------------------------
+def channel_credentials(tls: Tls) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert)
+
+
+def channel_options(tls: Tls | None) -> list[tuple[str, object]]:
+    opts: list[tuple[str, object]] = [("grpc.enable_retries", 0)]
+    if tls is not None and tls.server_name:
+        opts.append(("grpc.ssl_target_name_override", tls.server_name))
+    return opts
+
+
+class _Meta:
+    """Adds fixed metadata to every call (a client interceptor of each kind)."""
+
+    def __init__(self, md: tuple[tuple[str, str], ...]):
+        self.md = md
+
+    def _details(self, d):
+        return d._replace(metadata=[*(d.metadata or ()), *self.md])
+
+    def intercept_unary_unary(self, continuation, d, request):
+        return continuation(self._details(d), request)
+
+    intercept_unary_stream = intercept_unary_unary
+
+    def intercept_stream_unary(self, continuation, d, request_iterator):
+        return continuation(self._details(d), request_iterator)
+
+    intercept_stream_stream = intercept_stream_unary
+
+
+class SyncMeta(
+    _Meta,
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    pass
+
+
+def token_metadata(creds: Credentials) -> tuple[tuple[str, str], ...]:
+    return ((TOKEN_KEY, creds.cluster_token.decode()),) if creds.cluster_token else ()
+
+
+def channel(addr: str, creds: Credentials = OPEN) -> grpc.Channel:
+    """A sync channel to a router or node: TLS with `creds.tls`, the cluster token on every call."""
+    tls = creds.tls
+    if tls is not None:
+        ch = grpc.secure_channel(addr, channel_credentials(tls), options=channel_options(tls))
+    else:
+        ch = grpc.insecure_channel(addr, options=channel_options(None))
+    md = token_metadata(creds)
+    return grpc.intercept_channel(ch, SyncMeta(md)) if md else ch
