@@ -120,6 +120,7 @@ class GatedDeltaNet:
         proj = self.w.w_in(x)
         if (
             batch.prefill is not None
+            and batch.prefill.points is None  # prefix snapshots inside rows: the chunked path keeps them
             and x.dtype == torch.float32
             and (batch.decode is None or batch.decode.max_row_tokens == 1)
             and not x.is_cuda
