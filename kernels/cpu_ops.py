@@ -27,7 +27,18 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "gdn_decode", "add_rms_norm", "gemv_bf16", "gdn_verify"]
+__all__ = [
+    "available",
+    "gdn_decode",
+    "gdn_rows",
+    "add_rms_norm",
+    "gemv_bf16",
+    "attn_decode",
+    "pack_f32",
+    "gemm_f32",
+    "threads",
+    "gdn_verify",
+]
 
 _SRC = Path(__file__).with_name("csrc") / "cpu_ops.c"
 _FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-pthread"]
@@ -41,6 +52,52 @@ _SIGS = {
     "gdn_decode": [_i64] * 7 + [_p, _i64, _p, _p, _p, _p, _p, _p, _p, _f32, _p, _p, _int],
     "add_rms_norm": [_i64, _i64, _i64, _p, _p, _p, _p, _f32, _p, _p, _int],
     "gemv_bf16": [_i64, _i64, _i64, _p, _p, _p, _int, _i64],
+    "attn_decode": [
+        *[_i64] * 5,
+        _p,
+        _i64,
+        _p,
+        _f32,
+        _p,
+        _p,
+        _p,
+        *[_i64] * 5,
+        _p,
+        _p,
+        _i64,
+        _p,
+        _f32,
+        _p,
+        _p,
+        _i64,
+        _int,
+        _i64,
+    ],
+    "pack_f32": [_i64, _i64, _p, _p],
+    "gdn_rows_mt": [
+        _i64,
+        _p,
+        _p,
+        _p,
+        _p,
+        *[_i64] * 5,
+        _p,
+        _i64,
+        _p,
+        _p,
+        _p,
+        _p,
+        _p,
+        _p,
+        _f32,
+        _p,
+        _p,
+        _i64,
+        _int,
+        _i64,
+    ],
+    "gemm_f32": [_i64, _i64, _i64, _p, _p, _p, _i64],
+    "gdn_decode_mt": [_i64] * 6 + [_p, _i64, _p, _p, _p, _p, _p, _p, _p, _f32, _p, _p, _i64, _int, _i64],
     "gdn_verify": [_i64, _p] + [_i64] * 5 + [_p, _i64, _p, _p, _p, _p, _p, _p, _p, _f32, _p, _p, _int, _p, _p, _i64],
 }
 
@@ -104,13 +161,20 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
+def threads(rows: int) -> int:
+    """Threads a C op of the decode step splits `rows` rows over: torch's intra-op threads, one
+    per row at most (a thread costs a few microseconds to start)."""
+    return max(1, min(torch.get_num_threads(), rows, 8))
+
+
 def gdn_decode(proj, conv_w, conv_pool, rec_pool, slots, neg_A, dt_bias, norm_w, hk, hv, dk, dv, eps) -> torch.Tensor:
     """One token per row through a GDN layer after its input projection.
 
     proj [B, D + Hv*dv + 2*Hv] rows [qkv | z | b | a] (model dtype, unit stride on the last axis),
     conv_w [D, Kc], conv_pool [S, D, Kc-1] (model dtype), rec_pool [S, Hv, dk, dv] float32,
-    slots [B] int64, neg_A / dt_bias [Hv] float32, norm_w [dv]. Updates the rows' slots in place
-    and returns the gated-normed output [B, Hv*dv] in the model dtype.
+    slots [B] int64 (distinct), neg_A / dt_bias [Hv] float32, norm_w [dv]. Updates the rows'
+    slots in place and returns the gated-normed output [B, Hv*dv] in the model dtype. Rows are
+    split over `threads(B)` threads.
     """
     B, dtype = proj.shape[0], proj.dtype
     D, kc = conv_w.shape
@@ -119,29 +183,14 @@ def gdn_decode(proj, conv_w, conv_pool, rec_pool, slots, neg_A, dt_bias, norm_w,
         conv_pool.dtype == dtype and conv_w.dtype == dtype and norm_w.dtype == dtype and rec_pool.dtype == torch.float32
     )
     out = torch.empty(B, hv * dv, dtype=dtype)
-    work = torch.empty(D + 2 * hv, dtype=torch.float32)
-    _get().gdn_decode(
-        0,
-        B,
-        hk,
-        hv,
-        dk,
-        dv,
-        kc,
-        _ptr(proj),
-        proj.stride(0),
-        _ptr(conv_w),
-        _ptr(conv_pool),
-        _ptr(rec_pool),
-        _ptr(slots),
-        _ptr(neg_A),
-        _ptr(dt_bias),
-        _ptr(norm_w),
-        eps,
-        _ptr(out),
-        _ptr(work),
-        int(dtype == torch.bfloat16),
-    )
+    nt = threads(B)
+    stride = D + 2 * hv
+    work = torch.empty(nt * stride, dtype=torch.float32)
+    _get().gdn_decode_mt(
+        B, hk, hv, dk, dv, kc, _ptr(proj), proj.stride(0), _ptr(conv_w), _ptr(conv_pool), _ptr(rec_pool),
+        _ptr(slots), _ptr(neg_A), _ptr(dt_bias), _ptr(norm_w), eps, _ptr(out), _ptr(work), stride,
+        int(dtype == torch.bfloat16), nt,
+    )  # fmt: skip
     return out
 
 
@@ -168,6 +217,103 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, threads:
     y = torch.empty(M, N, dtype=out_dtype)
     _get().gemv_bf16(M, N, K, _ptr(xf), _ptr(w), _ptr(y), int(out_dtype == torch.bfloat16), threads)
     return y
+
+
+def attn_decode(qkv, qk_norm, eps, cos, sin, kv_pool, slot_mapping, block_tables, seq_lens, h, kvh, scale):
+    """One token per row through a gated attention layer after its qkv projection.
+
+    qkv [B, >= 2*(H+KVH)*hd] rows [q | k | gate | v] (model dtype, unit stride on the last axis),
+    qk_norm [H+KVH, hd] float32 (1 + w of q_norm per query head, then of k_norm per KV head),
+    cos, sin [B, rd] (or [B, 1, rd]) the rotary tables at the rows' positions, kv_pool the
+    kernels' view [num_blocks, 2, KVH, bs, hd] (any strides, unit stride on hd, model dtype),
+    slot_mapping / seq_lens [B] int64, block_tables [B, max_blocks] int64. Writes the new k, v
+    to their pages and returns attention(q, pages) * sigmoid(gate) [B, H*hd] in the model dtype
+    (kernels/attention.py is the reference). Rows are split over `threads(B)` threads.
+    """
+    B, dtype = qkv.shape[0], qkv.dtype
+    hd = kv_pool.shape[-1]
+    rd = cos.shape[-1]
+    assert qkv.stride(1) == 1 and kv_pool.stride(-1) == 1 and kv_pool.dtype == dtype
+    assert cos.dtype == dtype and sin.dtype == dtype and qk_norm.dtype == torch.float32
+    cos, sin = cos.reshape(B, rd).contiguous(), sin.reshape(B, rd).contiguous()
+    block_tables = block_tables.contiguous()
+    out = torch.empty(B, h * hd, dtype=dtype)
+    nt = threads(B)
+    stride = (h + kvh) * hd + hd + block_tables.shape[1] * kv_pool.shape[3]
+    work = torch.empty(nt * stride, dtype=torch.float32)
+    s_blk, s_kv, s_head, s_tok, _ = kv_pool.stride()
+    _get().attn_decode(
+        B, h, kvh, hd, rd, _ptr(qkv), qkv.stride(0), _ptr(qk_norm.contiguous()), eps, _ptr(cos), _ptr(sin),
+        _ptr(kv_pool), s_blk, s_kv, s_head, s_tok, kv_pool.shape[3], _ptr(slot_mapping), _ptr(block_tables),
+        block_tables.shape[1], _ptr(seq_lens), scale, _ptr(out), _ptr(work), stride, int(dtype == torch.bfloat16), nt,
+    )  # fmt: skip
+    return out
+
+
+def pack_f32(w: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [N, K] packed for `gemm_f32`: [ceil(N/16), K, 16], panels of 16 output
+    columns (the last one zero-padded)."""
+    N, K = w.shape
+    w = w.float().contiguous()
+    wp = torch.empty((N + 15) // 16, K, 16, dtype=torch.float32)
+    _get().pack_f32(N, K, _ptr(w), _ptr(wp))
+    return wp
+
+
+def gemm_f32(x: torch.Tensor, wp: torch.Tensor, n: int, threads: int = 1) -> torch.Tensor:
+    """x [M, K] float32 @ w^T for wp = pack_f32(w [n, K]): y [M, n] float32, output panels split
+    over `threads` threads. For a decode step's few rows."""
+    M, K = x.shape
+    if wp.shape != ((n + 15) // 16, K, 16):
+        raise ValueError(f"packed weight {tuple(wp.shape)} does not fit x {tuple(x.shape)} and n={n}")
+    x = x.contiguous()
+    y = torch.empty(M, n, dtype=torch.float32)
+    _get().gemm_f32(M, n, K, _ptr(x), _ptr(wp), _ptr(y), threads)
+    return y
+
+
+def gdn_rows(
+    proj,
+    row_cu,
+    row_slots,
+    row_init,
+    tok_slots,
+    conv_w,
+    conv_pool,
+    rec_pool,
+    neg_A,
+    dt_bias,
+    norm_w,
+    hk,
+    hv,
+    dk,
+    dv,
+    eps,
+):
+    """A GDN layer after its input projection for rows of any length (decode rows, prefill
+    chunks, both), token by token in the recurrent form (`gdn_decode` per token).
+
+    proj [T, D + Hv*dv + 2*Hv] rows [qkv | z | b | a]; row_cu [R+1] int64 token offsets of the
+    rows; row_slots [R] int64 (distinct); row_init [R] bool (False: the row starts from zero
+    state); tok_slots [T] int64 each token's slot; the rest as `gdn_decode`. Returns [T, Hv*dv]
+    and leaves each row's final conv and recurrent state in its slot (kernels/gdn.py's
+    gdn_chunk_prefill / causal_conv1d compute the same). Rows are split over threads by tokens.
+    """
+    T, dtype = proj.shape[0], proj.dtype
+    D, kc = conv_w.shape
+    R = row_slots.numel()
+    assert proj.stride(1) == 1 and conv_pool.is_contiguous() and rec_pool.is_contiguous()
+    assert row_init.dtype == torch.bool and row_cu.shape == (R + 1,) and tok_slots.shape == (T,)
+    out = torch.empty(T, hv * dv, dtype=dtype)
+    nt = threads(R)
+    stride = D + 2 * hv
+    work = torch.empty(nt * stride, dtype=torch.float32)
+    _get().gdn_rows_mt(
+        R, _ptr(row_cu), _ptr(row_slots), _ptr(row_init), _ptr(tok_slots), hk, hv, dk, dv, kc, _ptr(proj),
+        proj.stride(0), _ptr(conv_w), _ptr(conv_pool), _ptr(rec_pool), _ptr(neg_A), _ptr(dt_bias), _ptr(norm_w),
+        eps, _ptr(out), _ptr(work), stride, int(dtype == torch.bfloat16), nt,
+    )  # fmt: skip
+    return out
 
 
 # ---- Speculative verification (kernels/csrc/cpu_ops.c, last section) --------------------------

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ops
 from kernels.checks import check_moe_inputs
 from kernels.fp8 import dequant_fp8_block
 from kernels.triton import force_triton as _force_triton
@@ -45,6 +46,10 @@ _UPCAST_ROWS = 2
 # cost more than they save: one grouped call of 16-bit GEMMs is faster (measured with
 # Qwen3.5-35B-A3B's expert sizes, bench/moe.py).
 _UPCAST_MEAN_ROWS = 2.5
+# With at most this many rows on every active expert, bfloat16 experts take the C GEMV
+# (kernels/cpu_ops.py), which reads each weight once for all its rows.
+_GEMV_ROWS = 4
+_GEMV_THREADED = 1 << 20  # expert weights of at least this many elements split over torch's threads
 
 
 def _grouped_gemm_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: list[int]) -> bool:
@@ -132,7 +137,9 @@ def fused_moe(
     xs = x.index_select(0, torch.div(order, k, rounding_mode="trunc"))  # [T*k, H] rows grouped by expert
     ws = topk_weights.reshape(-1).index_select(0, order).to(x.dtype).float()[:, None]  # rounded as transformers rounds
     rows = counts.tolist()
-    if w13_scale_inv is None and _grouped_gemm_ok(x, w13, w2, rows):
+    if w13_scale_inv is None and _gemv_ok(x, w13, w2, rows):
+        ys = _experts_gemv(xs, ws, rows, w13, w2)
+    elif w13_scale_inv is None and _grouped_gemm_ok(x, w13, w2, rows):
         offs = counts.cumsum(0, dtype=torch.int32)
         h = F.grouped_mm(xs, w13.transpose(1, 2), offs=offs)
         i = w2.shape[2]
@@ -142,6 +149,32 @@ def fused_moe(
         ys = _experts_one_by_one(xs, ws, rows, w13, w2, w13_scale_inv, w2_scale_inv, block_size)
     pairs = torch.empty_like(ys).index_copy_(0, order, ys)  # back to (token, j) order
     return pairs.view(T, k, H).sum(1).to(x.dtype)
+
+
+def _gemv_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, rows: list[int]) -> bool:
+    """bfloat16 experts with few rows each (decode): the C GEMV reads each active expert's
+    bfloat16 weight once for all its rows, where the 16-bit GEMMs on AVX2 take a pass per row."""
+    return (
+        x.dtype == torch.bfloat16
+        and max(rows) <= _GEMV_ROWS
+        and w13.is_contiguous()
+        and w2.is_contiguous()
+        and cpu_ops.available(x.dtype)
+    )
+
+
+def _experts_gemv(xs, ws, rows, w13, w2) -> torch.Tensor:
+    """As `_experts_one_by_one` for bfloat16 experts through `cpu_ops.gemv_bf16` (float32
+    accumulation, each GEMM's output rounded to bfloat16 once, as a bfloat16 F.linear's)."""
+    ys = torch.empty(xs.shape, dtype=torch.float32)
+    i = w2.shape[2]
+    nt = torch.get_num_threads() if w13[0].numel() >= _GEMV_THREADED else 1
+    for e, (x_e, w_e, y_e) in enumerate(zip(xs.split(rows), ws.split(rows), ys.split(rows))):
+        if x_e.shape[0]:
+            h = cpu_ops.gemv_bf16(x_e, w13[e], torch.bfloat16, nt)
+            act = F.silu(h[:, :i], inplace=True).mul_(h[:, i:])
+            torch.mul(cpu_ops.gemv_bf16(act, w2[e], torch.bfloat16, nt), w_e, out=y_e)
+    return ys
 
 
 def _experts_one_by_one(xs, ws, rows, w13, w2, w13_scale_inv, w2_scale_inv, block_size) -> torch.Tensor:

@@ -46,10 +46,23 @@ class ForwardBatch:
     decode: RowGroup | None
     prefill: RowGroup | None
     logits_indices: torch.Tensor  # [R] token indices whose next-token logits are wanted
+    _rows: tuple | None = None  # gdn_rows(), made once per step
 
     @property
     def groups(self) -> list[RowGroup]:
         return [g for g in (self.decode, self.prefill) if g is not None]
+
+    def gdn_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every row of the step, decode then prefill, for the C GDN op (kernels/cpu_ops.py
+        gdn_rows): (row_cu [R+1] over the whole step's tokens, row_slots [R], row_init [R] bool,
+        tok_slots [T] the slot of each token). Made on first use and kept for the step's layers."""
+        if self._rows is None:
+            g = self.groups
+            cu = g[0].cu_seqlens if len(g) == 1 else torch.cat([g[0].cu_seqlens, g[1].cu_seqlens[1:] + g[0].num_tokens])
+            slots = g[0].slot_ids if len(g) == 1 else torch.cat([g[0].slot_ids, g[1].slot_ids])
+            init = torch.cat([x.has_initial_state for x in g]) if len(g) > 1 else g[0].has_initial_state
+            self._rows = (cu, slots, init, torch.repeat_interleave(slots, cu[1:] - cu[:-1]))
+        return self._rows
 
 
 class IntPack:

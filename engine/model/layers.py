@@ -118,6 +118,20 @@ class GatedDeltaNet:
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, pools: CachePools):
         T = x.shape[0]
         proj = self.w.w_in(x)
+        if (
+            batch.prefill is not None
+            and batch.prefill.points is None  # prefix snapshots inside rows: the chunked path keeps them
+            and x.dtype == torch.float32
+            and (batch.decode is None or batch.decode.max_row_tokens == 1)
+            and not x.is_cuda
+            and cpu_ops.available(x.dtype)
+        ):  # prefill chunks (and decode rows beside them) token by token in C; float32 only:
+            # bfloat16 prefill keeps the chunked path, whose roundings follow transformers' own
+            o = cpu_ops.gdn_rows(
+                proj, *batch.gdn_rows(), self.w.conv, pools.conv[self.layer], pools.recurrent[self.layer],
+                self.neg_A, self.dt_bias, self.w.norm, self.hk, self.hv, self.dk, self.dv, self.eps,
+            )  # fmt: skip
+            return self.all_reduce(self.w.w_out(o))
         if batch.prefill is None and batch.decode.max_row_tokens == 1 and not x.is_cuda and cpu_ops.available(x.dtype):
             o = cpu_ops.gdn_decode(
                 proj,
@@ -184,6 +198,19 @@ class Attention:
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor, cos, sin):
         T = x.shape[0]
         qkv = self.w.w_qkv(x)  # rows [q | k | gate | v] (reordered by the loader)
+        dec = batch.decode
+        if (
+            batch.prefill is None
+            and dec.max_row_tokens == 1
+            and not x.is_cuda
+            and kv_pool.dtype == x.dtype
+            and cpu_ops.available(x.dtype)
+        ):  # the steps below, fused
+            o = cpu_ops.attn_decode(
+                qkv, self.qk_norm, self.eps, cos, sin, kv_pool, batch.slot_mapping, dec.block_tables,
+                dec.seq_lens, self.h, self.kvh, self.scale,
+            )  # fmt: skip
+            return self.all_reduce(self.w.w_o(o))
         nqk = (self.h + self.kvh) * self.hd
         qk, gate, v = qkv.split([nqk, self.h * self.hd, self.kvh * self.hd], dim=-1)
         qk = F.rms_norm(qk.reshape(T, self.h + self.kvh, self.hd).float(), (self.hd,), None, self.eps)

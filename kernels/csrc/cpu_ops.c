@@ -38,7 +38,71 @@ static inline void store(void *p, int64_t i, float x, int bf16) {
     else ((float *)p)[i] = x;
 }
 
-static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+/* exp(x), relative error ~2e-7 (libm's expf: 0.5 ulp): Cody-Waite range reduction and a
+ * degree-6 polynomial, branch-free so that loops over it vectorise (a libm call does not). */
+static inline float exp_fast(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t e = ((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &e, 4);
+    return p * s;
+}
+
+static inline float silu(float x) { return x / (1.0f + exp_fast(-x)); }
+
+/* exp_fast on eight lanes (GCC vector extensions; plain AVX2 code with -march=native) */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8f sel8(v8i m, v8f a, v8f b) { return (v8f)((m & (v8i)a) | (~m & (v8i)b)); }
+
+static inline v8f exp8(v8f x) {
+    const v8f lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f}, hi = 1.0f - lo;
+    x = sel8(x < lo, lo, x);
+    x = sel8(x > hi, hi, x);
+    const v8f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const v8f r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    v8f p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * (v8f)((__builtin_convertvector(n, v8i) + 127) << 23);
+}
+
+/* y[i] = silu(y[i]) for i < n */
+static inline void silu_rows(float *y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f v;
+        memcpy(&v, y + i, 32);
+        v = v / (1.0f + exp8(-v));
+        memcpy(y + i, &v, 32);
+    }
+    for (; i < n; i++) y[i] = silu(y[i]);
+}
+
+/* x[i] = exp(x[i] - shift) for i < n */
+static inline void exp_rows(float *x, int64_t n, float shift) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f v;
+        memcpy(&v, x + i, 32);
+        v = exp8(v - shift);
+        memcpy(x + i, &v, 32);
+    }
+    for (; i < n; i++) x[i] = exp_fast(x[i] - shift);
+}
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 /* One decode token per row through a GDN layer, from its input projection to the gated norm.
@@ -51,10 +115,11 @@ static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); 
  * D = 2*Hk*dk + Hv*dv; value head h reads key head h / (Hv/Hk).  Rows b0 <= b < b1 only, so
  * callers may split a batch over threads.
  */
-void gdn_decode(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc,
+static inline __attribute__((always_inline)) void
+gdn_decode_rows(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc,
                 const void *proj, int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool,
                 const int64_t *slots, const float *neg_A, const float *dt_bias, const void *norm_w,
-                float eps, void *out, float *work, int bf16) {
+                float eps, void *out, float *work, const int bf16) {
     const int64_t key_dim = Hk * dk, D = 2 * key_dim + Hv * dv, K1 = Kc - 1, grp = Hv / Hk;
     const float q_scale = 1.0f / sqrtf((float)dk);
     float *y = work;           /* [D] conv output, rounded, then q/k normalised in place */
@@ -71,8 +136,11 @@ void gdn_decode(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int6
             acc += load(conv_w, c * Kc + K1, bf16) * x;
             for (int64_t j = 0; j + 1 < K1; j++) store(conv_pool, st + j, load(conv_pool, st + j + 1, bf16), bf16);
             if (K1 > 0) store(conv_pool, st + K1 - 1, x, bf16);
-            y[c] = rnd(silu(rnd(acc, bf16)), bf16);
+            y[c] = rnd(acc, bf16);
         }
+        silu_rows(y, D);
+        if (bf16)
+            for (int64_t c = 0; c < D; c++) y[c] = rnd(y[c], bf16);
         /* q, k: L2 norm per head (eps 1e-6), q also scaled by dk^-1/2 */
         for (int64_t h = 0; h < 2 * Hk; h++) {
             float *v = y + h * dk, ss = 0.0f;
@@ -105,12 +173,28 @@ void gdn_decode(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int6
             float ss = 0.0f;
             for (int64_t j = 0; j < dv; j++) { o[j] = rnd(o[j], bf16); ss += o[j] * o[j]; }
             const float inv = 1.0f / sqrtf(ss / (float)dv + eps);
+            float zs[dv];
+            for (int64_t j = 0; j < dv; j++) zs[j] = load(proj, zo + h * dv + j, bf16);
+            silu_rows(zs, dv);
             for (int64_t j = 0; j < dv; j++) {
                 const float n = rnd(rnd(o[j] * inv, bf16) * load(norm_w, j, bf16), bf16);
-                store(out, b * Hv * dv + h * dv + j, n * silu(load(proj, zo + h * dv + j, bf16)), bf16);
+                store(out, b * Hv * dv + h * dv + j, n * zs[j], bf16);
             }
         }
     }
+}
+
+/* The body above with the dtype a constant, so that each dtype's loops compile branch-free. */
+void gdn_decode(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc,
+                const void *proj, int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool,
+                const int64_t *slots, const float *neg_A, const float *dt_bias, const void *norm_w,
+                float eps, void *out, float *work, int bf16) {
+    if (bf16)
+        gdn_decode_rows(b0, b1, Hk, Hv, dk, dv, Kc, proj, ld_proj, conv_w, conv_pool, rec_pool, slots, neg_A,
+                        dt_bias, norm_w, eps, out, work, 1);
+    else
+        gdn_decode_rows(b0, b1, Hk, Hv, dk, dv, Kc, proj, ld_proj, conv_w, conv_pool, rec_pool, slots, neg_A,
+                        dt_bias, norm_w, eps, out, work, 0);
 }
 
 /* Residual add and RMS norm of rows b0 <= b < b1:  xo[b] = rnd(x[b] + h[b]) (when h is not
@@ -138,7 +222,6 @@ void add_rms_norm(int64_t b0, int64_t b1, int64_t H, const void *x, const void *
  * the model dtype. For few rows: each weight row is read from memory once for all M rows of x
  * (a decode step is bound by reading the weights: half the bytes of a float32 copy).
  * x is float32 [M, K]; nthreads > 1 splits N over that many threads. */
-typedef float v8f __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 
@@ -200,6 +283,357 @@ void gemv_bf16(int64_t M, int64_t N, int64_t K, const float *x, const bf16_t *w,
         if (started[t]) pthread_join(tids[t], NULL);
         else gemv_run(&jobs[t]);
     }
+}
+
+/* ======================================================================================
+ * Decode attention and the row-parallel GDN decode (one new token per row).
+ *
+ * attn_decode runs a gated full-attention layer of a decode-only batch after its qkv
+ * projection, in one call: per-head RMS norm of q and k times (1 + w), partial rotary
+ * (rotate-half), the new k and v written to their KV page, attention of q over the row's
+ * pages, and the sigmoid gate. gdn_decode_mt splits gdn_decode's rows over threads. Both use
+ * the helpers and the rounding convention of the top of this file.
+ * ====================================================================================== */
+
+/* sum_j a[j] * b[j] with eight partial sums (a plain loop is one serial chain of adds). */
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    v8f acc = {0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        v8f x, y;
+        memcpy(&x, a + j, 32);
+        memcpy(&y, b + j, 32);
+        acc += x * y;
+    }
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; j < n; j++) s += a[j] * b[j];
+    return s;
+}
+
+static inline float dot_bf16(const float *a, const bf16_t *b, int64_t n) {
+    v8f acc = {0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        v8f x;
+        memcpy(&x, a + j, 32);
+        acc += x * ld_bf8(b + j);
+    }
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; j < n; j++) s += a[j] * bf2f(b[j]);
+    return s;
+}
+
+struct attn_job {
+    int64_t b0, b1, H, KVH, hd, rd, ld, bs, s_blk, s_kv, s_head, s_tok, bt_width, work_stride;
+    const void *qkv, *cos, *sin;
+    const float *qk_norm;
+    void *kv, *out;
+    const int64_t *slot_mapping, *block_tables, *seq_lens;
+    float eps, scale;
+    float *work;
+    int bf16;
+};
+
+static inline __attribute__((always_inline)) void attn_rows(const struct attn_job *a, const int bf16) {
+    const int64_t H = a->H, KVH = a->KVH, hd = a->hd, rd = a->rd, half = rd / 2, nqk = H + KVH, grp = H / KVH;
+    float *qk = a->work, *acc = qk + nqk * hd, *sc = acc + hd; /* [nqk, hd], [hd], [seq_len] */
+    for (int64_t b = a->b0; b < a->b1; b++) {
+        const int64_t row = b * a->ld;
+        /* q and k heads: RMS norm times (1 + w), rounded, then rotary on the first rd dims */
+        for (int64_t i = 0; i < nqk; i++) {
+            float *x = qk + i * hd;
+            for (int64_t j = 0; j < hd; j++) x[j] = load(a->qkv, row + i * hd + j, bf16);
+            const float ss = dot_f32(x, x, hd);
+            const float inv = 1.0f / sqrtf(ss / (float)hd + a->eps);
+            for (int64_t j = 0; j < hd; j++) x[j] = rnd(x[j] * inv * a->qk_norm[i * hd + j], bf16);
+            for (int64_t j = 0; j < half; j++) {
+                const float x1 = x[j], x2 = x[j + half];
+                const float c1 = load(a->cos, b * rd + j, bf16), s1 = load(a->sin, b * rd + j, bf16);
+                const float c2 = load(a->cos, b * rd + j + half, bf16), s2 = load(a->sin, b * rd + j + half, bf16);
+                x[j] = rnd(rnd(x1 * c1, bf16) + rnd(-x2 * s1, bf16), bf16);
+                x[j + half] = rnd(rnd(x2 * c2, bf16) + rnd(x1 * s2, bf16), bf16);
+            }
+        }
+        /* the new k and v into the row's page slot */
+        const int64_t slot = a->slot_mapping[b], blk = slot / a->bs, off = slot % a->bs;
+        const int64_t v_col = row + nqk * hd + H * hd;
+        for (int64_t g = 0; g < KVH; g++) {
+            const int64_t kp = blk * a->s_blk + g * a->s_head + off * a->s_tok;
+            for (int64_t j = 0; j < hd; j++) {
+                store(a->kv, kp + j, qk[(H + g) * hd + j], bf16);
+                store(a->kv, kp + a->s_kv + j, load(a->qkv, v_col + g * hd + j, bf16), bf16);
+            }
+        }
+        /* each query head over the row's pages, then the gate */
+        const int64_t n = a->seq_lens[b];
+        const int64_t *bt = a->block_tables + b * a->bt_width;
+        for (int64_t h = 0; h < H; h++) {
+            const float *q = qk + h * hd;
+            const int64_t g = h / grp;
+            float mx = -INFINITY;
+            for (int64_t t0 = 0; t0 < n; t0 += a->bs) { /* page by page: no division per position */
+                const int64_t m = n - t0 < a->bs ? n - t0 : a->bs;
+                const int64_t kp = bt[t0 / a->bs] * a->s_blk + g * a->s_head;
+                for (int64_t t = 0; t < m; t++) {
+                    const int64_t p = kp + t * a->s_tok;
+                    const float s = bf16 ? dot_bf16(q, (const bf16_t *)a->kv + p, hd) : dot_f32(q, (const float *)a->kv + p, hd);
+                    sc[t0 + t] = s * a->scale;
+                    mx = sc[t0 + t] > mx ? sc[t0 + t] : mx;
+                }
+            }
+            exp_rows(sc, n, mx);
+            float sum = 0.0f;
+            for (int64_t t = 0; t < n; t++) sum += sc[t];
+            for (int64_t j = 0; j < hd; j++) acc[j] = 0.0f;
+            for (int64_t t0 = 0; t0 < n; t0 += a->bs) {
+                const int64_t m = n - t0 < a->bs ? n - t0 : a->bs;
+                const int64_t vp = bt[t0 / a->bs] * a->s_blk + a->s_kv + g * a->s_head;
+                for (int64_t t = 0; t < m; t++) {
+                    const float p = sc[t0 + t];
+                    const int64_t o = vp + t * a->s_tok;
+                    if (bf16)
+                        for (int64_t j = 0; j < hd; j++) acc[j] += p * bf2f(((const bf16_t *)a->kv)[o + j]);
+                    else
+                        for (int64_t j = 0; j < hd; j++) acc[j] += p * ((const float *)a->kv)[o + j];
+                }
+            }
+            const float inv = 1.0f / sum;
+            const int64_t gate = row + nqk * hd + h * hd;
+            for (int64_t j = 0; j < hd; j++) {
+                const float o = rnd(acc[j] * inv, bf16);
+                const float sg = rnd(1.0f / (1.0f + expf(-load(a->qkv, gate + j, bf16))), bf16);
+                store(a->out, b * H * hd + h * hd + j, o * sg, bf16);
+            }
+        }
+    }
+}
+
+static void *attn_run(void *arg) {
+    const struct attn_job *a = arg;
+    if (a->bf16) attn_rows(a, 1);
+    else attn_rows(a, 0);
+    return NULL;
+}
+
+/* Runs fn on jobs[0..n) (each job a struct of `size` bytes), jobs 1.. on their own threads. */
+static void run_jobs(void *(*fn)(void *), void *jobs, size_t size, int64_t n) {
+    pthread_t tids[8];
+    int started[8] = {0};
+    for (int64_t t = 1; t < n; t++) started[t] = pthread_create(&tids[t], NULL, fn, (char *)jobs + t * size) == 0;
+    fn(jobs);
+    for (int64_t t = 1; t < n; t++) {
+        if (started[t]) pthread_join(tids[t], NULL);
+        else fn((char *)jobs + t * size);
+    }
+}
+
+/* One decode token per row through a gated attention layer, after its qkv projection.
+ *   qkv        [B, ld]   rows [q (H*hd) | k (KVH*hd) | gate (H*hd) | v (KVH*hd)], model dtype
+ *   qk_norm    [H+KVH, hd] float32: (1 + q_norm) per query head, then (1 + k_norm) per KV head
+ *   cos, sin   [B, rd]   model dtype, the rows' rotary tables at their positions
+ *   kv         KV pool viewed [num_blocks, 2, KVH, bs, hd] with element strides
+ *              (s_blk, s_kv, s_head, s_tok), unit stride on hd; model dtype
+ *   slot_mapping [B] flat page slot of the new token; block_tables [B, bt_width]; seq_lens [B]
+ *              (the new token included)
+ *   out        [B, H*hd] model dtype: attention output times sigmoid(gate)
+ *   work       float32 scratch of nthreads * work_stride floats, work_stride >=
+ *              (H+KVH)*hd + hd + max seq_len
+ * Rows are split over nthreads (<= 8) threads. */
+void attn_decode(int64_t B, int64_t H, int64_t KVH, int64_t hd, int64_t rd, const void *qkv, int64_t ld,
+                 const float *qk_norm, float eps, const void *cos, const void *sin, void *kv, int64_t s_blk,
+                 int64_t s_kv, int64_t s_head, int64_t s_tok, int64_t bs, const int64_t *slot_mapping,
+                 const int64_t *block_tables, int64_t bt_width, const int64_t *seq_lens, float scale, void *out,
+                 float *work, int64_t work_stride, int bf16, int64_t nthreads) {
+    if (nthreads > B) nthreads = B;
+    if (nthreads > 8) nthreads = 8;
+    if (nthreads < 1) nthreads = 1;
+    struct attn_job jobs[8];
+    for (int64_t t = 0; t < nthreads; t++)
+        jobs[t] = (struct attn_job){B * t / nthreads, B * (t + 1) / nthreads, H, KVH, hd, rd, ld, bs, s_blk, s_kv,
+                                    s_head, s_tok, bt_width, work_stride, qkv, cos, sin, qk_norm, kv, out,
+                                    slot_mapping, block_tables, seq_lens, eps, scale, work + t * work_stride, bf16};
+    run_jobs(attn_run, jobs, sizeof(struct attn_job), nthreads);
+}
+
+struct gdn_job {
+    int64_t b0, b1, Hk, Hv, dk, dv, Kc, ld_proj;
+    const void *proj, *conv_w, *norm_w;
+    void *conv_pool, *out;
+    float *rec_pool, *work;
+    const int64_t *slots;
+    const float *neg_A, *dt_bias;
+    float eps;
+    int bf16;
+};
+
+static void *gdn_run(void *arg) {
+    const struct gdn_job *j = arg;
+    gdn_decode(j->b0, j->b1, j->Hk, j->Hv, j->dk, j->dv, j->Kc, j->proj, j->ld_proj, j->conv_w, j->conv_pool,
+               j->rec_pool, j->slots, j->neg_A, j->dt_bias, j->norm_w, j->eps, j->out, j->work, j->bf16);
+    return NULL;
+}
+
+/* gdn_decode over rows 0 <= b < B split over nthreads (<= 8) threads; work holds nthreads
+ * scratch areas of work_stride >= D + 2*Hv floats. Rows must have distinct slots. */
+void gdn_decode_mt(int64_t B, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc, const void *proj,
+                   int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool, const int64_t *slots,
+                   const float *neg_A, const float *dt_bias, const void *norm_w, float eps, void *out, float *work,
+                   int64_t work_stride, int bf16, int64_t nthreads) {
+    if (nthreads > B) nthreads = B;
+    if (nthreads > 8) nthreads = 8;
+    if (nthreads < 1) nthreads = 1;
+    struct gdn_job jobs[8];
+    for (int64_t t = 0; t < nthreads; t++)
+        jobs[t] = (struct gdn_job){B * t / nthreads, B * (t + 1) / nthreads, Hk, Hv, dk, dv, Kc, ld_proj, proj,
+                                   conv_w, norm_w, conv_pool, out, rec_pool, work + t * work_stride, slots, neg_A,
+                                   dt_bias, eps, bf16};
+    run_jobs(gdn_run, jobs, sizeof(struct gdn_job), nthreads);
+}
+
+/* ======================================================================================
+ * Float32 GEMM for few rows over a packed weight: y [M, N] = x [M, K] @ w^T.
+ *
+ * pack_f32 stores w [N, K] as panels of 16 output columns, each K x 16 contiguous (the last
+ * panel zero-padded): wp [ceil(N/16), K, 16]. gemm_f32 walks the panels (split over threads),
+ * and for each panel runs tiles of up to 6 rows of x against it: 12 ymm accumulators, a panel
+ * row of 2 vectors and one broadcast, all in registers, while the panel stays in L1.
+ * ====================================================================================== */
+
+void pack_f32(int64_t N, int64_t K, const float *w, float *wp) {
+    for (int64_t p = 0; p < (N + 15) / 16; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t c = 0; c < 16; c++) {
+                const int64_t n = p * 16 + c;
+                wp[(p * K + k) * 16 + c] = n < N ? w[n * K + k] : 0.0f;
+            }
+}
+
+static inline __attribute__((always_inline)) void gemm_tile(int64_t K, const float *x, int64_t ldx,
+                                                            const float *panel, float *y, int64_t ldy, int64_t nc,
+                                                            const int mr) {
+    v8f acc0[6] = {{0}}, acc1[6] = {{0}};
+    for (int64_t k = 0; k < K; k++) {
+        v8f w0, w1;
+        memcpy(&w0, panel + k * 16, 32);
+        memcpy(&w1, panel + k * 16 + 8, 32);
+        for (int r = 0; r < mr; r++) {
+            const float xv = x[r * ldx + k];
+            const v8f xb = {xv, xv, xv, xv, xv, xv, xv, xv};
+            acc0[r] += xb * w0;
+            acc1[r] += xb * w1;
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        if (nc == 16) {
+            memcpy(y + r * ldy, &acc0[r], 32);
+            memcpy(y + r * ldy + 8, &acc1[r], 32);
+        } else {
+            float tmp[16];
+            memcpy(tmp, &acc0[r], 32);
+            memcpy(tmp + 8, &acc1[r], 32);
+            memcpy(y + r * ldy, tmp, nc * 4);
+        }
+    }
+}
+
+struct gemm_job {
+    int64_t p0, p1, M, N, K;
+    const float *x, *wp;
+    float *y;
+};
+
+static void *gemm_run(void *arg) {
+    const struct gemm_job *j = arg;
+    const int64_t M = j->M, N = j->N, K = j->K;
+    /* blocks of rows small enough to stay in L2 while every panel passes over them */
+    const int64_t mb = K > 0 ? 6 * (1 + (96 * 1024 / (K * 4)) / 6) : M;
+    for (int64_t m1 = 0; m1 < M; m1 += mb)
+    for (int64_t p = j->p0; p < j->p1; p++) {
+        const float *panel = j->wp + p * K * 16;
+        const int64_t n0 = p * 16, nc = N - n0 < 16 ? N - n0 : 16, m2 = m1 + mb < M ? m1 + mb : M;
+        for (int64_t m0 = m1; m0 < m2; m0 += 6) {
+            const float *x = j->x + m0 * K;
+            float *y = j->y + m0 * N + n0;
+            switch (m2 - m0 < 6 ? m2 - m0 : 6) {
+            case 1: gemm_tile(K, x, K, panel, y, N, nc, 1); break;
+            case 2: gemm_tile(K, x, K, panel, y, N, nc, 2); break;
+            case 3: gemm_tile(K, x, K, panel, y, N, nc, 3); break;
+            case 4: gemm_tile(K, x, K, panel, y, N, nc, 4); break;
+            case 5: gemm_tile(K, x, K, panel, y, N, nc, 5); break;
+            default: gemm_tile(K, x, K, panel, y, N, nc, 6); break;
+            }
+        }
+    }
+    return NULL;
+}
+
+/* y [M, N] = x [M, K] @ w^T for wp = pack_f32(w); x, y float32 contiguous; panels split over
+ * nthreads (<= 8) threads. */
+void gemm_f32(int64_t M, int64_t N, int64_t K, const float *x, const float *wp, float *y, int64_t nthreads) {
+    const int64_t P = (N + 15) / 16;
+    if (nthreads > P) nthreads = P;
+    if (nthreads > 8) nthreads = 8;
+    if (nthreads < 1) nthreads = 1;
+    struct gemm_job jobs[8];
+    for (int64_t t = 0; t < nthreads; t++) jobs[t] = (struct gemm_job){P * t / nthreads, P * (t + 1) / nthreads, M, N, K, x, wp, y};
+    run_jobs(gemm_run, jobs, sizeof(struct gemm_job), nthreads);
+}
+
+struct gdn_rows_job {
+    int64_t r0, r1, Hk, Hv, dk, dv, Kc, ld_proj;
+    const int64_t *row_cu, *row_slots, *tok_slots;
+    const uint8_t *row_init;
+    const void *proj, *conv_w, *norm_w;
+    void *conv_pool, *out;
+    float *rec_pool, *work;
+    const float *neg_A, *dt_bias;
+    float eps;
+    int bf16;
+};
+
+static void *gdn_rows_run(void *arg) {
+    const struct gdn_rows_job *j = arg;
+    const int64_t D = 2 * j->Hk * j->dk + j->Hv * j->dv, K1 = j->Kc - 1, esz = j->bf16 ? 2 : 4;
+    for (int64_t r = j->r0; r < j->r1; r++) {
+        const int64_t s = j->row_slots[r];
+        if (!j->row_init[r]) { /* a new sequence starts from zero state (the slot may hold anything) */
+            memset((char *)j->conv_pool + s * D * K1 * esz, 0, D * K1 * esz);
+            memset(j->rec_pool + s * j->Hv * j->dk * j->dv, 0, j->Hv * j->dk * j->dv * sizeof(float));
+        }
+        /* the row's tokens in order, each one gdn_decode step on the slot */
+        gdn_decode(j->row_cu[r], j->row_cu[r + 1], j->Hk, j->Hv, j->dk, j->dv, j->Kc, j->proj, j->ld_proj, j->conv_w,
+                   j->conv_pool, j->rec_pool, j->tok_slots, j->neg_A, j->dt_bias, j->norm_w, j->eps, j->out, j->work,
+                   j->bf16);
+    }
+    return NULL;
+}
+
+/* A GDN layer after its input projection for R rows of any length (decode rows of one token,
+ * prefill chunks), token by token: the recurrent form, which on a CPU with small heads costs
+ * less than the chunked one. Row r covers tokens row_cu[r] <= t < row_cu[r+1] at slot
+ * row_slots[r]; tok_slots [T] is each token's slot; row_init[r] = 0 starts the row from zero
+ * state. proj, out, pools, weights and work as gdn_decode / gdn_decode_mt; rows (distinct
+ * slots) are split over nthreads (<= 8) threads by token count. */
+void gdn_rows_mt(int64_t R, const int64_t *row_cu, const int64_t *row_slots, const uint8_t *row_init,
+                 const int64_t *tok_slots, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc,
+                 const void *proj, int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool,
+                 const float *neg_A, const float *dt_bias, const void *norm_w, float eps, void *out, float *work,
+                 int64_t work_stride, int bf16, int64_t nthreads) {
+    if (nthreads > R) nthreads = R;
+    if (nthreads > 8) nthreads = 8;
+    if (nthreads < 1) nthreads = 1;
+    struct gdn_rows_job jobs[8];
+    const int64_t T = row_cu[R];
+    int64_t r = 0;
+    for (int64_t t = 0; t < nthreads; t++) {
+        const int64_t r0 = r, goal = T * (t + 1) / nthreads;
+        while (r < R && (row_cu[r + 1] <= goal || r == r0)) r++;
+        if (t == nthreads - 1) r = R;
+        jobs[t] = (struct gdn_rows_job){r0, r, Hk, Hv, dk, dv, Kc, ld_proj, row_cu, row_slots, tok_slots, row_init,
+                                        proj, conv_w, norm_w, conv_pool, out, rec_pool, work + t * work_stride, neg_A,
+                                        dt_bias, eps, bf16};
+    }
+    run_jobs(gdn_rows_run, jobs, sizeof(struct gdn_rows_job), nthreads);
 }
 
 /* ---- Speculative verification: decode rows of several tokens through a GDN layer ----------

@@ -9,7 +9,20 @@ import torch
 import torch.nn.functional as F
 from kernel_testing import assert_close
 
-from kernels import conv_update_, cpu_ops, gated_rms_norm, gdn_decode_step_, rms_norm
+from engine.cache.allocator import kv_pool_view
+from engine.model.rotary import apply_rotary_
+from kernels import (
+    causal_conv1d,
+    conv_update_,
+    cpu_ops,
+    gated_rms_norm,
+    gdn_chunk_prefill,
+    gdn_decode_step_,
+    l2norm,
+    paged_attention,
+    rms_norm,
+    store_kv,
+)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -85,3 +98,86 @@ def test_gemv_bf16_matches_float32_gemm(M, threads):
     assert_close("gemv_bf16 float32 out", cpu_ops.gemv_bf16(x, w, torch.float32, threads), ref, 1e-6)
     got = cpu_ops.gemv_bf16(x, w, torch.bfloat16, threads)
     assert (got.float() - ref.bfloat16().float()).abs().max() <= ref.abs().max() * 2**-8, "rounded to bf16 once"
+
+
+def _eager_attn(qkv, qk_norm, eps, cos, sin, kv_pool, slot_mapping, block_tables, seq_lens, h, kvh, scale):
+    """The engine's PyTorch path for one decode token per row (engine/model/layers.py)."""
+    B, hd = qkv.shape[0], kv_pool.shape[-1]
+    qk, gate, v = qkv.split([(h + kvh) * hd, h * hd, kvh * hd], dim=-1)
+    qk = F.rms_norm(qk.reshape(B, h + kvh, hd).float(), (hd,), None, eps)
+    qk = apply_rotary_((qk * qk_norm).to(qkv.dtype), cos, sin)
+    q, k = qk[:, :h], qk[:, h:]
+    store_kv(k, v.reshape(B, kvh, hd), kv_pool, slot_mapping)
+    o = paged_attention(q, kv_pool, torch.arange(B + 1), seq_lens, block_tables, scale)
+    return o.reshape(B, -1) * torch.sigmoid(gate)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+    "B,h,kvh,hd,rd", [(1, 4, 2, 64, 32), (5, 4, 2, 64, 16), (3, 3, 3, 48, 48)], ids=["b1-gqa", "b5-partial", "b3-mha"]
+)
+def test_attn_decode_matches_pytorch(dtype, B, h, kvh, hd, rd):
+    g = torch.Generator().manual_seed(3)
+    bs, nblocks, width = 4, 40, 6
+    qkv = torch.randn(B, 2 * (h + kvh) * hd, generator=g).to(dtype)
+    qk_norm = 1 + 0.1 * torch.randn(h + kvh, hd, generator=g)
+    # head-major storage seen through the kernels' view, as the engine allocates its pools
+    kv_pool = kv_pool_view(torch.randn(kvh, nblocks, 2, bs, hd, generator=g).to(dtype))
+    seq_lens = torch.randint(1, width * bs + 1, (B,), generator=g)
+    seq_lens[0] = width * bs  # a full last page
+    block_tables = torch.randperm(nblocks, generator=g)[: B * width].view(B, width)
+    pos = seq_lens - 1
+    slot_mapping = block_tables[torch.arange(B), pos // bs] * bs + pos % bs
+    ang = pos[:, None].float() * torch.rand(rd // 2, generator=g)[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None, :].to(dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None, :].to(dtype)
+    args = (qk_norm, 1e-6, cos, sin)
+    rest = (slot_mapping, block_tables, seq_lens, h, kvh, hd**-0.5)
+    pool_ref = kv_pool.clone()
+    ref = _eager_attn(qkv, *args, pool_ref, *rest)
+    got = cpu_ops.attn_decode(qkv, *args, kv_pool, *rest)
+    assert_close("attn_decode out", got, ref, TOL[dtype])
+    assert_close("KV pages", kv_pool, pool_ref, TOL[dtype] / 10)
+
+
+def _eager_gdn_rows(proj, lens, slots, init, conv_w, conv_pool, rec_pool, neg_A, dt_bias, norm_w, hk, hv, dk, dv, eps):
+    """The engine's chunked PyTorch path for prefill rows (engine/model/layers.py)."""
+    T, D = proj.shape[0], conv_w.shape[0]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    qkv, z, b, a = proj.split([D, hv * dv, hv, hv], dim=-1)
+    y = causal_conv1d(qkv, conv_w, cu, conv_pool, slots, init)
+    qk, v = y.split([2 * hk * dk, hv * dv], dim=-1)
+    qk = l2norm(qk.reshape(T, 2 * hk, dk))
+    q, k = qk[:, :hk] * dk**-0.5, qk[:, hk:]
+    g = neg_A * F.softplus(a.float() + dt_bias)
+    o = gdn_chunk_prefill(q, k, v.reshape(T, hv, dv), g, b.sigmoid().float(), cu, rec_pool, slots, init, 1.0)
+    return gated_rms_norm(o, z.reshape(T, hv, dv), norm_w, eps).reshape(T, -1)
+
+
+@pytest.mark.parametrize(
+    "lens,init", [([37], [False]), ([1, 40, 5, 64], [True, False, True, False])], ids=["one", "mixed"]
+)
+def test_gdn_rows_matches_chunked_prefill(lens, init):
+    """Rows of any length token by token in C against the chunked prefill (float32)."""
+    g = torch.Generator().manual_seed(4)
+    hk, hv, dk, dv, kc, S = 2, 4, 32, 32, 4, 9
+    D, T, R = 2 * hk * dk + hv * dv, sum(lens), len(lens)
+    proj = torch.randn(T, D + hv * dv + 2 * hv, generator=g)
+    conv_w = torch.randn(D, kc, generator=g) * 0.5
+    conv_pool = torch.randn(S, D, kc - 1, generator=g)
+    rec_pool = torch.randn(S, hv, dk, dv, generator=g) * 0.1
+    conv_pool[0] = float("nan")  # a never-written slot: a row that starts fresh must not read it
+    slots = torch.tensor([0, 3, 5, 8][:R]) if not init[0] else torch.tensor([2, 0, 5, 8][:R])
+    init_t = torch.tensor(init)
+    neg_A = -torch.rand(hv, generator=g) * 2
+    dt_bias = torch.randn(hv, generator=g)
+    norm_w = 1 + 0.1 * torch.randn(dv, generator=g)
+    rest = (neg_A, dt_bias, norm_w, hk, hv, dk, dv, 1e-6)
+    conv_ref, rec_ref = conv_pool.clone(), rec_pool.clone()
+    ref = _eager_gdn_rows(proj, lens, slots, init_t, conv_w, conv_ref, rec_ref, *rest)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    tok_slots = torch.repeat_interleave(slots, torch.tensor(lens))
+    got = cpu_ops.gdn_rows(proj, cu, slots, init_t, tok_slots, conv_w, conv_pool, rec_pool, *rest)
+    assert_close("gdn_rows out", got, ref, 1e-4)
+    assert_close("conv states", conv_pool[slots], conv_ref[slots], 1e-6)
+    assert_close("recurrent states", rec_pool[slots], rec_ref[slots], 1e-4)
