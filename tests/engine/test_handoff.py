@@ -49,7 +49,7 @@ def test_prefill_hold_reserve_activate_matches_colocated(pair, llm_hv2, prompts)
         assert reason == "prefilled" and len(first) == 1
         src_blocks, src_slot = P.held(rid)
         assert len(src_blocks) == P.blocks.blocks_for(len(prompt))
-        dst_blocks, dst_slot = D.reserve(prompt, SP, rid)
+        dst_blocks, dst_slot, _ = D.reserve(prompt, SP, rid)
         assert len(dst_blocks) == D.blocks.blocks_for(len(prompt) + 1)
         _copy_state(P, D, src_blocks, src_slot, dst_blocks, dst_slot)
         P.release(rid)
