@@ -129,8 +129,10 @@ def close(worker, backend: str) -> None:
         ep.close()
 
 
-def make_target(ranks: list[TargetRank], node: str, request_id: str, prompt_len: int, tp: int, digest: str) -> Target:
-    return Target(request_id, node, tp, digest, prompt_len, sorted(ranks, key=lambda t: t.rank))
+def make_target(
+    ranks: list[TargetRank], node: str, request_id: str, prompt_len: int, tp: int, digest: str, cached_blocks: int = 0
+) -> Target:
+    return Target(request_id, node, tp, digest, prompt_len, sorted(ranks, key=lambda t: t.rank), cached_blocks)
 
 
 # ---- sender (prefill) --------------------------------------------------------------------------
