@@ -108,7 +108,11 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
             log.warning("decode node %s: no %s transfer endpoint (%s); prefilling locally only", cfg.node_id,
                         self.backend, e)  # fmt: skip
         self.loop = EngineLoop(
-            self.engine, name=f"{cfg.node_id}-engine", tick=self._tick, on_stop=self._on_loop_stop
+            self.engine,
+            name=f"{cfg.node_id}-engine",
+            tick=self._tick,
+            on_stop=self._on_loop_stop,
+            on_change=self.changes.changed,
         ).start()
         self.metrics = ServingMetrics("pdserve_decode", lambda: capacity_gauges(self.loop.snapshot))
         reg = self.metrics.registry

@@ -201,7 +201,11 @@ class EngineCore:
         if so.rows and self.on_schedule is not None:
             self.on_schedule(so)  # e.g. a prefill node opening transfers that this step's rows will finish
         if so.rows:
-            res = self.executor.execute(self._step_input(so))
+            try:
+                res = self.executor.execute(self._step_input(so))
+            except BaseException:
+                self.scheduler.abandon(so)  # the step's snapshot pins must not outlive it
+                raise
             for rid, lg in res.logits.items():
                 self.requests[rid].logits = lg
             self._keep_prompt_logprobs(res.prompt_logprobs)

@@ -59,7 +59,9 @@ __all__ = ["EngineLoop", "LoopError", "NoRoom", "RequestHandle", "ShuttingDown",
 class EngineLoop:
     """tick() -> bool: node work on the loop thread (transfer polling), True while transfers are
     in flight. on_output(RequestOutput): sees every output before its handle (starts pushes).
-    on_stop(): run on the loop thread as it exits (nodes wake what their handlers wait on)."""
+    on_stop(): run on the loop thread as it exits (nodes wake what their handlers wait on).
+    on_change(): run on the loop thread each time `snapshot` is renewed (after every command and
+    every pass) and as the loop exits: a node's drain re-reads what it holds then; must not block."""
 
     def __init__(
         self,
@@ -69,10 +71,12 @@ class EngineLoop:
         tick: Callable[[], bool] | None = None,
         on_output: Callable[[Any], None] | None = None,
         on_stop: Callable[[], None] | None = None,
+        on_change: Callable[[], None] | None = None,
     ):
         self.engine = engine
         self.poll_interval_s = poll_interval_s
         self._tick_fn, self._on_output, self._on_stop = tick, on_output, on_stop
+        self._on_change = on_change
         self._pending = False
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._handles: dict[str, RequestHandle] = {}  # loop thread only
@@ -195,6 +199,8 @@ class EngineLoop:
                     log.exception("engine loop on_stop failed")
             self._fail_all(ShuttingDown("the node is shutting down"))
             self._drain_inbox()
+            if self._on_change is not None:
+                self._on_change()
 
     def _loop(self) -> None:
         eng = self.engine
@@ -391,6 +397,8 @@ class EngineLoop:
             spec_drafts_per_position=tuple(sched.drafts_per_position),
             spec_accepted_per_position=tuple(sched.accepted_per_position),
         )
+        if self._on_change is not None:
+            self._on_change()
 
 
 def _prefix_figures(eng) -> dict:

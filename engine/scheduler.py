@@ -27,10 +27,12 @@ the wait doubled (up to `probe_max`), a passed one stays at depth 1 (climbing fr
 Prefix caching (engine/cache/prefix.py): a waiting request is admitted from the longest cached
 prefix that has both its full pages and a GDN state snapshot; the step restores the snapshot into
 its slot (and its partial page) before the forward and the request computes from there. Snapshots
-are taken at exact token positions: a prompt chunk never runs past the next snapshot position
-(every `interval` tokens, and the prompt's end), and a chunk that ends on one saves the state
-after the forward. Full prompt pages are registered once computed; the scheduler frees pages by
-reference, so a page another request shares is never handed out.
+are taken at exact token positions (every `interval` tokens, and the prompt's end) without
+cutting chunks there: a chunk takes as many tokens as the budget allows, a snapshot position at
+its end is saved from the slot after the forward, and one inside it is written by the GDN layers
+during the forward (`SnapshotCopy.offset`, kernels/points.py). Full prompt pages are registered
+once computed; the scheduler frees pages by reference, so a page another request shares is never
+handed out.
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._cut(req, min(req.num_tokens - req.num_computed_tokens, budget), req.num_computed_tokens)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
             drafts = self._drafts(req, budget) if n == 1 and req.num_computed_tokens > 0 else []
             n += len(drafts)
             need = self.blocks.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
@@ -153,7 +155,7 @@ class Scheduler:
             req = self.waiting[0]
             hit = self._lookup(req)
             p = hit.num_tokens if hit else 0
-            n = self._cut(req, min(req.num_tokens - p, budget), p)
+            n = min(req.num_tokens - p, budget)
             shared = hit.pages if hit else []
             need = self.blocks.blocks_for(p + n) - len(shared)
             taken = sum(self.blocks.is_free(b) for b in shared)  # cached pages nobody used: now in use
@@ -203,26 +205,23 @@ class Scheduler:
         restores.append((hit.snapshot, SnapshotCopy(hit.snapshot.index, req.slot, page)))
         log.debug("request %s resumes from a cached prefix of %d tokens", req.request_id, p)
 
-    def _cut(self, req: Request, n: int, start: int) -> int:
-        """A prompt chunk stops at the next snapshot position (a multiple of the interval, or the
-        prompt's end), so that the state there can be saved."""
-        plen = len(req.prompt_token_ids)
-        if self.prefix is None or start >= plen:
-            return n
-        step = self.prefix.interval
-        return min(n, min((start // step + 1) * step, plen) - start)
-
     def _plan_save(self, req: Request, n: int, saves: list) -> None:
-        """A chunk that ends on a snapshot position saves the state there after the forward."""
+        """Snapshots at the positions this prompt chunk reaches (multiples of the interval, and
+        the prompt's end): the one at the chunk's end from the slot after the forward, those
+        inside it from the GDN layers during the forward."""
         start, plen = req.num_computed_tokens, len(req.prompt_token_ids)
-        end = start + n
-        if self.prefix is None or start >= plen or end > plen or (end % self.prefix.interval and end != plen):
+        if self.prefix is None or start >= plen:
             return
-        parent, tail = self.prefix.key_for(req.prompt_token_ids, self._hashes(req), end)
-        s = self.prefix.reserve(parent, tail, end)
-        if s is not None:
-            bs = self.blocks.block_size
-            saves.append((s, SnapshotCopy(s.index, req.slot, req.block_ids[end // bs] if end % bs else None)))
+        end, step, bs = min(start + n, plen), self.prefix.interval, self.blocks.block_size
+        points = list(range((start // step + 1) * step, end + 1, step))
+        if end == plen and (not points or points[-1] != plen):
+            points.append(plen)
+        for p in points:
+            parent, tail = self.prefix.key_for(req.prompt_token_ids, self._hashes(req), p)
+            s = self.prefix.reserve(parent, tail, p)
+            if s is not None:
+                offset = None if p == start + n else p - start
+                saves.append((s, SnapshotCopy(s.index, req.slot, req.block_ids[p // bs] if p % bs else None, offset)))
 
     def _register(self, req: Request) -> None:
         """Full prompt pages whose KV is now computed become cached blocks."""
@@ -354,6 +353,17 @@ class Scheduler:
         req.finish_reason = reason
         req.finish_time = time.monotonic()
         self._finished_ids.append(req.request_id)
+
+    def abandon(self, out: SchedulerOutput) -> None:
+        """The step failed (the executor raised): its snapshot pins go back, and the entries it
+        was to save are free again, never half written and visible."""
+        if self.prefix is None:
+            return
+        for s, _ in out.saves:
+            self.prefix.discard(s)
+        for s, _ in out.restores:
+            self.prefix.release(s)
+        out.saves, out.restores = [], []
 
     def update(
         self, out: SchedulerOutput, sampled: dict[str, list[int]], eos: tuple[int, ...], drafts: dict | None = None

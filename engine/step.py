@@ -31,11 +31,14 @@ class RowInput:
 class SnapshotCopy:
     """A prefix snapshot copy (engine/cache/prefix.py): entry `index` of the snapshot pool <-> GDN
     state slot `slot`, and its partial KV page <-> page `page` (None: the prefix ends on a page
-    boundary)."""
+    boundary). A save's `offset` None takes the slot's state after the step (the prefix ends with
+    the row); k: the forward writes the state after the row's first k tokens (a prefix that ends
+    inside a prefill row, kernels/points.py), and only the page is copied after it."""
 
     index: int
     slot: int
     page: int | None = None
+    offset: int | None = None
 
 
 @dataclass

@@ -21,6 +21,7 @@ from engine.model.mtp import MTPBlock, MTPDrafter
 from engine.model.qwen3_5 import Qwen35Model
 from engine.sampler import Sampler, token_logprobs
 from engine.step import StepInput, StepOutput
+from kernels.points import StatePoints
 
 log = logging.getLogger("pdserve.worker")
 
@@ -102,6 +103,11 @@ class Worker:
         for (_, dec), f in zip(groups, gf):
             made[dec] = make_group(tok, pack, f, dec)
             tok = made[dec].tok_end
+        inside = [c for c in step.saves if c.offset is not None]
+        if inside:  # prefix snapshots inside prefill rows: the GDN layers write them (kernels/points.py)
+            row_of = {r.slot: b for b, r in enumerate(step.rows[n_dec:])}
+            pts = [(row_of[c.slot], c.offset, c.index) for c in inside]
+            made[False].points = StatePoints.build(len(step.rows) - n_dec, pts, self.device)
         return ForwardBatch(
             input_ids=pack[fields[0]],
             positions=pack[fields[1]],

@@ -8,6 +8,9 @@
 y_t = silu(sum_j w[:, j] * ext[:, t + j]) where ext is the slot's Kc-1 saved inputs followed by
 the row's new inputs; afterwards the slot holds the last Kc-1 columns of ext. A sequence
 shorter than Kc-1 with no initial state leaves zeros on the left.
+`causal_conv1d` can also keep the state after a position inside a sequence (`StatePoints`,
+kernels/points.py): after t tokens it is ext's columns [t, t + Kc-1), the Kc-1 inputs before
+position t, gathered before the kernel runs (so both paths share it).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch.nn.functional as F
 
 from kernels.checks import check_conv_inputs
 from kernels.gdn import pad_packed, unpad_packed
+from kernels.points import StatePoints, check_points
 from kernels.triton import force_triton as _force_triton
 
 __all__ = ["causal_conv1d", "causal_conv1d_update", "conv_update_"]
@@ -31,12 +35,17 @@ def causal_conv1d(
     has_initial_state: torch.Tensor | None = None,
     activation: bool = True,
     intermediate_states: torch.Tensor | None = None,
+    points: StatePoints | None = None,
+    points_pool: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Variable-length causal conv (prefill, or decode rows of several tokens).
 
     intermediate_states, when given, is [B, n_max, D, Kc-1] and receives the conv state after
-    every token of each row (for speculative rollback). Returns y [T, D] in x's dtype.
+    every token of each row (for speculative rollback). points, when given, name states inside
+    the sequences to write into points_pool [N, D, Kc-1]. Returns y [T, D] in x's dtype.
     """
+    if points is not None:
+        conv_states_at(x, weight, cu_seqlens, conv_pool, slot_ids, has_initial_state, points, points_pool)
     if x.is_cuda or _force_triton():
         from kernels.triton.conv import causal_conv1d_triton
 
@@ -72,6 +81,26 @@ def causal_conv1d(
             snap = ext[:, :, t + 1 : t + kc]
             intermediate_states[:, t] = torch.where(live, snap.to(intermediate_states.dtype), intermediate_states[:, t])
     return unpad_packed(y.transpose(1, 2), cu_seqlens).to(x.dtype)
+
+
+def conv_states_at(x, weight, cu_seqlens, conv_pool, slot_ids, has_initial_state, points, points_pool) -> None:
+    """points_pool[dest[m]] = the conv state after offsets[m] tokens of sequence seq[m]: ext's
+    columns [t, t + Kc-1), from the slot's saved inputs where t < Kc-1 and x elsewhere."""
+    check_conv_inputs(x, weight, cu_seqlens, conv_pool, slot_ids)
+    kc = weight.shape[1]
+    check_points(points, cu_seqlens, points_pool, conv_pool.shape[1:])
+    if not points.num_points:
+        return
+    T, D = x.shape
+    B = cu_seqlens.numel() - 1
+    init = conv_pool.index_select(0, slot_ids)  # [B, D, Kc-1]
+    if has_initial_state is not None:
+        init = torch.where(has_initial_state[:, None, None], init, torch.zeros((), dtype=init.dtype, device=x.device))
+    src = torch.cat([x.to(points_pool.dtype), init.transpose(1, 2).reshape(B * (kc - 1), D).to(points_pool.dtype)])
+    seq = points.seq().to(x.device)
+    col = points.offsets.to(x.device)[:, None] + torch.arange(kc - 1, device=x.device)[None, :]  # [M, Kc-1] in ext
+    idx = torch.where(col < kc - 1, T + seq[:, None] * (kc - 1) + col, cu_seqlens[seq][:, None] + col - (kc - 1))
+    points_pool.index_copy_(0, points.dest.to(points_pool.device), src[idx].transpose(1, 2).contiguous())
 
 
 def conv_update_(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, activation: bool = True) -> torch.Tensor:

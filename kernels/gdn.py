@@ -13,6 +13,11 @@ Value head h reads key head h // (Hv / Hk). The recurrence (docs/DESIGN.md §3):
 `gdn_chunk_prefill` evaluates it chunk-parallel (prefill), `gdn_recurrent` token by token
 (decode rows of 1 token, or k+1 tokens when verifying k speculative tokens).
 Both read each sequence's initial state from its slot and write the final state back.
+`gdn_chunk_prefill` can also keep the state at positions inside its sequences (`StatePoints`,
+kernels/points.py): the state after token j of a chunk is the chunk's start state carried to j,
+    S_j = e^{gamma_j} S_0 + (diag(e^{gamma_j - gamma_i}) K_{i<=j})^T V'_{i<=j},
+the chunk-end update with the chunk cut at j, so a long prompt runs in one call and still
+leaves its prefix-cache snapshots at exact positions.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from kernels.checks import check_gdn_inputs
+from kernels.points import StatePoints, check_points
 from kernels.triton import force_triton as _force_triton
 
 __all__ = [
@@ -100,20 +106,29 @@ def gdn_chunk_prefill(
     has_initial_state: torch.Tensor | None = None,
     scale: float | None = None,
     chunk_size: int | None = None,
+    points: StatePoints | None = None,
+    points_pool: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunked gated delta rule over packed variable-length sequences.
 
     Returns o [T, Hv, dv] in v's dtype; writes each sequence's final state into
     state_pool[slot_ids]. Sequences with has_initial_state False start from zero.
     chunk_size None: 64 for the Triton kernel, 32 here (smaller [C, C] work, faster on CPUs).
+    points, when given, name states inside the sequences to write into points_pool
+    [N, Hv, dk, dv] float32 as well (kernels/points.py).
     """
     if q.is_cuda or _force_triton():
         from kernels.triton.gdn_chunk import gdn_chunk_prefill_triton
 
         return gdn_chunk_prefill_triton(
-            q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, has_initial_state, scale, chunk_size or 64
-        )
+            q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, has_initial_state, scale, chunk_size or 64,
+            points=points, points_pool=points_pool,
+        )  # fmt: skip
     check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids)
+    if points is not None:
+        check_points(points, cu_seqlens, points_pool, state_pool.shape[1:])
+        if points_pool.dtype != torch.float32:
+            raise ValueError(f"points_pool must be float32 (got {points_pool.dtype})")
     T, hv, dv = v.shape
     dk = q.shape[-1]
     scale = dk**-0.5 if scale is None else scale
@@ -137,6 +152,10 @@ def gdn_chunk_prefill(
 
     S = _initial_states(state_pool, slot_ids, has_initial_state)
     O = torch.empty_like(V)
+    at_chunk: dict[int, list[tuple[int, int, int]]] = {}  # chunk -> (sequence, index in chunk, dest)
+    if points is not None and points.num_points:
+        for b, off, d in zip(points.seq().tolist(), points.offsets.tolist(), points.dest.tolist()):
+            at_chunk.setdefault((off - 1) // C, []).append((b, (off - 1) % C, d))
     # Chunks go in groups small enough for the [G, B, H, C, C] temporaries to stay in cache.
     G = max(1, min(n_chunks, _GROUP_ELEMS // (B * hv * C * C)))
     for n0 in range(0, n_chunks, G):
@@ -159,6 +178,11 @@ def gdn_chunk_prefill(
         for n in range(Qg.shape[0]):
             vn = U[n] - W[n] @ S
             O[n0 + n] = Qd[n] @ S + intra[n] @ vn
+            for b, j, d in at_chunk.get(n0 + n, ()):  # the state after in-chunk token j
+                gj = gam[n, b, :, j : j + 1]  # [H, 1]
+                kd = Kg[n, b, :, : j + 1] * (gj - gam[n, b, :, : j + 1]).exp()[..., None]
+                Sj = S[b] * gj.exp()[..., None] + kd.transpose(-1, -2) @ vn[b, :, : j + 1]
+                points_pool[d] = Sj
             S = S * chunk_decay[n] + KdT[n] @ vn
 
     state_pool.index_copy_(0, slot_ids, S.to(state_pool.dtype))

@@ -109,6 +109,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             tick=self._tick,
             on_output=self._on_output,
             on_stop=self._on_loop_stop,
+            on_change=self.changes.changed,
         ).start()
         self.metrics = ServingMetrics("pdserve_prefill", lambda: capacity_gauges(self.loop.snapshot))
 
@@ -173,6 +174,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             self._leases.pop(rid, None)
             self._targets.pop(rid, None)
             self._started.pop(rid, None)
+            self.changes.changed()  # in_flight() counts _targets: wake a drain
 
     def _prefill(self, rid, ids, params, target, t0, context):
         """Yields the first-token message at once, then (state pushed) the `pushed` message."""

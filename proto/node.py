@@ -15,7 +15,8 @@
 A subclass sets KIND, SERVICE and NODE_KIND, has `cfg`, `ecfg`, `engine`, `loop`, `metrics`,
 `incarnation`, `digest`, `backend` and `blobs` (its ranks' transfer metadata, None without a data
 plane), and implements `in_flight()`, `_add_servicer(server)` and `_describe(info)` (its own
-NodeInfo fields). It gets `info()` and the Stats and Handshake RPCs, the same on both kinds.
+NodeInfo fields). Its engine loop calls `changes.changed` after every pass (`on_change`), and
+its handlers do after changing what `in_flight()` reads outside the loop thread. It gets `info()` and the Stats and Handshake RPCs, the same on both kinds.
 """
 
 from __future__ import annotations
@@ -28,7 +29,16 @@ import msgspec
 
 from proto import pb
 from proto.security import credentials
-from proto.serving import Heartbeater, addresses, not_serving, refuse_draining, start_server, wait_idle
+from proto.serving import (
+    Changes,
+    Heartbeater,
+    Interrupt,
+    addresses,
+    not_serving,
+    refuse_draining,
+    start_server,
+    wait_idle,
+)
 
 log = logging.getLogger("pdserve.node")
 
@@ -46,6 +56,9 @@ class NodeServer:
         self._health = None
         self._hbs: list[Heartbeater] = []  # one per router
         self._stopped = threading.Event()
+        # signalled after every change of what in_flight() reads (the engine loop's passes, the
+        # handlers' own maps): what the drain waits on
+        self.changes = Changes()
 
     @property
     def name(self) -> str:
@@ -117,15 +130,15 @@ class NodeServer:
             log.info("%s metrics at http://%s:%d/metrics", self.name, self.cfg.advertise_host, self.metrics_port)
         return port
 
-    def drain(self, timeout_s: float, interrupt: threading.Event | None = None) -> bool:
+    def drain(self, timeout_s: float, interrupt: Interrupt | None = None) -> bool:
         """Take no new work and wait (at most timeout_s, or until `interrupt` is set) for what is
-        in flight to finish. True when nothing is left."""
+        in flight to finish, woken by `changes`. True when nothing is left."""
         if not self.draining:
             self.draining = True
             not_serving(self._health, self.SERVICE)
             for hb in self._hbs:
                 hb.beat_now()
-        return wait_idle(self.name, self.in_flight, timeout_s, interrupt)
+        return wait_idle(self.name, self.in_flight, self.changes, timeout_s, interrupt)
 
     def stop(self, grace: float | None = 2.0) -> None:
         if self._stopped.is_set():

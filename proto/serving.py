@@ -11,11 +11,14 @@
 - `DRAINING_KEY` / `is_draining`: the trailing metadata a draining server puts on the
   UNAVAILABLE it answers new work with, so a caller retries elsewhere instead of declaring
   the server dead.
+- `wait_idle`: a drain's wait for a server's in-flight count to reach 0, woken by `Changes`
+  (which the code changing the count signals) or an `Interrupt`, never on a timer.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -69,15 +72,62 @@ def not_serving(health_servicer, service: str) -> None:
         health_servicer.set(full, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-def wait_idle(what: str, in_flight: Callable[[], int], timeout_s: float, interrupt: threading.Event | None) -> bool:
+class Changes:
+    """Wake-ups for whoever waits on a server's in-flight count (its drain): the code that changes
+    what the count reads calls `changed()` after the change. A no-op while nobody waits; safe from
+    any thread and from a signal handler (SimpleQueue.put is reentrant)."""
+
+    def __init__(self) -> None:
+        self._waiters: list[queue.SimpleQueue] = []
+
+    def changed(self) -> None:
+        for w in list(self._waiters):
+            w.put(None)
+
+
+class Interrupt(threading.Event):
+    """An Event that, once set, also wakes at once the `wait_idle` calls it was handed to; safe to
+    set from a signal handler."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._waiters: list[queue.SimpleQueue] = []
+
+    def set(self) -> None:
+        super().set()
+        for w in list(self._waiters):
+            w.put(None)
+
+
+def wait_idle(what: str, in_flight: Callable[[], int], changes: Changes, timeout_s: float,
+              interrupt: Interrupt | None = None) -> bool:  # fmt: skip
     """Wait until in_flight() is 0, at most timeout_s or until `interrupt` is set; log the
-    outcome. True when nothing was left."""
+    outcome. True when nothing was left. in_flight() is read again only when `changes` or
+    `interrupt` signal, so the wait ends as soon as the count drops to 0, and costs nothing before."""
+    if interrupt is not None and not isinstance(interrupt, Interrupt):
+        raise TypeError("wait_idle's interrupt must be a proto.serving.Interrupt (a plain Event would not wake it)")
     t0 = time.monotonic()
-    log.info("%s draining: %d in flight; waiting up to %g s for them", what, in_flight(), timeout_s)
-    left = in_flight()
-    while left and time.monotonic() - t0 < timeout_s and not (interrupt is not None and interrupt.is_set()):
-        time.sleep(0.05)
+    wake: queue.SimpleQueue = queue.SimpleQueue()
+    sources = [changes._waiters, *([interrupt._waiters] if interrupt is not None else [])]
+    for waiters in sources:  # before the first read: no change after it goes unseen
+        waiters.append(wake)
+    try:
         left = in_flight()
+        log.info("%s draining: %d in flight; waiting up to %g s for them", what, left, timeout_s)
+        while left and not (interrupt is not None and interrupt.is_set()):
+            remaining = t0 + timeout_s - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                wake.get(timeout=remaining)
+                while True:  # one read for every change signalled so far
+                    wake.get_nowait()
+            except queue.Empty:
+                pass
+            left = in_flight()
+    finally:
+        for waiters in sources:
+            waiters.remove(wake)
     if left:
         log.warning("%s drained for %.1f s; %d still in flight end now", what, time.monotonic() - t0, left)
     else:

@@ -133,7 +133,9 @@ def cmd_demo(args) -> int:
 def _serve_until_signal(server, drain_timeout: float) -> int:
     """Block until SIGINT / SIGTERM; then drain (take nothing new, let what is in flight finish,
     at most drain_timeout seconds; a second signal cuts it short) and stop cleanly."""
-    stop, now = threading.Event(), threading.Event()
+    from proto.serving import Interrupt
+
+    stop, now = threading.Event(), Interrupt()  # `now` wakes the drain's wait at once
 
     def on_signal(*_):
         (now if stop.is_set() else stop).set()

@@ -186,8 +186,10 @@ class SnapshotPool:
         self.tail = {s.layer: torch.zeros(s.pool_shape(num), dtype=s.dtype, device=device) for s in spec.attention}
 
     def save(self, pools: CachePools, copies) -> None:
-        """copies: `SnapshotCopy`s (index, slot, page or None)."""
-        self._copy(pools, copies, to_snapshot=True)
+        """copies: `SnapshotCopy`s (index, slot, page or None, offset). Those with an offset
+        had their GDN state written by the forward: only their page is copied here."""
+        self._copy(pools, [c for c in copies if c.offset is None], to_snapshot=True)
+        self._copy_pages(pools, [c for c in copies if c.offset is not None], to_snapshot=True)
 
     def restore(self, pools: CachePools, copies) -> None:
         self._copy(pools, copies, to_snapshot=False)
@@ -204,6 +206,9 @@ class SnapshotPool:
                     snap.index_copy_(0, idx, pool.index_select(0, slots))
                 else:
                     pool.index_copy_(0, slots, snap.index_select(0, idx))
+        self._copy_pages(pools, copies, to_snapshot)
+
+    def _copy_pages(self, pools: CachePools, copies, to_snapshot: bool) -> None:
         paged = [c for c in copies if c.page is not None]
         for layer, tail in self.tail.items():
             kv = pools.kv[layer]  # a strided view: copy page by page

@@ -163,6 +163,13 @@ class PrefixCache:
         self.stats.saved += 1
         self.release(s)
 
+    def discard(self, s: Snapshot) -> None:
+        """The step that was to save `s` did not run: unpin it and give its entry back."""
+        self.release(s)
+        if not s.ready and s.ref == 0 and self._by_key.get((s.parent, s.tail)) is s:
+            self._drop(s)
+            self._free_idx.append(s.index)
+
     def _drop(self, s: Snapshot) -> None:
         del self._by_key[(s.parent, s.tail)]
         sibs = self._by_parent[s.parent]

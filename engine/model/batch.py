@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.points import StatePoints
+
 
 @dataclass
 class RowGroup:
@@ -25,6 +27,7 @@ class RowGroup:
     decode: bool = False  # one new token per row, continuing a sequence (recurrent GDN path)
     slot_start: int | None = None  # set when slot_ids are slot_start, slot_start+1, ... (update in place)
     max_row_tokens: int = 1  # > 1 in a decode group: speculative rows (k+1 tokens) are present
+    points: StatePoints | None = None  # prefill: GDN states to keep inside rows (prefix snapshots)
 
     @property
     def num_rows(self) -> int:

@@ -94,7 +94,11 @@ class GatedDeltaNet:
             return conv_update_(qkv, self.w.conv, conv_pool[grp.slot_start : grp.slot_start + grp.num_rows])
         if grp.decode:
             return causal_conv1d_update(qkv, self.w.conv, conv_pool, grp.slot_ids)
-        return causal_conv1d(qkv, self.w.conv, grp.cu_seqlens, conv_pool, grp.slot_ids, grp.has_initial_state)
+        snaps = pools.snapshots.conv.get(self.layer) if grp.points is not None else None
+        return causal_conv1d(
+            qkv, self.w.conv, grp.cu_seqlens, conv_pool, grp.slot_ids, grp.has_initial_state,
+            points=grp.points, points_pool=snaps,
+        )  # fmt: skip
 
     def _delta_rule(self, pools, grp, q, k, v, g, beta):
         rec_pool = pools.recurrent[self.layer]
@@ -105,9 +109,11 @@ class GatedDeltaNet:
             return gdn_decode_step_(q, k, v, g, beta, rec_pool[grp.slot_start : grp.slot_start + grp.num_rows], 1.0)
         if grp.decode:
             return gdn_recurrent(q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids, scale=1.0)
+        snaps = pools.snapshots.recurrent.get(self.layer) if grp.points is not None else None
         return gdn_chunk_prefill(
-            q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids, grp.has_initial_state, scale=1.0
-        )
+            q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids, grp.has_initial_state, scale=1.0,
+            points=grp.points, points_pool=snaps,
+        )  # fmt: skip
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, pools: CachePools):
         T = x.shape[0]

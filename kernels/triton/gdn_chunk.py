@@ -19,6 +19,9 @@ series), so it is as stable as the triangular solve in the PyTorch path.
 The W / X work is recomputed by each dv block; all matmuls run in float32 ("ieee"), which
 keeps the 1e-4 agreement with the reference and gives up tensor-core speed for bf16 inputs.
 Padding rows of the last chunk load k = v = g = beta = 0: they neither decay nor write S.
+State points (kernels/points.py): a point at in-chunk token j stores, before the chunk-end update,
+    S_j = e^{gamma_j} S + (diag(e^{gamma_j - gamma}) K, rows > j zeroed)^T V'
+into its row of the points pool; the program walks its sequence's points alongside its chunks.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import check_gdn_inputs
+from kernels.points import StatePoints, check_points
 from kernels.triton._common import (
     check_flags,
     check_index,
@@ -55,6 +59,10 @@ def _gdn_chunk_kernel(
     slot_ptr,
     init_ptr,
     pool_ptr,
+    pt_ptr,
+    off_ptr,
+    dest_ptr,
+    snap_ptr,
     s_qt,
     s_qh,
     s_kt,
@@ -71,6 +79,10 @@ def _gdn_chunk_kernel(
     s_ph,
     s_pk,
     s_pv,
+    s_ns,
+    s_nh,
+    s_nk,
+    s_nv,
     scale,
     GROUP: tl.constexpr,  # Hv // Hk
     DK: tl.constexpr,
@@ -80,6 +92,7 @@ def _gdn_chunk_kernel(
     C: tl.constexpr,
     SUB: tl.constexpr,
     HAS_INIT: tl.constexpr,
+    HAS_POINTS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -107,6 +120,11 @@ def _gdn_chunk_kernel(
     sub_r = rc // SUB
     same_sub = sub_r[:, None] == sub_r[None, :]
     in_sub = rc % SUB
+    p0 = 0
+    p1 = 0
+    if HAS_POINTS:
+        p0 = tl.load(pt_ptr + b).to(tl.int64)
+        p1 = tl.load(pt_ptr + b + 1).to(tl.int64)
 
     for c0 in range(start, end, C):
         rows = c0 + rc
@@ -148,6 +166,17 @@ def _gdn_chunk_kernel(
             mask=mr[:, None] & mv[None, :],
         )
 
+        if HAS_POINTS:
+            for pi in range(p0, p1):
+                j = tl.load(off_ptr + pi).to(tl.int64) - 1 - (c0 - start)  # the point's token in this chunk
+                if (j >= 0) & (j < C):
+                    gj = tl.sum(tl.where(rc == j, gam, 0.0), 0)
+                    Kj = tl.where((rc <= j)[:, None], K * tl.exp(tl.minimum(gj - gam, 0.0))[:, None], 0.0)
+                    Sj = S * tl.exp(gj) + tl.dot(tl.trans(Kj), Vn, input_precision="ieee")
+                    d = tl.load(dest_ptr + pi).to(tl.int64)
+                    n_ptrs = snap_ptr + d * s_ns + h * s_nh + rk[:, None] * s_nk + rv[None, :] * s_nv
+                    tl.store(n_ptrs, Sj, mask=s_mask)
+
         g_last = tl.sum(gv, 0)  # = gamma at the chunk's last valid row (padding has g = 0)
         Kd = K * tl.exp(g_last - gam)[:, None]
         S = S * tl.exp(g_last) + tl.dot(tl.trans(Kd), Vn, input_precision="ieee")
@@ -168,10 +197,17 @@ def gdn_chunk_prefill_triton(
     scale: float | None = None,
     chunk_size: int = 64,
     out: torch.Tensor | None = None,
+    points: StatePoints | None = None,
+    points_pool: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton gdn_chunk_prefill (see kernels.gdn). `out` [T, Hv, dv] in v's dtype, if given,
     receives o. chunk_size must be a power of two >= 16; slot_ids must be distinct."""
     check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids)
+    if points is not None:
+        check_points(points, cu_seqlens, points_pool, state_pool.shape[1:])
+        check_same_device(q=q, ptr=points.ptr, offsets=points.offsets, dest=points.dest, points_pool=points_pool)
+        if points_pool.dtype != torch.float32:
+            raise ValueError(f"points_pool must be float32 (got {points_pool.dtype})")
     check_index(cu_seqlens=cu_seqlens, slot_ids=slot_ids)
     check_last_contiguous(q=q, k=k, v=v)
     check_same_device(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, state_pool=state_pool, slot_ids=slot_ids)
@@ -200,6 +236,10 @@ def gdn_chunk_prefill_triton(
         slot_ids,
         init,
         state_pool,
+        points.ptr if points is not None else slot_ids,  # unread when HAS_POINTS is False
+        points.offsets if points is not None else slot_ids,
+        points.dest if points is not None else slot_ids,
+        points_pool if points is not None else state_pool,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -213,6 +253,7 @@ def gdn_chunk_prefill_triton(
         o.stride(0),
         o.stride(1),
         *state_pool.stride(),
+        *(points_pool if points is not None else state_pool).stride(),
         float(scale),
         GROUP=hv // hk,
         DK=dk,
@@ -222,5 +263,6 @@ def gdn_chunk_prefill_triton(
         C=chunk_size,
         SUB=_SUB,
         HAS_INIT=has_initial_state is not None,
+        HAS_POINTS=points is not None and points.num_points > 0,
     )
     return o

@@ -8,7 +8,13 @@ and refuses any other feature so that a new one cannot be silently mis-rendered:
 - `namespace`: set on every namespaced object (a Namespace object is renamed to it, as kustomize
   does);
 - `images`: `name` -> `newName` / `newTag` on containers and init containers;
-- `patches` with `path`: strategic merge patches, the target found by kind and metadata.name.
+- `patches` with `path` alone: strategic merge patches, the target found by kind and
+  metadata.name;
+- `patches` with `path` and `target`: JSON 6902 patches (a list of `add` / `remove` / `replace`
+  operations; `-` appends to a list), applied to every object the target selects by `kind`,
+  exact `name`, `labelSelector` (`key=value`, comma-separated) and `group` / `version`;
+- `components`: directories holding a `kind: Component` kustomization, applied after the
+  resources and before the kustomization's own patches (a component's own resources join them).
 
 Strategic merge, as Kubernetes defines it for these fields: maps merge key by key, a null value
 deletes the key, lists of containers / initContainers / volumes / env / imagePullSecrets merge by
@@ -23,7 +29,9 @@ from pathlib import Path
 
 import yaml
 
-KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "namespace", "images", "patches"}
+KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "components", "namespace", "images", "patches"}
+TARGET_KEYS = {"kind", "name", "labelSelector", "group", "version"}
+JSON6902_OPS = {"add", "remove", "replace"}
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "PersistentVolume", "StorageClass"}
 MERGE_KEYS = {
     "containers": "name",
@@ -98,9 +106,102 @@ def _set_image(obj: dict, images: list[dict]) -> None:
                 c["image"] = rule.get("newName", name) + (":" + tag if tag else "")
 
 
-def render(directory: str | Path) -> list[dict]:
-    """The objects `kubectl kustomize directory` prints, in resource order."""
-    d = Path(directory)
+def _pointer(path: str) -> list[str]:
+    if not path.startswith("/"):
+        raise RenderError(f"JSON pointer {path!r} must start with /")
+    return [t.replace("~1", "/").replace("~0", "~") for t in path[1:].split("/")]
+
+
+def _index(parent: list, token: str, path: str, append: bool = False) -> int:
+    if append and token == "-":
+        return len(parent)
+    if not token.isdigit() or int(token) >= len(parent) + append:
+        raise RenderError(f"{path}: no list index {token!r} (the list has {len(parent)} items)")
+    return int(token)
+
+
+def json6902(obj: dict, ops: list[dict]) -> dict:
+    """`obj` with the operations applied in order (obj is not changed); a path that does not
+    exist is an error, as in kustomize."""
+    out = copy.deepcopy(obj)
+    for op in ops:
+        kind, path = op.get("op"), op.get("path", "")
+        if kind not in JSON6902_OPS:
+            raise RenderError(f"JSON 6902 op {kind!r} is not supported by this renderer")
+        *parents, last = _pointer(path)
+        parent = out
+        for t in parents:
+            if isinstance(parent, list):
+                parent = parent[_index(parent, t, path)]
+            elif isinstance(parent, dict) and t in parent:
+                parent = parent[t]
+            else:
+                raise RenderError(f"{path}: no {t!r}")
+        value = copy.deepcopy(op.get("value"))
+        if isinstance(parent, list):
+            i = _index(parent, last, path, append=kind == "add")
+            if kind == "add":
+                parent.insert(i, value)
+            elif kind == "remove":
+                del parent[i]
+            else:
+                parent[i] = value
+        elif isinstance(parent, dict):
+            if kind != "add" and last not in parent:
+                raise RenderError(f"{path}: nothing to {kind}")
+            if kind == "remove":
+                del parent[last]
+            else:
+                parent[last] = value
+        else:
+            raise RenderError(f"{path}: {parents[-1] if parents else '/'} is not an object or a list")
+    return out
+
+
+def _selects(target: dict, o: dict) -> bool:
+    group, _, version = o["apiVersion"].rpartition("/")
+    labels = o["metadata"].get("labels", {})
+    want = dict(kv.split("=", 1) for kv in target["labelSelector"].split(",")) if "labelSelector" in target else {}
+    return (
+        target.get("kind", o["kind"]) == o["kind"]
+        and target.get("name", o["metadata"]["name"]) == o["metadata"]["name"]
+        and target.get("group", group) == group
+        and target.get("version", version) == version
+        and all(labels.get(k.strip()) == v.strip() for k, v in want.items())
+    )
+
+
+def _apply_patches(kfile: Path, objs: list[dict], patches: list[dict]) -> None:
+    d = kfile.parent
+    for entry in patches:
+        if set(entry) == {"path"}:
+            for patch in load_docs(d / entry["path"]):
+                hits = [
+                    i
+                    for i, o in enumerate(objs)
+                    if o["kind"] == patch["kind"] and o["metadata"]["name"] == patch["metadata"]["name"]
+                ]
+                if len(hits) != 1:
+                    target = f"{patch['kind']}/{patch['metadata']['name']}"
+                    raise RenderError(f"{entry['path']}: {len(hits)} objects match {target}")
+                objs[hits[0]] = strategic_merge(objs[hits[0]], patch)
+        elif set(entry) == {"path", "target"}:
+            target = entry["target"]
+            if set(target) - TARGET_KEYS:
+                raise RenderError(f"{kfile}: unsupported patch target field(s) {sorted(set(target) - TARGET_KEYS)}")
+            (ops,) = load_docs(d / entry["path"])
+            if not isinstance(ops, list):
+                raise RenderError(f"{entry['path']}: a patch with a target must be a JSON 6902 list of operations")
+            hits = [i for i, o in enumerate(objs) if _selects(target, o)]
+            if not hits:
+                raise RenderError(f"{entry['path']}: no object matches the target {target}")
+            for i in hits:
+                objs[i] = json6902(objs[i], ops)
+        else:
+            raise RenderError(f"{kfile}: only `patches: - path: FILE [target: ...]` is supported, got {entry!r}")
+
+
+def _kustomization(d: Path, kind: str) -> tuple[Path, dict]:
     kfile = d / "kustomization.yaml"
     if not kfile.is_file():
         raise RenderError(f"{d}: no kustomization.yaml")
@@ -108,23 +209,31 @@ def render(directory: str | Path) -> list[dict]:
     unknown = set(k) - KUSTOMIZATION_KEYS
     if unknown:
         raise RenderError(f"{kfile}: unsupported kustomization field(s) {sorted(unknown)}")
+    if k.get("kind", "Kustomization") != kind:
+        raise RenderError(f"{kfile}: a {k.get('kind', 'Kustomization')} where a {kind} is expected")
+    if kind == "Component" and ("namespace" in k or "images" in k):
+        raise RenderError(f"{kfile}: this renderer takes only resources and patches in a Component")
+    return kfile, k
+
+
+def _resources(d: Path, k: dict) -> list[dict]:
     objs: list[dict] = []
     for res in k.get("resources", []):
         p = d / res
         objs.extend(render(p) if p.is_dir() else load_docs(p))
-    for entry in k.get("patches", []):
-        if set(entry) != {"path"}:
-            raise RenderError(f"{kfile}: only `patches: - path: FILE` is supported, got {entry!r}")
-        for patch in load_docs(d / entry["path"]):
-            hits = [
-                i
-                for i, o in enumerate(objs)
-                if o["kind"] == patch["kind"] and o["metadata"]["name"] == patch["metadata"]["name"]
-            ]
-            if len(hits) != 1:
-                target = f"{patch['kind']}/{patch['metadata']['name']}"
-                raise RenderError(f"{entry['path']}: {len(hits)} objects match {target}")
-            objs[hits[0]] = strategic_merge(objs[hits[0]], patch)
+    return objs
+
+
+def render(directory: str | Path) -> list[dict]:
+    """The objects `kubectl kustomize directory` prints, in resource order."""
+    d = Path(directory)
+    kfile, k = _kustomization(d, "Kustomization")
+    objs = _resources(d, k)
+    for comp in k.get("components", []):
+        cfile, ck = _kustomization(d / comp, "Component")
+        objs.extend(_resources(d / comp, ck))
+        _apply_patches(cfile, objs, ck.get("patches", []))
+    _apply_patches(kfile, objs, k.get("patches", []))
     for o in objs:
         if k.get("images"):
             _set_image(o, k["images"])

@@ -18,7 +18,11 @@ fail) against the newest Kubernetes schema the package ships. Then what a schema
   address per replica, on the router's port; clients use the pdserve-router Service;
 - the gpu overlay requests nvidia.com/gpu = --tp for each pool; the others request no GPU;
 - every component drains on SIGTERM (--drain-timeout > 0), and any preStop plus the drain plus
-  the stop fit in the grace period; one PodDisruptionBudget selects each pool.
+  the stop fit in the grace period; one PodDisruptionBudget selects each pool;
+- the TLS overlays (components/tls) give every server --tls-cert / --tls-key / --tls-ca naming
+  the files of the mounted Secret pdserve-tls and one --tls-server-name, and probe with TCP
+  (Kubernetes' gRPC probe does not speak TLS) on the same port with the same timings; the
+  others run no TLS and probe with gRPC.
 """
 
 from __future__ import annotations
@@ -35,12 +39,14 @@ from pathlib import Path
 import kubernetes_validate as kv  # the dev extras
 import pytest
 import yaml
-from k8s_render import RenderError, render, strategic_merge
+from k8s_render import RenderError, json6902, render, strategic_merge
 from kubernetes_validate import utils as kv_utils
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
-TARGETS = {"base": K8S / "base", "cpu-dev": K8S / "overlays" / "cpu-dev", "gpu": K8S / "overlays" / "gpu"}
+OVERLAYS = ("cpu-dev", "gpu", "cpu-dev-tls", "gpu-tls")  # X-tls: X with components/tls
+TARGETS = {"base": K8S / "base", **{o: K8S / "overlays" / o for o in OVERLAYS}}
+TLS_DIR = "/etc/pdserve/tls"  # where components/tls mounts Secret pdserve-tls
 COMPONENTS = {"router": "Generation", "prefill": "PrefillNode", "decode": "DecodeNode"}  # kind -> served service
 POOLS = ("prefill", "decode")
 FIELD_REFS = {"metadata.name": "pdserve-x-0", "status.podIP": "10.0.0.7", "metadata.namespace": "ns"}
@@ -87,6 +93,11 @@ def rendered(request) -> tuple[str, list[dict]]:
         real = [d for d in yaml.safe_load_all(out) if d is not None]
         assert _normalized(real) == _normalized(objs), f"k8s_render and kubectl kustomize differ on {request.param}"
     return request.param, objs
+
+
+def _flavour(name: str) -> str:
+    """The target a TLS overlay adds TLS to ("gpu-tls" -> "gpu")."""
+    return name.removesuffix("-tls")
 
 
 def _find(objs: list[dict], kind: str, name: str) -> dict:
@@ -248,10 +259,21 @@ def test_probes_name_the_ports_the_servers_listen_on(rendered, parser):
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert ports["grpc"] == ns.port
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[probe]["grpc"]["port"] == ns.port, f"{name}: {component} {probe} port != --port {ns.port}"
+            assert _probe_port(c, probe) == ns.port, f"{name}: {component} {probe} port != --port {ns.port}"
+        if ns.tls_cert:  # test_tls_overlay checks those probes
+            continue
         full = c["readinessProbe"]["grpc"].get("service", "")
         assert full == pb.DESCRIPTOR.services_by_name[service].full_name
         assert "service" not in c["livenessProbe"]["grpc"]  # "" is the server's overall health
+
+
+def _probe_port(c: dict, probe: str) -> int:
+    """The port a gRPC or TCP probe checks (a named port resolved to the container's)."""
+    (how,) = [k for k in ("grpc", "tcpSocket", "httpGet", "exec") if k in c[probe]]
+    port = c[probe][how]["port"]
+    if isinstance(port, str):
+        (port,) = [p["containerPort"] for p in c["ports"] if p["name"] == port]
+    return port
 
 
 def test_pools_agree_on_what_sizes_the_transferred_state(rendered, parser):
@@ -328,7 +350,7 @@ def test_gpu_requests_equal_tp_in_the_gpu_overlay_only(rendered, parser):
         c = _container(_workload(objs, pool), pool)
         ns = _parse(parser, objs, c)
         res = c.get("resources", {})
-        if name == "gpu":
+        if _flavour(name) == "gpu":
             assert ns.device == "cuda"
             assert int(res["limits"][GPU]) == ns.tp == int(res["requests"].get(GPU, ns.tp)), (pool, res, ns.tp)
         else:
@@ -361,7 +383,7 @@ def test_one_disruption_budget_per_pool(rendered):
 
 def test_overlays_pick_their_image(rendered):
     name, objs = rendered
-    want = {"base": "pdserve", "cpu-dev": "pdserve:cpu", "gpu": "pdserve:cuda"}[name]
+    want = {"base": "pdserve", "cpu-dev": "pdserve:cpu", "gpu": "pdserve:cuda"}[_flavour(name)]
     for component in COMPONENTS:
         for c in _pdserve_containers(_workload(objs, component)):
             assert c["image"] == want
@@ -422,3 +444,58 @@ def test_the_cluster_token_and_api_keys_come_from_secrets(rendered, parser):
             assert not ns.api_key, f"{name}: an API key on the router's command line"
     config = _find(objs, "ConfigMap", "pdserve-config")["data"]
     assert not [k for k in config if k.endswith(("_TOKEN", "_KEY", "_KEYS"))], f"{name}: a secret in the ConfigMap"
+
+
+# ---- TLS -----------------------------------------------------------------------------------
+def test_tls_overlay(rendered, parser):
+    """components/tls: every server gets --tls-cert / --tls-key / --tls-ca naming the files of
+    the Secret pdserve-tls it mounts, and the shared --tls-server-name; no probe uses gRPC, each
+    keeps the timings the overlay without TLS gives it. Without the component nothing has TLS."""
+    name, objs = rendered
+    plain = render(TARGETS[_flavour(name)])
+    for component, w, c, ns in _servers(parser, objs):
+        flags = (ns.tls_cert, ns.tls_key, ns.tls_ca, ns.tls_server_name)
+        if not name.endswith("-tls"):
+            assert flags == (None,) * 4, f"{name}: {component} has TLS flags {flags}"
+            assert all("grpc" in c[p] for p in ("startupProbe", "readinessProbe", "livenessProbe"))
+            continue
+        files = {"tls.crt": ns.tls_cert, "tls.key": ns.tls_key, "ca.crt": ns.tls_ca}
+        for key, path in files.items():
+            assert path == f"{TLS_DIR}/{key}", f"{name}: {component} reads {key} from {path}"
+            assert _secret_file(w, c, path) == ("pdserve-tls", key), f"{name}: {component} {path}"
+        assert ns.tls_server_name == _find(objs, "ConfigMap", "pdserve-config")["data"]["TLS_SERVER_NAME"]
+        # the base's args are all still there, the TLS flags after them
+        base_args = _container(_workload(plain, component), component)["args"]
+        assert c["args"][: len(base_args)] == base_args and len(c["args"]) == len(base_args) + 4
+        before = _container(_workload(plain, component), component)
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            kept = {k: v for k, v in c[probe].items() if k != "tcpSocket"}
+            assert kept == {k: v for k, v in before[probe].items() if k != "grpc"}, f"{name}: {component} {probe}"
+            assert "grpc" not in c[probe] and _probe_port(c, probe) == ns.port
+        # the init container (cpu-dev's model maker) serves nothing and gets no TLS
+        for ic in w["spec"]["template"]["spec"].get("initContainers", []):
+            assert not any(a.startswith("--tls") for a in ic.get("args", []))
+
+
+def test_json6902_semantics():
+    obj = {"a": {"list": [1, 2], "x": {"y": 1}}, "b/c": {"~d": 0}}
+    out = json6902(
+        obj,
+        [
+            {"op": "add", "path": "/a/list/-", "value": 3},
+            {"op": "add", "path": "/a/list/0", "value": 0},
+            {"op": "remove", "path": "/a/x/y"},
+            {"op": "add", "path": "/a/x/z", "value": {"p": 1}},
+            {"op": "replace", "path": "/b~1c/~0d", "value": 5},
+        ],
+    )
+    assert out == {"a": {"list": [0, 1, 2, 3], "x": {"z": {"p": 1}}}, "b/c": {"~d": 5}}
+    assert obj["a"]["list"] == [1, 2]  # input unchanged
+    for bad in (
+        {"op": "remove", "path": "/a/missing"},
+        {"op": "replace", "path": "/a/list/5", "value": 0},
+        {"op": "add", "path": "/nope/x", "value": 0},
+        {"op": "move", "from": "/a", "path": "/c"},
+    ):
+        with pytest.raises(RenderError):
+            json6902(obj, [bad])

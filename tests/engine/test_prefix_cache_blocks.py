@@ -41,12 +41,15 @@ def step(sched):
 
 
 def run_first(sched):
-    """Request a: prompt PROMPT, 2 new tokens. Chunks stop on the snapshot grid (every 4 tokens)
-    and at the prompt's end: [0, 4) [4, 8) [8, 10), each saving a snapshot, then one decode step."""
+    """Request a: prompt PROMPT, 2 new tokens. The prompt runs in one chunk [0, 10) that saves the
+    snapshots on the grid (every 4 tokens) inside it from the forward (offsets 4, 8) and the one at
+    the prompt's end from the slot after it, then one decode step."""
     a = req("a", PROMPT)
     sched.add(a)
-    saves = [[c for _, c in step(sched).saves] for _ in range(3)]
-    assert saves == [[SnapshotCopy(0, 0, None)], [SnapshotCopy(1, 0, None)], [SnapshotCopy(2, 0, 2)]]
+    out = step(sched)
+    assert [r.num_new_tokens for r in out.rows] == [10]
+    saves = [c for _, c in out.saves]
+    assert saves == [SnapshotCopy(0, 0, None, 4), SnapshotCopy(1, 0, None, 8), SnapshotCopy(2, 0, 2)]
     assert a.block_ids == [0, 1, 2] and a.output_token_ids == [7]
     step(sched)
     assert a.status is Status.FINISHED
