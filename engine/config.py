@@ -342,12 +342,19 @@ class SpeculativeConfig:
     method: SpeculativeMethod = "ngram"
     ngram_max: int = 4  # longest suffix to look up
     ngram_min: int = 1  # shortest suffix to look up
-    # MTP depth control: a request's draft depth drops by one (down to 1) when the acceptance rate
-    # of its recent drafts (exponential average, weight `depth_ema`) falls under `depth_lower`, and
-    # climbs back by one (up to num_tokens) when it exceeds `depth_raise`
+    # Depth control (engine/scheduler.py): a request's draft depth drops by one (down to 1) when the
+    # acceptance rate of its recent drafts (exponential average, weight `depth_ema`) falls under
+    # `depth_lower`, and climbs back by one (up to num_tokens) when it exceeds `depth_raise`
     depth_lower: float = 0.3
     depth_raise: float = 0.6
     depth_ema: float = 0.5
+    # Depth 0: at depth 1 a draft pays only when its acceptance exceeds `draft_cost`, the cost of
+    # verifying and drafting one token relative to a plain decode step (1 + a tokens for 1 + c); under
+    # it the request stops drafting and probes again (one draft) after `probe_interval` steps, the
+    # wait doubling after each failed probe up to `probe_max`
+    draft_cost: float = 0.5
+    probe_interval: int = 8
+    probe_max: int = 64
 
     def __post_init__(self):
         if self.num_tokens < 0 or self.num_tokens > 16:
@@ -358,11 +365,24 @@ class SpeculativeConfig:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
         if not 0.0 <= self.depth_lower <= self.depth_raise <= 1.0 or not 0.0 < self.depth_ema <= 1.0:
             raise ValueError("need 0 <= depth_lower <= depth_raise <= 1 and 0 < depth_ema <= 1")
+        if not 0.0 <= self.draft_cost <= 1.0:
+            raise ValueError(f"speculative draft_cost must be in [0, 1] (got {self.draft_cost})")
+        if not 1 <= self.probe_interval <= self.probe_max:
+            raise ValueError("need 1 <= probe_interval <= probe_max")
 
     @property
     def mtp(self) -> bool:
         """Drafts come from the model's MTP block (its KV is a cache kind of its own)."""
         return self.method == "mtp" and self.num_tokens > 0
+
+
+def default_draft_cost(device: str) -> float:
+    """The draft cost (SpeculativeConfig.draft_cost) a device gets unless one is given: on the CPU a
+    step's GEMMs grow with its rows (2-4 rows cost 1.6-2.6x one, docs/ARCHITECTURE.md) and each draft
+    is one more MTP pass, so a draft costs about half a plain step (bench/mtp.py: 1.04 tokens per
+    step ran at 0.55-0.68x); on a GPU a decode step is bound by reading the weights, so a few more
+    rows cost little and one MTP layer is a small part of a step."""
+    return 0.5 if device == "cpu" else 0.1
 
 
 @dataclass(frozen=True)
@@ -441,6 +461,11 @@ class EngineArgs:
     prefix_snapshot_memory: float = option(
         0.1, "prefix caching: share of --kv-cache-memory for GDN state snapshots (LRU-evicted when full)"
     )
+    speculative_draft_cost: float | None = option(
+        None,
+        "cost of verifying and drafting one token relative to a plain decode step: a request whose draft "
+        "acceptance falls under it stops drafting, probing again now and then (default: 0.5 on cpu, 0.1 on cuda)",
+    )
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -454,7 +479,13 @@ class EngineArgs:
                 snapshot_fraction=self.prefix_snapshot_memory,
             ),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len),
-            speculative=SpeculativeConfig(num_tokens=self.num_speculative_tokens, method=self.speculative_method),
+            speculative=SpeculativeConfig(
+                num_tokens=self.num_speculative_tokens,
+                method=self.speculative_method,
+                draft_cost=default_draft_cost(self.device)
+                if self.speculative_draft_cost is None
+                else self.speculative_draft_cost,
+            ),
             device=self.device,
             seed=self.seed,
         )

@@ -34,6 +34,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         prefix_snapshot_interval: int = 256,
         prefix_snapshot_memory: float = 0.1,
+        speculative_draft_cost: float | None = None,
     ):
         self.config = EngineArgs(
             model,
@@ -51,6 +52,7 @@ class LLM:
             enable_prefix_caching,
             prefix_snapshot_interval,
             prefix_snapshot_memory,
+            speculative_draft_cost,
         ).engine_config()
         self.tokenizer = Tokenizer(model) if Tokenizer.exists(model) else None
         self.engine = EngineCore(self.config)

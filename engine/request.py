@@ -47,6 +47,10 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)  # MTP drafts proposed for the next step
     spec_depth: int = 0  # drafts per step for this request (lowered when acceptance is low); 0: off
     spec_acceptance: float = 1.0  # exponential average of the accepted fraction of its drafts
+    spec_first: float = 1.0  # exponential average of "its first draft was accepted"
+    spec_probing: bool = False  # depth 1 after depth 0: the next verification decides alone
+    spec_gap: int = 0  # depth 0: steps between probes (doubles after a failed probe, capped)
+    spec_wait: int = 0  # depth 0: steps left before the next probe
     output_logprobs: list = field(default_factory=list)  # params.logprobs: one TokenLogprob per output token
     prompt_logprobs: list = field(default_factory=list)  # params.prompt_logprobs: one per prompt token after the first
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at first admission

@@ -17,7 +17,12 @@ fewer. With MTP, a row that samples also gets pages for the positions its next d
 (the MTP block writes its KV there while drafting). Depth control, per request: after each
 verification the accepted fraction a/d updates an exponential average (weight `depth_ema`);
 under `depth_lower` the depth drops by one (not below 1), over `depth_raise` it climbs by one
-(not above k).
+(not above k). Depth 0: a row's first draft pays only when it is accepted more often than `draft_cost` (the cost
+of a draft relative to a plain step), so when the same kind of average of "the first draft was
+accepted" falls under it, the depth goes to 0 from any depth: the row is a plain decode row in the
+same batch. After `probe_interval` such steps the request probes: depth 1 again, and both
+averages take the probe's outcome alone; a failed probe returns to depth 0 with
+the wait doubled (up to `probe_max`), a passed one stays at depth 1 (climbing from there as before).
 
 Prefix caching (engine/cache/prefix.py): a waiting request is admitted from the longest cached
 prefix that has both its full pages and a GDN state snapshot; the step restores the snapshot into
@@ -264,12 +269,27 @@ class Scheduler:
         for i in range(proposed):
             self.drafts_per_position[i] += 1
             self.accepted_per_position[i] += i < accepted
-        w = self.spec.depth_ema
-        req.spec_acceptance = (1 - w) * req.spec_acceptance + w * accepted / proposed
-        if req.spec_acceptance < self.spec.depth_lower and req.spec_depth > 1:
+        sp, w = self.spec, self.spec.depth_ema
+        probe, req.spec_probing = req.spec_probing, False
+        w = 1.0 if probe else w  # the text may have changed since the request stopped drafting: the probe alone counts
+        a = req.spec_acceptance = (1 - w) * req.spec_acceptance + w * accepted / proposed
+        first = req.spec_first = (1 - w) * req.spec_first + w * (accepted > 0)
+        if first < sp.draft_cost:
+            req.spec_gap = min(2 * req.spec_gap, sp.probe_max) if probe else sp.probe_interval
+            req.spec_wait = req.spec_gap
+            req.spec_depth = 0
+        elif a < sp.depth_lower and req.spec_depth > 1:
             req.spec_depth -= 1
-        elif req.spec_acceptance > self.spec.depth_raise and req.spec_depth < self.num_spec_tokens:
+        elif a > sp.depth_raise and req.spec_depth < self.num_spec_tokens and not probe:
             req.spec_depth += 1
+
+    def _tick(self, req: Request) -> None:
+        """A sampling step of a request at depth 0 that could draft: count down to its next probe."""
+        if req.spec_depth or not self.num_spec_tokens or not req.params.speculates:
+            return
+        req.spec_wait -= 1
+        if req.spec_wait <= 0:
+            req.spec_depth, req.spec_probing = 1, True
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -386,6 +406,8 @@ class Scheduler:
             toks = sampled[req.request_id]
             if row.draft_token_ids:
                 self._record(req, len(row.draft_token_ids), len(toks) - 1)
+            else:
+                self._tick(req)
             if self.mtp:
                 req.draft_token_ids = drafts.get(req.request_id, []) if drafts else []
             # the pending token and the accepted drafts are now in the cache

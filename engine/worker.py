@@ -120,6 +120,8 @@ class Worker:
     def execute(self, step: StepInput) -> StepOutput | None:
         t0 = time.perf_counter()
         self.sampler.drop(step.finished_ids)
+        if self.drafter is not None:
+            self.drafter.drop(step.finished_ids)
         if not step.rows:
             return StepOutput({}) if self.rank == 0 else None
         batch = self.build_batch(step)

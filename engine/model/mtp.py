@@ -13,7 +13,11 @@ main model's. Draft k > 1 reuses the block on (h'_p, draft) at position p + 1, a
 `MTPDrafter` runs the block after a step's tokens are known: over every position whose next
 token is now known (prompt chunks, the pending token and the accepted drafts of a decode row),
 which fills the block's KV with the main model's hidden states, then recursively for the next
-step's drafts. Invariant: the MTP KV holds position p for every p < num_computed_tokens.
+step's drafts. A decode row that drafts nothing this step (its request at depth 0, see
+engine/scheduler.py) defers the fill: its positions' next tokens and hidden states wait in
+`pending` and run in one chunk with the request's next row that drafts or is not a plain decode
+row, or once `max_pending` positions wait. Invariant: the MTP KV holds position p for every
+p < num_computed_tokens that is not pending.
 """
 
 from __future__ import annotations
@@ -94,9 +98,26 @@ def mtp_batch(rows, block_size: int, device) -> ForwardBatch:
 class MTPDrafter:
     """Runs the MTP block after a step: fills its KV at the newly known positions and drafts."""
 
-    def __init__(self, block: MTPBlock, rotary: Rotary, block_size: int, max_positions: int, device):
+    def __init__(
+        self, block: MTPBlock, rotary: Rotary, block_size: int, max_positions: int, device, max_pending: int = 128
+    ):
         self.block, self.rotary = block, rotary
         self.block_size, self.max_positions, self.device = block_size, max_positions, device
+        self.max_pending = max_pending
+        # request id -> [first position, next-token ids, hidden-state chunks]: deferred KV fills
+        self.pending: dict[str, list] = {}
+
+    def drop(self, request_ids) -> None:
+        for rid in request_ids:
+            self.pending.pop(rid, None)
+
+    def _take(self, r: RowInput) -> tuple[int, list[int], list[torch.Tensor]]:
+        """The request's deferred positions, if they end where this row starts (a preempted
+        request computes everything again: its old ones are dropped)."""
+        p = self.pending.pop(r.request_id, None)
+        if p is None or p[0] + len(p[1]) != r.start_pos:
+            return r.start_pos, [], []
+        return p[0], p[1], p[2]
 
     @torch.inference_mode()
     def __call__(self, rows: list[RowInput], hidden: torch.Tensor, emitted: list[list[int]], kv) -> list[list[int]]:
@@ -104,7 +125,7 @@ class MTPDrafter:
         token of the step; emitted[i]: row i's emitted tokens (empty when it did not sample).
         Returns the drafts of every row (empty for rows that do not draft)."""
         bs = self.block_size
-        seg, ids, hid_idx = [], [], []  # (row, start_pos, n, blocks, depth) per MTP row
+        seg, ids, hid = [], [], []  # (row, start_pos, n, blocks, depth) per MTP row
         off = 0
         for i, r in enumerate(rows):
             n = len(r.token_ids)
@@ -112,18 +133,22 @@ class MTPDrafter:
             nxt = emitted[i] if r.sample else ([r.next_token] if r.next_token is not None else [])
             m = len(known) + len(nxt)  # positions start_pos .. start_pos + m - 1 have their next token
             if m > 0:
-                cap = min(len(r.block_ids) * bs, self.max_positions) - (r.start_pos + m - 1)
-                depth = max(0, min(r.draft_depth, cap)) if r.sample else 0
-                seg.append((i, r.start_pos, m, r.block_ids, depth))
-                ids += known + nxt
-                hid_idx += range(off, off + m)
+                start, p_ids, p_hid = self._take(r)
+                h = hidden[off : off + m]
+                if r.sample and r.is_decode and r.draft_depth == 0 and len(p_ids) + m <= self.max_pending:
+                    self.pending[r.request_id] = [start, p_ids + known + nxt, [*p_hid, h.clone()]]
+                else:
+                    cap = min(len(r.block_ids) * bs, self.max_positions) - (r.start_pos + m - 1)
+                    depth = max(0, min(r.draft_depth, cap)) if r.sample else 0
+                    seg.append((i, start, len(p_ids) + m, r.block_ids, depth))
+                    ids += p_ids + known + nxt
+                    hid += [*p_hid, h]
             off += n
         drafts: list[list[int]] = [[] for _ in rows]
         if not seg:
             return drafts
-        idx = torch.tensor(hid_idx, device=hidden.device)
         batch = mtp_batch([(s, m, b) for _, s, m, b, _ in seg], bs, self.device)
-        out = self._run(torch.tensor(ids, device=self.device), hidden[idx], batch, kv)
+        out = self._run(torch.tensor(ids, device=self.device), torch.cat(hid), batch, kv)
         live = [j for j, sg in enumerate(seg) if sg[4] > 0]
         if not live:
             return drafts

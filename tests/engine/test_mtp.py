@@ -9,6 +9,8 @@ in the same batches."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import hybrid_ckpt as hc
 import pytest
 import torch
@@ -147,17 +149,22 @@ def test_mtp_without_mtp_weights_fails_in_one_line(ckpt_hv2):
     assert "mtp" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_depth_control_lowers_and_restores_a_requests_draft_depth():
-    """Exponential average (weight 0.5) of the accepted fraction: under 0.3 the depth drops by
-    one (not below 1), over 0.6 it climbs by one (not above k); counters per draft position."""
+def _scheduler(k: int, **spec):
     from engine.cache.block_manager import BlockManager, SlotPool
     from engine.config import SchedulerConfig, SpeculativeConfig
-    from engine.request import Request
     from engine.scheduler import Scheduler
 
-    s = Scheduler(
-        SchedulerConfig(), BlockManager(8, 16), SlotPool(2), 128, 3, None, SpeculativeConfig(num_tokens=3, method="mtp")
-    )
+    cfg = SpeculativeConfig(num_tokens=k, method="mtp", **spec)
+    return Scheduler(SchedulerConfig(), BlockManager(8, 16), SlotPool(2), 128, k, None, cfg)
+
+
+def test_depth_control_lowers_and_restores_a_requests_draft_depth():
+    """Exponential average (weight 0.5) of the accepted fraction: under 0.3 the depth drops by
+    one, over 0.6 it climbs by one (not above k); counters per draft position. With draft_cost 0
+    a draft always pays, so the depth never goes under 1."""
+    from engine.request import Request
+
+    s = _scheduler(3, draft_cost=0.0)
     req = Request("r", [1, 2, 3], GREEDY)
     s.add(req)
     assert req.spec_depth == 3
@@ -171,3 +178,140 @@ def test_depth_control_lowers_and_restores_a_requests_draft_depth():
         depths.append(req.spec_depth)
     assert depths[4:] == [1, 2, 3]
     assert s.drafts_per_position == [7, 4, 2] and s.accepted_per_position == [3, 1, 0]
+
+
+def test_depth_drops_to_zero_and_probes_with_a_growing_wait():
+    """Two rejected first drafts in a row (average 0.25 < draft_cost 0.5): depth 0 from any depth.
+    Then a probe (depth 1) after 2, 4, 8, 8 plain steps (interval 2, doubling, capped at 8) while
+    probes fail; a passed probe keeps depth 1, and the depth climbs again from there."""
+    from engine.request import Request
+
+    s = _scheduler(3, probe_interval=2, probe_max=8)
+    req = Request("r", [1, 2, 3], GREEDY)
+    s.add(req)
+    s._record(req, 3, 0)
+    assert req.spec_depth == 3
+    s._record(req, 3, 0)
+    assert req.spec_depth == 0
+    waits = []
+    for _ in range(4):
+        n = 0
+        while req.spec_depth == 0:
+            s._tick(req)
+            n += 1
+        waits.append(n)
+        assert req.spec_depth == 1
+        s._tick(req)  # the probe's drafting step carries no drafts yet: no effect
+        s._record(req, 1, 0)  # the probe fails
+        assert req.spec_depth == 0
+    assert waits == [2, 4, 8, 8]
+    while req.spec_depth == 0:
+        s._tick(req)
+    s._record(req, 1, 1)  # passed: back to drafting, one draft
+    assert req.spec_depth == 1
+    s._record(req, 1, 1)
+    s._record(req, 2, 2)
+    assert req.spec_depth == 3
+    # a request that may not speculate (logprobs) never probes
+    other = Request("o", [1], SamplingParams(max_tokens=4, logprobs=1))
+    s.add(other)
+    for _ in range(20):
+        s._tick(other)
+    assert other.spec_depth == 0
+    assert s.drafts_per_position == [9, 3, 2] and s.accepted_per_position == [3, 1, 0]
+
+
+def _traced(llm):
+    """Run the engine's requests to the end, recording each request's depth after every step and
+    counting drafted / accepted tokens per draft position from the rows and emitted tokens."""
+    s = llm.engine.scheduler
+    depths: dict[int, list[int]] = {}
+    drafted, accepted = [0] * s.num_spec_tokens, [0] * s.num_spec_tokens
+    update = s.update
+
+    def spy(out, sampled, eos, drafts=None):
+        for row in out.rows:
+            toks = sampled.get(row.request.request_id, [])
+            for j in range(len(row.draft_token_ids)):
+                drafted[j] += 1
+                accepted[j] += all(row.draft_token_ids[i] == toks[i] for i in range(j + 1))
+        return update(out, sampled, eos, drafts)
+
+    s.update = spy
+    reqs = list(llm.engine.requests.values())
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        for r in reqs:
+            depths.setdefault(len(r.prompt_token_ids), []).append(r.spec_depth)
+    return depths, drafted, accepted
+
+
+def _tight_probes(llm, max_pending: int):
+    s = llm.engine.scheduler
+    s.spec = replace(s.spec, probe_interval=1, probe_max=4)
+    llm.engine.executor.worker.drafter.max_pending = max_pending
+
+
+def test_depth_zero_beside_drafting_rows_matches_transformers(ckpt_mtp, mtp_prompts, hf_ref_mtp):
+    """The unfitted 5-token prompt stops drafting and probes again while the fitted ones draft, in
+    the same batches; its deferred MTP fills (flushed every 3 positions or at a probe) keep the
+    tokens transformers' and the per-position counters those of the rows."""
+    with LLM(ckpt_mtp, dtype="float32", speculative_method="mtp", num_speculative_tokens=2) as llm:
+        _tight_probes(llm, 3)
+        reqs = [llm.engine.requests[llm.engine.add_request(p, GREEDY)] for p in mtp_prompts]
+        s = llm.engine.scheduler
+        depths, drafted, accepted = _traced(llm)
+        assert [r.output_token_ids for r in reqs] == hf_ref_mtp
+        assert (s.drafts_per_position, s.accepted_per_position) == (drafted, accepted)
+        assert llm.engine.blocks.num_free == llm.capacity().num_blocks
+        # deferred fills of finished requests go when the workers next hear of finished requests
+        llm.generate(prompt_token_ids=[[7]], sampling_params=SamplingParams(max_tokens=1))
+        assert not llm.engine.executor.worker.drafter.pending
+    trace = "".join(map(str, depths[5]))
+    assert "0" in trace and "01" in trace, trace  # stopped, then probed
+    assert "0" not in "".join(map(str, depths[40]))
+
+
+def _mtp_kv_after(llm, prompt, pause: int) -> tuple[list[int], torch.Tensor]:
+    """Generate with the request held at depth 0 for its first `pause` steps: its tokens, and the
+    MTP block's KV [positions, 2, KVH, hd] over every position whose next token is known."""
+    rid = llm.engine.add_request(prompt, GREEDY)
+    req = llm.engine.requests[rid]
+    req.spec_depth, req.spec_wait = (0, pause) if pause else (req.spec_depth, 0)
+    blocks = []
+    while llm.engine.has_unfinished():
+        blocks = list(req.block_ids) or blocks
+        llm.engine.step()
+    pool = llm.engine.executor.worker.pools.kv[llm.config.model.num_layers]  # [blocks, 2, KVH, bs, hd]
+    n = len(prompt) + len(req.output_token_ids) - 1
+    kv = torch.cat([pool[b] for b in blocks], dim=2)[:, :, :n].permute(2, 0, 1, 3)
+    return req.output_token_ids, kv.clone()
+
+
+def test_paused_request_drafts_again_from_an_up_to_date_mtp_kv(ckpt_mtp, mtp_prompts, hf_ref_mtp):
+    """A fitted request held at depth 0 for its first steps (MTP fills deferred, flushed every 3
+    positions and at the probe) probes, passes and climbs back to k: its tokens are transformers',
+    its MTP KV over the whole sequence is that of a run that never stopped drafting, and the
+    drafts it makes after are the reference block's argmax."""
+    prompt = mtp_prompts[2]
+    with LLM(ckpt_mtp, dtype="float32", speculative_method="mtp", num_speculative_tokens=2) as llm:
+        ref_out, ref_kv = _mtp_kv_after(llm, prompt, 0)
+        _tight_probes(llm, 3)
+        rid = llm.engine.add_request(prompt, GREEDY)
+        req = llm.engine.requests[rid]
+        req.spec_depth, req.spec_wait = 0, 5
+        seen = []  # (tokens so far, the first draft for the next step) once drafting again
+        depths = []
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+            depths.append(req.spec_depth)
+            if req.draft_token_ids and req.status.value == "running":
+                seen.append((prompt + req.output_token_ids, req.draft_token_ids[0]))
+        out, kv = _mtp_kv_after(llm, prompt, 8)
+    assert req.output_token_ids == out == ref_out == hf_ref_mtp[2]
+    assert depths[:4] == [0, 0, 0, 0] and depths[-1] == 2, depths
+    assert _rel(kv, ref_kv) < 1e-5
+    assert len(seen) >= 3
+    logits, _ = hc.hf_mtp_logits(ckpt_mtp, seen[-1][0])
+    for toks, d in seen:
+        assert int(logits[len(toks) - 2].argmax()) == d  # position p pairs h_p with token p + 1
