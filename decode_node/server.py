@@ -301,15 +301,14 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         def adopt(res: Reservation):  # loop thread: every rank's receiver takes the reservation
             inc = secrets.randbits(62)
             ranks = self.engine.executor.call_all(
-                xr.adopt, self.backend, rid, len(ids), list(res.block_ids), res.slot, lease, inc
+                xr.adopt, self.backend, rid, len(ids), list(res.block_ids), res.slot, lease, inc, res.cached_blocks
             )
             self.xfers[rid] = _Xfer(rid, inc, lease)
             return ranks
 
         try:
-            ranks = self.loop_api(
-                context, lambda: self.loop.reserve(rid, ids, params, on_reserved=adopt).result()
-            ).value
+            got = self.loop_api(context, lambda: self.loop.reserve(rid, ids, params, on_reserved=adopt).result())
+            ranks, cached = got.value, got.reservation.cached_blocks
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except NoRoom as e:
@@ -328,6 +327,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                     for t in ranks
                 ],
                 lease_s=lease,
+                cached_blocks=cached,
             )
         )
 

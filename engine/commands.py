@@ -60,6 +60,7 @@ class Reservation:
     request_id: str
     block_ids: tuple[int, ...]
     slot: int
+    cached_blocks: int = 0  # leading pages already holding the prompt's KV here: not transferred
 
 
 @dataclass(frozen=True)

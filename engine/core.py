@@ -111,14 +111,16 @@ class EngineCore:
         return req.request_id
 
     # ---- disaggregation hooks ----------------------------------------------------------
-    def reserve(self, prompt_token_ids, params: SamplingParams, request_id: str) -> tuple[list[int], int] | None:
+    def reserve(self, prompt_token_ids, params: SamplingParams, request_id: str) -> tuple[list[int], int, int] | None:
         """Decode side: set aside pages for prompt + 1 tokens and a GDN slot for a state another
-        node will write. Returns (block_ids, slot), or None when there is no room now."""
+        node will write. Returns (block_ids, slot, cached): the first `cached` pages already hold
+        the prompt's leading full pages (prefix cache) and are not to be written. None when there
+        is no room now."""
         req = self._new(prompt_token_ids, params, request_id)
         if not self.scheduler.reserve(req):
             return None
         self.requests[req.request_id] = req
-        return list(req.block_ids), req.slot
+        return list(req.block_ids), req.slot, req.num_cached_blocks
 
     def activate(self, request_id: str, first_token: int, drafts: list[int] = ()) -> RequestOutput:
         """Decode side: the reserved state has landed; the request joins the batch (with the

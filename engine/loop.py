@@ -330,7 +330,7 @@ class EngineLoop:
         got = self.engine.reserve(ids, params, rid)
         if got is None:
             raise NoRoom("no free KV pages or state slot for this prompt now")
-        res = Reservation(rid, tuple(got[0]), got[1])
+        res = Reservation(rid, tuple(got[0]), got[1], got[2])
         if on_reserved is None:
             return Reserved(res)
         try:

@@ -311,14 +311,33 @@ class Scheduler:
 
     # ---- disaggregation: memory held outside the running batch -------------------------
     def reserve(self, req: Request) -> bool:
-        """Pages for the prompt and the first decoded token, and a GDN slot, or False."""
-        need = self.blocks.blocks_for(req.num_tokens + 1)
-        if not self.blocks.can_allocate(need) or self.slots.num_free == 0:
+        """Pages for the prompt and the first decoded token, and a GDN slot, or False. The
+        prompt's leading full pages this node has cached are shared (by reference), not
+        allocated: `req.num_cached_blocks` of them, which the transfer skips. No snapshot is
+        needed: the GDN state always travels."""
+        shared = self._cached_pages(req)
+        need = self.blocks.blocks_for(req.num_tokens + 1) - len(shared)
+        taken = sum(self.blocks.is_free(b) for b in shared)  # cached pages nobody used: now in use
+        if not self.blocks.can_allocate(need + taken) or self.slots.num_free == 0:
             return False
-        req.block_ids = self.blocks.allocate(need)
+        self.blocks.touch(shared)
+        req.block_ids = shared + self.blocks.allocate(need)
+        req.num_registered = req.num_cached_blocks = len(shared)
         req.slot = self.slots.allocate()
         req.status = Status.RESERVED
         return True
+
+    def _cached_pages(self, req: Request) -> list[int]:
+        """The cached pages holding the prompt's leading full pages (none without a prefix cache)."""
+        if self.prefix is None:
+            return []
+        pages = []
+        for h in self._hashes(req):
+            page = self.blocks.lookup(h)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
 
     def activate(self, req: Request, first_token: int, eos: tuple[int, ...], drafts: list[int] = ()) -> None:
         """The prompt's state has landed in the reservation: decode from the first token on

@@ -71,7 +71,7 @@ def _target(t: pb.TransferTarget):
 
     ranks = [TargetRank(r.agent, r.rank, list(r.block_ids), r.slot, r.incarnation) for r in t.ranks]
     ranks.sort(key=lambda r: r.rank)
-    return Target(t.request_id, t.node_id, t.tp_size, t.schema_digest, t.num_tokens, ranks)
+    return Target(t.request_id, t.node_id, t.tp_size, t.schema_digest, t.num_tokens, ranks, t.cached_blocks)
 
 
 class PrefillNode(NodeServer, rpc.PrefillNodeServicer):

@@ -283,7 +283,7 @@ class TargetRank(_message.Message):
     def __init__(self, agent: _Optional[str] = ..., rank: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class TransferTarget(_message.Message):
-    __slots__ = ("request_id", "node_id", "tp_size", "schema_digest", "num_tokens", "ranks", "lease_s")
+    __slots__ = ("request_id", "node_id", "tp_size", "schema_digest", "num_tokens", "ranks", "lease_s", "cached_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +291,7 @@ class TransferTarget(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     node_id: str
     tp_size: int
@@ -298,7 +299,8 @@ class TransferTarget(_message.Message):
     num_tokens: int
     ranks: _containers.RepeatedCompositeFieldContainer[TargetRank]
     lease_s: float
-    def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., schema_digest: _Optional[str] = ..., num_tokens: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[TargetRank, _Mapping]]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    cached_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., schema_digest: _Optional[str] = ..., num_tokens: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[TargetRank, _Mapping]]] = ..., lease_s: _Optional[float] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_s")

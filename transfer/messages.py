@@ -3,7 +3,7 @@
 Protocol for one request and one (source rank -> destination rank) channel:
 
     receiver.reserve() -> TargetRank (blocks, slot, incarnation) -> router -> sender
-    sender   --Begin(src/dst ids)-->  receiver   checks the reservation is live and the ids match
+    sender   --Begin(src/dst ids, the cached pages left out)-->  receiver   checks the reservation is live and the ids match
     sender   <--Grant | Refuse----    receiver   a Grant means: no write before this, memory held
     sender   ==WRITE (data)=======>   receiver   one-sided (NIXL) or tagged messages (UCXX)
     sender   --Done(bytes, crc)--->   receiver   after its writes landed; complete when all sources did
@@ -46,6 +46,7 @@ class Target(msgspec.Struct, frozen=True):
     digest: str  # ModelDigest.fingerprint() of the destination
     num_tokens: int
     ranks: list[TargetRank]
+    cached_blocks: int = 0  # leading pages the destination already holds: not written (plan.skip_cached)
 
 
 class Begin(msgspec.Struct, tag="begin", frozen=True):
@@ -60,6 +61,7 @@ class Begin(msgspec.Struct, tag="begin", frozen=True):
     src_slot: int
     dst_blocks: list[int]
     dst_slot: int
+    cached_blocks: int = 0  # pages before src_blocks / dst_blocks that the destination already holds
 
 
 class Grant(msgspec.Struct, tag="grant", frozen=True):

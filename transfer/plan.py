@@ -14,6 +14,8 @@ Two steps, both pure:
   head-major (transfer.schema), so a head's K and V of a run of blocks consecutive on both sides
   is one range: a request whose blocks were handed out in order moves as one range per
   (layer, head), whatever the two TP sizes.
+- `skip_cached(...)`: pages the destination already holds (its prefix cache, `Target.cached_blocks`)
+  are left out on both sides before expanding; the GDN state always moves.
 
 The NIXL backend prepares descriptor lists from the same templates in the same order, so the
 descriptors NIXL merges are exactly the ranges `plan` returns.
@@ -208,6 +210,15 @@ def expand_arrays(pairs: Sequence[RegionPair], src_blocks, dst_blocks, src_slot:
     return reg[first], so[first], do[first], np.add.reduceat(ln, first)
 
 
+def skip_cached(src_blocks, dst_blocks, cached_blocks: int) -> tuple[list[int], list[int]]:
+    """The block pairs that move when the destination already holds the first `cached_blocks`
+    pages (its prefix cache): the rest. The sender does not read the skipped pages, the receiver
+    does not expect them; state slots always move."""
+    if not 0 <= cached_blocks <= len(src_blocks):
+        raise PlanError(f"{cached_blocks} cached blocks of a request of {len(src_blocks)} blocks")
+    return list(src_blocks)[cached_blocks:], list(dst_blocks)[cached_blocks:]
+
+
 def plan_nbytes(pairs: Sequence[RegionPair], num_blocks: int) -> int:
     """Bytes the ranges of `pairs` cover for a request of `num_blocks` blocks: what
     `expand_arrays` returns summed, without expanding (coalescing never changes the sum)."""
@@ -223,14 +234,24 @@ def expand(pairs: Sequence[RegionPair], src_blocks, dst_blocks, src_slot: int, d
 
 
 def plan(
-    src: RankSchema, dst: RankSchema, src_blocks, dst_blocks, src_slot: int, dst_slot: int, layers=None, kinds=None
+    src: RankSchema,
+    dst: RankSchema,
+    src_blocks,
+    dst_blocks,
+    src_slot: int,
+    dst_slot: int,
+    layers=None,
+    kinds=None,
+    cached_blocks: int = 0,
 ) -> list[Range]:
     """The coalesced byte ranges source rank `src.tp_rank` writes into destination rank `dst.tp_rank`.
 
     `src_blocks[i]` holds the same tokens as `dst_blocks[i]`; `src_slot` / `dst_slot` are the
-    request's GDN state slots. `layers` / `kinds` restrict the plan (streaming KV by layer).
+    request's GDN state slots. `layers` / `kinds` restrict the plan (streaming KV by layer);
+    the first `cached_blocks` pairs are left out (`skip_cached`).
     """
-    return expand(selected(pair_templates(src, dst), layers, kinds), src_blocks, dst_blocks, src_slot, dst_slot)
+    sb, db = skip_cached(src_blocks, dst_blocks, cached_blocks)
+    return expand(selected(pair_templates(src, dst), layers, kinds), sb, db, src_slot, dst_slot)
 
 
 def sources_for(src_schemas: Sequence[RankSchema], dst: RankSchema) -> list[int]:

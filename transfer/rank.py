@@ -129,8 +129,10 @@ def close(worker, backend: str) -> None:
         ep.close()
 
 
-def make_target(ranks: list[TargetRank], node: str, request_id: str, prompt_len: int, tp: int, digest: str) -> Target:
-    return Target(request_id, node, tp, digest, prompt_len, sorted(ranks, key=lambda t: t.rank))
+def make_target(
+    ranks: list[TargetRank], node: str, request_id: str, prompt_len: int, tp: int, digest: str, cached_blocks: int = 0
+) -> Target:
+    return Target(request_id, node, tp, digest, prompt_len, sorted(ranks, key=lambda t: t.rank), cached_blocks)
 
 
 # ---- sender (prefill) --------------------------------------------------------------------------
@@ -186,12 +188,21 @@ def _no_free(blocks: list[int], slot: int) -> None:
 
 
 def adopt(
-    worker, backend: str, rid: str, prompt_len: int, blocks: list[int], slot: int, lease_s: float | None, inc: int
+    worker,
+    backend: str,
+    rid: str,
+    prompt_len: int,
+    blocks: list[int],
+    slot: int,
+    lease_s: float | None,
+    inc: int,
+    cached_blocks: int = 0,
 ) -> TargetRank:
     """Take the engine's reservation under a lease (None: the endpoint's TransferConfig.lease_s);
-    returns this rank's target."""
+    its first `cached_blocks` pages already hold the prompt's KV and are not written. Returns
+    this rank's target."""
     req = _receiver(worker, backend).adopt(
-        rid, prompt_len, blocks, slot, lease_s=lease_s, incarnation=inc, free=_no_free
+        rid, prompt_len, blocks, slot, lease_s=lease_s, incarnation=inc, free=_no_free, cached_blocks=cached_blocks
     )
     return req.target
 

@@ -44,9 +44,11 @@ class RecvRequest:
         slot: int,
         prompt_len: int,
         lease_s: float,
+        cached_blocks: int = 0,
     ):
         self.receiver, self.request_id, self.incarnation = receiver, request_id, incarnation
         self.blocks, self.slot, self.prompt_len = blocks, slot, prompt_len
+        self.cached_blocks = cached_blocks  # leading pages that hold the prompt's KV already: not written
         self.lease_s = lease_s
         self.deadline = time.monotonic() + lease_s
         self.renewals = 0  # Renew messages that restarted the lease
@@ -137,22 +139,36 @@ class Receiver(Endpoint):
         lease_s: float | None = None,
         incarnation: int | None = None,
         free: Callable[[list[int], int], None] | None = None,
+        cached_blocks: int = 0,
     ) -> RecvRequest:
         """Reserve memory the caller already allocated (e.g. the engine's scheduler). When the
         reservation fails, `free(blocks, slot)` is called once no write can land (default: this
-        endpoint's BlockManager / SlotPool); a done request is handed back by take()."""
+        endpoint's BlockManager / SlotPool); a done request is handed back by take(). The first
+        `cached_blocks` blocks already hold the prompt's KV: sources leave them out."""
+        if not 0 <= cached_blocks <= min(len(blocks), prompt_len // self.schema.block_size):
+            raise TransferError(
+                f"{cached_blocks} cached blocks in a reservation of {len(blocks)} for {prompt_len} tokens"
+            )
         inc = incarnation if incarnation is not None else secrets.randbits(62)
         if (request_id, inc) in self.requests:
             raise TransferError(f"reservation {request_id}/{inc} exists on {self.agent}")
-        req = RecvRequest(self, request_id, inc, list(blocks), slot, prompt_len, lease_s or self.config.lease_s)
+        req = RecvRequest(
+            self, request_id, inc, list(blocks), slot, prompt_len, lease_s or self.config.lease_s, cached_blocks
+        )
         req.free_fn = free
         self.requests[(request_id, inc)] = req
         return req
 
-    def target(self, ranks: list[TargetRank], request_id: str, prompt_len: int) -> Target:
+    def target(self, ranks: list[TargetRank], request_id: str, prompt_len: int, cached_blocks: int = 0) -> Target:
         """The node-wide target (every destination rank's TargetRank, by rank) to hand to the router."""
         return Target(
-            request_id, self.node, self.schema.tp_size, self.digest, prompt_len, sorted(ranks, key=lambda t: t.rank)
+            request_id,
+            self.node,
+            self.schema.tp_size,
+            self.digest,
+            prompt_len,
+            sorted(ranks, key=lambda t: t.rank),
+            cached_blocks,
         )
 
     # -- protocol events -----------------------------------------------------------------------
@@ -234,17 +250,17 @@ class Receiver(Endpoint):
             raise TransferError(f"request {req.request_id} is bound to source node {req.node}, not {msg.node}")
         if msg.rank not in req.expected or msg.rank in req.begins:
             raise TransferError(f"unexpected or repeated Begin from source rank {msg.rank}")
-        bs = self.schema.block_size
-        if msg.num_tokens > req.prompt_len or len(msg.src_blocks) != -(-msg.num_tokens // bs):
+        bs, k = self.schema.block_size, req.cached_blocks
+        if msg.cached_blocks != k:
+            raise TransferError(f"source skips {msg.cached_blocks} cached blocks, this reservation has {k}")
+        if msg.num_tokens > req.prompt_len or k + len(msg.src_blocks) != -(-msg.num_tokens // bs):
             raise TransferError(
-                f"{msg.num_tokens} tokens in {len(msg.src_blocks)} blocks do not fit a reservation "
-                f"for {req.prompt_len} tokens"
+                f"{msg.num_tokens} tokens in {k} cached + {len(msg.src_blocks)} blocks do not fit a "
+                f"reservation for {req.prompt_len} tokens"
             )
-        if msg.dst_blocks != req.blocks[: len(msg.src_blocks)] or msg.dst_slot != req.slot:
-            raise TransferError(
-                f"ids {msg.dst_blocks}/{msg.dst_slot} are not this reservation's "
-                f"{req.blocks[: len(msg.src_blocks)]}/{req.slot}"
-            )
+        want = req.blocks[k : k + len(msg.src_blocks)]
+        if msg.dst_blocks != want or msg.dst_slot != req.slot:
+            raise TransferError(f"ids {msg.dst_blocks}/{msg.dst_slot} are not this reservation's {want}/{req.slot}")
         check_ids(peer.pairs, msg.src_blocks, msg.dst_blocks, msg.src_slot, msg.dst_slot)
 
     def _peer_removed(self, peer: Peer, reason: str) -> None:

@@ -23,7 +23,7 @@ from transfer.backend import TransferState, WriteJob, byte_view, host_bytes
 from transfer.endpoint import Endpoint, Peer
 from transfer.errors import PlanError, TransferError
 from transfer.messages import Abort, Begin, Done, Grant, Refuse, Release, Renew, Target, TargetRank, encode_control
-from transfer.plan import check_ids, expand_arrays, pair_templates, plan_nbytes
+from transfer.plan import check_ids, expand_arrays, pair_templates, plan_nbytes, skip_cached
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,9 @@ def channel_checksum(pairs, views, side: str, src_blocks, dst_blocks, src_slot, 
 class _Channel:
     """This source rank -> one destination rank, for one request."""
 
-    def __init__(self, dst: TargetRank, peer: Peer):
+    def __init__(self, dst: TargetRank, peer: Peer, dst_blocks: list[int]):
         self.dst, self.peer = dst, peer
+        self.dst_blocks = dst_blocks  # the destination pages written (cached ones left out)
         self.granted: bool | None = None  # None: Begin sent, no answer yet
         self.tag_base = 0
         self.sent: set[int] = set()  # indices into peer.pairs already posted
@@ -67,6 +68,7 @@ class SendRequest:
     ):
         self.sender, self.request_id, self.target = sender, request_id, target
         self.src_blocks, self.src_slot, self.num_tokens, self.owned = src_blocks, src_slot, num_tokens, owned
+        self.xfer_blocks, _ = skip_cached(src_blocks, src_blocks, target.cached_blocks)  # the pages read
         self.state = TransferState.PENDING
         self.error: str | None = None
         self.channels: dict[int, _Channel] = {}
@@ -168,7 +170,8 @@ class Sender(Endpoint):
                     f"destination rank {tr.rank} reserved {len(tr.blocks)} blocks, {len(src_blocks)} needed"
                 )
             check_ids(peer.pairs, src_blocks, tr.blocks[: len(src_blocks)], src_slot, tr.slot)
-            req.channels[tr.rank] = _Channel(tr, peer)
+            _, dst_blocks = skip_cached(src_blocks, tr.blocks[: len(src_blocks)], target.cached_blocks)
+            req.channels[tr.rank] = _Channel(tr, peer, dst_blocks)
         self.requests[request_id] = req
         for ch in req.channels.values():
             self._send(
@@ -181,10 +184,11 @@ class Sender(Endpoint):
                     self.rank,
                     self.schema.tp_size,
                     num_tokens,
-                    req.src_blocks,
+                    req.xfer_blocks,
                     src_slot,
-                    ch.dst.blocks[: len(src_blocks)],
+                    ch.dst_blocks,
                     ch.dst.slot,
+                    target.cached_blocks,
                 ),
             )
         if not req.channels:
@@ -237,16 +241,16 @@ class Sender(Endpoint):
             i for i in range(len(pairs)) if i not in ch.sent and (final or layers is None or pairs[i].layer in layers)
         ]
         ch.sent.update(todo)
-        dst_blocks = ch.dst.blocks[: len(req.src_blocks)]
+        dst_blocks = ch.dst_blocks
         notif = None
         if final:
             ch.final_posted = True
             crc = None
             if self.config.checksum:
                 crc, _ = channel_checksum(
-                    pairs, self.views, "src", req.src_blocks, dst_blocks, req.src_slot, ch.dst.slot
+                    pairs, self.views, "src", req.xfer_blocks, dst_blocks, req.src_slot, ch.dst.slot
                 )
-            nbytes = plan_nbytes(pairs, len(req.src_blocks))  # on the post's path: no expansion
+            nbytes = plan_nbytes(pairs, len(req.xfer_blocks))  # on the post's path: no expansion
             req.nbytes += nbytes
             done = Done(req.request_id, ch.dst.incarnation, self.agent, self.rank, nbytes, crc)
             notif = encode_control(done)
@@ -254,7 +258,7 @@ class Sender(Endpoint):
                 ch.pending_done = notif
                 notif = None
         job = WriteJob(
-            [(i, pairs[i]) for i in todo], req.src_blocks, dst_blocks, req.src_slot, ch.dst.slot, notif, ch.tag_base
+            [(i, pairs[i]) for i in todo], req.xfer_blocks, dst_blocks, req.src_slot, ch.dst.slot, notif, ch.tag_base
         )
         if todo or notif is not None:
             x = self.transport.write(ch.peer.agent, job)
@@ -349,9 +353,8 @@ class Sender(Endpoint):
                 continue
             if ch.granted:
                 unsent = [(i, p) for i, p in enumerate(ch.peer.pairs) if i not in ch.sent]
-                dst_blocks = ch.dst.blocks[: len(req.src_blocks)]
                 self.transport.drain(
-                    ch.peer.agent, unsent, req.src_blocks, dst_blocks, req.src_slot, ch.dst.slot, ch.tag_base
+                    ch.peer.agent, unsent, req.xfer_blocks, ch.dst_blocks, req.src_slot, ch.dst.slot, ch.tag_base
                 )
             self._send(
                 ch.peer.agent, Abort(req.request_id, ch.dst.incarnation, self.agent, self.rank, req.error or "aborted")

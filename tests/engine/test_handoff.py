@@ -49,7 +49,7 @@ def test_prefill_hold_reserve_activate_matches_colocated(pair, llm_hv2, prompts)
         assert reason == "prefilled" and len(first) == 1
         src_blocks, src_slot = P.held(rid)
         assert len(src_blocks) == P.blocks.blocks_for(len(prompt))
-        dst_blocks, dst_slot = D.reserve(prompt, SP, rid)
+        dst_blocks, dst_slot, _ = D.reserve(prompt, SP, rid)
         assert len(dst_blocks) == D.blocks.blocks_for(len(prompt) + 1)
         _copy_state(P, D, src_blocks, src_slot, dst_blocks, dst_slot)
         P.release(rid)
@@ -94,3 +94,29 @@ def test_first_token_that_finishes(pair):
         P.add_request([1, 2], SP, "busy")
         P.activate("busy", 3)
     P.abort("busy")
+
+
+def test_reserve_shares_cached_prompt_pages_and_frees_them_by_reference(pair):
+    """A decode engine that holds a prompt's leading full pages reserves only the rest; a shared
+    page goes back to the free list once no reservation uses it."""
+    _, D = pair
+    bs = D.blocks.block_size
+    prompt = list(range(500, 500 + 2 * bs + 3))  # two full pages and a partial one
+    free = (D.blocks.num_free, D.slots.num_free)
+    first, _, cached = D.reserve(prompt, SP, "t1")
+    assert cached == 0 and len(first) == D.blocks.blocks_for(len(prompt) + 1)
+    D.activate("t1", 7)
+    _drain(D, "t1")  # its decode steps register the full prompt pages
+    assert (D.blocks.num_free, D.slots.num_free) == free
+    a, _, ca = D.reserve(prompt + [1, 2], SP, "a")
+    b, _, cb = D.reserve(prompt, SP, "b")
+    assert ca == cb == 2 and a[:2] == b[:2] == first[:2] and not set(a[2:]) & set(b)
+    assert D.blocks.num_free == free[0] - len(a) - (len(b) - 2)
+    D.release("a")
+    assert not any(D.blocks.is_free(p) for p in first[:2])  # "b" still uses them
+    assert D.blocks.num_free == free[0] - len(b)
+    c, _, cc = D.reserve([9, *prompt], SP, "c")  # another first page: nothing shared
+    assert cc == 0 and not set(c) & set(b)
+    D.release("b")
+    D.release("c")
+    assert (D.blocks.num_free, D.slots.num_free) == free

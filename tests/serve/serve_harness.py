@@ -25,6 +25,7 @@ CLUSTER_TOKEN = "serve-tests-cluster-token"
 
 LENS = (1, 3, 64, 65, 200)
 NEW = 16
+BLOCK = 16  # --block-size of the clusters that check transfer byte counts
 
 
 class Proc:
@@ -188,14 +189,16 @@ def node_info(address: str, node_id: str, c=None):
     return next(n.node for n in nodes(address, c) if n.node.node_id == node_id)
 
 
-def check_disaggregated_greedy(model: str, ps, want, a: int, b: int, requests: int, what: str = "") -> None:
+def check_disaggregated_greedy(model: str, ps, want, a: int, b: int, requests: int, what: str = "", then=None) -> None:
     """`pdserve up` with one prefill node at TP a and one decode node at TP b, every prompt through
-    the transfer: `greedy_through_transfer`."""
+    the transfer: `greedy_through_transfer`; then `then(address)`, when given, on the same cluster."""
     up = Up("--model", model, "--dtype", "float32", "--prefill", "1", "--decode", "1", "--prefill-tp", str(a),
-            "--decode-tp", str(b), "--local-prefill-threshold", "0")  # fmt: skip
+            "--decode-tp", str(b), "--local-prefill-threshold", "0", "--block-size", str(BLOCK))  # fmt: skip
     try:
         assert node_info(up.address, "decode-0").tp_size == b and node_info(up.address, "prefill-0").tp_size == a
         greedy_through_transfer(up.address, ps, want, requests, f"{what}tp {a} -> {b}: ")
+        if then is not None:
+            then(up.address)
     finally:
         rc = up.stop()
     assert rc == 0, up.output()
@@ -224,3 +227,40 @@ def greedy_through_transfer(address: str, ps, want, requests: int, what: str = "
         assert r.token_ids == want[i], f"{what}prompt of {len(ps[i])} tokens"
         assert r.prefill_node == "prefill-0" and r.transfer_bytes > 0
     wait_for(lambda: decode_stats(d.address, node_creds).capacity == initial, 30, "the decode node's memory back")
+
+
+def state_bytes(model: str, block_size: int = BLOCK) -> tuple[int, int]:
+    """(bytes of one KV page over every full-attention layer, bytes of one request's GDN state over
+    every GDN layer) of a float32 checkpoint, from transformers' config of it."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model)
+    t = getattr(c, "text_config", c)
+    full = sum(k == "full_attention" for k in t.layer_types)
+    gdn = len(t.layer_types) - full
+    hk, hv, dk, dv = t.linear_num_key_heads, t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim
+    conv = (2 * hk * dk + hv * dv) * (t.linear_conv_kernel_dim - 1)
+    return full * 2 * t.num_key_value_heads * block_size * t.head_dim * 4, gdn * (conv + hv * dk * dv) * 4
+
+
+def check_decode_prefix_reuse(model: str, address: str, new: int = 4, block_size: int = BLOCK) -> None:
+    """A two-turn conversation on a cluster with one decode node: both turns give transformers'
+    greedy tokens, and the second moves only the pages after the first turn's full prompt pages
+    (the decode node holds those in its prefix cache) and the GDN state."""
+    import hybrid_ckpt as hc
+
+    from client import Client
+
+    page, state = state_bytes(model, block_size)
+    turn1 = hc.prompts(lens=(2 * block_size + 5,), seed=11)[0]  # two full pages and a partial one
+    with Client(address, timeout=180) as c:
+        c.wait_ready(timeout=90)
+        r1 = c.generate(prompt_token_ids=turn1, max_tokens=new, temperature=0.0, ignore_eos=True)
+        turn2 = turn1 + r1.token_ids + hc.prompts(lens=(block_size + 3,), seed=12)[0]
+        r2 = c.generate(prompt_token_ids=turn2, max_tokens=new, temperature=0.0, ignore_eos=True)
+    assert r1.token_ids == hc.hf_greedy(model, turn1, new)
+    assert r2.token_ids == hc.hf_greedy(model, turn2, new)
+    assert r1.prefill_node == r2.prefill_node == "prefill-0"
+    assert r1.transfer_bytes == -(-len(turn1) // block_size) * page + state  # nothing cached yet
+    fresh = -(-len(turn2) // block_size) - len(turn1) // block_size
+    assert r2.transfer_bytes == fresh * page + state, f"{fresh} new pages of {page} B and {state} B of GDN state"

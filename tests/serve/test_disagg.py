@@ -11,13 +11,24 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from serve_harness import NEW, Up, check_disaggregated_greedy, decode_stats, descendants, node_info, wait_for
+from serve_harness import (
+    NEW,
+    Up,
+    check_decode_prefix_reuse,
+    check_disaggregated_greedy,
+    decode_stats,
+    descendants,
+    node_info,
+    wait_for,
+)
 
 
 @pytest.mark.parametrize("a,b", [(2, 1), (1, 2)], ids=["tp2to1", "tp1to2"])
 def test_greedy_matches_transformers_across_tp(ckpt, refs, a, b):
+    """... and at TP 2 -> 1, a second turn of a conversation moves only its new pages."""
     ps, want = refs
-    check_disaggregated_greedy(ckpt, ps, want, a, b, requests=16)
+    then = (lambda addr: check_decode_prefix_reuse(ckpt, addr)) if (a, b) == (2, 1) else None
+    check_disaggregated_greedy(ckpt, ps, want, a, b, requests=16, then=then)
 
 
 def test_prefill_node_killed_with_requests_in_flight(ckpt):

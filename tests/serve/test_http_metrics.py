@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from serve_harness import Up, log_url, nodes, scrape, wait_for
+from serve_harness import BLOCK, Up, check_decode_prefix_reuse, log_url, nodes, scrape, wait_for
 
 PROMPT = "Hello world! How are you"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
@@ -21,7 +21,7 @@ GREEDY = dict(max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
 @pytest.fixture(scope="module")
 def up(ckpt):
     u = Up("--model", ckpt, "--dtype", "float32", "--decode", "1", "--prefill", "1", "--http-port", "0",
-           "--metrics-port", "0")  # fmt: skip
+           "--metrics-port", "0", "--block-size", str(BLOCK))  # fmt: skip
     yield u
     rc = u.stop()
     assert rc == 0, u.output()
@@ -230,3 +230,9 @@ def test_prefix_cache_hits_reach_sdk_usage_and_metrics(up, sdk, oai):
     assert moved(f"{p}_prefix_hit_tokens_total") == 2 * len(ids)
     assert moved(f"{p}_prefix_miss_tokens_total") == len(ids) + 2 + 3
     assert after[(f"{p}_prefix_snapshots_used", ())] >= 3 and after[(f"{p}_prefix_snapshot_memory_bytes", ())] > 0
+
+
+def test_second_turn_moves_only_its_new_pages(up, ckpt):
+    """TP 1 -> 1: the decode node holds the first turn's prompt pages; the second turn's transfer
+    skips them and both turns give transformers' greedy tokens."""
+    check_decode_prefix_reuse(ckpt, up.address)

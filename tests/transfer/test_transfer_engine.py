@@ -137,10 +137,10 @@ _connected: set = set()
 def _prefill_and_push(P: EngineCore, D: EngineCore, backend: str, rid: str, prompt, b: int, digest: str):
     """D reserves, P prefills (prefill-only) and pushes; once every rank is done and D holds,
     bit for bit, P's state re-sharded for TP=b, P releases. Returns P's finished output."""
-    dst_blocks, dst_slot = D.reserve(prompt, SP, rid)
+    dst_blocks, dst_slot, cached = D.reserve(prompt, SP, rid)  # cached: pages D holds from an earlier run
     inc = secrets.randbits(62)
-    ranks = D.executor.call_all(xr.adopt, backend, rid, len(prompt), dst_blocks, dst_slot, None, inc)
-    target = xr.make_target(ranks, f"D{b}", rid, len(prompt), b, digest)
+    ranks = D.executor.call_all(xr.adopt, backend, rid, len(prompt), dst_blocks, dst_slot, None, inc, cached)
+    target = xr.make_target(ranks, f"D{b}", rid, len(prompt), b, digest, cached)
     P.add_request(prompt, SP, rid, prefill_only=True)
     out = None
     while out is None:
@@ -151,9 +151,11 @@ def _prefill_and_push(P: EngineCore, D: EngineCore, backend: str, rid: str, prom
     P.executor.call_all(xr.send, backend, rid, target, src_blocks, src_slot, len(prompt))
     _until(P, D, backend, rid, inc)
     want = to_global(P.cfg, P.executor.call_all(read_state, src_blocks, src_slot))
-    got = D.executor.call_all(read_state, dst_blocks[: len(src_blocks)], dst_slot)
+    # the pages sent (not those D had cached: another prefill engine computed them) and the state
+    got = D.executor.call_all(read_state, dst_blocks[cached : len(src_blocks)], dst_slot)
     for r, g in enumerate(got):
         exp = reshard(D.cfg, want, r)
+        exp["kv"] = {layer: kv[cached:] for layer, kv in exp["kv"].items()}
         for kind in ("kv", "conv", "rec"):
             for layer in exp[kind]:
                 assert same_bits(g[kind][layer], exp[kind][layer]), f"rank {r} {kind} layer {layer} differs"
