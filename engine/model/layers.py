@@ -132,43 +132,15 @@ class GatedDeltaNet:
                 self.neg_A, self.dt_bias, self.w.norm, self.hk, self.hv, self.dk, self.dv, self.eps,
             )  # fmt: skip
             return self.all_reduce(self.w.w_out(o))
-        if batch.prefill is None and batch.decode.max_row_tokens == 1 and not x.is_cuda and cpu_ops.available(x.dtype):
-            o = cpu_ops.gdn_decode(
-                proj,
-                self.w.conv,
-                pools.conv[self.layer],
-                pools.recurrent[self.layer],
-                batch.decode.slot_ids,
-                self.neg_A,
-                self.dt_bias,
-                self.w.norm,
-                self.hk,
-                self.hv,
-                self.dk,
-                self.dv,
-                self.eps,
-            )  # the steps below, fused
-            return self.all_reduce(self.w.w_out(o))
-        if batch.prefill is None and not x.is_cuda and cpu_ops.available(x.dtype):  # speculative rows, fused
+        if batch.prefill is None and not x.is_cuda and cpu_ops.available(x.dtype):  # decode rows, fused in C
             grp = batch.decode
-            o = cpu_ops.gdn_verify(
-                proj,
-                self.w.conv,
-                pools.conv[self.layer],
-                pools.recurrent[self.layer],
-                grp.slot_ids,
-                grp.cu_seqlens,
-                pools.conv_scratch[self.layer],
-                pools.recurrent_scratch[self.layer],
-                self.neg_A,
-                self.dt_bias,
-                self.w.norm,
-                self.hk,
-                self.hv,
-                self.dk,
-                self.dv,
-                self.eps,
-            )
+            state = (self.w.conv, pools.conv[self.layer], pools.recurrent[self.layer], grp.slot_ids)
+            consts = (self.neg_A, self.dt_bias, self.w.norm, self.hk, self.hv, self.dk, self.dv, self.eps)
+            if grp.max_row_tokens == 1:  # the steps below, fused
+                o = cpu_ops.gdn_decode(proj, *state, *consts)
+            else:  # speculative rows: states kept for rollback
+                scratch = (pools.conv_scratch[self.layer], pools.recurrent_scratch[self.layer])
+                o = cpu_ops.gdn_verify(proj, *state, grp.cu_seqlens, *scratch, *consts)
             return self.all_reduce(self.w.w_out(o))
         qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
 
