@@ -165,7 +165,8 @@ def sampling_kwargs(sp: pb.SamplingParams) -> dict:
     kw: dict = {"top_k": sp.top_k, "ignore_eos": sp.ignore_eos, "stop_token_ids": tuple(sp.stop_token_ids),
                 "min_tokens": sp.min_tokens, "presence_penalty": sp.presence_penalty,
                 "frequency_penalty": sp.frequency_penalty}  # fmt: skip
-    for name in ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs", "prompt_logprobs"):
+    for name in ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs", "prompt_logprobs",
+                 "num_speculative_tokens"):  # fmt: skip
         if sp.HasField(name):
             kw[name] = getattr(sp, name)
     for name in ("temperature", "repetition_penalty"):
