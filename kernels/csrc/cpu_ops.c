@@ -7,8 +7,10 @@
  */
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 typedef uint16_t bf16_t;
 
@@ -104,6 +106,114 @@ static inline void exp_rows(float *x, int64_t n, float shift) {
     for (; i < n; i++) x[i] = exp_fast(x[i] - shift);
 }
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+/* ======================================================================================
+ * Thread pool: persistent workers that share one job's chunks.
+ *
+ * pool_run(fn, ctx, n, nthreads) calls fn(ctx, i, tid) once for every chunk 0 <= i < n, on
+ * the calling thread (tid 0) and up to nthreads - 1 pool workers (tid 1..), each taking the
+ * next chunk as it finishes one. The caller never waits for a worker to start: on a machine
+ * whose cores are busy with other processes a worker that is not scheduled simply takes no
+ * chunk and the caller does them all, where a static split (one slice per thread) would wait
+ * for the slowest thread's time slice. Workers are created on first use and kept; after a job
+ * they poll for the next one for a short while, then sleep on a condition variable. A call
+ * while another thread's job is running (two engines in one process) runs its chunks alone.
+ * tid < nthreads indexes per-thread scratch.
+ * ====================================================================================== */
+
+#define POOL_MAX 8
+#define POOL_SPIN_NS 40000 /* a worker polls this long for the next job before sleeping */
+
+typedef void (*chunk_fn)(void *ctx, int64_t chunk, int64_t tid);
+
+static struct {
+    pthread_mutex_t mu, run;
+    pthread_cond_t work;
+    chunk_fn fn;
+    void *ctx;
+    int64_t n, next, active, started;
+    int64_t done; /* chunks finished: written under mu, polled by the caller without it */
+    volatile int64_t seq; /* bumped per job: what a polling worker watches */
+} P = {.mu = PTHREAD_MUTEX_INITIALIZER, .run = PTHREAD_MUTEX_INITIALIZER, .work = PTHREAD_COND_INITIALIZER};
+static int pool_atfork; /* the fork handler is registered (once per process image) */
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void *pool_worker(void *arg) {
+    const int64_t tid = (int64_t)(intptr_t)arg;
+    int64_t seen = -1;
+    for (;;) {
+        /* poll for a new job a little while: the decode step calls ops back to back */
+        const int64_t t0 = now_ns();
+        while (__atomic_load_n(&P.seq, __ATOMIC_ACQUIRE) == seen && now_ns() - t0 < POOL_SPIN_NS)
+            __builtin_ia32_pause();
+        pthread_mutex_lock(&P.mu);
+        while (!(P.next < P.n && tid < P.active) && P.seq == seen) pthread_cond_wait(&P.work, &P.mu);
+        seen = P.seq;
+        while (P.next < P.n && tid < P.active) {
+            const int64_t i = P.next++;
+            const chunk_fn fn = P.fn;
+            void *ctx = P.ctx;
+            pthread_mutex_unlock(&P.mu);
+            fn(ctx, i, tid);
+            pthread_mutex_lock(&P.mu);
+            __atomic_store_n(&P.done, P.done + 1, __ATOMIC_RELEASE);
+        }
+        pthread_mutex_unlock(&P.mu);
+    }
+    return NULL;
+}
+
+static void pool_child(void) { /* after fork: the child has none of the parent's workers */
+    pthread_mutex_init(&P.mu, NULL);
+    pthread_mutex_init(&P.run, NULL);
+    pthread_cond_init(&P.work, NULL);
+    P.n = P.next = P.done = P.started = 0;
+}
+
+static void pool_run(chunk_fn fn, void *ctx, int64_t n, int64_t nthreads) {
+    if (nthreads > POOL_MAX) nthreads = POOL_MAX;
+    if (nthreads > n) nthreads = n;
+    if (nthreads <= 1 || pthread_mutex_trylock(&P.run) != 0) {
+        for (int64_t i = 0; i < n; i++) fn(ctx, i, 0);
+        return;
+    }
+    if (!pool_atfork) pool_atfork = pthread_atfork(NULL, NULL, pool_child) == 0;
+    while (P.started < nthreads - 1) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int ok = pthread_create(&t, &attr, pool_worker, (void *)(intptr_t)(P.started + 1)) == 0;
+        pthread_attr_destroy(&attr);
+        if (!ok) break;
+        P.started++;
+    }
+    if (nthreads > P.started + 1) nthreads = P.started + 1;
+    pthread_mutex_lock(&P.mu);
+    P.fn = fn, P.ctx = ctx, P.n = n, P.next = 0, P.done = 0, P.active = nthreads;
+    __atomic_store_n(&P.seq, P.seq + 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&P.work);
+    while (P.next < P.n) {
+        const int64_t i = P.next++;
+        pthread_mutex_unlock(&P.mu);
+        fn(ctx, i, 0);
+        pthread_mutex_lock(&P.mu);
+        __atomic_store_n(&P.done, P.done + 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&P.mu);
+    /* the chunks still running on workers are short: poll for them rather than sleep, which
+     * would give the core away and wait to be scheduled again */
+    for (int64_t spins = 0; __atomic_load_n(&P.done, __ATOMIC_ACQUIRE) < n; spins++) {
+        if (spins < 4096) __builtin_ia32_pause();
+        else sched_yield();
+    }
+    pthread_mutex_unlock(&P.run);
+}
 
 /* One decode token per row through a GDN layer, from its input projection to the gated norm.
  *   proj       [B, ld_proj]  rows [qkv (D) | z (Hv*dv) | b (Hv) | a (Hv)], model dtype
@@ -233,17 +343,19 @@ static inline v8f ld_bf8(const bf16_t *p) {
 }
 
 struct gemv_job {
-    int64_t n0, n1, M, N, K;
+    int64_t chunks, M, N, K;
     const float *x;
     const bf16_t *w;
     void *y;
     int bf16;
 };
 
-static void *gemv_run(void *arg) {
-    const struct gemv_job *j = arg;
+static void gemv_run(void *ctx, int64_t chunk, int64_t tid) {
+    (void)tid;
+    const struct gemv_job *j = ctx;
     const int64_t M = j->M, N = j->N, K = j->K, K8 = K & ~(int64_t)7;
-    for (int64_t n = j->n0; n < j->n1; n++) {
+    const int64_t n0 = N * chunk / j->chunks, n1 = N * (chunk + 1) / j->chunks;
+    for (int64_t n = n0; n < n1; n++) {
         const bf16_t *wr = j->w + n * K;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             const int64_t mb = M - m0 < 4 ? M - m0 : 4;
@@ -264,25 +376,15 @@ static void *gemv_run(void *arg) {
             }
         }
     }
-    return NULL;
 }
 
 void gemv_bf16(int64_t M, int64_t N, int64_t K, const float *x, const bf16_t *w, void *y, int bf16,
                int64_t nthreads) {
-    if (nthreads > 8) nthreads = 8;
-    if (nthreads < 1) nthreads = 1;
-    struct gemv_job jobs[8];
-    pthread_t tids[8];
-    int started[8] = {0};
-    for (int64_t t = 0; t < nthreads; t++) {
-        jobs[t] = (struct gemv_job){N * t / nthreads, N * (t + 1) / nthreads, M, N, K, x, w, y, bf16};
-        if (t > 0) started[t] = pthread_create(&tids[t], NULL, gemv_run, &jobs[t]) == 0;
-    }
-    gemv_run(&jobs[0]);
-    for (int64_t t = 1; t < nthreads; t++) {
-        if (started[t]) pthread_join(tids[t], NULL);
-        else gemv_run(&jobs[t]);
-    }
+    /* chunks of >= 64 weight rows, about four per thread */
+    int64_t chunks = nthreads > 1 ? 4 * nthreads : 1;
+    if (chunks > N / 64) chunks = N / 64 > 0 ? N / 64 : 1;
+    struct gemv_job job = {chunks, M, N, K, x, w, y, bf16};
+    pool_run(gemv_run, &job, chunks, nthreads);
 }
 
 /* ======================================================================================
@@ -408,23 +510,11 @@ static inline __attribute__((always_inline)) void attn_rows(const struct attn_jo
     }
 }
 
-static void *attn_run(void *arg) {
-    const struct attn_job *a = arg;
-    if (a->bf16) attn_rows(a, 1);
-    else attn_rows(a, 0);
-    return NULL;
-}
-
-/* Runs fn on jobs[0..n) (each job a struct of `size` bytes), jobs 1.. on their own threads. */
-static void run_jobs(void *(*fn)(void *), void *jobs, size_t size, int64_t n) {
-    pthread_t tids[8];
-    int started[8] = {0};
-    for (int64_t t = 1; t < n; t++) started[t] = pthread_create(&tids[t], NULL, fn, (char *)jobs + t * size) == 0;
-    fn(jobs);
-    for (int64_t t = 1; t < n; t++) {
-        if (started[t]) pthread_join(tids[t], NULL);
-        else fn((char *)jobs + t * size);
-    }
+static void attn_run(void *ctx, int64_t chunk, int64_t tid) { /* chunk: one row */
+    struct attn_job a = *(const struct attn_job *)ctx;
+    a.b0 = chunk, a.b1 = chunk + 1, a.work += tid * a.work_stride;
+    if (a.bf16) attn_rows(&a, 1);
+    else attn_rows(&a, 0);
 }
 
 /* One decode token per row through a gated attention layer, after its qkv projection.
@@ -438,25 +528,19 @@ static void run_jobs(void *(*fn)(void *), void *jobs, size_t size, int64_t n) {
  *   out        [B, H*hd] model dtype: attention output times sigmoid(gate)
  *   work       float32 scratch of nthreads * work_stride floats, work_stride >=
  *              (H+KVH)*hd + hd + max seq_len
- * Rows are split over nthreads (<= 8) threads. */
+ * Rows are shared by up to nthreads (<= 8) threads (pool_run). */
 void attn_decode(int64_t B, int64_t H, int64_t KVH, int64_t hd, int64_t rd, const void *qkv, int64_t ld,
                  const float *qk_norm, float eps, const void *cos, const void *sin, void *kv, int64_t s_blk,
                  int64_t s_kv, int64_t s_head, int64_t s_tok, int64_t bs, const int64_t *slot_mapping,
                  const int64_t *block_tables, int64_t bt_width, const int64_t *seq_lens, float scale, void *out,
                  float *work, int64_t work_stride, int bf16, int64_t nthreads) {
-    if (nthreads > B) nthreads = B;
-    if (nthreads > 8) nthreads = 8;
-    if (nthreads < 1) nthreads = 1;
-    struct attn_job jobs[8];
-    for (int64_t t = 0; t < nthreads; t++)
-        jobs[t] = (struct attn_job){B * t / nthreads, B * (t + 1) / nthreads, H, KVH, hd, rd, ld, bs, s_blk, s_kv,
-                                    s_head, s_tok, bt_width, work_stride, qkv, cos, sin, qk_norm, kv, out,
-                                    slot_mapping, block_tables, seq_lens, eps, scale, work + t * work_stride, bf16};
-    run_jobs(attn_run, jobs, sizeof(struct attn_job), nthreads);
+    struct attn_job job = {0, B, H, KVH, hd, rd, ld, bs, s_blk, s_kv, s_head, s_tok, bt_width, work_stride, qkv, cos,
+                           sin, qk_norm, kv, out, slot_mapping, block_tables, seq_lens, eps, scale, work, bf16};
+    pool_run(attn_run, &job, B, nthreads);
 }
 
 struct gdn_job {
-    int64_t b0, b1, Hk, Hv, dk, dv, Kc, ld_proj;
+    int64_t Hk, Hv, dk, dv, Kc, ld_proj, work_stride;
     const void *proj, *conv_w, *norm_w;
     void *conv_pool, *out;
     float *rec_pool, *work;
@@ -466,28 +550,22 @@ struct gdn_job {
     int bf16;
 };
 
-static void *gdn_run(void *arg) {
-    const struct gdn_job *j = arg;
-    gdn_decode(j->b0, j->b1, j->Hk, j->Hv, j->dk, j->dv, j->Kc, j->proj, j->ld_proj, j->conv_w, j->conv_pool,
-               j->rec_pool, j->slots, j->neg_A, j->dt_bias, j->norm_w, j->eps, j->out, j->work, j->bf16);
-    return NULL;
+static void gdn_run(void *ctx, int64_t chunk, int64_t tid) { /* chunk: one row */
+    const struct gdn_job *j = ctx;
+    gdn_decode(chunk, chunk + 1, j->Hk, j->Hv, j->dk, j->dv, j->Kc, j->proj, j->ld_proj, j->conv_w, j->conv_pool,
+               j->rec_pool, j->slots, j->neg_A, j->dt_bias, j->norm_w, j->eps, j->out, j->work + tid * j->work_stride,
+               j->bf16);
 }
 
-/* gdn_decode over rows 0 <= b < B split over nthreads (<= 8) threads; work holds nthreads
+/* gdn_decode over rows 0 <= b < B shared by up to nthreads (<= 8) threads; work holds nthreads
  * scratch areas of work_stride >= D + 2*Hv floats. Rows must have distinct slots. */
 void gdn_decode_mt(int64_t B, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc, const void *proj,
                    int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool, const int64_t *slots,
                    const float *neg_A, const float *dt_bias, const void *norm_w, float eps, void *out, float *work,
                    int64_t work_stride, int bf16, int64_t nthreads) {
-    if (nthreads > B) nthreads = B;
-    if (nthreads > 8) nthreads = 8;
-    if (nthreads < 1) nthreads = 1;
-    struct gdn_job jobs[8];
-    for (int64_t t = 0; t < nthreads; t++)
-        jobs[t] = (struct gdn_job){B * t / nthreads, B * (t + 1) / nthreads, Hk, Hv, dk, dv, Kc, ld_proj, proj,
-                                   conv_w, norm_w, conv_pool, out, rec_pool, work + t * work_stride, slots, neg_A,
-                                   dt_bias, eps, bf16};
-    run_jobs(gdn_run, jobs, sizeof(struct gdn_job), nthreads);
+    struct gdn_job job = {Hk,   Hv,       dk,  dv,        Kc,   ld_proj, work_stride, proj,   conv_w,
+                          norm_w, conv_pool, out, rec_pool, work, slots,   neg_A,       dt_bias, eps,    bf16};
+    pool_run(gdn_run, &job, B, nthreads);
 }
 
 /* ======================================================================================
@@ -537,18 +615,18 @@ static inline __attribute__((always_inline)) void gemm_tile(int64_t K, const flo
 }
 
 struct gemm_job {
-    int64_t p0, p1, M, N, K;
+    int64_t M, N, K, mb, groups, P;
     const float *x, *wp;
     float *y;
 };
 
-static void *gemm_run(void *arg) {
-    const struct gemm_job *j = arg;
-    const int64_t M = j->M, N = j->N, K = j->K;
-    /* blocks of rows small enough to stay in L2 while every panel passes over them */
-    const int64_t mb = K > 0 ? 6 * (1 + (96 * 1024 / (K * 4)) / 6) : M;
-    for (int64_t m1 = 0; m1 < M; m1 += mb)
-    for (int64_t p = j->p0; p < j->p1; p++) {
+/* chunk = (block of mb rows, group of panels) */
+static void gemm_run(void *ctx, int64_t chunk, int64_t tid) {
+    (void)tid;
+    const struct gemm_job *j = ctx;
+    const int64_t M = j->M, N = j->N, K = j->K, mb = j->mb, g = chunk % j->groups;
+    const int64_t m1 = chunk / j->groups * mb, p0 = j->P * g / j->groups, p1 = j->P * (g + 1) / j->groups;
+    for (int64_t p = p0; p < p1; p++) {
         const float *panel = j->wp + p * K * 16;
         const int64_t n0 = p * 16, nc = N - n0 < 16 ? N - n0 : 16, m2 = m1 + mb < M ? m1 + mb : M;
         for (int64_t m0 = m1; m0 < m2; m0 += 6) {
@@ -564,23 +642,29 @@ static void *gemm_run(void *arg) {
             }
         }
     }
-    return NULL;
 }
 
-/* y [M, N] = x [M, K] @ w^T for wp = pack_f32(w); x, y float32 contiguous; panels split over
- * nthreads (<= 8) threads. */
+/* y [M, N] = x [M, K] @ w^T for wp = pack_f32(w); x, y float32 contiguous; shared by up to
+ * nthreads (<= 8) threads in chunks of a row block (small enough to stay in L2 while every
+ * panel passes over it) and a group of panels: many row blocks go whole, few are cut into
+ * about four panel groups per thread of at least 64K multiply-adds each. */
 void gemm_f32(int64_t M, int64_t N, int64_t K, const float *x, const float *wp, float *y, int64_t nthreads) {
-    const int64_t P = (N + 15) / 16;
-    if (nthreads > P) nthreads = P;
-    if (nthreads > 8) nthreads = 8;
-    if (nthreads < 1) nthreads = 1;
-    struct gemm_job jobs[8];
-    for (int64_t t = 0; t < nthreads; t++) jobs[t] = (struct gemm_job){P * t / nthreads, P * (t + 1) / nthreads, M, N, K, x, wp, y};
-    run_jobs(gemm_run, jobs, sizeof(struct gemm_job), nthreads);
+    const int64_t P = (N + 15) / 16, mb = K > 0 ? 6 * (1 + (96 * 1024 / (K * 4)) / 6) : M;
+    const int64_t blocks = M > 0 ? (M + mb - 1) / mb : 0, rows = M < mb ? M : mb;
+    int64_t groups = 1;
+    if (nthreads > 1 && blocks < 4 * nthreads) {
+        groups = (4 * nthreads + blocks - 1) / blocks;
+        const int64_t most = rows * K * 16 * P / (64 * 1024);
+        if (groups > most) groups = most;
+        if (groups > P) groups = P;
+        if (groups < 1) groups = 1;
+    }
+    struct gemm_job job = {M, N, K, mb, groups, P, x, wp, y};
+    pool_run(gemm_run, &job, blocks * groups, nthreads);
 }
 
 struct gdn_rows_job {
-    int64_t r0, r1, Hk, Hv, dk, dv, Kc, ld_proj;
+    int64_t work_stride, Hk, Hv, dk, dv, Kc, ld_proj;
     const int64_t *row_cu, *row_slots, *tok_slots;
     const uint8_t *row_init;
     const void *proj, *conv_w, *norm_w;
@@ -591,10 +675,10 @@ struct gdn_rows_job {
     int bf16;
 };
 
-static void *gdn_rows_run(void *arg) {
-    const struct gdn_rows_job *j = arg;
+static void gdn_rows_run(void *ctx, int64_t r, int64_t tid) { /* chunk: one row */
+    const struct gdn_rows_job *j = ctx;
     const int64_t D = 2 * j->Hk * j->dk + j->Hv * j->dv, K1 = j->Kc - 1, esz = j->bf16 ? 2 : 4;
-    for (int64_t r = j->r0; r < j->r1; r++) {
+    {
         const int64_t s = j->row_slots[r];
         if (!j->row_init[r]) { /* a new sequence starts from zero state (the slot may hold anything) */
             memset((char *)j->conv_pool + s * D * K1 * esz, 0, D * K1 * esz);
@@ -602,10 +686,9 @@ static void *gdn_rows_run(void *arg) {
         }
         /* the row's tokens in order, each one gdn_decode step on the slot */
         gdn_decode(j->row_cu[r], j->row_cu[r + 1], j->Hk, j->Hv, j->dk, j->dv, j->Kc, j->proj, j->ld_proj, j->conv_w,
-                   j->conv_pool, j->rec_pool, j->tok_slots, j->neg_A, j->dt_bias, j->norm_w, j->eps, j->out, j->work,
-                   j->bf16);
+                   j->conv_pool, j->rec_pool, j->tok_slots, j->neg_A, j->dt_bias, j->norm_w, j->eps, j->out,
+                   j->work + tid * j->work_stride, j->bf16);
     }
-    return NULL;
 }
 
 /* A GDN layer after its input projection for R rows of any length (decode rows of one token,
@@ -613,27 +696,15 @@ static void *gdn_rows_run(void *arg) {
  * less than the chunked one. Row r covers tokens row_cu[r] <= t < row_cu[r+1] at slot
  * row_slots[r]; tok_slots [T] is each token's slot; row_init[r] = 0 starts the row from zero
  * state. proj, out, pools, weights and work as gdn_decode / gdn_decode_mt; rows (distinct
- * slots) are split over nthreads (<= 8) threads by token count. */
+ * slots) are shared by up to nthreads (<= 8) threads, one row at a time. */
 void gdn_rows_mt(int64_t R, const int64_t *row_cu, const int64_t *row_slots, const uint8_t *row_init,
                  const int64_t *tok_slots, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc,
                  const void *proj, int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool,
                  const float *neg_A, const float *dt_bias, const void *norm_w, float eps, void *out, float *work,
                  int64_t work_stride, int bf16, int64_t nthreads) {
-    if (nthreads > R) nthreads = R;
-    if (nthreads > 8) nthreads = 8;
-    if (nthreads < 1) nthreads = 1;
-    struct gdn_rows_job jobs[8];
-    const int64_t T = row_cu[R];
-    int64_t r = 0;
-    for (int64_t t = 0; t < nthreads; t++) {
-        const int64_t r0 = r, goal = T * (t + 1) / nthreads;
-        while (r < R && (row_cu[r + 1] <= goal || r == r0)) r++;
-        if (t == nthreads - 1) r = R;
-        jobs[t] = (struct gdn_rows_job){r0, r, Hk, Hv, dk, dv, Kc, ld_proj, row_cu, row_slots, tok_slots, row_init,
-                                        proj, conv_w, norm_w, conv_pool, out, rec_pool, work + t * work_stride, neg_A,
-                                        dt_bias, eps, bf16};
-    }
-    run_jobs(gdn_rows_run, jobs, sizeof(struct gdn_rows_job), nthreads);
+    struct gdn_rows_job job = {work_stride, Hk, Hv, dk, dv, Kc, ld_proj, row_cu, row_slots, tok_slots, row_init,
+                               proj, conv_w, norm_w, conv_pool, out, rec_pool, work, neg_A, dt_bias, eps, bf16};
+    pool_run(gdn_rows_run, &job, R, nthreads);
 }
 
 /* ---- Speculative verification: decode rows of several tokens through a GDN layer ----------
