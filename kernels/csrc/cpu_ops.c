@@ -223,14 +223,16 @@ static void pool_run(chunk_fn fn, void *ctx, int64_t n, int64_t nthreads) {
  *   out        [B, Hv*dv]    model dtype
  *   work       float32 scratch of D + 2*Hv floats
  * D = 2*Hk*dk + Hv*dv; value head h reads key head h / (Hv/Hk).  Rows b0 <= b < b1 only, so
- * callers may split a batch over threads.
+ * callers may split a batch over threads. K1c > 0 is Kc - 1 as a constant (the conv's shift
+ * unrolled); conv_done: the caller has put the conv output (before silu) in work[0..D) and
+ * updated the conv state itself (gdn_rows, a whole row's conv at once).
  */
 static inline __attribute__((always_inline)) void
 gdn_decode_rows(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc,
                 const void *proj, int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool,
                 const int64_t *slots, const float *neg_A, const float *dt_bias, const void *norm_w,
-                float eps, void *out, float *work, const int bf16) {
-    const int64_t key_dim = Hk * dk, D = 2 * key_dim + Hv * dv, K1 = Kc - 1, grp = Hv / Hk;
+                float eps, void *out, float *work, const int bf16, const int64_t K1c, const int conv_done) {
+    const int64_t key_dim = Hk * dk, D = 2 * key_dim + Hv * dv, K1 = K1c > 0 ? K1c : Kc - 1, grp = Hv / Hk;
     const float q_scale = 1.0f / sqrtf((float)dk);
     float *y = work;           /* [D] conv output, rounded, then q/k normalised in place */
     float *gate = work + D;    /* [Hv] log-decay */
@@ -238,7 +240,7 @@ gdn_decode_rows(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int6
     for (int64_t b = b0; b < b1; b++) {
         const int64_t s = slots[b];
         /* causal conv over the slot's Kc-1 saved inputs and this token, then silu */
-        for (int64_t c = 0; c < D; c++) {
+        for (int64_t c = 0; c < (conv_done ? 0 : D); c++) {
             const int64_t st = (s * D + c) * K1;
             float acc = 0.0f;
             for (int64_t j = 0; j < K1; j++) acc += load(conv_w, c * Kc + j, bf16) * load(conv_pool, st + j, bf16);
@@ -299,12 +301,24 @@ void gdn_decode(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int6
                 const void *proj, int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool,
                 const int64_t *slots, const float *neg_A, const float *dt_bias, const void *norm_w,
                 float eps, void *out, float *work, int bf16) {
+#define GDN_ROWS_ARGS b0, b1, Hk, Hv, dk, dv, Kc, proj, ld_proj, conv_w, conv_pool, rec_pool, slots, neg_A, dt_bias, norm_w, eps, out, work
+    if (bf16 && Kc == 4) gdn_decode_rows(GDN_ROWS_ARGS, 1, 3, 0);
+    else if (bf16) gdn_decode_rows(GDN_ROWS_ARGS, 1, 0, 0);
+    else if (Kc == 4) gdn_decode_rows(GDN_ROWS_ARGS, 0, 3, 0);
+    else gdn_decode_rows(GDN_ROWS_ARGS, 0, 0, 0);
+}
+
+/* gdn_decode of token b after its conv (work[0..D) holds the conv output, the conv state is
+ * the caller's): the rest of the layer. */
+static void gdn_after_conv(int64_t b, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, const void *proj,
+                           int64_t ld_proj, float *rec_pool, const int64_t *slots, const float *neg_A,
+                           const float *dt_bias, const void *norm_w, float eps, void *out, float *work, int bf16) {
     if (bf16)
-        gdn_decode_rows(b0, b1, Hk, Hv, dk, dv, Kc, proj, ld_proj, conv_w, conv_pool, rec_pool, slots, neg_A,
-                        dt_bias, norm_w, eps, out, work, 1);
+        gdn_decode_rows(b, b + 1, Hk, Hv, dk, dv, 0, proj, ld_proj, NULL, NULL, rec_pool, slots, neg_A, dt_bias,
+                        norm_w, eps, out, work, 1, 1, 1);
     else
-        gdn_decode_rows(b0, b1, Hk, Hv, dk, dv, Kc, proj, ld_proj, conv_w, conv_pool, rec_pool, slots, neg_A,
-                        dt_bias, norm_w, eps, out, work, 0);
+        gdn_decode_rows(b, b + 1, Hk, Hv, dk, dv, 0, proj, ld_proj, NULL, NULL, rec_pool, slots, neg_A, dt_bias,
+                        norm_w, eps, out, work, 0, 1, 1);
 }
 
 /* Residual add and RMS norm of rows b0 <= b < b1:  xo[b] = rnd(x[b] + h[b]) (when h is not
@@ -438,7 +452,7 @@ struct attn_job {
 
 static inline __attribute__((always_inline)) void attn_rows(const struct attn_job *a, const int bf16) {
     const int64_t H = a->H, KVH = a->KVH, hd = a->hd, rd = a->rd, half = rd / 2, nqk = H + KVH, grp = H / KVH;
-    float *qk = a->work, *acc = qk + nqk * hd, *sc = acc + hd; /* [nqk, hd], [hd], [seq_len] */
+    float *qk = a->work, *acc = qk + nqk * hd, *sc = acc + grp * hd; /* [nqk, hd], [grp, hd], [grp, seq_len] */
     for (int64_t b = a->b0; b < a->b1; b++) {
         const int64_t row = b * a->ld;
         /* q and k heads: RMS norm times (1 + w), rounded, then rotary on the first rd dims */
@@ -466,45 +480,58 @@ static inline __attribute__((always_inline)) void attn_rows(const struct attn_jo
                 store(a->kv, kp + a->s_kv + j, load(a->qkv, v_col + g * hd + j, bf16), bf16);
             }
         }
-        /* each query head over the row's pages, then the gate */
+        /* per KV head, its query heads together over the row's pages (each K and V row read
+         * once for all of them), then the gate */
         const int64_t n = a->seq_lens[b];
         const int64_t *bt = a->block_tables + b * a->bt_width;
-        for (int64_t h = 0; h < H; h++) {
-            const float *q = qk + h * hd;
-            const int64_t g = h / grp;
-            float mx = -INFINITY;
+        for (int64_t g = 0; g < KVH; g++) {
+            float mx[grp], sum[grp];
+            for (int64_t i = 0; i < grp; i++) mx[i] = -INFINITY;
             for (int64_t t0 = 0; t0 < n; t0 += a->bs) { /* page by page: no division per position */
                 const int64_t m = n - t0 < a->bs ? n - t0 : a->bs;
                 const int64_t kp = bt[t0 / a->bs] * a->s_blk + g * a->s_head;
                 for (int64_t t = 0; t < m; t++) {
                     const int64_t p = kp + t * a->s_tok;
-                    const float s = bf16 ? dot_bf16(q, (const bf16_t *)a->kv + p, hd) : dot_f32(q, (const float *)a->kv + p, hd);
-                    sc[t0 + t] = s * a->scale;
-                    mx = sc[t0 + t] > mx ? sc[t0 + t] : mx;
+                    for (int64_t i = 0; i < grp; i++) {
+                        const float *q = qk + (g * grp + i) * hd;
+                        const float s = bf16 ? dot_bf16(q, (const bf16_t *)a->kv + p, hd)
+                                             : dot_f32(q, (const float *)a->kv + p, hd);
+                        float *si = sc + i * n + t0 + t;
+                        *si = s * a->scale;
+                        mx[i] = *si > mx[i] ? *si : mx[i];
+                    }
                 }
             }
-            exp_rows(sc, n, mx);
-            float sum = 0.0f;
-            for (int64_t t = 0; t < n; t++) sum += sc[t];
-            for (int64_t j = 0; j < hd; j++) acc[j] = 0.0f;
+            for (int64_t i = 0; i < grp; i++) {
+                exp_rows(sc + i * n, n, mx[i]);
+                sum[i] = 0.0f;
+                for (int64_t t = 0; t < n; t++) sum[i] += sc[i * n + t];
+            }
+            for (int64_t j = 0; j < grp * hd; j++) acc[j] = 0.0f;
             for (int64_t t0 = 0; t0 < n; t0 += a->bs) {
                 const int64_t m = n - t0 < a->bs ? n - t0 : a->bs;
                 const int64_t vp = bt[t0 / a->bs] * a->s_blk + a->s_kv + g * a->s_head;
                 for (int64_t t = 0; t < m; t++) {
-                    const float p = sc[t0 + t];
                     const int64_t o = vp + t * a->s_tok;
-                    if (bf16)
-                        for (int64_t j = 0; j < hd; j++) acc[j] += p * bf2f(((const bf16_t *)a->kv)[o + j]);
-                    else
-                        for (int64_t j = 0; j < hd; j++) acc[j] += p * ((const float *)a->kv)[o + j];
+                    for (int64_t i = 0; i < grp; i++) {
+                        const float p = sc[i * n + t0 + t];
+                        float *ai = acc + i * hd;
+                        if (bf16)
+                            for (int64_t j = 0; j < hd; j++) ai[j] += p * bf2f(((const bf16_t *)a->kv)[o + j]);
+                        else
+                            for (int64_t j = 0; j < hd; j++) ai[j] += p * ((const float *)a->kv)[o + j];
+                    }
                 }
             }
-            const float inv = 1.0f / sum;
-            const int64_t gate = row + nqk * hd + h * hd;
-            for (int64_t j = 0; j < hd; j++) {
-                const float o = rnd(acc[j] * inv, bf16);
-                const float sg = rnd(1.0f / (1.0f + expf(-load(a->qkv, gate + j, bf16))), bf16);
-                store(a->out, b * H * hd + h * hd + j, o * sg, bf16);
+            for (int64_t i = 0; i < grp; i++) {
+                const int64_t h = g * grp + i;
+                const float inv = 1.0f / sum[i];
+                const int64_t gate = row + nqk * hd + h * hd;
+                for (int64_t j = 0; j < hd; j++) {
+                    const float o = rnd(acc[i * hd + j] * inv, bf16);
+                    const float sg = rnd(1.0f / (1.0f + expf(-load(a->qkv, gate + j, bf16))), bf16);
+                    store(a->out, b * H * hd + h * hd + j, o * sg, bf16);
+                }
             }
         }
     }
@@ -527,7 +554,7 @@ static void attn_run(void *ctx, int64_t chunk, int64_t tid) { /* chunk: one row 
  *              (the new token included)
  *   out        [B, H*hd] model dtype: attention output times sigmoid(gate)
  *   work       float32 scratch of nthreads * work_stride floats, work_stride >=
- *              (H+KVH)*hd + hd + max seq_len
+ *              (H+KVH)*hd + (H/KVH) * (hd + max seq_len)
  * Rows are shared by up to nthreads (<= 8) threads (pool_run). */
 void attn_decode(int64_t B, int64_t H, int64_t KVH, int64_t hd, int64_t rd, const void *qkv, int64_t ld,
                  const float *qk_norm, float eps, const void *cos, const void *sin, void *kv, int64_t s_blk,
@@ -665,6 +692,7 @@ void gemm_f32(int64_t M, int64_t N, int64_t K, const float *x, const float *wp, 
 
 struct gdn_rows_job {
     int64_t work_stride, Hk, Hv, dk, dv, Kc, ld_proj;
+    const float *conv_wt; /* [Kc, D]: conv_w transposed, float32 */
     const int64_t *row_cu, *row_slots, *tok_slots;
     const uint8_t *row_init;
     const void *proj, *conv_w, *norm_w;
@@ -677,17 +705,42 @@ struct gdn_rows_job {
 
 static void gdn_rows_run(void *ctx, int64_t r, int64_t tid) { /* chunk: one row */
     const struct gdn_rows_job *j = ctx;
-    const int64_t D = 2 * j->Hk * j->dk + j->Hv * j->dv, K1 = j->Kc - 1, esz = j->bf16 ? 2 : 4;
-    {
-        const int64_t s = j->row_slots[r];
-        if (!j->row_init[r]) { /* a new sequence starts from zero state (the slot may hold anything) */
-            memset((char *)j->conv_pool + s * D * K1 * esz, 0, D * K1 * esz);
-            memset(j->rec_pool + s * j->Hv * j->dk * j->dv, 0, j->Hv * j->dk * j->dv * sizeof(float));
+    const int64_t Hv = j->Hv, D = 2 * j->Hk * j->dk + Hv * j->dv, K1 = j->Kc - 1, esz = j->bf16 ? 2 : 4;
+    const int64_t s = j->row_slots[r], t0 = j->row_cu[r], n = j->row_cu[r + 1] - t0, ld = j->ld_proj;
+    float *work = j->work + tid * j->work_stride, *y = work, *hist = work + D + 2 * Hv; /* hist [K1, D] */
+    if (!j->row_init[r]) { /* a new sequence starts from zero state (the slot may hold anything) */
+        memset((char *)j->conv_pool + s * D * K1 * esz, 0, D * K1 * esz);
+        memset(j->rec_pool + s * Hv * j->dk * j->dv, 0, Hv * j->dk * j->dv * sizeof(float));
+    }
+    for (int64_t i = 0; i < K1; i++) /* the slot's saved inputs, oldest first, channel-contiguous */
+        for (int64_t c = 0; c < D; c++) hist[i * D + c] = load(j->conv_pool, (s * D + c) * K1 + i, j->bf16);
+    /* the row's tokens in order: the conv over the row's own inputs (channels contiguous in proj,
+     * the same sum in the same order as gdn_decode's), then the rest of gdn_decode */
+    for (int64_t t = 0; t < n; t++) {
+        for (int64_t i = 0; i <= K1; i++) {
+            const int64_t m = t - K1 + i; /* input position in the row; < 0: saved */
+            const float *wt = j->conv_wt + i * D;
+            if (m < 0) {
+                const float *x = hist + (K1 + m) * D;
+                for (int64_t c = 0; c < D; c++) y[c] = (i ? y[c] : 0.0f) + wt[c] * x[c];
+            } else if (!j->bf16) {
+                const float *x = (const float *)j->proj + (t0 + m) * ld;
+                for (int64_t c = 0; c < D; c++) y[c] = (i ? y[c] : 0.0f) + wt[c] * x[c];
+            } else {
+                for (int64_t c = 0; c < D; c++) y[c] = (i ? y[c] : 0.0f) + wt[c] * load(j->proj, (t0 + m) * ld + c, 1);
+            }
         }
-        /* the row's tokens in order, each one gdn_decode step on the slot */
-        gdn_decode(j->row_cu[r], j->row_cu[r + 1], j->Hk, j->Hv, j->dk, j->dv, j->Kc, j->proj, j->ld_proj, j->conv_w,
-                   j->conv_pool, j->rec_pool, j->tok_slots, j->neg_A, j->dt_bias, j->norm_w, j->eps, j->out,
-                   j->work + tid * j->work_stride, j->bf16);
+        if (j->bf16)
+            for (int64_t c = 0; c < D; c++) y[c] = rnd(y[c], 1);
+        gdn_after_conv(t0 + t, j->Hk, Hv, j->dk, j->dv, j->proj, ld, j->rec_pool, j->tok_slots, j->neg_A, j->dt_bias,
+                       j->norm_w, j->eps, j->out, work, j->bf16);
+    }
+    for (int64_t i = 0; i < K1; i++) { /* the row's last K1 inputs become the saved ones */
+        const int64_t m = n - K1 + i;
+        for (int64_t c = 0; c < D; c++) {
+            const float x = m < 0 ? hist[(K1 + m) * D + c] : load(j->proj, (t0 + m) * ld + c, j->bf16);
+            store(j->conv_pool, (s * D + c) * K1 + i, x, j->bf16);
+        }
     }
 }
 
@@ -695,15 +748,22 @@ static void gdn_rows_run(void *ctx, int64_t r, int64_t tid) { /* chunk: one row 
  * prefill chunks), token by token: the recurrent form, which on a CPU with small heads costs
  * less than the chunked one. Row r covers tokens row_cu[r] <= t < row_cu[r+1] at slot
  * row_slots[r]; tok_slots [T] is each token's slot; row_init[r] = 0 starts the row from zero
- * state. proj, out, pools, weights and work as gdn_decode / gdn_decode_mt; rows (distinct
- * slots) are shared by up to nthreads (<= 8) threads, one row at a time. */
+ * state. proj, out, pools and weights as gdn_decode / gdn_decode_mt; work holds nthreads
+ * scratch areas of work_stride >= D + 2*Hv + (Kc-1)*D floats, then Kc*D floats (the conv
+ * weight transposed). A row's conv runs over its own inputs, channels contiguous; rows
+ * (distinct slots) are shared by up to nthreads (<= 8) threads, one row at a time. */
 void gdn_rows_mt(int64_t R, const int64_t *row_cu, const int64_t *row_slots, const uint8_t *row_init,
                  const int64_t *tok_slots, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc,
                  const void *proj, int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool,
                  const float *neg_A, const float *dt_bias, const void *norm_w, float eps, void *out, float *work,
                  int64_t work_stride, int bf16, int64_t nthreads) {
-    struct gdn_rows_job job = {work_stride, Hk, Hv, dk, dv, Kc, ld_proj, row_cu, row_slots, tok_slots, row_init,
-                               proj, conv_w, norm_w, conv_pool, out, rec_pool, work, neg_A, dt_bias, eps, bf16};
+    const int64_t D = 2 * Hk * dk + Hv * dv;
+    float *conv_wt = work + (nthreads > 1 ? nthreads : 1) * work_stride; /* after the threads' scratch */
+    for (int64_t c = 0; c < D; c++)
+        for (int64_t i = 0; i < Kc; i++) conv_wt[i * D + c] = load(conv_w, c * Kc + i, bf16);
+    struct gdn_rows_job job = {work_stride, Hk,       Hv,   dk,     dv,      Kc,     ld_proj, conv_wt,
+                               row_cu,      row_slots, tok_slots, row_init, proj, conv_w, norm_w, conv_pool,
+                               out,         rec_pool,  work, neg_A,  dt_bias, eps,    bf16};
     pool_run(gdn_rows_run, &job, R, nthreads);
 }
 
