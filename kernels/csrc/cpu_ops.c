@@ -119,10 +119,15 @@ static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); 
  * they poll for the next one for a short while, then sleep on a condition variable. A call
  * while another thread's job is running (two engines in one process) runs its chunks alone.
  * tid < nthreads indexes per-thread scratch.
+ * A worker descheduled in the middle of a chunk still makes the caller wait for that chunk;
+ * when that happens twice (each wait over POOL_LATE_NS) within a few hundred calls, the cores
+ * are taken by other processes, and the next POOL_SOLO calls run on the caller alone.
  * ====================================================================================== */
 
 #define POOL_MAX 8
-#define POOL_SPIN_NS 40000 /* a worker polls this long for the next job before sleeping */
+#define POOL_SPIN_NS 40000   /* a worker polls this long for the next job before sleeping */
+#define POOL_LATE_NS 1000000 /* a wait for a worker's chunk this long counts as a strike */
+#define POOL_SOLO 2048       /* calls run alone after two strikes */
 
 typedef void (*chunk_fn)(void *ctx, int64_t chunk, int64_t tid);
 
@@ -132,6 +137,7 @@ static struct {
     chunk_fn fn;
     void *ctx;
     int64_t n, next, active, started;
+    int64_t strikes, good, solo; /* caller thread only (under run) */
     int64_t done; /* chunks finished: written under mu, polled by the caller without it */
     volatile int64_t seq; /* bumped per job: what a polling worker watches */
 } P = {.mu = PTHREAD_MUTEX_INITIALIZER, .run = PTHREAD_MUTEX_INITIALIZER, .work = PTHREAD_COND_INITIALIZER};
@@ -173,12 +179,19 @@ static void pool_child(void) { /* after fork: the child has none of the parent's
     pthread_mutex_init(&P.run, NULL);
     pthread_cond_init(&P.work, NULL);
     P.n = P.next = P.done = P.started = 0;
+    P.strikes = P.good = P.solo = 0;
 }
 
 static void pool_run(chunk_fn fn, void *ctx, int64_t n, int64_t nthreads) {
     if (nthreads > POOL_MAX) nthreads = POOL_MAX;
     if (nthreads > n) nthreads = n;
     if (nthreads <= 1 || pthread_mutex_trylock(&P.run) != 0) {
+        for (int64_t i = 0; i < n; i++) fn(ctx, i, 0);
+        return;
+    }
+    if (P.solo > 0) {
+        P.solo--;
+        pthread_mutex_unlock(&P.run);
         for (int64_t i = 0; i < n; i++) fn(ctx, i, 0);
         return;
     }
@@ -206,11 +219,18 @@ static void pool_run(chunk_fn fn, void *ctx, int64_t n, int64_t nthreads) {
         __atomic_store_n(&P.done, P.done + 1, __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&P.mu);
+    const int64_t t_wait = now_ns();
     /* the chunks still running on workers are short: poll for them rather than sleep, which
      * would give the core away and wait to be scheduled again */
     for (int64_t spins = 0; __atomic_load_n(&P.done, __ATOMIC_ACQUIRE) < n; spins++) {
         if (spins < 4096) __builtin_ia32_pause();
         else sched_yield();
+    }
+    if (now_ns() - t_wait > POOL_LATE_NS) {
+        P.good = 0;
+        if (++P.strikes >= 2) P.strikes = 0, P.solo = POOL_SOLO;
+    } else if (P.strikes > 0 && ++P.good >= 256) {
+        P.strikes = 0, P.good = 0;
     }
     pthread_mutex_unlock(&P.run);
 }
