@@ -121,6 +121,7 @@ def build_request(
     repetition_penalty: float | None = None,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    num_speculative_tokens: int | None = None,
 ) -> pb.GenerateRequest:
     """Unset options (None) take the server's defaults. docs/api.md describes each."""
     if (prompt is None) == (prompt_token_ids is None):
@@ -129,7 +130,7 @@ def build_request(
                            stop=[stop] if isinstance(stop, str) else list(stop or ()), min_tokens=min_tokens,
                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)  # fmt: skip
     for name, v in (("repetition_penalty", repetition_penalty), ("logprobs", logprobs),
-                    ("prompt_logprobs", prompt_logprobs)):  # fmt: skip
+                    ("prompt_logprobs", prompt_logprobs), ("num_speculative_tokens", num_speculative_tokens)):  # fmt: skip
         if v is not None:
             setattr(sp, name, v)
     if max_tokens is not None:

@@ -78,6 +78,12 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id(s) {bad[:5]} out of range [0, {vocab}) for this model's vocabulary")
+        k, cap = self.cfg.speculative.num_tokens, params.num_speculative_tokens
+        if cap is not None and cap > k:
+            raise ValueError(
+                f"num_speculative_tokens {cap} exceeds this server's {k} (--num-speculative-tokens): "
+                f"ask for at most {k}" + (" (speculative decoding is off)" if k == 0 else "")
+            )
         n, limit = len(prompt_token_ids), self.cfg.max_model_len
         if n >= limit:
             raise ValueError(f"prompt of {n} tokens leaves no room to generate: max_model_len is {limit}")

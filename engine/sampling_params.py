@@ -23,6 +23,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # logits of prompt or output tokens: positive / it, negative * it
     logprobs: int | None = None  # per new token: its log-probability and the n most likely (0..20)
     prompt_logprobs: int | None = None  # per prompt token after the first: the same (0..20)
+    # speculative decoding: drafts per step at most for this request (0: none), not above the
+    # server's num_speculative_tokens (EngineCore.validate); None: the server's
+    num_speculative_tokens: int | None = None
 
     def __init__(self, **kwargs):
         names = {f.name for f in fields(self)}
@@ -60,6 +63,9 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (got {v!r})")
+        v = self.num_speculative_tokens
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ValueError(f"num_speculative_tokens must be a non-negative integer (got {v!r})")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers (got {list(self.stop_token_ids)!r})")
 
@@ -75,7 +81,9 @@ class SamplingParams:
     def speculates(self) -> bool:
         """Whether speculative decoding may draft for this request: not with penalties,
         min_tokens or logprobs, which the draft verification does not apply (such a request
-        decodes one token per step in the same batch)."""
+        decodes one token per step in the same batch), nor with num_speculative_tokens 0."""
+        if self.num_speculative_tokens == 0:
+            return False
         return not (self.penalized or self.min_tokens or self.logprobs is not None or self.prompt_logprobs is not None)
 
     def to_dict(self) -> dict:

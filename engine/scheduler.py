@@ -112,8 +112,16 @@ class Scheduler:
         self.drafts_per_position = [0] * num_spec_tokens  # drafts verified at position i of a row
         self.accepted_per_position = [0] * num_spec_tokens  # ... and accepted there
 
+    def max_depth(self, req: Request) -> int:
+        """The most drafts a row of `req` carries: k, or the request's own num_speculative_tokens
+        below it; 0 for a request that does not speculate."""
+        if not req.params.speculates:
+            return 0
+        cap = req.params.num_speculative_tokens
+        return self.num_spec_tokens if cap is None else min(cap, self.num_spec_tokens)
+
     def add(self, req: Request) -> None:
-        req.spec_depth = self.num_spec_tokens if req.params.speculates else 0
+        req.spec_depth = self.max_depth(req)
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
@@ -280,12 +288,12 @@ class Scheduler:
             req.spec_depth = 0
         elif a < sp.depth_lower and req.spec_depth > 1:
             req.spec_depth -= 1
-        elif a > sp.depth_raise and req.spec_depth < self.num_spec_tokens and not probe:
+        elif a > sp.depth_raise and req.spec_depth < self.max_depth(req) and not probe:
             req.spec_depth += 1
 
     def _tick(self, req: Request) -> None:
         """A sampling step of a request at depth 0 that could draft: count down to its next probe."""
-        if req.spec_depth or not self.num_spec_tokens or not req.params.speculates:
+        if req.spec_depth or not self.max_depth(req):
             return
         req.spec_wait -= 1
         if req.spec_wait <= 0:
@@ -344,7 +352,7 @@ class Scheduler:
         (with the drafts the prefill side's MTP block proposed, when there are any)."""
         assert req.status is Status.RESERVED, req.status
         req.num_computed_tokens = len(req.prompt_token_ids)
-        req.spec_depth = self.num_spec_tokens if req.params.speculates else 0
+        req.spec_depth = self.max_depth(req)
         req.draft_token_ids = list(drafts)[: req.spec_depth] if self.mtp else []
         req.status = Status.RUNNING
         self.running.append(req)

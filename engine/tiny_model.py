@@ -248,6 +248,45 @@ def mtp_modules(cfg):
     }
 
 
+def mtp_tensors(mods: dict) -> dict:
+    """The block's modules (`mtp_modules`) as checkpoint tensors under the published names: an MoE
+    layer's experts one by one (`mtp.layers.0.mlp.experts.E.{gate,up,down}_proj.weight`, as the
+    main layers are saved and the published MoE checkpoints ship them), not transformers' stacked
+    `experts.gate_up_proj` / `experts.down_proj` parameters."""
+    out = {}
+    for prefix, mod in mods.items():
+        for name, p in mod.state_dict().items():
+            key = f"mtp.{prefix}.{name}"
+            if name == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
+                base, inter = key.removesuffix("gate_up_proj"), p.shape[1] // 2
+                for e in range(p.shape[0]):
+                    out[f"{base}{e}.gate_proj.weight"] = p[e, :inter]
+                    out[f"{base}{e}.up_proj.weight"] = p[e, inter:]
+            elif name == "mlp.experts.down_proj":  # [E, H, I]
+                base = key.removesuffix("down_proj")
+                for e in range(p.shape[0]):
+                    out[f"{base}{e}.down_proj.weight"] = p[e]
+            else:
+                out[key] = p
+    return out
+
+
+def load_mtp_tensors(mods: dict, weights: dict) -> None:
+    """Load checkpoint tensors (`mtp_tensors`' names, per-expert or stacked) into the modules."""
+    import torch
+
+    for prefix, mod in mods.items():
+        head = f"mtp.{prefix}."
+        sd = {n[len(head) :]: w.float() for n, w in weights.items() if n.startswith(head)}
+        experts = "mlp.experts."
+        n_exp = len({n.split(".")[2] for n in sd if n.startswith(experts) and n.split(".")[2].isdigit()})
+        if n_exp:
+            one = [[sd.pop(f"{experts}{e}.{w}_proj.weight") for e in range(n_exp)] for w in ("gate", "up", "down")]
+            sd[experts + "gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(one[0], one[1])])
+            sd[experts + "down_proj"] = torch.stack(one[2])
+        mod.load_state_dict(sd)
+
+
 def add_mtp_block(out_dir: str | Path, cfg, seed: int, dtype) -> None:
     """Add random `mtp.*` tensors under the published names to the checkpoint written by
     save_pretrained, and `mtp_num_hidden_layers: 1` to its config.json. Norm weights are random
@@ -257,12 +296,13 @@ def add_mtp_block(out_dir: str | Path, cfg, seed: int, dtype) -> None:
 
     out = Path(out_dir)
     g = torch.Generator().manual_seed(seed + 7)
-    tensors = {}
-    for prefix, mod in mtp_modules(cfg).items():
-        for name, p in mod.state_dict().items():
-            std = 0.1 if "norm" in f"{prefix}.{name}" else cfg.initializer_range
-            w = torch.randn(p.shape, generator=g) * std
-            tensors[f"mtp.{prefix}.{name}"] = w.to(dtype).contiguous()
+    mods = mtp_modules(cfg)
+    with torch.no_grad():
+        for prefix, mod in mods.items():
+            for name, p in mod.state_dict(keep_vars=True).items():
+                std = 0.1 if "norm" in f"{prefix}.{name}" else cfg.initializer_range
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    tensors = {n: w.detach().to(dtype).contiguous() for n, w in mtp_tensors(mods).items()}
     files = sorted(out.glob("*.safetensors"))
     if len(files) != 1:
         raise ValueError(f"expected one safetensors file in {out}, found {len(files)}")
@@ -297,11 +337,12 @@ def fit_mtp_block(
     `batch` sequences a step on the CPU; returns the training accuracy of the block's argmax at
     the last step."""
     import torch
+    import transformers
     from safetensors.torch import load_file, save_file
-    from transformers import Qwen3_5ForCausalLM
 
     out = Path(path)
-    model = Qwen3_5ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    arch = json.loads((out / "config.json").read_text())["architectures"][0]
+    model = getattr(transformers, arch).from_pretrained(out, dtype=torch.float32).eval()
     cfg = model.config
     g = torch.Generator().manual_seed(seed)
     if seqs is None:
@@ -317,10 +358,8 @@ def fit_mtp_block(
     mods = mtp_modules(cfg)
     files = sorted(out.glob("*.safetensors"))
     weights = load_file(str(files[0]))
-    for prefix, mod in mods.items():
-        mod.load_state_dict(
-            {n[len(prefix) + 5 :]: w.float() for n, w in weights.items() if n.startswith(f"mtp.{prefix}.")}
-        )
+    load_mtp_tensors(mods, weights)
+    for mod in mods.values():
         mod.float().train()
     opt = torch.optim.Adam([p for m in mods.values() for p in m.parameters()], lr=lr)
     lm_head = model.lm_head.weight.detach()
@@ -344,8 +383,6 @@ def fit_mtp_block(
             if log is not None:
                 log(f"step {step}: loss {loss.item():.3f}, batch accuracy {acc:.3f}")
     dtype = next(iter(weights.values())).dtype
-    for prefix, mod in mods.items():
-        for name, p in mod.state_dict().items():
-            weights[f"mtp.{prefix}.{name}"] = p.detach().to(dtype).contiguous()
+    weights.update({n: p.detach().to(dtype).contiguous() for n, p in mtp_tensors(mods).items()})
     save_file(weights, str(files[0]), metadata={"format": "pt"})
     return acc

@@ -105,6 +105,7 @@ class _Request(BaseModel):
     repetition_penalty: Annotated[Float, Field(ge=0.0, le=10.0)] | None = None
     seed: Annotated[int, Field(ge=0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = None
+    num_speculative_tokens: Annotated[int, Field(ge=0)] | None = None  # at most the nodes' own
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     best_of: int | None = None
     stop: str | list[str | int] | None = None  # ints: token ids (an extension)
@@ -190,7 +191,7 @@ def sampling(req: CompletionRequest | ChatRequest) -> pb.SamplingParams:
     if mt is not None:
         sp.max_tokens = max(mt, 1)  # 0: generate one token and return none (prompt logprobs only)
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
-                 "min_tokens"):  # fmt: skip
+                 "min_tokens", "num_speculative_tokens"):  # fmt: skip
         v = getattr(req, name)
         if v is not None:
             setattr(sp, name, v)

@@ -141,15 +141,15 @@ def hf_mtp_logits(
     and the block's own output). Returns (logits [P, V], block outputs [P, H]) at every position."""
     from safetensors.torch import load_file
 
-    from engine.tiny_model import mtp_modules
+    from engine.tiny_model import load_mtp_tensors, mtp_modules
 
     model = _hf_model(path)
     mods = mtp_modules(model.config)
     weights = {}
     for f in sorted(__import__("pathlib").Path(path).glob("*.safetensors")):
         weights.update({k: v for k, v in load_file(str(f)).items() if k.startswith("mtp.")})
-    for prefix, mod in mods.items():
-        mod.load_state_dict({n[len(prefix) + 5 :]: w for n, w in weights.items() if n.startswith(f"mtp.{prefix}.")})
+    load_mtp_tensors(mods, weights)
+    for mod in mods.values():
         mod.float().eval()
     with torch.inference_mode():
         ids = torch.tensor([tokens])
@@ -177,7 +177,8 @@ def make_fitted_mtp(path, spec: TinyModelSpec, fit_prompts: list[list[int]], len
     model's own greedy continuations of `fit_prompts`, each continued to `length` tokens by the
     engine without speculation: on those prompts its drafts are mostly accepted, so verification
     takes its accept paths as well as its rollbacks (a random block's drafts are all rejected).
-    The tests still compare with transformers' tokens. Dense Qwen3.5 only."""
+    The tests still compare with transformers' tokens. Any of the tiny architectures (an MoE
+    block's router and experts are fitted too)."""
     from engine import LLM, SamplingParams
     from engine.tiny_model import fit_mtp_block
 

@@ -47,6 +47,12 @@ def pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(int(n)))
 
 
+def token_strides(*tensors: torch.Tensor) -> tuple[int, ...]:
+    """(stride over tokens, stride over heads) of each [T, H, ...] tensor, flattened in order: the
+    per-token argument block the GDN kernels take."""
+    return tuple(s for t in tensors for s in (t.stride(0), t.stride(1)))
+
+
 def _desc(**tensors: torch.Tensor) -> str:
     return ", ".join(
         f"{n}={tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')} strides {t.stride()}"

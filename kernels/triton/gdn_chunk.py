@@ -40,6 +40,7 @@ from kernels.triton._common import (
     check_same_device,
     pow2,
     row_lengths,
+    token_strides,
 )
 
 __all__ = ["gdn_chunk_prefill_triton"]
@@ -240,18 +241,7 @@ def gdn_chunk_prefill_triton(
         points.offsets if points is not None else slot_ids,
         points.dest if points is not None else slot_ids,
         points_pool if points is not None else state_pool,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        g.stride(0),
-        g.stride(1),
-        beta.stride(0),
-        beta.stride(1),
-        o.stride(0),
-        o.stride(1),
+        *token_strides(q, k, v, g, beta, o),
         *state_pool.stride(),
         *(points_pool if points is not None else state_pool).stride(),
         float(scale),

@@ -30,6 +30,7 @@ from kernels.triton._common import (
     check_same_device,
     pow2,
     row_lengths,
+    token_strides,
 )
 
 __all__ = ["gdn_recurrent_triton"]
@@ -174,18 +175,7 @@ def gdn_recurrent_triton(
         init,
         state_pool,
         inter_arg,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        g.stride(0),
-        g.stride(1),
-        beta.stride(0),
-        beta.stride(1),
-        o.stride(0),
-        o.stride(1),
+        *token_strides(q, k, v, g, beta, o),
         *state_pool.stride(),
         *inter_strides,
         float(scale),

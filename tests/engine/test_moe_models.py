@@ -427,3 +427,36 @@ def test_mtp_block_of_a_moe_model(arch, moe_prompts, tmp_path):
             llm.engine.step()
         outs = llm.generate(prompt_token_ids=moe_prompts, sampling_params=GREEDY)
     assert _tokens(outs) == [hc.hf_greedy(path, p, NEW) for p in moe_prompts]
+
+
+@pytest.fixture(scope="module")
+def moe_mtp(tmp_path_factory, moe_prompts):
+    """Qwen3.5-MoE with an `mtp.*` block (its layer's MLP the sparse MoE block, experts one by one
+    as published) fitted to the 1- and 17-token prompts' greedy continuations, so that drafts at
+    every position are accepted there and mostly rejected on the other prompts."""
+    from dataclasses import replace
+
+    spec = replace(hc.SPEC_MOE["qwen3_5_moe"], mtp=True)
+    path = hc.make_fitted_mtp(tmp_path_factory.mktemp("moe-mtp") / "ckpt", spec, moe_prompts[::2])
+    return path, [hc.hf_greedy(path, p, NEW) for p in moe_prompts]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_moe_mtp_k1_k2_k3_match_transformers(moe_mtp, moe_prompts, tp):
+    """k = 1, 2, 3 (an engine at k = 3, each batch's requests capped with num_speculative_tokens)
+    give transformers' tokens; the drafts per position show each cap held, and drafts were
+    accepted at every position and rejected too."""
+    from dataclasses import replace
+
+    path, want = moe_mtp
+    with LLM(path, dtype="float32", speculative_method="mtp", num_speculative_tokens=3, tensor_parallel_size=tp) as llm:
+        s, before = llm.engine.scheduler, [0, 0, 0]
+        for k in (1, 2, 3):
+            outs = llm.generate(prompt_token_ids=moe_prompts, sampling_params=replace(GREEDY, num_speculative_tokens=k))
+            assert _tokens(outs) == want, f"k = {k}"
+            grew = [x - y for x, y in zip(s.drafts_per_position, before)]
+            assert all(g > 0 for g in grew[:k]) and not any(grew[k:]), (k, grew)
+            before = list(s.drafts_per_position)
+        assert all(a > 0 for a in s.accepted_per_position), s.accepted_per_position
+        assert sum(s.accepted_per_position) < sum(s.drafts_per_position)
+        assert llm.engine.blocks.num_free == llm.capacity().num_blocks

@@ -113,6 +113,24 @@ def test_mtp_greedy_matches_transformers_tp2(ckpt_mtp, mtp_prompts, hf_ref_mtp, 
     assert [o.output_token_ids for o in outs] == hf_ref_mtp
 
 
+def test_request_caps_its_draft_depth(ckpt_mtp, mtp_prompts, hf_ref_mtp):
+    """num_speculative_tokens per request: 1 and 0 under an engine at k = 3 keep transformers'
+    tokens, with no drafts past position 1 (or none at all); above k, or negative, is refused."""
+    with LLM(ckpt_mtp, dtype="float32", speculative_method="mtp", num_speculative_tokens=3) as llm:
+        s = llm.engine.scheduler
+        outs = llm.generate(prompt_token_ids=mtp_prompts, sampling_params=replace(GREEDY, num_speculative_tokens=1))
+        assert [o.output_token_ids for o in outs] == hf_ref_mtp
+        assert s.drafts_per_position[0] > 0 and s.drafts_per_position[1:] == [0, 0]
+        seen = s.num_draft_tokens
+        outs = llm.generate(prompt_token_ids=mtp_prompts, sampling_params=replace(GREEDY, num_speculative_tokens=0))
+        assert [o.output_token_ids for o in outs] == hf_ref_mtp and s.num_draft_tokens == seen
+        with pytest.raises(ValueError, match="num_speculative_tokens 4 exceeds this server's 3"):
+            llm.generate(prompt_token_ids=mtp_prompts[:1], sampling_params=replace(GREEDY, num_speculative_tokens=4))
+        assert llm.engine.blocks.num_free == llm.capacity().num_blocks
+    with pytest.raises(ValueError, match="num_speculative_tokens must be a non-negative integer"):
+        SamplingParams(num_speculative_tokens=-1)
+
+
 def test_row_reaches_max_model_len_while_others_draft(ckpt_mtp, mtp_prompts, hf_ref_mtp):
     """max_model_len = 48: the 40-token prompt stops after 8 tokens (its last rows carry fewer
     drafts, then none) while the short prompts keep drafting; same tokens, nothing leaks."""

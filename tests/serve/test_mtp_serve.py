@@ -1,5 +1,5 @@
-"""MTP speculative decoding through `pdserve up`: prefill and decode pools at different TP sizes
-(both `--speculative-method mtp`, k = 1, 2, 3) give transformers' greedy tokens, with the
+"""MTP speculative decoding through `pdserve up`: prefill and decode pools at TP (1, 2) and (2, 1)
+(both `--speculative-method mtp`; k = 1, 2, 3 per request with `num_speculative_tokens`) give transformers' greedy tokens, with the
 checkpoint's block fitted to the prompts' greedy continuations so that drafts after the
 transfer are accepted and verified (tests/hybrid_ckpt.py `make_fitted_mtp`); the decode node reports its
 drafts per position in Stats and as Prometheus counters; a method mismatch is refused at the
@@ -8,14 +8,17 @@ transfer handshake, naming both values."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+import urllib.error
 import urllib.request
 
 import hybrid_ckpt as hc
 import pytest
-from serve_harness import Up, decode_stats, nodes, wait_for
+from serve_harness import Up, decode_stats, log_url, nodes, wait_for
 
 NEW = 16
+K = 3  # the nodes' --num-speculative-tokens; requests cap it at 1 and 2
 
 
 PROMPTS = hc.prompts(lens=(3, 40), seed=9)
@@ -41,33 +44,66 @@ def _scrape(url: str) -> dict:
             for s in f.samples}  # fmt: skip
 
 
-@pytest.mark.parametrize("a,b,k", [(1, 2, 1), (1, 2, 2), (2, 1, 3)], ids=["tp1to2-k1", "tp1to2-k2", "tp2to1-k3"])
-def test_mtp_greedy_matches_transformers_across_tp(ckpt_mtp, mtp_refs, a, b, k):
-    from client import Client
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("a,b", [(1, 2), (2, 1)], ids=["tp1to2", "tp2to1"])
+def test_mtp_greedy_matches_transformers_across_tp(ckpt_mtp, mtp_refs, a, b):
+    """Nodes at k = 3; each request caps its drafts (num_speculative_tokens 1, then 2, then the
+    nodes' 3): every k gives transformers' tokens, and the decode node's drafts per position show
+    the cap held on both pools (the prefill node's first drafts included). Above the nodes' k:
+    INVALID_ARGUMENT over gRPC, 400 over HTTP."""
+    import grpc
+
+    from client import Client, PdserveError
 
     ps, want = mtp_refs
     up = Up("--model", ckpt_mtp, "--dtype", "float32", "--prefill", "1", "--decode", "1", "--prefill-tp", str(a),
             "--decode-tp", str(b), "--local-prefill-threshold", "0", "--speculative-method", "mtp",
-            "--num-speculative-tokens", str(k), "--kv-cache-memory", "64MiB", "--max-num-seqs", "8",
-            "--metrics-port", "0")  # fmt: skip
+            "--num-speculative-tokens", str(K), "--kv-cache-memory", "64MiB", "--max-num-seqs", "8",
+            "--metrics-port", "0", "--http-port", "0")  # fmt: skip
     try:
         d = next(n.node for n in nodes(up.address) if n.node.node_id == "decode-0")
+        before = [0] * K
         with Client(up.address, timeout=120) as c:
             c.wait_ready(timeout=60)
-            for p, w in zip(ps, want):
-                r = c.generate(prompt_token_ids=p, max_tokens=NEW, temperature=0.0, ignore_eos=True)
-                assert r.token_ids == w, f"prompt of {len(p)} tokens, tp {a} -> {b}"
-                assert r.prefill_node == "prefill-0" and r.transfer_bytes > 0
-        spec = decode_stats(d.address).speculation
-        assert spec.method == "mtp" and spec.num_tokens == k
-        assert len(spec.drafts_per_position) == k and spec.accepted_per_position[0] > 0
+            for k in (1, 2, None):
+                for p, w in zip(ps, want):
+                    r = c.generate(prompt_token_ids=p, max_tokens=NEW, temperature=0.0, ignore_eos=True,
+                                   num_speculative_tokens=k)  # fmt: skip
+                    assert r.token_ids == w, f"prompt of {len(p)} tokens, tp {a} -> {b}, k {k}"
+                    assert r.prefill_node == "prefill-0" and r.transfer_bytes > 0
+                spec = decode_stats(d.address).speculation
+                drafts = list(spec.drafts_per_position)
+                grew = [x - y for x, y in zip(drafts, before)]
+                depth = k or K
+                assert all(g > 0 for g in grew[:depth]) and not any(grew[depth:]), (k, grew)
+                before = drafts
+            with pytest.raises(PdserveError) as e:
+                c.generate(prompt_token_ids=ps[0], max_tokens=4, num_speculative_tokens=K + 1)
+            assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "num_speculative_tokens" in str(e.value)
+        assert spec.method == "mtp" and spec.num_tokens == K and spec.accepted_per_position[0] > 0
         assert all(x <= y for x, y in zip(spec.accepted_per_position, spec.drafts_per_position))
+        base = log_url(up, r"OpenAI-compatible HTTP on (http://\S+/v1)")
+        with urllib.request.urlopen(base + "/models", timeout=10) as r:
+            model = json.loads(r.read())["data"][0]["id"]
+        body = {"model": model, "prompt": ps[0], "max_tokens": 4, "temperature": 0}
+        st, got = _post(base + "/completions", {**body, "num_speculative_tokens": K + 1})
+        assert st == 400 and "num_speculative_tokens" in got["error"]["message"], got
+        st, got = _post(base + "/completions", {**body, "num_speculative_tokens": 1})
+        assert st == 200, got
         url = wait_for(lambda: next((m.group(1) for ln in up.lines
                                      if (m := re.search(r"decode node decode-0 metrics at (http://\S+/metrics)", ln))),
                                     None), 20, "the decode node's metrics address")  # fmt: skip
         got = _scrape(url)
         key = ("pdserve_decode_spec_position_drafts_total", (("position", "1"),))
-        assert got[key] == spec.drafts_per_position[0]
+        assert got[key] == decode_stats(d.address).speculation.drafts_per_position[0]
     finally:
         rc = up.stop()
     assert rc == 0, up.output()
