@@ -68,9 +68,15 @@ class MTPBlock:
         return self.lm_head(h).float()
 
 
+DECODE_ROWS_MAX = 256  # MTP rows up to this long run as a decode group (the C attention on the CPU)
+
+
 def mtp_batch(rows, block_size: int, device) -> ForwardBatch:
-    """A batch of MTP rows (start_pos, num_tokens, block_ids): one group on the general
-    (chunked) attention path; the block has no GDN state, so slots are unused."""
+    """A batch of MTP rows (start_pos, num_tokens, block_ids) as one group: a decode group while
+    no row is longer than DECODE_ROWS_MAX (drafting passes, the fill after a decode step, a
+    deferred fill: on the CPU one C attention call, token by token, in order within a row), else
+    a prefill group (a long prompt chunk: the general attention path); the block has no GDN state,
+    so slots are unused."""
     pack = IntPack()
     pos, slots = [], []
     for start, n, blocks in rows:
@@ -85,12 +91,14 @@ def mtp_batch(rows, block_size: int, device) -> ForwardBatch:
     fields.append(pack.add(last))
     gf = group_fields(pack, [n for _, n, _ in rows], [0] * len(rows), [s for s, _, _ in rows], [b for _, _, b in rows])
     pack.build(device)
+    one = all(n <= DECODE_ROWS_MAX for _, n, _ in rows)
+    grp = make_group(0, pack, gf, decode=one)
     return ForwardBatch(
         input_ids=pack[fields[0]],  # unused: the block takes its ids separately
         positions=pack[fields[0]],
         slot_mapping=pack[fields[1]],
-        decode=None,
-        prefill=make_group(0, pack, gf),
+        decode=grp if one else None,
+        prefill=None if one else grp,
         logits_indices=pack[fields[2]],
     )
 
@@ -135,11 +143,12 @@ class MTPDrafter:
             if m > 0:
                 start, p_ids, p_hid = self._take(r)
                 h = hidden[off : off + m]
-                if r.sample and r.is_decode and r.draft_depth == 0 and len(p_ids) + m <= self.max_pending:
+                d = r.draft_depths[min(len(nxt), len(r.draft_depths)) - 1] if r.sample and r.draft_depths else 0
+                if r.sample and r.is_decode and d == 0 and len(p_ids) + m <= self.max_pending:
                     self.pending[r.request_id] = [start, p_ids + known + nxt, [*p_hid, h.clone()]]
                 else:
                     cap = min(len(r.block_ids) * bs, self.max_positions) - (r.start_pos + m - 1)
-                    depth = max(0, min(r.draft_depth, cap)) if r.sample else 0
+                    depth = max(0, min(d, cap))
                     seg.append((i, start, len(p_ids) + m, r.block_ids, depth))
                     ids += p_ids + known + nxt
                     hid += [*p_hid, h]

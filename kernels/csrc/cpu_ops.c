@@ -438,20 +438,30 @@ static void run_jobs(void *(*fn)(void *), void *jobs, size_t size, int64_t n) {
  *   out        [B, H*hd] model dtype: attention output times sigmoid(gate)
  *   work       float32 scratch of nthreads * work_stride floats, work_stride >=
  *              (H+KVH)*hd + hd + max seq_len
- * Rows are split over nthreads (<= 8) threads. */
+ *   seq_starts NULL: every row is a sequence of its own. Else [nseq+1] row boundaries of
+ *              sequences whose rows are consecutive positions (a row with drafts, a chunk):
+ *              each row has its own seq_len / block-table row / slot, and a sequence's rows run
+ *              in order on one thread, so a row's k and v are in their page before the next
+ *              row of its sequence reads them (causal attention within the sequence).
+ * Rows (or sequences) are split over nthreads (<= 8) threads. */
 void attn_decode(int64_t B, int64_t H, int64_t KVH, int64_t hd, int64_t rd, const void *qkv, int64_t ld,
                  const float *qk_norm, float eps, const void *cos, const void *sin, void *kv, int64_t s_blk,
                  int64_t s_kv, int64_t s_head, int64_t s_tok, int64_t bs, const int64_t *slot_mapping,
                  const int64_t *block_tables, int64_t bt_width, const int64_t *seq_lens, float scale, void *out,
-                 float *work, int64_t work_stride, int bf16, int64_t nthreads) {
-    if (nthreads > B) nthreads = B;
+                 float *work, int64_t work_stride, int bf16, int64_t nthreads, const int64_t *seq_starts,
+                 int64_t nseq) {
+    const int64_t units = seq_starts ? nseq : B;
+    if (nthreads > units) nthreads = units;
     if (nthreads > 8) nthreads = 8;
     if (nthreads < 1) nthreads = 1;
     struct attn_job jobs[8];
-    for (int64_t t = 0; t < nthreads; t++)
-        jobs[t] = (struct attn_job){B * t / nthreads, B * (t + 1) / nthreads, H, KVH, hd, rd, ld, bs, s_blk, s_kv,
+    for (int64_t t = 0; t < nthreads; t++) {
+        const int64_t u0 = units * t / nthreads, u1 = units * (t + 1) / nthreads;
+        const int64_t b0 = seq_starts ? seq_starts[u0] : u0, b1 = seq_starts ? seq_starts[u1] : u1;
+        jobs[t] = (struct attn_job){b0, b1, H, KVH, hd, rd, ld, bs, s_blk, s_kv,
                                     s_head, s_tok, bt_width, work_stride, qkv, cos, sin, qk_norm, kv, out,
                                     slot_mapping, block_tables, seq_lens, eps, scale, work + t * work_stride, bf16};
+    }
     run_jobs(attn_run, jobs, sizeof(struct attn_job), nthreads);
 }
 
