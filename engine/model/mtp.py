@@ -121,7 +121,8 @@ class MTPDrafter:
 
     def _take(self, r: RowInput) -> tuple[int, list[int], list[torch.Tensor]]:
         """The request's deferred positions, if they end where this row starts (a preempted
-        request computes everything again: its old ones are dropped)."""
+        request computes everything again: its old ones are dropped). The lists are the entry's
+        own: a row that defers again appends to them."""
         p = self.pending.pop(r.request_id, None)
         if p is None or p[0] + len(p[1]) != r.start_pos:
             return r.start_pos, [], []
@@ -145,7 +146,10 @@ class MTPDrafter:
                 h = hidden[off : off + m]
                 d = r.draft_depths[min(len(nxt), len(r.draft_depths)) - 1] if r.sample and r.draft_depths else 0
                 if r.sample and r.is_decode and d == 0 and len(p_ids) + m <= self.max_pending:
-                    self.pending[r.request_id] = [start, p_ids + known + nxt, [*p_hid, h.clone()]]
+                    p_ids += known
+                    p_ids += nxt
+                    p_hid.append(h.clone())
+                    self.pending[r.request_id] = [start, p_ids, p_hid]
                 else:
                     cap = min(len(r.block_ids) * bs, self.max_positions) - (r.start_pos + m - 1)
                     depth = max(0, min(d, cap))
