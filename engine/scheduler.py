@@ -23,6 +23,9 @@ accepted" falls under it, the depth goes to 0 from any depth: the row is a plain
 same batch. After `probe_interval` such steps the request probes: depth 1 again, and both
 averages take the probe's outcome alone; a failed probe returns to depth 0 with
 the wait doubled (up to `probe_max`), a passed one stays at depth 1 (climbing from there as before).
+The MTP drafter makes a row's next drafts in the same step, so each row carries its depth after
+the step for each possible outcome (`ScheduledRow.draft_depths`, from the pure functions
+`_after_record` / `_after_tick` that `_record` / `_tick` apply).
 
 Prefix caching (engine/cache/prefix.py): a waiting request is admitted from the longest cached
 prefix that has both its full pages and a GDN state snapshot; the step restores the snapshot into

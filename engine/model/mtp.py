@@ -13,8 +13,9 @@ main model's. Draft k > 1 reuses the block on (h'_p, draft) at position p + 1, a
 `MTPDrafter` runs the block after a step's tokens are known: over every position whose next
 token is now known (prompt chunks, the pending token and the accepted drafts of a decode row),
 which fills the block's KV with the main model's hidden states, then recursively for the next
-step's drafts. A decode row that drafts nothing this step (its request at depth 0, see
-engine/scheduler.py) defers the fill: its positions' next tokens and hidden states wait in
+step's drafts, as many as the row's request will draft after this step's verification
+(`RowInput.draft_depths`, indexed by the accepted drafts). A decode row that drafts nothing
+(its request at depth 0 after the step, see engine/scheduler.py) defers the fill: its positions' next tokens and hidden states wait in
 `pending` and run in one chunk with the request's next row that drafts or is not a plain decode
 row, or once `max_pending` positions wait. Invariant: the MTP KV holds position p for every
 p < num_computed_tokens that is not pending.
