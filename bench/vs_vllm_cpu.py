@@ -192,7 +192,8 @@ def http(url, body=None, timeout=900):
         return json.loads(r.read())
 
 
-def start_server(system, model, vllm_python, log):
+def start_server(system, model, vllm_python, log, extra=()):
+    """extra: flags appended to the server's command line (a repeated flag: the last one wins)."""
     port = free_port()
     if system == "vllm":
         cmd = [
@@ -240,6 +241,7 @@ def start_server(system, model, vllm_python, log):
             "512MiB",
         ]
         env, cwd = env_with_repo() | OMP_ENV | {"PDSERVE_LOG": "WARNING"}, ROOT
+    cmd += list(extra)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600

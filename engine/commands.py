@@ -195,6 +195,7 @@ class Snapshot:
     prefix_snapshots_used: int = 0  # GDN state snapshots held, of prefix_snapshots
     prefix_snapshots: int = 0
     prefix_snapshot_bytes: int = 0  # the snapshot pool's memory, per rank
+    prefix_digest: Any = None  # engine/cache/prefix.py Digest: what the cache holds (None: no cache)
     spec_accepted_tokens: int = 0
     spec_drafts_per_position: tuple[int, ...] = field(default=())  # drafts verified at place i + 1, and accepted
     spec_accepted_per_position: tuple[int, ...] = field(default=())

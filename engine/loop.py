@@ -392,7 +392,7 @@ class EngineLoop:
             queued_prefill_tokens=queued,
             reserved=reserved,
             spec_draft_tokens=sched.num_draft_tokens,
-            **_prefix_figures(eng),
+            **self._prefix_figures(),
             spec_accepted_tokens=sched.num_accepted_tokens,
             spec_drafts_per_position=tuple(sched.drafts_per_position),
             spec_accepted_per_position=tuple(sched.accepted_per_position),
@@ -400,15 +400,19 @@ class EngineLoop:
         if self._on_change is not None:
             self._on_change()
 
-
-def _prefix_figures(eng) -> dict:
-    pc = getattr(eng, "prefix", None)
-    if pc is None:
-        return {}
-    return dict(
-        prefix_query_tokens=pc.stats.query_tokens,
-        prefix_hit_tokens=pc.stats.hit_tokens,
-        prefix_snapshots_used=pc.num_used,
-        prefix_snapshots=pc.num_snapshots,
-        prefix_snapshot_bytes=eng.capacity.snapshot_bytes,
-    )
+    def _prefix_figures(self) -> dict:
+        eng = self.engine
+        pc = getattr(eng, "prefix", None)
+        if pc is None:
+            return {}
+        d = self.snapshot.prefix_digest
+        if d is None or d.version != pc.version():  # rebuilt only when the cache changed
+            d = pc.digest()
+        return dict(
+            prefix_digest=d,
+            prefix_query_tokens=pc.stats.query_tokens,
+            prefix_hit_tokens=pc.stats.hit_tokens,
+            prefix_snapshots_used=pc.num_used,
+            prefix_snapshots=pc.num_snapshots,
+            prefix_snapshot_bytes=eng.capacity.snapshot_bytes,
+        )

@@ -235,7 +235,7 @@ def attn_decode(
     (kernels/attention.py is the reference). Rows are split over `threads(B)` threads.
 
     seq_starts [S+1] int64 (optional): rows that are consecutive tokens of one sequence (a
-    speculative row, a chunk), rows seq_starts[i] .. seq_starts[i+1]-1 each; block_tables,
+    speculative row, an MTP chunk), rows seq_starts[i] .. seq_starts[i+1]-1 each; block_tables,
     seq_lens and slot_mapping stay per row. A sequence's rows run in order on one thread, so
     each attends to the k, v of the rows before it: causal attention within the sequence.
     """
@@ -250,7 +250,7 @@ def attn_decode(
     seq_starts = None if seq_starts is None else seq_starts.to(torch.int64).contiguous()
     nseq = B if seq_starts is None else seq_starts.numel() - 1
     nt = threads(nseq)
-    stride = (h + kvh) * hd + hd + block_tables.shape[1] * kv_pool.shape[3]
+    stride = (h + kvh) * hd + h // kvh * (hd + block_tables.shape[1] * kv_pool.shape[3])
     work = torch.empty(nt * stride, dtype=torch.float32)
     s_blk, s_kv, s_head, s_tok, _ = kv_pool.stride()
     _get().attn_decode(
@@ -318,8 +318,8 @@ def gdn_rows(
     assert row_init.dtype == torch.bool and row_cu.shape == (R + 1,) and tok_slots.shape == (T,)
     out = torch.empty(T, hv * dv, dtype=dtype)
     nt = threads(R)
-    stride = D + 2 * hv
-    work = torch.empty(nt * stride, dtype=torch.float32)
+    stride = D + 2 * hv + (kc - 1) * D  # per thread: gdn_decode's scratch and a row's saved conv inputs
+    work = torch.empty(nt * stride + kc * D, dtype=torch.float32)  # and the conv weight transposed
     _get().gdn_rows_mt(
         R, _ptr(row_cu), _ptr(row_slots), _ptr(row_init), _ptr(tok_slots), hk, hv, dk, dv, kc, _ptr(proj),
         proj.stride(0), _ptr(conv_w), _ptr(conv_pool), _ptr(rec_pool), _ptr(neg_A), _ptr(dt_bias), _ptr(norm_w),

@@ -82,6 +82,12 @@ class NodeServer:
                 accepted_per_position=s.spec_accepted_per_position,
             ),
         )  # fmt: skip
+        d = s.prefix_digest
+        if d is not None:
+            info.prefix.CopyFrom(
+                pb.PrefixDigest(version=d.version, block_size=d.block_size, snapshot_interval=d.interval,
+                                pages=d.pages, snapshot_keys=d.snapshot_keys, snapshot_tokens=d.snapshot_tokens)
+            )  # fmt: skip
         self._describe(info)
         return info
 

@@ -200,6 +200,7 @@ class Heartbeater:
         self._chan = channel(router_addr, creds)
         self._stub = rpc.RegistryStub(self._chan)
         self._registered = False
+        self._prefix_version = None  # the prefix digest the router has (sent again only when it changed)
         self._warned = False
         self.thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -213,14 +214,17 @@ class Heartbeater:
             r = self._stub.Register(pb.RegisterRequest(node=node), timeout=5)
             self.interval_s = r.heartbeat_interval_s or self.interval_s
             self._registered = True
+            self._prefix_version = node.prefix.version if node.HasField("prefix") else None
             log.info("registered %s (%s) with the router at %s", node.node_id, node.address, self.router_addr)
             return
-        r = self._stub.Heartbeat(
-            pb.HeartbeatRequest(
-                node_id=node.node_id, incarnation=node.incarnation, capacity=node.capacity, draining=node.draining
-            ),
-            timeout=5,
+        req = pb.HeartbeatRequest(
+            node_id=node.node_id, incarnation=node.incarnation, capacity=node.capacity, draining=node.draining
         )
+        if node.HasField("prefix") and node.prefix.version != self._prefix_version:
+            req.prefix.CopyFrom(node.prefix)
+        r = self._stub.Heartbeat(req, timeout=5)
+        if req.HasField("prefix"):
+            self._prefix_version = req.prefix.version
         if not r.known:
             self._registered = False
             self._beat()

@@ -7,7 +7,8 @@
 - net.py: every server socket and channel the router makes.
 - admission.py, prefill.py, stops.py, detok.py: admission queue, prefill phase, text stops, deltas.
 - registry.py: nodes, heartbeats, liveness, the router's in-flight discount.
-- policy.py: routing policies by name (least-loaded, round-robin).
+- policy.py: routing policies by name (cache-aware, least-loaded, round-robin).
+- prefix.py: what each node's prefix cache holds as the router sees it (cache-aware routing).
 - launch.py, pools.py: `pdserve up`, local process pools with no orphans, its options.
 - cli.py: the `pdserve` command line.
 """

@@ -36,7 +36,16 @@ class RouterConfig(SecurityArgs):
         "prompt tokens the router keeps outstanding per prefill node (sent, first token not back); the rest "
         "wait in the admission queue without reserving decode memory (0: no window)",
     )
-    policy: PolicyName = option("least-loaded", "routing policy")
+    policy: PolicyName = option("cache-aware", "routing policy")
+    # cache-aware (router/policy.py): a node's price is the prompt tokens it must still compute plus
+    # its queued prefill tokens plus this weight per KV token held by a decode node's running requests.
+    prefix_load_weight: float = option(
+        0.1, "cache-aware routing: prompt tokens of work one KV token held on a decode node counts for"
+    )
+    prefix_memory_s: float = option(
+        10.0, "cache-aware routing: seconds the router counts a prompt it placed as cached on its nodes "
+        "(until their prefix digest, a heartbeat behind, reports it)",
+    )  # fmt: skip
     # The prefill node renews the lease every third of it while it works on the request, so it only
     # runs out when that node stops (dead or hung).
     reservation_lease_s: float = option(
@@ -76,4 +85,6 @@ class RouterConfig(SecurityArgs):
             raise ValueError(f"reservation_lease_s must be positive (got {self.reservation_lease_s})")
         if self.max_prefill_queue_tokens < 0:
             raise ValueError("max_prefill_queue_tokens must be >= 0 (0: no limit)")
+        if self.prefix_load_weight < 0 or self.prefix_memory_s < 0:
+            raise ValueError("prefix_load_weight and prefix_memory_s must be >= 0")
         make_policy(self.policy)

@@ -58,7 +58,10 @@ class RegistryApi(rpc.RegistryServicer):
         return pb.RegisterResponse(heartbeat_interval_s=self.service.cfg.heartbeat_interval_s)
 
     async def Heartbeat(self, request, context):
-        known = self.registry.heartbeat(request.node_id, request.incarnation, request.capacity, request.draining)
+        known = self.registry.heartbeat(
+            request.node_id, request.incarnation, request.capacity, request.draining,
+            request.prefix if request.HasField("prefix") else None,
+        )  # fmt: skip
         return pb.HeartbeatResponse(known=known)
 
     async def ListNodes(self, request, context):

@@ -3,19 +3,37 @@
 A policy sees the live nodes of one kind (router/registry.py `NodeEntry`, with the router's
 own in-flight discount) and returns one that can take the request now, or None (the router then
 waits, bounded, for capacity). Policies are chosen by name from `POLICIES`.
+
+`cache-aware` (router/prefix.py says what a node can take from its cache) prices each node in
+prompt tokens of work: the tokens it must still prefill (the prompt less its usable cached prefix)
+plus the prefill tokens queued on it, plus, on a decode node, `load_weight` per KV token its
+running requests hold (the decode batch a new request joins). The cheapest node that fits wins;
+with nothing cached anywhere it is `least-loaded`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, Protocol
 
+from router.prefix import PrefixQuery
 from router.registry import NodeEntry
+
+# pooled(d, uncached): would decode node d send a prompt with `uncached` tokens left to compute
+# to the prefill pool (router/prefill.py use_pool)? Without it, d computes every prompt itself.
+Pooled = Callable[[NodeEntry, int], bool]
 
 
 class RoutingPolicy(Protocol):
-    def choose_decode(self, nodes: list[NodeEntry], prompt_len: int) -> NodeEntry | None: ...
+    uses_prefix: bool  # wants a PrefixQuery (the prompt's page hashes) with each choice
 
-    def choose_prefill(self, nodes: list[NodeEntry], prompt_len: int) -> NodeEntry | None: ...
+    def choose_decode(
+        self, nodes: list[NodeEntry], prompt_len: int, q: PrefixQuery | None = None, pooled: Pooled | None = None
+    ) -> NodeEntry | None: ...
+
+    def choose_prefill(
+        self, nodes: list[NodeEntry], prompt_len: int, q: PrefixQuery | None = None
+    ) -> NodeEntry | None: ...
 
 
 def fits_decode(e: NodeEntry, prompt_len: int) -> bool:
@@ -28,26 +46,70 @@ class LeastLoaded:
     smallest running batch. Prefill: fewest queued prefill tokens."""
 
     name = "least-loaded"
+    uses_prefix = False
 
-    def choose_decode(self, nodes, prompt_len):
-        def key(e: NodeEntry):
-            c = e.info.capacity
-            free = min(e.est_free_slots() / max(1, c.total_slots), e.est_free_blocks() / max(1, c.total_blocks))
-            return (-round(free, 3), max(c.running, e.inflight), e.node_id)
+    @staticmethod
+    def decode_key(e: NodeEntry):
+        c = e.info.capacity
+        free = min(e.est_free_slots() / max(1, c.total_slots), e.est_free_blocks() / max(1, c.total_blocks))
+        return (-round(free, 3), max(c.running, e.inflight), e.node_id)
 
+    def choose_decode(self, nodes, prompt_len, q=None, pooled=None):
         ok = [e for e in nodes if fits_decode(e, prompt_len)]
-        return min(ok, key=key) if ok else None
+        return min(ok, key=self.decode_key) if ok else None
 
-    def choose_prefill(self, nodes, prompt_len):
+    def choose_prefill(self, nodes, prompt_len, q=None):
         if not nodes:
             return None
-        return min(nodes, key=lambda e: (e.info.capacity.queued_prefill_tokens + e.inflight_prefill_tokens, e.node_id))
+        return min(nodes, key=lambda e: (e.queued_prefill_tokens(), e.node_id))
+
+
+def decode_hit(e: NodeEntry, q: PrefixQuery, pooled: Pooled | None) -> tuple[int, bool]:
+    """(usable cached tokens, prefill pool or not) for the prompt on decode node e: the pool
+    decision weighs what e would still compute (the prompt less e's usable snapshot prefix); a
+    pooled prompt uses e's leading pages only (the transfer skips them)."""
+    local = e.cache.usable(q, compute=True)
+    if pooled is not None and pooled(e, q.prompt_len - local):
+        return e.cache.usable(q, compute=False), True
+    return local, False
+
+
+class CacheAware(LeastLoaded):
+    """The cheapest node in prompt tokens of work (the module docstring); least-loaded when no
+    node holds any of the prompt."""
+
+    name = "cache-aware"
+    uses_prefix = True
+
+    def __init__(self, load_weight: float = 0.1):
+        self.load_weight = load_weight
+
+    def choose_decode(self, nodes, prompt_len, q=None, pooled=None):
+        ok = [e for e in nodes if fits_decode(e, prompt_len)]
+        hits = {e.node_id: decode_hit(e, q, pooled)[0] for e in ok} if q is not None else {}
+        if not any(hits.values()):
+            return super().choose_decode(ok, prompt_len)
+
+        def cost(e: NodeEntry):
+            c = e.info.capacity
+            held = max(0, c.total_blocks - e.est_free_blocks()) * c.block_size  # KV tokens of running requests
+            work = prompt_len - hits[e.node_id] + e.queued_prefill_tokens() + self.load_weight * held
+            return (work, self.decode_key(e))
+
+        return min(ok, key=cost)
+
+    def choose_prefill(self, nodes, prompt_len, q=None):
+        hits = {e.node_id: e.cache.usable(q, compute=True) for e in nodes} if q is not None else {}
+        if not any(hits.values()):
+            return super().choose_prefill(nodes, prompt_len)
+        return min(nodes, key=lambda e: (prompt_len - hits[e.node_id] + e.queued_prefill_tokens(), e.node_id))
 
 
 class RoundRobin:
     """Every fitting node in turn (for tests and comparisons)."""
 
     name = "round-robin"
+    uses_prefix = False
 
     def __init__(self):
         self._n = 0
@@ -59,18 +121,19 @@ class RoundRobin:
         self._n += 1
         return nodes[self._n % len(nodes)]
 
-    def choose_decode(self, nodes, prompt_len):
+    def choose_decode(self, nodes, prompt_len, q=None, pooled=None):
         return self._pick([e for e in nodes if fits_decode(e, prompt_len)])
 
-    def choose_prefill(self, nodes, prompt_len):
+    def choose_prefill(self, nodes, prompt_len, q=None):
         return self._pick(nodes)
 
 
-POLICIES = {p.name: p for p in (LeastLoaded, RoundRobin)}
-PolicyName = Literal["least-loaded", "round-robin"]  # the keys of POLICIES
+POLICIES = {p.name: p for p in (CacheAware, LeastLoaded, RoundRobin)}
+PolicyName = Literal["cache-aware", "least-loaded", "round-robin"]  # the keys of POLICIES
 
 
-def make_policy(name: str) -> RoutingPolicy:
+def make_policy(name: str, load_weight: float = 0.1) -> RoutingPolicy:
+    """load_weight: cache-aware's price of one KV token held on a decode node, in prompt tokens."""
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(sorted(POLICIES))}")
-    return POLICIES[name]()
+    return CacheAware(load_weight) if name == CacheAware.name else POLICIES[name]()

@@ -33,6 +33,7 @@ from proto import pb
 from proto.serving import is_draining
 from router.config import RouterConfig
 from router.errors import Abort, DecodeFailed
+from router.prefix import PrefixQuery
 from router.registry import NodeEntry, NodeRegistry
 
 log = logging.getLogger("pdserve.router")
@@ -109,28 +110,32 @@ class PrefillPhase:
     def use_pool(self, d: NodeEntry, prompt_len: int) -> bool:
         """Conditional disaggregation: short prompts (under D's threshold) prefill on D, as do all
         prompts when no prefill node is ready or every one is loaded past
-        `max_prefill_queue_tokens`."""
+        `max_prefill_queue_tokens`. prompt_len: what D would compute (cache-aware routing passes
+        the prompt less D's usable cached prefix)."""
         if prompt_len < d.info.local_prefill_threshold or not d.info.schema_digest:
             return False
         ready = self.ready(d, set())
         limit = self.cfg.max_prefill_queue_tokens
         if limit and ready:
             with self.registry.lock:
-                queued = [p.info.capacity.queued_prefill_tokens + p.inflight_prefill_tokens for p in ready]
+                queued = [p.queued_prefill_tokens() for p in ready]
             if min(queued) >= limit:
                 return False
         return bool(ready)
 
-    def choose(self, d: NodeEntry, prompt_len: int, exclude: set[str], window: bool) -> NodeEntry | None:
+    def choose(
+        self, d: NodeEntry, prompt_len: int, exclude: set[str], window: bool, q: PrefixQuery | None = None
+    ) -> NodeEntry | None:
         """A ready prefill node for D (within its window when `window`), with the prompt counted
-        against it until `_given_back`; None when there is none."""
+        against it until `_given_back`; None when there is none. q: the prompt's page hashes, for
+        a policy that weighs what each node has cached."""
         w = self.cfg.prefill_window_tokens
         with self.registry.lock:
             nodes = self.ready(d, exclude)
             if window and w:
                 nodes = [p for p in nodes
                          if not p.inflight_prefill_tokens or p.inflight_prefill_tokens + prompt_len <= w]  # fmt: skip
-            p = self.policy.choose_prefill(nodes, prompt_len)
+            p = self.policy.choose_prefill(nodes, prompt_len, q)
             if p is not None:
                 p.inflight_prefill_tokens += prompt_len
         return p
@@ -138,6 +143,7 @@ class PrefillPhase:
     def _given_back(self, p: NodeEntry, prompt_len: int) -> None:
         with self.registry.lock:
             p.inflight_prefill_tokens -= prompt_len
+            p.prefilled_tokens += prompt_len  # done there, though its last report may still count it
         self.registry.on_change()  # within its window again: admit the next
 
     async def handshake(self, p: NodeEntry, d: NodeEntry) -> None:
@@ -199,7 +205,8 @@ class PrefillPhase:
         failures = 0  # prefill calls that failed (a drain refusal is not one)
         while True:
             if p is None:
-                p = self.choose(d, len(ids), tried, window=False)  # a retry: admitted already
+                q = PrefixQuery(ids) if self.policy.uses_prefix else None
+                p = self.choose(d, len(ids), tried, window=False, q=q)  # a retry: admitted already
                 if p is None:
                     return None
             tried.add(p.node_id)

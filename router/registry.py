@@ -10,6 +10,8 @@ but `routable` no more: it finishes what it holds and gets nothing new.
 
 Between heartbeats the router discounts what it has itself sent to a node (`inflight`,
 `inflight_blocks`), so a burst of requests does not all land on the node that looked emptiest.
+A node's prefix digest (sent when it changed) and the prompts placed on it since make its
+`cache` (router/prefix.py), which the cache-aware policy reads.
 
 The registry lives on the router's event loop; its state sits under a plain lock (held for a few
 field updates, never across an await) so that code on another thread can read it. Every change
@@ -30,6 +32,7 @@ import grpc
 from proto import pb, rpc
 from proto.security import OPEN, Credentials
 from router.net import node_channel
+from router.prefix import NodeCache
 
 log = logging.getLogger("pdserve.router")
 
@@ -46,9 +49,16 @@ class NodeEntry:
     # finished by the router since the node's last report: free on the node, not yet reported
     freed_slots: int = 0
     freed_blocks: int = 0
+    prefilled_tokens: int = 0  # prompt tokens whose first token came back (no longer queued there)
     chan: grpc.aio.Channel | None = None
     _stub: object = None
     creds: Credentials = OPEN  # how the router dials the node (the cluster token, TLS)
+    cache: NodeCache = field(default_factory=NodeCache)  # its prefix cache (router/prefix.py)
+
+    def __post_init__(self):
+        if self.info.HasField("prefix"):  # kept parsed only (ListNodes stays small)
+            self.cache.update(self.info.prefix)
+            self.info.ClearField("prefix")
 
     @property
     def node_id(self) -> str:
@@ -84,7 +94,13 @@ class NodeEntry:
     def reported(self) -> None:
         """A fresh capacity report arrived: it includes what the router saw finish."""
         self.last_seen = time.monotonic()
-        self.freed_slots = self.freed_blocks = 0
+        self.freed_slots = self.freed_blocks = self.prefilled_tokens = 0
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens waiting on the node: its last report, less what it prefilled for the
+        router since, plus what the router sent it since."""
+        c = self.info.capacity
+        return max(0, c.queued_prefill_tokens - self.prefilled_tokens) + self.inflight_prefill_tokens
 
     def blocks_for(self, num_tokens: int) -> int:
         bs = self.info.capacity.block_size or 1
@@ -108,6 +124,9 @@ class NodeRegistry:
             old = self.nodes.get(info.node_id)
             if old is not None and old.info.incarnation == info.incarnation and old.info.address == info.address:
                 old.info = info
+                if info.HasField("prefix"):
+                    old.cache.update(info.prefix)
+                    info.ClearField("prefix")
                 old.reported()
                 if not old.alive:
                     log.info("node %s (%s) is back", info.node_id, info.address)
@@ -129,12 +148,18 @@ class NodeRegistry:
             self.on_change()
             return e
 
-    def heartbeat(self, node_id: str, incarnation: int, capacity: pb.Capacity, draining: bool = False) -> bool:
+    def heartbeat(
+        self, node_id: str, incarnation: int, capacity: pb.Capacity, draining: bool = False,
+        prefix: pb.PrefixDigest | None = None,
+    ) -> bool:  # fmt: skip
+        """prefix: the node's prefix digest when it changed since its last report (else None)."""
         with self.lock:
             e = self.nodes.get(node_id)
             if e is None or e.info.incarnation != incarnation:
                 return False
             e.info.capacity.CopyFrom(capacity)
+            if prefix is not None:
+                e.cache.update(prefix)
             if draining and not e.info.draining:
                 log.info("node %s is draining: no new requests go there", node_id)
             e.info.draining = draining

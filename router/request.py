@@ -108,7 +108,7 @@ class RequestRun:
     async def chunks(self) -> AsyncIterator[Chunk]:
         while True:
             t0 = time.monotonic()
-            d, p = await self.svc.admit(len(self.ids), self.tried, self.local)
+            d, p = await self.svc.admit(self.ids, self.tried, self.local)
             self.tr.queue_s += time.monotonic() - t0
             self.tr.decode = d.node_id
             self.tried.add(d.node_id)

@@ -34,6 +34,7 @@ from router.config import RouterConfig
 from router.errors import Abort, Draining
 from router.policy import make_policy
 from router.prefill import PrefillPhase
+from router.prefix import PrefixQuery
 from router.registry import NodeEntry, NodeRegistry
 from router.request import Chunk, RequestRun, Trace
 from router.stops import with_stops
@@ -53,7 +54,7 @@ class GenerateService:
             self.registry.add_static(a, pb.NODE_KIND_DECODE)
         for a in cfg.static_prefill:
             self.registry.add_static(a, pb.NODE_KIND_PREFILL)
-        self.policy = make_policy(cfg.policy)
+        self.policy = make_policy(cfg.policy, cfg.prefix_load_weight)
         self._tasks: set[asyncio.Task] = set()
         self.prefill = PrefillPhase(cfg, self.registry, self.policy, self.spawn)
         self.tokenizer = None
@@ -204,10 +205,12 @@ class GenerateService:
         if outcome != "queue_full":
             self.queue_wait.observe(wait_s)
 
-    async def admit(self, prompt_len: int, exclude: set[str], local: bool) -> tuple[NodeEntry, NodeEntry | None]:
-        """Wait in the admission queue until the request is placed: (decode node, prefill node or
-        None to prefill on the decode node), both counted against until `done` (and the prefill
+    async def admit(self, ids: list[int], exclude: set[str], local: bool) -> tuple[NodeEntry, NodeEntry | None]:
+        """Wait in the admission queue until the prompt `ids` is placed: (decode node, prefill node
+        or None to prefill on the decode node), both counted against until `done` (and the prefill
         phase's own give-back). local: prefill on the decode node (logprobs: P returns none)."""
+        prompt_len = len(ids)
+        q = PrefixQuery(ids) if self.policy.uses_prefix else None
 
         def refuse() -> Abort:
             if not [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]:
@@ -219,21 +222,34 @@ class GenerateService:
                 "try again later",
             )
 
-        return await self.admission.wait(lambda: self._place(prompt_len, exclude, local), refuse)
+        return await self.admission.wait(lambda: self._place(prompt_len, exclude, local, q), refuse)
 
-    def _place(self, prompt_len: int, exclude: set[str], local: bool) -> tuple[NodeEntry, NodeEntry | None] | None:
+    def _place(
+        self, prompt_len: int, exclude: set[str], local: bool, q: PrefixQuery | None
+    ) -> tuple[NodeEntry, NodeEntry | None] | None:
         """A decode node with room and, when the prompt goes through the prefill pool, a prefill
-        node within its window; None: not now."""
+        node within its window; None: not now. With a PrefixQuery (cache-aware), the pool decision
+        counts only what the decode node would still compute, and both nodes remember the prompt."""
+
+        def pooled(e: NodeEntry, uncached: int) -> bool:
+            return not local and self.prefill.use_pool(e, uncached)
+
         with self.registry.lock:
             nodes = [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]
-            d = self.policy.choose_decode(nodes, prompt_len)
+            d = self.policy.choose_decode(nodes, prompt_len, q, pooled)
             if d is None:
                 return None
             p = None
-            if not local and self.prefill.use_pool(d, prompt_len):
-                p = self.prefill.choose(d, prompt_len, set(), window=True)
+            uncached = prompt_len - (d.cache.usable(q, compute=True) if q is not None else 0)
+            if pooled(d, uncached):
+                p = self.prefill.choose(d, prompt_len, set(), window=True, q=q)
                 if p is None:
                     return None  # every prefill node has its window of work: wait, reserving nothing
+            if q is not None:
+                ttl = self.cfg.prefix_memory_s
+                d.cache.remember(q, compute=p is None, ttl_s=ttl)
+                if p is not None:
+                    p.cache.remember(q, compute=True, ttl_s=ttl)
             d.inflight += 1
             d.inflight_blocks += d.blocks_for(prompt_len + 1)
             return d, p

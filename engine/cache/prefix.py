@@ -19,35 +19,36 @@ into a fresh page of its own, and computes from p on. p stays below the prompt's
 the last prompt token must be computed for its logits.
 
 A snapshot is keyed by (hash of the full pages before p, the tokens after them), so lookup walks
-the prompt's page hashes once and checks the few snapshots hanging off each.
+the prompt's page hashes once and checks the few snapshots hanging off each. The hashes live in
+engine/prefix_hash.py, which the router imports too: `digest()` names what the cache holds in
+them, and the router scores nodes by the prefix of a prompt each one can resume from.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.cache.block_manager import BlockManager
+from engine.prefix_hash import ROOT_HASH, block_hash, prefix_key, prompt_hashes, short
 
-ROOT_HASH = 0  # the parent of a prompt's first page
+__all__ = ["ROOT_HASH", "Digest", "PrefixCache", "PrefixHit", "Snapshot", "block_hash", "prompt_hashes"]
 
-
-def block_hash(parent: int, tokens) -> int:
-    """Content hash of a full page given its parent's: 128 bits, the same in every process."""
-    h = hashlib.blake2b(parent.to_bytes(16, "little"), digest_size=16)
-    h.update(array("q", tokens).tobytes())
-    return int.from_bytes(h.digest(), "little")
+DIGEST_PAGES = 1024  # the most page hashes a digest carries (8 bytes each on the wire)
+DIGEST_SNAPSHOTS = 256  # ... and snapshots (12 bytes each)
 
 
-def prompt_hashes(tokens: list[int], block_size: int) -> list[int]:
-    """The chained hash of every full page of `tokens`."""
-    out, parent = [], ROOT_HASH
-    for j in range(len(tokens) // block_size):
-        parent = block_hash(parent, tokens[j * block_size : (j + 1) * block_size])
-        out.append(parent)
-    return out
+@dataclass(frozen=True)
+class Digest:
+    """What the cache holds, bounded, most recently used first, in the 64-bit names the router
+    recomputes (engine/prefix_hash.py): reported with every heartbeat for cache-aware routing."""
+
+    version: int  # changes whenever a page or snapshot is cached or evicted
+    block_size: int
+    interval: int  # the snapshot grid
+    pages: tuple[int, ...] = ()
+    snapshot_keys: tuple[int, ...] = ()  # prefix_key of each ready snapshot ...
+    snapshot_tokens: tuple[int, ...] = ()  # ... and the prefix length it holds
 
 
 @dataclass(eq=False)
@@ -181,3 +182,25 @@ class PrefixCache:
         """(parent, tail) of the prefix tokens[:p]."""
         j = p // self.block_size
         return (hashes[j - 1] if j else ROOT_HASH), tuple(tokens[j * self.block_size : p])
+
+    # ---- the digest (cache-aware routing) -------------------------------------------------
+    def version(self) -> int:
+        """Grows whenever a page or a snapshot is cached or evicted: a sum of counters that only grow
+        (pages registered, pages evicted, snapshots saved, snapshots evicted)."""
+        b = self.blocks
+        return len(b.cached) + 2 * b.num_evicted + self.stats.saved + self.stats.evicted
+
+    def digest(self) -> Digest:
+        """Pages in use first, then free cached pages most recently freed first; snapshots being
+        read, then the most recently used. Capped at DIGEST_PAGES / DIGEST_SNAPSHOTS."""
+        snaps = [s for s in self._by_key.values() if s.ready and s.ref > 0]
+        snaps += reversed(self._lru)
+        snaps = snaps[:DIGEST_SNAPSHOTS]
+        return Digest(
+            version=self.version(),
+            block_size=self.block_size,
+            interval=self.interval,
+            pages=tuple(short(h) for h in self.blocks.recent_hashes(DIGEST_PAGES)),
+            snapshot_keys=tuple(short(prefix_key(s.parent, s.tail)) for s in snaps),
+            snapshot_tokens=tuple(s.num_tokens for s in snaps),
+        )

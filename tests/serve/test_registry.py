@@ -125,7 +125,7 @@ def test_least_loaded_policy():
     p2 = NodeEntry(_info("p2", "x:7", kind=pb.NODE_KIND_PREFILL))
     p1.info.capacity.queued_prefill_tokens = 500
     assert pol.choose_prefill([p1, p2], 10) is p2
-    with pytest.raises(ValueError, match="known: least-loaded, round-robin"):
+    with pytest.raises(ValueError, match="known: cache-aware, least-loaded, round-robin"):
         make_policy("random")
 
 

@@ -1,0 +1,47 @@
+"""The prefix cache's content names, shared by the engine (engine/cache/prefix.py) and the router
+(router/prefix.py): pure Python (hashlib), so importing it loads no torch.
+
+A full page of a prompt is named by a chained hash of its tokens (`block_hash(parent, tokens)`,
+the parent being the previous page's hash); a GDN snapshot after token p by `prefix_key`: the
+hash of the full pages before p chained with the tokens after them. Nodes report the low 64 bits
+of these (`short`) in their prefix digest (proto PrefixDigest); the router recomputes them from a
+prompt's token ids to see what each node holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+ROOT_HASH = 0  # the parent of a prompt's first page
+MASK64 = (1 << 64) - 1
+
+
+def block_hash(parent: int, tokens) -> int:
+    """Content hash of a full page given its parent's: 128 bits, the same in every process."""
+    h = hashlib.blake2b(parent.to_bytes(16, "little"), digest_size=16)
+    h.update(array("q", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def prompt_hashes(tokens: list[int], block_size: int) -> list[int]:
+    """The chained hash of every full page of `tokens`."""
+    out, parent = [], ROOT_HASH
+    for j in range(len(tokens) // block_size):
+        parent = block_hash(parent, tokens[j * block_size : (j + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+def prefix_key(parent: int, tail) -> int:
+    """The name of a snapshot's prefix: the hash of its full pages (`parent`) chained with the
+    tokens after them. A different salt from `block_hash`, so that a snapshot's key never equals a
+    page's hash even when its tail is a full page's worth of tokens."""
+    h = hashlib.blake2b(parent.to_bytes(16, "little"), digest_size=16, person=b"pdserve-snapshot")
+    h.update(array("q", tail).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def short(h: int) -> int:
+    """The 64 bits of a hash a digest carries (a routing hint: a collision costs a cache miss)."""
+    return h & MASK64

@@ -1,0 +1,141 @@
+"""What each node's prefix cache holds, as the router sees it, and how much of a prompt a node
+can take from it (cache-aware routing, docs/DESIGN.md §6).
+
+    node heartbeat (a PrefixDigest when it changed) -> NodeCache.update: sets of 64-bit names
+    request -> PrefixQuery(prompt ids): the same names, recomputed (engine/prefix_hash.py)
+    policy -> NodeCache.usable(query, compute): tokens the node can skip
+    placed -> NodeCache.remember(query, compute): what the node will hold once the request ran,
+        until a digest reports it (a digest lags by a heartbeat; turn 2 of a conversation,
+        sent right after turn 1, goes where turn 1 went)
+
+What a node can use depends on what it does with the prompt. A node that computes it (a prefill
+node, or a decode node prefilling locally) resumes from a GDN snapshot, and only where every full
+page before it is cached too: usable = the longest snapshot position p < prompt length whose p //
+block_size leading pages are all present (the attention hit trimmed to the last snapshot). A
+decode node receiving a transfer gets the final GDN state from the prefill node and needs only
+its leading full pages: usable = leading cached pages * block_size (the transfer skips them).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.prefix_hash import ROOT_HASH, block_hash, prefix_key, short
+
+RECENT_MAX = 16384  # names remembered per node (oldest dropped first)
+
+
+class PrefixQuery:
+    """A prompt's names under a node's page size, computed once per page size on first use."""
+
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+        self.prompt_len = len(ids)
+        self._full: dict[int, list[int]] = {}  # block size -> 128-bit chained page hashes
+        self._short: dict[int, list[int]] = {}
+        self._keys: dict[tuple[int, int], int] = {}
+
+    def full_hashes(self, bs: int) -> list[int]:
+        if bs not in self._full:
+            out, parent = [], ROOT_HASH
+            for j in range(self.prompt_len // bs):
+                parent = block_hash(parent, self.ids[j * bs : (j + 1) * bs])
+                out.append(parent)
+            self._full[bs] = out
+        return self._full[bs]
+
+    def pages(self, bs: int) -> list[int]:
+        """The 64-bit names of the prompt's full pages."""
+        if bs not in self._short:
+            self._short[bs] = [short(h) for h in self.full_hashes(bs)]
+        return self._short[bs]
+
+    def key(self, bs: int, n: int) -> int:
+        """The 64-bit name of a snapshot after the prompt's first n tokens."""
+        k = self._keys.get((bs, n))
+        if k is None:
+            j = n // bs
+            parent = self.full_hashes(bs)[j - 1] if j else ROOT_HASH
+            k = self._keys[(bs, n)] = short(prefix_key(parent, self.ids[j * bs : n]))
+        return k
+
+
+@dataclass
+class NodeCache:
+    """One node's last digest plus what the router placed there since (`recent`, name -> expiry)."""
+
+    version: int = -1
+    block_size: int = 0  # 0: the node has no prefix cache
+    interval: int = 0
+    pages: set[int] = field(default_factory=set)
+    snapshots: dict[int, set[int]] = field(default_factory=dict)  # prefix length -> snapshot names
+    recent_pages: dict[int, float] = field(default_factory=dict)
+    recent_snapshots: dict[tuple[int, int], float] = field(default_factory=dict)  # (length, name) -> expiry
+
+    def update(self, d) -> None:
+        """A node's PrefixDigest (proto); the same version again changes nothing."""
+        if d.version == self.version and d.block_size == self.block_size:
+            return
+        self.version, self.block_size, self.interval = d.version, d.block_size, d.snapshot_interval
+        self.pages = set(d.pages)
+        snaps: dict[int, set[int]] = {}
+        for k, n in zip(d.snapshot_keys, d.snapshot_tokens, strict=True):
+            snaps.setdefault(n, set()).add(k)
+        self.snapshots = snaps
+
+    def _has_page(self, h: int, now: float) -> bool:
+        return h in self.pages or self.recent_pages.get(h, 0.0) > now
+
+    def leading_pages(self, q: PrefixQuery, now: float | None = None) -> int:
+        """How many of the prompt's leading full pages the node holds."""
+        if not self.block_size:
+            return 0
+        now = time.monotonic() if now is None else now
+        n = 0
+        for h in q.pages(self.block_size):
+            if not self._has_page(h, now):
+                break
+            n += 1
+        return n
+
+    def usable(self, q: PrefixQuery, compute: bool, now: float | None = None) -> int:
+        """Prompt tokens the node can skip: computing the prompt (a snapshot at p and every full
+        page before it, p < prompt length), or receiving its state (the leading full pages)."""
+        bs = self.block_size
+        if not bs:
+            return 0
+        now = time.monotonic() if now is None else now
+        lead = self.leading_pages(q, now)
+        if not compute:
+            return lead * bs
+        limit = min(q.prompt_len - 1, (lead + 1) * bs - 1)  # p // bs <= lead
+        best = 0
+        for n, keys in self.snapshots.items():
+            if best < n <= limit and q.key(bs, n) in keys:
+                best = n
+        for (n, k), exp in self.recent_snapshots.items():
+            if best < n <= limit and exp > now and q.key(bs, n) == k:
+                best = n
+        return best
+
+    def remember(self, q: PrefixQuery, compute: bool, ttl_s: float, now: float | None = None) -> None:
+        """The node was just given this prompt: it will hold its full pages, and when it computes
+        the prompt, snapshots on its grid and at the prompt's end."""
+        bs = self.block_size
+        if not bs:
+            return
+        now = time.monotonic() if now is None else now
+        exp = now + ttl_s
+        for h in q.pages(bs):
+            self.recent_pages.pop(h, None)  # re-inserted: the newest last
+            self.recent_pages[h] = exp
+        if compute:
+            points = list(range(self.interval, q.prompt_len, self.interval)) if self.interval else []
+            for n in [*points, q.prompt_len]:
+                k = (n, q.key(bs, n))
+                self.recent_snapshots.pop(k, None)
+                self.recent_snapshots[k] = exp
+        for d in (self.recent_pages, self.recent_snapshots):  # in expiry order: the oldest first
+            while d and (len(d) > RECENT_MAX or next(iter(d.values())) <= now):
+                del d[next(iter(d))]

@@ -1,0 +1,189 @@
+"""Cache-aware routing without processes: the router's view of a node's prefix cache (built from
+the digest a real engine-side `PrefixCache` reports) gives the same usable prefix as the engine's
+own lookup, and the policy trades cached tokens against load, never picks a node without room,
+and is least-loaded when nothing is cached."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.cache.block_manager import BlockManager
+from engine.cache.prefix import PrefixCache
+from engine.prefix_hash import prompt_hashes
+from proto import pb
+from router.policy import LeastLoaded, decode_hit, make_policy
+from router.prefix import NodeCache, PrefixQuery
+from router.registry import NodeEntry
+
+BS = 4
+
+
+def _digest(pc: PrefixCache) -> pb.PrefixDigest:
+    d = pc.digest()  # as proto/node.py puts it on the wire
+    return pb.PrefixDigest(version=d.version, block_size=d.block_size, snapshot_interval=d.interval,
+                           pages=d.pages, snapshot_keys=d.snapshot_keys, snapshot_tokens=d.snapshot_tokens)  # fmt: skip
+
+
+def _cache(tokens: list[int], pages: int, snapshots: list[int], missing_page: int | None = None) -> PrefixCache:
+    """A node's cache after it computed `tokens`: its first `pages` full pages registered (but
+    `missing_page`, evicted) and GDN snapshots after each of `snapshots` tokens."""
+    bm = BlockManager(64, BS)
+    pc = PrefixCache(bm, num_snapshots=8, interval=8)
+    hashes = prompt_hashes(tokens, BS)
+    ids = bm.allocate(pages)
+    for j in range(pages):
+        if j != missing_page:
+            bm.register(ids[j], hashes[j])
+    bm.free(ids)  # cached, nobody using them
+    for n in snapshots:
+        s = pc.reserve(*pc.key_for(tokens, hashes, n), n)
+        pc.commit(s)
+    return pc
+
+
+def _engine_usable(pc: PrefixCache, prompt: list[int]) -> int:
+    hit = pc.lookup(prompt, prompt_hashes(prompt, BS), len(prompt) - 1)  # the scheduler's limit
+    return hit.num_tokens if hit else 0
+
+
+def _engine_pages(pc: PrefixCache, prompt: list[int]) -> int:
+    n = 0
+    for h in prompt_hashes(prompt, BS):
+        if pc.blocks.lookup(h) is None:
+            break
+        n += 1
+    return n * BS
+
+
+rng = random.Random(3)
+BASE = [rng.randrange(1000) for _ in range(30)]  # 7 full pages and 2 tokens
+PROMPTS = {
+    "extends": BASE + [5, 6, 7, 8, 9, 10],
+    "same": list(BASE),  # the snapshot at its end is past the limit (the last token is computed)
+    "diverges-at-20": BASE[:20] + [999] * 12,
+    "diverges-at-3": BASE[:3] + [999] * 30,
+    "short": BASE[:9],
+}
+
+
+@pytest.mark.parametrize("missing", [None, 3], ids=["all-pages", "page-3-evicted"])
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_usable_prefix_matches_the_engine_lookup(name, missing):
+    """Compute: trimmed to the longest snapshot whose pages are all there; transfer: the leading pages."""
+    pc = _cache(BASE, pages=7, snapshots=[8, 16, 26, 30], missing_page=missing)
+    nc = NodeCache()
+    nc.update(_digest(pc))
+    q = PrefixQuery(PROMPTS[name])
+    assert nc.usable(q, compute=True) == _engine_usable(pc, PROMPTS[name])
+    assert nc.usable(q, compute=False) == _engine_pages(pc, PROMPTS[name])
+
+
+def test_trimmed_to_the_last_snapshot():
+    pc = _cache(BASE, pages=7, snapshots=[8, 16])
+    nc = NodeCache()
+    nc.update(_digest(pc))
+    q = PrefixQuery(PROMPTS["extends"])
+    assert nc.usable(q, compute=False) == 28  # every page
+    assert nc.usable(q, compute=True) == 16 == _engine_usable(pc, PROMPTS["extends"])
+    nc.update(_digest(_cache(BASE, pages=3, snapshots=[8, 16])))  # pages 3.. gone: 16 is not usable
+    assert nc.usable(q, compute=True) == 8
+
+
+def test_remembered_placement_counts_until_it_expires():
+    """A prompt placed on a node counts as cached there before its digest says so."""
+    nc = NodeCache()
+    nc.update(pb.PrefixDigest(version=1, block_size=BS, snapshot_interval=8))
+    turn1 = PrefixQuery(BASE)
+    turn2 = PrefixQuery(BASE + [1, 2, 3, 4, 5])
+    nc.remember(turn1, compute=True, ttl_s=10.0, now=100.0)
+    assert nc.usable(turn2, compute=True, now=101.0) == len(BASE)  # the snapshot at turn 1's end
+    assert nc.usable(turn2, compute=False, now=101.0) == len(BASE) // BS * BS
+    assert nc.usable(turn2, compute=True, now=111.0) == 0  # expired
+    other = NodeCache()
+    other.update(pb.PrefixDigest(version=1, block_size=BS, snapshot_interval=8))
+    other.remember(turn1, compute=False, ttl_s=10.0, now=100.0)  # a transfer: pages only
+    assert other.usable(turn2, compute=True, now=101.0) == 0
+    assert other.usable(turn2, compute=False, now=101.0) == 28
+
+
+def _node(node_id, kind=pb.NODE_KIND_DECODE, free_blocks=100, free_slots=8, queued=0):
+    return NodeEntry(pb.NodeInfo(
+        node_id=node_id, kind=kind, address=f"{node_id}:1", incarnation=1,
+        capacity=pb.Capacity(total_blocks=100, free_blocks=free_blocks, block_size=BS, total_slots=8,
+                             free_slots=free_slots, queued_prefill_tokens=queued),
+    ))  # fmt: skip
+
+
+def _holding(e: NodeEntry, tokens: list[int]) -> NodeEntry:
+    e.cache.update(_digest(_cache(tokens, pages=len(tokens) // BS, snapshots=[len(tokens)])))
+    return e
+
+
+def test_decode_choice_trades_the_cached_prefix_against_load():
+    pol = make_policy("cache-aware", load_weight=0.1)
+    prompt = BASE + [1, 2, 3, 4]
+    q = PrefixQuery(prompt)
+    a, b = _holding(_node("a"), BASE), _node("b")
+    assert pol.choose_decode([b, a], len(prompt), q) is a  # 30 cached tokens
+    a.info.capacity.queued_prefill_tokens = 31  # more queued work than the hit saves
+    assert pol.choose_decode([b, a], len(prompt), q) is b
+    a.info.capacity.queued_prefill_tokens = 29
+    assert pol.choose_decode([b, a], len(prompt), q) is a
+    a.info.capacity.free_blocks = 60  # 40 pages = 160 KV tokens held: 16 tokens of work
+    assert pol.choose_decode([b, a], len(prompt), q) is b
+    # never a node without room, however much it holds
+    a.info.capacity.queued_prefill_tokens, a.info.capacity.free_blocks, a.info.capacity.free_slots = 0, 100, 0
+    assert pol.choose_decode([b, a], len(prompt), q) is b
+    assert pol.choose_decode([a], len(prompt), q) is None
+
+
+def test_pooled_prompt_uses_the_pages_and_the_pool_decision_discounts_the_hit():
+    prompt = BASE + [1, 2, 3, 4]
+    q = PrefixQuery(prompt)
+    a = _holding(_node("a"), BASE)
+    asked = []
+
+    def pooled(e, uncached):
+        asked.append(uncached)
+        return uncached >= 10  # a local-prefill threshold of 10 tokens
+
+    assert decode_hit(a, q, pooled) == (30, False)  # 4 tokens left: prefilled on a, from the snapshot
+    assert asked == [len(prompt) - 30]
+    assert decode_hit(a, PrefixQuery(BASE + list(range(20))), pooled) == (28, True)  # pages only
+
+
+def test_nothing_cached_is_least_loaded():
+    pol, ll = make_policy("cache-aware"), LeastLoaded()
+    nodes = [_node("a", free_slots=3), _node("b", free_slots=6), _node("c", free_slots=6, free_blocks=50)]
+    unrelated = PrefixQuery([7] * 33)
+    _holding(nodes[0], BASE)  # holds something else
+    assert pol.choose_decode(nodes, 33, unrelated) is ll.choose_decode(nodes, 33) is nodes[1]
+    ps = [_node("p1", pb.NODE_KIND_PREFILL, queued=50), _node("p2", pb.NODE_KIND_PREFILL, queued=20)]
+    assert pol.choose_prefill(ps, 33, unrelated) is ll.choose_prefill(ps, 33) is ps[1]
+
+
+def test_prefill_choice_weighs_the_hit_against_queued_tokens():
+    pol = make_policy("cache-aware")
+    prompt = BASE + [1, 2, 3, 4]
+    q = PrefixQuery(prompt)
+    p1 = _holding(_node("p1", pb.NODE_KIND_PREFILL, queued=20), BASE)
+    p2 = _node("p2", pb.NODE_KIND_PREFILL)
+    assert pol.choose_prefill([p2, p1], len(prompt), q) is p1  # 4 + 20 tokens of work against 34
+    p1.inflight_prefill_tokens = 20  # the router's own, not yet reported
+    assert pol.choose_prefill([p2, p1], len(prompt), q) is p2
+    # a report that still counts a prompt whose first token is back: that prompt is done there
+    p1.inflight_prefill_tokens, p1.info.capacity.queued_prefill_tokens, p1.prefilled_tokens = 0, 400, 390
+    assert pol.choose_prefill([p2, p1], len(prompt), q) is p1
+    p1.reported()  # a fresh report (still 400 queued) replaces the discount
+    assert pol.choose_prefill([p2, p1], len(prompt), q) is p2
+    assert pol.choose_prefill([], len(prompt), q) is None
+
+
+def test_router_hashing_loads_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, router.policy, router.prefix, router.service; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,68 @@
+"""Cache-aware routing through `pdserve up` (two decode nodes, one prefill node): a conversation's
+next turn goes to the decode node that holds its earlier turns, both right after the turn before
+(the router remembers where it sent it) and once only the nodes' prefix digests say so, while an
+unrelated prompt goes to the least-loaded node; every output is transformers' greedy."""
+
+from __future__ import annotations
+
+import time
+
+import hybrid_ckpt as hc
+import pytest
+from serve_harness import BLOCK, Up, decode_stats, node_info, wait_for
+
+MEMORY_S = 2.0  # --prefix-memory: turn 3 waits past it, routed by the digests alone
+
+
+@pytest.fixture(scope="module")
+def up(ckpt):
+    u = Up("--model", ckpt, "--dtype", "float32", "--decode", "2", "--prefill", "1", "--block-size", str(BLOCK),
+           "--prefix-memory", str(MEMORY_S))  # fmt: skip
+    yield u
+    rc = u.stop()
+    assert rc == 0, u.output()
+
+
+def test_next_turn_goes_where_the_conversation_is(up, ckpt):
+    from client import Client, GenerateResult
+    from router.prefix import PrefixQuery
+
+    new = 6
+    hold, turn1, user2, user3, unrelated = hc.prompts(lens=(20, 3 * BLOCK + 5, BLOCK + 3, 9, 2 * BLOCK + 7), seed=31)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    with Client(up.address, timeout=180) as c:
+        c.wait_ready(timeout=90)
+        # a request decoding on decode-0 (the least-loaded tie goes to the first id): turn 1 goes to decode-1
+        busy = iter(c.stream(prompt_token_ids=hold, max_tokens=40, **greedy))
+        h = GenerateResult()
+        h.add(next(busy))
+        assert h.decode_node == "decode-0"
+        r1 = c.generate(prompt_token_ids=turn1, max_tokens=new, **greedy)
+        assert (r1.decode_node, r1.prefill_node, r1.cached_tokens) == ("decode-1", "prefill-0", 0)
+        for ch in busy:
+            h.add(ch)
+        # both idle now: least-loaded would pick decode-0; the conversation is on decode-1
+        turn2 = turn1 + r1.token_ids + user2
+        s2 = iter(c.stream(prompt_token_ids=turn2, max_tokens=40, **greedy))
+        r2 = GenerateResult()
+        r2.add(next(s2))
+        assert (r2.decode_node, r2.prefill_node) == ("decode-1", "prefill-0")
+        assert r2.cached_tokens == len(turn1)  # the prefill node resumed from turn 1's end-of-prompt snapshot
+        # while turn 2 decodes on decode-1, a prompt sharing nothing goes to the least-loaded node
+        ru = c.generate(prompt_token_ids=unrelated, max_tokens=new, **greedy)
+        assert ru.decode_node == "decode-0" and ru.cached_tokens == 0
+        for ch in s2:
+            r2.add(ch)
+        # decode-1's digest names turn 2's pages (the heartbeat carries it to the router) ...
+        d1 = node_info(up.address, "decode-1").address
+        pages = set(PrefixQuery(turn2).pages(BLOCK))
+        wait_for(lambda: pages <= set(decode_stats(d1).prefix.pages), 10, "decode-1's digest to hold turn 2's pages")
+        time.sleep(MEMORY_S + 1.0)  # ... which alone routes turn 3 once the router's memory of turn 2 is gone
+        turn3 = turn2 + r2.token_ids + user3
+        r3 = c.generate(prompt_token_ids=turn3, max_tokens=new, **greedy)
+        assert (r3.decode_node, r3.cached_tokens) == ("decode-1", len(turn2))
+    assert h.token_ids == hc.hf_greedy(ckpt, hold, 40)
+    assert r1.token_ids == hc.hf_greedy(ckpt, turn1, new)
+    assert r2.token_ids == hc.hf_greedy(ckpt, turn2, 40)
+    assert ru.token_ids == hc.hf_greedy(ckpt, unrelated, new)
+    assert r3.token_ids == hc.hf_greedy(ckpt, turn3, new)
