@@ -4,7 +4,7 @@ Each op has a PyTorch implementation here (the CPU path, and the reference for t
 kernels); `naive.py` holds per-token loops used only by tests.
 """
 
-from kernels.attention import gather_kv, paged_attention, store_kv
+from kernels.attention import causal_attention, gather_kv, paged_attention, store_kv
 from kernels.conv import causal_conv1d, causal_conv1d_update, conv_update_
 from kernels.fp8 import dequant_fp8_block, fp8_block_linear, narrow_fp8_block, quant_fp8_block
 from kernels.gdn import gdn_chunk_prefill, gdn_decode_step_, gdn_recurrent, l2norm
@@ -13,6 +13,7 @@ from kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
 
 __all__ = [
     "add_rms_norm",
+    "causal_attention",
     "causal_conv1d",
     "causal_conv1d_update",
     "conv_update_",

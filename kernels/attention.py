@@ -24,7 +24,7 @@ from kernels.checks import check_paged_inputs
 from kernels.gdn import pad_packed, unpad_packed
 from kernels.triton import force_triton as _force_triton
 
-__all__ = ["store_kv", "paged_attention", "gather_kv"]
+__all__ = ["store_kv", "paged_attention", "gather_kv", "causal_attention"]
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_pool: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -93,3 +93,25 @@ def paged_attention(
         qp, K.to(q.dtype), V.to(q.dtype), attn_mask=mask[:, None], scale=scale, enable_gqa=True
     )
     return unpad_packed(o.transpose(1, 2), cu_seqlens_q)
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention of packed sequences that start here (nothing before them in the cache):
+    `paged_attention` of a prefill whose every row has q_len == seq_len, read from this step's
+    k, v [T, KVH, hd] rather than gathered from pages. Returns [T, H, hd]."""
+    T = q.shape[0]
+    B = cu_seqlens.numel() - 1
+    if T % B == 0 and bool((cu_seqlens[1:] - cu_seqlens[:-1] == T // B).all()):  # one length: one call
+        L = T // B
+        qkv = (x.view(B, L, -1, x.shape[-1]).transpose(1, 2) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(*qkv, is_causal=True, scale=scale, enable_gqa=True)
+        return o.transpose(1, 2).reshape(T, q.shape[1], q.shape[2])
+    out = []
+    for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        qkv = (x[a:b].transpose(0, 1)[None] for x in (q, k, v))
+        out.append(
+            F.scaled_dot_product_attention(*qkv, is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+        )
+    return torch.cat(out)

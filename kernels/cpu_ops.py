@@ -239,7 +239,7 @@ def attn_decode(qkv, qk_norm, eps, cos, sin, kv_pool, slot_mapping, block_tables
     block_tables = block_tables.contiguous()
     out = torch.empty(B, h * hd, dtype=dtype)
     nt = threads(B)
-    stride = (h + kvh) * hd + hd + block_tables.shape[1] * kv_pool.shape[3]
+    stride = (h + kvh) * hd + h // kvh * (hd + block_tables.shape[1] * kv_pool.shape[3])
     work = torch.empty(nt * stride, dtype=torch.float32)
     s_blk, s_kv, s_head, s_tok, _ = kv_pool.stride()
     _get().attn_decode(
@@ -306,8 +306,8 @@ def gdn_rows(
     assert row_init.dtype == torch.bool and row_cu.shape == (R + 1,) and tok_slots.shape == (T,)
     out = torch.empty(T, hv * dv, dtype=dtype)
     nt = threads(R)
-    stride = D + 2 * hv
-    work = torch.empty(nt * stride, dtype=torch.float32)
+    stride = D + 2 * hv + (kc - 1) * D  # per thread: gdn_decode's scratch and a row's saved conv inputs
+    work = torch.empty(nt * stride + kc * D, dtype=torch.float32)  # and the conv weight transposed
     _get().gdn_rows_mt(
         R, _ptr(row_cu), _ptr(row_slots), _ptr(row_init), _ptr(tok_slots), hk, hv, dk, dv, kc, _ptr(proj),
         proj.stride(0), _ptr(conv_w), _ptr(conv_pool), _ptr(rec_pool), _ptr(neg_A), _ptr(dt_bias), _ptr(norm_w),

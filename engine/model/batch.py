@@ -28,6 +28,7 @@ class RowGroup:
     slot_start: int | None = None  # set when slot_ids are slot_start, slot_start+1, ... (update in place)
     max_row_tokens: int = 1  # > 1 in a decode group: speculative rows (k+1 tokens) are present
     points: StatePoints | None = None  # prefill: GDN states to keep inside rows (prefix snapshots)
+    fresh: bool = False  # every row starts its sequence (no tokens in the cache before this step's)
 
     @property
     def num_rows(self) -> int:
@@ -104,6 +105,7 @@ def group_fields(pack: IntPack, lens, slots, start_pos, block_tables) -> dict:
         num_tokens=cu[-1],
         max_row_tokens=max(lens),
         slot_start=slots[0] if list(slots) == list(range(slots[0], slots[0] + len(slots))) else None,
+        fresh=not any(start_pos),
     )
 
 
@@ -119,4 +121,5 @@ def make_group(tok_start: int, pack: IntPack, f: dict, decode: bool = False) -> 
         decode=decode,
         max_row_tokens=f["max_row_tokens"],
         slot_start=f["slot_start"],
+        fresh=f["fresh"],
     )

@@ -22,6 +22,7 @@ from engine.model.batch import ForwardBatch
 from engine.model.linear import Linear
 from engine.model.rotary import apply_rotary_
 from kernels import (
+    causal_attention,
     causal_conv1d,
     causal_conv1d_update,
     conv_update_,
@@ -190,11 +191,12 @@ class Attention:
         q, k = qk[:, : self.h], qk[:, self.h :]
         store_kv(k, v.view(T, self.kvh, self.hd), kv_pool, batch.slot_mapping)
 
-        o = _per_group(
-            batch,
-            q,
-            lambda grp, qg: paged_attention(qg, kv_pool, grp.cu_seqlens, grp.seq_lens, grp.block_tables, self.scale),
-        )
+        def attend(grp, qg, kg, vg):
+            if grp.fresh and not grp.decode and not qg.is_cuda and kv_pool.dtype == qg.dtype:  # no pages to read
+                return causal_attention(qg, kg, vg, grp.cu_seqlens, self.scale)
+            return paged_attention(qg, kv_pool, grp.cu_seqlens, grp.seq_lens, grp.block_tables, self.scale)
+
+        o = _per_group(batch, (q, k, v.view(T, self.kvh, self.hd)), attend)
         o = o.reshape(T, -1) * torch.sigmoid(gate)
         return self.all_reduce(self.w.w_o(o))
 

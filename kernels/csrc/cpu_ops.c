@@ -7,8 +7,10 @@
  */
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 typedef uint16_t bf16_t;
 
@@ -105,6 +107,134 @@ static inline void exp_rows(float *x, int64_t n, float shift) {
 }
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
+/* ======================================================================================
+ * Thread pool: persistent workers that share one job's chunks.
+ *
+ * pool_run(fn, ctx, n, nthreads) calls fn(ctx, i, tid) once for every chunk 0 <= i < n, on
+ * the calling thread (tid 0) and up to nthreads - 1 pool workers (tid 1..), each taking the
+ * next chunk as it finishes one. The caller never waits for a worker to start: on a machine
+ * whose cores are busy with other processes a worker that is not scheduled simply takes no
+ * chunk and the caller does them all, where a static split (one slice per thread) would wait
+ * for the slowest thread's time slice. Workers are created on first use and kept; after a job
+ * they poll for the next one for a short while, then sleep on a condition variable. A call
+ * while another thread's job is running (two engines in one process) runs its chunks alone.
+ * tid < nthreads indexes per-thread scratch.
+ * A worker descheduled in the middle of a chunk still makes the caller wait for that chunk;
+ * when that happens twice (each wait over POOL_LATE_NS) within a few hundred calls, the cores
+ * are taken by other processes, and the next POOL_SOLO calls run on the caller alone.
+ * ====================================================================================== */
+
+#define POOL_MAX 8
+#define POOL_SPIN_NS 40000   /* a worker polls this long for the next job before sleeping */
+#define POOL_LATE_NS 1000000 /* a wait for a worker's chunk this long counts as a strike */
+#define POOL_SOLO 2048       /* calls run alone after two strikes */
+
+typedef void (*chunk_fn)(void *ctx, int64_t chunk, int64_t tid);
+
+static struct {
+    pthread_mutex_t mu, run;
+    pthread_cond_t work;
+    chunk_fn fn;
+    void *ctx;
+    int64_t n, next, active, started;
+    int64_t strikes, good, solo; /* caller thread only (under run) */
+    int64_t done; /* chunks finished: written under mu, polled by the caller without it */
+    volatile int64_t seq; /* bumped per job: what a polling worker watches */
+} P = {.mu = PTHREAD_MUTEX_INITIALIZER, .run = PTHREAD_MUTEX_INITIALIZER, .work = PTHREAD_COND_INITIALIZER};
+static int pool_atfork; /* the fork handler is registered (once per process image) */
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void *pool_worker(void *arg) {
+    const int64_t tid = (int64_t)(intptr_t)arg;
+    int64_t seen = -1;
+    for (;;) {
+        /* poll for a new job a little while: the decode step calls ops back to back */
+        const int64_t t0 = now_ns();
+        while (__atomic_load_n(&P.seq, __ATOMIC_ACQUIRE) == seen && now_ns() - t0 < POOL_SPIN_NS)
+            __builtin_ia32_pause();
+        pthread_mutex_lock(&P.mu);
+        while (!(P.next < P.n && tid < P.active) && P.seq == seen) pthread_cond_wait(&P.work, &P.mu);
+        seen = P.seq;
+        while (P.next < P.n && tid < P.active) {
+            const int64_t i = P.next++;
+            const chunk_fn fn = P.fn;
+            void *ctx = P.ctx;
+            pthread_mutex_unlock(&P.mu);
+            fn(ctx, i, tid);
+            pthread_mutex_lock(&P.mu);
+            __atomic_store_n(&P.done, P.done + 1, __ATOMIC_RELEASE);
+        }
+        pthread_mutex_unlock(&P.mu);
+    }
+    return NULL;
+}
+
+static void pool_child(void) { /* after fork: the child has none of the parent's workers */
+    pthread_mutex_init(&P.mu, NULL);
+    pthread_mutex_init(&P.run, NULL);
+    pthread_cond_init(&P.work, NULL);
+    P.n = P.next = P.done = P.started = 0;
+    P.strikes = P.good = P.solo = 0;
+}
+
+static void pool_run(chunk_fn fn, void *ctx, int64_t n, int64_t nthreads) {
+    if (nthreads > POOL_MAX) nthreads = POOL_MAX;
+    if (nthreads > n) nthreads = n;
+    if (nthreads <= 1 || pthread_mutex_trylock(&P.run) != 0) {
+        for (int64_t i = 0; i < n; i++) fn(ctx, i, 0);
+        return;
+    }
+    if (P.solo > 0) {
+        P.solo--;
+        pthread_mutex_unlock(&P.run);
+        for (int64_t i = 0; i < n; i++) fn(ctx, i, 0);
+        return;
+    }
+    if (!pool_atfork) pool_atfork = pthread_atfork(NULL, NULL, pool_child) == 0;
+    while (P.started < nthreads - 1) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int ok = pthread_create(&t, &attr, pool_worker, (void *)(intptr_t)(P.started + 1)) == 0;
+        pthread_attr_destroy(&attr);
+        if (!ok) break;
+        P.started++;
+    }
+    if (nthreads > P.started + 1) nthreads = P.started + 1;
+    pthread_mutex_lock(&P.mu);
+    P.fn = fn, P.ctx = ctx, P.n = n, P.next = 0, P.done = 0, P.active = nthreads;
+    __atomic_store_n(&P.seq, P.seq + 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&P.work);
+    while (P.next < P.n) {
+        const int64_t i = P.next++;
+        pthread_mutex_unlock(&P.mu);
+        fn(ctx, i, 0);
+        pthread_mutex_lock(&P.mu);
+        __atomic_store_n(&P.done, P.done + 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&P.mu);
+    const int64_t t_wait = now_ns();
+    /* the chunks still running on workers are short: poll for them rather than sleep, which
+     * would give the core away and wait to be scheduled again */
+    for (int64_t spins = 0; __atomic_load_n(&P.done, __ATOMIC_ACQUIRE) < n; spins++) {
+        if (spins < 4096) __builtin_ia32_pause();
+        else sched_yield();
+    }
+    if (now_ns() - t_wait > POOL_LATE_NS) {
+        P.good = 0;
+        if (++P.strikes >= 2) P.strikes = 0, P.solo = POOL_SOLO;
+    } else if (P.strikes > 0 && ++P.good >= 256) {
+        P.strikes = 0, P.good = 0;
+    }
+    pthread_mutex_unlock(&P.run);
+}
+
 /* One decode token per row through a GDN layer, from its input projection to the gated norm.
  *   proj       [B, ld_proj]  rows [qkv (D) | z (Hv*dv) | b (Hv) | a (Hv)], model dtype
  *   conv_w     [D, Kc]       model dtype;  conv_pool [S, D, Kc-1] model dtype (slot rows)
@@ -113,14 +243,16 @@ static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); 
  *   out        [B, Hv*dv]    model dtype
  *   work       float32 scratch of D + 2*Hv floats
  * D = 2*Hk*dk + Hv*dv; value head h reads key head h / (Hv/Hk).  Rows b0 <= b < b1 only, so
- * callers may split a batch over threads.
+ * callers may split a batch over threads. K1c > 0 is Kc - 1 as a constant (the conv's shift
+ * unrolled); conv_done: the caller has put the conv output (before silu) in work[0..D) and
+ * updated the conv state itself (gdn_rows, a whole row's conv at once).
  */
 static inline __attribute__((always_inline)) void
 gdn_decode_rows(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc,
                 const void *proj, int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool,
                 const int64_t *slots, const float *neg_A, const float *dt_bias, const void *norm_w,
-                float eps, void *out, float *work, const int bf16) {
-    const int64_t key_dim = Hk * dk, D = 2 * key_dim + Hv * dv, K1 = Kc - 1, grp = Hv / Hk;
+                float eps, void *out, float *work, const int bf16, const int64_t K1c, const int conv_done) {
+    const int64_t key_dim = Hk * dk, D = 2 * key_dim + Hv * dv, K1 = K1c > 0 ? K1c : Kc - 1, grp = Hv / Hk;
     const float q_scale = 1.0f / sqrtf((float)dk);
     float *y = work;           /* [D] conv output, rounded, then q/k normalised in place */
     float *gate = work + D;    /* [Hv] log-decay */
@@ -128,7 +260,7 @@ gdn_decode_rows(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int6
     for (int64_t b = b0; b < b1; b++) {
         const int64_t s = slots[b];
         /* causal conv over the slot's Kc-1 saved inputs and this token, then silu */
-        for (int64_t c = 0; c < D; c++) {
+        for (int64_t c = 0; c < (conv_done ? 0 : D); c++) {
             const int64_t st = (s * D + c) * K1;
             float acc = 0.0f;
             for (int64_t j = 0; j < K1; j++) acc += load(conv_w, c * Kc + j, bf16) * load(conv_pool, st + j, bf16);
@@ -189,12 +321,24 @@ void gdn_decode(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int6
                 const void *proj, int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool,
                 const int64_t *slots, const float *neg_A, const float *dt_bias, const void *norm_w,
                 float eps, void *out, float *work, int bf16) {
+#define GDN_ROWS_ARGS b0, b1, Hk, Hv, dk, dv, Kc, proj, ld_proj, conv_w, conv_pool, rec_pool, slots, neg_A, dt_bias, norm_w, eps, out, work
+    if (bf16 && Kc == 4) gdn_decode_rows(GDN_ROWS_ARGS, 1, 3, 0);
+    else if (bf16) gdn_decode_rows(GDN_ROWS_ARGS, 1, 0, 0);
+    else if (Kc == 4) gdn_decode_rows(GDN_ROWS_ARGS, 0, 3, 0);
+    else gdn_decode_rows(GDN_ROWS_ARGS, 0, 0, 0);
+}
+
+/* gdn_decode of token b after its conv (work[0..D) holds the conv output, the conv state is
+ * the caller's): the rest of the layer. */
+static void gdn_after_conv(int64_t b, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, const void *proj,
+                           int64_t ld_proj, float *rec_pool, const int64_t *slots, const float *neg_A,
+                           const float *dt_bias, const void *norm_w, float eps, void *out, float *work, int bf16) {
     if (bf16)
-        gdn_decode_rows(b0, b1, Hk, Hv, dk, dv, Kc, proj, ld_proj, conv_w, conv_pool, rec_pool, slots, neg_A,
-                        dt_bias, norm_w, eps, out, work, 1);
+        gdn_decode_rows(b, b + 1, Hk, Hv, dk, dv, 0, proj, ld_proj, NULL, NULL, rec_pool, slots, neg_A, dt_bias,
+                        norm_w, eps, out, work, 1, 1, 1);
     else
-        gdn_decode_rows(b0, b1, Hk, Hv, dk, dv, Kc, proj, ld_proj, conv_w, conv_pool, rec_pool, slots, neg_A,
-                        dt_bias, norm_w, eps, out, work, 0);
+        gdn_decode_rows(b, b + 1, Hk, Hv, dk, dv, 0, proj, ld_proj, NULL, NULL, rec_pool, slots, neg_A, dt_bias,
+                        norm_w, eps, out, work, 0, 1, 1);
 }
 
 /* Residual add and RMS norm of rows b0 <= b < b1:  xo[b] = rnd(x[b] + h[b]) (when h is not
@@ -233,17 +377,19 @@ static inline v8f ld_bf8(const bf16_t *p) {
 }
 
 struct gemv_job {
-    int64_t n0, n1, M, N, K;
+    int64_t chunks, M, N, K;
     const float *x;
     const bf16_t *w;
     void *y;
     int bf16;
 };
 
-static void *gemv_run(void *arg) {
-    const struct gemv_job *j = arg;
+static void gemv_run(void *ctx, int64_t chunk, int64_t tid) {
+    (void)tid;
+    const struct gemv_job *j = ctx;
     const int64_t M = j->M, N = j->N, K = j->K, K8 = K & ~(int64_t)7;
-    for (int64_t n = j->n0; n < j->n1; n++) {
+    const int64_t n0 = N * chunk / j->chunks, n1 = N * (chunk + 1) / j->chunks;
+    for (int64_t n = n0; n < n1; n++) {
         const bf16_t *wr = j->w + n * K;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             const int64_t mb = M - m0 < 4 ? M - m0 : 4;
@@ -264,25 +410,15 @@ static void *gemv_run(void *arg) {
             }
         }
     }
-    return NULL;
 }
 
 void gemv_bf16(int64_t M, int64_t N, int64_t K, const float *x, const bf16_t *w, void *y, int bf16,
                int64_t nthreads) {
-    if (nthreads > 8) nthreads = 8;
-    if (nthreads < 1) nthreads = 1;
-    struct gemv_job jobs[8];
-    pthread_t tids[8];
-    int started[8] = {0};
-    for (int64_t t = 0; t < nthreads; t++) {
-        jobs[t] = (struct gemv_job){N * t / nthreads, N * (t + 1) / nthreads, M, N, K, x, w, y, bf16};
-        if (t > 0) started[t] = pthread_create(&tids[t], NULL, gemv_run, &jobs[t]) == 0;
-    }
-    gemv_run(&jobs[0]);
-    for (int64_t t = 1; t < nthreads; t++) {
-        if (started[t]) pthread_join(tids[t], NULL);
-        else gemv_run(&jobs[t]);
-    }
+    /* chunks of >= 64 weight rows, about four per thread */
+    int64_t chunks = nthreads > 1 ? 4 * nthreads : 1;
+    if (chunks > N / 64) chunks = N / 64 > 0 ? N / 64 : 1;
+    struct gemv_job job = {chunks, M, N, K, x, w, y, bf16};
+    pool_run(gemv_run, &job, chunks, nthreads);
 }
 
 /* ======================================================================================
@@ -336,7 +472,7 @@ struct attn_job {
 
 static inline __attribute__((always_inline)) void attn_rows(const struct attn_job *a, const int bf16) {
     const int64_t H = a->H, KVH = a->KVH, hd = a->hd, rd = a->rd, half = rd / 2, nqk = H + KVH, grp = H / KVH;
-    float *qk = a->work, *acc = qk + nqk * hd, *sc = acc + hd; /* [nqk, hd], [hd], [seq_len] */
+    float *qk = a->work, *acc = qk + nqk * hd, *sc = acc + grp * hd; /* [nqk, hd], [grp, hd], [grp, seq_len] */
     for (int64_t b = a->b0; b < a->b1; b++) {
         const int64_t row = b * a->ld;
         /* q and k heads: RMS norm times (1 + w), rounded, then rotary on the first rd dims */
@@ -364,67 +500,68 @@ static inline __attribute__((always_inline)) void attn_rows(const struct attn_jo
                 store(a->kv, kp + a->s_kv + j, load(a->qkv, v_col + g * hd + j, bf16), bf16);
             }
         }
-        /* each query head over the row's pages, then the gate */
+        /* per KV head, its query heads together over the row's pages (each K and V row read
+         * once for all of them), then the gate */
         const int64_t n = a->seq_lens[b];
         const int64_t *bt = a->block_tables + b * a->bt_width;
-        for (int64_t h = 0; h < H; h++) {
-            const float *q = qk + h * hd;
-            const int64_t g = h / grp;
-            float mx = -INFINITY;
+        for (int64_t g = 0; g < KVH; g++) {
+            float mx[grp], sum[grp];
+            for (int64_t i = 0; i < grp; i++) mx[i] = -INFINITY;
             for (int64_t t0 = 0; t0 < n; t0 += a->bs) { /* page by page: no division per position */
                 const int64_t m = n - t0 < a->bs ? n - t0 : a->bs;
                 const int64_t kp = bt[t0 / a->bs] * a->s_blk + g * a->s_head;
                 for (int64_t t = 0; t < m; t++) {
                     const int64_t p = kp + t * a->s_tok;
-                    const float s = bf16 ? dot_bf16(q, (const bf16_t *)a->kv + p, hd) : dot_f32(q, (const float *)a->kv + p, hd);
-                    sc[t0 + t] = s * a->scale;
-                    mx = sc[t0 + t] > mx ? sc[t0 + t] : mx;
+                    for (int64_t i = 0; i < grp; i++) {
+                        const float *q = qk + (g * grp + i) * hd;
+                        const float s = bf16 ? dot_bf16(q, (const bf16_t *)a->kv + p, hd)
+                                             : dot_f32(q, (const float *)a->kv + p, hd);
+                        float *si = sc + i * n + t0 + t;
+                        *si = s * a->scale;
+                        mx[i] = *si > mx[i] ? *si : mx[i];
+                    }
                 }
             }
-            exp_rows(sc, n, mx);
-            float sum = 0.0f;
-            for (int64_t t = 0; t < n; t++) sum += sc[t];
-            for (int64_t j = 0; j < hd; j++) acc[j] = 0.0f;
+            for (int64_t i = 0; i < grp; i++) {
+                exp_rows(sc + i * n, n, mx[i]);
+                sum[i] = 0.0f;
+                for (int64_t t = 0; t < n; t++) sum[i] += sc[i * n + t];
+            }
+            for (int64_t j = 0; j < grp * hd; j++) acc[j] = 0.0f;
             for (int64_t t0 = 0; t0 < n; t0 += a->bs) {
                 const int64_t m = n - t0 < a->bs ? n - t0 : a->bs;
                 const int64_t vp = bt[t0 / a->bs] * a->s_blk + a->s_kv + g * a->s_head;
                 for (int64_t t = 0; t < m; t++) {
-                    const float p = sc[t0 + t];
                     const int64_t o = vp + t * a->s_tok;
-                    if (bf16)
-                        for (int64_t j = 0; j < hd; j++) acc[j] += p * bf2f(((const bf16_t *)a->kv)[o + j]);
-                    else
-                        for (int64_t j = 0; j < hd; j++) acc[j] += p * ((const float *)a->kv)[o + j];
+                    for (int64_t i = 0; i < grp; i++) {
+                        const float p = sc[i * n + t0 + t];
+                        float *ai = acc + i * hd;
+                        if (bf16)
+                            for (int64_t j = 0; j < hd; j++) ai[j] += p * bf2f(((const bf16_t *)a->kv)[o + j]);
+                        else
+                            for (int64_t j = 0; j < hd; j++) ai[j] += p * ((const float *)a->kv)[o + j];
+                    }
                 }
             }
-            const float inv = 1.0f / sum;
-            const int64_t gate = row + nqk * hd + h * hd;
-            for (int64_t j = 0; j < hd; j++) {
-                const float o = rnd(acc[j] * inv, bf16);
-                const float sg = rnd(1.0f / (1.0f + expf(-load(a->qkv, gate + j, bf16))), bf16);
-                store(a->out, b * H * hd + h * hd + j, o * sg, bf16);
+            for (int64_t i = 0; i < grp; i++) {
+                const int64_t h = g * grp + i;
+                const float inv = 1.0f / sum[i];
+                const int64_t gate = row + nqk * hd + h * hd;
+                for (int64_t j = 0; j < hd; j++) {
+                    const float o = rnd(acc[i * hd + j] * inv, bf16);
+                    const float sg = rnd(1.0f / (1.0f + expf(-load(a->qkv, gate + j, bf16))), bf16);
+                    store(a->out, b * H * hd + h * hd + j, o * sg, bf16);
+                }
             }
         }
     }
 }
 
-static void *attn_run(void *arg) {
-    const struct attn_job *a = arg;
-    if (a->bf16) attn_rows(a, 1);
-    else attn_rows(a, 0);
-    return NULL;
-}
-
-/* Runs fn on jobs[0..n) (each job a struct of `size` bytes), jobs 1.. on their own threads. */
-static void run_jobs(void *(*fn)(void *), void *jobs, size_t size, int64_t n) {
-    pthread_t tids[8];
-    int started[8] = {0};
-    for (int64_t t = 1; t < n; t++) started[t] = pthread_create(&tids[t], NULL, fn, (char *)jobs + t * size) == 0;
-    fn(jobs);
-    for (int64_t t = 1; t < n; t++) {
-        if (started[t]) pthread_join(tids[t], NULL);
-        else fn((char *)jobs + t * size);
-    }
+static void attn_run(void *ctx, int64_t chunk, int64_t tid) { /* chunk: one row */
+    struct attn_job a = *(const struct attn_job *)ctx;
+    a.b0 = chunk, a.b1 = chunk + 1, a.work += tid * a.work_stride;
+    if (a.bf16) attn_rows(&a, 1);
+    else attn_rows(&a, 0);
 }
 
 /* One decode token per row through a gated attention layer, after its qkv projection.
@@ -437,26 +574,20 @@ static void run_jobs(void *(*fn)(void *), void *jobs, size_t size, int64_t n) {
  *              (the new token included)
  *   out        [B, H*hd] model dtype: attention output times sigmoid(gate)
  *   work       float32 scratch of nthreads * work_stride floats, work_stride >=
- *              (H+KVH)*hd + hd + max seq_len
- * Rows are split over nthreads (<= 8) threads. */
+ *              (H+KVH)*hd + (H/KVH) * (hd + max seq_len)
+ * Rows are shared by up to nthreads (<= 8) threads (pool_run). */
 void attn_decode(int64_t B, int64_t H, int64_t KVH, int64_t hd, int64_t rd, const void *qkv, int64_t ld,
                  const float *qk_norm, float eps, const void *cos, const void *sin, void *kv, int64_t s_blk,
                  int64_t s_kv, int64_t s_head, int64_t s_tok, int64_t bs, const int64_t *slot_mapping,
                  const int64_t *block_tables, int64_t bt_width, const int64_t *seq_lens, float scale, void *out,
                  float *work, int64_t work_stride, int bf16, int64_t nthreads) {
-    if (nthreads > B) nthreads = B;
-    if (nthreads > 8) nthreads = 8;
-    if (nthreads < 1) nthreads = 1;
-    struct attn_job jobs[8];
-    for (int64_t t = 0; t < nthreads; t++)
-        jobs[t] = (struct attn_job){B * t / nthreads, B * (t + 1) / nthreads, H, KVH, hd, rd, ld, bs, s_blk, s_kv,
-                                    s_head, s_tok, bt_width, work_stride, qkv, cos, sin, qk_norm, kv, out,
-                                    slot_mapping, block_tables, seq_lens, eps, scale, work + t * work_stride, bf16};
-    run_jobs(attn_run, jobs, sizeof(struct attn_job), nthreads);
+    struct attn_job job = {0, B, H, KVH, hd, rd, ld, bs, s_blk, s_kv, s_head, s_tok, bt_width, work_stride, qkv, cos,
+                           sin, qk_norm, kv, out, slot_mapping, block_tables, seq_lens, eps, scale, work, bf16};
+    pool_run(attn_run, &job, B, nthreads);
 }
 
 struct gdn_job {
-    int64_t b0, b1, Hk, Hv, dk, dv, Kc, ld_proj;
+    int64_t Hk, Hv, dk, dv, Kc, ld_proj, work_stride;
     const void *proj, *conv_w, *norm_w;
     void *conv_pool, *out;
     float *rec_pool, *work;
@@ -466,28 +597,22 @@ struct gdn_job {
     int bf16;
 };
 
-static void *gdn_run(void *arg) {
-    const struct gdn_job *j = arg;
-    gdn_decode(j->b0, j->b1, j->Hk, j->Hv, j->dk, j->dv, j->Kc, j->proj, j->ld_proj, j->conv_w, j->conv_pool,
-               j->rec_pool, j->slots, j->neg_A, j->dt_bias, j->norm_w, j->eps, j->out, j->work, j->bf16);
-    return NULL;
+static void gdn_run(void *ctx, int64_t chunk, int64_t tid) { /* chunk: one row */
+    const struct gdn_job *j = ctx;
+    gdn_decode(chunk, chunk + 1, j->Hk, j->Hv, j->dk, j->dv, j->Kc, j->proj, j->ld_proj, j->conv_w, j->conv_pool,
+               j->rec_pool, j->slots, j->neg_A, j->dt_bias, j->norm_w, j->eps, j->out, j->work + tid * j->work_stride,
+               j->bf16);
 }
 
-/* gdn_decode over rows 0 <= b < B split over nthreads (<= 8) threads; work holds nthreads
+/* gdn_decode over rows 0 <= b < B shared by up to nthreads (<= 8) threads; work holds nthreads
  * scratch areas of work_stride >= D + 2*Hv floats. Rows must have distinct slots. */
 void gdn_decode_mt(int64_t B, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc, const void *proj,
                    int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool, const int64_t *slots,
                    const float *neg_A, const float *dt_bias, const void *norm_w, float eps, void *out, float *work,
                    int64_t work_stride, int bf16, int64_t nthreads) {
-    if (nthreads > B) nthreads = B;
-    if (nthreads > 8) nthreads = 8;
-    if (nthreads < 1) nthreads = 1;
-    struct gdn_job jobs[8];
-    for (int64_t t = 0; t < nthreads; t++)
-        jobs[t] = (struct gdn_job){B * t / nthreads, B * (t + 1) / nthreads, Hk, Hv, dk, dv, Kc, ld_proj, proj,
-                                   conv_w, norm_w, conv_pool, out, rec_pool, work + t * work_stride, slots, neg_A,
-                                   dt_bias, eps, bf16};
-    run_jobs(gdn_run, jobs, sizeof(struct gdn_job), nthreads);
+    struct gdn_job job = {Hk,   Hv,       dk,  dv,        Kc,   ld_proj, work_stride, proj,   conv_w,
+                          norm_w, conv_pool, out, rec_pool, work, slots,   neg_A,       dt_bias, eps,    bf16};
+    pool_run(gdn_run, &job, B, nthreads);
 }
 
 /* ======================================================================================
@@ -537,18 +662,18 @@ static inline __attribute__((always_inline)) void gemm_tile(int64_t K, const flo
 }
 
 struct gemm_job {
-    int64_t p0, p1, M, N, K;
+    int64_t M, N, K, mb, groups, P;
     const float *x, *wp;
     float *y;
 };
 
-static void *gemm_run(void *arg) {
-    const struct gemm_job *j = arg;
-    const int64_t M = j->M, N = j->N, K = j->K;
-    /* blocks of rows small enough to stay in L2 while every panel passes over them */
-    const int64_t mb = K > 0 ? 6 * (1 + (96 * 1024 / (K * 4)) / 6) : M;
-    for (int64_t m1 = 0; m1 < M; m1 += mb)
-    for (int64_t p = j->p0; p < j->p1; p++) {
+/* chunk = (block of mb rows, group of panels) */
+static void gemm_run(void *ctx, int64_t chunk, int64_t tid) {
+    (void)tid;
+    const struct gemm_job *j = ctx;
+    const int64_t M = j->M, N = j->N, K = j->K, mb = j->mb, g = chunk % j->groups;
+    const int64_t m1 = chunk / j->groups * mb, p0 = j->P * g / j->groups, p1 = j->P * (g + 1) / j->groups;
+    for (int64_t p = p0; p < p1; p++) {
         const float *panel = j->wp + p * K * 16;
         const int64_t n0 = p * 16, nc = N - n0 < 16 ? N - n0 : 16, m2 = m1 + mb < M ? m1 + mb : M;
         for (int64_t m0 = m1; m0 < m2; m0 += 6) {
@@ -564,23 +689,30 @@ static void *gemm_run(void *arg) {
             }
         }
     }
-    return NULL;
 }
 
-/* y [M, N] = x [M, K] @ w^T for wp = pack_f32(w); x, y float32 contiguous; panels split over
- * nthreads (<= 8) threads. */
+/* y [M, N] = x [M, K] @ w^T for wp = pack_f32(w); x, y float32 contiguous; shared by up to
+ * nthreads (<= 8) threads in chunks of a row block (small enough to stay in L2 while every
+ * panel passes over it) and a group of panels: many row blocks go whole, few are cut into
+ * about four panel groups per thread of at least 64K multiply-adds each. */
 void gemm_f32(int64_t M, int64_t N, int64_t K, const float *x, const float *wp, float *y, int64_t nthreads) {
-    const int64_t P = (N + 15) / 16;
-    if (nthreads > P) nthreads = P;
-    if (nthreads > 8) nthreads = 8;
-    if (nthreads < 1) nthreads = 1;
-    struct gemm_job jobs[8];
-    for (int64_t t = 0; t < nthreads; t++) jobs[t] = (struct gemm_job){P * t / nthreads, P * (t + 1) / nthreads, M, N, K, x, wp, y};
-    run_jobs(gemm_run, jobs, sizeof(struct gemm_job), nthreads);
+    const int64_t P = (N + 15) / 16, mb = K > 0 ? 6 * (1 + (96 * 1024 / (K * 4)) / 6) : M;
+    const int64_t blocks = M > 0 ? (M + mb - 1) / mb : 0, rows = M < mb ? M : mb;
+    int64_t groups = 1;
+    if (nthreads > 1 && blocks < 4 * nthreads) {
+        groups = (4 * nthreads + blocks - 1) / blocks;
+        const int64_t most = rows * K * 16 * P / (64 * 1024);
+        if (groups > most) groups = most;
+        if (groups > P) groups = P;
+        if (groups < 1) groups = 1;
+    }
+    struct gemm_job job = {M, N, K, mb, groups, P, x, wp, y};
+    pool_run(gemm_run, &job, blocks * groups, nthreads);
 }
 
 struct gdn_rows_job {
-    int64_t r0, r1, Hk, Hv, dk, dv, Kc, ld_proj;
+    int64_t work_stride, Hk, Hv, dk, dv, Kc, ld_proj;
+    const float *conv_wt; /* [Kc, D]: conv_w transposed, float32 */
     const int64_t *row_cu, *row_slots, *tok_slots;
     const uint8_t *row_init;
     const void *proj, *conv_w, *norm_w;
@@ -591,49 +723,68 @@ struct gdn_rows_job {
     int bf16;
 };
 
-static void *gdn_rows_run(void *arg) {
-    const struct gdn_rows_job *j = arg;
-    const int64_t D = 2 * j->Hk * j->dk + j->Hv * j->dv, K1 = j->Kc - 1, esz = j->bf16 ? 2 : 4;
-    for (int64_t r = j->r0; r < j->r1; r++) {
-        const int64_t s = j->row_slots[r];
-        if (!j->row_init[r]) { /* a new sequence starts from zero state (the slot may hold anything) */
-            memset((char *)j->conv_pool + s * D * K1 * esz, 0, D * K1 * esz);
-            memset(j->rec_pool + s * j->Hv * j->dk * j->dv, 0, j->Hv * j->dk * j->dv * sizeof(float));
-        }
-        /* the row's tokens in order, each one gdn_decode step on the slot */
-        gdn_decode(j->row_cu[r], j->row_cu[r + 1], j->Hk, j->Hv, j->dk, j->dv, j->Kc, j->proj, j->ld_proj, j->conv_w,
-                   j->conv_pool, j->rec_pool, j->tok_slots, j->neg_A, j->dt_bias, j->norm_w, j->eps, j->out, j->work,
-                   j->bf16);
+static void gdn_rows_run(void *ctx, int64_t r, int64_t tid) { /* chunk: one row */
+    const struct gdn_rows_job *j = ctx;
+    const int64_t Hv = j->Hv, D = 2 * j->Hk * j->dk + Hv * j->dv, K1 = j->Kc - 1, esz = j->bf16 ? 2 : 4;
+    const int64_t s = j->row_slots[r], t0 = j->row_cu[r], n = j->row_cu[r + 1] - t0, ld = j->ld_proj;
+    float *work = j->work + tid * j->work_stride, *y = work, *hist = work + D + 2 * Hv; /* hist [K1, D] */
+    if (!j->row_init[r]) { /* a new sequence starts from zero state (the slot may hold anything) */
+        memset((char *)j->conv_pool + s * D * K1 * esz, 0, D * K1 * esz);
+        memset(j->rec_pool + s * Hv * j->dk * j->dv, 0, Hv * j->dk * j->dv * sizeof(float));
     }
-    return NULL;
+    for (int64_t i = 0; i < K1; i++) /* the slot's saved inputs, oldest first, channel-contiguous */
+        for (int64_t c = 0; c < D; c++) hist[i * D + c] = load(j->conv_pool, (s * D + c) * K1 + i, j->bf16);
+    /* the row's tokens in order: the conv over the row's own inputs (channels contiguous in proj,
+     * the same sum in the same order as gdn_decode's), then the rest of gdn_decode */
+    for (int64_t t = 0; t < n; t++) {
+        for (int64_t i = 0; i <= K1; i++) {
+            const int64_t m = t - K1 + i; /* input position in the row; < 0: saved */
+            const float *wt = j->conv_wt + i * D;
+            if (m < 0) {
+                const float *x = hist + (K1 + m) * D;
+                for (int64_t c = 0; c < D; c++) y[c] = (i ? y[c] : 0.0f) + wt[c] * x[c];
+            } else if (!j->bf16) {
+                const float *x = (const float *)j->proj + (t0 + m) * ld;
+                for (int64_t c = 0; c < D; c++) y[c] = (i ? y[c] : 0.0f) + wt[c] * x[c];
+            } else {
+                for (int64_t c = 0; c < D; c++) y[c] = (i ? y[c] : 0.0f) + wt[c] * load(j->proj, (t0 + m) * ld + c, 1);
+            }
+        }
+        if (j->bf16)
+            for (int64_t c = 0; c < D; c++) y[c] = rnd(y[c], 1);
+        gdn_after_conv(t0 + t, j->Hk, Hv, j->dk, j->dv, j->proj, ld, j->rec_pool, j->tok_slots, j->neg_A, j->dt_bias,
+                       j->norm_w, j->eps, j->out, work, j->bf16);
+    }
+    for (int64_t i = 0; i < K1; i++) { /* the row's last K1 inputs become the saved ones */
+        const int64_t m = n - K1 + i;
+        for (int64_t c = 0; c < D; c++) {
+            const float x = m < 0 ? hist[(K1 + m) * D + c] : load(j->proj, (t0 + m) * ld + c, j->bf16);
+            store(j->conv_pool, (s * D + c) * K1 + i, x, j->bf16);
+        }
+    }
 }
 
 /* A GDN layer after its input projection for R rows of any length (decode rows of one token,
  * prefill chunks), token by token: the recurrent form, which on a CPU with small heads costs
  * less than the chunked one. Row r covers tokens row_cu[r] <= t < row_cu[r+1] at slot
  * row_slots[r]; tok_slots [T] is each token's slot; row_init[r] = 0 starts the row from zero
- * state. proj, out, pools, weights and work as gdn_decode / gdn_decode_mt; rows (distinct
- * slots) are split over nthreads (<= 8) threads by token count. */
+ * state. proj, out, pools and weights as gdn_decode / gdn_decode_mt; work holds nthreads
+ * scratch areas of work_stride >= D + 2*Hv + (Kc-1)*D floats, then Kc*D floats (the conv
+ * weight transposed). A row's conv runs over its own inputs, channels contiguous; rows
+ * (distinct slots) are shared by up to nthreads (<= 8) threads, one row at a time. */
 void gdn_rows_mt(int64_t R, const int64_t *row_cu, const int64_t *row_slots, const uint8_t *row_init,
                  const int64_t *tok_slots, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc,
                  const void *proj, int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool,
                  const float *neg_A, const float *dt_bias, const void *norm_w, float eps, void *out, float *work,
                  int64_t work_stride, int bf16, int64_t nthreads) {
-    if (nthreads > R) nthreads = R;
-    if (nthreads > 8) nthreads = 8;
-    if (nthreads < 1) nthreads = 1;
-    struct gdn_rows_job jobs[8];
-    const int64_t T = row_cu[R];
-    int64_t r = 0;
-    for (int64_t t = 0; t < nthreads; t++) {
-        const int64_t r0 = r, goal = T * (t + 1) / nthreads;
-        while (r < R && (row_cu[r + 1] <= goal || r == r0)) r++;
-        if (t == nthreads - 1) r = R;
-        jobs[t] = (struct gdn_rows_job){r0, r, Hk, Hv, dk, dv, Kc, ld_proj, row_cu, row_slots, tok_slots, row_init,
-                                        proj, conv_w, norm_w, conv_pool, out, rec_pool, work + t * work_stride, neg_A,
-                                        dt_bias, eps, bf16};
-    }
-    run_jobs(gdn_rows_run, jobs, sizeof(struct gdn_rows_job), nthreads);
+    const int64_t D = 2 * Hk * dk + Hv * dv;
+    float *conv_wt = work + (nthreads > 1 ? nthreads : 1) * work_stride; /* after the threads' scratch */
+    for (int64_t c = 0; c < D; c++)
+        for (int64_t i = 0; i < Kc; i++) conv_wt[i * D + c] = load(conv_w, c * Kc + i, bf16);
+    struct gdn_rows_job job = {work_stride, Hk,       Hv,   dk,     dv,      Kc,     ld_proj, conv_wt,
+                               row_cu,      row_slots, tok_slots, row_init, proj, conv_w, norm_w, conv_pool,
+                               out,         rec_pool,  work, neg_A,  dt_bias, eps,    bf16};
+    pool_run(gdn_rows_run, &job, R, nthreads);
 }
 
 /* ---- Speculative verification: decode rows of several tokens through a GDN layer ----------

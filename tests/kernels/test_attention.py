@@ -185,3 +185,23 @@ def test_paged_attention_triton_large(dtype):
     o_ref = paged_attention(q, ref_pool, cu, seq_lens, tables, 128**-0.5)
     o = paged_attention_triton(*to_dev(q, pool, cu, seq_lens, tables), 128**-0.5)
     assert_close("o", o, o_ref, TOL[dtype])
+
+
+@pytest.mark.parametrize("lens", [[16, 16, 16], [5, 33, 1]], ids=["one-length", "varlen"])
+def test_causal_attention_matches_naive_softmax(lens):
+    """Fresh prompts attend over their own k, v (no pages): a per-token float64 softmax loop."""
+    from kernels.attention import causal_attention
+
+    gen = torch.Generator().manual_seed(5)
+    T, H, kvh = sum(lens), 4, 2
+    q, k, v = (torch.randn(T, n, HD, generator=gen) for n in (H, kvh, kvh))
+    got = causal_attention(q, k, v, cu_seqlens(lens), 0.2)
+    ref = torch.empty(T, H, HD, dtype=torch.float64)
+    start = 0
+    for n in lens:
+        for t in range(start, start + n):
+            for h in range(H):
+                s = (k[start : t + 1, h // 2].double() @ q[t, h].double()) * 0.2
+                ref[t, h] = torch.softmax(s, 0) @ v[start : t + 1, h // 2].double()
+        start += n
+    assert_close("o", got, ref.float(), 1e-5)
