@@ -15,10 +15,12 @@ token is now known (prompt chunks, the pending token and the accepted drafts of 
 which fills the block's KV with the main model's hidden states, then recursively for the next
 step's drafts, as many as the row's request will draft after this step's verification
 (`RowInput.draft_depths`, indexed by the accepted drafts). A decode row that drafts nothing
-(its request at depth 0 after the step, see engine/scheduler.py) defers the fill: its positions' next tokens and hidden states wait in
-`pending` and run in one chunk with the request's next row that drafts or is not a plain decode
-row, or once `max_pending` positions wait. Invariant: the MTP KV holds position p for every
-p < num_computed_tokens that is not pending.
+(its request at depth 0 after the step, see engine/scheduler.py) defers the fill: its
+positions' next tokens and hidden states wait in `pending` and run in one chunk with the
+request's next row that drafts or is not a plain decode row, or once `max_pending` positions
+wait. Invariant: the MTP KV holds position p for every
+p < num_computed_tokens that is not pending. A request resuming from a cached prefix at p starts
+with position p - 1 pending (`resume`): its KV there was cached with another prompt's token p.
 """
 
 from __future__ import annotations
@@ -120,6 +122,12 @@ class MTPDrafter:
         for rid in request_ids:
             self.pending.pop(rid, None)
 
+    def resume(self, request_id: str, pos: int, token: int, hidden: torch.Tensor) -> None:
+        """A request resuming from a cached prefix at pos + 1 (engine/cache/prefix.py): its KV at
+        pos, cached with another prompt's next token, is computed again with `token` (its own)
+        in its first chunk."""
+        self.pending[request_id] = [pos, [token], [hidden.unsqueeze(0).clone()]]
+
     def _take(self, r: RowInput) -> tuple[int, list[int], list[torch.Tensor]]:
         """The request's deferred positions, if they end where this row starts (a preempted
         request computes everything again: its old ones are dropped). The lists are the entry's
@@ -146,7 +154,8 @@ class MTPDrafter:
                 start, p_ids, p_hid = self._take(r)
                 h = hidden[off : off + m]
                 d = r.draft_depths[min(len(nxt), len(r.draft_depths)) - 1] if r.sample and r.draft_depths else 0
-                if r.sample and r.is_decode and d == 0 and len(p_ids) + m <= self.max_pending:
+                # a prompt's last position is never deferred: its page may be cached right after
+                if r.sample and r.is_decode and d == 0 and r.num_output > 0 and len(p_ids) + m <= self.max_pending:
                     p_ids += known
                     p_ids += nxt
                     p_hid.append(h.clone())
