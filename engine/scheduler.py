@@ -206,11 +206,12 @@ class Scheduler:
         return self.prefix.lookup(req.prompt_token_ids, self._hashes(req), limit)
 
     def _admit_hit(self, req: Request, hit: PrefixHit, restores: list) -> None:
-        p, bs = hit.num_tokens, self.blocks.block_size
+        p = hit.num_tokens
         req.num_computed_tokens = p
         self.prefix.acquire(hit.snapshot)
-        page = req.block_ids[p // bs] if p % bs else None
-        restores.append((hit.snapshot, SnapshotCopy(hit.snapshot.index, req.slot, page)))
+        j = self.prefix.tail_page(p)
+        page = req.block_ids[j] if j is not None else None
+        restores.append((hit.snapshot, SnapshotCopy(hit.snapshot.index, req.slot, page, last=self._last(p))))
         log.debug("request %s resumes from a cached prefix of %d tokens", req.request_id, p)
 
     def _plan_save(self, req: Request, n: int, saves: list) -> None:
@@ -220,7 +221,7 @@ class Scheduler:
         start, plen = req.num_computed_tokens, len(req.prompt_token_ids)
         if self.prefix is None or start >= plen:
             return
-        end, step, bs = min(start + n, plen), self.prefix.interval, self.blocks.block_size
+        end, step = min(start + n, plen), self.prefix.interval
         points = list(range((start // step + 1) * step, end + 1, step))
         if end == plen and (not points or points[-1] != plen):
             points.append(plen)
@@ -229,16 +230,27 @@ class Scheduler:
             s = self.prefix.reserve(parent, tail, p)
             if s is not None:
                 offset = None if p == start + n else p - start
-                saves.append((s, SnapshotCopy(s.index, req.slot, req.block_ids[p // bs] if p % bs else None, offset)))
+                j = self.prefix.tail_page(p)
+                page = req.block_ids[j] if j is not None else None
+                saves.append((s, SnapshotCopy(s.index, req.slot, page, offset, self._last(p))))
 
-    def _register(self, req: Request) -> None:
-        """Full prompt pages whose KV is now computed become cached blocks."""
+    def _last(self, p: int) -> int | None:
+        """MTP: the position whose hidden state a snapshot at p keeps (p - 1: the drafter's KV
+        there depends on token p, which differs between the prompts sharing the prefix)."""
+        return p - 1 if self.prefix.mtp else None
+
+    def _register(self, req: Request, toks: list[int] = ()) -> None:
+        """Full prompt pages whose KV is now computed become cached blocks, each with the token
+        after it (`toks`: tokens just sampled, not yet appended)."""
         if self.prefix is None:
             return
-        full = min(req.num_computed_tokens, len(req.prompt_token_ids)) // self.blocks.block_size
+        bs, plen = self.blocks.block_size, len(req.prompt_token_ids)
+        full = min(req.num_computed_tokens, plen) // bs
         hashes = self._hashes(req)
         for j in range(req.num_registered, full):
-            self.blocks.register(req.block_ids[j], hashes[j])
+            e = (j + 1) * bs
+            after = req.prompt_token_ids[e] if e < plen else (req.output_token_ids + list(toks))[e - plen]
+            self.blocks.register(req.block_ids[j], hashes[j], after)
         req.num_registered = max(req.num_registered, full)
 
     def _lookahead(self, req: Request, n: int, num_drafts: int) -> None:
@@ -339,9 +351,13 @@ class Scheduler:
         """The cached pages holding the prompt's leading full pages (none without a prefix cache)."""
         if self.prefix is None:
             return []
-        pages = []
-        for h in self._hashes(req):
-            page = self.blocks.lookup(h)
+        pages, bs, plen = [], self.blocks.block_size, len(req.prompt_token_ids)
+        for j, h in enumerate(self._hashes(req)):
+            # MTP: the drafter's KV at a page's last position holds the token after it; the first
+            # token (after a prompt that ends on a page) is not known yet, so that page travels
+            e = (j + 1) * bs
+            after = (req.prompt_token_ids[e] if e < plen else -1) if self.mtp else None
+            page = self.blocks.lookup(h, after)
             if page is None:
                 break
             pages.append(page)
@@ -420,7 +436,7 @@ class Scheduler:
                 req.draft_token_ids = drafts.get(req.request_id, []) if drafts else []
             # the pending token and the accepted drafts are now in the cache
             req.num_computed_tokens += row.num_new_tokens - len(row.draft_token_ids) + len(toks) - 1
-            self._register(req)
+            self._register(req, toks)
             touched.append(req)
             self._emit(req, toks, eos)
             if req.prefill_only and req.status is Status.RUNNING:

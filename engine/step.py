@@ -33,12 +33,16 @@ class SnapshotCopy:
     state slot `slot`, and its partial KV page <-> page `page` (None: the prefix ends on a page
     boundary). A save's `offset` None takes the slot's state after the step (the prefix ends with
     the row); k: the forward writes the state after the row's first k tokens (a prefix that ends
-    inside a prefill row, kernels/points.py), and only the page is copied after it."""
+    inside a prefill row, kernels/points.py), and only the page is copied after it. With MTP,
+    `last` is the prefix's last position p - 1: a save keeps the main model's hidden state there,
+    a restore hands it to the drafter, which computes its KV at p - 1 again with the request's
+    own token p (docs/ARCHITECTURE.md "Prefix caching with MTP drafting")."""
 
     index: int
     slot: int
     page: int | None = None
     offset: int | None = None
+    last: int | None = None
 
 
 @dataclass

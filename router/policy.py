@@ -61,12 +61,7 @@ class LeastLoaded:
     def choose_prefill(self, nodes, prompt_len, q=None):
         if not nodes:
             return None
-        return min(nodes, key=lambda e: (queued_prefill(e), e.node_id))
-
-
-def queued_prefill(e: NodeEntry) -> int:
-    """Prompt tokens waiting on the node: its last report plus what the router sent it since."""
-    return e.info.capacity.queued_prefill_tokens + e.inflight_prefill_tokens
+        return min(nodes, key=lambda e: (e.queued_prefill_tokens(), e.node_id))
 
 
 def decode_hit(e: NodeEntry, q: PrefixQuery, pooled: Pooled | None) -> tuple[int, bool]:
@@ -98,7 +93,7 @@ class CacheAware(LeastLoaded):
         def cost(e: NodeEntry):
             c = e.info.capacity
             held = max(0, c.total_blocks - e.est_free_blocks()) * c.block_size  # KV tokens of running requests
-            work = prompt_len - hits[e.node_id] + c.queued_prefill_tokens + self.load_weight * held
+            work = prompt_len - hits[e.node_id] + e.queued_prefill_tokens() + self.load_weight * held
             return (work, self.decode_key(e))
 
         return min(ok, key=cost)
@@ -107,7 +102,7 @@ class CacheAware(LeastLoaded):
         hits = {e.node_id: e.cache.usable(q, compute=True) for e in nodes} if q is not None else {}
         if not any(hits.values()):
             return super().choose_prefill(nodes, prompt_len)
-        return min(nodes, key=lambda e: (prompt_len - hits[e.node_id] + queued_prefill(e), e.node_id))
+        return min(nodes, key=lambda e: (prompt_len - hits[e.node_id] + e.queued_prefill_tokens(), e.node_id))
 
 
 class RoundRobin:

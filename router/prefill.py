@@ -118,7 +118,7 @@ class PrefillPhase:
         limit = self.cfg.max_prefill_queue_tokens
         if limit and ready:
             with self.registry.lock:
-                queued = [p.info.capacity.queued_prefill_tokens + p.inflight_prefill_tokens for p in ready]
+                queued = [p.queued_prefill_tokens() for p in ready]
             if min(queued) >= limit:
                 return False
         return bool(ready)
@@ -143,6 +143,7 @@ class PrefillPhase:
     def _given_back(self, p: NodeEntry, prompt_len: int) -> None:
         with self.registry.lock:
             p.inflight_prefill_tokens -= prompt_len
+            p.prefilled_tokens += prompt_len  # done there, though its last report may still count it
         self.registry.on_change()  # within its window again: admit the next
 
     async def handshake(self, p: NodeEntry, d: NodeEntry) -> None:

@@ -49,6 +49,7 @@ class NodeEntry:
     # finished by the router since the node's last report: free on the node, not yet reported
     freed_slots: int = 0
     freed_blocks: int = 0
+    prefilled_tokens: int = 0  # prompt tokens whose first token came back (no longer queued there)
     chan: grpc.aio.Channel | None = None
     _stub: object = None
     creds: Credentials = OPEN  # how the router dials the node (the cluster token, TLS)
@@ -93,7 +94,13 @@ class NodeEntry:
     def reported(self) -> None:
         """A fresh capacity report arrived: it includes what the router saw finish."""
         self.last_seen = time.monotonic()
-        self.freed_slots = self.freed_blocks = 0
+        self.freed_slots = self.freed_blocks = self.prefilled_tokens = 0
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens waiting on the node: its last report, less what it prefilled for the
+        router since, plus what the router sent it since."""
+        c = self.info.capacity
+        return max(0, c.queued_prefill_tokens - self.prefilled_tokens) + self.inflight_prefill_tokens
 
     def blocks_for(self, num_tokens: int) -> int:
         bs = self.info.capacity.block_size or 1

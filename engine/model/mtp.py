@@ -17,7 +17,8 @@ step's drafts. A decode row that drafts nothing this step (its request at depth 
 engine/scheduler.py) defers the fill: its positions' next tokens and hidden states wait in
 `pending` and run in one chunk with the request's next row that drafts or is not a plain decode
 row, or once `max_pending` positions wait. Invariant: the MTP KV holds position p for every
-p < num_computed_tokens that is not pending.
+p < num_computed_tokens that is not pending. A request resuming from a cached prefix at p starts
+with position p - 1 pending (`resume`): its KV there was cached with another prompt's token p.
 """
 
 from __future__ import annotations
@@ -111,6 +112,12 @@ class MTPDrafter:
         for rid in request_ids:
             self.pending.pop(rid, None)
 
+    def resume(self, request_id: str, pos: int, token: int, hidden: torch.Tensor) -> None:
+        """A request resuming from a cached prefix at pos + 1 (engine/cache/prefix.py): its KV at
+        pos, cached with another prompt's next token, is computed again with `token` (its own)
+        in its first chunk."""
+        self.pending[request_id] = [pos, [token], [hidden.unsqueeze(0).clone()]]
+
     def _take(self, r: RowInput) -> tuple[int, list[int], list[torch.Tensor]]:
         """The request's deferred positions, if they end where this row starts (a preempted
         request computes everything again: its old ones are dropped)."""
@@ -135,7 +142,9 @@ class MTPDrafter:
             if m > 0:
                 start, p_ids, p_hid = self._take(r)
                 h = hidden[off : off + m]
-                if r.sample and r.is_decode and r.draft_depth == 0 and len(p_ids) + m <= self.max_pending:
+                # a prompt's last position is never deferred: its page may be cached right after
+                defer = r.sample and r.is_decode and r.draft_depth == 0 and r.num_output > 0
+                if defer and len(p_ids) + m <= self.max_pending:
                     self.pending[r.request_id] = [start, p_ids + known + nxt, [*p_hid, h.clone()]]
                 else:
                     cap = min(len(r.block_ids) * bs, self.max_positions) - (r.start_pos + m - 1)

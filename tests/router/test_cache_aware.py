@@ -173,6 +173,11 @@ def test_prefill_choice_weighs_the_hit_against_queued_tokens():
     assert pol.choose_prefill([p2, p1], len(prompt), q) is p1  # 4 + 20 tokens of work against 34
     p1.inflight_prefill_tokens = 20  # the router's own, not yet reported
     assert pol.choose_prefill([p2, p1], len(prompt), q) is p2
+    # a report that still counts a prompt whose first token is back: that prompt is done there
+    p1.inflight_prefill_tokens, p1.info.capacity.queued_prefill_tokens, p1.prefilled_tokens = 0, 400, 390
+    assert pol.choose_prefill([p2, p1], len(prompt), q) is p1
+    p1.reported()  # a fresh report (still 400 queued) replaces the discount
+    assert pol.choose_prefill([p2, p1], len(prompt), q) is p2
     assert pol.choose_prefill([], len(prompt), q) is None
 
 
