@@ -36,6 +36,7 @@ __all__ = [
     "attn_decode",
     "pack_f32",
     "gemm_f32",
+    "silu_mul",
     "threads",
     "gdn_verify",
 ]
@@ -99,6 +100,7 @@ _SIGS = {
         _i64,
     ],
     "gemm_f32": [_i64, _i64, _i64, _p, _p, _p, _i64],
+    "silu_mul_f32": [_i64, _i64, _p, _i64, _p, _i64],
     "gdn_decode_mt": [_i64] * 6 + [_p, _i64, _p, _p, _p, _p, _p, _p, _p, _f32, _p, _p, _i64, _int, _i64],
     "gdn_verify": [_i64, _p] + [_i64] * 5 + [_p, _i64, _p, _p, _p, _p, _p, _p, _p, _f32, _p, _p, _int, _p, _p, _i64],
 }
@@ -282,6 +284,19 @@ def gemm_f32(x: torch.Tensor, wp: torch.Tensor, n: int, threads: int = 1) -> tor
     y = torch.empty(M, n, dtype=torch.float32)
     _get().gemm_f32(M, n, K, _ptr(x), _ptr(wp), _ptr(y), threads)
     return y
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu [M, 2I] float32 (unit stride on the last axis) -> silu(gu[:, :I]) * gu[:, I:] [M, I]:
+    the MLP's gate in one pass (engine/model/layers.py MLP is the reference), rows split over
+    torch's threads when there are many."""
+    M, I2 = gu.shape
+    if gu.dtype != torch.float32 or gu.stride(1) != 1 or I2 % 2:
+        raise ValueError(f"silu_mul takes float32 [M, 2I] with unit stride (got {gu.dtype} {tuple(gu.shape)})")
+    out = torch.empty(M, I2 // 2, dtype=torch.float32)
+    nt = torch.get_num_threads() if M * I2 >= 1 << 16 else 1
+    _get().silu_mul_f32(M, I2 // 2, _ptr(gu), gu.stride(0), _ptr(out), nt)
+    return out
 
 
 def gdn_rows(

@@ -828,3 +828,39 @@ void gdn_verify(int64_t B, const int64_t *cu, int64_t Hk, int64_t Hv, int64_t dk
         }
     }
 }
+
+/* ======================================================================================
+ * The MLP's gate: out [M, I] = silu(gu[:, :I]) * gu[:, I:] for gu [M, 2I] (rows ld apart),
+ * float32, silu(x) = x / (1 + exp(-x)) with exp8; rows shared by up to nthreads threads in
+ * blocks of 64. PyTorch reference: F.silu(gate) * up (engine/model/layers.py MLP).
+ * ====================================================================================== */
+
+struct silu_mul_job {
+    int64_t M, I, ld;
+    const float *gu;
+    float *out;
+};
+
+static void silu_mul_run(void *ctx, int64_t chunk, int64_t tid) {
+    (void)tid;
+    const struct silu_mul_job *j = ctx;
+    const int64_t m1 = (chunk + 1) * 64 < j->M ? (chunk + 1) * 64 : j->M;
+    for (int64_t m = chunk * 64; m < m1; m++) {
+        const float *g = j->gu + m * j->ld, *u = g + j->I;
+        float *o = j->out + m * j->I;
+        int64_t i = 0;
+        for (; i + 8 <= j->I; i += 8) {
+            v8f x, y;
+            memcpy(&x, g + i, 32);
+            memcpy(&y, u + i, 32);
+            x = x / (1.0f + exp8(-x)) * y;
+            memcpy(o + i, &x, 32);
+        }
+        for (; i < j->I; i++) o[i] = silu(g[i]) * u[i];
+    }
+}
+
+void silu_mul_f32(int64_t M, int64_t I, const float *gu, int64_t ld, float *out, int64_t nthreads) {
+    struct silu_mul_job job = {M, I, ld, gu, out};
+    pool_run(silu_mul_run, &job, (M + 63) / 64, nthreads);
+}

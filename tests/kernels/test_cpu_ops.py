@@ -220,3 +220,13 @@ def test_gdn_rows_matches_chunked_prefill(lens, init):
     assert_close("gdn_rows out", got, ref, 1e-4)
     assert_close("conv states", conv_pool[slots], conv_ref[slots], 1e-6)
     assert_close("recurrent states", rec_pool[slots], rec_ref[slots], 1e-4)
+
+
+@pytest.mark.parametrize("M,I", [(3, 20), (130, 72)])
+def test_silu_mul_matches_pytorch(M, I):
+    """The MLP's gate in C against F.silu(gate) * up, rows read ld apart (a wider tensor's view)."""
+    g = torch.Generator().manual_seed(6)
+    wide = torch.randn(M, 2 * I + 5, generator=g) * 4
+    gu = wide[:, : 2 * I]
+    ref = F.silu(gu[:, :I]) * gu[:, I:]
+    assert_close("silu_mul", cpu_ops.silu_mul(gu), ref, 1e-6)
