@@ -190,7 +190,7 @@ class EngineCore:
                     params=req.params if r.samples else None,
                     num_draft=len(r.draft_token_ids),
                     next_token=nxt[0] if nxt else None,
-                    draft_depth=req.spec_depth if mtp and r.samples else 0,
+                    draft_depths=r.draft_depths if mtp and r.samples else (),
                     prompt_logprobs=plp,
                     num_output=len(req.output_token_ids),
                     history=(req.prompt_token_ids, req.output_token_ids)

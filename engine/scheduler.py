@@ -23,6 +23,9 @@ accepted" falls under it, the depth goes to 0 from any depth: the row is a plain
 same batch. After `probe_interval` such steps the request probes: depth 1 again, and both
 averages take the probe's outcome alone; a failed probe returns to depth 0 with
 the wait doubled (up to `probe_max`), a passed one stays at depth 1 (climbing from there as before).
+The MTP drafter makes a row's next drafts in the same step, so each row carries its depth after
+the step for each possible outcome (`ScheduledRow.draft_depths`, from the pure functions
+`_after_record` / `_after_tick` that `_record` / `_tick` apply).
 
 Prefix caching (engine/cache/prefix.py): a waiting request is admitted from the longest cached
 prefix that has both its full pages and a GDN state snapshot; the step restores the snapshot into
@@ -57,6 +60,10 @@ class ScheduledRow:
     request: Request
     num_new_tokens: int  # drafts included
     draft_token_ids: list[int] = field(default_factory=list)
+    # MTP: the request's draft depth after this step, by how many of its drafts it accepts (index
+    # a; one entry when it carries none), so the worker drafts for the next step what it will
+    # verify and defers the MTP pass of a request whose depth is about to drop to 0
+    draft_depths: tuple[int, ...] = ()
 
     @property
     def is_decode(self) -> bool:
@@ -153,9 +160,10 @@ class Scheduler:
                 break
             if need > 0:
                 req.block_ids += self.blocks.allocate(need)
-            self._lookahead(req, n, len(drafts))
+            depths = self._depths_after(req, len(drafts)) if self.mtp else ()
+            self._lookahead(req, n, len(drafts), max(depths, default=0))
             self._plan_save(req, n, saves)
-            rows.append(ScheduledRow(req, n, drafts))
+            rows.append(ScheduledRow(req, n, drafts, depths))
             budget -= n
             i += 1
 
@@ -180,11 +188,12 @@ class Scheduler:
                 self.prefix.stats.query_tokens += len(req.prompt_token_ids)
                 self.prefix.stats.hit_tokens += p
                 req.num_cached_tokens = p
-            self._lookahead(req, n, 0)
+            depths = self._depths_after(req, 0) if self.mtp else ()
+            self._lookahead(req, n, 0, max(depths, default=0))
             self._plan_save(req, n, saves)
             req.status = Status.RUNNING
             self.running.append(req)
-            rows.append(ScheduledRow(req, n))
+            rows.append(ScheduledRow(req, n, [], depths))
             budget -= n
 
         rows.sort(key=lambda r: (not r.is_decode, r.request.slot if r.is_decode else 0))
@@ -253,14 +262,14 @@ class Scheduler:
             self.blocks.register(req.block_ids[j], hashes[j], after)
         req.num_registered = max(req.num_registered, full)
 
-    def _lookahead(self, req: Request, n: int, num_drafts: int) -> None:
+    def _lookahead(self, req: Request, n: int, num_drafts: int, depth: int) -> None:
         """With MTP, a row that samples also takes pages, while free ones remain, for the positions
         its next drafts occupy (capped at max_model_len); it never preempts for them: without
         them the worker drafts fewer tokens."""
         end = req.num_computed_tokens + n
         if not self.mtp or end - num_drafts < req.num_tokens:
             return
-        end = min(end + max(req.spec_depth - 1, 0), self.max_model_len)
+        end = min(end + max(depth - 1, 0), self.max_model_len)
         extra = min(self.blocks.blocks_for(end) - len(req.block_ids), self.blocks.num_free)
         if extra > 0:
             req.block_ids += self.blocks.allocate(extra)
@@ -289,27 +298,51 @@ class Scheduler:
         for i in range(proposed):
             self.drafts_per_position[i] += 1
             self.accepted_per_position[i] += i < accepted
+        self._apply(req, self._after_record(req, proposed, accepted))
+
+    def _after_record(self, req: Request, proposed: int, accepted: int) -> dict:
+        """The request's depth-control fields after verifying `proposed` drafts of which
+        `accepted` held (a pure function of its fields: `_depths_after` asks it ahead)."""
         sp, w = self.spec, self.spec.depth_ema
-        probe, req.spec_probing = req.spec_probing, False
+        probe = req.spec_probing
         w = 1.0 if probe else w  # the text may have changed since the request stopped drafting: the probe alone counts
-        a = req.spec_acceptance = (1 - w) * req.spec_acceptance + w * accepted / proposed
-        first = req.spec_first = (1 - w) * req.spec_first + w * (accepted > 0)
+        a = (1 - w) * req.spec_acceptance + w * accepted / proposed
+        first = (1 - w) * req.spec_first + w * (accepted > 0)
+        out = dict(spec_probing=False, spec_acceptance=a, spec_first=first)
+        depth = req.spec_depth
         if first < sp.draft_cost:
-            req.spec_gap = min(2 * req.spec_gap, sp.probe_max) if probe else sp.probe_interval
-            req.spec_wait = req.spec_gap
-            req.spec_depth = 0
-        elif a < sp.depth_lower and req.spec_depth > 1:
-            req.spec_depth -= 1
-        elif a > sp.depth_raise and req.spec_depth < self.max_depth(req) and not probe:
-            req.spec_depth += 1
+            out["spec_gap"] = min(2 * req.spec_gap, sp.probe_max) if probe else sp.probe_interval
+            out["spec_wait"] = out["spec_gap"]
+            depth = 0
+        elif a < sp.depth_lower and depth > 1:
+            depth -= 1
+        elif a > sp.depth_raise and depth < self.max_depth(req) and not probe:
+            depth += 1
+        out["spec_depth"] = depth
+        return out
 
     def _tick(self, req: Request) -> None:
         """A sampling step of a request at depth 0 that could draft: count down to its next probe."""
+        self._apply(req, self._after_tick(req))
+
+    def _after_tick(self, req: Request) -> dict:
         if req.spec_depth or not self.max_depth(req):
-            return
-        req.spec_wait -= 1
-        if req.spec_wait <= 0:
-            req.spec_depth, req.spec_probing = 1, True
+            return {}
+        if req.spec_wait - 1 <= 0:
+            return dict(spec_wait=req.spec_wait - 1, spec_depth=1, spec_probing=True)
+        return dict(spec_wait=req.spec_wait - 1)
+
+    @staticmethod
+    def _apply(req: Request, fields: dict) -> None:
+        for name, v in fields.items():
+            setattr(req, name, v)
+
+    def _depths_after(self, req: Request, num_drafts: int) -> tuple[int, ...]:
+        """The request's depth after this step (ScheduledRow.draft_depths), for each number of
+        accepted drafts."""
+        if not num_drafts:
+            return (self._after_tick(req).get("spec_depth", req.spec_depth),)
+        return tuple(self._after_record(req, num_drafts, a)["spec_depth"] for a in range(num_drafts + 1))
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

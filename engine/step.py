@@ -21,7 +21,9 @@ class RowInput:
     params: SamplingParams | None = None  # set when sample
     num_draft: int = 0  # the last num_draft of token_ids are speculative drafts to verify
     next_token: int | None = None  # the known token after token_ids (a prompt chunk that does not sample)
-    draft_depth: int = 0  # MTP: drafts to propose for this row's next step (when it samples)
+    # MTP: drafts to propose for this row's next step (when it samples), by how many of its drafts
+    # this step accepts (index a: emitted tokens - 1; one entry for a row without drafts)
+    draft_depths: tuple[int, ...] = ()
     prompt_logprobs: int | None = None  # set: logits at every position of this prompt chunk (top-n kept)
     history: tuple[list[int], list[int]] | None = None  # (prompt, output) ids: penalties and min_tokens
     num_output: int = 0  # new tokens the request has before this row samples (seeded sampling)

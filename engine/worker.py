@@ -147,15 +147,16 @@ class Worker:
             out.seconds = time.perf_counter() - t0
             return out if self.rank == 0 else None
         # every rank needs the emitted tokens: GDN rollback and the MTP block's inputs
-        k1 = self.cfg.speculative.num_tokens + 1
-        emitted = torch.full((len(step.rows), k1), -1, dtype=torch.int64)
-        if self.rank == 0:
-            for b, r in enumerate(step.rows):
-                toks = out.sampled.get(r.request_id) if r.sample else None
-                if toks:
-                    emitted[b, : len(toks)] = torch.tensor(toks)
-        emitted = self.broadcast(emitted.to(self.device)).cpu()
-        rows_emitted = [[t for t in row if t >= 0] for row in emitted.tolist()]
+        rows_emitted = [out.sampled.get(r.request_id, []) if r.sample else [] for r in step.rows]
+        if self.cfg.parallel.tensor_parallel_size > 1:
+            k1 = self.cfg.speculative.num_tokens + 1
+            emitted = torch.full((len(step.rows), k1), -1, dtype=torch.int64)
+            if self.rank == 0:
+                for b, toks in enumerate(rows_emitted):
+                    if toks:
+                        emitted[b, : len(toks)] = torch.tensor(toks)
+            emitted = self.broadcast(emitted.to(self.device)).cpu()
+            rows_emitted = [[t for t in row if t >= 0] for row in emitted.tolist()]
         if spec_rows:
             self.pools.rollback(
                 [(r.slot, b, len(rows_emitted[b]) - 1) for b, r in spec_rows if len(rows_emitted[b]) - 1 < r.num_draft]

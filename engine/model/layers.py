@@ -172,16 +172,14 @@ class Attention:
         T = x.shape[0]
         qkv = self.w.w_qkv(x)  # rows [q | k | gate | v] (reordered by the loader)
         dec = batch.decode
-        if (
-            batch.prefill is None
-            and dec.max_row_tokens == 1
-            and not x.is_cuda
-            and kv_pool.dtype == x.dtype
-            and cpu_ops.available(x.dtype)
-        ):  # the steps below, fused
+        if batch.prefill is None and not x.is_cuda and kv_pool.dtype == x.dtype and cpu_ops.available(x.dtype):
+            # the steps below, fused; rows with drafts token by token, in order within a row
+            tables, lens, starts = dec.block_tables, dec.seq_lens, None
+            if dec.max_row_tokens > 1:
+                (tables, lens), starts = batch.decode_token_rows(), dec.cu_seqlens
             o = cpu_ops.attn_decode(
-                qkv, self.qk_norm, self.eps, cos, sin, kv_pool, batch.slot_mapping, dec.block_tables,
-                dec.seq_lens, self.h, self.kvh, self.scale,
+                qkv, self.qk_norm, self.eps, cos, sin, kv_pool, batch.slot_mapping, tables, lens, self.h, self.kvh,
+                self.scale, seq_starts=starts,
             )  # fmt: skip
             return self.all_reduce(self.w.w_o(o))
         nqk = (self.h + self.kvh) * self.hd
