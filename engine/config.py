@@ -419,7 +419,7 @@ class EngineConfig:
     def snapshot_fraction(self) -> float:
         """The budget share of the prefix snapshot pool (0 with prefix caching off)."""
         c = self.cache
-        return c.snapshot_fraction if c.enable_prefix_caching and not self.speculative.mtp else 0.0
+        return c.snapshot_fraction if c.enable_prefix_caching else 0.0
 
 
 @dataclass(frozen=True)

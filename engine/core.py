@@ -55,15 +55,12 @@ class EngineCore:
         c = self.cfg.cache
         if not c.enable_prefix_caching:
             return None
-        if self.cfg.speculative.mtp:  # the MTP layer's KV at a prefix's last position depends on the next token
-            log.warning("prefix caching is off: MTP drafting keeps KV that depends on the token after a prefix")
-            return None
         if self.capacity.num_snapshots == 0:
             log.warning(
                 "prefix caching is off: prefix_snapshot_memory=%.3g of the cache holds no snapshot", c.snapshot_fraction
             )
             return None
-        return PrefixCache(self.blocks, self.capacity.num_snapshots, c.snapshot_interval)
+        return PrefixCache(self.blocks, self.capacity.num_snapshots, c.snapshot_interval, self.cfg.speculative.mtp)
 
     def _propose(self, tokens: list[int], k: int) -> list[int]:
         return self.proposer(tokens, k) if self.proposer is not None else []
@@ -193,7 +190,7 @@ class EngineCore:
                     params=req.params if r.samples else None,
                     num_draft=len(r.draft_token_ids),
                     next_token=nxt[0] if nxt else None,
-                    draft_depth=req.spec_depth if mtp and r.samples else 0,
+                    draft_depths=r.draft_depths if mtp and r.samples else (),
                     prompt_logprobs=plp,
                     num_output=len(req.output_token_ids),
                     history=(req.prompt_token_ids, req.output_token_ids)

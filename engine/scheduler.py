@@ -23,6 +23,9 @@ accepted" falls under it, the depth goes to 0 from any depth: the row is a plain
 same batch. After `probe_interval` such steps the request probes: depth 1 again, and both
 averages take the probe's outcome alone; a failed probe returns to depth 0 with
 the wait doubled (up to `probe_max`), a passed one stays at depth 1 (climbing from there as before).
+The MTP drafter makes a row's next drafts in the same step, so each row carries its depth after
+the step for each possible outcome (`ScheduledRow.draft_depths`, from the pure functions
+`_after_record` / `_after_tick` that `_record` / `_tick` apply).
 
 Prefix caching (engine/cache/prefix.py): a waiting request is admitted from the longest cached
 prefix that has both its full pages and a GDN state snapshot; the step restores the snapshot into
@@ -63,6 +66,10 @@ class ScheduledRow:
     request: Request
     num_new_tokens: int  # drafts included
     draft_token_ids: list[int] = field(default_factory=list)
+    # MTP: the request's draft depth after this step, by how many of its drafts it accepts (index
+    # a; one entry when it carries none), so the worker drafts for the next step what it will
+    # verify and defers the MTP pass of a request whose depth is about to drop to 0
+    draft_depths: tuple[int, ...] = ()
 
     @property
     def is_decode(self) -> bool:
@@ -170,9 +177,10 @@ class Scheduler:
                 break
             if need > 0:
                 req.block_ids += self.blocks.allocate(need)
-            self._lookahead(req, n, len(drafts))
+            depths = self._depths_after(req, len(drafts)) if self.mtp else ()
+            self._lookahead(req, n, len(drafts), max(depths, default=0))
             self._plan_save(req, n, saves)
-            rows.append(ScheduledRow(req, n, drafts))
+            rows.append(ScheduledRow(req, n, drafts, depths))
             budget -= n
             i += 1
 
@@ -197,11 +205,12 @@ class Scheduler:
                 self.prefix.stats.query_tokens += len(req.prompt_token_ids)
                 self.prefix.stats.hit_tokens += p
                 req.num_cached_tokens = p
-            self._lookahead(req, n, 0)
+            depths = self._depths_after(req, 0) if self.mtp else ()
+            self._lookahead(req, n, 0, max(depths, default=0))
             self._plan_save(req, n, saves)
             req.status = Status.RUNNING
             self.running.append(req)
-            rows.append(ScheduledRow(req, n))
+            rows.append(ScheduledRow(req, n, [], depths))
             budget -= n
 
         rows.sort(key=lambda r: (not r.is_decode, r.request.slot if r.is_decode else 0))
@@ -230,11 +239,12 @@ class Scheduler:
         return self.prefix.lookup(req.prompt_token_ids, self._hashes(req), limit)
 
     def _admit_hit(self, req: Request, hit: PrefixHit, restores: list) -> None:
-        p, bs = hit.num_tokens, self.blocks.block_size
+        p = hit.num_tokens
         req.num_computed_tokens = p
         self.prefix.acquire(hit.snapshot)
-        page = req.block_ids[p // bs] if p % bs else None
-        restores.append((hit.snapshot, SnapshotCopy(hit.snapshot.index, req.slot, page)))
+        j = self.prefix.tail_page(p)
+        page = req.block_ids[j] if j is not None else None
+        restores.append((hit.snapshot, SnapshotCopy(hit.snapshot.index, req.slot, page, last=self._last(p))))
         log.debug("request %s resumes from a cached prefix of %d tokens", req.request_id, p)
 
     def _plan_save(self, req: Request, n: int, saves: list) -> None:
@@ -244,7 +254,7 @@ class Scheduler:
         start, plen = req.num_computed_tokens, len(req.prompt_token_ids)
         if self.prefix is None or start >= plen:
             return
-        end, step, bs = min(start + n, plen), self.prefix.interval, self.blocks.block_size
+        end, step = min(start + n, plen), self.prefix.interval
         points = list(range((start // step + 1) * step, end + 1, step))
         if end == plen and (not points or points[-1] != plen):
             points.append(plen)
@@ -253,18 +263,28 @@ class Scheduler:
             s = self.prefix.reserve(parent, tail, p)
             if s is not None:
                 offset = None if p == start + n else p - start
-                saves.append((s, SnapshotCopy(s.index, req.slot, req.block_ids[p // bs] if p % bs else None, offset)))
+                j = self.prefix.tail_page(p)
+                page = req.block_ids[j] if j is not None else None
+                saves.append((s, SnapshotCopy(s.index, req.slot, page, offset, self._last(p))))
 
-    def _register(self, req: Request) -> None:
-        """Full pages whose KV is now computed become cached blocks: the prompt's and the reply's
-        (only the prompt's with MTP, module docstring)."""
+    def _last(self, p: int) -> int | None:
+        """MTP: the position whose hidden state a snapshot at p keeps (p - 1: the drafter's KV
+        there depends on token p, which differs between the prompts sharing the prefix)."""
+        return p - 1 if self.prefix.mtp else None
+
+    def _register(self, req: Request, toks: list[int] = ()) -> None:
+        """Full pages whose KV is now computed become cached blocks, each with the token after it
+        (`toks`: tokens just sampled, not yet appended): the prompt's and the reply's (only the
+        prompt's with MTP, module docstring)."""
         if self.prefix is None:
             return
-        done = req.num_computed_tokens
-        full = (min(done, len(req.prompt_token_ids)) if self.mtp else done) // self.blocks.block_size
+        bs, plen, done = self.blocks.block_size, len(req.prompt_token_ids), req.num_computed_tokens
+        full = (min(done, plen) if self.mtp else done) // bs
         hashes = self._hashes(req, full)
         for j in range(req.num_registered, full):
-            self.blocks.register(req.block_ids[j], hashes[j])
+            e = (j + 1) * bs
+            after = req.prompt_token_ids[e] if e < plen else (req.output_token_ids + list(toks))[e - plen]
+            self.blocks.register(req.block_ids[j], hashes[j], after)
         req.num_registered = max(req.num_registered, full)
 
     def _keep_final(self, req: Request) -> None:
@@ -299,14 +319,14 @@ class Scheduler:
             if f.copy.page is not None:
                 self.blocks.free([f.copy.page])
 
-    def _lookahead(self, req: Request, n: int, num_drafts: int) -> None:
+    def _lookahead(self, req: Request, n: int, num_drafts: int, depth: int) -> None:
         """With MTP, a row that samples also takes pages, while free ones remain, for the positions
         its next drafts occupy (capped at max_model_len); it never preempts for them: without
         them the worker drafts fewer tokens."""
         end = req.num_computed_tokens + n
         if not self.mtp or end - num_drafts < req.num_tokens:
             return
-        end = min(end + max(req.spec_depth - 1, 0), self.max_model_len)
+        end = min(end + max(depth - 1, 0), self.max_model_len)
         extra = min(self.blocks.blocks_for(end) - len(req.block_ids), self.blocks.num_free)
         if extra > 0:
             req.block_ids += self.blocks.allocate(extra)
@@ -335,27 +355,51 @@ class Scheduler:
         for i in range(proposed):
             self.drafts_per_position[i] += 1
             self.accepted_per_position[i] += i < accepted
+        self._apply(req, self._after_record(req, proposed, accepted))
+
+    def _after_record(self, req: Request, proposed: int, accepted: int) -> dict:
+        """The request's depth-control fields after verifying `proposed` drafts of which
+        `accepted` held (a pure function of its fields: `_depths_after` asks it ahead)."""
         sp, w = self.spec, self.spec.depth_ema
-        probe, req.spec_probing = req.spec_probing, False
+        probe = req.spec_probing
         w = 1.0 if probe else w  # the text may have changed since the request stopped drafting: the probe alone counts
-        a = req.spec_acceptance = (1 - w) * req.spec_acceptance + w * accepted / proposed
-        first = req.spec_first = (1 - w) * req.spec_first + w * (accepted > 0)
+        a = (1 - w) * req.spec_acceptance + w * accepted / proposed
+        first = (1 - w) * req.spec_first + w * (accepted > 0)
+        out = dict(spec_probing=False, spec_acceptance=a, spec_first=first)
+        depth = req.spec_depth
         if first < sp.draft_cost:
-            req.spec_gap = min(2 * req.spec_gap, sp.probe_max) if probe else sp.probe_interval
-            req.spec_wait = req.spec_gap
-            req.spec_depth = 0
-        elif a < sp.depth_lower and req.spec_depth > 1:
-            req.spec_depth -= 1
-        elif a > sp.depth_raise and req.spec_depth < self.max_depth(req) and not probe:
-            req.spec_depth += 1
+            out["spec_gap"] = min(2 * req.spec_gap, sp.probe_max) if probe else sp.probe_interval
+            out["spec_wait"] = out["spec_gap"]
+            depth = 0
+        elif a < sp.depth_lower and depth > 1:
+            depth -= 1
+        elif a > sp.depth_raise and depth < self.max_depth(req) and not probe:
+            depth += 1
+        out["spec_depth"] = depth
+        return out
 
     def _tick(self, req: Request) -> None:
         """A sampling step of a request at depth 0 that could draft: count down to its next probe."""
+        self._apply(req, self._after_tick(req))
+
+    def _after_tick(self, req: Request) -> dict:
         if req.spec_depth or not self.max_depth(req):
-            return
-        req.spec_wait -= 1
-        if req.spec_wait <= 0:
-            req.spec_depth, req.spec_probing = 1, True
+            return {}
+        if req.spec_wait - 1 <= 0:
+            return dict(spec_wait=req.spec_wait - 1, spec_depth=1, spec_probing=True)
+        return dict(spec_wait=req.spec_wait - 1)
+
+    @staticmethod
+    def _apply(req: Request, fields: dict) -> None:
+        for name, v in fields.items():
+            setattr(req, name, v)
+
+    def _depths_after(self, req: Request, num_drafts: int) -> tuple[int, ...]:
+        """The request's depth after this step (ScheduledRow.draft_depths), for each number of
+        accepted drafts."""
+        if not num_drafts:
+            return (self._after_tick(req).get("spec_depth", req.spec_depth),)
+        return tuple(self._after_record(req, num_drafts, a)["spec_depth"] for a in range(num_drafts + 1))
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -401,9 +445,13 @@ class Scheduler:
         """The cached pages holding the prompt's leading full pages (none without a prefix cache)."""
         if self.prefix is None:
             return []
-        pages = []
-        for h in self._hashes(req):
-            page = self.blocks.lookup(h)
+        pages, bs, plen = [], self.blocks.block_size, len(req.prompt_token_ids)
+        for j, h in enumerate(self._hashes(req)):
+            # MTP: the drafter's KV at a page's last position holds the token after it; the first
+            # token (after a prompt that ends on a page) is not known yet, so that page travels
+            e = (j + 1) * bs
+            after = (req.prompt_token_ids[e] if e < plen else -1) if self.mtp else None
+            page = self.blocks.lookup(h, after)
             if page is None:
                 break
             pages.append(page)
@@ -482,7 +530,7 @@ class Scheduler:
                 req.draft_token_ids = drafts.get(req.request_id, []) if drafts else []
             # the pending token and the accepted drafts are now in the cache
             req.num_computed_tokens += row.num_new_tokens - len(row.draft_token_ids) + len(toks) - 1
-            self._register(req)
+            self._register(req, toks)
             touched.append(req)
             self._emit(req, toks, eos)
             if req.prefill_only and req.status is Status.RUNNING:

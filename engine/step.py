@@ -21,7 +21,9 @@ class RowInput:
     params: SamplingParams | None = None  # set when sample
     num_draft: int = 0  # the last num_draft of token_ids are speculative drafts to verify
     next_token: int | None = None  # the known token after token_ids (a prompt chunk that does not sample)
-    draft_depth: int = 0  # MTP: drafts to propose for this row's next step (when it samples)
+    # MTP: drafts to propose for this row's next step (when it samples), by how many of its drafts
+    # this step accepts (index a: emitted tokens - 1; one entry for a row without drafts)
+    draft_depths: tuple[int, ...] = ()
     prompt_logprobs: int | None = None  # set: logits at every position of this prompt chunk (top-n kept)
     history: tuple[list[int], list[int]] | None = None  # (prompt, output) ids: penalties and min_tokens
     num_output: int = 0  # new tokens the request has before this row samples (seeded sampling)
@@ -33,12 +35,16 @@ class SnapshotCopy:
     state slot `slot`, and its partial KV page <-> page `page` (None: the prefix ends on a page
     boundary). A save's `offset` None takes the slot's state after the step (the prefix ends with
     the row); k: the forward writes the state after the row's first k tokens (a prefix that ends
-    inside a prefill row, kernels/points.py), and only the page is copied after it."""
+    inside a prefill row, kernels/points.py), and only the page is copied after it. With MTP,
+    `last` is the prefix's last position p - 1: a save keeps the main model's hidden state there,
+    a restore hands it to the drafter, which computes its KV at p - 1 again with the request's
+    own token p (docs/ARCHITECTURE.md "Prefix caching with MTP drafting")."""
 
     index: int
     slot: int
     page: int | None = None
     offset: int | None = None
+    last: int | None = None
 
 
 @dataclass

@@ -42,7 +42,13 @@ class Worker:
         self.specs = build_specs(cfg, rank)
         k = cfg.speculative.num_tokens
         self.capacity: Capacity = plan_capacity(
-            self.specs, cfg.cache.memory_bytes, cfg.num_state_slots, cfg.cache.block_size, k, cfg.snapshot_fraction
+            self.specs,
+            cfg.cache.memory_bytes,
+            cfg.num_state_slots,
+            cfg.cache.block_size,
+            k,
+            cfg.snapshot_fraction,
+            cfg.model.hidden_size if cfg.speculative.mtp else 0,
         )
         weights = load_weights(cfg.model, t, rank, self.device)
         self.model = Qwen35Model(cfg.model, weights, t, all_reduce, cfg.max_model_len + 1, self.device)
@@ -129,10 +135,11 @@ class Worker:
         self.pools.snapshots.restore(self.pools, step.restores)  # prefix hits start from their snapshot
         hidden = None
         if self.drafter is not None:
+            self._resume_drafts(step)
             logits, hidden = self.model.forward(batch, self.pools, want_hidden=True)
         else:
             logits = self.model.forward(batch, self.pools)
-        self.pools.snapshots.save(self.pools, step.saves)
+            self.pools.snapshots.save(self.pools, step.saves)
         out = StepOutput({})
         if self.rank == 0:
             self._sample(step, logits, out)
@@ -141,25 +148,49 @@ class Worker:
             out.seconds = time.perf_counter() - t0
             return out if self.rank == 0 else None
         # every rank needs the emitted tokens: GDN rollback and the MTP block's inputs
-        k1 = self.cfg.speculative.num_tokens + 1
-        emitted = torch.full((len(step.rows), k1), -1, dtype=torch.int64)
-        if self.rank == 0:
-            for b, r in enumerate(step.rows):
-                toks = out.sampled.get(r.request_id) if r.sample else None
-                if toks:
-                    emitted[b, : len(toks)] = torch.tensor(toks)
-        emitted = self.broadcast(emitted.to(self.device)).cpu()
-        rows_emitted = [[t for t in row if t >= 0] for row in emitted.tolist()]
+        rows_emitted = [out.sampled.get(r.request_id, []) if r.sample else [] for r in step.rows]
+        if self.cfg.parallel.tensor_parallel_size > 1:
+            k1 = self.cfg.speculative.num_tokens + 1
+            emitted = torch.full((len(step.rows), k1), -1, dtype=torch.int64)
+            if self.rank == 0:
+                for b, toks in enumerate(rows_emitted):
+                    if toks:
+                        emitted[b, : len(toks)] = torch.tensor(toks)
+            emitted = self.broadcast(emitted.to(self.device)).cpu()
+            rows_emitted = [[t for t in row if t >= 0] for row in emitted.tolist()]
         if spec_rows:
             self.pools.rollback(
                 [(r.slot, b, len(rows_emitted[b]) - 1) for b, r in spec_rows if len(rows_emitted[b]) - 1 < r.num_draft]
             )
         if self.drafter is not None:
             drafts = self.drafter(step.rows, hidden, rows_emitted, self.pools.kv)
+            # after the drafter: a snapshot's partial page holds the MTP layer's KV too
+            self.pools.snapshots.save(self.pools, step.saves, self._snapshot_hidden(step, hidden))
             if self.rank == 0:
                 out.drafts = {r.request_id: d for r, d in zip(step.rows, drafts) if r.sample}
         out.seconds = time.perf_counter() - t0
         return out if self.rank == 0 else None
+
+    def _resume_drafts(self, step: StepInput) -> None:
+        """Prefix hits (MTP): the drafter computes its KV at the prefix's last position p - 1 again,
+        from the snapshot's hidden state and this request's token p, folded into the row's chunk."""
+        row_of = {r.slot: r for r in step.rows}
+        for c in step.restores:
+            r = row_of[c.slot]
+            self.drafter.resume(r.request_id, c.last, r.token_ids[0], self.pools.snapshots.hidden[c.index])
+
+    @staticmethod
+    def _snapshot_hidden(step: StepInput, hidden: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Snapshot entry -> the hidden state at its prefix's last position (`SnapshotCopy.last`)."""
+        start, off = {}, 0
+        for r in step.rows:
+            start[r.slot] = (off, r.start_pos)
+            off += len(r.token_ids)
+        out = {}
+        for c in step.saves:
+            o, p = start[c.slot]
+            out[c.index] = hidden[o + c.last - p]
+        return out
 
     def _sample(self, step: StepInput, logits: torch.Tensor, out: StepOutput) -> None:
         """Rank 0: verify drafts, sample plain rows, keep wanted logits and logprobs (into `out`)."""

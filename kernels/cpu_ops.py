@@ -36,6 +36,7 @@ __all__ = [
     "attn_decode",
     "pack_f32",
     "gemm_f32",
+    "silu_mul",
     "threads",
     "gdn_verify",
 ]
@@ -72,6 +73,8 @@ _SIGS = {
         _i64,
         _int,
         _i64,
+        _p,
+        _i64,
     ],
     "pack_f32": [_i64, _i64, _p, _p],
     "gdn_rows_mt": [
@@ -97,6 +100,7 @@ _SIGS = {
         _i64,
     ],
     "gemm_f32": [_i64, _i64, _i64, _p, _p, _p, _i64],
+    "silu_mul_f32": [_i64, _i64, _p, _i64, _p, _i64],
     "gdn_decode_mt": [_i64] * 6 + [_p, _i64, _p, _p, _p, _p, _p, _p, _p, _f32, _p, _p, _i64, _int, _i64],
     "gdn_verify": [_i64, _p] + [_i64] * 5 + [_p, _i64, _p, _p, _p, _p, _p, _p, _p, _f32, _p, _p, _int, _p, _p, _i64],
 }
@@ -219,7 +223,9 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, threads:
     return y
 
 
-def attn_decode(qkv, qk_norm, eps, cos, sin, kv_pool, slot_mapping, block_tables, seq_lens, h, kvh, scale):
+def attn_decode(
+    qkv, qk_norm, eps, cos, sin, kv_pool, slot_mapping, block_tables, seq_lens, h, kvh, scale, seq_starts=None
+):
     """One token per row through a gated attention layer after its qkv projection.
 
     qkv [B, >= 2*(H+KVH)*hd] rows [q | k | gate | v] (model dtype, unit stride on the last axis),
@@ -229,6 +235,11 @@ def attn_decode(qkv, qk_norm, eps, cos, sin, kv_pool, slot_mapping, block_tables
     slot_mapping / seq_lens [B] int64, block_tables [B, max_blocks] int64. Writes the new k, v
     to their pages and returns attention(q, pages) * sigmoid(gate) [B, H*hd] in the model dtype
     (kernels/attention.py is the reference). Rows are split over `threads(B)` threads.
+
+    seq_starts [S+1] int64 (optional): rows that are consecutive tokens of one sequence (a
+    speculative row, an MTP chunk), rows seq_starts[i] .. seq_starts[i+1]-1 each; block_tables,
+    seq_lens and slot_mapping stay per row. A sequence's rows run in order on one thread, so
+    each attends to the k, v of the rows before it: causal attention within the sequence.
     """
     B, dtype = qkv.shape[0], qkv.dtype
     hd = kv_pool.shape[-1]
@@ -238,7 +249,9 @@ def attn_decode(qkv, qk_norm, eps, cos, sin, kv_pool, slot_mapping, block_tables
     cos, sin = cos.reshape(B, rd).contiguous(), sin.reshape(B, rd).contiguous()
     block_tables = block_tables.contiguous()
     out = torch.empty(B, h * hd, dtype=dtype)
-    nt = threads(B)
+    seq_starts = None if seq_starts is None else seq_starts.to(torch.int64).contiguous()
+    nseq = B if seq_starts is None else seq_starts.numel() - 1
+    nt = threads(nseq)
     stride = (h + kvh) * hd + h // kvh * (hd + block_tables.shape[1] * kv_pool.shape[3])
     work = torch.empty(nt * stride, dtype=torch.float32)
     s_blk, s_kv, s_head, s_tok, _ = kv_pool.stride()
@@ -246,6 +259,7 @@ def attn_decode(qkv, qk_norm, eps, cos, sin, kv_pool, slot_mapping, block_tables
         B, h, kvh, hd, rd, _ptr(qkv), qkv.stride(0), _ptr(qk_norm.contiguous()), eps, _ptr(cos), _ptr(sin),
         _ptr(kv_pool), s_blk, s_kv, s_head, s_tok, kv_pool.shape[3], _ptr(slot_mapping), _ptr(block_tables),
         block_tables.shape[1], _ptr(seq_lens), scale, _ptr(out), _ptr(work), stride, int(dtype == torch.bfloat16), nt,
+        _ptr(seq_starts), nseq,
     )  # fmt: skip
     return out
 
@@ -270,6 +284,19 @@ def gemm_f32(x: torch.Tensor, wp: torch.Tensor, n: int, threads: int = 1) -> tor
     y = torch.empty(M, n, dtype=torch.float32)
     _get().gemm_f32(M, n, K, _ptr(x), _ptr(wp), _ptr(y), threads)
     return y
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu [M, 2I] float32 (unit stride on the last axis) -> silu(gu[:, :I]) * gu[:, I:] [M, I]:
+    the MLP's gate in one pass (engine/model/layers.py MLP is the reference), rows split over
+    torch's threads when there are many."""
+    M, I2 = gu.shape
+    if gu.dtype != torch.float32 or gu.stride(1) != 1 or I2 % 2:
+        raise ValueError(f"silu_mul takes float32 [M, 2I] with unit stride (got {gu.dtype} {tuple(gu.shape)})")
+    out = torch.empty(M, I2 // 2, dtype=torch.float32)
+    nt = torch.get_num_threads() if M * I2 >= 1 << 16 else 1
+    _get().silu_mul_f32(M, I2 // 2, _ptr(gu), gu.stride(0), _ptr(out), nt)
+    return out
 
 
 def gdn_rows(

@@ -13,7 +13,7 @@ every cache group would understate it. A block id names one page in every attent
 
 Prefix caching takes its share of the budget first (`snapshot_fraction`): a pool of whole
 prefix snapshots (`PrefixSnapshotSpec`: GDN state of every layer + one partial KV page per
-attention layer), M = share // snapshot bytes of them. Snapshots are a fixed-size state like the
+attention layer, + one hidden state with MTP drafting), M = share // snapshot bytes of them. Snapshots are a fixed-size state like the
 slots: they bound how many prefixes can be resumed, not how many tokens fit, so they come off the
 budget before the page division and the token capacity stays page memory / attention bytes per
 token (docs/DESIGN.md §2). Cached full pages are ordinary KV pages (shared, counted once).
@@ -40,6 +40,7 @@ class Capacity:
     spec_scratch_bytes: int = 0  # per-token GDN states of speculative rows, for rollback
     num_snapshots: int = 0  # prefix-cache snapshots the snapshot pool holds
     snapshot_bytes: int = 0  # the snapshot pool, all layers
+    snapshot_hidden: int = 0  # H: snapshots keep a hidden state for the MTP layer (0: none)
 
     @property
     def max_tokens(self) -> int:
@@ -71,7 +72,9 @@ def plan_capacity(
     block_size: int,
     num_spec_tokens: int = 0,
     snapshot_fraction: float = 0.0,
+    snapshot_hidden: int = 0,
 ) -> Capacity:
+    """snapshot_hidden: the hidden size when MTP drafts (each snapshot keeps one hidden state)."""
     attn = [s for s in specs if isinstance(s, PagedAttentionSpec)]
     gdn = [s for s in specs if isinstance(s, GDNStateSpec)]
     state_bytes = num_slots * sum(s.page_size_bytes for s in gdn)
@@ -79,7 +82,7 @@ def plan_capacity(
     block_bytes = sum(s.page_size_bytes for s in attn)
     if not attn:
         raise ValueError("the model has no full-attention layer; pdserve serves hybrid models")
-    snap = PrefixSnapshotSpec.of(specs).page_size_bytes
+    snap = PrefixSnapshotSpec.of(specs, snapshot_hidden).page_size_bytes
     num_snapshots = int(budget * snapshot_fraction) // snap
     snapshot_bytes = num_snapshots * snap
     num_blocks = (budget - state_bytes - scratch - snapshot_bytes) // block_bytes
@@ -101,6 +104,7 @@ def plan_capacity(
         spec_scratch_bytes=scratch,
         num_snapshots=num_snapshots,
         snapshot_bytes=snapshot_bytes,
+        snapshot_hidden=snapshot_hidden if num_snapshots else 0,
     )
 
 
@@ -152,7 +156,9 @@ class CachePools:
                         (n, k1, *s.recurrent_shape), dtype=s.recurrent_dtype, device=device
                     )
 
-        self.snapshots = SnapshotPool(PrefixSnapshotSpec.of(specs), capacity.num_snapshots, device)
+        self.snapshots = SnapshotPool(
+            PrefixSnapshotSpec.of(specs, capacity.snapshot_hidden), capacity.num_snapshots, device
+        )
 
     def rollback(self, rows: list[tuple[int, int, int]]) -> None:
         """(slot, decode row, index) per speculative row that kept only part of its drafts: the
@@ -175,7 +181,8 @@ class SnapshotPool:
     """The prefix snapshots' memory (`PrefixSnapshotSpec`), M entries, and the two copies that
     use it: `save` (a slot's GDN state + a request's partial page -> entry) after a step's
     forward, `restore` (entry -> a slot + a fresh page) before it. Not part of `tensors()`:
-    snapshots never travel."""
+    snapshots never travel. With MTP drafting an entry also keeps the hidden state at the
+    prefix's last token (`SnapshotCopy.last`)."""
 
     def __init__(self, spec: PrefixSnapshotSpec, num: int, device: str | torch.device = "cpu"):
         self.spec, self.num = spec, num
@@ -184,12 +191,16 @@ class SnapshotPool:
             s.layer: torch.zeros((num, *s.recurrent_shape), dtype=s.recurrent_dtype, device=device) for s in spec.gdn
         }
         self.tail = {s.layer: torch.zeros(s.pool_shape(num), dtype=s.dtype, device=device) for s in spec.attention}
+        self.hidden = torch.zeros((num, spec.hidden_size), dtype=spec.hidden_dtype, device=device)
 
-    def save(self, pools: CachePools, copies) -> None:
+    def save(self, pools: CachePools, copies, hidden: dict[int, torch.Tensor] | None = None) -> None:
         """copies: `SnapshotCopy`s (index, slot, page or None, offset). Those with an offset
-        had their GDN state written by the forward: only their page is copied here."""
+        had their GDN state written by the forward: only their page is copied here. hidden:
+        entry index -> the hidden state to keep (MTP)."""
         self._copy(pools, [c for c in copies if c.offset is None], to_snapshot=True)
         self._copy_pages(pools, [c for c in copies if c.offset is not None], to_snapshot=True)
+        for i, h in (hidden or {}).items():
+            self.hidden[i].copy_(h)
 
     def restore(self, pools: CachePools, copies) -> None:
         self._copy(pools, copies, to_snapshot=False)

@@ -5,6 +5,10 @@ KV pages are reference counted so that requests sharing a prompt prefix share it
 (engine/cache/prefix.py). A page whose count drops to 0 goes back to the free list; if it holds a
 cached block (a content hash), it keeps it there and can be taken back (`touch`) until the page
 is handed out again, which evicts the block: the free list is the LRU order of cached pages.
+
+A cached page also records the token that followed it in the request that registered it
+(`after`): the MTP layer's KV at a page's last position depends on that token, which the page's
+hash does not cover (docs/ARCHITECTURE.md "Prefix caching with MTP drafting").
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class BlockManager:
         self.ref: dict[int, int] = {}  # page -> requests using it (pages with ref 0 are free)
         self.hash_of: dict[int, int] = {}  # page -> the block hash it holds (cached pages)
         self.cached: dict[int, int] = {}  # block hash -> page
+        self.after: dict[int, int] = {}  # cached page -> the token after it where it was computed
         self.num_evicted = 0  # cached pages handed out again
 
     @property
@@ -49,6 +54,7 @@ class BlockManager:
             h = self.hash_of.pop(i, None)
             if h is not None:
                 del self.cached[h]
+                self.after.pop(i, None)
                 self.num_evicted += 1
             self.ref[i] = 1
             ids.append(i)
@@ -75,17 +81,24 @@ class BlockManager:
                 del self.ref[i]
                 self._free[i] = None
 
-    def register(self, page: int, block_hash: int) -> bool:
-        """Page `page` (in use, fully written) holds the block `block_hash`. False when another
-        page already holds it (that one stays the cached copy)."""
+    def register(self, page: int, block_hash: int, after: int | None = None) -> bool:
+        """Page `page` (in use, fully written) holds the block `block_hash`, computed with token
+        `after` next. False when another page already holds it (that one stays the cached copy)."""
         if block_hash in self.cached or page in self.hash_of:
             return False
         self.cached[block_hash] = page
         self.hash_of[page] = block_hash
+        if after is not None:
+            self.after[page] = after
         return True
 
-    def lookup(self, block_hash: int) -> int | None:
-        return self.cached.get(block_hash)
+    def lookup(self, block_hash: int, after: int | None = None) -> int | None:
+        """The page caching `block_hash`; with `after`, only if it was computed with that token
+        next (MTP: its last position's drafter KV is then this request's)."""
+        page = self.cached.get(block_hash)
+        if page is None or after is None or self.after.get(page) == after:
+            return page
+        return None
 
     def recent_hashes(self, cap: int) -> list[int]:
         """At most `cap` cached block hashes: pages in use first, then free cached pages most

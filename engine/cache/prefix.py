@@ -64,7 +64,7 @@ class Snapshot:
 @dataclass
 class PrefixHit:
     num_tokens: int  # tokens the request skips
-    pages: list[int]  # cached full pages covering [0, num_tokens // block_size * block_size)
+    pages: list[int]  # the cached full pages it shares (`PrefixCache.shared_pages`)
     snapshot: Snapshot
 
 
@@ -77,12 +77,13 @@ class PrefixStats:
 
 
 class PrefixCache:
-    def __init__(self, blocks: BlockManager, num_snapshots: int, interval: int):
+    def __init__(self, blocks: BlockManager, num_snapshots: int, interval: int, mtp: bool = False):
         if interval < 1:
             raise ValueError(f"prefix snapshot interval must be >= 1 (got {interval})")
         self.blocks = blocks
         self.block_size = blocks.block_size
         self.interval = interval
+        self.mtp = mtp  # the MTP drafter's KV is cached too (docs/ARCHITECTURE.md)
         self.num_snapshots = num_snapshots
         self._free_idx = list(range(num_snapshots - 1, -1, -1))
         self._by_key: dict[tuple[int, tuple[int, ...]], Snapshot] = {}
@@ -95,9 +96,22 @@ class PrefixCache:
         return self.num_snapshots - len(self._free_idx)
 
     # ---- lookup ----------------------------------------------------------------------
+    def shared_pages(self, p: int) -> int:
+        """The cached full pages a request resuming at p shares; with MTP the page holding token
+        p - 1 is not one of them, it comes from the snapshot (`tail_page`)."""
+        return (p - 1) // self.block_size if self.mtp else p // self.block_size
+
+    def tail_page(self, p: int) -> int | None:
+        """Index of the page a snapshot at p keeps (the partial page; with MTP always the page of
+        token p - 1, whose drafter KV a resuming request rewrites), None when it keeps none."""
+        if self.mtp:
+            return (p - 1) // self.block_size
+        return p // self.block_size if p % self.block_size else None
+
     def lookup(self, tokens: list[int], hashes: list[int], limit: int) -> PrefixHit | None:
         """The longest usable prefix p <= limit of `tokens` (whose full-page hashes are
-        `hashes`): a ready snapshot at p with every full page before p cached. Changes nothing."""
+        `hashes`): a ready snapshot at p with the pages it does not hold cached (`shared_pages`);
+        with MTP, each of those computed with this prompt's next token after it. Changes nothing."""
         bs = self.block_size
         best: Snapshot | None = None
         pages: list[int] = []
@@ -108,20 +122,23 @@ class PrefixCache:
                 if (
                     s.ready
                     and s.num_tokens <= limit
+                    and self.shared_pages(s.num_tokens) <= len(pages)
                     and (best is None or s.num_tokens > best.num_tokens)
                     and tuple(tokens[base : s.num_tokens]) == s.tail
                 ):
                     best = s
-            if j == len(hashes) or base + bs > limit:
+            if j == len(hashes) or base + bs > limit or len(pages) < j:
+                break  # (with MTP, one level past a missing page: a snapshot at its end keeps it)
+            after = (tokens[base + bs] if base + bs < len(tokens) else -1) if self.mtp else None
+            page = self.blocks.lookup(hashes[j], after)
+            if page is None and not self.mtp:
                 break
-            page = self.blocks.lookup(hashes[j])
-            if page is None:
-                break
-            pages.append(page)
+            if page is not None:
+                pages.append(page)
             parent = hashes[j]
         if best is None:
             return None
-        return PrefixHit(best.num_tokens, pages[: best.num_tokens // bs], best)
+        return PrefixHit(best.num_tokens, pages[: self.shared_pages(best.num_tokens)], best)
 
     # ---- pins ------------------------------------------------------------------------
     def acquire(self, s: Snapshot) -> None:

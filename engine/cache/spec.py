@@ -121,23 +121,32 @@ class PrefixSnapshotSpec:
     of the cache budget, apart from the running requests' slots and pages.
 
     Pool per GDN layer: conv [M, *conv_shape], recurrent [M, *recurrent_shape]; per attention
-    layer: tail [M, 2, KVH_local, block_size, hd] (one page of the kernels' view).
+    layer: tail [M, 2, KVH_local, block_size, hd] (one page of the kernels' view). With MTP
+    drafting also hidden [M, H]: the main model's hidden state at the prefix's last token, from
+    which a resuming request recomputes the drafter's KV there (`SnapshotCopy.last`).
     """
 
     kind: ClassVar[str] = "prefix_snapshot"
     gdn: tuple[GDNStateSpec, ...]
     attention: tuple[PagedAttentionSpec, ...]
+    hidden_size: int = 0  # H with MTP drafting, else 0
+    hidden_dtype: torch.dtype = torch.float32
 
     @property
     def page_size_bytes(self) -> int:
         """Bytes of one snapshot, all layers."""
-        return sum(s.page_size_bytes for s in self.gdn) + sum(s.page_size_bytes for s in self.attention)
+        hidden = self.hidden_size * self.hidden_dtype.itemsize
+        return sum(s.page_size_bytes for s in self.gdn) + sum(s.page_size_bytes for s in self.attention) + hidden
 
     @classmethod
-    def of(cls, specs: list[CacheSpec]) -> PrefixSnapshotSpec:
+    def of(cls, specs: list[CacheSpec], hidden_size: int = 0) -> PrefixSnapshotSpec:
+        """hidden_size: H when snapshots keep the hidden state for the MTP layer (its dtype)."""
+        mtp = [s for s in specs if isinstance(s, MTPAttentionSpec)]
         return cls(
             tuple(s for s in specs if isinstance(s, GDNStateSpec)),
             tuple(s for s in specs if isinstance(s, PagedAttentionSpec)),
+            hidden_size if mtp else 0,
+            mtp[0].dtype if mtp else torch.float32,
         )
 
 

@@ -48,6 +48,7 @@ class ForwardBatch:
     prefill: RowGroup | None
     logits_indices: torch.Tensor  # [R] token indices whose next-token logits are wanted
     _rows: tuple | None = None  # gdn_rows(), made once per step
+    _tok_rows: tuple | None = None  # decode_token_rows(), made once per step
 
     @property
     def groups(self) -> list[RowGroup]:
@@ -64,6 +65,19 @@ class ForwardBatch:
             init = torch.cat([x.has_initial_state for x in g]) if len(g) > 1 else g[0].has_initial_state
             self._rows = (cu, slots, init, torch.repeat_interleave(slots, cu[1:] - cu[:-1]))
         return self._rows
+
+    def decode_token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode group token by token, for the C attention op when its rows carry several
+        tokens (drafts): (block table row [T, max_blocks], context length [T]: position + 1) of
+        each token. Made on first use and kept for the step's layers."""
+        if self._tok_rows is None:
+            g = self.decode
+            lens = g.cu_seqlens[1:] - g.cu_seqlens[:-1]
+            self._tok_rows = (
+                g.block_tables.repeat_interleave(lens, dim=0),
+                self.positions[g.tok_start : g.tok_end] + 1,
+            )
+        return self._tok_rows
 
 
 class IntPack:

@@ -172,16 +172,14 @@ class Attention:
         T = x.shape[0]
         qkv = self.w.w_qkv(x)  # rows [q | k | gate | v] (reordered by the loader)
         dec = batch.decode
-        if (
-            batch.prefill is None
-            and dec.max_row_tokens == 1
-            and not x.is_cuda
-            and kv_pool.dtype == x.dtype
-            and cpu_ops.available(x.dtype)
-        ):  # the steps below, fused
+        if batch.prefill is None and not x.is_cuda and kv_pool.dtype == x.dtype and cpu_ops.available(x.dtype):
+            # the steps below, fused; rows with drafts token by token, in order within a row
+            tables, lens, starts = dec.block_tables, dec.seq_lens, None
+            if dec.max_row_tokens > 1:
+                (tables, lens), starts = batch.decode_token_rows(), dec.cu_seqlens
             o = cpu_ops.attn_decode(
-                qkv, self.qk_norm, self.eps, cos, sin, kv_pool, batch.slot_mapping, dec.block_tables,
-                dec.seq_lens, self.h, self.kvh, self.scale,
+                qkv, self.qk_norm, self.eps, cos, sin, kv_pool, batch.slot_mapping, tables, lens, self.h, self.kvh,
+                self.scale, seq_starts=starts,
             )  # fmt: skip
             return self.all_reduce(self.w.w_o(o))
         nqk = (self.h + self.kvh) * self.hd
@@ -204,7 +202,10 @@ class Attention:
 class MLP:
     def __init__(self, w: MLPWeights, all_reduce: AllReduce):
         self.w, self.all_reduce = w, all_reduce
+        self.fused = w.w_gate_up.kind == "packed"  # float32 on a CPU with the C ops: the gate in one C pass
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.dim() == 2:
+            return self.all_reduce(self.w.w_down(cpu_ops.silu_mul(self.w.w_gate_up(x))))
         gate, up = self.w.w_gate_up(x).chunk(2, dim=-1)
         return self.all_reduce(self.w.w_down(F.silu(gate, inplace=True).mul_(up)))  # in place: no [T, I] temporaries

@@ -13,11 +13,14 @@ main model's. Draft k > 1 reuses the block on (h'_p, draft) at position p + 1, a
 `MTPDrafter` runs the block after a step's tokens are known: over every position whose next
 token is now known (prompt chunks, the pending token and the accepted drafts of a decode row),
 which fills the block's KV with the main model's hidden states, then recursively for the next
-step's drafts. A decode row that drafts nothing this step (its request at depth 0, see
-engine/scheduler.py) defers the fill: its positions' next tokens and hidden states wait in
-`pending` and run in one chunk with the request's next row that drafts or is not a plain decode
-row, or once `max_pending` positions wait. Invariant: the MTP KV holds position p for every
-p < num_computed_tokens that is not pending.
+step's drafts, as many as the row's request will draft after this step's verification
+(`RowInput.draft_depths`, indexed by the accepted drafts). A decode row that drafts nothing
+(its request at depth 0 after the step, see engine/scheduler.py) defers the fill: its
+positions' next tokens and hidden states wait in `pending` and run in one chunk with the
+request's next row that drafts or is not a plain decode row, or once `max_pending` positions
+wait. Invariant: the MTP KV holds position p for every
+p < num_computed_tokens that is not pending. A request resuming from a cached prefix at p starts
+with position p - 1 pending (`resume`): its KV there was cached with another prompt's token p.
 """
 
 from __future__ import annotations
@@ -68,9 +71,15 @@ class MTPBlock:
         return self.lm_head(h).float()
 
 
+DECODE_ROWS_MAX = 256  # MTP rows up to this long run as a decode group (the C attention on the CPU)
+
+
 def mtp_batch(rows, block_size: int, device) -> ForwardBatch:
-    """A batch of MTP rows (start_pos, num_tokens, block_ids): one group on the general
-    (chunked) attention path; the block has no GDN state, so slots are unused."""
+    """A batch of MTP rows (start_pos, num_tokens, block_ids) as one group: a decode group while
+    no row is longer than DECODE_ROWS_MAX (drafting passes, the fill after a decode step, a
+    deferred fill: on the CPU one C attention call, token by token, in order within a row), else
+    a prefill group (a long prompt chunk: the general attention path); the block has no GDN state,
+    so slots are unused."""
     pack = IntPack()
     pos, slots = [], []
     for start, n, blocks in rows:
@@ -85,12 +94,14 @@ def mtp_batch(rows, block_size: int, device) -> ForwardBatch:
     fields.append(pack.add(last))
     gf = group_fields(pack, [n for _, n, _ in rows], [0] * len(rows), [s for s, _, _ in rows], [b for _, _, b in rows])
     pack.build(device)
+    one = all(n <= DECODE_ROWS_MAX for _, n, _ in rows)
+    grp = make_group(0, pack, gf, decode=one)
     return ForwardBatch(
         input_ids=pack[fields[0]],  # unused: the block takes its ids separately
         positions=pack[fields[0]],
         slot_mapping=pack[fields[1]],
-        decode=None,
-        prefill=make_group(0, pack, gf),
+        decode=grp if one else None,
+        prefill=None if one else grp,
         logits_indices=pack[fields[2]],
     )
 
@@ -111,9 +122,16 @@ class MTPDrafter:
         for rid in request_ids:
             self.pending.pop(rid, None)
 
+    def resume(self, request_id: str, pos: int, token: int, hidden: torch.Tensor) -> None:
+        """A request resuming from a cached prefix at pos + 1 (engine/cache/prefix.py): its KV at
+        pos, cached with another prompt's next token, is computed again with `token` (its own)
+        in its first chunk."""
+        self.pending[request_id] = [pos, [token], [hidden.unsqueeze(0).clone()]]
+
     def _take(self, r: RowInput) -> tuple[int, list[int], list[torch.Tensor]]:
         """The request's deferred positions, if they end where this row starts (a preempted
-        request computes everything again: its old ones are dropped)."""
+        request computes everything again: its old ones are dropped). The lists are the entry's
+        own: a row that defers again appends to them."""
         p = self.pending.pop(r.request_id, None)
         if p is None or p[0] + len(p[1]) != r.start_pos:
             return r.start_pos, [], []
@@ -135,11 +153,16 @@ class MTPDrafter:
             if m > 0:
                 start, p_ids, p_hid = self._take(r)
                 h = hidden[off : off + m]
-                if r.sample and r.is_decode and r.draft_depth == 0 and len(p_ids) + m <= self.max_pending:
-                    self.pending[r.request_id] = [start, p_ids + known + nxt, [*p_hid, h.clone()]]
+                d = r.draft_depths[min(len(nxt), len(r.draft_depths)) - 1] if r.sample and r.draft_depths else 0
+                # a prompt's last position is never deferred: its page may be cached right after
+                if r.sample and r.is_decode and d == 0 and r.num_output > 0 and len(p_ids) + m <= self.max_pending:
+                    p_ids += known
+                    p_ids += nxt
+                    p_hid.append(h.clone())
+                    self.pending[r.request_id] = [start, p_ids, p_hid]
                 else:
                     cap = min(len(r.block_ids) * bs, self.max_positions) - (r.start_pos + m - 1)
-                    depth = max(0, min(r.draft_depth, cap)) if r.sample else 0
+                    depth = max(0, min(d, cap))
                     seg.append((i, start, len(p_ids) + m, r.block_ids, depth))
                     ids += p_ids + known + nxt
                     hid += [*p_hid, h]

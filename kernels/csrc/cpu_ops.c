@@ -468,6 +468,7 @@ struct attn_job {
     float eps, scale;
     float *work;
     int bf16;
+    const int64_t *seq_starts; /* NULL, or [nseq+1]: a chunk is one sequence of consecutive rows */
 };
 
 static inline __attribute__((always_inline)) void attn_rows(const struct attn_job *a, const int bf16) {
@@ -557,9 +558,10 @@ static inline __attribute__((always_inline)) void attn_rows(const struct attn_jo
     }
 }
 
-static void attn_run(void *ctx, int64_t chunk, int64_t tid) { /* chunk: one row */
+static void attn_run(void *ctx, int64_t chunk, int64_t tid) { /* chunk: one row, or one sequence's rows */
     struct attn_job a = *(const struct attn_job *)ctx;
-    a.b0 = chunk, a.b1 = chunk + 1, a.work += tid * a.work_stride;
+    a.b0 = a.seq_starts ? a.seq_starts[chunk] : chunk, a.b1 = a.seq_starts ? a.seq_starts[chunk + 1] : chunk + 1;
+    a.work += tid * a.work_stride;
     if (a.bf16) attn_rows(&a, 1);
     else attn_rows(&a, 0);
 }
@@ -575,15 +577,22 @@ static void attn_run(void *ctx, int64_t chunk, int64_t tid) { /* chunk: one row 
  *   out        [B, H*hd] model dtype: attention output times sigmoid(gate)
  *   work       float32 scratch of nthreads * work_stride floats, work_stride >=
  *              (H+KVH)*hd + (H/KVH) * (hd + max seq_len)
- * Rows are shared by up to nthreads (<= 8) threads (pool_run). */
+ *   seq_starts NULL: every row is a sequence of its own. Else [nseq+1] row boundaries of
+ *              sequences whose rows are consecutive positions (a row with drafts, an MTP chunk):
+ *              each row has its own seq_len / block-table row / slot, and a sequence's rows run
+ *              in order in one chunk, so a row's k and v are in their page before the next row
+ *              of its sequence reads them (causal attention within the sequence).
+ * Rows (sequences) are shared by up to nthreads (<= 8) threads (pool_run). */
 void attn_decode(int64_t B, int64_t H, int64_t KVH, int64_t hd, int64_t rd, const void *qkv, int64_t ld,
                  const float *qk_norm, float eps, const void *cos, const void *sin, void *kv, int64_t s_blk,
                  int64_t s_kv, int64_t s_head, int64_t s_tok, int64_t bs, const int64_t *slot_mapping,
                  const int64_t *block_tables, int64_t bt_width, const int64_t *seq_lens, float scale, void *out,
-                 float *work, int64_t work_stride, int bf16, int64_t nthreads) {
+                 float *work, int64_t work_stride, int bf16, int64_t nthreads, const int64_t *seq_starts,
+                 int64_t nseq) {
     struct attn_job job = {0, B, H, KVH, hd, rd, ld, bs, s_blk, s_kv, s_head, s_tok, bt_width, work_stride, qkv, cos,
-                           sin, qk_norm, kv, out, slot_mapping, block_tables, seq_lens, eps, scale, work, bf16};
-    pool_run(attn_run, &job, B, nthreads);
+                           sin, qk_norm, kv, out, slot_mapping, block_tables, seq_lens, eps, scale, work, bf16,
+                           seq_starts};
+    pool_run(attn_run, &job, seq_starts ? nseq : B, nthreads);
 }
 
 struct gdn_job {
@@ -818,4 +827,40 @@ void gdn_verify(int64_t B, const int64_t *cu, int64_t Hk, int64_t Hv, int64_t dk
             }
         }
     }
+}
+
+/* ======================================================================================
+ * The MLP's gate: out [M, I] = silu(gu[:, :I]) * gu[:, I:] for gu [M, 2I] (rows ld apart),
+ * float32, silu(x) = x / (1 + exp(-x)) with exp8; rows shared by up to nthreads threads in
+ * blocks of 64. PyTorch reference: F.silu(gate) * up (engine/model/layers.py MLP).
+ * ====================================================================================== */
+
+struct silu_mul_job {
+    int64_t M, I, ld;
+    const float *gu;
+    float *out;
+};
+
+static void silu_mul_run(void *ctx, int64_t chunk, int64_t tid) {
+    (void)tid;
+    const struct silu_mul_job *j = ctx;
+    const int64_t m1 = (chunk + 1) * 64 < j->M ? (chunk + 1) * 64 : j->M;
+    for (int64_t m = chunk * 64; m < m1; m++) {
+        const float *g = j->gu + m * j->ld, *u = g + j->I;
+        float *o = j->out + m * j->I;
+        int64_t i = 0;
+        for (; i + 8 <= j->I; i += 8) {
+            v8f x, y;
+            memcpy(&x, g + i, 32);
+            memcpy(&y, u + i, 32);
+            x = x / (1.0f + exp8(-x)) * y;
+            memcpy(o + i, &x, 32);
+        }
+        for (; i < j->I; i++) o[i] = silu(g[i]) * u[i];
+    }
+}
+
+void silu_mul_f32(int64_t M, int64_t I, const float *gu, int64_t ld, float *out, int64_t nthreads) {
+    struct silu_mul_job job = {M, I, ld, gu, out};
+    pool_run(silu_mul_run, &job, (M + 63) / 64, nthreads);
 }

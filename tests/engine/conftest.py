@@ -36,3 +36,15 @@ def llm_hv2(ckpt_hv2):
     llm = LLM(ckpt_hv2, dtype="float32")
     yield llm
     llm.close()
+
+
+@pytest.fixture(scope="session")
+def mtp_prompts():
+    """Prompts of 1, 5 and 40 tokens for the MTP tests."""
+    return hc.prompts(lens=(1, 5, 40), seed=3)
+
+
+@pytest.fixture(scope="session")
+def ckpt_mtp(tmp_path_factory, mtp_prompts):
+    """A checkpoint with an MTP block fitted to the 1- and 40-token prompts' greedy continuations."""
+    return hc.make_fitted_mtp(tmp_path_factory.mktemp("mtp") / "ckpt", hc.SPEC_MTP, mtp_prompts[::2])

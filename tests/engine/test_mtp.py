@@ -24,17 +24,7 @@ from engine.model.qwen3_5 import Qwen35Model
 
 NEW = 24
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
-LENS = (1, 5, 40)
-
-
-@pytest.fixture(scope="module")
-def mtp_prompts():
-    return hc.prompts(lens=LENS, seed=3)
-
-
-@pytest.fixture(scope="module")
-def ckpt_mtp(tmp_path_factory, mtp_prompts):
-    return hc.make_fitted_mtp(tmp_path_factory.mktemp("mtp") / "ckpt", hc.SPEC_MTP, mtp_prompts[::2])
+# the fixtures ckpt_mtp and mtp_prompts (lengths 1, 5, 40) are in conftest.py
 
 
 def _drafts_accepted_and_rejected(s) -> None:

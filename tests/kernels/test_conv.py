@@ -5,26 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import (
-    DEVICE,
-    NAIVE_TOL,
-    TOL,
-    assert_close,
-    assert_unchanged,
-    cu_seqlens,
-    nan_like,
-    pick_slots,
-    to_dev,
-)
+from kernel_cases import DTYPES, KC, LENGTHS, conv_case
+from kernel_testing import DEVICE, NAIVE_TOL, TOL, assert_close, assert_unchanged, cu_seqlens, nan_like, to_dev
 
 from kernels.conv import causal_conv1d, causal_conv1d_update
 from kernels.naive import naive_conv
 
-LENGTHS = [1, 7, 63, 64, 65, 130]
-KC = 4
 # conv_dim = 2*Hk*dk + Hv*dv: (Hk=2, dk=16, Hv=4, dv=24) -> 160 (not a power of two), and a small one.
 DIMS = [pytest.param(160, id="D160"), pytest.param(40, id="D40")]
-DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.bfloat16, id="bf16")]
 PREFILL_BATCHES = [pytest.param([n], id=f"len{n}") for n in LENGTHS] + [
     pytest.param([65, 1, 130, 2, 7, 64, 63], id="mixed-lens")
 ]
@@ -36,23 +24,9 @@ DECODE_BATCHES = [
 ]
 
 
-def make_case(lens, D, dtype, seed=0, extra_slots=3, has_init=None):
-    """x [T, D], weight [D, Kc], a pool with slots outside the batch; rows without initial
-    state have a NaN slot (it must not be read)."""
-    gen = torch.Generator().manual_seed(seed)
-    B = len(lens)
-    x = torch.randn(sum(lens), D, generator=gen).to(dtype)
-    w = (torch.randn(D, KC, generator=gen) * 0.5).to(dtype)
-    pool = torch.randn(B + extra_slots, D, KC - 1, generator=gen).to(dtype)
-    slots, others = pick_slots(B + extra_slots, B, gen)
-    has_init = torch.arange(B) % 3 != 1 if has_init is None else torch.as_tensor(has_init, dtype=torch.bool)
-    pool[slots[~has_init]] = float("nan")
-    return x, w, cu_seqlens(lens), pool, slots, others, has_init
-
-
 @pytest.mark.parametrize("length", LENGTHS, ids=lambda n: f"len{n}")
 def test_conv_reference_matches_naive(length):
-    x, w, cu, pool0, slots, _, has_init = make_case([length, 2, 5], 40, torch.float32, has_init=[True, False, False])
+    x, w, cu, pool0, slots, _, has_init = conv_case([length, 2, 5], 40, torch.float32, has_init=[True, False, False])
     pool = pool0.clone()
     y = causal_conv1d(x, w, cu, pool, slots, has_init)
     for b in range(3):
@@ -69,7 +43,7 @@ def test_conv_reference_matches_naive(length):
 def test_conv_prefill_triton_matches_reference(lens, D, dtype, activation):
     from kernels.triton.conv import causal_conv1d_triton
 
-    x, w, cu, pool0, slots, others, has_init = make_case(lens, D, dtype, seed=1)
+    x, w, cu, pool0, slots, others, has_init = conv_case(lens, D, dtype, seed=1)
     pool_ref = pool0.clone()
     y_ref = causal_conv1d(x, w, cu, pool_ref, slots, has_init, activation)
     pool = pool0.clone().to(DEVICE)
@@ -87,7 +61,7 @@ def test_conv_decode_rows_with_intermediate_states(lens, dtype):
     from kernels.triton.conv import causal_conv1d_triton
 
     D = 160
-    x, w, cu, pool0, slots, others, _ = make_case(lens, D, dtype, seed=2, has_init=[True] * len(lens))
+    x, w, cu, pool0, slots, others, _ = conv_case(lens, D, dtype, seed=2, has_init=[True] * len(lens))
     inter_ref = torch.full((len(lens), max(lens) + 1, D, KC - 1), float("nan"), dtype=dtype)
     pool_ref = pool0.clone()
     y_ref = causal_conv1d(x, w, cu, pool_ref, slots, intermediate_states=inter_ref)
@@ -109,7 +83,7 @@ def test_conv_decode_rows_with_intermediate_states(lens, dtype):
 def test_conv_update_triton_matches_reference(dtype):
     from kernels.triton.conv import causal_conv1d_update_triton
 
-    x, w, _, pool0, slots, others, _ = make_case([1] * 5, 160, dtype, seed=3, has_init=[True] * 5)
+    x, w, _, pool0, slots, others, _ = conv_case([1] * 5, 160, dtype, seed=3, has_init=[True] * 5)
     inter_ref = torch.full((5, 2, 160, KC - 1), float("nan"), dtype=dtype)
     pool_ref = pool0.clone()
     y_ref = causal_conv1d_update(x, w, pool_ref, slots, intermediate_states=inter_ref)
@@ -135,7 +109,7 @@ def test_conv_rollback_to_accepted_prefix(impl):
         op = causal_conv1d
     dev = DEVICE if impl == "triton" else "cpu"
     lens, accept = [1, 4, 4, 1, 4], [1, 1, 2, 1, 3]
-    x, w, cu, pool0, slots, others, _ = make_case(lens, 160, torch.float32, seed=4, has_init=[True] * 5)
+    x, w, cu, pool0, slots, others, _ = conv_case(lens, 160, torch.float32, seed=4, has_init=[True] * 5)
     x, w, slots_d = x.to(dev), w.to(dev), slots.to(dev)
     pool_a = pool0.clone().to(dev)
     inter = torch.full((5, 4, 160, KC - 1), float("nan"), device=dev)
@@ -153,7 +127,7 @@ def test_conv_rollback_to_accepted_prefix(impl):
 def test_conv_wrappers_reject_bad_arguments():
     from kernels.triton.conv import causal_conv1d_triton, causal_conv1d_update_triton
 
-    x, w, cu, pool, slots, _, _ = make_case([3, 2], 40, torch.float32)
+    x, w, cu, pool, slots, _, _ = conv_case([3, 2], 40, torch.float32)
     with pytest.raises(ValueError, match=r"conv_pool must be \[S, D=40, Kc-1=3\].*conv_pool=\(5, 3, 40\)"):
         causal_conv1d_triton(x, w, cu, pool.transpose(1, 2).contiguous(), slots)
     with pytest.raises(ValueError, match=r"conv_pool must be contiguous in time"):
@@ -173,7 +147,7 @@ def test_conv_prefill_triton_large(dtype):
 
     D = 2 * 16 * 128 + 32 * 128  # Qwen3.5-sized conv_dim
     lens = [300, 1, 3, 129]
-    x, w, cu, pool0, slots, others, has_init = make_case(lens, D, dtype, seed=5)
+    x, w, cu, pool0, slots, others, has_init = conv_case(lens, D, dtype, seed=5)
     inter_ref = torch.full((4, 300, D, KC - 1), float("nan"), dtype=dtype)
     pool_ref = pool0.clone()
     y_ref = causal_conv1d(x, w, cu, pool_ref, slots, has_init, intermediate_states=inter_ref)

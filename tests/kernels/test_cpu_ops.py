@@ -140,6 +140,45 @@ def test_attn_decode_matches_pytorch(dtype, B, h, kvh, hd, rd):
     assert_close("KV pages", kv_pool, pool_ref, TOL[dtype] / 10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("nthreads", [1, 2])
+def test_attn_decode_rows_of_one_sequence_match_pytorch(dtype, nthreads):
+    """seq_starts: sequences of several consecutive tokens (rows with drafts, MTP chunks) against
+    the engine's PyTorch path (causal attention within each sequence over its pages), split
+    over threads by sequence."""
+    g = torch.Generator().manual_seed(4)
+    h, kvh, hd, rd, bs, nblocks, width = 4, 2, 32, 16, 4, 40, 6
+    lens, ctx = [3, 1, 5, 2], [7, 20, 24, 2]  # new tokens per sequence; context after them
+    B, S = sum(lens), len(lens)
+    qkv = torch.randn(B, 2 * (h + kvh) * hd, generator=g).to(dtype)
+    qk_norm = 1 + 0.1 * torch.randn(h + kvh, hd, generator=g)
+    kv_pool = kv_pool_view(torch.randn(kvh, nblocks, 2, bs, hd, generator=g).to(dtype))
+    tables = torch.randperm(nblocks, generator=g)[: S * width].view(S, width)
+    seq = torch.repeat_interleave(torch.arange(S), torch.tensor(lens))
+    pos = torch.cat([torch.arange(c - n, c) for n, c in zip(lens, ctx)])
+    slot_mapping = tables[seq, pos // bs] * bs + pos % bs
+    ang = pos[:, None].float() * torch.rand(rd // 2, generator=g)[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None, :].to(dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None, :].to(dtype)
+    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    pool_ref = kv_pool.clone()
+    qk, gate, v = qkv.split([(h + kvh) * hd, h * hd, kvh * hd], dim=-1)
+    qk = F.rms_norm(qk.reshape(B, h + kvh, hd).float(), (hd,), None, 1e-6)
+    qk = apply_rotary_((qk * qk_norm).to(dtype), cos, sin)
+    store_kv(qk[:, h:], v.reshape(B, kvh, hd), pool_ref, slot_mapping)
+    o = paged_attention(qk[:, :h], pool_ref, starts, torch.tensor(ctx), tables, hd**-0.5)
+    ref = o.reshape(B, -1) * torch.sigmoid(gate)
+    before = torch.get_num_threads()
+    torch.set_num_threads(nthreads)
+    try:
+        got = cpu_ops.attn_decode(qkv, qk_norm, 1e-6, cos, sin, kv_pool, slot_mapping, tables[seq], pos + 1, h, kvh,
+                                  hd**-0.5, seq_starts=starts)  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    assert_close("attn_decode out", got, ref, TOL[dtype])
+    assert_close("KV pages", kv_pool, pool_ref, TOL[dtype] / 10)
+
+
 def _eager_gdn_rows(proj, lens, slots, init, conv_w, conv_pool, rec_pool, neg_A, dt_bias, norm_w, hk, hv, dk, dv, eps):
     """The engine's chunked PyTorch path for prefill rows (engine/model/layers.py)."""
     T, D = proj.shape[0], conv_w.shape[0]
@@ -181,3 +220,13 @@ def test_gdn_rows_matches_chunked_prefill(lens, init):
     assert_close("gdn_rows out", got, ref, 1e-4)
     assert_close("conv states", conv_pool[slots], conv_ref[slots], 1e-6)
     assert_close("recurrent states", rec_pool[slots], rec_ref[slots], 1e-4)
+
+
+@pytest.mark.parametrize("M,I", [(3, 20), (130, 72)])
+def test_silu_mul_matches_pytorch(M, I):
+    """The MLP's gate in C against F.silu(gate) * up, rows read ld apart (a wider tensor's view)."""
+    g = torch.Generator().manual_seed(6)
+    wide = torch.randn(M, 2 * I + 5, generator=g) * 4
+    gu = wide[:, : 2 * I]
+    ref = F.silu(gu[:, :I]) * gu[:, I:]
+    assert_close("silu_mul", cpu_ops.silu_mul(gu), ref, 1e-6)

@@ -3,34 +3,20 @@ the naive per-token loop, speculative rollback, and what the kernels may and may
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
-import torch.nn.functional as F
-from kernel_testing import (
-    DEVICE,
-    NAIVE_TOL,
-    TOL,
-    assert_close,
-    assert_unchanged,
-    cu_seqlens,
-    nan_like,
-    pick_slots,
-    to_dev,
-)
+from kernel_cases import DTYPES, LENGTHS, STATE_TOL, GDNCase, check_pool, gdn_case
+from kernel_testing import DEVICE, NAIVE_TOL, TOL, assert_close, assert_unchanged, cu_seqlens, nan_like, to_dev
 
 import kernels.gdn
-from kernels.gdn import gdn_chunk_prefill, gdn_recurrent, l2norm
+from kernels.gdn import gdn_chunk_prefill, gdn_recurrent
 from kernels.naive import naive_gdn
 
-LENGTHS = [1, 7, 63, 64, 65, 130]
 # (Hk, Hv, dk, dv): Hv = Hk and Hv = 2 Hk, dk != dv in both.
 HEADS = [
     pytest.param((2, 2, 32, 24), id="hv=hk-dk32-dv24"),
     pytest.param((2, 4, 16, 32), id="hv=2hk-dk16-dv32"),
 ]
-DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.bfloat16, id="bf16")]
 PREFILL_BATCHES = [pytest.param([n], id=f"len{n}") for n in LENGTHS] + [
     pytest.param([65, 1, 130, 7, 64, 63], id="mixed-lens")
 ]
@@ -41,50 +27,6 @@ DECODE_BATCHES = [
     pytest.param([1, 4, 1, 4, 1], id="mixed-plain-and-k3"),
     pytest.param([2, 1, 5, 1, 3], id="mixed-k1-k2-k4"),
 ]
-STATE_TOL = 1e-4  # states are float32 whatever the activations' dtype
-
-
-@dataclass
-class Case:
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    g: torch.Tensor
-    beta: torch.Tensor
-    cu: torch.Tensor
-    pool: torch.Tensor
-    slots: torch.Tensor
-    others: torch.Tensor
-    has_init: torch.Tensor
-
-    def args(self, device="cpu"):
-        """q, k, v, g, beta, cu_seqlens on `device`."""
-        return tuple(x.to(device) for x in (self.q, self.k, self.v, self.g, self.beta, self.cu))
-
-
-def make_case(lens, heads, dtype, seed=0, extra_slots=3, has_init=None) -> Case:
-    """Packed rows of the given lengths; a pool with `extra_slots` slots not in the batch.
-    Rows without an initial state have their slot poisoned with NaN: it must never be read."""
-    gen = torch.Generator().manual_seed(seed)
-    hk, hv, dk, dv = heads
-    T, B = sum(lens), len(lens)
-    q = l2norm(torch.randn(T, hk, dk, generator=gen)).to(dtype)
-    k = l2norm(torch.randn(T, hk, dk, generator=gen)).to(dtype)
-    v = torch.randn(T, hv, dv, generator=gen).to(dtype)
-    g = -F.softplus(torch.randn(T, hv, generator=gen) - 1.0)  # float32 log decay < 0
-    beta = torch.sigmoid(torch.randn(T, hv, generator=gen))
-    pool = torch.randn(B + extra_slots, hv, dk, dv, generator=gen)
-    slots, others = pick_slots(B + extra_slots, B, gen)
-    if has_init is None:
-        has_init = torch.arange(B) % 3 != 1  # a mix, first row with state
-    has_init = torch.as_tensor(has_init, dtype=torch.bool)
-    pool[slots[~has_init]] = float("nan")
-    return Case(q, k, v, g, beta, cu_seqlens(lens), pool, slots, others, has_init)
-
-
-def _check_pool(name, pool_got, pool_ref, pool_before, case):
-    assert_close(f"{name} final state", pool_got.cpu()[case.slots], pool_ref[case.slots], STATE_TOL)
-    assert_unchanged(f"{name}: slots not in the batch", pool_got.cpu()[case.others], pool_before[case.others])
 
 
 # ---------------------------------------------------------------- reference vs naive loop
@@ -93,7 +35,7 @@ def _check_pool(name, pool_got, pool_ref, pool_before, case):
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("length", LENGTHS, ids=lambda n: f"len{n}")
 def test_chunk_reference_matches_naive(length, heads):
-    c = make_case([length, 5], heads, torch.float32, seed=1, has_init=[True, False])
+    c = gdn_case([length, 5], heads, torch.float32, seed=1, has_init=[True, False])
     pool = c.pool.clone()
     o = gdn_chunk_prefill(c.q, c.k, c.v, c.g, c.beta, c.cu, pool, c.slots, c.has_init)
     _compare_naive(c, o, pool)
@@ -102,7 +44,7 @@ def test_chunk_reference_matches_naive(length, heads):
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("lens", DECODE_BATCHES)
 def test_recurrent_reference_matches_naive(lens, heads):
-    c = make_case(lens, heads, torch.float32, seed=2)
+    c = gdn_case(lens, heads, torch.float32, seed=2)
     pool = c.pool.clone()
     inter = torch.full((len(lens), max(lens), *c.pool.shape[1:]), float("nan"))
     o = gdn_recurrent(c.q, c.k, c.v, c.g, c.beta, c.cu, pool, c.slots, c.has_init, intermediate_states=inter)
@@ -122,7 +64,7 @@ def test_recurrent_reference_matches_naive(lens, heads):
         assert torch.isnan(inter[b, n:]).all(), f"row {b}: intermediate entries past its {n} tokens were written"
 
 
-def _compare_naive(c: Case, o, pool):
+def _compare_naive(c: GDNCase, o, pool):
     for b in range(len(c.slots)):
         s, e = int(c.cu[b]), int(c.cu[b + 1])
         init = c.pool[c.slots[b]] if c.has_init[b] else None
@@ -140,7 +82,7 @@ def _compare_naive(c: Case, o, pool):
 def test_chunk_prefill_triton_matches_reference(lens, heads, dtype):
     from kernels.triton.gdn_chunk import gdn_chunk_prefill_triton
 
-    c = make_case(lens, heads, dtype, seed=3)
+    c = gdn_case(lens, heads, dtype, seed=3)
     pool_ref = c.pool.clone()
     o_ref = gdn_chunk_prefill(c.q, c.k, c.v, c.g, c.beta, c.cu, pool_ref, c.slots, c.has_init)
 
@@ -149,27 +91,27 @@ def test_chunk_prefill_triton_matches_reference(lens, heads, dtype):
     o = gdn_chunk_prefill_triton(*c.args(DEVICE), pool, slots, has_init, out=out)
     assert o is out
     assert_close("o", o, o_ref, TOL[dtype])
-    _check_pool("chunk prefill", pool, pool_ref, c.pool, c)
+    check_pool("chunk prefill", pool, pool_ref, c.pool, c)
 
 
 @pytest.mark.parametrize("chunk_size", [16, 32], ids=lambda c: f"chunk{c}")
 def test_chunk_prefill_triton_other_chunk_sizes(chunk_size):
     from kernels.triton.gdn_chunk import gdn_chunk_prefill_triton
 
-    c = make_case([65, 7, 33], (2, 4, 16, 32), torch.float32, seed=4)
+    c = gdn_case([65, 7, 33], (2, 4, 16, 32), torch.float32, seed=4)
     pool_ref = c.pool.clone()
     o_ref = gdn_chunk_prefill(c.q, c.k, c.v, c.g, c.beta, c.cu, pool_ref, c.slots, c.has_init)
     pool, slots, has_init = to_dev(c.pool.clone(), c.slots, c.has_init)
     o = gdn_chunk_prefill_triton(*c.args(DEVICE), pool, slots, has_init, chunk_size=chunk_size)
     assert_close("o", o, o_ref, TOL[torch.float32])
-    _check_pool("chunk prefill", pool, pool_ref, c.pool, c)
+    check_pool("chunk prefill", pool, pool_ref, c.pool, c)
 
 
 def test_chunk_prefill_triton_strong_decay_and_no_has_initial_state():
     """Near-zero alpha (g down to -30) within a chunk, and has_initial_state=None (all read)."""
     from kernels.triton.gdn_chunk import gdn_chunk_prefill_triton
 
-    c = make_case([130, 40], (2, 2, 32, 24), torch.float32, seed=5, has_init=[True, True])
+    c = gdn_case([130, 40], (2, 2, 32, 24), torch.float32, seed=5, has_init=[True, True])
     g = c.g * torch.linspace(1, 30, c.g.shape[0])[:, None]
     pool_ref = c.pool.clone()
     o_ref = gdn_chunk_prefill(c.q, c.k, c.v, g, c.beta, c.cu, pool_ref, c.slots)
@@ -177,7 +119,7 @@ def test_chunk_prefill_triton_strong_decay_and_no_has_initial_state():
     q, k, v, _, beta, cu = c.args(DEVICE)
     o = gdn_chunk_prefill_triton(q, k, v, g.to(DEVICE), beta, cu, pool, slots)
     assert_close("o", o, o_ref, TOL[torch.float32])
-    _check_pool("chunk prefill", pool, pool_ref, c.pool, c)
+    check_pool("chunk prefill", pool, pool_ref, c.pool, c)
 
 
 @pytest.mark.parametrize("with_inter", [True, False], ids=["intermediate", "no-intermediate"])
@@ -187,7 +129,7 @@ def test_chunk_prefill_triton_strong_decay_and_no_has_initial_state():
 def test_recurrent_triton_matches_reference(lens, heads, dtype, with_inter):
     from kernels.triton.gdn_recurrent import gdn_recurrent_triton
 
-    c = make_case(lens, heads, dtype, seed=6)
+    c = gdn_case(lens, heads, dtype, seed=6)
     n_max = max(lens) + 1  # scratch longer than any row: the tail must stay untouched
     inter_ref = torch.full((len(lens), n_max, *c.pool.shape[1:]), float("nan")) if with_inter else None
     pool_ref = c.pool.clone()
@@ -201,7 +143,7 @@ def test_recurrent_triton_matches_reference(lens, heads, dtype, with_inter):
     o = gdn_recurrent_triton(*c.args(DEVICE), pool, slots, has_init, intermediate_states=inter, out=out)
     assert o is out
     assert_close("o", o, o_ref, TOL[dtype])
-    _check_pool("recurrent", pool, pool_ref, c.pool, c)
+    check_pool("recurrent", pool, pool_ref, c.pool, c)
     if with_inter:
         inter = inter.cpu()
         for b, n in enumerate(lens):
@@ -215,7 +157,7 @@ def test_recurrent_triton_continues_chunk_prefill():
     from kernels.triton.gdn_recurrent import gdn_recurrent_triton
 
     lens = [70, 9]
-    c = make_case([n + 3 for n in lens], (2, 4, 16, 32), torch.float32, seed=7, has_init=[False, True])
+    c = gdn_case([n + 3 for n in lens], (2, 4, 16, 32), torch.float32, seed=7, has_init=[False, True])
     pool_ref = c.pool.clone()
     o_ref = gdn_chunk_prefill(c.q, c.k, c.v, c.g, c.beta, c.cu, pool_ref, c.slots, c.has_init)
 
@@ -228,7 +170,7 @@ def test_recurrent_triton_continues_chunk_prefill():
     o2 = gdn_recurrent_triton(*(x[dec] for x in t), cu_seqlens([3, 3]).to(DEVICE), pool, slots)
     assert_close("prefill part", o1, o_ref[pre], TOL[torch.float32])
     assert_close("decode part", o2, o_ref[dec], TOL[torch.float32])
-    _check_pool("prefill then decode", pool, pool_ref, c.pool, c)
+    check_pool("prefill then decode", pool, pool_ref, c.pool, c)
 
 
 # ---------------------------------------------------------------- speculative rollback
@@ -246,7 +188,7 @@ def test_rollback_to_accepted_prefix(heads, impl):
         op = gdn_recurrent
     dev = DEVICE if impl == "triton" else "cpu"
     lens, accept = [1, 4, 4, 1, 4], [1, 1, 2, 1, 3]
-    c = make_case(lens, heads, torch.float32, seed=8, has_init=[True] * 5)
+    c = gdn_case(lens, heads, torch.float32, seed=8, has_init=[True] * 5)
     t = [x.to(dev) for x in (c.q, c.k, c.v, c.g, c.beta)]
     slots = c.slots.to(dev)
 
@@ -272,7 +214,7 @@ def test_wrappers_reject_bad_arguments():
     from kernels.triton.gdn_chunk import gdn_chunk_prefill_triton
     from kernels.triton.gdn_recurrent import gdn_recurrent_triton
 
-    c = make_case([3, 2], (2, 4, 16, 32), torch.float32)
+    c = gdn_case([3, 2], (2, 4, 16, 32), torch.float32)
     a = (c.q, c.k, c.v, c.g, c.beta, c.cu)
     with pytest.raises(ValueError, match=r"v=\(5, 3, 32\)"):
         gdn_chunk_prefill_triton(c.q, c.k, c.v[:, :3], c.g, c.beta, c.cu, c.pool, c.slots)
@@ -300,7 +242,7 @@ def test_ops_dispatch_to_triton_when_forced(monkeypatch):
     calls = []
     monkeypatch.setattr(tc, "gdn_chunk_prefill_triton", lambda *a, **kw: calls.append("chunk"))
     monkeypatch.setattr(tr, "gdn_recurrent_triton", lambda *a, **kw: calls.append("recurrent"))
-    c = make_case([3], (2, 2, 16, 16), torch.float32)
+    c = gdn_case([3], (2, 2, 16, 16), torch.float32)
     args = (c.q, c.k, c.v, c.g, c.beta, c.cu, c.pool.clone(), c.slots)
     kernels.gdn.gdn_chunk_prefill(*args)
     assert calls == []  # CPU tensors take the PyTorch path
@@ -318,13 +260,13 @@ def test_ops_dispatch_to_triton_when_forced(monkeypatch):
 def test_chunk_prefill_triton_large(dtype):
     from kernels.triton.gdn_chunk import gdn_chunk_prefill_triton
 
-    c = make_case([300, 1, 129, 64], (4, 8, 128, 128), dtype, seed=9)
+    c = gdn_case([300, 1, 129, 64], (4, 8, 128, 128), dtype, seed=9)
     pool_ref = c.pool.clone()
     o_ref = gdn_chunk_prefill(c.q, c.k, c.v, c.g, c.beta, c.cu, pool_ref, c.slots, c.has_init)
     pool, slots, has_init = to_dev(c.pool.clone(), c.slots, c.has_init)
     o = gdn_chunk_prefill_triton(*c.args(DEVICE), pool, slots, has_init, out=nan_like(o_ref).to(DEVICE))
     assert_close("o", o, o_ref, TOL[dtype])
-    _check_pool("chunk prefill", pool, pool_ref, c.pool, c)
+    check_pool("chunk prefill", pool, pool_ref, c.pool, c)
 
 
 @pytest.mark.slow
@@ -333,7 +275,7 @@ def test_recurrent_triton_large(dtype):
     from kernels.triton.gdn_recurrent import gdn_recurrent_triton
 
     lens = [1, 5, 1, 1, 5, 3, 1, 5]
-    c = make_case(lens, (4, 8, 128, 128), dtype, seed=10)
+    c = gdn_case(lens, (4, 8, 128, 128), dtype, seed=10)
     inter_ref = torch.full((len(lens), 5, *c.pool.shape[1:]), float("nan"))
     pool_ref = c.pool.clone()
     o_ref = gdn_recurrent(
@@ -343,6 +285,6 @@ def test_recurrent_triton_large(dtype):
     inter = nan_like(inter_ref).to(DEVICE)
     o = gdn_recurrent_triton(*c.args(DEVICE), pool, slots, has_init, intermediate_states=inter)
     assert_close("o", o, o_ref, TOL[dtype])
-    _check_pool("recurrent", pool, pool_ref, c.pool, c)
+    check_pool("recurrent", pool, pool_ref, c.pool, c)
     for b, n in enumerate(lens):
         assert_close(f"intermediate states row {b}", inter.cpu()[b, :n], inter_ref[b, :n], STATE_TOL)

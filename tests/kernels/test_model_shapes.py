@@ -6,7 +6,7 @@ heads of 128 (conv over 2 * 16 * 128 + 32 * 128 = 8192 channels, kernel 4); full
 16 query heads and 2 KV heads of 256, pages of 16 tokens. Batches: a 4k-token prefill, a mix of
 shorter rows (some continuing from a saved state), a chunked prefill reading 2k tokens
 of earlier pages, and decode at batch 64, plain and with 3 speculative tokens per row. The case
-builders are the small tests' own (NaN in every slot and page the batch must not read)."""
+builders are the small tests' own (tests/kernels/kernel_cases.py) (NaN in every slot and page the batch must not read)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,9 @@ import os
 
 import pytest
 import torch
+from kernel_cases import STATE_TOL, check_pool, conv_case, gdn_case
 from kernel_testing import DEVICE, TOL, assert_close, assert_unchanged, nan_like, to_dev
 from test_attention import make_case as attention_case
-from test_conv import make_case as conv_case
-from test_gdn import STATE_TOL, _check_pool
-from test_gdn import make_case as gdn_case
 
 from kernels.attention import paged_attention
 from kernels.conv import causal_conv1d, causal_conv1d_update
@@ -56,7 +54,7 @@ def test_gdn_chunk_prefill_model_sizes(lens, dtype):
     pool, slots, has_init = to_dev(c.pool.clone(), c.slots, c.has_init)
     o = gdn_chunk_prefill_triton(*c.args(DEVICE), pool, slots, has_init, out=nan_like(o_ref).to(DEVICE))
     assert_close("o", o, o_ref, TOL[dtype])
-    _check_pool("chunk prefill", pool, pool_ref, c.pool, c)
+    check_pool("chunk prefill", pool, pool_ref, c.pool, c)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -74,7 +72,7 @@ def test_gdn_recurrent_model_sizes(lens, dtype):
     inter = nan_like(inter_ref).to(DEVICE)
     o = gdn_recurrent_triton(*c.args(DEVICE), pool, slots, has_init, intermediate_states=inter)
     assert_close("o", o, o_ref, TOL[dtype])
-    _check_pool("recurrent", pool, pool_ref, c.pool, c)
+    check_pool("recurrent", pool, pool_ref, c.pool, c)
     inter = inter.cpu()
     for b, n in enumerate(lens):
         assert_close(f"intermediate states row {b}", inter[b, :n], inter_ref[b, :n], STATE_TOL)

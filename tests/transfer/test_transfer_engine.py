@@ -186,7 +186,7 @@ def test_engine_prefill_transfer_decode(engines, colocated, backend, a, b):
 MTP_PAIRS = [(1, 2), (2, 1)]
 
 
-def mtp_engine(path: str, tp: int) -> LLM:
+def mtp_engine(path: str, tp: int, **kw) -> LLM:
     return LLM(
         path,
         dtype="float32",
@@ -195,6 +195,7 @@ def mtp_engine(path: str, tp: int) -> LLM:
         max_num_seqs=8,
         speculative_method="mtp",
         num_speculative_tokens=2,
+        **kw,
     )
 
 
@@ -215,15 +216,23 @@ def _draft_trace(engine: EngineCore, rid: str, outs) -> tuple[list[int], list[li
     return toks, drafts
 
 
+def _second_turn(prompt: list[int], toks: list[int]) -> list[int]:
+    return prompt + toks + hc.prompts(lens=(5,), seed=len(prompt))[0]
+
+
 @pytest.fixture(scope="module")
 def mtp_colocated(ckpt_mtp):
+    """(tokens, drafts after every step) of each prompt, then of its second turn (the prompt, its
+    tokens and 5 more), computed from scratch: no prefix cache."""
     out = []
-    with mtp_engine(ckpt_mtp, 1) as llm:
-        for i, prompt in enumerate(hc.prompts(lens=PROMPT_LENS)):
-            rid = f"colocated-{i}"
-            llm.engine.add_request(prompt, SP, rid)
-            first = llm.engine.step()
-            out.append(_draft_trace(llm.engine, rid, first))
+    with mtp_engine(ckpt_mtp, 1, enable_prefix_caching=False) as llm:
+        prompts = hc.prompts(lens=PROMPT_LENS)
+        for turn in range(2):
+            for i, prompt in enumerate(prompts):
+                rid = f"colocated-{turn}-{i}"
+                llm.engine.add_request(prompt if turn == 0 else _second_turn(prompt, out[i][0]), SP, rid)
+                first = llm.engine.step()
+                out.append(_draft_trace(llm.engine, rid, first))
     return out
 
 
@@ -231,7 +240,10 @@ def mtp_colocated(ckpt_mtp):
 def test_mtp_state_and_drafts_cross_the_pools(ckpt_mtp, mtp_colocated, a, b):
     """The MTP layer's KV arrives bit for bit next to the main KV and GDN state (re-sharded a -> b),
     and the decode side then drafts exactly what the colocated engine drafts at every step, from
-    its first step (the prefill side's drafts) on: same drafts, so the same acceptance."""
+    its first step (the prefill side's drafts) on: same drafts, so the same acceptance. Then each
+    prompt's second turn: the prefill side resumes from its cached prefix, the decode side holds
+    the prompt's leading pages (the MTP layer's KV in them included) from the first turn and takes
+    only the rest; still the drafts of a colocated run without a cache."""
     backend = "nixl"
     llms = (mtp_engine(ckpt_mtp, a), mtp_engine(ckpt_mtp, b))
     P, D = (llm.engine for llm in llms)
@@ -248,6 +260,16 @@ def test_mtp_state_and_drafts_cross_the_pools(ckpt_mtp, mtp_colocated, a, b):
             first = D.activate(rid, out.output_token_ids[0], out.draft_token_ids)
             toks, drafts = _draft_trace(D, rid, [first])
             assert (toks, drafts) == mtp_colocated[i], f"prompt of {len(prompt)} tokens, tp {a} -> {b}"
+        n = len(PROMPT_LENS)
+        for i, prompt in enumerate(hc.prompts(lens=PROMPT_LENS)):
+            rid = f"mtp-{a}{b}-turn2-{i}"
+            turn2 = _second_turn(prompt, mtp_colocated[i][0])
+            out, _ = _prefill_and_push(P, D, backend, rid, turn2, b, digest)
+            assert D.requests[rid].num_cached_blocks == len(prompt) // 16 and out.num_cached_tokens == len(prompt)
+            first = D.activate(rid, out.output_token_ids[0], out.draft_token_ids)
+            assert _draft_trace(D, rid, [first]) == mtp_colocated[n + i], f"second turn of {len(prompt)} tokens"
+        for e in (P, D):
+            assert not e.blocks.ref and e.blocks.num_free == e.capacity.num_blocks
     finally:
         for llm in llms:
             llm.engine.executor.call_all(xr.close, backend)
