@@ -36,9 +36,9 @@ its end is saved from the slot after the forward, and one inside it is written b
 during the forward (`SnapshotCopy.offset`, kernels/points.py). Full pages are registered once
 computed, the reply's as well as the prompt's (a page entirely below `num_computed_tokens` holds
 verified KV only: the last sampled token has none yet, and rejected drafts' slots lie past it), so
-a conversation's next turn shares the reply's pages too; with MTP only prompt pages are (the
-drafter's KV at a page's last position depends on the token after it). A request that finishes
-(stop or length) leaves a snapshot of its final GDN state at `num_computed_tokens`
+a conversation's next turn shares the reply's pages too; with MTP only prompt pages are, and
+no final snapshot is saved (the drafter's KV at a page's last position depends on the token after
+it). A request that finishes (stop or length) leaves a snapshot of its final GDN state at `num_computed_tokens`
 (`take_final`), saved by the executor right after the step, so a colocated next turn computes
 only its new tokens. The scheduler frees pages by reference, so a page another request shares is
 never handed out.
