@@ -219,6 +219,7 @@ class EngineCore:
                 req = self.requests[rid]
                 req.output_logprobs += lps[: len(req.output_token_ids) - len(req.output_logprobs)]
             outputs = [self._output(r) for r in touched]
+            self._save_final()
         # requests finished without a new token this step (stopped for lack of pages)
         for req in list(self.requests.values()):
             if req.status is Status.FINISHED:
@@ -226,6 +227,19 @@ class EngineCore:
                     outputs.append(self._output(req))
                 del self.requests[req.request_id]
         return outputs
+
+    def _save_final(self) -> None:
+        """Snapshots of the final GDN state of the requests this step finished (a conversation's
+        next turn resumes there; Scheduler._keep_final): one copy on the executor, no forward."""
+        saves = self.scheduler.take_final()
+        if not saves:
+            return
+        try:
+            self.executor.execute(StepInput([], [], [], [f.copy for f in saves]))
+        except BaseException:
+            self.scheduler.end_final(saves, ran=False)
+            raise
+        self.scheduler.end_final(saves, ran=True)
 
     def _keep_prompt_logprobs(self, got: dict) -> None:
         """Entry i of req.prompt_logprobs is prompt token i+1's; a chunk computed again (after a

@@ -57,6 +57,7 @@ class Request:
     block_hashes: list[int] | None = None  # prefix caching: chained hash of each full prompt page
     num_registered: int = 0  # pages of this request registered in the prefix cache
     num_cached_blocks: int = 0  # decode side: leading prompt pages already here (not transferred)
+    received: bool = False  # decode side: the prompt's state came from another node (Scheduler.reserve)
     _sent: int = 0  # output tokens already reported to the caller
     _sent_logprobs: int = 0
     _sent_prompt_logprobs: bool = False

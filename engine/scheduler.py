@@ -33,9 +33,15 @@ its slot (and its partial page) before the forward and the request computes from
 are taken at exact token positions (every `interval` tokens, and the prompt's end) without
 cutting chunks there: a chunk takes as many tokens as the budget allows, a snapshot position at
 its end is saved from the slot after the forward, and one inside it is written by the GDN layers
-during the forward (`SnapshotCopy.offset`, kernels/points.py). Full prompt pages are registered
-once computed; the scheduler frees pages by reference, so a page another request shares is never
-handed out.
+during the forward (`SnapshotCopy.offset`, kernels/points.py). Full pages are registered once
+computed, the reply's as well as the prompt's (a page entirely below `num_computed_tokens` holds
+verified KV only: the last sampled token has none yet, and rejected drafts' slots lie past it), so
+a conversation's next turn shares the reply's pages too; with MTP only prompt pages are, and
+no final snapshot is saved (the drafter's KV at a page's last position depends on the token after
+it). A request that finishes (stop or length) leaves a snapshot of its final GDN state at `num_computed_tokens`
+(`take_final`), saved by the executor right after the step, so a colocated next turn computes
+only its new tokens. The scheduler frees pages by reference, so a page another request shares is
+never handed out.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.cache.block_manager import BlockManager, SlotPool
-from engine.cache.prefix import PrefixCache, PrefixHit, Snapshot, prompt_hashes
+from engine.cache.prefix import ROOT_HASH, PrefixCache, PrefixHit, Snapshot, block_hash, prompt_hashes
 from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.request import Request, Status
 from engine.step import SnapshotCopy
@@ -90,6 +96,15 @@ class SchedulerOutput:
         return sum(r.num_new_tokens for r in self.rows)
 
 
+@dataclass
+class FinalSave:
+    """A finished request's state kept for a snapshot at its last computed token: the slot and
+    the partial page (None: it ends on a page boundary) are freed once the copy ran."""
+
+    snapshot: Snapshot
+    copy: SnapshotCopy
+
+
 class Scheduler:
     def __init__(
         self,
@@ -114,6 +129,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_ids: list[str] = []
+        # finished requests' last GDN state and partial page, held for a snapshot (take_final)
+        self._final: list[FinalSave] = []
         self.num_draft_tokens = 0  # drafts verified so far (speculative decoding), and accepted
         self.num_accepted_tokens = 0
         self.drafts_per_position = [0] * num_spec_tokens  # drafts verified at position i of a row
@@ -201,10 +218,17 @@ class Scheduler:
         return SchedulerOutput(rows, preempted, finished, restores, saves)
 
     # ---- prefix caching --------------------------------------------------------------------
-    def _hashes(self, req: Request) -> list[int]:
+    def _hashes(self, req: Request, pages: int = 0) -> list[int]:
+        """The chained hashes of the prompt's full pages, extended over the output tokens to at
+        least `pages` pages."""
+        bs = self.blocks.block_size
         if req.block_hashes is None:
-            req.block_hashes = prompt_hashes(req.prompt_token_ids, self.blocks.block_size)
-        return req.block_hashes
+            req.block_hashes = prompt_hashes(req.prompt_token_ids, bs)
+        h = req.block_hashes
+        while len(h) < pages:
+            j = len(h)
+            h.append(block_hash(h[-1] if j else ROOT_HASH, req.token_ids(j * bs, (j + 1) * bs)))
+        return h
 
     def _lookup(self, req: Request) -> PrefixHit | None:
         """The cached prefix a waiting request can start from (none for prompt logprobs, which
@@ -249,18 +273,51 @@ class Scheduler:
         return p - 1 if self.prefix.mtp else None
 
     def _register(self, req: Request, toks: list[int] = ()) -> None:
-        """Full prompt pages whose KV is now computed become cached blocks, each with the token
-        after it (`toks`: tokens just sampled, not yet appended)."""
+        """Full pages whose KV is now computed become cached blocks, each with the token after it
+        (`toks`: tokens just sampled, not yet appended): the prompt's and the reply's (only the
+        prompt's with MTP, module docstring)."""
         if self.prefix is None:
             return
-        bs, plen = self.blocks.block_size, len(req.prompt_token_ids)
-        full = min(req.num_computed_tokens, plen) // bs
-        hashes = self._hashes(req)
+        bs, plen, done = self.blocks.block_size, len(req.prompt_token_ids), req.num_computed_tokens
+        full = (min(done, plen) if self.mtp else done) // bs
+        hashes = self._hashes(req, full)
         for j in range(req.num_registered, full):
             e = (j + 1) * bs
             after = req.prompt_token_ids[e] if e < plen else (req.output_token_ids + list(toks))[e - plen]
             self.blocks.register(req.block_ids[j], hashes[j], after)
         req.num_registered = max(req.num_registered, full)
+
+    def _keep_final(self, req: Request) -> None:
+        """A request about to finish after a step: reserve a snapshot of its GDN state at
+        num_computed_tokens (the state after its last computed token) and keep its slot and
+        partial page out of the release until `take_final`'s copy ran. Not for a request whose
+        prompt state came from another node (a decode node needs no snapshots), nor with MTP."""
+        c, bs = req.num_computed_tokens, self.blocks.block_size
+        if self.prefix is None or self.mtp or req.received or req.status is not Status.RUNNING or c == 0:
+            return
+        hashes = self._hashes(req, c // bs)
+        parent, tail = self.prefix.key_for(req.prompt_token_ids + req.output_token_ids, hashes, c)
+        s = self.prefix.reserve(parent, tail, c)
+        if s is None:
+            return
+        page = req.block_ids.pop(c // bs) if c % bs else None  # private: shared pages are full ones
+        self._final.append(FinalSave(s, SnapshotCopy(s.index, req.slot, page)))
+        req.slot = None
+
+    def take_final(self) -> list[FinalSave]:
+        """The final-state snapshots to copy now (`SnapshotCopy`s with offset None, no rows); hand
+        them back with `end_final`."""
+        out, self._final = self._final, []
+        return out
+
+    def end_final(self, saves: list[FinalSave], ran: bool) -> None:
+        """The copy ran (the snapshots are usable) or failed (their entries are free again); the
+        slots and pages go back either way."""
+        for f in saves:
+            (self.prefix.commit if ran else self.prefix.discard)(f.snapshot)
+            self.slots.free(f.copy.slot)
+            if f.copy.page is not None:
+                self.blocks.free([f.copy.page])
 
     def _lookahead(self, req: Request, n: int, num_drafts: int, depth: int) -> None:
         """With MTP, a row that samples also takes pages, while free ones remain, for the positions
@@ -378,6 +435,10 @@ class Scheduler:
         req.num_registered = req.num_cached_blocks = len(shared)
         req.slot = self.slots.allocate()
         req.status = Status.RESERVED
+        req.received = True
+        if self.prefix is not None:  # the shared pages are hits: the transfer skips them
+            self.prefix.stats.query_tokens += len(req.prompt_token_ids)
+            self.prefix.stats.hit_tokens += len(shared) * self.blocks.block_size
         return True
 
     def _cached_pages(self, req: Request) -> list[int]:
@@ -484,8 +545,10 @@ class Scheduler:
         for tok in toks:
             req.output_token_ids.append(tok)
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
+                self._keep_final(req)
                 self.finish(req, "stop")
                 return
             if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                self._keep_final(req)
                 self.finish(req, "length")
                 return

@@ -128,7 +128,8 @@ class Worker:
         self.sampler.drop(step.finished_ids)
         if self.drafter is not None:
             self.drafter.drop(step.finished_ids)
-        if not step.rows:
+        if not step.rows:  # at most snapshots of finished requests' final state to save
+            self.pools.snapshots.save(self.pools, step.saves)
             return StepOutput({}) if self.rank == 0 else None
         batch = self.build_batch(step)
         self.pools.snapshots.restore(self.pools, step.restores)  # prefix hits start from their snapshot

@@ -52,3 +52,20 @@ def test_cached_prefixes_give_the_same_tokens(ckpt_hv2, refs):
     for (p, n), a, b, ref in zip(LATER, on, off, refs):
         assert a.num_cached_tokens == n and b.num_cached_tokens == 0
         assert a.output_token_ids == b.output_token_ids == ref, f"{len(p)}-token prompt, {n} cached"
+
+
+def test_next_turn_resumes_past_the_reply(ckpt_hv2):
+    """Turn 2 = turn 1's prompt + its 12 generated tokens + a new message: the engine resumes at
+    turn 1's final state (prompt + 11 tokens: the last one has no KV yet), shares the reply's full
+    pages, and gives transformers' greedy tokens; nothing is held afterwards."""
+    turn1 = BASE[:37]
+    with LLM(ckpt_hv2, dtype="float32", prefix_snapshot_interval=32) as llm:
+        r1 = llm.generate(prompt_token_ids=[turn1], sampling_params=GREEDY)[0]
+        turn2 = turn1 + r1.output_token_ids + _rand(6, 7)
+        r2 = llm.generate(prompt_token_ids=[turn2], sampling_params=GREEDY)[0]
+        e = llm.engine
+        assert (e.blocks.num_free, e.slots.num_free) == (llm.capacity().num_blocks, llm.capacity().num_state_slots)
+        assert not e.blocks.ref and all(s.ref == 0 for s in e.prefix._by_key.values())
+    assert r1.num_cached_tokens == 0 and r2.num_cached_tokens == len(turn1) + 12 - 1
+    assert r1.output_token_ids == hc.hf_greedy(ckpt_hv2, turn1, 12)
+    assert r2.output_token_ids == hc.hf_greedy(ckpt_hv2, turn2, 12)

@@ -1,5 +1,6 @@
 """Prefix caching bookkeeping: exact page ids, reference counts, free counts and snapshot entries
-after a miss, a hit, eviction, abort, preemption and the release of held memory.
+after a miss, a hit, eviction, abort, preemption, the release of held memory, and a finished
+request's reply pages and final-state snapshot (a conversation's next turn).
 
 The scheduler runs with a stand-in for the model (every sampling row gets token 7), so the
 expected values below are worked out by hand from the rules in engine/cache/prefix.py."""
@@ -12,7 +13,7 @@ import pytest
 
 from engine.cache.block_manager import BlockManager, SlotPool
 from engine.cache.prefix import ROOT_HASH, PrefixCache, block_hash
-from engine.config import EngineArgs, SchedulerConfig
+from engine.config import EngineArgs, SchedulerConfig, SpeculativeConfig
 from engine.options import add_options, options, to_argv, values
 from engine.request import Request, Status
 from engine.sampling_params import SamplingParams
@@ -22,7 +23,7 @@ from engine.step import SnapshotCopy
 PROMPT = list(range(1, 11))  # 10 tokens: pages [1..4] [5..8], then a partial page [9, 10]
 
 
-def make(num_blocks=8, snaps=3):
+def make(num_blocks=8, snaps=4):
     blocks = BlockManager(num_blocks, 4)
     slots = SlotPool(2)
     prefix = PrefixCache(blocks, snaps, interval=4)
@@ -37,13 +38,15 @@ def req(rid, prompt, max_tokens=2, prefill_only=False):
 def step(sched):
     out = sched.schedule()
     sched.update(out, {r.request.request_id: [7] for r in out.rows if r.samples}, ())
+    sched.end_final(sched.take_final(), ran=True)  # EngineCore copies finished requests' final state
     return out
 
 
 def run_first(sched):
     """Request a: prompt PROMPT, 2 new tokens. The prompt runs in one chunk [0, 10) that saves the
     snapshots on the grid (every 4 tokens) inside it from the forward (offsets 4, 8) and the one at
-    the prompt's end from the slot after it, then one decode step."""
+    the prompt's end from the slot after it, then one decode step, after which the final state
+    (11 tokens: the last sampled one has no KV) is saved into entry 3."""
     a = req("a", PROMPT)
     sched.add(a)
     out = step(sched)
@@ -65,7 +68,7 @@ def test_miss_then_hit_shares_pages_and_copies_the_partial_page():
     run_first(sched)
     # pages 0 and 1 are cached (full prompt pages), page 2 is not; none is in use
     assert blocks.cached == {H0: 0, H1: 1} and blocks.ref == {} and blocks.num_free == 8
-    assert prefix.num_used == 3 and prefix.stats.saved == 3
+    assert prefix.num_used == 4 and prefix.stats.saved == 4
 
     b = req("b", PROMPT + [20, 21], max_tokens=1)
     sched.add(b)
@@ -87,7 +90,7 @@ def test_miss_then_hit_shares_pages_and_copies_the_partial_page():
 
 
 def test_hit_is_trimmed_to_the_last_snapshot_and_the_pages_still_cached():
-    sched, blocks, slots, prefix = make(snaps=4)
+    sched, blocks, slots, prefix = make(snaps=5)
     run_first(sched)
     # between snapshots: 9 shared tokens resume at the grid snapshot 8
     c = req("c", PROMPT[:9] + [30, 31])
@@ -163,3 +166,113 @@ def test_prefix_caching_flag_is_generated_from_the_option():
     got = values(opts, parser.parse_args(["--no-prefix-caching", "--prefix-snapshot-interval", "64"]))
     assert got["enable_prefix_caching"] is False and got["prefix_snapshot_interval"] == 64
     assert values(opts, parser.parse_args([]))["enable_prefix_caching"] is True
+
+
+# ---- reply pages and final-state snapshots (a conversation's next turn) ----------------------
+H2 = block_hash(H1, [9, 10, 7, 7])  # PROMPT's partial page completed by the reply's first tokens
+
+
+def test_finished_reply_pages_and_final_state_serve_the_next_turn():
+    """a: PROMPT + 4 tokens [7, 7, 7, 7]; 13 computed (the last token has no KV): pages 0-2 full and
+    cached, the final state at 13 saved with page 3 (positions 12..) held until the copy ran."""
+    sched, blocks, slots, prefix = make(snaps=5)
+    a = req("a", PROMPT, max_tokens=4)
+    sched.add(a)
+    for _ in range(3):
+        step(sched)
+    out = sched.schedule()
+    sched.update(out, {"a": [7]}, ())
+    assert a.status is Status.FINISHED and a.output_token_ids == [7] * 4
+    assert blocks.cached == {H0: 0, H1: 1, H2: 2}
+    assert blocks.ref == {3: 1} and slots.num_free == 1  # held for the copy, not yet free
+    final = sched.take_final()
+    assert [f.copy for f in final] == [SnapshotCopy(3, 0, 3)] and final[0].snapshot.num_tokens == 13
+    sched.end_final(final, ran=True)
+    assert blocks.ref == {} and blocks.num_free == 8 and slots.num_free == 2 and prefix.stats.saved == 4
+
+    # turn 2 = turn 1's prompt + reply + new tokens: resumes at 13, past the reply
+    b = req("b", PROMPT + [7] * 4 + [80, 81], max_tokens=1)
+    sched.add(b)
+    out = sched.schedule()
+    assert b.num_cached_tokens == 13 and b.block_ids[:3] == [0, 1, 2] and [r.num_new_tokens for r in out.rows] == [3]
+    assert [c for _, c in out.restores] == [SnapshotCopy(3, b.slot, b.block_ids[3])]
+    sched.update(out, {"b": [7]}, ())
+    sched.end_final(sched.take_final(), ran=True)
+    assert blocks.ref == {} and blocks.num_free == 8 and slots.num_free == 2
+    assert all(s.ref == 0 for s in prefix._by_key.values())
+
+
+def test_final_copy_that_fails_frees_its_entry_and_memory():
+    sched, blocks, slots, prefix = make(snaps=5)
+    a = req("a", PROMPT, max_tokens=4)
+    sched.add(a)
+    for _ in range(3):
+        step(sched)
+    out = sched.schedule()
+    sched.update(out, {"a": [7]}, ())
+    final = sched.take_final()
+    sched.end_final(final, ran=False)
+    assert blocks.ref == {} and blocks.num_free == 8 and slots.num_free == 2
+    assert prefix.num_used == 3 and not final[0].snapshot.ready  # only the prompt's three
+
+
+@pytest.mark.parametrize("how", ["abort", "preempt"])
+def test_request_stopped_mid_decode_registers_only_what_it_wrote(how):
+    """a decodes 3 tokens (13 tokens computed, the 14th sampled): pages 0-2 are cached, page 3
+    (positions 12, 13: 13 not written) is not, no final snapshot, nothing held."""
+    sched, blocks, slots, prefix = make(snaps=5)
+    a = req("a", PROMPT, max_tokens=8)
+    sched.add(a)
+    for _ in range(4):
+        step(sched)
+    assert a.num_computed_tokens == 13 and len(a.output_token_ids) == 4
+    if how == "abort":
+        sched.finish(a, "abort")
+    else:
+        sched._preempt(a)
+    assert sched.take_final() == []
+    assert blocks.cached == {H0: 0, H1: 1, H2: 2} and blocks.ref == {} and blocks.num_free == 8
+    assert slots.num_free == 2 and prefix.num_used == 3
+    if how == "preempt":  # back from the cache: the prompt-end snapshot, then the rest recomputed
+        while a.status is not Status.FINISHED:
+            step(sched)
+        assert a.num_cached_tokens == 0 and len(a.output_token_ids) == 8
+        assert blocks.ref == {} and blocks.num_free == 8 and slots.num_free == 2
+
+
+def test_rejected_drafts_never_reach_a_registered_page():
+    """n-gram drafting: every row carries 3 drafts (99) the stand-in model rejects, so KV slots
+    past num_computed_tokens hold drafts; only pages fully below it are cached, under the hashes
+    of the verified tokens."""
+    blocks, slots = BlockManager(8, 4), SlotPool(2)
+    prefix = PrefixCache(blocks, 4, interval=4)
+    spec = SpeculativeConfig(num_tokens=3)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), blocks, slots, 1000,
+                      3, lambda toks, k: [99] * k, spec, prefix)  # fmt: skip
+    a = req("a", PROMPT, max_tokens=5)
+    sched.add(a)
+    step(sched)
+    out = step(sched)
+    assert out.rows[0].draft_token_ids == [99, 99, 99]  # positions 11..13 hold drafts' KV
+    assert a.num_computed_tokens == 11 and blocks.cached == {H0: 0, H1: 1}
+    step(sched)  # 12 computed: page 2 = [9, 10, 7, 7] is verified
+    assert blocks.cached == {H0: 0, H1: 1, H2: 2}
+
+
+def test_decode_side_reserve_shares_reply_pages_and_counts_them_as_hits():
+    """A decode node: turn 1 arrives by transfer and decodes 4 tokens; its reply pages are cached
+    (no snapshot: the GDN state always travels). Turn 2's reservation shares pages 0-2, counted
+    as 12 hit tokens."""
+    sched, blocks, slots, prefix = make(snaps=5)
+    a = req("a", PROMPT, max_tokens=4)
+    assert sched.reserve(a) and a.num_cached_blocks == 0
+    sched.activate(a, 7, ())
+    while a.status is not Status.FINISHED:
+        step(sched)
+    assert blocks.cached == {H0: 0, H1: 1, H2: 2} and prefix.num_used == 0
+    assert blocks.ref == {} and blocks.num_free == 8 and slots.num_free == 2
+    b = req("b", PROMPT + [7] * 4 + [80, 81])
+    assert sched.reserve(b) and b.num_cached_blocks == 3 and b.block_ids[:3] == [0, 1, 2]
+    assert (prefix.stats.query_tokens, prefix.stats.hit_tokens) == (10 + 16, 12)
+    sched.finish(b, "abort")
+    assert blocks.ref == {} and blocks.num_free == 8 and slots.num_free == 2

@@ -1,7 +1,8 @@
 """Prefix snapshots without slowing prefill: a prompt longer than two snapshot intervals runs in
 one step, and the snapshots it leaves (grid positions inside the chunk, written by the GDN
 layers during the forward, and the prompt's end) equal those of a run whose chunks are one
-interval long (each saved from the slot after its step). The kernels' states at inner positions
+interval long (each saved from the slot after its step), and so does the final state's (103 tokens:
+the prompt and 3 of the 4 generated ones, saved when the request finishes). The kernels' states at inner positions
 are checked against the naive per-token loops in tests/kernels/test_state_points.py."""
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def test_one_step_prefill_saves_the_same_snapshots_as_interval_chunks(ckpt_hv2):
     ref_chunks, ref_toks, ref = _run(ckpt_hv2, INTERVAL)
     assert chunks[0] == [100] and len(chunks) == 4  # the whole prompt in one step, then 3 decode steps
     assert ref_chunks[:5] == [[24]] * 4 + [[4]]
-    assert sorted(snaps) == sorted(ref) == [24, 48, 72, 96, 100]
+    assert sorted(snaps) == sorted(ref) == [24, 48, 72, 96, 100, 103]
     assert toks == ref_toks
     for n in snaps:
         (conv, rec, tail), (rconv, rrec, rtail) = snaps[n], ref[n]
@@ -57,8 +58,8 @@ def test_a_failed_step_gives_back_its_snapshot_pins(ckpt_hv2):
     request still resumes from the restored snapshot."""
     with LLM(ckpt_hv2, dtype="float32", prefix_snapshot_interval=INTERVAL) as llm:
         e = llm.engine
-        llm.generate(prompt_token_ids=[PROMPT[:50]], sampling_params=GREEDY)  # snapshots at 24, 48, 50
-        assert e.prefix.num_used == 3
+        llm.generate(prompt_token_ids=[PROMPT[:50]], sampling_params=GREEDY)  # snapshots at 24, 48, 50, 53
+        assert e.prefix.num_used == 4
         seen, real = [], e.executor.execute
 
         def failing(step):
@@ -72,8 +73,8 @@ def test_a_failed_step_gives_back_its_snapshot_pins(ckpt_hv2):
         at50 = next(s.index for s in e.prefix._by_key.values() if s.num_tokens == 50)
         assert seen == [([at50], [22, 46, None])]  # resumes at 50; saves 72, 96 inside the chunk, 100 at its end
         e.abort(rid)
-        assert all(s.ref == 0 for s in e.prefix._by_key.values()) and e.prefix.num_used == 3
-        assert sorted(s.num_tokens for s in e.prefix._by_key.values()) == [24, 48, 50]
+        assert all(s.ref == 0 for s in e.prefix._by_key.values()) and e.prefix.num_used == 4
+        assert sorted(s.num_tokens for s in e.prefix._by_key.values()) == [24, 48, 50, 53]
         assert e.blocks.num_free == llm.capacity().num_blocks and not e.blocks.ref
         e.executor.execute = real
         out = llm.generate(prompt_token_ids=[PROMPT], sampling_params=GREEDY)[0]

@@ -91,6 +91,34 @@ def test_trimmed_to_the_last_snapshot():
     assert nc.usable(q, compute=True) == 8
 
 
+def test_a_finished_reply_is_seen_in_the_digest():
+    """A node's scheduler (a stand-in model that samples token 7) runs turn 1 to the end; the
+    digest names its reply pages and its final-state snapshot, and the router finds in it the
+    same usable prefix of turn 2 as the engine: 33 tokens computing (30 + 4 - 1, the last token
+    has no KV), 32 receiving (8 full pages)."""
+    from engine.cache.block_manager import SlotPool
+    from engine.config import SchedulerConfig
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import Scheduler
+
+    bm = BlockManager(64, BS)
+    pc = PrefixCache(bm, num_snapshots=8, interval=8)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), bm, SlotPool(2), 1000, prefix=pc)
+    r = Request("t1", list(BASE), SamplingParams(max_tokens=4, ignore_eos=True))
+    sched.add(r)
+    while sched.has_unfinished():
+        out = sched.schedule()
+        sched.update(out, {row.request.request_id: [7] for row in out.rows if row.samples}, ())
+        sched.end_final(sched.take_final(), ran=True)
+    turn2 = BASE + [7] * 4 + [1, 2, 3]
+    nc = NodeCache()
+    nc.update(_digest(pc))
+    q = PrefixQuery(turn2)
+    assert nc.usable(q, compute=True) == _engine_usable(pc, turn2) == len(BASE) + 3
+    assert nc.usable(q, compute=False) == _engine_pages(pc, turn2) == (len(BASE) + 3) // BS * BS
+
+
 def test_remembered_placement_counts_until_it_expires():
     """A prompt placed on a node counts as cached there before its digest says so."""
     nc = NodeCache()

@@ -243,10 +243,11 @@ def state_bytes(model: str, block_size: int = BLOCK) -> tuple[int, int]:
     return full * 2 * t.num_key_value_heads * block_size * t.head_dim * 4, gdn * (conv + hv * dk * dv) * 4
 
 
-def check_decode_prefix_reuse(model: str, address: str, new: int = 4, block_size: int = BLOCK) -> None:
+def check_decode_prefix_reuse(model: str, address: str, new: int = NEW, block_size: int = BLOCK) -> tuple[list, list]:
     """A two-turn conversation on a cluster with one decode node: both turns give transformers'
-    greedy tokens, and the second moves only the pages after the first turn's full prompt pages
-    (the decode node holds those in its prefix cache) and the GDN state."""
+    greedy tokens, and the second moves only the pages after the first turn's full pages of prompt
+    and reply (the decode node holds those in its prefix cache: every position it computed, the
+    reply's last token excepted) and the GDN state. Returns the two prompts."""
     import hybrid_ckpt as hc
 
     from client import Client
@@ -262,5 +263,6 @@ def check_decode_prefix_reuse(model: str, address: str, new: int = 4, block_size
     assert r2.token_ids == hc.hf_greedy(model, turn2, new)
     assert r1.prefill_node == r2.prefill_node == "prefill-0"
     assert r1.transfer_bytes == -(-len(turn1) // block_size) * page + state  # nothing cached yet
-    fresh = -(-len(turn2) // block_size) - len(turn1) // block_size
+    fresh = -(-len(turn2) // block_size) - (len(turn1) + new - 1) // block_size
     assert r2.transfer_bytes == fresh * page + state, f"{fresh} new pages of {page} B and {state} B of GDN state"
+    return turn1, turn2

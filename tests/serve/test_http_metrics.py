@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from serve_harness import BLOCK, Up, check_decode_prefix_reuse, log_url, nodes, scrape, wait_for
+from serve_harness import BLOCK, NEW, Up, check_decode_prefix_reuse, log_url, nodes, scrape, wait_for
 
 PROMPT = "Hello world! How are you"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
@@ -233,6 +233,17 @@ def test_prefix_cache_hits_reach_sdk_usage_and_metrics(up, sdk, oai):
 
 
 def test_second_turn_moves_only_its_new_pages(up, ckpt):
-    """TP 1 -> 1: the decode node holds the first turn's prompt pages; the second turn's transfer
-    skips them and both turns give transformers' greedy tokens."""
-    check_decode_prefix_reuse(ckpt, up.address)
+    """TP 1 -> 1: the decode node holds the first turn's prompt and reply pages; the second turn's
+    transfer skips them, both turns give transformers' greedy tokens, and the decode node's
+    metrics count the skipped pages as prefix-cache hits."""
+    url = log_url(up, r"decode node decode-0 metrics at (http://\S+/metrics)")
+    before = scrape(url)
+    turn1, turn2 = check_decode_prefix_reuse(ckpt, up.address)
+    after = scrape(url)
+
+    def moved(name: str) -> float:
+        return after[(f"pdserve_decode_{name}", ())] - before.get((f"pdserve_decode_{name}", ()), 0.0)
+
+    held = (len(turn1) + NEW - 1) // BLOCK * BLOCK  # turn 1's full pages of computed tokens
+    assert moved("prefix_hit_tokens_total") == held
+    assert moved("prefix_miss_tokens_total") == len(turn1) + len(turn2) - held
