@@ -172,16 +172,21 @@ def test_prefix_caching_flag_is_generated_from_the_option():
 H2 = block_hash(H1, [9, 10, 7, 7])  # PROMPT's partial page completed by the reply's first tokens
 
 
-def test_finished_reply_pages_and_final_state_serve_the_next_turn():
-    """a: PROMPT + 4 tokens [7, 7, 7, 7]; 13 computed (the last token has no KV): pages 0-2 full and
-    cached, the final state at 13 saved with page 3 (positions 12..) held until the copy ran."""
-    sched, blocks, slots, prefix = make(snaps=5)
+def _finish_a(sched):
+    """Request a (PROMPT, 4 tokens of 7) run to its end."""
     a = req("a", PROMPT, max_tokens=4)
     sched.add(a)
     for _ in range(3):
         step(sched)
-    out = sched.schedule()
-    sched.update(out, {"a": [7]}, ())
+    sched.update(sched.schedule(), {"a": [7]}, ())
+    return a
+
+
+def test_finished_reply_pages_and_final_state_serve_the_next_turn():
+    """a: PROMPT + 4 tokens [7, 7, 7, 7]; 13 computed (the last token has no KV): pages 0-2 full and
+    cached, the final state at 13 saved with page 3 (positions 12..) held until the copy ran."""
+    sched, blocks, slots, prefix = make(snaps=5)
+    a = _finish_a(sched)
     assert a.status is Status.FINISHED and a.output_token_ids == [7] * 4
     assert blocks.cached == {H0: 0, H1: 1, H2: 2}
     assert blocks.ref == {3: 1} and slots.num_free == 1  # held for the copy, not yet free
@@ -204,12 +209,7 @@ def test_finished_reply_pages_and_final_state_serve_the_next_turn():
 
 def test_final_copy_that_fails_frees_its_entry_and_memory():
     sched, blocks, slots, prefix = make(snaps=5)
-    a = req("a", PROMPT, max_tokens=4)
-    sched.add(a)
-    for _ in range(3):
-        step(sched)
-    out = sched.schedule()
-    sched.update(out, {"a": [7]}, ())
+    _finish_a(sched)
     final = sched.take_final()
     sched.end_final(final, ran=False)
     assert blocks.ref == {} and blocks.num_free == 8 and slots.num_free == 2
