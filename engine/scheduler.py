@@ -545,10 +545,11 @@ class Scheduler:
         for tok in toks:
             req.output_token_ids.append(tok)
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
-                self._keep_final(req)
-                self.finish(req, "stop")
-                return
-            if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-                self._keep_final(req)
-                self.finish(req, "length")
-                return
+                reason = "stop"
+            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                reason = "length"
+            else:
+                continue
+            self._keep_final(req)
+            self.finish(req, reason)
+            return

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.prefix_hash import ROOT_HASH, block_hash, prefix_key, short
+from engine.prefix_hash import ROOT_HASH, prefix_key, prompt_hashes, short
 
 RECENT_MAX = 16384  # names remembered per node (oldest dropped first)
 
@@ -38,11 +38,7 @@ class PrefixQuery:
 
     def full_hashes(self, bs: int) -> list[int]:
         if bs not in self._full:
-            out, parent = [], ROOT_HASH
-            for j in range(self.prompt_len // bs):
-                parent = block_hash(parent, self.ids[j * bs : (j + 1) * bs])
-                out.append(parent)
-            self._full[bs] = out
+            self._full[bs] = prompt_hashes(self.ids, bs)
         return self._full[bs]
 
     def pages(self, bs: int) -> list[int]:
