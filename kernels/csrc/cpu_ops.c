@@ -932,3 +932,69 @@ void silu_mul_f32(int64_t M, int64_t I, const float *gu, int64_t ld, float *out,
     struct silu_mul_job job = {M, I, ld, gu, out};
     pool_run(silu_mul_run, &job, (M + 63) / 64, nthreads);
 }
+
+/* ======================================================================================
+ * A whole float32 decode step through the decoder layers, one token per row: per layer the
+ * ops above in the order engine/model/qwen3_5.py run_layer calls them one by one from Python
+ *     h = norm(x);  mix = gdn_decode / attn_decode(h @ w_in^T);  x = x + mix @ w_out^T;
+ *     h = norm(x);  x = x + silu_mul(h @ w_gu^T) @ w_down^T
+ * with the same thread splits, so its result is the same to the bit; it only saves the
+ * Python between them. PyTorch reference: engine/model/layers.py (the per-op path).
+ * Dense MLPs, one tensor-parallel rank, float32 packed weights (pack_f32) only.
+ * ====================================================================================== */
+
+struct dec_layer {
+    int64_t attn; /* 0: GDN, 1: gated attention */
+    const float *in_norm, *post_norm; /* [H] (1 + w) */
+    const float *w_in, *w_out, *w_gu, *w_down; /* packed */
+    int64_t n_in, k_out, n_gu; /* w_in's outputs; w_out's inputs; w_gu's outputs (2I) */
+    float eps; /* the mixer's norms */
+    /* GDN */
+    int64_t hk, hv, dk, dv, kc;
+    const float *conv_w, *neg_A, *dt_bias, *norm_w;
+    float *conv_pool, *rec_pool;
+    /* attention */
+    int64_t h, kvh, hd, s_blk, s_kv, s_head, s_tok, bs;
+    const float *qk_norm;
+    float *kv;
+    float scale;
+};
+
+struct dec_step {
+    int64_t B, H, rd, nthreads, bt_width, work_stride;
+    float eps; /* the layer norms */
+    float *x; /* [B, H] residual stream, updated in place */
+    const int64_t *gdn_slots, *slot_mapping, *block_tables, *seq_lens;
+    const float *cos, *sin; /* [B, rd] */
+    float *h, *proj, *mix, *gu, *act, *o; /* scratch: [B, H], [B, max n_in], [B, max k_out], [B, max n_gu],
+                                             [B, max n_gu / 2], [B, H] */
+    float *work; /* nthreads * work_stride floats */
+};
+
+static void dec_gemm(const struct dec_step *s, const float *x, const float *wp, float *y, int64_t N, int64_t K) {
+    gemm_f32(s->B, N, K, x, wp, y, s->B * N * K >= (1 << 18) ? s->nthreads : 1); /* engine/model/linear.py */
+}
+
+void decode_layers_f32(int64_t L, const struct dec_layer *layers, const struct dec_step *s) {
+    const int64_t B = s->B, H = s->H, rows_nt = B < s->nthreads ? B : s->nthreads; /* cpu_ops.threads(B) */
+    for (int64_t l = 0; l < L; l++) {
+        const struct dec_layer *y = layers + l;
+        add_rms_norm(0, B, H, s->x, NULL, s->x, y->in_norm, s->eps, s->h, s->work, 0);
+        dec_gemm(s, s->h, y->w_in, s->proj, y->n_in, H);
+        if (y->attn)
+            attn_decode(B, y->h, y->kvh, y->hd, s->rd, s->proj, y->n_in, y->qk_norm, y->eps, s->cos, s->sin, y->kv,
+                        y->s_blk, y->s_kv, y->s_head, y->s_tok, y->bs, s->slot_mapping, s->block_tables,
+                        s->bt_width, s->seq_lens, y->scale, s->mix, s->work, s->work_stride, 0, rows_nt, NULL, B);
+        else
+            gdn_decode_mt(B, y->hk, y->hv, y->dk, y->dv, y->kc, s->proj, y->n_in, y->conv_w, y->conv_pool,
+                          y->rec_pool, s->gdn_slots, y->neg_A, y->dt_bias, y->norm_w, y->eps, s->mix, s->work,
+                          s->work_stride, 0, rows_nt);
+        dec_gemm(s, s->mix, y->w_out, s->o, H, y->k_out);
+        add_rms_norm(0, B, H, s->x, s->o, s->x, y->post_norm, s->eps, s->h, s->work, 0);
+        dec_gemm(s, s->h, y->w_gu, s->gu, y->n_gu, H);
+        const int64_t I = y->n_gu / 2;
+        silu_mul_f32(B, I, s->gu, y->n_gu, s->act, B * y->n_gu >= (1 << 16) ? s->nthreads : 1);
+        dec_gemm(s, s->act, y->w_down, s->o, H, I);
+        for (int64_t i = 0; i < B * H; i++) s->x[i] += s->o[i];
+    }
+}
