@@ -247,6 +247,49 @@ static void pool_run(chunk_fn fn, void *ctx, int64_t n, int64_t nthreads) {
  * unrolled); conv_done: the caller has put the conv output (before silu) in work[0..D) and
  * updated the conv state itself (gdn_rows, a whole row's conv at once).
  */
+/* One value head's delta-rule step on its state S [dk, dv] for dv = 8 * nv (32 or 64), the
+ * loops of gdn_decode_rows below with the [dv] accumulators in registers (in memory, each
+ * state row's multiply-add waits for the previous row's store): the same operations in the
+ * same order, so the same result to the bit. o [dv] receives S^T q. */
+static inline __attribute__((always_inline)) void gdn_head(float *S, int64_t dk, const float *q, const float *k,
+                                                           const float *v, float a, float beta, float *o,
+                                                           const int nv) {
+    v8f acc[8] = {{0}}, d[8];
+    const v8f av = {a, a, a, a, a, a, a, a};
+    for (int64_t i = 0; i < dk; i++) { /* decay, and S^T k */
+        float *Si = S + i * 8 * nv;
+        const float ki = k[i];
+        const v8f kb = {ki, ki, ki, ki, ki, ki, ki, ki};
+        for (int r = 0; r < nv; r++) {
+            v8f x;
+            memcpy(&x, Si + 8 * r, 32);
+            x *= av;
+            memcpy(Si + 8 * r, &x, 32);
+            acc[r] += x * kb;
+        }
+    }
+    const v8f bv = {beta, beta, beta, beta, beta, beta, beta, beta};
+    for (int r = 0; r < nv; r++) {
+        v8f x;
+        memcpy(&x, v + 8 * r, 32);
+        d[r] = (x - acc[r]) * bv;
+        acc[r] = (v8f){0};
+    }
+    for (int64_t i = 0; i < dk; i++) { /* the rank-one write, and S^T q */
+        float *Si = S + i * 8 * nv;
+        const float ki = k[i], qi = q[i];
+        const v8f kb = {ki, ki, ki, ki, ki, ki, ki, ki}, qb = {qi, qi, qi, qi, qi, qi, qi, qi};
+        for (int r = 0; r < nv; r++) {
+            v8f x;
+            memcpy(&x, Si + 8 * r, 32);
+            x += kb * d[r];
+            memcpy(Si + 8 * r, &x, 32);
+            acc[r] += x * qb;
+        }
+    }
+    memcpy(o, acc, nv * 32);
+}
+
 static inline __attribute__((always_inline)) void
 gdn_decode_rows(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc,
                 const void *proj, int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool,
@@ -290,6 +333,9 @@ gdn_decode_rows(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int6
             float *S = rec_pool + (s * Hv + h) * dk * dv;
             float kv[dv], o[dv];
             const float a = gate[h];
+            if (dv == 32) gdn_head(S, dk, q, k, v, a, beta[h], o, 4);
+            else if (dv == 64) gdn_head(S, dk, q, k, v, a, beta[h], o, 8);
+            else {
             for (int64_t j = 0; j < dv; j++) kv[j] = 0.0f;
             for (int64_t i = 0; i < dk; i++) {
                 float *Si = S + i * dv;
@@ -300,6 +346,7 @@ gdn_decode_rows(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int6
                 float *Si = S + i * dv;
                 const float ki = k[i], qi = q[i];
                 for (int64_t j = 0; j < dv; j++) { Si[j] += ki * kv[j]; o[j] += Si[j] * qi; }
+            }
             }
             /* gated RMS norm: rnd(rnd(rnd(o) * rsqrt(mean + eps)) * w) * silu(z) */
             float ss = 0.0f;
