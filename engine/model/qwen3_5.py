@@ -14,11 +14,13 @@ import torch.nn.functional as F
 from engine.cache.allocator import CachePools
 from engine.config import ModelConfig
 from engine.model.batch import ForwardBatch
+from engine.model.fused_decode import fused_decode
 from engine.model.layers import MLP, AllReduce, Attention, AttentionWeights, GatedDeltaNet, GDNWeights, MLPWeights
 from engine.model.linear import Linear
 from engine.model.moe import MoEWeights, SparseMoE
 from engine.model.rotary import Rotary
 from kernels import add_rms_norm, rms_norm
+from kernels.cpu_decode import DecodeLayers
 
 
 @dataclass
@@ -79,6 +81,17 @@ class Qwen35Model:
             build_layer(cfg, i, kind, weights["layers"][i], tp, all_reduce) for i, kind in enumerate(cfg.layer_types)
         ]
         self.final_norm = 1.0 + weights["norm"].float()  # norms store (1 + w), precomputed
+        self.tp = tp
+        self._fused: tuple[CachePools, DecodeLayers | None] | None = None  # (pools, its C decode layers)
+
+    def _fused_decode(self, batch: ForwardBatch, pools: CachePools, want_hidden: bool) -> DecodeLayers | None:
+        """The one-call C decode (engine/model/fused_decode.py) when this step is one it covers."""
+        dec = batch.decode
+        if batch.prefill is not None or dec is None or dec.max_row_tokens != 1 or want_hidden:
+            return None
+        if self._fused is None or self._fused[0] is not pools:
+            self._fused = (pools, fused_decode(self, pools, self.tp))
+        return self._fused[1]
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pools: CachePools, want_hidden: bool = False):
@@ -86,8 +99,13 @@ class Qwen35Model:
         final-normed hidden state of every token [T, hidden] (what the MTP block drafts from)."""
         x = F.embedding(batch.input_ids, self.embed)
         cos, sin = self.rotary(batch.positions)
-        for i, layer in enumerate(self.layers):
-            x = run_layer(layer, x, batch, pools, pools.kv.get(i), cos, sin, self.eps)
+        fused = self._fused_decode(batch, pools, want_hidden)
+        if fused is not None:  # every layer in one C call: the same ops as the loop below
+            dec = batch.decode
+            x = fused.run(x, dec.slot_ids, batch.slot_mapping, dec.block_tables, dec.seq_lens, cos, sin)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = run_layer(layer, x, batch, pools, pools.kv.get(i), cos, sin, self.eps)
         if want_hidden:
             h = rms_norm(x, self.final_norm, self.eps, zero_centered=False)
             return self.lm_head(h[batch.logits_indices]).float(), h

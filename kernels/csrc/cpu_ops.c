@@ -247,6 +247,49 @@ static void pool_run(chunk_fn fn, void *ctx, int64_t n, int64_t nthreads) {
  * unrolled); conv_done: the caller has put the conv output (before silu) in work[0..D) and
  * updated the conv state itself (gdn_rows, a whole row's conv at once).
  */
+/* One value head's delta-rule step on its state S [dk, dv] for dv = 8 * nv (32 or 64), the
+ * loops of gdn_decode_rows below with the [dv] accumulators in registers (in memory, each
+ * state row's multiply-add waits for the previous row's store): the same operations in the
+ * same order, so the same result to the bit. o [dv] receives S^T q. */
+static inline __attribute__((always_inline)) void gdn_head(float *S, int64_t dk, const float *q, const float *k,
+                                                           const float *v, float a, float beta, float *o,
+                                                           const int nv) {
+    v8f acc[8] = {{0}}, d[8];
+    const v8f av = {a, a, a, a, a, a, a, a};
+    for (int64_t i = 0; i < dk; i++) { /* decay, and S^T k */
+        float *Si = S + i * 8 * nv;
+        const float ki = k[i];
+        const v8f kb = {ki, ki, ki, ki, ki, ki, ki, ki};
+        for (int r = 0; r < nv; r++) {
+            v8f x;
+            memcpy(&x, Si + 8 * r, 32);
+            x *= av;
+            memcpy(Si + 8 * r, &x, 32);
+            acc[r] += x * kb;
+        }
+    }
+    const v8f bv = {beta, beta, beta, beta, beta, beta, beta, beta};
+    for (int r = 0; r < nv; r++) {
+        v8f x;
+        memcpy(&x, v + 8 * r, 32);
+        d[r] = (x - acc[r]) * bv;
+        acc[r] = (v8f){0};
+    }
+    for (int64_t i = 0; i < dk; i++) { /* the rank-one write, and S^T q */
+        float *Si = S + i * 8 * nv;
+        const float ki = k[i], qi = q[i];
+        const v8f kb = {ki, ki, ki, ki, ki, ki, ki, ki}, qb = {qi, qi, qi, qi, qi, qi, qi, qi};
+        for (int r = 0; r < nv; r++) {
+            v8f x;
+            memcpy(&x, Si + 8 * r, 32);
+            x += kb * d[r];
+            memcpy(Si + 8 * r, &x, 32);
+            acc[r] += x * qb;
+        }
+    }
+    memcpy(o, acc, nv * 32);
+}
+
 static inline __attribute__((always_inline)) void
 gdn_decode_rows(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc,
                 const void *proj, int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool,
@@ -290,6 +333,9 @@ gdn_decode_rows(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int6
             float *S = rec_pool + (s * Hv + h) * dk * dv;
             float kv[dv], o[dv];
             const float a = gate[h];
+            if (dv == 32) gdn_head(S, dk, q, k, v, a, beta[h], o, 4);
+            else if (dv == 64) gdn_head(S, dk, q, k, v, a, beta[h], o, 8);
+            else {
             for (int64_t j = 0; j < dv; j++) kv[j] = 0.0f;
             for (int64_t i = 0; i < dk; i++) {
                 float *Si = S + i * dv;
@@ -300,6 +346,7 @@ gdn_decode_rows(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int6
                 float *Si = S + i * dv;
                 const float ki = k[i], qi = q[i];
                 for (int64_t j = 0; j < dv; j++) { Si[j] += ki * kv[j]; o[j] += Si[j] * qi; }
+            }
             }
             /* gated RMS norm: rnd(rnd(rnd(o) * rsqrt(mean + eps)) * w) * silu(z) */
             float ss = 0.0f;
@@ -459,6 +506,33 @@ static inline float dot_bf16(const float *a, const bf16_t *b, int64_t n) {
     return s;
 }
 
+/* The dots of q with 8 rows of k (row stride ks): out[p] = dot(q, k_p) summed exactly as dot_f32
+ * / dot_bf16 sum one (lanes j % 8, then ((a0+a4)+(a1+a5)) + ((a2+a6)+(a3+a7))), but with 8
+ * independent chains of multiply-adds and the 8 reductions done together by shuffles. hd % 8 == 0. */
+static inline __attribute__((always_inline)) void dot8_rows(const float *q, const void *k, int64_t ks, int64_t hd,
+                                                            float *out, const int bf16) {
+    v8f A[8] = {{0}};
+    for (int64_t j = 0; j < hd; j += 8) {
+        v8f x;
+        memcpy(&x, q + j, 32);
+        for (int p = 0; p < 8; p++) {
+            v8f y;
+            if (bf16) y = ld_bf8((const bf16_t *)k + p * ks + j);
+            else memcpy(&y, (const float *)k + p * ks + j, 32);
+            A[p] += x * y;
+        }
+    }
+    const v8i lo = {0, 1, 2, 3, 8, 9, 10, 11}, hi = {4, 5, 6, 7, 12, 13, 14, 15};
+    const v8i ev = {0, 2, 4, 6, 8, 10, 12, 14}, od = {1, 3, 5, 7, 9, 11, 13, 15};
+    v8f t[4], u[2];
+    for (int p = 0; p < 4; p++) /* [a_l + a_(l+4) of row 2p | of row 2p+1] */
+        t[p] = __builtin_shuffle(A[2 * p], A[2 * p + 1], lo) + __builtin_shuffle(A[2 * p], A[2 * p + 1], hi);
+    for (int p = 0; p < 2; p++) /* [(t0+t1), (t2+t3)] of rows 4p .. 4p+3 */
+        u[p] = __builtin_shuffle(t[2 * p], t[2 * p + 1], ev) + __builtin_shuffle(t[2 * p], t[2 * p + 1], od);
+    const v8f r = __builtin_shuffle(u[0], u[1], ev) + __builtin_shuffle(u[0], u[1], od);
+    memcpy(out, &r, 32);
+}
+
 struct attn_job {
     int64_t b0, b1, H, KVH, hd, rd, ld, bs, s_blk, s_kv, s_head, s_tok, bt_width, work_stride;
     const void *qkv, *cos, *sin;
@@ -470,6 +544,30 @@ struct attn_job {
     int bf16;
     const int64_t *seq_starts; /* NULL, or [nseq+1]: a chunk is one sequence of consecutive rows */
 };
+
+/* acc[0 .. 8*nv) = sum over positions t < n of p[t] * V[t][0 .. 8*nv): the V rows of a sequence's
+ * pages (block table bt) from element offset vp of each page, in position order. */
+static inline __attribute__((always_inline)) void attn_pv(const struct attn_job *a, const int64_t *bt, int64_t n,
+                                                          int64_t vp, const float *p, float *acc, const int nv,
+                                                          const int bf16) {
+    v8f R[8] = {{0}};
+    for (int64_t t0 = 0; t0 < n; t0 += a->bs) {
+        const int64_t m = n - t0 < a->bs ? n - t0 : a->bs;
+        const int64_t o0 = bt[t0 / a->bs] * a->s_blk + vp;
+        for (int64_t t = 0; t < m; t++) {
+            const float pt = p[t0 + t];
+            const v8f pb = {pt, pt, pt, pt, pt, pt, pt, pt};
+            const int64_t o = o0 + t * a->s_tok;
+            for (int r = 0; r < nv; r++) {
+                v8f y;
+                if (bf16) y = ld_bf8((const bf16_t *)a->kv + o + 8 * r);
+                else memcpy(&y, (const float *)a->kv + o + 8 * r, 32);
+                R[r] += pb * y;
+            }
+        }
+    }
+    memcpy(acc, R, nv * 32);
+}
 
 static inline __attribute__((always_inline)) void attn_rows(const struct attn_job *a, const int bf16) {
     const int64_t H = a->H, KVH = a->KVH, hd = a->hd, rd = a->rd, half = rd / 2, nqk = H + KVH, grp = H / KVH;
@@ -511,15 +609,23 @@ static inline __attribute__((always_inline)) void attn_rows(const struct attn_jo
             for (int64_t t0 = 0; t0 < n; t0 += a->bs) { /* page by page: no division per position */
                 const int64_t m = n - t0 < a->bs ? n - t0 : a->bs;
                 const int64_t kp = bt[t0 / a->bs] * a->s_blk + g * a->s_head;
-                for (int64_t t = 0; t < m; t++) {
-                    const int64_t p = kp + t * a->s_tok;
-                    for (int64_t i = 0; i < grp; i++) {
-                        const float *q = qk + (g * grp + i) * hd;
-                        const float s = bf16 ? dot_bf16(q, (const bf16_t *)a->kv + p, hd)
-                                             : dot_f32(q, (const float *)a->kv + p, hd);
-                        float *si = sc + i * n + t0 + t;
-                        *si = s * a->scale;
-                        mx[i] = *si > mx[i] ? *si : mx[i];
+                for (int64_t i = 0; i < grp; i++) {
+                    const float *q = qk + (g * grp + i) * hd;
+                    float *si = sc + i * n + t0;
+                    int64_t t = 0;
+                    if (hd % 8 == 0)
+                        for (; t + 8 <= m; t += 8)
+                            dot8_rows(q, bf16 ? (const void *)((const bf16_t *)a->kv + kp + t * a->s_tok)
+                                              : (const void *)((const float *)a->kv + kp + t * a->s_tok),
+                                      a->s_tok, hd, si + t, bf16);
+                    for (; t < m; t++) {
+                        const int64_t p = kp + t * a->s_tok;
+                        si[t] = bf16 ? dot_bf16(q, (const bf16_t *)a->kv + p, hd)
+                                     : dot_f32(q, (const float *)a->kv + p, hd);
+                    }
+                    for (t = 0; t < m; t++) {
+                        si[t] *= a->scale;
+                        mx[i] = si[t] > mx[i] ? si[t] : mx[i];
                     }
                 }
             }
@@ -528,6 +634,14 @@ static inline __attribute__((always_inline)) void attn_rows(const struct attn_jo
                 sum[i] = 0.0f;
                 for (int64_t t = 0; t < n; t++) sum[i] += sc[i * n + t];
             }
+            if (hd % 8 == 0) { /* per query head, up to 8 vectors of hd in registers over all positions */
+                for (int64_t i = 0; i < grp; i++)
+                    for (int64_t j0 = 0; j0 < hd; j0 += 64) {
+                        const int64_t vp = a->s_kv + g * a->s_head + j0;
+                        if (hd - j0 >= 64) attn_pv(a, bt, n, vp, sc + i * n, acc + i * hd + j0, 8, bf16);
+                        else attn_pv(a, bt, n, vp, sc + i * n, acc + i * hd + j0, (hd - j0) / 8, bf16);
+                    }
+            } else {
             for (int64_t j = 0; j < grp * hd; j++) acc[j] = 0.0f;
             for (int64_t t0 = 0; t0 < n; t0 += a->bs) {
                 const int64_t m = n - t0 < a->bs ? n - t0 : a->bs;
@@ -543,6 +657,7 @@ static inline __attribute__((always_inline)) void attn_rows(const struct attn_jo
                             for (int64_t j = 0; j < hd; j++) ai[j] += p * ((const float *)a->kv)[o + j];
                     }
                 }
+            }
             }
             for (int64_t i = 0; i < grp; i++) {
                 const int64_t h = g * grp + i;
@@ -863,4 +978,70 @@ static void silu_mul_run(void *ctx, int64_t chunk, int64_t tid) {
 void silu_mul_f32(int64_t M, int64_t I, const float *gu, int64_t ld, float *out, int64_t nthreads) {
     struct silu_mul_job job = {M, I, ld, gu, out};
     pool_run(silu_mul_run, &job, (M + 63) / 64, nthreads);
+}
+
+/* ======================================================================================
+ * A whole float32 decode step through the decoder layers, one token per row: per layer the
+ * ops above in the order engine/model/qwen3_5.py run_layer calls them one by one from Python
+ *     h = norm(x);  mix = gdn_decode / attn_decode(h @ w_in^T);  x = x + mix @ w_out^T;
+ *     h = norm(x);  x = x + silu_mul(h @ w_gu^T) @ w_down^T
+ * with the same thread splits, so its result is the same to the bit; it only saves the
+ * Python between them. PyTorch reference: engine/model/layers.py (the per-op path).
+ * Dense MLPs, one tensor-parallel rank, float32 packed weights (pack_f32) only.
+ * ====================================================================================== */
+
+struct dec_layer {
+    int64_t attn; /* 0: GDN, 1: gated attention */
+    const float *in_norm, *post_norm; /* [H] (1 + w) */
+    const float *w_in, *w_out, *w_gu, *w_down; /* packed */
+    int64_t n_in, k_out, n_gu; /* w_in's outputs; w_out's inputs; w_gu's outputs (2I) */
+    float eps; /* the mixer's norms */
+    /* GDN */
+    int64_t hk, hv, dk, dv, kc;
+    const float *conv_w, *neg_A, *dt_bias, *norm_w;
+    float *conv_pool, *rec_pool;
+    /* attention */
+    int64_t h, kvh, hd, s_blk, s_kv, s_head, s_tok, bs;
+    const float *qk_norm;
+    float *kv;
+    float scale;
+};
+
+struct dec_step {
+    int64_t B, H, rd, nthreads, bt_width, work_stride;
+    float eps; /* the layer norms */
+    float *x; /* [B, H] residual stream, updated in place */
+    const int64_t *gdn_slots, *slot_mapping, *block_tables, *seq_lens;
+    const float *cos, *sin; /* [B, rd] */
+    float *h, *proj, *mix, *gu, *act, *o; /* scratch: [B, H], [B, max n_in], [B, max k_out], [B, max n_gu],
+                                             [B, max n_gu / 2], [B, H] */
+    float *work; /* nthreads * work_stride floats */
+};
+
+static void dec_gemm(const struct dec_step *s, const float *x, const float *wp, float *y, int64_t N, int64_t K) {
+    gemm_f32(s->B, N, K, x, wp, y, s->B * N * K >= (1 << 18) ? s->nthreads : 1); /* engine/model/linear.py */
+}
+
+void decode_layers_f32(int64_t L, const struct dec_layer *layers, const struct dec_step *s) {
+    const int64_t B = s->B, H = s->H, rows_nt = B < s->nthreads ? B : s->nthreads; /* cpu_ops.threads(B) */
+    for (int64_t l = 0; l < L; l++) {
+        const struct dec_layer *y = layers + l;
+        add_rms_norm(0, B, H, s->x, NULL, s->x, y->in_norm, s->eps, s->h, s->work, 0);
+        dec_gemm(s, s->h, y->w_in, s->proj, y->n_in, H);
+        if (y->attn)
+            attn_decode(B, y->h, y->kvh, y->hd, s->rd, s->proj, y->n_in, y->qk_norm, y->eps, s->cos, s->sin, y->kv,
+                        y->s_blk, y->s_kv, y->s_head, y->s_tok, y->bs, s->slot_mapping, s->block_tables,
+                        s->bt_width, s->seq_lens, y->scale, s->mix, s->work, s->work_stride, 0, rows_nt, NULL, B);
+        else
+            gdn_decode_mt(B, y->hk, y->hv, y->dk, y->dv, y->kc, s->proj, y->n_in, y->conv_w, y->conv_pool,
+                          y->rec_pool, s->gdn_slots, y->neg_A, y->dt_bias, y->norm_w, y->eps, s->mix, s->work,
+                          s->work_stride, 0, rows_nt);
+        dec_gemm(s, s->mix, y->w_out, s->o, H, y->k_out);
+        add_rms_norm(0, B, H, s->x, s->o, s->x, y->post_norm, s->eps, s->h, s->work, 0);
+        dec_gemm(s, s->h, y->w_gu, s->gu, y->n_gu, H);
+        const int64_t I = y->n_gu / 2;
+        silu_mul_f32(B, I, s->gu, y->n_gu, s->act, B * y->n_gu >= (1 << 16) ? s->nthreads : 1);
+        dec_gemm(s, s->act, y->w_down, s->o, H, I);
+        for (int64_t i = 0; i < B * H; i++) s->x[i] += s->o[i];
+    }
 }

@@ -114,11 +114,13 @@ def _eager_attn(qkv, qk_norm, eps, cos, sin, kv_pool, slot_mapping, block_tables
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize(
-    "B,h,kvh,hd,rd", [(1, 4, 2, 64, 32), (5, 4, 2, 64, 16), (3, 3, 3, 48, 48)], ids=["b1-gqa", "b5-partial", "b3-mha"]
-)
-def test_attn_decode_matches_pytorch(dtype, B, h, kvh, hd, rd):
+    "B,h,kvh,hd,rd,bs",
+    [(1, 4, 2, 64, 32, 4), (5, 4, 2, 64, 16, 4), (3, 3, 3, 48, 48, 4), (4, 4, 2, 64, 16, 16), (3, 2, 1, 72, 72, 16)],
+    ids=["b1-gqa", "b5-partial", "b3-mha", "b4-pages16", "b3-hd72-pages16"],
+)  # pages of 16: the scores 8 positions at a time; hd 72: a value tail past 64
+def test_attn_decode_matches_pytorch(dtype, B, h, kvh, hd, rd, bs):
     g = torch.Generator().manual_seed(3)
-    bs, nblocks, width = 4, 40, 6
+    nblocks, width = 40, 6
     qkv = torch.randn(B, 2 * (h + kvh) * hd, generator=g).to(dtype)
     qk_norm = 1 + 0.1 * torch.randn(h + kvh, hd, generator=g)
     # head-major storage seen through the kernels' view, as the engine allocates its pools
