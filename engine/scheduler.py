@@ -39,10 +39,9 @@ verified KV only: the last sampled token has none yet, and rejected drafts' slot
 a conversation's next turn shares the reply's pages too. With MTP each page is registered with
 the token after it (the drafter's KV at a page's last position depends on it), and the drafter
 never defers a page's last position (engine/model/mtp.py), so a full page holds the drafter's
-KV too; no final snapshot is saved under MTP (it would need the hidden state at its last
-position, which only the step that computed it holds). A request that finishes (stop or length) leaves a snapshot of its final GDN state at `num_computed_tokens`
+KV too. A request that finishes (stop or length) leaves a snapshot of its final GDN state at `num_computed_tokens`
 (`take_final`), saved by the executor right after the step, so a colocated next turn computes
-only its new tokens. The scheduler frees pages by reference, so a page another request shares is
+only its new tokens (with MTP, only when the request still drafts, `_keep_final`). The scheduler frees pages by reference, so a page another request shares is
 never handed out.
 """
 
@@ -291,19 +290,25 @@ class Scheduler:
 
     def _keep_final(self, req: Request) -> None:
         """A request about to finish after a step: reserve a snapshot of its GDN state at
-        num_computed_tokens (the state after its last computed token) and keep its slot and
-        partial page out of the release until `take_final`'s copy ran. Not for a request whose
-        prompt state came from another node (a decode node needs no snapshots), nor with MTP."""
+        num_computed_tokens (the state after its last computed token) and keep its slot and tail
+        page (`PrefixCache.tail_page`) out of the release until `take_final`'s copy ran. Not for
+        a request whose prompt state came from another node (a decode node needs no snapshots).
+        With MTP the snapshot also keeps the hidden state at its last position (the worker holds
+        it from the step), and a request whose draft depth is 0 keeps none: the drafter may have
+        deferred its last positions' KV (engine/model/mtp.py), so its tail page lacks it."""
         c, bs = req.num_computed_tokens, self.blocks.block_size
-        if self.prefix is None or self.mtp or req.received or req.status is not Status.RUNNING or c == 0:
+        if self.prefix is None or req.received or req.status is not Status.RUNNING or c == 0:
+            return
+        if self.mtp and req.spec_depth == 0:
             return
         hashes = self._hashes(req, c // bs)
         parent, tail = self.prefix.key_for(req.prompt_token_ids + req.output_token_ids, hashes, c)
         s = self.prefix.reserve(parent, tail, c)
         if s is None:
             return
-        page = req.block_ids.pop(c // bs) if c % bs else None  # private: shared pages are full ones
-        self._final.append(FinalSave(s, SnapshotCopy(s.index, req.slot, page)))
+        j = self.prefix.tail_page(c)
+        page = req.block_ids.pop(j) if j is not None else None  # freed by reference after the copy
+        self._final.append(FinalSave(s, SnapshotCopy(s.index, req.slot, page, last=self._last(c))))
         req.slot = None
 
     def take_final(self) -> list[FinalSave]:

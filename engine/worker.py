@@ -54,6 +54,7 @@ class Worker:
         self.model = Qwen35Model(cfg.model, weights, t, all_reduce, cfg.max_model_len + 1, self.device)
         self.pools = CachePools(self.specs, self.capacity, self.device, k)
         self.drafter: MTPDrafter | None = None
+        self._tail_hidden: dict[int, torch.Tensor] = {}  # MTP: slot -> hidden state for final snapshots
         if cfg.speculative.mtp:
             block = MTPBlock(
                 cfg.model,
@@ -134,7 +135,8 @@ class Worker:
         if self.drafter is not None:
             self.drafter.drop(step.finished_ids)
         if not step.rows:  # at most snapshots of finished requests' final state to save
-            self.pools.snapshots.save(self.pools, step.saves)
+            last = {c.index: self._tail_hidden[c.slot] for c in step.saves if c.last is not None}
+            self.pools.snapshots.save(self.pools, step.saves, last)
             return StepOutput({}) if self.rank == 0 else None
         batch = self.build_batch(step)
         self.pools.snapshots.restore(self.pools, step.restores)  # prefix hits start from their snapshot
@@ -171,6 +173,8 @@ class Worker:
             drafts = self.drafter(step.rows, hidden, rows_emitted, self.pools.kv)
             # after the drafter: a snapshot's partial page holds the MTP layer's KV too
             self.pools.snapshots.save(self.pools, step.saves, self._snapshot_hidden(step, hidden))
+            if self.cfg.cache.enable_prefix_caching:
+                self._tail_hidden = self._last_hidden(step, hidden, rows_emitted)
             if self.rank == 0:
                 out.drafts = {r.request_id: d for r, d in zip(step.rows, drafts) if r.sample}
         out.seconds = time.perf_counter() - t0
@@ -183,6 +187,22 @@ class Worker:
         for c in step.restores:
             r = row_of[c.slot]
             self.drafter.resume(r.request_id, c.last, r.token_ids[0], self.pools.snapshots.hidden[c.index])
+
+    def _last_hidden(self, step: StepInput, hidden: torch.Tensor, emitted: list[list[int]]) -> dict[int, torch.Tensor]:
+        """Slot -> the hidden state at the last position whose next token this step made known
+        (num_computed_tokens - 1 after it), for each row that sampled: what a finished request's
+        final-state snapshot keeps (Scheduler._keep_final), saved right after the step."""
+        idx, slots, off = [], [], 0
+        for r, toks in zip(step.rows, emitted):
+            n = len(r.token_ids)
+            if r.sample and toks:
+                idx.append(off + n - 1 - r.num_draft + len(toks) - 1)
+                slots.append(r.slot)
+            off += n
+        if not idx:
+            return {}
+        rows = hidden.index_select(0, torch.tensor(idx, device=hidden.device))
+        return dict(zip(slots, rows))
 
     @staticmethod
     def _snapshot_hidden(step: StepInput, hidden: torch.Tensor) -> dict[int, torch.Tensor]:

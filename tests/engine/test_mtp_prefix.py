@@ -7,7 +7,9 @@ The MTP layer's KV at position p pairs the hidden state at p with token p + 1, s
 position of a cached prefix (p - 1 for a resume at p) is computed again with the request's own
 token p, and a cached page is shared only where the token after it is the request's too
 (docs/ARCHITECTURE.md "Prefix caching with MTP drafting"): C1 branches off B1 right at a page
-boundary 32, so C1's next turn resumes at 32, not at C1's end (48)."""
+boundary 32, so C1's next turn resumes at 32, not at C1's end (48). A request that finishes
+while it still drafts leaves a final snapshot (with the hidden state at its last position), so
+D1's next turn resumes past D1's reply."""
 
 from __future__ import annotations
 
@@ -40,9 +42,12 @@ def case(ckpt_mtp, mtp_prompts):
         (b1, 10),  # snapshots at 32 (the grid) and 40 (its end)
         (b1 + _rand(14, 23), 40),  # between snapshots: b1's end, mid-page
         (c1, 32),  # exactly at a grid snapshot, on a page boundary; ends on one (48)
-        (c1 + out_c1 + _rand(6, 25), 32),  # c1's next turn: page 1 was cached with b1's token 32 after it
+        # c1's next turn: page 1 was cached with b1's token 32 after it; c1 (not fitted) ends at
+        # draft depth 0, so it left no final snapshot
+        (c1 + out_c1 + _rand(6, 25), 32),
         (d1, 40),  # ends on a page boundary
-        (d1 + out_b1[8:] + _rand(6, 26), 48),  # d1's next turn: d1's end, on a page boundary
+        # d1's next turn: past d1's reply (its final snapshot: 48 + NEW - 1 computed tokens)
+        (d1 + out_b1[8:] + _rand(6, 26), 48 + NEW - 1),
     ]
     refs = {i: hc.hf_greedy(ckpt_mtp, reqs[i][0], NEW) for i in (0, 1, 3, 5, 7)}
     refs.update({2: out_b1[:NEW], 4: out_c1, 6: out_b1[8:]})
