@@ -3,9 +3,11 @@
     python bench/gpu_check.py [--json OUT.json] [--reps 3]
 
 1. GDN chunked prefill at Qwen3.5-35B-A3B's per-layer sizes (16 key / 32 value heads of 128,
-   bfloat16), one 4k-token prompt and four: our Triton kernel against flash-linear-attention's
-   chunk_gated_delta_rule on the same inputs when the `fla` package is installed (ratio = fla
-   time / ours), else our time alone.
+   bfloat16), one 4k-token prompt, four, 16 of 256 tokens and 64 of 128: our Triton kernel
+   against flash-linear-attention's chunk_gated_delta_rule on the same inputs when the `fla`
+   package is installed (ratio = fla time / ours), else our time alone. Then paged attention at
+   the model's sizes (16 query / 2 KV heads of 256, pages of 16, bf16): decode at batch 64 over
+   contexts of 150 and 4096 tokens, verification of 4 tokens a row, a 4k prefill (time alone).
 2. Decode step time at batch 1 and 64: the engine on CUDA, bfloat16, a random checkpoint with
    the model's layer sizes (4 layers: 3 GDN + 1 attention, dense MLP), prompts of 128 tokens;
    median wall time of an engine step once every row decodes (ratio = 64 * t1 / t64, the
@@ -53,8 +55,7 @@ def gdn_prefill(results: dict) -> None:
     except ImportError:
         chunk_gated_delta_rule = None
     dt, dev = torch.bfloat16, "cuda"
-    for B in (1, 4):
-        T = 4096
+    for B, T in ((1, 4096), (4, 4096), (16, 256), (64, 128)):
         gen = torch.Generator().manual_seed(B)
         N = B * T
         q = l2norm(torch.randn(N, HK, DK, generator=gen)).to(dt).to(dev)
@@ -94,6 +95,36 @@ def gdn_prefill(results: dict) -> None:
                 line += f" (fla comparison failed: {row['fla_error']})"
         print(line, flush=True)
         results.setdefault("gdn_prefill", []).append(row)
+
+
+def paged_attention(results: dict) -> None:
+    from kernels.triton.paged_attention import paged_attention_triton
+
+    H, KVH, HD, BS = 16, 2, 256, 16
+    dt, dev = torch.bfloat16, "cuda"
+    cases = {
+        "decode b64, context 150": [(1, 150)] * 64,
+        "decode b64, context 4096": [(1, 4096)] * 64,
+        "verify b64 x 4 tokens, context 2048": [(4, 2048)] * 64,
+        "prefill 4096": [(4096, 4096)],
+    }
+    for name, rows in cases.items():
+        gen = torch.Generator().manual_seed(len(rows))
+        pages = [-(-ctx // BS) for _, ctx in rows]
+        pool = torch.randn(sum(pages) + 1, 2, KVH, BS, HD, generator=gen).to(dt).to(dev)
+        perm = 1 + torch.randperm(sum(pages), generator=gen)
+        tables = torch.zeros(len(rows), max(pages), dtype=torch.int32)
+        i = 0
+        for b, n in enumerate(pages):
+            tables[b, :n] = perm[i : i + n].int()
+            i += n
+        q = torch.randn(sum(n for n, _ in rows), H, HD, generator=gen).to(dt).to(dev)
+        cu = torch.tensor([0] + [n for n, _ in rows], dtype=torch.int64).cumsum(0).to(dev)
+        seq_lens = torch.tensor([c for _, c in rows], dtype=torch.int64).to(dev)
+        tables = tables.to(dev)
+        t = _ms(lambda: paged_attention_triton(q, pool, cu, seq_lens, tables, HD**-0.5))
+        print(f"paged attention {name}: {t * 1e3:.1f} us", flush=True)
+        results.setdefault("paged_attention", []).append({"case": name, "us": t * 1e3})
 
 
 def decode_steps(results: dict, reps: int, device: str = "cuda") -> None:
@@ -199,6 +230,7 @@ def main() -> int:
         results["device"] = torch.cuda.get_device_name()
         print(f"on {results['device']}")
         gdn_prefill(results)
+        paged_attention(results)
         decode_steps(results, args.reps)
         transfer(results, args.reps)
     if args.json:

@@ -36,9 +36,11 @@ its end is saved from the slot after the forward, and one inside it is written b
 during the forward (`SnapshotCopy.offset`, kernels/points.py). Full pages are registered once
 computed, the reply's as well as the prompt's (a page entirely below `num_computed_tokens` holds
 verified KV only: the last sampled token has none yet, and rejected drafts' slots lie past it), so
-a conversation's next turn shares the reply's pages too; with MTP only prompt pages are, and
-no final snapshot is saved (the drafter's KV at a page's last position depends on the token after
-it). A request that finishes (stop or length) leaves a snapshot of its final GDN state at `num_computed_tokens`
+a conversation's next turn shares the reply's pages too. With MTP each page is registered with
+the token after it (the drafter's KV at a page's last position depends on it), and the drafter
+never defers a page's last position (engine/model/mtp.py), so a full page holds the drafter's
+KV too; no final snapshot is saved under MTP (it would need the hidden state at its last
+position, which only the step that computed it holds). A request that finishes (stop or length) leaves a snapshot of its final GDN state at `num_computed_tokens`
 (`take_final`), saved by the executor right after the step, so a colocated next turn computes
 only its new tokens. The scheduler frees pages by reference, so a page another request shares is
 never handed out.
@@ -274,12 +276,12 @@ class Scheduler:
 
     def _register(self, req: Request, toks: list[int] = ()) -> None:
         """Full pages whose KV is now computed become cached blocks, each with the token after it
-        (`toks`: tokens just sampled, not yet appended): the prompt's and the reply's (only the
-        prompt's with MTP, module docstring)."""
+        (`toks`: tokens just sampled, not yet appended): the prompt's and the reply's (module
+        docstring)."""
         if self.prefix is None:
             return
         bs, plen, done = self.blocks.block_size, len(req.prompt_token_ids), req.num_computed_tokens
-        full = (min(done, plen) if self.mtp else done) // bs
+        full = done // bs
         hashes = self._hashes(req, full)
         for j in range(req.num_registered, full):
             e = (j + 1) * bs

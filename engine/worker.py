@@ -64,7 +64,12 @@ class Worker:
                 all_reduce,
             )
             self.drafter = MTPDrafter(
-                block, self.model.rotary, cfg.cache.block_size, cfg.max_model_len + 1, self.device
+                block,
+                self.model.rotary,
+                cfg.cache.block_size,
+                cfg.max_model_len + 1,
+                self.device,
+                page_ends=cfg.cache.enable_prefix_caching,
             )
         self.sampler = Sampler(cfg.seed, cfg.model.eos_token_ids)
         self.block_size = cfg.cache.block_size

@@ -18,7 +18,9 @@ step's drafts, as many as the row's request will draft after this step's verific
 (its request at depth 0 after the step, see engine/scheduler.py) defers the fill: its
 positions' next tokens and hidden states wait in `pending` and run in one chunk with the
 request's next row that drafts or is not a plain decode row, or once `max_pending` positions
-wait. Invariant: the MTP KV holds position p for every
+wait; with prefix caching (`page_ends`), also when the row's positions reach a page's last
+position, so every full page below num_computed_tokens holds the block's KV and can be cached,
+the reply's pages included. Invariant: the MTP KV holds position p for every
 p < num_computed_tokens that is not pending. A request resuming from a cached prefix at p starts
 with position p - 1 pending (`resume`): its KV there was cached with another prompt's token p.
 """
@@ -110,11 +112,19 @@ class MTPDrafter:
     """Runs the MTP block after a step: fills its KV at the newly known positions and drafts."""
 
     def __init__(
-        self, block: MTPBlock, rotary: Rotary, block_size: int, max_positions: int, device, max_pending: int = 128
+        self,
+        block: MTPBlock,
+        rotary: Rotary,
+        block_size: int,
+        max_positions: int,
+        device,
+        max_pending: int = 128,
+        page_ends: bool = False,
     ):
         self.block, self.rotary = block, rotary
         self.block_size, self.max_positions, self.device = block_size, max_positions, device
         self.max_pending = max_pending
+        self.page_ends = page_ends  # never defer a page's last position (prefix caching)
         # request id -> [first position, next-token ids, hidden-state chunks]: deferred KV fills
         self.pending: dict[str, list] = {}
 
@@ -154,8 +164,11 @@ class MTPDrafter:
                 start, p_ids, p_hid = self._take(r)
                 h = hidden[off : off + m]
                 d = r.draft_depths[min(len(nxt), len(r.draft_depths)) - 1] if r.sample and r.draft_depths else 0
-                # a prompt's last position is never deferred: its page may be cached right after
-                if r.sample and r.is_decode and d == 0 and r.num_output > 0 and len(p_ids) + m <= self.max_pending:
+                # a prompt's last position is never deferred: its page may be cached right after;
+                # with prefix caching, neither is a page's last position (the page is cached)
+                ends_page = self.page_ends and (r.start_pos + m) // bs > r.start_pos // bs
+                defer = r.sample and r.is_decode and d == 0 and r.num_output > 0 and not ends_page
+                if defer and len(p_ids) + m <= self.max_pending:
                     p_ids += known
                     p_ids += nxt
                     p_hid.append(h.clone())

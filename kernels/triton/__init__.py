@@ -6,9 +6,10 @@ optional preallocated `out`. The wrappers check shapes, dtypes and strides and r
 quoting the actual shapes; the kernels check nothing.
 
     gdn_chunk.py        gdn_chunk_prefill_triton    chunked gated delta rule, varlen, slot state
+                                                    (every chunk at once, then one state pass)
     gdn_recurrent.py    gdn_recurrent_triton        token loop for decode rows of 1..k+1 tokens
     conv.py             causal_conv1d_triton, causal_conv1d_update_triton
-    paged_attention.py  store_kv_triton, paged_attention_triton
+    paged_attention.py  store_kv_triton, paged_attention_triton (a GQA group per program)
     norm.py             gated_rms_norm_triton
     fp8.py              fp8_block_linear_triton      block-scaled FP8 weights, dequantized per tile
 

@@ -33,6 +33,18 @@ def dot_in_f32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def f32_precision() -> str:
+    """input_precision for products of computed float32 values: "tf32x3" on a GPU (three TF32
+    tensor-core passes, float32-level error), "ieee" under the interpreter. PDSERVE_TRITON_F32_DOT
+    (ieee, tf32x3) overrides it on a GPU, to check a result against plain float32 products."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return "ieee"
+    prec = os.environ.get("PDSERVE_TRITON_F32_DOT", "tf32x3")
+    if prec not in ("ieee", "tf32x3"):
+        raise ValueError(f"PDSERVE_TRITON_F32_DOT must be ieee or tf32x3 (got {prec!r})")
+    return prec
+
+
 @triton.jit
 def dot(a, b, F32: tl.constexpr):
     """a @ b accumulated in float32; in float32 (IEEE) when F32, else on the operands' dtype."""

@@ -5,23 +5,30 @@ Same contract as kernels.gdn.gdn_chunk_prefill (shapes there and in docs/DESIGN.
     state_pool [S, Hv, dk, dv] float32, slot_ids [B], has_initial_state [B] bool or None
 Returns o [T, Hv, dv] in v's dtype and writes each row's final state to state_pool[slot_ids].
 
-Design (correctness first): one program per (sequence, value head, block of dv columns) walks
-its sequence chunk by chunk with the state block S [dk, BV] held in registers, so there is no
-separate inter-chunk pass and no host loop over chunks. Inside a chunk of C tokens:
-    gamma = cumsum(g);  Gamma_ij = exp(gamma_i - gamma_j) (i >= j)
+Inside a chunk of C tokens (gamma = cumsum(g), Gamma_ij = exp(gamma_i - gamma_j) for i >= j):
     A = strict_lower(diag(beta) K K^T * Gamma);  X = (I + A)^-1
     U = X diag(beta) V;  W = X diag(beta e^gamma) K;  V' = U - W S
     O = diag(e^gamma) Q S + ((Q K^T) * Gamma) V';  S <- e^{gamma_C} S + (diag(e^{gamma_C - gamma}) K)^T V'
-X comes from block forward substitution: the 16x16 diagonal blocks are inverted row by row
-(all blocks at once, one masked matmul per row), then block rows are merged in order,
+Only V' and the state S carry from chunk to chunk, so the work runs in two launches:
+1. `_gdn_chunk_prep_kernel`, one program per (chunk, value head), every chunk of every sequence
+   at once: gamma, A, X, and the state-independent U and W, written to float32 workspaces
+   [T, Hv, dv] and [T, Hv, dk]. This is most of the FLOPs (the triangular inverse and the C x C
+   products) and it is parallel over the whole prompt.
+2. `_gdn_chunk_state_kernel`, one program per (sequence, value head, block of dv columns), walks
+   its sequence chunk by chunk with S [dk, BV] in registers: V' = U - W S, the output, the state
+   points, and the state update; four C x dk x BV products per chunk.
+X comes from block forward substitution: each 16x16 diagonal block is solved row by row (all
+blocks at once, a masked vector step per row), then block rows are merged in order,
 X_i = D_i^-1 (I_i - sum_{k<i} A_ik X_k). Every step is an exact substitution (no Neumann
-series), so it is as stable as the triangular solve in the PyTorch path.
-The W / X work is recomputed by each dv block; all matmuls run in float32 ("ieee"), which
-keeps the 1e-4 agreement with the reference and gives up tensor-core speed for bf16 inputs.
-Padding rows of the last chunk load k = v = g = beta = 0: they neither decay nor write S.
+series), so it is as stable as the triangular solve in the PyTorch path. Products of the inputs
+alone (K K^T, Q K^T) run on the inputs' dtype with float32 accumulation (exact products, as the
+reference's float32 matmul); every product that involves a computed value (X, S, V') runs at
+float32 accuracy: "tf32x3" on a GPU (three TF32 tensor-core passes), "ieee" under the
+interpreter, which keeps the state within 1e-4 of the reference over long prompts.
+Padding rows of a last chunk load k = v = g = beta = 0: they neither decay nor write S.
 State points (kernels/points.py): a point at in-chunk token j stores, before the chunk-end update,
     S_j = e^{gamma_j} S + (diag(e^{gamma_j - gamma}) K, rows > j zeroed)^T V'
-into its row of the points pool; the program walks its sequence's points alongside its chunks.
+into its row of the points pool; the state pass walks its sequence's points alongside its chunks.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ from kernels.triton._common import (
     check_last_contiguous,
     check_out,
     check_same_device,
+    dot,
+    dot_in_f32,
+    f32_precision,
     pow2,
     row_lengths,
     token_strides,
@@ -49,12 +59,107 @@ _SUB = 16  # diagonal block of the triangular inverse
 
 
 @triton.jit
-def _gdn_chunk_kernel(
-    q_ptr,
+def _gdn_chunk_prep_kernel(
     k_ptr,
     v_ptr,
     g_ptr,
     beta_ptr,
+    cu_ptr,
+    w_ptr,
+    u_ptr,
+    B,
+    s_kt,
+    s_kh,
+    s_vt,
+    s_vh,
+    s_gt,
+    s_gh,
+    s_bt,
+    s_bh,
+    s_wt,
+    s_wh,
+    s_ut,
+    s_uh,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BVA: tl.constexpr,
+    C: tl.constexpr,
+    SUB: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    cid = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // GROUP
+    # Which sequence and chunk this program owns: chunks are numbered sequence by sequence.
+    c0 = tl.zeros((), dtype=tl.int64)
+    end = tl.zeros((), dtype=tl.int64)
+    found = cid < 0
+    seen = tl.zeros((), dtype=tl.int64)
+    for b in range(0, B):
+        s = tl.load(cu_ptr + b).to(tl.int64)
+        e = tl.load(cu_ptr + b + 1).to(tl.int64)
+        n = (e - s + C - 1) // C
+        hit = (cid >= seen) & (cid < seen + n)
+        c0 = tl.where(hit, s + (cid - seen) * C, c0)
+        end = tl.where(hit, e, end)
+        found = found | hit
+        seen += n
+    if found:
+        rc = tl.arange(0, C)
+        rk = tl.arange(0, BK)
+        rv = tl.arange(0, BVA)
+        mk = rk < DK
+        mv = rv < DV
+        rows = c0 + rc
+        mr = rows < end
+        K = tl.load(k_ptr + rows[:, None] * s_kt + hk * s_kh + rk[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
+        V = tl.load(v_ptr + rows[:, None] * s_vt + h * s_vh + rv[None, :], mask=mr[:, None] & mv[None, :], other=0.0)
+        gv = tl.load(g_ptr + rows * s_gt + h * s_gh, mask=mr, other=0.0).to(tl.float32)
+        be = tl.load(beta_ptr + rows * s_bt + h * s_bh, mask=mr, other=0.0).to(tl.float32)
+
+        causal = rc[:, None] >= rc[None, :]
+        strict = rc[:, None] > rc[None, :]
+        eye = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
+        sub_r = rc // SUB
+        same_sub = sub_r[:, None] == sub_r[None, :]
+        in_sub = rc % SUB
+
+        gam = tl.cumsum(gv, 0)
+        Gam = tl.exp(tl.where(causal, gam[:, None] - gam[None, :], float("-inf")))
+        A = dot(K, tl.trans(K), DOT_F32) * be[:, None]
+        A = tl.where(strict, A * Gam, 0.0)
+
+        # Diagonal blocks, row i of every block at once: X[i] = e_i - sum_j A[i, j] X[j] (j < i,
+        # same block). `a_i` gathers row i of each block into its block's columns.
+        A_diag = tl.where(same_sub, A, 0.0)
+        X = eye
+        for i in range(1, SUB):
+            a_i = tl.sum(tl.where(in_sub[:, None] == i, A_diag, 0.0), 0)  # [C]: A[blk(j)*SUB + i, j]
+            t = tl.sum(a_i[:, None] * X, 0)  # [C]: sum_j A[blk(c)*SUB + i, j] X[j, c]
+            X = tl.where((in_sub[:, None] == i) & same_sub, eye - t[None, :], X)
+        X_diag = X
+        for blk in range(1, C // SUB):
+            row_in = sub_r[:, None] == blk
+            R = tl.dot(tl.where(row_in & (sub_r[None, :] < blk), A, 0.0), X, input_precision=PREC)
+            X = tl.where(row_in, X - tl.dot(X_diag, R, input_precision=PREC), X)
+
+        eg = tl.exp(gam)
+        U = tl.dot(X, V.to(tl.float32) * be[:, None], input_precision=PREC)
+        W = tl.dot(X, K.to(tl.float32) * (be * eg)[:, None], input_precision=PREC)
+        tl.store(u_ptr + rows[:, None] * s_ut + h * s_uh + rv[None, :], U, mask=mr[:, None] & mv[None, :])
+        tl.store(w_ptr + rows[:, None] * s_wt + h * s_wh + rk[None, :], W, mask=mr[:, None] & mk[None, :])
+
+
+@triton.jit
+def _gdn_chunk_state_kernel(
+    q_ptr,
+    k_ptr,
+    g_ptr,
+    w_ptr,
+    u_ptr,
     o_ptr,
     cu_ptr,
     slot_ptr,
@@ -68,12 +173,12 @@ def _gdn_chunk_kernel(
     s_qh,
     s_kt,
     s_kh,
-    s_vt,
-    s_vh,
     s_gt,
     s_gh,
-    s_bt,
-    s_bh,
+    s_wt,
+    s_wh,
+    s_ut,
+    s_uh,
     s_ot,
     s_oh,
     s_ps,
@@ -85,15 +190,16 @@ def _gdn_chunk_kernel(
     s_nk,
     s_nv,
     scale,
-    GROUP: tl.constexpr,  # Hv // Hk
+    GROUP: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
     C: tl.constexpr,
-    SUB: tl.constexpr,
     HAS_INIT: tl.constexpr,
     HAS_POINTS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -116,11 +222,6 @@ def _gdn_chunk_kernel(
         S = tl.where(tl.load(init_ptr + b) != 0, S, 0.0)
 
     causal = rc[:, None] >= rc[None, :]
-    strict = rc[:, None] > rc[None, :]
-    eye = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
-    sub_r = rc // SUB
-    same_sub = sub_r[:, None] == sub_r[None, :]
-    in_sub = rc % SUB
     p0 = 0
     p1 = 0
     if HAS_POINTS:
@@ -130,57 +231,38 @@ def _gdn_chunk_kernel(
     for c0 in range(start, end, C):
         rows = c0 + rc
         mr = rows < end
-        K = tl.load(k_ptr + rows[:, None] * s_kt + hk * s_kh + rk[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
-        Q = tl.load(q_ptr + rows[:, None] * s_qt + hk * s_qh + rk[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
-        V = tl.load(v_ptr + rows[:, None] * s_vt + h * s_vh + rv[None, :], mask=mr[:, None] & mv[None, :], other=0.0)
+        mrk = mr[:, None] & mk[None, :]
+        mrv = mr[:, None] & mv[None, :]
+        K = tl.load(k_ptr + rows[:, None] * s_kt + hk * s_kh + rk[None, :], mask=mrk, other=0.0)
+        Q = tl.load(q_ptr + rows[:, None] * s_qt + hk * s_qh + rk[None, :], mask=mrk, other=0.0)
+        W = tl.load(w_ptr + rows[:, None] * s_wt + h * s_wh + rk[None, :], mask=mrk, other=0.0)
+        U = tl.load(u_ptr + rows[:, None] * s_ut + h * s_uh + rv[None, :], mask=mrv, other=0.0)
         gv = tl.load(g_ptr + rows * s_gt + h * s_gh, mask=mr, other=0.0).to(tl.float32)
-        be = tl.load(beta_ptr + rows * s_bt + h * s_bh, mask=mr, other=0.0).to(tl.float32)
-        K = K.to(tl.float32)
-        Q = Q.to(tl.float32) * scale
-        V = V.to(tl.float32)
-
         gam = tl.cumsum(gv, 0)
-        Gam = tl.exp(tl.where(causal, gam[:, None] - gam[None, :], float("-inf")))
-        A = tl.dot(K * be[:, None], tl.trans(K), input_precision="ieee")
-        A = tl.where(strict, A * Gam, 0.0)
-
-        # X = (I + A)^-1: diagonal blocks row by row, then block rows in order.
-        A_diag = tl.where(same_sub, A, 0.0)
-        X = eye
-        for i in range(1, SUB):
-            X = tl.where(in_sub[:, None] == i, eye - tl.dot(A_diag, X, input_precision="ieee"), X)
-        X_diag = X
-        for blk in range(1, C // SUB):
-            row_in = sub_r[:, None] == blk
-            R = tl.dot(tl.where(row_in & (sub_r[None, :] < blk), A, 0.0), X, input_precision="ieee")
-            X = tl.where(row_in, X - tl.dot(X_diag, R, input_precision="ieee"), X)
-
         eg = tl.exp(gam)
-        U = tl.dot(X, V * be[:, None], input_precision="ieee")
-        W = tl.dot(X, K * (be * eg)[:, None], input_precision="ieee")
-        Vn = U - tl.dot(W, S, input_precision="ieee")
-        P = tl.where(causal, tl.dot(Q, tl.trans(K), input_precision="ieee") * Gam, 0.0)
-        O = tl.dot(Q * eg[:, None], S, input_precision="ieee") + tl.dot(P, Vn, input_precision="ieee")
-        tl.store(
-            o_ptr + rows[:, None] * s_ot + h * s_oh + rv[None, :],
-            O.to(o_ptr.dtype.element_ty),
-            mask=mr[:, None] & mv[None, :],
-        )
 
+        Vn = U - tl.dot(W, S, input_precision=PREC)
+        Gam = tl.exp(tl.where(causal, gam[:, None] - gam[None, :], float("-inf")))
+        P = tl.where(causal, dot(Q, tl.trans(K), DOT_F32) * Gam, 0.0) * scale
+        Qf = Q.to(tl.float32) * scale
+        O = tl.dot(Qf * eg[:, None], S, input_precision=PREC) + tl.dot(P, Vn, input_precision=PREC)
+        tl.store(o_ptr + rows[:, None] * s_ot + h * s_oh + rv[None, :], O.to(o_ptr.dtype.element_ty), mask=mrv)
+
+        Kf = K.to(tl.float32)
         if HAS_POINTS:
             for pi in range(p0, p1):
                 j = tl.load(off_ptr + pi).to(tl.int64) - 1 - (c0 - start)  # the point's token in this chunk
                 if (j >= 0) & (j < C):
                     gj = tl.sum(tl.where(rc == j, gam, 0.0), 0)
-                    Kj = tl.where((rc <= j)[:, None], K * tl.exp(tl.minimum(gj - gam, 0.0))[:, None], 0.0)
-                    Sj = S * tl.exp(gj) + tl.dot(tl.trans(Kj), Vn, input_precision="ieee")
+                    Kj = tl.where((rc <= j)[:, None], Kf * tl.exp(tl.minimum(gj - gam, 0.0))[:, None], 0.0)
+                    Sj = S * tl.exp(gj) + tl.dot(tl.trans(Kj), Vn, input_precision=PREC)
                     d = tl.load(dest_ptr + pi).to(tl.int64)
                     n_ptrs = snap_ptr + d * s_ns + h * s_nh + rk[:, None] * s_nk + rv[None, :] * s_nv
                     tl.store(n_ptrs, Sj, mask=s_mask)
 
         g_last = tl.sum(gv, 0)  # = gamma at the chunk's last valid row (padding has g = 0)
-        Kd = K * tl.exp(g_last - gam)[:, None]
-        S = S * tl.exp(g_last) + tl.dot(tl.trans(Kd), Vn, input_precision="ieee")
+        Kd = Kf * tl.exp(g_last - gam)[:, None]
+        S = S * tl.exp(g_last) + tl.dot(tl.trans(Kd), Vn, input_precision=PREC)
 
     tl.store(s_ptrs, S, mask=s_mask)
 
@@ -202,7 +284,8 @@ def gdn_chunk_prefill_triton(
     points_pool: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton gdn_chunk_prefill (see kernels.gdn). `out` [T, Hv, dv] in v's dtype, if given,
-    receives o. chunk_size must be a power of two >= 16; slot_ids must be distinct."""
+    receives o. chunk_size must be a power of two >= 16; slot_ids must be distinct. Uses float32
+    workspaces of T x Hv x (dk + dv) values for the state-independent part of each chunk."""
     check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids)
     if points is not None:
         check_points(points, cu_seqlens, points_pool, state_pool.shape[1:])
@@ -221,17 +304,45 @@ def gdn_chunk_prefill_triton(
     hk, dk = q.shape[1:]
     check_out(out, (T, hv, dv), v.dtype, v.device)
     o = torch.empty_like(v, memory_format=torch.contiguous_format) if out is None else out
+    if T == 0:
+        return o
     scale = dk**-0.5 if scale is None else scale
     BK = pow2(dk)
-    BV = min(pow2(dv), 64)
-    init = has_initial_state if has_initial_state is not None else slot_ids  # unread when HAS_INIT is False
-    grid = (B, hv, triton.cdiv(dv, BV))
-    _gdn_chunk_kernel[grid](
-        q,
+    BV = min(pow2(dv), 32)
+    C = chunk_size
+    f32 = dot_in_f32(q.dtype)
+    prec = f32_precision()
+    w = torch.empty(T, hv, dk, dtype=torch.float32, device=v.device)
+    u = torch.empty(T, hv, dv, dtype=torch.float32, device=v.device)
+    max_chunks = T // C + B  # each sequence adds at most one partial chunk
+    _gdn_chunk_prep_kernel[(max_chunks, hv)](
         k,
         v,
         g,
         beta,
+        cu_seqlens,
+        w,
+        u,
+        B,
+        *token_strides(k, v, g, beta, w, u),
+        GROUP=hv // hk,
+        DK=dk,
+        DV=dv,
+        BK=BK,
+        BVA=pow2(dv),
+        C=C,
+        SUB=_SUB,
+        DOT_F32=f32,
+        PREC=prec,
+        num_warps=8,
+    )
+    init = has_initial_state if has_initial_state is not None else slot_ids  # unread when HAS_INIT is False
+    _gdn_chunk_state_kernel[(B, hv, triton.cdiv(dv, BV))](
+        q,
+        k,
+        g,
+        w,
+        u,
         o,
         cu_seqlens,
         slot_ids,
@@ -241,7 +352,7 @@ def gdn_chunk_prefill_triton(
         points.offsets if points is not None else slot_ids,
         points.dest if points is not None else slot_ids,
         points_pool if points is not None else state_pool,
-        *token_strides(q, k, v, g, beta, o),
+        *token_strides(q, k, g, w, u, o),
         *state_pool.stride(),
         *(points_pool if points is not None else state_pool).stride(),
         float(scale),
@@ -250,9 +361,11 @@ def gdn_chunk_prefill_triton(
         DV=dv,
         BK=BK,
         BV=BV,
-        C=chunk_size,
-        SUB=_SUB,
+        C=C,
         HAS_INIT=has_initial_state is not None,
         HAS_POINTS=points is not None and points.num_points > 0,
+        DOT_F32=f32,
+        PREC=prec,
+        num_stages=1 if q.dtype == torch.float32 else 2,  # float32 tiles x 3 stages overflow shared memory
     )
     return o

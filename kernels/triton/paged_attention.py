@@ -9,14 +9,16 @@ The new tokens of row b sit at positions seq_lens[b] - q_len_b ... seq_lens[b] -
 launch serves decode, speculative verification (k+1 tokens) and chunked prefill over earlier
 pages, mixed in one batch. Query head h reads KV head h // (H / KVH).
 
-paged_attention: one program per (row, query head, tile of BM new tokens) streams the row's
-pages one at a time (a page is one [block_size, hd] tile per head, contiguous in the engine's
-head-major storage [KVH, num_blocks, 2, block_size, hd]; the kernels only follow the strides)
-with an online softmax, stopping at the last page its tile can see. Offsets are int64: in
-head-major storage a head's offset spans every page of the pool. Everything is
-computed in float32 ("ieee" matmuls, also for bf16 inputs: correctness first; the interpreter
-cannot run bf16 matmuls, so a bf16 tensor-core variant could not be checked here). A decode row
-uses 1 of the BM query rows; packing a GQA group's heads into the tile is the next step.
+paged_attention: one program per (row, KV head, tile of new tokens) streams the row's pages one
+at a time (a page is one [block_size, hd] tile per head, contiguous in the engine's head-major
+storage [KVH, num_blocks, 2, block_size, hd]; the kernels only follow the strides) with an online
+softmax, stopping at the last page its tile can see. A tile's rows are its tokens times the query
+heads of the KV head's group, so each page is read once per group (GQA), and a decode row fills
+the group's rows instead of 1 of 16. Offsets are int64: in head-major storage a head's offset
+spans every page of the pool. Scores and the output accumulate in float32. float32 inputs
+multiply in float32 ("ieee"); 16-bit inputs multiply on tensor cores (q K^T on the inputs'
+dtype, exact products; softmax probabilities rounded to that dtype for P V), except under the
+interpreter, whose 16-bit dots are wrong, where they multiply in float32.
 store_kv: one program per token copies its [KVH, hd] K and V into the page.
 slot_mapping entries must be valid slots (no negative padding entries), as in the reference.
 """
@@ -28,7 +30,16 @@ import triton
 import triton.language as tl
 
 from kernels.checks import check_paged_inputs
-from kernels.triton._common import check_index, check_last_contiguous, check_out, check_same_device, pow2, row_lengths
+from kernels.triton._common import (
+    check_index,
+    check_last_contiguous,
+    check_out,
+    check_same_device,
+    dot,
+    dot_in_f32,
+    pow2,
+    row_lengths,
+)
 
 __all__ = ["store_kv_triton", "paged_attention_triton"]
 
@@ -127,63 +138,68 @@ def _paged_attention_kernel(
     s_btb,
     scale,
     GROUP: tl.constexpr,
+    GP: tl.constexpr,
+    TOK: tl.constexpr,
     HD: tl.constexpr,
     BD: tl.constexpr,
-    BM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BN: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     b = tl.program_id(0)
-    h = tl.program_id(1)
-    kvh = (h // GROUP).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    tile = tl.program_id(2)
     q_start = tl.load(cu_ptr + b).to(tl.int64)
     q_len = tl.load(cu_ptr + b + 1).to(tl.int64) - q_start
     ctx = tl.load(seq_lens_ptr + b).to(tl.int64)
 
-    rm = tl.program_id(2) * BM + tl.arange(0, BM)
-    mm = rm < q_len
-    q_pos = ctx - q_len + rm  # [BM] absolute positions of this tile's tokens
+    # Tile rows: TOK new tokens x GP query heads of this KV head's group (GP = GROUP rounded up
+    # to a power of two; the extra heads are padding), so each K/V page is read once per group.
+    rm = tl.arange(0, TOK * GP)
+    tok = tile * TOK + rm // GP
+    head = kvh * GROUP + rm % GP
+    mm = (tok < q_len) & (rm % GP < GROUP)
+    q_pos = ctx - q_len + tok  # absolute positions of the rows' tokens
     rd = tl.arange(0, BD)
     md = rd < HD
-    q = tl.load(
-        q_ptr + (q_start + rm)[:, None] * s_qt + h * s_qh + rd[None, :], mask=mm[:, None] & md[None, :], other=0.0
-    )
-    q = q.to(tl.float32)
+    q_rows = (q_start + tok)[:, None] * s_qt + head[:, None] * s_qh + rd[None, :]
+    q = tl.load(q_ptr + q_rows, mask=mm[:, None] & md[None, :], other=0.0)
 
-    m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BM,), dtype=tl.float32)
-    acc = tl.zeros((BM, BD), dtype=tl.float32)
+    m_i = tl.full((TOK * GP,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((TOK * GP,), dtype=tl.float32)
+    acc = tl.zeros((TOK * GP, BD), dtype=tl.float32)
     rn = tl.arange(0, BN)
     mn = rn < BLOCK_SIZE
     # One past the last position this tile attends to; a tile past the row's end reads nothing.
-    kv_end = ctx - q_len + tl.minimum((tl.program_id(2) + 1) * BM, q_len)
-    kv_end = tl.where(tl.program_id(2) * BM < q_len, kv_end, 0)
+    kv_end = ctx - q_len + tl.minimum((tile + 1) * TOK, q_len)
+    kv_end = tl.where(tile * TOK < q_len, kv_end, 0)
     for j in range(0, tl.cdiv(kv_end, BLOCK_SIZE)):
         page = tl.load(bt_ptr + b.to(tl.int64) * s_btb + j).to(tl.int64)
         base = pool_ptr + page * s_pb + kvh * s_ph + rn[:, None] * s_pt + rd[None, :]
         k_pos = j * BLOCK_SIZE + rn
         # Positions past seq_len are never read: a page's unwritten tail may hold anything.
-        # Pages are cast to q's dtype as the reference does, then computed in float32.
+        # Pages are cast to q's dtype as the reference does; scores accumulate in float32.
         key_ok = mn & (k_pos < ctx)
         kv_mask = key_ok[:, None] & md[None, :]
-        kt = tl.load(base, mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty).to(tl.float32)
-        vt = tl.load(base + s_pkv, mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty).to(tl.float32)
-        s = tl.dot(q, tl.trans(kt), input_precision="ieee") * scale
+        kt = tl.load(base, mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)
+        vt = tl.load(base + s_pkv, mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)
+        s = dot(q, tl.trans(kt), DOT_F32) * scale
         s = tl.where((k_pos[None, :] <= q_pos[:, None]) & key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+        if DOT_F32:
+            pv = dot(p, vt, DOT_F32)
+        else:  # probabilities rounded to the pages' 16-bit dtype for the tensor-core product
+            pv = dot(p.to(vt.dtype), vt, DOT_F32)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i = 0 only on padding rows, never stored
-    tl.store(
-        o_ptr + (q_start + rm)[:, None] * s_ot + h * s_oh + rd[None, :],
-        o.to(o_ptr.dtype.element_ty),
-        mask=mm[:, None] & md[None, :],
-    )
+    o_rows = (q_start + tok)[:, None] * s_ot + head[:, None] * s_oh + rd[None, :]
+    tl.store(o_ptr + o_rows, o.to(o_ptr.dtype.element_ty), mask=mm[:, None] & md[None, :])
 
 
 def paged_attention_triton(
@@ -213,8 +229,13 @@ def paged_attention_triton(
     if T == 0:
         return o
     kvh, bs = kv_pool.shape[2], kv_pool.shape[3]
-    BM = 16
-    grid = (len(q_lens), H, triton.cdiv(max(q_lens), BM))
+    group = H // kvh
+    gp = triton.next_power_of_2(group)
+    # Rows per tile: at least 16 (tl.dot); prefill tiles 64 (32 for head dims over 128, which
+    # keeps the float32 accumulator in registers); a decode row's tile holds its one token.
+    rows = 16 if max(q_lens) == 1 else (64 if hd <= 128 else 32)
+    tok = max(1, rows // gp)
+    grid = (len(q_lens), kvh, triton.cdiv(max(q_lens), tok))
     _paged_attention_kernel[grid](
         q,
         o,
@@ -232,11 +253,13 @@ def paged_attention_triton(
         kv_pool.stride(3),
         block_tables.stride(0),
         float(scale),
-        GROUP=H // kvh,
+        GROUP=group,
+        GP=gp,
+        TOK=tok,
         HD=hd,
         BD=pow2(hd),
-        BM=BM,
         BLOCK_SIZE=bs,
         BN=pow2(bs),
+        DOT_F32=dot_in_f32(q.dtype),
     )
     return o

@@ -74,7 +74,7 @@ def test_paged_attention_triton_matches_reference(rows, heads, dtype):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("heads", [(4, 1), (4, 2)], ids=["kvh1", "kvh2"])
+@pytest.mark.parametrize("heads", [(4, 1), (4, 2), (6, 2)], ids=["kvh1", "kvh2", "group3"])
 @pytest.mark.parametrize("block_size", [8, 12, 32], ids=lambda n: f"block{n}")
 def test_paged_attention_triton_other_block_sizes(block_size, heads, layout):
     from kernels.triton.paged_attention import paged_attention_triton

@@ -243,7 +243,8 @@ def test_mtp_state_and_drafts_cross_the_pools(ckpt_mtp, mtp_colocated, a, b):
     its first step (the prefill side's drafts) on: same drafts, so the same acceptance. Then each
     prompt's second turn: the prefill side resumes from its cached prefix, the decode side holds
     the prompt's leading pages (the MTP layer's KV in them included) from the first turn and takes
-    only the rest; still the drafts of a colocated run without a cache."""
+    only the rest; still the drafts of a colocated run without a cache. The leading pages include
+    the first turn's full reply pages, whose MTP KV the decode side computed while decoding."""
     backend = "nixl"
     llms = (mtp_engine(ckpt_mtp, a), mtp_engine(ckpt_mtp, b))
     P, D = (llm.engine for llm in llms)
@@ -265,7 +266,9 @@ def test_mtp_state_and_drafts_cross_the_pools(ckpt_mtp, mtp_colocated, a, b):
             rid = f"mtp-{a}{b}-turn2-{i}"
             turn2 = _second_turn(prompt, mtp_colocated[i][0])
             out, _ = _prefill_and_push(P, D, backend, rid, turn2, b, digest)
-            assert D.requests[rid].num_cached_blocks == len(prompt) // 16 and out.num_cached_tokens == len(prompt)
+            computed = len(prompt) + len(mtp_colocated[i][0]) - 1  # the last token has no KV
+            assert computed // 16 > len(prompt) // 16  # a reply page among them
+            assert D.requests[rid].num_cached_blocks == computed // 16 and out.num_cached_tokens == len(prompt)
             first = D.activate(rid, out.output_token_ids[0], out.draft_token_ids)
             assert _draft_trace(D, rid, [first]) == mtp_colocated[n + i], f"second turn of {len(prompt)} tokens"
         for e in (P, D):
