@@ -73,6 +73,10 @@ def _per_group(batch: ForwardBatch, x, fn):
     return torch.cat(outs)
 
 
+def _pick(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return x if rows is None else x[rows]
+
+
 class GatedDeltaNet:
     def __init__(
         self, layer: int, w: GDNWeights, hk: int, hv: int, dk: int, dv: int, eps: float, all_reduce: AllReduce
@@ -116,7 +120,8 @@ class GatedDeltaNet:
             points=grp.points, points_pool=snaps,
         )  # fmt: skip
 
-    def __call__(self, x: torch.Tensor, batch: ForwardBatch, pools: CachePools):
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch, pools: CachePools, rows: torch.Tensor | None = None):
+        """rows: only these tokens' outputs are wanted (every token still updates the state)."""
         T = x.shape[0]
         proj = self.w.w_in(x)
         if (
@@ -132,7 +137,7 @@ class GatedDeltaNet:
                 proj, *batch.gdn_rows(), self.w.conv, pools.conv[self.layer], pools.recurrent[self.layer],
                 self.neg_A, self.dt_bias, self.w.norm, self.hk, self.hv, self.dk, self.dv, self.eps,
             )  # fmt: skip
-            return self.all_reduce(self.w.w_out(o))
+            return self.all_reduce(self.w.w_out(_pick(o, rows)))
         if batch.prefill is None and not x.is_cuda and cpu_ops.available(x.dtype):  # decode rows, fused in C
             grp = batch.decode
             state = (self.w.conv, pools.conv[self.layer], pools.recurrent[self.layer], grp.slot_ids)
@@ -142,7 +147,7 @@ class GatedDeltaNet:
             else:  # speculative rows: states kept for rollback
                 scratch = (pools.conv_scratch[self.layer], pools.recurrent_scratch[self.layer])
                 o = cpu_ops.gdn_verify(proj, *state, grp.cu_seqlens, *scratch, *consts)
-            return self.all_reduce(self.w.w_out(o))
+            return self.all_reduce(self.w.w_out(_pick(o, rows)))
         qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, self.hv, self.hv], dim=-1)
 
         mixed = _per_group(batch, qkv, partial(self._conv, pools))
@@ -154,8 +159,9 @@ class GatedDeltaNet:
         beta = b.sigmoid().float()  # in the model dtype, as transformers does
         g = self.neg_A * F.softplus(a.float() + self.dt_bias)
         o = _per_group(batch, (q, k, v, g, beta), partial(self._delta_rule, pools))
-        o = gated_rms_norm(o, z.reshape(T, self.hv, self.dv), self.w.norm, self.eps)
-        return self.all_reduce(self.w.w_out(o.reshape(T, -1)))
+        o, z = _pick(o, rows), _pick(z.reshape(T, self.hv, self.dv), rows)
+        o = gated_rms_norm(o, z, self.w.norm, self.eps)
+        return self.all_reduce(self.w.w_out(o.reshape(o.shape[0], -1)))
 
 
 class Attention:
@@ -168,7 +174,8 @@ class Attention:
             [(1.0 + w.q_norm.float()).expand(n_heads, hd), (1.0 + w.k_norm.float()).expand(n_kv, hd)]
         )
 
-    def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor, cos, sin):
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor, cos, sin, rows=None):
+        """rows: only these tokens' outputs are wanted (every token's k, v still goes to its page)."""
         T = x.shape[0]
         qkv = self.w.w_qkv(x)  # rows [q | k | gate | v] (reordered by the loader)
         dec = batch.decode
@@ -181,7 +188,7 @@ class Attention:
                 qkv, self.qk_norm, self.eps, cos, sin, kv_pool, batch.slot_mapping, tables, lens, self.h, self.kvh,
                 self.scale, seq_starts=starts,
             )  # fmt: skip
-            return self.all_reduce(self.w.w_o(o))
+            return self.all_reduce(self.w.w_o(_pick(o, rows)))
         nqk = (self.h + self.kvh) * self.hd
         qk, gate, v = qkv.split([nqk, self.h * self.hd, self.kvh * self.hd], dim=-1)
         qk = F.rms_norm(qk.reshape(T, self.h + self.kvh, self.hd).float(), (self.hd,), None, self.eps)
@@ -195,7 +202,7 @@ class Attention:
             return paged_attention(qg, kv_pool, grp.cu_seqlens, grp.seq_lens, grp.block_tables, self.scale)
 
         o = _per_group(batch, (q, k, v.view(T, self.kvh, self.hd)), attend)
-        o = o.reshape(T, -1) * torch.sigmoid(gate)
+        o = _pick(o.reshape(T, -1), rows) * torch.sigmoid(_pick(gate, rows))
         return self.all_reduce(self.w.w_o(o))
 
 

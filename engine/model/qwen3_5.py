@@ -59,13 +59,19 @@ def build_layer(cfg: ModelConfig, i: int, kind: str, lw: dict, tp: int, all_redu
     return DecoderLayer(kind, 1.0 + lw["input_norm"].float(), 1.0 + lw["post_norm"].float(), mixer, mlp)
 
 
-def run_layer(layer: DecoderLayer, x: torch.Tensor, batch: ForwardBatch, pools: CachePools, kv_pool, cos, sin, eps):
-    """x + mixer(norm(x)), then + mlp(norm(.)): one pre-norm decoder layer."""
+def run_layer(
+    layer: DecoderLayer, x: torch.Tensor, batch: ForwardBatch, pools: CachePools, kv_pool, cos, sin, eps, rows=None
+):
+    """x + mixer(norm(x)), then + mlp(norm(.)): one pre-norm decoder layer. rows: only these
+    tokens' outputs are wanted (the last layer of a prefill); the mixer still writes every
+    token's state, then its output projection and the MLP run on these rows only."""
     _, h = add_rms_norm(x, None, layer.input_norm, eps)
     if layer.kind == "linear_attention":
-        h = layer.mixer(h, batch, pools)
+        h = layer.mixer(h, batch, pools, rows=rows)
     else:
-        h = layer.mixer(h, batch, kv_pool, cos, sin)
+        h = layer.mixer(h, batch, kv_pool, cos, sin, rows=rows)
+    if rows is not None:
+        x = x[rows]
     x, h = add_rms_norm(x, h, layer.post_norm, eps)
     return x + layer.mlp(h)
 
@@ -100,14 +106,21 @@ class Qwen35Model:
         x = F.embedding(batch.input_ids, self.embed)
         cos, sin = self.rotary(batch.positions)
         fused = self._fused_decode(batch, pools, want_hidden)
+        # The last layer's output matters only where logits are wanted (a prefill's last tokens):
+        # its mixer runs on every token (their KV and GDN state), its output projection and MLP
+        # on those rows. MTP drafts from every token's hidden state: not then.
+        n_out = batch.logits_indices.numel()
+        last = len(self.layers) - 1 if fused is None and not want_hidden and 0 < n_out < x.shape[0] else None
         if fused is not None:  # every layer in one C call: the same ops as the loop below
             dec = batch.decode
             x = fused.run(x, dec.slot_ids, batch.slot_mapping, dec.block_tables, dec.seq_lens, cos, sin)
         else:
             for i, layer in enumerate(self.layers):
-                x = run_layer(layer, x, batch, pools, pools.kv.get(i), cos, sin, self.eps)
+                rows = batch.logits_indices if i == last else None
+                x = run_layer(layer, x, batch, pools, pools.kv.get(i), cos, sin, self.eps, rows)
         if want_hidden:
             h = rms_norm(x, self.final_norm, self.eps, zero_centered=False)
             return self.lm_head(h[batch.logits_indices]).float(), h
-        x = rms_norm(x[batch.logits_indices], self.final_norm, self.eps, zero_centered=False)
-        return self.lm_head(x).float()
+        if last is None:
+            x = x[batch.logits_indices]
+        return self.lm_head(rms_norm(x, self.final_norm, self.eps, zero_centered=False)).float()

@@ -391,22 +391,38 @@ static void gdn_after_conv(int64_t b, int64_t Hk, int64_t Hv, int64_t dk, int64_
 /* Residual add and RMS norm of rows b0 <= b < b1:  xo[b] = rnd(x[b] + h[b]) (when h is not
  * NULL, else x is normed as it is), y[b] = rnd(xo[b] * rsqrt(mean(xo[b]^2) + eps) * w), with
  * w [H] float32 (the 1 + w of a zero-centred norm). x, h, xo, y [B, H] model dtype. */
+static inline __attribute__((always_inline)) void add_rms_norm_rows(int64_t b0, int64_t b1, int64_t H,
+                                                                    const void *x, const void *h, void *xo,
+                                                                    const float *w, float eps, void *y, const int bf16) {
+    /* eight rows at a time: each row's sum of squares is still one chain in element order (the
+     * same rounding as a row alone), and the eight chains run side by side */
+    for (int64_t r0 = b0; r0 < b1; r0 += 8) {
+        const int64_t nr = b1 - r0 < 8 ? b1 - r0 : 8;
+        const void *src = h ? xo : x; /* the rows' values after the add */
+        float ss[8] = {0};
+        for (int64_t i = 0; i < H; i++)
+            for (int64_t r = 0; r < nr; r++) {
+                const int64_t e = (r0 + r) * H + i;
+                float v = load(x, e, bf16);
+                if (h) {
+                    v = rnd(v + load(h, e, bf16), bf16);
+                    store(xo, e, v, bf16);
+                }
+                ss[r] += v * v;
+            }
+        for (int64_t r = 0; r < nr; r++) {
+            const float inv = 1.0f / sqrtf(ss[r] / (float)H + eps);
+            const int64_t e0 = (r0 + r) * H;
+            for (int64_t i = 0; i < H; i++) store(y, e0 + i, load(src, e0 + i, bf16) * inv * w[i], bf16);
+        }
+    }
+}
+
 void add_rms_norm(int64_t b0, int64_t b1, int64_t H, const void *x, const void *h, void *xo, const float *w,
                   float eps, void *y, float *work, int bf16) {
-    for (int64_t b = b0; b < b1; b++) {
-        float ss = 0.0f;
-        for (int64_t i = 0; i < H; i++) {
-            float v = load(x, b * H + i, bf16);
-            if (h) {
-                v = rnd(v + load(h, b * H + i, bf16), bf16);
-                store(xo, b * H + i, v, bf16);
-            }
-            work[i] = v;
-            ss += v * v;
-        }
-        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
-        for (int64_t i = 0; i < H; i++) store(y, b * H + i, work[i] * inv * w[i], bf16);
-    }
+    (void)work;
+    if (bf16) add_rms_norm_rows(b0, b1, H, x, h, xo, w, eps, y, 1);
+    else add_rms_norm_rows(b0, b1, H, x, h, xo, w, eps, y, 0);
 }
 
 /* y [M, N] = x [M, K] @ w [N, K]^T for a bfloat16 weight, in float32 arithmetic, y rounded to

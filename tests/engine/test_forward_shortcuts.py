@@ -1,9 +1,11 @@
-"""The float32 decode step in one C call (engine/model/fused_decode.py) against the layer-by-layer
-path and transformers: same greedy tokens as transformers, and the same log-probabilities as the
-per-op path to the bit (it runs the same C ops in the same order), the one-call path taken for
-the decode steps."""
+"""The float32 CPU forward's shortcuts against the layer-by-layer path and transformers: the
+decode step in one C call (engine/model/fused_decode.py: same greedy tokens as transformers and
+the same log-probabilities as the per-op path to the bit, it runs the same C ops in the same
+order), and a prefill's last layer computing its output only at the rows that sample."""
 
 from __future__ import annotations
+
+import hybrid_ckpt as hc
 
 from engine import LLM, SamplingParams
 
@@ -38,3 +40,23 @@ def test_fused_decode_matches_layer_by_layer_and_transformers(ckpt_hv2, prompts,
         assert f.output_token_ids == o.output_token_ids
         assert len(f.logprobs) == len(o.logprobs) == GREEDY.max_tokens
         assert f.logprobs == o.logprobs  # (token, logprob, top 3) of every step
+
+
+def test_prefill_last_layer_output_only_where_logits_are_wanted(ckpt_hv2, prompts):
+    """A prefill's last layer runs its output projection and MLP on the sampled rows only, and the
+    logits still match transformers'."""
+    with LLM(ckpt_hv2, dtype="float32") as llm:
+        model = llm.engine.executor.worker.model
+        mlp, seen = model.layers[-1].mlp, []
+
+        def spy(h):
+            seen.append(h.shape[0])
+            return mlp(h)
+
+        model.layers[-1].mlp = spy
+        got = llm.compute_logits(prompts)
+    assert seen == [len(prompts)], f"the last layer's MLP saw {seen} rows, not one per prompt"
+    for p, g in zip(prompts, got):
+        ref = hc.hf_last_logits(ckpt_hv2, p)
+        rel = ((g - ref).abs().max() / ref.abs().max()).item()
+        assert rel < 1e-4, f"prompt of {len(p)} tokens: logits rel err {rel:.2e}"
