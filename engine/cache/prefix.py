@@ -30,7 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.cache.block_manager import BlockManager
-from engine.prefix_hash import ROOT_HASH, block_hash, prefix_key, prompt_hashes, short
+from engine.prefix_hash import ROOT_HASH, block_hash, page_name, prefix_key, prompt_hashes, short
 
 __all__ = ["ROOT_HASH", "Digest", "PrefixCache", "PrefixHit", "Snapshot", "block_hash", "prompt_hashes"]
 
@@ -46,9 +46,10 @@ class Digest:
     version: int  # changes whenever a page or snapshot is cached or evicted
     block_size: int
     interval: int  # the snapshot grid
-    pages: tuple[int, ...] = ()
+    pages: tuple[int, ...] = ()  # engine/prefix_hash.page_name of each cached page
     snapshot_keys: tuple[int, ...] = ()  # prefix_key of each ready snapshot ...
     snapshot_tokens: tuple[int, ...] = ()  # ... and the prefix length it holds
+    mtp: bool = False  # page names cover the token after each page; snapshots keep page p - 1
 
 
 @dataclass(eq=False)
@@ -213,11 +214,14 @@ class PrefixCache:
         snaps = [s for s in self._by_key.values() if s.ready and s.ref > 0]
         snaps += reversed(self._lru)
         snaps = snaps[:DIGEST_SNAPSHOTS]
+        b = self.blocks
+        pages = b.recent_pages(DIGEST_PAGES)
         return Digest(
             version=self.version(),
             block_size=self.block_size,
             interval=self.interval,
-            pages=tuple(short(h) for h in self.blocks.recent_hashes(DIGEST_PAGES)),
+            pages=tuple(page_name(b.hash_of[i], b.after.get(i, -1) if self.mtp else None) for i in pages),
             snapshot_keys=tuple(short(prefix_key(s.parent, s.tail)) for s in snaps),
             snapshot_tokens=tuple(s.num_tokens for s in snaps),
+            mtp=self.mtp,
         )
