@@ -483,3 +483,18 @@ def test_fp8_experts_kept_in_fp8_match_transformers(moe_prompts, tmp_path):
         assert tuple(moe[0].w13_scale_inv.shape) == (6, 2 * 32 // 16, 64 // 16) and moe[0].block_size == (16, 16)
         assert _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)) == ref
     assert _tokens(_generate(d, prompts, tensor_parallel_size=2, fp8_experts="keep")) == ref
+
+
+@pytest.mark.gpu
+def test_fp8_experts_on_cuda_match_transformers(moe_prompts, tmp_path):
+    """On CUDA the routed experts of an FP8 checkpoint stay float8 by default (fp8_experts
+    "auto"), through the Triton fused MoE kernel: float32 tokens equal transformers' on the
+    dequantized weights on the same GPU."""
+    d = tmp_path / "fp8"
+    _make_fp8(d, "qwen3_5_moe", moe_intermediate=32)
+    ref_dir = _dequantized_copy(d, tmp_path / "dequantized")
+    ref = [hc.hf_greedy(ref_dir, p, NEW, device="cuda") for p in moe_prompts]
+    with LLM(str(d), dtype="float32", device="cuda") as llm:
+        moe = [layer.mlp.w for layer in llm.engine.executor.worker.model.layers if hasattr(layer.mlp.w, "w13")]
+        assert moe and all(w.w13.dtype == torch.float8_e4m3fn and w.w13.is_cuda for w in moe)
+        assert _tokens(llm.generate(prompt_token_ids=moe_prompts, sampling_params=GREEDY)) == ref
