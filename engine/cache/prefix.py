@@ -52,6 +52,21 @@ class Digest:
     mtp: bool = False  # page names cover the token after each page; snapshots keep page p - 1
 
 
+@dataclass
+class PromptLogprobs:
+    """The prompt logprobs a request computed up to a snapshot at p (engine/request.py entries,
+    (token, logprob, top list)): entry i is token i + 1's. Entries 0 .. p - 2 depend on the prefix
+    alone; entry p - 1, token p's, on token p too, so it is kept per token p seen."""
+
+    num_top: int  # the top-list length of the entries (a request asking for more misses)
+    prefix: list  # entries 0 .. p - 2
+    next: dict[int, tuple]  # token p -> entry p - 1
+
+    def entries(self, token: int, num_top: int) -> list:
+        """Entries 0 .. p - 1 for a prompt whose token p is `token`, top lists cut to num_top."""
+        return [(t, lp, top[:num_top]) for t, lp, top in [*self.prefix, self.next[token]]]
+
+
 @dataclass(eq=False)
 class Snapshot:
     index: int  # entry of the snapshot pool
@@ -60,6 +75,7 @@ class Snapshot:
     tail: tuple[int, ...]  # the tokens after them
     ref: int = 0  # steps reading (restore) or writing (save) it now; > 0: not evictable
     ready: bool = False  # written: lookups may use it
+    prompt_logprobs: PromptLogprobs | None = None  # kept by a request that asked for them
 
 
 @dataclass
@@ -109,10 +125,14 @@ class PrefixCache:
             return (p - 1) // self.block_size
         return p // self.block_size if p % self.block_size else None
 
-    def lookup(self, tokens: list[int], hashes: list[int], limit: int) -> PrefixHit | None:
+    def lookup(
+        self, tokens: list[int], hashes: list[int], limit: int, prompt_logprobs: int | None = None
+    ) -> PrefixHit | None:
         """The longest usable prefix p <= limit of `tokens` (whose full-page hashes are
         `hashes`): a ready snapshot at p with the pages it does not hold cached (`shared_pages`);
-        with MTP, each of those computed with this prompt's next token after it. Changes nothing."""
+        with MTP, each of those computed with this prompt's next token after it. A request with
+        prompt logprobs (`prompt_logprobs` = its top-list length) takes only a snapshot that
+        keeps them, for its token p and at least that many alternatives. Changes nothing."""
         bs = self.block_size
         best: Snapshot | None = None
         pages: list[int] = []
@@ -126,6 +146,7 @@ class PrefixCache:
                     and self.shared_pages(s.num_tokens) <= len(pages)
                     and (best is None or s.num_tokens > best.num_tokens)
                     and tuple(tokens[base : s.num_tokens]) == s.tail
+                    and (prompt_logprobs is None or self._has_prompt_logprobs(s, tokens, prompt_logprobs))
                 ):
                     best = s
             if j == len(hashes) or base + bs > limit or len(pages) < j:
@@ -140,6 +161,28 @@ class PrefixCache:
         if best is None:
             return None
         return PrefixHit(best.num_tokens, pages[: self.shared_pages(best.num_tokens)], best)
+
+    @staticmethod
+    def _has_prompt_logprobs(s: Snapshot, tokens: list[int], num_top: int) -> bool:
+        d = s.prompt_logprobs
+        return d is not None and d.num_top >= num_top and tokens[s.num_tokens] in d.next
+
+    def find(self, parent: int, tail: tuple[int, ...]) -> Snapshot | None:
+        """The snapshot of this prefix, if one is kept (ready or being saved)."""
+        return self._by_key.get((parent, tail))
+
+    def keep_prompt_logprobs(self, s: Snapshot, num_top: int, entries: list, tokens: list[int]) -> None:
+        """A request that asked for prompt logprobs has computed `entries` past s.num_tokens = p:
+        keep those a request resuming at p needs (`PromptLogprobs`), unless s keeps more
+        alternatives already."""
+        p = s.num_tokens
+        if p >= len(tokens) or len(entries) < p or p == 0:
+            return
+        d = s.prompt_logprobs
+        if d is None or d.num_top < num_top:
+            s.prompt_logprobs = PromptLogprobs(num_top, entries[: p - 1], {tokens[p]: entries[p - 1]})
+        elif d.num_top == num_top:
+            d.next[tokens[p]] = entries[p - 1]
 
     # ---- pins ------------------------------------------------------------------------
     def acquire(self, s: Snapshot) -> None:
