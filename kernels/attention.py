@@ -62,12 +62,15 @@ def paged_attention(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    max_len: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of the new tokens over their sequence's pages. Returns [T, H, hd]."""
+    """Causal attention of the new tokens over their sequence's pages. Returns [T, H, hd].
+    max_len: the most new tokens of a row, when the caller knows it on the host (the Triton path
+    then reads nothing back, kernels/checks.py)."""
     if q.is_cuda or _force_triton():
         from kernels.triton.paged_attention import paged_attention_triton
 
-        return paged_attention_triton(q, kv_pool, cu_seqlens_q, seq_lens, block_tables, scale)
+        return paged_attention_triton(q, kv_pool, cu_seqlens_q, seq_lens, block_tables, scale, max_len=max_len)
     check_paged_inputs(q, kv_pool, cu_seqlens_q, seq_lens, block_tables)
     B = seq_lens.numel()
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]

@@ -1,5 +1,10 @@
 """Argument checks shared by the PyTorch and Triton paths: a wrong call raises ValueError
-quoting the actual shapes, dtypes and strides; the kernels themselves check nothing."""
+quoting the actual shapes, dtypes and strides; the kernels themselves check nothing.
+
+`max_len`: a caller that knows its rows' lengths on the host (the engine builds them there) gives
+the longest, and the checks then skip the one value they would read back from the device (where
+cu_seqlens ends): on a GPU each such read waits for the queued work, so a step would stall once
+per kernel call."""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ def _fail(what: str, **tensors: torch.Tensor) -> None:
     raise ValueError(f"{what} (got {desc})")
 
 
-def check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids) -> None:
+def check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, max_len: int | None = None) -> None:
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3:
         _fail("q, k must be [T, Hk, dk] and v [T, Hv, dv]", q=q, k=k, v=v)
     T, hk, dk = q.shape
@@ -29,11 +34,11 @@ def check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids) -> None
     B = cu_seqlens.numel() - 1
     if cu_seqlens.dim() != 1 or B < 1 or slot_ids.shape != (B,):
         _fail("cu_seqlens must be [B+1] and slot_ids [B]", cu_seqlens=cu_seqlens, slot_ids=slot_ids)
-    if int(cu_seqlens[-1]) != T:
+    if max_len is None and int(cu_seqlens[-1]) != T:
         raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but there are T={T} tokens")
 
 
-def check_conv_inputs(x, weight, cu_seqlens, conv_pool, slot_ids) -> None:
+def check_conv_inputs(x, weight, cu_seqlens, conv_pool, slot_ids, max_len: int | None = None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
         _fail("x must be [T, D] and weight [D, Kc]", x=x, weight=weight)
     D, kc = weight.shape
@@ -44,11 +49,11 @@ def check_conv_inputs(x, weight, cu_seqlens, conv_pool, slot_ids) -> None:
     B = cu_seqlens.numel() - 1
     if B < 1 or slot_ids.shape != (B,):
         _fail("cu_seqlens must be [B+1] and slot_ids [B]", cu_seqlens=cu_seqlens, slot_ids=slot_ids)
-    if int(cu_seqlens[-1]) != x.shape[0]:
+    if max_len is None and int(cu_seqlens[-1]) != x.shape[0]:
         raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but there are T={x.shape[0]} tokens")
 
 
-def check_paged_inputs(q, kv_pool, cu_seqlens_q, seq_lens, block_tables) -> None:
+def check_paged_inputs(q, kv_pool, cu_seqlens_q, seq_lens, block_tables, max_len: int | None = None) -> None:
     if q.dim() != 3:
         _fail("q must be [T, H, hd]", q=q)
     if kv_pool.dim() != 5 or kv_pool.shape[1] != 2 or kv_pool.shape[-1] != q.shape[-1]:
@@ -63,7 +68,7 @@ def check_paged_inputs(q, kv_pool, cu_seqlens_q, seq_lens, block_tables) -> None
             seq_lens=seq_lens,
             block_tables=block_tables,
         )
-    if int(cu_seqlens_q[-1]) != q.shape[0]:
+    if max_len is None and int(cu_seqlens_q[-1]) != q.shape[0]:
         raise ValueError(f"cu_seqlens_q ends at {int(cu_seqlens_q[-1])} but q has {q.shape[0]} tokens")
 
 

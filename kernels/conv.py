@@ -37,12 +37,15 @@ def causal_conv1d(
     intermediate_states: torch.Tensor | None = None,
     points: StatePoints | None = None,
     points_pool: torch.Tensor | None = None,
+    max_len: int | None = None,
 ) -> torch.Tensor:
     """Variable-length causal conv (prefill, or decode rows of several tokens).
 
     intermediate_states, when given, is [B, n_max, D, Kc-1] and receives the conv state after
     every token of each row (for speculative rollback). points, when given, name states inside
     the sequences to write into points_pool [N, D, Kc-1]. Returns y [T, D] in x's dtype.
+    max_len: the longest row, when the caller knows it on the host (the Triton path then reads
+    nothing back, kernels/checks.py).
     """
     if points is not None:
         conv_states_at(x, weight, cu_seqlens, conv_pool, slot_ids, has_initial_state, points, points_pool)
@@ -50,8 +53,9 @@ def causal_conv1d(
         from kernels.triton.conv import causal_conv1d_triton
 
         return causal_conv1d_triton(
-            x, weight, cu_seqlens, conv_pool, slot_ids, has_initial_state, activation, intermediate_states
-        )
+            x, weight, cu_seqlens, conv_pool, slot_ids, has_initial_state, activation, intermediate_states,
+            max_len=max_len,
+        )  # fmt: skip
     check_conv_inputs(x, weight, cu_seqlens, conv_pool, slot_ids)
     D, kc = weight.shape
     B = cu_seqlens.numel() - 1

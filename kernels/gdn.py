@@ -108,6 +108,7 @@ def gdn_chunk_prefill(
     chunk_size: int | None = None,
     points: StatePoints | None = None,
     points_pool: torch.Tensor | None = None,
+    max_len: int | None = None,
 ) -> torch.Tensor:
     """Chunked gated delta rule over packed variable-length sequences.
 
@@ -115,14 +116,15 @@ def gdn_chunk_prefill(
     state_pool[slot_ids]. Sequences with has_initial_state False start from zero.
     chunk_size None: 64 for the Triton kernel, 32 here (smaller [C, C] work, faster on CPUs).
     points, when given, name states inside the sequences to write into points_pool
-    [N, Hv, dk, dv] float32 as well (kernels/points.py).
+    [N, Hv, dk, dv] float32 as well (kernels/points.py). max_len: the longest row, when the
+    caller knows it on the host (the Triton path then reads nothing back, kernels/checks.py).
     """
     if q.is_cuda or _force_triton():
         from kernels.triton.gdn_chunk import gdn_chunk_prefill_triton
 
         return gdn_chunk_prefill_triton(
             q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, has_initial_state, scale, chunk_size or 64,
-            points=points, points_pool=points_pool,
+            points=points, points_pool=points_pool, max_len=max_len,
         )  # fmt: skip
     check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids)
     if points is not None:
@@ -220,6 +222,7 @@ def gdn_recurrent(
     has_initial_state: torch.Tensor | None = None,
     scale: float | None = None,
     intermediate_states: torch.Tensor | None = None,
+    max_len: int | None = None,
 ) -> torch.Tensor:
     """Token-by-token gated delta rule for decode rows of 1..n tokens each.
 
@@ -227,13 +230,15 @@ def gdn_recurrent(
     after every token of each row (entries past a row's length are left as they were), so a
     rejected speculative suffix can roll back to the state after the last accepted token.
     Returns o [T, Hv, dv]; writes the final state of each row into state_pool[slot_ids].
+    max_len: the longest row, when the caller knows it (as gdn_chunk_prefill).
     """
     if q.is_cuda or _force_triton():
         from kernels.triton.gdn_recurrent import gdn_recurrent_triton
 
         return gdn_recurrent_triton(
-            q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, has_initial_state, scale, intermediate_states
-        )
+            q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, has_initial_state, scale, intermediate_states,
+            max_len=max_len,
+        )  # fmt: skip
     check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids)
     T, hv, dv = v.shape
     dk = q.shape[-1]

@@ -94,7 +94,17 @@ class GatedDeltaNet:
         conv_pool = pools.conv[self.layer]
         if grp.decode and grp.max_row_tokens > 1:  # speculative rows: keep the state after each token
             scratch = pools.conv_scratch[self.layer][: grp.num_rows]
-            return causal_conv1d(qkv, self.w.conv, grp.cu_seqlens, conv_pool, grp.slot_ids, None, True, scratch)
+            return causal_conv1d(
+                qkv,
+                self.w.conv,
+                grp.cu_seqlens,
+                conv_pool,
+                grp.slot_ids,
+                None,
+                True,
+                scratch,
+                max_len=grp.max_row_tokens,
+            )
         if grp.decode and grp.slot_start is not None and not qkv.is_cuda:
             return conv_update_(qkv, self.w.conv, conv_pool[grp.slot_start : grp.slot_start + grp.num_rows])
         if grp.decode:
@@ -102,22 +112,24 @@ class GatedDeltaNet:
         snaps = pools.snapshots.conv.get(self.layer) if grp.points is not None else None
         return causal_conv1d(
             qkv, self.w.conv, grp.cu_seqlens, conv_pool, grp.slot_ids, grp.has_initial_state,
-            points=grp.points, points_pool=snaps,
+            points=grp.points, points_pool=snaps, max_len=grp.max_row_tokens,
         )  # fmt: skip
 
     def _delta_rule(self, pools, grp, q, k, v, g, beta):
         rec_pool = pools.recurrent[self.layer]
         if grp.decode and grp.max_row_tokens > 1:
             scratch = pools.recurrent_scratch[self.layer][: grp.num_rows]
-            return gdn_recurrent(q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids, None, 1.0, scratch)
+            return gdn_recurrent(
+                q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids, None, 1.0, scratch, max_len=grp.max_row_tokens
+            )
         if grp.decode and grp.slot_start is not None and not q.is_cuda:
             return gdn_decode_step_(q, k, v, g, beta, rec_pool[grp.slot_start : grp.slot_start + grp.num_rows], 1.0)
         if grp.decode:
-            return gdn_recurrent(q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids, scale=1.0)
+            return gdn_recurrent(q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids, scale=1.0, max_len=1)
         snaps = pools.snapshots.recurrent.get(self.layer) if grp.points is not None else None
         return gdn_chunk_prefill(
             q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids, grp.has_initial_state, scale=1.0,
-            points=grp.points, points_pool=snaps,
+            points=grp.points, points_pool=snaps, max_len=grp.max_row_tokens,
         )  # fmt: skip
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, pools: CachePools, rows: torch.Tensor | None = None):
@@ -199,7 +211,9 @@ class Attention:
         def attend(grp, qg, kg, vg):
             if grp.fresh and not grp.decode and not qg.is_cuda and kv_pool.dtype == qg.dtype:  # no pages to read
                 return causal_attention(qg, kg, vg, grp.cu_seqlens, self.scale)
-            return paged_attention(qg, kv_pool, grp.cu_seqlens, grp.seq_lens, grp.block_tables, self.scale)
+            return paged_attention(
+                qg, kv_pool, grp.cu_seqlens, grp.seq_lens, grp.block_tables, self.scale, max_len=grp.max_row_tokens
+            )
 
         o = _per_group(batch, (q, k, v.view(T, self.kvh, self.hd)), attend)
         o = _pick(o.reshape(T, -1), rows) * torch.sigmoid(_pick(gate, rows))

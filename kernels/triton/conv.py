@@ -198,14 +198,16 @@ def causal_conv1d_triton(
     activation: bool = True,
     intermediate_states: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    max_len: int | None = None,
 ) -> torch.Tensor:
     """Triton causal_conv1d (see kernels.conv): varlen prefill or decode rows of 1..k+1 tokens.
-    Returns y [T, D] in x's dtype (into `out` when given); slot_ids must be distinct."""
-    check_conv_inputs(x, weight, cu_seqlens, conv_pool, slot_ids)
+    Returns y [T, D] in x's dtype (into `out` when given); slot_ids must be distinct. max_len:
+    the longest row, when the caller knows it (kernels/checks.py: no read back from the device)."""
+    check_conv_inputs(x, weight, cu_seqlens, conv_pool, slot_ids, max_len)
     B = cu_seqlens.numel() - 1
     check_flags("has_initial_state", has_initial_state, B)
-    lens = row_lengths(cu_seqlens)
-    _check(x, weight, cu_seqlens, conv_pool, slot_ids, intermediate_states, out, max(lens))
+    n_max = max(row_lengths(cu_seqlens)) if max_len is None else max_len
+    _check(x, weight, cu_seqlens, conv_pool, slot_ids, intermediate_states, out, n_max)
     return _launch(x, weight, cu_seqlens, conv_pool, slot_ids, has_initial_state, activation, intermediate_states, out)
 
 
@@ -221,6 +223,6 @@ def causal_conv1d_update_triton(
     """Triton causal_conv1d_update (see kernels.conv): x [B, D], one token per row."""
     B = x.shape[0]
     cu = torch.arange(B + 1, device=x.device)
-    check_conv_inputs(x, weight, cu, conv_pool, slot_ids)
+    check_conv_inputs(x, weight, cu, conv_pool, slot_ids, max_len=1)  # cu is built here: nothing to read back
     _check(x, weight, cu, conv_pool, slot_ids, intermediate_states, out, 1)
     return _launch(x, weight, cu, conv_pool, slot_ids, None, activation, intermediate_states, out)

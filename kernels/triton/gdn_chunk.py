@@ -282,11 +282,12 @@ def gdn_chunk_prefill_triton(
     out: torch.Tensor | None = None,
     points: StatePoints | None = None,
     points_pool: torch.Tensor | None = None,
+    max_len: int | None = None,
 ) -> torch.Tensor:
     """Triton gdn_chunk_prefill (see kernels.gdn). `out` [T, Hv, dv] in v's dtype, if given,
     receives o. chunk_size must be a power of two >= 16; slot_ids must be distinct. Uses float32
     workspaces of T x Hv x (dk + dv) values for the state-independent part of each chunk."""
-    check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids)
+    check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, max_len)
     if points is not None:
         check_points(points, cu_seqlens, points_pool, state_pool.shape[1:])
         check_same_device(q=q, ptr=points.ptr, offsets=points.offsets, dest=points.dest, points_pool=points_pool)
@@ -299,7 +300,8 @@ def gdn_chunk_prefill_triton(
     check_flags("has_initial_state", has_initial_state, B)
     if chunk_size < _SUB or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= {_SUB} (got {chunk_size})")
-    row_lengths(cu_seqlens)
+    if max_len is None:
+        row_lengths(cu_seqlens)  # rows must not run backwards
     T, hv, dv = v.shape
     hk, dk = q.shape[1:]
     check_out(out, (T, hv, dv), v.dtype, v.device)

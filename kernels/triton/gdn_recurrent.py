@@ -127,21 +127,22 @@ def gdn_recurrent_triton(
     scale: float | None = None,
     intermediate_states: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    max_len: int | None = None,
 ) -> torch.Tensor:
     """Triton gdn_recurrent (see kernels.gdn). `out` [T, Hv, dv] in v's dtype, if given,
-    receives o. slot_ids must be distinct."""
-    check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids)
+    receives o. slot_ids must be distinct. max_len: the longest row, when the caller knows it
+    (kernels/checks.py: no read back from the device)."""
+    check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, max_len)
     check_index(cu_seqlens=cu_seqlens, slot_ids=slot_ids)
     check_last_contiguous(q=q, k=k, v=v)
     check_same_device(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, state_pool=state_pool, slot_ids=slot_ids)
     B = cu_seqlens.numel() - 1
     check_flags("has_initial_state", has_initial_state, B)
-    lens = row_lengths(cu_seqlens)
     T, hv, dv = v.shape
     hk, dk = q.shape[1:]
     inter = intermediate_states
     if inter is not None:
-        n_max = max(lens)
+        n_max = max(row_lengths(cu_seqlens)) if max_len is None else max_len
         if (
             inter.dim() != 5
             or inter.shape[0] != B

@@ -210,10 +210,12 @@ def paged_attention_triton(
     block_tables: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    max_len: int | None = None,
 ) -> torch.Tensor:
     """Triton paged_attention (see kernels.attention). Returns [T, H, hd] in q's dtype (into
-    `out` when given). Every row must have seq_lens[b] >= its number of new tokens."""
-    check_paged_inputs(q, kv_pool, cu_seqlens_q, seq_lens, block_tables)
+    `out` when given). Every row must have seq_lens[b] >= its number of new tokens. max_len: the
+    most new tokens of a row, when the caller knows it (kernels/checks.py: no read back)."""
+    check_paged_inputs(q, kv_pool, cu_seqlens_q, seq_lens, block_tables, max_len)
     check_index(cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
     if block_tables.dtype not in (torch.int32, torch.int64) or block_tables.stride(-1) != 1:
         raise ValueError(
@@ -222,7 +224,8 @@ def paged_attention_triton(
         )
     check_last_contiguous(q=q, kv_pool=kv_pool)
     check_same_device(q=q, kv_pool=kv_pool, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_tables=block_tables)
-    q_lens = row_lengths(cu_seqlens_q)
+    B = cu_seqlens_q.numel() - 1
+    max_q = max(row_lengths(cu_seqlens_q)) if max_len is None else max_len
     T, H, hd = q.shape
     check_out(out, (T, H, hd), q.dtype, q.device)
     o = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
@@ -233,9 +236,9 @@ def paged_attention_triton(
     gp = triton.next_power_of_2(group)
     # Rows per tile: at least 16 (tl.dot); prefill tiles 64 (32 for head dims over 128, which
     # keeps the float32 accumulator in registers); a decode row's tile holds its one token.
-    rows = 16 if max(q_lens) == 1 else (64 if hd <= 128 else 32)
+    rows = 16 if max_q == 1 else (64 if hd <= 128 else 32)
     tok = max(1, rows // gp)
-    grid = (len(q_lens), kvh, triton.cdiv(max(q_lens), tok))
+    grid = (B, kvh, triton.cdiv(max_q, tok))
     _paged_attention_kernel[grid](
         q,
         o,
