@@ -6,6 +6,7 @@ start-up. `ModelConfig.from_dir` reads a checkpoint's config.json (no transforme
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -86,8 +87,11 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the k routing weights to sum to 1
     decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
-    # FP8 block-quantized weights ([bn, bk] blocks, `*.weight_scale_inv` beside them), dequantized at load
+    # FP8 block-quantized weights ([bn, bk] blocks, `*.weight_scale_inv` beside them)
     fp8_block_size: tuple[int, int] | None = None
+    # routed experts of an FP8 checkpoint: kept in FP8 ("keep"), dequantized at load ("dequantize"),
+    # or "auto": kept on CUDA (the fused MoE kernel dequantizes each tile as it loads it)
+    fp8_experts: Literal["auto", "keep", "dequantize"] = "auto"
     mtp_num_layers: int = 0  # multi-token-prediction layers the config declares (`mtp.layers.*`)
 
     def __post_init__(self):
@@ -466,10 +470,15 @@ class EngineArgs:
         "cost of verifying and drafting one token relative to a plain decode step: a request whose draft "
         "acceptance falls under it stops drafting, probing again now and then (default: 0.5 on cpu, 0.1 on cuda)",
     )
+    fp8_experts: Literal["auto", "keep", "dequantize"] = option(
+        "auto",
+        "FP8 checkpoints: keep the routed experts in FP8 (keep) or dequantize them at load (dequantize); "
+        "auto keeps them on cuda (half the memory of bfloat16)",
+    )
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
-            model=ModelConfig.from_dir(self.model, self.dtype),
+            model=dataclasses.replace(ModelConfig.from_dir(self.model, self.dtype), fp8_experts=self.fp8_experts),
             parallel=ParallelConfig(self.tensor_parallel_size),
             cache=CacheConfig(
                 block_size=self.block_size,

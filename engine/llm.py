@@ -35,6 +35,7 @@ class LLM:
         prefix_snapshot_interval: int = 256,
         prefix_snapshot_memory: float = 0.1,
         speculative_draft_cost: float | None = None,
+        fp8_experts: str = "auto",
     ):
         self.config = EngineArgs(
             model,
@@ -53,6 +54,7 @@ class LLM:
             prefix_snapshot_interval,
             prefix_snapshot_memory,
             speculative_draft_cost,
+            fp8_experts,
         ).engine_config()
         self.tokenizer = Tokenizer(model) if Tokenizer.exists(model) else None
         self.engine = EngineCore(self.config)

@@ -18,7 +18,12 @@ and another loads it:
 
 FP8 checkpoints (`quant_method: fp8`): a weight stored as float8_e4m3fn has its block scales
 beside it in `<name>_scale_inv` ([ceil(N/bn), ceil(K/bk)]); it is dequantized once, here, into
-the compute dtype. Which weights are quantized is read from the checkpoint, not assumed.
+the compute dtype. Which weights are quantized is read from the checkpoint, not assumed. The
+routed experts, most of an MoE model's bytes, stay in FP8 where `ModelConfig.fp8_experts` says
+so (on CUDA by default): w13 / w2 in float8 with their scales, which the fused MoE kernel
+dequantizes tile by tile (kernels/moe.py). That needs one-tensor-per-expert storage and a rank's
+slice of the intermediate dimension in whole blocks (I / tp a multiple of both block sides);
+otherwise the experts are dequantized, with one log line saying why.
 
 The multi-token-prediction block (`mtp.*`) is read by `load_mtp_weights` only when MTP
 speculative decoding is on; its decoder layer loads through the same per-block functions (an MoE
@@ -40,6 +45,8 @@ from engine.config import ModelConfig
 from engine.model.linear import Linear
 from engine.shard import conv_channel_index, head_range, intermediate_range, kv_head_range
 from kernels.fp8 import dequant_fp8_block
+
+FP8Experts = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # w13, w13 scales, w2, w2 scales
 
 log = logging.getLogger("pdserve.loader")
 
@@ -354,7 +361,10 @@ def _load_moe(cfg: ModelConfig, get: _Weights, m: str, tp: int, rank: int) -> di
     intermediate dimension split over ranks as engine/shard.py says."""
     inter = cfg.moe_intermediate_size
     rows = _rank_range(inter, tp, rank)
-    if _fused_experts(m, get.reader.where):
+    fp8 = _fp8_experts(cfg, get, m, rows)
+    if fp8 is not None:
+        w13, s13, w2, s2 = fp8
+    elif _fused_experts(m, get.reader.where):
         gate_up = get.full(m + "experts.gate_up_proj")  # [E, 2I, H]
         w13 = gate_up[:, torch.cat([rows, inter + rows])]
         w2 = get.full(m + "experts.down_proj")[:, :, rows]  # [E, H, I_r]
@@ -362,13 +372,51 @@ def _load_moe(cfg: ModelConfig, get: _Weights, m: str, tp: int, rank: int) -> di
         e_ = [f"{m}experts.{e}." for e in range(cfg.num_experts)]
         w13 = torch.stack([torch.cat([get(p + "gate_proj.weight", rows), get(p + "up_proj.weight", rows)]) for p in e_])
         w2 = torch.stack([get(p + "down_proj.weight", cols=rows) for p in e_])
+    scales = {}
+    if fp8 is not None:
+        scales = {
+            "w13_scale_inv": s13.to(get.device),
+            "w2_scale_inv": s2.to(get.device),
+            "block_size": cfg.fp8_block_size,
+        }
     return {
         "router": Linear(get(m + "gate.weight")),
-        "w13": w13.to(dtype=cfg.dtype, device=get.device).contiguous(),
-        "w2": w2.to(dtype=cfg.dtype, device=get.device).contiguous(),
+        "w13": w13.to(dtype=w13.dtype if fp8 else cfg.dtype, device=get.device).contiguous(),
+        "w2": w2.to(dtype=w2.dtype if fp8 else cfg.dtype, device=get.device).contiguous(),
+        **scales,
         "shared": _load_mlp(get, m + "shared_expert.", _rank_range(cfg.shared_expert_intermediate_size, tp, rank)),
         "shared_gate": Linear(get(m + "shared_expert_gate.weight")),
     }
+
+
+def _fp8_experts(cfg: ModelConfig, get: _Weights, m: str, rows: torch.Tensor) -> FP8Experts | None:
+    """The routed experts of one MoE layer kept in FP8 (module docstring), or None: dequantize."""
+    mode = cfg.fp8_experts
+    if mode == "dequantize" or (mode == "auto" and torch.device(get.device).type != "cuda"):
+        return None
+    e0 = f"{m}experts.0."
+    if cfg.fp8_block_size is None or e0 + "gate_proj.weight" + SCALE_SUFFIX not in get.scales:
+        return None  # not an FP8 checkpoint, or its experts are not quantized
+    bn, bk = cfg.fp8_block_size
+    start, n = int(rows[0]), rows.numel()
+    if _fused_experts(m, get.reader.where) or start % bn or n % bn or start % bk or n % bk:
+        log.info(
+            "%s: FP8 experts dequantized at load: keeping them needs one tensor per expert and a rank's "
+            "%d of %d intermediate rows in whole [%d, %d] blocks",
+            m.rstrip("."), n, cfg.moe_intermediate_size, bn, bk,
+        )  # fmt: skip
+        return None
+    r = slice(start, start + n)
+    w13, s13, w2, s2 = [], [], [], []
+    for e in range(cfg.num_experts):
+        p = f"{m}experts.{e}."
+        gate, up, down = (get.reader.get(p + f + "_proj.weight") for f in ("gate", "up", "down"))
+        g_s, u_s, d_s = (get.reader.get(p + f + "_proj.weight" + SCALE_SUFFIX) for f in ("gate", "up", "down"))
+        w13.append(torch.cat([gate[r], up[r]]))
+        s13.append(torch.cat([g_s[start // bn : (start + n) // bn], u_s[start // bn : (start + n) // bn]]))
+        w2.append(down[:, r])
+        s2.append(d_s[:, start // bk : (start + n) // bk])
+    return torch.stack(w13), torch.stack(s13).float(), torch.stack(w2), torch.stack(s2).float()
 
 
 def _load_layer(cfg: ModelConfig, get: _Weights, lp: str, kind: str, moe: bool, tp: int, rank: int) -> dict:

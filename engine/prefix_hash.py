@@ -5,7 +5,8 @@ A full page of a prompt is named by a chained hash of its tokens (`block_hash(pa
 the parent being the previous page's hash); a GDN snapshot after token p by `prefix_key`: the
 hash of the full pages before p chained with the tokens after them. Nodes report the low 64 bits
 of these (`short`) in their prefix digest (proto PrefixDigest); the router recomputes them from a
-prompt's token ids to see what each node holds.
+prompt's token ids to see what each node holds. With MTP drafting a page's name also covers the
+token after it (`page_name`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ def prefix_key(parent: int, tail) -> int:
     h = hashlib.blake2b(parent.to_bytes(16, "little"), digest_size=16, person=b"pdserve-snapshot")
     h.update(array("q", tail).tobytes())
     return int.from_bytes(h.digest(), "little")
+
+
+def page_name(h: int, after: int | None = None) -> int:
+    """A page's name in a digest: `short(h)`, or with MTP drafting, where a cached page serves
+    only a prompt whose token after it matches the one it was computed with
+    (`BlockManager.after`), the short hash of (h, that token). The router names a prompt's page
+    j with the prompt's token after it; a prompt that ends on the page has none, and the page
+    never matches, as in the engine's lookup."""
+    return short(h if after is None else block_hash(h, [after]))
 
 
 def short(h: int) -> int:

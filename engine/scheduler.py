@@ -29,7 +29,8 @@ the step for each possible outcome (`ScheduledRow.draft_depths`, from the pure f
 
 Prefix caching (engine/cache/prefix.py): a waiting request is admitted from the longest cached
 prefix that has both its full pages and a GDN state snapshot; the step restores the snapshot into
-its slot (and its partial page) before the forward and the request computes from there. Snapshots
+its slot (and its partial page) before the forward and the request computes from there (with
+prompt logprobs, only from a snapshot that keeps the skipped tokens' entries, `_lookup`). Snapshots
 are taken at exact token positions (every `interval` tokens, and the prompt's end) without
 cutting chunks there: a chunk takes as many tokens as the budget allows, a snapshot position at
 its end is saved from the slot after the forward, and one inside it is written by the GDN layers
@@ -91,6 +92,8 @@ class SchedulerOutput:
     finished_ids: list[str]  # finished since the last step (workers drop their per-request state)
     restores: list[tuple[Snapshot, SnapshotCopy]] = field(default_factory=list)  # prefix hits, pinned
     saves: list[tuple[Snapshot, SnapshotCopy]] = field(default_factory=list)  # snapshots this step writes
+    # snapshots (saved now or earlier) whose prompt logprobs a request with them computes this step
+    logprob_points: list[tuple[Snapshot, Request]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -158,6 +161,7 @@ class Scheduler:
         preempted: list[Request] = []
         restores: list[tuple[Snapshot, SnapshotCopy]] = []
         saves: list[tuple[Snapshot, SnapshotCopy]] = []
+        points: list[tuple[Snapshot, Request]] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -180,7 +184,7 @@ class Scheduler:
                 req.block_ids += self.blocks.allocate(need)
             depths = self._depths_after(req, len(drafts)) if self.mtp else ()
             self._lookahead(req, n, len(drafts), max(depths, default=0))
-            self._plan_save(req, n, saves)
+            self._plan_save(req, n, saves, points)
             rows.append(ScheduledRow(req, n, drafts, depths))
             budget -= n
             i += 1
@@ -208,7 +212,7 @@ class Scheduler:
                 req.num_cached_tokens = p
             depths = self._depths_after(req, 0) if self.mtp else ()
             self._lookahead(req, n, 0, max(depths, default=0))
-            self._plan_save(req, n, saves)
+            self._plan_save(req, n, saves, points)
             req.status = Status.RUNNING
             self.running.append(req)
             rows.append(ScheduledRow(req, n, [], depths))
@@ -216,7 +220,7 @@ class Scheduler:
 
         rows.sort(key=lambda r: (not r.is_decode, r.request.slot if r.is_decode else 0))
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(rows, preempted, finished, restores, saves)
+        return SchedulerOutput(rows, preempted, finished, restores, saves, points)
 
     # ---- prefix caching --------------------------------------------------------------------
     def _hashes(self, req: Request, pages: int = 0) -> list[int]:
@@ -232,12 +236,12 @@ class Scheduler:
         return h
 
     def _lookup(self, req: Request) -> PrefixHit | None:
-        """The cached prefix a waiting request can start from (none for prompt logprobs, which
-        need logits at every prompt position)."""
-        if self.prefix is None or req.params.prompt_logprobs is not None:
+        """The cached prefix a waiting request can start from (with prompt logprobs, only one
+        whose snapshot keeps the logprobs of the tokens it skips, `PromptLogprobs`)."""
+        if self.prefix is None:
             return None
         limit = min(len(req.prompt_token_ids), req.num_tokens - 1)
-        return self.prefix.lookup(req.prompt_token_ids, self._hashes(req), limit)
+        return self.prefix.lookup(req.prompt_token_ids, self._hashes(req), limit, req.params.prompt_logprobs)
 
     def _admit_hit(self, req: Request, hit: PrefixHit, restores: list) -> None:
         p = hit.num_tokens
@@ -246,12 +250,17 @@ class Scheduler:
         j = self.prefix.tail_page(p)
         page = req.block_ids[j] if j is not None else None
         restores.append((hit.snapshot, SnapshotCopy(hit.snapshot.index, req.slot, page, last=self._last(p))))
+        k = req.params.prompt_logprobs
+        if k is not None and len(req.prompt_logprobs) < p:  # the skipped tokens' entries, from the cache
+            cached = hit.snapshot.prompt_logprobs.entries(req.prompt_token_ids[p], k)
+            req.prompt_logprobs += cached[len(req.prompt_logprobs) :]
         log.debug("request %s resumes from a cached prefix of %d tokens", req.request_id, p)
 
-    def _plan_save(self, req: Request, n: int, saves: list) -> None:
+    def _plan_save(self, req: Request, n: int, saves: list, logprob_points: list) -> None:
         """Snapshots at the positions this prompt chunk reaches (multiples of the interval, and
         the prompt's end): the one at the chunk's end from the slot after the forward, those
-        inside it from the GDN layers during the forward."""
+        inside it from the GDN layers during the forward. A request with prompt logprobs also
+        leaves them on each such snapshot, new or already kept (`logprob_points`, after the step)."""
         start, plen = req.num_computed_tokens, len(req.prompt_token_ids)
         if self.prefix is None or start >= plen:
             return
@@ -262,6 +271,10 @@ class Scheduler:
         for p in points:
             parent, tail = self.prefix.key_for(req.prompt_token_ids, self._hashes(req), p)
             s = self.prefix.reserve(parent, tail, p)
+            if req.params.prompt_logprobs is not None:
+                kept = s or self.prefix.find(parent, tail)
+                if kept is not None:
+                    logprob_points.append((kept, req))
             if s is not None:
                 offset = None if p == start + n else p - start
                 j = self.prefix.tail_page(p)
@@ -520,6 +533,10 @@ class Scheduler:
                 self.prefix.commit(s)
             for s, _ in out.restores:
                 self.prefix.release(s)
+            for s, req in out.logprob_points:  # the step's prompt logprobs are on the request now
+                self.prefix.keep_prompt_logprobs(
+                    s, req.params.prompt_logprobs, req.prompt_logprobs, req.prompt_token_ids
+                )
         for row in out.rows:
             req = row.request
             if req.status is not Status.RUNNING:

@@ -86,7 +86,8 @@ class NodeServer:
         if d is not None:
             info.prefix.CopyFrom(
                 pb.PrefixDigest(version=d.version, block_size=d.block_size, snapshot_interval=d.interval,
-                                pages=d.pages, snapshot_keys=d.snapshot_keys, snapshot_tokens=d.snapshot_tokens)
+                                pages=d.pages, snapshot_keys=d.snapshot_keys, snapshot_tokens=d.snapshot_tokens,
+                                mtp=d.mtp)
             )  # fmt: skip
         self._describe(info)
         return info

@@ -205,20 +205,22 @@ class NodeInfo(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[_Union[NodeKind, str]] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., tp_size: _Optional[int] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., local_prefill_threshold: _Optional[int] = ..., schema_digest: _Optional[str] = ..., prefill_ready: _Optional[bool] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., draining: _Optional[bool] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., prefix: _Optional[_Union[PrefixDigest, _Mapping]] = ...) -> None: ...
 
 class PrefixDigest(_message.Message):
-    __slots__ = ("version", "block_size", "snapshot_interval", "pages", "snapshot_keys", "snapshot_tokens")
+    __slots__ = ("version", "block_size", "snapshot_interval", "pages", "snapshot_keys", "snapshot_tokens", "mtp")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_KEYS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MTP_FIELD_NUMBER: _ClassVar[int]
     version: int
     block_size: int
     snapshot_interval: int
     pages: _containers.RepeatedScalarFieldContainer[int]
     snapshot_keys: _containers.RepeatedScalarFieldContainer[int]
     snapshot_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, version: _Optional[int] = ..., block_size: _Optional[int] = ..., snapshot_interval: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., snapshot_keys: _Optional[_Iterable[int]] = ..., snapshot_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    mtp: bool
+    def __init__(self, version: _Optional[int] = ..., block_size: _Optional[int] = ..., snapshot_interval: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., snapshot_keys: _Optional[_Iterable[int]] = ..., snapshot_tokens: _Optional[_Iterable[int]] = ..., mtp: _Optional[bool] = ...) -> None: ...
 
 class Speculation(_message.Message):
     __slots__ = ("method", "num_tokens", "drafts_per_position", "accepted_per_position")

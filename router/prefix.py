@@ -14,6 +14,9 @@ page before it is cached too: usable = the longest snapshot position p < prompt 
 block_size leading pages are all present (the attention hit trimmed to the last snapshot). A
 decode node receiving a transfer gets the final GDN state from the prefill node and needs only
 its leading full pages: usable = leading cached pages * block_size (the transfer skips them).
+With MTP drafting (digest `mtp`) a page counts only where the prompt's token after it is the one
+it was cached with (names from engine/prefix_hash.page_name), and a snapshot at p holds page
+(p - 1) // block_size itself, so it needs the (p - 1) // block_size pages before it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.prefix_hash import ROOT_HASH, prefix_key, prompt_hashes, short
+from engine.prefix_hash import ROOT_HASH, page_name, prefix_key, prompt_hashes, short
 
 RECENT_MAX = 16384  # names remembered per node (oldest dropped first)
 
@@ -33,7 +36,7 @@ class PrefixQuery:
         self.ids = ids
         self.prompt_len = len(ids)
         self._full: dict[int, list[int]] = {}  # block size -> 128-bit chained page hashes
-        self._short: dict[int, list[int]] = {}
+        self._short: dict[tuple[int, bool], list[int]] = {}
         self._keys: dict[tuple[int, int], int] = {}
 
     def full_hashes(self, bs: int) -> list[int]:
@@ -41,11 +44,16 @@ class PrefixQuery:
             self._full[bs] = prompt_hashes(self.ids, bs)
         return self._full[bs]
 
-    def pages(self, bs: int) -> list[int]:
-        """The 64-bit names of the prompt's full pages."""
-        if bs not in self._short:
-            self._short[bs] = [short(h) for h in self.full_hashes(bs)]
-        return self._short[bs]
+    def pages(self, bs: int, mtp: bool = False) -> list[int]:
+        """The 64-bit names of the prompt's full pages (with MTP, each with the token after it;
+        the prompt's last page, when it ends on one, with none: it never matches)."""
+        if (bs, mtp) not in self._short:
+            ids, n = self.ids, self.prompt_len
+            self._short[(bs, mtp)] = [
+                page_name(h, (ids[(j + 1) * bs] if (j + 1) * bs < n else -1) if mtp else None)
+                for j, h in enumerate(self.full_hashes(bs))
+            ]
+        return self._short[(bs, mtp)]
 
     def key(self, bs: int, n: int) -> int:
         """The 64-bit name of a snapshot after the prompt's first n tokens."""
@@ -64,6 +72,7 @@ class NodeCache:
     version: int = -1
     block_size: int = 0  # 0: the node has no prefix cache
     interval: int = 0
+    mtp: bool = False  # page names cover the token after each page (engine/prefix_hash.page_name)
     pages: set[int] = field(default_factory=set)
     snapshots: dict[int, set[int]] = field(default_factory=dict)  # prefix length -> snapshot names
     recent_pages: dict[int, float] = field(default_factory=dict)
@@ -74,6 +83,7 @@ class NodeCache:
         if d.version == self.version and d.block_size == self.block_size:
             return
         self.version, self.block_size, self.interval = d.version, d.block_size, d.snapshot_interval
+        self.mtp = d.mtp
         self.pages = set(d.pages)
         snaps: dict[int, set[int]] = {}
         for k, n in zip(d.snapshot_keys, d.snapshot_tokens, strict=True):
@@ -89,7 +99,7 @@ class NodeCache:
             return 0
         now = time.monotonic() if now is None else now
         n = 0
-        for h in q.pages(self.block_size):
+        for h in q.pages(self.block_size, self.mtp):
             if not self._has_page(h, now):
                 break
             n += 1
@@ -105,7 +115,8 @@ class NodeCache:
         lead = self.leading_pages(q, now)
         if not compute:
             return lead * bs
-        limit = min(q.prompt_len - 1, (lead + 1) * bs - 1)  # p // bs <= lead
+        # the pages a snapshot at p needs: p // bs, with MTP (p - 1) // bs; all within the lead
+        limit = min(q.prompt_len - 1, (lead + 1) * bs - (0 if self.mtp else 1))
         best = 0
         for n, keys in self.snapshots.items():
             if best < n <= limit and q.key(bs, n) in keys:
@@ -123,7 +134,7 @@ class NodeCache:
             return
         now = time.monotonic() if now is None else now
         exp = now + ttl_s
-        for h in q.pages(bs):
+        for h in q.pages(bs, self.mtp):
             self.recent_pages.pop(h, None)  # re-inserted: the newest last
             self.recent_pages[h] = exp
         if compute:

@@ -100,18 +100,17 @@ class BlockManager:
             return page
         return None
 
-    def recent_hashes(self, cap: int) -> list[int]:
-        """At most `cap` cached block hashes: pages in use first, then free cached pages most
-        recently freed first (the last to be evicted)."""
-        out = [self.hash_of[i] for i in self.ref if i in self.hash_of][:cap]
+    def recent_pages(self, cap: int) -> list[int]:
+        """At most `cap` cached pages: pages in use first, then free cached pages most recently
+        freed first (the last to be evicted)."""
+        out = [i for i in self.ref if i in self.hash_of][:cap]
         scanned = 0
         for i in reversed(self._free):
             if len(out) >= cap or scanned >= 4 * cap:  # bounded: most free pages hold no block
                 break
             scanned += 1
-            h = self.hash_of.get(i)
-            if h is not None:
-                out.append(h)
+            if i in self.hash_of:
+                out.append(i)
         return out
 
     def is_free(self, page: int) -> bool:

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.cache.block_manager import BlockManager
-from engine.prefix_hash import ROOT_HASH, block_hash, prefix_key, prompt_hashes, short
+from engine.prefix_hash import ROOT_HASH, block_hash, page_name, prefix_key, prompt_hashes, short
 
 __all__ = ["ROOT_HASH", "Digest", "PrefixCache", "PrefixHit", "Snapshot", "block_hash", "prompt_hashes"]
 
@@ -46,9 +46,25 @@ class Digest:
     version: int  # changes whenever a page or snapshot is cached or evicted
     block_size: int
     interval: int  # the snapshot grid
-    pages: tuple[int, ...] = ()
+    pages: tuple[int, ...] = ()  # engine/prefix_hash.page_name of each cached page
     snapshot_keys: tuple[int, ...] = ()  # prefix_key of each ready snapshot ...
     snapshot_tokens: tuple[int, ...] = ()  # ... and the prefix length it holds
+    mtp: bool = False  # page names cover the token after each page; snapshots keep page p - 1
+
+
+@dataclass
+class PromptLogprobs:
+    """The prompt logprobs a request computed up to a snapshot at p (engine/request.py entries,
+    (token, logprob, top list)): entry i is token i + 1's. Entries 0 .. p - 2 depend on the prefix
+    alone; entry p - 1, token p's, on token p too, so it is kept per token p seen."""
+
+    num_top: int  # the top-list length of the entries (a request asking for more misses)
+    prefix: list  # entries 0 .. p - 2
+    next: dict[int, tuple]  # token p -> entry p - 1
+
+    def entries(self, token: int, num_top: int) -> list:
+        """Entries 0 .. p - 1 for a prompt whose token p is `token`, top lists cut to num_top."""
+        return [(t, lp, top[:num_top]) for t, lp, top in [*self.prefix, self.next[token]]]
 
 
 @dataclass(eq=False)
@@ -59,6 +75,7 @@ class Snapshot:
     tail: tuple[int, ...]  # the tokens after them
     ref: int = 0  # steps reading (restore) or writing (save) it now; > 0: not evictable
     ready: bool = False  # written: lookups may use it
+    prompt_logprobs: PromptLogprobs | None = None  # kept by a request that asked for them
 
 
 @dataclass
@@ -108,10 +125,14 @@ class PrefixCache:
             return (p - 1) // self.block_size
         return p // self.block_size if p % self.block_size else None
 
-    def lookup(self, tokens: list[int], hashes: list[int], limit: int) -> PrefixHit | None:
+    def lookup(
+        self, tokens: list[int], hashes: list[int], limit: int, prompt_logprobs: int | None = None
+    ) -> PrefixHit | None:
         """The longest usable prefix p <= limit of `tokens` (whose full-page hashes are
         `hashes`): a ready snapshot at p with the pages it does not hold cached (`shared_pages`);
-        with MTP, each of those computed with this prompt's next token after it. Changes nothing."""
+        with MTP, each of those computed with this prompt's next token after it. A request with
+        prompt logprobs (`prompt_logprobs` = its top-list length) takes only a snapshot that
+        keeps them, for its token p and at least that many alternatives. Changes nothing."""
         bs = self.block_size
         best: Snapshot | None = None
         pages: list[int] = []
@@ -125,6 +146,7 @@ class PrefixCache:
                     and self.shared_pages(s.num_tokens) <= len(pages)
                     and (best is None or s.num_tokens > best.num_tokens)
                     and tuple(tokens[base : s.num_tokens]) == s.tail
+                    and (prompt_logprobs is None or self._has_prompt_logprobs(s, tokens, prompt_logprobs))
                 ):
                     best = s
             if j == len(hashes) or base + bs > limit or len(pages) < j:
@@ -139,6 +161,28 @@ class PrefixCache:
         if best is None:
             return None
         return PrefixHit(best.num_tokens, pages[: self.shared_pages(best.num_tokens)], best)
+
+    @staticmethod
+    def _has_prompt_logprobs(s: Snapshot, tokens: list[int], num_top: int) -> bool:
+        d = s.prompt_logprobs
+        return d is not None and d.num_top >= num_top and tokens[s.num_tokens] in d.next
+
+    def find(self, parent: int, tail: tuple[int, ...]) -> Snapshot | None:
+        """The snapshot of this prefix, if one is kept (ready or being saved)."""
+        return self._by_key.get((parent, tail))
+
+    def keep_prompt_logprobs(self, s: Snapshot, num_top: int, entries: list, tokens: list[int]) -> None:
+        """A request that asked for prompt logprobs has computed `entries` past s.num_tokens = p:
+        keep those a request resuming at p needs (`PromptLogprobs`), unless s keeps more
+        alternatives already."""
+        p = s.num_tokens
+        if p >= len(tokens) or len(entries) < p or p == 0:
+            return
+        d = s.prompt_logprobs
+        if d is None or d.num_top < num_top:
+            s.prompt_logprobs = PromptLogprobs(num_top, entries[: p - 1], {tokens[p]: entries[p - 1]})
+        elif d.num_top == num_top:
+            d.next[tokens[p]] = entries[p - 1]
 
     # ---- pins ------------------------------------------------------------------------
     def acquire(self, s: Snapshot) -> None:
@@ -213,11 +257,14 @@ class PrefixCache:
         snaps = [s for s in self._by_key.values() if s.ready and s.ref > 0]
         snaps += reversed(self._lru)
         snaps = snaps[:DIGEST_SNAPSHOTS]
+        b = self.blocks
+        pages = b.recent_pages(DIGEST_PAGES)
         return Digest(
             version=self.version(),
             block_size=self.block_size,
             interval=self.interval,
-            pages=tuple(short(h) for h in self.blocks.recent_hashes(DIGEST_PAGES)),
+            pages=tuple(page_name(b.hash_of[i], b.after.get(i, -1) if self.mtp else None) for i in pages),
             snapshot_keys=tuple(short(prefix_key(s.parent, s.tail)) for s in snaps),
             snapshot_tokens=tuple(s.num_tokens for s in snaps),
+            mtp=self.mtp,
         )

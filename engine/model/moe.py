@@ -32,6 +32,10 @@ class MoEWeights:
     w2: torch.Tensor  # [E, hidden, I_r]
     shared: dict  # the shared expert's MLPWeights fields (its intermediate sliced like the experts')
     shared_gate: Linear  # [1, hidden], replicated
+    # FP8 experts (engine/loader.py): w13 / w2 float8 with their block scales, None otherwise
+    w13_scale_inv: torch.Tensor | None = None  # [E, 2 * I_r / bn, hidden / bk]
+    w2_scale_inv: torch.Tensor | None = None  # [E, hidden / bn, I_r / bk]
+    block_size: tuple[int, int] | None = None
 
 
 class SparseMoE:
@@ -41,6 +45,7 @@ class SparseMoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(self.w.router(x), self.top_k, self.renormalize)
-        out = fused_moe(x, self.w.w13, self.w.w2, topk_weights, topk_ids)
+        w = self.w
+        out = fused_moe(x, w.w13, w.w2, topk_weights, topk_ids, w.w13_scale_inv, w.w2_scale_inv, w.block_size)
         out += torch.sigmoid(self.w.shared_gate(x)) * self.shared(x)
         return self.all_reduce(out)

@@ -4,6 +4,7 @@ tier), with chunked prefill and preemption, from every checkpoint layout we acce
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -321,12 +322,12 @@ def _dequantized_copy(src, dst):
     return str(dst)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(arch, moe_prompts, tmp_path):
+def _make_fp8(d, arch: str, **overrides):
+    """make-tiny-model --fp8 (blocks of 16) with the MoE test spec's sizes, `overrides` replacing some."""
     from cli.test_cli_engine import run_cli
 
-    spec = hc.SPEC_MOE[arch]
-    args = ["make-tiny-model", str(tmp_path / "fp8"), "--arch", arch, "--fp8", "--fp8-block", "16", "--no-tokenizer"]
+    spec = dataclasses.replace(hc.SPEC_MOE[arch], **overrides)
+    args = ["make-tiny-model", str(d), "--arch", arch, "--fp8", "--fp8-block", "16", "--no-tokenizer"]
     for f in (
         "layers",
         "hidden",
@@ -350,7 +351,12 @@ def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(arch, moe_pr
         args += ["--mlp-only-layers", spec.mlp_only_layers, "--no-norm-topk-prob"]
     r = run_cli(*args)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(arch, moe_prompts, tmp_path):
     d = tmp_path / "fp8"
+    _make_fp8(d, arch)
     qc = json.loads((d / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [16, 16]
     with safe_open(str(d / "model.safetensors"), framework="pt") as h:
@@ -460,3 +466,35 @@ def test_moe_mtp_k1_k2_k3_match_transformers(moe_mtp, moe_prompts, tp):
         assert all(a > 0 for a in s.accepted_per_position), s.accepted_per_position
         assert sum(s.accepted_per_position) < sum(s.drafts_per_position)
         assert llm.engine.blocks.num_free == llm.capacity().num_blocks
+
+
+def test_fp8_experts_kept_in_fp8_match_transformers(moe_prompts, tmp_path):
+    """fp8_experts="keep" (the default on CUDA): the routed experts stay float8 with their block
+    scales (half the bytes of bfloat16) and the tokens are still transformers' on the dequantized
+    weights, at TP 1 and 2 (each rank's 16 of 32 intermediate rows are one whole block)."""
+    d = tmp_path / "fp8"
+    _make_fp8(d, "qwen3_5_moe", moe_intermediate=32)
+    prompts = moe_prompts[:2]
+    ref_dir = _dequantized_copy(d, tmp_path / "dequantized")
+    ref = [hc.hf_greedy(ref_dir, p, NEW) for p in prompts]
+    with LLM(str(d), dtype="float32", fp8_experts="keep") as llm:
+        moe = [layer.mlp.w for layer in llm.engine.executor.worker.model.layers if hasattr(layer.mlp.w, "w13")]
+        assert moe and all(w.w13.dtype == w.w2.dtype == torch.float8_e4m3fn for w in moe)
+        assert tuple(moe[0].w13_scale_inv.shape) == (6, 2 * 32 // 16, 64 // 16) and moe[0].block_size == (16, 16)
+        assert _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)) == ref
+    assert _tokens(_generate(d, prompts, tensor_parallel_size=2, fp8_experts="keep")) == ref
+
+
+@pytest.mark.gpu
+def test_fp8_experts_on_cuda_match_transformers(moe_prompts, tmp_path):
+    """On CUDA the routed experts of an FP8 checkpoint stay float8 by default (fp8_experts
+    "auto"), through the Triton fused MoE kernel: float32 tokens equal transformers' on the
+    dequantized weights on the same GPU."""
+    d = tmp_path / "fp8"
+    _make_fp8(d, "qwen3_5_moe", moe_intermediate=32)
+    ref_dir = _dequantized_copy(d, tmp_path / "dequantized")
+    ref = [hc.hf_greedy(ref_dir, p, NEW, device="cuda") for p in moe_prompts]
+    with LLM(str(d), dtype="float32", device="cuda") as llm:
+        moe = [layer.mlp.w for layer in llm.engine.executor.worker.model.layers if hasattr(layer.mlp.w, "w13")]
+        assert moe and all(w.w13.dtype == torch.float8_e4m3fn and w.w13.is_cuda for w in moe)
+        assert _tokens(llm.generate(prompt_token_ids=moe_prompts, sampling_params=GREEDY)) == ref

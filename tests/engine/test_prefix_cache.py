@@ -69,3 +69,31 @@ def test_next_turn_resumes_past_the_reply(ckpt_hv2):
     assert r1.num_cached_tokens == 0 and r2.num_cached_tokens == len(turn1) + 12 - 1
     assert r1.output_token_ids == hc.hf_greedy(ckpt_hv2, turn1, 12)
     assert r2.output_token_ids == hc.hf_greedy(ckpt_hv2, turn2, 12)
+
+
+def test_prompt_logprob_requests_resume_from_the_cache(ckpt_hv2):
+    """Multiple choice as evaluation harnesses send it (one context, several endings, prompt
+    logprobs): later endings resume at the grid snapshot inside the context, whose kept logprobs
+    fill the skipped tokens' entries; every entry still matches transformers. A request asking
+    for more alternatives than were kept, and one whose token at the snapshot differs, do not
+    take it."""
+    from test_sampling_options import _check_logprobs
+
+    context = BASE[:70]
+    endings = [context + _rand(6, 10 + i) for i in range(3)]
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=2)
+    wide = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=5)
+    branch = context[:64] + _rand(8, 20)  # shares 64 tokens, but token 64 differs
+    with LLM(ckpt_hv2, dtype="float32", prefix_snapshot_interval=32) as llm:
+        outs = [llm.generate(prompt_token_ids=[p], sampling_params=sp)[0] for p in endings]
+        assert [o.num_cached_tokens for o in outs] == [0, 64, 64]
+        more = llm.generate(prompt_token_ids=[endings[1]], sampling_params=wide)[0]
+        assert more.num_cached_tokens == 0  # 2 alternatives kept, 5 asked for
+        other = llm.generate(prompt_token_ids=[branch], sampling_params=sp)[0]
+        assert other.num_cached_tokens == 32
+        e = llm.engine
+        assert (e.blocks.num_free, e.slots.num_free) == (llm.capacity().num_blocks, llm.capacity().num_state_slots)
+    for p, o in zip(endings, outs):
+        _check_logprobs(ckpt_hv2, p, o, 2, 1)
+    _check_logprobs(ckpt_hv2, endings[1], more, 5, 1)
+    _check_logprobs(ckpt_hv2, branch, other, 2, 1)

@@ -23,7 +23,8 @@ BS = 4
 def _digest(pc: PrefixCache) -> pb.PrefixDigest:
     d = pc.digest()  # as proto/node.py puts it on the wire
     return pb.PrefixDigest(version=d.version, block_size=d.block_size, snapshot_interval=d.interval,
-                           pages=d.pages, snapshot_keys=d.snapshot_keys, snapshot_tokens=d.snapshot_tokens)  # fmt: skip
+                           pages=d.pages, snapshot_keys=d.snapshot_keys, snapshot_tokens=d.snapshot_tokens,
+                           mtp=d.mtp)  # fmt: skip
 
 
 def _cache(tokens: list[int], pages: int, snapshots: list[int], missing_page: int | None = None) -> PrefixCache:
@@ -78,6 +79,64 @@ def test_usable_prefix_matches_the_engine_lookup(name, missing):
     q = PrefixQuery(PROMPTS[name])
     assert nc.usable(q, compute=True) == _engine_usable(pc, PROMPTS[name])
     assert nc.usable(q, compute=False) == _engine_pages(pc, PROMPTS[name])
+
+
+def _mtp_cache(computed: list[list[int]], snapshots: list[tuple[int, int]]) -> PrefixCache:
+    """An MTP node's cache after it computed each prompt of `computed` in turn (each full page
+    registered with the token after it, the first computer's copy kept, as the scheduler does;
+    a prompt's last page gets token 0 after it, its first sampled one) and GDN snapshots after
+    (prompt index, tokens) of `snapshots`."""
+    bm = BlockManager(64, BS)
+    pc = PrefixCache(bm, num_snapshots=8, interval=8, mtp=True)
+    for toks in computed:
+        hashes = prompt_hashes(toks, BS)
+        ids = bm.allocate(len(hashes))
+        for j, h in enumerate(hashes):
+            e = (j + 1) * BS
+            bm.register(ids[j], h, toks[e] if e < len(toks) else 0)
+        bm.free(ids)
+    for i, n in snapshots:
+        pc.commit(pc.reserve(*pc.key_for(computed[i], prompt_hashes(computed[i], BS), n), n))
+    return pc
+
+
+def _engine_mtp_pages(pc: PrefixCache, prompt: list[int]) -> int:
+    """A decode node's reservation under MTP (Scheduler.reserve): leading pages cached with the
+    prompt's own token after them."""
+    n = 0
+    for j, h in enumerate(prompt_hashes(prompt, BS)):
+        e = (j + 1) * BS
+        if pc.blocks.lookup(h, prompt[e] if e < len(prompt) else -1) is None:
+            break
+        n += 1
+    return n * BS
+
+
+# B1 and a branch of it exactly at the page boundary 16: page 3 is cached with B1's token 16 after
+# it, so C1 shares 3 pages, not 4, and its snapshot at 16 (which keeps page 3 itself) is usable.
+B1 = BASE[:26]
+C1 = BASE[:16] + [998] * 10
+MTP_PROMPTS = {
+    "b1-next-turn": B1 + [5, 6, 7, 8, 9, 10],
+    "c1-next-turn": C1 + [5, 6, 7, 8],
+    "branch-at-16": BASE[:16] + [997] * 8,
+    "ends-on-page": BASE[:20],  # its last page's next token is not known yet: never shared
+    "branch-at-12": BASE[:12] + [996] * 9,
+}
+
+
+@pytest.mark.parametrize("name", list(MTP_PROMPTS))
+def test_mtp_usable_prefix_matches_the_engine_lookup(name):
+    """With MTP drafting the digest names each page with the token after it: the router's usable
+    prefix still equals the engine's lookup where a prompt branches at a page end."""
+    pc = _mtp_cache([B1, C1], snapshots=[(0, 8), (0, 16), (0, 26), (1, 24)])
+    nc = NodeCache()
+    nc.update(_digest(pc))
+    assert nc.mtp
+    prompt = MTP_PROMPTS[name]
+    q = PrefixQuery(prompt)
+    assert nc.usable(q, compute=True) == _engine_usable(pc, prompt)
+    assert nc.usable(q, compute=False) == _engine_mtp_pages(pc, prompt)
 
 
 def test_trimmed_to_the_last_snapshot():
