@@ -52,6 +52,7 @@ _i64, _p, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c
 _SIGS = {
     "gdn_decode": [_i64] * 7 + [_p, _i64, _p, _p, _p, _p, _p, _p, _p, _f32, _p, _p, _int],
     "add_rms_norm": [_i64, _i64, _i64, _p, _p, _p, _p, _f32, _p, _p, _int],
+    "add_rms_norm_mt": [_i64, _i64, _p, _p, _p, _p, _f32, _p, _int, _i64],
     "gemv_bf16": [_i64, _i64, _i64, _p, _p, _p, _int, _i64],
     "attn_decode": [
         *[_i64] * 5,
@@ -205,10 +206,11 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor | None, w: torch.Tensor, eps: 
     T, H = x.shape
     xo = x if h is None else torch.empty_like(x)
     y = torch.empty_like(x)
-    work = torch.empty(H, dtype=torch.float32)
-    _get().add_rms_norm(
-        0, T, H, _ptr(x), _ptr(h), _ptr(xo), _ptr(w), eps, _ptr(y), _ptr(work), int(x.dtype == torch.bfloat16)
-    )
+    bf16 = int(x.dtype == torch.bfloat16)
+    if T * H >= 1 << 16:  # a prefill's rows: blocks of 64 rows over torch's threads
+        _get().add_rms_norm_mt(T, H, _ptr(x), _ptr(h), _ptr(xo), _ptr(w), eps, _ptr(y), bf16, torch.get_num_threads())
+    else:
+        _get().add_rms_norm(0, T, H, _ptr(x), _ptr(h), _ptr(xo), _ptr(w), eps, _ptr(y), None, bf16)
     return xo, y
 
 

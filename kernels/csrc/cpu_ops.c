@@ -997,6 +997,33 @@ void silu_mul_f32(int64_t M, int64_t I, const float *gu, int64_t ld, float *out,
 }
 
 /* ======================================================================================
+ * add_rms_norm over many rows (a prefill's tokens): blocks of 64 rows shared by up to nthreads
+ * threads; each row's result is add_rms_norm's, whatever the split.
+ * ====================================================================================== */
+
+struct norm_job {
+    int64_t T, H;
+    const void *x, *h;
+    void *xo, *y;
+    const float *w;
+    float eps;
+    int bf16;
+};
+
+static void norm_run(void *ctx, int64_t chunk, int64_t tid) {
+    (void)tid;
+    const struct norm_job *j = ctx;
+    const int64_t b1 = (chunk + 1) * 64 < j->T ? (chunk + 1) * 64 : j->T;
+    add_rms_norm(chunk * 64, b1, j->H, j->x, j->h, j->xo, j->w, j->eps, j->y, NULL, j->bf16);
+}
+
+void add_rms_norm_mt(int64_t T, int64_t H, const void *x, const void *h, void *xo, const float *w, float eps,
+                     void *y, int bf16, int64_t nthreads) {
+    struct norm_job job = {T, H, x, h, xo, y, w, eps, bf16};
+    pool_run(norm_run, &job, (T + 63) / 64, nthreads);
+}
+
+/* ======================================================================================
  * A whole float32 decode step through the decoder layers, one token per row: per layer the
  * ops above in the order engine/model/qwen3_5.py run_layer calls them one by one from Python
  *     h = norm(x);  mix = gdn_decode / attn_decode(h @ w_in^T);  x = x + mix @ w_out^T;

@@ -77,10 +77,11 @@ def test_gdn_decode_matches_pytorch(dtype, B, hk, hv, dk, dv):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("with_h", [True, False], ids=["add", "norm-only"])
-def test_add_rms_norm_matches_pytorch(dtype, with_h):
+@pytest.mark.parametrize("T", [6, 701], ids=["rows6", "rows701-threads"])  # 701 x 96: blocks of 64 over threads
+def test_add_rms_norm_matches_pytorch(dtype, with_h, T):
     g = torch.Generator().manual_seed(1)
-    x = (torch.randn(6, 96, generator=g) * 3).to(dtype)
-    h = torch.randn(6, 96, generator=g).to(dtype) if with_h else None
+    x = (torch.randn(T, 96, generator=g) * 3).to(dtype)
+    h = torch.randn(T, 96, generator=g).to(dtype) if with_h else None
     w = 1 + 0.1 * torch.randn(96, generator=g)
     xs = x + h if with_h else x
     xo, y = cpu_ops.add_rms_norm(x, h, w, 1e-6)
