@@ -6,8 +6,14 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
-import torch
+# Before torch loads: OpenMP threads sleep at the end of a parallel region instead of spinning
+# (what engine/__init__.py sets for the servers). The suite runs servers, TP ranks and
+# references side by side on 2 cores, where a spinning thread holds a core another process
+# needs: two engine test files took 124 s with the default policy and 10 s passive.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # transformers is the reference: keep it on its own PyTorch code even where flash-linear-attention
 # or causal-conv1d is installed (tools/gpu_check.sh prepare --fla brings fla for the benchmark),
