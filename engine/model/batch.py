@@ -49,6 +49,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [R] token indices whose next-token logits are wanted
     _rows: tuple | None = None  # gdn_rows(), made once per step
     _tok_rows: tuple | None = None  # decode_token_rows(), made once per step
+    _phases: list | None = None  # gdn_row_phases(), made once per step
 
     @property
     def groups(self) -> list[RowGroup]:
@@ -65,6 +66,42 @@ class ForwardBatch:
             init = torch.cat([x.has_initial_state for x in g]) if len(g) > 1 else g[0].has_initial_state
             self._rows = (cu, slots, init, torch.repeat_interleave(slots, cu[1:] - cu[:-1]))
         return self._rows
+
+    def gdn_row_phases(self) -> list[tuple[torch.Tensor, tuple, list[tuple[int, int]]]]:
+        """gdn_rows() cut at the prefill rows' state points (prefix snapshots inside rows): phase i
+        runs every row's tokens up to its i-th point (from where phase i - 1 stopped), so the
+        slot holds the state at that point when the phase ends. Per phase: (token indices,
+        (row_cu, row_slots, row_init, tok_slots) over those tokens, [(slot, snapshot entry)] to
+        copy after it). Made on first use and kept for the step's layers."""
+        if self._phases is None:
+            cu, slots, init, _ = (t.tolist() for t in self.gdn_rows())
+            n_dec = self.decode.num_rows if self.decode is not None else 0
+            pts = self.prefill.points
+            ptr, offs, dest = pts.ptr.tolist(), pts.offsets.tolist(), pts.dest.tolist()
+            cuts = [[] for _ in slots]
+            for b in range(len(ptr) - 1):
+                cuts[n_dec + b] = [(offs[m], dest[m]) for m in range(ptr[b], ptr[b + 1])]
+            done = [0] * len(slots)
+            phases = []
+            for ph in range(1 + max(len(c) for c in cuts)):
+                idx, rcu, rslots, rinit, tslots, copies = [], [0], [], [], [], []
+                for r, (s, c) in enumerate(zip(slots, cuts)):
+                    if ph > len(c):
+                        continue  # the row ended in an earlier phase
+                    end = c[ph][0] if ph < len(c) else cu[r + 1] - cu[r]
+                    idx += range(cu[r] + done[r], cu[r] + end)
+                    tslots += [s] * (end - done[r])
+                    rcu.append(len(idx))
+                    rslots.append(s)
+                    rinit.append(bool(init[r]) or done[r] > 0)
+                    if ph < len(c):
+                        copies.append((s, c[ph][1]))
+                    done[r] = end
+                dev = self.input_ids.device
+                rows = tuple(torch.tensor(x, device=dev) for x in (rcu, rslots, rinit, tslots))
+                phases.append((torch.tensor(idx, device=dev), rows, copies))
+            self._phases = phases
+        return self._phases
 
     def decode_token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode group token by token, for the C attention op when its rows carry several

@@ -132,23 +132,37 @@ class GatedDeltaNet:
             points=grp.points, points_pool=snaps, max_len=grp.max_row_tokens,
         )  # fmt: skip
 
+    def _rows_in_phases(self, proj, batch: ForwardBatch, pools: CachePools, consts) -> torch.Tensor:
+        """cpu_ops.gdn_rows phase by phase; after each, the states at the points it ended on are
+        copied from the rows' slots into the snapshot pools."""
+        out = proj.new_empty(proj.shape[0], self.hv * self.dv)
+        conv, rec = pools.conv[self.layer], pools.recurrent[self.layer]
+        conv_snap, rec_snap = pools.snapshots.conv[self.layer], pools.snapshots.recurrent[self.layer]
+        for idx, rows, copies in batch.gdn_row_phases():
+            out.index_copy_(0, idx, cpu_ops.gdn_rows(proj.index_select(0, idx), *rows, *consts))
+            for slot, entry in copies:
+                conv_snap[entry].copy_(conv[slot])
+                rec_snap[entry].copy_(rec[slot])
+        return out
+
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, pools: CachePools, rows: torch.Tensor | None = None):
         """rows: only these tokens' outputs are wanted (every token still updates the state)."""
         T = x.shape[0]
         proj = self.w.w_in(x)
         if (
             batch.prefill is not None
-            and batch.prefill.points is None  # prefix snapshots inside rows: the chunked path keeps them
             and x.dtype == torch.float32
             and (batch.decode is None or batch.decode.max_row_tokens == 1)
             and not x.is_cuda
             and cpu_ops.available(x.dtype)
         ):  # prefill chunks (and decode rows beside them) token by token in C; float32 only:
             # bfloat16 prefill keeps the chunked path, whose roundings follow transformers' own
-            o = cpu_ops.gdn_rows(
-                proj, *batch.gdn_rows(), self.w.conv, pools.conv[self.layer], pools.recurrent[self.layer],
-                self.neg_A, self.dt_bias, self.w.norm, self.hk, self.hv, self.dk, self.dv, self.eps,
-            )  # fmt: skip
+            consts = (self.w.conv, pools.conv[self.layer], pools.recurrent[self.layer],
+                      self.neg_A, self.dt_bias, self.w.norm, self.hk, self.hv, self.dk, self.dv, self.eps)  # fmt: skip
+            if batch.prefill.points is None:
+                o = cpu_ops.gdn_rows(proj, *batch.gdn_rows(), *consts)
+            else:  # prefix snapshots inside rows: in phases cut at them (ForwardBatch.gdn_row_phases)
+                o = self._rows_in_phases(proj, batch, pools, consts)
             return self.all_reduce(self.w.w_out(_pick(o, rows)))
         if batch.prefill is None and not x.is_cuda and cpu_ops.available(x.dtype):  # decode rows, fused in C
             grp = batch.decode
