@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Both systems run with OpenMP threads that sleep at the end of a parallel region, as pdserve's
+# servers do (engine/__init__.py sets it, but only when the engine loads before torch).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402  (before torch: engine/__init__.py sets the OpenMP wait policy)
+from engine import LLM, SamplingParams  # noqa: E402
 from engine.tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
 
 ARCHS = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
