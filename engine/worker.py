@@ -54,7 +54,9 @@ class Worker:
         self.model = Qwen35Model(cfg.model, weights, t, all_reduce, cfg.max_model_len + 1, self.device)
         self.pools = CachePools(self.specs, self.capacity, self.device, k)
         self.drafter: MTPDrafter | None = None
-        self._tail_hidden: dict[int, torch.Tensor] = {}  # MTP: slot -> hidden state for final snapshots
+        # MTP: the last step's hidden states and, per sampling row's slot, the row of its last
+        # position (what a final snapshot keeps; read only when one is saved, `_last_hidden`)
+        self._tail_hidden: tuple[torch.Tensor | None, dict[int, int]] = (None, {})
         if cfg.speculative.mtp:
             block = MTPBlock(
                 cfg.model,
@@ -135,7 +137,8 @@ class Worker:
         if self.drafter is not None:
             self.drafter.drop(step.finished_ids)
         if not step.rows:  # at most snapshots of finished requests' final state to save
-            last = {c.index: self._tail_hidden[c.slot] for c in step.saves if c.last is not None}
+            hidden, row = self._tail_hidden
+            last = {c.index: hidden[row[c.slot]] for c in step.saves if c.last is not None}
             self.pools.snapshots.save(self.pools, step.saves, last)
             return StepOutput({}) if self.rank == 0 else None
         batch = self.build_batch(step)
@@ -188,21 +191,19 @@ class Worker:
             r = row_of[c.slot]
             self.drafter.resume(r.request_id, c.last, r.token_ids[0], self.pools.snapshots.hidden[c.index])
 
-    def _last_hidden(self, step: StepInput, hidden: torch.Tensor, emitted: list[list[int]]) -> dict[int, torch.Tensor]:
-        """Slot -> the hidden state at the last position whose next token this step made known
-        (num_computed_tokens - 1 after it), for each row that sampled: what a finished request's
-        final-state snapshot keeps (Scheduler._keep_final), saved right after the step."""
-        idx, slots, off = [], [], 0
+    @staticmethod
+    def _last_hidden(step: StepInput, hidden: torch.Tensor, emitted: list[list[int]]) -> tuple[torch.Tensor, dict]:
+        """(hidden, slot -> row of hidden at the last position whose next token this step made
+        known, num_computed_tokens - 1 after it) for each row that sampled: what a finished
+        request's final-state snapshot keeps (Scheduler._keep_final), saved right after the step.
+        Nothing is gathered unless a snapshot is saved."""
+        row, off = {}, 0
         for r, toks in zip(step.rows, emitted):
             n = len(r.token_ids)
             if r.sample and toks:
-                idx.append(off + n - 1 - r.num_draft + len(toks) - 1)
-                slots.append(r.slot)
+                row[r.slot] = off + n - 1 - r.num_draft + len(toks) - 1
             off += n
-        if not idx:
-            return {}
-        rows = hidden.index_select(0, torch.tensor(idx, device=hidden.device))
-        return dict(zip(slots, rows))
+        return hidden, row
 
     @staticmethod
     def _snapshot_hidden(step: StepInput, hidden: torch.Tensor) -> dict[int, torch.Tensor]:
