@@ -21,12 +21,15 @@ descheduled thread at every call (measured here: a 2-row float32 projection took
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as engine/__init__.py, which loads after torch here
 
 import torch  # noqa: E402
 

@@ -45,6 +45,8 @@ if sys.path and Path(sys.path[0]).resolve() == ROOT / "bench":
     sys.path.pop(0)  # bench/kernels.py would shadow the kernels package
 sys.path.insert(0, str(ROOT))
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as engine/__init__.py, which loads after torch here
+
 import torch  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
