@@ -44,6 +44,12 @@ KV too. A request that finishes (stop or length) leaves a snapshot of its final 
 (`take_final`), saved by the executor right after the step, so a colocated next turn computes
 only its new tokens (with MTP, only when the request still drafts, `_keep_final`). The scheduler frees pages by reference, so a page another request shares is
 never handed out.
+
+Requests in flight share too (engine/cache/inflight.py): a waiting request that shares a new
+prefix with a running request still computing its prompt, far enough past its own hit to pay, is
+held back until that request's step has committed the snapshot (`_held`, decided afresh at every
+step from the running batch, so a sharer that is gone releases it); it keeps its place in the
+queue, and requests behind it are admitted past it.
 """
 
 from __future__ import annotations
