@@ -15,8 +15,10 @@ from engine import LLM, SamplingParams
 from engine.cache.block_manager import BlockManager, SlotPool
 from engine.cache.prefix import PrefixCache
 from engine.config import SchedulerConfig
+from engine.loop import EngineLoop
 from engine.request import Request, Status
 from engine.scheduler import Scheduler
+from proto.metrics import capacity_gauges
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -41,8 +43,12 @@ def test_a_burst_sharing_a_new_prefix_computes_it_once(ckpt_hv2):
         off = llm.generate(prompt_token_ids=ENDINGS, sampling_params=GREEDY)
     with LLM(ckpt_hv2, dtype="float32", prefix_snapshot_interval=32) as llm:
         on = llm.generate(prompt_token_ids=ENDINGS, sampling_params=GREEDY)
-        assert llm.engine.prefix.stats.held == 3
         _all_free(llm)
+        lp = EngineLoop(llm.engine, name="test-inflight").start()  # the node's metrics read its Snapshot
+        try:
+            assert capacity_gauges(lp.stats().result(5))["prefix_held_admissions_total"][1] == 3
+        finally:
+            lp.stop()
     assert [o.num_cached_tokens for o in on] == [0, 64, 64, 64]
     for p, a, b in zip(ENDINGS, on, off):
         assert a.output_token_ids == b.output_token_ids == hc.hf_greedy(ckpt_hv2, p, 6)
