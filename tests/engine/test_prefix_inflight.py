@@ -54,6 +54,16 @@ def test_a_burst_sharing_a_new_prefix_computes_it_once(ckpt_hv2):
         assert a.output_token_ids == b.output_token_ids == hc.hf_greedy(ckpt_hv2, p, 6)
 
 
+def test_burst_at_tp2_gives_transformers_tokens(ckpt_hv2):
+    """Across two ranks: the held requests' snapshots are restored on every rank."""
+    with LLM(ckpt_hv2, dtype="float32", prefix_snapshot_interval=32, tensor_parallel_size=2) as llm:
+        on = llm.generate(prompt_token_ids=ENDINGS[:2], sampling_params=GREEDY)
+        _all_free(llm)
+    assert [o.num_cached_tokens for o in on] == [0, 64]
+    for p, a in zip(ENDINGS, on):
+        assert a.output_token_ids == hc.hf_greedy(ckpt_hv2, p, 6)
+
+
 def test_mtp_burst_gives_the_same_tokens(ckpt_mtp, mtp_prompts):
     """With MTP drafting (k = 2): the others resume at the first one's grid snapshot (its hidden
     state at 31 kept with it) and give the cache-off run's and transformers' tokens."""
