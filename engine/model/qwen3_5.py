@@ -19,7 +19,7 @@ from engine.model.layers import MLP, AllReduce, Attention, AttentionWeights, Gat
 from engine.model.linear import Linear
 from engine.model.moe import MoEWeights, SparseMoE
 from engine.model.rotary import Rotary
-from kernels import add_rms_norm, rms_norm
+from kernels import add_rms_norm
 from kernels.cpu_decode import DecodeLayers
 
 
@@ -119,8 +119,8 @@ class Qwen35Model:
                 rows = batch.logits_indices if i == last else None
                 x = run_layer(layer, x, batch, pools, pools.kv.get(i), cos, sin, self.eps, rows)
         if want_hidden:
-            h = rms_norm(x, self.final_norm, self.eps, zero_centered=False)
+            _, h = add_rms_norm(x, None, self.final_norm, self.eps)  # one C call on the CPU
             return self.lm_head(h[batch.logits_indices]).float(), h
         if last is None:
             x = x[batch.logits_indices]
-        return self.lm_head(rms_norm(x, self.final_norm, self.eps, zero_centered=False)).float()
+        return self.lm_head(add_rms_norm(x.contiguous(), None, self.final_norm, self.eps)[1]).float()
