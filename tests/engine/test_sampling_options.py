@@ -140,15 +140,6 @@ def test_bad_options_refused(kw, msg):
         SamplingParams(**kw)
 
 
-def _hf_biased_greedy(ckpt, prompt: list[int], n: int, bias: dict[int, float]) -> list[int]:
-    """transformers' own generate with its additive bias (`sequence_bias` on one-token sequences)."""
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = hc._hf_model(ckpt).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                          do_sample=False, sequence_bias={(t,): b for t, b in bias.items()})  # fmt: skip
-    return out[0, len(prompt) :].tolist()
-
-
 def test_logit_bias_arithmetic_order():
     """Penalties, then the bias, then the min_tokens ban (docs/api.md), against the definitions."""
     from engine.sampler import Sampler
@@ -181,12 +172,12 @@ def test_logit_bias_matches_transformers(ckpt_hv2, llm_hv2, llm_chunked):
     assert top2[0] == plain[0]
     banned = run(llm_hv2, logit_bias={plain[0]: -100}, logprobs=2)
     assert banned.output_token_ids[0] == top2[1]
-    assert banned.output_token_ids == _hf_biased_greedy(ckpt_hv2, prompt, n, {plain[0]: -100.0})
+    assert banned.output_token_ids == hc.hf_biased_greedy(ckpt_hv2, prompt, n, {plain[0]: -100.0})
     assert banned.logprobs[0][2][0][0] == plain[0]  # logprobs are the model's own, before the bias
     # moderate biases of both signs at once
     mixed = {plain[1]: -3.5, plain[2]: -2.0, top2[1]: 0.5, 77: 1.25}
     got = run(llm_hv2, logit_bias=mixed).output_token_ids
-    assert got != plain and got == _hf_biased_greedy(ckpt_hv2, prompt, n, mixed)
+    assert got != plain and got == hc.hf_biased_greedy(ckpt_hv2, prompt, n, mixed)
     # n-gram speculation would draft the repeats of `forced`; the request takes none, same tokens
     sched = llm_chunked.engine.scheduler
     drafts = sched.num_draft_tokens
