@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
+from numbers import Integral, Real
 
 MAX_LOGPROBS = 20  # most alternatives per position (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 300  # most logit_bias entries (OpenAI's limit)
@@ -140,8 +141,10 @@ def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     if dup:
         raise ValueError("logit_bias names a token id more than once")
     out = []
-    for t, b in items:
-        if isinstance(b, int) and not isinstance(b, bool):
+    for t, b in items:  # numpy / torch scalars too
+        if isinstance(t, Integral) and not isinstance(t, bool):
+            t = int(t)
+        if isinstance(b, Real) and not isinstance(b, bool):
             b = float(b)
         out.append((t, b))
     try:
