@@ -119,8 +119,8 @@ class Sampler:
         self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams], histories=None, positions=None
     ) -> list[int]:
         """logits [R, V] float32 -> one token per row. histories: per row (prompt ids, output
-        ids), needed for rows with penalties, logit_bias or min_tokens (None elsewhere); positions: per row,
-        the new tokens its request has."""
+        ids), needed for rows with penalties, logit_bias or min_tokens (None elsewhere);
+        positions: per row, the new tokens its request has."""
         out = logits.argmax(-1).tolist()
         for i, p in enumerate(params):
             row = logits[i]

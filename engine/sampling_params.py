@@ -83,7 +83,8 @@ class SamplingParams:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"logit_bias keys must be non-negative token ids (got {t!r})")
             if not isinstance(b, float) or not math.isfinite(b) or abs(b) > LOGIT_BIAS_RANGE:
-                raise ValueError(f"logit_bias values must be numbers in [-100, 100] (got {b!r} for token {t})")
+                lim = LOGIT_BIAS_RANGE
+                raise ValueError(f"logit_bias values must be numbers in [-{lim:g}, {lim:g}] (got {b!r} for token {t})")
 
     @property
     def biased(self) -> bool:

@@ -8,8 +8,8 @@ support (`suffix`, tools) are refused by name.
 
     sampling(req) -> pb.SamplingParams: `max_tokens` / `max_completion_tokens` (0: one token is
     generated and none returned: prompt logprobs only), temperature, top_p, top_k, penalties,
-    `logit_bias` ({"token id": bias}), seed, min_tokens, `stop` (strings, matched by the router; ints as an extension: token ids),
-    `stop_token_ids`, `ignore_eos`; logprobs: chat `logprobs: true` + `top_logprobs: k`,
+    `logit_bias` ({"token id": bias}), seed, min_tokens, `stop` (strings, matched by the router;
+    ints as an extension: token ids), `stop_token_ids`, `ignore_eos`; logprobs: chat `logprobs: true` + `top_logprobs: k`,
     completions `logprobs: k` and with `echo` the prompt's too (prompt_logprobs).
 """
 
