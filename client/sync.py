@@ -99,8 +99,8 @@ class Client:
     ) -> TokenStream:
         """Chunks as the tokens come. Options: max_tokens, temperature, top_k, top_p, seed,
         stop_token_ids, ignore_eos, request_id, stop (strings), min_tokens, presence_penalty,
-        frequency_penalty, repetition_penalty, logprobs, prompt_logprobs, num_speculative_tokens
-        (docs/api.md)."""
+        frequency_penalty, repetition_penalty, logprobs, prompt_logprobs, num_speculative_tokens,
+        logit_bias ({token id: bias}) (docs/api.md)."""
         req = build_request(prompt, prompt_token_ids, **sampling)
         return TokenStream(self._r.generate(req, timeout or self.timeout), self._r)
 

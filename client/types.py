@@ -122,6 +122,7 @@ def build_request(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     num_speculative_tokens: int | None = None,
+    logit_bias: dict[int, float] | None = None,
 ) -> pb.GenerateRequest:
     """Unset options (None) take the server's defaults. docs/api.md describes each."""
     if (prompt is None) == (prompt_token_ids is None):
@@ -141,6 +142,8 @@ def build_request(
         sp.top_p = top_p
     if seed is not None:
         sp.seed = seed
+    for t, b in (logit_bias or {}).items():  # token id -> bias in [-100, 100]
+        sp.logit_bias[int(t)] = float(b)
     req = pb.GenerateRequest(request_id=request_id or "", sampling=sp)
     if prompt is not None:
         req.prompt = prompt

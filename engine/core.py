@@ -75,6 +75,9 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id(s) {bad[:5]} out of range [0, {vocab}) for this model's vocabulary")
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token id(s) {bad[:5]} out of range [0, {vocab}) for this model's vocabulary")
         k, cap = self.cfg.speculative.num_tokens, params.num_speculative_tokens
         if cap is not None and cap > k:
             raise ValueError(
@@ -194,7 +197,7 @@ class EngineCore:
                     prompt_logprobs=plp,
                     num_output=len(req.output_token_ids),
                     history=(req.prompt_token_ids, req.output_token_ids)
-                    if r.samples and (p.penalized or len(req.output_token_ids) < p.min_tokens)
+                    if r.samples and (p.penalized or p.biased or len(req.output_token_ids) < p.min_tokens)
                     else None,
                 )
             )

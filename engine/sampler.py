@@ -1,6 +1,6 @@
-"""Token sampling on rank 0: greedy, temperature, top-k, top-p, seeded generators, penalties
-and min_tokens on the logits before any of that, log-probabilities, and verification of
-speculative drafts.
+"""Token sampling on rank 0: greedy, temperature, top-k, top-p, seeded generators, penalties,
+logit_bias and min_tokens on the logits before any of that, log-probabilities, and verification
+of speculative drafts.
 
 A seeded request samples its i-th new token (and verifies drafts from there) with a generator
 seeded from (seed, i): the same seed gives the same tokens whatever else shares the batch and
@@ -55,6 +55,17 @@ def apply_penalties(row: torch.Tensor, p: SamplingParams, prompt: list[int], out
     return row
 
 
+def apply_logit_bias(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """[V] logits -> a copy with p.logit_bias added (float32); ids past the row are left out
+    (EngineCore.validate refuses ids outside the vocabulary)."""
+    row = row.float().clone()
+    pairs = [(t, b) for t, b in p.logit_bias if t < row.shape[-1]]
+    if pairs:
+        ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=row.device)
+        row[ids] += torch.tensor([b for _, b in pairs], dtype=row.dtype, device=row.device)
+    return row
+
+
 def token_logprobs(logprobs: torch.Tensor, targets: list[int], n: int) -> list[TokenLogprob]:
     """logprobs [R, V] (log-softmax) and one target id per row -> each target's log-probability
     and the n most likely ids of its row (ties: the lower id first, as torch.topk orders them)."""
@@ -88,11 +99,14 @@ class Sampler:
             self._gens.pop(r, None)
 
     def adjust(self, row: torch.Tensor, p: SamplingParams, history) -> torch.Tensor:
-        """The logits a request samples from: penalties, and EOS / stop ids masked while fewer
-        than min_tokens new tokens exist. history: (prompt ids, output ids)."""
+        """The logits a request samples from (docs/api.md, "Sampling applies, in order"):
+        penalties, then logit_bias, then EOS / stop ids masked while fewer than min_tokens new
+        tokens exist. history: (prompt ids, output ids)."""
         prompt, output = history
         if p.penalized:
             row = apply_penalties(row, p, prompt, output)
+        if p.biased:
+            row = apply_logit_bias(row, p)
         if len(output) < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos))
             banned = [t for t in banned if t < row.shape[-1]]
@@ -105,8 +119,8 @@ class Sampler:
         self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams], histories=None, positions=None
     ) -> list[int]:
         """logits [R, V] float32 -> one token per row. histories: per row (prompt ids, output
-        ids), needed for rows with penalties or min_tokens (None elsewhere); positions: per row,
-        the new tokens its request has."""
+        ids), needed for rows with penalties, logit_bias or min_tokens (None elsewhere);
+        positions: per row, the new tokens its request has."""
         out = logits.argmax(-1).tolist()
         for i, p in enumerate(params):
             row = logits[i]

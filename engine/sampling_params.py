@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
+from numbers import Integral, Real
 
 MAX_LOGPROBS = 20  # most alternatives per position (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 300  # most logit_bias entries (OpenAI's limit)
+LOGIT_BIAS_RANGE = 100.0  # a bias is in [-this, this]
 
 
 @dataclass(frozen=True, init=False)
@@ -21,6 +26,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # minus this for every token already in the output
     frequency_penalty: float = 0.0  # minus this times the token's count in the output
     repetition_penalty: float = 1.0  # logits of prompt or output tokens: positive / it, negative * it
+    # token id -> bias in [-100, 100] added to its logit after the penalties (-100 all but bans
+    # it, 100 all but forces it); given as a mapping, kept as (id, bias) pairs sorted by id
+    logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # per new token: its log-probability and the n most likely (0..20)
     prompt_logprobs: int | None = None  # per prompt token after the first: the same (0..20)
     # speculative decoding: drafts per step at most for this request (0: none), not above the
@@ -35,6 +43,7 @@ class SamplingParams:
         for f in fields(self):
             object.__setattr__(self, f.name, kwargs.get(f.name, f.default))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self._check()
 
     def _check(self) -> None:
@@ -68,6 +77,18 @@ class SamplingParams:
             raise ValueError(f"num_speculative_tokens must be a non-negative integer (got {v!r})")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers (got {list(self.stop_token_ids)!r})")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+        for t, b in self.logit_bias:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids (got {t!r})")
+            if not isinstance(b, float) or not math.isfinite(b) or abs(b) > LOGIT_BIAS_RANGE:
+                lim = LOGIT_BIAS_RANGE
+                raise ValueError(f"logit_bias values must be numbers in [-{lim:g}, {lim:g}] (got {b!r} for token {t})")
+
+    @property
+    def biased(self) -> bool:
+        return bool(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -80,17 +101,54 @@ class SamplingParams:
     @property
     def speculates(self) -> bool:
         """Whether speculative decoding may draft for this request: not with penalties,
-        min_tokens or logprobs, which the draft verification does not apply (such a request
-        decodes one token per step in the same batch), nor with num_speculative_tokens 0."""
+        logit_bias, min_tokens or logprobs, which the draft verification does not apply (such a
+        request decodes one token per step in the same batch), nor with num_speculative_tokens 0."""
         if self.num_speculative_tokens == 0:
             return False
-        return not (self.penalized or self.min_tokens or self.logprobs is not None or self.prompt_logprobs is not None)
+        return not (
+            self.penalized
+            or self.biased
+            or self.min_tokens
+            or self.logprobs is not None
+            or self.prompt_logprobs is not None
+        )
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["logit_bias"] = dict(self.logit_bias)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:
         return cls(**d)
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """A mapping (or (id, bias) pairs) -> pairs sorted by id; bool and non-numbers are left for
+    _check to refuse by name."""
+    if bias is None:
+        return ()
+    if isinstance(bias, Mapping):
+        items = list(bias.items())
+    elif isinstance(bias, (list, tuple)) and all(isinstance(e, (list, tuple)) and len(e) == 2 for e in bias):
+        items = [tuple(e) for e in bias]
+    else:
+        raise ValueError(f"logit_bias must map token ids to biases (got {type(bias).__name__})")
+    try:
+        dup = len({t for t, _ in items}) != len(items)
+    except TypeError:
+        raise ValueError("logit_bias keys must be non-negative token ids") from None
+    if dup:
+        raise ValueError("logit_bias names a token id more than once")
+    out = []
+    for t, b in items:  # numpy / torch scalars too
+        if isinstance(t, Integral) and not isinstance(t, bool):
+            t = int(t)
+        if isinstance(b, Real) and not isinstance(b, bool):
+            b = float(b)
+        out.append((t, b))
+    try:
+        return tuple(sorted(out))
+    except TypeError:  # mixed key types: _check names the bad one
+        return tuple(out)

@@ -25,7 +25,7 @@ class RowInput:
     # this step accepts (index a: emitted tokens - 1; one entry for a row without drafts)
     draft_depths: tuple[int, ...] = ()
     prompt_logprobs: int | None = None  # set: logits at every position of this prompt chunk (top-n kept)
-    history: tuple[list[int], list[int]] | None = None  # (prompt, output) ids: penalties and min_tokens
+    history: tuple[list[int], list[int]] | None = None  # (prompt, output) ids: penalties, logit_bias, min_tokens
     num_output: int = 0  # new tokens the request has before this row samples (seeded sampling)
 
 

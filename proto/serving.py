@@ -172,6 +172,8 @@ def sampling_kwargs(sp: pb.SamplingParams) -> dict:
     for name in ("temperature", "repetition_penalty"):
         if name in kw:
             kw[name] = float(kw[name])
+    if sp.logit_bias:
+        kw["logit_bias"] = dict(sp.logit_bias)
     return kw  # `stop` (text) is the router's: nodes see token ids only
 
 

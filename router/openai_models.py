@@ -4,17 +4,19 @@ an integer), their mapping onto SamplingParams, and OpenAI's error shape.
 Types and ranges are the models' (a failure is a 400 naming the field); what depends on several
 fields (`best_of`, `top_logprobs` without `logprobs`, options pdserve does not have) is checked
 in `sampling`, with the same 400. Unknown fields are ignored; known ones that pdserve does not
-support (`logit_bias`, `suffix`, tools) are refused by name.
+support (`suffix`, tools) are refused by name.
 
     sampling(req) -> pb.SamplingParams: `max_tokens` / `max_completion_tokens` (0: one token is
     generated and none returned: prompt logprobs only), temperature, top_p, top_k, penalties,
-    seed, min_tokens, `stop` (strings, matched by the router; ints as an extension: token ids),
-    `stop_token_ids`, `ignore_eos`; logprobs: chat `logprobs: true` + `top_logprobs: k`,
+    `logit_bias` ({"token id": bias}), seed, min_tokens, `stop` (strings, matched by the router;
+    ints as an extension: token ids), `stop_token_ids`, `ignore_eos`; logprobs: chat `logprobs: true` + `top_logprobs: k`,
     completions `logprobs: k` and with `echo` the prompt's too (prompt_logprobs).
 """
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Annotated, Any
 
 import grpc
@@ -22,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from proto import pb
 
+MAX_LOGIT_BIAS = 300  # most logit_bias entries (OpenAI's limit; the engine's too)
 MAX_N = 16  # most choices per request
 MAX_BATCH = 64  # most prompts in one completions request
 
@@ -47,7 +50,11 @@ class ApiError(Exception):
     @classmethod
     def from_status(cls, code: grpc.StatusCode, message: str) -> ApiError:
         status, typ = _HTTP_OF.get(code, (500, "internal_error"))
-        return cls(status, message or code.name, typ, code=code.name.lower())
+        param = None
+        if code == grpc.StatusCode.INVALID_ARGUMENT:  # the engine's messages open with the field's name
+            m = re.match(r"[a-z_]+", message or "")
+            param = m.group(0) if m and m.group(0) in _Request.model_fields else None
+        return cls(status, message or code.name, typ, param, code.name.lower())
 
     @classmethod
     def from_rpc(cls, e: grpc.RpcError) -> ApiError:
@@ -114,8 +121,8 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logit_bias: Any = None  # {"token id": bias}: checked in `sampling` (_logit_bias)
     # refused by name unless empty / the default
-    logit_bias: Any = None
     suffix: Any = None
     tools: Any = None
     functions: Any = None
@@ -169,7 +176,7 @@ def prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def _refuse_unsupported(req: _Request) -> None:
-    for name in ("logit_bias", "suffix", "tools", "functions"):
+    for name in ("suffix", "tools", "functions"):
         if getattr(req, name) not in (None, {}, []):
             raise bad(f"'{name}' is not supported", name)
     for name in ("tool_choice", "function_call"):
@@ -180,6 +187,27 @@ def _refuse_unsupported(req: _Request) -> None:
         raise bad("only response_format {'type': 'text'} is supported", "response_format")
     if req.best_of not in (None, req.n):
         raise bad("best_of other than n is not supported", "best_of")
+
+
+def _logit_bias(bias: Any) -> dict[int, float]:
+    """OpenAI's `logit_bias`: an object from token ids (as strings) to numbers in [-100, 100]."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise bad(f"'logit_bias' must be an object mapping token ids to biases (got {type(bias).__name__})",
+                  "logit_bias")  # fmt: skip
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad(f"'logit_bias' has {len(bias)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias")
+    out = {}
+    for k, v in bias.items():
+        if not re.fullmatch(r"[0-9]{1,10}", k) or int(k) >= 2**31:
+            raise bad(f"'logit_bias' keys must be token ids, non-negative integers (got {k!r})", "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -100 <= v <= 100:
+            raise bad(f"'logit_bias' values must be numbers in [-100, 100] (got {v!r} for token {k})", "logit_bias")
+        if int(k) in out:
+            raise bad(f"'logit_bias' names token {int(k)} more than once", "logit_bias")
+        out[int(k)] = float(v)
+    return out
 
 
 def sampling(req: CompletionRequest | ChatRequest) -> pb.SamplingParams:
@@ -201,6 +229,8 @@ def sampling(req: CompletionRequest | ChatRequest) -> pb.SamplingParams:
     if any(t < 0 for t in ids):
         raise bad(f"stop token ids must be non-negative integers (got {ids!r})", "stop_token_ids")
     sp.stop_token_ids.extend(ids)
+    for t, b in _logit_bias(req.logit_bias).items():
+        sp.logit_bias[t] = b
     if chat:
         if req.logprobs:
             sp.logprobs = req.top_logprobs or 0

@@ -197,6 +197,9 @@ class GenerateService:
         out = [t for t in ids if not 0 <= t < vocab]
         if out:
             raise Abort(bad, f"prompt token id(s) {out[:5]} out of range [0, {vocab})")
+        out = [t for t in request.sampling.logit_bias if t >= vocab]
+        if out:
+            raise Abort(bad, f"logit_bias token id(s) {sorted(out)[:5]} out of range [0, {vocab})")
 
     # ---- admission and the decode nodes' counters -------------------------------------------
     def _left_queue(self, outcome: str, wait_s: float) -> None:

@@ -91,6 +91,21 @@ def hf_greedy(
     return out[0, len(prompt) :].tolist()
 
 
+def hf_biased_greedy(path: str, prompt: list[int], new_tokens: int, bias: dict[int, float]) -> list[int]:
+    """transformers' own generate, greedy, with its additive bias on single tokens (`sequence_bias`)."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = _hf_model(path).generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            sequence_bias={(t,): b for t, b in bias.items()},
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 def hf_last_logits(path: str, prompt: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return _hf_model(path)(torch.tensor([prompt])).logits[0, -1].float()

@@ -27,6 +27,25 @@ def test_seed_independent_of_batch_company(llm_hv2):
     assert mixed[1].output_token_ids == alone.output_token_ids
 
 
+def test_seeded_sample_with_logit_bias(llm_hv2):
+    """Same seed, same tokens with a bias too, in any batch; +100 on two tokens keeps every
+    sample to those two, and -100 keeps a token out."""
+    kw = dict(max_tokens=24, temperature=1.0, seed=99, ignore_eos=True)
+    plain = _gen(llm_hv2, **kw).output_token_ids
+    bias = {11: 100.0, 12: 100.0}
+    a = _gen(llm_hv2, logit_bias=bias, **kw).output_token_ids
+    assert a == _gen(llm_hv2, logit_bias=bias, **kw).output_token_ids
+    assert set(a) == {11, 12}
+    other = SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True)
+    mixed = llm_hv2.generate(
+        prompt_token_ids=[[1, 2, 3], P[0]], sampling_params=[other, SamplingParams(logit_bias=bias, **kw)]
+    )
+    assert mixed[1].output_token_ids == a
+    ban = {t: -100.0 for t in plain[:4]}
+    b = _gen(llm_hv2, logit_bias=ban, **kw).output_token_ids
+    assert b == _gen(llm_hv2, logit_bias=ban, **kw).output_token_ids and not set(b) & set(ban)
+
+
 def test_temperature_differs_from_greedy(llm_hv2):
     greedy = _gen(llm_hv2, max_tokens=32, temperature=0.0, ignore_eos=True)
     sampled = _gen(llm_hv2, max_tokens=32, temperature=1.5, seed=3, ignore_eos=True)

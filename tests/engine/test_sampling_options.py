@@ -1,7 +1,9 @@
 """Sampling options against independent references: prompt and output logprobs equal the
 log-softmax of transformers' float32 logits (in chunks of a small step budget too), top-n in
-order; penalties equal a per-token loop over the same logits; min_tokens holds stop tokens back;
-with speculative decoding such requests decode without drafts and give the same tokens."""
+order; penalties equal a per-token loop over the same logits; logit_bias equals transformers'
+generate with its own additive bias, after the penalties and before the min_tokens ban;
+min_tokens holds stop tokens back; with speculative decoding such requests decode without
+drafts and give the same tokens."""
 
 from __future__ import annotations
 
@@ -119,13 +121,72 @@ def test_min_tokens_holds_back_stop_tokens(llm_hv2):
 def test_speculation_off_only_for_such_requests():
     assert SamplingParams().speculates and SamplingParams(temperature=0.5, seed=1).speculates
     for kw in (dict(logprobs=0), dict(prompt_logprobs=1), dict(min_tokens=1), dict(presence_penalty=0.1),
-               dict(frequency_penalty=-0.1), dict(repetition_penalty=1.1)):  # fmt: skip
+               dict(frequency_penalty=-0.1), dict(repetition_penalty=1.1), dict(logit_bias={3: 0.5})):  # fmt: skip
         assert not SamplingParams(**kw).speculates, kw
 
 
 @pytest.mark.parametrize("kw,msg", [(dict(logprobs=21), "logprobs"), (dict(presence_penalty=3.0), "presence_penalty"),
                                     (dict(repetition_penalty=0.0), "repetition_penalty"),
-                                    (dict(min_tokens=20, max_tokens=10), "min_tokens")])  # fmt: skip
+                                    (dict(min_tokens=20, max_tokens=10), "min_tokens"),
+                                    (dict(logit_bias={5: 100.5}), "logit_bias"),
+                                    (dict(logit_bias={5: float("nan")}), "logit_bias"),
+                                    (dict(logit_bias={5: True}), "logit_bias"),
+                                    (dict(logit_bias={-1: 1.0}), "logit_bias"),
+                                    (dict(logit_bias={"5": 1.0}), "logit_bias"),
+                                    (dict(logit_bias={i: 1.0 for i in range(301)}), "logit_bias"),
+                                    (dict(logit_bias=[5, 1.0]), "logit_bias")])  # fmt: skip
 def test_bad_options_refused(kw, msg):
     with pytest.raises(ValueError, match=msg):
         SamplingParams(**kw)
+
+
+def test_logit_bias_arithmetic_order():
+    """Penalties, then the bias, then the min_tokens ban (docs/api.md), against the definitions."""
+    from engine.sampler import Sampler
+
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(1)) * 3
+    prompt, output = [1, 2, 3], [3, 5, 5]
+    bias = {3: 2.5, 5: -1.0, 7: 100.0, 9: -100.0, 63: 0.75}
+    p = SamplingParams(repetition_penalty=1.7, presence_penalty=0.5, frequency_penalty=0.25, logit_bias=bias,
+                       min_tokens=4, max_tokens=8, stop_token_ids=[7])  # fmt: skip
+    want = _naive_penalized(logits, prompt, output, p)
+    for t, b in bias.items():
+        want[t] += b
+    want[7] = want[11] = float("-inf")  # the stop id and the EOS, whatever their bias
+    got = Sampler(eos_token_ids=(11,)).adjust(logits, p, (prompt, output))
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_logit_bias_matches_transformers(ckpt_hv2, llm_hv2, llm_chunked):
+    prompt, n = PROMPTS[0], 5
+    greedy = dict(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+    def run(llm, **kw):
+        return llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(**greedy, **kw))[0]
+
+    plain = run(llm_hv2).output_token_ids
+    forced = next(t for t in range(200, 300) if t not in plain)
+    assert run(llm_hv2, logit_bias={forced: 100}).output_token_ids == [forced] * n
+    # -100 on the unbiased run's first token: the first token becomes transformers' runner-up
+    top2 = torch.topk(hc.hf_last_logits(ckpt_hv2, prompt), 2).indices.tolist()
+    assert top2[0] == plain[0]
+    banned = run(llm_hv2, logit_bias={plain[0]: -100}, logprobs=2)
+    assert banned.output_token_ids[0] == top2[1]
+    assert banned.output_token_ids == hc.hf_biased_greedy(ckpt_hv2, prompt, n, {plain[0]: -100.0})
+    assert banned.logprobs[0][2][0][0] == plain[0]  # logprobs are the model's own, before the bias
+    # moderate biases of both signs at once
+    mixed = {plain[1]: -3.5, plain[2]: -2.0, top2[1]: 0.5, 77: 1.25}
+    got = run(llm_hv2, logit_bias=mixed).output_token_ids
+    assert got != plain and got == hc.hf_biased_greedy(ckpt_hv2, prompt, n, mixed)
+    # n-gram speculation would draft the repeats of `forced`; the request takes none, same tokens
+    sched = llm_chunked.engine.scheduler
+    drafts = sched.num_draft_tokens
+    assert run(llm_chunked, logit_bias={forced: 100}).output_token_ids == [forced] * n
+    assert run(llm_chunked, logit_bias=mixed).output_token_ids == got
+    assert sched.num_draft_tokens == drafts
+
+
+def test_logit_bias_outside_the_vocabulary_refused(llm_hv2):
+    vocab = llm_hv2.engine.cfg.model.vocab_size
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm_hv2.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=SamplingParams(logit_bias={vocab: 1.0}))

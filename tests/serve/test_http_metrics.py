@@ -90,7 +90,7 @@ def test_bad_parameters_give_openai_errors(oai, base_url):
     for kw, param in (
         (dict(temperature=-1.0), "temperature"),
         (dict(n=17), "n"),
-        (dict(logit_bias={"5": 1.0}), "logit_bias"),
+        (dict(logit_bias={"5": 101.0}), "logit_bias"),
         (dict(max_tokens=-1), "max_tokens"),
     ):
         with pytest.raises(openai.BadRequestError) as ei:

@@ -3,7 +3,7 @@ client against `pdserve up` (one prefill + one decode node, disaggregated, tiny 
 tokenizer), each against an independent reference: string stop sequences (one split across
 two tokens, streamed and not), echo with prompt logprobs equal to the log-softmax of
 transformers' float32 logits, top-logprobs in order, penalties equal to a per-token loop over
-transformers' logits, n > 1 with seeds equal to single requests with seed + i, and the requests
+transformers' logits, logit_bias equal to transformers' generate with the same bias, n > 1 with seeds equal to single requests with seed + i, and the requests
 lm-evaluation-harness's `local-completions` model sends for `generate_until` and
 loglikelihood tasks."""
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import grpc
 import hybrid_ckpt as hc
 import pytest
 import torch
@@ -163,6 +164,45 @@ def test_penalties_match_naive_reference(oai, model, sdk, ckpt):
     assert r.choices[0].text == g.text
 
 
+def test_logit_bias_matches_transformers(oai, model, sdk, ckpt, tok):
+    """HTTP and the SDK, through the prefill node (which samples the first token) and prefilled on
+    the decode node (logprobs), against transformers' generate with its own additive bias."""
+    import openai
+
+    from client import PdserveError
+
+    prompt, n = tok.encode(PROMPT), 5
+    plain = sdk.generate(prompt_token_ids=prompt, max_tokens=n, temperature=0.0, ignore_eos=True).token_ids
+    bias = {plain[0]: -100.0, plain[2]: -2.5}  # ban the first token, discourage the third
+    want = hc.hf_biased_greedy(ckpt, prompt, n, bias)
+    assert want[0] == torch.topk(hc.hf_last_logits(ckpt, prompt), 2).indices[1].item() and want != plain
+    g = sdk.generate(prompt_token_ids=prompt, max_tokens=n, temperature=0.0, ignore_eos=True, logit_bias=bias)
+    assert g.token_ids == want and g.prefill_node
+    local = sdk.generate(prompt_token_ids=prompt, max_tokens=n, temperature=0.0, ignore_eos=True, logit_bias=bias,
+                         logprobs=1)  # fmt: skip
+    assert local.token_ids == want and local.prefill_node == ""
+    assert local.logprobs[0].top[0][0] == plain[0]  # the model's own log-probabilities, before the bias
+    http_bias = {str(t): b for t, b in bias.items()}
+    r = oai.completions.create(model=model, prompt=prompt, max_tokens=n, logit_bias=http_bias, **GREEDY)
+    assert r.choices[0].text == g.text == tok.decode(want)
+    forced = next(t for t in range(200, 300) if t not in plain)
+    c = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                    logit_bias={str(forced): 100}, logprobs=True, **GREEDY)  # fmt: skip
+    assert [e.token for e in c.choices[0].logprobs.content] == [tok.decode([forced])] * 3
+    # bad maps: 400 naming the field (HTTP), INVALID_ARGUMENT (gRPC); the server keeps serving
+    for bad in ({"x": 1}, {"-1": 1}, {"5": 101}, {"5": "1"}, {"5": True}, {str(i): 1 for i in range(301)}, [5, 1],
+                {"1000000": 1}):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as ei:
+            oai.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body={"logit_bias": bad})
+        body = ei.value.body
+        assert ei.value.status_code == 400 and body["param"] == "logit_bias" and body["type"], (bad, body)
+    for bad in ({5: 101.0}, {10**6: 1.0}):
+        with pytest.raises(PdserveError) as ei:
+            sdk.generate(prompt_token_ids=prompt, max_tokens=2, logit_bias=bad)
+        assert ei.value.code == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias" in ei.value.message
+    assert sdk.generate(prompt_token_ids=prompt, max_tokens=n, temperature=0.0, ignore_eos=True).token_ids == plain
+
+
 def test_n_with_seed(oai, model):
     kw = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
     r = oai.completions.create(n=3, seed=7, **kw)
@@ -218,7 +258,7 @@ def test_lm_eval_requests(oai, model, tok):
 def test_unsupported_options_name_the_parameter(oai, model):
     import openai
 
-    for kw, param in ((dict(extra_body={"top_logprobs": 2}), "top_logprobs"), (dict(logit_bias={"3": 1}), "logit_bias"),
+    for kw, param in ((dict(extra_body={"top_logprobs": 2}), "top_logprobs"), (dict(extra_body={"suffix": "x"}), "suffix"),
                       (dict(n=0), "n"), (dict(extra_body={"best_of": 3}), "best_of"),
                       (dict(extra_body={"tool_choice": "required"}), "tool_choice")):  # fmt: skip
         with pytest.raises(openai.BadRequestError) as ei:
