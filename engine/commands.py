@@ -192,6 +192,7 @@ class Snapshot:
     spec_draft_tokens: int = 0  # totals since start (speculative decoding)
     prefix_query_tokens: int = 0  # totals since start (prefix caching): prompt tokens looked up ...
     prefix_hit_tokens: int = 0  # ... and found in the cache
+    prefix_held_admissions: int = 0  # requests whose admission waited for a running request's snapshot
     prefix_snapshots_used: int = 0  # GDN state snapshots held, of prefix_snapshots
     prefix_snapshots: int = 0
     prefix_snapshot_bytes: int = 0  # the snapshot pool's memory, per rank

@@ -412,6 +412,7 @@ class EngineLoop:
             prefix_digest=d,
             prefix_query_tokens=pc.stats.query_tokens,
             prefix_hit_tokens=pc.stats.hit_tokens,
+            prefix_held_admissions=pc.stats.held,
             prefix_snapshots_used=pc.num_used,
             prefix_snapshots=pc.num_snapshots,
             prefix_snapshot_bytes=eng.capacity.snapshot_bytes,

@@ -54,6 +54,7 @@ class Request:
     output_logprobs: list = field(default_factory=list)  # params.logprobs: one TokenLogprob per output token
     prompt_logprobs: list = field(default_factory=list)  # params.prompt_logprobs: one per prompt token after the first
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at first admission
+    held: bool = False  # admission waited for a running request's snapshot (engine/cache/inflight.py)
     block_hashes: list[int] | None = None  # prefix caching: chained hash of each full prompt page
     num_registered: int = 0  # pages of this request registered in the prefix cache
     num_cached_blocks: int = 0  # decode side: leading prompt pages already here (not transferred)

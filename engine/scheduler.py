@@ -44,6 +44,12 @@ KV too. A request that finishes (stop or length) leaves a snapshot of its final 
 (`take_final`), saved by the executor right after the step, so a colocated next turn computes
 only its new tokens (with MTP, only when the request still drafts, `_keep_final`). The scheduler frees pages by reference, so a page another request shares is
 never handed out.
+
+Requests in flight share too (engine/cache/inflight.py): a waiting request that shares a new
+prefix with a running request still computing its prompt, far enough past its own hit to pay, is
+held back until that request's step has committed the snapshot (`_held`, decided afresh at every
+step from the running batch, so a sharer that is gone releases it); it keeps its place in the
+queue, and requests behind it are admitted past it.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.cache.block_manager import BlockManager, SlotPool
+from engine.cache.inflight import hold_point
 from engine.cache.prefix import ROOT_HASH, PrefixCache, PrefixHit, Snapshot, block_hash, prompt_hashes
 from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.request import Request, Status
@@ -189,17 +196,21 @@ class Scheduler:
             budget -= n
             i += 1
 
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            req = self.waiting[0]
+        w = 0  # held requests (engine/cache/inflight.py) keep their place; those behind them go on
+        while not preempted and w < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[w]
             hit = self._lookup(req)
             p = hit.num_tokens if hit else 0
+            if self._held(req, p):
+                w += 1
+                continue
             n = min(req.num_tokens - p, budget)
             shared = hit.pages if hit else []
             need = self.blocks.blocks_for(p + n) - len(shared)
             taken = sum(self.blocks.is_free(b) for b in shared)  # cached pages nobody used: now in use
             if not self.blocks.can_allocate(need + taken) or self.slots.num_free == 0:
                 break
-            self.waiting.popleft()
+            del self.waiting[w]
             req.slot = self.slots.allocate()
             self.blocks.touch(shared)
             req.block_ids = shared + self.blocks.allocate(need)
@@ -242,6 +253,29 @@ class Scheduler:
             return None
         limit = min(len(req.prompt_token_ids), req.num_tokens - 1)
         return self.prefix.lookup(req.prompt_token_ids, self._hashes(req), limit, req.params.prompt_logprobs)
+
+    def _held(self, req: Request, hit: int) -> bool:
+        """Whether `req` (cached hit: `hit` tokens) waits for a snapshot that a running request
+        computing the same prefix saves at a later step (engine/cache/inflight.py); counts each
+        request held once."""
+        if self.prefix is None or not self.running:
+            return False
+        limit = min(len(req.prompt_token_ids), req.num_tokens - 1)
+        bs = self.blocks.block_size
+        hold = hold_point(req, hit, limit, self.running, self.prefix.interval, bs, self._hashes)
+        if hold is None:
+            return False
+        if not req.held:
+            req.held = True
+            self.prefix.stats.held += 1
+            log.debug(
+                "request %s waits for %s's snapshot at %d tokens (cached now: %d)",
+                req.request_id,
+                hold.sharer.request_id,
+                hold.num_tokens,
+                hit,
+            )
+        return True
 
     def _admit_hit(self, req: Request, hit: PrefixHit, restores: list) -> None:
         p = hit.num_tokens

@@ -130,6 +130,10 @@ def capacity_gauges(snapshot) -> dict[str, tuple[str, float]]:
             "Prompt tokens computed: not in the prefix cache",
             s.prefix_query_tokens - s.prefix_hit_tokens,
         ),
+        "prefix_held_admissions_total": (
+            "Requests whose admission waited for a snapshot that a running request was computing",
+            s.prefix_held_admissions,
+        ),
         "prefix_snapshots_used": ("GDN state snapshots held by the prefix cache", s.prefix_snapshots_used),
         "prefix_snapshot_memory_bytes": (
             "Memory of the prefix cache's GDN state snapshots held, per rank",

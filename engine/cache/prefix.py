@@ -91,6 +91,7 @@ class PrefixStats:
     hit_tokens: int = 0  # ... of which came from the cache
     saved: int = 0  # snapshots written
     evicted: int = 0  # snapshots dropped for newer ones
+    held: int = 0  # requests whose admission waited for a running request's snapshot (inflight.py)
 
 
 class PrefixCache:
