@@ -22,6 +22,10 @@ import pytest
 from serve_harness import Proc, Up, node_pid, nodes, wait_for
 
 N = 300  # tokens per long request: they are still decoding when SIGTERM arrives
+# The decode-drain test's 6 requests repeat 3 prompts, so the prefill node holds the repeats a
+# step for the first ones' prefix snapshots: the first request's 300 tokens (about 3 ms each)
+# could end before the last one's first token under load. These last long enough.
+N_DECODE = 1000
 
 
 def _status(address: str, node_id: str):
@@ -47,7 +51,7 @@ def test_decode_node_drains_on_sigterm(up, ckpt):
     want = [hc.hf_greedy(ckpt, p, 8) for p in ps]
     with Client(up.address, timeout=120) as c:
         c.wait_ready(timeout=60)
-        streams = [iter(c.stream(prompt_token_ids=ps[i % 3], max_tokens=N, temperature=0.0, ignore_eos=True))
+        streams = [iter(c.stream(prompt_token_ids=ps[i % 3], max_tokens=N_DECODE, temperature=0.0, ignore_eos=True))
                    for i in range(6)]  # fmt: skip
         res = [GenerateResult() for _ in streams]
         for r, it in zip(res, streams, strict=True):
@@ -74,7 +78,7 @@ def test_decode_node_drains_on_sigterm(up, ckpt):
         with ThreadPoolExecutor(6) as ex:
             done = list(ex.map(finish, range(6)))
     for i, r in enumerate(done):
-        assert len(r.token_ids) == N and r.finish_reason == "length", f"request {i} on {r.decode_node}"
+        assert len(r.token_ids) == N_DECODE and r.finish_reason == "length", f"request {i} on {r.decode_node}"
         assert not hc.hf_greedy_violations(ckpt, ps[i % 3], r.token_ids), f"request {i} on {r.decode_node}"
     wait_for(lambda: "decode-0 exited with status 0" in up.output(), 60, "decode-0 to exit 0 once drained")
     assert re.search(r"decode node decode-0 drained in [\d.]+ s", up.output()), up.output()
