@@ -12,6 +12,11 @@ import os
 # are shared, a spinning thread takes the core another thread needs: measured on a 2-core
 # machine under load, a 16 x 256-token bf16 prefill took 10.5 s with 2 spinning threads and
 # 4.8 s passive, a 12-layer hidden-768 decode step 209 ms against 72 ms (docs/ARCHITECTURE.md).
+import sys
+
+# True when torch loaded before this package with no policy set: OpenMP kept its default
+# (spinning) policy, and `LLM` on the CPU logs how to avoid it (engine/llm.py).
+TORCH_LOADED_FIRST = "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _EXPORTS = {
