@@ -60,22 +60,6 @@ class LLM:
         self.engine = EngineCore(self.config)
         warn_openmp_policy(device)
 
-
-def warn_openmp_policy(device: str) -> str | None:
-    """On the CPU, when torch was imported before the engine without OMP_WAIT_POLICY set, log
-    (and return) how to get the engine's speed back: OpenMP's idle threads then spin on the cores
-    the engine's C ops need (docs/ARCHITECTURE.md, the OMP_WAIT_POLICY paragraph)."""
-    import engine
-
-    if not str(device).startswith("cpu") or not engine.TORCH_LOADED_FIRST:
-        return None
-    msg = (
-        "torch was imported before the engine, so OpenMP's idle threads spin and the CPU path runs "
-        "up to 1.6x slower; set OMP_WAIT_POLICY=PASSIVE in the environment, or import engine before torch"
-    )
-    log.warning(msg)
-    return msg
-
     def capacity(self) -> Capacity:
         return self.engine.capacity
 
@@ -150,3 +134,19 @@ def warn_openmp_policy(device: str) -> str | None:
             self.close()
         except Exception:
             pass
+
+
+def warn_openmp_policy(device: str) -> str | None:
+    """On the CPU, when torch was imported before the engine without OMP_WAIT_POLICY set, log
+    (and return) how to get the engine's speed back: OpenMP's idle threads then spin on the cores
+    the engine's C ops need (docs/ARCHITECTURE.md, the OMP_WAIT_POLICY paragraph)."""
+    import engine
+
+    if not str(device).startswith("cpu") or not engine.TORCH_LOADED_FIRST:
+        return None
+    msg = (
+        "torch was imported before the engine, so OpenMP's idle threads spin and the CPU path runs "
+        "up to 1.6x slower; set OMP_WAIT_POLICY=PASSIVE in the environment, or import engine before torch"
+    )
+    log.warning(msg)
+    return msg
