@@ -15,8 +15,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from client.types import PdserveError
 from proto import pb, rpc
-from proto.security import API_KEY_ENV, AUTH_KEY, Tls, channel_credentials, channel_options, read_file
-from proto.serving import addresses
+from serving.security import API_KEY_ENV, AUTH_KEY, Tls, addresses, channel_credentials, channel_options, read_file
 
 GENERATION = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 

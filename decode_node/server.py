@@ -1,7 +1,7 @@
 """The decode node's gRPC server: `serve(addr, cfg) -> (node, port)`.
 
 Lifecycle: load the engine (t worker processes when tensor parallel), start the engine loop
-thread (engine/loop.py), bind the gRPC server (DecodeNode + health + reflection), then
+thread (serving/loop.py), bind the gRPC server (DecodeNode + health + reflection), then
 register with the router and heartbeat capacity. `node.stop()` reverses it: not serving,
 heartbeats stop, in-flight streams end, engine workers exit.
 
@@ -17,13 +17,13 @@ Requests:
 - Release: aborts a reservation (pages and slot back once no write can land); with
   dead_prefill_node, first drops that node's transfer agents (the router declared it dead).
 - Handshake: adds the prefill node's rank blobs as peers on every rank, answers with ours.
-Draining (proto/node.py, on SIGTERM): Reserve and unreserved Generate are refused with
+Draining (serving/node.py, on SIGTERM): Reserve and unreserved Generate are refused with
 UNAVAILABLE + `pdserve-draining`; Generate(reserved) and Release still work, so what the router
 already placed here finishes; the node stops once nothing is in flight.
 Client cancellation aborts the engine request, so pages and slot return to the free lists.
 Receiver endpoints are polled by the engine loop thread (the node's tick) while any
 reservation is open; every engine and executor call stays on that thread. Handlers use only the
-loop's API (engine/commands.py) and wait on events: a request's handle, a reservation's
+loop's API (serving/commands.py) and wait on events: a request's handle, a reservation's
 `changed` (ready, failing, or the loop stopping).
 """
 
@@ -40,14 +40,15 @@ import grpc
 from prometheus_client import Counter
 
 from decode_node.config import DecodeNodeConfig
-from engine.commands import NoRoom, RequestHandle, Reservation, ShuttingDown
 from engine.core import EngineCore
-from engine.loop import EngineLoop
 from engine.sampling_params import SamplingParams
 from proto import pb, rpc
-from proto.metrics import ServingMetrics, capacity_gauges
-from proto.node import NodeServer, on_cancel, serve_node
-from proto.serving import MAX_REQUEST_ID_LEN, logprobs_pb, sampling_kwargs
+from proto.convert import logprobs_pb, sampling_kwargs
+from serving.commands import NoRoom, RequestHandle, Reservation, ShuttingDown
+from serving.loop import EngineLoop
+from serving.metrics import ServingMetrics, capacity_gauges
+from serving.node import NodeServer, on_cancel, serve_node
+from serving.rpc import MAX_REQUEST_ID_LEN
 from transfer import rank as xr
 from transfer.rank import RecvStatus
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import NodeArgs
 from engine.options import option
+from serving.config import NodeArgs
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 An EngineCore (t worker ranks) whose requests are `prefill_only`: the engine computes the
 prompt, samples the first token and HOLDS the pages and GDN slot. Every rank has a transfer
-Sender (transfer/rank.py); the engine loop thread (engine/loop.py EngineLoop, shared) polls
+Sender (transfer/rank.py); the engine loop thread (serving/loop.py EngineLoop, shared) polls
 them while a push is in flight. Every engine and executor call stays on that thread; handlers
 use only the loop's API (a RequestHandle per request, futures for the rest) and wait on events
 (the handle, the push's `done`), which a cancel, an Abort or the loop stopping sets.
@@ -23,7 +23,7 @@ use only the loop's API (a RequestHandle per request, futures for the rest) and 
     Handshake: adds the decode node's rank blobs as peers on every rank, answers with ours.
 
 Registers with the router as prefill_ready with the prompt tokens it has queued in capacity.
-Draining (proto/node.py, on SIGTERM): new Prefill calls are refused with UNAVAILABLE +
+Draining (serving/node.py, on SIGTERM): new Prefill calls are refused with UNAVAILABLE +
 `pdserve-draining` (the router tries another prefill node, or lets the decode node prefill);
 queued prompts are computed and pushed; the node stops once nothing is in flight.
 """
@@ -37,14 +37,15 @@ import time
 
 import grpc
 
-from engine.commands import LoopError, RequestHandle, ShuttingDown, UnknownRequest
-from engine.loop import EngineLoop
 from engine.request import Status
 from prefill_node.config import PrefillNodeConfig
 from proto import pb, rpc
-from proto.metrics import ServingMetrics, capacity_gauges
-from proto.node import NodeServer, on_cancel, serve_node
-from proto.serving import MAX_REQUEST_ID_LEN, sampling_kwargs
+from proto.convert import sampling_kwargs
+from serving.commands import LoopError, RequestHandle, ShuttingDown, UnknownRequest
+from serving.loop import EngineLoop
+from serving.metrics import ServingMetrics, capacity_gauges
+from serving.node import NodeServer, on_cancel, serve_node
+from serving.rpc import MAX_REQUEST_ID_LEN
 from transfer import rank as xr
 from transfer.rank import SendStatus
 

@@ -1,4 +1,4 @@
-"""The router's checks of who calls it (proto/security.py has the planes and the secrets).
+"""The router's checks of who calls it (serving/security.py has the planes and the secrets).
 
 - `AioGuard`: the `grpc.aio` server interceptor. `Generation` takes a client API key
   (`authorization: Bearer KEY`), `Registry` the cluster token; health and reflection are open.
@@ -20,7 +20,7 @@ from contextlib import aclosing
 
 import grpc
 
-from proto.security import AUTH_KEY, Credentials, bearer, key_id, match, refusal, refusing_handler
+from serving.security import AUTH_KEY, Credentials, bearer, key_id, match, refusal, refusing_handler
 
 log = logging.getLogger("pdserve.router")
 

@@ -133,7 +133,7 @@ def cmd_demo(args) -> int:
 def _serve_until_signal(server, drain_timeout: float) -> int:
     """Block until SIGINT / SIGTERM; then drain (take nothing new, let what is in flight finish,
     at most drain_timeout seconds; a second signal cuts it short) and stop cleanly."""
-    from proto.serving import Interrupt
+    from serving.rpc import Interrupt
 
     stop, now = threading.Event(), Interrupt()  # `now` wakes the drain's wait at once
 
@@ -152,8 +152,8 @@ def _serve_until_signal(server, drain_timeout: float) -> int:
 
 def cmd_router(args) -> int:
     from engine.options import options, values
-    from proto.security import credentials, require_token
     from router.server import RouterConfig, run
+    from serving.security import credentials, require_token
 
     cfg = RouterConfig(**values(options(RouterConfig), args))
     creds = credentials(cfg, api_keys=True)
@@ -172,7 +172,7 @@ def _node_config(cls, args):
 
 
 def _serve_node(kind: str, serve, cfg, args) -> int:
-    from proto.security import credentials, require_token
+    from serving.security import credentials, require_token
 
     require_token(credentials(cfg), cfg.insecure_open_cluster, f"pdserve {kind}")
     node, _ = serve(f"{args.host}:{args.port}", cfg)
@@ -271,8 +271,8 @@ def cmd_nodes(args) -> int:
     import grpc
 
     from proto import pb, rpc
-    from proto.security import credentials
-    from proto.serving import channel
+    from serving.rpc import channel
+    from serving.security import credentials
 
     with channel(args.addr, credentials(args)) as ch:
         try:

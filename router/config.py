@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import SecurityArgs
 from engine.options import option
 from router.policy import PolicyName, make_policy
+from serving.config import SecurityArgs
 
 ADMISSION_HELP = "seconds a request waits in the router's FIFO admission queue, then RESOURCE_EXHAUSTED"
 
@@ -63,7 +63,7 @@ class RouterConfig(SecurityArgs):
     metrics_port: int | None = option(None, "Prometheus /metrics on this port (0 picks one; default off)")
     http_port: int | None = option(None, "OpenAI-compatible HTTP on this port (0 picks one; default off)")
     host: str = option("127.0.0.1", "address the router binds (gRPC, metrics and HTTP)")
-    # Client API keys (proto/security.py): none given, the client plane is open.
+    # Client API keys (serving/security.py): none given, the client plane is open.
     api_key: tuple[str, ...] = option((), "a client API key (repeatable; visible in the process list: prefer "
                                           "--api-key-file or PDSERVE_API_KEY)", secret=True)  # fmt: skip
     api_key_file: str | None = option(None, "file of client API keys, one a line (PDSERVE_API_KEY adds more, "

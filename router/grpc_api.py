@@ -14,9 +14,9 @@ from contextlib import aclosing
 import grpc
 
 from proto import pb, rpc
-from proto.serving import DRAINING_KEY
 from router.errors import Abort, Draining
 from router.request import Chunk
+from serving.rpc import DRAINING_KEY
 
 
 def response(c: Chunk) -> pb.GenerateResponse:

@@ -8,7 +8,7 @@ has registered. `stop()` sends SIGTERM to every group (each component drains: wh
 finishes, for at most `drain_timeout_s`; TP worker processes ignore it and follow their node),
 waits, then SIGKILLs what is left.
 
-Security (proto/security.py): every child gets the cluster's token in PDSERVE_CLUSTER_TOKEN (the
+Security (serving/security.py): every child gets the cluster's token in PDSERVE_CLUSTER_TOKEN (the
 one `up` was given, else a new random one), the router the client API keys in PDSERVE_API_KEY;
 neither appears on a command line. TLS files go to every component as flags.
 """
@@ -30,8 +30,8 @@ from typing import Any
 from decode_node.config import DecodeNodeConfig
 from engine.options import options, to_argv
 from prefill_node.config import PrefillNodeConfig
-from proto.security import API_KEY_ENV, TOKEN_ENV, Credentials, Tls
 from router.config import RouterConfig
+from serving.security import API_KEY_ENV, TOKEN_ENV, Credentials, Tls
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -193,7 +193,7 @@ class Cluster:
         import grpc
 
         from proto import pb, rpc
-        from proto.serving import channel
+        from serving.rpc import channel
 
         want = set(self.node_ids())
         shown = -1

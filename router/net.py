@@ -1,7 +1,7 @@
 """Where the router's sockets are made: its gRPC server, its channels to nodes, its HTTP servers.
 
 Every listener and channel of the router comes from here, with its credentials
-(proto/security.py, router/auth.py):
+(serving/security.py, router/auth.py):
 
 - `start_grpc(addr, add_servicers, names, creds, limits)`: a `grpc.aio` server with health
   checking and reflection for the named services, `AioGuard` in front (API keys on `Generation`,
@@ -27,8 +27,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto import pb
-from proto.security import OPEN, Credentials, Tls, add_port, channel_credentials, channel_options, token_metadata
 from router.auth import AioGuard, KeyLimits
+from serving.security import OPEN, Credentials, Tls, add_port, channel_credentials, channel_options, token_metadata
 
 
 class _AioMeta:

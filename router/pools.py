@@ -164,7 +164,7 @@ def spec_from_args(args: argparse.Namespace, default_model: Callable[[], Any]) -
 
 
 def _token(path: str | None) -> str | None:
-    from proto.security import read_token
+    from serving.security import read_token
 
     raw = read_token(path, {}) if path else None
     return None if raw is None else raw.decode()

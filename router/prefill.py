@@ -30,11 +30,11 @@ from collections.abc import Callable
 import grpc
 
 from proto import pb
-from proto.serving import is_draining
 from router.config import RouterConfig
 from router.errors import Abort, DecodeFailed
 from router.prefix import PrefixQuery
 from router.registry import NodeEntry, NodeRegistry
+from serving.rpc import is_draining
 
 log = logging.getLogger("pdserve.router")
 

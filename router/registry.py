@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from proto import pb, rpc
-from proto.security import OPEN, Credentials
 from router.net import node_channel
 from router.prefix import NodeCache
+from serving.security import OPEN, Credentials
 
 log = logging.getLogger("pdserve.router")
 

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 import grpc
 
 from proto import pb
-from proto.serving import is_draining
 from router.detok import IncrementalDetokenizer
 from router.errors import Abort, DecodeFailed
 from router.prefill import Push
 from router.registry import NodeEntry
+from serving.rpc import is_draining
 
 log = logging.getLogger("pdserve.router")
 

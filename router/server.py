@@ -30,12 +30,12 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import make_asgi_app
 
 from proto import pb
-from proto.security import Credentials, credentials
 from router.auth import HttpGuard, KeyLimits
 from router.config import RouterConfig
 from router.grpc_api import add_services
 from router.net import HttpServer, start_grpc, start_http
 from router.service import GenerateService
+from serving.security import Credentials, credentials
 
 log = logging.getLogger("pdserve.router")
 

@@ -26,9 +26,7 @@ import grpc
 from prometheus_client import Counter, Histogram
 
 from proto import pb
-from proto.metrics import ServingMetrics
-from proto.security import OPEN, Credentials
-from proto.serving import MAX_REQUEST_ID_LEN, sampling_kwargs
+from proto.convert import sampling_kwargs
 from router.admission import Admission
 from router.config import RouterConfig
 from router.errors import Abort, Draining
@@ -38,6 +36,9 @@ from router.prefix import PrefixQuery
 from router.registry import NodeEntry, NodeRegistry
 from router.request import Chunk, RequestRun, Trace
 from router.stops import with_stops
+from serving.metrics import ServingMetrics
+from serving.rpc import MAX_REQUEST_ID_LEN
+from serving.security import OPEN, Credentials
 
 log = logging.getLogger("pdserve.router")
 

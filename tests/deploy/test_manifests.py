@@ -39,8 +39,9 @@ from pathlib import Path
 import kubernetes_validate as kv  # the dev extras
 import pytest
 import yaml
-from k8s_render import RenderError, json6902, render, strategic_merge
 from kubernetes_validate import utils as kv_utils
+
+from tests.helpers.k8s_render import RenderError, json6902, render, strategic_merge
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

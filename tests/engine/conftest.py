@@ -1,7 +1,8 @@
 from __future__ import annotations
 
-import hybrid_ckpt as hc
 import pytest
+
+from tests.helpers import hybrid_ckpt as hc
 
 
 @pytest.fixture(scope="session")

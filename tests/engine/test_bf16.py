@@ -6,12 +6,12 @@ have a clear argmax; bfloat16 near-ties may go either way, in transformers as he
 
 from __future__ import annotations
 
-import hybrid_ckpt as hc
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from kernels import cpu_ops
+from tests.helpers import hybrid_ckpt as hc
 
 NEW = 16
 TOL = 0.25  # a logit gap bfloat16 rounding cannot bridge: the engine's token is never further below the max

@@ -12,11 +12,11 @@ flash-linear-attention's kernels), independent of ours."""
 
 from __future__ import annotations
 
-import hybrid_ckpt as hc
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from tests.helpers import hybrid_ckpt as hc
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 

@@ -5,9 +5,8 @@ order), and a prefill's last layer computing its output only at the rows that sa
 
 from __future__ import annotations
 
-import hybrid_ckpt as hc
-
 from engine import LLM, SamplingParams
+from tests.helpers import hybrid_ckpt as hc
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import shutil
 
-import hybrid_ckpt as hc
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
+from tests.helpers import hybrid_ckpt as hc
 
 SP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

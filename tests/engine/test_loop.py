@@ -1,4 +1,4 @@
-"""The engine loop's typed command API (engine/loop.py, engine/commands.py) over a real engine:
+"""The engine loop's typed command API (serving/loop.py, serving/commands.py) over a real engine:
 requests stream the tokens transformers generates, errors are typed, memory comes back after
 every path, commands after stop are refused, and waits wake on events, not on a poll."""
 
@@ -8,14 +8,14 @@ import statistics
 import threading
 import time
 
-import hybrid_ckpt as hc
 import pytest
 
 from engine import SamplingParams
-from engine.commands import LoopError, NoRoom, Reserved, ShuttingDown, UnknownRequest
 from engine.core import EngineCore
 from engine.llm import LLM
-from engine.loop import EngineLoop
+from serving.commands import LoopError, NoRoom, Reserved, ShuttingDown, UnknownRequest
+from serving.loop import EngineLoop
+from tests.helpers import hybrid_ckpt as hc
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import hybrid_ckpt as hc
 import pytest
 
 from engine import LLM, SamplingParams
+from tests.helpers import hybrid_ckpt as hc
 
 GREEDY48 = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 

@@ -8,13 +8,13 @@ import dataclasses
 import json
 import shutil
 
-import hybrid_ckpt as hc
 import pytest
 import torch
 from safetensors import safe_open
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
+from tests.helpers import hybrid_ckpt as hc
 
 ARCHS = tuple(hc.SPEC_MOE)
 NEW = 16

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import hybrid_ckpt as hc
 import pytest
 import torch
 
@@ -21,6 +20,7 @@ from engine.config import EngineArgs
 from engine.loader import load_mtp_weights, load_weights
 from engine.model.mtp import MTPBlock, mtp_batch
 from engine.model.qwen3_5 import Qwen35Model
+from tests.helpers import hybrid_ckpt as hc
 
 NEW = 24
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)

@@ -13,11 +13,11 @@ D1's next turn resumes past D1's reply."""
 
 from __future__ import annotations
 
-import hybrid_ckpt as hc
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from tests.helpers import hybrid_ckpt as hc
 
 NEW = 16
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)

@@ -4,11 +4,11 @@ and every page, slot and snapshot pin is back afterwards."""
 
 from __future__ import annotations
 
-import hybrid_ckpt as hc
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from tests.helpers import hybrid_ckpt as hc
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -77,7 +77,7 @@ def test_prompt_logprob_requests_resume_from_the_cache(ckpt_hv2):
     fill the skipped tokens' entries; every entry still matches transformers. A request asking
     for more alternatives than were kept, and one whose token at the snapshot differs, do not
     take it."""
-    from test_sampling_options import _check_logprobs
+    from tests.engine.test_sampling_options import _check_logprobs
 
     context = BASE[:70]
     endings = [context + _rand(6, 10 + i) for i in range(3)]

@@ -7,7 +7,6 @@ block those behind it."""
 
 from __future__ import annotations
 
-import hybrid_ckpt as hc
 import pytest
 import torch
 
@@ -15,10 +14,11 @@ from engine import LLM, SamplingParams
 from engine.cache.block_manager import BlockManager, SlotPool
 from engine.cache.prefix import PrefixCache
 from engine.config import SchedulerConfig
-from engine.loop import EngineLoop
 from engine.request import Request, Status
 from engine.scheduler import Scheduler
-from proto.metrics import capacity_gauges
+from serving.loop import EngineLoop
+from serving.metrics import capacity_gauges
+from tests.helpers import hybrid_ckpt as hc
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -85,7 +85,7 @@ def test_prompt_logprob_burst_resumes_with_the_same_entries(ckpt_hv2):
     the context, two more wait for its snapshot and take its kept entries; one asking for more
     alternatives than the sharer computes cannot use its snapshot, so it is not held. Every entry
     equals the cache-off run's, and the resumed ones transformers'."""
-    from test_sampling_options import _check_logprobs
+    from tests.engine.test_sampling_options import _check_logprobs
 
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=2)
     wide = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=5)

@@ -7,11 +7,11 @@ drafts and give the same tokens."""
 
 from __future__ import annotations
 
-import hybrid_ckpt as hc
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from tests.helpers import hybrid_ckpt as hc
 
 PROMPTS = [[5, 17, 300, 42, 9, 77, 1000, 3], list(range(100, 170))]  # 70 tokens: chunked at budget 32
 

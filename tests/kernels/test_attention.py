@@ -8,9 +8,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import DEVICE, TOL, assert_close, assert_unchanged, cu_seqlens, head_major, nan_like, to_dev
 
 from kernels.attention import paged_attention, store_kv
+from tests.helpers.kernel_testing import (
+    DEVICE,
+    TOL,
+    assert_close,
+    assert_unchanged,
+    cu_seqlens,
+    head_major,
+    nan_like,
+    to_dev,
+)
 
 LENGTHS = [1, 7, 63, 64, 65, 130]
 DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.bfloat16, id="bf16")]

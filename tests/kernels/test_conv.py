@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import DTYPES, KC, LENGTHS, conv_case
-from kernel_testing import DEVICE, NAIVE_TOL, TOL, assert_close, assert_unchanged, cu_seqlens, nan_like, to_dev
 
 from kernels.conv import causal_conv1d, causal_conv1d_update
 from kernels.naive import naive_conv
+from tests.helpers.kernel_cases import DTYPES, KC, LENGTHS, conv_case
+from tests.helpers.kernel_testing import (
+    DEVICE,
+    NAIVE_TOL,
+    TOL,
+    assert_close,
+    assert_unchanged,
+    cu_seqlens,
+    nan_like,
+    to_dev,
+)
 
 # conv_dim = 2*Hk*dk + Hv*dv: (Hk=2, dk=16, Hv=4, dv=24) -> 160 (not a power of two), and a small one.
 DIMS = [pytest.param(160, id="D160"), pytest.param(40, id="D40")]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import assert_close
 
 from engine.cache.allocator import kv_pool_view
 from engine.model.rotary import apply_rotary_
@@ -23,6 +22,7 @@ from kernels import (
     rms_norm,
     store_kv,
 )
+from tests.helpers.kernel_testing import assert_close
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 

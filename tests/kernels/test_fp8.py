@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import NAIVE_TOL, TOL, assert_close, to_dev
 
 from kernels.fp8 import FP8_MAX, dequant_fp8_block, fp8_block_linear_ref, narrow_fp8_block, quant_fp8_block
+from tests.helpers.kernel_testing import NAIVE_TOL, TOL, assert_close, to_dev
 
 # (N, K, block): whole blocks, partial edge blocks on both axes, the published [128, 128].
 SHAPES = [

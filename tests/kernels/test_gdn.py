@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import DTYPES, LENGTHS, STATE_TOL, GDNCase, check_pool, gdn_case
-from kernel_testing import DEVICE, NAIVE_TOL, TOL, assert_close, assert_unchanged, cu_seqlens, nan_like, to_dev
 
 import kernels.gdn
 from kernels.gdn import gdn_chunk_prefill, gdn_recurrent
 from kernels.naive import naive_gdn
+from tests.helpers.kernel_cases import DTYPES, LENGTHS, STATE_TOL, GDNCase, check_pool, gdn_case
+from tests.helpers.kernel_testing import (
+    DEVICE,
+    NAIVE_TOL,
+    TOL,
+    assert_close,
+    assert_unchanged,
+    cu_seqlens,
+    nan_like,
+    to_dev,
+)
 
 # (Hk, Hv, dk, dv): Hv = Hk and Hv = 2 Hk, dk != dv in both.
 HEADS = [

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import assert_close, assert_unchanged, cu_seqlens
 
 from kernels import cpu_ops
 from kernels.naive import naive_conv, naive_gdn
+from tests.helpers.kernel_testing import assert_close, assert_unchanged, cu_seqlens
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 

@@ -6,7 +6,7 @@ heads of 128 (conv over 2 * 16 * 128 + 32 * 128 = 8192 channels, kernel 4); full
 16 query heads and 2 KV heads of 256, pages of 16 tokens. Batches: a 4k-token prefill, a mix of
 shorter rows (some continuing from a saved state), a chunked prefill reading 2k tokens
 of earlier pages, and decode at batch 64, plain and with 3 speculative tokens per row. The case
-builders are the small tests' own (tests/kernels/kernel_cases.py) (NaN in every slot and page the batch must not read)."""
+builders are the small tests' own (tests/helpers/kernel_cases.py) (NaN in every slot and page the batch must not read)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import os
 
 import pytest
 import torch
-from kernel_cases import STATE_TOL, check_pool, conv_case, gdn_case
-from kernel_testing import DEVICE, TOL, assert_close, assert_unchanged, nan_like, to_dev
-from test_attention import make_case as attention_case
 
 from kernels.attention import paged_attention
 from kernels.conv import causal_conv1d, causal_conv1d_update
 from kernels.gdn import gdn_chunk_prefill, gdn_recurrent
 from kernels.norm import gated_rms_norm
+from tests.helpers.kernel_cases import STATE_TOL, check_pool, conv_case, gdn_case
+from tests.helpers.kernel_testing import DEVICE, TOL, assert_close, assert_unchanged, nan_like, to_dev
+from tests.kernels.test_attention import make_case as attention_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import DEVICE, NAIVE_TOL, TOL, assert_close, to_dev
 
 from kernels.fp8 import dequant_fp8_block, quant_fp8_block
 from kernels.moe import fused_moe, select_experts
+from tests.helpers.kernel_testing import DEVICE, NAIVE_TOL, TOL, assert_close, to_dev
 
 DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.bfloat16, id="bf16")]
 # (T, H, I, E, k): odd sizes, experts not a power of two, top-k 3; T=1 is a decode step; with

@@ -11,8 +11,9 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from kernel_cases import conv_case, gdn_case
-from test_attention import make_case as attention_case
+
+from tests.helpers.kernel_cases import conv_case, gdn_case
+from tests.kernels.test_attention import make_case as attention_case
 
 READS = ("tolist", "item", "__int__", "__index__", "__bool__", "__float__")
 

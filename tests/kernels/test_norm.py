@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import DEVICE, TOL, assert_close, to_dev
 
 from kernels.norm import gated_rms_norm
+from tests.helpers.kernel_testing import DEVICE, TOL, assert_close, to_dev
 
 
 @pytest.mark.parametrize(

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import DEVICE, cu_seqlens, to_dev
 
 from kernels.conv import causal_conv1d
 from kernels.gdn import gdn_chunk_prefill, l2norm
 from kernels.naive import naive_conv, naive_gdn
 from kernels.points import StatePoints
+from tests.helpers.kernel_testing import DEVICE, cu_seqlens, to_dev
 
 LENS = [70, 5, 130]  # chunk-crossing, shorter than the conv window's history, several chunks
 # (sequence, offset, dest): first token, chunk ends and starts, mid-chunk, a sequence's end

@@ -21,7 +21,7 @@ BS = 4
 
 
 def _digest(pc: PrefixCache) -> pb.PrefixDigest:
-    d = pc.digest()  # as proto/node.py puts it on the wire
+    d = pc.digest()  # as serving/node.py puts it on the wire
     return pb.PrefixDigest(version=d.version, block_size=d.block_size, snapshot_interval=d.interval,
                            pages=d.pages, snapshot_keys=d.snapshot_keys, snapshot_tokens=d.snapshot_tokens,
                            mtp=d.mtp)  # fmt: skip

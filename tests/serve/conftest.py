@@ -2,14 +2,15 @@
 
 One cluster per test module that asks for it (a tiny Qwen3.5 checkpoint with a tokenizer, float32, one prefill
 and one decode node, disaggregated: local-prefill threshold 0), started through the CLI exactly as a user would. Helpers live in
-serve_harness.py.
+tests/helpers/serve_harness.py.
 """
 
 from __future__ import annotations
 
-import hybrid_ckpt as hc
 import pytest
-from serve_harness import LENS, NEW, SPEC, Up
+
+from tests.helpers import hybrid_ckpt as hc
+from tests.helpers.serve_harness import LENS, NEW, SPEC, Up
 
 
 @pytest.fixture(scope="session")

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import time
 
-import hybrid_ckpt as hc
 import pytest
-from serve_harness import BLOCK, Up, decode_stats, node_info, wait_for
+
+from tests.helpers import hybrid_ckpt as hc
+from tests.helpers.serve_harness import BLOCK, Up, decode_stats, node_info, wait_for
 
 MEMORY_S = 2.0  # --prefix-memory: turn 3 waits past it, routed by the digests alone
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from serve_harness import ROOT
-
 from proto import pb
+from tests.helpers.serve_harness import ROOT
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

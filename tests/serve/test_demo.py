@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from serve_harness import ROOT
+from tests.helpers.serve_harness import ROOT
 
 
 def test_demo_streams_and_exits_cleanly(ckpt):

@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from serve_harness import (
+
+from tests.helpers.serve_harness import (
     NEW,
     Up,
     check_decode_prefix_reuse,
@@ -35,9 +36,8 @@ def test_prefill_node_killed_with_requests_in_flight(ckpt):
     """Two prefill nodes; one is SIGKILLed while long prompts are queued on both. Every request
     completes (elsewhere, with the tokens an undisturbed run gives) or fails UNAVAILABLE, none
     hangs, and the decode node's free pages and slots return to their initial counts."""
-    import hybrid_ckpt as hc
-
     from client import Client, PdserveError
+    from tests.helpers import hybrid_ckpt as hc
 
     ps = hc.prompts(lens=(1500, 1400), seed=11)
     up = Up("--model", ckpt, "--dtype", "float32", "--prefill", "2", "--decode", "1", "--max-num-seqs", "32")
@@ -115,9 +115,8 @@ def test_speculative_decode_nodes_match_transformers(ckpt):
     import re
     import urllib.request
 
-    import hybrid_ckpt as hc
-
     from client import Client
+    from tests.helpers import hybrid_ckpt as hc
 
     ps = [[5, 6, 7, 8] * 20, [11, 12, 13] * 30 + [14], *hc.prompts(lens=(70,), seed=4)]
     want = [hc.hf_greedy(ckpt, p, 24) for p in ps]

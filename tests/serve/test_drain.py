@@ -17,9 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
-import hybrid_ckpt as hc
 import pytest
-from serve_harness import Proc, Up, node_pid, nodes, wait_for
+
+from tests.helpers import hybrid_ckpt as hc
+from tests.helpers.serve_harness import Proc, Up, node_pid, nodes, wait_for
 
 N = 300  # tokens per long request: they are still decoding when SIGTERM arrives
 # The decode-drain test's 6 requests repeat 3 prompts, so the prefill node holds the repeats a

@@ -11,7 +11,8 @@ import urllib.error
 import urllib.request
 
 import pytest
-from serve_harness import BLOCK, NEW, Up, check_decode_prefix_reuse, log_url, nodes, scrape, wait_for
+
+from tests.helpers.serve_harness import BLOCK, NEW, Up, check_decode_prefix_reuse, log_url, nodes, scrape, wait_for
 
 PROMPT = "Hello world! How are you"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]

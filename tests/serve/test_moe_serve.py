@@ -5,9 +5,10 @@ model digest in the schema names the architecture and the MoE sizes."""
 
 from __future__ import annotations
 
-import hybrid_ckpt as hc
 import pytest
-from serve_harness import check_disaggregated_greedy
+
+from tests.helpers import hybrid_ckpt as hc
+from tests.helpers.serve_harness import check_disaggregated_greedy
 
 NEW = 12
 PAIRS = [(2, 1), (1, 2), (4, 2)]

@@ -1,7 +1,7 @@
 """MTP speculative decoding through `pdserve up`: prefill and decode pools at TP (1, 2) and (2, 1)
 (both `--speculative-method mtp`; k = 1, 2, 3 per request with `num_speculative_tokens`) give transformers' greedy tokens, with the
 checkpoint's block fitted to the prompts' greedy continuations so that drafts after the
-transfer are accepted and verified (tests/hybrid_ckpt.py `make_fitted_mtp`); the decode node reports its
+transfer are accepted and verified (tests/helpers/hybrid_ckpt.py `make_fitted_mtp`); the decode node reports its
 drafts per position in Stats and as Prometheus counters; a conversation's second turn resumes
 from the first's cached prefix with MTP on and still gives transformers' tokens; a method
 mismatch is refused at the transfer handshake, naming both values."""
@@ -14,9 +14,10 @@ import re
 import urllib.error
 import urllib.request
 
-import hybrid_ckpt as hc
 import pytest
-from serve_harness import Up, decode_stats, log_url, nodes, wait_for
+
+from tests.helpers import hybrid_ckpt as hc
+from tests.helpers.serve_harness import Up, decode_stats, log_url, nodes, wait_for
 
 NEW = 16
 K = 3  # the nodes' --num-speculative-tokens; requests cap it at 1 and 2

@@ -12,10 +12,11 @@ from __future__ import annotations
 import math
 
 import grpc
-import hybrid_ckpt as hc
 import pytest
 import torch
-from serve_harness import Up, log_url
+
+from tests.helpers import hybrid_ckpt as hc
+from tests.helpers.serve_harness import Up, log_url
 
 PROMPT = "Hello world! How are you"
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})

@@ -18,9 +18,19 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import hybrid_ckpt as hc
 import pytest
-from serve_harness import Up, decode_stats, descendants, log_url, node_info, prefill_stats, scrape, wait_for
+
+from tests.helpers import hybrid_ckpt as hc
+from tests.helpers.serve_harness import (
+    Up,
+    decode_stats,
+    descendants,
+    log_url,
+    node_info,
+    prefill_stats,
+    scrape,
+    wait_for,
+)
 
 LEASE = 2.0  # seconds; the prefill node renews every third of it, between engine steps
 # the burst test's lease: well under the burst's prefill time (its last request waited 1.7 s on

@@ -1,4 +1,4 @@
-"""Who gets in (proto/security.py, router/auth.py), with real processes: one `pdserve up` cluster
+"""Who gets in (serving/security.py, router/auth.py), with real processes: one `pdserve up` cluster
 over TLS (a CA made here), client API keys from a file, the cluster token, a per-key limit.
 
 - the disaggregated path works over TLS, token for token as transformers;
@@ -23,7 +23,8 @@ import urllib.request
 
 import grpc
 import pytest
-from serve_harness import (
+
+from tests.helpers.serve_harness import (
     NEW,
     ROOT,
     Up,
@@ -35,7 +36,7 @@ from serve_harness import (
     nodes,
     wait_for,
 )
-from tls_ca import CA
+from tests.helpers.tls_ca import CA
 
 KEY_A, KEY_B = "sk-test-alpha-0123456789", "sk-test-bravo-9876543210"
 LIMIT = 2  # --max-requests-per-key
@@ -51,7 +52,7 @@ def secure(ckpt, tmp_path_factory):
     up = Up("--model", ckpt, "--dtype", "float32", "--prefill", "1", "--decode", "1", "--local-prefill-threshold",
             "0", "--http-port", "0", "--tls-cert", srv.cert, "--tls-key", srv.key, "--tls-ca", ca.ca,
             "--api-key-file", str(keys), "--max-requests-per-key", str(LIMIT))  # fmt: skip
-    from proto.security import Tls
+    from serving.security import Tls
 
     (d / "other").mkdir()
     up.ca, up.other_ca, up.tls = ca, CA(d / "other", "another CA"), Tls.from_files(srv.cert, srv.key, ca.ca)
@@ -136,8 +137,8 @@ def test_node_plane_needs_the_cluster_token(secure):
     """An outsider with a client API key, the CA and even a certificate the CA signed, but not the
     cluster token, cannot join or use the node plane."""
     from proto import pb, rpc
-    from proto.security import AUTH_KEY, Credentials
-    from proto.serving import channel
+    from serving.rpc import channel
+    from serving.security import AUTH_KEY, Credentials
 
     good = creds(secure.tls)
     d, p = node_info(secure.address, "decode-0", good), node_info(secure.address, "prefill-0", good)
@@ -166,7 +167,7 @@ def test_node_plane_needs_the_cluster_token(secure):
     assert sorted(n.node.node_id for n in nodes(secure.address, good)) == ["decode-0", "prefill-0"]
     assert decode_stats(d.address, good).capacity == before  # nothing reserved
     # mutual TLS: the token alone, without a certificate the CA signed, does not reach a node
-    from proto.security import Tls
+    from serving.security import Tls
 
     with channel(d.address, Credentials(cluster_token=b"x", tls=Tls(ca=secure.tls.ca))) as ch:
         with pytest.raises(grpc.RpcError) as ei:

@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from serve_harness import NEW, ROOT, creds, decode_stats, nodes, prefill_stats, wait_for
+
+from tests.helpers.serve_harness import NEW, ROOT, creds, decode_stats, nodes, prefill_stats, wait_for
 
 
 def _node(cluster, node_id):
@@ -145,7 +146,7 @@ def test_bad_requests_are_invalid_argument(client, kwargs, needle):
 def test_decode_node_refuses_bad_input_itself(cluster):
     """The node validates too (a router is not its only caller)."""
     from proto import pb, rpc
-    from proto.serving import channel
+    from serving.rpc import channel
 
     node = _decode_node(cluster)
     with channel(node.address, creds()) as ch:
@@ -170,7 +171,7 @@ def test_health_and_reflection(cluster):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    from proto.serving import channel
+    from serving.rpc import channel
 
     for addr, service in [
         (cluster.address, "pdserve.v1.Generation"),
@@ -236,7 +237,7 @@ def test_reserve_release_and_lease_expiry(cluster):
     """The decode node's reservation seam: pages for prompt + 1 tokens and one GDN slot, held
     under a lease, returned by Release or by the lease running out."""
     from proto import pb, rpc
-    from proto.serving import channel
+    from serving.rpc import channel
 
     node = _decode_node(cluster)
     initial = decode_stats(node.address).capacity
@@ -281,7 +282,7 @@ def test_prefill_streams_first_token_before_the_push_report(cluster, refs):
     yet) and afterwards a `pushed` message with them; the decode node's Generate(reserved) then
     continues with transformers' tokens."""
     from proto import pb, rpc
-    from proto.serving import channel
+    from serving.rpc import channel
 
     ps, want = refs
     prompt = ps[3]  # 65 tokens: five pages
@@ -341,7 +342,7 @@ def test_cancel_during_prefill_releases_both_nodes(cluster, client):
     import time
 
     from proto import pb, rpc
-    from proto.serving import channel
+    from serving.rpc import channel
 
     d, p = _decode_node(cluster), _node(cluster, "prefill-0")
     with channel(cluster.address, creds()) as ch:

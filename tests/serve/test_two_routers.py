@@ -8,7 +8,7 @@ import asyncio
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
-from serve_harness import NEW, Proc, nodes, wait_for
+from tests.helpers.serve_harness import NEW, Proc, nodes, wait_for
 
 
 def test_two_routers_share_the_pools(ckpt, refs):

@@ -13,7 +13,8 @@ import time
 
 import grpc
 import pytest
-from serve_harness import NEW, Up, alive, descendants, nodes, wait_for
+
+from tests.helpers.serve_harness import NEW, Up, alive, descendants, nodes, wait_for
 
 
 def test_tp2_tokens_admission_node_death_and_no_orphans(ckpt, refs):

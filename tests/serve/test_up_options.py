@@ -10,7 +10,6 @@ import dataclasses
 import typing
 
 import pytest
-from serve_harness import Up, nodes
 
 from decode_node.config import DecodeNodeConfig
 from engine.config import EngineArgs
@@ -20,6 +19,7 @@ from router.cli import _up_spec, build_parser, main
 from router.config import RouterConfig
 from router.launch import NODE_MANAGED, ROUTER_MANAGED, PoolSpec
 from router.policy import POLICIES, PolicyName
+from tests.helpers.serve_harness import Up, nodes
 
 CONFIGS = {"router": RouterConfig, "decode": DecodeNodeConfig, "prefill": PrefillNodeConfig}
 

@@ -8,7 +8,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def hosts():
-    from xfer_harness import HostPool  # noqa: PLC0415
+    from tests.helpers.xfer_harness import HostPool  # noqa: PLC0415
 
     pool = HostPool()
     yield pool

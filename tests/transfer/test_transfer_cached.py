@@ -5,8 +5,9 @@ Two real endpoints in one process (loopback)."""
 from __future__ import annotations
 
 import pytest
-from test_transfer_local import TOKENS, _drive, _pair
-from xfer_state import global_state, make_pools, mismatches, place, snapshot
+
+from tests.helpers.xfer_state import global_state, make_pools, mismatches, place, snapshot
+from tests.transfer.test_transfer_local import TOKENS, _drive, _pair
 
 pytestmark = pytest.mark.timeout(120)
 BS = 4  # xfer_state.engine_cfg's block size

@@ -5,7 +5,8 @@ global state re-sharded. Plus abort, a killed source, stale notifications and re
 from __future__ import annotations
 
 import pytest
-from xfer_harness import Cluster
+
+from tests.helpers.xfer_harness import Cluster
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import secrets
 import time
 
-import hybrid_ckpt as hc
 import pytest
 import torch
 
@@ -17,6 +16,7 @@ from engine import SamplingParams
 from engine.core import EngineCore
 from engine.llm import LLM
 from engine.shard import conv_channel_index, head_range, kv_head_range
+from tests.helpers import hybrid_ckpt as hc
 from transfer import TransferConfig
 from transfer import rank as xr
 

@@ -8,7 +8,8 @@ did not own untouched. Two requests are in flight at once."""
 from __future__ import annotations
 
 import pytest
-from xfer_harness import Cluster
+
+from tests.helpers.xfer_harness import Cluster
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 

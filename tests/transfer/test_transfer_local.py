@@ -8,8 +8,17 @@ import time
 import msgspec
 import numpy as np
 import pytest
-from xfer_state import engine_cfg, global_state, make_pools, mismatches, noise, place, snapshot, tiny_model
 
+from tests.helpers.xfer_state import (
+    engine_cfg,
+    global_state,
+    make_pools,
+    mismatches,
+    noise,
+    place,
+    snapshot,
+    tiny_model,
+)
 from transfer import HandshakeError, Receiver, Sender, TransferConfig, TransferError, get_transport, plan
 from transfer.backend import WriteJob
 from transfer.nixl_backend import _rows, job_indices

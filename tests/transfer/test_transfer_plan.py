@@ -9,8 +9,8 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from xfer_state import engine_cfg, global_state, make_pools, noise, place, snapshot, tiny_model
 
+from tests.helpers.xfer_state import engine_cfg, global_state, make_pools, noise, place, snapshot, tiny_model
 from transfer.errors import PlanError
 from transfer.plan import pair_templates, plan, plan_nbytes, sources_for
 from transfer.schema import build_schema

@@ -7,9 +7,9 @@ from dataclasses import replace
 import msgspec
 import pytest
 import torch
-from xfer_state import engine_cfg, make_pools, tiny_model
 
 from engine.config import SpeculativeConfig
+from tests.helpers.xfer_state import engine_cfg, make_pools, tiny_model
 from transfer.errors import HandshakeError
 from transfer.handshake import check_peer, check_schema
 from transfer.schema import SCHEMA_VERSION, PeerInfo, build_schema, decode_peer, decode_schema, encode

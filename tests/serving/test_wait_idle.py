@@ -1,4 +1,4 @@
-"""proto/serving.py `wait_idle`, the wait of a node's drain: it reads the in-flight count only
+"""serving/rpc.py `wait_idle`, the wait of a node's drain: it reads the in-flight count only
 when the code that changes it signals (`Changes`) or the drain is interrupted (`Interrupt`, from
 a thread or a signal handler), so it returns within milliseconds of the count reaching 0, at the
 timeout otherwise, and reads nothing in between (no polling loop)."""
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from proto.serving import Changes, Interrupt, wait_idle
+from serving.rpc import Changes, Interrupt, wait_idle
 
 PROMPT_S = 0.05  # how soon after the count drops (or the interrupt) the wait must return
 

@@ -1,13 +1,12 @@
-"""Wire-level helpers shared by the router and the nodes (gRPC and the stubs only, no engine).
+"""gRPC plumbing shared by the router and the nodes: servers, channels, heartbeats, drains.
 
 - `start_server`: a gRPC server with health checking and reflection for the given services,
   bound to `addr` (port 0 picks a free port), the node plane guarded by the credentials given
-  (proto/security.py: cluster token, TLS); returns (server, port, health servicer).
+  (serving/security.py: cluster token, TLS); returns (server, port, health servicer).
 - `channel`: a sync channel with those credentials (TLS, the cluster token on every call).
 - `Heartbeater`: a node's thread that registers with the router, then heartbeats its capacity;
   a heartbeat the router does not recognise (router restarted, node declared dead) registers
   again. The node goes on serving while the router is away.
-- `sampling_kwargs`: SamplingParams (wire) -> keyword arguments of engine.SamplingParams.
 - `DRAINING_KEY` / `is_draining`: the trailing metadata a draining server puts on the
   UNAVAILABLE it answers new work with, so a caller retries elsewhere instead of declaring
   the server dead.
@@ -29,20 +28,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto import pb, rpc
-from proto.security import OPEN, Credentials, NodeGuard, add_port
-from proto.security import channel as secure_channel
+from serving.security import OPEN, Credentials, NodeGuard, add_port
+from serving.security import channel as secure_channel
 
 log = logging.getLogger("pdserve.serving")
 
 # Ids the engine accepts as request ids, and names a log line can carry.
 MAX_REQUEST_ID_LEN = 128
-
-
-def addresses(spec) -> list[str]:
-    """Router addresses from "host:port", "a:1,b:2" or a list of them (nodes' --router, the SDK).
-    Empty for None or ""."""
-    items = [spec or ""] if isinstance(spec, str | None) else list(spec)
-    return [a.strip() for item in items for a in item.split(",") if a.strip()]
 
 
 # Trailing metadata on the UNAVAILABLE a draining server refuses new work with.
@@ -105,7 +97,7 @@ def wait_idle(what: str, in_flight: Callable[[], int], changes: Changes, timeout
     outcome. True when nothing was left. in_flight() is read again only when `changes` or
     `interrupt` signal, so the wait ends as soon as the count drops to 0, and costs nothing before."""
     if interrupt is not None and not isinstance(interrupt, Interrupt):
-        raise TypeError("wait_idle's interrupt must be a proto.serving.Interrupt (a plain Event would not wake it)")
+        raise TypeError("wait_idle's interrupt must be a serving.rpc.Interrupt (a plain Event would not wake it)")
     t0 = time.monotonic()
     wake: queue.SimpleQueue = queue.SimpleQueue()
     sources = [changes._waiters, *([interrupt._waiters] if interrupt is not None else [])]
@@ -158,29 +150,6 @@ def start_server(
     port = add_port(server, addr, creds.tls, mutual=True)
     server.start()
     return server, port, hs
-
-
-def sampling_kwargs(sp: pb.SamplingParams) -> dict:
-    """Only the fields the caller set, so engine defaults apply to the rest."""
-    kw: dict = {"top_k": sp.top_k, "ignore_eos": sp.ignore_eos, "stop_token_ids": tuple(sp.stop_token_ids),
-                "min_tokens": sp.min_tokens, "presence_penalty": sp.presence_penalty,
-                "frequency_penalty": sp.frequency_penalty}  # fmt: skip
-    for name in ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs", "prompt_logprobs",
-                 "num_speculative_tokens"):  # fmt: skip
-        if sp.HasField(name):
-            kw[name] = getattr(sp, name)
-    for name in ("temperature", "repetition_penalty"):
-        if name in kw:
-            kw[name] = float(kw[name])
-    if sp.logit_bias:
-        kw["logit_bias"] = dict(sp.logit_bias)
-    return kw  # `stop` (text) is the router's: nodes see token ids only
-
-
-def logprobs_pb(entries) -> list[pb.TokenLogprob]:
-    """engine TokenLogprob tuples -> their wire form."""
-    return [pb.TokenLogprob(token_id=t, logprob=lp, top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in top])
-            for t, lp, top in entries]  # fmt: skip
 
 
 def channel(addr: str, creds: Credentials = OPEN) -> grpc.Channel:

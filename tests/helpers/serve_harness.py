@@ -12,9 +12,8 @@ import threading
 import time
 from pathlib import Path
 
-import hybrid_ckpt as hc
-
 from router.launch import die_with_parent
+from tests.helpers import hybrid_ckpt as hc
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = dataclasses.replace(hc.SPEC_HV2, tokenizer=True)
@@ -124,7 +123,7 @@ def node_pid(up: Up, node_id: str) -> int:
 
 def nodes(address: str, c=None):
     from proto import pb, rpc
-    from proto.serving import channel
+    from serving.rpc import channel
 
     with channel(address, c or creds()) as ch:
         return list(rpc.RegistryStub(ch).ListNodes(pb.ListNodesRequest(), timeout=10).nodes)
@@ -132,7 +131,7 @@ def nodes(address: str, c=None):
 
 def decode_stats(node_address: str, c=None):
     from proto import pb, rpc
-    from proto.serving import channel
+    from serving.rpc import channel
 
     with channel(node_address, c or creds()) as ch:
         return rpc.DecodeNodeStub(ch).Stats(pb.StatsRequest(), timeout=10)
@@ -140,7 +139,7 @@ def decode_stats(node_address: str, c=None):
 
 def prefill_stats(node_address: str):
     from proto import pb, rpc
-    from proto.serving import channel
+    from serving.rpc import channel
 
     with channel(node_address, creds()) as ch:
         return rpc.PrefillNodeStub(ch).Stats(pb.StatsRequest(), timeout=10)
@@ -148,7 +147,7 @@ def prefill_stats(node_address: str):
 
 def creds(tls=None):
     """What the tests call the node plane with: the cluster token (and TLS when given)."""
-    from proto.security import Credentials
+    from serving.security import Credentials
 
     return Credentials(cluster_token=CLUSTER_TOKEN.encode(), tls=tls)
 
@@ -248,9 +247,8 @@ def check_decode_prefix_reuse(model: str, address: str, new: int = NEW, block_si
     greedy tokens, and the second moves only the pages after the first turn's full pages of prompt
     and reply (the decode node holds those in its prefix cache: every position it computed, the
     reply's last token excepted) and the GDN state. Returns the two prompts."""
-    import hybrid_ckpt as hc
-
     from client import Client
+    from tests.helpers import hybrid_ckpt as hc
 
     page, state = state_bytes(model, block_size)
     turn1 = hc.prompts(lens=(2 * block_size + 5,), seed=11)[0]  # two full pages and a partial one

@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from serve_harness import wait_for
 
 from proto import pb, rpc
-from proto.serving import channel, start_server
+from serving.rpc import channel, start_server
+from tests.helpers.serve_harness import wait_for
 
 
 def _info(node_id, address, inc=1, free_slots=8, free_blocks=100, running=0, kind=pb.NODE_KIND_DECODE):

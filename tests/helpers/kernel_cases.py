@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testing import assert_close, assert_unchanged, cu_seqlens, pick_slots
 
 from kernels.gdn import l2norm
+from tests.helpers.kernel_testing import assert_close, assert_unchanged, cu_seqlens, pick_slots
 
 LENGTHS = [1, 7, 63, 64, 65, 130]
 DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.bfloat16, id="bf16")]

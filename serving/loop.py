@@ -1,5 +1,5 @@
 """The engine loop, shared by both node kinds: one thread owns the EngineCore; handler threads
-talk to it only through the typed API below (commands in engine/commands.py).
+talk to it only through the typed API below (commands in serving/commands.py).
 
     handler --submit / admit--> RequestHandle      --AddRequest / AdmitTransferred--> inbox
     handler --abort / reserve / release / stats / run--> Future --command--> inbox
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from engine.commands import (
+from serving.commands import (
     Aborted,
     AbortRequest,
     AddRequest,

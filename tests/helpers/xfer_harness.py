@@ -42,8 +42,16 @@ def _host_main(conn) -> None:
 
 
 def _serve(conn, spec: dict) -> None:
-    from xfer_state import engine_cfg, global_state, make_pools, mismatches, noise, place, snapshot, tiny_model  # noqa: PLC0415
-
+    from tests.helpers.xfer_state import (  # noqa: PLC0415
+        engine_cfg,
+        global_state,
+        make_pools,
+        mismatches,
+        noise,
+        place,
+        snapshot,
+        tiny_model,
+    )
     from transfer import Receiver, Sender, TransferConfig, decode_target  # noqa: PLC0415
     from transfer.messages import Done, encode_control  # noqa: PLC0415
 

@@ -1,4 +1,4 @@
-"""The engine loop's typed API (engine/loop.py): the commands a handler thread posts, the records
+"""The engine loop's typed API (serving/loop.py): the commands a handler thread posts, the records
 it gets back, and the errors it can meet.
 
 A command is a frozen record carried to the loop thread; the loop answers through the command's

@@ -269,6 +269,13 @@ class NodeGuard(grpc.ServerInterceptor):
 
 
 # ---- clients ---------------------------------------------------------------------------------
+def addresses(spec: str | Iterable[str] | None) -> list[str]:
+    """Router addresses from "host:port", "a:1,b:2" or a list of them (nodes' --router, the SDK).
+    Empty for None or ""."""
+    items = [spec or ""] if isinstance(spec, str | None) else list(spec)
+    return [a.strip() for item in items for a in item.split(",") if a.strip()]
+
+
 def channel_credentials(tls: Tls) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert)
 

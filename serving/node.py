@@ -7,7 +7,7 @@
     drain(timeout) -> draining: health NOT_SERVING for the node's service (a Kubernetes
         readiness probe fails; liveness, on the overall status, does not), a heartbeat at once
         with `draining` set (the router stops choosing the node), new work refused with
-        UNAVAILABLE + `pdserve-draining` (proto/serving.py refuse_draining) -> wait, bounded,
+        UNAVAILABLE + `pdserve-draining` (serving/rpc.py refuse_draining) -> wait, bounded,
         until `in_flight()` is 0 -> True when nothing was left
     stop(grace) -> not serving, heartbeats stop, engine loop stops (what is still in flight ends
         UNAVAILABLE), gRPC grace, transfer endpoints closed, engine workers exit
@@ -28,17 +28,16 @@ import grpc
 import msgspec
 
 from proto import pb
-from proto.security import credentials
-from proto.serving import (
+from serving.rpc import (
     Changes,
     Heartbeater,
     Interrupt,
-    addresses,
     not_serving,
     refuse_draining,
     start_server,
     wait_idle,
 )
+from serving.security import addresses, credentials
 
 log = logging.getLogger("pdserve.node")
 
@@ -110,7 +109,7 @@ class NodeServer:
     def loop_api(self, context, fn):
         """fn() (a call of the engine loop's API); the loop having stopped ends the RPC with
         UNAVAILABLE."""
-        from engine.commands import ShuttingDown
+        from serving.commands import ShuttingDown
 
         try:
             return fn()
@@ -123,7 +122,7 @@ class NodeServer:
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self, addr: str) -> int:
-        creds = credentials(self.cfg)  # the cluster token, TLS (proto/security.py)
+        creds = credentials(self.cfg)  # the cluster token, TLS (serving/security.py)
         self.server, port, self._health = start_server(
             addr, self._add_servicer, [self.SERVICE], max_workers=64, creds=creds
         )

@@ -14,10 +14,10 @@ import threading
 import time
 
 import pytest
-from serve_harness import wait_for
 
 from proto import pb, rpc
-from proto.serving import start_server
+from serving.rpc import start_server
+from tests.helpers.serve_harness import wait_for
 
 
 class _FakeDecode(rpc.DecodeNodeServicer):

@@ -1,0 +1,61 @@
+"""What the router and both node kinds share in their configuration: how a server proves itself
+to its peers (SecurityArgs) and how a node joins the router (NodeArgs, on top of EngineArgs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from engine.config import EngineArgs
+from engine.options import option
+
+
+@dataclass(frozen=True)
+class SecurityArgs:
+    """How a server proves itself to its peers and checks them (router and both node kinds;
+    serving/security.py). The secrets themselves are read from files or the environment, never
+    kept in a config."""
+
+    cluster_token_file: str | None = option(
+        None, "file holding the cluster token, the node plane's shared secret (or PDSERVE_CLUSTER_TOKEN)"
+    )
+    insecure_open_cluster: bool = option(
+        False, "start without a cluster token: any process that reaches this server can join the cluster"
+    )
+    tls_cert: str | None = option(None, "PEM certificate: serve gRPC (and HTTP) over TLS, shown to peers")
+    tls_key: str | None = option(None, "PEM private key of --tls-cert")
+    tls_ca: str | None = option(
+        None, "PEM CA bundle peers' certificates are checked against; nodes then require the router's (mutual TLS)"
+    )
+    tls_server_name: str | None = option(
+        None, "the name peers' certificates are checked against (default: the host dialed)"
+    )
+
+    def check_security(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.insecure_open_cluster and self.cluster_token_file:
+            raise ValueError("--insecure-open-cluster and --cluster-token-file exclude each other")
+
+
+@dataclass(frozen=True)
+class NodeArgs(SecurityArgs, EngineArgs):
+    """EngineArgs plus how a serving node joins the router: what both node configs
+    (decode_node/config.py, prefill_node/config.py) share and serving/node.py reads."""
+
+    node_id: str = option("node-0", "unique among the router's nodes")
+    router: str | None = option(
+        None,
+        "router HOST:PORT to register with; several, comma-separated, for more than one router (each can "
+        "then route here); none: standalone",
+    )
+    advertise_host: str = option("127.0.0.1", "the host part of the address the router dials (on the command line, "
+                                 "default --host)")  # fmt: skip
+    heartbeat_interval_s: float = option(0.5, "seconds between heartbeats until the router names its own")
+    transfer_backend: Literal["nixl", "ucxx"] = option("nixl", "data plane of the transfer endpoints")
+    metrics_port: int | None = option(None, "Prometheus /metrics on this port (0 picks one; default off)")
+
+    def __post_init__(self):
+        self.check_security()
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError(f"heartbeat_interval_s must be positive (got {self.heartbeat_interval_s})")

@@ -1,0 +1,14 @@
+"""Router tests: the router in process against fake nodes (real gRPC servers on loopback)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import hybrid_ckpt as hc
+from tests.helpers.serve_harness import SPEC
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    """A tiny Qwen3.5 checkpoint with a tokenizer (the serving tests' own)."""
+    return hc.make(tmp_path_factory.mktemp("router") / "ckpt", SPEC)
