@@ -15,7 +15,7 @@ token is now known (prompt chunks, the pending token and the accepted drafts of 
 which fills the block's KV with the main model's hidden states, then recursively for the next
 step's drafts, as many as the row's request will draft after this step's verification
 (`RowInput.draft_depths`, indexed by the accepted drafts). A decode row that drafts nothing
-(its request at depth 0 after the step, see engine/scheduler.py) defers the fill: its
+(its request at depth 0 after the step, see engine/scheduler/spec_depth.py) defers the fill: its
 positions' next tokens and hidden states wait in `pending` and run in one chunk with the
 request's next row that drafts or is not a plain decode row, or once `max_pending` positions
 wait; with prefix caching (`page_ends`), also when the row's positions reach a page's last
