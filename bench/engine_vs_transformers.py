@@ -29,8 +29,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ARCHS = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-         "qwen3_next": "Qwen3NextForCausalLM"}  # fmt: skip
+ARCHS = {
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+}
 POLICIES = {"engine": "engine's own", "tf-default": "default", "tf-passive": "PASSIVE"}
 
 

@@ -76,8 +76,9 @@ SERVED = {
 def score(base: str, name: str, prompt: list[int]) -> dict:
     """One request as lm-evaluation-harness's local-completions sends it."""
     body = dict(model=name, prompt=prompt, max_tokens=1, temperature=0.0, echo=True, logprobs=1)
-    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=900) as resp:
         r = json.loads(resp.read())
     lps = r["choices"][0]["logprobs"]["token_logprobs"]
@@ -92,8 +93,11 @@ def served(args) -> None:
     home = Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
     model = make_models(["tiny"], home)["tiny"]
     prompts = _prompts(args)
-    print(f"{args.questions} questions x {args.choices} endings, context {args.context}, ending {args.ending} tokens, "
-          f"{args.batch} in flight; bfloat16 tiny", flush=True)  # fmt: skip
+    print(
+        f"{args.questions} questions x {args.choices} endings, context {args.context}, ending {args.ending} tokens, "
+        f"{args.batch} in flight; bfloat16 tiny",
+        flush=True,
+    )
     res = {}
     for system in args.systems:
         extra = list(SERVED[system])
@@ -119,8 +123,10 @@ def served(args) -> None:
         assert all(o["n"] == len(p) + 1 for o, p in zip(outs, prompts)), "every prompt token and the new one scored"
         total, hit = sum(o["prompt"] for o in outs), sum(o["cached"] for o in outs)
         res[system] = wall
-        print(f"  {system:11}: {wall:.2f} s, {hit / total:.1%} of prompt tokens cached (load {os.getloadavg()[0]:.1f})",
-              flush=True)  # fmt: skip
+        print(
+            f"  {system:11}: {wall:.2f} s, {hit / total:.1%} of prompt tokens cached (load {os.getloadavg()[0]:.1f})",
+            flush=True,
+        )
     for system, wall in res.items():
         for other in ("pdserve-off", "vllm"):
             if other in res and other != system and system == "pdserve-on":
@@ -165,8 +171,10 @@ def _compare(model: str, args) -> None:
     for a, b in zip(res[True][1], res[False][1]):
         for (ta, la, pa), (tb, lb, pb) in zip(a.prompt_logprobs, b.prompt_logprobs, strict=True):
             assert ta == tb and [i for i, _ in pa] == [i for i, _ in pb] and abs(la - lb) < 1e-4, "entries differ"
-    print(f"same prompt logprobs; wall time cache on / off: {res[True][0] / res[False][0]:.2f}x "
-          f"({res[False][0] / res[True][0]:.2f}x faster)")  # fmt: skip
+    print(
+        f"same prompt logprobs; wall time cache on / off: {res[True][0] / res[False][0]:.2f}x "
+        f"({res[False][0] / res[True][0]:.2f}x faster)"
+    )
 
 
 if __name__ == "__main__":

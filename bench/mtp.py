@@ -83,14 +83,20 @@ def main() -> None:
             seqs = [p + o.output_token_ids for p, o in zip(sets["fit"], conts)]
             t0 = time.perf_counter()
             acc = fit_mtp_block(path, seqs, steps=args.fit_steps, batch=args.prompts)
-            print(f"fitted the MTP block: {args.fit_steps} steps in {time.perf_counter() - t0:.0f} s, "
-                  f"training accuracy {acc:.3f}")  # fmt: skip
-        print(f"{args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens each, "
-              f"{args.batch} request(s) per batch, greedy float32, {torch.get_num_threads()} threads, "
-              f"best of {args.reps} ({'CPU' if args.cpu_time else 'wall'} time)")  # fmt: skip
+            print(
+                f"fitted the MTP block: {args.fit_steps} steps in {time.perf_counter() - t0:.0f} s, "
+                f"training accuracy {acc:.3f}"
+            )
+        print(
+            f"{args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens each, "
+            f"{args.batch} request(s) per batch, greedy float32, {torch.get_num_threads()} threads, "
+            f"best of {args.reps} ({'CPU' if args.cpu_time else 'wall'} time)"
+        )
         ks = [0, *args.k]
-        llms = {k: LLM(path, dtype="float32", **(dict(speculative_method="mtp", num_speculative_tokens=k) if k else {}))
-                for k in ks}  # fmt: skip
+        llms = {
+            k: LLM(path, dtype="float32", **(dict(speculative_method="mtp", num_speculative_tokens=k) if k else {}))
+            for k in ks
+        }
         warm = SamplingParams(max_tokens=4, temperature=0.0)
         for llm in llms.values():
             llm.generate(prompt_token_ids=sets["fit"][:1], sampling_params=warm)

@@ -49,8 +49,15 @@ def main() -> int:
 
     model = Path(args.model) if args.model else default_model_dir()
     http_port = free_port()
-    spec = PoolSpec(model=str(model), prefill=args.prefill, decode=1, port=0, log_level="WARNING",
-                    node_options={"dtype": "float32"}, router_options={"http_port": http_port})  # fmt: skip
+    spec = PoolSpec(
+        model=str(model),
+        prefill=args.prefill,
+        decode=1,
+        port=0,
+        log_level="WARNING",
+        node_options={"dtype": "float32"},
+        router_options={"http_port": http_port},
+    )
     prompt = list(range(100, 116))
     with Cluster(spec, out=sys.stderr) as cl:
         cl.start()
@@ -66,8 +73,9 @@ def main() -> int:
                 return c.generate(prompt_token_ids=prompt, max_tokens=n, temperature=0.0, ignore_eos=True).token_ids
 
             def http_once(n: int) -> str:
-                body = json.dumps({"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0.0,
-                                   "ignore_eos": True})  # fmt: skip
+                body = json.dumps(
+                    {"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True}
+                )
                 conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
                 r = conn.getresponse()
                 data = r.read()
@@ -85,11 +93,15 @@ def main() -> int:
                     fn(n)
                     lat[kind].append(time.perf_counter() - t0)
             conn.close()
-    print(f"\n{args.requests} requests per front end, one at a time, 16-token prompt, max_tokens 1..4; "
-          f"{args.prefill} prefill + 1 decode node; model {model}\n")  # fmt: skip
+    print(
+        f"\n{args.requests} requests per front end, one at a time, 16-token prompt, max_tokens 1..4; "
+        f"{args.prefill} prefill + 1 decode node; model {model}\n"
+    )
     for kind, xs in lat.items():
-        print(f"{kind:<5} p50 {pct(xs, 50) * 1e3:7.2f} ms   p90 {pct(xs, 90) * 1e3:7.2f} ms   "
-              f"mean {statistics.mean(xs) * 1e3:7.2f} ms")  # fmt: skip
+        print(
+            f"{kind:<5} p50 {pct(xs, 50) * 1e3:7.2f} ms   p90 {pct(xs, 90) * 1e3:7.2f} ms   "
+            f"mean {statistics.mean(xs) * 1e3:7.2f} ms"
+        )
     d50 = pct(lat["http"], 50) - pct(lat["grpc"], 50)
     print(f"\nHTTP - gRPC at p50: {d50 * 1e3:+.2f} ms ({pct(lat['http'], 50) / pct(lat['grpc'], 50):.3f}x)")
     return 0

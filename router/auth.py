@@ -103,8 +103,12 @@ class HttpGuard:
         if d is None:
             log.info("refused HTTP %s %s: missing or invalid API key", scope["method"], scope["path"])
             msg = "missing or invalid API key: send the header 'Authorization: Bearer KEY'"
-            return await _reply(send, 401, _error(401, msg, "invalid_request_error", "invalid_api_key"),
-                                [(b"www-authenticate", b"Bearer")])  # fmt: skip
+            return await _reply(
+                send,
+                401,
+                _error(401, msg, "invalid_request_error", "invalid_api_key"),
+                [(b"www-authenticate", b"Bearer")],
+            )
         if scope["method"] != "POST" or not self.limits.limit:
             return await self.app(scope, receive, send)
         if not self.limits.take(d):
@@ -118,7 +122,11 @@ class HttpGuard:
 
 
 async def _reply(send, status: int, body: bytes, headers: list) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *headers]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

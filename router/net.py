@@ -55,8 +55,9 @@ def node_channel(addr: str, creds: Credentials = OPEN) -> grpc.aio.Channel:
     md = token_metadata(creds)
     icp = [_UnaryMeta(md), _StreamMeta(md)] if md else None
     if creds.tls is not None:
-        return grpc.aio.secure_channel(addr, channel_credentials(creds.tls), options=channel_options(creds.tls),
-                                       interceptors=icp)  # fmt: skip
+        return grpc.aio.secure_channel(
+            addr, channel_credentials(creds.tls), options=channel_options(creds.tls), interceptors=icp
+        )
     return grpc.aio.insecure_channel(addr, options=channel_options(None), interceptors=icp)
 
 
@@ -107,8 +108,16 @@ async def start_http(app, host: str, port: int, tls: Tls | None = None, guard=No
     sock.setblocking(False)
     if guard is not None:
         app = guard(app)
-    cfg = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None, date_header=False,
-                         timeout_graceful_shutdown=1, ws="none", **_https(tls))  # fmt: skip
+    cfg = uvicorn.Config(
+        app,
+        lifespan="off",
+        access_log=False,
+        log_config=None,
+        date_header=False,
+        timeout_graceful_shutdown=1,
+        ws="none",
+        **_https(tls),
+    )
     cfg.load()
     server = uvicorn.Server(cfg)
     server.lifespan = cfg.lifespan_class(cfg)

@@ -91,14 +91,16 @@ class OpenAIFront:
     def model(self, name: str) -> str:
         known = self.service.models()
         if not known:  # nothing registered (yet, or any more): a state to wait out, not a bad name
-            raise ApiError(503, "no live node serves a model now; retry shortly", "service_unavailable", None,
-                           "unavailable")  # fmt: skip
+            raise ApiError(
+                503, "no live node serves a model now; retry shortly", "service_unavailable", None, "unavailable"
+            )
         for m in known:
             if name in (m.id, m.path, Path(m.path).name):
                 return m.id
         ids = ", ".join(m.id for m in known)
-        raise ApiError(404, f"model {name!r} not found; serving: {ids}", "invalid_request_error", "model",
-                       "model_not_found")  # fmt: skip
+        raise ApiError(
+            404, f"model {name!r} not found; serving: {ids}", "invalid_request_error", "model", "model_not_found"
+        )
 
     def chat_prompt(self, req: ChatRequest) -> str:
         tmpl = self.tok.chat_template if self.tok is not None else None
@@ -221,8 +223,8 @@ class OpenAIFront:
             try:
                 if job.chat:
                     for c in choices:
-                        yield _sse(dict(head, choices=[{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                        "logprobs": None, "finish_reason": None}]))  # fmt: skip
+                        role = {"index": c.index, "delta": {"role": "assistant", "content": ""}}
+                        yield _sse(dict(head, choices=[dict(role, logprobs=None, finish_reason=None)]))
                 pending = [first] if first is not None else []
                 while True:
                     if pending:
@@ -287,8 +289,16 @@ def make_app(service) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        data = [{"id": m.id, "object": "model", "created": int(time.time()), "owned_by": "pdserve",
-                 "max_model_len": m.max_model_len} for m in service.models()]  # fmt: skip
+        data = [
+            {
+                "id": m.id,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "pdserve",
+                "max_model_len": m.max_model_len,
+            }
+            for m in service.models()
+        ]
         return _json(200, {"object": "list", "data": data})
 
     async def answer(req: CompletionRequest | ChatRequest, request: Request) -> Response:

@@ -39,8 +39,14 @@ _HTTP_OF = {
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
@@ -171,8 +177,9 @@ def prompts(req: CompletionRequest) -> list[str | list[int]]:
         return [p]
     if isinstance(p, list) and 0 < len(p) <= MAX_BATCH and all((isinstance(x, str) and x) or ids(x) for x in p):
         return p
-    raise bad(f"'prompt' must be a non-empty string, a list of token ids, or a list of up to {MAX_BATCH} of either",
-              "prompt")  # fmt: skip
+    raise bad(
+        f"'prompt' must be a non-empty string, a list of token ids, or a list of up to {MAX_BATCH} of either", "prompt"
+    )
 
 
 def _refuse_unsupported(req: _Request) -> None:
@@ -194,8 +201,9 @@ def _logit_bias(bias: Any) -> dict[int, float]:
     if bias is None:
         return {}
     if not isinstance(bias, dict):
-        raise bad(f"'logit_bias' must be an object mapping token ids to biases (got {type(bias).__name__})",
-                  "logit_bias")  # fmt: skip
+        raise bad(
+            f"'logit_bias' must be an object mapping token ids to biases (got {type(bias).__name__})", "logit_bias"
+        )
     if len(bias) > MAX_LOGIT_BIAS:
         raise bad(f"'logit_bias' has {len(bias)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias")
     out = {}
@@ -218,8 +226,16 @@ def sampling(req: CompletionRequest | ChatRequest) -> pb.SamplingParams:
     mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if mt is not None:
         sp.max_tokens = max(mt, 1)  # 0: generate one token and return none (prompt logprobs only)
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
-                 "min_tokens", "num_speculative_tokens"):  # fmt: skip
+    for name in (
+        "temperature",
+        "top_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "seed",
+        "min_tokens",
+        "num_speculative_tokens",
+    ):
         v = getattr(req, name)
         if v is not None:
             setattr(sp, name, v)

@@ -81,8 +81,11 @@ def up_options() -> dict[str, UpOption]:
 
 
 def add_up_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, help="pools.yaml: these options as keys, per pool under prefill: "
-                                                  "and decode: (the command line wins)")  # fmt: skip
+    p.add_argument(
+        "--config",
+        default=None,
+        help="pools.yaml: these options as keys, per pool under prefill: and decode: (the command line wins)",
+    )
     for dest, (typ, default, text) in OWN.items():
         shown = "" if default is None else f" (default {default})"
         p.add_argument("--" + dest.replace("_", "-"), type=typ, default=None, help=text + shown)
@@ -156,11 +159,20 @@ def spec_from_args(args: argparse.Namespace, default_model: Callable[[], Any]) -
     for pool in POOLS:
         NODE_CONFIGS[pool](model=model, tensor_parallel_size=own[f"{pool}_tp"], **opts[pool]).engine_config()
     return PoolSpec(
-        model=model, prefill=own["prefill"], decode=own["decode"], prefill_tp=own["prefill_tp"],
-        decode_tp=own["decode_tp"], host=own["host"], port=own["port"], log_level=args.log_level or "INFO",
-        drain_timeout_s=own["drain_timeout"], router_options=opts["router"], prefill_options=opts["prefill"],
-        decode_options=opts["decode"], cluster_token=_token(own["cluster_token_file"]),
-    )  # fmt: skip
+        model=model,
+        prefill=own["prefill"],
+        decode=own["decode"],
+        prefill_tp=own["prefill_tp"],
+        decode_tp=own["decode_tp"],
+        host=own["host"],
+        port=own["port"],
+        log_level=args.log_level or "INFO",
+        drain_timeout_s=own["drain_timeout"],
+        router_options=opts["router"],
+        prefill_options=opts["prefill"],
+        decode_options=opts["decode"],
+        cluster_token=_token(own["cluster_token_file"]),
+    )
 
 
 def _token(path: str | None) -> str | None:

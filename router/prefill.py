@@ -133,8 +133,9 @@ class PrefillPhase:
         with self.registry.lock:
             nodes = self.ready(d, exclude)
             if window and w:
-                nodes = [p for p in nodes
-                         if not p.inflight_prefill_tokens or p.inflight_prefill_tokens + prompt_len <= w]  # fmt: skip
+                nodes = [
+                    p for p in nodes if not p.inflight_prefill_tokens or p.inflight_prefill_tokens + prompt_len <= w
+                ]
             p = self.policy.choose_prefill(nodes, prompt_len, q)
             if p is not None:
                 p.inflight_prefill_tokens += prompt_len
@@ -174,8 +175,9 @@ class PrefillPhase:
 
     async def release(self, d: NodeEntry, rid: str, reason: str, dead_prefill: str = "") -> None:
         try:
-            await d.stub.Release(pb.ReleaseRequest(request_id=rid, reason=reason, dead_prefill_node=dead_prefill),
-                                 timeout=30)  # fmt: skip
+            await d.stub.Release(
+                pb.ReleaseRequest(request_id=rid, reason=reason, dead_prefill_node=dead_prefill), timeout=30
+            )
         except grpc.RpcError as e:
             log.warning("release of %s on %s failed: %s", rid, d.node_id, e.code().name)
 
@@ -186,8 +188,9 @@ class PrefillPhase:
     async def reserve(self, d: NodeEntry, rid: str, ids: list[int], request) -> pb.TransferTarget:
         """D.Reserve, retried while D is momentarily full (bounded by the admission wait)."""
         deadline = time.monotonic() + self.cfg.admission_timeout_s
-        req = pb.ReserveRequest(request_id=rid, prompt_token_ids=ids, sampling=request.sampling,
-                                lease_s=self.cfg.reservation_lease_s)  # fmt: skip
+        req = pb.ReserveRequest(
+            request_id=rid, prompt_token_ids=ids, sampling=request.sampling, lease_s=self.cfg.reservation_lease_s
+        )
         while True:
             try:
                 return (await d.stub.Reserve(req, timeout=30)).target
@@ -274,9 +277,13 @@ class PrefillPhase:
             raise Abort(code, e.details() or code.name)
         others = self.ready(d, tried)
         log.warning(
-            "request %s: prefill on %s failed (%s: %s)%s", request_id, p.node_id, code.name, e.details(),
+            "request %s: prefill on %s failed (%s: %s)%s",
+            request_id,
+            p.node_id,
+            code.name,
+            e.details(),
             "; retrying on another prefill node" if failures < 2 and others else "",
-        )  # fmt: skip
+        )
         if failures < 2 and others:
             return True
         if dead and not others:
@@ -293,8 +300,9 @@ class PrefillPhase:
             with self.registry.lock:
                 push.p.alive = False
             self.forget_prefill(push.p)
-        await self.release(push.d, push.rid, f"push from {push.p.node_id} failed: {e.code().name}",
-                           push.p.node_id if dead else "")  # fmt: skip
+        await self.release(
+            push.d, push.rid, f"push from {push.p.node_id} failed: {e.code().name}", push.p.node_id if dead else ""
+        )
 
 
 class _Failed(Exception):

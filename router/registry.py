@@ -142,16 +142,23 @@ class NodeRegistry:
             else:
                 log.info(
                     "node %s registered: %s at %s, tp=%d",
-                    info.node_id, pb.NodeKind.Name(info.kind), info.address, info.tp_size,
-                )  # fmt: skip
+                    info.node_id,
+                    pb.NodeKind.Name(info.kind),
+                    info.address,
+                    info.tp_size,
+                )
             self.nodes[info.node_id] = e
             self.on_change()
             return e
 
     def heartbeat(
-        self, node_id: str, incarnation: int, capacity: pb.Capacity, draining: bool = False,
+        self,
+        node_id: str,
+        incarnation: int,
+        capacity: pb.Capacity,
+        draining: bool = False,
         prefix: pb.PrefixDigest | None = None,
-    ) -> bool:  # fmt: skip
+    ) -> bool:
         """prefix: the node's prefix digest when it changed since its last report (else None)."""
         with self.lock:
             e = self.nodes.get(node_id)

@@ -142,8 +142,9 @@ class Router:
         await self.service.close()
 
 
-def run(cfg: RouterConfig, port: int, port_file: str | None, drain_timeout: float,
-        creds: Credentials | None = None) -> int:  # fmt: skip
+def run(
+    cfg: RouterConfig, port: int, port_file: str | None, drain_timeout: float, creds: Credentials | None = None
+) -> int:
     """`pdserve router`: serve until SIGINT / SIGTERM; then drain (take nothing new, let what is in
     flight finish, at most drain_timeout seconds; a second signal cuts it short) and stop."""
 
