@@ -116,7 +116,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
 
     def in_flight(self) -> int:
         s = self.loop.snapshot
-        return max(self.loop.num_streaming + s.transfer.in_flight, s.running + s.waiting + s.reserved)
+        return max(s.streaming + s.transfer.in_flight, s.running + s.waiting + s.reserved)
 
     def _add_servicer(self, server: grpc.Server) -> None:
         rpc.add_DecodeNodeServicer_to_server(self, server)

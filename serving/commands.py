@@ -241,9 +241,10 @@ class Snapshot:
     spec_drafts_per_position: tuple[int, ...] = field(default=())  # drafts verified at place i + 1, and accepted
     spec_accepted_per_position: tuple[int, ...] = field(default=())
     transfer: ConnectorStats = field(default_factory=ConnectorStats)  # the connector's totals (zeros: none)
+    streaming: int = 0  # requests a handle streams or whose push it waits for
 
 
-def take_snapshot(eng: EngineCore, previous: Snapshot) -> Snapshot:
+def take_snapshot(eng: EngineCore, previous: Snapshot, streaming: int = 0) -> Snapshot:
     """The engine's counters now (loop thread); the prefix digest is rebuilt only when the cache changed."""
     sched = eng.scheduler
     queued = sum(max(0, len(r.prompt_token_ids) - r.num_computed_tokens) for r in [*sched.waiting, *sched.running])
@@ -278,5 +279,6 @@ def take_snapshot(eng: EngineCore, previous: Snapshot) -> Snapshot:
         spec_drafts_per_position=tuple(sched.drafts_per_position),
         spec_accepted_per_position=tuple(sched.accepted_per_position),
         transfer=eng.transfer_stats() or ConnectorStats(),
+        streaming=streaming,
         **prefix,
     )

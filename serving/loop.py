@@ -107,8 +107,9 @@ class EngineLoop:
     # ---- the API (any thread) ---------------------------------------------------------------
     @property
     def num_streaming(self) -> int:
-        """Requests a handle still streams (queued, computing or decoding) or waits to push."""
-        return len(self._handles) + len(self._pushing)
+        """Requests a handle still streams (queued, computing or decoding) or waits to push, as of
+        the last snapshot."""
+        return self.snapshot.streaming
 
     def submit(
         self,
@@ -483,7 +484,7 @@ class EngineLoop:
                         fut.set_exception(err)
 
     def _snap(self) -> None:
-        self.snapshot = take_snapshot(self.engine, self.snapshot)
+        self.snapshot = take_snapshot(self.engine, self.snapshot, len(self._handles) + len(self._pushing))
         if self._on_change is not None:
             self._on_change()
 
