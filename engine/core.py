@@ -136,7 +136,7 @@ class EngineCore:
             raise ValueError(f"request {request_id!r} is {req.status.value}, not reserved")
         self.scheduler.activate(req, first_token, self.cfg.model.eos_token_ids, drafts)
         out = self._output(req)
-        if req.status is Status.FINISHED:
+        if req.status.is_final:
             del self.requests[request_id]
         return out
 
@@ -225,7 +225,7 @@ class EngineCore:
             self._save_final()
         # requests finished without a new token this step (stopped for lack of pages)
         for req in list(self.requests.values()):
-            if req.status is Status.FINISHED:
+            if req.status.is_final:
                 if not any(o.request_id == req.request_id for o in outputs):
                     outputs.append(self._output(req))
                 del self.requests[req.request_id]
@@ -233,7 +233,7 @@ class EngineCore:
 
     def _save_final(self) -> None:
         """Snapshots of the final GDN state of the requests this step finished (a conversation's
-        next turn resumes there; Scheduler._keep_final): one copy on the executor, no forward."""
+        next turn resumes there; PrefixPlanner.keep_final): one copy on the executor, no forward."""
         saves = self.scheduler.take_final()
         if not saves:
             return
@@ -257,7 +257,7 @@ class EngineCore:
     def _output(self, req: Request) -> RequestOutput:
         new = req.output_token_ids[req._sent :]
         req._sent = len(req.output_token_ids)
-        done = req.status in (Status.FINISHED, Status.HELD)
+        done = req.status.is_final or req.status is Status.HELD
         metrics = {"num_preemptions": req.num_preemptions, "cached_tokens": req.num_cached_tokens}
         if req.first_token_time is not None:
             metrics["ttft_s"] = req.first_token_time - req.arrival_time

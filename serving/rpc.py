@@ -1,18 +1,6 @@
-"""gRPC plumbing shared by the router and the nodes: servers, channels, heartbeats, drains.
-
-- `start_server`: a gRPC server with health checking and reflection for the given services,
-  bound to `addr` (port 0 picks a free port), the node plane guarded by the credentials given
-  (serving/security.py: cluster token, TLS); returns (server, port, health servicer).
-- `channel`: a sync channel with those credentials (TLS, the cluster token on every call).
-- `Heartbeater`: a node's thread that registers with the router, then heartbeats its capacity;
-  a heartbeat the router does not recognise (router restarted, node declared dead) registers
-  again. The node goes on serving while the router is away.
-- `DRAINING_KEY` / `is_draining`: the trailing metadata a draining server puts on the
-  UNAVAILABLE it answers new work with, so a caller retries elsewhere instead of declaring
-  the server dead.
-- `wait_idle`: a drain's wait for a server's in-flight count to reach 0, woken by `Changes`
-  (which the code changing the count signals) or an `Interrupt`, never on a timer.
-"""
+"""gRPC plumbing shared by the router and the nodes: `start_server` (health, reflection, the
+credentials given), `channel`, the `Heartbeater` thread, the drain's refusal (`DRAINING_KEY`,
+`is_draining`) and its wait (`wait_idle`, woken by `Changes`, never on a timer)."""
 
 from __future__ import annotations
 

@@ -1,27 +1,7 @@
-"""Who may call what: client API keys, the cluster token, TLS (docs/deploy.md, "Security").
-
-Two planes, two secrets:
-
-- the client plane, `Generation` (Generate, ListModels), takes a client API key in the metadata
-  `authorization: Bearer KEY` (the router's HTTP API takes the same header);
-- the node plane, `Registry` (Register, Heartbeat, ListNodes), `DecodeNode` and `PrefillNode`
-  (Reserve, Release, Generate, Prefill, Abort, Handshake, Stats), takes the cluster token in the
-  metadata `pdserve-cluster-token: TOKEN`. A client API key does not open it.
-
-Health checking and reflection stay open (probes). `Credentials` holds what one process
-presents and accepts; keys and the token are compared in constant time (over their SHA-256, so
-not even their length leaks) and never logged: a key is named by `key_id`, a prefix of its hash.
-
-    creds = Credentials(cluster_token=b"...", api_keys=digests([...]), tls=Tls(cert, key, ca))
-    server: NodeGuard(creds) (sync) / router.auth.AioGuard (the router) as interceptors,
-            add_port(server, addr, creds.tls, mutual=...)
-    client: channel(addr, creds) (sync; the token on every call), channel_credentials(creds.tls)
-
-TLS: with `Tls.cert` a server listens with TLS; with `Tls.ca` peers' certificates are verified
-against that CA (else the system's roots), and a node requires the caller's certificate
-(mutual TLS between the router and the nodes). `Tls.server_name` is the name the peers'
-certificates are checked against when it is not the host dialed (pods dialed by IP).
-"""
+"""Who may call what: the client plane (`Generation`) takes a client API key, the node plane the
+cluster token, health and reflection are open; `Credentials` holds what a process presents and
+accepts (compared in constant time, never logged), `NodeGuard` guards node servers, `channel`
+dials with TLS and the token (docs/deploy.md, "Security")."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """What a sender and a receiver share: a rank's schema, its transport, its peers, the handshake,
-and the poll loop that turns control payloads into protocol events.
-
-An endpoint is created by a worker from the pools it already holds:
-
-    ep = Receiver(engine_cfg, rank, pools, node="decode-0", blocks=block_manager, slots=slot_pool)
-    blob = ep.metadata()          # publish (router / harness)
-    ep.add_peer(peer_blob)        # handshake: refuses incompatible peers, prepares descriptors
-    ep.poll()                     # call often (each engine step); never blocks
-"""
+and the poll loop that turns control payloads into protocol events (`metadata()`, `add_peer`,
+`poll()`; never blocks)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""NIXL data plane: one-sided WRITE from a source rank's pools into a destination rank's pools.
-
-Start-up: every pool tensor is registered once (its whole memory; KV pools are head-major), as
-host memory (DRAM) when it lies on the CPU and as device memory (VRAM, with its CUDA device
-index) when it lies on a GPU; a rank whose pools span devices registers one list per device.
-Per peer (once, at handshake): two descriptor lists are prepared from the pair's templates, one
-descriptor per (region, template, page), over *every* page of the pool, local side and remote
-side (a KV template is one head, so a head's blocks are consecutive descriptors). Per request:
-indices into those lists (block ids and slot ids, numpy arithmetic), one `make_prepped_xfer` per
-channel; NIXL merges adjacent descriptors, which the index order makes exactly the ranges
-`transfer.plan` coalesces.
-Notifications use NIXL's notification mechanism (attached to the transfer, or standalone).
-"""
+"""NIXL data plane: one-sided WRITEs from a source rank's pools into a destination rank's. Pools are
+registered once (DRAM or VRAM), descriptor lists prepared once per peer, and each request posts
+indices into them with `make_prepped_xfer` (docs/transfer.md, "Module notes")."""
 
 from __future__ import annotations
 

@@ -1,25 +1,6 @@
-"""Transfer plans: which bytes of a source rank's pools go to which bytes of a destination
-rank's pools, for one request, re-sharding TP a -> b without a staging copy (docs/DESIGN.md §4).
-
-Two steps, both pure:
-- `pair_templates(src, dst)`: once per (source rank, destination rank) pair, the pieces of page 0
-  (KV block or state slot) that the source writes into the destination, per layer and kind; the
-  same piece of page p lies p * page_stride further on each side. Conv channels are split
-  segment by segment ([q | k | v], each re-sharded on its own), the recurrent state by head
-  rows, KV pages by head (one source replica per head when a > KVH; every destination replica
-  gets a copy when b > KVH).
-- `expand(...)` / `plan(...)`: the request's block ids and slots turn templates into absolute
-  byte ranges inside each region (pool tensor), in a canonical order (regions in layer order,
-  then template, then source block id), and adjacent ranges are coalesced. KV pools are
-  head-major (transfer.schema), so a head's K and V of a run of blocks consecutive on both sides
-  is one range: a request whose blocks were handed out in order moves as one range per
-  (layer, head), whatever the two TP sizes.
-- `skip_cached(...)`: pages the destination already holds (its prefix cache, `Target.cached_blocks`)
-  are left out on both sides before expanding; the GDN state always moves.
-
-The NIXL backend prepares descriptor lists from the same templates in the same order, so the
-descriptors NIXL merges are exactly the ranges `plan` returns.
-"""
+"""Transfer plans, pure: which bytes of a source rank's pools go to which bytes of a destination
+rank's for one request, re-sharding TP a -> b without a staging copy (templates per rank pair,
+expanded by block ids and coalesced; cached pages skipped). docs/transfer.md, docs/DESIGN.md §4."""
 
 from __future__ import annotations
 

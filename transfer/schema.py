@@ -1,14 +1,6 @@
-"""The transfer schema (docs/DESIGN.md §4): typed, versioned records that one rank publishes
-so that a peer can plan writes into (or out of) its cache pools without guessing.
-
-One `TensorDesc` per pool tensor (one per layer and state kind), a `ModelDigest` of every size
-the state depends on, and a `RankSchema` that bundles them with the rank's place in its
-tensor-parallel group. Everything is derived from the engine's `build_specs(cfg, rank)` and the
-`CachePools` built from them (one source of truth); nothing here re-derives a shape.
-
-Wire format: msgpack through msgspec, decoded with typed decoders (`decode_schema`,
-`decode_peer`), so a malformed or foreign record fails at decode time, not later in a plan.
-"""
+"""The transfer schema (docs/DESIGN.md §4): typed, versioned msgspec records a rank publishes (a
+`TensorDesc` per pool, a `ModelDigest`, a `RankSchema`), derived from the engine's cache specs and
+pools, decoded with typed decoders so a malformed record fails at decode time."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""UCXX data plane: the same channel plans carried as UCX tagged messages (for clusters without NIXL).
-
-Two-sided: before granting a channel, the receiver posts one tag receive per plan range directly
-into its pool memory (no staging copy); the sender then sends each range from its pool memory
-with the matching tag. Tags: bit 63 marks control messages; a data tag is
-`tag_base | region index << 20 | range index`, where the receiver picks `tag_base` from a counter
-that is never reused, so a message of an old channel can never land in a new one. Receives are
-posted on the peer's endpoint, so closing it (peer removed) cancels whatever is still posted.
-On abort the sender settles the ranges it will not send with empty messages (`drain`).
-"""
+"""UCXX data plane: the same channel plans carried as UCX tagged messages, for clusters without
+NIXL; receives are posted into pool memory before the grant, with tags that are never reused
+(docs/transfer.md, "Module notes")."""
 
 from __future__ import annotations
 
