@@ -56,8 +56,9 @@ def _free(e: EngineCore) -> tuple[int, int]:
 
 def _target(D: EngineCore, rid: str, prompt: list[int], lease_s: float = 0.0) -> Target:
     got = D.reserve_transfer(prompt, SP, rid, lease_s or None)
-    assert got is not None
+    assert got is not None and isinstance(D.connector, DecodeConnector)
     (blocks, slot, cached), ranks = got
+    assert isinstance(ranks, list)  # the decode connector's answer: every rank's TargetRank
     assert [r.blocks for r in ranks] == [blocks] and [r.slot for r in ranks] == [slot]
     return Target(rid, "D", 1, D.connector.digest, len(prompt), ranks, cached)
 
