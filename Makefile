@@ -38,6 +38,7 @@ test: $(STAMP) $(OPS)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy  # configured in pyproject.toml [tool.mypy]; strict on the modules listed there
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .

@@ -324,7 +324,7 @@ def _dequantized_copy(src, dst):
 
 def _make_fp8(d, arch: str, **overrides):
     """make-tiny-model --fp8 (blocks of 16) with the MoE test spec's sizes, `overrides` replacing some."""
-    from cli.test_cli_engine import run_cli
+    from tests.cli.test_cli_engine import run_cli
 
     spec = dataclasses.replace(hc.SPEC_MOE[arch], **overrides)
     args = ["make-tiny-model", str(d), "--arch", arch, "--fp8", "--fp8-block", "16", "--no-tokenizer"]
