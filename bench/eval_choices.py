@@ -1,25 +1,9 @@
-"""Multiple choice as evaluation harnesses send it, with the prefix cache on and off (not a test).
+"""Multiple choice as evaluation harnesses send it, prefix cache on and off (not a test).
 
-    python bench/eval_choices.py [--questions 8] [--context 400] [--choices 4] [--ending 8]
-                                 [--interval 64] [--batch 1] [--threads N] [--model DIR]
-    python bench/eval_choices.py --served [--systems pdserve-off pdserve-on vllm]
-                                 [--vllm-python ~/.cache/peers/vllm-cpu/bin/python]
+Each prompt is scored with prompt logprobs and one new token, in the engine or served (`--served`).
 
-Each question is one context (`--context` random tokens) and `--choices` endings (`--ending`
-tokens each); every prompt is scored as lm-evaluation-harness's `local-completions` does it:
-prompt logprobs (1 alternative) and one new token. Requests go in `--batch` at a time, in question
-order (the harness's default batch size is 1). Reports, with the cache on and off: the wall time,
-the prompt tokens taken from the cache, and the ratio; and checks that both give the same prompt
-logprob entries (token ids and top ids equal, log-probabilities within 1e-4). float32 on the
-built-in tiny model unless `--model`.
-
-Served (`--served`): each system in turn, one at a time, over OpenAI /v1/completions with the
-harness's request (token-id prompt, `echo: true`, `logprobs: 1`, `max_tokens: 1`), `--batch`
-requests in flight: `pdserve up` (1 decode node, which prefills prompt-logprob requests itself)
-with the prefix cache off and on, and vLLM's OpenAI server with `--enable-prefix-caching`;
-bfloat16 on bench/vs_vllm_cpu.py's `tiny` checkpoint. Reports wall time, the prompt tokens
-usage.prompt_tokens_details.cached_tokens counts, and the ratios.
-"""
+    python bench/eval_choices.py [--questions 8] [--context 400] [--choices 4] [--batch 1] [--model DIR]
+    python bench/eval_choices.py --served [--systems pdserve-off pdserve-on vllm]"""
 
 from __future__ import annotations
 
@@ -76,8 +60,9 @@ SERVED = {
 def score(base: str, name: str, prompt: list[int]) -> dict:
     """One request as lm-evaluation-harness's local-completions sends it."""
     body = dict(model=name, prompt=prompt, max_tokens=1, temperature=0.0, echo=True, logprobs=1)
-    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=900) as resp:
         r = json.loads(resp.read())
     lps = r["choices"][0]["logprobs"]["token_logprobs"]
@@ -92,8 +77,11 @@ def served(args) -> None:
     home = Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
     model = make_models(["tiny"], home)["tiny"]
     prompts = _prompts(args)
-    print(f"{args.questions} questions x {args.choices} endings, context {args.context}, ending {args.ending} tokens, "
-          f"{args.batch} in flight; bfloat16 tiny", flush=True)  # fmt: skip
+    print(
+        f"{args.questions} questions x {args.choices} endings, context {args.context}, ending {args.ending} tokens, "
+        f"{args.batch} in flight; bfloat16 tiny",
+        flush=True,
+    )
     res = {}
     for system in args.systems:
         extra = list(SERVED[system])
@@ -119,8 +107,10 @@ def served(args) -> None:
         assert all(o["n"] == len(p) + 1 for o, p in zip(outs, prompts)), "every prompt token and the new one scored"
         total, hit = sum(o["prompt"] for o in outs), sum(o["cached"] for o in outs)
         res[system] = wall
-        print(f"  {system:11}: {wall:.2f} s, {hit / total:.1%} of prompt tokens cached (load {os.getloadavg()[0]:.1f})",
-              flush=True)  # fmt: skip
+        print(
+            f"  {system:11}: {wall:.2f} s, {hit / total:.1%} of prompt tokens cached (load {os.getloadavg()[0]:.1f})",
+            flush=True,
+        )
     for system, wall in res.items():
         for other in ("pdserve-off", "vllm"):
             if other in res and other != system and system == "pdserve-on":
@@ -165,8 +155,10 @@ def _compare(model: str, args) -> None:
     for a, b in zip(res[True][1], res[False][1]):
         for (ta, la, pa), (tb, lb, pb) in zip(a.prompt_logprobs, b.prompt_logprobs, strict=True):
             assert ta == tb and [i for i, _ in pa] == [i for i, _ in pb] and abs(la - lb) < 1e-4, "entries differ"
-    print(f"same prompt logprobs; wall time cache on / off: {res[True][0] / res[False][0]:.2f}x "
-          f"({res[False][0] / res[True][0]:.2f}x faster)")  # fmt: skip
+    print(
+        f"same prompt logprobs; wall time cache on / off: {res[True][0] / res[False][0]:.2f}x "
+        f"({res[False][0] / res[True][0]:.2f}x faster)"
+    )
 
 
 if __name__ == "__main__":

@@ -1,31 +1,9 @@
 """Prefix caching: a multi-turn chat workload with the cache on and off, in the engine and served.
 
+Hit rate, TTFT p50 / p99, wall time and throughput; `--served` against `pdserve up` and vLLM.
+
     python bench/prefix.py [--conversations 16] [--turns 4] [--system 300] [--user 40] [--reply 16]
-                           [--interval 64] [--threads N] [--model DIR]
-    python bench/prefix.py --served [--systems pdserve-off pdserve-ll pdserve-on vllm]
-                           [--vllm-python ~/.cache/peers/vllm-cpu/bin/python] [--decode 2] [--prefill 1]
-
-Every conversation opens with the same system prompt (`--system` tokens); turn t's prompt is the
-system prompt, the earlier turns (user message + reply) and a new user message (`--user` random
-tokens). Reports, per setting: prompt tokens taken from the cache (hit rate), TTFT p50 / p99, the
-wall time of all turns and prompt + output tokens per second; then the ratios.
-
-In the engine (default): a turn's prompts of all conversations go in as one batch, the reply is
-the model's greedy one (`--reply` tokens), TTFT is engine arrival -> first token; greedy float32
-on the built-in tiny model unless `--model`; the replies must be the same with the cache on and
-off (checked).
-
-Served (`--served`): each system in turn, one at a time, over OpenAI /v1/completions (streamed,
-token-id prompts): the conversations run concurrently, each sending its next turn when the last
-one's reply is in; TTFT is the client's, request sent -> first streamed token; the hit rate is
-usage.prompt_tokens_details.cached_tokens over prompt_tokens. Replies are replayed, not taken from
-the model (a fixed `--reply` tokens of each conversation's script), so every system sees the same
-prompts; each turn still generates `--reply` tokens. bfloat16 on bench/vs_vllm_cpu.py's `tiny`
-checkpoint (vLLM's CPU GDN wants bfloat16 and head dims 64 / 128). Systems: `pdserve up` with
---decode / --prefill nodes, the prefix cache off (pdserve-off), on with least-loaded routing
-(pdserve-ll), on with cache-aware routing (pdserve-on); vLLM's OpenAI server with
---enable-prefix-caching (vllm).
-"""
+    python bench/prefix.py --served [--systems pdserve-off pdserve-ll pdserve-on vllm] [--decode 2] [--prefill 1]"""
 
 from __future__ import annotations
 
@@ -117,12 +95,20 @@ def script(args, vocab: int = 1000):
 
 def stream_one(base: str, name: str, prompt: list[int], new: int, vllm: bool) -> dict:
     """One streamed completion: client TTFT, prompt / cached / completion tokens from usage."""
-    body = dict(model=name, prompt=prompt, max_tokens=new, temperature=0.0, ignore_eos=True, stream=True,
-                stream_options={"include_usage": True})  # fmt: skip
+    body = dict(
+        model=name,
+        prompt=prompt,
+        max_tokens=new,
+        temperature=0.0,
+        ignore_eos=True,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     if vllm:
         body["min_tokens"] = new
-    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     t0 = time.perf_counter()
     ttft, usage = None, None
     with urllib.request.urlopen(req, timeout=900) as resp:
@@ -136,8 +122,12 @@ def stream_one(base: str, name: str, prompt: list[int], new: int, vllm: bool) ->
             if m.get("usage"):
                 usage = m["usage"]
     details = usage.get("prompt_tokens_details") or {}
-    return dict(ttft=ttft, prompt=usage["prompt_tokens"], cached=details.get("cached_tokens") or 0,
-                completion=usage["completion_tokens"])  # fmt: skip
+    return dict(
+        ttft=ttft,
+        prompt=usage["prompt_tokens"],
+        cached=details.get("cached_tokens") or 0,
+        completion=usage["completion_tokens"],
+    )
 
 
 def run_served(system: str, model: Path, args, system_prompt, convs) -> dict | None:
@@ -147,8 +137,8 @@ def run_served(system: str, model: Path, args, system_prompt, convs) -> dict | N
     if system == "vllm":
         extra += ["--max-model-len", "2048", "--max-num-seqs", str(args.conversations)]
     else:
-        extra += ["--decode", str(args.decode), "--prefill", str(args.prefill), "--max-num-seqs",
-                  str(args.conversations), "--prefix-snapshot-interval", str(args.interval)]  # fmt: skip
+        nodes = ["--decode", str(args.decode), "--prefill", str(args.prefill)]
+        extra += [*nodes, "--max-num-seqs", str(args.conversations), "--prefix-snapshot-interval", str(args.interval)]
     log = open(f"/tmp/bench-prefix-{system}.log", "w")
     try:
         proc, base, name = start_server(system if system == "vllm" else "pdserve", model, args.vllm_python, log, extra)
@@ -177,8 +167,14 @@ def run_served(system: str, model: Path, args, system_prompt, convs) -> dict | N
         log.close()
     ttfts = sorted(r["ttft"] for r in res)
     prompt, cached = sum(r["prompt"] for r in res), sum(r["cached"] for r in res)
-    return dict(hit=cached / prompt, p50=statistics.median(ttfts), p99=ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-                wall=wall, tps=(prompt + sum(r["completion"] for r in res)) / wall, load=os.getloadavg()[0])  # fmt: skip
+    return dict(
+        hit=cached / prompt,
+        p50=statistics.median(ttfts),
+        p99=ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        wall=wall,
+        tps=(prompt + sum(r["completion"] for r in res)) / wall,
+        load=os.getloadavg()[0],
+    )
 
 
 def served(args) -> None:
@@ -187,26 +183,36 @@ def served(args) -> None:
     home = Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
     model = make_models(["tiny"], home)["tiny"]
     system_prompt, convs = script(args)
-    print(f"{args.conversations} conversations x {args.turns} turns, system prompt {args.system}, user {args.user}, "
-          f"reply {args.reply} tokens; bfloat16 tiny; pdserve: {args.decode} decode + {args.prefill} prefill nodes, "
-          f"snapshot interval {args.interval}", flush=True)  # fmt: skip
+    print(
+        f"{args.conversations} conversations x {args.turns} turns, system prompt {args.system}, user {args.user}, "
+        f"reply {args.reply} tokens; bfloat16 tiny; pdserve: {args.decode} decode + {args.prefill} prefill nodes, "
+        f"snapshot interval {args.interval}",
+        flush=True,
+    )
     res = {}
     for system in args.systems:
         r = run_served(system, model, args, system_prompt, convs)
         if r is None:
             continue
         res[system] = r
-        print(f"  {system:11}: hit rate {r['hit']:.1%}, TTFT p50 {r['p50'] * 1e3:.0f} ms p99 {r['p99'] * 1e3:.0f} ms, "
-              f"wall {r['wall']:.1f} s, {r['tps']:.0f} tokens/s (load {r['load']:.1f})", flush=True)  # fmt: skip
+        print(
+            f"  {system:11}: hit rate {r['hit']:.1%}, TTFT p50 {r['p50'] * 1e3:.0f} ms p99 {r['p99'] * 1e3:.0f} ms, "
+            f"wall {r['wall']:.1f} s, {r['tps']:.0f} tokens/s (load {r['load']:.1f})",
+            flush=True,
+        )
     ref = res.get("pdserve-off")
     for system, r in res.items():
         if ref is not None and system != "pdserve-off":
-            print(f"  {system} / pdserve-off: TTFT p50 {r['p50'] / ref['p50']:.2f}x, p99 {r['p99'] / ref['p99']:.2f}x, "
-                  f"throughput {r['tps'] / ref['tps']:.2f}x")  # fmt: skip
+            print(
+                f"  {system} / pdserve-off: TTFT p50 {r['p50'] / ref['p50']:.2f}x, p99 {r['p99'] / ref['p99']:.2f}x, "
+                f"throughput {r['tps'] / ref['tps']:.2f}x"
+            )
     if "pdserve-on" in res and "vllm" in res:
         a, b = res["pdserve-on"], res["vllm"]
-        print(f"  pdserve-on / vllm: TTFT p50 {a['p50'] / b['p50']:.2f}x, p99 {a['p99'] / b['p99']:.2f}x, "
-              f"throughput {a['tps'] / b['tps']:.2f}x")  # fmt: skip
+        print(
+            f"  pdserve-on / vllm: TTFT p50 {a['p50'] / b['p50']:.2f}x, p99 {a['p99'] / b['p99']:.2f}x, "
+            f"throughput {a['tps'] / b['tps']:.2f}x"
+        )
 
 
 def main() -> None:
@@ -233,8 +239,14 @@ def main() -> None:
         path = args.model or str(make_tiny_model(Path(tmp) / "tiny", TinyModelSpec(tokenizer=False)))
         res = {}
         for on in (False, True):
-            with LLM(path, dtype="float32", kv_cache_memory="1GiB", enable_prefix_caching=on,
-                     prefix_snapshot_interval=args.interval, prefix_snapshot_memory=0.3) as llm:  # fmt: skip
+            with LLM(
+                path,
+                dtype="float32",
+                kv_cache_memory="1GiB",
+                enable_prefix_caching=on,
+                prefix_snapshot_interval=args.interval,
+                prefix_snapshot_memory=0.3,
+            ) as llm:
                 system, users = workload(args, llm.config.model.vocab_size)
                 res[on] = run(llm, system, users, args)
     if res[True]["replies"] != res[False]["replies"]:

@@ -1,15 +1,7 @@
-"""What the OpenAI HTTP front adds over gRPC, per request (not a test).
+"""What the OpenAI HTTP front adds over gRPC per request (not a test): the same short requests,
+alternately through the SDK and `POST /v1/completions`, against one `pdserve up`; p50 / p90 of each.
 
-    flock /tmp/pdserve-bench.lock python bench/router_overhead.py [--requests 300] [--prefill 0]
-
-One `pdserve up` cluster (tiny default model, float32, one decode node; `--prefill 1` adds a
-prefill node) with the router's HTTP port on. The same short requests (a 16-token prompt sent as
-token ids, max_tokens 1..4 in turn, greedy), one at a time, alternately through the gRPC SDK
-(`Client.generate`) and through HTTP (`POST /v1/completions`, not streamed, one kept-alive
-connection). Both reach the same router process and the same in-process `generate`; the
-difference is the front end (HTTP parsing, pydantic, JSON) and the client library. Prints p50 / p90
-latency of each and HTTP - gRPC at p50; checks that both paths return the same tokens.
-"""
+    flock /tmp/pdserve-bench.lock python bench/router_overhead.py [--requests 300] [--prefill 0]"""
 
 from __future__ import annotations
 
@@ -49,8 +41,15 @@ def main() -> int:
 
     model = Path(args.model) if args.model else default_model_dir()
     http_port = free_port()
-    spec = PoolSpec(model=str(model), prefill=args.prefill, decode=1, port=0, log_level="WARNING",
-                    node_options={"dtype": "float32"}, router_options={"http_port": http_port})  # fmt: skip
+    spec = PoolSpec(
+        model=str(model),
+        prefill=args.prefill,
+        decode=1,
+        port=0,
+        log_level="WARNING",
+        node_options={"dtype": "float32"},
+        router_options={"http_port": http_port},
+    )
     prompt = list(range(100, 116))
     with Cluster(spec, out=sys.stderr) as cl:
         cl.start()
@@ -66,8 +65,9 @@ def main() -> int:
                 return c.generate(prompt_token_ids=prompt, max_tokens=n, temperature=0.0, ignore_eos=True).token_ids
 
             def http_once(n: int) -> str:
-                body = json.dumps({"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0.0,
-                                   "ignore_eos": True})  # fmt: skip
+                body = json.dumps(
+                    {"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True}
+                )
                 conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
                 r = conn.getresponse()
                 data = r.read()
@@ -85,11 +85,15 @@ def main() -> int:
                     fn(n)
                     lat[kind].append(time.perf_counter() - t0)
             conn.close()
-    print(f"\n{args.requests} requests per front end, one at a time, 16-token prompt, max_tokens 1..4; "
-          f"{args.prefill} prefill + 1 decode node; model {model}\n")  # fmt: skip
+    print(
+        f"\n{args.requests} requests per front end, one at a time, 16-token prompt, max_tokens 1..4; "
+        f"{args.prefill} prefill + 1 decode node; model {model}\n"
+    )
     for kind, xs in lat.items():
-        print(f"{kind:<5} p50 {pct(xs, 50) * 1e3:7.2f} ms   p90 {pct(xs, 90) * 1e3:7.2f} ms   "
-              f"mean {statistics.mean(xs) * 1e3:7.2f} ms")  # fmt: skip
+        print(
+            f"{kind:<5} p50 {pct(xs, 50) * 1e3:7.2f} ms   p90 {pct(xs, 90) * 1e3:7.2f} ms   "
+            f"mean {statistics.mean(xs) * 1e3:7.2f} ms"
+        )
     d50 = pct(lat["http"], 50) - pct(lat["grpc"], 50)
     print(f"\nHTTP - gRPC at p50: {d50 * 1e3:+.2f} ms ({pct(lat['http'], 50) / pct(lat['grpc'], 50):.3f}x)")
     return 0

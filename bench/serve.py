@@ -1,25 +1,8 @@
-"""Serving benchmark (not a test): the tiny default model behind the router, three ways.
+"""Serving benchmark (not a test): the tiny model disaggregated, colocated, and as transformers'
+generate (TTFT, TPOT, throughput); `--overload` measures goodput, p99 TTFT and failures by code
+at twice and four times the load the pools sustain.
 
-    python bench/serve.py [--requests 64] [--prompt-len 512] [--new-tokens 64] [--concurrency 16]
-    python bench/serve.py --overload [--requests 64] [--prompt-len 512] [--new-tokens 64] [--concurrency 16]
-
-(a) disaggregated: `pdserve up` with one prefill and one decode node (every prompt through the
-    state transfer, local-prefill threshold 0);
-(b) colocated: the same router with one decode node that prefills locally (no prefill node);
-(c) transformers' `generate` on the same prompts, `concurrency` prompts per batch.
-Greedy, float32, CPU. Per request: TTFT (router received -> first token) and TPOT (mean time per
-output token after the first) as the SDK reports them; throughput = new tokens / wall time.
-For (c), TTFT is the batch's time to its first new token and TPOT its mean step after that
-(timestamps from a logits processor). All processes share this machine's cores.
-
---overload, for (a) and (b): first the load the pools sustain, measured closed-loop (`concurrency`
-requests in flight, `requests` of them: completed requests / wall time); then `requests` arrivals
-at 2x and at 4x that rate, open-loop (evenly spaced, whether or not earlier ones finished). Per
-load: goodput (requests completed with TTFT within --ttft-slo, per second of the run), completed
-requests / s, p50 / p99 TTFT of the completed ones, and the failed requests by status code
-(RESOURCE_EXHAUSTED: refused by admission before any work). Tokens are checked equal to the
-unloaded run's.
-"""
+    python bench/serve.py [--overload] [--requests 64] [--prompt-len 512] [--new-tokens 64] [--concurrency 16]"""
 
 from __future__ import annotations
 
@@ -46,9 +29,15 @@ def cluster_client(model, prompts, prefill: int, **router_options):
     from client import Client
     from router.launch import Cluster, PoolSpec
 
-    spec = PoolSpec(model=str(model), prefill=prefill, decode=1, port=0, log_level="WARNING",
-                    node_options={"dtype": "float32", "kv_cache_memory": "512MiB"},
-                    router_options=router_options)  # fmt: skip
+    spec = PoolSpec(
+        model=str(model),
+        prefill=prefill,
+        decode=1,
+        port=0,
+        log_level="WARNING",
+        node_options={"dtype": "float32", "kv_cache_memory": "512MiB"},
+        router_options=router_options,
+    )
     with Cluster(spec, out=sys.stderr) as cl:
         cl.start()
         with Client(cl.address, timeout=600) as c:
@@ -120,25 +109,35 @@ def _load_row(name, rs, base, wall, rate, slo) -> dict:
     failed = Counter(r.code.name for r in rs if isinstance(r, Exception))
     ttft = [r.ttft_s for r, _ in ok] or [float("nan")]
     return {
-        "load": name, "offered": rate, "done": len(ok) / wall, "goodput": sum(r.ttft_s <= slo for r, _ in ok) / wall,
-        "ttft50": pct(ttft, 50), "ttft99": pct(ttft, 99), "n": len(rs), "ok": len(ok), "failed": dict(failed),
+        "load": name,
+        "offered": rate,
+        "done": len(ok) / wall,
+        "goodput": sum(r.ttft_s <= slo for r, _ in ok) / wall,
+        "ttft50": pct(ttft, 50),
+        "ttft99": pct(ttft, 99),
+        "n": len(rs),
+        "ok": len(ok),
+        "failed": dict(failed),
         "same": sum(not isinstance(b, Exception) and r.token_ids == b.token_ids for r, b in ok),
-    }  # fmt: skip
+    }
 
 
 def overload_main(args, model, prompts) -> int:
     out = {}
     for name, prefill in (("disaggregated 1P+1D", 1), ("colocated 1D", 0)):
         print(f"running {name} (overload) ...", file=sys.stderr, flush=True)
-        out[name] = run_overload(model, prompts, args.new_tokens, args.concurrency, prefill, args.admission_timeout,
-                                 args.ttft_slo)  # fmt: skip
+        out[name] = run_overload(
+            model, prompts, args.new_tokens, args.concurrency, prefill, args.admission_timeout, args.ttft_slo
+        )
     print(
         f"\noverload: {args.requests} requests per load, {args.prompt_len}-token prompts, {args.new_tokens} new "
         f"tokens; sustained load measured at concurrency {args.concurrency}; admission timeout "
         f"{args.admission_timeout:g} s; goodput = completed with TTFT <= {args.ttft_slo:g} s, per s; model {model}\n"
     )
-    hdr = (f"{'config':<22}{'load':<22}{'goodput/s':>10}{'done/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}"
-           f"{'ok':>5}{'=1x':>5}  failed by code")  # fmt: skip
+    hdr = (
+        f"{'config':<22}{'load':<22}{'goodput/s':>10}{'done/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}"
+        f"{'ok':>5}{'=1x':>5}  failed by code"
+    )
     print(hdr)
     print("-" * (len(hdr) + 24))
     for name, rows in out.items():
@@ -172,17 +171,22 @@ def run_transformers(model, prompts, new_tokens, conc) -> tuple[dict, list[list[
             ids = torch.tensor(prompts[i : i + conc])
             st = Stamp()
             t0 = time.perf_counter()
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                              min_new_tokens=new_tokens, do_sample=False,
-                              logits_processor=LogitsProcessorList([st]))  # fmt: skip
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                logits_processor=LogitsProcessorList([st]),
+            )
             toks += out[:, ids.shape[1] :].tolist()
             t_first = st.t[0] - t0
             step = (st.t[-1] - st.t[0]) / max(1, len(st.t) - 1)
             ttft += [t_first] * len(ids)
             tpot += [step] * len(ids)
     wall = time.perf_counter() - t_all
-    return {"ttft": ttft, "tpot": tpot, "tput": len(prompts) * new_tokens / wall, "wall": wall,
-            "xfer_ms": 0.0, "xfer_kib": 0.0}, toks  # fmt: skip
+    tput = len(prompts) * new_tokens / wall
+    return {"ttft": ttft, "tpot": tpot, "tput": tput, "wall": wall, "xfer_ms": 0.0, "xfer_kib": 0.0}, toks
 
 
 def main() -> int:
@@ -217,10 +221,14 @@ def main() -> int:
         print(f"running {name} ...", file=sys.stderr, flush=True)
         rows[name], toks[name] = fn()
     same = {n: sum(a == b for a, b in zip(t, toks["transformers generate"])) for n, t in toks.items()}
-    print(f"\n{args.requests} requests, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
-          f"{args.concurrency} concurrent; model {model}\n")  # fmt: skip
-    hdr = (f"{'config':<24}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}{'tok/s':>9}"
-           f"{'wall s':>8}{'xfer ms':>9}{'xfer KiB':>10}{'=HF':>7}")  # fmt: skip
+    print(
+        f"\n{args.requests} requests, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
+        f"{args.concurrency} concurrent; model {model}\n"
+    )
+    hdr = (
+        f"{'config':<24}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}{'tok/s':>9}"
+        f"{'wall s':>8}{'xfer ms':>9}{'xfer KiB':>10}{'=HF':>7}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for n, m in rows.items():
@@ -230,11 +238,15 @@ def main() -> int:
             f"{m['wall']:>8.2f}{m['xfer_ms']:>9.2f}{m['xfer_kib']:>10.0f}{same[n]:>4}/{args.requests}"
         )
     a, b, c = rows["disaggregated 1P+1D"], rows["colocated 1D"], rows["transformers generate"]
-    print(f"\nthroughput: disaggregated / colocated = {a['tput'] / b['tput']:.2f}, "
-          f"disaggregated / transformers = {a['tput'] / c['tput']:.2f}, colocated / transformers = "
-          f"{b['tput'] / c['tput']:.2f}")  # fmt: skip
-    print(f"TTFT p50: disaggregated / colocated = {pct(a['ttft'], 50) / pct(b['ttft'], 50):.2f}; "
-          f"TPOT p50: disaggregated / colocated = {pct(a['tpot'], 50) / pct(b['tpot'], 50):.2f}")  # fmt: skip
+    print(
+        f"\nthroughput: disaggregated / colocated = {a['tput'] / b['tput']:.2f}, "
+        f"disaggregated / transformers = {a['tput'] / c['tput']:.2f}, colocated / transformers = "
+        f"{b['tput'] / c['tput']:.2f}"
+    )
+    print(
+        f"TTFT p50: disaggregated / colocated = {pct(a['ttft'], 50) / pct(b['ttft'], 50):.2f}; "
+        f"TPOT p50: disaggregated / colocated = {pct(a['tpot'], 50) / pct(b['tpot'], 50):.2f}"
+    )
     return 0
 
 

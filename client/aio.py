@@ -49,8 +49,16 @@ class AsyncTokenStream(StreamBase):
 
 
 class AsyncClient:
-    def __init__(self, addr, timeout: float | None = None, api_key: str | None = None, tls_ca=None,
-                 tls_cert=None, tls_key=None, tls_server_name: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        addr,
+        timeout: float | None = None,
+        api_key: str | None = None,
+        tls_ca=None,
+        tls_cert=None,
+        tls_key=None,
+        tls_server_name: str | None = None,
+    ):
         """addr: one router's host:port, or several of the same pools ("a:1,b:2" or a list); the
         rest as Client's."""
         self.timeout = timeout
@@ -68,8 +76,9 @@ class AsyncClient:
                 if left <= 0:
                     raise r.not_ready(timeout)
                 try:
-                    h = await r.healths[i].Check(health_pb2.HealthCheckRequest(service=GENERATION),
-                                                 timeout=min(left, 2.0))  # fmt: skip
+                    h = await r.healths[i].Check(
+                        health_pb2.HealthCheckRequest(service=GENERATION), timeout=min(left, 2.0)
+                    )
                     if h.status != health_pb2.HealthCheckResponse.SERVING:
                         r.why[a] = "not serving"
                     elif (

@@ -26,8 +26,10 @@ def connection(api_key: str | None, tls_ca, tls_cert, tls_key, tls_server_name) 
     (PEM bytes or file paths)."""
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV, "").split(",")[0].strip()
     md = ((AUTH_KEY, f"Bearer {key}"),) if key else ()
-    pems = [None if v is None else v if isinstance(v, bytes) else read_file(str(v), what)
-            for v, what in ((tls_cert, "tls_cert"), (tls_key, "tls_key"), (tls_ca, "tls_ca"))]  # fmt: skip
+    pems = [
+        None if v is None else v if isinstance(v, bytes) else read_file(str(v), what)
+        for v, what in ((tls_cert, "tls_cert"), (tls_key, "tls_key"), (tls_ca, "tls_ca"))
+    ]
     tls = Tls(*pems, server_name=tls_server_name) if any(p is not None for p in pems) else None
     return md, tls
 

@@ -48,8 +48,16 @@ class TokenStream(StreamBase):
 
 
 class Client:
-    def __init__(self, addr, timeout: float | None = None, api_key: str | None = None, tls_ca=None,
-                 tls_cert=None, tls_key=None, tls_server_name: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        addr,
+        timeout: float | None = None,
+        api_key: str | None = None,
+        tls_ca=None,
+        tls_cert=None,
+        tls_key=None,
+        tls_server_name: str | None = None,
+    ):
         """addr: the router's host:port, or several routers of the same pools ("a:1,b:2" or a list),
         tried in turn (client/routers.py). timeout: default deadline of every call (seconds).
         api_key: the router's client key (default: PDSERVE_API_KEY). TLS: tls_ca (PEM bytes or a

@@ -127,11 +127,21 @@ def build_request(
     """Unset options (None) take the server's defaults. docs/api.md describes each."""
     if (prompt is None) == (prompt_token_ids is None):
         raise ValueError("give exactly one of prompt= (text) or prompt_token_ids=")
-    sp = pb.SamplingParams(top_k=top_k, stop_token_ids=list(stop_token_ids or ()), ignore_eos=ignore_eos,
-                           stop=[stop] if isinstance(stop, str) else list(stop or ()), min_tokens=min_tokens,
-                           presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)  # fmt: skip
-    for name, v in (("repetition_penalty", repetition_penalty), ("logprobs", logprobs),
-                    ("prompt_logprobs", prompt_logprobs), ("num_speculative_tokens", num_speculative_tokens)):  # fmt: skip
+    sp = pb.SamplingParams(
+        top_k=top_k,
+        stop_token_ids=list(stop_token_ids or ()),
+        ignore_eos=ignore_eos,
+        stop=[stop] if isinstance(stop, str) else list(stop or ()),
+        min_tokens=min_tokens,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+    )
+    for name, v in (
+        ("repetition_penalty", repetition_penalty),
+        ("logprobs", logprobs),
+        ("prompt_logprobs", prompt_logprobs),
+        ("num_speculative_tokens", num_speculative_tokens),
+    ):
         if v is not None:
             setattr(sp, name, v)
     if max_tokens is not None:

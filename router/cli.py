@@ -1,26 +1,6 @@
-"""The `pdserve` command line.
-
-    pdserve make-tiny-model DIR [--arch qwen3_5|qwen3_5_moe|qwen3_next --layers 8 --hidden 256 ... --seed 0]
-    pdserve demo [--model DIR] [--tp 1] [--max-tokens 32]     # `up`, a few prompts via the SDK, shutdown
-    pdserve up --model DIR --prefill N --decode M --prefill-tp a --decode-tp b --port P  (or --config pools.yaml)
-    pdserve router --port P [--model DIR] [--decode ADDR ...] [--prefill ADDR ...]
-    pdserve decode --model DIR --router HOST:PORT [--port 0] [--tp b] [--local-prefill-threshold T]
-    pdserve prefill --model DIR --router HOST:PORT [--port 0] [--tp a] [--transfer-backend nixl]
-    pdserve generate --addr HOST:PORT "text" [--max-tokens 32 --temperature 0]
-
-The flags of `router`, `decode` and `prefill` are generated from their configs (router/config.py,
-decode_node/config.py, prefill_node/config.py; engine/options.py), and `up` has every one of them
-it does not set itself. A pools file for `up --config` takes the `up` options as keys, per pool
-under `prefill:` / `decode:`; the command line wins (router/pools.py):
-
-    model: /path/to/checkpoint
-    port: 50051
-    prefill: {count: 1, tp: 2, max_num_seqs: 8}
-    decode: {count: 2, tp: 1, local_prefill_threshold: 64, kv_cache_memory: 2GiB}
-    policy: least-loaded
-
-Errors print one line and exit with status 2; no stack traces.
-"""
+"""The `pdserve` command line: `up`, `router`, `decode`, `prefill`, `nodes`, `generate`, `demo`,
+`make-tiny-model`. Component flags are generated from their configs; errors print one line and
+exit 2 (README.md, "CLI")."""
 
 from __future__ import annotations
 
@@ -100,8 +80,16 @@ def cmd_demo(args) -> int:
 
     model = Path(args.model) if args.model else default_model_dir()
     ModelConfig.from_dir(model)  # a bad directory fails here, in one line
-    spec = PoolSpec(model=str(model), prefill=1, decode=1, prefill_tp=args.tp, decode_tp=args.tp, port=0,
-                    node_options={"dtype": "float32"}, log_level=args.log_level or "WARNING")  # fmt: skip
+    spec = PoolSpec(
+        model=str(model),
+        prefill=1,
+        decode=1,
+        prefill_tp=args.tp,
+        decode_tp=args.tp,
+        port=0,
+        node_options={"dtype": "float32"},
+        log_level=args.log_level or "WARNING",
+    )
     print(f"starting a router, 1 prefill and 1 decode node (tp={args.tp}) on {model} ...", flush=True)
     with Cluster(spec) as cl:
         cl.start()
@@ -235,8 +223,14 @@ def cmd_up(args) -> int:
 def cmd_generate(args) -> int:
     from client import Client, GenerateResult, PdserveError
 
-    kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-              seed=args.seed, ignore_eos=args.ignore_eos)  # fmt: skip
+    kw = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
     if args.token_ids:
         kw["prompt_token_ids"] = [int(t) for t in args.token_ids.replace(",", " ").split()]
     elif args.prompt is None:
@@ -279,16 +273,16 @@ def cmd_nodes(args) -> int:
             nodes = rpc.RegistryStub(ch).ListNodes(pb.ListNodesRequest(), timeout=args.wait).nodes
         except grpc.RpcError as e:
             raise ValueError(f"router {args.addr}: {e.code().name}: {e.details()}") from None
-    head = ("node", "kind", "address", "state", "tp", "pages free", "slots free", "running", "waiting",
-            "queued tokens", "seen")  # fmt: skip
+    head = ("node", "kind", "address", "state", "tp", "pages free", "slots free")
+    head += ("running", "waiting", "queued tokens", "seen")
     rows = []
     for n in sorted(nodes, key=lambda n: (n.node.kind, n.node.node_id)):
         i, c = n.node, n.node.capacity
         state = "dead" if not n.alive else "draining" if i.draining else "up"
-        rows.append((i.node_id, pb.NodeKind.Name(i.kind).removeprefix("NODE_KIND_").lower(), i.address, state,
-                     str(i.tp_size), f"{c.free_blocks}/{c.total_blocks}", f"{c.free_slots}/{c.total_slots}",
-                     str(c.running), str(c.waiting), str(c.queued_prefill_tokens),
-                     f"{n.last_seen_s:.1f}s ago"))  # fmt: skip
+        kind = pb.NodeKind.Name(i.kind).removeprefix("NODE_KIND_").lower()
+        room = (f"{c.free_blocks}/{c.total_blocks}", f"{c.free_slots}/{c.total_slots}")
+        load = (str(c.running), str(c.waiting), str(c.queued_prefill_tokens))
+        rows.append((i.node_id, kind, i.address, state, str(i.tp_size), *room, *load, f"{n.last_seen_s:.1f}s ago"))
     widths = [max(len(r[k]) for r in [head, *rows]) for k in range(len(head))]
     for r in [head, *rows]:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
@@ -300,8 +294,9 @@ def cmd_nodes(args) -> int:
 def _add_client_security(p: argparse.ArgumentParser, node_plane: bool) -> None:
     """A client's credentials: the API key (generate) or the cluster token (nodes), and TLS."""
     if node_plane:
-        p.add_argument("--cluster-token-file", default=None, help="file holding the cluster token "
-                       "(default: PDSERVE_CLUSTER_TOKEN)")  # fmt: skip
+        p.add_argument(
+            "--cluster-token-file", default=None, help="file holding the cluster token (default: PDSERVE_CLUSTER_TOKEN)"
+        )
     else:
         p.add_argument("--api-key", default=None, help="the router's client API key (default: PDSERVE_API_KEY)")
     p.add_argument("--tls-ca", default=None, help="PEM CA bundle the router's certificate is checked against (TLS)")

@@ -17,10 +17,12 @@ ADMISSION_HELP = "seconds a request waits in the router's FIFO admission queue, 
 @dataclass(frozen=True)
 class RouterConfig(SecurityArgs):
     model: str | None = option(None, "checkpoint directory: its tokenizer serves text prompts")
-    static_decode: tuple[str, ...] = option((), "a static decode node, polled with Stats (repeatable)",
-                                            flag="--decode", metavar="ADDR")  # fmt: skip
-    static_prefill: tuple[str, ...] = option((), "a static prefill node, polled with Stats (repeatable)",
-                                             flag="--prefill", metavar="ADDR")  # fmt: skip
+    static_decode: tuple[str, ...] = option(
+        (), "a static decode node, polled with Stats (repeatable)", flag="--decode", metavar="ADDR"
+    )
+    static_prefill: tuple[str, ...] = option(
+        (), "a static prefill node, polled with Stats (repeatable)", flag="--prefill", metavar="ADDR"
+    )
     heartbeat_interval_s: float = option(0.5, "seconds between node heartbeats (nodes are told to use it)")
     dead_after_s: float = option(3.0, "a node with no heartbeat for this many seconds is dead")
     # Admission (router/admission.py): requests wait in FIFO order for room, at most this long,
@@ -43,9 +45,10 @@ class RouterConfig(SecurityArgs):
         0.1, "cache-aware routing: prompt tokens of work one KV token held on a decode node counts for"
     )
     prefix_memory_s: float = option(
-        10.0, "cache-aware routing: seconds the router counts a prompt it placed as cached on its nodes "
+        10.0,
+        "cache-aware routing: seconds the router counts a prompt it placed as cached on its nodes "
         "(until their prefix digest, a heartbeat behind, reports it)",
-    )  # fmt: skip
+    )
     # The prefill node renews the lease every third of it while it works on the request, so it only
     # runs out when that node stops (dead or hung).
     reservation_lease_s: float = option(
@@ -64,12 +67,17 @@ class RouterConfig(SecurityArgs):
     http_port: int | None = option(None, "OpenAI-compatible HTTP on this port (0 picks one; default off)")
     host: str = option("127.0.0.1", "address the router binds (gRPC, metrics and HTTP)")
     # Client API keys (serving/security.py): none given, the client plane is open.
-    api_key: tuple[str, ...] = option((), "a client API key (repeatable; visible in the process list: prefer "
-                                          "--api-key-file or PDSERVE_API_KEY)", secret=True)  # fmt: skip
-    api_key_file: str | None = option(None, "file of client API keys, one a line (PDSERVE_API_KEY adds more, "
-                                            "comma-separated)")  # fmt: skip
-    max_requests_per_key: int = option(0, "requests one API key may have in flight; more are refused "
-                                          "RESOURCE_EXHAUSTED / HTTP 429 (0: no limit)")  # fmt: skip
+    api_key: tuple[str, ...] = option(
+        (),
+        "a client API key (repeatable; visible in the process list: prefer --api-key-file or PDSERVE_API_KEY)",
+        secret=True,
+    )
+    api_key_file: str | None = option(
+        None, "file of client API keys, one a line (PDSERVE_API_KEY adds more, comma-separated)"
+    )
+    max_requests_per_key: int = option(
+        0, "requests one API key may have in flight; more are refused RESOURCE_EXHAUSTED / HTTP 429 (0: no limit)"
+    )
 
     def __post_init__(self):
         self.check_security()

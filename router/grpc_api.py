@@ -20,9 +20,15 @@ from serving.rpc import DRAINING_KEY
 
 
 def response(c: Chunk) -> pb.GenerateResponse:
-    m = pb.GenerateResponse(request_id=c.request_id, token_ids=c.token_ids, text=c.text,
-                            finish_reason=c.finish_reason, logprobs=c.logprobs, prompt_logprobs=c.prompt_logprobs,
-                            timings=c.timings)  # fmt: skip
+    m = pb.GenerateResponse(
+        request_id=c.request_id,
+        token_ids=c.token_ids,
+        text=c.text,
+        finish_reason=c.finish_reason,
+        logprobs=c.logprobs,
+        prompt_logprobs=c.prompt_logprobs,
+        timings=c.timings,
+    )
     if c.first:
         m.prompt_tokens, m.decode_node, m.prefill_node = c.prompt_tokens, c.decode_node, c.prefill_node
         m.cached_tokens = c.cached_tokens
@@ -59,9 +65,12 @@ class RegistryApi(rpc.RegistryServicer):
 
     async def Heartbeat(self, request, context):
         known = self.registry.heartbeat(
-            request.node_id, request.incarnation, request.capacity, request.draining,
+            request.node_id,
+            request.incarnation,
+            request.capacity,
+            request.draining,
             request.prefix if request.HasField("prefix") else None,
-        )  # fmt: skip
+        )
         return pb.HeartbeatResponse(known=known)
 
     async def ListNodes(self, request, context):

@@ -1,17 +1,6 @@
-"""`pdserve up`: a router and node pools as local processes.
-
-Each child is `python -m router.cli <component> ...` in its own process group (so a TP node's
-worker processes go down with it), and asks the kernel for SIGTERM should `up` itself die
-(PR_SET_PDEATHSIG), so no child outlives it. Start-up order: the router (it reports its port
-through a file, so `--port 0` works), then every node pointed at it; ready when every node
-has registered. `stop()` sends SIGTERM to every group (each component drains: what is in flight
-finishes, for at most `drain_timeout_s`; TP worker processes ignore it and follow their node),
-waits, then SIGKILLs what is left.
-
-Security (serving/security.py): every child gets the cluster's token in PDSERVE_CLUSTER_TOKEN (the
-one `up` was given, else a new random one), the router the client API keys in PDSERVE_API_KEY;
-neither appears on a command line. TLS files go to every component as flags.
-"""
+"""`pdserve up`: a router and node pools as local child processes, each in its own process group
+with PR_SET_PDEATHSIG so none outlives it; ready once every node registered; `stop()` drains, then
+kills what is left. Secrets travel in the environment, never on a command line."""
 
 from __future__ import annotations
 
@@ -47,8 +36,15 @@ NODE_CONFIGS = {"prefill": PrefillNodeConfig, "decode": DecodeNodeConfig}
 # set by `up` itself for every process it starts (the cluster token through the environment)
 SECURITY_MANAGED = ("cluster_token_file", "insecure_open_cluster")
 ROUTER_MANAGED = ("model", "host", "static_decode", "static_prefill", *SECURITY_MANAGED)
-NODE_MANAGED = ("model", "tensor_parallel_size", "node_id", "router", "advertise_host", "metrics_port",
-                *SECURITY_MANAGED)  # fmt: skip
+NODE_MANAGED = (
+    "model",
+    "tensor_parallel_size",
+    "node_id",
+    "router",
+    "advertise_host",
+    "metrics_port",
+    *SECURITY_MANAGED,
+)
 
 
 @dataclass
@@ -155,15 +151,15 @@ class Cluster:
         env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}  # client keys: the router's only
         env.update({TOKEN_ENV: self._token}, **(extra_env or {}))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-        cmd = [sys.executable, "-m", "router.cli", "--log-level", self.spec.log_level, *args,
-               "--drain-timeout", str(self.spec.drain_timeout_s)]  # fmt: skip
+        log_level, drain = ["--log-level", self.spec.log_level], ["--drain-timeout", str(self.spec.drain_timeout_s)]
+        cmd = [sys.executable, "-m", "router.cli", *log_level, *args, *drain]
         self.procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
 
     def start(self, ready_timeout: float = 300.0) -> None:
         s = self.spec
         port_file = Path(self._tmp.name) / "router.port"
-        self._spawn("router", ["router", "--host", s.host, "--port", str(s.port), "--port-file", str(port_file),
-                               "--model", s.model, *s.router_argv()], s.router_env())  # fmt: skip
+        bind = ["--host", s.host, "--port", str(s.port), "--port-file", str(port_file)]
+        self._spawn("router", ["router", *bind, "--model", s.model, *s.router_argv()], s.router_env())
         deadline = time.monotonic() + ready_timeout
         while not (port_file.is_file() and port_file.read_text().strip()):
             self._check_children(deadline)
@@ -177,8 +173,9 @@ class Cluster:
 
     def _spawn_node(self, kind: str, i: int, tp: int) -> None:
         s = self.spec
-        self._spawn(f"{kind}-{i}", [kind, "--model", s.model, "--router", self.address, "--host", s.host,
-                                    "--port", "0", "--node-id", f"{kind}-{i}", "--tp", str(tp), *s.node_argv(kind)])  # fmt: skip
+        name = f"{kind}-{i}"
+        where = ["--router", self.address, "--host", s.host, "--port", "0", "--node-id", name]
+        self._spawn(name, [kind, "--model", s.model, *where, "--tp", str(tp), *s.node_argv(kind)])
 
     def _check_children(self, deadline: float) -> None:
         if self.should_stop():

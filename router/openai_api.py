@@ -1,21 +1,6 @@
-"""OpenAI-compatible HTTP on the router (FastAPI, served by uvicorn on the router's loop):
-`GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (server-sent events with
-`"stream": true`), `GET /health` and `GET /metrics`.
-
-Each HTTP request becomes one in-process `GenerateService.generate` per choice (router/service.py:
-the same admission, routing, cancellation and metrics as a gRPC client, without a hop). Bodies
-are pydantic models (router/openai_models.py); answers are shaped by router/openai_choices.py.
-Chat messages are rendered to a prompt with the tokenizer's Jinja2 `chat_template`
-(`add_generation_prompt=True`). A client that disconnects (while queued, while a whole answer is
-made, or mid-stream) cancels its requests on the nodes.
-
-`GET /health` answers 200 `{"status": "ok", "decode_nodes": N}` while the router takes requests and
-503 `{"status": "draining"}` once it drains (for HTTP load balancers and probes).
-
-Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 for bad
-parameters, 404 for an unknown model or path, 429 when admission refuses (RESOURCE_EXHAUSTED),
-503 when no node can serve or the router drains; 429 and 503 carry `Retry-After: 1`.
-"""
+"""OpenAI-compatible HTTP on the router (FastAPI on the router's loop): `/v1/models`,
+`/v1/completions`, `/v1/chat/completions`, `/health`, `/metrics`. Each choice is one in-process
+`GenerateService.generate`; errors take OpenAI's shape (docs/api.md)."""
 
 from __future__ import annotations
 
@@ -91,14 +76,16 @@ class OpenAIFront:
     def model(self, name: str) -> str:
         known = self.service.models()
         if not known:  # nothing registered (yet, or any more): a state to wait out, not a bad name
-            raise ApiError(503, "no live node serves a model now; retry shortly", "service_unavailable", None,
-                           "unavailable")  # fmt: skip
+            raise ApiError(
+                503, "no live node serves a model now; retry shortly", "service_unavailable", None, "unavailable"
+            )
         for m in known:
             if name in (m.id, m.path, Path(m.path).name):
                 return m.id
         ids = ", ".join(m.id for m in known)
-        raise ApiError(404, f"model {name!r} not found; serving: {ids}", "invalid_request_error", "model",
-                       "model_not_found")  # fmt: skip
+        raise ApiError(
+            404, f"model {name!r} not found; serving: {ids}", "invalid_request_error", "model", "model_not_found"
+        )
 
     def chat_prompt(self, req: ChatRequest) -> str:
         tmpl = self.tok.chat_template if self.tok is not None else None
@@ -221,8 +208,8 @@ class OpenAIFront:
             try:
                 if job.chat:
                     for c in choices:
-                        yield _sse(dict(head, choices=[{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                        "logprobs": None, "finish_reason": None}]))  # fmt: skip
+                        role = {"index": c.index, "delta": {"role": "assistant", "content": ""}}
+                        yield _sse(dict(head, choices=[dict(role, logprobs=None, finish_reason=None)]))
                 pending = [first] if first is not None else []
                 while True:
                     if pending:
@@ -287,8 +274,16 @@ def make_app(service) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        data = [{"id": m.id, "object": "model", "created": int(time.time()), "owned_by": "pdserve",
-                 "max_model_len": m.max_model_len} for m in service.models()]  # fmt: skip
+        data = [
+            {
+                "id": m.id,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "pdserve",
+                "max_model_len": m.max_model_len,
+            }
+            for m in service.models()
+        ]
         return _json(200, {"object": "list", "data": data})
 
     async def answer(req: CompletionRequest | ChatRequest, request: Request) -> Response:

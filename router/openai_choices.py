@@ -34,8 +34,12 @@ class Job:
 
     def head(self, chunk: bool) -> dict:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        return {"id": ("chatcmpl-" if self.chat else "cmpl-") + self.id, "object": obj, "created": self.created,
-                "model": self.model}  # fmt: skip
+        return {
+            "id": ("chatcmpl-" if self.chat else "cmpl-") + self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+        }
 
 
 class Choice:
@@ -94,8 +98,12 @@ class Choice:
             return None
         lp = self._logprobs(entries) if self.job.logprobs is not None else None
         if self.job.chat:
-            return {"index": self.index, "delta": {"content": text} if text else {}, "logprobs": lp,
-                    "finish_reason": fin}  # fmt: skip
+            return {
+                "index": self.index,
+                "delta": {"content": text} if text else {},
+                "logprobs": lp,
+                "finish_reason": fin,
+            }
         return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": fin}
 
     def _str(self, token_id: int) -> str:
@@ -108,8 +116,12 @@ class Choice:
                 s = self._str(t)
                 return {"token": s, "logprob": lp, "bytes": list(s.encode())}
 
-            return {"content": [dict(one(e.token_id, e.logprob), top_logprobs=[one(t.token_id, t.logprob) for t in e.top])
-                                for e in entries]}  # fmt: skip
+            return {
+                "content": [
+                    dict(one(e.token_id, e.logprob), top_logprobs=[one(t.token_id, t.logprob) for t in e.top])
+                    for e in entries
+                ]
+            }
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for e in entries:
             s = self._str(e.token_id)
@@ -126,5 +138,9 @@ def usage(choices: list[Choice]) -> dict:
     p = sum(c.prompt_tokens for c in choices if c.index % c.job.n == 0)  # once per prompt
     n = sum(c.n for c in choices)
     cached = sum(c.cached_tokens for c in choices if c.index % c.job.n == 0)
-    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
-            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": n,
+        "total_tokens": p + n,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }

@@ -1,17 +1,5 @@
-"""The OpenAI request bodies as pydantic models (strict: a string is not a number, `true` is not
-an integer), their mapping onto SamplingParams, and OpenAI's error shape.
-
-Types and ranges are the models' (a failure is a 400 naming the field); what depends on several
-fields (`best_of`, `top_logprobs` without `logprobs`, options pdserve does not have) is checked
-in `sampling`, with the same 400. Unknown fields are ignored; known ones that pdserve does not
-support (`suffix`, tools) are refused by name.
-
-    sampling(req) -> pb.SamplingParams: `max_tokens` / `max_completion_tokens` (0: one token is
-    generated and none returned: prompt logprobs only), temperature, top_p, top_k, penalties,
-    `logit_bias` ({"token id": bias}), seed, min_tokens, `stop` (strings, matched by the router;
-    ints as an extension: token ids), `stop_token_ids`, `ignore_eos`; logprobs: chat `logprobs: true` + `top_logprobs: k`,
-    completions `logprobs: k` and with `echo` the prompt's too (prompt_logprobs).
-"""
+"""The OpenAI request bodies as strict pydantic models, their mapping onto SamplingParams
+(`sampling`), and OpenAI's error shape; a bad field is a 400 naming it (docs/api.md)."""
 
 from __future__ import annotations
 
@@ -39,8 +27,14 @@ _HTTP_OF = {
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
@@ -171,8 +165,9 @@ def prompts(req: CompletionRequest) -> list[str | list[int]]:
         return [p]
     if isinstance(p, list) and 0 < len(p) <= MAX_BATCH and all((isinstance(x, str) and x) or ids(x) for x in p):
         return p
-    raise bad(f"'prompt' must be a non-empty string, a list of token ids, or a list of up to {MAX_BATCH} of either",
-              "prompt")  # fmt: skip
+    raise bad(
+        f"'prompt' must be a non-empty string, a list of token ids, or a list of up to {MAX_BATCH} of either", "prompt"
+    )
 
 
 def _refuse_unsupported(req: _Request) -> None:
@@ -194,8 +189,9 @@ def _logit_bias(bias: Any) -> dict[int, float]:
     if bias is None:
         return {}
     if not isinstance(bias, dict):
-        raise bad(f"'logit_bias' must be an object mapping token ids to biases (got {type(bias).__name__})",
-                  "logit_bias")  # fmt: skip
+        raise bad(
+            f"'logit_bias' must be an object mapping token ids to biases (got {type(bias).__name__})", "logit_bias"
+        )
     if len(bias) > MAX_LOGIT_BIAS:
         raise bad(f"'logit_bias' has {len(bias)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias")
     out = {}
@@ -218,8 +214,16 @@ def sampling(req: CompletionRequest | ChatRequest) -> pb.SamplingParams:
     mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if mt is not None:
         sp.max_tokens = max(mt, 1)  # 0: generate one token and return none (prompt logprobs only)
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
-                 "min_tokens", "num_speculative_tokens"):  # fmt: skip
+    for name in (
+        "temperature",
+        "top_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "seed",
+        "min_tokens",
+        "num_speculative_tokens",
+    ):
         v = getattr(req, name)
         if v is not None:
             setattr(sp, name, v)

@@ -1,24 +1,6 @@
-"""The prefill phase of a disaggregated request (docs/DESIGN.md §1), as the router runs it.
-
-    run(D, P, request): P was chosen at admission, within its window -> make sure P and D have
-    handshaken (brokered once per pair of incarnations: P's rank blobs to D, D's to P) -> D.Reserve
-    (TransferTarget under a short lease that P renews while it works on the request; retried while
-    D is momentarily full) -> P.Prefill(prompt, target), a stream: its first message is the first
-    token -> a `Push` (first token in hand, P's ranks still writing)
-
-The window: the prompt tokens this router has sent to P whose first token has not come back
-(`inflight_prefill_tokens`). Admission places a request on P only while that stays within
-`prefill_window_tokens` (or P has none), so decode memory is reserved only for work P will
-start soon; the rest waits in the router's queue holding nothing (router/admission.py).
-
-A task (`Push._watch`) reads the rest of P's stream: the `pushed` message with the transfer
-figures, or a failed push, which releases D's reservation (`push_failed`). A prefill that fails
-before its first token releases the reservation and is tried once more on another prefill node (a
-new reservation); a prefill node that answered UNAVAILABLE is marked dead and D drops its
-transfer agents; one that refused because it drains is only routed around. With no prefill node
-left (or none ready, or every one loaded past `max_prefill_queue_tokens`: `use_pool`), the decode
-node prefills the prompt itself.
-"""
+"""The prefill phase of a disaggregated request: the prefill window, the brokered handshake, the
+decode node's reservation, the Prefill stream (first token, then the push), one retry elsewhere,
+and the task that watches each push (docs/router.md, "Life of a request across the pools")."""
 
 from __future__ import annotations
 
@@ -133,8 +115,9 @@ class PrefillPhase:
         with self.registry.lock:
             nodes = self.ready(d, exclude)
             if window and w:
-                nodes = [p for p in nodes
-                         if not p.inflight_prefill_tokens or p.inflight_prefill_tokens + prompt_len <= w]  # fmt: skip
+                nodes = [
+                    p for p in nodes if not p.inflight_prefill_tokens or p.inflight_prefill_tokens + prompt_len <= w
+                ]
             p = self.policy.choose_prefill(nodes, prompt_len, q)
             if p is not None:
                 p.inflight_prefill_tokens += prompt_len
@@ -174,8 +157,9 @@ class PrefillPhase:
 
     async def release(self, d: NodeEntry, rid: str, reason: str, dead_prefill: str = "") -> None:
         try:
-            await d.stub.Release(pb.ReleaseRequest(request_id=rid, reason=reason, dead_prefill_node=dead_prefill),
-                                 timeout=30)  # fmt: skip
+            await d.stub.Release(
+                pb.ReleaseRequest(request_id=rid, reason=reason, dead_prefill_node=dead_prefill), timeout=30
+            )
         except grpc.RpcError as e:
             log.warning("release of %s on %s failed: %s", rid, d.node_id, e.code().name)
 
@@ -186,8 +170,9 @@ class PrefillPhase:
     async def reserve(self, d: NodeEntry, rid: str, ids: list[int], request) -> pb.TransferTarget:
         """D.Reserve, retried while D is momentarily full (bounded by the admission wait)."""
         deadline = time.monotonic() + self.cfg.admission_timeout_s
-        req = pb.ReserveRequest(request_id=rid, prompt_token_ids=ids, sampling=request.sampling,
-                                lease_s=self.cfg.reservation_lease_s)  # fmt: skip
+        req = pb.ReserveRequest(
+            request_id=rid, prompt_token_ids=ids, sampling=request.sampling, lease_s=self.cfg.reservation_lease_s
+        )
         while True:
             try:
                 return (await d.stub.Reserve(req, timeout=30)).target
@@ -274,9 +259,13 @@ class PrefillPhase:
             raise Abort(code, e.details() or code.name)
         others = self.ready(d, tried)
         log.warning(
-            "request %s: prefill on %s failed (%s: %s)%s", request_id, p.node_id, code.name, e.details(),
+            "request %s: prefill on %s failed (%s: %s)%s",
+            request_id,
+            p.node_id,
+            code.name,
+            e.details(),
             "; retrying on another prefill node" if failures < 2 and others else "",
-        )  # fmt: skip
+        )
         if failures < 2 and others:
             return True
         if dead and not others:
@@ -293,8 +282,9 @@ class PrefillPhase:
             with self.registry.lock:
                 push.p.alive = False
             self.forget_prefill(push.p)
-        await self.release(push.d, push.rid, f"push from {push.p.node_id} failed: {e.code().name}",
-                           push.p.node_id if dead else "")  # fmt: skip
+        await self.release(
+            push.d, push.rid, f"push from {push.p.node_id} failed: {e.code().name}", push.p.node_id if dead else ""
+        )
 
 
 class _Failed(Exception):

@@ -1,16 +1,6 @@
-"""One request through the router, in phases, as an async generator of `Chunk`s:
-
-    admit (router/admission.py: a decode node D, and a prefill node P or none)
-      -> prefill (router/prefill.py: D's reservation, P's first token, the push running) or none
-      -> decode (D.Generate: local prefill, or the reserved request once P's state is in)
-      -> relay (each node message -> a Chunk with text delta, timings, the first one placed)
-    a decode node that drains or is unreachable before the first token: admit again, elsewhere
-
-Unwinding (the consumer closes the generator, or its task is cancelled: a client that went away)
-cancels the calls to the nodes (D aborts the request, P aborts the push) and releases a
-reservation that was not activated; the release runs as a task of its own, so the unwinding
-path never waits on a node. The `Trace` is what the per-request log line and the metrics read.
-"""
+"""One request through the router as an async generator of `Chunk`s: admit -> prefill -> decode ->
+relay, admitted again elsewhere when a decode node drains or is unreachable before the first
+token; unwinding cancels the node calls and releases an unactivated reservation."""
 
 from __future__ import annotations
 
@@ -84,10 +74,18 @@ class Trace:
         log.info(
             "request %s: prompt %d, decode %s, prefill %s, queue %.1f ms, ttft %s, tpot %s, %d tokens, %s; "
             "transfer %d B in %.1f ms",
-            self.request_id, self.prompt_len, self.decode, self.prefill, self.queue_s * 1e3,
-            "-" if ttft is None else f"{ttft * 1e3:.1f} ms", "-" if tpot is None else f"{tpot * 1e3:.1f} ms",
-            self.n, self.finish, self.transfer_bytes, self.transfer_s * 1e3,
-        )  # fmt: skip
+            self.request_id,
+            self.prompt_len,
+            self.decode,
+            self.prefill,
+            self.queue_s * 1e3,
+            "-" if ttft is None else f"{ttft * 1e3:.1f} ms",
+            "-" if tpot is None else f"{tpot * 1e3:.1f} ms",
+            self.n,
+            self.finish,
+            self.transfer_bytes,
+            self.transfer_s * 1e3,
+        )
 
 
 class _Retry(Exception):
@@ -137,17 +135,26 @@ class RequestRun:
                 f = pre.first
                 self.tr.prefill = pre.p.node_id
                 # the first token goes to the client at once, while the push runs
-                yield self._relay(pb.GenerateResponse(token_ids=[f.first_token_id], finish_reason=f.finish_reason,
-                                                      timings=f.timings), pre, first=True)  # fmt: skip
+                yield self._relay(
+                    pb.GenerateResponse(token_ids=[f.first_token_id], finish_reason=f.finish_reason, timings=f.timings),
+                    pre,
+                    first=True,
+                )
                 if f.finish_reason:  # the first token ended it: nothing was pushed
                     settled = True
                     self.svc.prefill.release_later(d, pre.rid, "finished at the first token")
                     return
                 # D waits for every rank's state, then decodes
                 call = d.stub.Generate(
-                    pb.DecodeRequest(request_id=pre.rid, prompt_token_ids=ids, sampling=sp, reserved=True,
-                                     first_token_id=f.first_token_id, draft_token_ids=f.draft_token_ids)
-                )  # fmt: skip
+                    pb.DecodeRequest(
+                        request_id=pre.rid,
+                        prompt_token_ids=ids,
+                        sampling=sp,
+                        reserved=True,
+                        first_token_id=f.first_token_id,
+                        draft_token_ids=f.draft_token_ids,
+                    )
+                )
             first = pre is None
             async for m in call:
                 settled = True  # D activated the reservation (or failed and released it)
@@ -191,8 +198,13 @@ class RequestRun:
             tr.first = tr.first or now
             tr.last = now
             tr.n += len(m.token_ids)
-        c = Chunk(token_ids=list(m.token_ids), finish_reason=m.finish_reason, logprobs=m.logprobs,
-                  prompt_logprobs=m.prompt_logprobs, request_id=tr.request_id)  # fmt: skip
+        c = Chunk(
+            token_ids=list(m.token_ids),
+            finish_reason=m.finish_reason,
+            logprobs=m.logprobs,
+            prompt_logprobs=m.prompt_logprobs,
+            request_id=tr.request_id,
+        )
         if self.detok is not None and (m.token_ids or m.finish_reason):
             c.text = self.detok.push(list(m.token_ids), final=bool(m.finish_reason))
         if first:

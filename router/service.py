@@ -1,17 +1,6 @@
-"""The router's one in-process `generate`: what the gRPC API (router/grpc_api.py) and the
-OpenAI HTTP API (router/openai_api.py) both call, on the router's event loop.
-
-    generate(GenerateRequest) -> async iterator of Chunk (router/request.py)
-      refuse while draining (`Draining`) or with `generate_limit` requests in flight
-      -> prompt ids (text tokenized here) -> checks no node could pass (length, KV, vocab)
-      -> RequestRun: admit -> prefill -> decode -> relay -> string stops (router/stops.py)
-      -> one INFO line and the request's metrics, however it ended
-
-Errors are `Abort(code, message)` with a gRPC status code, which each front end maps to its own
-shape. Counters and their one owner each: `active` (generate), the decode nodes' `inflight` and
-`inflight_blocks` (admit / done, here), the prefill nodes' `inflight_prefill_tokens`
-(router/prefill.py), the admission queue (router/admission.py).
-"""
+"""The router's one in-process `generate`, which both front ends call: tokenization, the checks no
+node could pass, the request's phases, string stops, one INFO line and the metrics; errors are
+`Abort(code, message)` (docs/router.md, "Module notes")."""
 
 from __future__ import annotations
 
@@ -70,12 +59,18 @@ class GenerateService:
         self.draining = False
         self.metrics = ServingMetrics("pdserve_router", self._gauges)
         reg = self.metrics.registry
-        self.queue_wait = Histogram("pdserve_router_queue_wait_seconds", "Time requests waited for admission",
-                                    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-                                    registry=reg)  # fmt: skip
-        self.refused = Counter("pdserve_router_admission_refused",
-                               "Requests refused RESOURCE_EXHAUSTED before any work: queue full, or no room in time",
-                               ["reason"], registry=reg)  # fmt: skip
+        self.queue_wait = Histogram(
+            "pdserve_router_queue_wait_seconds",
+            "Time requests waited for admission",
+            buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=reg,
+        )
+        self.refused = Counter(
+            "pdserve_router_admission_refused",
+            "Requests refused RESOURCE_EXHAUSTED before any work: queue full, or no room in time",
+            ["reason"],
+            registry=reg,
+        )
         for reason in ("queue_full", "timeout"):
             self.refused.labels(reason=reason)
         self.admission = Admission(cfg.max_queued_requests, cfg.admission_timeout_s, self._left_queue)
@@ -96,26 +91,39 @@ class GenerateService:
             "active_requests": ("Requests in flight through the router", self.active),
             "decode_nodes_live": ("Live decode nodes", len(dec)),
             "prefill_nodes_live": ("Live prefill nodes", len(self.registry.live(pb.NODE_KIND_PREFILL))),
-            "nodes_draining": ("Live nodes that drain (finish what they hold, take nothing new)",
-                               sum(1 for e, _ in self.registry.snapshot() if e.alive and e.info.draining)),
-            "kv_pages_free": ("KV pages free over live decode nodes (last heartbeat)",
-                              sum(c.free_blocks for c in caps)),
-            "kv_pages_used": ("KV pages in use over live decode nodes (last heartbeat)",
-                              sum(c.total_blocks - c.free_blocks for c in caps)),
-            "state_slots_free": ("State slots free over live decode nodes (last heartbeat)",
-                                 sum(c.free_slots for c in caps)),
-            "state_slots_used": ("State slots in use over live decode nodes (last heartbeat)",
-                                 sum(c.total_slots - c.free_slots for c in caps)),
-        }  # fmt: skip
+            "nodes_draining": (
+                "Live nodes that drain (finish what they hold, take nothing new)",
+                sum(1 for e, _ in self.registry.snapshot() if e.alive and e.info.draining),
+            ),
+            "kv_pages_free": (
+                "KV pages free over live decode nodes (last heartbeat)",
+                sum(c.free_blocks for c in caps),
+            ),
+            "kv_pages_used": (
+                "KV pages in use over live decode nodes (last heartbeat)",
+                sum(c.total_blocks - c.free_blocks for c in caps),
+            ),
+            "state_slots_free": (
+                "State slots free over live decode nodes (last heartbeat)",
+                sum(c.free_slots for c in caps),
+            ),
+            "state_slots_used": (
+                "State slots in use over live decode nodes (last heartbeat)",
+                sum(c.total_slots - c.free_slots for c in caps),
+            ),
+        }
 
     def models(self) -> list[pb.ModelInfo]:
         seen: dict[str, pb.ModelInfo] = {}
         for e, _ in self.registry.snapshot():
             if e.alive and e.info.model and e.info.model not in seen:
                 seen[e.info.model] = pb.ModelInfo(
-                    id=Path(e.info.model).name, path=e.info.model, vocab_size=e.info.vocab_size,
-                    max_model_len=e.info.max_model_len, has_tokenizer=self.tokenizer is not None,
-                )  # fmt: skip
+                    id=Path(e.info.model).name,
+                    path=e.info.model,
+                    vocab_size=e.info.vocab_size,
+                    max_model_len=e.info.max_model_len,
+                    has_tokenizer=self.tokenizer is not None,
+                )
         return list(seen.values())
 
     # ---- the request path -------------------------------------------------------------------
@@ -127,8 +135,10 @@ class GenerateService:
         if self.active >= self.generate_limit:
             self._left_queue("queue_full", 0.0)
             log.info("request %s: refused RESOURCE_EXHAUSTED, %d requests in flight", tr.request_id, self.active)
-            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"the router has {self.generate_limit} requests in flight, its limit: try again later")  # fmt: skip
+            raise Abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the router has {self.generate_limit} requests in flight, its limit: try again later",
+            )
         self.active += 1
         self.idle.clear()
         try:

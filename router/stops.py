@@ -25,8 +25,9 @@ class StopMatcher:
         if hits:
             self.held = ""
             return buf[: min(hits)], True
-        keep = max((k for s in self.stops for k in range(1, min(len(s) - 1, len(buf)) + 1)
-                    if buf.endswith(s[:k])), default=0)  # fmt: skip
+        # the longest tail of buf that begins a stop string (a stop it may yet complete)
+        starts = (k for s in self.stops for k in range(1, min(len(s) - 1, len(buf)) + 1) if buf.endswith(s[:k]))
+        keep = max(starts, default=0)
         self.held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep], False
 
@@ -35,8 +36,9 @@ class StopMatcher:
         return held
 
 
-async def with_stops(chunks: AsyncIterator, stops: list[str], min_tokens: int = 0,
-                     on_stop: Callable[[], None] | None = None) -> AsyncIterator:  # fmt: skip
+async def with_stops(
+    chunks: AsyncIterator, stops: list[str], min_tokens: int = 0, on_stop: Callable[[], None] | None = None
+) -> AsyncIterator:
     """Wrap a stream of chunks with text deltas (router/request.py `Chunk`): hold back and cut at
     stop strings; on a match, the chunk that completed it is the last one (finish_reason "stop")
     and `chunks` is closed, which cancels the request upstream."""
