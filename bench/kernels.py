@@ -1,20 +1,8 @@
-"""Kernel benchmark (not a test).
+"""Kernel benchmark (not a test): on the CPU our GDN chunked prefill against transformers'; on CUDA
+every Triton kernel at Qwen3.5-like sizes with achieved bandwidth and FLOP/s, and fla's where
+installed.
 
-    python bench/kernels.py              CPU part, then the CUDA part when a GPU is present
-    python bench/kernels.py --cpu-only [--reps 9] [--threads 1]
-    python bench/kernels.py --smoke      the CUDA table's code on tiny shapes under the Triton
-                                         interpreter (checks the plumbing, times mean nothing)
-
-CPU: our PyTorch gdn_chunk_prefill vs transformers' torch_chunk_gated_delta_rule on the same
-inputs (B=4, T=1024, Hk=4, Hv=8, dk=dv=64, float32): median time of each and the ratio, plus
-their largest relative difference as a sanity check.
-
-CUDA: each Triton kernel at per-rank Qwen3.5-like sizes: time (triton.testing.do_bench), achieved
-GB/s and TFLOP/s next to this device's measured ceilings (a device-to-device copy; a float32
-matmul without TF32, the precision our kernels compute in), and flash-linear-attention's
-chunk_gated_delta_rule / fused_recurrent_gated_delta_rule when `fla` is installed.
-Without a GPU the CUDA part says so and the script exits 0.
-"""
+    python bench/kernels.py [--cpu-only [--reps 9] [--threads 1]] [--smoke]"""
 
 from __future__ import annotations
 

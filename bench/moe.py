@@ -1,23 +1,8 @@
-"""MoE routed-experts benchmark (not a test).
+"""MoE routed-experts benchmark (not a test): kernels.moe.fused_moe against transformers' experts
+module on the same weights and routing at Qwen3.5-35B-A3B's per-layer sizes (fewer experts);
+`--cuda` times the Triton kernels with bf16 and FP8 experts.
 
-    python bench/moe.py [--experts 128] [--tokens 1,16,512] [--reps 5] [--threads N] [--cpu-time]
-    python bench/moe.py --cuda [--experts 128] [--tokens 1,16,512]    the Triton kernels on a GPU
-    python bench/moe.py --smoke      the CUDA table's code on tiny shapes under the Triton
-                                     interpreter (checks the plumbing, times mean nothing)
-
-kernels.moe.fused_moe against transformers' own Qwen3.5-MoE experts module (both of its CPU
-implementations: "eager", a loop over hit experts with index_add, and "grouped_mm", sorted rows
-through torch's grouped GEMM) on the same weights and routing, float32 and bfloat16. Sizes are
-Qwen3.5-35B-A3B's per layer (hidden 2048, expert intermediate 512, top-8) with fewer experts
-(--experts) to fit this machine's memory; per token the work is the same. Prints the median time
-of each (wall time, or with --cpu-time this process's CPU time), alternating runs so that load
-from other processes hits all alike, the ratio transformers / ours, and the largest relative
-difference of outputs.
-
---cuda: the Triton fused MoE in bfloat16, with bf16 and with FP8 block-quantized experts
-([128, 128] blocks), against transformers' experts on torch's grouped GEMM, timed by
-triton.testing.do_bench, with the bandwidth each achieves over the weights of the experts hit.
-"""
+    python bench/moe.py [--experts 128] [--tokens 1,16,512] [--reps 5] [--cpu-time] [--cuda | --smoke]"""
 
 from __future__ import annotations
 

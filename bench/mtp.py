@@ -1,22 +1,8 @@
-"""MTP speculative decoding on the CPU: acceptance per draft position and decode speed-up.
+"""MTP speculative decoding on the CPU: fits the tiny checkpoint's block to the model's greedy
+choices, then reports acceptance per draft position and the decode speed-up at each k, on the
+fitted prompts and on fresh ones.
 
-    python bench/mtp.py [--fit-steps 300] [--prompts 8] [--prompt-len 32] [--new-tokens 64] [--k 1 2 3]
-                        [--reps 3] [--cpu-time] [--threads N] [--save DIR | --model DIR]
-
-A random MTP block drafts nothing useful, so the tiny checkpoint's block (8 layers, hidden 256,
-vocab 1024, `--mtp`) is first fitted for `--fit-steps` Adam steps to the model's own greedy
-choices over its greedy continuations of the `fit` prompts (engine/tiny_model.py
-`fit_mtp_block`). Then, greedy and float32, each prompt set is generated without speculation
-and with MTP drafting at each k: new tokens/s of the batch, the speed-up over no speculation,
-and for each draft position the accepted fraction. `fit`: the prompts the block was fitted on;
-`fresh`: prompts it never saw (acceptance there says how far the tiny fit generalises).
-Each configuration runs `--reps` times, interleaved, and the best time counts (wall time, or
-with --cpu-time this process's CPU time, which load from other processes disturbs less).
-`--save DIR` keeps the fitted checkpoint; `--model DIR` measures one saved before (no fit).
-On a CPU shared with other work, `--threads 1` avoids a multi-threaded GEMM waiting for a
-descheduled thread at every call (measured here: a 2-row float32 projection took 6-35 ms with
-2 threads under load and 0.26 ms with 1), which would charge speculation rows for the load.
-"""
+    python bench/mtp.py [--prompts 8] [--k 1 2 3] [--reps 3] [--cpu-time] [--threads N] [--save DIR | --model DIR]"""
 
 from __future__ import annotations
 

@@ -1,31 +1,9 @@
 """Prefix caching: a multi-turn chat workload with the cache on and off, in the engine and served.
 
+Hit rate, TTFT p50 / p99, wall time and throughput; `--served` against `pdserve up` and vLLM.
+
     python bench/prefix.py [--conversations 16] [--turns 4] [--system 300] [--user 40] [--reply 16]
-                           [--interval 64] [--threads N] [--model DIR]
-    python bench/prefix.py --served [--systems pdserve-off pdserve-ll pdserve-on vllm]
-                           [--vllm-python ~/.cache/peers/vllm-cpu/bin/python] [--decode 2] [--prefill 1]
-
-Every conversation opens with the same system prompt (`--system` tokens); turn t's prompt is the
-system prompt, the earlier turns (user message + reply) and a new user message (`--user` random
-tokens). Reports, per setting: prompt tokens taken from the cache (hit rate), TTFT p50 / p99, the
-wall time of all turns and prompt + output tokens per second; then the ratios.
-
-In the engine (default): a turn's prompts of all conversations go in as one batch, the reply is
-the model's greedy one (`--reply` tokens), TTFT is engine arrival -> first token; greedy float32
-on the built-in tiny model unless `--model`; the replies must be the same with the cache on and
-off (checked).
-
-Served (`--served`): each system in turn, one at a time, over OpenAI /v1/completions (streamed,
-token-id prompts): the conversations run concurrently, each sending its next turn when the last
-one's reply is in; TTFT is the client's, request sent -> first streamed token; the hit rate is
-usage.prompt_tokens_details.cached_tokens over prompt_tokens. Replies are replayed, not taken from
-the model (a fixed `--reply` tokens of each conversation's script), so every system sees the same
-prompts; each turn still generates `--reply` tokens. bfloat16 on bench/vs_vllm_cpu.py's `tiny`
-checkpoint (vLLM's CPU GDN wants bfloat16 and head dims 64 / 128). Systems: `pdserve up` with
---decode / --prefill nodes, the prefix cache off (pdserve-off), on with least-loaded routing
-(pdserve-ll), on with cache-aware routing (pdserve-on); vLLM's OpenAI server with
---enable-prefix-caching (vllm).
-"""
+    python bench/prefix.py --served [--systems pdserve-off pdserve-ll pdserve-on vllm] [--decode 2] [--prefill 1]"""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""What the OpenAI HTTP front adds over gRPC, per request (not a test).
+"""What the OpenAI HTTP front adds over gRPC per request (not a test): the same short requests,
+alternately through the SDK and `POST /v1/completions`, against one `pdserve up`; p50 / p90 of each.
 
-    flock /tmp/pdserve-bench.lock python bench/router_overhead.py [--requests 300] [--prefill 0]
-
-One `pdserve up` cluster (tiny default model, float32, one decode node; `--prefill 1` adds a
-prefill node) with the router's HTTP port on. The same short requests (a 16-token prompt sent as
-token ids, max_tokens 1..4 in turn, greedy), one at a time, alternately through the gRPC SDK
-(`Client.generate`) and through HTTP (`POST /v1/completions`, not streamed, one kept-alive
-connection). Both reach the same router process and the same in-process `generate`; the
-difference is the front end (HTTP parsing, pydantic, JSON) and the client library. Prints p50 / p90
-latency of each and HTTP - gRPC at p50; checks that both paths return the same tokens.
-"""
+    flock /tmp/pdserve-bench.lock python bench/router_overhead.py [--requests 300] [--prefill 0]"""
 
 from __future__ import annotations
 

@@ -1,25 +1,8 @@
-"""Serving benchmark (not a test): the tiny default model behind the router, three ways.
+"""Serving benchmark (not a test): the tiny model disaggregated, colocated, and as transformers'
+generate (TTFT, TPOT, throughput); `--overload` measures goodput, p99 TTFT and failures by code
+at twice and four times the load the pools sustain.
 
-    python bench/serve.py [--requests 64] [--prompt-len 512] [--new-tokens 64] [--concurrency 16]
-    python bench/serve.py --overload [--requests 64] [--prompt-len 512] [--new-tokens 64] [--concurrency 16]
-
-(a) disaggregated: `pdserve up` with one prefill and one decode node (every prompt through the
-    state transfer, local-prefill threshold 0);
-(b) colocated: the same router with one decode node that prefills locally (no prefill node);
-(c) transformers' `generate` on the same prompts, `concurrency` prompts per batch.
-Greedy, float32, CPU. Per request: TTFT (router received -> first token) and TPOT (mean time per
-output token after the first) as the SDK reports them; throughput = new tokens / wall time.
-For (c), TTFT is the batch's time to its first new token and TPOT its mean step after that
-(timestamps from a logits processor). All processes share this machine's cores.
-
---overload, for (a) and (b): first the load the pools sustain, measured closed-loop (`concurrency`
-requests in flight, `requests` of them: completed requests / wall time); then `requests` arrivals
-at 2x and at 4x that rate, open-loop (evenly spaced, whether or not earlier ones finished). Per
-load: goodput (requests completed with TTFT within --ttft-slo, per second of the run), completed
-requests / s, p50 / p99 TTFT of the completed ones, and the failed requests by status code
-(RESOURCE_EXHAUSTED: refused by admission before any work). Tokens are checked equal to the
-unloaded run's.
-"""
+    python bench/serve.py [--overload] [--requests 64] [--prompt-len 512] [--new-tokens 64] [--concurrency 16]"""
 
 from __future__ import annotations
 

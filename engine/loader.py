@@ -1,34 +1,7 @@
-"""Checkpoint loading: safetensors files as transformers writes them (one file, or shards with
-model.safetensors.index.json), sharded for one tensor-parallel rank and fused for the model.
-
-Before any tensor is read, every weight the model needs must be present with its expected
-shape, and every tensor in the checkpoint must be used or knowingly ignored (vision tower,
-multi-token-prediction head); otherwise one line names the tensor (and both shapes), so a bad
-checkpoint never starts half-loaded. One function per block gives the block's expected shapes
-and another loads it:
-
-    GDN        in_proj_qkv / in_proj_z / in_proj_b / in_proj_a (Qwen3.5), or in_proj_qkvz /
-               in_proj_ba grouped per key head (Qwen3-Next), both mapped to the same
-               w_in = [qkv_r | z_r | b_r | a_r] over the conv channels engine/shard.py assigns
-    attention  q_proj ([q | gate] per head), k_proj, v_proj, o_proj, q_norm, k_norm
-    MLP        gate_proj, up_proj, down_proj (a dense layer)
-    MoE        gate (router), experts as published (experts.{e}.{gate,up,down}_proj.weight) or
-               as transformers fuses them (experts.gate_up_proj [E, 2I, H], experts.down_proj
-               [E, H, I]), shared_expert.{gate,up,down}_proj, shared_expert_gate
-
-FP8 checkpoints (`quant_method: fp8`): a weight stored as float8_e4m3fn has its block scales
-beside it in `<name>_scale_inv` ([ceil(N/bn), ceil(K/bk)]); it is dequantized once, here, into
-the compute dtype. Which weights are quantized is read from the checkpoint, not assumed. The
-routed experts, most of an MoE model's bytes, stay in FP8 where `ModelConfig.fp8_experts` says
-so (on CUDA by default): w13 / w2 in float8 with their scales, which the fused MoE kernel
-dequantizes tile by tile (kernels/moe.py). That needs one-tensor-per-expert storage and a rank's
-slice of the intermediate dimension in whole blocks (I / tp a multiple of both block sides);
-otherwise the experts are dequantized, with one log line saying why.
-
-The multi-token-prediction block (`mtp.*`) is read by `load_mtp_weights` only when MTP
-speculative decoding is on; its decoder layer loads through the same per-block functions (an MoE
-MLP in an MoE model).
-"""
+"""Checkpoint loading: safetensors as transformers writes them (one file or sharded), every
+expected tensor's shape checked before any is read, sharded for one tensor-parallel rank and fused
+for the model; FP8 block-quantized weights dequantized once (routed experts may stay FP8), the MTP
+block read only when it drafts (docs/engine.md, "Module notes")."""
 
 from __future__ import annotations
 

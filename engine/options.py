@@ -1,20 +1,6 @@
-"""Options declared once, as documented dataclass fields; the command line is generated from them.
-
-A config dataclass (engine.config.EngineArgs, the node configs, router.config.RouterConfig)
-declares each option with `option`, which is `dataclasses.field` with the help text (and, where
-the flag's name is not the field's, the flag) in the field's metadata:
-
-    max_num_seqs: int = option(64, "requests in the running batch")
-    tensor_parallel_size: int = option(1, "ranks per node", flag="--tp")
-    speculative_method: Literal["ngram", "mtp"] = option("ngram", "where drafts come from")
-
-`options(cls)` lists them as `Opt`s: the flag is `--field-name` with a trailing `_s` (seconds)
-dropped unless named; the annotation gives the type (`Literal[...]`: choices; `bool`: --x and
---no-x; `tuple[...]`: a repeatable flag; `X | None`: X). `add_options` adds them to an argparse
-parser, `values` reads a parsed namespace back as field -> value, and `to_argv` writes values as
-flags again (how `pdserve up` hands options to the processes it starts). Nothing here imports
-torch, so the command line stays fast to build.
-"""
+"""Options declared once, as documented dataclass fields (`option(default, help)`); the command
+line is generated from them: `options(cls)`, `add_options`, `values`, and `to_argv` (how
+`pdserve up` hands options on). Imports no torch (docs/engine.md, "Module notes")."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """The prefix cache's content names, shared by the engine (engine/cache/prefix.py) and the router
-(router/prefix.py): pure Python (hashlib), so importing it loads no torch.
-
-A full page of a prompt is named by a chained hash of its tokens (`block_hash(parent, tokens)`,
-the parent being the previous page's hash); a GDN snapshot after token p by `prefix_key`: the
-hash of the full pages before p chained with the tokens after them. Nodes report the low 64 bits
-of these (`short`) in their prefix digest (proto PrefixDigest); the router recomputes them from a
-prompt's token ids to see what each node holds. With MTP drafting a page's name also covers the
-token after it (`page_name`).
-"""
+(router/prefix.py): chained page hashes, snapshot keys, their low 64 bits for the digest and, with
+MTP, `page_name`. Pure Python (hashlib), so importing it loads no torch."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""Tensor-parallel partition of the hybrid stack (docs/DESIGN.md §2): one source of truth
-for which global heads and channels a rank holds, read by the loader, the cache specs and
-the transfer plans.
-
-GDN: rank r holds key heads [r*Hk/t, (r+1)*Hk/t) for q and k and value heads
-[r*Hv/t, (r+1)*Hv/t) for v, z, a, b, A_log, dt_bias. Its conv channels are the three
-segments [q_r | k_r | v_r], NOT a contiguous 1/t slice of conv_dim.
-Attention: query heads split evenly; KV heads split when t <= KVH, else rank r holds the one
-head r // (t / KVH) (replicated).
-MLP and MoE: rank r holds rows [r*I/t, (r+1)*I/t) of the intermediate dimension of the dense
-MLP, of every routed expert and of the shared expert (all columns of gate/up, those columns of
-down); the router and shared_expert_gate are replicated (docs/ARCHITECTURE.md, engine).
-"""
+"""Tensor-parallel partition of the hybrid stack (docs/DESIGN.md §2): one source of truth for which
+global heads and channels a rank holds (GDN by segments, KV heads split or replicated, MLP and
+experts by intermediate rows), read by the loader, the cache specs and the transfer plans."""
 
 from __future__ import annotations
 

@@ -1,18 +1,7 @@
-"""`pdserve make-tiny-model`: a small random checkpoint written by transformers' own classes
-(`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM` or `Qwen3NextForCausalLM` `.save_pretrained`,
-which writes routed experts one tensor per expert, as the published checkpoints are laid out),
-plus a byte-level BPE tokenizer trained here on a built-in text, loadable with
-`AutoTokenizer.from_pretrained(DIR)` and no download.
-
-`fp8=True` then rewrites the weights as the published FP8 releases store them: every 2-D
-projection except the router, shared_expert_gate and the GDN in_proj_b / in_proj_a / in_proj_ba
-becomes float8_e4m3fn with block scales beside it in `<name>_scale_inv`; embeddings, lm_head,
-norms, conv and A_log / dt_bias stay as they were (config: `quant_method: fp8`,
-`weight_block_size`, `modules_to_not_convert`).
-
-This is a tool, not the serving path: it is the one place the engine package imports
-transformers' modeling code.
-"""
+"""`pdserve make-tiny-model`: a small random checkpoint of any supported architecture written by
+transformers' own classes, with a byte-level BPE tokenizer trained here; optionally FP8
+block-quantized as the releases store it, or with an MTP block. The one place the engine imports
+transformers' modeling code."""
 
 from __future__ import annotations
 

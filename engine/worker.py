@@ -195,7 +195,7 @@ class Worker:
     def _last_hidden(step: StepInput, hidden: torch.Tensor, emitted: list[list[int]]) -> tuple[torch.Tensor, dict]:
         """(hidden, slot -> row of hidden at the last position whose next token this step made
         known, num_computed_tokens - 1 after it) for each row that sampled: what a finished
-        request's final-state snapshot keeps (Scheduler._keep_final), saved right after the step.
+        request's final-state snapshot keeps (PrefixPlanner.keep_final), saved right after the step.
         Nothing is gathered unless a snapshot is saved."""
         row, off = {}, 0
         for r, toks in zip(step.rows, emitted):

@@ -1,19 +1,7 @@
-"""Paged attention: the KV store and causal attention over pages (PyTorch path).
-
-One pool per full-attention layer, seen by every function here as
-    kv_pool [num_blocks, 2, KVH, block_size, hd]     (index 0 = K, 1 = V)
-with any strides (unit stride on hd). The engine's pools are this view of head-major memory,
-[KVH, num_blocks, 2, block_size, hd] (engine.cache.allocator), so that one head's K and V of a
-run of consecutive blocks is one contiguous range (what the transfer layer moves); a contiguous
-pool in the view's own order works the same.
-
-    q            [T, H, hd]   packed new tokens of B sequences (cu_seqlens_q [B+1])
-    seq_lens     [B]          tokens in context for each sequence, the new ones included
-    block_tables [B, max_blocks] int   page ids of each sequence, in token order
-The new tokens of sequence b sit at positions seq_lens[b] - q_len_b ... seq_lens[b] - 1, so the
-same call serves decode (q_len 1), speculative verification (q_len k+1) and chunked prefill
-(earlier chunks read back from pages). Query head h reads KV head h // (H / KVH).
-"""
+"""Paged attention, PyTorch path: the KV store and causal attention over pages,
+`kv_pool [num_blocks, 2, KVH, block_size, hd]` with any strides (the engine's head-major pools
+seen through a view). One call serves decode, speculative verification and chunked prefill
+(shapes: docs/kernels.md, "Module notes")."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""Depthwise causal conv1d over the GDN [q | k | v] channels, with slot-indexed state.
-
-    x          [T, D]            packed tokens of B sequences (cu_seqlens [B+1])
-    weight     [D, Kc]
-    conv_pool  [S, D, Kc-1]      layout "DS": channels, then time, most recent column last
-    slot_ids   [B]
-
-y_t = silu(sum_j w[:, j] * ext[:, t + j]) where ext is the slot's Kc-1 saved inputs followed by
-the row's new inputs; afterwards the slot holds the last Kc-1 columns of ext. A sequence
-shorter than Kc-1 with no initial state leaves zeros on the left.
-`causal_conv1d` can also keep the state after a position inside a sequence (`StatePoints`,
-kernels/points.py): after t tokens it is ext's columns [t, t + Kc-1), the Kc-1 inputs before
-position t, gathered before the kernel runs (so both paths share it).
-"""
+"""Depthwise causal conv1d over the GDN [q | k | v] channels with slot-indexed state, PyTorch path:
+`x [T, D]`, `weight [D, Kc]`, `conv_pool [S, D, Kc-1]`, optionally keeping the state at points
+inside a sequence (docs/kernels.md, "Module notes")."""
 
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
-"""Block-quantized FP8 weights, as the Qwen3.5 FP8 checkpoints store them
-(`quantization_config: {quant_method: fp8, fmt: e4m3, weight_block_size: [bn, bk]}`).
-
-    w_fp8      [..., N, K]                  float8_e4m3fn, nn.Linear [out, in] layout
-    scale_inv  [..., ceil(N/bn), ceil(K/bk)] float32 `weight_scale_inv`: one per [bn, bk] block
-    W          [..., N, K] = w_fp8 * scale_inv of the element's block (edge blocks are partial)
-
-`dequant_fp8_block` is the CPU load path (dequantize once into the compute dtype);
-`quant_fp8_block` writes the published layout (a block's scale_inv is its amax / 448, the
-largest e4m3 value, so the block's largest element maps to +-448; an all-zero block gets 1).
-`narrow_fp8_block` takes a tensor-parallel slice of such a weight that need not start or end on
-a block boundary: it re-expresses the scales in finer blocks (each one scale of the original,
-repeated) so that the slice is whole blocks again, and the kernels take any block size.
-`fp8_block_linear` is y = x W^T without materialising W: on CUDA tensors (or with
-PDSERVE_FORCE_TRITON=1) the Triton kernel in kernels/triton/fp8.py, elsewhere
-`fp8_block_linear_ref`, which dequantizes and calls F.linear.
-"""
+"""Block-quantized FP8 weights as the Qwen3.5 FP8 checkpoints store them (float8_e4m3fn with a
+float32 scale_inv per [bn, bk] block): dequantize, quantize, narrow a TP slice, and
+`fp8_block_linear` (Triton on CUDA, a dequantizing reference elsewhere). Shapes: docs/kernels.md."""
 
 from __future__ import annotations
 

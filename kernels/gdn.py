@@ -1,24 +1,7 @@
-"""Gated DeltaNet (gated delta rule) ops: PyTorch path, slot-indexed state.
-
-Shapes, packed over a batch of B sequences with T tokens in all:
-    q, k   [T, Hk, dk]   already L2-normalised (see `l2norm`); q is scaled by `scale` here
-    v      [T, Hv, dv]
-    g      [T, Hv]       float32 log-decay (<= 0); alpha = exp(g)
-    beta   [T, Hv]       float32 write strength in (0, 1)
-    cu_seqlens [B+1]     int64 offsets of each sequence in the packed tokens
-    state_pool [S, Hv, dk, dv] float32, one slot per live request; `slot_ids` [B] pick the rows
-
-Value head h reads key head h // (Hv / Hk). The recurrence (docs/DESIGN.md §3):
-    S_t = alpha_t S_{t-1} + beta_t k_t (v_t - alpha_t S_{t-1}^T k_t)^T,   o_t = S_t^T q_t
-`gdn_chunk_prefill` evaluates it chunk-parallel (prefill), `gdn_recurrent` token by token
-(decode rows of 1 token, or k+1 tokens when verifying k speculative tokens).
-Both read each sequence's initial state from its slot and write the final state back.
-`gdn_chunk_prefill` can also keep the state at positions inside its sequences (`StatePoints`,
-kernels/points.py): the state after token j of a chunk is the chunk's start state carried to j,
-    S_j = e^{gamma_j} S_0 + (diag(e^{gamma_j - gamma_i}) K_{i<=j})^T V'_{i<=j},
-the chunk-end update with the chunk cut at j, so a long prompt runs in one call and still
-leaves its prefix-cache snapshots at exact positions.
-"""
+"""Gated DeltaNet ops, PyTorch path, slot-indexed state: `gdn_chunk_prefill` (chunk-parallel over
+packed sequences, optionally keeping states at points inside them) and `gdn_recurrent` (token by
+token, rows of 1..k+1 tokens, per-token states for rollback). Shapes and the recurrence:
+docs/kernels.md, "Module notes", and docs/DESIGN.md §3."""
 
 from __future__ import annotations
 

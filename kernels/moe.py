@@ -1,29 +1,7 @@
-"""Mixture-of-experts block ops (Qwen3.5-MoE, Qwen3-Next): routing and the routed experts.
-
-    router_logits  [T, E]        any float dtype
-    x              [T, H]
-    w13            [E, 2*I, H]   each expert's [gate | up] projection, nn.Linear [out, in] layout
-    w2             [E, H, I]     each expert's down projection, nn.Linear layout
-    topk_weights   [T, k]        float32 routing weights
-    topk_ids       [T, k]        int64 expert ids in [0, E)
-
-`select_experts` is the router after its linear: softmax over experts in float32, top-k, and
-(renormalize) division by the k weights' sum: transformers' Qwen3.5-MoE router always
-renormalises, Qwen3-Next's when `norm_topk_prob`. `fused_moe` is the routed experts:
-out_t = sum_j w_tj * W2[e_tj] (silu(gate) * up), (gate | up) = W13[e_tj] x_t. I is whatever the
-tensors hold, so a tensor-parallel rank passes its slice of every expert's intermediate
-dimension and reduces the [T, H] partial sums itself; the shared expert is the caller's.
-
-CPU path: the T*k (token, expert) pairs are sorted by expert, each active expert runs one GEMM
-over its rows (experts with no rows cost nothing), and the weighted rows are summed per token
-over k in float32. The GEMMs of all experts are one call of torch's grouped GEMM where it
-can take them (16-byte aligned strides; float32, or 16-bit while the experts average few rows),
-which saves the per-expert Python overhead; otherwise one F.linear per active expert. Rounding
-follows transformers: each GEMM's output, silu and the product are rounded to x's dtype, the
-routing weights too (its router casts them to the hidden dtype), and the combine accumulates in
-float32 and rounds once. On CUDA tensors (or with
-PDSERVE_FORCE_TRITON=1) `fused_moe` runs the Triton kernels in kernels/triton/moe.py.
-"""
+"""Mixture-of-experts ops (Qwen3.5-MoE, Qwen3-Next): `select_experts` (softmax, top-k,
+renormalised as the architecture says) and `fused_moe` (the routed experts over stacked w13 / w2,
+a TP rank's slice of each); sorted per-expert GEMMs on the CPU, rounding where transformers
+rounds, Triton on CUDA (docs/kernels.md, "Module notes")."""
 
 from __future__ import annotations
 

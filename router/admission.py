@@ -1,17 +1,6 @@
-"""Admission: the router's FIFO queue in front of the pools (docs/ARCHITECTURE.md, "Leases and
-admission"), on the router's event loop.
-
-    generate -> join the queue (refused at once when `max_queued_requests` wait already)
-      -> at the head: `place()`, tried again whenever `wake()` is called (a heartbeat, a request
-         that ends, a first token back, a window freed: the registry's `on_change`)
-      -> placed: leave the queue, the next one is the head     (wait time observed)
-      -> `admission_timeout_s` passed: RESOURCE_EXHAUSTED       (nothing was reserved or sent)
-      -> the client went away: its task is cancelled and leaves the queue at once
-
-A waiting request holds nothing on any node: decode memory is reserved only once it is placed.
-Strict FIFO: a request behind the head waits even when it alone would fit, so a large prompt is
-not starved by a stream of small ones. Only the head is woken: it sleeps on its own event.
-"""
+"""Admission: the router's strict FIFO queue in front of the pools, on its event loop. Only the head
+is woken to try `place()`; a request that waits too long or finds the queue full is refused with
+RESOURCE_EXHAUSTED, holding nothing on any node (docs/router.md, "Leases and admission")."""
 
 from __future__ import annotations
 

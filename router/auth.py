@@ -1,15 +1,6 @@
-"""The router's checks of who calls it (serving/security.py has the planes and the secrets).
-
-- `AioGuard`: the `grpc.aio` server interceptor. `Generation` takes a client API key
-  (`authorization: Bearer KEY`), `Registry` the cluster token; health and reflection are open.
-  With a per-key limit, a Generate call holds one of its key's places while it runs.
-- `HttpGuard`: the same for the OpenAI HTTP app, as ASGI middleware: `Authorization: Bearer KEY`
-  on every path but `/health` and `/metrics`; 401 (OpenAI's error shape, `WWW-Authenticate`)
-  without a valid key, 429 over the key's limit (POST requests count).
-- `KeyLimits`: requests in flight per key (`--max-requests-per-key`), on the router's loop.
-
-A refusal is logged at INFO with the key's id (a hash prefix), never the key.
-"""
+"""The router's checks of who calls it: `AioGuard` (gRPC: API keys on `Generation`, the cluster
+token on `Registry`), `HttpGuard` (the same for the OpenAI HTTP app) and `KeyLimits` (requests in
+flight per key). Keys are never logged (serving/security.py has the planes and secrets)."""
 
 from __future__ import annotations
 

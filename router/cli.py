@@ -1,26 +1,6 @@
-"""The `pdserve` command line.
-
-    pdserve make-tiny-model DIR [--arch qwen3_5|qwen3_5_moe|qwen3_next --layers 8 --hidden 256 ... --seed 0]
-    pdserve demo [--model DIR] [--tp 1] [--max-tokens 32]     # `up`, a few prompts via the SDK, shutdown
-    pdserve up --model DIR --prefill N --decode M --prefill-tp a --decode-tp b --port P  (or --config pools.yaml)
-    pdserve router --port P [--model DIR] [--decode ADDR ...] [--prefill ADDR ...]
-    pdserve decode --model DIR --router HOST:PORT [--port 0] [--tp b] [--local-prefill-threshold T]
-    pdserve prefill --model DIR --router HOST:PORT [--port 0] [--tp a] [--transfer-backend nixl]
-    pdserve generate --addr HOST:PORT "text" [--max-tokens 32 --temperature 0]
-
-The flags of `router`, `decode` and `prefill` are generated from their configs (router/config.py,
-decode_node/config.py, prefill_node/config.py; engine/options.py), and `up` has every one of them
-it does not set itself. A pools file for `up --config` takes the `up` options as keys, per pool
-under `prefill:` / `decode:`; the command line wins (router/pools.py):
-
-    model: /path/to/checkpoint
-    port: 50051
-    prefill: {count: 1, tp: 2, max_num_seqs: 8}
-    decode: {count: 2, tp: 1, local_prefill_threshold: 64, kv_cache_memory: 2GiB}
-    policy: least-loaded
-
-Errors print one line and exit with status 2; no stack traces.
-"""
+"""The `pdserve` command line: `up`, `router`, `decode`, `prefill`, `nodes`, `generate`, `demo`,
+`make-tiny-model`. Component flags are generated from their configs; errors print one line and
+exit 2 (README.md, "CLI")."""
 
 from __future__ import annotations
 

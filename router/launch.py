@@ -1,17 +1,6 @@
-"""`pdserve up`: a router and node pools as local processes.
-
-Each child is `python -m router.cli <component> ...` in its own process group (so a TP node's
-worker processes go down with it), and asks the kernel for SIGTERM should `up` itself die
-(PR_SET_PDEATHSIG), so no child outlives it. Start-up order: the router (it reports its port
-through a file, so `--port 0` works), then every node pointed at it; ready when every node
-has registered. `stop()` sends SIGTERM to every group (each component drains: what is in flight
-finishes, for at most `drain_timeout_s`; TP worker processes ignore it and follow their node),
-waits, then SIGKILLs what is left.
-
-Security (serving/security.py): every child gets the cluster's token in PDSERVE_CLUSTER_TOKEN (the
-one `up` was given, else a new random one), the router the client API keys in PDSERVE_API_KEY;
-neither appears on a command line. TLS files go to every component as flags.
-"""
+"""`pdserve up`: a router and node pools as local child processes, each in its own process group
+with PR_SET_PDEATHSIG so none outlives it; ready once every node registered; `stop()` drains, then
+kills what is left. Secrets travel in the environment, never on a command line."""
 
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
-"""Where the router's sockets are made: its gRPC server, its channels to nodes, its HTTP servers.
-
-Every listener and channel of the router comes from here, with its credentials
-(serving/security.py, router/auth.py):
-
-- `start_grpc(addr, add_servicers, names, creds, limits)`: a `grpc.aio` server with health
-  checking and reflection for the named services, `AioGuard` in front (API keys on `Generation`,
-  the cluster token on `Registry`), TLS with `creds.tls.cert` (no client certificate asked:
-  clients show API keys, nodes the token); returns (server, port, health servicer).
-- `node_channel(addr, creds)`: the aio channel the router calls a node on (Reserve, Prefill,
-  Generate, Release, Handshake, Stats): the cluster token on every call; TLS with `creds.tls`,
-  showing the router's certificate (nodes with a CA require it).
-- `start_http(app, host, port, tls, guard)`: an ASGI app (the OpenAI API, /metrics) served by
-  uvicorn on the running loop, on a socket bound here (port 0 picks one), HTTPS with `tls`, behind
-  `guard` (router/auth.py HttpGuard) when given; returns an `HttpServer`.
-"""
+"""Where the router's sockets are made, each with its credentials: `start_grpc` (the grpc.aio
+server behind `AioGuard`), `node_channel` (calls to nodes, the cluster token on each) and
+`start_http` (ASGI apps on uvicorn on the running loop)."""
 
 from __future__ import annotations
 

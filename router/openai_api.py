@@ -1,21 +1,6 @@
-"""OpenAI-compatible HTTP on the router (FastAPI, served by uvicorn on the router's loop):
-`GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (server-sent events with
-`"stream": true`), `GET /health` and `GET /metrics`.
-
-Each HTTP request becomes one in-process `GenerateService.generate` per choice (router/service.py:
-the same admission, routing, cancellation and metrics as a gRPC client, without a hop). Bodies
-are pydantic models (router/openai_models.py); answers are shaped by router/openai_choices.py.
-Chat messages are rendered to a prompt with the tokenizer's Jinja2 `chat_template`
-(`add_generation_prompt=True`). A client that disconnects (while queued, while a whole answer is
-made, or mid-stream) cancels its requests on the nodes.
-
-`GET /health` answers 200 `{"status": "ok", "decode_nodes": N}` while the router takes requests and
-503 `{"status": "draining"}` once it drains (for HTTP load balancers and probes).
-
-Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 for bad
-parameters, 404 for an unknown model or path, 429 when admission refuses (RESOURCE_EXHAUSTED),
-503 when no node can serve or the router drains; 429 and 503 carry `Retry-After: 1`.
-"""
+"""OpenAI-compatible HTTP on the router (FastAPI on the router's loop): `/v1/models`,
+`/v1/completions`, `/v1/chat/completions`, `/health`, `/metrics`. Each choice is one in-process
+`GenerateService.generate`; errors take OpenAI's shape (docs/api.md)."""
 
 from __future__ import annotations
 

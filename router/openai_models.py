@@ -1,17 +1,5 @@
-"""The OpenAI request bodies as pydantic models (strict: a string is not a number, `true` is not
-an integer), their mapping onto SamplingParams, and OpenAI's error shape.
-
-Types and ranges are the models' (a failure is a 400 naming the field); what depends on several
-fields (`best_of`, `top_logprobs` without `logprobs`, options pdserve does not have) is checked
-in `sampling`, with the same 400. Unknown fields are ignored; known ones that pdserve does not
-support (`suffix`, tools) are refused by name.
-
-    sampling(req) -> pb.SamplingParams: `max_tokens` / `max_completion_tokens` (0: one token is
-    generated and none returned: prompt logprobs only), temperature, top_p, top_k, penalties,
-    `logit_bias` ({"token id": bias}), seed, min_tokens, `stop` (strings, matched by the router;
-    ints as an extension: token ids), `stop_token_ids`, `ignore_eos`; logprobs: chat `logprobs: true` + `top_logprobs: k`,
-    completions `logprobs: k` and with `echo` the prompt's too (prompt_logprobs).
-"""
+"""The OpenAI request bodies as strict pydantic models, their mapping onto SamplingParams
+(`sampling`), and OpenAI's error shape; a bad field is a 400 naming it (docs/api.md)."""
 
 from __future__ import annotations
 

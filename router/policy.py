@@ -1,15 +1,6 @@
-"""Routing policies: which decode node reserves a request, which prefill node computes it.
-
-A policy sees the live nodes of one kind (router/registry.py `NodeEntry`, with the router's
-own in-flight discount) and returns one that can take the request now, or None (the router then
-waits, bounded, for capacity). Policies are chosen by name from `POLICIES`.
-
-`cache-aware` (router/prefix.py says what a node can take from its cache) prices each node in
-prompt tokens of work: the tokens it must still prefill (the prompt less its usable cached prefix)
-plus the prefill tokens queued on it, plus, on a decode node, `load_weight` per KV token its
-running requests hold (the decode batch a new request joins). The cheapest node that fits wins;
-with nothing cached anywhere it is `least-loaded`.
-"""
+"""Routing policies by name (`POLICIES`): which decode node reserves a request and which prefill
+node computes it. `cache-aware` prices each node in prompt tokens of work after its usable cached
+prefix plus its load; `least-loaded` and `round-robin` (docs/routing.md)."""
 
 from __future__ import annotations
 

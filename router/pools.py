@@ -1,24 +1,6 @@
-"""`pdserve up`'s options and its pools file, resolved into a PoolSpec (router/launch.py).
-
-`up` has a flag for every option of the router (router.config.RouterConfig) and of either node
-kind (decode_node / prefill_node config), generated from their declarations (engine/options.py),
-but those it sets itself for each process (model, host and port, node ids, the router's address,
-tp per pool, node metrics ports). An option that several components declare under the same flag
-(`--heartbeat-interval`, `--reservation-lease`) goes to each of them.
-
-A pools file (`up --config pools.yaml`) takes the same options as keys (`max_num_seqs` or
-`max-num-seqs`); top-level keys apply to every component that has the option, the keys under
-`prefill:` and `decode:` to that pool only (with `count` and `tp`):
-
-    model: /path/to/checkpoint
-    port: 50051
-    block_size: 32
-    prefill: {count: 1, tp: 2, max_num_seqs: 8}
-    decode: {count: 2, tp: 1, max_num_seqs: 64, local_prefill_threshold: 64, kv_cache_memory: 2GiB}
-
-Precedence: the option's default, then the top-level key, then the pool's key, then the command
-line, which wins over the file. An unknown key is refused in one line that lists the known ones.
-"""
+"""`pdserve up`'s options and its pools file, resolved into a PoolSpec: every router and node option
+as a flag or key; top-level keys for every component, `prefill:` / `decode:` keys per pool, the
+command line wins; an unknown key is refused listing the known ones."""
 
 from __future__ import annotations
 

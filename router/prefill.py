@@ -1,24 +1,6 @@
-"""The prefill phase of a disaggregated request (docs/DESIGN.md §1), as the router runs it.
-
-    run(D, P, request): P was chosen at admission, within its window -> make sure P and D have
-    handshaken (brokered once per pair of incarnations: P's rank blobs to D, D's to P) -> D.Reserve
-    (TransferTarget under a short lease that P renews while it works on the request; retried while
-    D is momentarily full) -> P.Prefill(prompt, target), a stream: its first message is the first
-    token -> a `Push` (first token in hand, P's ranks still writing)
-
-The window: the prompt tokens this router has sent to P whose first token has not come back
-(`inflight_prefill_tokens`). Admission places a request on P only while that stays within
-`prefill_window_tokens` (or P has none), so decode memory is reserved only for work P will
-start soon; the rest waits in the router's queue holding nothing (router/admission.py).
-
-A task (`Push._watch`) reads the rest of P's stream: the `pushed` message with the transfer
-figures, or a failed push, which releases D's reservation (`push_failed`). A prefill that fails
-before its first token releases the reservation and is tried once more on another prefill node (a
-new reservation); a prefill node that answered UNAVAILABLE is marked dead and D drops its
-transfer agents; one that refused because it drains is only routed around. With no prefill node
-left (or none ready, or every one loaded past `max_prefill_queue_tokens`: `use_pool`), the decode
-node prefills the prompt itself.
-"""
+"""The prefill phase of a disaggregated request: the prefill window, the brokered handshake, the
+decode node's reservation, the Prefill stream (first token, then the push), one retry elsewhere,
+and the task that watches each push (docs/router.md, "Life of a request across the pools")."""
 
 from __future__ import annotations
 

@@ -1,23 +1,6 @@
-"""What each node's prefix cache holds, as the router sees it, and how much of a prompt a node
-can take from it (cache-aware routing, docs/DESIGN.md §6).
-
-    node heartbeat (a PrefixDigest when it changed) -> NodeCache.update: sets of 64-bit names
-    request -> PrefixQuery(prompt ids): the same names, recomputed (engine/prefix_hash.py)
-    policy -> NodeCache.usable(query, compute): tokens the node can skip
-    placed -> NodeCache.remember(query, compute): what the node will hold once the request ran,
-        until a digest reports it (a digest lags by a heartbeat; turn 2 of a conversation,
-        sent right after turn 1, goes where turn 1 went)
-
-What a node can use depends on what it does with the prompt. A node that computes it (a prefill
-node, or a decode node prefilling locally) resumes from a GDN snapshot, and only where every full
-page before it is cached too: usable = the longest snapshot position p < prompt length whose p //
-block_size leading pages are all present (the attention hit trimmed to the last snapshot). A
-decode node receiving a transfer gets the final GDN state from the prefill node and needs only
-its leading full pages: usable = leading cached pages * block_size (the transfer skips them).
-With MTP drafting (digest `mtp`) a page counts only where the prompt's token after it is the one
-it was cached with (names from engine/prefix_hash.page_name), and a snapshot at p holds page
-(p - 1) // block_size itself, so it needs the (p - 1) // block_size pages before it.
-"""
+"""What each node's prefix cache holds, as the router sees it (`NodeCache`, from digests and what it
+placed since), and how much of a prompt a node can take from it (`usable`), which depends on
+whether the node computes the prompt or receives its state (docs/routing.md)."""
 
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
-"""The router's node registry: who is up, what they can take, and what the router sent them.
-
-Nodes arrive two ways: dynamic registration (Registry.Register, then heartbeats), or static
-addresses from the command line / pools file, which the router polls with Stats. A node whose
-last heartbeat (or successful poll) is older than `dead_after_s` is marked dead and gets no new
-requests; a heartbeat from an unknown node id or an older incarnation is answered
-`known=False`, which makes the node register again (a restart is a new incarnation).
-A draining node (heartbeat `draining`, or a call it refused with `pdserve-draining`) is alive
-but `routable` no more: it finishes what it holds and gets nothing new.
-
-Between heartbeats the router discounts what it has itself sent to a node (`inflight`,
-`inflight_blocks`), so a burst of requests does not all land on the node that looked emptiest.
-A node's prefix digest (sent when it changed) and the prompts placed on it since make its
-`cache` (router/prefix.py), which the cache-aware policy reads.
-
-The registry lives on the router's event loop; its state sits under a plain lock (held for a few
-field updates, never across an await) so that code on another thread can read it. Every change
-that may let a queued request in calls `on_change` (the admission queue's wake-up), from any thread.
-"""
+"""The router's node registry: registered and static nodes, liveness from heartbeats, incarnations,
+draining nodes alive but not routable, the router's own in-flight discount between heartbeats,
+and each node's prefix cache view; every change wakes the admission queue."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""One request through the router, in phases, as an async generator of `Chunk`s:
-
-    admit (router/admission.py: a decode node D, and a prefill node P or none)
-      -> prefill (router/prefill.py: D's reservation, P's first token, the push running) or none
-      -> decode (D.Generate: local prefill, or the reserved request once P's state is in)
-      -> relay (each node message -> a Chunk with text delta, timings, the first one placed)
-    a decode node that drains or is unreachable before the first token: admit again, elsewhere
-
-Unwinding (the consumer closes the generator, or its task is cancelled: a client that went away)
-cancels the calls to the nodes (D aborts the request, P aborts the push) and releases a
-reservation that was not activated; the release runs as a task of its own, so the unwinding
-path never waits on a node. The `Trace` is what the per-request log line and the metrics read.
-"""
+"""One request through the router as an async generator of `Chunk`s: admit -> prefill -> decode ->
+relay, admitted again elsewhere when a decode node drains or is unreachable before the first
+token; unwinding cancels the node calls and releases an unactivated reservation."""
 
 from __future__ import annotations
 

@@ -1,21 +1,6 @@
-"""The router process: one asyncio loop serving
-
-- gRPC (`grpc.aio`, router/grpc_api.py): `Generation` for clients, `Registry` for nodes, health
-  and reflection;
-- HTTP (FastAPI on uvicorn, router/openai_api.py) with `--http-port`: the OpenAI API, `/health`
-  and `/metrics`; and Prometheus `/metrics` alone on `--metrics-port`;
-- the calls to the nodes (aio stubs, router/registry.py) and the heartbeat sweep;
-
-all over one in-process `GenerateService` (router/service.py: admission, routing, the request
-path, cancellation, metrics). Sockets and channels are made in router/net.py.
-
-Draining (`drain`, on SIGTERM): new requests get UNAVAILABLE + `pdserve-draining` (HTTP 503) and
-readiness says NOT_SERVING while the ones in flight finish; `stop` then closes the servers.
-
-`run(...)` is the `pdserve router` process (the loop in the main thread, signals on the loop);
-`serve(addr, cfg)` starts a router on a loop thread of its own and returns (handle, port), for
-callers that are not async (tests, tools).
-"""
+"""The router process: one asyncio loop serving gRPC (`Generation`, `Registry`), the OpenAI HTTP
+app and `/metrics`, the calls to the nodes and the heartbeat sweep, over one `GenerateService`;
+the drain on SIGTERM. `serve(addr, cfg)` returns (handle, port) for callers that are not async."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""The router's one in-process `generate`: what the gRPC API (router/grpc_api.py) and the
-OpenAI HTTP API (router/openai_api.py) both call, on the router's event loop.
-
-    generate(GenerateRequest) -> async iterator of Chunk (router/request.py)
-      refuse while draining (`Draining`) or with `generate_limit` requests in flight
-      -> prompt ids (text tokenized here) -> checks no node could pass (length, KV, vocab)
-      -> RequestRun: admit -> prefill -> decode -> relay -> string stops (router/stops.py)
-      -> one INFO line and the request's metrics, however it ended
-
-Errors are `Abort(code, message)` with a gRPC status code, which each front end maps to its own
-shape. Counters and their one owner each: `active` (generate), the decode nodes' `inflight` and
-`inflight_blocks` (admit / done, here), the prefill nodes' `inflight_prefill_tokens`
-(router/prefill.py), the admission queue (router/admission.py).
-"""
+"""The router's one in-process `generate`, which both front ends call: tokenization, the checks no
+node could pass, the request's phases, string stops, one INFO line and the metrics; errors are
+`Abort(code, message)` (docs/router.md, "Module notes")."""
 
 from __future__ import annotations
 

@@ -1,28 +1,7 @@
-"""Typed transfer of one request's hybrid state (paged KV + GDN conv/recurrent) between the
-prefill node's workers (TP=a) and the decode node's workers (TP=b). docs/DESIGN.md §1, §4.
-
-Modules, by role:
-- schema:     msgspec records each rank publishes (TensorDesc per pool, ModelDigest, version)
-- handshake:  refuses a peer whose schema no plan can bridge, naming the field and both values
-- plan:       pure re-sharding plan: byte ranges per (source rank, destination rank), coalesced
-- messages:   control messages (Begin/Grant/Refuse/Done/Abort/Release) and the reservation Target
-- backend:    the Transport interface, TransferState, the registry (nixl, ucxx)
-- nixl_backend, ucxx_backend: the data planes
-- endpoint, sender, receiver: the protocol (reservations, grants, notifications, leases, abort)
-
-A worker creates its endpoint from the pools it holds:
-
-    rx = Receiver(cfg, rank, pools, node="D0", blocks=block_manager, slots=slot_pool)   # decode
-    tx = Sender(cfg, rank, pools, node="P0", blocks=block_manager, slots=slot_pool)     # prefill
-    tx.add_peer(rx.metadata()); rx.add_peer(tx.metadata())                             # handshake
-    r = rx.reserve("req-1", prompt_len)            -> r.target (TargetRank) -> router -> Target
-        (or rx.adopt(request_id, prompt_len, blocks, slot, free=...) for memory the engine allocated)
-    s = tx.send("req-1", target, src_blocks, src_slot, prompt_len, owned=True)
-        (or s = tx.open(...) at prefill start; s.post(layers=..., final=False) per finished layer; s.post())
-    poll both endpoints until s.state / r.state is DONE or FAILED; r.take() -> (blocks, slot)
-
-Endpoints never block and start no thread: the owner calls poll() (each engine step).
-"""
+"""Typed transfer of one request's hybrid state (paged KV + GDN conv/recurrent) from the prefill
+node's ranks (TP=a) to the decode node's (TP=b): schema, handshake, re-sharding plan, messages,
+the Transport registry and its NIXL / UCXX backends, and the endpoints that run the protocol.
+Endpoints never block and start no thread. docs/transfer.md, docs/DESIGN.md §1, §4."""
 
 from transfer.backend import TRANSPORTS, TransferState, get_transport
 from transfer.config import TransferConfig

@@ -1,24 +1,7 @@
-"""Control messages between a sender rank and a receiver rank, and the reservation target.
-
-Protocol for one request and one (source rank -> destination rank) channel:
-
-    receiver.reserve() -> TargetRank (blocks, slot, incarnation) -> router -> sender
-    sender   --Begin(src/dst ids, the cached pages left out)-->  receiver   checks the reservation is live and the ids match
-    sender   <--Grant | Refuse----    receiver   a Grant means: no write before this, memory held
-    sender   ==WRITE (data)=======>   receiver   one-sided (NIXL) or tagged messages (UCXX)
-    sender   --Done(bytes, crc)--->   receiver   after its writes landed; complete when all sources did
-    receiver --Release(reason)---->   sender     abort / lease expiry: stop; answer Abort when quiet
-    sender   --Abort(reason)------>   receiver   no write of this source can land any more
-    sender   --Renew------------->   receiver   the request progresses (queued, prefilling, pushing):
-                                                 the reservation's lease starts again
-
-The lease exists for a dead source: a live one renews it while its request is queued or computes
-(docs/ARCHITECTURE.md, "Leases and admission"). A receiver that predates `Renew` ignores it as
-undecodable, and its leases run as before.
-
-Every message carries the request id *and* the reservation's incarnation: a late message of an
-aborted or older reservation with the same request id never matches a newer one.
-"""
+"""Control messages between a sender rank and a receiver rank (Begin, Grant, Refuse, Done, Release,
+Abort, Renew) and the reservation target, each carrying the request id and the reservation's
+incarnation so a late message never matches a newer reservation. Protocol: docs/transfer.md,
+"Module notes"; leases: docs/router.md, "Leases and admission"."""
 
 from __future__ import annotations
 
@@ -112,7 +95,7 @@ class Renew(msgspec.Struct, tag="renew", frozen=True):
 Control = Begin | Grant | Refuse | Done | Abort | Release | Renew
 
 _enc = msgspec.msgpack.Encoder()
-_dec = msgspec.msgpack.Decoder(Control)
+_dec: msgspec.msgpack.Decoder[Control] = msgspec.msgpack.Decoder(Control)  # a union: name the type
 _target_dec = msgspec.msgpack.Decoder(Target)
 
 

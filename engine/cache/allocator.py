@@ -1,23 +1,7 @@
-"""One allocator for a model that mixes paged attention and GDN state slots.
-
-The budget (`kv_cache_memory`, per rank) first pays for the GDN state slots (fixed size per
-request, bounded concurrency), and the rest becomes KV pages. Each layer's pool is one large
-tensor allocated once at start-up, so the transfer layer can register it with NIXL as it is.
-KV pools are allocated head-major ([KVH, num_blocks, 2, block_size, hd]) and handed to the model
-as a permuted view in the kernels' [num_blocks, 2, KVH, block_size, hd] order (no copy);
-`CachePools.tensors()` gives the transfer layer the contiguous head-major tensor itself.
-
-Capacity in tokens divides the page memory by the per-token bytes of the groups that grow
-with length (full attention, and the MTP layer's attention when MTP drafts) only; dividing by
-every cache group would understate it. A block id names one page in every attention pool.
-
-Prefix caching takes its share of the budget first (`snapshot_fraction`): a pool of whole
-prefix snapshots (`PrefixSnapshotSpec`: GDN state of every layer + one partial KV page per
-attention layer, + one hidden state with MTP drafting), M = share // snapshot bytes of them. Snapshots are a fixed-size state like the
-slots: they bound how many prefixes can be resumed, not how many tokens fit, so they come off the
-budget before the page division and the token capacity stays page memory / attention bytes per
-token (docs/DESIGN.md §2). Cached full pages are ordinary KV pages (shared, counted once).
-"""
+"""One allocator for a model that mixes paged attention and GDN state slots: the per-rank budget
+pays for the prefix snapshot pool, then the GDN state slots, and the rest becomes KV pages, one
+pool tensor per layer allocated once (KV head-major, handed to the model as a permuted view).
+Capacity in tokens counts only the groups that grow with length (docs/engine.md, "Module notes")."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""Free lists for the two kinds of cache memory: KV pages (grow with length) and GDN state
-slots (one per live request). Free counts are exact after finish, abort and preemption.
-
-KV pages are reference counted so that requests sharing a prompt prefix share its full pages
-(engine/cache/prefix.py). A page whose count drops to 0 goes back to the free list; if it holds a
-cached block (a content hash), it keeps it there and can be taken back (`touch`) until the page
-is handed out again, which evicts the block: the free list is the LRU order of cached pages.
-
-A cached page also records the token that followed it in the request that registered it
-(`after`): the MTP layer's KV at a page's last position depends on that token, which the page's
-hash does not cover (docs/ARCHITECTURE.md "Prefix caching with MTP drafting").
-"""
+"""Free lists for the two kinds of cache memory: reference-counted KV pages (an unused cached page
+stays on the LRU free list until handed out again) and GDN state slots; free counts are exact
+after finish, abort and preemption. A cached page records the token that followed it (`after`),
+which its MTP KV depends on (docs/speculative.md, "Prefix caching with MTP drafting")."""
 
 from __future__ import annotations
 

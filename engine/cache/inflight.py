@@ -21,9 +21,10 @@ compute if admitted now (its tokens less the hit). A short shared prefix (a chat
 tokens) therefore never holds anything, and neither does a long prompt whose shared part is small
 next to its own.
 
-The point is chosen the way the sharer will save snapshots (`Scheduler._plan_save`): a multiple of
-the interval past its computed tokens, or its prompt's end, no further than the tokens both
-prompts share and the waiting request's lookup limit. A request with prompt logprobs resumes only
+The point is chosen the way the sharer will save snapshots (`PrefixPlanner.plan_save` in
+engine/scheduler/prefix_plan.py): a multiple of the interval past its computed tokens, or its
+prompt's end, no further than the tokens both prompts share and the waiting request's lookup
+limit. A request with prompt logprobs resumes only
 from a snapshot that keeps their entries for its token at the point (`PromptLogprobs`), which the
 sharer leaves only when it asks for prompt logprobs too, with at least as many alternatives, and
 only for its own next token: so the point must lie strictly inside the shared tokens.

@@ -1,28 +1,7 @@
-"""Prefix caching for a hybrid model: shared attention pages plus GDN state snapshots.
-
-A full-attention layer can resume at any block boundary, since its KV for a prefix is just the
-prefix's pages. A GDN layer cannot: its state after token p exists only where it was saved. So
-the cache has two halves (docs/DESIGN.md §6):
-
-- Pages: every full page of a prompt is named by a chained hash of its tokens
-  (`block_hash(parent, tokens)`, the parent being the previous page's hash), registered in the
-  `BlockManager` once its KV is written, and shared by reference count. A page nobody uses stays
-  cached on the free list until it is handed out again (LRU).
-- Snapshots: the GDN state (conv + recurrent, every layer) after token p, taken on a grid of its
-  own (every `interval` tokens) and at the end of each prompt, together with the KV of the
-  tokens after the last full page before p (the partial page; `PrefixSnapshotSpec`). They live in
-  their own pool; one no request is restoring or writing is evictable, least recently used first.
-
-A request resumes from the longest prefix p that has both: a snapshot at p and every full page
-before p cached. It shares those pages, copies the snapshot into its slot and the partial page
-into a fresh page of its own, and computes from p on. p stays below the prompt's length, since
-the last prompt token must be computed for its logits.
-
-A snapshot is keyed by (hash of the full pages before p, the tokens after them), so lookup walks
-the prompt's page hashes once and checks the few snapshots hanging off each. The hashes live in
-engine/prefix_hash.py, which the router imports too: `digest()` names what the cache holds in
-them, and the router scores nodes by the prefix of a prompt each one can resume from.
-"""
+"""Prefix caching for a hybrid model: full attention pages named by chained hashes and shared by
+reference count, plus GDN state snapshots (conv + recurrent state and the partial page) saved on a
+grid and at prompt ends. A request resumes from the longest prefix with a snapshot and every page
+before it (docs/prefix-caching.md)."""
 
 from __future__ import annotations
 

@@ -1,39 +1,8 @@
-"""One projection's weight, held in the layout and dtype its device multiplies fastest.
-
-The loader builds a `Linear` from the checkpoint's `[out, in]` weight (already sharded and
-fused); layers call it as `lin(x)`, and the LM head is one too. Every choice of layout or GEMM
-per dtype, device or CPU capability lives here, so no layer changes with it.
-
-The choice (`Linear.kind`):
-    "packed"   float32 on a CPU with the C ops (kernels/cpu_ops.py): the weight packed in panels
-               of 16 output columns, `cpu_ops.gemm_f32` (register-tiled, rows in L2-sized
-               blocks, output panels split over torch's threads with plain pthreads). The only
-               copy of the weight.
-    "native"   weight `[out, in]` in the model's dtype, `F.linear`. Float32 without the C ops,
-               every dtype on CUDA, and bfloat16 / float16 on CPUs whose oneDNN has native
-               kernels for them (`torch.ops.mkldnn._is_mkldnn_bf16_supported()`: AVX512-BF16 or AMX).
-    "fp32"     a float32 copy of a bfloat16 / float16 weight, `F.linear` on float32 input, the
-               output rounded back to the model's dtype: exactly a low-precision GEMM that
-               accumulates in float32 (what oneDNN's does), up to the order of the sum. CPUs
-               without native bfloat16 / float16 matmul (AVX2, AVX512 without BF16).
-
-Measured on a 2-core AMD EPYC (Zen 3, AVX2 + FMA, no AVX512) with PyTorch 2.13, one thread,
-median ms of a 1024 -> 4096 projection at 1 / 16 / 512 rows:
-    bfloat16 F.linear              0.81 / 39.8 / 1302
-    float32 copy, output rounded   0.55 / 11.5 /   50
-    float32 F.linear               0.61 / 11.5 /   51
-(768 -> 3072: 0.47 / 7.3 / 239 against 0.26 / 1.4 / 27; float16 F.linear 1024 -> 4096:
-0.96 / 25.7 / 305 at 1 / 16 / 256 rows against 1.07 / 9.9 / 47), and `x @ w` over a
-transposed weight is slower still in bfloat16 (20 / 356 / 11300 ms). The float32 copy costs
-twice the weight memory of bfloat16; the low-precision copy is not kept. On AVX512-BF16 / AMX
-CPUs the native path is oneDNN's own bfloat16 GEMM, which those CPUs run at or above float32
-speed; it has not been timed on this machine, which has neither.
-
-Float32, same machine, one thread, CPU ms of 256 -> 784 / 256 -> 1024 / 512 -> 256 at 16 rows:
-MKL's F.linear 0.153 / 0.217 / 0.114, packed 0.115 / 0.153 / 0.079 (about 40 % more FLOP/s;
-at 4 rows 1.8-2.5x, at 1024 rows level); with 2 threads on a loaded machine MKL's OpenMP
-barrier made a 16-row GEMM 10-20x slower, the packed GEMM's two threads stayed level.
-"""
+"""One projection's weight, held in the layout and dtype its device multiplies fastest: "packed"
+(float32 on a CPU with the C ops, panels for `cpu_ops.gemm_f32`), "native" (`F.linear` in the
+model's dtype) or "fp32" (a float32 copy of a 16-bit weight on CPUs without native 16-bit matmul,
+output rounded back). Every layout or GEMM choice lives here (docs/engine.md, "Module notes";
+figures in docs/benchmarks.md)."""
 
 from __future__ import annotations
 

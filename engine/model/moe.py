@@ -1,14 +1,6 @@
-"""The sparse mixture-of-experts block of Qwen3.5-MoE and Qwen3-Next, on one tensor-parallel rank.
-
-    out = sum_j w_j * expert_{e_j}(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)
-
-The router (softmax over experts, top-k, renormalised when the config says so) and
-shared_expert_gate are replicated; every rank holds a slice of each routed expert's
-intermediate dimension (w13 = [gate_r | up_r] per expert, w2 = down_r) and of the shared
-expert's, so a rank's output is a partial sum over its slices and one all-reduce completes it,
-as for the dense MLP. The gate scales the shared expert's partial sum before the reduction,
-which is exact because the sum over ranks is linear.
-"""
+"""The sparse mixture-of-experts block of Qwen3.5-MoE and Qwen3-Next on one tensor-parallel rank:
+the replicated router, this rank's slice of every routed expert's intermediate dimension, and the
+gated shared expert; one all-reduce completes the partial sums, as for the dense MLP."""
 
 from __future__ import annotations
 

@@ -1,29 +1,7 @@
-"""The multi-token-prediction (MTP) block of a Qwen3.5 checkpoint, used as the speculative drafter.
-
-As published (`mtp.*`, docs/ARCHITECTURE.md "Speculative decoding"): for the pair (hidden state
-h_p of the main model at position p after its final norm, token t_{p+1}),
-
-    x = fc([pre_fc_norm_embedding(embed(t_{p+1})) | pre_fc_norm_hidden(h_p)])     fc: [H, 2H]
-    x = decoder layer (gated full attention + the model's MLP), at position p, own KV pages
-    h'_p = norm(x);   logits = lm_head(h'_p)   -> a draft of t_{p+2}
-
-All norms are the model's zero-centred RMSNorm (scale 1 + w). The embedding and LM head are the
-main model's. Draft k > 1 reuses the block on (h'_p, draft) at position p + 1, and so on.
-
-`MTPDrafter` runs the block after a step's tokens are known: over every position whose next
-token is now known (prompt chunks, the pending token and the accepted drafts of a decode row),
-which fills the block's KV with the main model's hidden states, then recursively for the next
-step's drafts, as many as the row's request will draft after this step's verification
-(`RowInput.draft_depths`, indexed by the accepted drafts). A decode row that drafts nothing
-(its request at depth 0 after the step, see engine/scheduler.py) defers the fill: its
-positions' next tokens and hidden states wait in `pending` and run in one chunk with the
-request's next row that drafts or is not a plain decode row, or once `max_pending` positions
-wait; with prefix caching (`page_ends`), also when the row's positions reach a page's last
-position, so every full page below num_computed_tokens holds the block's KV and can be cached,
-the reply's pages included. Invariant: the MTP KV holds position p for every
-p < num_computed_tokens that is not pending. A request resuming from a cached prefix at p starts
-with position p - 1 pending (`resume`): its KV there was cached with another prompt's token p.
-"""
+"""The multi-token-prediction (MTP) block of a Qwen3.5 checkpoint, used as the speculative drafter,
+and `MTPDrafter`, which runs it after each step over the positions whose next token became known
+(filling its KV) and then for the next drafts; a row that drafts nothing defers its fill
+(docs/speculative.md)."""
 
 from __future__ import annotations
 

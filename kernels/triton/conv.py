@@ -1,19 +1,6 @@
-"""Depthwise causal conv1d with slot-indexed state, Triton.
-
-Same contract as kernels.conv:
-    x [T, D] packed rows (cu_seqlens [B+1]), weight [D, Kc],
-    conv_pool [S, D, Kc-1] (layout "DS": channels, time; most recent column last), slot_ids [B]
-    intermediate_states [B, n_max, D, Kc-1] or None: the conv state after every token of a row
-y_t = silu(sum_j w[:, j] * ext[:, t + j]) where ext = [slot's Kc-1 saved inputs | new inputs];
-afterwards the slot holds the last Kc-1 columns of ext. Rows without an initial state read
-zeros (never the slot, which may hold NaN).
-
-One program per (row, block of channels) walks the row in tiles of BT tokens. Each tap j reads
-ext[t + j] directly, from x when it falls among the new inputs and from the old state
-otherwise, so nothing is carried between tiles. The new state is gathered the same way and
-stored after a barrier, once every read of the old state is done. The same kernel serves
-prefill, plain decode (causal_conv1d_update) and rows of k+1 tokens in one batch.
-"""
+"""Depthwise causal conv1d with slot-indexed state, Triton, with kernels.conv's contract: one
+program per (row, block of channels) walks the row in tiles, reading each tap from the new inputs
+or the old state; one kernel serves prefill, decode and rows of k+1 tokens (docs/kernels.md)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
-"""Block-scaled FP8 GEMM, Triton: y = x W^T with W stored as float8_e4m3fn blocks.
-
-Same contract as kernels.fp8.fp8_block_linear: x [T, K], w_fp8 [N, K], scale_inv
-[ceil(N/bn), ceil(K/bk)] float32 -> y [T, N] in x's dtype.
-
-Weight-only quantization: the kernel dequantizes each weight tile as it loads it (fp8 -> float32,
-times its block's scale_inv, rounded to x's dtype) and multiplies it with the activations in
-x's dtype, accumulating in float32. That is exactly the CPU load path's arithmetic (dequantize,
-then an ordinary GEMM), so a model gives the same tokens on both; activations are not quantized,
-so no per-token-group scales and no second rounding error. The weights cross memory as one byte
-each, which is what bounds decode; prefill gives up the FP8 tensor cores' peak (a W8A8 kernel
-with per-token-group activation scales would be the next step there).
-
-A K tile never straddles two scale blocks when bk is a multiple of 16 (the tile is the largest
-power of two dividing bk, at most 128): the tile's scales are then one per output column.
-Other bk take the general path, one scale per element.
-"""
+"""Block-scaled FP8 GEMM, Triton: y = x W^T with W stored as float8_e4m3fn blocks, each weight tile
+dequantized as it is loaded, activations unquantized, so it computes what the CPU load path
+computes (docs/kernels.md, "Module notes")."""
 
 from __future__ import annotations
 

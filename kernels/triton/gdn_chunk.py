@@ -1,35 +1,7 @@
-"""Chunked gated delta rule over packed variable-length sequences (prefill), Triton.
-
-Same contract as kernels.gdn.gdn_chunk_prefill (shapes there and in docs/DESIGN.md §3):
-    q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv], cu_seqlens [B+1],
-    state_pool [S, Hv, dk, dv] float32, slot_ids [B], has_initial_state [B] bool or None
-Returns o [T, Hv, dv] in v's dtype and writes each row's final state to state_pool[slot_ids].
-
-Inside a chunk of C tokens (gamma = cumsum(g), Gamma_ij = exp(gamma_i - gamma_j) for i >= j):
-    A = strict_lower(diag(beta) K K^T * Gamma);  X = (I + A)^-1
-    U = X diag(beta) V;  W = X diag(beta e^gamma) K;  V' = U - W S
-    O = diag(e^gamma) Q S + ((Q K^T) * Gamma) V';  S <- e^{gamma_C} S + (diag(e^{gamma_C - gamma}) K)^T V'
-Only V' and the state S carry from chunk to chunk, so the work runs in two launches:
-1. `_gdn_chunk_prep_kernel`, one program per (chunk, value head), every chunk of every sequence
-   at once: gamma, A, X, and the state-independent U and W, written to float32 workspaces
-   [T, Hv, dv] and [T, Hv, dk]. This is most of the FLOPs (the triangular inverse and the C x C
-   products) and it is parallel over the whole prompt.
-2. `_gdn_chunk_state_kernel`, one program per (sequence, value head, block of dv columns), walks
-   its sequence chunk by chunk with S [dk, BV] in registers: V' = U - W S, the output, the state
-   points, and the state update; four C x dk x BV products per chunk.
-X comes from block forward substitution: each 16x16 diagonal block is solved row by row (all
-blocks at once, a masked vector step per row), then block rows are merged in order,
-X_i = D_i^-1 (I_i - sum_{k<i} A_ik X_k). Every step is an exact substitution (no Neumann
-series), so it is as stable as the triangular solve in the PyTorch path. Products of the inputs
-alone (K K^T, Q K^T) run on the inputs' dtype with float32 accumulation (exact products, as the
-reference's float32 matmul); every product that involves a computed value (X, S, V') runs at
-float32 accuracy: "tf32x3" on a GPU (three TF32 tensor-core passes), "ieee" under the
-interpreter, which keeps the state within 1e-4 of the reference over long prompts.
-Padding rows of a last chunk load k = v = g = beta = 0: they neither decay nor write S.
-State points (kernels/points.py): a point at in-chunk token j stores, before the chunk-end update,
-    S_j = e^{gamma_j} S + (diag(e^{gamma_j - gamma}) K, rows > j zeroed)^T V'
-into its row of the points pool; the state pass walks its sequence's points alongside its chunks.
-"""
+"""Chunked gated delta rule over packed variable-length sequences (prefill), Triton, with
+kernels.gdn.gdn_chunk_prefill's contract: a per-chunk launch over every chunk at once (triangular
+inverse, U, W), then a sequential state pass per (sequence, head, dv block); products of computed
+values at float32 accuracy (docs/kernels.md, "Module notes")."""
 
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
-"""Token-by-token gated delta rule for decode rows of 1..n tokens each, Triton.
-
-Same contract as kernels.gdn.gdn_recurrent:
-    q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv], cu_seqlens [B+1] (row b has
-    cu_seqlens[b+1] - cu_seqlens[b] tokens: 1 for plain decode, k+1 when verifying k draft
-    tokens; a batch may mix them), state_pool [S, Hv, dk, dv] float32, slot_ids [B],
-    intermediate_states [B, n_max, Hv, dk, dv] float32 or None
-Returns o [T, Hv, dv] in v's dtype and writes each row's final state to state_pool[slot_ids].
-With intermediate_states, entry [b, t] receives the state after token t of row b (t < len_b;
-later entries are left as they were): rolling back to the first j accepted tokens is copying
-intermediate_states[b, j-1] into the slot.
-
-One program per (row, value head, block of dv columns) keeps S [dk, BV] in registers and walks
-the row's tokens; each row's length is read from cu_seqlens in the kernel, so no batch shape
-needs a separate launch or a host sync beyond the argument checks.
-"""
+"""Token-by-token gated delta rule for decode rows of 1..n tokens, Triton, with
+kernels.gdn.gdn_recurrent's contract: one program per (row, value head, dv block) keeps the state
+in registers, optionally writing the state after every token for rollback (docs/kernels.md)."""
 
 from __future__ import annotations
 

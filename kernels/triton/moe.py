@@ -1,27 +1,7 @@
-"""Fused MoE (the routed experts), Triton: a grouped GEMM over the experts' rows.
-
-Same contract as kernels.moe.fused_moe: x [T, H], w13 [E, 2*I, H] ([gate | up] rows), w2
-[E, H, I], topk_weights [T, k] float32, topk_ids [T, k] -> [T, H] in x's dtype, optionally with
-FP8 block-quantized expert weights (w13_scale_inv, w2_scale_inv, block_size).
-
-Layout. The P = T*k (token, expert) pairs are sorted by expert and each expert's run is padded
-to a whole number of BM-row blocks, so every block of rows belongs to one expert:
-
-    slot_pair    [n_blocks * BM]  the pair t*k + j in each row slot, P in padding slots
-    block_expert [n_blocks]       the expert of each block, E for blocks past the last one
-
-It is built on the device with no host sync (so it can be captured in a CUDA graph), for the
-worst case n_blocks = ceil(P / BM) + min(E, P); the blocks past the last used one exit at once.
-Experts with no pairs get no blocks.
-
-Kernels, one program per (block of BM rows, tile of BN columns):
-    _moe_up    a[slot] = silu(x W_gate^T) * (x W_up^T) for the block's expert, x rows gathered
-               by token (the sorted copy of x is never written)
-    _moe_down  out[pair] = (a[slot] W2^T) * w_pair  into a float32 [P, H] buffer
-and out.view(T, k, H).sum(1), in float32 then rounded once, as the reference does. Each GEMM's
-output, silu, the product and the routing weights are rounded to x's dtype where the reference
-rounds them, so the two agree to float32 summation order.
-"""
+"""Fused MoE (the routed experts), Triton, with kernels.moe.fused_moe's contract: (token, expert)
+pairs sorted by expert into blocks of one expert, built on the device without a host sync, then
+two grouped GEMMs (gate/up with SwiGLU, down with the routing weight); optional FP8 experts
+(docs/kernels.md, "Module notes")."""
 
 from __future__ import annotations
 

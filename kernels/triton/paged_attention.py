@@ -1,27 +1,7 @@
-"""Paged attention and the KV store, Triton.
-
-Same contract as kernels.attention:
-    kv_pool      [num_blocks, 2, KVH, block_size, hd]   (0 = K, 1 = V; any strides, unit on hd)
-    k, v         [T, KVH, hd], slot_mapping [T]          store_kv: token i -> flat slot
-    q            [T, H, hd] packed new tokens, cu_seqlens_q [B+1]
-    seq_lens     [B] tokens in context (new ones included), block_tables [B, max_blocks]
-The new tokens of row b sit at positions seq_lens[b] - q_len_b ... seq_lens[b] - 1, so one
-launch serves decode, speculative verification (k+1 tokens) and chunked prefill over earlier
-pages, mixed in one batch. Query head h reads KV head h // (H / KVH).
-
-paged_attention: one program per (row, KV head, tile of new tokens) streams the row's pages one
-at a time (a page is one [block_size, hd] tile per head, contiguous in the engine's head-major
-storage [KVH, num_blocks, 2, block_size, hd]; the kernels only follow the strides) with an online
-softmax, stopping at the last page its tile can see. A tile's rows are its tokens times the query
-heads of the KV head's group, so each page is read once per group (GQA), and a decode row fills
-the group's rows instead of 1 of 16. Offsets are int64: in head-major storage a head's offset
-spans every page of the pool. Scores and the output accumulate in float32. float32 inputs
-multiply in float32 ("ieee"); 16-bit inputs multiply on tensor cores (q K^T on the inputs'
-dtype, exact products; softmax probabilities rounded to that dtype for P V), except under the
-interpreter, whose 16-bit dots are wrong, where they multiply in float32.
-store_kv: one program per token copies its [KVH, hd] K and V into the page.
-slot_mapping entries must be valid slots (no negative padding entries), as in the reference.
-"""
+"""Paged attention and the KV store, Triton, with kernels.attention's contract: one program per
+(row, KV head, tile of new tokens) streams the row's pages with an online softmax, reading each
+page once per GQA group; one launch serves decode, verification and chunked prefill
+(docs/kernels.md, "Module notes")."""
 
 from __future__ import annotations
 

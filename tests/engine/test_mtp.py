@@ -175,15 +175,15 @@ def test_depth_control_lowers_and_restores_a_requests_draft_depth():
     s = _scheduler(3, draft_cost=0.0)
     req = Request("r", [1, 2, 3], GREEDY)
     s.add(req)
-    assert req.spec_depth == 3
+    assert req.spec.depth == 3
     depths = []
     for _ in range(4):  # nothing accepted: 1.0 -> 0.5 -> 0.25 (drop) -> 0.125 (drop) -> ...
-        s._record(req, req.spec_depth, 0)
-        depths.append(req.spec_depth)
+        s._record(req, req.spec.depth, 0)
+        depths.append(req.spec.depth)
     assert depths == [3, 2, 1, 1]
     for _ in range(3):  # all accepted: 0.56 -> 0.78 (raise) -> 0.89 (raise)
-        s._record(req, req.spec_depth, req.spec_depth)
-        depths.append(req.spec_depth)
+        s._record(req, req.spec.depth, req.spec.depth)
+        depths.append(req.spec.depth)
     assert depths[4:] == [1, 2, 3]
     assert s.drafts_per_position == [7, 4, 2] and s.accepted_per_position == [3, 1, 0]
 
@@ -198,34 +198,34 @@ def test_depth_drops_to_zero_and_probes_with_a_growing_wait():
     req = Request("r", [1, 2, 3], GREEDY)
     s.add(req)
     s._record(req, 3, 0)
-    assert req.spec_depth == 3
+    assert req.spec.depth == 3
     s._record(req, 3, 0)
-    assert req.spec_depth == 0
+    assert req.spec.depth == 0
     waits = []
     for _ in range(4):
         n = 0
-        while req.spec_depth == 0:
+        while req.spec.depth == 0:
             s._tick(req)
             n += 1
         waits.append(n)
-        assert req.spec_depth == 1
+        assert req.spec.depth == 1
         s._tick(req)  # the probe's drafting step carries no drafts yet: no effect
         s._record(req, 1, 0)  # the probe fails
-        assert req.spec_depth == 0
+        assert req.spec.depth == 0
     assert waits == [2, 4, 8, 8]
-    while req.spec_depth == 0:
+    while req.spec.depth == 0:
         s._tick(req)
     s._record(req, 1, 1)  # passed: back to drafting, one draft
-    assert req.spec_depth == 1
+    assert req.spec.depth == 1
     s._record(req, 1, 1)
     s._record(req, 2, 2)
-    assert req.spec_depth == 3
+    assert req.spec.depth == 3
     # a request that may not speculate (logprobs) never probes
     other = Request("o", [1], SamplingParams(max_tokens=4, logprobs=1))
     s.add(other)
     for _ in range(20):
         s._tick(other)
-    assert other.spec_depth == 0
+    assert other.spec.depth == 0
     assert s.drafts_per_position == [9, 3, 2] and s.accepted_per_position == [3, 1, 0]
 
 
@@ -250,7 +250,7 @@ def _traced(llm):
     while llm.engine.has_unfinished():
         llm.engine.step()
         for r in reqs:
-            depths.setdefault(len(r.prompt_token_ids), []).append(r.spec_depth)
+            depths.setdefault(len(r.prompt_token_ids), []).append(r.spec.depth)
     return depths, drafted, accepted
 
 
@@ -285,7 +285,7 @@ def _mtp_kv_after(llm, prompt, pause: int) -> tuple[list[int], torch.Tensor]:
     MTP block's KV [positions, 2, KVH, hd] over every position whose next token is known."""
     rid = llm.engine.add_request(prompt, GREEDY)
     req = llm.engine.requests[rid]
-    req.spec_depth, req.spec_wait = (0, pause) if pause else (req.spec_depth, 0)
+    req.spec = replace(req.spec, depth=0, wait=pause) if pause else replace(req.spec, wait=0)
     blocks = []
     while llm.engine.has_unfinished():
         blocks = list(req.block_ids) or blocks
@@ -307,12 +307,12 @@ def test_paused_request_drafts_again_from_an_up_to_date_mtp_kv(ckpt_mtp, mtp_pro
         _tight_probes(llm, 3)
         rid = llm.engine.add_request(prompt, GREEDY)
         req = llm.engine.requests[rid]
-        req.spec_depth, req.spec_wait = 0, 5
+        req.spec = replace(req.spec, depth=0, wait=5)
         seen = []  # (tokens so far, the first draft for the next step) once drafting again
         depths = []
         while llm.engine.has_unfinished():
             llm.engine.step()
-            depths.append(req.spec_depth)
+            depths.append(req.spec.depth)
             if req.draft_token_ids and req.status.value == "running":
                 seen.append((prompt + req.output_token_ids, req.draft_token_ids[0]))
         out, kv = _mtp_kv_after(llm, prompt, 8)

@@ -1,26 +1,6 @@
-"""A small stand-in for `kubectl kustomize`, for the tests (kubectl is not installed here).
-
-It renders a kustomization directory the way kustomize does for the features deploy/k8s uses,
-and refuses any other feature so that a new one cannot be silently mis-rendered:
-
-- `resources`: YAML files (one or more documents) and directories holding a kustomization.yaml,
-  rendered in order;
-- `namespace`: set on every namespaced object (a Namespace object is renamed to it, as kustomize
-  does);
-- `images`: `name` -> `newName` / `newTag` on containers and init containers;
-- `patches` with `path` alone: strategic merge patches, the target found by kind and
-  metadata.name;
-- `patches` with `path` and `target`: JSON 6902 patches (a list of `add` / `remove` / `replace`
-  operations; `-` appends to a list), applied to every object the target selects by `kind`,
-  exact `name`, `labelSelector` (`key=value`, comma-separated) and `group` / `version`;
-- `components`: directories holding a `kind: Component` kustomization, applied after the
-  resources and before the kustomization's own patches (a component's own resources join them).
-
-Strategic merge, as Kubernetes defines it for these fields: maps merge key by key, a null value
-deletes the key, lists of containers / initContainers / volumes / env / imagePullSecrets merge by
-`name`, volumeMounts by `mountPath`, container ports by `containerPort`, Service ports by `port`;
-any other list is replaced.
-"""
+"""A small stand-in for `kubectl kustomize` for the tests: renders a kustomization the way
+kustomize does for the features deploy/k8s uses (resources, namespace, images, strategic merge and
+JSON 6902 patches, components) and refuses any other feature (docs/deploy.md, "Module notes")."""
 
 from __future__ import annotations
 

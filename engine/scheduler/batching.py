@@ -1,0 +1,344 @@
+"""The Scheduler: continuous batching with chunked prefill, preemption by recompute, and the
+disaggregated states (a prefill side's HELD requests, a decode side's RESERVED ones).
+
+Each step has a token budget. Running requests go first, in admission order: a decoding request
+takes 1 token (plus its drafts), a request still in its prompt takes the next chunk. Then queued
+requests join while budget, a GDN state slot and KV pages are free and the batch is under
+`max_num_seqs`. When pages run out, the most recently admitted running request is preempted: its
+pages and slot are freed and it goes back to the front of the queue, to recompute its prompt and
+output so far when it is admitted again. Rows are ordered decode first (one token each, the
+recurrent GDN path), then prefill chunks (the chunked path).
+
+A decoding row carries up to its draft depth of drafts (n-gram proposals, or the MTP drafts the
+previous step left on the request), never past max_tokens, max_model_len or the budget; the depth
+is the request's `SpecDepth`, moved by the pure policy in spec_depth.py. With MTP, a row that
+samples also gets pages for the positions its next drafts occupy. Prefix caching is planned in
+prefix_plan.py. Every change of a request's state goes through `Request.move`
+(engine/request_state.py); pages are freed by reference, so a shared page is never handed out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from engine.cache.block_manager import BlockManager, SlotPool
+from engine.cache.prefix import PrefixCache, Snapshot
+from engine.config import SchedulerConfig, SpeculativeConfig
+from engine.request import Request, Status, TransitionError
+from engine.scheduler import spec_depth
+from engine.scheduler.output import FinalSave, ScheduledRow, SchedulerOutput
+from engine.scheduler.prefix_plan import PrefixPlanner
+from engine.step import SnapshotCopy
+
+log = logging.getLogger("pdserve.scheduler")
+
+Proposer = Callable[[list[int], int], list[int]]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        blocks: BlockManager,
+        slots: SlotPool,
+        max_model_len: int,
+        num_spec_tokens: int = 0,
+        proposer: Proposer | None = None,
+        spec: SpeculativeConfig | None = None,
+        prefix: PrefixCache | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.spec = spec or SpeculativeConfig(num_tokens=num_spec_tokens)
+        self.num_spec_tokens = num_spec_tokens
+        self.mtp = self.spec.mtp  # drafts come from the model (StepOutput.drafts), not the proposer
+        self.proposer = proposer
+        self.blocks = blocks
+        self.slots = slots
+        self.prefix = prefix
+        self.plan = PrefixPlanner(prefix, blocks, slots, self.mtp) if prefix is not None else None
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []
+        self.num_draft_tokens = 0  # drafts verified so far (speculative decoding), and accepted
+        self.num_accepted_tokens = 0
+        self.drafts_per_position = [0] * num_spec_tokens  # drafts verified at position i of a row
+        self.accepted_per_position = [0] * num_spec_tokens  # ... and accepted there
+
+    def max_depth(self, req: Request) -> int:
+        return spec_depth.max_depth(req.params, self.num_spec_tokens)
+
+    def add(self, req: Request) -> None:
+        req.spec = replace(req.spec, depth=self.max_depth(req))
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.cfg.max_num_batched_tokens
+        rows: list[ScheduledRow] = []
+        preempted: list[Request] = []
+        restores: list[tuple[Snapshot, SnapshotCopy]] = []
+        saves: list[tuple[Snapshot, SnapshotCopy]] = []
+        points: list[tuple[Snapshot, Request]] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            drafts = self._drafts(req, budget) if n == 1 and req.num_computed_tokens > 0 else []
+            n += len(drafts)
+            need = self.blocks.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
+            while need > 0 and not self.blocks.can_allocate(need):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                if not self.running:  # alone and still does not fit: it never will
+                    self.finish(req, "length")
+                    log.warning("request %s needs more KV pages than the cache holds; stopped", req.request_id)
+                break
+            if need > 0:
+                req.block_ids += self.blocks.allocate(need)
+            depths = self._depths_after(req, len(drafts)) if self.mtp else ()
+            self._lookahead(req, n, len(drafts), max(depths, default=0))
+            if self.plan is not None:
+                self.plan.plan_save(req, n, saves, points)
+            rows.append(ScheduledRow(req, n, drafts, depths))
+            budget -= n
+            i += 1
+
+        w = 0  # held requests (engine/cache/inflight.py) keep their place; those behind them go on
+        while not preempted and w < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[w]
+            hit = self.plan.lookup(req) if self.plan is not None else None
+            p = hit.num_tokens if hit else 0
+            if self.plan is not None and self.plan.held(req, p, self.running):
+                w += 1
+                continue
+            n = min(req.num_tokens - p, budget)
+            shared = hit.pages if hit else []
+            need = self.blocks.blocks_for(p + n) - len(shared)
+            taken = sum(self.blocks.is_free(b) for b in shared)  # cached pages nobody used: now in use
+            if not self.blocks.can_allocate(need + taken) or self.slots.num_free == 0:
+                break
+            del self.waiting[w]
+            req.slot = self.slots.allocate()
+            self.blocks.touch(shared)
+            req.block_ids = shared + self.blocks.allocate(need)
+            req.num_registered = len(shared)
+            if self.plan is not None:
+                self.plan.admit(req, hit, restores)
+            depths = self._depths_after(req, 0) if self.mtp else ()
+            self._lookahead(req, n, 0, max(depths, default=0))
+            if self.plan is not None:
+                self.plan.plan_save(req, n, saves, points)
+            req.move(Status.RUNNING)
+            self.running.append(req)
+            rows.append(ScheduledRow(req, n, [], depths))
+            budget -= n
+
+        rows.sort(key=lambda r: (not r.is_decode, (r.request.slot or 0) if r.is_decode else 0))
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(rows, preempted, finished, restores, saves, points)
+
+    def _lookahead(self, req: Request, n: int, num_drafts: int, depth: int) -> None:
+        """With MTP, a row that samples also takes pages, while free ones remain, for the positions
+        its next drafts occupy (capped at max_model_len); it never preempts for them: without
+        them the worker drafts fewer tokens."""
+        end = req.num_computed_tokens + n
+        if not self.mtp or end - num_drafts < req.num_tokens:
+            return
+        end = min(end + max(depth - 1, 0), self.max_model_len)
+        extra = min(self.blocks.blocks_for(end) - len(req.block_ids), self.blocks.num_free)
+        if extra > 0:
+            req.block_ids += self.blocks.allocate(extra)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        req.draft_token_ids = []
+        self._release(req)
+        req.move(Status.PREEMPTED)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        log.info("preempted %s (recompute %d tokens later)", req.request_id, req.num_tokens)
+
+    def _release(self, req: Request) -> None:
+        if req.block_ids:
+            self.blocks.free(req.block_ids[::-1])  # a chain's last pages are evicted first
+            req.block_ids = []
+        if req.slot is not None:
+            self.slots.free(req.slot)
+            req.slot = None
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Stop a request for `reason` ("abort": ABORTED, anything else: FINISHED) and free its memory."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status.is_queued and req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.move(Status.ABORTED if reason == "abort" else Status.FINISHED)
+        req.finish_reason = reason
+        req.finish_time = time.monotonic()
+        self._finished_ids.append(req.request_id)
+
+    # ---- speculative decoding: drafts and the depth policy (spec_depth.py) -------------------
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens for a decoding request, never past its depth, max_tokens, max_model_len
+        or the budget."""
+        if not self.num_spec_tokens or (self.proposer is None and not self.mtp):
+            return []
+        room = min(
+            req.spec.depth,
+            budget - 1,
+            req.params.max_tokens - len(req.output_token_ids) - 1,
+            self.max_model_len - req.num_tokens - 1,
+        )
+        if room <= 0:
+            return []
+        if self.mtp:
+            return req.draft_token_ids[:room]
+        assert self.proposer is not None
+        return list(self.proposer(req.prompt_token_ids + req.output_token_ids, room))[:room]
+
+    def _record(self, req: Request, proposed: int, accepted: int) -> None:
+        """Counters per draft position, and the request's next depth."""
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        for i in range(proposed):
+            self.drafts_per_position[i] += 1
+            self.accepted_per_position[i] += i < accepted
+        req.spec = spec_depth.after_verify(req.spec, self.spec, self.max_depth(req), proposed, accepted)
+
+    def _tick(self, req: Request) -> None:
+        """A sampling step without drafts: at depth 0, count down to the next probe."""
+        req.spec = spec_depth.after_plain(req.spec, self.max_depth(req))
+
+    def _depths_after(self, req: Request, num_drafts: int) -> tuple[int, ...]:
+        return spec_depth.depths_after(req.spec, self.spec, self.max_depth(req), num_drafts)
+
+    # ---- disaggregation: memory held outside the running batch ------------------------------
+    def reserve(self, req: Request) -> bool:
+        """Decode side: pages for the prompt and the first decoded token, and a GDN slot, or False.
+        The prompt's leading full pages this node has cached are shared (by reference), not
+        allocated: `req.num_cached_blocks` of them, which the transfer skips. No snapshot is
+        needed: the GDN state always travels."""
+        shared = self.plan.cached_pages(req) if self.plan is not None else []
+        need = self.blocks.blocks_for(req.num_tokens + 1) - len(shared)
+        taken = sum(self.blocks.is_free(b) for b in shared)  # cached pages nobody used: now in use
+        if not self.blocks.can_allocate(need + taken) or self.slots.num_free == 0:
+            return False
+        self.blocks.touch(shared)
+        req.block_ids = shared + self.blocks.allocate(need)
+        req.num_registered = req.num_cached_blocks = len(shared)
+        req.slot = self.slots.allocate()
+        req.move(Status.RESERVED)
+        req.received = True
+        if self.prefix is not None:  # the shared pages are hits: the transfer skips them
+            self.prefix.stats.query_tokens += len(req.prompt_token_ids)
+            self.prefix.stats.hit_tokens += len(shared) * self.blocks.block_size
+        return True
+
+    def activate(self, req: Request, first_token: int, eos: tuple[int, ...], drafts: Sequence[int] = ()) -> None:
+        """Decode side: the prompt's state has landed in the reservation: decode from the first
+        token on (with the drafts the prefill side's MTP block proposed, when there are any)."""
+        if req.status is not Status.RESERVED:
+            raise TransitionError(f"request {req.request_id!r} is {req.status.value}: only a reserved one activates")
+        req.move(Status.RUNNING)
+        req.num_computed_tokens = len(req.prompt_token_ids)
+        req.spec = replace(req.spec, depth=self.max_depth(req))
+        req.draft_token_ids = list(drafts)[: req.spec.depth] if self.mtp else []
+        self.running.append(req)
+        self._emit(req, [first_token], eos)
+
+    def _hold(self, req: Request) -> None:
+        """Prefill side: keep the prompt's pages and slot for the transfer (pages taken only for
+        the MTP drafts' positions go back now)."""
+        keep = self.blocks.blocks_for(len(req.prompt_token_ids))
+        if len(req.block_ids) > keep:
+            self.blocks.free(req.block_ids[keep:])
+            del req.block_ids[keep:]
+        self.running.remove(req)
+        req.move(Status.HELD)
+        req.finish_reason = "prefilled"
+        req.finish_time = time.monotonic()
+
+    # ---- after a step ------------------------------------------------------------------------
+    def take_final(self) -> list[FinalSave]:
+        """The final-state snapshots to copy now (`SnapshotCopy`s with offset None, no rows); hand
+        them back with `end_final`."""
+        return self.plan.take_final() if self.plan is not None else []
+
+    def end_final(self, saves: list[FinalSave], ran: bool) -> None:
+        if self.plan is not None:
+            self.plan.end_final(saves, ran)
+
+    def abandon(self, out: SchedulerOutput) -> None:
+        """The step failed (the executor raised): its snapshot pins go back, and the entries it
+        was to save are free again, never half written and visible."""
+        if self.plan is not None:
+            self.plan.step_failed(out)
+
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, list[int]],
+        eos: tuple[int, ...],
+        drafts: dict[str, list[int]] | None = None,
+    ) -> list[Request]:
+        """Advance every scheduled row by its computed tokens; append the emitted tokens (one, or
+        the accepted drafts plus one); finish what stops. Returns requests that got tokens or finished."""
+        touched: list[Request] = []
+        if self.plan is not None:
+            self.plan.step_ran(out)
+        for row in out.rows:
+            req = row.request
+            if req.status is not Status.RUNNING:
+                continue
+            if not row.samples:
+                req.num_computed_tokens += row.num_new_tokens
+                if self.plan is not None:
+                    self.plan.register(req)
+                continue
+            toks = sampled[req.request_id]
+            if row.draft_token_ids:
+                self._record(req, len(row.draft_token_ids), len(toks) - 1)
+            else:
+                self._tick(req)
+            if self.mtp:
+                req.draft_token_ids = drafts.get(req.request_id, []) if drafts else []
+            # the pending token and the accepted drafts are now in the cache
+            req.num_computed_tokens += row.num_new_tokens - len(row.draft_token_ids) + len(toks) - 1
+            if self.plan is not None:
+                self.plan.register(req, toks)
+            touched.append(req)
+            self._emit(req, toks, eos)
+            if req.prefill_only and req.status is Status.RUNNING:
+                self._hold(req)
+        return touched
+
+    def _emit(self, req: Request, toks: list[int], eos: tuple[int, ...]) -> None:
+        """Append tokens one by one, finishing on a stop token, EOS, max_tokens or max_model_len."""
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        p = req.params
+        for tok in toks:
+            req.output_token_ids.append(tok)
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
+                reason = "stop"
+            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                reason = "length"
+            else:
+                continue
+            if self.plan is not None:
+                self.plan.keep_final(req)
+            self.finish(req, reason)
+            return

@@ -1,0 +1,59 @@
+"""The scheduler's typed records: one step's plan (`SchedulerOutput` of `ScheduledRow`s, with the
+prefix snapshots it restores and saves) and a finished request's final-state save (`FinalSave`).
+EngineCore turns a plan into the workers' `StepInput` (engine/step.py) and hands it back to
+`Scheduler.update` (or `abandon`) once the step ran (or failed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.cache.prefix import Snapshot
+from engine.request import Request
+from engine.step import SnapshotCopy
+
+
+@dataclass
+class ScheduledRow:
+    request: Request
+    num_new_tokens: int  # drafts included
+    draft_token_ids: list[int] = field(default_factory=list)
+    # MTP: the request's draft depth after this step, by how many of its drafts it accepts (index
+    # a; one entry when it carries none), so the worker drafts for the next step what it will
+    # verify and defers the MTP pass of a request whose depth is about to drop to 0
+    draft_depths: tuple[int, ...] = ()
+
+    @property
+    def is_decode(self) -> bool:
+        """Continues a sequence with its one pending token (plus drafts): the recurrent path."""
+        return self.num_new_tokens - len(self.draft_token_ids) == 1 and self.request.num_computed_tokens > 0
+
+    @property
+    def samples(self) -> bool:
+        """This row reaches the end of the known tokens, so it produces the next one."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids) == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    rows: list[ScheduledRow]  # decode rows first (ordered by slot), then prefill chunks
+    preempted: list[Request]
+    finished_ids: list[str]  # finished since the last step (workers drop their per-request state)
+    restores: list[tuple[Snapshot, SnapshotCopy]] = field(default_factory=list)  # prefix hits, pinned
+    saves: list[tuple[Snapshot, SnapshotCopy]] = field(default_factory=list)  # snapshots this step writes
+    # snapshots (saved now or earlier) whose prompt logprobs a request with them computes this step
+    logprob_points: list[tuple[Snapshot, Request]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.rows)
+
+
+@dataclass
+class FinalSave:
+    """A finished request's state kept for a snapshot at its last computed token: the slot and
+    the partial page (None: it ends on a page boundary) are freed once the copy ran."""
+
+    snapshot: Snapshot
+    copy: SnapshotCopy

@@ -1,0 +1,235 @@
+"""Prefix-snapshot planning (engine/cache/prefix.py): which cached prefix a waiting request starts
+from, which snapshots a step saves, which pages become cached, and a finished request's final state.
+
+A waiting request is admitted from the longest cached prefix that has both its full pages and a
+GDN state snapshot; the step restores the snapshot into its slot (and its partial page) before the
+forward (with prompt logprobs, only from a snapshot that keeps the skipped tokens' entries,
+`lookup`). Snapshots are taken at exact token positions (every `interval` tokens, and the prompt's
+end) without cutting chunks there: one at a chunk's end is saved from the slot after the forward,
+one inside it is written by the GDN layers during the forward (`SnapshotCopy.offset`,
+kernels/points.py). Full pages are registered once computed, the reply's as well as the prompt's
+(a page entirely below `num_computed_tokens` holds verified KV only), so a conversation's next turn
+shares the reply's pages too. With MTP each page is registered with the token after it (the
+drafter's KV at a page's last position depends on it). A request that finishes leaves a snapshot
+of its final GDN state (`keep_final`, copied by the executor right after the step). A waiting
+request that shares a new prefix with a running one is held back until that snapshot is written
+(`held`, engine/cache/inflight.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from engine.cache.block_manager import BlockManager, SlotPool
+from engine.cache.inflight import hold_point
+from engine.cache.prefix import ROOT_HASH, PrefixCache, PrefixHit, Snapshot, block_hash, prompt_hashes
+from engine.request import Request, Status
+from engine.scheduler.output import FinalSave, SchedulerOutput
+from engine.step import SnapshotCopy
+
+log = logging.getLogger("pdserve.scheduler")
+
+
+class PrefixPlanner:
+    """The scheduler's prefix-cache side; it moves no request between states."""
+
+    def __init__(self, prefix: PrefixCache, blocks: BlockManager, slots: SlotPool, mtp: bool) -> None:
+        self.prefix = prefix
+        self.blocks = blocks
+        self.slots = slots
+        self.mtp = mtp
+        # finished requests' last GDN state and partial page, held for a snapshot (take_final)
+        self._final: list[FinalSave] = []
+
+    def hashes(self, req: Request, pages: int = 0) -> list[int]:
+        """The chained hashes of the prompt's full pages, extended over the output tokens to at
+        least `pages` pages."""
+        bs = self.blocks.block_size
+        if req.block_hashes is None:
+            req.block_hashes = prompt_hashes(req.prompt_token_ids, bs)
+        h = req.block_hashes
+        while len(h) < pages:
+            j = len(h)
+            h.append(block_hash(h[-1] if j else ROOT_HASH, req.token_ids(j * bs, (j + 1) * bs)))
+        return h
+
+    def lookup(self, req: Request) -> PrefixHit | None:
+        """The cached prefix a waiting request can start from (with prompt logprobs, only one
+        whose snapshot keeps the logprobs of the tokens it skips, `PromptLogprobs`)."""
+        limit = min(len(req.prompt_token_ids), req.num_tokens - 1)
+        return self.prefix.lookup(req.prompt_token_ids, self.hashes(req), limit, req.params.prompt_logprobs)
+
+    def held(self, req: Request, hit: int, running: Sequence[Request]) -> bool:
+        """Whether `req` (cached hit: `hit` tokens) waits for a snapshot that a running request
+        computing the same prefix saves at a later step (engine/cache/inflight.py); counts each
+        request held once."""
+        if not running:
+            return False
+        limit = min(len(req.prompt_token_ids), req.num_tokens - 1)
+        bs = self.blocks.block_size
+        hold = hold_point(req, hit, limit, running, self.prefix.interval, bs, self.hashes)
+        if hold is None:
+            return False
+        if not req.held:
+            req.held = True
+            self.prefix.stats.held += 1
+            log.debug(
+                "request %s waits for %s's snapshot at %d tokens (cached now: %d)",
+                req.request_id,
+                hold.sharer.request_id,
+                hold.num_tokens,
+                hit,
+            )
+        return True
+
+    def admit(self, req: Request, hit: PrefixHit | None, restores: list[tuple[Snapshot, SnapshotCopy]]) -> None:
+        """A request just given its slot and pages: restore the hit's snapshot (if any) and count
+        the query in the stats at its first admission."""
+        p = hit.num_tokens if hit else 0
+        if hit is not None:
+            self._restore(req, hit, restores)
+        if req.num_preemptions == 0:
+            self.prefix.stats.query_tokens += len(req.prompt_token_ids)
+            self.prefix.stats.hit_tokens += p
+            req.num_cached_tokens = p
+
+    def _restore(self, req: Request, hit: PrefixHit, restores: list[tuple[Snapshot, SnapshotCopy]]) -> None:
+        p = hit.num_tokens
+        req.num_computed_tokens = p
+        self.prefix.acquire(hit.snapshot)
+        j = self.prefix.tail_page(p)
+        page = req.block_ids[j] if j is not None else None
+        restores.append((hit.snapshot, SnapshotCopy(hit.snapshot.index, self._slot(req), page, last=self._last(p))))
+        k = req.params.prompt_logprobs
+        cached_lps = hit.snapshot.prompt_logprobs
+        if k is not None and cached_lps is not None and len(req.prompt_logprobs) < p:
+            # the skipped tokens' entries, from the cache
+            cached = cached_lps.entries(req.prompt_token_ids[p], k)
+            req.prompt_logprobs += cached[len(req.prompt_logprobs) :]
+        log.debug("request %s resumes from a cached prefix of %d tokens", req.request_id, p)
+
+    def plan_save(
+        self,
+        req: Request,
+        n: int,
+        saves: list[tuple[Snapshot, SnapshotCopy]],
+        logprob_points: list[tuple[Snapshot, Request]],
+    ) -> None:
+        """Snapshots at the positions this prompt chunk reaches (multiples of the interval, and
+        the prompt's end): the one at the chunk's end from the slot after the forward, those
+        inside it from the GDN layers during the forward. A request with prompt logprobs also
+        leaves them on each such snapshot, new or already kept (`logprob_points`, after the step)."""
+        start, plen = req.num_computed_tokens, len(req.prompt_token_ids)
+        if start >= plen:
+            return
+        end, step = min(start + n, plen), self.prefix.interval
+        points = list(range((start // step + 1) * step, end + 1, step))
+        if end == plen and (not points or points[-1] != plen):
+            points.append(plen)
+        for p in points:
+            parent, tail = self.prefix.key_for(req.prompt_token_ids, self.hashes(req), p)
+            s = self.prefix.reserve(parent, tail, p)
+            if req.params.prompt_logprobs is not None:
+                kept = s or self.prefix.find(parent, tail)
+                if kept is not None:
+                    logprob_points.append((kept, req))
+            if s is not None:
+                offset = None if p == start + n else p - start
+                j = self.prefix.tail_page(p)
+                page = req.block_ids[j] if j is not None else None
+                saves.append((s, SnapshotCopy(s.index, self._slot(req), page, offset, self._last(p))))
+
+    def _last(self, p: int) -> int | None:
+        """MTP: the position whose hidden state a snapshot at p keeps (p - 1: the drafter's KV
+        there depends on token p, which differs between the prompts sharing the prefix)."""
+        return p - 1 if self.prefix.mtp else None
+
+    @staticmethod
+    def _slot(req: Request) -> int:
+        assert req.slot is not None, f"request {req.request_id} has no GDN slot"
+        return req.slot
+
+    def register(self, req: Request, toks: Sequence[int] = ()) -> None:
+        """Full pages whose KV is now computed become cached blocks, each with the token after it
+        (`toks`: tokens just sampled, not yet appended): the prompt's and the reply's."""
+        bs, plen, done = self.blocks.block_size, len(req.prompt_token_ids), req.num_computed_tokens
+        full = done // bs
+        hashes = self.hashes(req, full)
+        for j in range(req.num_registered, full):
+            e = (j + 1) * bs
+            after = req.prompt_token_ids[e] if e < plen else (req.output_token_ids + list(toks))[e - plen]
+            self.blocks.register(req.block_ids[j], hashes[j], after)
+        req.num_registered = max(req.num_registered, full)
+
+    def cached_pages(self, req: Request) -> list[int]:
+        """The cached pages holding the prompt's leading full pages (a decode node's reservation)."""
+        pages: list[int] = []
+        bs, plen = self.blocks.block_size, len(req.prompt_token_ids)
+        for j, h in enumerate(self.hashes(req)):
+            # MTP: the drafter's KV at a page's last position holds the token after it; the first
+            # token (after a prompt that ends on a page) is not known yet, so that page travels
+            e = (j + 1) * bs
+            after = (req.prompt_token_ids[e] if e < plen else -1) if self.mtp else None
+            page = self.blocks.lookup(h, after)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def keep_final(self, req: Request) -> None:
+        """A request about to finish after a step: reserve a snapshot of its GDN state at
+        num_computed_tokens (the state after its last computed token) and keep its slot and tail
+        page (`PrefixCache.tail_page`) out of the release until `take_final`'s copy ran. Not for
+        a request whose prompt state came from another node (a decode node needs no snapshots).
+        With MTP the snapshot also keeps the hidden state at its last position (the worker holds
+        it from the step), and a request whose draft depth is 0 keeps none: the drafter may have
+        deferred its last positions' KV (engine/model/mtp.py), so its tail page lacks it."""
+        c, bs = req.num_computed_tokens, self.blocks.block_size
+        if req.received or req.status is not Status.RUNNING or c == 0:
+            return
+        if self.mtp and req.spec.depth == 0:
+            return
+        hashes = self.hashes(req, c // bs)
+        parent, tail = self.prefix.key_for(req.prompt_token_ids + req.output_token_ids, hashes, c)
+        s = self.prefix.reserve(parent, tail, c)
+        if s is None:
+            return
+        j = self.prefix.tail_page(c)
+        page = req.block_ids.pop(j) if j is not None else None  # freed by reference after the copy
+        self._final.append(FinalSave(s, SnapshotCopy(s.index, self._slot(req), page, last=self._last(c))))
+        req.slot = None
+
+    def take_final(self) -> list[FinalSave]:
+        out, self._final = self._final, []
+        return out
+
+    def end_final(self, saves: list[FinalSave], ran: bool) -> None:
+        """The copy ran (the snapshots are usable) or failed (their entries are free again); the
+        slots and pages go back either way."""
+        for f in saves:
+            (self.prefix.commit if ran else self.prefix.discard)(f.snapshot)
+            self.slots.free(f.copy.slot)
+            if f.copy.page is not None:
+                self.blocks.free([f.copy.page])
+
+    def step_ran(self, out: SchedulerOutput) -> None:
+        """The step has run: its saved snapshots are usable, its restores done, and the prompt
+        logprobs it computed are kept on the snapshots that asked for them."""
+        for s, _ in out.saves:
+            self.prefix.commit(s)
+        for s, _ in out.restores:
+            self.prefix.release(s)
+        for s, req in out.logprob_points:
+            k = req.params.prompt_logprobs
+            if k is not None:
+                self.prefix.keep_prompt_logprobs(s, k, req.prompt_logprobs, req.prompt_token_ids)
+
+    def step_failed(self, out: SchedulerOutput) -> None:
+        """The step failed: its snapshot pins go back, and the entries it was to save are free
+        again, never half written and visible."""
+        for s, _ in out.saves:
+            self.prefix.discard(s)
+        for s, _ in out.restores:
+            self.prefix.release(s)
+        out.saves, out.restores = [], []

@@ -1,0 +1,69 @@
+"""The documentation house: the architecture stays one page, relative links in docs/ and the
+README point at files that exist, and every package the architecture lists is a directory."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+ARCH = ROOT / "docs" / "ARCHITECTURE.md"
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _relative_links(md: Path) -> list[str]:
+    """Targets of the markdown links in `md` that are paths, without any #fragment."""
+    return [t.split("#", 1)[0] for t in _links(md)]
+
+
+def _links(md: Path) -> list[str]:
+    """Markdown link targets in `md` that are not URLs (http:, mailto:) or same-page anchors."""
+    return [t for t in LINK.findall(md.read_text()) if not re.match(r"[a-z][a-z0-9+.-]*:", t) and not t.startswith("#")]
+
+
+def _anchors(md: Path) -> set[str]:
+    """GitHub's anchors for the headings of `md`: lower case, punctuation dropped, spaces as '-'."""
+    heads = re.findall(r"^#+ (.+)$", md.read_text(), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_architecture_is_one_page():
+    n = len(ARCH.read_text().splitlines())
+    assert n <= 210, f"docs/ARCHITECTURE.md has {n} lines; the limit is 210 (move depth to a topic document)"
+
+
+@pytest.mark.parametrize("md", [*DOCS, ROOT / "README.md"], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_point_at_files(md):
+    missing = [t for t in _relative_links(md) if not (md.parent / t).exists()]
+    assert not missing, f"{md.relative_to(ROOT)} links to missing files: {missing}"
+
+
+@pytest.mark.parametrize("md", [*DOCS, ROOT / "README.md"], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_anchors_name_headings(md):
+    bad = []
+    for target in _links(md):
+        path, _, frag = target.partition("#")
+        dest = md.parent / path
+        if frag and dest.suffix == ".md" and dest.exists() and frag not in _anchors(dest):
+            bad.append(target)
+    assert not bad, f"{md.relative_to(ROOT)} links to headings that do not exist: {bad}"
+
+
+def test_link_checker_sees_links():
+    # the checker itself: it finds the links it must check and skips URLs and anchors
+    links = _relative_links(ARCH)
+    assert "DESIGN.md" in links and "benchmarks.md" in links
+    assert not any(t.startswith(("http", "#")) for t in links)
+    assert "cpu-path" in _anchors(ROOT / "docs" / "benchmarks.md")
+
+
+def test_packages_listed_in_the_architecture_exist():
+    text = ARCH.read_text()
+    section = text.split("## Packages", 1)[1].split("\n## ", 1)[0]
+    named = re.findall(r"\*\*([a-z_]+)/\*\*", section)
+    assert {"proto", "serving", "engine", "kernels", "transfer", "router", "client", "tests"} <= set(named)
+    missing = [p for p in named if not (ROOT / p).is_dir()]
+    assert not missing, f"docs/ARCHITECTURE.md lists packages that are not directories: {missing}"
