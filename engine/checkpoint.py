@@ -9,6 +9,7 @@ import logging
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -58,7 +59,7 @@ class Reader:
                     self.where[k] = f
                     self.shape[k] = tuple(s.get_shape())
                     self.dtype[k] = _ST_DTYPES.get(s.get_dtype(), s.get_dtype())
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, Any] = {}  # safetensors handles (untyped)
 
     def get(self, name: str) -> torch.Tensor:
         f = self.where[name]
@@ -121,7 +122,7 @@ def fused_experts(m: str, names) -> bool:
 
 def _moe_shapes(cfg: ModelConfig, m: str, names) -> Shapes:
     H, E, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-    out = {m + "gate.weight": (E, H), m + "shared_expert_gate.weight": (1, H)}
+    out: Shapes = {m + "gate.weight": (E, H), m + "shared_expert_gate.weight": (1, H)}
     out.update(_mlp_shapes(m + "shared_expert.", H, cfg.shared_expert_intermediate_size))
     if fused_experts(m, names):
         out[m + "experts.gate_up_proj"] = (E, 2 * inter, H)
@@ -136,7 +137,7 @@ def expected_weights(cfg: ModelConfig, names=()) -> Shapes:
     """Every tensor the text model needs, with its global shape. `names` (the checkpoint's) picks
     the expert layout of each MoE layer."""
     p, H = cfg.weight_prefix, cfg.hidden_size
-    out = {f"{p}embed_tokens.weight": (cfg.vocab_size, H), f"{p}norm.weight": (H,)}
+    out: Shapes = {f"{p}embed_tokens.weight": (cfg.vocab_size, H), f"{p}norm.weight": (H,)}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, H)
     for i, kind in enumerate(cfg.layer_types):
@@ -155,6 +156,7 @@ def expected_weights(cfg: ModelConfig, names=()) -> Shapes:
 
 
 def _scale_shape(cfg: ModelConfig, shape: tuple[int, ...]) -> tuple[int, ...]:
+    assert cfg.fp8_block_size is not None  # only FP8 checkpoints have scales
     bn, bk = cfg.fp8_block_size
     return (*shape[:-2], math.ceil(shape[-2] / bn), math.ceil(shape[-1] / bk))
 
@@ -169,7 +171,8 @@ def check_checkpoint(cfg: ModelConfig, reader: Reader) -> Shapes:
         raise ValueError(f"checkpoint {where} lacks {len(missing)} weight(s): {shown}")
     scales = _fp8_scales(cfg, reader, expected)
     known = set(expected) | set(scales) | ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
-    unexpected, ignored = [], {}
+    unexpected: list[str] = []
+    ignored: dict[str, int] = {}
     for n in reader.where:
         if n in known:
             continue
