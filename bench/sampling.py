@@ -29,8 +29,16 @@ VOCAB = 151_936
 def make_checkpoint(out: Path, layers: int, hidden: int) -> Path:
     from engine.tiny_model import TinyModelSpec, make_tiny_model
 
-    spec = TinyModelSpec(layers=layers, hidden=hidden, intermediate=2 * hidden, vocab=VOCAB, dtype="bfloat16",
-                         full_attention_interval=2, tokenizer=False, max_positions=1024)  # fmt: skip
+    spec = TinyModelSpec(
+        layers=layers,
+        hidden=hidden,
+        intermediate=2 * hidden,
+        vocab=VOCAB,
+        dtype="bfloat16",
+        full_attention_interval=2,
+        tokenizer=False,
+        max_positions=1024,
+    )
     return make_tiny_model(out, spec)
 
 
@@ -48,15 +56,21 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as d:
         ckpt = make_checkpoint(Path(d) / "ckpt", args.layers, args.hidden)
-        llm = LLM(str(ckpt), dtype="bfloat16", max_num_seqs=args.batch, max_num_batched_tokens=4096,
-                  kv_cache_memory="512MiB", enable_prefix_caching=False)  # fmt: skip
+        llm = LLM(
+            str(ckpt),
+            dtype="bfloat16",
+            max_num_seqs=args.batch,
+            max_num_batched_tokens=4096,
+            kv_cache_memory="512MiB",
+            enable_prefix_caching=False,
+        )
         prompts = [[(97 * b + 13 * i) % VOCAB for i in range(args.prompt_len)] for b in range(args.batch)]
         n = args.new_tokens
         settings = {
             "greedy": [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)] * args.batch,
             "qwen-sampled": [
                 SamplingParams(max_tokens=n, ignore_eos=True, seed=1000 + b, **QWEN_CHAT) for b in range(args.batch)
-            ],  # fmt: skip
+            ],
         }
         llm.generate(prompt_token_ids=prompts[:4], sampling_params=SamplingParams(max_tokens=4, temperature=0.0))
         rates: dict[str, list[float]] = {k: [] for k in settings}
@@ -68,8 +82,10 @@ def main() -> None:
                 rates[name].append(sum(len(o.output_token_ids) for o in outs) / dt)
         llm.close()
     load = os.getloadavg()
-    print(f"batch {args.batch}, {n} new tokens, vocab {VOCAB}, {args.layers} layers, hidden {args.hidden}, bf16, "
-          f"{args.reps} reps; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")  # fmt: skip
+    print(
+        f"batch {args.batch}, {n} new tokens, vocab {VOCAB}, {args.layers} layers, hidden {args.hidden}, bf16, "
+        f"{args.reps} reps; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    )
     med = {k: statistics.median(v) for k, v in rates.items()}
     for name, v in rates.items():
         print(f"{name:>13}: {med[name]:8.1f} tok/s  (min {min(v):.1f}, max {max(v):.1f})")

@@ -148,8 +148,9 @@ class Sampler:
         if not lp_rows:
             return emitted, {}
         entries = token_logprobs(lsm, [got[pos[i]] for i in lp_rows], max(rows[i].params.logprobs for i in lp_rows))
-        return emitted, {rows[i].request_id: [(t, lp, top[: rows[i].params.logprobs])]
-                         for i, (t, lp, top) in zip(lp_rows, entries)}  # fmt: skip
+        return emitted, {
+            rows[i].request_id: [(t, lp, top[: rows[i].params.logprobs])] for i, (t, lp, top) in zip(lp_rows, entries)
+        }
 
     def _draw(self, x: torch.Tensor, sampled: list[int], per: list[tuple[SamplingParams, int]], tokens) -> None:
         """Inverse-CDF draws for the sampled positions (their params and new-token index) into

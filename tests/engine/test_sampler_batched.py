@@ -56,9 +56,19 @@ def _naive_probs(logits: list[float], p: SamplingParams) -> dict[int, float]:
 
 def _row(rid, p, *, output=(), prompt=(1, 2, 3), drafts=(), num_output=None) -> RowInput:
     out = list(output)
-    return RowInput(rid, [(out or list(prompt))[-1], *drafts], len(prompt) + len(out) - 1, 0, [], True, True,
-                    params=p, num_draft=len(drafts), history=(list(prompt), out),
-                    num_output=len(out) if num_output is None else num_output)  # fmt: skip
+    return RowInput(
+        rid,
+        [(out or list(prompt))[-1], *drafts],
+        len(prompt) + len(out) - 1,
+        0,
+        [],
+        True,
+        True,
+        params=p,
+        num_draft=len(drafts),
+        history=(list(prompt), out),
+        num_output=len(out) if num_output is None else num_output,
+    )
 
 
 def _sample(sampler, logits, rows):
@@ -97,8 +107,13 @@ def test_filter_support_and_probabilities_match_reference(kw):
     p = SamplingParams(**{"temperature": 1.0, **kw})
     vals, ids = torch.sort(logits, -1, descending=True)
     n = logits.shape[0]
-    got = candidate_probs(vals, torch.full((n,), p.temperature), torch.full((n,), p.top_k if p.top_k > 0 else 0),
-                          torch.full((n,), p.top_p), torch.full((n,), p.min_p))  # fmt: skip
+    got = candidate_probs(
+        vals,
+        torch.full((n,), p.temperature),
+        torch.full((n,), p.top_k if p.top_k > 0 else 0),
+        torch.full((n,), p.top_p),
+        torch.full((n,), p.min_p),
+    )
     for b in range(n):
         want = _naive_probs(logits[b].tolist(), p)
         mine = {int(t): float(q) for t, q in zip(ids[b], got[b]) if q > 0}
@@ -118,7 +133,8 @@ def test_mixed_batch_distributions_match_reference(seeded):
     v, reps = 12, 3000
     base = torch.tensor([2.0, 1.6, 1.5, 1.1, 0.9, 0.5, 0.2, 0.0, -0.4, -1.0, -2.0, -3.0])
     settings = [SamplingParams(**{"temperature": 1.0, **kw}) for kw in FILTERS.values()] + [
-        SamplingParams(temperature=0.0)]  # fmt: skip
+        SamplingParams(temperature=0.0)
+    ]
     perm = [torch.randperm(v, generator=torch.Generator().manual_seed(i)) for i in range(len(settings))]
     sampler = Sampler(seed=5)
     counts = [Counter() for _ in settings]
@@ -203,8 +219,9 @@ def test_penalties_bias_and_ban_match_reference_step_after_step(monkeypatch):
     logits = torch.randn(1, v, generator=g) * 3
     x = logits.clone()
     sampler.adjust(x, rows, [0])
-    assert torch.allclose(x[0], torch.tensor(_naive_adjusted(logits[0].tolist(), params[0], prompts[0],
-                                                             outputs[0][:3], eos)), atol=1e-5)  # fmt: skip
+    assert torch.allclose(
+        x[0], torch.tensor(_naive_adjusted(logits[0].tolist(), params[0], prompts[0], outputs[0][:3], eos)), atol=1e-5
+    )
 
 
 def test_logprobs_are_the_models_own():
@@ -212,10 +229,11 @@ def test_logprobs_are_the_models_own():
     for the token actually drawn; top-n in order."""
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(3, 50, generator=g) * 2
-    params = [SamplingParams(temperature=0.8, top_k=10, presence_penalty=1.0, logit_bias={3: 5.0}, logprobs=4,
-                             seed=9),
-              SamplingParams(temperature=0.0, logprobs=0),
-              SamplingParams(temperature=1.0, seed=3)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0.8, top_k=10, presence_penalty=1.0, logit_bias={3: 5.0}, logprobs=4, seed=9),
+        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(temperature=1.0, seed=3),
+    ]
     rows = [_row(f"r{i}", p, output=[3, 4]) for i, p in enumerate(params)]
     toks, lps = _sample(Sampler(), logits, rows)
     assert set(lps) == {"r0", "r1"}
@@ -237,8 +255,12 @@ def test_seeded_rows_same_alone_in_any_batch_and_with_drafts():
     seq = torch.randn(6, v, generator=g) * 2  # one request's logits at its positions 10..15
     alone = [_sample(Sampler(seed=1), seq[j : j + 1], [_row("a", p, num_output=10 + j)])[0][0][0] for j in range(6)]
     assert len(set(alone)) > 1
-    others = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, seed=3),
-              SamplingParams(top_p=0.5, presence_penalty=1.0)]  # fmt: skip
+    others = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, seed=3),
+        SamplingParams(top_p=0.5, presence_penalty=1.0),
+    ]
     for j in range(6):
         for at in range(len(others) + 1):
             rows = [_row(f"o{i}", q, output=[1, 2]) for i, q in enumerate(others)]
@@ -308,11 +330,15 @@ def test_one_host_read_per_decode_step(llm_hv2):
 
     counted = ("engine", "kernels") if cpu_ops.available(torch.float32) else ("engine",)
     e = llm_hv2.engine
-    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * 3 + [
-        SamplingParams(max_tokens=8, ignore_eos=True, seed=s, **QWEN) for s in (1, 2)] + [
-        SamplingParams(max_tokens=8, ignore_eos=True, **QWEN),
-        SamplingParams(max_tokens=8, seed=3, logit_bias={5: 1.5}, min_tokens=6, repetition_penalty=1.2),
-        SamplingParams(max_tokens=8, temperature=0.0, min_p=0.1, ignore_eos=True)]  # fmt: skip
+    params = (
+        [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * 3
+        + [SamplingParams(max_tokens=8, ignore_eos=True, seed=s, **QWEN) for s in (1, 2)]
+        + [
+            SamplingParams(max_tokens=8, ignore_eos=True, **QWEN),
+            SamplingParams(max_tokens=8, seed=3, logit_bias={5: 1.5}, min_tokens=6, repetition_penalty=1.2),
+            SamplingParams(max_tokens=8, temperature=0.0, min_p=0.1, ignore_eos=True),
+        ]
+    )
     try:
         for i, p in enumerate(params):
             e.add_request([3 + i, 17, 300, 42, 9], p)
@@ -339,8 +365,10 @@ def test_seeded_request_same_alone_in_a_batch_and_speculating(ckpt_hv2, llm_hv2)
     prompt = [5, 17, 300, 42, 9, 77, 1000, 3]
     sp = SamplingParams(max_tokens=24, ignore_eos=True, seed=2024, min_p=0.02, **QWEN)
     alone = llm_hv2.generate(prompt_token_ids=[prompt], sampling_params=sp)[0].output_token_ids
-    others = [SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True),
-              SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)]  # fmt: skip
+    others = [
+        SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+    ]
     mixed = llm_hv2.generate(prompt_token_ids=[[1, 2, 3], prompt, [9] * 40], sampling_params=[others[0], sp, others[1]])
     assert mixed[1].output_token_ids == alone
     spec = SamplingParams(max_tokens=24, ignore_eos=True, seed=2024, min_p=0.02, temperature=0.7, top_p=0.8, top_k=20)

@@ -66,8 +66,18 @@ def _adjusted(logits: torch.Tensor, p: SamplingParams, prompt, output, eos=()) -
     from engine.sampling import Sampler
     from engine.step import RowInput
 
-    row = RowInput("r", [(output or prompt)[-1]], len(prompt) + len(output) - 1, 0, [], True, True, params=p,
-                   history=(prompt, output), num_output=len(output))  # fmt: skip
+    row = RowInput(
+        "r",
+        [(output or prompt)[-1]],
+        len(prompt) + len(output) - 1,
+        0,
+        [],
+        True,
+        True,
+        params=p,
+        history=(prompt, output),
+        num_output=len(output),
+    )
     x = logits[None].clone()
     Sampler(eos_token_ids=eos).adjust(x, [row], [0])
     return x[0]
