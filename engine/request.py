@@ -26,6 +26,7 @@ class SpecDepth:
     probing: bool = False  # depth 1 after depth 0: the next verification decides alone
     gap: int = 0  # depth 0: steps between probes (doubles after a failed probe, capped)
     wait: int = 0  # depth 0: steps left before the next probe
+    cap: int = 0  # the most drafts a row carries: k, or the request's own lower cap; 0: never drafts
 
 
 @dataclass
