@@ -53,7 +53,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at first admission
     # a record, not a state: admission once waited for a running request's snapshot
     # (engine/cache/inflight.py), counted once in the prefix stats
-    held: bool = False
+    held_back: bool = False
     block_hashes: list[int] | None = None  # prefix caching: chained hash of each full prompt page
     num_registered: int = 0  # pages of this request registered in the prefix cache
     num_cached_blocks: int = 0  # decode side: leading prompt pages already here (not transferred)
