@@ -29,6 +29,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy  # configured in pyproject.toml [tool.mypy]; strict on the modules listed there
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .

@@ -2,7 +2,9 @@
 
 Used by `LLM` (offline batches) and by the serving nodes (one request at a time, streamed).
 A bad request is refused with ValueError before it touches the scheduler, so the requests
-already in flight carry on.
+already in flight carry on. A serving node gives it a transfer `Connector` once at start-up
+(`use_connector`); the engine calls it at each point of a request's life (engine/connector.py)
+and frees the memory a transfer held when the connector's poll says no write can touch it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from engine.cache.block_manager import BlockManager, SlotPool
 from engine.cache.prefix import PrefixCache
 from engine.config import EngineConfig
+from engine.connector import Connector, ConnectorStats, RecvFreed, SendDone, TransferRecord
 from engine.executor import make_executor
 from engine.outputs import RequestOutput
 from engine.request import Request, Status
@@ -41,8 +44,7 @@ class EngineCore:
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        # (SchedulerOutput) -> None, run after scheduling and before the forward pass of every step
-        self.on_schedule = None
+        self.connector: Connector | None = None  # set once by use_connector
         log.info(
             "engine ready in %.1f s: %s, tp=%d, %s",
             time.perf_counter() - t0,
@@ -50,6 +52,13 @@ class EngineCore:
             cfg.parallel.tensor_parallel_size,
             self.capacity.summary(),
         )
+
+    def use_connector(self, connector: Connector) -> None:
+        """The transfer this engine's requests use (a serving node sets it once, before its loop
+        starts)."""
+        if self.connector is not None:
+            raise RuntimeError("the engine already has a connector")
+        self.connector = connector
 
     def _prefix_cache(self) -> PrefixCache | None:
         c = self.cfg.cache
@@ -96,6 +105,12 @@ class EngineCore:
 
     def _new(self, prompt_token_ids, params, request_id, **kw) -> Request:
         self.validate(prompt_token_ids, params)
+        done = kw.get("output_token_ids", ())
+        if done and len(prompt_token_ids) + len(done) >= self.cfg.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt_token_ids)} tokens and {len(done)} output tokens leave no room to generate: "
+                f"max_model_len is {self.cfg.max_model_len}"
+            )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in flight")
@@ -108,12 +123,33 @@ class EngineCore:
         request_id: str | None = None,
         want_logits: bool = False,
         prefill_only: bool = False,
+        transfer: object = None,
     ) -> str:
         """Queue a request. prefill_only: stop after the first token and HOLD its pages and
-        slot for a transfer (release them with `release`)."""
+        slot for a transfer (released once the connector's push ends, or with `release`).
+        transfer: the connector's parameters for it (a prefill node's push target)."""
         req = self._new(prompt_token_ids, params, request_id, want_logits=want_logits, prefill_only=prefill_only)
+        req.kv_transfer = transfer
         self.requests[req.request_id] = req
         self.scheduler.add(req)
+        if self.connector is not None:
+            self.connector.request_added(req)
+        return req.request_id
+
+    def resume_request(
+        self, prompt_token_ids, params: SamplingParams, output_token_ids, request_id: str | None = None
+    ) -> str:
+        """Queue a request that already has output tokens (produced elsewhere, e.g. by a node that
+        failed mid-stream): the engine computes prompt + those tokens as one prefill (the path a
+        preempted request takes), then decodes on. Outputs report only the tokens after them;
+        max_tokens counts them too. The connector hears of it (`request_resumed`)."""
+        done = [int(t) for t in output_token_ids]
+        req = self._new(prompt_token_ids, params, request_id, output_token_ids=done)
+        req._sent = len(done)
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+        if self.connector is not None:
+            self.connector.request_resumed(req)
         return req.request_id
 
     # ---- disaggregation hooks ----------------------------------------------------------
@@ -122,22 +158,42 @@ class EngineCore:
         node will write. Returns (block_ids, slot, cached): the first `cached` pages already hold
         the prompt's leading full pages (prefix cache) and are not to be written. None when there
         is no room now."""
+        got = self.reserve_transfer(prompt_token_ids, params, request_id)
+        return None if got is None else got[0]
+
+    def reserve_transfer(
+        self, prompt_token_ids, params: SamplingParams, request_id: str, transfer: object = None
+    ) -> tuple[tuple[list[int], int, int], object] | None:
+        """`reserve`, then the connector adopts the reservation (`transfer`: its parameters, e.g.
+        a lease): ((block_ids, slot, cached), the connector's answer). If the connector raises,
+        the memory goes back and the error propagates."""
         req = self._new(prompt_token_ids, params, request_id)
+        req.kv_transfer = transfer
         if not self.scheduler.reserve(req):
             return None
         self.requests[req.request_id] = req
-        return list(req.block_ids), req.slot, req.num_cached_blocks
+        answer = None
+        if self.connector is not None:
+            try:
+                answer = self.connector.request_reserved(req)
+            except BaseException:
+                self._free(request_id)
+                raise
+        return (list(req.block_ids), req.slot, req.num_cached_blocks), answer
 
     def activate(self, request_id: str, first_token: int, drafts: list[int] = ()) -> RequestOutput:
         """Decode side: the reserved state has landed; the request joins the batch (with the
-        prefill side's MTP drafts for its first step, when it sent them)."""
+        prefill side's MTP drafts for its first step, when it sent them). The connector first
+        takes the transferred state (and may refuse: its error propagates)."""
         req = self.requests[request_id]
         if req.status is not Status.RESERVED:
             raise ValueError(f"request {request_id!r} is {req.status.value}, not reserved")
+        if self.connector is not None:
+            self.connector.request_activating(req)
         self.scheduler.activate(req, first_token, self.cfg.model.eos_token_ids, drafts)
         out = self._output(req)
         if req.status.is_final:
-            del self.requests[request_id]
+            self._gone(req)
         return out
 
     def held(self, request_id: str) -> tuple[list[int], int]:
@@ -147,19 +203,69 @@ class EngineCore:
             raise ValueError(f"request {request_id!r} is {req.status.value}, not held")
         return list(req.block_ids), req.slot
 
-    def release(self, request_id: str) -> None:
-        """Free a HELD (transfer read it) or RESERVED (transfer abandoned) request's memory."""
+    def release(self, request_id: str, reason: str = "released") -> bool:
+        """Give back a HELD (transfer read it) or RESERVED (transfer abandoned) request's memory.
+        True: freed now; False: a transfer still runs on it, which the connector aborts; the memory
+        comes back with the poll that ends it (SendDone / RecvFreed)."""
+        if self.connector is not None and self.connector.tracks(request_id):
+            self.connector.abort(request_id, reason)
+            return False
+        self._free(request_id)
+        return True
+
+    def _free(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
         if req is not None:
             reason = req.finish_reason if req.status is Status.HELD else "abort"
-            self.scheduler.finish(req, reason)
+            self.scheduler.finish(req, reason or "abort")
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        req = self.requests.pop(request_id, None)
+        """End a request; a HELD or RESERVED one with a transfer in flight is released instead
+        (its memory back once the transfer is quiet) and gives no output."""
+        req = self.requests.get(request_id)
         if req is None:
             return None
+        if req.status in (Status.HELD, Status.RESERVED):
+            self.release(request_id, "aborted")
+            return None
+        del self.requests[request_id]
         self.scheduler.finish(req, "abort")
+        if self.connector is not None:
+            self.connector.request_finished(req, "abort")
         return self._output(req)
+
+    # ---- the transfer (through the connector) --------------------------------------------
+    def tracks_transfer(self, request_id: str) -> bool:
+        return self.connector is not None and self.connector.tracks(request_id)
+
+    def abort_transfer(self, request_id: str, reason: str) -> bool:
+        """End a request's transfer (its memory back once quiet). False: none in flight."""
+        return self.connector is not None and self.connector.abort(request_id, reason)
+
+    def has_transfers(self) -> bool:
+        return self.connector is not None and self.connector.has_work()
+
+    def poll_transfers(self) -> list[TransferRecord]:
+        """Drive the transfers once: frees the memory of those that ended, returns their records."""
+        if self.connector is None:
+            return []
+        records = list(self.connector.poll())
+        for r in records:
+            if isinstance(r, (SendDone, RecvFreed)):
+                self._free(r.request_id)  # no write can still touch it
+        return records
+
+    def transfer_state(self, request_id: str) -> TransferRecord | None:
+        return self.connector.current(request_id) if self.connector is not None else None
+
+    def transfer_stats(self) -> ConnectorStats | None:
+        return self.connector.stats() if self.connector is not None else None
+
+    def _gone(self, req: Request) -> None:
+        """A FINISHED request leaves the engine."""
+        del self.requests[req.request_id]
+        if self.connector is not None:
+            self.connector.request_finished(req, req.finish_reason or "abort")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -206,8 +312,10 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
-        if so.rows and self.on_schedule is not None:
-            self.on_schedule(so)  # e.g. a prefill node opening transfers that this step's rows will finish
+        conn = self.connector
+        if so.rows and conn is not None:
+            conn.rows_scheduled(so)  # e.g. a prefill side opening pushes that this step's rows finish
+        starts = [r.request.num_computed_tokens for r in so.rows]
         if so.rows:
             try:
                 res = self.executor.execute(self._step_input(so))
@@ -222,14 +330,28 @@ class EngineCore:
                 req = self.requests[rid]
                 req.output_logprobs += lps[: len(req.output_token_ids) - len(req.output_logprobs)]
             outputs = [self._output(r) for r in touched]
+            if conn is not None:
+                self._tell_connector(conn, so, starts, touched)
             self._save_final()
         # requests finished without a new token this step (stopped for lack of pages)
         for req in list(self.requests.values()):
             if req.status.is_final:
                 if not any(o.request_id == req.request_id for o in outputs):
                     outputs.append(self._output(req))
-                del self.requests[req.request_id]
+                self._gone(req)
         return outputs
+
+    @staticmethod
+    def _tell_connector(conn: Connector, so: SchedulerOutput, starts: list[int], touched: list[Request]) -> None:
+        """After a step: the prompt chunks it computed, then the requests it left HELD."""
+        for row, start in zip(so.rows, starts):
+            req = row.request
+            n = len(req.prompt_token_ids)
+            if start < n and not req.received:
+                conn.prefill_chunk_done(req, start, min(n, max(start, req.num_computed_tokens)))
+        for req in touched:
+            if req.status is Status.HELD:
+                conn.prompt_prefilled(req)
 
     def _save_final(self) -> None:
         """Snapshots of the final GDN state of the requests this step finished (a conversation's

@@ -3,6 +3,8 @@
 `InProcExecutor` (t = 1): the worker lives in the caller's process.
 `MultiProcExecutor` (t > 1): one spawned process per rank, joined by torch.distributed
 (gloo on CPU, nccl on CUDA); each step is sent to every rank over a pipe and rank 0 answers.
+`Executor` is what both offer: a step, and `call_all(fn, ...)` -> fn(worker, ...) on every rank
+(what a transfer connector drives its rank endpoints with).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import logging
 import multiprocessing as mp
 import os
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -24,8 +28,23 @@ STARTUP_TIMEOUT_S = 300.0
 STEP_TIMEOUT_S = 600.0
 
 
+_T = TypeVar("_T")
+
+
 class WorkerError(RuntimeError):
     pass
+
+
+class Executor(Protocol):
+    capacity: Capacity
+
+    def execute(self, step: StepInput) -> StepOutput: ...
+
+    def call_all(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> list[_T]:
+        """fn(worker, *args, **kwargs) on every rank; results by rank."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class InProcExecutor:
@@ -38,7 +57,7 @@ class InProcExecutor:
     def execute(self, step: StepInput) -> StepOutput:
         return self.worker.execute(step)
 
-    def call_all(self, fn, *args, **kwargs) -> list:
+    def call_all(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> list[_T]:
         """fn(worker, *args, **kwargs) on every rank (here, the one): results by rank."""
         return [self.worker.call(fn, *args, **kwargs)]
 
@@ -143,7 +162,7 @@ class MultiProcExecutor:
         outs = [self._recv(c, STEP_TIMEOUT_S, "a step") for c in self.conns]
         return outs[0]
 
-    def call_all(self, fn, *args, **kwargs) -> list:
+    def call_all(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> list[_T]:
         """fn(worker, *args, **kwargs) on every rank (fn must be importable by name); results by rank."""
         for c in self.conns:
             c.send(("call", fn, args, kwargs))
@@ -174,7 +193,7 @@ class MultiProcExecutor:
         self._store = None  # after the ranks: they may use the store until they exit
 
 
-def make_executor(cfg: EngineConfig):
+def make_executor(cfg: EngineConfig) -> InProcExecutor | MultiProcExecutor:
     if cfg.parallel.tensor_parallel_size == 1:
         return InProcExecutor(cfg)
     return MultiProcExecutor(cfg)

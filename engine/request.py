@@ -58,6 +58,7 @@ class Request:
     num_registered: int = 0  # pages of this request registered in the prefix cache
     num_cached_blocks: int = 0  # decode side: leading prompt pages already here (not transferred)
     received: bool = False  # decode side: the prompt's state came from another node (Scheduler.reserve)
+    kv_transfer: object = None  # the caller's transfer parameters, read by the connector only (engine/connector.py)
     _status: Status = field(default=Status.WAITING, init=False)
     _sent: int = 0  # output tokens already reported to the caller
     _sent_logprobs: int = 0

@@ -4,25 +4,35 @@ it gets back, and the errors it can meet.
 A command is a frozen record carried to the loop thread; the loop answers through the command's
 Future (or, for a request, its `RequestHandle`). Nothing else crosses between the threads.
 
-    AddRequest        a request to compute (colocated, or prefill-only)  -> RequestHandle
+    AddRequest        a request to compute (colocated, or prefill-only with a push) -> RequestHandle
     AdmitTransferred  a reservation whose state has landed joins the batch -> RequestHandle
-    AbortRequest      by handle (idempotent) or by id (UnknownRequest when the loop streams no such request)
+    AbortRequest      by handle (idempotent) or by id (UnknownRequest when the loop streams no such
+                      request and no transfer of it runs): the request, or its push once prefilled
     Reserve           pages + slot set aside for a state another node writes -> Reserved | NoRoom
-    Release           a HELD or RESERVED request's memory back               -> None | UnknownRequest
+    AwaitTransfer     a reservation's transfer: RecvReady or RecvFailed, at once if it already is
+    Release           a HELD or RESERVED request's memory back (answered once it is) -> None | UnknownRequest
     GetStats          a fresh Snapshot, taken on the loop thread
-    Run               node work that must run on the loop thread (executor calls) -> its result
+    Run               node work that must run on the loop thread -> its result
+
+The rule for node servers: state the loop thread changes (requests, transfers, the engine) is
+read and changed only through these commands, or in `Run` functions; a map a handler keeps for
+itself (ids in flight) is guarded by its own lock.
 """
 
 from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.connector import ConnectorStats, SendDone, TransferRecord
+from engine.core import EngineCore
 from engine.outputs import RequestOutput
+from engine.request import Status
 from engine.sampling_params import SamplingParams
 
 
@@ -39,7 +49,7 @@ class ShuttingDown(LoopError):
 class UnknownRequest(LoopError, LookupError):
     """No request under that id in the state the command needs."""
 
-    def __init__(self, request_id: str, what: str = "in flight"):
+    def __init__(self, request_id: str, what: str = "in flight") -> None:
         super().__init__(f"no request {request_id!r} {what}")
         self.request_id = request_id
 
@@ -61,6 +71,7 @@ class Reservation:
     block_ids: tuple[int, ...]
     slot: int
     cached_blocks: int = 0  # leading pages already holding the prompt's KV here: not transferred
+    transfer: object = None  # the connector's answer (decode side: every rank's TargetRank)
 
 
 @dataclass(frozen=True)
@@ -80,15 +91,17 @@ class RequestHandle:
     """One request's outputs as the loop produces them: `next()` blocks (on the handle's queue,
     no polling) until the next RequestOutput, raising the error that ended the request instead;
     the last output has `finished` set. `abort()` may be called any number of times, also after
-    the end or after the loop stopped."""
+    the end or after the loop stopped; once a prefill-only request is prefilled it aborts its push.
+    `wait_transfer()` then waits for the push's end."""
 
-    def __init__(self, abort: Callable[[RequestHandle], None], request_id: str, num_prompt_tokens: int):
+    def __init__(self, abort: Callable[[RequestHandle], None], request_id: str, num_prompt_tokens: int) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.received = time.monotonic()  # the handler posted it
         self.added: float | None = None  # the engine took it (set by the loop before the first item)
         self._abort = abort
         self._items: queue.SimpleQueue[RequestOutput | Failed] = queue.SimpleQueue()
+        self._transfer: Future[SendDone | None] = Future()
 
     def next(self, timeout: float | None = None) -> RequestOutput:
         try:
@@ -99,7 +112,7 @@ class RequestHandle:
             raise item.error
         return item
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[RequestOutput]:
         while True:
             out = self.next()
             yield out
@@ -109,9 +122,26 @@ class RequestHandle:
     def abort(self) -> None:
         self._abort(self)
 
+    def wait_transfer(self, timeout: float | None = None) -> SendDone | None:
+        """A prefill-only request, after its "prefilled" output: the end of its push (SendDone;
+        the held memory is back), or None when no push runs for it. ShuttingDown when the loop
+        stopped first; TimeoutError after `timeout`."""
+        try:
+            return self._transfer.result(timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"request {self.request_id}: its push did not end within {timeout} s") from None
+
     # loop thread
     def _put(self, item: RequestOutput | Failed) -> None:
         self._items.put(item)
+
+    def _transfer_ended(self, done: SendDone | None, error: BaseException | None = None) -> None:
+        if self._transfer.done():
+            return
+        if error is not None:
+            self._transfer.set_exception(error)
+        else:
+            self._transfer.set_result(done)
 
 
 # ---- commands --------------------------------------------------------------------------------
@@ -121,6 +151,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     prefill_only: bool = False
+    transfer: object = None  # the connector's parameters for it (a prefill node's PushParams)
 
 
 @dataclass(frozen=True)
@@ -137,7 +168,8 @@ class AdmitTransferred:
 class AbortRequest:
     request_id: str
     handle: RequestHandle | None = None  # set: only if still that handle's request, no error
-    future: Future | None = None
+    future: Future[Aborted] | None = None
+    reason: str = "aborted"  # what a transfer it ends reports
 
 
 @dataclass(frozen=True)
@@ -145,26 +177,34 @@ class Reserve:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    future: Future
+    future: Future[Reserved]
     # node work on the loop thread once the pages are set aside; raising releases them again
     on_reserved: Callable[[Reservation], Any] | None = None
+    transfer: object = None  # the connector's parameters for it (decode side: the lease in seconds)
+
+
+@dataclass(frozen=True)
+class AwaitTransfer:
+    request_id: str
+    future: Future[TransferRecord]
 
 
 @dataclass(frozen=True)
 class Release:
     request_id: str
-    future: Future
+    future: Future[None]
+    reason: str = "released"
 
 
 @dataclass(frozen=True)
 class GetStats:
-    future: Future
+    future: Future[Snapshot]
 
 
 @dataclass(frozen=True)
 class Run:
     fn: Callable[[Any], Any]  # fn(engine)
-    future: Future
+    future: Future[Any]
 
 
 @dataclass(frozen=True)
@@ -172,7 +212,7 @@ class Wake:
     """Wakes an idle loop (stop)."""
 
 
-Command = AddRequest | AdmitTransferred | AbortRequest | Reserve | Release | GetStats | Run | Wake
+Command = AddRequest | AdmitTransferred | AbortRequest | Reserve | AwaitTransfer | Release | GetStats | Run | Wake
 
 
 @dataclass(frozen=True)
@@ -200,3 +240,45 @@ class Snapshot:
     spec_accepted_tokens: int = 0
     spec_drafts_per_position: tuple[int, ...] = field(default=())  # drafts verified at place i + 1, and accepted
     spec_accepted_per_position: tuple[int, ...] = field(default=())
+    transfer: ConnectorStats = field(default_factory=ConnectorStats)  # the connector's totals (zeros: none)
+    streaming: int = 0  # requests a handle streams or whose push it waits for
+
+
+def take_snapshot(eng: EngineCore, previous: Snapshot, streaming: int = 0) -> Snapshot:
+    """The engine's counters now (loop thread); the prefix digest is rebuilt only when the cache changed."""
+    sched = eng.scheduler
+    queued = sum(max(0, len(r.prompt_token_ids) - r.num_computed_tokens) for r in [*sched.waiting, *sched.running])
+    reserved = sum(1 for r in eng.requests.values() if r.status is Status.RESERVED)
+    prefix: dict[str, Any] = {}
+    pc = eng.prefix
+    if pc is not None:
+        d = previous.prefix_digest
+        if d is None or d.version != pc.version():
+            d = pc.digest()
+        prefix = dict(
+            prefix_digest=d,
+            prefix_query_tokens=pc.stats.query_tokens,
+            prefix_hit_tokens=pc.stats.hit_tokens,
+            prefix_held_admissions=pc.stats.held,
+            prefix_snapshots_used=pc.num_used,
+            prefix_snapshots=pc.num_snapshots,
+            prefix_snapshot_bytes=eng.capacity.snapshot_bytes,
+        )
+    return Snapshot(
+        total_blocks=eng.capacity.num_blocks,
+        free_blocks=eng.blocks.num_free,
+        block_size=eng.capacity.block_size,
+        total_slots=eng.capacity.num_state_slots,
+        free_slots=eng.slots.num_free,
+        running=len(sched.running),
+        waiting=len(sched.waiting),
+        queued_prefill_tokens=queued,
+        reserved=reserved,
+        spec_draft_tokens=sched.num_draft_tokens,
+        spec_accepted_tokens=sched.num_accepted_tokens,
+        spec_drafts_per_position=tuple(sched.drafts_per_position),
+        spec_accepted_per_position=tuple(sched.accepted_per_position),
+        transfer=eng.transfer_stats() or ConnectorStats(),
+        streaming=streaming,
+        **prefix,
+    )

@@ -49,13 +49,14 @@ class NodeArgs(SecurityArgs, EngineArgs):
         "router HOST:PORT to register with; several, comma-separated, for more than one router (each can "
         "then route here); none: standalone",
     )
-    advertise_host: str = option("127.0.0.1", "the host part of the address the router dials (on the command line, "
-                                 "default --host)")  # fmt: skip
+    advertise_host: str = option(
+        "127.0.0.1", "the host part of the address the router dials (on the command line, default --host)"
+    )
     heartbeat_interval_s: float = option(0.5, "seconds between heartbeats until the router names its own")
     transfer_backend: Literal["nixl", "ucxx"] = option("nixl", "data plane of the transfer endpoints")
     metrics_port: int | None = option(None, "Prometheus /metrics on this port (0 picks one; default off)")
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.check_security()
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s must be positive (got {self.heartbeat_interval_s})")

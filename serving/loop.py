@@ -2,10 +2,11 @@
 talk to it only through the typed API below (commands in serving/commands.py).
 
     handler --submit / admit--> RequestHandle      --AddRequest / AdmitTransferred--> inbox
-    handler --abort / reserve / release / stats / run--> Future --command--> inbox
+    handler --abort / reserve / await_transfer / release / stats / run--> Future --command--> inbox
     loop thread: commands -> EngineCore (add_request, activate, abort, reserve, release)
-                 -> tick (node transfer work) -> EngineCore.step() -> RequestOutput
-                 -> on_output (node hook) -> the request's RequestHandle -> handler -> client
+                 -> EngineCore.step() -> RequestOutput -> the request's RequestHandle -> handler
+                 -> EngineCore.poll_transfers() -> SendDone / RecvReady / RecvFailed / RecvFreed
+                    -> the handle waiting for its push, the futures waiting on a transfer
 
 Every request a handle streams ends with a finished output, or with an error (ValueError: the
 engine refused it; ShuttingDown: the loop stopped). Aborting through a handle acts only while the
@@ -13,10 +14,14 @@ loop still streams that handle's request, so a late abort (or one for another re
 the id) does nothing. Once `stop()` is called every command is refused with ShuttingDown, and
 whatever was queued or streaming ends with ShuttingDown: no caller waits forever.
 
+A prefill-only request's handle outlives its "prefilled" output: it then waits for the push
+(`wait_transfer`), and aborting it aborts the push. The engine's connector (engine/connector.py)
+does the transfer work; the loop only polls it and hands its records to whoever waits.
+
 Waits are on queues and futures: an idle loop sleeps in the inbox until a command arrives. Only
-transfer progress is polled (the transports report it through polls, not events): a node's
-`tick` (run on the loop thread after every command batch and step) returns True while it has
-transfers in flight, and while it does an idle loop wakes every `poll_interval_s`.
+transfer progress is polled (the transports report it through polls, not events): after every
+command batch and step, and while the engine has transfers in flight an idle loop wakes every
+`poll_interval_s` to poll them.
 """
 
 from __future__ import annotations
@@ -25,15 +30,20 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
+from engine.connector import RecvFreed, SendDone, TransferRecord
+from engine.core import EngineCore
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
 from serving.commands import (
     Aborted,
     AbortRequest,
     AddRequest,
     AdmitTransferred,
+    AwaitTransfer,
     Command,
     Failed,
     GetStats,
@@ -49,37 +59,38 @@ from serving.commands import (
     Snapshot,
     UnknownRequest,
     Wake,
+    take_snapshot,
 )
 
 log = logging.getLogger("pdserve.engine")
 
 __all__ = ["EngineLoop", "LoopError", "NoRoom", "RequestHandle", "ShuttingDown", "Snapshot", "UnknownRequest"]
 
+_T = TypeVar("_T")
+
 
 class EngineLoop:
-    """tick() -> bool: node work on the loop thread (transfer polling), True while transfers are
-    in flight. on_output(RequestOutput): sees every output before its handle (starts pushes).
-    on_stop(): run on the loop thread as it exits (nodes wake what their handlers wait on).
-    on_change(): run on the loop thread each time `snapshot` is renewed (after every command and
-    every pass) and as the loop exits: a node's drain re-reads what it holds then; must not block."""
+    """on_change(): run on the loop thread each time `snapshot` is renewed (after every command
+    and every pass) and as the loop exits: a node's drain re-reads what it holds then; must not
+    block. No other hook: the transfer is the engine's connector."""
 
     def __init__(
         self,
-        engine,
+        engine: EngineCore,
         name: str = "engine",
         poll_interval_s: float = 0.001,
-        tick: Callable[[], bool] | None = None,
-        on_output: Callable[[Any], None] | None = None,
-        on_stop: Callable[[], None] | None = None,
         on_change: Callable[[], None] | None = None,
-    ):
+    ) -> None:
         self.engine = engine
         self.poll_interval_s = poll_interval_s
-        self._tick_fn, self._on_output, self._on_stop = tick, on_output, on_stop
         self._on_change = on_change
-        self._pending = False
+        self._pending = False  # the engine has transfers in flight: keep polling
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._handles: dict[str, RequestHandle] = {}  # loop thread only
+        # loop thread only:
+        self._handles: dict[str, RequestHandle] = {}  # requests streaming
+        self._pushing: dict[str, RequestHandle] = {}  # prefilled requests whose push runs
+        self._awaiting: dict[str, list[Future[TransferRecord]]] = {}  # AwaitTransfer, by request
+        self._releasing: dict[str, list[Future[None]]] = {}  # Release waiting for the memory
         self._lock = threading.Lock()  # orders posts against stop
         self._closed = False
         self._stop = threading.Event()
@@ -95,18 +106,23 @@ class EngineLoop:
 
     # ---- the API (any thread) ---------------------------------------------------------------
     @property
-    def running(self) -> bool:
-        return self._thread.is_alive() and not self._closed
-
-    @property
     def num_streaming(self) -> int:
-        """Requests a handle still streams (queued, computing or decoding)."""
-        return len(self._handles)
+        """Requests a handle still streams (queued, computing or decoding) or waits to push, as of
+        the last snapshot."""
+        return self.snapshot.streaming
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params, prefill_only: bool = False) -> RequestHandle:
-        """Queue a request for the engine; its outputs come through the handle."""
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        prefill_only: bool = False,
+        transfer: object = None,
+    ) -> RequestHandle:
+        """Queue a request for the engine; its outputs come through the handle. transfer: the
+        connector's parameters for it (a prefill-only request's push)."""
         h = RequestHandle(self._abort_handle, request_id, len(prompt_token_ids))
-        self._post(AddRequest(h, list(prompt_token_ids), params, prefill_only))
+        self._post(AddRequest(h, list(prompt_token_ids), params, prefill_only, transfer))
         return h
 
     def admit(
@@ -114,48 +130,65 @@ class EngineLoop:
         request_id: str,
         num_prompt_tokens: int,
         first_token: int,
-        drafts=(),
+        drafts: Sequence[int] = (),
         prepare: Callable[[], None] | None = None,
     ) -> RequestHandle:
         """A RESERVED request whose state has landed joins the batch with its first token
-        (EngineCore.activate); `prepare` runs on the loop thread first."""
+        (EngineCore.activate: the connector takes the state); `prepare` runs on the loop thread first."""
         h = RequestHandle(self._abort_handle, request_id, num_prompt_tokens)
         self._post(AdmitTransferred(h, first_token, tuple(drafts), prepare))
         return h
 
-    def abort(self, request_id: str) -> Future[Aborted]:
-        """Abort the request a handle streams under this id; UnknownRequest when there is none."""
-        fut: Future = Future()
-        self._post(AbortRequest(request_id, None, fut))
+    def abort(self, request_id: str, reason: str = "aborted") -> Future[Aborted]:
+        """Abort the request a handle streams under this id, or the push of one prefilled, or
+        any transfer of it in flight; UnknownRequest when there is none."""
+        fut: Future[Aborted] = Future()
+        self._post(AbortRequest(request_id, None, fut, reason))
         return fut
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params, on_reserved=None) -> Future[Reserved]:
-        """Set aside pages for prompt + 1 tokens and a state slot (EngineCore.reserve); NoRoom
-        when there is none now, ValueError for a bad request. `on_reserved(Reservation)` runs on
-        the loop thread; its result is `Reserved.value`, and if it raises the memory goes back."""
-        fut: Future = Future()
-        self._post(Reserve(request_id, list(prompt_token_ids), params, fut, on_reserved))
+    def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        on_reserved: Callable[[Reservation], Any] | None = None,
+        transfer: object = None,
+    ) -> Future[Reserved]:
+        """Set aside pages for prompt + 1 tokens and a state slot (EngineCore.reserve_transfer:
+        the connector adopts them, given `transfer`); NoRoom when there is none now, ValueError
+        for a bad request. `on_reserved(Reservation)` runs on the loop thread; its result is
+        `Reserved.value`, and if it raises the memory goes back."""
+        fut: Future[Reserved] = Future()
+        self._post(Reserve(request_id, list(prompt_token_ids), params, fut, on_reserved, transfer))
         return fut
 
-    def release(self, request_id: str) -> Future[None]:
-        """Free a HELD or RESERVED request's memory (UnknownRequest when there is no such request)."""
-        fut: Future = Future()
-        self._post(Release(request_id, fut))
+    def await_transfer(self, request_id: str) -> Future[TransferRecord]:
+        """A reservation's transfer: RecvReady once the state is in, RecvFailed once it failed (at
+        once if it already has); UnknownRequest when no transfer of that request is in flight."""
+        fut: Future[TransferRecord] = Future()
+        self._post(AwaitTransfer(request_id, fut))
+        return fut
+
+    def release(self, request_id: str, reason: str = "released") -> Future[None]:
+        """Free a HELD or RESERVED request's memory; a transfer on it is aborted first and the
+        future answers once no write can touch the memory (UnknownRequest: no such request)."""
+        fut: Future[None] = Future()
+        self._post(Release(request_id, fut, reason))
         return fut
 
     def stats(self) -> Future[Snapshot]:
         """A snapshot taken on the loop thread after every command queued before this one."""
-        fut: Future = Future()
+        fut: Future[Snapshot] = Future()
         self._post(GetStats(fut))
         return fut
 
-    def run(self, fn: Callable[[Any], Any]) -> Future:
-        """fn(engine) on the loop thread (node work: executor calls, transfer state)."""
-        fut: Future = Future()
+    def run(self, fn: Callable[[EngineCore], _T]) -> Future[_T]:
+        """fn(engine) on the loop thread."""
+        fut: Future[_T] = Future()
         self._post(Run(fn, fut))
         return fut
 
-    def call(self, fn: Callable[[Any], Any], timeout: float = 30.0):
+    def call(self, fn: Callable[[EngineCore], _T], timeout: float = 30.0) -> _T:
         """run(fn) and wait for its result."""
         return self.run(fn).result(timeout=timeout)
 
@@ -178,7 +211,7 @@ class EngineLoop:
 
     def _abort_handle(self, h: RequestHandle) -> None:
         try:
-            self._post(AbortRequest(h.request_id, h))
+            self._post(AbortRequest(h.request_id, h, None, "cancelled by the caller"))
         except ShuttingDown:
             pass  # the loop ends every handle itself as it stops
 
@@ -192,12 +225,9 @@ class EngineLoop:
         finally:
             with self._lock:
                 self._closed = True
-            if self._on_stop is not None:
-                try:
-                    self._on_stop()
-                except Exception:
-                    log.exception("engine loop on_stop failed")
-            self._fail_all(ShuttingDown("the node is shutting down"))
+            err = ShuttingDown("the node is shutting down")
+            self._fail_all(err)
+            self._fail_transfers(err)
             self._drain_inbox()
             if self._on_change is not None:
                 self._on_change()
@@ -206,6 +236,7 @@ class EngineLoop:
         eng = self.engine
         while not self._stop.is_set():
             busy = eng.has_unfinished()
+            cmd: Command | None
             try:
                 if busy:
                     cmd = self._inbox.get_nowait()
@@ -224,12 +255,11 @@ class EngineLoop:
                     cmd = None
             if self._stop.is_set():
                 break
-            if self._tick_fn is not None and self._pending and eng.has_unfinished():
-                self._tick()  # transfers move between steps too, not once per (long) step
+            if self._pending and eng.has_unfinished():
+                self._poll()  # transfers move between steps too, not once per (long) step
             if eng.has_unfinished():
                 self._step()
-            if self._tick_fn is not None:
-                self._tick()
+            self._poll()
             self._snap()
 
     def _step(self) -> None:
@@ -240,34 +270,59 @@ class EngineLoop:
             self._fail_all(e)
             return
         for o in outs:
-            if self._on_output is not None:
-                self._on_output(o)  # loop thread, before the handler sees it
             h = self._handles.get(o.request_id)
             if h is None:
                 continue
             if o.finished:
                 del self._handles[o.request_id]
+                self._after(h, o)
             h._put(o)
 
-    def _tick(self) -> None:
+    def _after(self, h: RequestHandle, out: RequestOutput) -> None:
+        """A handle's request finished: a prefilled one waits for its push, the others wait for nothing."""
+        if out.finish_reason == "prefilled" and self.engine.tracks_transfer(h.request_id):
+            self._pushing[h.request_id] = h
+        else:
+            h._transfer_ended(None)
+
+    def _poll(self) -> None:
+        """Drive the engine's transfers; hand what ended to whoever waits for it."""
+        eng = self.engine
+        if not eng.has_transfers():
+            self._pending = False
+            return
         try:
-            self._pending = bool(self._tick_fn())
+            records = eng.poll_transfers()
         except Exception:
-            log.exception("transfer tick failed")
-            self._pending = True
+            log.exception("polling the transfers failed")
+            records = []
+        for r in records:
+            rid = r.request_id
+            if isinstance(r, SendDone):
+                h = self._pushing.pop(rid, None)
+                if h is not None:
+                    h._transfer_ended(r)
+            for fut in self._awaiting.pop(rid, []):
+                _settle(fut, r)
+            if isinstance(r, (SendDone, RecvFreed)):
+                for done in self._releasing.pop(rid, []):
+                    _settle(done, None)
+        self._pending = eng.has_transfers()
 
     def _handle(self, cmd: Command) -> None:
         match cmd:
-            case AddRequest(h, ids, params, prefill_only):
-                self._start(h, lambda: self._add(h.request_id, ids, params, prefill_only))
+            case AddRequest(h, ids, params, prefill_only, transfer):
+                self._start(h, lambda: self._add(h.request_id, ids, params, prefill_only, transfer))
             case AdmitTransferred(h, first, drafts, prepare):
                 self._start(h, lambda: self._activate(h.request_id, first, drafts, prepare))
-            case AbortRequest(rid, h, fut):
-                self._answer(fut, lambda: self._abort(rid, h))
-            case Reserve(rid, ids, params, fut, on_reserved):
-                self._answer(fut, lambda: self._reserve(rid, ids, params, on_reserved))
-            case Release(rid, fut):
-                self._answer(fut, lambda: self._release(rid))
+            case AbortRequest(rid, by, fut, reason):
+                self._answer(fut, lambda: self._abort(rid, by, reason))
+            case Reserve(rid, ids, params, fut, on_reserved, transfer):
+                self._answer(fut, lambda: self._reserve(rid, ids, params, on_reserved, transfer))
+            case AwaitTransfer(rid, fut):
+                self._await(rid, fut)
+            case Release(rid, fut, reason):
+                self._release(rid, fut, reason)
             case GetStats(fut):
                 self._snap()
                 fut.set_result(self.snapshot)
@@ -275,10 +330,11 @@ class EngineLoop:
                 self._answer(fut, lambda: fn(self.engine))
             case Wake():
                 pass
+        self._pending = self.engine.has_transfers()
         self._snap()
 
     @staticmethod
-    def _answer(fut: Future | None, fn) -> None:
+    def _answer(fut: Future[_T] | None, fn: Callable[[], _T]) -> None:
         try:
             r = fn()
         except Exception as e:
@@ -288,9 +344,9 @@ class EngineLoop:
         if fut is not None:
             fut.set_result(r)
 
-    def _start(self, h: RequestHandle, add) -> None:
+    def _start(self, h: RequestHandle, add: Callable[[], RequestOutput | None]) -> None:
         """Put a request into the engine; its first output (if the start produced one) first."""
-        if h.request_id in self._handles:
+        if h.request_id in self._handles or h.request_id in self._pushing:
             h._put(Failed(ValueError(f"request id {h.request_id!r} is already in flight")))
             return
         try:
@@ -299,50 +355,88 @@ class EngineLoop:
             h._put(Failed(e))
             return
         h.added = time.monotonic()
+        if first is not None and first.finished:
+            self._after(h, first)
+        else:
+            self._handles[h.request_id] = h
         if first is not None:
             h._put(first)
-            if first.finished:
-                return
-        self._handles[h.request_id] = h
 
-    def _add(self, rid: str, ids: list[int], params, prefill_only: bool) -> None:
-        self.engine.add_request(ids, params, rid, prefill_only=prefill_only)  # outputs come with steps
+    def _add(self, rid: str, ids: list[int], params: SamplingParams, prefill_only: bool, transfer: object) -> None:
+        # its outputs come with steps
+        self.engine.add_request(ids, params, rid, prefill_only=prefill_only, transfer=transfer)
 
-    def _activate(self, rid: str, first: int, drafts, prepare):
+    def _activate(
+        self, rid: str, first: int, drafts: tuple[int, ...], prepare: Callable[[], None] | None
+    ) -> RequestOutput:
         if rid not in self.engine.requests:
             raise UnknownRequest(rid, "reserved on this node")
         if prepare is not None:
             prepare()
         return self.engine.activate(rid, first, list(drafts))
 
-    def _abort(self, rid: str, h: RequestHandle | None) -> Aborted:
+    def _abort(self, rid: str, h: RequestHandle | None, reason: str) -> Aborted:
         cur = self._handles.get(rid)
-        if cur is None or (h is not None and cur is not h):
-            if h is None:
-                raise UnknownRequest(rid, "streaming on this node")
+        if cur is not None and (h is None or cur is h):
+            del self._handles[rid]
+            out = self.engine.abort(rid)
+            cur._transfer_ended(None)
+            cur._put(out if out is not None else Failed(LoopError(f"request {rid} aborted")))
+            return Aborted(rid, out)
+        pushing = self._pushing.get(rid)
+        if pushing is not None and (h is None or pushing is h):
+            self.engine.abort_transfer(rid, reason)  # the handle gets the push's end (SendDone)
             return Aborted(rid, None)
-        del self._handles[rid]
-        out = self.engine.abort(rid)
-        cur._put(out if out is not None else Failed(LoopError(f"request {rid} aborted")))
-        return Aborted(rid, out)
+        if h is None:
+            if self.engine.abort_transfer(rid, reason):  # a push nobody waits for any more
+                return Aborted(rid, None)
+            raise UnknownRequest(rid, "streaming on this node")
+        return Aborted(rid, None)
 
-    def _reserve(self, rid: str, ids: list[int], params, on_reserved) -> Reserved:
-        got = self.engine.reserve(ids, params, rid)
+    def _reserve(
+        self,
+        rid: str,
+        ids: list[int],
+        params: SamplingParams,
+        on_reserved: Callable[[Reservation], Any] | None,
+        transfer: object,
+    ) -> Reserved:
+        got = self.engine.reserve_transfer(ids, params, rid, transfer)
         if got is None:
             raise NoRoom("no free KV pages or state slot for this prompt now")
-        res = Reservation(rid, tuple(got[0]), got[1], got[2])
+        (blocks, slot, cached), answer = got
+        res = Reservation(rid, tuple(blocks), slot, cached, answer)
         if on_reserved is None:
             return Reserved(res)
         try:
             return Reserved(res, on_reserved(res))
         except BaseException:
-            self.engine.release(rid)
+            self.engine.release(rid, "the reservation was refused")
             raise
 
-    def _release(self, rid: str) -> None:
+    def _await(self, rid: str, fut: Future[TransferRecord]) -> None:
+        if not self.engine.tracks_transfer(rid):
+            fut.set_exception(UnknownRequest(rid, "with a transfer in flight on this node"))
+            return
+        cur = self.engine.transfer_state(rid)
+        if cur is not None:
+            fut.set_result(cur)
+        else:
+            self._awaiting.setdefault(rid, []).append(fut)
+
+    def _release(self, rid: str, fut: Future[None], reason: str) -> None:
         if rid not in self.engine.requests or rid in self._handles:
-            raise UnknownRequest(rid, "held or reserved on this node")
-        self.engine.release(rid)
+            fut.set_exception(UnknownRequest(rid, "held or reserved on this node"))
+            return
+        try:
+            freed = self.engine.release(rid, reason)
+        except Exception as e:
+            fut.set_exception(e)
+            return
+        if freed:
+            fut.set_result(None)
+        else:  # answered by the poll that frees it
+            self._releasing.setdefault(rid, []).append(fut)
 
     def _fail_all(self, err: Exception) -> None:
         for rid, h in list(self._handles.items()):
@@ -350,8 +444,21 @@ class EngineLoop:
                 self.engine.abort(rid)
             except Exception:
                 log.exception("abort of %s failed", rid)
+            h._transfer_ended(None, err)
             h._put(Failed(err))
         self._handles.clear()
+
+    def _fail_transfers(self, err: Exception) -> None:
+        """The loop stops: nobody waits on a transfer any more."""
+        for h in self._pushing.values():
+            h._transfer_ended(None, err)
+        for waits in self._awaiting.values():
+            for fut in waits:
+                _refuse(fut, err)
+        for dones in self._releasing.values():
+            for done in dones:
+                _refuse(done, err)
+        self._pushing, self._awaiting, self._releasing = {}, {}, {}
 
     def _drain_inbox(self) -> None:
         """Answer every command still queued (the loop stopped before it ran)."""
@@ -363,10 +470,12 @@ class EngineLoop:
                 return
             match cmd:
                 case AddRequest(h) | AdmitTransferred(h):
+                    h._transfer_ended(None, err)
                     h._put(Failed(err))
                 case (
                     AbortRequest(future=fut)
                     | Reserve(future=fut)
+                    | AwaitTransfer(future=fut)
                     | Release(future=fut)
                     | GetStats(fut)
                     | Run(future=fut)
@@ -375,45 +484,16 @@ class EngineLoop:
                         fut.set_exception(err)
 
     def _snap(self) -> None:
-        eng = self.engine
-        sched = eng.scheduler
-        queued = 0
-        for r in list(getattr(sched, "waiting", ())) + list(getattr(sched, "running", ())):
-            queued += max(0, len(r.prompt_token_ids) - r.num_computed_tokens)
-        reserved = sum(1 for r in eng.requests.values() if getattr(r.status, "value", "") == "reserved")
-        self.snapshot = Snapshot(
-            total_blocks=eng.capacity.num_blocks,
-            free_blocks=eng.blocks.num_free,
-            block_size=eng.capacity.block_size,
-            total_slots=eng.capacity.num_state_slots,
-            free_slots=eng.slots.num_free,
-            running=len(getattr(sched, "running", ())),
-            waiting=len(getattr(sched, "waiting", ())),
-            queued_prefill_tokens=queued,
-            reserved=reserved,
-            spec_draft_tokens=sched.num_draft_tokens,
-            **self._prefix_figures(),
-            spec_accepted_tokens=sched.num_accepted_tokens,
-            spec_drafts_per_position=tuple(sched.drafts_per_position),
-            spec_accepted_per_position=tuple(sched.accepted_per_position),
-        )
+        self.snapshot = take_snapshot(self.engine, self.snapshot, len(self._handles) + len(self._pushing))
         if self._on_change is not None:
             self._on_change()
 
-    def _prefix_figures(self) -> dict:
-        eng = self.engine
-        pc = getattr(eng, "prefix", None)
-        if pc is None:
-            return {}
-        d = self.snapshot.prefix_digest
-        if d is None or d.version != pc.version():  # rebuilt only when the cache changed
-            d = pc.digest()
-        return dict(
-            prefix_digest=d,
-            prefix_query_tokens=pc.stats.query_tokens,
-            prefix_hit_tokens=pc.stats.hit_tokens,
-            prefix_held_admissions=pc.stats.held,
-            prefix_snapshots_used=pc.num_used,
-            prefix_snapshots=pc.num_snapshots,
-            prefix_snapshot_bytes=eng.capacity.snapshot_bytes,
-        )
+
+def _settle(fut: Future[_T], value: _T) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _refuse(fut: Future[Any], error: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(error)

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+if TYPE_CHECKING:  # the type only: the router reads no engine-loop state
+    from serving.commands import Snapshot
 
 log = logging.getLogger("pdserve.metrics")
 
@@ -23,23 +28,26 @@ OUTCOMES = ("ok", "error", "cancelled")
 _LAT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
+# name -> (help, value): a number, or {label value: number} for one series per label value
+Gauges = Mapping[str, tuple[str, float | Mapping[int, float]]]
+
 
 class _Gauges:
     """A collector whose gauges come from `read()` -> {name: (help, value)} at every scrape; a
     name ending in `_total` is a counter (a running total the engine keeps). A value that is a
     dict {label value: v} is one series per label value, labelled `position`."""
 
-    def __init__(self, prefix: str, read: Callable[[], dict[str, tuple[str, float]]]):
+    def __init__(self, prefix: str, read: Callable[[], Gauges]) -> None:
         self.prefix, self.read = prefix, read
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         try:
             vals = self.read()
         except Exception:  # a scrape must not fail because a node is stopping
             log.debug("metrics gauge read failed", exc_info=True)
             return
         for name, (doc, v) in vals.items():
-            if isinstance(v, dict):
+            if isinstance(v, Mapping):
                 c = CounterMetricFamily(f"{self.prefix}_{name.removesuffix('_total')}", doc, labels=["position"])
                 for label, x in v.items():
                     c.add_metric([str(label)], float(x))
@@ -56,15 +64,16 @@ class _Gauges:
 class ServingMetrics:
     """The metrics of one server; `prefix` is pdserve_router / pdserve_decode / pdserve_prefill."""
 
-    def __init__(self, prefix: str, gauges: Callable[[], dict[str, tuple[str, float]]] | None = None):
+    def __init__(self, prefix: str, gauges: Callable[[], Gauges] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(f"{prefix}_requests", "Finished requests by outcome", ["outcome"], registry=r)
         for o in OUTCOMES:
             self.requests.labels(outcome=o)
         self.ttft = Histogram(f"{prefix}_ttft_seconds", "Time to first token", buckets=_LAT_BUCKETS, registry=r)
-        self.tpot = Histogram(f"{prefix}_tpot_seconds", "Time per output token after the first",
-                              buckets=_TPOT_BUCKETS, registry=r)  # fmt: skip
+        self.tpot = Histogram(
+            f"{prefix}_tpot_seconds", "Time per output token after the first", buckets=_TPOT_BUCKETS, registry=r
+        )
         self.tokens = Counter(f"{prefix}_generated_tokens", "Tokens generated", registry=r)
         self.transfer_bytes = Counter(f"{prefix}_transfer_bytes", "State bytes transferred", registry=r)
         self.transfer_seconds = Counter(f"{prefix}_transfer_seconds", "Time spent transferring state", registry=r)
@@ -72,10 +81,11 @@ class ServingMetrics:
         self.transfer_failures = Counter(f"{prefix}_transfer_failures", "State transfers that failed", registry=r)
         if gauges is not None:
             r.register(_Gauges(prefix, gauges))
-        self._server = None
+        self._server: _ThreadingWSGIServer | None = None
 
-    def request_done(self, outcome: str, ttft_s: float | None = None, tpot_s: float | None = None,
-                     tokens: int = 0) -> None:  # fmt: skip
+    def request_done(
+        self, outcome: str, ttft_s: float | None = None, tpot_s: float | None = None, tokens: int = 0
+    ) -> None:
         self.requests.labels(outcome=outcome).inc()
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
@@ -94,9 +104,10 @@ class ServingMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Serve `/metrics` on host:port (0 picks a free port) from a daemon thread; returns the port."""
-        self._server = make_server(host, port, make_wsgi_app(self.registry), _ThreadingWSGIServer, _QuietHandler)
-        threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True).start()
-        return self._server.server_port
+        server = make_server(host, port, make_wsgi_app(self.registry), _ThreadingWSGIServer, _QuietHandler)
+        self._server = server
+        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+        return server.server_port
 
     def stop(self) -> None:
         if self._server is not None:
@@ -110,11 +121,11 @@ class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, *args):  # no access log line per scrape
+    def log_message(self, format: str, *args: object) -> None:  # no access log line per scrape
         pass
 
 
-def capacity_gauges(snapshot) -> dict[str, tuple[str, float]]:
+def capacity_gauges(snapshot: Snapshot) -> Gauges:
     """The node gauges from an engine-loop Snapshot."""
     s = snapshot
     return {

@@ -13,8 +13,8 @@
         UNAVAILABLE), gRPC grace, transfer endpoints closed, engine workers exit
 
 A subclass sets KIND, SERVICE and NODE_KIND, has `cfg`, `ecfg`, `engine`, `loop`, `metrics`,
-`incarnation`, `digest`, `backend` and `blobs` (its ranks' transfer metadata, None without a data
-plane), and implements `in_flight()`, `_add_servicer(server)` and `_describe(info)` (its own
+`incarnation`, `digest`, `backend` and `connector` (the engine's transfer connector, whose rank
+endpoints the Handshake adds peers to; None without a data plane), and implements `in_flight()`, `_add_servicer(server)` and `_describe(info)` (its own
 NodeInfo fields). Its engine loop calls `changes.changed` after every pass (`on_change`), and
 its handlers do after changing what `in_flight()` reads outside the loop thread. It gets `info()` and the Stats and Handshake RPCs, the same on both kinds.
 """
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 import msgspec
@@ -40,6 +42,8 @@ from serving.rpc import (
 from serving.security import addresses, credentials
 
 log = logging.getLogger("pdserve.node")
+
+_T = TypeVar("_T")
 
 
 class NodeServer:
@@ -106,7 +110,7 @@ class NodeServer:
         raise NotImplementedError
 
     # ---- new work ----------------------------------------------------------------------------
-    def loop_api(self, context, fn):
+    def loop_api(self, context: grpc.ServicerContext, fn: Callable[[], _T]) -> _T:
         """fn() (a call of the engine loop's API); the loop having stopped ends the RPC with
         UNAVAILABLE."""
         from serving.commands import ShuttingDown
@@ -115,6 +119,7 @@ class NodeServer:
             return fn()
         except ShuttingDown as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name}: {e}")
+            raise  # abort raised already
 
     def refuse_if_draining(self, context) -> None:
         if self.draining:
@@ -158,13 +163,8 @@ class NodeServer:
         self.metrics.stop()
         if self.server is not None:
             self.server.stop(grace).wait(timeout=(grace or 0) + 5)
-        if self.blobs is not None:
-            from transfer import rank as xr
-
-            try:
-                self.engine.executor.call_all(xr.close, self.backend)
-            except Exception as e:  # ranks already gone (a signal to the whole process group)
-                log.debug("closing the transfer endpoints: %s", e)
+        if self.connector is not None:
+            self.connector.close()  # the loop has stopped: nothing else drives the endpoints
         self.engine.close()
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
@@ -173,22 +173,20 @@ class NodeServer:
     # ---- the transfer handshake ----------------------------------------------------------------
     def Handshake(self, request, context):
         """Add the caller's rank blobs as peers on every rank; answer with ours."""
-        if self.blobs is None:
+        conn = self.connector
+        if conn is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} has no transfer endpoint")
         peers = msgspec.msgpack.decode(request.schema, type=list[bytes]) if request.schema else []
         if peers:
-            from transfer import rank as xr
             from transfer.errors import HandshakeError
 
-            try:
-                self.loop_api(
-                    context, lambda: self.loop.call(lambda e: e.executor.call_all(xr.add_peers, self.backend, peers))
-                )
+            try:  # on the loop thread, like every other use of the endpoints
+                self.loop_api(context, lambda: self.loop.call(lambda e: conn.add_peers(peers)))
             except HandshakeError as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"handshake with {request.node_id} refused: {e}")
             log.info("handshake with %s (%d ranks)", request.node_id, len(peers))
         return pb.HandshakeResponse(
-            node_id=self.cfg.node_id, incarnation=self.incarnation, schema=msgspec.msgpack.encode(self.blobs)
+            node_id=self.cfg.node_id, incarnation=self.incarnation, schema=msgspec.msgpack.encode(conn.blobs)
         )
 
 
@@ -199,7 +197,10 @@ def on_cancel(context, fn) -> None:
         fn()
 
 
-def serve_node(node: NodeServer, addr: str) -> tuple[NodeServer, int]:
+_Node = TypeVar("_Node", bound=NodeServer)
+
+
+def serve_node(node: _Node, addr: str) -> tuple[_Node, int]:
     """Start a constructed node on addr ("host:0" picks a port); stop it when that fails."""
     try:
         port = node.start(addr)

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent import futures
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,22 +30,36 @@ MAX_REQUEST_ID_LEN = 128
 DRAINING_KEY = "pdserve-draining"
 
 
+class HealthStatus(Protocol):
+    """What the servers set on grpc_health's HealthServicer (it ships no type information)."""
+
+    def set(self, service: str, status: int) -> None: ...
+
+
+class _Registry(Protocol):
+    """The calls a node makes on the router's Registry (the generated stub is untyped)."""
+
+    def Register(self, request: pb.RegisterRequest, timeout: float) -> pb.RegisterResponse: ...
+    def Heartbeat(self, request: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatResponse: ...
+
+
 def is_draining(err: grpc.RpcError) -> bool:
     """The call was refused because its server is draining (alive, finishing what it holds)."""
     try:
-        md = err.trailing_metadata() or ()
+        md: Iterable[object] = err.trailing_metadata() or ()
     except Exception:  # not a call error (e.g. a cancelled future)
         return False
-    return any(k == DRAINING_KEY for k, _ in md)
+    # (key, value) pairs: named tuples from sync gRPC, plain tuples from grpc.aio
+    return any(isinstance(m, tuple) and m[0] == DRAINING_KEY for m in md)
 
 
-def refuse_draining(context, what: str) -> None:
+def refuse_draining(context: grpc.ServicerContext, what: str) -> None:
     """Abort the call with UNAVAILABLE, marked as a drain refusal (retry elsewhere)."""
     context.set_trailing_metadata(((DRAINING_KEY, "1"),))
     context.abort(grpc.StatusCode.UNAVAILABLE, f"{what} is draining (shutting down): send new requests elsewhere")
 
 
-def not_serving(health_servicer, service: str) -> None:
+def not_serving(health_servicer: HealthStatus | None, service: str) -> None:
     """Mark one service NOT_SERVING (a readiness probe on it fails); the overall status ("",
     what a liveness probe asks) stays SERVING."""
     if health_servicer is not None:
@@ -58,7 +73,7 @@ class Changes:
     any thread and from a signal handler (SimpleQueue.put is reentrant)."""
 
     def __init__(self) -> None:
-        self._waiters: list[queue.SimpleQueue] = []
+        self._waiters: list[queue.SimpleQueue[None]] = []
 
     def changed(self) -> None:
         for w in list(self._waiters):
@@ -71,7 +86,7 @@ class Interrupt(threading.Event):
 
     def __init__(self) -> None:
         super().__init__()
-        self._waiters: list[queue.SimpleQueue] = []
+        self._waiters: list[queue.SimpleQueue[None]] = []
 
     def set(self) -> None:
         super().set()
@@ -79,15 +94,16 @@ class Interrupt(threading.Event):
             w.put(None)
 
 
-def wait_idle(what: str, in_flight: Callable[[], int], changes: Changes, timeout_s: float,
-              interrupt: Interrupt | None = None) -> bool:  # fmt: skip
+def wait_idle(
+    what: str, in_flight: Callable[[], int], changes: Changes, timeout_s: float, interrupt: Interrupt | None = None
+) -> bool:
     """Wait until in_flight() is 0, at most timeout_s or until `interrupt` is set; log the
     outcome. True when nothing was left. in_flight() is read again only when `changes` or
     `interrupt` signal, so the wait ends as soon as the count drops to 0, and costs nothing before."""
     if interrupt is not None and not isinstance(interrupt, Interrupt):
         raise TypeError("wait_idle's interrupt must be a serving.rpc.Interrupt (a plain Event would not wake it)")
     t0 = time.monotonic()
-    wake: queue.SimpleQueue = queue.SimpleQueue()
+    wake: queue.SimpleQueue[None] = queue.SimpleQueue()
     sources = [changes._waiters, *([interrupt._waiters] if interrupt is not None else [])]
     for waiters in sources:  # before the first read: no change after it goes unseen
         waiters.append(wake)
@@ -121,7 +137,7 @@ def start_server(
     service_names: Iterable[str],
     max_workers: int = 64,
     creds: Credentials = OPEN,
-) -> tuple[grpc.Server, int, health.HealthServicer]:
+) -> tuple[grpc.Server, int, HealthStatus]:
     """With creds.tls and a CA the server requires its callers' certificates (mutual TLS)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
@@ -129,7 +145,7 @@ def start_server(
         options=[("grpc.so_reuseport", 0)],
     )
     add_servicers(server)
-    hs = health.HealthServicer()
+    hs: HealthStatus = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     names = [pb.DESCRIPTOR.services_by_name[n].full_name for n in service_names]
     for n in [*names, ""]:
@@ -150,16 +166,16 @@ class Heartbeater:
 
     def __init__(
         self, router_addr: str, info: Callable[[], pb.NodeInfo], interval_s: float = 0.5, creds: Credentials = OPEN
-    ):
+    ) -> None:
         self.router_addr = router_addr
         self.info = info
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._chan = channel(router_addr, creds)
-        self._stub = rpc.RegistryStub(self._chan)
+        self._stub: _Registry = rpc.RegistryStub(self._chan)
         self._registered = False
-        self._prefix_version = None  # the prefix digest the router has (sent again only when it changed)
+        self._prefix_version: int | None = None  # the prefix digest the router has (sent again only when it changed)
         self._warned = False
         self.thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -181,10 +197,10 @@ class Heartbeater:
         )
         if node.HasField("prefix") and node.prefix.version != self._prefix_version:
             req.prefix.CopyFrom(node.prefix)
-        r = self._stub.Heartbeat(req, timeout=5)
+        hb = self._stub.Heartbeat(req, timeout=5)
         if req.HasField("prefix"):
             self._prefix_version = req.prefix.version
-        if not r.known:
+        if not hb.known:
             self._registered = False
             self._beat()
 

@@ -9,11 +9,13 @@ import hashlib
 import hmac
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, TypeVar, runtime_checkable
 
 import grpc
+import grpc.aio
 
 from proto import pb
 
@@ -26,6 +28,10 @@ API_KEY_ENV = "PDSERVE_API_KEY"  # one key, or several comma-separated
 
 CLIENT_SERVICES = ("Generation",)
 NODE_SERVICES = ("Registry", "DecodeNode", "PrefillNode")
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Metadata = tuple[tuple[str, str | bytes], ...]  # gRPC call metadata: (key, value) pairs
 
 
 def _prefixes(names: Iterable[str]) -> tuple[str, ...]:
@@ -84,18 +90,29 @@ class Tls:
     cert_file: str | None = None  # where cert and key were read from (HTTPS servers read files)
     key_file: str | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):
             raise ValueError("--tls-cert and --tls-key go together")
 
     @classmethod
-    def from_files(cls, cert=None, key=None, ca=None, server_name=None) -> Tls | None:
+    def from_files(
+        cls, cert: str | None = None, key: str | None = None, ca: str | None = None, server_name: str | None = None
+    ) -> Tls | None:
         """None when no file is named (no TLS)."""
         if not (cert or key or ca):
             return None
-        pems = [read_file(p, what) if p else None for p, what in ((cert, "--tls-cert"), (key, "--tls-key"),
-                                                                 (ca, "--tls-ca"))]  # fmt: skip
-        return cls(*pems, server_name=server_name, cert_file=cert, key_file=key)
+
+        def pem(path: str | None, what: str) -> bytes | None:
+            return read_file(path, what) if path else None
+
+        return cls(
+            pem(cert, "--tls-cert"),
+            pem(key, "--tls-key"),
+            pem(ca, "--tls-ca"),
+            server_name=server_name,
+            cert_file=cert,
+            key_file=key,
+        )
 
     def __repr__(self) -> str:
         return f"Tls(cert={self.cert is not None}, ca={self.ca is not None}, server_name={self.server_name!r})"
@@ -115,8 +132,10 @@ class Credentials:
         return (digest(self.cluster_token),) if self.cluster_token else ()
 
     def __repr__(self) -> str:  # never the secrets
-        return (f"Credentials(cluster_token={'set' if self.cluster_token else 'none'}, "
-                f"api_keys={len(self.api_keys)}, tls={self.tls!r})")  # fmt: skip
+        return (
+            f"Credentials(cluster_token={'set' if self.cluster_token else 'none'}, "
+            f"api_keys={len(self.api_keys)}, tls={self.tls!r})"
+        )
 
 
 OPEN = Credentials()
@@ -139,7 +158,9 @@ def read_token(path: str | None, env: Mapping[str, str]) -> bytes | None:
     return raw or None
 
 
-def read_api_keys(keys: Iterable[str] = (), path: str | None = None, env: Mapping[str, str] | None = None) -> tuple:
+def read_api_keys(
+    keys: Iterable[str] = (), path: str | None = None, env: Mapping[str, str] | None = None
+) -> tuple[bytes, ...]:
     """Digests of the client keys: given ones, a file's lines (blank and `#` lines skipped) and
     PDSERVE_API_KEY (comma-separated)."""
     found = [k.strip() for k in keys]
@@ -150,12 +171,42 @@ def read_api_keys(keys: Iterable[str] = (), path: str | None = None, env: Mappin
     return tuple(dict.fromkeys(digest(k) for k in found if k))
 
 
-def credentials(args, env: Mapping[str, str] | None = None, *, api_keys: bool = False) -> Credentials:
-    """A server's Credentials from its config (engine.config.SecurityArgs fields; the router's
+class SecurityOptions(Protocol):
+    """The fields of serving.config.SecurityArgs read here (named, not imported: the client SDK
+    takes this module without the servers' configuration)."""
+
+    @property
+    def cluster_token_file(self) -> str | None: ...
+    @property
+    def tls_cert(self) -> str | None: ...
+    @property
+    def tls_key(self) -> str | None: ...
+    @property
+    def tls_ca(self) -> str | None: ...
+    @property
+    def tls_server_name(self) -> str | None: ...
+
+
+@runtime_checkable
+class ApiKeyOptions(Protocol):
+    """The router's client-key fields (router.config.RouterConfig)."""
+
+    @property
+    def api_key(self) -> tuple[str, ...]: ...
+    @property
+    def api_key_file(self) -> str | None: ...
+
+
+def credentials(args: SecurityOptions, env: Mapping[str, str] | None = None, *, api_keys: bool = False) -> Credentials:
+    """A server's Credentials from its config (serving.config.SecurityArgs fields; the router's
     api_key fields with `api_keys`) and the environment."""
     env = os.environ if env is None else env
     tls = Tls.from_files(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
-    keys = read_api_keys(args.api_key, args.api_key_file, env) if api_keys else ()
+    keys: tuple[bytes, ...] = ()
+    if api_keys:
+        if not isinstance(args, ApiKeyOptions):
+            raise TypeError(f"{type(args).__name__} has no api_key / api_key_file fields")
+        keys = read_api_keys(args.api_key, args.api_key_file, env)
     return Credentials(read_token(args.cluster_token_file, env), keys, tls)
 
 
@@ -164,21 +215,23 @@ def require_token(creds: Credentials, insecure_open_cluster: bool, what: str) ->
     if creds.cluster_token:
         return
     if not insecure_open_cluster:
-        raise ValueError(f"{what}: no cluster token (give --cluster-token-file or {TOKEN_ENV}; "
-                         "--insecure-open-cluster runs the node plane open to anyone who can reach it)")  # fmt: skip
+        raise ValueError(
+            f"{what}: no cluster token (give --cluster-token-file or {TOKEN_ENV}; "
+            "--insecure-open-cluster runs the node plane open to anyone who can reach it)"
+        )
     log.warning("%s: --insecure-open-cluster: any process that reaches it can join the cluster", what)
 
 
 # ---- servers ---------------------------------------------------------------------------------
 def server_credentials(tls: Tls, mutual: bool) -> grpc.ServerCredentials:
-    if tls.cert is None:
+    if tls.cert is None or tls.key is None:
         raise ValueError("a TLS server needs --tls-cert and --tls-key")
     return grpc.ssl_server_credentials(
         [(tls.key, tls.cert)], root_certificates=tls.ca if mutual else None, require_client_auth=mutual and bool(tls.ca)
     )
 
 
-def add_port(server, addr: str, tls: Tls | None, mutual: bool) -> int:
+def add_port(server: grpc.Server | grpc.aio.Server, addr: str, tls: Tls | None, mutual: bool) -> int:
     """Bind addr (plain, or TLS with `tls.cert`; `mutual`: callers must show a certificate the CA
     signed). Returns the port; OSError naming addr when it cannot bind."""
     try:
@@ -193,7 +246,9 @@ def add_port(server, addr: str, tls: Tls | None, mutual: bool) -> int:
     return port
 
 
-def refusal(method: str, md: Iterable, creds: Credentials) -> tuple[grpc.StatusCode, str] | None:
+def refusal(
+    method: str, md: Iterable[tuple[str, str | bytes]], creds: Credentials
+) -> tuple[grpc.StatusCode, str] | None:
     """Why a call of `method` with invocation metadata `md` is refused (status, message), or None."""
     p = plane(method)
     if p == "node" and creds.cluster_token:
@@ -203,45 +258,64 @@ def refusal(method: str, md: Iterable, creds: Credentials) -> tuple[grpc.StatusC
         if match(given, creds.token_digest) is None:
             return grpc.StatusCode.PERMISSION_DENIED, "wrong cluster token"
     elif p == "client" and creds.api_keys:
-        if match(bearer(next((v for k, v in md if k == AUTH_KEY), None)), creds.api_keys) is None:
+        auth = next((v for k, v in md if k == AUTH_KEY), None)  # a str: the key does not end in -bin
+        if match(bearer(auth if isinstance(auth, str) else None), creds.api_keys) is None:
             return grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key (metadata authorization: Bearer KEY)"
     return None
 
 
-def refusing_handler(h: grpc.RpcMethodHandler, code: grpc.StatusCode, msg: str, aio: bool):
+def refusing_handler(
+    h: grpc.RpcMethodHandler[Req, Resp], code: grpc.StatusCode, msg: str, aio: bool
+) -> grpc.RpcMethodHandler[Req, Resp]:
     """A handler of h's kind that ends every call with (code, msg)."""
     if aio:
 
-        async def unary(req, ctx):
+        async def aio_unary(req: object, ctx: grpc.aio.ServicerContext[object, object]) -> None:
             await ctx.abort(code, msg)
 
-        async def stream(req, ctx):
+        async def aio_stream(req: object, ctx: grpc.aio.ServicerContext[object, object]) -> AsyncIterator[None]:
             await ctx.abort(code, msg)
             yield  # an async generator, as a streaming handler is
 
-    else:
+        return _same_kind(h, aio_stream if h.response_streaming else aio_unary)
 
-        def unary(req, ctx):
-            ctx.abort(code, msg)
+    def unary(req: object, ctx: grpc.ServicerContext) -> None:
+        ctx.abort(code, msg)
 
-        def stream(req, ctx):
-            ctx.abort(code, msg)
-            yield
+    def stream(req: object, ctx: grpc.ServicerContext) -> Iterator[None]:
+        ctx.abort(code, msg)
+        yield
 
-    kind = ("stream" if h.request_streaming else "unary") + "_" + ("stream" if h.response_streaming else "unary")
-    make = getattr(grpc, f"{kind}_rpc_method_handler")
-    return make(stream if h.response_streaming else unary, h.request_deserializer, h.response_serializer)
+    return _same_kind(h, stream if h.response_streaming else unary)
+
+
+def _same_kind(h: grpc.RpcMethodHandler[Req, Resp], behaviour: grpc._Behaviour) -> grpc.RpcMethodHandler[Req, Resp]:
+    """A handler of h's streaming kind and serializers that runs `behaviour`."""
+    des, ser = h.request_deserializer, h.response_serializer
+    if h.request_streaming:
+        if h.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(behaviour, des, ser)
+        return grpc.stream_unary_rpc_method_handler(behaviour, des, ser)
+    if h.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(behaviour, des, ser)
+    return grpc.unary_unary_rpc_method_handler(behaviour, des, ser)
 
 
 class NodeGuard(grpc.ServerInterceptor):
     """A sync server's check (the nodes): the node plane needs the cluster token."""
 
-    def __init__(self, creds: Credentials):
+    def __init__(self, creds: Credentials) -> None:
         self.creds = creds
 
-    def intercept_service(self, continuation, details):
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Req, Resp] | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Req, Resp] | None:
         h = continuation(details)
-        why = None if h is None else refusal(details.method, details.invocation_metadata or (), self.creds)
+        if h is None:
+            return None
+        why = refusal(details.method, details.invocation_metadata or (), self.creds)
         if why is None:
             return h
         log.info("refused %s: %s", details.method, why[1])
@@ -267,34 +341,64 @@ def channel_options(tls: Tls | None) -> list[tuple[str, object]]:
     return opts
 
 
-class _Meta:
-    """Adds fixed metadata to every call (a client interceptor of each kind)."""
+@dataclass
+class _CallDetails(grpc.ClientCallDetails):
+    """A call's details passed on by an interceptor (gRPC reads these attributes back)."""
 
-    def __init__(self, md: tuple[tuple[str, str], ...]):
-        self.md = md
-
-    def _details(self, d):
-        return d._replace(metadata=[*(d.metadata or ()), *self.md])
-
-    def intercept_unary_unary(self, continuation, d, request):
-        return continuation(self._details(d), request)
-
-    intercept_unary_stream = intercept_unary_unary
-
-    def intercept_stream_unary(self, continuation, d, request_iterator):
-        return continuation(self._details(d), request_iterator)
-
-    intercept_stream_stream = intercept_stream_unary
+    method: str
+    timeout: float | None
+    metadata: Metadata | None
+    credentials: grpc.CallCredentials | None
+    wait_for_ready: bool | None
+    compression: grpc.Compression | None
 
 
 class SyncMeta(
-    _Meta,
     grpc.UnaryUnaryClientInterceptor,
     grpc.UnaryStreamClientInterceptor,
     grpc.StreamUnaryClientInterceptor,
     grpc.StreamStreamClientInterceptor,
 ):
-    pass
+    """Adds fixed metadata to every call of a sync channel (a client interceptor of each kind)."""
+
+    def __init__(self, md: tuple[tuple[str, str], ...]) -> None:
+        self.md = md
+
+    def _details(self, d: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        md = (*(d.metadata or ()), *self.md)
+        return _CallDetails(d.method, d.timeout, md, d.credentials, d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(
+        self,
+        continuation: Callable[[grpc.ClientCallDetails, Req], grpc._CallFuture[Resp]],
+        client_call_details: grpc.ClientCallDetails,
+        request: Req,
+    ) -> grpc._CallFuture[Resp]:
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(
+        self,
+        continuation: Callable[[grpc.ClientCallDetails, Req], grpc._CallIterator[Resp]],
+        client_call_details: grpc.ClientCallDetails,
+        request: Req,
+    ) -> grpc._CallIterator[Resp]:
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(
+        self,
+        continuation: Callable[[grpc.ClientCallDetails, Iterator[Req]], grpc._CallFuture[Resp]],
+        client_call_details: grpc.ClientCallDetails,
+        request_iterator: Iterator[Req],
+    ) -> grpc._CallFuture[Resp]:
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(
+        self,
+        continuation: Callable[[grpc.ClientCallDetails, Iterator[Req]], grpc._CallIterator[Resp]],
+        client_call_details: grpc.ClientCallDetails,
+        request_iterator: Iterator[Req],
+    ) -> grpc._CallIterator[Resp]:
+        return continuation(self._details(client_call_details), request_iterator)
 
 
 def token_metadata(creds: Credentials) -> tuple[tuple[str, str], ...]:

@@ -74,7 +74,6 @@ def test_proto_is_the_wire_alone():
     assert not extra, f"proto/ holds the wire only; move {extra} to serving/"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 23: the typed engine/transfer connector is not in yet")
 def test_nodes_leave_the_transfer_to_the_connector():
     """No node server drives transfer ranks itself or installs a hook into the engine."""
     bad = []

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar, NamedTuple
 
-import numpy as np
 import torch
 
 from transfer.plan import RegionPair
@@ -49,7 +48,7 @@ class Transport(ABC):
 
     name: ClassVar[str]
 
-    def __init__(self, agent: str, regions: dict[tuple[int, str], torch.Tensor]):
+    def __init__(self, agent: str, regions: dict[tuple[int, str], torch.Tensor]) -> None:
         self.agent = agent
         self.regions = regions  # (layer, kind) -> pool tensor, registered once
 
@@ -87,8 +86,8 @@ class Transport(ABC):
         self,
         agent: str,
         pairs: Sequence[RegionPair],
-        src_blocks,
-        dst_blocks,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
         src_slot: int,
         dst_slot: int,
         tag_base: int,
@@ -103,8 +102,8 @@ class Transport(ABC):
         self,
         agent: str,
         pairs: Sequence[tuple[int, RegionPair]],
-        src_blocks,
-        dst_blocks,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
         src_slot: int,
         dst_slot: int,
         tag_base: int,
@@ -131,24 +130,24 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def host_bytes(t: torch.Tensor) -> np.ndarray:
-    """A byte range as numpy: shared for CPU memory, copied for device memory."""
-    return (t if t.device.type == "cpu" else t.cpu()).numpy()
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """A byte range's memory (e.g. for a checksum): shared for CPU memory, copied for device memory."""
+    return (t if t.device.type == "cpu" else t.cpu()).numpy().data
 
 
-def _nixl():
+def _nixl() -> type[Transport]:
     from transfer.nixl_backend import NixlTransport  # noqa: PLC0415 (import only the backend in use)
 
     return NixlTransport
 
 
-def _ucxx():
+def _ucxx() -> type[Transport]:
     from transfer.ucxx_backend import UcxxTransport  # noqa: PLC0415
 
     return UcxxTransport
 
 
-TRANSPORTS = {"nixl": _nixl, "ucxx": _ucxx}
+TRANSPORTS: dict[str, Callable[[], type[Transport]]] = {"nixl": _nixl, "ucxx": _ucxx}
 
 
 def get_transport(name: str) -> type[Transport]:

@@ -21,7 +21,7 @@ class TransferConfig:
     # loopback). Off only where the router's remove_peer is trusted to settle dead peers.
     ucxx_error_handling: bool = True
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         from transfer.backend import TRANSPORTS  # noqa: PLC0415
 
         if self.backend not in TRANSPORTS:

@@ -8,7 +8,8 @@ import logging
 import secrets
 import time
 from collections import deque
-from typing import ClassVar
+from collections.abc import Callable
+from typing import ClassVar, Literal, Protocol, TypeVar
 
 from engine.cache.allocator import CachePools
 from engine.cache.block_manager import BlockManager, SlotPool
@@ -23,10 +24,27 @@ from transfer.schema import SCHEMA_VERSION, PeerInfo, build_schema, decode_peer,
 log = logging.getLogger(__name__)
 
 
+class Tracked(Protocol):
+    """What `Endpoint.wait` reads of a request (SendRequest, RecvRequest)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def state(self) -> TransferState: ...
+
+
+R = TypeVar("R", bound=Tracked)
+
+
+def _terminal(request: Tracked) -> bool:
+    return request.state.terminal
+
+
 class Peer:
     """A connected peer rank and the region pairs between it and this rank (source -> destination)."""
 
-    def __init__(self, info: PeerInfo, pairs: tuple[RegionPair, ...]):
+    def __init__(self, info: PeerInfo, pairs: tuple[RegionPair, ...]) -> None:
         self.info = info
         self.pairs = pairs
 
@@ -40,7 +58,7 @@ class Peer:
 
 
 class Endpoint:
-    role: ClassVar[str]
+    role: ClassVar[Literal["sender", "receiver"]]
 
     def __init__(
         self,
@@ -52,7 +70,7 @@ class Endpoint:
         *,
         blocks: BlockManager | None = None,
         slots: SlotPool | None = None,
-    ):
+    ) -> None:
         self.config = config or TransferConfig()
         self.cfg, self.rank, self.pools, self.node = cfg, rank, pools, node
         self.schema = build_schema(cfg, rank, pools)
@@ -165,7 +183,7 @@ class Endpoint:
     def _tick(self, now: float) -> None:
         raise NotImplementedError
 
-    def wait(self, request, timeout_s: float, until=lambda r: r.state.terminal, sleep_s: float = 0.0005):
+    def wait(self, request: R, timeout_s: float, until: Callable[[R], bool] = _terminal, sleep_s: float = 0.0005) -> R:
         """Poll until `until(request)` or raise TimeoutError naming the request's state."""
         deadline = time.monotonic() + timeout_s
         while not until(request):
@@ -184,4 +202,4 @@ class Endpoint:
             self.transport.close()
 
 
-__all__ = ["Endpoint", "Peer", "TransferState"]
+__all__ = ["Endpoint", "Peer", "TransferState", "Tracked"]

@@ -95,7 +95,7 @@ class Renew(msgspec.Struct, tag="renew", frozen=True):
 Control = Begin | Grant | Refuse | Done | Abort | Release | Renew
 
 _enc = msgspec.msgpack.Encoder()
-_dec = msgspec.msgpack.Decoder(Control)
+_dec: msgspec.msgpack.Decoder[Control] = msgspec.msgpack.Decoder(Control)  # a union: name the type
 _target_dec = msgspec.msgpack.Decoder(Target)
 
 

@@ -6,32 +6,78 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple, Protocol
 
 import numpy as np
+import numpy.typing as npt
+import torch
 
 from transfer.backend import TransferState, Transport, WriteJob
 from transfer.plan import RegionPair, block_order
 
 log = logging.getLogger(__name__)
 
+Rows = npt.NDArray[np.uint64]  # descriptor / registration rows (addr, len, device)
+Indices = npt.NDArray[np.int32]  # indices into a prepared descriptor list
+Bases = dict[tuple[int, int], int]  # (pair index, template index) -> first descriptor index
+
+
+class _Handle(Protocol):
+    """A NIXL prepared descriptor list or transfer handle."""
+
+    def release(self) -> None: ...
+
+
+class _Agent(Protocol):
+    """The part of `nixl._api.nixl_agent` this backend calls (nixl ships no type information)."""
+
+    def get_agent_metadata(self) -> bytes: ...
+    def add_remote_agent(self, metadata: bytes, /) -> str | bytes: ...
+    def remove_remote_agent(self, agent: str, /) -> None: ...
+    def register_memory(self, rows: Rows, mem_type: str, /) -> object: ...
+    def deregister_memory(self, registration: object, /) -> None: ...
+    def prep_xfer_dlist(self, agent: str, rows: Rows, mem_type: str, /) -> _Handle: ...
+    def make_prepped_xfer(
+        self, op: str, local: _Handle, local_indices: Indices, remote: _Handle, remote_indices: Indices, notif: bytes, /
+    ) -> _Handle: ...
+    def transfer(self, handle: _Handle, /) -> str: ...
+    def check_xfer_state(self, handle: _Handle, /) -> str: ...
+    def send_notif(self, agent: str, payload: bytes, /) -> None: ...
+    def get_new_notifs(self) -> dict[str, list[bytes]]: ...
+
+
+class _Xfer(NamedTuple):
+    """What `write` returns for a posted WRITE: the peer and NIXL's transfer handle."""
+
+    agent: str
+    handle: _Handle
+
+
+def _xfer(handle: object) -> _Xfer:
+    if not isinstance(handle, _Xfer):
+        raise TypeError(f"not a NIXL transfer handle: {handle!r}")
+    return handle
+
 
 class _Prepped:
     """Prepared descriptor lists for one peer and the index base of each (pair, template)."""
 
-    def __init__(self, local, remote, lbase: dict, rbase: dict, num_descs: int):
+    def __init__(self, local: _Handle, remote: _Handle, lbase: Bases, rbase: Bases, num_descs: int) -> None:
         self.local, self.remote = local, remote
         self.lbase, self.rbase = lbase, rbase
         self.num_descs = num_descs
 
 
-def _rows(pairs: Sequence[RegionPair], side: str) -> tuple[np.ndarray, dict]:
+def _rows(pairs: Sequence[RegionPair], side: str) -> tuple[Rows, Bases]:
     """(N, 3) descriptor rows (addr, len, dev) and the first row of each (pair index, template index).
 
     Paged regions: (template, page) order, so consecutive block ids are adjacent indices.
     Slot regions: (slot, template) order, so a slot's templates are adjacent indices.
     """
-    chunks, base, n = [], {}, 0
+    chunks: list[Rows] = []
+    base: Bases = {}
+    n = 0
     for i, p in enumerate(pairs):
         d = p.src if side == "src" else p.dst
         offs = np.array([t.src_off if side == "src" else t.dst_off for t in p.templates], dtype=np.uint64)
@@ -52,10 +98,13 @@ def _rows(pairs: Sequence[RegionPair], side: str) -> tuple[np.ndarray, dict]:
     return (np.concatenate(chunks) if chunks else np.zeros((0, 3), dtype=np.uint64)), base
 
 
-def job_indices(pairs: Sequence[tuple[int, RegionPair]], lbase: dict, rbase: dict, job: WriteJob):
+def job_indices(
+    pairs: Sequence[tuple[int, RegionPair]], lbase: Bases, rbase: Bases, job: WriteJob
+) -> tuple[Indices, Indices]:
     """Local and remote descriptor indices of a job, in the plan's canonical order."""
     sb, db = block_order(job.src_blocks, job.dst_blocks)
-    li, ri = [], []
+    li: list[npt.NDArray[np.int64]] = []
+    ri: list[npt.NDArray[np.int64]] = []
     for i, p in pairs:
         nt = len(p.templates)
         if p.paged:
@@ -70,10 +119,10 @@ def job_indices(pairs: Sequence[tuple[int, RegionPair]], lbase: dict, rbase: dic
     return np.concatenate(li).astype(np.int32), np.concatenate(ri).astype(np.int32)
 
 
-def registration(tensors) -> list[tuple[str, np.ndarray]]:
+def registration(tensors: Iterable[torch.Tensor]) -> list[tuple[str, Rows]]:
     """Pool tensors as NIXL registration rows (addr, len, device), one list per memory type and
     device: ("DRAM", rows) for CPU tensors, ("VRAM", rows) for each CUDA device's tensors."""
-    groups: dict[tuple[str, int], list] = {}
+    groups: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
     for t in tensors:
         if not t.is_contiguous():
             raise ValueError(f"NIXL registers whole contiguous pools (got {tuple(t.shape)} strides {t.stride()})")
@@ -95,20 +144,20 @@ def side_mem_type(pairs: Sequence[RegionPair], side: str) -> str:
 class NixlTransport(Transport):
     name = "nixl"
 
-    def __init__(self, agent, regions, progress_thread: bool = False):
+    def __init__(self, agent: str, regions: dict[tuple[int, str], torch.Tensor], progress_thread: bool = False) -> None:
         super().__init__(agent, regions)
         from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415
 
-        self.nx = nixl_agent(agent, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
+        self.nx: _Agent = nixl_agent(agent, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
         self.reg = [self.nx.register_memory(rows, mem) for mem, rows in registration(regions.values())]
         self.prepped: dict[str, _Prepped] = {}
-        self.handles: dict[str, set] = {}  # peer -> live xfer handles
-        self.last_post: dict = {}  # indices, make_s, post_s of the latest write (observability)
+        self.handles: dict[str, set[_Handle]] = {}  # peer -> live xfer handles
+        self.last_post: dict[str, float] = {}  # indices, make_s, post_s of the latest write (observability)
 
     def metadata(self) -> bytes:
         return self.nx.get_agent_metadata()
 
-    def add_peer(self, agent, blob):
+    def add_peer(self, agent: str, blob: bytes) -> None:
         name = self.nx.add_remote_agent(blob)
         name = name.decode() if isinstance(name, bytes) else name
         if name != agent:
@@ -116,14 +165,14 @@ class NixlTransport(Transport):
             raise ValueError(f"NIXL metadata names agent {name!r}, the handshake said {agent!r}")
         self.handles[agent] = set()
 
-    def prepare(self, agent, pairs):
+    def prepare(self, agent: str, pairs: Sequence[RegionPair]) -> None:
         lrows, lbase = _rows(pairs, "src")
         rrows, rbase = _rows(pairs, "dst")
         local = self.nx.prep_xfer_dlist("NIXL_INIT_AGENT", lrows, side_mem_type(pairs, "src"))
         remote = self.nx.prep_xfer_dlist(agent, rrows, side_mem_type(pairs, "dst"))
         self.prepped[agent] = _Prepped(local, remote, lbase, rbase, len(lrows))
 
-    def write(self, agent, job: WriteJob):
+    def write(self, agent: str, job: WriteJob) -> _Xfer | None:
         pp = self.prepped[agent]
         li, ri = job_indices(job.pairs, pp.lbase, pp.rbase, job)
         if len(li) == 0:
@@ -139,18 +188,18 @@ class NixlTransport(Transport):
             h.release()
             raise RuntimeError(f"NIXL refused to post a WRITE of {len(li)} descriptors to {agent}")
         self.handles[agent].add(h)
-        return (agent, h)
+        return _Xfer(agent, h)
 
-    def state(self, handle):
+    def state(self, handle: object) -> TransferState:
         if handle is None:
             return TransferState.DONE
-        s = self.nx.check_xfer_state(handle[1])
+        s = self.nx.check_xfer_state(_xfer(handle).handle)
         return {"DONE": TransferState.DONE, "PROC": TransferState.TRANSFERRING}.get(s, TransferState.FAILED)
 
-    def release(self, handle, force=False):
+    def release(self, handle: object, force: bool = False) -> bool:
         if handle is None:
             return True
-        agent, h = handle
+        agent, h = _xfer(handle)
         if not force and self.state(handle) is TransferState.TRANSFERRING:
             return False
         try:
@@ -161,7 +210,7 @@ class NixlTransport(Transport):
         self.handles.get(agent, set()).discard(h)
         return True
 
-    def remove_peer(self, agent):
+    def remove_peer(self, agent: str) -> None:
         for h in list(self.handles.pop(agent, ())):
             try:
                 h.release()
@@ -176,16 +225,16 @@ class NixlTransport(Transport):
         except Exception as e:  # noqa: BLE001
             log.warning("NIXL remove_remote_agent(%s): %s", agent, e)
 
-    def send_control(self, agent, payload):
+    def send_control(self, agent: str, payload: bytes) -> None:
         self.nx.send_notif(agent, payload)
 
-    def poll_control(self):
-        out = []
+    def poll_control(self) -> list[bytes]:
+        out: list[bytes] = []
         for msgs in self.nx.get_new_notifs().values():
             out.extend(msgs)
         return out
 
-    def close(self):
+    def close(self) -> None:
         for agent in list(self.handles):
             self.remove_peer(agent)
         for reg in self.reg:

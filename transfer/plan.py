@@ -4,14 +4,17 @@ expanded by block ids and coalesced; cached pages skipped). docs/transfer.md, do
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from engine.cache.spec import PagedAttentionSpec
 from transfer.errors import PlanError
 from transfer.schema import KINDS, PAGED_KINDS, RankSchema, TensorDesc
+
+Ids = npt.NDArray[np.int64]  # block ids, byte offsets and lengths as numpy arrays
 
 
 class Template(NamedTuple):
@@ -132,7 +135,9 @@ def pair_templates(src: RankSchema, dst: RankSchema) -> tuple[RegionPair, ...]:
     return tuple(out)
 
 
-def check_ids(pairs: Sequence[RegionPair], src_blocks, dst_blocks, src_slot: int, dst_slot: int) -> None:
+def check_ids(
+    pairs: Sequence[RegionPair], src_blocks: Sequence[int], dst_blocks: Sequence[int], src_slot: int, dst_slot: int
+) -> None:
     """Refuse ids that are out of range, duplicated, or unpaired."""
     if len(src_blocks) != len(dst_blocks):
         raise PlanError(f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks")
@@ -150,7 +155,7 @@ def check_ids(pairs: Sequence[RegionPair], src_blocks, dst_blocks, src_slot: int
                     raise PlanError(f"{name} state slot {slot} outside 0..{desc.num_pages - 1}")
 
 
-def block_order(src_blocks, dst_blocks) -> tuple[np.ndarray, np.ndarray]:
+def block_order(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> tuple[Ids, Ids]:
     """Block pairs sorted by source id: consecutive ids become adjacent, hence coalescible."""
     s = np.asarray(src_blocks, dtype=np.int64)
     d = np.asarray(dst_blocks, dtype=np.int64)
@@ -158,15 +163,22 @@ def block_order(src_blocks, dst_blocks) -> tuple[np.ndarray, np.ndarray]:
     return s[order], d[order]
 
 
-def selected(pairs: Sequence[RegionPair], layers=None, kinds=None) -> list[RegionPair]:
+def selected(
+    pairs: Sequence[RegionPair], layers: Collection[int] | None = None, kinds: Collection[str] | None = None
+) -> list[RegionPair]:
     return [p for p in pairs if (layers is None or p.layer in layers) and (kinds is None or p.kind in kinds)]
 
 
-def expand_arrays(pairs: Sequence[RegionPair], src_blocks, dst_blocks, src_slot: int, dst_slot: int):
+def expand_arrays(
+    pairs: Sequence[RegionPair], src_blocks: Sequence[int], dst_blocks: Sequence[int], src_slot: int, dst_slot: int
+) -> tuple[Ids, Ids, Ids, Ids]:
     """(region index, src offset, dst offset, length) arrays, coalesced; region index into `pairs`."""
     check_ids(pairs, src_blocks, dst_blocks, src_slot, dst_slot)
     sb, db = block_order(src_blocks, dst_blocks)
-    reg, so, do, ln = [], [], [], []
+    reg: list[Ids] = []
+    so: list[Ids] = []
+    do: list[Ids] = []
+    ln: list[Ids] = []
     for i, p in enumerate(pairs):
         for t in p.templates:
             if p.paged:
@@ -182,16 +194,18 @@ def expand_arrays(pairs: Sequence[RegionPair], src_blocks, dst_blocks, src_slot:
     if not reg:
         z = np.zeros(0, dtype=np.int64)
         return z, z, z, z
-    reg, so, do, ln = (np.concatenate(x) for x in (reg, so, do, ln))
-    if len(reg) == 0:
-        return reg, so, do, ln
-    start = np.ones(len(reg), dtype=bool)
-    start[1:] = (reg[1:] != reg[:-1]) | (so[1:] != so[:-1] + ln[:-1]) | (do[1:] != do[:-1] + ln[:-1])
+    r, s, d, n = (np.concatenate(x) for x in (reg, so, do, ln))
+    if len(r) == 0:
+        return r, s, d, n
+    start = np.ones(len(r), dtype=bool)
+    start[1:] = (r[1:] != r[:-1]) | (s[1:] != s[:-1] + n[:-1]) | (d[1:] != d[:-1] + n[:-1])
     first = np.flatnonzero(start)
-    return reg[first], so[first], do[first], np.add.reduceat(ln, first)
+    return r[first], s[first], d[first], np.add.reduceat(n, first)
 
 
-def skip_cached(src_blocks, dst_blocks, cached_blocks: int) -> tuple[list[int], list[int]]:
+def skip_cached(
+    src_blocks: Sequence[int], dst_blocks: Sequence[int], cached_blocks: int
+) -> tuple[list[int], list[int]]:
     """The block pairs that move when the destination already holds the first `cached_blocks`
     pages (its prefix cache): the rest. The sender does not read the skipped pages, the receiver
     does not expect them; state slots always move."""
@@ -206,7 +220,9 @@ def plan_nbytes(pairs: Sequence[RegionPair], num_blocks: int) -> int:
     return sum(t.length * (num_blocks if p.paged else 1) for p in pairs for t in p.templates)
 
 
-def expand(pairs: Sequence[RegionPair], src_blocks, dst_blocks, src_slot: int, dst_slot: int) -> list[Range]:
+def expand(
+    pairs: Sequence[RegionPair], src_blocks: Sequence[int], dst_blocks: Sequence[int], src_slot: int, dst_slot: int
+) -> list[Range]:
     reg, so, do, ln = expand_arrays(pairs, src_blocks, dst_blocks, src_slot, dst_slot)
     return [
         Range(pairs[r].layer, pairs[r].kind, s, d, n)
@@ -217,12 +233,12 @@ def expand(pairs: Sequence[RegionPair], src_blocks, dst_blocks, src_slot: int, d
 def plan(
     src: RankSchema,
     dst: RankSchema,
-    src_blocks,
-    dst_blocks,
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
     src_slot: int,
     dst_slot: int,
-    layers=None,
-    kinds=None,
+    layers: Collection[int] | None = None,
+    kinds: Collection[str] | None = None,
     cached_blocks: int = 0,
 ) -> list[Range]:
     """The coalesced byte ranges source rank `src.tp_rank` writes into destination rank `dst.tp_rank`.

@@ -1,13 +1,13 @@
 """Transfer endpoints inside an engine's tensor-parallel workers: the one rank-side layer both
 node kinds use.
 
-A node drives its ranks through the engine executor: `engine.executor.call_all(fn, ...)` runs
-`fn(worker, ...)` on every rank (in the rank's own process when TP > 1), where each rank's
-`Sender` / `Receiver` lives next to its pools in `worker.ext`. The engine's scheduler owns block
-and slot allocation: a receiver adopts the engine's reservation, a sender reads the engine's
-HELD pages, and neither ever frees engine memory itself; the node returns it to the scheduler
-once a poll says no write can still touch it. Every poll answers with typed records
-(`SendStatus`, `RecvStatus`), one per request asked about, by rank.
+The engine's connector (transfer/connector/) drives the ranks through the engine executor:
+`executor.call_all(fn, ...)` runs `fn(worker, ...)` on every rank (in the rank's own process when
+TP > 1), where each rank's `Sender` / `Receiver` lives next to its pools in `worker.ext`. The
+engine's scheduler owns block and slot allocation: a receiver adopts the engine's reservation, a
+sender reads the engine's HELD pages, and neither ever frees engine memory itself; the engine
+does once the connector's poll says no write can still touch it. Every poll answers with typed
+records (`SendStatus`, `RecvStatus`), one per request asked about, by rank.
 
     blobs = D.executor.call_all(open_endpoint, "receiver", "D0", cfg)        # one blob per rank
     P.executor.call_all(add_peers, "nixl", blobs) ...                         # and the reverse

@@ -26,9 +26,9 @@ from collections.abc import Callable
 
 from transfer.backend import TransferState, byte_view
 from transfer.endpoint import Endpoint, Peer
-from transfer.errors import TransferError
+from transfer.errors import PlanError, TransferError
 from transfer.messages import Abort, Begin, Done, Grant, Refuse, Release, Renew, Target, TargetRank
-from transfer.plan import PlanError, check_ids, pair_templates
+from transfer.plan import check_ids, pair_templates
 from transfer.sender import channel_checksum
 
 log = logging.getLogger(__name__)

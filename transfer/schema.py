@@ -5,6 +5,7 @@ pools, decoded with typed decoders so a malformed record fails at decode time.""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
@@ -20,7 +21,7 @@ SCHEMA_VERSION = 4  # 2: head-major KV pools, described by axes + page_stride + 
 # 4: the MoE sizes, sparse layers and weight quantization in the digest
 
 Kind = Literal["paged_kv", "gdn_conv", "gdn_recurrent", "mtp_kv"]
-KINDS: tuple[str, ...] = ("paged_kv", "gdn_conv", "gdn_recurrent", "mtp_kv")
+KINDS: tuple[Kind, ...] = ("paged_kv", "gdn_conv", "gdn_recurrent", "mtp_kv")
 PAGED_KINDS: tuple[str, ...] = ("paged_kv", "mtp_kv")  # pages indexed by the request's block table
 PAGE_AXIS = {
     "paged_kv": "block",
@@ -176,22 +177,29 @@ def model_digest(cfg: EngineConfig) -> ModelDigest:
     )
 
 
-def _mem(t: torch.Tensor) -> tuple[str, int]:
+def _mem(t: torch.Tensor) -> tuple[Literal["DRAM", "VRAM"], int]:
     return ("DRAM", 0) if t.device.type == "cpu" else ("VRAM", t.device.index or 0)
+
+
+def _kind(name: str) -> Kind:
+    for k in KINDS:
+        if k == name:
+            return k
+    raise ValueError(f"no transfer kind {name!r}; known kinds: {', '.join(KINDS)}")
 
 
 def _desc(
     kind: str,
-    spec,
+    spec: PagedAttentionSpec | GDNStateSpec,
     pool: torch.Tensor,
-    global_shape,
-    axes,
-    shard_axis,
+    global_shape: tuple[int, ...],
+    axes: tuple[str, ...],
+    shard_axis: str,
     *,
-    segments=(),
-    heads=(),
-    replication=1,
-    replica=0,
+    segments: Sequence[SegmentDesc] = (),
+    heads: Sequence[int] = (),
+    replication: int = 1,
+    replica: int = 0,
     tp: int,
     rank: int,
     block_size: int = 0,
@@ -204,7 +212,7 @@ def _desc(
     mem_type, dev = _mem(pool)
     page_axis = axes.index(PAGE_AXIS[kind])
     return TensorDesc(
-        kind=kind,
+        kind=_kind(kind),
         layer=spec.layer,
         dtype=dtype_name(pool.dtype),
         global_shape=tuple(global_shape),

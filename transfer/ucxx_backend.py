@@ -7,13 +7,56 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
+import torch
 
 from transfer.backend import TransferState, Transport, WriteJob, byte_view
-from transfer.plan import expand_arrays
+from transfer.plan import RegionPair, expand_arrays
 
 log = logging.getLogger(__name__)
+
+Bytes = npt.NDArray[np.uint8]
+
+
+# The parts of ucxx this backend calls (ucxx ships no type information). Buffers are passed
+# wrapped in `ucxx._lib.arr.Array`, tags as `UCXXTag`: both opaque here.
+class _Request(Protocol):
+    @property
+    def completed(self) -> bool: ...
+    def check_error(self) -> None: ...
+
+
+class _Endpoint(Protocol):
+    @property
+    def alive(self) -> bool: ...
+    def close(self) -> None: ...
+    def tag_send(self, buf: object, tag: object, /) -> _Request: ...
+    def tag_recv(self, buf: object, tag: object, /) -> _Request: ...
+
+
+class _Probe(Protocol):
+    @property
+    def matched(self) -> bool: ...
+    @property
+    def length(self) -> int: ...
+
+
+class _Address(Protocol):
+    def tobytes(self) -> bytes: ...
+
+
+class _Worker(Protocol):
+    @property
+    def address(self) -> _Address: ...
+    def progress(self) -> None: ...
+    def create_endpoint_from_worker_address(self, address: object, error_handling: bool, /) -> _Endpoint: ...
+    def tag_probe(self, tag: object, /, *, remove: bool) -> _Probe: ...
+    def tag_recv_with_handle(self, buf: object, probe: _Probe, /) -> _Request: ...
+
 
 CONTROL_TAG = 1 << 63
 REGION_SHIFT = 20
@@ -24,15 +67,21 @@ class _Requests:
     """UCX requests of one channel post, the buffers they need alive, and a notification to
     send once all of them completed."""
 
-    def __init__(self, agent: str, reqs: list, keep: list, notif: bytes | None):
+    def __init__(self, agent: str, reqs: list[_Request], keep: list[Bytes], notif: bytes | None) -> None:
         self.agent, self.reqs, self.keep, self.notif = agent, reqs, keep, notif
         self.error: str | None = None
+
+
+def _requests(handle: object) -> _Requests:
+    if not isinstance(handle, _Requests):
+        raise TypeError(f"not a UCXX transfer handle: {handle!r}")
+    return handle
 
 
 class UcxxTransport(Transport):
     name = "ucxx"
 
-    def __init__(self, agent, regions, error_handling: bool = True):
+    def __init__(self, agent: str, regions: dict[tuple[int, str], torch.Tensor], error_handling: bool = True) -> None:
         super().__init__(agent, regions)
         self.error_handling = error_handling
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -42,24 +91,24 @@ class UcxxTransport(Transport):
 
         self.ucx, self.Array = ucx, Array
         self.ctx = ucx.UCXContext(feature_flags=(ucx.Feature.TAG,))
-        self.worker = ucx.UCXWorker(self.ctx)
+        self.worker: _Worker = ucx.UCXWorker(self.ctx)
         if any(t.device.type != "cpu" for t in regions.values()):
             raise NotImplementedError("the UCXX backend moves CPU pools only in this version")
-        self.views = {k: byte_view(t).numpy() for k, t in regions.items()}
-        self.eps: dict[str, object] = {}
-        self._sends: list[tuple[object, bytes]] = []  # control sends in flight, with their buffers
-        self._ctl_recvs: deque = deque()  # (request, buffer) in arrival order
+        self.views: dict[tuple[int, str], Bytes] = {k: byte_view(t).numpy() for k, t in regions.items()}
+        self.eps: dict[str, _Endpoint] = {}
+        self._sends: list[tuple[_Request, Bytes | None]] = []  # control sends in flight, with their buffers
+        self._ctl_recvs: deque[tuple[_Request, Bytes]] = deque()  # (request, buffer) in arrival order
         self._empty = np.zeros(0, dtype=np.uint8)
         self._channels = 0
 
-    def metadata(self):
+    def metadata(self) -> bytes:
         return self.worker.address.tobytes()
 
-    def add_peer(self, agent, blob):
+    def add_peer(self, agent: str, blob: bytes) -> None:
         addr = self.ucx.UCXAddress.create_from_buffer(blob)
         self.eps[agent] = self.worker.create_endpoint_from_worker_address(addr, self.error_handling)
 
-    def remove_peer(self, agent):
+    def remove_peer(self, agent: str) -> None:
         ep = self.eps.pop(agent, None)
         if ep is None:
             return
@@ -69,14 +118,14 @@ class UcxxTransport(Transport):
         # (closing an endpoint that already failed crashes ucxx 0.52, so a dead one is dropped as is)
         self.worker.progress()
 
-    def new_tag_base(self):
+    def new_tag_base(self) -> int:
         self._channels += 1
         return self._channels << CHANNEL_SHIFT
 
-    def _tag(self, base: int, region: int, j: int):
+    def _tag(self, base: int, region: int, j: int) -> object:
         return self.ucx.UCXXTag(base | (region << REGION_SHIFT) | j)
 
-    def write(self, agent, job: WriteJob):
+    def write(self, agent: str, job: WriteJob) -> _Requests:
         ep = self.eps[agent]
         pairs = [p for _, p in job.pairs]
         index = [i for i, _ in job.pairs]
@@ -91,7 +140,16 @@ class UcxxTransport(Transport):
             reqs.append(ep.tag_send(self.Array(buf), self._tag(job.tag_base, index[r], j)))
         return _Requests(agent, reqs, keep, job.notif)
 
-    def expect(self, agent, pairs, src_blocks, dst_blocks, src_slot, dst_slot, tag_base):
+    def expect(
+        self,
+        agent: str,
+        pairs: Sequence[RegionPair],
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        src_slot: int,
+        dst_slot: int,
+        tag_base: int,
+    ) -> _Requests:
         ep = self.eps[agent]
         reg, _, do, ln = expand_arrays(pairs, src_blocks, dst_blocks, src_slot, dst_slot)
         reqs, keep, j, last = [], [], 0, -1
@@ -104,7 +162,16 @@ class UcxxTransport(Transport):
             reqs.append(ep.tag_recv(self.Array(buf), self._tag(tag_base, r, j)))
         return _Requests(agent, reqs, keep, None)
 
-    def drain(self, agent, pairs, src_blocks, dst_blocks, src_slot, dst_slot, tag_base):
+    def drain(
+        self,
+        agent: str,
+        pairs: Sequence[tuple[int, RegionPair]],
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        src_slot: int,
+        dst_slot: int,
+        tag_base: int,
+    ) -> None:
         """Empty messages for the ranges of `pairs` the receiver still waits for."""
         ep = self.eps.get(agent)
         if ep is None or not pairs:
@@ -138,32 +205,33 @@ class UcxxTransport(Transport):
             h.notif = None
         return TransferState.DONE
 
-    def state(self, handle):
-        return self._settle(handle)
+    def state(self, handle: object) -> TransferState:
+        return self._settle(_requests(handle))
 
-    def expect_state(self, handle):
-        return TransferState.DONE if handle is None else self._settle(handle)
+    def expect_state(self, handle: object | None) -> TransferState:
+        return TransferState.DONE if handle is None else self._settle(_requests(handle))
 
-    def release(self, handle, force=False):
+    def release(self, handle: object, force: bool = False) -> bool:
         if handle is None:
             return True
-        if self._settle(handle) is TransferState.TRANSFERRING and not force:
+        h = _requests(handle)
+        if self._settle(h) is TransferState.TRANSFERRING and not force:
             return False
-        handle.keep.clear()
+        h.keep.clear()
         return True
 
-    def send_control(self, agent, payload):
+    def send_control(self, agent: str, payload: bytes) -> None:
         ep = self.eps.get(agent)
         if ep is None:
             raise KeyError(f"no UCX endpoint to {agent}")
         buf = np.frombuffer(bytes(payload), dtype=np.uint8).copy()
         self._sends.append((ep.tag_send(self.Array(buf), self.ucx.UCXXTag(CONTROL_TAG)), buf))
 
-    def progress(self):
+    def progress(self) -> None:
         self.worker.progress()
         self._sends = [(r, b) for r, b in self._sends if not r.completed]
 
-    def poll_control(self):
+    def poll_control(self) -> list[bytes]:
         self.worker.progress()
         while True:
             probe = self.worker.tag_probe(self.ucx.UCXXTag(CONTROL_TAG), remove=True)
@@ -171,7 +239,7 @@ class UcxxTransport(Transport):
                 break
             buf = np.empty(probe.length, dtype=np.uint8)
             self._ctl_recvs.append((self.worker.tag_recv_with_handle(self.Array(buf), probe), buf))
-        out = []
+        out: list[bytes] = []
         while self._ctl_recvs and self._ctl_recvs[0][0].completed:
             req, buf = self._ctl_recvs.popleft()
             try:
@@ -181,6 +249,6 @@ class UcxxTransport(Transport):
                 log.warning("UCXX control message lost: %s", e)
         return out
 
-    def close(self):
+    def close(self) -> None:
         for agent in list(self.eps):
             self.remove_peer(agent)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.connector import Connector
 
 INTERVAL, BS = 24, 16  # grid positions 24, 48, 72, 96 fall mid-page as well as on one (48, 96)
 PROMPT = torch.randint(0, 1024, (100,), generator=torch.Generator().manual_seed(11)).tolist()
@@ -26,10 +27,32 @@ def _read(worker, entries):
     }  # fmt: skip
 
 
+class _Chunks(Connector):
+    """Records the tokens each scheduled row computes; transfers nothing."""
+
+    def __init__(self, chunks: list[list[int]]) -> None:
+        self.chunks = chunks
+
+    def rows_scheduled(self, so) -> None:
+        self.chunks.append([r.num_new_tokens for r in so.rows])
+
+    def tracks(self, request_id: str) -> bool:
+        return False
+
+    def abort(self, request_id: str, reason: str) -> bool:
+        return False
+
+    def poll(self) -> list:
+        return []
+
+    def has_work(self) -> bool:
+        return False
+
+
 def _run(ckpt, budget):
     chunks = []
     with LLM(ckpt, dtype="float32", max_num_batched_tokens=budget, prefix_snapshot_interval=INTERVAL) as llm:
-        llm.engine.on_schedule = lambda so: chunks.append([r.num_new_tokens for r in so.rows])
+        llm.engine.use_connector(_Chunks(chunks))  # hears every step's rows before it runs
         out = llm.generate(prompt_token_ids=[PROMPT], sampling_params=GREEDY)[0]
         keys = {s.num_tokens: s.index for s in llm.engine.prefix._by_key.values() if s.ready}
         snaps = llm.engine.executor.call_all(_read, list(keys.values()))[0]

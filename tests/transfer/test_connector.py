@@ -1,0 +1,154 @@
+"""The connector between two real engines in one process (TP 1, NIXL over loopback): the
+prefill engine's PrefillConnector pushes a computed prompt into the decode engine's reservation,
+which the DecodeConnector adopted; the engines themselves call the connectors and free what a
+transfer held when its poll says so. Each test checks the phases on the way, the typed records,
+that every page and slot comes back, and (for a push) that decoding from the transferred state
+gives the tokens of a colocated run."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine import SamplingParams
+from engine.connector import RecvFailed, RecvFreed, RecvReady, SendDone, TransferRecord
+from engine.core import EngineCore
+from engine.llm import LLM
+from engine.request import Status
+from tests.helpers import hybrid_ckpt as hc
+from transfer import TransferConfig
+from transfer.connector import DecodeConnector, PrefillConnector, PushParams, PushPhase, ReservationPhase
+from transfer.messages import Target
+
+SP = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return hc.make(tmp_path_factory.mktemp("conn") / "ckpt", hc.SPEC_HV2)
+
+
+@pytest.fixture(scope="module")
+def pair(ckpt):
+    kw = dict(dtype="float32", kv_cache_memory="24MiB", max_num_seqs=8, max_num_batched_tokens=32)
+    with LLM(ckpt, **kw) as p, LLM(ckpt, **kw) as d:
+        pc = PrefillConnector(p.engine.executor, "P", TransferConfig(backend="nixl"), push_timeout_s=30.0)
+        dc = DecodeConnector(d.engine.executor, "D", TransferConfig(backend="nixl", lease_s=30.0))
+        p.engine.use_connector(pc)
+        d.engine.use_connector(dc)
+        assert pc.add_peers(dc.blobs) and dc.add_peers(pc.blobs)
+        yield p.engine, d.engine, pc, dc
+        pc.close()
+        dc.close()
+
+
+@pytest.fixture(scope="module")
+def colocated(ckpt):
+    with LLM(ckpt, dtype="float32") as llm:
+        return [o.output_token_ids for o in llm.generate(prompt_token_ids=hc.prompts(lens=(70,)), sampling_params=SP)]
+
+
+def _free(e: EngineCore) -> tuple[int, int]:
+    return e.blocks.num_free, e.slots.num_free
+
+
+def _target(D: EngineCore, rid: str, prompt: list[int], lease_s: float = 0.0) -> Target:
+    got = D.reserve_transfer(prompt, SP, rid, lease_s or None)
+    assert got is not None and isinstance(D.connector, DecodeConnector)
+    (blocks, slot, cached), ranks = got
+    assert isinstance(ranks, list)  # the decode connector's answer: every rank's TargetRank
+    assert [r.blocks for r in ranks] == [blocks] and [r.slot for r in ranks] == [slot]
+    return Target(rid, "D", 1, D.connector.digest, len(prompt), ranks, cached)
+
+
+def _drive(P: EngineCore, D: EngineCore, until, records: list[TransferRecord]) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not until():
+        assert time.monotonic() < deadline, f"not there within {TIMEOUT_S} s: {records}"
+        if P.has_unfinished():
+            P.step()
+        records += P.poll_transfers() + D.poll_transfers()
+
+
+def test_a_push_lands_and_decodes_like_the_colocated_engine(pair, colocated):
+    P, D, pc, dc = pair
+    p0, d0 = _free(P), _free(D)
+    prompt = hc.prompts(lens=(70,))[0]
+    target = _target(D, "r1", prompt)
+    assert dc.phase("r1") is ReservationPhase.WAITING and D.requests["r1"].status is Status.RESERVED
+    P.add_request(prompt, SP, "r1", prefill_only=True, transfer=PushParams(target))
+    P.step()  # the first of three chunks (32 tokens a step): nothing opened yet
+    assert pc.phase("r1") is None
+    P.step()
+    P.step()  # the last chunk ran: opened before it, posted once the first token existed
+    assert P.requests["r1"].status is Status.HELD and pc.phase("r1") is PushPhase.POSTED
+    first = P.requests["r1"].output_token_ids[0]
+    records: list[TransferRecord] = []
+    _drive(P, D, lambda: not pc.tracks("r1") and dc.phase("r1") is ReservationPhase.READY, records)
+    sent = [r for r in records if isinstance(r, SendDone)]
+    assert len(sent) == 1 and sent[0].error is None and not sent[0].aborted and sent[0].nbytes > 0
+    assert RecvReady("r1") in records and D.transfer_state("r1") == RecvReady("r1")
+    assert _free(P) == p0 and "r1" not in P.requests  # the held memory came back with SendDone
+    assert P.transfer_stats().sends_done == 1 and D.transfer_stats().receives_ready == 1
+
+    D.activate("r1", first)  # the connector takes the state
+    assert dc.phase("r1") is None
+    toks = [first]
+    while D.has_unfinished():
+        toks += [t for o in D.step() for t in o.new_token_ids]
+    assert toks == colocated[0]
+    assert _free(D) == d0
+
+
+def test_a_released_reservation_fails_then_frees(pair):
+    P, D, pc, dc = pair
+    d0 = _free(D)
+    _target(D, "r2", [5] * 40)
+    assert D.release("r2", "the router gave up") is False  # a transfer holds it: freed by a poll
+    assert dc.phase("r2") is ReservationPhase.FAILING
+    assert D.transfer_state("r2") == RecvFailed("r2", "the router gave up")
+    records: list[TransferRecord] = []
+    _drive(P, D, lambda: RecvFreed("r2") in records, records)
+    assert records[0] == RecvFailed("r2", "the router gave up") and "r2" not in D.requests
+    assert _free(D) == d0
+    with pytest.raises(KeyError):
+        D.activate("r2", 1)
+
+
+def test_activating_before_the_state_is_in_is_refused(pair):
+    P, D, pc, dc = pair
+    d0 = _free(D)
+    _target(D, "r3", [7] * 20)
+    with pytest.raises(RuntimeError, match="ended before decode began: waiting"):
+        D.activate("r3", 1)
+    assert D.requests["r3"].status is Status.RESERVED  # refused: still reserved
+    D.release("r3")
+    records: list[TransferRecord] = []
+    _drive(P, D, lambda: RecvFreed("r3") in records, records)
+    assert _free(D) == d0
+
+
+def test_a_request_aborted_before_its_first_token_ends_its_opened_push(pair):
+    P, D, pc, dc = pair
+    p0, d0 = _free(P), _free(D)
+    prompt = hc.prompts(lens=(70,))[0]
+    target = _target(D, "r4", prompt, lease_s=9.0)
+    P.add_request(prompt, SP, "r4", prefill_only=True, transfer=PushParams(target, lease_s=9.0))
+    P.step()
+    P.step()
+    # the last chunk is next: run its scheduling hook alone, as the step would
+    so = P.scheduler.schedule()
+    P.connector.rows_scheduled(so)
+    P.scheduler.abandon(so)
+    assert pc.phase("r4") is PushPhase.OPENED
+    P.abort("r4")  # before its first token: the push ends, aborted
+    assert pc.phase("r4") is PushPhase.FAILING
+    records: list[TransferRecord] = []
+    D.release("r4")
+    _drive(P, D, lambda: not pc.tracks("r4") and RecvFreed("r4") in records, records)
+    sent = [r for r in records if isinstance(r, SendDone)]
+    assert len(sent) == 1 and sent[0].aborted and sent[0].error == "the request ended before its first token"
+    assert _free(P) == p0 and _free(D) == d0 and not P.requests and not D.requests
+    assert not pc.has_work()  # its lease is no longer renewed

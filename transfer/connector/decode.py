@@ -1,0 +1,170 @@
+"""The decode side of the connector: every rank's receiver adopts the engine's reservation (pages
+for prompt + 1 tokens and a GDN slot) under a lease, and the poll reports when the state is in.
+
+Every rank call goes through the engine's executor (transfer/rank.py functions on each rank).
+A reservation's life, in one enum and one table:
+
+    request_reserved: adopt on every rank (one incarnation for all)             WAITING
+        the prefill node writes and renews the lease while it works
+    poll: every rank saw every source rank's Done -> RecvReady                  READY
+        the decode call has one more lease to take it (request_activating: take -> gone)
+    a rank failed, the lease ran out, abort/release -> RecvFailed               FAILING
+    poll: no write can land on any rank -> RecvFreed (the engine frees the memory), gone
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+from engine.connector import Connector, ConnectorStats, RecvFailed, RecvFreed, RecvReady, TransferRecord
+from engine.executor import Executor
+from engine.request import Request
+from transfer import rank as xr
+from transfer.config import TransferConfig
+from transfer.connector.base import RankEndpoints
+from transfer.messages import TargetRank
+
+log = logging.getLogger("pdserve.transfer")
+
+
+class ReservationPhase(enum.Enum):
+    WAITING = "waiting"  # writes may land; the prefill node renews the lease
+    READY = "ready"  # the whole state is in; waiting for the decode call to take it
+    FAILING = "failing"  # failed, expired or released; waiting until no write can land
+
+
+_NEXT: dict[ReservationPhase, frozenset[ReservationPhase]] = {
+    ReservationPhase.WAITING: frozenset({ReservationPhase.READY, ReservationPhase.FAILING}),
+    ReservationPhase.READY: frozenset({ReservationPhase.FAILING}),
+    ReservationPhase.FAILING: frozenset(),
+}
+
+
+@dataclass
+class _Reservation:
+    rid: str
+    inc: int  # the incarnation every rank adopted it under
+    lease_s: float
+    phase: ReservationPhase = ReservationPhase.WAITING
+    deadline: float = float("inf")  # READY: take it by then
+    renewals: int = 0  # renewals rank 0's receiver counted so far
+    error: str | None = None
+    expired: bool = False
+
+    def to(self, phase: ReservationPhase) -> None:
+        if phase not in _NEXT[self.phase]:
+            raise RuntimeError(f"reservation {self.rid}: {self.phase.value} -> {phase.value} is not a transition")
+        self.phase = phase
+
+    def record(self) -> TransferRecord | None:
+        if self.phase is ReservationPhase.READY:
+            return RecvReady(self.rid)
+        if self.phase is ReservationPhase.FAILING:
+            return RecvFailed(self.rid, self.error or "failed", self.expired)
+        return None
+
+
+class DecodeConnector(RankEndpoints, Connector):
+    """A reserved request's `kv_transfer` is its lease in seconds (None: config.lease_s)."""
+
+    def __init__(self, executor: Executor, node: str, config: TransferConfig) -> None:
+        super().__init__(executor, "receiver", node, config)
+        self._res: dict[str, _Reservation] = {}
+        self._out: list[TransferRecord] = []  # reported by the next poll
+        self._ready = self._failed = self._renewals = self._expiries = 0
+
+    # ---- the engine's calls ----------------------------------------------------------------------
+    def request_reserved(self, request: Request) -> list[TargetRank]:
+        """Every rank's receiver takes the reservation; returns every rank's target, by rank."""
+        rid = request.request_id
+        lease = request.kv_transfer if isinstance(request.kv_transfer, (int, float)) else self.config.lease_s
+        inc = secrets.randbits(62)
+        ranks = self.call_all(xr.adopt, self.backend, rid, len(request.prompt_token_ids), list(request.block_ids),
+                              request.slot, float(lease), inc, request.num_cached_blocks)  # fmt: skip
+        self._res[rid] = _Reservation(rid, inc, float(lease))
+        return sorted(ranks, key=lambda t: t.rank)
+
+    def request_activating(self, request: Request) -> None:
+        rid = request.request_id
+        r = self._res.get(rid)
+        if r is None or r.phase is not ReservationPhase.READY:
+            why = "no transfer" if r is None else (r.error or r.phase.value)
+            raise RuntimeError(f"reservation {rid} ended before decode began: {why}")
+        self.call_all(xr.take, self.backend, rid, r.inc)
+        del self._res[rid]
+
+    # ---- the transfers ---------------------------------------------------------------------------
+    def tracks(self, request_id: str) -> bool:
+        return request_id in self._res
+
+    def phase(self, request_id: str) -> ReservationPhase | None:
+        """Where a reservation is (None: none of that request in flight: taken, freed, never)."""
+        r = self._res.get(request_id)
+        return None if r is None else r.phase
+
+    def abort(self, request_id: str, reason: str) -> bool:
+        r = self._res.get(request_id)
+        if r is None:
+            return False
+        if r.phase is not ReservationPhase.FAILING:
+            self._fail(r, reason)
+        return True
+
+    def current(self, request_id: str) -> TransferRecord | None:
+        r = self._res.get(request_id)
+        return None if r is None else r.record()
+
+    def has_work(self) -> bool:
+        return bool(self._res)
+
+    def stats(self) -> ConnectorStats:
+        return ConnectorStats(
+            in_flight=len(self._res), receives_ready=self._ready, receives_failed=self._failed,
+            lease_renewals=self._renewals, lease_expiries=self._expiries,
+        )  # fmt: skip
+
+    def poll(self) -> list[TransferRecord]:
+        if self._res:
+            self._poll_once()
+        out, self._out = self._out, []
+        return out
+
+    # ---- inside --------------------------------------------------------------------------------
+    def _fail(self, r: _Reservation, why: str, expired: bool = False) -> None:
+        log.warning("reservation %s: %s", r.rid, why)
+        r.to(ReservationPhase.FAILING)
+        r.error, r.expired = why, expired
+        self._failed += 1
+        self._expiries += expired
+        self._out.append(RecvFailed(r.rid, why, expired))
+        self.call_all(xr.abort_reservation, self.backend, r.rid, r.inc, why)
+
+    def _poll_once(self) -> None:
+        rs = list(self._res.values())
+        res = self.call_all(xr.poll_reservations, self.backend, [(r.rid, r.inc) for r in rs])
+        now = time.monotonic()
+        for i, r in enumerate(rs):
+            per = [x[i] for x in res]  # this reservation on every rank
+            if per[0].renewals > r.renewals:
+                self._renewals += per[0].renewals - r.renewals
+                r.renewals = per[0].renewals
+            if r.phase is ReservationPhase.WAITING:
+                if all(p.state == "done" for p in per):
+                    r.to(ReservationPhase.READY)
+                    r.deadline = now + r.lease_s
+                    self._ready += 1
+                    self._out.append(RecvReady(r.rid))
+                elif any(p.state in ("failed", xr.GONE) for p in per):
+                    why = next((p.error for p in per if p.error), None) or "the transfer failed"
+                    self._fail(r, why, expired=any(p.expired for p in per))
+                    continue
+            if r.phase is ReservationPhase.READY and now > r.deadline:
+                self._fail(r, "lease expired before decode began", expired=True)
+                continue
+            if r.phase is ReservationPhase.FAILING and all(p.freed for p in per):
+                del self._res[r.rid]
+                self._out.append(RecvFreed(r.rid))

@@ -1,0 +1,266 @@
+"""The prefill side of the connector: pushes a prefill-only request's computed state (KV pages and
+GDN slot, HELD by the engine) into the decode node's reservation named by its `PushParams`.
+
+Every rank call goes through the engine's executor (transfer/rank.py functions on each rank).
+A push's life, in one enum and one table:
+
+    rows_scheduled: the request's last prompt chunk is about to run -> open_send on every rank
+        (Begin to its destination ranks, so the grants return while the chunk computes)  OPENED
+    prompt_prefilled: HELD, the first token exists -> post (writes + Done)                 POSTED
+        (a request with no opened push is opened and posted at once)
+    a rank failed / the deadline passed / abort / the request ended before its push     FAILING
+    poll: every rank terminal and quiet, and the request no longer computing -> forget_send,
+        SendDone (the engine releases the HELD memory), the push is gone
+
+While a request is here (queued, prefilling, pushing) its reservation's lease is renewed every
+third of it (a Renew from each rank to the destination ranks it writes), so the lease only runs
+out when this node stops working.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.connector import Connector, ConnectorStats, SendDone, TransferRecord
+from engine.executor import Executor
+from engine.request import Request
+from transfer import rank as xr
+from transfer.config import TransferConfig
+from transfer.connector.base import RankEndpoints
+from transfer.messages import Target
+
+if TYPE_CHECKING:
+    from engine.scheduler import SchedulerOutput
+
+log = logging.getLogger("pdserve.transfer")
+
+
+@dataclass(frozen=True)
+class PushParams:
+    """A prefill-only request's transfer parameters (`EngineCore.add_request(transfer=...)`)."""
+
+    target: Target  # every destination rank's reservation
+    lease_s: float = 0.0  # the reservation's lease, renewed every third of it (0: none to renew)
+
+
+class PushPhase(enum.Enum):
+    OPENED = "opened"  # Begin sent; the state is still computing
+    POSTED = "posted"  # writes and Done posted; waiting for every rank to be done and quiet
+    FAILING = "failing"  # failed or aborted; waiting for every rank to be quiet
+
+
+_NEXT: dict[PushPhase, frozenset[PushPhase]] = {
+    PushPhase.OPENED: frozenset({PushPhase.POSTED, PushPhase.FAILING}),
+    PushPhase.POSTED: frozenset({PushPhase.FAILING}),
+    PushPhase.FAILING: frozenset(),
+}
+
+
+@dataclass
+class _Push:
+    rid: str
+    target: Target
+    deadline: float
+    phase: PushPhase
+    opened: tuple[list[int], int | None] | None = None  # (blocks, slot) when opened before the state existed
+    started: float = field(default_factory=time.monotonic)  # the writes were posted
+    error: str | None = None
+    aborted: bool = False
+    computing: bool = True  # the request is still in the engine computing its prompt
+
+    def to(self, phase: PushPhase) -> None:
+        if phase not in _NEXT[self.phase]:
+            raise RuntimeError(f"push {self.rid}: {self.phase.value} -> {phase.value} is not a transition")
+        self.phase = phase
+
+
+@dataclass
+class _Lease:
+    target: Target
+    lease_s: float
+    due: float
+
+
+class PrefillConnector(RankEndpoints, Connector):
+    """push_timeout_s: a push not done and quiet by then fails; spin_s: how long one poll keeps
+    polling pushes in flight (grants and write completions otherwise wait for the next step)."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        node: str,
+        config: TransferConfig,
+        push_timeout_s: float = 60.0,
+        spin_s: float = 0.0,
+    ) -> None:
+        super().__init__(executor, "sender", node, config)
+        self.push_timeout_s, self.spin_s = push_timeout_s, spin_s
+        self._pushes: dict[str, _Push] = {}
+        self._leases: dict[str, _Lease] = {}
+        self._done = self._failed = self._bytes = 0
+
+    # ---- the engine's calls ----------------------------------------------------------------------
+    def request_added(self, request: Request) -> None:
+        p = request.kv_transfer
+        if isinstance(p, PushParams) and p.lease_s > 0:
+            self._leases[request.request_id] = _Lease(p.target, p.lease_s, time.monotonic() + p.lease_s / 3)
+
+    def rows_scheduled(self, so: SchedulerOutput) -> None:
+        for row in so.rows:
+            req = row.request
+            p = req.kv_transfer
+            if not (req.prefill_only and row.samples and isinstance(p, PushParams)) or req.request_id in self._pushes:
+                continue
+            push = self._new(req.request_id, p.target, PushPhase.OPENED)
+            try:
+                blocks = list(req.block_ids[: self._pages(req)])  # not the MTP lookahead's
+                self.call_all(xr.open_send, self.backend, req.request_id, p.target, blocks, req.slot,
+                              len(req.prompt_token_ids))  # fmt: skip
+                push.opened = (blocks, req.slot)
+            except Exception as e:  # the request still runs; its push fails and the router retries
+                self._fail(push, f"push did not open: {e}")
+
+    def prompt_prefilled(self, request: Request) -> None:
+        rid = request.request_id
+        push = self._pushes.get(rid)
+        if push is not None:
+            push.computing = False
+            if push.phase is PushPhase.OPENED:
+                self._post(push, request)
+            return
+        p = request.kv_transfer
+        if not isinstance(p, PushParams):
+            return
+        push = self._new(rid, p.target, PushPhase.POSTED)
+        push.computing = False
+        try:
+            self.call_all(xr.send, self.backend, rid, p.target, list(request.block_ids), request.slot,
+                          len(request.prompt_token_ids))  # fmt: skip
+        except Exception as e:
+            self._fail(push, f"push did not start: {e}")
+
+    def request_finished(self, request: Request, reason: str) -> None:
+        rid = request.request_id
+        self._leases.pop(rid, None)
+        push = self._pushes.get(rid)
+        if push is None:
+            return
+        push.computing = False
+        if push.phase is PushPhase.OPENED:
+            why = "the request ended before its first token" if reason == "abort" else (
+                f"the request ended before its push ({reason})")  # fmt: skip
+            self._fail(push, why, aborted=True)
+
+    # ---- the transfers ---------------------------------------------------------------------------
+    def tracks(self, request_id: str) -> bool:
+        return request_id in self._pushes
+
+    def phase(self, request_id: str) -> PushPhase | None:
+        """Where a push is (None: no push of that request in flight)."""
+        push = self._pushes.get(request_id)
+        return None if push is None else push.phase
+
+    def abort(self, request_id: str, reason: str) -> bool:
+        push = self._pushes.get(request_id)
+        if push is None:
+            return False
+        if push.phase is not PushPhase.FAILING:
+            self._fail(push, reason, aborted=True)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._pushes or self._leases)
+
+    def poll(self) -> list[TransferRecord]:
+        self._renew()
+        out: list[TransferRecord] = []
+        deadline = time.monotonic() + self.spin_s
+        while self._pushes:
+            out += self._poll_once()
+            if not self._pushes or time.monotonic() >= deadline:
+                break
+            time.sleep(0.0005)
+        return out
+
+    def stats(self) -> ConnectorStats:
+        return ConnectorStats(
+            in_flight=len(self._pushes), sends_done=self._done, sends_failed=self._failed, bytes_sent=self._bytes
+        )
+
+    # ---- inside --------------------------------------------------------------------------------
+    def _pages(self, req: Request) -> int:
+        bs = self.block_size
+        return (len(req.prompt_token_ids) + bs - 1) // bs
+
+    def _new(self, rid: str, target: Target, phase: PushPhase) -> _Push:
+        push = _Push(rid, target, time.monotonic() + self.push_timeout_s, phase)
+        self._pushes[rid] = push
+        return push
+
+    def _post(self, push: _Push, req: Request) -> None:
+        held = (list(req.block_ids), req.slot)
+        if held != push.opened:
+            self._fail(push, f"push did not start: the request's memory changed after its push opened "
+                             f"({push.opened} -> {held})")  # fmt: skip
+            return
+        try:
+            self.call_all(xr.post, self.backend, push.rid)
+        except Exception as e:
+            self._fail(push, f"push did not start: {e}")
+            return
+        push.to(PushPhase.POSTED)
+        push.started = time.monotonic()
+
+    def _fail(self, push: _Push, why: str, aborted: bool = False) -> None:
+        """Some ranks may have started: abort them all; the push ends once every rank is quiet."""
+        if push.phase is PushPhase.FAILING:
+            return
+        (log.info if aborted else log.warning)("request %s: %s", push.rid, why)
+        push.to(PushPhase.FAILING)
+        push.error, push.aborted = why, aborted
+        try:
+            self.call_all(xr.abort_send, self.backend, push.rid, why)
+        except Exception:
+            log.exception("aborting the push of %s failed", push.rid)
+
+    def _renew(self) -> None:
+        now = time.monotonic()
+        due = []
+        for lease in self._leases.values():
+            if now >= lease.due:
+                lease.due = now + lease.lease_s / 3
+                due.append(lease.target)
+        if due:
+            self.call_all(xr.renew, self.backend, due)
+
+    def _poll_once(self) -> list[TransferRecord]:
+        pushes = list(self._pushes.values())
+        res = self.call_all(xr.poll_sends, self.backend, [p.rid for p in pushes])
+        now = time.monotonic()
+        out: list[TransferRecord] = []
+        for i, push in enumerate(pushes):
+            per = [r[i] for r in res]  # this push on every rank
+            if push.phase is not PushPhase.FAILING:
+                failed = [s for s in per if s.state == "failed"]
+                if failed:
+                    self._fail(push, next((s.error for s in failed if s.error), "failed"))  # the other ranks too
+                elif now > push.deadline:
+                    self._fail(push, f"not done within {self.push_timeout_s:g} s")
+            ended = all(s.state in ("done", "failed", xr.GONE) and s.quiet for s in per)
+            if not ended or push.computing:  # a failed early push waits for its request to stop computing
+                continue
+            nbytes = sum(s.nbytes for s in per)
+            self.call_all(xr.forget_send, self.backend, push.rid)
+            del self._pushes[push.rid]
+            self._leases.pop(push.rid, None)
+            if push.error is None:
+                self._done += 1
+                self._bytes += nbytes
+            else:
+                self._failed += 1
+            out.append(SendDone(push.rid, push.error, push.aborted, nbytes, now - push.started))
+        return out
