@@ -26,6 +26,7 @@ class SpecDepth:
     probing: bool = False  # depth 1 after depth 0: the next verification decides alone
     gap: int = 0  # depth 0: steps between probes (doubles after a failed probe, capped)
     wait: int = 0  # depth 0: steps left before the next probe
+    cap: int = 0  # the most drafts a row carries: k, or the request's own lower cap; 0: never drafts
 
 
 @dataclass
@@ -52,7 +53,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at first admission
     # a record, not a state: admission once waited for a running request's snapshot
     # (engine/cache/inflight.py), counted once in the prefix stats
-    held: bool = False
+    held_back: bool = False
     block_hashes: list[int] | None = None  # prefix caching: chained hash of each full prompt page
     num_registered: int = 0  # pages of this request registered in the prefix cache
     num_cached_blocks: int = 0  # decode side: leading prompt pages already here (not transferred)

@@ -23,7 +23,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 from engine.cache.block_manager import BlockManager, SlotPool
 from engine.cache.prefix import PrefixCache, Snapshot
@@ -73,7 +72,7 @@ class Scheduler:
         return spec_depth.max_depth(req.params, self.num_spec_tokens)
 
     def add(self, req: Request) -> None:
-        req.spec = replace(req.spec, depth=self.max_depth(req))
+        req.spec = spec_depth.started(req.spec, req.params, self.num_spec_tokens)
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
@@ -216,14 +215,14 @@ class Scheduler:
         for i in range(proposed):
             self.drafts_per_position[i] += 1
             self.accepted_per_position[i] += i < accepted
-        req.spec = spec_depth.after_verify(req.spec, self.spec, self.max_depth(req), proposed, accepted)
+        req.spec = spec_depth.after_verify(req.spec, self.spec, proposed, accepted)
 
     def _tick(self, req: Request) -> None:
         """A sampling step without drafts: at depth 0, count down to the next probe."""
-        req.spec = spec_depth.after_plain(req.spec, self.max_depth(req))
+        req.spec = spec_depth.after_plain(req.spec)
 
     def _depths_after(self, req: Request, num_drafts: int) -> tuple[int, ...]:
-        return spec_depth.depths_after(req.spec, self.spec, self.max_depth(req), num_drafts)
+        return spec_depth.depths_after(req.spec, self.spec, num_drafts)
 
     # ---- disaggregation: memory held outside the running batch ------------------------------
     def reserve(self, req: Request) -> bool:
@@ -254,7 +253,7 @@ class Scheduler:
             raise TransitionError(f"request {req.request_id!r} is {req.status.value}: only a reserved one activates")
         req.move(Status.RUNNING)
         req.num_computed_tokens = len(req.prompt_token_ids)
-        req.spec = replace(req.spec, depth=self.max_depth(req))
+        req.spec = spec_depth.started(req.spec, req.params, self.num_spec_tokens)
         req.draft_token_ids = list(drafts)[: req.spec.depth] if self.mtp else []
         self.running.append(req)
         self._emit(req, [first_token], eos)

@@ -71,8 +71,8 @@ class PrefixPlanner:
         hold = hold_point(req, hit, limit, running, self.prefix.interval, bs, self.hashes)
         if hold is None:
             return False
-        if not req.held:
-            req.held = True
+        if not req.held_back:
+            req.held_back = True
             self.prefix.stats.held += 1
             log.debug(
                 "request %s waits for %s's snapshot at %d tokens (cached now: %d)",
