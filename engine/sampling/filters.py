@@ -5,8 +5,9 @@ from torch.topk when the row has a top-k (the rest of the vocabulary cannot be d
 whole sorted vocabulary. Order of the filters: temperature, top-k, top-p (the smallest prefix
 whose probability reaches top_p; the most likely token always stays), then min-p (tokens below
 min_p times the most likely token's probability leave; the ratio is the same before and after
-top-p, so min-p needs no renormalisation of its own). What stays is always a prefix of the
-candidates, so a draw is one searchsorted into the cumulative kept probability."""
+top-p, so min-p needs no renormalisation of its own). A draw is one searchsorted into the
+cumulative kept probability; rows with none of top-k, top-p and min-p draw from the softmax of
+the whole vocabulary in id order, with no sort."""
 
 from __future__ import annotations
 
@@ -36,9 +37,10 @@ def candidate_probs(
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """probs [N, C] (rows sum to 1, non-zero on a prefix), u float32 [N] in [0, 1) -> int64 [N]:
-    the first candidate whose cumulative probability exceeds u (never one of probability 0)."""
+    """probs [N, C] (non-negative, any order), u float32 [N] in [0, 1) -> int64 [N]: the first
+    column whose cumulative probability exceeds u times the row's total (never a column of
+    probability 0: the target is kept strictly below the total)."""
     cum = probs.cumsum(-1)
-    j = torch.searchsorted(cum, (u * cum[:, -1])[:, None], right=True)[:, 0]
-    last = (probs > 0).sum(-1) - 1
-    return torch.minimum(j, last)
+    total = cum[:, -1]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cum, target[:, None], right=True)[:, 0]
