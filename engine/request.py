@@ -13,7 +13,7 @@ from engine.request_state import Status, TransitionError, check_transition
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.sampler import TokenLogprob
+    from engine.sampling import TokenLogprob
 
 __all__ = ["Request", "SpecDepth", "Status", "TransitionError"]
 
@@ -51,9 +51,7 @@ class Request:
     logits: object = None  # last-position logits when want_logits (a [vocab] float32 tensor)
     draft_token_ids: list[int] = field(default_factory=list)  # MTP drafts proposed for the next step
     spec: SpecDepth = field(default_factory=SpecDepth)  # draft depth, replaced whole by the policy
-    output_logprobs: list[TokenLogprob] = field(
-        default_factory=list
-    )  # params.logprobs: one TokenLogprob per output token
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token (params.logprobs)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per prompt token after the first
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at first admission
     # a record, not a state: admission once waited for a running request's snapshot
