@@ -67,6 +67,8 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
     KIND = "prefill"
     SERVICE = "PrefillNode"
     NODE_KIND = pb.NODE_KIND_PREFILL
+    cfg: PrefillNodeConfig
+    connector: PrefillConnector | None
 
     def __init__(self, cfg: PrefillNodeConfig) -> None:
         self._init_lifecycle()
@@ -76,7 +78,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         self.backend = cfg.transfer_backend
         self.engine = EngineCore(self.ecfg)
         try:
-            self.connector: PrefillConnector | None = PrefillConnector(
+            self.connector = PrefillConnector(
                 self.engine.executor, cfg.node_id, TransferConfig(backend=self.backend),
                 push_timeout_s=cfg.push_timeout_s, spin_s=cfg.push_spin_s,
             )  # fmt: skip
@@ -123,7 +125,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
                 f"target model digest {request.target.schema_digest} differs from this node's {self.digest}",
             )
         try:
-            params = SamplingParams(**sampling_kwargs(request.sampling))
+            params = SamplingParams(**sampling_kwargs(request.sampling))  # type: ignore[no-untyped-call]  # its **kwargs init
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         push = PushParams(_target(request.target), max(0.0, request.target.lease_s))

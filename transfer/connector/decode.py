@@ -25,7 +25,7 @@ from engine.executor import Executor
 from engine.request import Request
 from transfer import rank as xr
 from transfer.config import TransferConfig
-from transfer.connector.base import RankEndpoints
+from transfer.connector.base import RankEndpoints, state_slot
 from transfer.messages import TargetRank
 
 log = logging.getLogger("pdserve.transfer")
@@ -84,7 +84,7 @@ class DecodeConnector(RankEndpoints, Connector):
         lease = request.kv_transfer if isinstance(request.kv_transfer, (int, float)) else self.config.lease_s
         inc = secrets.randbits(62)
         ranks = self.call_all(xr.adopt, self.backend, rid, len(request.prompt_token_ids), list(request.block_ids),
-                              request.slot, float(lease), inc, request.num_cached_blocks)  # fmt: skip
+                              state_slot(request), float(lease), inc, request.num_cached_blocks)  # fmt: skip
         self._res[rid] = _Reservation(rid, inc, float(lease))
         return sorted(ranks, key=lambda t: t.rank)
 

@@ -30,7 +30,7 @@ from engine.executor import Executor
 from engine.request import Request
 from transfer import rank as xr
 from transfer.config import TransferConfig
-from transfer.connector.base import RankEndpoints
+from transfer.connector.base import RankEndpoints, state_slot
 from transfer.messages import Target
 
 if TYPE_CHECKING:
@@ -118,9 +118,10 @@ class PrefillConnector(RankEndpoints, Connector):
             push = self._new(req.request_id, p.target, PushPhase.OPENED)
             try:
                 blocks = list(req.block_ids[: self._pages(req)])  # not the MTP lookahead's
-                self.call_all(xr.open_send, self.backend, req.request_id, p.target, blocks, req.slot,
+                slot = state_slot(req)
+                self.call_all(xr.open_send, self.backend, req.request_id, p.target, blocks, slot,
                               len(req.prompt_token_ids))  # fmt: skip
-                push.opened = (blocks, req.slot)
+                push.opened = (blocks, slot)
             except Exception as e:  # the request still runs; its push fails and the router retries
                 self._fail(push, f"push did not open: {e}")
 
@@ -138,7 +139,7 @@ class PrefillConnector(RankEndpoints, Connector):
         push = self._new(rid, p.target, PushPhase.POSTED)
         push.computing = False
         try:
-            self.call_all(xr.send, self.backend, rid, p.target, list(request.block_ids), request.slot,
+            self.call_all(xr.send, self.backend, rid, p.target, list(request.block_ids), state_slot(request),
                           len(request.prompt_token_ids))  # fmt: skip
         except Exception as e:
             self._fail(push, f"push did not start: {e}")
