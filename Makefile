@@ -1,6 +1,7 @@
 # Two commands on a fresh machine: `make demo` and `make test`.
 # Both create .venv when it is missing (CPU torch first, so nothing pulls a CUDA build),
-# re-install only when pyproject.toml changed, then run.
+# re-install only when pyproject.toml changed, build the CPU operators (kernels/csrc/, with the
+# system C++ compiler) when their sources changed, then run.
 
 PY      ?= python3
 VENV    := .venv
@@ -8,8 +9,10 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 TORCH   ?= torch==2.13.0
 PYTEST_ARGS ?=
+OPS     := kernels/_ops/pdserve_cpu_ops.so
+OPS_SRC := $(wildcard kernels/csrc/*.cpp kernels/csrc/*.h) kernels/build.py
 
-.PHONY: demo test test-slow lint format bench proto clean
+.PHONY: demo test test-slow lint format bench proto clean ops
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -20,10 +23,16 @@ $(STAMP): pyproject.toml | $(VPY)
 	$(VPY) -m pip install -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+# the CPU operators (torch.ops.pdserve.*): kernels/cpu_ops.py warns and runs the PyTorch path without them
+$(OPS): $(OPS_SRC) $(STAMP)
+	$(VPY) -m kernels.build
+
+ops: $(OPS)
+
+demo: $(STAMP) $(OPS)
 	$(VENV)/bin/pdserve demo
 
-test: $(STAMP)
+test: $(STAMP) $(OPS)
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
@@ -35,14 +44,14 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) $(OPS)
 	PDSERVE_SLOW=1 $(VPY) -m pytest -q $(PYTEST_ARGS)
 
 proto: $(STAMP)
 	$(VPY) proto/generate.py
 
-bench: $(STAMP)
+bench: $(STAMP) $(OPS)
 	$(VPY) bench/engine_vs_transformers.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info kernels/_ops

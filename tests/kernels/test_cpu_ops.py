@@ -1,6 +1,7 @@
-"""The fused C ops of the CPU decode step (kernels/cpu_ops.py) against the PyTorch ops they
-replace: float32 to float32 rounding, bfloat16 to a few bfloat16 ulps. They need the C
-compiler `make test` machines have."""
+"""The fused CPU operators of the decode step (torch.ops.pdserve.*, kernels/cpu_ops.py) against
+the PyTorch ops they replace: float32 to float32 rounding, bfloat16 to a few bfloat16 ulps.
+`make test` builds them first (python -m kernels.build); test_built fails when they are not
+active, with the loader's reason."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 def test_built():
-    assert cpu_ops.available(), "kernels/csrc/cpu_ops.c did not build (see the pdserve.kernels log)"
+    assert cpu_ops.available(), f"the CPU operators are not active: {cpu_ops.status()}"
 
 
 def _eager_gdn(proj, conv_w, conv_pool, rec_pool, slots, neg_A, dt_bias, norm_w, hk, hv, dk, dv, eps):

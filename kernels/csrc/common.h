@@ -1,0 +1,158 @@
+/* What every CPU op of the decode step shares (kernels/cpu_ops.py builds and loads them).
+ *
+ * Tensors are float32 or bfloat16 ("model dtype", flag bf16); arithmetic is float32, and
+ * values are rounded to the model dtype where transformers' eager model rounds them, so a
+ * bfloat16 run follows transformers' bfloat16 run and a float32 run computes in float32.
+ * This header holds the bfloat16 conversions, a vectorisable exp, eight-lane helpers (GCC vector
+ * extensions: plain AVX2 code with -march=native) and `parallel_chunks`, the one way the ops
+ * split work over torch's intra-op threads.
+ */
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace pdserve {
+
+typedef uint16_t bf16_t;
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+static inline float bf2f(bf16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline bf16_t f2bf(float f) { /* round to nearest even, NaN kept quiet */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+static inline float rnd(float x, int bf16) { return bf16 ? bf2f(f2bf(x)) : x; }
+
+static inline float load(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf2f(((const bf16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store(void *p, int64_t i, float x, int bf16) {
+    if (bf16) ((bf16_t *)p)[i] = f2bf(x);
+    else ((float *)p)[i] = x;
+}
+
+static inline v8f bcast(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+
+static inline v8f ld_bf8(const bf16_t *p) {
+    v8h h;
+    memcpy(&h, p, 16);
+    v8u u = __builtin_convertvector(h, v8u) << 16;
+    return (v8f)u;
+}
+
+/* exp(x), relative error ~2e-7 (libm's expf: 0.5 ulp): Cody-Waite range reduction and a
+ * degree-6 polynomial, branch-free so that loops over it vectorise (a libm call does not). */
+static inline float exp_fast(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t e = ((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &e, 4);
+    return p * s;
+}
+
+static inline float silu(float x) { return x / (1.0f + exp_fast(-x)); }
+
+static inline v8f sel8(v8i m, v8f a, v8f b) { return (v8f)((m & (v8i)a) | (~m & (v8i)b)); }
+
+/* exp_fast on eight lanes */
+static inline v8f exp8(v8f x) {
+    const v8f lo = bcast(-87.0f), hi = 1.0f - lo;
+    x = sel8(x < lo, lo, x);
+    x = sel8(x > hi, hi, x);
+    const v8f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const v8f r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    v8f p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * (v8f)((__builtin_convertvector(n, v8i) + 127) << 23);
+}
+
+/* y[i] = silu(y[i]) for i < n */
+static inline void silu_rows(float *y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f v;
+        memcpy(&v, y + i, 32);
+        v = v / (1.0f + exp8(-v));
+        memcpy(y + i, &v, 32);
+    }
+    for (; i < n; i++) y[i] = silu(y[i]);
+}
+
+/* x[i] = exp(x[i] - shift) for i < n */
+static inline void exp_rows(float *x, int64_t n, float shift) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f v;
+        memcpy(&v, x + i, 32);
+        v = exp8(v - shift);
+        memcpy(x + i, &v, 32);
+    }
+    for (; i < n; i++) x[i] = exp_fast(x[i] - shift);
+}
+
+static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+/* The threads a row-parallel op splits `rows` over: torch's intra-op threads, one per row at
+ * most, eight at most. */
+static inline int64_t row_threads(int64_t rows) {
+    int64_t nt = at::get_num_threads();
+    nt = nt < rows ? nt : rows;
+    nt = nt < 8 ? nt : 8;
+    return nt > 1 ? nt : 1;
+}
+
+/* fn(chunk, tid) once for every chunk 0 <= chunk < n, on up to nthreads of torch's intra-op
+ * threads (at::parallel_for over the threads), each taking the next chunk as it finishes one:
+ * chunks of unequal cost (a prefill row beside decode rows) balance themselves. tid < nthreads
+ * is the thread's index, for per-thread scratch. */
+template <typename F>
+inline void parallel_chunks(int64_t n, int64_t nthreads, const F &fn) {
+    const int64_t most = at::get_num_threads();
+    if (nthreads > most) nthreads = most;
+    if (nthreads > n) nthreads = n;
+    if (nthreads <= 1) {
+        for (int64_t i = 0; i < n; i++) fn(i, 0);
+        return;
+    }
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, nthreads, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t tid = t0; tid < t1; tid++)
+            for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+                 i = next.fetch_add(1, std::memory_order_relaxed))
+                fn(i, tid);
+    });
+}
+
+}  // namespace pdserve

@@ -1,0 +1,287 @@
+/* torch.classes.pdserve.DecodeLayers: a whole float32 decode step through the decoder layers,
+ * one token per row, in one call. Per layer it runs the kernels of the per-op path in the
+ * order engine/model/qwen3_5.py run_layer calls them one by one from Python
+ *     h = norm(x);  mix = gdn_decode / attn_decode(h @ w_in^T);  x = x + mix @ w_out^T;
+ *     h = norm(x);  x = x + silu_mul(h @ w_gu^T) @ w_down^T
+ * with the same thread splits, so its result is the same to the bit; it only saves the Python
+ * between them (about a third of a step at one row). The per-op path (engine/model/layers.py)
+ * is the reference. Dense MLPs, one tensor-parallel rank, float32 packed weights (pack_f32).
+ * kernels/cpu_decode.py builds it from a model's layers (add_gdn / add_attn) and calls run.
+ */
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "checks.h"
+#include "common.h"
+#include "kernels.h"
+
+namespace pdserve {
+namespace {
+
+struct Layer {
+    bool attn;
+    at::Tensor in_norm, post_norm, w_in, w_out, w_gu, w_down; /* norms [H] (1 + w); packed weights */
+    int64_t n_in, k_out, n_gu; /* w_in's outputs; w_out's inputs; w_gu's outputs (2I) */
+    double eps;                /* the mixer's norms */
+    /* GDN */
+    int64_t hk = 0, hv = 0, dk = 0, dv = 0;
+    at::Tensor conv_w, conv_pool, rec_pool, neg_A, dt_bias, norm_w;
+    /* attention */
+    int64_t h = 0, kvh = 0;
+    at::Tensor qk_norm, kv_pool;
+    double scale = 0;
+};
+
+const Args A{"pdserve.DecodeLayers"};
+
+inline void spin_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+at::Tensor f32(const at::Tensor &t, const char *name, std::vector<int64_t> shape) {
+    A.dtype(t, name, at::kFloat);
+    A.shape(t, name, std::move(shape));
+    A.contiguous(t, name);
+    return t;
+}
+
+at::Tensor packed(const at::Tensor &t, const char *name, int64_t n, int64_t k) {
+    return f32(t, name, {(n + 15) / 16, k, 16});
+}
+
+/* One step's kernels as phases of independent chunks, run in order in one parallel region. */
+struct Phase {
+    int64_t n;                                /* chunks */
+    std::function<void(int64_t, int64_t)> fn; /* fn(chunk, tid) */
+};
+
+struct alignas(64) Progress {
+    std::atomic<int64_t> taken{0}, done{0};
+};
+
+/* Every thread of one at::parallel_for region walks the phases in order: it takes the current
+ * phase's next chunk while there is one, then waits (spinning) until the chunks others took are
+ * done before it goes on. A thread that starts late finds the early phases done and joins where
+ * the others are; one that never starts leaves its share to them; none waits for a thread that
+ * took nothing. So a step pays one wake-up of torch's threads, where a region per kernel paid
+ * one per kernel, about 60 a step (under OMP_WAIT_POLICY=PASSIVE a sleeping thread takes
+ * 15-35 us to wake). tid < nthreads indexes per-thread scratch. Returns whether a thread waited
+ * over LATE_NS for a chunk another one took (its thread was descheduled mid-chunk). */
+constexpr int64_t LATE_NS = 1000000;
+
+bool run_phases(const std::vector<Phase> &phases, int64_t nthreads) {
+    int64_t most = 0;
+    for (const Phase &p : phases) most = std::max(most, p.n);
+    if (nthreads <= 1 || most <= 1) {
+        for (const Phase &p : phases)
+            for (int64_t c = 0; c < p.n; c++) p.fn(c, 0);
+        return false;
+    }
+    std::vector<Progress> progress(phases.size());
+    std::atomic<bool> late{false};
+    at::parallel_for(0, nthreads, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t tid = t0; tid < t1; tid++)
+            for (size_t i = 0; i < phases.size(); i++) {
+                const Phase &p = phases[i];
+                Progress &g = progress[i];
+                for (int64_t c = g.taken.fetch_add(1, std::memory_order_relaxed); c < p.n;
+                     c = g.taken.fetch_add(1, std::memory_order_relaxed)) {
+                    p.fn(c, tid);
+                    g.done.fetch_add(1, std::memory_order_release);
+                }
+                if (g.done.load(std::memory_order_acquire) >= p.n) continue;
+                const auto start = std::chrono::steady_clock::now();
+                for (int64_t spins = 0; g.done.load(std::memory_order_acquire) < p.n; spins++) {
+                    if (spins < 4096) spin_pause();
+                    else std::this_thread::yield();
+                }
+                if (std::chrono::steady_clock::now() - start > std::chrono::nanoseconds(LATE_NS))
+                    late.store(true, std::memory_order_relaxed);
+            }
+    });
+    return late.load();
+}
+
+}  // namespace
+
+struct DecodeLayers : torch::CustomClassHolder {
+    int64_t hidden;
+    double eps; /* the layer norms' */
+    std::vector<Layer> layers;
+    static constexpr int64_t SOLO = 32;
+    mutable int64_t strikes = 0, good = 0, solo = 0; /* the engine's one thread calls run */
+
+    DecodeLayers(int64_t hidden, double eps) : hidden(hidden), eps(eps) {}
+
+    Layer common(const at::Tensor &in_norm, const at::Tensor &post_norm, const at::Tensor &w_in,
+                 const at::Tensor &w_out, const at::Tensor &w_gu, const at::Tensor &w_down, int64_t n_in,
+                 int64_t n_gu, double layer_eps, bool attn) const {
+        const int64_t H = hidden;
+        TORCH_CHECK(n_gu % 2 == 0, A.op, ": n_gu=", n_gu, " must be even (gate | up)");
+        TORCH_CHECK(w_out.dim() == 3, A.op, ": w_out must be packed [P, K, 16], got ", w_out.sizes());
+        return Layer{attn, f32(in_norm, "in_norm", {H}), f32(post_norm, "post_norm", {H}),
+                     packed(w_in, "w_in", n_in, H), packed(w_out, "w_out", H, w_out.size(1)),
+                     packed(w_gu, "w_gu", n_gu, H), packed(w_down, "w_down", H, n_gu / 2), n_in, w_out.size(1), n_gu,
+                     layer_eps};
+    }
+
+    void add_gdn(const at::Tensor &in_norm, const at::Tensor &post_norm, const at::Tensor &w_in,
+                 const at::Tensor &w_out, const at::Tensor &w_gu, const at::Tensor &w_down, int64_t n_gu,
+                 const at::Tensor &conv_w, const at::Tensor &conv_pool, const at::Tensor &rec_pool,
+                 const at::Tensor &neg_A, const at::Tensor &dt_bias, const at::Tensor &norm_w, int64_t hk, int64_t hv,
+                 int64_t dk, int64_t dv, double layer_eps) {
+        TORCH_CHECK(hk > 0 && hv > 0 && dk > 0 && dv > 0 && hv % hk == 0, A.op, ": GDN heads hk=", hk, " hv=", hv,
+                    " dk=", dk, " dv=", dv);
+        const int64_t D = 2 * hk * dk + hv * dv;
+        Layer l = common(in_norm, post_norm, w_in, w_out, w_gu, w_down, D + hv * dv + 2 * hv, n_gu, layer_eps, false);
+        TORCH_CHECK(l.k_out == hv * dv, A.op, ": w_out takes ", l.k_out, " inputs, the GDN gives ", hv * dv);
+        TORCH_CHECK(conv_w.dim() == 2 && conv_w.size(1) >= 1, A.op, ": conv_w must be [D, Kc], got ", conv_w.sizes());
+        l.conv_w = f32(conv_w, "conv_w", {D, conv_w.size(1)});
+        l.conv_pool = f32(conv_pool, "conv_pool", {-1, D, conv_w.size(1) - 1});
+        l.rec_pool = f32(rec_pool, "rec_pool", {conv_pool.size(0), hv, dk, dv});
+        l.neg_A = f32(neg_A, "neg_A", {hv});
+        l.dt_bias = f32(dt_bias, "dt_bias", {hv});
+        l.norm_w = f32(norm_w, "norm_w", {dv});
+        l.hk = hk, l.hv = hv, l.dk = dk, l.dv = dv;
+        layers.push_back(std::move(l));
+    }
+
+    void add_attn(const at::Tensor &in_norm, const at::Tensor &post_norm, const at::Tensor &w_in,
+                  const at::Tensor &w_out, const at::Tensor &w_gu, const at::Tensor &w_down, int64_t n_in,
+                  int64_t n_gu, const at::Tensor &qk_norm, const at::Tensor &kv_pool, int64_t h, int64_t kvh,
+                  double scale, double layer_eps) {
+        TORCH_CHECK(h > 0 && kvh > 0 && h % kvh == 0, A.op, ": h=", h, " must be a positive multiple of kvh=", kvh);
+        A.dtype(kv_pool, "kv_pool", at::kFloat);
+        A.shape(kv_pool, "kv_pool", {-1, 2, kvh, -1, -1});
+        A.unit_last_stride(kv_pool, "kv_pool");
+        const int64_t hd = kv_pool.size(4);
+        TORCH_CHECK(n_in >= 2 * (h + kvh) * hd, A.op, ": w_in gives ", n_in, " outputs, attention needs ",
+                    2 * (h + kvh) * hd);
+        Layer l = common(in_norm, post_norm, w_in, w_out, w_gu, w_down, n_in, n_gu, layer_eps, true);
+        TORCH_CHECK(l.k_out == h * hd, A.op, ": w_out takes ", l.k_out, " inputs, attention gives ", h * hd);
+        l.qk_norm = f32(qk_norm, "qk_norm", {h + kvh, hd});
+        l.kv_pool = kv_pool;
+        l.h = h, l.kvh = kvh, l.scale = scale;
+        layers.push_back(std::move(l));
+    }
+
+    /* x [B, hidden] float32 (the embeddings) -> the residual stream after every layer, in place.
+     * gdn_slots / slot_mapping / seq_lens [B] int64, block_tables [B, W] int64, cos / sin [B, rd]
+     * float32; the rows' GDN slots and KV pages are updated as the per-op path updates them. */
+    at::Tensor run(at::Tensor x, const at::Tensor &gdn_slots, const at::Tensor &slot_mapping,
+                   const at::Tensor &block_tables, const at::Tensor &seq_lens, const at::Tensor &cos,
+                   const at::Tensor &sin) const {
+        TORCH_CHECK(!layers.empty(), A.op, ": no layers");
+        const int64_t H = hidden;
+        f32(x, "x", {-1, H});
+        const int64_t B = x.size(0), rd = cos.size(-1);
+        f32(cos, "cos", {B, rd});
+        f32(sin, "sin", {B, rd});
+        A.dtype(block_tables, "block_tables", at::kLong);
+        A.shape(block_tables, "block_tables", {B, -1});
+        A.contiguous(block_tables, "block_tables");
+        const int64_t W = block_tables.size(1);
+        int64_t max_in = 0, max_out = 0, max_gu = 0, stride = H, slots = INT64_MAX, blocks = INT64_MAX, bs = 0;
+        for (const Layer &l : layers) {
+            max_in = std::max(max_in, l.n_in), max_out = std::max(max_out, l.k_out), max_gu = std::max(max_gu, l.n_gu);
+            if (l.attn) {
+                const int64_t hd = l.kv_pool.size(4);
+                bs = l.kv_pool.size(3), blocks = std::min(blocks, l.kv_pool.size(0));
+                stride = std::max(stride, (l.h + l.kvh) * hd + l.h / l.kvh * (hd + W * bs));
+                TORCH_CHECK(rd % 2 == 0 && rd <= hd, A.op, ": cos / sin [B, ", rd, "] do not fit hd=", hd);
+            } else {
+                slots = std::min(slots, l.conv_pool.size(0));
+                stride = std::max(stride, l.conv_w.size(0) + 2 * l.hv);
+            }
+        }
+        if (slots != INT64_MAX) A.index(gdn_slots, "gdn_slots", B, 0, slots);
+        if (blocks != INT64_MAX) {
+            A.range(block_tables, "block_tables", 0, blocks);
+            A.index(slot_mapping, "slot_mapping", B, 0, blocks * bs);
+            A.index(seq_lens, "seq_lens", B, 1, W * bs + 1);
+        }
+        const int64_t nt = std::min<int64_t>(at::get_num_threads(), 8);
+        auto buf = at::empty({B * (2 * H + max_in + max_out + max_gu + max_gu / 2)}, at::kFloat);
+        auto work = at::empty({nt * stride}, at::kFloat);
+        float *xp = x.data_ptr<float>(), *h = buf.data_ptr<float>(), *o = h + B * H, *proj = o + B * H;
+        float *mix = proj + B * max_in, *gu = mix + B * max_out, *act = gu + B * max_gu, *wk = work.data_ptr<float>();
+        std::vector<Phase> step;
+        auto gemm = [&](const float *in, const at::Tensor &wp, float *out, int64_t N, int64_t K) {
+            /* the thread split of engine/model/linear.py */
+            const GemmJob j = gemm_job(B, N, K, in, wp.data_ptr<float>(), out, B * N * K >= (1 << 18) ? nt : 1);
+            step.push_back({j.chunks(), [j](int64_t c, int64_t) { gemm_chunk(j, c); }});
+        };
+        auto residual = [=](int64_t, int64_t) {
+            for (int64_t i = 0; i < B * H; i++) xp[i] += o[i];
+        };
+        for (size_t li = 0; li < layers.size(); li++) {
+            const Layer &l = layers[li];
+            const float *in_norm = l.in_norm.data_ptr<float>(), *post_norm = l.post_norm.data_ptr<float>();
+            const float e = (float)eps;
+            step.push_back({1, [=](int64_t c, int64_t t) {
+                                if (li > 0) residual(c, t); /* the previous layer's MLP output */
+                                add_rms_norm(0, B, H, xp, nullptr, xp, in_norm, e, h, 0);
+                            }});
+            gemm(h, l.w_in, proj, l.n_in, H);
+            if (l.attn) {
+                const at::Tensor &kv = l.kv_pool;
+                const AttnJob j = {0,           B,        l.h,          l.kvh,        kv.size(4),
+                                   rd,          l.n_in,   kv.size(3),   kv.stride(0), kv.stride(1),
+                                   kv.stride(2), kv.stride(3), W,       stride,       proj,
+                                   cos.data_ptr<float>(), sin.data_ptr<float>(), l.qk_norm.data_ptr<float>(),
+                                   kv.data_ptr<float>(), mix, slot_mapping.data_ptr<int64_t>(),
+                                   block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), (float)l.eps,
+                                   (float)l.scale, wk, 0, nullptr};
+                step.push_back({B, [j](int64_t c, int64_t t) { attn_chunk(j, c, t); }});
+            } else {
+                const int64_t *sl = gdn_slots.data_ptr<int64_t>();
+                step.push_back({B, [=, &l](int64_t b, int64_t t) {
+                                    gdn_decode(b, b + 1, l.hk, l.hv, l.dk, l.dv, l.conv_w.size(1), proj, l.n_in,
+                                               l.conv_w.data_ptr<float>(), l.conv_pool.data_ptr<float>(),
+                                               l.rec_pool.data_ptr<float>(), sl, l.neg_A.data_ptr<float>(),
+                                               l.dt_bias.data_ptr<float>(), l.norm_w.data_ptr<float>(), (float)l.eps,
+                                               mix, wk + t * stride, 0);
+                                }});
+            }
+            gemm(mix, l.w_out, o, H, l.k_out);
+            step.push_back({1, [=](int64_t, int64_t) { add_rms_norm(0, B, H, xp, o, xp, post_norm, e, h, 0); }});
+            gemm(h, l.w_gu, gu, l.n_gu, H);
+            const SiluMulJob sj = {B, l.n_gu / 2, l.n_gu, gu, act};
+            step.push_back({sj.chunks(), [sj](int64_t c, int64_t) { silu_mul_chunk(sj, c); }});
+            gemm(act, l.w_down, o, H, l.n_gu / 2);
+        }
+        step.push_back({1, residual});
+        /* cores taken by other processes: two late steps within 256 run the next SOLO steps on one
+         * thread, which then does not wait for a descheduled one */
+        if (solo > 0) {
+            solo--;
+            run_phases(step, 1);
+        } else if (run_phases(step, nt)) {
+            good = 0;
+            if (++strikes >= 2) strikes = 0, solo = SOLO;
+        } else if (strikes > 0 && ++good >= 256) {
+            strikes = 0, good = 0;
+        }
+        return x;
+    }
+};
+
+TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+    m.class_<DecodeLayers>("DecodeLayers")
+        .def(torch::init<int64_t, double>())
+        .def("add_gdn", &DecodeLayers::add_gdn)
+        .def("add_attn", &DecodeLayers::add_attn)
+        .def("run", &DecodeLayers::run);
+}
+
+}  // namespace pdserve

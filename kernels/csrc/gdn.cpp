@@ -1,0 +1,285 @@
+/* The GDN layer after its input projection, token by token in the recurrent form: decode rows
+ * (gdn_decode_mt), rows of any length (gdn_rows_mt: prefill chunks beside decode rows) and
+ * speculative rows whose states are kept for rollback (gdn_verify). PyTorch reference:
+ * kernels/gdn.py, kernels/conv.py and kernels/norm.py as engine/model/layers.py calls them.
+ */
+#include "common.h"
+#include "kernels.h"
+
+namespace pdserve {
+
+/* One value head's delta-rule step on its state S [dk, dv] for dv = 8 * nv (32 or 64), the
+ * loops of gdn_decode_rows below with the [dv] accumulators in registers (in memory, each
+ * state row's multiply-add waits for the previous row's store): the same operations in the
+ * same order, so the same result to the bit. o [dv] receives S^T q. */
+static inline __attribute__((always_inline)) void gdn_head(float *S, int64_t dk, const float *q, const float *k,
+                                                           const float *v, float a, float beta, float *o,
+                                                           const int nv) {
+    v8f acc[8] = {}, d[8];
+    const v8f av = bcast(a);
+    for (int64_t i = 0; i < dk; i++) { /* decay, and S^T k */
+        float *Si = S + i * 8 * nv;
+        const float ki = k[i];
+        const v8f kb = bcast(ki);
+        for (int r = 0; r < nv; r++) {
+            v8f x;
+            memcpy(&x, Si + 8 * r, 32);
+            x *= av;
+            memcpy(Si + 8 * r, &x, 32);
+            acc[r] += x * kb;
+        }
+    }
+    const v8f bv = bcast(beta);
+    for (int r = 0; r < nv; r++) {
+        v8f x;
+        memcpy(&x, v + 8 * r, 32);
+        d[r] = (x - acc[r]) * bv;
+        acc[r] = v8f{};
+    }
+    for (int64_t i = 0; i < dk; i++) { /* the rank-one write, and S^T q */
+        float *Si = S + i * 8 * nv;
+        const float ki = k[i], qi = q[i];
+        const v8f kb = bcast(ki), qb = bcast(qi);
+        for (int r = 0; r < nv; r++) {
+            v8f x;
+            memcpy(&x, Si + 8 * r, 32);
+            x += kb * d[r];
+            memcpy(Si + 8 * r, &x, 32);
+            acc[r] += x * qb;
+        }
+    }
+    memcpy(o, acc, nv * 32);
+}
+
+/* One decode token per row through a GDN layer, from its input projection to the gated norm.
+ *   proj       [B, ld_proj]  rows [qkv (D) | z (Hv*dv) | b (Hv) | a (Hv)], model dtype
+ *   conv_w     [D, Kc]       model dtype;  conv_pool [S, D, Kc-1] model dtype (slot rows)
+ *   rec_pool   [S, Hv, dk, dv] float32;   slots [B] int64 slot of each row
+ *   neg_A, dt_bias [Hv] float32;  norm_w [dv] model dtype
+ *   out        [B, Hv*dv]    model dtype
+ *   work       float32 scratch of D + 2*Hv floats
+ * D = 2*Hk*dk + Hv*dv; value head h reads key head h / (Hv/Hk).  Rows b0 <= b < b1 only, so
+ * callers may split a batch over threads. K1c > 0 is Kc - 1 as a constant (the conv's shift
+ * unrolled); conv_done: the caller has put the conv output (before silu) in work[0..D) and
+ * updated the conv state itself (gdn_rows, a whole row's conv at once).
+ */
+static inline __attribute__((always_inline)) void
+gdn_decode_rows(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc,
+                const void *proj, int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool,
+                const int64_t *slots, const float *neg_A, const float *dt_bias, const void *norm_w,
+                float eps, void *out, float *work, const int bf16, const int64_t K1c, const int conv_done) {
+    const int64_t key_dim = Hk * dk, D = 2 * key_dim + Hv * dv, K1 = K1c > 0 ? K1c : Kc - 1, grp = Hv / Hk;
+    const float q_scale = 1.0f / sqrtf((float)dk);
+    float *y = work;           /* [D] conv output, rounded, then q/k normalised in place */
+    float *gate = work + D;    /* [Hv] log-decay */
+    float *beta = gate + Hv;   /* [Hv] */
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t s = slots[b];
+        /* causal conv over the slot's Kc-1 saved inputs and this token, then silu */
+        for (int64_t c = 0; c < (conv_done ? 0 : D); c++) {
+            const int64_t st = (s * D + c) * K1;
+            float acc = 0.0f;
+            for (int64_t j = 0; j < K1; j++) acc += load(conv_w, c * Kc + j, bf16) * load(conv_pool, st + j, bf16);
+            const float x = load(proj, b * ld_proj + c, bf16);
+            acc += load(conv_w, c * Kc + K1, bf16) * x;
+            for (int64_t j = 0; j + 1 < K1; j++) store(conv_pool, st + j, load(conv_pool, st + j + 1, bf16), bf16);
+            if (K1 > 0) store(conv_pool, st + K1 - 1, x, bf16);
+            y[c] = rnd(acc, bf16);
+        }
+        silu_rows(y, D);
+        if (bf16)
+            for (int64_t c = 0; c < D; c++) y[c] = rnd(y[c], bf16);
+        /* q, k: L2 norm per head (eps 1e-6), q also scaled by dk^-1/2 */
+        for (int64_t h = 0; h < 2 * Hk; h++) {
+            float *v = y + h * dk, ss = 0.0f;
+            for (int64_t i = 0; i < dk; i++) ss += v[i] * v[i];
+            const float inv = 1.0f / sqrtf(ss + 1e-6f), sc = h < Hk ? q_scale : 1.0f;
+            for (int64_t i = 0; i < dk; i++) v[i] = v[i] * inv * sc;
+        }
+        const int64_t zo = b * ld_proj + D, bo = zo + Hv * dv, ao = bo + Hv;
+        for (int64_t h = 0; h < Hv; h++) {
+            beta[h] = rnd(1.0f / (1.0f + expf(-load(proj, bo + h, bf16))), bf16);
+            gate[h] = expf(neg_A[h] * softplus(load(proj, ao + h, bf16) + dt_bias[h]));
+        }
+        for (int64_t h = 0; h < Hv; h++) {
+            const float *q = y + (h / grp) * dk, *k = y + key_dim + (h / grp) * dk, *v = y + 2 * key_dim + h * dv;
+            float *S = rec_pool + (s * Hv + h) * dk * dv;
+            float kv[dv], o[dv];
+            const float a = gate[h];
+            if (dv == 32) gdn_head(S, dk, q, k, v, a, beta[h], o, 4);
+            else if (dv == 64) gdn_head(S, dk, q, k, v, a, beta[h], o, 8);
+            else {
+            for (int64_t j = 0; j < dv; j++) kv[j] = 0.0f;
+            for (int64_t i = 0; i < dk; i++) {
+                float *Si = S + i * dv;
+                for (int64_t j = 0; j < dv; j++) { Si[j] *= a; kv[j] += Si[j] * k[i]; }
+            }
+            for (int64_t j = 0; j < dv; j++) { kv[j] = (v[j] - kv[j]) * beta[h]; o[j] = 0.0f; }
+            for (int64_t i = 0; i < dk; i++) {
+                float *Si = S + i * dv;
+                const float ki = k[i], qi = q[i];
+                for (int64_t j = 0; j < dv; j++) { Si[j] += ki * kv[j]; o[j] += Si[j] * qi; }
+            }
+            }
+            /* gated RMS norm: rnd(rnd(rnd(o) * rsqrt(mean + eps)) * w) * silu(z) */
+            float ss = 0.0f;
+            for (int64_t j = 0; j < dv; j++) { o[j] = rnd(o[j], bf16); ss += o[j] * o[j]; }
+            const float inv = 1.0f / sqrtf(ss / (float)dv + eps);
+            float zs[dv];
+            for (int64_t j = 0; j < dv; j++) zs[j] = load(proj, zo + h * dv + j, bf16);
+            silu_rows(zs, dv);
+            for (int64_t j = 0; j < dv; j++) {
+                const float n = rnd(rnd(o[j] * inv, bf16) * load(norm_w, j, bf16), bf16);
+                store(out, b * Hv * dv + h * dv + j, n * zs[j], bf16);
+            }
+        }
+    }
+}
+
+/* The body above with the dtype a constant, so that each dtype's loops compile branch-free. */
+void gdn_decode(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc,
+                const void *proj, int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool,
+                const int64_t *slots, const float *neg_A, const float *dt_bias, const void *norm_w,
+                float eps, void *out, float *work, int bf16) {
+#define GDN_ROWS_ARGS b0, b1, Hk, Hv, dk, dv, Kc, proj, ld_proj, conv_w, conv_pool, rec_pool, slots, neg_A, dt_bias, norm_w, eps, out, work
+    if (bf16 && Kc == 4) gdn_decode_rows(GDN_ROWS_ARGS, 1, 3, 0);
+    else if (bf16) gdn_decode_rows(GDN_ROWS_ARGS, 1, 0, 0);
+    else if (Kc == 4) gdn_decode_rows(GDN_ROWS_ARGS, 0, 3, 0);
+    else gdn_decode_rows(GDN_ROWS_ARGS, 0, 0, 0);
+}
+
+/* gdn_decode of token b after its conv (work[0..D) holds the conv output, the conv state is
+ * the caller's): the rest of the layer. */
+static void gdn_after_conv(int64_t b, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, const void *proj,
+                           int64_t ld_proj, float *rec_pool, const int64_t *slots, const float *neg_A,
+                           const float *dt_bias, const void *norm_w, float eps, void *out, float *work, int bf16) {
+    if (bf16)
+        gdn_decode_rows(b, b + 1, Hk, Hv, dk, dv, 0, proj, ld_proj, nullptr, nullptr, rec_pool, slots, neg_A, dt_bias,
+                        norm_w, eps, out, work, 1, 1, 1);
+    else
+        gdn_decode_rows(b, b + 1, Hk, Hv, dk, dv, 0, proj, ld_proj, nullptr, nullptr, rec_pool, slots, neg_A, dt_bias,
+                        norm_w, eps, out, work, 0, 1, 1);
+}
+
+/* gdn_decode over rows 0 <= b < B shared by up to nthreads threads (parallel_chunks); work holds nthreads
+ * scratch areas of work_stride >= D + 2*Hv floats. Rows must have distinct slots. */
+void gdn_decode_mt(int64_t B, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc, const void *proj,
+                   int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool, const int64_t *slots,
+                   const float *neg_A, const float *dt_bias, const void *norm_w, float eps, void *out, float *work,
+                   int64_t work_stride, int bf16, int64_t nthreads) {
+    parallel_chunks(B, nthreads, [&](int64_t b, int64_t tid) {
+        gdn_decode(b, b + 1, Hk, Hv, dk, dv, Kc, proj, ld_proj, conv_w, conv_pool, rec_pool, slots, neg_A, dt_bias,
+                   norm_w, eps, out, work + tid * work_stride, bf16);
+    });
+}
+
+struct gdn_rows_job {
+    int64_t work_stride, Hk, Hv, dk, dv, Kc, ld_proj;
+    const float *conv_wt; /* [Kc, D]: conv_w transposed, float32 */
+    const int64_t *row_cu, *row_slots, *tok_slots;
+    const uint8_t *row_init;
+    const void *proj, *conv_w, *norm_w;
+    void *conv_pool, *out;
+    float *rec_pool, *work;
+    const float *neg_A, *dt_bias;
+    float eps;
+    int bf16;
+};
+
+static void gdn_rows_run(const gdn_rows_job *j, int64_t r, int64_t tid) { /* one row */
+    const int64_t Hv = j->Hv, D = 2 * j->Hk * j->dk + Hv * j->dv, K1 = j->Kc - 1, esz = j->bf16 ? 2 : 4;
+    const int64_t s = j->row_slots[r], t0 = j->row_cu[r], n = j->row_cu[r + 1] - t0, ld = j->ld_proj;
+    float *work = j->work + tid * j->work_stride, *y = work, *hist = work + D + 2 * Hv; /* hist [K1, D] */
+    if (!j->row_init[r]) { /* a new sequence starts from zero state (the slot may hold anything) */
+        memset((char *)j->conv_pool + s * D * K1 * esz, 0, D * K1 * esz);
+        memset(j->rec_pool + s * Hv * j->dk * j->dv, 0, Hv * j->dk * j->dv * sizeof(float));
+    }
+    for (int64_t i = 0; i < K1; i++) /* the slot's saved inputs, oldest first, channel-contiguous */
+        for (int64_t c = 0; c < D; c++) hist[i * D + c] = load(j->conv_pool, (s * D + c) * K1 + i, j->bf16);
+    /* the row's tokens in order: the conv over the row's own inputs (channels contiguous in proj,
+     * the same sum in the same order as gdn_decode's), then the rest of gdn_decode */
+    for (int64_t t = 0; t < n; t++) {
+        for (int64_t i = 0; i <= K1; i++) {
+            const int64_t m = t - K1 + i; /* input position in the row; < 0: saved */
+            const float *wt = j->conv_wt + i * D;
+            if (m < 0) {
+                const float *x = hist + (K1 + m) * D;
+                for (int64_t c = 0; c < D; c++) y[c] = (i ? y[c] : 0.0f) + wt[c] * x[c];
+            } else if (!j->bf16) {
+                const float *x = (const float *)j->proj + (t0 + m) * ld;
+                for (int64_t c = 0; c < D; c++) y[c] = (i ? y[c] : 0.0f) + wt[c] * x[c];
+            } else {
+                for (int64_t c = 0; c < D; c++) y[c] = (i ? y[c] : 0.0f) + wt[c] * load(j->proj, (t0 + m) * ld + c, 1);
+            }
+        }
+        if (j->bf16)
+            for (int64_t c = 0; c < D; c++) y[c] = rnd(y[c], 1);
+        gdn_after_conv(t0 + t, j->Hk, Hv, j->dk, j->dv, j->proj, ld, j->rec_pool, j->tok_slots, j->neg_A, j->dt_bias,
+                       j->norm_w, j->eps, j->out, work, j->bf16);
+    }
+    for (int64_t i = 0; i < K1; i++) { /* the row's last K1 inputs become the saved ones */
+        const int64_t m = n - K1 + i;
+        for (int64_t c = 0; c < D; c++) {
+            const float x = m < 0 ? hist[(K1 + m) * D + c] : load(j->proj, (t0 + m) * ld + c, j->bf16);
+            store(j->conv_pool, (s * D + c) * K1 + i, x, j->bf16);
+        }
+    }
+}
+
+/* A GDN layer after its input projection for R rows of any length (decode rows of one token,
+ * prefill chunks), token by token: the recurrent form, which on a CPU with small heads costs
+ * less than the chunked one. Row r covers tokens row_cu[r] <= t < row_cu[r+1] at slot
+ * row_slots[r]; tok_slots [T] is each token's slot; row_init[r] = 0 starts the row from zero
+ * state. proj, out, pools and weights as gdn_decode / gdn_decode_mt; work holds nthreads
+ * scratch areas of work_stride >= D + 2*Hv + (Kc-1)*D floats, then Kc*D floats (the conv
+ * weight transposed). A row's conv runs over its own inputs, channels contiguous; rows
+ * (distinct slots) are shared by up to nthreads threads (parallel_chunks), one row at a time. */
+void gdn_rows_mt(int64_t R, const int64_t *row_cu, const int64_t *row_slots, const uint8_t *row_init,
+                 const int64_t *tok_slots, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc,
+                 const void *proj, int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool,
+                 const float *neg_A, const float *dt_bias, const void *norm_w, float eps, void *out, float *work,
+                 int64_t work_stride, int bf16, int64_t nthreads) {
+    const int64_t D = 2 * Hk * dk + Hv * dv;
+    float *conv_wt = work + (nthreads > 1 ? nthreads : 1) * work_stride; /* after the threads' scratch */
+    for (int64_t c = 0; c < D; c++)
+        for (int64_t i = 0; i < Kc; i++) conv_wt[i * D + c] = load(conv_w, c * Kc + i, bf16);
+    const gdn_rows_job job = {work_stride, Hk,       Hv,   dk,     dv,      Kc,     ld_proj, conv_wt,
+                              row_cu,      row_slots, tok_slots, row_init, proj, conv_w, norm_w, conv_pool,
+                              out,         rec_pool,  work, neg_A,  dt_bias, eps,    bf16};
+    parallel_chunks(R, nthreads, [&](int64_t r, int64_t tid) { gdn_rows_run(&job, r, tid); });
+}
+
+/* ---- Speculative verification: decode rows of several tokens through a GDN layer ----------
+ *
+ * Row b holds tokens cu[b] <= t < cu[b+1] (the pending token and its drafts; a plain decode
+ * row has one). Each token runs through `gdn_decode` in order on the row's slot, which updates
+ * the slot's conv and recurrent state in place, so the slot ends in the state after the row's
+ * last token. For rollback, the state after every token but the last is copied to the row's
+ * scratch entries (the state after the last token is the slot itself):
+ *   conv_scratch [B', n1, D, Kc-1] model dtype, rec_scratch [B', n1, Hv, dk, dv] float32,
+ *   entry (b, t - cu[b]); n1 >= the longest row. Other arguments as for `gdn_decode`, with
+ *   proj and out [T, ...] over the packed tokens and slots [B] one per row.
+ */
+void gdn_verify(int64_t B, const int64_t *cu, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc,
+                const void *proj, int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool,
+                const int64_t *slots, const float *neg_A, const float *dt_bias, const void *norm_w, float eps,
+                void *out, float *work, int bf16, void *conv_scratch, float *rec_scratch, int64_t n1) {
+    const int64_t esz = bf16 ? 2 : 4, D = 2 * Hk * dk + Hv * dv;
+    const int64_t conv_n = D * (Kc - 1), rec_n = Hv * dk * dv;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t s = slots[b];
+        for (int64_t t = cu[b]; t < cu[b + 1]; t++) {
+            gdn_decode(0, 1, Hk, Hv, dk, dv, Kc, (const char *)proj + t * ld_proj * esz, ld_proj, conv_w,
+                       conv_pool, rec_pool, &s, neg_A, dt_bias, norm_w, eps, (char *)out + t * Hv * dv * esz,
+                       work, bf16);
+            if (t + 1 < cu[b + 1]) {
+                const int64_t e = b * n1 + (t - cu[b]);
+                memcpy((char *)conv_scratch + e * conv_n * esz, (const char *)conv_pool + s * conv_n * esz,
+                       conv_n * esz);
+                memcpy(rec_scratch + e * rec_n, rec_pool + s * rec_n, rec_n * 4);
+            }
+        }
+    }
+}
+
+}  // namespace pdserve

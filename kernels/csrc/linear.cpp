@@ -1,0 +1,149 @@
+/* Linear layers for the decode step's few rows: a bfloat16 weight read as it is (gemv_bf16)
+ * and float32 over a weight packed in panels of 16 output columns (pack_f32, gemm_f32).
+ * PyTorch reference: F.linear (engine/model/linear.py picks these).
+ */
+#include "common.h"
+#include "kernels.h"
+
+namespace pdserve {
+
+/* y [M, N] = x [M, K] @ w [N, K]^T for a bfloat16 weight, in float32 arithmetic, y rounded to
+ * the model dtype. For few rows: each weight row is read from memory once for all M rows of x
+ * (a decode step is bound by reading the weights: half the bytes of a float32 copy).
+ * x is float32 [M, K]; nthreads > 1 splits N over that many threads. */
+struct gemv_job {
+    int64_t chunks, M, N, K;
+    const float *x;
+    const bf16_t *w;
+    void *y;
+    int bf16;
+};
+
+static void gemv_run(const gemv_job *j, int64_t chunk) {
+    const int64_t M = j->M, N = j->N, K = j->K, K8 = K & ~(int64_t)7;
+    const int64_t n0 = N * chunk / j->chunks, n1 = N * (chunk + 1) / j->chunks;
+    for (int64_t n = n0; n < n1; n++) {
+        const bf16_t *wr = j->w + n * K;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t mb = M - m0 < 4 ? M - m0 : 4;
+            v8f acc[4] = {};
+            for (int64_t k = 0; k < K8; k += 8) {
+                const v8f wv = ld_bf8(wr + k);
+                for (int64_t i = 0; i < mb; i++) {
+                    v8f xv;
+                    memcpy(&xv, j->x + (m0 + i) * K + k, 32);
+                    acc[i] += wv * xv;
+                }
+            }
+            for (int64_t i = 0; i < mb; i++) {
+                float s = 0.0f;
+                for (int t = 0; t < 8; t++) s += acc[i][t];
+                for (int64_t k = K8; k < K; k++) s += bf2f(wr[k]) * j->x[(m0 + i) * K + k];
+                store(j->y, (m0 + i) * N + n, s, j->bf16);
+            }
+        }
+    }
+}
+
+void gemv_bf16(int64_t M, int64_t N, int64_t K, const float *x, const bf16_t *w, void *y, int bf16,
+               int64_t nthreads) {
+    /* chunks of >= 64 weight rows, about four per thread */
+    int64_t chunks = nthreads > 1 ? 4 * nthreads : 1;
+    if (chunks > N / 64) chunks = N / 64 > 0 ? N / 64 : 1;
+    const gemv_job job = {chunks, M, N, K, x, w, y, bf16};
+    parallel_chunks(chunks, nthreads, [&](int64_t c, int64_t) { gemv_run(&job, c); });
+}
+
+/* ======================================================================================
+ * Float32 GEMM for few rows over a packed weight: y [M, N] = x [M, K] @ w^T.
+ *
+ * pack_f32 stores w [N, K] as panels of 16 output columns, each K x 16 contiguous (the last
+ * panel zero-padded): wp [ceil(N/16), K, 16]. gemm_f32 walks the panels (split over threads),
+ * and for each panel runs tiles of up to 6 rows of x against it: 12 ymm accumulators, a panel
+ * row of 2 vectors and one broadcast, all in registers, while the panel stays in L1.
+ * ====================================================================================== */
+
+void pack_f32(int64_t N, int64_t K, const float *w, float *wp) {
+    for (int64_t p = 0; p < (N + 15) / 16; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t c = 0; c < 16; c++) {
+                const int64_t n = p * 16 + c;
+                wp[(p * K + k) * 16 + c] = n < N ? w[n * K + k] : 0.0f;
+            }
+}
+
+static inline __attribute__((always_inline)) void gemm_tile(int64_t K, const float *x, int64_t ldx,
+                                                            const float *panel, float *y, int64_t ldy, int64_t nc,
+                                                            const int mr) {
+    v8f acc0[6] = {}, acc1[6] = {};
+    for (int64_t k = 0; k < K; k++) {
+        v8f w0, w1;
+        memcpy(&w0, panel + k * 16, 32);
+        memcpy(&w1, panel + k * 16 + 8, 32);
+        for (int r = 0; r < mr; r++) {
+            const float xv = x[r * ldx + k];
+            const v8f xb = bcast(xv);
+            acc0[r] += xb * w0;
+            acc1[r] += xb * w1;
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        if (nc == 16) {
+            memcpy(y + r * ldy, &acc0[r], 32);
+            memcpy(y + r * ldy + 8, &acc1[r], 32);
+        } else {
+            float tmp[16];
+            memcpy(tmp, &acc0[r], 32);
+            memcpy(tmp + 8, &acc1[r], 32);
+            memcpy(y + r * ldy, tmp, nc * 4);
+        }
+    }
+}
+
+/* chunk = (block of mb rows, group of panels) */
+void gemm_chunk(const GemmJob &job, int64_t chunk) {
+    const GemmJob *j = &job;
+    const int64_t M = j->M, N = j->N, K = j->K, mb = j->mb, g = chunk % j->groups;
+    const int64_t m1 = chunk / j->groups * mb, p0 = j->P * g / j->groups, p1 = j->P * (g + 1) / j->groups;
+    for (int64_t p = p0; p < p1; p++) {
+        const float *panel = j->wp + p * K * 16;
+        const int64_t n0 = p * 16, nc = N - n0 < 16 ? N - n0 : 16, m2 = m1 + mb < M ? m1 + mb : M;
+        for (int64_t m0 = m1; m0 < m2; m0 += 6) {
+            const float *x = j->x + m0 * K;
+            float *y = j->y + m0 * N + n0;
+            switch (m2 - m0 < 6 ? m2 - m0 : 6) {
+            case 1: gemm_tile(K, x, K, panel, y, N, nc, 1); break;
+            case 2: gemm_tile(K, x, K, panel, y, N, nc, 2); break;
+            case 3: gemm_tile(K, x, K, panel, y, N, nc, 3); break;
+            case 4: gemm_tile(K, x, K, panel, y, N, nc, 4); break;
+            case 5: gemm_tile(K, x, K, panel, y, N, nc, 5); break;
+            default: gemm_tile(K, x, K, panel, y, N, nc, 6); break;
+            }
+        }
+    }
+}
+
+/* y [M, N] = x [M, K] @ w^T for wp = pack_f32(w); x, y float32 contiguous; shared by up to
+ * nthreads threads in chunks of a row block (small enough to stay in L2 while every
+ * panel passes over it) and a group of panels: many row blocks go whole, few are cut into
+ * about four panel groups per thread of at least 64K multiply-adds each. */
+GemmJob gemm_job(int64_t M, int64_t N, int64_t K, const float *x, const float *wp, float *y, int64_t nthreads) {
+    const int64_t P = (N + 15) / 16, mb = K > 0 ? 6 * (1 + (96 * 1024 / (K * 4)) / 6) : M;
+    const int64_t blocks = M > 0 ? (M + mb - 1) / mb : 0, rows = M < mb ? M : mb;
+    int64_t groups = 1;
+    if (nthreads > 1 && blocks < 4 * nthreads) {
+        groups = (4 * nthreads + blocks - 1) / blocks;
+        const int64_t most = rows * K * 16 * P / (64 * 1024);
+        if (groups > most) groups = most;
+        if (groups > P) groups = P;
+        if (groups < 1) groups = 1;
+    }
+    return GemmJob{M, N, K, mb, groups, P, x, wp, y};
+}
+
+void gemm_f32(int64_t M, int64_t N, int64_t K, const float *x, const float *wp, float *y, int64_t nthreads) {
+    const GemmJob job = gemm_job(M, N, K, x, wp, y, nthreads);
+    parallel_chunks(job.chunks(), nthreads, [&](int64_t c, int64_t) { gemm_chunk(job, c); });
+}
+
+}  // namespace pdserve

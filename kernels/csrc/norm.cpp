@@ -1,0 +1,100 @@
+/* Row-wise ops: the residual add with the RMS norm after it (add_rms_norm, add_rms_norm_mt)
+ * and the MLP's gate (silu_mul_f32). PyTorch reference: kernels/norm.py rms_norm, and
+ * F.silu(gate) * up (engine/model/layers.py MLP).
+ */
+#include "common.h"
+#include "kernels.h"
+
+namespace pdserve {
+
+/* Residual add and RMS norm of rows b0 <= b < b1:  xo[b] = rnd(x[b] + h[b]) (when h is not
+ * nullptr, else x is normed as it is), y[b] = rnd(xo[b] * rsqrt(mean(xo[b]^2) + eps) * w), with
+ * w [H] float32 (the 1 + w of a zero-centred norm). x, h, xo, y [B, H] model dtype. */
+static inline __attribute__((always_inline)) void add_rms_norm_rows(int64_t b0, int64_t b1, int64_t H,
+                                                                    const void *x, const void *h, void *xo,
+                                                                    const float *w, float eps, void *y, const int bf16) {
+    /* eight rows at a time: each row's sum of squares is still one chain in element order (the
+     * same rounding as a row alone), and the eight chains run side by side */
+    for (int64_t r0 = b0; r0 < b1; r0 += 8) {
+        const int64_t nr = b1 - r0 < 8 ? b1 - r0 : 8;
+        const void *src = h ? xo : x; /* the rows' values after the add */
+        float ss[8] = {0};
+        for (int64_t i = 0; i < H; i++)
+            for (int64_t r = 0; r < nr; r++) {
+                const int64_t e = (r0 + r) * H + i;
+                float v = load(x, e, bf16);
+                if (h) {
+                    v = rnd(v + load(h, e, bf16), bf16);
+                    store(xo, e, v, bf16);
+                }
+                ss[r] += v * v;
+            }
+        for (int64_t r = 0; r < nr; r++) {
+            const float inv = 1.0f / sqrtf(ss[r] / (float)H + eps);
+            const int64_t e0 = (r0 + r) * H;
+            for (int64_t i = 0; i < H; i++) store(y, e0 + i, load(src, e0 + i, bf16) * inv * w[i], bf16);
+        }
+    }
+}
+
+void add_rms_norm(int64_t b0, int64_t b1, int64_t H, const void *x, const void *h, void *xo, const float *w,
+                  float eps, void *y, int bf16) {
+    if (bf16) add_rms_norm_rows(b0, b1, H, x, h, xo, w, eps, y, 1);
+    else add_rms_norm_rows(b0, b1, H, x, h, xo, w, eps, y, 0);
+}
+
+/* ======================================================================================
+ * The MLP's gate: out [M, I] = silu(gu[:, :I]) * gu[:, I:] for gu [M, 2I] (rows ld apart),
+ * float32, silu(x) = x / (1 + exp(-x)) with exp8; rows shared by up to nthreads threads in
+ * blocks of 64. PyTorch reference: F.silu(gate) * up (engine/model/layers.py MLP).
+ * ====================================================================================== */
+
+void silu_mul_chunk(const SiluMulJob &job, int64_t chunk) {
+    const SiluMulJob *j = &job;
+    const int64_t m1 = (chunk + 1) * 64 < j->M ? (chunk + 1) * 64 : j->M;
+    for (int64_t m = chunk * 64; m < m1; m++) {
+        const float *g = j->gu + m * j->ld, *u = g + j->I;
+        float *o = j->out + m * j->I;
+        int64_t i = 0;
+        for (; i + 8 <= j->I; i += 8) {
+            v8f x, y;
+            memcpy(&x, g + i, 32);
+            memcpy(&y, u + i, 32);
+            x = x / (1.0f + exp8(-x)) * y;
+            memcpy(o + i, &x, 32);
+        }
+        for (; i < j->I; i++) o[i] = silu(g[i]) * u[i];
+    }
+}
+
+void silu_mul_f32(int64_t M, int64_t I, const float *gu, int64_t ld, float *out, int64_t nthreads) {
+    const SiluMulJob job = {M, I, ld, gu, out};
+    parallel_chunks(job.chunks(), nthreads, [&](int64_t c, int64_t) { silu_mul_chunk(job, c); });
+}
+
+/* ======================================================================================
+ * add_rms_norm over many rows (a prefill's tokens): blocks of 64 rows shared by up to nthreads
+ * threads; each row's result is add_rms_norm's, whatever the split.
+ * ====================================================================================== */
+
+struct norm_job {
+    int64_t T, H;
+    const void *x, *h;
+    void *xo, *y;
+    const float *w;
+    float eps;
+    int bf16;
+};
+
+static void norm_run(const norm_job *j, int64_t chunk) {
+    const int64_t b1 = (chunk + 1) * 64 < j->T ? (chunk + 1) * 64 : j->T;
+    add_rms_norm(chunk * 64, b1, j->H, j->x, j->h, j->xo, j->w, j->eps, j->y, j->bf16);
+}
+
+void add_rms_norm_mt(int64_t T, int64_t H, const void *x, const void *h, void *xo, const float *w, float eps,
+                     void *y, int bf16, int64_t nthreads) {
+    const norm_job job = {T, H, x, h, xo, y, w, eps, bf16};
+    parallel_chunks((T + 63) / 64, nthreads, [&](int64_t c, int64_t) { norm_run(&job, c); });
+}
+
+}  // namespace pdserve
