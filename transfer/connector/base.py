@@ -27,8 +27,9 @@ _P = ParamSpec("_P")
 
 
 class RankEndpoints:
-    def __init__(self, executor: Executor, role: Literal["sender", "receiver"], node: str,
-                 config: TransferConfig) -> None:  # fmt: skip
+    def __init__(
+        self, executor: Executor, role: Literal["sender", "receiver"], node: str, config: TransferConfig
+    ) -> None:
         self.executor = executor
         self.node = node
         self.config = config

@@ -119,8 +119,9 @@ class PrefillConnector(RankEndpoints, Connector):
             try:
                 blocks = list(req.block_ids[: self._pages(req)])  # not the MTP lookahead's
                 slot = state_slot(req)
-                self.call_all(xr.open_send, self.backend, req.request_id, p.target, blocks, slot,
-                              len(req.prompt_token_ids))  # fmt: skip
+                self.call_all(
+                    xr.open_send, self.backend, req.request_id, p.target, blocks, slot, len(req.prompt_token_ids)
+                )
                 push.opened = (blocks, slot)
             except Exception as e:  # the request still runs; its push fails and the router retries
                 self._fail(push, f"push did not open: {e}")
@@ -139,8 +140,15 @@ class PrefillConnector(RankEndpoints, Connector):
         push = self._new(rid, p.target, PushPhase.POSTED)
         push.computing = False
         try:
-            self.call_all(xr.send, self.backend, rid, p.target, list(request.block_ids), state_slot(request),
-                          len(request.prompt_token_ids))  # fmt: skip
+            self.call_all(
+                xr.send,
+                self.backend,
+                rid,
+                p.target,
+                list(request.block_ids),
+                state_slot(request),
+                len(request.prompt_token_ids),
+            )
         except Exception as e:
             self._fail(push, f"push did not start: {e}")
 
@@ -152,8 +160,11 @@ class PrefillConnector(RankEndpoints, Connector):
             return
         push.computing = False
         if push.phase is PushPhase.OPENED:
-            why = "the request ended before its first token" if reason == "abort" else (
-                f"the request ended before its push ({reason})")  # fmt: skip
+            why = (
+                "the request ended before its first token"
+                if reason == "abort"
+                else f"the request ended before its push ({reason})"
+            )
             self._fail(push, why, aborted=True)
 
     # ---- the transfers ---------------------------------------------------------------------------
@@ -205,8 +216,10 @@ class PrefillConnector(RankEndpoints, Connector):
     def _post(self, push: _Push, req: Request) -> None:
         held = (list(req.block_ids), req.slot)
         if held != push.opened:
-            self._fail(push, f"push did not start: the request's memory changed after its push opened "
-                             f"({push.opened} -> {held})")  # fmt: skip
+            self._fail(
+                push,
+                f"push did not start: the request's memory changed after its push opened ({push.opened} -> {held})",
+            )
             return
         try:
             self.call_all(xr.post, self.backend, push.rid)
