@@ -109,24 +109,9 @@ def _make_fp8(d, arch: str, **overrides):
 
     spec = dataclasses.replace(hc.SPEC_MOE[arch], **overrides)
     args = ["make-tiny-model", str(d), "--arch", arch, "--fp8", "--fp8-block", "16", "--no-tokenizer"]
-    for f in (
-        "layers",
-        "hidden",
-        "heads",
-        "kv_heads",
-        "head_dim",
-        "linear_key_heads",
-        "linear_value_heads",
-        "linear_key_head_dim",
-        "linear_value_head_dim",
-        "vocab",
-        "intermediate",
-        "experts",
-        "top_k",
-        "moe_intermediate",
-        "shared_intermediate",
-        "seed",
-    ):
+    fields = "layers hidden heads kv_heads head_dim linear_key_heads linear_value_heads linear_key_head_dim"
+    fields += " linear_value_head_dim vocab intermediate experts top_k moe_intermediate shared_intermediate seed"
+    for f in fields.split():
         args += ["--" + f.replace("_", "-"), str(getattr(spec, f))]
     if arch == "qwen3_next":
         args += ["--mlp-only-layers", spec.mlp_only_layers, "--no-norm-topk-prob"]

@@ -61,10 +61,30 @@ def _naive_penalized(logits: torch.Tensor, prompt, output, p: SamplingParams) ->
     return torch.tensor(row)
 
 
+def _adjusted(logits: torch.Tensor, p: SamplingParams, prompt, output, eos=()) -> torch.Tensor:
+    """[V] logits -> the batched sampler's adjusted logits for one row with this history."""
+    from engine.sampling import Sampler
+    from engine.step import RowInput
+
+    row = RowInput(
+        "r",
+        [(output or prompt)[-1]],
+        len(prompt) + len(output) - 1,
+        0,
+        [],
+        True,
+        True,
+        params=p,
+        history=(prompt, output),
+        num_output=len(output),
+    )
+    x = logits[None].clone()
+    Sampler(eos_token_ids=eos).adjust(x, [row], [0])
+    return x[0]
+
+
 def test_penalty_arithmetic_matches_naive_reference():
     """Both signs of logits, tokens in the prompt only, the output only, and both."""
-    from engine.sampler import apply_penalties
-
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(64, generator=g) * 3
     prompt, output = [1, 2, 3, 3, 40], [3, 5, 5, 5, 40, 41]
@@ -77,7 +97,7 @@ def test_penalty_arithmetic_matches_naive_reference():
     ):
         p = SamplingParams(**pen)
         want = _naive_penalized(logits, prompt, output, p)
-        assert torch.allclose(apply_penalties(logits, p, prompt, output), want, atol=1e-6), pen
+        assert torch.allclose(_adjusted(logits, p, prompt, output), want, atol=1e-6), pen
 
 
 # The tiny random model's greedy text does not repeat on its own, so these penalties favour
@@ -161,8 +181,6 @@ def test_bad_options_refused(kw, msg):
 
 def test_logit_bias_arithmetic_order():
     """Penalties, then the bias, then the min_tokens ban (docs/api.md), against the definitions."""
-    from engine.sampler import Sampler
-
     logits = torch.randn(64, generator=torch.Generator().manual_seed(1)) * 3
     prompt, output = [1, 2, 3], [3, 5, 5]
     bias = {3: 2.5, 5: -1.0, 7: 100.0, 9: -100.0, 63: 0.75}
@@ -179,7 +197,7 @@ def test_logit_bias_arithmetic_order():
     for t, b in bias.items():
         want[t] += b
     want[7] = want[11] = float("-inf")  # the stop id and the EOS, whatever their bias
-    got = Sampler(eos_token_ids=(11,)).adjust(logits, p, (prompt, output))
+    got = _adjusted(logits, p, prompt, output, eos=(11,))
     assert torch.allclose(got, want, atol=1e-5)
 
 

@@ -1,16 +1,7 @@
 """The decode side of the connector: every rank's receiver adopts the engine's reservation (pages
-for prompt + 1 tokens and a GDN slot) under a lease, and the poll reports when the state is in.
-
-Every rank call goes through the engine's executor (transfer/rank.py functions on each rank).
-A reservation's life, in one enum and one table:
-
-    request_reserved: adopt on every rank (one incarnation for all)             WAITING
-        the prefill node writes and renews the lease while it works
-    poll: every rank saw every source rank's Done -> RecvReady                  READY
-        the decode call has one more lease to take it (request_activating: take -> gone)
-    a rank failed, the lease ran out, abort/release -> RecvFailed               FAILING
-    poll: no write can land on any rank -> RecvFreed (the engine frees the memory), gone
-"""
+for prompt + 1 tokens and a GDN slot) under a lease, and the poll reports when the state is in
+(RecvReady), failed (RecvFailed) or freed (RecvFreed); phases WAITING -> READY, either -> FAILING,
+in one enum and one table (docs/transfer.md)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,7 @@
-"""The prefill side of the connector: pushes a prefill-only request's computed state (KV pages and
-GDN slot, HELD by the engine) into the decode node's reservation named by its `PushParams`.
-
-Every rank call goes through the engine's executor (transfer/rank.py functions on each rank).
-A push's life, in one enum and one table:
-
-    rows_scheduled: the request's last prompt chunk is about to run -> open_send on every rank
-        (Begin to its destination ranks, so the grants return while the chunk computes)  OPENED
-    prompt_prefilled: HELD, the first token exists -> post (writes + Done)                 POSTED
-        (a request with no opened push is opened and posted at once)
-    a rank failed / the deadline passed / abort / the request ended before its push     FAILING
-    poll: every rank terminal and quiet, and the request no longer computing -> forget_send,
-        SendDone (the engine releases the HELD memory), the push is gone
-
-While a request is here (queued, prefilling, pushing) its reservation's lease is renewed every
-third of it (a Renew from each rank to the destination ranks it writes), so the lease only runs
-out when this node stops working.
-"""
+"""The prefill side of the connector: pushes a prefill-only request's HELD state into the decode
+node's reservation named by its `PushParams`: opened when its last prompt chunk is scheduled,
+posted once prefilled, its lease renewed while it is here, SendDone once every rank is quiet;
+phases OPENED -> POSTED, either -> FAILING, in one enum and one table (docs/transfer.md)."""
 
 from __future__ import annotations
 
