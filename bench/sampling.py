@@ -1,14 +1,7 @@
-"""Sampled vs greedy decode throughput of the offline engine, where the sampler matters most: a
-Qwen3.5-shaped checkpoint with Qwen's vocabulary (151,936 tokens) but few, narrow layers, so the
-LM head and the sampler dominate a step, in bfloat16 on the CPU.
+"""Sampled vs greedy decode throughput of the offline engine on a checkpoint with Qwen's vocabulary
+and few narrow layers, so the LM head and the sampler dominate a step (bfloat16, CPU).
 
-    python bench/sampling.py [--batch 64] [--new-tokens 64] [--reps 3] [--layers 2] [--hidden 256]
-
-Greedy and Qwen's recommended chat settings (temperature 0.7, top_p 0.8, top_k 20,
-presence_penalty 1.5, a seed per request) run alternately, rep by rep, in one engine; the figures
-are new tokens per second of the whole generate call (short prompts: decode dominates), median and
-range over the reps, and the ratio of the medians.
-"""
+    python bench/sampling.py [--batch 64] [--new-tokens 64] [--reps 3] [--layers 2] [--hidden 256]"""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""Temperature, top-k, top-p and min-p over a batch of candidate lists, and inverse-CDF draws.
-
-A row's candidates are logits sorted in descending order with their token ids: the k most likely
-from torch.topk when the row has a top-k (the rest of the vocabulary cannot be drawn), or the
-whole sorted vocabulary. Order of the filters: temperature, top-k, top-p (the smallest prefix
-whose probability reaches top_p; the most likely token always stays), then min-p (tokens below
-min_p times the most likely token's probability leave; the ratio is the same before and after
-top-p, so min-p needs no renormalisation of its own). A draw is one searchsorted into the
-cumulative kept probability; rows with none of top-k, top-p and min-p draw from the softmax of
-the whole vocabulary in id order, with no sort."""
+"""Temperature, top-k, top-p and min-p over a batch of sorted candidate lists, and inverse-CDF
+draws: one searchsorted into a row's cumulative kept probability."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
 """Per-request token counts on the device for requests with presence / frequency / repetition
-penalties, and their batched application (docs/api.md, "Sampling applies, in order").
-
-A penalized request owns one row of a sparse table: `tok` [rows, L] the distinct tokens of its
-prompt and output, `cnt` [rows, L] int32 each one's occurrences in the output, `inp` [rows, L]
-whether it is in the prompt, `size` [rows] the entries in use (the rest are token 0, count 0, not
-in the prompt). Sparse, because a penalty touches only these tokens, and a
-dense pass over [rows, vocabulary] costs as much as the whole greedy argmax. The row is built from
-the request's token lists the first time it samples; then each step adds the token it sampled with
-tensor ops on the device (no host read). A row whose bookkeeping does not match the request's
-output (length and last token) is built again: tokens the scheduler dropped, or a moved request."""
+penalties (a sparse table of each request's distinct tokens, updated by each step without a host
+read), and their batched application (docs/api.md, "Sampling applies, in order")."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""Counter-based randomness for seeded requests: one uniform per (seed, position), computed in
-tensor ops on the logits' device, so a seeded request's i-th draw is the same whatever batch,
-node or tensor-parallel size computes it, and no per-request generator state exists.
-
-The draw for (seed, n) is output n + 1 of the SplitMix64 generator seeded with `seed` (Steele,
-Lea and Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014): state
-seed + (n + 1) * GAMMA through the generator's 64-bit finalizer. int64 tensor arithmetic wraps
-modulo 2**64, which is the unsigned arithmetic the generator is defined with; right shifts are
-made logical by masking."""
+"""Counter-based randomness for seeded requests: one SplitMix64 uniform per (seed, position),
+computed in tensor ops on the logits' device, so a seeded request's i-th draw is the same whatever
+batch, node or tensor-parallel size computes it."""
 
 from __future__ import annotations
 

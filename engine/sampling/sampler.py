@@ -1,19 +1,6 @@
-"""The batched sampler on rank 0: one pass of tensor ops over every position a step samples.
-
-Per step: the positions are laid out (a plain row has one, a row with k drafts k + 1: each draft
-position and the bonus one); penalties, logit_bias and the min_tokens ban adjust the logits of the
-rows that have them; greedy positions take the argmax; sampled positions draw by inverse CDF over
-their top-k candidates (or the sorted vocabulary) after temperature, top-p and min-p
-(engine/sampling/filters.py). Then one host read of the ids, plus one of logprobs when a row
-asks. Python touches only plain ints, to build a few small index tensors per step.
-
-Randomness: position i of a seeded request (its i-th new token) draws with the uniform of
-(seed, i) (engine/sampling/rng.py), the same whatever batch, node or tensor-parallel size
-computes it; unseeded positions draw from one engine generator. Drafts are verified by the same
-draws: a row accepts its drafts while each equals the token sampled at its position, and emits
-the first token that differs (or the bonus token). For a proposer that gives one draft per
-position this is the standard acceptance rule (accept d with probability p(d), else draw from p
-without d), and a seeded request emits the same tokens with or without speculation."""
+"""The batched sampler on rank 0: one pass of tensor ops over every position a step samples
+(penalties, logit_bias and min_tokens, then argmax or an inverse-CDF draw after the filters),
+drafts verified by the same draws, one host read of the ids per step (docs/engine.md)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
-"""Per-request speculative draft depth: a pure policy over the request's `SpecDepth` record
-(engine/request.py). The scheduler replaces the record with what these functions return; nothing
-here writes to a request.
-
-After each verification the accepted fraction a/d updates an exponential average (weight
-`depth_ema`): under `depth_lower` the depth drops by one (not below 1), over `depth_raise` it
-climbs by one (not above the request's cap, `max_depth`). A row's first draft pays only when it is accepted
-more often than `draft_cost` (its cost relative to a plain step), so when the same kind of average
-of "the first draft was accepted" falls under it, the depth goes to 0 from any depth: the row is a
-plain decode row in the same batch. After `probe_interval` such steps the request probes: depth 1
-again, and both averages take the probe's outcome alone; a failed probe returns to depth 0 with
-the wait doubled (up to `probe_max`), a passed one stays at depth 1 and climbs from there.
-"""
+"""Per-request speculative draft depth: a pure policy over the request's `SpecDepth` record (an
+average of accepted drafts moves the depth by one; under the draft cost it goes to 0 and probes
+again with a growing wait). The scheduler replaces the record with what it returns
+(docs/speculative.md, depth control)."""
 
 from __future__ import annotations
 
