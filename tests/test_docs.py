@@ -96,3 +96,17 @@ def test_speed_figures_live_in_benchmarks(md):
     # a measured ratio ("1.7x") or throughput ("742 tokens/s") belongs in docs/benchmarks.md
     found = re.findall(r"\b\d+(?:\.\d+)?x\b|\d (?:tokens|tok)/s", md.read_text())
     assert not found, f"{md.relative_to(ROOT)} quotes figures {found}: move them to docs/benchmarks.md and link there"
+
+
+PACKAGE_PATH = re.compile(
+    r"`((?:engine|kernels|transfer|serving|router|client|proto|prefill_node|decode_node|bench|tools|tests|deploy)"
+    r"/[A-Za-z0-9_/-]*(?:\.[a-z]+)?)`"
+)
+BUILD_OUTPUTS = {"kernels/_ops/"}  # made by `python -m kernels.build`, not in the tree
+
+
+@pytest.mark.parametrize("md", [*DOCS, ROOT / "README.md"], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_quoted_paths_exist(md):
+    # `engine/cache/prefix.py`, `deploy/k8s/`: a file or folder the text names as code must exist
+    missing = [p for p in PACKAGE_PATH.findall(md.read_text()) if p not in BUILD_OUTPUTS and not (ROOT / p).exists()]
+    assert not missing, f"{md.relative_to(ROOT)} names paths that do not exist: {missing}"

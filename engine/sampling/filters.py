@@ -1,5 +1,5 @@
 """Temperature, top-k, top-p and min-p over a batch of sorted candidate lists, and inverse-CDF
-draws: what stays is always a prefix of a row's candidates, so a draw is one searchsorted."""
+draws: one searchsorted into a row's cumulative kept probability."""
 
 from __future__ import annotations
 
@@ -29,9 +29,10 @@ def candidate_probs(
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """probs [N, C] (rows sum to 1, non-zero on a prefix), u float32 [N] in [0, 1) -> int64 [N]:
-    the first candidate whose cumulative probability exceeds u (never one of probability 0)."""
+    """probs [N, C] (non-negative, any order), u float32 [N] in [0, 1) -> int64 [N]: the first
+    column whose cumulative probability exceeds u times the row's total (never a column of
+    probability 0: the target is kept strictly below the total)."""
     cum = probs.cumsum(-1)
-    j = torch.searchsorted(cum, (u * cum[:, -1])[:, None], right=True)[:, 0]
-    last = (probs > 0).sum(-1) - 1
-    return torch.minimum(j, last)
+    total = cum[:, -1]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cum, target[:, None], right=True)[:, 0]

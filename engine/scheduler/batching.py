@@ -54,9 +54,6 @@ class Scheduler:
         self.drafts_per_position = [0] * num_spec_tokens  # drafts verified at position i of a row
         self.accepted_per_position = [0] * num_spec_tokens  # ... and accepted there
 
-    def max_depth(self, req: Request) -> int:
-        return spec_depth.max_depth(req.params, self.num_spec_tokens)
-
     def add(self, req: Request) -> None:
         req.spec = spec_depth.started(req.spec, req.params, self.num_spec_tokens)
         self.waiting.append(req)

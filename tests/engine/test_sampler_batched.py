@@ -87,6 +87,7 @@ FILTERS = {
     "k+p+min_p": dict(top_k=8, top_p=0.9, min_p=0.05, temperature=0.6),
     "hot": dict(temperature=1.7, top_p=0.95),
     "k_past_limit": dict(top_k=2000, top_p=0.5),
+    "temperature_only": dict(temperature=1.3),
 }
 
 
@@ -119,6 +120,17 @@ def test_filter_support_and_probabilities_match_reference(kw):
         mine = {int(t): float(q) for t, q in zip(ids[b], got[b]) if q > 0}
         assert set(mine) == set(want), f"row {b}"
         assert max(abs(mine[t] - want[t]) for t in want) < 1e-5
+
+
+def test_inverse_cdf_never_draws_probability_zero():
+    from engine.sampling.filters import inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0, 0.0, 0.0]])
+    for u in (0.0, 0.29, 0.3, 0.5, 1 - 2**-24):
+        j = inverse_cdf(probs, torch.full((2,), u))
+        assert (probs.gather(1, j[:, None]) > 0).all(), u
+    assert inverse_cdf(probs, torch.tensor([0.0, 0.0])).tolist() == [1, 0]
+    assert inverse_cdf(probs, torch.full((2,), 1 - 2**-24)).tolist() == [3, 1]
 
 
 def _chi2_bound(df: int, z: float = 4.5) -> float:
@@ -377,3 +389,17 @@ def test_seeded_request_same_alone_in_a_batch_and_speculating(ckpt_hv2, llm_hv2)
         llm.engine.proposer = lambda toks, k: toks[-k:]  # always something to verify
         assert llm.generate(prompt_token_ids=[prompt], sampling_params=spec)[0].output_token_ids == plain
         assert llm.engine.scheduler.num_draft_tokens > 0
+
+
+def test_seeded_tokens_same_under_tensor_parallel(ckpt_hv2, llm_hv2):
+    """Rank 0 of a TP 2 engine draws a seeded request's tokens as a TP 1 engine does."""
+    from engine import LLM
+
+    prompts = [[5, 17, 300, 42, 9, 77, 1000, 3], [4, 4, 4, 8]]
+    sps = [
+        SamplingParams(max_tokens=16, ignore_eos=True, seed=77, **QWEN),
+        SamplingParams(max_tokens=16, ignore_eos=True, seed=78, temperature=1.0),
+    ]
+    want = [o.output_token_ids for o in llm_hv2.generate(prompt_token_ids=prompts, sampling_params=sps)]
+    with LLM(ckpt_hv2, dtype="float32", tensor_parallel_size=2) as llm:
+        assert [o.output_token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sps)] == want

@@ -16,7 +16,7 @@ from engine.executor import Executor
 from engine.request import Request
 from transfer import rank as xr
 from transfer.config import TransferConfig
-from transfer.connector.base import RankEndpoints
+from transfer.connector.base import RankEndpoints, state_slot
 from transfer.messages import TargetRank
 
 log = logging.getLogger("pdserve.transfer")
@@ -74,8 +74,17 @@ class DecodeConnector(RankEndpoints, Connector):
         rid = request.request_id
         lease = request.kv_transfer if isinstance(request.kv_transfer, (int, float)) else self.config.lease_s
         inc = secrets.randbits(62)
-        ranks = self.call_all(xr.adopt, self.backend, rid, len(request.prompt_token_ids), list(request.block_ids),
-                              request.slot, float(lease), inc, request.num_cached_blocks)  # fmt: skip
+        ranks = self.call_all(
+            xr.adopt,
+            self.backend,
+            rid,
+            len(request.prompt_token_ids),
+            list(request.block_ids),
+            state_slot(request),
+            float(lease),
+            inc,
+            request.num_cached_blocks,
+        )
         self._res[rid] = _Reservation(rid, inc, float(lease))
         return sorted(ranks, key=lambda t: t.rank)
 
@@ -114,9 +123,12 @@ class DecodeConnector(RankEndpoints, Connector):
 
     def stats(self) -> ConnectorStats:
         return ConnectorStats(
-            in_flight=len(self._res), receives_ready=self._ready, receives_failed=self._failed,
-            lease_renewals=self._renewals, lease_expiries=self._expiries,
-        )  # fmt: skip
+            in_flight=len(self._res),
+            receives_ready=self._ready,
+            receives_failed=self._failed,
+            lease_renewals=self._renewals,
+            lease_expiries=self._expiries,
+        )
 
     def poll(self) -> list[TransferRecord]:
         if self._res:

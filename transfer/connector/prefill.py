@@ -16,7 +16,7 @@ from engine.executor import Executor
 from engine.request import Request
 from transfer import rank as xr
 from transfer.config import TransferConfig
-from transfer.connector.base import RankEndpoints
+from transfer.connector.base import RankEndpoints, state_slot
 from transfer.messages import Target
 
 if TYPE_CHECKING:
@@ -104,9 +104,11 @@ class PrefillConnector(RankEndpoints, Connector):
             push = self._new(req.request_id, p.target, PushPhase.OPENED)
             try:
                 blocks = list(req.block_ids[: self._pages(req)])  # not the MTP lookahead's
-                self.call_all(xr.open_send, self.backend, req.request_id, p.target, blocks, req.slot,
-                              len(req.prompt_token_ids))  # fmt: skip
-                push.opened = (blocks, req.slot)
+                slot = state_slot(req)
+                self.call_all(
+                    xr.open_send, self.backend, req.request_id, p.target, blocks, slot, len(req.prompt_token_ids)
+                )
+                push.opened = (blocks, slot)
             except Exception as e:  # the request still runs; its push fails and the router retries
                 self._fail(push, f"push did not open: {e}")
 
@@ -124,8 +126,15 @@ class PrefillConnector(RankEndpoints, Connector):
         push = self._new(rid, p.target, PushPhase.POSTED)
         push.computing = False
         try:
-            self.call_all(xr.send, self.backend, rid, p.target, list(request.block_ids), request.slot,
-                          len(request.prompt_token_ids))  # fmt: skip
+            self.call_all(
+                xr.send,
+                self.backend,
+                rid,
+                p.target,
+                list(request.block_ids),
+                state_slot(request),
+                len(request.prompt_token_ids),
+            )
         except Exception as e:
             self._fail(push, f"push did not start: {e}")
 
@@ -137,8 +146,11 @@ class PrefillConnector(RankEndpoints, Connector):
             return
         push.computing = False
         if push.phase is PushPhase.OPENED:
-            why = "the request ended before its first token" if reason == "abort" else (
-                f"the request ended before its push ({reason})")  # fmt: skip
+            why = (
+                "the request ended before its first token"
+                if reason == "abort"
+                else f"the request ended before its push ({reason})"
+            )
             self._fail(push, why, aborted=True)
 
     # ---- the transfers ---------------------------------------------------------------------------
@@ -190,8 +202,10 @@ class PrefillConnector(RankEndpoints, Connector):
     def _post(self, push: _Push, req: Request) -> None:
         held = (list(req.block_ids), req.slot)
         if held != push.opened:
-            self._fail(push, f"push did not start: the request's memory changed after its push opened "
-                             f"({push.opened} -> {held})")  # fmt: skip
+            self._fail(
+                push,
+                f"push did not start: the request's memory changed after its push opened ({push.opened} -> {held})",
+            )
             return
         try:
             self.call_all(xr.post, self.backend, push.rid)
