@@ -1,17 +1,19 @@
 """The batched sampler on rank 0: one pass of tensor ops over every position a step samples
 (penalties, logit_bias and min_tokens, then argmax or an inverse-CDF draw after the filters),
-drafts verified by the same draws, one host read of the ids per step (docs/engine.md)."""
+drafts verified by the same draws, one host read of the ids per step (a second for logprobs,
+and one where top-p / min-p rows without top-k check their head; docs/engine.md)."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.sampling.filters import candidate_probs, inverse_cdf
+from engine.sampling.filters import candidate_probs, head_suffices, inverse_cdf
 from engine.sampling.penalties import TokenCounts
 from engine.sampling.rng import as_int64, seeded_uniforms
 from engine.sampling_params import SamplingParams
 
 TOPK_LIMIT = 1024  # rows with a larger top_k sort the whole vocabulary
+HEAD = 1024  # rows with top-p or min-p alone try the HEAD most likely tokens before a sort
 
 # (token id, log-probability, [(id, log-probability) of the n most likely, most likely first])
 TokenLogprob = tuple[int, float, list[tuple[int, float]]]
@@ -171,14 +173,28 @@ class Sampler:
             if name == "plain":  # temperature alone: the whole vocabulary in id order
                 pick = inverse_cdf(torch.softmax(xs / temperature[:, None], -1), gu)
             else:
+                top_k = _tensor([ks[j] for j in group], torch.long, dev) if any(ks[j] for j in group) else None
+                top_p = _tensor([p.top_p for p in g], torch.float32, dev)
+                min_p = _tensor([p.min_p for p in g], torch.float32, dev)
+                log_total = None
                 if name == "topk":
                     vals, ids = torch.topk(xs, max(ks[j] for j in group), dim=-1)
                 else:
-                    vals, ids = torch.sort(xs, dim=-1, descending=True)
-                top_k = _tensor([ks[j] for j in group], torch.long, dev) if any(ks[j] for j in group) else None
-                top_p = _tensor([p.top_p for p in g], torch.float32, dev)
-                probs = candidate_probs(
-                    vals, temperature, top_k, top_p, _tensor([p.min_p for p in g], torch.float32, dev)
-                )
+                    vals, ids, log_total = self._head(xs, temperature, top_k, top_p, min_p)
+                probs = candidate_probs(vals, temperature, top_k, top_p, min_p, log_total)
                 pick = ids.gather(1, inverse_cdf(probs, gu)[:, None])[:, 0]
             tokens[_tensor(q, torch.long, dev)] = pick
+
+    @staticmethod
+    def _head(xs, temperature, top_k, top_p, min_p):
+        """Rows with top-p or min-p and no small top-k: (candidates sorted descending, their ids,
+        the rows' log-normalizer or None). The HEAD largest logits when they hold every token
+        the filters keep, in every row; else the whole row sorted (a sort of the vocabulary costs
+        about 15 times a top-k of HEAD on the CPU). The check is this step's one extra host read."""
+        if top_k is None and xs.shape[-1] > HEAD:
+            vals, ids = torch.topk(xs, HEAD, dim=-1)
+            log_total = torch.logsumexp(xs / temperature[:, None], dim=-1)
+            if bool(head_suffices(vals, log_total, temperature, top_p, min_p).all()):
+                return vals, ids, log_total
+        vals, ids = torch.sort(xs, dim=-1, descending=True)
+        return vals, ids, None

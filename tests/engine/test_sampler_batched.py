@@ -122,6 +122,43 @@ def test_filter_support_and_probabilities_match_reference(kw):
         assert max(abs(mine[t] - want[t]) for t in want) < 1e-5
 
 
+@pytest.mark.parametrize("scale", [3.0, 0.05], ids=["peaked_head", "flat_sorted"])
+def test_top_p_min_p_head_or_sort_draw_in_reference_support(scale, monkeypatch):
+    """Rows with top-p or min-p and no top-k draw from the 1024 most likely tokens when those
+    hold what the filters keep (peaked rows), else from the sorted vocabulary (flat rows): either
+    way every draw is in the reference support."""
+    import engine.sampling.sampler as sm
+
+    v, reps = 5000, 40
+    g = torch.Generator().manual_seed(12)
+    settings = [
+        SamplingParams(top_p=0.9),
+        SamplingParams(min_p=0.3, temperature=0.8),
+        SamplingParams(top_p=0.6, min_p=0.05, temperature=1.2),
+    ]
+    logits = torch.randn(len(settings), v, generator=g) * scale
+    heads = []
+    real = sm.Sampler._head
+
+    def spy(*a):
+        out = real(*a)
+        heads.append(out[2] is not None)
+        return out
+
+    monkeypatch.setattr(sm.Sampler, "_head", staticmethod(spy))
+    rows = [
+        _row(f"{i}-{r}", SamplingParams(**{**p.to_dict(), "seed": 1000 * i + r}))
+        for i, p in enumerate(settings)
+        for r in range(reps)
+    ]
+    toks, _ = _sample(Sampler(), logits.repeat_interleave(reps, 0), rows)
+    assert heads == [scale > 1]
+    for i, p in enumerate(settings):
+        support = set(_naive_probs(logits[i].tolist(), p))
+        drawn = {t[0] for t in toks[i * reps : (i + 1) * reps]}
+        assert drawn <= support and len(drawn) > 1, f"setting {i}"
+
+
 def test_inverse_cdf_never_draws_probability_zero():
     from engine.sampling.filters import inverse_cdf
 
