@@ -105,7 +105,7 @@ class Client:
     def stream(
         self, prompt: str | None = None, prompt_token_ids=None, timeout: float | None = None, **sampling
     ) -> TokenStream:
-        """Chunks as the tokens come. Options: max_tokens, temperature, top_k, top_p, seed,
+        """Chunks as the tokens come. Options: max_tokens, temperature, top_k, top_p, min_p, seed,
         stop_token_ids, ignore_eos, request_id, stop (strings), min_tokens, presence_penalty,
         frequency_penalty, repetition_penalty, logprobs, prompt_logprobs, num_speculative_tokens,
         logit_bias ({token id: bias}) (docs/api.md)."""

@@ -123,6 +123,7 @@ def build_request(
     prompt_logprobs: int | None = None,
     num_speculative_tokens: int | None = None,
     logit_bias: dict[int, float] | None = None,
+    min_p: float | None = None,
 ) -> pb.GenerateRequest:
     """Unset options (None) take the server's defaults. docs/api.md describes each."""
     if (prompt is None) == (prompt_token_ids is None):
@@ -141,6 +142,7 @@ def build_request(
         ("logprobs", logprobs),
         ("prompt_logprobs", prompt_logprobs),
         ("num_speculative_tokens", num_speculative_tokens),
+        ("min_p", min_p),
     ):
         if v is not None:
             setattr(sp, name, v)

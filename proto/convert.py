@@ -16,6 +16,7 @@ class SamplingKwargs(TypedDict, total=False):
     temperature: float
     top_k: int
     top_p: float
+    min_p: float
     seed: int
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
@@ -46,6 +47,8 @@ def sampling_kwargs(sp: pb.SamplingParams) -> SamplingKwargs:
         kw["temperature"] = float(sp.temperature)
     if sp.HasField("top_p"):
         kw["top_p"] = sp.top_p
+    if sp.HasField("min_p"):
+        kw["min_p"] = float(sp.min_p)
     if sp.HasField("seed"):
         kw["seed"] = sp.seed
     if sp.HasField("repetition_penalty"):

@@ -101,6 +101,7 @@ class _Request(BaseModel):
     temperature: Annotated[Float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None
     top_k: int | None = None
+    min_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None  # an extension, as vLLM's
     presence_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[Float, Field(ge=0.0, le=10.0)] | None = None
@@ -217,6 +218,7 @@ def sampling(req: CompletionRequest | ChatRequest) -> pb.SamplingParams:
     for name in (
         "temperature",
         "top_p",
+        "min_p",
         "presence_penalty",
         "frequency_penalty",
         "repetition_penalty",

@@ -256,6 +256,19 @@ def test_n_with_seed(oai, model):
     assert texts == singles and chunks[-1].usage.completion_tokens == 24
 
 
+def test_min_p_one_is_greedy(oai, model, sdk):
+    """min_p through HTTP and the SDK: at 1 only the most likely token stays, so a hot seeded
+    request decodes greedily; below, it does not."""
+    kw = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=1.5, seed=3)
+    greedy = oai.completions.create(model=model, prompt=PROMPT, max_tokens=8, **GREEDY).choices[0].text
+    assert oai.completions.create(**kw, extra_body={"ignore_eos": True, "min_p": 1.0}).choices[0].text == greedy
+    assert oai.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text != greedy
+    ids = sdk.generate(prompt=PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids
+    assert (
+        sdk.generate(prompt=PROMPT, max_tokens=8, temperature=1.5, seed=3, min_p=1.0, ignore_eos=True).token_ids == ids
+    )
+
+
 def test_min_tokens_and_max_completion_tokens(oai, model, sdk, tok):
     ids = sdk.generate(prompt=PROMPT, max_tokens=3, temperature=0.0, ignore_eos=True).token_ids
     r = oai.chat.completions.create(
