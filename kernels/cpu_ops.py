@@ -23,8 +23,6 @@ import threading
 
 import torch
 
-from kernels import build
-
 __all__ = [
     "available",
     "status",
@@ -46,6 +44,8 @@ _state: str | None = None  # None: not tried; "" loaded; else why not
 
 def _why_not() -> str:
     """Loads the operator library; returns "" or the reason it is not used."""
+    from kernels import build  # here: `python -m kernels.build` must not find it imported already
+
     if os.environ.get("PDSERVE_CPU_OPS", "1") == "0":
         return "PDSERVE_CPU_OPS=0"
     if not build.LIB.exists() or not build.META.exists():
@@ -72,6 +72,8 @@ def status() -> str:
         with _lock:
             if _state is None:
                 why = _why_not()
+                from kernels.build import COMMAND
+
                 if why == "PDSERVE_CPU_OPS=0":
                     _log.info("CPU operators off (PDSERVE_CPU_OPS=0): the CPU decode step runs on the PyTorch path")
                 elif why:
@@ -79,7 +81,7 @@ def status() -> str:
                         "CPU operators not loaded: %s. The CPU decode step runs on the PyTorch path (slower); "
                         "build them with `%s` (`make` does it).",
                         why,
-                        build.COMMAND,
+                        COMMAND,
                     )
                 _state = why
     return _state
