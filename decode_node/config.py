@@ -24,7 +24,7 @@ class DecodeNodeConfig(NodeArgs):
     reservation_lease_s: float = option(30.0, "seconds a reservation lives unrenewed when Reserve names no lease",
                                         flag="--default-reservation-lease")  # fmt: skip
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         if self.local_prefill_threshold < 0:
             raise ValueError(f"local_prefill_threshold must be >= 0 (got {self.local_prefill_threshold})")

@@ -35,7 +35,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from dataclasses import dataclass
 
 import grpc
 
@@ -48,7 +48,7 @@ from proto import pb, rpc
 from proto.convert import logprobs_pb, sampling_kwargs
 from serving.commands import NoRoom, RequestHandle, ShuttingDown, UnknownRequest
 from serving.loop import EngineLoop
-from serving.metrics import ServingMetrics, capacity_gauges
+from serving.metrics import Gauges, ServingMetrics, capacity_gauges
 from serving.node import NodeServer, on_cancel, serve_node
 from serving.rpc import MAX_REQUEST_ID_LEN
 from transfer import TransferConfig
@@ -71,10 +71,23 @@ def _digest(ecfg: EngineConfig) -> str:
         return ""
 
 
+@dataclass
+class _Tally:
+    """How one relayed request went, for the metrics (counted once, however it ends)."""
+
+    outcome: str = "cancelled"
+    ttft: float | None = None
+    tpot: float | None = None
+    n: int = 0
+    cached: int = 0
+
+
 class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
     KIND = "decode"
     SERVICE = "DecodeNode"
     NODE_KIND = pb.NODE_KIND_DECODE
+    cfg: DecodeNodeConfig
+    connector: DecodeConnector | None
 
     def __init__(self, cfg: DecodeNodeConfig) -> None:
         self._init_lifecycle()
@@ -96,7 +109,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         self.loop = EngineLoop(self.engine, name=f"{cfg.node_id}-engine", on_change=self.changes.changed).start()
         self.metrics = ServingMetrics("pdserve_decode", self._gauges)
 
-    def _gauges(self) -> dict[str, tuple[str, Any]]:
+    def _gauges(self) -> Gauges:
         s = self.loop.snapshot
         return {
             **capacity_gauges(s),
@@ -124,7 +137,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
     # ---- RPCs ---------------------------------------------------------------------------
     def _params(self, sampling: pb.SamplingParams, context: grpc.ServicerContext) -> SamplingParams:
         try:
-            return SamplingParams(**sampling_kwargs(sampling))
+            return SamplingParams(**sampling_kwargs(sampling))  # type: ignore[no-untyped-call]  # its **kwargs init
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             raise
@@ -210,14 +223,14 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
     def _relay(self, h: RequestHandle, context: grpc.ServicerContext, skip: int = 0) -> Iterator[pb.GenerateResponse]:
         """skip: leading tokens the caller already has (the prefill node's first token). Counts the
         request in the metrics once, however it ends."""
-        box: dict[str, Any] = {"outcome": "cancelled", "ttft": None, "tpot": None, "n": 0}
+        box = _Tally()
         try:
             yield from self._relay_loop(h, context, skip, box)
         finally:
-            self.metrics.request_done(box["outcome"], box["ttft"], box["tpot"], box["n"])
+            self.metrics.request_done(box.outcome, box.ttft, box.tpot, box.n)
 
     def _relay_loop(
-        self, h: RequestHandle, context: grpc.ServicerContext, skip: int, box: dict[str, Any]
+        self, h: RequestHandle, context: grpc.ServicerContext, skip: int, box: _Tally
     ) -> Iterator[pb.GenerateResponse]:
         first_tok: float | None = None
         last_tok: float | None = None
@@ -233,7 +246,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                     code = grpc.StatusCode.UNAVAILABLE
                 else:
                     code = grpc.StatusCode.INTERNAL
-                box["outcome"] = "error"
+                box.outcome = "error"
                 context.abort(code, str(e))
             now = time.monotonic()
             new, lps = item.new_token_ids, item.logprobs
@@ -265,21 +278,21 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                 msg.prompt_logprobs.extend(logprobs_pb(item.prompt_logprobs))
             if first_msg:
                 msg.prompt_tokens = h.num_prompt_tokens
-                msg.cached_tokens = box["cached"] = item.num_cached_tokens
+                msg.cached_tokens = box.cached = item.num_cached_tokens
                 msg.decode_node = self.cfg.node_id
                 first_msg = False
-            box["n"] = n
+            box.n = n
             if done:
-                box["outcome"] = "cancelled" if item.finish_reason == "abort" else "ok"
-                box["ttft"] = t.ttft_s if first_tok is not None else None
-                box["tpot"] = t.tpot_s if n > 1 else None
+                box.outcome = "cancelled" if item.finish_reason == "abort" else "ok"
+                box.ttft = t.ttft_s if first_tok is not None else None
+                box.tpot = t.tpot_s if n > 1 else None
             if new or done:
                 yield msg
             if done:
                 log.info(
                     "request %s: prompt %d (cached %d), output %d, %s; queue %.1f ms, ttft %.1f ms, tpot %.1f ms, "
                     "e2e %.1f ms",
-                    h.request_id, h.num_prompt_tokens, box.get("cached", 0), n, item.finish_reason,
+                    h.request_id, h.num_prompt_tokens, box.cached, n, item.finish_reason,
                     t.queue_s * 1e3, t.ttft_s * 1e3, t.tpot_s * 1e3, t.e2e_s * 1e3,
                 )  # fmt: skip
                 return

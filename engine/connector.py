@@ -1,23 +1,8 @@
-"""The engine's interface to a state transfer: the `Connector` an EngineCore calls, and the typed
-records its `poll()` returns. The engine owns this interface; transfer/connector/ implements it
-(a prefill side that pushes a computed prompt's state, a decode side that receives one into a
-reservation). Nothing here knows how bytes move.
-
-Every method runs on the thread that owns the EngineCore (a node's engine loop), called by the
-engine itself at these points of a request's life:
-
-    add_request / resume_request -> request_added / request_resumed
-    EngineCore.step: schedule -> rows_scheduled(so) -> forward -> prefill_chunk_done(req, a, b)
-        for every prompt chunk computed -> prompt_prefilled(req) when a prefill-only request
-        is HELD -> request_finished(req, reason) for each request that left the engine
-    EngineCore.reserve -> request_reserved(req) (its answer goes back to the caller)
-    EngineCore.activate -> request_activating(req) (raising refuses the activation)
-    EngineCore.release / abort of a request the connector tracks -> abort(request_id, reason)
-    EngineCore.poll_transfers -> poll() -> [SendDone | RecvReady | RecvFailed | RecvFreed]
-
-The connector never frees engine memory: the engine frees a HELD request's pages and slot when a
-SendDone names it, a RESERVED request's when a RecvFreed does (no write can touch them then).
-"""
+"""The engine's interface to a state transfer: the `Connector` an EngineCore calls on its own thread
+at each point of a request's life (added, rows scheduled, chunk computed, prefilled, reserved,
+activating, finished, aborted), and the typed records its `poll()` returns (SendDone, RecvReady,
+RecvFailed, RecvFreed). The engine owns it; transfer/connector/ implements it. It never frees
+engine memory: the engine does on SendDone / RecvFreed. Call points: docs/engine.md, "The connector"."""
 
 from __future__ import annotations
 

@@ -12,14 +12,21 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,  # noqa: A002
-           metavar: str | None = None, secret: bool = False) -> Any:  # fmt: skip
+def option(
+    default: Any = dataclasses.MISSING,
+    help: str = "",  # noqa: A002
+    *,
+    flag: str | None = None,
+    metavar: str | None = None,
+    secret: bool = False,
+) -> Any:
     """A config field that is also a command-line option (see the module docstring). A `secret`
     one is left out of the config's repr."""
     if not help:
         raise TypeError("an option needs its help text")
-    return dataclasses.field(default=default, repr=not secret,
-                             metadata={"help": help, "flag": flag, "metavar": metavar, "secret": secret})  # fmt: skip
+    return dataclasses.field(
+        default=default, repr=not secret, metadata={"help": help, "flag": flag, "metavar": metavar, "secret": secret}
+    )
 
 
 @dataclass(frozen=True)
@@ -75,8 +82,14 @@ def _shown(v: Any) -> str:
     return ",".join(map(str, v)) if isinstance(v, tuple) else str(v)
 
 
-def add_options(parser: argparse.ArgumentParser, opts: list[Opt], *, unset: bool = False,
-                defaults: dict[str, Any] | None = None, note: str = "") -> None:  # fmt: skip
+def add_options(
+    parser: argparse.ArgumentParser,
+    opts: list[Opt],
+    *,
+    unset: bool = False,
+    defaults: dict[str, Any] | None = None,
+    note: str = "",
+) -> None:
     """One flag per option. `unset`: every default is None (given or not, for merging with a
     file), the field's default shown in the help; `defaults` replace a field's default (by name);
     `note` is appended to every help text."""

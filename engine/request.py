@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine.request_state import Status, TransitionError, check_transition
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.sampling import TokenLogprob
 
 __all__ = ["Request", "SpecDepth", "Status", "TransitionError"]
 
@@ -26,6 +29,7 @@ class SpecDepth:
     probing: bool = False  # depth 1 after depth 0: the next verification decides alone
     gap: int = 0  # depth 0: steps between probes (doubles after a failed probe, capped)
     wait: int = 0  # depth 0: steps left before the next probe
+    cap: int = 0  # the most drafts a row carries: k, or the request's own lower cap; 0: never drafts
 
 
 @dataclass
@@ -44,15 +48,15 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
-    logits: Any = None  # last-position logits when want_logits (a [vocab] tensor)
+    logits: object = None  # last-position logits when want_logits (a [vocab] float32 tensor)
     draft_token_ids: list[int] = field(default_factory=list)  # MTP drafts proposed for the next step
     spec: SpecDepth = field(default_factory=SpecDepth)  # draft depth, replaced whole by the policy
-    output_logprobs: list[Any] = field(default_factory=list)  # params.logprobs: one TokenLogprob per output token
-    prompt_logprobs: list[Any] = field(default_factory=list)  # one per prompt token after the first
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token (params.logprobs)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per prompt token after the first
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at first admission
     # a record, not a state: admission once waited for a running request's snapshot
     # (engine/cache/inflight.py), counted once in the prefix stats
-    held: bool = False
+    held_back: bool = False
     block_hashes: list[int] | None = None  # prefix caching: chained hash of each full prompt page
     num_registered: int = 0  # pages of this request registered in the prefix cache
     num_cached_blocks: int = 0  # decode side: leading prompt pages already here (not transferred)

@@ -1,16 +1,6 @@
-"""A request's states inside one engine and the one table of moves between them, the
-disaggregated states included; `Request.move` checks every change of state against it.
-
-    new ──add──> WAITING ──admit──> RUNNING ──stop, length──> FINISHED
-                                     │  ↑ admit
-                                     │  PREEMPTED <──preempt── RUNNING
-                                     └─prefill_only──> HELD ──release──> FINISHED
-    new ──reserve──> RESERVED ──activate──> RUNNING
-    WAITING, PREEMPTED, RUNNING, RESERVED, HELD ──abort──> ABORTED
-
-HELD (prefill side) keeps the prompt's pages and GDN slot for the transfer; RESERVED (decode
-side) keeps pages and a slot for a state another node writes. FINISHED and ABORTED are final.
-"""
+"""A request's states inside one engine (WAITING, RUNNING, PREEMPTED, HELD, RESERVED, FINISHED,
+ABORTED) and the one table of moves between them, the disaggregated states included;
+`Request.move` checks every change of state against it. Diagram: docs/engine.md, "Request states"."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 keeps all
     top_p: float = 1.0  # keep the smallest set whose probability reaches top_p
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (after top-p)
     seed: int | None = None  # same seed, same tokens, whatever else is in the batch
     stop_token_ids: tuple[int, ...] = ()  # finish (reason "stop") after emitting one of these
     ignore_eos: bool = False  # keep going past the model's end-of-sequence tokens
@@ -55,6 +56,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer (got {self.top_k!r})")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] (got {self.top_p!r})")
+        if not isinstance(self.min_p, (int, float)) or isinstance(self.min_p, bool) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (got {self.min_p!r})")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer (got {self.seed!r})")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:

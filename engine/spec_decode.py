@@ -5,14 +5,13 @@ in one step (the GDN recurrence writes the state after every token into a scratc
 drafts are accepted left to right while the target agrees; the row's GDN conv and recurrent
 state then roll back to the state after the last accepted token.
 
-Acceptance follows the standard rule for a deterministic proposer: greedy rows accept a draft
-iff it is the argmax; sampled rows accept draft d with probability p(d) and, on rejection,
-sample from p with d removed. Either way the output has the target distribution.
+Verification is the sampler's (engine/sampling/sampler.py): every scored position draws its token
+as a plain row would, and the drafts are accepted while they equal those draws; for a
+deterministic proposer that is the standard rule (accept d with probability p(d), else a draw
+from p without d), so the output has the target distribution.
 """
 
 from __future__ import annotations
-
-import torch
 
 
 class NgramProposer:
@@ -30,30 +29,3 @@ class NgramProposer:
                 if tokens[start : start + n] == suffix:
                     return tokens[start + n : start + n + k]
         return []
-
-
-def verify_row(
-    probs_or_logits: torch.Tensor, drafts: list[int], greedy: bool, gen: torch.Generator | None
-) -> list[int]:
-    """Rows of [k+1, V]: greedy takes logits, sampling takes filtered probabilities.
-    Returns the emitted tokens: accepted drafts plus one corrected or bonus token."""
-    out: list[int] = []
-    for i, d in enumerate(drafts):
-        row = probs_or_logits[i]
-        if greedy:
-            t = int(row.argmax())
-            if t != d:
-                return out + [t]
-        else:
-            u = torch.rand((), generator=gen)
-            if u >= row[d]:
-                rest = row.clone()
-                rest[d] = 0.0
-                if float(rest.sum()) <= 0.0:
-                    return out + [d]
-                return out + [int(torch.multinomial(rest, 1, generator=gen))]
-        out.append(d)
-    last = probs_or_logits[len(drafts)]
-    if greedy:
-        return out + [int(last.argmax())]
-    return out + [int(torch.multinomial(last, 1, generator=gen))]

@@ -4,8 +4,12 @@ Plain dataclasses: pickled across a pipe for tensor-parallel worker processes.""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.sampling import TokenLogprob
 
 
 @dataclass
@@ -60,8 +64,8 @@ class StepOutput:
     sampled: dict[str, list[int]]  # emitted tokens per sampling row (1, or up to k+1 when verifying drafts)
     logits: dict[str, object] = field(default_factory=dict)  # request id -> [vocab] float32 tensor
     drafts: dict[str, list[int]] = field(default_factory=dict)  # MTP drafts for each sampling row's next step
-    # params.logprobs: (token, logprob, top) per emitted token (engine.sampler.TokenLogprob)
-    logprobs: dict[str, list] = field(default_factory=dict)
+    # params.logprobs: (token, logprob, top) per emitted token (engine.sampling.TokenLogprob)
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     # params.prompt_logprobs: (position of the row's first token, [TokenLogprob of the token after each position])
-    prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
     seconds: float = 0.0

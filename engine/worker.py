@@ -19,7 +19,7 @@ from engine.model.batch import ForwardBatch, IntPack, group_fields, make_group
 from engine.model.layers import AllReduce
 from engine.model.mtp import MTPBlock, MTPDrafter
 from engine.model.qwen3_5 import Qwen35Model
-from engine.sampler import Sampler, token_logprobs
+from engine.sampling import Sampler, token_logprobs
 from engine.step import StepInput, StepOutput
 from kernels.points import StatePoints
 
@@ -74,7 +74,7 @@ class Worker:
                 self.device,
                 page_ends=cfg.cache.enable_prefix_caching,
             )
-        self.sampler = Sampler(cfg.seed, cfg.model.eos_token_ids)
+        self.sampler = Sampler(cfg.seed, cfg.model.eos_token_ids, self.device)
         self.block_size = cfg.cache.block_size
         self.ext: dict[str, object] = {}  # per-rank objects owned by node packages (e.g. transfer endpoints)
 
@@ -219,15 +219,14 @@ class Worker:
         return out
 
     def _sample(self, step: StepInput, logits: torch.Tensor, out: StepOutput) -> None:
-        """Rank 0: verify drafts, sample plain rows, keep wanted logits and logprobs (into `out`)."""
+        """Rank 0: sample every sampling row and verify drafts in one batch (engine/sampling),
+        keep wanted logits and logprobs (into `out`)."""
         i = 0
-        plain = []  # (logit row, RowInput)
+        rows, first, wanted = [], [], []  # sampling rows and their first logit row; want_logits rows
         for r in step.rows:
-            if r.num_draft:
-                drafts = r.token_ids[-r.num_draft :]
-                out.sampled[r.request_id] = self.sampler.verify(
-                    logits[i : i + r.num_draft + 1], drafts, r.request_id, r.params, r.num_output
-                )
+            if r.num_draft:  # the pending token and every draft are scored
+                rows.append(r)
+                first.append(i)
                 i += r.num_draft + 1
                 continue
             if r.prompt_logprobs is not None:  # the row has a logit at every position; its last samples
@@ -236,22 +235,19 @@ class Worker:
                 if not (r.sample or r.want_logits):
                     i += 1
                     continue
-            if r.sample or r.want_logits:
-                plain.append((i, r))
-                i += 1
-        samp = [(j, r) for j, r in plain if r.sample]
-        if samp:
-            idx = torch.tensor([j for j, _ in samp])
-            toks = self.sampler(logits[idx], [r.request_id for _, r in samp], [r.params for _, r in samp],
-                                [r.history for _, r in samp], [r.num_output for _, r in samp])  # fmt: skip
-            out.sampled.update({r.request_id: [t] for (_, r), t in zip(samp, toks)})
-            lp = [(j, r, t) for (j, r), t in zip(samp, toks) if r.params.logprobs is not None]
-            for j, r, t in lp:  # of the model's distribution, before penalties and temperature
-                row = torch.log_softmax(logits[j : j + 1].float(), -1)
-                out.logprobs[r.request_id] = token_logprobs(row, [t], r.params.logprobs)
-        for j, r in plain:
+            if r.sample:
+                rows.append(r)
+                first.append(i)
             if r.want_logits:
-                out.logits[r.request_id] = logits[j].cpu()
+                wanted.append((i, r))
+            if r.sample or r.want_logits:
+                i += 1
+        for j, r in wanted:  # before the sampler overwrites the logits
+            out.logits[r.request_id] = logits[j].cpu()
+        if rows:
+            emitted, logprobs = self.sampler(logits, rows, first)
+            out.sampled.update((r.request_id, toks) for r, toks in zip(rows, emitted))
+            out.logprobs.update(logprobs)
 
     @staticmethod
     def _prompt_logprobs(r, logits: torch.Tensor, out: StepOutput) -> None:

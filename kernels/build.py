@@ -1,15 +1,9 @@
-"""Builds the pdserve CPU operators (kernels/csrc/*.cpp) into kernels/_ops/, where
-kernels/cpu_ops.py loads them from.
+"""Builds the pdserve CPU operators (kernels/csrc/*.cpp) into kernels/_ops/ with
+torch.utils.cpp_extension, recording a digest of the sources and the torch version, which
+kernels/cpu_ops.py checks before loading. `make` and the CPU image's build stage run it; nothing
+builds at run time.
 
-    python -m kernels.build [--march native]
-
-`make` runs it after installing the project, and the CPU image runs it in its build stage
-(deploy/docker/Dockerfile.cpu); nothing builds at run time. It compiles with
-torch.utils.cpp_extension (ninja, the system C++ compiler, OpenMP for torch's parallel-for)
-into kernels/_ops/build/, copies the library to kernels/_ops/pdserve_cpu_ops.so and records
-beside it (pdserve_cpu_ops.json) a digest of the sources and the torch version it was built
-against, which the loader compares with its own before it trusts the library.
-"""
+    python -m kernels.build [--march native]"""
 
 from __future__ import annotations
 

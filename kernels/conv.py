@@ -41,10 +41,8 @@ def causal_conv1d(
     if x.is_cuda or _force_triton():
         from kernels.triton.conv import causal_conv1d_triton
 
-        return causal_conv1d_triton(
-            x, weight, cu_seqlens, conv_pool, slot_ids, has_initial_state, activation, intermediate_states,
-            max_len=max_len,
-        )  # fmt: skip
+        args = (x, weight, cu_seqlens, conv_pool, slot_ids, has_initial_state, activation, intermediate_states)
+        return causal_conv1d_triton(*args, max_len=max_len)
     check_conv_inputs(x, weight, cu_seqlens, conv_pool, slot_ids)
     D, kc = weight.shape
     B = cu_seqlens.numel() - 1

@@ -105,10 +105,8 @@ def gdn_chunk_prefill(
     if q.is_cuda or _force_triton():
         from kernels.triton.gdn_chunk import gdn_chunk_prefill_triton
 
-        return gdn_chunk_prefill_triton(
-            q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, has_initial_state, scale, chunk_size or 64,
-            points=points, points_pool=points_pool, max_len=max_len,
-        )  # fmt: skip
+        args = (q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, has_initial_state, scale, chunk_size or 64)
+        return gdn_chunk_prefill_triton(*args, points=points, points_pool=points_pool, max_len=max_len)
     check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids)
     if points is not None:
         check_points(points, cu_seqlens, points_pool, state_pool.shape[1:])
@@ -218,10 +216,8 @@ def gdn_recurrent(
     if q.is_cuda or _force_triton():
         from kernels.triton.gdn_recurrent import gdn_recurrent_triton
 
-        return gdn_recurrent_triton(
-            q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, has_initial_state, scale, intermediate_states,
-            max_len=max_len,
-        )  # fmt: skip
+        args = (q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, has_initial_state, scale, intermediate_states)
+        return gdn_recurrent_triton(*args, max_len=max_len)
     check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids)
     T, hv, dv = v.shape
     dk = q.shape[-1]

@@ -22,7 +22,7 @@ class PrefillNodeConfig(NodeArgs):
     # completions otherwise wait for the next, possibly long, prefill step).
     push_spin_s: float = option(0.005, "seconds to keep polling in-flight pushes between engine steps")
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         if self.push_timeout_s <= 0 or self.push_spin_s < 0:
             raise ValueError("push_timeout_s must be positive and push_spin_s >= 0")

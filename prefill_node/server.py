@@ -58,8 +58,9 @@ log = logging.getLogger("pdserve.prefill")
 
 
 def _target(t: pb.TransferTarget) -> Target:
-    ranks = sorted((TargetRank(r.agent, r.rank, list(r.block_ids), r.slot, r.incarnation) for r in t.ranks),
-                   key=lambda r: r.rank)  # fmt: skip
+    ranks = sorted(
+        (TargetRank(r.agent, r.rank, list(r.block_ids), r.slot, r.incarnation) for r in t.ranks), key=lambda r: r.rank
+    )
     return Target(t.request_id, t.node_id, t.tp_size, t.schema_digest, t.num_tokens, ranks, t.cached_blocks)
 
 
@@ -67,6 +68,8 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
     KIND = "prefill"
     SERVICE = "PrefillNode"
     NODE_KIND = pb.NODE_KIND_PREFILL
+    cfg: PrefillNodeConfig
+    connector: PrefillConnector | None
 
     def __init__(self, cfg: PrefillNodeConfig) -> None:
         self._init_lifecycle()
@@ -76,10 +79,13 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         self.backend = cfg.transfer_backend
         self.engine = EngineCore(self.ecfg)
         try:
-            self.connector: PrefillConnector | None = PrefillConnector(
-                self.engine.executor, cfg.node_id, TransferConfig(backend=self.backend),
-                push_timeout_s=cfg.push_timeout_s, spin_s=cfg.push_spin_s,
-            )  # fmt: skip
+            self.connector = PrefillConnector(
+                self.engine.executor,
+                cfg.node_id,
+                TransferConfig(backend=self.backend),
+                push_timeout_s=cfg.push_timeout_s,
+                spin_s=cfg.push_spin_s,
+            )
         except Exception:
             self.engine.close()
             raise
@@ -123,7 +129,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
                 f"target model digest {request.target.schema_digest} differs from this node's {self.digest}",
             )
         try:
-            params = SamplingParams(**sampling_kwargs(request.sampling))
+            params = SamplingParams(**sampling_kwargs(request.sampling))  # type: ignore[no-untyped-call]  # its **kwargs init
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         push = PushParams(_target(request.target), max(0.0, request.target.lease_s))
@@ -153,9 +159,14 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             self.changes.changed()  # in_flight() counts the calls: wake a drain
 
     def _prefill(
-        self, rid: str, ids: list[int], params: SamplingParams, push: PushParams, t0: float,
+        self,
+        rid: str,
+        ids: list[int],
+        params: SamplingParams,
+        push: PushParams,
+        t0: float,
         context: grpc.ServicerContext,
-    ) -> Iterator[pb.PrefillResponse]:  # fmt: skip
+    ) -> Iterator[pb.PrefillResponse]:
         """Yields the first-token message at once, then (state pushed) the `pushed` message."""
         target = push.target
         handle = self.loop_api(context, lambda: self.loop.submit(rid, ids, params, prefill_only=True, transfer=push))

@@ -26,14 +26,17 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
+from engine.cache.prefix import Digest
 from engine.connector import ConnectorStats, SendDone, TransferRecord
 from engine.core import EngineCore
 from engine.outputs import RequestOutput
 from engine.request import Status
 from engine.sampling_params import SamplingParams
+
+_T = TypeVar("_T")
 
 
 # ---- errors ----------------------------------------------------------------------------------
@@ -77,7 +80,7 @@ class Reservation:
 @dataclass(frozen=True)
 class Reserved:
     reservation: Reservation
-    value: Any = None  # what the command's on_reserved hook returned
+    value: object = None  # what the command's on_reserved hook returned
 
 
 @dataclass(frozen=True)
@@ -179,7 +182,7 @@ class Reserve:
     params: SamplingParams
     future: Future[Reserved]
     # node work on the loop thread once the pages are set aside; raising releases them again
-    on_reserved: Callable[[Reservation], Any] | None = None
+    on_reserved: Callable[[Reservation], object] | None = None
     transfer: object = None  # the connector's parameters for it (decode side: the lease in seconds)
 
 
@@ -203,8 +206,23 @@ class GetStats:
 
 @dataclass(frozen=True)
 class Run:
-    fn: Callable[[Any], Any]  # fn(engine)
-    future: Future[Any]
+    job: Callable[[EngineCore], None]  # job(engine): runs the caller's function, answers its future
+    fail: Callable[[BaseException], None]  # answers that future with an error instead
+
+    @staticmethod
+    def of(fn: Callable[[EngineCore], _T]) -> tuple[Run, Future[_T]]:
+        """The command that runs fn(engine), and the future it answers."""
+        fut: Future[_T] = Future()
+
+        def job(engine: EngineCore) -> None:
+            try:
+                r = fn(engine)
+            except Exception as e:
+                fut.set_exception(e)
+                return
+            fut.set_result(r)
+
+        return Run(job, fut.set_exception), fut
 
 
 @dataclass(frozen=True)
@@ -236,7 +254,7 @@ class Snapshot:
     prefix_snapshots_used: int = 0  # GDN state snapshots held, of prefix_snapshots
     prefix_snapshots: int = 0
     prefix_snapshot_bytes: int = 0  # the snapshot pool's memory, per rank
-    prefix_digest: Any = None  # engine/cache/prefix.py Digest: what the cache holds (None: no cache)
+    prefix_digest: Digest | None = None  # what the prefix cache holds (None: no cache)
     spec_accepted_tokens: int = 0
     spec_drafts_per_position: tuple[int, ...] = field(default=())  # drafts verified at place i + 1, and accepted
     spec_accepted_per_position: tuple[int, ...] = field(default=())
@@ -248,23 +266,7 @@ def take_snapshot(eng: EngineCore, previous: Snapshot, streaming: int = 0) -> Sn
     """The engine's counters now (loop thread); the prefix digest is rebuilt only when the cache changed."""
     sched = eng.scheduler
     queued = sum(max(0, len(r.prompt_token_ids) - r.num_computed_tokens) for r in [*sched.waiting, *sched.running])
-    reserved = sum(1 for r in eng.requests.values() if r.status is Status.RESERVED)
-    prefix: dict[str, Any] = {}
-    pc = eng.prefix
-    if pc is not None:
-        d = previous.prefix_digest
-        if d is None or d.version != pc.version():
-            d = pc.digest()
-        prefix = dict(
-            prefix_digest=d,
-            prefix_query_tokens=pc.stats.query_tokens,
-            prefix_hit_tokens=pc.stats.hit_tokens,
-            prefix_held_admissions=pc.stats.held,
-            prefix_snapshots_used=pc.num_used,
-            prefix_snapshots=pc.num_snapshots,
-            prefix_snapshot_bytes=eng.capacity.snapshot_bytes,
-        )
-    return Snapshot(
+    snap = Snapshot(
         total_blocks=eng.capacity.num_blocks,
         free_blocks=eng.blocks.num_free,
         block_size=eng.capacity.block_size,
@@ -273,12 +275,38 @@ def take_snapshot(eng: EngineCore, previous: Snapshot, streaming: int = 0) -> Sn
         running=len(sched.running),
         waiting=len(sched.waiting),
         queued_prefill_tokens=queued,
-        reserved=reserved,
+        reserved=sum(1 for r in eng.requests.values() if r.status is Status.RESERVED),
         spec_draft_tokens=sched.num_draft_tokens,
         spec_accepted_tokens=sched.num_accepted_tokens,
         spec_drafts_per_position=tuple(sched.drafts_per_position),
         spec_accepted_per_position=tuple(sched.accepted_per_position),
         transfer=eng.transfer_stats() or ConnectorStats(),
         streaming=streaming,
-        **prefix,
     )
+    pc = eng.prefix
+    if pc is None:
+        return snap
+    d = previous.prefix_digest
+    if d is None or d.version != pc.version():
+        d = pc.digest()
+    return replace(
+        snap,
+        prefix_digest=d,
+        prefix_query_tokens=pc.stats.query_tokens,
+        prefix_hit_tokens=pc.stats.hit_tokens,
+        prefix_held_admissions=pc.stats.held,
+        prefix_snapshots_used=pc.num_used,
+        prefix_snapshots=pc.num_snapshots,
+        prefix_snapshot_bytes=eng.capacity.snapshot_bytes,
+    )
+
+
+def settle(fut: Future[_T], value: _T) -> None:
+    """Answer a future nobody else may have answered yet."""
+    if not fut.done():
+        fut.set_result(value)
+
+
+def refuse(fut: Future[_T], error: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(error)

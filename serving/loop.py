@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from engine.connector import RecvFreed, SendDone, TransferRecord
 from engine.core import EngineCore
@@ -59,6 +59,8 @@ from serving.commands import (
     Snapshot,
     UnknownRequest,
     Wake,
+    refuse,
+    settle,
     take_snapshot,
 )
 
@@ -151,7 +153,7 @@ class EngineLoop:
         request_id: str,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
-        on_reserved: Callable[[Reservation], Any] | None = None,
+        on_reserved: Callable[[Reservation], object] | None = None,
         transfer: object = None,
     ) -> Future[Reserved]:
         """Set aside pages for prompt + 1 tokens and a state slot (EngineCore.reserve_transfer:
@@ -184,8 +186,8 @@ class EngineLoop:
 
     def run(self, fn: Callable[[EngineCore], _T]) -> Future[_T]:
         """fn(engine) on the loop thread."""
-        fut: Future[_T] = Future()
-        self._post(Run(fn, fut))
+        cmd, fut = Run.of(fn)
+        self._post(cmd)
         return fut
 
     def call(self, fn: Callable[[EngineCore], _T], timeout: float = 30.0) -> _T:
@@ -303,10 +305,10 @@ class EngineLoop:
                 if h is not None:
                     h._transfer_ended(r)
             for fut in self._awaiting.pop(rid, []):
-                _settle(fut, r)
+                settle(fut, r)
             if isinstance(r, (SendDone, RecvFreed)):
                 for done in self._releasing.pop(rid, []):
-                    _settle(done, None)
+                    settle(done, None)
         self._pending = eng.has_transfers()
 
     def _handle(self, cmd: Command) -> None:
@@ -326,8 +328,8 @@ class EngineLoop:
             case GetStats(fut):
                 self._snap()
                 fut.set_result(self.snapshot)
-            case Run(fn, fut):
-                self._answer(fut, lambda: fn(self.engine))
+            case Run(job):
+                job(self.engine)
             case Wake():
                 pass
         self._pending = self.engine.has_transfers()
@@ -398,7 +400,7 @@ class EngineLoop:
         rid: str,
         ids: list[int],
         params: SamplingParams,
-        on_reserved: Callable[[Reservation], Any] | None,
+        on_reserved: Callable[[Reservation], object] | None,
         transfer: object,
     ) -> Reserved:
         got = self.engine.reserve_transfer(ids, params, rid, transfer)
@@ -454,10 +456,10 @@ class EngineLoop:
             h._transfer_ended(None, err)
         for waits in self._awaiting.values():
             for fut in waits:
-                _refuse(fut, err)
+                refuse(fut, err)
         for dones in self._releasing.values():
             for done in dones:
-                _refuse(done, err)
+                refuse(done, err)
         self._pushing, self._awaiting, self._releasing = {}, {}, {}
 
     def _drain_inbox(self) -> None:
@@ -478,22 +480,13 @@ class EngineLoop:
                     | AwaitTransfer(future=fut)
                     | Release(future=fut)
                     | GetStats(fut)
-                    | Run(future=fut)
                 ):
                     if fut is not None:
                         fut.set_exception(err)
+                case Run(fail=fail):
+                    fail(err)
 
     def _snap(self) -> None:
         self.snapshot = take_snapshot(self.engine, self.snapshot, len(self._handles) + len(self._pushing))
         if self._on_change is not None:
             self._on_change()
-
-
-def _settle(fut: Future[_T], value: _T) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _refuse(fut: Future[Any], error: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(error)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import grpc
 import msgspec
@@ -41,22 +41,41 @@ from serving.rpc import (
 )
 from serving.security import addresses, credentials
 
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from serving.config import NodeArgs
+    from serving.loop import EngineLoop
+    from serving.metrics import ServingMetrics
+    from serving.rpc import HealthStatus
+    from transfer.connector.base import RankEndpoints
+
 log = logging.getLogger("pdserve.node")
 
 _T = TypeVar("_T")
 
 
 class NodeServer:
-    KIND = ""  # "decode" | "prefill"
-    SERVICE = ""  # its gRPC service in pdserve.proto
-    NODE_KIND = pb.NODE_KIND_UNSPECIFIED
+    KIND: ClassVar[str] = ""  # "decode" | "prefill"
+    SERVICE: ClassVar[str] = ""  # its gRPC service in pdserve.proto
+    NODE_KIND: ClassVar[pb.NodeKind] = pb.NODE_KIND_UNSPECIFIED
+    # set by the subclass
+    cfg: NodeArgs
+    ecfg: EngineConfig
+    engine: EngineCore
+    loop: EngineLoop
+    metrics: ServingMetrics
+    incarnation: int
+    digest: str
+    backend: str
+    connector: RankEndpoints | None
 
     def _init_lifecycle(self) -> None:
         self.address = ""
         self.server: grpc.Server | None = None
         self.metrics_port: int | None = None
         self.draining = False
-        self._health = None
+        self._health: HealthStatus | None = None
         self._hbs: list[Heartbeater] = []  # one per router
         self._stopped = threading.Event()
         # signalled after every change of what in_flight() reads (the engine loop's passes, the
@@ -95,7 +114,7 @@ class NodeServer:
         self._describe(info)
         return info
 
-    def Stats(self, request, context):
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.NodeInfo:
         return self.info()
 
     # ---- provided by the node --------------------------------------------------------------------
@@ -121,7 +140,7 @@ class NodeServer:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name}: {e}")
             raise  # abort raised already
 
-    def refuse_if_draining(self, context) -> None:
+    def refuse_if_draining(self, context: grpc.ServicerContext) -> None:
         if self.draining:
             refuse_draining(context, self.name)
 
@@ -168,10 +187,11 @@ class NodeServer:
         self.engine.close()
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
+        assert self.server is not None, "the node was not started"
         return self.server.wait_for_termination(timeout)
 
     # ---- the transfer handshake ----------------------------------------------------------------
-    def Handshake(self, request, context):
+    def Handshake(self, request: pb.HandshakeRequest, context: grpc.ServicerContext) -> pb.HandshakeResponse:
         """Add the caller's rank blobs as peers on every rank; answer with ours."""
         conn = self.connector
         if conn is None:
@@ -190,7 +210,7 @@ class NodeServer:
         )
 
 
-def on_cancel(context, fn) -> None:
+def on_cancel(context: grpc.ServicerContext, fn: Callable[[], None]) -> None:
     """Run fn once the RPC ends (the caller cancelled, or the call is over); at once when it
     already has: what wakes a handler that waits on the engine loop when its caller goes away."""
     if not context.add_callback(fn):

@@ -34,6 +34,7 @@ class HealthStatus(Protocol):
     """What the servers set on grpc_health's HealthServicer (it ships no type information)."""
 
     def set(self, service: str, status: int) -> None: ...
+    def enter_graceful_shutdown(self) -> None: ...
 
 
 class _Registry(Protocol):

@@ -67,3 +67,46 @@ def test_packages_listed_in_the_architecture_exist():
     assert {"proto", "serving", "engine", "kernels", "transfer", "router", "client", "tests"} <= set(named)
     missing = [p for p in named if not (ROOT / p).is_dir()]
     assert not missing, f"docs/ARCHITECTURE.md lists packages that are not directories: {missing}"
+
+
+def _benchmark_entries() -> list[str]:
+    """The figure entries of docs/benchmarks.md: paragraphs that open with a bold title."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    return [" ".join(p.split()) for p in text.split("\n\n") if p.startswith("**") and "** — " in p]
+
+
+def test_benchmark_entries_say_when_where_and_how():
+    entries = _benchmark_entries()
+    assert len(entries) >= 15
+    bad = [
+        e[:80]
+        for e in entries
+        if not re.match(r"\*\*.+?\*\* — \d{4}-\d{2}-\d{2}\b", e)  # the date
+        or not re.search(r"\b[0-9a-f]{7,40}\b", e)  # the commit
+        or not re.search(r"dev box|H100", e)  # the machine
+        or not ("`" in e or "not recorded" in e)  # the command, or that the text gave none
+    ]
+    assert not bad, f"docs/benchmarks.md entries without date, commit, machine or command: {bad}"
+
+
+@pytest.mark.parametrize(
+    "md", [p for p in DOCS if p.name != "benchmarks.md"] + [ROOT / "README.md"], ids=lambda p: p.name
+)
+def test_speed_figures_live_in_benchmarks(md):
+    # a measured ratio ("1.7x") or throughput ("742 tokens/s") belongs in docs/benchmarks.md
+    found = re.findall(r"\b\d+(?:\.\d+)?x\b|\d (?:tokens|tok)/s", md.read_text())
+    assert not found, f"{md.relative_to(ROOT)} quotes figures {found}: move them to docs/benchmarks.md and link there"
+
+
+PACKAGE_PATH = re.compile(
+    r"`((?:engine|kernels|transfer|serving|router|client|proto|prefill_node|decode_node|bench|tools|tests|deploy)"
+    r"/[A-Za-z0-9_/-]*(?:\.[a-z]+)?)`"
+)
+BUILD_OUTPUTS = {"kernels/_ops/"}  # made by `python -m kernels.build`, not in the tree
+
+
+@pytest.mark.parametrize("md", [*DOCS, ROOT / "README.md"], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_quoted_paths_exist(md):
+    # `engine/cache/prefix.py`, `deploy/k8s/`: a file or folder the text names as code must exist
+    missing = [p for p in PACKAGE_PATH.findall(md.read_text()) if p not in BUILD_OUTPUTS and not (ROOT / p).exists()]
+    assert not missing, f"{md.relative_to(ROOT)} names paths that do not exist: {missing}"

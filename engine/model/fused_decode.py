@@ -63,7 +63,7 @@ def fused_decode(model, pools: CachePools, tp: int) -> DecodeLayers | None:
                     dk=mixer.dk,
                     dv=mixer.dv,
                     **common,
-                )  # fmt: skip
+                )
             )
         elif isinstance(mixer, Attention):
             w = mixer.w
@@ -80,7 +80,7 @@ def fused_decode(model, pools: CachePools, tp: int) -> DecodeLayers | None:
                     kvh=mixer.kvh,
                     scale=mixer.scale,
                     **common,
-                )  # fmt: skip
+                )
             )
         else:
             return None

@@ -110,10 +110,9 @@ class GatedDeltaNet:
         if grp.decode:
             return causal_conv1d_update(qkv, self.w.conv, conv_pool, grp.slot_ids)
         snaps = pools.snapshots.conv.get(self.layer) if grp.points is not None else None
-        return causal_conv1d(
-            qkv, self.w.conv, grp.cu_seqlens, conv_pool, grp.slot_ids, grp.has_initial_state,
-            points=grp.points, points_pool=snaps, max_len=grp.max_row_tokens,
-        )  # fmt: skip
+        rows = (grp.cu_seqlens, conv_pool, grp.slot_ids, grp.has_initial_state)
+        kw = dict(points=grp.points, points_pool=snaps, max_len=grp.max_row_tokens)
+        return causal_conv1d(qkv, self.w.conv, *rows, **kw)
 
     def _delta_rule(self, pools, grp, q, k, v, g, beta):
         rec_pool = pools.recurrent[self.layer]
@@ -127,10 +126,9 @@ class GatedDeltaNet:
         if grp.decode:
             return gdn_recurrent(q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids, scale=1.0, max_len=1)
         snaps = pools.snapshots.recurrent.get(self.layer) if grp.points is not None else None
-        return gdn_chunk_prefill(
-            q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids, grp.has_initial_state, scale=1.0,
-            points=grp.points, points_pool=snaps, max_len=grp.max_row_tokens,
-        )  # fmt: skip
+        rows = (grp.cu_seqlens, rec_pool, grp.slot_ids, grp.has_initial_state)
+        kw = dict(points=grp.points, points_pool=snaps, max_len=grp.max_row_tokens)
+        return gdn_chunk_prefill(q, k, v, g, beta, *rows, scale=1.0, **kw)
 
     def _rows_in_phases(self, proj, batch: ForwardBatch, pools: CachePools, consts) -> torch.Tensor:
         """cpu_ops.gdn_rows phase by phase; after each, the states at the points it ended on are

@@ -1,21 +1,7 @@
-"""The Scheduler: continuous batching with chunked prefill, preemption by recompute, and the
-disaggregated states (a prefill side's HELD requests, a decode side's RESERVED ones).
-
-Each step has a token budget. Running requests go first, in admission order: a decoding request
-takes 1 token (plus its drafts), a request still in its prompt takes the next chunk. Then queued
-requests join while budget, a GDN state slot and KV pages are free and the batch is under
-`max_num_seqs`. When pages run out, the most recently admitted running request is preempted: its
-pages and slot are freed and it goes back to the front of the queue, to recompute its prompt and
-output so far when it is admitted again. Rows are ordered decode first (one token each, the
-recurrent GDN path), then prefill chunks (the chunked path).
-
-A decoding row carries up to its draft depth of drafts (n-gram proposals, or the MTP drafts the
-previous step left on the request), never past max_tokens, max_model_len or the budget; the depth
-is the request's `SpecDepth`, moved by the pure policy in spec_depth.py. With MTP, a row that
-samples also gets pages for the positions its next drafts occupy. Prefix caching is planned in
-prefix_plan.py. Every change of a request's state goes through `Request.move`
-(engine/request_state.py); pages are freed by reference, so a shared page is never handed out.
-"""
+"""The Scheduler: continuous batching with a token budget and chunked prefill, preemption by
+recompute (newest first), draft rows at each request's depth, and the disaggregated states (a
+prefill side's HELD requests, a decode side's RESERVED ones); every state change goes through
+`Request.move`."""
 
 from __future__ import annotations
 
@@ -23,7 +9,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 from engine.cache.block_manager import BlockManager, SlotPool
 from engine.cache.prefix import PrefixCache, Snapshot
@@ -69,11 +54,8 @@ class Scheduler:
         self.drafts_per_position = [0] * num_spec_tokens  # drafts verified at position i of a row
         self.accepted_per_position = [0] * num_spec_tokens  # ... and accepted there
 
-    def max_depth(self, req: Request) -> int:
-        return spec_depth.max_depth(req.params, self.num_spec_tokens)
-
     def add(self, req: Request) -> None:
-        req.spec = replace(req.spec, depth=self.max_depth(req))
+        req.spec = spec_depth.started(req.spec, req.params, self.num_spec_tokens)
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
@@ -216,14 +198,14 @@ class Scheduler:
         for i in range(proposed):
             self.drafts_per_position[i] += 1
             self.accepted_per_position[i] += i < accepted
-        req.spec = spec_depth.after_verify(req.spec, self.spec, self.max_depth(req), proposed, accepted)
+        req.spec = spec_depth.after_verify(req.spec, self.spec, proposed, accepted)
 
     def _tick(self, req: Request) -> None:
         """A sampling step without drafts: at depth 0, count down to the next probe."""
-        req.spec = spec_depth.after_plain(req.spec, self.max_depth(req))
+        req.spec = spec_depth.after_plain(req.spec)
 
     def _depths_after(self, req: Request, num_drafts: int) -> tuple[int, ...]:
-        return spec_depth.depths_after(req.spec, self.spec, self.max_depth(req), num_drafts)
+        return spec_depth.depths_after(req.spec, self.spec, num_drafts)
 
     # ---- disaggregation: memory held outside the running batch ------------------------------
     def reserve(self, req: Request) -> bool:
@@ -254,7 +236,7 @@ class Scheduler:
             raise TransitionError(f"request {req.request_id!r} is {req.status.value}: only a reserved one activates")
         req.move(Status.RUNNING)
         req.num_computed_tokens = len(req.prompt_token_ids)
-        req.spec = replace(req.spec, depth=self.max_depth(req))
+        req.spec = spec_depth.started(req.spec, req.params, self.num_spec_tokens)
         req.draft_token_ids = list(drafts)[: req.spec.depth] if self.mtp else []
         self.running.append(req)
         self._emit(req, [first_token], eos)

@@ -1,20 +1,6 @@
 """Prefix-snapshot planning (engine/cache/prefix.py): which cached prefix a waiting request starts
-from, which snapshots a step saves, which pages become cached, and a finished request's final state.
-
-A waiting request is admitted from the longest cached prefix that has both its full pages and a
-GDN state snapshot; the step restores the snapshot into its slot (and its partial page) before the
-forward (with prompt logprobs, only from a snapshot that keeps the skipped tokens' entries,
-`lookup`). Snapshots are taken at exact token positions (every `interval` tokens, and the prompt's
-end) without cutting chunks there: one at a chunk's end is saved from the slot after the forward,
-one inside it is written by the GDN layers during the forward (`SnapshotCopy.offset`,
-kernels/points.py). Full pages are registered once computed, the reply's as well as the prompt's
-(a page entirely below `num_computed_tokens` holds verified KV only), so a conversation's next turn
-shares the reply's pages too. With MTP each page is registered with the token after it (the
-drafter's KV at a page's last position depends on it). A request that finishes leaves a snapshot
-of its final GDN state (`keep_final`, copied by the executor right after the step). A waiting
-request that shares a new prefix with a running one is held back until that snapshot is written
-(`held`, engine/cache/inflight.py).
-"""
+from, which snapshots a step saves, which pages become cached, a finished request's final state,
+and which waiting requests are held for an in-flight sharer (docs/prefix-caching.md)."""
 
 from __future__ import annotations
 
@@ -71,8 +57,8 @@ class PrefixPlanner:
         hold = hold_point(req, hit, limit, running, self.prefix.interval, bs, self.hashes)
         if hold is None:
             return False
-        if not req.held:
-            req.held = True
+        if not req.held_back:
+            req.held_back = True
             self.prefix.stats.held += 1
             log.debug(
                 "request %s waits for %s's snapshot at %d tokens (cached now: %d)",

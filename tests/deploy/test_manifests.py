@@ -41,7 +41,7 @@ import pytest
 import yaml
 from kubernetes_validate import utils as kv_utils
 
-from tests.helpers.k8s_render import RenderError, json6902, render, strategic_merge
+from tests.helpers.k8s_render import render
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -89,8 +89,9 @@ def rendered(request) -> tuple[str, list[dict]]:
     objs = render(TARGETS[request.param])
     kubectl = shutil.which("kubectl")
     if kubectl:
-        out = subprocess.run([kubectl, "kustomize", str(TARGETS[request.param])], capture_output=True, text=True,
-                             timeout=60, check=True).stdout  # fmt: skip
+        out = subprocess.run(
+            [kubectl, "kustomize", str(TARGETS[request.param])], capture_output=True, text=True, timeout=60, check=True
+        ).stdout
         real = [d for d in yaml.safe_load_all(out) if d is not None]
         assert _normalized(real) == _normalized(objs), f"k8s_render and kubectl kustomize differ on {request.param}"
     return request.param, objs
@@ -166,31 +167,6 @@ def _servers(parser, objs):
 def _pdserve_containers(obj: dict) -> list[dict]:
     spec = obj["spec"]["template"]["spec"]
     return [c for c in [*spec.get("initContainers", []), *spec["containers"]] if c["image"].split(":")[0] == "pdserve"]
-
-
-# ---- the renderer itself -------------------------------------------------------------------
-def test_strategic_merge_semantics():
-    base = {
-        "containers": [{"name": "a", "args": ["x", "y"], "resources": {"requests": {"cpu": "1"}}}, {"name": "b"}],
-        "volumes": [{"name": "m", "persistentVolumeClaim": {"claimName": "c"}}],
-        "tolerations": [{"key": "k1"}],
-    }
-    patch = {
-        "containers": [{"name": "a", "args": ["z"], "resources": {"requests": {"memory": "1Gi"}}}, {"name": "c"}],
-        "volumes": [{"name": "m", "persistentVolumeClaim": None, "emptyDir": {}}],
-        "tolerations": [{"key": "k2"}],
-    }
-    out = strategic_merge(base, patch)
-    assert out["containers"] == [
-        {"name": "a", "args": ["z"], "resources": {"requests": {"cpu": "1", "memory": "1Gi"}}},
-        {"name": "b"},
-        {"name": "c"},
-    ]
-    assert out["volumes"] == [{"name": "m", "emptyDir": {}}]
-    assert out["tolerations"] == [{"key": "k2"}]
-    assert base["volumes"][0]["persistentVolumeClaim"] == {"claimName": "c"}  # inputs unchanged
-    with pytest.raises(RenderError):
-        strategic_merge(base, {"containers": [{"$patch": "delete", "name": "a"}]})
 
 
 # ---- schema --------------------------------------------------------------------------------
@@ -476,27 +452,3 @@ def test_tls_overlay(rendered, parser):
         # the init container (cpu-dev's model maker) serves nothing and gets no TLS
         for ic in w["spec"]["template"]["spec"].get("initContainers", []):
             assert not any(a.startswith("--tls") for a in ic.get("args", []))
-
-
-def test_json6902_semantics():
-    obj = {"a": {"list": [1, 2], "x": {"y": 1}}, "b/c": {"~d": 0}}
-    out = json6902(
-        obj,
-        [
-            {"op": "add", "path": "/a/list/-", "value": 3},
-            {"op": "add", "path": "/a/list/0", "value": 0},
-            {"op": "remove", "path": "/a/x/y"},
-            {"op": "add", "path": "/a/x/z", "value": {"p": 1}},
-            {"op": "replace", "path": "/b~1c/~0d", "value": 5},
-        ],
-    )
-    assert out == {"a": {"list": [0, 1, 2, 3], "x": {"z": {"p": 1}}}, "b/c": {"~d": 5}}
-    assert obj["a"]["list"] == [1, 2]  # input unchanged
-    for bad in (
-        {"op": "remove", "path": "/a/missing"},
-        {"op": "replace", "path": "/a/list/5", "value": 0},
-        {"op": "add", "path": "/nope/x", "value": 0},
-        {"op": "move", "from": "/a", "path": "/c"},
-    ):
-        with pytest.raises(RenderError):
-            json6902(obj, [bad])

@@ -49,3 +49,21 @@ def mtp_prompts():
 def ckpt_mtp(tmp_path_factory, mtp_prompts):
     """A checkpoint with an MTP block fitted to the 1- and 40-token prompts' greedy continuations."""
     return hc.make_fitted_mtp(tmp_path_factory.mktemp("mtp") / "ckpt", hc.SPEC_MTP, mtp_prompts[::2])
+
+
+@pytest.fixture(scope="session")
+def moe_ckpt(tmp_path_factory):
+    """moe_ckpt(arch): the tiny MoE checkpoint of that architecture, made on first use."""
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            made[arch] = hc.make(tmp_path_factory.mktemp(arch) / "ckpt", hc.SPEC_MOE[arch])
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def moe_prompts():
+    return hc.prompts(320, hc.MOE_PROMPT_LENS, seed=5)

@@ -4,10 +4,6 @@ tier), with chunked prefill and preemption, from every checkpoint layout we acce
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import shutil
-
 import pytest
 import torch
 from safetensors import safe_open
@@ -22,23 +18,6 @@ GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def moe_ckpt(tmp_path_factory):
-    made = {}
-
-    def get(arch):
-        if arch not in made:
-            made[arch] = hc.make(tmp_path_factory.mktemp(arch) / "ckpt", hc.SPEC_MOE[arch])
-        return made[arch]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def moe_prompts():
-    return hc.prompts(320, hc.MOE_PROMPT_LENS, seed=5)
-
-
-@pytest.fixture(scope="module")
 def moe_ref(moe_ckpt, moe_prompts):
     refs = {}
 
@@ -48,14 +27,6 @@ def moe_ref(moe_ckpt, moe_prompts):
         return refs[arch]
 
     return get
-
-
-def _generate(path, prompts, **kw):
-    with LLM(str(path), dtype="float32", **kw) as llm:
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-        assert llm.engine.blocks.num_free == llm.capacity().num_blocks
-        assert llm.engine.slots.num_free == llm.capacity().num_state_slots
-    return outs
 
 
 def _tight(path, tp: int, **kw) -> dict:
@@ -103,7 +74,7 @@ def test_config_reads_moe_fields(moe_ckpt):
 def test_greedy_matches_transformers_chunked_and_preempted(arch, moe_ckpt, moe_prompts, moe_ref):
     """TP 1: whole prompts; then 8-token prefill chunks in a cache small enough to preempt."""
     ref = moe_ref(arch)
-    assert _tokens(_generate(moe_ckpt(arch), moe_prompts)) == ref
+    assert hc.engine_greedy(moe_ckpt(arch), moe_prompts, NEW) == ref
     assert _tokens(_preempting(moe_ckpt(arch), moe_prompts, 1)) == ref
 
 
@@ -118,7 +89,7 @@ def test_tensor_parallel_same_tokens(arch, tp, moe_ckpt, moe_prompts, moe_ref):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tensor_parallel_8_same_tokens(arch, moe_ckpt, moe_prompts, moe_ref):
     """8 ranks: one KV head replicated 8 times, 3 of each expert's 24 intermediate rows per rank."""
-    assert _tokens(_generate(moe_ckpt(arch), moe_prompts, tensor_parallel_size=8)) == moe_ref(arch)
+    assert hc.engine_greedy(moe_ckpt(arch), moe_prompts, NEW, tensor_parallel_size=8) == moe_ref(arch)
 
 
 def _keys(path):
@@ -149,7 +120,7 @@ def test_fused_and_sharded_expert_layouts(arch, moe_ckpt, moe_prompts, moe_ref, 
         and "model.layers.1.mlp.experts.0.up_proj.weight" not in fused
     )
     for d in ("sharded", "fused"):
-        assert _tokens(_generate(tmp_path / d, moe_prompts[:2])) == moe_ref(arch)[:2], d
+        assert hc.engine_greedy(tmp_path / d, moe_prompts[:2], NEW) == moe_ref(arch)[:2], d
 
 
 def test_conditional_generation_text_part_and_mtp_skipped(tmp_path, caplog):
@@ -192,7 +163,7 @@ def test_conditional_generation_text_part_and_mtp_skipped(tmp_path, caplog):
             0, 6:
         ].tolist()
     with caplog.at_level("INFO", logger="pdserve.loader"):
-        out = _generate(d, [prompt])[0].output_token_ids[:8]
+        out = hc.engine_greedy(d, [prompt], NEW)[0][:8]
     assert out == ref
     lines = [r.getMessage() for r in caplog.records if r.name == "pdserve.loader"]
     assert sum("multi-token-prediction" in m for m in lines) == 1 and sum("vision tower" in m for m in lines) == 1
@@ -241,143 +212,6 @@ def test_digest_names_moe_and_capacity_is_unchanged(moe_ckpt):
     )
     with pytest.raises(HandshakeError, match="num_experts"):
         check_digest(d, model_digest(EngineConfig(dense)))
-
-
-# ---- bad checkpoints: one line naming the tensor (and both shapes), before anything is read ----
-
-
-def _broken(src, dst, edit_weights=None, edit_config=None):
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    if edit_weights:
-        w = load_file(dst / "model.safetensors")
-        edit_weights(w)
-        save_file(w, dst / "model.safetensors", metadata={"format": "pt"})
-    if edit_config:
-        cfg = json.loads((dst / "config.json").read_text())
-        edit_config(cfg)
-        (dst / "config.json").write_text(json.dumps(cfg))
-    return str(dst)
-
-
-def _refused(path, pattern, monkeypatch):
-    from engine import loader
-
-    reads = []
-    orig = loader._Reader.get
-    monkeypatch.setattr(loader._Reader, "get", lambda self, n: reads.append(n) or orig(self, n))
-    with pytest.raises(ValueError, match=pattern) as e:
-        LLM(path, dtype="float32")
-    assert "\n" not in str(e.value)
-    assert reads == [], "a tensor was read before the checkpoint was refused"
-
-
-def test_missing_expert_is_named(moe_ckpt, tmp_path, monkeypatch):
-    name = "model.layers.2.mlp.experts.4.up_proj.weight"
-    d = _broken(moe_ckpt("qwen3_5_moe"), tmp_path / "ck", lambda w: w.pop(name))
-    _refused(d, rf"lacks 1 weight\(s\): {name} \(expected shape \[24, 64\]\)", monkeypatch)
-
-
-def test_wrong_expert_shape_names_both_shapes(moe_ckpt, tmp_path, monkeypatch):
-    name = "model.layers.1.mlp.experts.3.down_proj.weight"
-    d = _broken(moe_ckpt("qwen3_next"), tmp_path / "ck", lambda w: w.__setitem__(name, torch.zeros(64, 20)))
-    _refused(d, rf"{name} has shape \[64, 20\], expected \[64, 24\]", monkeypatch)
-
-
-def test_wrong_fused_gdn_shape_is_named(moe_ckpt, tmp_path, monkeypatch):
-    name = "model.layers.0.linear_attn.in_proj_qkvz.weight"
-    d = _broken(moe_ckpt("qwen3_next"), tmp_path / "ck", lambda w: w.__setitem__(name, torch.zeros(500, 64)))
-    _refused(d, rf"{name} has shape \[500, 64\], expected \[384, 64\]", monkeypatch)
-
-
-def test_unknown_quantization_is_refused(moe_ckpt, tmp_path, monkeypatch):
-    d = _broken(
-        moe_ckpt("qwen3_5_moe"),
-        tmp_path / "ck",
-        edit_config=lambda c: c.__setitem__("quantization_config", {"quant_method": "awq", "bits": 4}),
-    )
-    _refused(d, r"unsupported quantization method 'awq'.*supported: fp8", monkeypatch)
-
-
-# ---- FP8 block-quantized checkpoints, written by make-tiny-model --fp8 ----------------------
-
-
-def _dequantized_copy(src, dst):
-    """The same checkpoint with every FP8 weight dequantized to float32 and no quantization_config:
-    what transformers runs as the reference."""
-    from safetensors.torch import load_file, save_file
-
-    from kernels.fp8 import dequant_fp8_block
-
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    block = cfg.pop("quantization_config")["weight_block_size"]
-    (dst / "config.json").write_text(json.dumps(cfg))
-    w = load_file(dst / "model.safetensors")
-    for name in [n for n in w if n.endswith("_scale_inv")]:
-        base = name.removesuffix("_scale_inv")
-        w[base] = dequant_fp8_block(w[base], w.pop(name), block, torch.float32).contiguous()
-    save_file(w, dst / "model.safetensors", metadata={"format": "pt"})
-    return str(dst)
-
-
-def _make_fp8(d, arch: str, **overrides):
-    """make-tiny-model --fp8 (blocks of 16) with the MoE test spec's sizes, `overrides` replacing some."""
-    from tests.cli.test_cli_engine import run_cli
-
-    spec = dataclasses.replace(hc.SPEC_MOE[arch], **overrides)
-    args = ["make-tiny-model", str(d), "--arch", arch, "--fp8", "--fp8-block", "16", "--no-tokenizer"]
-    for f in (
-        "layers",
-        "hidden",
-        "heads",
-        "kv_heads",
-        "head_dim",
-        "linear_key_heads",
-        "linear_value_heads",
-        "linear_key_head_dim",
-        "linear_value_head_dim",
-        "vocab",
-        "intermediate",
-        "experts",
-        "top_k",
-        "moe_intermediate",
-        "shared_intermediate",
-        "seed",
-    ):
-        args += ["--" + f.replace("_", "-"), str(getattr(spec, f))]
-    if arch == "qwen3_next":
-        args += ["--mlp-only-layers", spec.mlp_only_layers, "--no-norm-topk-prob"]
-    r = run_cli(*args)
-    assert r.returncode == 0, r.stderr
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(arch, moe_prompts, tmp_path):
-    d = tmp_path / "fp8"
-    _make_fp8(d, arch)
-    qc = json.loads((d / "config.json").read_text())["quantization_config"]
-    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [16, 16]
-    with safe_open(str(d / "model.safetensors"), framework="pt") as h:
-        expert = "model.layers.1.mlp.experts.2.down_proj.weight"
-        assert h.get_tensor(expert).dtype == torch.float8_e4m3fn
-        assert tuple(h.get_tensor(expert + "_scale_inv").shape) == (4, 2)  # [64, 24] in 16 x 16 blocks
-        assert h.get_tensor("model.layers.1.mlp.gate.weight").dtype == torch.float32  # the router stays
-        assert "model.layers.1.mlp.shared_expert_gate.weight_scale_inv" not in h.keys()
-    ref_dir = _dequantized_copy(d, tmp_path / "dequantized")
-    ref = [hc.hf_greedy(ref_dir, p, NEW) for p in moe_prompts]
-    assert _tokens(_generate(d, moe_prompts)) == ref
-    if arch == "qwen3_next":  # the fused GDN projections, dequantized then sliced per rank
-        assert _tokens(_generate(d, moe_prompts[2:], tensor_parallel_size=2)) == ref[2:]
-
-
-def test_fp8_weight_without_scale_is_refused(moe_ckpt, tmp_path, monkeypatch):
-    name = "model.layers.3.self_attn.o_proj.weight"
-    d = _broken(
-        moe_ckpt("qwen3_5_moe"), tmp_path / "ck", lambda w: w.__setitem__(name, w[name].to(torch.float8_e4m3fn))
-    )
-    _refused(d, rf"{name} is float8 but config.json has no fp8 quantization_config", monkeypatch)
 
 
 def _held_state(worker, slot: int) -> dict:
@@ -466,35 +300,3 @@ def test_moe_mtp_k1_k2_k3_match_transformers(moe_mtp, moe_prompts, tp):
         assert all(a > 0 for a in s.accepted_per_position), s.accepted_per_position
         assert sum(s.accepted_per_position) < sum(s.drafts_per_position)
         assert llm.engine.blocks.num_free == llm.capacity().num_blocks
-
-
-def test_fp8_experts_kept_in_fp8_match_transformers(moe_prompts, tmp_path):
-    """fp8_experts="keep" (the default on CUDA): the routed experts stay float8 with their block
-    scales (half the bytes of bfloat16) and the tokens are still transformers' on the dequantized
-    weights, at TP 1 and 2 (each rank's 16 of 32 intermediate rows are one whole block)."""
-    d = tmp_path / "fp8"
-    _make_fp8(d, "qwen3_5_moe", moe_intermediate=32)
-    prompts = moe_prompts[:2]
-    ref_dir = _dequantized_copy(d, tmp_path / "dequantized")
-    ref = [hc.hf_greedy(ref_dir, p, NEW) for p in prompts]
-    with LLM(str(d), dtype="float32", fp8_experts="keep") as llm:
-        moe = [layer.mlp.w for layer in llm.engine.executor.worker.model.layers if hasattr(layer.mlp.w, "w13")]
-        assert moe and all(w.w13.dtype == w.w2.dtype == torch.float8_e4m3fn for w in moe)
-        assert tuple(moe[0].w13_scale_inv.shape) == (6, 2 * 32 // 16, 64 // 16) and moe[0].block_size == (16, 16)
-        assert _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)) == ref
-    assert _tokens(_generate(d, prompts, tensor_parallel_size=2, fp8_experts="keep")) == ref
-
-
-@pytest.mark.gpu
-def test_fp8_experts_on_cuda_match_transformers(moe_prompts, tmp_path):
-    """On CUDA the routed experts of an FP8 checkpoint stay float8 by default (fp8_experts
-    "auto"), through the Triton fused MoE kernel: float32 tokens equal transformers' on the
-    dequantized weights on the same GPU."""
-    d = tmp_path / "fp8"
-    _make_fp8(d, "qwen3_5_moe", moe_intermediate=32)
-    ref_dir = _dequantized_copy(d, tmp_path / "dequantized")
-    ref = [hc.hf_greedy(ref_dir, p, NEW, device="cuda") for p in moe_prompts]
-    with LLM(str(d), dtype="float32", device="cuda") as llm:
-        moe = [layer.mlp.w for layer in llm.engine.executor.worker.model.layers if hasattr(layer.mlp.w, "w13")]
-        assert moe and all(w.w13.dtype == torch.float8_e4m3fn and w.w13.is_cuda for w in moe)
-        assert _tokens(llm.generate(prompt_token_ids=moe_prompts, sampling_params=GREEDY)) == ref

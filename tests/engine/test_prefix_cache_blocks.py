@@ -247,8 +247,8 @@ def test_rejected_drafts_never_reach_a_registered_page():
     blocks, slots = BlockManager(8, 4), SlotPool(2)
     prefix = PrefixCache(blocks, 4, interval=4)
     spec = SpeculativeConfig(num_tokens=3)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), blocks, slots, 1000,
-                      3, lambda toks, k: [99] * k, spec, prefix)  # fmt: skip
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
+    sched = Scheduler(cfg, blocks, slots, 1000, 3, lambda toks, k: [99] * k, spec, prefix)
     a = req("a", PROMPT, max_tokens=5)
     sched.add(a)
     step(sched)

@@ -117,7 +117,7 @@ def test_held_request_whose_sharer_is_aborted_completes(ckpt_hv2):
         b = e.add_request(ENDINGS[1], GREEDY)
         e.step()
         rb = e.requests[b]
-        assert rb.status is Status.WAITING and rb.held and e.requests[a].status is Status.RUNNING
+        assert rb.status is Status.WAITING and rb.held_back and e.requests[a].status is Status.RUNNING
         e.abort(a)
         outs = {}
         while e.has_unfinished():
@@ -174,7 +174,7 @@ def test_only_a_shared_part_that_pays_holds(prompts, held):
     for r in reqs:
         sched.add(r)
     assert _step(sched) == (["0"] if held else ["0", "1"])
-    assert reqs[1].held is held and sched.prefix.stats.held == int(held)
+    assert reqs[1].held_back is held and sched.prefix.stats.held == int(held)
     _step(sched)
     assert reqs[1].num_cached_tokens == (16 if held else 0)
     _drain(sched)
@@ -186,7 +186,7 @@ def test_held_request_does_not_block_those_behind_it():
     for r in (a, b, c):
         sched.add(r)
     assert _step(sched) == ["a", "c"]
-    assert list(sched.waiting) == [b] and b.held
+    assert list(sched.waiting) == [b] and b.held_back
     _step(sched)
     assert b.status is Status.RUNNING and b.num_cached_tokens == 16
     _drain(sched)
@@ -200,7 +200,7 @@ def test_sharer_gone_before_its_snapshot_releases_the_hold():
     sched.add(a)
     sched.add(b)
     out = sched.schedule()
-    assert [r.request for r in out.rows] == [a] and b.held
+    assert [r.request for r in out.rows] == [a] and b.held_back
     sched.abandon(out)
     sched.finish(a, "abort")
     assert _step(sched) == ["b"] and b.num_cached_tokens == 0

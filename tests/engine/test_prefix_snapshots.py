@@ -21,10 +21,13 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 def _read(worker, entries):
     s = worker.pools.snapshots
     return {
-        i: ([t[i].clone() for t in s.conv.values()], [t[i].clone() for t in s.recurrent.values()],
-            [t[i].clone() for t in s.tail.values()])
+        i: (
+            [t[i].clone() for t in s.conv.values()],
+            [t[i].clone() for t in s.recurrent.values()],
+            [t[i].clone() for t in s.tail.values()],
+        )
         for i in entries
-    }  # fmt: skip
+    }
 
 
 class _Chunks(Connector):

@@ -4,9 +4,11 @@ out here by hand, every allowed move made by the real scheduler (a stand-in mode
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -240,6 +242,20 @@ def test_status_is_changed_only_by_move():
     with pytest.raises(AttributeError):
         r.status = Status.RUNNING  # type: ignore[misc]
     assert r.status is W
+
+
+def test_no_code_but_request_move_writes_a_state():
+    """Outside Request.move nothing assigns a request's status (the table would be bypassed)."""
+    root = Path(__file__).resolve().parents[2]
+    writes = re.compile(r"\.(_status|status)\s*=[^=]")
+    found = [
+        f"{path.relative_to(root)}: {line.strip()}"
+        for pkg in ("engine", "prefill_node", "decode_node", "serving", "transfer")
+        for path in sorted((root / pkg).rglob("*.py"))
+        for line in path.read_text().splitlines()
+        if writes.search(line)
+    ]
+    assert found == ["engine/request.py: self._status = to"], found
 
 
 def test_activate_needs_a_reservation():

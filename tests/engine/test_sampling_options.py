@@ -61,10 +61,30 @@ def _naive_penalized(logits: torch.Tensor, prompt, output, p: SamplingParams) ->
     return torch.tensor(row)
 
 
+def _adjusted(logits: torch.Tensor, p: SamplingParams, prompt, output, eos=()) -> torch.Tensor:
+    """[V] logits -> the batched sampler's adjusted logits for one row with this history."""
+    from engine.sampling import Sampler
+    from engine.step import RowInput
+
+    row = RowInput(
+        "r",
+        [(output or prompt)[-1]],
+        len(prompt) + len(output) - 1,
+        0,
+        [],
+        True,
+        True,
+        params=p,
+        history=(prompt, output),
+        num_output=len(output),
+    )
+    x = logits[None].clone()
+    Sampler(eos_token_ids=eos).adjust(x, [row], [0])
+    return x[0]
+
+
 def test_penalty_arithmetic_matches_naive_reference():
     """Both signs of logits, tokens in the prompt only, the output only, and both."""
-    from engine.sampler import apply_penalties
-
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(64, generator=g) * 3
     prompt, output = [1, 2, 3, 3, 40], [3, 5, 5, 5, 40, 41]
@@ -77,21 +97,27 @@ def test_penalty_arithmetic_matches_naive_reference():
     ):
         p = SamplingParams(**pen)
         want = _naive_penalized(logits, prompt, output, p)
-        assert torch.allclose(apply_penalties(logits, p, prompt, output), want, atol=1e-6), pen
+        assert torch.allclose(_adjusted(logits, p, prompt, output), want, atol=1e-6), pen
 
 
 # The tiny random model's greedy text does not repeat on its own, so these penalties favour
 # repeats (negative ones) or mix both signs: each changes the greedy tokens.
-@pytest.mark.parametrize("pen", [dict(repetition_penalty=0.5), dict(presence_penalty=-1.0),
-                                 dict(presence_penalty=-1.0, frequency_penalty=0.6),
-                                 dict(repetition_penalty=0.6, presence_penalty=-0.5, frequency_penalty=0.4)],
-                         ids=["repetition", "presence", "presence+frequency", "all"])  # fmt: skip
+@pytest.mark.parametrize(
+    "pen",
+    [
+        dict(repetition_penalty=0.5),
+        dict(presence_penalty=-1.0),
+        dict(presence_penalty=-1.0, frequency_penalty=0.6),
+        dict(repetition_penalty=0.6, presence_penalty=-0.5, frequency_penalty=0.4),
+    ],
+    ids=["repetition", "presence", "presence+frequency", "all"],
+)
 def test_penalties_match_naive_reference(ckpt_hv2, llm_hv2, llm_chunked, pen):
     prompt = [7, 7, 7, 8, 8, 9, 10, 7, 8, 9]
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, **pen)
     got = llm_hv2.generate(prompt_token_ids=[prompt], sampling_params=sp)[0].output_token_ids
-    plain = llm_hv2.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
-        max_tokens=6, temperature=0.0, ignore_eos=True))[0].output_token_ids  # fmt: skip
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    plain = llm_hv2.generate(prompt_token_ids=[prompt], sampling_params=greedy)[0].output_token_ids
     assert got != plain
     want: list[int] = []
     for _ in range(6):
@@ -105,14 +131,14 @@ def test_penalties_match_naive_reference(ckpt_hv2, llm_hv2, llm_chunked, pen):
 
 def test_min_tokens_holds_back_stop_tokens(llm_hv2):
     prompt = PROMPTS[0]
-    greedy = llm_hv2.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
-        max_tokens=4, temperature=0.0, ignore_eos=True))[0].output_token_ids  # fmt: skip
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    greedy = llm_hv2.generate(prompt_token_ids=[prompt], sampling_params=sp)[0].output_token_ids
     stop = greedy[0]
-    early = llm_hv2.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
-        max_tokens=4, temperature=0.0, stop_token_ids=[stop]))[0]  # fmt: skip
+    sp = SamplingParams(max_tokens=4, temperature=0.0, stop_token_ids=[stop])
+    early = llm_hv2.generate(prompt_token_ids=[prompt], sampling_params=sp)[0]
     assert early.output_token_ids == [stop] and early.finish_reason == "stop"
-    held = llm_hv2.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
-        max_tokens=4, temperature=0.0, stop_token_ids=[stop], min_tokens=2, logprobs=2))[0]  # fmt: skip
+    sp = SamplingParams(max_tokens=4, temperature=0.0, stop_token_ids=[stop], min_tokens=2, logprobs=2)
+    held = llm_hv2.generate(prompt_token_ids=[prompt], sampling_params=sp)[0]
     assert stop not in held.output_token_ids[:2]
     first = held.logprobs[0][2]
     assert first[0][0] == stop and held.output_token_ids[0] == first[1][0]  # the runner-up
@@ -120,21 +146,34 @@ def test_min_tokens_holds_back_stop_tokens(llm_hv2):
 
 def test_speculation_off_only_for_such_requests():
     assert SamplingParams().speculates and SamplingParams(temperature=0.5, seed=1).speculates
-    for kw in (dict(logprobs=0), dict(prompt_logprobs=1), dict(min_tokens=1), dict(presence_penalty=0.1),
-               dict(frequency_penalty=-0.1), dict(repetition_penalty=1.1), dict(logit_bias={3: 0.5})):  # fmt: skip
+    for kw in (
+        dict(logprobs=0),
+        dict(prompt_logprobs=1),
+        dict(min_tokens=1),
+        dict(presence_penalty=0.1),
+        dict(frequency_penalty=-0.1),
+        dict(repetition_penalty=1.1),
+        dict(logit_bias={3: 0.5}),
+    ):
         assert not SamplingParams(**kw).speculates, kw
 
 
-@pytest.mark.parametrize("kw,msg", [(dict(logprobs=21), "logprobs"), (dict(presence_penalty=3.0), "presence_penalty"),
-                                    (dict(repetition_penalty=0.0), "repetition_penalty"),
-                                    (dict(min_tokens=20, max_tokens=10), "min_tokens"),
-                                    (dict(logit_bias={5: 100.5}), "logit_bias"),
-                                    (dict(logit_bias={5: float("nan")}), "logit_bias"),
-                                    (dict(logit_bias={5: True}), "logit_bias"),
-                                    (dict(logit_bias={-1: 1.0}), "logit_bias"),
-                                    (dict(logit_bias={"5": 1.0}), "logit_bias"),
-                                    (dict(logit_bias={i: 1.0 for i in range(301)}), "logit_bias"),
-                                    (dict(logit_bias=[5, 1.0]), "logit_bias")])  # fmt: skip
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(logprobs=21), "logprobs"),
+        (dict(presence_penalty=3.0), "presence_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(min_tokens=20, max_tokens=10), "min_tokens"),
+        (dict(logit_bias={5: 100.5}), "logit_bias"),
+        (dict(logit_bias={5: float("nan")}), "logit_bias"),
+        (dict(logit_bias={5: True}), "logit_bias"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(logit_bias={"5": 1.0}), "logit_bias"),
+        (dict(logit_bias={i: 1.0 for i in range(301)}), "logit_bias"),
+        (dict(logit_bias=[5, 1.0]), "logit_bias"),
+    ],
+)
 def test_bad_options_refused(kw, msg):
     with pytest.raises(ValueError, match=msg):
         SamplingParams(**kw)
@@ -142,18 +181,23 @@ def test_bad_options_refused(kw, msg):
 
 def test_logit_bias_arithmetic_order():
     """Penalties, then the bias, then the min_tokens ban (docs/api.md), against the definitions."""
-    from engine.sampler import Sampler
-
     logits = torch.randn(64, generator=torch.Generator().manual_seed(1)) * 3
     prompt, output = [1, 2, 3], [3, 5, 5]
     bias = {3: 2.5, 5: -1.0, 7: 100.0, 9: -100.0, 63: 0.75}
-    p = SamplingParams(repetition_penalty=1.7, presence_penalty=0.5, frequency_penalty=0.25, logit_bias=bias,
-                       min_tokens=4, max_tokens=8, stop_token_ids=[7])  # fmt: skip
+    p = SamplingParams(
+        repetition_penalty=1.7,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        logit_bias=bias,
+        min_tokens=4,
+        max_tokens=8,
+        stop_token_ids=[7],
+    )
     want = _naive_penalized(logits, prompt, output, p)
     for t, b in bias.items():
         want[t] += b
     want[7] = want[11] = float("-inf")  # the stop id and the EOS, whatever their bias
-    got = Sampler(eos_token_ids=(11,)).adjust(logits, p, (prompt, output))
+    got = _adjusted(logits, p, prompt, output, eos=(11,))
     assert torch.allclose(got, want, atol=1e-5)
 
 

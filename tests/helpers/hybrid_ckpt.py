@@ -65,6 +65,18 @@ def prompts(vocab: int = 1024, lens=PROMPT_LENS, seed: int = 0) -> list[list[int
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
 
 
+def engine_greedy(path, prompts: list[list[int]], new_tokens: int, **llm_kw) -> list[list[int]]:
+    """The engine's float32 greedy tokens for each prompt; every KV page and state slot is free after."""
+    from engine import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    with LLM(str(path), dtype="float32", **llm_kw) as llm:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+        assert llm.engine.blocks.num_free == llm.capacity().num_blocks
+        assert llm.engine.slots.num_free == llm.capacity().num_state_slots
+    return [o.output_token_ids for o in outs]
+
+
 @functools.lru_cache(maxsize=4)
 def _hf_model(path: str, cls_name: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """transformers' own model class for the checkpoint: `cls_name`, or its config's architecture."""

@@ -27,18 +27,32 @@ NEW = 16
 BLOCK = 16  # --block-size of the clusters that check transfer byte counts
 
 
+def flags(**options) -> list[str]:
+    """Command-line flags from keywords, in order: flags(block_size=16) == ["--block-size", "16"]."""
+    return [arg for name, value in options.items() for arg in ("--" + name.replace("_", "-"), str(value))]
+
+
 class Proc:
     """`python -m router.cli ARGS` (any `pdserve` command) as a subprocess; its output is
     collected by a reader thread. Ready when a line matches `ready` (its first group is kept)."""
 
     def __init__(self, *args: str, ready: str, timeout: float = 180.0, env: dict[str, str] | None = None):
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_LOG": "INFO", "PDSERVE_CLUSTER_TOKEN": CLUSTER_TOKEN,
-               **(env or {})}  # fmt: skip
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "PDSERVE_LOG": "INFO",
+            "PDSERVE_CLUSTER_TOKEN": CLUSTER_TOKEN,
+            **(env or {}),
+        }
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "router.cli", *args],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             preexec_fn=die_with_parent,  # a killed test run takes its processes down with it
-        )  # fmt: skip
+        )
         self.lines: list[str] = []
         self._pattern = re.compile(ready)
         self._ready = threading.Event()
@@ -63,8 +77,9 @@ class Proc:
     def find(self, pattern: str, timeout: float = 20.0) -> str:
         """The first group of the first output line matching pattern (waits for it)."""
         rx = re.compile(pattern)
-        return wait_for(lambda: next((m.group(1) for ln in list(self.lines) if (m := rx.search(ln))), None),
-                        timeout, pattern)  # fmt: skip
+        return wait_for(
+            lambda: next((m.group(1) for ln in list(self.lines) if (m := rx.search(ln))), None), timeout, pattern
+        )
 
     def stop(self, timeout: float = 90.0) -> int:
         if self.proc.poll() is None:
@@ -191,8 +206,13 @@ def node_info(address: str, node_id: str, c=None):
 def check_disaggregated_greedy(model: str, ps, want, a: int, b: int, requests: int, what: str = "", then=None) -> None:
     """`pdserve up` with one prefill node at TP a and one decode node at TP b, every prompt through
     the transfer: `greedy_through_transfer`; then `then(address)`, when given, on the same cluster."""
-    up = Up("--model", model, "--dtype", "float32", "--prefill", "1", "--decode", "1", "--prefill-tp", str(a),
-            "--decode-tp", str(b), "--local-prefill-threshold", "0", "--block-size", str(BLOCK))  # fmt: skip
+    up = Up(
+        "--model",
+        model,
+        *flags(
+            dtype="float32", prefill=1, decode=1, prefill_tp=a, decode_tp=b, local_prefill_threshold=0, block_size=BLOCK
+        ),
+    )
     try:
         assert node_info(up.address, "decode-0").tp_size == b and node_info(up.address, "prefill-0").tp_size == a
         greedy_through_transfer(up.address, ps, want, requests, f"{what}tp {a} -> {b}: ")

@@ -42,16 +42,30 @@ class CA:
         now = datetime.datetime.now(datetime.UTC)
         self.name = subject
         self.cert = (
-            x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(self.key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(subject)
+            .public_key(self.key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False, decipher_only=False),
-                           critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
             .sign(self.key, hashes.SHA256())
-        )  # fmt: skip
+        )
         self.ca = _write(self.dir / "ca.pem", self.cert.public_bytes(serialization.Encoding.PEM))
 
     def issue(self, name: str, hosts=("127.0.0.1", "localhost")) -> Pem:
@@ -65,14 +79,22 @@ class CA:
                 sans.append(x509.DNSName(h))
         now = datetime.datetime.now(datetime.UTC)
         cert = (
-            x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(self.name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(self.name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.SubjectAlternativeName(sans), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
+            .add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False,
+            )
             .sign(self.key, hashes.SHA256())
-        )  # fmt: skip
-        return Pem(_write(self.dir / f"{name}.pem", cert.public_bytes(serialization.Encoding.PEM)),
-                   _write(self.dir / f"{name}.key", _key_pem(key)))  # fmt: skip
+        )
+        return Pem(
+            _write(self.dir / f"{name}.pem", cert.public_bytes(serialization.Encoding.PEM)),
+            _write(self.dir / f"{name}.key", _key_pem(key)),
+        )

@@ -39,9 +39,10 @@ def _naive_row(proj, conv_w, conv0, rec0, neg_A, dt_bias, norm_w, hk, hv, dk, dv
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize(
-    "lens,hk,hv,dk,dv", [([2], 2, 4, 32, 32), ([4, 1, 3], 4, 8, 16, 32), ([1, 2], 3, 3, 16, 48)],
+    "lens,hk,hv,dk,dv",
+    [([2], 2, 4, 32, 32), ([4, 1, 3], 4, 8, 16, 32), ([1, 2], 3, 3, 16, 48)],
     ids=["one-row-k1", "mixed-k3-hv2x", "plain-and-k1-hv1x"],
-)  # fmt: skip
+)
 def test_gdn_verify_matches_naive_loops(dtype, lens, hk, hv, dk, dv):
     g = torch.Generator().manual_seed(0)
     D, kc, S, n1, eps = 2 * hk * dk + hv * dv, 4, 6, 4, 1e-6
@@ -58,13 +59,15 @@ def test_gdn_verify_matches_naive_loops(dtype, lens, hk, hv, dk, dv):
     rec_scr = torch.full((S, n1, hv, dk, dv), float("nan"))
     conv0, rec0, conv_scr0 = conv_pool.clone(), rec_pool.clone(), conv_scr.clone()
     cu = cu_seqlens(lens)
-    got = cpu_ops.gdn_verify(proj, conv_w, conv_pool, rec_pool, slots, cu, conv_scr, rec_scr, neg_A, dt_bias,
-                             norm_w, hk, hv, dk, dv, eps)  # fmt: skip
+    got = cpu_ops.gdn_verify(
+        proj, conv_w, conv_pool, rec_pool, slots, cu, conv_scr, rec_scr, neg_A, dt_bias, norm_w, hk, hv, dk, dv, eps
+    )
     tol = TOL[dtype]
     for b, (s, n) in enumerate(zip(slots.tolist(), lens)):
         rows = slice(int(cu[b]), int(cu[b + 1]))
-        out, convs, recs = _naive_row(proj[rows], conv_w, conv0[s], rec0[s], neg_A, dt_bias, norm_w, hk, hv, dk,
-                                      dv, eps)  # fmt: skip
+        out, convs, recs = _naive_row(
+            proj[rows], conv_w, conv0[s], rec0[s], neg_A, dt_bias, norm_w, hk, hv, dk, dv, eps
+        )
         assert_close(f"row {b} out", got[rows].float(), out, tol)
         assert_close(f"row {b} final conv state", conv_pool[s].float(), convs[-1], tol)
         assert_close(f"row {b} final recurrent state", rec_pool[s], recs[-1], tol)

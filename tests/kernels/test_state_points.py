@@ -38,16 +38,18 @@ def test_gdn_states_at_points_match_the_naive_loop(path):
     before = pool.clone()
     snaps = torch.full((8, HV, DK, DV), float("nan"))
     if path == "torch":
-        out = gdn_chunk_prefill(q, k, v, g, beta, cu, pool, slots, init, points=StatePoints.build(3, POINTS),
-                                points_pool=snaps)  # fmt: skip
+        out = gdn_chunk_prefill(
+            q, k, v, g, beta, cu, pool, slots, init, points=StatePoints.build(3, POINTS), points_pool=snaps
+        )
         plain = gdn_chunk_prefill(q, k, v, g, beta, cu, before.clone(), slots, init)
     else:
         from kernels.triton.gdn_chunk import gdn_chunk_prefill_triton
 
         args = to_dev(q, k, v, g, beta, cu, pool, slots, init)
         dsnaps = snaps.to(DEVICE)
-        out = gdn_chunk_prefill_triton(*args, None, 16, points=StatePoints.build(3, POINTS, DEVICE),
-                                       points_pool=dsnaps).cpu()  # fmt: skip
+        out = gdn_chunk_prefill_triton(
+            *args, None, 16, points=StatePoints.build(3, POINTS, DEVICE), points_pool=dsnaps
+        ).cpu()
         plain = gdn_chunk_prefill_triton(*to_dev(q, k, v, g, beta, cu, before.clone(), slots, init), None, 16).cpu()
         snaps = dsnaps.cpu()
     torch.testing.assert_close(out, plain)  # points change nothing else
@@ -76,5 +78,5 @@ def test_points_outside_a_sequence_are_refused():
     q, k, v, g, beta, pool = _gdn_case()
     cu, slots = cu_seqlens(LENS), torch.tensor([2, 0, 3])
     with pytest.raises(ValueError, match="offsets must be in 1..their sequence's length"):
-        gdn_chunk_prefill(q, k, v, g, beta, cu, pool, slots, points=StatePoints.build(3, [(1, 6, 0)]),
-                          points_pool=torch.zeros(1, HV, DK, DV))  # fmt: skip
+        points = StatePoints.build(3, [(1, 6, 0)])
+        gdn_chunk_prefill(q, k, v, g, beta, cu, pool, slots, points=points, points_pool=torch.zeros(1, HV, DK, DV))

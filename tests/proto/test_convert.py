@@ -9,9 +9,12 @@ from proto import pb
 from proto.convert import SamplingKwargs, logprobs_pb, sampling_kwargs
 
 
-def test_kwargs_name_the_engines_fields():
-    """The TypedDict is written out by hand (proto imports nothing of the engine): same names."""
-    assert set(SamplingKwargs.__annotations__) == {f.name for f in dataclasses.fields(SamplingParams)}
+def test_kwargs_name_the_wire_fields_and_the_engines():
+    """The TypedDict is written out by hand (proto imports nothing of the engine): one key per
+    wire field but `stop` (the router's), each a SamplingParams field."""
+    keys = set(SamplingKwargs.__annotations__)
+    assert keys == set(pb.SamplingParams.DESCRIPTOR.fields_by_name) - {"stop"}
+    assert keys <= {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 def test_unset_optional_fields_leave_the_engine_defaults():

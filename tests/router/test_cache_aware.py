@@ -22,9 +22,15 @@ BS = 4
 
 def _digest(pc: PrefixCache) -> pb.PrefixDigest:
     d = pc.digest()  # as serving/node.py puts it on the wire
-    return pb.PrefixDigest(version=d.version, block_size=d.block_size, snapshot_interval=d.interval,
-                           pages=d.pages, snapshot_keys=d.snapshot_keys, snapshot_tokens=d.snapshot_tokens,
-                           mtp=d.mtp)  # fmt: skip
+    return pb.PrefixDigest(
+        version=d.version,
+        block_size=d.block_size,
+        snapshot_interval=d.interval,
+        pages=d.pages,
+        snapshot_keys=d.snapshot_keys,
+        snapshot_tokens=d.snapshot_tokens,
+        mtp=d.mtp,
+    )
 
 
 def _cache(tokens: list[int], pages: int, snapshots: list[int], missing_page: int | None = None) -> PrefixCache:
@@ -196,11 +202,22 @@ def test_remembered_placement_counts_until_it_expires():
 
 
 def _node(node_id, kind=pb.NODE_KIND_DECODE, free_blocks=100, free_slots=8, queued=0):
-    return NodeEntry(pb.NodeInfo(
-        node_id=node_id, kind=kind, address=f"{node_id}:1", incarnation=1,
-        capacity=pb.Capacity(total_blocks=100, free_blocks=free_blocks, block_size=BS, total_slots=8,
-                             free_slots=free_slots, queued_prefill_tokens=queued),
-    ))  # fmt: skip
+    return NodeEntry(
+        pb.NodeInfo(
+            node_id=node_id,
+            kind=kind,
+            address=f"{node_id}:1",
+            incarnation=1,
+            capacity=pb.Capacity(
+                total_blocks=100,
+                free_blocks=free_blocks,
+                block_size=BS,
+                total_slots=8,
+                free_slots=free_slots,
+                queued_prefill_tokens=queued,
+            ),
+        )
+    )
 
 
 def _holding(e: NodeEntry, tokens: list[int]) -> NodeEntry:

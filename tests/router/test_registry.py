@@ -15,11 +15,23 @@ from tests.helpers.serve_harness import wait_for
 
 def _info(node_id, address, inc=1, free_slots=8, free_blocks=100, running=0, kind=pb.NODE_KIND_DECODE):
     return pb.NodeInfo(
-        node_id=node_id, kind=kind, address=address, incarnation=inc, tp_size=1, model="/m", vocab_size=1024,
+        node_id=node_id,
+        kind=kind,
+        address=address,
+        incarnation=inc,
+        tp_size=1,
+        model="/m",
+        vocab_size=1024,
         max_model_len=4096,
-        capacity=pb.Capacity(total_blocks=100, free_blocks=free_blocks, block_size=16, total_slots=8,
-                             free_slots=free_slots, running=running),
-    )  # fmt: skip
+        capacity=pb.Capacity(
+            total_blocks=100,
+            free_blocks=free_blocks,
+            block_size=16,
+            total_slots=8,
+            free_slots=free_slots,
+            running=running,
+        ),
+    )
 
 
 @pytest.fixture()
@@ -59,8 +71,9 @@ def test_draining_node_is_alive_but_not_routable(router):
     r, stub = router
     for nid in ("d0", "d1"):
         stub.Register(pb.RegisterRequest(node=_info(nid, "127.0.0.1:1")), timeout=5)
-    assert stub.Heartbeat(pb.HeartbeatRequest(node_id="d0", incarnation=1, capacity=_info("d0", "").capacity,
-                                              draining=True), timeout=5).known  # fmt: skip
+    assert stub.Heartbeat(
+        pb.HeartbeatRequest(node_id="d0", incarnation=1, capacity=_info("d0", "").capacity, draining=True), timeout=5
+    ).known
     listed = {n.node.node_id: (n.alive, n.node.draining) for n in stub.ListNodes(pb.ListNodesRequest()).nodes}
     assert listed == {"d0": (True, True), "d1": (True, False)}
     assert [e.node_id for e in r.registry.routable(pb.NODE_KIND_DECODE)] == ["d1"]

@@ -57,9 +57,18 @@ def cluster(ckpt):
     srv, nport, _ = start_server("127.0.0.1:0", lambda s: rpc.add_DecodeNodeServicer_to_server(fake, s), ["DecodeNode"])
     r, port = serve("127.0.0.1:0", RouterConfig(model=str(ckpt), dead_after_s=600.0, http_port=0))
     cap = pb.Capacity(total_blocks=100, free_blocks=100, block_size=16, total_slots=8, free_slots=8)
-    r.registry.register(pb.NodeInfo(node_id="d0", kind=pb.NODE_KIND_DECODE, address=f"127.0.0.1:{nport}",
-                                    incarnation=1, model="/models/m", vocab_size=100, max_model_len=512,
-                                    capacity=cap))  # fmt: skip
+    r.registry.register(
+        pb.NodeInfo(
+            node_id="d0",
+            kind=pb.NODE_KIND_DECODE,
+            address=f"127.0.0.1:{nport}",
+            incarnation=1,
+            model="/models/m",
+            vocab_size=100,
+            max_model_len=512,
+            capacity=cap,
+        )
+    )
     yield r, port, fake
     r.stop(0)
     srv.stop(0)
@@ -115,8 +124,10 @@ def test_clients_that_go_away_cancel_the_node_call(cluster):
     # HTTP, streamed: disconnect after the first event
     sock = socket.create_connection(("127.0.0.1", r.http_port))
     body = _body(500, stream=True).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     got = b""
     while b"data: " not in got:  # the headers, then the first event
         got += sock.recv(65536)
@@ -125,8 +136,10 @@ def test_clients_that_go_away_cancel_the_node_call(cluster):
     # HTTP, whole answer: disconnect while it is being made
     sock = socket.create_connection(("127.0.0.1", r.http_port))
     body = _body(500).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     wait_for(lambda: r.service.active == 1, 10, "the request in flight")
     sock.close()
     _idle(r, fake, 3)

@@ -10,15 +10,14 @@ import time
 import pytest
 
 from tests.helpers import hybrid_ckpt as hc
-from tests.helpers.serve_harness import BLOCK, Up, decode_stats, node_info, wait_for
+from tests.helpers.serve_harness import BLOCK, Up, decode_stats, flags, node_info, wait_for
 
 MEMORY_S = 2.0  # --prefix-memory: turn 3 waits past it, routed by the digests alone
 
 
 @pytest.fixture(scope="module")
 def up(ckpt):
-    u = Up("--model", ckpt, "--dtype", "float32", "--decode", "2", "--prefill", "1", "--block-size", str(BLOCK),
-           "--prefix-memory", str(MEMORY_S))  # fmt: skip
+    u = Up("--model", ckpt, *flags(dtype="float32", decode=2, prefill=1, block_size=BLOCK, prefix_memory=MEMORY_S))
     yield u
     rc = u.stop()
     assert rc == 0, u.output()

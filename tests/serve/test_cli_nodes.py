@@ -11,8 +11,9 @@ from tests.helpers.serve_harness import ROOT
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "router.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "router.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_nodes_table_and_unreachable_router():
@@ -24,10 +25,21 @@ def test_nodes_table_and_unreachable_router():
         out = _run("nodes", "--addr", f"127.0.0.1:{port}")
         assert out.returncode == 0 and "no node has registered" in out.stdout
         cap = pb.Capacity(total_blocks=100, free_blocks=40, block_size=16, total_slots=8, free_slots=3, running=5)
-        r.registry.register(pb.NodeInfo(node_id="decode-7", kind=pb.NODE_KIND_DECODE, address="10.0.0.1:50062",
-                                         incarnation=1, tp_size=2, capacity=cap))  # fmt: skip
-        p = r.registry.register(pb.NodeInfo(node_id="prefill-3", kind=pb.NODE_KIND_PREFILL, address="10.0.0.2:50061",
-                                             incarnation=1, tp_size=1))  # fmt: skip
+        r.registry.register(
+            pb.NodeInfo(
+                node_id="decode-7",
+                kind=pb.NODE_KIND_DECODE,
+                address="10.0.0.1:50062",
+                incarnation=1,
+                tp_size=2,
+                capacity=cap,
+            )
+        )
+        p = r.registry.register(
+            pb.NodeInfo(
+                node_id="prefill-3", kind=pb.NODE_KIND_PREFILL, address="10.0.0.2:50061", incarnation=1, tp_size=1
+            )
+        )
         r.registry.mark_draining(p)
         out = _run("nodes", "--addr", f"127.0.0.1:{port}")
         assert out.returncode == 0, out.stderr

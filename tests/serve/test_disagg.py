@@ -19,6 +19,7 @@ from tests.helpers.serve_harness import (
     check_disaggregated_greedy,
     decode_stats,
     descendants,
+    flags,
     node_info,
     wait_for,
 )
@@ -62,8 +63,11 @@ def test_prefill_node_killed_with_requests_in_flight(ckpt):
             )
             with ThreadPoolExecutor(16) as ex:
                 futs = [ex.submit(one, i) for i in range(16)]
-                wait_for(lambda: node_info(up.address, "prefill-0").capacity.queued_prefill_tokens > 0, 20,
-                         "prompts queued on prefill-0")  # fmt: skip
+                wait_for(
+                    lambda: node_info(up.address, "prefill-0").capacity.queued_prefill_tokens > 0,
+                    20,
+                    "prompts queued on prefill-0",
+                )
                 os.kill(victim, signal.SIGKILL)
                 t_kill = time.monotonic()
                 results = [f.result(timeout=120) for f in futs]  # none hangs
@@ -94,11 +98,8 @@ def test_conditional_disaggregation_same_tokens(ckpt, refs):
         with Client(up.address, timeout=120) as c:
             c.wait_ready(timeout=60)
             with ThreadPoolExecutor(len(ps)) as ex:
-                outs = list(
-                    ex.map(
-                        lambda p: c.generate(prompt_token_ids=p, max_tokens=NEW, temperature=0.0, ignore_eos=True), ps
-                    )  # fmt: skip
-                )
+                greedy = dict(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+                outs = list(ex.map(lambda p: c.generate(prompt_token_ids=p, **greedy), ps))
         for p, w, r in zip(ps, want, outs, strict=True):
             assert r.token_ids == w, f"prompt of {len(p)} tokens"
             assert r.prefill_node == ("" if len(p) < 64 else "prefill-0"), len(p)
@@ -120,22 +121,21 @@ def test_speculative_decode_nodes_match_transformers(ckpt):
 
     ps = [[5, 6, 7, 8] * 20, [11, 12, 13] * 30 + [14], *hc.prompts(lens=(70,), seed=4)]
     want = [hc.hf_greedy(ckpt, p, 24) for p in ps]
-    up = Up("--model", ckpt, "--dtype", "float32", "--prefill", "1", "--decode", "1",
-            "--num-speculative-tokens", "3", "--metrics-port", "0")  # fmt: skip
+    up = Up("--model", ckpt, *flags(dtype="float32", prefill=1, decode=1, num_speculative_tokens=3, metrics_port=0))
     try:
         with Client(up.address, timeout=120) as c:
             c.wait_ready(timeout=60)
             with ThreadPoolExecutor(3) as ex:
-                outs = list(ex.map(lambda p: c.generate(prompt_token_ids=p, max_tokens=24, temperature=0.0,
-                                                        ignore_eos=True), ps))  # fmt: skip
+                greedy = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
+                outs = list(ex.map(lambda p: c.generate(prompt_token_ids=p, **greedy), ps))
         for p, r, w in zip(ps, outs, want, strict=True):
             assert r.token_ids == w and r.prefill_node == "prefill-0", f"prompt of {len(p)} tokens"
-        url = wait_for(lambda: next((m.group(1) for ln in up.lines
-                                     if (m := re.search(r"decode node decode-0 metrics at (http://\S+)", ln))), None),
-                       10, "the decode node's metrics URL")  # fmt: skip
+        url = up.find(r"decode node decode-0 metrics at (http://\S+)", 10)
         text = urllib.request.urlopen(url, timeout=10).read().decode()
-        val = {m.group(1): float(m.group(2))
-               for m in re.finditer(r"^pdserve_decode_spec_(\w+)_tokens_total (\S+)$", text, re.M)}  # fmt: skip
+        val = {
+            m.group(1): float(m.group(2))
+            for m in re.finditer(r"^pdserve_decode_spec_(\w+)_tokens_total (\S+)$", text, re.M)
+        }
         assert val["draft"] > 0 and 0 <= val["accepted"] <= val["draft"]
     finally:
         rc = up.stop()

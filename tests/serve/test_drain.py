@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from tests.helpers import hybrid_ckpt as hc
-from tests.helpers.serve_harness import Proc, Up, node_pid, nodes, wait_for
+from tests.helpers.serve_harness import Proc, Up, flags, node_pid, nodes, wait_for
 
 N = 300  # tokens per long request: they are still decoding when SIGTERM arrives
 # The decode-drain test's 6 requests repeat 3 prompts, so the prefill node holds the repeats a
@@ -52,8 +52,10 @@ def test_decode_node_drains_on_sigterm(up, ckpt):
     want = [hc.hf_greedy(ckpt, p, 8) for p in ps]
     with Client(up.address, timeout=120) as c:
         c.wait_ready(timeout=60)
-        streams = [iter(c.stream(prompt_token_ids=ps[i % 3], max_tokens=N_DECODE, temperature=0.0, ignore_eos=True))
-                   for i in range(6)]  # fmt: skip
+        streams = [
+            iter(c.stream(prompt_token_ids=ps[i % 3], max_tokens=N_DECODE, temperature=0.0, ignore_eos=True))
+            for i in range(6)
+        ]
         res = [GenerateResult() for _ in streams]
         for r, it in zip(res, streams, strict=True):
             r.add(next(it))  # decoding now
@@ -101,8 +103,11 @@ def test_prefill_node_drains_on_sigterm(up, ckpt):
 
         with ThreadPoolExecutor(8) as ex:
             futs = [ex.submit(one, i) for i in range(8)]
-            wait_for(lambda: _status(up.address, "prefill-0").node.capacity.queued_prefill_tokens > 0, 30,
-                     "prompts queued on prefill-0")  # fmt: skip
+            wait_for(
+                lambda: _status(up.address, "prefill-0").node.capacity.queued_prefill_tokens > 0,
+                30,
+                "prompts queued on prefill-0",
+            )
             os.kill(node_pid(up, "prefill-0"), signal.SIGTERM)
             results = [f.result(timeout=180) for f in futs]  # every one completes: none fails
         for i, r in enumerate(results):
@@ -145,9 +150,11 @@ def test_router_http_statuses_and_drain(ckpt, tmp_path):
     from client import Client, GenerateResult, PdserveError
 
     port_file = tmp_path / "router.port"
-    router = Proc("router", "--port", "0", "--port-file", str(port_file), "--model", ckpt, "--http-port", "0",
-                  "--admission-timeout", "0.5", "--drain-timeout", "60",
-                  ready=r"router listening on (\S+)")  # fmt: skip
+    router = Proc(
+        "router",
+        *flags(port=0, port_file=port_file, model=ckpt, http_port=0, admission_timeout=0.5, drain_timeout=60),
+        ready=r"router listening on (\S+)",
+    )
     decode = None
     try:
         base = router.find(r"OpenAI-compatible HTTP on (http://\S+/v1)")
@@ -161,9 +168,13 @@ def test_router_http_statuses_and_drain(ckpt, tmp_path):
                 c.generate(prompt_token_ids=[1, 2, 3], max_tokens=2)
             assert ei.value.code == grpc.StatusCode.UNAVAILABLE
 
-            decode = Proc("decode", "--model", ckpt, "--dtype", "float32", "--router", router.address,
-                          "--max-num-seqs", "1", "--drain-timeout", "60",
-                          ready=r"decode node \S+ listening on (\S+)")  # fmt: skip
+            decode = Proc(
+                "decode",
+                "--model",
+                ckpt,
+                *flags(dtype="float32", router=router.address, max_num_seqs=1, drain_timeout=60),
+                ready=r"decode node \S+ listening on (\S+)",
+            )
             c.wait_ready(timeout=60)
             assert _get(base.removesuffix("/v1") + "/health") == (200, {"status": "ok", "decode_nodes": 1})
             # the one state slot taken: 429 after the bounded admission wait

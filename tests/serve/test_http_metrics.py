@@ -12,7 +12,17 @@ import urllib.request
 
 import pytest
 
-from tests.helpers.serve_harness import BLOCK, NEW, Up, check_decode_prefix_reuse, log_url, nodes, scrape, wait_for
+from tests.helpers.serve_harness import (
+    BLOCK,
+    NEW,
+    Up,
+    check_decode_prefix_reuse,
+    flags,
+    log_url,
+    nodes,
+    scrape,
+    wait_for,
+)
 
 PROMPT = "Hello world! How are you"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
@@ -21,8 +31,7 @@ GREEDY = dict(max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
 
 @pytest.fixture(scope="module")
 def up(ckpt):
-    u = Up("--model", ckpt, "--dtype", "float32", "--decode", "1", "--prefill", "1", "--http-port", "0",
-           "--metrics-port", "0", "--block-size", str(BLOCK))  # fmt: skip
+    u = Up("--model", ckpt, *flags(dtype="float32", decode=1, prefill=1, http_port=0, metrics_port=0, block_size=BLOCK))
     yield u
     rc = u.stop()
     assert rc == 0, u.output()
@@ -104,9 +113,11 @@ def test_bad_parameters_give_openai_errors(oai, base_url):
         oai.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=4)
     # a prompt no node can take: the router's INVALID_ARGUMENT, mapped to 400 in the same shape
     req = urllib.request.Request(
-        base_url + "/completions", method="POST", headers={"Content-Type": "application/json"},
+        base_url + "/completions",
+        method="POST",
+        headers={"Content-Type": "application/json"},
         data=json.dumps({"model": model, "prompt": [10**6], "max_tokens": 4}).encode(),
-    )  # fmt: skip
+    )
     with pytest.raises(urllib.error.HTTPError) as ei:
         urllib.request.urlopen(req, timeout=60)
     assert ei.value.code == 400
@@ -199,11 +210,20 @@ def test_openai_parameters_map_to_sampling():
 
     sp = sampling_of({"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": [5, 6], "n": 1})
     assert (sp.max_tokens, sp.temperature, round(sp.top_p, 6), sp.seed, list(sp.stop_token_ids)) == (
-        7, 0.5, 0.9, 3, [5, 6],
-    )  # fmt: skip
+        7,
+        0.5,
+        0.9,
+        3,
+        [5, 6],
+    )
     assert not sampling_of({}).HasField("max_tokens")  # unset: the server's defaults
-    for bad, param in (({"top_p": 1.5}, "top_p"), ({"seed": "x"}, "seed"), ({"stop": [1.5]}, "stop"),
-                       ({"max_tokens": True}, "max_tokens"), ({"logprobs": 21}, "logprobs")):  # fmt: skip
+    for bad, param in (
+        ({"top_p": 1.5}, "top_p"),
+        ({"seed": "x"}, "seed"),
+        ({"stop": [1.5]}, "stop"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+    ):
         with pytest.raises(ApiError) as ei:
             sampling_of(bad)
         assert ei.value.status == 400 and ei.value.param == param, bad

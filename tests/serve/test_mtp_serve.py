@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import urllib.error
 import urllib.request
 
 import pytest
 
 from tests.helpers import hybrid_ckpt as hc
-from tests.helpers.serve_harness import Up, decode_stats, log_url, nodes, wait_for
+from tests.helpers.serve_harness import Up, decode_stats, flags, log_url, nodes
 
 NEW = 16
 K = 3  # the nodes' --num-speculative-tokens; requests cap it at 1 and 2
@@ -42,8 +41,11 @@ def _scrape(url: str) -> dict:
 
     with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text)
-            for s in f.samples}  # fmt: skip
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
@@ -66,10 +68,24 @@ def test_mtp_greedy_matches_transformers_across_tp(ckpt_mtp, mtp_refs, a, b):
     from client import Client, PdserveError
 
     ps, want = mtp_refs
-    up = Up("--model", ckpt_mtp, "--dtype", "float32", "--prefill", "1", "--decode", "1", "--prefill-tp", str(a),
-            "--decode-tp", str(b), "--local-prefill-threshold", "0", "--speculative-method", "mtp",
-            "--num-speculative-tokens", str(K), "--kv-cache-memory", "64MiB", "--max-num-seqs", "8",
-            "--metrics-port", "0", "--http-port", "0")  # fmt: skip
+    up = Up(
+        "--model",
+        ckpt_mtp,
+        *flags(
+            dtype="float32",
+            prefill=1,
+            decode=1,
+            prefill_tp=a,
+            decode_tp=b,
+            local_prefill_threshold=0,
+            speculative_method="mtp",
+            num_speculative_tokens=K,
+            kv_cache_memory="64MiB",
+            max_num_seqs=8,
+            metrics_port=0,
+            http_port=0,
+        ),
+    )
     try:
         d = next(n.node for n in nodes(up.address) if n.node.node_id == "decode-0")
         before = [0] * K
@@ -77,8 +93,9 @@ def test_mtp_greedy_matches_transformers_across_tp(ckpt_mtp, mtp_refs, a, b):
             c.wait_ready(timeout=60)
             for k in (1, 2, None):
                 for p, w in zip(ps, want):
-                    r = c.generate(prompt_token_ids=p, max_tokens=NEW, temperature=0.0, ignore_eos=True,
-                                   num_speculative_tokens=k)  # fmt: skip
+                    r = c.generate(
+                        prompt_token_ids=p, max_tokens=NEW, temperature=0.0, ignore_eos=True, num_speculative_tokens=k
+                    )
                     assert r.token_ids == w, f"prompt of {len(p)} tokens, tp {a} -> {b}, k {k}"
                     assert r.prefill_node == "prefill-0" and r.transfer_bytes > 0
                 spec = decode_stats(d.address).speculation
@@ -104,9 +121,7 @@ def test_mtp_greedy_matches_transformers_across_tp(ckpt_mtp, mtp_refs, a, b):
         assert st == 400 and "num_speculative_tokens" in got["error"]["message"], got
         st, got = _post(base + "/completions", {**body, "num_speculative_tokens": 1})
         assert st == 200, got
-        url = wait_for(lambda: next((m.group(1) for ln in up.lines
-                                     if (m := re.search(r"decode node decode-0 metrics at (http://\S+/metrics)", ln))),
-                                    None), 20, "the decode node's metrics address")  # fmt: skip
+        url = up.find(r"decode node decode-0 metrics at (http://\S+/metrics)", 20)
         got = _scrape(url)
         key = ("pdserve_decode_spec_position_drafts_total", (("position", "1"),))
         assert got[key] == decode_stats(d.address).speculation.drafts_per_position[0]

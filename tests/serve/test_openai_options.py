@@ -34,8 +34,9 @@ def up(ckpt):
 def oai(up):
     import openai
 
-    with openai.OpenAI(base_url=log_url(up, r"OpenAI-compatible HTTP on (http://\S+/v1)"), api_key="unused",
-                       max_retries=0, timeout=120) as c:  # fmt: skip
+    with openai.OpenAI(
+        base_url=log_url(up, r"OpenAI-compatible HTTP on (http://\S+/v1)"), api_key="unused", max_retries=0, timeout=120
+    ) as c:
         yield c
 
 
@@ -70,8 +71,14 @@ def test_stop_string_split_across_two_tokens(oai, model, sdk, tok):
     ends = [len(tok.decode(ids[:k])) for k in range(len(ids) + 1)]  # text length after k tokens
     text = tok.decode(ids)
     # a boundary between two tokens of 2+ characters each, with clean text around it
-    k = next(k for k in range(1, len(ids) - 1) if ends[k] - ends[k - 1] >= 2 and ends[k + 1] - ends[k] >= 2
-             and "\ufffd" not in text[ends[k - 1] : ends[k + 1]] and tok.decode(ids[:k]) == text[: ends[k]])  # fmt: skip
+    k = next(
+        k
+        for k in range(1, len(ids) - 1)
+        if ends[k] - ends[k - 1] >= 2
+        and ends[k + 1] - ends[k] >= 2
+        and "\ufffd" not in text[ends[k - 1] : ends[k + 1]]
+        and tok.decode(ids[:k]) == text[: ends[k]]
+    )
     stop = text[ends[k] - 2 : ends[k] + 2]
     want = text[: text.find(stop)]
     r = oai.completions.create(model=model, prompt=PROMPT, max_tokens=24, stop=[stop, "never-seen"], **GREEDY)
@@ -84,12 +91,14 @@ def test_stop_string_split_across_two_tokens(oai, model, sdk, tok):
     g = sdk.generate(prompt=PROMPT, max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
     assert (g.text, g.finish_reason) == (want, "stop")
     # chat: the same text-level matching
-    chat = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=12,
-                                       **GREEDY)  # fmt: skip
+    chat = oai.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=12, **GREEDY
+    )
     full = chat.choices[0].message.content
     if len(full) >= 4:
-        cut = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=12,
-                                          stop=[full[2:4]], **GREEDY)  # fmt: skip
+        cut = oai.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=12, stop=[full[2:4]], **GREEDY
+        )
         assert cut.choices[0].message.content == full[: full.find(full[2:4])]
         assert cut.choices[0].finish_reason == "stop"
 
@@ -104,8 +113,9 @@ def test_echo_logprobs_match_transformers(oai, model, sdk, ckpt, tok, max_tokens
     assert len(lp.token_logprobs) == len(ids) + max_tokens and lp.token_logprobs[0] is None
     assert c.text == tok.decode(ids) + "".join(lp.tokens[len(ids) :])
     # the same request over gRPC gives token ids: check them against transformers
-    g = sdk.generate(prompt_token_ids=ids, max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=3,
-                     prompt_logprobs=3)  # fmt: skip
+    g = sdk.generate(
+        prompt_token_ids=ids, max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=3
+    )
     assert g.prefill_node == ""  # logprobs make the request prefill on the decode node
     every = ids + g.token_ids
     ref = _hf_logprobs(ckpt, every)
@@ -133,8 +143,11 @@ def test_chat_top_logprobs_in_order(oai, model, ckpt):
         assert len(vals) == 5 and vals == sorted(vals, reverse=True)
         assert e.top_logprobs[0].token == e.token and e.logprob == vals[0]  # greedy: the most likely
         assert bytes(e.bytes).decode() == e.token
-    chunks = list(oai.chat.completions.create(model=model, messages=msgs, max_tokens=4, logprobs=True, top_logprobs=5,
-                                              stream=True, **GREEDY))  # fmt: skip
+    chunks = list(
+        oai.chat.completions.create(
+            model=model, messages=msgs, max_tokens=4, logprobs=True, top_logprobs=5, stream=True, **GREEDY
+        )
+    )
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
 
@@ -156,12 +169,19 @@ def test_penalties_match_naive_reference(oai, model, sdk, ckpt):
     pen = dict(presence_penalty=-0.5, frequency_penalty=0.4)  # favour repeats, less so the more there are
     want = _naive_greedy(ckpt, prompt, 6, 0.5, -0.5, 0.4)
     # gRPC through the prefill node, which samples the first token (with the repetition penalty)
-    g = sdk.generate(prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True, repetition_penalty=0.5,
-                     **pen)  # fmt: skip
+    g = sdk.generate(
+        prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True, repetition_penalty=0.5, **pen
+    )
     plain = sdk.generate(prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
     assert g.token_ids == want and g.prefill_node and want != plain.token_ids
-    r = oai.completions.create(model=model, prompt=prompt, max_tokens=6, **pen, temperature=0.0,
-                               extra_body={"ignore_eos": True, "repetition_penalty": 0.5})  # fmt: skip
+    r = oai.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=6,
+        **pen,
+        temperature=0.0,
+        extra_body={"ignore_eos": True, "repetition_penalty": 0.5},
+    )
     assert r.choices[0].text == g.text
 
 
@@ -179,20 +199,35 @@ def test_logit_bias_matches_transformers(oai, model, sdk, ckpt, tok):
     assert want[0] == torch.topk(hc.hf_last_logits(ckpt, prompt), 2).indices[1].item() and want != plain
     g = sdk.generate(prompt_token_ids=prompt, max_tokens=n, temperature=0.0, ignore_eos=True, logit_bias=bias)
     assert g.token_ids == want and g.prefill_node
-    local = sdk.generate(prompt_token_ids=prompt, max_tokens=n, temperature=0.0, ignore_eos=True, logit_bias=bias,
-                         logprobs=1)  # fmt: skip
+    local = sdk.generate(
+        prompt_token_ids=prompt, max_tokens=n, temperature=0.0, ignore_eos=True, logit_bias=bias, logprobs=1
+    )
     assert local.token_ids == want and local.prefill_node == ""
     assert local.logprobs[0].top[0][0] == plain[0]  # the model's own log-probabilities, before the bias
     http_bias = {str(t): b for t, b in bias.items()}
     r = oai.completions.create(model=model, prompt=prompt, max_tokens=n, logit_bias=http_bias, **GREEDY)
     assert r.choices[0].text == g.text == tok.decode(want)
     forced = next(t for t in range(200, 300) if t not in plain)
-    c = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=3,
-                                    logit_bias={str(forced): 100}, logprobs=True, **GREEDY)  # fmt: skip
+    c = oai.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=3,
+        logit_bias={str(forced): 100},
+        logprobs=True,
+        **GREEDY,
+    )
     assert [e.token for e in c.choices[0].logprobs.content] == [tok.decode([forced])] * 3
     # bad maps: 400 naming the field (HTTP), INVALID_ARGUMENT (gRPC); the server keeps serving
-    for bad in ({"x": 1}, {"-1": 1}, {"5": 101}, {"5": "1"}, {"5": True}, {str(i): 1 for i in range(301)}, [5, 1],
-                {"1000000": 1}):  # fmt: skip
+    for bad in (
+        {"x": 1},
+        {"-1": 1},
+        {"5": 101},
+        {"5": "1"},
+        {"5": True},
+        {str(i): 1 for i in range(301)},
+        [5, 1],
+        {"1000000": 1},
+    ):
         with pytest.raises(openai.BadRequestError) as ei:
             oai.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body={"logit_bias": bad})
         body = ei.value.body
@@ -223,11 +258,21 @@ def test_n_with_seed(oai, model):
 
 def test_min_tokens_and_max_completion_tokens(oai, model, sdk, tok):
     ids = sdk.generate(prompt=PROMPT, max_tokens=3, temperature=0.0, ignore_eos=True).token_ids
-    r = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_completion_tokens=3,
-                                    temperature=0.0, extra_body={"ignore_eos": True})  # fmt: skip
+    r = oai.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "x"}],
+        max_completion_tokens=3,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
-    r = oai.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0.0,
-                               extra_body={"stop_token_ids": [ids[0]], "min_tokens": 1})  # fmt: skip
+    r = oai.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=3,
+        temperature=0.0,
+        extra_body={"stop_token_ids": [ids[0]], "min_tokens": 1},
+    )
     assert r.usage.completion_tokens >= 1 and not r.choices[0].text.startswith(tok.decode(ids[:1]) or "\0")
 
 
@@ -235,11 +280,13 @@ def test_lm_eval_requests(oai, model, tok):
     """The payloads lm-evaluation-harness's `local-completions` sends (token-id prompts in a batch
     of one), read the way it reads them."""
     ctx, cont = tok.encode("Question: What is 2+2?\nAnswer:"), tok.encode(" 4")
-    gen = oai.completions.create(model=model, prompt=[ctx], max_tokens=32, temperature=0.0, seed=1234,
-                                 stop=["\n\n", "Question:"])  # fmt: skip
+    gen = oai.completions.create(
+        model=model, prompt=[ctx], max_tokens=32, temperature=0.0, seed=1234, stop=["\n\n", "Question:"]
+    )
     assert "\n\n" not in gen.choices[0].text and "Question:" not in gen.choices[0].text
-    ll = oai.completions.create(model=model, prompt=[ctx + cont], max_tokens=1, temperature=0.0, logprobs=1,
-                                echo=True, seed=1234)  # fmt: skip
+    ll = oai.completions.create(
+        model=model, prompt=[ctx + cont], max_tokens=1, temperature=0.0, logprobs=1, echo=True, seed=1234
+    )
     lp = ll.choices[0].logprobs
     tokens_lp, tops = lp.token_logprobs[len(ctx) : -1], lp.top_logprobs[len(ctx) : -1]
     assert len(tokens_lp) == len(cont) and all(math.isfinite(x) and x < 0 for x in tokens_lp)
@@ -248,8 +295,9 @@ def test_lm_eval_requests(oai, model, tok):
     assert isinstance(is_greedy, bool)
     # lm-eval's --batch_size N: a batch of prompts, one choice each, in order
     other = tok.encode("Question: Name a color.\nAnswer: blue")
-    batch = oai.completions.create(model=model, prompt=[ctx + cont, other], max_tokens=1, temperature=0.0,
-                                   logprobs=1, echo=True, seed=1234)  # fmt: skip
+    batch = oai.completions.create(
+        model=model, prompt=[ctx + cont, other], max_tokens=1, temperature=0.0, logprobs=1, echo=True, seed=1234
+    )
     assert [c.index for c in batch.choices] == [0, 1]
     assert batch.choices[0].logprobs.token_logprobs == lp.token_logprobs
     assert len(batch.choices[1].logprobs.token_logprobs) == len(other) + 1
@@ -259,15 +307,20 @@ def test_lm_eval_requests(oai, model, tok):
 def test_unsupported_options_name_the_parameter(oai, model):
     import openai
 
-    for kw, param in ((dict(extra_body={"top_logprobs": 2}), "top_logprobs"), (dict(extra_body={"suffix": "x"}), "suffix"),
-                      (dict(n=0), "n"), (dict(extra_body={"best_of": 3}), "best_of"),
-                      (dict(extra_body={"tool_choice": "required"}), "tool_choice")):  # fmt: skip
+    for kw, param in (
+        (dict(extra_body={"top_logprobs": 2}), "top_logprobs"),
+        (dict(extra_body={"suffix": "x"}), "suffix"),
+        (dict(n=0), "n"),
+        (dict(extra_body={"best_of": 3}), "best_of"),
+        (dict(extra_body={"tool_choice": "required"}), "tool_choice"),
+    ):
         with pytest.raises(openai.BadRequestError) as ei:
             oai.completions.create(model=model, prompt=PROMPT, max_tokens=2, **kw)
         assert ei.value.body["param"] == param, ei.value.body
     with pytest.raises(openai.BadRequestError) as ei:
-        oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                                    top_logprobs=2)  # fmt: skip
+        oai.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2, top_logprobs=2
+        )
     assert ei.value.body["param"] == "top_logprobs"
 
 

@@ -25,6 +25,7 @@ from tests.helpers.serve_harness import (
     Up,
     decode_stats,
     descendants,
+    flags,
     log_url,
     node_info,
     prefill_stats,
@@ -50,9 +51,20 @@ def burst(ckpt):
 def _unwindowed(ckpt, lease: float = LEASE) -> Up:
     """1 prefill + 1 decode node, a short lease, no prefill window: every request reserves at
     once, so reservations wait on the prefill node's queue for longer than a lease."""
-    return Up("--model", ckpt, "--dtype", "float32", "--prefill", "1", "--decode", "1", "--metrics-port", "0",
-              "--reservation-lease", str(lease), "--prefill-window-tokens", "0", "--admission-timeout", "300",
-              *STEP)  # fmt: skip
+    return Up(
+        "--model",
+        ckpt,
+        *flags(
+            dtype="float32",
+            prefill=1,
+            decode=1,
+            metrics_port=0,
+            reservation_lease=lease,
+            prefill_window_tokens=0,
+            admission_timeout=300,
+        ),
+        *STEP,
+    )
 
 
 def _run(c, p):
@@ -132,14 +144,29 @@ def test_overload_waits_unreserved_in_the_router_or_is_refused_before_work(ckpt,
 
     ps, want = burst
     window, queue = 2 * PROMPT_LEN + 20, 4
-    up = Up("--model", ckpt, "--dtype", "float32", "--prefill", "1", "--decode", "1", "--metrics-port", "0",
-            "--http-port", "0", "--reservation-lease", str(LEASE), "--prefill-window-tokens", str(window),
-            "--max-queued-requests", str(queue), "--admission-timeout", "6", *STEP)  # fmt: skip
+    up = Up(
+        "--model",
+        ckpt,
+        *flags(
+            dtype="float32",
+            prefill=1,
+            decode=1,
+            metrics_port=0,
+            http_port=0,
+            reservation_lease=LEASE,
+            prefill_window_tokens=window,
+            max_queued_requests=queue,
+            admission_timeout=6,
+        ),
+        *STEP,
+    )
     try:
         d = node_info(up.address, "decode-0")
         initial = decode_stats(d.address).capacity
-        urls = {k: log_url(up, rf"{k} metrics at (http://\S+/metrics)")
-                for k in ("router", "decode node decode-0", "prefill node prefill-0")}  # fmt: skip
+        urls = {
+            k: log_url(up, rf"{k} metrics at (http://\S+/metrics)")
+            for k in ("router", "decode node decode-0", "prefill node prefill-0")
+        }
         base = log_url(up, r"OpenAI-compatible HTTP on (http://\S+/v1)")
         n = 20
         with Client(up.address, timeout=300) as c:
@@ -147,8 +174,11 @@ def test_overload_waits_unreserved_in_the_router_or_is_refused_before_work(ckpt,
             peak = _MaxReserved(d.address)
             with ThreadPoolExecutor(n) as ex:
                 futs = [ex.submit(_run, c, ps[i % 3]) for i in range(n)]
-                wait_for(lambda: scrape(urls["router"])[("pdserve_router_queue_depth", ())] == queue, 30,
-                         "a full admission queue")  # fmt: skip
+                wait_for(
+                    lambda: scrape(urls["router"])[("pdserve_router_queue_depth", ())] == queue,
+                    30,
+                    "a full admission queue",
+                )
                 body = json.dumps({"model": "ckpt", "prompt": [1, 2, 3], "max_tokens": 2}).encode()
                 req = urllib.request.Request(base + "/completions", body, {"Content-Type": "application/json"})
                 with pytest.raises(urllib.error.HTTPError) as ei:
@@ -165,8 +195,9 @@ def test_overload_waits_unreserved_in_the_router_or_is_refused_before_work(ckpt,
         assert done and refused, outs
         assert peak <= 3, f"{peak} reservations at once: the window allows two prompts (+ one pushing)"
         r, p, dm = (scrape(urls[k]) for k in ("router", "prefill node prefill-0", "decode node decode-0"))
-        refused_total = sum(r[("pdserve_router_admission_refused_total", (("reason", k),))]
-                            for k in ("queue_full", "timeout"))  # fmt: skip
+        refused_total = sum(
+            r[("pdserve_router_admission_refused_total", (("reason", k),))] for k in ("queue_full", "timeout")
+        )
         assert refused_total >= len(refused) + 1  # the burst's and the HTTP request
         assert r[("pdserve_router_queue_wait_seconds_count", ())] >= len(done)
         # refused requests never reached a node: the prefill node computed only what completed
@@ -186,9 +217,21 @@ def test_client_that_leaves_the_queue_is_gone_from_it_at_once(ckpt, burst):
 
     ps, want = burst
     window = 2 * PROMPT_LEN + 20
-    up = Up("--model", ckpt, "--dtype", "float32", "--prefill", "1", "--decode", "1", "--metrics-port", "0",
-            "--reservation-lease", "60", "--prefill-window-tokens", str(window), "--max-queued-requests", "4",
-            "--admission-timeout", "120", *STEP)  # fmt: skip
+    up = Up(
+        "--model",
+        ckpt,
+        *flags(
+            dtype="float32",
+            prefill=1,
+            decode=1,
+            metrics_port=0,
+            reservation_lease=60,
+            prefill_window_tokens=window,
+            max_queued_requests=4,
+            admission_timeout=120,
+        ),
+        *STEP,
+    )
     try:
         d = node_info(up.address, "decode-0")
         initial = decode_stats(d.address).capacity

@@ -30,6 +30,7 @@ from tests.helpers.serve_harness import (
     Up,
     creds,
     decode_stats,
+    flags,
     greedy_through_transfer,
     log_url,
     node_info,
@@ -49,9 +50,22 @@ def secure(ckpt, tmp_path_factory):
     srv = ca.issue("pdserve")  # one certificate for every component (127.0.0.1, localhost)
     keys = d / "api-keys"
     keys.write_text(f"# client keys\n{KEY_A}\n\n{KEY_B}\n")
-    up = Up("--model", ckpt, "--dtype", "float32", "--prefill", "1", "--decode", "1", "--local-prefill-threshold",
-            "0", "--http-port", "0", "--tls-cert", srv.cert, "--tls-key", srv.key, "--tls-ca", ca.ca,
-            "--api-key-file", str(keys), "--max-requests-per-key", str(LIMIT))  # fmt: skip
+    up = Up(
+        "--model",
+        ckpt,
+        *flags(
+            dtype="float32",
+            prefill=1,
+            decode=1,
+            local_prefill_threshold=0,
+            http_port=0,
+            tls_cert=srv.cert,
+            tls_key=srv.key,
+            tls_ca=ca.ca,
+            api_key_file=keys,
+            max_requests_per_key=LIMIT,
+        ),
+    )
     from serving.security import Tls
 
     (d / "other").mkdir()
@@ -82,16 +96,21 @@ def _https(up, method: str, path: str, key: str | None = None, body: dict | None
 def test_disaggregated_path_over_tls(secure, refs):
     ps, want = refs
     node_creds = creds(secure.tls)
-    greedy_through_transfer(secure.address, ps, want, LIMIT, "over TLS: ", node_creds, api_key=KEY_A,
-                            tls_ca=secure.ca.ca)  # fmt: skip
+    greedy_through_transfer(
+        secure.address, ps, want, LIMIT, "over TLS: ", node_creds, api_key=KEY_A, tls_ca=secure.ca.ca
+    )
     for n in nodes(secure.address, node_creds):
         assert n.alive
 
 
 def test_http_needs_an_api_key(secure, refs):
     ps, want = refs
-    body = {"model": node_info(secure.address, "decode-0", creds(secure.tls)).model, "prompt": ps[1],
-            "max_tokens": NEW, "temperature": 0}  # fmt: skip
+    body = {
+        "model": node_info(secure.address, "decode-0", creds(secure.tls)).model,
+        "prompt": ps[1],
+        "max_tokens": NEW,
+        "temperature": 0,
+    }
     for key in (None, "sk-wrong", KEY_A + "x", KEY_A[:-1]):
         status, err, hdrs = _https(secure, "POST", "/v1/completions", key, body)
         assert status == 401 and hdrs["WWW-Authenticate"] == "Bearer", (key, status, err)
@@ -124,8 +143,8 @@ def test_grpc_needs_an_api_key(secure):
                 c.list_models()
             assert ei.value.code == grpc.StatusCode.UNAVAILABLE
     # the command line: a key through the environment, none
-    cmd = [sys.executable, "-m", "router.cli", "generate", "--addr", secure.address, "--tls-ca", secure.ca.ca,
-           "--token-ids", "1,2,3", "--max-tokens", "3", "--ignore-eos", "--wait", "20"]  # fmt: skip
+    cmd = [sys.executable, "-m", "router.cli", "generate", "--addr", secure.address, "--tls-ca", secure.ca.ca]
+    cmd += ["--token-ids", "1,2,3", "--max-tokens", "3", "--ignore-eos", "--wait", "20"]
     env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"} | {"PYTHONPATH": str(ROOT)}
     ok = subprocess.run(cmd, env=env | {"PDSERVE_API_KEY": KEY_B}, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and "3 tokens" in ok.stderr, ok.stderr
@@ -148,13 +167,23 @@ def test_node_plane_needs_the_cluster_token(secure):
     calls = {
         "Register": (secure.address, lambda ch: rpc.RegistryStub(ch).Register(pb.RegisterRequest(node=rogue))),
         "ListNodes": (secure.address, lambda ch: rpc.RegistryStub(ch).ListNodes(pb.ListNodesRequest())),
-        "Reserve": (d.address, lambda ch: rpc.DecodeNodeStub(ch).Reserve(
-            pb.ReserveRequest(request_id="rogue-1", prompt_token_ids=[1, 2, 3], sampling=sp))),
+        "Reserve": (
+            d.address,
+            lambda ch: rpc.DecodeNodeStub(ch).Reserve(
+                pb.ReserveRequest(request_id="rogue-1", prompt_token_ids=[1, 2, 3], sampling=sp)
+            ),
+        ),
         "Handshake": (d.address, lambda ch: rpc.DecodeNodeStub(ch).Handshake(pb.HandshakeRequest(node_id="rogue"))),
         "Stats": (p.address, lambda ch: rpc.PrefillNodeStub(ch).Stats(pb.StatsRequest())),
-        "Prefill": (p.address, lambda ch: list(rpc.PrefillNodeStub(ch).Prefill(
-            pb.PrefillRequest(request_id="rogue-2", prompt_token_ids=[1, 2, 3], sampling=sp)))),
-    }  # fmt: skip
+        "Prefill": (
+            p.address,
+            lambda ch: list(
+                rpc.PrefillNodeStub(ch).Prefill(
+                    pb.PrefillRequest(request_id="rogue-2", prompt_token_ids=[1, 2, 3], sampling=sp)
+                )
+            ),
+        ),
+    }
     md = ((AUTH_KEY, f"Bearer {KEY_A}"),)
     for token, want in ((None, grpc.StatusCode.UNAUTHENTICATED), (b"not-the-token", grpc.StatusCode.PERMISSION_DENIED)):
         outsider = Credentials(cluster_token=token, tls=secure.tls)

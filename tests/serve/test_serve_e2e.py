@@ -195,18 +195,12 @@ def test_list_models(client, ckpt):
 
 def test_cli_generate_streams_text(cluster):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run(
-        [sys.executable, "-m", "router.cli", "generate", "--addr", cluster.address, "hello", "--max-tokens", "5",
-         "--temperature", "0", "--ignore-eos"],
-        capture_output=True, text=True, env=env, timeout=120, cwd=ROOT,
-    )  # fmt: skip
+    gen = [sys.executable, "-m", "router.cli", "generate", "--addr", cluster.address]
+    run = dict(capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    r = subprocess.run([*gen, "hello", "--max-tokens", "5", "--temperature", "0", "--ignore-eos"], **run)
     assert r.returncode == 0, r.stderr
     assert "5 tokens, length" in r.stderr
-    bad = subprocess.run(
-        [sys.executable, "-m", "router.cli", "generate", "--addr", cluster.address, "--token-ids", "1,2",
-         "--max-tokens", "0"],
-        capture_output=True, text=True, env=env, timeout=120, cwd=ROOT,
-    )  # fmt: skip
+    bad = subprocess.run([*gen, "--token-ids", "1,2", "--max-tokens", "0"], **run)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "Traceback" not in bad.stderr
     assert "INVALID_ARGUMENT" in bad.stderr and "max_tokens" in bad.stderr
 
@@ -228,8 +222,11 @@ def test_one_log_line_per_request(client, cluster):
     assert len(router) == 1 and len(node) == 1, got
     assert "prompt 3, decode decode-0, prefill prefill-0" in router[0] and "ttft" in router[0] and "tpot" in router[0]
     assert re.search(r"transfer [1-9]\d* B in \d+\.\d ms", router[0]), router[0]
-    pre = wait_for(lambda: [ln for ln in cluster.lines if "pdserve.prefill" in ln and "request log-me:" in ln], 10,
-                   "the prefill node's log line")  # fmt: skip
+    pre = wait_for(
+        lambda: [ln for ln in cluster.lines if "pdserve.prefill" in ln and "request log-me:" in ln],
+        10,
+        "the prefill node's log line",
+    )
     assert len(pre) == 1 and "pushed" in pre[0]
 
 
@@ -291,21 +288,28 @@ def test_prefill_streams_first_token_before_the_push_report(cluster, refs):
     with channel(d.address, creds()) as dch, channel(p.address, creds()) as pch:
         dec, pre = rpc.DecodeNodeStub(dch), rpc.PrefillNodeStub(pch)
         pr = pre.Handshake(pb.HandshakeRequest(node_id="test"), timeout=60)
-        dr = dec.Handshake(pb.HandshakeRequest(node_id=p.node_id, incarnation=p.incarnation, schema=pr.schema),
-                           timeout=60)  # fmt: skip
+        dr = dec.Handshake(
+            pb.HandshakeRequest(node_id=p.node_id, incarnation=p.incarnation, schema=pr.schema), timeout=60
+        )
         pre.Handshake(pb.HandshakeRequest(node_id=d.node_id, incarnation=d.incarnation, schema=dr.schema), timeout=60)
-        target = dec.Reserve(pb.ReserveRequest(request_id="two-msg", prompt_token_ids=prompt, sampling=sp),
-                             timeout=30).target  # fmt: skip
-        msgs = list(pre.Prefill(pb.PrefillRequest(request_id="two-msg", prompt_token_ids=prompt, sampling=sp,
-                                                  target=target), timeout=60))  # fmt: skip
+        target = dec.Reserve(
+            pb.ReserveRequest(request_id="two-msg", prompt_token_ids=prompt, sampling=sp), timeout=30
+        ).target
+        req = pb.PrefillRequest(request_id="two-msg", prompt_token_ids=prompt, sampling=sp, target=target)
+        msgs = list(pre.Prefill(req, timeout=60))
         assert len(msgs) == 2, msgs
         first, pushed = msgs
         assert not first.pushed and first.finish_reason == "" and first.first_token_id == want[3][0]
         assert first.timings.ttft_s > 0 and first.timings.transfer_bytes == 0  # sent before the push report
         assert pushed.pushed and pushed.timings.transfer_bytes > 0 and pushed.timings.transfer_s > 0
-        rest = [t for m in dec.Generate(pb.DecodeRequest(request_id="two-msg", prompt_token_ids=prompt, sampling=sp,
-                                                         reserved=True, first_token_id=first.first_token_id),
-                                        timeout=60) for t in m.token_ids]  # fmt: skip
+        req = pb.DecodeRequest(
+            request_id="two-msg",
+            prompt_token_ids=prompt,
+            sampling=sp,
+            reserved=True,
+            first_token_id=first.first_token_id,
+        )
+        rest = [t for m in dec.Generate(req, timeout=60) for t in m.token_ids]
         assert [first.first_token_id, *rest] == want[3]
     wait_for(lambda: _all_free(decode_stats(d.address).capacity), 20, "the decode node's memory back")
 

@@ -8,7 +8,7 @@ import asyncio
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.helpers.serve_harness import NEW, Proc, nodes, wait_for
+from tests.helpers.serve_harness import NEW, Proc, flags, nodes, wait_for
 
 
 def test_two_routers_share_the_pools(ckpt, refs):
@@ -21,18 +21,21 @@ def test_two_routers_share_the_pools(ckpt, refs):
         procs += [ra, rb]
         both = f"{ra.address},{rb.address}"
         for kind in ("prefill", "decode"):
-            procs.append(Proc(kind, "--model", ckpt, "--dtype", "float32", "--router", both,
-                              ready=rf"{kind} node \S+ listening on (\S+)"))  # fmt: skip
+            ready = rf"{kind} node \S+ listening on (\S+)"
+            procs.append(Proc(kind, "--model", ckpt, *flags(dtype="float32", router=both), ready=ready))
         for r in (ra, rb):
-            wait_for(lambda r=r: {n.node.node_id for n in nodes(r.address) if n.alive} == {"prefill-0", "decode-0"},
-                     60, f"both nodes registered with {r.address}")  # fmt: skip
+            wait_for(
+                lambda r=r: {n.node.node_id for n in nodes(r.address) if n.alive} == {"prefill-0", "decode-0"},
+                60,
+                f"both nodes registered with {r.address}",
+            )
         with Client(ra.address, timeout=120) as a, Client(rb.address, timeout=120) as b:
             a.wait_ready(60)
             b.wait_ready(60)
             jobs = [(c, i) for i in range(len(ps)) for c in (a, b)]
             with ThreadPoolExecutor(len(jobs)) as ex:
-                outs = list(ex.map(lambda j: j[0].generate(prompt_token_ids=ps[j[1]], max_tokens=NEW, temperature=0.0,
-                                                           ignore_eos=True), jobs))  # fmt: skip
+                greedy = dict(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+                outs = list(ex.map(lambda j: j[0].generate(prompt_token_ids=ps[j[1]], **greedy), jobs))
             for (_, i), r in zip(jobs, outs, strict=True):
                 assert r.token_ids == want[i] and r.prefill_node == "prefill-0", f"prompt of {len(ps[i])} tokens"
             ra.proc.send_signal(signal.SIGTERM)

@@ -14,14 +14,17 @@ import time
 import grpc
 import pytest
 
-from tests.helpers.serve_harness import NEW, Up, alive, descendants, nodes, wait_for
+from tests.helpers.serve_harness import NEW, Up, alive, descendants, flags, nodes, wait_for
 
 
 def test_tp2_tokens_admission_node_death_and_no_orphans(ckpt, refs):
     from client import Client, PdserveError
 
-    up = Up("--model", ckpt, "--dtype", "float32", "--decode", "1", "--decode-tp", "2", "--prefill", "1",
-            "--max-num-seqs", "1", "--admission-timeout", "0.5")  # fmt: skip
+    up = Up(
+        "--model",
+        ckpt,
+        *flags(dtype="float32", decode=1, decode_tp=2, prefill=1, max_num_seqs=1, admission_timeout=0.5),
+    )
     try:
         procs = descendants(up.proc.pid)
         # router, prefill, decode, and the decode node's 2 TP workers (plus spawn helpers)
@@ -51,8 +54,11 @@ def test_tp2_tokens_admission_node_death_and_no_orphans(ckpt, refs):
         prefill = [p for p in procs if b"prefill-0" in open(f"/proc/{p}/cmdline", "rb").read()]
         assert len(prefill) == 1
         os.kill(prefill[0], signal.SIGKILL)
-        wait_for(lambda: {n.node.node_id: n.alive for n in nodes(up.address)} == {"decode-0": True, "prefill-0": False},
-                 15, "the router to mark prefill-0 dead")  # fmt: skip
+        wait_for(
+            lambda: {n.node.node_id: n.alive for n in nodes(up.address)} == {"decode-0": True, "prefill-0": False},
+            15,
+            "the router to mark prefill-0 dead",
+        )
         wait_for(lambda: "prefill-0 exited with status -9" in up.output(), 10, "up to report the exit")
         assert up.proc.poll() is None
         with Client(up.address, timeout=60) as c:  # no prefill node left: the decode node prefills

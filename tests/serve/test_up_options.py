@@ -57,15 +57,16 @@ def test_choices_come_from_literal_fields():
 
 
 def test_the_old_flags_and_defaults_still_parse():
-    ns = build_parser().parse_args(["decode", "--tp", "2", "--kv-cache-memory", "1GiB", "--local-prefill-threshold",
-                                    "8", "--advertise-host", "10.0.0.1", "--node-id", "d-1"])  # fmt: skip
+    argv = "decode --tp 2 --kv-cache-memory 1GiB --local-prefill-threshold 8 --advertise-host 10.0.0.1 --node-id d-1"
+    ns = build_parser().parse_args(argv.split())
     assert (ns.tp, ns.kv_cache_memory, ns.local_prefill_threshold, ns.port, ns.host) == (2, "1GiB", 8, 0, "127.0.0.1")
     from router.cli import _node_config
 
     cfg = _node_config(DecodeNodeConfig, build_parser().parse_args(["decode", "--model", "m", "--host", "0.0.0.0"]))
     assert cfg == DecodeNodeConfig(model="m", advertise_host="0.0.0.0")  # every other field at its default
-    ns = build_parser().parse_args(["router", "--decode", "a:1", "--decode", "b:2", "--admission-timeout", "3",
-                                    "--reservation-lease", "9"])  # fmt: skip
+    ns = build_parser().parse_args(
+        ["router", "--decode", "a:1", "--decode", "b:2", "--admission-timeout", "3", "--reservation-lease", "9"]
+    )
     assert ns.decode == ["a:1", "b:2"] and ns.admission_timeout == 3.0 and ns.port == 50051
 
 
@@ -86,10 +87,12 @@ def _spec(ckpt, tmp_path, text: str, *argv: str) -> PoolSpec:
 
 
 def test_pools_file_per_pool_keys_and_precedence(ckpt, tmp_path):
-    spec = _spec(ckpt, tmp_path, "block_size: 32\nmax_num_seqs: 16\nmax-model-len: 500\npolicy: round-robin\n"
-                 "prefill: {count: 2, tp: 2, max_num_seqs: 5, push_timeout: 9}\n"
-                 "decode: {count: 1, max_num_seqs: 3, local_prefill_threshold: 7, default_reservation_lease: 4}\n",
-                 "--max-model-len", "300", "--dtype", "float32")  # fmt: skip
+    text = (
+        "block_size: 32\nmax_num_seqs: 16\nmax-model-len: 500\npolicy: round-robin\n"
+        "prefill: {count: 2, tp: 2, max_num_seqs: 5, push_timeout: 9}\n"
+        "decode: {count: 1, max_num_seqs: 3, local_prefill_threshold: 7, default_reservation_lease: 4}\n"
+    )
+    spec = _spec(ckpt, tmp_path, text, "--max-model-len", "300", "--dtype", "float32")
     assert (spec.prefill, spec.prefill_tp, spec.decode, spec.decode_tp, spec.port) == (2, 2, 1, 1, 0)
     both = {"block_size": 32, "max_model_len": 300, "dtype": "float32"}  # the command line wins over the file
     assert spec.prefill_options == {**both, "max_num_seqs": 5, "push_timeout_s": 9.0}

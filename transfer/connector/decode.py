@@ -1,16 +1,7 @@
 """The decode side of the connector: every rank's receiver adopts the engine's reservation (pages
-for prompt + 1 tokens and a GDN slot) under a lease, and the poll reports when the state is in.
-
-Every rank call goes through the engine's executor (transfer/rank.py functions on each rank).
-A reservation's life, in one enum and one table:
-
-    request_reserved: adopt on every rank (one incarnation for all)             WAITING
-        the prefill node writes and renews the lease while it works
-    poll: every rank saw every source rank's Done -> RecvReady                  READY
-        the decode call has one more lease to take it (request_activating: take -> gone)
-    a rank failed, the lease ran out, abort/release -> RecvFailed               FAILING
-    poll: no write can land on any rank -> RecvFreed (the engine frees the memory), gone
-"""
+for prompt + 1 tokens and a GDN slot) under a lease, and the poll reports when the state is in
+(RecvReady), failed (RecvFailed) or freed (RecvFreed); phases WAITING -> READY, either -> FAILING,
+in one enum and one table (docs/transfer.md)."""
 
 from __future__ import annotations
 
@@ -25,7 +16,7 @@ from engine.executor import Executor
 from engine.request import Request
 from transfer import rank as xr
 from transfer.config import TransferConfig
-from transfer.connector.base import RankEndpoints
+from transfer.connector.base import RankEndpoints, state_slot
 from transfer.messages import TargetRank
 
 log = logging.getLogger("pdserve.transfer")
@@ -83,8 +74,17 @@ class DecodeConnector(RankEndpoints, Connector):
         rid = request.request_id
         lease = request.kv_transfer if isinstance(request.kv_transfer, (int, float)) else self.config.lease_s
         inc = secrets.randbits(62)
-        ranks = self.call_all(xr.adopt, self.backend, rid, len(request.prompt_token_ids), list(request.block_ids),
-                              request.slot, float(lease), inc, request.num_cached_blocks)  # fmt: skip
+        ranks = self.call_all(
+            xr.adopt,
+            self.backend,
+            rid,
+            len(request.prompt_token_ids),
+            list(request.block_ids),
+            state_slot(request),
+            float(lease),
+            inc,
+            request.num_cached_blocks,
+        )
         self._res[rid] = _Reservation(rid, inc, float(lease))
         return sorted(ranks, key=lambda t: t.rank)
 
@@ -123,9 +123,12 @@ class DecodeConnector(RankEndpoints, Connector):
 
     def stats(self) -> ConnectorStats:
         return ConnectorStats(
-            in_flight=len(self._res), receives_ready=self._ready, receives_failed=self._failed,
-            lease_renewals=self._renewals, lease_expiries=self._expiries,
-        )  # fmt: skip
+            in_flight=len(self._res),
+            receives_ready=self._ready,
+            receives_failed=self._failed,
+            lease_renewals=self._renewals,
+            lease_expiries=self._expiries,
+        )
 
     def poll(self) -> list[TransferRecord]:
         if self._res:

@@ -1,21 +1,7 @@
-"""The prefill side of the connector: pushes a prefill-only request's computed state (KV pages and
-GDN slot, HELD by the engine) into the decode node's reservation named by its `PushParams`.
-
-Every rank call goes through the engine's executor (transfer/rank.py functions on each rank).
-A push's life, in one enum and one table:
-
-    rows_scheduled: the request's last prompt chunk is about to run -> open_send on every rank
-        (Begin to its destination ranks, so the grants return while the chunk computes)  OPENED
-    prompt_prefilled: HELD, the first token exists -> post (writes + Done)                 POSTED
-        (a request with no opened push is opened and posted at once)
-    a rank failed / the deadline passed / abort / the request ended before its push     FAILING
-    poll: every rank terminal and quiet, and the request no longer computing -> forget_send,
-        SendDone (the engine releases the HELD memory), the push is gone
-
-While a request is here (queued, prefilling, pushing) its reservation's lease is renewed every
-third of it (a Renew from each rank to the destination ranks it writes), so the lease only runs
-out when this node stops working.
-"""
+"""The prefill side of the connector: pushes a prefill-only request's HELD state into the decode
+node's reservation named by its `PushParams`: opened when its last prompt chunk is scheduled,
+posted once prefilled, its lease renewed while it is here, SendDone once every rank is quiet;
+phases OPENED -> POSTED, either -> FAILING, in one enum and one table (docs/transfer.md)."""
 
 from __future__ import annotations
 
@@ -30,7 +16,7 @@ from engine.executor import Executor
 from engine.request import Request
 from transfer import rank as xr
 from transfer.config import TransferConfig
-from transfer.connector.base import RankEndpoints
+from transfer.connector.base import RankEndpoints, state_slot
 from transfer.messages import Target
 
 if TYPE_CHECKING:
@@ -118,9 +104,11 @@ class PrefillConnector(RankEndpoints, Connector):
             push = self._new(req.request_id, p.target, PushPhase.OPENED)
             try:
                 blocks = list(req.block_ids[: self._pages(req)])  # not the MTP lookahead's
-                self.call_all(xr.open_send, self.backend, req.request_id, p.target, blocks, req.slot,
-                              len(req.prompt_token_ids))  # fmt: skip
-                push.opened = (blocks, req.slot)
+                slot = state_slot(req)
+                self.call_all(
+                    xr.open_send, self.backend, req.request_id, p.target, blocks, slot, len(req.prompt_token_ids)
+                )
+                push.opened = (blocks, slot)
             except Exception as e:  # the request still runs; its push fails and the router retries
                 self._fail(push, f"push did not open: {e}")
 
@@ -138,8 +126,15 @@ class PrefillConnector(RankEndpoints, Connector):
         push = self._new(rid, p.target, PushPhase.POSTED)
         push.computing = False
         try:
-            self.call_all(xr.send, self.backend, rid, p.target, list(request.block_ids), request.slot,
-                          len(request.prompt_token_ids))  # fmt: skip
+            self.call_all(
+                xr.send,
+                self.backend,
+                rid,
+                p.target,
+                list(request.block_ids),
+                state_slot(request),
+                len(request.prompt_token_ids),
+            )
         except Exception as e:
             self._fail(push, f"push did not start: {e}")
 
@@ -151,8 +146,11 @@ class PrefillConnector(RankEndpoints, Connector):
             return
         push.computing = False
         if push.phase is PushPhase.OPENED:
-            why = "the request ended before its first token" if reason == "abort" else (
-                f"the request ended before its push ({reason})")  # fmt: skip
+            why = (
+                "the request ended before its first token"
+                if reason == "abort"
+                else f"the request ended before its push ({reason})"
+            )
             self._fail(push, why, aborted=True)
 
     # ---- the transfers ---------------------------------------------------------------------------
@@ -204,8 +202,10 @@ class PrefillConnector(RankEndpoints, Connector):
     def _post(self, push: _Push, req: Request) -> None:
         held = (list(req.block_ids), req.slot)
         if held != push.opened:
-            self._fail(push, f"push did not start: the request's memory changed after its push opened "
-                             f"({push.opened} -> {held})")  # fmt: skip
+            self._fail(
+                push,
+                f"push did not start: the request's memory changed after its push opened ({push.opened} -> {held})",
+            )
             return
         try:
             self.call_all(xr.post, self.backend, push.rid)

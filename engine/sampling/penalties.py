@@ -1,0 +1,125 @@
+"""Per-request token counts on the device for requests with presence / frequency / repetition
+penalties (a sparse table of each request's distinct tokens, updated by each step without a host
+read), and their batched application (docs/api.md, "Sampling applies, in order")."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class _Entry:
+    row: int
+    covered: int  # output tokens counted
+    last: int | None  # the last of them
+    bound: int  # entries the row may use (distinct tokens at build + tokens added since)
+
+
+class TokenCounts:
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab, self.device = vocab_size, device
+        self.entries: dict[str, _Entry] = {}
+        self.free: list[int] = []
+        self.tok = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self.cnt = torch.zeros(0, 0, dtype=torch.int32, device=device)
+        self.inp = torch.zeros(0, 0, dtype=torch.bool, device=device)
+        self.size = torch.zeros(0, dtype=torch.long, device=device)
+
+    def _resize(self, rows: int, width: int) -> None:
+        n, w = self.tok.shape
+        d = self.device
+        tok, cnt = (
+            torch.zeros(rows, width, dtype=torch.long, device=d),
+            torch.zeros(rows, width, dtype=torch.int32, device=d),
+        )
+        inp, size = torch.zeros(rows, width, dtype=torch.bool, device=d), torch.zeros(rows, dtype=torch.long, device=d)
+        tok[:n, :w], cnt[:n, :w], inp[:n, :w], size[:n] = self.tok, self.cnt, self.inp, self.size
+        self.free += range(rows - 1, n - 1, -1)
+        self.tok, self.cnt, self.inp, self.size = tok, cnt, inp, size
+
+    def drop(self, request_ids) -> None:
+        for r in request_ids:
+            e = self.entries.pop(r, None)
+            if e is not None:
+                self.free.append(e.row)
+
+    def rows(self, request_ids: list[str], histories) -> list[int]:
+        """The table row of each request, built from its (prompt, output) ids where it is missing
+        or stale, with room for one more entry each."""
+        out = []
+        for rid, (prompt, output) in zip(request_ids, histories):
+            e = self.entries.get(rid)
+            last = output[-1] if output else None
+            if e is None or e.covered != len(output) or e.last != last:
+                e = self._build(rid, prompt, output)
+            out.append(e.row)
+        need = max(self.entries[r].bound for r in request_ids) + 1
+        if need > self.tok.shape[1]:
+            self._resize(self.tok.shape[0], max(need, 2 * self.tok.shape[1], 64))
+        return out
+
+    def _build(self, rid: str, prompt: list[int], output: list[int]) -> _Entry:
+        e = self.entries.get(rid)
+        if e is None:
+            if not self.free:
+                self._resize(max(4, 2 * self.tok.shape[0]), self.tok.shape[1])
+            e = self.entries[rid] = _Entry(self.free.pop(), 0, None, 0)
+        v = self.vocab
+        counts = Counter(t for t in output if t < v)
+        in_prompt = {t for t in prompt if t < v}
+        toks = sorted(in_prompt | set(counts))
+        if len(toks) > self.tok.shape[1]:
+            self._resize(self.tok.shape[0], max(len(toks), 2 * self.tok.shape[1]))
+        w, row, d = self.tok.shape[1], e.row, self.device
+        pad = w - len(toks)
+        self.tok[row] = torch.tensor(toks + [0] * pad, dtype=torch.long, device=d)
+        self.cnt[row] = torch.tensor([counts[t] for t in toks] + [0] * pad, dtype=torch.int32, device=d)
+        self.inp[row] = torch.tensor([t in in_prompt for t in toks] + [False] * pad, dtype=torch.bool, device=d)
+        self.size[row] = len(toks)
+        e.covered, e.last, e.bound = len(output), (output[-1] if output else None), len(toks)
+        return e
+
+    def record(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """One sampled token per table row (distinct rows), on the device: its count goes up, in a
+        new entry when the row has none for it."""
+        size = self.size[rows]
+        used = torch.arange(self.tok.shape[1], device=rows.device) < size[:, None]
+        match = (self.tok[rows] == tokens[:, None]) & used
+        found = match.any(-1)
+        slot = torch.where(found, match.int().argmax(-1), size)
+        self.tok[rows, slot] = tokens
+        self.cnt[rows, slot] += 1
+        self.size[rows] = size + (~found).long()
+
+    def advance(self, request_ids: list[str], tokens: list[int]) -> None:
+        """The host's side of `record`, once the sampled ids are read."""
+        for rid, t in zip(request_ids, tokens):
+            e = self.entries[rid]
+            e.covered, e.last, e.bound = e.covered + 1, t, e.bound + 1
+
+    def apply(self, x: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, params: list[SamplingParams]) -> None:
+        """In place on x [N, V]: at positions `pos` (table rows `rows`, params in the same order)
+        the repetition penalty on tokens of the prompt or output, then minus presence_penalty
+        for each output token and frequency_penalty per occurrence. Only the table's entries
+        are read and written."""
+        d = x.device
+        tok, cnt = self.tok[rows], self.cnt[rows].float()
+        at = pos[:, None].expand_as(tok)
+        old = x[at, tok]
+        new = old
+        reps = [p.repetition_penalty for p in params]
+        if any(r != 1.0 for r in reps):
+            r = torch.tensor(reps, device=d)[:, None]
+            seen = self.inp[rows] | (cnt > 0)
+            new = torch.where(seen, torch.where(old > 0, old / r, old * r), old)
+        if any(p.presence_penalty or p.frequency_penalty for p in params):
+            pf = torch.tensor([[p.presence_penalty, p.frequency_penalty] for p in params], device=d)
+            new = new - (pf[:, :1] * (cnt > 0) + pf[:, 1:] * cnt)
+        # unused entries write their row's first entry again: duplicate indices, identical values
+        used = torch.arange(tok.shape[1], device=d) < self.size[rows][:, None]
+        x[at, torch.where(used, tok, tok[:, :1])] = torch.where(used, new, new[:, :1])

@@ -1,0 +1,174 @@
+"""The engine loop hands a connector's records to whoever waits (serving/loop.py): a prefilled
+request's handle gets its push's end, await_transfer gets a reservation's RecvReady / RecvFailed,
+a release is answered only once the memory is back, and a stop ends every wait with ShuttingDown.
+The connector here is scripted: the test decides what each poll reports (queued on the loop
+thread), over a real engine whose memory must come back on every path."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from engine import SamplingParams
+from engine.connector import Connector, RecvFailed, RecvFreed, RecvReady, SendDone, TransferRecord
+from engine.llm import LLM
+from engine.request import Request
+from serving.commands import ShuttingDown, UnknownRequest
+from serving.loop import EngineLoop
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPT = list(range(3, 40))
+
+
+class Scripted(Connector):
+    """Tracks the requests it is told of; each poll reports what the test queued."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, TransferRecord | None] = {}
+        self.queued: list[TransferRecord] = []
+        self.aborted: list[tuple[str, str]] = []
+
+    def prompt_prefilled(self, request: Request) -> None:
+        self.live[request.request_id] = None
+
+    def request_reserved(self, request: Request) -> object:
+        self.live[request.request_id] = None
+        return f"where to write {request.request_id}"
+
+    def request_activating(self, request: Request) -> None:
+        if not isinstance(self.live.get(request.request_id), RecvReady):
+            raise RuntimeError("not ready")
+        del self.live[request.request_id]
+
+    def tracks(self, request_id: str) -> bool:
+        return request_id in self.live
+
+    def abort(self, request_id: str, reason: str) -> bool:
+        self.aborted.append((request_id, reason))
+        return request_id in self.live
+
+    def current(self, request_id: str) -> TransferRecord | None:
+        return self.live.get(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.live or self.queued)
+
+    def poll(self) -> list[TransferRecord]:
+        out, self.queued = self.queued, []
+        for r in out:
+            if isinstance(r, (SendDone, RecvFreed)):
+                self.live.pop(r.request_id, None)
+            else:
+                self.live[r.request_id] = r
+        return out
+
+
+@pytest.fixture(scope="module")
+def setup(ckpt_hv2):
+    llm = LLM(ckpt_hv2, dtype="float32", max_num_seqs=4, max_model_len=512)
+    conn = Scripted()
+    llm.engine.use_connector(conn)
+    yield llm.engine, conn
+    llm.close()
+
+
+@pytest.fixture
+def loop(setup):
+    engine, conn = setup
+    conn.aborted.clear()
+    lp = EngineLoop(engine, name="transfers").start()
+    yield lp, conn
+    lp.stop()
+
+
+def _report(lp: EngineLoop, conn: Scripted, rec: TransferRecord) -> None:
+    lp.call(lambda e: conn.queued.append(rec))  # on the loop thread, like every connector call
+
+
+def _free(lp: EngineLoop) -> tuple[int, int]:
+    s = lp.stats().result(5)
+    return s.free_blocks, s.free_slots
+
+
+def _prefilled(lp: EngineLoop, rid: str):
+    h = lp.submit(rid, PROMPT, GREEDY, prefill_only=True, transfer="push params")
+    outs = list(h)
+    assert outs[-1].finish_reason == "prefilled"
+    return h
+
+
+def test_a_prefilled_handle_waits_for_its_push(loop):
+    lp, conn = loop
+    before = lp.initial.free_blocks, lp.initial.free_slots
+    h = _prefilled(lp, "p1")
+    with pytest.raises(TimeoutError):
+        h.wait_transfer(0.2)
+    assert _free(lp) != before and lp.stats().result(5).streaming == 1  # held for the push
+    _report(lp, conn, SendDone("p1", nbytes=123, seconds=0.5))
+    assert h.wait_transfer(5) == SendDone("p1", nbytes=123, seconds=0.5)
+    assert _free(lp) == before  # the engine freed the held memory on the record
+
+
+def test_aborting_a_prefilled_handle_aborts_its_push(loop):
+    lp, conn = loop
+    h = _prefilled(lp, "p2")
+    h.abort()
+    assert lp.abort("p2", "the router gave up").result(5).output is None  # by id: the push too
+    assert conn.aborted == [("p2", "cancelled by the caller"), ("p2", "the router gave up")]
+    _report(lp, conn, SendDone("p2", "cancelled by the caller", aborted=True))
+    assert h.wait_transfer(5).aborted
+    with pytest.raises(UnknownRequest):
+        lp.abort("p2").result(5)
+
+
+def test_a_reservation_is_awaited_then_admitted(loop):
+    lp, conn = loop
+    got = lp.reserve("d1", PROMPT, GREEDY, transfer=30.0).result(5)
+    assert got.reservation.transfer == "where to write d1"
+    ready = lp.await_transfer("d1")
+    with pytest.raises(concurrent.futures.TimeoutError):
+        ready.result(0.2)
+    _report(lp, conn, RecvReady("d1"))
+    assert ready.result(5) == RecvReady("d1")
+    assert lp.await_transfer("d1").result(5) == RecvReady("d1")  # a late waiter gets it at once
+    h = lp.admit("d1", len(PROMPT), 7)
+    assert list(h)[-1].finish_reason == "length"
+    with pytest.raises(UnknownRequest):
+        lp.await_transfer("d1").result(5)
+
+
+def test_a_release_is_answered_once_the_memory_is_back(loop):
+    lp, conn = loop
+    before = lp.initial.free_blocks, lp.initial.free_slots
+    lp.reserve("d2", PROMPT, GREEDY).result(5)
+    ready = lp.await_transfer("d2")
+    released = lp.release("d2", "the caller went away")
+    lp.stats().result(5)  # every command before it has run
+    assert conn.aborted == [("d2", "the caller went away")]
+    _report(lp, conn, RecvFailed("d2", "the caller went away"))
+    assert ready.result(5) == RecvFailed("d2", "the caller went away")
+    with pytest.raises(concurrent.futures.TimeoutError):
+        released.result(0.2)  # failing, not yet freed
+    _report(lp, conn, RecvFreed("d2"))
+    assert released.result(5) is None and _free(lp) == before
+
+
+def test_a_stop_ends_every_transfer_wait(setup):
+    engine, conn = setup
+    lp = EngineLoop(engine, name="stopping").start()
+    h = _prefilled(lp, "p3")
+    lp.reserve("d3", PROMPT, GREEDY).result(5)
+    ready = lp.await_transfer("d3")
+    released = lp.release("p3")
+    lp.stop()
+    with pytest.raises(ShuttingDown):
+        h.wait_transfer(5)
+    for fut in (ready, released):
+        with pytest.raises(ShuttingDown):
+            fut.result(5)
+    # the engine still holds them (a transfer might write): what a node's close then tears down
+    for rid in ("p3", "d3"):
+        conn.live.pop(rid)
+        engine.release(rid)
+    assert not engine.requests
