@@ -75,8 +75,21 @@ class DecodeLayers:
         for s in layers:
             common = (s.in_norm, s.post_norm, s.w_in, s.w_out, s.w_gu, s.w_down)
             if isinstance(s, GDNLayerSpec):
-                self._c.add_gdn(*common, s.n_gu, s.conv_w, s.conv_pool, s.rec_pool, s.neg_A, s.dt_bias, s.norm_w,
-                                s.hk, s.hv, s.dk, s.dv, s.eps)  # fmt: skip
+                self._c.add_gdn(
+                    *common,
+                    s.n_gu,
+                    s.conv_w,
+                    s.conv_pool,
+                    s.rec_pool,
+                    s.neg_A,
+                    s.dt_bias,
+                    s.norm_w,
+                    s.hk,
+                    s.hv,
+                    s.dk,
+                    s.dv,
+                    s.eps,
+                )
             else:
                 self._c.add_attn(*common, s.n_in, s.n_gu, s.qk_norm, s.kv_pool, s.h, s.kvh, s.scale, s.eps)
 

@@ -23,8 +23,6 @@ import threading
 
 import torch
 
-from kernels import build
-
 __all__ = [
     "available",
     "status",
@@ -46,6 +44,8 @@ _state: str | None = None  # None: not tried; "" loaded; else why not
 
 def _why_not() -> str:
     """Loads the operator library; returns "" or the reason it is not used."""
+    from kernels import build  # here: `python -m kernels.build` must not find it imported already
+
     if os.environ.get("PDSERVE_CPU_OPS", "1") == "0":
         return "PDSERVE_CPU_OPS=0"
     if not build.LIB.exists() or not build.META.exists():
@@ -72,6 +72,8 @@ def status() -> str:
         with _lock:
             if _state is None:
                 why = _why_not()
+                from kernels.build import COMMAND
+
                 if why == "PDSERVE_CPU_OPS=0":
                     _log.info("CPU operators off (PDSERVE_CPU_OPS=0): the CPU decode step runs on the PyTorch path")
                 elif why:
@@ -79,7 +81,7 @@ def status() -> str:
                         "CPU operators not loaded: %s. The CPU decode step runs on the PyTorch path (slower); "
                         "build them with `%s` (`make` does it).",
                         why,
-                        build.COMMAND,
+                        COMMAND,
                     )
                 _state = why
     return _state
@@ -107,8 +109,7 @@ def gdn_decode(proj, conv_w, conv_pool, rec_pool, slots, neg_A, dt_bias, norm_w,
     slots in place and returns the gated-normed output [B, Hv*dv] in the model dtype. Rows are
     split over torch's threads. Reference: kernels.conv_update_, gdn_decode_step_, gated_rms_norm.
     """
-    return _ops().gdn_decode(proj, conv_w, conv_pool, rec_pool, slots, neg_A, dt_bias, norm_w,
-                                        hk, hv, dk, dv, eps)  # fmt: skip
+    return _ops().gdn_decode(proj, conv_w, conv_pool, rec_pool, slots, neg_A, dt_bias, norm_w, hk, hv, dk, dv, eps)
 
 
 def add_rms_norm(x: torch.Tensor, h: torch.Tensor | None, w: torch.Tensor, eps: float):
@@ -148,9 +149,20 @@ def attn_decode(
     if seq_starts is not None:
         seq_starts = seq_starts.to(torch.int64).contiguous()
     return _ops().attn_decode(
-        qkv, qk_norm.contiguous(), eps, cos.reshape(B, rd).contiguous(), sin.reshape(B, rd).contiguous(), kv_pool,
-        slot_mapping, block_tables.contiguous(), seq_lens, h, kvh, scale, seq_starts,
-    )  # fmt: skip
+        qkv,
+        qk_norm.contiguous(),
+        eps,
+        cos.reshape(B, rd).contiguous(),
+        sin.reshape(B, rd).contiguous(),
+        kv_pool,
+        slot_mapping,
+        block_tables.contiguous(),
+        seq_lens,
+        h,
+        kvh,
+        scale,
+        seq_starts,
+    )
 
 
 def pack_f32(w: torch.Tensor) -> torch.Tensor:
@@ -173,9 +185,23 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
 
 
 def gdn_rows(
-    proj, row_cu, row_slots, row_init, tok_slots, conv_w, conv_pool, rec_pool, neg_A, dt_bias, norm_w,
-    hk, hv, dk, dv, eps,
-) -> torch.Tensor:  # fmt: skip
+    proj,
+    row_cu,
+    row_slots,
+    row_init,
+    tok_slots,
+    conv_w,
+    conv_pool,
+    rec_pool,
+    neg_A,
+    dt_bias,
+    norm_w,
+    hk,
+    hv,
+    dk,
+    dv,
+    eps,
+) -> torch.Tensor:
     """A GDN layer after its input projection for rows of any length (decode rows, prefill
     chunks, both), token by token in the recurrent form (`gdn_decode` per token).
 
@@ -185,14 +211,44 @@ def gdn_rows(
     and leaves each row's final conv and recurrent state in its slot (kernels/gdn.py's
     gdn_chunk_prefill / causal_conv1d compute the same). Rows are split over threads.
     """
-    return _ops().gdn_rows(proj, row_cu, row_slots, row_init, tok_slots, conv_w, conv_pool, rec_pool,
-                                      neg_A, dt_bias, norm_w, hk, hv, dk, dv, eps)  # fmt: skip
+    return _ops().gdn_rows(
+        proj,
+        row_cu,
+        row_slots,
+        row_init,
+        tok_slots,
+        conv_w,
+        conv_pool,
+        rec_pool,
+        neg_A,
+        dt_bias,
+        norm_w,
+        hk,
+        hv,
+        dk,
+        dv,
+        eps,
+    )
 
 
 def gdn_verify(
-    proj, conv_w, conv_pool, rec_pool, slots, cu_seqlens, conv_scratch, rec_scratch, neg_A, dt_bias, norm_w,
-    hk, hv, dk, dv, eps,
-) -> torch.Tensor:  # fmt: skip
+    proj,
+    conv_w,
+    conv_pool,
+    rec_pool,
+    slots,
+    cu_seqlens,
+    conv_scratch,
+    rec_scratch,
+    neg_A,
+    dt_bias,
+    norm_w,
+    hk,
+    hv,
+    dk,
+    dv,
+    eps,
+) -> torch.Tensor:
     """Decode rows of 1..n tokens each (a pending token and its drafts) through a GDN layer:
     `gdn_decode` token by token on each row's slot, keeping the state after every token but a
     row's last in its scratch entries, for rollback.
@@ -203,5 +259,21 @@ def gdn_verify(
     as for `gdn_decode`. Returns the gated-normed output [T, Hv*dv] in the model dtype.
     Reference: kernels.gdn_recurrent with its scratch (engine/model/layers.py).
     """
-    return _ops().gdn_verify(proj, conv_w, conv_pool, rec_pool, slots, cu_seqlens, conv_scratch,
-                                        rec_scratch, neg_A, dt_bias, norm_w, hk, hv, dk, dv, eps)  # fmt: skip
+    return _ops().gdn_verify(
+        proj,
+        conv_w,
+        conv_pool,
+        rec_pool,
+        slots,
+        cu_seqlens,
+        conv_scratch,
+        rec_scratch,
+        neg_A,
+        dt_bias,
+        norm_w,
+        hk,
+        hv,
+        dk,
+        dv,
+        eps,
+    )

@@ -12,9 +12,11 @@
 #include <ATen/Parallel.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 
 namespace pdserve {
 
@@ -125,33 +127,84 @@ static inline void exp_rows(float *x, int64_t n, float shift) {
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 /* The threads a row-parallel op splits `rows` over: torch's intra-op threads, one per row at
- * most, eight at most. */
-static inline int64_t row_threads(int64_t rows) {
+ * most, eight at most; one when the op's arithmetic (`flops`, about) is under SPLIT_FLOPS, about
+ * 250 us on one core, which a split would not win back once a sleeping thread's wake-up
+ * (OMP_WAIT_POLICY=PASSIVE: 15-35 us, more on a crowded machine) and the barrier are paid. */
+constexpr int64_t SPLIT_FLOPS = 1 << 21;
+
+static inline int64_t row_threads(int64_t rows, int64_t flops = SPLIT_FLOPS) {
+    if (flops < SPLIT_FLOPS) return 1;
     int64_t nt = at::get_num_threads();
     nt = nt < rows ? nt : rows;
     nt = nt < 8 ? nt : 8;
     return nt > 1 ? nt : 1;
 }
 
-/* fn(chunk, tid) once for every chunk 0 <= chunk < n, on up to nthreads of torch's intra-op
- * threads (at::parallel_for over the threads), each taking the next chunk as it finishes one:
- * chunks of unequal cost (a prefill row beside decode rows) balance themselves. tid < nthreads
- * is the thread's index, for per-thread scratch. */
+/* Cores taken by other processes. A thread that another process keeps off its core holds up
+ * a parallel region: a chunk it took is not done until it runs again, and OpenMP's barrier at the
+ * region's end waits for every thread of the team, even one that took nothing, to be scheduled
+ * and arrive. When the caller of a region waited over LATE_NS after its own share was done in
+ * two regions of the last 256, the ops run alone on the caller for the next SOLO_NS. */
+struct Crowding {
+    static constexpr int64_t LATE_NS = 1000000, SOLO_NS = 50000000;
+    std::atomic<int64_t> strikes{0}, good{0}, solo_until{0};
+
+    static int64_t now_ns() {
+        return std::chrono::duration_cast<std::chrono::nanoseconds>(
+                   std::chrono::steady_clock::now().time_since_epoch())
+            .count();
+    }
+    bool solo() const { return solo_until.load(std::memory_order_relaxed) > now_ns(); }
+    void report(int64_t waited_ns) {
+        if (waited_ns > LATE_NS) {
+            good = 0;
+            if (++strikes >= 2) strikes = 0, solo_until = now_ns() + SOLO_NS;
+        } else if (strikes > 0 && ++good >= 256) {
+            strikes = 0, good = 0;
+        }
+    }
+};
+inline Crowding crowding; /* one per process */
+
+static inline void spin_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* body(tid) on up to nthreads of torch's intra-op threads (at::parallel_for over the threads;
+ * tid < nthreads), or once on the caller (tid 0) when nthreads <= 1 or the cores are crowded.
+ * The caller reports how long it waited for the others once its own body returned. */
 template <typename F>
-inline void parallel_chunks(int64_t n, int64_t nthreads, const F &fn) {
+inline void on_threads(int64_t nthreads, const F &body) {
     const int64_t most = at::get_num_threads();
     if (nthreads > most) nthreads = most;
-    if (nthreads > n) nthreads = n;
-    if (nthreads <= 1) {
-        for (int64_t i = 0; i < n; i++) fn(i, 0);
+    if (nthreads <= 1 || crowding.solo()) {
+        body(0);
         return;
     }
-    std::atomic<int64_t> next{0};
+    const auto caller = std::this_thread::get_id();
+    std::atomic<int64_t> caller_done{0};
     at::parallel_for(0, nthreads, 1, [&](int64_t t0, int64_t t1) {
-        for (int64_t tid = t0; tid < t1; tid++)
-            for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
-                 i = next.fetch_add(1, std::memory_order_relaxed))
-                fn(i, tid);
+        for (int64_t tid = t0; tid < t1; tid++) body(tid);
+        if (std::this_thread::get_id() == caller) caller_done.store(Crowding::now_ns(), std::memory_order_relaxed);
+    });
+    const int64_t done = caller_done.load(std::memory_order_relaxed);
+    if (done > 0) crowding.report(Crowding::now_ns() - done);
+}
+
+/* fn(chunk, tid) once for every chunk 0 <= chunk < n, on up to nthreads of torch's intra-op
+ * threads (on_threads), each taking the next chunk as it finishes one: chunks of unequal cost (a
+ * prefill row beside decode rows) balance themselves, and a thread that starts late takes fewer.
+ * tid < nthreads is the thread's index, for per-thread scratch. */
+template <typename F>
+inline void parallel_chunks(int64_t n, int64_t nthreads, const F &fn) {
+    if (nthreads > n) nthreads = n;
+    std::atomic<int64_t> next{0};
+    on_threads(nthreads, [&](int64_t tid) {
+        for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+             i = next.fetch_add(1, std::memory_order_relaxed))
+            fn(i, tid);
     });
 }
 

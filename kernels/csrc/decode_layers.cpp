@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <functional>
 #include <thread>
 #include <vector>
@@ -42,11 +41,6 @@ struct Layer {
 
 const Args A{"pdserve.DecodeLayers"};
 
-inline void spin_pause() {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-}
 
 at::Tensor f32(const at::Tensor &t, const char *name, std::vector<int64_t> shape) {
     A.dtype(t, name, at::kFloat);
@@ -69,47 +63,37 @@ struct alignas(64) Progress {
     std::atomic<int64_t> taken{0}, done{0};
 };
 
-/* Every thread of one at::parallel_for region walks the phases in order: it takes the current
- * phase's next chunk while there is one, then waits (spinning) until the chunks others took are
- * done before it goes on. A thread that starts late finds the early phases done and joins where
- * the others are; one that never starts leaves its share to them; none waits for a thread that
- * took nothing. So a step pays one wake-up of torch's threads, where a region per kernel paid
- * one per kernel, about 60 a step (under OMP_WAIT_POLICY=PASSIVE a sleeping thread takes
- * 15-35 us to wake). tid < nthreads indexes per-thread scratch. Returns whether a thread waited
- * over LATE_NS for a chunk another one took (its thread was descheduled mid-chunk). */
-constexpr int64_t LATE_NS = 1000000;
-
-bool run_phases(const std::vector<Phase> &phases, int64_t nthreads) {
+/* Every thread of one parallel region (on_threads) walks the phases in order: it takes the
+ * current phase's next chunk while there is one, then waits (spinning) until the chunks others
+ * took are done before it goes on. A thread that starts late finds the early phases done and
+ * joins where the others are; one that never starts leaves its share to them; none waits for a
+ * thread that took nothing. So a step pays one wake-up of torch's threads, where a region per
+ * kernel paid one per kernel, about 60 a step (under OMP_WAIT_POLICY=PASSIVE a sleeping thread
+ * takes 15-35 us to wake). tid < nthreads indexes per-thread scratch. A wait over LATE_NS for a
+ * chunk another thread took (descheduled mid-chunk) counts as a late region (Crowding). */
+void run_phases(const std::vector<Phase> &phases, int64_t nthreads) {
     int64_t most = 0;
     for (const Phase &p : phases) most = std::max(most, p.n);
-    if (nthreads <= 1 || most <= 1) {
-        for (const Phase &p : phases)
-            for (int64_t c = 0; c < p.n; c++) p.fn(c, 0);
-        return false;
-    }
+    if (most <= 1) nthreads = 1;
     std::vector<Progress> progress(phases.size());
-    std::atomic<bool> late{false};
-    at::parallel_for(0, nthreads, 1, [&](int64_t t0, int64_t t1) {
-        for (int64_t tid = t0; tid < t1; tid++)
-            for (size_t i = 0; i < phases.size(); i++) {
-                const Phase &p = phases[i];
-                Progress &g = progress[i];
-                for (int64_t c = g.taken.fetch_add(1, std::memory_order_relaxed); c < p.n;
-                     c = g.taken.fetch_add(1, std::memory_order_relaxed)) {
-                    p.fn(c, tid);
-                    g.done.fetch_add(1, std::memory_order_release);
-                }
-                if (g.done.load(std::memory_order_acquire) >= p.n) continue;
-                const auto start = std::chrono::steady_clock::now();
-                for (int64_t spins = 0; g.done.load(std::memory_order_acquire) < p.n; spins++) {
-                    if (spins < 4096) spin_pause();
-                    else std::this_thread::yield();
-                }
-                if (std::chrono::steady_clock::now() - start > std::chrono::nanoseconds(LATE_NS))
-                    late.store(true, std::memory_order_relaxed);
+    on_threads(nthreads, [&](int64_t tid) {
+        for (size_t i = 0; i < phases.size(); i++) {
+            const Phase &p = phases[i];
+            Progress &g = progress[i];
+            for (int64_t c = g.taken.fetch_add(1, std::memory_order_relaxed); c < p.n;
+                 c = g.taken.fetch_add(1, std::memory_order_relaxed)) {
+                p.fn(c, tid);
+                g.done.fetch_add(1, std::memory_order_release);
             }
+            if (g.done.load(std::memory_order_acquire) >= p.n) continue;
+            const int64_t start = Crowding::now_ns();
+            for (int64_t spins = 0; g.done.load(std::memory_order_acquire) < p.n; spins++) {
+                if (spins < 4096) spin_pause();
+                else std::this_thread::yield();
+            }
+            crowding.report(Crowding::now_ns() - start);
+        }
     });
-    return late.load();
 }
 
 }  // namespace
@@ -118,8 +102,6 @@ struct DecodeLayers : torch::CustomClassHolder {
     int64_t hidden;
     double eps; /* the layer norms' */
     std::vector<Layer> layers;
-    static constexpr int64_t SOLO = 32;
-    mutable int64_t strikes = 0, good = 0, solo = 0; /* the engine's one thread calls run */
 
     DecodeLayers(int64_t hidden, double eps) : hidden(hidden), eps(eps) {}
 
@@ -261,17 +243,7 @@ struct DecodeLayers : torch::CustomClassHolder {
             gemm(act, l.w_down, o, H, l.n_gu / 2);
         }
         step.push_back({1, residual});
-        /* cores taken by other processes: two late steps within 256 run the next SOLO steps on one
-         * thread, which then does not wait for a descheduled one */
-        if (solo > 0) {
-            solo--;
-            run_phases(step, 1);
-        } else if (run_phases(step, nt)) {
-            good = 0;
-            if (++strikes >= 2) strikes = 0, solo = SOLO;
-        } else if (strikes > 0 && ++good >= 256) {
-            strikes = 0, good = 0;
-        }
+        run_phases(step, nt);
         return x;
     }
 };

@@ -58,7 +58,7 @@ at::Tensor gdn_decode_op(const at::Tensor &proj, const at::Tensor &conv_w, at::T
     const int64_t B = proj.size(0), D = conv_w.size(0);
     a.index(slots, "slots", B, 0, conv_pool.size(0));
     auto out = at::empty({B, hv * dv}, proj.options());
-    const int64_t nt = row_threads(B), stride = D + 2 * hv;
+    const int64_t nt = row_threads(B, B * hv * dk * dv * 4), stride = D + 2 * hv; /* the delta rule's */
     auto work = scratch(nt * stride);
     gdn_decode_mt(B, hk, hv, dk, dv, conv_w.size(1), proj.data_ptr(), proj.stride(0), conv_w.data_ptr(),
                   conv_pool.data_ptr(), floats(rec_pool), slots.data_ptr<int64_t>(), floats(neg_A), floats(dt_bias),

@@ -54,7 +54,9 @@ def _eager_gdn(proj, conv_w, conv_pool, rec_pool, slots, neg_A, dt_bias, norm_w,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize(
-    "B,hk,hv,dk,dv", [(1, 2, 4, 32, 32), (5, 4, 8, 64, 64), (3, 3, 3, 16, 48)], ids=["b1-hv2x", "b5-d64", "b3-hv1x"]
+    "B,hk,hv,dk,dv",
+    [(1, 2, 4, 32, 32), (5, 4, 8, 64, 64), (3, 3, 3, 16, 48), (6, 4, 24, 64, 64)],
+    ids=["b1-hv2x", "b5-d64", "b3-hv1x", "b6-split"],  # b6 x 24 heads: enough work to split rows over threads
 )
 def test_gdn_decode_matches_pytorch(dtype, B, hk, hv, dk, dv):
     g = torch.Generator().manual_seed(0)
@@ -146,13 +148,14 @@ def test_attn_decode_matches_pytorch(dtype, B, h, kvh, hd, rd, bs):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("nthreads", [1, 2])
-def test_attn_decode_rows_of_one_sequence_match_pytorch(dtype, nthreads):
+@pytest.mark.parametrize("scale", [1, 40], ids=["short", "long-split"])  # long: enough work to split over threads
+def test_attn_decode_rows_of_one_sequence_match_pytorch(dtype, nthreads, scale):
     """seq_starts: sequences of several consecutive tokens (rows with drafts, MTP chunks) against
     the engine's PyTorch path (causal attention within each sequence over its pages), split
     over threads by sequence."""
     g = torch.Generator().manual_seed(4)
-    h, kvh, hd, rd, bs, nblocks, width = 4, 2, 32, 16, 4, 40, 6
-    lens, ctx = [3, 1, 5, 2], [7, 20, 24, 2]  # new tokens per sequence; context after them
+    h, kvh, hd, rd, bs, nblocks, width = 4, 2, 32, 16, 4, 40 * scale, 6 * scale
+    lens, ctx = [3, 1, 5, 2], [7 * scale, 20 * scale, 24 * scale, 2 * scale]  # new tokens per sequence; context after
     B, S = sum(lens), len(lens)
     qkv = torch.randn(B, 2 * (h + kvh) * hd, generator=g).to(dtype)
     qk_norm = 1 + 0.1 * torch.randn(h + kvh, hd, generator=g)

@@ -28,8 +28,12 @@ def _gdn_args(B=2, hk=2, hv=4, dk=16, dv=16, kc=4, S=5):
         neg_A=-torch.rand(hv, generator=g),
         dt_bias=torch.randn(hv, generator=g),
         norm_w=torch.ones(dv),
-        hk=hk, hv=hv, dk=dk, dv=dv, eps=1e-6,
-    )  # fmt: skip
+        hk=hk,
+        hv=hv,
+        dk=dk,
+        dv=dv,
+        eps=1e-6,
+    )
 
 
 def test_gdn_decode_runs_with_good_arguments():
@@ -66,11 +70,35 @@ def test_attn_decode_refuses_a_block_table_past_the_pool():
     qkv = torch.randn(1, 2 * (h + kvh) * hd)
     cos, sin = torch.ones(1, 8), torch.zeros(1, 8)
     with pytest.raises(RuntimeError, match=r"block_tables\[1\] = 3 is outside \[0, 3\)"):
-        cpu_ops.attn_decode(qkv, torch.ones(h + kvh, hd), 1e-6, cos, sin, kv, torch.tensor([1]),
-                            torch.tensor([[0, 3]]), torch.tensor([5]), h, kvh, 0.25)  # fmt: skip
+        cpu_ops.attn_decode(
+            qkv,
+            torch.ones(h + kvh, hd),
+            1e-6,
+            cos,
+            sin,
+            kv,
+            torch.tensor([1]),
+            torch.tensor([[0, 3]]),
+            torch.tensor([5]),
+            h,
+            kvh,
+            0.25,
+        )
     with pytest.raises(RuntimeError, match=r"seq_lens\[0\] = 9 is outside \[1, 9\)"):
-        cpu_ops.attn_decode(qkv, torch.ones(h + kvh, hd), 1e-6, cos, sin, kv, torch.tensor([1]),
-                            torch.tensor([[0, 2]]), torch.tensor([9]), h, kvh, 0.25)  # fmt: skip
+        cpu_ops.attn_decode(
+            qkv,
+            torch.ones(h + kvh, hd),
+            1e-6,
+            cos,
+            sin,
+            kv,
+            torch.tensor([1]),
+            torch.tensor([[0, 2]]),
+            torch.tensor([9]),
+            h,
+            kvh,
+            0.25,
+        )
 
 
 def test_gemm_and_norm_quote_their_shapes():
@@ -112,3 +140,29 @@ def test_cpu_image_builds_the_operators_and_checks_they_load():
     assert copy < install < check
     ignore = (ROOT / "deploy" / "docker" / "Dockerfile.cpu.dockerignore").read_text().split()
     assert "kernels/_ops/" in ignore, "a local build must not reach the image"
+
+
+def test_decode_layers_refuse_a_layer_that_does_not_fit():
+    """torch.classes.pdserve.DecodeLayers checks a layer's tensors when it is added: a packed
+    output projection for the wrong width is refused with both shapes quoted."""
+    a = _gdn_args()
+    H, hv, dv, I = 32, a["hv"], a["dv"], 24
+    D = a["conv_w"].shape[0]
+    pack = cpu_ops.pack_f32
+    layers = torch.classes.pdserve.DecodeLayers(H, 1e-6)
+    common = (torch.ones(H), torch.ones(H), pack(torch.randn(D + hv * dv + 2 * hv, H)))
+    mlp = (pack(torch.randn(2 * I, H)), pack(torch.randn(H, I)), 2 * I)
+    gdn = (a["conv_w"], a["conv_pool"], a["rec_pool"], a["neg_A"], a["dt_bias"], a["norm_w"], 2, hv, 16, dv, 1e-6)
+    layers.add_gdn(*common, pack(torch.randn(H, hv * dv)), *mlp, *gdn)
+    with pytest.raises(RuntimeError, match=r"w_out takes 48 inputs, the GDN gives 64"):
+        layers.add_gdn(*common, pack(torch.randn(H, 48)), *mlp, *gdn)
+    with pytest.raises(RuntimeError, match=r"x must be \[\*, 32\], got \[2, 16\]"):
+        layers.run(
+            torch.randn(2, 16),
+            torch.arange(2),
+            torch.zeros(2, dtype=torch.long),
+            torch.zeros(2, 1, dtype=torch.long),
+            torch.ones(2, dtype=torch.long),
+            torch.ones(2, 8),
+            torch.zeros(2, 8),
+        )
