@@ -1,31 +1,7 @@
-"""The decode node's gRPC server: `serve(addr, cfg) -> (node, port)`.
-
-Lifecycle: load the engine (t worker processes when tensor parallel), start the engine loop
-thread (serving/loop.py), bind the gRPC server (DecodeNode + health + reflection), then
-register with the router and heartbeat capacity. `node.stop()` reverses it: not serving,
-heartbeats stop, in-flight streams end, engine workers exit.
-
-Requests:
-- Generate without a reservation: colocated; the engine prefills the prompt itself.
-- Reserve: KV pages for prompt + 1 tokens and a GDN slot set aside (EngineCore.reserve_transfer),
-  adopted by the engine's connector (transfer/connector/decode.py: every rank's receiver, under a
-  lease); the answer is the TransferTarget (every rank's agent, blocks, slot, incarnation) the
-  prefill node writes into.
-- Generate(reserved=True, first_token_id): waits (bounded by the lease) until the connector
-  reports the state in (RecvReady), then activates the request in the running batch (the
-  connector takes the memory) and streams like the colocated case. A failed or expired transfer
-  (RecvFailed) ends the call ABORTED with the reason; the memory comes back once no write can land.
-- Release: aborts a reservation (pages and slot back once no write can land); with
-  dead_prefill_node, first drops that node's transfer agents (the router declared it dead).
-- Handshake: adds the prefill node's rank blobs as peers on every rank, answers with ours.
-Draining (serving/node.py, on SIGTERM): Reserve and unreserved Generate are refused with
-UNAVAILABLE + `pdserve-draining`; Generate(reserved) and Release still work, so what the router
-already placed here finishes; the node stops once nothing is in flight.
-Client cancellation aborts the engine request, so pages and slot return to the free lists.
-The engine loop thread polls the connector while any reservation is open; every engine call
-stays on that thread. Handlers use only the loop's API (serving/commands.py) and wait on what it
-answers: a request's handle, a reservation's transfer (await_transfer), a release.
-"""
+"""The decode node's gRPC server, `serve(addr, cfg) -> (node, port)`: maps Generate (colocated, or
+reserved after a transfer), Reserve, Release and Handshake to the engine loop (serving/loop.py);
+the engine's connector (transfer/connector/decode.py) receives the state into reservations.
+Lifecycle and drain: docs/serving.md, "Module notes"."""
 
 from __future__ import annotations
 

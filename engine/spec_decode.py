@@ -1,15 +1,6 @@
-"""Speculative decoding: draft proposals and their verification.
-
-A decode row may carry k draft tokens after its last token; the model scores all k+1 positions
-in one step (the GDN recurrence writes the state after every token into a scratch area). The
-drafts are accepted left to right while the target agrees; the row's GDN conv and recurrent
-state then roll back to the state after the last accepted token.
-
-Verification is the sampler's (engine/sampling/sampler.py): every scored position draws its token
-as a plain row would, and the drafts are accepted while they equal those draws; for a
-deterministic proposer that is the standard rule (accept d with probability p(d), else a draw
-from p without d), so the output has the target distribution.
-"""
+"""Speculative decoding's draft proposals (n-gram) and the rollback rule: a row scores its k drafts
+in one step, the sampler (engine/sampling/sampler.py) accepts them while they equal its draws,
+and the GDN state rolls back to the last accepted token."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """A whole float32 decode step through the decoder layers in one call:
-`torch.classes.pdserve.DecodeLayers` (kernels/csrc/decode_layers.cpp).
-
-A decode step at a few rows is a few dozen ops per layer call; their Python (tensor
-allocation, the layer objects, dispatch) costs about as much as the attention and GDN
-arithmetic. `DecodeLayers` hands each layer's weights and pools (fixed for a model) to the C++
-class once; `DecodeLayers.run` makes one call per step, which runs the same kernels in the
-same order and thread splits as the per-op path (engine/model/layers.py, the reference), so
-it returns the same bits.
-"""
+`torch.classes.pdserve.DecodeLayers` (kernels/csrc/decode_layers.cpp), bit-identical to the
+per-op path of engine/model/layers.py. Why: docs/cpu.md, "Module notes"."""
 
 from __future__ import annotations
 

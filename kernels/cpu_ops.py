@@ -1,18 +1,7 @@
-"""Fused CPU ops of the decode step: torch operators `torch.ops.pdserve.*` (kernels/csrc/),
-built at install time by `python -m kernels.build` (kernels/build.py; `make` runs it).
-
-A decode step is hundreds of small eager ops; on a CPU their dispatch costs more than their
-arithmetic at small batches. These ops do one GDN layer's decode (conv update, q/k L2 norm,
-gates, the delta-rule step on the slot's state, gated RMS norm), an attention layer's decode,
-a residual add + RMS norm, the MLP's gate and small linear layers in one call each, in float32
-arithmetic with values rounded to bfloat16 where transformers' eager model rounds them. Each
-wrapper below names its PyTorch reference in kernels/ (the fallback, and what the tests compare
-with); the operators check their arguments and raise RuntimeError quoting the shapes.
-
-The library loads on first use when its recorded source digest and torch version match this
-tree's; else (not built, stale, or `PDSERVE_CPU_OPS=0`) `available()` is False, the engine runs
-the PyTorch path, and a WARNING says why and what command builds it.
-"""
+"""Fused CPU ops of the decode step as torch operators (`torch.ops.pdserve.*`, kernels/csrc/),
+built at install time by `python -m kernels.build`. Each wrapper names its PyTorch reference in
+kernels/ (the fallback and the tests' reference); without the library the engine runs that path
+and a WARNING says why and how to build it. docs/cpu.md, "Module notes"."""
 
 from __future__ import annotations
 

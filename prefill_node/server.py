@@ -1,32 +1,7 @@
-"""The prefill node's gRPC server: `serve(addr, cfg) -> (node, port)`.
-
-An EngineCore (t worker ranks) whose requests are `prefill_only`: the engine computes the
-prompt, samples the first token and HOLDS the pages and GDN slot; its connector
-(transfer/connector/prefill.py) opens, posts, polls, renews and ends the push, and the engine
-frees the held memory when the push is over. This module only maps RPCs to the engine loop
-(serving/loop.py): every engine call stays on that thread; handlers use the loop's API (a
-RequestHandle per request, futures for the rest) and wait on it; a cancel, an Abort or the loop
-stopping ends the wait.
-
-    Prefill(prompt, sampling, target) -> queue (engine waiting list) -> prefill; when the last
-      prompt chunk is scheduled, every rank opens the push (Begin to its destination ranks), so
-      the grants arrive while that chunk computes -> first token
-      "prefilled": every rank starts WRITEing its pieces into the target reservation (re-sharded
-      a -> b) and the first message goes out at once: PrefillResponse(first token, timings:
-      queue_s, prefill_s, ttft_s) -> wait (bounded) until every rank is done and quiet ->
-      release the held memory -> PrefillResponse(pushed, timings: transfer_s, transfer_bytes)
-      "stop" / "length" (the first token ended it): nothing to push; the one message says so
-    Abort(request_id) / the caller cancelling: engine abort before the first token, else abort
-      the push; the held memory is released once no write can still read it.
-    While a request is here (queued, prefilling, pushing), the connector renews its decode
-      reservation's lease every third of it: the lease only runs out when this node stops working.
-    Handshake (serving/node.py): adds the decode node's rank blobs as peers on every rank.
-
-Registers with the router as prefill_ready with the prompt tokens it has queued in capacity.
-Draining (serving/node.py, on SIGTERM): new Prefill calls are refused with UNAVAILABLE +
-`pdserve-draining` (the router tries another prefill node, or lets the decode node prefill);
-queued prompts are computed and pushed; the node stops once nothing is in flight.
-"""
+"""The prefill node's gRPC server, `serve(addr, cfg) -> (node, port)`: maps Prefill, Abort and
+Handshake to the engine loop (serving/loop.py). Its requests are prefill-only: the engine holds
+the prompt's pages and GDN slot, and its connector (transfer/connector/prefill.py) pushes them to
+the decode node's reservation. Lifecycle and drain: docs/serving.md, "Module notes"."""
 
 from __future__ import annotations
 

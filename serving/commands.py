@@ -1,23 +1,6 @@
-"""The engine loop's typed API (serving/loop.py): the commands a handler thread posts, the records
-it gets back, and the errors it can meet.
-
-A command is a frozen record carried to the loop thread; the loop answers through the command's
-Future (or, for a request, its `RequestHandle`). Nothing else crosses between the threads.
-
-    AddRequest        a request to compute (colocated, or prefill-only with a push) -> RequestHandle
-    AdmitTransferred  a reservation whose state has landed joins the batch -> RequestHandle
-    AbortRequest      by handle (idempotent) or by id (UnknownRequest when the loop streams no such
-                      request and no transfer of it runs): the request, or its push once prefilled
-    Reserve           pages + slot set aside for a state another node writes -> Reserved | NoRoom
-    AwaitTransfer     a reservation's transfer: RecvReady or RecvFailed, at once if it already is
-    Release           a HELD or RESERVED request's memory back (answered once it is) -> None | UnknownRequest
-    GetStats          a fresh Snapshot, taken on the loop thread
-    Run               node work that must run on the loop thread -> its result
-
-The rule for node servers: state the loop thread changes (requests, transfers, the engine) is
-read and changed only through these commands, or in `Run` functions; a map a handler keeps for
-itself (ids in flight) is guarded by its own lock.
-"""
+"""The engine loop's typed API (serving/loop.py): the frozen commands a handler thread posts, the
+records it gets back (RequestHandle, Reserved, Snapshot ...) and the errors it can meet. State the
+loop thread changes is read and changed only through these commands."""
 
 from __future__ import annotations
 

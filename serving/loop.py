@@ -1,28 +1,7 @@
-"""The engine loop, shared by both node kinds: one thread owns the EngineCore; handler threads
-talk to it only through the typed API below (commands in serving/commands.py).
-
-    handler --submit / admit--> RequestHandle      --AddRequest / AdmitTransferred--> inbox
-    handler --abort / reserve / await_transfer / release / stats / run--> Future --command--> inbox
-    loop thread: commands -> EngineCore (add_request, activate, abort, reserve, release)
-                 -> EngineCore.step() -> RequestOutput -> the request's RequestHandle -> handler
-                 -> EngineCore.poll_transfers() -> SendDone / RecvReady / RecvFailed / RecvFreed
-                    -> the handle waiting for its push, the futures waiting on a transfer
-
-Every request a handle streams ends with a finished output, or with an error (ValueError: the
-engine refused it; ShuttingDown: the loop stopped). Aborting through a handle acts only while the
-loop still streams that handle's request, so a late abort (or one for another request that reused
-the id) does nothing. Once `stop()` is called every command is refused with ShuttingDown, and
-whatever was queued or streaming ends with ShuttingDown: no caller waits forever.
-
-A prefill-only request's handle outlives its "prefilled" output: it then waits for the push
-(`wait_transfer`), and aborting it aborts the push. The engine's connector (engine/connector.py)
-does the transfer work; the loop only polls it and hands its records to whoever waits.
-
-Waits are on queues and futures: an idle loop sleeps in the inbox until a command arrives. Only
-transfer progress is polled (the transports report it through polls, not events): after every
-command batch and step, and while the engine has transfers in flight an idle loop wakes every
-`poll_interval_s` to poll them.
-"""
+"""The engine loop both node kinds serve from: one thread owns the EngineCore, steps it, polls its
+transfers and answers handler threads through the typed API of serving/commands.py (request
+handles and futures). Every wait ends: a stop ends what is queued or streaming with ShuttingDown.
+Diagram and rules: docs/serving.md, "Module notes"."""
 
 from __future__ import annotations
 

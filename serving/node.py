@@ -1,23 +1,6 @@
-"""The lifecycle both node kinds share (decode_node/server.py, prefill_node/server.py).
-
-    start(addr) -> gRPC server (the node's service + health + reflection; the service takes the
-        cluster token, TLS with --tls-cert, the caller's certificate too with --tls-ca) ->
-        register with every router (`--router a:p,b:q`) and heartbeat each -> optional
-        Prometheus /metrics port
-    drain(timeout) -> draining: health NOT_SERVING for the node's service (a Kubernetes
-        readiness probe fails; liveness, on the overall status, does not), a heartbeat at once
-        with `draining` set (the router stops choosing the node), new work refused with
-        UNAVAILABLE + `pdserve-draining` (serving/rpc.py refuse_draining) -> wait, bounded,
-        until `in_flight()` is 0 -> True when nothing was left
-    stop(grace) -> not serving, heartbeats stop, engine loop stops (what is still in flight ends
-        UNAVAILABLE), gRPC grace, transfer endpoints closed, engine workers exit
-
-A subclass sets KIND, SERVICE and NODE_KIND, has `cfg`, `ecfg`, `engine`, `loop`, `metrics`,
-`incarnation`, `digest`, `backend` and `connector` (the engine's transfer connector, whose rank
-endpoints the Handshake adds peers to; None without a data plane), and implements `in_flight()`, `_add_servicer(server)` and `_describe(info)` (its own
-NodeInfo fields). Its engine loop calls `changes.changed` after every pass (`on_change`), and
-its handlers do after changing what `in_flight()` reads outside the loop thread. It gets `info()` and the Stats and Handshake RPCs, the same on both kinds.
-"""
+"""The lifecycle both node kinds share: start (gRPC server, registration and heartbeats to every
+router, /metrics), drain (NOT_SERVING, new work refused, bounded wait for in-flight work) and
+stop, plus the Stats and Handshake RPCs. docs/serving.md, "Module notes", has the sequence."""
 
 from __future__ import annotations
 

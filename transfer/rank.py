@@ -1,28 +1,7 @@
-"""Transfer endpoints inside an engine's tensor-parallel workers: the one rank-side layer both
-node kinds use.
-
-The engine's connector (transfer/connector/) drives the ranks through the engine executor:
-`executor.call_all(fn, ...)` runs `fn(worker, ...)` on every rank (in the rank's own process when
-TP > 1), where each rank's `Sender` / `Receiver` lives next to its pools in `worker.ext`. The
-engine's scheduler owns block and slot allocation: a receiver adopts the engine's reservation, a
-sender reads the engine's HELD pages, and neither ever frees engine memory itself; the engine
-does once the connector's poll says no write can still touch it. Every poll answers with typed
-records (`SendStatus`, `RecvStatus`), one per request asked about, by rank.
-
-    blobs = D.executor.call_all(open_endpoint, "receiver", "D0", cfg)        # one blob per rank
-    P.executor.call_all(add_peers, "nixl", blobs) ...                         # and the reverse
-    blocks, slot = D.reserve(prompt, params, rid)                              # engine allocates
-    ranks = D.executor.call_all(adopt, "nixl", rid, len(prompt), blocks, slot, lease_s, inc)
-    target = make_target(ranks, "D0", rid, len(prompt), tp, digest)          # to the prefill node
-    P.executor.call_all(open_send, "nixl", rid, target, *P.held(rid), len(prompt))   # Begin
-    P.executor.call_all(post, "nixl", rid)                                     # writes, Done
-    poll_sends / poll_reservations until every rank is done (and the sender quiet);
-    D: take, then activate(rid, first_token); P: forget, then release(rid)
-
-A sender rank keeps each request's SendRequest until the node forgets it, so a failure that
-turned quiet between two polls is still reported as a failure. A reservation is keyed by
-(request id, incarnation): one incarnation for all ranks of one Reserve.
-"""
+"""Transfer endpoints inside an engine's tensor-parallel workers: the rank-side functions the
+connector (transfer/connector/) runs on every rank through the executor. Each rank's Sender or
+Receiver lives beside its pools; the engine owns the memory and frees it only once a poll says
+no write can touch it. The call sequence: docs/transfer.md, "Module notes"."""
 
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
-"""The decode side: reserves memory for a request, grants writes into it, and completes the
-request when every source rank that has bytes for this rank reported Done.
-
-Lifecycle of a `RecvRequest` (one per request and reservation on each destination rank):
-
-    reserve(request_id, prompt_len) -> KV blocks for prompt_len + 1 tokens and a state slot  PENDING
-    Begin from a source rank: ids checked against the reservation, Grant (memory held)    TRANSFERRING
-    Done (+crc checked) from every expected source rank                                    DONE
-        -> take() hands blocks and slot to the engine, or release() frees them
-    Renew from a rank of the source node (or none bound yet): the lease starts again
-    lease expiry / abort() / source Abort / source removed / bad checksum                  FAILED
-        -> Release to every granted source still writing; the memory is freed only once each
-           of them answered (Done or Abort) or was removed as dead: no write can still land.
-
-A message whose (request id, incarnation) names no live reservation is ignored and recorded in
-`stale`; a Begin for a released reservation is refused, so nothing is written into it.
-"""
+"""The decode side of one rank: reserves memory for a request under a lease, grants writes into it
+and completes the request once every source rank reported Done; memory is freed only when no
+write can still land. Lifecycle: docs/transfer.md, "Module notes"."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""The prefill side: writes one request's state from this rank's pools into the destination's.
-
-Lifecycle of a `SendRequest` (one per request on each source rank):
-
-    open(target, src ids) --Begin--> every destination rank this rank has bytes for   PENDING
-    Grant from each; post() / post(layers=..., final=False) writes ranges      -> TRANSFERRING
-    final post lands, Done (+crc) delivered to each destination                -> DONE
-    Refuse / Release / write error / abort() / grant timeout / peer removed    -> FAILED
-    renew(target), any time (even before open): Renew to the destination ranks, whose
-    reservation lease starts again; the node calls it while the request is queued or computes
-    `quiet` once no write can still read the source pages; then owned source blocks and the
-    slot go back to the BlockManager / SlotPool, each granted destination got Done or Abort, and
-    the sender forgets the request (the caller's SendRequest keeps its final state and error).
-"""
+"""The prefill side of one rank: writes a request's state from this rank's pools into the
+destination's (Begin, Grant, writes, Done), with the phases PENDING -> TRANSFERRING -> DONE or
+FAILED. Lifecycle: docs/transfer.md, "Module notes"."""
 
 from __future__ import annotations
 

@@ -1,37 +1,7 @@
-"""Prefix sharing between requests in flight at the same time.
-
-A waiting request resumes from a snapshot only once the step that writes it has run
-(engine/cache/prefix.py), so requests that share a new prefix and arrive together would all
-compute it. Instead, when a request is about to be admitted and a running request that is still
-computing its prompt will save a snapshot at a point this request shares, beyond this request's
-own cache hit, the waiting request is held back: it stays in the queue, keeps its place, and is
-looked up again at the next step. Once the sharer's step has committed the snapshot, the lookup
-finds it and the request is admitted from there. Of a burst sharing a new prefix, the first is
-admitted, which makes it a sharer for the rest, so the first step computes the prefix once.
-
-A hold is decided afresh at every step from the running batch alone, so nothing can wait on a
-request that is gone: a sharer that finishes, is aborted, fails or is preempted leaves the running
-batch, and a sharer that has passed the point no longer offers it; either way the next lookup
-admits the request as usual (with the snapshot, if it was written). A held request does not block
-the queue: requests behind it that share nothing are admitted past it.
-
-A hold must pay for the step it waits (`hold_point`): the point is at least one snapshot interval
-beyond the request's current hit, and the tokens it would skip are at least half of what it would
-compute if admitted now (its tokens less the hit). A short shared prefix (a chat template's first
-tokens) therefore never holds anything, and neither does a long prompt whose shared part is small
-next to its own.
-
-The point is chosen the way the sharer will save snapshots (`PrefixPlanner.plan_save` in
-engine/scheduler/prefix_plan.py): a multiple of the interval past its computed tokens, or its
-prompt's end, no further than the tokens both prompts share and the waiting request's lookup
-limit. A request with prompt logprobs resumes only
-from a snapshot that keeps their entries for its token at the point (`PromptLogprobs`), which the
-sharer leaves only when it asks for prompt logprobs too, with at least as many alternatives, and
-only for its own next token: so the point must lie strictly inside the shared tokens.
-
-Only where snapshots are written: a request whose prompt state came from another node (a decode
-node's, `Request.received`) never computes a prompt, so it is never a sharer.
-"""
+"""Prefix sharing between requests in flight: a waiting request that shares a new prefix with a
+running request still computing its prompt is held back a step, until that request's snapshot is
+written, when the wait pays (`hold_point`). Decided afresh every step, so it cannot deadlock.
+The rules: docs/prefix-caching.md, "Module notes"."""
 
 from __future__ import annotations
 
