@@ -5,12 +5,17 @@ no write can touch it. The call sequence: docs/transfer.md, "Module notes"."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import msgspec
 
 from transfer.config import TransferConfig
 from transfer.messages import Target, TargetRank
 from transfer.receiver import Receiver
-from transfer.sender import Sender
+from transfer.sender import Sender, SendRequest
+
+if TYPE_CHECKING:
+    from engine.worker import Worker
 
 GONE = "gone"  # the state of a request this rank no longer (or never) held
 
@@ -37,25 +42,30 @@ class RecvStatus(msgspec.Struct, frozen=True):
 _SENDS = "transfer.sends"  # request id -> SendRequest, until forgotten
 
 
+def _sends(worker: Worker) -> dict[str, SendRequest]:
+    """This rank's open pushes (in the worker's per-rank store)."""
+    return cast(dict[str, SendRequest], worker.ext.setdefault(_SENDS, {}))
+
+
 def _key(backend: str) -> str:
     return f"transfer.{backend}"
 
 
-def endpoint(worker, backend: str):
+def endpoint(worker: Worker, backend: str) -> Sender | Receiver:
     ep = worker.ext.get(_key(backend))
-    if ep is None:
+    if not isinstance(ep, Sender | Receiver):
         raise RuntimeError(f"rank {worker.rank} has no {backend} transfer endpoint; call open_endpoint first")
     return ep
 
 
-def _sender(worker, backend: str) -> Sender:
+def _sender(worker: Worker, backend: str) -> Sender:
     ep = endpoint(worker, backend)
     if not isinstance(ep, Sender):
         raise RuntimeError(f"rank {worker.rank}'s {backend} endpoint is a receiver, not a sender")
     return ep
 
 
-def _receiver(worker, backend: str) -> Receiver:
+def _receiver(worker: Worker, backend: str) -> Receiver:
     ep = endpoint(worker, backend)
     if not isinstance(ep, Receiver):
         raise RuntimeError(f"rank {worker.rank}'s {backend} endpoint is a sender, not a receiver")
@@ -63,7 +73,7 @@ def _receiver(worker, backend: str) -> Receiver:
 
 
 # ---- both roles ------------------------------------------------------------------------------
-def open_endpoint(worker, role: str, node: str, config: TransferConfig | None = None) -> bytes:
+def open_endpoint(worker: Worker, role: str, node: str, config: TransferConfig | None = None) -> bytes:
     """Create this rank's sender or receiver over its pools; returns its handshake blob."""
     config = config or TransferConfig()
     cls = {"sender": Sender, "receiver": Receiver}.get(role)
@@ -74,25 +84,25 @@ def open_endpoint(worker, role: str, node: str, config: TransferConfig | None = 
     return ep.metadata()
 
 
-def metadata(worker, backend: str) -> bytes:
+def metadata(worker: Worker, backend: str) -> bytes:
     return endpoint(worker, backend).metadata()
 
 
-def digest(worker, backend: str) -> str:
+def digest(worker: Worker, backend: str) -> str:
     return endpoint(worker, backend).digest
 
 
-def add_peers(worker, backend: str, blobs: list[bytes]) -> list[str]:
+def add_peers(worker: Worker, backend: str, blobs: list[bytes]) -> list[str]:
     """Handshake with every rank of a peer node (raises HandshakeError naming the field)."""
     ep = endpoint(worker, backend)
     return [ep.add_peer(b) for b in blobs]
 
 
-def remove_peer(worker, backend: str, agent: str, reason: str = "declared dead") -> None:
+def remove_peer(worker: Worker, backend: str, agent: str, reason: str = "declared dead") -> None:
     endpoint(worker, backend).remove_peer(agent, reason)
 
 
-def drop_node(worker, backend: str, node: str, reason: str = "declared dead by the router") -> list[str]:
+def drop_node(worker: Worker, backend: str, node: str, reason: str = "declared dead by the router") -> list[str]:
     """Remove every agent of a peer node: its requests here fail (and free once safe)."""
     ep = endpoint(worker, backend)
     gone = [a for a, p in list(ep.peers.items()) if p.info.node == node]
@@ -101,10 +111,10 @@ def drop_node(worker, backend: str, node: str, reason: str = "declared dead by t
     return gone
 
 
-def close(worker, backend: str) -> None:
+def close(worker: Worker, backend: str) -> None:
     ep = worker.ext.pop(_key(backend), None)
     worker.ext.pop(_SENDS, None)
-    if ep is not None:
+    if isinstance(ep, Sender | Receiver):
         ep.close()
 
 
@@ -115,35 +125,37 @@ def make_target(
 
 
 # ---- sender (prefill) --------------------------------------------------------------------------
-def open_send(worker, backend: str, rid: str, target: Target, blocks: list[int], slot: int, num_tokens: int) -> None:
+def open_send(
+    worker: Worker, backend: str, rid: str, target: Target, blocks: list[int], slot: int, num_tokens: int
+) -> None:
     """Begin to the destination ranks now; the writes follow with `post` once the state exists.
     The memory stays the engine's (release the HELD request once every rank is quiet)."""
     req = _sender(worker, backend).open(rid, target, blocks, slot, num_tokens, owned=False)
-    worker.ext.setdefault(_SENDS, {})[rid] = req
+    _sends(worker)[rid] = req
 
 
-def send(worker, backend: str, rid: str, target: Target, blocks: list[int], slot: int, num_tokens: int) -> None:
+def send(worker: Worker, backend: str, rid: str, target: Target, blocks: list[int], slot: int, num_tokens: int) -> None:
     """Open and post at once (the state already exists)."""
     req = _sender(worker, backend).send(rid, target, blocks, slot, num_tokens, owned=False)
-    worker.ext.setdefault(_SENDS, {})[rid] = req
+    _sends(worker)[rid] = req
 
 
-def post(worker, backend: str, rid: str) -> None:
+def post(worker: Worker, backend: str, rid: str) -> None:
     """Write everything and Done: at once when the grants are in (polled first), else when they come."""
     _sender(worker, backend).poll()
-    worker.ext[_SENDS][rid].post()
+    _sends(worker)[rid].post()
 
 
-def renew(worker, backend: str, targets: list[Target]) -> int:
+def renew(worker: Worker, backend: str, targets: list[Target]) -> int:
     """Restart the lease of each target's reservation on the destination ranks this rank writes."""
     ep = _sender(worker, backend)
     return sum(ep.renew(t) for t in targets)
 
 
-def poll_sends(worker, backend: str, rids: list[str]) -> list[SendStatus]:
+def poll_sends(worker: Worker, backend: str, rids: list[str]) -> list[SendStatus]:
     """Drive the endpoint once; one SendStatus per request id."""
     _sender(worker, backend).poll()
-    store = worker.ext.get(_SENDS, {})
+    store = _sends(worker)
     out = []
     for rid in rids:
         r = store.get(rid)
@@ -151,14 +163,14 @@ def poll_sends(worker, backend: str, rids: list[str]) -> list[SendStatus]:
     return out
 
 
-def abort_send(worker, backend: str, rid: str, reason: str) -> None:
-    r = worker.ext.get(_SENDS, {}).get(rid)
+def abort_send(worker: Worker, backend: str, rid: str, reason: str) -> None:
+    r = _sends(worker).get(rid)
     if r is not None:
         r.abort(reason)
 
 
-def forget_send(worker, backend: str, rid: str) -> None:
-    worker.ext.get(_SENDS, {}).pop(rid, None)
+def forget_send(worker: Worker, backend: str, rid: str) -> None:
+    _sends(worker).pop(rid, None)
 
 
 # ---- receiver (decode) -------------------------------------------------------------------------
@@ -167,7 +179,7 @@ def _no_free(blocks: list[int], slot: int) -> None:
 
 
 def adopt(
-    worker,
+    worker: Worker,
     backend: str,
     rid: str,
     prompt_len: int,
@@ -186,7 +198,7 @@ def adopt(
     return req.target
 
 
-def poll_reservations(worker, backend: str, keys: list[tuple[str, int]]) -> list[RecvStatus]:
+def poll_reservations(worker: Worker, backend: str, keys: list[tuple[str, int]]) -> list[RecvStatus]:
     """Drive the endpoint once; one RecvStatus per (request id, incarnation)."""
     ep = _receiver(worker, backend)
     ep.poll()
@@ -200,13 +212,13 @@ def poll_reservations(worker, backend: str, keys: list[tuple[str, int]]) -> list
     return out
 
 
-def abort_reservation(worker, backend: str, rid: str, inc: int, reason: str) -> None:
+def abort_reservation(worker: Worker, backend: str, rid: str, inc: int, reason: str) -> None:
     """Fail (or, when done, release) a reservation; its memory is freed once no write can land."""
     r = _receiver(worker, backend).requests.get((rid, inc))
     if r is not None:
         r.abort(reason)
 
 
-def take(worker, backend: str, rid: str, inc: int) -> None:
+def take(worker: Worker, backend: str, rid: str, inc: int) -> None:
     """A DONE reservation's memory goes to the engine's request (now decoding)."""
     _receiver(worker, backend).requests[(rid, inc)].take()

@@ -7,17 +7,45 @@ from __future__ import annotations
 import logging
 import time
 import zlib
+from collections.abc import Iterable, Mapping, Sequence
 
+import torch
+
+from engine.cache.allocator import CachePools
+from engine.cache.block_manager import BlockManager, SlotPool
+from engine.config import EngineConfig
 from transfer.backend import TransferState, WriteJob, byte_view, host_bytes
+from transfer.config import TransferConfig
 from transfer.endpoint import Endpoint, Peer
 from transfer.errors import PlanError, TransferError
-from transfer.messages import Abort, Begin, Done, Grant, Refuse, Release, Renew, Target, TargetRank, encode_control
-from transfer.plan import check_ids, expand_arrays, pair_templates, plan_nbytes, skip_cached
+from transfer.messages import (
+    Abort,
+    Begin,
+    Control,
+    Done,
+    Grant,
+    Refuse,
+    Release,
+    Renew,
+    Target,
+    TargetRank,
+    encode_control,
+)
+from transfer.plan import RegionPair, check_ids, expand_arrays, pair_templates, plan_nbytes, skip_cached
+from transfer.schema import PeerInfo
 
 log = logging.getLogger(__name__)
 
 
-def channel_checksum(pairs, views, side: str, src_blocks, dst_blocks, src_slot, dst_slot) -> tuple[int, int]:
+def channel_checksum(
+    pairs: Sequence[RegionPair],
+    views: Mapping[tuple[int, str], torch.Tensor],
+    side: str,
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    src_slot: int,
+    dst_slot: int,
+) -> tuple[int, int]:
     """(crc32, bytes) over a channel's ranges in plan order, read on `side` ("src" | "dst")."""
     reg, so, do, ln = expand_arrays(pairs, src_blocks, dst_blocks, src_slot, dst_slot)
     offs = so if side == "src" else do
@@ -37,7 +65,7 @@ class _Channel:
         self.granted: bool | None = None  # None: Begin sent, no answer yet
         self.tag_base = 0
         self.sent: set[int] = set()  # indices into peer.pairs already posted
-        self.xfers: list = []
+        self.xfers: list[tuple[object, bool]] = []  # (transport handle, carries Done)
         self.final_posted = False
         self.done_sent = False  # Done delivered (with the last write or standalone)
         self.closed = False  # Done or Abort sent: the destination expects nothing more
@@ -69,7 +97,7 @@ class SendRequest:
 
     # -- caller API ----------------------------------------------------------------------------
 
-    def post(self, layers=None, final: bool = True) -> None:
+    def post(self, layers: Iterable[int] | None = None, final: bool = True) -> None:
         """Write the plan's ranges of `layers` (None: every layer not yet sent); `final` sends the
         rest and Done. Queued until every destination granted; no-op once failed."""
         if self.state is TransferState.FAILED:
@@ -99,19 +127,29 @@ class SendRequest:
 class Sender(Endpoint):
     role = "sender"
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        rank: int,
+        pools: CachePools,
+        node: str,
+        config: TransferConfig | None = None,
+        *,
+        blocks: BlockManager | None = None,
+        slots: SlotPool | None = None,
+    ) -> None:
+        super().__init__(cfg, rank, pools, node, config, blocks=blocks, slots=slots)
         self.requests: dict[str, SendRequest] = {}
         self.views = {k: byte_view(t) for k, t in self.transport.regions.items()} if self.config.checksum else {}
 
-    def _pairs(self, info):
+    def _pairs(self, info: PeerInfo) -> tuple[RegionPair, ...]:
         return pair_templates(self.schema, info.schema)
 
-    def _peer_added(self, peer):
+    def _peer_added(self, peer: Peer) -> None:
         if peer.pairs:
             self.transport.prepare(peer.agent, peer.pairs)  # descriptor lists, once per peer
 
-    def _peer_removed(self, peer, reason):
+    def _peer_removed(self, peer: Peer, reason: str) -> None:
         for req in list(self.requests.values()):
             for ch in req.channels.values():
                 if ch.peer is peer and not ch.closed:
@@ -224,7 +262,7 @@ class Sender(Endpoint):
         if req.state is TransferState.PENDING and any(ch.xfers or ch.final_posted for ch in req.channels.values()):
             req.state = TransferState.TRANSFERRING
 
-    def _post(self, req: SendRequest, ch: _Channel, layers, final: bool) -> None:
+    def _post(self, req: SendRequest, ch: _Channel, layers: set[int] | None, final: bool) -> None:
         pairs = ch.peer.pairs
         todo = [
             i for i in range(len(pairs)) if i not in ch.sent and (final or layers is None or pairs[i].layer in layers)
@@ -255,7 +293,7 @@ class Sender(Endpoint):
 
     # -- events --------------------------------------------------------------------------------
 
-    def _lookup(self, msg) -> tuple[SendRequest, _Channel] | None:
+    def _lookup(self, msg: Grant | Refuse | Release) -> tuple[SendRequest, _Channel] | None:
         req = self.requests.get(msg.request_id)
         if req is not None:
             for ch in req.channels.values():
@@ -264,7 +302,7 @@ class Sender(Endpoint):
         self._stale(f"{type(msg).__name__} for {msg.request_id}/{msg.incarnation} from {msg.src}: no such channel")
         return None
 
-    def _handle(self, msg):
+    def _handle(self, msg: Control) -> None:
         if not isinstance(msg, (Grant, Refuse, Release)):
             self._stale(f"{type(msg).__name__} from {getattr(msg, 'src', '?')}: not a sender message")
             return
@@ -291,7 +329,7 @@ class Sender(Endpoint):
         req.queued.clear()
         self._settle(req)
 
-    def _tick(self, now):
+    def _tick(self, now: float) -> None:
         for req in list(self.requests.values()):
             if req.quiet:
                 continue
