@@ -17,8 +17,9 @@ from transfer.backend import TransferState, byte_view
 from transfer.config import TransferConfig
 from transfer.endpoint import Endpoint, Peer
 from transfer.errors import PlanError, TransferError
-from transfer.messages import Abort, Begin, Done, Grant, Refuse, Release, Renew, Target, TargetRank
-from transfer.plan import check_ids, pair_templates
+from transfer.messages import Abort, Begin, Control, Done, Grant, Refuse, Release, Renew, Target, TargetRank
+from transfer.plan import RegionPair, check_ids, pair_templates
+from transfer.schema import PeerInfo
 from transfer.sender import channel_checksum
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class Receiver(Endpoint):
         self.recent_expired: set[tuple[str, int]] = set()  # those of `recent` whose lease ran out
         self.views = {k: byte_view(t) for k, t in self.transport.regions.items()} if self.config.checksum else {}
 
-    def _pairs(self, info):
+    def _pairs(self, info: PeerInfo) -> tuple[RegionPair, ...]:
         return pair_templates(info.schema, self.schema)
 
     # -- reservations --------------------------------------------------------------------------
@@ -128,6 +129,7 @@ class Receiver(Endpoint):
             )
         blocks = self.blocks.allocate(n)
         slot = self.slots.allocate()
+        assert slot is not None  # a slot was free (checked above)
         return self.adopt(request_id, prompt_len, blocks, slot, lease_s, incarnation)
 
     def adopt(
@@ -173,7 +175,7 @@ class Receiver(Endpoint):
 
     # -- protocol events -----------------------------------------------------------------------
 
-    def _handle(self, msg):
+    def _handle(self, msg: Control) -> None:
         if isinstance(msg, Begin):
             self._begin(msg)
         elif isinstance(msg, Renew):
@@ -318,7 +320,7 @@ class Receiver(Endpoint):
         while len(self.recent) > 4096:
             self.recent_expired.discard(self.recent.popitem(last=False)[0])
 
-    def _tick(self, now):
+    def _tick(self, now: float) -> None:
         for req in list(self.requests.values()):
             for rank, done in list(req.dones.items()):
                 st = self.transport.expect_state(req.expects.get(rank))
