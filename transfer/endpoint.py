@@ -14,7 +14,7 @@ from typing import ClassVar, Literal, Protocol, TypeVar
 from engine.cache.allocator import CachePools
 from engine.cache.block_manager import BlockManager, SlotPool
 from engine.config import EngineConfig
-from transfer.backend import TransferState, Transport, get_transport
+from transfer.backend import TransferState, Transport, byte_view, get_transport
 from transfer.config import TransferConfig
 from transfer.handshake import check_peer
 from transfer.messages import Control, decode_control, encode_control
@@ -100,6 +100,12 @@ class Endpoint:
         self.peers: dict[str, Peer] = {}
         self.stale: deque[str] = deque(maxlen=256)  # messages ignored as stale or foreign, newest last
         self._closed = False
+        # byte views of the pools for the end-to-end checksum, read on both sides
+        self.views = {k: byte_view(t) for k, t in self.transport.regions.items()} if self.config.checksum else {}
+        self._init_role()
+
+    def _init_role(self) -> None:
+        """The role's own state, set up after the endpoint's (a subclass hook)."""
 
     # -- peers ---------------------------------------------------------------------------------
 

@@ -10,11 +10,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from engine.cache.allocator import CachePools
-from engine.cache.block_manager import BlockManager, SlotPool
-from engine.config import EngineConfig
-from transfer.backend import TransferState, byte_view
-from transfer.config import TransferConfig
+from transfer.backend import TransferState
 from transfer.endpoint import Endpoint, Peer
 from transfer.errors import PlanError, TransferError
 from transfer.messages import Abort, Begin, Control, Done, Grant, Refuse, Release, Renew, Target, TargetRank
@@ -94,22 +90,10 @@ class RecvRequest:
 class Receiver(Endpoint):
     role = "receiver"
 
-    def __init__(
-        self,
-        cfg: EngineConfig,
-        rank: int,
-        pools: CachePools,
-        node: str,
-        config: TransferConfig | None = None,
-        *,
-        blocks: BlockManager | None = None,
-        slots: SlotPool | None = None,
-    ) -> None:
-        super().__init__(cfg, rank, pools, node, config, blocks=blocks, slots=slots)
+    def _init_role(self) -> None:
         self.requests: dict[tuple[str, int], RecvRequest] = {}
         self.recent: OrderedDict[tuple[str, int], str] = OrderedDict()  # ended reservations -> why
         self.recent_expired: set[tuple[str, int]] = set()  # those of `recent` whose lease ran out
-        self.views = {k: byte_view(t) for k, t in self.transport.regions.items()} if self.config.checksum else {}
 
     def _pairs(self, info: PeerInfo) -> tuple[RegionPair, ...]:
         return pair_templates(info.schema, self.schema)

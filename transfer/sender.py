@@ -11,11 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from engine.cache.allocator import CachePools
-from engine.cache.block_manager import BlockManager, SlotPool
-from engine.config import EngineConfig
-from transfer.backend import TransferState, WriteJob, byte_view, host_bytes
-from transfer.config import TransferConfig
+from transfer.backend import TransferState, WriteJob, host_bytes
 from transfer.endpoint import Endpoint, Peer
 from transfer.errors import PlanError, TransferError
 from transfer.messages import (
@@ -127,20 +123,8 @@ class SendRequest:
 class Sender(Endpoint):
     role = "sender"
 
-    def __init__(
-        self,
-        cfg: EngineConfig,
-        rank: int,
-        pools: CachePools,
-        node: str,
-        config: TransferConfig | None = None,
-        *,
-        blocks: BlockManager | None = None,
-        slots: SlotPool | None = None,
-    ) -> None:
-        super().__init__(cfg, rank, pools, node, config, blocks=blocks, slots=slots)
+    def _init_role(self) -> None:
         self.requests: dict[str, SendRequest] = {}
-        self.views = {k: byte_view(t) for k, t in self.transport.regions.items()} if self.config.checksum else {}
 
     def _pairs(self, info: PeerInfo) -> tuple[RegionPair, ...]:
         return pair_templates(self.schema, info.schema)
