@@ -1,8 +1,9 @@
-"""The short CUDA benchmark of tools/gpu_check.sh (not a test): three figures, each as a ratio.
+"""The short CUDA benchmark of tools/gpu_check.sh (not a test).
 
 GDN prefill and paged attention at Qwen3.5-35B-A3B's sizes (against fla where installed), the
-engine's decode step at batch 1 and 64, and a NIXL VRAM transfer. Without a CUDA device it says
-so and exits 0.
+batched sampler at batch 64 over Qwen's 151,936-token vocabulary, the engine's decode step at
+batch 1 and 64 (wall time and the GPU's kernel time per step), and a NIXL VRAM transfer. Without
+a CUDA device it says so and exits 0.
 
     python bench/gpu_check.py [--json OUT.json] [--reps 3]"""
 
@@ -38,7 +39,8 @@ def gdn_prefill(results: dict) -> None:
 
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError:
+    except Exception as e:  # not installed, or built for another torch / triton
+        print(f"flash-linear-attention unavailable: {type(e).__name__}: {e}", flush=True)
         chunk_gated_delta_rule = None
     dt, dev = torch.bfloat16, "cuda"
     for B, T in ((1, 4096), (4, 4096), (16, 256), (64, 128)):
@@ -113,6 +115,37 @@ def paged_attention(results: dict) -> None:
         results.setdefault("paged_attention", []).append({"case": name, "us": t * 1e3})
 
 
+def sampler(results: dict) -> None:
+    """One sampler call over 64 rows of 151,936 float32 logits: greedy, and Qwen's chat settings
+    (temperature 0.7, top-p 0.8, top-k 20, presence penalty 1.5, a seed per row), wall time
+    including the call's one host read."""
+    from engine.sampling import Sampler
+    from engine.sampling_params import SamplingParams
+    from engine.step import RowInput
+
+    B, V = 64, 151_936
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(B, V, device="cuda", generator=gen) * 4
+    chat = dict(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5)
+    cases = {
+        "greedy": [SamplingParams(temperature=0.0) for _ in range(B)],
+        "qwen chat, seeded": [SamplingParams(**chat, seed=1000 + b) for b in range(B)],
+        "top-p 0.95 only, seeded": [SamplingParams(temperature=0.8, top_p=0.95, seed=b) for b in range(B)],
+    }
+    for name, params in cases.items():
+        s = Sampler(device="cuda")
+        rows = [
+            RowInput(
+                f"r{b}", [7], 40, 0, [], True, True, params=p, num_draft=0, history=(list(range(40)), []), num_output=0
+            )
+            for b, p in enumerate(params)
+        ]
+        first = list(range(B))
+        t = _ms(lambda: s(logits.clone(), rows, first))
+        print(f"sampler batch {B}, vocab {V}, {name}: {t * 1e3:.0f} us a call", flush=True)
+        results.setdefault("sampler", []).append({"case": name, "batch": B, "vocab": V, "us": t * 1e3})
+
+
 def decode_steps(results: dict, reps: int, device: str = "cuda") -> None:
     from engine import LLM
     from engine.tiny_model import TinyModelSpec, make_tiny_model
@@ -137,19 +170,26 @@ def decode_steps(results: dict, reps: int, device: str = "cuda") -> None:
     with tempfile.TemporaryDirectory() as d:
         path = str(make_tiny_model(Path(d) / "ckpt", spec))
         with LLM(path, dtype="bfloat16", device=device, kv_cache_memory="4GiB", max_num_seqs=64) as llm:
-            times = {}
+            times, gpu = {}, {}
             for B in (1, 64):
-                times[B] = _decode_step_ms(llm, B, steps)
+                times[B], gpu[B] = _decode_step_ms(llm, B, steps)
     ratio = 64 * times[1] / times[64]
     print(
-        f"decode step (4 layers at model sizes, bf16): batch 1 {times[1]:.2f} ms, batch 64 {times[64]:.2f} ms, "
-        f"throughput ratio 64*t1/t64 {ratio:.1f}",
+        f"decode step (4 layers at model sizes, bf16): batch 1 {times[1]:.2f} ms (GPU kernels {gpu[1]:.2f} ms), "
+        f"batch 64 {times[64]:.2f} ms (GPU kernels {gpu[64]:.2f} ms), throughput ratio 64*t1/t64 {ratio:.1f}",
         flush=True,
     )
-    results["decode"] = {"batch1_ms": times[1], "batch64_ms": times[64], "ratio_throughput_64_over_1": ratio}
+    results["decode"] = {
+        "batch1_ms": times[1],
+        "batch64_ms": times[64],
+        "batch1_gpu_ms": gpu[1],
+        "batch64_gpu_ms": gpu[64],
+        "ratio_throughput_64_over_1": ratio,
+    }
 
 
-def _decode_step_ms(llm, B: int, steps: int) -> float:
+def _decode_step_ms(llm, B: int, steps: int) -> tuple[float, float]:
+    """(median wall ms of a decode step, mean ms of GPU kernel time a step from the profiler)."""
     from engine import SamplingParams
 
     eng = llm.engine
@@ -168,9 +208,20 @@ def _decode_step_ms(llm, B: int, steps: int) -> float:
         eng.step()
         sync()
         times.append(time.perf_counter() - t0)
+    gpu_ms = float("nan")
+    if torch.cuda.is_available():
+        from torch.profiler import ProfilerActivity, profile
+
+        n = 5
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                eng.step()
+            torch.cuda.synchronize()
+        us = sum(e.self_device_time_total for e in prof.key_averages())
+        gpu_ms = us / 1e3 / n
     while eng.has_unfinished():
         eng.step()
-    return statistics.median(times) * 1e3
+    return statistics.median(times) * 1e3, gpu_ms
 
 
 def transfer(results: dict, reps: int, device: str = "cuda") -> None:
@@ -217,6 +268,7 @@ def main() -> int:
         print(f"on {results['device']}")
         gdn_prefill(results)
         paged_attention(results)
+        sampler(results)
         decode_steps(results, args.reps)
         transfer(results, args.reps)
     if args.json:

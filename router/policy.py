@@ -5,14 +5,16 @@ prefix plus its load; `least-loaded` and `round-robin` (docs/routing.md)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from router.prefix import PrefixQuery
-from router.registry import NodeEntry
+
+if TYPE_CHECKING:  # annotations only: building the CLI's parser must not import grpc
+    from router.registry import NodeEntry
 
 # pooled(d, uncached): would decode node d send a prompt with `uncached` tokens left to compute
 # to the prefill pool (router/prefill.py use_pool)? Without it, d computes every prompt itself.
-Pooled = Callable[[NodeEntry, int], bool]
+Pooled = Callable[["NodeEntry", int], bool]
 
 
 class RoutingPolicy(Protocol):

@@ -5,6 +5,7 @@ dials with TLS and the token (docs/deploy.md, "Security")."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -16,8 +17,6 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 import grpc
 import grpc.aio
-
-from proto import pb
 
 log = logging.getLogger("pdserve.security")
 
@@ -34,18 +33,20 @@ Resp = TypeVar("Resp")
 Metadata = tuple[tuple[str, str | bytes], ...]  # gRPC call metadata: (key, value) pairs
 
 
-def _prefixes(names: Iterable[str]) -> tuple[str, ...]:
+@functools.cache
+def _prefixes(names: tuple[str, ...]) -> tuple[str, ...]:
+    # The stubs load on first use, not at import: the CLI's tooling commands (make-tiny-model)
+    # import this module through the launcher and must run where only the engine's packages are.
+    from proto import pb
+
     return tuple(f"/{pb.DESCRIPTOR.services_by_name[n].full_name}/" for n in names)
-
-
-_CLIENT, _NODE = _prefixes(CLIENT_SERVICES), _prefixes(NODE_SERVICES)
 
 
 def plane(method: str) -> str | None:
     """ "client", "node" or None (open: health, reflection) for a full method name."""
-    if method.startswith(_NODE):
+    if method.startswith(_prefixes(NODE_SERVICES)):
         return "node"
-    if method.startswith(_CLIENT):
+    if method.startswith(_prefixes(CLIENT_SERVICES)):
         return "client"
     return None
 

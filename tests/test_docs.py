@@ -83,7 +83,7 @@ def test_benchmark_entries_say_when_where_and_how():
         for e in entries
         if not re.match(r"\*\*.+?\*\* — \d{4}-\d{2}-\d{2}\b", e)  # the date
         or not re.search(r"\b[0-9a-f]{7,40}\b", e)  # the commit
-        or not re.search(r"dev box|H100", e)  # the machine
+        or not re.search(r"dev box|H100|H200", e)  # the machine
         or not ("`" in e or "not recorded" in e)  # the command, or that the text gave none
     ]
     assert not bad, f"docs/benchmarks.md entries without date, commit, machine or command: {bad}"

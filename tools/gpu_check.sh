@@ -7,7 +7,7 @@
 #       pytest), for the GPU host's Python. --fla adds flash-linear-attention's kernels (fla-core)
 #       for the benchmark's comparison. Copy DIR and this source tree to the GPU host.
 #
-#   tools/gpu_check.sh run DIR OUT [--python PY] [--venv PATH] [--no-install] [--allow-cpu]
+#   tools/gpu_check.sh run DIR OUT [--python PY] [--venv PATH] [--no-install] [--no-bench] [--allow-cpu]
 #       On the GPU host, no network: install DIR's wheels into PY (default python3), or into a
 #       virtual environment at PATH made with --system-site-packages (so that the image's torch
 #       and triton are used); run every `gpu`-marked test of tests/kernels, tests/engine and
@@ -116,12 +116,13 @@ run() {
     [[ $# -ge 2 ]] || usage
     local dir="$1" out="$2"
     shift 2
-    local py="${PYTHON:-python3}" venv="" install=1 allow_cpu=0
+    local py="${PYTHON:-python3}" venv="" install=1 allow_cpu=0 bench=1
     while [[ $# -gt 0 ]]; do
         case "$1" in
         --python) py="${2:-}"; shift 2 ;;
         --venv) venv="${2:-}"; shift 2 ;;
         --no-install) install=0; shift ;;
+        --no-bench) bench=0; shift ;;
         --allow-cpu) allow_cpu=1; shift ;;
         *) die "run: unknown option $1" ;;
         esac
@@ -190,7 +191,9 @@ run() {
     fi
 
     # 4. the short benchmark
-    if [[ $failed -eq 0 ]]; then
+    if [[ $bench -eq 0 ]]; then
+        step bench skipped "--no-bench"
+    elif [[ $failed -eq 0 ]]; then
         if (cd "$ROOT" && PYTHONPATH="$ROOT" "$py" bench/gpu_check.py --json "$out/bench.json") >"$out/bench.log" 2>&1; then
             step bench PASS "see ratios"
         else

@@ -49,3 +49,24 @@ def test_errors_are_one_line(tmp_path):
     r = run_cli("demo", "--model", str(tmp_path / "ck"))
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "no config.json" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_tooling_commands_do_not_load_the_wire_stubs(tmp_path):
+    """make-tiny-model runs where only the engine's packages work (a GPU image whose grpcio is older
+    than the generated stubs require): building the CLI's parser must not import proto's stubs."""
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['pdserve', 'make-tiny-model', {str(tmp_path / 't')!r}, '--layers', '2', '--hidden', '64', '--no-tokenizer']\n"
+        "try:\n    runpy.run_module('router.cli', run_name='__main__')\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print(sorted(m for m in sys.modules if m == 'proto' or m.startswith('proto.')))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
