@@ -83,6 +83,11 @@ def gdn_prefill(results: dict) -> None:
                 line += f" (fla comparison failed: {row['fla_error']})"
         print(line, flush=True)
         results.setdefault("gdn_prefill", []).append(row)
+    from kernels import fla_gdn
+
+    picked = "fla" if fla_gdn.usable(q, None) else "pdserve"
+    print(f"GDN prefill in the engine: {picked} (PDSERVE_GDN_PREFILL={fla_gdn.choice()})", flush=True)
+    results["gdn_prefill_engine"] = picked
 
 
 def paged_attention(results: dict) -> None:

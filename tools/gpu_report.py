@@ -51,6 +51,8 @@ def ratios(bench: dict) -> list[str]:
         else:
             what += f" ({r.get('fla_error', 'flash-linear-attention not installed')})"
         lines.append(what)
+    if "gdn_prefill_engine" in bench:
+        lines.append(f"  GDN prefill in the engine: {bench['gdn_prefill_engine']}")
     for r in bench.get("sampler", []):
         lines.append(f"  sampler batch {r['batch']}, vocab {r['vocab']}, {r['case']}: {r['us']:.0f} us a call")
     if "decode" in bench:
