@@ -21,6 +21,7 @@ from engine.model.mtp import MTPBlock, MTPDrafter
 from engine.model.qwen3_5 import Qwen35Model
 from engine.sampling import Sampler, token_logprobs
 from engine.step import StepInput, StepOutput
+from engine.structured.bitmask import GrammarMask
 from kernels.points import StatePoints
 
 log = logging.getLogger("pdserve.worker")
@@ -74,7 +75,8 @@ class Worker:
                 self.device,
                 page_ends=cfg.cache.enable_prefix_caching,
             )
-        self.sampler = Sampler(cfg.seed, cfg.model.eos_token_ids, self.device)
+        grammar = GrammarMask(cfg.model.path, cfg.model.eos_token_ids) if rank == 0 else None
+        self.sampler = Sampler(cfg.seed, cfg.model.eos_token_ids, self.device, grammar)
         self.block_size = cfg.cache.block_size
         self.ext: dict[str, object] = {}  # per-rank objects owned by node packages (e.g. transfer endpoints)
 
