@@ -22,6 +22,7 @@ from engine.model.mtp import MTPBlock, MTPDrafter
 from engine.model.qwen3_5 import Qwen35Model
 from engine.sampling import Sampler, token_logprobs
 from engine.step import StepInput, StepOutput
+from engine.structured.bitmask import GrammarMask
 from kernels.points import StatePoints
 
 log = logging.getLogger("pdserve.worker")
@@ -75,7 +76,8 @@ class Worker:
                 self.device,
                 page_ends=cfg.cache.enable_prefix_caching,
             )
-        self.sampler = Sampler(cfg.seed, cfg.model.eos_token_ids, self.device)
+        grammar = GrammarMask(cfg.model.path, cfg.model.eos_token_ids) if rank == 0 else None
+        self.sampler = Sampler(cfg.seed, cfg.model.eos_token_ids, self.device, grammar)
         self.block_size = cfg.cache.block_size
         self.graphs: DecodeGraphs | None = None  # plain decode steps through CUDA graphs (engine/model/graphs.py)
         if graphs_wanted(self.device, t) and self.drafter is None:

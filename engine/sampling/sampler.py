@@ -45,13 +45,18 @@ def _tensor(values, dtype, device) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, eos_token_ids: tuple[int, ...] = (), device: str | torch.device = "cpu"):
+    def __init__(
+        self, seed: int = 0, eos_token_ids: tuple[int, ...] = (), device: str | torch.device = "cpu", grammar=None
+    ):
         self.device = torch.device(device)
+        self.grammar = grammar  # engine.structured.GrammarMask: structured outputs' token masks
         self.gen = torch.Generator(device=self.device).manual_seed(seed)  # unseeded requests' draws
         self.eos = tuple(eos_token_ids)
         self.counts: TokenCounts | None = None  # made at the first penalized row (it needs V)
 
     def drop(self, request_ids: list[str]) -> None:
+        if self.grammar is not None:
+            self.grammar.drop(request_ids)
         if self.counts is not None:
             self.counts.drop(request_ids)
 
@@ -115,6 +120,8 @@ class Sampler:
         pen, pool_rows = [], None
         if any(r.params.penalized or r.params.biased or r.num_output < r.params.min_tokens for r in rows):
             pen, pool_rows = self.adjust(x, rows, pos)
+        if self.grammar is not None and any(r.params.constraint is not None for r in rows):
+            self.grammar.apply(x, rows, pos)  # the batch's token bitmask, one op (engine/structured)
         # per position: its row's params and the request's new-token index
         per = [(r.params, r.num_output + d) for r in rows for d in range(r.num_draft + 1)]
         sampled = [q for q, (p, _) in enumerate(per) if not p.greedy]

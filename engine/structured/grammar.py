@@ -1,8 +1,9 @@
 """A Constraint's (kind, value) -> the llguidance grammar text a matcher compiles, and the check
 that refuses a bad one without a tokenizer (so the router and both node kinds can validate).
 
-JSON (json_schema, json_object) is compiled with bounded whitespace: at most WHITESPACE_MAX
-blanks or newlines between tokens, so a weak model cannot loop on whitespace. `choice` is a Lark
+JSON (json_schema, json_object) is compiled with bounded whitespace between tokens: one blank or
+none, or a newline and an indentation of at most INDENT_MAX blanks, so a weak model cannot loop
+on whitespace while pretty-printed output stays possible. `choice` is a Lark
 alternative of JSON-quoted literals; `grammar` is passed through (llguidance's Lark dialect)."""
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ import llguidance
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-WHITESPACE_MAX = 2  # blanks / newlines / tabs between two JSON tokens, at most
-_JSON_OPTIONS: JsonCompileOptions = {
-    "whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{WHITESPACE_MAX}}}",
-}
+INDENT_MAX = 16  # blanks after a newline between two JSON tokens, at most
+WHITESPACE = rf"(?:\x20?|\x0A\x20{{0,{INDENT_MAX}}})"
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_pattern": WHITESPACE}
 
 
 @functools.lru_cache(maxsize=256)
