@@ -17,11 +17,13 @@ from engine.config import EngineConfig
 from engine.devices import StepFence, bind, node_devices
 from engine.loader import load_mtp_weights, load_weights
 from engine.model.batch import ForwardBatch, IntPack, group_fields, make_group
+from engine.model.graphs import DecodeGraphs, graphs_wanted
 from engine.model.layers import AllReduce
 from engine.model.mtp import MTPBlock, MTPDrafter
 from engine.model.qwen3_5 import Qwen35Model
 from engine.sampling import Sampler, token_logprobs
 from engine.step import StepInput, StepOutput
+from engine.structured.bitmask import GrammarMask
 from kernels.points import StatePoints
 
 log = logging.getLogger("pdserve.worker")
@@ -83,9 +85,17 @@ class Worker:
                 self.device,
                 page_ends=cfg.cache.enable_prefix_caching,
             )
-        self.sampler = Sampler(cfg.seed, cfg.model.eos_token_ids, self.device)
+        grammar = GrammarMask(cfg.model.path, cfg.model.eos_token_ids) if rank == 0 else None
+        self.sampler = Sampler(cfg.seed, cfg.model.eos_token_ids, self.device, grammar)
         self.block_size = cfg.cache.block_size
+        self.graphs: DecodeGraphs | None = None  # plain decode steps through CUDA graphs (engine/model/graphs.py)
+        if graphs_wanted(self.device, t) and self.drafter is None:
+            self.graphs = DecodeGraphs(self.model, self.pools, self.max_pages_per_row())
         self.ext: dict[str, object] = {}  # per-rank objects owned by node packages (e.g. transfer endpoints)
+
+    def max_pages_per_row(self) -> int:
+        """The widest block table a request can have: its longest context plus drafts."""
+        return -(-(self.cfg.max_model_len + self.cfg.speculative.num_tokens + 1) // self.block_size) + 1
 
     def call(self, fn, *args, **kwargs):
         """Run fn(worker, ...) on this rank: how node packages (transfer endpoints, stats) reach
@@ -162,7 +172,9 @@ class Worker:
             self._resume_drafts(step)
             logits, hidden = self.model.forward(batch, self.pools, want_hidden=True)
         else:
-            logits = self.model.forward(batch, self.pools)
+            logits = self.graphs.run(batch) if self.graphs is not None else None
+            if logits is None:
+                logits = self.model.forward(batch, self.pools)
             self.pools.snapshots.save(self.pools, step.saves)
         out = StepOutput({})
         if self.rank == 0:

@@ -55,13 +55,18 @@ class _Adjust:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, eos_token_ids: tuple[int, ...] = (), device: str | torch.device = "cpu"):
+    def __init__(
+        self, seed: int = 0, eos_token_ids: tuple[int, ...] = (), device: str | torch.device = "cpu", grammar=None
+    ):
         self.device = torch.device(device)
+        self.grammar = grammar  # engine.structured.GrammarMask: structured outputs' token masks
         self.gen = torch.Generator(device=self.device).manual_seed(seed)  # unseeded requests' draws
         self.eos = tuple(eos_token_ids)
         self.counts: TokenCounts | None = None  # made at the first penalized row (it needs V)
 
     def drop(self, request_ids: list[str]) -> None:
+        if self.grammar is not None:
+            self.grammar.drop(request_ids)
         if self.counts is not None:
             self.counts.drop(request_ids)
 
@@ -168,6 +173,8 @@ class Sampler:
         lsm = torch.log_softmax(logits[s["lp.first"]], -1) if lp_rows else None  # before the adjustments
         if adj is not None:
             self._apply_adjust(x, adj, s)
+        if self.grammar is not None and any(r.params.constraint is not None for r in rows):
+            self.grammar.apply(x, rows, pos)  # the batch's token bitmask, one op (engine/structured)
         if dp is None:  # max's index: the first maximum, as argmax, in a quarter of its time on the CPU
             tokens = x.max(-1).indices
         else:
