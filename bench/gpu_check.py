@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -83,6 +84,11 @@ def gdn_prefill(results: dict) -> None:
                 line += f" (fla comparison failed: {row['fla_error']})"
         print(line, flush=True)
         results.setdefault("gdn_prefill", []).append(row)
+    from kernels import fla_gdn
+
+    picked = "fla" if fla_gdn.usable(q, None) else "pdserve"
+    print(f"GDN prefill in the engine: {picked} (PDSERVE_GDN_PREFILL={fla_gdn.choice()})", flush=True)
+    results["gdn_prefill_engine"] = picked
 
 
 def paged_attention(results: dict) -> None:
@@ -167,25 +173,35 @@ def decode_steps(results: dict, reps: int, device: str = "cuda") -> None:
         seed=0,
     )
     steps = 10 * reps
+    modes = {}
     with tempfile.TemporaryDirectory() as d:
         path = str(make_tiny_model(Path(d) / "ckpt", spec))
-        with LLM(path, dtype="bfloat16", device=device, kv_cache_memory="4GiB", max_num_seqs=64) as llm:
-            times, gpu = {}, {}
-            for B in (1, 64):
-                times[B], gpu[B] = _decode_step_ms(llm, B, steps)
-    ratio = 64 * times[1] / times[64]
-    print(
-        f"decode step (4 layers at model sizes, bf16): batch 1 {times[1]:.2f} ms (GPU kernels {gpu[1]:.2f} ms), "
-        f"batch 64 {times[64]:.2f} ms (GPU kernels {gpu[64]:.2f} ms), throughput ratio 64*t1/t64 {ratio:.1f}",
-        flush=True,
-    )
-    results["decode"] = {
-        "batch1_ms": times[1],
-        "batch64_ms": times[64],
-        "batch1_gpu_ms": gpu[1],
-        "batch64_gpu_ms": gpu[64],
-        "ratio_throughput_64_over_1": ratio,
-    }
+        for mode in ("graphs", "eager"):
+            os.environ["PDSERVE_CUDA_GRAPHS"] = "1" if mode == "graphs" else "0"
+            with LLM(path, dtype="bfloat16", device=device, kv_cache_memory="4GiB", max_num_seqs=64) as llm:
+                times, gpu = {}, {}
+                for B in (1, 64):
+                    times[B], gpu[B] = _decode_step_ms(llm, B, steps)
+                w = llm.engine.executor.worker
+                replays = w.graphs.replays if getattr(w, "graphs", None) is not None else 0
+            os.environ.pop("PDSERVE_CUDA_GRAPHS", None)
+            ratio = 64 * times[1] / times[64]
+            print(
+                f"decode step, {mode} (4 layers at model sizes, bf16): batch 1 {times[1]:.2f} ms "
+                f"(GPU kernels {gpu[1]:.2f} ms), batch 64 {times[64]:.2f} ms (GPU kernels {gpu[64]:.2f} ms), "
+                f"throughput ratio 64*t1/t64 {ratio:.1f}, graph replays {replays}",
+                flush=True,
+            )
+            modes[mode] = {
+                "batch1_ms": times[1],
+                "batch64_ms": times[64],
+                "batch1_gpu_ms": gpu[1],
+                "batch64_gpu_ms": gpu[64],
+                "ratio_throughput_64_over_1": ratio,
+                "replays": replays,
+            }
+    results["decode"] = modes["eager"]
+    results["decode_graphs"] = modes["graphs"]
 
 
 def _decode_step_ms(llm, B: int, steps: int) -> tuple[float, float]:

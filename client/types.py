@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import grpc
 
 from proto import pb
+from proto.convert import constraint_pb
 
 
 class PdserveError(Exception):
@@ -103,6 +105,20 @@ def _logprobs(entries) -> list[TokenLogprob]:
     return [TokenLogprob(e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top]) for e in entries]
 
 
+def _constraint(c: pb.Constraint | dict) -> pb.Constraint:
+    """A pb.Constraint, or {"kind": ..., "value": ..., "start_after_token": ...} with kind one of
+    json_schema (value: the schema, a dict or JSON text), json_object, regex, grammar, choice
+    (value: a list of strings)."""
+    if isinstance(c, pb.Constraint):
+        return c
+    if not isinstance(c, dict) or "kind" not in c:
+        raise ValueError("constraint must be a pb.Constraint or a dict with a 'kind'")
+    value = c.get("value", "")
+    if c["kind"] == "json_schema" and isinstance(value, dict):
+        value = json.dumps(value)
+    return constraint_pb(c["kind"], value, c.get("start_after_token"))
+
+
 def build_request(
     prompt: str | None = None,
     prompt_token_ids=None,
@@ -124,6 +140,7 @@ def build_request(
     num_speculative_tokens: int | None = None,
     logit_bias: dict[int, float] | None = None,
     min_p: float | None = None,
+    constraint: pb.Constraint | dict | None = None,
 ) -> pb.GenerateRequest:
     """Unset options (None) take the server's defaults. docs/api.md describes each."""
     if (prompt is None) == (prompt_token_ids is None):
@@ -156,6 +173,8 @@ def build_request(
         sp.seed = seed
     for t, b in (logit_bias or {}).items():  # token id -> bias in [-100, 100]
         sp.logit_bias[int(t)] = float(b)
+    if constraint is not None:
+        sp.constraint.CopyFrom(_constraint(constraint))
     req = pb.GenerateRequest(request_id=request_id or "", sampling=sp)
     if prompt is not None:
         req.prompt = prompt

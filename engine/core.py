@@ -24,6 +24,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import NgramProposer
 from engine.step import RowInput, StepInput
+from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.engine")
 
@@ -87,6 +88,10 @@ class EngineCore:
         bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias token id(s) {bad[:5]} out of range [0, {vocab}) for this model's vocabulary")
+        if params.constraint is not None and not Tokenizer.exists(self.cfg.model.path):
+            raise ValueError(
+                "structured outputs (constraint) need the checkpoint's tokenizer: it has no tokenizer.json"
+            )
         k, cap = self.cfg.speculative.num_tokens, params.num_speculative_tokens
         if cap is not None and cap > k:
             raise ValueError(
@@ -303,7 +308,8 @@ class EngineCore:
                     prompt_logprobs=plp,
                     num_output=len(req.output_token_ids),
                     history=(req.prompt_token_ids, req.output_token_ids)
-                    if r.samples and (p.penalized or p.biased or len(req.output_token_ids) < p.min_tokens)
+                    if r.samples
+                    and (p.penalized or p.biased or p.constraint or len(req.output_token_ids) < p.min_tokens)
                     else None,
                 )
             )

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from numbers import Integral, Real
 
+from engine.structured.spec import Constraint
+
 MAX_LOGPROBS = 20  # most alternatives per position (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 300  # most logit_bias entries (OpenAI's limit)
 LOGIT_BIAS_RANGE = 100.0  # a bias is in [-this, this]
@@ -35,6 +37,9 @@ class SamplingParams:
     # speculative decoding: drafts per step at most for this request (0: none), not above the
     # server's num_speculative_tokens (EngineCore.validate); None: the server's
     num_speculative_tokens: int | None = None
+    # structured output (engine/structured): the drawn tokens are masked so the output follows it;
+    # given as a Constraint or a {kind, value, start_after_token} mapping
+    constraint: Constraint | None = None
 
     def __init__(self, **kwargs):
         names = {f.name for f in fields(self)}
@@ -45,6 +50,7 @@ class SamplingParams:
             object.__setattr__(self, f.name, kwargs.get(f.name, f.default))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        object.__setattr__(self, "constraint", Constraint.from_value(self.constraint))
         self._check()
 
     def _check(self) -> None:
@@ -120,6 +126,7 @@ class SamplingParams:
         d = asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["logit_bias"] = dict(self.logit_bias)
+        d["constraint"] = self.constraint.to_dict() if self.constraint else None
         return d
 
     @classmethod

@@ -14,13 +14,16 @@ import torch
 from engine.cache.allocator import CachePools, Capacity, plan_capacity
 from engine.cache.spec import build_specs
 from engine.config import EngineConfig
+from engine.devices import StepFence, bind, node_devices
 from engine.loader import load_mtp_weights, load_weights
 from engine.model.batch import ForwardBatch, IntPack, group_fields, make_group
+from engine.model.graphs import DecodeGraphs, graphs_wanted
 from engine.model.layers import AllReduce
 from engine.model.mtp import MTPBlock, MTPDrafter
 from engine.model.qwen3_5 import Qwen35Model
 from engine.sampling import Sampler, token_logprobs
 from engine.step import StepInput, StepOutput
+from engine.structured.bitmask import GrammarMask
 from kernels.points import StatePoints
 
 log = logging.getLogger("pdserve.worker")
@@ -32,13 +35,21 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 class Worker:
     def __init__(
-        self, cfg: EngineConfig, rank: int = 0, all_reduce: AllReduce = _identity, broadcast: AllReduce = _identity
+        self,
+        cfg: EngineConfig,
+        rank: int = 0,
+        all_reduce: AllReduce = _identity,
+        broadcast: AllReduce = _identity,
+        device: torch.device | None = None,
     ):
-        """broadcast(t) must give every rank rank 0's `t` (identity when t = 1)."""
+        """broadcast(t) must give every rank rank 0's `t` (identity when t = 1); device: this
+        rank's (default: engine/devices.py's mapping of cfg.device)."""
         self.cfg, self.rank = cfg, rank
         self.broadcast = broadcast
-        self.device = torch.device(cfg.device)
         t = cfg.parallel.tensor_parallel_size
+        self.device = device if device is not None else node_devices(cfg.device, t)[rank]
+        bind(self.device)  # before any allocation
+        self.fence = StepFence(self.device)
         self.specs = build_specs(cfg, rank)
         k = cfg.speculative.num_tokens
         self.capacity: Capacity = plan_capacity(
@@ -74,9 +85,17 @@ class Worker:
                 self.device,
                 page_ends=cfg.cache.enable_prefix_caching,
             )
-        self.sampler = Sampler(cfg.seed, cfg.model.eos_token_ids, self.device)
+        grammar = GrammarMask(cfg.model.path, cfg.model.eos_token_ids) if rank == 0 else None
+        self.sampler = Sampler(cfg.seed, cfg.model.eos_token_ids, self.device, grammar)
         self.block_size = cfg.cache.block_size
+        self.graphs: DecodeGraphs | None = None  # plain decode steps through CUDA graphs (engine/model/graphs.py)
+        if graphs_wanted(self.device, t) and self.drafter is None:
+            self.graphs = DecodeGraphs(self.model, self.pools, self.max_pages_per_row())
         self.ext: dict[str, object] = {}  # per-rank objects owned by node packages (e.g. transfer endpoints)
+
+    def max_pages_per_row(self) -> int:
+        """The widest block table a request can have: its longest context plus drafts."""
+        return -(-(self.cfg.max_model_len + self.cfg.speculative.num_tokens + 1) // self.block_size) + 1
 
     def call(self, fn, *args, **kwargs):
         """Run fn(worker, ...) on this rank: how node packages (transfer endpoints, stats) reach
@@ -132,6 +151,11 @@ class Worker:
         )
 
     def execute(self, step: StepInput) -> StepOutput | None:
+        out = self._execute(step)
+        self.fence.record()  # after every kernel the step queued: a push of its pages waits on it
+        return out
+
+    def _execute(self, step: StepInput) -> StepOutput | None:
         t0 = time.perf_counter()
         self.sampler.drop(step.finished_ids)
         if self.drafter is not None:
@@ -148,7 +172,9 @@ class Worker:
             self._resume_drafts(step)
             logits, hidden = self.model.forward(batch, self.pools, want_hidden=True)
         else:
-            logits = self.model.forward(batch, self.pools)
+            logits = self.graphs.run(batch) if self.graphs is not None else None
+            if logits is None:
+                logits = self.model.forward(batch, self.pools)
             self.pools.snapshots.save(self.pools, step.saves)
         out = StepOutput({})
         if self.rank == 0:

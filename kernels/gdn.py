@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import fla_gdn
 from kernels.checks import check_gdn_inputs
 from kernels.points import StatePoints, check_points
 from kernels.triton import force_triton as _force_triton
@@ -102,6 +103,11 @@ def gdn_chunk_prefill(
     [N, Hv, dk, dv] float32 as well (kernels/points.py). max_len: the longest row, when the
     caller knows it on the host (the Triton path then reads nothing back, kernels/checks.py).
     """
+    if q.is_cuda and fla_gdn.usable(q, points):
+        check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, max_len)
+        return fla_gdn.gdn_chunk_prefill_fla(
+            q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, has_initial_state, scale
+        )
     if q.is_cuda or _force_triton():
         from kernels.triton.gdn_chunk import gdn_chunk_prefill_triton
 

@@ -9,6 +9,14 @@ from typing import TypedDict
 from proto import pb
 
 
+class ConstraintKwargs(TypedDict):
+    """The engine's Constraint as a mapping (engine/structured/spec.py)."""
+
+    kind: str
+    value: str | tuple[str, ...]
+    start_after_token: int | None
+
+
 class SamplingKwargs(TypedDict, total=False):
     """Keyword arguments of the engine's SamplingParams (named here, not imported)."""
 
@@ -28,6 +36,7 @@ class SamplingKwargs(TypedDict, total=False):
     logprobs: int
     prompt_logprobs: int
     num_speculative_tokens: int
+    constraint: ConstraintKwargs
 
 
 def sampling_kwargs(sp: pb.SamplingParams) -> SamplingKwargs:
@@ -61,7 +70,40 @@ def sampling_kwargs(sp: pb.SamplingParams) -> SamplingKwargs:
         kw["num_speculative_tokens"] = sp.num_speculative_tokens
     if sp.logit_bias:
         kw["logit_bias"] = dict(sp.logit_bias)
+    if sp.HasField("constraint"):
+        kw["constraint"] = constraint_kwargs(sp.constraint)
     return kw  # `stop` (text) is the router's: nodes see token ids only
+
+
+def constraint_kwargs(c: pb.Constraint) -> ConstraintKwargs:
+    """pb.Constraint -> {kind, value, start_after_token}; a Constraint without a kind set keeps
+    kind "" for the engine to refuse by name."""
+    kind = c.WhichOneof("kind") or ""
+    value: str | tuple[str, ...] = ""
+    if kind == "choice":
+        value = tuple(c.choice.choices)
+    elif kind in ("json_schema", "regex", "grammar"):
+        value = getattr(c, kind)
+    start = c.start_after_token if c.HasField("start_after_token") else None
+    return ConstraintKwargs(kind=kind, value=value, start_after_token=start)
+
+
+def constraint_pb(kind: str, value: str | Iterable[str] = "", start_after_token: int | None = None) -> pb.Constraint:
+    """(kind, value, start_after_token) -> pb.Constraint; ValueError on an unknown kind."""
+    c = pb.Constraint()
+    if kind == "choice":
+        c.choice.choices.extend([value] if isinstance(value, str) else list(value))
+    elif kind == "json_object":
+        c.json_object = True
+    elif kind in ("json_schema", "regex", "grammar"):
+        if not isinstance(value, str):
+            raise ValueError(f"a {kind} constraint is a string")
+        setattr(c, kind, value)
+    else:
+        raise ValueError(f"constraint kind must be json_schema, json_object, regex, grammar or choice (got {kind!r})")
+    if start_after_token is not None:
+        c.start_after_token = start_after_token
+    return c
 
 
 def logprobs_pb(entries: Iterable[tuple[int, float, Iterable[tuple[int, float]]]]) -> list[pb.TokenLogprob]:

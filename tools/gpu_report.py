@@ -51,15 +51,19 @@ def ratios(bench: dict) -> list[str]:
         else:
             what += f" ({r.get('fla_error', 'flash-linear-attention not installed')})"
         lines.append(what)
+    if "gdn_prefill_engine" in bench:
+        lines.append(f"  GDN prefill in the engine: {bench['gdn_prefill_engine']}")
     for r in bench.get("sampler", []):
         lines.append(f"  sampler batch {r['batch']}, vocab {r['vocab']}, {r['case']}: {r['us']:.0f} us a call")
-    if "decode" in bench:
-        d = bench["decode"]
+    for key, name in (("decode", "decode step, eager"), ("decode_graphs", "decode step, CUDA graphs")):
+        if key not in bench:
+            continue
+        d = bench[key]
         gpu = ""
         if "batch1_gpu_ms" in d:
             gpu = f" (GPU kernels {d['batch1_gpu_ms']:.2f} / {d['batch64_gpu_ms']:.2f} ms)"
         lines.append(
-            f"  decode step: batch 1 {d['batch1_ms']:.2f} ms, batch 64 {d['batch64_ms']:.2f} ms{gpu}, "
+            f"  {name}: batch 1 {d['batch1_ms']:.2f} ms, batch 64 {d['batch64_ms']:.2f} ms{gpu}, "
             f"throughput 64*t1/t64 {d['ratio_throughput_64_over_1']:.1f}"
         )
     for r in bench.get("transfer", []):

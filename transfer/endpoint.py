@@ -14,6 +14,7 @@ from typing import ClassVar, Literal, Protocol, TypeVar
 from engine.cache.allocator import CachePools
 from engine.cache.block_manager import BlockManager, SlotPool
 from engine.config import EngineConfig
+from engine.devices import StepFence
 from transfer.backend import TransferState, Transport, byte_view, get_transport
 from transfer.config import TransferConfig
 from transfer.handshake import check_peer
@@ -71,8 +72,12 @@ class Endpoint:
         *,
         blocks: BlockManager | None = None,
         slots: SlotPool | None = None,
+        fence: StepFence | None = None,
     ) -> None:
+        """fence: recorded by the rank after each step; a sender waits on it before a write reads
+        the pools (engine/devices.py)."""
         self.config = config or TransferConfig()
+        self.fence = fence
         self.cfg, self.rank, self.pools, self.node = cfg, rank, pools, node
         self.schema = build_schema(cfg, rank, pools)
         self.digest = self.schema.digest.fingerprint()

@@ -1,0 +1,163 @@
+"""CUDA graphs for plain decode steps (one token per row, no prefill rows, no drafts, TP 1): the
+step's inputs are copied into buffers the graph owns, one graph per batch size. The first step of
+a size runs eagerly on those buffers (compiling every kernel for their exact shapes and strides),
+the next one captures the graph and replays it from then on. Any other step, and any size whose
+capture failed, runs eagerly. PDSERVE_CUDA_GRAPHS=0 turns graphs off (docs/engine.md, "CUDA
+graphs")."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.cache.allocator import CachePools
+from engine.model.batch import ForwardBatch, RowGroup
+
+log = logging.getLogger("pdserve.engine")
+
+
+def graphs_wanted(device: torch.device, tp: int) -> bool:
+    return device.type == "cuda" and tp == 1 and os.environ.get("PDSERVE_CUDA_GRAPHS", "1") != "0"
+
+
+@dataclass
+class _Buffers:
+    """The inputs of a decode step of B rows, in tensors that outlive the step."""
+
+    batch: ForwardBatch
+
+    @classmethod
+    def like(cls, b: ForwardBatch, width: int) -> _Buffers:
+        dec = b.decode
+        assert dec is not None
+        n = dec.num_rows
+        tables = torch.zeros(n, width, dtype=dec.block_tables.dtype, device=dec.block_tables.device)
+        group = RowGroup(
+            tok_start=0,
+            tok_end=n,
+            cu_seqlens=torch.empty_like(dec.cu_seqlens),
+            slot_ids=torch.empty_like(dec.slot_ids),
+            has_initial_state=torch.empty_like(dec.has_initial_state),
+            seq_lens=torch.empty_like(dec.seq_lens),
+            block_tables=tables,
+            decode=True,
+            max_row_tokens=1,
+        )
+        made = ForwardBatch(
+            input_ids=torch.empty_like(b.input_ids),
+            positions=torch.empty_like(b.positions),
+            slot_mapping=torch.empty_like(b.slot_mapping),
+            decode=group,
+            prefill=None,
+            logits_indices=torch.empty_like(b.logits_indices),
+        )
+        return cls(made)
+
+    def load(self, b: ForwardBatch) -> None:
+        s, src = self.batch, b
+        sd, bd = s.decode, src.decode
+        assert sd is not None and bd is not None
+        for dst, x in (
+            (s.input_ids, src.input_ids),
+            (s.positions, src.positions),
+            (s.slot_mapping, src.slot_mapping),
+            (s.logits_indices, src.logits_indices),
+            (sd.cu_seqlens, bd.cu_seqlens),
+            (sd.slot_ids, bd.slot_ids),
+            (sd.has_initial_state, bd.has_initial_state),
+            (sd.seq_lens, bd.seq_lens),
+        ):
+            dst.copy_(x, non_blocking=True)
+        # columns past a row's pages are never read (the kernels stop at seq_lens)
+        sd.block_tables[:, : bd.block_tables.shape[1]].copy_(bd.block_tables, non_blocking=True)
+
+
+@dataclass
+class _Graph:
+    buffers: _Buffers
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: torch.Tensor | None = None
+
+
+class DecodeGraphs:
+    def __init__(self, model, pools: CachePools, max_pages_per_row: int, capture: bool = True):
+        """capture False: the buffers alone, every step run eagerly on them (what the CPU tests
+        check: the copying, not the graph)."""
+        self.model, self.pools, self.width, self.capture = model, pools, max_pages_per_row, capture
+        self.sizes: dict[int, _Graph] = {}
+        self.failed: set[int] = set()
+        self.pool: Any = None  # the graphs' shared memory pool (a handle)
+        self.stream = torch.cuda.Stream() if capture else None
+        self.replays = 0  # steps replayed from a graph
+        self.covered = 0  # steps run on the buffers (replayed or eager)
+
+    def covers(self, b: ForwardBatch) -> bool:
+        dec = b.decode
+        return (
+            b.prefill is None
+            and dec is not None
+            and dec.max_row_tokens == 1
+            and dec.points is None
+            and dec.num_tokens == dec.num_rows
+            and b.logits_indices.numel() == dec.num_rows
+            and dec.block_tables.shape[1] <= self.width
+            and dec.num_rows not in self.failed
+        )
+
+    @torch.inference_mode()
+    def run(self, b: ForwardBatch) -> torch.Tensor | None:
+        """The step's logits [B, vocab] float32 through this size's graph (or its buffers), or
+        None: the caller runs the step eagerly. The logits live in the graph's memory until the
+        next replay of that size."""
+        if not self.covers(b):
+            return None
+        assert b.decode is not None
+        n = b.decode.num_rows
+        self.covered += 1
+        g = self.sizes.get(n)
+        if g is None:  # first step of this size: eagerly, on the buffers
+            g = self.sizes[n] = _Graph(_Buffers.like(b, self.width))
+            g.buffers.load(b)
+            return self._eager(g)
+        g.buffers.load(b)
+        if not self.capture:
+            return self._eager(g)
+        if g.graph is None and not self._capture(n, g):
+            return self._eager(g)
+        assert g.graph is not None
+        g.graph.replay()
+        self.replays += 1
+        return g.logits
+
+    def _eager(self, g: _Graph) -> torch.Tensor:
+        if self.stream is None:
+            return self.model.forward(g.buffers.batch, self.pools)
+        cur = torch.cuda.current_stream()
+        self.stream.wait_stream(cur)
+        with torch.cuda.stream(self.stream):  # the stream the capture will use: same handles, same workspaces
+            out = self.model.forward(g.buffers.batch, self.pools)
+        cur.wait_stream(self.stream)
+        return out
+
+    def _capture(self, n: int, g: _Graph) -> bool:
+        t0 = time.perf_counter()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                g.logits = self.model.forward(g.buffers.batch, self.pools)
+        except Exception as e:  # capture refused (a host sync in some op): this size stays eager
+            self.failed.add(n)
+            self.sizes.pop(n, None)
+            torch.cuda.synchronize()
+            log.warning("CUDA graph capture failed at batch %d, it runs eagerly: %s: %s", n, type(e).__name__, e)
+            return False
+        self.pool = graph.pool()
+        g.graph = graph
+        log.info("captured the decode step's CUDA graph for batch %d in %.0f ms", n, 1e3 * (time.perf_counter() - t0))
+        return True

@@ -1,0 +1,60 @@
+"""A Constraint's (kind, value) -> the llguidance grammar text a matcher compiles, and the check
+that refuses a bad one without a tokenizer (so the router and both node kinds can validate).
+
+JSON (json_schema, json_object) is compiled with bounded whitespace between tokens: one blank or
+none, or a newline and an indentation of at most INDENT_MAX blanks, so a weak model cannot loop
+on whitespace while pretty-printed output stays possible. `choice` is a Lark
+alternative of JSON-quoted literals; `grammar` is passed through (llguidance's Lark dialect)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import TYPE_CHECKING
+
+import llguidance
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+INDENT_MAX = 16  # blanks after a newline between two JSON tokens, at most
+WHITESPACE = rf"(?:\x20?|\x0A\x20{{0,{INDENT_MAX}}})"
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_pattern": WHITESPACE}
+
+
+@functools.lru_cache(maxsize=256)
+def grammar_text(kind: str, value: str | tuple[str, ...]) -> str:
+    """The llguidance grammar for (kind, value); ValueError if the value is not even well formed."""
+    M = llguidance.LLMatcher
+    if kind == "json_object":
+        return M.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
+    if kind == "json_schema":
+        assert isinstance(value, str)
+        try:
+            schema = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json_schema is not valid JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"json_schema must be a JSON object (got {type(schema).__name__})")
+        try:
+            return M.grammar_from_json_schema(value, overrides=_JSON_OPTIONS)
+        except ValueError as e:
+            raise ValueError(f"json_schema: {e}") from None
+    if kind == "regex":
+        assert isinstance(value, str)
+        return M.grammar_from_regex(value)
+    if kind == "grammar":
+        assert isinstance(value, str)
+        return M.grammar_from_lark(value)
+    if kind == "choice":
+        return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+    raise ValueError(f"unknown constraint kind {kind!r}")
+
+
+@functools.lru_cache(maxsize=256)
+def check(kind: str, value: str | tuple[str, ...]) -> None:
+    """ValueError naming the problem if (kind, value) does not compile (cached: the router and
+    the nodes check the same request)."""
+    err = llguidance.LLMatcher.validate_grammar(grammar_text(kind, value))
+    if err:
+        raise ValueError(f"invalid {kind} constraint: {err.strip()}")

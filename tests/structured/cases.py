@@ -1,0 +1,49 @@
+"""Constraints with an independent check of the output (jsonschema, Python's re), shared by the
+engine and serving tests."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "n", "ok"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{2,5}-[0-9]{3}"
+CHOICES = ["red", "green", "blue", "rose"]
+
+CONSTRAINTS = {
+    "json_schema": {"kind": "json_schema", "value": SCHEMA},
+    "regex": {"kind": "regex", "value": REGEX},
+    "choice": {"kind": "choice", "value": CHOICES},
+    "json_object": {"kind": "json_object"},
+}
+
+
+def check(kind: str, text: str) -> None:
+    """AssertionError unless `text` satisfies the constraint of that kind."""
+    if kind == "json_schema":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif kind == "json_object":
+        assert isinstance(json.loads(text), dict), text
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif kind == "choice":
+        assert text in CHOICES, text
+    else:
+        raise ValueError(kind)
+
+
+def object_bias(tok) -> dict[int, float]:
+    """json_object on a random-weight model: its strings and objects would rarely close, so the
+    quote and the closing brace are favoured (the mask still decides where they may go)."""
+    return {tok.encode('"')[0]: 10.0, tok.encode("}")[0]: 5.0}
