@@ -112,6 +112,23 @@ def test_a_long_grpc_prompt_is_refused_before_tokenizing(door):
     assert took < 2.0, took  # a 3 MB message, unread by the tokenizer
 
 
+def test_a_chunked_body_is_counted_as_it_arrives(door):
+    """No Content-Length: the body is refused once it passes the limit (16 MiB by default)."""
+    r, _, _ = door
+    piece = b"x" * (1 << 20)
+    conn = http.client.HTTPConnection("127.0.0.1", r.http_port, timeout=60)
+    try:
+        conn.request(
+            "POST", "/v1/completions", iter([piece] * 17), {"Content-Type": "application/json"}, encode_chunked=True
+        )
+        resp = conn.getresponse()
+        err = json.loads(resp.read())["error"]
+    finally:
+        conn.close()
+    assert resp.status == 400 and err["code"] == "body_too_large", err
+    assert "more than 16,777,216 bytes" in err["message"]
+
+
 def test_a_surrogate_pair_is_text(door):
     r, _, _ = door
     status, out = post(r.http_port, b'{"model": "m", "prompt": "\\ud83d\\ude00", "max_tokens": 1}')
