@@ -6,6 +6,7 @@ all of them but the node lists and the host, which it sets itself."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from engine.options import option
 from router.policy import PolicyName, make_policy
@@ -77,6 +78,16 @@ class RouterConfig(SecurityArgs):
     )
     max_requests_per_key: int = option(
         0, "requests one API key may have in flight; more are refused RESOURCE_EXHAUSTED / HTTP 429 (0: no limit)"
+    )
+
+    # Chat output parsers (docs/api.md "Tool calls and reasoning"); auto: from the chat template's text
+    reasoning_parser: Literal["auto", "think", "none"] = option(
+        "auto", "split <think>...</think> into reasoning_content (auto: when the chat template writes <think>)"
+    )
+    tool_call_parser: Literal["auto", "xml", "json", "none"] = option(
+        "auto",
+        "tool-call format parsed out of chat output: xml (<function=NAME>, Qwen3.5), json (Qwen2.5 / Qwen3) "
+        "(auto: from the chat template)",
     )
 
     def __post_init__(self):
