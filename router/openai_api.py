@@ -21,9 +21,19 @@ from starlette.exceptions import HTTPException
 
 from proto import pb
 from router.errors import Abort
+from router.http_limits import check_expansion, read_json
 from router.openai_chat import ChatFront
 from router.openai_choices import Choice, Job, usage
-from router.openai_models import ApiError, ChatRequest, CompletionRequest, bad, from_validation, prompts, sampling
+from router.openai_models import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    bad,
+    from_validation,
+    parse,
+    prompts,
+    sampling,
+)
 from router.request import Chunk
 
 log = logging.getLogger("pdserve.http")
@@ -97,7 +107,7 @@ class OpenAIFront:
             )
         return self._chat
 
-    def job(self, req: CompletionRequest | ChatRequest) -> Job:
+    async def job(self, req: CompletionRequest | ChatRequest) -> Job:
         """The GenerateRequests of an HTTP body: n per prompt (completions take a batch of
         prompts; choice j * n + i is sample i of prompt j; with a seed, sample i uses seed + i)."""
         chat = isinstance(req, ChatRequest)
@@ -105,12 +115,16 @@ class OpenAIFront:
         sp = sampling(req)
         if sp.HasField("logprobs") and self.tok is None:
             raise bad("logprobs need a tokenizer on the router", "logprobs")
-        prep = self.chat.prepare(req) if isinstance(req, ChatRequest) else None
-        if prep is not None and prep.constraint is not None:
-            sp.constraint.CopyFrom(prep.constraint)
+        prep = None
+        if isinstance(req, ChatRequest):  # the template's input is bounded like a prompt, before it is rendered
+            self.service.check_prompt_chars(sum(len(str(m.content or "")) for m in req.messages), "messages")
+            prep = self.chat.prepare(req)
+            if prep.constraint is not None:
+                sp.constraint.CopyFrom(prep.constraint)
         ps = [prep.prompt] if prep is not None else prompts(req)
         echo = not chat and req.echo
         n, rid = req.n, uuid.uuid4().hex
+        check_expansion(len(ps), n, self.service.expansion_limit())
         job = Job(model, chat, rid, n, req.no_output, sp.logprobs if sp.HasField("logprobs") else None)
         job.output = prep.output if prep is not None else None
         for j, p in enumerate(ps):
@@ -120,12 +134,12 @@ class OpenAIFront:
             elif isinstance(p, str):  # echo with logprobs: the ids the logprobs are for
                 if self.tok is None:
                     raise bad("this router has no tokenizer: send the prompt as token ids", "prompt")
-                base.prompt_token_ids.extend(self.tok.encode(p))
+                base.prompt_token_ids.extend(await self.service.encode(p))
             else:
                 base.prompt_token_ids.extend(p)
             text = None
             if echo:
-                text = p if isinstance(p, str) else self.tok.decode(p) if self.tok is not None else ""
+                text = p if isinstance(p, str) else await self.service.text.decode(p) if self.tok is not None else ""
             for i in range(n):
                 r = pb.GenerateRequest()
                 r.CopyFrom(base)
@@ -277,7 +291,7 @@ def make_app(service) -> FastAPI:
         return _json(200, {"object": "list", "data": data})
 
     async def answer(req: CompletionRequest | ChatRequest, request: Request) -> Response:
-        job = front.job(req)
+        job = await front.job(req)
         try:
             if req.stream:
                 return await front.stream(job, req.include_usage, request)
@@ -285,12 +299,14 @@ def make_app(service) -> FastAPI:
         except _Gone:
             return Response(status_code=499)  # nobody reads it
 
+    limit = service.cfg.max_body_bytes
+
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        return await answer(req, request)
+    async def completions(request: Request):
+        return await answer(parse(CompletionRequest, await read_json(request, limit)), request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest, request: Request):
-        return await answer(req, request)
+    async def chat_completions(request: Request):
+        return await answer(parse(ChatRequest, await read_json(request, limit)), request)
 
     return app

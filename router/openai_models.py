@@ -82,7 +82,9 @@ def parse(model: type[BaseModel], body: Any) -> BaseModel:
 
 
 Float = Annotated[float, Field(allow_inf_nan=False)]
-TokenIds = list[Annotated[int, Field(ge=0)]]
+I32 = 2**31 - 1  # the wire's int32 fields: larger values are refused here, not by the encoder (a 500)
+Count = Annotated[int, Field(ge=0, le=I32)]
+TokenIds = list[Count]
 
 
 class StreamOptions(BaseModel):
@@ -96,22 +98,22 @@ class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: Annotated[str, Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=0)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     temperature: Annotated[Float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None
-    top_k: int | None = None
+    top_k: Annotated[int, Field(ge=-1, le=I32)] | None = None
     min_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None  # an extension, as vLLM's
     presence_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[Float, Field(ge=0.0, le=10.0)] | None = None
-    seed: Annotated[int, Field(ge=0)] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
-    num_speculative_tokens: Annotated[int, Field(ge=0)] | None = None  # at most the nodes' own
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    min_tokens: Count | None = None
+    num_speculative_tokens: Count | None = None  # at most the nodes' own
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     best_of: int | None = None
-    stop: str | list[str | int] | None = None  # ints: token ids (an extension)
-    stop_token_ids: list[int] | None = None
+    stop: str | list[str | Annotated[int, Field(ge=-(2**31), le=I32)]] | None = None  # ints: token ids (an extension)
+    stop_token_ids: list[Annotated[int, Field(ge=-(2**31), le=I32)]] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -165,14 +167,16 @@ def prompts(req: CompletionRequest) -> list[str | list[int]]:
     p = req.prompt
 
     def ids(x) -> bool:
-        return isinstance(x, list) and bool(x) and all(isinstance(t, int) for t in x)
+        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and 0 <= t <= I32 for t in x)
 
     if (isinstance(p, str) and p) or ids(p):
         return [p]
     if isinstance(p, list) and 0 < len(p) <= MAX_BATCH and all((isinstance(x, str) and x) or ids(x) for x in p):
         return p
     raise bad(
-        f"'prompt' must be a non-empty string, a list of token ids, or a list of up to {MAX_BATCH} of either", "prompt"
+        f"'prompt' must be a non-empty string, a list of token ids (integers in [0, 2^31)), or a list of up to "
+        f"{MAX_BATCH} of either",
+        "prompt",
     )
 
 
