@@ -19,6 +19,7 @@ from transfer.backend import TransferState, Transport, byte_view, get_transport
 from transfer.config import TransferConfig
 from transfer.handshake import check_peer
 from transfer.messages import Control, decode_control, encode_control
+from transfer.netif import ucx_net_devices
 from transfer.plan import RegionPair
 from transfer.schema import SCHEMA_VERSION, PeerInfo, build_schema, decode_peer, encode
 
@@ -91,7 +92,8 @@ class Endpoint:
             if self.config.backend == "nixl"
             else {"error_handling": self.config.ucxx_error_handling}
         )
-        self.transport: Transport = get_transport(self.config.backend)(self.agent, regions, **opts)
+        with ucx_net_devices(self.config.bind_host):  # the UCX context reads it when it is made
+            self.transport: Transport = get_transport(self.config.backend)(self.agent, regions, **opts)
         self.info = PeerInfo(
             SCHEMA_VERSION,
             self.config.backend,
