@@ -6,6 +6,7 @@ all of them but the node lists and the host, which it sets itself."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from engine.options import option
 from router.policy import PolicyName, make_policy
@@ -91,6 +92,16 @@ class RouterConfig(SecurityArgs):
     )
     tokenizer_workers: int = option(
         0, "threads that tokenize long prompts and detokenize long texts off the event loop (0: one per core, 2-8)"
+    )
+
+    # Chat output parsers (docs/api.md "Chat: the template's inputs, reasoning, tool calls"); auto: from the chat template's text
+    reasoning_parser: Literal["auto", "think", "none"] = option(
+        "auto", "split <think>...</think> into reasoning_content (auto: when the chat template writes <think>)"
+    )
+    tool_call_parser: Literal["auto", "xml", "json", "none"] = option(
+        "auto",
+        "tool-call format parsed out of chat output: xml (<function=NAME>, Qwen3.5), json (Qwen2.5 / Qwen3) "
+        "(auto: from the chat template)",
     )
 
     def __post_init__(self):

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 from proto import pb
 from router.errors import Abort
 from router.http_limits import check_expansion, read_json
+from router.openai_chat import ChatFront
 from router.openai_choices import Choice, Job, usage
 from router.openai_models import (
     ApiError,
@@ -77,7 +78,7 @@ class OpenAIFront:
 
     def __init__(self, service):
         self.service = service
-        self._env = None
+        self._chat: ChatFront | None = None
 
     @property
     def tok(self):
@@ -97,29 +98,14 @@ class OpenAIFront:
             404, f"model {name!r} not found; serving: {ids}", "invalid_request_error", "model", "model_not_found"
         )
 
-    def chat_prompt(self, req: ChatRequest) -> str:
-        tmpl = self.tok.chat_template if self.tok is not None else None
-        if tmpl is None:
-            raise bad("this model's tokenizer has no chat_template", "messages")
-        messages = []
-        for m in req.messages:
-            d = m.model_dump()
-            if isinstance(d["content"], list):  # content parts: keep the text ones
-                d["content"] = "".join(str(p.get("text", "")) for p in d["content"])
-            messages.append(d)
-        if self._env is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            def raise_exception(msg):
-                raise ValueError(msg)
-
-            self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            self._env.globals["raise_exception"] = raise_exception
-            self._env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(v, ensure_ascii=False, indent=indent)
-        try:
-            return self._env.from_string(tmpl).render(messages=messages, add_generation_prompt=True)
-        except Exception as e:
-            raise bad(f"the chat template refused the messages: {e}", "messages") from None
+    @property
+    def chat(self) -> ChatFront:
+        if self._chat is None:
+            cfg = getattr(self.service, "cfg", None)
+            self._chat = ChatFront(
+                self.tok, getattr(cfg, "reasoning_parser", "auto"), getattr(cfg, "tool_call_parser", "auto")
+            )
+        return self._chat
 
     async def job(self, req: CompletionRequest | ChatRequest) -> Job:
         """The GenerateRequests of an HTTP body: n per prompt (completions take a batch of
@@ -129,13 +115,18 @@ class OpenAIFront:
         sp = sampling(req)
         if sp.HasField("logprobs") and self.tok is None:
             raise bad("logprobs need a tokenizer on the router", "logprobs")
-        if chat:  # the template's input is bounded like a prompt, before it is rendered
+        prep = None
+        if isinstance(req, ChatRequest):  # the template's input is bounded like a prompt, before it is rendered
             self.service.check_prompt_chars(sum(len(str(m.content or "")) for m in req.messages), "messages")
-        ps = [self.chat_prompt(req)] if chat else prompts(req)
+            prep = self.chat.prepare(req)
+            if prep.constraint is not None:
+                sp.constraint.CopyFrom(prep.constraint)
+        ps = [prep.prompt] if prep is not None else prompts(req)
         echo = not chat and req.echo
         n, rid = req.n, uuid.uuid4().hex
         check_expansion(len(ps), n, self.service.expansion_limit())
         job = Job(model, chat, rid, n, req.no_output, sp.logprobs if sp.HasField("logprobs") else None)
+        job.output = prep.output if prep is not None else None
         for j, p in enumerate(ps):
             base = pb.GenerateRequest(sampling=sp)
             if isinstance(p, str) and (not echo or not sp.HasField("prompt_logprobs")):

@@ -155,6 +155,11 @@ class ChatRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1)]
     logprobs: bool = False
     echo: Any = None
+    # the chat template's inputs (router/chat_template.py); tools and tool_choice: router/tool_choice.py
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    parallel_tool_calls: bool | None = None  # None: true, as OpenAI
 
 
 def prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -176,15 +181,16 @@ def prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def _refuse_unsupported(req: _Request) -> None:
-    for name in ("suffix", "tools", "functions"):
+    chat = isinstance(req, ChatRequest)  # chat takes tools, tool_choice and response_format
+    for name in ("suffix", "functions") if chat else ("suffix", "tools", "functions"):
         if getattr(req, name) not in (None, {}, []):
-            raise bad(f"'{name}' is not supported", name)
-    for name in ("tool_choice", "function_call"):
+            raise bad(f"'{name}' is not supported" + ("" if chat else " for completions"), name)
+    for name in ("function_call",) if chat else ("tool_choice", "function_call"):
         if getattr(req, name) not in (None, "none", "auto"):
             raise bad(f"'{name}' is not supported (no tools)", name)
     rf = req.response_format
-    if rf not in (None, {}) and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad("only response_format {'type': 'text'} is supported", "response_format")
+    if not chat and rf not in (None, {}) and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise bad("'response_format' is a chat option", "response_format")
     if req.best_of not in (None, req.n):
         raise bad("best_of other than n is not supported", "best_of")
 
