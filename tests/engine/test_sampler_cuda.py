@@ -72,3 +72,45 @@ def test_cuda_draws_the_cpu_tokens():
                     kept &= int((logits[b] > logits[b, c[0]]).sum()) < 64
     assert same >= 0.9 * total, f"{total - same} of {total} seeded draws differ between CPU and CUDA"
     assert kept, "a CUDA draw came from outside the 64 most likely tokens of its row"
+
+
+def test_two_uploads_and_one_read_per_call_on_cuda():
+    """On the device itself: a call at batch 64 with Qwen's chat settings (new requests, then
+    running ones), top-p alone, and a mixed batch copies host data to the GPU at most twice and
+    reads the GPU back once (copies seen through the dispatcher: a CPU tensor copied to CUDA, or
+    a CUDA tensor to the CPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.up = self.down = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+                src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+                dst = args[0] if func is torch.ops.aten.copy_.default else out
+                if src.device.type == "cpu" and dst.device.type == "cuda" and src.dim() > 0:
+                    self.up += 1
+                if src.device.type == "cuda" and dst.device.type == "cpu":
+                    self.down += 1
+            if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "cuda":
+                self.down += 1
+            return out
+
+    chat = dict(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5)
+    cases = {
+        "chat": [SamplingParams(**chat, seed=b) for b in range(64)],
+        "top_p": [SamplingParams(temperature=0.8, top_p=0.95, seed=b) for b in range(64)],
+        "mixed": [SamplingParams(temperature=0.0) if b % 2 else SamplingParams(**chat, seed=b) for b in range(64)],
+    }
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for name, params in cases.items():
+        s = Sampler(device="cuda")
+        for step in range(2):
+            logits = torch.randn(64, V, device="cuda", generator=gen) * 4
+            with Copies() as c:
+                s(logits, _rows(params, step), list(range(64)))
+            assert c.up <= 2 and c.down == 1, f"{name} step {step}: {c.up} uploads, {c.down} reads"
