@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import socket
 import threading
 import time
 
@@ -127,6 +128,24 @@ def test_a_chunked_body_is_counted_as_it_arrives(door):
         conn.close()
     assert resp.status == 400 and err["code"] == "body_too_large", err
     assert "more than 16,777,216 bytes" in err["message"]
+
+
+def test_a_body_declared_far_beyond_the_limit_is_not_read(door):
+    r, _, _ = door
+    sock = socket.create_connection(("127.0.0.1", r.http_port), timeout=30)
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000000\r\n\r\n{")
+        got = b""
+        while b"\r\n\r\n" not in got or not got.rstrip().endswith(b"}"):
+            more = sock.recv(65536)
+            if not more:
+                break
+            got += more
+    finally:
+        sock.close()
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), got
+    assert b"1,000,000,000,000 bytes" in body and b"body_too_large" in body
 
 
 def test_a_surrogate_pair_is_text(door):
