@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from router.openai_models import ApiError, ChatRequest, bad
@@ -38,7 +39,7 @@ def _tojson(v: Any, indent: int | None = None, **_: Any) -> str:
 
 class ChatTemplate:
     """One checkpoint's template (a Jinja2 string) in a sandboxed environment shaped like
-    transformers' (trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `tojson`)."""
+    transformers' (trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, `tojson`)."""
 
     def __init__(self, source: str):
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -47,6 +48,7 @@ class ChatTemplate:
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)  # some templates date the prompt
         env.filters["tojson"] = _tojson
         self.source = source
         self._tmpl = env.from_string(source)

@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import aclosing
 from pathlib import Path
 
@@ -151,7 +151,7 @@ class OpenAIFront:
                 job.prompt_ids.append(list(base.prompt_token_ids))
         return job
 
-    async def events(self, job: Job) -> AsyncIterator[tuple[int, Chunk]]:
+    async def events(self, job: Job) -> AsyncGenerator[tuple[int, Chunk], None]:
         """(choice, chunk) as they come, over every choice's generate; raises the first Abort."""
         if len(job.reqs) == 1:
             async with aclosing(self.service.generate(job.reqs[0])) as g:
@@ -195,8 +195,9 @@ class OpenAIFront:
         out["usage"] = usage(choices)
         return _json(200, out)
 
-    async def stream(self, job: Job, include_usage: bool, request: Request) -> Response:
-        """Errors before the first chunk get an HTTP status; later ones an error event, then the end."""
+    async def opened(self, job: Job, request: Request) -> AsyncGenerator[tuple[int, Chunk], None]:
+        """The job's events with the first one awaited here: an error before it raises now (an
+        HTTP status), a disconnect raises _Gone; later ones come from the generator."""
         ev = self.events(job)
         try:
             first = await _until_disconnect(request, ev.__anext__())
@@ -205,6 +206,21 @@ class OpenAIFront:
         except BaseException:
             await ev.aclose()
             raise
+
+        async def rest() -> AsyncGenerator[tuple[int, Chunk], None]:
+            try:
+                if first is not None:
+                    yield first
+                async for x in ev:
+                    yield x
+            finally:
+                await ev.aclose()
+
+        return rest()
+
+    async def stream(self, job: Job, include_usage: bool, request: Request) -> Response:
+        """Errors before the first chunk get an HTTP status; later ones an error event, then the end."""
+        ev = await self.opened(job, request)
         choices = [Choice(job, i, self.tok) for i in range(len(job.reqs))]
         head = job.head(chunk=True)
 
@@ -214,15 +230,7 @@ class OpenAIFront:
                     for c in choices:
                         role = {"index": c.index, "delta": {"role": "assistant", "content": ""}}
                         yield _sse(dict(head, choices=[dict(role, logprobs=None, finish_reason=None)]))
-                pending = [first] if first is not None else []
-                while True:
-                    if pending:
-                        i, c = pending.pop()
-                    else:
-                        try:
-                            i, c = await ev.__anext__()
-                        except StopAsyncIteration:
-                            break
+                async for i, c in ev:
                     d = choices[i].delta(c)
                     if d is not None:
                         yield _sse(dict(head, choices=[d]))
@@ -308,5 +316,11 @@ def make_app(service) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await answer(parse(ChatRequest, await read_json(request, limit)), request)
+
+    from router.openai_responses import respond  # it builds on this module's helpers
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await respond(front, await read_json(request, limit), request)
 
     return app

@@ -148,7 +148,7 @@ class CompletionRequest(_Request):
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
-    content: str | list[dict[str, Any]] | None
+    content: str | list[dict[str, Any]] | None = None  # None: an assistant turn of tool calls only
 
 
 class ChatRequest(_Request):

@@ -31,7 +31,7 @@ usage() {
 # ---------------------------------------------------------------------------------------- prepare
 
 # Resolved with their dependencies (all pure Python or small, none pulls torch).
-WITH_DEPS=(msgspec pytest pytest-timeout)
+WITH_DEPS=(msgspec llguidance pytest pytest-timeout)
 
 prepare() {
     [[ $# -ge 1 ]] || usage

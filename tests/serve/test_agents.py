@@ -5,13 +5,16 @@ transformers' rendering), reasoning and content split streamed and not (the refe
 prompt's raw text from the completions endpoint, split at `</think>` here), tool_choice auto
 answers, an image part is refused naming it, and tool_choice required / named give calls whose
 arguments validate against the tool's schema (jsonschema), streamed the same, finish_reason
-"tool_calls"."""
+"tool_calls". The cluster runs with n-gram drafts on (`--num-speculative-tokens 3`): the call
+format repeats itself, so drafts are proposed inside calls and verified under the grammar's mask."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+
+from tests.helpers.serve_harness import Up, decode_stats, nodes
 
 WEATHER = {
     "type": "function",
@@ -37,6 +40,7 @@ TIME = {
     },
 }
 TOOLS = [WEATHER, TIME]
+DRAFTS = ("--num-speculative-tokens", "3")
 MESSAGES = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Paris?"}]
 GREEDY = dict(temperature=0.0, max_tokens=12)
 
@@ -46,6 +50,14 @@ def hf(ckpt):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(ckpt)
+
+
+@pytest.fixture(scope="module")
+def http_up(ckpt):
+    u = Up("--model", ckpt, "--dtype", "float32", "--decode", "1", "--prefill", "1", "--http-port", "0", *DRAFTS)
+    yield u
+    rc = u.stop()
+    assert rc == 0, u.output()
 
 
 def _stream(oai, **kw) -> tuple[dict, str | None]:
@@ -131,8 +143,13 @@ def test_tool_history_renders(oai, model, hf):
     [("required", False), ("get_weather", False), ("get_time", False), ("required", True)],
     ids=["required", "named-weather", "named-time", "required-after-think"],
 )
-def test_required_and_named_calls_follow_the_schema(oai, model, hf, choice, thinking):
+def test_required_and_named_calls_follow_the_schema(http_up, oai, model, hf, choice, thinking):
     import jsonschema
+
+    decode = next(n.node.address for n in nodes(http_up.address) if n.node.kind == 2)  # NODE_KIND_DECODE
+
+    def drafts() -> int:
+        return sum(decode_stats(decode).speculation.drafts_per_position)
 
     named = choice != "required"
     tool_choice = {"type": "function", "function": {"name": choice}} if named else "required"
@@ -148,7 +165,10 @@ def test_required_and_named_calls_follow_the_schema(oai, model, hf, choice, thin
         max_tokens=200,
         extra_body=extra,
     )
+    before = drafts()
     r = oai.chat.completions.create(parallel_tool_calls=False, **kw)
+    if not thinking:  # drafts were proposed inside the constrained output (logit_bias turns them off)
+        assert drafts() > before
     c = r.choices[0]
     assert c.finish_reason == "tool_calls", c
     assert len(c.message.tool_calls) == 1 and c.message.content is None
