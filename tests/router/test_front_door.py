@@ -154,20 +154,30 @@ def test_a_surrogate_pair_is_text(door):
     assert status == 200 and out["usage"]["prompt_tokens"] > 0, out
 
 
+NUMBERS = (0, -1, 1, 2**31, 2**63, 10**30, -(10**30), 0.5, -0.0, 1e308, float("inf"), float("nan"))
+OTHERS: tuple[object, ...] = (
+    None,
+    True,
+    "",
+    "x",
+    "\x00",
+    "é" * 3,
+    [],
+    [1],
+    [[1]],
+    ["a"],
+    [None],
+    {},
+    {"1": 1},
+    {"a": [1]},
+)
+FIELDS = """model prompt max_completion_tokens temperature top_p top_k min_p presence_penalty frequency_penalty
+    repetition_penalty seed num_speculative_tokens n best_of stop stop_token_ids stream stream_options logprobs
+    top_logprobs logit_bias echo suffix tools tool_choice response_format messages user""".split()
+
+
 def _values(rng: random.Random) -> list:
-    return [
-        None, True, 0, -1, 1, 2**31, 2**63, 10**30, -(10**30), 0.5, -0.0, 1e308, float("inf"), float("nan"),
-        "", "x", "\x00", "é" * 3, [], [1], [[1]], ["a"], [None], {}, {"1": 1}, {"a": [1]},
-        rng.choice(["\\ud800", "NaN"]), [rng.randrange(-5, 2**33) for _ in range(3)],
-    ]  # fmt: skip
-
-
-FIELDS = [
-    "model", "prompt", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "seed", "num_speculative_tokens", "n", "best_of", "stop",
-    "stop_token_ids", "stream", "stream_options", "logprobs", "top_logprobs", "logit_bias", "echo", "suffix",
-    "tools", "tool_choice", "response_format", "messages", "user",
-]  # fmt: skip
+    return [*NUMBERS, *OTHERS, rng.choice(["\\ud800", "NaN"]), [rng.randrange(-5, 2**33) for _ in range(3)]]
 
 
 def test_no_field_value_gets_a_500(door):
