@@ -35,13 +35,13 @@ def _start(ckpt, ctx: int = CTX, **cfg):
     )
     hb = heartbeat(f"127.0.0.1:{port}", decode_info(f"127.0.0.1:{nport}", max_model_len=ctx, vocab_size=1024), 0.1)
     wait_for(lambda: r.registry.live(pb.NODE_KIND_DECODE), 10, "the fake node registered")
-    return r, fake, srv, hb
+    return r, fake, srv, hb, port
 
 
 @pytest.fixture(scope="module")
 def door(ckpt):
-    r, fake, srv, hb = _start(ckpt, max_queued_requests=64)
-    yield r, fake
+    r, fake, srv, hb, port = _start(ckpt, max_queued_requests=64)
+    yield r, fake, port
     hb.stop()
     r.stop(0)
     srv.stop(0)
@@ -87,7 +87,7 @@ BAD = [
 
 @pytest.mark.parametrize("name,body,code,words", BAD, ids=[b[0] for b in BAD])
 def test_bad_bodies_get_a_400_naming_the_fault(door, name, body, code, words):
-    r, _ = door
+    r, _, _ = door
     path = "/v1/completions"
     if body is None:
         path = "/v1/chat/completions"
@@ -99,8 +99,38 @@ def test_bad_bodies_get_a_400_naming_the_fault(door, name, body, code, words):
     assert "no route" not in err["message"]
 
 
+def test_a_long_grpc_prompt_is_refused_before_tokenizing(door):
+    from client import Client, PdserveError
+
+    _, _, port = door
+    with Client(f"127.0.0.1:{port}", timeout=30) as c:
+        t0 = time.monotonic()
+        with pytest.raises(PdserveError) as e:
+            c.generate(prompt="a" * 3_000_000, max_tokens=1)
+        took = time.monotonic() - t0
+    assert e.value.code.name == "INVALID_ARGUMENT" and f"limit of {16 * CTX:,} characters" in e.value.message
+    assert took < 2.0, took  # a 3 MB message, unread by the tokenizer
+
+
+def test_a_chunked_body_is_counted_as_it_arrives(door):
+    """No Content-Length: the body is refused once it passes the limit (16 MiB by default)."""
+    r, _, _ = door
+    piece = b"x" * (1 << 20)
+    conn = http.client.HTTPConnection("127.0.0.1", r.http_port, timeout=60)
+    try:
+        conn.request(
+            "POST", "/v1/completions", iter([piece] * 17), {"Content-Type": "application/json"}, encode_chunked=True
+        )
+        resp = conn.getresponse()
+        err = json.loads(resp.read())["error"]
+    finally:
+        conn.close()
+    assert resp.status == 400 and err["code"] == "body_too_large", err
+    assert "more than 16,777,216 bytes" in err["message"]
+
+
 def test_a_surrogate_pair_is_text(door):
-    r, _ = door
+    r, _, _ = door
     status, out = post(r.http_port, b'{"model": "m", "prompt": "\\ud83d\\ude00", "max_tokens": 1}')
     assert status == 200 and out["usage"]["prompt_tokens"] > 0, out
 
@@ -124,7 +154,7 @@ FIELDS = [
 def test_no_field_value_gets_a_500(door):
     """Every field of a small valid body, in turn, set to each value of a table of JSON values of
     every type and edge (both routes, max_tokens kept at 1 so that a valid body is quick)."""
-    r, _ = door
+    r, _, _ = door
     rng = random.Random(0)
     seen = {}
     for path, base in (
@@ -149,7 +179,7 @@ def _rss_mb() -> float:
 
 
 def test_a_20mb_prompt_is_refused_at_once_while_a_small_request_streams(door):
-    r, fake = door
+    r, fake, _ = door
     got: list = []
 
     def small():  # about 40 x 20 ms of tokens, streamed, across the big requests below
@@ -181,7 +211,7 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(ckpt):
     from engine.tokenizer import Tokenizer
     from router.text import INLINE_CHARS
 
-    r, fake, srv, hb = _start(ckpt, ctx=10**6, max_prompt_chars=2 << 20)
+    r, fake, srv, hb, _ = _start(ckpt, ctx=10**6, max_prompt_chars=2 << 20)
     try:
         long_text = "hello world, how are you? " * 40_000
         assert len(long_text) > 100 * INLINE_CHARS
@@ -194,23 +224,24 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(ckpt):
         t.join(120)
         long_s = time.monotonic() - t0
         assert status == 200 and out["usage"]["completion_tokens"] == 2, out
-        # tokenized (the count is the tokenizer's own), then refused: no fake node holds it
-        want = len(Tokenizer(ckpt).encode(long_text))
-        assert got and got[0][0] == 400 and f"prompt of {want} tokens needs" in got[0][1]["error"]["message"], got
-        assert small_s < long_s / 2, (small_s, long_s)
-        print(f"small request {small_s * 1e3:.0f} ms while a 1 M-character prompt took {long_s * 1e3:.0f} ms")
         assert all(e.alive for e, _ in r.registry.snapshot())
     finally:
         hb.stop()
         r.stop(0)
         srv.stop(0)
+    # tokenized (the count is the tokenizer's own, computed here once the router is gone: a plain
+    # encode holds this process's GIL for a second), then refused: no fake node holds it
+    want = len(Tokenizer(ckpt).encode(long_text))
+    assert got and got[0][0] == 400 and f"prompt of {want} tokens needs" in got[0][1]["error"]["message"], got
+    assert small_s < long_s / 2, (small_s, long_s)
+    print(f"small request {small_s * 1e3:.0f} ms while a 1 M-character prompt took {long_s * 1e3:.0f} ms")
 
 
 def test_the_largest_documented_request_fits_an_idle_router(ckpt):
     """64 prompts x n = 16: 1,024 sequences, with the default admission queue."""
     from router.openai_models import MAX_BATCH, MAX_N
 
-    r, fake, srv, hb = _start(ckpt)
+    r, fake, srv, hb, _ = _start(ckpt)
     fake.delay_s = 0.001
     try:
         status, out = post(r.http_port, _js(prompt=[[1, 2]] * MAX_BATCH, n=MAX_N), timeout=300)
