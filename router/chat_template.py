@@ -2,7 +2,7 @@
 `chat_template_kwargs`, `add_generation_prompt` and `continue_final_message` go to the template
 as transformers' `apply_chat_template` passes them (docs/api.md).
 
-Before rendering: text content parts are joined into a string; image, video, audio and file parts
+Before rendering: text content parts are joined into a string (no content: ""); image, video, audio and file parts
 are refused with a 400 naming `messages[i].content[j].type` (this server does not see them yet, and
 content is never dropped silently); an assistant message's `tool_calls[k].function.arguments`,
 a JSON string on the wire, becomes the object templates iterate over. After rendering,
@@ -82,7 +82,9 @@ class ChatTemplate:
 def _message(i: int, d: dict[str, Any]) -> dict[str, Any]:
     """One message as the template sees it (module docstring); ApiError naming the part."""
     content = d.get("content")
-    if isinstance(content, list):
+    if content is None:  # an assistant turn of calls only: templates test and split content as a string
+        d["content"] = ""
+    elif isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
             kind = part.get("type")

@@ -169,3 +169,25 @@ def test_tool_choice_plans():
         assert e.value.param == param
     js = dict(base, tools=None, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {}}})
     assert plan(ChatRequest.model_validate(js), "xml", 7).constraint.json_schema == "{}"
+
+
+def test_parsers_are_chosen_from_the_template(ckpt):
+    from router.openai_chat import ChatFront
+
+    class Tok:
+        def __init__(self, chat_template):
+            self.chat_template = chat_template
+
+        def token_to_id(self, t):
+            return 7
+
+    qwen35 = ChatFront(Tokenizer(ckpt))
+    assert (qwen35.fmt, qwen35.reasoning) == ("xml", True)
+    json_calls = "{{ '<tool_call>' }}{{ '<think>' }}{{ '</think>' }}"
+    assert (ChatFront(Tok(json_calls)).fmt, ChatFront(Tok(json_calls)).reasoning) == ("json", True)
+    plain = ChatFront(Tok("{{ messages[0].content }}"))
+    assert (plain.fmt, plain.reasoning) == (None, False)
+    forced = ChatFront(Tok("{{ messages[0].content }}"), reasoning="think", tool_format="json")
+    assert (forced.fmt, forced.reasoning) == ("json", True)
+    off = ChatFront(Tokenizer(ckpt), reasoning="none", tool_format="none")
+    assert (off.fmt, off.reasoning) == (None, False)
