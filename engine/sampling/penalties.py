@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling.pack import HostPack, Sections
+from kernels.triton import force_triton
 
 
 @dataclass
@@ -98,9 +99,14 @@ class TokenCounts:
         self.inp.view(-1)[flat] = ent[:, 2].bool()
         self.size[rows] = s["counts.size"]
 
-    def record(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """One sampled token per table row (distinct rows), on the device: its count goes up, in a
-        new entry when the row has none for it."""
+    def record(self, rows: torch.Tensor, tokens: torch.Tensor, at: torch.Tensor) -> None:
+        """Table row rows[i] (distinct rows) counts the sampled token tokens[at[i]], on the device:
+        its count goes up, in a new entry when the row has none for it."""
+        if tokens.is_cuda or force_triton():
+            from kernels.triton.sampling import record_triton
+
+            return record_triton(rows, at, tokens, self.tok, self.cnt, self.size)
+        tokens = tokens[at]
         size = self.size[rows]
         used = torch.arange(self.tok.shape[1], device=rows.device) < size[:, None]
         match = (self.tok[rows] == tokens[:, None]) & used
@@ -123,6 +129,10 @@ class TokenCounts:
         penalty rep [P] on tokens of the prompt or output, then minus presence penalty pf[:, 0]
         for each output token and frequency penalty pf[:, 1] per occurrence (None: no row has
         one). Only the table's entries are read and written."""
+        if x.is_cuda or force_triton():
+            from kernels.triton.sampling import penalties_triton
+
+            return penalties_triton(x, pos, rows, self.tok, self.cnt, self.inp, self.size, rep, pf)
         d = x.device
         tok, cnt = self.tok[rows], self.cnt[rows].float()
         at = pos[:, None].expand_as(tok)

@@ -15,6 +15,7 @@ import torch
 from engine.sampling import draw as drawing
 from engine.sampling.pack import HostPack, Sections
 from engine.sampling.penalties import TokenCounts
+from kernels.triton import force_triton
 
 # (token id, log-probability, [(id, log-probability) of the n most likely, most likely first])
 TokenLogprob = tuple[int, float, list[tuple[int, float]]]
@@ -166,7 +167,8 @@ class Sampler:
         greedy = [q for q, (p, _) in enumerate(per) if p.greedy]
         if sampled and greedy:
             pack.ints("greedy", greedy)
-        dp = drawing.plan(pack, sampled, [per[q] for q in sampled], v) if sampled else None
+        fused = dev.type == "cuda" or force_triton()
+        dp = drawing.plan(pack, sampled, [per[q] for q in sampled], v, fused=fused) if sampled else None
         s = pack.upload(dev)
 
         x = logits if everything else logits[s["idx"]]
@@ -190,7 +192,7 @@ class Sampler:
             got, lp = self._read(tokens, None, lsm, s if lp_rows else None, nlp)
         if adj is not None and adj.pen:
             assert self.counts is not None
-            self.counts.record(s["pen.rows"], tokens[s["pen.at"]])
+            self.counts.record(s["pen.rows"], tokens, s["pen.at"])
             self.counts.advance([rows[i].request_id for i in adj.pen], [got[pos[i]] for i in adj.pen])
         emitted = []
         for r, q in zip(rows, pos):
