@@ -122,9 +122,11 @@ def paged_attention(results: dict) -> None:
 
 
 def sampler(results: dict) -> None:
-    """One sampler call over 64 rows of 151,936 float32 logits: greedy, and Qwen's chat settings
-    (temperature 0.7, top-p 0.8, top-k 20, presence penalty 1.5, a seed per row), wall time
-    including the call's one host read."""
+    """One sampler call over 64 rows of 151,936 float32 logits, wall time including the call's one
+    host read: greedy; Qwen's chat settings (temperature 0.7, top-p 0.8, top-k 20, presence
+    penalty 1.5, a seed per row) on new requests (their penalty tables built each call) and on
+    running ones (each call advances every row by its token, the host loop included); top-p alone;
+    and the two device ops of top-p alone (the 1024-token head and the row's logsumexp)."""
     from engine.sampling import Sampler
     from engine.sampling_params import SamplingParams
     from engine.step import RowInput
@@ -136,8 +138,10 @@ def sampler(results: dict) -> None:
     cases = {
         "greedy": [SamplingParams(temperature=0.0) for _ in range(B)],
         "qwen chat, seeded": [SamplingParams(**chat, seed=1000 + b) for b in range(B)],
+        "qwen chat, seeded, running rows": [SamplingParams(**chat, seed=1000 + b) for b in range(B)],
         "top-p 0.95 only, seeded": [SamplingParams(temperature=0.8, top_p=0.95, seed=b) for b in range(B)],
     }
+    first = list(range(B))
     for name, params in cases.items():
         s = Sampler(device="cuda")
         rows = [
@@ -146,10 +150,31 @@ def sampler(results: dict) -> None:
             )
             for b, p in enumerate(params)
         ]
-        first = list(range(B))
-        t = _ms(lambda: s(logits.clone(), rows, first))
+        if name.endswith("running rows"):
+
+            def call(s=s, rows=rows):
+                emitted, _ = s(logits.clone(), rows, first)
+                for r, toks in zip(rows, emitted):
+                    r.history[1].append(toks[0])
+                    r.num_output += 1
+
+        else:
+
+            def call(s=s, rows=rows):
+                s(logits.clone(), rows, first)
+
+        t = _ms(call)
         print(f"sampler batch {B}, vocab {V}, {name}: {t * 1e3:.0f} us a call", flush=True)
         results.setdefault("sampler", []).append({"case": name, "batch": B, "vocab": V, "us": t * 1e3})
+    parts = {
+        "clone of the logits": lambda: logits.clone(),
+        "torch.topk 1024": lambda: torch.topk(logits, 1024, dim=-1),
+        "logsumexp": lambda: torch.logsumexp(logits / 0.8, dim=-1),
+    }
+    for name, fn in parts.items():
+        t = _ms(fn)
+        print(f"sampler part, batch {B}, vocab {V}, {name}: {t * 1e3:.0f} us", flush=True)
+        results.setdefault("sampler_parts", []).append({"op": name, "us": t * 1e3})
 
 
 def decode_steps(results: dict, reps: int, device: str = "cuda") -> None:

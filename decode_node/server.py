@@ -30,6 +30,7 @@ from serving.rpc import MAX_REQUEST_ID_LEN
 from transfer import TransferConfig
 from transfer.connector import DecodeConnector
 from transfer.messages import TargetRank
+from transfer.netif import interface_of
 
 log = logging.getLogger("pdserve.decode")
 
@@ -74,8 +75,9 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         self.digest = _digest(self.ecfg)
         self.backend = cfg.transfer_backend
         self.connector: DecodeConnector | None = None  # None: colocated requests only
+        interface_of(cfg.data_host)  # a data plane host not on this machine is an error, not a colocated node
         try:
-            tcfg = TransferConfig(backend=self.backend, lease_s=cfg.reservation_lease_s)
+            tcfg = TransferConfig(backend=self.backend, lease_s=cfg.reservation_lease_s, bind_host=cfg.data_host)
             self.connector = DecodeConnector(self.engine.executor, cfg.node_id, tcfg)
             self.digest = self.connector.digest
             self.engine.use_connector(self.connector)

@@ -445,7 +445,7 @@ class EngineArgs:
     block_size: int = option(16, "tokens per KV page (a power of two); prefill and decode nodes must agree")
     max_model_len: int | None = option(None, "prompt + output tokens at most (default: the model's max positions)")
     seed: int = option(0, "seed of the sampler for requests that name none")
-    device: str = option("cpu", "cpu | cuda")
+    device: str = option("cpu", "cpu, cuda (rank r on visible GPU r) or cuda:N,M,... (rank r on the r-th listed)")
     num_speculative_tokens: int = option(
         0, "draft tokens verified per decode row (0: off); prefill and decode nodes must use the same value"
     )

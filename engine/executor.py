@@ -2,7 +2,9 @@
 
 `InProcExecutor` (t = 1): the worker lives in the caller's process.
 `MultiProcExecutor` (t > 1): one spawned process per rank, joined by torch.distributed
-(gloo on CPU, nccl on CUDA); each step is sent to every rank over a pipe and rank 0 answers.
+(gloo on CPU, nccl on CUDA), rank r on the device engine/devices.py maps it to; each step is
+pickled once into a buffer every rank maps (engine/step_channel.py), its length sent down each
+rank's pipe, and rank 0 answers.
 `Executor` is what both offer: a step, and `call_all(fn, ...)` -> fn(worker, ...) on every rank
 (what a transfer connector drives its rank endpoints with).
 """
@@ -21,7 +23,9 @@ import torch
 
 from engine.cache.allocator import Capacity
 from engine.config import EngineConfig
+from engine.devices import bind, node_devices
 from engine.step import StepInput, StepOutput
+from engine.step_channel import StepReader, StepWriter
 
 log = logging.getLogger("pdserve.executor")
 STARTUP_TIMEOUT_S = 300.0
@@ -75,7 +79,7 @@ def _rendezvous_store(t: int):
                          timeout=timedelta(seconds=STARTUP_TIMEOUT_S))  # fmt: skip
 
 
-def _rank_main(cfg: EngineConfig, rank: int, port: int, conn) -> None:
+def _rank_main(cfg: EngineConfig, rank: int, port: int, conn, device: str, steps_path: str) -> None:
     import signal
 
     import torch.distributed as dist
@@ -90,9 +94,13 @@ def _rank_main(cfg: EngineConfig, rank: int, port: int, conn) -> None:
     try:
         t = cfg.parallel.tensor_parallel_size
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // t))
-        backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+        dev = torch.device(device)
+        bind(dev)  # before the process group and any allocation: NCCL's communicator lives on it
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=t)
+        if dev.type == "cuda":
+            dist.init_process_group("nccl", store=store, rank=rank, world_size=t, device_id=dev)
+        else:
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=t)
 
         def all_reduce(x: torch.Tensor) -> torch.Tensor:
             dist.all_reduce(x)
@@ -102,7 +110,8 @@ def _rank_main(cfg: EngineConfig, rank: int, port: int, conn) -> None:
             dist.broadcast(x, src=0)
             return x
 
-        worker = Worker(cfg, rank, all_reduce, broadcast)
+        worker = Worker(cfg, rank, all_reduce, broadcast, dev)
+        steps = StepReader(steps_path)
         conn.send(("ready", worker.capacity))
     except BaseException:  # report start-up failures to the parent instead of dying silently
         conn.send(("error", traceback.format_exc()))
@@ -119,26 +128,37 @@ def _rank_main(cfg: EngineConfig, rank: int, port: int, conn) -> None:
                 _, fn, args, kwargs = msg
                 conn.send(("ok", worker.call(fn, *args, **kwargs)))
                 continue
+            if isinstance(msg, int):  # the step's length in the shared buffer
+                msg = steps.read(msg)
             conn.send(("ok", worker.execute(msg)))
         except BaseException:
             conn.send(("error", traceback.format_exc()))
+    steps.close()
     dist.destroy_process_group()
 
 
 class MultiProcExecutor:
     def __init__(self, cfg: EngineConfig):
         t = cfg.parallel.tensor_parallel_size
+        devices = node_devices(cfg.device, t)  # raises before any rank starts
         ctx = mp.get_context("spawn")
         self._store = _rendezvous_store(t)
+        self._steps = StepWriter()  # each step pickled once, for every rank (engine/step_channel.py)
         port = self._store.port
         self.conns, self.procs = [], []
         for rank in range(t):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_rank_main, args=(cfg, rank, port, child), daemon=True, name=f"pdserve-rank{rank}")
+            p = ctx.Process(
+                target=_rank_main,
+                args=(cfg, rank, port, child, str(devices[rank]), self._steps.path),
+                daemon=True,
+                name=f"pdserve-rank{rank}",
+            )
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
         caps = [self._recv(c, STARTUP_TIMEOUT_S, "start") for c in self.conns]
+        self._steps.unlink()  # every rank has mapped it
         self.capacity: Capacity = caps[0]
 
     def _recv(self, conn, timeout: float, what: str, fatal: bool = True):
@@ -157,8 +177,10 @@ class MultiProcExecutor:
         return payload
 
     def execute(self, step: StepInput) -> StepOutput:
+        n = self._steps.write(step)
+        msg = step if n is None else n  # a step over the buffer's size goes whole down each pipe
         for c in self.conns:
-            c.send(step)
+            c.send(msg)
         outs = [self._recv(c, STEP_TIMEOUT_S, "a step") for c in self.conns]
         return outs[0]
 
@@ -191,6 +213,7 @@ class MultiProcExecutor:
                 p.kill()
         self.conns, self.procs = [], []
         self._store = None  # after the ranks: they may use the store until they exit
+        self._steps.close()
 
 
 def make_executor(cfg: EngineConfig) -> InProcExecutor | MultiProcExecutor:

@@ -10,11 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from engine.tiny_template import CHAT_TEMPLATE, SPECIAL_TOKENS, TEXT_TOKENS, VISION_TOKENS
+
 _CORPUS = """
 Hybrid language models mix linear attention layers with full attention layers. A gated delta
 network keeps a fixed-size recurrent state per request, while full attention keeps a key and
@@ -78,18 +75,22 @@ class TinyModelSpec:
 
 
 def _train_tokenizer(vocab: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """Byte-level BPE of `vocab` tokens: the special ones, the trained ones, then Qwen's added
+    tokens (engine/tiny_template.py) at the top, all below `vocab`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
+        vocab_size=vocab - len(TEXT_TOKENS) - len(VISION_TOKENS),
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TEXT_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
     return tok
 
 
@@ -190,8 +191,9 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
     eos = None
     tok = None
     if spec.tokenizer:
-        if spec.vocab < 256 + len(SPECIAL_TOKENS):
-            raise ValueError(f"vocab {spec.vocab} is too small for a byte-level tokenizer (needs >= 259)")
+        least = 256 + len(SPECIAL_TOKENS) + len(TEXT_TOKENS) + len(VISION_TOKENS)
+        if spec.vocab < least:
+            raise ValueError(f"vocab {spec.vocab} is too small for a byte-level tokenizer (needs >= {least})")
         tok = _train_tokenizer(spec.vocab)
         eos = tok.token_to_id("<|endoftext|>")
     cfg = _config(spec, eos)

@@ -30,5 +30,15 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    # `encode` and `decode` hold the GIL while they work; the batch calls release it, so these are
+    # what a thread off an event loop calls (a 2 MB text takes seconds to encode).
+    def encode_released(self, text: str) -> list[int]:
+        """`encode(text)`, releasing the GIL while the tokenizer works."""
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def decode_released(self, ids: list[int]) -> str:
+        """`decode(ids)`, releasing the GIL while the tokenizer works."""
+        return self._tok.decode_batch([ids], skip_special_tokens=True)[0]
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

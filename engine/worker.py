@@ -14,6 +14,7 @@ import torch
 from engine.cache.allocator import CachePools, Capacity, plan_capacity
 from engine.cache.spec import build_specs
 from engine.config import EngineConfig
+from engine.devices import StepFence, bind, node_devices
 from engine.loader import load_mtp_weights, load_weights
 from engine.model.batch import ForwardBatch, IntPack, group_fields, make_group
 from engine.model.graphs import DecodeGraphs, graphs_wanted
@@ -34,13 +35,21 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 class Worker:
     def __init__(
-        self, cfg: EngineConfig, rank: int = 0, all_reduce: AllReduce = _identity, broadcast: AllReduce = _identity
+        self,
+        cfg: EngineConfig,
+        rank: int = 0,
+        all_reduce: AllReduce = _identity,
+        broadcast: AllReduce = _identity,
+        device: torch.device | None = None,
     ):
-        """broadcast(t) must give every rank rank 0's `t` (identity when t = 1)."""
+        """broadcast(t) must give every rank rank 0's `t` (identity when t = 1); device: this
+        rank's (default: engine/devices.py's mapping of cfg.device)."""
         self.cfg, self.rank = cfg, rank
         self.broadcast = broadcast
-        self.device = torch.device(cfg.device)
         t = cfg.parallel.tensor_parallel_size
+        self.device = device if device is not None else node_devices(cfg.device, t)[rank]
+        bind(self.device)  # before any allocation
+        self.fence = StepFence(self.device)
         self.specs = build_specs(cfg, rank)
         k = cfg.speculative.num_tokens
         self.capacity: Capacity = plan_capacity(
@@ -143,6 +152,11 @@ class Worker:
         )
 
     def execute(self, step: StepInput) -> StepOutput | None:
+        out = self._execute(step)
+        self.fence.record()  # after every kernel the step queued: a push of its pages waits on it
+        return out
+
+    def _execute(self, step: StepInput) -> StepOutput | None:
         t0 = time.perf_counter()
         self.sampler.drop(step.finished_ids)
         if self.drafter is not None:

@@ -72,12 +72,13 @@ def gdn_chunk_prefill_fla(
     init = state_pool.index_select(0, slot_ids).float()
     if has_initial_state is not None:  # where(), not a multiply: a never-written slot may hold NaN
         init = torch.where(has_initial_state[:, None, None, None], init, torch.zeros((), device=init.device))
+    dt = torch.promote_types(q.dtype, v.dtype)  # fla wants one dtype: the engine's q, k are float32
     o, final = fn(
-        q[None],
-        k[None],
-        v[None],
+        q.to(dt)[None],
+        k.to(dt)[None],
+        v.to(dt)[None],
         g.float()[None],
-        beta.to(v.dtype)[None],
+        beta.to(dt)[None],
         scale=q.shape[-1] ** -0.5 if scale is None else scale,
         initial_state=init,
         output_final_state=True,

@@ -57,7 +57,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             self.connector = PrefillConnector(
                 self.engine.executor,
                 cfg.node_id,
-                TransferConfig(backend=self.backend),
+                TransferConfig(backend=self.backend, bind_host=cfg.data_host),
                 push_timeout_s=cfg.push_timeout_s,
                 spin_s=cfg.push_spin_s,
             )

@@ -6,6 +6,7 @@ all of them but the node lists and the host, which it sets itself."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from engine.options import option
 from router.policy import PolicyName, make_policy
@@ -28,8 +29,9 @@ class RouterConfig(SecurityArgs):
     # Admission (router/admission.py): requests wait in FIFO order for room, at most this long,
     # then RESOURCE_EXHAUSTED; a request that finds max_queued_requests waiting is refused at once.
     admission_timeout_s: float = option(30.0, ADMISSION_HELP)
+    # 1024: the largest completions request (64 prompts x n = 16) fits an idle router
     max_queued_requests: int = option(
-        512, "requests that may wait for admission; one more is refused RESOURCE_EXHAUSTED at once (0: no limit)"
+        1024, "requests that may wait for admission; one more is refused RESOURCE_EXHAUSTED at once (0: no limit)"
     )
     # Beyond the window requests wait in the admission queue and reserve no decode memory. A prompt
     # larger than the window still goes to an idle node.
@@ -79,8 +81,33 @@ class RouterConfig(SecurityArgs):
         0, "requests one API key may have in flight; more are refused RESOURCE_EXHAUSTED / HTTP 429 (0: no limit)"
     )
 
+    # The front door (router/http_limits.py): checked before a body is parsed or a prompt tokenized.
+    # 16 MiB holds a full 262,144-token context as token ids several times over, or a text prompt
+    # of max_prompt_chars; a 20 MB body is refused from its Content-Length, unread.
+    max_body_bytes: int = option(16 << 20, "largest HTTP request body, in bytes; a larger one is refused (400)")
+    max_prompt_chars: int = option(
+        4 << 20,
+        "longest text prompt (or chat messages), in characters, refused (400) before it is tokenized; prompts are "
+        "also refused beyond 16 characters per token of the longest context a live decode node serves",
+    )
+    tokenizer_workers: int = option(
+        0, "threads that tokenize long prompts and detokenize long texts off the event loop (0: one per core, 2-8)"
+    )
+
+    # Chat output parsers (docs/api.md "Chat: the template's inputs, reasoning, tool calls"); auto: from the chat template's text
+    reasoning_parser: Literal["auto", "think", "none"] = option(
+        "auto", "split <think>...</think> into reasoning_content (auto: when the chat template writes <think>)"
+    )
+    tool_call_parser: Literal["auto", "xml", "json", "none"] = option(
+        "auto",
+        "tool-call format parsed out of chat output: xml (<function=NAME>, Qwen3.5), json (Qwen2.5 / Qwen3) "
+        "(auto: from the chat template)",
+    )
+
     def __post_init__(self):
         self.check_security()
+        if self.max_body_bytes < 1024 or self.max_prompt_chars < 1 or self.tokenizer_workers < 0:
+            raise ValueError("max_body_bytes must be >= 1024, max_prompt_chars >= 1, tokenizer_workers >= 0")
         if self.max_requests_per_key < 0:
             raise ValueError("max_requests_per_key must be >= 0 (0: no limit)")
         if self.dead_after_s <= self.heartbeat_interval_s:

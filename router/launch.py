@@ -66,6 +66,8 @@ class PoolSpec:
     # the node plane's secret, handed to every process in PDSERVE_CLUSTER_TOKEN (never on a command
     # line); None: PDSERVE_CLUSTER_TOKEN of `up` itself, else a new random one per cluster
     cluster_token: str | None = field(default=None, repr=False)
+    # no cluster token at all: every component starts with --insecure-open-cluster
+    insecure_open_cluster: bool = False
     # the router's; with metrics_port set, every node serves /metrics on a free port
     router_options: dict[str, Any] = field(default_factory=dict)
     node_options: dict[str, Any] = field(default_factory=dict)
@@ -77,6 +79,8 @@ class PoolSpec:
             raise ValueError(f"need at least one decode node (got --decode {self.decode})")
         if self.prefill < 0:
             raise ValueError(f"--prefill must be >= 0 (got {self.prefill})")
+        if self.insecure_open_cluster and self.cluster_token:
+            raise ValueError("--insecure-open-cluster and --cluster-token-file exclude each other")
         _check_keys("router", self.router_options, settable(RouterConfig, ROUTER_MANAGED))
         _check_keys("node", self.node_options, node_settable())
         for pool, cls in NODE_CONFIGS.items():
@@ -99,7 +103,7 @@ class PoolSpec:
         """What `up` itself dials the router with (ListNodes while it waits for the nodes)."""
         o = self.router_options
         tls = Tls.from_files(o.get("tls_cert"), o.get("tls_key"), o.get("tls_ca"), o.get("tls_server_name"))
-        return Credentials(cluster_token=token.encode(), tls=tls)
+        return Credentials(cluster_token=token.encode() or None, tls=tls)
 
     def node_argv(self, pool: str) -> list[str]:
         """The options every node of `pool` is started with (beyond model, router, id, tp)."""
@@ -137,6 +141,8 @@ class Cluster:
         self._reported: set[str] = set()
         self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-up-")
         self._token = spec.cluster_token or os.environ.get(TOKEN_ENV, "").strip() or secrets.token_urlsafe(32)
+        if spec.insecure_open_cluster:
+            self._token = ""
         self.credentials = spec.credentials(self._token)
 
     @property
@@ -148,8 +154,10 @@ class Cluster:
         return [f"prefill-{i}" for i in range(s.prefill)] + [f"decode-{i}" for i in range(s.decode)]
 
     def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> None:
-        env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}  # client keys: the router's only
-        env.update({TOKEN_ENV: self._token}, **(extra_env or {}))
+        env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, TOKEN_ENV)}  # client keys: the router's
+        env.update({TOKEN_ENV: self._token} if self._token else {}, **(extra_env or {}))
+        if self.spec.insecure_open_cluster:
+            args = [*args, "--insecure-open-cluster"]
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         log_level, drain = ["--log-level", self.spec.log_level], ["--drain-timeout", str(self.spec.drain_timeout_s)]
         cmd = [sys.executable, "-m", "router.cli", *log_level, *args, *drain]

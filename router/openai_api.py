@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import aclosing
 from pathlib import Path
 
@@ -21,8 +21,19 @@ from starlette.exceptions import HTTPException
 
 from proto import pb
 from router.errors import Abort
+from router.http_limits import check_expansion, read_json
+from router.openai_chat import ChatFront
 from router.openai_choices import Choice, Job, usage
-from router.openai_models import ApiError, ChatRequest, CompletionRequest, bad, from_validation, prompts, sampling
+from router.openai_models import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    bad,
+    from_validation,
+    parse,
+    prompts,
+    sampling,
+)
 from router.request import Chunk
 
 log = logging.getLogger("pdserve.http")
@@ -67,7 +78,7 @@ class OpenAIFront:
 
     def __init__(self, service):
         self.service = service
-        self._env = None
+        self._chat: ChatFront | None = None
 
     @property
     def tok(self):
@@ -87,31 +98,16 @@ class OpenAIFront:
             404, f"model {name!r} not found; serving: {ids}", "invalid_request_error", "model", "model_not_found"
         )
 
-    def chat_prompt(self, req: ChatRequest) -> str:
-        tmpl = self.tok.chat_template if self.tok is not None else None
-        if tmpl is None:
-            raise bad("this model's tokenizer has no chat_template", "messages")
-        messages = []
-        for m in req.messages:
-            d = m.model_dump()
-            if isinstance(d["content"], list):  # content parts: keep the text ones
-                d["content"] = "".join(str(p.get("text", "")) for p in d["content"])
-            messages.append(d)
-        if self._env is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+    @property
+    def chat(self) -> ChatFront:
+        if self._chat is None:
+            cfg = getattr(self.service, "cfg", None)
+            self._chat = ChatFront(
+                self.tok, getattr(cfg, "reasoning_parser", "auto"), getattr(cfg, "tool_call_parser", "auto")
+            )
+        return self._chat
 
-            def raise_exception(msg):
-                raise ValueError(msg)
-
-            self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            self._env.globals["raise_exception"] = raise_exception
-            self._env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(v, ensure_ascii=False, indent=indent)
-        try:
-            return self._env.from_string(tmpl).render(messages=messages, add_generation_prompt=True)
-        except Exception as e:
-            raise bad(f"the chat template refused the messages: {e}", "messages") from None
-
-    def job(self, req: CompletionRequest | ChatRequest) -> Job:
+    async def job(self, req: CompletionRequest | ChatRequest) -> Job:
         """The GenerateRequests of an HTTP body: n per prompt (completions take a batch of
         prompts; choice j * n + i is sample i of prompt j; with a seed, sample i uses seed + i)."""
         chat = isinstance(req, ChatRequest)
@@ -119,10 +115,18 @@ class OpenAIFront:
         sp = sampling(req)
         if sp.HasField("logprobs") and self.tok is None:
             raise bad("logprobs need a tokenizer on the router", "logprobs")
-        ps = [self.chat_prompt(req)] if chat else prompts(req)
+        prep = None
+        if isinstance(req, ChatRequest):  # the template's input is bounded like a prompt, before it is rendered
+            self.service.check_prompt_chars(sum(len(str(m.content or "")) for m in req.messages), "messages")
+            prep = self.chat.prepare(req)
+            if prep.constraint is not None:
+                sp.constraint.CopyFrom(prep.constraint)
+        ps = [prep.prompt] if prep is not None else prompts(req)
         echo = not chat and req.echo
         n, rid = req.n, uuid.uuid4().hex
+        check_expansion(len(ps), n, self.service.expansion_limit())
         job = Job(model, chat, rid, n, req.no_output, sp.logprobs if sp.HasField("logprobs") else None)
+        job.output = prep.output if prep is not None else None
         for j, p in enumerate(ps):
             base = pb.GenerateRequest(sampling=sp)
             if isinstance(p, str) and (not echo or not sp.HasField("prompt_logprobs")):
@@ -130,12 +134,12 @@ class OpenAIFront:
             elif isinstance(p, str):  # echo with logprobs: the ids the logprobs are for
                 if self.tok is None:
                     raise bad("this router has no tokenizer: send the prompt as token ids", "prompt")
-                base.prompt_token_ids.extend(self.tok.encode(p))
+                base.prompt_token_ids.extend(await self.service.encode(p))
             else:
                 base.prompt_token_ids.extend(p)
             text = None
             if echo:
-                text = p if isinstance(p, str) else self.tok.decode(p) if self.tok is not None else ""
+                text = p if isinstance(p, str) else await self.service.text.decode(p) if self.tok is not None else ""
             for i in range(n):
                 r = pb.GenerateRequest()
                 r.CopyFrom(base)
@@ -147,7 +151,7 @@ class OpenAIFront:
                 job.prompt_ids.append(list(base.prompt_token_ids))
         return job
 
-    async def events(self, job: Job) -> AsyncIterator[tuple[int, Chunk]]:
+    async def events(self, job: Job) -> AsyncGenerator[tuple[int, Chunk], None]:
         """(choice, chunk) as they come, over every choice's generate; raises the first Abort."""
         if len(job.reqs) == 1:
             async with aclosing(self.service.generate(job.reqs[0])) as g:
@@ -191,8 +195,9 @@ class OpenAIFront:
         out["usage"] = usage(choices)
         return _json(200, out)
 
-    async def stream(self, job: Job, include_usage: bool, request: Request) -> Response:
-        """Errors before the first chunk get an HTTP status; later ones an error event, then the end."""
+    async def opened(self, job: Job, request: Request) -> AsyncGenerator[tuple[int, Chunk], None]:
+        """The job's events with the first one awaited here: an error before it raises now (an
+        HTTP status), a disconnect raises _Gone; later ones come from the generator."""
         ev = self.events(job)
         try:
             first = await _until_disconnect(request, ev.__anext__())
@@ -201,6 +206,21 @@ class OpenAIFront:
         except BaseException:
             await ev.aclose()
             raise
+
+        async def rest() -> AsyncGenerator[tuple[int, Chunk], None]:
+            try:
+                if first is not None:
+                    yield first
+                async for x in ev:
+                    yield x
+            finally:
+                await ev.aclose()
+
+        return rest()
+
+    async def stream(self, job: Job, include_usage: bool, request: Request) -> Response:
+        """Errors before the first chunk get an HTTP status; later ones an error event, then the end."""
+        ev = await self.opened(job, request)
         choices = [Choice(job, i, self.tok) for i in range(len(job.reqs))]
         head = job.head(chunk=True)
 
@@ -210,15 +230,7 @@ class OpenAIFront:
                     for c in choices:
                         role = {"index": c.index, "delta": {"role": "assistant", "content": ""}}
                         yield _sse(dict(head, choices=[dict(role, logprobs=None, finish_reason=None)]))
-                pending = [first] if first is not None else []
-                while True:
-                    if pending:
-                        i, c = pending.pop()
-                    else:
-                        try:
-                            i, c = await ev.__anext__()
-                        except StopAsyncIteration:
-                            break
+                async for i, c in ev:
                     d = choices[i].delta(c)
                     if d is not None:
                         yield _sse(dict(head, choices=[d]))
@@ -287,7 +299,7 @@ def make_app(service) -> FastAPI:
         return _json(200, {"object": "list", "data": data})
 
     async def answer(req: CompletionRequest | ChatRequest, request: Request) -> Response:
-        job = front.job(req)
+        job = await front.job(req)
         try:
             if req.stream:
                 return await front.stream(job, req.include_usage, request)
@@ -295,12 +307,20 @@ def make_app(service) -> FastAPI:
         except _Gone:
             return Response(status_code=499)  # nobody reads it
 
+    limit = service.cfg.max_body_bytes
+
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        return await answer(req, request)
+    async def completions(request: Request):
+        return await answer(parse(CompletionRequest, await read_json(request, limit)), request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest, request: Request):
-        return await answer(req, request)
+    async def chat_completions(request: Request):
+        return await answer(parse(ChatRequest, await read_json(request, limit)), request)
+
+    from router.openai_responses import respond  # it builds on this module's helpers
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await respond(front, await read_json(request, limit), request)
 
     return app

@@ -11,9 +11,11 @@ output's (the first prompt token has none). Logprobs are shaped as completions'
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from proto import pb
+from router.parsers.output import ChatOutput
 from router.request import Chunk
 
 
@@ -31,6 +33,7 @@ class Job:
     echoes: list[str | None] = field(default_factory=list)  # per choice: with echo, its prompt's text
     prompt_ids: list[list[int]] = field(default_factory=list)  # per choice: its prompt's ids, when sent as ids
     created: int = field(default_factory=lambda: int(time.time()))
+    output: Callable[[], ChatOutput] | None = None  # chat: each choice's output parsers
 
     def head(self, chunk: bool) -> dict:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -55,6 +58,7 @@ class Choice:
         self.finish: str | None = None
         self.offset = 0  # completions text_offset of the next token
         self.started = False
+        self.out = job.output() if job.output is not None else None
 
     def _take(self, c: Chunk) -> tuple[str, list]:
         """The text and logprob entries this chunk adds (echo: the prompt's on the first)."""
@@ -79,12 +83,19 @@ class Choice:
         text, entries = self._take(c)
         self.text.append(text)
         self.entries += entries
+        if self.out is not None:
+            self.out.push(text, final=bool(c.finish_reason))
+
+    def _finish(self, fin: str | None) -> str | None:
+        """finish_reason: "tool_calls" when the output ended on its own after calls."""
+        return "tool_calls" if fin == "stop" and self.out is not None and self.out.calls else fin
 
     def whole(self) -> dict:
-        out = {"index": self.index, "finish_reason": self.finish}
+        out = {"index": self.index, "finish_reason": self._finish(self.finish)}
         lp = self._logprobs(self.entries) if self.job.logprobs is not None else None
         if self.job.chat:
-            out["message"] = {"role": "assistant", "content": "".join(self.text)}
+            msg = self.out.message() if self.out is not None else None
+            out["message"] = msg or {"role": "assistant", "content": "".join(self.text)}
             out["logprobs"] = lp
         else:
             out.update(text="".join(self.text), logprobs=lp)
@@ -93,14 +104,16 @@ class Choice:
     def delta(self, c: Chunk) -> dict | None:
         """The stream delta of this chunk; None when it adds nothing."""
         text, entries = self._take(c)
-        fin = c.finish_reason or None
-        if not text and not entries and fin is None:
+        ended = bool(c.finish_reason)
+        fields = self.out.push(text, final=ended) if self.out is not None else {"content": text} if text else {}
+        fin = self._finish(c.finish_reason or None)
+        if not fields and not entries and fin is None:
             return None
         lp = self._logprobs(entries) if self.job.logprobs is not None else None
         if self.job.chat:
             return {
                 "index": self.index,
-                "delta": {"content": text} if text else {},
+                "delta": fields,
                 "logprobs": lp,
                 "finish_reason": fin,
             }

@@ -82,7 +82,9 @@ def parse(model: type[BaseModel], body: Any) -> BaseModel:
 
 
 Float = Annotated[float, Field(allow_inf_nan=False)]
-TokenIds = list[Annotated[int, Field(ge=0)]]
+I32 = 2**31 - 1  # the wire's int32 fields: larger values are refused here, not by the encoder (a 500)
+Count = Annotated[int, Field(ge=0, le=I32)]
+TokenIds = list[Count]
 
 
 class StreamOptions(BaseModel):
@@ -96,22 +98,22 @@ class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: Annotated[str, Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=0)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     temperature: Annotated[Float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None
-    top_k: int | None = None
+    top_k: Annotated[int, Field(ge=-1, le=I32)] | None = None
     min_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None  # an extension, as vLLM's
     presence_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[Float, Field(ge=0.0, le=10.0)] | None = None
-    seed: Annotated[int, Field(ge=0)] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
-    num_speculative_tokens: Annotated[int, Field(ge=0)] | None = None  # at most the nodes' own
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    min_tokens: Count | None = None
+    num_speculative_tokens: Count | None = None  # at most the nodes' own
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     best_of: int | None = None
-    stop: str | list[str | int] | None = None  # ints: token ids (an extension)
-    stop_token_ids: list[int] | None = None
+    stop: str | list[str | Annotated[int, Field(ge=-(2**31), le=I32)]] | None = None  # ints: token ids (an extension)
+    stop_token_ids: list[Annotated[int, Field(ge=-(2**31), le=I32)]] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -146,13 +148,18 @@ class CompletionRequest(_Request):
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
-    content: str | list[dict[str, Any]] | None
+    content: str | list[dict[str, Any]] | None = None  # None: an assistant turn of tool calls only
 
 
 class ChatRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1)]
     logprobs: bool = False
     echo: Any = None
+    # the chat template's inputs (router/chat_template.py); tools and tool_choice: router/tool_choice.py
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    parallel_tool_calls: bool | None = None  # None: true, as OpenAI
 
 
 def prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -160,27 +167,30 @@ def prompts(req: CompletionRequest) -> list[str | list[int]]:
     p = req.prompt
 
     def ids(x) -> bool:
-        return isinstance(x, list) and bool(x) and all(isinstance(t, int) for t in x)
+        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and 0 <= t <= I32 for t in x)
 
     if (isinstance(p, str) and p) or ids(p):
         return [p]
     if isinstance(p, list) and 0 < len(p) <= MAX_BATCH and all((isinstance(x, str) and x) or ids(x) for x in p):
         return p
     raise bad(
-        f"'prompt' must be a non-empty string, a list of token ids, or a list of up to {MAX_BATCH} of either", "prompt"
+        f"'prompt' must be a non-empty string, a list of token ids (integers in [0, 2^31)), or a list of up to "
+        f"{MAX_BATCH} of either",
+        "prompt",
     )
 
 
 def _refuse_unsupported(req: _Request) -> None:
-    for name in ("suffix", "tools", "functions"):
+    chat = isinstance(req, ChatRequest)  # chat takes tools, tool_choice and response_format
+    for name in ("suffix", "functions") if chat else ("suffix", "tools", "functions"):
         if getattr(req, name) not in (None, {}, []):
-            raise bad(f"'{name}' is not supported", name)
-    for name in ("tool_choice", "function_call"):
+            raise bad(f"'{name}' is not supported" + ("" if chat else " for completions"), name)
+    for name in ("function_call",) if chat else ("tool_choice", "function_call"):
         if getattr(req, name) not in (None, "none", "auto"):
             raise bad(f"'{name}' is not supported (no tools)", name)
     rf = req.response_format
-    if rf not in (None, {}) and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad("only response_format {'type': 'text'} is supported", "response_format")
+    if not chat and rf not in (None, {}) and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise bad("'response_format' is a chat option", "response_format")
     if req.best_of not in (None, req.n):
         raise bad("best_of other than n is not supported", "best_of")
 

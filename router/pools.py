@@ -34,6 +34,11 @@ OWN: dict[str, tuple[type, Any, str]] = {
         "file holding the cluster token, handed to every component (default: PDSERVE_CLUSTER_TOKEN, else a new "
         "random one for this cluster)",
     ),
+    "insecure_open_cluster": (
+        bool,
+        False,
+        "start every component without a cluster token: any process that reaches one can join the cluster",
+    ),
     "drain_timeout": (
         float,
         30.0,
@@ -69,8 +74,12 @@ def add_up_options(p: argparse.ArgumentParser) -> None:
         help="pools.yaml: these options as keys, per pool under prefill: and decode: (the command line wins)",
     )
     for dest, (typ, default, text) in OWN.items():
+        flag = "--" + dest.replace("_", "-")
+        if typ is bool:
+            p.add_argument(flag, action="store_const", const=True, default=None, help=text)
+            continue
         shown = "" if default is None else f" (default {default})"
-        p.add_argument("--" + dest.replace("_", "-"), type=typ, default=None, help=text + shown)
+        p.add_argument(flag, type=typ, default=None, help=text + shown)
     for u in up_options().values():
         who = [LABELS[c] for c in u.fields]
         if who == [LABELS["decode"], LABELS["prefill"]]:
@@ -124,6 +133,8 @@ def spec_from_args(args: argparse.Namespace, default_model: Callable[[], Any]) -
     for d, (typ, default, _) in OWN.items():
         v = cli.get(d, top.get(d, default))
         try:
+            if typ is bool and not isinstance(v, bool):
+                raise ValueError
             own[d] = None if v is None else typ(v)
         except (TypeError, ValueError):
             raise ValueError(f"{d}: cannot read {v!r} as {typ.__name__}") from None
@@ -154,6 +165,7 @@ def spec_from_args(args: argparse.Namespace, default_model: Callable[[], Any]) -
         prefill_options=opts["prefill"],
         decode_options=opts["decode"],
         cluster_token=_token(own["cluster_token_file"]),
+        insecure_open_cluster=own["insecure_open_cluster"],
     )
 
 

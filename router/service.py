@@ -25,6 +25,7 @@ from router.prefix import PrefixQuery
 from router.registry import NodeEntry, NodeRegistry
 from router.request import Chunk, RequestRun, Trace
 from router.stops import with_stops
+from router.text import TextPool
 from serving.metrics import ServingMetrics
 from serving.rpc import MAX_REQUEST_ID_LEN
 from serving.security import OPEN, Credentials
@@ -34,6 +35,10 @@ log = logging.getLogger("pdserve.router")
 # Requests in flight beyond the admission queue's limit that the router still takes (streaming);
 # more are refused RESOURCE_EXHAUSTED at once.
 STREAMING = 1024
+# A text prompt longer than this many characters per token of the longest context a live decode
+# node serves cannot fit it (tokenizers' pieces average 3-5 characters of text; a whole context
+# averaging 16 is far beyond any real prompt): refused before it is tokenized.
+CHARS_PER_TOKEN = 16
 
 
 class GenerateService:
@@ -48,11 +53,13 @@ class GenerateService:
         self._tasks: set[asyncio.Task] = set()
         self.prefill = PrefillPhase(cfg, self.registry, self.policy, self.spawn)
         self.tokenizer = None
+        self.text: TextPool | None = None  # the tokenizer's calls, long ones off the loop
         if cfg.model:
             from engine.tokenizer import Tokenizer
 
             if Tokenizer.exists(cfg.model):
                 self.tokenizer = Tokenizer(cfg.model)
+                self.text = TextPool(self.tokenizer, cfg.tokenizer_workers)
         self.active = 0  # requests in generate
         self.idle = asyncio.Event()  # set while active == 0 (the drain waits on it)
         self.idle.set()
@@ -142,7 +149,7 @@ class GenerateService:
         self.active += 1
         self.idle.clear()
         try:
-            ids = self._prompt_ids(request)
+            ids = await self._prompt_ids(request)
             tr.prompt_len = len(ids)
             self._check(request, ids)
             run = RequestRun(self, request, ids, tr)
@@ -166,13 +173,45 @@ class GenerateService:
             if not self.active:
                 self.idle.set()
 
-    def _prompt_ids(self, request) -> list[int]:
+    def prompt_chars_limit(self) -> tuple[int, str]:
+        """The most characters a text prompt may have, and what sets it (checked before tokenizing)."""
+        limit, why = self.cfg.max_prompt_chars, "--max-prompt-chars"
+        nodes = self.registry.live(pb.NODE_KIND_DECODE)
+        if nodes:
+            ctx = max(e.info.max_model_len for e in nodes)
+            if CHARS_PER_TOKEN * ctx < limit:
+                limit, why = CHARS_PER_TOKEN * ctx, f"{CHARS_PER_TOKEN} per token of max_model_len {ctx}"
+        return limit, why
+
+    def check_prompt_chars(self, chars: int, what: str = "prompt") -> None:
+        """Abort INVALID_ARGUMENT when a text of `chars` characters is too long to tokenize."""
+        limit, why = self.prompt_chars_limit()
+        if chars > limit:
+            raise Abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{what} of {chars:,} characters is longer than the limit of {limit:,} characters ({why})",
+            )
+
+    def expansion_limit(self) -> int:
+        """The most sequences one request may expand into (prompts x n): what an idle router takes
+        at once, its admission queue plus the live decode nodes' state slots (0: no limit)."""
+        q = self.cfg.max_queued_requests
+        if not q:
+            return 0
+        return q + sum(e.info.capacity.total_slots for e in self.registry.routable(pb.NODE_KIND_DECODE))
+
+    async def encode(self, text: str, what: str = "prompt") -> list[int]:
+        """Token ids of a text prompt: its length checked first, long ones tokenized off the loop."""
+        if self.text is None:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "this router has no tokenizer: send prompt_token_ids")
+        self.check_prompt_chars(len(text), what)
+        return await self.text.encode(text)
+
+    async def _prompt_ids(self, request) -> list[int]:
         if request.prompt and request.prompt_token_ids:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "give prompt text or prompt_token_ids, not both")
         if request.prompt:
-            if self.tokenizer is None:
-                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "this router has no tokenizer: send prompt_token_ids")
-            ids = self.tokenizer.encode(request.prompt)
+            ids = await self.encode(request.prompt)
         else:
             ids = list(request.prompt_token_ids)
         if not ids:
@@ -277,6 +316,8 @@ class GenerateService:
         self.registry.on_change()
 
     async def close(self) -> None:
+        if self.text is not None:
+            self.text.close()
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -54,7 +54,17 @@ class NodeArgs(SecurityArgs, EngineArgs):
     )
     heartbeat_interval_s: float = option(0.5, "seconds between heartbeats until the router names its own")
     transfer_backend: Literal["nixl", "ucxx"] = option("nixl", "data plane of the transfer endpoints")
+    transfer_host: str | None = option(
+        None,
+        "address whose network interface the data plane (UCX) listens on (on the command line, default --host, "
+        "or --advertise-host when --host is 0.0.0.0; 0.0.0.0: every interface)",
+    )
     metrics_port: int | None = option(None, "Prometheus /metrics on this port (0 picks one; default off)")
+
+    @property
+    def data_host(self) -> str:
+        """The address whose interface the data plane uses (transfer/netif.py)."""
+        return self.transfer_host or self.advertise_host
 
     def __post_init__(self) -> None:
         self.check_security()

@@ -37,6 +37,9 @@ log = logging.getLogger("pdserve.node")
 
 _T = TypeVar("_T")
 
+# handler threads beyond the streams, for Reserve, Release, Stats, Handshake and health checks
+SHORT_CALL_THREADS = 32
+
 
 class NodeServer:
     KIND: ClassVar[str] = ""  # "decode" | "prefill"
@@ -128,10 +131,18 @@ class NodeServer:
             refuse_draining(context, self.name)
 
     # ---- lifecycle -----------------------------------------------------------------------------
+    def handler_threads(self) -> int:
+        """gRPC handler threads: a handler holds its thread for a whole stream, so one for every
+        stream the engine can hold at once (a running or waiting request's, a reservation's: its
+        state slots plus a running batch's worth waiting) and room for the short calls beside them.
+        A fixed pool smaller than that stalled streams beyond it silently while the engine had room."""
+        e = self.ecfg
+        return e.scheduler.max_num_seqs + e.num_state_slots + SHORT_CALL_THREADS
+
     def start(self, addr: str) -> int:
         creds = credentials(self.cfg)  # the cluster token, TLS (serving/security.py)
         self.server, port, self._health = start_server(
-            addr, self._add_servicer, [self.SERVICE], max_workers=64, creds=creds
+            addr, self._add_servicer, [self.SERVICE], max_workers=self.handler_threads(), creds=creds
         )
         self.address = f"{self.cfg.advertise_host}:{port}"
         if self.cfg.router:

@@ -9,6 +9,9 @@ from typing import Literal
 @dataclass(frozen=True)
 class TransferConfig:
     backend: Literal["nixl", "ucxx"] = "nixl"  # data plane; see transfer.backend.TRANSPORTS
+    # the address whose network interface UCX uses (transfer/netif.py); a wildcard ("0.0.0.0"):
+    # every interface; None: leave UCX_NET_DEVICES as the environment has it
+    bind_host: str | None = "127.0.0.1"
     checksum: bool = False  # crc32 over a channel's bytes, sent with Done, checked by the destination
     lease_s: float = 60.0  # receiver: a reservation not completed by then is released
     grant_timeout_s: float = 30.0  # sender: a destination that neither grants nor refuses by then fails the request

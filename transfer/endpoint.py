@@ -14,10 +14,12 @@ from typing import ClassVar, Literal, Protocol, TypeVar
 from engine.cache.allocator import CachePools
 from engine.cache.block_manager import BlockManager, SlotPool
 from engine.config import EngineConfig
+from engine.devices import StepFence
 from transfer.backend import TransferState, Transport, byte_view, get_transport
 from transfer.config import TransferConfig
 from transfer.handshake import check_peer
 from transfer.messages import Control, decode_control, encode_control
+from transfer.netif import ucx_net_devices
 from transfer.plan import RegionPair
 from transfer.schema import SCHEMA_VERSION, PeerInfo, build_schema, decode_peer, encode
 
@@ -70,8 +72,12 @@ class Endpoint:
         *,
         blocks: BlockManager | None = None,
         slots: SlotPool | None = None,
+        fence: StepFence | None = None,
     ) -> None:
+        """fence: recorded by the rank after each step; a sender waits on it before a write reads
+        the pools (engine/devices.py)."""
         self.config = config or TransferConfig()
+        self.fence = fence
         self.cfg, self.rank, self.pools, self.node = cfg, rank, pools, node
         self.schema = build_schema(cfg, rank, pools)
         self.digest = self.schema.digest.fingerprint()
@@ -86,7 +92,8 @@ class Endpoint:
             if self.config.backend == "nixl"
             else {"error_handling": self.config.ucxx_error_handling}
         )
-        self.transport: Transport = get_transport(self.config.backend)(self.agent, regions, **opts)
+        with ucx_net_devices(self.config.bind_host):  # the UCX context reads it when it is made
+            self.transport: Transport = get_transport(self.config.backend)(self.agent, regions, **opts)
         self.info = PeerInfo(
             SCHEMA_VERSION,
             self.config.backend,

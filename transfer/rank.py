@@ -79,7 +79,7 @@ def open_endpoint(worker: Worker, role: str, node: str, config: TransferConfig |
     cls = {"sender": Sender, "receiver": Receiver}.get(role)
     if cls is None:
         raise ValueError(f"unknown transfer role {role!r}; known: sender, receiver")
-    ep = cls(worker.cfg, worker.rank, worker.pools, node=node, config=config)
+    ep = cls(worker.cfg, worker.rank, worker.pools, node=node, config=config, fence=worker.fence)
     worker.ext[_key(config.backend)] = ep
     return ep.metadata()
 

@@ -236,6 +236,8 @@ class Sender(Endpoint):
         if req.state.terminal or not req.queued or not all(ch.granted for ch in req.channels.values()):
             return
         try:
+            if self.fence is not None:  # the step that wrote these pages may still run on the device
+                self.fence.wait()
             while req.queued:
                 layers, final = req.queued.pop(0)
                 for ch in req.channels.values():

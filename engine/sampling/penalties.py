@@ -1,6 +1,7 @@
 """Per-request token counts on the device for requests with presence / frequency / repetition
 penalties (a sparse table of each request's distinct tokens, updated by each step without a host
-read), and their batched application (docs/api.md, "Sampling applies, in order")."""
+read; the tables of a step's new requests built on the host and loaded in the sampler's one
+upload), and their batched application (docs/api.md, "Sampling applies, in order")."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.pack import HostPack, Sections
 
 
 @dataclass
@@ -21,8 +22,9 @@ class _Entry:
 
 
 class TokenCounts:
-    def __init__(self, vocab_size: int, device: torch.device):
-        self.vocab, self.device = vocab_size, device
+    def __init__(self, vocab_size: int, device: torch.device, fused: bool = False):
+        """fused: apply and record in Triton kernels (kernels/triton/sampling.py)."""
+        self.vocab, self.device, self.fused = vocab_size, device, fused
         self.entries: dict[str, _Entry] = {}
         self.free: list[int] = []
         self.tok = torch.zeros(0, 0, dtype=torch.long, device=device)
@@ -48,22 +50,32 @@ class TokenCounts:
             if e is not None:
                 self.free.append(e.row)
 
-    def rows(self, request_ids: list[str], histories) -> list[int]:
-        """The table row of each request, built from its (prompt, output) ids where it is missing
-        or stale, with room for one more entry each."""
-        out = []
+    def rows(self, request_ids: list[str], histories, pack: HostPack) -> list[int]:
+        """The table row of each request, with room for one more entry each. Rows missing or
+        stale are built from their (prompt, output) ids into `pack` (sections "counts.*", all
+        new rows in one upload) for `load` to write on the device."""
+        out, built = [], []
         for rid, (prompt, output) in zip(request_ids, histories):
             e = self.entries.get(rid)
             last = output[-1] if output else None
             if e is None or e.covered != len(output) or e.last != last:
-                e = self._build(rid, prompt, output)
+                e, entries = self._build(rid, prompt, output)
+                built.append((e.row, entries))
             out.append(e.row)
         need = max(self.entries[r].bound for r in request_ids) + 1
         if need > self.tok.shape[1]:
             self._resize(self.tok.shape[0], max(need, 2 * self.tok.shape[1], 64))
+        if built:
+            w = self.tok.shape[1]
+            pack.ints("counts.rows", [row for row, _ in built])
+            pack.ints("counts.size", [len(ent) for _, ent in built])
+            pack.ints("counts.flat", [row * w + j for row, ent in built for j in range(len(ent))])
+            pack.ints("counts.entries", [x for _, ent in built for t in ent for x in t])
         return out
 
-    def _build(self, rid: str, prompt: list[int], output: list[int]) -> _Entry:
+    def _build(self, rid: str, prompt: list[int], output: list[int]) -> tuple[_Entry, list[tuple[int, int, int]]]:
+        """The request's entry (a table row taken where it has none) and its table on the host:
+        (token, count in the output, 1 if in the prompt) for each distinct token, ascending."""
         e = self.entries.get(rid)
         if e is None:
             if not self.free:
@@ -73,20 +85,28 @@ class TokenCounts:
         counts = Counter(t for t in output if t < v)
         in_prompt = {t for t in prompt if t < v}
         toks = sorted(in_prompt | set(counts))
-        if len(toks) > self.tok.shape[1]:
-            self._resize(self.tok.shape[0], max(len(toks), 2 * self.tok.shape[1]))
-        w, row, d = self.tok.shape[1], e.row, self.device
-        pad = w - len(toks)
-        self.tok[row] = torch.tensor(toks + [0] * pad, dtype=torch.long, device=d)
-        self.cnt[row] = torch.tensor([counts[t] for t in toks] + [0] * pad, dtype=torch.int32, device=d)
-        self.inp[row] = torch.tensor([t in in_prompt for t in toks] + [False] * pad, dtype=torch.bool, device=d)
-        self.size[row] = len(toks)
         e.covered, e.last, e.bound = len(output), (output[-1] if output else None), len(toks)
-        return e
+        return e, [(t, counts[t], int(t in in_prompt)) for t in toks]
 
-    def record(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """One sampled token per table row (distinct rows), on the device: its count goes up, in a
-        new entry when the row has none for it."""
+    def load(self, s: Sections) -> None:
+        """Write the rows `rows` built into the uploaded sections, on the device."""
+        rows, flat = s["counts.rows"], s["counts.flat"]
+        ent = s["counts.entries"].view(-1, 3)
+        self.cnt[rows] = 0
+        self.inp[rows] = False
+        self.tok.view(-1)[flat] = ent[:, 0]
+        self.cnt.view(-1)[flat] = ent[:, 1].int()
+        self.inp.view(-1)[flat] = ent[:, 2].bool()
+        self.size[rows] = s["counts.size"]
+
+    def record(self, rows: torch.Tensor, tokens: torch.Tensor, at: torch.Tensor) -> None:
+        """Table row rows[i] (distinct rows) counts the sampled token tokens[at[i]], on the device:
+        its count goes up, in a new entry when the row has none for it."""
+        if self.fused:
+            from kernels.triton.sampling import record_triton
+
+            return record_triton(rows, at, tokens, self.tok, self.cnt, self.size)
+        tokens = tokens[at]
         size = self.size[rows]
         used = torch.arange(self.tok.shape[1], device=rows.device) < size[:, None]
         match = (self.tok[rows] == tokens[:, None]) & used
@@ -102,23 +122,27 @@ class TokenCounts:
             e = self.entries[rid]
             e.covered, e.last, e.bound = e.covered + 1, t, e.bound + 1
 
-    def apply(self, x: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, params: list[SamplingParams]) -> None:
-        """In place on x [N, V]: at positions `pos` (table rows `rows`, params in the same order)
-        the repetition penalty on tokens of the prompt or output, then minus presence_penalty
-        for each output token and frequency_penalty per occurrence. Only the table's entries
-        are read and written."""
+    def apply(
+        self, x: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, rep: torch.Tensor | None, pf: torch.Tensor | None
+    ) -> None:
+        """In place on x [N, V]: at positions `pos` [P] (table rows `rows` [P]) the repetition
+        penalty rep [P] on tokens of the prompt or output, then minus presence penalty pf[:, 0]
+        for each output token and frequency penalty pf[:, 1] per occurrence (None: no row has
+        one). Only the table's entries are read and written."""
+        if self.fused:
+            from kernels.triton.sampling import penalties_triton
+
+            return penalties_triton(x, pos, rows, self.tok, self.cnt, self.inp, self.size, rep, pf)
         d = x.device
         tok, cnt = self.tok[rows], self.cnt[rows].float()
         at = pos[:, None].expand_as(tok)
         old = x[at, tok]
         new = old
-        reps = [p.repetition_penalty for p in params]
-        if any(r != 1.0 for r in reps):
-            r = torch.tensor(reps, device=d)[:, None]
+        if rep is not None:
+            r = rep[:, None]
             seen = self.inp[rows] | (cnt > 0)
             new = torch.where(seen, torch.where(old > 0, old / r, old * r), old)
-        if any(p.presence_penalty or p.frequency_penalty for p in params):
-            pf = torch.tensor([[p.presence_penalty, p.frequency_penalty] for p in params], device=d)
+        if pf is not None:
             new = new - (pf[:, :1] * (cnt > 0) + pf[:, 1:] * cnt)
         # unused entries write their row's first entry again: duplicate indices, identical values
         used = torch.arange(tok.shape[1], device=d) < self.size[rows][:, None]

@@ -1,19 +1,21 @@
 """The batched sampler on rank 0: one pass of tensor ops over every position a step samples
 (penalties, logit_bias and min_tokens, then argmax or an inverse-CDF draw after the filters),
-drafts verified by the same draws, one host read of the ids per step (a second for logprobs,
-and one where top-p / min-p rows without top-k check their head; docs/engine.md)."""
+drafts verified by the same draws. The host plans a call into one HostPack (engine/sampling/
+pack.py): at most two host-to-device copies a call, whatever the batch, and one host read (the
+ids, with the logprobs rows' entries and the head rows' checks in the same read). Only a top-p /
+min-p row whose 1024 most likely tokens do not hold its kept set costs a second read, after its
+sorted draw (docs/engine.md)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from engine.sampling.filters import candidate_probs, head_suffices, inverse_cdf
+from engine.sampling import draw as drawing
+from engine.sampling.pack import HostPack, Sections
 from engine.sampling.penalties import TokenCounts
-from engine.sampling.rng import as_int64, seeded_uniforms
-from engine.sampling_params import SamplingParams
-
-TOPK_LIMIT = 1024  # rows with a larger top_k sort the whole vocabulary
-HEAD = 1024  # rows with top-p or min-p alone try the HEAD most likely tokens before a sort
+from kernels.triton import force_triton
 
 # (token id, log-probability, [(id, log-probability) of the n most likely, most likely first])
 TokenLogprob = tuple[int, float, list[tuple[int, float]]]
@@ -24,24 +26,33 @@ def token_logprobs(logprobs: torch.Tensor, targets: list[int], n: int) -> list[T
     and the n most likely ids of its row (ties: the lower id first, as torch.topk orders them).
     One host read."""
     t = torch.tensor(targets, device=logprobs.device)[:, None]
-    cols = [logprobs.gather(-1, t)]
+    got = _logprob_cols(logprobs, t, n).double().tolist()
+    return [_entry(tk, r, n) for tk, r in zip(targets, got)]
+
+
+def _logprob_cols(logprobs: torch.Tensor, targets: torch.Tensor, n: int) -> torch.Tensor:
+    """[R, 1 + 2n]: the target's log-probability, the n largest, their ids (exact in float32)."""
+    cols = [logprobs.gather(-1, targets)]
     if n:
         top = torch.topk(logprobs, n, dim=-1)
-        cols += [top.values, top.indices.to(logprobs.dtype)]  # ids < 2**24: exact in float32
-    got = torch.cat(cols, 1).double().tolist()
-    return [(tk, r[0], [(int(i), v) for v, i in zip(r[1 : 1 + n], r[1 + n :])]) for tk, r in zip(targets, got)]
+        cols += [top.values, top.indices.to(logprobs.dtype)]
+    return torch.cat(cols, 1)
 
 
-def _kind(top_k: int, p: SamplingParams) -> str:
-    """How a sampled row draws: over torch.topk's candidates, over the sorted vocabulary (top-p or
-    min-p without a small top-k), or over the whole vocabulary in id order (temperature alone)."""
-    if 0 < top_k <= TOPK_LIMIT:
-        return "topk"
-    return "sort" if top_k or p.top_p < 1.0 or p.min_p else "plain"
+def _entry(token: int, r: list[float], n: int) -> TokenLogprob:
+    return (token, r[0], [(int(i), v) for v, i in zip(r[1 : 1 + n], r[1 + n : 1 + 2 * n])])
 
 
-def _tensor(values, dtype, device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)
+@dataclass
+class _Adjust:
+    """The host's plan of a call's adjustments: which rows are penalized, which sections exist."""
+
+    pen: list[int]  # index in rows of each penalized row
+    rep: bool = False
+    pf: bool = False
+    built: bool = False
+    bias: bool = False
+    ban: bool = False
 
 
 class Sampler:
@@ -53,6 +64,22 @@ class Sampler:
         self.gen = torch.Generator(device=self.device).manual_seed(seed)  # unseeded requests' draws
         self.eos = tuple(eos_token_ids)
         self.counts: TokenCounts | None = None  # made at the first penalized row (it needs V)
+        self._fused: bool | None = None
+
+    @property
+    def fused(self) -> bool:
+        """Draws, penalties and count updates in Triton kernels: on CUDA where they build (checked
+        at the first call), or anywhere with PDSERVE_FORCE_TRITON=1."""
+        if self._fused is None:
+            if force_triton():
+                self._fused = True
+            elif self.device.type == "cuda":
+                from kernels.triton.sampling import available
+
+                self._fused = available(self.device)
+            else:
+                self._fused = False
+        return self._fused
 
     def drop(self, request_ids: list[str]) -> None:
         if self.grammar is not None:
@@ -61,24 +88,34 @@ class Sampler:
             self.counts.drop(request_ids)
 
     @torch.inference_mode()
-    def adjust(self, x: torch.Tensor, rows, pos: list[int]) -> tuple[list[int], torch.Tensor | None]:
+    def adjust(self, x: torch.Tensor, rows, pos: list[int]) -> list[int]:
         """In place on x [N, V] float32, the logits the positions sample from: penalties, then
         logit_bias, then EOS and stop ids at -inf while fewer than min_tokens new tokens exist
         (docs/api.md). rows: each has .request_id, .params, .num_output and .history =
         (prompt ids, output ids) where it has penalties; pos[i]: the position of row i's first
         draw. Rows with drafts have none of these (SamplingParams.speculates). Returns the index
-        in `rows` of each penalized row and their rows of the token-count table."""
-        n, v = x.shape
-        dev = x.device
-        pen = [i for i, r in enumerate(rows) if r.params.penalized]
-        table_rows = None
-        if pen:
+        in `rows` of each penalized row."""
+        pack = HostPack()
+        a = self._plan_adjust(pack, rows, pos, x.shape[1], x.device)
+        self._apply_adjust(x, a, pack.upload(x.device))
+        return a.pen
+
+    def _plan_adjust(self, pack: HostPack, rows, pos: list[int], v: int, dev: torch.device) -> _Adjust:
+        a = _Adjust([i for i, r in enumerate(rows) if r.params.penalized])
+        if a.pen:
             if self.counts is None:
-                self.counts = TokenCounts(v, dev)
-            got = self.counts.rows([rows[i].request_id for i in pen], [rows[i].history for i in pen])
-            table_rows = _tensor(got, torch.long, dev)
-            at = _tensor([pos[i] for i in pen], torch.long, dev)
-            self.counts.apply(x, at, table_rows, [rows[i].params for i in pen])
+                self.counts = TokenCounts(v, dev, self.fused)
+            got = self.counts.rows([rows[i].request_id for i in a.pen], [rows[i].history for i in a.pen], pack)
+            a.built = "counts.rows" in pack
+            pack.ints("pen.rows", got)
+            pack.ints("pen.at", [pos[i] for i in a.pen])
+            params = [rows[i].params for i in a.pen]
+            if any(p.repetition_penalty != 1.0 for p in params):
+                a.rep = True
+                pack.floats("pen.rep", [p.repetition_penalty for p in params])
+            if any(p.presence_penalty or p.frequency_penalty for p in params):
+                a.pf = True
+                pack.floats("pen.pf", [x for p in params for x in (p.presence_penalty, p.frequency_penalty)])
         bias_at, bias_tok, bias_val, ban_at, ban_tok = [], [], [], [], []
         for i, r in enumerate(rows):
             p = r.params
@@ -93,11 +130,28 @@ class Sampler:
                         ban_at.append(pos[i])
                         ban_tok.append(t)
         if bias_at:
-            idx = (_tensor(bias_at, torch.long, dev), _tensor(bias_tok, torch.long, dev))
-            x.index_put_(idx, _tensor(bias_val, torch.float32, dev), accumulate=True)
+            a.bias = True
+            pack.ints("bias.at", bias_at)
+            pack.ints("bias.tok", bias_tok)
+            pack.floats("bias.val", bias_val)
         if ban_at:
-            x[_tensor(ban_at, torch.long, dev), _tensor(ban_tok, torch.long, dev)] = float("-inf")
-        return pen, table_rows
+            a.ban = True
+            pack.ints("ban.at", ban_at)
+            pack.ints("ban.tok", ban_tok)
+        return a
+
+    def _apply_adjust(self, x: torch.Tensor, a: _Adjust, s: Sections) -> None:
+        if a.pen:
+            assert self.counts is not None
+            if a.built:
+                self.counts.load(s)
+            rep = s["pen.rep"] if a.rep else None
+            pf = s["pen.pf"].view(-1, 2) if a.pf else None
+            self.counts.apply(x, s["pen.at"], s["pen.rows"], rep, pf)
+        if a.bias:
+            x.index_put_((s["bias.at"], s["bias.tok"]), s["bias.val"], accumulate=True)
+        if a.ban:
+            x[s["ban.at"], s["ban.tok"]] = float("-inf")
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows, first: list[int]) -> tuple[list[list[int]], dict[str, list]]:
@@ -106,40 +160,55 @@ class Sampler:
         Returns the emitted tokens of each row and {request id: [TokenLogprob]} for rows with
         params.logprobs (of the model's own distribution: log-softmax of the logits before any
         adjustment)."""
-        dev = logits.device
+        dev, v = logits.device, logits.shape[-1]
         idx, pos = [], []
         for r, j in zip(rows, first):
             pos.append(len(idx))
             idx += range(j, j + r.num_draft + 1)
         n = len(idx)
-        x = logits if idx == list(range(logits.shape[0])) else logits[_tensor(idx, torch.long, dev)]
+        pack = HostPack()
+        everything = idx == list(range(logits.shape[0]))
+        if not everything:
+            pack.ints("idx", idx)
         lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        lsm = None
-        if lp_rows:  # before the adjustments overwrite the logits
-            lsm = torch.log_softmax(logits[_tensor([first[i] for i in lp_rows], torch.long, dev)], -1)
-        pen, pool_rows = [], None
+        if lp_rows:
+            pack.ints("lp.first", [first[i] for i in lp_rows])
+            pack.ints("lp.pos", [pos[i] for i in lp_rows])
+        adj = None
         if any(r.params.penalized or r.params.biased or r.num_output < r.params.min_tokens for r in rows):
-            pen, pool_rows = self.adjust(x, rows, pos)
-        if self.grammar is not None and any(r.params.constraint is not None for r in rows):
-            self.grammar.apply(x, rows, pos)  # the batch's token bitmask, one op (engine/structured)
+            adj = self._plan_adjust(pack, rows, pos, v, dev)
         # per position: its row's params and the request's new-token index
         per = [(r.params, r.num_output + d) for r in rows for d in range(r.num_draft + 1)]
         sampled = [q for q, (p, _) in enumerate(per) if not p.greedy]
-        if not sampled:  # max's index: the first maximum, as argmax, in a quarter of its time on the CPU
+        greedy = [q for q, (p, _) in enumerate(per) if p.greedy]
+        if sampled and greedy:
+            pack.ints("greedy", greedy)
+        dp = drawing.plan(pack, sampled, [per[q] for q in sampled], v, fused=self.fused) if sampled else None
+        s = pack.upload(dev)
+
+        x = logits if everything else logits[s["idx"]]
+        lsm = torch.log_softmax(logits[s["lp.first"]], -1) if lp_rows else None  # before the adjustments
+        if adj is not None:
+            self._apply_adjust(x, adj, s)
+        if self.grammar is not None and any(r.params.constraint is not None for r in rows):
+            self.grammar.apply(x, rows, pos)  # the batch's token bitmask, one op (engine/structured)
+        if dp is None:  # max's index: the first maximum, as argmax, in a quarter of its time on the CPU
             tokens = x.max(-1).indices
         else:
             tokens = torch.empty(n, dtype=torch.long, device=dev)
-            greedy = [q for q, (p, _) in enumerate(per) if p.greedy]
             if greedy:
-                at = _tensor(greedy, torch.long, dev)
+                at = s["greedy"]
                 tokens[at] = x[at].max(-1).indices
-        if sampled:
-            self._draw(x, sampled, [per[q] for q in sampled], tokens)
-        if pen:
-            self.counts.record(pool_rows, tokens[_tensor([pos[i] for i in pen], torch.long, dev)])
-        got = tokens.tolist()  # the step's one host read
-        if pen:
-            self.counts.advance([rows[i].request_id for i in pen], [got[pos[i]] for i in pen])
+        held = drawing.draw(x, dp, s, tokens, self.gen, sampled == list(range(n))) if dp is not None else None
+        nlp = max((rows[i].params.logprobs for i in lp_rows), default=0)
+        got, lp = self._read(tokens, held, lsm, s if lp_rows else None, nlp)
+        if held is not None and not all(got[n : n + len(held)]):
+            tokens = self._redraw(x, dp, sampled, per, got[n : n + len(held)], tokens, everything)
+            got, lp = self._read(tokens, None, lsm, s if lp_rows else None, nlp)
+        if adj is not None and adj.pen:
+            assert self.counts is not None
+            self.counts.record(s["pen.rows"], tokens, s["pen.at"])
+            self.counts.advance([rows[i].request_id for i in adj.pen], [got[pos[i]] for i in adj.pen])
         emitted = []
         for r, q in zip(rows, pos):
             k = r.num_draft
@@ -151,57 +220,36 @@ class Sampler:
             emitted.append(out)
         if not lp_rows:
             return emitted, {}
-        entries = token_logprobs(lsm, [got[pos[i]] for i in lp_rows], max(rows[i].params.logprobs for i in lp_rows))
-        return emitted, {
-            rows[i].request_id: [(t, lp, top[: rows[i].params.logprobs])] for i, (t, lp, top) in zip(lp_rows, entries)
-        }
-
-    def _draw(self, x: torch.Tensor, sampled: list[int], per: list[tuple[SamplingParams, int]], tokens) -> None:
-        """Inverse-CDF draws for the sampled positions (their params and new-token index) into
-        tokens[sampled]."""
-        dev, v = x.device, x.shape[-1]
-        seeds = [as_int64(p.seed) if p.seed is not None else 0 for p, _ in per]
-        u = seeded_uniforms(_tensor(seeds, torch.long, dev), _tensor([i for _, i in per], torch.long, dev))
-        unseeded = [j for j, (p, _) in enumerate(per) if p.seed is None]
-        if unseeded:
-            at = _tensor(unseeded, torch.long, dev)
-            u[at] = torch.rand(len(unseeded), generator=self.gen, device=dev)
-        ks = [p.top_k if 0 < p.top_k < v else 0 for p, _ in per]
-        kind = [_kind(k, p) for k, (p, _) in zip(ks, per)]
-        for name in ("topk", "sort", "plain"):
-            group = [j for j, c in enumerate(kind) if c == name]
-            if not group:
-                continue
-            q = [sampled[j] for j in group]
-            xs = x if q == list(range(x.shape[0])) else x[_tensor(q, torch.long, dev)]
-            g = [per[j][0] for j in group]
-            temperature = _tensor([p.temperature for p in g], torch.float32, dev)
-            gu = u if len(group) == len(per) else u[_tensor(group, torch.long, dev)]
-            if name == "plain":  # temperature alone: the whole vocabulary in id order
-                pick = inverse_cdf(torch.softmax(xs / temperature[:, None], -1), gu)
-            else:
-                top_k = _tensor([ks[j] for j in group], torch.long, dev) if any(ks[j] for j in group) else None
-                top_p = _tensor([p.top_p for p in g], torch.float32, dev)
-                min_p = _tensor([p.min_p for p in g], torch.float32, dev)
-                log_total = None
-                if name == "topk":
-                    vals, ids = torch.topk(xs, max(ks[j] for j in group), dim=-1)
-                else:
-                    vals, ids, log_total = self._head(xs, temperature, top_k, top_p, min_p)
-                probs = candidate_probs(vals, temperature, top_k, top_p, min_p, log_total)
-                pick = ids.gather(1, inverse_cdf(probs, gu)[:, None])[:, 0]
-            tokens[_tensor(q, torch.long, dev)] = pick
+        out_lp = {}
+        for i, r in zip(lp_rows, lp):
+            t, val, top = _entry(got[pos[i]], r, nlp)
+            out_lp[rows[i].request_id] = [(t, val, top[: rows[i].params.logprobs])]
+        return emitted, out_lp
 
     @staticmethod
-    def _head(xs, temperature, top_k, top_p, min_p):
-        """Rows with top-p or min-p and no small top-k: (candidates sorted descending, their ids,
-        the rows' log-normalizer or None). The HEAD largest logits when they hold every token
-        the filters keep, in every row; else the whole row sorted (a sort of the vocabulary costs
-        about 15 times a top-k of HEAD on the CPU). The check is this step's one extra host read."""
-        if top_k is None and xs.shape[-1] > HEAD:
-            vals, ids = torch.topk(xs, HEAD, dim=-1)
-            log_total = torch.logsumexp(xs / temperature[:, None], dim=-1)
-            if bool(head_suffices(vals, log_total, temperature, top_p, min_p).all()):
-                return vals, ids, log_total
-        vals, ids = torch.sort(xs, dim=-1, descending=True)
-        return vals, ids, None
+    def _read(tokens, held, lsm, s: Sections | None, nlp: int) -> tuple[list[int], list[list[float]]]:
+        """The call's one host read: the ids, then the head rows' checks, then the logprobs rows'
+        [target, n largest, their ids] (float64 holds every id exactly)."""
+        parts = [tokens.double()]
+        if held is not None:
+            parts.append(held.double())
+        if lsm is not None:
+            assert s is not None
+            parts.append(_logprob_cols(lsm, tokens[s["lp.pos"]][:, None], nlp).double().flatten())
+        got = torch.cat(parts).tolist() if len(parts) > 1 else tokens.tolist()
+        n, h = tokens.shape[0], 0 if held is None else held.shape[0]
+        ids = [int(t) for t in got[: n + h]]
+        w = 1 + 2 * nlp
+        lp = [got[n + h + a : n + h + a + w] for a in range(0, len(got) - n - h, w)]
+        return ids, lp
+
+    def _redraw(self, x, dp, sampled, per, held, tokens, everything) -> torch.Tensor:
+        """Head rows whose head did not hold their kept set, drawn again over the sorted row (a
+        sort of the vocabulary costs about 15 times a top-k of HEAD on the CPU)."""
+        members = [j for j, ok in zip(dp.groups["head"][0], held) if not ok]
+        pack = HostPack()
+        again = drawing.plan(
+            pack, [sampled[j] for j in members], [per[sampled[j]] for j in members], x.shape[-1], "again", False
+        )
+        drawing.draw(x, again, pack.upload(x.device), tokens, self.gen, False)
+        return tokens

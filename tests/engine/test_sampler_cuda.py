@@ -72,3 +72,30 @@ def test_cuda_draws_the_cpu_tokens():
                     kept &= int((logits[b] > logits[b, c[0]]).sum()) < 64
     assert same >= 0.9 * total, f"{total - same} of {total} seeded draws differ between CPU and CUDA"
     assert kept, "a CUDA draw came from outside the 64 most likely tokens of its row"
+
+
+def test_two_uploads_and_one_read_per_call_on_cuda():
+    """On the device itself: a call at batch 64 with Qwen's chat settings (new requests, then
+    running ones), top-p alone, and a mixed batch copies host data to the GPU at most twice and
+    reads the GPU back once (the profiler's CUDA memcpy records)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    chat = dict(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5)
+    cases = {
+        "chat": [SamplingParams(**chat, seed=b) for b in range(64)],
+        "top_p": [SamplingParams(temperature=0.8, top_p=0.95, seed=b) for b in range(64)],
+        "mixed": [SamplingParams(temperature=0.0) if b % 2 else SamplingParams(**chat, seed=b) for b in range(64)],
+    }
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for name, params in cases.items():
+        s = Sampler(device="cuda")
+        for step in range(2):
+            logits = torch.randn(64, V, device="cuda", generator=gen) * 4
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                s(logits, _rows(params, step), list(range(64)))
+                torch.cuda.synchronize()
+            names = [e.name for e in prof.events()]
+            up = sum(n.startswith("Memcpy HtoD") for n in names)
+            down = sum(n.startswith("Memcpy DtoH") for n in names)
+            assert up <= 2 and down == 1, f"{name} step {step}: {up} uploads, {down} reads: {sorted(set(names))}"

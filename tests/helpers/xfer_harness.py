@@ -42,6 +42,9 @@ def _host_main(conn) -> None:
 
 
 def _serve(conn, spec: dict) -> None:
+    import torch  # noqa: PLC0415
+
+    from engine.devices import StepFence  # noqa: PLC0415
     from tests.helpers.xfer_state import (  # noqa: PLC0415
         engine_cfg,
         global_state,
@@ -66,7 +69,8 @@ def _serve(conn, spec: dict) -> None:
         backend=spec["backend"], checksum=spec.get("checksum", True), lease_s=spec.get("lease_s", 60.0)
     )
     cls = Sender if spec["role"] == "sender" else Receiver
-    ep = cls(cfg, rank, pools, spec["node"], tcfg)
+    fence = StepFence(torch.device(device))  # what a rank records after each step
+    ep = cls(cfg, rank, pools, spec["node"], tcfg, fence=fence)
     free0 = (ep.blocks.num_free, ep.slots.num_free)
     conn.send(("meta", ep.metadata(), ep.agent, ep.digest, free0))
     reqs: dict = {}
@@ -93,13 +97,24 @@ def _serve(conn, spec: dict) -> None:
         if cmd == "peers":
             conn.send(("ok", [ep.add_peer(b) for b in args[0]]))
         elif cmd == "fill":  # sender: a prefill's state in non-trivial block ids
-            rid, seed, tokens = args
+            rid, seed, tokens, late = args
             n = -(-tokens // cfg.cache.block_size)
             ids = ep.blocks.allocate(n + 2)
             blocks = ids[: n // 2] + ids[n // 2 + 2 :]  # two runs of consecutive ids
             ep.blocks.free(ids[n // 2 : n // 2 + 2])
             slot = ep.slots.allocate()
-            place(pools, cfg, rank, global_state(model, tokens, cfg.cache.block_size, seed), blocks, slot)
+            state = global_state(model, tokens, cfg.cache.block_size, seed)
+            if late:  # CUDA: the state lands after a kernel sleeping `late` cycles, then the fence
+                scratch = make_pools(cfg, rank, device)
+                for (_, _, t), (_, _, s) in zip(pools.tensors(), scratch.tensors()):
+                    s.copy_(t)
+                place(scratch, cfg, rank, state, blocks, slot)
+                torch.cuda._sleep(late)
+                for (_, _, t), (_, _, s) in zip(pools.tensors(), scratch.tensors()):
+                    t.copy_(s, non_blocking=True)
+                fence.record()
+            else:
+                place(pools, cfg, rank, state, blocks, slot)
             reqs[rid] = (blocks, slot)
             conn.send(("ok", blocks, slot))
         elif cmd == "reserve":
@@ -286,8 +301,9 @@ class Cluster:
 
     # -- steps -------------------------------------------------------------------------------
 
-    def fill(self, rid: str, seed: int, tokens: int):
-        return [p.call("fill", rid, seed, tokens) for p in self.src]
+    def fill(self, rid: str, seed: int, tokens: int, late: int = 0):
+        """late: on CUDA, write the state after a kernel that sleeps this many GPU cycles."""
+        return [p.call("fill", rid, seed, tokens, late) for p in self.src]
 
     def reserve(self, rid: str, tokens: int, lease_s: float = 60.0) -> bytes:
         from transfer.messages import Target, TargetRank, encode_target  # noqa: PLC0415

@@ -17,7 +17,7 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.triton import fp8, moe  # noqa: E402
+from kernels.triton import fp8, moe, sampling  # noqa: E402
 
 DTYPES = (("bf16", tl.bfloat16, False), ("fp32", tl.float32, True))
 # Pointer arguments by name (without _ptr); the others are activations, or weights ("w").
@@ -46,7 +46,37 @@ def main() -> None:
         for aligned in (True, False):
             ce = dict(BM=16, BN=64, BK=128 if aligned else 32, ALIGNED=aligned, XDT=tdt, DOT_F32=f32)
             compile_kernel(fp8._fp8_block_linear_kernel, xdt, True, ce)
+    compile_sampling()
     print("compiled")
+
+
+def compile_sampling() -> None:
+    """The sampler's kernels (kernels/triton/sampling.py), with the argument types the engine
+    passes them."""
+    f32, i64 = "*fp32", "*i64"
+    draw = dict(vals=f32, ids=i64, temp=f32, topk=i64, topp=f32, minp=f32, seed=i64, ctr=i64, seeded=i64)
+    draw |= dict(rand=f32, total=f32, q=i64, tokens=i64, held="*i8")
+    for has_total in (False, True):
+        sig = {n: draw.get(n.removesuffix("_ptr"), "i32") for n in sampling._draw_kernel.arg_names}
+        sig |= {"HAS_TOTAL": "constexpr", "BLOCK": "constexpr"}
+        ce = {"HAS_TOTAL": has_total, "BLOCK": 1024}
+        triton.compile(
+            ASTSource(fn=sampling._draw_kernel, signature=sig, constexprs=ce), target=GPUTarget("cuda", 90, 32)
+        )
+    pen = dict(x=f32, pos=i64, rows=i64, tok=i64, cnt="*i32", inp="*i8", size=i64, rep=f32, pf=f32)
+    sig = {n: pen.get(n.removesuffix("_ptr"), "i32") for n in sampling._penalties_kernel.arg_names}
+    sig |= {"HAS_REP": "constexpr", "HAS_PF": "constexpr", "BLOCK": "constexpr"}
+    ce = {"HAS_REP": True, "HAS_PF": True, "BLOCK": 64}
+    triton.compile(
+        ASTSource(fn=sampling._penalties_kernel, signature=sig, constexprs=ce), target=GPUTarget("cuda", 90, 32)
+    )
+    rec = dict(rows=i64, at=i64, tokens=i64, tok=i64, cnt="*i32", size=i64)
+    sig = {n: rec.get(n.removesuffix("_ptr"), "i32") for n in sampling._record_kernel.arg_names} | {
+        "BLOCK": "constexpr"
+    }
+    triton.compile(
+        ASTSource(fn=sampling._record_kernel, signature=sig, constexprs={"BLOCK": 64}), target=GPUTarget("cuda", 90, 32)
+    )
 
 
 if __name__ == "__main__":

@@ -10,42 +10,13 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-import threading
-import time
 
 import pytest
 
-from proto import pb, rpc
+from proto import rpc
 from serving.rpc import start_server
+from tests.helpers.fake_node import FakeDecode, decode_info
 from tests.helpers.serve_harness import wait_for
-
-
-class _FakeDecode(rpc.DecodeNodeServicer):
-    def __init__(self, tokens: list[int]):
-        self.tokens = tokens  # streamed in turn
-        self.calls: list[str] = []  # how each Generate ended: "done" or "cancelled"
-        self.lock = threading.Lock()
-
-    def Generate(self, request, context):
-        ended = threading.Event()
-
-        def cancelled():
-            if not ended.is_set():
-                with self.lock:
-                    self.calls.append("cancelled")
-
-        context.add_callback(cancelled)
-        n = request.sampling.max_tokens
-        for i in range(n):
-            time.sleep(0.02)
-            if not context.is_active():
-                return
-            yield pb.GenerateResponse(
-                token_ids=[self.tokens[i % len(self.tokens)]], finish_reason="length" if i == n - 1 else ""
-            )
-        ended.set()
-        with self.lock:
-            self.calls.append("done")
 
 
 @pytest.fixture()
@@ -53,22 +24,10 @@ def cluster(ckpt):
     from engine.tokenizer import Tokenizer
     from router.server import RouterConfig, serve
 
-    fake = _FakeDecode(Tokenizer(ckpt).encode(" and so on"))
+    fake = FakeDecode(Tokenizer(ckpt).encode(" and so on"))
     srv, nport, _ = start_server("127.0.0.1:0", lambda s: rpc.add_DecodeNodeServicer_to_server(fake, s), ["DecodeNode"])
     r, port = serve("127.0.0.1:0", RouterConfig(model=str(ckpt), dead_after_s=600.0, http_port=0))
-    cap = pb.Capacity(total_blocks=100, free_blocks=100, block_size=16, total_slots=8, free_slots=8)
-    r.registry.register(
-        pb.NodeInfo(
-            node_id="d0",
-            kind=pb.NODE_KIND_DECODE,
-            address=f"127.0.0.1:{nport}",
-            incarnation=1,
-            model="/models/m",
-            vocab_size=100,
-            max_model_len=512,
-            capacity=cap,
-        )
-    )
+    r.registry.register(decode_info(f"127.0.0.1:{nport}"))
     yield r, port, fake
     r.stop(0)
     srv.stop(0)

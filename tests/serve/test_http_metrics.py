@@ -27,6 +27,8 @@ from tests.helpers.serve_harness import (
 PROMPT = "Hello world! How are you"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
 GREEDY = dict(max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
+# thinking off: the whole answer is content (reasoning: tests/serve/test_agents.py)
+NO_THINK = dict(GREEDY, extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +84,13 @@ def test_chat_completions(oai, sdk, ckpt):
 
     model = oai.models.list().data[0].id
     prompt = AutoTokenizer.from_pretrained(ckpt).apply_chat_template(
-        MESSAGES, tokenize=False, add_generation_prompt=True
+        MESSAGES, tokenize=False, add_generation_prompt=True, enable_thinking=False
     )
     want = _sdk_text(sdk, prompt)
-    r = oai.chat.completions.create(model=model, messages=MESSAGES, **GREEDY)
+    r = oai.chat.completions.create(model=model, messages=MESSAGES, **NO_THINK)
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == want
-    chunks = list(oai.chat.completions.create(model=model, messages=MESSAGES, stream=True, **GREEDY))
+    chunks = list(oai.chat.completions.create(model=model, messages=MESSAGES, stream=True, **NO_THINK))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     assert chunks[-1].choices[0].finish_reason == "length"
 

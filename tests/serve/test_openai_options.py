@@ -16,40 +16,17 @@ import pytest
 import torch
 
 from tests.helpers import hybrid_ckpt as hc
-from tests.helpers.serve_harness import Up, log_url
 
 PROMPT = "Hello world! How are you"
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
+NO_THINK = dict(temperature=0.0, extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})
 
 
 @pytest.fixture(scope="module")
-def up(ckpt):
-    u = Up("--model", ckpt, "--dtype", "float32", "--decode", "1", "--prefill", "1", "--http-port", "0")
-    yield u
-    rc = u.stop()
-    assert rc == 0, u.output()
-
-
-@pytest.fixture(scope="module")
-def oai(up):
-    import openai
-
-    with openai.OpenAI(
-        base_url=log_url(up, r"OpenAI-compatible HTTP on (http://\S+/v1)"), api_key="unused", max_retries=0, timeout=120
-    ) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(oai):
-    return oai.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
-def sdk(up):
+def sdk(http_up):
     from client import Client
 
-    with Client(up.address, timeout=120) as c:
+    with Client(http_up.address, timeout=120) as c:
         c.wait_ready(timeout=60)
         yield c
 
@@ -92,12 +69,12 @@ def test_stop_string_split_across_two_tokens(oai, model, sdk, tok):
     assert (g.text, g.finish_reason) == (want, "stop")
     # chat: the same text-level matching
     chat = oai.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=12, **GREEDY
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=12, **NO_THINK
     )
     full = chat.choices[0].message.content
     if len(full) >= 4:
         cut = oai.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=12, stop=[full[2:4]], **GREEDY
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=12, stop=[full[2:4]], **NO_THINK
         )
         assert cut.choices[0].message.content == full[: full.find(full[2:4])]
         assert cut.choices[0].finish_reason == "stop"

@@ -45,3 +45,21 @@ def test_vram_transfer_is_byte_exact(hosts, a, b):
             for rid in rids:
                 p.call("release", rid)
         c.assert_counts_initial()
+
+
+def test_push_waits_for_the_kernel_that_wrote_the_pages(hosts):
+    """The source state lands after a kernel that sleeps about a second on the GPU, and the
+    request is pushed at once: the sender waits on the fence recorded after that write (what a
+    rank records after each step), so the destination still receives the computed bytes. No
+    checksum: computing it reads the pages on the host, which would wait for the kernel anyway."""
+    spec = dict(device="cuda", block_size=16, memory="192MiB", checksum=False)
+    with Cluster(hosts, "nixl", 2, 1, MODEL, **spec) as c:
+        c.fill("late", seed=31, tokens=TOKENS, late=2_000_000_000)
+        target = c.reserve("late", TOKENS)
+        c.send("late", target, TOKENS)
+        assert c.wait(c.dst, "late", timeout=120) == [("done", None)]
+        assert c.wait(c.src, "late", timeout=120) == [("done", None)] * 2
+        bad = c.dst[0].call("check", [("late", 31, TOKENS)], timeout=300)[0]
+        assert bad == [], bad
+        c.dst[0].call("release", "late")
+        c.assert_counts_initial()

@@ -1,0 +1,80 @@
+"""Decode step time of the offline engine at TP 1 and TP 2 on the CPU, on a small checkpoint so
+that what a step costs beyond its arithmetic (step inputs to the ranks, their answers, the
+all-reduces) shows: the median wall time of `EngineCore.step()` over decode-only steps, and the
+executor's share of it that is not a rank's forward (`execute` minus rank 0's step seconds).
+
+    python bench/tp_step.py [--batch 8] [--steps 64] [--layers 2] [--hidden 128] [--tree CHECKOUT]"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the nodes run, before torch loads
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--tree", default=str(Path(__file__).resolve().parents[1]), help="the checkout whose engine runs")
+    args = ap.parse_args()
+    sys.path.insert(0, args.tree)
+    from engine import LLM, SamplingParams
+    from engine.tiny_model import TinyModelSpec, make_tiny_model
+
+    spec = TinyModelSpec(
+        layers=args.layers, hidden=args.hidden, intermediate=2 * args.hidden, tokenizer=False, full_attention_interval=2
+    )
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = make_tiny_model(Path(d) / "ckpt", spec)
+        res = {}
+        for tp in (1, 2):
+            llm = LLM(str(ckpt), tensor_parallel_size=tp, enable_prefix_caching=False)
+            e = llm.engine
+            ex = e.executor
+            real = ex.execute
+            spent: list[float] = []
+
+            def timed(step, real=real, spent=spent):
+                t0 = time.perf_counter()
+                out = real(step)
+                spent.append(time.perf_counter() - t0 - (out.seconds if out is not None else 0.0))
+                return out
+
+            ex.execute = timed
+            sp = SamplingParams(max_tokens=args.steps + 4, temperature=0.0, ignore_eos=True)
+            for b in range(args.batch):
+                e.add_request([(7 * b + i) % 1000 + 1 for i in range(16)], sp)
+            e.step()  # the prompts
+            for _ in range(3):
+                e.step()
+            walls = []
+            spent.clear()
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                e.step()
+                walls.append(time.perf_counter() - t0)
+            res[tp] = (statistics.median(walls), statistics.median(spent))
+            while e.has_unfinished():
+                e.step()
+            llm.close()
+    load = os.getloadavg()
+    print(
+        f"batch {args.batch}, {args.layers} layers, hidden {args.hidden}, float32, {args.steps} decode steps; "
+        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    )
+    for tp, (wall, extra) in res.items():
+        print(f"TP {tp}: step {wall * 1e3:.3f} ms (median), executor beyond rank 0's step {extra * 1e3:.3f} ms")
+    print(f"TP 2 - TP 1: {(res[2][0] - res[1][0]) * 1e3:.3f} ms a step")
+
+
+if __name__ == "__main__":
+    main()

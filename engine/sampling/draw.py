@@ -1,0 +1,146 @@
+"""The sampled positions of a call: their randomness (SplitMix64 per (seed, position), the
+sampler's generator for unseeded rows) and their draws, in groups by how a row draws: over
+torch.topk's candidates (top-k up to TOPK_LIMIT), over the HEAD most likely tokens (top-p or
+min-p alone on a large vocabulary), over the sorted row (larger top-k, small vocabularies, and
+head rows the head does not hold), or over the whole row in id order (temperature alone). The
+host plans the groups into the call's HostPack; the device draws from the uploaded sections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling.filters import candidate_probs, head_suffices, inverse_cdf
+from engine.sampling.pack import HostPack, Sections
+from engine.sampling.rng import as_int64, seeded_uniforms
+from engine.sampling_params import SamplingParams
+
+TOPK_LIMIT = 1024  # rows with a larger top_k sort the whole vocabulary
+HEAD = 1024  # rows with top-p or min-p alone try the HEAD most likely tokens before a sort
+GROUPS = ("topk", "head", "sort", "plain")
+FUSED = ("topk", "head")  # the groups one kernel draws on CUDA
+
+
+def kind(top_k: int, p: SamplingParams, vocab: int, use_head: bool = True) -> str:
+    """How a sampled row draws (top_k: 0 or below the vocabulary size)."""
+    if 0 < top_k <= TOPK_LIMIT:
+        return "topk"
+    if top_k:
+        return "sort"
+    if p.top_p < 1.0 or p.min_p:
+        return "head" if use_head and vocab > HEAD else "sort"
+    return "plain"
+
+
+@dataclass
+class DrawPlan:
+    """What the host planned: the groups present (name -> index in `sampled` of each member, the
+    member's top_k) and how many rows draw without a seed."""
+
+    groups: dict[str, tuple[list[int], list[int]]]
+    num_unseeded: int
+    tag: str
+    fused: dict[str, int]  # groups one Triton kernel draws (kernels/triton/sampling.py): members without a seed
+
+
+def plan(
+    pack: HostPack,
+    sampled: list[int],
+    per: list[tuple[SamplingParams, int]],
+    vocab: int,
+    tag: str = "draw",
+    use_head: bool = True,
+    fused: bool = False,
+) -> DrawPlan:
+    """Sections for the positions `sampled` (their params and new-token index, in `per`):
+    `tag`.seed / .ctr / .unseeded and per group .q (positions), .j (members), .k, .t, .p, .m
+    (fused: the topk and head groups' own .seed, .ctr, .seeded instead of the shared ones).
+    use_head False: top-p / min-p rows sort their whole row."""
+    seeds = [as_int64(p.seed) if p.seed is not None else 0 for p, _ in per]
+    groups: dict[str, tuple[list[int], list[int]]] = {}
+    for j, (p, _) in enumerate(per):
+        k = p.top_k if 0 < p.top_k < vocab else 0
+        members, ks = groups.setdefault(kind(k, p, vocab, use_head), ([], []))
+        members.append(j)
+        ks.append(k)
+    own = {n for n in groups if fused and n in FUSED}  # groups that draw in the kernel
+    shared = [j for n, (members, _) in groups.items() if n not in own for j in members]
+    unseeded = [j for j in shared if per[j][0].seed is None]
+    if shared:
+        pack.ints(f"{tag}.seed", seeds)
+        pack.ints(f"{tag}.ctr", [i for _, i in per])
+    if unseeded:
+        pack.ints(f"{tag}.unseeded", unseeded)
+    for name, (members, ks) in groups.items():
+        g = [per[j][0] for j in members]
+        if name in own:
+            pack.ints(f"{tag}.{name}.seed", [seeds[j] for j in members])
+            pack.ints(f"{tag}.{name}.ctr", [per[j][1] for j in members])
+            pack.ints(f"{tag}.{name}.seeded", [p.seed is not None for p in g])
+        pack.ints(f"{tag}.{name}.q", [sampled[j] for j in members])
+        pack.ints(f"{tag}.{name}.j", members)
+        pack.floats(f"{tag}.{name}.t", [p.temperature for p in g])
+        if name != "plain":
+            pack.ints(f"{tag}.{name}.k", ks)
+            pack.floats(f"{tag}.{name}.p", [p.top_p for p in g])
+            pack.floats(f"{tag}.{name}.m", [p.min_p for p in g])
+    counts = {n: sum(per[j][0].seed is None for j in groups[n][0]) for n in own}
+    return DrawPlan(groups, len(unseeded), tag, counts)
+
+
+def draw(
+    x: torch.Tensor, dp: DrawPlan, s: Sections, tokens: torch.Tensor, gen: torch.Generator, everything: bool
+) -> torch.Tensor | None:
+    """Draw every planned position of x [N, V] into tokens [N] (everything: the plan covers all N
+    rows in order). Fused groups (CUDA) take torch.topk's candidates and one kernel each. Returns bool [H] of the head group's members, in order: whether the head
+    held every token the filters keep (where it did not, that row's token is to be drawn again
+    with `plan` / `draw` as a "sort" row), or None without a head group."""
+    dev, tag = x.device, dp.tag
+    u = None
+    held = None
+    for name in GROUPS:
+        if name not in dp.groups:
+            continue
+        members, ks = dp.groups[name]
+        whole = everything and len(members) == x.shape[0]  # then the members are rows 0 .. N-1 in order
+        q = s[f"{tag}.{name}.q"]
+        xs = x if whole else x[q]
+        t = s[f"{tag}.{name}.t"]
+        if name in dp.fused:  # one kernel: filters, uniform, pick, store (and the head check)
+            from kernels.triton.sampling import draw_triton
+
+            k = HEAD if name == "head" else max(ks)
+            vals, ids = torch.topk(xs, k, dim=-1)
+            total = torch.logsumexp(xs / t[:, None], dim=-1) if name == "head" else None
+            rand = torch.rand(len(members), generator=gen, device=dev) if dp.fused[name] else t
+            p = [s[f"{tag}.{name}.{c}"] for c in ("k", "p", "m", "seed", "ctr", "seeded")]
+            got = draw_triton(vals, ids, t, p[0], p[1], p[2], p[3], p[4], p[5], rand, q, tokens, total)
+            held = got if name == "head" else held
+            continue
+        if u is None:
+            u = seeded_uniforms(s[f"{tag}.seed"], s[f"{tag}.ctr"])
+            if dp.num_unseeded:
+                u[s[f"{tag}.unseeded"]] = torch.rand(dp.num_unseeded, generator=gen, device=dev)
+        gu = u if len(members) == u.shape[0] else u[s[f"{tag}.{name}.j"]]
+        if name == "plain":
+            pick = inverse_cdf(torch.softmax(xs / t[:, None], -1), gu)
+        else:
+            top_k = s[f"{tag}.{name}.k"] if any(ks) else None
+            top_p, min_p = s[f"{tag}.{name}.p"], s[f"{tag}.{name}.m"]
+            log_total = None
+            if name == "topk":
+                vals, ids = torch.topk(xs, max(ks), dim=-1)
+            elif name == "head":
+                vals, ids = torch.topk(xs, HEAD, dim=-1)
+                log_total = torch.logsumexp(xs / t[:, None], dim=-1)
+                held = head_suffices(vals, log_total, t, top_p, min_p)
+            else:
+                vals, ids = torch.sort(xs, dim=-1, descending=True)
+            probs = candidate_probs(vals, t, top_k, top_p, min_p, log_total)
+            pick = ids.gather(1, inverse_cdf(probs, gu)[:, None])[:, 0]
+        if whole:
+            tokens.copy_(pick)
+        else:
+            tokens[q] = pick
+    return held

@@ -1,0 +1,70 @@
+"""Step inputs from a node's engine process to its tensor-parallel ranks: each step is pickled
+once into a shared-memory buffer that every rank maps, and a rank's pipe carries only the length
+(a step larger than the buffer travels whole in the pipes instead). The engine writes a step only
+after every rank answered the previous one, so one buffer is never read and written at once."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import tempfile
+
+from engine.step import StepInput
+
+BUFFER_BYTES = 8 << 20
+
+
+def _shm_dir() -> str | None:
+    """/dev/shm where it exists (memory, not disk), else the temporary directory."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+class StepWriter:
+    """The engine's side: owns the buffer's file, removed once every rank mapped it (`unlink`:
+    nothing is left behind if the engine dies later) or at close."""
+
+    def __init__(self, size: int = BUFFER_BYTES):
+        fd, self.path = tempfile.mkstemp(prefix="pdserve-steps-", dir=_shm_dir())
+        try:
+            os.ftruncate(fd, size)
+            self._buf: mmap.mmap | None = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+
+    def write(self, step: StepInput) -> int | None:
+        """Pickle `step` into the buffer: its length, or None when it does not fit."""
+        assert self._buf is not None, "the step channel is closed"
+        blob = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(blob) > len(self._buf):
+            return None
+        self._buf[: len(blob)] = blob
+        return len(blob)
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        if self._buf is not None:
+            self._buf.close()
+            self._buf = None
+        self.unlink()
+
+
+class StepReader:
+    """A rank's side: maps the engine's buffer read-only."""
+
+    def __init__(self, path: str):
+        with open(path, "rb") as f:
+            self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def read(self, n: int) -> StepInput:
+        step = pickle.loads(self._buf[:n])
+        assert isinstance(step, StepInput)
+        return step
+
+    def close(self) -> None:
+        self._buf.close()

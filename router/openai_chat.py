@@ -1,0 +1,53 @@
+"""A chat request's prompt, constraint and output parsers: the checkpoint's template renders the
+messages (router/chat_template.py), router/tool_choice.py turns tools, tool_choice and
+response_format into what is parsed and constrained, and each choice gets a ChatOutput
+(router/parsers/output.py). The parsers are chosen from the template's text unless the router's
+`--reasoning-parser` / `--tool-call-parser` say otherwise."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+from proto import pb
+from router.chat_template import THINK_CLOSE, THINK_OPEN, ChatTemplate
+from router.openai_models import ChatRequest, bad
+from router.parsers.output import ChatOutput
+from router.parsers.tool_calls import ToolFormat, detect_format
+from router.tool_choice import plan
+
+
+@dataclass(frozen=True)
+class ChatPrep:
+    prompt: str
+    constraint: pb.Constraint | None
+    output: Callable[[], ChatOutput]  # a fresh one per choice
+
+
+class ChatFront:
+    """The parts of the checkpoint's tokenizer and the router's options chat requests need."""
+
+    def __init__(self, tok, reasoning: str = "auto", tool_format: str = "auto"):
+        source: str = (tok.chat_template if tok is not None else None) or ""
+        self.template = ChatTemplate(source) if source else None
+        self.think_close = tok.token_to_id(THINK_CLOSE) if tok is not None else None
+        if reasoning == "auto":
+            self.reasoning = THINK_OPEN in source and THINK_CLOSE in source
+        else:
+            self.reasoning = reasoning == "think"
+        self.fmt: ToolFormat | None = None
+        if tool_format == "auto":
+            self.fmt = detect_format(source)
+        elif tool_format in ("xml", "json"):
+            self.fmt = tool_format  # type: ignore[assignment]
+
+    def prepare(self, req: ChatRequest) -> ChatPrep:
+        if self.template is None:
+            raise bad("this model's tokenizer has no chat_template", "messages")
+        r = self.template.render(req)
+        think_close = self.think_close if r.think_open else None
+        p = plan(req, self.fmt, think_close)
+        tools = req.tools if p.parse else None
+        out = partial(ChatOutput, self.fmt if p.parse else None, tools, self.reasoning, r.think_open)
+        return ChatPrep(r.prompt, p.constraint, out)

@@ -1,0 +1,3 @@
+"""Parsers of a chat completion's generated text (docs/api.md): `reasoning` splits `<think>` …
+`</think>` into reasoning_content, `tool_calls` lifts tool calls out of the text, and `output`
+runs both over one choice's text deltas, as stream deltas or a whole message."""

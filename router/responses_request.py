@@ -1,0 +1,153 @@
+"""`POST /v1/responses` request bodies, stateless: the body (`ResponsesRequest`) turned into the
+chat request it means (`to_chat`), which the chat path then serves (template, parsers,
+constraints). Input items: messages (roles user / system / developer / assistant; content a
+string or `input_text` / `output_text` parts), `function_call` (an assistant turn's calls),
+`function_call_output` (a tool message), `reasoning` (the next assistant turn's
+reasoning_content). `instructions` is the system message; `tools` are flat function tools;
+`text.format` is the response format. `previous_response_id` is a 400 naming it: this router
+stores no responses (shared state across routers has no design yet)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.openai_models import ChatRequest, Float, bad, parse
+
+_TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: Annotated[str, Field(min_length=1)]
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[Float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None
+    stream: bool = False
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None  # accepted; the checkpoint's template decides (chat_template_kwargs)
+    previous_response_id: Any = None
+    conversation: Any = None
+    metadata: dict[str, Any] | None = None
+    # extensions, as on chat completions
+    chat_template_kwargs: dict[str, Any] | None = None
+    seed: Annotated[int, Field(ge=0)] | None = None
+    top_k: int | None = None
+    ignore_eos: bool = False
+    logit_bias: Any = None
+
+
+def _text_of(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"{where}.content must be a string or a list of parts", f"{where}.content")
+    out = []
+    for j, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(p.get("text"), str):
+            raise bad(
+                f"{where}.content[{j}]: '{kind}' parts are not supported (text only: {', '.join(_TEXT_PARTS[:2])})",
+                f"{where}.content[{j}].type",
+            )
+        out.append(p["text"])
+    return "".join(out)
+
+
+def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = []
+    if req.instructions:
+        msgs.append({"role": "system", "content": req.instructions})
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    thought: str | None = None  # a reasoning item waits for the assistant turn it belongs to
+
+    def assistant() -> dict[str, Any]:
+        nonlocal thought
+        last = msgs[-1] if msgs else None
+        if last is None or last["role"] != "assistant":
+            last = {"role": "assistant", "content": None}
+            msgs.append(last)
+        if thought is not None:
+            last["reasoning_content"], thought = thought, None
+        return last
+
+    for i, it in enumerate(items):
+        where = f"input[{i}]"
+        kind = it.get("type", "message")
+        if kind == "message":
+            role = it.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise bad(f"{where}.role must be user, system, developer or assistant (got {role!r})", f"{where}.role")
+            text = _text_of(it.get("content"), where)
+            if role == "assistant":
+                a = assistant()
+                a["content"] = (a["content"] or "") + text
+            else:
+                msgs.append({"role": "system" if role == "developer" else role, "content": text})
+        elif kind == "function_call":
+            if not isinstance(it.get("name"), str) or not isinstance(it.get("call_id"), str):
+                raise bad(f"{where}: a function_call needs 'name' and 'call_id'", where)
+            fn = {"name": it["name"], "arguments": it.get("arguments") or "{}"}
+            assistant().setdefault("tool_calls", []).append({"id": it["call_id"], "type": "function", "function": fn})
+        elif kind == "function_call_output":
+            out = it.get("output")
+            text = out if isinstance(out, str) else _text_of(out, where)
+            msgs.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": text})
+        elif kind == "reasoning":
+            parts = it.get("content") or it.get("summary") or []
+            thought = _text_of(parts, where)
+        else:
+            raise bad(f"{where}: items of type {kind!r} are not supported", f"{where}.type")
+    return msgs
+
+
+def _tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def _response_format(text: dict[str, Any] | None) -> Any:
+    fmt = (text or {}).get("format")
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        return fmt
+    js = {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}
+    return {"type": "json_schema", "json_schema": js}
+
+
+def to_chat(req: ResponsesRequest) -> ChatRequest:
+    """The chat request `req` means (module docstring); ApiError 400 naming a bad field."""
+    for name in ("previous_response_id", "conversation"):
+        if getattr(req, name) is not None:
+            raise bad(f"'{name}' is not supported: this router stores no responses; send the whole input", name)
+    tools = None
+    if req.tools:
+        tools = []
+        for i, t in enumerate(req.tools):
+            if t.get("type") != "function" or not isinstance(t.get("name"), str):
+                raise bad(f"tools[{i}]: only function tools ({{'type': 'function', 'name': ...}})", f"tools[{i}]")
+            fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
+            tools.append({"type": "function", "function": fn})
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": _messages(req),
+        "tools": tools,
+        "tool_choice": _tool_choice(req.tool_choice),
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "max_tokens": req.max_output_tokens,
+        "response_format": _response_format(req.text),
+        "chat_template_kwargs": req.chat_template_kwargs,
+        "ignore_eos": req.ignore_eos,
+    }
+    for name in ("temperature", "top_p", "seed", "top_k", "logit_bias"):
+        body[name] = getattr(req, name)
+    chat = parse(ChatRequest, {k: v for k, v in body.items() if v is not None})
+    assert isinstance(chat, ChatRequest)
+    return chat

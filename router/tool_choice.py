@@ -1,0 +1,171 @@
+"""`tools`, `tool_choice` and `response_format` of a chat request -> what the router does with the
+output: whether calls are parsed, and the Constraint (proto `Constraint`) the decoding obeys.
+
+`tool_choice` `none`: calls are not parsed (the text stays content); `auto` (the default with
+tools): calls are parsed; `required`: at least one call (exactly one with `parallel_tool_calls`
+false); a named function: exactly one call of it. `required` and named calls are enforced by a
+Lark grammar (llguidance's dialect) of the checkpoint's call format whose values follow each
+tool's parameter schema: in the XML format a string parameter is text without `</`, an enum one
+of its strings, any other a JSON value of its schema (`%json`); required parameters in the
+schema's order, optional ones may follow in that order. `response_format` `json_object` and
+`json_schema` become the JSON constraints. With the template's think block open in the prompt the
+constraint starts after `</think>` (`start_after_token`), so the reasoning stays free."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from engine.structured.grammar import WHITESPACE
+from proto import pb
+from router.openai_models import ApiError, ChatRequest, bad
+from router.parsers.tool_calls import ToolFormat
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    parse: bool  # parse calls out of the output
+    constraint: pb.Constraint | None
+
+
+def _tools(req: ChatRequest) -> list[dict[str, Any]]:
+    tools = req.tools
+    if tools in (None, []):
+        return []
+    if not isinstance(tools, list):
+        raise bad("'tools' must be a list of {'type': 'function', 'function': {...}}", "tools")
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}", f"tools[{i}]")
+        params = f.get("parameters", {})
+        names = params.get("required", []) if isinstance(params, dict) else None
+        if (
+            not isinstance(params, dict)
+            or not isinstance(params.get("properties", {}), dict)
+            or not isinstance(names, list)
+            or not all(isinstance(r, str) for r in names)
+        ):
+            raise bad(
+                f"tools[{i}].function.parameters must be a JSON schema object (properties an object, "
+                "required a list of names)",
+                f"tools[{i}].function.parameters",
+            )
+    return tools
+
+
+def plan(req: ChatRequest, fmt: ToolFormat | None, think_close: int | None) -> ToolPlan:
+    """What to do for `req`; `fmt` is the checkpoint's call format (None: no parser), `think_close`
+    the `</think>` id when the prompt leaves a think block open."""
+    tools, choice = _tools(req), req.tool_choice
+    named = None
+    if isinstance(choice, dict):
+        f = choice.get("function") if choice.get("type") == "function" else None
+        named = f.get("name") if isinstance(f, dict) else None
+        if not isinstance(named, str):
+            raise bad("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', ...}", "tool_choice")
+        choice = "named"
+    elif choice not in (None, "none", "auto", "required"):
+        raise bad(
+            f"'tool_choice' must be 'none', 'auto', 'required' or a named function (got {choice!r})", "tool_choice"
+        )
+    if choice in ("required", "named") and not tools:
+        raise bad(f"'tool_choice' {choice} needs 'tools'", "tool_choice")
+    constraint = _response_format(req.response_format)
+    if not tools or choice == "none":
+        return ToolPlan(False, _start(constraint, think_close))
+    if fmt is None:
+        if choice in ("required", "named"):
+            raise bad(
+                "this model's chat template writes no tool-call format the router knows "
+                "(start the router with --tool-call-parser)",
+                "tool_choice",
+            )
+        return ToolPlan(False, _start(constraint, think_close))
+    if choice in ("required", "named"):
+        if constraint is not None:
+            raise bad("'response_format' and a required tool call exclude each other", "response_format")
+        fns = [t["function"] for t in tools]
+        if named is not None:
+            fns = [f for f in fns if f["name"] == named]
+            if not fns:
+                raise bad(f"'tool_choice' names {named!r}, which is not in 'tools'", "tool_choice")
+        many = named is None and req.parallel_tool_calls is not False
+        constraint = pb.Constraint(grammar=call_grammar(fmt, fns, many))
+    return ToolPlan(True, _start(constraint, think_close))
+
+
+def _start(c: pb.Constraint | None, think_close: int | None) -> pb.Constraint | None:
+    if c is not None and think_close is not None:
+        c.start_after_token = think_close
+    return c
+
+
+def _response_format(rf: Any) -> pb.Constraint | None:
+    if rf in (None, {}) or isinstance(rf, dict) and rf.get("type") == "text":
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "json_object":
+        return pb.Constraint(json_object=True)
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        schema = js.get("schema") if isinstance(js, dict) else None
+        if not isinstance(schema, dict):
+            raise bad(
+                "response_format json_schema needs 'json_schema': {'name': ..., 'schema': {...}}", "response_format"
+            )
+        return pb.Constraint(json_schema=json.dumps(schema))
+    raise ApiError(
+        400, f"response_format type must be text, json_object or json_schema (got {kind!r})", param="response_format"
+    )
+
+
+# ---- the call grammars ----------------------------------------------------------------------------
+# JSON inside a call has the JSON constraints' bounded whitespace (engine/structured/grammar.py)
+_WS = {"whitespace_pattern": WHITESPACE}
+
+
+def _json(schema: dict[str, Any]) -> str:
+    return "%json " + json.dumps(dict(schema, **{"x-guidance": _WS}))
+
+
+_TEXT = r"/([^<]|<[^\/]){%s}\n<\/parameter>\n/"  # a string value: no "</" inside, then its close tag
+
+
+def call_grammar(fmt: ToolFormat, fns: list[dict[str, Any]], many: bool) -> str:
+    """A Lark grammar of one call (`many`: one or more, a newline apart) of any of `fns`."""
+    rules = ["start: call" + (' ("\\n" call)*' if many else "")]
+    rules.append('call: <tool_call> "\\n" (' + " | ".join(f"fn{i}" for i in range(len(fns))) + ") </tool_call>")
+    for i, f in enumerate(fns):
+        params = f.get("parameters") or {}
+        if fmt == "json":
+            obj = {
+                "type": "object",
+                "properties": {"name": {"const": f["name"]}, "arguments": params or {"type": "object"}},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            rules.append(f'fn{i}: {_json(obj)} "\\n"')
+            continue
+        props, required = params.get("properties", {}), set(params.get("required", ()))
+        body = []
+        for j, (k, schema) in enumerate(props.items()):
+            rules.append(f"fn{i}p{j}: {json.dumps(f'<parameter={k}>' + chr(10))} {_value(schema)}")
+            body.append(f"fn{i}p{j}" + ("" if k in required else "?"))
+        head = json.dumps(f"<function={f['name']}>\n")
+        rules.append(f'fn{i}: {head} {" ".join(body)} "</function>\\n"')
+    return "\n".join(rules) + "\n"
+
+
+def _value(schema: Any) -> str:
+    close = '"\\n</parameter>\\n"'
+    s = schema if isinstance(schema, dict) else {}
+    if s.get("type") == "string" and isinstance(s.get("enum"), list):
+        return "(" + " | ".join(json.dumps(str(v)) for v in s["enum"]) + ") " + close
+    if s.get("type") == "string" or schema is None:
+        lo, hi = s.get("minLength"), s.get("maxLength")  # bounds that are not counts are left out
+        lo = lo if isinstance(lo, int) and lo >= 0 else 0
+        hi = hi if isinstance(hi, int) and hi >= lo else None
+        return _TEXT % f"{lo},{'' if hi is None else hi}"
+    return f"{_json(s)} {close}"

@@ -1,0 +1,163 @@
+"""The sampler's fused Triton ops (kernels/triton/sampling.py) against the PyTorch path they
+replace on CUDA (engine/sampling): SplitMix64's uniforms bit for bit, the drawn ids of sorted
+candidates under every filter (given the same uniforms), the head check, and the token-count
+table's penalties and update, over shapes with readable ids and a fixed seed. Without a GPU the
+kernels run under Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.sampling.filters import candidate_probs, head_suffices, inverse_cdf
+from engine.sampling.penalties import TokenCounts
+from engine.sampling.rng import as_int64, seeded_uniforms
+from kernels.triton.sampling import draw_triton, penalties_triton, record_triton
+
+FILTERS = {
+    "top_k": (5, 1.0, 0.0, 1.0),
+    "top_p": (0, 0.7, 0.0, 0.8),
+    "min_p": (0, 1.0, 0.2, 1.2),
+    "k_p_min": (8, 0.9, 0.05, 0.6),
+    "plain_topk_all": (0, 1.0, 0.0, 1.0),
+}
+
+
+def _rows(m, k, p, mp, t):
+    return (
+        torch.full((m,), t),
+        torch.full((m,), k, dtype=torch.long),
+        torch.full((m,), p),
+        torch.full((m,), mp),
+    )
+
+
+@pytest.mark.parametrize("c", [20, 100, 1024], ids=lambda c: f"C{c}")
+@pytest.mark.parametrize("kind", FILTERS, ids=FILTERS.keys())
+def test_draw_picks_the_reference_ids(kind, c):
+    g = torch.Generator().manual_seed(c)
+    m = 24
+    logits = torch.randn(m, 3000, generator=g) * 2.5
+    vals, ids = torch.topk(logits, c, dim=-1)
+    temperature, top_k, top_p, min_p = _rows(m, *FILTERS[kind])
+    seeds = torch.tensor([as_int64(s) for s in [0, 1, 2**63 + 5, 12345] * (m // 4)])
+    ctr = torch.arange(m, dtype=torch.long) * 7
+    seeded = (torch.arange(m) % 3 != 0).long()
+    rand = torch.rand(m, generator=g)
+    u = torch.where(seeded.bool(), seeded_uniforms(seeds, ctr), rand)
+    probs = candidate_probs(vals, temperature, top_k if kind != "plain_topk_all" else None, top_p, min_p)
+    want = ids.gather(1, inverse_cdf(probs, u)[:, None])[:, 0]
+    tokens = torch.full((m + 3,), -1, dtype=torch.long)
+    q = torch.randperm(m + 3, generator=g)[:m]
+    draw_triton(vals, ids, temperature, top_k, top_p, min_p, seeds, ctr, seeded, rand, q, tokens)
+    got = tokens[q]
+    # a draw may differ only where u falls at a cumulative edge that the two sums round apart
+    assert (got == want).float().mean() >= 0.95, (got, want)
+    kept = probs.gather(1, (ids == got[:, None]).float().argmax(1, keepdim=True))[:, 0]
+    assert (kept > 0).all()
+
+
+@pytest.mark.parametrize("scale", [3.0, 0.05], ids=["peaked", "flat"])
+def test_head_draw_and_check_match_the_reference(scale):
+    g = torch.Generator().manual_seed(5)
+    m, head = 16, 256
+    logits = torch.randn(m, 4000, generator=g) * scale
+    temperature = torch.full((m,), 0.9)
+    top_p = torch.tensor([0.9, 1.0] * (m // 2))
+    min_p = torch.tensor([0.0, 0.3] * (m // 2))
+    vals, ids = torch.topk(logits, head, dim=-1)
+    total = torch.logsumexp(logits / temperature[:, None], -1)
+    want_held = head_suffices(vals, total, temperature, top_p, min_p)
+    seeds, ctr = torch.arange(m, dtype=torch.long), torch.zeros(m, dtype=torch.long)
+    tokens = torch.zeros(m, dtype=torch.long)
+    held = draw_triton(
+        vals, ids, temperature, torch.zeros(m, dtype=torch.long), top_p, min_p, seeds, ctr,
+        torch.ones(m, dtype=torch.long), torch.zeros(m), torch.arange(m), tokens, total,
+    )  # fmt: skip
+    assert held.bool().tolist() == want_held.tolist()
+    if scale > 1:
+        probs = candidate_probs(vals, temperature, None, top_p, min_p, total)
+        want = ids.gather(1, inverse_cdf(probs, seeded_uniforms(seeds, ctr))[:, None])[:, 0]
+        assert (tokens == want).float().mean() >= 0.9
+
+
+def _table(g, rows, width, vocab):
+    tc = TokenCounts(vocab, torch.device("cpu"))
+    tc._resize(rows, width)
+    for r in range(rows):
+        n = int(torch.randint(1, width - 1, (1,), generator=g))
+        toks = torch.randperm(vocab, generator=g)[:n].sort().values
+        tc.tok[r, :n] = toks
+        tc.cnt[r, :n] = torch.randint(0, 3, (n,), generator=g, dtype=torch.int32)
+        tc.inp[r, :n] = torch.rand(n, generator=g) < 0.5
+        tc.size[r] = n
+    return tc
+
+
+@pytest.mark.parametrize("width", [16, 64, 2048], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("which", ["rep", "pf", "both"])
+def test_penalties_match_the_table_reference(width, which):
+    g = torch.Generator().manual_seed(width)
+    tc = _table(g, 6, width, 3000)
+    x = torch.randn(9, 3000, generator=g) * 3
+    pos, rows = torch.tensor([8, 0, 3, 5]), torch.tensor([2, 5, 0, 3])
+    rep = torch.tensor([1.3, 0.8, 1.5, 2.0]) if which in ("rep", "both") else None
+    pf = torch.tensor([[1.5, 0.0], [0.0, 0.7], [1.0, 1.0], [-0.5, 0.2]]) if which in ("pf", "both") else None
+    want = x.clone()
+    tc.apply(want, pos, rows, rep, pf)
+    got = x.clone()
+    penalties_triton(got, pos, rows, tc.tok, tc.cnt, tc.inp, tc.size, rep, pf)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("width", [16, 2048], ids=lambda w: f"W{w}")
+def test_record_matches_the_table_reference(width):
+    g = torch.Generator().manual_seed(width + 1)
+    ref = _table(g, 6, width, 3000)
+    rows = torch.tensor([4, 1, 0, 5])
+    tokens = torch.tensor([int(ref.tok[4, 0]), 2999, int(ref.tok[0, int(ref.size[0]) - 1]), 7, 11])
+    at = torch.tensor([0, 1, 2, 4])
+    got = TokenCounts(3000, torch.device("cpu"))
+    got.tok, got.cnt, got.inp, got.size = ref.tok.clone(), ref.cnt.clone(), ref.inp.clone(), ref.size.clone()
+    ref.record(rows, tokens, at)
+    record_triton(rows, at, tokens, got.tok, got.cnt, got.size)
+    assert torch.equal(got.size, ref.size)
+    for r in range(6):
+        n = int(ref.size[r])
+        assert got.tok[r, :n].tolist() == ref.tok[r, :n].tolist(), r
+        assert got.cnt[r, :n].tolist() == ref.cnt[r, :n].tolist(), r
+
+
+def test_seeded_uniforms_are_splitmix64s():
+    """Over 1024 equally likely candidates the pick is floor(u * 1024): the kernel's SplitMix64
+    uniform agrees with engine/sampling/rng.py on its top ten bits, for seeds over the whole
+    64-bit range and large counters."""
+    g = torch.Generator().manual_seed(9)
+    m = 64
+    seeds = torch.randint(-(2**63), 2**63 - 1, (m,), generator=g)
+    ctr = torch.randint(0, 2**40, (m,), generator=g)
+    vals = torch.zeros(m, 1024)
+    ids = torch.arange(1024).expand(m, 1024).contiguous()
+    tokens = torch.zeros(m, dtype=torch.long)
+    ones, zeros = torch.ones(m), torch.zeros(m)
+    draw_triton(
+        vals, ids, ones, torch.zeros(m, dtype=torch.long), ones, zeros, seeds, ctr,
+        torch.ones(m, dtype=torch.long), zeros, torch.arange(m), tokens,
+    )  # fmt: skip
+    assert tokens.tolist() == (seeded_uniforms(seeds, ctr) * 1024).floor().long().tolist()
+
+
+def test_kernels_checked_once_and_pytorch_where_they_do_not_build(monkeypatch, caplog):
+    import kernels.triton.sampling as ks
+
+    ks.available.cache_clear()
+    assert ks.available(torch.device("cpu"))  # the interpreter here, the compiled kernels on a GPU
+
+    def broken(*a, **kw):
+        raise RuntimeError("no such instruction")
+
+    monkeypatch.setattr(ks, "draw_triton", broken)
+    ks.available.cache_clear()
+    assert not ks.available(torch.device("cpu"))
+    assert "sampling in PyTorch ops" in caplog.text and "no such instruction" in caplog.text
+    ks.available.cache_clear()

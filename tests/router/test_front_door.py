@@ -1,0 +1,283 @@
+"""The router's HTTP front door, in process against a fake decode node that heartbeats like a real
+one (tests/helpers/fake_node.py): every bad body of a table gets a 400 whose code and message name
+what was wrong (size, encoding, JSON, depth, a lone surrogate, a prompt too long, a request that
+expands beyond what the router takes), a fuzz of every field never gets a 500, a 20 MB prompt is
+refused in under 100 ms while a small request streams on and the node stays alive, a long prompt
+is tokenized off the event loop, and the largest documented request (64 prompts x n = 16) is
+served by an idle router."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import socket
+import threading
+import time
+
+import pytest
+
+from proto import pb, rpc
+from serving.rpc import start_server
+from tests.helpers.fake_node import FakeDecode, decode_info, heartbeat
+from tests.helpers.serve_harness import wait_for
+
+CTX = 512  # the fake node's max_model_len: text prompts longer than 16 x CTX characters are refused
+
+
+def _start(ckpt, ctx: int = CTX, **cfg):
+    from router.server import RouterConfig, serve
+
+    fake = FakeDecode([5, 6, 7], delay_s=0.02)
+    srv, nport, _ = start_server("127.0.0.1:0", lambda s: rpc.add_DecodeNodeServicer_to_server(fake, s), ["DecodeNode"])
+    r, port = serve(
+        "127.0.0.1:0",
+        RouterConfig(model=str(ckpt), heartbeat_interval_s=0.1, dead_after_s=1.0, http_port=0, **cfg),
+    )
+    hb = heartbeat(f"127.0.0.1:{port}", decode_info(f"127.0.0.1:{nport}", max_model_len=ctx, vocab_size=1024), 0.1)
+    wait_for(lambda: r.registry.live(pb.NODE_KIND_DECODE), 10, "the fake node registered")
+    return r, fake, srv, hb, port
+
+
+@pytest.fixture(scope="module")
+def door(ckpt):
+    r, fake, srv, hb, port = _start(ckpt, max_queued_requests=64)
+    yield r, fake, port
+    hb.stop()
+    r.stop(0)
+    srv.stop(0)
+
+
+def post(port: int, body: bytes, path: str = "/v1/completions", timeout: float = 60) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read()
+        if resp.getheader("content-type", "").startswith("text/event-stream"):
+            return resp.status, {"events": raw.decode().split("\n\n")}
+        return resp.status, json.loads(raw) if raw else {}
+    finally:
+        conn.close()
+
+
+def _js(**kw) -> bytes:
+    return json.dumps({"model": "m", "prompt": [1, 2, 3], "max_tokens": 1, **kw}).encode()
+
+
+BAD = [
+    ("not json", b'{"model": "m", "prompt": ', "invalid_json", "not valid JSON"),
+    ("empty body", b"", "invalid_json", "empty"),
+    ("latin-1 bytes", b'{"model": "m", "prompt": "caf\xe9"}', "invalid_encoding", "not UTF-8: byte 0xe9"),
+    ("nested arrays", b"[" * 100_000 + b"]" * 100_000, "json_too_deep", "deeper than 64"),
+    ("nested objects", b'{"a": ' * 65 + b"1" + b"}" * 65, "json_too_deep", "deeper than 64"),
+    ("lone surrogate", b'{"model": "m", "prompt": "ab\\ud800"}', "invalid_unicode", "lone UTF-16 surrogate (\\ud800"),
+    ("low surrogate", b'{"model": "m", "prompt": "\\udc00x"}', "invalid_unicode", "lone UTF-16 surrogate"),
+    ("surrogate key", b'{"model": "m", "prompt": "a", "\\ud800": 1}', "invalid_unicode", "lone UTF-16 surrogate"),
+    ("array body", b"[1, 2]", None, "JSON object"),
+    ("prompt too long", _js(prompt="a" * (16 * CTX + 1)), "invalid_argument", f"limit of {16 * CTX:,} characters"),
+    ("messages too long", None, "invalid_argument", "messages of"),
+    ("expands beyond", _js(prompt=[[1]] * 8, n=16), "too_many_sequences", "expands to 128 sequences"),
+    ("huge token id", _js(prompt=[10**30]), None, "prompt"),
+    ("huge seed", _js(seed=2**70), None, "seed"),
+    ("huge max_tokens", _js(max_tokens=2**70), None, "max_tokens"),
+    ("huge top_k", _js(top_k=2**40), None, "top_k"),
+    ("huge stop id", _js(stop_token_ids=[2**40]), None, "stop"),
+]
+
+
+@pytest.mark.parametrize("name,body,code,words", BAD, ids=[b[0] for b in BAD])
+def test_bad_bodies_get_a_400_naming_the_fault(door, name, body, code, words):
+    r, _, _ = door
+    path = "/v1/completions"
+    if body is None:
+        path = "/v1/chat/completions"
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "a" * (16 * CTX + 1)}]}).encode()
+    status, out = post(r.http_port, body, path)
+    err = out["error"]
+    assert status == 400 and words in err["message"], (status, out)
+    assert code is None or err["code"] == code, err
+    assert "no route" not in err["message"]
+
+
+def test_a_long_grpc_prompt_is_refused_before_tokenizing(door):
+    from client import Client, PdserveError
+
+    _, _, port = door
+    with Client(f"127.0.0.1:{port}", timeout=30) as c:
+        t0 = time.monotonic()
+        with pytest.raises(PdserveError) as e:
+            c.generate(prompt="a" * 3_000_000, max_tokens=1)
+        took = time.monotonic() - t0
+    assert e.value.code.name == "INVALID_ARGUMENT" and f"limit of {16 * CTX:,} characters" in e.value.message
+    assert took < 2.0, took  # a 3 MB message, unread by the tokenizer
+
+
+def test_a_chunked_body_is_counted_as_it_arrives(door):
+    """No Content-Length: the body is refused once it passes the limit (16 MiB by default)."""
+    r, _, _ = door
+    piece = b"x" * (1 << 20)
+    conn = http.client.HTTPConnection("127.0.0.1", r.http_port, timeout=60)
+    try:
+        conn.request(
+            "POST", "/v1/completions", iter([piece] * 17), {"Content-Type": "application/json"}, encode_chunked=True
+        )
+        resp = conn.getresponse()
+        err = json.loads(resp.read())["error"]
+    finally:
+        conn.close()
+    assert resp.status == 400 and err["code"] == "body_too_large", err
+    assert "more than 16,777,216 bytes" in err["message"]
+
+
+def test_a_body_declared_far_beyond_the_limit_is_not_read(door):
+    r, _, _ = door
+    sock = socket.create_connection(("127.0.0.1", r.http_port), timeout=30)
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000000\r\n\r\n{")
+        got = b""
+        while b"\r\n\r\n" not in got or not got.rstrip().endswith(b"}"):
+            more = sock.recv(65536)
+            if not more:
+                break
+            got += more
+    finally:
+        sock.close()
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), got
+    assert b"1,000,000,000,000 bytes" in body and b"body_too_large" in body
+
+
+def test_a_surrogate_pair_is_text(door):
+    r, _, _ = door
+    status, out = post(r.http_port, b'{"model": "m", "prompt": "\\ud83d\\ude00", "max_tokens": 1}')
+    assert status == 200 and out["usage"]["prompt_tokens"] > 0, out
+
+
+NUMBERS = (0, -1, 1, 2**31, 2**63, 10**30, -(10**30), 0.5, -0.0, 1e308, float("inf"), float("nan"))
+OTHERS: tuple[object, ...] = (
+    None,
+    True,
+    "",
+    "x",
+    "\x00",
+    "é" * 3,
+    [],
+    [1],
+    [[1]],
+    ["a"],
+    [None],
+    {},
+    {"1": 1},
+    {"a": [1]},
+)
+FIELDS = """model prompt max_completion_tokens temperature top_p top_k min_p presence_penalty frequency_penalty
+    repetition_penalty seed num_speculative_tokens n best_of stop stop_token_ids stream stream_options logprobs
+    top_logprobs logit_bias echo suffix tools tool_choice response_format messages user""".split()
+
+
+def _values(rng: random.Random) -> list:
+    return [*NUMBERS, *OTHERS, rng.choice(["\\ud800", "NaN"]), [rng.randrange(-5, 2**33) for _ in range(3)]]
+
+
+def test_no_field_value_gets_a_500(door):
+    """Every field of a small valid body, in turn, set to each value of a table of JSON values of
+    every type and edge (both routes, max_tokens kept at 1 so that a valid body is quick)."""
+    r, _, _ = door
+    rng = random.Random(0)
+    seen = {}
+    for path, base in (
+        ("/v1/completions", {"model": "m", "prompt": [1, 2], "max_tokens": 1}),
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+    ):
+        for f in FIELDS:
+            for v in _values(rng):
+                body = json.dumps({**base, f: v}, allow_nan=True).replace('"\\\\ud800"', '"\\ud800"').encode()
+                status, out = post(r.http_port, body, path)
+                seen[status] = seen.get(status, 0) + 1
+                assert status in (200, 400, 404), (path, f, v, status, out)
+                if status != 200:
+                    assert out["error"]["message"] and "internal" not in out["error"]["message"], (f, v, out)
+    assert seen.get(200) and seen.get(400), seen
+    wait_for(lambda: r.service.active == 0, 10, "nothing in flight")
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+def test_a_20mb_prompt_is_refused_at_once_while_a_small_request_streams(door):
+    r, fake, _ = door
+    got: list = []
+
+    def small():  # about 40 x 20 ms of tokens, streamed, across the big requests below
+        got.append(post(r.http_port, _js(max_tokens=40, stream=False)))
+
+    t = threading.Thread(target=small)
+    t.start()
+    wait_for(lambda: r.service.active == 1, 10, "the small request in flight")
+    big = json.dumps({"model": "m", "prompt": "hello world " * (20_000_000 // 12), "max_tokens": 1}).encode()
+    rss0 = _rss_mb()
+    times = []
+    for _ in range(3):
+        t0 = time.monotonic()
+        status, out = post(r.http_port, big)
+        times.append(time.monotonic() - t0)
+        assert status == 400 and out["error"]["code"] == "body_too_large", out
+        assert "--max-body-bytes" in out["error"]["message"]
+    t.join(30)
+    assert got and got[0][0] == 200 and got[0][1]["usage"]["completion_tokens"] == 40, got
+    assert min(times) < 0.1, times  # on a loaded 2-core box the first may pay for a cold path
+    assert all(e.alive for e, _ in r.registry.snapshot())
+    assert _rss_mb() - rss0 < 200, "the router kept the refused bodies"
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(ckpt):
+    """A prompt within every limit but long to tokenize (1 M characters here, under a raised
+    limit): the loop stays free, so heartbeats keep the node alive and a small request finishes
+    while the long one is being tokenized."""
+    from engine.tokenizer import Tokenizer
+    from router.text import INLINE_CHARS
+
+    r, fake, srv, hb, _ = _start(ckpt, ctx=10**6, max_prompt_chars=2 << 20)
+    try:
+        long_text = "hello world, how are you? " * 40_000
+        assert len(long_text) > 100 * INLINE_CHARS
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(post(r.http_port, _js(prompt=long_text))))
+        t0 = time.monotonic()
+        t.start()
+        status, out = post(r.http_port, _js(prompt="short", max_tokens=2))
+        small_s = time.monotonic() - t0
+        t.join(120)
+        long_s = time.monotonic() - t0
+        assert status == 200 and out["usage"]["completion_tokens"] == 2, out
+        assert all(e.alive for e, _ in r.registry.snapshot())
+    finally:
+        hb.stop()
+        r.stop(0)
+        srv.stop(0)
+    # tokenized (the count is the tokenizer's own, computed here once the router is gone: a plain
+    # encode holds this process's GIL for a second), then refused: no fake node holds it
+    want = len(Tokenizer(ckpt).encode(long_text))
+    assert got and got[0][0] == 400 and f"prompt of {want} tokens needs" in got[0][1]["error"]["message"], got
+    assert small_s < long_s / 2, (small_s, long_s)
+    print(f"small request {small_s * 1e3:.0f} ms while a 1 M-character prompt took {long_s * 1e3:.0f} ms")
+
+
+def test_the_largest_documented_request_fits_an_idle_router(ckpt):
+    """64 prompts x n = 16: 1,024 sequences, with the default admission queue."""
+    from router.openai_models import MAX_BATCH, MAX_N
+
+    r, fake, srv, hb, _ = _start(ckpt)
+    fake.delay_s = 0.001
+    try:
+        status, out = post(r.http_port, _js(prompt=[[1, 2]] * MAX_BATCH, n=MAX_N), timeout=300)
+        assert status == 200, out
+        assert len(out["choices"]) == MAX_BATCH * MAX_N == 1024
+        assert all(c["finish_reason"] == "length" for c in out["choices"])
+    finally:
+        hb.stop()
+        r.stop(0)
+        srv.stop(0)

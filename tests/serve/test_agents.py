@@ -1,0 +1,299 @@
+"""What agents send, through the official `openai` client against `pdserve up` (one prefill +
+one decode node, disaggregated) on the tiny checkpoint whose template renders tools and thinking
+in Qwen3.5's layout: the chat template's switches reach the prompt (token counts equal
+transformers' rendering), reasoning and content split streamed and not (the reference: the same
+prompt's raw text from the completions endpoint, split at `</think>` here), tool_choice auto
+answers, an image part is refused naming it, and tool_choice required / named give calls whose
+arguments validate against the tool's schema (jsonschema), streamed the same, finish_reason
+"tool_calls". The cluster runs with n-gram drafts on (`--num-speculative-tokens 3`): the call
+format repeats itself, so drafts are proposed inside calls and verified under the grammar's mask."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers.serve_harness import Up, decode_stats, log_url, nodes
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather forecast",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "days"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"]},
+    },
+}
+TOOLS = [WEATHER, TIME]
+DRAFTS = ("--num-speculative-tokens", "3")
+MESSAGES = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Paris?"}]
+GREEDY = dict(temperature=0.0, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ckpt)
+
+
+@pytest.fixture(scope="module")
+def http_up(ckpt):
+    u = Up("--model", ckpt, "--dtype", "float32", "--decode", "1", "--prefill", "1", "--http-port", "0", *DRAFTS)
+    yield u
+    rc = u.stop()
+    assert rc == 0, u.output()
+
+
+@pytest.fixture(scope="module")
+def base_url_agents(http_up):
+    return log_url(http_up, r"OpenAI-compatible HTTP on (http://\S+/v1)")
+
+
+def _stream(oai, **kw) -> tuple[dict, str | None]:
+    """A streamed chat answer assembled as a client does: (message fields, finish_reason)."""
+    msg: dict = {"content": "", "reasoning_content": "", "calls": {}}
+    fin = None
+    for ch in oai.chat.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            d = c.delta
+            msg["content"] += d.content or ""
+            msg["reasoning_content"] += (d.model_extra or {}).get("reasoning_content") or ""
+            for tc in d.tool_calls or ():
+                call = msg["calls"].setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+                call["name"] += tc.function.name or ""
+                call["arguments"] += tc.function.arguments or ""
+            fin = c.finish_reason or fin
+    return msg, fin
+
+
+def test_template_switches_reach_the_prompt(oai, model, hf):
+    for kw in ({}, {"enable_thinking": False}):
+        r = oai.chat.completions.create(
+            model=model, messages=MESSAGES, tools=TOOLS, extra_body={"chat_template_kwargs": kw}, **GREEDY
+        )
+        want = hf.apply_chat_template(MESSAGES, tools=TOOLS, add_generation_prompt=True, tokenize=False, **kw)
+        assert r.usage.prompt_tokens == len(hf.encode(want, add_special_tokens=False)), kw
+    on = oai.chat.completions.create(model=model, messages=MESSAGES, **GREEDY).usage.prompt_tokens
+    off = oai.chat.completions.create(
+        model=model, messages=MESSAGES, extra_body={"chat_template_kwargs": {"enable_thinking": False}}, **GREEDY
+    ).usage.prompt_tokens
+    closed = hf.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    assert closed.endswith("<think>\n\n</think>\n\n")
+    assert off == len(hf.encode(closed, add_special_tokens=False)) > on
+
+
+@pytest.mark.parametrize("bias", [0, 0.5, 100], ids=["no-close", "close-later", "close-first"])
+def test_reasoning_and_content_split(oai, model, hf, bias):
+    close = hf.convert_tokens_to_ids("</think>")
+    extra = {"logit_bias": {str(close): bias}, "ignore_eos": True}
+    kw = dict(GREEDY, max_tokens=24)
+    prompt = hf.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    raw = oai.completions.create(model=model, prompt=prompt, extra_body=extra, **kw).choices[0].text
+    reasoning, closed, content = raw.partition("</think>")
+    want = {"reasoning_content": reasoning.strip("\n") or None, "content": content.lstrip("\n").rstrip()}
+    r = oai.chat.completions.create(model=model, messages=MESSAGES, extra_body=extra, **kw)
+    got = r.choices[0].message
+    assert {"reasoning_content": got.model_extra["reasoning_content"], "content": got.content} == want, raw
+    streamed, fin = _stream(oai, model=model, messages=MESSAGES, extra_body=extra, **kw)
+    assert streamed["reasoning_content"] == (want["reasoning_content"] or "")
+    assert streamed["content"] == want["content"] and fin == "length"
+
+
+def test_tool_choice_auto_answers(oai, model):
+    r = oai.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="auto", **GREEDY)
+    assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    assert r.choices[0].message.role == "assistant"
+
+
+def test_image_part_is_refused_naming_it(oai, model):
+    import openai
+
+    parts = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=model, messages=[{"role": "user", "content": parts}], **GREEDY)
+    assert e.value.body["param"] == "messages[0].content[1].type"
+
+
+def test_tool_history_renders(oai, model, hf):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"utc": true}'}}
+    msgs = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
+    r = oai.chat.completions.create(model=model, messages=msgs, tools=TOOLS, **GREEDY)
+    ref = json.loads(json.dumps(msgs))
+    ref[2]["tool_calls"][0]["function"]["arguments"] = {"utc": True}
+    want = hf.apply_chat_template(ref, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert r.usage.prompt_tokens == len(hf.encode(want, add_special_tokens=False))
+
+
+@pytest.mark.parametrize(
+    "choice,thinking",
+    [("required", False), ("get_weather", False), ("get_time", False), ("required", True)],
+    ids=["required", "named-weather", "named-time", "required-after-think"],
+)
+def test_required_and_named_calls_follow_the_schema(http_up, oai, model, hf, choice, thinking):
+    import jsonschema
+
+    decode = next(n.node.address for n in nodes(http_up.address) if n.node.kind == 2)  # NODE_KIND_DECODE
+
+    def drafts() -> int:
+        return sum(decode_stats(decode).speculation.drafts_per_position)
+
+    named = choice != "required"
+    tool_choice = {"type": "function", "function": {"name": choice}} if named else "required"
+    extra: dict = {"chat_template_kwargs": {"enable_thinking": thinking}}
+    if thinking:  # the model closes its think block at once; the calls are constrained after it
+        extra["logit_bias"] = {str(hf.convert_tokens_to_ids("</think>")): 100}
+    kw = dict(
+        model=model,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        temperature=0.0,
+        max_tokens=200,
+        extra_body=extra,
+    )
+    before = drafts()
+    r = oai.chat.completions.create(parallel_tool_calls=False, **kw)
+    if not thinking:  # drafts were proposed inside the constrained output (logit_bias turns them off)
+        assert drafts() > before
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    assert len(c.message.tool_calls) == 1 and c.message.content is None
+    call = c.message.tool_calls[0]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    assert call.function.name in schemas and (not named or call.function.name == choice)
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    streamed, fin = _stream(oai, parallel_tool_calls=False, **kw)
+    assert fin == "tool_calls"
+    assert [(s["name"], s["arguments"]) for s in streamed["calls"].values()] == [
+        (call.function.name, call.function.arguments)
+    ]
+    assert streamed["calls"][0]["id"].startswith("call_")
+
+
+@pytest.mark.parametrize("thinking", [False, True], ids=["thinking-off", "after-think"])
+def test_response_format_json(oai, model, hf, thinking):
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    extra: dict = {"chat_template_kwargs": {"enable_thinking": thinking}}
+    if thinking:
+        extra["logit_bias"] = {str(hf.convert_tokens_to_ids("</think>")): 100}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    kw = dict(model=model, messages=MESSAGES, temperature=0.0, max_tokens=60, extra_body=extra)
+    r = oai.chat.completions.create(response_format=fmt, **kw)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    streamed, fin = _stream(oai, response_format=fmt, **kw)
+    assert streamed["content"] == r.choices[0].message.content and fin == "stop"
+    obj = oai.chat.completions.create(response_format={"type": "json_object"}, **kw).choices[0].message.content
+    assert isinstance(json.loads(obj), dict)
+
+
+def test_bad_agent_inputs_are_400s(oai, model, base_url_agents):
+    """Malformed tools, tool choices, formats, messages and Responses items: a 400 each, never a
+    500, and the server keeps answering."""
+    import urllib.error
+    import urllib.request
+
+    user = [{"role": "user", "content": "x"}]
+    fn = {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}
+    bodies = [
+        ("chat/completions", {"messages": user, "tools": "x"}),
+        ("chat/completions", {"messages": user, "tools": [1]}),
+        ("chat/completions", {"messages": user, "tools": [{"type": "function", "function": {"name": 3}}]}),
+        ("chat/completions", {"messages": user, "tools": [{"type": "function", "function": dict(fn, parameters=[])}]}),
+        (
+            "chat/completions",
+            {
+                "messages": user,
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"properties": {"a": {"type": "string", "maxLength": {}}}, "required": 5},
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+        ),
+        (
+            "chat/completions",
+            {
+                "messages": user,
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"properties": {"a": {"type": "bogus"}}}},
+                    }
+                ],
+                "tool_choice": "required",
+            },
+        ),
+        ("chat/completions", {"messages": user, "tool_choice": {"type": "function"}}),
+        ("chat/completions", {"messages": user, "tool_choice": 7}),
+        (
+            "chat/completions",
+            {"messages": user, "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
+        ),
+        (
+            "chat/completions",
+            {
+                "messages": user,
+                "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}},
+            },
+        ),
+        ("chat/completions", {"messages": user, "response_format": "json"}),
+        ("chat/completions", {"messages": user, "chat_template_kwargs": [1]}),
+        ("chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": "x"}]}),
+        ("chat/completions", {"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{"}}]}]}),
+        ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}),
+        ("chat/completions", {"messages": [{"role": "user", "content": [{"text": 1}]}]}),
+        ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}),
+        ("chat/completions", {"messages": user, "continue_final_message": True}),
+        ("responses", {"input": [{"type": "function_call"}]}),
+        ("responses", {"input": [{"type": "mystery"}]}),
+        ("responses", {"input": [{"role": "user", "content": 5}]}),
+        ("responses", {"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}),
+        ("responses", {"input": "x", "tools": [{"type": "web_search"}]}),
+        ("responses", {"input": "x", "text": {"format": {"type": "yaml"}}}),
+        ("responses", {"input": "x", "conversation": "c1"}),
+    ]
+    for route, body in bodies:
+        req = urllib.request.Request(
+            f"{base_url_agents}/{route}",
+            json.dumps(dict(body, model=model, max_tokens=2)).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        err = json.loads(e.value.read())["error"]
+        assert e.value.code == 400, (route, body, err)
+        assert err["message"], (route, body)
+    r = oai.chat.completions.create(model=model, messages=MESSAGES, **GREEDY)
+    assert r.choices[0].finish_reason == "length"

@@ -1,0 +1,147 @@
+"""`POST /v1/responses` (stateless) through the official `openai` client against `pdserve up`
+(1 prefill + 1 decode node): its answers equal the chat completion of the same conversation
+(reasoning item = reasoning_content, message = content, function_call = tool call), streamed
+events assemble to the same items, function_call / function_call_output input items render as
+transformers renders the equivalent chat messages, `tool_choice` required gives a call valid
+under the schema, and previous_response_id and image parts are 400s naming them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+TOOL = {
+    "type": "function",
+    "name": "get_time",
+    "description": "The time",
+    "parameters": {"type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"]},
+}
+CHAT_TOOL = {"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}
+BIAS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ckpt)
+
+
+def _plain(items) -> list[dict]:
+    """Output items without their generated ids."""
+    out = []
+    for it in items:
+        d = it if isinstance(it, dict) else it.model_dump(exclude_none=True)
+        out.append({k: v for k, v in d.items() if k not in ("id", "call_id")})
+    return out
+
+
+def _streamed(oai, **kw) -> tuple[list[dict], object, list[str]]:
+    """(items from output_item.done events, the final response, event types in order)."""
+    items, final, kinds, seq = [], None, [], []
+    for e in oai.responses.create(stream=True, **kw):
+        kinds.append(e.type)
+        seq.append(e.sequence_number)
+        if e.type == "response.output_item.done":
+            items.append(e.item)
+        if e.type in ("response.completed", "response.incomplete"):
+            final = e.response
+    assert seq == list(range(len(seq)))
+    return items, final, kinds
+
+
+@pytest.mark.parametrize("close_bias", [0.0, 0.5], ids=["all-reasoning", "reasoning-then-content"])
+def test_answer_equals_the_chat_completion(oai, model, hf, close_bias):
+    close = hf.convert_tokens_to_ids("</think>")
+    extra = dict(BIAS, logit_bias={str(close): close_bias})
+    kw = dict(model=model, instructions="Be brief.", input="Say something.", temperature=0.0, max_output_tokens=24)
+    r = oai.responses.create(extra_body=extra, **kw)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+    chat = oai.chat.completions.create(model=model, messages=msgs, temperature=0.0, max_tokens=24, extra_body=extra)
+    m = chat.choices[0].message
+    want = []
+    if m.model_extra["reasoning_content"]:
+        want.append({"type": "reasoning", "text": m.model_extra["reasoning_content"]})
+    if m.content:
+        want.append({"type": "message", "text": m.content})
+    got = [{"type": it.type, "text": it.content[0].text} for it in r.output]
+    assert got == want
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == 24
+    items, final, kinds = _streamed(oai, extra_body=extra, **kw)
+    assert _plain(items) == _plain(r.output) == _plain(final.output)
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
+
+
+def test_function_call_items_render_as_chat_messages(oai, model, hf):
+    items = [
+        {"role": "user", "content": "Time?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Ask."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": '{"utc": true}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "12:00"},
+    ]
+    r = oai.responses.create(model=model, input=items, tools=[TOOL], temperature=0.0, max_output_tokens=2)
+    msgs = [
+        {"role": "user", "content": "Time?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "Ask.",
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": {"utc": True}}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
+    want = hf.apply_chat_template(msgs, tools=[CHAT_TOOL], add_generation_prompt=True, tokenize=False)
+    assert "<think>\nAsk.\n</think>" in want
+    assert r.usage.input_tokens == len(hf.encode(want, add_special_tokens=False))
+
+
+def test_required_tool_choice_gives_a_valid_call(oai, model):
+    import jsonschema
+
+    kw = dict(
+        model=model,
+        input="Time?",
+        tools=[TOOL],
+        tool_choice="required",
+        temperature=0.0,
+        max_output_tokens=100,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    r = oai.responses.create(**kw)
+    calls = [it for it in r.output if it.type == "function_call"]
+    assert r.status == "completed" and len(calls) >= 1
+    for c in calls:
+        assert c.name == "get_time" and c.call_id.startswith("call_")
+        jsonschema.validate(json.loads(c.arguments), TOOL["parameters"])
+    items, final, kinds = _streamed(oai, **kw)
+    assert _plain(items) == _plain(r.output) and kinds[-1] == "response.completed"
+    assert "response.function_call_arguments.delta" in kinds
+
+
+def test_refusals_name_the_parameter(oai, model):
+    import openai
+
+    for kw, param in (
+        (dict(input="x", previous_response_id="resp_1"), "previous_response_id"),
+        (
+            dict(
+                input=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "input_text", "text": "x"},
+                            {"type": "input_image", "image_url": "data:,"},
+                        ],
+                    }
+                ]
+            ),
+            "input[0].content[1].type",
+        ),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.responses.create(model=model, max_output_tokens=2, **kw)
+        assert e.value.body["param"] == param
