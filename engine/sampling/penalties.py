@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling.pack import HostPack, Sections
-from kernels.triton import force_triton
 
 
 @dataclass
@@ -23,8 +22,9 @@ class _Entry:
 
 
 class TokenCounts:
-    def __init__(self, vocab_size: int, device: torch.device):
-        self.vocab, self.device = vocab_size, device
+    def __init__(self, vocab_size: int, device: torch.device, fused: bool = False):
+        """fused: apply and record in Triton kernels (kernels/triton/sampling.py)."""
+        self.vocab, self.device, self.fused = vocab_size, device, fused
         self.entries: dict[str, _Entry] = {}
         self.free: list[int] = []
         self.tok = torch.zeros(0, 0, dtype=torch.long, device=device)
@@ -102,7 +102,7 @@ class TokenCounts:
     def record(self, rows: torch.Tensor, tokens: torch.Tensor, at: torch.Tensor) -> None:
         """Table row rows[i] (distinct rows) counts the sampled token tokens[at[i]], on the device:
         its count goes up, in a new entry when the row has none for it."""
-        if tokens.is_cuda or force_triton():
+        if self.fused:
             from kernels.triton.sampling import record_triton
 
             return record_triton(rows, at, tokens, self.tok, self.cnt, self.size)
@@ -129,7 +129,7 @@ class TokenCounts:
         penalty rep [P] on tokens of the prompt or output, then minus presence penalty pf[:, 0]
         for each output token and frequency penalty pf[:, 1] per occurrence (None: no row has
         one). Only the table's entries are read and written."""
-        if x.is_cuda or force_triton():
+        if self.fused:
             from kernels.triton.sampling import penalties_triton
 
             return penalties_triton(x, pos, rows, self.tok, self.cnt, self.inp, self.size, rep, pf)

@@ -64,6 +64,22 @@ class Sampler:
         self.gen = torch.Generator(device=self.device).manual_seed(seed)  # unseeded requests' draws
         self.eos = tuple(eos_token_ids)
         self.counts: TokenCounts | None = None  # made at the first penalized row (it needs V)
+        self._fused: bool | None = None
+
+    @property
+    def fused(self) -> bool:
+        """Draws, penalties and count updates in Triton kernels: on CUDA where they build (checked
+        at the first call), or anywhere with PDSERVE_FORCE_TRITON=1."""
+        if self._fused is None:
+            if force_triton():
+                self._fused = True
+            elif self.device.type == "cuda":
+                from kernels.triton.sampling import available
+
+                self._fused = available(self.device)
+            else:
+                self._fused = False
+        return self._fused
 
     def drop(self, request_ids: list[str]) -> None:
         if self.grammar is not None:
@@ -88,7 +104,7 @@ class Sampler:
         a = _Adjust([i for i, r in enumerate(rows) if r.params.penalized])
         if a.pen:
             if self.counts is None:
-                self.counts = TokenCounts(v, dev)
+                self.counts = TokenCounts(v, dev, self.fused)
             got = self.counts.rows([rows[i].request_id for i in a.pen], [rows[i].history for i in a.pen], pack)
             a.built = "counts.rows" in pack
             pack.ints("pen.rows", got)
@@ -167,8 +183,7 @@ class Sampler:
         greedy = [q for q, (p, _) in enumerate(per) if p.greedy]
         if sampled and greedy:
             pack.ints("greedy", greedy)
-        fused = dev.type == "cuda" or force_triton()
-        dp = drawing.plan(pack, sampled, [per[q] for q in sampled], v, fused=fused) if sampled else None
+        dp = drawing.plan(pack, sampled, [per[q] for q in sampled], v, fused=self.fused) if sampled else None
         s = pack.upload(dev)
 
         x = logits if everything else logits[s["idx"]]

@@ -8,10 +8,14 @@ inverse_cdf), engine/sampling/rng.py (seeded_uniforms) and engine/sampling/penal
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import triton
 import triton.language as tl
 
+log = logging.getLogger("pdserve.kernels")
 GAMMA = tl.constexpr(0x9E3779B97F4A7C15)
 MIX1 = tl.constexpr(0xBF58476D1CE4E5B9)
 MIX2 = tl.constexpr(0x94D049BB133111EB)
@@ -195,3 +199,34 @@ def record_triton(rows, at, tokens, tok, cnt, size) -> None:
     P, W = rows.shape[0], tok.shape[1]
     if P:
         _record_kernel[(P,)](rows, at, tokens, tok, cnt, size, W, BLOCK=min(1024, max(16, triton.next_power_of_2(W))))
+
+
+@functools.cache
+def available(device: torch.device) -> bool:
+    """Whether the three kernels compile and run on `device` (tried once, on tiny inputs): the
+    sampler takes its PyTorch path, with a warning, where this Triton cannot build them."""
+    try:
+        f = torch.ones(2, device=device)
+        i = torch.zeros(2, dtype=torch.long, device=device)
+        vals = torch.zeros(2, 16, device=device)
+        ids = torch.zeros(2, 16, dtype=torch.long, device=device)
+        tokens = torch.zeros(2, dtype=torch.long, device=device)
+        for total in (None, f):
+            draw_triton(vals, ids, f, i, f, f * 0, i, i, i + 1, f * 0, i, tokens, total)
+        tok = torch.zeros(2, 16, dtype=torch.long, device=device)
+        cnt = torch.zeros(2, 16, dtype=torch.int32, device=device)
+        size = torch.zeros(2, dtype=torch.long, device=device)
+        x = torch.zeros(2, 16, device=device)
+        penalties_triton(x, i, i, tok, cnt, cnt.bool(), size, f, torch.ones(2, 2, device=device))
+        record_triton(i[:1], i[:1], tokens, tok, cnt, size)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return True
+    except Exception as e:  # noqa: BLE001 (any build or launch failure: keep the PyTorch path)
+        log.warning(
+            "the sampler's Triton kernels are unavailable on %s (%s: %s); sampling in PyTorch ops",
+            device,
+            type(e).__name__,
+            e,
+        )
+        return False

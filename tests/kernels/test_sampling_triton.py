@@ -145,3 +145,19 @@ def test_seeded_uniforms_are_splitmix64s():
         torch.ones(m, dtype=torch.long), zeros, torch.arange(m), tokens,
     )  # fmt: skip
     assert tokens.tolist() == (seeded_uniforms(seeds, ctr) * 1024).floor().long().tolist()
+
+
+def test_kernels_checked_once_and_pytorch_where_they_do_not_build(monkeypatch, caplog):
+    import kernels.triton.sampling as ks
+
+    ks.available.cache_clear()
+    assert ks.available(torch.device("cpu"))  # the interpreter here, the compiled kernels on a GPU
+
+    def broken(*a, **kw):
+        raise RuntimeError("no such instruction")
+
+    monkeypatch.setattr(ks, "draw_triton", broken)
+    ks.available.cache_clear()
+    assert not ks.available(torch.device("cpu"))
+    assert "sampling in PyTorch ops" in caplog.text and "no such instruction" in caplog.text
+    ks.available.cache_clear()

@@ -11,29 +11,12 @@ import torch
 
 from engine.sampling import Sampler
 from engine.sampling_params import SamplingParams
-from engine.step import RowInput
 from engine.structured.bitmask import GrammarMask
 from engine.tiny_model import make_tiny_model
 from engine.tokenizer import Tokenizer
-from tests.structured.cases import CONSTRAINTS, check, object_bias
+from tests.structured.cases import CONSTRAINTS, EOS, check, object_bias
+from tests.structured.cases import sampling_row as _row
 from tests.structured.conftest import SPEC
-
-EOS = 0  # the tiny tokenizer's <|endoftext|>
-
-
-def _row(params: SamplingParams, drafts: list[int], rid: str = "r") -> RowInput:
-    return RowInput(
-        request_id=rid,
-        token_ids=[5, *drafts],
-        start_pos=3,
-        slot=0,
-        block_ids=[0],
-        is_decode=True,
-        sample=True,
-        params=params,
-        num_draft=len(drafts),
-        history=([1, 2, 3], [5]) if params.constraint is None else ([1, 2, 3], []),
-    )
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
