@@ -19,7 +19,7 @@ import pytest
 
 from proto import pb, rpc
 
-STEP_S = 0.05  # the hook's sleep before each engine step
+STEP_S = 0.1  # the hook's sleep before each engine step (long: a loaded machine stalls threads for tens of ms)
 
 
 class _SlowSteps:
