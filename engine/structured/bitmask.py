@@ -87,16 +87,24 @@ class GrammarMask:
         self._executor: llguidance.LLExecutor | None = None
         self._thread: ThreadPoolExecutor | None = None
         self._plan: _Plan | None = None
+        self._failed: str | None = None  # why the tokenizer did not load
 
     def drop(self, request_ids: list[str]) -> None:
         if self._matchers is not None:
             self._matchers.drop(request_ids)
 
-    def matchers(self, vocab_size: int) -> Matchers:
-        if self._matchers is None or self.vocab_size != vocab_size:
-            self._matchers = Matchers(load_tokenizer(self.model_path, vocab_size, self.eos))
-            self._executor = llguidance.LLExecutor()
+    def matchers(self, vocab_size: int) -> Matchers | None:
+        """The request matchers over vocab_size ids; None when llguidance cannot read the
+        checkpoint's tokenizer (logged once; constrained rows then may only end)."""
+        if self._failed is None and (self._matchers is None or self.vocab_size != vocab_size):
             self.vocab_size = vocab_size
+            try:
+                self._matchers = Matchers(load_tokenizer(self.model_path, vocab_size, self.eos))
+            except (ValueError, RuntimeError, OSError) as e:
+                self._failed = str(e)
+                log.error("structured outputs are off: the tokenizer does not load into llguidance: %s", e)
+                return None
+            self._executor = llguidance.LLExecutor()
         return self._matchers
 
     @staticmethod
@@ -140,18 +148,19 @@ class GrammarMask:
             output = r.history[1] if r.history is not None else []
             k = r.num_draft
             drafts = list(r.token_ids[len(r.token_ids) - k :]) if k else []
-            m = ms.sync(r.request_id, c, output)
-            first = p
-            if m is None:  # the start token is not in the output: maybe among the drafts
-                if c.start_after_token not in drafts:
-                    continue
-                j = drafts.index(c.start_after_token) + 1
-                m, first, drafts = ms.fresh(c), p + j, drafts[j:]
+            if ms is None:
+                m, first, drafts = None, p, []
+            else:
+                m, first = ms.sync(r.request_id, c, output), p
+                if m is None:  # the start token is not in the output: maybe among the drafts
+                    if c.start_after_token not in drafts:
+                        continue
+                    j = drafts.index(c.start_after_token) + 1
+                    m, first, drafts = ms.fresh(c), p + j, drafts[j:]
             at += range(first, first + len(drafts) + 1)
-            if m.is_error():
-                log.warning(
-                    "request %s: its grammar matcher failed (%s); only EOS is allowed", r.request_id, m.get_error()
-                )
+            if m is None or m.is_error():
+                why = self._failed if m is None else m.get_error()
+                log.warning("request %s: no grammar matcher (%s); only EOS is allowed", r.request_id, why)
                 bm[first] = 0
                 for t in self.eos:
                     if t < vocab_size:

@@ -85,3 +85,16 @@ def test_drafted_constrained_decoding(tok_ckpt, mtp_ckpt, method):
     for k, a, b in zip(kinds, outs[0], outs[3]):
         check(k, b.text)
         assert a.output_token_ids == b.output_token_ids, k
+
+
+def test_tokenizer_llguidance_cannot_read_ends_the_row(tmp_path, caplog):
+    """A tokenizer.json llguidance cannot load: the sampler does not fail the batch; a constrained
+    row may only end (EOS), an unconstrained one in the same batch draws as before."""
+    (tmp_path / "tokenizer.json").write_text("{}")
+    sampler = Sampler(0, (EOS,), "cpu", GrammarMask(tmp_path, (EOS,)))
+    params = SamplingParams(temperature=0.0, max_tokens=8, constraint={"kind": "choice", "value": ["green"]})
+    logits = torch.zeros(2, 1024)
+    logits[:, 7] = 30.0
+    emitted, _ = sampler(logits, [_row(params, []), _row(SamplingParams(temperature=0.0), [], "free")], [0, 1])
+    assert emitted == [[EOS], [7]]
+    assert "does not load into llguidance" in caplog.text
