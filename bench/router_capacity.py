@@ -68,9 +68,15 @@ async def fake_node(router: str, vocab: int) -> None:
     await server.start()
     cap = pb.Capacity(total_blocks=1 << 20, free_blocks=1 << 20, block_size=16, total_slots=4096, free_slots=4096)
     info = pb.NodeInfo(
-        node_id="fake-decode", kind=pb.NODE_KIND_DECODE, address=f"127.0.0.1:{port}", incarnation=1,
-        model="fake", vocab_size=vocab, max_model_len=4096, capacity=cap,
-    )  # fmt: skip
+        node_id="fake-decode",
+        kind=pb.NODE_KIND_DECODE,
+        address=f"127.0.0.1:{port}",
+        incarnation=1,
+        model="fake",
+        vocab_size=vocab,
+        max_model_len=4096,
+        capacity=cap,
+    )
     Heartbeater(router, lambda: info, 0.5).start()
     print("fake node ready", flush=True)
     await server.wait_for_termination()
@@ -97,8 +103,9 @@ async def grpc_round(addr: str, streams: int, tokens: int) -> int:
 
 async def http_round(port: int, streams: int, tokens: int) -> int:
     async def one(i: int) -> int:
-        body = json.dumps({"model": "fake", "prompt": [1, 2, 3, 4 + i % 50], "max_tokens": tokens, "stream": True,
-                           "ignore_eos": True}).encode()  # fmt: skip
+        body = json.dumps(
+            {"model": "fake", "prompt": [1, 2, 3, 4 + i % 50], "max_tokens": tokens, "stream": True, "ignore_eos": True}
+        ).encode()
         r, w = await asyncio.open_connection("127.0.0.1", port)
         w.write(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -139,20 +146,18 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         port_file = Path(tmp) / "port"
         prof = ["-m", "cProfile", "-o", args.profile] if args.profile else []
+        opts = {"--port": "0", "--port-file": str(port_file), "--http-port": str(http_port), "--model": str(model)}
+        cmd = [sys.executable, *prof, "-m", "router.cli", "--log-level", "WARNING", "router"]
         router = subprocess.Popen(
-            [sys.executable, *prof, "-m", "router.cli", "--log-level", "WARNING", "router", "--port", "0", "--port-file",
-             str(port_file), "--http-port", str(http_port), "--model", str(model), "--insecure-open-cluster"],
-            env=env, cwd=ROOT,
-        )  # fmt: skip
+            [*cmd, *(x for kv in opts.items() for x in kv), "--insecure-open-cluster"], env=env, cwd=ROOT
+        )
         node = None
         try:
             while not (port_file.is_file() and port_file.read_text()):
                 time.sleep(0.05)
             addr = f"127.0.0.1:{int(port_file.read_text())}"
-            node = subprocess.Popen(
-                [sys.executable, __file__, "--fake-node", addr, "--vocab", str(vocab)],
-                env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True,
-            )  # fmt: skip
+            fake = [sys.executable, __file__, "--fake-node", addr, "--vocab", str(vocab)]
+            node = subprocess.Popen(fake, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
             assert node.stdout is not None and "ready" in node.stdout.readline()
             time.sleep(1.5)  # registered
             asyncio.run(grpc_round(addr, 8, 4))  # warm both paths

@@ -9,12 +9,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, get_args
 
 from engine.options import option
+from engine.rope import RopeScaling
+from engine.units import parse_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -32,20 +33,6 @@ _WRAPPERS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGenerat
 SUPPORTED_QUANTIZATION = ("fp8",)
 _DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
-
-
-def parse_bytes(value: int | str) -> int:
-    """'2GiB', '512MiB', '1.5GB', '4096' or an int -> bytes."""
-    if isinstance(value, int):
-        return value
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*", str(value), re.IGNORECASE)
-    if not m:
-        raise ValueError(f"cannot read a memory size from {value!r}; use e.g. '2GiB', '512MiB' or bytes")
-    unit = (m.group(2) or "").upper().rstrip("B")
-    powers = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
-    if unit not in powers:
-        raise ValueError(f"unknown memory unit in {value!r}")
-    return int(float(m.group(1)) * powers[unit])
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -93,6 +80,7 @@ class ModelConfig:
     # or "auto": kept on CUDA (the fused MoE kernel dequantizes each tile as it loads it)
     fp8_experts: Literal["auto", "keep", "dequantize"] = "auto"
     mtp_num_layers: int = 0  # multi-token-prediction layers the config declares (`mtp.layers.*`)
+    rope_scaling: RopeScaling = RopeScaling()  # YaRN / linear scaling of the rotary positions (engine/rope.py)
 
     def __post_init__(self):
         bad = {t for t in self.layer_types if t not in ("linear_attention", "full_attention")}
@@ -185,8 +173,7 @@ class ModelConfig:
             for i in range(n_layers)
         ]
         rope = text.get("rope_parameters") or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"unsupported rope_type {rope.get('rope_type')!r}; supported: default")
+        scaling = RopeScaling.parse(rope, text.get("rope_scaling"))
         cfg_dtype = text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or "float32"
         want = cfg_dtype if dtype == "auto" else dtype
         if want not in _DTYPES:
@@ -222,6 +209,7 @@ class ModelConfig:
             fp8_block_size=fp8_block,
             **_moe_fields(text, want_type),
             mtp_num_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
+            rope_scaling=scaling,
         )
 
 
@@ -413,7 +401,7 @@ class EngineConfig:
 
     @property
     def max_model_len(self) -> int:
-        return self.scheduler.max_model_len or self.model.max_position_embeddings
+        return self.scheduler.max_model_len or self.model.rope_scaling.max_positions(self.model.max_position_embeddings)
 
     @property
     def num_state_slots(self) -> int:

@@ -34,16 +34,17 @@ async def read_body(request: Request, limit: int) -> bytes:
     parts: list[bytes] = []
     got = 0
     over = size is not None and size > limit
-    async for chunk in request.stream():
-        got += len(chunk)
-        if got > limit:
-            over = True
-        if over:
-            parts.clear()  # keep nothing of a body that is refused
-            if got > _DRAIN_FACTOR * max(limit, size or 0):
-                break
-        elif chunk:
-            parts.append(chunk)
+    if size is None or size <= _DRAIN_FACTOR * limit:  # one declared far beyond it is not read at all
+        async for chunk in request.stream():
+            got += len(chunk)
+            if got > limit:
+                over = True
+            if over:
+                parts.clear()  # keep nothing of a body that is refused
+                if got > _DRAIN_FACTOR * limit:
+                    break
+            elif chunk:
+                parts.append(chunk)
     if over:
         shown = f"{size:,} bytes" if size is not None else f"more than {limit:,} bytes"
         raise _refuse(f"the request body is {shown}; the limit is {limit:,} bytes (--max-body-bytes)", "body_too_large")

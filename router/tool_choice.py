@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from engine.structured.grammar import WHITESPACE
 from proto import pb
 from router.openai_models import ApiError, ChatRequest, bad
 from router.parsers.tool_calls import ToolFormat
@@ -39,8 +40,18 @@ def _tools(req: ChatRequest) -> list[dict[str, Any]]:
         if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
             raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}", f"tools[{i}]")
         params = f.get("parameters", {})
-        if not isinstance(params, dict) or not isinstance(params.get("properties", {}), dict):
-            raise bad(f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}].function.parameters")
+        names = params.get("required", []) if isinstance(params, dict) else None
+        if (
+            not isinstance(params, dict)
+            or not isinstance(params.get("properties", {}), dict)
+            or not isinstance(names, list)
+            or not all(isinstance(r, str) for r in names)
+        ):
+            raise bad(
+                f"tools[{i}].function.parameters must be a JSON schema object (properties an object, "
+                "required a list of names)",
+                f"tools[{i}].function.parameters",
+            )
     return tools
 
 
@@ -111,6 +122,14 @@ def _response_format(rf: Any) -> pb.Constraint | None:
 
 
 # ---- the call grammars ----------------------------------------------------------------------------
+# JSON inside a call has the JSON constraints' bounded whitespace (engine/structured/grammar.py)
+_WS = {"whitespace_pattern": WHITESPACE}
+
+
+def _json(schema: dict[str, Any]) -> str:
+    return "%json " + json.dumps(dict(schema, **{"x-guidance": _WS}))
+
+
 _TEXT = r"/([^<]|<[^\/]){%s}\n<\/parameter>\n/"  # a string value: no "</" inside, then its close tag
 
 
@@ -127,7 +146,7 @@ def call_grammar(fmt: ToolFormat, fns: list[dict[str, Any]], many: bool) -> str:
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
-            rules.append(f'fn{i}: %json {json.dumps(obj)} "\\n"')
+            rules.append(f'fn{i}: {_json(obj)} "\\n"')
             continue
         props, required = params.get("properties", {}), set(params.get("required", ()))
         body = []
@@ -145,6 +164,8 @@ def _value(schema: Any) -> str:
     if s.get("type") == "string" and isinstance(s.get("enum"), list):
         return "(" + " | ".join(json.dumps(str(v)) for v in s["enum"]) + ") " + close
     if s.get("type") == "string" or schema is None:
-        lo, hi = s.get("minLength", 0), s.get("maxLength")
-        return _TEXT % (f"{int(lo)},{'' if hi is None else int(hi)}")
-    return f"%json {json.dumps(s)} {close}"
+        lo, hi = s.get("minLength"), s.get("maxLength")  # bounds that are not counts are left out
+        lo = lo if isinstance(lo, int) and lo >= 0 else 0
+        hi = hi if isinstance(hi, int) and hi >= lo else None
+        return _TEXT % f"{lo},{'' if hi is None else hi}"
+    return f"{_json(s)} {close}"

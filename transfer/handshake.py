@@ -35,6 +35,7 @@ DIGEST_FIELDS: tuple[str, ...] = (
     "shared_expert_intermediate_size",
     "moe_layers",
     "weight_quantization",
+    "rope_scaling",
 )
 assert set(DIGEST_FIELDS) == set(ModelDigest.__struct_fields__), "compare every digest field"
 

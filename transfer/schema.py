@@ -109,6 +109,7 @@ class ModelDigest(msgspec.Struct, frozen=True):
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[int, ...] = ()
     weight_quantization: str = ""  # "" or "fp8 [bn, bk]": the checkpoint's block-quantized weights
+    rope_scaling: str = ""  # "" or the scaling's parameters: keys are rotated with them (engine/rope.py)
 
     def fingerprint(self) -> str:
         return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
@@ -174,6 +175,7 @@ def model_digest(cfg: EngineConfig) -> ModelDigest:
         shared_expert_intermediate_size=m.shared_expert_intermediate_size,
         moe_layers=m.moe_layers,
         weight_quantization="" if m.fp8_block_size is None else f"fp8 {list(m.fp8_block_size)}",
+        rope_scaling="" if m.rope_scaling.kind == "default" else repr(m.rope_scaling),
     )
 
 

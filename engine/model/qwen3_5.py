@@ -82,7 +82,7 @@ class Qwen35Model:
         self.embed = weights["embed"]
         self.lm_head = Linear(weights["lm_head"])  # may share the embedding tensor; its GEMM copy is its own
         self.eps = cfg.rms_norm_eps
-        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, max_positions, cfg.dtype, device)
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, max_positions, cfg.dtype, device, cfg.rope_scaling)
         self.layers: list[DecoderLayer] = [
             build_layer(cfg, i, kind, weights["layers"][i], tp, all_reduce) for i, kind in enumerate(cfg.layer_types)
         ]

@@ -1,19 +1,31 @@
-"""Partial rotary embedding (rotate-half form) on the first `rotary_dim` dims of each head."""
+"""Partial rotary embedding (rotate-half form) on the first `rotary_dim` dims of each head, with
+the checkpoint's position scaling (engine/rope.py)."""
 
 from __future__ import annotations
 
 import torch
 
+from engine.rope import NO_SCALING, RopeScaling
+
 
 class Rotary:
-    def __init__(self, rotary_dim: int, theta: float, max_positions: int, dtype: torch.dtype, device="cpu"):
+    def __init__(
+        self,
+        rotary_dim: int,
+        theta: float,
+        max_positions: int,
+        dtype: torch.dtype,
+        device="cpu",
+        scaling: RopeScaling = NO_SCALING,
+    ):
         self.rotary_dim = rotary_dim
-        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+        inv_freq = scaling.inv_freq(rotary_dim, theta)
         pos = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(dtype).to(device)  # [P, rotary_dim]
-        self.sin = emb.sin().to(dtype).to(device)
+        att = scaling.attention_factor  # YaRN's scale of cos and sin (1 otherwise), in float32 first
+        self.cos = (emb.cos() * att).to(dtype).to(device)  # [P, rotary_dim]
+        self.sin = (emb.sin() * att).to(dtype).to(device)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, rd]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import socket
 import threading
 import time
 
@@ -129,26 +130,54 @@ def test_a_chunked_body_is_counted_as_it_arrives(door):
     assert "more than 16,777,216 bytes" in err["message"]
 
 
+def test_a_body_declared_far_beyond_the_limit_is_not_read(door):
+    r, _, _ = door
+    sock = socket.create_connection(("127.0.0.1", r.http_port), timeout=30)
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000000\r\n\r\n{")
+        got = b""
+        while b"\r\n\r\n" not in got or not got.rstrip().endswith(b"}"):
+            more = sock.recv(65536)
+            if not more:
+                break
+            got += more
+    finally:
+        sock.close()
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), got
+    assert b"1,000,000,000,000 bytes" in body and b"body_too_large" in body
+
+
 def test_a_surrogate_pair_is_text(door):
     r, _, _ = door
     status, out = post(r.http_port, b'{"model": "m", "prompt": "\\ud83d\\ude00", "max_tokens": 1}')
     assert status == 200 and out["usage"]["prompt_tokens"] > 0, out
 
 
+NUMBERS = (0, -1, 1, 2**31, 2**63, 10**30, -(10**30), 0.5, -0.0, 1e308, float("inf"), float("nan"))
+OTHERS: tuple[object, ...] = (
+    None,
+    True,
+    "",
+    "x",
+    "\x00",
+    "é" * 3,
+    [],
+    [1],
+    [[1]],
+    ["a"],
+    [None],
+    {},
+    {"1": 1},
+    {"a": [1]},
+)
+FIELDS = """model prompt max_completion_tokens temperature top_p top_k min_p presence_penalty frequency_penalty
+    repetition_penalty seed num_speculative_tokens n best_of stop stop_token_ids stream stream_options logprobs
+    top_logprobs logit_bias echo suffix tools tool_choice response_format messages user""".split()
+
+
 def _values(rng: random.Random) -> list:
-    return [
-        None, True, 0, -1, 1, 2**31, 2**63, 10**30, -(10**30), 0.5, -0.0, 1e308, float("inf"), float("nan"),
-        "", "x", "\x00", "é" * 3, [], [1], [[1]], ["a"], [None], {}, {"1": 1}, {"a": [1]},
-        rng.choice(["\\ud800", "NaN"]), [rng.randrange(-5, 2**33) for _ in range(3)],
-    ]  # fmt: skip
-
-
-FIELDS = [
-    "model", "prompt", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "seed", "num_speculative_tokens", "n", "best_of", "stop",
-    "stop_token_ids", "stream", "stream_options", "logprobs", "top_logprobs", "logit_bias", "echo", "suffix",
-    "tools", "tool_choice", "response_format", "messages", "user",
-]  # fmt: skip
+    return [*NUMBERS, *OTHERS, rng.choice(["\\ud800", "NaN"]), [rng.randrange(-5, 2**33) for _ in range(3)]]
 
 
 def test_no_field_value_gets_a_500(door):

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from tests.helpers.serve_harness import Up, decode_stats, nodes
+from tests.helpers.serve_harness import Up, decode_stats, log_url, nodes
 
 WEATHER = {
     "type": "function",
@@ -60,6 +60,11 @@ def http_up(ckpt):
     assert rc == 0, u.output()
 
 
+@pytest.fixture(scope="module")
+def base_url_agents(http_up):
+    return log_url(http_up, r"OpenAI-compatible HTTP on (http://\S+/v1)")
+
+
 def _stream(oai, **kw) -> tuple[dict, str | None]:
     """A streamed chat answer assembled as a client does: (message fields, finish_reason)."""
     msg: dict = {"content": "", "reasoning_content": "", "calls": {}}
@@ -99,12 +104,15 @@ def test_reasoning_and_content_split(oai, model, hf, bias):
     extra = {"logit_bias": {str(close): bias}, "ignore_eos": True}
     kw = dict(GREEDY, max_tokens=24)
     prompt = hf.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
-    raw = oai.completions.create(model=model, prompt=prompt, extra_body=extra, **kw).choices[0].text
+    ref = oai.completions.create(model=model, prompt=prompt, extra_body=extra, logprobs=0, **kw).choices[0]
+    raw, tokens = ref.text, ref.logprobs.tokens
     reasoning, closed, content = raw.partition("</think>")
+    thinking = tokens.index("</think>") + 1 if closed else len(tokens)  # tokens up to and with </think>
     want = {"reasoning_content": reasoning.strip("\n") or None, "content": content.lstrip("\n").rstrip()}
     r = oai.chat.completions.create(model=model, messages=MESSAGES, extra_body=extra, **kw)
     got = r.choices[0].message
     assert {"reasoning_content": got.model_extra["reasoning_content"], "content": got.content} == want, raw
+    assert r.usage.completion_tokens_details.reasoning_tokens == thinking
     streamed, fin = _stream(oai, model=model, messages=MESSAGES, extra_body=extra, **kw)
     assert streamed["reasoning_content"] == (want["reasoning_content"] or "")
     assert streamed["content"] == want["content"] and fin == "length"
@@ -206,3 +214,89 @@ def test_response_format_json(oai, model, hf, thinking):
     assert streamed["content"] == r.choices[0].message.content and fin == "stop"
     obj = oai.chat.completions.create(response_format={"type": "json_object"}, **kw).choices[0].message.content
     assert isinstance(json.loads(obj), dict)
+
+
+def test_bad_agent_inputs_are_400s(oai, model, base_url_agents):
+    """Malformed tools, tool choices, formats, messages and Responses items: a 400 each, never a
+    500, and the server keeps answering."""
+    import urllib.error
+    import urllib.request
+
+    user = [{"role": "user", "content": "x"}]
+    fn = {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}
+    bodies = [
+        ("chat/completions", {"messages": user, "tools": "x"}),
+        ("chat/completions", {"messages": user, "tools": [1]}),
+        ("chat/completions", {"messages": user, "tools": [{"type": "function", "function": {"name": 3}}]}),
+        ("chat/completions", {"messages": user, "tools": [{"type": "function", "function": dict(fn, parameters=[])}]}),
+        (
+            "chat/completions",
+            {
+                "messages": user,
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"properties": {"a": {"type": "string", "maxLength": {}}}, "required": 5},
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+        ),
+        (
+            "chat/completions",
+            {
+                "messages": user,
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"properties": {"a": {"type": "bogus"}}}},
+                    }
+                ],
+                "tool_choice": "required",
+            },
+        ),
+        ("chat/completions", {"messages": user, "tool_choice": {"type": "function"}}),
+        ("chat/completions", {"messages": user, "tool_choice": 7}),
+        (
+            "chat/completions",
+            {"messages": user, "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
+        ),
+        (
+            "chat/completions",
+            {
+                "messages": user,
+                "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}},
+            },
+        ),
+        ("chat/completions", {"messages": user, "response_format": "json"}),
+        ("chat/completions", {"messages": user, "chat_template_kwargs": [1]}),
+        ("chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": "x"}]}),
+        ("chat/completions", {"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{"}}]}]}),
+        ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}),
+        ("chat/completions", {"messages": [{"role": "user", "content": [{"text": 1}]}]}),
+        ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}),
+        ("chat/completions", {"messages": user, "continue_final_message": True}),
+        ("responses", {"input": [{"type": "function_call"}]}),
+        ("responses", {"input": [{"type": "mystery"}]}),
+        ("responses", {"input": [{"role": "user", "content": 5}]}),
+        ("responses", {"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}),
+        ("responses", {"input": "x", "tools": [{"type": "web_search"}]}),
+        ("responses", {"input": "x", "text": {"format": {"type": "yaml"}}}),
+        ("responses", {"input": "x", "conversation": "c1"}),
+    ]
+    for route, body in bodies:
+        req = urllib.request.Request(
+            f"{base_url_agents}/{route}",
+            json.dumps(dict(body, model=model, max_tokens=2)).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        err = json.loads(e.value.read())["error"]
+        assert e.value.code == 400, (route, body, err)
+        assert err["message"], (route, body)
+    r = oai.chat.completions.create(model=model, messages=MESSAGES, **GREEDY)
+    assert r.choices[0].finish_reason == "length"

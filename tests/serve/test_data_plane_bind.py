@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from tests.helpers.serve_harness import Proc, Up, node_pid
+from tests.helpers.serve_harness import Proc, Up, flags, node_pid
 from transfer.netif import addresses
 
 
@@ -68,10 +68,8 @@ def test_a_wildcard_transfer_host_listens_everywhere(ckpt):
     others = [ip for _, ip, loop in addresses() if not loop and isinstance(ip, ipaddress.IPv4Address)]
     if not others:
         pytest.skip("this machine has no network interface but loopback")
-    p = Proc(
-        "decode", "--model", ckpt, "--dtype", "float32", "--transfer-host", "0.0.0.0",
-        ready=r"decode node \S+ listening on (\S+)",
-    )  # fmt: skip
+    opts = flags(dtype="float32", transfer_host="0.0.0.0")
+    p = Proc("decode", "--model", ckpt, *opts, ready=r"decode node \S+ listening on (\S+)")
     try:
         addrs = {a for a, _ in listening(p.proc.pid)}
         assert addrs & {str(ip) for ip in others}, addrs

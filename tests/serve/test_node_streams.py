@@ -19,7 +19,7 @@ import pytest
 
 from proto import pb, rpc
 
-STEP_S = 0.05  # the hook's sleep before each engine step
+STEP_S = 0.1  # the hook's sleep before each engine step (long: a loaded machine stalls threads for tens of ms)
 
 
 class _SlowSteps:
@@ -104,8 +104,15 @@ def test_each_token_reaches_the_http_client_within_a_step(routed):
     r, steps = routed
     new = 24
     model = json.loads(_get(r.http_port, "/v1/models"))["data"][0]["id"]
-    body = {"model": model, "prompt": [1, 2, 3, 4], "max_tokens": new, "temperature": 0, "ignore_eos": True,
-            "stream": True, "logprobs": 0}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": [1, 2, 3, 4],
+        "max_tokens": new,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": 0,
+    }
     conn = http.client.HTTPConnection("127.0.0.1", r.http_port, timeout=120)
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -165,8 +172,11 @@ def test_disaggregated_tokens_reach_the_client_within_a_step(ckpt):
     d, _, dsteps = _decode_node(ckpt, router=addr)
     new = 16
     try:
-        wait_for(lambda: len(r.registry.live(pb.NODE_KIND_DECODE)) + len(r.registry.live(pb.NODE_KIND_PREFILL)) == 2,
-                 30, "both nodes registered")  # fmt: skip
+        wait_for(
+            lambda: len(r.registry.live(pb.NODE_KIND_DECODE)) + len(r.registry.live(pb.NODE_KIND_PREFILL)) == 2,
+            30,
+            "both nodes registered",
+        )
         read_at: list[float] = []
         chunks = 0
         with Client(addr, timeout=120) as c:

@@ -14,7 +14,7 @@ from engine.options import options
 from prefill_node.config import PrefillNodeConfig
 from router.cli import _up_spec, build_parser
 from router.config import RouterConfig
-from tests.helpers.serve_harness import Up, nodes
+from tests.helpers.serve_harness import Up, flags, nodes
 
 # what `up` decides for each process it starts, from its own flags (--host, --prefill-tp, ...)
 SET_BY_UP = {"static_decode", "static_prefill", "node_id", "router", "advertise_host", "tensor_parallel_size"}
@@ -45,10 +45,8 @@ def test_insecure_open_cluster_is_up_s_own_flag(tmp_path):
 
 
 def test_an_open_cluster_serves_without_any_token(ckpt):
-    up = Up(
-        "--model", ckpt, "--dtype", "float32", "--decode", "1", "--prefill", "1", "--insecure-open-cluster",
-        env={"PDSERVE_CLUSTER_TOKEN": ""},
-    )  # fmt: skip
+    opts = flags(dtype="float32", decode=1, prefill=1)
+    up = Up("--model", ckpt, *opts, "--insecure-open-cluster", env={"PDSERVE_CLUSTER_TOKEN": ""})
     try:
         from client import Client
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import re
 
-import jsonschema
+from engine.sampling_params import SamplingParams
+from engine.step import RowInput
 
 SCHEMA = {
     "type": "object",
@@ -32,6 +33,8 @@ CONSTRAINTS = {
 def check(kind: str, text: str) -> None:
     """AssertionError unless `text` satisfies the constraint of that kind."""
     if kind == "json_schema":
+        import jsonschema  # here: the GPU host's image may lack it (tests/structured/test_cuda.py)
+
         jsonschema.validate(json.loads(text), SCHEMA)
     elif kind == "json_object":
         assert isinstance(json.loads(text), dict), text
@@ -47,3 +50,22 @@ def object_bias(tok) -> dict[int, float]:
     """json_object on a random-weight model: its strings and objects would rarely close, so the
     quote and the closing brace are favoured (the mask still decides where they may go)."""
     return {tok.encode('"')[0]: 10.0, tok.encode("}")[0]: 5.0}
+
+
+EOS = 0  # the tiny tokenizer's <|endoftext|>
+
+
+def sampling_row(params: SamplingParams, drafts: list[int], rid: str = "r") -> RowInput:
+    """A decode row that samples after token 5 and verifies `drafts` (engine/step.py)."""
+    return RowInput(
+        request_id=rid,
+        token_ids=[5, *drafts],
+        start_pos=3,
+        slot=0,
+        block_ids=[0],
+        is_decode=True,
+        sample=True,
+        params=params,
+        num_draft=len(drafts),
+        history=([1, 2, 3], [5]) if params.constraint is None else ([1, 2, 3], []),
+    )

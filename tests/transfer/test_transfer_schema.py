@@ -107,6 +107,12 @@ def _with_tensor(s, kind, **changes):
         ("kv page layout", lambda: _with_tensor(schema(), "paged_kv", axes=("block", "kv", "head", "token", "dim"))),
         ("recurrent axis order", lambda: _with_tensor(schema(), "gdn_recurrent", axes=("slot", "head", "dv", "dk"))),
         ("dtype of gdn_recurrent", lambda: _with_tensor(schema(), "gdn_recurrent", dtype="bfloat16")),
+        (
+            "rope_scaling",
+            lambda: msgspec.structs.replace(
+                schema(), digest=msgspec.structs.replace(schema().digest, rope_scaling="RopeScaling(kind='yarn', ...)")
+            ),
+        ),
     ],
 )
 def test_handshake_refuses(field, remote):
