@@ -72,17 +72,11 @@ def main(fd: int) -> None:
 
     import engine  # noqa: F401  (before torch: the engine's OpenMP policy)
     from engine.llm import LLM
+    from engine.step_channel import messages
 
     conn = Connection(fd)
     llm: LLM | None = None
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            break
-        if msg is None:
-            break
-        name, args, kwargs = msg
+    for name, args, kwargs in messages(conn):
         try:
             if name == "__init__":
                 llm = LLM(**args[0], engine_process=False)
