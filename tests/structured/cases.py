@@ -8,6 +8,7 @@ import re
 
 from engine.sampling_params import SamplingParams
 from engine.step import RowInput
+from engine.structured.grammar import bounded_json
 
 SCHEMA = {
     "type": "object",
@@ -22,11 +23,21 @@ SCHEMA = {
 REGEX = r"[a-z]{2,5}-[0-9]{3}"
 CHOICES = ["red", "green", "blue", "rose"]
 
+INNER = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
+# a Lark grammar embedding a JSON schema (its whitespace bounded as json_schema's)
+GRAMMAR = 'start: "result=" obj " #" tag\nobj: %json ' + json.dumps(bounded_json(INNER)) + "\ntag: /[a-z]{2,4}/"
+
 CONSTRAINTS = {
     "json_schema": {"kind": "json_schema", "value": SCHEMA},
     "regex": {"kind": "regex", "value": REGEX},
     "choice": {"kind": "choice", "value": CHOICES},
     "json_object": {"kind": "json_object"},
+    "grammar": {"kind": "grammar", "value": GRAMMAR},
 }
 
 
@@ -42,6 +53,12 @@ def check(kind: str, text: str) -> None:
         assert re.fullmatch(REGEX, text), text
     elif kind == "choice":
         assert text in CHOICES, text
+    elif kind == "grammar":
+        m = re.fullmatch(r"result=(.*) #([a-z]{2,4})", text, re.S)
+        assert m, text
+        obj = json.loads(m.group(1))
+        assert isinstance(obj, dict) and set(obj) == {"a"} and 0 <= obj["a"] <= 999, text
+        assert not re.search(r"\s{18}", m.group(1)), text  # whitespace bounded
     else:
         raise ValueError(kind)
 

@@ -1,7 +1,7 @@
 """Structured outputs on a CUDA device: the bitmask goes to the device and unpacks there, the
-constrained rows of a mixed greedy / sampled batch pass their checks (regex, choice, JSON object)
-and the unconstrained row gives the same tokens as on the CPU; a forbidden draft is rejected by
-the CUDA sampler as by the CPU's."""
+constrained rows of a mixed greedy / sampled batch pass their checks (regex, choice, JSON object,
+Lark grammar) and the unconstrained row gives the same tokens as on the CPU; a forbidden draft is
+rejected by the CUDA sampler as by the CPU's."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_constrained_batch_on_cuda(tok_ckpt, cuda):
     from engine import LLM
 
     tok = Tokenizer(tok_ckpt)
-    kinds = ["regex", "choice", "json_object"]
+    kinds = ["regex", "choice", "json_object", "grammar"]
     params = [
         SamplingParams(
             max_tokens=80,

@@ -69,7 +69,7 @@ def test_drafted_constrained_decoding(tok_ckpt, mtp_ckpt, method):
     path = tok_ckpt if method == "ngram" else mtp_ckpt
     tok = Tokenizer(path)
     ids = tok.encode('{"name" :"ab" ,"n" :12 ,"ok" : true} ' * 3)
-    kinds = ["json_schema", "regex", "choice", "json_object"]
+    kinds = ["json_schema", "regex", "choice", "json_object", "grammar"]
 
     def params(k: str) -> SamplingParams:
         bias = {"logit_bias": object_bias(tok)} if k == "json_object" else {}
