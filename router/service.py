@@ -19,6 +19,7 @@ from proto.convert import sampling_kwargs
 from router.admission import Admission
 from router.config import RouterConfig
 from router.errors import Abort, Draining
+from router.migrate import MigrationMetrics
 from router.policy import make_policy
 from router.prefill import PrefillPhase
 from router.prefix import PrefixQuery
@@ -80,6 +81,7 @@ class GenerateService:
         )
         for reason in ("queue_full", "timeout"):
             self.refused.labels(reason=reason)
+        self.migrations = MigrationMetrics(reg)
         self.admission = Admission(cfg.max_queued_requests, cfg.admission_timeout_s, self._left_queue)
         self.generate_limit = (cfg.max_queued_requests or 4096) + STREAMING
 

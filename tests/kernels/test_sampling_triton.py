@@ -70,10 +70,9 @@ def test_head_draw_and_check_match_the_reference(scale):
     want_held = head_suffices(vals, total, temperature, top_p, min_p)
     seeds, ctr = torch.arange(m, dtype=torch.long), torch.zeros(m, dtype=torch.long)
     tokens = torch.zeros(m, dtype=torch.long)
-    held = draw_triton(
-        vals, ids, temperature, torch.zeros(m, dtype=torch.long), top_p, min_p, seeds, ctr,
-        torch.ones(m, dtype=torch.long), torch.zeros(m), torch.arange(m), tokens, total,
-    )  # fmt: skip
+    no_k, all_seeded = torch.zeros(m, dtype=torch.long), torch.ones(m, dtype=torch.long)
+    filters = (temperature, no_k, top_p, min_p)
+    held = draw_triton(vals, ids, *filters, seeds, ctr, all_seeded, torch.zeros(m), torch.arange(m), tokens, total)
     assert held.bool().tolist() == want_held.tolist()
     if scale > 1:
         probs = candidate_probs(vals, temperature, None, top_p, min_p, total)
@@ -140,10 +139,8 @@ def test_seeded_uniforms_are_splitmix64s():
     ids = torch.arange(1024).expand(m, 1024).contiguous()
     tokens = torch.zeros(m, dtype=torch.long)
     ones, zeros = torch.ones(m), torch.zeros(m)
-    draw_triton(
-        vals, ids, ones, torch.zeros(m, dtype=torch.long), ones, zeros, seeds, ctr,
-        torch.ones(m, dtype=torch.long), zeros, torch.arange(m), tokens,
-    )  # fmt: skip
+    filters = (ones, torch.zeros(m, dtype=torch.long), ones, zeros)
+    draw_triton(vals, ids, *filters, seeds, ctr, torch.ones(m, dtype=torch.long), zeros, torch.arange(m), tokens)
     assert tokens.tolist() == (seeded_uniforms(seeds, ctr) * 1024).floor().long().tolist()
 
 
