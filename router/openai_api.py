@@ -275,7 +275,16 @@ def make_app(service) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def no_route(request: Request, e: HTTPException):
-        return _json(e.status_code, ApiError(e.status_code, f"no route {request.method} {request.url.path}").body())
+        where = f"{request.method} {request.url.path}"
+        if e.status_code == 405:  # the path exists, for other methods
+            allow = {k.lower(): v for k, v in (e.headers or {}).items()}.get("allow", "")
+            msg = f"method {request.method} is not allowed on {request.url.path}" + (f" (use {allow})" if allow else "")
+            r = _json(405, ApiError(405, msg, code="method_not_allowed").body())
+            if allow:
+                r.headers["Allow"] = allow
+            return r
+        msg = f"no route {where}" if e.status_code == 404 else (str(e.detail) or where)
+        return _json(e.status_code, ApiError(e.status_code, msg).body())
 
     @app.get("/health")
     async def health():
