@@ -88,6 +88,16 @@ class GrammarMask:
         self._thread: ThreadPoolExecutor | None = None
         self._plan: _Plan | None = None
         self._failed: str | None = None  # why the tokenizer did not load
+        # llguidance reads the tokenizer (a second or so at 151,936 ids) on the mask thread from
+        # the start, beside the weights' loading, rather than before the first constrained token
+        self._tokenizer: Future[llguidance.LLTokenizer] | None = None
+        if vocab_size and (Path(model_path) / "tokenizer.json").is_file():
+            self._tokenizer = self._mask_thread().submit(load_tokenizer, model_path, vocab_size, eos_token_ids)
+
+    def _mask_thread(self) -> ThreadPoolExecutor:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        return self._thread
 
     def drop(self, request_ids: list[str]) -> None:
         if self._matchers is not None:
@@ -97,13 +107,19 @@ class GrammarMask:
         """The request matchers over vocab_size ids; None when llguidance cannot read the
         checkpoint's tokenizer (logged once; constrained rows then may only end)."""
         if self._failed is None and (self._matchers is None or self.vocab_size != vocab_size):
-            self.vocab_size = vocab_size
+            early, self._tokenizer = self._tokenizer, None
             try:
-                self._matchers = Matchers(load_tokenizer(self.model_path, vocab_size, self.eos))
+                if early is not None and vocab_size == self.vocab_size:
+                    tok = early.result()
+                else:
+                    tok = load_tokenizer(self.model_path, vocab_size, self.eos)
+                self._matchers = Matchers(tok)
             except (ValueError, RuntimeError, OSError) as e:
                 self._failed = str(e)
                 log.error("structured outputs are off: the tokenizer does not load into llguidance: %s", e)
                 return None
+            finally:
+                self.vocab_size = vocab_size
             self._executor = llguidance.LLExecutor()
         return self._matchers
 
@@ -122,9 +138,7 @@ class GrammarMask:
             n += r.num_draft + 1
         plan, jobs = self._make(rows, pos, n, self.vocab_size)
         if jobs:
-            if self._thread is None:
-                self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-            plan.done = self._thread.submit(self._run, jobs, plan.bitmask)
+            plan.done = self._mask_thread().submit(self._run, jobs, plan.bitmask)
         self._plan = plan
 
     def fill(self, rows: list[Row], pos: list[int], n: int, vocab_size: int) -> tuple[torch.Tensor, list[int]]:
