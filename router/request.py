@@ -49,6 +49,7 @@ class Trace:
     decode: str = "-"
     prefill: str = "local"
     queue_s: float = 0.0
+    estimate_s: float | None = None  # admission's estimate at arrival of the wait to start
     first: float | None = None
     last: float | None = None
     n: int = 0
@@ -72,13 +73,15 @@ class Trace:
     def log(self) -> None:
         ttft, tpot = self.ttft(), self.tpot()
         log.info(
-            "request %s: prompt %d, decode %s, prefill %s, queue %.1f ms, ttft %s, tpot %s, %d tokens, %s; "
+            "request %s: prompt %d, decode %s, prefill %s, queue %.1f ms (estimated %s), ttft %s, tpot %s, "
+            "%d tokens, %s; "
             "transfer %d B in %.1f ms",
             self.request_id,
             self.prompt_len,
             self.decode,
             self.prefill,
             self.queue_s * 1e3,
+            "-" if self.estimate_s is None else f"{self.estimate_s * 1e3:.1f} ms",
             "-" if ttft is None else f"{ttft * 1e3:.1f} ms",
             "-" if tpot is None else f"{tpot * 1e3:.1f} ms",
             self.n,
@@ -92,6 +95,11 @@ class _Retry(Exception):
     """Place the request again (on another decode node)."""
 
 
+DEFAULT_MAX_TOKENS = 16  # the engine's default max_tokens (docs/api.md)
+# admission's time per output token before any is measured: a decode step of a loaded node
+TPOT_PRIOR_S = 0.02
+
+
 class RequestRun:
     """The phases of one request; `svc` is the GenerateService (admission, decode counters,
     prefill phase, registry, tokenizer)."""
@@ -100,16 +108,23 @@ class RequestRun:
         self.svc, self.request, self.ids, self.tr = svc, request, ids, trace
         self.detok = IncrementalDetokenizer(svc.tokenizer, ids) if svc.tokenizer is not None else None
         self.tried: set[str] = set()
+        self.max_new = 0  # new tokens at most, once placed
         sp = request.sampling
         self.local = sp.HasField("logprobs") or sp.HasField("prompt_logprobs")  # P returns no logprobs
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         while True:
             t0 = time.monotonic()
-            d, p = await self.svc.admit(self.ids, self.tried, self.local)
+            d, p = await self.svc.admit(
+                self.ids, self.tried, self.local, self.request, resumed=bool(self.tried), trace=self.tr
+            )
             self.tr.queue_s += time.monotonic() - t0
             self.tr.decode = d.node_id
             self.tried.add(d.node_id)
+            sp = self.request.sampling
+            self.max_new = sp.max_tokens if sp.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+            self.max_new = min(self.max_new, max(1, d.info.max_model_len - len(self.ids)))
+            self.svc.placed.add(self)
             try:
                 async for c in self._attempt(d, p):
                     yield c
@@ -117,7 +132,14 @@ class RequestRun:
             except _Retry:
                 continue
             finally:
+                self.svc.placed.discard(self)
                 self.svc.done(d, len(self.ids))
+
+    def expected_end_s(self, tpot_s: float | None) -> float:
+        """Seconds until this placed request is expected to end: its tokens left at its own time per
+        token, else `tpot_s` (the router's last measured), else TPOT_PRIOR_S."""
+        tp = self.tr.tpot() or tpot_s or TPOT_PRIOR_S
+        return max(0, self.max_new - self.tr.n) * tp
 
     async def _attempt(self, d: NodeEntry, p: NodeEntry | None) -> AsyncIterator[Chunk]:
         """Prefill (on P, or none), then D's stream, relayed."""
