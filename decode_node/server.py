@@ -132,8 +132,8 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         self.refuse_if_draining(context)
         rid = self._request_id(request.request_id, context)
         params = self._params(request.sampling, context)
-        ids = list(request.prompt_token_ids)
-        handle = self.loop_api(context, lambda: self.loop.submit(rid, ids, params))
+        ids, resume = list(request.prompt_token_ids), list(request.resume_token_ids)
+        handle = self.loop_api(context, lambda: self.loop.submit(rid, ids, params, resume=resume))
         on_cancel(context, handle.abort)  # prompt, even while _relay waits
         try:
             yield from self._relay(handle, context)

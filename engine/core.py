@@ -149,6 +149,10 @@ class EngineCore:
         preempted request takes), then decodes on. Outputs report only the tokens after them;
         max_tokens counts them too. The connector hears of it (`request_resumed`)."""
         done = [int(t) for t in output_token_ids]
+        vocab = self.cfg.model.vocab_size
+        bad = [t for t in done if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"resumed output token id(s) {bad[:5]} out of range [0, {vocab})")
         req = self._new(prompt_token_ids, params, request_id, output_token_ids=done)
         req._sent = len(done)
         self.requests[req.request_id] = req

@@ -25,7 +25,7 @@ from engine.cache.allocator import Capacity
 from engine.config import EngineConfig
 from engine.devices import bind, node_devices
 from engine.step import StepInput, StepOutput
-from engine.step_channel import StepReader, StepWriter
+from engine.step_channel import StepReader, StepWriter, messages
 
 log = logging.getLogger("pdserve.executor")
 STARTUP_TIMEOUT_S = 300.0
@@ -116,13 +116,7 @@ def _rank_main(cfg: EngineConfig, rank: int, port: int, conn, device: str, steps
     except BaseException:  # report start-up failures to the parent instead of dying silently
         conn.send(("error", traceback.format_exc()))
         return
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            break
-        if msg is None:
-            break
+    for msg in messages(conn):
         try:
             if isinstance(msg, tuple) and msg and msg[0] == "call":
                 _, fn, args, kwargs = msg

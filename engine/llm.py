@@ -9,6 +9,7 @@ import torch
 from engine.cache.allocator import Capacity
 from engine.config import EngineArgs
 from engine.core import EngineCore
+from engine.llm_process import EngineProcess
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -36,7 +37,21 @@ class LLM:
         prefix_snapshot_memory: float = 0.1,
         speculative_draft_cost: float | None = None,
         fp8_experts: str = "auto",
+        engine_process: bool | None = None,
     ):
+        """engine_process: run the engine in a process of its own (engine/llm_process.py); None
+        (default): on the CPU when torch was imported before the engine, whose OpenMP threads would
+        otherwise spin on the engine's cores; in this process otherwise."""
+        kwargs = {k: v for k, v in locals().items() if k not in ("self", "engine_process")}
+        if engine_process is None:
+            import engine
+
+            engine_process = str(device).startswith("cpu") and engine.TORCH_LOADED_FIRST
+        self._proc: EngineProcess | None = None
+        if engine_process:
+            self._proc = EngineProcess(kwargs)
+            self.engine: EngineCore | None = None
+            return
         self.config = EngineArgs(
             model,
             tensor_parallel_size,
@@ -61,6 +76,9 @@ class LLM:
         warn_openmp_policy(device)
 
     def capacity(self) -> Capacity:
+        if self._proc is not None:
+            return self._proc.call("capacity")  # type: ignore[no-any-return]
+        assert self.engine is not None
         return self.engine.capacity
 
     def _prompts(self, prompts, prompt_token_ids) -> list[list[int]]:
@@ -80,6 +98,9 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         prompt_token_ids: list[list[int]] | None = None,
     ) -> list[RequestOutput]:
+        if self._proc is not None:
+            return self._proc.call("generate", prompts, sampling_params, prompt_token_ids)  # type: ignore[no-any-return]
+        assert self.engine is not None
         ids = self._prompts(prompts, prompt_token_ids)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -113,6 +134,9 @@ class LLM:
 
     def compute_logits(self, prompt_token_ids: list[list[int]]) -> list[torch.Tensor]:
         """Next-token logits [vocab] (float32) after each prompt, through the serving path."""
+        if self._proc is not None:
+            return self._proc.call("compute_logits", prompt_token_ids)  # type: ignore[no-any-return]
+        assert self.engine is not None
         sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         rids = [self.engine.add_request(list(p), sp, want_logits=True) for p in prompt_token_ids]
         reqs = {r: self.engine.requests[r] for r in rids}
@@ -121,7 +145,10 @@ class LLM:
         return [reqs[r].logits for r in rids]
 
     def close(self) -> None:
-        self.engine.close()
+        if self._proc is not None:
+            self._proc.close()
+        elif getattr(self, "engine", None) is not None:
+            self.engine.close()
 
     def __enter__(self):
         return self

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the router reads configs without torch (tests/router/test_cache_aware.py)
+    import torch
 
 SUPPORTED = ("default", "linear", "yarn")
 
@@ -66,6 +68,8 @@ class RopeScaling:
 
     def inv_freq(self, rotary_dim: int, theta: float) -> torch.Tensor:
         """[rotary_dim / 2] float32 rotary frequencies."""
+        import torch
+
         base = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
         extrapolated = 1.0 / base
         if self.kind == "default":

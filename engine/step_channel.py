@@ -9,6 +9,8 @@ import mmap
 import os
 import pickle
 import tempfile
+from collections.abc import Iterator
+from typing import Any
 
 from engine.step import StepInput
 
@@ -68,3 +70,16 @@ class StepReader:
 
     def close(self) -> None:
         self._buf.close()
+
+
+def messages(conn: Any) -> Iterator[Any]:
+    """What a serving process receives on its pipe, until the pipe closes or a None arrives (how
+    a rank and the offline LLM's engine process are told to stop)."""
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        yield msg

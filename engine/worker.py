@@ -85,8 +85,9 @@ class Worker:
                 self.device,
                 page_ends=cfg.cache.enable_prefix_caching,
             )
-        grammar = GrammarMask(cfg.model.path, cfg.model.eos_token_ids) if rank == 0 else None
-        self.sampler = Sampler(cfg.seed, cfg.model.eos_token_ids, self.device, grammar)
+        # structured outputs' masks (rank 0 samples): prepared before each forward, applied in the sampler
+        self.grammar = GrammarMask(cfg.model.path, cfg.model.eos_token_ids, cfg.model.vocab_size) if rank == 0 else None
+        self.sampler = Sampler(cfg.seed, cfg.model.eos_token_ids, self.device, self.grammar)
         self.block_size = cfg.cache.block_size
         self.graphs: DecodeGraphs | None = None  # plain decode steps through CUDA graphs (engine/model/graphs.py)
         if graphs_wanted(self.device, t) and self.drafter is None:
@@ -166,6 +167,8 @@ class Worker:
             self.pools.snapshots.save(self.pools, step.saves, last)
             return StepOutput({}) if self.rank == 0 else None
         batch = self.build_batch(step)
+        if self.grammar is not None:  # llguidance fills the step's masks while the forward runs
+            self.grammar.prepare([r for r in step.rows if r.sample or r.num_draft])
         self.pools.snapshots.restore(self.pools, step.restores)  # prefix hits start from their snapshot
         hidden = None
         if self.drafter is not None:

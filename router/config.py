@@ -69,6 +69,11 @@ class RouterConfig(SecurityArgs):
         "when every prefill node has this many prompt tokens queued, decode nodes prefill new prompts "
         "themselves (0: no limit)",
     )
+    # Mid-stream migration (router/migrate.py): a request whose decode node fails after it streamed
+    # tokens continues on another decode node from the tokens sent, at most this many times.
+    max_migrations: int = option(
+        2, "times one request may move to another decode node when its node fails mid-stream (0: never)"
+    )
     metrics_port: int | None = option(None, "Prometheus /metrics on this port (0 picks one; default off)")
     http_port: int | None = option(None, "OpenAI-compatible HTTP on this port (0 picks one; default off)")
     host: str = option("127.0.0.1", "address the router binds (gRPC, metrics and HTTP)")
@@ -124,6 +129,8 @@ class RouterConfig(SecurityArgs):
             raise ValueError(f"reservation_lease_s must be positive (got {self.reservation_lease_s})")
         if self.max_prefill_queue_tokens < 0:
             raise ValueError("max_prefill_queue_tokens must be >= 0 (0: no limit)")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0 (got {self.max_migrations})")
         if self.prefix_load_weight < 0 or self.prefix_memory_s < 0:
             raise ValueError("prefix_load_weight and prefix_memory_s must be >= 0")
         make_policy(self.policy)

@@ -39,6 +39,7 @@ from router.openai_models import (
 from router.request import Chunk
 
 log = logging.getLogger("pdserve.http")
+RENDER_INLINE_CHARS = 65536  # chat messages up to this many characters are rendered on the loop
 
 
 def _json(status: int, obj: dict, retry_after_s: float | None = None) -> Response:
@@ -122,8 +123,11 @@ class OpenAIFront:
             raise bad("logprobs need a tokenizer on the router", "logprobs")
         prep = None
         if isinstance(req, ChatRequest):  # the template's input is bounded like a prompt, before it is rendered
-            self.service.check_prompt_chars(sum(len(str(m.content or "")) for m in req.messages), "messages")
-            prep = self.chat.prepare(req)
+            chars = sum(len(str(m.content or "")) for m in req.messages)
+            self.service.check_prompt_chars(chars, "messages")
+            cf = self.chat
+            # a long conversation renders in a thread, so the loop keeps relaying other streams
+            prep = cf.prepare(req) if chars <= RENDER_INLINE_CHARS else await asyncio.to_thread(cf.prepare, req)
             if prep.constraint is not None:
                 sp.constraint.CopyFrom(prep.constraint)
         ps = [prep.prompt] if prep is not None else prompts(req)
@@ -276,7 +280,16 @@ def make_app(service) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def no_route(request: Request, e: HTTPException):
-        return _json(e.status_code, ApiError(e.status_code, f"no route {request.method} {request.url.path}").body())
+        where = f"{request.method} {request.url.path}"
+        if e.status_code == 405:  # the path exists, for other methods
+            allow = {k.lower(): v for k, v in (e.headers or {}).items()}.get("allow", "")
+            msg = f"method {request.method} is not allowed on {request.url.path}" + (f" (use {allow})" if allow else "")
+            r = _json(405, ApiError(405, msg, code="method_not_allowed").body())
+            if allow:
+                r.headers["Allow"] = allow
+            return r
+        msg = f"no route {where}" if e.status_code == 404 else (str(e.detail) or where)
+        return _json(e.status_code, ApiError(e.status_code, msg).body())
 
     @app.get("/health")
     async def health():

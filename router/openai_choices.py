@@ -84,7 +84,11 @@ class Choice:
         self.text.append(text)
         self.entries += entries
         if self.out is not None:
-            self.out.push(text, final=bool(c.finish_reason))
+            self.out.push(text, final=bool(c.finish_reason), tokens=self._new(c))
+
+    def _new(self, c: Chunk) -> int:
+        """The chunk's tokens the answer counts."""
+        return 0 if self.job.no_output else len(c.token_ids)
 
     def _finish(self, fin: str | None) -> str | None:
         """finish_reason: "tool_calls" when the output ended on its own after calls."""
@@ -105,7 +109,8 @@ class Choice:
         """The stream delta of this chunk; None when it adds nothing."""
         text, entries = self._take(c)
         ended = bool(c.finish_reason)
-        fields = self.out.push(text, final=ended) if self.out is not None else {"content": text} if text else {}
+        out = self.out
+        fields = out.push(text, ended, self._new(c)) if out is not None else {"content": text} if text else {}
         fin = self._finish(c.finish_reason or None)
         if not fields and not entries and fin is None:
             return None
@@ -151,9 +156,13 @@ def usage(choices: list[Choice]) -> dict:
     p = sum(c.prompt_tokens for c in choices if c.index % c.job.n == 0)  # once per prompt
     n = sum(c.n for c in choices)
     cached = sum(c.cached_tokens for c in choices if c.index % c.job.n == 0)
-    return {
+    out = {
         "prompt_tokens": p,
         "completion_tokens": n,
         "total_tokens": p + n,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    parsed = [c.out for c in choices if c.out is not None and c.out.reasoning is not None]
+    if parsed:  # tokens generated inside the think block (router/parsers/output.py)
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(o.reasoning_tokens for o in parsed)}
+    return out

@@ -1,9 +1,11 @@
 """One request through the router as an async generator of `Chunk`s: admit -> prefill -> decode ->
 relay, admitted again elsewhere when a decode node drains or is unreachable before the first
-token; unwinding cancels the node calls and releases an unactivated reservation."""
+token, and moved with the tokens sent so far when it fails mid-stream (router/migrate.py);
+unwinding cancels the node calls and releases an unactivated reservation."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -14,6 +16,7 @@ import grpc
 from proto import pb
 from router.detok import IncrementalDetokenizer
 from router.errors import Abort, DecodeFailed
+from router.migrate import Migration, Moved, NodeLost, NodeWatch
 from router.prefill import Push
 from router.registry import NodeEntry
 from serving.rpc import is_draining
@@ -56,6 +59,7 @@ class Trace:
     finish: str = "-"
     transfer_bytes: int = 0
     transfer_s: float = 0.0
+    moves: str = ""  # where it moved mid-stream: "decode-0(unavailable@12) ..."
 
     def outcome(self) -> str:
         if self.finish in ("stop", "length"):
@@ -74,8 +78,7 @@ class Trace:
         ttft, tpot = self.ttft(), self.tpot()
         log.info(
             "request %s: prompt %d, decode %s, prefill %s, queue %.1f ms (estimated %s), ttft %s, tpot %s, "
-            "%d tokens, %s; "
-            "transfer %d B in %.1f ms",
+            "%d tokens, %s; transfer %d B in %.1f ms%s",
             self.request_id,
             self.prompt_len,
             self.decode,
@@ -88,6 +91,7 @@ class Trace:
             self.finish,
             self.transfer_bytes,
             self.transfer_s * 1e3,
+            f"; moved from {self.moves}" if self.moves else "",
         )
 
 
@@ -95,7 +99,6 @@ class _Retry(Exception):
     """Place the request again (on another decode node)."""
 
 
-DEFAULT_MAX_TOKENS = 16  # the engine's default max_tokens (docs/api.md)
 # admission's time per output token before any is measured: a decode step of a loaded node
 TPOT_PRIOR_S = 0.02
 
@@ -111,29 +114,50 @@ class RequestRun:
         self.max_new = 0  # new tokens at most, once placed
         sp = request.sampling
         self.local = sp.HasField("logprobs") or sp.HasField("prompt_logprobs")  # P returns no logprobs
+        self.sent: list[int] = []  # the tokens relayed so far: a moved request's output
+        self.migration = Migration(svc.cfg.max_migrations, svc.migrations)
+        self.push: Push | None = None  # the prefill node's push, kept for its figures after a move
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         while True:
+            if self.sent and len(self.sent) >= self._max_tokens():  # its last message was lost
+                yield self._relay(pb.GenerateResponse(finish_reason="length"), None, first=False)
+                return
+            # a moved request is placed by prompt + output (what the new node computes) and
+            # prefilled there (a prefill node samples a prompt's first token, not the next one)
+            ids = self.ids + self.sent
             t0 = time.monotonic()
             d, p = await self.svc.admit(
-                self.ids, self.tried, self.local, self.request, resumed=bool(self.tried), trace=self.tr
+                ids, self.tried, self.local or bool(self.sent), self.request, resumed=bool(self.tried), trace=self.tr
             )
             self.tr.queue_s += time.monotonic() - t0
             self.tr.decode = d.node_id
             self.tried.add(d.node_id)
-            sp = self.request.sampling
-            self.max_new = sp.max_tokens if sp.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-            self.max_new = min(self.max_new, max(1, d.info.max_model_len - len(self.ids)))
+            self.max_new = min(self._max_tokens(), max(1, d.info.max_model_len - len(self.ids)))
             self.svc.placed.add(self)
             try:
                 async for c in self._attempt(d, p):
                     yield c
                 return
+            except Moved:
+                self.tr.moves = " ".join(self.migration.path)
+                log.warning(
+                    "request %s: decode node %s failed after %d tokens (%s): moving it (%d of at most %d)",
+                    self.tr.request_id, d.node_id, len(self.sent), self.migration.path[-1],
+                    self.migration.count, self.migration.limit,
+                )  # fmt: skip
+                continue
             except _Retry:
                 continue
             finally:
                 self.svc.placed.discard(self)
-                self.svc.done(d, len(self.ids))
+                self.svc.done(d, len(ids))
+
+    def _max_tokens(self) -> int:
+        from engine.sampling_params import SamplingParams
+        from proto.convert import sampling_kwargs
+
+        return int(SamplingParams(**sampling_kwargs(self.request.sampling)).max_tokens)
 
     def expected_end_s(self, tpot_s: float | None) -> float:
         """Seconds until this placed request is expected to end: its tokens left at its own time per
@@ -147,10 +171,14 @@ class RequestRun:
         call = None
         settled = False  # the reservation (if any) is activated, released or never made
         rid, sp, ids = self.tr.request_id, self.request.sampling, self.ids
+        watch: NodeWatch | None = None
         try:
             if p is not None:
                 pre = await self.svc.prefill.run(d, p, self.request, ids, rid)
-            if pre is None:
+                self.push = pre
+            if pre is None and self.sent:  # moved: the new node continues after the tokens sent
+                call = d.stub.Generate(self._resumed(rid))
+            elif pre is None:
                 self.tr.prefill = "local"
                 call = d.stub.Generate(pb.DecodeRequest(request_id=rid, prompt_token_ids=ids, sampling=sp))
             else:
@@ -177,7 +205,8 @@ class RequestRun:
                         draft_token_ids=f.draft_token_ids,
                     )
                 )
-            first = pre is None
+            first = pre is None and not self.sent
+            watch = NodeWatch(lambda: d.alive, call.cancel, self.svc.cfg.heartbeat_interval_s)
             async for m in call:
                 settled = True  # D activated the reservation (or failed and released it)
                 if pre is not None and m.finish_reason:
@@ -188,8 +217,15 @@ class RequestRun:
         except DecodeFailed as df:
             await self._decode_failed(df.err, d, None)
         except grpc.RpcError as e:
-            await self._decode_failed(e, d, pre)
+            await self._decode_failed(e, d, pre, lost=watch is not None and watch.lost)
+        except asyncio.CancelledError:  # the watch cancelled D's call (the request's task was not)
+            task = asyncio.current_task()
+            if watch is None or not watch.lost or (task is not None and task.cancelling()):
+                raise
+            await self._decode_failed(NodeLost(d.node_id), d, pre, lost=True)
         finally:
+            if watch is not None:
+                watch.stop()
             if call is not None:
                 call.cancel()  # no-op when it completed; stops the node's work otherwise
             if pre is not None:
@@ -198,9 +234,20 @@ class RequestRun:
                 if not pre.done.is_set():
                     pre.call.cancel()  # the request is over: the prefill node aborts what is left
 
-    async def _decode_failed(self, e: grpc.RpcError, d: NodeEntry, pre: Push | None) -> None:
-        """D refused or failed the request: raise _Retry (place it elsewhere) or Abort."""
-        code = e.code()
+    def _resumed(self, rid: str) -> pb.DecodeRequest:
+        """The request moved to a new node: the same prompt and sampling, the tokens sent as its
+        output (prompt logprobs were sent already)."""
+        sp = pb.SamplingParams()
+        sp.CopyFrom(self.request.sampling)
+        sp.ClearField("prompt_logprobs")
+        return pb.DecodeRequest(request_id=rid, prompt_token_ids=self.ids, sampling=sp, resume_token_ids=self.sent)
+
+    async def _decode_failed(self, e: grpc.RpcError, d: NodeEntry, pre: Push | None, lost: bool = False) -> None:
+        """D refused or failed the request: raise _Retry (place it elsewhere), Moved (mid-stream:
+        place it elsewhere with the tokens sent) or Abort. lost: the heartbeats declared D dead."""
+        if self.sent:
+            self.migration.move(e, d.node_id, len(self.sent), lost)  # raises unless not D's failure
+        code = grpc.StatusCode.UNAVAILABLE if lost else e.code()
         if not self.tr.n and is_draining(e):  # D drains (before any token): place it on another node
             self.svc.registry.mark_draining(d)
             log.info("request %s: decode node %s is draining, placing it elsewhere", self.tr.request_id, d.node_id)
@@ -220,6 +267,8 @@ class RequestRun:
             tr.first = tr.first or now
             tr.last = now
             tr.n += len(m.token_ids)
+            self.sent += m.token_ids
+            self.migration.resumed()
         c = Chunk(
             token_ids=list(m.token_ids),
             finish_reason=m.finish_reason,
@@ -242,8 +291,9 @@ class RequestRun:
             t.e2e_s = now - tr.received
             if tr.n > 1:
                 t.tpot_s = (tr.last - tr.first) / (tr.n - 1)
-        if pre is not None:  # the transfer figures, complete on the last message
-            pt = pre.timings()
+        push = pre or self.push
+        if push is not None:  # the transfer figures, complete on the last message
+            pt = push.timings()
             t.prefill_s, t.transfer_s, t.transfer_bytes = pt.prefill_s, pt.transfer_s, pt.transfer_bytes
         if m.finish_reason:
             tr.finish = m.finish_reason

@@ -152,7 +152,9 @@ def response(
             "input_tokens": p,
             "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
             "output_tokens": n,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {
+                "reasoning_tokens": usage.get("completion_tokens_details", {}).get("reasoning_tokens", 0)
+            },
             "total_tokens": p + n,
         }
     return out

@@ -20,6 +20,7 @@ from router.admission import BATCH, CLASS_NAMES, INTERACTIVE, Admission, Ask
 from router.client_hints import HINTS, Hints
 from router.config import RouterConfig
 from router.errors import Abort, Draining
+from router.migrate import MigrationMetrics
 from router.policy import make_policy
 from router.prefill import PrefillPhase
 from router.prefix import PrefixQuery
@@ -93,6 +94,7 @@ class GenerateService:
                 self.refused.labels(reason=reason, **{"class": c})
             for pool in ("prefill", "decode"):
                 self.estimated_wait.labels(pool=pool, **{"class": c})
+        self.migrations = MigrationMetrics(reg)
         self.admission = Admission(cfg.max_queued_requests, self._left_queue)
         self.generate_limit = (cfg.max_queued_requests or 4096) + STREAMING
 
@@ -319,7 +321,7 @@ class GenerateService:
         est, what = estimate(self.registry, self.prefill.meter, prompt_len, ask.tokens, ahead_tokens, ahead, ends)
         pool = "prefill" if ask.tokens else "decode"
         self.estimated_wait.labels(pool=pool, **{"class": ask.class_name}).set(est)
-        if trace is not None:
+        if trace is not None and trace.estimate_s is None:  # the one made at arrival
             trace.estimate_s = est
         self.admission.decide(ask, est, what)
 

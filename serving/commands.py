@@ -138,6 +138,7 @@ class AddRequest:
     params: SamplingParams
     prefill_only: bool = False
     transfer: object = None  # the connector's parameters for it (a prefill node's PushParams)
+    resume: tuple[int, ...] = ()  # output tokens it already has (moved from a failed node)
 
 
 @dataclass(frozen=True)

@@ -99,11 +99,13 @@ class EngineLoop:
         params: SamplingParams,
         prefill_only: bool = False,
         transfer: object = None,
+        resume: Sequence[int] = (),
     ) -> RequestHandle:
         """Queue a request for the engine; its outputs come through the handle. transfer: the
-        connector's parameters for it (a prefill-only request's push)."""
+        connector's parameters for it (a prefill-only request's push). resume: output tokens it
+        already has (EngineCore.resume_request): the handle streams only those after them."""
         h = RequestHandle(self._abort_handle, request_id, len(prompt_token_ids))
-        self._post(AddRequest(h, list(prompt_token_ids), params, prefill_only, transfer))
+        self._post(AddRequest(h, list(prompt_token_ids), params, prefill_only, transfer, tuple(resume)))
         return h
 
     def admit(
@@ -292,8 +294,8 @@ class EngineLoop:
 
     def _handle(self, cmd: Command) -> None:
         match cmd:
-            case AddRequest(h, ids, params, prefill_only, transfer):
-                self._start(h, lambda: self._add(h.request_id, ids, params, prefill_only, transfer))
+            case AddRequest(h, ids, params, prefill_only, transfer, resume):
+                self._start(h, lambda: self._add(h.request_id, ids, params, prefill_only, transfer, resume))
             case AdmitTransferred(h, first, drafts, prepare):
                 self._start(h, lambda: self._activate(h.request_id, first, drafts, prepare))
             case AbortRequest(rid, by, fut, reason):
@@ -343,9 +345,15 @@ class EngineLoop:
         if first is not None:
             h._put(first)
 
-    def _add(self, rid: str, ids: list[int], params: SamplingParams, prefill_only: bool, transfer: object) -> None:
+    def _add(
+        self, rid: str, ids: list[int], params: SamplingParams, prefill_only: bool, transfer: object,
+        resume: tuple[int, ...] = (),
+    ) -> None:  # fmt: skip
         # its outputs come with steps
-        self.engine.add_request(ids, params, rid, prefill_only=prefill_only, transfer=transfer)
+        if resume:
+            self.engine.resume_request(ids, params, resume, rid)
+        else:
+            self.engine.add_request(ids, params, rid, prefill_only=prefill_only, transfer=transfer)
 
     def _activate(
         self, rid: str, first: int, drafts: tuple[int, ...], prepare: Callable[[], None] | None

@@ -3,14 +3,14 @@
 #
 #   tools/gpu_check.sh prepare DIR [--cuda 12|13] [--python-version 3.12] [--platform TAG]... [--fla]
 #       On a machine with a package index: download into DIR the wheels a CUDA image with
-#       PyTorch, Triton, transformers and grpcio lacks (msgspec, NIXL for that CUDA major version,
+#       PyTorch, Triton, transformers and grpcio lacks (msgspec, llguidance, NIXL for that CUDA major version,
 #       pytest), for the GPU host's Python. --fla adds flash-linear-attention's kernels (fla-core)
 #       for the benchmark's comparison. Copy DIR and this source tree to the GPU host.
 #
 #   tools/gpu_check.sh run DIR OUT [--python PY] [--venv PATH] [--no-install] [--no-bench] [--allow-cpu]
 #       On the GPU host, no network: install DIR's wheels into PY (default python3), or into a
 #       virtual environment at PATH made with --system-site-packages (so that the image's torch
-#       and triton are used); run every `gpu`-marked test of tests/kernels, tests/engine and
+#       and triton are used); run every `gpu`-marked test of tests/kernels, tests/engine, tests/structured and
 #       tests/transfer, then bench/gpu_check.py; write OUT/report.txt (and each step's log).
 #       Exit status: 0 all passed; 1 a step failed; 2 bad arguments; 3 no CUDA device was seen
 #       (the gpu tests skipped: not a check of the CUDA path), 0 instead with --allow-cpu.
@@ -176,7 +176,7 @@ run() {
     # 3. the gpu-marked tests (kernels at model sizes, engine vs transformers on CUDA, NIXL from VRAM)
     if [[ $failed -eq 0 ]]; then
         (cd "$ROOT" && PYTHONPATH="$ROOT" "$py" -m pytest -q -p no:cacheprovider -m gpu -rs \
-            --junitxml "$out/tests.xml" tests/kernels tests/engine tests/transfer) >"$out/tests.log" 2>&1
+            --junitxml "$out/tests.xml" tests/kernels tests/engine tests/structured tests/transfer) >"$out/tests.log" 2>&1
         local rc=$?
         local summary
         summary="$("$py" "$ROOT/tools/gpu_report.py" tests-summary "$out/tests.xml" 2>/dev/null || echo "no results")"

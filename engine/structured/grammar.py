@@ -4,7 +4,8 @@ that refuses a bad one without a tokenizer (so the router and both node kinds ca
 JSON (json_schema, json_object) is compiled with bounded whitespace between tokens: one blank or
 none, or a newline and an indentation of at most INDENT_MAX blanks, so a weak model cannot loop
 on whitespace while pretty-printed output stays possible. `choice` is a Lark
-alternative of JSON-quoted literals; `grammar` is passed through (llguidance's Lark dialect)."""
+alternative of JSON-quoted literals; `grammar` is passed through (llguidance's Lark dialect): a
+schema it embeds with `%json` bounds its whitespace only if it says so (`bounded_json` adds it)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,17 @@ if TYPE_CHECKING:
 INDENT_MAX = 16  # blanks after a newline between two JSON tokens, at most
 WHITESPACE = rf"(?:\x20?|\x0A\x20{{0,{INDENT_MAX}}})"
 _JSON_OPTIONS: JsonCompileOptions = {"whitespace_pattern": WHITESPACE}
+
+
+def bounded_json(schema: dict[str, object]) -> dict[str, object]:
+    """A JSON schema to embed in a Lark grammar (`%json {...}`) with the same bounded whitespace
+    as json_schema constraints (an embedded schema otherwise gets llguidance's unbounded default)."""
+    return {**schema, "x-guidance": {**_x_guidance(schema), "whitespace_pattern": WHITESPACE}}
+
+
+def _x_guidance(schema: dict[str, object]) -> dict[str, object]:
+    x = schema.get("x-guidance")
+    return dict(x) if isinstance(x, dict) else {}
 
 
 @functools.lru_cache(maxsize=256)

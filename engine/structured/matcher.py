@@ -90,11 +90,7 @@ class Matchers:
         if st is None or st.key != c.key:
             st = self._states[rid] = _State(self.fresh(c), c.key)
         want = output[at:]
-        same = 0
-        for a, b in zip(st.fed, want):
-            if a != b:
-                break
-            same += 1
+        same = _common(st.fed, want)
         if same < len(st.fed):
             back = len(st.fed) - same
             if not st.matcher.rollback(back):  # beyond its rollback window: start again and replay
@@ -105,3 +101,19 @@ class Matchers:
             st.matcher.consume_tokens(new)
             st.fed += new
         return st.matcher
+
+
+def _common(fed: list[int], want: list[int]) -> int:
+    """The length of the common prefix of `fed` and `want`. The usual step only appends to the
+    output, so the last few fed tokens are checked first (a whole scan each step would cost the
+    output's length, every step, for every constrained row)."""
+    n = len(fed)
+    tail = max(0, n - 8)
+    if n <= len(want) and want[tail:n] == fed[tail:]:
+        return n
+    same = 0
+    for a, b in zip(fed, want):
+        if a != b:
+            break
+        same += 1
+    return same

@@ -117,11 +117,13 @@ def draw_triton(
             raise ValueError(f"{name} must be [M={M}] (got {tuple(t.shape)})")
     held = torch.empty(M, dtype=torch.int8, device=vals.device) if log_total is not None else None
     if M:
+        total = log_total if log_total is not None else temperature  # not read without HAS_TOTAL
+        row = (temperature, top_k, top_p, min_p, seeds, counters, seeded, rand, total, q)
+        block = max(16, triton.next_power_of_2(C))
+        out = held if held is not None else q
         _draw_kernel[(M,)](
-            vals, ids, vals.stride(0), C, temperature, top_k, top_p, min_p, seeds, counters, seeded, rand,
-            log_total if log_total is not None else temperature, q, tokens, held if held is not None else q,
-            HAS_TOTAL=log_total is not None, BLOCK=max(16, triton.next_power_of_2(C)),
-        )  # fmt: skip
+            vals, ids, vals.stride(0), C, *row, tokens, out, HAS_TOTAL=log_total is not None, BLOCK=block
+        )
     return held
 
 
@@ -170,11 +172,11 @@ def penalties_triton(x, pos, rows, tok, cnt, inp, size, rep, pf) -> None:
     if x.stride(1) != 1 or not (tok.is_contiguous() and cnt.is_contiguous() and inp.is_contiguous()):
         raise ValueError("x rows and the count table must be contiguous")
     if P and W:
-        _penalties_kernel[(P,)](
-            x, x.stride(0), pos, rows, tok, cnt, inp.view(torch.int8), size, W,
-            rep if rep is not None else x, pf if pf is not None else x,
-            HAS_REP=rep is not None, HAS_PF=pf is not None, BLOCK=min(1024, max(16, triton.next_power_of_2(W))),
-        )  # fmt: skip
+        table = (tok, cnt, inp.view(torch.int8), size, W)
+        factors = (rep if rep is not None else x, pf if pf is not None else x)  # not read without the flag
+        flags = dict(HAS_REP=rep is not None, HAS_PF=pf is not None)
+        block = min(1024, max(16, triton.next_power_of_2(W)))
+        _penalties_kernel[(P,)](x, x.stride(0), pos, rows, *table, *factors, **flags, BLOCK=block)
 
 
 @triton.jit

@@ -25,10 +25,15 @@ class ChatOutput:
         self.content: list[str] = []
         self.thought: list[str] = []
         self.calls: list[dict[str, Any]] = []
+        self.reasoning_tokens = 0
         self.blank = ""  # content's trailing whitespace, held: dropped at the end if calls came, else content
 
-    def push(self, text: str, final: bool = False) -> dict[str, Any]:
-        """The delta fields `text` adds (`final`: the output ended; release what is held)."""
+    def push(self, text: str, final: bool = False, tokens: int = 0) -> dict[str, Any]:
+        """The delta fields `text` adds (`final`: the output ended; release what is held);
+        `tokens`: how many tokens made it, counted as reasoning tokens when the reasoning was
+        open before it (so the closing `</think>` counts; usage's `reasoning_tokens`)."""
+        if self.reasoning is not None and self.reasoning.kind == "reasoning":
+            self.reasoning_tokens += tokens
         items: list[Item] = self.tools.push(text) if self.tools is not None else [text]
         if final and self.tools is not None:
             items += self.tools.flush()

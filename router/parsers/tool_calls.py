@@ -169,7 +169,8 @@ class ToolCallParser:
         if i < 0:
             return False
         if self.named:  # its name and arguments so far were sent: close them; the rest is text
-            out.append(ToolDelta(self.calls, "}" if self.params else "{}"))
+            if self.step != "end":
+                out.append(ToolDelta(self.calls, "}" if self.params else "{}"))
             out.append(self.buf[:i])
             self.buf = self.buf[i + len(CALL_CLOSE) :]
         else:

@@ -70,10 +70,9 @@ def test_head_draw_and_check_match_the_reference(scale):
     want_held = head_suffices(vals, total, temperature, top_p, min_p)
     seeds, ctr = torch.arange(m, dtype=torch.long), torch.zeros(m, dtype=torch.long)
     tokens = torch.zeros(m, dtype=torch.long)
-    held = draw_triton(
-        vals, ids, temperature, torch.zeros(m, dtype=torch.long), top_p, min_p, seeds, ctr,
-        torch.ones(m, dtype=torch.long), torch.zeros(m), torch.arange(m), tokens, total,
-    )  # fmt: skip
+    no_k, all_seeded = torch.zeros(m, dtype=torch.long), torch.ones(m, dtype=torch.long)
+    filters = (temperature, no_k, top_p, min_p)
+    held = draw_triton(vals, ids, *filters, seeds, ctr, all_seeded, torch.zeros(m), torch.arange(m), tokens, total)
     assert held.bool().tolist() == want_held.tolist()
     if scale > 1:
         probs = candidate_probs(vals, temperature, None, top_p, min_p, total)
@@ -140,10 +139,8 @@ def test_seeded_uniforms_are_splitmix64s():
     ids = torch.arange(1024).expand(m, 1024).contiguous()
     tokens = torch.zeros(m, dtype=torch.long)
     ones, zeros = torch.ones(m), torch.zeros(m)
-    draw_triton(
-        vals, ids, ones, torch.zeros(m, dtype=torch.long), ones, zeros, seeds, ctr,
-        torch.ones(m, dtype=torch.long), zeros, torch.arange(m), tokens,
-    )  # fmt: skip
+    filters = (ones, torch.zeros(m, dtype=torch.long), ones, zeros)
+    draw_triton(vals, ids, *filters, seeds, ctr, torch.ones(m, dtype=torch.long), zeros, torch.arange(m), tokens)
     assert tokens.tolist() == (seeded_uniforms(seeds, ctr) * 1024).floor().long().tolist()
 
 
@@ -161,3 +158,39 @@ def test_kernels_checked_once_and_pytorch_where_they_do_not_build(monkeypatch, c
     assert not ks.available(torch.device("cpu"))
     assert "sampling in PyTorch ops" in caplog.text and "no such instruction" in caplog.text
     ks.available.cache_clear()
+
+
+@pytest.mark.gpu
+def test_compiled_kernels_on_cuda_match_the_cpu_references():
+    """The same checks with the compiled kernels on CUDA tensors against the PyTorch path on the
+    CPU (tools/gpu_check.sh runs `gpu` tests only)."""
+    g = torch.Generator().manual_seed(21)
+    m, c = 64, 20
+    logits = torch.randn(m, 151_936, generator=g) * 4
+    vals, ids = torch.topk(logits, c, dim=-1)
+    temperature, top_k, top_p, min_p = _rows(m, 20, 0.8, 0.0, 0.7)
+    seeds, ctr = torch.arange(m, dtype=torch.long) * 977, torch.arange(m, dtype=torch.long)
+    probs = candidate_probs(vals, temperature, top_k, top_p, min_p)
+    want = ids.gather(1, inverse_cdf(probs, seeded_uniforms(seeds, ctr))[:, None])[:, 0]
+    dev = [t.cuda() for t in (vals, ids, temperature, top_k, top_p, min_p, seeds, ctr)]
+    tokens = torch.zeros(m, dtype=torch.long, device="cuda")
+    ones, q = torch.ones(m, dtype=torch.long, device="cuda"), torch.arange(m, device="cuda")
+    draw_triton(*dev, ones, dev[2], q, tokens)
+    assert (tokens.cpu() == want).float().mean() >= 0.95
+    ref = _table(g, 6, 64, 3000)
+    x = torch.randn(9, 3000, generator=g) * 3
+    pos, rows = torch.tensor([8, 0, 3, 5]), torch.tensor([2, 5, 0, 3])
+    rep, pf = torch.tensor([1.3, 0.8, 1.5, 2.0]), torch.tensor([[1.5, 0.0], [0.0, 0.7], [1.0, 1.0], [-0.5, 0.2]])
+    want_x = x.clone()
+    ref.apply(want_x, pos, rows, rep, pf)
+    tab = [t.cuda() for t in (ref.tok, ref.cnt, ref.inp, ref.size)]
+    got_x = x.cuda()
+    penalties_triton(got_x, pos.cuda(), rows.cuda(), *tab, rep.cuda(), pf.cuda())
+    torch.testing.assert_close(got_x.cpu(), want_x, rtol=1e-6, atol=1e-6)
+    sampled = torch.tensor([int(ref.tok[2, 0]), 2999, 5, 7])
+    ref.record(rows, sampled, torch.arange(4))
+    record_triton(rows.cuda(), torch.arange(4, device="cuda"), sampled.cuda(), tab[0], tab[1], tab[3])
+    assert torch.equal(tab[3].cpu(), ref.size)
+    for r in range(6):
+        n = int(ref.size[r])
+        assert tab[0][r, :n].tolist() == ref.tok[r, :n].tolist() and tab[1][r, :n].tolist() == ref.cnt[r, :n].tolist()

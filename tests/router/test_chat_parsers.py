@@ -152,6 +152,14 @@ CASES = [
         {"content": "<tool_call>\nplain words\n</tool_call> after"},
     ),
     (
+        "junk after a call's function",
+        "xml",
+        False,
+        False,
+        PARIS.replace("</function>\n", "</function>\nstray words\n"),
+        {"content": "\nstray words", "tool_calls": [call("get_weather", PARIS_ARGS)]},
+    ),
+    (
         "json format",
         "json",
         True,

@@ -193,3 +193,35 @@ def test_parsers_are_chosen_from_the_template(ckpt):
     assert (forced.fmt, forced.reasoning) == ("json", True)
     off = ChatFront(Tokenizer(ckpt), reasoning="none", tool_format="none")
     assert (off.fmt, off.reasoning) == (None, False)
+
+
+def test_a_long_conversation_renders_off_the_loop(ckpt, hf, monkeypatch):
+    """OpenAIFront.job renders chat messages past RENDER_INLINE_CHARS in a worker thread; the
+    prompt is the same as transformers' rendering."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from router.openai_api import RENDER_INLINE_CHARS, OpenAIFront
+    from router.openai_chat import ChatFront
+
+    service = SimpleNamespace(
+        tokenizer=Tokenizer(ckpt),
+        models=lambda: [SimpleNamespace(id="m", path=ckpt)],
+        check_prompt_chars=lambda chars, what: None,
+        expansion_limit=lambda: 64,
+    )
+    front = OpenAIFront(service)
+    threads = []
+    prepare = ChatFront.prepare
+
+    def spy(self, req):
+        threads.append(threading.current_thread())
+        return prepare(self, req)
+
+    monkeypatch.setattr(ChatFront, "prepare", spy)
+    msgs = [{"role": "user", "content": "word " * (RENDER_INLINE_CHARS // 5 + 1)}]
+    for m in (msgs, [{"role": "user", "content": "short"}]):
+        job = asyncio.run(front.job(request(m)))
+        assert job.reqs[0].prompt == hf.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+    assert threads[0] is not threading.main_thread() and threads[1] is threading.main_thread()

@@ -281,3 +281,24 @@ def test_the_largest_documented_request_fits_an_idle_router(ckpt):
         hb.stop()
         r.stop(0)
         srv.stop(0)
+
+
+@pytest.mark.parametrize(
+    "method,path,status", [("GET", "/v1/completions", 405), ("DELETE", "/v1/models", 405), ("GET", "/v2/nothing", 404)]
+)
+def test_wrong_method_and_unknown_path_say_which(door, method, path, status):
+    r, _, _ = door
+    conn = http.client.HTTPConnection("127.0.0.1", r.http_port, timeout=30)
+    try:
+        conn.request(method, path)
+        resp = conn.getresponse()
+        err = json.loads(resp.read())["error"]
+        allow = resp.getheader("allow")
+    finally:
+        conn.close()
+    assert resp.status == status, err
+    if status == 405:
+        assert "not allowed" in err["message"] and err["code"] == "method_not_allowed" and allow, (err, allow)
+        assert allow.split(",")[0].strip() in err["message"]
+    else:
+        assert err["message"] == f"no route {method} {path}"

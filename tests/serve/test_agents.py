@@ -104,12 +104,15 @@ def test_reasoning_and_content_split(oai, model, hf, bias):
     extra = {"logit_bias": {str(close): bias}, "ignore_eos": True}
     kw = dict(GREEDY, max_tokens=24)
     prompt = hf.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
-    raw = oai.completions.create(model=model, prompt=prompt, extra_body=extra, **kw).choices[0].text
+    ref = oai.completions.create(model=model, prompt=prompt, extra_body=extra, logprobs=0, **kw).choices[0]
+    raw, tokens = ref.text, ref.logprobs.tokens
     reasoning, closed, content = raw.partition("</think>")
+    thinking = tokens.index("</think>") + 1 if closed else len(tokens)  # tokens up to and with </think>
     want = {"reasoning_content": reasoning.strip("\n") or None, "content": content.lstrip("\n").rstrip()}
     r = oai.chat.completions.create(model=model, messages=MESSAGES, extra_body=extra, **kw)
     got = r.choices[0].message
     assert {"reasoning_content": got.model_extra["reasoning_content"], "content": got.content} == want, raw
+    assert r.usage.completion_tokens_details.reasoning_tokens == thinking
     streamed, fin = _stream(oai, model=model, messages=MESSAGES, extra_body=extra, **kw)
     assert streamed["reasoning_content"] == (want["reasoning_content"] or "")
     assert streamed["content"] == want["content"] and fin == "length"

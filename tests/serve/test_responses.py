@@ -69,6 +69,7 @@ def test_answer_equals_the_chat_completion(oai, model, hf, close_bias):
     assert got == want
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == 24
+    assert r.usage.output_tokens_details.reasoning_tokens == chat.usage.completion_tokens_details.reasoning_tokens
     items, final, kinds = _streamed(oai, extra_body=extra, **kw)
     assert _plain(items) == _plain(r.output) == _plain(final.output)
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"

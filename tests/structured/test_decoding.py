@@ -77,3 +77,45 @@ def test_prefix_cache_hit_keeps_the_constraint(llm, tok_ckpt):
     again = llm.generate(prompt_token_ids=[ids], sampling_params=_params("choice", tok, temperature=0.0))[0]
     assert again.num_cached_tokens == 256
     check("choice", again.text)
+
+
+def test_finished_and_aborted_requests_leave_no_matcher(llm, tok_ckpt):
+    """The sampling rank forgets a request's matcher when it finishes or is aborted."""
+    tok = Tokenizer(tok_ckpt)
+    ids = tok.encode(PROMPT)
+    eng = llm.engine
+    grammar = eng.executor.worker.grammar
+    done = eng.add_request(ids, _params("choice", tok, temperature=0.0))
+    cut = eng.add_request(ids, _params("json_schema", tok, temperature=0.0))
+    for _ in range(3):
+        eng.step()
+    assert eng.abort(cut) is not None
+    while eng.has_unfinished():
+        eng.step()
+    # the finished ids reach the worker with the next step that has rows (as the penalty counts do)
+    llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=1))
+    assert done not in grammar._matchers._states and cut not in grammar._matchers._states
+    assert len(grammar._matchers) == 0
+
+
+def test_tensor_parallel_two_ranks(tok_ckpt):
+    """TP 2 (spawned rank processes): rank 0 holds the matchers; the outputs pass their checks and
+    equal TP 1's (greedy)."""
+    from engine import LLM
+
+    tok = Tokenizer(tok_ckpt)
+    ids = tok.encode(PROMPT)
+    kinds = ["json_schema", "choice"]
+    got = {}
+    for tp in (1, 2):
+        llm = LLM(tok_ckpt, dtype="float32", tensor_parallel_size=tp)
+        try:
+            outs = llm.generate(
+                prompt_token_ids=[ids] * 2, sampling_params=[_params(k, tok, temperature=0.0) for k in kinds]
+            )
+        finally:
+            llm.close()
+        got[tp] = [o.output_token_ids for o in outs]
+        for k, o in zip(kinds, outs):
+            check(k, o.text)
+    assert got[1] == got[2]

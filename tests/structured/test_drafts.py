@@ -11,29 +11,12 @@ import torch
 
 from engine.sampling import Sampler
 from engine.sampling_params import SamplingParams
-from engine.step import RowInput
 from engine.structured.bitmask import GrammarMask
 from engine.tiny_model import make_tiny_model
 from engine.tokenizer import Tokenizer
-from tests.structured.cases import CONSTRAINTS, check, object_bias
+from tests.structured.cases import CONSTRAINTS, EOS, check, object_bias
+from tests.structured.cases import sampling_row as _row
 from tests.structured.conftest import SPEC
-
-EOS = 0  # the tiny tokenizer's <|endoftext|>
-
-
-def _row(params: SamplingParams, drafts: list[int], rid: str = "r") -> RowInput:
-    return RowInput(
-        request_id=rid,
-        token_ids=[5, *drafts],
-        start_pos=3,
-        slot=0,
-        block_ids=[0],
-        is_decode=True,
-        sample=True,
-        params=params,
-        num_draft=len(drafts),
-        history=([1, 2, 3], [5]) if params.constraint is None else ([1, 2, 3], []),
-    )
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
@@ -86,7 +69,7 @@ def test_drafted_constrained_decoding(tok_ckpt, mtp_ckpt, method):
     path = tok_ckpt if method == "ngram" else mtp_ckpt
     tok = Tokenizer(path)
     ids = tok.encode('{"name" :"ab" ,"n" :12 ,"ok" : true} ' * 3)
-    kinds = ["json_schema", "regex", "choice", "json_object"]
+    kinds = ["json_schema", "regex", "choice", "json_object", "grammar"]
 
     def params(k: str) -> SamplingParams:
         bias = {"logit_bias": object_bias(tok)} if k == "json_object" else {}
@@ -102,3 +85,16 @@ def test_drafted_constrained_decoding(tok_ckpt, mtp_ckpt, method):
     for k, a, b in zip(kinds, outs[0], outs[3]):
         check(k, b.text)
         assert a.output_token_ids == b.output_token_ids, k
+
+
+def test_tokenizer_llguidance_cannot_read_ends_the_row(tmp_path, caplog):
+    """A tokenizer.json llguidance cannot load: the sampler does not fail the batch; a constrained
+    row may only end (EOS), an unconstrained one in the same batch draws as before."""
+    (tmp_path / "tokenizer.json").write_text("{}")
+    sampler = Sampler(0, (EOS,), "cpu", GrammarMask(tmp_path, (EOS,)))
+    params = SamplingParams(temperature=0.0, max_tokens=8, constraint={"kind": "choice", "value": ["green"]})
+    logits = torch.zeros(2, 1024)
+    logits[:, 7] = 30.0
+    emitted, _ = sampler(logits, [_row(params, []), _row(SamplingParams(temperature=0.0), [], "free")], [0, 1])
+    assert emitted == [[EOS], [7]]
+    assert "does not load into llguidance" in caplog.text

@@ -1,0 +1,137 @@
+"""Mid-stream migration (docs/router.md, "Migration"): when the decode node of a request that has
+streamed tokens fails (UNAVAILABLE, declared dead by the heartbeats, or a drain that ends the
+stream), the request is placed again on another decode node with the tokens already sent as its
+output so far (DecodeRequest.resume_token_ids). This module owns the decision (which failures
+move, the --max-migrations bound), the watcher that turns heartbeat loss into a failure, and the
+migration metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from router.errors import Abort
+from serving.rpc import is_draining
+
+CAUSES = ("unavailable", "node_dead", "draining")
+
+
+class Moved(Exception):
+    """Place the request again on another decode node, resuming from the tokens sent."""
+
+    def __init__(self, cause: str, node_id: str) -> None:
+        super().__init__(f"{cause} on {node_id}")
+        self.cause, self.node_id = cause, node_id
+
+
+def cause_of(e: grpc.RpcError, node_lost: bool) -> str | None:
+    """Why a decode stream that failed may move ("unavailable" | "node_dead" | "draining"), or None:
+    the failure is the request's own (bad input, an internal error) and moving would not help."""
+    if node_lost:
+        return "node_dead"
+    if is_draining(e):
+        return "draining"
+    if e.code() == grpc.StatusCode.UNAVAILABLE:
+        return "unavailable"
+    return None
+
+
+class NodeLost(grpc.RpcError):
+    """A decode call the router cancelled because the heartbeats declared its node dead."""
+
+    def __init__(self, node_id: str) -> None:
+        super().__init__(f"decode node {node_id} was declared dead (no heartbeat)")
+        self.node_id = node_id
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return str(self)
+
+    def trailing_metadata(self) -> tuple[()]:
+        return ()
+
+
+class MigrationMetrics:
+    """pdserve_router_migrations_total{cause} and the gap a migration adds to a stream."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.moves = Counter(
+            "pdserve_router_migrations",
+            "In-flight requests moved to another decode node after their node failed mid-stream",
+            ["cause"],
+            registry=registry,
+        )
+        self.refused = Counter(
+            "pdserve_router_migrations_refused",
+            "Requests whose decode node failed mid-stream and that could not move (--max-migrations reached)",
+            registry=registry,
+        )
+        self.gap = Histogram(
+            "pdserve_router_migration_gap_seconds",
+            "Time from a decode node's failure to the moved request's next token",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+            registry=registry,
+        )
+        for c in CAUSES:
+            self.moves.labels(cause=c)
+
+
+class Migration:
+    """One request's moves: how many so far, and the gap of the latest until its next token."""
+
+    def __init__(self, limit: int, metrics: MigrationMetrics) -> None:
+        self.limit, self.metrics = limit, metrics
+        self.count = 0
+        self.path: list[str] = []  # "node(cause@tokens)" per move, for the log line
+        self._failed_at: float | None = None
+
+    def move(self, e: grpc.RpcError, node_id: str, sent: int, node_lost: bool) -> None:
+        """Raise Moved when this failure, after `sent` tokens, moves the request; Abort when it
+        would but the limit is reached; return when the failure is not a node's."""
+        cause = cause_of(e, node_lost)
+        if cause is None:
+            return
+        if self.count >= self.limit:
+            self.metrics.refused.inc()
+            code = e.code() if not node_lost else grpc.StatusCode.UNAVAILABLE
+            raise Abort(
+                code,
+                f"decode node {node_id} failed after {sent} tokens ({cause}: {e.details() or e.code().name}); "
+                f"the request already moved {self.count} time(s), the limit (--max-migrations {self.limit})",
+            )
+        self.count += 1
+        self.path.append(f"{node_id}({cause}@{sent})")
+        self.metrics.moves.labels(cause=cause).inc()
+        self._failed_at = time.monotonic()
+        raise Moved(cause, node_id)
+
+    def resumed(self) -> None:
+        """The moved request's next token arrived: record the gap once."""
+        if self._failed_at is not None:
+            self.metrics.gap.observe(time.monotonic() - self._failed_at)
+            self._failed_at = None
+
+
+class NodeWatch:
+    """Cancel a decode call once its node is declared dead by the heartbeats (a hung node's stream
+    would otherwise stall forever); `lost` tells the caller why its call was cancelled."""
+
+    def __init__(self, alive: Callable[[], bool], cancel: Callable[[], object], interval_s: float) -> None:
+        self.lost = False
+        self._alive, self._cancel, self._interval = alive, cancel, interval_s
+        self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while self._alive():
+            await asyncio.sleep(self._interval)
+        self.lost = True
+        self._cancel()
+
+    def stop(self) -> None:
+        self._task.cancel()

@@ -1,0 +1,75 @@
+"""router/migrate.py on its own: which decode failures move a request, the --max-migrations bound
+and its error, the metrics, and the watcher that turns heartbeat loss into a failure."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from router.errors import Abort
+from router.migrate import Migration, MigrationMetrics, Moved, NodeWatch, cause_of
+from serving.rpc import DRAINING_KEY
+
+
+class _Err(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str = "", md: tuple = ()) -> None:
+        self._code, self._details, self._md = code, details, md
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple:
+        return self._md
+
+
+def test_only_a_nodes_failure_moves():
+    assert cause_of(_Err(grpc.StatusCode.UNAVAILABLE, "Socket closed"), False) == "unavailable"
+    assert cause_of(_Err(grpc.StatusCode.UNAVAILABLE, md=((DRAINING_KEY, "1"),)), False) == "draining"
+    assert cause_of(_Err(grpc.StatusCode.CANCELLED), True) == "node_dead"
+    for code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED):
+        assert cause_of(_Err(code), False) is None
+
+
+def test_moves_up_to_the_limit_then_a_clear_error():
+    reg = CollectorRegistry()
+    m = Migration(2, MigrationMetrics(reg))
+    m.move(_Err(grpc.StatusCode.INVALID_ARGUMENT), "decode-0", 5, False)  # not the node's: no move
+    for node in ("decode-0", "decode-1"):
+        with pytest.raises(Moved):
+            m.move(_Err(grpc.StatusCode.UNAVAILABLE, "Socket closed"), node, 5, False)
+    with pytest.raises(Abort) as e:
+        m.move(_Err(grpc.StatusCode.UNAVAILABLE, "Socket closed"), "decode-2", 9, False)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "decode-2 failed after 9 tokens" in e.value.msg and "--max-migrations 2" in e.value.msg
+    assert m.path == ["decode-0(unavailable@5)", "decode-1(unavailable@5)"]
+    assert reg.get_sample_value("pdserve_router_migrations_total", {"cause": "unavailable"}) == 2
+    assert reg.get_sample_value("pdserve_router_migrations_refused_total") == 1
+    m.resumed()
+    m.resumed()  # the gap is observed once per move
+    assert reg.get_sample_value("pdserve_router_migration_gap_seconds_count") == 1
+
+
+def test_zero_turns_it_off():
+    m = Migration(0, MigrationMetrics(CollectorRegistry()))
+    with pytest.raises(Abort, match="moved 0 time"):
+        m.move(_Err(grpc.StatusCode.UNAVAILABLE), "decode-0", 1, False)
+
+
+def test_the_watch_cancels_once_the_node_is_dead():
+    async def run() -> tuple[bool, bool]:
+        alive, cancelled = [True], []
+        w = NodeWatch(lambda: alive[0], lambda: cancelled.append(1), 0.01)
+        await asyncio.sleep(0.05)
+        before = bool(cancelled)
+        alive[0] = False
+        await asyncio.sleep(0.05)
+        w.stop()
+        return before, w.lost and cancelled == [1]
+
+    assert asyncio.run(run()) == (False, True)

@@ -1,0 +1,164 @@
+"""Mid-stream migration (router/migrate.py): a cluster of 1 prefill + 2 decode nodes, one decode
+node SIGKILLed while long streams are under way on both. Every stream completes with no error, no
+duplicate and no gap: greedy ones are transformers' tokens (checked teacher-forced), seeded and
+constrained ones the offline engine's, a stop string and max_tokens hold across the move; the
+surviving nodes' pages and slots come back; the router counts the migrations."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import pytest
+
+from tests.helpers import hybrid_ckpt as hc
+from tests.helpers.serve_harness import Up, decode_stats, log_url, node_info, node_pid, scrape, wait_for
+
+LONG = 160  # tokens per stream: long enough to be under way when the node dies
+SCHEMA = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 0, "maximum": 9},
+    "minItems": 24,
+    "maxItems": 24,
+}
+
+
+def _offline(ckpt, prompt, **kw):
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    with LLM(ckpt, dtype="float32") as llm:
+        return llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(**kw))[0]
+
+
+@pytest.fixture(scope="module")
+def up(ckpt):
+    u = Up("--model", ckpt, "--dtype", "float32", "--decode", "2", "--prefill", "1", "--metrics-port", "0")
+    yield u
+    rc = u.stop()
+    assert rc == 0, u.output()
+
+
+def test_streams_continue_on_the_other_decode_node(ckpt, up):
+    from client import Client
+    from engine.tokenizer import Tokenizer
+
+    ps = hc.prompts(lens=(40, 70, 90, 120, 33, 57, 80, 100), seed=21)
+    greedy = dict(max_tokens=LONG, temperature=0.0, ignore_eos=True)
+    seeded = dict(max_tokens=LONG, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+    tok = Tokenizer(ckpt)
+    # a stop string late in prompt 0's greedy output: the text ends before its first match
+    ref0 = hc.hf_greedy(ckpt, ps[0], LONG)
+    text0 = tok.decode(ref0)
+    stop = tok.decode(ref0[120:123])
+    cases = [("greedy", ps[i], greedy) for i in range(4)]
+    cases += [("seeded", ps[i], dict(seeded, seed=7 + i)) for i in range(4, 7)]
+    cases += [("stop", ps[0], dict(greedy, stop=[stop]))]
+    cases += [
+        ("json", ps[7], dict(max_tokens=400, temperature=0.0, constraint={"kind": "json_schema", "value": SCHEMA}))
+    ]
+    d0, d1 = node_info(up.address, "decode-0"), node_info(up.address, "decode-1")
+    survivors = {"decode-0": d0, "decode-1": d1}
+    initial = {n: decode_stats(i.address).capacity for n, i in survivors.items()}
+    results: list[dict] = [{} for _ in cases]
+    under_way = [threading.Event() for _ in cases]
+
+    with Client(up.address, timeout=300) as c:
+        c.wait_ready(timeout=60)
+
+        def one(i: int) -> None:
+            kind, p, kw = cases[i]
+            r = results[i]
+            r.update(tokens=[], text="", node="", finish=None)
+            try:
+                with c.stream(prompt_token_ids=p, **kw) as s:
+                    for ch in s:
+                        r["tokens"] += ch.token_ids
+                        r["text"] += ch.text
+                        r["node"] = ch.decode_node or r["node"]
+                        if len(r["tokens"]) >= 4:
+                            under_way[i].set()
+                        if ch.finish_reason:
+                            r["finish"] = ch.finish_reason
+            except Exception as e:  # reported below with the case
+                r["error"] = repr(e)
+            finally:
+                under_way[i].set()
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cases))]
+        for t in threads:
+            t.start()
+        for e in under_way:
+            assert e.wait(120)
+        on = {n: sum(1 for r in results if r["node"] == n and r["finish"] is None) for n in survivors}
+        victim = max(on, key=lambda n: on[n])
+        assert on[victim] > 0, on
+        os.kill(node_pid(up, victim), signal.SIGKILL)
+        for t in threads:
+            t.join(300)
+        assert not any(t.is_alive() for t in threads)
+    moved = [i for i, r in enumerate(results) if r["node"] == victim]
+    assert moved and not [r for r in results if "error" in r], results
+
+    for (kind, p, kw), r in zip(cases, results):
+        toks = r["tokens"]
+        if kind == "greedy":
+            assert len(toks) == LONG and r["finish"] == "length"
+            assert hc.hf_greedy_violations(ckpt, p, toks) == [], (kind, r["node"])
+        elif kind == "seeded":
+            want = _offline(ckpt, p, **{k: v for k, v in kw.items()})
+            assert toks == want.output_token_ids, (kind, r["node"])
+        elif kind == "stop":
+            assert r["finish"] == "stop" and r["text"] == text0[: text0.index(stop)], r["node"]
+        else:
+            value = json.loads(r["text"])
+            assert len(value) == 24 and all(isinstance(v, int) and 0 <= v <= 9 for v in value), r["text"]
+            want = _offline(ckpt, p, max_tokens=400, temperature=0.0, constraint=_engine_constraint(SCHEMA))
+            assert toks == want.output_token_ids
+
+    alive = {n: i for n, i in survivors.items() if n != victim}
+    for n, i in alive.items():
+        wait_for(lambda i=i, n=n: decode_stats(i.address).capacity == initial[n], 30, f"{n}'s memory back")
+    m = scrape(log_url(up, r"router metrics at (http://\S+)"))
+    moves = sum(v for k, v in m.items() if k[0] == "pdserve_router_migrations_total")
+    assert 1 <= moves <= len(moved), m
+    assert "moved from " + victim in up.output()
+
+
+def _engine_constraint(schema):
+    from engine.structured.spec import Constraint
+
+    return Constraint("json_schema", json.dumps(schema))
+
+
+def test_a_hung_decode_node_is_declared_dead_and_its_streams_move(ckpt):
+    """SIGSTOP, not SIGKILL: the streams stall with no error until the heartbeats declare the node
+    dead; then they move and complete with transformers' tokens."""
+    from client import Client
+
+    ps = hc.prompts(lens=(30, 60, 45, 75), seed=23)
+    u = Up("--model", ckpt, "--dtype", "float32", "--decode", "2", "--prefill", "1")
+    victim_pid = None
+    try:
+        with Client(u.address, timeout=60) as c:
+            c.wait_ready(timeout=60)
+            streams = [c.stream(prompt_token_ids=p, max_tokens=LONG, temperature=0.0, ignore_eos=True) for p in ps]
+            its = [iter(s) for s in streams]
+            got = [next(it) for it in its]
+            nodes_of = [g.decode_node for g in got]
+            victim = max(set(nodes_of), key=nodes_of.count)
+            victim_pid = node_pid(u, victim)
+            os.kill(victim_pid, signal.SIGSTOP)
+            toks = [list(g.token_ids) for g in got]
+            for i, it in enumerate(its):
+                for ch in it:
+                    toks[i] += ch.token_ids
+        for p, t in zip(ps, toks):
+            assert len(t) == LONG and hc.hf_greedy_violations(ckpt, p, t) == []
+        assert "(node_dead@" in u.output()
+    finally:
+        if victim_pid is not None:
+            os.kill(victim_pid, signal.SIGKILL)
+        u.stop()
