@@ -84,6 +84,10 @@ class SamplingParams:
         v = self.num_speculative_tokens
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise ValueError(f"num_speculative_tokens must be a non-negative integer (got {v!r})")
+        if self.constraint is not None and self.min_tokens:
+            raise ValueError(
+                "min_tokens cannot be combined with a constraint: the grammar decides where the output ends"
+            )
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers (got {list(self.stop_token_ids)!r})")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:

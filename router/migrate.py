@@ -40,6 +40,23 @@ def cause_of(e: grpc.RpcError, node_lost: bool) -> str | None:
     return None
 
 
+class NodeLost(grpc.RpcError):
+    """A decode call the router cancelled because the heartbeats declared its node dead."""
+
+    def __init__(self, node_id: str) -> None:
+        super().__init__(f"decode node {node_id} was declared dead (no heartbeat)")
+        self.node_id = node_id
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return str(self)
+
+    def trailing_metadata(self) -> tuple[()]:
+        return ()
+
+
 class MigrationMetrics:
     """pdserve_router_migrations_total{cause} and the gap a migration adds to a stream."""
 

@@ -5,6 +5,7 @@ unwinding cancels the node calls and releases an unactivated reservation."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -15,7 +16,7 @@ import grpc
 from proto import pb
 from router.detok import IncrementalDetokenizer
 from router.errors import Abort, DecodeFailed
-from router.migrate import Migration, Moved, NodeWatch
+from router.migrate import Migration, Moved, NodeLost, NodeWatch
 from router.prefill import Push
 from router.registry import NodeEntry
 from serving.rpc import is_draining
@@ -199,6 +200,11 @@ class RequestRun:
             await self._decode_failed(df.err, d, None)
         except grpc.RpcError as e:
             await self._decode_failed(e, d, pre, lost=watch is not None and watch.lost)
+        except asyncio.CancelledError:  # the watch cancelled D's call (the request's task was not)
+            task = asyncio.current_task()
+            if watch is None or not watch.lost or (task is not None and task.cancelling()):
+                raise
+            await self._decode_failed(NodeLost(d.node_id), d, pre, lost=True)
         finally:
             if watch is not None:
                 watch.stop()
@@ -235,8 +241,6 @@ class RequestRun:
         if code == grpc.StatusCode.UNAVAILABLE and self.tr.n == 0 and len(self.tried) < 2 and others:
             log.warning("request %s: decode node %s unavailable, retrying elsewhere", self.tr.request_id, d.node_id)
             raise _Retry
-        if lost:
-            raise Abort(code, f"decode node {d.node_id} was declared dead (no heartbeat)")
         raise Abort(code, e.details() or code.name)
 
     def _relay(self, m: pb.GenerateResponse, pre: Push | None, first: bool) -> Chunk:

@@ -49,6 +49,12 @@ def test_bad_constraints_are_refused_by_name(kind, value, message):
     assert message in str(e.value)
 
 
+def test_min_tokens_with_a_constraint_is_refused():
+    """A grammar that is complete allows only EOS, which min_tokens would ban: nothing left to draw."""
+    with pytest.raises(ValueError, match="min_tokens cannot be combined with a constraint"):
+        SamplingParams(min_tokens=3, constraint={"kind": "json_object"})
+
+
 def test_bad_start_token_is_refused():
     with pytest.raises(ValueError, match="start_after_token"):
         Constraint("json_object", start_after_token=-1)
