@@ -24,8 +24,19 @@ class DecodeNodeConfig(NodeArgs):
     reservation_lease_s: float = option(30.0, "seconds a reservation lives unrenewed when Reserve names no lease",
                                         flag="--default-reservation-lease")  # fmt: skip
 
+    # Drain hand-off (docs/router.md "Migration"): 0 keeps the plain drain (finish every stream,
+    # up to --drain-timeout); > 0 hands the streams still running after this long to the router,
+    # which moves them to other decode nodes, so a rolling upgrade waits seconds, not the longest stream.
+    drain_handoff_s: float = option(
+        0.0,
+        "on SIGTERM, streams still running after this many seconds are handed off (ended UNAVAILABLE, draining: "
+        "the router moves them to another decode node with the tokens sent); 0: finish them here",
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.drain_handoff_s < 0:
+            raise ValueError(f"drain_handoff_s must be >= 0 (got {self.drain_handoff_s})")
         if self.local_prefill_threshold < 0:
             raise ValueError(f"local_prefill_threshold must be >= 0 (got {self.local_prefill_threshold})")
         if self.reservation_lease_s <= 0:

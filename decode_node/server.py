@@ -26,7 +26,7 @@ from serving.commands import NoRoom, RequestHandle, ShuttingDown, UnknownRequest
 from serving.loop import EngineLoop
 from serving.metrics import Gauges, ServingMetrics, capacity_gauges
 from serving.node import NodeServer, on_cancel, serve_node
-from serving.rpc import MAX_REQUEST_ID_LEN
+from serving.rpc import MAX_REQUEST_ID_LEN, Interrupt, refuse_draining
 from transfer import TransferConfig
 from transfer.connector import DecodeConnector
 from transfer.messages import TargetRank
@@ -86,6 +86,8 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                         self.backend, e)  # fmt: skip
         self.loop = EngineLoop(self.engine, name=f"{cfg.node_id}-engine", on_change=self.changes.changed).start()
         self.metrics = ServingMetrics("pdserve_decode", self._gauges)
+        self._streams: set[str] = set()  # request ids a Generate call streams now
+        self.handing_off = False  # the drain hands the streams left to the router (drain_handoff_s)
 
     def _gauges(self) -> Gauges:
         s = self.loop.snapshot
@@ -108,6 +110,21 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
     def in_flight(self) -> int:
         s = self.loop.snapshot
         return max(s.streaming + s.transfer.in_flight, s.running + s.waiting + s.reserved)
+
+    def drain(self, timeout_s: float, interrupt: Interrupt | None = None) -> bool:
+        """The plain drain; with drain_handoff_s, the streams still running after that long end
+        UNAVAILABLE (draining) and the router moves them with the tokens they sent."""
+        wait = self.cfg.drain_handoff_s
+        if wait <= 0 or wait >= timeout_s:
+            return super().drain(timeout_s, interrupt)
+        if super().drain(wait, interrupt):
+            return True
+        self.handing_off = True
+        rids = list(self._streams)
+        log.info("decode node %s: handing %d stream(s) off to the router", self.cfg.node_id, len(rids))
+        for rid in rids:
+            self.loop.abort(rid, "handed off (drain)")
+        return super().drain(timeout_s - wait, interrupt)
 
     def _add_servicer(self, server: grpc.Server) -> None:
         rpc.add_DecodeNodeServicer_to_server(self, server)
@@ -202,9 +219,11 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         """skip: leading tokens the caller already has (the prefill node's first token). Counts the
         request in the metrics once, however it ends."""
         box = _Tally()
+        self._streams.add(h.request_id)
         try:
             yield from self._relay_loop(h, context, skip, box)
         finally:
+            self._streams.discard(h.request_id)
             self.metrics.request_done(box.outcome, box.ttft, box.tpot, box.n)
 
     def _relay_loop(
@@ -235,6 +254,10 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                 last_tok = now
                 n += len(new)
             done = item.finished
+            if done and item.finish_reason == "abort" and self.handing_off:  # the drain hands it off
+                if new:
+                    yield pb.GenerateResponse(request_id=h.request_id, token_ids=new, logprobs=logprobs_pb(lps or []))
+                refuse_draining(context, f"decode node {self.cfg.node_id}")
             t = pb.Timings()
             if first_tok is not None:
                 t.ttft_s = first_tok - h.received

@@ -162,3 +162,38 @@ def test_a_hung_decode_node_is_declared_dead_and_its_streams_move(ckpt):
         if victim_pid is not None:
             os.kill(victim_pid, signal.SIGKILL)
         u.stop()
+
+
+def test_drain_hands_long_streams_off(ckpt):
+    """--drain-handoff: a decode node SIGTERMed with long streams exits within seconds (not when
+    its longest stream would end); its streams move and complete with transformers' tokens."""
+    import time
+
+    from client import Client
+
+    n = 400
+    ps = hc.prompts(lens=(30, 60, 45, 75), seed=29)
+    u = Up("--model", ckpt, "--dtype", "float32", "--decode", "2", "--prefill", "1", "--drain-handoff", "0.5",
+           "--drain-timeout", "120")  # fmt: skip
+    try:
+        with Client(u.address, timeout=120) as c:
+            c.wait_ready(timeout=60)
+            its = [iter(c.stream(prompt_token_ids=p, max_tokens=n, temperature=0.0, ignore_eos=True)) for p in ps]
+            got = [next(it) for it in its]
+            nodes_of = [g.decode_node for g in got]
+            victim = max(set(nodes_of), key=nodes_of.count)
+            os.kill(node_pid(u, victim), signal.SIGTERM)
+            t0 = time.monotonic()
+            wait_for(lambda: f"{victim} exited with status 0" in u.output(), 30, f"{victim} to exit")
+            exited = time.monotonic() - t0
+            toks = [list(g.token_ids) for g in got]
+            for i, it in enumerate(its):
+                for ch in it:
+                    toks[i] += ch.token_ids
+        assert exited < 10, exited
+        for p, t in zip(ps, toks):
+            assert len(t) == n and hc.hf_greedy_violations(ckpt, p, t) == []
+        assert "(draining@" in u.output()
+    finally:
+        rc = u.stop()
+    assert rc == 0, u.output()
