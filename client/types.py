@@ -14,16 +14,19 @@ from proto.convert import constraint_pb
 class PdserveError(Exception):
     """A failed call: `code` is the grpc.StatusCode, `message` the server's explanation."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s  # a refusal at admission: the router's estimated wait
 
     @classmethod
     def from_rpc(cls, e: grpc.RpcError) -> PdserveError:
         code = e.code() if callable(getattr(e, "code", None)) else grpc.StatusCode.UNKNOWN
         details = e.details() if callable(getattr(e, "details", None)) else str(e)
-        return cls(code or grpc.StatusCode.UNKNOWN, details or "")
+        md = e.trailing_metadata() if callable(getattr(e, "trailing_metadata", None)) else None
+        after = next((v for k, v in md or () if k == "pdserve-retry-after-s"), None)
+        return cls(code or grpc.StatusCode.UNKNOWN, details or "", float(after) if after is not None else None)
 
 
 @dataclass
@@ -141,6 +144,8 @@ def build_request(
     logit_bias: dict[int, float] | None = None,
     min_p: float | None = None,
     constraint: pb.Constraint | dict | None = None,
+    admission_timeout_s: float | None = None,
+    priority: str | None = None,
 ) -> pb.GenerateRequest:
     """Unset options (None) take the server's defaults. docs/api.md describes each."""
     if (prompt is None) == (prompt_token_ids is None):
@@ -176,6 +181,10 @@ def build_request(
     if constraint is not None:
         sp.constraint.CopyFrom(_constraint(constraint))
     req = pb.GenerateRequest(request_id=request_id or "", sampling=sp)
+    if admission_timeout_s is not None:  # the longest wait to start (0: no limit); else the router's default
+        req.admission_timeout_s = admission_timeout_s
+    if priority is not None:  # "interactive" (the default) or "batch"
+        req.priority = {"interactive": pb.PRIORITY_INTERACTIVE, "batch": pb.PRIORITY_BATCH}[priority]
     if prompt is not None:
         req.prompt = prompt
     else:

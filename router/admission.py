@@ -1,13 +1,17 @@
-"""Admission: the router's strict FIFO queue in front of the pools, on its event loop. Only the head
-is woken to try `place()`; a request that waits too long or finds the queue full is refused with
-RESOURCE_EXHAUSTED, holding nothing on any node (docs/router.md, "Leases and admission")."""
+"""Admission: the router's queue in front of the pools, on its event loop. A request is decided at
+arrival: refused at once (RESOURCE_EXHAUSTED, with the estimated wait) when the router estimates
+it could not start within its budget, else queued until `place()` succeeds, however long that
+takes. Priority classes go in order; within a class, API keys take turns (docs/router.md,
+"Leases and admission")."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -16,57 +20,127 @@ from router.errors import Abort
 
 T = TypeVar("T")
 
+INTERACTIVE, BATCH = 0, 1
+CLASS_NAMES = ("interactive", "batch")
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What one request asks of admission."""
+
+    priority: int = INTERACTIVE
+    tenant: str = ""  # the API key's id ("" without keys): turns within a class
+    budget_s: float = 0.0  # the longest it may wait to start; 0: as long as it takes
+    tokens: int = 0  # prompt tokens it brings to the prefill pool (0: prefilled on the decode node)
+    resumed: bool = False  # admitted before (failover): never refused for lack of budget
+
+    @property
+    def class_name(self) -> str:
+        return CLASS_NAMES[self.priority]
+
+
+class Refused(Abort):
+    """RESOURCE_EXHAUSTED at arrival; `retry_after_s` is the estimated wait."""
+
+    def __init__(self, msg: str, retry_after_s: float):
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, msg)
+        self.retry_after_s = retry_after_s
+
+
+class _Waiter:
+    __slots__ = ("ask", "event")
+
+    def __init__(self, ask: Ask):
+        self.ask, self.event = ask, asyncio.Event()
+
 
 class Admission:
-    def __init__(self, max_queued: int, timeout_s: float, on_leave=None):
-        """on_leave(outcome, wait_s) is called once per request that leaves: "admitted",
-        "queue_full", "timeout", "cancelled" (the router's metrics)."""
-        self.max_queued, self.timeout_s = max_queued, timeout_s
-        self._queue: deque[asyncio.Event] = deque()
-        self._on_leave = on_leave or (lambda outcome, wait_s: None)
+    def __init__(self, max_queued: int, on_leave: Callable[[str, Ask, float], None] | None = None):
+        """on_leave(outcome, ask, wait_s) is called once per request that leaves: "admitted",
+        "queue_full", "estimate", "unavailable", "cancelled" (the router's metrics)."""
+        self.max_queued = max_queued
+        # per class, tenant -> its waiters in arrival order; the dict's order is the turn order
+        self._classes: list[dict[str, deque[_Waiter]]] = [{} for _ in CLASS_NAMES]
+        self._tokens = [0] * len(CLASS_NAMES)
+        self._count = [0] * len(CLASS_NAMES)
+        self._on_leave = on_leave or (lambda outcome, ask, wait_s: None)
 
-    def depth(self) -> int:
-        return len(self._queue)
+    def depth(self, priority: int | None = None) -> int:
+        return sum(self._count) if priority is None else self._count[priority]
+
+    def ahead(self, priority: int) -> tuple[int, int]:
+        """(prefill-pool tokens, requests) queued in this class and the ones before it."""
+        return sum(self._tokens[: priority + 1]), sum(self._count[: priority + 1])
+
+    def _head(self) -> _Waiter | None:
+        for tenants in self._classes:
+            for q in tenants.values():
+                return q[0]
+        return None
 
     def wake(self) -> None:
         """Something changed: the head tries to place itself again (on the loop's thread)."""
-        if self._queue:
-            self._queue[0].set()
+        h = self._head()
+        if h is not None:
+            h.event.set()
 
-    async def wait(self, place: Callable[[], T | None], refuse: Callable[[], Abort]) -> T:
-        """Wait in FIFO order until `place()` (called only at the head) returns a placement.
-        `refuse()` makes the error of a request that timed out (RESOURCE_EXHAUSTED, or
-        UNAVAILABLE when no node takes requests at all)."""
+    def decide(self, ask: Ask, estimate_s: float, what: str) -> None:
+        """Refuse at arrival (Refused) when the queue is full or the estimated wait passes the
+        budget; `what` says what the estimate is made of, for the message."""
+        if ask.resumed:
+            return
+        if self.max_queued and self.depth() >= self.max_queued:
+            self._on_leave("queue_full", ask, 0.0)
+            raise Refused(f"{self.depth()} requests already wait for admission (the limit): try again later", 1.0)
+        if not ask.budget_s or estimate_s <= ask.budget_s:
+            return
+        self._on_leave("estimate", ask, 0.0)
+        est = "an unknown time" if math.isinf(estimate_s) else f"about {estimate_s:.1f} s"
+        raise Refused(
+            f"a {ask.class_name} request would start in {est} ({what}), past its admission budget of "
+            f"{ask.budget_s:g} s: try again later, or send a longer budget",
+            estimate_s if math.isfinite(estimate_s) else ask.budget_s,
+        )
+
+    async def wait(self, ask: Ask, place: Callable[[], T | None], unavailable: Callable[[], Abort | None]) -> T:
+        """Wait in turn until `place()` (called only at the head) returns a placement. No late
+        refusal: past the budget, only `unavailable()` (no node takes requests at all) ends the wait."""
         t0 = time.monotonic()
-        deadline = t0 + self.timeout_s
-        if self.max_queued and len(self._queue) >= self.max_queued:
-            self._on_leave("queue_full", 0.0)
-            raise Abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(self._queue)} requests already wait for admission (the limit): try again later",
-            )
-        me = asyncio.Event()
-        self._queue.append(me)
-        outcome = "timeout"
+        deadline = t0 + ask.budget_s if ask.budget_s else math.inf
+        me = _Waiter(ask)
+        p = ask.priority
+        self._classes[p].setdefault(ask.tenant, deque()).append(me)
+        self._tokens[p] += ask.tokens
+        self._count[p] += 1
+        outcome = "cancelled"
         try:
             while True:
-                if self._queue[0] is me:
+                if self._head() is me:
                     got = place()
                     if got is not None:
                         outcome = "admitted"
                         return got
+                if time.monotonic() >= deadline:
+                    err = unavailable()
+                    if err is not None:
+                        outcome = "unavailable"
+                        raise err
+                    deadline = math.inf
+                me.event.clear()
                 left = deadline - time.monotonic()
-                if left <= 0:
-                    raise refuse()
-                me.clear()
                 try:
-                    await asyncio.wait_for(me.wait(), left)
+                    await asyncio.wait_for(me.event.wait(), None if math.isinf(left) else max(left, 0.0))
                 except TimeoutError:
                     pass
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            raise
         finally:
-            self._queue.remove(me)
+            tenants = self._classes[p]
+            q = tenants[ask.tenant]
+            q.remove(me)
+            if not q:
+                del tenants[ask.tenant]
+            elif outcome == "admitted":  # placed: the tenant's turn passes to the next one
+                tenants[ask.tenant] = tenants.pop(ask.tenant)
+            self._tokens[p] -= ask.tokens
+            self._count[p] -= 1
             self.wake()  # the next one may be the head now
-            self._on_leave(outcome, time.monotonic() - t0)
+            self._on_leave(outcome, ask, time.monotonic() - t0)

@@ -12,7 +12,10 @@ from engine.options import option
 from router.policy import PolicyName, make_policy
 from serving.config import SecurityArgs
 
-ADMISSION_HELP = "seconds a request waits in the router's FIFO admission queue, then RESOURCE_EXHAUSTED"
+ADMISSION_HELP = (
+    "seconds a request may wait to start (its default budget; a request may send its own): one the router "
+    "estimates could not start in time is refused RESOURCE_EXHAUSTED at arrival (0: wait as long as it takes)"
+)
 
 
 @dataclass(frozen=True)
@@ -26,8 +29,9 @@ class RouterConfig(SecurityArgs):
     )
     heartbeat_interval_s: float = option(0.5, "seconds between node heartbeats (nodes are told to use it)")
     dead_after_s: float = option(3.0, "a node with no heartbeat for this many seconds is dead")
-    # Admission (router/admission.py): requests wait in FIFO order for room, at most this long,
-    # then RESOURCE_EXHAUSTED; a request that finds max_queued_requests waiting is refused at once.
+    # Admission (router/admission.py): decided at arrival against this budget; 30 s: a client that
+    # says nothing is served when it can start within half a minute (time left to generate under a
+    # one-minute client or balancer timeout), else hears no at once and can go elsewhere.
     admission_timeout_s: float = option(30.0, ADMISSION_HELP)
     # 1024: the largest completions request (64 prompts x n = 16) fits an idle router
     max_queued_requests: int = option(

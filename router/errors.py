@@ -15,6 +15,8 @@ class DecodeFailed(Exception):
 
 
 class Abort(Exception):
+    retry_after_s: float | None = None  # a refusal's estimate of when to come back (Retry-After)
+
     def __init__(self, code: grpc.StatusCode, msg: str):
         super().__init__(msg)
         self.code, self.msg = code, msg

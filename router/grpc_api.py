@@ -4,7 +4,8 @@
 
 A client that cancels its call cancels the servicer's task: the request's generator unwinds and
 cancels its calls to the nodes (router/request.py). Errors end the call with their status code
-and message; a draining router adds the `pdserve-draining` trailing metadata.
+and message; a draining router adds the `pdserve-draining` trailing metadata, a refusal at
+admission `pdserve-retry-after-s` (its estimated wait, seconds).
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from contextlib import aclosing
 import grpc
 
 from proto import pb, rpc
+from router.client_hints import HINTS, from_metadata
 from router.errors import Abort, Draining
 from router.request import Chunk
 from serving.rpc import DRAINING_KEY
+
+RETRY_AFTER_KEY = "pdserve-retry-after-s"  # trailing metadata of a refusal at arrival: the estimated wait
 
 
 def response(c: Chunk) -> pb.GenerateResponse:
@@ -40,6 +44,7 @@ class GenerationApi(rpc.GenerationServicer):
         self.service = service
 
     async def Generate(self, request, context):
+        HINTS.set(from_metadata(context.invocation_metadata() or (), self.service.creds))
         try:
             async with aclosing(self.service.generate(request)) as chunks:
                 async for c in chunks:
@@ -47,6 +52,8 @@ class GenerationApi(rpc.GenerationServicer):
         except Abort as a:
             if isinstance(a, Draining):
                 context.set_trailing_metadata(((DRAINING_KEY, "1"),))
+            elif a.retry_after_s is not None:
+                context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{a.retry_after_s:.3f}"),))
             await context.abort(a.code, a.msg)
 
     async def ListModels(self, request, context):

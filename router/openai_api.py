@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
@@ -20,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from proto import pb
+from router.client_hints import HINTS, from_headers
 from router.errors import Abort
 from router.http_limits import check_expansion, read_json
 from router.openai_chat import ChatFront
@@ -40,8 +42,11 @@ log = logging.getLogger("pdserve.http")
 RENDER_INLINE_CHARS = 65536  # chat messages up to this many characters are rendered on the loop
 
 
-def _json(status: int, obj: dict) -> Response:
-    headers = {"Retry-After": "1"} if status in (429, 503) else None  # full, or draining: come back soon
+def _json(status: int, obj: dict, retry_after_s: float | None = None) -> Response:
+    """429 / 503 say when to come back: the admission's estimate, else in a second."""
+    headers = None
+    if status in (429, 503):
+        headers = {"Retry-After": str(max(1, math.ceil(retry_after_s or 0)))}
     return Response(json.dumps(obj), status, headers, media_type="application/json")
 
 
@@ -256,12 +261,12 @@ def make_app(service) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
-        return _json(e.status, e.body())
+        return _json(e.status, e.body(), e.retry_after_s)
 
     @app.exception_handler(Abort)
     async def abort(request, a: Abort):
-        e = ApiError.from_status(a.code, a.msg)
-        return _json(e.status, e.body())
+        e = ApiError.from_abort(a)
+        return _json(e.status, e.body(), e.retry_after_s)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, e: RequestValidationError):
@@ -312,6 +317,7 @@ def make_app(service) -> FastAPI:
         return _json(200, {"object": "list", "data": data})
 
     async def answer(req: CompletionRequest | ChatRequest, request: Request) -> Response:
+        hints(request)
         job = await front.job(req)
         try:
             if req.stream:
@@ -321,6 +327,13 @@ def make_app(service) -> FastAPI:
             return Response(status_code=499)  # nobody reads it
 
     limit = service.cfg.max_body_bytes
+
+    def hints(request: Request) -> None:
+        """Admission's headers and API key, for this request's generate calls."""
+        try:
+            HINTS.set(from_headers(request.headers, service.creds))
+        except ValueError as e:
+            raise bad(str(e)) from None
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -334,6 +347,7 @@ def make_app(service) -> FastAPI:
 
     @app.post("/v1/responses")
     async def responses(request: Request):
+        hints(request)
         return await respond(front, await read_json(request, limit), request)
 
     return app

@@ -27,6 +27,8 @@ _HTTP_OF = {
 
 
 class ApiError(Exception):
+    retry_after_s: float | None = None  # a refusal at admission: its estimated wait (Retry-After)
+
     def __init__(
         self,
         status: int,
@@ -49,6 +51,12 @@ class ApiError(Exception):
             m = re.match(r"[a-z_]+", message or "")
             param = m.group(0) if m and m.group(0) in _Request.model_fields else None
         return cls(status, message or code.name, typ, param, code.name.lower())
+
+    @classmethod
+    def from_abort(cls, a) -> ApiError:
+        e = cls.from_status(a.code, a.msg)
+        e.retry_after_s = a.retry_after_s
+        return e
 
     @classmethod
     def from_rpc(cls, e: grpc.RpcError) -> ApiError:

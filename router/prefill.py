@@ -16,6 +16,7 @@ from router.config import RouterConfig
 from router.errors import Abort, DecodeFailed
 from router.prefix import PrefixQuery
 from router.registry import NodeEntry, NodeRegistry
+from router.wait_estimate import RateMeter
 from serving.rpc import is_draining
 
 log = logging.getLogger("pdserve.router")
@@ -80,6 +81,7 @@ class PrefillPhase:
         self._spawn = spawn  # runs a coroutine as a task the router keeps until it ends
         self._pairs: set[tuple] = set()  # (prefill id, incarnation, decode id, incarnation) handshaken
         self._pair_lock = asyncio.Lock()
+        self.meter = RateMeter()  # each prefill node's measured rate (admission's estimate)
 
     def ready(self, d: NodeEntry, exclude: set[str]) -> list[NodeEntry]:
         dg = d.info.schema_digest
@@ -120,10 +122,15 @@ class PrefillPhase:
                 ]
             p = self.policy.choose_prefill(nodes, prompt_len, q)
             if p is not None:
+                if not p.inflight_prefill_tokens:
+                    self.meter.busy(p.node_id)
                 p.inflight_prefill_tokens += prompt_len
         return p
 
-    def _given_back(self, p: NodeEntry, prompt_len: int) -> None:
+    def _given_back(self, p: NodeEntry, prompt_len: int, ok: bool) -> None:
+        """ok: the first token came back (the prefill is measured)."""
+        if ok:
+            self.meter.done(p.node_id, prompt_len)
         with self.registry.lock:
             p.inflight_prefill_tokens -= prompt_len
             p.prefilled_tokens += prompt_len  # done there, though its last report may still count it
@@ -196,8 +203,11 @@ class PrefillPhase:
                     return None
             tried.add(p.node_id)
             rid = request_id if attempt == 0 else f"{request_id}~{attempt}"
+            ok = False
             try:
-                return await self._attempt(d, p, request, ids, rid)
+                push = await self._attempt(d, p, request, ids, rid)
+                ok = True
+                return push
             except _Failed as f:
                 attempt += 1
                 failures += not f.draining
@@ -205,7 +215,7 @@ class PrefillPhase:
                 if retry is not True:
                     return retry
             finally:
-                self._given_back(p, len(ids))
+                self._given_back(p, len(ids), ok)
                 p = None
 
     async def _attempt(self, d: NodeEntry, p: NodeEntry, request, ids: list[int], rid: str) -> Push:

@@ -52,6 +52,7 @@ class Trace:
     decode: str = "-"
     prefill: str = "local"
     queue_s: float = 0.0
+    estimate_s: float | None = None  # admission's estimate at arrival of the wait to start
     first: float | None = None
     last: float | None = None
     n: int = 0
@@ -76,13 +77,14 @@ class Trace:
     def log(self) -> None:
         ttft, tpot = self.ttft(), self.tpot()
         log.info(
-            "request %s: prompt %d, decode %s, prefill %s, queue %.1f ms, ttft %s, tpot %s, %d tokens, %s; "
-            "transfer %d B in %.1f ms%s",
+            "request %s: prompt %d, decode %s, prefill %s, queue %.1f ms (estimated %s), ttft %s, tpot %s, "
+            "%d tokens, %s; transfer %d B in %.1f ms%s",
             self.request_id,
             self.prompt_len,
             self.decode,
             self.prefill,
             self.queue_s * 1e3,
+            "-" if self.estimate_s is None else f"{self.estimate_s * 1e3:.1f} ms",
             "-" if ttft is None else f"{ttft * 1e3:.1f} ms",
             "-" if tpot is None else f"{tpot * 1e3:.1f} ms",
             self.n,
@@ -97,6 +99,10 @@ class _Retry(Exception):
     """Place the request again (on another decode node)."""
 
 
+# admission's time per output token before any is measured: a decode step of a loaded node
+TPOT_PRIOR_S = 0.02
+
+
 class RequestRun:
     """The phases of one request; `svc` is the GenerateService (admission, decode counters,
     prefill phase, registry, tokenizer)."""
@@ -105,6 +111,7 @@ class RequestRun:
         self.svc, self.request, self.ids, self.tr = svc, request, ids, trace
         self.detok = IncrementalDetokenizer(svc.tokenizer, ids) if svc.tokenizer is not None else None
         self.tried: set[str] = set()
+        self.max_new = 0  # new tokens at most, once placed
         sp = request.sampling
         self.local = sp.HasField("logprobs") or sp.HasField("prompt_logprobs")  # P returns no logprobs
         self.sent: list[int] = []  # the tokens relayed so far: a moved request's output
@@ -120,10 +127,14 @@ class RequestRun:
             # prefilled there (a prefill node samples a prompt's first token, not the next one)
             ids = self.ids + self.sent
             t0 = time.monotonic()
-            d, p = await self.svc.admit(ids, self.tried, self.local or bool(self.sent))
+            d, p = await self.svc.admit(
+                ids, self.tried, self.local or bool(self.sent), self.request, resumed=bool(self.tried), trace=self.tr
+            )
             self.tr.queue_s += time.monotonic() - t0
             self.tr.decode = d.node_id
             self.tried.add(d.node_id)
+            self.max_new = min(self._max_tokens(), max(1, d.info.max_model_len - len(self.ids)))
+            self.svc.placed.add(self)
             try:
                 async for c in self._attempt(d, p):
                     yield c
@@ -139,6 +150,7 @@ class RequestRun:
             except _Retry:
                 continue
             finally:
+                self.svc.placed.discard(self)
                 self.svc.done(d, len(ids))
 
     def _max_tokens(self) -> int:
@@ -146,6 +158,12 @@ class RequestRun:
         from proto.convert import sampling_kwargs
 
         return int(SamplingParams(**sampling_kwargs(self.request.sampling)).max_tokens)
+
+    def expected_end_s(self, tpot_s: float | None) -> float:
+        """Seconds until this placed request is expected to end: its tokens left at its own time per
+        token, else `tpot_s` (the router's last measured), else TPOT_PRIOR_S."""
+        tp = self.tr.tpot() or tpot_s or TPOT_PRIOR_S
+        return max(0, self.max_new - self.tr.n) * tp
 
     async def _attempt(self, d: NodeEntry, p: NodeEntry | None) -> AsyncIterator[Chunk]:
         """Prefill (on P, or none), then D's stream, relayed."""

@@ -12,11 +12,12 @@ from contextlib import aclosing
 from pathlib import Path
 
 import grpc
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from proto import pb
 from proto.convert import sampling_kwargs
-from router.admission import Admission
+from router.admission import BATCH, CLASS_NAMES, INTERACTIVE, Admission, Ask
+from router.client_hints import HINTS, Hints
 from router.config import RouterConfig
 from router.errors import Abort, Draining
 from router.migrate import MigrationMetrics
@@ -27,6 +28,7 @@ from router.registry import NodeEntry, NodeRegistry
 from router.request import Chunk, RequestRun, Trace
 from router.stops import with_stops
 from router.text import TextPool
+from router.wait_estimate import estimate
 from serving.metrics import ServingMetrics
 from serving.rpc import MAX_REQUEST_ID_LEN
 from serving.security import OPEN, Credentials
@@ -44,7 +46,7 @@ CHARS_PER_TOKEN = 16
 
 class GenerateService:
     def __init__(self, cfg: RouterConfig, creds: Credentials = OPEN):
-        self.cfg = cfg
+        self.cfg, self.creds = cfg, creds
         self.registry = NodeRegistry(cfg.heartbeat_interval_s, cfg.dead_after_s, creds)
         for a in cfg.static_decode:
             self.registry.add_static(a, pb.NODE_KIND_DECODE)
@@ -62,6 +64,8 @@ class GenerateService:
                 self.tokenizer = Tokenizer(cfg.model)
                 self.text = TextPool(self.tokenizer, cfg.tokenizer_workers)
         self.active = 0  # requests in generate
+        self.placed: set[RequestRun] = set()  # requests on a decode node now (their expected ends)
+        self.tpot_s: float | None = None  # time per output token of the last requests (moving)
         self.idle = asyncio.Event()  # set while active == 0 (the drain waits on it)
         self.idle.set()
         self.draining = False
@@ -75,14 +79,23 @@ class GenerateService:
         )
         self.refused = Counter(
             "pdserve_router_admission_refused",
-            "Requests refused RESOURCE_EXHAUSTED before any work: queue full, or no room in time",
-            ["reason"],
+            "Requests refused RESOURCE_EXHAUSTED at arrival: queue full, or the estimated wait past the budget",
+            ["reason", "class"],
             registry=reg,
         )
-        for reason in ("queue_full", "timeout"):
-            self.refused.labels(reason=reason)
+        self.estimated_wait = Gauge(
+            "pdserve_router_estimated_wait_seconds",
+            "The last estimate at arrival of when a request would start, per class (inf: no decode room)",
+            ["pool", "class"],
+            registry=reg,
+        )
+        for c in CLASS_NAMES:
+            for reason in ("queue_full", "estimate"):
+                self.refused.labels(reason=reason, **{"class": c})
+            for pool in ("prefill", "decode"):
+                self.estimated_wait.labels(pool=pool, **{"class": c})
         self.migrations = MigrationMetrics(reg)
-        self.admission = Admission(cfg.max_queued_requests, cfg.admission_timeout_s, self._left_queue)
+        self.admission = Admission(cfg.max_queued_requests, self._left_queue)
         self.generate_limit = (cfg.max_queued_requests or 4096) + STREAMING
 
     def spawn(self, coro: Coroutine) -> asyncio.Task:
@@ -142,7 +155,7 @@ class GenerateService:
             raise Draining("the router")
         tr = Trace(request.request_id or uuid.uuid4().hex)
         if self.active >= self.generate_limit:
-            self._left_queue("queue_full", 0.0)
+            self._left_queue("queue_full", Ask(), 0.0)
             log.info("request %s: refused RESOURCE_EXHAUSTED, %d requests in flight", tr.request_id, self.active)
             raise Abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -154,6 +167,7 @@ class GenerateService:
             ids = await self._prompt_ids(request)
             tr.prompt_len = len(ids)
             self._check(request, ids)
+            self.check_ask(request)
             run = RequestRun(self, request, ids, tr)
             sp = request.sampling
             stream = with_stops(run.chunks(), list(sp.stop), sp.min_tokens, lambda: setattr(tr, "finish", "stop"))
@@ -169,6 +183,8 @@ class GenerateService:
         finally:
             tr.log()
             self.metrics.request_done(tr.outcome(), tr.ttft(), tr.tpot(), tr.n)
+            if (tp := tr.tpot()) is not None:
+                self.tpot_s = tp if self.tpot_s is None else self.tpot_s + 0.25 * (tp - self.tpot_s)
             if tr.transfer_bytes:
                 self.metrics.transfer_done(tr.transfer_bytes, tr.transfer_s)
             self.active -= 1
@@ -254,30 +270,67 @@ class GenerateService:
             raise Abort(bad, f"logit_bias token id(s) {sorted(out)[:5]} out of range [0, {vocab})")
 
     # ---- admission and the decode nodes' counters -------------------------------------------
-    def _left_queue(self, outcome: str, wait_s: float) -> None:
-        if outcome in ("queue_full", "timeout"):
-            self.refused.labels(reason=outcome).inc()
-        if outcome != "queue_full":
+    def _left_queue(self, outcome: str, ask: Ask, wait_s: float) -> None:
+        if outcome in ("queue_full", "estimate"):
+            self.refused.labels(reason=outcome, **{"class": ask.class_name}).inc()
+        else:
             self.queue_wait.observe(wait_s)
 
-    async def admit(self, ids: list[int], exclude: set[str], local: bool) -> tuple[NodeEntry, NodeEntry | None]:
-        """Wait in the admission queue until the prompt `ids` is placed: (decode node, prefill node
-        or None to prefill on the decode node), both counted against until `done` (and the prefill
-        phase's own give-back). local: prefill on the decode node (logprobs: P returns none)."""
+    def ask(self, request: pb.GenerateRequest | None, tokens: int, resumed: bool) -> Ask:
+        """What the request asks of admission: its class and budget from its fields, the HTTP
+        headers (router/client_hints.py) or the router's default, and its API key."""
+        h = HINTS.get() or Hints()
+        priority, budget = h.priority, h.budget_s
+        if request is not None:
+            if priority is None and request.priority == pb.PRIORITY_BATCH:
+                priority = BATCH
+            if budget is None and request.HasField("admission_timeout_s"):
+                budget = request.admission_timeout_s
+        if budget is None:
+            budget = self.cfg.admission_timeout_s
+        return Ask(priority or INTERACTIVE, h.tenant, budget, tokens, resumed)
+
+    def check_ask(self, request: pb.GenerateRequest) -> None:
+        t = request.admission_timeout_s
+        if request.HasField("admission_timeout_s") and not (t >= 0 and t < float("inf")):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"admission_timeout_s must be >= 0 (0: no limit), got {t}")
+        if request.priority not in (pb.PRIORITY_UNSPECIFIED, pb.PRIORITY_INTERACTIVE, pb.PRIORITY_BATCH):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown priority {request.priority}")
+
+    async def admit(
+        self,
+        ids: list[int],
+        exclude: set[str],
+        local: bool,
+        request: pb.GenerateRequest | None = None,
+        resumed: bool = False,
+        trace: Trace | None = None,
+    ) -> tuple[NodeEntry, NodeEntry | None]:
+        """Decide at arrival, then wait in turn until the prompt `ids` is placed: (decode node,
+        prefill node or None to prefill on the decode node), both counted against until `done`
+        (and the prefill phase's own give-back). local: prefill on the decode node (logprobs: P
+        returns none). resumed: admitted before (a retry, a failover): never refused for lack of
+        budget. Refused (RESOURCE_EXHAUSTED, retry_after_s) at arrival only."""
         prompt_len = len(ids)
         q = PrefixQuery(ids) if self.policy.uses_prefix else None
+        dec = [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]
+        pooled = not local and bool(dec) and self.prefill.use_pool(dec[0], prompt_len)
+        ask = self.ask(request, prompt_len if pooled else 0, resumed)
+        ahead_tokens, ahead = self.admission.ahead(ask.priority)
+        ends = [r.expected_end_s(self.tpot_s) for r in self.placed]
+        est, what = estimate(self.registry, self.prefill.meter, prompt_len, ask.tokens, ahead_tokens, ahead, ends)
+        pool = "prefill" if ask.tokens else "decode"
+        self.estimated_wait.labels(pool=pool, **{"class": ask.class_name}).set(est)
+        if trace is not None and trace.estimate_s is None:  # the one made at arrival
+            trace.estimate_s = est
+        self.admission.decide(ask, est, what)
 
-        def refuse() -> Abort:
+        def unavailable() -> Abort | None:
             if not [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]:
                 return Abort(grpc.StatusCode.UNAVAILABLE, "no live decode node takes new requests")
-            return Abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"no decode node had room (or no prefill node was within its window) for a {prompt_len}-token "
-                f"prompt within {self.cfg.admission_timeout_s:g} s ({self.admission.depth()} in the admission queue): "
-                "try again later",
-            )
+            return None
 
-        return await self.admission.wait(lambda: self._place(prompt_len, exclude, local, q), refuse)
+        return await self.admission.wait(ask, lambda: self._place(prompt_len, exclude, local, q), unavailable)
 
     def _place(
         self, prompt_len: int, exclude: set[str], local: bool, q: PrefixQuery | None

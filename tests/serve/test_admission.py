@@ -1,69 +1,153 @@
-"""router/admission.py in-process on an event loop: FIFO order, the queue limit, the timeout and
-a client leaving the queue (its task cancelled), each with the outcome the router's metrics see."""
+"""router/admission.py and router/wait_estimate.py in-process on an event loop: FIFO order within
+a tenant, the queue limit, refusal at arrival on the estimate (never later), a client leaving
+the queue (its task cancelled), interactive before batch, API keys taking turns, and the rate
+meter against a hand-computed sequence; each with the outcome the router's metrics see."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import grpc
 import pytest
 
-from router.admission import Admission
+from router.admission import BATCH, INTERACTIVE, Admission, Ask, Refused
 from router.errors import Abort
+from router.wait_estimate import RateMeter
 
 
-def _refuse():
-    return Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no room")
+class _Room:
+    """place() functions over a shared count of free places, recording who got one, in order."""
 
+    def __init__(self):
+        self.n = 0
+        self.order: list[str] = []
 
-async def _scenario():
-    left = []
-    adm = Admission(max_queued=3, timeout_s=5.0, on_leave=lambda o, w: left.append(o))
-    room = {"n": 0}
-    order = []
-
-    def place(i):
+    def place(self, name: str):
         def fn():
-            if room["n"] > 0:
-                room["n"] -= 1
-                return i
+            if self.n > 0:
+                self.n -= 1
+                self.order.append(name)
+                return name
             return None
 
         return fn
 
-    async def wait(i):
-        try:
-            order.append(await adm.wait(place(i), _refuse))
-        except Abort as a:
-            order.append((i, a.code))
-        except asyncio.CancelledError:
-            order.append((i, "cancelled"))
-            raise
 
-    t0 = time.monotonic()
+async def _queued(adm: Admission, n: int) -> None:
+    while adm.depth() != n:
+        await asyncio.sleep(0.002)
+
+
+def _never():
+    return None
+
+
+async def _fifo_limit_estimate_cancel():
+    left = []
+    adm = Admission(max_queued=3, on_leave=lambda o, ask, w: left.append(o))
+    room = _Room()
+    ask = Ask(budget_s=0.5)
     tasks = []
     for i in range(3):  # arrive in order 0, 1, 2
-        tasks.append(asyncio.create_task(wait(i)))
-        while adm.depth() != i + 1:
-            await asyncio.sleep(0.005)
-    with pytest.raises(Abort) as ei:  # a fourth finds the queue full: refused at once
-        await adm.wait(place(3), _refuse)
+        adm.decide(ask, 0.1, "test")
+        tasks.append(asyncio.create_task(adm.wait(ask, room.place(str(i)), _never)))
+        await _queued(adm, i + 1)
+    with pytest.raises(Refused) as ei:  # a fourth finds the queue full: refused at once
+        adm.decide(ask, 0.0, "test")
     assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "already wait" in ei.value.msg
+    adm.decide(Ask(resumed=True), math.inf, "test")  # a resumed request is never refused
     t = time.monotonic()
     tasks[1].cancel()  # the middle one leaves at once
     await asyncio.gather(tasks[1], return_exceptions=True)
-    assert time.monotonic() - t < 0.5
-    assert order == [(1, "cancelled")] and adm.depth() == 2
-    room["n"] = 1  # room for one: the head (0) gets it, never 2
+    assert time.monotonic() - t < 0.5 and adm.depth() == 2
+    await asyncio.sleep(0.8)  # past the budget: no late refusal, they still wait
+    assert not tasks[0].done() and not tasks[2].done()
+    room.n = 1  # room for one: the head (0) gets it, never 2
     adm.wake()
-    await asyncio.wait_for(tasks[0], 2)
-    assert order[-1] == 0 and adm.depth() == 1
-    await asyncio.wait_for(tasks[2], 10)  # no more room: 2 times out after its 5 s
-    assert order[-1] == (2, grpc.StatusCode.RESOURCE_EXHAUSTED) and time.monotonic() - t0 >= 5.0
-    assert adm.depth() == 0
-    assert sorted(left) == ["admitted", "cancelled", "queue_full", "timeout"]
+    assert await asyncio.wait_for(tasks[0], 2) == "0" and adm.depth() == 1
+    room.n = 1
+    adm.wake()
+    assert await asyncio.wait_for(tasks[2], 2) == "2" and adm.depth() == 0
+    # the estimate past the budget: refused at arrival with the estimate to retry after
+    with pytest.raises(Refused) as ei:
+        adm.decide(Ask(budget_s=2.0), 3.5, "7,000 prompt tokens ahead at 2,000 tokens/s")
+    assert ei.value.retry_after_s == 3.5 and "about 3.5 s" in ei.value.msg and "2,000 tokens/s" in ei.value.msg
+    adm.decide(Ask(budget_s=0.0), 1e9, "test")  # budget 0: waits as long as it takes
+    with pytest.raises(Refused) as ei:  # no decode room: the budget is the hint
+        adm.decide(Ask(budget_s=2.0), math.inf, "no room")
+    assert ei.value.retry_after_s == 2.0
+    assert sorted(left) == ["admitted", "admitted", "cancelled", "estimate", "estimate", "queue_full"]
 
 
-def test_fifo_limit_timeout_and_cancel():
-    asyncio.run(_scenario())
+def test_fifo_limit_estimate_and_cancel():
+    asyncio.run(_fifo_limit_estimate_cancel())
+
+
+async def _unavailable_after_budget():
+    adm = Admission(max_queued=0)
+    t0 = time.monotonic()
+    err = Abort(grpc.StatusCode.UNAVAILABLE, "no live decode node takes new requests")
+    with pytest.raises(Abort) as ei:
+        await adm.wait(Ask(budget_s=0.3), lambda: None, lambda: err)
+    assert ei.value.code == grpc.StatusCode.UNAVAILABLE and 0.3 <= time.monotonic() - t0 < 2
+
+
+def test_no_node_at_all_is_unavailable_after_the_budget():
+    asyncio.run(_unavailable_after_budget())
+
+
+async def _classes_and_turns():
+    adm = Admission(max_queued=0)
+    room = _Room()
+    tasks = []
+
+    async def arrive(name: str, ask: Ask) -> None:
+        tasks.append(asyncio.create_task(adm.wait(ask, room.place(name), _never)))
+        await _queued(adm, len(tasks))
+
+    for i in range(4):  # a batch flood from key A, then from key B
+        await arrive(f"bA{i}", Ask(BATCH, "A"))
+    for i in range(2):
+        await arrive(f"bB{i}", Ask(BATCH, "B"))
+    for i in range(3):  # interactive ones sent after it, key A thrice then key B once
+        await arrive(f"iA{i}", Ask(INTERACTIVE, "A", tokens=10))
+    await arrive("iB0", Ask(INTERACTIVE, "B", tokens=10))
+    assert adm.ahead(INTERACTIVE) == (40, 4) and adm.ahead(BATCH) == (40, 10)
+    for _ in range(len(tasks)):
+        room.n = 1
+        adm.wake()
+        while room.n:
+            await asyncio.sleep(0.002)
+    await asyncio.wait_for(asyncio.gather(*tasks), 2)
+    # interactive first; within a class, the keys take turns, each key in its own arrival order
+    assert room.order == ["iA0", "iB0", "iA1", "iA2", "bA0", "bB0", "bA1", "bB1", "bA2", "bA3"]
+
+
+def test_interactive_before_batch_and_keys_take_turns():
+    asyncio.run(_classes_and_turns())
+
+
+def test_rate_meter_moving_estimate():
+    m = RateMeter()
+    assert m.rate("p") is None
+    m.busy("p", now=10.0)
+    m.done("p", 3000, now=11.0)  # first sample: 3000 tokens in 1 s
+    assert m.rate("p") == pytest.approx(3000.0)
+    m.done("p", 3000, now=11.0)  # finished in the same batch: 0 s (the floor)
+    tok, sec = 3000 + 0.25 * (3000 - 3000), 1.0 + 0.25 * (1e-6 - 1.0)
+    assert m.rate("p") == pytest.approx(tok / sec)
+    m.busy("p", now=20.0)  # idle in between: measured from when it went busy again
+    m.done("p", 1000, now=20.5)
+    tok, sec = tok + 0.25 * (1000 - tok), sec + 0.25 * (0.5 - sec)
+    assert m.rate("p") == pytest.approx(tok / sec)
+
+
+def test_decode_wait_from_the_placed_requests_ends():
+    from router.wait_estimate import decode_wait
+
+    assert decode_wait(1, [3.0, 1.0, 2.0]) == 1.0  # the soonest end frees the first place
+    assert decode_wait(3, [3.0, 1.0, 2.0]) == 3.0
+    assert decode_wait(4, [3.0, 1.0, 2.0]) == 1.0 + 3.0  # a second round: a turn of the longest more
+    assert decode_wait(1, []) == math.inf  # nothing placed, no room: no end in sight

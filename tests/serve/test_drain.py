@@ -142,7 +142,8 @@ def _error_shape(status: int, body: dict, headers, want_status: int, want_type: 
     assert status == want_status, body
     err = body["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == want_type, body
-    assert headers.get("Retry-After") == "1", dict(headers)  # field names are case-insensitive
+    # field names are case-insensitive; a refusal at admission says its estimate (whole seconds)
+    assert headers.get("Retry-After") == "1" or want_status == 429 and int(headers["Retry-After"]) >= 1, dict(headers)
     return err["message"]
 
 
@@ -177,12 +178,12 @@ def test_router_http_statuses_and_drain(ckpt, tmp_path):
             )
             c.wait_ready(timeout=60)
             assert _get(base.removesuffix("/v1") + "/health") == (200, {"status": "ok", "decode_nodes": 1})
-            # the one state slot taken: 429 after the bounded admission wait
+            # the one state slot taken: 429 at arrival (no room within the 0.5 s budget)
             hold = c.stream(prompt_token_ids=[7, 8, 9], max_tokens=3000, temperature=0.0, ignore_eos=True)
             next(iter(hold))
             t0 = time.monotonic()
             msg = _error_shape(*_post(f"{base}/completions", completion), 429, "rate_limit_error")
-            assert "no decode node had room" in msg and time.monotonic() - t0 >= 0.5
+            assert "no decode node had room" in msg and time.monotonic() - t0 < 2
             hold.close()
 
             # SIGTERM the router with a request in flight: it finishes; new ones get 503 / UNAVAILABLE

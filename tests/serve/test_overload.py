@@ -199,7 +199,9 @@ def test_overload_waits_unreserved_in_the_router_or_is_refused_before_work(ckpt,
         assert peak <= 3, f"{peak} reservations at once: the window allows two prompts (+ one pushing)"
         r, p, dm = (scrape(urls[k]) for k in ("router", "prefill node prefill-0", "decode node decode-0"))
         refused_total = sum(
-            r[("pdserve_router_admission_refused_total", (("reason", k),))] for k in ("queue_full", "timeout")
+            r[("pdserve_router_admission_refused_total", (("class", c), ("reason", k)))]
+            for k in ("queue_full", "estimate")
+            for c in ("interactive", "batch")
         )
         assert refused_total >= len(refused) + 1  # the burst's and the HTTP request
         assert r[("pdserve_router_queue_wait_seconds_count", ())] >= len(done)

@@ -1,7 +1,7 @@
 """`pdserve up` process lifecycle with a TP=1 prefill and a TP=2 decode node: greedy tokens through the
 transfer equal transformers',
 
-a full node answers RESOURCE_EXHAUSTED after the bounded admission wait, a killed node is marked
+a full node answers RESOURCE_EXHAUSTED at arrival (no room within its budget), a killed node is marked
 dead by the router (with no prefill node left, the decode node prefills), and SIGTERM stops every
 child (TP worker processes included) with no orphans."""
 
@@ -44,7 +44,7 @@ def test_tp2_tokens_admission_node_death_and_no_orphans(ckpt, refs):
             with pytest.raises(PdserveError) as ei:
                 c.generate(prompt_token_ids=[4, 5], max_tokens=4)
             assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "no decode node had room" in ei.value.message
-            assert 0.4 < time.monotonic() - t0 < 10
+            assert time.monotonic() - t0 < 2 and ei.value.retry_after_s > 0.5  # at arrival: the slot frees in seconds
             s.close()
             # the slot comes back, and the next request is admitted
             r = c.generate(prompt_token_ids=[4, 5], max_tokens=3, temperature=0.0, ignore_eos=True)

@@ -1,0 +1,116 @@
+"""Admission under a burst (issue 30; not a test): `up` with 1 prefill + 1 decode node, a warm-up
+that measures the prefill node's rate, then N distinct prompts sent at once. Reports how many
+completed and how many were refused, how fast the refusals came (and their Retry-After), each
+admitted request's wait to start against the budget, the admitted count against what the
+prefill pool can start within the budget at its measured rate, and whether every completed
+request has the tokens the same prompt gets alone on the idle cluster afterwards.
+
+    python bench/admission_burst.py [--requests 96] [--prompt-len 3000] [--admission-timeout 10]"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _one(c, p, new_tokens):
+    """(token ids or PdserveError, seconds to the answer or refusal, seconds to the first token)."""
+    from client import PdserveError
+
+    t0 = time.monotonic()
+    try:
+        toks, first = [], None
+        for ch in c.stream(prompt_token_ids=p, max_tokens=new_tokens, temperature=0.0, ignore_eos=True):
+            first = first or time.monotonic() - t0
+            toks += ch.token_ids
+        return toks, time.monotonic() - t0, first
+    except PdserveError as e:
+        return e, time.monotonic() - t0, None
+
+
+def run(model, prompts, warm, new_tokens: int, budget: float) -> dict:
+    from client import Client
+    from router.launch import Cluster, PoolSpec
+
+    spec = PoolSpec(
+        model=str(model),
+        prefill=1,
+        decode=1,
+        port=0,
+        log_level="WARNING",
+        node_options={"dtype": "float32", "kv_cache_memory": "2GiB", "max_num_seqs": 128},
+        router_options={"admission_timeout_s": budget},
+    )
+    with Cluster(spec, out=sys.stderr) as cl:
+        cl.start()
+        with Client(cl.address, timeout=3600) as c:
+            c.wait_ready(timeout=120)
+            t0 = time.monotonic()
+            for p in warm:  # the router measures the prefill node's rate from these
+                c.generate(prompt_token_ids=p, max_tokens=2, temperature=0.0, ignore_eos=True)
+            rate = sum(map(len, warm)) / (time.monotonic() - t0)
+            with ThreadPoolExecutor(len(prompts)) as ex:
+                outs = list(ex.map(lambda p: _one(c, p, new_tokens), prompts))
+            done = [i for i, (r, _, _) in enumerate(outs) if isinstance(r, list)]
+            alone = {i: _one(c, prompts[i], new_tokens)[0] for i in done}  # the idle cluster's tokens
+    refused = [(r, s) for r, s, _ in outs if not isinstance(r, list)]
+    starts = [outs[i][2] for i in done]
+    return {
+        "budget": budget,
+        "done": len(done),
+        "exact": sum(outs[i][0] == alone[i] for i in done),
+        "refused": len(refused),
+        "codes": sorted({e.code.name for e, _ in refused}),
+        "refuse_max_s": max((s for _, s in refused), default=0.0),
+        "retry_after": [e.retry_after_s for e, _ in refused],
+        "start_max_s": max(starts, default=0.0),
+        "rate": rate,
+        # the pool's rate in the burst: the prompts it prefilled over the time to the last first token
+        "burst_rate": len(done) * len(prompts[0]) / max(starts, default=1.0),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="checkpoint (default: the built-in tiny model)")
+    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--prompt-len", type=int, default=3000)
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument(
+        "--admission-timeout", type=float, action="append", help="budget(s), seconds, in order (default: 0 then 10)"
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    import torch
+
+    from router.cli import default_model_dir
+
+    model = Path(args.model) if args.model else default_model_dir()
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(1, 1000, (args.requests + 2, args.prompt_len), generator=g).tolist()
+    print(f"{args.requests} distinct prompts of {args.prompt_len} tokens at once, 1P+1D; model {model}")
+    rate = None  # the pool's rate in a burst with no budget: what "can start within a budget" is measured by
+    for budget in args.admission_timeout or [0.0, 10.0]:
+        m = run(model, prompts[2:], prompts[:2], args.new_tokens, budget)
+        if not budget:
+            rate = m["burst_rate"]
+        m["can_start"] = budget * (rate or m["rate"]) / args.prompt_len if budget else args.requests
+        ra = [x for x in m["retry_after"] if x is not None]
+        print(
+            f"--admission-timeout {budget:g}: {m['done']} completed ({m['exact']} with the idle cluster's tokens), "
+            f"{m['refused']} refused {m['codes']} within {m['refuse_max_s'] * 1e3:.0f} ms of being sent"
+            + (f" (Retry-After {min(ra):.1f}-{max(ra):.1f} s)" if ra else "")
+            + f"; admitted ones started within {m['start_max_s']:.1f} s; rate {m['rate']:,.0f} tokens/s warm-up, "
+            f"{m['burst_rate']:,.0f} in the burst: {m['can_start']:.1f} prompts can start in the budget, {m['done'] / max(m['can_start'], 1e-9):.0%} admitted"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,102 @@
+"""When a request would start, as the router estimates it at arrival: each prefill node's
+measured rate (`RateMeter`, prompt tokens per second from its completed prefills, a moving
+estimate), the prompt tokens ahead of the request on the prefill pool, and the decode nodes'
+free room now (docs/router.md, "Leases and admission")."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from proto import pb
+from router.registry import NodeEntry, NodeRegistry
+
+ALPHA = 0.25  # weight of the newest completion in the moving estimate
+
+
+class RateMeter:
+    """Prompt tokens per second per prefill node: each completed prefill's tokens over the time
+    since that node's previous completion, or since it went busy when it was idle; tokens and
+    seconds are averaged apart (a batch of prompts finishing together averages out)."""
+
+    def __init__(self) -> None:
+        self._mark: dict[str, float] = {}
+        self._tok: dict[str, float] = {}
+        self._sec: dict[str, float] = {}
+
+    def busy(self, node: str, now: float | None = None) -> None:
+        """The node had nothing outstanding and is sent a prompt."""
+        self._mark[node] = time.monotonic() if now is None else now
+
+    def done(self, node: str, tokens: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        dt = max(now - self._mark.get(node, now), 1e-6)
+        self._mark[node] = now
+        if node not in self._tok:
+            self._tok[node], self._sec[node] = float(tokens), dt
+        else:
+            self._tok[node] += ALPHA * (tokens - self._tok[node])
+            self._sec[node] += ALPHA * (dt - self._sec[node])
+
+    def rate(self, node: str) -> float | None:
+        """Tokens per second, None before the node's first completed prefill."""
+        if node not in self._tok:
+            return None
+        return self._tok[node] / self._sec[node]
+
+
+def decode_room(nodes: list[NodeEntry], prompt_len: int) -> int:
+    """Requests of `prompt_len` tokens the decode nodes have room for now (slots and pages)."""
+    room = 0
+    for d in nodes:
+        room += max(0, min(d.est_free_slots(), d.est_free_blocks() // max(1, d.blocks_for(prompt_len + 1))))
+    return room
+
+
+def decode_wait(need: int, ends: list[float]) -> float:
+    """Seconds until `need` more requests find room on the decode nodes, from when each placed
+    request is expected to end (`ends`, seconds from now; 0 where not known yet): the need-th
+    soonest end, and a whole turn of the longest per further round. inf with nothing placed."""
+    if not ends:
+        return math.inf
+    ends = sorted(ends)
+    rounds, i = divmod(need - 1, len(ends))
+    return ends[i] + rounds * ends[-1]
+
+
+def estimate(
+    registry: NodeRegistry,
+    meter: RateMeter,
+    prompt_len: int,
+    tokens: int,
+    ahead_tokens: int,
+    ahead: int,
+    ends: list[float],
+) -> tuple[float, str]:
+    """(seconds until a request starts, what the figure is made of). tokens: what it brings to
+    the prefill pool (0: prefilled on the decode node); ahead_tokens / ahead: the pool tokens and
+    the requests queued before it; ends: when each request placed on a decode node is expected
+    to end. The later of the decode room and the prefill pool's turn; 0 where nothing is known
+    yet (no decode node, no prefill measured: admitted)."""
+    with registry.lock:
+        dec = registry.routable(pb.NODE_KIND_DECODE)
+        if not dec:
+            return 0.0, "no decode node"
+        room = decode_room(dec, prompt_len)
+        wait, what = 0.0, "decode room"
+        if room < ahead + 1:
+            wait = decode_wait(ahead + 1 - room, ends)
+            what = f"no decode node had room: {ahead} requests wait, room for {room}, {len(ends)} placed"
+        if not tokens:
+            return wait, what
+        pool = [p for p in registry.routable(pb.NODE_KIND_PREFILL) if p.info.prefill_ready]
+        rates = [r for p in pool if (r := meter.rate(p.node_id)) is not None]
+        if not rates:
+            return wait, what + "; no prefill measured yet"
+        # a node not measured yet counts at the mean rate of those that are
+        rate = sum(rates) / len(rates) * len(pool)
+        outstanding = sum(p.queued_prefill_tokens() for p in pool)
+    work = outstanding + ahead_tokens
+    pre = work / rate
+    pre_what = f"{work:,} prompt tokens ahead at {rate:,.0f} tokens/s"
+    return (wait, what) if wait > pre else (pre, pre_what)
