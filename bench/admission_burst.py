@@ -5,11 +5,13 @@ admitted request's wait to start against the budget, the admitted count against 
 prefill pool can start within the budget at its measured rate, and whether every completed
 request has the tokens the same prompt gets alone on the idle cluster afterwards.
 
-    python bench/admission_burst.py [--requests 96] [--prompt-len 3000] [--admission-timeout 10]"""
+    python bench/admission_burst.py [--requests 96] [--prompt-len 3000] [--admission-timeout 10]
+    python bench/admission_burst.py --priority [--requests 48]   # interactive TTFT under a batch flood"""
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,14 +20,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _one(c, p, new_tokens):
+def _one(c, p, new_tokens, **kw):
     """(token ids or PdserveError, seconds to the answer or refusal, seconds to the first token)."""
     from client import PdserveError
 
     t0 = time.monotonic()
     try:
         toks, first = [], None
-        for ch in c.stream(prompt_token_ids=p, max_tokens=new_tokens, temperature=0.0, ignore_eos=True):
+        for ch in c.stream(prompt_token_ids=p, max_tokens=new_tokens, temperature=0.0, ignore_eos=True, **kw):
             first = first or time.monotonic() - t0
             toks += ch.token_ids
         return toks, time.monotonic() - t0, first
@@ -33,11 +35,11 @@ def _one(c, p, new_tokens):
         return e, time.monotonic() - t0, None
 
 
-def run(model, prompts, warm, new_tokens: int, budget: float) -> dict:
-    from client import Client
-    from router.launch import Cluster, PoolSpec
+def _spec(model, budget: float):
+    """1 prefill + 1 decode node, room for the whole burst on the decode node."""
+    from router.launch import PoolSpec
 
-    spec = PoolSpec(
+    return PoolSpec(
         model=str(model),
         prefill=1,
         decode=1,
@@ -46,7 +48,13 @@ def run(model, prompts, warm, new_tokens: int, budget: float) -> dict:
         node_options={"dtype": "float32", "kv_cache_memory": "2GiB", "max_num_seqs": 128},
         router_options={"admission_timeout_s": budget},
     )
-    with Cluster(spec, out=sys.stderr) as cl:
+
+
+def run(model, prompts, warm, new_tokens: int, budget: float) -> dict:
+    from client import Client
+    from router.launch import Cluster
+
+    with Cluster(_spec(model, budget), out=sys.stderr) as cl:
         cl.start()
         with Client(cl.address, timeout=3600) as c:
             c.wait_ready(timeout=120)
@@ -75,6 +83,28 @@ def run(model, prompts, warm, new_tokens: int, budget: float) -> dict:
     }
 
 
+def run_priority(model, prompts, probes, warm, new_tokens: int) -> tuple[list[float], list[float]]:
+    """Interactive TTFTs (one probe at a time) on the idle cluster, then under a batch-class flood
+    of `prompts` (no budget: all wait their turn)."""
+    from client import Client
+    from router.launch import Cluster
+
+    with Cluster(_spec(model, 0.0), out=sys.stderr) as cl:
+        cl.start()
+        with Client(cl.address, timeout=3600) as c:
+            c.wait_ready(timeout=120)
+            for p in warm:
+                c.generate(prompt_token_ids=p, max_tokens=2, temperature=0.0, ignore_eos=True)
+            half = len(probes) // 2
+            idle = [_one(c, p, new_tokens)[2] for p in probes[:half]]
+            with ThreadPoolExecutor(len(prompts)) as ex:
+                flood = [ex.submit(_one, c, p, new_tokens, priority="batch") for p in prompts]
+                time.sleep(2.0)
+                loaded = [_one(c, p, new_tokens)[2] for p in probes[half:]]
+                [f.result() for f in flood]
+    return idle, loaded
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="checkpoint (default: the built-in tiny model)")
@@ -85,6 +115,8 @@ def main() -> int:
         "--admission-timeout", type=float, action="append", help="budget(s), seconds, in order (default: 0 then 10)"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--priority", action="store_true", help="interactive TTFT, idle vs under a batch flood")
+    ap.add_argument("--probe-len", type=int, default=500, help="--priority: interactive prompt tokens")
     args = ap.parse_args()
 
     import torch
@@ -95,6 +127,16 @@ def main() -> int:
     g = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(1, 1000, (args.requests + 2, args.prompt_len), generator=g).tolist()
     print(f"{args.requests} distinct prompts of {args.prompt_len} tokens at once, 1P+1D; model {model}")
+    if args.priority:
+        probes = torch.randint(1, 1000, (16, args.probe_len), generator=g).tolist()
+        idle, loaded = run_priority(model, prompts[2:], probes, prompts[:2], args.new_tokens)
+        p50 = statistics.median
+        print(
+            f"interactive {args.probe_len}-token prompts, one at a time: TTFT p50 {p50(idle) * 1e3:.0f} ms idle, "
+            f"{p50(loaded) * 1e3:.0f} ms under the batch flood ({p50(loaded) / p50(idle):.2f}x); "
+            f"max {max(idle) * 1e3:.0f} / {max(loaded) * 1e3:.0f} ms"
+        )
+        return 0
     rate = None  # the pool's rate in a burst with no budget: what "can start within a budget" is measured by
     for budget in args.admission_timeout or [0.0, 10.0]:
         m = run(model, prompts[2:], prompts[:2], args.new_tokens, budget)
