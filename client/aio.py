@@ -25,6 +25,7 @@ class AsyncTokenStream(StreamBase):
             try:
                 async for m in self._call:
                     yielded = True
+                    self.got += m.token_ids
                     yield chunk_from(m)
                 return
             except grpc.RpcError as e:

@@ -1,9 +1,9 @@
 """The routers a client talks to, shared by Client and AsyncClient.
 
 Several routers can front the same pools ("a:1,b:2" or a list). Calls go to the current one; a
-call that fails UNAVAILABLE before its first token never produced anything (router down, or
-draining), so it is made again on the next router, each router once, and that router becomes
-the current one.
+call that fails UNAVAILABLE is made again on the next router, each router once, and that router
+becomes the current one: before its first token as it was, after it with the tokens received as
+`resume_token_ids`, so the stream goes on from the next token.
 """
 
 from __future__ import annotations
@@ -58,8 +58,18 @@ class Routers:
         self.cur = i % len(self.addrs)
 
     def generate(self, req: pb.GenerateRequest, timeout: float | None):
-        """`start(i)` for a stream: the Generate call on router i."""
-        return lambda i: self.stubs[i % len(self.stubs)].Generate(req, timeout=timeout, metadata=self.md)
+        """`start(i, got)` for a stream: the Generate call on router i, resuming after the tokens
+        `got` when there are any."""
+
+        def start(i: int, got: list[int]):
+            r = req
+            if got:
+                r = pb.GenerateRequest()
+                r.CopyFrom(req)
+                r.resume_token_ids.extend(got)
+            return self.stubs[i % len(self.stubs)].Generate(r, timeout=timeout, metadata=self.md)
+
+        return start
 
     def not_ready(self, timeout: float) -> TimeoutError:
         why = ", ".join(f"{a}: {self.why.get(a, 'not reachable')}" for a in self.addrs)
@@ -67,13 +77,14 @@ class Routers:
 
 
 class StreamBase:
-    """A Generate call that fails over to the next router before its first token."""
+    """A Generate call that fails over to the next router, resuming after the tokens it has."""
 
     def __init__(self, start, routers: Routers):
         self._start, self._routers = start, routers
         self._i = routers.cur
         self._left = len(routers.addrs) - 1
-        self._call = start(self._i)
+        self.got: list[int] = []  # the tokens received (the iterators add them)
+        self._call = start(self._i, self.got)
         self.closed = False
 
     def _on_error(self, e: grpc.RpcError, yielded: bool) -> bool:
@@ -81,10 +92,10 @@ class StreamBase:
         when closing the stream ended it; raises PdserveError otherwise."""
         if self.closed and e.code() == grpc.StatusCode.CANCELLED:
             return False
-        if self._left > 0 and not self.closed and not yielded and e.code() == grpc.StatusCode.UNAVAILABLE:
+        if self._left > 0 and not self.closed and e.code() == grpc.StatusCode.UNAVAILABLE:
             self._left -= 1
             self._i += 1
-            self._call = self._start(self._i)
+            self._call = self._start(self._i, self.got)
             self._routers.use(self._i)
             return True
         raise PdserveError.from_rpc(e) from None

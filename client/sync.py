@@ -21,6 +21,7 @@ class TokenStream(StreamBase):
             try:
                 for m in self._call:
                     yielded = True
+                    self.got += m.token_ids
                     yield chunk_from(m)
                 return
             except grpc.RpcError as e:

@@ -109,12 +109,15 @@ class RequestRun:
 
     def __init__(self, svc, request: pb.GenerateRequest, ids: list[int], trace: Trace):
         self.svc, self.request, self.ids, self.tr = svc, request, ids, trace
-        self.detok = IncrementalDetokenizer(svc.tokenizer, ids) if svc.tokenizer is not None else None
+        # a resumed stream (GenerateRequest.resume_token_ids, the SDK on its next router) goes on
+        # from the tokens the client has: they are its output so far
+        resume = list(request.resume_token_ids)
+        self.detok = IncrementalDetokenizer(svc.tokenizer, ids + resume) if svc.tokenizer is not None else None
         self.tried: set[str] = set()
         self.max_new = 0  # new tokens at most, once placed
         sp = request.sampling
         self.local = sp.HasField("logprobs") or sp.HasField("prompt_logprobs")  # P returns no logprobs
-        self.sent: list[int] = []  # the tokens relayed so far: a moved request's output
+        self.sent: list[int] = resume  # the tokens relayed so far: a moved request's output
         self.migration = Migration(svc.cfg.max_migrations, svc.migrations)
         self.push: Push | None = None  # the prefill node's push, kept for its figures after a move
 

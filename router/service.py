@@ -170,7 +170,8 @@ class GenerateService:
             self.check_ask(request)
             run = RequestRun(self, request, ids, tr)
             sp = request.sampling
-            stream = with_stops(run.chunks(), list(sp.stop), sp.min_tokens, lambda: setattr(tr, "finish", "stop"))
+            min_tokens = max(0, sp.min_tokens - len(run.sent))  # a resumed stream's tokens count
+            stream = with_stops(run.chunks(), list(sp.stop), min_tokens, lambda: setattr(tr, "finish", "stop"))
             async with aclosing(stream) as chunks:
                 async for c in chunks:
                     yield c
@@ -265,6 +266,9 @@ class GenerateService:
         out = [t for t in ids if not 0 <= t < vocab]
         if out:
             raise Abort(bad, f"prompt token id(s) {out[:5]} out of range [0, {vocab})")
+        out = [t for t in request.resume_token_ids if not 0 <= t < vocab]
+        if out:
+            raise Abort(bad, f"resume token id(s) {out[:5]} out of range [0, {vocab})")
         out = [t for t in request.sampling.logit_bias if t >= vocab]
         if out:
             raise Abort(bad, f"logit_bias token id(s) {sorted(out)[:5]} out of range [0, {vocab})")

@@ -284,3 +284,21 @@ def check_decode_prefix_reuse(model: str, address: str, new: int = NEW, block_si
     fresh = -(-len(turn2) // block_size) - (len(turn1) + new - 1) // block_size
     assert r2.transfer_bytes == fresh * page + state, f"{fresh} new pages of {page} B and {state} B of GDN state"
     return turn1, turn2
+
+
+def two_routers(model: str, procs: list[Proc]) -> tuple[Proc, Proc]:
+    """Two routers, and a prefill and a decode node registered with both (`--router A,B`); every
+    process is appended to `procs` (the caller stops them)."""
+    ra, rb = (Proc("router", "--port", "0", "--model", model, ready=r"router listening on (\S+)") for _ in "ab")
+    procs += [ra, rb]
+    both = f"{ra.address},{rb.address}"
+    for kind in ("prefill", "decode"):
+        ready = rf"{kind} node \S+ listening on (\S+)"
+        procs.append(Proc(kind, "--model", model, *flags(dtype="float32", router=both), ready=ready))
+    for r in (ra, rb):
+        wait_for(
+            lambda r=r: {n.node.node_id for n in nodes(r.address) if n.alive} == {"prefill-0", "decode-0"},
+            60,
+            f"both nodes registered with {r.address}",
+        )
+    return ra, rb

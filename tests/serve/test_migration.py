@@ -197,3 +197,34 @@ def test_drain_hands_long_streams_off(ckpt):
     finally:
         rc = u.stop()
     assert rc == 0, u.output()
+
+
+def test_sdk_resumes_on_the_next_router(ckpt):
+    """Two routers over the same pools; the one a stream goes through is SIGKILLed mid-stream: the
+    SDK resumes on the other with the tokens it has (resume_token_ids), and the stream completes
+    with transformers' tokens, no duplicate and no gap; the decode node's memory comes back."""
+    from client import Client
+    from tests.helpers.serve_harness import Proc, two_routers
+
+    p = hc.prompts(lens=(50,), seed=31)[0]
+    procs: list[Proc] = []
+    try:
+        ra, rb = two_routers(ckpt, procs)
+        d = node_info(rb.address, "decode-0")
+        initial = decode_stats(d.address).capacity
+        with Client([ra.address, rb.address], timeout=120) as c:
+            c.wait_ready(60)
+            toks: list[int] = []
+            with c.stream(prompt_token_ids=p, max_tokens=LONG, temperature=0.0, ignore_eos=True) as s:
+                for ch in s:
+                    toks += ch.token_ids
+                    if len(toks) >= 8 and ra.proc.poll() is None:
+                        ra.proc.send_signal(signal.SIGKILL)
+            assert c.addr == rb.address
+        assert len(toks) == LONG and hc.hf_greedy_violations(ckpt, p, toks) == []
+        resumed = int(rb.find(r"prompt 50, .* (\d+) tokens, length"))  # what the second router streamed
+        assert 0 < resumed <= LONG - 8, resumed
+        wait_for(lambda: decode_stats(d.address).capacity == initial, 30, "the decode node's memory back")
+    finally:
+        for pr in reversed(procs):
+            pr.stop()

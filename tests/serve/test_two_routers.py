@@ -8,7 +8,7 @@ import asyncio
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.helpers.serve_harness import NEW, Proc, flags, nodes, wait_for
+from tests.helpers.serve_harness import NEW, Proc, two_routers
 
 
 def test_two_routers_share_the_pools(ckpt, refs):
@@ -17,18 +17,7 @@ def test_two_routers_share_the_pools(ckpt, refs):
     ps, want = refs
     procs: list[Proc] = []
     try:
-        ra, rb = (Proc("router", "--port", "0", "--model", ckpt, ready=r"router listening on (\S+)") for _ in "ab")
-        procs += [ra, rb]
-        both = f"{ra.address},{rb.address}"
-        for kind in ("prefill", "decode"):
-            ready = rf"{kind} node \S+ listening on (\S+)"
-            procs.append(Proc(kind, "--model", ckpt, *flags(dtype="float32", router=both), ready=ready))
-        for r in (ra, rb):
-            wait_for(
-                lambda r=r: {n.node.node_id for n in nodes(r.address) if n.alive} == {"prefill-0", "decode-0"},
-                60,
-                f"both nodes registered with {r.address}",
-            )
+        ra, rb = two_routers(ckpt, procs)
         with Client(ra.address, timeout=120) as a, Client(rb.address, timeout=120) as b:
             a.wait_ready(60)
             b.wait_ready(60)
