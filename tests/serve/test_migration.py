@@ -133,34 +133,58 @@ def _engine_constraint(schema):
     return Constraint("json_schema", json.dumps(schema))
 
 
+def _under_fault(u: Up, ps, n: int, fault) -> tuple[list[list[int]], str]:
+    """Greedy streams of n tokens after each prompt; once each has its first chunk, fault(victim)
+    on the decode node holding most of them. Returns every stream's tokens and the victim."""
+    from client import Client
+
+    with Client(u.address, timeout=120) as c:
+        c.wait_ready(timeout=60)
+        its = [iter(c.stream(prompt_token_ids=p, max_tokens=n, temperature=0.0, ignore_eos=True)) for p in ps]
+        got = [next(it) for it in its]
+        nodes_of = [g.decode_node for g in got]
+        victim = max(set(nodes_of), key=nodes_of.count)
+        fault(victim)
+        toks = [list(g.token_ids) for g in got]
+        for i, it in enumerate(its):
+            for ch in it:
+                toks[i] += ch.token_ids
+    return toks, victim
+
+
 def test_a_hung_decode_node_is_declared_dead_and_its_streams_move(ckpt):
     """SIGSTOP, not SIGKILL: the streams stall with no error until the heartbeats declare the node
     dead; then they move and complete with transformers' tokens."""
-    from client import Client
-
     ps = hc.prompts(lens=(30, 60, 45, 75), seed=23)
     u = Up("--model", ckpt, "--dtype", "float32", "--decode", "2", "--prefill", "1")
-    victim_pid = None
+    stopped: list[int] = []
+
+    def hang(victim: str) -> None:
+        stopped.append(node_pid(u, victim))
+        os.kill(stopped[0], signal.SIGSTOP)
+
     try:
-        with Client(u.address, timeout=60) as c:
-            c.wait_ready(timeout=60)
-            streams = [c.stream(prompt_token_ids=p, max_tokens=LONG, temperature=0.0, ignore_eos=True) for p in ps]
-            its = [iter(s) for s in streams]
-            got = [next(it) for it in its]
-            nodes_of = [g.decode_node for g in got]
-            victim = max(set(nodes_of), key=nodes_of.count)
-            victim_pid = node_pid(u, victim)
-            os.kill(victim_pid, signal.SIGSTOP)
-            toks = [list(g.token_ids) for g in got]
-            for i, it in enumerate(its):
-                for ch in it:
-                    toks[i] += ch.token_ids
+        toks, _ = _under_fault(u, ps, LONG, hang)
         for p, t in zip(ps, toks):
             assert len(t) == LONG and hc.hf_greedy_violations(ckpt, p, t) == []
         assert "(node_dead@" in u.output()
     finally:
-        if victim_pid is not None:
-            os.kill(victim_pid, signal.SIGKILL)
+        for pid in stopped:
+            os.kill(pid, signal.SIGKILL)
+        u.stop()
+
+
+def test_a_tp2_decode_node_killed_mid_stream(ckpt):
+    """Decode nodes at TP 2 (a node and its worker process): one SIGKILLed, its streams move to
+    the other and complete with transformers' tokens."""
+    ps = hc.prompts(lens=(30, 60, 45, 75), seed=37)
+    u = Up("--model", ckpt, "--dtype", "float32", "--decode", "2", "--decode-tp", "2", "--prefill", "1")
+    try:
+        toks, victim = _under_fault(u, ps, LONG, lambda v: os.kill(node_pid(u, v), signal.SIGKILL))
+        for p, t in zip(ps, toks):
+            assert len(t) == LONG and hc.hf_greedy_violations(ckpt, p, t) == []
+        assert f"moved from {victim}(unavailable@" in u.output()
+    finally:
         u.stop()
 
 
@@ -169,28 +193,21 @@ def test_drain_hands_long_streams_off(ckpt):
     its longest stream would end); its streams move and complete with transformers' tokens."""
     import time
 
-    from client import Client
-
     n = 400
     ps = hc.prompts(lens=(30, 60, 45, 75), seed=29)
     u = Up("--model", ckpt, "--dtype", "float32", "--decode", "2", "--prefill", "1", "--drain-handoff", "0.5",
            "--drain-timeout", "120")  # fmt: skip
+    exited: list[float] = []
+
+    def term(victim: str) -> None:
+        os.kill(node_pid(u, victim), signal.SIGTERM)
+        t0 = time.monotonic()
+        wait_for(lambda: f"{victim} exited with status 0" in u.output(), 30, f"{victim} to exit")
+        exited.append(time.monotonic() - t0)
+
     try:
-        with Client(u.address, timeout=120) as c:
-            c.wait_ready(timeout=60)
-            its = [iter(c.stream(prompt_token_ids=p, max_tokens=n, temperature=0.0, ignore_eos=True)) for p in ps]
-            got = [next(it) for it in its]
-            nodes_of = [g.decode_node for g in got]
-            victim = max(set(nodes_of), key=nodes_of.count)
-            os.kill(node_pid(u, victim), signal.SIGTERM)
-            t0 = time.monotonic()
-            wait_for(lambda: f"{victim} exited with status 0" in u.output(), 30, f"{victim} to exit")
-            exited = time.monotonic() - t0
-            toks = [list(g.token_ids) for g in got]
-            for i, it in enumerate(its):
-                for ch in it:
-                    toks[i] += ch.token_ids
-        assert exited < 10, exited
+        toks, _ = _under_fault(u, ps, n, term)
+        assert exited[0] < 10, exited
         for p, t in zip(ps, toks):
             assert len(t) == n and hc.hf_greedy_violations(ckpt, p, t) == []
         assert "(draining@" in u.output()
