@@ -17,6 +17,7 @@ from tests.helpers import hybrid_ckpt as hc
 from tests.helpers.serve_harness import Up, decode_stats, log_url, node_info, node_pid, scrape, wait_for
 
 LONG = 160  # tokens per stream: long enough to be under way when the node dies
+FAULTED = 400  # tokens per stream in the tests that fault a node after every stream's first chunk
 SCHEMA = {
     "type": "array",
     "items": {"type": "integer", "minimum": 0, "maximum": 9},
@@ -164,9 +165,9 @@ def test_a_hung_decode_node_is_declared_dead_and_its_streams_move(ckpt):
         os.kill(stopped[0], signal.SIGSTOP)
 
     try:
-        toks, _ = _under_fault(u, ps, LONG, hang)
+        toks, _ = _under_fault(u, ps, FAULTED, hang)
         for p, t in zip(ps, toks):
-            assert len(t) == LONG and hc.hf_greedy_violations(ckpt, p, t) == []
+            assert len(t) == FAULTED and hc.hf_greedy_violations(ckpt, p, t) == []
         assert "(node_dead@" in u.output()
     finally:
         for pid in stopped:
@@ -180,9 +181,9 @@ def test_a_tp2_decode_node_killed_mid_stream(ckpt):
     ps = hc.prompts(lens=(30, 60, 45, 75), seed=37)
     u = Up("--model", ckpt, "--dtype", "float32", "--decode", "2", "--decode-tp", "2", "--prefill", "1")
     try:
-        toks, victim = _under_fault(u, ps, LONG, lambda v: os.kill(node_pid(u, v), signal.SIGKILL))
+        toks, victim = _under_fault(u, ps, FAULTED, lambda v: os.kill(node_pid(u, v), signal.SIGKILL))
         for p, t in zip(ps, toks):
-            assert len(t) == LONG and hc.hf_greedy_violations(ckpt, p, t) == []
+            assert len(t) == FAULTED and hc.hf_greedy_violations(ckpt, p, t) == []
         assert f"moved from {victim}(unavailable@" in u.output()
     finally:
         u.stop()
@@ -245,3 +246,43 @@ def test_sdk_resumes_on_the_next_router(ckpt):
     finally:
         for pr in reversed(procs):
             pr.stop()
+
+
+def test_openai_n2_stream_moves_and_counts_usage_once(ckpt):
+    """OpenAI completions, n = 2, streamed with usage: the decode node holding a choice is SIGKILLed
+    mid-stream; both choices complete with transformers' text and usage counts every token once."""
+    import openai
+
+    from engine.tokenizer import Tokenizer
+
+    p, n = hc.prompts(lens=(45,), seed=41)[0], 600
+    want = Tokenizer(ckpt).decode(hc.hf_greedy(ckpt, p, n))
+    u = Up("--model", ckpt, "--dtype", "float32", "--decode", "2", "--prefill", "1", "--http-port", "0")
+    try:
+        url = log_url(u, r"OpenAI-compatible HTTP on (http://\S+/v1)")
+        with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120) as oc:
+            model = oc.models.list().data[0].id
+            texts, usage, killed = ["", ""], None, False
+            stream = oc.completions.create(
+                model=model, prompt=p, max_tokens=n, temperature=0.0, n=2, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            for ev in stream:
+                for ch in ev.choices:
+                    texts[ch.index] += ch.text
+                usage = ev.usage or usage
+                if not killed and all(texts):
+                    busy = {d.node.node_id: decode_stats(d.node.address).capacity.running for d in _nodes(u.address)}
+                    os.kill(node_pid(u, max(busy, key=lambda k: busy[k])), signal.SIGKILL)
+                    killed = True
+        assert killed and texts == [want, want]
+        assert usage is not None and usage.completion_tokens == 2 * n and usage.prompt_tokens == len(p)
+        assert "moved from decode-" in u.output()
+    finally:
+        u.stop()
+
+
+def _nodes(address: str):
+    from tests.helpers.serve_harness import nodes
+
+    return [n for n in nodes(address) if n.node.node_id.startswith("decode-")]
