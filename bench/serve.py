@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import time
@@ -16,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the nodes run, before torch loads
 
 
 def pct(xs, q):
@@ -151,6 +153,28 @@ def overload_main(args, model, prompts) -> int:
     return 0
 
 
+def run_offline(model, prompts, new_tokens, conc) -> tuple[dict, list[list[int]]]:
+    """The engine the nodes run, in this process, at the same concurrency: what serving could reach
+    (issue: served colocated throughput >= 0.8x this). No per-request TTFT or TPOT."""
+    from engine import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    with LLM(str(model), max_num_seqs=conc) as llm:
+        llm.generate(prompt_token_ids=[p[:8] for p in prompts[:2]], sampling_params=SamplingParams(max_tokens=2))
+        t0 = time.perf_counter()
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+        wall = time.perf_counter() - t0
+    m = {
+        "ttft": [],
+        "tpot": [],
+        "tput": len(prompts) * new_tokens / wall,
+        "wall": wall,
+        "xfer_ms": 0.0,
+        "xfer_kib": 0.0,
+    }
+    return m, [o.output_token_ids for o in outs]
+
+
 def run_transformers(model, prompts, new_tokens, conc) -> tuple[dict, list[list[int]]]:
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList, Qwen3_5ForCausalLM
@@ -216,6 +240,7 @@ def main() -> int:
     for name, fn in [
         ("disaggregated 1P+1D", lambda: run_cluster(model, prompts, args.new_tokens, args.concurrency, prefill=1)),
         ("colocated 1D", lambda: run_cluster(model, prompts, args.new_tokens, args.concurrency, prefill=0)),
+        ("offline engine", lambda: run_offline(model, prompts, args.new_tokens, args.concurrency)),
         ("transformers generate", lambda: run_transformers(model, prompts, args.new_tokens, args.concurrency)),
     ]:
         print(f"running {name} ...", file=sys.stderr, flush=True)
@@ -232,12 +257,19 @@ def main() -> int:
     print(hdr)
     print("-" * len(hdr))
     for n, m in rows.items():
+        lat = (
+            f"{pct(m['ttft'], 50) * 1e3:>8.1f}ms{pct(m['ttft'], 99) * 1e3:>8.1f}ms"
+            f"{pct(m['tpot'], 50) * 1e3:>8.1f}ms{pct(m['tpot'], 99) * 1e3:>8.1f}ms"
+            if m["ttft"]
+            else f"{'-':>10}" * 4
+        )
         print(
-            f"{n:<24}{pct(m['ttft'], 50) * 1e3:>8.1f}ms{pct(m['ttft'], 99) * 1e3:>8.1f}ms"
-            f"{pct(m['tpot'], 50) * 1e3:>8.1f}ms{pct(m['tpot'], 99) * 1e3:>8.1f}ms{m['tput']:>9.1f}"
+            f"{n:<24}{lat}{m['tput']:>9.1f}"
             f"{m['wall']:>8.2f}{m['xfer_ms']:>9.2f}{m['xfer_kib']:>10.0f}{same[n]:>4}/{args.requests}"
         )
     a, b, c = rows["disaggregated 1P+1D"], rows["colocated 1D"], rows["transformers generate"]
+    off = rows["offline engine"]["tput"]
+    print(f"\nserved / offline engine throughput: colocated {b['tput'] / off:.2f}, disaggregated {a['tput'] / off:.2f}")
     print(
         f"\nthroughput: disaggregated / colocated = {a['tput'] / b['tput']:.2f}, "
         f"disaggregated / transformers = {a['tput'] / c['tput']:.2f}, colocated / transformers = "
