@@ -41,7 +41,10 @@ def test_prefill_node_killed_with_requests_in_flight(ckpt):
     from tests.helpers import hybrid_ckpt as hc
 
     ps = hc.prompts(lens=(1500, 1400), seed=11)
-    up = Up("--model", ckpt, "--dtype", "float32", "--prefill", "2", "--decode", "1", "--max-num-seqs", "32")
+    # Without the prefix cache every request computes its whole prompt: with it, the repeated
+    # prompts hit the cache and prefill-0 could finish its queue before the kill lands.
+    args = ["--model", ckpt, "--dtype", "float32", "--prefill", "2", "--decode", "1", "--max-num-seqs", "32"]
+    up = Up(*args, "--no-prefix-caching")
     try:
         d = node_info(up.address, "decode-0")
         initial = decode_stats(d.address).capacity
