@@ -51,27 +51,13 @@ def usable(q: torch.Tensor, points) -> bool:
 
 
 def gdn_chunk_prefill_fla(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    state_pool: torch.Tensor,
-    slot_ids: torch.Tensor,
-    has_initial_state: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """kernels.gdn.gdn_chunk_prefill's contract (o [T, Hv, dv] in v's dtype; final states into
-    state_pool[slot_ids]) through fla. q, k [T, Hk, dk] are expanded to Hv heads."""
+    q, k, v, g, beta, cu_seqlens, init: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's chunked rule over packed rows: q, k already expanded to v's Hv heads, init [B, Hv,
+    dk, dv] float32 -> (o [T, Hv, dv] in v's dtype, final states [B, Hv, dk, dv] float32).
+    kernels.gdn.gdn_chunk_prefill reads and writes the pool around it."""
     fn = _fla_chunk()
     assert fn is not None
-    hv, hk = v.shape[1], q.shape[1]
-    if hk != hv:
-        q, k = q.repeat_interleave(hv // hk, 1), k.repeat_interleave(hv // hk, 1)
-    init = state_pool.index_select(0, slot_ids).float()
-    if has_initial_state is not None:  # where(), not a multiply: a never-written slot may hold NaN
-        init = torch.where(has_initial_state[:, None, None, None], init, torch.zeros((), device=init.device))
     dt = torch.promote_types(q.dtype, v.dtype)  # fla wants one dtype: the engine's q, k are float32
     o, final = fn(
         q.to(dt)[None],
@@ -79,10 +65,9 @@ def gdn_chunk_prefill_fla(
         v.to(dt)[None],
         g.float()[None],
         beta.to(dt)[None],
-        scale=q.shape[-1] ** -0.5 if scale is None else scale,
+        scale=scale,
         initial_state=init,
         output_final_state=True,
         cu_seqlens=cu_seqlens.long(),
     )
-    state_pool.index_copy_(0, slot_ids, final.to(state_pool.dtype))
-    return o[0].to(v.dtype)
+    return o[0].to(v.dtype), final

@@ -105,9 +105,13 @@ def gdn_chunk_prefill(
     """
     if q.is_cuda and fla_gdn.usable(q, points):
         check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, max_len)
-        return fla_gdn.gdn_chunk_prefill_fla(
-            q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, has_initial_state, scale
-        )
+        hv = v.shape[1]
+        init = _initial_states(state_pool, slot_ids, has_initial_state)
+        sc = q.shape[-1] ** -0.5 if scale is None else scale
+        qe, ke = expand_heads(q, hv), expand_heads(k, hv)
+        o, final = fla_gdn.gdn_chunk_prefill_fla(qe, ke, v, g, beta, cu_seqlens, init, sc)
+        state_pool.index_copy_(0, slot_ids, final.to(state_pool.dtype))
+        return o
     if q.is_cuda or _force_triton():
         from kernels.triton.gdn_chunk import gdn_chunk_prefill_triton
 
