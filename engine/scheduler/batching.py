@@ -106,7 +106,7 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - p, budget)
             shared = hit.pages if hit else []
-            need = self.blocks.blocks_for(p + n) - len(shared)
+            need = self.blocks.blocks_for(self._admit_upto(req, p + n)) - len(shared)
             taken = sum(self.blocks.is_free(b) for b in shared)  # cached pages nobody used: now in use
             if not self.blocks.can_allocate(need + taken) or self.slots.num_free == 0:
                 break
@@ -129,6 +129,15 @@ class Scheduler:
         rows.sort(key=lambda r: (not r.is_decode, (r.request.slot or 0) if r.is_decode else 0))
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(rows, preempted, finished, restores, saves, points)
+
+    def _admit_upto(self, req: Request, end: int) -> int:
+        """The tokens a request takes pages for as it starts: its first chunk's, or a prefill-only
+        request's whole prompt (it holds them all for its transfer anyway, and a transfer that
+        streams each chunk's pages names every page when it opens), unless the prompt needs more
+        pages than the cache has (it then stops for lack of pages, as any request)."""
+        if req.prefill_only and self.blocks.blocks_for(req.num_tokens) <= self.blocks.num_blocks:
+            return req.num_tokens
+        return end
 
     def _lookahead(self, req: Request, n: int, num_drafts: int, depth: int) -> None:
         """With MTP, a row that samples also takes pages, while free ones remain, for the positions
