@@ -1,18 +1,19 @@
 """Decoding one encoded image on the router (in a worker thread, never on the event loop): its
 size is read from the header and checked against the pixel limit before any pixel is decoded,
 then the first frame is decoded and converted to RGB, and its identity is hashed from the
-result (`pixel_hash`). Only the formats in FORMATS are opened: others (SVG, PDF, EPS, ...) are
+result (engine/vision/inputs.py's `hash_pixels`, the one definition the nodes share). Only the formats in FORMATS are opened: others (SVG, PDF, EPS, ...) are
 refused before a decoder for them runs."""
 
 from __future__ import annotations
 
-import hashlib
 import io
 import struct
 import warnings
 from dataclasses import dataclass
 
 from PIL import Image
+
+from engine.vision.inputs import hash_pixels
 
 # What clients send (the JPEG decoder also opens cameras' MPO files); the processor sees the
 # first frame as RGB whatever the format.
@@ -32,14 +33,6 @@ class Decoded:
     width: int
     height: int
     pixel_hash: bytes  # SHA-256 of (width, height, RGB bytes)
-
-
-def pixel_hash(width: int, height: int, rgb: bytes) -> bytes:
-    """The image's identity: SHA-256 of its width and height (two little-endian uint32) and its RGB
-    bytes, row-major. Two encodings of the same pixels (PNG, lossless WebP) hash the same."""
-    h = hashlib.sha256(struct.pack("<II", width, height))
-    h.update(rgb)
-    return h.digest()
 
 
 def decode(data: bytes, max_pixels: int) -> Decoded:
@@ -65,7 +58,7 @@ def decode(data: bytes, max_pixels: int) -> Decoded:
             raise ImageRefused("format", f"not an image in a format this server reads ({', '.join(FORMATS)})") from None
         except (OSError, ValueError, SyntaxError, EOFError, struct.error) as e:  # what PIL's decoders raise
             raise ImageRefused("corrupt", f"the image is corrupt or truncated ({e})") from None
-    return Decoded(width, height, pixel_hash(width, height, rgb.tobytes()))
+    return Decoded(width, height, hash_pixels(rgb))
 
 
 def _too_large(width: int, height: int, limit: int) -> ImageRefused:
