@@ -95,7 +95,11 @@ class RouterConfig(ImageArgs, SecurityArgs):
     # The front door (router/http_limits.py): checked before a body is parsed or a prompt tokenized.
     # 16 MiB holds a full 262,144-token context as token ids several times over, or a text prompt
     # of max_prompt_chars; a 20 MB body is refused from its Content-Length, unread.
-    max_body_bytes: int = option(16 << 20, "largest HTTP request body, in bytes; a larger one is refused (400)")
+    max_body_bytes: int = option(
+        16 << 20,
+        "largest HTTP request body or gRPC message, in bytes, and most image bytes one request may carry; larger: "
+        "refused (400 / INVALID_ARGUMENT; gRPC: RESOURCE_EXHAUSTED)",
+    )
     max_prompt_chars: int = option(
         4 << 20,
         "longest text prompt (or chat messages), in characters, refused (400) before it is tokenized; prompts are "

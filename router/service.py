@@ -100,7 +100,7 @@ class GenerateService:
         vision = None
         if self.tokenizer is not None and cfg.model:
             vision = VisionSpec.load(cfg.model, self.tokenizer.token_to_id(IMAGE_PAD))
-        self.images = Images(cfg, vision, reg, cfg.tokenizer_workers or default_workers())
+        self.images = Images(cfg, vision, reg, cfg.tokenizer_workers or default_workers(), cfg.max_body_bytes)
         self.admission = Admission(cfg.max_queued_requests, self._left_queue)
         self.generate_limit = (cfg.max_queued_requests or 4096) + STREAMING
 
