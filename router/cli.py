@@ -64,8 +64,9 @@ def cmd_make_tiny_model(args) -> int:
     out = make_tiny_model(args.dir, spec)
     moe = f", {spec.experts} experts top-{spec.top_k}" if spec.arch != "qwen3_5" else ""
     fp8 = f", fp8 blocks {spec.fp8_block}" if spec.fp8 else ""
+    vl = f", vision tower depth {spec.vision_depth} + image processor" if spec.vision else ""
     print(
-        f"wrote {out} ({spec.arch}, {spec.layers} layers, hidden {spec.hidden}{moe}{fp8}, vocab {spec.vocab}, "
+        f"wrote {out} ({spec.arch}, {spec.layers} layers, hidden {spec.hidden}{moe}{fp8}{vl}, vocab {spec.vocab}, "
         f"seed {spec.seed})"
     )
     return 0

@@ -1,7 +1,8 @@
 """RouterConfig: what one router runs with (admission, policy, timeouts, ports).
 
 Every field is an option of `pdserve router` (engine/options.py); `pdserve up` gives the router
-all of them but the node lists and the host, which it sets itself."""
+all of them but the node lists and the host, which it sets itself. The image limits are ImageArgs
+(router/images/config.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Literal
 
 from engine.options import option
 from router.admission import CLASS_NAMES
+from router.images.config import ImageArgs
 from router.policy import PolicyName, make_policy
 from serving.config import SecurityArgs
 
@@ -21,7 +23,7 @@ ADMISSION_HELP = (
 
 
 @dataclass(frozen=True)
-class RouterConfig(SecurityArgs):
+class RouterConfig(ImageArgs, SecurityArgs):
     model: str | None = option(None, "checkpoint directory: its tokenizer serves text prompts")
     static_decode: tuple[str, ...] = option(
         (), "a static decode node, polled with Stats (repeatable)", flag="--decode", metavar="ADDR"
@@ -104,7 +106,11 @@ class RouterConfig(SecurityArgs):
     # The front door (router/http_limits.py): checked before a body is parsed or a prompt tokenized.
     # 16 MiB holds a full 262,144-token context as token ids several times over, or a text prompt
     # of max_prompt_chars; a 20 MB body is refused from its Content-Length, unread.
-    max_body_bytes: int = option(16 << 20, "largest HTTP request body, in bytes; a larger one is refused (400)")
+    max_body_bytes: int = option(
+        16 << 20,
+        "largest HTTP request body or gRPC message, in bytes, and most image bytes one request may carry; larger: "
+        "refused (400 / INVALID_ARGUMENT; gRPC: RESOURCE_EXHAUSTED)",
+    )
     max_prompt_chars: int = option(
         4 << 20,
         "longest text prompt (or chat messages), in characters, refused (400) before it is tokenized; prompts are "
@@ -126,6 +132,7 @@ class RouterConfig(SecurityArgs):
 
     def __post_init__(self):
         self.check_security()
+        self.check_images()
         if self.max_body_bytes < 1024 or self.max_prompt_chars < 1 or self.tokenizer_workers < 0:
             raise ValueError("max_body_bytes must be >= 1024, max_prompt_chars >= 1, tokenizer_workers >= 0")
         if self.max_requests_per_key < 0:
