@@ -319,10 +319,13 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # requests in the running batch
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits prompts)
     max_model_len: int | None = None  # prompt + output tokens; default the model's max positions
+    # prompt tokens batch-class requests get in one step while interactive ones are about (the
+    # step an interactive prompt may wait behind is that short; 0: no cap)
+    batch_chunk_tokens: int = 256
 
     def __post_init__(self):
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.batch_chunk_tokens < 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, batch_chunk_tokens >= 0")
 
 
 SpeculativeMethod = Literal["ngram", "mtp"]
@@ -466,6 +469,9 @@ class EngineArgs:
         "FP8 checkpoints: keep the routed experts in FP8 (keep) or dequantize them at load (dequantize); "
         "auto keeps them on cuda (half the memory of bfloat16)",
     )
+    batch_chunk_tokens: int = option(
+        256, "prompt tokens batch-class requests get per step while interactive ones are about (0: no cap)"
+    )
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -479,7 +485,9 @@ class EngineArgs:
                 snapshot_fraction=self.prefix_snapshot_memory,
                 message_break=message_break(self.model) if self.enable_prefix_caching else (),
             ),
-            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len),
+            scheduler=SchedulerConfig(
+                self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, self.batch_chunk_tokens
+            ),
             speculative=SpeculativeConfig(
                 num_tokens=self.num_speculative_tokens,
                 method=self.speculative_method,

@@ -38,6 +38,7 @@ class LLM:
         speculative_draft_cost: float | None = None,
         fp8_experts: str = "auto",
         engine_process: bool | None = None,
+        batch_chunk_tokens: int = 256,
     ):
         """engine_process: run the engine in a process of its own (engine/llm_process.py); None
         (default): on the CPU when torch was imported before the engine, whose OpenMP threads would
@@ -70,6 +71,7 @@ class LLM:
             prefix_snapshot_memory,
             speculative_draft_cost,
             fp8_experts,
+            batch_chunk_tokens,
         ).engine_config()
         self.tokenizer = Tokenizer(model) if Tokenizer.exists(model) else None
         self.engine = EngineCore(self.config)
