@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 from engine.options import option
 from engine.rope import RopeScaling
 from engine.units import parse_bytes
+from engine.vision.config import VisionConfig
 
 if TYPE_CHECKING:
     import torch
@@ -81,6 +82,7 @@ class ModelConfig:
     fp8_experts: Literal["auto", "keep", "dequantize"] = "auto"
     mtp_num_layers: int = 0  # multi-token-prediction layers the config declares (`mtp.layers.*`)
     rope_scaling: RopeScaling = RopeScaling()  # YaRN / linear scaling of the rotary positions (engine/rope.py)
+    vision: VisionConfig | None = None  # the vision tower of a vision-language checkpoint (docs/images.md)
 
     def __post_init__(self):
         bad = {t for t in self.layer_types if t not in ("linear_attention", "full_attention")}
@@ -210,6 +212,7 @@ class ModelConfig:
             **_moe_fields(text, want_type),
             mtp_num_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
             rope_scaling=scaling,
+            vision=VisionConfig.from_raw(raw, text) if arch in _WRAPPERS else None,
         )
 
 
@@ -295,6 +298,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     snapshot_interval: int = 256
     snapshot_fraction: float = 0.1
+    encoder_cache_memory: int | str = "64MiB"  # vision-language models: image embeddings kept per rank
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -463,6 +467,7 @@ class EngineArgs:
         "FP8 checkpoints: keep the routed experts in FP8 (keep) or dequantize them at load (dequantize); "
         "auto keeps them on cuda (half the memory of bfloat16)",
     )
+    encoder_cache_memory: int | str = option("64MiB", "image encoder outputs kept per rank, by pixel hash")
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -474,6 +479,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 snapshot_interval=self.prefix_snapshot_interval,
                 snapshot_fraction=self.prefix_snapshot_memory,
+                encoder_cache_memory=self.encoder_cache_memory,
             ),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len),
             speculative=SpeculativeConfig(

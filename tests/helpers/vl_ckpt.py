@@ -102,3 +102,38 @@ def hf_greedy(path: str, ids: list[int], images: list[ImageInput], new_tokens: i
 
 def token(path: str, name: str) -> int:
     return int(getattr(_config(path), f"{name}_token_id"))
+
+
+def chat(path: str, messages: list[dict], images: list[bytes]) -> tuple[list[int], list[ImageInput]]:
+    """The checkpoint's chat template over `messages` (image parts render one <|image_pad|>), then
+    `expand`: the prompt and images the router hands a node."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    return expand(path, tok.encode(text, add_special_tokens=False), images)
+
+
+def user(*parts: str | None) -> dict:
+    """A user turn: strings are text parts, None an image part."""
+    return {"role": "user", "content": [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]}
+
+
+CASES = {  # name -> (messages, image sizes (width, height))
+    "one_image": ([user(None, "What is in this picture?")], [(120, 90)]),
+    "two_sizes": ([user("Compare", None, "with", None)], [(200, 120), (64, 180)]),
+    "earlier_turn": (
+        [
+            user(None, "Describe it."),
+            {"role": "assistant", "content": "A small model wanted to generate text."},
+            user("And the quick brown fox?"),
+        ],
+        [(90, 140)],
+    ),
+    "text_only": ([user("Hello world! How are you today?")], []),
+}
+
+
+def case(path: str, name: str, seed: int = 0) -> tuple[list[int], list[ImageInput]]:
+    messages, sizes = CASES[name]
+    return chat(path, messages, [png(w, h, seed + k) for k, (w, h) in enumerate(sizes)])
