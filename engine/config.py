@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 from engine.options import option
 from engine.rope import RopeScaling
+from engine.tokenizer import message_break
 from engine.units import parse_bytes
 from engine.vision.config import VisionConfig
 
@@ -298,6 +299,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     snapshot_interval: int = 256
     snapshot_fraction: float = 0.1
+    # and before the last token of each occurrence of this sequence (a ChatML message break)
+    message_break: tuple[int, ...] = ()
     encoder_cache_memory: int | str = "64MiB"  # vision-language models: image embeddings kept per rank
 
     def __post_init__(self):
@@ -479,6 +482,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 snapshot_interval=self.prefix_snapshot_interval,
                 snapshot_fraction=self.prefix_snapshot_memory,
+                message_break=message_break(self.model) if self.enable_prefix_caching else (),
                 encoder_cache_memory=self.encoder_cache_memory,
             ),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len),

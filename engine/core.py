@@ -72,7 +72,9 @@ class EngineCore:
                 "prefix caching is off: prefix_snapshot_memory=%.3g of the cache holds no snapshot", c.snapshot_fraction
             )
             return None
-        return PrefixCache(self.blocks, self.capacity.num_snapshots, c.snapshot_interval, self.cfg.speculative.mtp)
+        return PrefixCache(
+            self.blocks, self.capacity.num_snapshots, c.snapshot_interval, self.cfg.speculative.mtp, c.message_break
+        )
 
     def _propose(self, tokens: list[int], k: int) -> list[int]:
         return self.proposer(tokens, k) if self.proposer is not None else []

@@ -60,6 +60,7 @@ class Request:
     held_back: bool = False
     block_hashes: list[int] | None = None  # prefix caching: chained hash of each full prompt page
     num_registered: int = 0  # pages of this request registered in the prefix cache
+    snapshot_points: tuple[int, ...] = ()  # prefix caching: off-grid prompt positions to snapshot
     num_cached_blocks: int = 0  # decode side: leading prompt pages already here (not transferred)
     received: bool = False  # decode side: the prompt's state came from another node (Scheduler.reserve)
     kv_transfer: object = None  # the caller's transfer parameters, read by the connector only (engine/connector.py)

@@ -1,7 +1,8 @@
 """RouterConfig: what one router runs with (admission, policy, timeouts, ports).
 
 Every field is an option of `pdserve router` (engine/options.py); `pdserve up` gives the router
-all of them but the node lists and the host, which it sets itself."""
+all of them but the node lists and the host, which it sets itself. The image limits are ImageArgs
+(router/images/config.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from engine.options import option
+from router.images.config import ImageArgs
 from router.policy import PolicyName, make_policy
 from serving.config import SecurityArgs
 
@@ -19,7 +21,7 @@ ADMISSION_HELP = (
 
 
 @dataclass(frozen=True)
-class RouterConfig(SecurityArgs):
+class RouterConfig(ImageArgs, SecurityArgs):
     model: str | None = option(None, "checkpoint directory: its tokenizer serves text prompts")
     static_decode: tuple[str, ...] = option(
         (), "a static decode node, polled with Stats (repeatable)", flag="--decode", metavar="ADDR"
@@ -115,6 +117,7 @@ class RouterConfig(SecurityArgs):
 
     def __post_init__(self):
         self.check_security()
+        self.check_images()
         if self.max_body_bytes < 1024 or self.max_prompt_chars < 1 or self.tokenizer_workers < 0:
             raise ValueError("max_body_bytes must be >= 1024, max_prompt_chars >= 1, tokenizer_workers >= 0")
         if self.max_requests_per_key < 0:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -188,10 +188,12 @@ class PrefillPhase:
                     raise
             await asyncio.sleep(0.02)  # the node's memory frees on its own schedule: ask again shortly
 
-    async def run(self, d: NodeEntry, p: NodeEntry, request, ids: list[int], request_id: str) -> Push | None:
+    async def run(
+        self, d: NodeEntry, p: NodeEntry, request, ids: list[int], request_id: str, images: Sequence[pb.ImageInput] = ()
+    ) -> Push | None:
         """Reserve on D, prefill on P (counted against it by admission; one retry elsewhere) until
         it streams the first token. Returns the Push (first token, the push still running), or
-        None to prefill on D."""
+        None to prefill on D. `images`: the prompt's, for P (D never sees them)."""
         tried: set[str] = set()
         attempt = 0  # reservations made (each under its own id)
         failures = 0  # prefill calls that failed (a drain refusal is not one)
@@ -205,7 +207,7 @@ class PrefillPhase:
             rid = request_id if attempt == 0 else f"{request_id}~{attempt}"
             ok = False
             try:
-                push = await self._attempt(d, p, request, ids, rid)
+                push = await self._attempt(d, p, request, ids, rid, images)
                 ok = True
                 return push
             except _Failed as f:
@@ -218,7 +220,9 @@ class PrefillPhase:
                 self._given_back(p, len(ids), ok)
                 p = None
 
-    async def _attempt(self, d: NodeEntry, p: NodeEntry, request, ids: list[int], rid: str) -> Push:
+    async def _attempt(
+        self, d: NodeEntry, p: NodeEntry, request, ids: list[int], rid: str, images: Sequence[pb.ImageInput]
+    ) -> Push:
         """One reservation and one Prefill call, to P's first token."""
         try:
             await self.handshake(p, d)  # first: the lease starts when P can renew it
@@ -231,7 +235,9 @@ class PrefillPhase:
         call = None
         try:
             call = p.stub.Prefill(
-                pb.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=request.sampling, target=target),
+                pb.PrefillRequest(
+                    request_id=rid, prompt_token_ids=ids, sampling=request.sampling, target=target, images=images
+                ),
                 timeout=self.cfg.prefill_timeout_s,
             )
             first = await call.read()

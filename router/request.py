@@ -107,8 +107,11 @@ class RequestRun:
     """The phases of one request; `svc` is the GenerateService (admission, decode counters,
     prefill phase, registry, tokenizer)."""
 
-    def __init__(self, svc, request: pb.GenerateRequest, ids: list[int], trace: Trace):
+    def __init__(
+        self, svc, request: pb.GenerateRequest, ids: list[int], trace: Trace, images: Sequence[pb.ImageInput] = ()
+    ):
         self.svc, self.request, self.ids, self.tr = svc, request, ids, trace
+        self.images = images  # the prompt's, for the node that prefills it (never a reserved decode)
         # a resumed stream (GenerateRequest.resume_token_ids, the SDK on its next router) goes on
         # from the tokens the client has: they are its output so far
         resume = list(request.resume_token_ids)
@@ -177,13 +180,15 @@ class RequestRun:
         watch: NodeWatch | None = None
         try:
             if p is not None:
-                pre = await self.svc.prefill.run(d, p, self.request, ids, rid)
+                pre = await self.svc.prefill.run(d, p, self.request, ids, rid, self.images)
                 self.push = pre
             if pre is None and self.sent:  # moved: the new node continues after the tokens sent
                 call = d.stub.Generate(self._resumed(rid))
             elif pre is None:
                 self.tr.prefill = "local"
-                call = d.stub.Generate(pb.DecodeRequest(request_id=rid, prompt_token_ids=ids, sampling=sp))
+                call = d.stub.Generate(
+                    pb.DecodeRequest(request_id=rid, prompt_token_ids=ids, sampling=sp, images=self.images)
+                )
             else:
                 f = pre.first
                 self.tr.prefill = pre.p.node_id
@@ -243,7 +248,9 @@ class RequestRun:
         sp = pb.SamplingParams()
         sp.CopyFrom(self.request.sampling)
         sp.ClearField("prompt_logprobs")
-        return pb.DecodeRequest(request_id=rid, prompt_token_ids=self.ids, sampling=sp, resume_token_ids=self.sent)
+        return pb.DecodeRequest(
+            request_id=rid, prompt_token_ids=self.ids, sampling=sp, resume_token_ids=self.sent, images=self.images
+        )
 
     async def _decode_failed(self, e: grpc.RpcError, d: NodeEntry, pre: Push | None, lost: bool = False) -> None:
         """D refused or failed the request: raise _Retry (place it elsewhere), Moved (mid-stream:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import aclosing
 from pathlib import Path
 
@@ -20,6 +20,8 @@ from router.admission import BATCH, CLASS_NAMES, INTERACTIVE, Admission, Ask
 from router.client_hints import HINTS, Hints
 from router.config import RouterConfig
 from router.errors import Abort, Draining
+from router.images.prepare import ImageRef, Images, Prepared, to_pb
+from router.images.vision import IMAGE_PAD, VisionSpec
 from router.migrate import MigrationMetrics
 from router.policy import make_policy
 from router.prefill import PrefillPhase
@@ -27,7 +29,7 @@ from router.prefix import PrefixQuery
 from router.registry import NodeEntry, NodeRegistry
 from router.request import Chunk, RequestRun, Trace
 from router.stops import with_stops
-from router.text import TextPool
+from router.text import TextPool, default_workers
 from router.wait_estimate import estimate
 from serving.metrics import ServingMetrics
 from serving.rpc import MAX_REQUEST_ID_LEN
@@ -95,6 +97,10 @@ class GenerateService:
             for pool in ("prefill", "decode"):
                 self.estimated_wait.labels(pool=pool, **{"class": c})
         self.migrations = MigrationMetrics(reg)
+        vision = None
+        if self.tokenizer is not None and cfg.model:
+            vision = VisionSpec.load(cfg.model, self.tokenizer.token_to_id(IMAGE_PAD))
+        self.images = Images(cfg, vision, reg, cfg.tokenizer_workers or default_workers())
         self.admission = Admission(cfg.max_queued_requests, self._left_queue)
         self.generate_limit = (cfg.max_queued_requests or 4096) + STREAMING
 
@@ -149,8 +155,11 @@ class GenerateService:
         return list(seen.values())
 
     # ---- the request path -------------------------------------------------------------------
-    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[Chunk]:
-        """The chunks of one request; raises Abort (Draining while the router drains)."""
+    async def generate(
+        self, request: pb.GenerateRequest, images: Sequence[Prepared] | None = None
+    ) -> AsyncIterator[Chunk]:
+        """The chunks of one request; raises Abort (Draining while the router drains). `images`: the
+        prompt's, prepared by the HTTP front (else the request's own ImageParts are)."""
         if self.draining:
             raise Draining("the router")
         tr = Trace(request.request_id or uuid.uuid4().hex)
@@ -164,11 +173,12 @@ class GenerateService:
         self.active += 1
         self.idle.clear()
         try:
-            ids = await self._prompt_ids(request)
+            ids, inputs = await self._prompt_ids(request, images)
             tr.prompt_len = len(ids)
             self._check(request, ids)
             self.check_ask(request)
-            run = RequestRun(self, request, ids, tr)
+            self.images.accepted(inputs)
+            run = RequestRun(self, request, ids, tr, to_pb(inputs))
             sp = request.sampling
             min_tokens = max(0, sp.min_tokens - len(run.sent))  # a resumed stream's tokens count
             stream = with_stops(run.chunks(), list(sp.stop), min_tokens, lambda: setattr(tr, "finish", "stop"))
@@ -226,16 +236,22 @@ class GenerateService:
         self.check_prompt_chars(len(text), what)
         return await self.text.encode(text)
 
-    async def _prompt_ids(self, request) -> list[int]:
+    async def _prompt_ids(self, request, images: Sequence[Prepared] | None):
+        """The prompt's token ids, each image's placeholder expanded, and its images (ImageInputs)."""
+        bad = grpc.StatusCode.INVALID_ARGUMENT
         if request.prompt and request.prompt_token_ids:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "give prompt text or prompt_token_ids, not both")
+            raise Abort(bad, "give prompt text or prompt_token_ids, not both")
+        if (images or request.images) and not request.prompt:
+            raise Abort(bad, "images need a text prompt holding one <|vision_start|><|image_pad|><|vision_end|> each")
         if request.prompt:
             ids = await self.encode(request.prompt)
         else:
             ids = list(request.prompt_token_ids)
         if not ids:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt: give at least one token")
-        return ids
+            raise Abort(bad, "empty prompt: give at least one token")
+        if images is None:
+            images = await self.images.prepare([_ref(i, p) for i, p in enumerate(request.images)])
+        return self.images.expand(ids, images)
 
     def _check(self, request, ids: list[int]) -> None:
         from engine.sampling_params import SamplingParams
@@ -377,7 +393,15 @@ class GenerateService:
     async def close(self) -> None:
         if self.text is not None:
             self.text.close()
+        self.images.close()
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.registry.close()
+
+
+def _ref(i: int, part: pb.ImagePart) -> ImageRef:
+    where = f"images[{i}]"
+    if bool(part.data) == bool(part.url):
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: give the image's data or its url (one of them)")
+    return ImageRef(where, url=part.url, data=part.data)

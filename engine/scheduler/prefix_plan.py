@@ -75,6 +75,11 @@ class PrefixPlanner:
         p = hit.num_tokens if hit else 0
         if hit is not None:
             self._restore(req, hit, restores)
+        # where the prompt departs from cached ones (its last cached full page) and where its
+        # messages start: snapshots there let the next prompt that shares them resume whole
+        branch = len(self.cached_pages(req)) * self.blocks.block_size
+        points = self.prefix.message_points(req.prompt_token_ids) + ([branch] if branch > p else [])
+        req.snapshot_points = tuple(sorted(set(points)))
         if req.num_preemptions == 0:
             self.prefix.stats.query_tokens += len(req.prompt_token_ids)
             self.prefix.stats.hit_tokens += p
@@ -102,17 +107,17 @@ class PrefixPlanner:
         saves: list[tuple[Snapshot, SnapshotCopy]],
         logprob_points: list[tuple[Snapshot, Request]],
     ) -> None:
-        """Snapshots at the positions this prompt chunk reaches (multiples of the interval, and
-        the prompt's end): the one at the chunk's end from the slot after the forward, those
+        """Snapshots at the positions this prompt chunk reaches (multiples of the interval, the
+        request's `snapshot_points` and the prompt's end): the one at the chunk's end from the slot after the forward, those
         inside it from the GDN layers during the forward. A request with prompt logprobs also
         leaves them on each such snapshot, new or already kept (`logprob_points`, after the step)."""
         start, plen = req.num_computed_tokens, len(req.prompt_token_ids)
         if start >= plen:
             return
         end, step = min(start + n, plen), self.prefix.interval
-        points = list(range((start // step + 1) * step, end + 1, step))
-        if end == plen and (not points or points[-1] != plen):
-            points.append(plen)
+        grid = range((start // step + 1) * step, end + 1, step)
+        extra = [q for q in req.snapshot_points if start < q <= end]
+        points = sorted(set(grid).union(extra, [plen] if end == plen else []))
         for p in points:
             parent, tail = self.prefix.key_for(req.hash_prompt, self.hashes(req), p)
             s = self.prefix.reserve(parent, tail, p)

@@ -1,0 +1,83 @@
+"""Images through `pdserve up` (router + one prefill node + one decode node) on the tiny
+vision-language checkpoint, over OpenAI HTTP: every bad image (corrupt bytes, a 50-megapixel
+image, an SVG and a PDF body, an http URL with fetching off, a video part, too many images) is a
+400 naming the part; afterwards the cluster serves a normal request and both nodes' pages and
+slots are back to their start (no refused image reached a node)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.helpers import images as im
+from tests.helpers import vl_ckpt as vl
+from tests.helpers.serve_harness import Up, decode_stats, flags, log_url, node_info, prefill_stats, wait_for
+
+
+@pytest.fixture(scope="module")
+def vl_model(tmp_path_factory):
+    return vl.make(tmp_path_factory.mktemp("vl") / "ckpt", vl.SPEC_VL["qwen3_5"])
+
+
+@pytest.fixture(scope="module")
+def vl_up(vl_model):
+    opts = flags(dtype="float32", decode=1, prefill=1, local_prefill_threshold=0, http_port=0, max_images_per_request=2)
+    up = Up("--model", vl_model, *opts)
+    yield up
+    assert up.stop() == 0, up.output()
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        url + "/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _chat(parts: list[dict]) -> dict:
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, *parts]}]
+    return {"model": "ckpt", "messages": msgs, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+
+
+def _image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+OK = _image(im.data_url(im.encoded(48, 40, seed=1)))
+BAD = [
+    ([_image(im.data_url(bytes(range(256)) * 8))], "messages[0].content[1]: not an image in a format"),
+    ([_image(im.data_url(im.solid(8000, 6500)))], "messages[0].content[1]: image is 52.0 megapixels (8000x6500)"),
+    ([_image(im.data_url(im.SVG, "image/svg+xml"))], "messages[0].content[1]: not an image in a format"),
+    ([_image(im.data_url(im.PDF, "application/pdf"))], "messages[0].content[1]: a data: URL of media type"),
+    ([OK, _image("http://127.0.0.1:9/cat.png")], "messages[0].content[2]: image URLs are not fetched"),
+    ([{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}], "video input is not supported yet"),
+    ([OK, OK, OK], "messages[0].content[3]: the request has 3 images, the limit is 2"),
+]
+
+
+def _all_free(c) -> bool:
+    return (c.free_blocks, c.free_slots, c.running) == (c.total_blocks, c.total_slots, 0)
+
+
+def test_bad_images_are_refused_naming_the_part_and_nothing_leaks(vl_up):
+    url = log_url(vl_up, r"OpenAI-compatible HTTP on (http://\S+/v1)")
+    d, p = node_info(vl_up.address, "decode-0"), node_info(vl_up.address, "prefill-0")
+    start = decode_stats(d.address).capacity
+    assert _all_free(start) and _all_free(prefill_stats(p.address).capacity)
+    for parts, words in BAD:
+        status, out = _post(url, _chat(parts))
+        assert status == 400 and words in out["error"]["message"], (words, status, out)
+        assert out["error"]["param"] == out["error"]["message"].split(":")[0]
+    status, out = _post(url, {**_chat([]), "messages": [{"role": "user", "content": "Hello"}]})
+    assert status == 200 and out["choices"][0]["finish_reason"] == "length", out  # the cluster serves on
+    assert out["usage"]["completion_tokens"] == 4
+    wait_for(lambda: decode_stats(d.address).capacity == start, 20, "the decode node's pages and slots back")
+    wait_for(lambda: _all_free(prefill_stats(p.address).capacity), 20, "the prefill node's memory back")
+    assert "Traceback" not in vl_up.output()
