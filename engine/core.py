@@ -26,6 +26,7 @@ from engine.spec_decode import NgramProposer
 from engine.step import ImageSpan, RowInput, StepInput
 from engine.tokenizer import Tokenizer
 from engine.vision.inputs import ImageInput
+from engine.vision.processing import load_processor
 from engine.vision.requests import image_state, unknown_images_view
 
 log = logging.getLogger("pdserve.engine")
@@ -46,6 +47,8 @@ class EngineCore:
             cfg.scheduler, self.blocks, self.slots, cfg.max_model_len, spec.num_tokens, self._propose, spec, self.prefix
         )
         self.requests: dict[str, Request] = {}
+        if cfg.model.vision is not None:
+            load_processor(cfg.model.path)  # images are checked here: at start, not on the first one
         self._ids = itertools.count()
         self.connector: Connector | None = None  # set once by use_connector
         log.info(

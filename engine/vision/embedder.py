@@ -13,7 +13,7 @@ from engine.config import ModelConfig
 from engine.step import ImageSpan
 from engine.vision.cache import EncoderCache
 from engine.vision.encoder import VisionEncoder
-from engine.vision.processing import pixel_values
+from engine.vision.processing import load_processor, pixel_values
 from engine.vision.weights import load_vision_weights
 
 
@@ -25,6 +25,7 @@ class ImageEmbedder:
             cfg.vision, load_vision_weights(cfg.path, cfg.vision, cfg.dtype, device), cfg.dtype, device
         )
         self.cache = EncoderCache(cache_bytes)
+        load_processor(cfg.path)  # at start, not on the first image
         self.images = 0  # images encoded
         self.seconds = 0.0  # in the processor and the encoder
 

@@ -104,14 +104,25 @@ def token(path: str, name: str) -> int:
     return int(getattr(_config(path), f"{name}_token_id"))
 
 
-def chat(path: str, messages: list[dict], images: list[bytes]) -> tuple[list[int], list[ImageInput]]:
-    """The checkpoint's chat template over `messages` (image parts render one <|image_pad|>), then
-    `expand`: the prompt and images the router hands a node."""
+def chat_text(path: str, messages: list[dict]) -> str:
+    """The checkpoint's chat template over `messages`: one <|vision_start|><|image_pad|><|vision_end|>
+    per image part (what a client sends with its images; the router expands each)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
-    return expand(path, tok.encode(text, add_special_tokens=False), images)
+    return str(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False))
+
+
+def chat_ids(path: str, messages: list[dict]) -> list[int]:
+    """`chat_text` tokenized."""
+    from transformers import AutoTokenizer
+
+    return list(AutoTokenizer.from_pretrained(path).encode(chat_text(path, messages), add_special_tokens=False))
+
+
+def chat(path: str, messages: list[dict], images: list[bytes]) -> tuple[list[int], list[ImageInput]]:
+    """`chat_ids`, then `expand`: the prompt and images the router hands a node."""
+    return expand(path, chat_ids(path, messages), images)
 
 
 def user(*parts: str | None) -> dict:
@@ -134,6 +145,9 @@ CASES = {  # name -> (messages, image sizes (width, height))
 }
 
 
+def case_images(name: str, seed: int = 0) -> list[bytes]:
+    return [png(w, h, seed + k) for k, (w, h) in enumerate(CASES[name][1])]
+
+
 def case(path: str, name: str, seed: int = 0) -> tuple[list[int], list[ImageInput]]:
-    messages, sizes = CASES[name]
-    return chat(path, messages, [png(w, h, seed + k) for k, (w, h) in enumerate(sizes)])
+    return chat(path, CASES[name][0], case_images(name, seed))
