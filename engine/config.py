@@ -323,10 +323,13 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # requests in the running batch
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits prompts)
     max_model_len: int | None = None  # prompt + output tokens; default the model's max positions
+    # prompt tokens batch-class requests get in one step while interactive ones are about (the
+    # step an interactive prompt may wait behind is that short; 0: no cap)
+    batch_chunk_tokens: int = 256
 
     def __post_init__(self):
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.batch_chunk_tokens < 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, batch_chunk_tokens >= 0")
 
 
 SpeculativeMethod = Literal["ngram", "mtp"]
@@ -470,6 +473,9 @@ class EngineArgs:
         "FP8 checkpoints: keep the routed experts in FP8 (keep) or dequantize them at load (dequantize); "
         "auto keeps them on cuda (half the memory of bfloat16)",
     )
+    batch_chunk_tokens: int = option(
+        256, "prompt tokens batch-class requests get per step while interactive ones are about (0: no cap)"
+    )
     encoder_cache_memory: int | str = option("64MiB", "image encoder outputs kept per rank, by pixel hash")
 
     def engine_config(self) -> EngineConfig:
@@ -485,7 +491,9 @@ class EngineArgs:
                 message_break=message_break(self.model) if self.enable_prefix_caching else (),
                 encoder_cache_memory=self.encoder_cache_memory,
             ),
-            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len),
+            scheduler=SchedulerConfig(
+                self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, self.batch_chunk_tokens
+            ),
             speculative=SpeculativeConfig(
                 num_tokens=self.num_speculative_tokens,
                 method=self.speculative_method,

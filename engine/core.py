@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 
 from engine.cache.block_manager import BlockManager, SlotPool
@@ -30,6 +31,10 @@ from engine.vision.processing import load_processor
 from engine.vision.requests import image_state, unknown_images_view
 
 log = logging.getLogger("pdserve.engine")
+
+# Tests only: each step sleeps this many seconds per prompt token it computed, a prefill rate the
+# admission tests can predict (tests/serve/test_priority.py); unset or 0 in any real deployment.
+TEST_PREFILL_DELAY_ENV = "PDSERVE_TEST_PREFILL_DELAY_PER_TOKEN_S"
 
 
 class EngineCore:
@@ -51,6 +56,9 @@ class EngineCore:
             load_processor(cfg.model.path)  # images are checked here: at start, not on the first one
         self._ids = itertools.count()
         self.connector: Connector | None = None  # set once by use_connector
+        self._test_delay_s = float(os.environ.get(TEST_PREFILL_DELAY_ENV) or 0.0)
+        if self._test_delay_s:
+            log.warning("%s=%g: prefill throttled (a test setting)", TEST_PREFILL_DELAY_ENV, self._test_delay_s)
         log.info(
             "engine ready in %.1f s: %s, tp=%d, %s",
             time.perf_counter() - t0,
@@ -375,6 +383,7 @@ class EngineCore:
         if so.rows and conn is not None:
             conn.rows_scheduled(so)  # e.g. a prefill side opening pushes that this step's rows finish
         starts = [r.request.num_computed_tokens for r in so.rows]
+        prompt_tokens = sum(r.num_new_tokens for r in so.rows if not r.is_decode)
         if so.rows:
             try:
                 res = self.executor.execute(self._step_input(so))
@@ -389,6 +398,8 @@ class EngineCore:
                 req = self.requests[rid]
                 req.output_logprobs += lps[: len(req.output_token_ids) - len(req.output_logprobs)]
             outputs = [self._output(r) for r in touched]
+            if self._test_delay_s:
+                time.sleep(self._test_delay_s * prompt_tokens)
             if conn is not None:
                 self._tell_connector(conn, so, starts, touched)
             self._save_final()

@@ -38,8 +38,9 @@ class LLM:
         prefix_snapshot_memory: float = 0.1,
         speculative_draft_cost: float | None = None,
         fp8_experts: str = "auto",
-        encoder_cache_memory: int | str = "64MiB",
         engine_process: bool | None = None,
+        batch_chunk_tokens: int = 256,
+        encoder_cache_memory: int | str = "64MiB",
     ):
         """engine_process: run the engine in a process of its own (engine/llm_process.py); None
         (default): on the CPU when torch was imported before the engine, whose OpenMP threads would
@@ -72,6 +73,7 @@ class LLM:
             prefix_snapshot_memory,
             speculative_draft_cost,
             fp8_experts,
+            batch_chunk_tokens,
             encoder_cache_memory,
         ).engine_config()
         self.tokenizer = Tokenizer(model) if Tokenizer.exists(model) else None

@@ -63,6 +63,7 @@ class SamplingKwargs(TypedDict, total=False):
     prompt_logprobs: int
     num_speculative_tokens: int
     constraint: ConstraintKwargs
+    priority: int
 
 
 def sampling_kwargs(sp: pb.SamplingParams) -> SamplingKwargs:
@@ -98,6 +99,8 @@ def sampling_kwargs(sp: pb.SamplingParams) -> SamplingKwargs:
         kw["logit_bias"] = dict(sp.logit_bias)
     if sp.HasField("constraint"):
         kw["constraint"] = constraint_kwargs(sp.constraint)
+    if sp.priority:  # PRIORITY_INTERACTIVE -> 0, PRIORITY_BATCH -> 1; an unknown value is the engine's to refuse
+        kw["priority"] = sp.priority - pb.PRIORITY_INTERACTIVE
     return kw  # `stop` (text) is the router's: nodes see token ids only
 
 

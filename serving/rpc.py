@@ -26,6 +26,9 @@ log = logging.getLogger("pdserve.serving")
 
 # Ids the engine accepts as request ids, and names a log line can carry.
 MAX_REQUEST_ID_LEN = 128
+# A node's largest incoming message (gRPC's default is 4 MiB): a prompt's images travel in one
+# PrefillRequest / DecodeRequest, bounded by the router (router/images/prepare.py)
+MAX_MESSAGE_BYTES = 256 << 20
 
 
 # Trailing metadata on the UNAVAILABLE a draining server refuses new work with.
@@ -157,7 +160,7 @@ def start_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         interceptors=[NodeGuard(creds)] if creds.cluster_token else None,
-        options=[("grpc.so_reuseport", 0)],
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
     )
     add_servicers(server)
     hs: HealthStatus = health.HealthServicer()

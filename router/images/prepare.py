@@ -48,8 +48,11 @@ class Prepared:
 class Images:
     """Image limits, decoding threads and counters of one router; `spec` None: the model takes no images."""
 
-    def __init__(self, args: ImageArgs, spec: VisionSpec | None, registry: CollectorRegistry, workers: int):
+    def __init__(
+        self, args: ImageArgs, spec: VisionSpec | None, registry: CollectorRegistry, workers: int, max_bytes: int
+    ):
         self.args, self.spec = args, spec
+        self.max_bytes = max_bytes  # the encoded bytes one request's images may total (the node messages carry them)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="image")
         self.images = Counter("pdserve_router_images", "Images accepted in requests", registry=registry)
         self.tokens = Counter(
@@ -81,10 +84,19 @@ class Images:
             )
         tasks = [asyncio.ensure_future(self._one(r)) for r in refs]
         try:
-            return list(await asyncio.gather(*tasks))
+            out = list(await asyncio.gather(*tasks))
         finally:
             for t in tasks:
                 t.cancel()
+        total = 0
+        for p in out:
+            total += len(p.data)
+            if total > self.max_bytes:
+                raise self.refuse(
+                    "too_large",
+                    f"{p.where}: the request's images total more than {self.max_bytes:,} bytes (--max-body-bytes)",
+                )
+        return out
 
     async def _one(self, ref: ImageRef) -> Prepared:
         loop = asyncio.get_running_loop()

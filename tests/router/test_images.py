@@ -70,9 +70,14 @@ def vl(vl_dir):
 @pytest.fixture(scope="module")
 def fetching(vl_dir):
     r, fake, port, stop = _router(
-        vl_dir, allow_image_urls=True, image_url_timeout_s=1.5, image_url_max_bytes=200_000, image_url_max_redirects=2
+        vl_dir,
+        allow_image_urls=True,
+        image_url_timeout_s=1.5,
+        image_url_max_bytes=200_000,
+        image_url_max_redirects=2,
+        max_body_bytes=300_000,
     )
-    srv = im.ImageServer(im.encoded(40, 30, seed=5), big=300_000)
+    srv = im.ImageServer(im.encoded(200, 200, seed=5), big=300_000)  # a PNG of 120 KB
     yield r, fake, srv
     srv.stop()
     stop()
@@ -177,6 +182,7 @@ def test_grpc_images(vl):
 
     r, fake, port = vl
     a = im.encoded(64, 64, seed=7)
+    big = im.encoded(1400, 1300, seed=8)  # past gRPC's default 4 MiB message, within --max-body-bytes
     prompt = "Describe <|vision_start|><|image_pad|><|vision_end|> please"
     before = len(fake.requests)
     with Client(f"127.0.0.1:{port}", timeout=30) as c:
@@ -184,6 +190,9 @@ def test_grpc_images(vl):
         (req,) = fake.requests[before:]
         assert [tuple(i.grid_thw) for i in req.images] == [(1, 4, 4)] and req.images[0].data == a
         assert res.prompt_tokens == len(req.prompt_token_ids) == len(r.service.tokenizer.encode(prompt)) + 3
+        assert len(big) > 4 << 20
+        c.generate(prompt=prompt + prompt, images=[big, im.data_url(a)], max_tokens=2)
+        assert [i.data for i in fake.requests[-1].images] == [big, a]
         for kw, words in [
             (dict(prompt=prompt, images=[b"junk"]), "images[0]: not an image"),
             (dict(prompt=prompt, images=["http://127.0.0.1:9/x.png"]), "images[0]: image URLs are not fetched"),
@@ -194,7 +203,7 @@ def test_grpc_images(vl):
             with pytest.raises(PdserveError) as e:
                 c.generate(max_tokens=2, **kw)
             assert e.value.code.name == "INVALID_ARGUMENT" and words in e.value.message, (kw, e.value.message)
-    assert len(fake.requests) == before + 1
+    assert len(fake.requests) == before + 2
 
 
 OK = im.encoded(40, 30, seed=9)
@@ -288,4 +297,9 @@ def test_urls_are_fetched_within_limits(fetching):
         assert took < 4, (path, took)
     assert len(fake.requests) == before + 2
     assert _refused(r, "url") == 7
+    img = _image(srv.url + "/img.png")
+    status, out = post(r.http_port, _chat([img, img, img]), "/v1/chat/completions")
+    assert status == 400 and out["error"]["message"] == (
+        "messages[1].content[2]: the request's images total more than 300,000 bytes (--max-body-bytes)"
+    )
     assert threading.active_count() < 200
