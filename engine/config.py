@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, get_args
 
+from engine.config_fields import fp8_block_size, moe_fields
 from engine.options import option
 from engine.rope import RopeScaling
 from engine.tokenizer import message_break
@@ -32,7 +33,6 @@ ARCHITECTURES = {
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 _WRAPPERS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")  # text under text_config
-SUPPORTED_QUANTIZATION = ("fp8",)
 _DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -169,7 +169,7 @@ class ModelConfig:
         want_type = ARCHITECTURES[arch]
         if text.get("model_type", want_type) != want_type:
             raise ValueError(f"{arch} expects a {want_type} text model, found model_type {text.get('model_type')!r}")
-        fp8_block = _fp8_block_size(raw.get("quantization_config") or text.get("quantization_config"), cfg_path)
+        fp8_block = fp8_block_size(raw.get("quantization_config") or text.get("quantization_config"), cfg_path)
         n_layers = text["num_hidden_layers"]
         layer_types = text.get("layer_types") or [
             "full_attention" if (i + 1) % text.get("full_attention_interval", 4) == 0 else "linear_attention"
@@ -210,50 +210,11 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             weight_prefix=prefix,
             fp8_block_size=fp8_block,
-            **_moe_fields(text, want_type),
+            **moe_fields(text, want_type),
             mtp_num_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
             rope_scaling=scaling,
             vision=VisionConfig.from_raw(raw, text) if arch in _WRAPPERS else None,
         )
-
-
-def _moe_fields(text: dict, model_type: str) -> dict:
-    """The MoE sizes of a text config. Qwen3.5-MoE has every layer sparse and always renormalises
-    its top-k weights (its config has no norm_topk_prob, decoder_sparse_step or mlp_only_layers);
-    Qwen3-Next reads all three."""
-    if model_type == "qwen3_5_text" or not text.get("num_experts"):
-        return {}
-    out = dict(
-        num_experts=text["num_experts"],
-        num_experts_per_tok=text["num_experts_per_tok"],
-        moe_intermediate_size=text["moe_intermediate_size"],
-        shared_expert_intermediate_size=text["shared_expert_intermediate_size"],
-    )
-    if model_type == "qwen3_next":
-        out.update(
-            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
-            decoder_sparse_step=text.get("decoder_sparse_step", 1),
-            mlp_only_layers=tuple(text.get("mlp_only_layers") or ()),
-        )
-    return out
-
-
-def _fp8_block_size(qc: dict | None, where: Path) -> tuple[int, int] | None:
-    """The weight block of a `quant_method: fp8` config; any other method is refused."""
-    if not qc:
-        return None
-    method = qc.get("quant_method")
-    if method not in SUPPORTED_QUANTIZATION:
-        raise ValueError(
-            f"unsupported quantization method {method!r} (quantization_config in {where}); "
-            f"supported: {', '.join(SUPPORTED_QUANTIZATION)} with weight_block_size"
-        )
-    block = qc.get("weight_block_size")
-    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise ValueError(f"fp8 quantization needs weight_block_size [bn, bk] (got {block!r}) in {where}")
-    if qc.get("fmt", "e4m3") != "e4m3":
-        raise ValueError(f"unsupported fp8 format {qc.get('fmt')!r} in {where}; supported: e4m3")
-    return (block[0], block[1])
 
 
 @dataclass(frozen=True)
