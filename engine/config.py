@@ -213,8 +213,14 @@ class ModelConfig:
             **moe_fields(text, want_type),
             mtp_num_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
             rope_scaling=scaling,
-            vision=VisionConfig.from_raw(raw, text) if arch in _WRAPPERS else None,
+            vision=VisionConfig.from_raw(raw, text) if arch in _WRAPPERS and _has_processor(path) else None,
         )
+
+
+def _has_processor(path: str | os.PathLike) -> bool:
+    """A vision-language checkpoint serves images when it ships its image processor; without one
+    its text model is served and the vision tower left out (docs/images.md)."""
+    return (Path(path) / "preprocessor_config.json").is_file()
 
 
 @dataclass(frozen=True)
