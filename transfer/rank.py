@@ -162,6 +162,13 @@ def post(worker: Worker, backend: str, rid: str) -> None:
     _sends(worker)[rid].post()
 
 
+def post_pages(worker: Worker, backend: str, rid: str, num_pages: int) -> None:
+    """Write the KV of the prompt's first `num_pages` pages not yet written (a prefill chunk finished)."""
+    ep = _sender(worker, backend)
+    ep.poll()
+    _sends(worker)[rid].post_pages(num_pages)
+
+
 def renew(worker: Worker, backend: str, targets: list[Target]) -> int:
     """Restart the lease of each target's reservation on the destination ranks this rank writes."""
     ep = _sender(worker, backend)

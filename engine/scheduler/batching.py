@@ -168,7 +168,7 @@ class Scheduler:
                 if n <= 0:
                     break
             shared = hit.pages if hit else []
-            need = self.blocks.blocks_for(p + n) - len(shared)
+            need = self.blocks.blocks_for(self._admit_upto(req, p + n)) - len(shared)
             taken = sum(self.blocks.is_free(b) for b in shared)  # cached pages nobody used: now in use
             if not self.blocks.can_allocate(need + taken) or self.slots.num_free == 0:
                 break
@@ -194,6 +194,15 @@ class Scheduler:
             self.plan.plan_save(req, n, plan.saves, plan.points)
         plan.rows.append(ScheduledRow(req, n, drafts, depths))
         plan.budget -= n
+
+    def _admit_upto(self, req: Request, end: int) -> int:
+        """The tokens a request takes pages for as it starts: its first chunk's, or a prefill-only
+        request's whole prompt (it holds them all for its transfer anyway, and a transfer that
+        streams each chunk's pages names every page when it opens), unless the prompt needs more
+        pages than the cache has (it then stops for lack of pages, as any request)."""
+        if req.prefill_only and self.blocks.blocks_for(req.num_tokens) <= self.blocks.num_blocks:
+            return req.num_tokens
+        return end
 
     def _lookahead(self, req: Request, n: int, num_drafts: int, depth: int) -> None:
         """With MTP, a row that samples also takes pages, while free ones remain, for the positions
