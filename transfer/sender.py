@@ -179,8 +179,10 @@ class Sender(Endpoint):
         src_slot: int,
         num_tokens: int,
         owned: bool = False,
+        rope_delta: int = 0,
     ) -> SendRequest:
-        """Start a request: Begin to every destination rank this rank has bytes for.
+        """Start a request: Begin to every destination rank this rank has bytes for (with the
+        request's `rope_delta`, what the destination's positions continue from).
 
         `owned`: the source blocks and slot go back to this endpoint's BlockManager / SlotPool
         once the request is quiet (done, or failed with no write in flight).
@@ -226,6 +228,7 @@ class Sender(Endpoint):
                     ch.dst_blocks,
                     ch.dst.slot,
                     target.cached_blocks,
+                    rope_delta,
                 ),
             )
         if not req.channels:
@@ -251,9 +254,10 @@ class Sender(Endpoint):
         src_slot: int,
         num_tokens: int,
         owned: bool = False,
+        rope_delta: int = 0,
     ) -> SendRequest:
         """open() + post(final=True): the whole state in one write per destination rank."""
-        req = self.open(request_id, target, src_blocks, src_slot, num_tokens, owned)
+        req = self.open(request_id, target, src_blocks, src_slot, num_tokens, owned, rope_delta)
         req.post()
         return req
 

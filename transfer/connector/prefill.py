@@ -121,7 +121,14 @@ class PrefillConnector(RankEndpoints, Connector):
                 blocks = list(req.block_ids[:pages])  # not the MTP lookahead's
                 slot = state_slot(req)
                 self.call_all(
-                    xr.open_send, self.backend, req.request_id, p.target, blocks, slot, len(req.prompt_token_ids)
+                    xr.open_send,
+                    self.backend,
+                    req.request_id,
+                    p.target,
+                    blocks,
+                    slot,
+                    len(req.prompt_token_ids),
+                    req.rope_delta,
                 )
                 push.opened = (blocks, slot)
             except Exception as e:  # the request still runs; its push fails and the router retries
@@ -165,6 +172,7 @@ class PrefillConnector(RankEndpoints, Connector):
                 list(request.block_ids),
                 state_slot(request),
                 len(request.prompt_token_ids),
+                request.rope_delta,
             )
         except Exception as e:
             self._fail(push, f"push did not start: {e}")
