@@ -174,7 +174,7 @@ class GenerateService:
         self.idle.clear()
         try:
             ids, inputs = await self._prompt_ids(request, images)
-            tr.prompt_len = len(ids)
+            tr.prompt_len, tr.images = len(ids), len(inputs)
             self._check(request, ids)
             self.check_ask(request)
             self.images.accepted(inputs)

@@ -177,7 +177,7 @@ def test_the_same_pixels_hash_the_same_and_different_ones_do_not(vl):
     assert decode(rgba, 10**6).pixel_hash == _rgb_sha(rgba)
 
 
-def test_grpc_images(vl):
+def test_grpc_images(vl, tmp_path):
     from client import Client, PdserveError
 
     r, fake, port = vl
@@ -191,8 +191,9 @@ def test_grpc_images(vl):
         assert [tuple(i.grid_thw) for i in req.images] == [(1, 4, 4)] and req.images[0].data == a
         assert res.prompt_tokens == len(req.prompt_token_ids) == len(r.service.tokenizer.encode(prompt)) + 3
         assert len(big) > 4 << 20
-        c.generate(prompt=prompt + prompt, images=[big, im.data_url(a)], max_tokens=2)
-        assert [i.data for i in fake.requests[-1].images] == [big, a]
+        (tmp_path / "a.png").write_bytes(a)
+        c.generate(prompt=prompt * 3, images=[big, im.data_url(a), tmp_path / "a.png"], max_tokens=2)
+        assert [i.data for i in fake.requests[-1].images] == [big, a, a]
         for kw, words in [
             (dict(prompt=prompt, images=[b"junk"]), "images[0]: not an image"),
             (dict(prompt=prompt, images=["http://127.0.0.1:9/x.png"]), "images[0]: image URLs are not fetched"),
