@@ -127,6 +127,29 @@ def test_grid_equals_transformers_processor(vl_dir):
         assert spec.grid(w, h) == want, (w, h)
 
 
+def test_the_processor_config_variants(vl_dir, tmp_path):
+    """Top-level min_pixels / max_pixels override `size` (as transformers' processor reads them);
+    an unknown processor, or an image_token_id that is not the tokenizer's, takes no images."""
+    import shutil
+
+    from transformers import AutoImageProcessor
+
+    from router.images.vision import VisionSpec
+
+    d = tmp_path / "ck"
+    shutil.copytree(vl_dir, d)
+    pad = json.loads((d / "config.json").read_text())["image_token_id"]
+    cfg = json.loads((d / "preprocessor_config.json").read_text())
+    (d / "preprocessor_config.json").write_text(json.dumps({**cfg, "min_pixels": 128 * 128, "max_pixels": 160 * 160}))
+    spec, proc = VisionSpec.load(d, pad), AutoImageProcessor.from_pretrained(d)
+    assert spec is not None
+    for w, h in SIZES:
+        assert spec.grid(w, h) == tuple(int(x) for x in proc(images=[Image.new("RGB", (w, h))])["image_grid_thw"][0])
+    assert VisionSpec.load(d, pad + 1) is None
+    (d / "preprocessor_config.json").write_text(json.dumps({**cfg, "image_processor_type": "SiglipImageProcessor"}))
+    assert VisionSpec.load(d, pad) is None
+
+
 def test_a_chat_image_reaches_the_node_expanded(vl, vl_dir):
     from transformers import AutoImageProcessor, AutoTokenizer
 
