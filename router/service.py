@@ -33,7 +33,7 @@ from router.text import TextPool, default_workers
 from router.wait_estimate import estimate
 from serving.metrics import ServingMetrics
 from serving.rpc import MAX_REQUEST_ID_LEN
-from serving.security import OPEN, Credentials
+from serving.security import OPEN, Credentials, key_id
 
 log = logging.getLogger("pdserve.router")
 
@@ -102,6 +102,10 @@ class GenerateService:
             vision = VisionSpec.load(cfg.model, self.tokenizer.token_to_id(IMAGE_PAD))
         self.images = Images(cfg, vision, reg, cfg.tokenizer_workers or default_workers(), cfg.max_body_bytes)
         self.admission = Admission(cfg.max_queued_requests, self._left_queue)
+        self.key_classes = cfg.key_classes
+        known = {key_id(d) for d in creds.api_keys}
+        if unknown := sorted(set(self.key_classes) - known):
+            raise ValueError(f"--api-key-priority names key id(s) {', '.join(unknown)}: no client API key has them")
         self.generate_limit = (cfg.max_queued_requests or 4096) + STREAMING
 
     def spawn(self, coro: Coroutine) -> asyncio.Task:
@@ -175,8 +179,12 @@ class GenerateService:
         try:
             ids, inputs = await self._prompt_ids(request, images)
             tr.prompt_len, tr.images = len(ids), len(inputs)
-            self._check(request, ids)
             self.check_ask(request)
+            # the class it is admitted in travels to the nodes, which schedule by it
+            request.sampling.priority = (
+                pb.PRIORITY_BATCH if self.priority(request) == BATCH else pb.PRIORITY_INTERACTIVE
+            )
+            self._check(request, ids)
             self.images.accepted(inputs)
             run = RequestRun(self, request, ids, tr, to_pb(inputs))
             sp = request.sampling
@@ -296,19 +304,25 @@ class GenerateService:
         else:
             self.queue_wait.observe(wait_s)
 
-    def ask(self, request: pb.GenerateRequest | None, tokens: int, resumed: bool) -> Ask:
-        """What the request asks of admission: its class and budget from its fields, the HTTP
-        headers (router/client_hints.py) or the router's default, and its API key."""
+    def priority(self, request: pb.GenerateRequest | None) -> int:
+        """The request's class: what it asks (the HTTP header, else its field; interactive by
+        default), never above its API key's class (--api-key-priority)."""
         h = HINTS.get() or Hints()
-        priority, budget = h.priority, h.budget_s
-        if request is not None:
-            if priority is None and request.priority == pb.PRIORITY_BATCH:
-                priority = BATCH
-            if budget is None and request.HasField("admission_timeout_s"):
-                budget = request.admission_timeout_s
+        asked = h.priority
+        if asked is None:
+            asked = BATCH if request is not None and request.priority == pb.PRIORITY_BATCH else INTERACTIVE
+        return max(asked, self.key_classes.get(h.tenant, INTERACTIVE))
+
+    def ask(self, request: pb.GenerateRequest | None, tokens: int, resumed: bool) -> Ask:
+        """What the request asks of admission: its class (`priority`), its budget from its
+        field, the HTTP header or the router's default, and its API key."""
+        h = HINTS.get() or Hints()
+        budget = h.budget_s
+        if request is not None and budget is None and request.HasField("admission_timeout_s"):
+            budget = request.admission_timeout_s
         if budget is None:
             budget = self.cfg.admission_timeout_s
-        return Ask(priority or INTERACTIVE, h.tenant, budget, tokens, resumed)
+        return Ask(self.priority(request), h.tenant, budget, tokens, resumed)
 
     def check_ask(self, request: pb.GenerateRequest) -> None:
         t = request.admission_timeout_s
@@ -338,7 +352,9 @@ class GenerateService:
         ask = self.ask(request, prompt_len if pooled else 0, resumed)
         ahead_tokens, ahead = self.admission.ahead(ask.priority)
         ends = [r.expected_end_s(self.tpot_s) for r in self.placed]
-        est, what = estimate(self.registry, self.prefill.meter, prompt_len, ask.tokens, ahead_tokens, ahead, ends)
+        est, what = estimate(
+            self.registry, self.prefill.meter, prompt_len, ask.tokens, ahead_tokens, ahead, ends, ask.priority == BATCH
+        )
         pool = "prefill" if ask.tokens else "decode"
         self.estimated_wait.labels(pool=pool, **{"class": ask.class_name}).set(est)
         if trace is not None and trace.estimate_s is None:  # the one made at arrival
@@ -350,10 +366,11 @@ class GenerateService:
                 return Abort(grpc.StatusCode.UNAVAILABLE, "no live decode node takes new requests")
             return None
 
-        return await self.admission.wait(ask, lambda: self._place(prompt_len, exclude, local, q), unavailable)
+        batch = ask.priority == BATCH
+        return await self.admission.wait(ask, lambda: self._place(prompt_len, exclude, local, q, batch), unavailable)
 
     def _place(
-        self, prompt_len: int, exclude: set[str], local: bool, q: PrefixQuery | None
+        self, prompt_len: int, exclude: set[str], local: bool, q: PrefixQuery | None, batch: bool
     ) -> tuple[NodeEntry, NodeEntry | None] | None:
         """A decode node with room and, when the prompt goes through the prefill pool, a prefill
         node within its window; None: not now. With a PrefixQuery (cache-aware), the pool decision
@@ -370,7 +387,7 @@ class GenerateService:
             p = None
             uncached = prompt_len - (d.cache.usable(q, compute=True) if q is not None else 0)
             if pooled(d, uncached):
-                p = self.prefill.choose(d, prompt_len, set(), window=True, q=q)
+                p = self.prefill.choose(d, prompt_len, set(), window=True, q=q, batch=batch)
                 if p is None:
                     return None  # every prefill node has its window of work: wait, reserving nothing
             if q is not None:
