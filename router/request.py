@@ -136,7 +136,13 @@ class RequestRun:
             ids = self.ids + self.sent
             t0 = time.monotonic()
             d, p = await self.svc.admit(
-                ids, self.tried, self.local or bool(self.sent), self.request, resumed=bool(self.tried), trace=self.tr
+                ids,
+                self.tried,
+                self.local or bool(self.sent),
+                self.request,
+                resumed=bool(self.tried),
+                trace=self.tr,
+                images=self.images,
             )
             self.tr.queue_s += time.monotonic() - t0
             self.tr.decode = d.node_id

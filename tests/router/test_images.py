@@ -327,3 +327,19 @@ def test_urls_are_fetched_within_limits(fetching):
         "messages[1].content[2]: the request's images total more than 300,000 bytes (--max-body-bytes)"
     )
     assert threading.active_count() < 200
+
+
+def test_cache_aware_names_cover_the_pixels():
+    """The router names a prompt's pages as the nodes do, over the hash view: pages covering two
+    different images of the same size differ, the same image again names the same pages, and the
+    pages before the image are the text's."""
+    from router.prefix import PrefixQuery
+
+    pad, bs = 900, 4
+    ids = [1, 2, 3, 4, 5, 6] + [pad] * 8 + [7, 8, 9]
+    a, b = (pb.ImageInput(pixel_hash=hashlib.sha256(x).digest(), offset=6, grid_thw=[1, 4, 8]) for x in (b"a", b"b"))
+    qa, qb, qa2, text = PrefixQuery(ids, [a]), PrefixQuery(ids, [b]), PrefixQuery(list(ids), [a]), PrefixQuery(ids)
+    assert qa.pages(bs) == qa2.pages(bs) and qa.key(bs, 17) == qa2.key(bs, 17)
+    assert qa.pages(bs)[0] == qb.pages(bs)[0] == text.pages(bs)[0]  # tokens 0-3: text only
+    assert all(x != y for x, y in zip(qa.pages(bs)[1:], qb.pages(bs)[1:], strict=True))
+    assert qa.key(bs, 17) != qb.key(bs, 17) and text.pages(bs)[1] not in (qa.pages(bs)[1], qb.pages(bs)[1])
