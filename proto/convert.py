@@ -17,6 +17,32 @@ class ConstraintKwargs(TypedDict):
     start_after_token: int | None
 
 
+class ImageKwargs(TypedDict):
+    """The engine's ImageInput as a mapping (engine/vision/inputs.py)."""
+
+    data: bytes
+    pixel_hash: bytes
+    offset: int
+    grid_thw: tuple[int, int, int]
+
+
+def image_kwargs(images: Iterable[pb.ImageInput], need_data: bool = True) -> list[ImageKwargs]:
+    """ImageInput messages as mappings; ValueError naming the image for a malformed one."""
+    out: list[ImageKwargs] = []
+    for k, m in enumerate(images):
+        if len(m.grid_thw) != 3:
+            raise ValueError(f"images[{k}]: grid_thw needs 3 values (t, h, w), got {len(m.grid_thw)}")
+        if len(m.pixel_hash) != 32:
+            raise ValueError(f"images[{k}]: pixel_hash must be 32 bytes (SHA-256), got {len(m.pixel_hash)}")
+        if need_data and not m.data:
+            raise ValueError(f"images[{k}]: no image bytes (data)")
+        t, h, w = (int(x) for x in m.grid_thw)
+        out.append(
+            ImageKwargs(data=bytes(m.data), pixel_hash=bytes(m.pixel_hash), offset=int(m.offset), grid_thw=(t, h, w))
+        )
+    return out
+
+
 class SamplingKwargs(TypedDict, total=False):
     """Keyword arguments of the engine's SamplingParams (named here, not imported)."""
 

@@ -181,11 +181,18 @@ class PrefillPhase:
         """Release from a path that is unwinding (a cancelled request): a task of its own."""
         self._spawn(self.release(d, rid, reason, dead_prefill))
 
-    async def reserve(self, d: NodeEntry, rid: str, ids: list[int], request) -> pb.TransferTarget:
-        """D.Reserve, retried while D is momentarily full (bounded by the admission wait)."""
+    async def reserve(
+        self, d: NodeEntry, rid: str, ids: list[int], request, images: Sequence[pb.ImageInput] = ()
+    ) -> pb.TransferTarget:
+        """D.Reserve, retried while D is momentarily full (bounded by the admission wait). The
+        images go without their bytes: D names its cached pages by their pixel hashes."""
         deadline = time.monotonic() + self.cfg.admission_timeout_s
         req = pb.ReserveRequest(
-            request_id=rid, prompt_token_ids=ids, sampling=request.sampling, lease_s=self.cfg.reservation_lease_s
+            request_id=rid,
+            prompt_token_ids=ids,
+            sampling=request.sampling,
+            lease_s=self.cfg.reservation_lease_s,
+            images=[pb.ImageInput(pixel_hash=i.pixel_hash, offset=i.offset, grid_thw=i.grid_thw) for i in images],
         )
         while True:
             try:
@@ -200,7 +207,7 @@ class PrefillPhase:
     ) -> Push | None:
         """Reserve on D, prefill on P (counted against it by admission; one retry elsewhere) until
         it streams the first token. Returns the Push (first token, the push still running), or
-        None to prefill on D. `images`: the prompt's, for P (D never sees them)."""
+        None to prefill on D. `images`: the prompt's, for P (D gets their hashes only)."""
         tried: set[str] = set()
         batch = request.sampling.priority == pb.PRIORITY_BATCH
         attempt = 0  # reservations made (each under its own id)
@@ -237,7 +244,7 @@ class PrefillPhase:
         except grpc.RpcError as e:
             raise _Failed(e, rid, reserved=False) from None
         try:
-            target = await self.reserve(d, rid, ids, request)
+            target = await self.reserve(d, rid, ids, request, images)
         except grpc.RpcError as e:
             raise DecodeFailed(e) from None
         call = None

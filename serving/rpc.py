@@ -16,7 +16,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.vision.inputs import ImageInput
 from proto import pb, rpc
+from proto.convert import image_kwargs
 from serving.security import OPEN, Credentials, NodeGuard, add_port
 from serving.security import channel as secure_channel
 
@@ -45,6 +47,18 @@ class _Registry(Protocol):
 
     def Register(self, request: pb.RegisterRequest, timeout: float) -> pb.RegisterResponse: ...
     def Heartbeat(self, request: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatResponse: ...
+
+
+def images_of(
+    msgs: Iterable[pb.ImageInput], context: grpc.ServicerContext, need_data: bool = True
+) -> tuple[ImageInput, ...]:
+    """A request's ImageInput messages as the engine's records; INVALID_ARGUMENT naming the image
+    for a malformed one (the engine checks them against the prompt and the pixels)."""
+    try:
+        return tuple(ImageInput(**kw) for kw in image_kwargs(msgs, need_data))
+    except ValueError as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        raise
 
 
 def is_draining(err: grpc.RpcError) -> bool:

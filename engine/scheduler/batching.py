@@ -114,13 +114,17 @@ class Scheduler:
             n += len(drafts)
             need = self.blocks.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
             while need > 0 and not self.blocks.can_allocate(need):
-                victim = self.running[-1]  # the newest of the lowest class: never a row planned already
-                self._preempt(victim)
-                plan.preempted.append(victim)
+                victim = self._victim(i)  # never a row planned already
+                if victim.no_pixels:  # cannot recompute its prompt here (docs/images.md)
+                    self.finish(victim, "abort")
+                    log.warning("request %s gave its memory up: its images are not on this node", victim.request_id)
+                else:
+                    self._preempt(victim)
+                    plan.preempted.append(victim)
                 if victim is req:
                     break
             if req.status is not Status.RUNNING:
-                if not self.running:  # alone and still does not fit: it never will
+                if not self.running and req.status is Status.PREEMPTED:  # alone and still does not fit: it never will
                     self.finish(req, "length")
                     log.warning("request %s needs more KV pages than the cache holds; stopped", req.request_id)
                 plan.budget = 0
@@ -164,7 +168,7 @@ class Scheduler:
                 if n <= 0:
                     break
             shared = hit.pages if hit else []
-            need = self.blocks.blocks_for(p + n) - len(shared)
+            need = self.blocks.blocks_for(self._admit_upto(req, p + n)) - len(shared)
             taken = sum(self.blocks.is_free(b) for b in shared)  # cached pages nobody used: now in use
             if not self.blocks.can_allocate(need + taken) or self.slots.num_free == 0:
                 break
@@ -191,6 +195,15 @@ class Scheduler:
         plan.rows.append(ScheduledRow(req, n, drafts, depths))
         plan.budget -= n
 
+    def _admit_upto(self, req: Request, end: int) -> int:
+        """The tokens a request takes pages for as it starts: its first chunk's, or a prefill-only
+        request's whole prompt (it holds them all for its transfer anyway, and a transfer that
+        streams each chunk's pages names every page when it opens), unless the prompt needs more
+        pages than the cache has (it then stops for lack of pages, as any request)."""
+        if req.prefill_only and self.blocks.blocks_for(req.num_tokens) <= self.blocks.num_blocks:
+            return req.num_tokens
+        return end
+
     def _lookahead(self, req: Request, n: int, num_drafts: int, depth: int) -> None:
         """With MTP, a row that samples also takes pages, while free ones remain, for the positions
         its next drafts occupy (capped at max_model_len); it never preempts for them: without
@@ -202,6 +215,11 @@ class Scheduler:
         extra = min(self.blocks.blocks_for(end) - len(req.block_ids), self.blocks.num_free)
         if extra > 0:
             req.block_ids += self.blocks.allocate(extra)
+
+    def _victim(self, i: int) -> Request:
+        """The request that gives its memory up, among those not yet scheduled this step (from
+        running[i]): the newest of the lowest class that can recompute its prompt, else the last."""
+        return next((r for r in reversed(self.running[i:]) if not r.no_pixels), self.running[-1])
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
