@@ -168,7 +168,7 @@ class GenerateService:
             raise Draining("the router")
         tr = Trace(request.request_id or uuid.uuid4().hex)
         if self.active >= self.generate_limit:
-            self._left_queue("queue_full", Ask(), 0.0)
+            self._left_queue("queue_full", Ask(self.priority(request)), 0.0)
             log.info("request %s: refused RESOURCE_EXHAUSTED, %d requests in flight", tr.request_id, self.active)
             raise Abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,

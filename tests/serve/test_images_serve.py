@@ -2,7 +2,7 @@
 the prefill node) on the tiny vision-language checkpoint: OpenAI chat with one image, two of
 different sizes, an image in an earlier turn and text only answers what transformers' `generate`
 answers on the same processed inputs (the same text over HTTP, the same tokens through the SDK,
-usage counting the expanded prompt); every bad image (corrupt bytes, a 50-megapixel image, an SVG
+usage counting the expanded prompt), also from `pdserve generate --image`; every bad image (corrupt bytes, a 50-megapixel image, an SVG
 and a PDF body, an http URL with fetching off, a video part, too many images) is a 400 naming the
 part, after which the cluster serves on and both nodes' pages and slots are back to their start."""
 
@@ -149,3 +149,18 @@ def test_chat_with_images_equals_transformers(vl_up, vl_model):
             r = c.generate(prompt=text, images=images, max_tokens=NEW, temperature=0.0, ignore_eos=True)
             assert r.token_ids == want, f"{name}: the SDK's tokens differ from transformers'"
             assert r.prompt_tokens == len(ids) and r.prefill_node == "prefill-0", name
+
+
+def test_cli_generate_with_an_image(vl_up, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers.serve_harness import ROOT
+
+    (tmp_path / "a.png").write_bytes(A)
+    gen = [sys.executable, "-m", "router.cli", "generate", "--addr", vl_up.address, "--image", str(tmp_path / "a.png")]
+    run = dict(capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120, cwd=ROOT)
+    r = subprocess.run([*gen, "What is it?", "--max-tokens", "3", "--temperature", "0", "--ignore-eos"], **run)
+    assert r.returncode == 0 and "3 tokens, length" in r.stderr, r.stderr
+    assert wait_for(lambda: [ln for ln in vl_up.lines if "(1 images)" in ln and "pdserve.router" in ln], 10, "log")
