@@ -61,6 +61,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
                 TransferConfig(backend=self.backend, bind_host=cfg.data_host),
                 push_timeout_s=cfg.push_timeout_s,
                 spin_s=cfg.push_spin_s,
+                stream=cfg.stream_kv,
             )
         except Exception:
             self.engine.close()

@@ -214,7 +214,7 @@ class PrefillPhase:
         failures = 0  # prefill calls that failed (a drain refusal is not one)
         while True:
             if p is None:
-                q = PrefixQuery(ids) if self.policy.uses_prefix else None
+                q = PrefixQuery(ids, images) if self.policy.uses_prefix else None
                 p = self.choose(d, len(ids), tried, window=False, q=q, batch=batch)  # a retry: admitted already
                 if p is None:
                     return None

@@ -49,6 +49,7 @@ class Trace:
     request_id: str
     received: float = field(default_factory=time.monotonic)
     prompt_len: int = 0
+    images: int = 0  # images in the prompt (their tokens are in prompt_len)
     decode: str = "-"
     prefill: str = "local"
     queue_s: float = 0.0
@@ -77,10 +78,11 @@ class Trace:
     def log(self) -> None:
         ttft, tpot = self.ttft(), self.tpot()
         log.info(
-            "request %s: prompt %d, decode %s, prefill %s, queue %.1f ms (estimated %s), ttft %s, tpot %s, "
+            "request %s: prompt %d%s, decode %s, prefill %s, queue %.1f ms (estimated %s), ttft %s, tpot %s, "
             "%d tokens, %s; transfer %d B in %.1f ms%s",
             self.request_id,
             self.prompt_len,
+            f" ({self.images} images)" if self.images else "",
             self.decode,
             self.prefill,
             self.queue_s * 1e3,
@@ -134,7 +136,13 @@ class RequestRun:
             ids = self.ids + self.sent
             t0 = time.monotonic()
             d, p = await self.svc.admit(
-                ids, self.tried, self.local or bool(self.sent), self.request, resumed=bool(self.tried), trace=self.tr
+                ids,
+                self.tried,
+                self.local or bool(self.sent),
+                self.request,
+                resumed=bool(self.tried),
+                trace=self.tr,
+                images=self.images,
             )
             self.tr.queue_s += time.monotonic() - t0
             self.tr.decode = d.node_id

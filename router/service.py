@@ -168,7 +168,7 @@ class GenerateService:
             raise Draining("the router")
         tr = Trace(request.request_id or uuid.uuid4().hex)
         if self.active >= self.generate_limit:
-            self._left_queue("queue_full", Ask(), 0.0)
+            self._left_queue("queue_full", Ask(self.priority(request)), 0.0)
             log.info("request %s: refused RESOURCE_EXHAUSTED, %d requests in flight", tr.request_id, self.active)
             raise Abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -178,7 +178,7 @@ class GenerateService:
         self.idle.clear()
         try:
             ids, inputs = await self._prompt_ids(request, images)
-            tr.prompt_len = len(ids)
+            tr.prompt_len, tr.images = len(ids), len(inputs)
             self.check_ask(request)
             # the class it is admitted in travels to the nodes, which schedule by it
             request.sampling.priority = (
@@ -339,6 +339,7 @@ class GenerateService:
         request: pb.GenerateRequest | None = None,
         resumed: bool = False,
         trace: Trace | None = None,
+        images: Sequence[pb.ImageInput] = (),
     ) -> tuple[NodeEntry, NodeEntry | None]:
         """Decide at arrival, then wait in turn until the prompt `ids` is placed: (decode node,
         prefill node or None to prefill on the decode node), both counted against until `done`
@@ -346,7 +347,7 @@ class GenerateService:
         returns none). resumed: admitted before (a retry, a failover): never refused for lack of
         budget. Refused (RESOURCE_EXHAUSTED, retry_after_s) at arrival only."""
         prompt_len = len(ids)
-        q = PrefixQuery(ids) if self.policy.uses_prefix else None
+        q = PrefixQuery(ids, images) if self.policy.uses_prefix else None
         dec = [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]
         pooled = not local and bool(dec) and self.prefill.use_pool(dec[0], prompt_len)
         ask = self.ask(request, prompt_len if pooled else 0, resumed)

@@ -127,6 +127,29 @@ def test_grid_equals_transformers_processor(vl_dir):
         assert spec.grid(w, h) == want, (w, h)
 
 
+def test_the_processor_config_variants(vl_dir, tmp_path):
+    """Top-level min_pixels / max_pixels override `size` (as transformers' processor reads them);
+    an unknown processor, or an image_token_id that is not the tokenizer's, takes no images."""
+    import shutil
+
+    from transformers import AutoImageProcessor
+
+    from router.images.vision import VisionSpec
+
+    d = tmp_path / "ck"
+    shutil.copytree(vl_dir, d)
+    pad = json.loads((d / "config.json").read_text())["image_token_id"]
+    cfg = json.loads((d / "preprocessor_config.json").read_text())
+    (d / "preprocessor_config.json").write_text(json.dumps({**cfg, "min_pixels": 128 * 128, "max_pixels": 160 * 160}))
+    spec, proc = VisionSpec.load(d, pad), AutoImageProcessor.from_pretrained(d)
+    assert spec is not None
+    for w, h in SIZES:
+        assert spec.grid(w, h) == tuple(int(x) for x in proc(images=[Image.new("RGB", (w, h))])["image_grid_thw"][0])
+    assert VisionSpec.load(d, pad + 1) is None
+    (d / "preprocessor_config.json").write_text(json.dumps({**cfg, "image_processor_type": "SiglipImageProcessor"}))
+    assert VisionSpec.load(d, pad) is None
+
+
 def test_a_chat_image_reaches_the_node_expanded(vl, vl_dir):
     from transformers import AutoImageProcessor, AutoTokenizer
 
@@ -177,7 +200,7 @@ def test_the_same_pixels_hash_the_same_and_different_ones_do_not(vl):
     assert decode(rgba, 10**6).pixel_hash == _rgb_sha(rgba)
 
 
-def test_grpc_images(vl):
+def test_grpc_images(vl, tmp_path):
     from client import Client, PdserveError
 
     r, fake, port = vl
@@ -191,8 +214,9 @@ def test_grpc_images(vl):
         assert [tuple(i.grid_thw) for i in req.images] == [(1, 4, 4)] and req.images[0].data == a
         assert res.prompt_tokens == len(req.prompt_token_ids) == len(r.service.tokenizer.encode(prompt)) + 3
         assert len(big) > 4 << 20
-        c.generate(prompt=prompt + prompt, images=[big, im.data_url(a)], max_tokens=2)
-        assert [i.data for i in fake.requests[-1].images] == [big, a]
+        (tmp_path / "a.png").write_bytes(a)
+        c.generate(prompt=prompt * 3, images=[big, im.data_url(a), tmp_path / "a.png"], max_tokens=2)
+        assert [i.data for i in fake.requests[-1].images] == [big, a, a]
         for kw, words in [
             (dict(prompt=prompt, images=[b"junk"]), "images[0]: not an image"),
             (dict(prompt=prompt, images=["http://127.0.0.1:9/x.png"]), "images[0]: image URLs are not fetched"),
@@ -303,3 +327,19 @@ def test_urls_are_fetched_within_limits(fetching):
         "messages[1].content[2]: the request's images total more than 300,000 bytes (--max-body-bytes)"
     )
     assert threading.active_count() < 200
+
+
+def test_cache_aware_names_cover_the_pixels():
+    """The router names a prompt's pages as the nodes do, over the hash view: pages covering two
+    different images of the same size differ, the same image again names the same pages, and the
+    pages before the image are the text's."""
+    from router.prefix import PrefixQuery
+
+    pad, bs = 900, 4
+    ids = [1, 2, 3, 4, 5, 6] + [pad] * 8 + [7, 8, 9]
+    a, b = (pb.ImageInput(pixel_hash=hashlib.sha256(x).digest(), offset=6, grid_thw=[1, 4, 8]) for x in (b"a", b"b"))
+    qa, qb, qa2, text = PrefixQuery(ids, [a]), PrefixQuery(ids, [b]), PrefixQuery(list(ids), [a]), PrefixQuery(ids)
+    assert qa.pages(bs) == qa2.pages(bs) and qa.key(bs, 17) == qa2.key(bs, 17)
+    assert qa.pages(bs)[0] == qb.pages(bs)[0] == text.pages(bs)[0]  # tokens 0-3: text only
+    assert all(x != y for x, y in zip(qa.pages(bs)[1:], qb.pages(bs)[1:], strict=True))
+    assert qa.key(bs, 17) != qb.key(bs, 17) and text.pages(bs)[1] not in (qa.pages(bs)[1], qb.pages(bs)[1])

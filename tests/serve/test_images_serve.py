@@ -1,8 +1,10 @@
-"""Images through `pdserve up` (router + one prefill node + one decode node) on the tiny
-vision-language checkpoint, over OpenAI HTTP: every bad image (corrupt bytes, a 50-megapixel
-image, an SVG and a PDF body, an http URL with fetching off, a video part, too many images) is a
-400 naming the part; afterwards the cluster serves a normal request and both nodes' pages and
-slots are back to their start (no refused image reached a node)."""
+"""Images through `pdserve up` (router + one prefill node + one decode node, every prompt through
+the prefill node) on the tiny vision-language checkpoint: OpenAI chat with one image, two of
+different sizes, an image in an earlier turn and text only answers what transformers' `generate`
+answers on the same processed inputs (the same text over HTTP, the same tokens through the SDK,
+usage counting the expanded prompt), also from `pdserve generate --image`; every bad image (corrupt bytes, a 50-megapixel image, an SVG
+and a PDF body, an http URL with fetching off, a video part, too many images) is a 400 naming the
+part, after which the cluster serves on and both nodes' pages and slots are back to their start."""
 
 from __future__ import annotations
 
@@ -24,7 +26,16 @@ def vl_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vl_up(vl_model):
-    opts = flags(dtype="float32", decode=1, prefill=1, local_prefill_threshold=0, http_port=0, max_images_per_request=2)
+    opts = flags(
+        dtype="float32",
+        decode=1,
+        prefill=1,
+        local_prefill_threshold=0,
+        http_port=0,
+        max_images_per_request=2,
+        reasoning_parser="none",  # the content is the whole output's text
+        tool_call_parser="none",
+    )
     up = Up("--model", vl_model, *opts)
     yield up
     assert up.stop() == 0, up.output()
@@ -81,3 +92,75 @@ def test_bad_images_are_refused_naming_the_part_and_nothing_leaks(vl_up):
     wait_for(lambda: decode_stats(d.address).capacity == start, 20, "the decode node's pages and slots back")
     wait_for(lambda: _all_free(prefill_stats(p.address).capacity), 20, "the prefill node's memory back")
     assert "Traceback" not in vl_up.output()
+
+
+NEW = 12
+A, B = vl.png(64, 48, seed=1), vl.png(40, 100, seed=2)  # different sizes: 12 and 16 image tokens
+
+
+def _text(t: str) -> dict:
+    return {"type": "text", "text": t}
+
+
+CASES = {
+    "one image": [{"role": "user", "content": [_text("What is in "), _image(im.data_url(A)), _text("?")]}],
+    "two images": [{"role": "user", "content": [_image(im.data_url(A)), _text(" or "), _image(im.data_url(B))]}],
+    "earlier turn": [
+        {"role": "user", "content": [_image(im.data_url(B)), _text("Describe it.")]},
+        {"role": "assistant", "content": "A picture."},
+        {"role": "user", "content": "And the colours?"},
+    ],
+    "text only": [{"role": "user", "content": "Hello there, how are you?"}],
+}
+
+
+def _reference(model: str, tok, msgs: list[dict]) -> tuple[str, list[int], list[bytes], list[int]]:
+    """transformers' rendering (each image part as {"type": "image"}), its ids expanded by the
+    image processor's grids, and its greedy tokens."""
+    hf_msgs, images = [], []
+    for m in msgs:
+        parts = m["content"]
+        if isinstance(parts, list):
+            for p in parts:
+                if p["type"] == "image_url":
+                    images.append(A if p["image_url"]["url"] == im.data_url(A) else B)
+            parts = [{"type": "image"} if p["type"] == "image_url" else p for p in parts]
+        hf_msgs.append({**m, "content": parts})
+    text = tok.apply_chat_template(hf_msgs, tokenize=False, add_generation_prompt=True)
+    ids, inputs = vl.expand(model, tok.encode(text, add_special_tokens=False), images)
+    return text, ids, images, vl.hf_greedy(model, ids, inputs, NEW)
+
+
+def test_chat_with_images_equals_transformers(vl_up, vl_model):
+    from transformers import AutoTokenizer
+
+    from client import Client
+
+    tok = AutoTokenizer.from_pretrained(vl_model)
+    url = log_url(vl_up, r"OpenAI-compatible HTTP on (http://\S+/v1)")
+    with Client(vl_up.address, timeout=120) as c:
+        for name, msgs in CASES.items():
+            text, ids, images, want = _reference(vl_model, tok, msgs)
+            body = {"model": "ckpt", "messages": msgs, "max_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+            status, out = _post(url, body)
+            assert status == 200, (name, out)
+            assert out["choices"][0]["message"]["content"] == tok.decode(want, skip_special_tokens=True), name
+            assert (out["usage"]["prompt_tokens"], out["usage"]["completion_tokens"]) == (len(ids), NEW), name
+            r = c.generate(prompt=text, images=images, max_tokens=NEW, temperature=0.0, ignore_eos=True)
+            assert r.token_ids == want, f"{name}: the SDK's tokens differ from transformers'"
+            assert r.prompt_tokens == len(ids) and r.prefill_node == "prefill-0", name
+
+
+def test_cli_generate_with_an_image(vl_up, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers.serve_harness import ROOT
+
+    (tmp_path / "a.png").write_bytes(A)
+    gen = [sys.executable, "-m", "router.cli", "generate", "--addr", vl_up.address, "--image", str(tmp_path / "a.png")]
+    run = dict(capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120, cwd=ROOT)
+    r = subprocess.run([*gen, "What is it?", "--max-tokens", "3", "--temperature", "0", "--ignore-eos"], **run)
+    assert r.returncode == 0 and "3 tokens, length" in r.stderr, r.stderr
+    assert wait_for(lambda: [ln for ln in vl_up.lines if "(1 images)" in ln and "pdserve.router" in ln], 10, "log")

@@ -104,11 +104,38 @@ def test_a_long_prompt_streams_chunk_by_chunk_and_decodes_like_transformers(pair
     assert _free(P) == p0 and _free(D) == d0 and not pc.has_work() and not dc.has_work()
 
 
-def test_a_cancel_mid_stream_leaves_nothing_on_either_side(pair, prompt_and_want):
+def test_a_prompt_streaming_longer_than_the_push_timeout_is_no_failed_push(pair):
+    """The push's deadline counts from its last streamed chunk (and from its post), not from
+    its Begin: a long prompt streams for as long as its chunks keep coming."""
+    P, D, pc, dc, (a, b) = pair
+    if (a, b) != (1, 1):
+        pytest.skip("one TP pair is enough")
+    prompt = hc.prompts(lens=(LEN,), seed=4)[0]  # not in either prefix cache
+    p0, d0 = _free(P), _free(D)
+    target = _target(D, "s3", prompt, b)
+    P.add_request(prompt, SP, "s3", prefill_only=True, transfer=PushParams(target, lease_s=30.0))
+    timeout, pc.push_timeout_s = pc.push_timeout_s, 0.4
+    records: list[TransferRecord] = []
+    try:
+        while "s3" in P.requests and P.requests["s3"].output_token_ids == []:
+            P.step()
+            records += P.poll_transfers() + D.poll_transfers()
+            time.sleep(0.15)  # 8 chunks: 1.2 s from the Begin to the first token
+        _drive(P, D, lambda: not pc.tracks("s3") and dc.phase("s3") is ReservationPhase.READY, records)
+    finally:
+        pc.push_timeout_s = timeout
+    sent = [r for r in records if isinstance(r, SendDone)]
+    assert len(sent) == 1 and sent[0].error is None, sent
+    D.release("s3")
+    _drive(P, D, lambda: RecvFreed("s3") in records, records)
+    assert _free(P) == p0 and _free(D) == d0
+
+
+def test_a_cancel_mid_stream_leaves_nothing_on_either_side(pair):
     P, D, pc, dc, (a, b) = pair
     if (a, b) != (1, 1):
         pytest.skip("one TP pair is enough for the cancel")
-    prompt, _ = prompt_and_want
+    prompt = hc.prompts(lens=(LEN,), seed=5)[0]  # not in either prefix cache
     p0, d0 = _free(P), _free(D)
     target = _target(D, "s2", prompt, b)
     P.add_request(prompt, SP, "s2", prefill_only=True, transfer=PushParams(target, lease_s=30.0))

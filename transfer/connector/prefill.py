@@ -52,7 +52,7 @@ _NEXT: dict[PushPhase, frozenset[PushPhase]] = {
 class _Push:
     rid: str
     target: Target
-    deadline: float
+    deadline: float  # push_timeout_s after it opened, after its last streamed chunk, after its post
     phase: PushPhase
     opened: tuple[list[int], int | None] | None = None  # (blocks, slot) when opened before the state existed
     streamed: bool = False  # opened before a chunk that leaves more of the prompt to compute
@@ -147,6 +147,7 @@ class PrefillConnector(RankEndpoints, Connector):
         try:
             self.call_all(xr.post_pages, self.backend, push.rid, end // self.block_size)
             push.chunks += 1
+            push.deadline = time.monotonic() + self.push_timeout_s  # a long prompt is no slow push
         except Exception as e:
             self._fail(push, f"streaming a chunk's pages failed: {e}")
 
@@ -257,6 +258,7 @@ class PrefillConnector(RankEndpoints, Connector):
             return
         push.to(PushPhase.POSTED)
         push.started = time.monotonic()
+        push.deadline = push.started + self.push_timeout_s
 
     def _fail(self, push: _Push, why: str, aborted: bool = False) -> None:
         """Some ranks may have started: abort them all; the push ends once every rank is quiet."""
