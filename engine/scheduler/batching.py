@@ -110,7 +110,7 @@ class Scheduler:
                 if n <= 0:
                     i += 1
                     continue
-            drafts = self._drafts(req, plan.budget) if n == 1 and req.num_computed_tokens > 0 else []
+            drafts = self._drafts(req, plan.budget) if left == 1 and req.num_computed_tokens > 0 else []
             n += len(drafts)
             need = self.blocks.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
             while need > 0 and not self.blocks.can_allocate(need):

@@ -7,7 +7,7 @@ checked row by row, and the tokens of a mixed-class run with a tiny step against
 from __future__ import annotations
 
 from engine.cache.block_manager import BlockManager, SlotPool
-from engine.config import SchedulerConfig
+from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.request import Request, Status
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -84,6 +84,20 @@ def test_preempted_batch_goes_back_behind_waiting_interactive():
     assert [r.request_id for r in s.waiting] == ["i1", "b2"]
     assert ("i1", 12) in step(s)
     assert [r.request_id for r in s.running] == ["i1", "b1"]
+
+
+def test_a_capped_batch_chunk_of_one_token_carries_no_drafts():
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=STEP, batch_chunk_tokens=1)
+    spec = SpeculativeConfig(num_tokens=2)
+    s = Scheduler(cfg, BlockManager(64, 4), SlotPool(8), 1000, 2, lambda toks, k: [99] * k, spec)
+    s.add(req("i1", 4, 0, max_tokens=20))
+    s.add(req("b1", 30, 1))
+    assert step(s) == [("i1", 4)]
+    step(s)  # b1 admitted with its first prompt token
+    out = s.schedule()  # i1 decodes with its drafts; b1's prompt goes on, 1 token, no drafts
+    rows = {r.request.request_id: r for r in out.rows}
+    assert rows["b1"].num_new_tokens == 1 and rows["b1"].draft_token_ids == []
+    assert rows["i1"].draft_token_ids == [99, 99]
 
 
 def test_mixed_classes_small_steps_match_transformers(ckpt_hv2, prompts, hf_ref_hv2):

@@ -131,6 +131,28 @@ def test_a_prompt_streaming_longer_than_the_push_timeout_is_no_failed_push(pair)
     assert _free(P) == p0 and _free(D) == d0
 
 
+def test_a_request_preempted_mid_stream_fails_its_push_and_frees_everything(pair):
+    """Preempted (its pages go back and are recomputed, whatever ids it gets next): the pages
+    already written may have been read while another request rewrote them, so the push fails at
+    the next chunk and both sides get their memory back."""
+    P, D, pc, dc, (a, b) = pair
+    if (a, b) != (1, 1):
+        pytest.skip("one TP pair is enough")
+    prompt = hc.prompts(lens=(LEN,), seed=6)[0]
+    p0, d0 = _free(P), _free(D)
+    target = _target(D, "s4", prompt, b)
+    P.add_request(prompt, SP, "s4", prefill_only=True, transfer=PushParams(target, lease_s=30.0))
+    P.step()
+    P.step()
+    P.scheduler._preempt(P.requests["s4"])  # what memory pressure does to the running batch's last
+    records: list[TransferRecord] = []
+    _drive(P, D, lambda: not pc.tracks("s4") and RecvFreed("s4") in records, records)
+    sent = [r for r in records if isinstance(r, SendDone)]
+    assert len(sent) == 1 and "preempted" in (sent[0].error or ""), sent
+    assert _free(P) == p0 and _free(D) == d0 and not P.requests and not D.requests
+    assert not pc.has_work() and not dc.has_work()
+
+
 def test_a_cancel_mid_stream_leaves_nothing_on_either_side(pair):
     P, D, pc, dc, (a, b) = pair
     if (a, b) != (1, 1):

@@ -57,6 +57,7 @@ class _Push:
     opened: tuple[list[int], int | None] | None = None  # (blocks, slot) when opened before the state existed
     streamed: bool = False  # opened before a chunk that leaves more of the prompt to compute
     chunks: int = 0  # page posts made as prompt chunks finished
+    preemptions: int = 0  # the request's preemptions when its push opened
     started: float = field(default_factory=time.monotonic)  # the writes were posted
     error: str | None = None
     aborted: bool = False
@@ -116,7 +117,7 @@ class PrefillConnector(RankEndpoints, Connector):
             if not (row.samples or streamed):
                 continue
             push = self._new(req.request_id, p.target, PushPhase.OPENED)
-            push.streamed = streamed
+            push.streamed, push.preemptions = streamed, req.num_preemptions
             try:
                 blocks = list(req.block_ids[:pages])  # not the MTP lookahead's
                 slot = state_slot(req)
@@ -240,9 +241,15 @@ class PrefillConnector(RankEndpoints, Connector):
         return push
 
     def _same_memory(self, push: _Push, req: Request) -> bool:
-        """The request still computes into the pages and slot its push opened with (a preempted
-        request recomputes elsewhere: its push fails, the router retries)."""
+        """The request still computes into the pages and slot its push opened with and was never
+        preempted since (its pages went back and may have been rewritten under a WRITE, even if
+        it got the same ids again): else its push fails and the router retries. A prefill-only
+        request holds its whole prompt's pages from its start, so it never needs more and is
+        preempted for nobody in practice."""
         held = (list(req.block_ids[: self._pages(req)]), req.slot)
+        if req.num_preemptions != push.preemptions:
+            self._fail(push, f"the request was preempted after its push opened ({req.num_preemptions} times)")
+            return False
         if held != push.opened:
             self._fail(push, f"the request's memory changed after its push opened ({push.opened} -> {held})")
             return False
