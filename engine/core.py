@@ -55,6 +55,7 @@ class EngineCore:
         if cfg.model.vision is not None:
             load_processor(cfg.model.path)  # images are checked here: at start, not on the first one
         self._ids = itertools.count()
+        self.image_totals: tuple[int, float, int] = (0, 0.0, 0)  # images encoded, seconds, encoder-cache hits
         self.connector: Connector | None = None  # set once by use_connector
         self._test_delay_s = float(os.environ.get(TEST_PREFILL_DELAY_ENV) or 0.0)
         if self._test_delay_s:
@@ -390,6 +391,8 @@ class EngineCore:
             except BaseException:
                 self.scheduler.abandon(so)  # the step's snapshot pins must not outlive it
                 raise
+            (n, secs, hits), (dn, dsecs, dhits) = self.image_totals, res.images
+            self.image_totals = (n + dn, secs + dsecs, hits + dhits)
             for rid, lg in res.logits.items():
                 self.requests[rid].logits = lg
             self._keep_prompt_logprobs(res.prompt_logprobs)

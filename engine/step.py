@@ -85,3 +85,4 @@ class StepOutput:
     # params.prompt_logprobs: (position of the row's first token, [TokenLogprob of the token after each position])
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
     seconds: float = 0.0
+    images: tuple[int, float, int] = (0, 0.0, 0)  # this step: images encoded, their seconds, encoder-cache hits

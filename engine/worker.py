@@ -25,7 +25,7 @@ from engine.sampling import Sampler, token_logprobs
 from engine.step import StepInput, StepOutput
 from engine.structured.bitmask import GrammarMask
 from engine.units import parse_bytes
-from engine.vision.embedder import ImageEmbedder
+from engine.vision.embedder import ImageEmbedder, image_stats
 from kernels.points import StatePoints
 
 log = logging.getLogger("pdserve.worker")
@@ -185,8 +185,16 @@ class Worker:
         return rope, self.images.rows(spans)
 
     def execute(self, step: StepInput) -> StepOutput | None:
+        before = image_stats(self)
         out = self._execute(step)
         self.fence.record()  # after every kernel the step queued: a push of its pages waits on it
+        if out is not None and self.images is not None:
+            now = image_stats(self)
+            out.images = (
+                int(now["images"] - before["images"]),
+                now["encoder_seconds"] - before["encoder_seconds"],
+                int(now["encoder_cache_hits"] - before["encoder_cache_hits"]),
+            )
         return out
 
     def _execute(self, step: StepInput) -> StepOutput | None:

@@ -247,6 +247,7 @@ class Snapshot:
     spec_accepted_per_position: tuple[int, ...] = field(default=())
     transfer: ConnectorStats = field(default_factory=ConnectorStats)  # the connector's totals (zeros: none)
     streaming: int = 0  # requests a handle streams or whose push it waits for
+    images: tuple[int, float, int] = (0, 0.0, 0)  # totals: images encoded, encoder seconds, encoder-cache hits
 
 
 def take_snapshot(eng: EngineCore, previous: Snapshot, streaming: int = 0) -> Snapshot:
@@ -269,6 +270,7 @@ def take_snapshot(eng: EngineCore, previous: Snapshot, streaming: int = 0) -> Sn
         spec_accepted_per_position=tuple(sched.accepted_per_position),
         transfer=eng.transfer_stats() or ConnectorStats(),
         streaming=streaming,
+        images=eng.image_totals,
     )
     pc = eng.prefix
     if pc is None:

@@ -24,6 +24,11 @@ class ImageArgs:
         "fetch http(s) image URLs in requests (off: only data: URLs and bytes; on, the router makes requests to "
         "any address a client names, so keep it off on a router that faces untrusted clients)",
     )
+    allow_private_image_urls: bool = option(
+        False,
+        "with --allow-image-urls, also fetch from loopback, private and link-local addresses (off: a URL whose host "
+        "resolves to one, such as a cloud metadata endpoint, is refused)",
+    )
     image_url_timeout_s: float = option(10.0, "seconds one image URL's fetch may take in all (with --allow-image-urls)")
     image_url_max_bytes: int = option(
         16 << 20, "largest image body fetched from a URL, in bytes (with --allow-image-urls)"

@@ -1,7 +1,8 @@
 """An image part's bytes from its URL: a `data:` URL is decoded here; an `http(s)` one is fetched
 only when the router was started with --allow-image-urls, in a worker thread, under a total time
 limit, a size limit (a declared Content-Length past it is refused unread) and a redirect limit
-(a redirect loop stops there). Anything else is refused. Every refusal is an ImageRefused whose
+(a redirect loop stops there), and only from public addresses unless --allow-private-image-urls.
+Anything else is refused. Every refusal is an ImageRefused whose
 message says what to send instead."""
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import base64
 import binascii
 import http.client
+import ipaddress
+import socket
 import time
 import urllib.error
 import urllib.parse
@@ -76,8 +79,33 @@ def fetch_url(url: str, args: ImageArgs) -> bytes:
         url = nxt
 
 
+def check_host(url: str, args: ImageArgs) -> None:
+    """Refuse a URL whose host resolves to a loopback, private, link-local or otherwise non-public
+    address, unless args.allow_private_image_urls. (The connection resolves the name again: a DNS
+    answer that changes in between is not caught; a proxy in front of the router is the stronger fence.)"""
+    if args.allow_private_image_urls:
+        return
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    try:
+        infos = socket.getaddrinfo(
+            host, parts.port or (443 if parts.scheme == "https" else 80), type=socket.SOCK_STREAM
+        )
+    except (OSError, UnicodeError) as e:
+        raise ImageRefused("url", f"fetching the image URL failed: {host!r} does not resolve ({e})") from None
+    for info in infos:
+        ip = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
+        if not ip.is_global or ip.is_multicast:
+            raise ImageRefused(
+                "url",
+                f"the image URL's host {host!r} is a non-public address ({ip}): this router fetches public "
+                "addresses only (--allow-private-image-urls)",
+            )
+
+
 def _get(url: str, args: ImageArgs, deadline: float) -> bytes | str:
     """One GET: the body, or the Location of a redirect."""
+    check_host(url, args)
     limit = args.image_url_max_bytes
     req = urllib.request.Request(url, headers={"Accept": "image/*", "User-Agent": "pdserve-router"})
     try:

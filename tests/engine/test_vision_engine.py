@@ -110,3 +110,36 @@ def test_bad_images_are_refused(vl, tmp_path):
             == cases["one_image"][2]
         )
         assert llm.engine.blocks.num_free == llm.capacity().num_blocks
+
+
+def test_reserved_image_request_is_never_recomputed(vl):
+    """A decode node's request with image placeholders has no pixels (docs/images.md): under memory
+    pressure another request gives its pages up; alone, it is aborted rather than recomputed."""
+    path, cases = vl("qwen3_5")
+    ids = cases["one_image"][0]
+    long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    with LLM(
+        path,
+        dtype="float32",
+        kv_cache_memory="0.7MiB",
+        max_num_seqs=4,
+        enable_prefix_caching=False,
+        engine_process=False,
+    ) as llm:
+        eng = llm.engine
+        assert eng.capacity.num_blocks == 16
+        assert eng.reserve(ids, long, "img") is not None  # no images given: no pixels here
+        assert eng.requests["img"].no_pixels and eng.requests["img"].rope_delta == 0
+        eng.activate("img", 5)
+        eng.add_request(cases["text_only"][0] * 2, long, "text")
+        done = {}
+        while eng.has_unfinished():
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+        assert done["img"].finish_reason == "length" and done["img"].metrics["num_preemptions"] == 0
+        assert done["text"].finish_reason == "length" and done["text"].metrics["num_preemptions"] > 0
+        assert eng.reserve(ids, SamplingParams(max_tokens=300, ignore_eos=True), "alone") is not None
+        eng.activate("alone", 5)
+        while eng.has_unfinished():
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+        assert done["alone"].finish_reason == "abort"
+        assert eng.blocks.num_free == eng.capacity.num_blocks

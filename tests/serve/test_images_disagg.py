@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.helpers import vl_ckpt as vc
-from tests.helpers.serve_harness import Up, decode_stats, flags, node_info, wait_for
+from tests.helpers.serve_harness import Up, decode_stats, flags, log_url, node_info, scrape, wait_for
 
 NEW = 8
 CASES = ("one_image", "two_sizes", "earlier_turn", "text_only")
@@ -32,13 +32,20 @@ def _generate(c, text, images):
     return c.generate(prompt=text, images=images, max_tokens=NEW, temperature=0.0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("tp", [(1, 1), (2, 1), (1, 2)], ids=lambda t: f"p{t[0]}d{t[1]}")
+# (2, 1) in the slow tier: a TP 2 prefill's replicated encoder is tested in the engine
+# (tests/engine/test_vision_engine.py); (1, 2) stays, two receiving ranks taking rope_delta
+TPS = [(1, 1), pytest.param((2, 1), marks=pytest.mark.slow), (1, 2)]
+
+
+@pytest.mark.parametrize("tp", TPS, ids=lambda t: f"p{t[0]}d{t[1]}")
 def test_images_disaggregated_match_transformers(vl_refs, tp):
     from client import Client
 
     path, cases = vl_refs
     a, b = tp
-    opts = flags(dtype="float32", prefill=1, decode=1, prefill_tp=a, decode_tp=b, local_prefill_threshold=0)
+    opts = flags(
+        dtype="float32", prefill=1, decode=1, prefill_tp=a, decode_tp=b, local_prefill_threshold=0, metrics_port=0
+    )
     up = Up("--model", path, *opts, "--prefix-snapshot-interval", "16")
     try:
         d = node_info(up.address, "decode-0")
@@ -54,6 +61,9 @@ def test_images_disaggregated_match_transformers(vl_refs, tp):
                 text, images, want = cases["one_image"]
                 again = _generate(c, text, images)
                 assert again.token_ids == want and again.cached_tokens > 16
+                m = scrape(log_url(up, r"prefill node prefill-0 metrics at (http://\S+/metrics)"))
+                assert m[("pdserve_prefill_images_total", ())] == 4  # the repeat's image is not encoded again
+                assert m[("pdserve_prefill_encoder_seconds_total", ())] > 0
         wait_for(lambda: decode_stats(d.address).capacity == initial, 30, "the decode node's memory back")
     except BaseException:
         print(up.output()[-6000:])

@@ -2,7 +2,8 @@
 the prefill node) on the tiny vision-language checkpoint: OpenAI chat with one image, two of
 different sizes, an image in an earlier turn and text only answers what transformers' `generate`
 answers on the same processed inputs (the same text over HTTP, the same tokens through the SDK,
-usage counting the expanded prompt), also from `pdserve generate --image`; every bad image (corrupt bytes, a 50-megapixel image, an SVG
+prefilled on the prefill node or, with logprobs, on the decode node; usage counting the
+expanded prompt), also from `pdserve generate --image`; every bad image (corrupt bytes, a 50-megapixel image, an SVG
 and a PDF body, an http URL with fetching off, a video part, too many images) is a 400 naming the
 part, after which the cluster serves on and both nodes' pages and slots are back to their start."""
 
@@ -149,6 +150,9 @@ def test_chat_with_images_equals_transformers(vl_up, vl_model):
             r = c.generate(prompt=text, images=images, max_tokens=NEW, temperature=0.0, ignore_eos=True)
             assert r.token_ids == want, f"{name}: the SDK's tokens differ from transformers'"
             assert r.prompt_tokens == len(ids) and r.prefill_node == "prefill-0", name
+            # with logprobs the decode node prefills the prompt itself, images and all
+            r = c.generate(prompt=text, images=images, max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=0)
+            assert r.token_ids == want and r.prefill_node == "", f"{name}: prefilled on the decode node"
 
 
 def test_cli_generate_with_an_image(vl_up, tmp_path):
