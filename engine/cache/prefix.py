@@ -74,12 +74,20 @@ class PrefixStats:
 
 
 class PrefixCache:
-    def __init__(self, blocks: BlockManager, num_snapshots: int, interval: int, mtp: bool = False):
+    def __init__(
+        self,
+        blocks: BlockManager,
+        num_snapshots: int,
+        interval: int,
+        mtp: bool = False,
+        message_break: tuple[int, ...] = (),
+    ):
         if interval < 1:
             raise ValueError(f"prefix snapshot interval must be >= 1 (got {interval})")
         self.blocks = blocks
         self.block_size = blocks.block_size
         self.interval = interval
+        self.message_break = message_break  # a snapshot before its last token too (`extra_points`)
         self.mtp = mtp  # the MTP drafter's KV is cached too (docs/ARCHITECTURE.md)
         self.num_snapshots = num_snapshots
         self._free_idx = list(range(num_snapshots - 1, -1, -1))
@@ -97,6 +105,22 @@ class PrefixCache:
         """The cached full pages a request resuming at p shares; with MTP the page holding token
         p - 1 is not one of them, it comes from the snapshot (`tail_page`)."""
         return (p - 1) // self.block_size if self.mtp else p // self.block_size
+
+    def message_points(self, tokens: list[int]) -> list[int]:
+        """Prompt positions just before a message starts (the last token of each `message_break`):
+        the first (a shared system prompt's end) and the last two (a conversation's branches)."""
+        brk, n = self.message_break, len(self.message_break)
+        points: list[int] = []
+        i = 0
+        while brk:
+            try:
+                i = tokens.index(brk[0], i)
+            except ValueError:
+                break
+            if tuple(tokens[i : i + n]) == brk:
+                points.append(i + n - 1)
+            i += 1
+        return sorted(set(points[:1] + points[-2:]))
 
     def tail_page(self, p: int) -> int | None:
         """Index of the page a snapshot at p keeps (the partial page; with MTP always the page of

