@@ -35,17 +35,19 @@ def _one(c, p, new_tokens, **kw):
         return e, time.monotonic() - t0, None
 
 
-def _spec(model, budget: float):
-    """1 prefill + 1 decode node, room for the whole burst on the decode node."""
+def _spec(model, budget: float, chunk: int | None = None):
+    """1 prefill + 1 decode node, room for the whole burst on the decode node; chunk: the nodes'
+    --batch-chunk-tokens (None: its default)."""
     from router.launch import PoolSpec
 
+    opts = {"dtype": "float32", "kv_cache_memory": "2GiB", "max_num_seqs": 128}
     return PoolSpec(
         model=str(model),
         prefill=1,
         decode=1,
         port=0,
         log_level="WARNING",
-        node_options={"dtype": "float32", "kv_cache_memory": "2GiB", "max_num_seqs": 128},
+        node_options=opts if chunk is None else {**opts, "batch_chunk_tokens": chunk},
         router_options={"admission_timeout_s": budget},
     )
 
@@ -83,25 +85,31 @@ def run(model, prompts, warm, new_tokens: int, budget: float) -> dict:
     }
 
 
-def run_priority(model, prompts, probes, warm, new_tokens: int) -> tuple[list[float], list[float]]:
-    """Interactive TTFTs (one probe at a time) on the idle cluster, then under a batch-class flood
-    of `prompts` (no budget: all wait their turn)."""
+def run_priority(model, prompts, probes, warm, new_tokens: int, chunk: int | None) -> tuple[list[float], list[float]]:
+    """Interactive TTFTs, one probe at a time: a third of `probes` on the idle cluster, a third
+    under a batch-class flood of `prompts` (no budget: all wait their turn; a probe every 0.25 s
+    from 2 s in), the last third on the idle cluster after the flood (idle: before and after, so
+    a load that drifts meanwhile weighs on both sides)."""
     from client import Client
     from router.launch import Cluster
 
-    with Cluster(_spec(model, 0.0), out=sys.stderr) as cl:
+    with Cluster(_spec(model, 0.0, chunk), out=sys.stderr) as cl:
         cl.start()
         with Client(cl.address, timeout=3600) as c:
             c.wait_ready(timeout=120)
             for p in warm:
                 c.generate(prompt_token_ids=p, max_tokens=2, temperature=0.0, ignore_eos=True)
-            half = len(probes) // 2
-            idle = [_one(c, p, new_tokens)[2] for p in probes[:half]]
+            k = len(probes) // 3
+            idle = [_one(c, p, new_tokens)[2] for p in probes[:k]]
             with ThreadPoolExecutor(len(prompts)) as ex:
                 flood = [ex.submit(_one, c, p, new_tokens, priority="batch") for p in prompts]
                 time.sleep(2.0)
-                loaded = [_one(c, p, new_tokens)[2] for p in probes[half:]]
+                loaded = []
+                for p in probes[k : 2 * k]:
+                    loaded.append(_one(c, p, new_tokens)[2])
+                    time.sleep(0.25)
                 [f.result() for f in flood]
+            idle += [_one(c, p, new_tokens)[2] for p in probes[2 * k :]]
     return idle, loaded
 
 
@@ -117,6 +125,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--priority", action="store_true", help="interactive TTFT, idle vs under a batch flood")
     ap.add_argument("--probe-len", type=int, default=500, help="--priority: interactive prompt tokens")
+    ap.add_argument("--probes", type=int, default=12, help="--priority: probes per phase (idle, flood, idle again)")
+    ap.add_argument(
+        "--batch-chunk-tokens", type=int, default=None, help="--priority: the nodes' option (default theirs)"
+    )
     args = ap.parse_args()
 
     import torch
@@ -128,8 +140,8 @@ def main() -> int:
     prompts = torch.randint(1, 1000, (args.requests + 2, args.prompt_len), generator=g).tolist()
     print(f"{args.requests} distinct prompts of {args.prompt_len} tokens at once, 1P+1D; model {model}")
     if args.priority:
-        probes = torch.randint(1, 1000, (16, args.probe_len), generator=g).tolist()
-        idle, loaded = run_priority(model, prompts[2:], probes, prompts[:2], args.new_tokens)
+        probes = torch.randint(1, 1000, (3 * args.probes, args.probe_len), generator=g).tolist()
+        idle, loaded = run_priority(model, prompts[2:], probes, prompts[:2], args.new_tokens, args.batch_chunk_tokens)
         p50 = statistics.median
         print(
             f"interactive {args.probe_len}-token prompts, one at a time: TTFT p50 {p50(idle) * 1e3:.0f} ms idle, "

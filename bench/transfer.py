@@ -3,7 +3,8 @@
 Each rank its own process, TP 1->1 and 2->1; bytes, descriptors, time, and ratios against one
 contiguous NIXL WRITE and a memcpy.
 
-    python bench/transfer.py [--tokens 4096] [--reps 3] [--backend nixl|ucxx] [--device cuda] [--json OUT.json]"""
+    python bench/transfer.py [--tokens 4096] [--reps 3] [--backend nixl|ucxx] [--device cuda] [--json OUT.json]
+        [--shape 35b-a3b]   (per-layer KV and GDN state sizes of Qwen3.5-35B-A3B, 16 layers)"""
 
 from __future__ import annotations
 
@@ -29,8 +30,22 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 BLOCK = 16
 
 
-def model_config() -> ModelConfig:
-    return ModelConfig(
+# Per-layer state sizes: "default" (24 layers, 16 GDN value heads) and "35b-a3b": Qwen3.5-35B-A3B's
+# attention KV (2 heads x 256) and GDN state (16 key heads x 128, 32 value heads x 128, conv
+# kernel 4) in 16 layers (12 GDN, 4 attention) instead of its 40, so bytes per token per layer are real.
+SHAPES: dict[str, dict] = {
+    "default": {},
+    "35b-a3b": dict(
+        hidden_size=2048,
+        num_attention_heads=16,
+        linear_num_value_heads=32,
+        layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 4,
+    ),
+}
+
+
+def model_config(shape: str = "default") -> ModelConfig:
+    kw = dict(
         path="<bench>",
         architecture="Qwen3_5ForCausalLM",
         vocab_size=151936,
@@ -52,11 +67,12 @@ def model_config() -> ModelConfig:
         tie_word_embeddings=False,
         dtype=torch.bfloat16,
     )
+    return ModelConfig(**{**kw, **SHAPES[shape]})  # type: ignore[arg-type]
 
 
-def engine_config(tp: int, max_tokens: int) -> EngineConfig:
+def engine_config(tp: int, max_tokens: int, shape: str = "default") -> EngineConfig:
     """A budget that fits one request of max_tokens (+1 for the first decode token) and 2 slots."""
-    m = model_config()
+    m = model_config(shape)
     probe = EngineConfig(m, ParallelConfig(tp), CacheConfig(BLOCK, "1GiB", 2), SchedulerConfig(max_num_seqs=2))
     specs = build_specs(probe, 0)
     state = 2 * sum(s.page_size_bytes for s in specs if s.kind == "gdn")
@@ -68,13 +84,15 @@ def engine_config(tp: int, max_tokens: int) -> EngineConfig:
 # -- rank processes ----------------------------------------------------------------------------
 
 
-def rank_main(conn, role: str, tp: int, rank: int, max_tokens: int, backend: str, eh: bool, device: str) -> None:
+def rank_main(
+    conn, role: str, tp: int, rank: int, max_tokens: int, backend: str, eh: bool, device: str, shape: str = "default"
+) -> None:
     import msgspec  # noqa: PLC0415
 
     from transfer import Receiver, Sender, TransferConfig, decode_target  # noqa: PLC0415
     from transfer.plan import expand_arrays  # noqa: PLC0415
 
-    cfg = engine_config(tp, max_tokens)
+    cfg = engine_config(tp, max_tokens, shape)
     specs = build_specs(cfg, rank)
     pools = CachePools(specs, plan_capacity(specs, cfg.cache.memory_bytes, 2, BLOCK), device)
     ep = (Sender if role == "sender" else Receiver)(
@@ -125,6 +143,21 @@ def rank_main(conn, role: str, tp: int, rank: int, max_tokens: int, backend: str
             assert req.state.value == "done", req.error
             stats = getattr(ep.transport, "last_post", {})
             conn.send((t0, stats.get("make_s", 0.0), stats.get("indices", 0), req.nbytes))
+        elif cmd == "stream":  # sender: an opened request's prompt chunk by chunk (a sleep stands in for a
+            # chunk's forward), its full pages written after each chunk when streaming; then the rest
+            rid, chunk, chunk_s, stream = args
+            req = reqs[rid]
+            t_start = time.monotonic()
+            for end in range(chunk, req.num_tokens + chunk, chunk):
+                time.sleep(chunk_s)
+                if stream and end < req.num_tokens:
+                    req.post_pages(end // BLOCK)
+                ep.poll()  # an engine polls its transfers once per step
+            t_first = time.monotonic()  # the first token exists
+            req.post()
+            ep.wait(req, 60, until=lambda r: r.state.terminal and r.quiet, sleep_s=0)
+            assert req.state.value == "done", req.error
+            conn.send((t_start, t_first, req.nbytes))
         elif cmd == "wait_done":  # receiver: busy-poll until done, report when, free
             conn.send("ready")
             req = ep.wait(reqs[args[0]], 60, sleep_s=0)
@@ -166,7 +199,9 @@ def rank_main(conn, role: str, tp: int, rank: int, max_tokens: int, backend: str
 class Ranks:
     """a source ranks (node P, TP=a) and one destination rank (node D), one process each."""
 
-    def __init__(self, a: int, max_tokens: int, backend: str, eh: bool = True, device: str = "cpu"):
+    def __init__(
+        self, a: int, max_tokens: int, backend: str, eh: bool = True, device: str = "cpu", shape: str = "default"
+    ):
         from transfer.schema import decode_peer  # noqa: PLC0415
 
         ctx = mp.get_context("spawn")
@@ -174,7 +209,7 @@ class Ranks:
         for role, tp, rank in [("sender", a, r) for r in range(a)] + [("receiver", 1, 0)]:
             c, child = ctx.Pipe()
             p = ctx.Process(
-                target=rank_main, args=(child, role, tp, rank, max_tokens, backend, eh, device), daemon=True
+                target=rank_main, args=(child, role, tp, rank, max_tokens, backend, eh, device, shape), daemon=True
             )
             p.start()
             self.procs.append(p)
@@ -272,6 +307,7 @@ def main() -> None:
     ap.add_argument("--backend", default="nixl", choices=["nixl", "ucxx"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where every rank's pools lie")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--shape", default="default", choices=sorted(SHAPES), help="per-layer state sizes (SHAPES)")
     ap.add_argument(
         "--no-ucx-error-handling",
         action="store_true",
@@ -281,7 +317,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = []
     for a in args.tp:
-        ranks = Ranks(a, max(args.tokens), args.backend, not args.no_ucx_error_handling, args.device)
+        ranks = Ranks(a, max(args.tokens), args.backend, not args.no_ucx_error_handling, args.device, args.shape)
         try:
             for tokens in args.tokens:
                 warm = ranks.transfer(f"warm-{tokens}", tokens)  # connections, first touch of pages

@@ -1,12 +1,13 @@
 """pdserve client SDK: `Client` and `AsyncClient` talk to a router over gRPC (`generate`, `stream`,
-`wait_ready`, `list_models`). Closing a stream cancels the request; failures raise `PdserveError`
+`wait_ready`, `list_models`; images with `images=`). Closing a stream cancels the request; failures raise `PdserveError`
 with the gRPC code and message. README.md has the examples."""
 
 from client.aio import AsyncClient, AsyncTokenStream
 from client.sync import Client, TokenStream
-from client.types import GenerateResult, PdserveError, StreamChunk, TokenLogprob
+from client.types import IMAGE_PLACEHOLDER, GenerateResult, PdserveError, StreamChunk, TokenLogprob
 
 __all__ = [
+    "IMAGE_PLACEHOLDER",
     "AsyncClient",
     "AsyncTokenStream",
     "Client",

@@ -109,7 +109,8 @@ class Client:
         """Chunks as the tokens come. Options: max_tokens, temperature, top_k, top_p, min_p, seed,
         stop_token_ids, ignore_eos, request_id, stop (strings), min_tokens, presence_penalty,
         frequency_penalty, repetition_penalty, logprobs, prompt_logprobs, num_speculative_tokens,
-        logit_bias ({token id: bias}), constraint (structured output: {"kind": "json_schema" |
+        logit_bias ({token id: bias}), images (bytes, file paths or URLs, one IMAGE_PLACEHOLDER each in the
+        prompt), constraint (structured output: {"kind": "json_schema" |
         "json_object" | "regex" | "grammar" | "choice", "value": ..., "start_after_token": id})
         (docs/api.md)."""
         req = build_request(prompt, prompt_token_ids, **sampling)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
@@ -146,8 +149,11 @@ def build_request(
     constraint: pb.Constraint | dict | None = None,
     admission_timeout_s: float | None = None,
     priority: str | None = None,
+    images: Sequence[bytes | str | os.PathLike[str]] = (),
 ) -> pb.GenerateRequest:
-    """Unset options (None) take the server's defaults. docs/api.md describes each."""
+    """Unset options (None) take the server's defaults. docs/api.md describes each. `images`: the
+    prompt's, in order, each encoded bytes, a file path or a URL (data:, or http(s) for a router
+    started with --allow-image-urls); the prompt holds IMAGE_PLACEHOLDER once per image."""
     if (prompt is None) == (prompt_token_ids is None):
         raise ValueError("give exactly one of prompt= (text) or prompt_token_ids=")
     sp = pb.SamplingParams(
@@ -189,4 +195,18 @@ def build_request(
         req.prompt = prompt
     else:
         req.prompt_token_ids.extend(int(t) for t in prompt_token_ids)
+    req.images.extend(image_part(x) for x in images)
     return req
+
+
+# What a text prompt holds per image (Qwen3.5's vision tokens); the router expands each to the image's tokens
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def image_part(x: bytes | str | os.PathLike[str]) -> pb.ImagePart:
+    """An ImagePart from encoded bytes, a URL (a str with a scheme: data:, http:, https:) or a file path."""
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        return pb.ImagePart(data=bytes(x))
+    if isinstance(x, str) and x.split(":", 1)[0].lower() in ("data", "http", "https"):
+        return pb.ImagePart(url=x)
+    return pb.ImagePart(data=Path(x).read_bytes())

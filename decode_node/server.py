@@ -26,7 +26,7 @@ from serving.commands import NoRoom, RequestHandle, ShuttingDown, UnknownRequest
 from serving.loop import EngineLoop
 from serving.metrics import Gauges, ServingMetrics, capacity_gauges
 from serving.node import NodeServer, on_cancel, serve_node
-from serving.rpc import MAX_REQUEST_ID_LEN, Interrupt, refuse_draining
+from serving.rpc import MAX_REQUEST_ID_LEN, Interrupt, images_of, refuse_draining
 from transfer import TransferConfig
 from transfer.connector import DecodeConnector
 from transfer.messages import TargetRank
@@ -150,7 +150,10 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         rid = self._request_id(request.request_id, context)
         params = self._params(request.sampling, context)
         ids, resume = list(request.prompt_token_ids), list(request.resume_token_ids)
-        handle = self.loop_api(context, lambda: self.loop.submit(rid, ids, params, resume=resume))
+        images = images_of(
+            request.images, context, model=self.ecfg.model.path if request.images and self.ecfg.model.vision else None
+        )
+        handle = self.loop_api(context, lambda: self.loop.submit(rid, ids, params, resume=resume, images=images))
         on_cancel(context, handle.abort)  # prompt, even while _relay waits
         try:
             yield from self._relay(handle, context)
@@ -306,8 +309,11 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         params = self._params(request.sampling, context)
         ids = list(request.prompt_token_ids)
         lease = request.lease_s or self.cfg.reservation_lease_s
+        images = images_of(request.images, context, need_data=False)
         try:
-            got = self.loop_api(context, lambda: self.loop.reserve(rid, ids, params, transfer=lease).result())
+            got = self.loop_api(
+                context, lambda: self.loop.reserve(rid, ids, params, transfer=lease, images=images).result()
+            )
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             raise

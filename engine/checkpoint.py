@@ -177,6 +177,8 @@ def check_checkpoint(cfg: ModelConfig, reader: Reader) -> Shapes:
         if n in known:
             continue
         what = next((w for w, r in IGNORED.items() if r.match(n)), None)
+        if what == "vision tower" and cfg.vision is not None:
+            continue  # read by engine/vision/weights.py
         if what is None:
             unexpected.append(n)
         else:

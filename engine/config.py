@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, get_args
 
+from engine.config_fields import fp8_block_size, moe_fields
 from engine.options import option
 from engine.rope import RopeScaling
 from engine.tokenizer import message_break
 from engine.units import parse_bytes
+from engine.vision.config import VisionConfig
 
 if TYPE_CHECKING:
     import torch
@@ -31,7 +33,6 @@ ARCHITECTURES = {
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 _WRAPPERS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")  # text under text_config
-SUPPORTED_QUANTIZATION = ("fp8",)
 _DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -82,6 +83,7 @@ class ModelConfig:
     fp8_experts: Literal["auto", "keep", "dequantize"] = "auto"
     mtp_num_layers: int = 0  # multi-token-prediction layers the config declares (`mtp.layers.*`)
     rope_scaling: RopeScaling = RopeScaling()  # YaRN / linear scaling of the rotary positions (engine/rope.py)
+    vision: VisionConfig | None = None  # the vision tower of a vision-language checkpoint (docs/images.md)
 
     def __post_init__(self):
         bad = {t for t in self.layer_types if t not in ("linear_attention", "full_attention")}
@@ -167,7 +169,7 @@ class ModelConfig:
         want_type = ARCHITECTURES[arch]
         if text.get("model_type", want_type) != want_type:
             raise ValueError(f"{arch} expects a {want_type} text model, found model_type {text.get('model_type')!r}")
-        fp8_block = _fp8_block_size(raw.get("quantization_config") or text.get("quantization_config"), cfg_path)
+        fp8_block = fp8_block_size(raw.get("quantization_config") or text.get("quantization_config"), cfg_path)
         n_layers = text["num_hidden_layers"]
         layer_types = text.get("layer_types") or [
             "full_attention" if (i + 1) % text.get("full_attention_interval", 4) == 0 else "linear_attention"
@@ -208,49 +210,17 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             weight_prefix=prefix,
             fp8_block_size=fp8_block,
-            **_moe_fields(text, want_type),
+            **moe_fields(text, want_type),
             mtp_num_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
             rope_scaling=scaling,
+            vision=VisionConfig.from_raw(raw, text) if arch in _WRAPPERS and _has_processor(path) else None,
         )
 
 
-def _moe_fields(text: dict, model_type: str) -> dict:
-    """The MoE sizes of a text config. Qwen3.5-MoE has every layer sparse and always renormalises
-    its top-k weights (its config has no norm_topk_prob, decoder_sparse_step or mlp_only_layers);
-    Qwen3-Next reads all three."""
-    if model_type == "qwen3_5_text" or not text.get("num_experts"):
-        return {}
-    out = dict(
-        num_experts=text["num_experts"],
-        num_experts_per_tok=text["num_experts_per_tok"],
-        moe_intermediate_size=text["moe_intermediate_size"],
-        shared_expert_intermediate_size=text["shared_expert_intermediate_size"],
-    )
-    if model_type == "qwen3_next":
-        out.update(
-            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
-            decoder_sparse_step=text.get("decoder_sparse_step", 1),
-            mlp_only_layers=tuple(text.get("mlp_only_layers") or ()),
-        )
-    return out
-
-
-def _fp8_block_size(qc: dict | None, where: Path) -> tuple[int, int] | None:
-    """The weight block of a `quant_method: fp8` config; any other method is refused."""
-    if not qc:
-        return None
-    method = qc.get("quant_method")
-    if method not in SUPPORTED_QUANTIZATION:
-        raise ValueError(
-            f"unsupported quantization method {method!r} (quantization_config in {where}); "
-            f"supported: {', '.join(SUPPORTED_QUANTIZATION)} with weight_block_size"
-        )
-    block = qc.get("weight_block_size")
-    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise ValueError(f"fp8 quantization needs weight_block_size [bn, bk] (got {block!r}) in {where}")
-    if qc.get("fmt", "e4m3") != "e4m3":
-        raise ValueError(f"unsupported fp8 format {qc.get('fmt')!r} in {where}; supported: e4m3")
-    return (block[0], block[1])
+def _has_processor(path: str | os.PathLike) -> bool:
+    """A vision-language checkpoint serves images when it ships its image processor; without one
+    its text model is served and the vision tower left out (docs/images.md)."""
+    return (Path(path) / "preprocessor_config.json").is_file()
 
 
 @dataclass(frozen=True)
@@ -298,6 +268,7 @@ class CacheConfig:
     snapshot_fraction: float = 0.1
     # and before the last token of each occurrence of this sequence (a ChatML message break)
     message_break: tuple[int, ...] = ()
+    encoder_cache_memory: int | str = "64MiB"  # vision-language models: image embeddings kept per rank
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -319,10 +290,13 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # requests in the running batch
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits prompts)
     max_model_len: int | None = None  # prompt + output tokens; default the model's max positions
+    # prompt tokens batch-class requests get in one step while interactive ones are about (the
+    # step an interactive prompt may wait behind is that short; 0: no cap)
+    batch_chunk_tokens: int = 256
 
     def __post_init__(self):
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.batch_chunk_tokens < 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, batch_chunk_tokens >= 0")
 
 
 SpeculativeMethod = Literal["ngram", "mtp"]
@@ -466,6 +440,10 @@ class EngineArgs:
         "FP8 checkpoints: keep the routed experts in FP8 (keep) or dequantize them at load (dequantize); "
         "auto keeps them on cuda (half the memory of bfloat16)",
     )
+    batch_chunk_tokens: int = option(
+        256, "prompt tokens batch-class requests get per step while interactive ones are about (0: no cap)"
+    )
+    encoder_cache_memory: int | str = option("64MiB", "image encoder outputs kept per rank, by pixel hash")
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -478,8 +456,11 @@ class EngineArgs:
                 snapshot_interval=self.prefix_snapshot_interval,
                 snapshot_fraction=self.prefix_snapshot_memory,
                 message_break=message_break(self.model) if self.enable_prefix_caching else (),
+                encoder_cache_memory=self.encoder_cache_memory,
             ),
-            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len),
+            scheduler=SchedulerConfig(
+                self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, self.batch_chunk_tokens
+            ),
             speculative=SpeculativeConfig(
                 num_tokens=self.num_speculative_tokens,
                 method=self.speculative_method,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 
 from engine.cache.block_manager import BlockManager, SlotPool
@@ -23,10 +24,17 @@ from engine.request import Request, Status
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import NgramProposer
-from engine.step import RowInput, StepInput
+from engine.step import ImageSpan, RowInput, StepInput
 from engine.tokenizer import Tokenizer
+from engine.vision.inputs import ImageInput
+from engine.vision.processing import load_processor
+from engine.vision.requests import image_state, unknown_images_view
 
 log = logging.getLogger("pdserve.engine")
+
+# Tests only: each step sleeps this many seconds per prompt token it computed, a prefill rate the
+# admission tests can predict (tests/serve/test_priority.py); unset or 0 in any real deployment.
+TEST_PREFILL_DELAY_ENV = "PDSERVE_TEST_PREFILL_DELAY_PER_TOKEN_S"
 
 
 class EngineCore:
@@ -44,8 +52,14 @@ class EngineCore:
             cfg.scheduler, self.blocks, self.slots, cfg.max_model_len, spec.num_tokens, self._propose, spec, self.prefix
         )
         self.requests: dict[str, Request] = {}
+        if cfg.model.vision is not None:
+            load_processor(cfg.model.path)  # images are checked here: at start, not on the first one
         self._ids = itertools.count()
+        self.image_totals: tuple[int, float, int] = (0, 0.0, 0)  # images encoded, seconds, encoder-cache hits
         self.connector: Connector | None = None  # set once by use_connector
+        self._test_delay_s = float(os.environ.get(TEST_PREFILL_DELAY_ENV) or 0.0)
+        if self._test_delay_s:
+            log.warning("%s=%g: prefill throttled (a test setting)", TEST_PREFILL_DELAY_ENV, self._test_delay_s)
         log.info(
             "engine ready in %.1f s: %s, tp=%d, %s",
             time.perf_counter() - t0,
@@ -110,8 +124,11 @@ class EngineCore:
                 "raise kv_cache_memory"
             )
 
-    def _new(self, prompt_token_ids, params, request_id, **kw) -> Request:
+    def _new(self, prompt_token_ids, params, request_id, images=(), pixels=True, **kw) -> Request:
+        """A validated request; with images (checked against the prompt, their bytes decoded and
+        hashed when `pixels`), its 3-D rotary positions and position offset too."""
         self.validate(prompt_token_ids, params)
+        state = image_state(self.cfg.model, list(prompt_token_ids), tuple(images), pixels)
         done = kw.get("output_token_ids", ())
         if done and len(prompt_token_ids) + len(done) >= self.cfg.max_model_len:
             raise ValueError(
@@ -121,7 +138,9 @@ class EngineCore:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in flight")
-        return Request(rid, list(prompt_token_ids), params, **kw)
+        req = Request(rid, list(prompt_token_ids), params, **kw)
+        req.images, req.mrope, req.rope_delta = state
+        return req
 
     def add_request(
         self,
@@ -131,11 +150,15 @@ class EngineCore:
         want_logits: bool = False,
         prefill_only: bool = False,
         transfer: object = None,
+        images: tuple[ImageInput, ...] = (),
     ) -> str:
         """Queue a request. prefill_only: stop after the first token and HOLD its pages and
         slot for a transfer (released once the connector's push ends, or with `release`).
-        transfer: the connector's parameters for it (a prefill node's push target)."""
-        req = self._new(prompt_token_ids, params, request_id, want_logits=want_logits, prefill_only=prefill_only)
+        transfer: the connector's parameters for it (a prefill node's push target). images: the
+        prompt's images on their <|image_pad|> runs (docs/images.md)."""
+        req = self._new(
+            prompt_token_ids, params, request_id, images, want_logits=want_logits, prefill_only=prefill_only
+        )
         req.kv_transfer = transfer
         self.requests[req.request_id] = req
         self.scheduler.add(req)
@@ -144,7 +167,12 @@ class EngineCore:
         return req.request_id
 
     def resume_request(
-        self, prompt_token_ids, params: SamplingParams, output_token_ids, request_id: str | None = None
+        self,
+        prompt_token_ids,
+        params: SamplingParams,
+        output_token_ids,
+        request_id: str | None = None,
+        images: tuple[ImageInput, ...] = (),
     ) -> str:
         """Queue a request that already has output tokens (produced elsewhere, e.g. by a node that
         failed mid-stream): the engine computes prompt + those tokens as one prefill (the path a
@@ -155,7 +183,7 @@ class EngineCore:
         bad = [t for t in done if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"resumed output token id(s) {bad[:5]} out of range [0, {vocab})")
-        req = self._new(prompt_token_ids, params, request_id, output_token_ids=done)
+        req = self._new(prompt_token_ids, params, request_id, images, output_token_ids=done)
         req._sent = len(done)
         self.requests[req.request_id] = req
         self.scheduler.add(req)
@@ -173,12 +201,24 @@ class EngineCore:
         return None if got is None else got[0]
 
     def reserve_transfer(
-        self, prompt_token_ids, params: SamplingParams, request_id: str, transfer: object = None
+        self,
+        prompt_token_ids,
+        params: SamplingParams,
+        request_id: str,
+        transfer: object = None,
+        images: tuple[ImageInput, ...] = (),
     ) -> tuple[tuple[list[int], int, int], object] | None:
         """`reserve`, then the connector adopts the reservation (`transfer`: its parameters, e.g.
         a lease): ((block_ids, slot, cached), the connector's answer). If the connector raises,
-        the memory goes back and the error propagates."""
-        req = self._new(prompt_token_ids, params, request_id)
+        the memory goes back and the error propagates. images: the prompt's images as their
+        hashes and places (no pixels are needed here): the prefix cache's page names; a prompt
+        with image placeholders and no images given shares no cached page (its rope_delta comes
+        with the transfer, docs/images.md)."""
+        req = self._new(prompt_token_ids, params, request_id, images, pixels=False)
+        v = self.cfg.model.vision
+        req.no_pixels = v is not None and v.image_token_id in req.prompt_token_ids
+        if not images:
+            req._hash_prompt = unknown_images_view(self.cfg.model, req.prompt_token_ids)
         req.kv_transfer = transfer
         if not self.scheduler.reserve(req):
             return None
@@ -297,6 +337,7 @@ class EngineCore:
                 if (mtp or plp is not None) and not r.samples
                 else []
             )
+            end = start + n_known + len(r.draft_token_ids)
             rows.append(
                 RowInput(
                     request_id=req.request_id,
@@ -317,9 +358,24 @@ class EngineCore:
                     if r.samples
                     and (p.penalized or p.biased or p.constraint or len(req.output_token_ids) < p.min_tokens)
                     else None,
+                    mrope=req.rope_rows(start, end) if start < len(req.prompt_token_ids) else None,
+                    rope_delta=req.rope_delta,
+                    images=self._image_spans(req, start, start + n_known),
                 )
             )
         return StepInput(rows, so.finished_ids, [c for _, c in so.restores], [c for _, c in so.saves])
+
+    def _image_spans(self, req: Request, start: int, end: int) -> tuple[ImageSpan, ...]:
+        """The images whose placeholder tokens a row over tokens [start, end) covers."""
+        if not req.images or start >= len(req.prompt_token_ids):
+            return ()
+        assert self.cfg.model.vision is not None
+        merge, out = self.cfg.model.vision.spatial_merge_size, []
+        for img in req.images:
+            lo, hi = max(start, img.offset), min(end, img.offset + img.num_tokens(merge))
+            if lo < hi:
+                out.append(ImageSpan(img, lo - img.offset, hi - img.offset, lo - start))
+        return tuple(out)
 
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()
@@ -328,12 +384,15 @@ class EngineCore:
         if so.rows and conn is not None:
             conn.rows_scheduled(so)  # e.g. a prefill side opening pushes that this step's rows finish
         starts = [r.request.num_computed_tokens for r in so.rows]
+        prompt_tokens = sum(r.num_new_tokens for r in so.rows if not r.is_decode)
         if so.rows:
             try:
                 res = self.executor.execute(self._step_input(so))
             except BaseException:
                 self.scheduler.abandon(so)  # the step's snapshot pins must not outlive it
                 raise
+            (n, secs, hits), (dn, dsecs, dhits) = self.image_totals, res.images
+            self.image_totals = (n + dn, secs + dsecs, hits + dhits)
             for rid, lg in res.logits.items():
                 self.requests[rid].logits = lg
             self._keep_prompt_logprobs(res.prompt_logprobs)
@@ -342,6 +401,8 @@ class EngineCore:
                 req = self.requests[rid]
                 req.output_logprobs += lps[: len(req.output_token_ids) - len(req.output_logprobs)]
             outputs = [self._output(r) for r in touched]
+            if self._test_delay_s:
+                time.sleep(self._test_delay_s * prompt_tokens)
             if conn is not None:
                 self._tell_connector(conn, so, starts, touched)
             self._save_final()

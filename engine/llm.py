@@ -13,6 +13,7 @@ from engine.llm_process import EngineProcess
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from engine.vision.inputs import ImageInput
 
 log = logging.getLogger("pdserve.llm")
 
@@ -38,6 +39,8 @@ class LLM:
         speculative_draft_cost: float | None = None,
         fp8_experts: str = "auto",
         engine_process: bool | None = None,
+        batch_chunk_tokens: int = 256,
+        encoder_cache_memory: int | str = "64MiB",
     ):
         """engine_process: run the engine in a process of its own (engine/llm_process.py); None
         (default): on the CPU when torch was imported before the engine, whose OpenMP threads would
@@ -70,6 +73,8 @@ class LLM:
             prefix_snapshot_memory,
             speculative_draft_cost,
             fp8_experts,
+            batch_chunk_tokens,
+            encoder_cache_memory,
         ).engine_config()
         self.tokenizer = Tokenizer(model) if Tokenizer.exists(model) else None
         self.engine = EngineCore(self.config)
@@ -97,9 +102,11 @@ class LLM:
         prompts: list[str] | str | None = None,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         prompt_token_ids: list[list[int]] | None = None,
+        images: list[tuple[ImageInput, ...]] | None = None,
     ) -> list[RequestOutput]:
+        """images: per prompt, its images on their <|image_pad|> runs (docs/images.md)."""
         if self._proc is not None:
-            return self._proc.call("generate", prompts, sampling_params, prompt_token_ids)  # type: ignore[no-any-return]
+            return self._proc.call("generate", prompts, sampling_params, prompt_token_ids, images)  # type: ignore[no-any-return]
         assert self.engine is not None
         ids = self._prompts(prompts, prompt_token_ids)
         if sampling_params is None:
@@ -107,12 +114,22 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids)
         if len(params) != len(ids):
             raise ValueError(f"{len(params)} sampling_params for {len(ids)} prompts")
+        imgs = images if images is not None else [()] * len(ids)
+        if len(imgs) != len(ids):
+            raise ValueError(f"{len(imgs)} image lists for {len(ids)} prompts")
         for i, (p, sp) in enumerate(zip(ids, params)):  # refuse the batch before any of it runs
             try:
                 self.engine.validate(p, sp)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        rids = [self.engine.add_request(p, sp) for p, sp in zip(ids, params)]
+        rids = []
+        for i, (p, sp, im) in enumerate(zip(ids, params, imgs)):
+            try:
+                rids.append(self.engine.add_request(p, sp, images=tuple(im)))
+            except ValueError as e:
+                for r in rids:
+                    self.engine.abort(r)
+                raise ValueError(f"prompt {i}: {e}") from None
         done: dict[str, RequestOutput] = {}
         logprobs: dict[str, list] = {r: [] for r in rids}
         prompt_logprobs: dict[str, list] = {}

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from engine.request_state import Status, TransitionError, check_transition
 from engine.sampling_params import SamplingParams
+from engine.vision.inputs import ImageInput, hash_view
 
 if TYPE_CHECKING:
     from engine.sampling import TokenLogprob
@@ -63,6 +64,14 @@ class Request:
     num_cached_blocks: int = 0  # decode side: leading prompt pages already here (not transferred)
     received: bool = False  # decode side: the prompt's state came from another node (Scheduler.reserve)
     kv_transfer: object = None  # the caller's transfer parameters, read by the connector only (engine/connector.py)
+    # images (docs/images.md): the prompt's images (on a decode node: their hashes and places, for
+    # the prefix cache), its 3-D rotary positions ([3, len(prompt)] int64, where it is prefilled)
+    # and the position offset of every token after the prompt (engine/vision/positions.py)
+    images: tuple[ImageInput, ...] = ()
+    mrope: object = None
+    rope_delta: int = 0
+    no_pixels: bool = False  # decode side: image placeholders but no pixels here (never recomputed)
+    _hash_prompt: list[int] | None = None
     _status: Status = field(default=Status.WAITING, init=False)
     _sent: int = 0  # output tokens already reported to the caller
     _sent_logprobs: int = 0
@@ -80,6 +89,40 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def hash_prompt(self) -> list[int]:
+        """The prompt as the prefix cache names it: image placeholders carry their image's pixel
+        hash (engine/vision/inputs.py `hash_view`), so different images never share pages."""
+        if self._hash_prompt is None:
+            if not self.images:
+                return self.prompt_token_ids
+            self._hash_prompt = hash_view(self.prompt_token_ids, self.images)
+        return self._hash_prompt
+
+    def hash_ids(self, start: int, end: int) -> list[int]:
+        """`token_ids` as the prefix cache names them (`hash_prompt`)."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.hash_prompt[start:end]
+        return (self.hash_prompt + self.output_token_ids)[start:end]
+
+    def rope_rows(self, start: int, end: int) -> list[list[int]] | None:
+        """The 3-D rotary positions of tokens [start, end) as (t, h, w) lists, None for a request
+        without images (positions are then start.. + rope_delta on every axis)."""
+        if self.mrope is None:
+            return None
+        import torch
+
+        table = self.mrope
+        assert isinstance(table, torch.Tensor)
+        p = table.shape[1]
+        head = table[:, start : min(end, p)]
+        if end > p:
+            tail = torch.arange(max(start, p), end, dtype=torch.int64) + self.rope_delta
+            head = torch.cat([head, tail.expand(3, -1)], dim=1)
+        rows: list[list[int]] = head.tolist()
+        return rows
 
     def token_ids(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_token_ids)

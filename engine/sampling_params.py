@@ -40,6 +40,9 @@ class SamplingParams:
     # structured output (engine/structured): the drawn tokens are masked so the output follows it;
     # given as a Constraint or a {kind, value, start_after_token} mapping
     constraint: Constraint | None = None
+    # scheduling class (engine/scheduler/batching.py): 0 interactive, 1 batch; waiting interactive
+    # prompts are scheduled first and batch prompts get short chunks while interactive ones are about
+    priority: int = 0
 
     def __init__(self, **kwargs):
         names = {f.name for f in fields(self)}
@@ -84,6 +87,8 @@ class SamplingParams:
         v = self.num_speculative_tokens
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise ValueError(f"num_speculative_tokens must be a non-negative integer (got {v!r})")
+        if self.priority not in (0, 1) or isinstance(self.priority, bool):
+            raise ValueError(f"priority must be 0 (interactive) or 1 (batch) (got {self.priority!r})")
         if self.constraint is not None and self.min_tokens:
             raise ValueError(
                 "min_tokens cannot be combined with a constraint: the grammar decides where the output ends"

@@ -7,9 +7,20 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+from engine.vision.inputs import ImageInput
 
 if TYPE_CHECKING:
     from engine.sampling import TokenLogprob
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """Image tokens [lo, hi) of `image` (of its num_tokens) sit at the row's token_ids[at:]."""
+
+    image: ImageInput
+    lo: int
+    hi: int
+    at: int
 
 
 @dataclass
@@ -31,6 +42,11 @@ class RowInput:
     prompt_logprobs: int | None = None  # set: logits at every position of this prompt chunk (top-n kept)
     history: tuple[list[int], list[int]] | None = None  # (prompt, output) ids: penalties, logit_bias, min_tokens
     num_output: int = 0  # new tokens the request has before this row samples (seeded sampling)
+    # images (engine/vision/positions.py): the row's 3-D rotary positions where it covers a prompt
+    # with images ([t, h, w] lists), else positions + rope_delta; the image tokens it covers
+    mrope: list[list[int]] | None = None
+    rope_delta: int = 0
+    images: tuple[ImageSpan, ...] = ()
 
 
 @dataclass
@@ -69,3 +85,4 @@ class StepOutput:
     # params.prompt_logprobs: (position of the row's first token, [TokenLogprob of the token after each position])
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
     seconds: float = 0.0
+    images: tuple[int, float, int] = (0, 0.0, 0)  # this step: images encoded, their seconds, encoder-cache hits

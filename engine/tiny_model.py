@@ -143,6 +143,19 @@ def _vl_config(spec: TinyModelSpec, text, tok):
     )
 
 
+def _perturb_vision(visual, seed: int) -> None:
+    """Random LayerNorm scales and biases in the vision tower (transformers initialises them to
+    ones and zeros), so a reader that swaps or drops one is caught."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 13)
+    with torch.no_grad():
+        for name, p in visual.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                base = 1.0 if "norm" in name and name.endswith(".weight") else 0.0
+                p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
+
+
 def save_image_processor(out: Path, spec: TinyModelSpec) -> None:
     """preprocessor_config.json as Qwen3.5 releases ship it (mean and std 0.5, patch 16, temporal
     patch 2, merge 2), with the spec's small pixel bounds."""
@@ -266,6 +279,8 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
         cfg, arch = _vl_config(spec, cfg, tok), VL_ARCHS[spec.arch]
     torch.manual_seed(spec.seed)
     model = getattr(transformers, arch)(cfg).to(getattr(torch, spec.dtype))
+    if spec.vision:
+        _perturb_vision(model.model.visual, spec.seed)
     model.save_pretrained(out)
     if spec.vision:
         save_image_processor(out, spec)

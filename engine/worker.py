@@ -24,6 +24,8 @@ from engine.model.qwen3_5 import Qwen35Model
 from engine.sampling import Sampler, token_logprobs
 from engine.step import StepInput, StepOutput
 from engine.structured.bitmask import GrammarMask
+from engine.units import parse_bytes
+from engine.vision.embedder import ImageEmbedder, image_stats
 from kernels.points import StatePoints
 
 log = logging.getLogger("pdserve.worker")
@@ -92,6 +94,9 @@ class Worker:
         self.graphs: DecodeGraphs | None = None  # plain decode steps through CUDA graphs (engine/model/graphs.py)
         if graphs_wanted(self.device, t) and self.drafter is None:
             self.graphs = DecodeGraphs(self.model, self.pools, self.max_pages_per_row())
+        self.images: ImageEmbedder | None = None  # the vision encoder and its cache (vision-language checkpoints)
+        if cfg.model.vision is not None:
+            self.images = ImageEmbedder(cfg.model, parse_bytes(cfg.cache.encoder_cache_memory), self.device)
         self.ext: dict[str, object] = {}  # per-rank objects owned by node packages (e.g. transfer endpoints)
 
     def max_pages_per_row(self) -> int:
@@ -137,6 +142,7 @@ class Worker:
         for (_, dec), f in zip(groups, gf):
             made[dec] = make_group(tok, pack, f, dec)
             tok = made[dec].tok_end
+        rope, image_rows = self._image_inputs(step, pos)
         inside = [c for c in step.saves if c.offset is not None]
         if inside:  # prefix snapshots inside prefill rows: the GDN layers write them (kernels/points.py)
             row_of = {r.slot: b for b, r in enumerate(step.rows[n_dec:])}
@@ -149,11 +155,46 @@ class Worker:
             decode=made.get(True),
             prefill=made.get(False),
             logits_indices=pack[fields[3]],
+            rope_positions=rope,
+            image_rows=image_rows,
         )
 
+    def _image_inputs(self, step: StepInput, pos: list[int]):
+        """(3-D rotary positions [3, T] or None, image rows or None) of a step (batch.py): None,
+        None when no row has images or a position offset (the text path unchanged)."""
+        if not any(r.mrope is not None or r.rope_delta for r in step.rows):
+            return None, None
+        axes: list[list[int]] = [[], [], []]
+        spans, first = [], 0
+        for r in step.rows:
+            n = len(r.token_ids)
+            if r.mrope is not None:
+                for a in range(3):
+                    axes[a] += r.mrope[a]
+            else:
+                shifted = [p + r.rope_delta for p in pos[first : first + n]]
+                for a in range(3):
+                    axes[a] += shifted
+            spans += [(first, s) for s in r.images]
+            first += n
+        rope = torch.tensor(axes, dtype=torch.int64, device=self.device)
+        if not spans:
+            return rope, None
+        if self.images is None:
+            raise ValueError("a step carries images but this model has no vision tower")
+        return rope, self.images.rows(spans)
+
     def execute(self, step: StepInput) -> StepOutput | None:
+        before = image_stats(self)
         out = self._execute(step)
         self.fence.record()  # after every kernel the step queued: a push of its pages waits on it
+        if out is not None and self.images is not None:
+            now = image_stats(self)
+            out.images = (
+                int(now["images"] - before["images"]),
+                now["encoder_seconds"] - before["encoder_seconds"],
+                int(now["encoder_cache_hits"] - before["encoder_cache_hits"]),
+            )
         return out
 
     def _execute(self, step: StepInput) -> StepOutput | None:

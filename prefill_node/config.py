@@ -21,6 +21,9 @@ class PrefillNodeConfig(NodeArgs):
     # Between engine steps the loop keeps polling in-flight pushes this long (grants and write
     # completions otherwise wait for the next, possibly long, prefill step).
     push_spin_s: float = option(0.005, "seconds to keep polling in-flight pushes between engine steps")
+    # A prompt of several chunks writes each finished chunk's full KV pages to the decode node
+    # while later chunks compute (docs/transfer.md, "KV streamed per chunk"); off: one push once prefilled.
+    stream_kv: bool = option(True, "write each finished prefill chunk's KV pages to the decode node at once")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -17,6 +17,7 @@ from engine.connector import SendDone
 from engine.core import EngineCore
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.vision.inputs import ImageInput
 from prefill_node.config import PrefillNodeConfig
 from proto import pb, rpc
 from proto.convert import sampling_kwargs
@@ -24,7 +25,7 @@ from serving.commands import LoopError, RequestHandle, ShuttingDown, UnknownRequ
 from serving.loop import EngineLoop
 from serving.metrics import ServingMetrics, capacity_gauges
 from serving.node import NodeServer, on_cancel, serve_node
-from serving.rpc import MAX_REQUEST_ID_LEN
+from serving.rpc import MAX_REQUEST_ID_LEN, images_of
 from transfer import TransferConfig
 from transfer.connector import PrefillConnector, PushParams
 from transfer.messages import Target, TargetRank
@@ -60,6 +61,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
                 TransferConfig(backend=self.backend, bind_host=cfg.data_host),
                 push_timeout_s=cfg.push_timeout_s,
                 spin_s=cfg.push_spin_s,
+                stream=cfg.stream_kv,
             )
         except Exception:
             self.engine.close()
@@ -109,6 +111,9 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         push = PushParams(_target(request.target), max(0.0, request.target.lease_s))
         ids = list(request.prompt_token_ids)
+        images = images_of(
+            request.images, context, model=self.ecfg.model.path if request.images and self.ecfg.model.vision else None
+        )
         t0 = time.monotonic()
         with self._lock:
             taken = rid in self._calls
@@ -117,7 +122,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already in flight here")
         outcome = "error"
         try:
-            for resp in self._prefill(rid, ids, params, push, t0, context):
+            for resp in self._prefill(rid, ids, params, push, t0, context, images):
                 if not resp.pushed:
                     self.metrics.ttft.observe(resp.timings.ttft_s)
                     self.metrics.tokens.inc(1)
@@ -141,10 +146,13 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         push: PushParams,
         t0: float,
         context: grpc.ServicerContext,
+        images: tuple[ImageInput, ...] = (),
     ) -> Iterator[pb.PrefillResponse]:
         """Yields the first-token message at once, then (state pushed) the `pushed` message."""
         target = push.target
-        handle = self.loop_api(context, lambda: self.loop.submit(rid, ids, params, prefill_only=True, transfer=push))
+        handle = self.loop_api(
+            context, lambda: self.loop.submit(rid, ids, params, prefill_only=True, transfer=push, images=images)
+        )
         # the call ended (the caller cancelled, or it is over): aborts the request before its
         # first token, its push after; a no-op once both are over
         on_cancel(context, handle.abort)

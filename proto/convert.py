@@ -17,6 +17,32 @@ class ConstraintKwargs(TypedDict):
     start_after_token: int | None
 
 
+class ImageKwargs(TypedDict):
+    """The engine's ImageInput as a mapping (engine/vision/inputs.py)."""
+
+    data: bytes
+    pixel_hash: bytes
+    offset: int
+    grid_thw: tuple[int, int, int]
+
+
+def image_kwargs(images: Iterable[pb.ImageInput], need_data: bool = True) -> list[ImageKwargs]:
+    """ImageInput messages as mappings; ValueError naming the image for a malformed one."""
+    out: list[ImageKwargs] = []
+    for k, m in enumerate(images):
+        if len(m.grid_thw) != 3:
+            raise ValueError(f"images[{k}]: grid_thw needs 3 values (t, h, w), got {len(m.grid_thw)}")
+        if len(m.pixel_hash) != 32:
+            raise ValueError(f"images[{k}]: pixel_hash must be 32 bytes (SHA-256), got {len(m.pixel_hash)}")
+        if need_data and not m.data:
+            raise ValueError(f"images[{k}]: no image bytes (data)")
+        t, h, w = (int(x) for x in m.grid_thw)
+        out.append(
+            ImageKwargs(data=bytes(m.data), pixel_hash=bytes(m.pixel_hash), offset=int(m.offset), grid_thw=(t, h, w))
+        )
+    return out
+
+
 class SamplingKwargs(TypedDict, total=False):
     """Keyword arguments of the engine's SamplingParams (named here, not imported)."""
 
@@ -37,6 +63,7 @@ class SamplingKwargs(TypedDict, total=False):
     prompt_logprobs: int
     num_speculative_tokens: int
     constraint: ConstraintKwargs
+    priority: int
 
 
 def sampling_kwargs(sp: pb.SamplingParams) -> SamplingKwargs:
@@ -72,6 +99,8 @@ def sampling_kwargs(sp: pb.SamplingParams) -> SamplingKwargs:
         kw["logit_bias"] = dict(sp.logit_bias)
     if sp.HasField("constraint"):
         kw["constraint"] = constraint_kwargs(sp.constraint)
+    if sp.priority:  # PRIORITY_INTERACTIVE -> 0, PRIORITY_BATCH -> 1; an unknown value is the engine's to refuse
+        kw["priority"] = sp.priority - pb.PRIORITY_INTERACTIVE
     return kw  # `stop` (text) is the router's: nodes see token ids only
 
 

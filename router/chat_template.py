@@ -2,9 +2,12 @@
 `chat_template_kwargs`, `add_generation_prompt` and `continue_final_message` go to the template
 as transformers' `apply_chat_template` passes them (docs/api.md).
 
-Before rendering: text content parts are joined into a string (no content: ""); image, video, audio and file parts
-are refused with a 400 naming `messages[i].content[j].type` (this server does not see them yet, and
-content is never dropped silently); an assistant message's `tool_calls[k].function.arguments`,
+Before rendering: text content parts are joined into a string (no content: ""); a message with
+image parts (`image_url`, or Responses' `input_image`) keeps its parts as a list, each image as
+`{"type": "image"}` for the template to render its placeholder, and the image's URL is collected
+as an ImageRef naming the part (`Rendered.images`, in order); video parts are refused ("video
+input is not supported yet"), audio and file parts with a 400 naming `messages[i].content[j].type`
+(content is never dropped silently); an assistant message's `tool_calls[k].function.arguments`,
 a JSON string on the wire, becomes the object templates iterate over. After rendering,
 `Rendered.think_open` says whether the prompt leaves a `<think>` block open (the output starts
 inside the reasoning)."""
@@ -17,16 +20,21 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from router.images.decode import ImageRefused
+from router.images.prepare import ImageRef
 from router.openai_models import ApiError, ChatRequest, bad
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-_MEDIA = ("image_url", "image", "input_image", "video_url", "video", "input_audio", "audio", "file")
+_IMAGES = ("image_url", "input_image")
+_VIDEO = ("video_url", "video", "input_video")
+_MEDIA = ("image", "input_audio", "audio", "file", "input_file")
 
 
 @dataclass(frozen=True)
 class Rendered:
     prompt: str
     think_open: bool  # the prompt ends inside a <think> block
+    images: tuple[ImageRef, ...] = ()  # the image parts, in message and part order
 
 
 def _raise(msg: str) -> None:
@@ -54,7 +62,8 @@ class ChatTemplate:
         self._tmpl = env.from_string(source)
 
     def render(self, req: ChatRequest) -> Rendered:
-        messages = [_message(i, m.model_dump()) for i, m in enumerate(req.messages)]
+        images: list[ImageRef] = []
+        messages = [_message(i, m.model_dump(), images, req.part_names) for i, m in enumerate(req.messages)]
         gen, cont = req.add_generation_prompt, req.continue_final_message
         if cont and gen:
             raise bad(
@@ -76,38 +85,60 @@ class ChatTemplate:
             if at < 0:
                 raise bad("the chat template does not render the final message's text", "continue_final_message")
             prompt = prompt[:at]
-        return Rendered(prompt, prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE))
+        return Rendered(prompt, prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE), tuple(images))
 
 
-def _message(i: int, d: dict[str, Any]) -> dict[str, Any]:
-    """One message as the template sees it (module docstring); ApiError naming the part."""
+def _message(i: int, d: dict[str, Any], images: list[ImageRef], names: dict[tuple[int, int], str]) -> dict[str, Any]:
+    """One message as the template sees it (module docstring), its images appended to `images`;
+    ApiError naming the part. `names`: a part's name in the request the client sent, where that
+    was not a chat request (Responses' `input[i].content[j]`)."""
     content = d.get("content")
     if content is None:  # an assistant turn of calls only: templates test and split content as a string
         d["content"] = ""
     elif isinstance(content, list):
-        texts = []
+        parts: list[dict[str, Any]] = []
         for j, part in enumerate(content):
+            where = names.get((i, j), f"messages[{i}].content[{j}]")
             kind = part.get("type")
-            if kind in _MEDIA or kind is None and any(k in part for k in _MEDIA):
+            if kind in _IMAGES:
+                images.append(ImageRef(where, url=_image_url(part, where)))
+                parts.append({"type": "image"})
+                continue
+            if kind in _VIDEO:
+                raise ImageRefused("video", f"{where}: video input is not supported yet")
+            if kind in _MEDIA or kind is None and any(k in part for k in _MEDIA + _IMAGES):
                 raise ApiError(
                     400,
-                    f"messages[{i}].content[{j}]: '{kind}' parts are not supported: this server serves text only "
-                    "(the part would be dropped, so the request is refused)",
-                    param=f"messages[{i}].content[{j}].type",
+                    f"{where}: '{kind}' parts are not supported (text and image_url only; the part would be "
+                    "dropped, so the request is refused)",
+                    param=f"{where}.type",
                 )
             if kind != "text" or not isinstance(part.get("text"), str):
                 raise bad(
-                    f"messages[{i}].content[{j}]: unknown content part (type {kind!r}); expected 'text' with a string",
-                    f"messages[{i}].content[{j}].type",
+                    f"{where}: unknown content part (type {kind!r}); expected 'text' with a string or 'image_url'",
+                    f"{where}.type",
                 )
-            texts.append(part["text"])
-        d["content"] = "".join(texts)
+            parts.append({"type": "text", "text": part["text"]})
+        if any(p["type"] == "image" for p in parts):
+            d["content"] = parts
+        else:
+            d["content"] = "".join(p["text"] for p in parts)
     calls = d.get("tool_calls")
     if calls is not None:
         if d["role"] != "assistant" or not isinstance(calls, list):
             raise bad(f"messages[{i}].tool_calls: a list, on assistant messages only", f"messages[{i}].tool_calls")
         d["tool_calls"] = [_call(i, k, c) for k, c in enumerate(calls)]
     return d
+
+
+def _image_url(part: dict[str, Any], where: str) -> str:
+    """An image part's URL: chat's `{"image_url": {"url": ...}}` or Responses' `{"image_url": "..."}`."""
+    u = part.get("image_url")
+    if isinstance(u, dict):
+        u = u.get("url")
+    if not isinstance(u, str) or not u:
+        raise bad(f"{where}: an image part needs image_url.url, a data: URL (or an http(s) URL where allowed)", where)
+    return u
 
 
 def _call(i: int, k: int, c: Any) -> dict[str, Any]:

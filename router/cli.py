@@ -242,6 +242,12 @@ def cmd_generate(args) -> int:
         raise ValueError("give a prompt (text) or --token-ids")
     else:
         kw["prompt"] = args.prompt
+    if args.image:  # each a file or a URL; the prompt holds one placeholder per image (docs/images.md)
+        from client import IMAGE_PLACEHOLDER
+
+        if IMAGE_PLACEHOLDER not in (args.prompt or ""):
+            kw["prompt"] = IMAGE_PLACEHOLDER * len(args.image) + (args.prompt or "")
+        kw["images"] = [x if "://" in x or x.startswith("data:") else Path(x) for x in args.image]
     tls = dict(tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_server_name=args.tls_server_name)
     with Client(args.addr, api_key=args.api_key, **tls) as c:
         try:
@@ -369,6 +375,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        help="an image file or URL (repeatable); placed before the prompt unless the prompt holds "
+        "<|vision_start|><|image_pad|><|vision_end|> once per image",
+    )
     p.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the router to be ready")
     _add_client_security(p, node_plane=False)
     p.set_defaults(func=cmd_generate)

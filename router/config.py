@@ -1,14 +1,18 @@
 """RouterConfig: what one router runs with (admission, policy, timeouts, ports).
 
 Every field is an option of `pdserve router` (engine/options.py); `pdserve up` gives the router
-all of them but the node lists and the host, which it sets itself."""
+all of them but the node lists and the host, which it sets itself. The image limits are ImageArgs
+(router/images/config.py)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
 from engine.options import option
+from router.admission import CLASS_NAMES
+from router.images.config import ImageArgs
 from router.policy import PolicyName, make_policy
 from serving.config import SecurityArgs
 
@@ -19,7 +23,7 @@ ADMISSION_HELP = (
 
 
 @dataclass(frozen=True)
-class RouterConfig(SecurityArgs):
+class RouterConfig(ImageArgs, SecurityArgs):
     model: str | None = option(None, "checkpoint directory: its tokenizer serves text prompts")
     static_decode: tuple[str, ...] = option(
         (), "a static decode node, polled with Stats (repeatable)", flag="--decode", metavar="ADDR"
@@ -89,11 +93,24 @@ class RouterConfig(SecurityArgs):
     max_requests_per_key: int = option(
         0, "requests one API key may have in flight; more are refused RESOURCE_EXHAUSTED / HTTP 429 (0: no limit)"
     )
+    # Priority by key (docs/router.md, "Priorities"): a key's class is the highest its requests get;
+    # a request's field or header may lower it, never raise it. A key is named by its id (the first
+    # 8 hex digits of its SHA-256, as logs and metrics name it), so no secret is on the command line.
+    api_key_priority: tuple[str, ...] = option(
+        (),
+        "an API key's class, KEY_ID=interactive|batch (KEY_ID: the first 8 hex digits of the key's SHA-256, as "
+        "logs name it; repeatable): its requests are never above it; keys not named are interactive",
+        metavar="KEY_ID=CLASS",
+    )
 
     # The front door (router/http_limits.py): checked before a body is parsed or a prompt tokenized.
     # 16 MiB holds a full 262,144-token context as token ids several times over, or a text prompt
     # of max_prompt_chars; a 20 MB body is refused from its Content-Length, unread.
-    max_body_bytes: int = option(16 << 20, "largest HTTP request body, in bytes; a larger one is refused (400)")
+    max_body_bytes: int = option(
+        16 << 20,
+        "largest HTTP request body or gRPC message, in bytes, and most image bytes one request may carry; larger: "
+        "refused (400 / INVALID_ARGUMENT; gRPC: RESOURCE_EXHAUSTED)",
+    )
     max_prompt_chars: int = option(
         4 << 20,
         "longest text prompt (or chat messages), in characters, refused (400) before it is tokenized; prompts are "
@@ -115,6 +132,7 @@ class RouterConfig(SecurityArgs):
 
     def __post_init__(self):
         self.check_security()
+        self.check_images()
         if self.max_body_bytes < 1024 or self.max_prompt_chars < 1 or self.tokenizer_workers < 0:
             raise ValueError("max_body_bytes must be >= 1024, max_prompt_chars >= 1, tokenizer_workers >= 0")
         if self.max_requests_per_key < 0:
@@ -134,3 +152,19 @@ class RouterConfig(SecurityArgs):
         if self.prefix_load_weight < 0 or self.prefix_memory_s < 0:
             raise ValueError("prefix_load_weight and prefix_memory_s must be >= 0")
         make_policy(self.policy)
+        self.key_classes  # noqa: B018  (checks the entries)
+
+    @property
+    def key_classes(self) -> dict[str, int]:
+        """API key id -> the highest class its requests get (0 interactive, 1 batch)."""
+        out = {}
+        for e in self.api_key_priority:
+            kid, _, cls = e.partition("=")
+            kid, cls = kid.strip().lower(), cls.strip().lower()
+            if not re.fullmatch(r"[0-9a-f]{8}", kid) or cls not in CLASS_NAMES:
+                raise ValueError(
+                    f"--api-key-priority {e!r}: expected KEY_ID=CLASS, KEY_ID the key's 8 hex digit id, "
+                    f"CLASS one of {', '.join(CLASS_NAMES)}"
+                )
+            out[kid] = CLASS_NAMES.index(cls)
+        return out

@@ -54,10 +54,12 @@ async def start_grpc(
     service_names: Iterable[str],
     creds: Credentials = OPEN,
     limits: KeyLimits | None = None,
+    max_message_bytes: int = 4 << 20,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     guarded = creds.cluster_token or creds.api_keys
     icp = [AioGuard(creds, limits or KeyLimits(0))] if guarded else None
-    server = grpc.aio.server(interceptors=icp, options=[("grpc.so_reuseport", 0)])
+    opts = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message_bytes)]
+    server = grpc.aio.server(interceptors=icp, options=opts)
     add_servicers(server)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)

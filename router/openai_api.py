@@ -24,6 +24,8 @@ from proto import pb
 from router.client_hints import HINTS, from_headers
 from router.errors import Abort
 from router.http_limits import check_expansion, read_json
+from router.images.decode import ImageRefused
+from router.images.prepare import Prepared
 from router.openai_chat import ChatFront
 from router.openai_choices import Choice, Job, usage
 from router.openai_models import (
@@ -122,20 +124,25 @@ class OpenAIFront:
         if sp.HasField("logprobs") and self.tok is None:
             raise bad("logprobs need a tokenizer on the router", "logprobs")
         prep = None
+        images: list[Prepared] = []
         if isinstance(req, ChatRequest):  # the template's input is bounded like a prompt, before it is rendered
-            chars = sum(len(str(m.content or "")) for m in req.messages)
+            chars = req.text_chars()
             self.service.check_prompt_chars(chars, "messages")
             cf = self.chat
-            # a long conversation renders in a thread, so the loop keeps relaying other streams
-            prep = cf.prepare(req) if chars <= RENDER_INLINE_CHARS else await asyncio.to_thread(cf.prepare, req)
+            try:  # a long conversation renders in a thread, so the loop keeps relaying other streams
+                prep = cf.prepare(req) if chars <= RENDER_INLINE_CHARS else await asyncio.to_thread(cf.prepare, req)
+            except ImageRefused as e:
+                raise self.service.images.refuse(e.reason, str(e)) from None
             if prep.constraint is not None:
                 sp.constraint.CopyFrom(prep.constraint)
+            images = await self.service.images.prepare(prep.images) if prep.images else []
         ps = [prep.prompt] if prep is not None else prompts(req)
         echo = not chat and req.echo
         n, rid = req.n, uuid.uuid4().hex
         check_expansion(len(ps), n, self.service.expansion_limit())
         job = Job(model, chat, rid, n, req.no_output, sp.logprobs if sp.HasField("logprobs") else None)
         job.output = prep.output if prep is not None else None
+        job.images = images
         for j, p in enumerate(ps):
             base = pb.GenerateRequest(sampling=sp)
             if isinstance(p, str) and (not echo or not sp.HasField("prompt_logprobs")):
@@ -163,7 +170,7 @@ class OpenAIFront:
     async def events(self, job: Job) -> AsyncGenerator[tuple[int, Chunk], None]:
         """(choice, chunk) as they come, over every choice's generate; raises the first Abort."""
         if len(job.reqs) == 1:
-            async with aclosing(self.service.generate(job.reqs[0])) as g:
+            async with aclosing(self.service.generate(job.reqs[0], job.images)) as g:
                 async for c in g:
                     yield 0, c
             return
@@ -171,7 +178,7 @@ class OpenAIFront:
 
         async def pump(i: int, req: pb.GenerateRequest) -> None:
             try:
-                async with aclosing(self.service.generate(req)) as g:
+                async with aclosing(self.service.generate(req, job.images)) as g:
                     async for c in g:
                         q.put_nowait((i, c))
                 q.put_nowait((i, None))

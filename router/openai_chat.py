@@ -12,6 +12,7 @@ from functools import partial
 
 from proto import pb
 from router.chat_template import THINK_CLOSE, THINK_OPEN, ChatTemplate
+from router.images.prepare import ImageRef
 from router.openai_models import ChatRequest, bad
 from router.parsers.output import ChatOutput
 from router.parsers.tool_calls import ToolFormat, detect_format
@@ -23,6 +24,7 @@ class ChatPrep:
     prompt: str
     constraint: pb.Constraint | None
     output: Callable[[], ChatOutput]  # a fresh one per choice
+    images: tuple[ImageRef, ...] = ()  # the messages' image parts, in prompt order
 
 
 class ChatFront:
@@ -50,4 +52,4 @@ class ChatFront:
         p = plan(req, self.fmt, think_close)
         tools = req.tools if p.parse else None
         out = partial(ChatOutput, self.fmt if p.parse else None, tools, self.reasoning, r.think_open)
-        return ChatPrep(r.prompt, p.constraint, out)
+        return ChatPrep(r.prompt, p.constraint, out, r.images)

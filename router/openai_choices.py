@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from proto import pb
+from router.images.prepare import Prepared
 from router.parsers.output import ChatOutput
 from router.request import Chunk
 
@@ -34,6 +35,7 @@ class Job:
     prompt_ids: list[list[int]] = field(default_factory=list)  # per choice: its prompt's ids, when sent as ids
     created: int = field(default_factory=lambda: int(time.time()))
     output: Callable[[], ChatOutput] | None = None  # chat: each choice's output parsers
+    images: list[Prepared] = field(default_factory=list)  # chat: the prompt's images, decoded once for every choice
 
     def head(self, chunk: bool) -> dict:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"

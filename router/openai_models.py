@@ -8,7 +8,7 @@ import re
 from typing import Annotated, Any
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from proto import pb
 
@@ -50,6 +50,8 @@ class ApiError(Exception):
         if code == grpc.StatusCode.INVALID_ARGUMENT:  # the engine's messages open with the field's name
             m = re.match(r"[a-z_]+", message or "")
             param = m.group(0) if m and m.group(0) in _Request.model_fields else None
+            part = re.match(r"((?:messages|input|images)\[\d+\](?:\.[a-z_]+\[\d+\])*): ", message or "")
+            param = part.group(1) if part else param  # an image part's refusal names the part
         return cls(status, message or code.name, typ, param, code.name.lower())
 
     @classmethod
@@ -168,6 +170,23 @@ class ChatRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     parallel_tool_calls: bool | None = None  # None: true, as OpenAI
+    # (message, part) -> the part's name in the body the client sent, where that was not a chat
+    # request (router/responses_request.py): error messages name what the client wrote
+    _part_names: dict[tuple[int, int], str] = PrivateAttr(default_factory=dict)
+
+    @property
+    def part_names(self) -> dict[tuple[int, int], str]:
+        return self._part_names
+
+    def text_chars(self) -> int:
+        """Characters of the messages' text (image parts' URLs not counted: they are no prompt text)."""
+        n = 0
+        for m in self.messages:
+            if isinstance(m.content, str):
+                n += len(m.content)
+            elif m.content is not None:
+                n += sum(len(str(p.get("text", ""))) for p in m.content)
+        return n
 
 
 def prompts(req: CompletionRequest) -> list[str | list[int]]:

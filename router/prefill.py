@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -108,31 +108,38 @@ class PrefillPhase:
         return bool(ready)
 
     def choose(
-        self, d: NodeEntry, prompt_len: int, exclude: set[str], window: bool, q: PrefixQuery | None = None
+        self,
+        d: NodeEntry,
+        prompt_len: int,
+        exclude: set[str],
+        window: bool,
+        q: PrefixQuery | None = None,
+        batch: bool = False,
     ) -> NodeEntry | None:
         """A ready prefill node for D (within its window when `window`), with the prompt counted
         against it until `_given_back`; None when there is none. q: the prompt's page hashes, for
-        a policy that weighs what each node has cached."""
+        a policy that weighs what each node has cached. An interactive prompt's window counts
+        only the interactive prompts outstanding there: the node schedules it before batch ones."""
         w = self.cfg.prefill_window_tokens
         with self.registry.lock:
             nodes = self.ready(d, exclude)
             if window and w:
-                nodes = [
-                    p for p in nodes if not p.inflight_prefill_tokens or p.inflight_prefill_tokens + prompt_len <= w
-                ]
+                nodes = [p for p in nodes if (n := _outstanding(p, batch)) == 0 or n + prompt_len <= w]
             p = self.policy.choose_prefill(nodes, prompt_len, q)
             if p is not None:
                 if not p.inflight_prefill_tokens:
                     self.meter.busy(p.node_id)
                 p.inflight_prefill_tokens += prompt_len
+                p.inflight_interactive_tokens += 0 if batch else prompt_len
         return p
 
-    def _given_back(self, p: NodeEntry, prompt_len: int, ok: bool) -> None:
+    def _given_back(self, p: NodeEntry, prompt_len: int, ok: bool, batch: bool) -> None:
         """ok: the first token came back (the prefill is measured)."""
         if ok:
             self.meter.done(p.node_id, prompt_len)
         with self.registry.lock:
             p.inflight_prefill_tokens -= prompt_len
+            p.inflight_interactive_tokens -= 0 if batch else prompt_len
             p.prefilled_tokens += prompt_len  # done there, though its last report may still count it
         self.registry.on_change()  # within its window again: admit the next
 
@@ -174,11 +181,18 @@ class PrefillPhase:
         """Release from a path that is unwinding (a cancelled request): a task of its own."""
         self._spawn(self.release(d, rid, reason, dead_prefill))
 
-    async def reserve(self, d: NodeEntry, rid: str, ids: list[int], request) -> pb.TransferTarget:
-        """D.Reserve, retried while D is momentarily full (bounded by the admission wait)."""
+    async def reserve(
+        self, d: NodeEntry, rid: str, ids: list[int], request, images: Sequence[pb.ImageInput] = ()
+    ) -> pb.TransferTarget:
+        """D.Reserve, retried while D is momentarily full (bounded by the admission wait). The
+        images go without their bytes: D names its cached pages by their pixel hashes."""
         deadline = time.monotonic() + self.cfg.admission_timeout_s
         req = pb.ReserveRequest(
-            request_id=rid, prompt_token_ids=ids, sampling=request.sampling, lease_s=self.cfg.reservation_lease_s
+            request_id=rid,
+            prompt_token_ids=ids,
+            sampling=request.sampling,
+            lease_s=self.cfg.reservation_lease_s,
+            images=[pb.ImageInput(pixel_hash=i.pixel_hash, offset=i.offset, grid_thw=i.grid_thw) for i in images],
         )
         while True:
             try:
@@ -188,24 +202,27 @@ class PrefillPhase:
                     raise
             await asyncio.sleep(0.02)  # the node's memory frees on its own schedule: ask again shortly
 
-    async def run(self, d: NodeEntry, p: NodeEntry, request, ids: list[int], request_id: str) -> Push | None:
+    async def run(
+        self, d: NodeEntry, p: NodeEntry, request, ids: list[int], request_id: str, images: Sequence[pb.ImageInput] = ()
+    ) -> Push | None:
         """Reserve on D, prefill on P (counted against it by admission; one retry elsewhere) until
         it streams the first token. Returns the Push (first token, the push still running), or
-        None to prefill on D."""
+        None to prefill on D. `images`: the prompt's, for P (D gets their hashes only)."""
         tried: set[str] = set()
+        batch = request.sampling.priority == pb.PRIORITY_BATCH
         attempt = 0  # reservations made (each under its own id)
         failures = 0  # prefill calls that failed (a drain refusal is not one)
         while True:
             if p is None:
-                q = PrefixQuery(ids) if self.policy.uses_prefix else None
-                p = self.choose(d, len(ids), tried, window=False, q=q)  # a retry: admitted already
+                q = PrefixQuery(ids, images) if self.policy.uses_prefix else None
+                p = self.choose(d, len(ids), tried, window=False, q=q, batch=batch)  # a retry: admitted already
                 if p is None:
                     return None
             tried.add(p.node_id)
             rid = request_id if attempt == 0 else f"{request_id}~{attempt}"
             ok = False
             try:
-                push = await self._attempt(d, p, request, ids, rid)
+                push = await self._attempt(d, p, request, ids, rid, images)
                 ok = True
                 return push
             except _Failed as f:
@@ -215,23 +232,27 @@ class PrefillPhase:
                 if retry is not True:
                     return retry
             finally:
-                self._given_back(p, len(ids), ok)
+                self._given_back(p, len(ids), ok, batch)
                 p = None
 
-    async def _attempt(self, d: NodeEntry, p: NodeEntry, request, ids: list[int], rid: str) -> Push:
+    async def _attempt(
+        self, d: NodeEntry, p: NodeEntry, request, ids: list[int], rid: str, images: Sequence[pb.ImageInput]
+    ) -> Push:
         """One reservation and one Prefill call, to P's first token."""
         try:
             await self.handshake(p, d)  # first: the lease starts when P can renew it
         except grpc.RpcError as e:
             raise _Failed(e, rid, reserved=False) from None
         try:
-            target = await self.reserve(d, rid, ids, request)
+            target = await self.reserve(d, rid, ids, request, images)
         except grpc.RpcError as e:
             raise DecodeFailed(e) from None
         call = None
         try:
             call = p.stub.Prefill(
-                pb.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=request.sampling, target=target),
+                pb.PrefillRequest(
+                    request_id=rid, prompt_token_ids=ids, sampling=request.sampling, target=target, images=images
+                ),
                 timeout=self.cfg.prefill_timeout_s,
             )
             first = await call.read()
@@ -295,6 +316,11 @@ class PrefillPhase:
         await self.release(
             push.d, push.rid, f"push from {push.p.node_id} failed: {e.code().name}", push.p.node_id if dead else ""
         )
+
+
+def _outstanding(p: NodeEntry, batch: bool) -> int:
+    """Prompt tokens this router has outstanding on P that a new prompt of its class queues behind."""
+    return p.inflight_prefill_tokens if batch else p.inflight_interactive_tokens
 
 
 class _Failed(Exception):

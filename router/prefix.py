@@ -5,18 +5,23 @@ whether the node computes the prompt or receives its state (docs/routing.md)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.prefix_hash import ROOT_HASH, page_name, prefix_key, prompt_hashes, short
+from engine.vision.inputs import hash_view
+from proto import pb
 
 RECENT_MAX = 16384  # names remembered per node (oldest dropped first)
 
 
 class PrefixQuery:
-    """A prompt's names under a node's page size, computed once per page size on first use."""
+    """A prompt's names under a node's page size, computed once per page size on first use. With
+    images, the names are over the prompt's hash view (each image's placeholder run carrying its
+    pixel hash, engine/vision/inputs.py), as the nodes name their pages."""
 
-    def __init__(self, ids: list[int]):
-        self.ids = ids
+    def __init__(self, ids: list[int], images: Sequence[pb.ImageInput] = ()):
+        self.ids = hash_view(ids, images) if images else ids
         self.prompt_len = len(ids)
         self._full: dict[int, list[int]] = {}  # block size -> 128-bit chained page hashes
         self._short: dict[tuple[int, bool], list[int]] = {}

@@ -29,7 +29,8 @@ class NodeEntry:
     alive: bool = True
     inflight: int = 0  # requests the router has on this node now
     inflight_blocks: int = 0  # KV blocks those requests' prompts need
-    inflight_prefill_tokens: int = 0
+    inflight_prefill_tokens: int = 0  # prompt tokens sent to this prefill node, first token not back
+    inflight_interactive_tokens: int = 0  # ... of them, interactive ones (the node schedules them first)
     # finished by the router since the node's last report: free on the node, not yet reported
     freed_slots: int = 0
     freed_blocks: int = 0

@@ -49,6 +49,7 @@ class Trace:
     request_id: str
     received: float = field(default_factory=time.monotonic)
     prompt_len: int = 0
+    images: int = 0  # images in the prompt (their tokens are in prompt_len)
     decode: str = "-"
     prefill: str = "local"
     queue_s: float = 0.0
@@ -77,10 +78,11 @@ class Trace:
     def log(self) -> None:
         ttft, tpot = self.ttft(), self.tpot()
         log.info(
-            "request %s: prompt %d, decode %s, prefill %s, queue %.1f ms (estimated %s), ttft %s, tpot %s, "
+            "request %s: prompt %d%s, decode %s, prefill %s, queue %.1f ms (estimated %s), ttft %s, tpot %s, "
             "%d tokens, %s; transfer %d B in %.1f ms%s",
             self.request_id,
             self.prompt_len,
+            f" ({self.images} images)" if self.images else "",
             self.decode,
             self.prefill,
             self.queue_s * 1e3,
@@ -107,8 +109,11 @@ class RequestRun:
     """The phases of one request; `svc` is the GenerateService (admission, decode counters,
     prefill phase, registry, tokenizer)."""
 
-    def __init__(self, svc, request: pb.GenerateRequest, ids: list[int], trace: Trace):
+    def __init__(
+        self, svc, request: pb.GenerateRequest, ids: list[int], trace: Trace, images: Sequence[pb.ImageInput] = ()
+    ):
         self.svc, self.request, self.ids, self.tr = svc, request, ids, trace
+        self.images = images  # the prompt's, for the node that prefills it (never a reserved decode)
         # a resumed stream (GenerateRequest.resume_token_ids, the SDK on its next router) goes on
         # from the tokens the client has: they are its output so far
         resume = list(request.resume_token_ids)
@@ -131,7 +136,13 @@ class RequestRun:
             ids = self.ids + self.sent
             t0 = time.monotonic()
             d, p = await self.svc.admit(
-                ids, self.tried, self.local or bool(self.sent), self.request, resumed=bool(self.tried), trace=self.tr
+                ids,
+                self.tried,
+                self.local or bool(self.sent),
+                self.request,
+                resumed=bool(self.tried),
+                trace=self.tr,
+                images=self.images,
             )
             self.tr.queue_s += time.monotonic() - t0
             self.tr.decode = d.node_id
@@ -177,13 +188,15 @@ class RequestRun:
         watch: NodeWatch | None = None
         try:
             if p is not None:
-                pre = await self.svc.prefill.run(d, p, self.request, ids, rid)
+                pre = await self.svc.prefill.run(d, p, self.request, ids, rid, self.images)
                 self.push = pre
             if pre is None and self.sent:  # moved: the new node continues after the tokens sent
                 call = d.stub.Generate(self._resumed(rid))
             elif pre is None:
                 self.tr.prefill = "local"
-                call = d.stub.Generate(pb.DecodeRequest(request_id=rid, prompt_token_ids=ids, sampling=sp))
+                call = d.stub.Generate(
+                    pb.DecodeRequest(request_id=rid, prompt_token_ids=ids, sampling=sp, images=self.images)
+                )
             else:
                 f = pre.first
                 self.tr.prefill = pre.p.node_id
@@ -243,7 +256,9 @@ class RequestRun:
         sp = pb.SamplingParams()
         sp.CopyFrom(self.request.sampling)
         sp.ClearField("prompt_logprobs")
-        return pb.DecodeRequest(request_id=rid, prompt_token_ids=self.ids, sampling=sp, resume_token_ids=self.sent)
+        return pb.DecodeRequest(
+            request_id=rid, prompt_token_ids=self.ids, sampling=sp, resume_token_ids=self.sent, images=self.images
+        )
 
     async def _decode_failed(self, e: grpc.RpcError, d: NodeEntry, pre: Push | None, lost: bool = False) -> None:
         """D refused or failed the request: raise _Retry (place it elsewhere), Moved (mid-stream:

@@ -1,7 +1,8 @@
 """`POST /v1/responses` request bodies, stateless: the body (`ResponsesRequest`) turned into the
 chat request it means (`to_chat`), which the chat path then serves (template, parsers,
 constraints). Input items: messages (roles user / system / developer / assistant; content a
-string or `input_text` / `output_text` parts), `function_call` (an assistant turn's calls),
+string or `input_text` / `output_text` parts, and `input_image` parts in user, system and
+developer messages, named `input[i].content[j]` in errors), `function_call` (an assistant turn's calls),
 `function_call_output` (a tool message), `reasoning` (the next assistant turn's
 reasoning_content). `instructions` is the system message; `tools` are flat function tools;
 `text.format` is the response format. `previous_response_id` is a 400 naming it: this router
@@ -61,7 +62,24 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(out)
 
 
-def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+def _parts_of(content: Any, where: str, msg: int, names: dict[tuple[int, int], str]) -> str | list[dict[str, Any]]:
+    """A user / system message's content: its text, or with `input_image` parts the chat parts
+    (each part's name recorded under (msg, j) in `names`)."""
+    if not isinstance(content, list) or not any(
+        isinstance(p, dict) and p.get("type") == "input_image" for p in content
+    ):
+        return _text_of(content, where)
+    parts: list[dict[str, Any]] = []
+    for j, p in enumerate(content):
+        names[(msg, j)] = f"{where}.content[{j}]"
+        if p.get("type") == "input_image":
+            parts.append({"type": "input_image", "image_url": p.get("image_url")})
+        else:
+            parts.append({"type": "text", "text": _text_of([p], where)})
+    return parts
+
+
+def _messages(req: ResponsesRequest, names: dict[tuple[int, int], str]) -> list[dict[str, Any]]:
     msgs: list[dict[str, Any]] = []
     if req.instructions:
         msgs.append({"role": "system", "content": req.instructions})
@@ -85,12 +103,12 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             role = it.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise bad(f"{where}.role must be user, system, developer or assistant (got {role!r})", f"{where}.role")
-            text = _text_of(it.get("content"), where)
             if role == "assistant":
                 a = assistant()
-                a["content"] = (a["content"] or "") + text
+                a["content"] = (a["content"] or "") + _text_of(it.get("content"), where)
             else:
-                msgs.append({"role": "system" if role == "developer" else role, "content": text})
+                content = _parts_of(it.get("content"), where, len(msgs), names)
+                msgs.append({"role": "system" if role == "developer" else role, "content": content})
         elif kind == "function_call":
             if not isinstance(it.get("name"), str) or not isinstance(it.get("call_id"), str):
                 raise bad(f"{where}: a function_call needs 'name' and 'call_id'", where)
@@ -135,9 +153,10 @@ def to_chat(req: ResponsesRequest) -> ChatRequest:
                 raise bad(f"tools[{i}]: only function tools ({{'type': 'function', 'name': ...}})", f"tools[{i}]")
             fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
             tools.append({"type": "function", "function": fn})
+    names: dict[tuple[int, int], str] = {}
     body: dict[str, Any] = {
         "model": req.model,
-        "messages": _messages(req),
+        "messages": _messages(req, names),
         "tools": tools,
         "tool_choice": _tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls,
@@ -150,4 +169,5 @@ def to_chat(req: ResponsesRequest) -> ChatRequest:
         body[name] = getattr(req, name)
     chat = parse(ChatRequest, {k: v for k, v in body.items() if v is not None})
     assert isinstance(chat, ChatRequest)
+    chat.part_names.update(names)
     return chat

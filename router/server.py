@@ -58,7 +58,12 @@ class Router:
 
         self.registry.loop, self.registry.on_change = loop, changed
         self.server, port, self._health = await start_grpc(
-            addr, lambda s: add_services(s, self.service), ["Generation", "Registry"], self.creds, self.limits
+            addr,
+            lambda s: add_services(s, self.service),
+            ["Generation", "Registry"],
+            self.creds,
+            self.limits,
+            self.cfg.max_body_bytes,  # a Generate message's images are bounded as an HTTP body's
         )
         self._sweeper = loop.create_task(self._sweep())
         log.info("router serving on port %d (policy %s; %s)", port, self.service.policy.name, self.creds)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import aclosing
 from pathlib import Path
 
@@ -20,6 +20,8 @@ from router.admission import BATCH, CLASS_NAMES, INTERACTIVE, Admission, Ask
 from router.client_hints import HINTS, Hints
 from router.config import RouterConfig
 from router.errors import Abort, Draining
+from router.images.prepare import ImageRef, Images, Prepared, to_pb
+from router.images.vision import IMAGE_PAD, VisionSpec
 from router.migrate import MigrationMetrics
 from router.policy import make_policy
 from router.prefill import PrefillPhase
@@ -27,11 +29,11 @@ from router.prefix import PrefixQuery
 from router.registry import NodeEntry, NodeRegistry
 from router.request import Chunk, RequestRun, Trace
 from router.stops import with_stops
-from router.text import TextPool
+from router.text import TextPool, default_workers
 from router.wait_estimate import estimate
 from serving.metrics import ServingMetrics
 from serving.rpc import MAX_REQUEST_ID_LEN
-from serving.security import OPEN, Credentials
+from serving.security import OPEN, Credentials, key_id
 
 log = logging.getLogger("pdserve.router")
 
@@ -95,7 +97,15 @@ class GenerateService:
             for pool in ("prefill", "decode"):
                 self.estimated_wait.labels(pool=pool, **{"class": c})
         self.migrations = MigrationMetrics(reg)
+        vision = None
+        if self.tokenizer is not None and cfg.model:
+            vision = VisionSpec.load(cfg.model, self.tokenizer.token_to_id(IMAGE_PAD))
+        self.images = Images(cfg, vision, reg, cfg.tokenizer_workers or default_workers(), cfg.max_body_bytes)
         self.admission = Admission(cfg.max_queued_requests, self._left_queue)
+        self.key_classes = cfg.key_classes
+        known = {key_id(d) for d in creds.api_keys}
+        if unknown := sorted(set(self.key_classes) - known):
+            raise ValueError(f"--api-key-priority names key id(s) {', '.join(unknown)}: no client API key has them")
         self.generate_limit = (cfg.max_queued_requests or 4096) + STREAMING
 
     def spawn(self, coro: Coroutine) -> asyncio.Task:
@@ -149,13 +159,16 @@ class GenerateService:
         return list(seen.values())
 
     # ---- the request path -------------------------------------------------------------------
-    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[Chunk]:
-        """The chunks of one request; raises Abort (Draining while the router drains)."""
+    async def generate(
+        self, request: pb.GenerateRequest, images: Sequence[Prepared] | None = None
+    ) -> AsyncIterator[Chunk]:
+        """The chunks of one request; raises Abort (Draining while the router drains). `images`: the
+        prompt's, prepared by the HTTP front (else the request's own ImageParts are)."""
         if self.draining:
             raise Draining("the router")
         tr = Trace(request.request_id or uuid.uuid4().hex)
         if self.active >= self.generate_limit:
-            self._left_queue("queue_full", Ask(), 0.0)
+            self._left_queue("queue_full", Ask(self.priority(request)), 0.0)
             log.info("request %s: refused RESOURCE_EXHAUSTED, %d requests in flight", tr.request_id, self.active)
             raise Abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -164,11 +177,16 @@ class GenerateService:
         self.active += 1
         self.idle.clear()
         try:
-            ids = await self._prompt_ids(request)
-            tr.prompt_len = len(ids)
-            self._check(request, ids)
+            ids, inputs = await self._prompt_ids(request, images)
+            tr.prompt_len, tr.images = len(ids), len(inputs)
             self.check_ask(request)
-            run = RequestRun(self, request, ids, tr)
+            # the class it is admitted in travels to the nodes, which schedule by it
+            request.sampling.priority = (
+                pb.PRIORITY_BATCH if self.priority(request) == BATCH else pb.PRIORITY_INTERACTIVE
+            )
+            self._check(request, ids)
+            self.images.accepted(inputs)
+            run = RequestRun(self, request, ids, tr, to_pb(inputs))
             sp = request.sampling
             min_tokens = max(0, sp.min_tokens - len(run.sent))  # a resumed stream's tokens count
             stream = with_stops(run.chunks(), list(sp.stop), min_tokens, lambda: setattr(tr, "finish", "stop"))
@@ -226,16 +244,22 @@ class GenerateService:
         self.check_prompt_chars(len(text), what)
         return await self.text.encode(text)
 
-    async def _prompt_ids(self, request) -> list[int]:
+    async def _prompt_ids(self, request, images: Sequence[Prepared] | None):
+        """The prompt's token ids, each image's placeholder expanded, and its images (ImageInputs)."""
+        bad = grpc.StatusCode.INVALID_ARGUMENT
         if request.prompt and request.prompt_token_ids:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "give prompt text or prompt_token_ids, not both")
+            raise Abort(bad, "give prompt text or prompt_token_ids, not both")
+        if (images or request.images) and not request.prompt:
+            raise Abort(bad, "images need a text prompt holding one <|vision_start|><|image_pad|><|vision_end|> each")
         if request.prompt:
             ids = await self.encode(request.prompt)
         else:
             ids = list(request.prompt_token_ids)
         if not ids:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt: give at least one token")
-        return ids
+            raise Abort(bad, "empty prompt: give at least one token")
+        if images is None:
+            images = await self.images.prepare([_ref(i, p) for i, p in enumerate(request.images)])
+        return self.images.expand(ids, images)
 
     def _check(self, request, ids: list[int]) -> None:
         from engine.sampling_params import SamplingParams
@@ -280,19 +304,25 @@ class GenerateService:
         else:
             self.queue_wait.observe(wait_s)
 
-    def ask(self, request: pb.GenerateRequest | None, tokens: int, resumed: bool) -> Ask:
-        """What the request asks of admission: its class and budget from its fields, the HTTP
-        headers (router/client_hints.py) or the router's default, and its API key."""
+    def priority(self, request: pb.GenerateRequest | None) -> int:
+        """The request's class: what it asks (the HTTP header, else its field; interactive by
+        default), never above its API key's class (--api-key-priority)."""
         h = HINTS.get() or Hints()
-        priority, budget = h.priority, h.budget_s
-        if request is not None:
-            if priority is None and request.priority == pb.PRIORITY_BATCH:
-                priority = BATCH
-            if budget is None and request.HasField("admission_timeout_s"):
-                budget = request.admission_timeout_s
+        asked = h.priority
+        if asked is None:
+            asked = BATCH if request is not None and request.priority == pb.PRIORITY_BATCH else INTERACTIVE
+        return max(asked, self.key_classes.get(h.tenant, INTERACTIVE))
+
+    def ask(self, request: pb.GenerateRequest | None, tokens: int, resumed: bool) -> Ask:
+        """What the request asks of admission: its class (`priority`), its budget from its
+        field, the HTTP header or the router's default, and its API key."""
+        h = HINTS.get() or Hints()
+        budget = h.budget_s
+        if request is not None and budget is None and request.HasField("admission_timeout_s"):
+            budget = request.admission_timeout_s
         if budget is None:
             budget = self.cfg.admission_timeout_s
-        return Ask(priority or INTERACTIVE, h.tenant, budget, tokens, resumed)
+        return Ask(self.priority(request), h.tenant, budget, tokens, resumed)
 
     def check_ask(self, request: pb.GenerateRequest) -> None:
         t = request.admission_timeout_s
@@ -309,6 +339,7 @@ class GenerateService:
         request: pb.GenerateRequest | None = None,
         resumed: bool = False,
         trace: Trace | None = None,
+        images: Sequence[pb.ImageInput] = (),
     ) -> tuple[NodeEntry, NodeEntry | None]:
         """Decide at arrival, then wait in turn until the prompt `ids` is placed: (decode node,
         prefill node or None to prefill on the decode node), both counted against until `done`
@@ -316,13 +347,15 @@ class GenerateService:
         returns none). resumed: admitted before (a retry, a failover): never refused for lack of
         budget. Refused (RESOURCE_EXHAUSTED, retry_after_s) at arrival only."""
         prompt_len = len(ids)
-        q = PrefixQuery(ids) if self.policy.uses_prefix else None
+        q = PrefixQuery(ids, images) if self.policy.uses_prefix else None
         dec = [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]
         pooled = not local and bool(dec) and self.prefill.use_pool(dec[0], prompt_len)
         ask = self.ask(request, prompt_len if pooled else 0, resumed)
         ahead_tokens, ahead = self.admission.ahead(ask.priority)
         ends = [r.expected_end_s(self.tpot_s) for r in self.placed]
-        est, what = estimate(self.registry, self.prefill.meter, prompt_len, ask.tokens, ahead_tokens, ahead, ends)
+        est, what = estimate(
+            self.registry, self.prefill.meter, prompt_len, ask.tokens, ahead_tokens, ahead, ends, ask.priority == BATCH
+        )
         pool = "prefill" if ask.tokens else "decode"
         self.estimated_wait.labels(pool=pool, **{"class": ask.class_name}).set(est)
         if trace is not None and trace.estimate_s is None:  # the one made at arrival
@@ -334,10 +367,11 @@ class GenerateService:
                 return Abort(grpc.StatusCode.UNAVAILABLE, "no live decode node takes new requests")
             return None
 
-        return await self.admission.wait(ask, lambda: self._place(prompt_len, exclude, local, q), unavailable)
+        batch = ask.priority == BATCH
+        return await self.admission.wait(ask, lambda: self._place(prompt_len, exclude, local, q, batch), unavailable)
 
     def _place(
-        self, prompt_len: int, exclude: set[str], local: bool, q: PrefixQuery | None
+        self, prompt_len: int, exclude: set[str], local: bool, q: PrefixQuery | None, batch: bool
     ) -> tuple[NodeEntry, NodeEntry | None] | None:
         """A decode node with room and, when the prompt goes through the prefill pool, a prefill
         node within its window; None: not now. With a PrefixQuery (cache-aware), the pool decision
@@ -354,7 +388,7 @@ class GenerateService:
             p = None
             uncached = prompt_len - (d.cache.usable(q, compute=True) if q is not None else 0)
             if pooled(d, uncached):
-                p = self.prefill.choose(d, prompt_len, set(), window=True, q=q)
+                p = self.prefill.choose(d, prompt_len, set(), window=True, q=q, batch=batch)
                 if p is None:
                     return None  # every prefill node has its window of work: wait, reserving nothing
             if q is not None:
@@ -377,7 +411,15 @@ class GenerateService:
     async def close(self) -> None:
         if self.text is not None:
             self.text.close()
+        self.images.close()
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.registry.close()
+
+
+def _ref(i: int, part: pb.ImagePart) -> ImageRef:
+    where = f"images[{i}]"
+    if bool(part.data) == bool(part.url):
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: give the image's data or its url (one of them)")
+    return ImageRef(where, url=part.url, data=part.data)

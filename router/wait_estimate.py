@@ -1,28 +1,29 @@
 """When a request would start, as the router estimates it at arrival: each prefill node's
-measured rate (`RateMeter`, prompt tokens per second from its completed prefills, a moving
-estimate), the prompt tokens ahead of the request on the prefill pool, and the decode nodes'
+measured rate (`RateMeter`, prompt tokens per second over its last completed prefills), the prompt tokens ahead of the request on the prefill pool, and the decode nodes'
 free room now (docs/router.md, "Leases and admission")."""
 
 from __future__ import annotations
 
 import math
 import time
+from collections import deque
 
 from proto import pb
 from router.registry import NodeEntry, NodeRegistry
 
-ALPHA = 0.25  # weight of the newest completion in the moving estimate
+WINDOW = 16  # completions per prefill node the rate is measured over
 
 
 class RateMeter:
-    """Prompt tokens per second per prefill node: each completed prefill's tokens over the time
-    since that node's previous completion, or since it went busy when it was idle; tokens and
-    seconds are averaged apart (a batch of prompts finishing together averages out)."""
+    """Prompt tokens per second per prefill node over its last `WINDOW` completed prefills: each
+    one's tokens over the time since that node's previous completion, or since it went busy when
+    it was idle; the window's tokens over its seconds, so prompts that finish in the same step (0 s
+    apart) count their tokens against the step before, and one odd interval moves the rate by a
+    16th, not a quarter as a moving average would."""
 
     def __init__(self) -> None:
         self._mark: dict[str, float] = {}
-        self._tok: dict[str, float] = {}
-        self._sec: dict[str, float] = {}
+        self._seen: dict[str, deque[tuple[int, float]]] = {}
 
     def busy(self, node: str, now: float | None = None) -> None:
         """The node had nothing outstanding and is sent a prompt."""
@@ -30,19 +31,16 @@ class RateMeter:
 
     def done(self, node: str, tokens: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        dt = max(now - self._mark.get(node, now), 1e-6)
+        dt = max(now - self._mark.get(node, now), 0.0)
         self._mark[node] = now
-        if node not in self._tok:
-            self._tok[node], self._sec[node] = float(tokens), dt
-        else:
-            self._tok[node] += ALPHA * (tokens - self._tok[node])
-            self._sec[node] += ALPHA * (dt - self._sec[node])
+        self._seen.setdefault(node, deque(maxlen=WINDOW)).append((tokens, dt))
 
     def rate(self, node: str) -> float | None:
         """Tokens per second, None before the node's first completed prefill."""
-        if node not in self._tok:
+        seen = self._seen.get(node)
+        if not seen:
             return None
-        return self._tok[node] / self._sec[node]
+        return sum(t for t, _ in seen) / max(sum(s for _, s in seen), 1e-6)
 
 
 def decode_room(nodes: list[NodeEntry], prompt_len: int) -> int:
@@ -72,12 +70,14 @@ def estimate(
     ahead_tokens: int,
     ahead: int,
     ends: list[float],
+    batch: bool = False,
 ) -> tuple[float, str]:
     """(seconds until a request starts, what the figure is made of). tokens: what it brings to
     the prefill pool (0: prefilled on the decode node); ahead_tokens / ahead: the pool tokens and
     the requests queued before it; ends: when each request placed on a decode node is expected
     to end. The later of the decode room and the prefill pool's turn; 0 where nothing is known
-    yet (no decode node, no prefill measured: admitted)."""
+    yet (no decode node, no prefill measured: admitted). An interactive request (not `batch`)
+    counts only the interactive prompts outstanding on the pool: the nodes schedule it first."""
     with registry.lock:
         dec = registry.routable(pb.NODE_KIND_DECODE)
         if not dec:
@@ -95,7 +95,10 @@ def estimate(
             return wait, what + "; no prefill measured yet"
         # a node not measured yet counts at the mean rate of those that are
         rate = sum(rates) / len(rates) * len(pool)
-        outstanding = sum(p.queued_prefill_tokens() for p in pool)
+        if batch:
+            outstanding = sum(p.queued_prefill_tokens() for p in pool)
+        else:
+            outstanding = sum(p.inflight_interactive_tokens for p in pool)
     work = outstanding + ahead_tokens
     pre = work / rate
     pre_what = f"{work:,} prompt tokens ahead at {rate:,.0f} tokens/s"

@@ -18,6 +18,7 @@ from engine.core import EngineCore
 from engine.outputs import RequestOutput
 from engine.request import Status
 from engine.sampling_params import SamplingParams
+from engine.vision.inputs import ImageInput
 
 _T = TypeVar("_T")
 
@@ -139,6 +140,7 @@ class AddRequest:
     prefill_only: bool = False
     transfer: object = None  # the connector's parameters for it (a prefill node's PushParams)
     resume: tuple[int, ...] = ()  # output tokens it already has (moved from a failed node)
+    images: tuple[ImageInput, ...] = ()  # the prompt's images (docs/images.md)
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,7 @@ class Reserve:
     # node work on the loop thread once the pages are set aside; raising releases them again
     on_reserved: Callable[[Reservation], object] | None = None
     transfer: object = None  # the connector's parameters for it (decode side: the lease in seconds)
+    images: tuple[ImageInput, ...] = ()  # the prompt's images' hashes and places (prefix cache names)
 
 
 @dataclass(frozen=True)
@@ -244,6 +247,7 @@ class Snapshot:
     spec_accepted_per_position: tuple[int, ...] = field(default=())
     transfer: ConnectorStats = field(default_factory=ConnectorStats)  # the connector's totals (zeros: none)
     streaming: int = 0  # requests a handle streams or whose push it waits for
+    images: tuple[int, float, int] = (0, 0.0, 0)  # totals: images encoded, encoder seconds, encoder-cache hits
 
 
 def take_snapshot(eng: EngineCore, previous: Snapshot, streaming: int = 0) -> Snapshot:
@@ -266,6 +270,7 @@ def take_snapshot(eng: EngineCore, previous: Snapshot, streaming: int = 0) -> Sn
         spec_accepted_per_position=tuple(sched.accepted_per_position),
         transfer=eng.transfer_stats() or ConnectorStats(),
         streaming=streaming,
+        images=eng.image_totals,
     )
     pc = eng.prefix
     if pc is None:

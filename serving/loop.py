@@ -17,6 +17,7 @@ from engine.connector import RecvFreed, SendDone, TransferRecord
 from engine.core import EngineCore
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.vision.inputs import ImageInput
 from serving.commands import (
     Aborted,
     AbortRequest,
@@ -100,12 +101,13 @@ class EngineLoop:
         prefill_only: bool = False,
         transfer: object = None,
         resume: Sequence[int] = (),
+        images: Sequence[ImageInput] = (),
     ) -> RequestHandle:
         """Queue a request for the engine; its outputs come through the handle. transfer: the
         connector's parameters for it (a prefill-only request's push). resume: output tokens it
         already has (EngineCore.resume_request): the handle streams only those after them."""
         h = RequestHandle(self._abort_handle, request_id, len(prompt_token_ids))
-        self._post(AddRequest(h, list(prompt_token_ids), params, prefill_only, transfer, tuple(resume)))
+        self._post(AddRequest(h, list(prompt_token_ids), params, prefill_only, transfer, tuple(resume), tuple(images)))
         return h
 
     def admit(
@@ -136,13 +138,14 @@ class EngineLoop:
         params: SamplingParams,
         on_reserved: Callable[[Reservation], object] | None = None,
         transfer: object = None,
+        images: Sequence[ImageInput] = (),
     ) -> Future[Reserved]:
         """Set aside pages for prompt + 1 tokens and a state slot (EngineCore.reserve_transfer:
         the connector adopts them, given `transfer`); NoRoom when there is none now, ValueError
         for a bad request. `on_reserved(Reservation)` runs on the loop thread; its result is
         `Reserved.value`, and if it raises the memory goes back."""
         fut: Future[Reserved] = Future()
-        self._post(Reserve(request_id, list(prompt_token_ids), params, fut, on_reserved, transfer))
+        self._post(Reserve(request_id, list(prompt_token_ids), params, fut, on_reserved, transfer, tuple(images)))
         return fut
 
     def await_transfer(self, request_id: str) -> Future[TransferRecord]:
@@ -294,14 +297,14 @@ class EngineLoop:
 
     def _handle(self, cmd: Command) -> None:
         match cmd:
-            case AddRequest(h, ids, params, prefill_only, transfer, resume):
-                self._start(h, lambda: self._add(h.request_id, ids, params, prefill_only, transfer, resume))
+            case AddRequest(h, ids, params, prefill_only, transfer, resume, images):
+                self._start(h, lambda: self._add(h.request_id, ids, params, prefill_only, transfer, resume, images))
             case AdmitTransferred(h, first, drafts, prepare):
                 self._start(h, lambda: self._activate(h.request_id, first, drafts, prepare))
             case AbortRequest(rid, by, fut, reason):
                 self._answer(fut, lambda: self._abort(rid, by, reason))
-            case Reserve(rid, ids, params, fut, on_reserved, transfer):
-                self._answer(fut, lambda: self._reserve(rid, ids, params, on_reserved, transfer))
+            case Reserve(rid, ids, params, fut, on_reserved, transfer, images):
+                self._answer(fut, lambda: self._reserve(rid, ids, params, on_reserved, transfer, images))
             case AwaitTransfer(rid, fut):
                 self._await(rid, fut)
             case Release(rid, fut, reason):
@@ -347,13 +350,13 @@ class EngineLoop:
 
     def _add(
         self, rid: str, ids: list[int], params: SamplingParams, prefill_only: bool, transfer: object,
-        resume: tuple[int, ...] = (),
+        resume: tuple[int, ...] = (), images: tuple[ImageInput, ...] = (),
     ) -> None:  # fmt: skip
         # its outputs come with steps
         if resume:
-            self.engine.resume_request(ids, params, resume, rid)
+            self.engine.resume_request(ids, params, resume, rid, images=images)
         else:
-            self.engine.add_request(ids, params, rid, prefill_only=prefill_only, transfer=transfer)
+            self.engine.add_request(ids, params, rid, prefill_only=prefill_only, transfer=transfer, images=images)
 
     def _activate(
         self, rid: str, first: int, drafts: tuple[int, ...], prepare: Callable[[], None] | None
@@ -389,8 +392,9 @@ class EngineLoop:
         params: SamplingParams,
         on_reserved: Callable[[Reservation], object] | None,
         transfer: object,
+        images: tuple[ImageInput, ...] = (),
     ) -> Reserved:
-        got = self.engine.reserve_transfer(ids, params, rid, transfer)
+        got = self.engine.reserve_transfer(ids, params, rid, transfer, images)
         if got is None:
             raise NoRoom("no free KV pages or state slot for this prompt now")
         (blocks, slot, cached), answer = got

@@ -150,6 +150,12 @@ def capacity_gauges(snapshot: Snapshot) -> Gauges:
             "Memory of the prefix cache's GDN state snapshots held, per rank",
             s.prefix_snapshot_bytes * s.prefix_snapshots_used // max(s.prefix_snapshots, 1),
         ),
+        "images_total": ("Images run through the vision encoder (an encoder-cache hit is not one)", s.images[0]),
+        "encoder_seconds_total": ("Seconds in the image processor and the vision encoder", s.images[1]),
+        "encoder_cache_hits_total": (
+            "Image spans whose embeddings came from the encoder cache (a later chunk, an image sent again)",
+            s.images[2],
+        ),
         "spec_draft_tokens_total": ("Draft tokens verified (speculative decoding)", s.spec_draft_tokens),
         "spec_accepted_tokens_total": ("Draft tokens accepted (speculative decoding)", s.spec_accepted_tokens),
         "spec_position_drafts_total": (

@@ -16,7 +16,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.vision.inputs import ImageInput
+from engine.vision.processing import check_image
 from proto import pb, rpc
+from proto.convert import image_kwargs
 from serving.security import OPEN, Credentials, NodeGuard, add_port
 from serving.security import channel as secure_channel
 
@@ -24,6 +27,9 @@ log = logging.getLogger("pdserve.serving")
 
 # Ids the engine accepts as request ids, and names a log line can carry.
 MAX_REQUEST_ID_LEN = 128
+# A node's largest incoming message (gRPC's default is 4 MiB): a prompt's images travel in one
+# PrefillRequest / DecodeRequest, bounded by the router (router/images/prepare.py)
+MAX_MESSAGE_BYTES = 256 << 20
 
 
 # Trailing metadata on the UNAVAILABLE a draining server refuses new work with.
@@ -42,6 +48,24 @@ class _Registry(Protocol):
 
     def Register(self, request: pb.RegisterRequest, timeout: float) -> pb.RegisterResponse: ...
     def Heartbeat(self, request: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatResponse: ...
+
+
+def images_of(
+    msgs: Iterable[pb.ImageInput], context: grpc.ServicerContext, need_data: bool = True, model: str | None = None
+) -> tuple[ImageInput, ...]:
+    """A request's ImageInput messages as the engine's records; INVALID_ARGUMENT naming the image
+    for a malformed one. With `model` (a checkpoint path), each image's bytes are decoded, hashed
+    and sized here, in the RPC thread, so the engine loop's own check finds them checked
+    (engine/vision/processing.py `check_image`)."""
+    try:
+        images = tuple(ImageInput(**kw) for kw in image_kwargs(msgs, need_data))
+        if model is not None:
+            for k, img in enumerate(images):
+                check_image(model, k, img)
+        return images
+    except ValueError as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        raise
 
 
 def is_draining(err: grpc.RpcError) -> bool:
@@ -143,7 +167,7 @@ def start_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         interceptors=[NodeGuard(creds)] if creds.cluster_token else None,
-        options=[("grpc.so_reuseport", 0)],
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
     )
     add_servicers(server)
     hs: HealthStatus = health.HealthServicer()

@@ -47,6 +47,7 @@ class Transport(ABC):
     """Data plane of one endpoint. Not thread-safe: the owner calls it from one thread."""
 
     name: ClassVar[str]
+    partial_pages: ClassVar[bool] = False  # can write some of a region's pages now, the rest later
 
     def __init__(self, agent: str, regions: dict[tuple[int, str], torch.Tensor]) -> None:
         self.agent = agent

@@ -45,6 +45,9 @@ class Begin(msgspec.Struct, tag="begin", frozen=True):
     dst_blocks: list[int]
     dst_slot: int
     cached_blocks: int = 0  # pages before src_blocks / dst_blocks that the destination already holds
+    # the request's position offset after its prompt (a prompt with images, docs/images.md): the
+    # destination continues 3-D rotary positions from it without the images
+    rope_delta: int = 0
 
 
 class Grant(msgspec.Struct, tag="grant", frozen=True):

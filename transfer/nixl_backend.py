@@ -143,6 +143,7 @@ def side_mem_type(pairs: Sequence[RegionPair], side: str) -> str:
 
 class NixlTransport(Transport):
     name = "nixl"
+    partial_pages = True  # one-sided: any subset of the prepared descriptors, in any number of WRITEs
 
     def __init__(self, agent: str, regions: dict[tuple[int, str], torch.Tensor], progress_thread: bool = False) -> None:
         super().__init__(agent, regions)

@@ -126,17 +126,33 @@ def make_target(
 
 # ---- sender (prefill) --------------------------------------------------------------------------
 def open_send(
-    worker: Worker, backend: str, rid: str, target: Target, blocks: list[int], slot: int, num_tokens: int
+    worker: Worker,
+    backend: str,
+    rid: str,
+    target: Target,
+    blocks: list[int],
+    slot: int,
+    num_tokens: int,
+    rope_delta: int = 0,
 ) -> None:
     """Begin to the destination ranks now; the writes follow with `post` once the state exists.
     The memory stays the engine's (release the HELD request once every rank is quiet)."""
-    req = _sender(worker, backend).open(rid, target, blocks, slot, num_tokens, owned=False)
+    req = _sender(worker, backend).open(rid, target, blocks, slot, num_tokens, owned=False, rope_delta=rope_delta)
     _sends(worker)[rid] = req
 
 
-def send(worker: Worker, backend: str, rid: str, target: Target, blocks: list[int], slot: int, num_tokens: int) -> None:
+def send(
+    worker: Worker,
+    backend: str,
+    rid: str,
+    target: Target,
+    blocks: list[int],
+    slot: int,
+    num_tokens: int,
+    rope_delta: int = 0,
+) -> None:
     """Open and post at once (the state already exists)."""
-    req = _sender(worker, backend).send(rid, target, blocks, slot, num_tokens, owned=False)
+    req = _sender(worker, backend).send(rid, target, blocks, slot, num_tokens, owned=False, rope_delta=rope_delta)
     _sends(worker)[rid] = req
 
 
@@ -144,6 +160,13 @@ def post(worker: Worker, backend: str, rid: str) -> None:
     """Write everything and Done: at once when the grants are in (polled first), else when they come."""
     _sender(worker, backend).poll()
     _sends(worker)[rid].post()
+
+
+def post_pages(worker: Worker, backend: str, rid: str, num_pages: int) -> None:
+    """Write the KV of the prompt's first `num_pages` pages not yet written (a prefill chunk finished)."""
+    ep = _sender(worker, backend)
+    ep.poll()
+    _sends(worker)[rid].post_pages(num_pages)
 
 
 def renew(worker: Worker, backend: str, targets: list[Target]) -> int:
@@ -219,6 +242,9 @@ def abort_reservation(worker: Worker, backend: str, rid: str, inc: int, reason: 
         r.abort(reason)
 
 
-def take(worker: Worker, backend: str, rid: str, inc: int) -> None:
-    """A DONE reservation's memory goes to the engine's request (now decoding)."""
-    _receiver(worker, backend).requests[(rid, inc)].take()
+def take(worker: Worker, backend: str, rid: str, inc: int) -> int | None:
+    """A DONE reservation's memory goes to the engine's request (now decoding); returns the
+    rope_delta its sources' Begins carried (None: this rank had no source)."""
+    req = _receiver(worker, backend).requests[(rid, inc)]
+    req.take()
+    return req.rope_delta

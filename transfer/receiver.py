@@ -71,6 +71,11 @@ class RecvRequest:
         else:
             self.receiver._fail(self, reason)
 
+    @property
+    def rope_delta(self) -> int | None:
+        """The position offset the sources' Begins carried (None before any Begin)."""
+        return next((b.rope_delta for b in self.begins.values()), None)
+
     def take(self) -> tuple[list[int], int]:
         """Hand a DONE request's blocks and slot to the engine (which frees them when it finishes)."""
         if self.state is not TransferState.DONE or self.freed:
@@ -236,6 +241,8 @@ class Receiver(Endpoint):
             raise TransferError(f"request {req.request_id} is bound to source node {req.node}, not {msg.node}")
         if msg.rank not in req.expected or msg.rank in req.begins:
             raise TransferError(f"unexpected or repeated Begin from source rank {msg.rank}")
+        if req.rope_delta not in (None, msg.rope_delta):
+            raise TransferError(f"source rank {msg.rank} sends rope_delta {msg.rope_delta}, another {req.rope_delta}")
         bs, k = self.schema.block_size, req.cached_blocks
         if msg.cached_blocks != k:
             raise TransferError(f"source skips {msg.cached_blocks} cached blocks, this reservation has {k}")

@@ -16,9 +16,9 @@ from engine.cache.spec import GDNStateSpec, PagedAttentionSpec, build_specs
 from engine.config import EngineConfig, dtype_name
 from transfer.errors import HandshakeError
 
-SCHEMA_VERSION = 4  # 2: head-major KV pools, described by axes + page_stride + head_stride;
+SCHEMA_VERSION = 5  # 2: head-major KV pools, described by axes + page_stride + head_stride;
 # 3: the MTP layer's KV ("mtp_kv", layers num_layers + j) and the speculative method in the digest;
-# 4: the MoE sizes, sparse layers and weight quantization in the digest
+# 4: the MoE sizes, sparse layers and weight quantization in the digest; 5: Begin carries rope_delta
 
 Kind = Literal["paged_kv", "gdn_conv", "gdn_recurrent", "mtp_kv"]
 KINDS: tuple[Kind, ...] = ("paged_kv", "gdn_conv", "gdn_recurrent", "mtp_kv")

@@ -8,6 +8,7 @@ import logging
 import time
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -52,6 +53,15 @@ def channel_checksum(
     return crc, total
 
 
+class _Post(NamedTuple):
+    """One queued post: whole layers (None: every one) or, with `pages`, the paged pairs' pages
+    up to that count; `final` sends the rest and Done."""
+
+    layers: set[int] | None
+    final: bool
+    pages: int | None = None
+
+
 class _Channel:
     """This source rank -> one destination rank, for one request."""
 
@@ -60,7 +70,8 @@ class _Channel:
         self.dst_blocks = dst_blocks  # the destination pages written (cached ones left out)
         self.granted: bool | None = None  # None: Begin sent, no answer yet
         self.tag_base = 0
-        self.sent: set[int] = set()  # indices into peer.pairs already posted
+        self.sent: set[int] = set()  # indices into peer.pairs already posted whole
+        self.pages_sent = 0  # leading pages (of the request's written ones) every paged pair posted
         self.xfers: list[tuple[object, bool]] = []  # (transport handle, carries Done)
         self.final_posted = False
         self.done_sent = False  # Done delivered (with the last write or standalone)
@@ -85,7 +96,7 @@ class SendRequest:
         self.state = TransferState.PENDING
         self.error: str | None = None
         self.channels: dict[int, _Channel] = {}
-        self.queued: list[tuple[set[int] | None, bool]] = []  # posts waiting for grants
+        self.queued: list[_Post] = []  # posts waiting for grants
         self.opened_at = time.monotonic()
         self.failed_at: float | None = None
         self.quiet = False  # no write can still read the source memory; owned memory freed
@@ -98,10 +109,25 @@ class SendRequest:
         rest and Done. Queued until every destination granted; no-op once failed."""
         if self.state is TransferState.FAILED:
             return
-        if self.queued and self.queued[-1][1]:
+        if self.queued and self.queued[-1].final:
             raise TransferError(f"request {self.request_id}: already posted its final part")
-        self.queued.append((None if layers is None else set(layers), final))
+        self.queued.append(_Post(None if layers is None else set(layers), final))
         self.sender._advance(self)
+
+    def post_pages(self, num_pages: int) -> None:
+        """Write every paged pair's pages of the prompt's first `num_pages` pages (KV computed by
+        the prompt chunks so far) not yet written; the GDN state and the rest go with the final
+        post. Cached pages the destination holds are never written. A transport that cannot
+        write part of a region's pages (UCXX: one tag per planned range) leaves it all to the
+        final post."""
+        if self.state is TransferState.FAILED or not self.sender.transport.partial_pages:
+            return
+        if self.queued and self.queued[-1].final:
+            raise TransferError(f"request {self.request_id}: already posted its final part")
+        n = min(num_pages - self.target.cached_blocks, len(self.xfer_blocks))
+        if n > 0:
+            self.queued.append(_Post(None, False, n))
+            self.sender._advance(self)
 
     def poll(self) -> TransferState:
         self.sender.poll()
@@ -153,8 +179,10 @@ class Sender(Endpoint):
         src_slot: int,
         num_tokens: int,
         owned: bool = False,
+        rope_delta: int = 0,
     ) -> SendRequest:
-        """Start a request: Begin to every destination rank this rank has bytes for.
+        """Start a request: Begin to every destination rank this rank has bytes for (with the
+        request's `rope_delta`, what the destination's positions continue from).
 
         `owned`: the source blocks and slot go back to this endpoint's BlockManager / SlotPool
         once the request is quiet (done, or failed with no write in flight).
@@ -200,6 +228,7 @@ class Sender(Endpoint):
                     ch.dst_blocks,
                     ch.dst.slot,
                     target.cached_blocks,
+                    rope_delta,
                 ),
             )
         if not req.channels:
@@ -225,9 +254,10 @@ class Sender(Endpoint):
         src_slot: int,
         num_tokens: int,
         owned: bool = False,
+        rope_delta: int = 0,
     ) -> SendRequest:
         """open() + post(final=True): the whole state in one write per destination rank."""
-        req = self.open(request_id, target, src_blocks, src_slot, num_tokens, owned)
+        req = self.open(request_id, target, src_blocks, src_slot, num_tokens, owned, rope_delta)
         req.post()
         return req
 
@@ -239,29 +269,40 @@ class Sender(Endpoint):
             if self.fence is not None:  # the step that wrote these pages may still run on the device
                 self.fence.wait()
             while req.queued:
-                layers, final = req.queued.pop(0)
+                post = req.queued.pop(0)
                 for ch in req.channels.values():
-                    self._post(req, ch, layers, final)
+                    self._post(req, ch, post)
         except Exception as e:  # noqa: BLE001 (a backend refusing a post fails this request only)
             self._fail(req, f"posting a write failed: {e}")
             return
         if req.state is TransferState.PENDING and any(ch.xfers or ch.final_posted for ch in req.channels.values()):
             req.state = TransferState.TRANSFERRING
 
-    def _post(self, req: SendRequest, ch: _Channel, layers: set[int] | None, final: bool) -> None:
+    def _post(self, req: SendRequest, ch: _Channel, post: _Post) -> None:
         pairs = ch.peer.pairs
-        todo = [
-            i for i in range(len(pairs)) if i not in ch.sent and (final or layers is None or pairs[i].layer in layers)
-        ]
-        ch.sent.update(todo)
-        dst_blocks = ch.dst_blocks
+        first = ch.pages_sent  # pages before it went with earlier page posts (paged pairs not sent whole)
+        if post.pages is not None:
+            todo = [i for i in range(len(pairs)) if i not in ch.sent and pairs[i].paged]
+            upto = max(first, post.pages)
+            ch.pages_sent = upto
+        else:
+            todo = [
+                i
+                for i in range(len(pairs))
+                if i not in ch.sent and (post.final or post.layers is None or pairs[i].layer in post.layers)
+            ]
+            upto = len(req.xfer_blocks)
+            ch.sent.update(todo)
+        src_blocks, dst_blocks = req.xfer_blocks[first:upto], ch.dst_blocks[first:upto]
+        if post.pages is not None and not src_blocks:
+            return
         notif = None
-        if final:
+        if post.final:
             ch.final_posted = True
             crc = None
             if self.config.checksum:
                 crc, _ = channel_checksum(
-                    pairs, self.views, "src", req.xfer_blocks, dst_blocks, req.src_slot, ch.dst.slot
+                    pairs, self.views, "src", req.xfer_blocks, ch.dst_blocks, req.src_slot, ch.dst.slot
                 )
             nbytes = plan_nbytes(pairs, len(req.xfer_blocks))  # on the post's path: no expansion
             req.nbytes += nbytes
@@ -271,7 +312,7 @@ class Sender(Endpoint):
                 ch.pending_done = notif
                 notif = None
         job = WriteJob(
-            [(i, pairs[i]) for i in todo], req.xfer_blocks, dst_blocks, req.src_slot, ch.dst.slot, notif, ch.tag_base
+            [(i, pairs[i]) for i in todo], src_blocks, dst_blocks, req.src_slot, ch.dst.slot, notif, ch.tag_base
         )
         if todo or notif is not None:
             x = self.transport.write(ch.peer.agent, job)

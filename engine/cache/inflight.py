@@ -53,7 +53,7 @@ def hold_point(
             continue
         if k is not None and (r.params.prompt_logprobs is None or r.params.prompt_logprobs < k):
             continue
-        n = shared_tokens(req.prompt_token_ids, hashes(req), r.prompt_token_ids, hashes(r), block_size)
+        n = shared_tokens(req.hash_prompt, hashes(req), r.hash_prompt, hashes(r), block_size)
         top = min(n - 1 if k is not None else n, limit)  # token q must match for its logprob entry
         # the furthest point it saves within what both share: its prompt's end, a grid multiple
         # or one of its own snapshot points (a message break, a branch)

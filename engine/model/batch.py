@@ -47,6 +47,10 @@ class ForwardBatch:
     decode: RowGroup | None
     prefill: RowGroup | None
     logits_indices: torch.Tensor  # [R] token indices whose next-token logits are wanted
+    # images: 3-D rotary positions [3, T] when a row has them (else `positions` on every axis), and
+    # (token indices [K], embeddings [K, hidden]) replacing those tokens' embeddings
+    rope_positions: torch.Tensor | None = None
+    image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
     _rows: tuple | None = None  # gdn_rows(), made once per step
     _tok_rows: tuple | None = None  # decode_token_rows(), made once per step
     _phases: list | None = None  # gdn_row_phases(), made once per step

@@ -100,6 +100,7 @@ class DecodeGraphs:
         dec = b.decode
         return (
             b.prefill is None
+            and b.rope_positions is None  # positions of a request with images: eager
             and dec is not None
             and dec.max_row_tokens == 1
             and dec.points is None

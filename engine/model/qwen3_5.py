@@ -18,7 +18,7 @@ from engine.model.fused_decode import fused_decode
 from engine.model.layers import MLP, AllReduce, Attention, AttentionWeights, GatedDeltaNet, GDNWeights, MLPWeights
 from engine.model.linear import Linear
 from engine.model.moe import MoEWeights, SparseMoE
-from engine.model.rotary import Rotary
+from engine.model.rotary import Rotary, mrope_axes, mrope_cos_sin
 from kernels import add_rms_norm
 from kernels.cpu_decode import DecodeLayers
 
@@ -83,6 +83,8 @@ class Qwen35Model:
         self.lm_head = Linear(weights["lm_head"])  # may share the embedding tensor; its GEMM copy is its own
         self.eps = cfg.rms_norm_eps
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, max_positions, cfg.dtype, device, cfg.rope_scaling)
+        section = cfg.vision.mrope_section if cfg.vision is not None else (cfg.rotary_dim // 2, 0, 0)
+        self.mrope_axes = mrope_axes(cfg.rotary_dim, section).to(device)
         self.layers: list[DecoderLayer] = [
             build_layer(cfg, i, kind, weights["layers"][i], tp, all_reduce) for i, kind in enumerate(cfg.layer_types)
         ]
@@ -104,7 +106,13 @@ class Qwen35Model:
         """Returns logits [R, vocab] (float32) at batch.logits_indices; with want_hidden, also the
         final-normed hidden state of every token [T, hidden] (what the MTP block drafts from)."""
         x = F.embedding(batch.input_ids, self.embed)
-        cos, sin = self.rotary(batch.positions)
+        if batch.image_rows is not None:  # image placeholders take the encoder's embeddings
+            idx, emb = batch.image_rows
+            x[idx] = emb.to(x.dtype)
+        if batch.rope_positions is None:
+            cos, sin = self.rotary(batch.positions)
+        else:
+            cos, sin = mrope_cos_sin(self.rotary, batch.rope_positions, self.mrope_axes)
         fused = self._fused_decode(batch, pools, want_hidden)
         # The last layer's output matters only where logits are wanted (a prefill's last tokens):
         # its mixer runs on every token (their KV and GDN state), its output projection and MLP

@@ -39,3 +39,24 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     rot = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
     xr.mul_(cos).add_(rot.mul_(sin))  # two roundings in bfloat16, as transformers does
     return x
+
+
+def mrope_axes(rotary_dim: int, section: tuple[int, int, int]) -> torch.Tensor:
+    """[rotary_dim] the axis (0 t, 1 h, 2 w) each rotary column turns with: Qwen3.5's interleaved
+    `mrope_section` (engine/vision/positions.py), the same for both halves (rotate-half form)."""
+    half = rotary_dim // 2
+    axes = torch.zeros(half, dtype=torch.int64)
+    for j in range(half):
+        if j % 3 == 1 and j < 3 * section[1]:
+            axes[j] = 1
+        elif j % 3 == 2 and j < 3 * section[2]:
+            axes[j] = 2
+    return torch.cat([axes, axes])
+
+
+def mrope_cos_sin(rot: Rotary, positions: torch.Tensor, axes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, 1, rotary_dim] for 3-D positions [3, T]: each column from its axis' position."""
+    idx = axes.to(positions.device)[None, :].expand(positions.shape[1], -1)[None]  # [1, T, rd]
+    cos = rot.cos[positions].gather(0, idx)[0]
+    sin = rot.sin[positions].gather(0, idx)[0]
+    return cos[:, None, :], sin[:, None, :]

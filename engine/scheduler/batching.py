@@ -14,14 +14,32 @@ from engine.cache.block_manager import BlockManager, SlotPool
 from engine.cache.prefix import PrefixCache, Snapshot
 from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.request import Request, Status, TransitionError
-from engine.scheduler import spec_depth
+from engine.scheduler import priority, spec_depth
 from engine.scheduler.output import FinalSave, ScheduledRow, SchedulerOutput
 from engine.scheduler.prefix_plan import PrefixPlanner
+from engine.scheduler.priority import BATCH, INTERACTIVE
 from engine.step import SnapshotCopy
 
 log = logging.getLogger("pdserve.scheduler")
 
 Proposer = Callable[[list[int], int], list[int]]
+
+
+class _Plan:
+    """One step's plan while `schedule` builds it."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget  # tokens left in the step
+        self.batch_left = 0  # prompt tokens batch requests may still take (set at their turn)
+        self.rows: list[ScheduledRow] = []
+        self.preempted: list[Request] = []
+        self.restores: list[tuple[Snapshot, SnapshotCopy]] = []
+        self.saves: list[tuple[Snapshot, SnapshotCopy]] = []
+        self.points: list[tuple[Snapshot, Request]] = []
+
+    def urgent(self) -> bool:
+        """An interactive prompt chunk is in the step: batch prompts wait for the next."""
+        return any(not r.is_decode and r.request.params.priority == INTERACTIVE for r in self.rows)
 
 
 class Scheduler:
@@ -46,8 +64,9 @@ class Scheduler:
         self.prefix = prefix
         self.plan = PrefixPlanner(prefix, blocks, slots, self.mtp) if prefix is not None else None
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[Request] = deque()  # both in class order (engine/scheduler/priority.py)
         self.running: list[Request] = []
+        self.classes = priority.Classes()
         self._finished_ids: list[str] = []
         self.num_draft_tokens = 0  # drafts verified so far (speculative decoding), and accepted
         self.num_accepted_tokens = 0
@@ -56,57 +75,100 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         req.spec = spec_depth.started(req.spec, req.params, self.num_spec_tokens)
-        self.waiting.append(req)
+        priority.insert(self.waiting, req)
+        self.classes.arrived(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.cfg.max_num_batched_tokens
-        rows: list[ScheduledRow] = []
-        preempted: list[Request] = []
-        restores: list[tuple[Snapshot, SnapshotCopy]] = []
-        saves: list[tuple[Snapshot, SnapshotCopy]] = []
-        points: list[tuple[Snapshot, Request]] = []
+        """Running rows, then waiting requests, class by class (engine/scheduler/priority.py):
+        interactive ones first; batch prompt chunks get `priority.batch_allowance` tokens, none in
+        a step that computes an interactive prompt chunk."""
+        plan = _Plan(self.cfg.max_num_batched_tokens)
+        allowance = self.classes.batch_allowance(self.running, self.waiting, self.cfg)
         i = 0
-        while i < len(self.running) and budget > 0:
+        for cls in (INTERACTIVE, BATCH):
+            if cls == BATCH:
+                plan.batch_left = 0 if plan.urgent() else allowance
+            i = self._running_rows(plan, i, cls)
+            i = self._admit_waiting(plan, i, cls)
+        rows = plan.rows
+        rows.sort(key=lambda r: (not r.is_decode, (r.request.slot or 0) if r.is_decode else 0))
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(rows, plan.preempted, finished, plan.restores, plan.saves, plan.points)
+
+    def _running_rows(self, plan: _Plan, i: int, cls: int) -> int:
+        """Schedule the running requests of class `cls` from index i (the running list is kept in
+        class order); returns the index after them."""
+        while i < len(self.running) and plan.budget > 0 and self.running[i].params.priority == cls:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            drafts = self._drafts(req, budget) if n == 1 and req.num_computed_tokens > 0 else []
+            left = req.num_tokens - req.num_computed_tokens
+            n = min(left, plan.budget)
+            if cls == BATCH and left > 1:  # a batch prompt chunk: within the allowance
+                n = min(n, plan.batch_left)
+                if n <= 0:
+                    i += 1
+                    continue
+            drafts = self._drafts(req, plan.budget) if left == 1 and req.num_computed_tokens > 0 else []
             n += len(drafts)
             need = self.blocks.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
             while need > 0 and not self.blocks.can_allocate(need):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim)
+                victim = self._victim(i)  # never a row planned already
+                if victim.no_pixels:  # cannot recompute its prompt here (docs/images.md)
+                    self.finish(victim, "abort")
+                    log.warning("request %s gave its memory up: its images are not on this node", victim.request_id)
+                else:
+                    self._preempt(victim)
+                    plan.preempted.append(victim)
                 if victim is req:
                     break
             if req.status is not Status.RUNNING:
-                if not self.running:  # alone and still does not fit: it never will
+                if not self.running and req.status is Status.PREEMPTED:  # alone and still does not fit: it never will
                     self.finish(req, "length")
                     log.warning("request %s needs more KV pages than the cache holds; stopped", req.request_id)
+                plan.budget = 0
                 break
             if need > 0:
                 req.block_ids += self.blocks.allocate(need)
-            depths = self._depths_after(req, len(drafts)) if self.mtp else ()
-            self._lookahead(req, n, len(drafts), max(depths, default=0))
-            if self.plan is not None:
-                self.plan.plan_save(req, n, saves, points)
-            rows.append(ScheduledRow(req, n, drafts, depths))
-            budget -= n
+            self._plan_row(plan, req, n, drafts)
+            if cls == BATCH and left > 1:
+                plan.batch_left -= n
             i += 1
+        if plan.budget <= 0:  # out of budget (or a request that does not fit): the rest waits
+            return len(self.running)
+        while i < len(self.running) and self.running[i].params.priority == cls:
+            i += 1
+        return i
 
+    def _admit_waiting(self, plan: _Plan, i: int, cls: int) -> int:
+        """Admit waiting requests of class `cls` into the running list at index i (the end of
+        their class there); returns the index after them."""
         w = 0  # held requests (engine/cache/inflight.py) keep their place; those behind them go on
-        while not preempted and w < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        while (
+            not plan.preempted
+            and w < len(self.waiting)
+            and plan.budget > 0
+            and len(self.running) < self.cfg.max_num_seqs
+        ):
             req = self.waiting[w]
+            if req.params.priority != cls:
+                if req.params.priority > cls:
+                    break  # the waiting queue is in class order too
+                w += 1
+                continue
             hit = self.plan.lookup(req) if self.plan is not None else None
             p = hit.num_tokens if hit else 0
             if self.plan is not None and self.plan.held(req, p, self.running):
                 w += 1
                 continue
-            n = min(req.num_tokens - p, budget)
+            n = min(req.num_tokens - p, plan.budget)
+            if cls == BATCH:
+                n = min(n, plan.batch_left)
+                if n <= 0:
+                    break
             shared = hit.pages if hit else []
-            need = self.blocks.blocks_for(p + n) - len(shared)
+            need = self.blocks.blocks_for(self._admit_upto(req, p + n)) - len(shared)
             taken = sum(self.blocks.is_free(b) for b in shared)  # cached pages nobody used: now in use
             if not self.blocks.can_allocate(need + taken) or self.slots.num_free == 0:
                 break
@@ -116,19 +178,31 @@ class Scheduler:
             req.block_ids = shared + self.blocks.allocate(need)
             req.num_registered = len(shared)
             if self.plan is not None:
-                self.plan.admit(req, hit, restores)
-            depths = self._depths_after(req, 0) if self.mtp else ()
-            self._lookahead(req, n, 0, max(depths, default=0))
-            if self.plan is not None:
-                self.plan.plan_save(req, n, saves, points)
+                self.plan.admit(req, hit, plan.restores)
             req.move(Status.RUNNING)
-            self.running.append(req)
-            rows.append(ScheduledRow(req, n, [], depths))
-            budget -= n
+            self.running.insert(i, req)
+            i += 1
+            self._plan_row(plan, req, n, [])
+            if cls == BATCH:
+                plan.batch_left -= n
+        return i
 
-        rows.sort(key=lambda r: (not r.is_decode, (r.request.slot or 0) if r.is_decode else 0))
-        finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(rows, preempted, finished, restores, saves, points)
+    def _plan_row(self, plan: _Plan, req: Request, n: int, drafts: list[int]) -> None:
+        depths = self._depths_after(req, len(drafts)) if self.mtp else ()
+        self._lookahead(req, n, len(drafts), max(depths, default=0))
+        if self.plan is not None:
+            self.plan.plan_save(req, n, plan.saves, plan.points)
+        plan.rows.append(ScheduledRow(req, n, drafts, depths))
+        plan.budget -= n
+
+    def _admit_upto(self, req: Request, end: int) -> int:
+        """The tokens a request takes pages for as it starts: its first chunk's, or a prefill-only
+        request's whole prompt (it holds them all for its transfer anyway, and a transfer that
+        streams each chunk's pages names every page when it opens), unless the prompt needs more
+        pages than the cache has (it then stops for lack of pages, as any request)."""
+        if req.prefill_only and self.blocks.blocks_for(req.num_tokens) <= self.blocks.num_blocks:
+            return req.num_tokens
+        return end
 
     def _lookahead(self, req: Request, n: int, num_drafts: int, depth: int) -> None:
         """With MTP, a row that samples also takes pages, while free ones remain, for the positions
@@ -142,6 +216,11 @@ class Scheduler:
         if extra > 0:
             req.block_ids += self.blocks.allocate(extra)
 
+    def _victim(self, i: int) -> Request:
+        """The request that gives its memory up, among those not yet scheduled this step (from
+        running[i]): the newest of the lowest class that can recompute its prompt, else the last."""
+        return next((r for r in reversed(self.running[i:]) if not r.no_pixels), self.running[-1])
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         req.draft_token_ids = []
@@ -149,7 +228,7 @@ class Scheduler:
         req.move(Status.PREEMPTED)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
-        self.waiting.appendleft(req)
+        priority.insert(self.waiting, req, front=True)
         log.info("preempted %s (recompute %d tokens later)", req.request_id, req.num_tokens)
 
     def _release(self, req: Request) -> None:
@@ -238,7 +317,7 @@ class Scheduler:
         req.num_computed_tokens = len(req.prompt_token_ids)
         req.spec = spec_depth.started(req.spec, req.params, self.num_spec_tokens)
         req.draft_token_ids = list(drafts)[: req.spec.depth] if self.mtp else []
-        self.running.append(req)
+        priority.insert(self.running, req)
         self._emit(req, [first_token], eos)
 
     def _hold(self, req: Request) -> None:

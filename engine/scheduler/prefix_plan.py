@@ -33,18 +33,18 @@ class PrefixPlanner:
         least `pages` pages."""
         bs = self.blocks.block_size
         if req.block_hashes is None:
-            req.block_hashes = prompt_hashes(req.prompt_token_ids, bs)
+            req.block_hashes = prompt_hashes(req.hash_prompt, bs)
         h = req.block_hashes
         while len(h) < pages:
             j = len(h)
-            h.append(block_hash(h[-1] if j else ROOT_HASH, req.token_ids(j * bs, (j + 1) * bs)))
+            h.append(block_hash(h[-1] if j else ROOT_HASH, req.hash_ids(j * bs, (j + 1) * bs)))
         return h
 
     def lookup(self, req: Request) -> PrefixHit | None:
         """The cached prefix a waiting request can start from (with prompt logprobs, only one
         whose snapshot keeps the logprobs of the tokens it skips, `PromptLogprobs`)."""
         limit = min(len(req.prompt_token_ids), req.num_tokens - 1)
-        return self.prefix.lookup(req.prompt_token_ids, self.hashes(req), limit, req.params.prompt_logprobs)
+        return self.prefix.lookup(req.hash_prompt, self.hashes(req), limit, req.params.prompt_logprobs)
 
     def held(self, req: Request, hit: int, running: Sequence[Request]) -> bool:
         """Whether `req` (cached hit: `hit` tokens) waits for a snapshot that a running request
@@ -119,7 +119,7 @@ class PrefixPlanner:
         extra = [q for q in req.snapshot_points if start < q <= end]
         points = sorted(set(grid).union(extra, [plen] if end == plen else []))
         for p in points:
-            parent, tail = self.prefix.key_for(req.prompt_token_ids, self.hashes(req), p)
+            parent, tail = self.prefix.key_for(req.hash_prompt, self.hashes(req), p)
             s = self.prefix.reserve(parent, tail, p)
             if req.params.prompt_logprobs is not None:
                 kept = s or self.prefix.find(parent, tail)
@@ -149,7 +149,7 @@ class PrefixPlanner:
         hashes = self.hashes(req, full)
         for j in range(req.num_registered, full):
             e = (j + 1) * bs
-            after = req.prompt_token_ids[e] if e < plen else (req.output_token_ids + list(toks))[e - plen]
+            after = req.hash_prompt[e] if e < plen else (req.output_token_ids + list(toks))[e - plen]
             self.blocks.register(req.block_ids[j], hashes[j], after)
         req.num_registered = max(req.num_registered, full)
 
@@ -161,7 +161,7 @@ class PrefixPlanner:
             # MTP: the drafter's KV at a page's last position holds the token after it; the first
             # token (after a prompt that ends on a page) is not known yet, so that page travels
             e = (j + 1) * bs
-            after = (req.prompt_token_ids[e] if e < plen else -1) if self.mtp else None
+            after = (req.hash_prompt[e] if e < plen else -1) if self.mtp else None
             page = self.blocks.lookup(h, after)
             if page is None:
                 break
@@ -182,7 +182,7 @@ class PrefixPlanner:
         if self.mtp and req.spec.depth == 0:
             return
         hashes = self.hashes(req, c // bs)
-        parent, tail = self.prefix.key_for(req.prompt_token_ids + req.output_token_ids, hashes, c)
+        parent, tail = self.prefix.key_for(req.hash_prompt + req.output_token_ids, hashes, c)
         s = self.prefix.reserve(parent, tail, c)
         if s is None:
             return

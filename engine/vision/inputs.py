@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from PIL import Image
 
-__all__ = ["ImageInput", "decode_rgb", "hash_pixels"]
+__all__ = ["ImageInput", "decode_rgb", "hash_pixels", "hash_view"]
 
 
 @dataclass(frozen=True)
@@ -45,3 +45,19 @@ def hash_pixels(img: Image.Image) -> bytes:
     h.update(rgb.width.to_bytes(4, "little") + rgb.height.to_bytes(4, "little"))
     h.update(rgb.tobytes())
     return h.digest()
+
+
+def hash_view(prompt: list[int], images) -> list[int]:
+    """The prompt with each image's placeholder tokens (the run of <|image_pad|> from its offset)
+    replaced by one number from its pixel hash (63 bits, far above any vocabulary): what the prefix
+    cache's page hashes and snapshot keys are computed over, so pages and GDN snapshots covering
+    different images differ and the same image again is a hit. The router can name pages the same
+    way for cache-aware routing."""
+    out = list(prompt)
+    for img in images:
+        mark = (int.from_bytes(img.pixel_hash[:8], "little") >> 1) | (1 << 62)
+        pad, i = prompt[img.offset], img.offset
+        while i < len(prompt) and prompt[i] == pad:
+            out[i] = mark
+            i += 1
+    return out

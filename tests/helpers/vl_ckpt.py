@@ -102,3 +102,52 @@ def hf_greedy(path: str, ids: list[int], images: list[ImageInput], new_tokens: i
 
 def token(path: str, name: str) -> int:
     return int(getattr(_config(path), f"{name}_token_id"))
+
+
+def chat_text(path: str, messages: list[dict]) -> str:
+    """The checkpoint's chat template over `messages`: one <|vision_start|><|image_pad|><|vision_end|>
+    per image part (what a client sends with its images; the router expands each)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    return str(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False))
+
+
+def chat_ids(path: str, messages: list[dict]) -> list[int]:
+    """`chat_text` tokenized."""
+    from transformers import AutoTokenizer
+
+    return list(AutoTokenizer.from_pretrained(path).encode(chat_text(path, messages), add_special_tokens=False))
+
+
+def chat(path: str, messages: list[dict], images: list[bytes]) -> tuple[list[int], list[ImageInput]]:
+    """`chat_ids`, then `expand`: the prompt and images the router hands a node."""
+    return expand(path, chat_ids(path, messages), images)
+
+
+def user(*parts: str | None) -> dict:
+    """A user turn: strings are text parts, None an image part."""
+    return {"role": "user", "content": [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]}
+
+
+CASES = {  # name -> (messages, image sizes (width, height))
+    "one_image": ([user(None, "What is in this picture?")], [(120, 90)]),
+    "two_sizes": ([user("Compare", None, "with", None)], [(200, 120), (64, 180)]),
+    "earlier_turn": (
+        [
+            user(None, "Describe it."),
+            {"role": "assistant", "content": "A small model wanted to generate text."},
+            user("And the quick brown fox?"),
+        ],
+        [(90, 140)],
+    ),
+    "text_only": ([user("Hello world! How are you today?")], []),
+}
+
+
+def case_images(name: str, seed: int = 0) -> list[bytes]:
+    return [png(w, h, seed + k) for k, (w, h) in enumerate(CASES[name][1])]
+
+
+def case(path: str, name: str, seed: int = 0) -> tuple[list[int], list[ImageInput]]:
+    return chat(path, CASES[name][0], case_images(name, seed))

@@ -106,8 +106,30 @@ def test_continue_final_message_equals_transformers(hf, tmpl):
     assert e.value.param == "continue_final_message"
 
 
-@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "data:,"}}, {"type": "video_url"}])
-def test_media_parts_are_refused_by_name(tmpl, part):
+def test_image_parts_render_the_placeholder_and_are_collected(hf, tmpl):
+    parts = [{"type": "text", "text": "see "}, {"type": "image_url", "image_url": {"url": "data:,a"}}]
+    parts.append({"type": "input_image", "image_url": "https://x/b.png"})
+    msgs = [{"role": "system", "content": "x"}, {"role": "user", "content": parts}]
+    r = tmpl.render(request(msgs))
+    hf_msgs = [msgs[0], {"role": "user", "content": [parts[0], {"type": "image"}, {"type": "image"}]}]
+    assert r.prompt == hf.apply_chat_template(hf_msgs, tokenize=False, add_generation_prompt=True)
+    assert [(i.where, i.url) for i in r.images] == [
+        ("messages[1].content[1]", "data:,a"),
+        ("messages[1].content[2]", "https://x/b.png"),
+    ]
+
+
+def test_video_parts_are_refused(tmpl):
+    from router.images.decode import ImageRefused
+
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "video_url", "video_url": {}}]}]
+    with pytest.raises(ImageRefused) as e:
+        tmpl.render(request(msgs))
+    assert e.value.reason == "video" and str(e.value) == "messages[0].content[1]: video input is not supported yet"
+
+
+@pytest.mark.parametrize("part", [{"type": "input_audio", "input_audio": {}}, {"type": "file", "file": {}}])
+def test_other_media_parts_are_refused_by_name(tmpl, part):
     msgs = [{"role": "system", "content": "x"}, {"role": "user", "content": [{"type": "text", "text": "see"}, part]}]
     with pytest.raises(ApiError) as e:
         tmpl.render(request(msgs))

@@ -129,19 +129,22 @@ def test_interactive_before_batch_and_keys_take_turns():
     asyncio.run(_classes_and_turns())
 
 
-def test_rate_meter_moving_estimate():
+def test_rate_meter_over_its_last_completions():
+    from router.wait_estimate import WINDOW
+
     m = RateMeter()
     assert m.rate("p") is None
     m.busy("p", now=10.0)
-    m.done("p", 3000, now=11.0)  # first sample: 3000 tokens in 1 s
+    m.done("p", 3000, now=11.0)  # first: 3000 tokens in 1 s
     assert m.rate("p") == pytest.approx(3000.0)
-    m.done("p", 3000, now=11.0)  # finished in the same batch: 0 s (the floor)
-    tok, sec = 3000 + 0.25 * (3000 - 3000), 1.0 + 0.25 * (1e-6 - 1.0)
-    assert m.rate("p") == pytest.approx(tok / sec)
+    m.done("p", 3000, now=11.0)  # finished in the same step: its tokens count against that second
+    assert m.rate("p") == pytest.approx(6000.0)
     m.busy("p", now=20.0)  # idle in between: measured from when it went busy again
     m.done("p", 1000, now=20.5)
-    tok, sec = tok + 0.25 * (1000 - tok), sec + 0.25 * (0.5 - sec)
-    assert m.rate("p") == pytest.approx(tok / sec)
+    assert m.rate("p") == pytest.approx(7000 / 1.5)
+    for k in range(WINDOW):  # the window holds the last WINDOW completions only
+        m.done("p", 100, now=21.5 + k)  # 1 s apart
+    assert m.rate("p") == pytest.approx(100.0)
 
 
 def test_decode_wait_from_the_placed_requests_ends():

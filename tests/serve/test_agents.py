@@ -3,7 +3,7 @@ one decode node, disaggregated) on the tiny checkpoint whose template renders to
 in Qwen3.5's layout: the chat template's switches reach the prompt (token counts equal
 transformers' rendering), reasoning and content split streamed and not (the reference: the same
 prompt's raw text from the completions endpoint, split at `</think>` here), tool_choice auto
-answers, an image part is refused naming it, and tool_choice required / named give calls whose
+answers, an image part is refused naming it (a text-only checkpoint), and tool_choice required / named give calls whose
 arguments validate against the tool's schema (jsonschema), streamed the same, finish_reason
 "tool_calls". The cluster runs with n-gram drafts on (`--num-speculative-tokens 3`): the call
 format repeats itself, so drafts are proposed inside calls and verified under the grammar's mask."""
@@ -130,7 +130,8 @@ def test_image_part_is_refused_naming_it(oai, model):
     parts = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=model, messages=[{"role": "user", "content": parts}], **GREEDY)
-    assert e.value.body["param"] == "messages[0].content[1].type"
+    assert e.value.body["param"] == "messages[0].content[1]"  # a text-only checkpoint
+    assert e.value.body["message"] == "messages[0].content[1]: this model does not take images"
 
 
 def test_tool_history_renders(oai, model, hf):

@@ -89,6 +89,49 @@ def test_prefill_node_killed_with_requests_in_flight(ckpt):
     assert rc == 0, up.output()
 
 
+def test_prefill_node_killed_mid_stream(ckpt):
+    """A long prompt in 32-token chunks streams its pages to the decode node chunk by chunk; its
+    one prefill node is SIGKILLed halfway through the prompt. The request fails UNAVAILABLE or
+    completes (prefilled again elsewhere) with the undisturbed tokens, and the decode node's
+    pages, slots and reservations come back: the partial push leaves nothing behind."""
+    from client import Client, PdserveError
+    from tests.helpers import hybrid_ckpt as hc
+    from tests.helpers.serve_harness import prefill_stats
+
+    prompt = hc.prompts(lens=(2400,), seed=13)[0]
+    args = ["--model", ckpt, "--dtype", "float32", "--prefill", "1", "--decode", "1", "--max-num-batched-tokens", "32"]
+    up = Up(*args, "--no-prefix-caching")
+    try:
+        d, p = node_info(up.address, "decode-0"), node_info(up.address, "prefill-0")
+        initial = decode_stats(d.address).capacity
+        victim = next(x for x in descendants(up.proc.pid) if b"prefill-0" in open(f"/proc/{x}/cmdline", "rb").read())
+        with Client(up.address, timeout=90) as c, ThreadPoolExecutor(1) as ex:
+            c.wait_ready(timeout=60)
+
+            def long():
+                try:
+                    return c.generate(prompt_token_ids=prompt, max_tokens=4, temperature=0.0, ignore_eos=True)
+                except PdserveError as e:
+                    return e
+
+            fut = ex.submit(long)
+            wait_for(
+                lambda: (
+                    0 < prefill_stats(p.address).capacity.queued_prefill_tokens <= len(prompt) // 2
+                    and decode_stats(d.address).capacity.reserved == 1
+                ),
+                60,
+                "half the prompt prefilled, its pages streaming into the decode node's reservation",
+            )
+            os.kill(victim, signal.SIGKILL)
+            got = fut.result(timeout=120)  # no hang
+            assert isinstance(got, PdserveError) and got.code == grpc.StatusCode.UNAVAILABLE or got.token_ids, got
+        wait_for(lambda: decode_stats(d.address).capacity == initial, 30, "the decode node's memory back")
+    finally:
+        rc = up.stop()
+    assert rc == 0, up.output()
+
+
 def test_conditional_disaggregation_same_tokens(ckpt, refs):
     """Prompts shorter than the decode node's --local-prefill-threshold prefill there; the rest go
     through the prefill pool; transformers' tokens either way."""

@@ -34,7 +34,8 @@ def ckpt(tmp_path_factory):
 def pair(ckpt):
     kw = dict(dtype="float32", kv_cache_memory="24MiB", max_num_seqs=8, max_num_batched_tokens=32)
     with LLM(ckpt, **kw) as p, LLM(ckpt, **kw) as d:
-        pc = PrefillConnector(p.engine.executor, "P", TransferConfig(backend="nixl"), push_timeout_s=30.0)
+        # the single push (opened with the last chunk); tests/transfer/test_stream.py streams
+        pc = PrefillConnector(p.engine.executor, "P", TransferConfig(backend="nixl"), push_timeout_s=30.0, stream=False)
         dc = DecodeConnector(d.engine.executor, "D", TransferConfig(backend="nixl", lease_s=30.0))
         p.engine.use_connector(pc)
         d.engine.use_connector(dc)

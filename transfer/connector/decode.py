@@ -94,7 +94,8 @@ class DecodeConnector(RankEndpoints, Connector):
         if r is None or r.phase is not ReservationPhase.READY:
             why = "no transfer" if r is None else (r.error or r.phase.value)
             raise RuntimeError(f"reservation {rid} ended before decode began: {why}")
-        self.call_all(xr.take, self.backend, rid, r.inc)
+        deltas = [d for d in self.call_all(xr.take, self.backend, rid, r.inc) if d is not None]
+        request.rope_delta = deltas[0] if deltas else 0  # a prompt with images: positions continue from it
         del self._res[rid]
 
     # ---- the transfers ---------------------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""The prefill side of the connector: pushes a prefill-only request's HELD state into the decode
-node's reservation named by its `PushParams`: opened when its last prompt chunk is scheduled,
-posted once prefilled, its lease renewed while it is here, SendDone once every rank is quiet;
-phases OPENED -> POSTED, either -> FAILING, in one enum and one table (docs/transfer.md)."""
+"""The prefill side of the connector: pushes a prefill-only request's state into the decode
+node's reservation named by its `PushParams`: opened when its first prompt chunk that leaves more
+to compute is scheduled (streamed: each chunk's full pages go out as it finishes) or else its
+last, the rest posted once prefilled, its lease renewed while it is here, SendDone once every
+rank is quiet; phases OPENED -> POSTED, either -> FAILING, in one enum and one table
+(docs/transfer.md)."""
 
 from __future__ import annotations
 
@@ -50,9 +52,12 @@ _NEXT: dict[PushPhase, frozenset[PushPhase]] = {
 class _Push:
     rid: str
     target: Target
-    deadline: float
+    deadline: float  # push_timeout_s after it opened, after its last streamed chunk, after its post
     phase: PushPhase
     opened: tuple[list[int], int | None] | None = None  # (blocks, slot) when opened before the state existed
+    streamed: bool = False  # opened before a chunk that leaves more of the prompt to compute
+    chunks: int = 0  # page posts made as prompt chunks finished
+    preemptions: int = 0  # the request's preemptions when its push opened
     started: float = field(default_factory=time.monotonic)  # the writes were posted
     error: str | None = None
     aborted: bool = False
@@ -73,7 +78,9 @@ class _Lease:
 
 class PrefillConnector(RankEndpoints, Connector):
     """push_timeout_s: a push not done and quiet by then fails; spin_s: how long one poll keeps
-    polling pushes in flight (grants and write completions otherwise wait for the next step)."""
+    polling pushes in flight (grants and write completions otherwise wait for the next step);
+    stream: a prompt of several chunks opens its push with its first chunk and writes the full
+    pages each chunk completes as it finishes (False: the whole state once prefilled)."""
 
     def __init__(
         self,
@@ -82,9 +89,10 @@ class PrefillConnector(RankEndpoints, Connector):
         config: TransferConfig,
         push_timeout_s: float = 60.0,
         spin_s: float = 0.0,
+        stream: bool = True,
     ) -> None:
         super().__init__(executor, "sender", node, config)
-        self.push_timeout_s, self.spin_s = push_timeout_s, spin_s
+        self.push_timeout_s, self.spin_s, self.stream = push_timeout_s, spin_s, stream
         self._pushes: dict[str, _Push] = {}
         self._leases: dict[str, _Lease] = {}
         self._done = self._failed = self._bytes = 0
@@ -99,18 +107,50 @@ class PrefillConnector(RankEndpoints, Connector):
         for row in so.rows:
             req = row.request
             p = req.kv_transfer
-            if not (req.prefill_only and row.samples and isinstance(p, PushParams)) or req.request_id in self._pushes:
+            if not (req.prefill_only and isinstance(p, PushParams)) or req.request_id in self._pushes:
+                continue
+            pages = self._pages(req)
+            # Streamed: the chunk leaves more of the prompt to compute and the scheduler gave the
+            # request every page of its prompt (the Begin names them all). A one-chunk prompt
+            # keeps the single push: writing it early gains nothing.
+            streamed = self.stream and not row.samples and len(req.block_ids) >= pages
+            if not (row.samples or streamed):
                 continue
             push = self._new(req.request_id, p.target, PushPhase.OPENED)
+            push.streamed, push.preemptions = streamed, req.num_preemptions
             try:
-                blocks = list(req.block_ids[: self._pages(req)])  # not the MTP lookahead's
+                blocks = list(req.block_ids[:pages])  # not the MTP lookahead's
                 slot = state_slot(req)
                 self.call_all(
-                    xr.open_send, self.backend, req.request_id, p.target, blocks, slot, len(req.prompt_token_ids)
+                    xr.open_send,
+                    self.backend,
+                    req.request_id,
+                    p.target,
+                    blocks,
+                    slot,
+                    len(req.prompt_token_ids),
+                    req.rope_delta,
                 )
                 push.opened = (blocks, slot)
             except Exception as e:  # the request still runs; its push fails and the router retries
                 self._fail(push, f"push did not open: {e}")
+
+    def prefill_chunk_done(self, request: Request, start: int, end: int) -> None:
+        """A streamed push writes the full pages of the prompt computed so far (the last chunk's
+        go with the final post, with the GDN state and the last partial page)."""
+        push = self._pushes.get(request.request_id)
+        if push is None or not push.streamed or push.phase is not PushPhase.OPENED:
+            return
+        if end >= len(request.prompt_token_ids) or end // self.block_size == start // self.block_size:
+            return
+        if not self._same_memory(push, request):
+            return
+        try:
+            self.call_all(xr.post_pages, self.backend, push.rid, end // self.block_size)
+            push.chunks += 1
+            push.deadline = time.monotonic() + self.push_timeout_s  # a long prompt is no slow push
+        except Exception as e:
+            self._fail(push, f"streaming a chunk's pages failed: {e}")
 
     def prompt_prefilled(self, request: Request) -> None:
         rid = request.request_id
@@ -134,6 +174,7 @@ class PrefillConnector(RankEndpoints, Connector):
                 list(request.block_ids),
                 state_slot(request),
                 len(request.prompt_token_ids),
+                request.rope_delta,
             )
         except Exception as e:
             self._fail(push, f"push did not start: {e}")
@@ -199,13 +240,23 @@ class PrefillConnector(RankEndpoints, Connector):
         self._pushes[rid] = push
         return push
 
-    def _post(self, push: _Push, req: Request) -> None:
-        held = (list(req.block_ids), req.slot)
+    def _same_memory(self, push: _Push, req: Request) -> bool:
+        """The request still computes into the pages and slot its push opened with and was never
+        preempted since (its pages went back and may have been rewritten under a WRITE, even if
+        it got the same ids again): else its push fails and the router retries. A prefill-only
+        request holds its whole prompt's pages from its start, so it never needs more and is
+        preempted for nobody in practice."""
+        held = (list(req.block_ids[: self._pages(req)]), req.slot)
+        if req.num_preemptions != push.preemptions:
+            self._fail(push, f"the request was preempted after its push opened ({req.num_preemptions} times)")
+            return False
         if held != push.opened:
-            self._fail(
-                push,
-                f"push did not start: the request's memory changed after its push opened ({push.opened} -> {held})",
-            )
+            self._fail(push, f"the request's memory changed after its push opened ({push.opened} -> {held})")
+            return False
+        return True
+
+    def _post(self, push: _Push, req: Request) -> None:
+        if not self._same_memory(push, req):
             return
         try:
             self.call_all(xr.post, self.backend, push.rid)
@@ -214,6 +265,7 @@ class PrefillConnector(RankEndpoints, Connector):
             return
         push.to(PushPhase.POSTED)
         push.started = time.monotonic()
+        push.deadline = push.started + self.push_timeout_s
 
     def _fail(self, push: _Push, why: str, aborted: bool = False) -> None:
         """Some ranks may have started: abort them all; the push ends once every rank is quiet."""

@@ -1,0 +1,96 @@
+"""KV streamed per prefill chunk (benchmark, not a test): the decode node's wait between the first
+token and the state being in (its second token can start), single push vs streamed, on the rank
+processes of bench/transfer.py (NIXL, each rank its own process, TP a -> 1).
+
+The prefill side runs a prompt in chunks of --chunk tokens; a sleep of --chunk-ms stands in for
+each chunk's forward (the engine's compute is not what is measured here, and the ranks' pools are
+written by no model), the rank polls its endpoint once per chunk as an engine does once per step.
+Single push: everything is written once the last chunk finished. Streamed: each chunk's full
+pages are written as it finishes (`SendRequest.post_pages`), the rest (last chunk, partial page,
+GDN state) once the last finished. The wait is from the end of the last chunk (the first token) to
+the destination rank seeing every Done.
+
+    python bench/stream.py [--tokens 4096 16384 32768] [--chunk 2048] [--chunk-ms 50] [--tp 1]
+        [--reps 3] [--shape 35b-a3b] [--device cpu]"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.transfer import SHAPES, Ranks  # noqa: E402
+
+
+def one(ranks: Ranks, rid: str, tokens: int, chunk: int, chunk_s: float, stream: bool) -> tuple[float, float, int]:
+    """(wait after the first token, prefill time, bytes) of one request."""
+    from transfer.messages import Target, encode_target  # noqa: PLC0415
+
+    tr = ranks.call(ranks.dst, "reserve", rid, tokens)
+    target = encode_target(Target(rid, "D", 1, ranks.digest, tokens, [tr]))
+    for c in ranks.src:
+        ranks.call(c, "open", rid, target, tokens)  # Begin and grants: before the first chunk
+    assert ranks.call(ranks.dst, "wait_done", rid) == "ready"
+    for c in ranks.src:
+        c.send(("stream", rid, chunk, chunk_s, stream))
+    res = [ranks._recv(c) for c in ranks.src]
+    t_ready = ranks._recv(ranks.dst)
+    t_first = max(r[1] for r in res)
+    return t_ready - t_first, t_first - min(r[0] for r in res), sum(r[2] for r in res)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
+    ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk (--max-num-batched-tokens)")
+    ap.add_argument("--chunk-ms", type=float, default=50.0, help="the stand-in for one chunk's forward")
+    ap.add_argument("--tp", type=int, default=1, help="source TP size (destination TP is 1)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--shape", default="35b-a3b", choices=sorted(SHAPES))
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    args = ap.parse_args()
+    ranks = Ranks(args.tp, max(args.tokens), "nixl", device=args.device, shape=args.shape)
+    rows = []
+    try:
+        for tokens in args.tokens:
+            one(ranks, f"warm-{tokens}", tokens, args.chunk, 0.0, True)  # first touch of the pages
+            got: dict[bool, list[tuple[float, float, int]]] = {False: [], True: []}
+            for i in range(args.reps):  # interleaved, so load drift hits both alike
+                for stream in (False, True):
+                    got[stream].append(
+                        one(ranks, f"r{tokens}-{i}-{stream}", tokens, args.chunk, args.chunk_ms / 1e3, stream)
+                    )
+            med = {s: [statistics.median(x[k] for x in got[s]) for k in range(3)] for s in got}
+            rows.append((tokens, med))
+            print(_fmt(tokens, med), flush=True)
+    finally:
+        ranks.close()
+    print()
+    print(
+        f"shape {args.shape}, TP {args.tp}->1, memory on {args.device}, chunk {args.chunk} tokens, "
+        f"{args.chunk_ms:g} ms per chunk (stand-in), medians of {args.reps}"
+    )
+    print(HEADER)
+    print("|---|---|---|---|---|---|")
+    for tokens, med in rows:
+        print(_fmt(tokens, med))
+
+
+HEADER = (
+    "| tokens | MB | wait, single push (ms) | wait, streamed (ms) | prefill, single (ms) | prefill, streamed (ms) |"
+)
+
+
+def _fmt(tokens: int, med: dict) -> str:
+    single, streamed = med[False], med[True]
+    return (
+        f"| {tokens} | {single[2] / 1e6:.1f} | {single[0] * 1e3:.1f} | {streamed[0] * 1e3:.1f} | "
+        f"{single[1] * 1e3:.0f} | {streamed[1] * 1e3:.0f} |"
+    )
+
+
+if __name__ == "__main__":
+    main()

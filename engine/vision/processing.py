@@ -1,0 +1,77 @@
+"""The checkpoint's own image processor (transformers' AutoImageProcessor, from
+preprocessor_config.json): the patch grid an image resizes to, and its pixel values."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from engine.vision.inputs import ImageInput, decode_rgb, hash_pixels
+
+if TYPE_CHECKING:  # the nodes' RPC threads check images through here without torch
+    import torch
+
+
+@functools.lru_cache(maxsize=4)
+def load_processor(path: str):
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: no image processor (preprocessor_config.json) for the vision model: {e}") from None
+
+
+def grid_of(path: str, width: int, height: int) -> tuple[int, int, int]:
+    """The (t, h, w) patch grid the processor resizes a width x height image to."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    p = load_processor(path)
+    size = dict(p.size)
+    lo, hi = int(size["shortest_edge"]), int(size["longest_edge"])
+    h, w = smart_resize(height, width, p.patch_size * p.merge_size, lo, hi)
+    return 1, h // p.patch_size, w // p.patch_size
+
+
+_CHECKED: OrderedDict[bytes, None] = OrderedDict()  # images that passed check_image, by content
+_CHECKED_MAX = 256
+
+
+def check_image(path: str, k: int, img: ImageInput) -> None:
+    """Image k's bytes decode, hash to its pixel_hash and resize to its grid (ValueError). An image
+    that passed once (the same bytes, hash and grid) passes again at the cost of a hash of its
+    bytes: a node checks in its RPC thread first, and the engine loop's check is then that hash."""
+    key = hashlib.blake2b(img.data + img.pixel_hash + bytes(img.grid_thw) + path.encode(), digest_size=16).digest()
+    if key in _CHECKED:
+        _CHECKED.move_to_end(key)
+        return
+    _check(path, k, img)
+    _CHECKED[key] = None
+    if len(_CHECKED) > _CHECKED_MAX:
+        _CHECKED.popitem(last=False)
+
+
+def _check(path: str, k: int, img: ImageInput) -> None:
+    try:
+        rgb = decode_rgb(img.data)
+    except Exception as e:  # PIL raises several kinds on bad bytes
+        raise ValueError(f"image {k}: cannot decode its bytes ({type(e).__name__}: {e})") from None
+    if hash_pixels(rgb) != img.pixel_hash:
+        raise ValueError(f"image {k}: pixel_hash is not the SHA-256 of its decoded pixels")
+    try:
+        grid = grid_of(path, rgb.width, rgb.height)
+    except ValueError as e:
+        raise ValueError(f"image {k}: {e}") from None
+    if grid != tuple(img.grid_thw):
+        raise ValueError(f"image {k}: grid_thw {list(img.grid_thw)} is not the processor's {list(grid)}")
+
+
+def pixel_values(path: str, img: ImageInput) -> torch.Tensor:
+    """[t*h*w, patch_dim] float32: the processor's patches of one image."""
+    got = load_processor(path)(images=[decode_rgb(img.data)], return_tensors="pt")
+    grid = tuple(int(x) for x in got["image_grid_thw"][0])
+    if grid != tuple(img.grid_thw):
+        raise ValueError(f"image grid {list(grid)} is not the request's {list(img.grid_thw)}")
+    return got["pixel_values"]
