@@ -226,6 +226,9 @@ def _has_processor(path: str | os.PathLike) -> bool:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1  # ranks per node, one process each (gloo on CPU, nccl on CUDA)
+    # t = 1 too: the rank in a process of its own (a serving node's --worker-process: its gRPC threads
+    # never wait for the GIL behind the model's Python); False: rank 0 in the caller's process
+    worker_process: bool = False
 
     def __post_init__(self):
         if self.tensor_parallel_size not in (1, 2, 4, 8):

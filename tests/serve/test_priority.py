@@ -26,7 +26,7 @@ import pytest
 from tests.helpers import hybrid_ckpt as hc
 from tests.helpers.serve_harness import Up, flags, log_url, scrape
 
-DELAY = 0.006  # seconds per prompt token: 167 tokens/s
+DELAY = 0.01  # seconds per prompt token: 100 tokens/s (the compute of a step is a few % of it)
 L, NEW = 50, 2
 KEY_I, KEY_B = "key-interactive-0123456789", "key-batch-0123456789abcd"
 CHUNK = 32  # --batch-chunk-tokens: a batch step while interactive requests are about is 32 x DELAY
@@ -93,7 +93,7 @@ def test_estimate_matches_the_start_and_a_refusal_delays_nobody(cluster, data):
             for i in order:
                 futs[i] = ex.submit(_go, c, ps[i], request_id=f"est-{i}")
                 time.sleep(0.01)  # arrival order fixed
-                if i == 9:  # 400 tokens (2.4 s of prefill) with 0.1 s to start: refused at arrival
+                if i == 9:  # 400 tokens (4 s of prefill) with 0.1 s to start: refused at arrival
                     futs[24] = ex.submit(_go, c, ps[24], request_id="big", admission_timeout_s=0.1)
                     time.sleep(0.01)
             outs = {i: f.result(timeout=120) for i, f in futs.items()}
