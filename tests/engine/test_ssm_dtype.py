@@ -38,8 +38,9 @@ def ckpts(tmp_path_factory):
 def _state_bytes(path: str, slots: int, state_itemsize: int) -> int:
     """GDN slot bytes of every layer from config.json: conv (model dtype) + recurrent state."""
     c = json.loads((Path(path) / "config.json").read_text())
-    conv = (2 * c["linear_num_key_heads"] * c["linear_key_head_dim"] + c["linear_num_value_heads"] * c["linear_value_head_dim"]) * (c["linear_conv_kernel_dim"] - 1) * 4  # fmt: skip
-    rec = c["linear_num_value_heads"] * c["linear_key_head_dim"] * c["linear_value_head_dim"] * state_itemsize
+    hk, hv, dk, dv = (c[f"linear_{n}"] for n in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim"))
+    conv = (2 * hk * dk + hv * dv) * (c["linear_conv_kernel_dim"] - 1) * 4  # float32 model
+    rec = hv * dk * dv * state_itemsize
     n_gdn = sum(t == "linear_attention" for t in c["layer_types"])
     return slots * n_gdn * (conv + rec)
 
