@@ -82,7 +82,9 @@ def workload(args) -> list[list[dict]]:
 
 
 def stream_chat(base: str, body: dict) -> tuple[float, int]:
-    """(TTFT s, output tokens) of one streamed chat completion: TTFT at the first content delta."""
+    """(TTFT s, output tokens) of one streamed chat completion. TTFT at the first event with a
+    choice: both servers send the role delta once the first token exists (a random tiny model's
+    first tokens are often partial UTF-8, so the first non-empty text would come later, by chance)."""
     host, port = base.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=900)
     t0 = time.perf_counter()
@@ -101,7 +103,7 @@ def stream_chat(base: str, body: dict) -> tuple[float, int]:
         ev = json.loads(data)
         if ev.get("usage"):
             tokens = ev["usage"]["completion_tokens"]
-        if ttft is None and any(c.get("delta", {}).get("content") for c in ev.get("choices") or []):
+        if ttft is None and ev.get("choices"):
             ttft = time.perf_counter() - t0
     conn.close()
     return (ttft if ttft is not None else float("nan")), tokens
