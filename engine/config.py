@@ -453,7 +453,7 @@ class EngineArgs:
     mamba_ssm_cache_dtype: Literal["auto", "float32", "bfloat16"] = option(
         "auto",
         "GDN recurrent state (auto: float32); bfloat16 halves its slots' memory at some cost in exactness "
-        "(docs/engine.md); a float32 prefill node may feed a bfloat16 decode node, not the other way",
+        "(docs/engine.md); prefill and decode nodes must use the same value",
     )
 
     def engine_config(self) -> EngineConfig:

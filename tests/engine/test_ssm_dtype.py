@@ -81,3 +81,22 @@ def test_greedy_agreement_with_transformers(ckpts, model, state):
     least, most = BOUNDS[(model, state)]
     assert agree >= least, f"top-1 agreement {agree:.3f} < {least}"
     assert short.max().item() <= most, f"a token {short.max().item():.4f} below transformers' max (bound {most})"
+
+
+def test_bf16_state_with_drafts_and_prefix_snapshots(ckpts):
+    """Speculative rows (rollback buffers in bfloat16), chunked prefill and prefix snapshots (saved
+    and restored in bfloat16) keep the same bound, the first run and a repeat that resumes from
+    the snapshots alike. The two need not be token-identical: the state is rounded where it is
+    stored (chunk ends, snapshot points), and a resumed prompt is cut at other places."""
+    path = ckpts["float32"]
+    prompts = hc.prompts(lens=(3, 40, 200, 64), seed=5)
+    sp = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+    kw = dict(num_speculative_tokens=2, prefix_snapshot_interval=32, max_num_batched_tokens=48)
+    with LLM(path, dtype="float32", mamba_ssm_cache_dtype="bfloat16", **kw) as llm:
+        runs = [llm.generate(prompt_token_ids=prompts, sampling_params=sp) for _ in range(2)]
+        assert llm.engine.blocks.num_free == llm.capacity().num_blocks
+    assert sum(o.num_cached_tokens for o in runs[1]) > 0, "the repeat was meant to resume from snapshots"
+    least, most = BOUNDS[("float32", "bfloat16")]
+    for outs in runs:
+        short = torch.cat([hc.hf_logit_shortfall(path, p, o.output_token_ids) for p, o in zip(prompts, outs)])
+        assert (short <= 1e-4).float().mean().item() >= least and short.max().item() <= most
