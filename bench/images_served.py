@@ -32,6 +32,9 @@ _spec = importlib.util.spec_from_file_location("vs_vllm_cpu", ROOT / "bench" / "
 assert _spec and _spec.loader
 vs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(vs)
+sys.path.insert(0, str(ROOT))
+
+from tests.helpers.vl_ckpt import png  # noqa: E402
 
 SERVER = {
     "pdserve-disagg": ("pdserve-disagg", []),
@@ -47,22 +50,6 @@ def make_model(home: Path) -> Path:
         cmd = [sys.executable, "-m", "router.cli", "make-tiny-model", str(d), "--dtype", "bfloat16", *MODEL_FLAGS]
         subprocess.run(cmd, check=True, env=vs.env_with_repo(), cwd=ROOT, capture_output=True)
     return d
-
-
-def png(width: int, height: int, seed: int) -> bytes:
-    """A PNG of smooth random colours (as tests/helpers/vl_ckpt.png), so the resize matters."""
-    import io
-
-    import numpy as np
-    from PIL import Image
-
-    g = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:height, 0:width]
-    base = np.stack([xx * 255 / max(1, width - 1), yy * 255 / max(1, height - 1), (xx + yy) % 256], -1)
-    px = np.clip(base + g.normal(0, 40, (height, width, 3)), 0, 255).astype("uint8")
-    buf = io.BytesIO()
-    Image.fromarray(px).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def workload(args) -> list[list[dict]]:
