@@ -150,7 +150,9 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         rid = self._request_id(request.request_id, context)
         params = self._params(request.sampling, context)
         ids, resume = list(request.prompt_token_ids), list(request.resume_token_ids)
-        images = images_of(request.images, context)
+        images = images_of(
+            request.images, context, model=self.ecfg.model.path if request.images and self.ecfg.model.vision else None
+        )
         handle = self.loop_api(context, lambda: self.loop.submit(rid, ids, params, resume=resume, images=images))
         on_cancel(context, handle.abort)  # prompt, even while _relay waits
         try:

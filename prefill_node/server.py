@@ -111,7 +111,9 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         push = PushParams(_target(request.target), max(0.0, request.target.lease_s))
         ids = list(request.prompt_token_ids)
-        images = images_of(request.images, context)
+        images = images_of(
+            request.images, context, model=self.ecfg.model.path if request.images and self.ecfg.model.vision else None
+        )
         t0 = time.monotonic()
         with self._lock:
             taken = rid in self._calls

@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.vision.inputs import ImageInput
+from engine.vision.processing import check_image
 from proto import pb, rpc
 from proto.convert import image_kwargs
 from serving.security import OPEN, Credentials, NodeGuard, add_port
@@ -50,12 +51,18 @@ class _Registry(Protocol):
 
 
 def images_of(
-    msgs: Iterable[pb.ImageInput], context: grpc.ServicerContext, need_data: bool = True
+    msgs: Iterable[pb.ImageInput], context: grpc.ServicerContext, need_data: bool = True, model: str | None = None
 ) -> tuple[ImageInput, ...]:
     """A request's ImageInput messages as the engine's records; INVALID_ARGUMENT naming the image
-    for a malformed one (the engine checks them against the prompt and the pixels)."""
+    for a malformed one. With `model` (a checkpoint path), each image's bytes are decoded, hashed
+    and sized here, in the RPC thread, so the engine loop's own check finds them checked
+    (engine/vision/processing.py `check_image`)."""
     try:
-        return tuple(ImageInput(**kw) for kw in image_kwargs(msgs, need_data))
+        images = tuple(ImageInput(**kw) for kw in image_kwargs(msgs, need_data))
+        if model is not None:
+            for k, img in enumerate(images):
+                check_image(model, k, img)
+        return images
     except ValueError as e:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         raise

@@ -4,10 +4,15 @@ preprocessor_config.json): the patch grid an image resizes to, and its pixel val
 from __future__ import annotations
 
 import functools
-
-import torch
+import hashlib
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from engine.vision.inputs import ImageInput, decode_rgb, hash_pixels
+
+if TYPE_CHECKING:  # the nodes' RPC threads check images through here without torch
+    import torch
 
 
 @functools.lru_cache(maxsize=4)
@@ -31,8 +36,28 @@ def grid_of(path: str, width: int, height: int) -> tuple[int, int, int]:
     return 1, h // p.patch_size, w // p.patch_size
 
 
+_CHECKED: OrderedDict[bytes, None] = OrderedDict()  # images that passed check_image, by content
+_CHECKED_MAX = 256
+_LOCK = threading.Lock()  # RPC threads and the engine loop check images at once
+
+
 def check_image(path: str, k: int, img: ImageInput) -> None:
-    """Image k's bytes decode, hash to its pixel_hash and resize to its grid (ValueError)."""
+    """Image k's bytes decode, hash to its pixel_hash and resize to its grid (ValueError). An image
+    that passed once (the same bytes, hash and grid) passes again at the cost of a hash of its
+    bytes: a node checks in its RPC thread first, and the engine loop's check is then that hash."""
+    key = hashlib.blake2b(img.data + img.pixel_hash + bytes(img.grid_thw) + path.encode(), digest_size=16).digest()
+    with _LOCK:
+        if key in _CHECKED:
+            _CHECKED.move_to_end(key)
+            return
+    _check(path, k, img)  # outside the lock: decoding takes a while
+    with _LOCK:
+        _CHECKED[key] = None
+        if len(_CHECKED) > _CHECKED_MAX:
+            _CHECKED.popitem(last=False)
+
+
+def _check(path: str, k: int, img: ImageInput) -> None:
     try:
         rgb = decode_rgb(img.data)
     except Exception as e:  # PIL raises several kinds on bad bytes

@@ -2,8 +2,8 @@
 only when the router was started with --allow-image-urls, in a worker thread, under a total time
 limit, a size limit (a declared Content-Length past it is refused unread) and a redirect limit
 (a redirect loop stops there), and only from public addresses unless --allow-private-image-urls.
-Anything else is refused. Every refusal is an ImageRefused whose
-message says what to send instead."""
+Anything else is refused. Every refusal is an ImageRefused whose message says what to send
+instead."""
 
 from __future__ import annotations
 

@@ -34,9 +34,13 @@ def flags(**options) -> list[str]:
 
 class Proc:
     """`python -m router.cli ARGS` (any `pdserve` command) as a subprocess; its output is
-    collected by a reader thread. Ready when a line matches `ready` (its first group is kept)."""
+    collected by a reader thread. Ready when a line matches `ready` (its first group is kept);
+    the constructor waits for that unless `wait` is False (then call `wait_ready`). Start it from
+    the thread that outlives it: the child gets SIGTERM when the thread that started it ends."""
 
-    def __init__(self, *args: str, ready: str, timeout: float = 180.0, env: dict[str, str] | None = None):
+    def __init__(
+        self, *args: str, ready: str, timeout: float = 180.0, env: dict[str, str] | None = None, wait: bool = True
+    ):
         env = {
             **os.environ,
             "PYTHONPATH": str(ROOT),
@@ -57,10 +61,15 @@ class Proc:
         self._pattern = re.compile(ready)
         self._ready = threading.Event()
         self.address: str | None = None
+        self._what = args[0]
         threading.Thread(target=self._read, daemon=True).start()
+        if wait:
+            self.wait_ready(timeout)
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
         if not self._ready.wait(timeout) or self.address is None:
             self.stop()
-            raise RuntimeError(f"`pdserve {args[0]}` did not become ready:\n" + self.output())
+            raise RuntimeError(f"`pdserve {self._what}` did not become ready:\n" + self.output())
 
     def _read(self) -> None:
         for line in self.proc.stdout:

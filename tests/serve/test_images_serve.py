@@ -3,7 +3,8 @@ the prefill node) on the tiny vision-language checkpoint: OpenAI chat with one i
 different sizes, an image in an earlier turn and text only answers what transformers' `generate`
 answers on the same processed inputs (the same text over HTTP, the same tokens through the SDK,
 prefilled on the prefill node or, with logprobs, on the decode node; usage counting the
-expanded prompt), also from `pdserve generate --image`; every bad image (corrupt bytes, a 50-megapixel image, an SVG
+expanded prompt), also from `pdserve generate --image`; two images of one size with the same text
+each get their own answer and the first again is a prefix-cache hit; every bad image (corrupt bytes, a 50-megapixel image, an SVG
 and a PDF body, an http URL with fetching off, a video part, too many images) is a 400 naming the
 part, after which the cluster serves on and both nodes' pages and slots are back to their start."""
 
@@ -36,6 +37,7 @@ def vl_up(vl_model):
         max_images_per_request=2,
         reasoning_parser="none",  # the content is the whole output's text
         tool_call_parser="none",
+        prefix_snapshot_interval=16,  # short prompts leave GDN snapshots to hit
     )
     up = Up("--model", vl_model, *opts)
     yield up
@@ -168,3 +170,29 @@ def test_cli_generate_with_an_image(vl_up, tmp_path):
     r = subprocess.run([*gen, "What is it?", "--max-tokens", "3", "--temperature", "0", "--ignore-eos"], **run)
     assert r.returncode == 0 and "3 tokens, length" in r.stderr, r.stderr
     assert wait_for(lambda: [ln for ln in vl_up.lines if "(1 images)" in ln and "pdserve.router" in ln], 10, "log")
+
+
+def test_two_images_of_one_size_are_told_apart_and_a_repeat_hits_the_cache(vl_up, vl_model):
+    """The same text with two different images of the same size (the same token ids): each
+    answer is its own image's; the first image again is a prefix-cache hit with its answer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(vl_model)
+    url = log_url(vl_up, r"OpenAI-compatible HTTP on (http://\S+/v1)")
+    c, d = vl.png(64, 64, seed=21), vl.png(64, 64, seed=22)
+    outs = []
+    for img in (c, d, c):
+        msgs = [{"role": "user", "content": [_text("Which one is this? "), _image(im.data_url(img))]}]
+        hf = [{"role": "user", "content": [_text("Which one is this? "), {"type": "image"}]}]
+        ids, inputs = vl.expand(
+            vl_model, tok.apply_chat_template(hf, add_generation_prompt=True, return_dict=False), [img]
+        )
+        body = {"model": "ckpt", "messages": msgs, "max_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+        status, out = _post(url, body)
+        assert status == 200, out
+        assert out["choices"][0]["message"]["content"] == tok.decode(
+            vl.hf_greedy(vl_model, ids, inputs, NEW), skip_special_tokens=True
+        )
+        outs.append(out)
+    cached = [(o["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for o in outs]
+    assert cached[2] >= 16 and cached[1] < cached[2], cached  # d shares only the text before the image with c
