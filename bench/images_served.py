@@ -189,8 +189,8 @@ def main() -> int:
         if runs:
             keys = ("tps", "text_p50", "text_p99", "img_p50", "img_p99", "load")
             print(f"{s} | " + " | ".join(summary(runs, k) for k in keys))
-    for s, e in failed.items():
-        print(f"{s} | failed: {e}")
+    for s, why in failed.items():
+        print(f"{s} | failed: {why}")
     return 0
 
 
