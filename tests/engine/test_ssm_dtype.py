@@ -18,7 +18,7 @@ from tests.helpers import hybrid_ckpt as hc
 
 NEW = 256
 # (model dtype, state dtype) -> (least top-1 agreement, largest logit shortfall). Measured on this
-# checkpoint and these prompts (bench/ssm_dtype.py): 100% / 0, 99.3% / 0.009, 98.5% / 0.06, 95.8% / 0.25.
+# checkpoint and these prompts (bench/ssm_dtype.py): 100% / 0, 99.3% / 0.009, 98.5% / 0.06, 95.4% / 0.19.
 BOUNDS = {
     ("float32", "auto"): (1.0, 1e-4),
     ("float32", "bfloat16"): (0.98, 0.05),
