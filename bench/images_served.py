@@ -68,8 +68,8 @@ def workload(args) -> list[list[dict]]:
     return out
 
 
-def stream_chat(base: str, body: dict) -> tuple[float, int]:
-    """(TTFT s, output tokens) of one streamed chat completion. TTFT at the first event with a
+def stream_chat(base: str, body: dict) -> tuple[float, int, int]:
+    """(TTFT s, output tokens, prompt tokens) of one streamed chat completion. TTFT at the first event with a
     choice: both servers send the role delta once the first token exists (a random tiny model's
     first tokens are often partial UTF-8, so the first non-empty text would come later, by chance)."""
     host, port = base.removeprefix("http://").split(":")
@@ -79,7 +79,7 @@ def stream_chat(base: str, body: dict) -> tuple[float, int]:
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
-    ttft, tokens = None, 0
+    ttft, tokens, prompt = None, 0, 0
     for raw in resp:
         line = raw.strip()
         if not line.startswith(b"data:"):
@@ -89,11 +89,11 @@ def stream_chat(base: str, body: dict) -> tuple[float, int]:
             break
         ev = json.loads(data)
         if ev.get("usage"):
-            tokens = ev["usage"]["completion_tokens"]
+            tokens, prompt = ev["usage"]["completion_tokens"], ev["usage"]["prompt_tokens"]
         if ttft is None and ev.get("choices"):
             ttft = time.perf_counter() - t0
     conn.close()
-    return (ttft if ttft is not None else float("nan")), tokens
+    return (ttft if ttft is not None else float("nan")), tokens, prompt
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -136,6 +136,9 @@ def run(system: str, model: Path, reqs: list[list[dict]], args) -> dict:
             text_p99=pct(text_t, 0.99),
             img_p50=statistics.median(img_t) if img_t else float("nan"),
             img_p99=pct(img_t, 0.99),
+            # usage.prompt_tokens, mean per kind: the image requests' count the image tokens
+            text_prompt=statistics.mean(r[2] for r, i in zip(rs, img) if not i) if text_t else float("nan"),
+            img_prompt=statistics.mean(r[2] for r, i in zip(rs, img) if i) if img_t else float("nan"),
             load=max(l0, vs.load1()),
         )
     finally:
@@ -184,11 +187,14 @@ def main() -> int:
                 continue
             results[s].append(r)
             print(f"run {i} {s}: " + json.dumps({k: round(v, 4) for k, v in r.items()}), flush=True)
-    print("system | output tok/s | TTFT p50 text s | p99 text s | p50 image s | p99 image s | load")
+    print(
+        "system | output tok/s | TTFT p50 text s | p99 text s | p50 image s | p99 image s | load | prompt tokens text, image"
+    )
     for s, runs in results.items():
         if runs:
             keys = ("tps", "text_p50", "text_p99", "img_p50", "img_p99", "load")
-            print(f"{s} | " + " | ".join(summary(runs, k) for k in keys))
+            prompt = f"{runs[0]['text_prompt']:.0f}, {runs[0]['img_prompt']:.0f}"
+            print(f"{s} | " + " | ".join(summary(runs, k) for k in keys) + f" | {prompt}")
     for s, why in failed.items():
         print(f"{s} | failed: {why}")
     return 0
