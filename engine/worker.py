@@ -67,10 +67,11 @@ class Worker:
         weights = load_weights(cfg.model, t, rank, self.device)
         self.model = Qwen35Model(cfg.model, weights, t, all_reduce, cfg.max_model_len + 1, self.device)
         self.pools = CachePools(self.specs, self.capacity, self.device, k)
-        if rank == 0 and self.device.type == "cpu" and cfg.cache.recurrent_dtype != "float32" and cpu_ops.available():
+        spec_rows = cfg.speculative.num_tokens > 0 and self.device.type == "cpu" and cpu_ops.available()
+        if rank == 0 and spec_rows and cfg.cache.recurrent_dtype != "float32":
             log.warning(
-                "GDN recurrent state in %s: its layers run the PyTorch path, not the fused CPU operators "
-                "(float32 state only); decode steps are slower (docs/benchmarks.md)",
+                "GDN recurrent state in %s: speculative rows' GDN layers run the PyTorch path, not the fused "
+                "CPU operator (float32 rollback states only); those steps are slower (docs/benchmarks.md)",
                 cfg.cache.recurrent_dtype,
             )
         self.drafter: MTPDrafter | None = None

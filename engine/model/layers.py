@@ -147,8 +147,8 @@ class GatedDeltaNet:
         """rows: only these tokens' outputs are wanted (every token still updates the state)."""
         T = x.shape[0]
         proj = self.w.w_in(x)
-        fused = not x.is_cuda and cpu_ops.available(x.dtype) and pools.recurrent[self.layer].dtype == torch.float32
-        if (  # the CPU operators take float32 state only: a bfloat16 one runs the PyTorch path below
+        fused = not x.is_cuda and cpu_ops.available(x.dtype)
+        if (
             fused
             and batch.prefill is not None
             and x.dtype == torch.float32
@@ -162,8 +162,11 @@ class GatedDeltaNet:
             else:  # prefix snapshots inside rows: in phases cut at them (ForwardBatch.gdn_row_phases)
                 o = self._rows_in_phases(proj, batch, pools, consts)
             return self.all_reduce(self.w.w_out(_pick(o, rows)))
-        if fused and batch.prefill is None:  # decode rows, fused in C
-            grp = batch.decode
+        # decode rows, fused in C; speculative rows keep float32 states for rollback in C, so a
+        # bfloat16 state (bfloat16 rollback buffers) verifies them on the PyTorch path below
+        grp = batch.decode
+        f32_state = pools.recurrent[self.layer].dtype == torch.float32
+        if fused and batch.prefill is None and (grp.max_row_tokens == 1 or f32_state):
             state = (self.w.conv, pools.conv[self.layer], pools.recurrent[self.layer], grp.slot_ids)
             consts = (self.neg_A, self.dt_bias, self.w.norm, self.hk, self.hv, self.dk, self.dv, self.eps)
             if grp.max_row_tokens == 1:  # the steps below, fused

@@ -90,3 +90,60 @@ def test_state_pool_dtype_checked():
     c = gdn_case([3], HEADS, torch.float32)
     with pytest.raises(ValueError, match="state_pool must be float32 or bfloat16"):
         gdn_recurrent(*c.args(), c.pool.half(), c.slots, c.has_init)
+
+
+# ---------------------------------------------------------------- the fused CPU operators
+
+
+def _cpu_ops_case(lens, seed, hk=2, hv=4, dk=32, dv=32, S=9):
+    g = torch.Generator().manual_seed(seed)
+    D, T = 2 * hk * dk + hv * dv, sum(lens)
+    proj = torch.randn(T, D + hv * dv + 2 * hv, generator=g)
+    conv_w = torch.randn(D, 4, generator=g) * 0.5
+    conv_pool = torch.randn(S, D, 3, generator=g)
+    rec_pool = (torch.randn(S, hv, dk, dv, generator=g) * 0.1).to(torch.bfloat16)
+    slots = torch.randperm(S, generator=g)[: len(lens)]
+    rest = (-torch.rand(hv, generator=g) * 2, torch.randn(hv, generator=g), 1 + 0.1 * torch.randn(dv, generator=g))
+    return proj, conv_w, conv_pool, rec_pool, slots, (*rest, hk, hv, dk, dv, 1e-6)
+
+
+def _check_pools(name, conv_pool, rec_pool, conv_ref, rec_ref, slots, before):
+    others = torch.tensor([s for s in range(rec_pool.shape[0]) if s not in slots.tolist()])
+    assert rec_pool.dtype == torch.bfloat16
+    assert_close(f"{name} conv states", conv_pool[slots], conv_ref[slots], 1e-6)
+    assert_close(f"{name} recurrent states", rec_pool[slots], rec_ref[slots].to(torch.bfloat16), STATE_TOL)
+    assert_unchanged(f"{name}: slots not in the batch", rec_pool[others], before[others])
+
+
+def test_cpu_gdn_decode_on_a_bf16_pool():
+    """The fused decode operator on a bfloat16 state against itself on the float32 state it holds
+    (its float32 path is pinned to the PyTorch path in test_cpu_ops.py): one rounding apart."""
+    from kernels import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip(cpu_ops.status())
+    proj, conv_w, conv_pool, rec_pool, slots, rest = _cpu_ops_case([1, 1, 1, 1], seed=21)
+    conv_ref, rec_ref, before = conv_pool.clone(), rec_pool.float(), rec_pool.clone()
+    ref = cpu_ops.gdn_decode(proj, conv_w, conv_ref, rec_ref, slots, *rest)
+    got = cpu_ops.gdn_decode(proj, conv_w, conv_pool, rec_pool, slots, *rest)
+    assert torch.equal(got, ref)  # the same float32 arithmetic from the same (widened) state
+    _check_pools("gdn_decode", conv_pool, rec_pool, conv_ref, rec_ref, slots, before)
+
+
+def test_cpu_gdn_rows_on_a_bf16_pool_matches_the_chunked_path():
+    """Rows of any length in C on a bfloat16 state against the PyTorch chunked prefill on the same
+    bfloat16 pool (itself pinned to the naive loop above)."""
+    from kernels import cpu_ops
+    from tests.kernels.test_cpu_ops import _eager_gdn_rows
+
+    if not cpu_ops.available():
+        pytest.skip(cpu_ops.status())
+    lens, init = [1, 40, 5, 64], torch.tensor([True, False, True, True])
+    proj, conv_w, conv_pool, rec_pool, slots, rest = _cpu_ops_case(lens, seed=22)
+    conv_ref, rec_ref, before = conv_pool.clone(), rec_pool.clone(), rec_pool.clone()
+    ref = _eager_gdn_rows(proj, lens, slots, init, conv_w, conv_ref, rec_ref, *rest)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    tok_slots = torch.repeat_interleave(slots, torch.tensor(lens))
+    got = cpu_ops.gdn_rows(proj, cu, slots, init, tok_slots, conv_w, conv_pool, rec_pool, *rest)
+    assert_close("gdn_rows out", got, ref, O_TOL)
+    _check_pools("gdn_rows", conv_pool, rec_pool, conv_ref, rec_ref.float(), slots, before)
