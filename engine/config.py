@@ -226,6 +226,9 @@ def _has_processor(path: str | os.PathLike) -> bool:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1  # ranks per node, one process each (gloo on CPU, nccl on CUDA)
+    # t = 1 too: the rank in a process of its own (a serving node's --worker-process: its gRPC threads
+    # never wait for the GIL behind the model's Python); False: rank 0 in the caller's process
+    worker_process: bool = False
 
     def __post_init__(self):
         if self.tensor_parallel_size not in (1, 2, 4, 8):
@@ -269,8 +272,11 @@ class CacheConfig:
     # and before the last token of each occurrence of this sequence (a ChatML message break)
     message_break: tuple[int, ...] = ()
     encoder_cache_memory: int | str = "64MiB"  # vision-language models: image embeddings kept per rank
+    recurrent_dtype: str = "float32"  # GDN recurrent state, a torch dtype name (--mamba-ssm-cache-dtype)
 
     def __post_init__(self):
+        if self.recurrent_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"mamba_ssm_cache_dtype must be auto, float32 or bfloat16 (got {self.recurrent_dtype!r})")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two (got {self.block_size})")
         if self.snapshot_interval < 1:
@@ -399,7 +405,7 @@ class EngineArgs:
 
     model: str = option(help="checkpoint directory (on the command line, default the built-in tiny model)")
     tensor_parallel_size: int = option(1, "tensor-parallel ranks of a node, one process each (1, 2, 4, 8)", flag="--tp")
-    dtype: DTypeName = option("auto", "weights and activations (auto: the checkpoint's); GDN state is always float32")
+    dtype: DTypeName = option("auto", "weights and activations (auto: the checkpoint's)")
     kv_cache_memory: int | str = option("256MiB", "memory for KV pages + GDN state slots, per rank (e.g. 2GiB)")
     max_num_seqs: int = option(64, "requests in the running batch (and GDN state slots)")
     max_num_batched_tokens: int = option(
@@ -444,6 +450,11 @@ class EngineArgs:
         256, "prompt tokens batch-class requests get per step while interactive ones are about (0: no cap)"
     )
     encoder_cache_memory: int | str = option("64MiB", "image encoder outputs kept per rank, by pixel hash")
+    mamba_ssm_cache_dtype: Literal["auto", "float32", "bfloat16"] = option(
+        "auto",
+        "GDN recurrent state (auto: float32); bfloat16 halves its slots' memory at some cost in exactness "
+        "(docs/engine.md); prefill and decode nodes must use the same value",
+    )
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -457,6 +468,7 @@ class EngineArgs:
                 snapshot_fraction=self.prefix_snapshot_memory,
                 message_break=message_break(self.model) if self.enable_prefix_caching else (),
                 encoder_cache_memory=self.encoder_cache_memory,
+                recurrent_dtype="float32" if self.mamba_ssm_cache_dtype == "auto" else self.mamba_ssm_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, self.batch_chunk_tokens

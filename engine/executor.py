@@ -1,7 +1,8 @@
 """Executors run a step on every tensor-parallel rank.
 
 `InProcExecutor` (t = 1): the worker lives in the caller's process.
-`MultiProcExecutor` (t > 1): one spawned process per rank, joined by torch.distributed
+`MultiProcExecutor` (t > 1, or t = 1 with ParallelConfig.worker_process: a node's
+--worker-process): one spawned process per rank, joined by torch.distributed
 (gloo on CPU, nccl on CUDA), rank r on the device engine/devices.py maps it to; each step is
 pickled once into a buffer every rank maps (engine/step_channel.py), its length sent down each
 rank's pipe, and rank 0 answers.
@@ -211,6 +212,6 @@ class MultiProcExecutor:
 
 
 def make_executor(cfg: EngineConfig) -> InProcExecutor | MultiProcExecutor:
-    if cfg.parallel.tensor_parallel_size == 1:
+    if cfg.parallel.tensor_parallel_size == 1 and not cfg.parallel.worker_process:
         return InProcExecutor(cfg)
     return MultiProcExecutor(cfg)

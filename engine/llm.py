@@ -41,6 +41,7 @@ class LLM:
         engine_process: bool | None = None,
         batch_chunk_tokens: int = 256,
         encoder_cache_memory: int | str = "64MiB",
+        mamba_ssm_cache_dtype: str = "auto",
     ):
         """engine_process: run the engine in a process of its own (engine/llm_process.py); None
         (default): on the CPU when torch was imported before the engine, whose OpenMP threads would
@@ -75,6 +76,7 @@ class LLM:
             fp8_experts,
             batch_chunk_tokens,
             encoder_cache_memory,
+            mamba_ssm_cache_dtype,
         ).engine_config()
         self.tokenizer = Tokenizer(model) if Tokenizer.exists(model) else None
         self.engine = EngineCore(self.config)

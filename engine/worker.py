@@ -26,6 +26,7 @@ from engine.step import StepInput, StepOutput
 from engine.structured.bitmask import GrammarMask
 from engine.units import parse_bytes
 from engine.vision.embedder import ImageEmbedder, image_stats
+from kernels import cpu_ops
 from kernels.points import StatePoints
 
 log = logging.getLogger("pdserve.worker")
@@ -66,6 +67,13 @@ class Worker:
         weights = load_weights(cfg.model, t, rank, self.device)
         self.model = Qwen35Model(cfg.model, weights, t, all_reduce, cfg.max_model_len + 1, self.device)
         self.pools = CachePools(self.specs, self.capacity, self.device, k)
+        spec_rows = cfg.speculative.num_tokens > 0 and self.device.type == "cpu" and cpu_ops.available()
+        if rank == 0 and spec_rows and cfg.cache.recurrent_dtype != "float32":
+            log.warning(
+                "GDN recurrent state in %s: speculative rows' GDN layers run the PyTorch path, not the fused "
+                "CPU operator (float32 rollback states only); those steps are slower (docs/benchmarks.md)",
+                cfg.cache.recurrent_dtype,
+            )
         self.drafter: MTPDrafter | None = None
         # MTP: the last step's hidden states and, per sampling row's slot, the row of its last
         # position (what a final snapshot keeps; read only when one is saved, `_last_hidden`)

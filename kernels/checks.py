@@ -18,6 +18,15 @@ def _fail(what: str, **tensors: torch.Tensor) -> None:
     raise ValueError(f"{what} (got {desc})")
 
 
+STATE_DTYPES = (torch.float32, torch.bfloat16)  # GDN recurrent state pools (--mamba-ssm-cache-dtype)
+
+
+def check_points_dtype(points_pool: torch.Tensor, state_pool: torch.Tensor) -> None:
+    """States kept at points inside a prefill (prefix snapshots) are stored as the pool's are."""
+    if points_pool.dtype != state_pool.dtype:
+        _fail("points_pool must have state_pool's dtype", points_pool=points_pool, state_pool=state_pool)
+
+
 def check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, max_len: int | None = None) -> None:
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3:
         _fail("q, k must be [T, Hk, dk] and v [T, Hv, dv]", q=q, k=k, v=v)
@@ -29,8 +38,8 @@ def check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids, max_len
         _fail("g and beta must be [T, Hv]", v=v, g=g, beta=beta)
     if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (hv, dk, dv):
         _fail(f"state_pool must be [S, Hv={hv}, dk={dk}, dv={dv}]", state_pool=state_pool)
-    if state_pool.dtype != torch.float32:
-        _fail("state_pool must be float32", state_pool=state_pool)
+    if state_pool.dtype not in STATE_DTYPES:
+        _fail("state_pool must be float32 or bfloat16 (computed in float32 either way)", state_pool=state_pool)
     B = cu_seqlens.numel() - 1
     if cu_seqlens.dim() != 1 or B < 1 or slot_ids.shape != (B,):
         _fail("cu_seqlens must be [B+1] and slot_ids [B]", cu_seqlens=cu_seqlens, slot_ids=slot_ids)

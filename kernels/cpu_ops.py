@@ -93,12 +93,31 @@ def gdn_decode(proj, conv_w, conv_pool, rec_pool, slots, neg_A, dt_bias, norm_w,
     """One token per row through a GDN layer after its input projection.
 
     proj [B, D + Hv*dv + 2*Hv] rows [qkv | z | b | a] (model dtype, unit stride on the last axis),
-    conv_w [D, Kc], conv_pool [S, D, Kc-1] (model dtype), rec_pool [S, Hv, dk, dv] float32,
+    conv_w [D, Kc], conv_pool [S, D, Kc-1] (model dtype), rec_pool [S, Hv, dk, dv] float32 (or
+    bfloat16: the rows' state is gathered, widened, and stored back rounded once),
     slots [B] int64 (distinct), neg_A / dt_bias [Hv] float32, norm_w [dv]. Updates the rows'
     slots in place and returns the gated-normed output [B, Hv*dv] in the model dtype. Rows are
     split over torch's threads. Reference: kernels.conv_update_, gdn_decode_step_, gated_rms_norm.
     """
+    if rec_pool.dtype != torch.float32:  # a bfloat16 state: the operator runs on the rows' state widened
+        conv, rec, local, store = _widened(conv_pool, rec_pool, slots)
+        out = _ops().gdn_decode(proj, conv_w, conv, rec, local, neg_A, dt_bias, norm_w, hk, hv, dk, dv, eps)
+        store()
+        return out
     return _ops().gdn_decode(proj, conv_w, conv_pool, rec_pool, slots, neg_A, dt_bias, norm_w, hk, hv, dk, dv, eps)
+
+
+def _widened(conv_pool: torch.Tensor, rec_pool: torch.Tensor, slots: torch.Tensor):
+    """For a recurrent pool in bfloat16 (--mamba-ssm-cache-dtype): (the rows' conv state, their
+    recurrent state in float32, local slot ids 0..B-1, a function that stores both back into
+    the pools, rounding the recurrent state once). The operators take float32 state only."""
+    conv, rec = conv_pool.index_select(0, slots), rec_pool.index_select(0, slots).float()
+
+    def store() -> None:
+        conv_pool.index_copy_(0, slots, conv)
+        rec_pool.index_copy_(0, slots, rec.to(rec_pool.dtype))
+
+    return conv, rec, torch.arange(len(slots), dtype=slots.dtype), store
 
 
 def add_rms_norm(x: torch.Tensor, h: torch.Tensor | None, w: torch.Tensor, eps: float):
@@ -200,7 +219,11 @@ def gdn_rows(
     and leaves each row's final conv and recurrent state in its slot (kernels/gdn.py's
     gdn_chunk_prefill / causal_conv1d compute the same). Rows are split over threads.
     """
-    return _ops().gdn_rows(
+    store = None
+    if rec_pool.dtype != torch.float32:  # a bfloat16 state: on the rows' state widened (`_widened`)
+        conv_pool, rec_pool, local, store = _widened(conv_pool, rec_pool, row_slots)
+        row_slots, tok_slots = local, local.repeat_interleave(row_cu[1:] - row_cu[:-1])
+    out = _ops().gdn_rows(
         proj,
         row_cu,
         row_slots,
@@ -218,6 +241,9 @@ def gdn_rows(
         dv,
         eps,
     )
+    if store is not None:
+        store()
+    return out
 
 
 def gdn_verify(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kernels import fla_gdn
-from kernels.checks import check_gdn_inputs
+from kernels.checks import check_gdn_inputs, check_points_dtype
 from kernels.points import StatePoints, check_points
 from kernels.triton import force_triton as _force_triton
 
@@ -100,7 +100,8 @@ def gdn_chunk_prefill(
     state_pool[slot_ids]. Sequences with has_initial_state False start from zero.
     chunk_size None: 64 for the Triton kernel, 32 here (smaller [C, C] work, faster on CPUs).
     points, when given, name states inside the sequences to write into points_pool
-    [N, Hv, dk, dv] float32 as well (kernels/points.py). max_len: the longest row, when the
+    [N, Hv, dk, dv] (state_pool's dtype) as well (kernels/points.py). The state is computed in
+    float32 whatever the pools' dtype (float32 or bfloat16) and rounded only where stored. max_len: the longest row, when the
     caller knows it on the host (the Triton path then reads nothing back, kernels/checks.py).
     """
     if q.is_cuda and fla_gdn.usable(q, points):
@@ -120,8 +121,7 @@ def gdn_chunk_prefill(
     check_gdn_inputs(q, k, v, g, beta, cu_seqlens, state_pool, slot_ids)
     if points is not None:
         check_points(points, cu_seqlens, points_pool, state_pool.shape[1:])
-        if points_pool.dtype != torch.float32:
-            raise ValueError(f"points_pool must be float32 (got {points_pool.dtype})")
+        check_points_dtype(points_pool, state_pool)
     T, hv, dv = v.shape
     dk = q.shape[-1]
     scale = dk**-0.5 if scale is None else scale
@@ -217,7 +217,7 @@ def gdn_recurrent(
 ) -> torch.Tensor:
     """Token-by-token gated delta rule for decode rows of 1..n tokens each.
 
-    intermediate_states, when given, is [B, n_max, Hv, dk, dv] float32 and receives the state
+    intermediate_states, when given, is [B, n_max, Hv, dk, dv] (the pool's dtype) and receives the state
     after every token of each row (entries past a row's length are left as they were), so a
     rejected speculative suffix can roll back to the state after the last accepted token.
     Returns o [T, Hv, dv]; writes the final state of each row into state_pool[slot_ids].

@@ -7,10 +7,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.prefix_hash import ROOT_HASH, page_name, prefix_key, prompt_hashes, short
 from engine.vision.inputs import hash_view
-from proto import pb
+
+if TYPE_CHECKING:
+    from proto import pb  # the wire stubs load on first use (tooling commands never load them)
 
 RECENT_MAX = 16384  # names remembered per node (oldest dropped first)
 

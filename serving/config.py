@@ -3,10 +3,11 @@ to its peers (SecurityArgs) and how a node joins the router (NodeArgs, on top of
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from engine.config import EngineArgs
+from engine.config import EngineArgs, EngineConfig
 from engine.options import option
 
 
@@ -60,6 +61,16 @@ class NodeArgs(SecurityArgs, EngineArgs):
         "or --advertise-host when --host is 0.0.0.0; 0.0.0.0: every interface)",
     )
     metrics_port: int | None = option(None, "Prometheus /metrics on this port (0 picks one; default off)")
+    worker_process: bool = option(
+        False,
+        "run the model in a process of its own also at --tp 1, as each rank runs at --tp > 1: the node's gRPC "
+        "threads then never wait for the GIL behind the model's Python, but every step and transfer poll is a "
+        "round trip to the rank (docs/benchmarks.md, served against offline)",
+    )
+
+    def engine_config(self) -> EngineConfig:
+        cfg = super().engine_config()
+        return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, worker_process=self.worker_process))
 
     @property
     def data_host(self) -> str:

@@ -54,7 +54,12 @@ _T = TypeVar("_T")
 class EngineLoop:
     """on_change(): run on the loop thread each time `snapshot` is renewed (after every command
     and every pass) and as the loop exits: a node's drain re-reads what it holds then; must not
-    block. No other hook: the transfer is the engine's connector."""
+    block. No other hook: the transfer is the engine's connector.
+
+    With no step to run and transfers in flight, the loop polls them every poll_interval_s,
+    doubling the wait after each poll that found nothing up to max_poll_interval_s (back to the
+    first interval when one ends or a command comes): an idle decode node waiting for pushes does
+    not spend a core asking its ranks (one round trip each when they are processes)."""
 
     def __init__(
         self,
@@ -62,9 +67,12 @@ class EngineLoop:
         name: str = "engine",
         poll_interval_s: float = 0.001,
         on_change: Callable[[], None] | None = None,
+        max_poll_interval_s: float = 0.004,
     ) -> None:
         self.engine = engine
         self.poll_interval_s = poll_interval_s
+        self.max_poll_interval_s = max(poll_interval_s, max_poll_interval_s)
+        self._wait_s = poll_interval_s  # the idle wait before the next poll
         self._on_change = on_change
         self._pending = False  # the engine has transfers in flight: keep polling
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -227,12 +235,14 @@ class EngineLoop:
                 if busy:
                     cmd = self._inbox.get_nowait()
                 elif self._pending:  # transfers in flight: keep polling them
-                    cmd = self._inbox.get(timeout=self.poll_interval_s)
+                    cmd = self._inbox.get(timeout=self._wait_s)
                 else:
                     cmd = self._inbox.get()  # idle: sleep until a command
             except queue.Empty:
                 cmd = None
             self.iterations += 1
+            if cmd is not None:  # new work may start a transfer: poll soon again
+                self._wait_s = self.poll_interval_s
             while cmd is not None:
                 self._handle(cmd)
                 try:
@@ -241,10 +251,10 @@ class EngineLoop:
                     cmd = None
             if self._stop.is_set():
                 break
-            if self._pending and eng.has_unfinished():
-                self._poll()  # transfers move between steps too, not once per (long) step
             if eng.has_unfinished():
                 self._step()
+            # once a pass: the previous pass's poll came just before this step (only commands between),
+            # and with the model in a rank process every poll is a round trip to it
             self._poll()
             self._snap()
 
@@ -282,6 +292,7 @@ class EngineLoop:
         except Exception:
             log.exception("polling the transfers failed")
             records = []
+        self._wait_s = self.poll_interval_s if records else min(2 * self._wait_s, self.max_poll_interval_s)
         for r in records:
             rid = r.request_id
             if isinstance(r, SendDone):

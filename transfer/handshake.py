@@ -40,11 +40,18 @@ DIGEST_FIELDS: tuple[str, ...] = (
 assert set(DIGEST_FIELDS) == set(ModelDigest.__struct_fields__), "compare every digest field"
 
 
+# why a difference cannot be bridged, where the field alone does not say it
+_DETAIL = {
+    "recurrent_dtype": "the GDN recurrent state (--mamba-ssm-cache-dtype) must have one dtype on both nodes: "
+    "no transfer plan casts it in this version (docs/transfer.md)",
+}
+
+
 def check_digest(local: ModelDigest, remote: ModelDigest) -> None:
     for name in DIGEST_FIELDS:
         a, b = getattr(local, name), getattr(remote, name)
         if a != b:
-            raise HandshakeError(name, a, b)
+            raise HandshakeError(name, a, b, _DETAIL.get(name, ""))
 
 
 def check_schema(local: RankSchema, remote: RankSchema) -> None:

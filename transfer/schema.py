@@ -166,7 +166,7 @@ def model_digest(cfg: EngineConfig) -> ModelDigest:
         linear_value_head_dim=m.linear_value_head_dim,
         linear_conv_kernel_dim=m.linear_conv_kernel_dim,
         dtype=dtype_name(m.dtype),
-        recurrent_dtype=dtype_name(GDNStateSpec.recurrent_dtype),
+        recurrent_dtype=cfg.cache.recurrent_dtype,
         num_speculative_slots=cfg.speculative.num_tokens,
         speculative_method=cfg.speculative.method if cfg.speculative.num_tokens else "none",
         num_experts=m.num_experts,

@@ -2,7 +2,8 @@
 
 `page_size_bytes` is what the allocator, the capacity report and the transfer handshake all
 read. Paged attention grows with the sequence (a page per `block_size` tokens); GDN state is a
-fixed-size slot per request (conv state in the model dtype, recurrent state in float32).
+fixed-size slot per request (conv state in the model dtype, recurrent state in float32, or in
+bfloat16 with --mamba-ssm-cache-dtype: the kernels compute in float32 either way).
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ class MTPAttentionSpec(PagedAttentionSpec):
 class GDNStateSpec:
     """Conv + recurrent state of one GDN layer, one slot per request.
 
-    conv pool [S, conv_dim_local, Kc-1] ("DS" layout), recurrent pool [S, Hv_local, dk, dv] float32
-    ("head", "dk", "dv" axis order, as transformers).
+    conv pool [S, conv_dim_local, Kc-1] ("DS" layout), recurrent pool [S, Hv_local, dk, dv] in
+    `recurrent_dtype` ("head", "dk", "dv" axis order, as transformers).
     """
 
     kind: ClassVar[str] = "gdn"
@@ -172,6 +173,7 @@ def build_specs(cfg: EngineConfig, rank: int) -> list[CacheSpec]:
                     v_heads=vh,
                     key_head_dim=m.linear_key_head_dim,
                     value_head_dim=m.linear_value_head_dim,
+                    recurrent_dtype=getattr(torch, cfg.cache.recurrent_dtype),
                 )
             )
     if cfg.speculative.mtp:

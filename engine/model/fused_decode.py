@@ -2,9 +2,9 @@
 
 `fused_decode(model, pools)` describes the model's layers to the C side once (weights and cache
 pools stay where they are), or returns None when the model is not one the call covers: float32
-packed weights (engine/model/linear.py "packed"), dense MLPs, one tensor-parallel rank, C ops
-built. Qwen35Model.forward takes it for steps of decode rows of one token each without MTP's
-hidden states; every other step (prefill, drafts, MoE, bfloat16, CUDA) runs layer by layer.
+packed weights (engine/model/linear.py "packed"), dense MLPs, a float32 GDN state, one
+tensor-parallel rank, C ops built. Qwen35Model.forward takes it for steps of decode rows of one
+token each without MTP's hidden states; every other step (prefill, drafts, MoE, bfloat16, CUDA) runs layer by layer.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ def fused_decode(model, pools: CachePools, tp: int) -> DecodeLayers | None:
     if tp != 1 or model.embed.dtype != torch.float32 or model.embed.device.type != "cpu":
         return None
     if not cpu_ops.available(torch.float32):
+        return None
+    if any(t.dtype != torch.float32 for t in pools.recurrent.values()):  # --mamba-ssm-cache-dtype bfloat16
+        log.info("decode steps run layer by layer: the one-call decode takes a float32 GDN state only")
         return None
     specs = []
     for i, layer in enumerate(model.layers):

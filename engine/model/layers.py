@@ -121,7 +121,7 @@ class GatedDeltaNet:
             return gdn_recurrent(
                 q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids, None, 1.0, scratch, max_len=grp.max_row_tokens
             )
-        if grp.decode and grp.slot_start is not None and not q.is_cuda:
+        if grp.decode and grp.slot_start is not None and not q.is_cuda and rec_pool.dtype == torch.float32:
             return gdn_decode_step_(q, k, v, g, beta, rec_pool[grp.slot_start : grp.slot_start + grp.num_rows], 1.0)
         if grp.decode:
             return gdn_recurrent(q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids, scale=1.0, max_len=1)
@@ -147,12 +147,12 @@ class GatedDeltaNet:
         """rows: only these tokens' outputs are wanted (every token still updates the state)."""
         T = x.shape[0]
         proj = self.w.w_in(x)
+        fused = not x.is_cuda and cpu_ops.available(x.dtype)
         if (
-            batch.prefill is not None
+            fused
+            and batch.prefill is not None
             and x.dtype == torch.float32
             and (batch.decode is None or batch.decode.max_row_tokens == 1)
-            and not x.is_cuda
-            and cpu_ops.available(x.dtype)
         ):  # prefill chunks (and decode rows beside them) token by token in C; float32 only:
             # bfloat16 prefill keeps the chunked path, whose roundings follow transformers' own
             consts = (self.w.conv, pools.conv[self.layer], pools.recurrent[self.layer],
@@ -162,8 +162,11 @@ class GatedDeltaNet:
             else:  # prefix snapshots inside rows: in phases cut at them (ForwardBatch.gdn_row_phases)
                 o = self._rows_in_phases(proj, batch, pools, consts)
             return self.all_reduce(self.w.w_out(_pick(o, rows)))
-        if batch.prefill is None and not x.is_cuda and cpu_ops.available(x.dtype):  # decode rows, fused in C
-            grp = batch.decode
+        # decode rows, fused in C; speculative rows keep float32 states for rollback in C, so a
+        # bfloat16 state (bfloat16 rollback buffers) verifies them on the PyTorch path below
+        grp = batch.decode
+        f32_state = pools.recurrent[self.layer].dtype == torch.float32
+        if fused and batch.prefill is None and (grp.max_row_tokens == 1 or f32_state):
             state = (self.w.conv, pools.conv[self.layer], pools.recurrent[self.layer], grp.slot_ids)
             consts = (self.neg_A, self.dt_bias, self.w.norm, self.hk, self.hv, self.dk, self.dv, self.eps)
             if grp.max_row_tokens == 1:  # the steps below, fused

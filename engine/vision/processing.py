@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,7 @@ def grid_of(path: str, width: int, height: int) -> tuple[int, int, int]:
 
 _CHECKED: OrderedDict[bytes, None] = OrderedDict()  # images that passed check_image, by content
 _CHECKED_MAX = 256
+_LOCK = threading.Lock()  # RPC threads and the engine loop check images at once
 
 
 def check_image(path: str, k: int, img: ImageInput) -> None:
@@ -44,13 +46,15 @@ def check_image(path: str, k: int, img: ImageInput) -> None:
     that passed once (the same bytes, hash and grid) passes again at the cost of a hash of its
     bytes: a node checks in its RPC thread first, and the engine loop's check is then that hash."""
     key = hashlib.blake2b(img.data + img.pixel_hash + bytes(img.grid_thw) + path.encode(), digest_size=16).digest()
-    if key in _CHECKED:
-        _CHECKED.move_to_end(key)
-        return
-    _check(path, k, img)
-    _CHECKED[key] = None
-    if len(_CHECKED) > _CHECKED_MAX:
-        _CHECKED.popitem(last=False)
+    with _LOCK:
+        if key in _CHECKED:
+            _CHECKED.move_to_end(key)
+            return
+    _check(path, k, img)  # outside the lock: decoding takes a while
+    with _LOCK:
+        _CHECKED[key] = None
+        if len(_CHECKED) > _CHECKED_MAX:
+            _CHECKED.popitem(last=False)
 
 
 def _check(path: str, k: int, img: ImageInput) -> None:

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_gdn_inputs
+from kernels.checks import check_gdn_inputs, check_points_dtype
 from kernels.points import StatePoints, check_points
 from kernels.triton._common import (
     check_flags,
@@ -188,7 +188,7 @@ def _gdn_chunk_state_kernel(
 
     s_ptrs = pool_ptr + slot * s_ps + h * s_ph + rk[:, None] * s_pk + rv[None, :] * s_pv
     s_mask = mk[:, None] & mv[None, :]
-    S = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    S = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)  # float32 or bfloat16 pool
     if HAS_INIT:
         # where(), not a multiply: a never-written slot may hold NaN.
         S = tl.where(tl.load(init_ptr + b) != 0, S, 0.0)
@@ -230,13 +230,13 @@ def _gdn_chunk_state_kernel(
                     Sj = S * tl.exp(gj) + tl.dot(tl.trans(Kj), Vn, input_precision=PREC)
                     d = tl.load(dest_ptr + pi).to(tl.int64)
                     n_ptrs = snap_ptr + d * s_ns + h * s_nh + rk[:, None] * s_nk + rv[None, :] * s_nv
-                    tl.store(n_ptrs, Sj, mask=s_mask)
+                    tl.store(n_ptrs, Sj.to(snap_ptr.dtype.element_ty), mask=s_mask)
 
         g_last = tl.sum(gv, 0)  # = gamma at the chunk's last valid row (padding has g = 0)
         Kd = Kf * tl.exp(g_last - gam)[:, None]
         S = S * tl.exp(g_last) + tl.dot(tl.trans(Kd), Vn, input_precision=PREC)
 
-    tl.store(s_ptrs, S, mask=s_mask)
+    tl.store(s_ptrs, S.to(pool_ptr.dtype.element_ty), mask=s_mask)
 
 
 def gdn_chunk_prefill_triton(
@@ -263,8 +263,7 @@ def gdn_chunk_prefill_triton(
     if points is not None:
         check_points(points, cu_seqlens, points_pool, state_pool.shape[1:])
         check_same_device(q=q, ptr=points.ptr, offsets=points.offsets, dest=points.dest, points_pool=points_pool)
-        if points_pool.dtype != torch.float32:
-            raise ValueError(f"points_pool must be float32 (got {points_pool.dtype})")
+        check_points_dtype(points_pool, state_pool)
     check_index(cu_seqlens=cu_seqlens, slot_ids=slot_ids)
     check_last_contiguous(q=q, k=k, v=v)
     check_same_device(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens, state_pool=state_pool, slot_ids=slot_ids)

@@ -79,7 +79,7 @@ def _gdn_recurrent_kernel(
     mv = rv < DV
     s_mask = mk[:, None] & mv[None, :]
     s_ptrs = pool_ptr + slot * s_ps + h * s_ph + rk[:, None] * s_pk + rv[None, :] * s_pv
-    S = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    S = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)  # float32 or bfloat16 pool
     if HAS_INIT:
         S = tl.where(tl.load(init_ptr + b) != 0, S, 0.0)  # a never-written slot may hold NaN
     i_ptrs = inter_ptr + b.to(tl.int64) * s_ib + h * s_ih + rk[:, None] * s_ik + rv[None, :] * s_iv
@@ -96,9 +96,9 @@ def _gdn_recurrent_kernel(
         ot = tl.sum(S * qt[:, None], 0)
         tl.store(o_ptr + t * s_ot + h * s_oh + rv, ot.to(o_ptr.dtype.element_ty), mask=mv)
         if HAS_INTER:
-            tl.store(i_ptrs + (t - start) * s_it, S, mask=s_mask)
+            tl.store(i_ptrs + (t - start) * s_it, S.to(inter_ptr.dtype.element_ty), mask=s_mask)
 
-    tl.store(s_ptrs, S, mask=s_mask)
+    tl.store(s_ptrs, S.to(pool_ptr.dtype.element_ty), mask=s_mask)
 
 
 def gdn_recurrent_triton(
@@ -135,11 +135,11 @@ def gdn_recurrent_triton(
             or inter.shape[0] != B
             or inter.shape[1] < n_max
             or tuple(inter.shape[2:]) != (hv, dk, dv)
-            or inter.dtype != torch.float32
+            or inter.dtype != state_pool.dtype
             or inter.device != v.device
         ):
             raise ValueError(
-                f"intermediate_states must be float32 [B={B}, n>={n_max}, Hv={hv}, dk={dk}, dv={dv}] "
+                f"intermediate_states must be {str(state_pool.dtype).removeprefix('torch.')} [B={B}, n>={n_max}, Hv={hv}, dk={dk}, dv={dv}] "
                 f"(got {tuple(inter.shape)}:{str(inter.dtype).removeprefix('torch.')})"
             )
     check_out(out, (T, hv, dv), v.dtype, v.device)

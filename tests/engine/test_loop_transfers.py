@@ -28,6 +28,7 @@ class Scripted(Connector):
         self.live: dict[str, TransferRecord | None] = {}
         self.queued: list[TransferRecord] = []
         self.aborted: list[tuple[str, str]] = []
+        self.polls = 0
 
     def prompt_prefilled(self, request: Request) -> None:
         self.live[request.request_id] = None
@@ -55,6 +56,7 @@ class Scripted(Connector):
         return bool(self.live or self.queued)
 
     def poll(self) -> list[TransferRecord]:
+        self.polls += 1
         out, self.queued = self.queued, []
         for r in out:
             if isinstance(r, (SendDone, RecvFreed)):
@@ -136,6 +138,23 @@ def test_a_reservation_is_awaited_then_admitted(loop):
     assert list(h)[-1].finish_reason == "length"
     with pytest.raises(UnknownRequest):
         lp.await_transfer("d1").result(5)
+
+
+def test_an_idle_loop_polls_a_pending_transfer_less_and_less_often(loop):
+    """Nothing to step, a reservation waiting for its state: the polls back off from 1 ms to
+    max_poll_interval_s (4 ms), so 0.4 s of waiting costs at most about 100 polls, not 400, and
+    the state that lands after it still reaches its waiter at once."""
+    lp, conn = loop
+    lp.reserve("d3", PROMPT, GREEDY, transfer=30.0).result(5)
+    ready = lp.await_transfer("d3")
+    start = lp.call(lambda e: conn.polls)
+    with pytest.raises(concurrent.futures.TimeoutError):
+        ready.result(0.4)
+    polls = lp.call(lambda e: conn.polls) - start
+    assert 3 <= polls <= 0.4 / lp.max_poll_interval_s + 15, polls
+    _report(lp, conn, RecvReady("d3"))
+    assert ready.result(0.1 + lp.max_poll_interval_s) == RecvReady("d3")
+    assert list(lp.admit("d3", len(PROMPT), 7))[-1].finish_reason == "length"
 
 
 def test_a_release_is_answered_once_the_memory_is_back(loop):

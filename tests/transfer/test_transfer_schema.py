@@ -136,3 +136,29 @@ def test_handshake_refuses_backend_and_role():
         check_peer(peer(schema(), "sender"), peer(schema(), backend="ucxx"))
     with pytest.raises(HandshakeError, match="role"):
         check_peer(peer(schema()), peer(schema()))
+
+
+def _bf16_state_schema(tp=1, rank=0):
+    c = engine_cfg(tiny_model(), tp)
+    c = replace(c, cache=replace(c.cache, recurrent_dtype="bfloat16"))
+    return build_schema(c, rank, make_pools(c, rank))
+
+
+def test_schema_carries_a_bfloat16_recurrent_state():
+    s = _bf16_state_schema()
+    rec, f32 = s.tensor(0, "gdn_recurrent"), schema().tensor(0, "gdn_recurrent")
+    assert s.digest.recurrent_dtype == rec.dtype == "bfloat16" and rec.itemsize == 2
+    assert rec.page_stride * 2 == f32.page_stride and rec.axes == f32.axes
+    check_schema(_bf16_state_schema(tp=1), _bf16_state_schema(tp=2, rank=1))  # same dtype: any TP pair
+
+
+@pytest.mark.parametrize("sender_bf16", [False, True], ids=["f32-to-bf16", "bf16-to-f32"])
+def test_handshake_refuses_a_recurrent_dtype_mismatch_naming_both(sender_bf16):
+    """Either way round: no plan casts the state in this version (docs/transfer.md)."""
+    bf16, f32 = _bf16_state_schema(), schema()
+    sender, receiver = (bf16, f32) if sender_bf16 else (f32, bf16)
+    with pytest.raises(HandshakeError, match="--mamba-ssm-cache-dtype") as e:
+        check_peer(peer(sender, "sender"), peer(receiver))
+    assert e.value.field == "recurrent_dtype"
+    assert {e.value.local, e.value.remote} == {"float32", "bfloat16"}
+    assert "'float32'" in str(e.value) and "'bfloat16'" in str(e.value)
