@@ -251,9 +251,11 @@ def test_two_decode_nodes_killed_under_sixteen_streams(mtp_refs):
         m = scrape(log_url(up, r"router metrics at (http://\S+)"))
         moves = sum(v for k, v in m.items() if k[0] == "pdserve_router_migrations_total")
         assert 1 <= moves <= 2 * len(moving), (m, moving)  # a move may land on the other dying node
-        log = "".join(up.lines)
-        for v in {results[i]["node"] for i in moving}:
-            assert f"moved from {v}(" in log, (v, at_kill, moving, [ln for ln in up.lines if "moved" in ln])
+        for v in {results[i]["node"] for i in moving}:  # the request lines say where each moved
+            try:
+                wait_for(lambda v=v: any(f"moved from {v}(" in ln for ln in list(up.lines)), 15, f"a move from {v}")
+            except AssertionError as e:
+                raise AssertionError((e, at_kill, moving, [ln for ln in up.lines if "moved" in ln])) from None
     finally:
         for p in reversed(procs):
             p.stop()
