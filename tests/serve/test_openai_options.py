@@ -126,7 +126,10 @@ def test_chat_top_logprobs_in_order(oai, model, ckpt):
         )
     )
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # the same tokens; the repeat may resume from a prefix snapshot (a message break), which moves
+    # logprobs by float rounding only
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], rel=1e-5, abs=1e-6)
 
 
 def _naive_greedy(ckpt, prompt: list[int], n: int, rep: float, pres: float, freq: float) -> list[int]:
@@ -289,7 +292,8 @@ def test_lm_eval_requests(oai, model, tok):
         model=model, prompt=[ctx + cont, other], max_tokens=1, temperature=0.0, logprobs=1, echo=True, seed=1234
     )
     assert [c.index for c in batch.choices] == [0, 1]
-    assert batch.choices[0].logprobs.token_logprobs == lp.token_logprobs
+    again = batch.choices[0].logprobs.token_logprobs  # may resume from a snapshot: float rounding
+    assert again[0] is None and again[1:] == pytest.approx(lp.token_logprobs[1:], rel=1e-5, abs=1e-6)
     assert len(batch.choices[1].logprobs.token_logprobs) == len(other) + 1
     assert batch.usage.prompt_tokens == len(ctx + cont) + len(other)
 
