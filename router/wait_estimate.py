@@ -12,31 +12,40 @@ from proto import pb
 from router.registry import NodeEntry, NodeRegistry
 
 WINDOW = 16  # completions per prefill node the rate is measured over
+IDLE_MIN_TOKENS = 256  # a prompt sent to an idle node measures the rate from this length on
 
 
 class RateMeter:
     """Prompt tokens per second per prefill node over its last `WINDOW` completed prefills: each
-    one's tokens over the time since that node's previous completion, or since it went busy when
-    it was idle; the window's tokens over its seconds, so prompts that finish in the same step (0 s
-    apart) count their tokens against the step before, and one odd interval moves the rate by a
-    16th, not a quarter as a moving average would."""
+    one's tokens over the time since that node's previous completion; the window's tokens over
+    its seconds, so prompts that finish in the same step (0 s apart) count their tokens against
+    the step before, and one odd interval moves the rate by a 16th, not a quarter as a moving
+    average would. The first completion after the node was idle counts only from
+    `IDLE_MIN_TOKENS` on: a short prompt sent to an idle node (a client's sequential warm-up)
+    measures a round trip, not the rate of a busy node, and would refuse the first real burst."""
 
     def __init__(self) -> None:
         self._mark: dict[str, float] = {}
+        self._idle: set[str] = set()
         self._seen: dict[str, deque[tuple[int, float]]] = {}
 
     def busy(self, node: str, now: float | None = None) -> None:
         """The node had nothing outstanding and is sent a prompt."""
         self._mark[node] = time.monotonic() if now is None else now
+        self._idle.add(node)
 
     def done(self, node: str, tokens: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         dt = max(now - self._mark.get(node, now), 0.0)
         self._mark[node] = now
+        if node in self._idle:
+            self._idle.discard(node)
+            if tokens < IDLE_MIN_TOKENS:
+                return
         self._seen.setdefault(node, deque(maxlen=WINDOW)).append((tokens, dt))
 
     def rate(self, node: str) -> float | None:
-        """Tokens per second, None before the node's first completed prefill."""
+        """Tokens per second, None before the node's first completion while busy."""
         seen = self._seen.get(node)
         if not seen:
             return None

@@ -134,16 +134,23 @@ def test_rate_meter_over_its_last_completions():
 
     m = RateMeter()
     assert m.rate("p") is None
+    m.busy("p", now=0.0)  # a client's sequential warm-up: round trips from idle, not counted
+    m.done("p", 16, now=0.15)
+    m.busy("p", now=0.2)
+    m.done("p", 16, now=0.35)
+    assert m.rate("p") is None
     m.busy("p", now=10.0)
-    m.done("p", 3000, now=11.0)  # first: 3000 tokens in 1 s
-    assert m.rate("p") == pytest.approx(3000.0)
+    m.done("p", 100, now=10.2)  # a short prompt to an idle node: not counted
+    m.done("p", 3000, now=11.0)  # busy since: 3000 tokens in 0.8 s
+    assert m.rate("p") == pytest.approx(3750.0)
     m.done("p", 3000, now=11.0)  # finished in the same step: its tokens count against that second
-    assert m.rate("p") == pytest.approx(6000.0)
-    m.busy("p", now=20.0)  # idle in between: measured from when it went busy again
+    assert m.rate("p") == pytest.approx(7500.0)
+    m.busy("p", now=20.0)  # idle in between: a long prompt measures from when it went busy
     m.done("p", 1000, now=20.5)
-    assert m.rate("p") == pytest.approx(7000 / 1.5)
+    m.done("p", 1000, now=21.0)
+    assert m.rate("p") == pytest.approx(8000 / 1.8)
     for k in range(WINDOW):  # the window holds the last WINDOW completions only
-        m.done("p", 100, now=21.5 + k)  # 1 s apart
+        m.done("p", 100, now=22.0 + k)  # 1 s apart
     assert m.rate("p") == pytest.approx(100.0)
 
 
