@@ -295,11 +295,22 @@ def transfer(results: dict, reps: int, device: str = "cuda") -> None:
         )
 
 
+SECTIONS = {
+    "gdn": lambda r, reps: gdn_prefill(r),
+    "attention": lambda r, reps: paged_attention(r),
+    "sampler": lambda r, reps: sampler(r),
+    "decode": decode_steps,
+    "transfer": transfer,
+}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--only", nargs="+", choices=SECTIONS, help="run these sections alone")
     args = ap.parse_args()
+    run = set(args.only or SECTIONS)
     results: dict = {}
     if not torch.cuda.is_available():
         results["skipped"] = "no CUDA device (torch.cuda.is_available() is False)"
@@ -307,11 +318,10 @@ def main() -> int:
     else:
         results["device"] = torch.cuda.get_device_name()
         print(f"on {results['device']}")
-        gdn_prefill(results)
-        paged_attention(results)
-        sampler(results)
-        decode_steps(results, args.reps)
-        transfer(results, args.reps)
+        for name, fn in SECTIONS.items():
+            if name not in run:
+                continue
+            fn(results, args.reps)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

@@ -92,8 +92,8 @@ class TokenCounts:
         """Write the rows `rows` built into the uploaded sections, on the device."""
         rows, flat = s["counts.rows"], s["counts.flat"]
         ent = s["counts.entries"].view(-1, 3)
-        self.cnt[rows] = 0
-        self.inp[rows] = False
+        self.cnt.index_fill_(0, rows, 0)  # a scalar fill: no host tensor to copy, as `[rows] = 0` makes
+        self.inp.index_fill_(0, rows, False)
         self.tok.view(-1)[flat] = ent[:, 0]
         self.cnt.view(-1)[flat] = ent[:, 1].int()
         self.inp.view(-1)[flat] = ent[:, 2].bool()

@@ -86,17 +86,19 @@ def hf_inputs(path: str, ids: list[int], images: list[ImageInput]) -> dict:
 
 
 @functools.lru_cache(maxsize=4)
-def hf_model(path: str):
+def hf_model(path: str, device: str = "cpu"):
     import transformers
 
     arch = _config(path).architectures[0]
-    return getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval()
+    return getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval().to(device)
 
 
-def hf_greedy(path: str, ids: list[int], images: list[ImageInput], new_tokens: int) -> list[int]:
-    kw = hf_inputs(path, ids, images)
+def hf_greedy(path: str, ids: list[int], images: list[ImageInput], new_tokens: int, device: str = "cpu") -> list[int]:
+    kw = {k: v.to(device) for k, v in hf_inputs(path, ids, images).items()}
     with torch.inference_mode():
-        out = hf_model(path).generate(**kw, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
+        out = hf_model(path, device).generate(
+            **kw, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens
+        )
     return out[0, len(ids) :].tolist()
 
 

@@ -7,11 +7,13 @@ import json
 
 import pytest
 
-from client.types import build_request
-from engine.sampling_params import SamplingParams
-from engine.structured import Constraint
-from proto import pb
-from proto.convert import constraint_kwargs, sampling_kwargs
+pytest.importorskip("grpc_health", reason="the client SDK needs grpcio-health-checking (not in GPU images)")
+
+from client.types import build_request  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.structured import Constraint  # noqa: E402
+from proto import pb  # noqa: E402
+from proto.convert import constraint_kwargs, sampling_kwargs  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 
