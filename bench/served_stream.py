@@ -1,11 +1,12 @@
 """Served, as a streaming benchmark client sees it: pdserve 1P+1D, pdserve colocated and vLLM's CPU
 build (compiled and eager), one server at a time, alternated, each restarted per run (not a test).
 
-    python bench/served_stream.py [--vllm-python PATH] [--pairs 2] [--sampled]
+    python bench/served_stream.py [--vllm-python PATH] [--pairs 2] [--sampled] [--model tiny-qvocab]
         [--systems pdserve-disagg pdserve-colo vllm vllm-eager]
 
 Streaming /v1/completions, 64 requests x 512 random prompt tokens, 64 output tokens with
-ignore_eos, concurrency 16, bfloat16 on bench/vs_vllm_cpu.py's `tiny` checkpoint (head dims 64).
+ignore_eos, concurrency 16, bfloat16 on bench/vs_vllm_cpu.py's `tiny` checkpoint (head dims 64;
+`--model tiny-qvocab`: the same with Qwen's 151,936-token vocabulary).
 Reports per system: output tokens/s, TTFT p50/p99 and stream reads per request (median, min-max
 across runs), with the load average at each run.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import importlib.util
+import itertools
 import json
 import statistics
 import time
@@ -69,12 +71,13 @@ def run(system: str, model: Path, args) -> dict:
     log = open(f"/tmp/served_stream-{system}.log", "w")
     proc, base, name = vs.start_server(kind, model, args.vllm_python, log, extra)
     try:
+        seeds = itertools.count(1)
 
         def body(p, new):
             b = dict(model=name, prompt=p, max_tokens=new, ignore_eos=True, stream=True)
             b["stream_options"] = {"include_usage": True}
-            if args.sampled:
-                b.update(temperature=0.7, top_p=0.8, seed=1)
+            if args.sampled:  # Qwen's recommended chat settings, a seed per request
+                b.update(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5, seed=next(seeds))
             else:
                 b["temperature"] = 0.0
             if kind == "vllm":
@@ -115,9 +118,12 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--sampled", action="store_true", help="temperature 0.7, top_p 0.8 instead of greedy")
+    ap.add_argument(
+        "--sampled", action="store_true", help="Qwen's chat settings (t 0.7, top-p 0.8, top-k 20, presence 1.5, seeds)"
+    )
+    ap.add_argument("--model", default="tiny", choices=sorted(vs.MODELS))
     args = ap.parse_args()
-    model = vs.make_models(["tiny"], Path.home() / ".cache")["tiny"]
+    model = vs.make_models([args.model], Path.home() / ".cache")[args.model]
     results: dict[str, list[dict]] = {s: [] for s in args.systems}
     for i in range(args.pairs):
         for s in args.systems:

@@ -47,6 +47,8 @@ MODELS = {
         "32000",
     ],
 }
+# tiny with Qwen's vocabulary (151,936): the sampler and the LM head at the real width
+MODELS["tiny-qvocab"] = [*MODELS["tiny"], "--vocab", "151936"]
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 # every system runs with the OpenMP wait policy pdserve's engine picks (engine/__init__.py)
 OMP_ENV = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}

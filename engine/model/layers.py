@@ -151,10 +151,9 @@ class GatedDeltaNet:
         if (
             fused
             and batch.prefill is not None
-            and x.dtype == torch.float32
             and (batch.decode is None or batch.decode.max_row_tokens == 1)
-        ):  # prefill chunks (and decode rows beside them) token by token in C; float32 only:
-            # bfloat16 prefill keeps the chunked path, whose roundings follow transformers' own
+        ):  # prefill chunks (and decode rows beside them) token by token in C, float32 arithmetic
+            # on model-dtype inputs (bfloat16 rounds where the decode step does: docs/engine.md)
             consts = (self.w.conv, pools.conv[self.layer], pools.recurrent[self.layer],
                       self.neg_A, self.dt_bias, self.w.norm, self.hk, self.hv, self.dk, self.dv, self.eps)  # fmt: skip
             if batch.prefill.points is None:

@@ -18,6 +18,10 @@ Kind = Literal["packed", "native", "fp32"]
 GEMV_MAX_ROWS = 4  # up to this many rows, a bfloat16 weight is read as it is (kernels/cpu_ops.py)
 _GEMV_THREADED = 1 << 20  # weights of at least this many elements split over torch's threads
 _GEMM_THREADED = 1 << 18  # packed GEMMs of at least this many multiply-adds split over threads
+# ATen/oneDNN GEMMs below both sizes run on one thread: waking torch's sleeping OpenMP threads
+# (OMP_WAIT_POLICY=PASSIVE, engine/__init__.py) costs more than they save on a small weight
+_ONE_THREAD_WEIGHT = 1 << 20
+_ONE_THREAD_MACS = 1 << 27
 
 
 def gemm_kind(dtype: torch.dtype, device: torch.device) -> Kind:
@@ -36,7 +40,7 @@ def gemm_kind(dtype: torch.dtype, device: torch.device) -> Kind:
 class Linear:
     """y = x @ W^T for W `[out, in]`; x `[T, in]` -> y `[T, out]` in the model's dtype."""
 
-    __slots__ = ("w", "w16", "dtype", "kind", "threads", "shape")
+    __slots__ = ("w", "w16", "dtype", "kind", "threads", "shape", "small")
 
     def __init__(self, weight: torch.Tensor, kind: Kind | None = None):
         if weight.dim() != 2:
@@ -52,6 +56,7 @@ class Linear:
         gemv = self.kind == "fp32" and weight.dtype == torch.bfloat16 and cpu_ops.available()
         self.w16 = weight.contiguous() if gemv else None
         self.threads = torch.get_num_threads() if weight.numel() >= _GEMV_THREADED else 1
+        self.small = weight.device.type == "cpu" and weight.numel() < _ONE_THREAD_WEIGHT
 
     @property
     def weight(self) -> torch.Tensor:
@@ -80,6 +85,15 @@ class Linear:
             return y if x.dim() == 2 else y.view(*x.shape[:-1], self.shape[0])
         if self.w16 is not None and x.shape[0] <= GEMV_MAX_ROWS and x.dim() == 2:
             return cpu_ops.gemv_bf16(x, self.w16, self.dtype, self.threads)
+        if self.small and x.numel() * self.shape[0] < _ONE_THREAD_MACS and (n := torch.get_num_threads()) > 1:
+            torch.set_num_threads(1)
+            try:
+                return self._aten(x)
+            finally:
+                torch.set_num_threads(n)
+        return self._aten(x)
+
+    def _aten(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "fp32":
             return F.linear(x.float(), self.w).to(self.dtype)
         return F.linear(x, self.w)
