@@ -88,6 +88,24 @@ class TinyModelSpec:
             raise ValueError("--vision needs the tokenizer (its vision token ids)")
 
 
+FILL_VOCAB = 32_000  # from this size on, every id below the added tokens decodes to text
+
+
+def _filled(tok, size: int):
+    """The trained BPE with word tokens ("Ġw<id>", a space and a word) up to `size` ids, as a
+    published tokenizer of that size has: a model drawing any id streams text (no merges make
+    them, so encoding is unchanged)."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tok.to_str())
+    v = spec["model"]["vocab"]
+    for i in range(len(v), size):
+        v[f"\u0120w{i}"] = i
+    return Tokenizer.from_str(json.dumps(spec))
+
+
 def _train_tokenizer(vocab: int):
     """Byte-level BPE of `vocab` tokens: the special ones, the trained ones, then Qwen's added
     tokens (engine/tiny_template.py) at the top, all below `vocab`."""
@@ -103,6 +121,8 @@ def _train_tokenizer(vocab: int):
         show_progress=False,
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    if vocab >= FILL_VOCAB:
+        tok = _filled(tok, vocab - len(TEXT_TOKENS) - len(VISION_TOKENS))
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TEXT_TOKENS])
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
     return tok
