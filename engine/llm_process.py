@@ -2,8 +2,9 @@
 imported torch before the engine (OpenMP's threads then spin on the cores the engine's C ops
 need) gets the engine's own speed. The parent keeps the `LLM` object; each call (generate,
 compute_logits, capacity) travels pickled over a socket pair to `python -m engine.llm_process`,
-which runs an in-process `LLM` with OMP_WAIT_POLICY=PASSIVE and the parent's import path. A
-ValueError raised there (bad input) is raised again here with its message."""
+which runs an in-process `LLM` with OMP_WAIT_POLICY=PASSIVE (threads spin GOMP_SPINCOUNT turns,
+then sleep) and the parent's import path. A ValueError raised there (bad input) is raised again
+here with its message."""
 
 from __future__ import annotations
 
@@ -17,12 +18,18 @@ from typing import Any
 STARTUP_TIMEOUT_S = 600.0
 
 
+SPIN_COUNT = "300000"  # libgomp's own default where threads do not outnumber cores
+
+
 class EngineProcess:
     """The parent's handle: `call(name, *args, **kwargs)` runs LLM.name in the child."""
 
     def __init__(self, llm_kwargs: dict[str, Any]):
         ours, theirs = socket.socketpair()
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        # OpenMP threads spin a little after each parallel op before they sleep: the child runs
+        # nothing but the engine, and a wake-up per small op cost 12% (docs/benchmarks.md)
+        env.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
         self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
             [sys.executable, "-m", "engine.llm_process", str(theirs.fileno())],
             pass_fds=[theirs.fileno()],

@@ -149,9 +149,7 @@ class GatedDeltaNet:
         proj = self.w.w_in(x)
         fused = not x.is_cuda and cpu_ops.available(x.dtype)
         if (
-            fused
-            and batch.prefill is not None
-            and (batch.decode is None or batch.decode.max_row_tokens == 1)
+            fused and batch.prefill is not None and (batch.decode is None or batch.decode.max_row_tokens == 1)
         ):  # prefill chunks (and decode rows beside them) token by token in C, float32 arithmetic
             # on model-dtype inputs (bfloat16 rounds where the decode step does: docs/engine.md)
             consts = (self.w.conv, pools.conv[self.layer], pools.recurrent[self.layer],
