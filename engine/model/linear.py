@@ -1,7 +1,8 @@
 """One projection's weight, held in the layout and dtype its device multiplies fastest: "packed"
-(float32 on a CPU with the C ops, panels for `cpu_ops.gemm_f32`), "native" (`F.linear` in the
-model's dtype) or "fp32" (a float32 copy of a 16-bit weight on CPUs without native 16-bit matmul,
-output rounded back). Every layout or GEMM choice lives here (docs/engine.md, "Module notes";
+(float32 on a CPU with the C ops, panels for `cpu_ops.gemm_f32`), "onednn" (a 16-bit weight on a
+CPU with native 16-bit matmul, reordered once into oneDNN's blocked layout: the same products as
+`F.linear`, which reorders it every call), "native" (`F.linear` in the model's dtype) or "fp32" (a
+float32 copy of a 16-bit weight on CPUs without native 16-bit matmul, output rounded back). Every layout or GEMM choice lives here (docs/engine.md, "Module notes";
 figures in docs/benchmarks.md)."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_ops
 
-Kind = Literal["packed", "native", "fp32"]
+Kind = Literal["packed", "onednn", "native", "fp32"]
 
 GEMV_MAX_ROWS = 4  # up to this many rows, a bfloat16 weight is read as it is (kernels/cpu_ops.py)
 _GEMV_THREADED = 1 << 20  # weights of at least this many elements split over torch's threads
@@ -24,6 +25,9 @@ _ONE_THREAD_WEIGHT = 1 << 20
 _ONE_THREAD_MACS = 1 << 27
 
 
+_ONEDNN = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 def gemm_kind(dtype: torch.dtype, device: torch.device) -> Kind:
     """The GEMM a weight of this dtype gets on this device (see the module docstring)."""
     if torch.device(device).type != "cpu":
@@ -31,9 +35,9 @@ def gemm_kind(dtype: torch.dtype, device: torch.device) -> Kind:
     if dtype == torch.float32:
         return "packed" if cpu_ops.available(dtype) else "native"
     if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return "native"
+        return "onednn" if _ONEDNN else "native"
     if dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported():
-        return "native"
+        return "onednn" if _ONEDNN else "native"
     return "fp32"
 
 
@@ -50,6 +54,8 @@ class Linear:
         self.kind = kind or gemm_kind(weight.dtype, weight.device)
         if self.kind == "packed":
             self.w = cpu_ops.pack_f32(weight)
+        elif self.kind == "onednn":
+            self.w = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         else:
             self.w = weight.float().contiguous() if self.kind == "fp32" else weight.contiguous()
         # few rows are bound by reading the weight: keep the bfloat16 one too for the C GEMV
@@ -63,6 +69,8 @@ class Linear:
         """The `[out, in]` weight in the model's dtype (a copy when the GEMM keeps another)."""
         if self.kind == "packed":  # [P, K, 16] -> [P * 16, K], padding dropped
             return self.w.transpose(1, 2).reshape(-1, self.shape[1])[: self.shape[0]].contiguous()
+        if self.kind == "onednn":
+            return self.w.to_dense()
         return self.w if self.w.dtype == self.dtype else self.w.to(self.dtype)
 
     @property
@@ -94,6 +102,8 @@ class Linear:
         return self._aten(x)
 
     def _aten(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.w, None, "none", [], "")
         if self.kind == "fp32":
             return F.linear(x.float(), self.w).to(self.dtype)
         return F.linear(x, self.w)
