@@ -228,7 +228,7 @@ def start_server(system, model, vllm_python, log, extra=()):
             "--kv-cache-memory",
             "512MiB",
         ]
-        env, cwd = env_with_repo() | OMP_ENV | {"PDSERVE_LOG": "WARNING"}, ROOT
+        env, cwd = env_with_repo() | OMP_ENV | {"PDSERVE_LOG": os.environ.get("PDSERVE_BENCH_LOG", "WARNING")}, ROOT
     cmd += list(extra)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
