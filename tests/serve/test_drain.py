@@ -39,7 +39,10 @@ def _in_flight_at_drain(proc: Proc, what: str) -> int:
 
 @pytest.fixture(scope="module")
 def up(ckpt):
-    u = Up("--model", ckpt, "--dtype", "float32", "--prefill", "1", "--decode", "2", "--drain-timeout", "120")
+    # prompts take 0.2 ms a token to prefill (engine/core.py's test throttle), so prompts are still
+    # queued on the prefill node when SIGTERM reaches it, however fast this machine computes them
+    env = {"PDSERVE_TEST_PREFILL_DELAY_PER_TOKEN_S": "0.0002"}
+    u = Up("--model", ckpt, "--dtype", "float32", "--prefill", "1", "--decode", "2", "--drain-timeout", "120", env=env)
     yield u
     rc = u.stop()
     assert rc == 0, u.output()
