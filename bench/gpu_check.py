@@ -318,10 +318,8 @@ def main() -> int:
     else:
         results["device"] = torch.cuda.get_device_name()
         print(f"on {results['device']}")
-        for name, fn in SECTIONS.items():
-            if name not in run:
-                continue
-            fn(results, args.reps)
+        for name in (n for n in SECTIONS if n in run):
+            SECTIONS[name](results, args.reps)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

@@ -16,8 +16,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 STARTUP_TIMEOUT_S = 600.0
-
-
 SPIN_COUNT = "300000"  # libgomp's own default where threads do not outnumber cores
 
 

@@ -4,7 +4,8 @@
 pools stay where they are), or returns None when the model is not one the call covers: float32
 packed weights (engine/model/linear.py "packed"), dense MLPs, a float32 GDN state, one
 tensor-parallel rank, C ops built. Qwen35Model.forward takes it for steps of decode rows of one
-token each without MTP's hidden states; every other step (prefill, drafts, MoE, bfloat16, CUDA) runs layer by layer.
+token each without MTP's hidden states; every other step (prefill, drafts, MoE, bfloat16, CUDA)
+runs layer by layer.
 """
 
 from __future__ import annotations

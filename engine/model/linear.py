@@ -2,8 +2,9 @@
 (float32 on a CPU with the C ops, panels for `cpu_ops.gemm_f32`), "onednn" (a 16-bit weight on a
 CPU with native 16-bit matmul, reordered once into oneDNN's blocked layout: the same products as
 `F.linear`, which reorders it every call), "native" (`F.linear` in the model's dtype) or "fp32" (a
-float32 copy of a 16-bit weight on CPUs without native 16-bit matmul, output rounded back). Every layout or GEMM choice lives here (docs/engine.md, "Module notes";
-figures in docs/benchmarks.md)."""
+float32 copy of a 16-bit weight on CPUs without native 16-bit matmul, output rounded back).
+Every layout or GEMM choice lives here (docs/engine.md, "Module notes"; figures in
+docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,6 @@ _GEMM_THREADED = 1 << 18  # packed GEMMs of at least this many multiply-adds spl
 # (OMP_WAIT_POLICY=PASSIVE, engine/__init__.py) costs more than they save on a small weight
 _ONE_THREAD_WEIGHT = 1 << 20
 _ONE_THREAD_MACS = 1 << 27
-
-
 _ONEDNN = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
