@@ -35,12 +35,12 @@ def _one(c, p, new_tokens, **kw):
         return e, time.monotonic() - t0, None
 
 
-def _spec(model, budget: float, chunk: int | None = None):
+def _spec(model, budget: float, chunk: int | None = None, dtype: str = "float32"):
     """1 prefill + 1 decode node, room for the whole burst on the decode node; chunk: the nodes'
     --batch-chunk-tokens (None: its default)."""
     from router.launch import PoolSpec
 
-    opts = {"dtype": "float32", "kv_cache_memory": "2GiB", "max_num_seqs": 128}
+    opts = {"dtype": dtype, "kv_cache_memory": "2GiB", "max_num_seqs": 128}
     return PoolSpec(
         model=str(model),
         prefill=1,
@@ -52,11 +52,11 @@ def _spec(model, budget: float, chunk: int | None = None):
     )
 
 
-def run(model, prompts, warm, new_tokens: int, budget: float) -> dict:
+def run(model, prompts, warm, new_tokens: int, budget: float, dtype: str = "float32") -> dict:
     from client import Client
     from router.launch import Cluster
 
-    with Cluster(_spec(model, budget), out=sys.stderr) as cl:
+    with Cluster(_spec(model, budget, dtype=dtype), out=sys.stderr) as cl:
         cl.start()
         with Client(cl.address, timeout=3600) as c:
             c.wait_ready(timeout=120)
@@ -85,7 +85,9 @@ def run(model, prompts, warm, new_tokens: int, budget: float) -> dict:
     }
 
 
-def run_priority(model, prompts, probes, warm, new_tokens: int, chunk: int | None) -> tuple[list[float], list[float]]:
+def run_priority(
+    model, prompts, probes, warm, new_tokens: int, chunk: int | None, dtype: str = "float32"
+) -> tuple[list[float], list[float]]:
     """Interactive TTFTs, one probe at a time: a third of `probes` on the idle cluster, a third
     under a batch-class flood of `prompts` (no budget: all wait their turn; a probe every 0.25 s
     from 2 s in), the last third on the idle cluster after the flood (idle: before and after, so
@@ -93,7 +95,7 @@ def run_priority(model, prompts, probes, warm, new_tokens: int, chunk: int | Non
     from client import Client
     from router.launch import Cluster
 
-    with Cluster(_spec(model, 0.0, chunk), out=sys.stderr) as cl:
+    with Cluster(_spec(model, 0.0, chunk, dtype), out=sys.stderr) as cl:
         cl.start()
         with Client(cl.address, timeout=3600) as c:
             c.wait_ready(timeout=120)
@@ -123,6 +125,7 @@ def main() -> int:
         "--admission-timeout", type=float, action="append", help="budget(s), seconds, in order (default: 0 then 10)"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the nodes' dtype")
     ap.add_argument("--priority", action="store_true", help="interactive TTFT, idle vs under a batch flood")
     ap.add_argument("--probe-len", type=int, default=500, help="--priority: interactive prompt tokens")
     ap.add_argument("--probes", type=int, default=12, help="--priority: probes per phase (idle, flood, idle again)")
@@ -141,7 +144,9 @@ def main() -> int:
     print(f"{args.requests} distinct prompts of {args.prompt_len} tokens at once, 1P+1D; model {model}")
     if args.priority:
         probes = torch.randint(1, 1000, (3 * args.probes, args.probe_len), generator=g).tolist()
-        idle, loaded = run_priority(model, prompts[2:], probes, prompts[:2], args.new_tokens, args.batch_chunk_tokens)
+        idle, loaded = run_priority(
+            model, prompts[2:], probes, prompts[:2], args.new_tokens, args.batch_chunk_tokens, args.dtype
+        )
         p50 = statistics.median
         print(
             f"interactive {args.probe_len}-token prompts, one at a time: TTFT p50 {p50(idle) * 1e3:.0f} ms idle, "
@@ -151,7 +156,7 @@ def main() -> int:
         return 0
     rate = None  # the pool's rate in a burst with no budget: what "can start within a budget" is measured by
     for budget in args.admission_timeout or [0.0, 10.0]:
-        m = run(model, prompts[2:], prompts[:2], args.new_tokens, budget)
+        m = run(model, prompts[2:], prompts[:2], args.new_tokens, budget, args.dtype)
         if not budget:
             rate = m["burst_rate"]
         m["can_start"] = budget * (rate or m["rate"]) / args.prompt_len if budget else args.requests
