@@ -299,10 +299,15 @@ class SchedulerConfig:
     # prompt tokens batch-class requests get in one step while interactive ones are about (the
     # step an interactive prompt may wait behind is that short; 0: no cap)
     batch_chunk_tokens: int = 256
+    # ... and no more than the node computes in this many seconds at its measured prompt rate
+    # (engine/scheduler/priority.py; 0: batch_chunk_tokens alone)
+    batch_step_s: float = 0.01
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.batch_chunk_tokens < 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, batch_chunk_tokens >= 0")
+        if self.batch_step_s < 0:
+            raise ValueError("batch_step_ms must be >= 0")
 
 
 SpeculativeMethod = Literal["ngram", "mtp"]
@@ -449,6 +454,11 @@ class EngineArgs:
     batch_chunk_tokens: int = option(
         256, "prompt tokens batch-class requests get per step while interactive ones are about (0: no cap)"
     )
+    batch_step_ms: float = option(
+        10.0,
+        "while interactive requests are about, batch-class prompt chunks also stay within what the node "
+        "computes in this many milliseconds at its measured prompt rate (0: batch_chunk_tokens alone)",
+    )
     encoder_cache_memory: int | str = option("64MiB", "image encoder outputs kept per rank, by pixel hash")
     mamba_ssm_cache_dtype: Literal["auto", "float32", "bfloat16"] = option(
         "auto",
@@ -471,7 +481,11 @@ class EngineArgs:
                 recurrent_dtype="float32" if self.mamba_ssm_cache_dtype == "auto" else self.mamba_ssm_cache_dtype,
             ),
             scheduler=SchedulerConfig(
-                self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, self.batch_chunk_tokens
+                self.max_num_seqs,
+                self.max_num_batched_tokens,
+                self.max_model_len,
+                self.batch_chunk_tokens,
+                self.batch_step_ms / 1e3,
             ),
             speculative=SpeculativeConfig(
                 num_tokens=self.num_speculative_tokens,

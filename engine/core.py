@@ -56,6 +56,7 @@ class EngineCore:
             load_processor(cfg.model.path)  # images are checked here: at start, not on the first one
         self._ids = itertools.count()
         self.image_totals: tuple[int, float, int] = (0, 0.0, 0)  # images encoded, seconds, encoder-cache hits
+        self.prompt_tokens_computed = 0  # total since start: prompt tokens its steps computed
         self.connector: Connector | None = None  # set once by use_connector
         self._test_delay_s = float(os.environ.get(TEST_PREFILL_DELAY_ENV) or 0.0)
         if self._test_delay_s:
@@ -386,11 +387,14 @@ class EngineCore:
         starts = [r.request.num_computed_tokens for r in so.rows]
         prompt_tokens = sum(r.num_new_tokens for r in so.rows if not r.is_decode)
         if so.rows:
+            t0 = time.monotonic()
             try:
                 res = self.executor.execute(self._step_input(so))
             except BaseException:
                 self.scheduler.abandon(so)  # the step's snapshot pins must not outlive it
                 raise
+            self.scheduler.classes.observe(prompt_tokens, time.monotonic() - t0)
+            self.prompt_tokens_computed += prompt_tokens
             (n, secs, hits), (dn, dsecs, dhits) = self.image_totals, res.images
             self.image_totals = (n + dn, secs + dsecs, hits + dhits)
             for rid, lg in res.logits.items():

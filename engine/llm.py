@@ -40,6 +40,7 @@ class LLM:
         fp8_experts: str = "auto",
         engine_process: bool | None = None,
         batch_chunk_tokens: int = 256,
+        batch_step_ms: float = 10.0,
         encoder_cache_memory: int | str = "64MiB",
         mamba_ssm_cache_dtype: str = "auto",
     ):
@@ -75,6 +76,7 @@ class LLM:
             speculative_draft_cost,
             fp8_experts,
             batch_chunk_tokens,
+            batch_step_ms,
             encoder_cache_memory,
             mamba_ssm_cache_dtype,
         ).engine_config()

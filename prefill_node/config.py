@@ -20,7 +20,7 @@ class PrefillNodeConfig(NodeArgs):
     push_timeout_s: float = option(60.0, "seconds a push may take (done and quiet) before the call fails")
     # Between engine steps the loop keeps polling in-flight pushes this long (grants and write
     # completions otherwise wait for the next, possibly long, prefill step).
-    push_spin_s: float = option(0.005, "seconds to keep polling in-flight pushes between engine steps")
+    push_spin_s: float = option(0.005, "seconds to keep polling posted pushes between engine steps")
     # A prompt of several chunks writes each finished chunk's full KV pages to the decode node
     # while later chunks compute (docs/transfer.md, "KV streamed per chunk"); off: one push once prefilled.
     stream_kv: bool = option(True, "write each finished prefill chunk's KV pages to the decode node at once")

@@ -77,6 +77,7 @@ class RegistryApi(rpc.RegistryServicer):
             request.capacity,
             request.draining,
             request.prefix if request.HasField("prefix") else None,
+            request.prefill_tokens_per_s,
         )
         return pb.HeartbeatResponse(known=known)
 

@@ -143,6 +143,7 @@ class NodeRegistry:
         capacity: pb.Capacity,
         draining: bool = False,
         prefix: pb.PrefixDigest | None = None,
+        prefill_tokens_per_s: float = 0.0,
     ) -> bool:
         """prefix: the node's prefix digest when it changed since its last report (else None)."""
         with self.lock:
@@ -150,6 +151,7 @@ class NodeRegistry:
             if e is None or e.info.incarnation != incarnation:
                 return False
             e.info.capacity.CopyFrom(capacity)
+            e.info.prefill_tokens_per_s = prefill_tokens_per_s
             if prefix is not None:
                 e.cache.update(prefix)
             if draining and not e.info.draining:

@@ -248,9 +248,10 @@ class Snapshot:
     transfer: ConnectorStats = field(default_factory=ConnectorStats)  # the connector's totals (zeros: none)
     streaming: int = 0  # requests a handle streams or whose push it waits for
     images: tuple[int, float, int] = (0, 0.0, 0)  # totals: images encoded, encoder seconds, encoder-cache hits
+    prefill_tokens_per_s: float = 0.0  # its recent passes' prompt tokens per second (serving/step_rate.py)
 
 
-def take_snapshot(eng: EngineCore, previous: Snapshot, streaming: int = 0) -> Snapshot:
+def take_snapshot(eng: EngineCore, previous: Snapshot, streaming: int = 0, prefill_rate: float = 0.0) -> Snapshot:
     """The engine's counters now (loop thread); the prefix digest is rebuilt only when the cache changed."""
     sched = eng.scheduler
     queued = sum(max(0, len(r.prompt_token_ids) - r.num_computed_tokens) for r in [*sched.waiting, *sched.running])
@@ -271,6 +272,7 @@ def take_snapshot(eng: EngineCore, previous: Snapshot, streaming: int = 0) -> Sn
         transfer=eng.transfer_stats() or ConnectorStats(),
         streaming=streaming,
         images=eng.image_totals,
+        prefill_tokens_per_s=prefill_rate,
     )
     pc = eng.prefix
     if pc is None:

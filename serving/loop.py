@@ -43,6 +43,7 @@ from serving.commands import (
     settle,
     take_snapshot,
 )
+from serving.step_rate import StepRate
 
 log = logging.getLogger("pdserve.engine")
 
@@ -85,6 +86,7 @@ class EngineLoop:
         self._closed = False
         self._stop = threading.Event()
         self.iterations = 0  # loop passes (commands or steps) since start: idle means it stays put
+        self.prefill_rate = StepRate()  # its own prompt tokens per second (the router's estimate)
         self.snapshot = Snapshot()
         self._snap()
         self.initial = self.snapshot  # the first snapshot (idle): what "all free" looks like
@@ -240,6 +242,7 @@ class EngineLoop:
                     cmd = self._inbox.get()  # idle: sleep until a command
             except queue.Empty:
                 cmd = None
+            woke = time.monotonic()
             self.iterations += 1
             if cmd is not None:  # new work may start a transfer: poll soon again
                 self._wait_s = self.poll_interval_s
@@ -251,11 +254,13 @@ class EngineLoop:
                     cmd = None
             if self._stop.is_set():
                 break
+            done = eng.prompt_tokens_computed
             if eng.has_unfinished():
                 self._step()
             # once a pass: the previous pass's poll came just before this step (only commands between),
             # and with the model in a rank process every poll is a round trip to it
             self._poll()
+            self.prefill_rate.passed(eng.prompt_tokens_computed - done, woke, busy)
             self._snap()
 
     def _step(self) -> None:
@@ -489,6 +494,7 @@ class EngineLoop:
                     fail(err)
 
     def _snap(self) -> None:
-        self.snapshot = take_snapshot(self.engine, self.snapshot, len(self._handles) + len(self._pushing))
+        streaming = len(self._handles) + len(self._pushing)
+        self.snapshot = take_snapshot(self.engine, self.snapshot, streaming, self.prefill_rate.rate())
         if self._on_change is not None:
             self._on_change()

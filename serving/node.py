@@ -84,6 +84,7 @@ class NodeServer:
                 total_slots=s.total_slots, free_slots=s.free_slots, running=s.running, waiting=s.waiting,
                 queued_prefill_tokens=s.queued_prefill_tokens, reserved=s.reserved,
             ),
+            prefill_tokens_per_s=s.prefill_tokens_per_s,
             speculation=pb.Speculation(
                 method=self.ecfg.speculative.method if self.ecfg.speculative.num_tokens else "",
                 num_tokens=self.ecfg.speculative.num_tokens, drafts_per_position=s.spec_drafts_per_position,

@@ -218,7 +218,11 @@ class Heartbeater:
             log.info("registered %s (%s) with the router at %s", node.node_id, node.address, self.router_addr)
             return
         req = pb.HeartbeatRequest(
-            node_id=node.node_id, incarnation=node.incarnation, capacity=node.capacity, draining=node.draining
+            node_id=node.node_id,
+            incarnation=node.incarnation,
+            capacity=node.capacity,
+            draining=node.draining,
+            prefill_tokens_per_s=node.prefill_tokens_per_s,
         )
         if node.HasField("prefix") and node.prefix.version != self._prefix_version:
             req.prefix.CopyFrom(node.prefix)

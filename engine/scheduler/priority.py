@@ -1,14 +1,17 @@
 """Scheduling classes (SamplingParams.priority: 0 interactive, 1 batch): the waiting and running
 lists are kept in class order, and `Classes` decides how many prompt tokens batch requests get in
 a step. While interactive requests are about (one waits or runs, or one arrived in the last
-`RECENT_S`), batch prompt chunks get at most `batch_chunk_tokens` a step, so the step an
-interactive prompt may find in flight is short, and none in a step that computes an interactive
-prompt chunk; with no interactive request about, batch prompts take whole steps."""
+`RECENT_S`), batch prompt chunks get at most `batch_chunk_tokens` a step, and no more than the
+node computes in `batch_step_s` at the prompt rate of its last steps (a model and a machine on
+which 256 tokens take 30 ms hold an interactive prompt that long), so the step an interactive
+prompt may find in flight is short, and none in a step that computes an interactive prompt
+chunk; with no interactive request about, batch prompts take whole steps."""
 
 from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Iterable, MutableSequence
 
 from engine.config import SchedulerConfig
@@ -16,6 +19,8 @@ from engine.request import Request
 
 INTERACTIVE, BATCH = 0, 1
 RECENT_S = 10.0  # an interactive request arrived this recently: batch chunks stay short
+MIN_BATCH_CHUNK = 16  # the fewest prompt tokens a batch chunk is cut to by time
+RATE_STEPS = 8  # the steps with prompt tokens the rate is taken over
 
 
 def insert(queue: MutableSequence[Request], req: Request, front: bool = False) -> None:
@@ -34,6 +39,17 @@ class Classes:
 
     def __init__(self) -> None:
         self.last_interactive = -math.inf
+        self._steps: deque[tuple[int, float]] = deque(maxlen=RATE_STEPS)  # (prompt tokens, seconds)
+
+    def observe(self, prompt_tokens: int, seconds: float) -> None:
+        """A step ran: the prompt tokens it computed and how long it took."""
+        if prompt_tokens > 0:
+            self._steps.append((prompt_tokens, seconds))
+
+    def rate(self) -> float | None:
+        """Prompt tokens per second over the last steps that computed some; None before any."""
+        secs = sum(s for _, s in self._steps)
+        return sum(t for t, _ in self._steps) / secs if secs > 0 else None
 
     def arrived(self, req: Request) -> None:
         if req.params.priority == INTERACTIVE:
@@ -44,6 +60,10 @@ class Classes:
         now = time.monotonic()
         if any(r.params.priority == INTERACTIVE for q in (running, waiting) for r in q):
             self.last_interactive = now
-        if cfg.batch_chunk_tokens and now - self.last_interactive < RECENT_S:
-            return cfg.batch_chunk_tokens
-        return cfg.max_num_batched_tokens
+        if now - self.last_interactive >= RECENT_S:
+            return cfg.max_num_batched_tokens
+        cap = cfg.batch_chunk_tokens or cfg.max_num_batched_tokens
+        rate = self.rate() if cfg.batch_step_s else None
+        if rate is not None:  # at least a few tokens a step: batch requests still move
+            cap = min(cap, max(MIN_BATCH_CHUNK, int(rate * cfg.batch_step_s)))
+        return cap

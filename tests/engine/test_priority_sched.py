@@ -1,6 +1,7 @@
 """Scheduling classes (engine/scheduler/priority.py): an interactive request that arrives behind
 batch ones is admitted first and computes its prompt in a step of its own; batch prompt chunks get
-at most batch_chunk_tokens a step while interactive requests are about, whole steps otherwise; a
+at most batch_chunk_tokens a step (and what the measured rate computes in batch_step_s) while
+interactive requests are about, whole steps otherwise; a
 preempted batch request goes back behind the waiting interactive ones. The plan of each step is
 checked row by row, and the tokens of a mixed-class run with a tiny step against transformers'."""
 
@@ -108,3 +109,25 @@ def test_mixed_classes_small_steps_match_transformers(ckpt_hv2, prompts, hf_ref_
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     for i, (o, want) in enumerate(zip(outs, hf_ref_hv2, strict=True)):
         assert o.output_token_ids == want, i
+
+
+def test_batch_chunks_also_fit_the_time_of_a_step_at_the_measured_rate():
+    from engine.scheduler.priority import MIN_BATCH_CHUNK, RATE_STEPS
+
+    blocks = BlockManager(256, 4)
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=STEP, batch_chunk_tokens=48, batch_step_s=0.01)
+    s = Scheduler(cfg, blocks, SlotPool(8), 1000)
+    s.add(req("b1", 400, 1))
+    s.add(req("i1", 20, 0, max_tokens=64))
+    assert step(s) == [("i1", 20)]
+    assert step(s) == [("b1", 48), ("i1", 1)]  # nothing measured yet: batch_chunk_tokens
+    for _ in range(RATE_STEPS):
+        s.classes.observe(20, 0.01)  # 2,000 prompt tokens/s: 10 ms hold 20 tokens
+    s.classes.observe(0, 5.0)  # a decode-only step says nothing of the prompt rate
+    assert step(s) == [("b1", 20), ("i1", 1)]
+    for _ in range(RATE_STEPS):
+        s.classes.observe(10, 0.1)  # 100 tokens/s: not below MIN_BATCH_CHUNK, the batch still moves
+    assert step(s) == [("b1", MIN_BATCH_CHUNK), ("i1", 1)]
+    for _ in range(RATE_STEPS):
+        s.classes.observe(1000, 0.01)  # fast: batch_chunk_tokens caps it again
+    assert step(s) == [("b1", 48), ("i1", 1)]

@@ -161,3 +161,38 @@ def test_decode_wait_from_the_placed_requests_ends():
     assert decode_wait(3, [3.0, 1.0, 2.0]) == 3.0
     assert decode_wait(4, [3.0, 1.0, 2.0]) == 1.0 + 3.0  # a second round: a turn of the longest more
     assert decode_wait(1, []) == math.inf  # nothing placed, no room: no end in sight
+
+
+def test_step_rate_counts_only_passes_that_prefilled():
+    from serving.step_rate import WINDOW, StepRate
+
+    r = StepRate()
+    assert r.rate() == 0.0
+    r.add(0, 5.0)  # a decode pass or an idle poll: not a prefill
+    assert r.rate() == 0.0
+    r.add(2048, 0.2)
+    r.add(952, 0.1)
+    assert r.rate() == pytest.approx(3000 / 0.3)
+    for _ in range(WINDOW):  # the window holds the last WINDOW prefilling passes
+        r.add(100, 1.0)
+    assert r.rate() == pytest.approx(100.0)
+    r = StepRate()
+    r.passed(0, woke=0.0, busy=False, now=0.5)  # idle until 0.5 s
+    r.passed(100, woke=10.0, busy=False, now=10.1)  # woke by a command at 10 s: 0.1 s of work
+    r.passed(100, woke=10.1, busy=True, now=10.3)  # the previous pass left work: from its end
+    assert r.rate() == pytest.approx(200 / 0.3)
+
+
+def test_the_nodes_own_rate_goes_before_the_routers_measure():
+    from proto import pb
+    from router.registry import NodeEntry
+    from router.wait_estimate import NODE_RATE_MARGIN, node_rate
+
+    m = RateMeter()
+    m.busy("p", now=0.0)
+    m.done("p", 3000, now=1.0)  # a lone prompt's round trip: 3000 tokens/s seen from the router
+    e = NodeEntry(pb.NodeInfo(node_id="p", kind=pb.NODE_KIND_PREFILL))
+    assert node_rate(e, m) == pytest.approx(3000.0)  # nothing reported yet: the router's figure
+    e.info.prefill_tokens_per_s = 9000.0
+    assert node_rate(e, m) == pytest.approx(9000.0 * NODE_RATE_MARGIN)
+    assert node_rate(NodeEntry(pb.NodeInfo(node_id="q")), m) is None  # neither

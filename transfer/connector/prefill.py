@@ -78,7 +78,8 @@ class _Lease:
 
 class PrefillConnector(RankEndpoints, Connector):
     """push_timeout_s: a push not done and quiet by then fails; spin_s: how long one poll keeps
-    polling pushes in flight (grants and write completions otherwise wait for the next step);
+    polling pushes that can end now, posted or failing (grants and write completions otherwise
+    wait for the next step; a push whose prompt still computes is not waited for);
     stream: a prompt of several chunks opens its push with its first chunk and writes the full
     pages each chunk completes as it finishes (False: the whole state once prefilled)."""
 
@@ -220,7 +221,9 @@ class PrefillConnector(RankEndpoints, Connector):
         deadline = time.monotonic() + self.spin_s
         while self._pushes:
             out += self._poll_once()
-            if not self._pushes or time.monotonic() >= deadline:
+            # spin for pushes that can end now (posted or failing), not for ones whose prompt is
+            # still computing: those wait for steps, which the spin would only hold back
+            if time.monotonic() >= deadline or all(p.phase is PushPhase.OPENED for p in self._pushes.values()):
                 break
             time.sleep(0.0005)
         return out

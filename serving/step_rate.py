@@ -1,0 +1,39 @@
+"""A node's own prefill rate: prompt tokens per second over its recent loop passes that computed
+prompt tokens, each pass timed from its step to the end of its transfer poll. What the router's
+admission estimate divides the queued prompt tokens by (docs/router.md, "Leases and admission").
+
+Measured by the node, not from the completions the router sees: a prompt sent to an idle node
+waits for its dispatch, its transfer and its first token's way back, none of which holds back a
+busy node, and a client's one-at-a-time warm-up would otherwise measure half of a burst's rate."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+WINDOW = 32  # passes that prefilled
+
+
+class StepRate:
+    def __init__(self, window: int = WINDOW) -> None:
+        self._seen: deque[tuple[int, float]] = deque(maxlen=window)
+        self._mark = time.monotonic()  # when the last pass ended
+
+    def passed(self, tokens: int, woke: float, busy: bool, now: float | None = None) -> None:
+        """A pass ended: it computed `tokens` prompt tokens. It is timed from the previous pass's
+        end when that one left work (`busy`: commands and the loop's own turn count), else from
+        when it woke (`woke`: an idle wait is not the node's work)."""
+        now = time.monotonic() if now is None else now
+        self.add(tokens, now - (self._mark if busy else woke))
+        self._mark = now
+
+    def add(self, tokens: int, seconds: float) -> None:
+        """One pass: the prompt tokens it computed (none: not counted) and its seconds."""
+        if tokens > 0:
+            self._seen.append((tokens, max(seconds, 0.0)))
+
+    def rate(self) -> float:
+        """Tokens per second over the window; 0.0 before the first pass that prefilled."""
+        if not self._seen:
+            return 0.0
+        return sum(t for t, _ in self._seen) / max(sum(s for _, s in self._seen), 1e-6)
