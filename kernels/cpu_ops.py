@@ -24,6 +24,8 @@ __all__ = [
     "gemm_f32",
     "silu_mul",
     "gdn_verify",
+    "mask_logits",
+    "masked_argmax",
 ]
 
 _log = logging.getLogger("pdserve.kernels")
@@ -190,6 +192,21 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     the MLP's gate in one pass (engine/model/layers.py MLP is the reference), rows split over
     torch's threads when there are many."""
     return _ops().silu_mul(gu)
+
+
+def mask_logits(x: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: x[rows[r], t] = -inf where bit t % 32 of bitmask[r, t // 32] is 0. x [N, V]
+    float32 or bfloat16 (unit stride on the last axis), bitmask [R, ceil(V / 32)] int32
+    contiguous, rows [R] int64 distinct. Rows split over torch's threads when there are many.
+    Reference: engine/structured/bitmask.py forbidden + masked_fill_."""
+    _ops().mask_logits(x, bitmask, rows)
+
+
+def masked_argmax(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """[N] int64: each row's first largest value of x [N, V] (float32 or bfloat16, unit stride on
+    the last axis) among the tokens bitmask [N, ceil(V / 32)] int32 allows (0 where it allows
+    none); x is not written. Reference: mask_logits, then x.max(-1).indices."""
+    return _ops().masked_argmax(x, bitmask)  # type: ignore[no-any-return]
 
 
 def gdn_rows(

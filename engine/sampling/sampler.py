@@ -190,11 +190,15 @@ class Sampler:
         lsm = torch.log_softmax(logits[s["lp.first"]], -1) if lp_rows else None  # before the adjustments
         if adj is not None:
             self._apply_adjust(x, adj, s)
+        tokens = None
         if self.grammar is not None and any(r.params.constraint is not None for r in rows):
-            self.grammar.apply(x, rows, pos)  # the batch's token bitmask, one op (engine/structured)
-        if dp is None:  # max's index: the first maximum, as argmax, in a quarter of its time on the CPU
+            if dp is None:  # all greedy: the masked argmax in one pass, where the CPU op runs
+                tokens = self.grammar.greedy(x, rows, pos)
+            if tokens is None:
+                self.grammar.apply(x, rows, pos)  # the batch's token bitmask, one op (engine/structured)
+        if tokens is None and dp is None:  # max's index: the first maximum, as argmax, in a quarter of its time
             tokens = x.max(-1).indices
-        else:
+        elif tokens is None:
             tokens = torch.empty(n, dtype=torch.long, device=dev)
             if greedy:
                 at = s["greedy"]

@@ -22,6 +22,7 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from engine.structured.matcher import Matchers, load_tokenizer
+from kernels import cpu_ops
 
 log = logging.getLogger(__name__)
 
@@ -204,15 +205,33 @@ class GrammarMask:
             plan.done.result()
         return plan
 
-    def apply(self, x: torch.Tensor, rows: list[Row], pos: list[int]) -> None:
-        """In place on x [N, V] (the step's scored positions): -inf where the grammar forbids."""
+    def _masks(self, x: torch.Tensor, rows: list[Row], pos: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """The step's bitmask for x [N, V] (the prepared one when it is for these rows) and the
+        positions it constrains."""
         n, v = x.shape
         plan = self._settle()
         if plan is not None and plan.key == self._key(rows) and plan.bitmask.shape[0] == n and v == self.vocab_size:
-            bm, at = plan.bitmask, plan.at
-        else:
-            bm, at = self.fill(rows, pos, n, v)
+            return plan.bitmask, plan.at
+        return self.fill(rows, pos, n, v)
+
+    def greedy(self, x: torch.Tensor, rows: list[Row], pos: list[int]) -> torch.Tensor | None:
+        """Every position greedy: each one's first largest logit among what the grammar allows,
+        [N] int64, in one pass that writes nothing (CPU operators); None where that op does not
+        apply (then `apply`, and the max)."""
+        if x.device.type != "cpu" or x.stride(-1) != 1 or not cpu_ops.available(x.dtype):
+            return None
+        bm, _ = self._masks(x, rows, pos)
+        return cpu_ops.masked_argmax(x, bm)
+
+    def apply(self, x: torch.Tensor, rows: list[Row], pos: list[int]) -> None:
+        """In place on x [N, V] (the step's scored positions): -inf where the grammar forbids."""
+        n, v = x.shape
+        bm, at = self._masks(x, rows, pos)
         if not at:
+            return
+        if x.device.type == "cpu" and x.stride(-1) == 1 and cpu_ops.available(x.dtype):
+            # one pass over the words: a row costs what it forbids, nothing is unpacked
+            cpu_ops.mask_logits(x, bm if len(at) == bm.shape[0] else bm[at], torch.tensor(at, dtype=torch.long))
             return
         whole = len(at) == n
         idx = None if whole else torch.tensor(at, dtype=torch.long)

@@ -237,3 +237,60 @@ def test_silu_mul_matches_pytorch(M, I):
     gu = wide[:, : 2 * I]
     ref = F.silu(gu[:, :I]) * gu[:, I:]
     assert_close("silu_mul", cpu_ops.silu_mul(gu), ref, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("V", [1000, 151936])
+def test_mask_logits_matches_unpacked_mask(dtype, V):
+    """The grammar mask in place against the unpacked bool mask and masked_fill_ (the GPU path's
+    and the fallback's), on rows a subset of x: words of all ones, all zeros and mixed, a last
+    word cut by V, untouched rows left bit-identical."""
+    from engine.structured.bitmask import forbidden, words
+
+    g = torch.Generator().manual_seed(V)
+    N, rows = 6, torch.tensor([4, 0, 3], dtype=torch.long)
+    x = torch.randn(N, V, generator=g).to(dtype)
+    W = words(V)
+    bm = torch.randint(-(2**31), 2**31 - 1, (len(rows), W), generator=g, dtype=torch.int64).to(torch.int32)
+    kind = torch.randint(0, 3, (len(rows), W), generator=g)
+    bm[kind == 0] = -1  # every token of the word allowed
+    bm[kind == 1] = 0  # none
+    bm[2] = 0
+    bm[2, 7] = 1 << 5  # one token allowed in the whole row
+    want = x.clone()
+    want[rows] = want[rows].masked_fill(forbidden(bm, V, torch.device("cpu")), float("-inf"))
+    got = x.clone()
+    cpu_ops.mask_logits(got, bm, rows)
+    assert torch.equal(got, want)
+    assert torch.isfinite(got[3]).sum() == 1 and torch.isfinite(got[3, 7 * 32 + 5])
+
+
+def test_mask_logits_refuses_a_bitmask_of_the_wrong_width():
+    x = torch.zeros(2, 100)
+    with pytest.raises(RuntimeError, match="bitmask"):
+        cpu_ops.mask_logits(x, torch.zeros(1, 3, dtype=torch.int32), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="rows"):
+        cpu_ops.mask_logits(x, torch.zeros(1, 4, dtype=torch.int32), torch.tensor([2]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("V", [1000, 151936])
+def test_masked_argmax_matches_mask_then_max(dtype, V):
+    """Each row's first largest allowed logit against mask_logits' reference then max(-1): rows
+    unconstrained (all ones), narrowed to a few tokens, half the words out, a tie (the first
+    wins, as max's index), and the last word cut by V."""
+    from engine.structured.bitmask import forbidden, words
+
+    g = torch.Generator().manual_seed(V + 1)
+    N, W = 5, words(V)
+    x = torch.randn(N, V, generator=g).to(dtype)
+    bm = torch.full((N, W), -1, dtype=torch.int32)
+    bm[1] = 0
+    bm[1, 3], bm[1, W - 1] = 0b1011, -1  # a few tokens, and the last (partial) word
+    half = torch.randint(0, 2, (W,), generator=g).bool()
+    bm[2, half] = 0
+    bm[3] = torch.randint(-(2**31), 2**31 - 1, (W,), generator=g, dtype=torch.int64).to(torch.int32)
+    x[4, 10] = x[4, 700] = x[4].max() + 1  # a tie: the first index
+    want = x.masked_fill(forbidden(bm, V, torch.device("cpu")), float("-inf")).max(-1).indices
+    got = cpu_ops.masked_argmax(x, bm)
+    assert torch.equal(got, want) and got[4] == 10
