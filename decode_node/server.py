@@ -77,7 +77,12 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         self.connector: DecodeConnector | None = None  # None: colocated requests only
         interface_of(cfg.data_host)  # a data plane host not on this machine is an error, not a colocated node
         try:
-            tcfg = TransferConfig(backend=self.backend, lease_s=cfg.reservation_lease_s, bind_host=cfg.data_host)
+            tcfg = TransferConfig(
+                backend=self.backend,
+                lease_s=cfg.reservation_lease_s,
+                bind_host=cfg.data_host,
+                allow_tcp_staging=cfg.allow_tcp_staging,
+            )
             self.connector = DecodeConnector(self.engine.executor, cfg.node_id, tcfg)
             self.digest = self.connector.digest
             self.engine.use_connector(self.connector)

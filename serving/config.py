@@ -60,6 +60,11 @@ class NodeArgs(SecurityArgs, EngineArgs):
         "address whose network interface the data plane (UCX) listens on (on the command line, default --host, "
         "or --advertise-host when --host is 0.0.0.0; 0.0.0.0: every interface)",
     )
+    allow_tcp_staging: bool = option(
+        False,
+        "let GPU pools on machines without RDMA on both sides move over TCP, staged through host memory "
+        "(refused at the transfer handshake otherwise; docs/transfer.md)",
+    )
     metrics_port: int | None = option(None, "Prometheus /metrics on this port (0 picks one; default off)")
     worker_process: bool = option(
         False,

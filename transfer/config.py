@@ -23,6 +23,9 @@ class TransferConfig:
     # them, but UCX then excludes its shared-memory transports (about 1 GB/s instead of about 9 on
     # loopback). Off only where the router's remove_peer is trusted to settle dead peers.
     ucxx_error_handling: bool = True
+    # GPU pools on different machines without RDMA on both: refused at handshake unless set
+    # (every byte would be staged through host memory over TCP; transfer/links.py)
+    allow_tcp_staging: bool = False
 
     def __post_init__(self) -> None:
         from transfer.backend import TRANSPORTS  # noqa: PLC0415

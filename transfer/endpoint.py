@@ -18,6 +18,7 @@ from engine.devices import StepFence
 from transfer.backend import TransferState, Transport, byte_view, get_transport
 from transfer.config import TransferConfig
 from transfer.handshake import check_peer
+from transfer.links import check_link, local_host
 from transfer.messages import Control, decode_control, encode_control
 from transfer.netif import ucx_net_devices
 from transfer.plan import RegionPair
@@ -94,6 +95,7 @@ class Endpoint:
         )
         with ucx_net_devices(self.config.bind_host):  # the UCX context reads it when it is made
             self.transport: Transport = get_transport(self.config.backend)(self.agent, regions, **opts)
+        memory = next((str(t.device) for _, _, t in pools.tensors()), "cpu")
         self.info = PeerInfo(
             SCHEMA_VERSION,
             self.config.backend,
@@ -103,6 +105,7 @@ class Endpoint:
             self.role,
             self.schema,
             self.transport.metadata(),
+            local_host(memory, self.config.backend == "ucxx" and not self.config.ucxx_error_handling),
         )
         self.peers: dict[str, Peer] = {}
         self.stale: deque[str] = deque(maxlen=256)  # messages ignored as stale or foreign, newest last
@@ -128,6 +131,7 @@ class Endpoint:
         """
         info = decode_peer(blob)
         check_peer(self.info, info)
+        ln = check_link(self.info.host, info.host, self.config.allow_tcp_staging)
         for old in list(self.peers.values()):
             if old.info.node == info.node and old.rank == info.schema.tp_rank and old.agent != info.agent:
                 self.remove_peer(old.agent, f"replaced by incarnation {info.incarnation}")
@@ -141,6 +145,7 @@ class Endpoint:
             self.transport.remove_peer(info.agent)
             raise
         self.peers[info.agent] = peer
+        log.info("transfer %s -> %s: UCX over %s", self.agent, info.agent, ln.transports)
         return info.agent
 
     def remove_peer(self, agent: str, reason: str = "declared dead") -> None:

@@ -15,6 +15,7 @@ from engine.cache.allocator import CachePools, kv_storage
 from engine.cache.spec import GDNStateSpec, PagedAttentionSpec, build_specs
 from engine.config import EngineConfig, dtype_name
 from transfer.errors import HandshakeError
+from transfer.links import Host
 
 SCHEMA_VERSION = 5  # 2: head-major KV pools, described by axes + page_stride + head_stride;
 # 3: the MTP layer's KV ("mtp_kv", layers num_layers + j) and the speculative method in the digest;
@@ -145,6 +146,7 @@ class PeerInfo(msgspec.Struct, frozen=True):
     role: Literal["sender", "receiver"]
     schema: RankSchema
     transport: bytes  # backend connection blob (NIXL agent metadata, UCX worker address)
+    host: Host = Host()  # its machine, pools' memory and RDMA devices (transfer/links.py)
 
 
 class _VersionProbe(msgspec.Struct):

@@ -45,7 +45,7 @@ from tests.helpers.k8s_render import render
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ("cpu-dev", "gpu", "cpu-dev-tls", "gpu-tls")  # X-tls: X with components/tls
+OVERLAYS = ("cpu-dev", "gpu", "cpu-dev-tls", "gpu-tls", "gpu-rdma")  # X-tls: X with components/tls
 TARGETS = {"base": K8S / "base", **{o: K8S / "overlays" / o for o in OVERLAYS}}
 TLS_DIR = "/etc/pdserve/tls"  # where components/tls mounts Secret pdserve-tls
 COMPONENTS = {"router": "Generation", "prefill": "PrefillNode", "decode": "DecodeNode"}  # kind -> served service
@@ -98,8 +98,8 @@ def rendered(request) -> tuple[str, list[dict]]:
 
 
 def _flavour(name: str) -> str:
-    """The target a TLS overlay adds TLS to ("gpu-tls" -> "gpu")."""
-    return name.removesuffix("-tls")
+    """The target a TLS or RDMA overlay adds to ("gpu-tls" -> "gpu", "gpu-rdma" -> "gpu")."""
+    return name.removesuffix("-tls").removesuffix("-rdma")
 
 
 def _find(objs: list[dict], kind: str, name: str) -> dict:
@@ -452,3 +452,24 @@ def test_tls_overlay(rendered, parser):
         # the init container (cpu-dev's model maker) serves nothing and gets no TLS
         for ic in w["spec"]["template"]["spec"].get("initContainers", []):
             assert not any(a.startswith("--tls") for a in ic.get("args", []))
+
+
+RDMA = "rdma/rdma_shared_device_a"
+
+
+def test_rdma_overlay_gives_the_pools_a_device_and_ipc_lock(rendered, parser):
+    """gpu-rdma only: each node pool requests and is limited to one RDMA device and may lock
+    memory (the NIC registers it); the router asks for neither; no pool is let stage GPU memory
+    over TCP."""
+    name, objs = rendered
+    rdma = name == "gpu-rdma"
+    router = _workload(objs, "router")["spec"]["template"]["spec"]["containers"][0]
+    assert RDMA not in router.get("resources", {}).get("limits", {})
+    for pool in POOLS:
+        c = _container(_workload(objs, pool), pool)
+        res, caps = c.get("resources", {}), c["securityContext"]["capabilities"]
+        assert (res.get("requests", {}).get(RDMA), res.get("limits", {}).get(RDMA)) == (
+            ("1", "1") if rdma else (None, None)
+        )
+        assert caps["drop"] == ["ALL"] and caps.get("add", []) == (["IPC_LOCK"] if rdma else [])
+        assert not _parse(parser, objs, c).allow_tcp_staging
