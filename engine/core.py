@@ -393,7 +393,8 @@ class EngineCore:
             except BaseException:
                 self.scheduler.abandon(so)  # the step's snapshot pins must not outlive it
                 raise
-            self.scheduler.classes.observe(prompt_tokens, time.monotonic() - t0)
+            if all(not r.is_decode for r in so.rows):  # a decode row's time is not the prompt's
+                self.scheduler.classes.observe(prompt_tokens, time.monotonic() - t0)
             self.prompt_tokens_computed += prompt_tokens
             (n, secs, hits), (dn, dsecs, dhits) = self.image_totals, res.images
             self.image_totals = (n + dn, secs + dsecs, hits + dhits)

@@ -1,6 +1,7 @@
 """A node's own prefill rate: prompt tokens per second over its recent loop passes that computed
-prompt tokens, each pass timed from its step to the end of its transfer poll. What the router's
-admission estimate divides the queued prompt tokens by (docs/router.md, "Leases and admission").
+prompt tokens, each pass timed to the end of its transfer poll from the previous pass's end (or
+from its wake-up after an idle wait). What the router's admission estimate divides the queued
+prompt tokens by (docs/router.md, "Leases and admission").
 
 Measured by the node, not from the completions the router sees: a prompt sent to an idle node
 waits for its dispatch, its transfer and its first token's way back, none of which holds back a

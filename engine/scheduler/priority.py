@@ -2,8 +2,9 @@
 lists are kept in class order, and `Classes` decides how many prompt tokens batch requests get in
 a step. While interactive requests are about (one waits or runs, or one arrived in the last
 `RECENT_S`), batch prompt chunks get at most `batch_chunk_tokens` a step, and no more than the
-node computes in `batch_step_s` at the prompt rate of its last steps (a model and a machine on
-which 256 tokens take 30 ms hold an interactive prompt that long), so the step an interactive
+node computes in `batch_step_s` at the prompt rate of its last steps without decode rows (a
+model and a machine on which 256 tokens take 30 ms hold an interactive prompt that long; none
+measured yet: `batch_chunk_tokens` alone), so the step an interactive
 prompt may find in flight is short, and none in a step that computes an interactive prompt
 chunk; with no interactive request about, batch prompts take whole steps."""
 
