@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 
+from engine.rate_window import RateWindow
 from proto import pb
 from router.registry import NodeEntry, NodeRegistry
 
@@ -32,7 +32,7 @@ class RateMeter:
     def __init__(self) -> None:
         self._mark: dict[str, float] = {}
         self._idle: set[str] = set()
-        self._seen: dict[str, deque[tuple[int, float]]] = {}
+        self._seen: dict[str, RateWindow] = {}
 
     def busy(self, node: str, now: float | None = None) -> None:
         """The node had nothing outstanding and is sent a prompt."""
@@ -47,14 +47,12 @@ class RateMeter:
             self._idle.discard(node)
             if tokens < IDLE_MIN_TOKENS:
                 return
-        self._seen.setdefault(node, deque(maxlen=WINDOW)).append((tokens, dt))
+        self._seen.setdefault(node, RateWindow(WINDOW)).add(tokens, dt)
 
     def rate(self, node: str) -> float | None:
         """Tokens per second, None before the node's first completion while busy."""
         seen = self._seen.get(node)
-        if not seen:
-            return None
-        return sum(t for t, _ in seen) / max(sum(s for _, s in seen), 1e-6)
+        return seen.rate() if seen is not None else None
 
 
 def node_rate(p: NodeEntry, meter: RateMeter) -> float | None:

@@ -495,6 +495,6 @@ class EngineLoop:
 
     def _snap(self) -> None:
         streaming = len(self._handles) + len(self._pushing)
-        self.snapshot = take_snapshot(self.engine, self.snapshot, streaming, self.prefill_rate.rate())
+        self.snapshot = take_snapshot(self.engine, self.snapshot, streaming, self.prefill_rate.rate() or 0.0)
         if self._on_change is not None:
             self._on_change()

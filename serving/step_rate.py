@@ -10,14 +10,15 @@ busy node, and a client's one-at-a-time warm-up would otherwise measure half of 
 from __future__ import annotations
 
 import time
-from collections import deque
+
+from engine.rate_window import RateWindow
 
 WINDOW = 32  # passes that prefilled
 
 
-class StepRate:
+class StepRate(RateWindow):
     def __init__(self, window: int = WINDOW) -> None:
-        self._seen: deque[tuple[int, float]] = deque(maxlen=window)
+        super().__init__(window)
         self._mark = time.monotonic()  # when the last pass ended
 
     def passed(self, tokens: int, woke: float, busy: bool, now: float | None = None) -> None:
@@ -27,14 +28,3 @@ class StepRate:
         now = time.monotonic() if now is None else now
         self.add(tokens, now - (self._mark if busy else woke))
         self._mark = now
-
-    def add(self, tokens: int, seconds: float) -> None:
-        """One pass: the prompt tokens it computed (none: not counted) and its seconds."""
-        if tokens > 0:
-            self._seen.append((tokens, max(seconds, 0.0)))
-
-    def rate(self) -> float:
-        """Tokens per second over the window; 0.0 before the first pass that prefilled."""
-        if not self._seen:
-            return 0.0
-        return sum(t for t, _ in self._seen) / max(sum(s for _, s in self._seen), 1e-6)

@@ -92,11 +92,11 @@ def link(local: Host, remote: Host) -> Link:
     if rdma:
         devs = f"{','.join(local.rdma)} -> {','.join(remote.rdma)}"
         return Link(f"RDMA ({devs}{', GPUDirect' if gpu else ''})", False)
-    why = "no RDMA device on " + (
-        "either side" if not (local.rdma or remote.rdma) else "this side" if not local.rdma else "the peer"
-    )
     if local.rdma and remote.rdma:
         why = "UCX_TLS leaves RDMA out"
+    else:
+        side = "the peer" if local.rdma else "this side" if remote.rdma else "either side"
+        why = f"no RDMA device on {side}"
     return Link(f"tcp between machines ({why})", gpu)
 
 

@@ -190,12 +190,7 @@ class Sampler:
         lsm = torch.log_softmax(logits[s["lp.first"]], -1) if lp_rows else None  # before the adjustments
         if adj is not None:
             self._apply_adjust(x, adj, s)
-        tokens = None
-        if self.grammar is not None and any(r.params.constraint is not None for r in rows):
-            if dp is None:  # all greedy: the masked argmax in one pass, where the CPU op runs
-                tokens = self.grammar.greedy(x, rows, pos)
-            if tokens is None:
-                self.grammar.apply(x, rows, pos)  # the batch's token bitmask, one op (engine/structured)
+        tokens = self._constrain(x, rows, pos, all_greedy=dp is None)
         if tokens is None and dp is None:  # max's index: the first maximum, as argmax, in a quarter of its time
             tokens = x.max(-1).indices
         elif tokens is None:
@@ -229,6 +224,16 @@ class Sampler:
             t, val, top = _entry(got[pos[i]], r, nlp)
             out_lp[rows[i].request_id] = [(t, val, top[: rows[i].params.logprobs])]
         return emitted, out_lp
+
+    def _constrain(self, x: torch.Tensor, rows, pos: list[int], all_greedy: bool) -> torch.Tensor | None:
+        """The grammar on x (engine/structured): the tokens when every position is greedy and one
+        CPU op takes the masked argmax; else None, with x masked for the draws."""
+        if self.grammar is None or not any(r.params.constraint is not None for r in rows):
+            return None
+        tokens = self.grammar.greedy(x, rows, pos) if all_greedy else None
+        if tokens is None:
+            self.grammar.apply(x, rows, pos)
+        return tokens
 
     @staticmethod
     def _read(tokens, held, lsm, s: Sections | None, nlp: int) -> tuple[list[int], list[list[float]]]:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Iterable, MutableSequence
 
 from engine.config import SchedulerConfig
+from engine.rate_window import RateWindow
 from engine.request import Request
 
 INTERACTIVE, BATCH = 0, 1
@@ -40,17 +40,11 @@ class Classes:
 
     def __init__(self) -> None:
         self.last_interactive = -math.inf
-        self._steps: deque[tuple[int, float]] = deque(maxlen=RATE_STEPS)  # (prompt tokens, seconds)
+        self.prompt_rate = RateWindow(RATE_STEPS)  # prompt tokens per second of steps without decode rows
 
     def observe(self, prompt_tokens: int, seconds: float) -> None:
-        """A step ran: the prompt tokens it computed and how long it took."""
-        if prompt_tokens > 0:
-            self._steps.append((prompt_tokens, seconds))
-
-    def rate(self) -> float | None:
-        """Prompt tokens per second over the last steps that computed some; None before any."""
-        secs = sum(s for _, s in self._steps)
-        return sum(t for t, _ in self._steps) / secs if secs > 0 else None
+        """A step without decode rows ran: the prompt tokens it computed and how long it took."""
+        self.prompt_rate.add(prompt_tokens, seconds)
 
     def arrived(self, req: Request) -> None:
         if req.params.priority == INTERACTIVE:
@@ -64,7 +58,7 @@ class Classes:
         if now - self.last_interactive >= RECENT_S:
             return cfg.max_num_batched_tokens
         cap = cfg.batch_chunk_tokens or cfg.max_num_batched_tokens
-        rate = self.rate() if cfg.batch_step_s else None
+        rate = self.prompt_rate.rate() if cfg.batch_step_s else None
         if rate is not None:  # at least a few tokens a step: batch requests still move
             cap = min(cap, max(MIN_BATCH_CHUNK, int(rate * cfg.batch_step_s)))
         return cap

@@ -218,7 +218,7 @@ class GrammarMask:
         """Every position greedy: each one's first largest logit among what the grammar allows,
         [N] int64, in one pass that writes nothing (CPU operators); None where that op does not
         apply (then `apply`, and the max)."""
-        if x.device.type != "cpu" or x.stride(-1) != 1 or not cpu_ops.available(x.dtype):
+        if not _cpu_op(x):
             return None
         bm, _ = self._masks(x, rows, pos)
         return cpu_ops.masked_argmax(x, bm)
@@ -229,7 +229,7 @@ class GrammarMask:
         bm, at = self._masks(x, rows, pos)
         if not at:
             return
-        if x.device.type == "cpu" and x.stride(-1) == 1 and cpu_ops.available(x.dtype):
+        if _cpu_op(x):
             # one pass over the words: a row costs what it forbids, nothing is unpacked
             cpu_ops.mask_logits(x, bm if len(at) == bm.shape[0] else bm[at], torch.tensor(at, dtype=torch.long))
             return
@@ -244,6 +244,11 @@ class GrammarMask:
             rows_x.masked_fill_(ban, float("-inf"))
         if idx is not None:
             x[idx.to(x.device)] = rows_x
+
+
+def _cpu_op(x: torch.Tensor) -> bool:
+    """Whether the CPU operators (kernels/csrc/bitmask.cpp) take these logits."""
+    return x.device.type == "cpu" and x.stride(-1) == 1 and cpu_ops.available(x.dtype)
 
 
 def _bit(b: int) -> int:

@@ -167,9 +167,9 @@ def test_step_rate_counts_only_passes_that_prefilled():
     from serving.step_rate import WINDOW, StepRate
 
     r = StepRate()
-    assert r.rate() == 0.0
+    assert r.rate() is None
     r.add(0, 5.0)  # a decode pass or an idle poll: not a prefill
-    assert r.rate() == 0.0
+    assert r.rate() is None
     r.add(2048, 0.2)
     r.add(952, 0.1)
     assert r.rate() == pytest.approx(3000 / 0.3)

@@ -1,0 +1,25 @@
+"""A rate over a sliding window of (amount, seconds) samples: the window's amount over its
+seconds, so a sample of 0 s counts against the others and one odd interval moves the rate by
+1/window, not as much as a moving average would. The scheduler's prompt rate
+(engine/scheduler/priority.py), a node's own prefill rate (serving/step_rate.py) and the
+router's per-node meter (router/wait_estimate.py) are all one of these."""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class RateWindow:
+    def __init__(self, window: int) -> None:
+        self._seen: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def add(self, amount: int, seconds: float) -> None:
+        """One sample; none of anything (amount <= 0) is not counted."""
+        if amount > 0:
+            self._seen.append((amount, max(seconds, 0.0)))
+
+    def rate(self) -> float | None:
+        """Amount per second over the window; None before the first sample."""
+        if not self._seen:
+            return None
+        return sum(a for a, _ in self._seen) / max(sum(s for _, s in self._seen), 1e-9)
