@@ -2,7 +2,7 @@
 (`mask`), and constrained vs unconstrained decode throughput of the offline engine (`throughput`).
 
     python bench/structured.py mask [--engines llguidance,xgrammar] [--reps 3] [--max-length]
-    python bench/structured.py throughput [--batch 16] [--new-tokens 64] [--reps 3] [--device cpu]
+    python bench/structured.py throughput [--batch 16] [--new-tokens 64] [--reps 3] [--device cpu] [--sampled]
         [--layers 2] [--hidden 256] [--max-length]
 
 `mask` walks a JSON document (a list of records under a schema with strings, enums, integers,
@@ -178,8 +178,13 @@ def throughput_main(args) -> None:
         )  # fmt: skip
         prompts = [[(97 * b + 13 * i) % VOCAB for i in range(16)] for b in range(args.batch)]
         cons = {"kind": "json_schema", "value": schemas(args.max_length)[1]}
-        free = [SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)] * args.batch
-        tied = [SamplingParams(max_tokens=args.new_tokens, temperature=0.0, constraint=cons)] * args.batch
+        # --sampled: Qwen's chat settings with a seed per row, as chat clients send them
+        kw = [
+            dict(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5, seed=b) if args.sampled else {}
+            for b in range(args.batch)
+        ]
+        free = [SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, **{"temperature": 0.0, **k}) for k in kw]
+        tied = [SamplingParams(max_tokens=args.new_tokens, constraint=cons, **{"temperature": 0.0, **k}) for k in kw]
         llm.generate(prompt_token_ids=prompts, sampling_params=tied)  # warm-up: compiles the grammar
         # tokens per wall second, and per CPU second of this process (all its threads, the mask
         # thread included): the second holds still on a machine shared with other work
@@ -216,6 +221,7 @@ def main() -> None:
     for p in (m, t):
         p.add_argument("--max-length", action="store_true", help="strings with a maxLength (llguidance's worst case)")
     t.add_argument("--device", default="cpu")
+    t.add_argument("--sampled", action="store_true", help="Qwen's chat sampling settings, a seed per row")
     t.add_argument("--layers", type=int, default=2)
     t.add_argument("--hidden", type=int, default=256)
     args = ap.parse_args()
