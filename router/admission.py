@@ -97,7 +97,7 @@ class Admission:
         self._on_leave("estimate", ask, 0.0)
         est = "an unknown time" if math.isinf(estimate_s) else f"about {estimate_s:.1f} s"
         raise Refused(
-            f"a {ask.class_name} request would start in {est} ({what}), past its admission budget of "
+            f"this {ask.class_name} request would start in {est} ({what}), past its admission budget of "
             f"{ask.budget_s:g} s: try again later, or send a longer budget",
             estimate_s if math.isfinite(estimate_s) else ask.budget_s,
         )

@@ -5,11 +5,13 @@
 A client that cancels its call cancels the servicer's task: the request's generator unwinds and
 cancels its calls to the nodes (router/request.py). Errors end the call with their status code
 and message; a draining router adds the `pdserve-draining` trailing metadata, a refusal at
-admission `pdserve-retry-after-s` (its estimated wait, seconds).
+admission `pdserve-retry-after-s` (its estimated wait in seconds, rounded up to the millisecond so
+that it never reads as within the budget it exceeded).
 """
 
 from __future__ import annotations
 
+import math
 from contextlib import aclosing
 
 import grpc
@@ -53,7 +55,7 @@ class GenerationApi(rpc.GenerationServicer):
             if isinstance(a, Draining):
                 context.set_trailing_metadata(((DRAINING_KEY, "1"),))
             elif a.retry_after_s is not None:
-                context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{a.retry_after_s:.3f}"),))
+                context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{math.ceil(a.retry_after_s * 1000) / 1000:.3f}"),))
             await context.abort(a.code, a.msg)
 
     async def ListModels(self, request, context):
