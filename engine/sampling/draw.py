@@ -1,9 +1,13 @@
-"""The sampled positions of a call: their randomness (SplitMix64 per (seed, position), the
-sampler's generator for unseeded rows) and their draws, in groups by how a row draws: over
-torch.topk's candidates (top-k up to TOPK_LIMIT), over the HEAD most likely tokens (top-p or
-min-p alone on a large vocabulary), over the sorted row (larger top-k, small vocabularies, and
-head rows the head does not hold), or over the whole row in id order (temperature alone). The
-host plans the groups into the call's HostPack; the device draws from the uploaded sections."""
+"""The sampled positions of a call: their randomness (SplitMix64 per (seed, position) and per
+(seed, position, token id); a row without a seed takes a seed from the sampler's generator for
+the draw) and their draws, in groups by how a row draws: over torch.topk's candidates (top-k up
+to TOPK_LIMIT), over the HEAD most likely tokens (top-p or min-p alone on a large vocabulary),
+over the sorted row (larger top-k, small vocabularies, and head rows the head does not hold), or
+over the whole row (temperature alone). The first two, and sorted rows of at most RACE_LIMIT
+columns that may hold kept tokens, draw by the exponential race of engine/sampling/filters.py;
+the others by one inverse-CDF uniform over the kept tokens in id order (a key for each of a
+large vocabulary's tokens costs more than the sort on the CPU). The host plans the groups into
+the call's HostPack; the device draws from the uploaded sections."""
 
 from __future__ import annotations
 
@@ -11,13 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling.filters import candidate_probs, head_suffices, inverse_cdf
+from engine.sampling.filters import candidate_probs, head_suffices, inverse_cdf, race
 from engine.sampling.pack import HostPack, Sections
-from engine.sampling.rng import as_int64, seeded_uniforms
+from engine.sampling.rng import as_int64, seeded_uniforms, token_exponentials
 from engine.sampling_params import SamplingParams
 
 TOPK_LIMIT = 1024  # rows with a larger top_k sort the whole vocabulary
 HEAD = 1024  # rows with top-p or min-p alone try the HEAD most likely tokens before a sort
+RACE_LIMIT = 8192  # sorted rows with more columns that may hold kept tokens draw by one uniform
 GROUPS = ("topk", "head", "sort", "plain")
 FUSED = ("topk", "head")  # the groups one kernel draws on CUDA
 
@@ -97,7 +102,7 @@ def draw(
     held every token the filters keep (where it did not, that row's token is to be drawn again
     with `plan` / `draw` as a "sort" row), or None without a head group."""
     dev, tag = x.device, dp.tag
-    u = None
+    seeds = None
     held = None
     for name in GROUPS:
         if name not in dp.groups:
@@ -107,24 +112,31 @@ def draw(
         q = s[f"{tag}.{name}.q"]
         xs = x if whole else x[q]
         t = s[f"{tag}.{name}.t"]
-        if name in dp.fused:  # one kernel: filters, uniform, pick, store (and the head check)
+        if name in dp.fused:  # one kernel: filters, keys, race, store (and the head check)
             from kernels.triton.sampling import draw_triton
 
             k = HEAD if name == "head" else max(ks)
             vals, ids = torch.topk(xs, k, dim=-1)
             total = torch.logsumexp(xs / t[:, None], dim=-1) if name == "head" else None
-            rand = torch.rand(len(members), generator=gen, device=dev) if dp.fused[name] else t
-            p = [s[f"{tag}.{name}.{c}"] for c in ("k", "p", "m", "seed", "ctr", "seeded")]
-            got = draw_triton(vals, ids, t, p[0], p[1], p[2], p[3], p[4], p[5], rand, q, tokens, total)
+            ctr = s[f"{tag}.{name}.ctr"]
+            rand = random_seeds(len(members), gen, dev) if dp.fused[name] else ctr
+            p = [s[f"{tag}.{name}.{c}"] for c in ("k", "p", "m", "seed", "seeded")]
+            got = draw_triton(vals, ids, t, p[0], p[1], p[2], p[3], ctr, p[4], rand, q, tokens, total)
             held = got if name == "head" else held
             continue
-        if u is None:
-            u = seeded_uniforms(s[f"{tag}.seed"], s[f"{tag}.ctr"])
+        if seeds is None:
+            seeds = s[f"{tag}.seed"]
             if dp.num_unseeded:
-                u[s[f"{tag}.unseeded"]] = torch.rand(dp.num_unseeded, generator=gen, device=dev)
-        gu = u if len(members) == u.shape[0] else u[s[f"{tag}.{name}.j"]]
+                seeds = seeds.clone()
+                seeds[s[f"{tag}.unseeded"]] = random_seeds(dp.num_unseeded, gen, dev)
+        ctr = s[f"{tag}.ctr"]
+        if len(members) != seeds.shape[0]:
+            j = s[f"{tag}.{name}.j"]
+            gs, gc = seeds[j], ctr[j]
+        else:
+            gs, gc = seeds, ctr
         if name == "plain":
-            pick = inverse_cdf(torch.softmax(xs / t[:, None], -1), gu)
+            pick = inverse_cdf(torch.softmax(xs / t[:, None], -1), seeded_uniforms(gs, gc))
         else:
             top_k = s[f"{tag}.{name}.k"] if any(ks) else None
             top_p, min_p = s[f"{tag}.{name}.p"], s[f"{tag}.{name}.m"]
@@ -138,9 +150,19 @@ def draw(
             else:
                 vals, ids = torch.sort(xs, dim=-1, descending=True)
             probs = candidate_probs(vals, t, top_k, top_p, min_p, log_total)
-            pick = ids.gather(1, inverse_cdf(probs, gu)[:, None])[:, 0]
+            c = max(ks) if all(ks) else probs.shape[-1]  # the columns that can hold kept tokens
+            if c > RACE_LIMIT:  # the kept tokens back in id order: one uniform, no key per token
+                pick = inverse_cdf(torch.zeros_like(probs).scatter_(1, ids, probs), seeded_uniforms(gs, gc))
+            else:
+                probs, ids = probs[:, :c], ids[:, :c]
+                pick = ids.gather(1, race(probs, token_exponentials(gs, gc, ids))[:, None])[:, 0]
         if whole:
             tokens.copy_(pick)
         else:
             tokens[q] = pick
     return held
+
+
+def random_seeds(n: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """int64 [n]: seeds from the sampler's generator for rows drawn without their own."""
+    return torch.randint(-(1 << 63), (1 << 63) - 1, (n,), generator=gen, device=device, dtype=torch.int64)

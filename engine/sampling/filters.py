@@ -1,5 +1,9 @@
-"""Temperature, top-k, top-p and min-p over a batch of sorted candidate lists, and inverse-CDF
-draws: one searchsorted into a row's cumulative kept probability."""
+"""Temperature, top-k, top-p and min-p over a batch of sorted candidate lists, and the two draws:
+the exponential race of the filtered rows (each kept token's probability over its own Exp(1)
+variate, the largest wins: the token with probability p wins with probability p, and which one
+wins depends on each token's own variate, not on the candidates' order) and the inverse-CDF
+draw of rows with temperature alone (one searchsorted into the cumulative probability, in id
+order)."""
 
 from __future__ import annotations
 
@@ -55,3 +59,10 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     total = cum[:, -1]
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cum, target[:, None], right=True)[:, 0]
+
+
+def race(probs: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:
+    """probs [N, C] (non-negative, 0: not kept), exponentials float32 [N, C] > 0, each column's
+    own -> int64 [N]: the column whose probs / exponentials is largest (never a column of
+    probability 0 while the row keeps any)."""
+    return (probs / exponentials).argmax(-1)

@@ -1,6 +1,7 @@
-"""Counter-based randomness for seeded requests: one SplitMix64 uniform per (seed, position),
-computed in tensor ops on the logits' device, so a seeded request's i-th draw is the same whatever
-batch, node or tensor-parallel size computes it."""
+"""Counter-based randomness for seeded requests: one SplitMix64 uniform per (seed, position), and
+one exponential per (seed, position, token id) for the race that filtered draws run (a second
+SplitMix64 round keyed by the id), computed in tensor ops on the logits' device, so a seeded
+request's i-th draw is the same whatever batch, node or tensor-parallel size computes it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ GAMMA = 0x9E3779B97F4A7C15
 MIX1 = 0xBF58476D1CE4E5B9
 MIX2 = 0x94D049BB133111EB
 UNIFORM_BITS = 24  # exact in float32: uniforms are k / 2**24, k in [0, 2**24)
+RACE_BITS = 23  # the race's uniforms are (k + 1/2) / 2**23, exact in float32 and never 0 or 1
 
 
 def as_int64(v: int) -> int:
@@ -38,3 +40,13 @@ def seeded_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
     position `position` of a request seeded with `seed` samples with."""
     bits = _shr(splitmix64(seeds, positions + 1), 64 - UNIFORM_BITS)
     return bits.to(torch.float32) * (1.0 / (1 << UNIFORM_BITS))
+
+
+def token_exponentials(seeds: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """seeds (as int64 bits), positions: int64 [N]; ids int64 [N, C] -> float32 [N, C] of
+    Exp(1) variates, -log((k + 1/2) / 2**23) with k the top 23 bits of SplitMix64 output
+    `id + 1` seeded with the bits `seeded_uniforms` takes its uniform from: each token's own,
+    whatever the order or the number of the candidates it is drawn among."""
+    row = splitmix64(seeds, positions + 1)
+    bits = _shr(splitmix64(row[:, None], ids + 1), 64 - RACE_BITS)
+    return -torch.log((bits.to(torch.float32) + 0.5) * (1.0 / (1 << RACE_BITS)))

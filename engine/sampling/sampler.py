@@ -1,5 +1,5 @@
 """The batched sampler on rank 0: one pass of tensor ops over every position a step samples
-(penalties, logit_bias and min_tokens, then argmax or an inverse-CDF draw after the filters),
+(penalties, logit_bias and min_tokens, then argmax or a draw after the filters),
 drafts verified by the same draws. The host plans a call into one HostPack (engine/sampling/
 pack.py): at most two host-to-device copies a call, whatever the batch, and one host read (the
 ids, with the logprobs rows' entries and the head rows' checks in the same read). Only a top-p /

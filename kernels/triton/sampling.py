@@ -1,10 +1,11 @@
 """The sampler's device ops fused for CUDA, one launch each where PyTorch takes 15 to 40: the draw
-over sorted candidates (temperature, top-k, top-p, min-p, the seeded SplitMix64 uniform, the
-inverse-CDF pick and its store into the step's ids, and the head check of top-p / min-p rows),
-the penalties of the token-count table, and the table's update by the sampled ids. Their
-PyTorch references are engine/sampling/filters.py (candidate_probs, head_suffices,
-inverse_cdf), engine/sampling/rng.py (seeded_uniforms) and engine/sampling/penalties.py
-(TokenCounts.apply, TokenCounts.record); tests/kernels/test_sampling_triton.py compares them."""
+over sorted candidates (temperature, top-k, top-p, min-p, each candidate's SplitMix64
+exponential keyed by (seed, position, token id), the race's pick and its store into the step's
+ids, and the head check of top-p / min-p rows), the penalties of the token-count table, and the
+table's update by the sampled ids. Their PyTorch references are engine/sampling/filters.py
+(candidate_probs, head_suffices, race), engine/sampling/rng.py (token_exponentials) and
+engine/sampling/penalties.py (TokenCounts.apply, TokenCounts.record);
+tests/kernels/test_sampling_triton.py compares them."""
 
 from __future__ import annotations
 
@@ -22,13 +23,19 @@ MIX2 = tl.constexpr(0x94D049BB133111EB)
 
 
 @triton.jit
-def _uniform(seed, ctr):
-    """SplitMix64 output ctr + 1 of `seed` (int64 bits) -> its top 24 bits as a float32 in [0, 1)."""
-    z = seed.to(tl.uint64, bitcast=True) + (ctr + 1).to(tl.uint64, bitcast=True) * GAMMA
+def _mix(z):
+    """SplitMix64's output function of the uint64 state z."""
     z = (z ^ (z >> 30)) * MIX1
     z = (z ^ (z >> 27)) * MIX2
-    z = z ^ (z >> 31)
-    return (z >> 40).to(tl.float32) * (1.0 / 16777216.0)
+    return z ^ (z >> 31)
+
+
+@triton.jit
+def _exponentials(seed, ctr, ids):
+    """engine/sampling/rng.py's token_exponentials for one row: seed, ctr int64, ids int64 [C]."""
+    row = _mix(seed.to(tl.uint64, bitcast=True) + (ctr + 1).to(tl.uint64, bitcast=True) * GAMMA)
+    z = _mix(row + (ids + 1).to(tl.uint64, bitcast=True) * GAMMA)
+    return -tl.log(((z >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0))
 
 
 @triton.jit
@@ -43,8 +50,8 @@ def _draw_kernel(
     minp_ptr,
     seed_ptr,  # int64 [M]
     ctr_ptr,  # int64 [M]
-    seeded_ptr,  # int64 [M], 0: take rand_ptr's uniform
-    rand_ptr,  # float32 [M]
+    seeded_ptr,  # int64 [M], 0: take rand_ptr's seed
+    rand_ptr,  # int64 [M]: seeds from the sampler's generator
     total_ptr,  # float32 [M] (HAS_TOTAL)
     q_ptr,  # int64 [M]: where in tokens
     tokens_ptr,  # int64 [N]
@@ -77,15 +84,13 @@ def _draw_kernel(
     before = tl.cumsum(p, axis=0) - p
     keep = (before < tl.where(top_p >= 1.0, float("inf"), top_p)) & (p >= min_p * tl.max(p, axis=0)) & valid
     p = tl.where(keep, p, 0.0)
-    cum = tl.cumsum(p, axis=0)
-    total = tl.sum(p, axis=0)
     seeded = tl.load(seeded_ptr + m)
-    u = tl.where(seeded != 0, _uniform(tl.load(seed_ptr + m), tl.load(ctr_ptr + m)), tl.load(rand_ptr + m))
-    target = u * total
-    idx = tl.sum(((cum <= target) & valid).to(tl.int32), axis=0)
-    last = tl.max(tl.where(p > 0, r, 0), axis=0)
-    idx = tl.minimum(idx, last)
-    pick = tl.load(ids_ptr + m * stride_row + idx)
+    seed = tl.where(seeded != 0, tl.load(seed_ptr + m), tl.load(rand_ptr + m))
+    ids = tl.load(ids_ptr + m * stride_row + r, mask=valid, other=0)
+    score = tl.where(p > 0, p / _exponentials(seed, tl.load(ctr_ptr + m), ids), -1.0)
+    best = tl.max(score, axis=0)
+    idx = tl.min(tl.where(score == best, r, BLOCK), axis=0)  # the first largest, as argmax
+    pick = tl.sum(tl.where(r == idx, ids, 0), axis=0)
     tl.store(tokens_ptr + tl.load(q_ptr + m), pick)
 
 
@@ -105,8 +110,9 @@ def draw_triton(
     log_total: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """vals, ids [M, C] (C <= 1024) the sorted candidates of M rows; per row temperature, top_p,
-    min_p, rand float32 [M], top_k (0: all), seeds, counters, seeded (0: draw with rand's
-    uniform, else SplitMix64's of (seed, counter)), q int64 [M] -> tokens[q] = the drawn ids.
+    min_p float32 [M], top_k (0: all), seeds, counters, seeded (0: the row's seed is rand's),
+    rand int64 [M], q int64 [M] -> tokens[q] = the ids the race over (seed, counter)'s
+    exponentials draws.
     log_total [M]: the candidates are a row's head (engine/sampling/draw.py); then returns int8
     [M], whether the head held every token the filters keep."""
     M, C = vals.shape
@@ -115,6 +121,8 @@ def draw_triton(
     for name, t in (("temperature", temperature), ("top_k", top_k), ("q", q), ("rand", rand), ("seeds", seeds)):
         if t.shape != (M,):
             raise ValueError(f"{name} must be [M={M}] (got {tuple(t.shape)})")
+    if rand.dtype != torch.int64:
+        raise ValueError(f"rand holds int64 seeds (got {rand.dtype})")
     held = torch.empty(M, dtype=torch.int8, device=vals.device) if log_total is not None else None
     if M:
         total = log_total if log_total is not None else temperature  # not read without HAS_TOTAL
@@ -214,7 +222,7 @@ def available(device: torch.device) -> bool:
         ids = torch.zeros(2, 16, dtype=torch.long, device=device)
         tokens = torch.zeros(2, dtype=torch.long, device=device)
         for total in (None, f):
-            draw_triton(vals, ids, f, i, f, f * 0, i, i, i + 1, f * 0, i, tokens, total)
+            draw_triton(vals, ids, f, i, f, f * 0, i, i, i + 1, i, i, tokens, total)
         tok = torch.zeros(2, 16, dtype=torch.long, device=device)
         cnt = torch.zeros(2, 16, dtype=torch.int32, device=device)
         size = torch.zeros(2, dtype=torch.long, device=device)

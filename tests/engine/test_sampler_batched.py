@@ -2,8 +2,9 @@
 support sets of top-k / top-p / min-p exactly, their probabilities, empirical distributions of
 mixed batches within a chi-square bound, penalties / logit_bias / the min_tokens ban exactly
 (step after step, from the token counts the sampler keeps), logprobs of the model's own
-distribution, SplitMix64 against its published definition, and seeded rows that draw the same
-tokens alone, in any batch, and with or without drafts."""
+distribution, SplitMix64 and the race's per-token keys against their published definition, the
+race's indifference to the candidates' order and to rounding-level changes of the logits, and
+seeded rows that draw the same tokens alone, in any batch, and with or without drafts."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import pytest
 import torch
 
 from engine.sampling import Sampler
-from engine.sampling.filters import candidate_probs
+from engine.sampling.filters import candidate_probs, race
 from engine.sampling.penalties import TokenCounts
-from engine.sampling.rng import as_int64, seeded_uniforms, splitmix64
+from engine.sampling.rng import as_int64, seeded_uniforms, splitmix64, token_exponentials
 from engine.sampling_params import SamplingParams
 from engine.step import RowInput
 
@@ -99,6 +100,11 @@ def test_splitmix64_matches_its_definition():
         assert [g & M64 for g in got.tolist()] == [_splitmix64_ref(s, n) for s in seeds]
     u = seeded_uniforms(torch.tensor([as_int64(s) for s in seeds]), torch.full((len(seeds),), 4))
     assert u.tolist() == [(_splitmix64_ref(s, 5) >> 40) / 2**24 for s in seeds]
+    ids = torch.tensor([0, 1, 151_935, 2**20])
+    e = token_exponentials(torch.tensor([as_int64(s) for s in seeds]), torch.full((len(seeds),), 4), ids.expand(7, 4))
+    for s, row in zip(seeds, e.tolist()):
+        keys = [_splitmix64_ref(_splitmix64_ref(s, 5), t + 1) >> 41 for t in ids.tolist()]
+        assert row == pytest.approx([-math.log((k + 0.5) / 2**23) for k in keys], rel=1e-6)
 
 
 @pytest.mark.parametrize("kw", FILTERS.values(), ids=FILTERS.keys())
@@ -167,6 +173,36 @@ def test_inverse_cdf_never_draws_probability_zero():
         assert (probs.gather(1, j[:, None]) > 0).all(), u
     assert inverse_cdf(probs, torch.tensor([0.0, 0.0])).tolist() == [1, 0]
     assert inverse_cdf(probs, torch.full((2,), 1 - 2**-24)).tolist() == [3, 1]
+
+
+def test_race_never_draws_probability_zero_and_ignores_the_candidates_order():
+    g = torch.Generator().manual_seed(6)
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0, 0.0]]).expand(500, 6)
+    ids = torch.arange(6).expand(500, 6)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (500,), generator=g)
+    pos = torch.zeros(500, dtype=torch.long)
+    pick = race(probs, token_exponentials(seeds, pos, ids))
+    assert set(pick.tolist()) == {1, 3}
+    perm = torch.randperm(6, generator=g)  # the same candidates in another order: the same ids win
+    again = ids[:, perm].gather(1, race(probs[:, perm], token_exponentials(seeds, pos, ids[:, perm]))[:, None])
+    assert again[:, 0].tolist() == pick.tolist()
+
+
+def test_seeded_filtered_draws_survive_rounding_level_changes():
+    """A moved request's logits are recomputed (a prefill of prompt + output where the first node
+    decoded token by token) and differ by rounding. With bfloat16-like ties in the logits and a
+    relative change of 4e-7, a seeded top-p row keeps its token and a top-k + top-p row almost
+    always does: the race keys each token by its id, where one uniform over the sorted
+    candidates moved with every reordered tie (16% and 29% of these draws)."""
+    g = torch.Generator().manual_seed(0)
+    n, v = 1000, 1024
+    x = torch.randn(n, v, generator=g).bfloat16().float()
+    moved = x * (1 + 4e-7 * torch.randn(n, v, generator=g))
+    for kw, most in ((dict(top_p=0.9), 0), (dict(top_k=50, top_p=0.95, temperature=0.7), n // 100)):
+        rows = [_row(f"r{i}", SamplingParams(**kw, seed=i)) for i in range(n)]
+        before, _ = _sample(Sampler(), x, rows)
+        after, _ = _sample(Sampler(), moved, rows)
+        assert sum(a != b for a, b in zip(before, after)) <= most, kw
 
 
 def _chi2_bound(df: int, z: float = 4.5) -> float:
