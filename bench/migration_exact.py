@@ -99,7 +99,7 @@ def main() -> None:
             ]
             first = _run(core, [(p, sp, None) for p, sp in zip(prompts, params)])
             order = list(range(args.requests))[::-1]
-            again = [None] * args.requests
+            again: list[list[int]] = [[] for _ in range(args.requests)]
             for part in (order[: len(order) // 2], order[len(order) // 2 :]):
                 for i, toks in zip(part, _run(core, [(prompts[i], params[i], None) for i in part])):
                     again[i] = toks
