@@ -87,7 +87,8 @@ def main() -> None:
             max_num_batched_tokens=args.small_chunk * args.requests,
             batch_chunk_tokens=args.small_chunk,
         )
-        core = llm.engine
+        core, small_core = llm.engine, small.engine
+        assert core is not None and small_core is not None  # engine_process=False: in this process
         vocab = core.cfg.model.vocab_size
         prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]
         for name, kw in SETTINGS.items():
@@ -104,7 +105,7 @@ def main() -> None:
                 for i, toks in zip(part, _run(core, [(prompts[i], params[i], None) for i in part])):
                     again[i] = toks
             moved = _run(core, [(p, sp, f[:half]) for p, sp, f in zip(prompts, params, first)])
-            chunked = _run(small.engine, [(p, sp, None) for p, sp in zip(prompts, params)])
+            chunked = _run(small_core, [(p, sp, None) for p, sp in zip(prompts, params)])
             rerun_same = sum(a == f for a, f in zip(again, first))
             moved_same = sum(m == f[half:] for m, f in zip(moved, first))
             moved_share = sum(_agree(m, f[half:]) for m, f in zip(moved, first)) / (
