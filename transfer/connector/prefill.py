@@ -1,9 +1,9 @@
 """The prefill side of the connector: pushes a prefill-only request's state into the decode
 node's reservation named by its `PushParams`: opened when its first prompt chunk that leaves more
-to compute is scheduled (streamed: each chunk's full pages go out as it finishes) or else its
-last, the rest posted once prefilled, its lease renewed while it is here, SendDone once every
-rank is quiet; phases OPENED -> POSTED, either -> FAILING, in one enum and one table
-(docs/transfer.md)."""
+to compute is scheduled (streamed: each chunk's full pages go out as it finishes, and the last
+chunk's layers as its forward finishes each) or else its last, the rest posted once prefilled,
+its lease renewed while it is here, SendDone once every rank is quiet; phases OPENED -> POSTED,
+either -> FAILING, in one enum and one table (docs/transfer.md)."""
 
 from __future__ import annotations
 
