@@ -47,10 +47,13 @@ def prompt_and_want(ckpt):
 
 
 @contextmanager
-def engines(ckpt: str, a: int, b: int) -> Iterator[tuple[EngineCore, EngineCore, PrefillConnector, DecodeConnector]]:
-    """A prefill engine at TP a and a decode engine at TP b in 32-token chunks, their connectors
-    joined (NIXL, checksums on)."""
+def engines(
+    ckpt: str, a: int, b: int, **extra: Any
+) -> Iterator[tuple[EngineCore, EngineCore, PrefillConnector, DecodeConnector]]:
+    """A prefill engine at TP a and a decode engine at TP b in 32-token chunks (and `extra` LLM
+    options), their connectors joined (NIXL, checksums on)."""
     kw: dict[str, Any] = dict(dtype="float32", kv_cache_memory="24MiB", max_num_seqs=4, max_num_batched_tokens=CHUNK)
+    kw.update(extra)
     with LLM(ckpt, tensor_parallel_size=a, **kw) as p, LLM(ckpt, tensor_parallel_size=b, **kw) as d:
         cfg = TransferConfig(backend="nixl", checksum=True, lease_s=30.0)
         pc = PrefillConnector(p.engine.executor, "P", cfg, push_timeout_s=30.0)
