@@ -10,7 +10,9 @@ device current, so NCCL, the caching allocator and NIXL's VRAM registrations all
 
 `StepFence`: a step's kernels may still run after the step returns (only rank 0 reads its
 results back); the worker records the fence after each step and a push of a request's pages
-waits on it before a transport reads them. On the CPU both are no-ops."""
+waits on it before a transport reads them; `StepFence.mark` records a `DeviceMark` inside a step
+(after one decoder layer's kernels) that a layer's post polls without blocking. On the CPU these
+are no-ops."""
 
 from __future__ import annotations
 
