@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -48,14 +48,14 @@ def prompt_and_want(ckpt):
 
 @contextmanager
 def engines(
-    ckpt: str, a: int, b: int, **extra: Any
+    ckpt: str, a: int, b: int, backend: Literal["nixl", "ucxx"] = "nixl", **extra: Any
 ) -> Iterator[tuple[EngineCore, EngineCore, PrefillConnector, DecodeConnector]]:
     """A prefill engine at TP a and a decode engine at TP b in 32-token chunks (and `extra` LLM
-    options), their connectors joined (NIXL, checksums on)."""
+    options), their connectors joined (NIXL unless `backend` says, checksums on)."""
     kw: dict[str, Any] = dict(dtype="float32", kv_cache_memory="24MiB", max_num_seqs=4, max_num_batched_tokens=CHUNK)
     kw.update(extra)
     with LLM(ckpt, tensor_parallel_size=a, **kw) as p, LLM(ckpt, tensor_parallel_size=b, **kw) as d:
-        cfg = TransferConfig(backend="nixl", checksum=True, lease_s=30.0)
+        cfg = TransferConfig(backend=backend, checksum=True, lease_s=30.0)
         pc = PrefillConnector(p.engine.executor, "P", cfg, push_timeout_s=30.0)
         dc = DecodeConnector(d.engine.executor, "D", cfg)
         p.engine.use_connector(pc)

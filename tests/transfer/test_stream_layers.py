@@ -1,6 +1,6 @@
 """A streamed push's last chunk, posted layer by layer (NIXL over loopback, checksums on): with
 MTP drafting, the drafter's KV (no decoder layer of the forward) goes with the final post and the
-decode side's tokens are transformers'; when the prefill side fails inside that chunk's forward
+decode side's tokens are transformers', and over UCXX (no page per chunk) the same; when the prefill side fails inside that chunk's forward
 after some layers went out, a step that raises and a cancel, or a prefill node whose ranks die
 (TP 2 -> 1) and that the router then declares dead, leave no page, slot, push, reservation or
 lease behind on either side that lives. On a GPU (marked `gpu`), each layer's post waits for the
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -121,17 +121,23 @@ def test_on_a_gpu_each_layer_waits_for_its_event(ckpt):
     _push_and_decode(ckpt, "g1", device="cuda")
 
 
+def test_over_ucxx_the_last_chunks_layers_go_whole(ckpt):
+    """UCXX writes no page per chunk (its tags number the whole plan's ranges), then each layer's
+    ranges whole as the last chunk finishes it."""
+    _push_and_decode(ckpt, "u1", backend="ucxx")
+
+
 def test_with_mtp_drafting_the_drafters_kv_goes_with_the_final_post(tmp_path):
     _push_and_decode(hc.make(tmp_path / "ckpt", hc.SPEC_MTP), "m1", speculative_method="mtp", num_speculative_tokens=2)
 
 
-def _push_and_decode(ckpt: str, rid: str, **extra: Any) -> None:
+def _push_and_decode(ckpt: str, rid: str, backend: Literal["nixl", "ucxx"] = "nixl", **extra: Any) -> None:
     """A 4-chunk prompt streamed with its last chunk posted layer by layer (TP 1 -> 1): the
     prompt's full pages (every layer's, the drafter's included) and GDN state land bit for bit,
     and decoding from them gives transformers' tokens; nothing is left on either side."""
     prompt = hc.prompts(lens=(100,), seed=22)[0]
     want = hc.hf_greedy(ckpt, prompt, SP.max_tokens)
-    with engines(ckpt, 1, 1, **extra) as (P, D, pc, dc):
+    with engines(ckpt, 1, 1, backend, **extra) as (P, D, pc, dc):
         p0, d0 = _free(P), _free(D)
         _submit(P, D, rid, prompt, 1)
         records: list[TransferRecord] = []
