@@ -16,7 +16,10 @@ destination rank seeing every Done; the prefill side's time is from its first ch
 token (where the posts' own cost shows, when the backend copies in the posting thread).
 
     python bench/stream.py [--tokens 4096 16384 32768] [--chunk 2048] [--chunk-ms 50] [--tp 1]
-        [--reps 3] [--shape 35b-a3b] [--device cpu]"""
+        [--reps 3] [--shape 35b-a3b] [--device cpu] [--rx-poll-ms 0]
+
+The destination rank polls its endpoint busily by default; over TCP its UCX reads the socket only
+when polled, so `--rx-poll-ms 4` shows the wait of a decode node whose idle loop polls every 4 ms."""
 
 from __future__ import annotations
 
@@ -32,15 +35,18 @@ from bench.transfer import SHAPES, Ranks  # noqa: E402
 MODES = ("single", "chunks", "layers")
 
 
-def one(ranks: Ranks, rid: str, tokens: int, chunk: int, chunk_s: float, mode: str) -> tuple[float, float, int]:
-    """(wait after the first token, prefill time, bytes) of one request."""
+def one(
+    ranks: Ranks, rid: str, tokens: int, chunk: int, chunk_s: float, mode: str, rx_poll_s: float = 0.0
+) -> tuple[float, float, int]:
+    """(wait after the first token, prefill time, bytes) of one request; the destination polls
+    its endpoint every rx_poll_s (0: busy)."""
     from transfer.messages import Target, encode_target  # noqa: PLC0415
 
     tr = ranks.call(ranks.dst, "reserve", rid, tokens)
     target = encode_target(Target(rid, "D", 1, ranks.digest, tokens, [tr]))
     for c in ranks.src:
         ranks.call(c, "open", rid, target, tokens)  # Begin and grants: before the first chunk
-    assert ranks.call(ranks.dst, "wait_done", rid) == "ready"
+    assert ranks.call(ranks.dst, "wait_done", rid, rx_poll_s) == "ready"
     for c in ranks.src:
         c.send(("stream", rid, chunk, chunk_s, mode))
     res = [ranks._recv(c) for c in ranks.src]
@@ -58,6 +64,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--shape", default="35b-a3b", choices=sorted(SHAPES))
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument(
+        "--rx-poll-ms",
+        type=float,
+        default=0.0,
+        help="the destination polls every this many ms (0: busy; an idle decode node's loop: 1 doubling to 4)",
+    )
     args = ap.parse_args()
     ranks = Ranks(args.tp, max(args.tokens), "nixl", device=args.device, shape=args.shape)
     rows = []
@@ -67,7 +79,10 @@ def main() -> None:
             got: dict[str, list[tuple[float, float, int]]] = {m: [] for m in MODES}
             for i in range(args.reps):  # interleaved, so load drift hits every mode alike
                 for mode in MODES:
-                    got[mode].append(one(ranks, f"r{tokens}-{i}-{mode}", tokens, args.chunk, args.chunk_ms / 1e3, mode))
+                    rid = f"r{tokens}-{i}-{mode}"
+                    got[mode].append(
+                        one(ranks, rid, tokens, args.chunk, args.chunk_ms / 1e3, mode, args.rx_poll_ms / 1e3)
+                    )
             med = {s: [statistics.median(x[k] for x in got[s]) for k in range(3)] for s in got}
             rows.append((tokens, med))
             print(_fmt(tokens, med), flush=True)
@@ -76,7 +91,8 @@ def main() -> None:
     print()
     print(
         f"shape {args.shape}, TP {args.tp}->1, memory on {args.device}, chunk {args.chunk} tokens, "
-        f"{args.chunk_ms:g} ms per chunk (stand-in), medians of {args.reps}"
+        f"{args.chunk_ms:g} ms per chunk (stand-in), destination polling "
+        f"{f'every {args.rx_poll_ms:g} ms' if args.rx_poll_ms else 'busily'}, medians of {args.reps}"
     )
     print(HEADER)
     print("|---|---|---|---|---|---|---|---|")

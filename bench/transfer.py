@@ -166,9 +166,9 @@ def rank_main(
             ep.wait(req, 60, until=lambda r: r.state.terminal and r.quiet, sleep_s=0)
             assert req.state.value == "done", req.error
             conn.send((t_start, t_first, req.nbytes))
-        elif cmd == "wait_done":  # receiver: busy-poll until done, report when, free
+        elif cmd == "wait_done":  # receiver: poll until done (busy, or every args[1] s), report when, free
             conn.send("ready")
-            req = ep.wait(reqs[args[0]], 60, sleep_s=0)
+            req = ep.wait(reqs[args[0]], 60, sleep_s=args[1] if len(args) > 1 else 0.0)
             t = time.monotonic()
             assert req.state.value == "done", req.error
             req.release()
