@@ -144,13 +144,21 @@ def rank_main(
             stats = getattr(ep.transport, "last_post", {})
             conn.send((t0, stats.get("make_s", 0.0), stats.get("indices", 0), req.nbytes))
         elif cmd == "stream":  # sender: an opened request's prompt chunk by chunk (a sleep stands in for a
-            # chunk's forward), its full pages written after each chunk when streaming; then the rest
-            rid, chunk, chunk_s, stream = args
+            # chunk's forward); mode "chunks" / "layers": its full pages written after each chunk, and
+            # with "layers" each layer's rest as the last chunk's forward finishes the layer (the
+            # chunk's sleep split evenly over its layers); then the rest ("single": everything)
+            rid, chunk, chunk_s, mode = args
             req = reqs[rid]
+            layers = len(cfg.model.layer_types)
             t_start = time.monotonic()
             for end in range(chunk, req.num_tokens + chunk, chunk):
-                time.sleep(chunk_s)
-                if stream and end < req.num_tokens:
+                if mode == "layers" and end >= req.num_tokens:
+                    for i in range(layers):
+                        time.sleep(chunk_s / layers)
+                        req.post(layers=[i], final=False)
+                else:
+                    time.sleep(chunk_s)
+                if mode != "single" and end < req.num_tokens:
                     req.post_pages(end // BLOCK)
                 ep.poll()  # an engine polls its transfers once per step
             t_first = time.monotonic()  # the first token exists
@@ -158,9 +166,9 @@ def rank_main(
             ep.wait(req, 60, until=lambda r: r.state.terminal and r.quiet, sleep_s=0)
             assert req.state.value == "done", req.error
             conn.send((t_start, t_first, req.nbytes))
-        elif cmd == "wait_done":  # receiver: busy-poll until done, report when, free
+        elif cmd == "wait_done":  # receiver: poll until done (busy, or every args[1] s), report when, free
             conn.send("ready")
-            req = ep.wait(reqs[args[0]], 60, sleep_s=0)
+            req = ep.wait(reqs[args[0]], 60, sleep_s=args[1] if len(args) > 1 else 0.0)
             t = time.monotonic()
             assert req.state.value == "done", req.error
             req.release()

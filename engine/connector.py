@@ -1,17 +1,20 @@
 """The engine's interface to a state transfer: the `Connector` an EngineCore calls on its own thread
 at each point of a request's life (added, rows scheduled, chunk computed, prefilled, reserved,
 activating, finished, aborted), and the typed records its `poll()` returns (SendDone, RecvReady,
-RecvFailed, RecvFreed). The engine owns it; transfer/connector/ implements it. It never frees
-engine memory: the engine does on SendDone / RecvFreed. Call points: docs/engine.md, "The connector"."""
+RecvFailed, RecvFreed); and its worker side, the `LayerConnector` each rank's forward calls after
+every decoder layer of a step that hands a request's state over layer by layer. The engine owns
+both; transfer/ implements them. It never frees engine memory: the engine does on SendDone /
+RecvFreed. Call points: docs/engine.md, "The connector"."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from engine.devices import DeviceMark
     from engine.request import Request
     from engine.scheduler import SchedulerOutput
 
@@ -85,10 +88,11 @@ class Connector(ABC):
         A connector may fetch the state instead, once it can."""
         return None  # by default: nothing to do
 
-    def rows_scheduled(self, so: SchedulerOutput) -> None:
+    def rows_scheduled(self, so: SchedulerOutput) -> Collection[str]:
         """The step's rows are scheduled and about to run (a prefill side opens the push of a
-        request whose last prompt chunk is among them)."""
-        return None  # by default: nothing to do
+        request whose last prompt chunk is among them). Returns the requests whose state every
+        rank hands its `LayerConnector` layer by layer during this step's forward."""
+        return ()  # by default: nothing to do, no layer-by-layer hand-over
 
     def prefill_chunk_done(self, request: Request, start: int, end: int) -> None:
         """Prompt positions [start, end) of a request are computed and in its pages (called for
@@ -142,3 +146,16 @@ class Connector(ABC):
     def close(self) -> None:
         """Close the endpoints (the engine's workers are still alive)."""
         return None  # by default: nothing to do
+
+
+class LayerConnector(ABC):
+    """Worker side, on every rank: what the forward calls after each decoder layer of a step whose
+    `StepInput.layer_posts` names requests (the connector's `rows_scheduled` chose them: their last
+    prompt chunk is in the step). Once that chunk has passed layer `layer`, the layer's state of
+    those requests is final: its KV pages, its GDN conv and recurrent state. On a GPU the layer's
+    kernels may still be queued: `mark` is an event recorded after them on the step's stream
+    (None on the CPU), which a reader of the layer's memory waits for."""
+
+    @abstractmethod
+    def layer_done(self, request_ids: Sequence[str], layer: int, mark: DeviceMark | None) -> None:
+        """Runs on the rank's step thread between two layers: must not block on the device."""

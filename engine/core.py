@@ -323,7 +323,7 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     # ---- steps ----------------------------------------------------------------------
-    def _step_input(self, so: SchedulerOutput) -> StepInput:
+    def _step_input(self, so: SchedulerOutput, layer_posts: list[str] | None = None) -> StepInput:
         rows = []
         mtp = self.cfg.speculative.mtp
         for r in so.rows:
@@ -364,7 +364,8 @@ class EngineCore:
                     images=self._image_spans(req, start, start + n_known),
                 )
             )
-        return StepInput(rows, so.finished_ids, [c for _, c in so.restores], [c for _, c in so.saves])
+        saves = [c for _, c in so.saves]
+        return StepInput(rows, so.finished_ids, [c for _, c in so.restores], saves, layer_posts or [])
 
     def _image_spans(self, req: Request, start: int, end: int) -> tuple[ImageSpan, ...]:
         """The images whose placeholder tokens a row over tokens [start, end) covers."""
@@ -382,14 +383,15 @@ class EngineCore:
         so = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         conn = self.connector
-        if so.rows and conn is not None:
-            conn.rows_scheduled(so)  # e.g. a prefill side opening pushes that this step's rows finish
+        layer_posts: list[str] = []
+        if so.rows and conn is not None:  # e.g. a prefill side opening pushes that this step's rows finish
+            layer_posts = list(conn.rows_scheduled(so) or ())
         starts = [r.request.num_computed_tokens for r in so.rows]
         prompt_tokens = sum(r.num_new_tokens for r in so.rows if not r.is_decode)
         if so.rows:
             t0 = time.monotonic()
             try:
-                res = self.executor.execute(self._step_input(so))
+                res = self.executor.execute(self._step_input(so, layer_posts))
             except BaseException:
                 self.scheduler.abandon(so)  # the step's snapshot pins must not outlive it
                 raise

@@ -10,11 +10,14 @@ device current, so NCCL, the caching allocator and NIXL's VRAM registrations all
 
 `StepFence`: a step's kernels may still run after the step returns (only rank 0 reads its
 results back); the worker records the fence after each step and a push of a request's pages
-waits on it before a transport reads them. On the CPU both are no-ops."""
+waits on it before a transport reads them; `StepFence.mark` records a `DeviceMark` inside a step
+(after one decoder layer's kernels) that a layer's post polls without blocking. On the CPU these
+are no-ops."""
 
 from __future__ import annotations
 
 import os
+from typing import Protocol
 
 import torch
 
@@ -69,6 +72,13 @@ def bind(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+class DeviceMark(Protocol):
+    """A point in a device stream (a CUDA event): `query` is True once the kernels queued before
+    it have finished. Never blocks."""
+
+    def query(self) -> bool: ...
+
+
 class StepFence:
     """An event recorded on the device's current stream after each step; `wait` blocks the host
     until the kernels queued before the last `record` have finished (a no-op on the CPU)."""
@@ -85,3 +95,12 @@ class StepFence:
     def wait(self) -> None:
         if self._event is not None:
             self._event.synchronize()
+
+    def mark(self) -> DeviceMark | None:
+        """An event recorded now on the device's current stream, after the kernels queued so far
+        (one decoder layer's, inside a step); None on the CPU, where they have run already."""
+        if self.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev

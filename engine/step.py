@@ -73,6 +73,9 @@ class StepInput:
     finished_ids: list[str] = field(default_factory=list)
     restores: list[SnapshotCopy] = field(default_factory=list)  # into slots and pages, before the forward
     saves: list[SnapshotCopy] = field(default_factory=list)  # from slots and pages, after the forward
+    # requests whose last prompt chunk is in this step and whose state a transfer takes layer by
+    # layer: each rank's LayerConnector hears of every layer as the forward finishes it
+    layer_posts: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
 from engine.cache.allocator import CachePools, Capacity, plan_capacity
 from engine.cache.spec import build_specs
 from engine.config import EngineConfig
+from engine.connector import LayerConnector
 from engine.devices import StepFence, bind, node_devices
 from engine.loader import load_mtp_weights, load_weights
 from engine.model.batch import ForwardBatch, IntPack, group_fields, make_group
@@ -106,6 +108,12 @@ class Worker:
         if cfg.model.vision is not None:
             self.images = ImageEmbedder(cfg.model, parse_bytes(cfg.cache.encoder_cache_memory), self.device)
         self.ext: dict[str, object] = {}  # per-rank objects owned by node packages (e.g. transfer endpoints)
+        # the transfer's worker side: told of each layer of a step with `layer_posts` (use_layer_connector)
+        self.layer_connector: LayerConnector | None = None
+
+    def use_layer_connector(self, connector: LayerConnector | None) -> None:
+        """Set (or with None, clear) the worker side of the engine's transfer connector."""
+        self.layer_connector = connector
 
     def max_pages_per_row(self) -> int:
         """The widest block table a request can have: its longest context plus drafts."""
@@ -205,6 +213,15 @@ class Worker:
             )
         return out
 
+    def _after_layer(self, step: StepInput) -> Callable[[int], None] | None:
+        """What the forward calls after each decoder layer when the step hands requests' state
+        over layer by layer (StepInput.layer_posts): the layer connector, with an event recorded
+        after the layer's kernels (None on the CPU)."""
+        conn, rids = self.layer_connector, step.layer_posts
+        if conn is None or not rids:
+            return None
+        return lambda layer: conn.layer_done(rids, layer, self.fence.mark())
+
     def _execute(self, step: StepInput) -> StepOutput | None:
         t0 = time.perf_counter()
         self.sampler.drop(step.finished_ids)
@@ -220,13 +237,14 @@ class Worker:
             self.grammar.prepare([r for r in step.rows if r.sample or r.num_draft])
         self.pools.snapshots.restore(self.pools, step.restores)  # prefix hits start from their snapshot
         hidden = None
+        after = self._after_layer(step)
         if self.drafter is not None:
             self._resume_drafts(step)
-            logits, hidden = self.model.forward(batch, self.pools, want_hidden=True)
+            logits, hidden = self.model.forward(batch, self.pools, want_hidden=True, after_layer=after)
         else:
-            logits = self.graphs.run(batch) if self.graphs is not None else None
+            logits = self.graphs.run(batch) if self.graphs is not None and after is None else None
             if logits is None:
-                logits = self.model.forward(batch, self.pools)
+                logits = self.model.forward(batch, self.pools, after_layer=after)
             self.pools.snapshots.save(self.pools, step.saves)
         out = StepOutput({})
         if self.rank == 0:

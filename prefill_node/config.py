@@ -24,6 +24,9 @@ class PrefillNodeConfig(NodeArgs):
     # A prompt of several chunks writes each finished chunk's full KV pages to the decode node
     # while later chunks compute (docs/transfer.md, "KV streamed per chunk"); off: one push once prefilled.
     stream_kv: bool = option(True, "write each finished prefill chunk's KV pages to the decode node at once")
+    # With stream_kv, the last chunk's state goes layer by layer as its forward finishes each layer
+    # (docs/transfer.md, "The last chunk, layer by layer"); off: all of it once the first token exists.
+    kv_by_layer: bool = option(True, "write the last prefill chunk's KV and GDN state layer by layer as computed")
 
     def __post_init__(self) -> None:
         super().__post_init__()

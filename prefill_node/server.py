@@ -62,6 +62,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
                 push_timeout_s=cfg.push_timeout_s,
                 spin_s=cfg.push_spin_s,
                 stream=cfg.stream_kv,
+                by_layer=cfg.kv_by_layer,
             )
         except Exception:
             self.engine.close()

@@ -5,16 +5,19 @@ no write can touch it. The call sequence: docs/transfer.md, "Module notes"."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
 import msgspec
 
+from engine.connector import LayerConnector
 from transfer.config import TransferConfig
 from transfer.messages import Target, TargetRank
 from transfer.receiver import Receiver
 from transfer.sender import Sender, SendRequest
 
 if TYPE_CHECKING:
+    from engine.devices import DeviceMark
     from engine.worker import Worker
 
 GONE = "gone"  # the state of a request this rank no longer (or never) held
@@ -27,6 +30,7 @@ class SendStatus(msgspec.Struct, frozen=True):
     error: str | None = None
     quiet: bool = True  # no write can still read the source pages
     nbytes: int = 0  # bytes this rank wrote so far
+    writes: int = 0  # WRITEs this rank posted so far (page, layer and final posts)
 
 
 class RecvStatus(msgspec.Struct, frozen=True):
@@ -81,6 +85,8 @@ def open_endpoint(worker: Worker, role: str, node: str, config: TransferConfig |
         raise ValueError(f"unknown transfer role {role!r}; known: sender, receiver")
     ep = cls(worker.cfg, worker.rank, worker.pools, node=node, config=config, fence=worker.fence)
     worker.ext[_key(config.backend)] = ep
+    if role == "sender":
+        worker.use_layer_connector(LayerPosts(worker))
     return ep.metadata()
 
 
@@ -114,6 +120,8 @@ def drop_node(worker: Worker, backend: str, node: str, reason: str = "declared d
 def close(worker: Worker, backend: str) -> None:
     ep = worker.ext.pop(_key(backend), None)
     worker.ext.pop(_SENDS, None)
+    if isinstance(ep, Sender):
+        worker.use_layer_connector(None)
     if isinstance(ep, Sender | Receiver):
         ep.close()
 
@@ -169,6 +177,27 @@ def post_pages(worker: Worker, backend: str, rid: str, num_pages: int) -> None:
     _sends(worker)[rid].post_pages(num_pages)
 
 
+class LayerPosts(LayerConnector):
+    """A sender rank's worker side: as the forward finishes a layer of a request's last prompt
+    chunk, the layer's pages not yet written and its GDN state go out (behind the layer's device
+    event on a GPU), so little is left to write once the first token exists. A post that fails
+    fails its push only, never the step."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def layer_done(self, request_ids: Sequence[str], layer: int, mark: DeviceMark | None) -> None:
+        sends = _sends(self.worker)
+        for rid in request_ids:
+            req = sends.get(rid)
+            if req is None:
+                continue
+            try:
+                req.post(layers=(layer,), final=False, ready=mark)
+            except Exception as e:  # noqa: BLE001 (the step goes on; the connector's poll sees the failure)
+                req.abort(f"posting layer {layer} failed: {e}")
+
+
 def renew(worker: Worker, backend: str, targets: list[Target]) -> int:
     """Restart the lease of each target's reservation on the destination ranks this rank writes."""
     ep = _sender(worker, backend)
@@ -182,7 +211,7 @@ def poll_sends(worker: Worker, backend: str, rids: list[str]) -> list[SendStatus
     out = []
     for rid in rids:
         r = store.get(rid)
-        out.append(SendStatus(GONE) if r is None else SendStatus(r.state.value, r.error, r.quiet, r.nbytes))
+        out.append(SendStatus(GONE) if r is None else SendStatus(r.state.value, r.error, r.quiet, r.nbytes, r.writes))
     return out
 
 

@@ -8,7 +8,7 @@ import logging
 import time
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -30,6 +30,9 @@ from transfer.messages import (
 )
 from transfer.plan import RegionPair, check_ids, expand_arrays, pair_templates, plan_nbytes, skip_cached
 from transfer.schema import PeerInfo
+
+if TYPE_CHECKING:
+    from engine.devices import DeviceMark
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +58,14 @@ def channel_checksum(
 
 class _Post(NamedTuple):
     """One queued post: whole layers (None: every one) or, with `pages`, the paged pairs' pages
-    up to that count; `final` sends the rest and Done."""
+    up to that count; `final` sends the rest and Done. `ready`: a device event after the kernels
+    that computed the post's layers (a layer post inside a step); the post waits for it without
+    blocking, the posts after it wait their turn. Without one, a post waits on the step fence."""
 
     layers: set[int] | None
     final: bool
     pages: int | None = None
+    ready: DeviceMark | None = None
 
 
 class _Channel:
@@ -101,17 +107,20 @@ class SendRequest:
         self.failed_at: float | None = None
         self.quiet = False  # no write can still read the source memory; owned memory freed
         self.nbytes = 0
+        self.writes = 0  # WRITEs of data posted (to every destination rank), for observability
 
     # -- caller API ----------------------------------------------------------------------------
 
-    def post(self, layers: Iterable[int] | None = None, final: bool = True) -> None:
-        """Write the plan's ranges of `layers` (None: every layer not yet sent); `final` sends the
-        rest and Done. Queued until every destination granted; no-op once failed."""
+    def post(self, layers: Iterable[int] | None = None, final: bool = True, ready: DeviceMark | None = None) -> None:
+        """Write the plan's ranges of `layers` (None: every layer not yet sent): a layer's pages
+        not yet written (its whole prompt once its last chunk passed the layer) and its GDN state;
+        `final` sends the rest and Done. Queued until every destination granted and, with
+        `ready` (an event after the layers' kernels), until the device passed it; no-op once failed."""
         if self.state is TransferState.FAILED:
             return
         if self.queued and self.queued[-1].final:
             raise TransferError(f"request {self.request_id}: already posted its final part")
-        self.queued.append(_Post(None if layers is None else set(layers), final))
+        self.queued.append(_Post(None if layers is None else set(layers), final, None, ready))
         self.sender._advance(self)
 
     def post_pages(self, num_pages: int) -> None:
@@ -266,10 +275,16 @@ class Sender(Endpoint):
         if req.state.terminal or not req.queued or not all(ch.granted for ch in req.channels.values()):
             return
         try:
-            if self.fence is not None:  # the step that wrote these pages may still run on the device
-                self.fence.wait()
+            fenced = False
             while req.queued:
-                post = req.queued.pop(0)
+                post = req.queued[0]
+                if post.ready is not None:  # a layer of a step still running: posted once it ran
+                    if not post.ready.query():
+                        break
+                elif not fenced and self.fence is not None:  # the step that wrote these pages may still run
+                    self.fence.wait()
+                    fenced = True
+                req.queued.pop(0)
                 for ch in req.channels.values():
                     self._post(req, ch, post)
         except Exception as e:  # noqa: BLE001 (a backend refusing a post fails this request only)
@@ -317,6 +332,7 @@ class Sender(Endpoint):
         if todo or notif is not None:
             x = self.transport.write(ch.peer.agent, job)
             ch.xfers.append((x, notif is not None))
+            req.writes += bool(todo)  # a job of no ranges is a standalone Done
 
     # -- events --------------------------------------------------------------------------------
 
@@ -360,6 +376,8 @@ class Sender(Endpoint):
         for req in list(self.requests.values()):
             if req.quiet:
                 continue
+            if req.queued:  # posts behind a layer's device event, or waiting for grants
+                self._advance(req)
             for ch in req.channels.values():
                 self._check_xfers(req, ch)
             waiting = [ch.dst.rank for ch in req.channels.values() if ch.granted is None]

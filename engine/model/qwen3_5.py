@@ -6,6 +6,7 @@ Qwen3-Next's layers are the same blocks once the loader has mapped its GDN proje
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -102,9 +103,17 @@ class Qwen35Model:
         return self._fused[1]
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, pools: CachePools, want_hidden: bool = False):
+    def forward(
+        self,
+        batch: ForwardBatch,
+        pools: CachePools,
+        want_hidden: bool = False,
+        after_layer: Callable[[int], None] | None = None,
+    ):
         """Returns logits [R, vocab] (float32) at batch.logits_indices; with want_hidden, also the
-        final-normed hidden state of every token [T, hidden] (what the MTP block drafts from)."""
+        final-normed hidden state of every token [T, hidden] (what the MTP block drafts from).
+        after_layer(i): called once decoder layer i's kernels are queued (its KV pages and GDN
+        state of this step written); the step then runs layer by layer, never the fused decode."""
         x = F.embedding(batch.input_ids, self.embed)
         if batch.image_rows is not None:  # image placeholders take the encoder's embeddings
             idx, emb = batch.image_rows
@@ -113,7 +122,7 @@ class Qwen35Model:
             cos, sin = self.rotary(batch.positions)
         else:
             cos, sin = mrope_cos_sin(self.rotary, batch.rope_positions, self.mrope_axes)
-        fused = self._fused_decode(batch, pools, want_hidden)
+        fused = self._fused_decode(batch, pools, want_hidden) if after_layer is None else None
         # The last layer's output matters only where logits are wanted (a prefill's last tokens):
         # its mixer runs on every token (their KV and GDN state), its output projection and MLP
         # on those rows. MTP drafts from every token's hidden state: not then.
@@ -126,6 +135,8 @@ class Qwen35Model:
             for i, layer in enumerate(self.layers):
                 rows = batch.logits_indices if i == last else None
                 x = run_layer(layer, x, batch, pools, pools.kv.get(i), cos, sin, self.eps, rows)
+                if after_layer is not None:
+                    after_layer(i)
         if want_hidden:
             _, h = add_rms_norm(x, None, self.final_norm, self.eps)  # one C call on the CPU
             return self.lm_head(h[batch.logits_indices]).float(), h

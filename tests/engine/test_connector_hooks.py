@@ -1,13 +1,15 @@
 """The engine calls its connector at each point of a request's life (engine/connector.py), in
-order, on its own thread; and a request resumed with output tokens it already has (mid-stream
-failover) continues exactly as the uninterrupted request does under greedy decoding."""
+order, on its own thread; the worker tells its layer connector of every layer of the step that
+computes the last chunk of a request the connector chose, and of no other step; and a request
+resumed with output tokens it already has (mid-stream failover) continues exactly as the
+uninterrupted request does under greedy decoding."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.connector import Connector, TransferRecord
+from engine.connector import Connector, LayerConnector, TransferRecord
 from engine.request import Request
 from tests.helpers import hybrid_ckpt as hc
 
@@ -19,6 +21,14 @@ class Recorder(Connector):
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
+        self.by_layer: set[str] = set()  # requests whose last chunk it asks the ranks for layer by layer
+
+    def rows_scheduled(self, so) -> list[str]:
+        return [
+            r.request.request_id
+            for r in so.rows
+            if r.samples and not r.is_decode and r.request.request_id in self.by_layer
+        ]
 
     def request_added(self, request: Request) -> None:
         self.calls.append(("added", request.request_id, request.kv_transfer))
@@ -46,6 +56,14 @@ class Recorder(Connector):
 
     def has_work(self) -> bool:
         return False
+
+
+class Layers(LayerConnector):
+    def __init__(self, calls: list[tuple]) -> None:
+        self.calls = calls
+
+    def layer_done(self, request_ids, layer, mark) -> None:
+        self.calls.append(("layer", tuple(request_ids), layer, mark))
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +101,32 @@ def test_the_engine_tells_its_connector_each_chunk_then_the_end(llm, recorder):
     assert [c for c in recorder.calls if c[1] == "b"][1:] == [("chunk", "b", 0, 20), ("prefilled", "b")]
     e.release("b")
     assert not e.requests
+
+
+def test_the_last_chunk_of_a_chosen_request_is_handed_over_layer_by_layer(llm, recorder):
+    e = llm.engine
+    prompt = hc.prompts(lens=(70,), seed=2)[0]
+    want = _run_one(e, prompt, "plain")
+    recorder.calls.clear()
+    recorder.by_layer = {"a"}
+    e.executor.worker.use_layer_connector(Layers(recorder.calls))
+    try:
+        e.add_request(prompt, GREEDY, "a")
+        e.add_request(prompt[:20], GREEDY, "b")  # not chosen: no layer call names it
+        got = _run(e)
+    finally:
+        e.executor.worker.use_layer_connector(None)
+        recorder.by_layer = set()
+    assert got["a"] == want
+    layers = [("layer", ("a",), i, None) for i in range(e.cfg.model.num_layers)]  # no device event on the CPU
+    a = [c for c in recorder.calls if c[0] == "layer" or c[1] == "a"][1:]
+    assert a == [
+        ("chunk", "a", 0, 32),
+        ("chunk", "a", 32, 64),
+        *layers,
+        ("chunk", "a", 64, 70),
+        ("finished", "a", "length"),
+    ]
 
 
 def test_a_resumed_request_continues_like_the_uninterrupted_one(llm, recorder):

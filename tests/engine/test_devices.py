@@ -65,3 +65,16 @@ def test_fence_is_a_no_op_on_the_cpu():
     f = StepFence(torch.device("cpu"))
     f.record()
     f.wait()
+    assert f.mark() is None  # a layer's ops have run when the CPU forward calls its hook
+
+
+@pytest.mark.gpu
+def test_a_mark_passes_once_the_kernels_before_it_ran():
+    dev = torch.device("cuda", 0)
+    f = StepFence(dev)
+    x = torch.randn(4096, 4096, device=dev)
+    y = x @ x  # queued work before the mark
+    m = f.mark()
+    assert m is not None
+    torch.cuda.synchronize(dev)
+    assert m.query() and torch.isfinite(y).all()

@@ -36,8 +36,9 @@ class _Chunks(Connector):
     def __init__(self, chunks: list[list[int]]) -> None:
         self.chunks = chunks
 
-    def rows_scheduled(self, so) -> None:
+    def rows_scheduled(self, so) -> list[str]:
         self.chunks.append([r.num_new_tokens for r in so.rows])
+        return []
 
     def tracks(self, request_id: str) -> bool:
         return False

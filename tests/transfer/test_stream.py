@@ -1,14 +1,18 @@
 """KV streamed per prefill chunk between two real engines (NIXL over loopback, rank processes
 when TP > 1, checksums on): a prompt of many chunks opens its push with its first chunk, each
 finished chunk's full pages land in the decode node's reservation while later chunks compute,
-the GDN state and the last partial page go with the final post, and decoding from the state
-gives transformers' greedy tokens at TP pairs (1,1), (2,1), (1,2). A request cancelled
+each layer's rest (the last chunk's pages, the last partial page, the GDN state) goes as the last
+chunk's forward finishes the layer, and decoding from the state gives transformers' greedy tokens
+at TP pairs (1,1), (2,1), (1,2), as the single push does. A request cancelled
 mid-stream (TP 2 -> 1) or preempted mid-stream leaves no page, slot, push or lease behind on
 either side, and a prompt that streams longer than the push timeout is no failed push."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
 
 import pytest
 
@@ -20,6 +24,7 @@ from tests.helpers import hybrid_ckpt as hc
 from tests.transfer.test_connector import _drive, _free
 from tests.transfer.test_transfer_engine import read_state, same_bits
 from transfer import TransferConfig
+from transfer import rank as xr
 from transfer.connector import DecodeConnector, PrefillConnector, PushParams, PushPhase, ReservationPhase
 from transfer.messages import Target
 
@@ -41,20 +46,33 @@ def prompt_and_want(ckpt):
     return p, hc.hf_greedy(ckpt, p, NEW)
 
 
-@pytest.fixture(scope="module", params=[(1, 1), (2, 1), (1, 2)], ids=["tp1to1", "tp2to1", "tp1to2"])
-def pair(request, ckpt):
-    a, b = request.param
-    kw = dict(dtype="float32", kv_cache_memory="24MiB", max_num_seqs=4, max_num_batched_tokens=CHUNK)
+@contextmanager
+def engines(
+    ckpt: str, a: int, b: int, backend: Literal["nixl", "ucxx"] = "nixl", **extra: Any
+) -> Iterator[tuple[EngineCore, EngineCore, PrefillConnector, DecodeConnector]]:
+    """A prefill engine at TP a and a decode engine at TP b in 32-token chunks (and `extra` LLM
+    options), their connectors joined (NIXL unless `backend` says, checksums on)."""
+    kw: dict[str, Any] = dict(dtype="float32", kv_cache_memory="24MiB", max_num_seqs=4, max_num_batched_tokens=CHUNK)
+    kw.update(extra)
     with LLM(ckpt, tensor_parallel_size=a, **kw) as p, LLM(ckpt, tensor_parallel_size=b, **kw) as d:
-        cfg = TransferConfig(backend="nixl", checksum=True, lease_s=30.0)
+        cfg = TransferConfig(backend=backend, checksum=True, lease_s=30.0)
         pc = PrefillConnector(p.engine.executor, "P", cfg, push_timeout_s=30.0)
         dc = DecodeConnector(d.engine.executor, "D", cfg)
         p.engine.use_connector(pc)
         d.engine.use_connector(dc)
         assert pc.add_peers(dc.blobs) and dc.add_peers(pc.blobs)
-        yield p.engine, d.engine, pc, dc, (a, b)
-        pc.close()
-        dc.close()
+        try:
+            yield p.engine, d.engine, pc, dc
+        finally:
+            pc.close()
+            dc.close()
+
+
+@pytest.fixture(scope="module", params=[(1, 1), (2, 1), (1, 2)], ids=["tp1to1", "tp2to1", "tp1to2"])
+def pair(request, ckpt):
+    a, b = request.param
+    with engines(ckpt, a, b) as (P, D, pc, dc):
+        yield P, D, pc, dc, (a, b)
 
 
 def _target(D: EngineCore, rid: str, prompt: list[int], tp: int) -> Target:
@@ -91,6 +109,10 @@ def test_a_long_prompt_streams_chunk_by_chunk_and_decodes_like_transformers(pair
         steps += 1
         if first is None:
             assert pc._pushes["s1"].chunks == steps  # each chunk but the last wrote its pages at once
+        else:  # then each layer's rest, as the last chunk's forward finished it: one WRITE per layer
+            assert pc._pushes["s1"].by_layer
+            per_rank = P.executor.call_all(xr.poll_sends, "nixl", ["s1"])
+            assert [s.writes for (s,) in per_rank] == [(steps - 1 + P.cfg.model.num_layers) * b] * a
         records += P.poll_transfers() + D.poll_transfers()
     assert steps == -(-LEN // CHUNK)
     _drive(P, D, lambda: not pc.tracks("s1") and dc.phase("s1") is ReservationPhase.READY, records)

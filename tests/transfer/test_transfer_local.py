@@ -48,6 +48,29 @@ def _fill(tx, cfg, model, seed=5):
     return blocks, slot
 
 
+def _opened(tx, rx, sc, model):
+    """(the destination's pools before, source blocks, reservation, request): a request "q" of
+    TOKENS filled on the source, opened and granted, nothing written yet."""
+    before = snapshot(rx.pools)
+    blocks, slot = _fill(tx, sc, model)
+    r = rx.reserve("q", TOKENS)
+    s = tx.open("q", rx.target([r.target], "q", TOKENS), blocks, slot, TOKENS, owned=True)
+    _drive(tx, rx, until=lambda: all(ch.granted for ch in s.channels.values()))
+    return before, blocks, r, s
+
+
+def _landed(tx, rx, s, r, model, dc, before, blocks):
+    """Drive a posted request to its end: done on both sides, the destination's pools bit-exact
+    (the request's state in its pages and slot, every other byte as `before`)."""
+    _drive(tx, rx, until=lambda: s.state.terminal and s.quiet and r.state.terminal)
+    assert (s.state.value, r.state.value) == ("done", "done"), (s.error, r.error)
+    exp = make_pools(dc, 0)
+    for kind, layer, t in exp.tensors():
+        t.copy_(before[(kind, layer)])
+    place(exp, dc, 0, global_state(model, TOKENS, 4, 5), r.blocks[: len(blocks)], r.slot)
+    assert mismatches(rx.pools, snapshot(exp)) == []
+
+
 def _drive(*eps, until, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not until():
@@ -71,13 +94,7 @@ def test_two_endpoints_in_one_process(backend):
         blocks, slot = _fill(tx, sc, model)
         r = rx.reserve("q", TOKENS)
         s = tx.send("q", rx.target([r.target], "q", TOKENS), blocks, slot, TOKENS, owned=True)
-        _drive(tx, rx, until=lambda: s.state.terminal and s.quiet and r.state.terminal)
-        assert (s.state.value, r.state.value) == ("done", "done"), (s.error, r.error)
-        exp = make_pools(dc, 0)
-        for kind, layer, t in exp.tensors():
-            t.copy_(before[(kind, layer)])
-        place(exp, dc, 0, global_state(model, TOKENS, 4, 5), r.blocks[: len(blocks)], r.slot)
-        assert mismatches(rx.pools, snapshot(exp)) == []
+        _landed(tx, rx, s, r, model, dc, before, blocks)
         assert r.take() == (r.blocks, r.slot)
         assert tx.blocks.num_free == tx.blocks.num_blocks and tx.slots.num_free == tx.slots.num_slots
     finally:
@@ -218,11 +235,7 @@ def test_streamed_in_parts_after_a_long_prefill(backend):
     the grant timeout); the destination completes only on the final part, bit-exact."""
     model, sc, dc, tx, rx = _pair(backend, grant_timeout_s=0.2)
     try:
-        before = snapshot(rx.pools)
-        blocks, slot = _fill(tx, sc, model)
-        r = rx.reserve("q", TOKENS)
-        s = tx.open("q", rx.target([r.target], "q", TOKENS), blocks, slot, TOKENS, owned=True)
-        _drive(tx, rx, until=lambda: all(ch.granted for ch in s.channels.values()))
+        before, blocks, r, s = _opened(tx, rx, sc, model)
         deadline = time.monotonic() + 0.4
         _drive(tx, rx, until=lambda: time.monotonic() > deadline)  # "prefill" outlives the grant timeout
         assert s.state.value == "pending" and r.state.value == "transferring"
@@ -230,16 +243,46 @@ def test_streamed_in_parts_after_a_long_prefill(backend):
         _drive(tx, rx, until=lambda: not any(ch.xfers for ch in s.channels.values()))
         assert r.state.value == "transferring"  # KV landed, no Done yet
         s.post()  # the GDN state and Done
-        _drive(tx, rx, until=lambda: s.state.terminal and s.quiet and r.state.terminal)
-        assert (s.state.value, r.state.value) == ("done", "done"), (s.error, r.error)
-        exp = make_pools(dc, 0)
-        for kind, layer, t in exp.tensors():
-            t.copy_(before[(kind, layer)])
-        place(exp, dc, 0, global_state(model, TOKENS, 4, 5), r.blocks[: len(blocks)], r.slot)
-        assert mismatches(rx.pools, snapshot(exp)) == []
+        _landed(tx, rx, s, r, model, dc, before, blocks)
         r.release()
         assert rx.blocks.num_free == rx.blocks.num_blocks and rx.slots.num_free == rx.slots.num_slots
         assert tx.blocks.num_free == tx.blocks.num_blocks and tx.slots.num_free == tx.slots.num_slots
+    finally:
+        tx.close()
+        rx.close()
+
+
+class _Mark:
+    """A device event the test completes by hand (what StepFence.mark records on a GPU)."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_layer_posts_wait_for_their_layers_device_event_without_blocking():
+    """A layer posted inside a step goes out once the device passed the event recorded after its
+    kernels; the posts behind it keep their order; the destination is bit-exact at the end."""
+    model, sc, dc, tx, rx = _pair()
+    try:
+        before, blocks, r, s = _opened(tx, rx, sc, model)
+        first, second = _Mark(), _Mark()
+        second.done = True  # the later layer's event is done; it still waits behind the first
+        s.post(layers=[0], final=False, ready=first)
+        s.post(layers=[1], final=False, ready=second)
+        tx.poll()
+        assert s.writes == 0 and len(s.queued) == 2 and s.state.value == "pending"
+        first.done = True
+        tx.poll()  # the next poll posts both, in order
+        assert s.writes == 2 and not s.queued
+        assert [sorted(ch.sent) for ch in s.channels.values()] == [
+            [i for i, p in enumerate(ch.peer.pairs) if p.layer in (0, 1)] for ch in s.channels.values()
+        ]
+        s.post()  # the other layers and Done
+        _landed(tx, rx, s, r, model, dc, before, blocks)
+        r.release()
     finally:
         tx.close()
         rx.close()

@@ -1,9 +1,9 @@
 """The prefill side of the connector: pushes a prefill-only request's state into the decode
 node's reservation named by its `PushParams`: opened when its first prompt chunk that leaves more
-to compute is scheduled (streamed: each chunk's full pages go out as it finishes) or else its
-last, the rest posted once prefilled, its lease renewed while it is here, SendDone once every
-rank is quiet; phases OPENED -> POSTED, either -> FAILING, in one enum and one table
-(docs/transfer.md)."""
+to compute is scheduled (streamed: each chunk's full pages go out as it finishes, and the last
+chunk's layers as its forward finishes each) or else its last, the rest posted once prefilled,
+its lease renewed while it is here, SendDone once every rank is quiet; phases OPENED -> POSTED,
+either -> FAILING, in one enum and one table (docs/transfer.md)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ class _Push:
     phase: PushPhase
     opened: tuple[list[int], int | None] | None = None  # (blocks, slot) when opened before the state existed
     streamed: bool = False  # opened before a chunk that leaves more of the prompt to compute
+    by_layer: bool = False  # its last chunk's layers were posted as the forward finished each
     chunks: int = 0  # page posts made as prompt chunks finished
     preemptions: int = 0  # the request's preemptions when its push opened
     started: float = field(default_factory=time.monotonic)  # the writes were posted
@@ -81,7 +82,9 @@ class PrefillConnector(RankEndpoints, Connector):
     polling pushes that can end now, posted or failing (grants and write completions otherwise
     wait for the next step; a push whose prompt still computes is not waited for);
     stream: a prompt of several chunks opens its push with its first chunk and writes the full
-    pages each chunk completes as it finishes (False: the whole state once prefilled)."""
+    pages each chunk completes as it finishes (False: the whole state once prefilled); by_layer:
+    a streamed push also writes each layer's rest (the last chunk's pages, the GDN state) as the
+    last chunk's forward finishes the layer (False: all of it once the first token exists)."""
 
     def __init__(
         self,
@@ -91,9 +94,11 @@ class PrefillConnector(RankEndpoints, Connector):
         push_timeout_s: float = 60.0,
         spin_s: float = 0.0,
         stream: bool = True,
+        by_layer: bool = True,
     ) -> None:
         super().__init__(executor, "sender", node, config)
         self.push_timeout_s, self.spin_s, self.stream = push_timeout_s, spin_s, stream
+        self.by_layer = stream and by_layer
         self._pushes: dict[str, _Push] = {}
         self._leases: dict[str, _Lease] = {}
         self._done = self._failed = self._bytes = 0
@@ -104,11 +109,16 @@ class PrefillConnector(RankEndpoints, Connector):
         if isinstance(p, PushParams) and p.lease_s > 0:
             self._leases[request.request_id] = _Lease(p.target, p.lease_s, time.monotonic() + p.lease_s / 3)
 
-    def rows_scheduled(self, so: SchedulerOutput) -> None:
+    def rows_scheduled(self, so: SchedulerOutput) -> list[str]:
+        by_layer: list[str] = []  # streamed pushes whose last chunk runs now: posted layer by layer
         for row in so.rows:
             req = row.request
             p = req.kv_transfer
-            if not (req.prefill_only and isinstance(p, PushParams)) or req.request_id in self._pushes:
+            if not (req.prefill_only and isinstance(p, PushParams)):
+                continue
+            if req.request_id in self._pushes:
+                if self._layer_by_layer(self._pushes[req.request_id], req, row.samples):
+                    by_layer.append(req.request_id)
                 continue
             pages = self._pages(req)
             # Streamed: the chunk leaves more of the prompt to compute and the scheduler gave the
@@ -135,6 +145,18 @@ class PrefillConnector(RankEndpoints, Connector):
                 push.opened = (blocks, slot)
             except Exception as e:  # the request still runs; its push fails and the router retries
                 self._fail(push, f"push did not open: {e}")
+        return by_layer
+
+    def _layer_by_layer(self, push: _Push, req: Request, last_chunk: bool) -> bool:
+        """A streamed push whose last prompt chunk is about to run, in the memory it opened
+        with: each rank writes a layer's rest (its pages of the chunk, its GDN state) as the
+        forward finishes the layer, and only what is left waits for the first token."""
+        if not (self.by_layer and push.streamed and last_chunk and push.phase is PushPhase.OPENED):
+            return False
+        if not self._same_memory(push, req):
+            return False
+        push.by_layer = True
+        return True
 
     def prefill_chunk_done(self, request: Request, start: int, end: int) -> None:
         """A streamed push writes the full pages of the prompt computed so far (the last chunk's
