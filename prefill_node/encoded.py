@@ -6,6 +6,7 @@ every rank's encoder cache; an image that did not land is encoded by the prefill
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import grpc
@@ -65,13 +66,17 @@ class EncodedInputs:
             cached=[h for h in hashes if h in cached], landing=encode_target(target) if target.slots else b""
         )
 
-    def take(self, rid: str, images: Sequence[ImageInput]) -> None:
-        """Put each image's landed output (if one was reserved) into the ranks' encoder caches."""
+    def take(self, rid: str, images: Sequence[ImageInput], encoded: Sequence[bytes]) -> None:
+        """Put the landed output of each image an encode node pushed for this request (`encoded`,
+        as the router says) into the ranks' encoder caches, waiting at most --encoded-wait in all
+        for their notifications; what does not land is encoded by the prefill."""
         land = self.landing
-        if land is None or not images:
+        pushed = set(encoded)
+        if land is None or not pushed:
             return
-        for img in {i.pixel_hash: i for i in images}.values():
-            got = land.take(img.pixel_hash, self.cfg.encoded_wait_s)
+        deadline = time.monotonic() + self.cfg.encoded_wait_s
+        for img in {i.pixel_hash: i for i in images if i.pixel_hash in pushed}.values():
+            got = land.take(img.pixel_hash, max(0.0, deadline - time.monotonic()))
             if got is None:
                 continue
             if self.loop.call(lambda e, g=got: install(e, g), timeout=30):  # type: ignore[misc]

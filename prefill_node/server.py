@@ -142,7 +142,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already in flight here")
         outcome = "error"
         try:
-            self.loop_api(context, lambda: self.encoded.take(rid, images))
+            self.loop_api(context, lambda: self.encoded.take(rid, images, request.encoded))
             for resp in self._prefill(rid, ids, params, push, t0, context, images):
                 if not resp.pushed:
                     self.metrics.ttft.observe(resp.timings.ttft_s)

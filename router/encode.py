@@ -47,14 +47,15 @@ class EncodePool:
                 e.inflight += 1
         return e
 
-    async def prepare(self, p: NodeEntry, rid: str, images: Sequence[pb.ImageInput]) -> None:
-        """Have an encode node push the images P lacks into P's encoder cache (best effort)."""
+    async def prepare(self, p: NodeEntry, rid: str, images: Sequence[pb.ImageInput]) -> list[bytes]:
+        """Have an encode node push the images P lacks into P's landing slots (best effort); the
+        pixel hashes pushed, for the Prefill call (PrefillRequest.encoded)."""
         unique = list({bytes(i.pixel_hash): i for i in images}.values())
         if not unique:
-            return
+            return []
         if not self.registry.routable(pb.NODE_KIND_ENCODE):
             self.images.labels(where="prefill_no_pool").inc(len(unique))
-            return
+            return []
         bare = [pb.ImageInput(pixel_hash=i.pixel_hash, offset=i.offset, grid_thw=i.grid_thw) for i in unique]
         try:
             r = await p.stub.ReserveEncoded(pb.ReserveEncodedRequest(request_id=rid, images=bare), timeout=10)
@@ -67,19 +68,19 @@ class EncodePool:
                 err.details(),
             )
             self.images.labels(where="prefill_fallback").inc(len(unique))
-            return
+            return []
         cached = set(r.cached)
         missing = [i for i in unique if bytes(i.pixel_hash) not in cached]
         self.images.labels(where="cached").inc(len(unique) - len(missing))
         if not missing:
-            return
+            return []
         if not r.landing:
             self.images.labels(where="prefill_no_room").inc(len(missing))
-            return
+            return []
         e = self._choose()
         if e is None:
             self.images.labels(where="prefill_no_pool").inc(len(missing))
-            return
+            return []
         try:
             got = await e.stub.Encode(
                 pb.EncodeRequest(request_id=rid, images=missing, landing=r.landing), timeout=self.cfg.encode_timeout_s
@@ -87,7 +88,7 @@ class EncodePool:
         except grpc.RpcError as err:
             self._failed(e, rid, p, err)
             self.images.labels(where="prefill_fallback").inc(len(missing))
-            return
+            return []
         finally:
             with self.registry.lock:
                 e.inflight -= 1
@@ -95,6 +96,7 @@ class EncodePool:
         self.images.labels(where="encode_pool").inc(done)
         self.images.labels(where="prefill_no_room").inc(len(missing) - done)  # no slot for them at P
         log.info("request %s: %d image(s) encoded on %s for %s", rid, done, e.node_id, p.node_id)
+        return [bytes(i.pixel_hash) for i in got.images]
 
     def _failed(self, e: NodeEntry, rid: str, p: NodeEntry, err: grpc.RpcError) -> None:
         code = err.code()

@@ -241,8 +241,9 @@ class PrefillPhase:
         self, d: NodeEntry, p: NodeEntry, request, ids: list[int], rid: str, images: Sequence[pb.ImageInput]
     ) -> Push:
         """One reservation and one Prefill call, to P's first token."""
+        encoded: list[bytes] = []
         if images and self.encode is not None:  # before the lease starts; never fails the request
-            await self.encode.prepare(p, rid, images)
+            encoded = await self.encode.prepare(p, rid, images)
         try:
             await self.handshake(p, d)  # first: the lease starts when P can renew it
         except grpc.RpcError as e:
@@ -255,7 +256,12 @@ class PrefillPhase:
         try:
             call = p.stub.Prefill(
                 pb.PrefillRequest(
-                    request_id=rid, prompt_token_ids=ids, sampling=request.sampling, target=target, images=images
+                    request_id=rid,
+                    prompt_token_ids=ids,
+                    sampling=request.sampling,
+                    target=target,
+                    images=images,
+                    encoded=encoded,
                 ),
                 timeout=self.cfg.prefill_timeout_s,
             )
