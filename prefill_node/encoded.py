@@ -1,13 +1,21 @@
 """The prefill node's side of the encode pool (docs/images.md, "The encode pool"): its landing
 region (transfer/encoded/landing.py), the ReserveEncoded answer (which images the encoder cache
-holds, slots for the others), and, before a Prefill, each reserved image's landed output put into
-every rank's encoder cache; an image that did not land is encoded by the prefill as before."""
+holds, slots for the others), and, before a Prefill, each pushed image's landed output put into
+every rank's encoder cache; an image that did not land is encoded by the prefill as before.
+
+Neither waits on the engine loop: which images the ranks' caches hold is kept here, in the same
+byte budget and least-recently-used order, from the images of the Prefill calls (a guess that
+errs only towards encoding an image twice), and the outputs go into the caches by a command
+posted just before the request's, which the loop runs first."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import grpc
 from prometheus_client import Counter
@@ -20,7 +28,7 @@ from proto import pb
 from serving.loop import EngineLoop
 from serving.metrics import ServingMetrics
 from serving.rpc import images_of
-from transfer.encoded.landing import Landing, cached_encoded, install
+from transfer.encoded.landing import Landed, Landing, install
 from transfer.encoded.messages import encode_target, vision_digest
 
 log = logging.getLogger("pdserve.prefill")
@@ -45,6 +53,11 @@ class EncodedInputs:
                 ecfg.parallel.tensor_parallel_size,
                 cfg.data_host,
             )
+        self.cache_budget = parse_bytes(ecfg.cache.encoder_cache_memory)
+        self.row_bytes = (m.vision.out_hidden_size if m.vision is not None else 0) * m.dtype.itemsize
+        self._seen: OrderedDict[bytes, int] = OrderedDict()  # what the ranks' encoder caches hold, by pixel hash
+        self._seen_bytes = 0
+        self._lock = threading.Lock()
         self.received = Counter(
             "pdserve_prefill_images_received",
             "Images whose encoder output an encode node pushed here (not encoded on this node)",
@@ -58,7 +71,8 @@ class EncodedInputs:
         land = self.landing
         images = images_of(request.images, context, need_data=False)
         hashes = list(dict.fromkeys(i.pixel_hash for i in images))
-        cached = set(self.loop.call(lambda e: cached_encoded(e, hashes), timeout=10))
+        with self._lock:
+            cached = {h for h in hashes if h in self._seen}
         grids = {i.pixel_hash: i for i in images}
         wants = [(h, grids[h].num_tokens(self.merge)) for h in hashes if h not in cached]
         target = land.reserve(wants, self.cfg.encoder_landing_lease_s)
@@ -79,9 +93,28 @@ class EncodedInputs:
             got = land.take(img.pixel_hash, max(0.0, deadline - time.monotonic()))
             if got is None:
                 continue
-            if self.loop.call(lambda e, g=got: install(e, g), timeout=30):  # type: ignore[misc]
-                self.received.inc()
-                log.info("request %s: image %s encoded on %s", rid, img.pixel_hash[:6].hex(), got.src)
+            done = self.loop.run(lambda e, g=got: install(e, g))  # type: ignore[misc]
+            done.add_done_callback(lambda f, g=got: self._installed(rid, g, f))  # type: ignore[misc]
+
+    def _installed(self, rid: str, got: Landed, f: Future[bool]) -> None:
+        if f.exception() is None and f.result():
+            self.received.inc()
+            log.info("request %s: image %s encoded on %s", rid, got.pixel_hash[:6].hex(), got.src)
+
+    def note(self, images: Sequence[ImageInput]) -> None:
+        """The images of a Prefill call: the ranks' encoder caches hold them now (or soon)."""
+        with self._lock:
+            for img in images:
+                if img.pixel_hash in self._seen:
+                    self._seen.move_to_end(img.pixel_hash)
+                    continue
+                size = img.num_tokens(self.merge) * self.row_bytes
+                if size > self.cache_budget:
+                    continue
+                self._seen[img.pixel_hash] = size
+                self._seen_bytes += size
+                while self._seen_bytes > self.cache_budget:
+                    self._seen_bytes -= self._seen.popitem(last=False)[1]
 
     def close(self) -> None:
         if self.landing is not None:

@@ -104,7 +104,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
     ) -> pb.ReserveEncodedResponse:
         """Which of the images the encoder cache holds; landing slots for the others."""
         self.refuse_if_draining(context)
-        return self.loop_api(context, lambda: self.encoded.reserve(request, context))
+        return self.encoded.reserve(request, context)
 
     # ---- Prefill ------------------------------------------------------------------------------
     def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext) -> Iterator[pb.PrefillResponse]:
@@ -143,6 +143,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         outcome = "error"
         try:
             self.loop_api(context, lambda: self.encoded.take(rid, images, request.encoded))
+            self.encoded.note(images)
             for resp in self._prefill(rid, ids, params, push, t0, context, images):
                 if not resp.pushed:
                     self.metrics.ttft.observe(resp.timings.ttft_s)

@@ -37,9 +37,5 @@ class EncoderCache:
         self._lru[key] = value
         self.used += size
 
-    def __contains__(self, key: bytes) -> bool:
-        """Held now (not counted as a hit or a miss, the order unchanged)."""
-        return key in self._lru
-
     def __len__(self) -> int:
         return len(self._lru)

@@ -68,12 +68,6 @@ def put_encoded(worker, pixel_hash: bytes, embeddings: torch.Tensor) -> bool:
     return True
 
 
-def encoded_in_cache(worker, hashes: list[bytes]) -> list[bytes]:
-    """The pixel hashes this rank's encoder cache holds (Worker.call)."""
-    emb = getattr(worker, "images", None)
-    return [] if emb is None else [h for h in hashes if h in emb.cache]
-
-
 def image_stats(worker) -> dict[str, float]:
     """A rank's image counters (Worker.call): images encoded, seconds in the processor and the
     encoder, encoder-cache hits; zeros for a model without a vision tower."""

@@ -95,3 +95,28 @@ def test_encode_pool_exact_and_falls_back(refs):
         raise
     finally:
         up.stop()
+
+
+@pytest.mark.slow  # a TP 2 prefill node (two worker processes) beside an encode node: over 30 s here
+def test_encode_pool_into_a_tp2_prefill(refs):
+    """Every rank of a TP 2 prefill node takes the whole pushed output (replicated): exact tokens,
+    and no rank ran the encoder."""
+    from client import Client
+
+    path, cases = refs
+    tp2 = dict(prefill=1, decode=1, encode=1, prefill_tp=2, local_prefill_threshold=0, metrics_port=0)
+    opts = flags(dtype="float32", **tp2)
+    up = Up("--model", path, *opts)
+    try:
+        with Client(up.address, timeout=180) as c:
+            c.wait_ready(timeout=90)
+            for key in (("one_image", 0), ("two_sizes", 0)):
+                text, images, want = cases[key]
+                assert _generate(c, text, images).token_ids == want, key
+            assert _metric(up, "prefill-0", "pdserve_prefill_images_received_total") == 3
+            assert _metric(up, "prefill-0", "pdserve_prefill_images_total") == 0
+    except BaseException:
+        print(up.output()[-8000:])
+        raise
+    finally:
+        up.stop()

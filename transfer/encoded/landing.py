@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from engine.config import dtype_name
-from engine.vision.embedder import encoded_in_cache, put_encoded
+from engine.vision.embedder import put_encoded
 from transfer.backend import host_bytes
 from transfer.encoded.messages import (
     ENCODED_VERSION,
@@ -269,8 +269,3 @@ def install(engine: EngineCore, landed: Landed) -> bool:
     prefill then finds it there, as it finds an image it encoded itself. False when a rank
     would not take it."""
     return all(engine.executor.call_all(put_encoded, landed.pixel_hash, landed.embeddings))
-
-
-def cached_encoded(engine: EngineCore, hashes: list[bytes]) -> list[bytes]:
-    """The pixel hashes rank 0's encoder cache holds (every rank encodes the same images)."""
-    return engine.executor.call_all(encoded_in_cache, hashes)[0]
