@@ -100,7 +100,7 @@ class Landing:
                 if self._closed:
                     return
             self.poll()
-            time.sleep(0.0002)
+            time.sleep(0.001)  # polls while outputs are awaited: a millisecond apart, not a busy core
 
     # ---- reserve ------------------------------------------------------------------------------
     def slot_bytes(self, tokens: int) -> int:
