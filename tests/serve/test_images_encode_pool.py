@@ -71,6 +71,8 @@ def test_encode_pool_exact_and_falls_back(refs):
                 _generate(c, text, [b"junk" * 10])
             assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT and "images[0]" in bad.value.message
 
+            _bad_calls_at_the_nodes(up)
+
             # the encode node dies while requests run: every answer stays exact (local encoding)
             later = [("one_image", 7), ("one_image", 8), ("two_sizes", 9)]
             with ThreadPoolExecutor(len(later)) as ex:
@@ -95,6 +97,24 @@ def test_encode_pool_exact_and_falls_back(refs):
         raise
     finally:
         up.stop()
+
+
+def _bad_calls_at_the_nodes(up: Up) -> None:
+    """Malformed encode-pool calls made straight to the nodes: INVALID_ARGUMENT with a message."""
+    from proto import pb, rpc
+    from serving.security import channel
+    from tests.helpers.serve_harness import creds, node_info
+
+    enc, pre = node_info(up.address, "encode-0"), node_info(up.address, "prefill-0")
+    with channel(enc.address, creds()) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            rpc.EncodeNodeStub(ch).Encode(pb.EncodeRequest(request_id="x", landing=b"junk"), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "LandingTarget" in str(e.value.details())
+    with channel(pre.address, creds()) as ch:
+        bad = pb.ImageInput(pixel_hash=b"short", grid_thw=[1, 4, 4])
+        with pytest.raises(grpc.RpcError) as e:
+            rpc.PrefillNodeStub(ch).ReserveEncoded(pb.ReserveEncodedRequest(request_id="x", images=[bad]), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "images[0]" in str(e.value.details())
 
 
 @pytest.mark.slow  # a TP 2 prefill node (two worker processes) beside an encode node: over 30 s here
