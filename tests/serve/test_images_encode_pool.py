@@ -105,6 +105,7 @@ def _bad_calls_at_the_nodes(up: Up) -> None:
     from serving.security import channel
     from tests.helpers.serve_harness import creds, node_info
 
+    assert up.address is not None
     enc, pre = node_info(up.address, "encode-0"), node_info(up.address, "prefill-0")
     with channel(enc.address, creds()) as ch:
         with pytest.raises(grpc.RpcError) as e:
