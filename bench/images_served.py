@@ -1,15 +1,17 @@
 """Images served, as a streaming OpenAI chat client sees them: a mixed text / image workload
-against pdserve 1P+1D, pdserve colocated and vLLM's CPU build on the same tiny vision-language
-checkpoint in bfloat16, one server at a time, alternated, each restarted per run (not a test).
+against pdserve 1P+1D, pdserve 1P+1D with one encode node (`--encode 1`, the encode pool),
+pdserve colocated and vLLM's CPU build on the same tiny vision-language checkpoint in bfloat16,
+one server at a time, alternated, each restarted per run (not a test).
 
     python bench/images_served.py [--vllm-python PATH] [--pairs 2] [--requests 32]
         [--image-share 0.5] [--distinct 4] [--size 256x192] [--concurrency 8]
-        [--systems pdserve-disagg pdserve-colo vllm]
+        [--systems pdserve-disagg pdserve-encode pdserve-colo vllm] [--vision-depth 2 --vision-hidden 64]
 
 Streaming /v1/chat/completions, greedy, `--reply` output tokens with ignore_eos; every other
 request (`--image-share`) carries one PNG as a data URL, drawn from `--distinct` images (so the
 later ones repeat an earlier image). The checkpoint: `make-tiny-model --vision --dtype bfloat16`
-with linear head dims 64 (vLLM's CPU build refuses 32). Reports per system: output tokens/s and
+with linear head dims 64 (vLLM's CPU build refuses 32), its vision tower `--vision-depth` x
+`--vision-hidden` (a larger one gives the encoder a larger share of the work). Reports per system: output tokens/s and
 TTFT p50/p99 of the text and the image requests (median, min-max across runs), with the load.
 """
 
@@ -41,16 +43,29 @@ from tests.helpers.vl_ckpt import png  # noqa: E402
 
 SERVER = {
     "pdserve-disagg": ("pdserve-disagg", []),
+    "pdserve-encode": ("pdserve-disagg", ["--encode", "1"]),
     "pdserve-colo": ("pdserve", []),
     "vllm": ("vllm", ["--max-model-len", "1024"]),
 }
 MODEL_FLAGS = ["--vision", "--linear-key-head-dim", "64", "--linear-value-head-dim", "64"]
 
 
-def make_model(home: Path) -> Path:
-    d = home / "bench-bf16-vl"
+def make_model(home: Path, depth: int = 2, hidden: int = 64) -> Path:
+    d = home / ("bench-bf16-vl" if (depth, hidden) == (2, 64) else f"bench-bf16-vl-d{depth}-h{hidden}")
+    tower = ["--vision-depth", str(depth), "--vision-hidden", str(hidden), "--vision-heads", str(max(1, hidden // 16))]
+    tower += ["--vision-intermediate", str(2 * hidden)]
     if not (d / "config.json").exists():
-        cmd = [sys.executable, "-m", "router.cli", "make-tiny-model", str(d), "--dtype", "bfloat16", *MODEL_FLAGS]
+        cmd = [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "make-tiny-model",
+            str(d),
+            "--dtype",
+            "bfloat16",
+            *MODEL_FLAGS,
+            *tower,
+        ]
         subprocess.run(cmd, check=True, env=vs.env_with_repo(), cwd=ROOT, capture_output=True)
     return d
 
@@ -141,9 +156,12 @@ def main() -> int:
     ap.add_argument("--text", type=int, default=64, help="words of text per request")
     ap.add_argument("--reply", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--vision-depth", type=int, default=2, help="blocks of the made checkpoint's vision tower")
+    ap.add_argument("--vision-hidden", type=int, default=64, help="width of the made checkpoint's vision tower")
     ap.add_argument("--model", default=None, help="a bfloat16 vision-language checkpoint (default: made here)")
     args = ap.parse_args()
-    model = Path(args.model) if args.model else make_model(Path.home() / ".cache")
+    home = Path.home() / ".cache"
+    model = Path(args.model) if args.model else make_model(home, args.vision_depth, args.vision_hidden)
     reqs = workload(args)
     n_img = sum(any(p["type"] == "image_url" for p in r) for r in reqs)
     print(

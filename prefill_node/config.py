@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.options import option
+from engine.units import parse_bytes
 from serving.config import NodeArgs
 
 
@@ -28,7 +29,20 @@ class PrefillNodeConfig(NodeArgs):
     # (docs/transfer.md, "The last chunk, layer by layer"); off: all of it once the first token exists.
     kv_by_layer: bool = option(True, "write the last prefill chunk's KV and GDN state layer by layer as computed")
 
+    # The encode pool (docs/images.md): a host region encode nodes WRITE image encoder outputs into.
+    encoder_landing_memory: int | str = option(
+        "64MiB", "vision-language models: host memory encode nodes push encoder outputs into (0: take none)"
+    )
+    encoder_landing_lease_s: float = option(
+        30.0, "seconds a landing slot waits for its encode node's WRITE before it is given to others"
+    )
+    encoded_wait_s: float = option(
+        1.0, "seconds a Prefill waits for a reserved image's output to land before it encodes the image itself"
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.push_timeout_s <= 0 or self.push_spin_s < 0:
             raise ValueError("push_timeout_s must be positive and push_spin_s >= 0")
+        if parse_bytes(self.encoder_landing_memory) < 0 or self.encoder_landing_lease_s <= 0 or self.encoded_wait_s < 0:
+            raise ValueError("encoder_landing_memory and encoded_wait_s must be >= 0, encoder_landing_lease_s positive")

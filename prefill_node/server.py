@@ -19,6 +19,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.vision.inputs import ImageInput
 from prefill_node.config import PrefillNodeConfig
+from prefill_node.encoded import EncodedInputs
 from proto import pb, rpc
 from proto.convert import sampling_kwargs
 from serving.commands import LoopError, RequestHandle, ShuttingDown, UnknownRequest
@@ -73,6 +74,13 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         self._calls: set[str] = set()  # request ids a Prefill call is serving (guarded by _lock)
         self.loop = EngineLoop(self.engine, name=f"{cfg.node_id}-engine", on_change=self.changes.changed).start()
         self.metrics = ServingMetrics("pdserve_prefill", lambda: capacity_gauges(self.loop.snapshot))
+        try:
+            self.encoded = EncodedInputs(cfg, self.ecfg, self.loop, self.metrics)
+        except Exception:
+            self.loop.stop()
+            self.connector.close()
+            self.engine.close()
+            raise
 
     # ---- info ---------------------------------------------------------------------------------
     def _describe(self, info: pb.NodeInfo) -> None:
@@ -86,6 +94,18 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
 
     def _add_servicer(self, server: grpc.Server) -> None:
         rpc.add_PrefillNodeServicer_to_server(self, server)
+
+    def _close(self) -> None:
+        self.encoded.close()
+        super()._close()
+
+    # ---- the encode pool --------------------------------------------------------------------------
+    def ReserveEncoded(
+        self, request: pb.ReserveEncodedRequest, context: grpc.ServicerContext
+    ) -> pb.ReserveEncodedResponse:
+        """Which of the images the encoder cache holds; landing slots for the others."""
+        self.refuse_if_draining(context)
+        return self.encoded.reserve(request, context)
 
     # ---- Prefill ------------------------------------------------------------------------------
     def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext) -> Iterator[pb.PrefillResponse]:
@@ -123,6 +143,8 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already in flight here")
         outcome = "error"
         try:
+            self.loop_api(context, lambda: self.encoded.take(rid, images, request.encoded))
+            self.encoded.note(images)
             for resp in self._prefill(rid, ids, params, push, t0, context, images):
                 if not resp.pushed:
                     self.metrics.ttft.observe(resp.timings.ttft_s)

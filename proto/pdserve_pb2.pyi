@@ -18,12 +18,14 @@ class NodeKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NODE_KIND_UNSPECIFIED: _ClassVar[NodeKind]
     NODE_KIND_PREFILL: _ClassVar[NodeKind]
     NODE_KIND_DECODE: _ClassVar[NodeKind]
+    NODE_KIND_ENCODE: _ClassVar[NodeKind]
 PRIORITY_UNSPECIFIED: Priority
 PRIORITY_INTERACTIVE: Priority
 PRIORITY_BATCH: Priority
 NODE_KIND_UNSPECIFIED: NodeKind
 NODE_KIND_PREFILL: NodeKind
 NODE_KIND_DECODE: NodeKind
+NODE_KIND_ENCODE: NodeKind
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs", "stop", "num_speculative_tokens", "logit_bias", "min_p", "constraint", "priority")
@@ -461,18 +463,20 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., reserved: _Optional[bool] = ..., first_token_id: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "images")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "images", "encoded")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     target: TransferTarget
     images: _containers.RepeatedCompositeFieldContainer[ImageInput]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., target: _Optional[_Union[TransferTarget, _Mapping]] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
+    encoded: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., target: _Optional[_Union[TransferTarget, _Mapping]] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ..., encoded: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "timings", "finish_reason", "pushed", "draft_token_ids", "cached_tokens")
@@ -523,3 +527,47 @@ class HandshakeResponse(_message.Message):
     incarnation: int
     schema: bytes
     def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., schema: _Optional[bytes] = ...) -> None: ...
+
+class ReserveEncodedRequest(_message.Message):
+    __slots__ = ("request_id", "images")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    images: _containers.RepeatedCompositeFieldContainer[ImageInput]
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
+
+class ReserveEncodedResponse(_message.Message):
+    __slots__ = ("cached", "landing")
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    LANDING_FIELD_NUMBER: _ClassVar[int]
+    cached: _containers.RepeatedScalarFieldContainer[bytes]
+    landing: bytes
+    def __init__(self, cached: _Optional[_Iterable[bytes]] = ..., landing: _Optional[bytes] = ...) -> None: ...
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("request_id", "images", "landing")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    LANDING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    images: _containers.RepeatedCompositeFieldContainer[ImageInput]
+    landing: bytes
+    def __init__(self, request_id: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ..., landing: _Optional[bytes] = ...) -> None: ...
+
+class EncodedImage(_message.Message):
+    __slots__ = ("pixel_hash", "nbytes", "encode_s", "push_s")
+    PIXEL_HASH_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_S_FIELD_NUMBER: _ClassVar[int]
+    PUSH_S_FIELD_NUMBER: _ClassVar[int]
+    pixel_hash: bytes
+    nbytes: int
+    encode_s: float
+    push_s: float
+    def __init__(self, pixel_hash: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., encode_s: _Optional[float] = ..., push_s: _Optional[float] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("images",)
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    images: _containers.RepeatedCompositeFieldContainer[EncodedImage]
+    def __init__(self, images: _Optional[_Iterable[_Union[EncodedImage, _Mapping]]] = ...) -> None: ...

@@ -583,6 +583,11 @@ class PrefillNodeStub:
                 request_serializer=proto_dot_pdserve__pb2.HandshakeRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.HandshakeResponse.FromString,
                 _registered_method=True)
+        self.ReserveEncoded = channel.unary_unary(
+                '/pdserve.v1.PrefillNode/ReserveEncoded',
+                request_serializer=proto_dot_pdserve__pb2.ReserveEncodedRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.ReserveEncodedResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillNodeServicer:
@@ -612,6 +617,12 @@ class PrefillNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReserveEncoded(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -634,6 +645,11 @@ def add_PrefillNodeServicer_to_server(servicer, server):
                     servicer.Handshake,
                     request_deserializer=proto_dot_pdserve__pb2.HandshakeRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.HandshakeResponse.SerializeToString,
+            ),
+            'ReserveEncoded': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveEncoded,
+                    request_deserializer=proto_dot_pdserve__pb2.ReserveEncodedRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.ReserveEncodedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -744,6 +760,148 @@ class PrefillNode:
             '/pdserve.v1.PrefillNode/Handshake',
             proto_dot_pdserve__pb2.HandshakeRequest.SerializeToString,
             proto_dot_pdserve__pb2.HandshakeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveEncoded(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillNode/ReserveEncoded',
+            proto_dot_pdserve__pb2.ReserveEncodedRequest.SerializeToString,
+            proto_dot_pdserve__pb2.ReserveEncodedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class EncodeNodeStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Encode = channel.unary_unary(
+                '/pdserve.v1.EncodeNode/Encode',
+                request_serializer=proto_dot_pdserve__pb2.EncodeRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.EncodeResponse.FromString,
+                _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/pdserve.v1.EncodeNode/Stats',
+                request_serializer=proto_dot_pdserve__pb2.StatsRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.NodeInfo.FromString,
+                _registered_method=True)
+
+
+class EncodeNodeServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Encode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_EncodeNodeServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Encode': grpc.unary_unary_rpc_method_handler(
+                    servicer.Encode,
+                    request_deserializer=proto_dot_pdserve__pb2.EncodeRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.EncodeResponse.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=proto_dot_pdserve__pb2.StatsRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.NodeInfo.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.EncodeNode', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.EncodeNode', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class EncodeNode:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Encode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.EncodeNode/Encode',
+            proto_dot_pdserve__pb2.EncodeRequest.SerializeToString,
+            proto_dot_pdserve__pb2.EncodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.EncodeNode/Stats',
+            proto_dot_pdserve__pb2.StatsRequest.SerializeToString,
+            proto_dot_pdserve__pb2.NodeInfo.FromString,
             options,
             channel_credentials,
             insecure,

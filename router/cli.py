@@ -1,4 +1,4 @@
-"""The `pdserve` command line: `up`, `router`, `decode`, `prefill`, `nodes`, `generate`, `demo`,
+"""The `pdserve` command line: `up`, `router`, `decode`, `prefill`, `encode`, `nodes`, `generate`, `demo`,
 `make-tiny-model`. Component flags are generated from their configs; errors print one line and
 exit 2 (README.md, "CLI")."""
 
@@ -24,7 +24,7 @@ DEMO_PROMPTS = [
 ]
 
 
-SERVER_COMMANDS = ("up", "router", "decode", "prefill")
+SERVER_COMMANDS = ("up", "router", "decode", "prefill", "encode")
 DRAIN_HELP = (
     "on SIGTERM / SIGINT, finish what is in flight for at most this many seconds, taking nothing new, "
     "then stop (0: stop at once; a second signal cuts the wait short)"
@@ -187,6 +187,13 @@ def cmd_prefill(args) -> int:
     return _serve_node("prefill", serve, _node_config(PrefillNodeConfig, args), args)
 
 
+def cmd_encode(args) -> int:
+    from encode_node.config import EncodeNodeConfig
+    from encode_node.server import serve
+
+    return _serve_node("encode", serve, _node_config(EncodeNodeConfig, args), args)
+
+
 def _up_spec(args):
     from router.pools import spec_from_args
 
@@ -204,7 +211,7 @@ def cmd_up(args) -> int:
     try:
         print(
             f"pdserve up: router + {spec.prefill} prefill (tp={spec.prefill_tp}) + {spec.decode} decode "
-            f"(tp={spec.decode_tp}) node(s) on {spec.model}",
+            f"(tp={spec.decode_tp}){f' + {spec.encode} encode' if spec.encode else ''} node(s) on {spec.model}",
             flush=True,
         )
         try:
@@ -318,6 +325,7 @@ def _add_client_security(p: argparse.ArgumentParser, node_plane: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from decode_node.config import DecodeNodeConfig
+    from encode_node.config import EncodeNodeConfig
     from engine.options import add_options, options
     from prefill_node.config import PrefillNodeConfig
     from router.config import RouterConfig
@@ -351,13 +359,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p, options(RouterConfig))
     p.set_defaults(func=cmd_router)
 
-    for kind, cls in (("decode", DecodeNodeConfig), ("prefill", PrefillNodeConfig)):
-        p = sub.add_parser(kind, help=f"run one {kind} node")
+    commands = {"decode": cmd_decode, "prefill": cmd_prefill, "encode": cmd_encode}
+    for kind, cls in (("decode", DecodeNodeConfig), ("prefill", PrefillNodeConfig), ("encode", EncodeNodeConfig)):
+        p = sub.add_parser(
+            kind, help=f"run one {kind} node" + (" (the vision encoder only)" if kind == "encode" else "")
+        )
         p.add_argument("--host", default="127.0.0.1", help="address the node binds")
         p.add_argument("--port", type=int, default=0, help="gRPC port (0 picks one)")
         p.add_argument("--drain-timeout", type=float, default=30.0, help=DRAIN_HELP)
         add_options(p, options(cls), defaults={"advertise_host": None})
-        p.set_defaults(func=cmd_decode if kind == "decode" else cmd_prefill)
+        p.set_defaults(func=commands[kind])
 
     p = sub.add_parser("nodes", help="list the nodes a router knows: state, capacity, load")
     p.add_argument("--addr", default="127.0.0.1:50051")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from decode_node.config import DecodeNodeConfig
+from encode_node.config import EncodeNodeConfig
 from engine.options import options, to_argv
 from prefill_node.config import PrefillNodeConfig
 from router.config import RouterConfig
@@ -32,7 +33,7 @@ def die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
-NODE_CONFIGS = {"prefill": PrefillNodeConfig, "decode": DecodeNodeConfig}
+NODE_CONFIGS = {"prefill": PrefillNodeConfig, "decode": DecodeNodeConfig, "encode": EncodeNodeConfig}
 # set by `up` itself for every process it starts (the cluster token through the environment)
 SECURITY_MANAGED = ("cluster_token_file", "insecure_open_cluster")
 ROUTER_MANAGED = ("model", "host", "static_decode", "static_prefill", *SECURITY_MANAGED)
@@ -51,12 +52,14 @@ NODE_MANAGED = (
 class PoolSpec:
     """What `up` launches (from the command line or a pools file). Options are config fields
     (router.config.RouterConfig, the node configs) -> values; what is left out keeps its default.
-    `node_options` go to every node whose config has the field; `prefill_options` and
-    `decode_options` to one pool, over `node_options`."""
+    `node_options` go to every node whose config has the field; `prefill_options`,
+    `decode_options` and `encode_options` to one pool, over `node_options`. `encode` nodes run
+    only the vision encoder (docs/images.md, "The encode pool"); 0: none."""
 
     model: str
     prefill: int = 1
     decode: int = 1
+    encode: int = 0
     prefill_tp: int = 1
     decode_tp: int = 1
     host: str = "127.0.0.1"
@@ -73,12 +76,15 @@ class PoolSpec:
     node_options: dict[str, Any] = field(default_factory=dict)
     prefill_options: dict[str, Any] = field(default_factory=dict)
     decode_options: dict[str, Any] = field(default_factory=dict)
+    encode_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.decode < 1:
             raise ValueError(f"need at least one decode node (got --decode {self.decode})")
         if self.prefill < 0:
             raise ValueError(f"--prefill must be >= 0 (got {self.prefill})")
+        if self.encode < 0:
+            raise ValueError(f"--encode must be >= 0 (got {self.encode})")
         if self.insecure_open_cluster and self.cluster_token:
             raise ValueError("--insecure-open-cluster and --cluster-token-file exclude each other")
         _check_keys("router", self.router_options, settable(RouterConfig, ROUTER_MANAGED))
@@ -151,7 +157,11 @@ class Cluster:
 
     def node_ids(self) -> list[str]:
         s = self.spec
-        return [f"prefill-{i}" for i in range(s.prefill)] + [f"decode-{i}" for i in range(s.decode)]
+        return (
+            [f"prefill-{i}" for i in range(s.prefill)]
+            + [f"decode-{i}" for i in range(s.decode)]
+            + [f"encode-{i}" for i in range(s.encode)]
+        )
 
     def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> None:
         env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, TOKEN_ENV)}  # client keys: the router's
@@ -177,6 +187,8 @@ class Cluster:
             self._spawn_node("prefill", i, s.prefill_tp)
         for i in range(s.decode):
             self._spawn_node("decode", i, s.decode_tp)
+        for i in range(s.encode):
+            self._spawn_node("encode", i, 1)
         self._wait_registered(deadline)
 
     def _spawn_node(self, kind: str, i: int, tp: int) -> None:

@@ -11,19 +11,32 @@ from pathlib import Path
 from typing import Any
 
 from decode_node.config import DecodeNodeConfig
+from encode_node.config import EncodeNodeConfig
 from engine.options import Opt, add_options, coerce, options
 from prefill_node.config import PrefillNodeConfig
 from router.config import RouterConfig
 from router.launch import NODE_CONFIGS, NODE_MANAGED, ROUTER_MANAGED, PoolSpec
 
-COMPONENTS = {"router": RouterConfig, "decode": DecodeNodeConfig, "prefill": PrefillNodeConfig}
-LABELS = {"router": "the router", "decode": "decode nodes", "prefill": "prefill nodes"}
+COMPONENTS = {
+    "router": RouterConfig,
+    "decode": DecodeNodeConfig,
+    "prefill": PrefillNodeConfig,
+    "encode": EncodeNodeConfig,
+}
+LABELS = {"router": "the router", "decode": "decode nodes", "prefill": "prefill nodes", "encode": "encode nodes"}
 POOLS = tuple(NODE_CONFIGS)
+POOL_ORDER = ("decode", "prefill", "encode")  # as COMPONENTS lists them
 # up's own options: dest -> (type, default, help); the file takes them at the top level
 OWN: dict[str, tuple[type, Any, str]] = {
     "model": (str, None, "checkpoint directory, for the router and every node (default: the built-in tiny model)"),
     "prefill": (int, 1, "prefill nodes (0: decode nodes prefill); in the file, a number or {count: N, tp: a, ...}"),
     "decode": (int, 1, "decode nodes; in the file, a number or {count: N, tp: b, ...}"),
+    "encode": (
+        int,
+        0,
+        "encode nodes: run only the vision encoder and push each image's output to the prefill node "
+        "(0: off, prefill nodes encode); in the file, a number or {count: N, ...}",
+    ),
     "prefill_tp": (int, 1, "tensor-parallel ranks of each prefill node"),
     "decode_tp": (int, 1, "tensor-parallel ranks of each decode node"),
     "host": (str, "127.0.0.1", "address every component binds"),
@@ -82,7 +95,7 @@ def add_up_options(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, type=typ, default=None, help=text + shown)
     for u in up_options().values():
         who = [LABELS[c] for c in u.fields]
-        if who == [LABELS["decode"], LABELS["prefill"]]:
+        if who in ([LABELS["decode"], LABELS["prefill"]], [LABELS[c] for c in POOL_ORDER]):
             who = ["every node"]
         if u.flag.name == "metrics_port":
             who = ["the router; every node then serves one on a free port"]
@@ -105,7 +118,7 @@ def _read_file(path: str, table: dict[str, UpOption]) -> tuple[dict, dict[str, d
     for k, v in raw.items():
         k = _key(k)
         if k in POOLS and isinstance(v, dict):
-            known = ["count", "tp", *(d for d, u in table.items() if k in u.fields)]
+            known = ["count", *(["tp"] if k != "encode" else []), *(d for d, u in table.items() if k in u.fields)]
             keys = {_key(kk): vv for kk, vv in v.items()}
             bad = sorted(set(keys) - set(known))
             if bad:
@@ -150,11 +163,16 @@ def spec_from_args(args: argparse.Namespace, default_model: Callable[[], Any]) -
     model = str(Path(own["model"] or default_model()).resolve())
     RouterConfig(model=model, **opts["router"])  # every check (a bad directory too), before anything starts
     for pool in POOLS:
+        if pool == "encode":  # one rank; checked only when the pool is on
+            if own["encode"] and EncodeNodeConfig(model=model, **opts[pool]).engine_config().model.vision is None:
+                raise ValueError(f"--encode {own['encode']}: {model} has no vision tower (or no image processor)")
+            continue
         NODE_CONFIGS[pool](model=model, tensor_parallel_size=own[f"{pool}_tp"], **opts[pool]).engine_config()
     return PoolSpec(
         model=model,
         prefill=own["prefill"],
         decode=own["decode"],
+        encode=own["encode"],
         prefill_tp=own["prefill_tp"],
         decode_tp=own["decode_tp"],
         host=own["host"],
@@ -164,6 +182,7 @@ def spec_from_args(args: argparse.Namespace, default_model: Callable[[], Any]) -
         router_options=opts["router"],
         prefill_options=opts["prefill"],
         decode_options=opts["decode"],
+        encode_options=opts["encode"],
         cluster_token=_token(own["cluster_token_file"]),
         insecure_open_cluster=own["insecure_open_cluster"],
     )

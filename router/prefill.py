@@ -13,6 +13,7 @@ import grpc
 
 from proto import pb
 from router.config import RouterConfig
+from router.encode import EncodePool
 from router.errors import Abort, DecodeFailed
 from router.prefix import PrefixQuery
 from router.registry import NodeEntry, NodeRegistry
@@ -82,6 +83,7 @@ class PrefillPhase:
         self._pairs: set[tuple] = set()  # (prefill id, incarnation, decode id, incarnation) handshaken
         self._pair_lock = asyncio.Lock()
         self.meter = RateMeter()  # each prefill node's measured rate (admission's estimate)
+        self.encode: EncodePool | None = None  # the encode pool's step (set by the service)
 
     def ready(self, d: NodeEntry, exclude: set[str]) -> list[NodeEntry]:
         dg = d.info.schema_digest
@@ -239,6 +241,9 @@ class PrefillPhase:
         self, d: NodeEntry, p: NodeEntry, request, ids: list[int], rid: str, images: Sequence[pb.ImageInput]
     ) -> Push:
         """One reservation and one Prefill call, to P's first token."""
+        encoded: list[bytes] = []
+        if images and self.encode is not None:  # before the lease starts; never fails the request
+            encoded = await self.encode.prepare(p, rid, images)
         try:
             await self.handshake(p, d)  # first: the lease starts when P can renew it
         except grpc.RpcError as e:
@@ -251,7 +256,12 @@ class PrefillPhase:
         try:
             call = p.stub.Prefill(
                 pb.PrefillRequest(
-                    request_id=rid, prompt_token_ids=ids, sampling=request.sampling, target=target, images=images
+                    request_id=rid,
+                    prompt_token_ids=ids,
+                    sampling=request.sampling,
+                    target=target,
+                    images=images,
+                    encoded=encoded,
                 ),
                 timeout=self.cfg.prefill_timeout_s,
             )

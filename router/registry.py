@@ -20,6 +20,13 @@ from serving.security import OPEN, Credentials
 
 log = logging.getLogger("pdserve.router")
 
+# each node kind's service (all of them answer Stats)
+STUBS: dict[int, type] = {
+    pb.NODE_KIND_DECODE: rpc.DecodeNodeStub,
+    pb.NODE_KIND_PREFILL: rpc.PrefillNodeStub,
+    pb.NODE_KIND_ENCODE: rpc.EncodeNodeStub,
+}
+
 
 @dataclass
 class NodeEntry:
@@ -58,8 +65,7 @@ class NodeEntry:
         """The node's aio stub, made on first use (on the event loop, where every call runs)."""
         if self._stub is None:
             self.chan = node_channel(self.info.address, self.creds)
-            cls = rpc.DecodeNodeStub if self.info.kind == pb.NODE_KIND_DECODE else rpc.PrefillNodeStub
-            self._stub = cls(self.chan)
+            self._stub = STUBS.get(self.info.kind, rpc.PrefillNodeStub)(self.chan)
         return self._stub
 
     def close(self, loop: asyncio.AbstractEventLoop | None) -> None:
@@ -186,7 +192,7 @@ class NodeRegistry:
             if addr in fresh:
                 continue
             async with node_channel(addr, self.creds) as ch:
-                stub = rpc.DecodeNodeStub(ch) if kind == pb.NODE_KIND_DECODE else rpc.PrefillNodeStub(ch)
+                stub = STUBS.get(kind, rpc.PrefillNodeStub)(ch)
                 try:
                     info = await stub.Stats(pb.StatsRequest(), timeout=1.0)
                 except grpc.RpcError:

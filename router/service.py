@@ -19,6 +19,7 @@ from proto.convert import sampling_kwargs
 from router.admission import BATCH, CLASS_NAMES, INTERACTIVE, Admission, Ask
 from router.client_hints import HINTS, Hints
 from router.config import RouterConfig
+from router.encode import EncodePool
 from router.errors import Abort, Draining
 from router.images.prepare import ImageRef, Images, Prepared, to_pb
 from router.images.vision import IMAGE_PAD, VisionSpec
@@ -97,6 +98,7 @@ class GenerateService:
             for pool in ("prefill", "decode"):
                 self.estimated_wait.labels(pool=pool, **{"class": c})
         self.migrations = MigrationMetrics(reg)
+        self.prefill.encode = EncodePool(cfg, self.registry, reg)
         vision = None
         if self.tokenizer is not None and cfg.model:
             vision = VisionSpec.load(cfg.model, self.tokenizer.token_to_id(IMAGE_PAD))
@@ -123,6 +125,7 @@ class GenerateService:
             "active_requests": ("Requests in flight through the router", self.active),
             "decode_nodes_live": ("Live decode nodes", len(dec)),
             "prefill_nodes_live": ("Live prefill nodes", len(self.registry.live(pb.NODE_KIND_PREFILL))),
+            "encode_nodes_live": ("Live encode nodes", len(self.registry.live(pb.NODE_KIND_ENCODE))),
             "nodes_draining": (
                 "Live nodes that drain (finish what they hold, take nothing new)",
                 sum(1 for e, _ in self.registry.snapshot() if e.alive and e.info.draining),

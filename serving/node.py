@@ -42,7 +42,7 @@ SHORT_CALL_THREADS = 32
 
 
 class NodeServer:
-    KIND: ClassVar[str] = ""  # "decode" | "prefill"
+    KIND: ClassVar[str] = ""  # "decode" | "prefill" | "encode"
     SERVICE: ClassVar[str] = ""  # its gRPC service in pdserve.proto
     NODE_KIND: ClassVar[pb.NodeKind] = pb.NODE_KIND_UNSPECIFIED
     # set by the subclass
@@ -115,6 +115,20 @@ class NodeServer:
     def _add_servicer(self, server: grpc.Server) -> None:
         raise NotImplementedError
 
+    def summary(self) -> str:
+        """What the start-up log line says the node holds."""
+        return self.engine.capacity.summary()
+
+    def _stop_work(self) -> None:
+        """Stop what runs the node's work (the engine loop), before the gRPC server stops."""
+        self.loop.stop()
+
+    def _close(self) -> None:
+        """Free what the node holds, once nothing drives it any more."""
+        if self.connector is not None:
+            self.connector.close()  # the loop has stopped: nothing else drives the endpoints
+        self.engine.close()
+
     # ---- new work ----------------------------------------------------------------------------
     def loop_api(self, context: grpc.ServicerContext, fn: Callable[[], _T]) -> _T:
         """fn() (a call of the engine loop's API); the loop having stopped ends the RPC with
@@ -149,7 +163,7 @@ class NodeServer:
         if self.cfg.router:
             hb = self.cfg.heartbeat_interval_s
             self._hbs = [Heartbeater(a, self.info, hb, creds).start() for a in addresses(self.cfg.router)]
-        log.info("%s serving on %s (%s)", self.name, self.address, self.engine.capacity.summary())
+        log.info("%s serving on %s (%s)", self.name, self.address, self.summary())
         if self.cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.cfg.advertise_host, self.cfg.metrics_port)
             log.info("%s metrics at http://%s:%d/metrics", self.name, self.cfg.advertise_host, self.metrics_port)
@@ -173,13 +187,11 @@ class NodeServer:
             self._health.enter_graceful_shutdown()
         for hb in self._hbs:
             hb.stop()
-        self.loop.stop()
+        self._stop_work()
         self.metrics.stop()
         if self.server is not None:
             self.server.stop(grace).wait(timeout=(grace or 0) + 5)
-        if self.connector is not None:
-            self.connector.close()  # the loop has stopped: nothing else drives the endpoints
-        self.engine.close()
+        self._close()
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         assert self.server is not None, "the node was not started"

@@ -26,7 +26,7 @@ TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
 API_KEY_ENV = "PDSERVE_API_KEY"  # one key, or several comma-separated
 
 CLIENT_SERVICES = ("Generation",)
-NODE_SERVICES = ("Registry", "DecodeNode", "PrefillNode")
+NODE_SERVICES = ("Registry", "DecodeNode", "PrefillNode", "EncodeNode")
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")

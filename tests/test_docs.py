@@ -99,7 +99,7 @@ def test_speed_figures_live_in_benchmarks(md):
 
 
 PACKAGE_PATH = re.compile(
-    r"`((?:engine|kernels|transfer|serving|router|client|proto|prefill_node|decode_node|bench|tools|tests|deploy)"
+    r"`((?:engine|kernels|transfer|serving|router|client|proto|prefill_node|decode_node|encode_node|bench|tools|tests|deploy)"
     r"/[A-Za-z0-9_/-]*(?:\.[a-z]+)?)`"
 )
 BUILD_OUTPUTS = {"kernels/_ops/"}  # made by `python -m kernels.build`, not in the tree

@@ -1,6 +1,6 @@
 """Imports go one way (docs/ARCHITECTURE.md): kernels -> engine -> transfer -> serving ->
-prefill_node / decode_node -> router. proto is the wire alone and imports nothing of the project;
-the engine imports only kernels; the two node packages never import each other; the client
+prefill_node / decode_node / encode_node -> router. proto is the wire alone and imports nothing of the project;
+the engine imports only kernels; the node packages never import each other; the client
 speaks proto and takes its credentials from serving.security, nothing else. Read from the source
 with `ast`, so an import inside a function counts too."""
 
@@ -12,7 +12,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kernels", "engine", "transfer", "serving", "prefill_node", "decode_node", "router", "client", "proto")
+PACKAGES = (
+    "kernels",
+    "engine",
+    "transfer",
+    "serving",
+    "encode_node",
+    "prefill_node",
+    "decode_node",
+    "router",
+    "client",
+    "proto",
+)
 # package -> the first-party packages it may import (besides itself)
 ALLOWED = {
     "proto": set(),
@@ -21,6 +32,7 @@ ALLOWED = {
     "transfer": {"kernels", "engine"},
     "serving": {"kernels", "engine", "transfer", "proto"},
     "prefill_node": {"kernels", "engine", "transfer", "serving", "proto"},
+    "encode_node": {"kernels", "engine", "transfer", "serving", "proto"},
     "decode_node": {"kernels", "engine", "transfer", "serving", "proto"},
     "client": {"proto", "serving"},
     "router": set(PACKAGES),  # the top (its `pdserve generate` command uses the client SDK)
@@ -77,7 +89,7 @@ def test_proto_is_the_wire_alone():
 def test_nodes_leave_the_transfer_to_the_connector():
     """No node server drives transfer ranks itself or installs a hook into the engine."""
     bad = []
-    for pkg in ("prefill_node", "decode_node"):
+    for pkg in ("prefill_node", "decode_node", "encode_node"):
         for f in _sources(pkg):
             text = f.read_text()
             if "call_all(" in text:

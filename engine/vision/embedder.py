@@ -28,6 +28,7 @@ class ImageEmbedder:
         load_processor(cfg.path)  # at start, not on the first image
         self.images = 0  # images encoded
         self.seconds = 0.0  # in the processor and the encoder
+        self.received = 0  # images whose output an encode node sent (put_encoded)
 
     def embeddings(self, span: ImageSpan) -> torch.Tensor:
         """[tokens of the image, hidden] in the model's dtype."""
@@ -50,6 +51,21 @@ class ImageEmbedder:
             idx.append(torch.arange(at, at + s.hi - s.lo))
             emb.append(self.embeddings(s)[s.lo : s.hi])
         return torch.cat(idx).to(self.device), torch.cat(emb)
+
+
+def put_encoded(worker, pixel_hash: bytes, embeddings: torch.Tensor) -> bool:
+    """Keep an image's embeddings computed elsewhere (an encode node's, docs/images.md "The encode
+    pool") in this rank's encoder cache (Worker.call); False when the model has no vision tower
+    or the tensor is not [tokens, out_hidden_size] in the model's dtype."""
+    emb = getattr(worker, "images", None)
+    if emb is None:
+        return False
+    hidden = emb.encoder.cfg.out_hidden_size
+    if embeddings.dim() != 2 or embeddings.shape[1] != hidden or embeddings.dtype != emb.encoder.dtype:
+        return False
+    emb.cache.put(pixel_hash, embeddings.to(emb.device))
+    emb.received += 1
+    return True
 
 
 def image_stats(worker) -> dict[str, float]:

@@ -54,5 +54,5 @@ def test_checked_in_stubs_are_fresh(tmp_path):
 def test_every_service_has_health_and_reflection_names():
     from proto import pb
 
-    assert set(pb.DESCRIPTOR.services_by_name) == {"Generation", "Registry", "DecodeNode", "PrefillNode"}
+    assert set(pb.DESCRIPTOR.services_by_name) == {"Generation", "Registry", "DecodeNode", "PrefillNode", "EncodeNode"}
     assert pb.DESCRIPTOR.package == "pdserve.v1"

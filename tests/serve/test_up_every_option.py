@@ -10,6 +10,7 @@ import argparse
 import pytest
 
 from decode_node.config import DecodeNodeConfig
+from encode_node.config import EncodeNodeConfig
 from engine.options import options
 from prefill_node.config import PrefillNodeConfig
 from router.cli import _up_spec, build_parser
@@ -27,10 +28,10 @@ def _up_flags() -> set[str]:
 
 def test_up_has_a_flag_for_every_component_option():
     flags = _up_flags()
-    for cls in (RouterConfig, DecodeNodeConfig, PrefillNodeConfig):
+    for cls in (RouterConfig, DecodeNodeConfig, PrefillNodeConfig, EncodeNodeConfig):
         for o in options(cls):
             assert o.flag in flags or o.name in SET_BY_UP, f"{cls.__name__}.{o.name} ({o.flag}) cannot be set by up"
-    assert {"--prefill-tp", "--decode-tp", "--host", "--model"} <= flags
+    assert {"--prefill-tp", "--decode-tp", "--encode", "--host", "--model"} <= flags
 
 
 def test_insecure_open_cluster_is_up_s_own_flag(tmp_path):

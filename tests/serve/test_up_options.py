@@ -157,3 +157,24 @@ def test_up_per_pool_options_reach_only_that_pool(ckpt, tmp_path):
     finally:
         rc = up.stop()
     assert rc == 0, up.output()
+
+
+def test_encode_pool_options_reach_the_encode_nodes_only():
+    """`--encode N` adds N encode nodes (0 by default); an encode option goes to them alone, an
+    every-node option to them too; a checkpoint without a vision tower is refused before anything
+    starts."""
+    import dataclasses
+
+    from router.cli import _up_spec, build_parser
+    from router.launch import Cluster
+
+    spec = _up_spec(build_parser().parse_args(["up", "--encode-push-timeout", "5", "--dtype", "float32"]))
+    assert spec.encode == 0 and spec.encode_options == {"dtype": "float32", "encode_push_timeout_s": 5.0}
+    assert "encode_push_timeout_s" not in spec.prefill_options | spec.decode_options
+    assert "--encode-push-timeout" in spec.node_argv("encode") and "--encode-push-timeout" not in spec.node_argv(
+        "prefill"
+    )
+    with Cluster(dataclasses.replace(spec, encode=2)) as cl:  # nothing started: stop() only cleans up
+        assert cl.node_ids()[-2:] == ["encode-0", "encode-1"]
+    with pytest.raises(ValueError, match="--encode 1: .* has no vision tower"):
+        _up_spec(build_parser().parse_args(["up", "--encode", "1"]))

@@ -1,0 +1,143 @@
+"""The encode pool through `pdserve up --encode 1` (real processes, gRPC, NIXL on loopback):
+float32 greedy tokens equal transformers' `generate` (and so the same requests without the pool,
+tests/serve/test_images_disagg.py) for one image and two of different sizes; the encoder ran on
+the encode node, never on the prefill node, which took the pushed outputs into its encoder cache;
+an encode node killed while requests run leaves them exact (the prefill node encodes); bad
+images are still refused at the router."""
+
+from __future__ import annotations
+
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from tests.helpers import vl_ckpt as vc
+from tests.helpers.serve_harness import Up, flags, log_url, node_pid, nodes, scrape, wait_for
+
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory):
+    path = vc.make(tmp_path_factory.mktemp("vl") / "ckpt", vc.SPEC_VL["qwen3_5"])
+    out = {}
+    for name, seed in (("one_image", 0), ("two_sizes", 0), ("one_image", 7), ("one_image", 8), ("two_sizes", 9)):
+        ids, imgs = vc.case(path, name, seed=seed)
+        text = vc.chat_text(path, vc.CASES[name][0])
+        out[(name, seed)] = (text, vc.case_images(name, seed), vc.hf_greedy(path, ids, imgs, NEW))
+    return path, out
+
+
+def _generate(c, text, images):
+    return c.generate(prompt=text, images=images, max_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+
+def _metric(up: Up, node: str, name: str, labels: tuple = ()) -> float:
+    kind = node.split("-")[0]
+    m = scrape(log_url(up, rf"{kind} node {node} metrics at (http://\S+/metrics)"))
+    return m.get((name, labels), 0.0)
+
+
+def test_encode_pool_exact_and_falls_back(refs):
+    from client import Client, PdserveError
+
+    path, cases = refs
+    opts = flags(dtype="float32", prefill=1, decode=1, encode=1, local_prefill_threshold=0, metrics_port=0)
+    up = Up("--model", path, *opts)
+    try:
+        router_metrics = log_url(up, r"router metrics at (http://\S+/metrics)")
+        with Client(up.address, timeout=180) as c:
+            c.wait_ready(timeout=90)
+            for key in (("one_image", 0), ("two_sizes", 0)):
+                text, images, want = cases[key]
+                r = _generate(c, text, images)
+                assert r.token_ids == want, key
+                assert r.prefill_node == "prefill-0" and r.transfer_bytes > 0, key
+            # the encoder ran on the encode node only; the prefill node took three pushed outputs
+            assert _metric(up, "encode-0", "pdserve_encode_images_total") == 3
+            assert _metric(up, "prefill-0", "pdserve_prefill_images_received_total") == 3
+            assert _metric(up, "prefill-0", "pdserve_prefill_images_total") == 0
+            assert _metric(up, "prefill-0", "pdserve_prefill_encoder_cache_hits_total") >= 3
+            m = scrape(router_metrics)
+            assert m[("pdserve_router_encode_images_total", (("where", "encode_pool"),))] == 3
+            assert up.find(r"(image \w+ encoded on encode-0)")
+
+            # bad images: still 400 at the router, nothing reaches a node
+            text, images, _ = cases[("one_image", 0)]
+            with pytest.raises(PdserveError) as bad:
+                _generate(c, text, [b"junk" * 10])
+            assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT and "images[0]" in bad.value.message
+
+            _bad_calls_at_the_nodes(up)
+
+            # the encode node dies while requests run: every answer stays exact (local encoding)
+            later = [("one_image", 7), ("one_image", 8), ("two_sizes", 9)]
+            with ThreadPoolExecutor(len(later)) as ex:
+                futs = [ex.submit(_generate, c, cases[k][0], cases[k][1]) for k in later]
+                os.kill(node_pid(up, "encode-0"), signal.SIGKILL)
+                outs = [f.result() for f in futs]
+            for k, r in zip(later, outs):
+                assert r.token_ids == cases[k][2], k
+            encoded_here = _metric(up, "prefill-0", "pdserve_prefill_images_total")
+            received = _metric(up, "prefill-0", "pdserve_prefill_images_received_total")
+            assert encoded_here + received - 3 == 4 and encoded_here >= 1  # every new image, once
+            # with the pool gone, the next image request is encoded on the prefill node at once
+            gone = lambda: not any(n.alive for n in nodes(up.address) if n.node.node_id == "encode-0")  # noqa: E731
+            wait_for(gone, 20, "encode-0 marked dead")
+            text, images, want = cases[("one_image", 0)]
+            assert _generate(c, text, [vc.png(120, 90, seed=21)]).finish_reason == "length"
+            m = scrape(router_metrics)
+            assert m[("pdserve_router_encode_images_total", (("where", "prefill_no_pool"),))] >= 1
+            assert "Traceback" not in up.output()
+    except BaseException:
+        print(up.output()[-8000:])
+        raise
+    finally:
+        up.stop()
+
+
+def _bad_calls_at_the_nodes(up: Up) -> None:
+    """Malformed encode-pool calls made straight to the nodes: INVALID_ARGUMENT with a message."""
+    from proto import pb, rpc
+    from serving.security import channel
+    from tests.helpers.serve_harness import creds, node_info
+
+    assert up.address is not None
+    enc, pre = node_info(up.address, "encode-0"), node_info(up.address, "prefill-0")
+    with channel(enc.address, creds()) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            rpc.EncodeNodeStub(ch).Encode(pb.EncodeRequest(request_id="x", landing=b"junk"), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "LandingTarget" in str(e.value.details())
+    with channel(pre.address, creds()) as ch:
+        bad = pb.ImageInput(pixel_hash=b"short", grid_thw=[1, 4, 4])
+        with pytest.raises(grpc.RpcError) as e:
+            rpc.PrefillNodeStub(ch).ReserveEncoded(pb.ReserveEncodedRequest(request_id="x", images=[bad]), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "images[0]" in str(e.value.details())
+
+
+@pytest.mark.slow  # a TP 2 prefill node (two worker processes) beside an encode node: over 30 s here
+def test_encode_pool_into_a_tp2_prefill(refs):
+    """Every rank of a TP 2 prefill node takes the whole pushed output (replicated): exact tokens,
+    and no rank ran the encoder."""
+    from client import Client
+
+    path, cases = refs
+    tp2 = dict(prefill=1, decode=1, encode=1, prefill_tp=2, local_prefill_threshold=0, metrics_port=0)
+    opts = flags(dtype="float32", **tp2)
+    up = Up("--model", path, *opts)
+    try:
+        with Client(up.address, timeout=180) as c:
+            c.wait_ready(timeout=90)
+            for key in (("one_image", 0), ("two_sizes", 0)):
+                text, images, want = cases[key]
+                assert _generate(c, text, images).token_ids == want, key
+            assert _metric(up, "prefill-0", "pdserve_prefill_images_received_total") == 3
+            assert _metric(up, "prefill-0", "pdserve_prefill_images_total") == 0
+    except BaseException:
+        print(up.output()[-8000:])
+        raise
+    finally:
+        up.stop()
