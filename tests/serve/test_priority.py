@@ -137,13 +137,13 @@ def test_interactive_under_a_batch_flood_and_the_key_class(cluster, data, ckpt):
             for kw, c in (({"priority": "interactive", "admission_timeout_s": 0.01}, cb),
                           ({"priority": "batch", "admission_timeout_s": 0.01}, ci)):  # fmt: skip
                 e = _go(c, probes[5], **kw)[0]
-                assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "a batch request" in e.message, e
+                assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "this batch request" in e.message, e
             body = json.dumps({"model": "ckpt", "prompt": probes[5], "max_tokens": NEW, "temperature": 0.0}).encode()
             hdr = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY_B}"}
             hdr |= {"x-pdserve-priority": "interactive", "x-pdserve-admission-timeout": "0.01"}
             with pytest.raises(urllib.error.HTTPError) as ei:
                 urllib.request.urlopen(urllib.request.Request(base + "/completions", body, hdr), timeout=60)
-            assert ei.value.code == 429 and "a batch request" in ei.value.read().decode()
+            assert ei.value.code == 429 and "this batch request" in ei.value.read().decode()
             loaded = []
             for i in range(3, 6):
                 toks, sent, first = _go(ci, probes[i])
