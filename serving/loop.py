@@ -371,7 +371,7 @@ class EngineLoop:
         else:
             self._handles[h.request_id] = h
         if first is not None:
-            h._put(first)
+            h.deliver(first)  # counts toward the tokens the handle gets before its sink
 
     def _add(
         self, rid: str, ids: list[int], params: SamplingParams, prefill_only: bool, transfer: object,
