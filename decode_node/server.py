@@ -136,6 +136,10 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
     def _add_servicer(self, server: grpc.Server) -> None:
         rpc.add_DecodeNodeServicer_to_server(self, server)
 
+    def stop(self, grace: float | None = 2.0) -> None:
+        self.sinks.close_all()  # the token streams end with the node, not after the server's grace
+        super().stop(grace)
+
     # ---- RPCs ---------------------------------------------------------------------------
     def _params(self, sampling: pb.SamplingParams, context: grpc.ServicerContext) -> SamplingParams:
         try:

@@ -183,6 +183,8 @@ async def merged(call: Any, route: Route | None) -> AsyncIterator[pb.GenerateRes
                     if m.error is not None:
                         raise m.error
                     return
+                if started and not m.token_ids and not m.finish_reason:
+                    continue  # a count only (the drain's hand-off): nothing to relay
                 yield m
                 if not started:
                     started, timings = True, m.timings

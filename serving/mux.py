@@ -87,3 +87,10 @@ class TokenSinks:
         with self._lock:
             if self._sinks.get(sink.stream_id) is sink:
                 del self._sinks[sink.stream_id]
+
+    def close_all(self) -> None:
+        """The node stops: every stream ends now (its handler returns) rather than at the server's grace."""
+        with self._lock:
+            sinks, self._sinks = list(self._sinks.values()), {}
+        for sink in sinks:
+            sink.close()
