@@ -25,6 +25,7 @@ from proto.convert import logprobs_pb, sampling_kwargs
 from serving.commands import NoRoom, RequestHandle, ShuttingDown, UnknownRequest
 from serving.loop import EngineLoop
 from serving.metrics import Gauges, ServingMetrics, capacity_gauges
+from serving.mux import TokenSinks
 from serving.node import NodeServer, on_cancel, serve_node
 from serving.rpc import MAX_REQUEST_ID_LEN, Interrupt, images_of, refuse_draining
 from transfer import TransferConfig
@@ -92,6 +93,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         self.loop = EngineLoop(self.engine, name=f"{cfg.node_id}-engine", on_change=self.changes.changed).start()
         self.metrics = ServingMetrics("pdserve_decode", self._gauges)
         self._streams: set[str] = set()  # request ids a Generate call streams now
+        self.sinks = TokenSinks()  # the callers' token streams (TokenStream, serving/mux.py)
         self.handing_off = False  # the drain hands the streams left to the router (drain_handoff_s)
 
     def _gauges(self) -> Gauges:
@@ -134,6 +136,10 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
     def _add_servicer(self, server: grpc.Server) -> None:
         rpc.add_DecodeNodeServicer_to_server(self, server)
 
+    def stop(self, grace: float | None = 2.0) -> None:
+        self.sinks.close_all()  # the token streams end with the node, not after the server's grace
+        super().stop(grace)
+
     # ---- RPCs ---------------------------------------------------------------------------
     def _params(self, sampling: pb.SamplingParams, context: grpc.ServicerContext) -> SamplingParams:
         try:
@@ -158,7 +164,10 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         images = images_of(
             request.images, context, model=self.ecfg.model.path if request.images and self.ecfg.model.vision else None
         )
-        handle = self.loop_api(context, lambda: self.loop.submit(rid, ids, params, resume=resume, images=images))
+        sink = self.sinks.get(request.token_stream)
+        handle = self.loop_api(
+            context, lambda: self.loop.submit(rid, ids, params, resume=resume, images=images, sink=sink)
+        )
         on_cancel(context, handle.abort)  # prompt, even while _relay waits
         try:
             yield from self._relay(handle, context)
@@ -210,7 +219,8 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                 return
             ids = request.prompt_token_ids
             first, drafts = request.first_token_id, list(request.draft_token_ids)
-            handle = self.loop_api(context, lambda: self.loop.admit(rid, len(ids), first, drafts))
+            sink = self.sinks.get(request.token_stream)
+            handle = self.loop_api(context, lambda: self.loop.admit(rid, len(ids), first, drafts, sink=sink))
             live.append(handle)
         except BaseException:
             if not failed:
@@ -262,24 +272,30 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                 last_tok = now
                 n += len(new)
             done = item.finished
+            if h.muxed:  # the tokens between came on the token stream: the last one is about now
+                last_tok = now
             if done and item.finish_reason == "abort" and self.handing_off:  # the drain hands it off
-                if new:
-                    yield pb.GenerateResponse(request_id=h.request_id, token_ids=new, logprobs=logprobs_pb(lps or []))
+                if new or h.muxed:
+                    yield pb.GenerateResponse(
+                        request_id=h.request_id, token_ids=new, logprobs=logprobs_pb(lps or []), muxed_tokens=h.muxed
+                    )
                 refuse_draining(context, f"decode node {self.cfg.node_id}")
             t = pb.Timings()
             if first_tok is not None:
                 t.ttft_s = first_tok - h.received
             if h.added is not None:
                 t.queue_s = h.added - h.received
+            total = n + h.muxed  # the tokens sent on the token stream too
             if done:
                 t.e2e_s = now - h.received
-                if n > 1 and first_tok is not None and last_tok is not None:
-                    t.tpot_s = (last_tok - first_tok) / (n - 1)
+                if total > 1 and first_tok is not None and last_tok is not None:
+                    t.tpot_s = (last_tok - first_tok) / (total - 1)
             msg = pb.GenerateResponse(
                 request_id=h.request_id,
                 token_ids=new,
                 finish_reason=item.finish_reason or "" if done else "",
                 timings=t,
+                muxed_tokens=h.muxed,
             )
             if lps:
                 msg.logprobs.extend(logprobs_pb(lps))
@@ -290,21 +306,43 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                 msg.cached_tokens = box.cached = item.num_cached_tokens
                 msg.decode_node = self.cfg.node_id
                 first_msg = False
-            box.n = n
+            box.n = total
             if done:
                 box.outcome = "cancelled" if item.finish_reason == "abort" else "ok"
                 box.ttft = t.ttft_s if first_tok is not None else None
-                box.tpot = t.tpot_s if n > 1 else None
+                box.tpot = t.tpot_s if total > 1 else None
             if new or done:
                 yield msg
             if done:
                 log.info(
                     "request %s: prompt %d (cached %d), output %d, %s; queue %.1f ms, ttft %.1f ms, tpot %.1f ms, "
                     "e2e %.1f ms",
-                    h.request_id, h.num_prompt_tokens, box.cached, n, item.finish_reason,
+                    h.request_id, h.num_prompt_tokens, box.cached, total, item.finish_reason,
                     t.queue_s * 1e3, t.ttft_s * 1e3, t.tpot_s * 1e3, t.e2e_s * 1e3,
                 )  # fmt: skip
                 return
+
+    def TokenStream(self, request: pb.TokenStreamRequest, context: grpc.ServicerContext) -> Iterator[pb.TokenBatch]:
+        """A caller's token stream (serving/mux.py): one message per engine step with the tokens of
+        every request whose Generate named it; open until the caller cancels it or the node stops."""
+        if not request.stream_id or len(request.stream_id) > MAX_REQUEST_ID_LEN:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stream_id must be 1 to {MAX_REQUEST_ID_LEN} characters")
+        sink = self.sinks.open(request.stream_id)
+        on_cancel(context, lambda: self.sinks.close(sink))
+        try:
+            for batch in sink.batches():
+                yield pb.TokenBatch(
+                    deltas=[
+                        pb.TokenDelta(
+                            request_id=d.request_id,
+                            token_ids=d.token_ids,
+                            logprobs=logprobs_pb(d.logprobs) if d.logprobs else (),
+                        )
+                        for d in batch
+                    ]
+                )
+        finally:
+            self.sinks.close(sink)
 
     def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
         if self.connector is None:

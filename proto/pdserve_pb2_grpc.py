@@ -344,6 +344,11 @@ class DecodeNodeStub:
                 request_serializer=proto_dot_pdserve__pb2.HandshakeRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.HandshakeResponse.FromString,
                 _registered_method=True)
+        self.TokenStream = channel.unary_stream(
+                '/pdserve.v1.DecodeNode/TokenStream',
+                request_serializer=proto_dot_pdserve__pb2.TokenStreamRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.TokenBatch.FromString,
+                _registered_method=True)
 
 
 class DecodeNodeServicer:
@@ -379,6 +384,14 @@ class DecodeNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TokenStream(self, request, context):
+        """The tokens of every Generate call that names this stream, one message per engine step; ends
+        when the caller cancels it or the node stops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -406,6 +419,11 @@ def add_DecodeNodeServicer_to_server(servicer, server):
                     servicer.Handshake,
                     request_deserializer=proto_dot_pdserve__pb2.HandshakeRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.HandshakeResponse.SerializeToString,
+            ),
+            'TokenStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.TokenStream,
+                    request_deserializer=proto_dot_pdserve__pb2.TokenStreamRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.TokenBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -543,6 +561,33 @@ class DecodeNode:
             '/pdserve.v1.DecodeNode/Handshake',
             proto_dot_pdserve__pb2.HandshakeRequest.SerializeToString,
             proto_dot_pdserve__pb2.HandshakeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TokenStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.DecodeNode/TokenStream',
+            proto_dot_pdserve__pb2.TokenStreamRequest.SerializeToString,
+            proto_dot_pdserve__pb2.TokenBatch.FromString,
             options,
             channel_credentials,
             insecure,

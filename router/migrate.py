@@ -43,8 +43,8 @@ def cause_of(e: grpc.RpcError, node_lost: bool) -> str | None:
 class NodeLost(grpc.RpcError):
     """A decode call the router cancelled because the heartbeats declared its node dead."""
 
-    def __init__(self, node_id: str) -> None:
-        super().__init__(f"decode node {node_id} was declared dead (no heartbeat)")
+    def __init__(self, node_id: str, what: str = "was declared dead (no heartbeat)") -> None:
+        super().__init__(f"decode node {node_id} {what}")
         self.node_id = node_id
 
     def code(self) -> grpc.StatusCode:

@@ -16,6 +16,7 @@ import grpc
 from proto import pb, rpc
 from router.net import node_channel
 from router.prefix import NodeCache
+from router.token_mux import MuxTotals, TokenMux
 from serving.security import OPEN, Credentials
 
 log = logging.getLogger("pdserve.router")
@@ -46,6 +47,8 @@ class NodeEntry:
     _stub: object = None
     creds: Credentials = OPEN  # how the router dials the node (the cluster token, TLS)
     cache: NodeCache = field(default_factory=NodeCache)  # its prefix cache (router/prefix.py)
+    mux_totals: MuxTotals | None = None  # the registry's, shared by every node's token stream
+    _mux: TokenMux | None = None
 
     def __post_init__(self):
         if self.info.HasField("prefix"):  # kept parsed only (ListNodes stays small)
@@ -68,7 +71,17 @@ class NodeEntry:
             self._stub = STUBS.get(self.info.kind, rpc.PrefillNodeStub)(self.chan)
         return self._stub
 
+    @property
+    def mux(self) -> TokenMux:
+        """The node's token stream for this router (router/token_mux.py), opened on first use."""
+        if self._mux is None:
+            self._mux = TokenMux(self.node_id, lambda: self.stub, self.mux_totals)
+        return self._mux
+
     def close(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        mux, self._mux = self._mux, None
+        if mux is not None and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(mux.close)
         chan, self.chan, self._stub = self.chan, None, None
         if chan is not None and loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(lambda: loop.create_task(chan.close()))
@@ -108,6 +121,7 @@ class NodeRegistry:
         self.lock = threading.RLock()
         self.on_change: Callable[[], None] = lambda: None  # set by the router: wake the admission queue
         self.loop: asyncio.AbstractEventLoop | None = None  # the router's loop (node channels close there)
+        self.mux_totals = MuxTotals()  # every node's token stream (router/token_mux.py)
 
     # ---- registration ---------------------------------------------------------------------
     def register(self, info: pb.NodeInfo, static: bool = False) -> NodeEntry:
@@ -124,7 +138,12 @@ class NodeRegistry:
                 old.alive = True
                 self.on_change()
                 return old
-            e = NodeEntry(info=info, static=static or (old is not None and old.static), creds=self.creds)
+            e = NodeEntry(
+                info=info,
+                static=static or (old is not None and old.static),
+                creds=self.creds,
+                mux_totals=self.mux_totals,
+            )
             if old is not None:
                 old.close(self.loop)
                 log.info(
@@ -224,6 +243,8 @@ class NodeRegistry:
         with self.lock:
             chans = [e.chan for e in self.nodes.values() if e.chan is not None]
             for e in self.nodes.values():
-                e.chan = e._stub = None
+                if e._mux is not None:
+                    e._mux.close()
+                e.chan = e._stub = e._mux = None
         for ch in chans:
             await ch.close()

@@ -19,6 +19,7 @@ from router.errors import Abort, DecodeFailed
 from router.migrate import Migration, Moved, NodeLost, NodeWatch
 from router.prefill import Push
 from router.registry import NodeEntry
+from router.token_mux import Route, merged
 from serving.rpc import is_draining
 
 log = logging.getLogger("pdserve.router")
@@ -186,16 +187,21 @@ class RequestRun:
         settled = False  # the reservation (if any) is activated, released or never made
         rid, sp, ids = self.tr.request_id, self.request.sampling, self.ids
         watch: NodeWatch | None = None
+        route: Route | None = None  # the request's tokens on the node's token stream
         try:
             if p is not None:
                 pre = await self.svc.prefill.run(d, p, self.request, ids, rid, self.images)
                 self.push = pre
+            route = d.mux.route(rid if pre is None else pre.rid)
+            stream = "" if route is None else route.stream_id
             if pre is None and self.sent:  # moved: the new node continues after the tokens sent
-                call = d.stub.Generate(self._resumed(rid))
+                call = d.stub.Generate(self._resumed(rid, stream))
             elif pre is None:
                 self.tr.prefill = "local"
                 call = d.stub.Generate(
-                    pb.DecodeRequest(request_id=rid, prompt_token_ids=ids, sampling=sp, images=self.images)
+                    pb.DecodeRequest(
+                        request_id=rid, prompt_token_ids=ids, sampling=sp, images=self.images, token_stream=stream
+                    )
                 )
             else:
                 f = pre.first
@@ -219,11 +225,12 @@ class RequestRun:
                         reserved=True,
                         first_token_id=f.first_token_id,
                         draft_token_ids=f.draft_token_ids,
+                        token_stream=stream,
                     )
                 )
             first = pre is None and not self.sent
             watch = NodeWatch(lambda: d.alive, call.cancel, self.svc.cfg.heartbeat_interval_s)
-            async for m in call:
+            async for m in merged(call, route):
                 settled = True  # D activated the reservation (or failed and released it)
                 if pre is not None and m.finish_reason:
                     await pre.wait(5.0)  # the transfer figures, complete on the last message
@@ -240,6 +247,8 @@ class RequestRun:
                 raise
             await self._decode_failed(NodeLost(d.node_id), d, pre, lost=True)
         finally:
+            if route is not None:
+                route.close()
             if watch is not None:
                 watch.stop()
             if call is not None:
@@ -250,14 +259,19 @@ class RequestRun:
                 if not pre.done.is_set():
                     pre.call.cancel()  # the request is over: the prefill node aborts what is left
 
-    def _resumed(self, rid: str) -> pb.DecodeRequest:
+    def _resumed(self, rid: str, stream: str) -> pb.DecodeRequest:
         """The request moved to a new node: the same prompt and sampling, the tokens sent as its
         output (prompt logprobs were sent already)."""
         sp = pb.SamplingParams()
         sp.CopyFrom(self.request.sampling)
         sp.ClearField("prompt_logprobs")
         return pb.DecodeRequest(
-            request_id=rid, prompt_token_ids=self.ids, sampling=sp, resume_token_ids=self.sent, images=self.images
+            request_id=rid,
+            prompt_token_ids=self.ids,
+            sampling=sp,
+            resume_token_ids=self.sent,
+            images=self.images,
+            token_stream=stream,
         )
 
     async def _decode_failed(self, e: grpc.RpcError, d: NodeEntry, pre: Push | None, lost: bool = False) -> None:

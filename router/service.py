@@ -120,6 +120,7 @@ class GenerateService:
     def _gauges(self) -> dict[str, tuple[str, float]]:
         dec = self.registry.live(pb.NODE_KIND_DECODE)
         caps = [e.info.capacity for e in dec]
+        mux = self.registry.mux_totals
         return {
             "queue_depth": ("Requests waiting for admission", self.admission.depth()),
             "active_requests": ("Requests in flight through the router", self.active),
@@ -146,6 +147,12 @@ class GenerateService:
                 "State slots in use over live decode nodes (last heartbeat)",
                 sum(c.total_slots - c.free_slots for c in caps),
             ),
+            "token_stream_messages_total": (
+                "Messages read on the decode nodes' token streams (one per engine step with tokens)",
+                mux.messages,
+            ),
+            "token_stream_tokens_total": ("Tokens read on the decode nodes' token streams", mux.tokens),
+            "token_streams_broken_total": ("Token streams that broke with requests on them", mux.broken),
         }
 
     def models(self) -> list[pb.ModelInfo]:

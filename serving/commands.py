@@ -19,6 +19,7 @@ from engine.outputs import RequestOutput
 from engine.request import Status
 from engine.sampling_params import SamplingParams
 from engine.vision.inputs import ImageInput
+from serving.mux import TokenSink
 
 _T = TypeVar("_T")
 
@@ -79,20 +80,32 @@ class RequestHandle:
     no polling) until the next RequestOutput, raising the error that ended the request instead;
     the last output has `finished` set. `abort()` may be called any number of times, also after
     the end or after the loop stopped; once a prefill-only request is prefilled it aborts its push.
-    `wait_transfer()` then waits for the push's end."""
+    `wait_transfer()` then waits for the push's end. With a token sink, next() returns only the
+    first outputs and the last (`deliver`)."""
 
-    def __init__(self, abort: Callable[[RequestHandle], None], request_id: str, num_prompt_tokens: int) -> None:
+    def __init__(
+        self,
+        abort: Callable[[RequestHandle], None],
+        request_id: str,
+        num_prompt_tokens: int,
+        sink: TokenSink | None = None,
+        direct_tokens: int = 1,
+    ) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.received = time.monotonic()  # the handler posted it
         self.added: float | None = None  # the engine took it (set by the loop before the first item)
+        self.sink = sink  # its token stream (serving/mux.py), or None: every output comes through next()
+        self.muxed = 0  # tokens sent on the sink before the output next() returned last
+        self._direct = direct_tokens  # loop thread: tokens next() still gets before the sink takes them
+        self._muxed = 0  # loop thread: tokens sent on the sink so far
         self._abort = abort
-        self._items: queue.SimpleQueue[RequestOutput | Failed] = queue.SimpleQueue()
+        self._items: queue.SimpleQueue[tuple[RequestOutput | Failed, int]] = queue.SimpleQueue()
         self._transfer: Future[SendDone | None] = Future()
 
     def next(self, timeout: float | None = None) -> RequestOutput:
         try:
-            item = self._items.get(timeout=timeout)
+            item, self.muxed = self._items.get(timeout=timeout)
         except queue.Empty:
             raise TimeoutError(f"request {self.request_id}: no output within {timeout} s") from None
         if isinstance(item, Failed):
@@ -120,7 +133,22 @@ class RequestHandle:
 
     # loop thread
     def _put(self, item: RequestOutput | Failed) -> None:
-        self._items.put(item)
+        self._items.put((item, self._muxed))
+
+    def deliver(self, out: RequestOutput) -> TokenSink | None:
+        """Hand a step's output on: with a sink, the first `direct_tokens` tokens and the last
+        output through next(), the tokens between on the sink (returned: flush it after the step);
+        without one, every output through next()."""
+        sink = self.sink
+        if sink is None or out.finished or self._direct > 0:
+            self._direct -= len(out.new_token_ids)
+            self._put(out)
+            return None
+        if not out.new_token_ids:
+            return None
+        sink.add(self.request_id, out.new_token_ids, out.logprobs)
+        self._muxed += len(out.new_token_ids)
+        return sink
 
     def _transfer_ended(self, done: SendDone | None, error: BaseException | None = None) -> None:
         if self._transfer.done():
@@ -301,3 +329,23 @@ def settle(fut: Future[_T], value: _T) -> None:
 def refuse(fut: Future[_T], error: BaseException) -> None:
     if not fut.done():
         fut.set_exception(error)
+
+
+def refuse_queued(inbox: queue.SimpleQueue[Command], err: BaseException) -> None:
+    """Answer every command still in `inbox` with `err` (the loop stopped before it ran them)."""
+    while True:
+        try:
+            cmd = inbox.get_nowait()
+        except queue.Empty:
+            return
+        match cmd:
+            case AddRequest(h) | AdmitTransferred(h):
+                h._transfer_ended(None, err)
+                h._put(Failed(err))
+            case AbortRequest(future=fut) | Reserve(future=fut) | AwaitTransfer(future=fut) | Release(future=fut):
+                if fut is not None:
+                    fut.set_exception(err)
+            case GetStats(fut):
+                fut.set_exception(err)
+            case Run(fail=fail):
+                fail(err)

@@ -40,9 +40,11 @@ from serving.commands import (
     UnknownRequest,
     Wake,
     refuse,
+    refuse_queued,
     settle,
     take_snapshot,
 )
+from serving.mux import TokenSink
 from serving.step_rate import StepRate
 
 log = logging.getLogger("pdserve.engine")
@@ -112,11 +114,12 @@ class EngineLoop:
         transfer: object = None,
         resume: Sequence[int] = (),
         images: Sequence[ImageInput] = (),
+        sink: TokenSink | None = None,
     ) -> RequestHandle:
-        """Queue a request for the engine; its outputs come through the handle. transfer: the
-        connector's parameters for it (a prefill-only request's push). resume: output tokens it
-        already has (EngineCore.resume_request): the handle streams only those after them."""
-        h = RequestHandle(self._abort_handle, request_id, len(prompt_token_ids))
+        """Queue a request for the engine; its outputs come through the handle (and `sink`:
+        RequestHandle.deliver). transfer: the connector's parameters for it (a prefill-only
+        request's push). resume: output tokens it already has (EngineCore.resume_request)."""
+        h = RequestHandle(self._abort_handle, request_id, len(prompt_token_ids), sink)
         self._post(AddRequest(h, list(prompt_token_ids), params, prefill_only, transfer, tuple(resume), tuple(images)))
         return h
 
@@ -127,10 +130,12 @@ class EngineLoop:
         first_token: int,
         drafts: Sequence[int] = (),
         prepare: Callable[[], None] | None = None,
+        sink: TokenSink | None = None,
     ) -> RequestHandle:
         """A RESERVED request whose state has landed joins the batch with its first token
-        (EngineCore.activate: the connector takes the state); `prepare` runs on the loop thread first."""
-        h = RequestHandle(self._abort_handle, request_id, num_prompt_tokens)
+        (EngineCore.activate: the connector takes the state; its output, then the next token, come
+        through the handle before `sink` takes any); `prepare` runs on the loop thread first."""
+        h = RequestHandle(self._abort_handle, request_id, num_prompt_tokens, sink, direct_tokens=2)
         self._post(AdmitTransferred(h, first_token, tuple(drafts), prepare))
         return h
 
@@ -270,6 +275,7 @@ class EngineLoop:
             log.exception("engine step failed")
             self._fail_all(e)
             return
+        sinks: dict[TokenSink, None] = {}  # the token streams this step added to
         for o in outs:
             h = self._handles.get(o.request_id)
             if h is None:
@@ -277,7 +283,10 @@ class EngineLoop:
             if o.finished:
                 del self._handles[o.request_id]
                 self._after(h, o)
-            h._put(o)
+            if (sink := h.deliver(o)) is not None:
+                sinks[sink] = None
+        for sink in sinks:
+            sink.flush()  # one message per stream per step
 
     def _after(self, h: RequestHandle, out: RequestOutput) -> None:
         """A handle's request finished: a prefilled one waits for its push, the others wait for nothing."""
@@ -362,7 +371,7 @@ class EngineLoop:
         else:
             self._handles[h.request_id] = h
         if first is not None:
-            h._put(first)
+            h.deliver(first)  # counts toward the tokens the handle gets before its sink
 
     def _add(
         self, rid: str, ids: list[int], params: SamplingParams, prefill_only: bool, transfer: object,
@@ -471,27 +480,7 @@ class EngineLoop:
 
     def _drain_inbox(self) -> None:
         """Answer every command still queued (the loop stopped before it ran)."""
-        err = ShuttingDown("the engine loop has stopped: the node is shutting down")
-        while True:
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            match cmd:
-                case AddRequest(h) | AdmitTransferred(h):
-                    h._transfer_ended(None, err)
-                    h._put(Failed(err))
-                case (
-                    AbortRequest(future=fut)
-                    | Reserve(future=fut)
-                    | AwaitTransfer(future=fut)
-                    | Release(future=fut)
-                    | GetStats(fut)
-                ):
-                    if fut is not None:
-                        fut.set_exception(err)
-                case Run(fail=fail):
-                    fail(err)
+        refuse_queued(self._inbox, ShuttingDown("the engine loop has stopped: the node is shutting down"))
 
     def _snap(self) -> None:
         streaming = len(self._handles) + len(self._pushing)
