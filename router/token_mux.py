@@ -25,10 +25,13 @@ log = logging.getLogger("pdserve.router")
 
 
 class StreamBroken(NodeLost):
-    """The node's token stream ended while requests were on it: their node failed (UNAVAILABLE)."""
+    """The node's token stream ended while requests were on it: their node failed (UNAVAILABLE).
+    `clean`: the node ended it itself (it stops): each request's own call then ends with its
+    node's word (a drain's hand-off, say), and only a call still owed tokens fails with this."""
 
-    def __init__(self, node_id: str, why: str) -> None:
+    def __init__(self, node_id: str, why: str, clean: bool = False) -> None:
         super().__init__(node_id, f"lost its token stream ({why})")
+        self.clean = clean
 
 
 @dataclass
@@ -98,7 +101,7 @@ class TokenMux:
         return len(self._routes)
 
     async def _read(self, stream_id: str) -> None:
-        why = "it ended"
+        why, clean = "it ended", True
         try:
             call = self._stub().TokenStream(pb.TokenStreamRequest(stream_id=stream_id))
             totals = self.totals
@@ -114,9 +117,9 @@ class TokenMux:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:
                 log.info("decode node %s has no token stream: its requests stream on their own calls", self.node_id)
                 self.unsupported = True
-            why = f"{e.code().name}: {e.details()}"
+            why, clean = f"{e.code().name}: {e.details()}", False
         except asyncio.CancelledError:
-            why = "cancelled"
+            why, clean = "cancelled", False
             raise
         finally:
             self._task = None
@@ -127,7 +130,7 @@ class TokenMux:
                     n = len(routes)
                     log.warning("decode node %s: token stream broke (%s) with %d requests on it", self.node_id, why, n)
                 for inbox in routes.values():
-                    inbox.put_nowait(StreamBroken(self.node_id, why))
+                    inbox.put_nowait(StreamBroken(self.node_id, why, clean))
 
     def close(self) -> None:
         if self._task is not None:
@@ -150,7 +153,8 @@ async def merged(call: Any, route: Route | None) -> AsyncIterator[pb.GenerateRes
     """The messages of a decode node's Generate `call` in order, with the token stream's deltas of
     its request (as GenerateResponse) between its first message and the later ones; without a
     route, the call's own messages. A call error raises once the messages before it are relayed;
-    a cancelled call (its node declared dead) or a broken stream raises at once."""
+    a cancelled call (its node declared dead) or a broken stream raises at once; a stream its node
+    ended cleanly (it stops) raises only for a call message whose tokens it no longer can bring."""
     if route is None:
         async for m in call:
             yield m
@@ -162,11 +166,14 @@ async def merged(call: Any, route: Route | None) -> AsyncIterator[pb.GenerateRes
     started = False
     got = 0  # this request's tokens relayed from the stream
     timings = pb.Timings()  # the node's, from its first message
+    closed: StreamBroken | None = None  # the node ended the stream cleanly: no more deltas
     try:
         while True:
             item = await inbox.get()
             if isinstance(item, StreamBroken):
-                raise item
+                if not item.clean:
+                    raise item
+                closed = item
             if isinstance(item, _Ended) and isinstance(item.error, asyncio.CancelledError):
                 raise item.error
             if isinstance(item, pb.TokenDelta):
@@ -175,7 +182,7 @@ async def merged(call: Any, route: Route | None) -> AsyncIterator[pb.GenerateRes
                     continue
                 got += len(item.token_ids)
                 yield pb.GenerateResponse(token_ids=item.token_ids, logprobs=item.logprobs, timings=timings)
-            else:
+            elif not isinstance(item, StreamBroken):
                 calls.append(item)
             while calls and (isinstance(calls[0], _Ended) or got >= calls[0].muxed_tokens):
                 m = calls.popleft()
@@ -192,6 +199,8 @@ async def merged(call: Any, route: Route | None) -> AsyncIterator[pb.GenerateRes
                         got += len(d.token_ids)
                         yield pb.GenerateResponse(token_ids=d.token_ids, logprobs=d.logprobs, timings=timings)
                     early = []
+            if closed is not None and calls and not isinstance(calls[0], _Ended):
+                raise closed  # owed tokens the ended stream cannot bring
     finally:
         route.close()
         pump.cancel()

@@ -1,7 +1,8 @@
 """router/token_mux.py on its own, with a fake Generate call and deltas put by hand: the order
 `merged` relays a request's messages in (the call's first message before any delta, the call's
 later messages only once the deltas they count are in, a call error after the messages before
-it, a broken stream or a cancelled call at once), and the demultiplexing of a node's batches."""
+it, a broken stream or a cancelled call at once, a stream its node ended leaving each call its own
+end), and the demultiplexing of a node's batches."""
 
 from __future__ import annotations
 
@@ -157,6 +158,40 @@ def test_a_broken_stream_fails_its_requests_at_once_and_the_next_route_reopens_i
         await _settle()
         assert again is not None and again.stream_id != first_id and len(stub.calls) == 2
         again.close()
+        mux.close()
+        await _settle()
+
+    asyncio.run(go())
+
+
+def test_a_stream_its_node_ends_leaves_each_call_its_own_end():
+    """A stopping node closes its token stream (no error) before or after its calls end: a call's
+    own error (a drain's hand-off) still ends its request, one that finished normally still
+    finishes, and only a call whose counted tokens never came fails as the stream's loss."""
+
+    async def go():
+        stub = _Stub()
+        mux = TokenMux("d0", lambda: stub)
+        routes = [mux.route(f"r{i}") for i in range(3)]
+        outs: list[list] = [[], [], []]
+        calls = [_Call() for _ in routes]
+        tasks = [asyncio.create_task(_collect(merged(c, r), o)) for c, r, o in zip(calls, routes, outs, strict=True)]
+        await _settle()
+        for c in calls:
+            c.q.put_nowait(pb.GenerateResponse(token_ids=[1]))
+        stub.calls[0].q.put_nowait(pb.TokenBatch(deltas=[_delta("r0", 2), _delta("r1", 2), _delta("r2", 2)]))
+        await _settle()
+        stub.calls[0].q.put_nowait(None)  # the node stops: its stream ends cleanly, first
+        await _settle()
+        calls[0].q.put_nowait(pb.GenerateResponse(token_ids=[], muxed_tokens=1))
+        calls[0].q.put_nowait(_Err())  # handed off
+        calls[1].q.put_nowait(pb.GenerateResponse(token_ids=[3], finish_reason="length", muxed_tokens=1))
+        calls[1].q.put_nowait(None)
+        calls[2].q.put_nowait(pb.GenerateResponse(token_ids=[], finish_reason="length", muxed_tokens=2))
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        assert outs[0][:-1] == [([1], ""), ([2], "")] and isinstance(outs[0][-1], _Err)
+        assert outs[1] == [([1], ""), ([2], ""), ([3], "length")]
+        assert outs[2][:-1] == [([1], ""), ([2], "")] and isinstance(outs[2][-1], StreamBroken)
         mux.close()
         await _settle()
 
