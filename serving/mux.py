@@ -23,31 +23,40 @@ class Delta:
 
 class TokenSink:
     """One token stream's batch being built (loop thread) and the batches ready to send (its
-    handler thread). Once closed, what is added is dropped: the caller treats the stream's end as
-    the node's failure for every request on it."""
+    handler thread). Closing sends what was added first; what is added after is dropped: the
+    caller treats a call still owed tokens after the stream's end as the node's failure."""
 
     def __init__(self, stream_id: str) -> None:
         self.stream_id = stream_id
         self.closed = False
+        self._lock = threading.Lock()  # a close between a step's adds and its flush sends them first
         self._batch: list[Delta] = []
         self._ready: queue.SimpleQueue[list[Delta] | None] = queue.SimpleQueue()
 
     # loop thread
     def add(self, request_id: str, token_ids: list[int], logprobs: list | None) -> None:
-        if not self.closed:
-            self._batch.append(Delta(request_id, token_ids, logprobs))
+        with self._lock:
+            if not self.closed:
+                self._batch.append(Delta(request_id, token_ids, logprobs))
 
     def flush(self) -> None:
         """The step is over: its batch goes out as one message."""
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
         if self._batch:
             self._ready.put(self._batch)
             self._batch = []
 
     # any thread
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._ready.put(None)
+        """Ends the stream after what was added so far (the tokens a request's count includes)."""
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                self._flush()
+                self._ready.put(None)
 
     # the stream's handler thread
     def batches(self) -> Iterator[list[Delta]]:
