@@ -35,6 +35,7 @@ class NodeEntry:
     static: bool = False
     last_seen: float = field(default_factory=time.monotonic)
     alive: bool = True
+    unreachable: bool = False  # a call found it gone (UNAVAILABLE): no new requests until it reports
     inflight: int = 0  # requests the router has on this node now
     inflight_blocks: int = 0  # KV blocks those requests' prompts need
     inflight_prefill_tokens: int = 0  # prompt tokens sent to this prefill node, first token not back
@@ -99,6 +100,7 @@ class NodeEntry:
         """A fresh capacity report arrived: it includes what the router saw finish."""
         self.last_seen = time.monotonic()
         self.freed_slots = self.freed_blocks = self.prefilled_tokens = 0
+        self.unreachable = False
 
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens waiting on the node: its last report, less what it prefilled for the
@@ -228,9 +230,22 @@ class NodeRegistry:
             return [e for e in self.nodes.values() if e.alive and e.kind == kind]
 
     def routable(self, kind: int) -> list[NodeEntry]:
-        """Live and not draining: nodes that may get new requests."""
+        """Live, reachable and not draining: nodes that may get new requests."""
         with self.lock:
-            return [e for e in self.nodes.values() if e.alive and not e.info.draining and e.kind == kind]
+            return [
+                e
+                for e in self.nodes.values()
+                if e.alive and not e.unreachable and not e.info.draining and e.kind == kind
+            ]
+
+    def mark_unreachable(self, e: NodeEntry, why: str) -> None:
+        """A call to the node failed UNAVAILABLE (its process gone, say): no new requests go there
+        until its next report, without waiting for the heartbeats to declare it dead (its streams
+        in flight are left to their own calls)."""
+        with self.lock:
+            if not e.unreachable:
+                log.warning("node %s unreachable (%s): no new requests until it reports again", e.node_id, why)
+            e.unreachable = True
 
     def mark_draining(self, e: NodeEntry) -> None:
         """The node refused a call because it drains (until a heartbeat says otherwise)."""

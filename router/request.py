@@ -277,6 +277,8 @@ class RequestRun:
     async def _decode_failed(self, e: grpc.RpcError, d: NodeEntry, pre: Push | None, lost: bool = False) -> None:
         """D refused or failed the request: raise _Retry (place it elsewhere), Moved (mid-stream:
         place it elsewhere with the tokens sent) or Abort. lost: the heartbeats declared D dead."""
+        if e.code() == grpc.StatusCode.UNAVAILABLE and not lost and not is_draining(e):
+            self.svc.registry.mark_unreachable(d, e.details() or "UNAVAILABLE")
         if self.sent:
             self.migration.move(e, d.node_id, len(self.sent), lost)  # raises unless not D's failure
         code = grpc.StatusCode.UNAVAILABLE if lost else e.code()

@@ -1,6 +1,6 @@
 """The router's registry and policy, in process, with fake nodes: registration, heartbeats,
 death after missed heartbeats, re-registration of a new incarnation, static nodes polled with
-Stats, draining nodes (alive, not routable), and the least-loaded choice. Plus the pools file of `pdserve up`."""
+Stats, draining and unreachable nodes (alive, not routable), and the least-loaded choice. Plus the pools file of `pdserve up`."""
 
 from __future__ import annotations
 
@@ -83,6 +83,19 @@ def test_draining_node_is_alive_but_not_routable(router):
     assert r.registry.routable(pb.NODE_KIND_DECODE) == []
     stub.Heartbeat(pb.HeartbeatRequest(node_id="d1", incarnation=1, capacity=_info("d1", "").capacity), timeout=5)
     assert [e.node_id for e in r.registry.routable(pb.NODE_KIND_DECODE)] == ["d1"]
+
+
+def test_unreachable_node_is_alive_but_not_routable_until_it_reports(router):
+    """A call that found a node gone keeps new requests off it at once (not after the heartbeats'
+    dead_after), leaves it live for the calls it has, and its next heartbeat brings it back."""
+    r, stub = router
+    for nid in ("d0", "d1"):
+        stub.Register(pb.RegisterRequest(node=_info(nid, "127.0.0.1:1")), timeout=5)
+    r.registry.mark_unreachable(r.registry.nodes["d0"], "connection refused")
+    assert [e.node_id for e in r.registry.routable(pb.NODE_KIND_DECODE)] == ["d1"]
+    assert {e.node_id for e in r.registry.live(pb.NODE_KIND_DECODE)} == {"d0", "d1"}
+    stub.Heartbeat(pb.HeartbeatRequest(node_id="d0", incarnation=1, capacity=_info("d0", "").capacity), timeout=5)
+    assert {e.node_id for e in r.registry.routable(pb.NODE_KIND_DECODE)} == {"d0", "d1"}
 
 
 def test_decode_node_prefills_when_every_prefill_node_is_loaded():
