@@ -76,6 +76,21 @@ async def _one_request():
     return stub, mux, call, out, task
 
 
+async def _three_requests():
+    """A node's mux with r0..r2 routed on it, each call's first message ([1]) sent: the stub, the
+    mux, the routes, the calls, what each relays, the relaying tasks."""
+    stub = _Stub()
+    mux = TokenMux("d0", lambda: stub)
+    routes = [mux.route(f"r{i}") for i in range(3)]
+    outs: list[list] = [[], [], []]
+    calls = [_Call() for _ in routes]
+    tasks = [asyncio.create_task(_collect(merged(c, r), o)) for c, r, o in zip(calls, routes, outs, strict=True)]
+    await _settle()
+    for c in calls:
+        c.q.put_nowait(pb.GenerateResponse(token_ids=[1]))
+    return stub, mux, routes, calls, outs, tasks
+
+
 async def _settle():
     for _ in range(5):
         await asyncio.sleep(0)
@@ -137,15 +152,7 @@ def test_a_call_error_comes_after_the_tokens_before_it():
 
 def test_a_broken_stream_fails_its_requests_at_once_and_the_next_route_reopens_it():
     async def go():
-        stub = _Stub()
-        mux = TokenMux("d0", lambda: stub)
-        routes = [mux.route(f"r{i}") for i in range(3)]
-        outs: list[list] = [[], [], []]
-        calls = [_Call() for _ in routes]
-        tasks = [asyncio.create_task(_collect(merged(c, r), o)) for c, r, o in zip(calls, routes, outs, strict=True)]
-        await _settle()
-        for c in calls:
-            c.q.put_nowait(pb.GenerateResponse(token_ids=[1]))
+        stub, mux, routes, calls, outs, tasks = await _three_requests()
         await _settle()
         first_id = routes[0].stream_id
         stub.calls[0].q.put_nowait(_Err())  # the node died
@@ -170,15 +177,7 @@ def test_a_stream_its_node_ends_leaves_each_call_its_own_end():
     finishes, and only a call whose counted tokens never came fails as the stream's loss."""
 
     async def go():
-        stub = _Stub()
-        mux = TokenMux("d0", lambda: stub)
-        routes = [mux.route(f"r{i}") for i in range(3)]
-        outs: list[list] = [[], [], []]
-        calls = [_Call() for _ in routes]
-        tasks = [asyncio.create_task(_collect(merged(c, r), o)) for c, r, o in zip(calls, routes, outs, strict=True)]
-        await _settle()
-        for c in calls:
-            c.q.put_nowait(pb.GenerateResponse(token_ids=[1]))
+        stub, mux, routes, calls, outs, tasks = await _three_requests()
         stub.calls[0].q.put_nowait(pb.TokenBatch(deltas=[_delta("r0", 2), _delta("r1", 2), _delta("r2", 2)]))
         await _settle()
         stub.calls[0].q.put_nowait(None)  # the node stops: its stream ends cleanly, first
