@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import io
 import re
 import shutil
@@ -367,6 +368,19 @@ def test_overlays_pick_their_image(rendered):
 
 
 # ---- Dockerfiles ---------------------------------------------------------------------------
+def _dockerignored(path: str, patterns: list[str]) -> bool:
+    """Whether a .dockerignore's patterns leave `path` out of the build context (the last
+    matching pattern decides; `!` lets a path back in; a directory pattern covers what is under it)."""
+    out = False
+    for raw in (p.strip() for p in patterns):
+        if not raw or raw.startswith("#"):
+            continue
+        pat = raw.lstrip("!").rstrip("/")
+        if pat == "**" or fnmatch.fnmatch(path, pat) or path.startswith(pat + "/"):
+            out = not raw.startswith("!")
+    return out
+
+
 @pytest.mark.parametrize("flavour", ["cpu", "cuda"], ids=["Dockerfile.cpu", "Dockerfile.cuda"])
 def test_dockerfile_installs_the_project_as_a_non_root_pdserve(flavour):
     text = (ROOT / "deploy" / "docker" / f"Dockerfile.{flavour}").read_text()
@@ -377,6 +391,13 @@ def test_dockerfile_installs_the_project_as_a_non_root_pdserve(flavour):
     for pattern in py["tool"]["setuptools"]["packages"]["find"]["include"]:
         assert pattern.rstrip("*") in copied, f"Dockerfile.{flavour} does not copy the {pattern} packages"
     assert {"pyproject.toml", "README.md"} <= {w for ln in lines if ln.startswith("COPY ") for w in ln.split()[1:-1]}
+    # every source the build copies from the context gets through the flavour's .dockerignore
+    ignore = (ROOT / "deploy" / "docker" / f"Dockerfile.{flavour}.dockerignore").read_text().split("\n")
+    for ln in lines:
+        if ln.startswith("COPY ") and "--from=" not in ln:
+            for src in ln.split()[1:-1]:
+                probe = src + "__init__.py" if src.endswith("/") else src
+                assert not _dockerignored(probe, ignore), f"Dockerfile.{flavour}.dockerignore leaves out {src}"
     # torch from the flavour's wheel index before the project, so pip keeps that build
     i_torch = next(i for i, ln in enumerate(lines) if 'pip install "${TORCH}" --index-url' in ln)
     i_proj = next(i for i, ln in enumerate(lines) if "pip install ." in ln)
