@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, get_args
 
-from engine.config_fields import fp8_block_size, moe_fields
+from engine.config_fields import fp8_block_size, has_processor, moe_fields
 from engine.options import option
 from engine.rope import RopeScaling
 from engine.tokenizer import message_break
@@ -81,6 +81,8 @@ class ModelConfig:
     # routed experts of an FP8 checkpoint: kept in FP8 ("keep"), dequantized at load ("dequantize"),
     # or "auto": kept on CUDA (the fused MoE kernel dequantizes each tile as it loads it)
     fp8_experts: Literal["auto", "keep", "dequantize"] = "auto"
+    # the dense projections (attention, GDN, MLPs, shared experts) likewise, through `Linear.fp8`
+    fp8_dense: Literal["auto", "keep", "dequantize"] = "auto"
     mtp_num_layers: int = 0  # multi-token-prediction layers the config declares (`mtp.layers.*`)
     rope_scaling: RopeScaling = RopeScaling()  # YaRN / linear scaling of the rotary positions (engine/rope.py)
     vision: VisionConfig | None = None  # the vision tower of a vision-language checkpoint (docs/images.md)
@@ -213,14 +215,8 @@ class ModelConfig:
             **moe_fields(text, want_type),
             mtp_num_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
             rope_scaling=scaling,
-            vision=VisionConfig.from_raw(raw, text) if arch in _WRAPPERS and _has_processor(path) else None,
+            vision=VisionConfig.from_raw(raw, text) if arch in _WRAPPERS and has_processor(path) else None,
         )
-
-
-def _has_processor(path: str | os.PathLike) -> bool:
-    """A vision-language checkpoint serves images when it ships its image processor; without one
-    its text model is served and the vision tower left out (docs/images.md)."""
-    return (Path(path) / "preprocessor_config.json").is_file()
 
 
 @dataclass(frozen=True)
@@ -451,6 +447,9 @@ class EngineArgs:
         "FP8 checkpoints: keep the routed experts in FP8 (keep) or dequantize them at load (dequantize); "
         "auto keeps them on cuda (half the memory of bfloat16)",
     )
+    fp8_dense: Literal["auto", "keep", "dequantize"] = option(
+        "auto", "FP8 checkpoints: keep the dense projections in FP8 or dequantize them at load; auto keeps them on cuda"
+    )
     batch_chunk_tokens: int = option(
         256, "prompt tokens batch-class requests get per step while interactive ones are about (0: no cap)"
     )
@@ -468,7 +467,9 @@ class EngineArgs:
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
-            model=dataclasses.replace(ModelConfig.from_dir(self.model, self.dtype), fp8_experts=self.fp8_experts),
+            model=dataclasses.replace(
+                ModelConfig.from_dir(self.model, self.dtype), fp8_experts=self.fp8_experts, fp8_dense=self.fp8_dense
+            ),
             parallel=ParallelConfig(self.tensor_parallel_size),
             cache=CacheConfig(
                 block_size=self.block_size,

@@ -1,5 +1,5 @@
 """The parts of a checkpoint's config.json that config.py's ModelConfig reads through a rule of
-their own: the MoE sizes of each architecture and the FP8 quantization block."""
+their own: the MoE sizes of each architecture, the FP8 quantization block, whether images are served."""
 
 from __future__ import annotations
 
@@ -45,3 +45,9 @@ def fp8_block_size(qc: dict | None, where: Path) -> tuple[int, int] | None:
     if qc.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"unsupported fp8 format {qc.get('fmt')!r} in {where}; supported: e4m3")
     return (block[0], block[1])
+
+
+def has_processor(path) -> bool:
+    """A vision-language checkpoint serves images when it ships its image processor; without one
+    its text model is served and the vision tower left out (docs/images.md)."""
+    return (Path(path) / "preprocessor_config.json").is_file()

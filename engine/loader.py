@@ -1,12 +1,14 @@
 """Checkpoint loading: safetensors as transformers writes them (one file or sharded), every
 expected tensor's shape checked before any is read, sharded for one tensor-parallel rank and fused
-for the model; FP8 block-quantized weights dequantized once (routed experts may stay FP8), the MTP
-block read only when it drafts (docs/engine.md, "Module notes")."""
+for the model; FP8 block-quantized weights dequantized once, or kept FP8 (routed experts by
+`fp8_experts`, dense projections by `fp8_dense`, TP slices with their block scales), the MTP block
+read only when it drafts (docs/engine.md, "Module notes")."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -14,7 +16,7 @@ from engine.checkpoint import SCALE_SUFFIX, Reader, Shapes, check_checkpoint, ch
 from engine.config import ModelConfig
 from engine.model.linear import Linear
 from engine.shard import conv_channel_index, head_range, intermediate_range, kv_head_range
-from kernels.fp8 import dequant_fp8_block
+from kernels.fp8 import cat_fp8_block, dequant_fp8_block, narrow_fp8_block
 
 FP8Experts = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # w13, w13 scales, w2, w2 scales
 
@@ -24,11 +26,30 @@ log = logging.getLogger("pdserve.loader")
 # ---- loading, one function per block -------------------------------------------------------
 
 
+class FP8Part(NamedTuple):
+    """A slice of a block-quantized projection kept in FP8: float8 rows, their scales, the block."""
+
+    w: torch.Tensor
+    scale_inv: torch.Tensor
+    block_size: tuple[int, int]
+
+
+def _runs(idx: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, length) of each run of consecutive indices in idx, in order."""
+    idx = idx.flatten()
+    cuts = (torch.nonzero(idx[1:] - idx[:-1] != 1).flatten() + 1).tolist()
+    bounds = [0, *cuts, idx.numel()]
+    return [(int(idx[a]), b - a) for a, b in zip(bounds, bounds[1:])]
+
+
 class _Weights:
-    """Reads a checkpoint tensor in the compute dtype (dequantizing FP8 blocks) and slices it."""
+    """Reads a checkpoint tensor in the compute dtype (dequantizing FP8 blocks) and slices it; with
+    dense FP8 kept, a quantized projection's slices stay FP8 (`part`, `linear`)."""
 
     def __init__(self, cfg: ModelConfig, reader: Reader, scales: Shapes, device):
         self.cfg, self.reader, self.scales, self.device = cfg, reader, scales, device
+        mode, cuda = cfg.fp8_dense, torch.device(device).type == "cuda"
+        self.keep_fp8 = cfg.fp8_block_size is not None and (mode == "keep" or (mode == "auto" and cuda))
 
     def full(self, name: str) -> torch.Tensor:
         w = self.reader.get(name)
@@ -44,6 +65,34 @@ class _Weights:
         if cols is not None:
             w = w[:, cols]
         return w.to(dtype=self.cfg.dtype, device=self.device).contiguous()
+
+    def part(self, name: str, rows=None, cols=None) -> torch.Tensor | FP8Part:
+        """As `__call__`, but a quantized projection stays FP8 when dense FP8 is kept: each run of
+        consecutive rows (columns) narrowed with its scales, the runs concatenated (kernels.fp8)."""
+        if not (self.keep_fp8 and name + SCALE_SUFFIX in self.scales):
+            return self(name, rows, cols)
+        assert self.cfg.fp8_block_size is not None
+        w, s, block = self.reader.get(name), self.reader.get(name + SCALE_SUFFIX).float(), self.cfg.fp8_block_size
+        for dim, idx in ((0, rows), (1, cols)):
+            if idx is not None:
+                parts = [narrow_fp8_block(w, s, block, dim, a, n) for a, n in _runs(torch.as_tensor(idx))]
+                w, s, block = cat_fp8_block(parts, dim) if len(parts) > 1 else parts[0]
+        return FP8Part(w.to(self.device), s.to(self.device), block)
+
+    def linear(self, *parts: torch.Tensor | FP8Part) -> Linear:
+        """One Linear over `parts` stacked by rows: FP8 when the leading parts are (rows the
+        checkpoint left unquantized, such as GDN's b and a, follow as its tail), else in the compute
+        dtype."""
+        n = next((i for i, p in enumerate(parts) if not isinstance(p, FP8Part)), len(parts))
+        head = [p for p in parts[:n] if isinstance(p, FP8Part)]
+        if not head or any(isinstance(p, FP8Part) for p in parts[n:]):
+            return Linear(torch.cat([self._plain(p) for p in parts]) if len(parts) > 1 else self._plain(parts[0]))
+        w, s, block = cat_fp8_block(head, 0) if len(head) > 1 else head[0]
+        tail = [self._plain(p) for p in parts[n:]]
+        return Linear.fp8(w, s, block, self.cfg.dtype, torch.cat(tail) if tail else None)
+
+    def _plain(self, p: torch.Tensor | FP8Part) -> torch.Tensor:
+        return dequant_fp8_block(*p, self.cfg.dtype) if isinstance(p, FP8Part) else p
 
 
 def _rank_range(size: int, tp: int, rank: int) -> torch.Tensor:
@@ -82,25 +131,24 @@ def _load_gdn(cfg: ModelConfig, get: _Weights, a: str, tp: int, rank: int) -> di
     conv_idx = torch.tensor(conv_channel_index(cfg, tp, rank))
     if cfg.fused_gdn_projections:
         qkv, z, b, a_ = _qwen3_next_gdn_rows(cfg)
-        qkvz, ba = get.full(a + "in_proj_qkvz.weight"), get.full(a + "in_proj_ba.weight")
-        w_in = torch.cat([qkvz[qkv[conv_idx]], qkvz[z[v_rows]], ba[b[vh_idx]], ba[a_[vh_idx]]])
-        w_in = w_in.to(dtype=cfg.dtype, device=get.device)
+        w_in = get.linear(
+            get.part(a + "in_proj_qkvz.weight", torch.cat([qkv[conv_idx], z[v_rows]])),
+            get.part(a + "in_proj_ba.weight", torch.cat([b[vh_idx], a_[vh_idx]])),
+        )
     else:
-        w_in = torch.cat(
-            [
-                get(a + "in_proj_qkv.weight", conv_idx),
-                get(a + "in_proj_z.weight", v_rows),
-                get(a + "in_proj_b.weight", vh_idx),
-                get(a + "in_proj_a.weight", vh_idx),
-            ]
+        w_in = get.linear(
+            get.part(a + "in_proj_qkv.weight", conv_idx),
+            get.part(a + "in_proj_z.weight", v_rows),
+            get.part(a + "in_proj_b.weight", vh_idx),
+            get.part(a + "in_proj_a.weight", vh_idx),
         )
     return {
-        "w_in": Linear(w_in),
+        "w_in": w_in,
         "conv": get(a + "conv1d.weight", conv_idx)[:, 0, :].contiguous(),
         "A_log": get(a + "A_log", vh_idx).float(),
         "dt_bias": get(a + "dt_bias", vh_idx),
         "norm": get(a + "norm.weight"),
-        "w_out": Linear(get(a + "out_proj.weight", cols=v_rows)),
+        "w_out": get.linear(get.part(a + "out_proj.weight", cols=v_rows)),
     }
 
 
@@ -108,32 +156,28 @@ def _load_attention(cfg: ModelConfig, get: _Weights, a: str, tp: int, rank: int)
     hd = cfg.head_dim
     qh = head_range(cfg.num_attention_heads, tp, rank)
     kvh = kv_head_range(cfg.num_kv_heads, tp, rank)
-    q_rows = torch.arange(qh.start * 2 * hd, qh.stop * 2 * hd)  # q_proj rows are [q | gate] per head
+    # q_proj rows are [q | gate] per head: this rank's q rows, its gate rows are hd further
+    q_idx = (torch.arange(qh.start, qh.stop)[:, None] * 2 * hd + torch.arange(hd)).flatten()
     q_cols = torch.arange(qh.start * hd, qh.stop * hd)
     kv_rows = torch.arange(kvh.start * hd, kvh.stop * hd)
-    qg = get(a + "q_proj.weight", q_rows).view(len(qh), 2, hd, -1)  # per head [q | gate]
     return {
-        "w_qkv": Linear(
-            torch.cat(
-                [
-                    qg[:, 0].reshape(-1, qg.shape[-1]),
-                    get(a + "k_proj.weight", kv_rows),
-                    qg[:, 1].reshape(-1, qg.shape[-1]),
-                    get(a + "v_proj.weight", kv_rows),
-                ]
-            )
+        "w_qkv": get.linear(
+            get.part(a + "q_proj.weight", q_idx),
+            get.part(a + "k_proj.weight", kv_rows),
+            get.part(a + "q_proj.weight", q_idx + hd),
+            get.part(a + "v_proj.weight", kv_rows),
         ),
         "q_norm": get(a + "q_norm.weight"),
         "k_norm": get(a + "k_norm.weight"),
-        "w_o": Linear(get(a + "o_proj.weight", cols=q_cols)),
+        "w_o": get.linear(get.part(a + "o_proj.weight", cols=q_cols)),
     }
 
 
 def _load_mlp(get: _Weights, m: str, rows: torch.Tensor) -> dict:
     """A SwiGLU MLP's column-parallel [gate_r | up_r] and row-parallel down_r."""
     return {
-        "w_gate_up": Linear(torch.cat([get(m + "gate_proj.weight", rows), get(m + "up_proj.weight", rows)])),
-        "w_down": Linear(get(m + "down_proj.weight", cols=rows)),
+        "w_gate_up": get.linear(get.part(m + "gate_proj.weight", rows), get.part(m + "up_proj.weight", rows)),
+        "w_down": get.linear(get.part(m + "down_proj.weight", cols=rows)),
     }
 
 
@@ -161,12 +205,12 @@ def _load_moe(cfg: ModelConfig, get: _Weights, m: str, tp: int, rank: int) -> di
             "block_size": cfg.fp8_block_size,
         }
     return {
-        "router": Linear(get(m + "gate.weight")),
+        "router": get.linear(get.part(m + "gate.weight")),
         "w13": w13.to(dtype=w13.dtype if fp8 else cfg.dtype, device=get.device).contiguous(),
         "w2": w2.to(dtype=w2.dtype if fp8 else cfg.dtype, device=get.device).contiguous(),
         **scales,
         "shared": _load_mlp(get, m + "shared_expert.", _rank_range(cfg.shared_expert_intermediate_size, tp, rank)),
-        "shared_gate": Linear(get(m + "shared_expert_gate.weight")),
+        "shared_gate": get.linear(get.part(m + "shared_expert_gate.weight")),
     }
 
 
@@ -226,6 +270,11 @@ def load_weights(cfg: ModelConfig, tp: int, rank: int, device="cpu") -> dict:
     a MoE layer's "mlp" has "router", "w13", "w2", "shared", "shared_gate"."""
     reader = Reader(Path(cfg.path))
     get = _Weights(cfg, reader, check_checkpoint(cfg, reader), device)
+    if get.keep_fp8:
+        log.info(
+            "dense projections kept in FP8 (--fp8-dense %s): block-FP8 GEMM, tensor-parallel slices with their scales",
+            cfg.fp8_dense,
+        )
     p = cfg.weight_prefix
     embed = get(f"{p}embed_tokens.weight")
     return {
@@ -247,7 +296,7 @@ def load_mtp_weights(cfg: ModelConfig, tp: int, rank: int, device="cpu") -> dict
     return {
         "norm_embed": get("mtp.pre_fc_norm_embedding.weight"),
         "norm_hidden": get("mtp.pre_fc_norm_hidden.weight"),
-        "fc": Linear(get("mtp.fc.weight")),  # [hidden, 2 * hidden], replicated
+        "fc": get.linear(get.part("mtp.fc.weight")),  # [hidden, 2 * hidden], replicated
         "norm": get("mtp.norm.weight"),
         "layers": [
             _load_layer(cfg, get, f"mtp.layers.{j}.", "full_attention", cfg.num_experts > 0, tp, rank)

@@ -17,6 +17,7 @@ __all__ = [
     "dequant_fp8_block",
     "quant_fp8_block",
     "narrow_fp8_block",
+    "cat_fp8_block",
     "fp8_block_linear",
     "fp8_block_linear_ref",
 ]
@@ -73,6 +74,35 @@ def narrow_fp8_block(
     first, end = start // fine, -(-(start + length) // fine)
     part_scales = scales.narrow(axis, first, end - first).contiguous()
     return w.narrow(axis, start, length).contiguous(), part_scales, (bn, fine) if last else (fine, bk)
+
+
+def cat_fp8_block(parts, dim: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+    """Concatenate (w, scale_inv, block size) parts along dim (one of the last two axes) into one
+    (w, scale_inv, block size). Along dim the block becomes the gcd of the parts' blocks and of
+    every part's length but the last's, so each part's scales stay on its own rows; across dim
+    the parts must share their block."""
+    if not parts:
+        raise ValueError("cat_fp8_block needs at least one part")
+    checked = [(w, s, check_fp8_block(w, s, b)) for w, s, b in parts]
+    axis = dim % checked[0][0].dim()
+    if axis < checked[0][0].dim() - 2:
+        raise ValueError(f"cat_fp8_block concatenates along one of the last two axes (got dim {dim})")
+    last = axis == checked[0][0].dim() - 1
+    across = {b[0] if last else b[1] for _, _, b in checked}
+    if len(across) != 1:
+        raise ValueError(f"parts concatenated along dim {dim} must share their other block size (got {across})")
+    fine = 0
+    for i, (w, _, b) in enumerate(checked):
+        fine = math.gcd(fine, b[1] if last else b[0])
+        if i < len(checked) - 1:
+            fine = math.gcd(fine, w.shape[axis])
+    scales = []
+    for w, s, b in checked:
+        rep = s.repeat_interleave((b[1] if last else b[0]) // fine, dim=axis)
+        scales.append(rep.narrow(axis, 0, -(-w.shape[axis] // fine)))
+    ws = torch.cat([w for w, _, _ in checked], dim=axis)
+    other = across.pop()
+    return ws, torch.cat(scales, dim=axis).contiguous(), (other, fine) if last else (fine, other)
 
 
 def fp8_block_linear_ref(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor, block_size) -> torch.Tensor:

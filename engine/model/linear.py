@@ -1,8 +1,10 @@
 """One projection's weight, held in the layout and dtype its device multiplies fastest: "packed"
 (float32 on a CPU with the C ops, panels for `cpu_ops.gemm_f32`), "onednn" (a 16-bit weight on a
 CPU with native 16-bit matmul, reordered once into oneDNN's blocked layout: the same products as
-`F.linear`, which reorders it every call), "native" (`F.linear` in the model's dtype) or "fp32" (a
-float32 copy of a 16-bit weight on CPUs without native 16-bit matmul, output rounded back).
+`F.linear`, which reorders it every call), "native" (`F.linear` in the model's dtype), "fp32" (a
+float32 copy of a 16-bit weight on CPUs without native 16-bit matmul, output rounded back) or "fp8"
+(a block-quantized float8 weight kept as the checkpoint stores it, `kernels.fp8_block_linear`,
+with an optional unquantized tail of rows).
 Every layout or GEMM choice lives here (docs/engine.md, "Module notes"; figures in
 docs/benchmarks.md)."""
 
@@ -14,8 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops
+from kernels.checks import check_fp8_block
+from kernels.fp8 import dequant_fp8_block, fp8_block_linear
 
-Kind = Literal["packed", "onednn", "native", "fp32"]
+Kind = Literal["packed", "onednn", "native", "fp32", "fp8"]
 
 GEMV_MAX_ROWS = 4  # up to this many rows, a bfloat16 weight is read as it is (kernels/cpu_ops.py)
 _GEMV_THREADED = 1 << 20  # weights of at least this many elements split over torch's threads
@@ -43,9 +47,12 @@ def gemm_kind(dtype: torch.dtype, device: torch.device) -> Kind:
 class Linear:
     """y = x @ W^T for W `[out, in]`; x `[T, in]` -> y `[T, out]` in the model's dtype."""
 
-    __slots__ = ("w", "w16", "dtype", "kind", "threads", "shape", "small")
+    __slots__ = ("w", "w16", "dtype", "kind", "threads", "shape", "small", "scale_inv", "block_size", "tail")
 
     def __init__(self, weight: torch.Tensor, kind: Kind | None = None):
+        self.scale_inv: torch.Tensor | None = None
+        self.block_size: tuple[int, int] | None = None
+        self.tail: Linear | None = None
         if weight.dim() != 2:
             raise ValueError(f"a Linear weight is [out, in]; got shape {tuple(weight.shape)}")
         self.dtype = weight.dtype
@@ -63,9 +70,36 @@ class Linear:
         self.threads = torch.get_num_threads() if weight.numel() >= _GEMV_THREADED else 1
         self.small = weight.device.type == "cpu" and weight.numel() < _ONE_THREAD_WEIGHT
 
+    @classmethod
+    def fp8(
+        cls,
+        weight: torch.Tensor,
+        scale_inv: torch.Tensor,
+        block_size: tuple[int, int],
+        dtype: torch.dtype,
+        tail: torch.Tensor | None = None,
+    ) -> Linear:
+        """A float8_e4m3fn weight `[N, K]` kept as stored, with its float32 `scale_inv` per
+        `block_size` block; inputs and outputs in `dtype`. `tail` `[N2, K]` (in `dtype`): rows the
+        checkpoint left unquantized, appended to the output (y is `[T, N + N2]`)."""
+        bn, bk = check_fp8_block(weight, scale_inv, block_size)
+        if weight.dim() != 2 or (tail is not None and (tail.dim() != 2 or tail.shape[1] != weight.shape[1])):
+            got = None if tail is None else tuple(tail.shape)
+            raise ValueError(f"an FP8 Linear is [N, K] with a tail [N2, K]; got {tuple(weight.shape)}, tail {got}")
+        self = cls.__new__(cls)
+        self.kind, self.dtype, self.w, self.scale_inv = "fp8", dtype, weight.contiguous(), scale_inv.contiguous()
+        self.block_size, self.w16, self.threads, self.small = (bn, bk), None, 1, False
+        self.tail = None if tail is None else cls(tail.to(dtype))
+        self.shape = (weight.shape[0] + (0 if tail is None else tail.shape[0]), weight.shape[1])
+        return self
+
     @property
     def weight(self) -> torch.Tensor:
         """The `[out, in]` weight in the model's dtype (a copy when the GEMM keeps another)."""
+        if self.kind == "fp8":
+            assert self.scale_inv is not None and self.block_size is not None
+            w = dequant_fp8_block(self.w, self.scale_inv, self.block_size, self.dtype)
+            return w if self.tail is None else torch.cat([w, self.tail.weight])
         if self.kind == "packed":  # [P, K, 16] -> [P * 16, K], padding dropped
             return self.w.transpose(1, 2).reshape(-1, self.shape[1])[: self.shape[0]].contiguous()
         if self.kind == "onednn":
@@ -85,6 +119,8 @@ class Linear:
         return self.w.device
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "fp8":
+            return self._fp8(x)
         if self.kind == "packed":
             x2 = x.reshape(-1, self.shape[1]).float()
             big = x2.shape[0] * self.shape[0] * self.shape[1] >= _GEMM_THREADED
@@ -99,6 +135,15 @@ class Linear:
             finally:
                 torch.set_num_threads(n)
         return self._aten(x)
+
+    def _fp8(self, x: torch.Tensor) -> torch.Tensor:
+        """Triton's block-FP8 GEMM on CUDA; on a CPU its PyTorch reference (each call dequantizes)."""
+        assert self.scale_inv is not None
+        x2 = x.reshape(-1, self.shape[1]).contiguous()
+        y = fp8_block_linear(x2, self.w, self.scale_inv, self.block_size)
+        if self.tail is not None:
+            y = torch.cat([y, self.tail(x2)], dim=-1)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.shape[0])
 
     def _aten(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "onednn":

@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fp8 import FP8_MAX, dequant_fp8_block, fp8_block_linear_ref, narrow_fp8_block, quant_fp8_block
+from kernels.fp8 import (
+    FP8_MAX,
+    cat_fp8_block,
+    dequant_fp8_block,
+    fp8_block_linear,
+    fp8_block_linear_ref,
+    narrow_fp8_block,
+    quant_fp8_block,
+)
 from tests.helpers.kernel_testing import NAIVE_TOL, TOL, assert_close, to_dev
 
 # (N, K, block): whole blocks, partial edge blocks on both axes, the published [128, 128].
@@ -161,3 +169,34 @@ def test_narrow_fp8_block_parts_concatenate():
         assert torch.equal(got, torch.cat([full[r * 48 : (r + 1) * 48], full[96 + r * 48 : 96 + (r + 1) * 48]]))
     with pytest.raises(ValueError, match=r"cannot narrow w \(192, 40\) on dim 0 to \[180, 200\)"):
         narrow_fp8_block(w, s, (64, 16), 0, 180, 20)
+
+
+def _gdn_like_rank():
+    """Rank 1 of 2 of a fused projection stored in [32, 16] blocks: runs of rows that start and end
+    inside blocks (q, k, v heads of 12, 12 and 20 rows), concatenated by cat_fp8_block."""
+    w, s = quant_fp8_block(random_weight((144, 48)), (32, 16))
+    runs = [(12, 12), (60, 12), (120, 20)]
+    parts = [narrow_fp8_block(w, s, (32, 16), 0, a, n) for a, n in runs]
+    full = dequant_fp8_block(w, s, (32, 16), torch.float32)
+    return cat_fp8_block(parts, 0), torch.cat([full[a : a + n] for a, n in runs])
+
+
+def test_cat_fp8_block_keeps_every_parts_weights():
+    (w, s, block), ref = _gdn_like_rank()
+    assert block == (4, 16) and tuple(s.shape) == (11, 3)
+    assert torch.equal(dequant_fp8_block(w, s, block, torch.float32), ref)
+    cw, cs, cb = cat_fp8_block([narrow_fp8_block(w, s, block, 1, a, 24) for a in (0, 24)], 1)
+    assert cb == (4, 8) and torch.equal(dequant_fp8_block(cw, cs, cb, torch.float32), ref)
+    with pytest.raises(ValueError, match="must share their other block size"):
+        cat_fp8_block([(w, s, block), narrow_fp8_block(w, s, block, 1, 0, 24)], 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_block_linear_triton_on_concatenated_slices(dtype, monkeypatch):
+    """The GEMM a dense projection kept in FP8 runs (PDSERVE_FORCE_TRITON: Triton, under the
+    interpreter without a GPU) on a slice with 4-row scale blocks, against the dequantized rows."""
+    (w, s, block), ref_w = _gdn_like_rank()
+    x = torch.randn(3, 48, generator=torch.Generator().manual_seed(4)).to(dtype)
+    monkeypatch.setenv("PDSERVE_FORCE_TRITON", "1")
+    y = fp8_block_linear(*to_dev(x, w, s), block)
+    assert_close("y", y, x.double() @ ref_w.double().T, NAIVE_TOL if dtype == torch.float32 else TOL[dtype])
