@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, get_args
 
 from engine.config_fields import fp8_block_size, has_processor, moe_fields
+from engine.device_defaults import budget_source, default_draft_cost
 from engine.options import option
 from engine.rope import RopeScaling
 from engine.tokenizer import message_break
@@ -257,7 +258,8 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16  # tokens per KV page
-    kv_cache_memory: int | str = "256MiB"  # budget for KV pages + GDN state slots, per rank
+    kv_cache_memory: int | str | None = "256MiB"  # budget for KV pages + GDN state slots, per rank
+    gpu_memory_utilization: float | None = None  # share of the device to plan from (cache/memory_plan.py)
     num_state_slots: int | None = None  # GDN state slots; default max_num_seqs
     # prefix caching (engine/cache/prefix.py): shared full pages + GDN state snapshots taken every
     # `snapshot_interval` prompt tokens and at each prompt's end, in a pool of
@@ -279,12 +281,12 @@ class CacheConfig:
             raise ValueError(f"prefix_snapshot_interval must be >= 1 (got {self.snapshot_interval})")
         if not 0.0 <= self.snapshot_fraction < 1.0:
             raise ValueError(f"prefix_snapshot_memory must be in [0, 1) (got {self.snapshot_fraction})")
-        if self.memory_bytes <= 0:
+        if self.memory_bytes <= 0 and (self.kv_cache_memory is not None or self.gpu_memory_utilization is None):
             raise ValueError(f"kv_cache_memory must be positive (got {self.kv_cache_memory!r})")
 
     @property
     def memory_bytes(self) -> int:
-        return parse_bytes(self.kv_cache_memory)
+        return 0 if self.kv_cache_memory is None else parse_bytes(self.kv_cache_memory)  # 0: planned
 
 
 @dataclass(frozen=True)
@@ -352,15 +354,6 @@ class SpeculativeConfig:
         return self.method == "mtp" and self.num_tokens > 0
 
 
-def default_draft_cost(device: str) -> float:
-    """The draft cost (SpeculativeConfig.draft_cost) a device gets unless one is given: on the CPU a
-    step's GEMMs grow with its rows (2-4 rows cost 1.6-2.6x one, docs/ARCHITECTURE.md) and each draft
-    is one more MTP pass, so a draft costs about half a plain step (bench/mtp.py: 1.04 tokens per
-    step ran at 0.55-0.68x); on a GPU a decode step is bound by reading the weights, so a few more
-    rows cost little and one MTP layer is a small part of a step."""
-    return 0.5 if device == "cpu" else 0.1
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -407,7 +400,9 @@ class EngineArgs:
     model: str = option(help="checkpoint directory (on the command line, default the built-in tiny model)")
     tensor_parallel_size: int = option(1, "tensor-parallel ranks of a node, one process each (1, 2, 4, 8)", flag="--tp")
     dtype: DTypeName = option("auto", "weights and activations (auto: the checkpoint's)")
-    kv_cache_memory: int | str = option("256MiB", "memory for KV pages + GDN state slots, per rank (e.g. 2GiB)")
+    kv_cache_memory: int | str | None = option(
+        None, "memory for KV pages + GDN state slots per rank (e.g. 2GiB; cpu default 256MiB); given, it wins on cuda"
+    )
     max_num_seqs: int = option(64, "requests in the running batch (and GDN state slots)")
     max_num_batched_tokens: int = option(
         2048,
@@ -464,8 +459,12 @@ class EngineArgs:
         "GDN recurrent state (auto: float32); bfloat16 halves its slots' memory at some cost in exactness "
         "(docs/engine.md); prefill and decode nodes must use the same value",
     )
+    gpu_memory_utilization: float | None = option(
+        None, "cuda: share of each GPU for weights, a step's peak and the cache (default 0.9); ignored on cpu"
+    )
 
     def engine_config(self) -> EngineConfig:
+        kv, share = budget_source(self.kv_cache_memory, self.gpu_memory_utilization, self.device)
         return EngineConfig(
             model=dataclasses.replace(
                 ModelConfig.from_dir(self.model, self.dtype), fp8_experts=self.fp8_experts, fp8_dense=self.fp8_dense
@@ -473,7 +472,8 @@ class EngineArgs:
             parallel=ParallelConfig(self.tensor_parallel_size),
             cache=CacheConfig(
                 block_size=self.block_size,
-                kv_cache_memory=self.kv_cache_memory,
+                kv_cache_memory=kv,
+                gpu_memory_utilization=share,
                 enable_prefix_caching=self.enable_prefix_caching,
                 snapshot_interval=self.prefix_snapshot_interval,
                 snapshot_fraction=self.prefix_snapshot_memory,

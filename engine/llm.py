@@ -24,7 +24,7 @@ class LLM:
         model: str,
         tensor_parallel_size: int = 1,
         dtype: str = "auto",
-        kv_cache_memory: int | str = "256MiB",
+        kv_cache_memory: int | str | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         block_size: int = 16,
@@ -44,6 +44,7 @@ class LLM:
         batch_step_ms: float = 10.0,
         encoder_cache_memory: int | str = "64MiB",
         mamba_ssm_cache_dtype: str = "auto",
+        gpu_memory_utilization: float | None = None,
     ):
         """engine_process: run the engine in a process of its own (engine/llm_process.py); None
         (default): on the CPU when torch was imported before the engine, whose OpenMP threads would
@@ -81,6 +82,7 @@ class LLM:
             batch_step_ms,
             encoder_cache_memory,
             mamba_ssm_cache_dtype,
+            gpu_memory_utilization,
         ).engine_config()
         self.tokenizer = Tokenizer(model) if Tokenizer.exists(model) else None
         self.engine = EngineCore(self.config)

@@ -13,11 +13,13 @@ from collections.abc import Callable
 import torch
 
 from engine.cache.allocator import CachePools, Capacity, plan_capacity
+from engine.cache.memory_plan import MemoryPlan, plan_memory
 from engine.cache.spec import build_specs
 from engine.config import EngineConfig
 from engine.connector import LayerConnector
 from engine.devices import StepFence, bind, node_devices
 from engine.loader import load_mtp_weights, load_weights
+from engine.memory_profile import CudaProbe, MemoryProbe, profile_steps
 from engine.model.batch import ForwardBatch, IntPack, group_fields, make_group
 from engine.model.graphs import DecodeGraphs, graphs_wanted
 from engine.model.layers import AllReduce
@@ -46,29 +48,30 @@ class Worker:
         all_reduce: AllReduce = _identity,
         broadcast: AllReduce = _identity,
         device: torch.device | None = None,
+        probe: MemoryProbe | None = None,
     ):
         """broadcast(t) must give every rank rank 0's `t` (identity when t = 1); device: this
-        rank's (default: engine/devices.py's mapping of cfg.device)."""
+        rank's (default: engine/devices.py's mapping of cfg.device); probe: what measures the device
+        when the cache is planned from it (cfg.cache.gpu_memory_utilization; default `CudaProbe`)."""
         self.cfg, self.rank = cfg, rank
         self.broadcast = broadcast
         t = cfg.parallel.tensor_parallel_size
         self.device = device if device is not None else node_devices(cfg.device, t)[rank]
         bind(self.device)  # before any allocation
+        fraction = cfg.cache.gpu_memory_utilization
+        if fraction is not None:
+            probe = probe if probe is not None else CudaProbe(self.device)
+            probe.start()
         self.fence = StepFence(self.device)
         self.specs = build_specs(cfg, rank)
         k = cfg.speculative.num_tokens
-        self.capacity: Capacity = plan_capacity(
-            self.specs,
-            cfg.cache.memory_bytes,
-            cfg.num_state_slots,
-            cfg.cache.block_size,
-            k,
-            cfg.snapshot_fraction,
-            cfg.model.hidden_size if cfg.speculative.mtp else 0,
-        )
+        hidden = cfg.model.hidden_size if cfg.speculative.mtp else 0
+        plan_args = (cfg.num_state_slots, cfg.cache.block_size, k, cfg.snapshot_fraction, hidden)
+        self.memory_plan: MemoryPlan | None = None  # set when planned from the device
+        if fraction is None:  # a fixed budget: planned before the weights load
+            self.capacity: Capacity = plan_capacity(self.specs, cfg.cache.memory_bytes, *plan_args)
         weights = load_weights(cfg.model, t, rank, self.device)
         self.model = Qwen35Model(cfg.model, weights, t, all_reduce, cfg.max_model_len + 1, self.device)
-        self.pools = CachePools(self.specs, self.capacity, self.device, k)
         spec_rows = cfg.speculative.num_tokens > 0 and self.device.type == "cpu" and cpu_ops.available()
         if rank == 0 and spec_rows and cfg.cache.recurrent_dtype != "float32":
             log.warning(
@@ -102,14 +105,42 @@ class Worker:
         self.sampler = Sampler(cfg.seed, cfg.model.eos_token_ids, self.device, self.grammar)
         self.block_size = cfg.cache.block_size
         self.graphs: DecodeGraphs | None = None  # plain decode steps through CUDA graphs (engine/model/graphs.py)
-        if graphs_wanted(self.device, t) and self.drafter is None:
-            self.graphs = DecodeGraphs(self.model, self.pools, self.max_pages_per_row())
         self.images: ImageEmbedder | None = None  # the vision encoder and its cache (vision-language checkpoints)
         if cfg.model.vision is not None:
             self.images = ImageEmbedder(cfg.model, parse_bytes(cfg.cache.encoder_cache_memory), self.device)
         self.ext: dict[str, object] = {}  # per-rank objects owned by node packages (e.g. transfer endpoints)
         # the transfer's worker side: told of each layer of a step with `layer_posts` (use_layer_connector)
         self.layer_connector: LayerConnector | None = None
+        if probe is not None and fraction is not None:
+            self.memory_plan = self._plan(probe, fraction, plan_args)
+            self.capacity = self.memory_plan.capacity
+            if rank == 0:
+                log.info("%s", self.memory_plan.summary())
+        self.pools = CachePools(self.specs, self.capacity, self.device, k)
+        if graphs_wanted(self.device, t) and self.drafter is None:
+            self.graphs = DecodeGraphs(self.model, self.pools, self.max_pages_per_row())
+
+    def _plan(self, probe: MemoryProbe, fraction: float, plan_args: tuple) -> MemoryPlan:
+        """Run the profile steps on pools of their own, freed after, and plan from what was measured."""
+        probe.loaded()
+        cap, steps = profile_steps(self.cfg)
+        k = self.cfg.speculative.num_tokens
+        self.pools = CachePools(self.specs, cap, self.device, k)
+        try:
+            for step in steps:
+                self._execute(step)
+        finally:
+            ids = [r.request_id for r in steps[0].rows]
+            self.sampler.drop(ids)
+            if self.drafter is not None:
+                self.drafter.drop(ids)
+            del self.pools
+            self._tail_hidden = (None, {})
+        facts = probe.facts()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        given = self.cfg.cache.memory_bytes or None
+        return plan_memory(facts, fraction, self.specs, *plan_args, kv_cache_memory=given)
 
     def use_layer_connector(self, connector: LayerConnector | None) -> None:
         """Set (or with None, clear) the worker side of the engine's transfer connector."""

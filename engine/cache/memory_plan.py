@@ -1,0 +1,97 @@
+"""The cache budget planned from the device (`--gpu-memory-utilization`): a fraction of its memory,
+less the weights, the peak of a profile step and what other processes hold, split by
+`plan_capacity`. Pure: the measured figures come in as `DeviceFacts` (docs/engine.md, "Memory")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.cache.allocator import Capacity, plan_capacity
+from engine.cache.spec import CacheSpec
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What one rank measured, in bytes."""
+
+    total: int  # the device's memory
+    free_at_start: int  # free before this rank loaded anything (the rest: other processes, our context)
+    weights: int  # held after the model was built (weights, persistent buffers)
+    peak: int  # the profile step's peak above that (activations, MoE/GDN scratch, the sampler)
+
+    @property
+    def others(self) -> int:
+        """Memory this rank found taken before it started."""
+        return self.total - self.free_at_start
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    fraction: float
+    facts: DeviceFacts
+    budget: int  # bytes for snapshots, GDN state slots, speculative scratch and KV pages
+    capacity: Capacity
+    explicit: bool  # the budget is --kv-cache-memory, not the fraction's share
+
+    def summary(self) -> str:
+        f, c = self.facts, self.capacity
+        source = "--kv-cache-memory" if self.explicit else f"{self.fraction:g} x {_size(f.total)}"
+        return (
+            f"memory plan ({source}): weights {_size(f.weights)}, profile peak {_size(f.peak)}, "
+            f"other processes {_size(f.others)}; cache {_size(self.budget)} = {c.num_blocks} KV pages "
+            f"({_size(c.kv_bytes)}, {c.max_tokens} tokens), {c.num_state_slots} GDN state slots "
+            f"({_size(c.state_bytes)}), speculative scratch {_size(c.spec_scratch_bytes)}, "
+            f"{c.num_snapshots} prefix snapshots ({_size(c.snapshot_bytes)})"
+        )
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def plan_memory(
+    facts: DeviceFacts,
+    fraction: float,
+    specs: list[CacheSpec],
+    num_slots: int,
+    block_size: int,
+    num_spec_tokens: int = 0,
+    snapshot_fraction: float = 0.0,
+    snapshot_hidden: int = 0,
+    kv_cache_memory: int | None = None,
+) -> MemoryPlan:
+    """The budget is fraction x total - weights - peak - others, or `kv_cache_memory` when given
+    (it must still fit in what the device has left). ValueError naming what to change when
+    nothing is left for one KV page after the slots, the scratch and the snapshots."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1] (got {fraction})")
+    used = facts.weights + facts.peak + facts.others
+    sizes = (
+        f"weights {_size(facts.weights)}, profile peak {_size(facts.peak)}, "
+        f"other processes {_size(facts.others)} of {_size(facts.total)}"
+    )
+    if kv_cache_memory is not None:
+        budget, left = kv_cache_memory, facts.total - used
+        if budget > left:
+            raise ValueError(
+                f"--kv-cache-memory {_size(budget)} does not fit: the device has {_size(left)} left after {sizes}; "
+                "lower --kv-cache-memory, or leave it out to plan from --gpu-memory-utilization"
+            )
+    else:
+        budget = int(fraction * facts.total) - used
+        if budget <= 0:
+            raise ValueError(
+                f"--gpu-memory-utilization {fraction:g} gives {_size(int(fraction * facts.total))}, and {sizes} "
+                "leave nothing for the cache; raise --gpu-memory-utilization, lower --max-num-batched-tokens "
+                "or --max-num-seqs, or raise --tp"
+            )
+    try:
+        cap = plan_capacity(specs, budget, num_slots, block_size, num_spec_tokens, snapshot_fraction, snapshot_hidden)
+    except ValueError as e:
+        if kv_cache_memory is not None:
+            raise
+        raise ValueError(
+            f"--gpu-memory-utilization {fraction:g} leaves a cache of {_size(budget)} after {sizes}, too small: {e}; "
+            "raise --gpu-memory-utilization or lower --max-num-seqs"
+        ) from None
+    return MemoryPlan(fraction, facts, budget, cap, kv_cache_memory is not None)

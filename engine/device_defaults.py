@@ -1,0 +1,41 @@
+"""Defaults that depend on the device. The cache budget:  `--kv-cache-memory` on the CPU (default
+256MiB; `--gpu-memory-utilization` is ignored there with a warning), a planned share of the
+device on CUDA (engine/cache/memory_plan.py), where a given `--kv-cache-memory` wins."""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("pdserve.config")
+
+CPU_KV_CACHE_MEMORY = "256MiB"
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+def budget_source(
+    kv_cache_memory: int | str | None, gpu_memory_utilization: float | None, device: str
+) -> tuple[int | str | None, float | None]:
+    """(kv_cache_memory, gpu_memory_utilization) for CacheConfig: the fraction is None where the
+    budget is the byte count alone; the byte count None where the fraction alone plans it."""
+    g = gpu_memory_utilization
+    if g is not None and not 0.0 < g <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1] (got {g})")
+    if not str(device).startswith("cuda"):
+        if g is not None:
+            log.warning(
+                "--gpu-memory-utilization %g is ignored on %s: the cache budget there is --kv-cache-memory (%s)",
+                g,
+                device,
+                kv_cache_memory or CPU_KV_CACHE_MEMORY,
+            )
+        return kv_cache_memory or CPU_KV_CACHE_MEMORY, None
+    return kv_cache_memory, DEFAULT_GPU_MEMORY_UTILIZATION if g is None else g
+
+
+def default_draft_cost(device: str) -> float:
+    """The draft cost (SpeculativeConfig.draft_cost) a device gets unless one is given: on the CPU a
+    step's GEMMs grow with its rows (2-4 rows cost 1.6-2.6x one, docs/ARCHITECTURE.md) and each draft
+    is one more MTP pass, so a draft costs about half a plain step (bench/mtp.py: 1.04 tokens per
+    step ran at 0.55-0.68x); on a GPU a decode step is bound by reading the weights, so a few more
+    rows cost little and one MTP layer is a small part of a step."""
+    return 0.5 if device == "cpu" else 0.1

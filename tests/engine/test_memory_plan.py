@@ -1,0 +1,182 @@
+"""The cache budget planned from the device (--gpu-memory-utilization): the plan against sizes
+computed by hand, the option on each device, the worker's planned path on the CPU with fixed
+figures, and the real path on CUDA."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine.cache import build_specs
+from engine.cache.memory_plan import DeviceFacts, plan_memory
+from engine.config import CacheConfig, EngineArgs, EngineConfig, SchedulerConfig
+from engine.device_defaults import budget_source
+from engine.options import options
+from engine.sampling_params import SamplingParams
+from tests.engine.test_cache import model_cfg
+
+GiB, MiB = 2**30, 2**20
+# model_cfg(): 6 GDN layers of conv 512 x 3 bf16 + recurrent 8 x 32 x 32 float32; 2 attention
+# layers of K + V, 2 heads x 64, 16 tokens a page, bf16
+SLOT = 6 * (512 * 3 * 2 + 8 * 32 * 32 * 4)
+PAGE = 2 * (2 * 2 * 64 * 16 * 2)
+SNAPSHOT = SLOT + PAGE  # every GDN state + one partial page per attention layer
+FACTS = DeviceFacts(total=8 * GiB, free_at_start=8 * GiB, weights=1 * GiB, peak=512 * MiB)
+
+
+def specs():
+    return build_specs(EngineConfig(model_cfg(), cache=CacheConfig(block_size=16)), 0)
+
+
+def test_fraction_less_weights_and_peak():
+    plan = plan_memory(FACTS, 0.5, specs(), 10, 16)
+    budget = 4 * GiB - 1 * GiB - 512 * MiB
+    assert plan.budget == budget and not plan.explicit
+    c = plan.capacity
+    assert (c.num_state_slots, c.state_bytes) == (10, 10 * SLOT)
+    assert c.num_blocks == (budget - 10 * SLOT) // PAGE
+    assert c.num_blocks * PAGE + 10 * SLOT <= budget < (c.num_blocks + 1) * PAGE + 10 * SLOT
+    line = plan.summary()
+    for part in ("weights 1.00 GiB", "profile peak 512.0 MiB", f"{c.num_blocks} KV pages", "10 GDN state slots"):
+        assert part in line
+
+
+def test_another_process_holding_memory_comes_off():
+    facts = DeviceFacts(total=8 * GiB, free_at_start=5 * GiB, weights=1 * GiB, peak=512 * MiB)
+    plan = plan_memory(facts, 0.9, specs(), 10, 16)
+    assert facts.others == 3 * GiB
+    assert plan.budget == int(0.9 * 8 * GiB) - 3 * GiB - 1 * GiB - 512 * MiB
+    assert "other processes 3.00 GiB" in plan.summary()
+
+
+def test_speculative_scratch_and_snapshots_are_counted():
+    plan = plan_memory(FACTS, 0.5, specs(), 10, 16, num_spec_tokens=2, snapshot_fraction=0.1)
+    budget = 4 * GiB - 1 * GiB - 512 * MiB
+    c = plan.capacity
+    scratch = 10 * 3 * SLOT  # the state after each of k + 1 = 3 verified tokens, per slot
+    snaps = int(budget * 0.1) // SNAPSHOT
+    assert (c.spec_scratch_bytes, c.num_snapshots, c.snapshot_bytes) == (scratch, snaps, snaps * SNAPSHOT)
+    assert c.num_blocks == (budget - 10 * SLOT - scratch - snaps * SNAPSHOT) // PAGE
+    assert f"speculative scratch {scratch / MiB:.1f} MiB" in plan.summary()
+
+
+def test_nothing_left_names_the_fraction_and_the_sizes():
+    with pytest.raises(ValueError) as e:
+        plan_memory(FACTS, 0.1, specs(), 10, 16)
+    msg = str(e.value)
+    for part in ("--gpu-memory-utilization 0.1", "weights 1.00 GiB", "profile peak 512.0 MiB", "of 8.00 GiB"):
+        assert part in msg
+    assert "raise --gpu-memory-utilization" in msg
+    # a budget left, but under the slots it must hold
+    tight = DeviceFacts(total=8 * GiB, free_at_start=8 * GiB, weights=1 * GiB, peak=int(0.5 * 8 * GiB) - GiB - MiB)
+    with pytest.raises(ValueError, match=r"--gpu-memory-utilization 0.5 leaves a cache of 1.0 MiB .* too small"):
+        plan_memory(tight, 0.5, specs(), 10, 16)
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
+        plan_memory(FACTS, 1.5, specs(), 10, 16)
+
+
+def test_explicit_kv_cache_memory_wins():
+    plan = plan_memory(FACTS, 0.9, specs(), 10, 16, kv_cache_memory=64 * MiB)
+    assert plan.explicit and plan.budget == 64 * MiB
+    assert plan.capacity.num_blocks == (64 * MiB - 10 * SLOT) // PAGE
+    assert "(--kv-cache-memory)" in plan.summary()
+    with pytest.raises(ValueError, match=r"--kv-cache-memory 7.00 GiB does not fit: the device has 6.50 GiB left"):
+        plan_memory(FACTS, 0.9, specs(), 10, 16, kv_cache_memory=7 * GiB)
+
+
+def test_the_option_on_each_device(caplog):
+    assert "gpu_memory_utilization" in {o.name for o in options(EngineArgs)}
+    assert budget_source(None, None, "cuda") == (None, 0.9)
+    assert budget_source(None, 0.6, "cuda:0,1") == (None, 0.6)
+    assert budget_source("2GiB", None, "cuda") == ("2GiB", 0.9)  # given: it wins (the plan still checks it fits)
+    assert budget_source(None, None, "cpu") == ("256MiB", None)
+    with caplog.at_level(logging.WARNING, logger="pdserve.config"):
+        assert budget_source("1GiB", 0.5, "cpu") == ("1GiB", None)
+    assert "--gpu-memory-utilization 0.5 is ignored on cpu" in caplog.text
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\] \(got 0.0\)"):
+        budget_source(None, 0.0, "cuda")
+    with pytest.raises(ValueError, match="kv_cache_memory must be positive"):
+        CacheConfig(kv_cache_memory=None)
+
+
+def test_cpu_args_keep_the_fixed_budget(ckpt_hv2):
+    cfg = EngineArgs(ckpt_hv2, gpu_memory_utilization=0.5).engine_config()
+    assert (cfg.cache.kv_cache_memory, cfg.cache.gpu_memory_utilization) == ("256MiB", None)
+
+
+class FakeProbe:
+    """Fixed figures in place of a device's: the CPU cannot measure one. Records the calls' order."""
+
+    def __init__(self, facts: DeviceFacts):
+        self._facts = facts
+        self.calls: list[str] = []
+
+    def start(self) -> None:
+        self.calls.append("start")
+
+    def loaded(self) -> None:
+        self.calls.append("loaded")
+
+    def facts(self) -> DeviceFacts:
+        self.calls.append("facts")
+        return self._facts
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_worker_plans_from_the_probe(ckpt_hv2, prompts, hf_ref_hv2, monkeypatch, k):
+    """The planned path on the CPU: the profile steps run (sampling rows, and drafts to verify), the
+    pools are sized from the probe's figures, and generation still matches transformers."""
+    import engine.worker
+    from engine.core import EngineCore
+
+    probe = FakeProbe(DeviceFacts(total=2 * GiB, free_at_start=2 * GiB, weights=256 * MiB, peak=64 * MiB))
+    monkeypatch.setattr(engine.worker, "CudaProbe", lambda device: probe)
+    base = EngineArgs(ckpt_hv2, dtype="float32", max_num_seqs=8, num_speculative_tokens=k).engine_config()
+    cfg = EngineConfig(
+        base.model,
+        cache=CacheConfig(kv_cache_memory=None, gpu_memory_utilization=0.25, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
+        speculative=base.speculative,
+    )
+    core = EngineCore(cfg)
+    try:
+        worker = core.executor.worker
+        assert probe.calls == ["start", "loaded", "facts"]
+        budget = 512 * MiB - 256 * MiB - 64 * MiB
+        spec = build_specs(cfg, 0)
+        slot = sum(s.page_size_bytes for s in spec if s.kind == "gdn")
+        page = sum(s.page_size_bytes for s in spec if s.kind != "gdn")
+        assert worker.memory_plan.budget == budget
+        assert worker.capacity.num_blocks == (budget - 8 * slot * (1 + (k + 1 if k else 0))) // page
+        assert next(iter(worker.pools.kv.values())).shape[0] == worker.capacity.num_blocks
+        sp = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+        rids = [core.add_request(list(p), sp) for p in prompts]
+        done = {}
+        while len(done) < len(rids):
+            done.update((o.request_id, o) for o in core.step() if o.finished)
+        assert [done[r].output_token_ids for r in rids] == hf_ref_hv2
+    finally:
+        core.close()
+
+
+@pytest.mark.gpu
+def test_cuda_plan_fits_the_fraction(ckpt_hv2, prompts):
+    from engine import LLM
+
+    free0, total = torch.cuda.mem_get_info()
+    llm = LLM(ckpt_hv2, dtype="bfloat16", device="cuda", gpu_memory_utilization=0.5, engine_process=False)
+    try:
+        worker = llm.engine.executor.worker
+        plan = worker.memory_plan
+        assert plan is not None and not plan.explicit and plan.facts.total == total
+        assert plan.facts.weights > 0 and plan.facts.peak > 0
+        assert plan.budget + plan.facts.weights + plan.facts.peak + plan.facts.others <= 0.5 * total
+        assert plan.capacity.num_blocks > 0 and worker.pools.kv
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() <= 0.5 * total  # the pools were made inside the fraction
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=8, temperature=0.0))
+        assert all(len(o.output_token_ids) == 8 for o in outs)
+    finally:
+        llm.close()
