@@ -259,7 +259,6 @@ class ParallelConfig:
 class CacheConfig:
     block_size: int = 16  # tokens per KV page
     kv_cache_memory: int | str | None = "256MiB"  # budget for KV pages + GDN state slots, per rank
-    gpu_memory_utilization: float | None = None  # share of the device to plan from (cache/memory_plan.py)
     num_state_slots: int | None = None  # GDN state slots; default max_num_seqs
     # prefix caching (engine/cache/prefix.py): shared full pages + GDN state snapshots taken every
     # `snapshot_interval` prompt tokens and at each prompt's end, in a pool of
@@ -271,6 +270,7 @@ class CacheConfig:
     message_break: tuple[int, ...] = ()
     encoder_cache_memory: int | str = "64MiB"  # vision-language models: image embeddings kept per rank
     recurrent_dtype: str = "float32"  # GDN recurrent state, a torch dtype name (--mamba-ssm-cache-dtype)
+    gpu_memory_utilization: float | None = None  # share of the device to plan from (cache/memory_plan.py)
 
     def __post_init__(self):
         if self.recurrent_dtype not in ("float32", "bfloat16"):

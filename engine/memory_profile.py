@@ -5,6 +5,7 @@ fixed figures); `profile_steps` are the steps (docs/engine.md, "Memory")."""
 
 from __future__ import annotations
 
+import gc
 from typing import Protocol
 
 import torch
@@ -33,6 +34,8 @@ class CudaProbe:
         self._free = self._total = self._base = self._weights = 0
 
     def start(self) -> None:
+        gc.collect()  # an engine this process closed before: its blocks go back to the device, not
+        torch.cuda.empty_cache()  # counted as another process's
         torch.cuda.synchronize(self.device)
         self._free, self._total = torch.cuda.mem_get_info(self.device)
         self._base = torch.cuda.memory_allocated(self.device)

@@ -180,3 +180,22 @@ def test_cuda_plan_fits_the_fraction(ckpt_hv2, prompts):
         assert all(len(o.output_token_ids) == 8 for o in outs)
     finally:
         llm.close()
+
+
+def test_up_hands_the_option_to_each_pool(ckpt_hv2, tmp_path):
+    """`pdserve up`: the file's fraction reaches both pools' nodes, a pool's own key wins for that
+    pool, and the nodes read the flag back; a fraction out of range is refused first."""
+    from router.cli import _up_spec, build_parser
+
+    cfg = tmp_path / "pools.yaml"
+    cfg.write_text(
+        f"model: {ckpt_hv2}\nport: 0\ngpu_memory_utilization: 0.6\ndecode: {{gpu_memory_utilization: 0.8}}\n"
+    )
+    spec = _up_spec(build_parser().parse_args(["up", "--config", str(cfg)]))
+    for kind, want in (("prefill", 0.6), ("decode", 0.8)):
+        argv = spec.node_argv(kind)
+        assert float(argv[argv.index("--gpu-memory-utilization") + 1]) == want
+        assert build_parser().parse_args([kind, *argv]).gpu_memory_utilization == want
+    cfg.write_text(f"model: {ckpt_hv2}\nport: 0\ngpu_memory_utilization: 1.5\n")
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+        _up_spec(build_parser().parse_args(["up", "--config", str(cfg)]))
