@@ -22,16 +22,19 @@ class MemoryProbe(Protocol):
         """Before the rank allocates anything."""
 
     def loaded(self) -> None:
-        """After the model is built, before the profile step (peak statistics reset here)."""
+        """After the model is built."""
+
+    def stepping(self) -> None:
+        """After the profile's own pools are made, right before its steps (peak statistics reset)."""
 
     def facts(self) -> DeviceFacts:
-        """After the profile step."""
+        """After the profile steps, their pools freed."""
 
 
 class CudaProbe:
     def __init__(self, device: torch.device):
         self.device = device
-        self._free = self._total = self._base = self._weights = 0
+        self._free = self._total = self._base = self._weights = self._stepping = 0
 
     def start(self) -> None:
         gc.collect()  # an engine this process closed before: its blocks go back to the device, not
@@ -43,12 +46,19 @@ class CudaProbe:
     def loaded(self) -> None:
         torch.cuda.synchronize(self.device)
         self._weights = torch.cuda.memory_allocated(self.device) - self._base
+
+    def stepping(self) -> None:
+        torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        self._stepping = torch.cuda.memory_allocated(self.device)
 
     def facts(self) -> DeviceFacts:
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - self._base - self._weights
-        return DeviceFacts(self._total, self._free, self._weights, max(peak, 0))
+        peak = torch.cuda.max_memory_allocated(self.device) - self._stepping
+        free, _ = torch.cuda.mem_get_info(self.device)
+        # taken since start-up and not by PyTorch's allocator (NCCL's buffers, loaded CUDA modules)
+        outside = (self._total - free) - (self._total - self._free) - torch.cuda.memory_reserved(self.device)
+        return DeviceFacts(self._total, self._free, self._weights, max(peak, 0), max(outside, 0))
 
 
 _PARAMS = SamplingParams(temperature=0.7, top_p=0.8, top_k=20)  # top-k and top-p: the sampler's widest path

@@ -126,6 +126,7 @@ class Worker:
         cap, steps = profile_steps(self.cfg)
         k = self.cfg.speculative.num_tokens
         self.pools = CachePools(self.specs, cap, self.device, k)
+        probe.stepping()
         try:
             for step in steps:
                 self._execute(step)

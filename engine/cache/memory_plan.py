@@ -17,7 +17,8 @@ class DeviceFacts:
     total: int  # the device's memory
     free_at_start: int  # free before this rank loaded anything (the rest: other processes, our context)
     weights: int  # held after the model was built (weights, persistent buffers)
-    peak: int  # the profile step's peak above that (activations, MoE/GDN scratch, the sampler)
+    peak: int  # the profile steps' peak above that (activations, MoE/GDN scratch, the sampler)
+    outside: int = 0  # taken during start-up outside PyTorch's allocator (NCCL, CUDA modules)
 
     @property
     def others(self) -> int:
@@ -38,7 +39,7 @@ class MemoryPlan:
         source = "--kv-cache-memory" if self.explicit else f"{self.fraction:g} x {_size(f.total)}"
         return (
             f"memory plan ({source}): weights {_size(f.weights)}, profile peak {_size(f.peak)}, "
-            f"other processes {_size(f.others)}; cache {_size(self.budget)} = {c.num_blocks} KV pages "
+            f"outside PyTorch {_size(f.outside)}, other processes {_size(f.others)}; cache {_size(self.budget)} = {c.num_blocks} KV pages "
             f"({_size(c.kv_bytes)}, {c.max_tokens} tokens), {c.num_state_slots} GDN state slots "
             f"({_size(c.state_bytes)}), speculative scratch {_size(c.spec_scratch_bytes)}, "
             f"{c.num_snapshots} prefix snapshots ({_size(c.snapshot_bytes)})"
@@ -60,15 +61,15 @@ def plan_memory(
     snapshot_hidden: int = 0,
     kv_cache_memory: int | None = None,
 ) -> MemoryPlan:
-    """The budget is fraction x total - weights - peak - others, or `kv_cache_memory` when given
+    """The budget is fraction x total - weights - peak - outside - others, or `kv_cache_memory` when given
     (it must still fit in what the device has left). ValueError naming what to change when
     nothing is left for one KV page after the slots, the scratch and the snapshots."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1] (got {fraction})")
-    used = facts.weights + facts.peak + facts.others
+    used = facts.weights + facts.peak + facts.outside + facts.others
     sizes = (
-        f"weights {_size(facts.weights)}, profile peak {_size(facts.peak)}, "
-        f"other processes {_size(facts.others)} of {_size(facts.total)}"
+        f"weights {_size(facts.weights)}, profile peak {_size(facts.peak)}, outside PyTorch "
+        f"{_size(facts.outside)}, other processes {_size(facts.others)} of {_size(facts.total)}"
     )
     if kv_cache_memory is not None:
         budget, left = kv_cache_memory, facts.total - used
