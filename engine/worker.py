@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from engine.cache.allocator import CachePools, Capacity, plan_capacity
-from engine.cache.memory_plan import MemoryPlan, plan_memory
+from engine.cache.memory_plan import MemoryPlan, own_budget, plan_memory
 from engine.cache.spec import build_specs
 from engine.config import EngineConfig
 from engine.connector import LayerConnector
@@ -53,7 +53,7 @@ class Worker:
         """broadcast(t) must give every rank rank 0's `t` (identity when t = 1); device: this
         rank's (default: engine/devices.py's mapping of cfg.device); probe: what measures the device
         when the cache is planned from it (cfg.cache.gpu_memory_utilization; default `CudaProbe`)."""
-        self.cfg, self.rank = cfg, rank
+        self.cfg, self.rank, self._all_reduce = cfg, rank, all_reduce
         self.broadcast = broadcast
         t = cfg.parallel.tensor_parallel_size
         self.device = device if device is not None else node_devices(cfg.device, t)[rank]
@@ -141,7 +141,17 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         given = self.cfg.cache.memory_bytes or None
-        return plan_memory(facts, fraction, self.specs, *plan_args, kv_cache_memory=given)
+        agreed = self._smallest(own_budget(facts, fraction, given))  # before any rank can refuse
+        return plan_memory(facts, fraction, self.specs, *plan_args, kv_cache_memory=given, agreed=agreed)
+
+    def _smallest(self, n: int) -> int:
+        """The smallest of every rank's n: each rank's pools must hold the same pages and slots."""
+        t = self.cfg.parallel.tensor_parallel_size
+        if t == 1:
+            return n
+        v = torch.zeros(t, dtype=torch.int64, device=self.device)
+        v[self.rank] = n
+        return int(self._all_reduce(v).min())
 
     def use_layer_connector(self, connector: LayerConnector | None) -> None:
         """Set (or with None, clear) the worker side of the engine's transfer connector."""

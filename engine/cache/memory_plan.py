@@ -50,6 +50,14 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def own_budget(facts: DeviceFacts, fraction: float, kv_cache_memory: int | None = None) -> int:
+    """This rank's budget before any check: `kv_cache_memory` when given, else
+    fraction x total - weights - peak - outside - others (may be <= 0)."""
+    if kv_cache_memory is not None:
+        return kv_cache_memory
+    return int(fraction * facts.total) - (facts.weights + facts.peak + facts.outside + facts.others)
+
+
 def plan_memory(
     facts: DeviceFacts,
     fraction: float,
@@ -60,10 +68,12 @@ def plan_memory(
     snapshot_fraction: float = 0.0,
     snapshot_hidden: int = 0,
     kv_cache_memory: int | None = None,
+    agreed: int | None = None,
 ) -> MemoryPlan:
-    """The budget is fraction x total - weights - peak - outside - others, or `kv_cache_memory` when given
-    (it must still fit in what the device has left). ValueError naming what to change when
-    nothing is left for one KV page after the slots, the scratch and the snapshots."""
+    """The budget is `own_budget`, or `agreed` where smaller (the smallest rank's: every rank's
+    pools are the same size). A given `kv_cache_memory` must still fit in what the device has left.
+    ValueError naming what to change when nothing is left for one KV page after the slots, the
+    scratch and the snapshots."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1] (got {fraction})")
     used = facts.weights + facts.peak + facts.outside + facts.others
@@ -71,21 +81,23 @@ def plan_memory(
         f"weights {_size(facts.weights)}, profile peak {_size(facts.peak)}, outside PyTorch "
         f"{_size(facts.outside)}, other processes {_size(facts.others)} of {_size(facts.total)}"
     )
+    budget = own_budget(facts, fraction, kv_cache_memory)
+    if agreed is not None and agreed < budget:
+        budget = agreed
+        sizes += f" (another tensor-parallel rank has only {_size(max(agreed, 0))} for its cache)"
     if kv_cache_memory is not None:
-        budget, left = kv_cache_memory, facts.total - used
+        left = facts.total - used
         if budget > left:
             raise ValueError(
                 f"--kv-cache-memory {_size(budget)} does not fit: the device has {_size(left)} left after {sizes}; "
                 "lower --kv-cache-memory, or leave it out to plan from --gpu-memory-utilization"
             )
-    else:
-        budget = int(fraction * facts.total) - used
-        if budget <= 0:
-            raise ValueError(
-                f"--gpu-memory-utilization {fraction:g} gives {_size(int(fraction * facts.total))}, and {sizes} "
-                "leave nothing for the cache; raise --gpu-memory-utilization, lower --max-num-batched-tokens "
-                "or --max-num-seqs, or raise --tp"
-            )
+    elif budget <= 0:
+        raise ValueError(
+            f"--gpu-memory-utilization {fraction:g} gives {_size(int(fraction * facts.total))}, and {sizes} "
+            "leave nothing for the cache; raise --gpu-memory-utilization, lower --max-num-batched-tokens "
+            "or --max-num-seqs, or raise --tp"
+        )
     try:
         cap = plan_capacity(specs, budget, num_slots, block_size, num_spec_tokens, snapshot_fraction, snapshot_hidden)
     except ValueError as e:

@@ -51,6 +51,16 @@ def test_another_process_holding_memory_comes_off():
     assert "other processes 3.00 GiB" in plan.summary() and "outside PyTorch 256.0 MiB" in plan.summary()
 
 
+def test_tensor_parallel_ranks_take_the_smallest_budget():
+    """A rank with more memory left plans with the agreed (smallest) budget, and refuses like the
+    others, saying why, when the smallest is nothing."""
+    plan = plan_memory(FACTS, 0.5, specs(), 10, 16, agreed=1 * GiB)
+    assert plan.budget == 1 * GiB and plan.capacity.num_blocks == (1 * GiB - 10 * SLOT) // PAGE
+    assert plan_memory(FACTS, 0.5, specs(), 10, 16, agreed=3 * GiB).budget == 4 * GiB - 1 * GiB - 512 * MiB
+    with pytest.raises(ValueError, match=r"another tensor-parallel rank has only 0.0 MiB for its cache\)"):
+        plan_memory(FACTS, 0.5, specs(), 10, 16, agreed=-5)
+
+
 def test_speculative_scratch_and_snapshots_are_counted():
     plan = plan_memory(FACTS, 0.5, specs(), 10, 16, num_spec_tokens=2, snapshot_fraction=0.1)
     budget = 4 * GiB - 1 * GiB - 512 * MiB
