@@ -130,6 +130,13 @@ class Worker:
         try:
             for step in steps:
                 self._execute(step)
+        except torch.OutOfMemoryError:
+            s = self.cfg.scheduler
+            raise ValueError(
+                f"the profile step ({s.max_num_batched_tokens} prompt tokens over up to {s.max_num_seqs} rows) ran "
+                "out of device memory after the weights loaded: lower --max-num-batched-tokens or --max-num-seqs, "
+                "or raise --tp"
+            ) from None
         finally:
             ids = [r.request_id for r in steps[0].rows]
             self.sampler.drop(ids)

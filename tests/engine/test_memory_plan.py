@@ -174,6 +174,20 @@ def test_worker_plans_from_the_probe(ckpt_hv2, prompts, hf_ref_hv2, monkeypatch,
         core.close()
 
 
+def test_a_profile_step_out_of_memory_says_what_to_lower(ckpt_hv2, monkeypatch):
+    import engine.worker
+
+    def oom(self, step):
+        raise torch.OutOfMemoryError("CUDA out of memory")  # what a device too small for the step raises
+
+    monkeypatch.setattr(engine.worker, "CudaProbe", lambda device: FakeProbe(FACTS))
+    monkeypatch.setattr(engine.worker.Worker, "_execute", oom)
+    base = EngineArgs(ckpt_hv2, dtype="float32").engine_config()
+    cfg = EngineConfig(base.model, cache=CacheConfig(kv_cache_memory=None, gpu_memory_utilization=0.5))
+    with pytest.raises(ValueError, match=r"profile step \(2048 prompt tokens over up to 64 rows\) ran out of device"):
+        engine.worker.Worker(cfg)
+
+
 @pytest.mark.gpu
 def test_cuda_plan_fits_the_fraction(ckpt_hv2, prompts):
     from engine import LLM
