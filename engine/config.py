@@ -401,7 +401,7 @@ class EngineArgs:
     tensor_parallel_size: int = option(1, "tensor-parallel ranks of a node, one process each (1, 2, 4, 8)", flag="--tp")
     dtype: DTypeName = option("auto", "weights and activations (auto: the checkpoint's)")
     kv_cache_memory: int | str | None = option(
-        None, "memory for KV pages + GDN state slots per rank (e.g. 2GiB; cpu default 256MiB); given, it wins on cuda"
+        None, "cache memory per rank, e.g. 2GiB (default on cpu 256MiB); on cuda it overrides --gpu-memory-utilization"
     )
     max_num_seqs: int = option(64, "requests in the running batch (and GDN state slots)")
     max_num_batched_tokens: int = option(
@@ -430,7 +430,7 @@ class EngineArgs:
         256, "prefix caching: save the GDN state every this many prompt tokens (and at each prompt's end)"
     )
     prefix_snapshot_memory: float = option(
-        0.1, "prefix caching: share of --kv-cache-memory for GDN state snapshots (LRU-evicted when full)"
+        0.1, "prefix caching: share of the cache budget for GDN state snapshots (LRU-evicted when full)"
     )
     speculative_draft_cost: float | None = option(
         None,
