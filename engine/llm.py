@@ -44,6 +44,7 @@ class LLM:
         batch_step_ms: float = 10.0,
         encoder_cache_memory: int | str = "64MiB",
         mamba_ssm_cache_dtype: str = "auto",
+        batch_invariant: bool = False,
     ):
         """engine_process: run the engine in a process of its own (engine/llm_process.py); None
         (default): on the CPU when torch was imported before the engine, whose OpenMP threads would
@@ -81,6 +82,7 @@ class LLM:
             batch_step_ms,
             encoder_cache_memory,
             mamba_ssm_cache_dtype,
+            batch_invariant,
         ).engine_config()
         self.tokenizer = Tokenizer(model) if Tokenizer.exists(model) else None
         self.engine = EngineCore(self.config)
