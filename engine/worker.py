@@ -50,6 +50,11 @@ class Worker:
         """broadcast(t) must give every rank rank 0's `t` (identity when t = 1); device: this
         rank's (default: engine/devices.py's mapping of cfg.device)."""
         self.cfg, self.rank = cfg, rank
+        if cfg.model.batch_invariant and (cfg.cache.recurrent_dtype != "float32" or cfg.speculative.num_tokens):
+            raise ValueError(  # a bfloat16 state rounds where each step stores it; drafts verify apart
+                "--batch-invariant takes a float32 GDN state (--mamba-ssm-cache-dtype auto) and no speculative "
+                "decoding (docs/engine.md, 'Batch-invariant mode')"
+            )
         self.broadcast = broadcast
         t = cfg.parallel.tensor_parallel_size
         self.device = device if device is not None else node_devices(cfg.device, t)[rank]

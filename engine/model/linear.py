@@ -5,8 +5,9 @@ CPU with native 16-bit matmul, reordered once into oneDNN's blocked layout: the 
 float32 copy of a 16-bit weight on CPUs without native 16-bit matmul, output rounded back) or "fp8"
 (a block-quantized float8 weight kept as the checkpoint stores it, `kernels.fp8_block_linear`,
 with an optional unquantized tail of rows).
-A 16-bit weight may be "packed" too (`row_invariant`, --batch-invariant): float32 panels, each
-output row the same sum in the same order at any number of rows, rounded back to the model dtype.
+A bfloat16 weight may be "packed" too (`row_invariant`, --batch-invariant): the same panels kept in
+bfloat16, each output row the same float32 sum in the same order at any number of rows, rounded
+back to bfloat16.
 Every layout or GEMM choice lives here (docs/engine.md, "Module notes"; figures in
 docs/benchmarks.md)."""
 
@@ -61,7 +62,8 @@ class Linear:
         self.shape = tuple(weight.shape)
         self.kind = kind or gemm_kind(weight.dtype, weight.device)
         if self.kind == "packed":
-            self.w = cpu_ops.pack_f32(weight)
+            bf16 = weight.dtype == torch.bfloat16
+            self.w = cpu_ops.pack_bf16(weight) if bf16 else cpu_ops.pack_f32(weight)
         elif self.kind == "onednn":
             self.w = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         else:
@@ -127,7 +129,8 @@ class Linear:
         if self.kind == "packed":
             x2 = x.reshape(-1, self.shape[1]).float()
             big = x2.shape[0] * self.shape[0] * self.shape[1] >= _GEMM_THREADED
-            y = cpu_ops.gemm_f32(x2, self.w, self.shape[0], torch.get_num_threads() if big else 1)
+            gemm = cpu_ops.gemm_f32 if self.dtype == torch.float32 else cpu_ops.gemm_bf16w
+            y = gemm(x2, self.w, self.shape[0], torch.get_num_threads() if big else 1)
             y = y if self.dtype == torch.float32 else y.to(self.dtype)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], self.shape[0])
         if self.w16 is not None and x.shape[0] <= GEMV_MAX_ROWS and x.dim() == 2:
@@ -158,10 +161,14 @@ class Linear:
 
 
 def row_invariant(lin: Linear) -> Linear:
-    """The same projection over float32 panels ("packed"): each output row is the same sum of
-    exact products in the same order whatever the number of rows, so a token's result does not
-    depend on its step (oneDNN's blocking, and so its sums, change with the rows). A bfloat16
-    weight takes twice its memory this way."""
-    if lin.device.type != "cpu" or not cpu_ops.available(torch.float32):
+    """The same projection over panels ("packed", float32 or bfloat16): each output row is the
+    same float32 sum of exact products in the same order whatever the number of rows, so a
+    token's result does not depend on its step (oneDNN's blocking, and so its sums, change with
+    the rows)."""
+    if lin.device.type != "cpu" or lin.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"batch-invariant projections run on the CPU in float32 or bfloat16, not {lin.dtype} on {lin.device}"
+        )
+    if not cpu_ops.available(lin.dtype):
         raise ValueError(f"batch-invariant projections need the CPU operators: {cpu_ops.status()}")
     return lin if lin.kind == "packed" else Linear(lin.weight, "packed")

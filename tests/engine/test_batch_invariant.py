@@ -34,6 +34,8 @@ def test_row_invariant_linear_gives_each_row_the_same_bits_at_any_row_count():
         bound = F.linear(x.double().abs(), w.double().abs()) * k * 2.0**-24
         step = (ref.abs() + bound).log2().floor().exp2() * 2.0**-8
         assert whole.dtype == torch.bfloat16
+        # bfloat16 panels widened as read: the float32 panels' bits over the widened weight
+        assert torch.equal(whole, Linear(w.float(), "packed")(x.float()).bfloat16())
         assert bool(((whole.double() - ref).abs() <= step + bound).all())
         for rows in (1, 2, 5, 7, 12, 13, 64):
             for start in (0, 3, 300 - rows):
@@ -93,7 +95,10 @@ def test_bf16_request_is_the_same_bits_whole_chunked_resumed_or_batched(ckpt_bf1
     assert float(short.max()) <= TOL, short.tolist()
 
 
-def test_batch_invariant_refuses_a_moe_model(tmp_path):
+def test_batch_invariant_refuses_what_it_does_not_cover(tmp_path, ckpt_bf16):
     ckpt = hc.make(tmp_path / "moe", hc.SPEC_MOE["qwen3_5_moe"])
     with pytest.raises(ValueError, match="dense models only"):
         LLM(ckpt, dtype="bfloat16", engine_process=False, batch_invariant=True)
+    for kw in (dict(mamba_ssm_cache_dtype="bfloat16"), dict(num_speculative_tokens=2)):
+        with pytest.raises(ValueError, match="float32 GDN state"):
+            LLM(ckpt_bf16, dtype="bfloat16", engine_process=False, batch_invariant=True, **kw)
