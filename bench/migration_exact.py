@@ -6,7 +6,7 @@ run's. Beside it, the same requests generated again in another batch composition
 two halves), and again with prompts prefilled in chunks of --small-chunk tokens (as a busy node's
 scheduler may cut them): the engine's own agreement with itself, which no move can beat.
 
-    python bench/migration_exact.py [--model DIR] [--requests 16] [--new-tokens 96]
+    python bench/migration_exact.py [--model DIR] [--requests 16] [--new-tokens 96] [--batch-invariant]
 
 Reports, per dtype and setting, the streams whose continuation is token-identical and the share
 of continued tokens before the first difference."""
@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--small-chunk", type=int, default=16)
+    ap.add_argument("--batch-invariant", action="store_true", help="the engines in batch-invariant mode")
     args = ap.parse_args()
 
     from engine.llm import LLM
@@ -78,12 +79,15 @@ def main() -> None:
         f"model {model}, {args.requests} requests, prompt {args.prompt_len}, resumed after {half} of {args.new_tokens}"
     )
     for dtype in args.dtypes:
-        llm = LLM(model, dtype=dtype, engine_process=False, enable_prefix_caching=False)
+        llm = LLM(
+            model, dtype=dtype, engine_process=False, enable_prefix_caching=False, batch_invariant=args.batch_invariant
+        )
         small = LLM(
             model,
             dtype=dtype,
             engine_process=False,
             enable_prefix_caching=False,
+            batch_invariant=args.batch_invariant,
             max_num_batched_tokens=args.small_chunk * args.requests,
             batch_chunk_tokens=args.small_chunk,
         )

@@ -2,7 +2,7 @@
 build (compiled and eager), one server at a time, alternated, each restarted per run (not a test).
 
     python bench/served_stream.py [--vllm-python PATH] [--pairs 2] [--sampled] [--model tiny-qvocab]
-        [--systems pdserve-disagg pdserve-colo vllm vllm-eager]
+        [--systems pdserve-disagg pdserve-disagg-bound pdserve-colo vllm vllm-eager]
 
 Streaming /v1/completions, 64 requests x 512 random prompt tokens, 64 output tokens with
 ignore_eos, concurrency 16, bfloat16 on bench/vs_vllm_cpu.py's `tiny` checkpoint (head dims 64;
@@ -31,6 +31,7 @@ _spec.loader.exec_module(vs)
 
 SERVER = {
     "pdserve-disagg": ("pdserve-disagg", []),
+    "pdserve-disagg-bound": ("pdserve-disagg", ["--cpu-binding", "auto"]),  # each node on CPUs of its own
     "pdserve-colo": ("pdserve", []),
     "vllm": ("vllm", ["--max-model-len", "1024"]),
     "vllm-eager": ("vllm", ["--max-model-len", "1024", "--enforce-eager"]),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, get_args
 
-from engine.config_fields import fp8_block_size, has_processor, moe_fields
+from engine.config_fields import ARCHITECTURES, WRAPPERS, fp8_block_size, has_processor, moe_fields
 from engine.device_defaults import budget_source, default_draft_cost
 from engine.options import option
 from engine.rope import RopeScaling
@@ -24,16 +24,6 @@ from engine.vision.config import VisionConfig
 if TYPE_CHECKING:
     import torch
 
-# architecture -> the text model's model_type (a wrapper's text_config holds the text model)
-ARCHITECTURES = {
-    "Qwen3_5ForCausalLM": "qwen3_5_text",
-    "Qwen3_5ForConditionalGeneration": "qwen3_5_text",
-    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
-    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe_text",
-    "Qwen3NextForCausalLM": "qwen3_next",
-}
-SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
-_WRAPPERS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")  # text under text_config
 _DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -84,6 +74,7 @@ class ModelConfig:
     fp8_experts: Literal["auto", "keep", "dequantize"] = "auto"
     # the dense projections (attention, GDN, MLPs, shared experts) likewise, through `Linear.fp8`
     fp8_dense: Literal["auto", "keep", "dequantize"] = "auto"
+    batch_invariant: bool = False  # --batch-invariant (docs/engine.md, "Batch-invariant mode")
     mtp_num_layers: int = 0  # multi-token-prediction layers the config declares (`mtp.layers.*`)
     rope_scaling: RopeScaling = RopeScaling()  # YaRN / linear scaling of the rotary positions (engine/rope.py)
     vision: VisionConfig | None = None  # the vision tower of a vision-language checkpoint (docs/images.md)
@@ -158,15 +149,15 @@ class ModelConfig:
             raise FileNotFoundError(f"no config.json in {path}: pass a checkpoint directory written by save_pretrained")
         raw = json.loads(cfg_path.read_text())
         archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
                 f"unsupported architecture {archs or raw.get('model_type')!r} in {cfg_path}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"supported: {', '.join(ARCHITECTURES)}"
             )
         prefix = "model."
         text = raw
-        if arch in _WRAPPERS:
+        if arch in WRAPPERS:
             text = raw.get("text_config") or {}
             prefix = "model.language_model."
         want_type = ARCHITECTURES[arch]
@@ -216,7 +207,7 @@ class ModelConfig:
             **moe_fields(text, want_type),
             mtp_num_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
             rope_scaling=scaling,
-            vision=VisionConfig.from_raw(raw, text) if arch in _WRAPPERS and has_processor(path) else None,
+            vision=VisionConfig.from_raw(raw, text) if arch in WRAPPERS and has_processor(path) else None,
         )
 
 
@@ -459,6 +450,11 @@ class EngineArgs:
         "GDN recurrent state (auto: float32); bfloat16 halves its slots' memory at some cost in exactness "
         "(docs/engine.md); prefill and decode nodes must use the same value",
     )
+    batch_invariant: bool = option(
+        False,
+        "a request's logits the same bits however its prompt is chunked and whatever shares its steps: a moved "
+        "request continues exactly in bfloat16 too (CPU, dense models; slower: docs/engine.md); set on every node",
+    )
     gpu_memory_utilization: float | None = option(
         None, "cuda: share of each GPU for weights, a step's peak and the cache (default 0.9); ignored on cpu"
     )
@@ -467,7 +463,10 @@ class EngineArgs:
         kv, share = budget_source(self.kv_cache_memory, self.gpu_memory_utilization, self.device)
         return EngineConfig(
             model=dataclasses.replace(
-                ModelConfig.from_dir(self.model, self.dtype), fp8_experts=self.fp8_experts, fp8_dense=self.fp8_dense
+                ModelConfig.from_dir(self.model, self.dtype),
+                fp8_experts=self.fp8_experts,
+                fp8_dense=self.fp8_dense,
+                batch_invariant=self.batch_invariant,
             ),
             parallel=ParallelConfig(self.tensor_parallel_size),
             cache=CacheConfig(

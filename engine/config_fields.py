@@ -1,11 +1,21 @@
 """The parts of a checkpoint's config.json that config.py's ModelConfig reads through a rule of
-their own: the MoE sizes of each architecture, the FP8 quantization block, whether images are served."""
+their own: the architectures, the MoE sizes of each architecture, the FP8 quantization block,
+whether images are served."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 SUPPORTED_QUANTIZATION = ("fp8",)
+# architecture -> the text model's model_type (a wrapper's text_config holds the text model)
+ARCHITECTURES = {
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5_text",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe_text",
+    "Qwen3NextForCausalLM": "qwen3_next",
+}
+WRAPPERS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")  # text under text_config
 
 
 def moe_fields(text: dict, model_type: str) -> dict:

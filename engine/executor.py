@@ -94,7 +94,7 @@ def _rank_main(cfg: EngineConfig, rank: int, port: int, conn, device: str, steps
 
     try:
         t = cfg.parallel.tensor_parallel_size
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // t))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // t))  # the CPUs a node is bound to
         dev = torch.device(device)
         bind(dev)  # before the process group and any allocation: NCCL's communicator lives on it
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))

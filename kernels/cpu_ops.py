@@ -187,6 +187,17 @@ def gemm_f32(x: torch.Tensor, wp: torch.Tensor, n: int, threads: int = 1) -> tor
     return _ops().gemm_f32(x.contiguous(), wp, n, threads)
 
 
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight [N, K] in `pack_f32`'s panels, kept in bfloat16 (half the bytes)."""
+    return _ops().pack_bf16(w.contiguous())
+
+
+def gemm_bf16w(x: torch.Tensor, wp: torch.Tensor, n: int, threads: int = 1) -> torch.Tensor:
+    """x [M, K] float32 @ w^T for wp = pack_bf16(w [n, K]): y [M, n] float32, the bits of
+    `gemm_f32` over pack_f32(w) (each row the same sum at any M). Reference: F.linear(x, w.float())."""
+    return _ops().gemm_bf16w(x.contiguous(), wp, n, threads)
+
+
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """gu [M, 2I] float32 (unit stride on the last axis) -> silu(gu[:, :I]) * gu[:, I:] [M, I]:
     the MLP's gate in one pass (engine/model/layers.py MLP is the reference), rows split over

@@ -21,6 +21,7 @@ from encode_node.config import EncodeNodeConfig
 from engine.options import options, to_argv
 from prefill_node.config import PrefillNodeConfig
 from router.config import RouterConfig
+from router.cpu_binding import CpuBinding, NodeSlot, bound_env, split_cpus, usable_cpus
 from serving.security import API_KEY_ENV, TOKEN_ENV, Credentials, Tls
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,6 +72,8 @@ class PoolSpec:
     cluster_token: str | None = field(default=None, repr=False)
     # no cluster token at all: every component starts with --insecure-open-cluster
     insecure_open_cluster: bool = False
+    # the nodes' CPUs on this host (router/cpu_binding.py): auto, a share each; none, all of them each
+    cpu_binding: CpuBinding = "none"
     # the router's; with metrics_port set, every node serves /metrics on a free port
     router_options: dict[str, Any] = field(default_factory=dict)
     node_options: dict[str, Any] = field(default_factory=dict)
@@ -85,6 +88,7 @@ class PoolSpec:
             raise ValueError(f"--prefill must be >= 0 (got {self.prefill})")
         if self.encode < 0:
             raise ValueError(f"--encode must be >= 0 (got {self.encode})")
+        split_cpus([], [], self.cpu_binding)  # a bad mode refused before anything starts
         if self.insecure_open_cluster and self.cluster_token:
             raise ValueError("--insecure-open-cluster and --cluster-token-file exclude each other")
         _check_keys("router", self.router_options, settable(RouterConfig, ROUTER_MANAGED))
@@ -145,6 +149,7 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.port: int | None = None
         self._reported: set[str] = set()
+        self.cpus: dict[str, tuple[int, ...]] = {}  # node name -> its CPUs (start() decides)
         self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-up-")
         self._token = spec.cluster_token or os.environ.get(TOKEN_ENV, "").strip() or secrets.token_urlsafe(32)
         if spec.insecure_open_cluster:
@@ -163,15 +168,28 @@ class Cluster:
             + [f"encode-{i}" for i in range(s.encode)]
         )
 
-    def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> None:
+    def node_slots(self) -> list[NodeSlot]:
+        s = self.spec
+        tp = {"prefill": s.prefill_tp, "decode": s.decode_tp, "encode": 1}
+        return [NodeSlot(name, name.split("-")[0], tp[name.split("-")[0]]) for name in self.node_ids()]
+
+    def _spawn(
+        self, name: str, args: list[str], extra_env: dict[str, str] | None = None, cpus: tuple[int, ...] = ()
+    ) -> None:
         env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, TOKEN_ENV)}  # client keys: the router's
-        env.update({TOKEN_ENV: self._token} if self._token else {}, **(extra_env or {}))
+        env.update({TOKEN_ENV: self._token} if self._token else {}, **(extra_env or {}), **bound_env(cpus))
         if self.spec.insecure_open_cluster:
             args = [*args, "--insecure-open-cluster"]
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         log_level, drain = ["--log-level", self.spec.log_level], ["--drain-timeout", str(self.spec.drain_timeout_s)]
         cmd = [sys.executable, "-m", "router.cli", *log_level, *args, *drain]
-        self.procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
+
+        def pre_exec() -> None:  # in the child, between fork and exec
+            die_with_parent()
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
+        self.procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=pre_exec)
 
     def start(self, ready_timeout: float = 300.0) -> None:
         s = self.spec
@@ -183,6 +201,10 @@ class Cluster:
             self._check_children(deadline)
             time.sleep(0.05)
         self.port = int(port_file.read_text())
+        self.cpus = split_cpus(usable_cpus(), self.node_slots(), s.cpu_binding)
+        if self.cpus:
+            shown = " ".join(f"{n}={','.join(map(str, c))}" for n, c in self.cpus.items())
+            print(f"  cpu binding: {shown}", file=self.out, flush=True)
         for i in range(s.prefill):
             self._spawn_node("prefill", i, s.prefill_tp)
         for i in range(s.decode):
@@ -195,7 +217,8 @@ class Cluster:
         s = self.spec
         name = f"{kind}-{i}"
         where = ["--router", self.address, "--host", s.host, "--port", "0", "--node-id", name]
-        self._spawn(name, [kind, "--model", s.model, *where, "--tp", str(tp), *s.node_argv(kind)])
+        argv = [kind, "--model", s.model, *where, "--tp", str(tp), *s.node_argv(kind)]
+        self._spawn(name, argv, cpus=self.cpus.get(name, ()))
 
     def _check_children(self, deadline: float) -> None:
         if self.should_stop():

@@ -108,13 +108,15 @@ class Choice:
         return out
 
     def delta(self, c: Chunk) -> dict | None:
-        """The stream delta of this chunk; None when it adds nothing."""
+        """The stream delta of this chunk; None when it adds nothing. A chunk with new tokens is an
+        event even when their text is held back (an incomplete character, the start of a possible
+        stop string): each token reaches the client in the step it is made, its text follows."""
         text, entries = self._take(c)
         ended = bool(c.finish_reason)
         out = self.out
         fields = out.push(text, ended, self._new(c)) if out is not None else {"content": text} if text else {}
         fin = self._finish(c.finish_reason or None)
-        if not fields and not entries and fin is None:
+        if not fields and not entries and fin is None and not self._new(c):
             return None
         lp = self._logprobs(entries) if self.job.logprobs is not None else None
         if self.job.chat:

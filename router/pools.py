@@ -52,6 +52,12 @@ OWN: dict[str, tuple[type, Any, str]] = {
         False,
         "start every component without a cluster token: any process that reaches one can join the cluster",
     ),
+    "cpu_binding": (
+        str,
+        "none",
+        "auto: the nodes on this host split its CPUs, each node's torch threads on a share of its own "
+        "(prefill nodes get the remainder); none: every node runs on every CPU",
+    ),
     "drain_timeout": (
         float,
         30.0,
@@ -185,6 +191,7 @@ def spec_from_args(args: argparse.Namespace, default_model: Callable[[], Any]) -
         encode_options=opts["encode"],
         cluster_token=_token(own["cluster_token_file"]),
         insecure_open_cluster=own["insecure_open_cluster"],
+        cpu_binding=own["cpu_binding"],
     )
 
 

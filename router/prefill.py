@@ -31,6 +31,7 @@ class Push:
     def __init__(self, p: NodeEntry, d: NodeEntry, rid: str, first: pb.PrefillResponse, call, on_fail, spawn):
         self.p, self.d, self.rid, self.first, self.call = p, d, rid, first, call
         self.pushed: pb.Timings | None = None
+        self.reserve_s = 0.0  # the handshake and the reservation on D, before P was called
         self.error: grpc.RpcError | None = None
         self.done = asyncio.Event()
         self._on_fail = on_fail
@@ -244,6 +245,7 @@ class PrefillPhase:
         encoded: list[bytes] = []
         if images and self.encode is not None:  # before the lease starts; never fails the request
             encoded = await self.encode.prepare(p, rid, images)
+        t0 = time.monotonic()
         try:
             await self.handshake(p, d)  # first: the lease starts when P can renew it
         except grpc.RpcError as e:
@@ -252,6 +254,7 @@ class PrefillPhase:
             target = await self.reserve(d, rid, ids, request, images)
         except grpc.RpcError as e:
             raise DecodeFailed(e) from None
+        reserve_s = time.monotonic() - t0
         call = None
         try:
             call = p.stub.Prefill(
@@ -277,7 +280,9 @@ class PrefillPhase:
                 call.cancel()
             self.release_later(d, rid, "the client went away")
             raise
-        return Push(p, d, rid, first, call, self.push_failed, self._spawn)
+        push = Push(p, d, rid, first, call, self.push_failed, self._spawn)
+        push.reserve_s = reserve_s
+        return push
 
     async def _after_failure(self, d, p, f: _Failed, request_id: str, tried: set[str], failures: int):
         """After a failed attempt: True to try another prefill node, None to prefill on D;

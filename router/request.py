@@ -61,6 +61,7 @@ class Trace:
     finish: str = "-"
     transfer_bytes: int = 0
     transfer_s: float = 0.0
+    reserve_s: float | None = None  # 1P+1D: the handshake and reservation on D before the Prefill call
     moves: str = ""  # where it moved mid-stream: "decode-0(unavailable@12) ..."
 
     def outcome(self) -> str:
@@ -79,7 +80,7 @@ class Trace:
     def log(self) -> None:
         ttft, tpot = self.ttft(), self.tpot()
         log.info(
-            "request %s: prompt %d%s, decode %s, prefill %s, queue %.1f ms (estimated %s), ttft %s, tpot %s, "
+            "request %s: prompt %d%s, decode %s, prefill %s, queue %.1f ms (estimated %s), %sttft %s, tpot %s, "
             "%d tokens, %s; transfer %d B in %.1f ms%s",
             self.request_id,
             self.prompt_len,
@@ -88,6 +89,7 @@ class Trace:
             self.prefill,
             self.queue_s * 1e3,
             "-" if self.estimate_s is None else f"{self.estimate_s * 1e3:.1f} ms",
+            "" if self.reserve_s is None else f"reserve {self.reserve_s * 1e3:.1f} ms, ",
             "-" if ttft is None else f"{ttft * 1e3:.1f} ms",
             "-" if tpot is None else f"{tpot * 1e3:.1f} ms",
             self.n,
@@ -205,7 +207,7 @@ class RequestRun:
                 )
             else:
                 f = pre.first
-                self.tr.prefill = pre.p.node_id
+                self.tr.prefill, self.tr.reserve_s = pre.p.node_id, pre.reserve_s
                 # the first token goes to the client at once, while the push runs
                 yield self._relay(
                     pb.GenerateResponse(token_ids=[f.first_token_id], finish_reason=f.finish_reason, timings=f.timings),

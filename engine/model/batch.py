@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kernels.points import StatePoints
 
@@ -53,6 +54,7 @@ class ForwardBatch:
     image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
     _rows: tuple | None = None  # gdn_rows(), made once per step
     _tok_rows: tuple | None = None  # decode_token_rows(), made once per step
+    _step_rows: tuple | None = None  # step_token_rows(), made once per step
     _phases: list | None = None  # gdn_row_phases(), made once per step
 
     @property
@@ -119,6 +121,25 @@ class ForwardBatch:
                 self.positions[g.tok_start : g.tok_end] + 1,
             )
         return self._tok_rows
+
+    def step_token_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every token of the step as a row of its own, for the C attention op in batch-invariant
+        mode (each token attends exactly as a decode step's would): (block table row [T, width],
+        context length [T]: position + 1, row boundaries [R+1] of the step's sequences). Made on
+        first use and kept for the step's layers."""
+        if self._step_rows is None:
+            g = self.groups
+            width = max(x.block_tables.shape[1] for x in g)
+            tables = torch.cat(
+                [
+                    F.pad(x.block_tables, (0, width - x.block_tables.shape[1])).repeat_interleave(
+                        x.cu_seqlens[1:] - x.cu_seqlens[:-1], dim=0
+                    )
+                    for x in g
+                ]
+            )
+            self._step_rows = (tables, self.positions + 1, self.gdn_rows()[0])
+        return self._step_rows
 
 
 class IntPack:

@@ -189,8 +189,20 @@ class GatedDeltaNet:
 
 
 class Attention:
-    def __init__(self, w: AttentionWeights, n_heads: int, n_kv: int, hd: int, eps: float, all_reduce: AllReduce):
+    def __init__(
+        self,
+        w: AttentionWeights,
+        n_heads: int,
+        n_kv: int,
+        hd: int,
+        eps: float,
+        all_reduce: AllReduce,
+        invariant: bool = False,
+    ):
+        """invariant (--batch-invariant): prefill tokens too go through the C decode op, one token
+        at a time in order, so each token's arithmetic is a decode step's whatever its chunk."""
         self.w, self.h, self.kvh, self.hd, self.eps = w, n_heads, n_kv, hd, eps
+        self.invariant = invariant
         self.all_reduce = all_reduce
         self.scale = hd**-0.5
         # per-head (1 + w) of q_norm for query heads and k_norm for key heads
@@ -203,11 +215,15 @@ class Attention:
         T = x.shape[0]
         qkv = self.w.w_qkv(x)  # rows [q | k | gate | v] (reordered by the loader)
         dec = batch.decode
-        if batch.prefill is None and not x.is_cuda and kv_pool.dtype == x.dtype and cpu_ops.available(x.dtype):
-            # the steps below, fused; rows with drafts token by token, in order within a row
-            tables, lens, starts = dec.block_tables, dec.seq_lens, None
-            if dec.max_row_tokens > 1:
+        fused = not x.is_cuda and kv_pool.dtype == x.dtype and cpu_ops.available(x.dtype)
+        if fused and (batch.prefill is None or self.invariant):
+            # the steps below, fused; rows with drafts (and prefill rows) token by token, in order
+            if batch.prefill is not None:
+                tables, lens, starts = batch.step_token_rows()
+            elif dec.max_row_tokens > 1:
                 (tables, lens), starts = batch.decode_token_rows(), dec.cu_seqlens
+            else:
+                tables, lens, starts = dec.block_tables, dec.seq_lens, None
             o = cpu_ops.attn_decode(
                 qkv, self.qk_norm, self.eps, cos, sin, kv_pool, batch.slot_mapping, tables, lens, self.h, self.kvh,
                 self.scale, seq_starts=starts,
@@ -235,7 +251,8 @@ class Attention:
 class MLP:
     def __init__(self, w: MLPWeights, all_reduce: AllReduce):
         self.w, self.all_reduce = w, all_reduce
-        self.fused = w.w_gate_up.kind == "packed"  # float32 on a CPU with the C ops: the gate in one C pass
+        # float32 on a CPU with the C ops: the gate in one C pass
+        self.fused = w.w_gate_up.kind == "packed" and w.w_gate_up.dtype == torch.float32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and x.dim() == 2:

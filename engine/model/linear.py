@@ -5,6 +5,9 @@ CPU with native 16-bit matmul, reordered once into oneDNN's blocked layout: the 
 float32 copy of a 16-bit weight on CPUs without native 16-bit matmul, output rounded back) or "fp8"
 (a block-quantized float8 weight kept as the checkpoint stores it, `kernels.fp8_block_linear`,
 with an optional unquantized tail of rows).
+A bfloat16 weight may be "packed" too (`row_invariant`, --batch-invariant): the same panels kept in
+bfloat16, each output row the same float32 sum in the same order at any number of rows, rounded
+back to bfloat16.
 Every layout or GEMM choice lives here (docs/engine.md, "Module notes"; figures in
 docs/benchmarks.md)."""
 
@@ -59,7 +62,8 @@ class Linear:
         self.shape = tuple(weight.shape)
         self.kind = kind or gemm_kind(weight.dtype, weight.device)
         if self.kind == "packed":
-            self.w = cpu_ops.pack_f32(weight)
+            bf16 = weight.dtype == torch.bfloat16
+            self.w = cpu_ops.pack_bf16(weight) if bf16 else cpu_ops.pack_f32(weight)
         elif self.kind == "onednn":
             self.w = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         else:
@@ -101,7 +105,8 @@ class Linear:
             w = dequant_fp8_block(self.w, self.scale_inv, self.block_size, self.dtype)
             return w if self.tail is None else torch.cat([w, self.tail.weight])
         if self.kind == "packed":  # [P, K, 16] -> [P * 16, K], padding dropped
-            return self.w.transpose(1, 2).reshape(-1, self.shape[1])[: self.shape[0]].contiguous()
+            w = self.w.transpose(1, 2).reshape(-1, self.shape[1])[: self.shape[0]]
+            return w.to(self.dtype).contiguous()
         if self.kind == "onednn":
             return self.w.to_dense()
         return self.w if self.w.dtype == self.dtype else self.w.to(self.dtype)
@@ -124,7 +129,9 @@ class Linear:
         if self.kind == "packed":
             x2 = x.reshape(-1, self.shape[1]).float()
             big = x2.shape[0] * self.shape[0] * self.shape[1] >= _GEMM_THREADED
-            y = cpu_ops.gemm_f32(x2, self.w, self.shape[0], torch.get_num_threads() if big else 1)
+            gemm = cpu_ops.gemm_f32 if self.dtype == torch.float32 else cpu_ops.gemm_bf16w
+            y = gemm(x2, self.w, self.shape[0], torch.get_num_threads() if big else 1)
+            y = y if self.dtype == torch.float32 else y.to(self.dtype)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], self.shape[0])
         if self.w16 is not None and x.shape[0] <= GEMV_MAX_ROWS and x.dim() == 2:
             return cpu_ops.gemv_bf16(x, self.w16, self.dtype, self.threads)
@@ -151,3 +158,17 @@ class Linear:
         if self.kind == "fp32":
             return F.linear(x.float(), self.w).to(self.dtype)
         return F.linear(x, self.w)
+
+
+def row_invariant(lin: Linear) -> Linear:
+    """The same projection over panels ("packed", float32 or bfloat16): each output row is the
+    same float32 sum of exact products in the same order whatever the number of rows, so a
+    token's result does not depend on its step (oneDNN's blocking, and so its sums, change with
+    the rows)."""
+    if lin.device.type != "cpu" or lin.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"batch-invariant projections run on the CPU in float32 or bfloat16, not {lin.dtype} on {lin.device}"
+        )
+    if not cpu_ops.available(lin.dtype):
+        raise ValueError(f"batch-invariant projections need the CPU operators: {cpu_ops.status()}")
+    return lin if lin.kind == "packed" else Linear(lin.weight, "packed")

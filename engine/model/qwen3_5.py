@@ -17,7 +17,7 @@ from engine.config import ModelConfig
 from engine.model.batch import ForwardBatch
 from engine.model.fused_decode import fused_decode
 from engine.model.layers import MLP, AllReduce, Attention, AttentionWeights, GatedDeltaNet, GDNWeights, MLPWeights
-from engine.model.linear import Linear
+from engine.model.linear import Linear, row_invariant
 from engine.model.moe import MoEWeights, SparseMoE
 from engine.model.rotary import Rotary, mrope_axes, mrope_cos_sin
 from kernels import add_rms_norm
@@ -33,10 +33,20 @@ class DecoderLayer:
     mlp: MLP | SparseMoE
 
 
+def _row_invariant(ws: dict) -> dict:
+    return {k: row_invariant(v) if isinstance(v, Linear) else v for k, v in ws.items()}
+
+
 def build_layer(cfg: ModelConfig, i: int, kind: str, lw: dict, tp: int, all_reduce: AllReduce) -> DecoderLayer:
     """Decoder layer `i` (GDN or full attention, with the model's MLP) from its loaded weights;
     the MTP block builds its layer here too."""
     eps = cfg.rms_norm_eps
+    if cfg.batch_invariant:
+        if "router" in lw["mlp"]:
+            raise ValueError(
+                "--batch-invariant covers dense models only (the MoE experts' GEMMs are not row-invariant)"
+            )
+        lw = {**lw, **{k: _row_invariant(lw[k]) for k in ("mixer", "mlp")}}
     if kind == "linear_attention":
         mixer = GatedDeltaNet(
             i,
@@ -51,7 +61,13 @@ def build_layer(cfg: ModelConfig, i: int, kind: str, lw: dict, tp: int, all_redu
     else:
         kvh = max(1, cfg.num_kv_heads // tp)
         mixer = Attention(
-            AttentionWeights(**lw["mixer"]), cfg.num_attention_heads // tp, kvh, cfg.head_dim, eps, all_reduce
+            AttentionWeights(**lw["mixer"]),
+            cfg.num_attention_heads // tp,
+            kvh,
+            cfg.head_dim,
+            eps,
+            all_reduce,
+            cfg.batch_invariant,
         )
     if "router" in lw["mlp"]:  # the sparse MoE block (cfg.is_moe_layer)
         mlp = SparseMoE(MoEWeights(**lw["mlp"]), cfg.num_experts_per_tok, cfg.norm_topk_prob, all_reduce)
@@ -82,6 +98,8 @@ class Qwen35Model:
         self.cfg = cfg
         self.embed = weights["embed"]
         self.lm_head = Linear(weights["lm_head"])  # may share the embedding tensor; its GEMM copy is its own
+        if cfg.batch_invariant:
+            self.lm_head = row_invariant(self.lm_head)
         self.eps = cfg.rms_norm_eps
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, max_positions, cfg.dtype, device, cfg.rope_scaling)
         section = cfg.vision.mrope_section if cfg.vision is not None else (cfg.rotary_dim // 2, 0, 0)

@@ -28,6 +28,8 @@ TORCH_LIBRARY(pdserve, m) {
     m.def("gemv_bf16(Tensor x, Tensor w, ScalarType out_dtype, int threads) -> Tensor");
     m.def("pack_f32(Tensor w) -> Tensor");
     m.def("gemm_f32(Tensor x, Tensor wp, int n, int threads) -> Tensor");
+    m.def("pack_bf16(Tensor w) -> Tensor");
+    m.def("gemm_bf16w(Tensor x, Tensor wp, int n, int threads) -> Tensor");
     m.def("mask_logits(Tensor(a!) x, Tensor bitmask, Tensor rows) -> ()");
     m.def("masked_argmax(Tensor x, Tensor bitmask) -> Tensor");
 }

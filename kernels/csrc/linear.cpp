@@ -1,5 +1,6 @@
 /* Linear layers for the decode step's few rows: a bfloat16 weight read as it is (gemv_bf16)
- * and float32 over a weight packed in panels of 16 output columns (pack_f32, gemm_f32).
+ * and float32 over a weight packed in panels of 16 output columns (pack_f32, gemm_f32; the
+ * panels in bfloat16: pack_bf16, gemm_bf16w, the same bits at half the bytes).
  * PyTorch reference: F.linear (engine/model/linear.py picks these).
  */
 #include "common.h"
@@ -73,14 +74,24 @@ void pack_f32(int64_t N, int64_t K, const float *w, float *wp) {
             }
 }
 
-static inline __attribute__((always_inline)) void gemm_tile(int64_t K, const float *x, int64_t ldx,
-                                                            const float *panel, float *y, int64_t ldy, int64_t nc,
-                                                            const int mr) {
+/* A panel row of 16 weights as float32: read as it is, or widened from bfloat16 (exactly: the
+ * same products and sums follow, so a bfloat16 panel gives the float32 panel's bits). */
+static inline void ld_panel8(const float *p, v8f &w0, v8f &w1) {
+    memcpy(&w0, p, 32);
+    memcpy(&w1, p + 8, 32);
+}
+static inline void ld_panel8(const bf16_t *p, v8f &w0, v8f &w1) {
+    w0 = ld_bf8(p);
+    w1 = ld_bf8(p + 8);
+}
+
+template <typename W>
+static inline __attribute__((always_inline)) void gemm_tile(int64_t K, const float *x, int64_t ldx, const W *panel,
+                                                            float *y, int64_t ldy, int64_t nc, const int mr) {
     v8f acc0[6] = {}, acc1[6] = {};
     for (int64_t k = 0; k < K; k++) {
         v8f w0, w1;
-        memcpy(&w0, panel + k * 16, 32);
-        memcpy(&w1, panel + k * 16 + 8, 32);
+        ld_panel8(panel + k * 16, w0, w1);
         for (int r = 0; r < mr; r++) {
             const float xv = x[r * ldx + k];
             const v8f xb = bcast(xv);
@@ -105,15 +116,27 @@ static inline __attribute__((always_inline)) void gemm_tile(int64_t K, const flo
 /* With 512-bit vectors a panel row is one register: tiles of up to 12 rows (12 accumulators),
  * twice the rows and the same loads per k as the 256-bit tile above. */
 typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
 constexpr int64_t MR = 12;
 
-template <int mr>
-static inline __attribute__((always_inline)) void gemm_tile16(int64_t K, const float *x, int64_t ldx,
-                                                              const float *panel, float *y, int64_t ldy, int64_t nc) {
+static inline v16f ld_panel16(const float *p) {
+    v16f w;
+    memcpy(&w, p, 64);
+    return w;
+}
+static inline v16f ld_panel16(const bf16_t *p) {
+    v16h h;
+    memcpy(&h, p, 32);
+    return (v16f)(__builtin_convertvector(h, v16u) << 16);
+}
+
+template <int mr, typename W>
+static inline __attribute__((always_inline)) void gemm_tile16(int64_t K, const float *x, int64_t ldx, const W *panel,
+                                                              float *y, int64_t ldy, int64_t nc) {
     v16f acc[mr] = {};
     for (int64_t k = 0; k < K; k++) {
-        v16f w;
-        memcpy(&w, panel + k * 16, 64);
+        const v16f w = ld_panel16(panel + k * 16);
         for (int r = 0; r < mr; r++) acc[r] += x[r * ldx + k] * w;
     }
     for (int r = 0; r < mr; r++) {
@@ -127,7 +150,8 @@ static inline __attribute__((always_inline)) void gemm_tile16(int64_t K, const f
     }
 }
 
-static void run_tile(int64_t rows, int64_t K, const float *x, const float *panel, float *y, int64_t N, int64_t nc) {
+template <typename W>
+static void run_tile(int64_t rows, int64_t K, const float *x, const W *panel, float *y, int64_t N, int64_t nc) {
     switch (rows) {
 #define PDSERVE_TILE(R) \
     case R: gemm_tile16<R>(K, x, K, panel, y, N, nc); break;
@@ -140,7 +164,8 @@ static void run_tile(int64_t rows, int64_t K, const float *x, const float *panel
 #else
 constexpr int64_t MR = 6;
 
-static void run_tile(int64_t rows, int64_t K, const float *x, const float *panel, float *y, int64_t N, int64_t nc) {
+template <typename W>
+static void run_tile(int64_t rows, int64_t K, const float *x, const W *panel, float *y, int64_t N, int64_t nc) {
     switch (rows) {
     case 1: gemm_tile(K, x, K, panel, y, N, nc, 1); break;
     case 2: gemm_tile(K, x, K, panel, y, N, nc, 2); break;
@@ -158,10 +183,12 @@ void gemm_chunk(const GemmJob &job, int64_t chunk) {
     const int64_t M = j->M, N = j->N, K = j->K, mb = j->mb, g = chunk % j->groups;
     const int64_t m1 = chunk / j->groups * mb, p0 = j->P * g / j->groups, p1 = j->P * (g + 1) / j->groups;
     for (int64_t p = p0; p < p1; p++) {
-        const float *panel = j->wp + p * K * 16;
         const int64_t n0 = p * 16, nc = N - n0 < 16 ? N - n0 : 16, m2 = m1 + mb < M ? m1 + mb : M;
-        for (int64_t m0 = m1; m0 < m2; m0 += MR)
-            run_tile(m2 - m0 < MR ? m2 - m0 : MR, K, j->x + m0 * K, panel, j->y + m0 * N + n0, N, nc);
+        for (int64_t m0 = m1; m0 < m2; m0 += MR) {
+            const int64_t rows = m2 - m0 < MR ? m2 - m0 : MR;
+            if (j->wbf16) run_tile(rows, K, j->x + m0 * K, j->wp16 + p * K * 16, j->y + m0 * N + n0, N, nc);
+            else run_tile(rows, K, j->x + m0 * K, j->wp + p * K * 16, j->y + m0 * N + n0, N, nc);
+        }
     }
 }
 
@@ -180,11 +207,29 @@ GemmJob gemm_job(int64_t M, int64_t N, int64_t K, const float *x, const float *w
         if (groups > P) groups = P;
         if (groups < 1) groups = 1;
     }
-    return GemmJob{M, N, K, mb, groups, P, x, wp, y};
+    return GemmJob{M, N, K, mb, groups, P, x, wp, y, nullptr, 0};
 }
 
 void gemm_f32(int64_t M, int64_t N, int64_t K, const float *x, const float *wp, float *y, int64_t nthreads) {
     const GemmJob job = gemm_job(M, N, K, x, wp, y, nthreads);
+    parallel_chunks(job.chunks(), nthreads, [&](int64_t c, int64_t) { gemm_chunk(job, c); });
+}
+
+/* pack_f32's panels in bfloat16: half the bytes, and gemm_bf16w over them gives gemm_f32's bits
+ * over the same weight widened (each bfloat16 widens exactly; products and sums are the same). */
+void pack_bf16(int64_t N, int64_t K, const bf16_t *w, bf16_t *wp) {
+    for (int64_t p = 0; p < (N + 15) / 16; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t c = 0; c < 16; c++) {
+                const int64_t n = p * 16 + c;
+                wp[(p * K + k) * 16 + c] = n < N ? w[n * K + k] : (bf16_t)0;
+            }
+}
+
+void gemm_bf16w(int64_t M, int64_t N, int64_t K, const float *x, const bf16_t *wp, float *y, int64_t nthreads) {
+    GemmJob job = gemm_job(M, N, K, x, nullptr, y, nthreads);
+    job.wp16 = wp;
+    job.wbf16 = 1;
     parallel_chunks(job.chunks(), nthreads, [&](int64_t c, int64_t) { gemm_chunk(job, c); });
 }
 

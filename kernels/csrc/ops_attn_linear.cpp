@@ -86,27 +86,47 @@ at::Tensor gemv_bf16_op(const at::Tensor &x, const at::Tensor &w, at::ScalarType
     return y;
 }
 
-at::Tensor pack_f32_op(const at::Tensor &w) {
-    const Args a{"pdserve.pack_f32"};
-    a.dtype(w, "w", at::kFloat);
+/* pack_f32 / pack_bf16: w [N, K] of dtype dt checked, its panels [ceil(N/16), K, 16] allocated */
+at::Tensor panels_for(const Args &a, const at::Tensor &w, at::ScalarType dt) {
+    a.dtype(w, "w", dt);
     TORCH_CHECK(w.dim() == 2, a.op, ": w must be [N, K], got ", w.sizes());
     a.contiguous(w, "w");
-    const int64_t N = w.size(0), K = w.size(1);
-    auto wp = at::empty({(N + 15) / 16, K, 16}, w.options());
-    pack_f32(N, K, w.data_ptr<float>(), wp.data_ptr<float>());
+    return at::empty({(w.size(0) + 15) / 16, w.size(1), 16}, w.options());
+}
+
+/* gemm_f32 / gemm_bf16w: x [M, K] float32 and panels wp of dtype dt for n outputs checked, y allocated */
+at::Tensor gemm_out(const Args &a, const at::Tensor &x, const at::Tensor &wp, int64_t n, at::ScalarType dt) {
+    a.dtype(x, "x", at::kFloat);
+    TORCH_CHECK(x.dim() == 2, a.op, ": x must be [M, K], got ", x.sizes());
+    a.contiguous(x, "x");
+    a.dtype(wp, "wp", dt);
+    a.shape(wp, "wp (packed for n)", {(n + 15) / 16, x.size(1), 16});
+    a.contiguous(wp, "wp");
+    return at::empty({x.size(0), n}, x.options());
+}
+
+at::Tensor pack_f32_op(const at::Tensor &w) {
+    auto wp = panels_for(Args{"pdserve.pack_f32"}, w, at::kFloat);
+    pack_f32(w.size(0), w.size(1), w.data_ptr<float>(), wp.data_ptr<float>());
     return wp;
 }
 
 at::Tensor gemm_f32_op(const at::Tensor &x, const at::Tensor &wp, int64_t n, int64_t threads) {
-    const Args a{"pdserve.gemm_f32"};
-    a.dtype(x, "x", at::kFloat);
-    TORCH_CHECK(x.dim() == 2, a.op, ": x must be [M, K], got ", x.sizes());
-    a.contiguous(x, "x");
-    a.dtype(wp, "wp", at::kFloat);
-    a.shape(wp, "wp (packed for n)", {(n + 15) / 16, x.size(1), 16});
-    a.contiguous(wp, "wp");
-    auto y = at::empty({x.size(0), n}, x.options());
+    auto y = gemm_out(Args{"pdserve.gemm_f32"}, x, wp, n, at::kFloat);
     gemm_f32(x.size(0), n, x.size(1), x.data_ptr<float>(), wp.data_ptr<float>(), y.data_ptr<float>(), threads);
+    return y;
+}
+
+at::Tensor pack_bf16_op(const at::Tensor &w) {
+    auto wp = panels_for(Args{"pdserve.pack_bf16"}, w, at::kBFloat16);
+    pack_bf16(w.size(0), w.size(1), (const uint16_t *)w.data_ptr(), (uint16_t *)wp.data_ptr());
+    return wp;
+}
+
+at::Tensor gemm_bf16w_op(const at::Tensor &x, const at::Tensor &wp, int64_t n, int64_t threads) {
+    auto y = gemm_out(Args{"pdserve.gemm_bf16w"}, x, wp, n, at::kBFloat16);
+    gemm_bf16w(x.size(0), n, x.size(1), x.data_ptr<float>(), (const uint16_t *)wp.data_ptr(), y.data_ptr<float>(),
+               threads);
     return y;
 }
 
@@ -117,6 +137,8 @@ TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
     m.impl("gemv_bf16", &gemv_bf16_op);
     m.impl("pack_f32", &pack_f32_op);
     m.impl("gemm_f32", &gemm_f32_op);
+    m.impl("pack_bf16", &pack_bf16_op);
+    m.impl("gemm_bf16w", &gemm_bf16w_op);
 }
 
 }  // namespace pdserve

@@ -105,6 +105,10 @@ def test_gemm_and_norm_quote_their_shapes():
     wp = cpu_ops.pack_f32(torch.randn(20, 8))
     with pytest.raises(RuntimeError, match=r"wp \(packed for n\) must be \[1, 8, 16\], got \[2, 8, 16\]"):
         cpu_ops.gemm_f32(torch.randn(3, 8), wp, 16)
+    with pytest.raises(RuntimeError, match=r"pdserve.gemm_bf16w: wp must be BFloat16"):
+        cpu_ops.gemm_bf16w(torch.randn(3, 8), wp, 20)  # float32 panels handed to the bfloat16 GEMM
+    with pytest.raises(RuntimeError, match=r"pdserve.pack_bf16: w must be BFloat16"):
+        cpu_ops.pack_bf16(torch.randn(20, 8))
     with pytest.raises(RuntimeError, match=r"h must be \[4, 8\], got \[4, 6\]"):
         cpu_ops.add_rms_norm(torch.randn(4, 8), torch.randn(4, 6), torch.ones(8), 1e-6)
     with pytest.raises(RuntimeError, match=r"gu must be \[M, 2I\], got \[3, 5\]"):

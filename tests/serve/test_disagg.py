@@ -5,6 +5,7 @@ with requests in flight neither hangs a request nor leaks the decode node's memo
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -153,6 +154,14 @@ def test_conditional_disaggregation_same_tokens(ckpt, refs):
     finally:
         rc = up.stop()
     assert rc == 0, up.output()
+    # the router's line times the reservation on D that precedes the Prefill call, within the TTFT
+    logged = [ln for ln in up.lines if re.search(r"pdserve\.router: request \w+: prompt \d+, decode", ln)]
+    assert len(logged) >= len(ps), up.output()
+    for ln in logged:
+        m = re.search(r"prefill (\S+), .* reserve ([\d.]+) ms, ttft ([\d.]+) ms", ln)
+        assert (m is not None) == ("prefill prefill-0," in ln), ln
+        if m:
+            assert 0 < float(m[2]) < float(m[3]), ln
 
 
 def test_speculative_decode_nodes_match_transformers(ckpt):

@@ -98,9 +98,11 @@ def routed(ckpt):
     r.stop(0)
 
 
-def test_each_token_reaches_the_http_client_within_a_step(routed):
-    """Streamed completions with `logprobs: 0`, so that every event names its tokens (text alone
-    may hold a partial character back)."""
+@pytest.mark.parametrize("logprobs", [0, None])
+def test_each_token_reaches_the_http_client_within_a_step(routed, logprobs):
+    """Streamed completions, with `logprobs: 0` (every event names its tokens) and without (an
+    event per step even when its text is held back: a partial character, whose bytes the next
+    tokens complete)."""
     r, steps = routed
     new = 24
     model = json.loads(_get(r.http_port, "/v1/models"))["data"][0]["id"]
@@ -111,14 +113,14 @@ def test_each_token_reaches_the_http_client_within_a_step(routed):
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
-        "logprobs": 0,
-    }
+    } | ({} if logprobs is None else {"logprobs": logprobs})
     conn = http.client.HTTPConnection("127.0.0.1", r.http_port, timeout=120)
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200
     read_at: list[float] = []  # per token: when the event that carried it was read
     events = 0
+    texts: list[str] = []
     buf = b""
     while chunk := resp.read1(65536):
         now = time.monotonic()
@@ -127,13 +129,16 @@ def test_each_token_reaches_the_http_client_within_a_step(routed):
             ev, buf = buf.split(b"\n\n", 1)
             data = ev.removeprefix(b"data: ")
             if data != b"[DONE]":
-                lp = json.loads(data)["choices"][0]["logprobs"]
+                choice = json.loads(data)["choices"][0]
+                lp = choice["logprobs"]
+                texts.append(choice["text"])
                 events += 1
-                read_at.extend([now] * len(lp["tokens"] if lp else ()))
+                read_at.extend([now] * (len(lp["tokens"]) if lp else 1))  # one request: a token a step
     conn.close()
     sampled = [t for t, _, ids in steps.sampled for _ in ids]
     assert len(sampled) == len(read_at) == new, (steps.sampled, read_at)
     assert events == new, f"{new} tokens came in {events} events"
+    assert "" in texts, "no event held its text back: the case this test is for did not occur"
     late = [round(a - s, 3) for a, s in zip(read_at, sampled, strict=True) if a - s > STEP_S]
     assert not late, f"tokens read more than a step ({STEP_S} s) after they were sampled: {late}"
     lag = sorted(a - s for a, s in zip(read_at, sampled, strict=True))

@@ -1,0 +1,104 @@
+"""--batch-invariant in bfloat16: a request's tokens and log-probabilities are the same bits
+whether its prompt is prefilled whole or in chunks, whether it is resumed from prompt + output
+(a request moved to another node), and whatever else shares its steps; and they stay within the
+bound tests/engine/test_bf16.py holds the engine to against transformers' bfloat16 forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import LLM, SamplingParams
+from engine.model.linear import Linear, row_invariant
+from kernels import cpu_ops
+from tests.engine.test_bf16 import TOL
+from tests.helpers import hybrid_ckpt as hc
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(torch.bfloat16), reason="the CPU operators are not built")
+
+NEW, HALF = 24, 12
+
+
+def test_row_invariant_linear_gives_each_row_the_same_bits_at_any_row_count():
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((256, 512), (300, 2048), (40, 7)):
+        w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+        lin = row_invariant(Linear(w))
+        assert torch.equal(lin.weight, w)
+        x = torch.randn(300, k, generator=g).bfloat16()
+        whole = lin(x)
+        # the reference: exact products summed in float64; the float32 sum's error (at most K
+        # roundings of the running sum) then one rounding to bfloat16
+        ref = F.linear(x.double(), w.double())
+        bound = F.linear(x.double().abs(), w.double().abs()) * k * 2.0**-24
+        step = (ref.abs() + bound).log2().floor().exp2() * 2.0**-8
+        assert whole.dtype == torch.bfloat16
+        # bfloat16 panels widened as read: the float32 panels' bits over the widened weight
+        assert torch.equal(whole, Linear(w.float(), "packed")(x.float()).bfloat16())
+        assert bool(((whole.double() - ref).abs() <= step + bound).all())
+        for rows in (1, 2, 5, 7, 12, 13, 64):
+            for start in (0, 3, 300 - rows):
+                assert torch.equal(lin(x[start : start + rows]), whole[start : start + rows]), (n, k, rows, start)
+
+
+@pytest.fixture(scope="module")
+def ckpt_bf16(tmp_path_factory):
+    return hc.make(tmp_path_factory.mktemp("bf16inv") / "ckpt", hc.SPEC_BF16)
+
+
+def _run(core, jobs) -> list[tuple[list[int], list]]:
+    """jobs: (prompt, output so far or None, engine steps to run before adding it) -> each job's
+    (new tokens, their logprobs) once every job has finished."""
+    sp = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=5)
+    rids: dict[int, str] = {}
+    got: dict[str, tuple[list[int], list]] = {}
+    finished: set[str] = set()
+    step = 0
+    while len(finished) < len(jobs):
+        for i, (prompt, out, at) in enumerate(jobs):
+            if at == step:
+                rids[i] = core.add_request(prompt, sp) if out is None else core.resume_request(prompt, sp, out)
+                got[rids[i]] = ([], [])
+        for o in core.step():
+            got[o.request_id][0].extend(o.new_token_ids)
+            got[o.request_id][1].extend(o.logprobs)
+            if o.finished:
+                finished.add(o.request_id)
+        step += 1
+    return [got[rids[i]] for i in range(len(jobs))]
+
+
+def test_bf16_request_is_the_same_bits_whole_chunked_resumed_or_batched(ckpt_bf16):
+    prompts = hc.prompts(lens=(40, 100, 7, 63, 130), seed=5)
+    target = prompts[1]
+    kw = dict(dtype="bfloat16", engine_process=False, enable_prefix_caching=False, batch_invariant=True)
+    with LLM(ckpt_bf16, **kw) as llm, LLM(ckpt_bf16, max_num_batched_tokens=16, batch_chunk_tokens=16, **kw) as small:
+        core, chunked = llm.engine, small.engine
+        assert core is not None and chunked is not None
+        alone = _run(core, [(target, None, 0)])[0]
+        toks, lps = alone
+        assert len(toks) == NEW and len(lps) == NEW
+        cont = (toks[HALF:], lps[HALF:])
+        # resumed from the first half of its output: one prefill of prompt + output, then decode
+        assert _run(core, [(target, toks[:HALF], 0)])[0] == cont
+        # its prompt in chunks of 16, alone and resumed
+        assert _run(chunked, [(target, None, 0)])[0] == alone
+        assert _run(chunked, [(target, toks[:HALF], 0)])[0] == cont
+        # beside others: its prefill sharing steps with their decode rows, its decode with their prefills
+        others = [(p, None, 0) for p in prompts[:1] + prompts[2:3]] + [(p, None, 3) for p in prompts[3:]]
+        assert _run(core, [(target, None, 2), *others])[0] == alone
+        assert _run(chunked, [*others, (target, toks[:HALF], 1)])[-1] == cont
+        assert core.blocks.num_free == llm.capacity().num_blocks
+    # and the tokens are transformers' bfloat16 argmax but for near-ties (the bound of test_bf16.py)
+    short = hc.hf_logit_shortfall(ckpt_bf16, target, toks, dtype=torch.bfloat16)
+    assert float(short.max()) <= TOL, short.tolist()
+
+
+def test_batch_invariant_refuses_what_it_does_not_cover(tmp_path, ckpt_bf16):
+    ckpt = hc.make(tmp_path / "moe", hc.SPEC_MOE["qwen3_5_moe"])
+    with pytest.raises(ValueError, match="dense models only"):
+        LLM(ckpt, dtype="bfloat16", engine_process=False, batch_invariant=True)
+    for kw in (dict(mamba_ssm_cache_dtype="bfloat16"), dict(num_speculative_tokens=2)):
+        with pytest.raises(ValueError, match="float32 GDN state"):
+            LLM(ckpt_bf16, dtype="bfloat16", engine_process=False, batch_invariant=True, **kw)

@@ -1,0 +1,92 @@
+"""`up --cpu-binding`: the CPUs each node on one host gets (router/cpu_binding.py), from the pure
+split and as the started node processes hold them (their affinity and their OpenMP width, read
+from /proc), with tokens still served through the 1P+1D path."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from router.cpu_binding import NodeSlot, split_cpus
+from tests.helpers.serve_harness import Up, flags, node_pid
+
+P, D, E = NodeSlot("prefill-0", "prefill"), NodeSlot("decode-0", "decode"), NodeSlot("encode-0", "encode")
+
+
+def test_split_by_hand():
+    assert split_cpus([0, 1], [P, D], "auto") == {"prefill-0": (0,), "decode-0": (1,)}
+    # the remainder to the prefill node; ranks weigh: a TP=2 decode node gets twice a TP=1 share
+    assert split_cpus([0, 1, 2], [P, D], "auto") == {"prefill-0": (0, 1), "decode-0": (2,)}
+    d2 = NodeSlot("decode-0", "decode", ranks=2)
+    assert split_cpus(list(range(6)), [P, d2], "auto") == {"prefill-0": (0, 1), "decode-0": (2, 3, 4, 5)}
+    assert split_cpus([4, 5, 6, 7, 8], [P, D, E], "auto") == {
+        "prefill-0": (4, 5),
+        "decode-0": (6, 7),
+        "encode-0": (8,),
+    }
+
+
+def test_nothing_bound_when_it_cannot_help():
+    assert split_cpus([0, 1], [P, D], "none") == {}
+    assert split_cpus([0, 1, 2, 3], [D], "auto") == {}  # one node: all of them anyway
+    assert split_cpus([0, 1], [P, NodeSlot("decode-0", "decode", ranks=2)], "auto") == {}  # 3 ranks, 2 CPUs
+    with pytest.raises(ValueError, match="--cpu-binding must be one of auto, none"):
+        split_cpus([0, 1], [P, D], "even")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cpus", [2, 3, 5, 8, 13])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 0), (2, 1, 1, 1), (1, 2, 1, 0), (3, 2, 1, 2)])
+def test_split_is_a_partition(cpus, shape):
+    n_prefill, n_decode, n_encode, decode_tp = shape
+    nodes = [NodeSlot(f"prefill-{i}", "prefill") for i in range(n_prefill)]
+    nodes += [NodeSlot(f"decode-{i}", "decode", decode_tp or 1) for i in range(n_decode)]
+    nodes += [NodeSlot(f"encode-{i}", "encode") for i in range(n_encode)]
+    avail = list(range(100, 100 + cpus))
+    got = split_cpus(avail, nodes, "auto")
+    if cpus < sum(n.ranks for n in nodes):
+        assert got == {}
+        return
+    seen = [c for n in nodes for c in got[n.name]]
+    assert sorted(seen) == avail  # every CPU to exactly one node
+    for n in nodes:
+        assert len(got[n.name]) >= n.ranks  # a CPU per rank at least
+        assert list(got[n.name]) == list(range(got[n.name][0], got[n.name][0] + len(got[n.name])))  # contiguous
+
+
+def _allowed(pid: int) -> set[int]:
+    return set(os.sched_getaffinity(pid))
+
+
+def _env(pid: int) -> dict[str, str]:
+    raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    return dict(x.decode().split("=", 1) for x in raw if b"=" in x)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_started_nodes_hold_their_share(ckpt):
+    from client import Client
+
+    mine = sorted(os.sched_getaffinity(0))
+    up = Up("--model", ckpt, *flags(dtype="float32", decode=1, prefill=1, max_num_seqs=2, cpu_binding="auto"))
+    try:
+        pre, dec = node_pid(up, "prefill-0"), node_pid(up, "decode-0")
+        want = split_cpus(mine, [P, D], "auto")
+        assert _allowed(pre) == set(want["prefill-0"]) and _allowed(dec) == set(want["decode-0"])
+        assert not _allowed(pre) & _allowed(dec) and _allowed(pre) | _allowed(dec) == set(mine)
+        assert _env(pre)["OMP_NUM_THREADS"] == str(len(want["prefill-0"]))
+        assert _env(dec)["OMP_NUM_THREADS"] == str(len(want["decode-0"]))
+        with Client(up.address, timeout=60) as c:
+            c.wait_ready(timeout=30)
+            r = c.generate(prompt_token_ids=[1, 2, 3, 4], max_tokens=4, temperature=0.0, ignore_eos=True)
+            assert len(r.token_ids) == 4 and r.prefill_node == "prefill-0"
+    finally:
+        up.stop()
+    up = Up("--model", ckpt, *flags(dtype="float32", decode=1, prefill=1))  # the default: none
+    try:
+        for node in ("prefill-0", "decode-0"):
+            pid = node_pid(up, node)
+            assert _allowed(pid) == set(mine)
+            assert _env(pid).get("OMP_NUM_THREADS") == os.environ.get("OMP_NUM_THREADS")  # as inherited
+    finally:
+        up.stop()
