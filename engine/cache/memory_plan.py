@@ -1,5 +1,6 @@
 """The cache budget planned from the device (`--gpu-memory-utilization`): a fraction of its memory,
-less the weights, the peak of a profile step and what other processes hold, split by
+this instance's share (vLLM's meaning: instances sharing a GPU each take their own fraction),
+less its weights, the peak of a profile step and what it holds outside PyTorch, split by
 `plan_capacity`. Pure: the measured figures come in as `DeviceFacts` (docs/engine.md, "Memory")."""
 
 from __future__ import annotations
@@ -51,11 +52,12 @@ def _size(n: int) -> str:
 
 
 def own_budget(facts: DeviceFacts, fraction: float, kv_cache_memory: int | None = None) -> int:
-    """This rank's budget before any check: `kv_cache_memory` when given, else
-    fraction x total - weights - peak - outside - others (may be <= 0)."""
+    """This rank's budget before any check: `kv_cache_memory` when given, else its share
+    fraction x total less weights, peak and outside (may be <= 0). What other processes hold is
+    not taken off: it is checked against the share at start (`plan_memory`)."""
     if kv_cache_memory is not None:
         return kv_cache_memory
-    return int(fraction * facts.total) - (facts.weights + facts.peak + facts.outside + facts.others)
+    return int(fraction * facts.total) - (facts.weights + facts.peak + facts.outside)
 
 
 def plan_memory(
@@ -92,6 +94,13 @@ def plan_memory(
                 f"--kv-cache-memory {_size(budget)} does not fit: the device has {_size(left)} left after {sizes}; "
                 "lower --kv-cache-memory, or leave it out to plan from --gpu-memory-utilization"
             )
+    elif facts.free_at_start < int(fraction * facts.total):
+        raise ValueError(
+            f"--gpu-memory-utilization {fraction:g} asks for {_size(int(fraction * facts.total))} of the device's "
+            f"{_size(facts.total)}, but only {_size(facts.free_at_start)} was free at start ({_size(facts.others)} "
+            "held by other processes); lower --gpu-memory-utilization so that the instances sharing this GPU "
+            "add up to at most what is free"
+        )
     elif budget <= 0:
         raise ValueError(
             f"--gpu-memory-utilization {fraction:g} gives {_size(int(fraction * facts.total))}, and {sizes} "
