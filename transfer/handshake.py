@@ -36,6 +36,7 @@ DIGEST_FIELDS: tuple[str, ...] = (
     "moe_layers",
     "weight_quantization",
     "rope_scaling",
+    "batch_invariant",
 )
 assert set(DIGEST_FIELDS) == set(ModelDigest.__struct_fields__), "compare every digest field"
 
@@ -44,6 +45,8 @@ assert set(DIGEST_FIELDS) == set(ModelDigest.__struct_fields__), "compare every 
 _DETAIL = {
     "recurrent_dtype": "the GDN recurrent state (--mamba-ssm-cache-dtype) must have one dtype on both nodes: "
     "no transfer plan casts it in this version (docs/transfer.md)",
+    "batch_invariant": "--batch-invariant must be set on every node or on none: a request's tokens after a "
+    "hand-off or a move are exact only when both nodes compute the same bits (docs/engine.md)",
 }
 
 

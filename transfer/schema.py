@@ -111,6 +111,7 @@ class ModelDigest(msgspec.Struct, frozen=True):
     moe_layers: tuple[int, ...] = ()
     weight_quantization: str = ""  # "" or "fp8 [bn, bk]": the checkpoint's block-quantized weights
     rope_scaling: str = ""  # "" or the scaling's parameters: keys are rotated with them (engine/rope.py)
+    batch_invariant: bool = False  # --batch-invariant: the state's bits depend on it (docs/engine.md)
 
     def fingerprint(self) -> str:
         return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
@@ -178,6 +179,7 @@ def model_digest(cfg: EngineConfig) -> ModelDigest:
         moe_layers=m.moe_layers,
         weight_quantization="" if m.fp8_block_size is None else f"fp8 {list(m.fp8_block_size)}",
         rope_scaling="" if m.rope_scaling.kind == "default" else repr(m.rope_scaling),
+        batch_invariant=m.batch_invariant,
     )
 
 

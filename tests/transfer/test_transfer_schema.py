@@ -162,3 +162,21 @@ def test_handshake_refuses_a_recurrent_dtype_mismatch_naming_both(sender_bf16):
     assert e.value.field == "recurrent_dtype"
     assert {e.value.local, e.value.remote} == {"float32", "bfloat16"}
     assert "'float32'" in str(e.value) and "'bfloat16'" in str(e.value)
+
+
+@pytest.mark.parametrize("sender_invariant", [False, True], ids=["plain-to-invariant", "invariant-to-plain"])
+def test_handshake_refuses_nodes_that_disagree_on_batch_invariance(sender_invariant):
+    """A prefill node and a decode node must agree on --batch-invariant: either way round the
+    handshake refuses, naming the option."""
+
+    def with_option(on: bool):
+        c = engine_cfg(tiny_model(), 1)
+        c = replace(c, model=replace(c.model, batch_invariant=on))
+        return build_schema(c, 0, make_pools(c, 0))
+
+    sender, receiver = with_option(sender_invariant), with_option(not sender_invariant)
+    assert sender.digest.batch_invariant is sender_invariant
+    with pytest.raises(HandshakeError, match="--batch-invariant must be set on every node") as e:
+        check_peer(peer(sender, "sender"), peer(receiver))
+    assert e.value.field == "batch_invariant"
+    check_peer(peer(with_option(True), "sender"), peer(with_option(True)))  # agreeing nodes pass
