@@ -97,25 +97,36 @@ def fused_moe(
     w13_scale_inv: torch.Tensor | None = None,
     w2_scale_inv: torch.Tensor | None = None,
     block_size: tuple[int, int] | None = None,
+    row_invariant: bool = False,
 ) -> torch.Tensor:
     """The routed experts' weighted sum for each token: [T, H] in x's dtype (see the module).
 
     FP8 experts: w13 and w2 float8_e4m3fn with w13_scale_inv [E, ceil(2I/bn), ceil(H/bk)] and
     w2_scale_inv [E, ceil(H/bn), ceil(I/bk)] in blocks block_size (kernels/fp8.py); each active
     expert is dequantized into x's dtype as it is used.
+    row_invariant (--batch-invariant): every expert through the C GEMV, whose sums for a row do
+    not depend on how many rows the expert has, so a token's result does not depend on its step
+    (bfloat16 experts on the CPU only).
     """
     if x.is_cuda or _force_triton():
         from kernels.triton.moe import fused_moe_triton
 
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size)
     check_moe_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size)
+    if row_invariant and not (
+        x.dtype == w13.dtype == w2.dtype == torch.bfloat16 and w13.is_contiguous() and w2.is_contiguous()
+    ):
+        raise ValueError(
+            f"batch-invariant experts run contiguous bfloat16 weights (got x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}); "
+            "load the checkpoint in bfloat16 with --fp8-experts dequantize, or leave --batch-invariant off"
+        )
     T, H = x.shape
     k = topk_ids.shape[1]
     order, counts = sort_by_expert(topk_ids, w13.shape[0])
     xs = x.index_select(0, torch.div(order, k, rounding_mode="trunc"))  # [T*k, H] rows grouped by expert
     ws = topk_weights.reshape(-1).index_select(0, order).to(x.dtype).float()[:, None]  # rounded as transformers rounds
     rows = counts.tolist()
-    if w13_scale_inv is None and _gemv_ok(x, w13, w2, rows):
+    if row_invariant or (w13_scale_inv is None and _gemv_ok(x, w13, w2, rows)):
         ys = _experts_gemv(xs, ws, rows, w13, w2)
     elif w13_scale_inv is None and _grouped_gemm_ok(x, w13, w2, rows):
         offs = counts.cumsum(0, dtype=torch.int32)

@@ -31,13 +31,18 @@ class MoEWeights:
 
 
 class SparseMoE:
-    def __init__(self, w: MoEWeights, top_k: int, renormalize: bool, all_reduce: AllReduce):
+    def __init__(
+        self, w: MoEWeights, top_k: int, renormalize: bool, all_reduce: AllReduce, row_invariant: bool = False
+    ):
         self.w, self.top_k, self.renormalize, self.all_reduce = w, top_k, renormalize, all_reduce
+        self.row_invariant = row_invariant  # --batch-invariant (kernels/moe.py fused_moe)
         self.shared = MLP(MLPWeights(**w.shared), _no_reduce)  # reduced together with the experts
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(self.w.router(x), self.top_k, self.renormalize)
         w = self.w
-        out = fused_moe(x, w.w13, w.w2, topk_weights, topk_ids, w.w13_scale_inv, w.w2_scale_inv, w.block_size)
+        out = fused_moe(
+            x, w.w13, w.w2, topk_weights, topk_ids, w.w13_scale_inv, w.w2_scale_inv, w.block_size, self.row_invariant
+        )
         out += torch.sigmoid(self.w.shared_gate(x)) * self.shared(x)
         return self.all_reduce(out)

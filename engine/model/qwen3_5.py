@@ -34,7 +34,11 @@ class DecoderLayer:
 
 
 def _row_invariant(ws: dict) -> dict:
-    return {k: row_invariant(v) if isinstance(v, Linear) else v for k, v in ws.items()}
+    """A layer's weights with every projection row-invariant (nested: the shared expert's)."""
+    return {
+        k: row_invariant(v) if isinstance(v, Linear) else _row_invariant(v) if isinstance(v, dict) else v
+        for k, v in ws.items()
+    }
 
 
 def build_layer(cfg: ModelConfig, i: int, kind: str, lw: dict, tp: int, all_reduce: AllReduce) -> DecoderLayer:
@@ -42,10 +46,6 @@ def build_layer(cfg: ModelConfig, i: int, kind: str, lw: dict, tp: int, all_redu
     the MTP block builds its layer here too."""
     eps = cfg.rms_norm_eps
     if cfg.batch_invariant:
-        if "router" in lw["mlp"]:
-            raise ValueError(
-                "--batch-invariant covers dense models only (the MoE experts' GEMMs are not row-invariant)"
-            )
         lw = {**lw, **{k: _row_invariant(lw[k]) for k in ("mixer", "mlp")}}
     if kind == "linear_attention":
         mixer = GatedDeltaNet(
@@ -70,7 +70,9 @@ def build_layer(cfg: ModelConfig, i: int, kind: str, lw: dict, tp: int, all_redu
             cfg.batch_invariant,
         )
     if "router" in lw["mlp"]:  # the sparse MoE block (cfg.is_moe_layer)
-        mlp = SparseMoE(MoEWeights(**lw["mlp"]), cfg.num_experts_per_tok, cfg.norm_topk_prob, all_reduce)
+        mlp = SparseMoE(
+            MoEWeights(**lw["mlp"]), cfg.num_experts_per_tok, cfg.norm_topk_prob, all_reduce, cfg.batch_invariant
+        )
     else:
         mlp = MLP(MLPWeights(**lw["mlp"]), all_reduce)
     return DecoderLayer(kind, 1.0 + lw["input_norm"].float(), 1.0 + lw["post_norm"].float(), mixer, mlp)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from engine import LLM, SamplingParams
 from engine.model.linear import Linear, row_invariant
 from kernels import cpu_ops
+from kernels.moe import fused_moe, select_experts
 from tests.engine.test_bf16 import TOL
 from tests.helpers import hybrid_ckpt as hc
 
@@ -42,9 +43,42 @@ def test_row_invariant_linear_gives_each_row_the_same_bits_at_any_row_count():
                 assert torch.equal(lin(x[start : start + rows]), whole[start : start + rows]), (n, k, rows, start)
 
 
+@pytest.mark.parametrize("H,I,E,k", [(512, 256, 8, 2), (1024, 128, 8, 4)])
+def test_row_invariant_experts_give_each_token_the_same_bits_in_any_batch(H, I, E, k):
+    """The routed experts with row_invariant: a token's output is the same bits in a batch of
+    96, in slices of 7 and alone (oneDNN's and the float32 copies' sums change with the rows an
+    expert gets, at these shapes), and within bfloat16 rounding of a float64 per-token loop."""
+    g = torch.Generator().manual_seed(H + k)
+    x = torch.randn(96, H, generator=g).bfloat16()
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.05).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) * 0.05).bfloat16()
+    tw, ti = select_experts(torch.randn(96, E, generator=g), k, True)
+    whole = fused_moe(x, w13, w2, tw, ti, row_invariant=True)
+    for s in range(0, 96, 7):
+        assert torch.equal(
+            fused_moe(x[s : s + 7], w13, w2, tw[s : s + 7], ti[s : s + 7], row_invariant=True), whole[s : s + 7]
+        )
+    for i in (0, 41, 95):
+        assert torch.equal(
+            fused_moe(x[i : i + 1], w13, w2, tw[i : i + 1], ti[i : i + 1], row_invariant=True), whole[i : i + 1]
+        )
+    ref = torch.zeros(96, H, dtype=torch.float64)
+    for t_ in range(96):
+        for j in range(k):
+            e = int(ti[t_, j])
+            h = x[t_].double() @ w13[e].double().T
+            ref[t_] += float(tw[t_, j]) * ((F.silu(h[:I]) * h[I:]) @ w2[e].double().T)
+    assert float((whole.double() - ref).abs().max()) <= 0.02 * float(ref.abs().max())
+
+
 @pytest.fixture(scope="module")
 def ckpt_bf16(tmp_path_factory):
     return hc.make(tmp_path_factory.mktemp("bf16inv") / "ckpt", hc.SPEC_BF16)
+
+
+@pytest.fixture(scope="module")
+def ckpt_moe(tmp_path_factory):
+    return hc.make(tmp_path_factory.mktemp("bf16inv-moe") / "ckpt", hc.SPEC_MOE["qwen3_5_moe"])
 
 
 def _run(core, jobs) -> list[tuple[list[int], list]]:
@@ -69,8 +103,13 @@ def _run(core, jobs) -> list[tuple[list[int], list]]:
     return [got[rids[i]] for i in range(len(jobs))]
 
 
-def test_bf16_request_is_the_same_bits_whole_chunked_resumed_or_batched(ckpt_bf16):
-    prompts = hc.prompts(lens=(40, 100, 7, 63, 130), seed=5)
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_bf16_request_is_the_same_bits_whole_chunked_resumed_or_batched(model, request):
+    """Dense, and MoE: the routed experts' rows differ with the batch, and each expert's GEMV
+    gives a row the same sums whatever the number of rows it shares the expert with."""
+    ckpt_bf16 = request.getfixturevalue("ckpt_bf16" if model == "dense" else "ckpt_moe")
+    vocab = 1024 if model == "dense" else hc.SPEC_MOE["qwen3_5_moe"].vocab
+    prompts = hc.prompts(vocab, lens=(40, 100, 7, 63, 130), seed=5)
     target = prompts[1]
     kw = dict(dtype="bfloat16", engine_process=False, enable_prefix_caching=False, batch_invariant=True)
     with LLM(ckpt_bf16, **kw) as llm, LLM(ckpt_bf16, max_num_batched_tokens=16, batch_chunk_tokens=16, **kw) as small:
@@ -95,10 +134,10 @@ def test_bf16_request_is_the_same_bits_whole_chunked_resumed_or_batched(ckpt_bf1
     assert float(short.max()) <= TOL, short.tolist()
 
 
-def test_batch_invariant_refuses_what_it_does_not_cover(tmp_path, ckpt_bf16):
-    ckpt = hc.make(tmp_path / "moe", hc.SPEC_MOE["qwen3_5_moe"])
-    with pytest.raises(ValueError, match="dense models only"):
-        LLM(ckpt, dtype="bfloat16", engine_process=False, batch_invariant=True)
+def test_batch_invariant_refuses_what_it_does_not_cover(ckpt_bf16, ckpt_moe):
+    with pytest.raises(ValueError, match="batch-invariant experts run contiguous bfloat16 weights"):
+        with LLM(ckpt_moe, dtype="float32", engine_process=False, batch_invariant=True) as llm:
+            llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=1))
     for kw in (dict(mamba_ssm_cache_dtype="bfloat16"), dict(num_speculative_tokens=2)):
         with pytest.raises(ValueError, match="float32 GDN state"):
             LLM(ckpt_bf16, dtype="bfloat16", engine_process=False, batch_invariant=True, **kw)
