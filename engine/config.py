@@ -453,7 +453,7 @@ class EngineArgs:
     batch_invariant: bool = option(
         False,
         "a request's logits the same bits however its prompt is chunked and whatever shares its steps: a moved "
-        "request continues exactly in bfloat16 too (CPU, dense models; slower: docs/engine.md); set on every node",
+        "request continues exactly in bfloat16 too (CPU, dense and MoE models; slower: docs/engine.md); set on every node",
     )
     gpu_memory_utilization: float | None = option(
         None, "cuda: share of each GPU for weights, a step's peak and the cache (default 0.9); ignored on cpu"
