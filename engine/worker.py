@@ -54,10 +54,10 @@ class Worker:
         rank's (default: engine/devices.py's mapping of cfg.device); probe: what measures the device
         when the cache is planned from it (cfg.cache.gpu_memory_utilization; default `CudaProbe`)."""
         self.cfg, self.rank, self._all_reduce = cfg, rank, all_reduce
-        if cfg.model.batch_invariant and (cfg.cache.recurrent_dtype != "float32" or cfg.speculative.num_tokens):
-            raise ValueError(  # a bfloat16 state rounds where each step stores it; drafts verify apart
-                "--batch-invariant takes a float32 GDN state (--mamba-ssm-cache-dtype auto) and no speculative "
-                "decoding (docs/engine.md, 'Batch-invariant mode')"
+        if cfg.model.batch_invariant and cfg.cache.recurrent_dtype != "float32":
+            raise ValueError(  # a bfloat16 state rounds where each step stores it: once a chunk, once a token
+                "--batch-invariant takes a float32 GDN state (--mamba-ssm-cache-dtype auto) "
+                "(docs/engine.md, 'Batch-invariant mode')"
             )
         self.broadcast = broadcast
         t = cfg.parallel.tensor_parallel_size

@@ -163,6 +163,19 @@ class GatedDeltaNet:
         # bfloat16 state (bfloat16 rollback buffers) verifies them on the PyTorch path below
         grp = batch.decode
         f32_state = pools.recurrent[self.layer].dtype == torch.float32
+        pre = batch.prefill
+        if fused and f32_state and pre is not None and grp is not None and pre.points is None:
+            # prompt chunks beside drafted rows: each group through its own C op, so a prompt's
+            # tokens take gdn_rows' arithmetic whatever shares the step (as without drafts)
+            state = (self.w.conv, pools.conv[self.layer], pools.recurrent[self.layer])
+            consts = (self.neg_A, self.dt_bias, self.w.norm, self.hk, self.hv, self.dk, self.dv, self.eps)
+            scratch = (pools.conv_scratch[self.layer], pools.recurrent_scratch[self.layer])
+            o_dec = cpu_ops.gdn_verify(proj[: grp.tok_end], *state, grp.slot_ids, grp.cu_seqlens, *scratch, *consts)
+            row_cu = pre.cu_seqlens
+            tok_slots = torch.repeat_interleave(pre.slot_ids, row_cu[1:] - row_cu[:-1])
+            rows_in = (row_cu, pre.slot_ids, pre.has_initial_state, tok_slots)
+            o_pre = cpu_ops.gdn_rows(proj[pre.tok_start :], *rows_in, *state, *consts)
+            return self.all_reduce(self.w.w_out(_pick(torch.cat([o_dec, o_pre]), rows)))
         if fused and batch.prefill is None and (grp.max_row_tokens == 1 or f32_state):
             state = (self.w.conv, pools.conv[self.layer], pools.recurrent[self.layer], grp.slot_ids)
             consts = (self.neg_A, self.dt_bias, self.w.norm, self.hk, self.hv, self.dk, self.dv, self.eps)

@@ -81,10 +81,11 @@ def ckpt_moe(tmp_path_factory):
     return hc.make(tmp_path_factory.mktemp("bf16inv-moe") / "ckpt", hc.SPEC_MOE["qwen3_5_moe"])
 
 
-def _run(core, jobs) -> list[tuple[list[int], list]]:
+def _run(core, jobs, logprobs: int | None = 5, new: int = NEW) -> list[tuple[list[int], list]]:
     """jobs: (prompt, output so far or None, engine steps to run before adding it) -> each job's
-    (new tokens, their logprobs) once every job has finished."""
-    sp = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=5)
+    (new tokens, their logprobs) once every job has finished (a request asking for logprobs
+    does not draft: logprobs=None lets speculative decoding run)."""
+    sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, logprobs=logprobs)
     rids: dict[int, str] = {}
     got: dict[str, tuple[list[int], list]] = {}
     finished: set[str] = set()
@@ -96,7 +97,7 @@ def _run(core, jobs) -> list[tuple[list[int], list]]:
                 got[rids[i]] = ([], [])
         for o in core.step():
             got[o.request_id][0].extend(o.new_token_ids)
-            got[o.request_id][1].extend(o.logprobs)
+            got[o.request_id][1].extend(o.logprobs or [])
             if o.finished:
                 finished.add(o.request_id)
         step += 1
@@ -134,10 +135,39 @@ def test_bf16_request_is_the_same_bits_whole_chunked_resumed_or_batched(model, r
     assert float(short.max()) <= TOL, short.tolist()
 
 
+_DRAFT_PROMPTS = hc.prompts(lens=(40, 33, 57, 21), seed=3)
+
+
+@pytest.fixture(scope="module")
+def ckpt_drafts(tmp_path_factory):
+    """An MTP block fitted to the drafts test's prompts, so drafts are accepted as well as rolled back."""
+    return hc.make_fitted_mtp(tmp_path_factory.mktemp("bf16inv-mtp") / "ckpt", hc.SPEC_MTP, _DRAFT_PROMPTS, length=200)
+
+
+def test_bf16_drafts_keep_the_same_bits(ckpt_drafts):
+    """With MTP drafts each request's tokens are the same alone, added while the others decode
+    with drafts (its prompt in a step beside drafted rows), resumed from half its output, and as
+    without drafts: verification computes each token as a decode row does."""
+    kw = dict(dtype="bfloat16", engine_process=False, enable_prefix_caching=False, batch_invariant=True)
+    seen: dict[int, list] = {}
+    for k in (0, 2):
+        with LLM(ckpt_drafts, num_speculative_tokens=k, speculative_method="mtp", **kw) as llm:
+            core = llm.engine
+            assert core is not None
+            for t in _DRAFT_PROMPTS:
+                alone = _run(core, [(t, None, 0)], None, 64)[0][0]
+                beside = [(t, None, 2)] + [(p, None, i) for i, p in enumerate(_DRAFT_PROMPTS) if p is not t]
+                assert _run(core, beside, None, 64)[0][0] == alone, (k, t[:3])
+                assert _run(core, [(t, alone[:32], 0)], None, 64)[0][0] == alone[32:], (k, t[:3])
+                seen.setdefault(k, []).append(alone)
+            if k:
+                assert core.scheduler.num_accepted_tokens > 0, "no draft was accepted: the accept path did not run"
+    assert seen[2] == seen[0]
+
+
 def test_batch_invariant_refuses_what_it_does_not_cover(ckpt_bf16, ckpt_moe):
     with pytest.raises(ValueError, match="batch-invariant experts run contiguous bfloat16 weights"):
         with LLM(ckpt_moe, dtype="float32", engine_process=False, batch_invariant=True) as llm:
             llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=1))
-    for kw in (dict(mamba_ssm_cache_dtype="bfloat16"), dict(num_speculative_tokens=2)):
-        with pytest.raises(ValueError, match="float32 GDN state"):
-            LLM(ckpt_bf16, dtype="bfloat16", engine_process=False, batch_invariant=True, **kw)
+    with pytest.raises(ValueError, match="float32 GDN state"):
+        LLM(ckpt_bf16, dtype="bfloat16", engine_process=False, batch_invariant=True, mamba_ssm_cache_dtype="bfloat16")
