@@ -53,6 +53,7 @@ class ForwardBatch:
     rope_positions: torch.Tensor | None = None
     image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
     _rows: tuple | None = None  # gdn_rows(), made once per step
+    _pre_rows: tuple | None = None  # prefill_gdn_rows(), made once per step
     _tok_rows: tuple | None = None  # decode_token_rows(), made once per step
     _step_rows: tuple | None = None  # step_token_rows(), made once per step
     _phases: list | None = None  # gdn_row_phases(), made once per step
@@ -60,6 +61,21 @@ class ForwardBatch:
     @property
     def groups(self) -> list[RowGroup]:
         return [g for g in (self.decode, self.prefill) if g is not None]
+
+    def prefill_gdn_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`gdn_rows()` of the prefill group alone, over its own tokens (a step whose decode rows
+        carry drafts runs them through gdn_verify apart). Made on first use and kept."""
+        if self._pre_rows is None:
+            g = self.prefill
+            assert g is not None
+            cu = g.cu_seqlens
+            self._pre_rows = (
+                cu,
+                g.slot_ids,
+                g.has_initial_state,
+                torch.repeat_interleave(g.slot_ids, cu[1:] - cu[:-1]),
+            )
+        return self._pre_rows
 
     def gdn_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every row of the step, decode then prefill, for the C GDN op (kernels/cpu_ops.py

@@ -88,6 +88,8 @@ class GatedDeltaNet:
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.neg_A = -w.A_log.float().exp()
         self.dt_bias = w.dt_bias.float()
+        # the C ops' trailing arguments (gdn_rows, gdn_decode, gdn_verify)
+        self.c_consts = (self.neg_A, self.dt_bias, w.norm, hk, hv, dk, dv, eps)
         self.qk_scale = torch.tensor([1.0 / dk] * hk + [dk**-0.5] * hk, device=w.w_in.device)[:, None]
 
     def _conv(self, pools, grp, qkv):
@@ -152,8 +154,7 @@ class GatedDeltaNet:
             fused and batch.prefill is not None and (batch.decode is None or batch.decode.max_row_tokens == 1)
         ):  # prefill chunks (and decode rows beside them) token by token in C, float32 arithmetic
             # on model-dtype inputs (bfloat16 rounds where the decode step does: docs/engine.md)
-            consts = (self.w.conv, pools.conv[self.layer], pools.recurrent[self.layer],
-                      self.neg_A, self.dt_bias, self.w.norm, self.hk, self.hv, self.dk, self.dv, self.eps)  # fmt: skip
+            consts = (self.w.conv, pools.conv[self.layer], pools.recurrent[self.layer], *self.c_consts)
             if batch.prefill.points is None:
                 o = cpu_ops.gdn_rows(proj, *batch.gdn_rows(), *consts)
             else:  # prefix snapshots inside rows: in phases cut at them (ForwardBatch.gdn_row_phases)
@@ -168,17 +169,14 @@ class GatedDeltaNet:
             # prompt chunks beside drafted rows: each group through its own C op, so a prompt's
             # tokens take gdn_rows' arithmetic whatever shares the step (as without drafts)
             state = (self.w.conv, pools.conv[self.layer], pools.recurrent[self.layer])
-            consts = (self.neg_A, self.dt_bias, self.w.norm, self.hk, self.hv, self.dk, self.dv, self.eps)
             scratch = (pools.conv_scratch[self.layer], pools.recurrent_scratch[self.layer])
-            o_dec = cpu_ops.gdn_verify(proj[: grp.tok_end], *state, grp.slot_ids, grp.cu_seqlens, *scratch, *consts)
-            row_cu = pre.cu_seqlens
-            tok_slots = torch.repeat_interleave(pre.slot_ids, row_cu[1:] - row_cu[:-1])
-            rows_in = (row_cu, pre.slot_ids, pre.has_initial_state, tok_slots)
-            o_pre = cpu_ops.gdn_rows(proj[pre.tok_start :], *rows_in, *state, *consts)
+            dec_in = (grp.slot_ids, grp.cu_seqlens, *scratch)
+            o_dec = cpu_ops.gdn_verify(proj[: grp.tok_end], *state, *dec_in, *self.c_consts)
+            o_pre = cpu_ops.gdn_rows(proj[pre.tok_start :], *batch.prefill_gdn_rows(), *state, *self.c_consts)
             return self.all_reduce(self.w.w_out(_pick(torch.cat([o_dec, o_pre]), rows)))
         if fused and batch.prefill is None and (grp.max_row_tokens == 1 or f32_state):
             state = (self.w.conv, pools.conv[self.layer], pools.recurrent[self.layer], grp.slot_ids)
-            consts = (self.neg_A, self.dt_bias, self.w.norm, self.hk, self.hv, self.dk, self.dv, self.eps)
+            consts = self.c_consts
             if grp.max_row_tokens == 1:  # the steps below, fused
                 o = cpu_ops.gdn_decode(proj, *state, *consts)
             else:  # speculative rows: states kept for rollback
