@@ -33,12 +33,11 @@ static inline float bf2f(bf16_t h) {
     return f;
 }
 
-static inline bf16_t f2bf(float f) { /* round to nearest even, NaN kept quiet */
+static inline bf16_t f2bf(float f) { /* round to nearest even, NaN kept quiet; branch-free, so loops vectorise */
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16_t)(u >> 16);
+    const uint32_t quiet = (u >> 16) | 0x40, rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (bf16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
 }
 
 static inline float rnd(float x, int bf16) { return bf16 ? bf2f(f2bf(x)) : x; }

@@ -8,47 +8,87 @@
 
 namespace pdserve {
 
-/* One value head's delta-rule step on its state S [dk, dv] for dv = 8 * nv (32 or 64), the
- * loops of gdn_decode_rows below with the [dv] accumulators in registers (in memory, each
- * state row's multiply-add waits for the previous row's store): the same operations in the
- * same order, so the same result to the bit. o [dv] receives S^T q. */
+/* One value head's delta-rule step on its state S [dk, dv] for dv = 16 * NV (32, 64 or 128): the
+ * loops of gdn_head_out's generic branch below with the [dv] accumulators in registers (in
+ * memory, each state row's multiply-add waits for the previous row's store). Every element takes
+ * the same operations in the same order as there, so the same result to the bit whatever the
+ * vector width. o [dv] receives S^T q. */
+typedef float v16f __attribute__((vector_size(64)));
+static inline v16f bcast16(float x) { return v16f{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+template <int NV>
 static inline __attribute__((always_inline)) void gdn_head(float *S, int64_t dk, const float *q, const float *k,
-                                                           const float *v, float a, float beta, float *o,
-                                                           const int nv) {
-    v8f acc[8] = {}, d[8];
-    const v8f av = bcast(a);
+                                                           const float *v, float a, float beta, float *o) {
+    v16f acc[NV] = {}, d[NV];
+    const v16f av = bcast16(a);
     for (int64_t i = 0; i < dk; i++) { /* decay, and S^T k */
-        float *Si = S + i * 8 * nv;
-        const float ki = k[i];
-        const v8f kb = bcast(ki);
-        for (int r = 0; r < nv; r++) {
-            v8f x;
-            memcpy(&x, Si + 8 * r, 32);
+        float *Si = S + i * 16 * NV;
+        const v16f kb = bcast16(k[i]);
+        for (int r = 0; r < NV; r++) {
+            v16f x;
+            memcpy(&x, Si + 16 * r, 64);
             x *= av;
-            memcpy(Si + 8 * r, &x, 32);
+            memcpy(Si + 16 * r, &x, 64);
             acc[r] += x * kb;
         }
     }
-    const v8f bv = bcast(beta);
-    for (int r = 0; r < nv; r++) {
-        v8f x;
-        memcpy(&x, v + 8 * r, 32);
+    const v16f bv = bcast16(beta);
+    for (int r = 0; r < NV; r++) {
+        v16f x;
+        memcpy(&x, v + 16 * r, 64);
         d[r] = (x - acc[r]) * bv;
-        acc[r] = v8f{};
+        acc[r] = v16f{};
     }
     for (int64_t i = 0; i < dk; i++) { /* the rank-one write, and S^T q */
-        float *Si = S + i * 8 * nv;
-        const float ki = k[i], qi = q[i];
-        const v8f kb = bcast(ki), qb = bcast(qi);
-        for (int r = 0; r < nv; r++) {
-            v8f x;
-            memcpy(&x, Si + 8 * r, 32);
+        float *Si = S + i * 16 * NV;
+        const v16f kb = bcast16(k[i]), qb = bcast16(q[i]);
+        for (int r = 0; r < NV; r++) {
+            v16f x;
+            memcpy(&x, Si + 16 * r, 64);
             x += kb * d[r];
-            memcpy(Si + 8 * r, &x, 32);
+            memcpy(Si + 16 * r, &x, 64);
             acc[r] += x * qb;
         }
     }
-    memcpy(o, acc, nv * 32);
+    memcpy(o, acc, NV * 64);
+}
+
+/* One value head of one token after its q, k, v, decay a and beta are known: the delta rule on
+ * its state S [dk, dv], then the gated RMS norm of S^T q with z = proj[zo .. zo + dv), written to
+ * out[oo .. oo + dv). Shared by every op below, so that a token's arithmetic is the same whichever
+ * op computes it. */
+static inline __attribute__((always_inline)) void gdn_head_out(float *S, int64_t dk, int64_t dv, const float *q,
+                                                               const float *k, const float *v, float a, float beta,
+                                                               const void *proj, int64_t zo, const void *norm_w,
+                                                               float eps, void *out, int64_t oo, const int bf16) {
+    float kv[dv], o[dv];
+    if (dv == 32) gdn_head<2>(S, dk, q, k, v, a, beta, o);
+    else if (dv == 64) gdn_head<4>(S, dk, q, k, v, a, beta, o);
+    else if (dv == 128) gdn_head<8>(S, dk, q, k, v, a, beta, o);
+    else {
+        for (int64_t j = 0; j < dv; j++) kv[j] = 0.0f;
+        for (int64_t i = 0; i < dk; i++) {
+            float *Si = S + i * dv;
+            for (int64_t j = 0; j < dv; j++) { Si[j] *= a; kv[j] += Si[j] * k[i]; }
+        }
+        for (int64_t j = 0; j < dv; j++) { kv[j] = (v[j] - kv[j]) * beta; o[j] = 0.0f; }
+        for (int64_t i = 0; i < dk; i++) {
+            float *Si = S + i * dv;
+            const float ki = k[i], qi = q[i];
+            for (int64_t j = 0; j < dv; j++) { Si[j] += ki * kv[j]; o[j] += Si[j] * qi; }
+        }
+    }
+    /* gated RMS norm: rnd(rnd(rnd(o) * rsqrt(mean + eps)) * w) * silu(z) */
+    float ss = 0.0f;
+    for (int64_t j = 0; j < dv; j++) { o[j] = rnd(o[j], bf16); ss += o[j] * o[j]; }
+    const float inv = 1.0f / sqrtf(ss / (float)dv + eps);
+    float zs[dv];
+    for (int64_t j = 0; j < dv; j++) zs[j] = load(proj, zo + j, bf16);
+    silu_rows(zs, dv);
+    for (int64_t j = 0; j < dv; j++) {
+        const float n = rnd(rnd(o[j] * inv, bf16) * load(norm_w, j, bf16), bf16);
+        store(out, oo + j, n * zs[j], bf16);
+    }
 }
 
 /* One decode token per row through a GDN layer, from its input projection to the gated norm.
@@ -103,35 +143,8 @@ gdn_decode_rows(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int6
         }
         for (int64_t h = 0; h < Hv; h++) {
             const float *q = y + (h / grp) * dk, *k = y + key_dim + (h / grp) * dk, *v = y + 2 * key_dim + h * dv;
-            float *S = rec_pool + (s * Hv + h) * dk * dv;
-            float kv[dv], o[dv];
-            const float a = gate[h];
-            if (dv == 32) gdn_head(S, dk, q, k, v, a, beta[h], o, 4);
-            else if (dv == 64) gdn_head(S, dk, q, k, v, a, beta[h], o, 8);
-            else {
-            for (int64_t j = 0; j < dv; j++) kv[j] = 0.0f;
-            for (int64_t i = 0; i < dk; i++) {
-                float *Si = S + i * dv;
-                for (int64_t j = 0; j < dv; j++) { Si[j] *= a; kv[j] += Si[j] * k[i]; }
-            }
-            for (int64_t j = 0; j < dv; j++) { kv[j] = (v[j] - kv[j]) * beta[h]; o[j] = 0.0f; }
-            for (int64_t i = 0; i < dk; i++) {
-                float *Si = S + i * dv;
-                const float ki = k[i], qi = q[i];
-                for (int64_t j = 0; j < dv; j++) { Si[j] += ki * kv[j]; o[j] += Si[j] * qi; }
-            }
-            }
-            /* gated RMS norm: rnd(rnd(rnd(o) * rsqrt(mean + eps)) * w) * silu(z) */
-            float ss = 0.0f;
-            for (int64_t j = 0; j < dv; j++) { o[j] = rnd(o[j], bf16); ss += o[j] * o[j]; }
-            const float inv = 1.0f / sqrtf(ss / (float)dv + eps);
-            float zs[dv];
-            for (int64_t j = 0; j < dv; j++) zs[j] = load(proj, zo + h * dv + j, bf16);
-            silu_rows(zs, dv);
-            for (int64_t j = 0; j < dv; j++) {
-                const float n = rnd(rnd(o[j] * inv, bf16) * load(norm_w, j, bf16), bf16);
-                store(out, b * Hv * dv + h * dv + j, n * zs[j], bf16);
-            }
+            gdn_head_out(rec_pool + (s * Hv + h) * dk * dv, dk, dv, q, k, v, gate[h], beta[h], proj, zo + h * dv,
+                         norm_w, eps, out, b * Hv * dv + h * dv, bf16);
         }
     }
 }
@@ -226,6 +239,100 @@ static void gdn_rows_run(const gdn_rows_job *j, int64_t r, int64_t tid) { /* one
     }
 }
 
+/* Tokens per block of gdn_rows_unit: a block's conv outputs are made first, then each value head
+ * runs the block's tokens on its state while that state stays in the L1 cache. */
+constexpr int64_t GDN_ROWS_BLOCK = 32;
+
+/* gdn_rows_unit's scratch per thread, in floats: a block's channels and gates, the saved inputs */
+int64_t gdn_rows_unit_work(int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc) {
+    const int64_t grp = Hv / Hk, nch = 2 * dk + grp * dv;
+    return GDN_ROWS_BLOCK * (nch + 2 * grp) + (Kc - 1) * nch;
+}
+
+/* One key head kh of row r, all of the row's tokens: the channels that head owns (its q and k, the
+ * v of its Hv/Hk value heads), their conv state, and its value heads' recurrent states. Each
+ * element takes gdn_decode's operations in gdn_decode's order (the silu's eight-lane groups
+ * included: dk and dv are multiples of 8), so the same result to the bit; the order across
+ * heads and tokens differs, which the results do not depend on. */
+template <int BF16>
+static void gdn_rows_unit(const gdn_rows_job *j, int64_t r, int64_t kh, int64_t tid) {
+    const int64_t Hk = j->Hk, Hv = j->Hv, dk = j->dk, dv = j->dv, K1 = j->Kc - 1, ld = j->ld_proj;
+    const int64_t key_dim = Hk * dk, D = 2 * key_dim + Hv * dv, grp = Hv / Hk, nch = 2 * dk + grp * dv;
+    const int64_t s = j->row_slots[r], t0 = j->row_cu[r], n = j->row_cu[r + 1] - t0, TB = GDN_ROWS_BLOCK;
+    /* the unit's channels as three spans (first global channel, first local channel, length) */
+    const int64_t span[3][3] = {{kh * dk, 0, dk}, {key_dim + kh * dk, dk, dk}, {2 * key_dim + kh * grp * dv, 2 * dk, grp * dv}};
+    float *work = j->work + tid * j->work_stride;
+    float *Y = work, *gate = Y + TB * nch, *beta = gate + TB * grp, *hist = beta + TB * grp; /* hist [K1, nch] */
+    float *rec = j->rec_pool + (s * Hv + kh * grp) * dk * dv;
+    if (!j->row_init[r]) { /* a new sequence starts from zero state (the slot may hold anything) */
+        for (const auto &sp : span)
+            memset((char *)j->conv_pool + (s * D + sp[0]) * K1 * (BF16 ? 2 : 4), 0, sp[2] * K1 * (BF16 ? 2 : 4));
+        memset(rec, 0, grp * dk * dv * sizeof(float));
+    }
+    for (const auto &sp : span) /* the slot's saved inputs, oldest first, channel-contiguous */
+        for (int64_t i = 0; i < K1; i++)
+            for (int64_t c = 0; c < sp[2]; c++)
+                hist[i * nch + sp[1] + c] = load(j->conv_pool, (s * D + sp[0] + c) * K1 + i, BF16);
+    const float q_scale = 1.0f / sqrtf((float)dk);
+    for (int64_t b0 = 0; b0 < n; b0 += TB) {
+        const int64_t nb = n - b0 < TB ? n - b0 : TB;
+        for (int64_t t = b0; t < b0 + nb; t++) { /* the block's conv, silu, q/k norms and gates */
+            float *y = Y + (t - b0) * nch;
+            for (const auto &sp : span) {
+                float *yl = y + sp[1];
+                for (int64_t i = 0; i <= K1; i++) {
+                    const int64_t m = t - K1 + i; /* input position in the row; < 0: saved */
+                    const float *wt = j->conv_wt + i * D + sp[0];
+                    if (m < 0) {
+                        const float *x = hist + (K1 + m) * nch + sp[1];
+                        for (int64_t c = 0; c < sp[2]; c++) yl[c] = (i ? yl[c] : 0.0f) + wt[c] * x[c];
+                    } else if (!BF16) {
+                        const float *x = (const float *)j->proj + (t0 + m) * ld + sp[0];
+                        for (int64_t c = 0; c < sp[2]; c++) yl[c] = (i ? yl[c] : 0.0f) + wt[c] * x[c];
+                    } else {
+                        const int64_t xo = (t0 + m) * ld + sp[0];
+                        for (int64_t c = 0; c < sp[2]; c++) yl[c] = (i ? yl[c] : 0.0f) + wt[c] * load(j->proj, xo + c, 1);
+                    }
+                }
+                if (BF16)
+                    for (int64_t c = 0; c < sp[2]; c++) yl[c] = rnd(yl[c], 1);
+                silu_rows(yl, sp[2]);
+                if (BF16)
+                    for (int64_t c = 0; c < sp[2]; c++) yl[c] = rnd(yl[c], 1);
+            }
+            for (int64_t h = 0; h < 2; h++) { /* q, k: L2 norm (eps 1e-6), q also scaled by dk^-1/2 */
+                float *v = y + h * dk, ss = 0.0f;
+                for (int64_t i = 0; i < dk; i++) ss += v[i] * v[i];
+                const float inv = 1.0f / sqrtf(ss + 1e-6f), sc = h == 0 ? q_scale : 1.0f;
+                for (int64_t i = 0; i < dk; i++) v[i] = v[i] * inv * sc;
+            }
+            const int64_t bo = (t0 + t) * ld + D + Hv * dv + kh * grp, ao = bo + Hv;
+            for (int64_t h = 0; h < grp; h++) {
+                const int64_t hg = kh * grp + h;
+                beta[(t - b0) * grp + h] = rnd(1.0f / (1.0f + expf(-load(j->proj, bo + h, BF16))), BF16);
+                gate[(t - b0) * grp + h] = expf(j->neg_A[hg] * softplus(load(j->proj, ao + h, BF16) + j->dt_bias[hg]));
+            }
+        }
+        for (int64_t h = 0; h < grp; h++) { /* each value head through the block on its state */
+            const int64_t hg = kh * grp + h;
+            for (int64_t t = b0; t < b0 + nb; t++) {
+                const float *y = Y + (t - b0) * nch;
+                gdn_head_out(rec + h * dk * dv, dk, dv, y, y + dk, y + 2 * dk + h * dv, gate[(t - b0) * grp + h],
+                             beta[(t - b0) * grp + h], j->proj, (t0 + t) * ld + D + hg * dv, j->norm_w, j->eps,
+                             j->out, (t0 + t) * Hv * dv + hg * dv, BF16);
+            }
+        }
+    }
+    for (const auto &sp : span) /* the row's last K1 inputs become the saved ones */
+        for (int64_t i = 0; i < K1; i++) {
+            const int64_t m = n - K1 + i;
+            for (int64_t c = 0; c < sp[2]; c++) {
+                const float x = m < 0 ? hist[(K1 + m) * nch + sp[1] + c] : load(j->proj, (t0 + m) * ld + sp[0] + c, BF16);
+                store(j->conv_pool, (s * D + sp[0] + c) * K1 + i, x, BF16);
+            }
+        }
+}
+
 /* A GDN layer after its input projection for R rows of any length (decode rows of one token,
  * prefill chunks), token by token: the recurrent form, which on a CPU with small heads costs
  * less than the chunked one. Row r covers tokens row_cu[r] <= t < row_cu[r+1] at slot
@@ -246,7 +353,15 @@ void gdn_rows_mt(int64_t R, const int64_t *row_cu, const int64_t *row_slots, con
     const gdn_rows_job job = {work_stride, Hk,       Hv,   dk,     dv,      Kc,     ld_proj, conv_wt,
                               row_cu,      row_slots, tok_slots, row_init, proj, conv_w, norm_w, conv_pool,
                               out,         rec_pool,  work, neg_A,  dt_bias, eps,    bf16};
-    parallel_chunks(R, nthreads, [&](int64_t r, int64_t tid) { gdn_rows_run(&job, r, tid); });
+    if (dk % 8 || dv % 8 || Hv % Hk) { /* a row at a time (silu's lanes would fall elsewhere) */
+        parallel_chunks(R, nthreads, [&](int64_t r, int64_t tid) { gdn_rows_run(&job, r, tid); });
+        return;
+    }
+    /* (row, key head) units: a long row alone still uses every thread */
+    parallel_chunks(R * Hk, nthreads, [&](int64_t u, int64_t tid) {
+        if (bf16) gdn_rows_unit<1>(&job, u / Hk, u % Hk, tid);
+        else gdn_rows_unit<0>(&job, u / Hk, u % Hk, tid);
+    });
 }
 
 /* ---- Speculative verification: decode rows of several tokens through a GDN layer ----------

@@ -15,6 +15,7 @@ void gdn_decode_mt(int64_t B, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, in
                    const float *neg_A, const float *dt_bias, const void *norm_w, float eps, void *out, float *work,
                    int64_t work_stride, int bf16, int64_t nthreads);
 
+int64_t gdn_rows_unit_work(int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc);
 void gdn_rows_mt(int64_t R, const int64_t *row_cu, const int64_t *row_slots, const uint8_t *row_init,
                  const int64_t *tok_slots, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc,
                  const void *proj, int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool,

@@ -87,8 +87,10 @@ at::Tensor gdn_rows_op(const at::Tensor &proj, const at::Tensor &row_cu, const a
     a.shape(row_init, "row_init", {R});
     a.index(tok_slots, "tok_slots", T, 0, S);
     auto out = at::empty({T, hv * dv}, proj.options());
-    const int64_t nt = row_threads(R);
-    const int64_t stride = D + 2 * hv + (kc - 1) * D; /* per thread: gdn_decode's and a row's saved conv inputs */
+    const int64_t nt = row_threads(R * hk);
+    int64_t stride = D + 2 * hv + (kc - 1) * D; /* per thread: gdn_decode's and a row's saved conv inputs */
+    const int64_t unit = gdn_rows_unit_work(hk, hv, dk, dv, kc); /* or a (row, key head) unit's */
+    stride = stride > unit ? stride : unit;
     auto work = scratch(nt * stride + kc * D);         /* and the conv weight transposed */
     gdn_rows_mt(R, cu, row_slots.data_ptr<int64_t>(), (const uint8_t *)row_init.data_ptr<bool>(),
                 tok_slots.data_ptr<int64_t>(), hk, hv, dk, dv, kc, proj.data_ptr(), proj.stride(0),
