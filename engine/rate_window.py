@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from collections import deque
 
+# A prompt computed by an idle node measures its rate from this length on: a shorter one (a client's
+# warm-up, a health check) measures the fixed cost of a pass, not tokens per second, and taken as
+# the rate it would make admission refuse the first real burst.
+IDLE_MIN_TOKENS = 256
+
 
 class RateWindow:
     def __init__(self, window: int) -> None:

@@ -8,12 +8,11 @@ from __future__ import annotations
 import math
 import time
 
-from engine.rate_window import RateWindow
+from engine.rate_window import IDLE_MIN_TOKENS, RateWindow
 from proto import pb
 from router.registry import NodeEntry, NodeRegistry
 
 WINDOW = 16  # completions per prefill node the rate is measured over
-IDLE_MIN_TOKENS = 256  # a prompt sent to an idle node measures the rate from this length on
 # A node measures its rate on its own work; in a burst the decode nodes' work beside it (on the
 # same host or PCIe link) and the dispatch gaps take some of it: measured, a float32 burst ran
 # at 0.93x what the prefill node had measured one prompt at a time just before (bfloat16: 1.0x).

@@ -178,9 +178,23 @@ def test_step_rate_counts_only_passes_that_prefilled():
     assert r.rate() == pytest.approx(100.0)
     r = StepRate()
     r.passed(0, woke=0.0, busy=False, now=0.5)  # idle until 0.5 s
-    r.passed(100, woke=10.0, busy=False, now=10.1)  # woke by a command at 10 s: 0.1 s of work
+    r.passed(300, woke=10.0, busy=False, now=10.1)  # woke by a command at 10 s: 0.1 s of work
     r.passed(100, woke=10.1, busy=True, now=10.3)  # the previous pass left work: from its end
-    assert r.rate() == pytest.approx(200 / 0.3)
+    assert r.rate() == pytest.approx(400 / 0.3)
+
+
+def test_step_rate_skips_a_short_prompt_on_an_idle_node():
+    """A warm-up or health check of a few tokens on an idle node times a pass's fixed cost: taken as
+    the rate (4 tokens in 40 ms: 100 tokens/s), admission would refuse the first burst after it."""
+    from serving.step_rate import StepRate
+
+    r = StepRate()
+    r.passed(4, woke=0.0, busy=False, now=0.04)
+    assert r.rate() is None  # nothing measured: admission does not refuse on a guess
+    r.passed(336, woke=1.0, busy=False, now=1.065)  # a prompt as long as a real one, from idle
+    assert r.rate() == pytest.approx(336 / 0.065)
+    r.passed(4, woke=1.065, busy=True, now=1.075)  # short passes of a busy node are its work
+    assert r.rate() == pytest.approx(340 / 0.075)
 
 
 def test_the_nodes_own_rate_goes_before_the_routers_measure():
