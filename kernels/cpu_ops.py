@@ -274,6 +274,22 @@ def gdn_rows(
     return out
 
 
+def gdn_rows_points(proj, rows, conv_w, conv_pool, rec_pool, consts, points, snap_conv, snap_rec) -> torch.Tensor:
+    """`gdn_rows` that also keeps the states at points inside the rows (prefix snapshots), in the
+    same pass: rows = (row_cu, row_slots, row_init, tok_slots), consts = (neg_A, dt_bias, norm_w,
+    hk, hv, dk, dv, eps) as `gdn_rows`; points = (pt_ptr [R+1], pt_off [M], pt_dest [M]) int64:
+    row r's points are [pt_ptr[r], pt_ptr[r+1]), offsets ascending, and the state after pt_off
+    tokens of the row goes to entry pt_dest of snap_conv [E, D, Kc-1] (the conv pool's dtype) and
+    snap_rec [E, Hv, dk, dv] float32. A float32 recurrent pool and dk, dv multiples of 8
+    (`points_in_pass`). Reference: `gdn_rows` cut at the points, each piece's end state copied."""
+    return _ops().gdn_rows_points(proj, *rows, conv_w, conv_pool, rec_pool, *consts, *points, snap_conv, snap_rec)
+
+
+def points_in_pass(rec_pool: torch.Tensor, dk: int, dv: int) -> bool:
+    """Whether `gdn_rows_points` takes these states (else gdn_rows in pieces cut at the points)."""
+    return rec_pool.dtype == torch.float32 and dk % 8 == 0 and dv % 8 == 0
+
+
 def gdn_verify(
     proj,
     conv_w,

@@ -89,6 +89,14 @@ class ForwardBatch:
             self._rows = (cu, slots, init, torch.repeat_interleave(slots, cu[1:] - cu[:-1]))
         return self._rows
 
+    def gdn_row_points(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The prefill rows' state points over gdn_rows()' rows (decode rows first, with none), for
+        cpu_ops.gdn_rows_points: (pt_ptr [R+1], pt_off [M], pt_dest [M])."""
+        pts = self.prefill.points
+        n_dec = self.decode.num_rows if self.decode is not None else 0
+        ptr = pts.ptr if not n_dec else torch.cat([pts.ptr.new_zeros(n_dec), pts.ptr])
+        return ptr, pts.offsets, pts.dest
+
     def gdn_row_phases(self) -> list[tuple[torch.Tensor, tuple, list[tuple[int, int]]]]:
         """gdn_rows() cut at the prefill rows' state points (prefix snapshots inside rows): phase i
         runs every row's tokens up to its i-th point (from where phase i - 1 stopped), so the

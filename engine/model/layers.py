@@ -157,6 +157,11 @@ class GatedDeltaNet:
             consts = (self.w.conv, pools.conv[self.layer], pools.recurrent[self.layer], *self.c_consts)
             if batch.prefill.points is None:
                 o = cpu_ops.gdn_rows(proj, *batch.gdn_rows(), *consts)
+            elif cpu_ops.points_in_pass(pools.recurrent[self.layer], self.dk, self.dv):  # snapshots in the pass
+                snaps = (pools.snapshots.conv[self.layer], pools.snapshots.recurrent[self.layer])
+                o = cpu_ops.gdn_rows_points(
+                    proj, batch.gdn_rows(), *consts[:3], self.c_consts, batch.gdn_row_points(), *snaps
+                )
             else:  # prefix snapshots inside rows: in phases cut at them (ForwardBatch.gdn_row_phases)
                 o = self._rows_in_phases(proj, batch, pools, consts)
             return self.all_reduce(self.w.w_out(_pick(o, rows)))

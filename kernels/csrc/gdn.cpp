@@ -197,6 +197,12 @@ struct gdn_rows_job {
     const float *neg_A, *dt_bias;
     float eps;
     int bf16;
+    /* state points (prefix snapshots inside rows), or pt_ptr null: row r's points are
+     * pt_off/pt_dest[pt_ptr[r] .. pt_ptr[r+1]), offsets ascending; the state after pt_off tokens
+     * of the row goes to entry pt_dest of snap_conv [E, D, Kc-1] / snap_rec [E, Hv, dk, dv] */
+    const int64_t *pt_ptr = nullptr, *pt_off = nullptr, *pt_dest = nullptr;
+    void *snap_conv = nullptr;
+    float *snap_rec = nullptr;
 };
 
 static void gdn_rows_run(const gdn_rows_job *j, int64_t r, int64_t tid) { /* one row */
@@ -243,6 +249,9 @@ static void gdn_rows_run(const gdn_rows_job *j, int64_t r, int64_t tid) { /* one
  * runs the block's tokens on its state while that state stays in the L1 cache. */
 constexpr int64_t GDN_ROWS_BLOCK = 32;
 
+/* Whether gdn_rows runs in (row, key head) units (else a row at a time, without state points) */
+bool gdn_rows_in_units(int64_t Hk, int64_t Hv, int64_t dk, int64_t dv) { return dk % 8 == 0 && dv % 8 == 0 && Hv % Hk == 0; }
+
 /* gdn_rows_unit's scratch per thread, in floats: a block's channels and gates, the saved inputs */
 int64_t gdn_rows_unit_work(int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc) {
     const int64_t grp = Hv / Hk, nch = 2 * dk + grp * dv;
@@ -274,8 +283,25 @@ static void gdn_rows_unit(const gdn_rows_job *j, int64_t r, int64_t kh, int64_t 
             for (int64_t c = 0; c < sp[2]; c++)
                 hist[i * nch + sp[1] + c] = load(j->conv_pool, (s * D + sp[0] + c) * K1 + i, BF16);
     const float q_scale = 1.0f / sqrtf((float)dk);
-    for (int64_t b0 = 0; b0 < n; b0 += TB) {
-        const int64_t nb = n - b0 < TB ? n - b0 : TB;
+    int64_t pt = j->pt_ptr ? j->pt_ptr[r] : 0;
+    const int64_t pt_end = j->pt_ptr ? j->pt_ptr[r + 1] : 0;
+    auto input = [&](const int64_t *sp, int64_t c, int64_t m) { /* the row's input m (< 0: saved) */
+        return m < 0 ? hist[(K1 + m) * nch + sp[1] + c] : load(j->proj, (t0 + m) * ld + sp[0] + c, BF16);
+    };
+    auto points_at = [&](int64_t o) { /* the state after o tokens into the snapshot entries of o */
+        for (; pt < pt_end && j->pt_off[pt] == o; pt++) {
+            const int64_t e = j->pt_dest[pt];
+            memcpy(j->snap_rec + (e * Hv + kh * grp) * dk * dv, rec, grp * dk * dv * sizeof(float));
+            for (const auto &sp : span)
+                for (int64_t c = 0; c < sp[2]; c++)
+                    for (int64_t i = 0; i < K1; i++)
+                        store(j->snap_conv, (e * D + sp[0] + c) * K1 + i, input(sp, c, o - K1 + i), BF16);
+        }
+    };
+    points_at(0);
+    for (int64_t b0 = 0, nb = 0; b0 < n; b0 += nb) {
+        nb = n - b0 < TB ? n - b0 : TB; /* a block ends at the next point */
+        if (pt < pt_end && j->pt_off[pt] - b0 < nb) nb = j->pt_off[pt] - b0;
         for (int64_t t = b0; t < b0 + nb; t++) { /* the block's conv, silu, q/k norms and gates */
             float *y = Y + (t - b0) * nch;
             for (const auto &sp : span) {
@@ -322,15 +348,11 @@ static void gdn_rows_unit(const gdn_rows_job *j, int64_t r, int64_t kh, int64_t 
                              j->out, (t0 + t) * Hv * dv + hg * dv, BF16);
             }
         }
+        points_at(b0 + nb);
     }
     for (const auto &sp : span) /* the row's last K1 inputs become the saved ones */
-        for (int64_t i = 0; i < K1; i++) {
-            const int64_t m = n - K1 + i;
-            for (int64_t c = 0; c < sp[2]; c++) {
-                const float x = m < 0 ? hist[(K1 + m) * nch + sp[1] + c] : load(j->proj, (t0 + m) * ld + sp[0] + c, BF16);
-                store(j->conv_pool, (s * D + sp[0] + c) * K1 + i, x, BF16);
-            }
-        }
+        for (int64_t i = 0; i < K1; i++)
+            for (int64_t c = 0; c < sp[2]; c++) store(j->conv_pool, (s * D + sp[0] + c) * K1 + i, input(sp, c, n - K1 + i), BF16);
 }
 
 /* A GDN layer after its input projection for R rows of any length (decode rows of one token,
@@ -345,15 +367,18 @@ void gdn_rows_mt(int64_t R, const int64_t *row_cu, const int64_t *row_slots, con
                  const int64_t *tok_slots, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc,
                  const void *proj, int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool,
                  const float *neg_A, const float *dt_bias, const void *norm_w, float eps, void *out, float *work,
-                 int64_t work_stride, int bf16, int64_t nthreads) {
+                 int64_t work_stride, int bf16, int64_t nthreads, const int64_t *pt_ptr, const int64_t *pt_off,
+                 const int64_t *pt_dest, void *snap_conv, float *snap_rec) {
     const int64_t D = 2 * Hk * dk + Hv * dv;
     float *conv_wt = work + (nthreads > 1 ? nthreads : 1) * work_stride; /* after the threads' scratch */
     for (int64_t c = 0; c < D; c++)
         for (int64_t i = 0; i < Kc; i++) conv_wt[i * D + c] = load(conv_w, c * Kc + i, bf16);
     const gdn_rows_job job = {work_stride, Hk,       Hv,   dk,     dv,      Kc,     ld_proj, conv_wt,
                               row_cu,      row_slots, tok_slots, row_init, proj, conv_w, norm_w, conv_pool,
-                              out,         rec_pool,  work, neg_A,  dt_bias, eps,    bf16};
-    if (dk % 8 || dv % 8 || Hv % Hk) { /* a row at a time (silu's lanes would fall elsewhere) */
+                              out,         rec_pool,  work, neg_A,  dt_bias, eps,    bf16,
+                              pt_ptr,      pt_off,    pt_dest, snap_conv, snap_rec};
+    if (!gdn_rows_in_units(Hk, Hv, dk, dv)) { /* a row at a time (silu's lanes would fall elsewhere) */
+        TORCH_CHECK(pt_ptr == nullptr, "gdn_rows: state points need head dims that are multiples of 8");
         parallel_chunks(R, nthreads, [&](int64_t r, int64_t tid) { gdn_rows_run(&job, r, tid); });
         return;
     }

@@ -20,7 +20,10 @@ void gdn_rows_mt(int64_t R, const int64_t *row_cu, const int64_t *row_slots, con
                  const int64_t *tok_slots, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc,
                  const void *proj, int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool,
                  const float *neg_A, const float *dt_bias, const void *norm_w, float eps, void *out, float *work,
-                 int64_t work_stride, int bf16, int64_t nthreads);
+                 int64_t work_stride, int bf16, int64_t nthreads, const int64_t *pt_ptr = nullptr,
+                 const int64_t *pt_off = nullptr, const int64_t *pt_dest = nullptr, void *snap_conv = nullptr,
+                 float *snap_rec = nullptr);
+bool gdn_rows_in_units(int64_t Hk, int64_t Hv, int64_t dk, int64_t dv);
 
 void gdn_verify(int64_t B, const int64_t *cu, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t Kc,
                 const void *proj, int64_t ld_proj, const void *conv_w, void *conv_pool, float *rec_pool,

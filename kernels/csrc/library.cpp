@@ -15,6 +15,11 @@ TORCH_LIBRARY(pdserve, m) {
         "Tensor(a!) conv_pool, Tensor(b!) rec_pool, Tensor neg_A, Tensor dt_bias, Tensor norm_w, int hk, int hv, "
         "int dk, int dv, float eps) -> Tensor");
     m.def(
+        "gdn_rows_points(Tensor proj, Tensor row_cu, Tensor row_slots, Tensor row_init, Tensor tok_slots, "
+        "Tensor conv_w, Tensor(a!) conv_pool, Tensor(b!) rec_pool, Tensor neg_A, Tensor dt_bias, Tensor norm_w, "
+        "int hk, int hv, int dk, int dv, float eps, Tensor pt_ptr, Tensor pt_off, Tensor pt_dest, "
+        "Tensor(c!) snap_conv, Tensor(d!) snap_rec) -> Tensor");
+    m.def(
         "gdn_verify(Tensor proj, Tensor conv_w, Tensor(a!) conv_pool, Tensor(b!) rec_pool, Tensor slots, "
         "Tensor cu_seqlens, Tensor(c!) conv_scratch, Tensor(d!) rec_scratch, Tensor neg_A, Tensor dt_bias, "
         "Tensor norm_w, int hk, int hv, int dk, int dv, float eps) -> Tensor");

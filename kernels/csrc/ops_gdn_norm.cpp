@@ -66,13 +66,42 @@ at::Tensor gdn_decode_op(const at::Tensor &proj, const at::Tensor &conv_w, at::T
     return out;
 }
 
-at::Tensor gdn_rows_op(const at::Tensor &proj, const at::Tensor &row_cu, const at::Tensor &row_slots,
-                       const at::Tensor &row_init, const at::Tensor &tok_slots, const at::Tensor &conv_w,
-                       at::Tensor &conv_pool, at::Tensor &rec_pool, const at::Tensor &neg_A, const at::Tensor &dt_bias,
-                       const at::Tensor &norm_w, int64_t hk, int64_t hv, int64_t dk, int64_t dv, double eps) {
-    const Args a{"pdserve.gdn_rows"};
+struct RowPoints { /* gdn_rows_points' state points, checked (gdn_rows: none) */
+    const int64_t *ptr = nullptr, *off = nullptr, *dest = nullptr;
+    void *snap_conv = nullptr;
+    float *snap_rec = nullptr;
+};
+
+static at::Tensor gdn_rows_impl(const Args &a, const at::Tensor &proj, const at::Tensor &row_cu,
+                                const at::Tensor &row_slots, const at::Tensor &row_init, const at::Tensor &tok_slots,
+                                const at::Tensor &conv_w, at::Tensor &conv_pool, at::Tensor &rec_pool,
+                                const at::Tensor &neg_A, const at::Tensor &dt_bias, const at::Tensor &norm_w,
+                                int64_t hk, int64_t hv, int64_t dk, int64_t dv, double eps, const int bf16,
+                                const RowPoints &pts) {
+    const int64_t T = proj.size(0), D = conv_w.size(0), kc = conv_w.size(1);
+    const int64_t R = row_slots.size(0), *cu = row_cu.data_ptr<int64_t>();
+    auto out = at::empty({T, hv * dv}, proj.options());
+    const int64_t nt = row_threads(R * hk);
+    int64_t stride = D + 2 * hv + (kc - 1) * D; /* per thread: gdn_decode's and a row's saved conv inputs */
+    const int64_t unit = gdn_rows_unit_work(hk, hv, dk, dv, kc); /* or a (row, key head) unit's */
+    stride = stride > unit ? stride : unit;
+    auto work = scratch(nt * stride + kc * D); /* and the conv weight transposed */
+    gdn_rows_mt(R, cu, row_slots.data_ptr<int64_t>(), (const uint8_t *)row_init.data_ptr<bool>(),
+                tok_slots.data_ptr<int64_t>(), hk, hv, dk, dv, kc, proj.data_ptr(), proj.stride(0),
+                conv_w.data_ptr(), conv_pool.data_ptr(), floats(rec_pool), floats(neg_A), floats(dt_bias),
+                norm_w.data_ptr(), (float)eps, out.data_ptr(), floats(work), stride, bf16, nt, pts.ptr, pts.off,
+                pts.dest, pts.snap_conv, pts.snap_rec);
+    return out;
+}
+
+/* gdn_rows' checks of its rows; returns bf16 */
+static int check_rows(const Args &a, const at::Tensor &proj, const at::Tensor &row_cu, const at::Tensor &row_slots,
+                      const at::Tensor &row_init, const at::Tensor &tok_slots, const at::Tensor &conv_w,
+                      const at::Tensor &conv_pool, const at::Tensor &rec_pool, const at::Tensor &neg_A,
+                      const at::Tensor &dt_bias, const at::Tensor &norm_w, int64_t hk, int64_t hv, int64_t dk,
+                      int64_t dv) {
     const int bf16 = check_gdn(a, proj, conv_w, conv_pool, rec_pool, neg_A, dt_bias, norm_w, hk, hv, dk, dv);
-    const int64_t T = proj.size(0), D = conv_w.size(0), kc = conv_w.size(1), S = conv_pool.size(0);
+    const int64_t T = proj.size(0), S = conv_pool.size(0);
     a.index(row_slots, "row_slots", -1, 0, S);
     const int64_t R = row_slots.size(0);
     a.index(row_cu, "row_cu", R + 1, 0, T + 1);
@@ -86,17 +115,54 @@ at::Tensor gdn_rows_op(const at::Tensor &proj, const at::Tensor &row_cu, const a
     a.contiguous(row_init, "row_init");
     a.shape(row_init, "row_init", {R});
     a.index(tok_slots, "tok_slots", T, 0, S);
-    auto out = at::empty({T, hv * dv}, proj.options());
-    const int64_t nt = row_threads(R * hk);
-    int64_t stride = D + 2 * hv + (kc - 1) * D; /* per thread: gdn_decode's and a row's saved conv inputs */
-    const int64_t unit = gdn_rows_unit_work(hk, hv, dk, dv, kc); /* or a (row, key head) unit's */
-    stride = stride > unit ? stride : unit;
-    auto work = scratch(nt * stride + kc * D);         /* and the conv weight transposed */
-    gdn_rows_mt(R, cu, row_slots.data_ptr<int64_t>(), (const uint8_t *)row_init.data_ptr<bool>(),
-                tok_slots.data_ptr<int64_t>(), hk, hv, dk, dv, kc, proj.data_ptr(), proj.stride(0),
-                conv_w.data_ptr(), conv_pool.data_ptr(), floats(rec_pool), floats(neg_A), floats(dt_bias),
-                norm_w.data_ptr(), (float)eps, out.data_ptr(), floats(work), stride, bf16, nt);
-    return out;
+    return bf16;
+}
+
+at::Tensor gdn_rows_op(const at::Tensor &proj, const at::Tensor &row_cu, const at::Tensor &row_slots,
+                       const at::Tensor &row_init, const at::Tensor &tok_slots, const at::Tensor &conv_w,
+                       at::Tensor &conv_pool, at::Tensor &rec_pool, const at::Tensor &neg_A, const at::Tensor &dt_bias,
+                       const at::Tensor &norm_w, int64_t hk, int64_t hv, int64_t dk, int64_t dv, double eps) {
+    const Args a{"pdserve.gdn_rows"};
+    const int bf16 = check_rows(a, proj, row_cu, row_slots, row_init, tok_slots, conv_w, conv_pool, rec_pool, neg_A,
+                                dt_bias, norm_w, hk, hv, dk, dv);
+    return gdn_rows_impl(a, proj, row_cu, row_slots, row_init, tok_slots, conv_w, conv_pool, rec_pool, neg_A, dt_bias,
+                         norm_w, hk, hv, dk, dv, eps, bf16, RowPoints{});
+}
+
+at::Tensor gdn_rows_points_op(const at::Tensor &proj, const at::Tensor &row_cu, const at::Tensor &row_slots,
+                              const at::Tensor &row_init, const at::Tensor &tok_slots, const at::Tensor &conv_w,
+                              at::Tensor &conv_pool, at::Tensor &rec_pool, const at::Tensor &neg_A,
+                              const at::Tensor &dt_bias, const at::Tensor &norm_w, int64_t hk, int64_t hv, int64_t dk,
+                              int64_t dv, double eps, const at::Tensor &pt_ptr, const at::Tensor &pt_off,
+                              const at::Tensor &pt_dest, at::Tensor &snap_conv, at::Tensor &snap_rec) {
+    const Args a{"pdserve.gdn_rows_points"};
+    const int bf16 = check_rows(a, proj, row_cu, row_slots, row_init, tok_slots, conv_w, conv_pool, rec_pool, neg_A,
+                                dt_bias, norm_w, hk, hv, dk, dv);
+    TORCH_CHECK(gdn_rows_in_units(hk, hv, dk, dv), a.op, ": state points need dk and dv multiples of 8, got ", dk,
+                " and ", dv);
+    const int64_t R = row_slots.size(0), kc = conv_w.size(1), *cu = row_cu.data_ptr<int64_t>();
+    a.same_dtype(snap_conv, "snap_conv", conv_pool, "conv_pool");
+    a.shape(snap_conv, "snap_conv", {-1, conv_w.size(0), kc - 1});
+    a.contiguous(snap_conv, "snap_conv");
+    a.dtype(snap_rec, "snap_rec", at::kFloat);
+    a.shape(snap_rec, "snap_rec", {snap_conv.size(0), hv, dk, dv});
+    a.contiguous(snap_rec, "snap_rec");
+    const int64_t M = pt_off.numel();
+    a.index(pt_ptr, "pt_ptr", R + 1, 0, M + 1);
+    a.index(pt_off, "pt_off", M, 0, proj.size(0) + 1);
+    a.index(pt_dest, "pt_dest", M, 0, snap_conv.size(0));
+    const int64_t *ptr = pt_ptr.data_ptr<int64_t>(), *off = pt_off.data_ptr<int64_t>();
+    TORCH_CHECK(ptr[0] == 0 && ptr[R] == M, a.op, ": pt_ptr must run from 0 to ", M, ", got ", ptr[0], " .. ", ptr[R]);
+    for (int64_t r = 0; r < R; r++) {
+        TORCH_CHECK(ptr[r] <= ptr[r + 1], a.op, ": pt_ptr must not decrease (row ", r, ")");
+        for (int64_t m = ptr[r]; m < ptr[r + 1]; m++)
+            TORCH_CHECK(off[m] <= cu[r + 1] - cu[r] && (m == ptr[r] || off[m - 1] <= off[m]), a.op, ": pt_off[", m,
+                        "] = ", off[m], " must ascend within row ", r, " and not pass its ", cu[r + 1] - cu[r],
+                        " tokens");
+    }
+    const RowPoints pts{ptr, off, pt_dest.data_ptr<int64_t>(), snap_conv.data_ptr(), floats(snap_rec)};
+    return gdn_rows_impl(a, proj, row_cu, row_slots, row_init, tok_slots, conv_w, conv_pool, rec_pool, neg_A, dt_bias,
+                         norm_w, hk, hv, dk, dv, eps, bf16, pts);
 }
 
 at::Tensor gdn_verify_op(const at::Tensor &proj, const at::Tensor &conv_w, at::Tensor &conv_pool,
@@ -191,6 +257,7 @@ at::Tensor silu_mul_op(const at::Tensor &gu) {
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
     m.impl("gdn_decode", &gdn_decode_op);
     m.impl("gdn_rows", &gdn_rows_op);
+    m.impl("gdn_rows_points", &gdn_rows_points_op);
     m.impl("gdn_verify", &gdn_verify_op);
     m.impl("add_rms_norm", &add_rms_norm_op);
     m.impl("rms_norm", &rms_norm_op);

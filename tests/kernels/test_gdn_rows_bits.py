@@ -66,3 +66,76 @@ def test_gdn_rows_equals_decode_token_by_token(dtype, shape, lens, init):
     assert torch.equal(_bits(rec_pool[slots]), _bits(rec_ref[slots])), "recurrent states differ"
     untouched = [i for i in range(S) if i not in slots.tolist()]
     assert torch.equal(rec_pool[untouched], rec_ref[untouched]), "a slot outside the rows was written"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_gdn_rows_points_keeps_the_states_of_rows_cut_there(dtype):
+    """gdn_rows_points against gdn_rows run piece by piece, cut at the points: the same outputs and
+    end states, and each snapshot entry holds the state the piece ending there left in the slot
+    (points at a row's start, inside its first block, on block edges, twice at one offset, at its
+    end; a row without points)."""
+    hk, hv, dk, dv = 2, 4, 32, 32
+    g = torch.Generator().manual_seed(12)
+    kc, S, E = 4, 5, 12
+    D = 2 * hk * dk + hv * dv
+    lens, init = [1, 70, 33, 40], [True, False, True, True]
+    points = {1: [(0, 3), (5, 7), (32, 2), (64, 9), (64, 10), (70, 0)], 2: [(33, 4)], 3: [(17, 11)]}
+    T = sum(lens)
+    proj = torch.randn(T, D + hv * dv + 2 * hv, generator=g).to(dtype)
+    conv_w = (torch.randn(D, kc, generator=g) * 0.5).to(dtype)
+    conv_pool = torch.randn(S, D, kc - 1, generator=g).to(dtype)
+    rec_pool = torch.randn(S, hv, dk, dv, generator=g) * 0.1
+    slots = torch.tensor([3, 0, 4, 1])
+    consts = (-torch.rand(hv, generator=g) * 2, torch.randn(hv, generator=g), torch.ones(dv, dtype=dtype))
+    consts = (*consts, hk, hv, dk, dv, 1e-6)
+    snap_conv = torch.zeros(E, D, kc - 1, dtype=dtype)
+    snap_rec = torch.zeros(E, hv, dk, dv)
+
+    conv_ref, rec_ref, snap_conv_ref, snap_rec_ref = (
+        conv_pool.clone(),
+        rec_pool.clone(),
+        snap_conv.clone(),
+        snap_rec.clone(),
+    )
+    ref = torch.empty(T, hv * dv, dtype=dtype)
+    starts = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    for r, n in enumerate(lens):  # each row alone, in pieces ending at its points
+        s, done = slots[r : r + 1], 0
+        for end, dest in [*points.get(r, []), (n, None)]:
+            if end > done:
+                a, b = starts[r] + done, starts[r] + end
+                piece = (torch.tensor([0, end - done]), s, torch.tensor([init[r] or done > 0]), s.repeat(end - done))
+                ref[a:b] = cpu_ops.gdn_rows(proj[a:b], *piece, conv_w, conv_ref, rec_ref, *consts)
+            elif not (init[r] or done):
+                conv_ref[s], rec_ref[s] = 0, 0  # a fresh row's state at its start
+            if dest is not None:
+                snap_conv_ref[dest], snap_rec_ref[dest] = conv_ref[s[0]], rec_ref[s[0]]
+            done = end
+
+    flat = [(r, o, d) for r, ps in points.items() for o, d in ps]
+    ptr = torch.tensor([sum(1 for r2, _, _ in flat if r2 < r) for r in range(len(lens) + 1)])
+    pts = (ptr, torch.tensor([o for _, o, _ in flat]), torch.tensor([d for _, _, d in flat]))
+    rows = (torch.tensor(starts), slots, torch.tensor(init), torch.repeat_interleave(slots, torch.tensor(lens)))
+    got = cpu_ops.gdn_rows_points(proj, rows, conv_w, conv_pool, rec_pool, consts, pts, snap_conv, snap_rec)
+    assert torch.equal(_bits(got), _bits(ref)), "outputs differ from the pieces'"
+    assert torch.equal(_bits(conv_pool), _bits(conv_ref)) and torch.equal(rec_pool, rec_ref), "end states differ"
+    assert torch.equal(_bits(snap_conv), _bits(snap_conv_ref)), "snapshot conv states differ"
+    assert torch.equal(snap_rec, snap_rec_ref), "snapshot recurrent states differ"
+
+
+def test_gdn_rows_points_refuses_bad_points():
+    hk, hv, dk, dv, kc = 1, 1, 8, 8, 4
+    D = 2 * hk * dk + hv * dv
+    proj = torch.zeros(5, D + hv * dv + 2 * hv)
+    rows = (torch.tensor([0, 5]), torch.tensor([0]), torch.tensor([False]), torch.zeros(5, dtype=torch.long))
+    args = (proj, rows, torch.zeros(D, kc), torch.zeros(1, D, kc - 1), torch.zeros(1, hv, dk, dv))
+    consts = (torch.zeros(hv), torch.zeros(hv), torch.ones(dv), hk, hv, dk, dv, 1e-6)
+    snaps = (torch.zeros(2, D, kc - 1), torch.zeros(2, hv, dk, dv))
+    with pytest.raises(RuntimeError, match="pt_off"):  # past the row's 5 tokens
+        cpu_ops.gdn_rows_points(*args, consts, (torch.tensor([0, 1]), torch.tensor([6]), torch.tensor([0])), *snaps)
+    with pytest.raises(RuntimeError, match="pt_dest"):  # no such snapshot entry
+        cpu_ops.gdn_rows_points(*args, consts, (torch.tensor([0, 1]), torch.tensor([2]), torch.tensor([2])), *snaps)
+    with pytest.raises(RuntimeError, match="ascend"):
+        cpu_ops.gdn_rows_points(
+            *args, consts, (torch.tensor([0, 2]), torch.tensor([3, 1]), torch.tensor([0, 1])), *snaps
+        )
