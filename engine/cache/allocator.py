@@ -197,10 +197,13 @@ class SnapshotPool:
         slots = torch.tensor([c.slot for c in copies], device=dev)
         for layer in self.conv:
             for snap, pool in ((self.conv[layer], pools.conv[layer]), (self.recurrent[layer], pools.recurrent[layer])):
-                if to_snapshot:
-                    snap.index_copy_(0, idx, pool.index_select(0, slots))
-                else:
-                    pool.index_copy_(0, slots, snap.index_select(0, idx))
+                src, dst, src_i, dst_i = (pool, snap, slots, idx) if to_snapshot else (snap, pool, idx, slots)
+                if src.is_cuda:  # one gather and one scatter per pool
+                    dst.index_copy_(0, dst_i, src.index_select(0, src_i))
+                else:  # entry by entry: no temporary (a fresh one costs its pages' first touch, more than the copy)
+                    for c in copies:
+                        a, b = (c.slot, c.index) if to_snapshot else (c.index, c.slot)
+                        dst[b].copy_(src[a])
         self._copy_pages(pools, copies, to_snapshot)
 
     def _copy_pages(self, pools: CachePools, copies, to_snapshot: bool) -> None:
