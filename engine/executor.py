@@ -114,6 +114,10 @@ def _rank_main(cfg: EngineConfig, rank: int, port: int, conn, device: str, steps
         worker = Worker(cfg, rank, all_reduce, broadcast, dev)
         steps = StepReader(steps_path)
         conn.send(("ready", worker.capacity))
+    except ValueError as e:  # a setting to change (the cache too small, ...): its message, as with one rank
+        log.debug("rank %d: start-up refused", rank, exc_info=True)
+        conn.send(("invalid", str(e)))
+        return
     except BaseException:  # report start-up failures to the parent instead of dying silently
         conn.send(("error", traceback.format_exc()))
         return
@@ -165,6 +169,9 @@ class MultiProcExecutor:
         except EOFError:
             self.close()
             raise WorkerError(f"a tensor-parallel worker died during {what}; see its log above") from None
+        if kind == "invalid":  # start-up refused a setting: the one line a single rank would raise
+            self.close()
+            raise ValueError(payload)
         if kind == "error":
             if fatal:
                 self.close()

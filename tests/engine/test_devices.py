@@ -61,6 +61,22 @@ def test_node_without_gpus_refuses_cuda_ranks_before_starting_them(ckpt_hv2):
         make_executor(cfg)
 
 
+def test_a_refused_setting_at_tp2_is_the_one_line_of_tp1(ckpt_hv2):
+    """A cache too small for the state slots: the ranks' refusal reaches the caller as the same
+    ValueError one rank raises (the CLI prints it as one line), not a worker's traceback."""
+    from engine.config import EngineArgs
+    from engine.executor import make_executor
+
+    msgs = []
+    for tp in (1, 2):
+        cfg = EngineArgs(model=str(ckpt_hv2), tensor_parallel_size=tp, kv_cache_memory="1KiB").engine_config()
+        with pytest.raises(ValueError, match="leaves no room for KV pages") as e:
+            make_executor(cfg)
+        assert "Traceback" not in str(e.value)
+        msgs.append(str(e.value))
+    assert msgs[1].split(" leaves")[0] == msgs[0].split(" leaves")[0]
+
+
 def test_fence_is_a_no_op_on_the_cpu():
     f = StepFence(torch.device("cpu"))
     f.record()
