@@ -193,16 +193,17 @@ class SnapshotPool:
         if not copies:
             return
         dev = next(iter(self.conv.values())).device if self.conv else None
-        idx = torch.tensor([c.index for c in copies], device=dev)
-        slots = torch.tensor([c.slot for c in copies], device=dev)
+        pairs = [(c.slot, c.index) if to_snapshot else (c.index, c.slot) for c in copies]  # (source, destination)
+        ix = None  # on CUDA: one gather and one scatter per pool, by these (source, destination) indices
+        if dev is not None and dev.type == "cuda":
+            ix = tuple(torch.tensor(x, device=dev) for x in zip(*pairs))
         for layer in self.conv:
             for snap, pool in ((self.conv[layer], pools.conv[layer]), (self.recurrent[layer], pools.recurrent[layer])):
-                src, dst, src_i, dst_i = (pool, snap, slots, idx) if to_snapshot else (snap, pool, idx, slots)
-                if src.is_cuda:  # one gather and one scatter per pool
-                    dst.index_copy_(0, dst_i, src.index_select(0, src_i))
+                src, dst = (pool, snap) if to_snapshot else (snap, pool)
+                if ix is not None:
+                    dst.index_copy_(0, ix[1], src.index_select(0, ix[0]))
                 else:  # entry by entry: no temporary (a fresh one costs its pages' first touch, more than the copy)
-                    for c in copies:
-                        a, b = (c.slot, c.index) if to_snapshot else (c.index, c.slot)
+                    for a, b in pairs:
                         dst[b].copy_(src[a])
         self._copy_pages(pools, copies, to_snapshot)
 

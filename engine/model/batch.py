@@ -56,6 +56,7 @@ class ForwardBatch:
     _pre_rows: tuple | None = None  # prefill_gdn_rows(), made once per step
     _tok_rows: tuple | None = None  # decode_token_rows(), made once per step
     _step_rows: tuple | None = None  # step_token_rows(), made once per step
+    _points: tuple | None = None  # gdn_row_points(), made once per step
     _phases: list | None = None  # gdn_row_phases(), made once per step
 
     @property
@@ -66,15 +67,8 @@ class ForwardBatch:
         """`gdn_rows()` of the prefill group alone, over its own tokens (a step whose decode rows
         carry drafts runs them through gdn_verify apart). Made on first use and kept."""
         if self._pre_rows is None:
-            g = self.prefill
-            assert g is not None
-            cu = g.cu_seqlens
-            self._pre_rows = (
-                cu,
-                g.slot_ids,
-                g.has_initial_state,
-                torch.repeat_interleave(g.slot_ids, cu[1:] - cu[:-1]),
-            )
+            assert self.prefill is not None
+            self._pre_rows = _gdn_rows_of([self.prefill])
         return self._pre_rows
 
     def gdn_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -82,20 +76,19 @@ class ForwardBatch:
         gdn_rows): (row_cu [R+1] over the whole step's tokens, row_slots [R], row_init [R] bool,
         tok_slots [T] the slot of each token). Made on first use and kept for the step's layers."""
         if self._rows is None:
-            g = self.groups
-            cu = g[0].cu_seqlens if len(g) == 1 else torch.cat([g[0].cu_seqlens, g[1].cu_seqlens[1:] + g[0].num_tokens])
-            slots = g[0].slot_ids if len(g) == 1 else torch.cat([g[0].slot_ids, g[1].slot_ids])
-            init = torch.cat([x.has_initial_state for x in g]) if len(g) > 1 else g[0].has_initial_state
-            self._rows = (cu, slots, init, torch.repeat_interleave(slots, cu[1:] - cu[:-1]))
+            self._rows = _gdn_rows_of(self.groups)
         return self._rows
 
     def gdn_row_points(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The prefill rows' state points over gdn_rows()' rows (decode rows first, with none), for
-        cpu_ops.gdn_rows_points: (pt_ptr [R+1], pt_off [M], pt_dest [M])."""
-        pts = self.prefill.points
-        n_dec = self.decode.num_rows if self.decode is not None else 0
-        ptr = pts.ptr if not n_dec else torch.cat([pts.ptr.new_zeros(n_dec), pts.ptr])
-        return ptr, pts.offsets, pts.dest
+        cpu_ops.gdn_rows_points: (pt_ptr [R+1], pt_off [M], pt_dest [M]). Made on first use and kept."""
+        if self._points is None:
+            assert self.prefill is not None and self.prefill.points is not None
+            pts = self.prefill.points
+            n_dec = self.decode.num_rows if self.decode is not None else 0
+            ptr = pts.ptr if not n_dec else torch.cat([pts.ptr.new_zeros(n_dec), pts.ptr])
+            self._points = (ptr, pts.offsets, pts.dest)
+        return self._points
 
     def gdn_row_phases(self) -> list[tuple[torch.Tensor, tuple, list[tuple[int, int]]]]:
         """gdn_rows() cut at the prefill rows' state points (prefix snapshots inside rows): phase i
@@ -164,6 +157,15 @@ class ForwardBatch:
             )
             self._step_rows = (tables, self.positions + 1, self.gdn_rows()[0])
         return self._step_rows
+
+
+def _gdn_rows_of(groups: list[RowGroup]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row_cu, row_slots, row_init, tok_slots) of these groups' rows, in order, over their tokens."""
+    g = groups
+    cu = g[0].cu_seqlens if len(g) == 1 else torch.cat([g[0].cu_seqlens, g[1].cu_seqlens[1:] + g[0].num_tokens])
+    slots = g[0].slot_ids if len(g) == 1 else torch.cat([g[0].slot_ids, g[1].slot_ids])
+    init = torch.cat([x.has_initial_state for x in g]) if len(g) > 1 else g[0].has_initial_state
+    return cu, slots, init, torch.repeat_interleave(slots, cu[1:] - cu[:-1])
 
 
 class IntPack:

@@ -72,7 +72,7 @@ struct RowPoints { /* gdn_rows_points' state points, checked (gdn_rows: none) */
     float *snap_rec = nullptr;
 };
 
-static at::Tensor gdn_rows_impl(const Args &a, const at::Tensor &proj, const at::Tensor &row_cu,
+static at::Tensor gdn_rows_impl(const at::Tensor &proj, const at::Tensor &row_cu,
                                 const at::Tensor &row_slots, const at::Tensor &row_init, const at::Tensor &tok_slots,
                                 const at::Tensor &conv_w, at::Tensor &conv_pool, at::Tensor &rec_pool,
                                 const at::Tensor &neg_A, const at::Tensor &dt_bias, const at::Tensor &norm_w,
@@ -82,9 +82,8 @@ static at::Tensor gdn_rows_impl(const Args &a, const at::Tensor &proj, const at:
     const int64_t R = row_slots.size(0), *cu = row_cu.data_ptr<int64_t>();
     auto out = at::empty({T, hv * dv}, proj.options());
     const int64_t nt = row_threads(R * hk);
-    int64_t stride = D + 2 * hv + (kc - 1) * D; /* per thread: gdn_decode's and a row's saved conv inputs */
-    const int64_t unit = gdn_rows_unit_work(hk, hv, dk, dv, kc); /* or a (row, key head) unit's */
-    stride = stride > unit ? stride : unit;
+    const int64_t stride = gdn_rows_in_units(hk, hv, dk, dv) ? gdn_rows_unit_work(hk, hv, dk, dv, kc) /* per thread */
+                                                             : D + 2 * hv + (kc - 1) * D; /* a row at a time */
     auto work = scratch(nt * stride + kc * D); /* and the conv weight transposed */
     gdn_rows_mt(R, cu, row_slots.data_ptr<int64_t>(), (const uint8_t *)row_init.data_ptr<bool>(),
                 tok_slots.data_ptr<int64_t>(), hk, hv, dk, dv, kc, proj.data_ptr(), proj.stride(0),
@@ -125,7 +124,7 @@ at::Tensor gdn_rows_op(const at::Tensor &proj, const at::Tensor &row_cu, const a
     const Args a{"pdserve.gdn_rows"};
     const int bf16 = check_rows(a, proj, row_cu, row_slots, row_init, tok_slots, conv_w, conv_pool, rec_pool, neg_A,
                                 dt_bias, norm_w, hk, hv, dk, dv);
-    return gdn_rows_impl(a, proj, row_cu, row_slots, row_init, tok_slots, conv_w, conv_pool, rec_pool, neg_A, dt_bias,
+    return gdn_rows_impl(proj, row_cu, row_slots, row_init, tok_slots, conv_w, conv_pool, rec_pool, neg_A, dt_bias,
                          norm_w, hk, hv, dk, dv, eps, bf16, RowPoints{});
 }
 
@@ -161,7 +160,7 @@ at::Tensor gdn_rows_points_op(const at::Tensor &proj, const at::Tensor &row_cu, 
                         " tokens");
     }
     const RowPoints pts{ptr, off, pt_dest.data_ptr<int64_t>(), snap_conv.data_ptr(), floats(snap_rec)};
-    return gdn_rows_impl(a, proj, row_cu, row_slots, row_init, tok_slots, conv_w, conv_pool, rec_pool, neg_A, dt_bias,
+    return gdn_rows_impl(proj, row_cu, row_slots, row_init, tok_slots, conv_w, conv_pool, rec_pool, neg_A, dt_bias,
                          norm_w, hk, hv, dk, dv, eps, bf16, pts);
 }
 
