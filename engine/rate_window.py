@@ -18,9 +18,10 @@ class RateWindow:
     def __init__(self, window: int) -> None:
         self._seen: deque[tuple[int, float]] = deque(maxlen=window)
 
-    def add(self, amount: int, seconds: float) -> None:
-        """One sample; none of anything (amount <= 0) is not counted."""
-        if amount > 0:
+    def add(self, amount: int, seconds: float, idle: bool = False) -> None:
+        """One sample; none of anything (amount <= 0) is not counted, nor one taken from idle (`idle`:
+        a lone prompt on an idle node) of fewer than IDLE_MIN_TOKENS."""
+        if amount > 0 and not (idle and amount < IDLE_MIN_TOKENS):
             self._seen.append((amount, max(seconds, 0.0)))
 
     def rate(self) -> float | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import time
 
-from engine.rate_window import IDLE_MIN_TOKENS, RateWindow
+from engine.rate_window import RateWindow
 from proto import pb
 from router.registry import NodeEntry, NodeRegistry
 
@@ -42,11 +42,9 @@ class RateMeter:
         now = time.monotonic() if now is None else now
         dt = max(now - self._mark.get(node, now), 0.0)
         self._mark[node] = now
-        if node in self._idle:
-            self._idle.discard(node)
-            if tokens < IDLE_MIN_TOKENS:
-                return
-        self._seen.setdefault(node, RateWindow(WINDOW)).add(tokens, dt)
+        idle = node in self._idle
+        self._idle.discard(node)
+        self._seen.setdefault(node, RateWindow(WINDOW)).add(tokens, dt, idle=idle)
 
     def rate(self, node: str) -> float | None:
         """Tokens per second, None before the node's first completion while busy."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from engine.rate_window import IDLE_MIN_TOKENS, RateWindow
+from engine.rate_window import RateWindow
 
 WINDOW = 32  # passes that prefilled
 
@@ -24,9 +24,8 @@ class StepRate(RateWindow):
     def passed(self, tokens: int, woke: float, busy: bool, now: float | None = None) -> None:
         """A pass ended: it computed `tokens` prompt tokens. It is timed from the previous pass's
         end when that one left work (`busy`: commands and the loop's own turn count), else from
-        when it woke (`woke`: an idle wait is not the node's work); a pass from idle of fewer than
-        `IDLE_MIN_TOKENS` prompt tokens is not counted."""
+        when it woke (`woke`: an idle wait is not the node's work; such a pass counts only from
+        `IDLE_MIN_TOKENS` prompt tokens on, RateWindow.add)."""
         now = time.monotonic() if now is None else now
-        if busy or tokens >= IDLE_MIN_TOKENS:
-            self.add(tokens, now - (self._mark if busy else woke))
+        self.add(tokens, now - (self._mark if busy else woke), idle=not busy)
         self._mark = now
