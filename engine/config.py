@@ -285,18 +285,19 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # requests in the running batch
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits prompts)
     max_model_len: int | None = None  # prompt + output tokens; default the model's max positions
-    # prompt tokens batch-class requests get in one step while interactive ones are about (the
-    # step an interactive prompt may wait behind is that short; 0: no cap)
+    # prompt tokens batch-class requests get in one step while interactive ones are about (0: no cap)
     batch_chunk_tokens: int = 256
-    # ... and no more than the node computes in this many seconds at its measured prompt rate
-    # (engine/scheduler/priority.py; 0: batch_chunk_tokens alone)
-    batch_step_s: float = 0.01
+    batch_step_s: float = 0.01  # ... and what the measured rate computes in this time (priority.py; 0: off)
+    # prompts with fewer than short_prompt_tokens left after their cached prefix take at most
+    # short_step_tokens of a step altogether, each whole (0: no cap; docs/prefix-caching.md)
+    short_prompt_tokens: int = 0
+    short_step_tokens: int = 0
 
     def __post_init__(self):
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.batch_chunk_tokens < 0:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, batch_chunk_tokens >= 0")
-        if self.batch_step_s < 0:
-            raise ValueError("batch_step_ms must be >= 0")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if min(self.batch_chunk_tokens, self.batch_step_s, self.short_prompt_tokens, self.short_step_tokens) < 0:
+            raise ValueError("batch_chunk_tokens, batch_step_ms and the short-prompt caps must be >= 0")
 
 
 SpeculativeMethod = Literal["ngram", "mtp"]

@@ -247,6 +247,7 @@ class EngineCore:
         self.scheduler.activate(req, first_token, self.cfg.model.eos_token_ids, drafts)
         out = self._output(req)
         if req.status.is_final:
+            self._save_final()  # its final state (finished by its first token): slot and page back now
             self._gone(req)
         return out
 
@@ -367,7 +368,8 @@ class EngineCore:
                 )
             )
         saves = [c for _, c in so.saves]
-        return StepInput(rows, so.finished_ids, [c for _, c in so.restores], saves, layer_posts or [])
+        landed = [c for _, c in so.landed]
+        return StepInput(rows, so.finished_ids, [c for _, c in so.restores], saves, layer_posts or [], landed)
 
     def _image_spans(self, req: Request, start: int, end: int) -> tuple[ImageSpan, ...]:
         """The images whose placeholder tokens a row over tokens [start, end) covers."""

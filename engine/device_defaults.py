@@ -39,3 +39,11 @@ def default_draft_cost(device: str) -> float:
     step ran at 0.55-0.68x); on a GPU a decode step is bound by reading the weights, so a few more
     rows cost little and one MTP layer is a small part of a step."""
     return 0.5 if device == "cpu" else 0.1
+
+
+def default_local_prefill_step_tokens(device: str) -> int:
+    """The prompt tokens a decode node's short prompts (its follow-up turns) take of one step
+    altogether, unless given: on the CPU a step's time grows with its tokens, and 256 of them keep
+    a burst of follow-ups from stretching a step that every stream there waits for (docs/benchmarks.md,
+    multi-turn); on a GPU a few thousand prompt tokens add little to a decode step."""
+    return 256 if device == "cpu" else 2048

@@ -63,6 +63,7 @@ class Request:
     snapshot_points: tuple[int, ...] = ()  # prefix caching: off-grid prompt positions to snapshot
     num_cached_blocks: int = 0  # decode side: leading prompt pages already here (not transferred)
     received: bool = False  # decode side: the prompt's state came from another node (Scheduler.reserve)
+    short: bool = False  # its prompt counts against SchedulerConfig.short_step_tokens (set at admission)
     kv_transfer: object = None  # the caller's transfer parameters, read by the connector only (engine/connector.py)
     # images (docs/images.md): the prompt's images (on a decode node: their hashes and places, for
     # the prefix cache), its 3-D rotary positions ([3, len(prompt)] int64, where it is prefilled)

@@ -76,6 +76,8 @@ class StepInput:
     # requests whose last prompt chunk is in this step and whose state a transfer takes layer by
     # layer: each rank's LayerConnector hears of every layer as the forward finishes it
     layer_posts: list[str] = field(default_factory=list)
+    # decode side: states landed from a prefill node, saved from their slots before the forward
+    landed: list[SnapshotCopy] = field(default_factory=list)
 
 
 @dataclass

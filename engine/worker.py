@@ -289,6 +289,7 @@ class Worker:
         batch = self.build_batch(step)
         if self.grammar is not None:  # llguidance fills the step's masks while the forward runs
             self.grammar.prepare([r for r in step.rows if r.sample or r.num_draft])
+        self.pools.snapshots.save(self.pools, step.landed)  # before the forward changes them
         self.pools.snapshots.restore(self.pools, step.restores)  # prefix hits start from their snapshot
         hidden = None
         after = self._after_layer(step)

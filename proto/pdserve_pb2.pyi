@@ -249,7 +249,7 @@ class Capacity(_message.Message):
     def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., total_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., reserved: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "kind", "address", "incarnation", "tp_size", "model", "vocab_size", "max_model_len", "local_prefill_threshold", "schema_digest", "prefill_ready", "capacity", "draining", "speculation", "prefix", "prefill_tokens_per_s")
+    __slots__ = ("node_id", "kind", "address", "incarnation", "tp_size", "model", "vocab_size", "max_model_len", "local_prefill_threshold", "schema_digest", "prefill_ready", "capacity", "draining", "speculation", "prefix", "prefill_tokens_per_s", "local_resume_threshold")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +266,7 @@ class NodeInfo(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RESUME_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     kind: NodeKind
     address: str
@@ -282,7 +283,8 @@ class NodeInfo(_message.Message):
     speculation: Speculation
     prefix: PrefixDigest
     prefill_tokens_per_s: float
-    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[_Union[NodeKind, str]] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., tp_size: _Optional[int] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., local_prefill_threshold: _Optional[int] = ..., schema_digest: _Optional[str] = ..., prefill_ready: _Optional[bool] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., draining: _Optional[bool] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., prefix: _Optional[_Union[PrefixDigest, _Mapping]] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
+    local_resume_threshold: int
+    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[_Union[NodeKind, str]] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., tp_size: _Optional[int] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., local_prefill_threshold: _Optional[int] = ..., schema_digest: _Optional[str] = ..., prefill_ready: _Optional[bool] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., draining: _Optional[bool] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., prefix: _Optional[_Union[PrefixDigest, _Mapping]] = ..., prefill_tokens_per_s: _Optional[float] = ..., local_resume_threshold: _Optional[int] = ...) -> None: ...
 
 class PrefixDigest(_message.Message):
     __slots__ = ("version", "block_size", "snapshot_interval", "pages", "snapshot_keys", "snapshot_tokens", "mtp")

@@ -94,12 +94,17 @@ class PrefillPhase:
             if p.info.prefill_ready and p.node_id not in exclude and (not dg or p.info.schema_digest in ("", dg))
         ]
 
-    def use_pool(self, d: NodeEntry, prompt_len: int) -> bool:
-        """Conditional disaggregation: short prompts (under D's threshold) prefill on D, as do all
-        prompts when no prefill node is ready or every one is loaded past
+    def use_pool(self, d: NodeEntry, prompt_len: int, cached: int = 0) -> bool:
+        """Conditional disaggregation: short prompts (under D's threshold) prefill on D, as do
+        the next turns of conversations D holds (`cached` tokens usable there, fewer new ones
+        than D's resume threshold: their state is on D, a prefill node would compute it again),
+        and all prompts when no prefill node is ready or every one is loaded past
         `max_prefill_queue_tokens`. prompt_len: what D would compute (cache-aware routing passes
         the prompt less D's usable cached prefix)."""
-        if prompt_len < d.info.local_prefill_threshold or not d.info.schema_digest:
+        info = d.info
+        if prompt_len < info.local_prefill_threshold or not info.schema_digest:
+            return False
+        if cached and prompt_len < info.local_resume_threshold:
             return False
         ready = self.ready(d, set())
         limit = self.cfg.max_prefill_queue_tokens

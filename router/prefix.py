@@ -118,8 +118,8 @@ class NodeCache:
         return best
 
     def remember(self, q: PrefixQuery, compute: bool, ttl_s: float, now: float | None = None) -> None:
-        """The node was just given this prompt: it will hold its full pages, and when it computes
-        the prompt, snapshots on its grid and at the prompt's end."""
+        """The node was just given this prompt: it will hold its full pages and a snapshot at the
+        prompt's end, and when it computes the prompt, snapshots on its grid too."""
         bs = self.block_size
         if not bs:
             return
@@ -128,8 +128,10 @@ class NodeCache:
         for h in q.pages(bs, self.mtp):
             self.recent_pages.pop(h, None)  # re-inserted: the newest last
             self.recent_pages[h] = exp
-        if compute:
-            points = list(range(self.interval, q.prompt_len, self.interval)) if self.interval else []
+        # computing it: snapshots on the grid and at its end; receiving it: at its end (a decode
+        # node keeps the state that landed, PrefixPlanner.keep_landed), but not with MTP
+        points = list(range(self.interval, q.prompt_len, self.interval)) if compute and self.interval else []
+        if compute or not self.mtp:
             for n in [*points, q.prompt_len]:
                 k = (n, q.key(bs, n))
                 self.recent_snapshots.pop(k, None)

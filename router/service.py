@@ -388,7 +388,7 @@ class GenerateService:
         counts only what the decode node would still compute, and both nodes remember the prompt."""
 
         def pooled(e: NodeEntry, uncached: int) -> bool:
-            return not local and self.prefill.use_pool(e, uncached)
+            return not local and self.prefill.use_pool(e, uncached, prompt_len - uncached)
 
         with self.registry.lock:
             nodes = [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]

@@ -54,6 +54,7 @@ class Snapshot:
     tail: tuple[int, ...]  # the tokens after them
     ref: int = 0  # steps reading (restore) or writing (save) it now; > 0: not evictable
     ready: bool = False  # written: lookups may use it
+    cold: bool = False  # a grid point nobody has resumed from yet: first in line for eviction
     prompt_logprobs: PromptLogprobs | None = None  # kept by a request that asked for them
 
 
@@ -94,6 +95,7 @@ class PrefixCache:
         self._by_key: dict[tuple[int, tuple[int, ...]], Snapshot] = {}
         self._by_parent: dict[int, list[Snapshot]] = {}
         self._lru: OrderedDict[Snapshot, None] = OrderedDict()  # ready, ref 0; oldest first
+        self._cold: OrderedDict[Snapshot, None] = OrderedDict()  # ... grid points: evicted before those
         self.stats = PrefixStats()
 
     @property
@@ -191,34 +193,44 @@ class PrefixCache:
     # ---- pins ------------------------------------------------------------------------
     def acquire(self, s: Snapshot) -> None:
         s.ref += 1
+        s.cold = False  # resumed from: it earns its place
         self._lru.pop(s, None)
+        self._cold.pop(s, None)
 
     def release(self, s: Snapshot) -> None:
         if s.ref < 1:
             raise ValueError(f"snapshot {s.index} released more often than acquired")
         s.ref -= 1
         if s.ref == 0 and s.ready and self._by_key.get((s.parent, s.tail)) is s:
-            self._lru[s] = None
+            (self._cold if s.cold else self._lru)[s] = None
 
     # ---- saving ----------------------------------------------------------------------
-    def reserve(self, parent: int, tail: tuple[int, ...], num_tokens: int) -> Snapshot | None:
+    def reserve(self, parent: int, tail: tuple[int, ...], num_tokens: int, cold: bool = False) -> Snapshot | None:
         """An entry to save the state after `num_tokens` tokens into (pinned until `commit`), or
-        None: that prefix is saved already, or every entry is in use."""
+        None: that prefix is saved already, or every entry is in use. cold: a grid point inside
+        a prompt, which joins the eviction order at its front (evicted before the prompt ends,
+        branch points and final states, which a conversation's next turn resumes from) until a
+        request resumes from it."""
         old = self._by_key.get((parent, tail))
         if old is not None:
+            if old.cold and not cold:  # a grid point that is now a prompt's end, say
+                old.cold = False
+                if old in self._cold:
+                    del self._cold[old]
+                    self._lru[old] = None
             if old in self._lru:
                 self._lru.move_to_end(old)
             return None
         if self._free_idx:
             idx = self._free_idx.pop()
-        elif self._lru:
-            victim, _ = self._lru.popitem(last=False)
+        elif self._cold or self._lru:
+            victim, _ = (self._cold or self._lru).popitem(last=False)
             self._drop(victim)
             idx = victim.index
             self.stats.evicted += 1
         else:
             return None
-        s = Snapshot(idx, num_tokens, parent, tail, ref=1)
+        s = Snapshot(idx, num_tokens, parent, tail, ref=1, cold=cold)
         self._by_key[(parent, tail)] = s
         self._by_parent.setdefault(parent, []).append(s)
         return s
@@ -259,7 +271,7 @@ class PrefixCache:
         """Pages in use first, then free cached pages most recently freed first; snapshots being
         read, then the most recently used. Capped at DIGEST_PAGES / DIGEST_SNAPSHOTS."""
         snaps = [s for s in self._by_key.values() if s.ready and s.ref > 0]
-        snaps += reversed(self._lru)
+        snaps += [*reversed(self._lru), *reversed(self._cold)]
         snaps = snaps[:DIGEST_SNAPSHOTS]
         b = self.blocks
         pages = b.recent_pages(DIGEST_PAGES)

@@ -28,9 +28,11 @@ Proposer = Callable[[list[int], int], list[int]]
 class _Plan:
     """One step's plan while `schedule` builds it."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, short: int = 0) -> None:
         self.budget = budget  # tokens left in the step
         self.batch_left = 0  # prompt tokens batch requests may still take (set at their turn)
+        self.short_cap = short  # SchedulerConfig.short_step_tokens (0: none) ...
+        self.short_left = short  # ... and what short prompts may still take
         self.rows: list[ScheduledRow] = []
         self.preempted: list[Request] = []
         self.restores: list[tuple[Snapshot, SnapshotCopy]] = []
@@ -85,7 +87,7 @@ class Scheduler:
         """Running rows, then waiting requests, class by class (engine/scheduler/priority.py):
         interactive ones first; batch prompt chunks get `priority.batch_allowance` tokens, none in
         a step that computes an interactive prompt chunk."""
-        plan = _Plan(self.cfg.max_num_batched_tokens)
+        plan = _Plan(self.cfg.max_num_batched_tokens, self.cfg.short_step_tokens if self.cfg.short_prompt_tokens else 0)
         allowance = self.classes.batch_allowance(self.running, self.waiting, self.cfg)
         i = 0
         for cls in (INTERACTIVE, BATCH):
@@ -96,7 +98,8 @@ class Scheduler:
         rows = plan.rows
         rows.sort(key=lambda r: (not r.is_decode, (r.request.slot or 0) if r.is_decode else 0))
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(rows, plan.preempted, finished, plan.restores, plan.saves, plan.points)
+        landed = self.plan.take_landed(rows) if self.plan is not None else []
+        return SchedulerOutput(rows, plan.preempted, finished, plan.restores, plan.saves, landed, plan.points)
 
     def _running_rows(self, plan: _Plan, i: int, cls: int) -> int:
         """Schedule the running requests of class `cls` from index i (the running list is kept in
@@ -107,6 +110,11 @@ class Scheduler:
             n = min(left, plan.budget)
             if cls == BATCH and left > 1:  # a batch prompt chunk: within the allowance
                 n = min(n, plan.batch_left)
+                if n <= 0:
+                    i += 1
+                    continue
+            if req.short and left > 1:
+                n = self._short_share(plan, n)
                 if n <= 0:
                     i += 1
                     continue
@@ -167,6 +175,12 @@ class Scheduler:
                 n = min(n, plan.batch_left)
                 if n <= 0:
                     break
+            short = plan.short_cap > 0 and req.num_tokens - p < self.cfg.short_prompt_tokens
+            if short:
+                n = self._short_share(plan, n)
+                if n <= 0:  # the step has its share of short prompts: longer ones behind may go
+                    w += 1
+                    continue
             shared = hit.pages if hit else []
             need = self.blocks.blocks_for(self._admit_upto(req, p + n)) - len(shared)
             taken = sum(self.blocks.is_free(b) for b in shared)  # cached pages nobody used: now in use
@@ -180,12 +194,24 @@ class Scheduler:
             if self.plan is not None:
                 self.plan.admit(req, hit, plan.restores)
             req.move(Status.RUNNING)
+            req.short = short
             self.running.insert(i, req)
             i += 1
             self._plan_row(plan, req, n, [])
             if cls == BATCH:
                 plan.batch_left -= n
         return i
+
+    @staticmethod
+    def _short_share(plan: _Plan, n: int) -> int:
+        """The tokens a short prompt's chunk of n gets in this step: all of them within what short
+        prompts have left, none when they do not fit (it waits a step: cut, it would need one
+        more), unless none has run yet in the step (a prompt longer than the cap is chunked)."""
+        if n > plan.short_left and plan.short_left < plan.short_cap:
+            return 0
+        n = min(n, plan.short_left)
+        plan.short_left -= n
+        return n
 
     def _plan_row(self, plan: _Plan, req: Request, n: int, drafts: list[int]) -> None:
         depths = self._depths_after(req, len(drafts)) if self.mtp else ()
@@ -319,6 +345,8 @@ class Scheduler:
         req.draft_token_ids = list(drafts)[: req.spec.depth] if self.mtp else []
         priority.insert(self.running, req)
         self._emit(req, [first_token], eos)
+        if self.plan is not None:
+            self.plan.keep_landed(req)
 
     def _hold(self, req: Request) -> None:
         """Prefill side: keep the prompt's pages and slot for the transfer (pages taken only for

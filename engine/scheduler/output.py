@@ -42,6 +42,8 @@ class SchedulerOutput:
     finished_ids: list[str]  # finished since the last step (workers drop their per-request state)
     restores: list[tuple[Snapshot, SnapshotCopy]] = field(default_factory=list)  # prefix hits, pinned
     saves: list[tuple[Snapshot, SnapshotCopy]] = field(default_factory=list)  # snapshots this step writes
+    # decode side: states landed from a prefill node, saved before the forward (PrefixPlanner.keep_landed)
+    landed: list[tuple[Snapshot, SnapshotCopy]] = field(default_factory=list)
     # snapshots (saved now or earlier) whose prompt logprobs a request with them computes this step
     logprob_points: list[tuple[Snapshot, Request]] = field(default_factory=list)
 

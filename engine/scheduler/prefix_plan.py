@@ -1,6 +1,7 @@
 """Prefix-snapshot planning (engine/cache/prefix.py): which cached prefix a waiting request starts
 from, which snapshots a step saves, which pages become cached, a finished request's final state,
-and which waiting requests are held for an in-flight sharer (docs/prefix-caching.md)."""
+the state that landed on a decode node, and which waiting requests are held for an in-flight
+sharer (docs/prefix-caching.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from engine.cache.block_manager import BlockManager, SlotPool
 from engine.cache.inflight import hold_point
 from engine.cache.prefix import ROOT_HASH, PrefixCache, PrefixHit, Snapshot, block_hash, prompt_hashes
 from engine.request import Request, Status
-from engine.scheduler.output import FinalSave, SchedulerOutput
+from engine.scheduler.output import FinalSave, ScheduledRow, SchedulerOutput
 from engine.step import SnapshotCopy
 
 log = logging.getLogger("pdserve.scheduler")
@@ -27,6 +28,9 @@ class PrefixPlanner:
         self.mtp = mtp
         # finished requests' last GDN state and partial page, held for a snapshot (take_final)
         self._final: list[FinalSave] = []
+        # decode side: states that landed from a prefill node, to keep before their first step
+        # changes them (take_landed): (request, its preemption count then, entry, copy)
+        self._landed: list[tuple[Request, int, Snapshot, SnapshotCopy]] = []
 
     def hashes(self, req: Request, pages: int = 0) -> list[int]:
         """The chained hashes of the prompt's full pages, extended over the output tokens to at
@@ -120,7 +124,8 @@ class PrefixPlanner:
         points = sorted(set(grid).union(extra, [plen] if end == plen else []))
         for p in points:
             parent, tail = self.prefix.key_for(req.hash_prompt, self.hashes(req), p)
-            s = self.prefix.reserve(parent, tail, p)
+            cold = p != plen and p not in req.snapshot_points  # on the grid only
+            s = self.prefix.reserve(parent, tail, p, cold)
             if req.params.prompt_logprobs is not None:
                 kept = s or self.prefix.find(parent, tail)
                 if kept is not None:
@@ -168,16 +173,53 @@ class PrefixPlanner:
             pages.append(page)
         return pages
 
+    def keep_landed(self, req: Request) -> None:
+        """Decode side: a request whose prompt state just landed from a prefill node: reserve a
+        snapshot of it at the prompt's end, copied before the request's first step changes its
+        slot and tail page (`take_landed`), so that the conversation's next turn, which starts
+        with this prompt, can be computed here from it (docs/prefix-caching.md "Decode nodes").
+        Not with MTP: the drafter's hidden state at the prompt's last position is the prefill
+        node's."""
+        p = len(req.prompt_token_ids)
+        if self.mtp or req.status is not Status.RUNNING or p == 0:
+            return
+        parent, tail = self.prefix.key_for(req.hash_prompt, self.hashes(req), p)
+        s = self.prefix.reserve(parent, tail, p)
+        if s is None:
+            return
+        j = self.prefix.tail_page(p)
+        page = req.block_ids[j] if j is not None else None
+        self._landed.append((req, req.num_preemptions, s, SnapshotCopy(s.index, self._slot(req), page)))
+
+    def take_landed(self, rows: Sequence[ScheduledRow]) -> list[tuple[Snapshot, SnapshotCopy]]:
+        """The landed states a step copies before its forward: those of the requests it schedules
+        (one not scheduled keeps its entry for a later step; its state has not changed). A request
+        no longer in its reservation's state (aborted, finished, preempted) gives its entry back."""
+        if not self._landed:
+            return []
+        scheduled = {id(r.request) for r in rows}
+        out, kept = [], []
+        for item in self._landed:
+            req, n, s, c = item
+            if req.status is not Status.RUNNING or req.num_preemptions != n or req.slot != c.slot:
+                self.prefix.discard(s)
+            elif id(req) in scheduled:
+                out.append((s, c))
+            else:
+                kept.append(item)
+        self._landed = kept
+        return out
+
     def keep_final(self, req: Request) -> None:
         """A request about to finish after a step: reserve a snapshot of its GDN state at
         num_computed_tokens (the state after its last computed token) and keep its slot and tail
-        page (`PrefixCache.tail_page`) out of the release until `take_final`'s copy ran. Not for
-        a request whose prompt state came from another node (a decode node needs no snapshots).
-        With MTP the snapshot also keeps the hidden state at its last position (the worker holds
+        page (`PrefixCache.tail_page`) out of the release until `take_final`'s copy ran; on a
+        decode node too, for a request whose prompt state came from a prefill node (its next
+        turn starts with the whole of this one when the history keeps the reply). With MTP the snapshot also keeps the hidden state at its last position (the worker holds
         it from the step), and a request whose draft depth is 0 keeps none: the drafter may have
         deferred its last positions' KV (engine/model/mtp.py), so its tail page lacks it."""
         c, bs = req.num_computed_tokens, self.blocks.block_size
-        if req.received or req.status is not Status.RUNNING or c == 0:
+        if req.status is not Status.RUNNING or c == 0:
             return
         if self.mtp and req.spec.depth == 0:
             return
@@ -207,7 +249,7 @@ class PrefixPlanner:
     def step_ran(self, out: SchedulerOutput) -> None:
         """The step has run: its saved snapshots are usable, its restores done, and the prompt
         logprobs it computed are kept on the snapshots that asked for them."""
-        for s, _ in out.saves:
+        for s, _ in out.saves + out.landed:
             self.prefix.commit(s)
         for s, _ in out.restores:
             self.prefix.release(s)
@@ -219,8 +261,8 @@ class PrefixPlanner:
     def step_failed(self, out: SchedulerOutput) -> None:
         """The step failed: its snapshot pins go back, and the entries it was to save are free
         again, never half written and visible."""
-        for s, _ in out.saves:
+        for s, _ in out.saves + out.landed:
             self.prefix.discard(s)
         for s, _ in out.restores:
             self.prefix.release(s)
-        out.saves, out.restores = [], []
+        out.saves, out.restores, out.landed = [], [], []

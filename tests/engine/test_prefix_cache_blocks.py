@@ -260,19 +260,71 @@ def test_rejected_drafts_never_reach_a_registered_page():
 
 
 def test_decode_side_reserve_shares_reply_pages_and_counts_them_as_hits():
-    """A decode node: turn 1 arrives by transfer and decodes 4 tokens; its reply pages are cached
-    (no snapshot: the GDN state always travels). Turn 2's reservation shares pages 0-2, counted
-    as 12 hit tokens."""
+    """A decode node: turn 1 arrives by transfer and decodes 4 tokens; its reply pages are cached,
+    the state that landed is kept at the prompt's end (10 tokens: entry 0 with the partial page 2,
+    copied before the first decode step) and the final state at 13 (entry 1, page 3). Turn 2's
+    reservation shares pages 0-2, counted as 12 hit tokens."""
     sched, blocks, slots, prefix = make(snaps=5)
     a = req("a", PROMPT, max_tokens=4)
     assert sched.reserve(a) and a.num_cached_blocks == 0
     sched.activate(a, 7, ())
+    out = step(sched)
+    assert [c for _, c in out.landed] == [SnapshotCopy(0, 0, 2)] and out.saves == []
     while a.status is not Status.FINISHED:
-        step(sched)
-    assert blocks.cached == {H0: 0, H1: 1, H2: 2} and prefix.num_used == 0
+        assert step(sched).landed == []  # once
+    assert blocks.cached == {H0: 0, H1: 1, H2: 2} and prefix.num_used == 2
     assert blocks.ref == {} and blocks.num_free == 8 and slots.num_free == 2
     b = req("b", PROMPT + [7] * 4 + [80, 81])
     assert sched.reserve(b) and b.num_cached_blocks == 3 and b.block_ids[:3] == [0, 1, 2]
     assert (prefix.stats.query_tokens, prefix.stats.hit_tokens) == (10 + 16, 12)
     sched.finish(b, "abort")
     assert blocks.ref == {} and blocks.num_free == 8 and slots.num_free == 2
+
+
+@pytest.mark.parametrize("turn2, hit, entry", [(PROMPT + [50, 51], 10, 0), (PROMPT + [7, 7, 7, 80], 13, 1)])
+def test_decode_side_turn_computed_here_resumes_from_the_landed_or_final_state(turn2, hit, entry):
+    """The next turn of a conversation whose first turn arrived by transfer, computed on the decode
+    node itself: from the landed state when it departs after the prompt, from the final state when
+    it keeps the reply."""
+    sched, blocks, slots, prefix = make(snaps=5)
+    a = req("a", PROMPT, max_tokens=4)
+    assert sched.reserve(a)
+    sched.activate(a, 7, ())
+    while a.status is not Status.FINISHED:
+        step(sched)
+    b = req("b", turn2)
+    sched.add(b)
+    out = step(sched)
+    assert [(c.index, c.page is not None) for _, c in out.restores] == [(entry, True)]
+    assert [r.num_new_tokens for r in out.rows] == [len(turn2) - hit]
+    assert b.num_cached_tokens == hit
+
+
+def test_landed_state_of_a_request_gone_before_its_first_step_is_not_kept():
+    """Aborted between its activation and the next step: its entry goes back unwritten."""
+    sched, blocks, slots, prefix = make(snaps=5)
+    a = req("a", PROMPT, max_tokens=4)
+    assert sched.reserve(a)
+    sched.activate(a, 7, ())
+    sched.finish(a, "abort")
+    out = step(sched)
+    assert out.landed == [] and prefix.num_used == 0
+    assert blocks.ref == {} and slots.num_free == 2
+
+
+def test_grid_points_are_evicted_before_prompt_ends_and_final_states():
+    """a's snapshots: grid points 4 and 8 (entries 0, 1), its prompt's end 10 (2) and its final
+    state 11 (3). Newer saves take the grid points first (the older first), then the least
+    recently used of the rest."""
+    sched, blocks, slots, prefix = make()
+    run_first(sched)
+    grid = [s for s in prefix._by_key.values() if s.num_tokens in (4, 8)]
+    assert sorted(s.index for s in grid) == [0, 1] and all(s.cold for s in grid)
+    taken = []
+    for tail in [(30,), (31,), (32,)]:
+        s = prefix.reserve(ROOT_HASH, tail, 1)
+        taken.append(s.index)
+        prefix.commit(s)
+    # entries 0 and 1 (the grid) go first, then the least recently used of the rest: the prompt's end
+    assert taken == [0, 1, 2]
+    assert sorted(s.num_tokens for s in prefix._by_key.values()) == [1, 1, 1, 11]

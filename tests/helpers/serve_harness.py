@@ -215,13 +215,9 @@ def node_info(address: str, node_id: str, c=None):
 def check_disaggregated_greedy(model: str, ps, want, a: int, b: int, requests: int, what: str = "", then=None) -> None:
     """`pdserve up` with one prefill node at TP a and one decode node at TP b, every prompt through
     the transfer: `greedy_through_transfer`; then `then(address)`, when given, on the same cluster."""
-    up = Up(
-        "--model",
-        model,
-        *flags(
-            dtype="float32", prefill=1, decode=1, prefill_tp=a, decode_tp=b, local_prefill_threshold=0, block_size=BLOCK
-        ),
-    )
+    pooled = flags(local_prefill_threshold=0, local_resume_threshold=0)  # every prompt through the transfer
+    up = Up("--model", model, *flags(dtype="float32", prefill=1, decode=1, prefill_tp=a, decode_tp=b), *pooled,
+            "--block-size", str(BLOCK))  # fmt: skip
     try:
         assert node_info(up.address, "decode-0").tp_size == b and node_info(up.address, "prefill-0").tp_size == a
         greedy_through_transfer(up.address, ps, want, requests, f"{what}tp {a} -> {b}: ")

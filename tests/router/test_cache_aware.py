@@ -196,9 +196,13 @@ def test_remembered_placement_counts_until_it_expires():
     assert nc.usable(turn2, compute=True, now=111.0) == 0  # expired
     other = NodeCache()
     other.update(pb.PrefixDigest(version=1, block_size=BS, snapshot_interval=8))
-    other.remember(turn1, compute=False, ttl_s=10.0, now=100.0)  # a transfer: pages only
-    assert other.usable(turn2, compute=True, now=101.0) == 0
+    other.remember(turn1, compute=False, ttl_s=10.0, now=100.0)  # a transfer: pages + the landed state
+    assert other.usable(turn2, compute=True, now=101.0) == len(BASE)
     assert other.usable(turn2, compute=False, now=101.0) == 28
+    mtp = NodeCache()  # with MTP a decode node keeps no landed state (PrefixPlanner.keep_landed)
+    mtp.update(pb.PrefixDigest(version=1, block_size=BS, snapshot_interval=8, mtp=True))
+    mtp.remember(turn1, compute=False, ttl_s=10.0, now=100.0)
+    assert mtp.usable(turn2, compute=True, now=101.0) == 0
 
 
 def _node(node_id, kind=pb.NODE_KIND_DECODE, free_blocks=100, free_slots=8, queued=0):

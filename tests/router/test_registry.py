@@ -117,6 +117,13 @@ def test_decode_node_prefills_when_every_prefill_node_is_loaded():
         p1.schema_digest, p1.prefill_ready = "x", True
         r.registry.register(p1)
         assert r.prefill.use_pool(d, 64)  # one prefill node has room
+        # a conversation's next turn held on d (cached tokens there): pooled from its resume threshold on
+        d.info.local_resume_threshold = 64
+        assert not r.prefill.use_pool(d, 63, cached=400)
+        assert r.prefill.use_pool(d, 64, cached=400)
+        assert r.prefill.use_pool(d, 63)  # nothing cached on d: the pool
+        d.info.local_resume_threshold = 0
+        assert r.prefill.use_pool(d, 1, cached=400)
     finally:
         r.stop(0)
     with pytest.raises(ValueError, match="max_prefill_queue_tokens"):

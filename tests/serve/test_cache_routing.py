@@ -1,7 +1,9 @@
 """Cache-aware routing through `pdserve up` (two decode nodes, one prefill node): a conversation's
 next turn goes to the decode node that holds its earlier turns, both right after the turn before
 (the router remembers where it sent it) and once only the nodes' prefix digests say so, while an
-unrelated prompt goes to the least-loaded node; every output is transformers' greedy."""
+unrelated prompt goes to the least-loaded node. A turn with many new tokens is prefilled on the
+prefill node from its own snapshot; one with few, on the decode node from the state it finished the
+turn before with (--local-resume-threshold). Every output is transformers' greedy."""
 
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ def test_next_turn_goes_where_the_conversation_is(up, ckpt):
     from router.prefix import PrefixQuery
 
     new = 6
-    hold, turn1, user2, user3, unrelated = hc.prompts(lens=(20, 3 * BLOCK + 5, BLOCK + 3, 9, 2 * BLOCK + 7), seed=31)
+    # user2 is past the decode nodes' default resume threshold (256 new tokens): turn 2 is pooled
+    hold, turn1, user2, user3, unrelated = hc.prompts(lens=(20, 3 * BLOCK + 5, 300, 9, 2 * BLOCK + 7), seed=31)
     greedy = dict(temperature=0.0, ignore_eos=True)
     with Client(up.address, timeout=180) as c:
         c.wait_ready(timeout=90)
@@ -60,7 +63,9 @@ def test_next_turn_goes_where_the_conversation_is(up, ckpt):
         time.sleep(MEMORY_S + 1.0)  # ... which alone routes turn 3 once the router's memory of turn 2 is gone
         turn3 = turn2 + r2.token_ids + user3
         r3 = c.generate(prompt_token_ids=turn3, max_tokens=new, **greedy)
-        assert (r3.decode_node, r3.cached_tokens) == ("decode-1", len(turn2))
+        # 9 new tokens after turn 2's reply: computed on decode-1 from turn 2's final state (its
+        # last sampled token has no KV yet)
+        assert (r3.decode_node, r3.prefill_node, r3.cached_tokens) == ("decode-1", "", len(turn2) + 40 - 1)
     assert h.token_ids == hc.hf_greedy(ckpt, hold, 40)
     assert r1.token_ids == hc.hf_greedy(ckpt, turn1, new)
     assert r2.token_ids == hc.hf_greedy(ckpt, turn2, 40)

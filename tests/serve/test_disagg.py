@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from tests.helpers import hybrid_ckpt as hc
 from tests.helpers.serve_harness import (
     NEW,
     Up,
@@ -147,10 +148,22 @@ def test_conditional_disaggregation_same_tokens(ckpt, refs):
             with ThreadPoolExecutor(len(ps)) as ex:
                 greedy = dict(max_tokens=NEW, temperature=0.0, ignore_eos=True)
                 outs = list(ex.map(lambda p: c.generate(prompt_token_ids=p, **greedy), ps))
+            # a conversation's next turn: its first went through the pool, the decode node keeps
+            # the state that landed (at the prompt's end) and the one it finished with (at the
+            # reply's end), so a follow-up of a few new tokens is computed there from one of them
+            turn1 = next(p for p in ps if len(p) >= 64)
+            r1 = c.generate(prompt_token_ids=turn1, **greedy)
+            kept = turn1 + r1.token_ids + [5, 6, 7]  # the history keeps the reply
+            fresh = turn1 + [9, 10, 11, 12]  # it departs after the prompt (a rewritten reply)
+            r2 = [c.generate(prompt_token_ids=t, **greedy) for t in (kept, fresh)]
         for p, w, r in zip(ps, want, outs, strict=True):
             assert r.token_ids == w, f"prompt of {len(p)} tokens"
             assert r.prefill_node == ("" if len(p) < 64 else "prefill-0"), len(p)
             assert (r.transfer_bytes > 0) == (len(p) >= 64)
+        assert r1.prefill_node == "prefill-0"
+        assert [(r.prefill_node, r.cached_tokens) for r in r2] == [("", len(turn1) + NEW - 1), ("", len(turn1))]
+        for t, r in zip((kept, fresh), r2):
+            assert r.token_ids == hc.hf_greedy(ckpt, t, NEW)
     finally:
         rc = up.stop()
     assert rc == 0, up.output()

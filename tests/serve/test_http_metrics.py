@@ -33,7 +33,9 @@ NO_THINK = dict(GREEDY, extra_body={"ignore_eos": True, "chat_template_kwargs": 
 
 @pytest.fixture(scope="module")
 def up(ckpt):
-    u = Up("--model", ckpt, *flags(dtype="float32", decode=1, prefill=1, http_port=0, metrics_port=0, block_size=BLOCK))
+    # every turn through the prefill node (its prefix metrics, the transfer's reuse of pages)
+    opts = flags(dtype="float32", decode=1, prefill=1, http_port=0, metrics_port=0, block_size=BLOCK)
+    u = Up("--model", ckpt, *opts, "--local-resume-threshold", "0")
     yield u
     rc = u.stop()
     assert rc == 0, u.output()

@@ -362,5 +362,6 @@ def test_cancel_during_prefill_releases_both_nodes(cluster, client):
             assert ei.value.code() == grpc.StatusCode.CANCELLED
     wait_for(lambda: _all_free(decode_stats(d.address).capacity), 20, "the decode node's memory back")
     wait_for(lambda: _all_free(prefill_stats(p.address).capacity), 20, "the prefill node's memory back")
-    r = client.generate(prompt_token_ids=[1, 2, 3], max_tokens=4, temperature=0.0, ignore_eos=True)
+    # a prompt no earlier test sent (the decode node would compute the next turn of one it holds)
+    r = client.generate(prompt_token_ids=[901, 902, 903], max_tokens=4, temperature=0.0, ignore_eos=True)
     assert len(r.token_ids) == 4 and r.prefill_node == "prefill-0"
