@@ -43,7 +43,7 @@ def default_draft_cost(device: str) -> float:
 
 def default_local_prefill_step_tokens(device: str) -> int:
     """The prompt tokens a decode node's short prompts (its follow-up turns) take of one step
-    altogether, unless given: on the CPU a step's time grows with its tokens, and 256 of them keep
+    altogether, unless given: on the CPU a step's time grows with its tokens, and 128 of them keep
     a burst of follow-ups from stretching a step that every stream there waits for (docs/benchmarks.md,
     multi-turn); on a GPU a few thousand prompt tokens add little to a decode step."""
-    return 256 if device == "cpu" else 2048
+    return 128 if device == "cpu" else 2048
