@@ -136,11 +136,12 @@ def test_prefill_node_killed_mid_stream(ckpt):
 
 def test_conditional_disaggregation_same_tokens(ckpt, refs):
     """Prompts shorter than the decode node's --local-prefill-threshold prefill there; the rest go
-    through the prefill pool; transformers' tokens either way."""
+    through the prefill pool (TP 1 to a decode node at TP 2, whose ranks each keep their shard of
+    the landed state for the next turn); transformers' tokens either way."""
     from client import Client
 
     ps, want = refs
-    up = Up("--model", ckpt, "--dtype", "float32", "--local-prefill-threshold", "64")
+    up = Up("--model", ckpt, "--dtype", "float32", "--local-prefill-threshold", "64", "--decode-tp", "2")
     try:
         assert node_info(up.address, "decode-0").local_prefill_threshold == 64
         with Client(up.address, timeout=120) as c:
