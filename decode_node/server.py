@@ -73,6 +73,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         self.incarnation = new_incarnation()
         self.ecfg = cfg.engine_config()
         self.engine = EngineCore(self.ecfg)
+        self.engine.scheduler.short_active = False  # until the router reports a prefill pool (heard)
         self.digest = _digest(self.ecfg)
         self.backend = cfg.transfer_backend
         self.connector: DecodeConnector | None = None  # None: colocated requests only
@@ -95,6 +96,10 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         self._streams: set[str] = set()  # request ids a Generate call streams now
         self.sinks = TokenSinks()  # the callers' token streams (TokenStream, serving/mux.py)
         self.handing_off = False  # the drain hands the streams left to the router (drain_handoff_s)
+
+    def heard(self, hb: pb.HeartbeatResponse) -> None:
+        # the short-prompt cap holds while a prefill pool takes the rest (engine/scheduler/batching.py)
+        self.engine.scheduler.short_active = hb.prefill_pool
 
     def _gauges(self) -> Gauges:
         s = self.loop.snapshot

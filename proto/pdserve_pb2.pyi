@@ -345,10 +345,12 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., draining: _Optional[bool] = ..., prefix: _Optional[_Union[PrefixDigest, _Mapping]] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("known",)
+    __slots__ = ("known", "prefill_pool")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_POOL_FIELD_NUMBER: _ClassVar[int]
     known: bool
-    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+    prefill_pool: bool
+    def __init__(self, known: _Optional[bool] = ..., prefill_pool: _Optional[bool] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()

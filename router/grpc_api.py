@@ -81,7 +81,9 @@ class RegistryApi(rpc.RegistryServicer):
             request.prefix if request.HasField("prefix") else None,
             request.prefill_tokens_per_s,
         )
-        return pb.HeartbeatResponse(known=known)
+        e = self.registry.nodes.get(request.node_id) if known else None
+        pool = e is not None and e.info.kind == pb.NODE_KIND_DECODE and bool(self.service.prefill.ready(e, set()))
+        return pb.HeartbeatResponse(known=known, prefill_pool=pool)
 
     async def ListNodes(self, request, context):
         return pb.ListNodesResponse(

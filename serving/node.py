@@ -73,6 +73,9 @@ class NodeServer:
         return f"{self.KIND} node {self.cfg.node_id}"
 
     # ---- what the node reports (registration, heartbeats, Stats) ------------------------------
+    def heard(self, hb: pb.HeartbeatResponse) -> None:
+        """A heartbeat's answer from the router (the decode node reads it)."""
+
     def info(self) -> pb.NodeInfo:
         s = self.loop.snapshot
         info = pb.NodeInfo(
@@ -162,7 +165,7 @@ class NodeServer:
         self.address = f"{self.cfg.advertise_host}:{port}"
         if self.cfg.router:
             hb = self.cfg.heartbeat_interval_s
-            self._hbs = [Heartbeater(a, self.info, hb, creds).start() for a in addresses(self.cfg.router)]
+            self._hbs = [Heartbeater(a, self.info, hb, creds, self.heard).start() for a in addresses(self.cfg.router)]
         log.info("%s serving on %s (%s)", self.name, self.address, self.summary())
         if self.cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.cfg.advertise_host, self.cfg.metrics_port)

@@ -190,10 +190,16 @@ class Heartbeater:
     """Register `info()` with the router at `router_addr`, then send a heartbeat every interval."""
 
     def __init__(
-        self, router_addr: str, info: Callable[[], pb.NodeInfo], interval_s: float = 0.5, creds: Credentials = OPEN
+        self,
+        router_addr: str,
+        info: Callable[[], pb.NodeInfo],
+        interval_s: float = 0.5,
+        creds: Credentials = OPEN,
+        heard: Callable[[pb.HeartbeatResponse], None] | None = None,
     ) -> None:
         self.router_addr = router_addr
         self.info = info
+        self.heard = heard  # each heartbeat's answer
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -232,6 +238,8 @@ class Heartbeater:
         if not hb.known:
             self._registered = False
             self._beat()
+        elif self.heard is not None:
+            self.heard(hb)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -74,6 +74,9 @@ class Scheduler:
         self.num_accepted_tokens = 0
         self.drafts_per_position = [0] * num_spec_tokens  # drafts verified at position i of a row
         self.accepted_per_position = [0] * num_spec_tokens  # ... and accepted there
+        # the short-prompt cap (SchedulerConfig.short_step_tokens) holds: a decode node sets it
+        # while the router reports a prefill pool ready for it (without one, every prompt is its own)
+        self.short_active = True
 
     def add(self, req: Request) -> None:
         req.spec = spec_depth.started(req.spec, req.params, self.num_spec_tokens)
@@ -87,7 +90,8 @@ class Scheduler:
         """Running rows, then waiting requests, class by class (engine/scheduler/priority.py):
         interactive ones first; batch prompt chunks get `priority.batch_allowance` tokens, none in
         a step that computes an interactive prompt chunk."""
-        plan = _Plan(self.cfg.max_num_batched_tokens, self.cfg.short_step_tokens if self.cfg.short_prompt_tokens else 0)
+        short = self.cfg.short_step_tokens if self.cfg.short_prompt_tokens and self.short_active else 0
+        plan = _Plan(self.cfg.max_num_batched_tokens, short)
         allowance = self.classes.batch_allowance(self.running, self.waiting, self.cfg)
         i = 0
         for cls in (INTERACTIVE, BATCH):
@@ -113,7 +117,7 @@ class Scheduler:
                 if n <= 0:
                     i += 1
                     continue
-            if req.short and left > 1:
+            if req.short and left > 1 and plan.short_cap:
                 n = self._short_share(plan, n)
                 if n <= 0:
                     i += 1

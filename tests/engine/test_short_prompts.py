@@ -49,3 +49,15 @@ def test_no_cap_without_short_prompt_tokens():
     for rid in "abc":
         s.add(req(rid, 10))
     assert step(s) == [("a", 10), ("b", 10), ("c", 10)]
+
+
+def test_no_cap_while_inactive_and_a_capped_prompt_goes_on_after():
+    """A decode node without a prefill pool (`short_active` False, from the router's heartbeat)
+    computes short prompts as any; one admitted under the cap finishes its prompt once it is off."""
+    s = make(short=40, cap=24)
+    s.add(req("a", 30))
+    assert step(s) == [("a", 24)]
+    s.short_active = False
+    for rid in "bc":
+        s.add(req(rid, 10))
+    assert step(s) == [("a", 6), ("b", 10), ("c", 10)]

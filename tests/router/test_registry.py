@@ -216,3 +216,25 @@ def test_pools_file(tmp_path, ckpt):
     cfg.write_text("bogus: 1\n")
     with pytest.raises(ValueError, match="unknown key"):
         _up_spec(build_parser().parse_args(["up", "--config", str(cfg)]))
+
+
+def test_heartbeat_tells_a_decode_node_whether_a_prefill_pool_is_ready(router):
+    """HeartbeatResponse.prefill_pool: true for a decode node once a prefill node with its schema
+    is ready (its short prompts are then its thresholds' follow-ups, capped per step), false
+    before and for the prefill node itself."""
+    r, stub = router
+
+    def beat(info):
+        return stub.Heartbeat(
+            pb.HeartbeatRequest(node_id=info.node_id, incarnation=1, capacity=info.capacity), timeout=5
+        )
+
+    d = _info("d0", "127.0.0.1:1")
+    d.schema_digest = "x"
+    stub.Register(pb.RegisterRequest(node=d), timeout=5)
+    assert beat(d).prefill_pool is False  # colocated: every prompt is the decode node's
+    p = _info("p0", "127.0.0.1:2", kind=pb.NODE_KIND_PREFILL)
+    p.schema_digest, p.prefill_ready = "x", True
+    stub.Register(pb.RegisterRequest(node=p), timeout=5)
+    assert beat(d).prefill_pool is True
+    assert beat(p).prefill_pool is False
