@@ -33,7 +33,8 @@ class DecodeNodeConfig(NodeArgs):
         None,
         "prompts this node takes by --local-prefill-threshold or --local-resume-threshold are computed at most this "
         "many tokens a step altogether, each whole, so a burst of follow-up turns neither stalls the streams decoding "
-        "here nor makes every one of them wait for the longest step (default 128 on cpu, 2048 on cuda; 0: no cap)",
+        "here nor makes every one of them wait for the longest step (default 128 on cpu, 2048 on cuda; 0: no cap); "
+        "only while a prefill node is ready for this node (without one, every prompt is its own)",
     )
     reservation_lease_s: float = option(30.0, "seconds a reservation lives unrenewed when Reserve names no lease",
                                         flag="--default-reservation-lease")  # fmt: skip
