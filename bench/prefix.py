@@ -107,17 +107,18 @@ def script(args, vocab: int = 1000):
     return system, [[(rand(args.user), rand(args.reply)) for _ in range(args.turns)] for _ in range(args.conversations)]
 
 
-def stream_one(base: str, name: str, prompt: list[int], new: int, vllm: bool) -> dict:
-    """One streamed completion: client TTFT, prompt / cached / completion tokens from usage."""
+def stream_one(base: str, name: str, prompt: list[int], new: int, vllm: bool, sampling: dict | None = None) -> dict:
+    """One streamed completion: client TTFT, prompt / cached / completion tokens from usage.
+    sampling: temperature, top_p, seed (default greedy)."""
     body = dict(
         model=name,
         prompt=prompt,
         max_tokens=new,
-        temperature=0.0,
         ignore_eos=True,
         stream=True,
         stream_options={"include_usage": True},
     )
+    body.update(sampling or {"temperature": 0.0})
     if vllm:
         body["min_tokens"] = new
     req = urllib.request.Request(
@@ -165,17 +166,21 @@ def run_served(system: str, model: Path, args, system_prompt, convs) -> dict | N
         for n in (4, args.system + args.user):
             stream_one(base, name, [(7 * i + 3) % 997 for i in range(n)], 2, system == "vllm")
 
-        def conversation(turns) -> list[dict]:
+        def conversation(c: int) -> list[dict]:
             history, out = list(system_prompt), []
-            for user, reply in turns:
+            for t, (user, reply) in enumerate(convs[c]):
                 prompt = history + user
-                out.append(stream_one(base, name, prompt, args.reply, system == "vllm"))
+                sampling = None  # greedy, or the given temperature and top-p (with a seed per turn on pdserve:
+                if args.temperature:  # vLLM's CPU build fails seeded requests, "CPU Generator does not use offset")
+                    sampling = dict(temperature=args.temperature, top_p=args.top_p)
+                    sampling |= {} if system == "vllm" else {"seed": 1000 * c + t}
+                out.append(stream_one(base, name, prompt, args.reply, system == "vllm", sampling))
                 history = prompt + reply
             return out
 
         t0 = time.perf_counter()
         with ThreadPoolExecutor(len(convs)) as ex:
-            res = [r for rs in ex.map(conversation, convs) for r in rs]
+            res = [r for rs in ex.map(conversation, range(len(convs))) for r in rs]
         wall = time.perf_counter() - t0
     finally:
         stop_server(proc)
@@ -196,11 +201,12 @@ def served(args) -> None:
     from bench.vs_vllm_cpu import make_models
 
     home = Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
-    model = make_models(["tiny"], home)["tiny"]
+    model = make_models([args.served_model], home)[args.served_model]
     system_prompt, convs = script(args)
     print(
         f"{args.conversations} conversations x {args.turns} turns, system prompt {args.system}, user {args.user}, "
-        f"reply {args.reply} tokens; bfloat16 tiny; pdserve: {args.decode} decode + {args.prefill} prefill nodes, "
+        f"reply {args.reply} tokens; bfloat16 {args.served_model}, temperature {args.temperature} top-p {args.top_p}; "
+        f"pdserve: {args.decode} decode + {args.prefill} prefill nodes, "
         f"snapshot interval {args.interval}",
         flush=True,
     )
@@ -244,6 +250,9 @@ def main() -> None:
     ap.add_argument("--served", action="store_true", help="pdserve up and vLLM over HTTP (module docstring)")
     ap.add_argument("--systems", nargs="+", default=list(SERVED), choices=list(SERVED))
     ap.add_argument("--vllm-python", default=str(Path.home() / ".cache/peers/vllm-cpu/bin/python"))
+    ap.add_argument("--temperature", type=float, default=0.0, help="--served: sampled (with --top-p, seeded)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--served-model", default="tiny", help="--served: bench/vs_vllm_cpu.py MODELS (tiny-qvocab)")
     ap.add_argument("--pdserve-args", default="", help="more `pdserve up` flags, one string (--served)")
     ap.add_argument("--decode", type=int, default=2)
     ap.add_argument("--prefill", type=int, default=1)
