@@ -1,7 +1,7 @@
 """The short CUDA benchmark of tools/gpu_check.sh (not a test).
 
-GDN prefill and paged attention at Qwen3.5-35B-A3B's sizes (against fla where installed), the
-batched sampler at batch 64 over Qwen's 151,936-token vocabulary, the engine's decode step at
+GDN prefill and paged attention at Qwen3.5-35B-A3B's sizes (against fla where installed), its
+routed-experts block (achieved bandwidth against the GPU's), the batched sampler at batch 64 over Qwen's 151,936-token vocabulary, the engine's decode step at
 batch 1 and 64 (wall time and the GPU's kernel time per step), and a NIXL VRAM transfer. Without
 a CUDA device it says so and exits 0.
 
@@ -32,6 +32,20 @@ def _ms(fn) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=100)
+
+
+def _graphed_ms(fn) -> float:
+    """fn's time replayed from a CUDA graph: the GPU's time without the host's launches, which
+    bound a small call run eagerly."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compiled and warmed outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return _ms(g.replay)
 
 
 def gdn_prefill(results: dict) -> None:
@@ -119,6 +133,51 @@ def paged_attention(results: dict) -> None:
         t = _ms(lambda: paged_attention_triton(q, pool, cu, seq_lens, tables, HD**-0.5))
         print(f"paged attention {name}: {t * 1e3:.1f} us", flush=True)
         results.setdefault("paged_attention", []).append({"case": name, "us": t * 1e3})
+
+
+HBM_GBS = {"H100": 3350.0, "H200": 4800.0}  # the data sheets' memory bandwidth, GB/s
+
+
+def moe_block(results: dict) -> None:
+    """The routed experts of one Qwen3.5-35B-A3B layer (256 experts of 2048 -> 2 x 512 -> 2048, 8
+    a token) through the engine's fused MoE, bfloat16 and block-FP8: time, the bytes of the
+    experts the batch touches (each read once) and the bandwidth that makes, against the GPU's;
+    eager (host launches included: they bound a few tokens) and replayed from a CUDA graph, as
+    the engine's decode step runs."""
+    from kernels.fp8 import quant_fp8_block
+    from kernels.moe import select_experts
+    from kernels.triton.moe import fused_moe_triton
+
+    E, H, I, K = 256, 2048, 512, 8
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    q13, s13 = quant_fp8_block(w13, (128, 128))
+    q2, s2 = quant_fp8_block(w2, (128, 128))
+    name = torch.cuda.get_device_name()
+    peak = next((v for k, v in HBM_GBS.items() if k in name), float("nan"))
+    for T in (1, 16, 64, 256):
+        x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+        wts, ids = select_experts(torch.randn(T, E, device="cuda", generator=gen), K, True)
+        used = int(torch.unique(ids).numel())
+        for kind, args, wbytes in (
+            ("bf16", (w13, w2, wts, ids), 2),
+            ("fp8", (q13, q2, wts, ids, s13, s2, (128, 128)), 1),
+        ):
+            nbytes = used * 3 * I * H * wbytes
+            row = {"kind": kind, "tokens": T, "experts": used, "bytes": nbytes}
+            line = f"MoE block {kind}, {T} tokens ({used} experts touched, {nbytes / 1e6:.0f} MB of them):"
+            for how, timer in (("eager", _ms), ("graphed", _graphed_ms)):
+                try:
+                    t = timer(lambda args=args: fused_moe_triton(x, *args))
+                except Exception as e:  # a capture the kernels' host code does not allow: say so, go on
+                    line += f" {how} failed ({type(e).__name__}: {e})"
+                    continue
+                gbs = nbytes / (t * 1e-3) / 1e9
+                row.update({f"{how}_us": t * 1e3, f"{how}_gbs": gbs, f"{how}_of_peak": gbs / peak})
+                line += f" {how} {t * 1e3:.1f} us, {gbs:.0f} GB/s ({gbs / peak:.0%} of {peak:.0f});"
+            print(line, flush=True)
+            results.setdefault("moe", []).append(row)
 
 
 def sampler(results: dict) -> None:
@@ -298,6 +357,7 @@ def transfer(results: dict, reps: int, device: str = "cuda") -> None:
 SECTIONS = {
     "gdn": lambda r, reps: gdn_prefill(r),
     "attention": lambda r, reps: paged_attention(r),
+    "moe": lambda r, reps: moe_block(r),
     "sampler": lambda r, reps: sampler(r),
     "decode": decode_steps,
     "transfer": transfer,

@@ -1,15 +1,31 @@
 """Defaults that depend on the device. The cache budget:  `--kv-cache-memory` on the CPU (default
 256MiB; `--gpu-memory-utilization` is ignored there with a warning), a planned share of the
-device on CUDA (engine/cache/memory_plan.py), where a given `--kv-cache-memory` wins."""
+device on CUDA (engine/cache/memory_plan.py), where a given `--kv-cache-memory` wins.
+`PDSERVE_GPU_MEMORY_UTILIZATION` sets that share where no flag gives one: engines sharing a GPU
+(a test run's parallel workers, several nodes on one device) each take a part of it."""
 
 from __future__ import annotations
 
 import logging
+import os
 
 log = logging.getLogger("pdserve.config")
 
 CPU_KV_CACHE_MEMORY = "256MiB"
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+GPU_MEMORY_UTILIZATION_ENV = "PDSERVE_GPU_MEMORY_UTILIZATION"
+
+
+def default_gpu_memory_utilization() -> float:
+    """The share of a CUDA device the cache is planned from when no flag gives one: the
+    environment's PDSERVE_GPU_MEMORY_UTILIZATION, else 0.9."""
+    raw = os.environ.get(GPU_MEMORY_UTILIZATION_ENV)
+    if not raw:
+        return DEFAULT_GPU_MEMORY_UTILIZATION
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{GPU_MEMORY_UTILIZATION_ENV}={raw!r} is not a number: give a share in (0, 1]") from None
 
 
 def budget_source(
@@ -18,6 +34,8 @@ def budget_source(
     """(kv_cache_memory, gpu_memory_utilization) for CacheConfig: the fraction is None where the
     budget is the byte count alone; the byte count None where the fraction alone plans it."""
     g = gpu_memory_utilization
+    if g is None and str(device).startswith("cuda"):
+        g = default_gpu_memory_utilization()
     if g is not None and not 0.0 < g <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1] (got {g})")
     if not str(device).startswith("cuda"):
@@ -29,7 +47,7 @@ def budget_source(
                 kv_cache_memory or CPU_KV_CACHE_MEMORY,
             )
         return kv_cache_memory or CPU_KV_CACHE_MEMORY, None
-    return kv_cache_memory, DEFAULT_GPU_MEMORY_UTILIZATION if g is None else g
+    return kv_cache_memory, g
 
 
 def default_draft_cost(device: str) -> float:

@@ -6,6 +6,7 @@ fixed figures); `profile_steps` are the steps (docs/engine.md, "Memory")."""
 from __future__ import annotations
 
 import gc
+import os
 from typing import Protocol
 
 import torch
@@ -31,10 +32,44 @@ class MemoryProbe(Protocol):
         """After the profile steps, their pools freed."""
 
 
+def outside_bytes(
+    total: int, free_start: int, free_now: int, own_start: int | None, own_now: int | None, reserved: int
+) -> int:
+    """Memory taken since start-up and not by PyTorch's allocator (NCCL's buffers, loaded CUDA
+    modules): this process's growth as the driver counts it where NVML gave both readings, else
+    the device's (which also counts what other processes took meanwhile: engines starting side
+    by side on one GPU would each see the others' memory as their own)."""
+    if own_start is not None and own_now is not None:
+        grown = own_now - own_start
+    else:
+        grown = (total - free_now) - (total - free_start)
+    return max(grown - reserved, 0)
+
+
+def own_device_bytes(device: torch.device) -> int | None:
+    """This process's memory on `device` as the driver counts it (NVML, where nvidia-ml-py is
+    installed and lists the process), else None."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
+                return int(proc.usedGpuMemory)
+    except Exception:  # no driver library, another PID namespace, a field the driver withholds
+        return None
+    return None
+
+
 class CudaProbe:
     def __init__(self, device: torch.device):
         self.device = device
         self._free = self._total = self._base = self._weights = self._stepping = 0
+        self._own: int | None = None
 
     def start(self) -> None:
         gc.collect()  # an engine this process closed before: its blocks go back to the device, not
@@ -42,6 +77,7 @@ class CudaProbe:
         torch.cuda.synchronize(self.device)
         self._free, self._total = torch.cuda.mem_get_info(self.device)
         self._base = torch.cuda.memory_allocated(self.device)
+        self._own = own_device_bytes(self.device)
 
     def loaded(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -56,9 +92,10 @@ class CudaProbe:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - self._stepping
         free, _ = torch.cuda.mem_get_info(self.device)
-        # taken since start-up and not by PyTorch's allocator (NCCL's buffers, loaded CUDA modules)
-        outside = (self._total - free) - (self._total - self._free) - torch.cuda.memory_reserved(self.device)
-        return DeviceFacts(self._total, self._free, self._weights, max(peak, 0), max(outside, 0))
+        own = own_device_bytes(self.device) if self._own is not None else None
+        reserved = torch.cuda.memory_reserved(self.device)
+        outside = outside_bytes(self._total, self._free, free, self._own, own, reserved)
+        return DeviceFacts(self._total, self._free, self._weights, max(peak, 0), outside)
 
 
 _PARAMS = SamplingParams(temperature=0.7, top_p=0.8, top_k=20)  # top-k and top-p: the sampler's widest path

@@ -11,6 +11,9 @@ import sys
 # references side by side on 2 cores, where a spinning thread holds a core another process
 # needs: two engine test files took 124 s with the default policy and 10 s passive.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# On a GPU, engines of parallel test workers (pytest-xdist, tools/gpu_check.sh) share the device:
+# each plans its cache from a twentieth of it unless a test names a share (engine/device_defaults.py).
+os.environ.setdefault("PDSERVE_GPU_MEMORY_UTILIZATION", "0.05")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

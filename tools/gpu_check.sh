@@ -30,8 +30,9 @@ usage() {
 
 # ---------------------------------------------------------------------------------------- prepare
 
-# Resolved with their dependencies (all pure Python or small, none pulls torch).
-WITH_DEPS=(msgspec llguidance pytest pytest-timeout)
+# Resolved with their dependencies (all pure Python or small, none pulls torch); llguidance at the
+# versions pyproject.toml asks for (older ones take the EOS tokens differently).
+WITH_DEPS=(msgspec "llguidance>=1.9,<2" pytest pytest-timeout)
 
 prepare() {
     [[ $# -ge 1 ]] || usage
@@ -51,7 +52,9 @@ prepare() {
     [[ "$cuda" == 12 || "$cuda" == 13 ]] || die "prepare: --cuda must be 12 or 13 (got '$cuda')"
     [[ "$pyver" =~ ^3\.[0-9]+$ ]] || die "prepare: --python-version must look like 3.12 (got '$pyver')"
     if [[ ${#platforms[@]} -eq 0 ]]; then
-        platforms=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64)
+        # llguidance 1.9 is built for glibc 2.31 and later (CUDA images on Ubuntu 22.04 or 24.04 have 2.35 or 2.39)
+        platforms=(manylinux_2_35_x86_64 manylinux_2_34_x86_64 manylinux_2_31_x86_64 manylinux_2_28_x86_64
+            manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64)
     fi
     mkdir -p "$dir" || die "prepare: cannot create $dir"
     local target=(--only-binary=:all: --python-version "$pyver" --dest "$dir")
@@ -78,7 +81,7 @@ prepare() {
     local pin
     : >"$req"
     for name in "${WITH_DEPS[@]}" "nixl-cu$cuda"; do
-        pin="$(wheel_pin "$dir" "$name")" || exit 2
+        pin="$(wheel_pin "$dir" "${name%%[<>=]*}")" || exit 2
         echo "$pin" >>"$req"
     done
     : >"$nd"
