@@ -38,6 +38,9 @@ class HostPack:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def names(self) -> list[str]:
+        return list(self._where)
+
     def ints(self, name: str, values: Iterable[int]) -> None:
         a = len(self._ints)
         self._ints.extend(values)

@@ -73,6 +73,16 @@ class TokenCounts:
             pack.ints("counts.entries", [x for _, ent in built for t in ent for x in t])
         return out
 
+    def current(self, request_ids: list[str], histories) -> bool:
+        """Whether `rows` would build nothing for these requests and needs no wider table: each
+        has its table, counting its outputs so far, with room for one more entry."""
+        w = self.tok.shape[1]
+        for rid, (_, output) in zip(request_ids, histories):
+            e = self.entries.get(rid)
+            if e is None or e.covered != len(output) or e.last != (output[-1] if output else None) or e.bound >= w:
+                return False
+        return True
+
     def _build(self, rid: str, prompt: list[int], output: list[int]) -> tuple[_Entry, list[tuple[int, int, int]]]:
         """The request's entry (a table row taken where it has none) and its table on the host:
         (token, count in the output, 1 if in the prompt) for each distinct token, ascending."""

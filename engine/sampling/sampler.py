@@ -4,7 +4,9 @@ drafts verified by the same draws. The host plans a call into one HostPack (engi
 pack.py): at most two host-to-device copies a call, whatever the batch, and one host read (the
 ids, with the logprobs rows' entries and the head rows' checks in the same read). Only a top-p /
 min-p row whose 1024 most likely tokens do not hold its kept set costs a second read, after its
-sorted draw (docs/engine.md)."""
+sorted draw. A call over the same rows as the last, each a token (or the same number of tokens)
+further on, reuses the last plan and its uploads, advancing the draws' counters on the device
+(docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -55,6 +57,38 @@ class _Adjust:
     ban: bool = False
 
 
+@dataclass
+class _CallPlan:
+    """A call's plan (the positions, the adjustments, the draws) and its uploaded sections, kept
+    for a next call over the same rows (`Sampler._reuse`)."""
+
+    key: tuple
+    nums: list[int]  # each row's num_output the counters were made for
+    n: int
+    pos: list[int]
+    everything: bool
+    lp_rows: list[int]
+    adj: _Adjust | None
+    sampled: list[int]
+    greedy: list[int]
+    dp: drawing.DrawPlan | None
+    s: Sections
+    counters: list[str]  # int sections of the draws' counters (num_output + draft index)
+
+
+def _call_key(rows, first: list[int], num_logits: int) -> tuple:
+    """What a plan depends on besides the rows' token counts: the rows, their positions and
+    params, whether each is still under its min_tokens."""
+    return (num_logits,) + tuple(
+        (r.request_id, r.num_draft, j, id(r.params), r.num_output < r.params.min_tokens) for r, j in zip(rows, first)
+    )
+
+
+def _positions(rows) -> list[tuple]:
+    """Per position: its row's params and the request's new-token index."""
+    return [(r.params, r.num_output + d) for r in rows for d in range(r.num_draft + 1)]
+
+
 class Sampler:
     def __init__(
         self, seed: int = 0, eos_token_ids: tuple[int, ...] = (), device: str | torch.device = "cpu", grammar=None
@@ -65,6 +99,7 @@ class Sampler:
         self.eos = tuple(eos_token_ids)
         self.counts: TokenCounts | None = None  # made at the first penalized row (it needs V)
         self._fused: bool | None = None
+        self._plan: _CallPlan | None = None  # the last call's, for the next call with the same rows
 
     @property
     def fused(self) -> bool:
@@ -82,6 +117,7 @@ class Sampler:
         return self._fused
 
     def drop(self, request_ids: list[str]) -> None:
+        self._plan = None
         if self.grammar is not None:
             self.grammar.drop(request_ids)
         if self.counts is not None:
@@ -161,30 +197,11 @@ class Sampler:
         params.logprobs (of the model's own distribution: log-softmax of the logits before any
         adjustment)."""
         dev, v = logits.device, logits.shape[-1]
-        idx, pos = [], []
-        for r, j in zip(rows, first):
-            pos.append(len(idx))
-            idx += range(j, j + r.num_draft + 1)
-        n = len(idx)
-        pack = HostPack()
-        everything = idx == list(range(logits.shape[0]))
-        if not everything:
-            pack.ints("idx", idx)
-        lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        if lp_rows:
-            pack.ints("lp.first", [first[i] for i in lp_rows])
-            pack.ints("lp.pos", [pos[i] for i in lp_rows])
-        adj = None
-        if any(r.params.penalized or r.params.biased or r.num_output < r.params.min_tokens for r in rows):
-            adj = self._plan_adjust(pack, rows, pos, v, dev)
-        # per position: its row's params and the request's new-token index
-        per = [(r.params, r.num_output + d) for r in rows for d in range(r.num_draft + 1)]
-        sampled = [q for q, (p, _) in enumerate(per) if not p.greedy]
-        greedy = [q for q, (p, _) in enumerate(per) if p.greedy]
-        if sampled and greedy:
-            pack.ints("greedy", greedy)
-        dp = drawing.plan(pack, sampled, [per[q] for q in sampled], v, fused=self.fused) if sampled else None
-        s = pack.upload(dev)
+        cp = self._reuse(rows, first, logits.shape[0])
+        if cp is None:
+            cp = self._plan = self._plan_call(rows, first, logits.shape[0], v, dev)
+        n, pos, s, adj, dp, greedy, lp_rows = cp.n, cp.pos, cp.s, cp.adj, cp.dp, cp.greedy, cp.lp_rows
+        everything = cp.everything
 
         x = logits if everything else logits[s["idx"]]
         lsm = torch.log_softmax(logits[s["lp.first"]], -1) if lp_rows else None  # before the adjustments
@@ -198,12 +215,15 @@ class Sampler:
             if greedy:
                 at = s["greedy"]
                 tokens[at] = x[at].max(-1).indices
-        held = drawing.draw(x, dp, s, tokens, self.gen, sampled == list(range(n))) if dp is not None else None
+        held = drawing.draw(x, dp, s, tokens, self.gen, cp.sampled == list(range(n))) if dp is not None else None
         nlp = max((rows[i].params.logprobs for i in lp_rows), default=0)
         got, lp = self._read(tokens, held, lsm, s if lp_rows else None, nlp)
         if held is not None and not all(got[n : n + len(held)]):
-            tokens = self._redraw(x, dp, sampled, per, got[n : n + len(held)], tokens, everything)
+            per = _positions(rows)
+            tokens = self._redraw(x, dp, cp.sampled, per, got[n : n + len(held)], tokens, everything)
             got, lp = self._read(tokens, None, lsm, s if lp_rows else None, nlp)
+        if adj is not None:
+            adj.built = False  # loaded: a call that reuses the plan has nothing more to load
         if adj is not None and adj.pen:
             assert self.counts is not None
             self.counts.record(s["pen.rows"], tokens, s["pen.at"])
@@ -224,6 +244,57 @@ class Sampler:
             t, val, top = _entry(got[pos[i]], r, nlp)
             out_lp[rows[i].request_id] = [(t, val, top[: rows[i].params.logprobs])]
         return emitted, out_lp
+
+    def _plan_call(self, rows, first: list[int], num_logits: int, v: int, dev: torch.device) -> _CallPlan:
+        """The host's plan of a call and its one upload (the module)."""
+        idx, pos = [], []
+        for r, j in zip(rows, first):
+            pos.append(len(idx))
+            idx += range(j, j + r.num_draft + 1)
+        pack = HostPack()
+        everything = idx == list(range(num_logits))
+        if not everything:
+            pack.ints("idx", idx)
+        lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if lp_rows:
+            pack.ints("lp.first", [first[i] for i in lp_rows])
+            pack.ints("lp.pos", [pos[i] for i in lp_rows])
+        adj = None
+        if any(r.params.penalized or r.params.biased or r.num_output < r.params.min_tokens for r in rows):
+            adj = self._plan_adjust(pack, rows, pos, v, dev)
+        per = _positions(rows)
+        sampled = [q for q, (p, _) in enumerate(per) if not p.greedy]
+        greedy = [q for q, (p, _) in enumerate(per) if p.greedy]
+        if sampled and greedy:
+            pack.ints("greedy", greedy)
+        dp = drawing.plan(pack, sampled, [per[q] for q in sampled], v, fused=self.fused) if sampled else None
+        counters = [name for name in pack.names() if name.startswith("draw.") and name.endswith(".ctr")]
+        key = _call_key(rows, first, num_logits)
+        nums = [r.num_output for r in rows]
+        return _CallPlan(
+            key, nums, len(idx), pos, everything, lp_rows, adj, sampled, greedy, dp, pack.upload(dev), counters
+        )
+
+    def _reuse(self, rows, first: list[int], num_logits: int) -> _CallPlan | None:
+        """The last call's plan where this call has the same rows at the same positions, each
+        moved on by the same number of tokens (a decode step after a decode step) and their
+        penalty tables current: its draws' counters advanced on the device, nothing uploaded."""
+        cp = self._plan
+        if cp is None or len(rows) != len(cp.nums) or not rows or _call_key(rows, first, num_logits) != cp.key:
+            return None
+        d = rows[0].num_output - cp.nums[0]
+        if any(r.num_output - c != d for r, c in zip(rows, cp.nums)):
+            return None
+        if cp.adj is not None and cp.adj.pen:
+            assert self.counts is not None
+            pen = [rows[i] for i in cp.adj.pen]
+            if not self.counts.current([r.request_id for r in pen], [r.history for r in pen]):
+                return None
+        if d:
+            for name in cp.counters:
+                cp.s[name].add_(d)
+            cp.nums = [r.num_output for r in rows]
+        return cp
 
     def _constrain(self, x: torch.Tensor, rows, pos: list[int], all_greedy: bool) -> torch.Tensor | None:
         """The grammar on x (engine/structured): the tokens when every position is greedy and one
