@@ -117,7 +117,8 @@ class Sampler:
         return self._fused
 
     def drop(self, request_ids: list[str]) -> None:
-        self._plan = None
+        if request_ids:
+            self._plan = None
         if self.grammar is not None:
             self.grammar.drop(request_ids)
         if self.counts is not None:

@@ -95,3 +95,28 @@ def test_a_reused_call_uploads_nothing():
     with _Transfers() as t:
         sampler(torch.randn(16, V) * 4, _rows(outputs, prompts, params), list(range(16)))
     assert len(t.copies) >= 1
+
+
+def test_engine_decode_steps_reuse_the_plan(llm_hv2):
+    """In the engine, decode steps over the same requests plan once: the first decode step after
+    the prompts, then none until the batch changes (the worker drops finished requests each step;
+    an empty drop keeps the plan)."""
+    e = llm_hv2.engine
+    with mock.patch.object(Sampler, "_plan_call", autospec=True, side_effect=Sampler._plan_call) as plan_call:
+        try:
+            for i in range(4):
+                p = (
+                    SamplingParams(max_tokens=12, ignore_eos=True, seed=i, **QWEN)
+                    if i % 2
+                    else SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+                )
+                e.add_request([3 + i, 17, 300, 42, 9], p)
+            e.step()  # the prompts (their first tokens)
+            e.step()  # the first decode step
+            before = plan_call.call_count
+            for _ in range(6):
+                e.step()
+            assert plan_call.call_count == before
+        finally:  # the engine is shared: leave it empty
+            while e.has_unfinished():
+                e.step()
