@@ -103,10 +103,7 @@ class Request:
 
     def hash_ids(self, start: int, end: int) -> list[int]:
         """`token_ids` as the prefix cache names them (`hash_prompt`)."""
-        p = len(self.prompt_token_ids)
-        if end <= p:
-            return self.hash_prompt[start:end]
-        return (self.hash_prompt + self.output_token_ids)[start:end]
+        return _span(self.hash_prompt, self.output_token_ids, start, end)
 
     def rope_rows(self, start: int, end: int) -> list[list[int]] | None:
         """The 3-D rotary positions of tokens [start, end) as (t, h, w) lists, None for a request
@@ -126,7 +123,15 @@ class Request:
         return rows
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        p = len(self.prompt_token_ids)
-        if end <= p:
-            return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        return _span(self.prompt_token_ids, self.output_token_ids, start, end)
+
+
+def _span(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
+    """(prompt + output)[start:end] (0 <= start <= end) without joining the lists: a decode row's
+    one token costs O(1), not O(context)."""
+    p = len(prompt)
+    if end <= p:
+        return prompt[start:end]
+    if start >= p:
+        return output[start - p : end - p]
+    return prompt[start:] + output[: end - p]

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.block_tables import BlockTables
 from engine.cache.allocator import CachePools, Capacity, plan_capacity
 from engine.cache.memory_plan import MemoryPlan, own_budget, plan_memory
 from engine.cache.spec import build_specs
@@ -109,6 +110,7 @@ class Worker:
         self.grammar = GrammarMask(cfg.model.path, cfg.model.eos_token_ids, cfg.model.vocab_size) if rank == 0 else None
         self.sampler = Sampler(cfg.seed, cfg.model.eos_token_ids, self.device, self.grammar)
         self.block_size = cfg.cache.block_size
+        self.block_tables = BlockTables(self.max_pages_per_row())  # decode rows' page tables between steps
         self.graphs: DecodeGraphs | None = None  # plain decode steps through CUDA graphs (engine/model/graphs.py)
         self.images: ImageEmbedder | None = None  # the vision encoder and its cache (vision-language checkpoints)
         if cfg.model.vision is not None:
@@ -204,8 +206,9 @@ class Worker:
                 [r.slot for r in rows],
                 [r.start_pos for r in rows],
                 [r.block_ids for r in rows],
+                self.block_tables.rows(rows) if dec else None,
             )
-            for rows, _ in groups
+            for rows, dec in groups
         ]
         pack.build(self.device)
         made, tok = {}, 0

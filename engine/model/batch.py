@@ -183,6 +183,7 @@ class IntPack:
         return len(self._spans) - 1
 
     def build(self, device) -> None:
+        self.device = torch.device(device)
         self._tensor = torch.tensor(self.vals, dtype=torch.int64, device=device)
 
     def __getitem__(self, i: int) -> torch.Tensor:
@@ -190,19 +191,25 @@ class IntPack:
         return self._tensor[start : start + n]
 
 
-def group_fields(pack: IntPack, lens, slots, start_pos, block_tables) -> dict:
-    """Adds a group's index lists to `pack`; `make_group` reads them back once it is built."""
+def group_fields(pack: IntPack, lens, slots, start_pos, block_tables, table: torch.Tensor | None = None) -> dict:
+    """Adds a group's index lists to `pack`; `make_group` reads them back once it is built.
+    table: the group's page tables already made (engine/block_tables.py), int64 [rows, width]
+    on the host; else they are flattened from block_tables' lists."""
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
-    width = max(len(b) for b in block_tables)
-    table = [x for b in block_tables for x in (b + [0] * (width - len(b)))]
+    if table is not None:
+        width, packed = table.shape[1], None
+    else:
+        width = max(len(b) for b in block_tables)
+        packed = pack.add([x for b in block_tables for x in (b + [0] * (width - len(b)))])
     return dict(
         cu=pack.add(cu),
         slots=pack.add(slots),
         start_pos=pack.add(start_pos),
         seq_lens=pack.add([p + n for p, n in zip(start_pos, lens)]),
-        table=pack.add(table),
+        table=packed,
+        table_tensor=table,
         width=width,
         num_tokens=cu[-1],
         max_row_tokens=max(lens),
@@ -219,7 +226,9 @@ def make_group(tok_start: int, pack: IntPack, f: dict, decode: bool = False) -> 
         slot_ids=pack[f["slots"]],
         has_initial_state=pack[f["start_pos"]] > 0,
         seq_lens=pack[f["seq_lens"]],
-        block_tables=pack[f["table"]].view(-1, f["width"]),
+        block_tables=pack[f["table"]].view(-1, f["width"])
+        if f["table"] is not None
+        else f["table_tensor"].to(pack.device, non_blocking=True),
         decode=decode,
         max_row_tokens=f["max_row_tokens"],
         slot_start=f["slot_start"],

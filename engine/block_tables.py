@@ -1,0 +1,55 @@
+"""Decode rows' KV page tables kept between steps in host memory, one row per GDN state slot. A
+decode row that continues the request its slot held in the step before writes only its new
+pages (one every block_size tokens), where flattening every row's page list each step cost
+O(context) a row in Python: at 32 rows of 4k tokens that was a quarter of a CPU decode step
+(docs/benchmarks.md). Entries past a row's pages stay 0, as the lists' padding was."""
+
+from __future__ import annotations
+
+import torch
+
+
+class BlockTables:
+    def __init__(self, max_pages: int, num_slots: int = 0):
+        self.table = torch.zeros(num_slots, max_pages, dtype=torch.int64)
+        self._rid: list[str | None] = [None] * num_slots
+        self._n = [0] * num_slots  # pages written in the slot's row
+        self._tail = [-1] * num_slots  # the last of them
+        self._seen = [-1] * num_slots  # the step that last wrote the slot's row
+        self._step = 0
+
+    def rows(self, rows) -> torch.Tensor:
+        """The page tables of this step's decode rows (each has .request_id, .slot, .block_ids) as
+        int64 [len(rows), widest row's pages]."""
+        self._step += 1
+        width = 0
+        for r in rows:
+            self._write(r.slot, r.request_id, r.block_ids)
+            width = max(width, len(r.block_ids))
+        slots = [r.slot for r in rows]
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):
+            return self.table[first : first + len(slots), :width].contiguous()
+        return self.table[slots, :width]
+
+    def _grow(self, s: int) -> None:
+        """Room for slot s (the table is sized by the slots seen: a profile step's, then the pools')."""
+        extra = max(s + 1, 2 * len(self._n)) - len(self._n)
+        self.table = torch.cat([self.table, self.table.new_zeros(extra, self.table.shape[1])])
+        self._rid += [None] * extra
+        self._n += [0] * extra
+        self._tail += [-1] * extra
+        self._seen += [-1] * extra
+
+    def _write(self, s: int, rid: str, pages: list[int]) -> None:
+        if s >= len(self._n):
+            self._grow(s)
+        n, m = self._n[s], len(pages)
+        same = self._rid[s] == rid and self._seen[s] == self._step - 1 and n <= m
+        if not same or (n and pages[n - 1] != self._tail[s]):
+            if m < n:
+                self.table[s, m:n] = 0
+            n = 0
+        if m > n:
+            self.table[s, n:m] = torch.tensor(pages[n:m], dtype=torch.int64) if m - n > 1 else pages[n]
+        self._rid[s], self._n[s], self._tail[s], self._seen[s] = rid, m, pages[-1] if m else -1, self._step
