@@ -473,7 +473,7 @@ class EngineCore:
         out = RequestOutput(
             req.request_id,
             req.prompt_token_ids,
-            list(req.output_token_ids),
+            list(req.output_token_ids) if done else req.output_token_ids,
             new,
             done,
             req.finish_reason,

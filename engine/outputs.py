@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
+    # every token so far: the request's own list while it runs (it grows with later steps; copying
+    # it each step cost O(output) a row), a copy of its own once finished
     output_token_ids: list[int]
     new_token_ids: list[int]  # tokens produced since the last output for this request
     finished: bool
