@@ -228,7 +228,6 @@ class Attention:
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor, cos, sin, rows=None):
         """rows: only these tokens' outputs are wanted (every token's k, v still goes to its page)."""
-        T = x.shape[0]
         qkv = self.w.w_qkv(x)  # rows [q | k | gate | v] (reordered by the loader)
         dec = batch.decode
         fused = not x.is_cuda and kv_pool.dtype == x.dtype and cpu_ops.available(x.dtype)
@@ -245,12 +244,32 @@ class Attention:
                 self.scale, seq_starts=starts,
             )  # fmt: skip
             return self.all_reduce(self.w.w_o(_pick(o, rows)))
+        if fused and dec is not None:
+            # a mixed step: the decode rows through the C op, as in a decode step (gathering their
+            # pages for SDPA cost several times the op), the prompt chunks through the path below
+            n = dec.tok_end
+            if dec.max_row_tokens > 1:
+                (tables, lens), starts = batch.decode_token_rows(), dec.cu_seqlens
+            else:
+                tables, lens, starts = dec.block_tables, dec.seq_lens, None
+            od = cpu_ops.attn_decode(
+                qkv[:n], self.qk_norm, self.eps, cos[:n], sin[:n], kv_pool, batch.slot_mapping[:n], tables, lens,
+                self.h, self.kvh, self.scale, seq_starts=starts,
+            )  # fmt: skip
+            op = self._attend(qkv[n:], batch, kv_pool, cos[n:], sin[n:], n)
+            return self.all_reduce(self.w.w_o(_pick(torch.cat([od, op]), rows)))
+        return self.all_reduce(self.w.w_o(_pick(self._attend(qkv, batch, kv_pool, cos, sin, 0), rows)))
+
+    def _attend(self, qkv: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor, cos, sin, skip: int):
+        """Attention * sigmoid(gate) [T, H*hd] of the tokens qkv holds: the step's tokens from
+        `skip` on (skip: the decode group's tokens, done apart; 0: every group here)."""
+        T = qkv.shape[0]
         nqk = (self.h + self.kvh) * self.hd
         qk, gate, v = qkv.split([nqk, self.h * self.hd, self.kvh * self.hd], dim=-1)
         qk = F.rms_norm(qk.reshape(T, self.h + self.kvh, self.hd).float(), (self.hd,), None, self.eps)
-        qk = apply_rotary_((qk * self.qk_norm).to(x.dtype), cos, sin)
+        qk = apply_rotary_((qk * self.qk_norm).to(qkv.dtype), cos, sin)
         q, k = qk[:, : self.h], qk[:, self.h :]
-        store_kv(k, v.view(T, self.kvh, self.hd), kv_pool, batch.slot_mapping)
+        store_kv(k, v.view(T, self.kvh, self.hd), kv_pool, batch.slot_mapping[skip:] if skip else batch.slot_mapping)
 
         def attend(grp, qg, kg, vg):
             if grp.fresh and not grp.decode and not qg.is_cuda and kv_pool.dtype == qg.dtype:  # no pages to read
@@ -259,9 +278,13 @@ class Attention:
                 qg, kv_pool, grp.cu_seqlens, grp.seq_lens, grp.block_tables, self.scale, max_len=grp.max_row_tokens
             )
 
-        o = _per_group(batch, (q, k, v.view(T, self.kvh, self.hd)), attend)
-        o = _pick(o.reshape(T, -1), rows) * torch.sigmoid(_pick(gate, rows))
-        return self.all_reduce(self.w.w_o(o))
+        qkv_t = (q, k, v.view(T, self.kvh, self.hd))
+        if skip:  # the prefill group alone
+            assert batch.prefill is not None
+            o = attend(batch.prefill, *qkv_t)
+        else:
+            o = _per_group(batch, qkv_t, attend)
+        return o.reshape(T, -1) * torch.sigmoid(gate)
 
 
 class MLP:
