@@ -239,10 +239,7 @@ class Attention:
                 (tables, lens), starts = batch.decode_token_rows(), dec.cu_seqlens
             else:
                 tables, lens, starts = dec.block_tables, dec.seq_lens, None
-            o = cpu_ops.attn_decode(
-                qkv, self.qk_norm, self.eps, cos, sin, kv_pool, batch.slot_mapping, tables, lens, self.h, self.kvh,
-                self.scale, seq_starts=starts,
-            )  # fmt: skip
+            o = self._c_op(qkv, cos, sin, kv_pool, batch.slot_mapping, tables, lens, starts)
             return self.all_reduce(self.w.w_o(_pick(o, rows)))
         if fused and dec is not None:
             # a mixed step: the decode rows through the C op, as in a decode step (gathering their
@@ -252,13 +249,17 @@ class Attention:
                 (tables, lens), starts = batch.decode_token_rows(), dec.cu_seqlens
             else:
                 tables, lens, starts = dec.block_tables, dec.seq_lens, None
-            od = cpu_ops.attn_decode(
-                qkv[:n], self.qk_norm, self.eps, cos[:n], sin[:n], kv_pool, batch.slot_mapping[:n], tables, lens,
-                self.h, self.kvh, self.scale, seq_starts=starts,
-            )  # fmt: skip
+            od = self._c_op(qkv[:n], cos[:n], sin[:n], kv_pool, batch.slot_mapping[:n], tables, lens, starts)
             op = self._attend(qkv[n:], batch, kv_pool, cos[n:], sin[n:], n)
             return self.all_reduce(self.w.w_o(_pick(torch.cat([od, op]), rows)))
         return self.all_reduce(self.w.w_o(_pick(self._attend(qkv, batch, kv_pool, cos, sin, 0), rows)))
+
+    def _c_op(self, qkv, cos, sin, kv_pool, slot_mapping, tables, lens, starts) -> torch.Tensor:
+        """These tokens through the C attention op (kernels/cpu_ops.py `attn_decode`)."""
+        h, kvh = self.h, self.kvh
+        return cpu_ops.attn_decode(
+            qkv, self.qk_norm, self.eps, cos, sin, kv_pool, slot_mapping, tables, lens, h, kvh, self.scale, starts
+        )
 
     def _attend(self, qkv: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor, cos, sin, skip: int):
         """Attention * sigmoid(gate) [T, H*hd] of the tokens qkv holds: the step's tokens from
