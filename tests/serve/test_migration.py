@@ -201,7 +201,8 @@ def test_drain_hands_long_streams_off(ckpt):
 
     n = 400
     ps = hc.prompts(lens=(30, 60, 45, 75), seed=29)
-    u = Up("--model", ckpt, "--dtype", "float32", "--decode", "2", "--prefill", "1", "--drain-handoff", "0.5",
+    # hand off after 0.1 s: at 2 ms a token a 400-token stream ends within a second of its start
+    u = Up("--model", ckpt, "--dtype", "float32", "--decode", "2", "--prefill", "1", "--drain-handoff", "0.1",
            "--drain-timeout", "120")  # fmt: skip
     exited: list[float] = []
 
