@@ -206,7 +206,7 @@ class Worker:
                 [r.slot for r in rows],
                 [r.start_pos for r in rows],
                 [r.block_ids for r in rows],
-                self.block_tables.rows(rows) if dec else None,
+                self.block_tables.rows(rows).to(self.device, non_blocking=True) if dec else None,
             )
             for rows, dec in groups
         ]

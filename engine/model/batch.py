@@ -183,7 +183,6 @@ class IntPack:
         return len(self._spans) - 1
 
     def build(self, device) -> None:
-        self.device = torch.device(device)
         self._tensor = torch.tensor(self.vals, dtype=torch.int64, device=device)
 
     def __getitem__(self, i: int) -> torch.Tensor:
@@ -194,7 +193,7 @@ class IntPack:
 def group_fields(pack: IntPack, lens, slots, start_pos, block_tables, table: torch.Tensor | None = None) -> dict:
     """Adds a group's index lists to `pack`; `make_group` reads them back once it is built.
     table: the group's page tables already made (engine/block_tables.py), int64 [rows, width]
-    on the host; else they are flattened from block_tables' lists."""
+    on the step's device; else they are flattened from block_tables' lists."""
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
@@ -226,9 +225,7 @@ def make_group(tok_start: int, pack: IntPack, f: dict, decode: bool = False) -> 
         slot_ids=pack[f["slots"]],
         has_initial_state=pack[f["start_pos"]] > 0,
         seq_lens=pack[f["seq_lens"]],
-        block_tables=pack[f["table"]].view(-1, f["width"])
-        if f["table"] is not None
-        else f["table_tensor"].to(pack.device, non_blocking=True),
+        block_tables=pack[f["table"]].view(-1, f["width"]) if f["table"] is not None else f["table_tensor"],
         decode=decode,
         max_row_tokens=f["max_row_tokens"],
         slot_start=f["slot_start"],

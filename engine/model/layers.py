@@ -231,28 +231,25 @@ class Attention:
         qkv = self.w.w_qkv(x)  # rows [q | k | gate | v] (reordered by the loader)
         dec = batch.decode
         fused = not x.is_cuda and kv_pool.dtype == x.dtype and cpu_ops.available(x.dtype)
-        if fused and (batch.prefill is None or self.invariant):
-            # the steps below, fused; rows with drafts (and prefill rows) token by token, in order
-            if batch.prefill is not None:
-                tables, lens, starts = batch.step_token_rows()
-            elif dec.max_row_tokens > 1:
-                (tables, lens), starts = batch.decode_token_rows(), dec.cu_seqlens
-            else:
-                tables, lens, starts = dec.block_tables, dec.seq_lens, None
+        if fused and batch.prefill is not None and self.invariant:
+            # every token through the C op, one at a time in order: each a decode step's arithmetic
+            tables, lens, starts = batch.step_token_rows()
             o = self._c_op(qkv, cos, sin, kv_pool, batch.slot_mapping, tables, lens, starts)
-            return self.all_reduce(self.w.w_o(_pick(o, rows)))
-        if fused and dec is not None:
-            # a mixed step: the decode rows through the C op, as in a decode step (gathering their
-            # pages for SDPA cost several times the op), the prompt chunks through the path below
+        elif fused and dec is not None:
+            # the decode rows through the C op (rows with drafts token by token, in order); in a
+            # mixed step the prompt chunks after them through the path below (gathering the
+            # decode rows' pages for SDPA cost several times the op)
             n = dec.tok_end
             if dec.max_row_tokens > 1:
                 (tables, lens), starts = batch.decode_token_rows(), dec.cu_seqlens
             else:
                 tables, lens, starts = dec.block_tables, dec.seq_lens, None
-            od = self._c_op(qkv[:n], cos[:n], sin[:n], kv_pool, batch.slot_mapping[:n], tables, lens, starts)
-            op = self._attend(qkv[n:], batch, kv_pool, cos[n:], sin[n:], n)
-            return self.all_reduce(self.w.w_o(_pick(torch.cat([od, op]), rows)))
-        return self.all_reduce(self.w.w_o(_pick(self._attend(qkv, batch, kv_pool, cos, sin, 0), rows)))
+            o = self._c_op(qkv[:n], cos[:n], sin[:n], kv_pool, batch.slot_mapping[:n], tables, lens, starts)
+            if batch.prefill is not None:
+                o = torch.cat([o, self._attend(qkv[n:], batch, kv_pool, cos[n:], sin[n:], n)])
+        else:
+            o = self._attend(qkv, batch, kv_pool, cos, sin, 0)
+        return self.all_reduce(self.w.w_o(_pick(o, rows)))
 
     def _c_op(self, qkv, cos, sin, kv_pool, slot_mapping, tables, lens, starts) -> torch.Tensor:
         """These tokens through the C attention op (kernels/cpu_ops.py `attn_decode`)."""
@@ -270,7 +267,7 @@ class Attention:
         qk = F.rms_norm(qk.reshape(T, self.h + self.kvh, self.hd).float(), (self.hd,), None, self.eps)
         qk = apply_rotary_((qk * self.qk_norm).to(qkv.dtype), cos, sin)
         q, k = qk[:, : self.h], qk[:, self.h :]
-        store_kv(k, v.view(T, self.kvh, self.hd), kv_pool, batch.slot_mapping[skip:] if skip else batch.slot_mapping)
+        store_kv(k, v.view(T, self.kvh, self.hd), kv_pool, batch.slot_mapping[skip:])
 
         def attend(grp, qg, kg, vg):
             if grp.fresh and not grp.decode and not qg.is_cuda and kv_pool.dtype == qg.dtype:  # no pages to read

@@ -198,9 +198,10 @@ class Sampler:
         params.logprobs (of the model's own distribution: log-softmax of the logits before any
         adjustment)."""
         dev, v = logits.device, logits.shape[-1]
-        cp = self._reuse(rows, first, logits.shape[0])
+        key = _call_key(rows, first, logits.shape[0])
+        cp = self._reuse(rows, key)
         if cp is None:
-            cp = self._plan = self._plan_call(rows, first, logits.shape[0], v, dev)
+            cp = self._plan = self._plan_call(rows, first, key, v, dev)
         n, pos, s, adj, dp, greedy, lp_rows = cp.n, cp.pos, cp.s, cp.adj, cp.dp, cp.greedy, cp.lp_rows
         everything = cp.everything
 
@@ -246,8 +247,9 @@ class Sampler:
             out_lp[rows[i].request_id] = [(t, val, top[: rows[i].params.logprobs])]
         return emitted, out_lp
 
-    def _plan_call(self, rows, first: list[int], num_logits: int, v: int, dev: torch.device) -> _CallPlan:
+    def _plan_call(self, rows, first: list[int], key: tuple, v: int, dev: torch.device) -> _CallPlan:
         """The host's plan of a call and its one upload (the module)."""
+        num_logits = key[0]
         idx, pos = [], []
         for r, j in zip(rows, first):
             pos.append(len(idx))
@@ -270,18 +272,17 @@ class Sampler:
             pack.ints("greedy", greedy)
         dp = drawing.plan(pack, sampled, [per[q] for q in sampled], v, fused=self.fused) if sampled else None
         counters = [name for name in pack.names() if name.startswith("draw.") and name.endswith(".ctr")]
-        key = _call_key(rows, first, num_logits)
         nums = [r.num_output for r in rows]
         return _CallPlan(
             key, nums, len(idx), pos, everything, lp_rows, adj, sampled, greedy, dp, pack.upload(dev), counters
         )
 
-    def _reuse(self, rows, first: list[int], num_logits: int) -> _CallPlan | None:
+    def _reuse(self, rows, key: tuple) -> _CallPlan | None:
         """The last call's plan where this call has the same rows at the same positions, each
         moved on by the same number of tokens (a decode step after a decode step) and their
         penalty tables current: its draws' counters advanced on the device, nothing uploaded."""
         cp = self._plan
-        if cp is None or len(rows) != len(cp.nums) or not rows or _call_key(rows, first, num_logits) != cp.key:
+        if cp is None or not rows or key != cp.key:
             return None
         d = rows[0].num_output - cp.nums[0]
         if any(r.num_output - c != d for r, c in zip(rows, cp.nums)):
