@@ -64,6 +64,13 @@ static inline __attribute__((always_inline)) void dot8_rows(const float *q, cons
 }
 
 
+/* Asks for the `bytes` from p into the caches ahead of their use: a sequence's pages lie apart in
+ * the pool, so the hardware's stream prefetch starts cold at each page (the loads stall on memory
+ * unless the next page is already on its way). */
+static inline void prefetch_span(const void *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
+}
+
 /* acc[0 .. 8*nv) = sum over positions t < n of p[t] * V[t][0 .. 8*nv): the V rows of a sequence's
  * pages (block table bt) from element offset vp of each page, in position order. */
 static inline __attribute__((always_inline)) void attn_pv(const AttnJob *a, const int64_t *bt, int64_t n,
@@ -73,6 +80,10 @@ static inline __attribute__((always_inline)) void attn_pv(const AttnJob *a, cons
     for (int64_t t0 = 0; t0 < n; t0 += a->bs) {
         const int64_t m = n - t0 < a->bs ? n - t0 : a->bs;
         const int64_t o0 = bt[t0 / a->bs] * a->s_blk + vp;
+        if (t0 + a->bs < n) { /* the next page's rows of this V slice */
+            const int64_t on = bt[t0 / a->bs + 1] * a->s_blk + vp, esz = bf16 ? 2 : 4;
+            for (int64_t t = 0; t < a->bs; t++) prefetch_span((const char *)a->kv + (on + t * a->s_tok) * esz, nv * 8 * esz);
+        }
         for (int64_t t = 0; t < m; t++) {
             const float pt = p[t0 + t];
             const v8f pb = bcast(pt);
@@ -128,6 +139,10 @@ static inline __attribute__((always_inline)) void attn_rows(const AttnJob *a, co
             for (int64_t t0 = 0; t0 < n; t0 += a->bs) { /* page by page: no division per position */
                 const int64_t m = n - t0 < a->bs ? n - t0 : a->bs;
                 const int64_t kp = bt[t0 / a->bs] * a->s_blk + g * a->s_head;
+                if (t0 + a->bs < n) { /* the next page's K rows of this head */
+                    const int64_t kn = bt[t0 / a->bs + 1] * a->s_blk + g * a->s_head, esz = bf16 ? 2 : 4;
+                    for (int64_t t = 0; t < a->bs; t++) prefetch_span((const char *)a->kv + (kn + t * a->s_tok) * esz, hd * esz);
+                }
                 for (int64_t i = 0; i < grp; i++) {
                     const float *q = qk + (g * grp + i) * hd;
                     float *si = sc + i * n + t0;
