@@ -1,8 +1,10 @@
-"""Which CPUs each node `pdserve up` starts on one host may run on. `auto`: the host's usable CPUs
-split between the nodes, in proportion to their ranks, contiguous, the remainder to prefill nodes
-first (their compute is the first token's); each node's torch then runs one OpenMP thread per CPU
-of its own. `none` (the default): every node sees every CPU (and oversubscribes them when they are
-few)."""
+"""Which CPUs each node `pdserve up` starts on one host may run on, and at what priority. `auto`:
+the host's usable CPUs split between the nodes, in proportion to their ranks, contiguous, the
+remainder to prefill nodes first (their compute is the first token's); each node's torch then runs
+one OpenMP thread per CPU of its own. `none` (the default): every node sees every CPU (and
+oversubscribes them when they are few); decode nodes on the CPU then run at a lower priority than
+prefill nodes (`decode_nice`), so a prompt's compute goes ahead of decode steps and a first token
+waits for none of them (docs/router.md, `up`, "Priority")."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 CpuBinding = Literal["auto", "none"]
+# the nice value decode nodes get where they share CPUs with prefill nodes on the CPU (0-19)
+SHARED_DECODE_NICE = 10
 CPU_BINDINGS: tuple[CpuBinding, ...] = ("auto", "none")
 # who gets a CPU left over after the even split, first to last
 _REMAINDER_ORDER = ("prefill", "decode", "encode")
@@ -58,3 +62,30 @@ def split_cpus(cpus: list[int], nodes: list[NodeSlot], mode: CpuBinding) -> dict
 def bound_env(cpus: tuple[int, ...]) -> dict[str, str]:
     """The environment of a node bound to `cpus`: OpenMP sized to them (torch reads it at start)."""
     return {"OMP_NUM_THREADS": str(len(cpus))} if cpus else {}
+
+
+def decode_nice(given: int | None, mode: CpuBinding, prefill_nodes: int, device: str) -> int:
+    """The nice value (0-19) `up` starts decode nodes at. `given` wins; None: SHARED_DECODE_NICE
+    where prefill and decode nodes compute on the same CPUs (device cpu, binding none, a prefill
+    pool), else 0 (on their own CPUs or GPUs nothing is shared to give way on)."""
+    if given is not None:
+        if not 0 <= given <= 19:
+            raise ValueError(f"--decode-nice must be in 0..19 (got {given})")
+        return given
+    shared = mode == "none" and prefill_nodes > 0 and str(device).startswith("cpu")
+    return SHARED_DECODE_NICE if shared else 0
+
+
+def lower_priority(nice: int) -> None:
+    """In a child between fork and exec, after setsid: run at `nice`. With the kernel's autogroups
+    a new session is a scheduling group of its own, in which a process's nice value weighs only
+    against its own threads; the group's nice (/proc/self/autogroup) is what weighs against the
+    other nodes, so both are set."""
+    if nice <= 0:
+        return
+    os.nice(nice)
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:  # no autogroups (kernel option off, not Linux): the process's nice is the one
+        pass

@@ -21,7 +21,7 @@ from encode_node.config import EncodeNodeConfig
 from engine.options import options, to_argv
 from prefill_node.config import PrefillNodeConfig
 from router.config import RouterConfig
-from router.cpu_binding import CpuBinding, NodeSlot, bound_env, split_cpus, usable_cpus
+from router.cpu_binding import CpuBinding, NodeSlot, bound_env, decode_nice, lower_priority, split_cpus, usable_cpus
 from serving.security import API_KEY_ENV, TOKEN_ENV, Credentials, Tls
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,6 +74,9 @@ class PoolSpec:
     insecure_open_cluster: bool = False
     # the nodes' CPUs on this host (router/cpu_binding.py): auto, a share each; none, all of them each
     cpu_binding: CpuBinding = "none"
+    # decode nodes' nice value (router/cpu_binding.py decode_nice); None: 10 where they share CPUs
+    # with prefill nodes on the CPU, else 0
+    decode_nice: int | None = None
     # the router's; with metrics_port set, every node serves /metrics on a free port
     router_options: dict[str, Any] = field(default_factory=dict)
     node_options: dict[str, Any] = field(default_factory=dict)
@@ -89,6 +92,7 @@ class PoolSpec:
         if self.encode < 0:
             raise ValueError(f"--encode must be >= 0 (got {self.encode})")
         split_cpus([], [], self.cpu_binding)  # a bad mode refused before anything starts
+        self.decode_nice_value()  # a bad value too
         if self.insecure_open_cluster and self.cluster_token:
             raise ValueError("--insecure-open-cluster and --cluster-token-file exclude each other")
         _check_keys("router", self.router_options, settable(RouterConfig, ROUTER_MANAGED))
@@ -100,6 +104,10 @@ class PoolSpec:
         """The options of one pool's nodes: node_options its config has, then the pool's own."""
         names = _names(NODE_CONFIGS[pool])
         return {k: v for k, v in self.node_options.items() if k in names} | getattr(self, f"{pool}_options")
+
+    def decode_nice_value(self) -> int:
+        device = self.pool_options("decode").get("device", "cpu")
+        return decode_nice(self.decode_nice, self.cpu_binding, self.prefill, device)
 
     def router_argv(self) -> list[str]:
         """The router's flags; client API keys go through its environment instead (router_env)."""
@@ -150,6 +158,7 @@ class Cluster:
         self.port: int | None = None
         self._reported: set[str] = set()
         self.cpus: dict[str, tuple[int, ...]] = {}  # node name -> its CPUs (start() decides)
+        self.nice = 0  # decode nodes' nice value (start() decides)
         self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-up-")
         self._token = spec.cluster_token or os.environ.get(TOKEN_ENV, "").strip() or secrets.token_urlsafe(32)
         if spec.insecure_open_cluster:
@@ -174,7 +183,12 @@ class Cluster:
         return [NodeSlot(name, name.split("-")[0], tp[name.split("-")[0]]) for name in self.node_ids()]
 
     def _spawn(
-        self, name: str, args: list[str], extra_env: dict[str, str] | None = None, cpus: tuple[int, ...] = ()
+        self,
+        name: str,
+        args: list[str],
+        extra_env: dict[str, str] | None = None,
+        cpus: tuple[int, ...] = (),
+        nice: int = 0,
     ) -> None:
         env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, TOKEN_ENV)}  # client keys: the router's
         env.update({TOKEN_ENV: self._token} if self._token else {}, **(extra_env or {}), **bound_env(cpus))
@@ -188,6 +202,7 @@ class Cluster:
             die_with_parent()
             if cpus:
                 os.sched_setaffinity(0, cpus)
+            lower_priority(nice)
 
         self.procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=pre_exec)
 
@@ -205,6 +220,13 @@ class Cluster:
         if self.cpus:
             shown = " ".join(f"{n}={','.join(map(str, c))}" for n, c in self.cpus.items())
             print(f"  cpu binding: {shown}", file=self.out, flush=True)
+        self.nice = s.decode_nice_value()
+        if self.nice:
+            print(
+                f"  decode nodes at nice {self.nice}: prefill first on shared CPUs (--decode-nice 0: off)",
+                file=self.out,
+                flush=True,
+            )
         for i in range(s.prefill):
             self._spawn_node("prefill", i, s.prefill_tp)
         for i in range(s.decode):
@@ -218,7 +240,7 @@ class Cluster:
         name = f"{kind}-{i}"
         where = ["--router", self.address, "--host", s.host, "--port", "0", "--node-id", name]
         argv = [kind, "--model", s.model, *where, "--tp", str(tp), *s.node_argv(kind)]
-        self._spawn(name, argv, cpus=self.cpus.get(name, ()))
+        self._spawn(name, argv, cpus=self.cpus.get(name, ()), nice=self.nice if kind == "decode" else 0)
 
     def _check_children(self, deadline: float) -> None:
         if self.should_stop():

@@ -58,6 +58,12 @@ OWN: dict[str, tuple[type, Any, str]] = {
         "auto: the nodes on this host split its CPUs, each node's torch threads on a share of its own "
         "(prefill nodes get the remainder); none: every node runs on every CPU",
     ),
+    "decode_nice": (
+        int,
+        None,
+        "nice value (0-19) of decode nodes: prefill nodes' compute goes first where they share CPUs, so a first "
+        "token waits for no decode step (default: 10 on the CPU with --cpu-binding none and a prefill pool, else 0)",
+    ),
     "drain_timeout": (
         float,
         30.0,
@@ -192,6 +198,7 @@ def spec_from_args(args: argparse.Namespace, default_model: Callable[[], Any]) -
         cluster_token=_token(own["cluster_token_file"]),
         insecure_open_cluster=own["insecure_open_cluster"],
         cpu_binding=own["cpu_binding"],
+        decode_nice=own["decode_nice"],
     )
 
 

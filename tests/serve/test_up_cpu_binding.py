@@ -1,6 +1,7 @@
-"""`up --cpu-binding`: the CPUs each node on one host gets (router/cpu_binding.py), from the pure
-split and as the started node processes hold them (their affinity and their OpenMP width, read
-from /proc), with tokens still served through the 1P+1D path."""
+"""`up --cpu-binding` and `--decode-nice`: the CPUs each node on one host gets and the priority
+decode nodes run at (router/cpu_binding.py), from the pure rules and as the started node processes
+hold them (their affinity, OpenMP width, nice value and autogroup nice, read from /proc), with
+tokens still served through the 1P+1D path."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 
 import pytest
 
-from router.cpu_binding import NodeSlot, split_cpus
+from router.cpu_binding import SHARED_DECODE_NICE, NodeSlot, decode_nice, split_cpus
 from tests.helpers.serve_harness import Up, flags, node_pid
 
 P, D, E = NodeSlot("prefill-0", "prefill"), NodeSlot("decode-0", "decode"), NodeSlot("encode-0", "encode")
@@ -54,6 +55,28 @@ def test_split_is_a_partition(cpus, shape):
         assert list(got[n.name]) == list(range(got[n.name][0], got[n.name][0] + len(got[n.name])))  # contiguous
 
 
+def test_decode_nice_rule():
+    assert decode_nice(None, "none", 1, "cpu") == SHARED_DECODE_NICE == 10  # sharing the CPUs: prefill first
+    assert decode_nice(None, "auto", 1, "cpu") == 0  # CPUs of their own
+    assert decode_nice(None, "none", 0, "cpu") == 0  # colocated: no prefill node to give way to
+    assert decode_nice(None, "none", 1, "cuda") == 0  # the compute is on GPUs
+    assert decode_nice(3, "auto", 1, "cuda") == 3  # given: wins
+    with pytest.raises(ValueError, match="--decode-nice must be in 0..19"):
+        decode_nice(20, "none", 1, "cpu")
+
+
+def _nice(pid: int) -> int:
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[16])
+
+
+def _group_nice(pid: int) -> int | None:
+    """The nice value of the process's autogroup; None where the kernel has none."""
+    try:
+        return int(open(f"/proc/{pid}/autogroup").read().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _allowed(pid: int) -> set[int]:
     return set(os.sched_getaffinity(pid))
 
@@ -76,6 +99,7 @@ def test_started_nodes_hold_their_share(ckpt):
         assert not _allowed(pre) & _allowed(dec) and _allowed(pre) | _allowed(dec) == set(mine)
         assert _env(pre)["OMP_NUM_THREADS"] == str(len(want["prefill-0"]))
         assert _env(dec)["OMP_NUM_THREADS"] == str(len(want["decode-0"]))
+        assert _nice(dec) == _nice(pre) == os.nice(0)  # on CPUs of their own: no priority given away
         with Client(up.address, timeout=60) as c:
             c.wait_ready(timeout=30)
             r = c.generate(prompt_token_ids=[1, 2, 3, 4], max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -88,5 +112,13 @@ def test_started_nodes_hold_their_share(ckpt):
             pid = node_pid(up, node)
             assert _allowed(pid) == set(mine)
             assert _env(pid).get("OMP_NUM_THREADS") == os.environ.get("OMP_NUM_THREADS")  # as inherited
+        pre, dec = node_pid(up, "prefill-0"), node_pid(up, "decode-0")
+        assert _nice(pre) == os.nice(0) and _nice(dec) == min(19, os.nice(0) + SHARED_DECODE_NICE)
+        if _group_nice(dec) is not None:  # autogroups: each node's session is a group, weighed by its nice
+            assert (_group_nice(pre), _group_nice(dec)) == (0, SHARED_DECODE_NICE)
+        with Client(up.address, timeout=60) as c:
+            c.wait_ready(timeout=30)
+            r = c.generate(prompt_token_ids=[1, 2, 3, 4], max_tokens=4, temperature=0.0, ignore_eos=True)
+            assert len(r.token_ids) == 4 and r.prefill_node == "prefill-0"
     finally:
         up.stop()
