@@ -266,7 +266,7 @@ class EngineLoop:
             # and with the model in a rank process every poll is a round trip to it
             self._poll()
             self.prefill_rate.passed(eng.prompt_tokens_computed - done, woke, busy)
-            self._snap()
+            self._snap(fresh=not eng.has_unfinished())  # the loop may sleep next: what it reports stays
 
     def _step(self) -> None:
         try:
@@ -342,7 +342,7 @@ class EngineLoop:
             case Wake():
                 pass
         self._pending = self.engine.has_transfers()
-        self._snap()
+        self._snap(fresh=False)  # the pass that handled it ends with a snapshot of its own
 
     @staticmethod
     def _answer(fut: Future[_T] | None, fn: Callable[[], _T]) -> None:
@@ -482,8 +482,11 @@ class EngineLoop:
         """Answer every command still queued (the loop stopped before it ran)."""
         refuse_queued(self._inbox, ShuttingDown("the engine loop has stopped: the node is shutting down"))
 
-    def _snap(self) -> None:
+    def _snap(self, fresh: bool = True) -> None:
+        """Renew `snapshot`; fresh=False lets a busy loop keep a prefix digest up to
+        DIGEST_REFRESH_S old (serving/commands.py take_snapshot)."""
         streaming = len(self._handles) + len(self._pushing)
-        self.snapshot = take_snapshot(self.engine, self.snapshot, streaming, self.prefill_rate.rate() or 0.0)
+        rate = self.prefill_rate.rate() or 0.0
+        self.snapshot = take_snapshot(self.engine, self.snapshot, streaming, rate, fresh)
         if self._on_change is not None:
             self._on_change()

@@ -189,3 +189,51 @@ def test_a_waiting_handle_wakes_on_abort(loop):
     t.join(5)
     assert "t" in woke and woke["t"] - t0 < 0.05 + 0.1, f"woke {woke.get('t', t0) - t0:.3f} s after the abort"
     assert _all_free(loop)
+
+
+@pytest.fixture(scope="module")
+def cached(ckpt_hv2):
+    """An engine with its prefix cache (page hashes and GDN snapshots every 32 tokens)."""
+    llm = LLM(ckpt_hv2, dtype="float32", max_num_seqs=4, max_model_len=512, prefix_snapshot_interval=32)
+    assert llm.engine.prefix is not None
+    yield llm.engine
+    llm.close()
+
+
+def test_a_busy_loop_rebuilds_the_prefix_digest_at_most_every_refresh(cached):
+    """take_snapshot: a changed cache rebuilds the digest at once when fresh, else only once
+    DIGEST_REFRESH_S passed since the last build; a rebuilt digest names the cache as it is."""
+    from dataclasses import replace
+
+    from serving.commands import DIGEST_REFRESH_S, Snapshot, take_snapshot
+
+    pc = cached.prefix
+    s0 = take_snapshot(cached, Snapshot())
+    assert s0.prefix_digest == pc.digest()
+    cached.add_request(hc.prompts(lens=(40,))[0], GREEDY, request_id="digest-r")
+    while cached.has_unfinished():
+        cached.step()
+    assert pc.version() != s0.prefix_digest.version  # its pages are cached now
+    stale = take_snapshot(cached, s0, fresh=False)
+    assert stale.prefix_digest is s0.prefix_digest and stale.prefix_digest_at == s0.prefix_digest_at
+    assert take_snapshot(cached, s0, fresh=True).prefix_digest == pc.digest()
+    old = replace(s0, prefix_digest_at=s0.prefix_digest_at - DIGEST_REFRESH_S)
+    assert take_snapshot(cached, old, fresh=False).prefix_digest == pc.digest()
+
+
+def test_an_idle_loop_reports_the_cache_as_it_is(cached):
+    """Requests end, the loop goes idle: its last snapshot names the cache that holds them (a busy
+    pass's digest may lag; the one before sleeping does not)."""
+    lp = EngineLoop(cached, name="test-engine").start()
+    try:
+        handles = [lp.submit(f"idle{i}", p, GREEDY) for i, p in enumerate(hc.prompts(lens=(37, 52)))]
+        for h in handles:
+            list(h)
+        deadline = time.monotonic() + 5
+        while lp.snapshot.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)  # the pass that finished them ends with its snapshot
+        got = lp.snapshot.prefix_digest
+        assert got is not None and got == lp.call(lambda e: e.prefix.digest())
+    finally:
+        lp.stop()
