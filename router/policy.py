@@ -1,6 +1,7 @@
 """Routing policies by name (`POLICIES`): which decode node reserves a request and which prefill
 node computes it. `cache-aware` prices each node in prompt tokens of work after its usable cached
-prefix plus its load; `least-loaded` and `round-robin` (docs/routing.md)."""
+prefix (a prompt the node would send to the prefill pool: its pages save their transfer only)
+plus its load; `least-loaded` and `round-robin` (docs/routing.md)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ if TYPE_CHECKING:  # annotations only: building the CLI's parser must not import
 # pooled(d, uncached): would decode node d send a prompt with `uncached` tokens left to compute
 # to the prefill pool (router/prefill.py use_pool)? Without it, d computes every prompt itself.
 Pooled = Callable[["NodeEntry", int], bool]
+# what a pooled prompt's token already on the decode node saves, in prompt tokens of work: its KV's
+# transfer, not its compute (the pool computes the prompt either way)
+POOLED_PAGE_SAVING = 0.1
 
 
 class RoutingPolicy(Protocol):
@@ -79,14 +83,19 @@ class CacheAware(LeastLoaded):
 
     def choose_decode(self, nodes, prompt_len, q=None, pooled=None):
         ok = [e for e in nodes if fits_decode(e, prompt_len)]
-        hits = {e.node_id: decode_hit(e, q, pooled)[0] for e in ok} if q is not None else {}
-        if not any(hits.values()):
+        hits = {e.node_id: decode_hit(e, q, pooled) for e in ok} if q is not None else {}
+        if not any(hit for hit, _ in hits.values()):
             return super().choose_decode(ok, prompt_len)
 
         def cost(e: NodeEntry):
             c = e.info.capacity
             held = max(0, c.total_blocks - e.est_free_blocks()) * c.block_size  # KV tokens of running requests
-            work = prompt_len - hits[e.node_id] + e.queued_prefill_tokens() + self.load_weight * held
+            hit, pool = hits[e.node_id]
+            # a prompt e would send to the prefill pool is computed there whichever decode node
+            # holds its pages: e's pages save only their transfer (else a burst of new
+            # conversations sharing a system prompt all lands on the node that took the first)
+            saved = hit * POOLED_PAGE_SAVING if pool else hit
+            work = prompt_len - saved + e.queued_prefill_tokens() + self.load_weight * held
             return (work, self.decode_key(e))
 
         return min(ok, key=cost)

@@ -38,7 +38,9 @@ class NodeEntry:
     unreachable: bool = False  # a call found it gone (UNAVAILABLE): no new requests until it reports
     inflight: int = 0  # requests the router has on this node now
     inflight_blocks: int = 0  # KV blocks those requests' prompts need
-    inflight_prefill_tokens: int = 0  # prompt tokens sent to this prefill node, first token not back
+    # prompt tokens sent to this prefill node (to a decode node: those it computes itself, its
+    # cached prefix left out), first token not back
+    inflight_prefill_tokens: int = 0
     inflight_interactive_tokens: int = 0  # ... of them, interactive ones (the node schedules them first)
     # finished by the router since the node's last report: free on the node, not yet reported
     freed_slots: int = 0

@@ -128,6 +128,7 @@ class RequestRun:
         self.sent: list[int] = resume  # the tokens relayed so far: a moved request's output
         self.migration = Migration(svc.cfg.max_migrations, svc.migrations)
         self.push: Push | None = None  # the prefill node's push, kept for its figures after a move
+        self.own_tokens = 0  # prompt tokens the decode node computes itself, counted in its queue
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         while True:
@@ -138,7 +139,7 @@ class RequestRun:
             # prefilled there (a prefill node samples a prompt's first token, not the next one)
             ids = self.ids + self.sent
             t0 = time.monotonic()
-            d, p = await self.svc.admit(
+            d, p, self.own_tokens = await self.svc.admit(
                 ids,
                 self.tried,
                 self.local or bool(self.sent),
@@ -169,6 +170,13 @@ class RequestRun:
             finally:
                 self.svc.placed.discard(self)
                 self.svc.done(d, len(ids))
+                self._own_given_back(d, ok=False)
+
+    def _own_given_back(self, d: NodeEntry, ok: bool) -> None:
+        """The prompt tokens D computes itself leave its queue estimate (once)."""
+        if self.own_tokens:
+            self.svc.local_prefill_done(d, self.own_tokens, ok)
+            self.own_tokens = 0
 
     def _max_tokens(self) -> int:
         from engine.sampling_params import SamplingParams
@@ -236,6 +244,7 @@ class RequestRun:
                 settled = True  # D activated the reservation (or failed and released it)
                 if pre is not None and m.finish_reason:
                     await pre.wait(5.0)  # the transfer figures, complete on the last message
+                self._own_given_back(d, ok=True)
                 yield self._relay(m, pre, first=first)
                 first = False
             settled = True

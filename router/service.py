@@ -350,10 +350,11 @@ class GenerateService:
         resumed: bool = False,
         trace: Trace | None = None,
         images: Sequence[pb.ImageInput] = (),
-    ) -> tuple[NodeEntry, NodeEntry | None]:
+    ) -> tuple[NodeEntry, NodeEntry | None, int]:
         """Decide at arrival, then wait in turn until the prompt `ids` is placed: (decode node,
-        prefill node or None to prefill on the decode node), both counted against until `done`
-        (and the prefill phase's own give-back). local: prefill on the decode node (logprobs: P
+        prefill node or None to prefill on the decode node, the prompt tokens the decode node
+        computes itself), both nodes counted against until `done` (and the prefill phase's own
+        give-back; the decode node's own prompt tokens: `local_prefill_done`). local: prefill on the decode node (logprobs: P
         returns none). resumed: admitted before (a retry, a failover): never refused for lack of
         budget. Refused (RESOURCE_EXHAUSTED, retry_after_s) at arrival only."""
         prompt_len = len(ids)
@@ -382,7 +383,7 @@ class GenerateService:
 
     def _place(
         self, prompt_len: int, exclude: set[str], local: bool, q: PrefixQuery | None, batch: bool
-    ) -> tuple[NodeEntry, NodeEntry | None] | None:
+    ) -> tuple[NodeEntry, NodeEntry | None, int] | None:
         """A decode node with room and, when the prompt goes through the prefill pool, a prefill
         node within its window; None: not now. With a PrefixQuery (cache-aware), the pool decision
         counts only what the decode node would still compute, and both nodes remember the prompt."""
@@ -408,7 +409,19 @@ class GenerateService:
                     p.cache.remember(q, compute=True, ttl_s=ttl)
             d.inflight += 1
             d.inflight_blocks += d.blocks_for(prompt_len + 1)
-            return d, p
+            # computed on d: its queue until the first token (its reports lag by a heartbeat)
+            own = 0 if p is not None else uncached
+            d.inflight_prefill_tokens += own
+            return d, p, own
+
+    def local_prefill_done(self, d: NodeEntry, tokens: int, ok: bool) -> None:
+        """Give back what `admit` counted against decode node d's queue for a prompt it computes
+        itself; ok: its first token came back (its last report may still count the prompt)."""
+        with self.registry.lock:
+            d.inflight_prefill_tokens -= tokens
+            if ok:
+                d.prefilled_tokens += tokens
+        self.registry.on_change()
 
     def done(self, d: NodeEntry, prompt_len: int) -> None:
         with self.registry.lock:

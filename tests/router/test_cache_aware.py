@@ -262,6 +262,27 @@ def test_pooled_prompt_uses_the_pages_and_the_pool_decision_discounts_the_hit():
     assert decode_hit(a, PrefixQuery(BASE + list(range(20))), pooled) == (28, True)  # pages only
 
 
+def test_pooled_prompts_go_by_load_not_by_pages():
+    """Pages on a decode node save a pooled prompt only their transfer (the pool computes it either
+    way: POOLED_PAGE_SAVING of a token each), so a node holding them but more load loses it; the
+    same prompt computed on the decode node keeps the node that holds its prefix."""
+    pol = make_policy("cache-aware", load_weight=0.1)
+    prompt = BASE + list(range(20))
+    q = PrefixQuery(prompt)
+    a, b = _holding(_node("a", free_blocks=90), BASE), _node("b", free_blocks=100)  # a: 160 KV tokens held
+
+    def always(e, uncached):
+        return True
+
+    def never(e, uncached):
+        return False
+
+    assert pol.choose_decode([a, b], len(prompt), q, always) is b  # 16 tokens of load against 2.8 saved
+    assert pol.choose_decode([a, b], len(prompt), q, never) is a  # computed there: 30 cached tokens save work
+    b.info.capacity.free_blocks = 80  # now b holds more: a wins the pooled prompt on load alone
+    assert pol.choose_decode([a, b], len(prompt), q, always) is a
+
+
 def test_nothing_cached_is_least_loaded():
     pol, ll = make_policy("cache-aware"), LeastLoaded()
     nodes = [_node("a", free_slots=3), _node("b", free_slots=6), _node("c", free_slots=6, free_blocks=50)]

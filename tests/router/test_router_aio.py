@@ -105,6 +105,31 @@ def test_clients_that_go_away_cancel_the_node_call(cluster):
     assert fake.calls == ["cancelled"] * 3
     e = r.registry.nodes["d0"]
     assert (e.inflight, e.inflight_blocks) == (0, 0)  # the router's own counts are back
+    assert e.inflight_prefill_tokens == 0  # ... the prompts the node computed itself too
+
+
+def test_a_prompt_the_decode_node_computes_counts_in_its_queue_until_its_first_token(cluster):
+    """The router counts a prompt computed on the decode node against that node's queue from
+    placement to its first token (the node's own reports lag by a heartbeat), then as prefilled
+    until the next report; a request cancelled before its first token leaves no count."""
+    from client import Client
+
+    r, port, fake = cluster
+    e = r.registry.nodes["d0"]
+    e.reported()
+    fake.delay_s = 0.5  # the first token comes 0.5 s after the call
+    with Client(f"127.0.0.1:{port}", timeout=30) as c:
+        s = iter(c.stream(prompt_token_ids=[1, 2, 3, 4, 5], max_tokens=2))
+        wait_for(lambda: r.service.active == 1, 10, "the request in flight")
+        assert (e.inflight_prefill_tokens, e.queued_prefill_tokens()) == (5, 5)  # nothing cached there
+        next(s)
+        assert (e.inflight_prefill_tokens, e.prefilled_tokens) == (0, 5)
+        list(s)
+        s = c.stream(prompt_token_ids=[1, 2, 3], max_tokens=2)
+        wait_for(lambda: e.inflight_prefill_tokens == 3, 10, "the second request placed")
+        s.cancel()
+    _idle(r, fake, 2)
+    assert (e.inflight, e.inflight_prefill_tokens, e.prefilled_tokens) == (0, 0, 5)
 
 
 def test_http_connections_do_not_wait_for_delayed_acks(cluster):
