@@ -137,8 +137,7 @@ class PrefillPhase:
             if p is not None:
                 if not p.inflight_prefill_tokens:
                     self.meter.busy(p.node_id)
-                p.inflight_prefill_tokens += prompt_len
-                p.inflight_interactive_tokens += 0 if batch else prompt_len
+                p.prefill_sent(prompt_len, interactive=not batch)
         return p
 
     def _given_back(self, p: NodeEntry, prompt_len: int, ok: bool, batch: bool) -> None:
@@ -146,9 +145,7 @@ class PrefillPhase:
         if ok:
             self.meter.done(p.node_id, prompt_len)
         with self.registry.lock:
-            p.inflight_prefill_tokens -= prompt_len
-            p.inflight_interactive_tokens -= 0 if batch else prompt_len
-            p.prefilled_tokens += prompt_len  # done there, though its last report may still count it
+            p.prefill_back(prompt_len, interactive=not batch)
         self.registry.on_change()  # within its window again: admit the next
 
     async def handshake(self, p: NodeEntry, d: NodeEntry) -> None:

@@ -104,6 +104,18 @@ class NodeEntry:
         self.freed_slots = self.freed_blocks = self.prefilled_tokens = 0
         self.unreachable = False
 
+    def prefill_sent(self, tokens: int, interactive: bool = False) -> None:
+        """The router sent the node `tokens` prompt tokens to compute (registry lock held)."""
+        self.inflight_prefill_tokens += tokens
+        self.inflight_interactive_tokens += tokens if interactive else 0
+
+    def prefill_back(self, tokens: int, interactive: bool = False) -> None:
+        """What `prefill_sent` counted is no longer queued there, computed or given up (registry
+        lock held), though the node's last report may still count it."""
+        self.inflight_prefill_tokens -= tokens
+        self.inflight_interactive_tokens -= tokens if interactive else 0
+        self.prefilled_tokens += tokens
+
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens waiting on the node: its last report, less what it prefilled for the
         router since, plus what the router sent it since."""

@@ -170,12 +170,13 @@ class RequestRun:
             finally:
                 self.svc.placed.discard(self)
                 self.svc.done(d, len(ids))
-                self._own_given_back(d, ok=False)
+                self._own_given_back(d)
 
-    def _own_given_back(self, d: NodeEntry, ok: bool) -> None:
-        """The prompt tokens D computes itself leave its queue estimate (once)."""
+    def _own_given_back(self, d: NodeEntry) -> None:
+        """The prompt tokens D computes itself leave its queue estimate (once: at the first token,
+        or when the attempt ends without one)."""
         if self.own_tokens:
-            self.svc.local_prefill_done(d, self.own_tokens, ok)
+            self.svc.local_prefill_done(d, self.own_tokens)
             self.own_tokens = 0
 
     def _max_tokens(self) -> int:
@@ -244,7 +245,7 @@ class RequestRun:
                 settled = True  # D activated the reservation (or failed and released it)
                 if pre is not None and m.finish_reason:
                     await pre.wait(5.0)  # the transfer figures, complete on the last message
-                self._own_given_back(d, ok=True)
+                self._own_given_back(d)  # its first token: no longer queued there
                 yield self._relay(m, pre, first=first)
                 first = False
             settled = True

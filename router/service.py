@@ -354,8 +354,8 @@ class GenerateService:
         """Decide at arrival, then wait in turn until the prompt `ids` is placed: (decode node,
         prefill node or None to prefill on the decode node, the prompt tokens the decode node
         computes itself), both nodes counted against until `done` (and the prefill phase's own
-        give-back; the decode node's own prompt tokens: `local_prefill_done`). local: prefill on the decode node (logprobs: P
-        returns none). resumed: admitted before (a retry, a failover): never refused for lack of
+        give-back; the decode node's own prompt tokens: `local_prefill_done`). local: prefill on
+        the decode node (logprobs: P returns none). resumed: admitted before (a retry, a failover): never refused for lack of
         budget. Refused (RESOURCE_EXHAUSTED, retry_after_s) at arrival only."""
         prompt_len = len(ids)
         q = PrefixQuery(ids, images) if self.policy.uses_prefix else None
@@ -411,16 +411,14 @@ class GenerateService:
             d.inflight_blocks += d.blocks_for(prompt_len + 1)
             # computed on d: its queue until the first token (its reports lag by a heartbeat)
             own = 0 if p is not None else uncached
-            d.inflight_prefill_tokens += own
+            d.prefill_sent(own)
             return d, p, own
 
-    def local_prefill_done(self, d: NodeEntry, tokens: int, ok: bool) -> None:
+    def local_prefill_done(self, d: NodeEntry, tokens: int) -> None:
         """Give back what `admit` counted against decode node d's queue for a prompt it computes
-        itself; ok: its first token came back (its last report may still count the prompt)."""
+        itself (NodeEntry.prefill_back)."""
         with self.registry.lock:
-            d.inflight_prefill_tokens -= tokens
-            if ok:
-                d.prefilled_tokens += tokens
+            d.prefill_back(tokens)
         self.registry.on_change()
 
     def done(self, d: NodeEntry, prompt_len: int) -> None:

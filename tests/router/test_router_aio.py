@@ -110,8 +110,9 @@ def test_clients_that_go_away_cancel_the_node_call(cluster):
 
 def test_a_prompt_the_decode_node_computes_counts_in_its_queue_until_its_first_token(cluster):
     """The router counts a prompt computed on the decode node against that node's queue from
-    placement to its first token (the node's own reports lag by a heartbeat), then as prefilled
-    until the next report; a request cancelled before its first token leaves no count."""
+    placement to its first token (the node's own reports lag by a heartbeat), then as gone from
+    that queue until the next report; a request cancelled before its first token leaves the queue
+    the same way and no count in flight."""
     from client import Client
 
     r, port, fake = cluster
@@ -129,7 +130,7 @@ def test_a_prompt_the_decode_node_computes_counts_in_its_queue_until_its_first_t
         wait_for(lambda: e.inflight_prefill_tokens == 3, 10, "the second request placed")
         s.cancel()
     _idle(r, fake, 2)
-    assert (e.inflight, e.inflight_prefill_tokens, e.prefilled_tokens) == (0, 0, 5)
+    assert (e.inflight, e.inflight_prefill_tokens, e.prefilled_tokens) == (0, 0, 5 + 3)
 
 
 def test_http_connections_do_not_wait_for_delayed_acks(cluster):
