@@ -24,7 +24,8 @@ from engine.request import Request, Status
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import NgramProposer
-from engine.step import ImageSpan, RowInput, StepInput
+from engine.step import StepInput
+from engine.step_input import step_input
 from engine.tokenizer import Tokenizer
 from engine.vision.inputs import ImageInput
 from engine.vision.processing import load_processor
@@ -327,61 +328,8 @@ class EngineCore:
 
     # ---- steps ----------------------------------------------------------------------
     def _step_input(self, so: SchedulerOutput, layer_posts: list[str] | None = None) -> StepInput:
-        rows = []
-        mtp = self.cfg.speculative.mtp
-        for r in so.rows:
-            req = r.request
-            start = req.num_computed_tokens
-            n_known = r.num_new_tokens - len(r.draft_token_ids)
-            p = req.params
-            # prompt logprobs: every position of a chunk that still predicts prompt tokens
-            plp = p.prompt_logprobs if p.prompt_logprobs is not None and start < len(req.prompt_token_ids) - 1 else None
-            nxt = (
-                req.token_ids(start + n_known, start + n_known + 1)
-                if (mtp or plp is not None) and not r.samples
-                else []
-            )
-            end = start + n_known + len(r.draft_token_ids)
-            rows.append(
-                RowInput(
-                    request_id=req.request_id,
-                    token_ids=req.token_ids(start, start + n_known) + r.draft_token_ids,
-                    start_pos=start,
-                    slot=req.slot,
-                    block_ids=list(req.block_ids),
-                    is_decode=r.is_decode,
-                    sample=r.samples,
-                    want_logits=req.want_logits and r.samples,
-                    params=req.params if r.samples else None,
-                    num_draft=len(r.draft_token_ids),
-                    next_token=nxt[0] if nxt else None,
-                    draft_depths=r.draft_depths if mtp and r.samples else (),
-                    prompt_logprobs=plp,
-                    num_output=len(req.output_token_ids),
-                    history=(req.prompt_token_ids, req.output_token_ids)
-                    if r.samples
-                    and (p.penalized or p.biased or p.constraint or len(req.output_token_ids) < p.min_tokens)
-                    else None,
-                    mrope=req.rope_rows(start, end) if start < len(req.prompt_token_ids) else None,
-                    rope_delta=req.rope_delta,
-                    images=self._image_spans(req, start, start + n_known),
-                )
-            )
-        saves = [c for _, c in so.saves]
-        landed = [c for _, c in so.landed]
-        return StepInput(rows, so.finished_ids, [c for _, c in so.restores], saves, layer_posts or [], landed)
-
-    def _image_spans(self, req: Request, start: int, end: int) -> tuple[ImageSpan, ...]:
-        """The images whose placeholder tokens a row over tokens [start, end) covers."""
-        if not req.images or start >= len(req.prompt_token_ids):
-            return ()
-        assert self.cfg.model.vision is not None
-        merge, out = self.cfg.model.vision.spatial_merge_size, []
-        for img in req.images:
-            lo, hi = max(start, img.offset), min(end, img.offset + img.num_tokens(merge))
-            if lo < hi:
-                out.append(ImageSpan(img, lo - img.offset, hi - img.offset, lo - start))
-        return tuple(out)
+        merge = self.cfg.model.vision.spatial_merge_size if self.cfg.model.vision is not None else 0
+        return step_input(so, self.cfg.speculative.mtp, merge, layer_posts or [])
 
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()

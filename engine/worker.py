@@ -185,6 +185,14 @@ class Worker:
         bs = self.block_size
         for r in step.rows:
             n = len(r.token_ids)
+            if n == 1 and not r.num_draft and r.prompt_logprobs is None:  # a decode row (most of a step)
+                q = r.start_pos
+                ids.append(r.token_ids[0])
+                pos.append(q)
+                slots.append(r.block_ids[q // bs] * bs + q % bs)
+                if r.sample or r.want_logits:
+                    logit_idx.append(len(ids) - 1)
+                continue
             ids += r.token_ids
             p = range(r.start_pos, r.start_pos + n)
             pos += p

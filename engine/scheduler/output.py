@@ -13,7 +13,7 @@ from engine.request import Request
 from engine.step import SnapshotCopy
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRow:
     request: Request
     num_new_tokens: int  # drafts included
@@ -22,17 +22,16 @@ class ScheduledRow:
     # a; one entry when it carries none), so the worker drafts for the next step what it will
     # verify and defers the MTP pass of a request whose depth is about to drop to 0
     draft_depths: tuple[int, ...] = ()
+    # both fixed when the row is planned (the request's computed tokens move only after the step)
+    # Continues a sequence with its one pending token (plus drafts): the recurrent path.
+    is_decode: bool = field(init=False)
+    # This row reaches the end of the known tokens, so it produces the next one.
+    samples: bool = field(init=False)
 
-    @property
-    def is_decode(self) -> bool:
-        """Continues a sequence with its one pending token (plus drafts): the recurrent path."""
-        return self.num_new_tokens - len(self.draft_token_ids) == 1 and self.request.num_computed_tokens > 0
-
-    @property
-    def samples(self) -> bool:
-        """This row reaches the end of the known tokens, so it produces the next one."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids) == r.num_tokens
+    def __post_init__(self) -> None:
+        r, known = self.request, self.num_new_tokens - len(self.draft_token_ids)
+        self.is_decode = known == 1 and r.num_computed_tokens > 0
+        self.samples = r.num_computed_tokens + known == r.num_tokens
 
 
 @dataclass

@@ -151,6 +151,8 @@ class PrefixPlanner:
         (`toks`: tokens just sampled, not yet appended): the prompt's and the reply's."""
         bs, plen, done = self.blocks.block_size, len(req.prompt_token_ids), req.num_computed_tokens
         full = done // bs
+        if full <= req.num_registered:  # no page filled since (most decode steps)
+            return
         hashes = self.hashes(req, full)
         for j in range(req.num_registered, full):
             e = (j + 1) * bs

@@ -1,0 +1,148 @@
+"""Where a decode step's host time goes: the engine's step split into its phases (schedule, the
+step's row inputs, the batch's device inputs, the forward or graph replay, the sampler with its
+one host read, the scheduler's update, the outputs) at batch 1 and 64, median microseconds a
+step, on the CPU or CUDA; then the Python functions by own time over the batch-64 steps
+(cProfile). Greedy or Qwen's chat sampling (--sampled). Not a test.
+
+    python bench/step_phases.py [--device cuda] [--batch 1 64] [--sampled] [--width model|tiny]
+
+`--width model` is bench/gpu_check.py's decode stack (4 layers at Qwen3.5-35B-A3B's widths);
+`tiny` keeps the model's own time small so the host's stands out on the CPU. On CUDA the forward
+phase is timed to its end (a synchronize after it), so the phases add up to the step."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the engine runs in this process (docs/benchmarks.md)
+
+import torch  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.tiny_model import TinyModelSpec, make_tiny_model  # noqa: E402
+
+_MODEL = dict(hidden=2048, intermediate=1024, heads=16, kv_heads=2, head_dim=256, linear_key_heads=16)
+_TINY = dict(hidden=64, intermediate=64, heads=4, kv_heads=2, head_dim=16, linear_key_heads=2)
+WIDTHS: dict[str, dict[str, Any]] = {
+    "model": _MODEL | dict(linear_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128),
+    "tiny": _TINY | dict(linear_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
+}
+CHAT = dict(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5)
+
+
+class Phases:
+    """Wraps bound methods with timers: label -> seconds of each call."""
+
+    def __init__(self, sync) -> None:
+        self.times: dict[str, list[float]] = collections.defaultdict(list)
+        self.sync = sync
+
+    def wrap(self, obj, name: str, label: str, sync: bool = False) -> None:
+        f = getattr(obj, name)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            r = f(*a, **k)
+            if sync:
+                self.sync()
+            self.times[label].append(time.perf_counter() - t0)
+            return r
+
+        setattr(obj, name, timed)
+
+
+def run(device: str, batches: list[int], sampled: bool, width: str, steps: int, vocab: int) -> None:
+    spec = TinyModelSpec(layers=4, vocab=vocab, dtype="bfloat16", tokenizer=False, seed=0, **WIDTHS[width])
+
+    def sync() -> None:  # not inside a graph's capture (the forward is captured on a later step)
+        if device == "cuda" and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()
+
+    with tempfile.TemporaryDirectory() as d:
+        path = str(make_tiny_model(Path(d) / "ckpt", spec))
+        llm = LLM(path, dtype="bfloat16", device=device, kv_cache_memory="2GiB", max_num_seqs=64, engine_process=False)
+        with llm:
+            eng = llm.engine
+            w = eng.executor.worker
+            ph = Phases(sync)
+            ph.wrap(eng.scheduler, "schedule", "schedule")
+            ph.wrap(eng, "_step_input", "row inputs")
+            ph.wrap(w, "build_batch", "batch inputs")
+            graphs = getattr(w, "graphs", None)
+            if graphs is not None:
+                ph.wrap(graphs, "run", "forward (graphs)", sync=True)
+            ph.wrap(w.model, "forward", "forward (eager)", sync=True)
+            ph.wrap(w, "_sample", "sample + read")
+            ph.wrap(eng.scheduler, "update", "update")
+            ph.wrap(eng, "_output", "outputs")
+            for B in batches:
+                gen = torch.Generator().manual_seed(B)
+                extra = CHAT if sampled else dict(temperature=0.0)
+                rids = []
+                for b in range(B):
+                    p = SamplingParams(max_tokens=2 * steps + 16, ignore_eos=True, seed=b if sampled else None, **extra)
+                    rids.append(eng.add_request(torch.randint(0, vocab, (128,), generator=gen).tolist(), p))
+                while any(not eng.requests[r].output_token_ids for r in rids):
+                    eng.step()
+                for _ in range(5):
+                    eng.step()
+                ph.times.clear()
+                walls = []
+                for _ in range(steps):
+                    sync()
+                    t0 = time.perf_counter()
+                    eng.step()
+                    sync()
+                    walls.append(time.perf_counter() - t0)
+                how = "qwen chat" if sampled else "greedy"
+                med = statistics.median(walls)
+                print(f"batch {B} ({device}, {width} widths, {how}): step {med * 1e6:.0f} us median", flush=True)
+                total = 0.0
+                for label, ts in ph.times.items():
+                    per_step = sum(ts) / steps
+                    total += per_step
+                    print(f"  {label:18s} {per_step * 1e6:8.1f} us a step ({len(ts) / steps:.0f} calls)", flush=True)
+                rest = statistics.median(walls) - total
+                print(f"  {'the rest':18s} {rest * 1e6:8.1f} us a step (the step's own code, the executor)", flush=True)
+                if B == max(batches):
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    for _ in range(steps):
+                        eng.step()
+                    prof.disable()
+                    st = pstats.Stats(prof)
+                    print(f"== cProfile, batch {B}, {steps} steps, by own time")
+                    st.sort_stats("tottime").print_stats(30)
+                for r in rids:
+                    eng.abort(r)
+                while eng.has_unfinished():
+                    eng.step()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--sampled", action="store_true", help="Qwen's chat settings with a seed per request")
+    ap.add_argument("--width", choices=sorted(WIDTHS), default="model")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--vocab", type=int, default=4096)
+    a = ap.parse_args()
+    os.environ.setdefault("PDSERVE_CUDA_GRAPHS", "1")
+    run(a.device, a.batch, a.sampled, a.width, a.steps, a.vocab)
+
+
+if __name__ == "__main__":
+    main()
