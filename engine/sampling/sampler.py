@@ -312,13 +312,16 @@ class Sampler:
     def _read(tokens, held, lsm, s: Sections | None, nlp: int) -> tuple[list[int], list[list[float]]]:
         """The call's one host read: the ids, then the head rows' checks, then the logprobs rows'
         [target, n largest, their ids] (float64 holds every id exactly)."""
-        parts = [tokens.double()]
-        if held is not None:
-            parts.append(held.double())
-        if lsm is not None:
-            assert s is not None
-            parts.append(_logprob_cols(lsm, tokens[s["lp.pos"]][:, None], nlp).double().flatten())
-        got = torch.cat(parts).tolist() if len(parts) > 1 else tokens.tolist()
+        if held is None and lsm is None:  # the ids alone (most calls): no cast, no concatenation
+            got = tokens.tolist()
+        else:
+            parts = [tokens.double()]
+            if held is not None:
+                parts.append(held.double())
+            if lsm is not None:
+                assert s is not None
+                parts.append(_logprob_cols(lsm, tokens[s["lp.pos"]][:, None], nlp).double().flatten())
+            got = torch.cat(parts).tolist()
         n, h = tokens.shape[0], 0 if held is None else held.shape[0]
         ids = [int(t) for t in got[: n + h]]
         w = 1 + 2 * nlp
