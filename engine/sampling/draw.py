@@ -98,7 +98,8 @@ def draw(
     x: torch.Tensor, dp: DrawPlan, s: Sections, tokens: torch.Tensor, gen: torch.Generator, everything: bool
 ) -> torch.Tensor | None:
     """Draw every planned position of x [N, V] into tokens [N] (everything: the plan covers all N
-    rows in order). Fused groups (CUDA) take torch.topk's candidates and one kernel each. Returns bool [H] of the head group's members, in order: whether the head
+    rows in order). Fused groups (CUDA) take their candidates from kernels/triton/topk.py (k <= TOPK_SMALL) or
+    torch.topk, and one kernel each. Returns bool [H] of the head group's members, in order: whether the head
     held every token the filters keep (where it did not, that row's token is to be drawn again
     with `plan` / `draw` as a "sort" row), or None without a head group."""
     dev, tag = x.device, dp.tag
@@ -114,9 +115,11 @@ def draw(
         t = s[f"{tag}.{name}.t"]
         if name in dp.fused:  # one kernel: filters, keys, race, store (and the head check)
             from kernels.triton.sampling import draw_triton
+            from kernels.triton.topk import TOPK_SMALL, topk_triton
 
             k = HEAD if name == "head" else max(ks)
-            vals, ids = torch.topk(xs, k, dim=-1)
+            # small k: two launches of ours (ties to the lower id) where torch.topk takes about 17
+            vals, ids = topk_triton(xs, k) if k <= TOPK_SMALL else torch.topk(xs, k, dim=-1)
             total = torch.logsumexp(xs / t[:, None], dim=-1) if name == "head" else None
             ctr = s[f"{tag}.{name}.ctr"]
             rand = random_seeds(len(members), gen, dev) if dp.fused[name] else ctr

@@ -3,11 +3,19 @@ the exponential race of the filtered rows (each kept token's probability over it
 variate, the largest wins: the token with probability p wins with probability p, and which one
 wins depends on each token's own variate, not on the candidates' order) and the inverse-CDF
 draw of rows with temperature alone (one searchsorted into the cumulative probability, in id
-order)."""
+order). `topk_reference` is the candidates' order that kernels/triton/topk.py keeps."""
 
 from __future__ import annotations
 
 import torch
+
+
+def topk_reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of each row of x [N, V] as float32, descending, ties to the lower id, NaN as
+    -inf (a stable sort): (values [N, k], ids int64 [N, k])."""
+    x = torch.nan_to_num(x.float(), nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    vals, ids = torch.sort(x, dim=-1, descending=True, stable=True)
+    return vals[:, :k].contiguous(), ids[:, :k].contiguous()
 
 
 def candidate_probs(

@@ -213,7 +213,7 @@ def record_triton(rows, at, tokens, tok, cnt, size) -> None:
 
 @functools.cache
 def available(device: torch.device) -> bool:
-    """Whether the three kernels compile and run on `device` (tried once, on tiny inputs): the
+    """Whether the three kernels (and the small top-k's) compile and run on `device` (tried once, on tiny inputs): the
     sampler takes its PyTorch path, with a warning, where this Triton cannot build them."""
     try:
         f = torch.ones(2, device=device)
@@ -229,6 +229,9 @@ def available(device: torch.device) -> bool:
         x = torch.zeros(2, 16, device=device)
         penalties_triton(x, i, i, tok, cnt, cnt.bool(), size, f, torch.ones(2, 2, device=device))
         record_triton(i[:1], i[:1], tokens, tok, cnt, size)
+        from kernels.triton.topk import topk_triton  # the topk group's candidates (engine/sampling/draw.py)
+
+        topk_triton(x, 2, block=16)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return True

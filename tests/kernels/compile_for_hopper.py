@@ -17,7 +17,7 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.triton import fp8, moe, sampling  # noqa: E402
+from kernels.triton import fp8, moe, sampling, topk  # noqa: E402
 
 DTYPES = (("bf16", tl.bfloat16, False), ("fp32", tl.float32, True))
 # Pointer arguments by name (without _ptr); the others are activations, or weights ("w").
@@ -47,6 +47,7 @@ def main() -> None:
             ce = dict(BM=16, BN=64, BK=128 if aligned else 32, ALIGNED=aligned, XDT=tdt, DOT_F32=f32)
             compile_kernel(fp8._fp8_block_linear_kernel, xdt, True, ce)
     compile_sampling()
+    compile_topk()
     print("compiled")
 
 
@@ -55,7 +56,7 @@ def compile_sampling() -> None:
     passes them."""
     f32, i64 = "*fp32", "*i64"
     draw = dict(vals=f32, ids=i64, temp=f32, topk=i64, topp=f32, minp=f32, seed=i64, ctr=i64, seeded=i64)
-    draw |= dict(rand=f32, total=f32, q=i64, tokens=i64, held="*i8")
+    draw |= dict(rand=i64, total=f32, q=i64, tokens=i64, held="*i8")
     for has_total in (False, True):
         sig = {n: draw.get(n.removesuffix("_ptr"), "i32") for n in sampling._draw_kernel.arg_names}
         sig |= {"HAS_TOTAL": "constexpr", "BLOCK": "constexpr"}
@@ -77,6 +78,21 @@ def compile_sampling() -> None:
     triton.compile(
         ASTSource(fn=sampling._record_kernel, signature=sig, constexprs={"BLOCK": 64}), target=GPUTarget("cuda", 90, 32)
     )
+
+
+def compile_topk() -> None:
+    """The small top-k's two stages (kernels/triton/topk.py), float32 and bfloat16 logits."""
+    for xdt in ("*fp32", "*bf16"):
+        args = dict(x=xdt, cand_v="*fp32", cand_i="*i32")
+        sig = {n: args.get(n.removesuffix("_ptr"), "i32") for n in topk._stage1.arg_names}
+        sig |= {"KPAD": "constexpr", "BLOCK": "constexpr"}
+        src = ASTSource(fn=topk._stage1, signature=sig, constexprs={"KPAD": 32, "BLOCK": 4096})
+        triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    args = dict(cand_v="*fp32", cand_i="*i32", out_v="*fp32", out_i="*i64")
+    sig = {n: args.get(n.removesuffix("_ptr"), "i32") for n in topk._stage2.arg_names}
+    sig |= {"KPAD": "constexpr", "CBLOCK": "constexpr"}
+    src = ASTSource(fn=topk._stage2, signature=sig, constexprs={"KPAD": 32, "CBLOCK": 2048})
+    triton.compile(src, target=GPUTarget("cuda", 90, 32))
 
 
 if __name__ == "__main__":

@@ -91,3 +91,12 @@ def test_conv_update_reads_nothing_back():
     with host_reads() as calls:
         causal_conv1d_update_triton(x, w, pool, slots)
     assert calls == []
+
+
+def test_small_topk_reads_nothing_back():
+    from kernels.triton.topk import topk_triton
+
+    x = torch.randn(3, 200, generator=torch.Generator().manual_seed(5))
+    with host_reads() as calls:
+        topk_triton(x, 4, block=64)
+    assert calls == []
