@@ -1,8 +1,9 @@
 """The sampler's top-k for small k on CUDA: the k largest logits of each row, sorted, in two
 launches and no host read, where torch.topk's radix select takes about 17 launches and 190 us
-at 64 x 151,936 on an H100 (docs/benchmarks.md). Stage 1 splits each row into blocks of BLOCK
-columns and takes each block's k largest by k rounds of (max, lowest column holding it); stage 2
-does the same over a row's block candidates. Ties go to the lower id, NaN counts as -inf, and a
+at 64 x 151,936 on an H100 (docs/benchmarks.md). Each (value, id) is one int64 key that orders
+as the top-k does, so a round is one max: stage 1 splits each row into blocks of BLOCK columns
+and takes each block's k largest keys by k rounds; stage 2 does the same over a row's block
+candidates and unpacks the keys. Ties go to the lower id, NaN counts as -inf, and a
 row with fewer than k finite values fills up with its lowest -inf ids. Reference:
 engine/sampling/filters.py `topk_reference`; tests/kernels/test_topk_triton.py compares them."""
 
@@ -13,44 +14,50 @@ import triton
 import triton.language as tl
 
 TOPK_SMALL = 64  # the largest k these kernels take (the sampler's torch.topk above it)
-BLOCK = 4096  # columns of a row a stage-1 program reads
-_NO_ID = tl.constexpr(2**31 - 1)  # above every column id
+BLOCK = 2048  # columns of a row a stage-1 program reads
+_DEAD = tl.constexpr(-(2**63))  # below every key
+_LOW = tl.constexpr(0x7FFFFFFF)  # ids < 2**31
 
 
 @triton.jit
-def _rounds(x, ids, alive, out_v_ptr, out_i_ptr, K):
-    """K rounds over one program's values x and ids: each stores the largest alive value and the
-    lowest id holding it, then retires that id."""
-    for i in range(K):
-        m = tl.max(tl.where(alive, x, float("-inf")), axis=0)
-        pick = tl.min(tl.where(alive & (x == m), ids, _NO_ID), axis=0)
-        tl.store(out_v_ptr + i, m)
-        tl.store(out_i_ptr + i, pick)
-        alive = alive & (ids != pick)
+def _keys(x, ids):
+    """One int64 per (value, id) whose order is the top-k's: the value's bits made signed-int
+    ordered (NaN read as -inf, -0.0 as +0.0) above, 2**31 - 1 - id below (ties to the lower id)."""
+    x = tl.where(x == x, x, float("-inf"))
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (ids.to(tl.int64) * -1 + _LOW)
 
 
 @triton.jit
-def _stage1(x_ptr, stride_x, V, cand_v_ptr, cand_i_ptr, K, KPAD: tl.constexpr, BLOCK: tl.constexpr):
+def _stage1(x_ptr, stride_x, V, cand_ptr, K, KPAD: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     cols = split * BLOCK + tl.arange(0, BLOCK)
     inside = cols < V
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=inside, other=float("-inf")).to(tl.float32)
-    x = tl.where(x == x, x, float("-inf"))  # NaN -> -inf
-    base = (row.to(tl.int64) * tl.num_programs(1) + split) * KPAD
-    _rounds(x, cols, inside, cand_v_ptr + base, cand_i_ptr + base, K)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+    keys = tl.where(inside, _keys(x, cols), _DEAD)
+    out = cand_ptr + (row.to(tl.int64) * tl.num_programs(1) + split) * KPAD
+    for i in range(K):  # the block's K largest keys, largest first (_DEAD where it has fewer)
+        m = tl.max(keys, axis=0)
+        tl.store(out + i, m)
+        keys = tl.where(keys == m, _DEAD, keys)
 
 
 @triton.jit
-def _stage2(cand_v_ptr, cand_i_ptr, SPLITS, out_v_ptr, out_i_ptr, K, KPAD: tl.constexpr, CBLOCK: tl.constexpr):
+def _stage2(cand_ptr, SPLITS, out_v_ptr, out_i_ptr, K, KPAD: tl.constexpr, CBLOCK: tl.constexpr):
     row = tl.program_id(0)
     j = tl.arange(0, CBLOCK)
     valid = (j < SPLITS * KPAD) & ((j % KPAD) < K)
-    base = row.to(tl.int64) * SPLITS * KPAD
-    x = tl.load(cand_v_ptr + base + j, mask=valid, other=float("-inf"))
-    ids = tl.load(cand_i_ptr + base + j, mask=valid, other=_NO_ID)
-    out = row.to(tl.int64) * K
-    _rounds(x, ids, valid, out_v_ptr + out, out_i_ptr + out, K)
+    keys = tl.load(cand_ptr + row.to(tl.int64) * SPLITS * KPAD + j, mask=valid, other=_DEAD)
+    for i in range(K):
+        m = tl.max(keys, axis=0)
+        ordered = (m >> 32).to(tl.int32)
+        bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
+        tl.store(out_v_ptr + row.to(tl.int64) * K + i, bits.to(tl.float32, bitcast=True))
+        tl.store(out_i_ptr + row.to(tl.int64) * K + i, (m & _LOW) * -1 + _LOW)
+        keys = tl.where(keys == m, _DEAD, keys)
 
 
 def topk_triton(x: torch.Tensor, k: int, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,15 +70,16 @@ def topk_triton(x: torch.Tensor, k: int, block: int = BLOCK) -> tuple[torch.Tens
         raise ValueError(f"k must be in 1..{min(TOPK_SMALL, v)} for a vocabulary of {v} (got {k})")
     if block < k or block & (block - 1):
         raise ValueError(f"block must be a power of two >= k (got {block})")
+    if v >= 2**31:
+        raise ValueError(f"ids must fit 31 bits (a vocabulary of {v})")
     kpad = triton.next_power_of_2(k)
     splits = triton.cdiv(v, block)
     vals = torch.empty(n, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(n, k, dtype=torch.int64, device=x.device)
     if n:
-        cand_v = torch.empty(n, splits, kpad, dtype=torch.float32, device=x.device)
-        cand_i = torch.empty(n, splits, kpad, dtype=torch.int32, device=x.device)
-        warps = 8 if block >= 2048 else 4
-        _stage1[(n, splits)](x, x.stride(0), v, cand_v, cand_i, k, KPAD=kpad, BLOCK=block, num_warps=warps)
+        cand = torch.empty(n, splits, kpad, dtype=torch.int64, device=x.device)
+        warps = 8 if block >= 4096 else 4
+        _stage1[(n, splits)](x, x.stride(0), v, cand, k, KPAD=kpad, BLOCK=block, num_warps=warps)
         cblock = triton.next_power_of_2(splits * kpad)
-        _stage2[(n,)](cand_v, cand_i, splits, vals, ids, k, KPAD=kpad, CBLOCK=cblock, num_warps=8)
+        _stage2[(n,)](cand, splits, vals, ids, k, KPAD=kpad, CBLOCK=cblock, num_warps=8)
     return vals, ids

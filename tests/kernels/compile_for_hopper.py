@@ -83,15 +83,15 @@ def compile_sampling() -> None:
 def compile_topk() -> None:
     """The small top-k's two stages (kernels/triton/topk.py), float32 and bfloat16 logits."""
     for xdt in ("*fp32", "*bf16"):
-        args = dict(x=xdt, cand_v="*fp32", cand_i="*i32")
+        args = dict(x=xdt, cand="*i64")
         sig = {n: args.get(n.removesuffix("_ptr"), "i32") for n in topk._stage1.arg_names}
         sig |= {"KPAD": "constexpr", "BLOCK": "constexpr"}
-        src = ASTSource(fn=topk._stage1, signature=sig, constexprs={"KPAD": 32, "BLOCK": 4096})
+        src = ASTSource(fn=topk._stage1, signature=sig, constexprs={"KPAD": 32, "BLOCK": 2048})
         triton.compile(src, target=GPUTarget("cuda", 90, 32))
-    args = dict(cand_v="*fp32", cand_i="*i32", out_v="*fp32", out_i="*i64")
+    args = dict(cand="*i64", out_v="*fp32", out_i="*i64")
     sig = {n: args.get(n.removesuffix("_ptr"), "i32") for n in topk._stage2.arg_names}
     sig |= {"KPAD": "constexpr", "CBLOCK": "constexpr"}
-    src = ASTSource(fn=topk._stage2, signature=sig, constexprs={"KPAD": 32, "CBLOCK": 2048})
+    src = ASTSource(fn=topk._stage2, signature=sig, constexprs={"KPAD": 32, "CBLOCK": 4096})
     triton.compile(src, target=GPUTarget("cuda", 90, 32))
 
 
