@@ -109,3 +109,37 @@ def test_the_fused_sampler_draws_what_the_pytorch_path_draws(monkeypatch):
         assert s.fused == (fused == "1" or DEV == "cuda")
         got[fused] = [s(logits.clone().to(DEV), rows(), list(range(8)))[0] for _ in range(3)]
     assert got["0"] == got["1"]
+
+
+@pytest.mark.gpu
+def test_cuda_sampler_draws_the_torch_topk_tokens(monkeypatch):
+    """On CUDA both samplers above are fused, so this compares the candidates themselves: Qwen's chat
+    settings at 64 x 151,936, the fused draw over this top-k against the same draw over torch.topk's
+    (TOPK_SMALL at 0 sends engine/sampling/draw.py to torch.topk). Random float32 logits hold no ties
+    among a row's 20 largest, where the two orders could differ."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import kernels.triton.topk as topk
+    from engine.sampling import Sampler
+    from engine.sampling_params import SamplingParams
+    from engine.step import RowInput
+
+    chat = dict(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5)
+    params = [SamplingParams(**chat, seed=100 + b) for b in range(64)]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    steps = [torch.randn(64, 151_936, device="cuda", generator=gen) * 4 for _ in range(3)]
+
+    def rows(step):
+        hist = (list(range(40)), list(range(500, 500 + step)))
+        return [
+            RowInput(f"r{b}", [7], 40 + step, 0, [], True, True, params=p, history=hist, num_output=step)
+            for b, p in enumerate(params)
+        ]
+
+    got = {}
+    for small in (TOPK_SMALL, 0):
+        monkeypatch.setattr(topk, "TOPK_SMALL", small)
+        s = Sampler(device="cuda")
+        assert s.fused, "the sampler's Triton kernels did not build on this GPU"
+        got[small] = [s(x.clone(), rows(i), list(range(64)))[0] for i, x in enumerate(steps)]
+    assert got[TOPK_SMALL] == got[0]
