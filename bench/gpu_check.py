@@ -250,6 +250,9 @@ def sampler(results: dict) -> None:
         "kernels/triton/topk.py 20": lambda: topk_triton(logits, 20),
         "kernels/triton/topk.py 20, blocks of 2048": lambda: topk_triton(logits, 20, block=2048),
         "kernels/triton/topk.py 20, blocks of 8192": lambda: topk_triton(logits, 20, block=8192),
+        "kernels/triton/topk.py 20, blocks of 1024, 1 warp": lambda: topk_triton(logits, 20, block=1024, warps=1),
+        "kernels/triton/topk.py 20, blocks of 2048, 1 warp": lambda: topk_triton(logits, 20, block=2048, warps=1),
+        "kernels/triton/topk.py 20, blocks of 2048, 2 warps": lambda: topk_triton(logits, 20, block=2048, warps=2),
         "torch.topk 1024": lambda: torch.topk(logits, 1024, dim=-1),
         "logsumexp": lambda: torch.logsumexp(logits / 0.8, dim=-1),
     }
