@@ -22,10 +22,19 @@ class BlockTables:
         """The page tables of this step's decode rows (each has .request_id, .slot, .block_ids) as
         int64 [len(rows), widest row's pages]."""
         self._step += 1
+        step, rid, n, tail, seen, size = self._step, self._rid, self._n, self._tail, self._seen, len(self._n)
         width = 0
         for r in rows:
-            self._write(r.slot, r.request_id, r.block_ids)
-            width = max(width, len(r.block_ids))
+            s, pages = r.slot, r.block_ids
+            m = len(pages)
+            # most rows of a decode step: the slot's request, seen the step before, no new page
+            if s < size and seen[s] == step - 1 and n[s] == m and m and rid[s] == r.request_id and pages[-1] == tail[s]:
+                seen[s] = step
+            else:
+                self._write(s, r.request_id, pages)
+                size = len(self._n)
+            if m > width:
+                width = m
         slots = [r.slot for r in rows]
         first = slots[0]
         if slots == list(range(first, first + len(slots))):

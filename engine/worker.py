@@ -22,7 +22,7 @@ from engine.devices import StepFence, bind, node_devices
 from engine.loader import load_mtp_weights, load_weights
 from engine.memory_profile import CudaProbe, MemoryProbe, profile_steps
 from engine.model.batch import ForwardBatch, IntPack, group_fields, make_group
-from engine.model.graphs import DecodeGraphs, graphs_wanted
+from engine.model.graphs import DecodeGraphs, graphs_wanted, plain_decode
 from engine.model.layers import AllReduce
 from engine.model.mtp import MTPBlock, MTPDrafter
 from engine.model.qwen3_5 import Qwen35Model
@@ -181,6 +181,10 @@ class Worker:
         return fn(self, *args, **kwargs)
 
     def build_batch(self, step: StepInput) -> ForwardBatch:
+        if self.graphs is not None and not step.layer_posts and plain_decode(step.rows):
+            staged = self.graphs.stage(step.rows, self.block_tables, self.block_size)
+            if staged is not None:
+                return staged
         ids, pos, slots, logit_idx = [], [], [], []
         bs = self.block_size
         for r in step.rows:
@@ -302,19 +306,21 @@ class Worker:
             self.grammar.prepare([r for r in step.rows if r.sample or r.num_draft])
         self.pools.snapshots.save(self.pools, step.landed)  # before the forward changes them
         self.pools.snapshots.restore(self.pools, step.restores)  # prefix hits start from their snapshot
-        hidden = None
+        hidden, static = None, False
         after = self._after_layer(step)
         if self.drafter is not None:
             self._resume_drafts(step)
             logits, hidden = self.model.forward(batch, self.pools, want_hidden=True, after_layer=after)
         else:
             logits = self.graphs.run(batch) if self.graphs is not None and after is None else None
+            # replayed: the logits are in the graph's memory, where the sampler may replay its own graph
+            static = logits is not None and self.graphs is not None and self.graphs.replayed
             if logits is None:
                 logits = self.model.forward(batch, self.pools, after_layer=after)
             self.pools.snapshots.save(self.pools, step.saves)
         out = StepOutput({})
         if self.rank == 0:
-            self._sample(step, logits, out)
+            self._sample(step, logits, out, static)
         spec_rows = [(b, r) for b, r in enumerate(step.rows) if r.num_draft]  # decode rows come first
         if not spec_rows and self.drafter is None:
             out.seconds = time.perf_counter() - t0
@@ -380,7 +386,7 @@ class Worker:
             out[c.index] = hidden[o + c.last - p]
         return out
 
-    def _sample(self, step: StepInput, logits: torch.Tensor, out: StepOutput) -> None:
+    def _sample(self, step: StepInput, logits: torch.Tensor, out: StepOutput, static: bool = False) -> None:
         """Rank 0: sample every sampling row and verify drafts in one batch (engine/sampling),
         keep wanted logits and logprobs (into `out`)."""
         i = 0
@@ -407,7 +413,7 @@ class Worker:
         for j, r in wanted:  # before the sampler overwrites the logits
             out.logits[r.request_id] = logits[j].cpu()
         if rows:
-            emitted, logprobs = self.sampler(logits, rows, first)
+            emitted, logprobs = self.sampler(logits, rows, first, static)
             out.sampled.update((r.request_id, toks) for r, toks in zip(rows, emitted))
             out.logprobs.update(logprobs)
 

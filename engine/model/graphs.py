@@ -1,5 +1,8 @@
 """CUDA graphs for plain decode steps (one token per row, no prefill rows, no drafts, TP 1): the
-step's inputs are copied into buffers the graph owns, one graph per batch size. The first step of
+step's inputs are copied into buffers the graph owns, one graph per batch size. A decode step the
+graphs take is staged by `stage` straight into its size's buffers: its ids, positions, slots and
+page tables written to pinned host memory, then one upload (two with the page tables), no
+per-field copies. The first step of
 a size runs eagerly on those buffers (compiling every kernel for their exact shapes and strides),
 the next one captures the graph and replays it from then on. Any other step, and any size whose
 capture failed, runs eagerly. PDSERVE_CUDA_GRAPHS=0 turns graphs off (docs/engine.md, "CUDA
@@ -25,11 +28,69 @@ def graphs_wanted(device: torch.device, tp: int) -> bool:
     return device.type == "cuda" and tp == 1 and os.environ.get("PDSERVE_CUDA_GRAPHS", "1") != "0"
 
 
+# the staged fields of a decode step of n rows, in this order in one int64 buffer of STAGED * n
+STAGED = ("input_ids", "positions", "slot_mapping", "slot_ids", "seq_lens")
+
+
+def plain_decode(rows) -> bool:
+    """Whether a step's rows (engine/step.py RowInput) are all plain decode rows as `stage` takes
+    them: one token past a non-empty context, scoring it, no drafts, prompt logprobs or images."""
+    return all(
+        r.is_decode
+        and len(r.token_ids) == 1
+        and not r.num_draft
+        and r.prompt_logprobs is None
+        and (r.sample or r.want_logits)
+        and r.start_pos > 0
+        and r.mrope is None
+        and not r.rope_delta
+        for r in rows
+    )
+
+
 @dataclass
 class _Buffers:
-    """The inputs of a decode step of B rows, in tensors that outlive the step."""
+    """The inputs of a decode step of B rows, in tensors that outlive the step. `flat` holds the
+    STAGED fields back to back (`batch`'s tensors are views of it); `host` is its pinned twin."""
 
     batch: ForwardBatch
+    flat: torch.Tensor | None = None
+    host: torch.Tensor | None = None
+    host_tables: torch.Tensor | None = None
+    pending: Any = None  # a CUDA event after the last upload from `host`
+    pinned: bool = False  # `host` is pinned (CUDA): its uploads are asynchronous
+    mixed: bool = False  # `load` wrote has_initial_state (staged buffers keep it all True)
+    stepped: bool = False  # a step has run on these buffers
+
+    @classmethod
+    def staged(cls, n: int, width: int, device: torch.device) -> _Buffers:
+        """Buffers for n plain decode rows: each row's one token is scored (logits_indices and
+        cu_seqlens 0 .. n) and continues its slot's sequence (has_initial_state), fixed here."""
+        flat = torch.zeros(len(STAGED) * n, dtype=torch.int64, device=device)
+        f = dict(zip(STAGED, flat.view(len(STAGED), n)))
+        steps = torch.arange(n + 1, dtype=torch.int64, device=device)
+        group = RowGroup(
+            tok_start=0,
+            tok_end=n,
+            cu_seqlens=steps,
+            slot_ids=f["slot_ids"],
+            has_initial_state=torch.ones(n, dtype=torch.bool, device=device),
+            seq_lens=f["seq_lens"],
+            block_tables=torch.zeros(n, width, dtype=torch.int64, device=device),
+            decode=True,
+            max_row_tokens=1,
+        )
+        batch = ForwardBatch(
+            input_ids=f["input_ids"],
+            positions=f["positions"],
+            slot_mapping=f["slot_mapping"],
+            decode=group,
+            prefill=None,
+            logits_indices=steps[:n],
+        )
+        pinned = device.type == "cuda"
+        host = torch.zeros(len(STAGED) * n, dtype=torch.int64, pin_memory=pinned)
+        return cls(batch, flat, host, torch.zeros(n * width, dtype=torch.int64, pin_memory=pinned), pinned=pinned)
 
     @classmethod
     def like(cls, b: ForwardBatch, width: int) -> _Buffers:
@@ -73,6 +134,7 @@ class _Buffers:
             (sd.seq_lens, bd.seq_lens),
         ):
             dst.copy_(x, non_blocking=True)
+        self.mixed = self.flat is not None
         # columns past a row's pages are never read (the kernels stop at seq_lens)
         sd.block_tables[:, : bd.block_tables.shape[1]].copy_(bd.block_tables, non_blocking=True)
 
@@ -95,6 +157,7 @@ class DecodeGraphs:
         self.stream = torch.cuda.Stream() if capture else None
         self.replays = 0  # steps replayed from a graph
         self.covered = 0  # steps run on the buffers (replayed or eager)
+        self.replayed = False  # the last `run` replayed a graph (its logits are the graph's)
 
     def covers(self, b: ForwardBatch) -> bool:
         dec = b.decode
@@ -110,22 +173,68 @@ class DecodeGraphs:
             and dec.num_rows not in self.failed
         )
 
+    def stage(self, rows, tables, block_size: int) -> ForwardBatch | None:
+        """A plain decode step's batch (`plain_decode(rows)`; tables: engine/block_tables.py) made
+        in this size's buffers, which `run` then finds loaded; None where the graphs do not take
+        the step (the worker builds it the general way)."""
+        n = len(rows)
+        if n in self.failed:
+            return None
+        g = self.sizes.get(n)
+        if g is None:
+            g = self.sizes[n] = _Graph(_Buffers.staged(n, self.width, self.model.embed.device))
+        elif g.buffers.flat is None:  # this size's buffers came from a general batch: loaded by `run`
+            return None
+        buf = g.buffers
+        assert buf.host is not None and buf.flat is not None and buf.host_tables is not None
+        if buf.pending is not None:  # the last upload from these host buffers must be done
+            buf.pending.synchronize()
+        bs = block_size
+        pos = [r.start_pos for r in rows]
+        vals = [r.token_ids[0] for r in rows]
+        vals += pos
+        vals += [r.block_ids[q // bs] * bs + q % bs for r, q in zip(rows, pos)]
+        vals += [r.slot for r in rows]
+        vals += [q + 1 for q in pos]
+        buf.host.copy_(torch.tensor(vals, dtype=torch.int64))
+        table = tables.rows(rows)
+        w = table.shape[1]
+        if w > self.width:
+            return None
+        host_t = buf.host_tables[: n * w].view(n, w)
+        host_t.copy_(table)
+        dec = buf.batch.decode
+        assert dec is not None
+        if buf.mixed:
+            dec.has_initial_state.fill_(True)
+            buf.mixed = False
+        buf.flat.copy_(buf.host, non_blocking=True)
+        # columns past a row's pages are never read (the kernels stop at seq_lens)
+        dec.block_tables[:, :w].copy_(host_t, non_blocking=True)
+        if buf.pinned:
+            buf.pending = torch.cuda.Event()
+            buf.pending.record()
+        return buf.batch
+
     @torch.inference_mode()
     def run(self, b: ForwardBatch) -> torch.Tensor | None:
         """The step's logits [B, vocab] float32 through this size's graph (or its buffers), or
         None: the caller runs the step eagerly. The logits live in the graph's memory until the
         next replay of that size."""
+        self.replayed = False
         if not self.covers(b):
             return None
         assert b.decode is not None
         n = b.decode.num_rows
         self.covered += 1
         g = self.sizes.get(n)
-        if g is None:  # first step of this size: eagerly, on the buffers
+        if g is None:
             g = self.sizes[n] = _Graph(_Buffers.like(b, self.width))
+        if g.buffers.batch is not b:  # a batch built the general way: into the buffers
             g.buffers.load(b)
+        if not g.buffers.stepped:  # first step of this size: eagerly, on the buffers
+            g.buffers.stepped = True
             return self._eager(g)
-        g.buffers.load(b)
         if not self.capture:
             return self._eager(g)
         if g.graph is None and not self._capture(n, g):
@@ -133,6 +242,7 @@ class DecodeGraphs:
         assert g.graph is not None
         g.graph.replay()
         self.replays += 1
+        self.replayed = True
         return g.logits
 
     def _eager(self, g: _Graph) -> torch.Tensor:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.model.graphs import DecodeGraphs
+from engine.model.graphs import DecodeGraphs, plain_decode
 from tests.helpers import hybrid_ckpt as hc
 
 
@@ -46,6 +46,41 @@ def test_buffers_give_eager_tokens_on_cpu(ckpt, dtype, sampled):
     got, g = _run(ckpt, "cpu", dtype, "buffers", sampled)
     assert got == ref
     assert g.covered >= 10 and len(g.sizes) >= 3  # decode steps at several batch sizes went through
+    assert all(x.buffers.flat is not None for x in g.sizes.values())  # every one staged in place
+
+
+def test_staged_batch_equals_the_general_one(ckpt):
+    """`stage` writes a plain decode step into its size's buffers; each field equals what the
+    worker's general path builds from the same rows."""
+    params = _params(4, sampled=False)
+    with LLM(ckpt, dtype="float32", enable_prefix_caching=False, engine_process=False) as llm:
+        eng = llm.engine
+        w = eng.executor.worker
+        w.graphs = None
+        for p, prompt in zip(params, hc.prompts()[:4]):
+            eng.add_request(prompt, p)
+        seen = []
+        real = w.build_batch
+
+        def both(step):  # staged first: the page tables it grows are written by the general path after
+            g = DecodeGraphs(w.model, w.pools, w.max_pages_per_row(), capture=False)
+            staged = g.stage(step.rows, w.block_tables, w.block_size) if plain_decode(step.rows) else None
+            general = real(step)
+            seen.append((general, staged))
+            return general
+
+        w.build_batch = both
+        for _ in range(8):
+            eng.step()
+    pairs = [(a, b) for a, b in seen if b is not None]
+    assert len(pairs) >= 5
+    for a, b in pairs:
+        for f in ("input_ids", "positions", "slot_mapping", "logits_indices"):
+            assert torch.equal(getattr(a, f), getattr(b, f)), f
+        for f in ("cu_seqlens", "slot_ids", "has_initial_state", "seq_lens"):
+            assert torch.equal(getattr(a.decode, f), getattr(b.decode, f)), f
+        w_ = a.decode.block_tables.shape[1]
+        assert torch.equal(a.decode.block_tables, b.decode.block_tables[:, :w_])
 
 
 def test_other_steps_are_not_covered(ckpt):
