@@ -196,7 +196,9 @@ def sampler(results: dict) -> None:
     """One sampler call over 64 rows of 151,936 float32 logits, wall time including the call's one
     host read: greedy; Qwen's chat settings (temperature 0.7, top-p 0.8, top-k 20, presence
     penalty 1.5, a seed per row) on new requests (their penalty tables built each call) and on
-    running ones (each call advances every row by its token, the host loop included); top-p alone;
+    running ones (each call advances every row by its token, the host loop included), eager and
+    with the plan's device work replayed from its CUDA graph (each call first copies the logits into
+    one buffer, as a decode graph's output sits at one address); top-p alone;
     and the two device ops of top-p alone (the 1024-token head and the row's logsumexp)."""
     from engine.sampling import Sampler
     from engine.sampling_params import SamplingParams
@@ -210,6 +212,7 @@ def sampler(results: dict) -> None:
         "greedy": [SamplingParams(temperature=0.0) for _ in range(B)],
         "qwen chat, seeded": [SamplingParams(**chat, seed=1000 + b) for b in range(B)],
         "qwen chat, seeded, running rows": [SamplingParams(**chat, seed=1000 + b) for b in range(B)],
+        "qwen chat, seeded, running rows, graphed": [SamplingParams(**chat, seed=1000 + b) for b in range(B)],
         "top-p 0.95 only, seeded": [SamplingParams(temperature=0.8, top_p=0.95, seed=b) for b in range(B)],
     }
     first = list(range(B))
@@ -221,10 +224,13 @@ def sampler(results: dict) -> None:
             )
             for b, p in enumerate(params)
         ]
-        if name.endswith("running rows"):
+        if "running rows" in name:
+            work = torch.empty_like(logits)  # one address, as a decode graph's logits: `static`
+            static = name.endswith("graphed")
 
-            def call(s=s, rows=rows):
-                emitted, _ = s(logits.clone(), rows, first)
+            def call(s=s, rows=rows, work=work, static=static):
+                work.copy_(logits)
+                emitted, _ = s(work, rows, first, static=static)
                 for r, toks in zip(rows, emitted):
                     r.history[1].append(toks[0])
                     r.num_output += 1
@@ -234,7 +240,7 @@ def sampler(results: dict) -> None:
             def call(s=s, rows=rows):
                 s(logits.clone(), rows, first)
 
-        if name.endswith("running rows"):  # a call reuses the last one's plan: single calls, wall clock
+        if "running rows" in name:  # a call reuses the last one's plan: single calls, wall clock
             med, lo, hi = _wall_us(call)
             print(f"sampler batch {B}, vocab {V}, {name}: {med:.0f} us a call (wall median; {lo:.0f}-{hi:.0f})")
             results.setdefault("sampler", []).append({"case": name, "batch": B, "vocab": V, "us": med, "wall": True})
@@ -252,7 +258,7 @@ def sampler(results: dict) -> None:
         "kernels/triton/topk.py 20, blocks of 8192": lambda: topk_triton(logits, 20, block=8192),
         "kernels/triton/topk.py 20, blocks of 1024, 1 warp": lambda: topk_triton(logits, 20, block=1024, warps=1),
         "kernels/triton/topk.py 20, blocks of 2048, 1 warp": lambda: topk_triton(logits, 20, block=2048, warps=1),
-        "kernels/triton/topk.py 20, blocks of 2048, 2 warps": lambda: topk_triton(logits, 20, block=2048, warps=2),
+        "kernels/triton/topk.py 20, blocks of 2048, 4 warps": lambda: topk_triton(logits, 20, block=2048, warps=4),
         "torch.topk 1024": lambda: torch.topk(logits, 1024, dim=-1),
         "logsumexp": lambda: torch.logsumexp(logits / 0.8, dim=-1),
     }

@@ -5,12 +5,16 @@ pack.py): at most two host-to-device copies a call, whatever the batch, and one 
 ids, with the logprobs rows' entries and the head rows' checks in the same read). Only a top-p /
 min-p row whose 1024 most likely tokens do not hold its kept set costs a second read, after its
 sorted draw. A call over the same rows as the last, each a token (or the same number of tokens)
-further on, reuses the last plan and its uploads, advancing the draws' counters on the device
-(docs/engine.md)."""
+further on, reuses the last plan and its uploads, advancing the draws' counters on the device; on
+CUDA, once a plan has been reused twice, its device work is captured in a CUDA graph and replayed
+(docs/engine.md, "The sampler on CUDA")."""
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,6 +22,8 @@ from engine.sampling import draw as drawing
 from engine.sampling.pack import HostPack, Sections
 from engine.sampling.penalties import TokenCounts
 from kernels.triton import force_triton
+
+log = logging.getLogger("pdserve.engine")
 
 # (token id, log-probability, [(id, log-probability) of the n most likely, most likely first])
 TokenLogprob = tuple[int, float, list[tuple[int, float]]]
@@ -74,6 +80,9 @@ class _CallPlan:
     dp: drawing.DrawPlan | None
     s: Sections
     counters: list[str]  # int sections of the draws' counters (num_output + draft index)
+    graphable: bool = False  # its device work may be replayed from a CUDA graph (`Sampler._graphed`)
+    reuses: int = 0  # calls that reused it
+    graph: Any = None  # (torch.cuda.CUDAGraph, the logits it reads, the tokens it writes)
 
 
 def _call_key(rows, first: list[int], num_logits: int) -> tuple:
@@ -100,6 +109,7 @@ class Sampler:
         self.counts: TokenCounts | None = None  # made at the first penalized row (it needs V)
         self._fused: bool | None = None
         self._plan: _CallPlan | None = None  # the last call's, for the next call with the same rows
+        self.replays = 0  # calls whose device work was replayed from a CUDA graph
 
     @property
     def fused(self) -> bool:
@@ -175,6 +185,7 @@ class Sampler:
             a.ban = True
             pack.ints("ban.at", ban_at)
             pack.ints("ban.tok", ban_tok)
+            pack.floats("ban.val", [float("-inf")] * len(ban_at))  # on the device: a graph copies no host value
         return a
 
     def _apply_adjust(self, x: torch.Tensor, a: _Adjust, s: Sections) -> None:
@@ -188,15 +199,18 @@ class Sampler:
         if a.bias:
             x.index_put_((s["bias.at"], s["bias.tok"]), s["bias.val"], accumulate=True)
         if a.ban:
-            x[s["ban.at"], s["ban.tok"]] = float("-inf")
+            x.index_put_((s["ban.at"], s["ban.tok"]), s["ban.val"])
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, rows, first: list[int]) -> tuple[list[list[int]], dict[str, list]]:
+    def __call__(
+        self, logits: torch.Tensor, rows, first: list[int], static: bool = False
+    ) -> tuple[list[list[int]], dict[str, list]]:
         """logits [L, V] float32 of a step, which the sampler may overwrite; rows: the RowInputs
         that sample (engine/step.py), row i scoring positions first[i] .. first[i] + num_draft.
         Returns the emitted tokens of each row and {request id: [TokenLogprob]} for rows with
         params.logprobs (of the model's own distribution: log-softmax of the logits before any
-        adjustment)."""
+        adjustment). static: the logits are at the same address each call (a CUDA graph's output),
+        so a plan's device work may be replayed from a graph of its own."""
         dev, v = logits.device, logits.shape[-1]
         key = _call_key(rows, first, logits.shape[0])
         cp = self._reuse(rows, key)
@@ -204,6 +218,13 @@ class Sampler:
             cp = self._plan = self._plan_call(rows, first, key, v, dev)
         n, pos, s, adj, dp, greedy, lp_rows = cp.n, cp.pos, cp.s, cp.adj, cp.dp, cp.greedy, cp.lp_rows
         everything = cp.everything
+        tokens = self._graphed(cp, logits) if static and cp.graphable and cp.reuses >= 2 else None
+        if tokens is not None:  # penalties' counts recorded in the graph
+            got, _ = self._read(tokens, None, None, None, 0)
+            if adj is not None and adj.pen:
+                assert self.counts is not None
+                self.counts.advance([rows[i].request_id for i in adj.pen], [got[pos[i]] for i in adj.pen])
+            return self._emitted(rows, pos, got), {}
 
         x = logits if everything else logits[s["idx"]]
         lsm = torch.log_softmax(logits[s["lp.first"]], -1) if lp_rows else None  # before the adjustments
@@ -230,6 +251,18 @@ class Sampler:
             assert self.counts is not None
             self.counts.record(s["pen.rows"], tokens, s["pen.at"])
             self.counts.advance([rows[i].request_id for i in adj.pen], [got[pos[i]] for i in adj.pen])
+        emitted = self._emitted(rows, pos, got)
+        if not lp_rows:
+            return emitted, {}
+        out_lp = {}
+        for i, r in zip(lp_rows, lp):
+            t, val, top = _entry(got[pos[i]], r, nlp)
+            out_lp[rows[i].request_id] = [(t, val, top[: rows[i].params.logprobs])]
+        return emitted, out_lp
+
+    @staticmethod
+    def _emitted(rows, pos: list[int], got: list[int]) -> list[list[int]]:
+        """Each row's emitted tokens: its first, then one more for each draft the draws agree with."""
         emitted = []
         for r, q in zip(rows, pos):
             k = r.num_draft
@@ -239,13 +272,52 @@ class Sampler:
                     break
                 out.append(got[q + len(out)])
             emitted.append(out)
-        if not lp_rows:
-            return emitted, {}
-        out_lp = {}
-        for i, r in zip(lp_rows, lp):
-            t, val, top = _entry(got[pos[i]], r, nlp)
-            out_lp[rows[i].request_id] = [(t, val, top[: rows[i].params.logprobs])]
-        return emitted, out_lp
+        return emitted
+
+    def _device_work(self, cp: _CallPlan, logits: torch.Tensor) -> torch.Tensor:
+        """A graphable plan's device work, as the eager path does it: the adjustments, the argmax
+        or the draws, the penalties' count update. Returns the ids [n]."""
+        s, adj, dp = cp.s, cp.adj, cp.dp
+        x = logits if cp.everything else logits[s["idx"]]
+        if adj is not None:
+            self._apply_adjust(x, adj, s)
+        if dp is None:
+            tokens = x.max(-1).indices
+        else:
+            tokens = torch.empty(cp.n, dtype=torch.long, device=x.device)
+            if cp.greedy:
+                at = s["greedy"]
+                tokens[at] = x[at].max(-1).indices
+            drawing.draw(x, dp, s, tokens, self.gen, cp.sampled == list(range(cp.n)))
+        if adj is not None and adj.pen:
+            assert self.counts is not None
+            self.counts.record(s["pen.rows"], tokens, s["pen.at"])
+        return tokens
+
+    def _graphed(self, cp: _CallPlan, logits: torch.Tensor) -> torch.Tensor | None:
+        """The call's ids from the plan's CUDA graph, captured at its third call (its kernels built
+        and warm by then) over these logits; None where it cannot be (other logits than the graph
+        reads, a refused capture): the call runs eagerly."""
+        if cp.graph is not None:
+            graph, seen, out = cp.graph
+            if seen.data_ptr() != logits.data_ptr() or seen.shape != logits.shape or seen.stride() != logits.stride():
+                return None
+            graph.replay()
+            self.replays += 1
+            return out
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                out = self._device_work(cp, logits)
+        except Exception as e:  # a capture the ops refuse: this plan stays eager
+            cp.graphable = False
+            torch.cuda.synchronize()
+            log.warning("sampler CUDA graph capture failed, the plan runs eagerly: %s: %s", type(e).__name__, e)
+            return None
+        cp.graph = (graph, logits, out)
+        graph.replay()
+        self.replays += 1
+        return out
 
     def _plan_call(self, rows, first: list[int], key: tuple, v: int, dev: torch.device) -> _CallPlan:
         """The host's plan of a call and its one upload (the module)."""
@@ -273,9 +345,19 @@ class Sampler:
         dp = drawing.plan(pack, sampled, [per[q] for q in sampled], v, fused=self.fused) if sampled else None
         counters = [name for name in pack.names() if name.startswith("draw.") and name.endswith(".ctr")]
         nums = [r.num_output for r in rows]
-        return _CallPlan(
+        cp = _CallPlan(
             key, nums, len(idx), pos, everything, lp_rows, adj, sampled, greedy, dp, pack.upload(dev), counters
         )
+        cp.graphable = (
+            dev.type == "cuda"
+            and self.fused
+            and os.environ.get("PDSERVE_CUDA_GRAPHS", "1") != "0"
+            and not lp_rows
+            and not (self.grammar is not None and any(r.params.constraint is not None for r in rows))
+            and (adj is not None or dp is not None)  # greedy alone is one launch: nothing to gain
+            and (dp is None or ("head" not in dp.groups and not dp.num_unseeded and not any(dp.fused.values())))
+        )
+        return cp
 
     def _reuse(self, rows, key: tuple) -> _CallPlan | None:
         """The last call's plan where this call has the same rows at the same positions, each
@@ -296,6 +378,7 @@ class Sampler:
             for name in cp.counters:
                 cp.s[name].add_(d)
             cp.nums = [r.num_output for r in rows]
+        cp.reuses += 1
         return cp
 
     def _constrain(self, x: torch.Tensor, rows, pos: list[int], all_greedy: bool) -> torch.Tensor | None:

@@ -65,7 +65,7 @@ def topk_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, V] float (float32, bfloat16 or float16; rows contiguous), 1 <= k <= min(TOPK_SMALL, V)
     -> (values float32 [N, k] descending, ids int64 [N, k]). `block`: a power of two >= k;
-    `warps`: a stage-1 program's (default 8 for blocks of 4096 and more, else 4)."""
+    `warps`: a stage-1 program's (default 8 for blocks of 4096 and more, else 2)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [N, V] with contiguous rows (got shape {tuple(x.shape)}, strides {x.stride()})")
     n, v = x.shape
@@ -81,7 +81,7 @@ def topk_triton(
     ids = torch.empty(n, k, dtype=torch.int64, device=x.device)
     if n:
         cand = torch.empty(n, splits, kpad, dtype=torch.int64, device=x.device)
-        warps = warps or (8 if block >= 4096 else 4)
+        warps = warps or (8 if block >= 4096 else 2)
         _stage1[(n, splits)](x, x.stride(0), v, cand, k, KPAD=kpad, BLOCK=block, num_warps=warps)
         cblock = triton.next_power_of_2(splits * kpad)
         _stage2[(n,)](cand, splits, vals, ids, k, KPAD=kpad, CBLOCK=cblock, num_warps=8)
