@@ -63,7 +63,9 @@ class Phases:
         setattr(obj, name, timed)
 
 
-def run(device: str, batches: list[int], sampled: bool, width: str, steps: int, vocab: int) -> None:
+def run(
+    device: str, batches: list[int], sampled: bool, width: str, steps: int, vocab: int, torch_profile: bool = False
+) -> None:
     spec = TinyModelSpec(layers=4, vocab=vocab, dtype="bfloat16", tokenizer=False, seed=0, **WIDTHS[width])
 
     def sync() -> None:  # not inside a graph's capture (the forward is captured on a later step)
@@ -92,7 +94,7 @@ def run(device: str, batches: list[int], sampled: bool, width: str, steps: int, 
                 extra = CHAT if sampled else dict(temperature=0.0)
                 rids = []
                 for b in range(B):
-                    p = SamplingParams(max_tokens=2 * steps + 16, ignore_eos=True, seed=b if sampled else None, **extra)
+                    p = SamplingParams(max_tokens=3 * steps + 16, ignore_eos=True, seed=b if sampled else None, **extra)
                     rids.append(eng.add_request(torch.randint(0, vocab, (128,), generator=gen).tolist(), p))
                 while any(not eng.requests[r].output_token_ids for r in rids):
                     eng.step()
@@ -125,10 +127,31 @@ def run(device: str, batches: list[int], sampled: bool, width: str, steps: int, 
                     st = pstats.Stats(prof)
                     print(f"== cProfile, batch {B}, {steps} steps, by own time")
                     st.sort_stats("tottime").print_stats(30)
+                    if torch_profile:
+                        _torch_profile(eng, steps, device)
                 for r in rids:
                     eng.abort(r)
                 while eng.has_unfinished():
                     eng.step()
+
+
+def _torch_profile(eng, steps: int, device: str) -> None:
+    """PyTorch's profiler over `steps` more steps: ops and runtime calls by host time (launches,
+    copies, the one read's wait), then by device time on CUDA."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            eng.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    ka = prof.key_averages()
+    print(f"== torch profiler, {steps} steps, by own host time")
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=35))
+    if device == "cuda":
+        print(f"== torch profiler, {steps} steps, by device time")
+        print(ka.table(sort_by="self_device_time_total", row_limit=20))
 
 
 def main() -> None:
@@ -139,9 +162,10 @@ def main() -> None:
     ap.add_argument("--width", choices=sorted(WIDTHS), default="model")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--torch-profile", action="store_true", help="also PyTorch's profiler at the largest batch")
     a = ap.parse_args()
     os.environ.setdefault("PDSERVE_CUDA_GRAPHS", "1")
-    run(a.device, a.batch, a.sampled, a.width, a.steps, a.vocab)
+    run(a.device, a.batch, a.sampled, a.width, a.steps, a.vocab, a.torch_profile)
 
 
 if __name__ == "__main__":

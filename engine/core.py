@@ -21,6 +21,7 @@ from engine.connector import Connector, ConnectorStats, RecvFreed, SendDone, Tra
 from engine.executor import make_executor
 from engine.outputs import RequestOutput
 from engine.request import Request, Status
+from engine.request_state import FINAL
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import NgramProposer
@@ -366,9 +367,11 @@ class EngineCore:
                 self._tell_connector(conn, so, starts, touched)
             self._save_final()
         # requests finished without a new token this step (stopped for lack of pages)
-        for req in list(self.requests.values()):
-            if req.status.is_final:
-                if not any(o.request_id == req.request_id for o in outputs):
+        finals = [req for req in self.requests.values() if req.status in FINAL]
+        if finals:
+            sent = {o.request_id for o in outputs}
+            for req in finals:
+                if req.request_id not in sent:
                     outputs.append(self._output(req))
                 self._gone(req)
         return outputs
@@ -409,24 +412,26 @@ class EngineCore:
                 req.prompt_logprobs += lps[have - start : end - start]
 
     def _output(self, req: Request) -> RequestOutput:
-        new = req.output_token_ids[req._sent :]
-        req._sent = len(req.output_token_ids)
-        done = req.status.is_final or req.status is Status.HELD
+        ids, status = req.output_token_ids, req.status
+        new = ids[req._sent :]
+        req._sent = len(ids)
+        held = status is Status.HELD
+        done = held or status in FINAL
         metrics = {"num_preemptions": req.num_preemptions, "cached_tokens": req.num_cached_tokens}
         if req.first_token_time is not None:
             metrics["ttft_s"] = req.first_token_time - req.arrival_time
         if done and req.finish_time is not None:
             metrics["e2e_s"] = req.finish_time - req.arrival_time
-        drafts = list(req.draft_token_ids) if req.status is Status.HELD else []
         out = RequestOutput(
             req.request_id,
             req.prompt_token_ids,
-            list(req.output_token_ids) if done else req.output_token_ids,
+            list(ids) if done else ids,
             new,
             done,
             req.finish_reason,
-            metrics=metrics,
-            draft_token_ids=drafts,
+            None,
+            metrics,
+            list(req.draft_token_ids) if held else [],
             num_cached_tokens=req.num_cached_tokens,
         )
         if req.params.logprobs is not None:

@@ -21,7 +21,7 @@ class Status(enum.Enum):
     @property
     def is_final(self) -> bool:
         """No further move: the request's memory is released."""
-        return self in (Status.FINISHED, Status.ABORTED)
+        return self in FINAL
 
     @property
     def is_queued(self) -> bool:
@@ -29,6 +29,7 @@ class Status(enum.Enum):
         return self in (Status.WAITING, Status.PREEMPTED)
 
 
+FINAL = frozenset({Status.FINISHED, Status.ABORTED})  # Status.is_final
 _S = Status
 # The allowed moves: a request created WAITING (`Scheduler.add`) or moved straight to RESERVED
 # (`Scheduler.reserve`, decode side) goes only where this table says.

@@ -108,9 +108,19 @@ class Scheduler:
     def _running_rows(self, plan: _Plan, i: int, cls: int) -> int:
         """Schedule the running requests of class `cls` from index i (the running list is kept in
         class order); returns the index after them."""
+        # a row past its prompt with one token left, no drafts and room for it in its pages takes
+        # no decision below: planned at once (most rows of a decode step)
+        plain = not self.mtp and not (self.num_spec_tokens and self.proposer is not None)
+        bs = self.blocks.block_size
         while i < len(self.running) and plan.budget > 0 and self.running[i].params.priority == cls:
             req = self.running[i]
-            left = req.num_tokens - req.num_computed_tokens
+            done = req.num_computed_tokens
+            left = req.num_tokens - done
+            if plain and left == 1 and done >= len(req.prompt_token_ids) and len(req.block_ids) * bs > done:
+                plan.rows.append(ScheduledRow(req, 1))
+                plan.budget -= 1
+                i += 1
+                continue
             n = min(left, plan.budget)
             if cls == BATCH and left > 1:  # a batch prompt chunk: within the allowance
                 n = min(n, plan.batch_left)
@@ -392,6 +402,7 @@ class Scheduler:
         touched: list[Request] = []
         if self.plan is not None:
             self.plan.step_ran(out)
+        bs = self.blocks.block_size
         for row in out.rows:
             req = row.request
             if req.status is not Status.RUNNING:
@@ -410,7 +421,7 @@ class Scheduler:
                 req.draft_token_ids = drafts.get(req.request_id, []) if drafts else []
             # the pending token and the accepted drafts are now in the cache
             req.num_computed_tokens += row.num_new_tokens - len(row.draft_token_ids) + len(toks) - 1
-            if self.plan is not None:
+            if self.plan is not None and req.num_computed_tokens // bs > req.num_registered:  # a page filled
                 self.plan.register(req, toks)
             touched.append(req)
             self._emit(req, toks, eos)
