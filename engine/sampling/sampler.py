@@ -7,7 +7,7 @@ min-p row whose 1024 most likely tokens do not hold its kept set costs a second 
 sorted draw. A call over the same rows as the last, each a token (or the same number of tokens)
 further on, reuses the last plan and its uploads, advancing the draws' counters on the device; on
 CUDA, once a plan has been reused twice, its device work is captured in a CUDA graph and replayed
-(docs/engine.md, "The sampler on CUDA")."""
+(docs/engine.md, "CUDA graphs")."""
 
 from __future__ import annotations
 

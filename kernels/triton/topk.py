@@ -1,9 +1,10 @@
-"""The sampler's top-k for small k on CUDA: the k largest logits of each row, sorted, in two
+"""The sampler's top-k for small k on CUDA: the k largest logits of each row, sorted, in four
 launches and no host read, where torch.topk's radix select takes about 17 launches and 190 us
 at 64 x 151,936 on an H100 (docs/benchmarks.md). Each (value, id) is one int64 key that orders
 as the top-k does, so a round is one max: stage 1 splits each row into blocks of BLOCK columns
-and takes each block's k largest keys by k rounds; stage 2 does the same over a row's block
-candidates and unpacks the keys. Ties go to the lower id, NaN counts as -inf, and a
+and takes each block's k largest keys by rounds, down to the row's threshold (the k-th largest
+block maximum, two launches before it), so most blocks take one round; stage 2 does the same
+over a row's block candidates and unpacks the keys. Ties go to the lower id, NaN counts as -inf, and a
 row with fewer than k finite values fills up with its lowest -inf ids. Reference:
 engine/sampling/filters.py `topk_reference`; tests/kernels/test_topk_triton.py compares them."""
 
@@ -46,6 +47,56 @@ def _stage1(x_ptr, stride_x, V, cand_ptr, K, KPAD: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
+def _block_max(x_ptr, stride_x, V, bmax_ptr, BLOCK: tl.constexpr):
+    """Pruning, first launch: each block's largest key."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    cols = split * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < V
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+    keys = tl.where(inside, _keys(x, cols), _DEAD)
+    tl.store(bmax_ptr + row.to(tl.int64) * tl.num_programs(1) + split, tl.max(keys, axis=0))
+
+
+@triton.jit
+def _threshold(bmax_ptr, SPLITS, thr_ptr, K, SB: tl.constexpr):
+    """Pruning, second launch: the K-th largest of a row's block maxima. K blocks hold a key at
+    least this large, so the row's K largest keys are all at least this large (_DEAD with fewer
+    than K blocks: nothing pruned)."""
+    row = tl.program_id(0)
+    j = tl.arange(0, SB)
+    keys = tl.load(bmax_ptr + row.to(tl.int64) * SPLITS + j, mask=j < SPLITS, other=_DEAD)
+    m = tl.max(keys, axis=0)
+    for _ in range(K - 1):
+        keys = tl.where(keys == m, _DEAD, keys)
+        m = tl.max(keys, axis=0)
+    tl.store(thr_ptr + row, m)
+
+
+@triton.jit
+def _stage1_pruned(x_ptr, stride_x, V, thr_ptr, cand_ptr, K, KPAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Stage 1 with the row's threshold: a block stops taking keys at the first below it (most
+    blocks hold none, so most programs take one max); its other candidate places get _DEAD."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    cols = split * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < V
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+    keys = tl.where(inside, _keys(x, cols), _DEAD)
+    t = tl.load(thr_ptr + row)
+    out = cand_ptr + (row.to(tl.int64) * tl.num_programs(1) + split) * KPAD
+    m = tl.max(keys, axis=0)
+    i = 0
+    while (i < K) & (m >= t):
+        tl.store(out + i, m)
+        keys = tl.where(keys == m, _DEAD, keys)
+        m = tl.max(keys, axis=0)
+        i += 1
+    places = tl.arange(0, KPAD)
+    tl.store(out + places, tl.zeros([KPAD], dtype=tl.int64) + _DEAD, mask=(places >= i) & (places < K))
+
+
+@triton.jit
 def _stage2(cand_ptr, SPLITS, out_v_ptr, out_i_ptr, K, KPAD: tl.constexpr, CBLOCK: tl.constexpr):
     row = tl.program_id(0)
     j = tl.arange(0, CBLOCK)
@@ -61,11 +112,13 @@ def _stage2(cand_ptr, SPLITS, out_v_ptr, out_i_ptr, K, KPAD: tl.constexpr, CBLOC
 
 
 def topk_triton(
-    x: torch.Tensor, k: int, block: int = BLOCK, warps: int | None = None
+    x: torch.Tensor, k: int, block: int = BLOCK, warps: int | None = None, prune: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, V] float (float32, bfloat16 or float16; rows contiguous), 1 <= k <= min(TOPK_SMALL, V)
     -> (values float32 [N, k] descending, ids int64 [N, k]). `block`: a power of two >= k;
-    `warps`: a stage-1 program's (default 8 for blocks of 4096 and more, else 2)."""
+    `warps`: a stage-1 program's (default 8 for blocks of 4096 and more, else 2). prune: two
+    more launches find each row's threshold first (its k-th largest block maximum), so stage 1
+    takes a block's keys only down to it: k rounds over a few blocks instead of over every one."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [N, V] with contiguous rows (got shape {tuple(x.shape)}, strides {x.stride()})")
     n, v = x.shape
@@ -82,7 +135,15 @@ def topk_triton(
     if n:
         cand = torch.empty(n, splits, kpad, dtype=torch.int64, device=x.device)
         warps = warps or (8 if block >= 4096 else 2)
-        _stage1[(n, splits)](x, x.stride(0), v, cand, k, KPAD=kpad, BLOCK=block, num_warps=warps)
+        if prune and splits > k:
+            bmax = torch.empty(n, splits, dtype=torch.int64, device=x.device)
+            thr = torch.empty(n, dtype=torch.int64, device=x.device)
+            _block_max[(n, splits)](x, x.stride(0), v, bmax, BLOCK=block, num_warps=warps)
+            sb = triton.next_power_of_2(splits)
+            _threshold[(n,)](bmax, splits, thr, k, SB=sb, num_warps=4)
+            _stage1_pruned[(n, splits)](x, x.stride(0), v, thr, cand, k, KPAD=kpad, BLOCK=block, num_warps=warps)
+        else:
+            _stage1[(n, splits)](x, x.stride(0), v, cand, k, KPAD=kpad, BLOCK=block, num_warps=warps)
         cblock = triton.next_power_of_2(splits * kpad)
         _stage2[(n,)](cand, splits, vals, ids, k, KPAD=kpad, CBLOCK=cblock, num_warps=8)
     return vals, ids

@@ -60,6 +60,27 @@ def test_one_block_and_a_ragged_last_block():
         assert torch.equal(ids.cpu(), ri.cpu()) and torch.equal(vals.cpu(), rv.cpu())
 
 
+@pytest.mark.parametrize("k", [1, 5, 20])
+@pytest.mark.parametrize("prune", [True, False], ids=["pruned", "every-block"])
+def test_many_blocks_with_and_without_the_threshold(k, prune):
+    """32 blocks a row, so the threshold prunes (more blocks than k): a row's largest values all in
+    one block, a tie spread over many blocks at the threshold's place, an all -inf row, NaNs."""
+    g = torch.Generator().manual_seed(10 + k)
+    x = torch.randn(6, 1000, generator=g) * 3
+    x[0, 64:94] = torch.arange(30, dtype=torch.float32) + 40.0  # every one of the 30 largest in block 2
+    x[1, ::40] = 12.0  # 25 equal values, one a block, above the rest: the threshold ties them
+    x[2] = float("-inf")
+    x[3, [1, 2, 400]] = float("nan")
+    x[3, 999] = 50.0  # the largest in the ragged last block
+    x[4, 500:520] = 7.0  # a 20-way tie in one block beside a larger value elsewhere
+    x[4, 3] = 9.0
+    x = x.to(DEV)
+    vals, ids = topk_triton(x, k, block=32, prune=prune)
+    rv, ri = topk_reference(x, k)
+    assert torch.equal(ids.cpu(), ri.cpu())
+    assert torch.equal(vals.cpu(), rv.cpu())
+
+
 def test_bad_arguments_are_refused():
     x = torch.zeros(2, 100, device=DEV)
     with pytest.raises(ValueError, match="k must be"):
@@ -79,9 +100,11 @@ def test_topk_at_qwen_vocabulary_on_cuda(k, dtype):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     x = _logits(64, 151_936, seed=1, dtype=dtype).cuda()
-    vals, ids = topk_triton(x, k)
+    x[5, 1000:1100] = 30.0  # a tie of 100 values in one block, above the rest of the row
     rv, ri = topk_reference(x, k)
-    assert torch.equal(ids, ri) and torch.equal(vals, rv)
+    for prune in (True, False):
+        vals, ids = topk_triton(x, k, prune=prune)
+        assert torch.equal(ids, ri) and torch.equal(vals, rv), f"prune={prune}"
 
 
 def test_the_fused_sampler_draws_what_the_pytorch_path_draws(monkeypatch):
