@@ -411,7 +411,7 @@ class Worker:
             if r.sample or r.want_logits:
                 i += 1
         for j, r in wanted:  # before the sampler overwrites the logits
-            out.logits[r.request_id] = logits[j].cpu()
+            out.logits[r.request_id] = logits[j].to("cpu", copy=True)  # the buffer is the next step's
         if rows:
             emitted, logprobs = self.sampler(logits, rows, first, static)
             out.sampled.update((r.request_id, toks) for r, toks in zip(rows, emitted))

@@ -23,6 +23,8 @@ from engine.model.rotary import Rotary, mrope_axes, mrope_cos_sin
 from kernels import add_rms_norm
 from kernels.cpu_decode import DecodeLayers
 
+LOGITS_ROWS = 256  # the most logit rows the CPU keeps a float32 buffer for (`Qwen35Model._float`)
+
 
 @dataclass
 class DecoderLayer:
@@ -98,6 +100,7 @@ def run_layer(
 class Qwen35Model:
     def __init__(self, cfg: ModelConfig, weights: dict, tp: int, all_reduce: AllReduce, max_positions: int, device):
         self.cfg = cfg
+        self._logits: torch.Tensor | None = None  # the CPU's float32 logits buffer (`_float`)
         self.embed = weights["embed"]
         self.lm_head = Linear(weights["lm_head"])  # may share the embedding tensor; its GEMM copy is its own
         if cfg.batch_invariant:
@@ -159,7 +162,22 @@ class Qwen35Model:
                     after_layer(i)
         if want_hidden:
             _, h = add_rms_norm(x, None, self.final_norm, self.eps)  # one C call on the CPU
-            return self.lm_head(h[batch.logits_indices]).float(), h
+            return self._float(self.lm_head(h[batch.logits_indices])), h
         if last is None:
             x = x[batch.logits_indices]
-        return self.lm_head(add_rms_norm(x.contiguous(), None, self.final_norm, self.eps)[1]).float()
+        return self._float(self.lm_head(add_rms_norm(x.contiguous(), None, self.final_norm, self.eps)[1]))
+
+    def _float(self, logits: torch.Tensor) -> torch.Tensor:
+        """The step's logits in float32. On the CPU, up to LOGITS_ROWS rows of them go into one
+        buffer kept between steps: a new tensor of 64 x 151,936 floats (39 MB, past glibc's largest
+        mmap threshold) faults in every page on each step, 11-56 ms where the copy takes 2 ms
+        (docs/benchmarks.md). The caller reads them before the next forward; what it keeps, it copies."""
+        if logits.dtype == torch.float32 or logits.device.type != "cpu" or logits.shape[0] > LOGITS_ROWS:
+            return logits.float()
+        n, v = logits.shape
+        buf = self._logits
+        if buf is None or buf.shape[0] < n or buf.shape[1] != v:
+            buf = self._logits = torch.empty(max(n, 2 * buf.shape[0] if buf is not None else 0), v)
+        out = buf[:n]
+        out.copy_(logits)
+        return out
