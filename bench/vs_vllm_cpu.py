@@ -238,13 +238,23 @@ def start_server(system, model, vllm_python, log, extra=()):
             raise RuntimeError(f"{system} server exited with {proc.returncode} (log: {log.name})")
         try:
             data = http(base + "/v1/models", timeout=5)["data"]
-            if data:  # pdserve lists the model once a decode node has registered
+            # pdserve lists the model once a decode node has registered: the run waits for every
+            # node `up` started (its log says "nodes registered: n/n"), or a later one takes no share
+            if data and (system == "vllm" or _all_registered(log.name)):
                 return proc, base, data[0]["id"]
         except OSError:
             pass
-        time.sleep(2)
+        time.sleep(0.5)
     proc.terminate()
     raise RuntimeError(f"{system} server not ready in 600 s (log: {log.name})")
+
+
+def _all_registered(log_path: str) -> bool:
+    """Whether `pdserve up`'s log (log_path) says every node it started has registered."""
+    import re
+
+    text = Path(log_path).read_text(errors="replace")
+    return any(a == b for a, b in re.findall(r"nodes registered: (\d+)/(\d+)", text))
 
 
 def stop_server(proc):
