@@ -227,7 +227,9 @@ class PrefixPlanner:
             return
         hashes = self.hashes(req, c // bs)
         parent, tail = self.prefix.key_for(req.hash_prompt + req.output_token_ids, hashes, c)
-        s = self.prefix.reserve(parent, tail, c)
+        # cold: a next turn resumes here only if its history holds the reply id for id, where any
+        # next turn extends the prompt (whose end is kept warm): under pressure this goes first
+        s = self.prefix.reserve(parent, tail, c, cold=True)
         if s is None:
             return
         j = self.prefix.tail_page(c)

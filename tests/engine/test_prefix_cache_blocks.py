@@ -312,19 +312,38 @@ def test_landed_state_of_a_request_gone_before_its_first_step_is_not_kept():
     assert blocks.ref == {} and slots.num_free == 2
 
 
-def test_grid_points_are_evicted_before_prompt_ends_and_final_states():
+def test_grid_points_and_final_states_are_evicted_before_prompt_ends():
     """a's snapshots: grid points 4 and 8 (entries 0, 1), its prompt's end 10 (2) and its final
-    state 11 (3). Newer saves take the grid points first (the older first), then the least
-    recently used of the rest."""
+    state 11 (3). Newer saves take the grid points and the final state first (cold: a next turn
+    resumes from a final state only if it keeps the reply id for id), the older first; the
+    prompt's end, which any next turn extends, is the last to go."""
     sched, blocks, slots, prefix = make()
     run_first(sched)
-    grid = [s for s in prefix._by_key.values() if s.num_tokens in (4, 8)]
-    assert sorted(s.index for s in grid) == [0, 1] and all(s.cold for s in grid)
+    cold = [s for s in prefix._by_key.values() if s.num_tokens in (4, 8, 11)]
+    assert sorted(s.index for s in cold) == [0, 1, 3] and all(s.cold for s in cold)
+    taken = []
+    for tail in [(30,), (31,), (32,), (33,)]:
+        s = prefix.reserve(ROOT_HASH, tail, 1)
+        taken.append(s.index)
+        prefix.commit(s)
+    # entries 0 and 1 (the grid), then 3 (the final state), then the prompt's end
+    assert taken == [0, 1, 3, 2]
+    assert sorted(s.num_tokens for s in prefix._by_key.values()) == [1, 1, 1, 1]
+
+
+def test_a_final_state_resumed_from_is_kept_warm():
+    """A next turn that resumes from a's final state (its history keeps the reply) makes it warm:
+    newer saves then take the grid points and the prompt's end before it."""
+    sched, blocks, slots, prefix = make()
+    run_first(sched)
+    final = next(s for s in prefix._by_key.values() if s.num_tokens == 11)
+    prefix.acquire(final)  # a step restores from it
+    prefix.release(final)
+    assert not final.cold
     taken = []
     for tail in [(30,), (31,), (32,)]:
         s = prefix.reserve(ROOT_HASH, tail, 1)
         taken.append(s.index)
         prefix.commit(s)
-    # entries 0 and 1 (the grid) go first, then the least recently used of the rest: the prompt's end
     assert taken == [0, 1, 2]
     assert sorted(s.num_tokens for s in prefix._by_key.values()) == [1, 1, 1, 11]
