@@ -213,6 +213,13 @@ def mask_logits(x: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> N
     _ops().mask_logits(x, bitmask, rows)
 
 
+def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest of x [N, V] (float32 or bfloat16, unit stride on the last axis), as
+    (values float32 [N, k] descending, ids int64 [N, k]): ties to the lower id, NaN as -inf, one
+    pass over each row. Reference: engine/sampling/filters.py topk_reference (a stable sort)."""
+    return _ops().topk(x, k)  # type: ignore[no-any-return]
+
+
 def masked_argmax(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """[N] int64: each row's first largest value of x [N, V] (float32 or bfloat16, unit stride on
     the last axis) among the tokens bitmask [N, ceil(V / 32)] int32 allows (0 where it allows

@@ -37,4 +37,5 @@ TORCH_LIBRARY(pdserve, m) {
     m.def("gemm_bf16w(Tensor x, Tensor wp, int n, int threads) -> Tensor");
     m.def("mask_logits(Tensor(a!) x, Tensor bitmask, Tensor rows) -> ()");
     m.def("masked_argmax(Tensor x, Tensor bitmask) -> Tensor");
+    m.def("topk(Tensor x, int k) -> (Tensor, Tensor)");
 }

@@ -294,3 +294,39 @@ def test_masked_argmax_matches_mask_then_max(dtype, V):
     want = x.masked_fill(forbidden(bm, V, torch.device("cpu")), float("-inf")).max(-1).indices
     got = cpu_ops.masked_argmax(x, bm)
     assert torch.equal(got, want) and got[4] == 10
+
+
+@pytest.mark.parametrize("k", [1, 5, 20, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_topk_equals_the_stable_sort(k, dtype):
+    """The CPU sampler's one-pass top-k against `topk_reference` (a stable sort), values and ids:
+    a tie of 100 values, NaN rows (some, every 64th, all), rows of -inf, -0.0 and +0.0, +inf, a
+    row of one value (every id ties), the largest values at the row's end, rows of bfloat16."""
+    from engine.sampling.filters import topk_reference
+
+    g = torch.Generator().manual_seed(k)
+    v = 151_936
+    x = (torch.randn(12, v, generator=g) * 3).to(dtype)
+    x[0, 1000:1100] = 30.0
+    x[1, [5, 7, 9000]] = float("nan")
+    x[2] = float("-inf")
+    x[2, [3, v - 1]] = 1.0
+    x[3, -3:] = 40.0
+    x[4] = float("-inf")
+    x[4, 0] = -0.0
+    x[5, 100] = 0.0
+    x[6] = 2.0
+    x[7, ::64] = float("nan")
+    x[8, 77] = float("inf")
+    x[9] = float("nan")
+    vals, ids = cpu_ops.topk(x, k)
+    rv, ri = topk_reference(x, k)
+    assert vals.dtype == torch.float32 and ids.dtype == torch.int64
+    assert torch.equal(ids, ri) and torch.equal(vals, rv)
+
+
+def test_topk_refuses_a_bad_k():
+    x = torch.zeros(2, 10)
+    for k in (0, 11):
+        with pytest.raises(RuntimeError, match="k must be in 1..10"):
+            cpu_ops.topk(x, k)
