@@ -218,40 +218,29 @@ class Sampler:
         cp = self._reuse(rows, key)
         if cp is None:
             cp = self._plan = self._plan_call(rows, first, key, v, dev)
-        n, pos, s, adj, dp, greedy, lp_rows = cp.n, cp.pos, cp.s, cp.adj, cp.dp, cp.greedy, cp.lp_rows
-        everything = cp.everything
+        n, pos, s, adj, dp, lp_rows = cp.n, cp.pos, cp.s, cp.adj, cp.dp, cp.lp_rows
+        nlp = max((rows[i].params.logprobs for i in lp_rows), default=0)
         tokens = self._graphed(cp, logits) if static and cp.graphable and cp.reuses >= 2 else None
-        if tokens is not None:  # penalties' counts recorded in the graph
-            got, _ = self._read(tokens, None, None, None, 0)
+        if tokens is not None:  # the graph records the penalties' counts too
+            got, lp = self._read(tokens, None, None, None, 0)
+        else:
+            x = logits if cp.everything else logits[s["idx"]]
+            lsm = torch.log_softmax(logits[s["lp.first"]], -1) if lp_rows else None  # before the adjustments
+            if adj is not None:
+                self._apply_adjust(x, adj, s)
+            tokens, held = self._pick(cp, x, self._constrain(x, rows, pos, all_greedy=dp is None))
+            got, lp = self._read(tokens, held, lsm, s if lp_rows else None, nlp)
+            if held is not None and not all(got[n : n + len(held)]):
+                per = _positions(rows)
+                tokens = self._redraw(x, dp, cp.sampled, per, got[n : n + len(held)], tokens, cp.everything)
+                got, lp = self._read(tokens, None, lsm, s if lp_rows else None, nlp)
+            if adj is not None:
+                adj.built = False  # loaded: a call that reuses the plan has nothing more to load
             if adj is not None and adj.pen:
                 assert self.counts is not None
-                self.counts.advance([rows[i].request_id for i in adj.pen], [got[pos[i]] for i in adj.pen])
-            return self._emitted(rows, pos, got), {}
-
-        x = logits if everything else logits[s["idx"]]
-        lsm = torch.log_softmax(logits[s["lp.first"]], -1) if lp_rows else None  # before the adjustments
-        if adj is not None:
-            self._apply_adjust(x, adj, s)
-        tokens = self._constrain(x, rows, pos, all_greedy=dp is None)
-        if tokens is None and dp is None:
-            tokens = self._argmax(x)
-        elif tokens is None:
-            tokens = torch.empty(n, dtype=torch.long, device=dev)
-            if greedy:
-                at = s["greedy"]
-                tokens[at] = self._argmax(x[at])
-        held = drawing.draw(x, dp, s, tokens, self.gen, cp.sampled == list(range(n))) if dp is not None else None
-        nlp = max((rows[i].params.logprobs for i in lp_rows), default=0)
-        got, lp = self._read(tokens, held, lsm, s if lp_rows else None, nlp)
-        if held is not None and not all(got[n : n + len(held)]):
-            per = _positions(rows)
-            tokens = self._redraw(x, dp, cp.sampled, per, got[n : n + len(held)], tokens, everything)
-            got, lp = self._read(tokens, None, lsm, s if lp_rows else None, nlp)
-        if adj is not None:
-            adj.built = False  # loaded: a call that reuses the plan has nothing more to load
+                self.counts.record(s["pen.rows"], tokens, s["pen.at"])
         if adj is not None and adj.pen:
             assert self.counts is not None
-            self.counts.record(s["pen.rows"], tokens, s["pen.at"])
             self.counts.advance([rows[i].request_id for i in adj.pen], [got[pos[i]] for i in adj.pen])
         emitted = self._emitted(rows, pos, got)
         if not lp_rows:
@@ -288,21 +277,27 @@ class Sampler:
             emitted.append(out)
         return emitted
 
+    def _pick(
+        self, cp: _CallPlan, x: torch.Tensor, tokens: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The ids [n] from the adjusted x (tokens: the grammar's, when it took them all) and the
+        head group's checks (None without one): greedy positions by argmax, the others drawn."""
+        if tokens is not None or cp.dp is None:
+            return (self._argmax(x) if tokens is None else tokens), None
+        tokens = torch.empty(cp.n, dtype=torch.long, device=x.device)
+        if cp.greedy:
+            at = cp.s["greedy"]
+            tokens[at] = self._argmax(x[at])
+        return tokens, drawing.draw(x, cp.dp, cp.s, tokens, self.gen, cp.sampled == list(range(cp.n)))
+
     def _device_work(self, cp: _CallPlan, logits: torch.Tensor) -> torch.Tensor:
         """A graphable plan's device work, as the eager path does it: the adjustments, the argmax
         or the draws, the penalties' count update. Returns the ids [n]."""
-        s, adj, dp = cp.s, cp.adj, cp.dp
+        s, adj = cp.s, cp.adj
         x = logits if cp.everything else logits[s["idx"]]
         if adj is not None:
             self._apply_adjust(x, adj, s)
-        if dp is None:
-            tokens = self._argmax(x)
-        else:
-            tokens = torch.empty(cp.n, dtype=torch.long, device=x.device)
-            if cp.greedy:
-                at = s["greedy"]
-                tokens[at] = self._argmax(x[at])
-            drawing.draw(x, dp, s, tokens, self.gen, cp.sampled == list(range(cp.n)))
+        tokens, _ = self._pick(cp, x, None)
         if adj is not None and adj.pen:
             assert self.counts is not None
             self.counts.record(s["pen.rows"], tokens, s["pen.at"])
