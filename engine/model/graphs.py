@@ -34,14 +34,13 @@ STAGED = ("input_ids", "positions", "slot_mapping", "slot_ids", "seq_lens")
 
 def plain_decode(rows) -> bool:
     """Whether a step's rows (engine/step.py RowInput) are all plain decode rows as `stage` takes
-    them: one token past a non-empty context, scoring it, no drafts, prompt logprobs or images."""
+    them: one token continuing its sequence, scoring it, no drafts, prompt logprobs or images."""
     return all(
         r.is_decode
         and len(r.token_ids) == 1
         and not r.num_draft
         and r.prompt_logprobs is None
         and (r.sample or r.want_logits)
-        and r.start_pos > 0
         and r.mrope is None
         and not r.rope_delta
         for r in rows
@@ -57,15 +56,14 @@ class _Buffers:
     flat: torch.Tensor | None = None
     host: torch.Tensor | None = None
     host_tables: torch.Tensor | None = None
-    pending: Any = None  # a CUDA event after the last upload from `host`
-    pinned: bool = False  # `host` is pinned (CUDA): its uploads are asynchronous
-    mixed: bool = False  # `load` wrote has_initial_state (staged buffers keep it all True)
+    pending: Any = None  # a CUDA event after the last upload from `host` (pinned on CUDA)
     stepped: bool = False  # a step has run on these buffers
 
     @classmethod
     def staged(cls, n: int, width: int, device: torch.device) -> _Buffers:
         """Buffers for n plain decode rows: each row's one token is scored (logits_indices and
-        cu_seqlens 0 .. n) and continues its slot's sequence (has_initial_state), fixed here."""
+        cu_seqlens 0 .. n) and continues its slot's sequence (has_initial_state: a decode row has
+        tokens in the cache), fixed here."""
         flat = torch.zeros(len(STAGED) * n, dtype=torch.int64, device=device)
         f = dict(zip(STAGED, flat.view(len(STAGED), n)))
         steps = torch.arange(n + 1, dtype=torch.int64, device=device)
@@ -90,7 +88,7 @@ class _Buffers:
         )
         pinned = device.type == "cuda"
         host = torch.zeros(len(STAGED) * n, dtype=torch.int64, pin_memory=pinned)
-        return cls(batch, flat, host, torch.zeros(n * width, dtype=torch.int64, pin_memory=pinned), pinned=pinned)
+        return cls(batch, flat, host, torch.zeros(n * width, dtype=torch.int64, pin_memory=pinned))
 
     @classmethod
     def like(cls, b: ForwardBatch, width: int) -> _Buffers:
@@ -134,7 +132,6 @@ class _Buffers:
             (sd.seq_lens, bd.seq_lens),
         ):
             dst.copy_(x, non_blocking=True)
-        self.mixed = self.flat is not None
         # columns past a row's pages are never read (the kernels stop at seq_lens)
         sd.block_tables[:, : bd.block_tables.shape[1]].copy_(bd.block_tables, non_blocking=True)
 
@@ -199,19 +196,15 @@ class DecodeGraphs:
         buf.host.copy_(torch.tensor(vals, dtype=torch.int64))
         table = tables.rows(rows)
         w = table.shape[1]
-        if w > self.width:
-            return None
+        assert w <= self.width, f"a row of {w} pages, past the widest a request can have ({self.width})"
         host_t = buf.host_tables[: n * w].view(n, w)
         host_t.copy_(table)
         dec = buf.batch.decode
         assert dec is not None
-        if buf.mixed:
-            dec.has_initial_state.fill_(True)
-            buf.mixed = False
         buf.flat.copy_(buf.host, non_blocking=True)
         # columns past a row's pages are never read (the kernels stop at seq_lens)
         dec.block_tables[:, :w].copy_(host_t, non_blocking=True)
-        if buf.pinned:
+        if buf.flat.is_cuda:
             buf.pending = torch.cuda.Event()
             buf.pending.record()
         return buf.batch
