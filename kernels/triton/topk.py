@@ -32,30 +32,20 @@ def _keys(x, ids):
 
 
 @triton.jit
-def _stage1(x_ptr, stride_x, V, cand_ptr, K, KPAD: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    cols = split * BLOCK + tl.arange(0, BLOCK)
+def _block_keys(x_ptr, stride_x, V, BLOCK: tl.constexpr):
+    """The program's block (program ids: row, block) of its row as keys, _DEAD past the row."""
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < V
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
-    keys = tl.where(inside, _keys(x, cols), _DEAD)
-    out = cand_ptr + (row.to(tl.int64) * tl.num_programs(1) + split) * KPAD
-    for i in range(K):  # the block's K largest keys, largest first (_DEAD where it has fewer)
-        m = tl.max(keys, axis=0)
-        tl.store(out + i, m)
-        keys = tl.where(keys == m, _DEAD, keys)
+    x = tl.load(x_ptr + tl.program_id(0).to(tl.int64) * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+    return tl.where(inside, _keys(x, cols), _DEAD)
 
 
 @triton.jit
 def _block_max(x_ptr, stride_x, V, bmax_ptr, BLOCK: tl.constexpr):
     """Pruning, first launch: each block's largest key."""
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    cols = split * BLOCK + tl.arange(0, BLOCK)
-    inside = cols < V
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
-    keys = tl.where(inside, _keys(x, cols), _DEAD)
-    tl.store(bmax_ptr + row.to(tl.int64) * tl.num_programs(1) + split, tl.max(keys, axis=0))
+    keys = _block_keys(x_ptr, stride_x, V, BLOCK)
+    out = bmax_ptr + tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+    tl.store(out, tl.max(keys, axis=0))
 
 
 @triton.jit
@@ -74,17 +64,14 @@ def _threshold(bmax_ptr, SPLITS, thr_ptr, K, SB: tl.constexpr):
 
 
 @triton.jit
-def _stage1_pruned(x_ptr, stride_x, V, thr_ptr, cand_ptr, K, KPAD: tl.constexpr, BLOCK: tl.constexpr):
-    """Stage 1 with the row's threshold: a block stops taking keys at the first below it (most
-    blocks hold none, so most programs take one max); its other candidate places get _DEAD."""
+def _stage1(x_ptr, stride_x, V, thr_ptr, cand_ptr, K, KPAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Each block's K largest keys, largest first, down to its row's threshold (_DEAD: none): a
+    block stops at its first key below it (with pruning most blocks hold none, so most programs
+    take one max); its other candidate places get _DEAD."""
     row = tl.program_id(0)
-    split = tl.program_id(1)
-    cols = split * BLOCK + tl.arange(0, BLOCK)
-    inside = cols < V
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
-    keys = tl.where(inside, _keys(x, cols), _DEAD)
+    keys = _block_keys(x_ptr, stride_x, V, BLOCK)
     t = tl.load(thr_ptr + row)
-    out = cand_ptr + (row.to(tl.int64) * tl.num_programs(1) + split) * KPAD
+    out = cand_ptr + (row.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * KPAD
     m = tl.max(keys, axis=0)
     i = 0
     while (i < K) & (m >= t):
@@ -139,11 +126,10 @@ def topk_triton(
             bmax = torch.empty(n, splits, dtype=torch.int64, device=x.device)
             thr = torch.empty(n, dtype=torch.int64, device=x.device)
             _block_max[(n, splits)](x, x.stride(0), v, bmax, BLOCK=block, num_warps=warps)
-            sb = triton.next_power_of_2(splits)
-            _threshold[(n,)](bmax, splits, thr, k, SB=sb, num_warps=4)
-            _stage1_pruned[(n, splits)](x, x.stride(0), v, thr, cand, k, KPAD=kpad, BLOCK=block, num_warps=warps)
-        else:
-            _stage1[(n, splits)](x, x.stride(0), v, cand, k, KPAD=kpad, BLOCK=block, num_warps=warps)
+            _threshold[(n,)](bmax, splits, thr, k, SB=triton.next_power_of_2(splits), num_warps=4)
+        else:  # no threshold: every block gives its k largest
+            thr = torch.full((n,), -(2**63), dtype=torch.int64, device=x.device)
+        _stage1[(n, splits)](x, x.stride(0), v, thr, cand, k, KPAD=kpad, BLOCK=block, num_warps=warps)
         cblock = triton.next_power_of_2(splits * kpad)
         _stage2[(n,)](cand, splits, vals, ids, k, KPAD=kpad, CBLOCK=cblock, num_warps=8)
     return vals, ids

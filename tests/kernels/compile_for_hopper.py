@@ -81,18 +81,19 @@ def compile_sampling() -> None:
 
 
 def compile_topk() -> None:
-    """The small top-k's two stages (kernels/triton/topk.py), float32 and bfloat16 logits."""
+    """The small top-k's four kernels (kernels/triton/topk.py), float32 and bfloat16 logits."""
+
+    def build(fn, args: dict, constexprs: dict) -> None:
+        sig = {n: args.get(n.removesuffix("_ptr"), "i32") for n in fn.arg_names} | dict.fromkeys(
+            constexprs, "constexpr"
+        )
+        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+
     for xdt in ("*fp32", "*bf16"):
-        args = dict(x=xdt, cand="*i64")
-        sig = {n: args.get(n.removesuffix("_ptr"), "i32") for n in topk._stage1.arg_names}
-        sig |= {"KPAD": "constexpr", "BLOCK": "constexpr"}
-        src = ASTSource(fn=topk._stage1, signature=sig, constexprs={"KPAD": 32, "BLOCK": 2048})
-        triton.compile(src, target=GPUTarget("cuda", 90, 32))
-    args = dict(cand="*i64", out_v="*fp32", out_i="*i64")
-    sig = {n: args.get(n.removesuffix("_ptr"), "i32") for n in topk._stage2.arg_names}
-    sig |= {"KPAD": "constexpr", "CBLOCK": "constexpr"}
-    src = ASTSource(fn=topk._stage2, signature=sig, constexprs={"KPAD": 32, "CBLOCK": 4096})
-    triton.compile(src, target=GPUTarget("cuda", 90, 32))
+        build(topk._block_max, dict(x=xdt, bmax="*i64"), {"BLOCK": 1024})
+        build(topk._stage1, dict(x=xdt, thr="*i64", cand="*i64"), {"KPAD": 32, "BLOCK": 1024})
+    build(topk._threshold, dict(bmax="*i64", thr="*i64"), {"SB": 256})
+    build(topk._stage2, dict(cand="*i64", out_v="*fp32", out_i="*i64"), {"KPAD": 32, "CBLOCK": 8192})
 
 
 if __name__ == "__main__":
