@@ -174,7 +174,7 @@ def run_served(system: str, model: Path, args, system_prompt, convs) -> dict | N
                 if args.temperature:  # vLLM's CPU build fails seeded requests, "CPU Generator does not use offset")
                     sampling = dict(temperature=args.temperature, top_p=args.top_p)
                     sampling |= {} if system == "vllm" else {"seed": 1000 * c + t}
-                out.append(stream_one(base, name, prompt, args.reply, system == "vllm", sampling))
+                out.append(stream_one(base, name, prompt, args.reply, system == "vllm", sampling) | {"turn": t})
                 history = prompt + reply
             return out
 
@@ -194,6 +194,7 @@ def run_served(system: str, model: Path, args, system_prompt, convs) -> dict | N
         wall=wall,
         tps=(prompt + sum(r["completion"] for r in res)) / wall,
         load=os.getloadavg()[0],
+        turns=[statistics.median(r["ttft"] for r in res if r["turn"] == t) for t in range(args.turns)],
     )
 
 
@@ -218,7 +219,9 @@ def served(args) -> None:
         res[system] = r
         print(
             f"  {system:11}: hit rate {r['hit']:.1%}, TTFT p50 {r['p50'] * 1e3:.0f} ms p99 {r['p99'] * 1e3:.0f} ms, "
-            f"wall {r['wall']:.1f} s, {r['tps']:.0f} tokens/s (load {r['load']:.1f})",
+            f"wall {r['wall']:.1f} s, {r['tps']:.0f} tokens/s (load {r['load']:.1f}); TTFT p50 by turn "
+            + " ".join(f"{x * 1e3:.0f}" for x in r["turns"])
+            + " ms",
             flush=True,
         )
     ref = res.get("pdserve-off")

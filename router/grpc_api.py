@@ -70,6 +70,7 @@ class RegistryApi(rpc.RegistryServicer):
         if not request.node.node_id or not request.node.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node_id and address are required")
         self.registry.register(request.node)
+        self.service.prefill.warm_pairs()  # its transfer handshakes before its first request
         return pb.RegisterResponse(heartbeat_interval_s=self.service.cfg.heartbeat_interval_s)
 
     async def Heartbeat(self, request, context):
@@ -82,6 +83,8 @@ class RegistryApi(rpc.RegistryServicer):
             request.prefill_tokens_per_s,
         )
         e = self.registry.nodes.get(request.node_id) if known else None
+        if e is not None:
+            self.service.prefill.warm_pairs()  # e.g. a prefill node that has just become ready
         pool = e is not None and e.info.kind == pb.NODE_KIND_DECODE and bool(self.service.prefill.ready(e, set()))
         return pb.HeartbeatResponse(known=known, prefill_pool=pool)
 

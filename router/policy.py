@@ -19,6 +19,12 @@ Pooled = Callable[["NodeEntry", int], bool]
 # what a pooled prompt's token already on the decode node saves, in prompt tokens of work: its KV's
 # transfer, not its compute (the pool computes the prompt either way)
 POOLED_PAGE_SAVING = 0.1
+# what each prompt token a decode node must compute again, because another node holds it cached,
+# costs beyond its own work: whatever queues behind it there waits for it too, and the
+# conversation's later turns follow it (their cache is there now). A burst of follow-up turns
+# sees momentary queues that, priced at 0, moved 2-5 of 16 conversations a turn off their caches
+# (docs/routing.md)
+MOVE_PENALTY = 3.0
 
 
 class RoutingPolicy(Protocol):
@@ -87,15 +93,27 @@ class CacheAware(LeastLoaded):
         if not any(hit for hit, _ in hits.values()):
             return super().choose_decode(ok, prompt_len)
 
+        def saving(e: NodeEntry) -> float:
+            # a prompt e would send to the prefill pool is computed there whichever decode node
+            # holds its pages: e's pages save only their transfer (else a burst of new
+            # conversations sharing a system prompt all lands on the node that took the first)
+            hit, pool = hits[e.node_id]
+            return hit * POOLED_PAGE_SAVING if pool else hit
+
+        # the most of the prompt a decode node computing it itself holds
+        best = max((hit for hit, pool in hits.values() if not pool), default=0)
+
         def cost(e: NodeEntry):
             c = e.info.capacity
             held = max(0, c.total_blocks - e.est_free_blocks()) * c.block_size  # KV tokens of running requests
             hit, pool = hits[e.node_id]
-            # a prompt e would send to the prefill pool is computed there whichever decode node
-            # holds its pages: e's pages save only their transfer (else a burst of new
-            # conversations sharing a system prompt all lands on the node that took the first)
-            saved = hit * POOLED_PAGE_SAVING if pool else hit
-            work = prompt_len - saved + e.queued_prefill_tokens() + self.load_weight * held
+            saved = saving(e)
+            # computing it here, what another node holds beyond this one's part is computed again,
+            # at MOVE_PENALTY more, where this node holds a start of it (a shared system prompt:
+            # the difference is a conversation's own history); a node holding none of it is priced
+            # as before, so new conversations sharing a prompt still spread over the nodes
+            again = MOVE_PENALTY * (best - hit) if hit and not pool else 0
+            work = prompt_len - saved + again + e.queued_prefill_tokens() + self.load_weight * held
             return (work, self.decode_key(e))
 
         return min(ok, key=cost)

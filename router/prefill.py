@@ -82,7 +82,8 @@ class PrefillPhase:
         self.cfg, self.registry, self.policy = cfg, registry, policy
         self._spawn = spawn  # runs a coroutine as a task the router keeps until it ends
         self._pairs: set[tuple] = set()  # (prefill id, incarnation, decode id, incarnation) handshaken
-        self._pair_lock = asyncio.Lock()
+        self._pair_locks: dict[tuple, asyncio.Lock] = {}  # one a pair: a slow pair holds up no other
+        self._warming: set[tuple] = set()  # pairs `warm_pairs` is handshaking ahead of any request
         self.meter = RateMeter()  # each prefill node's measured rate (admission's estimate)
         self.encode: EncodePool | None = None  # the encode pool's step (set by the service)
 
@@ -148,12 +149,16 @@ class PrefillPhase:
             p.prefill_back(prompt_len, interactive=not batch)
         self.registry.on_change()  # within its window again: admit the next
 
+    @staticmethod
+    def _pair_key(p: NodeEntry, d: NodeEntry) -> tuple:
+        return (p.node_id, p.info.incarnation, d.node_id, d.info.incarnation)
+
     async def handshake(self, p: NodeEntry, d: NodeEntry) -> None:
         """Broker the transfer handshake of (P, D) once per pair of incarnations."""
-        key = (p.node_id, p.info.incarnation, d.node_id, d.info.incarnation)
+        key = self._pair_key(p, d)
         if key in self._pairs:
             return
-        async with self._pair_lock:
+        async with self._pair_locks.setdefault(key, asyncio.Lock()):
             if key in self._pairs:
                 return
             pr = await p.stub.Handshake(pb.HandshakeRequest(node_id="router"), timeout=60)
@@ -166,8 +171,29 @@ class PrefillPhase:
             self._pairs.add(key)
             log.info("transfer handshake %s <-> %s done", p.node_id, d.node_id)
 
+    def warm_pairs(self) -> None:
+        """Start the handshake of every (ready prefill node, decode node) pair not yet made, in the
+        background (on the router's loop): a node's first requests then do not wait for it (it
+        costs tens of milliseconds, more on a busy host). A failure is left to the request path,
+        which handshakes again and reports it."""
+        for d in self.registry.routable(pb.NODE_KIND_DECODE):
+            for p in self.ready(d, set()):
+                key = self._pair_key(p, d)
+                if key not in self._pairs and key not in self._warming:
+                    self._warming.add(key)
+                    self._spawn(self._warm(p, d, key))
+
+    async def _warm(self, p: NodeEntry, d: NodeEntry, key: tuple) -> None:
+        try:
+            await self.handshake(p, d)
+        except Exception as e:  # the node went away or is not up yet: a request will try again
+            log.debug("early handshake %s <-> %s failed: %s", p.node_id, d.node_id, e)
+        finally:
+            self._warming.discard(key)
+
     def forget_prefill(self, p: NodeEntry) -> None:
         self._pairs = {k for k in self._pairs if k[0] != p.node_id}
+        self._pair_locks = {k: v for k, v in self._pair_locks.items() if k[0] != p.node_id}
 
     def forget_pair(self, p: NodeEntry, d: NodeEntry) -> None:
         """Handshake (P, D) again next time: a failed prefill may mean D dropped P's agents (another

@@ -46,6 +46,7 @@ class NodeEntry:
     freed_slots: int = 0
     freed_blocks: int = 0
     prefilled_tokens: int = 0  # prompt tokens whose first token came back (no longer queued there)
+    reported_inflight: int = 0  # inflight_prefill_tokens when the last report came: counted in it
     chan: grpc.aio.Channel | None = None
     _stub: object = None
     creds: Credentials = OPEN  # how the router dials the node (the cluster token, TLS)
@@ -102,6 +103,7 @@ class NodeEntry:
         """A fresh capacity report arrived: it includes what the router saw finish."""
         self.last_seen = time.monotonic()
         self.freed_slots = self.freed_blocks = self.prefilled_tokens = 0
+        self.reported_inflight = self.inflight_prefill_tokens
         self.unreachable = False
 
     def prefill_sent(self, tokens: int, interactive: bool = False) -> None:
@@ -118,9 +120,13 @@ class NodeEntry:
 
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens waiting on the node: its last report, less what it prefilled for the
-        router since, plus what the router sent it since."""
+        router since, plus what the router sent it since. What the router had in flight there when
+        the report came is in the report: counted once (the first to come back are taken to be
+        those), not again as in flight."""
         c = self.info.capacity
-        return max(0, c.queued_prefill_tokens - self.prefilled_tokens) + self.inflight_prefill_tokens
+        in_report = max(0, self.reported_inflight - self.prefilled_tokens)
+        since = max(0, self.inflight_prefill_tokens - in_report)
+        return max(0, c.queued_prefill_tokens - self.prefilled_tokens) + since
 
     def blocks_for(self, num_tokens: int) -> int:
         bs = self.info.capacity.block_size or 1

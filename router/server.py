@@ -89,6 +89,7 @@ class Router:
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
             try:
                 await self.registry.sweep()
+                self.service.prefill.warm_pairs()  # static nodes register here, not by RPC
             except Exception:
                 log.exception("registry sweep failed")
 

@@ -13,7 +13,7 @@ from engine.cache.block_manager import BlockManager
 from engine.cache.prefix import PrefixCache
 from engine.prefix_hash import prompt_hashes
 from proto import pb
-from router.policy import LeastLoaded, decode_hit, make_policy
+from router.policy import MOVE_PENALTY, LeastLoaded, decode_hit, make_policy
 from router.prefix import NodeCache, PrefixQuery
 from router.registry import NodeEntry
 
@@ -316,3 +316,27 @@ def test_router_hashing_loads_no_torch():
 
     code = "import sys, router.policy, router.prefix, router.service; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_conversation_stays_with_its_history_but_new_ones_spread():
+    """A node holding the shared start of a prompt (a system prompt) but not the conversation's own
+    history computes that history again, priced MOVE_PENALTY more: a follow-up turn stays on the
+    node that holds it through a queue that would have moved it. A node holding none of the prompt
+    is priced as before, so new conversations sharing a system prompt do not all pile onto the node
+    that computed it first."""
+    pol = make_policy("cache-aware", load_weight=0.0)
+    history = BASE + [rng.randrange(1000) for _ in range(40)]  # the system prompt, then a conversation
+    prompt = history + [1, 2, 3, 4]
+    q = PrefixQuery(prompt)
+    a, b = _holding(_node("a"), history), _holding(_node("b"), BASE)
+    ha, hb = a.cache.usable(q, compute=True), b.cache.usable(q, compute=True)
+    assert 0 < hb < ha
+    # a's queue against b's cost: without the penalty b would win from a queue of ha - hb on
+    a.info.capacity.queued_prefill_tokens = (ha - hb) + 1
+    assert pol.choose_decode([b, a], len(prompt), q) is a
+    a.info.capacity.queued_prefill_tokens = int((1 + MOVE_PENALTY) * (ha - hb)) + 1
+    assert pol.choose_decode([b, a], len(prompt), q) is b
+    # a new conversation: c holds nothing, so a's queue past the hit sends it to c
+    c = _node("c")
+    a.info.capacity.queued_prefill_tokens = ha + 1
+    assert pol.choose_decode([c, a], len(prompt), q) is c

@@ -238,3 +238,29 @@ def test_heartbeat_tells_a_decode_node_whether_a_prefill_pool_is_ready(router):
     stub.Register(pb.RegisterRequest(node=p), timeout=5)
     assert beat(d).prefill_pool is True
     assert beat(p).prefill_pool is False
+
+
+def test_queued_prompt_tokens_count_each_prompt_once_across_reports():
+    """The router's estimate of a node's queued prompt tokens against a simulated node that
+    queues what it is sent and reports its queue now and then: prompts in flight when a report
+    comes are in the report, and must not count again as in flight (a burst's reports otherwise
+    doubled a node's queue and turned its conversations away from their caches)."""
+    import random
+
+    from router.registry import NodeEntry
+
+    e = NodeEntry(info=_info("d0", "127.0.0.1:1"))
+    rng = random.Random(0)
+    node: list[int] = []  # the node's queue, first in first out
+    for _ in range(2000):
+        op = rng.random()
+        if op < 0.4:  # the router sends a prompt
+            n = rng.randrange(1, 200)
+            node.append(n)
+            e.prefill_sent(n)
+        elif op < 0.75 and node:  # the node computes the oldest one: its first token is back
+            e.prefill_back(node.pop(0))
+        elif op >= 0.75:  # the node reports its queue
+            e.info.capacity.queued_prefill_tokens = sum(node)
+            e.reported()
+        assert e.queued_prefill_tokens() == sum(node)
