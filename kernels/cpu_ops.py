@@ -22,6 +22,9 @@ __all__ = [
     "attn_decode",
     "pack_f32",
     "gemm_f32",
+    "pack_bf16",
+    "gemm_bf16",
+    "bf16_dot_supported",
     "silu_mul",
     "gdn_verify",
     "mask_logits",
@@ -188,14 +191,28 @@ def gemm_f32(x: torch.Tensor, wp: torch.Tensor, n: int, threads: int = 1) -> tor
 
 
 def pack_bf16(w: torch.Tensor) -> torch.Tensor:
-    """A bfloat16 weight [N, K] in `pack_f32`'s panels, kept in bfloat16 (half the bytes)."""
+    """A bfloat16 weight [N, K] packed for `gemm_bf16`: [ceil(N/16), ceil(K/2), 16, 2], panels of 16
+    output columns in pairs of k (zero past N and K)."""
     return _ops().pack_bf16(w.contiguous())
 
 
-def gemm_bf16w(x: torch.Tensor, wp: torch.Tensor, n: int, threads: int = 1) -> torch.Tensor:
-    """x [M, K] float32 @ w^T for wp = pack_bf16(w [n, K]): y [M, n] float32, the bits of
-    `gemm_f32` over pack_f32(w) (each row the same sum at any M). Reference: F.linear(x, w.float())."""
-    return _ops().gemm_bf16w(x.contiguous(), wp, n, threads)
+def bf16_dot_supported() -> bool:
+    """Whether this CPU has AVX512-BF16 (VDPBF16PS), which `gemm_bf16` uses when it does."""
+    global _dot
+    if _dot is None:
+        _dot = bool(_ops().bf16_dot_supported())
+    return _dot
+
+
+_dot: bool | None = None
+
+
+def gemm_bf16(x: torch.Tensor, wp: torch.Tensor, n: int, threads: int = 1, dot: bool | None = None) -> torch.Tensor:
+    """x [M, K] bfloat16 @ w^T for wp = pack_bf16(w [n, K]): y [M, n] bfloat16, each row the same
+    float32 sum in the same order whatever M is (kernels/csrc/gemm_bf16.cpp defines it: VDPBF16PS's
+    steps, the odd k of a pair first). `dot`: the instruction (default: where the CPU has it) or
+    float32 multiply-adds; the same bits. Reference: F.linear(x.float(), w.float()).bfloat16()."""
+    return _ops().gemm_bf16(x.contiguous(), wp, n, threads, bf16_dot_supported() if dot is None else dot)
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:

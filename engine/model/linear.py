@@ -5,9 +5,9 @@ CPU with native 16-bit matmul, reordered once into oneDNN's blocked layout: the 
 float32 copy of a 16-bit weight on CPUs without native 16-bit matmul, output rounded back) or "fp8"
 (a block-quantized float8 weight kept as the checkpoint stores it, `kernels.fp8_block_linear`,
 with an optional unquantized tail of rows).
-A bfloat16 weight may be "packed" too (`row_invariant`, --batch-invariant): the same panels kept in
-bfloat16, each output row the same float32 sum in the same order at any number of rows, rounded
-back to bfloat16.
+A bfloat16 weight may be "packed" too (`row_invariant`, --batch-invariant): panels of bfloat16 pairs
+for `cpu_ops.gemm_bf16` (AVX512-BF16's dot product where the CPU has it), each output row the same
+float32 sum in the same order at any number of rows, rounded to bfloat16.
 Every layout or GEMM choice lives here (docs/engine.md, "Module notes"; figures in
 docs/benchmarks.md)."""
 
@@ -27,6 +27,7 @@ Kind = Literal["packed", "onednn", "native", "fp32", "fp8"]
 GEMV_MAX_ROWS = 4  # up to this many rows, a bfloat16 weight is read as it is (kernels/cpu_ops.py)
 _GEMV_THREADED = 1 << 20  # weights of at least this many elements split over torch's threads
 _GEMM_THREADED = 1 << 18  # packed GEMMs of at least this many multiply-adds split over threads
+_BF16_GEMM_THREADED = 1 << 26  # the same for `gemm_bf16` (about four times as fast), or its weight >= _GEMV_THREADED
 # ATen/oneDNN GEMMs below both sizes run on one thread: waking torch's sleeping OpenMP threads
 # (OMP_WAIT_POLICY=PASSIVE, engine/__init__.py) costs more than they save on a small weight
 _ONE_THREAD_WEIGHT = 1 << 20
@@ -104,9 +105,11 @@ class Linear:
             assert self.scale_inv is not None and self.block_size is not None
             w = dequant_fp8_block(self.w, self.scale_inv, self.block_size, self.dtype)
             return w if self.tail is None else torch.cat([w, self.tail.weight])
-        if self.kind == "packed":  # [P, K, 16] -> [P * 16, K], padding dropped
-            w = self.w.transpose(1, 2).reshape(-1, self.shape[1])[: self.shape[0]]
-            return w.to(self.dtype).contiguous()
+        if self.kind == "packed":  # [P, K, 16] or bfloat16 [P, K/2, 16, 2] -> [P * 16, K], padding dropped
+            n, k = self.shape
+            if self.w.dim() == 4:
+                return self.w.transpose(1, 2).reshape(-1, self.w.shape[1] * 2)[:n, :k].contiguous()
+            return self.w.transpose(1, 2).reshape(-1, k)[:n].contiguous()
         if self.kind == "onednn":
             return self.w.to_dense()
         return self.w if self.w.dtype == self.dtype else self.w.to(self.dtype)
@@ -127,11 +130,15 @@ class Linear:
         if self.kind == "fp8":
             return self._fp8(x)
         if self.kind == "packed":
-            x2 = x.reshape(-1, self.shape[1]).float()
-            big = x2.shape[0] * self.shape[0] * self.shape[1] >= _GEMM_THREADED
-            gemm = cpu_ops.gemm_f32 if self.dtype == torch.float32 else cpu_ops.gemm_bf16w
-            y = gemm(x2, self.w, self.shape[0], torch.get_num_threads() if big else 1)
-            y = y if self.dtype == torch.float32 else y.to(self.dtype)
+            x2 = x.reshape(-1, self.shape[1])
+            macs = x2.shape[0] * self.shape[0] * self.shape[1]
+            if self.dtype == torch.float32:
+                threads = torch.get_num_threads() if macs >= _GEMM_THREADED else 1
+                y = cpu_ops.gemm_f32(x2.float(), self.w, self.shape[0], threads)
+            else:
+                big = macs >= _BF16_GEMM_THREADED or self.threads > 1  # or a weight a thread reads too slowly
+                threads = torch.get_num_threads() if big else 1
+                y = cpu_ops.gemm_bf16(x2.to(self.dtype), self.w, self.shape[0], threads)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], self.shape[0])
         if self.w16 is not None and x.shape[0] <= GEMV_MAX_ROWS and x.dim() == 2:
             return cpu_ops.gemv_bf16(x, self.w16, self.dtype, self.threads)
@@ -161,8 +168,8 @@ class Linear:
 
 
 def row_invariant(lin: Linear) -> Linear:
-    """The same projection over panels ("packed", float32 or bfloat16): each output row is the
-    same float32 sum of exact products in the same order whatever the number of rows, so a
+    """The same projection over panels ("packed": `gemm_f32` or `gemm_bf16`): each output row is
+    the same float32 sum of exact products in the same order whatever the number of rows, so a
     token's result does not depend on its step (oneDNN's blocking, and so its sums, change with
     the rows)."""
     if lin.device.type != "cpu" or lin.dtype not in (torch.float32, torch.bfloat16):

@@ -48,7 +48,9 @@ void gemv_bf16(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *
 void pack_f32(int64_t N, int64_t K, const float *w, float *wp);
 void gemm_f32(int64_t M, int64_t N, int64_t K, const float *x, const float *wp, float *y, int64_t nthreads);
 void pack_bf16(int64_t N, int64_t K, const uint16_t *w, uint16_t *wp);
-void gemm_bf16w(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *wp, float *y, int64_t nthreads);
+bool bf16_dot_supported();
+void gemm_bf16(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uint16_t *wp, uint16_t *y, int64_t nthreads,
+               bool dot);
 
 /* ---- The same kernels as independent chunks, for a caller that runs several of them in one
  * parallel region (decode_layers.cpp); the functions above run these over parallel_chunks. */
@@ -76,8 +78,6 @@ struct GemmJob { /* gemm_f32 planned for nthreads: chunks of (a block of mb rows
     int64_t M, N, K, mb, groups, P;
     const float *x, *wp;
     float *y;
-    const uint16_t *wp16; /* gemm_bf16w: the panels in bfloat16 (wbf16 = 1) instead of wp */
-    int wbf16;
     int64_t chunks() const { return (M > 0 ? (M + mb - 1) / mb : 0) * groups; }
 };
 GemmJob gemm_job(int64_t M, int64_t N, int64_t K, const float *x, const float *wp, float *y, int64_t nthreads);

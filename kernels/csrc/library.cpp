@@ -6,6 +6,8 @@
  */
 #include <torch/library.h>
 
+#include "kernels.h"
+
 TORCH_LIBRARY(pdserve, m) {
     m.def(
         "gdn_decode(Tensor proj, Tensor conv_w, Tensor(a!) conv_pool, Tensor(b!) rec_pool, Tensor slots, "
@@ -34,7 +36,8 @@ TORCH_LIBRARY(pdserve, m) {
     m.def("pack_f32(Tensor w) -> Tensor");
     m.def("gemm_f32(Tensor x, Tensor wp, int n, int threads) -> Tensor");
     m.def("pack_bf16(Tensor w) -> Tensor");
-    m.def("gemm_bf16w(Tensor x, Tensor wp, int n, int threads) -> Tensor");
+    m.def("gemm_bf16(Tensor x, Tensor wp, int n, int threads, bool dot) -> Tensor");
+    m.def("bf16_dot_supported() -> bool", &pdserve::bf16_dot_supported); /* no tensor: one kernel for all */
     m.def("mask_logits(Tensor(a!) x, Tensor bitmask, Tensor rows) -> ()");
     m.def("masked_argmax(Tensor x, Tensor bitmask) -> Tensor");
     m.def("topk(Tensor x, int k) -> (Tensor, Tensor)");

@@ -1,6 +1,6 @@
 /* Linear layers for the decode step's few rows: a bfloat16 weight read as it is (gemv_bf16)
  * and float32 over a weight packed in panels of 16 output columns (pack_f32, gemm_f32; the
- * panels in bfloat16: pack_bf16, gemm_bf16w, the same bits at half the bytes).
+ * bfloat16 GEMM of --batch-invariant is gemm_bf16.cpp).
  * PyTorch reference: F.linear (engine/model/linear.py picks these).
  */
 #include "common.h"
@@ -74,15 +74,10 @@ void pack_f32(int64_t N, int64_t K, const float *w, float *wp) {
             }
 }
 
-/* A panel row of 16 weights as float32: read as it is, or widened from bfloat16 (exactly: the
- * same products and sums follow, so a bfloat16 panel gives the float32 panel's bits). */
+/* A panel row of 16 weights */
 static inline void ld_panel8(const float *p, v8f &w0, v8f &w1) {
     memcpy(&w0, p, 32);
     memcpy(&w1, p + 8, 32);
-}
-static inline void ld_panel8(const bf16_t *p, v8f &w0, v8f &w1) {
-    w0 = ld_bf8(p);
-    w1 = ld_bf8(p + 8);
 }
 
 template <typename W>
@@ -116,8 +111,6 @@ static inline __attribute__((always_inline)) void gemm_tile(int64_t K, const flo
 /* With 512-bit vectors a panel row is one register: tiles of up to 12 rows (12 accumulators),
  * twice the rows and the same loads per k as the 256-bit tile above. */
 typedef float v16f __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
 constexpr int64_t MR = 12;
 
 static inline v16f ld_panel16(const float *p) {
@@ -125,12 +118,6 @@ static inline v16f ld_panel16(const float *p) {
     memcpy(&w, p, 64);
     return w;
 }
-static inline v16f ld_panel16(const bf16_t *p) {
-    v16h h;
-    memcpy(&h, p, 32);
-    return (v16f)(__builtin_convertvector(h, v16u) << 16);
-}
-
 template <int mr, typename W>
 static inline __attribute__((always_inline)) void gemm_tile16(int64_t K, const float *x, int64_t ldx, const W *panel,
                                                               float *y, int64_t ldy, int64_t nc) {
@@ -186,8 +173,7 @@ void gemm_chunk(const GemmJob &job, int64_t chunk) {
         const int64_t n0 = p * 16, nc = N - n0 < 16 ? N - n0 : 16, m2 = m1 + mb < M ? m1 + mb : M;
         for (int64_t m0 = m1; m0 < m2; m0 += MR) {
             const int64_t rows = m2 - m0 < MR ? m2 - m0 : MR;
-            if (j->wbf16) run_tile(rows, K, j->x + m0 * K, j->wp16 + p * K * 16, j->y + m0 * N + n0, N, nc);
-            else run_tile(rows, K, j->x + m0 * K, j->wp + p * K * 16, j->y + m0 * N + n0, N, nc);
+            run_tile(rows, K, j->x + m0 * K, j->wp + p * K * 16, j->y + m0 * N + n0, N, nc);
         }
     }
 }
@@ -207,29 +193,11 @@ GemmJob gemm_job(int64_t M, int64_t N, int64_t K, const float *x, const float *w
         if (groups > P) groups = P;
         if (groups < 1) groups = 1;
     }
-    return GemmJob{M, N, K, mb, groups, P, x, wp, y, nullptr, 0};
+    return GemmJob{M, N, K, mb, groups, P, x, wp, y};
 }
 
 void gemm_f32(int64_t M, int64_t N, int64_t K, const float *x, const float *wp, float *y, int64_t nthreads) {
     const GemmJob job = gemm_job(M, N, K, x, wp, y, nthreads);
-    parallel_chunks(job.chunks(), nthreads, [&](int64_t c, int64_t) { gemm_chunk(job, c); });
-}
-
-/* pack_f32's panels in bfloat16: half the bytes, and gemm_bf16w over them gives gemm_f32's bits
- * over the same weight widened (each bfloat16 widens exactly; products and sums are the same). */
-void pack_bf16(int64_t N, int64_t K, const bf16_t *w, bf16_t *wp) {
-    for (int64_t p = 0; p < (N + 15) / 16; p++)
-        for (int64_t k = 0; k < K; k++)
-            for (int64_t c = 0; c < 16; c++) {
-                const int64_t n = p * 16 + c;
-                wp[(p * K + k) * 16 + c] = n < N ? w[n * K + k] : (bf16_t)0;
-            }
-}
-
-void gemm_bf16w(int64_t M, int64_t N, int64_t K, const float *x, const bf16_t *wp, float *y, int64_t nthreads) {
-    GemmJob job = gemm_job(M, N, K, x, nullptr, y, nthreads);
-    job.wp16 = wp;
-    job.wbf16 = 1;
     parallel_chunks(job.chunks(), nthreads, [&](int64_t c, int64_t) { gemm_chunk(job, c); });
 }
 

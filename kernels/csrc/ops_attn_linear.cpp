@@ -118,15 +118,27 @@ at::Tensor gemm_f32_op(const at::Tensor &x, const at::Tensor &wp, int64_t n, int
 }
 
 at::Tensor pack_bf16_op(const at::Tensor &w) {
-    auto wp = panels_for(Args{"pdserve.pack_bf16"}, w, at::kBFloat16);
+    const Args a{"pdserve.pack_bf16"};
+    a.dtype(w, "w", at::kBFloat16);
+    TORCH_CHECK(w.dim() == 2, a.op, ": w must be [N, K], got ", w.sizes());
+    a.contiguous(w, "w");
+    auto wp = at::empty({(w.size(0) + 15) / 16, (w.size(1) + 1) / 2, 16, 2}, w.options());
     pack_bf16(w.size(0), w.size(1), (const uint16_t *)w.data_ptr(), (uint16_t *)wp.data_ptr());
     return wp;
 }
 
-at::Tensor gemm_bf16w_op(const at::Tensor &x, const at::Tensor &wp, int64_t n, int64_t threads) {
-    auto y = gemm_out(Args{"pdserve.gemm_bf16w"}, x, wp, n, at::kBFloat16);
-    gemm_bf16w(x.size(0), n, x.size(1), x.data_ptr<float>(), (const uint16_t *)wp.data_ptr(), y.data_ptr<float>(),
-               threads);
+at::Tensor gemm_bf16_op(const at::Tensor &x, const at::Tensor &wp, int64_t n, int64_t threads, bool dot) {
+    const Args a{"pdserve.gemm_bf16"};
+    a.dtype(x, "x", at::kBFloat16);
+    TORCH_CHECK(x.dim() == 2, a.op, ": x must be [M, K], got ", x.sizes());
+    a.contiguous(x, "x");
+    a.dtype(wp, "wp", at::kBFloat16);
+    a.shape(wp, "wp (packed for n)", {(n + 15) / 16, (x.size(1) + 1) / 2, 16, 2});
+    a.contiguous(wp, "wp");
+    TORCH_CHECK(!dot || bf16_dot_supported(), a.op, ": dot=True needs AVX512-BF16, which this CPU lacks");
+    auto y = at::empty({x.size(0), n}, x.options());
+    gemm_bf16(x.size(0), n, x.size(1), (const uint16_t *)x.data_ptr(), (const uint16_t *)wp.data_ptr(),
+              (uint16_t *)y.data_ptr(), threads, dot);
     return y;
 }
 
@@ -138,7 +150,7 @@ TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
     m.impl("pack_f32", &pack_f32_op);
     m.impl("gemm_f32", &gemm_f32_op);
     m.impl("pack_bf16", &pack_bf16_op);
-    m.impl("gemm_bf16w", &gemm_bf16w_op);
+    m.impl("gemm_bf16", &gemm_bf16_op);
 }
 
 }  // namespace pdserve

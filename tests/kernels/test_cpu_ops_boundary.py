@@ -105,8 +105,13 @@ def test_gemm_and_norm_quote_their_shapes():
     wp = cpu_ops.pack_f32(torch.randn(20, 8))
     with pytest.raises(RuntimeError, match=r"wp \(packed for n\) must be \[1, 8, 16\], got \[2, 8, 16\]"):
         cpu_ops.gemm_f32(torch.randn(3, 8), wp, 16)
-    with pytest.raises(RuntimeError, match=r"pdserve.gemm_bf16w: wp must be BFloat16"):
-        cpu_ops.gemm_bf16w(torch.randn(3, 8), wp, 20)  # float32 panels handed to the bfloat16 GEMM
+    with pytest.raises(RuntimeError, match=r"pdserve.gemm_bf16: wp must be BFloat16"):
+        cpu_ops.gemm_bf16(torch.randn(3, 8).bfloat16(), wp, 20)  # float32 panels handed to the bfloat16 GEMM
+    wp16 = cpu_ops.pack_bf16(torch.randn(20, 7).bfloat16())
+    with pytest.raises(RuntimeError, match=r"pdserve.gemm_bf16: x must be BFloat16"):
+        cpu_ops.gemm_bf16(torch.randn(3, 7), wp16, 20)  # float32 x
+    with pytest.raises(RuntimeError, match=r"wp \(packed for n\) must be \[2, 5, 16, 2\], got \[2, 4, 16, 2\]"):
+        cpu_ops.gemm_bf16(torch.randn(3, 9).bfloat16(), wp16, 20)  # packed for K = 7
     with pytest.raises(RuntimeError, match=r"pdserve.pack_bf16: w must be BFloat16"):
         cpu_ops.pack_bf16(torch.randn(20, 8))
     with pytest.raises(RuntimeError, match=r"h must be \[4, 8\], got \[4, 6\]"):
