@@ -5,8 +5,9 @@ The rules: docs/prefix-caching.md, "Module notes"."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from engine.request import Request, Status
 
@@ -42,9 +43,11 @@ def hold_point(
     interval: int,
     block_size: int,
     hashes: Callable[[Request], list[int]],
+    others: Sequence[Request] = (),
 ) -> Hold | None:
     """The running request whose coming snapshot `req` (cached hit: `hit` tokens; lookup limit:
-    `limit`) should wait for, and the point, or None: admit it now (module docstring)."""
+    `limit`) should wait for, and the point, or None: admit it now (module docstring). `others`:
+    the requests waiting behind it, which may skip the same tokens by waiting too."""
     todo, k = req.num_tokens - hit, req.params.prompt_logprobs  # what it computes if admitted now
     best: Hold | None = None
     for r in running:
@@ -61,6 +64,42 @@ def hold_point(
         if q <= start or q <= hit or (best is not None and q <= best.num_tokens):
             continue
         best = Hold(r, q)
-    if best is None or best.num_tokens - hit < interval or 2 * (best.num_tokens - hit) < todo:
+    if best is None:
         return None
-    return best
+    gain = best.num_tokens - hit
+    if gain >= interval and 2 * gain >= todo:
+        return best
+    # a burst: each of those waiting with the same hit skips the same tokens, and they compute
+    # together in the next step; the wait pays when what they skip together is at least the
+    # tokens this one computes now (and one snapshot interval)
+    skipped = gain * siblings(req, hit, best.num_tokens, others, block_size, hashes, need=max(todo, interval))
+    return best if skipped >= max(todo, interval) else None
+
+
+SIBLINGS_LOOKED_AT = 32  # waiting requests compared with one being held (a bound on the step's cost)
+
+
+def siblings(
+    req: Request,
+    hit: int,
+    point: int,
+    others: Sequence[Request],
+    block_size: int,
+    hashes: Callable[[Request], list[int]],
+    need: int,
+) -> int:
+    """`req` and those of the first SIBLINGS_LOOKED_AT `others` that share its first `point`
+    tokens (the same cached prefix: they gain what it gains by waiting for that point); stops
+    counting once gain x count reaches `need`."""
+    n, mine = 1, hashes(req)
+    gain = point - hit
+    for o in islice(others, SIBLINGS_LOOKED_AT):
+        if gain * n >= need:
+            break
+        if o is req or o.params.prompt_logprobs != req.params.prompt_logprobs:
+            continue
+        if len(o.hash_prompt) < point:
+            continue
+        if shared_tokens(req.hash_prompt, mine, o.hash_prompt, hashes(o), block_size) >= point:
+            n += 1
+    return n

@@ -181,7 +181,7 @@ class Scheduler:
                 continue
             hit = self.plan.lookup(req) if self.plan is not None else None
             p = hit.num_tokens if hit else 0
-            if self.plan is not None and self.plan.held(req, p, self.running):
+            if self.plan is not None and self.plan.held(req, p, self.running, self.waiting):
                 w += 1
                 continue
             n = min(req.num_tokens - p, plan.budget)

@@ -50,15 +50,15 @@ class PrefixPlanner:
         limit = min(len(req.prompt_token_ids), req.num_tokens - 1)
         return self.prefix.lookup(req.hash_prompt, self.hashes(req), limit, req.params.prompt_logprobs)
 
-    def held(self, req: Request, hit: int, running: Sequence[Request]) -> bool:
+    def held(self, req: Request, hit: int, running: Sequence[Request], waiting: Sequence[Request] = ()) -> bool:
         """Whether `req` (cached hit: `hit` tokens) waits for a snapshot that a running request
         computing the same prefix saves at a later step (engine/cache/inflight.py); counts each
-        request held once."""
+        request held once. waiting: the queue (those behind `req` may wait with it)."""
         if not running:
             return False
         limit = min(len(req.prompt_token_ids), req.num_tokens - 1)
         bs = self.blocks.block_size
-        hold = hold_point(req, hit, limit, running, self.prefix.interval, bs, self.hashes)
+        hold = hold_point(req, hit, limit, running, self.prefix.interval, bs, self.hashes, waiting)
         if hold is None:
             return False
         if not req.held_back:

@@ -49,7 +49,11 @@ def test_a_burst_sharing_a_new_prefix_computes_it_once(ckpt_hv2):
             assert capacity_gauges(lp.stats().result(5))["prefix_held_admissions_total"][1] == 3
         finally:
             lp.stop()
-    assert [o.num_cached_tokens for o in on] == [0, 64, 64, 64]
+    # step 1: the first computes all 96 tokens, the others wait for its grid snapshot at 64; step
+    # 2: the second resumes there and saves one at its branch (the 5 full pages it shares, 80
+    # tokens); the last two skip 16 tokens each by waiting for that: alone too little (under half
+    # of their 32), together as much as one of them computes, so they wait (a burst's rule)
+    assert [o.num_cached_tokens for o in on] == [0, 64, 80, 80]
     for p, a, b in zip(ENDINGS, on, off):
         assert a.output_token_ids == b.output_token_ids == hc.hf_greedy(ckpt_hv2, p, 6)
 
@@ -178,6 +182,22 @@ def test_only_a_shared_part_that_pays_holds(prompts, held):
     _step(sched)
     assert reqs[1].num_cached_tokens == (16 if held else 0)
     _drain(sched)
+
+
+def test_a_burst_waits_for_a_part_too_small_for_one():
+    """The second case above with four waiting: each skips 8 of its 32 tokens by waiting (under
+    half), but together 32, what one of them computes if admitted now: all four wait a step and
+    resume at 8. With three waiting (24 together) none waits."""
+    for waiting, held in ((4, True), (3, False)):
+        sched = _sched()
+        reqs = [_req(str(i), BASE[:8] + [i + 1] * 24) for i in range(1 + waiting)]
+        for r in reqs:
+            sched.add(r)
+        assert _step(sched) == (["0"] if held else [r.request_id for r in reqs])
+        assert all(r.held_back is held for r in reqs[1:]) and sched.prefix.stats.held == (waiting if held else 0)
+        _step(sched)
+        assert [r.num_cached_tokens for r in reqs] == [0] + [8 if held else 0] * waiting
+        _drain(sched)
 
 
 def test_held_request_does_not_block_those_behind_it():
