@@ -8,7 +8,10 @@ Streaming /v1/completions, 64 requests x 512 random prompt tokens, 64 output tok
 ignore_eos, concurrency 16, bfloat16 on bench/vs_vllm_cpu.py's `tiny` checkpoint (head dims 64;
 `--model tiny-qvocab`: the same with Qwen's 151,936-token vocabulary).
 Reports per system: output tokens/s, TTFT p50/p99 and stream reads per request (median, min-max
-across runs), with the load average at each run.
+across runs), with the load average at each run. `--aiperf PATH` (an `aiperf` 0.13 executable, in a
+virtual environment of its own) also runs NVIDIA's AIPerf client with the same workload against the
+same server right after this one's (greedy; output tokens as the server counts them), and reports
+its output tokens/s and TTFT p50/p99 beside.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import importlib.util
 import itertools
 import json
 import statistics
+import subprocess
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -95,16 +100,42 @@ def run(system: str, model: Path, args) -> dict:
             rs = list(ex.map(lambda p: stream_one(base, body(p, args.new_tokens)), ps))
         dt = time.perf_counter() - t0
         ttfts = sorted(r[0] for r in rs)
-        return dict(
+        out = dict(
             tps=sum(r[1] for r in rs) / dt,
             ttft_p50=statistics.median(ttfts),
             ttft_p99=ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))],
             reads=statistics.median(r[2] for r in rs),
             load=max(l0, vs.load1()),
         )
+        if args.aiperf:
+            out |= aiperf(args, base, name, model, vllm=kind == "vllm")
+        return out
     finally:
         vs.stop_server(proc)
         log.close()
+
+
+def aiperf(args, base: str, name: str, model: Path, vllm: bool) -> dict:
+    """AIPerf's figures for the workload against the server at `base` (see the module docstring)."""
+    extra: dict = {"ignore_eos": True, "temperature": 0.0} | ({"min_tokens": args.new_tokens} if vllm else {})
+    with tempfile.TemporaryDirectory(prefix="aiperf-") as d:
+        cmd = [args.aiperf, "profile", "--model", name, "--url", base, "--endpoint-type", "completions"]
+        cmd += ["--streaming", "--concurrency", str(args.concurrency), "--request-count", str(args.requests)]
+        cmd += ["--isl", str(args.prompt_len), "--isl-stddev", "0", "--osl", str(args.new_tokens), "--osl-stddev", "0"]
+        cmd += ["--extra-inputs", json.dumps(extra), "--tokenizer", str(model), "--use-server-token-count"]
+        cmd += ["--artifact-dir", d, "--ui-type", "none", "--random-seed", "7"]
+        l0 = vs.load1()
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        if r.returncode != 0:
+            raise RuntimeError(f"aiperf failed ({r.returncode}): {r.stderr[-500:] or r.stdout[-500:]}")
+        res = json.loads((Path(d) / "profile_export_aiperf.json").read_text())
+    ttft = res["time_to_first_token"]
+    return dict(
+        aiperf_tps=res["output_token_throughput"]["avg"],
+        aiperf_ttft_p50=ttft["p50"] / 1e3,
+        aiperf_ttft_p99=ttft["p99"] / 1e3,
+        aiperf_load=max(l0, vs.load1()),
+    )
 
 
 def summary(runs: list[dict], key: str) -> str:
@@ -125,6 +156,7 @@ def main() -> int:
         "--sampled", action="store_true", help="Qwen's chat settings (t 0.7, top-p 0.8, top-k 20, presence 1.5, seeds)"
     )
     ap.add_argument("--model", default="tiny", choices=sorted(vs.MODELS))
+    ap.add_argument("--aiperf", default=None, help="an aiperf executable: AIPerf's figures beside (docstring)")
     args = ap.parse_args()
     model = vs.make_models([args.model], Path.home() / ".cache")[args.model]
     results: dict[str, list[dict]] = {s: [] for s in args.systems}
@@ -137,6 +169,11 @@ def main() -> int:
     for s, runs in results.items():
         cols = [summary(runs, k) for k in ("tps", "ttft_p50", "ttft_p99", "reads", "load")]
         print(f"{s} | " + " | ".join(cols))
+    if args.aiperf:
+        print("AIPerf: system | output tok/s | TTFT p50 s | TTFT p99 s | load")
+        for s, runs in results.items():
+            cols = [summary(runs, k) for k in ("aiperf_tps", "aiperf_ttft_p50", "aiperf_ttft_p99", "aiperf_load")]
+            print(f"{s} | " + " | ".join(cols))
     return 0
 
 
