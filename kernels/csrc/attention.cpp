@@ -119,16 +119,17 @@ static inline __attribute__((always_inline)) void attn_rows(const AttnJob *a, co
                 x[j + half] = rnd(rnd(x2 * c2, bf16) + rnd(x1 * s2, bf16), bf16);
             }
         }
-        /* the new k and v into the row's page slot */
+        /* the new k and v into the row's page slot (not in a second pass: the first stored them) */
         const int64_t slot = a->slot_mapping[b], blk = slot / a->bs, off = slot % a->bs;
         const int64_t v_col = row + nqk * hd + H * hd;
-        for (int64_t g = 0; g < KVH; g++) {
+        for (int64_t g = 0; g < KVH && a->pass != 2; g++) {
             const int64_t kp = blk * a->s_blk + g * a->s_head + off * a->s_tok;
             for (int64_t j = 0; j < hd; j++) {
                 store(a->kv, kp + j, qk[(H + g) * hd + j], bf16);
                 store(a->kv, kp + a->s_kv + j, load(a->qkv, v_col + g * hd + j, bf16), bf16);
             }
         }
+        if (a->pass == 1) continue; /* a first pass stores every row's k and v, nothing more */
         /* per KV head, its query heads together over the row's pages (each K and V row read
          * once for all of them), then the gate */
         const int64_t n = a->seq_lens[b];
@@ -209,7 +210,8 @@ static inline __attribute__((always_inline)) void attn_rows(const AttnJob *a, co
 
 void attn_chunk(const AttnJob &job, int64_t chunk, int64_t tid) { /* one row, or one sequence's rows */
     AttnJob a = job;
-    a.b0 = a.seq_starts ? a.seq_starts[chunk] : chunk, a.b1 = a.seq_starts ? a.seq_starts[chunk + 1] : chunk + 1;
+    const bool seq = a.seq_starts && a.pass == 0;
+    a.b0 = seq ? a.seq_starts[chunk] : chunk, a.b1 = seq ? a.seq_starts[chunk + 1] : chunk + 1;
     a.work += tid * a.work_stride;
     if (a.bf16) attn_rows(&a, 1);
     else attn_rows(&a, 0);
@@ -230,7 +232,9 @@ void attn_chunk(const AttnJob &job, int64_t chunk, int64_t tid) { /* one row, or
  *              sequences whose rows are consecutive positions (a row with drafts, an MTP chunk):
  *              each row has its own seq_len / block-table row / slot, and a sequence's rows run
  *              in order in one chunk, so a row's k and v are in their page before the next row
- *              of its sequence reads them (causal attention within the sequence).
+ *              of its sequence reads them (causal attention within the sequence); from ATTN_SPLIT_ROWS
+ *              rows on several threads, every row's k and v are stored first and the rows'
+ *              attention then runs row by row on all the threads (the same bits).
  * Rows (sequences) are shared by up to nthreads threads (parallel_chunks). */
 void attn_decode(int64_t B, int64_t H, int64_t KVH, int64_t hd, int64_t rd, const void *qkv, int64_t ld,
                  const float *qk_norm, float eps, const void *cos, const void *sin, void *kv, int64_t s_blk,
@@ -241,6 +245,17 @@ void attn_decode(int64_t B, int64_t H, int64_t KVH, int64_t hd, int64_t rd, cons
     const AttnJob job = {0, B, H, KVH, hd, rd, ld, bs, s_blk, s_kv, s_head, s_tok, bt_width, work_stride, qkv, cos,
                            sin, qk_norm, kv, out, slot_mapping, block_tables, seq_lens, eps, scale, work, bf16,
                            seq_starts};
+    if (seq_starts && nthreads > 1 && B >= ATTN_SPLIT_ROWS) {
+        /* many rows in sequences (a prefill in batch-invariant mode): every row's k and v first,
+         * then every row's attention on its own, in any order and on any thread; the same
+         * arithmetic as one row after another, with the threads no longer one per sequence */
+        for (const int pass : {1, 2}) {
+            AttnJob p = job;
+            p.pass = pass;
+            parallel_chunks(B, nthreads, [&](int64_t c, int64_t tid) { attn_chunk(p, c, tid); });
+        }
+        return;
+    }
     parallel_chunks(seq_starts ? nseq : B, nthreads, [&](int64_t c, int64_t tid) { attn_chunk(job, c, tid); });
 }
 

@@ -71,8 +71,10 @@ struct AttnJob { /* attn_decode's arguments; a chunk is one row, or one sequence
     float *work; /* work_stride floats per tid */
     int bf16;
     const int64_t *seq_starts; /* nullptr, or [nseq+1]: a chunk is one sequence of consecutive rows */
+    int pass;                  /* 0: all of a row; 1: its k and v stored, no more; 2: all but storing them */
 };
 void attn_chunk(const AttnJob &job, int64_t chunk, int64_t tid);
+constexpr int64_t ATTN_SPLIT_ROWS = 64; /* rows in sequences from which attn_decode runs two passes */
 
 struct GemmJob { /* gemm_f32 planned for nthreads: chunks of (a block of mb rows, a group of panels) */
     int64_t M, N, K, mb, groups, P;
