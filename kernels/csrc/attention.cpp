@@ -232,9 +232,10 @@ void attn_chunk(const AttnJob &job, int64_t chunk, int64_t tid) { /* one row, or
  *              sequences whose rows are consecutive positions (a row with drafts, an MTP chunk):
  *              each row has its own seq_len / block-table row / slot, and a sequence's rows run
  *              in order in one chunk, so a row's k and v are in their page before the next row
- *              of its sequence reads them (causal attention within the sequence); from ATTN_SPLIT_ROWS
- *              rows on several threads, every row's k and v are stored first and the rows'
- *              attention then runs row by row on all the threads (the same bits).
+ *              of its sequence reads them (causal attention within the sequence); with many rows
+ *              in fewer sequences than four per thread (attn_two_passes), every row's k and v are
+ *              stored first and the rows' attention then runs in blocks of 16 rows on all the
+ *              threads (the same bits).
  * Rows (sequences) are shared by up to nthreads threads (parallel_chunks). */
 void attn_decode(int64_t B, int64_t H, int64_t KVH, int64_t hd, int64_t rd, const void *qkv, int64_t ld,
                  const float *qk_norm, float eps, const void *cos, const void *sin, void *kv, int64_t s_blk,
@@ -245,14 +246,16 @@ void attn_decode(int64_t B, int64_t H, int64_t KVH, int64_t hd, int64_t rd, cons
     const AttnJob job = {0, B, H, KVH, hd, rd, ld, bs, s_blk, s_kv, s_head, s_tok, bt_width, work_stride, qkv, cos,
                            sin, qk_norm, kv, out, slot_mapping, block_tables, seq_lens, eps, scale, work, bf16,
                            seq_starts};
-    if (seq_starts && nthreads > 1 && B >= ATTN_SPLIT_ROWS) {
+    if (attn_two_passes(B, nseq, nthreads, seq_starts)) {
         /* many rows in sequences (a prefill in batch-invariant mode): every row's k and v first,
          * then every row's attention on its own, in any order and on any thread; the same
          * arithmetic as one row after another, with the threads no longer one per sequence */
         for (const int pass : {1, 2}) {
             AttnJob p = job;
             p.pass = pass;
-            parallel_chunks(B, nthreads, [&](int64_t c, int64_t tid) { attn_chunk(p, c, tid); });
+            parallel_chunks((B + 15) / 16, nthreads, [&](int64_t c, int64_t tid) {
+                for (int64_t b = 16 * c; b < B && b < 16 * (c + 1); b++) attn_chunk(p, b, tid);
+            });
         }
         return;
     }

@@ -74,7 +74,11 @@ struct AttnJob { /* attn_decode's arguments; a chunk is one row, or one sequence
     int pass;                  /* 0: all of a row; 1: its k and v stored, no more; 2: all but storing them */
 };
 void attn_chunk(const AttnJob &job, int64_t chunk, int64_t tid);
-constexpr int64_t ATTN_SPLIT_ROWS = 64; /* rows in sequences from which attn_decode runs two passes */
+/* attn_decode's rows in sequences run in two passes (k and v first) when they are many (64 or
+ * more) in fewer sequences than four per thread: one thread a sequence would leave threads idle */
+inline bool attn_two_passes(int64_t B, int64_t nseq, int64_t nthreads, const int64_t *seq_starts) {
+    return seq_starts && nthreads > 1 && B >= 64 && nseq < 4 * nthreads;
+}
 
 struct GemmJob { /* gemm_f32 planned for nthreads: chunks of (a block of mb rows, a group of panels) */
     int64_t M, N, K, mb, groups, P;

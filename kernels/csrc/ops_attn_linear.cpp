@@ -59,7 +59,8 @@ at::Tensor attn_decode_op(const at::Tensor &qkv, const at::Tensor &qk_norm, doub
     int64_t positions = 0; /* the scores and the weighted values: 4 flops per position and dim */
     for (int64_t b = 0; b < B; b++) positions += seq_lens.data_ptr<int64_t>()[b];
     /* threads: one per sequence at most, or per row where rows in sequences run in two passes */
-    const int64_t nt = row_threads(starts && B >= ATTN_SPLIT_ROWS ? B : nseq, positions * h * hd * 4);
+    const int64_t nt = row_threads(attn_two_passes(B, nseq, at::get_num_threads(), starts) ? B : nseq,
+                                   positions * h * hd * 4);
     const int64_t stride = (h + kvh) * hd + h / kvh * (hd + width * bs);
     auto work = at::empty({nt * stride}, at::kFloat);
     attn_decode(B, h, kvh, hd, rd, qkv.data_ptr(), qkv.stride(0), qk_norm.data_ptr<float>(), (float)eps,
