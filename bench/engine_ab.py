@@ -1,6 +1,7 @@
 """Engine tokens/s of one checkout, one process per run, for A/B runs of two checkouts (not a test).
 
-    python bench/engine_ab.py --tree CHECKOUT --model DIR --dtype float32 --batch 16 [--new-tokens 128] [--batch-invariant]
+    python bench/engine_ab.py --tree CHECKOUT --model DIR --dtype float32 --batch 16 [--new-tokens 128]
+        [--batch-invariant | --no-batch-invariant]
 
 Greedy, 256-token random prompts (seeded by the batch size), one warm-up generate; prints one JSON
 line. Alternate two checkouts run by run under `flock /tmp/pdserve-bench.lock`.
@@ -24,7 +25,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--batch-invariant", action="store_true", help="the engine in batch-invariant mode")
+    ap.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="batch-invariant mode on or off (default: the checkout's default)",
+    )
     args = ap.parse_args()
     sys.path.insert(0, args.tree)
     import torch
@@ -33,7 +39,7 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(args.batch)
     prompts = torch.randint(0, 1024, (args.batch, 256), generator=g).tolist()
-    extra = {"batch_invariant": True} if args.batch_invariant else {}  # a checkout without it: left out
+    extra = {} if args.batch_invariant is None else {"batch_invariant": args.batch_invariant}
     llm = LLM(args.model, dtype=args.dtype, max_num_batched_tokens=4096, **extra)
     warm = SamplingParams(max_tokens=2, temperature=0.0)
     llm.generate(prompt_token_ids=[p[:8] for p in prompts[:2]], sampling_params=warm)

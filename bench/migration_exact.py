@@ -6,7 +6,7 @@ run's. Beside it, the same requests generated again in another batch composition
 two halves), and again with prompts prefilled in chunks of --small-chunk tokens (as a busy node's
 scheduler may cut them): the engine's own agreement with itself, which no move can beat.
 
-    python bench/migration_exact.py [--model DIR] [--requests 16] [--new-tokens 96] [--batch-invariant]
+    python bench/migration_exact.py [--model DIR] [--requests 16] [--new-tokens 96] [--[no-]batch-invariant]
 
 Reports, per dtype and setting, the streams whose continuation is token-identical and the share
 of continued tokens before the first difference."""
@@ -65,7 +65,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--small-chunk", type=int, default=16)
-    ap.add_argument("--batch-invariant", action="store_true", help="the engines in batch-invariant mode")
+    ap.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the engines in batch-invariant mode or not (default: the engine's default)",
+    )
     args = ap.parse_args()
 
     from engine.llm import LLM

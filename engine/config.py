@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, get_args
 
 from engine.config_fields import ARCHITECTURES, WRAPPERS, fp8_block_size, has_processor, moe_fields
-from engine.device_defaults import budget_source, default_draft_cost
+from engine.device_defaults import budget_source, default_batch_invariant, default_draft_cost
 from engine.options import option
 from engine.rope import RopeScaling
 from engine.tokenizer import message_break
@@ -451,10 +451,10 @@ class EngineArgs:
         "GDN recurrent state (auto: float32); bfloat16 halves its slots' memory at some cost in exactness "
         "(docs/engine.md); prefill and decode nodes must use the same value",
     )
-    batch_invariant: bool = option(
-        False,
-        "a request's logits the same bits however its prompt is chunked and whatever shares its steps: a moved "
-        "request continues exactly in bfloat16 too (CPU, dense and MoE models; slower: docs/engine.md); set on every node",
+    batch_invariant: bool | None = option(
+        None,
+        "a request's logits the same bits however its prompt is chunked and whatever shares its steps, so a moved request "
+        "continues exactly (docs/engine.md); default: on for bfloat16 on the CPU where it applies; alike on every node",
     )
     gpu_memory_utilization: float | None = option(
         None, "cuda: share of each GPU for weights, a step's peak and the cache (default 0.9); ignored on cpu"
@@ -462,12 +462,11 @@ class EngineArgs:
 
     def engine_config(self) -> EngineConfig:
         kv, share = budget_source(self.kv_cache_memory, self.gpu_memory_utilization, self.device)
+        model = ModelConfig.from_dir(self.model, self.dtype)
+        invariant = default_batch_invariant(model, self) if self.batch_invariant is None else self.batch_invariant
         return EngineConfig(
             model=dataclasses.replace(
-                ModelConfig.from_dir(self.model, self.dtype),
-                fp8_experts=self.fp8_experts,
-                fp8_dense=self.fp8_dense,
-                batch_invariant=self.batch_invariant,
+                model, fp8_experts=self.fp8_experts, fp8_dense=self.fp8_dense, batch_invariant=invariant
             ),
             parallel=ParallelConfig(self.tensor_parallel_size),
             cache=CacheConfig(

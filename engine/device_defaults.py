@@ -2,12 +2,17 @@
 256MiB; `--gpu-memory-utilization` is ignored there with a warning), a planned share of the
 device on CUDA (engine/cache/memory_plan.py), where a given `--kv-cache-memory` wins.
 `PDSERVE_GPU_MEMORY_UTILIZATION` sets that share where no flag gives one: engines sharing a GPU
-(a test run's parallel workers, several nodes on one device) each take a part of it."""
+(a test run's parallel workers, several nodes on one device) each take a part of it. And
+`--batch-invariant` left unset: on for bfloat16 on the CPU (`default_batch_invariant`)."""
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.config import EngineArgs, ModelConfig
 
 log = logging.getLogger("pdserve.config")
 
@@ -65,3 +70,18 @@ def default_local_prefill_step_tokens(device: str) -> int:
     a burst of follow-ups from stretching a step that every stream there waits for (docs/benchmarks.md,
     multi-turn); on a GPU a few thousand prompt tokens add little to a decode step."""
     return 128 if device == "cpu" else 2048
+
+
+def default_batch_invariant(model: ModelConfig, args: EngineArgs) -> bool:
+    """--batch-invariant left unset: on for a bfloat16 model on the CPU with the C operators, a
+    float32 GDN state and no weights kept in FP8 (what the mode runs), off otherwise; every node
+    of a deployment resolves it from the same options (docs/engine.md, "Batch-invariant mode")."""
+    import torch
+
+    from kernels import cpu_ops
+
+    if not args.device.startswith("cpu") or model.dtype != torch.bfloat16 or args.mamba_ssm_cache_dtype == "bfloat16":
+        return False
+    if model.fp8_block_size is not None and "keep" in (args.fp8_experts, args.fp8_dense):
+        return False
+    return cpu_ops.available(torch.bfloat16)

@@ -44,7 +44,7 @@ class LLM:
         batch_step_ms: float = 10.0,
         encoder_cache_memory: int | str = "64MiB",
         mamba_ssm_cache_dtype: str = "auto",
-        batch_invariant: bool = False,
+        batch_invariant: bool | None = None,
         gpu_memory_utilization: float | None = None,
     ):
         """engine_process: run the engine in a process of its own (engine/llm_process.py); None
