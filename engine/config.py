@@ -453,8 +453,8 @@ class EngineArgs:
     )
     batch_invariant: bool | None = option(
         None,
-        "a request's logits the same bits however its prompt is chunked and whatever shares its steps, so a moved request "
-        "continues exactly (docs/engine.md); default: on for bfloat16 on the CPU where it applies; alike on every node",
+        "a request's logits the same bits however its prompt is chunked and whatever shares its steps, so a moved "
+        "request continues exactly (docs/engine.md); default: on for bfloat16 on a CPU with AVX512-BF16; alike on all nodes",
     )
     gpu_memory_utilization: float | None = option(
         None, "cuda: share of each GPU for weights, a step's peak and the cache (default 0.9); ignored on cpu"

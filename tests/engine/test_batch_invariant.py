@@ -1,4 +1,4 @@
-"""--batch-invariant in bfloat16 (on by default on the CPU): a request's tokens and log-probabilities are the same bits
+"""--batch-invariant in bfloat16 (on by default on a CPU with AVX512-BF16): a request's tokens and log-probabilities are the same bits
 whether its prompt is prefilled whole or in chunks, whether it is resumed from prompt + output
 (a request moved to another node), and whatever else shares its steps; and they stay within the
 bound tests/engine/test_bf16.py holds the engine to against transformers' bfloat16 forward."""
@@ -115,11 +115,10 @@ def test_bf16_request_is_the_same_bits_whole_chunked_resumed_or_batched(model, r
     vocab = 1024 if model == "dense" else hc.SPEC_MOE["qwen3_5_moe"].vocab
     prompts = hc.prompts(vocab, lens=(40, 100, 7, 63, 130), seed=5)
     target = prompts[1]
-    kw = dict(dtype="bfloat16", engine_process=False, enable_prefix_caching=False)  # the default: on
+    kw = dict(dtype="bfloat16", engine_process=False, enable_prefix_caching=False, batch_invariant=True)
     with LLM(ckpt_bf16, **kw) as llm, LLM(ckpt_bf16, max_num_batched_tokens=16, batch_chunk_tokens=16, **kw) as small:
         core, chunked = llm.engine, small.engine
         assert core is not None and chunked is not None
-        assert core.cfg.model.batch_invariant and chunked.cfg.model.batch_invariant
         alone = _run(core, [(target, None, 0)])[0]
         toks, lps = alone
         assert len(toks) == NEW and len(lps) == NEW
@@ -169,18 +168,22 @@ def test_bf16_drafts_keep_the_same_bits(ckpt_drafts):
     assert seen[2] == seen[0]
 
 
-def test_bfloat16_on_the_cpu_is_batch_invariant_unless_turned_off(ckpt_bf16):
-    """Unset, the option resolves on for bfloat16 on the CPU and off where the mode does not apply
-    (float32 needs no help; a bfloat16 GDN state it does not cover); given, it is what was given."""
+def test_bfloat16_on_the_cpu_is_batch_invariant_unless_turned_off(ckpt_bf16, monkeypatch):
+    """Unset, the option resolves on for bfloat16 on a CPU with AVX512-BF16 and off where the mode
+    does not apply (float32 needs no help; a bfloat16 GDN state it does not cover) or costs more
+    (float32 multiply-adds for the projections); given, it is what was given."""
 
     def resolved(**kw) -> bool:
         return EngineArgs(ckpt_bf16, **kw).engine_config().model.batch_invariant
 
-    assert resolved(dtype="bfloat16") is True
+    assert resolved(dtype="bfloat16") is cpu_ops.bf16_dot_supported()
     assert resolved(dtype="bfloat16", batch_invariant=False) is False
     assert resolved(dtype="float32") is False
     assert resolved(dtype="float32", batch_invariant=True) is True
     assert resolved(dtype="bfloat16", mamba_ssm_cache_dtype="bfloat16") is False
+    monkeypatch.setattr(cpu_ops, "_dot", False)  # as on a CPU without AVX512-BF16
+    assert resolved(dtype="bfloat16") is False
+    assert resolved(dtype="bfloat16", batch_invariant=True) is True
     parser = argparse.ArgumentParser()
     add_options(parser, options(EngineArgs))
     assert values(options(EngineArgs), parser.parse_args(["--no-batch-invariant"]))["batch_invariant"] is False
