@@ -2,7 +2,8 @@
 build (compiled and eager), one server at a time, alternated, each restarted per run (not a test).
 
     python bench/served_stream.py [--vllm-python PATH] [--pairs 2] [--sampled] [--model tiny-qvocab]
-        [--systems pdserve-disagg pdserve-disagg-bound pdserve-colo vllm vllm-eager]
+        [--systems pdserve-disagg pdserve-disagg-bound pdserve-colo pdserve-disagg-variant pdserve-colo-variant
+                   vllm vllm-eager]
 
 Streaming /v1/completions, 64 requests x 512 random prompt tokens, 64 output tokens with
 ignore_eos, concurrency 16, bfloat16 on bench/vs_vllm_cpu.py's `tiny` checkpoint (head dims 64;
@@ -38,6 +39,9 @@ SERVER = {
     "pdserve-disagg": ("pdserve-disagg", []),
     "pdserve-disagg-bound": ("pdserve-disagg", ["--cpu-binding", "auto"]),  # each node on CPUs of its own
     "pdserve-colo": ("pdserve", []),
+    # the same with batch-invariant mode off (its default is on for bfloat16 on a CPU with avx512_bf16)
+    "pdserve-disagg-variant": ("pdserve-disagg", ["--no-batch-invariant"]),
+    "pdserve-colo-variant": ("pdserve", ["--no-batch-invariant"]),
     "vllm": ("vllm", ["--max-model-len", "1024"]),
     "vllm-eager": ("vllm", ["--max-model-len", "1024", "--enforce-eager"]),
 }
