@@ -56,6 +56,8 @@ class Snapshot:
     ready: bool = False  # written: lookups may use it
     cold: bool = False  # a grid point nobody has resumed from yet: first in line for eviction
     prompt_logprobs: PromptLogprobs | None = None  # kept by a request that asked for them
+    end: bool = False  # a prompt's end (or a landed prompt's state): one conversation's point
+    resumes: int = 0  # requests that have resumed from it
 
 
 @dataclass
@@ -192,8 +194,13 @@ class PrefixCache:
 
     # ---- pins ------------------------------------------------------------------------
     def acquire(self, s: Snapshot) -> None:
+        """Pin `s` for a request resuming from it. Resumed from, it earns its place, except a
+        prompt's end at its first resume: that is the conversation's next turn, which saves its
+        own longer end, and a third turn resumes from that, so this one goes to the front of the
+        eviction order (a second resume, a regenerated turn say, brings it back)."""
         s.ref += 1
-        s.cold = False  # resumed from: it earns its place
+        s.resumes += 1
+        s.cold = s.end and s.resumes == 1
         self._lru.pop(s, None)
         self._cold.pop(s, None)
 
@@ -205,14 +212,17 @@ class PrefixCache:
             (self._cold if s.cold else self._lru)[s] = None
 
     # ---- saving ----------------------------------------------------------------------
-    def reserve(self, parent: int, tail: tuple[int, ...], num_tokens: int, cold: bool = False) -> Snapshot | None:
+    def reserve(
+        self, parent: int, tail: tuple[int, ...], num_tokens: int, cold: bool = False, end: bool = False
+    ) -> Snapshot | None:
         """An entry to save the state after `num_tokens` tokens into (pinned until `commit`), or
         None: that prefix is saved already, or every entry is in use. cold: a grid point inside
         a prompt, which joins the eviction order at its front (evicted before the prompt ends,
         branch points and final states, which a conversation's next turn resumes from) until a
-        request resumes from it."""
+        request resumes from it. end: a prompt's end (`acquire`)."""
         old = self._by_key.get((parent, tail))
         if old is not None:
+            old.end = old.end or end
             if old.cold and not cold:  # a grid point that is now a prompt's end, say
                 old.cold = False
                 if old in self._cold:
@@ -230,7 +240,7 @@ class PrefixCache:
             self.stats.evicted += 1
         else:
             return None
-        s = Snapshot(idx, num_tokens, parent, tail, ref=1, cold=cold)
+        s = Snapshot(idx, num_tokens, parent, tail, ref=1, cold=cold, end=end)
         self._by_key[(parent, tail)] = s
         self._by_parent.setdefault(parent, []).append(s)
         return s

@@ -125,7 +125,7 @@ class PrefixPlanner:
         for p in points:
             parent, tail = self.prefix.key_for(req.hash_prompt, self.hashes(req), p)
             cold = p != plen and p not in req.snapshot_points  # on the grid only
-            s = self.prefix.reserve(parent, tail, p, cold)
+            s = self.prefix.reserve(parent, tail, p, cold, end=p == plen)
             if req.params.prompt_logprobs is not None:
                 kept = s or self.prefix.find(parent, tail)
                 if kept is not None:
@@ -186,7 +186,7 @@ class PrefixPlanner:
         if self.mtp or req.status is not Status.RUNNING or p == 0:
             return
         parent, tail = self.prefix.key_for(req.hash_prompt, self.hashes(req), p)
-        s = self.prefix.reserve(parent, tail, p)
+        s = self.prefix.reserve(parent, tail, p, end=True)
         if s is None:
             return
         j = self.prefix.tail_page(p)

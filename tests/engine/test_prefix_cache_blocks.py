@@ -347,3 +347,35 @@ def test_a_final_state_resumed_from_is_kept_warm():
         prefix.commit(s)
     assert taken == [0, 1, 2]
     assert sorted(s.num_tokens for s in prefix._by_key.values()) == [1, 1, 1, 11]
+
+
+def test_a_prompt_end_resumed_once_goes_first_and_a_shared_point_stays():
+    """Two saved points, one a prompt's end (end=True: a conversation's turn) and one not (a
+    branch where prompts part). A request resuming from each (the next turn; a new conversation
+    sharing the branch) then saves its own longer end: the old end is superseded and is evicted
+    before the branch, though resumed from later. Resumed a second time (a regenerated turn), an
+    end is warm again."""
+    _, _, _, prefix = make(snaps=4)
+    end = prefix.reserve(ROOT_HASH, (40,), 1, end=True)
+    branch = prefix.reserve(ROOT_HASH, (41,), 1)
+    for s in (end, branch):
+        prefix.commit(s)  # saved: unpinned
+    prefix.acquire(branch)
+    prefix.release(branch)
+    prefix.acquire(end)  # resumed from after the branch: newer in a plain LRU
+    prefix.release(end)
+    assert end.cold and not branch.cold
+    first = prefix.reserve(ROOT_HASH, (42,), 1)
+    second = prefix.reserve(ROOT_HASH, (43,), 1)
+    assert first is not None and second is not None  # two free entries of four
+    third = prefix.reserve(ROOT_HASH, (44,), 1)
+    assert third is not None and third.index == end.index  # the superseded end went first
+    assert prefix._by_key.get((ROOT_HASH, (41,))) is branch
+    # an end resumed twice earns its place
+    again = prefix.reserve(ROOT_HASH, (45,), 1, end=True)
+    assert again is not None and again.index == branch.index  # the branch was the only one left
+    prefix.commit(again)
+    for _ in range(2):
+        prefix.acquire(again)
+        prefix.release(again)
+    assert not again.cold
