@@ -108,11 +108,13 @@ class CacheAware(LeastLoaded):
             held = max(0, c.total_blocks - e.est_free_blocks()) * c.block_size  # KV tokens of running requests
             hit, pool = hits[e.node_id]
             saved = saving(e)
-            # computing it here, what another node holds beyond this one's part is computed again,
-            # at MOVE_PENALTY more, where this node holds a start of it (a shared system prompt:
-            # the difference is a conversation's own history); a node holding none of it is priced
-            # as before, so new conversations sharing a prompt still spread over the nodes
-            again = MOVE_PENALTY * (best - hit) if hit and not pool else 0
+            # placed here, what the best node holds beyond this one's own part is computed again
+            # (here, or by the prefill pool for a pooled prompt) and the conversation's next turns
+            # follow it: MOVE_PENALTY more, where this node holds a start of it (a shared system
+            # prompt: the difference is a conversation's own history); a node holding none of it
+            # is priced as before, so new conversations sharing a prompt still spread over the nodes
+            own = e.cache.usable(q, compute=True) if pool and q is not None else hit
+            again = MOVE_PENALTY * max(0, best - own) if own else 0
             work = prompt_len - saved + again + e.queued_prefill_tokens() + self.load_weight * held
             return (work, self.decode_key(e))
 

@@ -13,7 +13,7 @@ from engine.cache.block_manager import BlockManager
 from engine.cache.prefix import PrefixCache
 from engine.prefix_hash import prompt_hashes
 from proto import pb
-from router.policy import MOVE_PENALTY, LeastLoaded, decode_hit, make_policy
+from router.policy import MOVE_PENALTY, POOLED_PAGE_SAVING, LeastLoaded, decode_hit, make_policy
 from router.prefix import NodeCache, PrefixQuery
 from router.registry import NodeEntry
 
@@ -340,3 +340,25 @@ def test_a_conversation_stays_with_its_history_but_new_ones_spread():
     c = _node("c")
     a.info.capacity.queued_prefill_tokens = ha + 1
     assert pol.choose_decode([c, a], len(prompt), q) is c
+
+
+def test_a_follow_up_does_not_escape_to_the_pool_on_a_small_queue():
+    """The same for a node that would send the prompt to the prefill pool: the pool computes again
+    the history the conversation's node holds, and the conversation's next turns follow the state
+    to the new node, so that move pays MOVE_PENALTY on the history too."""
+    pol = make_policy("cache-aware", load_weight=0.0)
+    history = BASE + [rng.randrange(1000) for _ in range(40)]
+    prompt = history + [1, 2, 3, 4]
+    q = PrefixQuery(prompt)
+    a, b = _holding(_node("a"), history), _holding(_node("b"), BASE)
+    ha, hb = a.cache.usable(q, compute=True), b.cache.usable(q, compute=True)
+
+    def pooled(e, uncached):
+        return e is b  # b would send it to the pool; a computes it itself
+
+    pages_b = b.cache.usable(q, compute=False)
+    # without the penalty b wins from a queue on a of ha - 0.1 x b's pages
+    a.info.capacity.queued_prefill_tokens = int(ha - POOLED_PAGE_SAVING * pages_b) + 1
+    assert pol.choose_decode([b, a], len(prompt), q, pooled) is a
+    a.info.capacity.queued_prefill_tokens += int(MOVE_PENALTY * (ha - hb)) + 1
+    assert pol.choose_decode([b, a], len(prompt), q, pooled) is b
