@@ -5,6 +5,7 @@ and a WARNING says why and how to build it. docs/cpu.md, "Module notes"."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -196,15 +197,10 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
     return _ops().pack_bf16(w.contiguous())
 
 
+@functools.cache
 def bf16_dot_supported() -> bool:
     """Whether this CPU has AVX512-BF16 (VDPBF16PS), which `gemm_bf16` uses when it does."""
-    global _dot
-    if _dot is None:
-        _dot = bool(_ops().bf16_dot_supported())
-    return _dot
-
-
-_dot: bool | None = None
+    return bool(_ops().bf16_dot_supported())
 
 
 def gemm_bf16(x: torch.Tensor, wp: torch.Tensor, n: int, threads: int = 1, dot: bool | None = None) -> torch.Tensor:

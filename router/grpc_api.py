@@ -83,8 +83,6 @@ class RegistryApi(rpc.RegistryServicer):
             request.prefill_tokens_per_s,
         )
         e = self.registry.nodes.get(request.node_id) if known else None
-        if e is not None:
-            self.service.prefill.warm_pairs()  # e.g. a prefill node that has just become ready
         pool = e is not None and e.info.kind == pb.NODE_KIND_DECODE and bool(self.service.prefill.ready(e, set()))
         return pb.HeartbeatResponse(known=known, prefill_pool=pool)
 

@@ -71,10 +71,16 @@ def decode_hit(e: NodeEntry, q: PrefixQuery, pooled: Pooled | None) -> tuple[int
     """(usable cached tokens, prefill pool or not) for the prompt on decode node e: the pool
     decision weighs what e would still compute (the prompt less e's usable snapshot prefix); a
     pooled prompt uses e's leading pages only (the transfer skips them)."""
+    hit, pool, _ = _decode_hits(e, q, pooled)
+    return hit, pool
+
+
+def _decode_hits(e: NodeEntry, q: PrefixQuery, pooled: Pooled | None) -> tuple[int, bool, int]:
+    """decode_hit's pair, then what e could compute the prompt from itself (its snapshot prefix)."""
     local = e.cache.usable(q, compute=True)
     if pooled is not None and pooled(e, q.prompt_len - local):
-        return e.cache.usable(q, compute=False), True
-    return local, False
+        return e.cache.usable(q, compute=False), True, local
+    return local, False, local
 
 
 class CacheAware(LeastLoaded):
@@ -89,32 +95,26 @@ class CacheAware(LeastLoaded):
 
     def choose_decode(self, nodes, prompt_len, q=None, pooled=None):
         ok = [e for e in nodes if fits_decode(e, prompt_len)]
-        hits = {e.node_id: decode_hit(e, q, pooled) for e in ok} if q is not None else {}
-        if not any(hit for hit, _ in hits.values()):
+        hits = {e.node_id: _decode_hits(e, q, pooled) for e in ok} if q is not None else {}
+        if not any(hit for hit, _, _ in hits.values()):
             return super().choose_decode(ok, prompt_len)
-
-        def saving(e: NodeEntry) -> float:
-            # a prompt e would send to the prefill pool is computed there whichever decode node
-            # holds its pages: e's pages save only their transfer (else a burst of new
-            # conversations sharing a system prompt all lands on the node that took the first)
-            hit, pool = hits[e.node_id]
-            return hit * POOLED_PAGE_SAVING if pool else hit
-
         # the most of the prompt a decode node computing it itself holds
-        best = max((hit for hit, pool in hits.values() if not pool), default=0)
+        best = max((hit for hit, pool, _ in hits.values() if not pool), default=0)
 
         def cost(e: NodeEntry):
             c = e.info.capacity
             held = max(0, c.total_blocks - e.est_free_blocks()) * c.block_size  # KV tokens of running requests
-            hit, pool = hits[e.node_id]
-            saved = saving(e)
-            # placed here, what the best node holds beyond this one's own part is computed again
-            # (here, or by the prefill pool for a pooled prompt) and the conversation's next turns
-            # follow it: MOVE_PENALTY more, where this node holds a start of it (a shared system
-            # prompt: the difference is a conversation's own history); a node holding none of it
-            # is priced as before, so new conversations sharing a prompt still spread over the nodes
-            own = e.cache.usable(q, compute=True) if pool and q is not None else hit
-            again = MOVE_PENALTY * max(0, best - own) if own else 0
+            hit, pool, local = hits[e.node_id]
+            # a prompt e would send to the prefill pool is computed there whichever decode node
+            # holds its pages: e's pages save only their transfer (else a burst of new
+            # conversations sharing a system prompt all lands on the node that took the first)
+            saved = hit * POOLED_PAGE_SAVING if pool else hit
+            # placed here, what the best node holds beyond what this one could compute from is
+            # computed again (here, or by the prefill pool for a pooled prompt) and the
+            # conversation's next turns follow it: MOVE_PENALTY more, where this node holds a start
+            # of it (a shared system prompt: the difference is a conversation's own history); a
+            # node holding none of it is priced as before, so new conversations still spread
+            again = MOVE_PENALTY * max(0, best - local) if local else 0
             work = prompt_len - saved + again + e.queued_prefill_tokens() + self.load_weight * held
             return (work, self.decode_key(e))
 

@@ -89,7 +89,8 @@ class Router:
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
             try:
                 await self.registry.sweep()
-                self.service.prefill.warm_pairs()  # static nodes register here, not by RPC
+                # pairs a node's registration did not make: a prefill node ready since, static nodes
+                self.service.prefill.warm_pairs()
             except Exception:
                 log.exception("registry sweep failed")
 

@@ -72,8 +72,9 @@ def hold_point(
     # a burst: each of those waiting with the same hit skips the same tokens, and they compute
     # together in the next step; the wait pays when what they skip together is at least the
     # tokens this one computes now (and one snapshot interval)
-    skipped = gain * siblings(req, hit, best.num_tokens, others, block_size, hashes, need=max(todo, interval))
-    return best if skipped >= max(todo, interval) else None
+    need = max(todo, interval)
+    skipped = gain * siblings(req, hit, best.num_tokens, others, block_size, hashes, need)
+    return best if skipped >= need else None
 
 
 SIBLINGS_LOOKED_AT = 32  # waiting requests compared with one being held (a bound on the step's cost)

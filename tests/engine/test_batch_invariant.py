@@ -181,7 +181,7 @@ def test_bfloat16_on_the_cpu_is_batch_invariant_unless_turned_off(ckpt_bf16, mon
     assert resolved(dtype="float32") is False
     assert resolved(dtype="float32", batch_invariant=True) is True
     assert resolved(dtype="bfloat16", mamba_ssm_cache_dtype="bfloat16") is False
-    monkeypatch.setattr(cpu_ops, "_dot", False)  # as on a CPU without AVX512-BF16
+    monkeypatch.setattr(cpu_ops, "bf16_dot_supported", lambda: False)  # as on a CPU without AVX512-BF16
     assert resolved(dtype="bfloat16") is False
     assert resolved(dtype="bfloat16", batch_invariant=True) is True
     parser = argparse.ArgumentParser()
