@@ -3,6 +3,8 @@
  * written to their KV page, attention of q over the row's pages, and the sigmoid gate.
  * PyTorch reference: kernels/attention.py with engine/model/layers.py Attention.
  */
+#include <immintrin.h>
+
 #include "common.h"
 #include "kernels.h"
 
@@ -23,35 +25,9 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-static inline float dot_bf16(const float *a, const bf16_t *b, int64_t n) {
-    v8f acc = {};
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        v8f x;
-        memcpy(&x, a + j, 32);
-        acc += x * ld_bf8(b + j);
-    }
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; j < n; j++) s += a[j] * bf2f(b[j]);
-    return s;
-}
-
-/* The dots of q with 8 rows of k (row stride ks): out[p] = dot(q, k_p) summed exactly as dot_f32
- * / dot_bf16 sum one (lanes j % 8, then ((a0+a4)+(a1+a5)) + ((a2+a6)+(a3+a7))), but with 8
- * independent chains of multiply-adds and the 8 reductions done together by shuffles. hd % 8 == 0. */
-static inline __attribute__((always_inline)) void dot8_rows(const float *q, const void *k, int64_t ks, int64_t hd,
-                                                            float *out, const int bf16) {
-    v8f A[8] = {};
-    for (int64_t j = 0; j < hd; j += 8) {
-        v8f x;
-        memcpy(&x, q + j, 32);
-        for (int p = 0; p < 8; p++) {
-            v8f y;
-            if (bf16) y = ld_bf8((const bf16_t *)k + p * ks + j);
-            else memcpy(&y, (const float *)k + p * ks + j, 32);
-            A[p] += x * y;
-        }
-    }
+/* out[p] = the sum of A[p]'s lanes, ((a0+a4)+(a1+a5)) +
+ * ((a2+a6)+(a3+a7)), for p < 8, the 8 reductions done together by shuffles. */
+static inline __attribute__((always_inline)) void reduce8(const v8f *A, float *out) {
     const v8i lo = {0, 1, 2, 3, 8, 9, 10, 11}, hi = {4, 5, 6, 7, 12, 13, 14, 15};
     const v8i ev = {0, 2, 4, 6, 8, 10, 12, 14}, od = {1, 3, 5, 7, 9, 11, 13, 15};
     v8f t[4], u[2];
@@ -63,6 +39,64 @@ static inline __attribute__((always_inline)) void dot8_rows(const float *q, cons
     memcpy(out, &r, 32);
 }
 
+static inline __attribute__((always_inline)) v8f ld8(const void *p, int64_t i, const int bf16) {
+    if (bf16) return ld_bf8((const bf16_t *)p + i);
+    v8f y;
+    memcpy(&y, (const float *)p + i, 32);
+    return y;
+}
+
+/* c + a * b rounded once, lane by lane. Scores and weighted values use it rather than `c += a * b`,
+ * which the compiler may fuse in one place and not in another (a sum it unrolls and vectorises
+ * wider multiplies first): every path to a row's scores then gives the same bits. */
+static inline __attribute__((always_inline)) v8f fma8(v8f a, v8f b, v8f c) {
+    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+}
+
+/* dot(q, k) for one key, summed as dots_tile sums each (lanes j % 8 in order of j, then
+ * ((a0+a4)+(a1+a5)) + ((a2+a6)+(a3+a7)), then the dims past the last multiple of 8 one by one). */
+static inline __attribute__((always_inline)) float dot_one(const float *q, const void *k, int64_t hd,
+                                                           const int bf16) {
+    v8f A = {};
+    const int64_t hd8 = hd - hd % 8;
+    for (int64_t j = 0; j < hd8; j += 8) {
+        v8f x;
+        memcpy(&x, q + j, 32);
+        A = fma8(x, ld8(k, j, bf16), A);
+    }
+    float v = ((A[0] + A[4]) + (A[1] + A[5])) + ((A[2] + A[6]) + (A[3] + A[7]));
+    for (int64_t j = hd8; j < hd; j++) v = __builtin_fmaf(q[j], load(k, j, bf16), v);
+    return v;
+}
+
+/* Scores of NQ query vectors q[i] with NK consecutive keys k (row stride ks), NQ * NK <= 16:
+ * out[i][p] = dot(q[i], k_p), each summed exactly as dot_one sums one (lanes j % 8 in
+ * order of j, reduce8, then the dims past the last multiple of 8 one by one), with NQ * NK
+ * independent chains and each key's 8 dims loaded once for all the queries. */
+template <int NQ, int NK>
+static inline __attribute__((always_inline)) void dots_tile(const float *const *q, const void *k, int64_t ks,
+                                                            int64_t hd, float *const *out, const int bf16) {
+    static_assert(NQ * NK <= 16 && (NQ * NK) % 8 == 0, "a tile is one or two reductions of 8");
+    v8f A[NQ * NK] = {};
+    const int64_t hd8 = hd - hd % 8;
+    for (int64_t j = 0; j < hd8; j += 8) {
+        v8f y[NK];
+        for (int p = 0; p < NK; p++) y[p] = ld8(k, p * ks + j, bf16);
+        for (int i = 0; i < NQ; i++) {
+            v8f x;
+            memcpy(&x, q[i] + j, 32);
+            for (int p = 0; p < NK; p++) A[i * NK + p] = fma8(x, y[p], A[i * NK + p]);
+        }
+    }
+    float s[NQ * NK];
+    for (int c = 0; c < NQ * NK; c += 8) reduce8(A + c, s + c);
+    for (int i = 0; i < NQ; i++)
+        for (int p = 0; p < NK; p++) {
+            float v = s[i * NK + p];
+            for (int64_t j = hd8; j < hd; j++) v = __builtin_fmaf(q[i][j], load(k, p * ks + j, bf16), v);
+            out[i][p] = v;
+        }
+}
 
 /* Asks for the `bytes` from p into the caches ahead of their use: a sequence's pages lie apart in
  * the pool, so the hardware's stream prefetch starts cold at each page (the loads stall on memory
@@ -71,147 +105,237 @@ static inline void prefetch_span(const void *p, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
 }
 
-/* acc[0 .. 8*nv) = sum over positions t < n of p[t] * V[t][0 .. 8*nv): the V rows of a sequence's
- * pages (block table bt) from element offset vp of each page, in position order. */
-static inline __attribute__((always_inline)) void attn_pv(const AttnJob *a, const int64_t *bt, int64_t n,
-                                                          int64_t vp, const float *p, float *acc, const int nv,
-                                                          const int bf16) {
-    v8f R[8] = {};
-    for (int64_t t0 = 0; t0 < n; t0 += a->bs) {
-        const int64_t m = n - t0 < a->bs ? n - t0 : a->bs;
-        const int64_t o0 = bt[t0 / a->bs] * a->s_blk + vp;
-        if (t0 + a->bs < n) { /* the next page's rows of this V slice */
-            const int64_t on = bt[t0 / a->bs + 1] * a->s_blk + vp, esz = bf16 ? 2 : 4;
-            for (int64_t t = 0; t < a->bs; t++) prefetch_span((const char *)a->kv + (on + t * a->s_tok) * esz, nv * 8 * esz);
+/* One query tile's view of one KV head: nq query vectors q[i] whose scores go to s[i] (by position)
+ * and whose weighted values add into acc[i] (hd floats), over positions [0, n) of pages bt. */
+struct QTile {
+    int nq;
+    const float *q[ATTN_TILE_Q];
+    float *s[ATTN_TILE_Q], *acc[ATTN_TILE_Q];
+};
+
+/* The scores of a tile's queries with positions [t0, t1) of head g's keys (page table bt). */
+template <int NQ, int NK>
+static inline __attribute__((always_inline)) void tile_scores(const AttnJob *a, const QTile &T, const int64_t *bt,
+                                                              int64_t g, int64_t t0, int64_t t1, const int bf16) {
+    const int64_t esz = bf16 ? 2 : 4, hd = a->hd;
+    for (int64_t t = t0; t < t1;) {
+        const int64_t pg = t / a->bs, end = (pg + 1) * a->bs < t1 ? (pg + 1) * a->bs : t1;
+        const int64_t kp = bt[pg] * a->s_blk + g * a->s_head - pg * a->bs * a->s_tok; /* position t at kp + t * s_tok */
+        if (end < t1) { /* the next page's K rows of this head */
+            const int64_t kn = bt[pg + 1] * a->s_blk + g * a->s_head;
+            for (int64_t i = 0; i < a->bs; i++) prefetch_span((const char *)a->kv + (kn + i * a->s_tok) * esz, hd * esz);
         }
-        for (int64_t t = 0; t < m; t++) {
-            const float pt = p[t0 + t];
-            const v8f pb = bcast(pt);
+        for (; t + NK <= end; t += NK) {
+            float *o[NQ];
+            for (int i = 0; i < NQ; i++) o[i] = T.s[i] + t;
+            dots_tile<NQ, NK>(T.q, (const char *)a->kv + (kp + t * a->s_tok) * esz, a->s_tok, hd, o, bf16);
+        }
+        for (; t < end; t++)
+            for (int i = 0; i < NQ; i++)
+                T.s[i][t] = dot_one(T.q[i], (const char *)a->kv + (kp + t * a->s_tok) * esz, hd, bf16);
+    }
+}
+
+/* acc[i][j0 + ...] += sum over positions t in [t0, t1), in order, of s[i][t] * V[t][j0 + ...] for
+ * nv (<= NV) vectors of 8 dims from dim j0, for NQ of a tile's queries (one chain per output). */
+template <int NQ, int NV>
+static inline __attribute__((always_inline)) void tile_values(const AttnJob *a, const QTile &T, const int64_t *bt,
+                                                              int64_t g, int64_t j0, const int nv, int64_t t0,
+                                                              int64_t t1, const int bf16) {
+    const int64_t esz = bf16 ? 2 : 4, vp = a->s_kv + g * a->s_head + j0;
+    v8f R[NQ * NV];
+    for (int i = 0; i < NQ; i++)
+        for (int r = 0; r < nv; r++) memcpy(&R[i * NV + r], T.acc[i] + j0 + 8 * r, 32);
+    for (int64_t t = t0; t < t1;) {
+        const int64_t pg = t / a->bs, end = (pg + 1) * a->bs < t1 ? (pg + 1) * a->bs : t1;
+        const int64_t o0 = bt[pg] * a->s_blk + vp - pg * a->bs * a->s_tok;
+        if (end < t1) { /* the next page's rows of this V slice */
+            const int64_t on = bt[pg + 1] * a->s_blk + vp;
+            for (int64_t i = 0; i < a->bs; i++) prefetch_span((const char *)a->kv + (on + i * a->s_tok) * esz, nv * 8 * esz);
+        }
+        for (; t < end; t++) {
             const int64_t o = o0 + t * a->s_tok;
-            for (int r = 0; r < nv; r++) {
-                v8f y;
-                if (bf16) y = ld_bf8((const bf16_t *)a->kv + o + 8 * r);
-                else memcpy(&y, (const float *)a->kv + o + 8 * r, 32);
-                R[r] += pb * y;
+            v8f y[NV];
+            for (int r = 0; r < nv; r++) y[r] = ld8(a->kv, o + 8 * r, bf16);
+            for (int i = 0; i < NQ; i++) {
+                const v8f pb = bcast(T.s[i][t]);
+                for (int r = 0; r < nv; r++) R[i * NV + r] = fma8(pb, y[r], R[i * NV + r]);
             }
         }
     }
-    memcpy(acc, R, nv * 32);
+    for (int i = 0; i < NQ; i++)
+        for (int r = 0; r < nv; r++) memcpy(T.acc[i] + j0 + 8 * r, &R[i * NV + r], 32);
+}
+
+/* acc[i][j] += the same sums for the dims past the last multiple of 8 (one scalar chain each). */
+static void tile_values_tail(const AttnJob *a, const QTile &T, int nq, const int64_t *bt, int64_t g, int64_t t0,
+                             int64_t t1, const int bf16) {
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t o = bt[t / a->bs] * a->s_blk + a->s_kv + g * a->s_head + (t % a->bs) * a->s_tok;
+        for (int i = 0; i < nq; i++)
+            for (int64_t j = a->hd - a->hd % 8; j < a->hd; j++)
+                T.acc[i][j] = __builtin_fmaf(T.s[i][t], load(a->kv, o + j, bf16), T.acc[i][j]);
+    }
+}
+
+/* The weighted values of the first NQ of a tile's queries over positions [t0, t1). */
+template <int NQ>
+static inline __attribute__((always_inline)) void tile_pv(const AttnJob *a, const QTile &T, const int64_t *bt,
+                                                          int64_t g, int64_t t0, int64_t t1, const int bf16) {
+    constexpr int NV = NQ >= 4 ? 4 : 8; /* NQ * NV accumulators, at most 16 */
+    const int64_t hd8 = a->hd - a->hd % 8;
+    int64_t j0 = 0;
+    for (; j0 + 8 * NV <= hd8; j0 += 8 * NV) tile_values<NQ, NV>(a, T, bt, g, j0, NV, t0, t1, bf16);
+    if (j0 < hd8) tile_values<NQ, NV>(a, T, bt, g, j0, (int)((hd8 - j0) / 8), t0, t1, bf16);
+    if (hd8 < a->hd) tile_values_tail(a, T, NQ, bt, g, t0, t1, bf16);
+}
+
+/* Scores over [t0, t1) for a tile of 1, 2 or 4 queries (a tile of 3 runs as 2 and 1). */
+static inline __attribute__((always_inline)) void scores_any(const AttnJob *a, const QTile &T, const int64_t *bt,
+                                                             int64_t g, int64_t t0, int64_t t1, const int bf16) {
+    if (T.nq == 4) tile_scores<4, 4>(a, T, bt, g, t0, t1, bf16);
+    else if (T.nq == 2) tile_scores<2, 8>(a, T, bt, g, t0, t1, bf16);
+    else if (T.nq == 1) tile_scores<1, 8>(a, T, bt, g, t0, t1, bf16);
+    else {
+        QTile U = T;
+        U.nq = 2;
+        tile_scores<2, 8>(a, U, bt, g, t0, t1, bf16);
+        U.nq = 1, U.q[0] = T.q[2], U.s[0] = T.s[2], U.acc[0] = T.acc[2];
+        tile_scores<1, 8>(a, U, bt, g, t0, t1, bf16);
+    }
+}
+
+static inline __attribute__((always_inline)) void pv_any(const AttnJob *a, const QTile &T, const int64_t *bt,
+                                                         int64_t g, int64_t t0, int64_t t1, const int bf16) {
+    if (T.nq == 4) tile_pv<4>(a, T, bt, g, t0, t1, bf16);
+    else if (T.nq == 2) tile_pv<2>(a, T, bt, g, t0, t1, bf16);
+    else if (T.nq == 1) tile_pv<1>(a, T, bt, g, t0, t1, bf16);
+    else {
+        QTile U = T;
+        tile_pv<2>(a, U, bt, g, t0, t1, bf16);
+        U.q[0] = T.q[2], U.s[0] = T.s[2], U.acc[0] = T.acc[2];
+        tile_pv<1>(a, U, bt, g, t0, t1, bf16);
+    }
+}
+
+/* Rows b .. b+r-1 attend together when each reads, from the same pages, every position row b
+ * reads (the rows of one sequence in a prefill): then the positions [0, seq_lens[b]) are shared. */
+static int64_t tile_rows(const AttnJob *a, int64_t b, int64_t rmax) {
+    const int64_t n = a->seq_lens[b], pages = (n + a->bs - 1) / a->bs;
+    const int64_t *bt = a->block_tables + b * a->bt_width;
+    int64_t r = 1;
+    for (; r < rmax && b + r < a->b1; r++) {
+        const int64_t c = b + r;
+        if (a->seq_lens[c] < n || memcmp(bt, a->block_tables + c * a->bt_width, pages * sizeof(int64_t)) != 0) break;
+    }
+    return r;
 }
 
 static inline __attribute__((always_inline)) void attn_rows(const AttnJob *a, const int bf16) {
     const int64_t H = a->H, KVH = a->KVH, hd = a->hd, rd = a->rd, half = rd / 2, nqk = H + KVH, grp = H / KVH;
-    float *qk = a->work, *acc = qk + nqk * hd, *sc = acc + grp * hd; /* [nqk, hd], [grp, hd], [grp, seq_len] */
-    for (int64_t b = a->b0; b < a->b1; b++) {
-        const int64_t row = b * a->ld;
-        /* q and k heads: RMS norm times (1 + w), rounded, then rotary on the first rd dims */
-        for (int64_t i = 0; i < nqk; i++) {
-            float *x = qk + i * hd;
-            for (int64_t j = 0; j < hd; j++) x[j] = load(a->qkv, row + i * hd + j, bf16);
-            const float ss = dot_f32(x, x, hd);
-            const float inv = 1.0f / sqrtf(ss / (float)hd + a->eps);
-            for (int64_t j = 0; j < hd; j++) x[j] = rnd(x[j] * inv * a->qk_norm[i * hd + j], bf16);
-            for (int64_t j = 0; j < half; j++) {
-                const float x1 = x[j], x2 = x[j + half];
-                const float c1 = load(a->cos, b * rd + j, bf16), s1 = load(a->sin, b * rd + j, bf16);
-                const float c2 = load(a->cos, b * rd + j + half, bf16), s2 = load(a->sin, b * rd + j + half, bf16);
-                x[j] = rnd(rnd(x1 * c1, bf16) + rnd(-x2 * s1, bf16), bf16);
-                x[j + half] = rnd(rnd(x2 * c2, bf16) + rnd(x1 * s2, bf16), bf16);
-            }
-        }
-        /* the new k and v into the row's page slot (not in a second pass: the first stored them) */
-        const int64_t slot = a->slot_mapping[b], blk = slot / a->bs, off = slot % a->bs;
-        const int64_t v_col = row + nqk * hd + H * hd;
-        for (int64_t g = 0; g < KVH && a->pass != 2; g++) {
-            const int64_t kp = blk * a->s_blk + g * a->s_head + off * a->s_tok;
-            for (int64_t j = 0; j < hd; j++) {
-                store(a->kv, kp + j, qk[(H + g) * hd + j], bf16);
-                store(a->kv, kp + a->s_kv + j, load(a->qkv, v_col + g * hd + j, bf16), bf16);
-            }
-        }
-        if (a->pass == 1) continue; /* a first pass stores every row's k and v, nothing more */
-        /* per KV head, its query heads together over the row's pages (each K and V row read
-         * once for all of them), then the gate */
-        const int64_t n = a->seq_lens[b];
-        const int64_t *bt = a->block_tables + b * a->bt_width;
-        for (int64_t g = 0; g < KVH; g++) {
-            float mx[grp], sum[grp];
-            for (int64_t i = 0; i < grp; i++) mx[i] = -INFINITY;
-            for (int64_t t0 = 0; t0 < n; t0 += a->bs) { /* page by page: no division per position */
-                const int64_t m = n - t0 < a->bs ? n - t0 : a->bs;
-                const int64_t kp = bt[t0 / a->bs] * a->s_blk + g * a->s_head;
-                if (t0 + a->bs < n) { /* the next page's K rows of this head */
-                    const int64_t kn = bt[t0 / a->bs + 1] * a->s_blk + g * a->s_head, esz = bf16 ? 2 : 4;
-                    for (int64_t t = 0; t < a->bs; t++) prefetch_span((const char *)a->kv + (kn + t * a->s_tok) * esz, hd * esz);
+    const int64_t R = attn_tile_rows(grp), nmax = a->bt_width * a->bs;
+    /* per tile row its q and k heads [R][nqk, hd]; per query vector (row, head of a group) its
+     * values' sum [R * grp][hd] and its scores [R * grp][nmax] */
+    float *qk = a->work, *acc = qk + R * nqk * hd, *sc = acc + R * grp * hd;
+    for (int64_t b = a->b0; b < a->b1;) {
+        const int64_t r = a->pass == 1 ? 1 : tile_rows(a, b, R);
+        for (int64_t w = 0; w < r; w++) {
+            const int64_t rb = b + w, row = rb * a->ld;
+            float *qkw = qk + w * nqk * hd;
+            /* q and k heads: RMS norm times (1 + w), rounded, then rotary on the first rd dims */
+            for (int64_t i = 0; i < nqk; i++) {
+                float *x = qkw + i * hd;
+                for (int64_t j = 0; j < hd; j++) x[j] = load(a->qkv, row + i * hd + j, bf16);
+                const float ss = dot_f32(x, x, hd);
+                const float inv = 1.0f / sqrtf(ss / (float)hd + a->eps);
+                for (int64_t j = 0; j < hd; j++) x[j] = rnd(x[j] * inv * a->qk_norm[i * hd + j], bf16);
+                for (int64_t j = 0; j < half; j++) {
+                    const float x1 = x[j], x2 = x[j + half];
+                    const float c1 = load(a->cos, rb * rd + j, bf16), s1 = load(a->sin, rb * rd + j, bf16);
+                    const float c2 = load(a->cos, rb * rd + j + half, bf16), s2 = load(a->sin, rb * rd + j + half, bf16);
+                    x[j] = rnd(rnd(x1 * c1, bf16) + rnd(-x2 * s1, bf16), bf16);
+                    x[j + half] = rnd(rnd(x2 * c2, bf16) + rnd(x1 * s2, bf16), bf16);
                 }
-                for (int64_t i = 0; i < grp; i++) {
-                    const float *q = qk + (g * grp + i) * hd;
-                    float *si = sc + i * n + t0;
-                    int64_t t = 0;
-                    if (hd % 8 == 0)
-                        for (; t + 8 <= m; t += 8)
-                            dot8_rows(q, bf16 ? (const void *)((const bf16_t *)a->kv + kp + t * a->s_tok)
-                                              : (const void *)((const float *)a->kv + kp + t * a->s_tok),
-                                      a->s_tok, hd, si + t, bf16);
-                    for (; t < m; t++) {
-                        const int64_t p = kp + t * a->s_tok;
-                        si[t] = bf16 ? dot_bf16(q, (const bf16_t *)a->kv + p, hd)
-                                     : dot_f32(q, (const float *)a->kv + p, hd);
-                    }
-                    for (t = 0; t < m; t++) {
+            }
+            /* the new k and v into the row's page slot (not in a second pass: the first stored them) */
+            const int64_t slot = a->slot_mapping[rb], blk = slot / a->bs, off = slot % a->bs;
+            const int64_t v_col = row + nqk * hd + H * hd;
+            for (int64_t g = 0; g < KVH && a->pass != 2; g++) {
+                const int64_t kp = blk * a->s_blk + g * a->s_head + off * a->s_tok;
+                for (int64_t j = 0; j < hd; j++) {
+                    store(a->kv, kp + j, qkw[(H + g) * hd + j], bf16);
+                    store(a->kv, kp + a->s_kv + j, load(a->qkv, v_col + g * hd + j, bf16), bf16);
+                }
+            }
+        }
+        if (a->pass == 1) { /* a first pass stores every row's k and v, nothing more */
+            b += r;
+            continue;
+        }
+        /* per KV head, the query heads of its group in the tile's rows together: positions every
+         * row reads as one tile, then each row's own last ones (its sums continue in order) */
+        const int64_t n0 = a->seq_lens[b], *bt0 = a->block_tables + b * a->bt_width, nq = r * grp;
+        for (int64_t g = 0; g < KVH; g++) {
+            for (int64_t i = 0; i < nq * hd; i++) acc[i] = 0.0f;
+            for (int64_t q0 = 0; q0 < nq; q0 += ATTN_TILE_Q) {
+                QTile T;
+                T.nq = (int)(nq - q0 < ATTN_TILE_Q ? nq - q0 : ATTN_TILE_Q);
+                for (int i = 0; i < T.nq; i++) {
+                    const int64_t qi = q0 + i, w = qi / grp;
+                    T.q[i] = qk + w * nqk * hd + (g * grp + qi % grp) * hd;
+                    T.s[i] = sc + qi * nmax, T.acc[i] = acc + qi * hd;
+                }
+                scores_any(a, T, bt0, g, 0, n0, bf16);
+                for (int i = 0; i < T.nq; i++) { /* a row's positions past n0, from its own pages */
+                    const int64_t w = (q0 + i) / grp, n = a->seq_lens[b + w];
+                    if (n == n0) continue;
+                    QTile U;
+                    U.nq = 1, U.q[0] = T.q[i], U.s[0] = T.s[i], U.acc[0] = T.acc[i];
+                    tile_scores<1, 8>(a, U, a->block_tables + (b + w) * a->bt_width, g, n0, n, bf16);
+                }
+                float mx[ATTN_TILE_Q], sum[ATTN_TILE_Q];
+                for (int i = 0; i < T.nq; i++) {
+                    const int64_t n = a->seq_lens[b + (q0 + i) / grp];
+                    float *si = T.s[i];
+                    mx[i] = -INFINITY;
+                    for (int64_t t = 0; t < n; t++) {
                         si[t] *= a->scale;
                         mx[i] = si[t] > mx[i] ? si[t] : mx[i];
                     }
+                    exp_rows(si, n, mx[i]);
+                    sum[i] = 0.0f;
+                    for (int64_t t = 0; t < n; t++) sum[i] += si[t];
                 }
-            }
-            for (int64_t i = 0; i < grp; i++) {
-                exp_rows(sc + i * n, n, mx[i]);
-                sum[i] = 0.0f;
-                for (int64_t t = 0; t < n; t++) sum[i] += sc[i * n + t];
-            }
-            if (hd % 8 == 0) { /* per query head, up to 8 vectors of hd in registers over all positions */
-                for (int64_t i = 0; i < grp; i++)
-                    for (int64_t j0 = 0; j0 < hd; j0 += 64) {
-                        const int64_t vp = a->s_kv + g * a->s_head + j0;
-                        if (hd - j0 >= 64) attn_pv(a, bt, n, vp, sc + i * n, acc + i * hd + j0, 8, bf16);
-                        else attn_pv(a, bt, n, vp, sc + i * n, acc + i * hd + j0, (hd - j0) / 8, bf16);
-                    }
-            } else {
-            for (int64_t j = 0; j < grp * hd; j++) acc[j] = 0.0f;
-            for (int64_t t0 = 0; t0 < n; t0 += a->bs) {
-                const int64_t m = n - t0 < a->bs ? n - t0 : a->bs;
-                const int64_t vp = bt[t0 / a->bs] * a->s_blk + a->s_kv + g * a->s_head;
-                for (int64_t t = 0; t < m; t++) {
-                    const int64_t o = vp + t * a->s_tok;
-                    for (int64_t i = 0; i < grp; i++) {
-                        const float p = sc[i * n + t0 + t];
-                        float *ai = acc + i * hd;
-                        if (bf16)
-                            for (int64_t j = 0; j < hd; j++) ai[j] += p * bf2f(((const bf16_t *)a->kv)[o + j]);
-                        else
-                            for (int64_t j = 0; j < hd; j++) ai[j] += p * ((const float *)a->kv)[o + j];
-                    }
+                pv_any(a, T, bt0, g, 0, n0, bf16);
+                for (int i = 0; i < T.nq; i++) {
+                    const int64_t w = (q0 + i) / grp, n = a->seq_lens[b + w];
+                    if (n == n0) continue;
+                    QTile U;
+                    U.nq = 1, U.q[0] = T.q[i], U.s[0] = T.s[i], U.acc[0] = T.acc[i];
+                    tile_pv<1>(a, U, a->block_tables + (b + w) * a->bt_width, g, n0, n, bf16);
                 }
-            }
-            }
-            for (int64_t i = 0; i < grp; i++) {
-                const int64_t h = g * grp + i;
-                const float inv = 1.0f / sum[i];
-                const int64_t gate = row + nqk * hd + h * hd;
-                for (int64_t j = 0; j < hd; j++) {
-                    const float o = rnd(acc[i * hd + j] * inv, bf16);
-                    const float sg = rnd(1.0f / (1.0f + expf(-load(a->qkv, gate + j, bf16))), bf16);
-                    store(a->out, b * H * hd + h * hd + j, o * sg, bf16);
+                for (int i = 0; i < T.nq; i++) { /* the gate, into the row's output */
+                    const int64_t qi = q0 + i, w = qi / grp, h = g * grp + qi % grp, row = (b + w) * a->ld;
+                    const float inv = 1.0f / sum[i];
+                    const int64_t gate = row + nqk * hd + h * hd;
+                    for (int64_t j = 0; j < hd; j++) {
+                        const float o = rnd(T.acc[i][j] * inv, bf16);
+                        const float sg = rnd(1.0f / (1.0f + expf(-load(a->qkv, gate + j, bf16))), bf16);
+                        store(a->out, (b + w) * H * hd + h * hd + j, o * sg, bf16);
+                    }
                 }
             }
         }
+        b += r;
     }
 }
 
-void attn_chunk(const AttnJob &job, int64_t chunk, int64_t tid) { /* one row, or one sequence's rows */
+void attn_chunk(const AttnJob &job, int64_t chunk, int64_t tid) {
+    /* pass 0: one row, or one sequence's rows; a pass of two: ATTN_PASS_ROWS rows */
     AttnJob a = job;
-    const bool seq = a.seq_starts && a.pass == 0;
-    a.b0 = seq ? a.seq_starts[chunk] : chunk, a.b1 = seq ? a.seq_starts[chunk + 1] : chunk + 1;
+    if (a.pass != 0) a.b0 = ATTN_PASS_ROWS * chunk, a.b1 = std::min(job.b1, a.b0 + ATTN_PASS_ROWS);
+    else if (a.seq_starts) a.b0 = a.seq_starts[chunk], a.b1 = a.seq_starts[chunk + 1];
+    else a.b0 = chunk, a.b1 = chunk + 1;
     a.work += tid * a.work_stride;
     if (a.bf16) attn_rows(&a, 1);
     else attn_rows(&a, 0);
@@ -234,8 +358,11 @@ void attn_chunk(const AttnJob &job, int64_t chunk, int64_t tid) { /* one row, or
  *              in order in one chunk, so a row's k and v are in their page before the next row
  *              of its sequence reads them (causal attention within the sequence); with many rows
  *              in fewer sequences than four per thread (attn_two_passes), every row's k and v are
- *              stored first and the rows' attention then runs in blocks of 16 rows on all the
- *              threads (the same bits).
+ *              stored first and the rows' attention then runs in blocks of ATTN_PASS_ROWS rows on
+ *              all the threads (the same bits).
+ * Rows that read the same first pages (a sequence's rows) attend in tiles of up to ATTN_TILE_Q query
+ * vectors (kernels.h), each row's sums in the order it has alone: a row's bits do not depend on
+ * the rows beside it (tests/kernels/test_attn_rows_bits.py).
  * Rows (sequences) are shared by up to nthreads threads (parallel_chunks). */
 void attn_decode(int64_t B, int64_t H, int64_t KVH, int64_t hd, int64_t rd, const void *qkv, int64_t ld,
                  const float *qk_norm, float eps, const void *cos, const void *sin, void *kv, int64_t s_blk,
@@ -253,9 +380,8 @@ void attn_decode(int64_t B, int64_t H, int64_t KVH, int64_t hd, int64_t rd, cons
         for (const int pass : {1, 2}) {
             AttnJob p = job;
             p.pass = pass;
-            parallel_chunks((B + 15) / 16, nthreads, [&](int64_t c, int64_t tid) {
-                for (int64_t b = 16 * c; b < B && b < 16 * (c + 1); b++) attn_chunk(p, b, tid);
-            });
+            parallel_chunks((B + ATTN_PASS_ROWS - 1) / ATTN_PASS_ROWS, nthreads,
+                            [&](int64_t c, int64_t tid) { attn_chunk(p, c, tid); });
         }
         return;
     }

@@ -179,7 +179,7 @@ struct DecodeLayers : torch::CustomClassHolder {
             if (l.attn) {
                 const int64_t hd = l.kv_pool.size(4);
                 bs = l.kv_pool.size(3), blocks = std::min(blocks, l.kv_pool.size(0));
-                stride = std::max(stride, (l.h + l.kvh) * hd + l.h / l.kvh * (hd + W * bs));
+                stride = std::max(stride, attn_work_stride(l.h, l.kvh, hd, W * bs));
                 TORCH_CHECK(rd % 2 == 0 && rd <= hd, A.op, ": cos / sin [B, ", rd, "] do not fit hd=", hd);
             } else {
                 slots = std::min(slots, l.conv_pool.size(0));

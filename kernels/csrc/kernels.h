@@ -74,6 +74,18 @@ struct AttnJob { /* attn_decode's arguments; a chunk is one row, or one sequence
     int pass;                  /* 0: all of a row; 1: its k and v stored, no more; 2: all but storing them */
 };
 void attn_chunk(const AttnJob &job, int64_t chunk, int64_t tid);
+/* A thread attends up to ATTN_TILE_Q query vectors together (the query heads of one KV head in
+ * up to attn_tile_rows rows that share their first pages), so that each key and value it loads
+ * serves all of them; every row's sums keep the order a row alone has (the same bits). */
+constexpr int64_t ATTN_TILE_Q = 4;
+inline int64_t attn_tile_rows(int64_t grp) { return grp >= ATTN_TILE_Q ? 1 : ATTN_TILE_Q / grp; }
+/* rows a chunk of a two-pass call takes (attn_two_passes) */
+constexpr int64_t ATTN_PASS_ROWS = 16;
+/* The floats of scratch attn_chunk needs per thread, for sequences up to max_len positions:
+ * per tile row its q and k heads, and per query vector its values' sum and its scores. */
+inline int64_t attn_work_stride(int64_t h, int64_t kvh, int64_t hd, int64_t max_len) {
+    return attn_tile_rows(h / kvh) * ((h + kvh) * hd + h / kvh * (hd + max_len));
+}
 /* attn_decode's rows in sequences run in two passes (k and v first) when they are many (64 or
  * more) in fewer sequences than four per thread: one thread a sequence would leave threads idle */
 inline bool attn_two_passes(int64_t B, int64_t nseq, int64_t nthreads, const int64_t *seq_starts) {

@@ -61,7 +61,7 @@ at::Tensor attn_decode_op(const at::Tensor &qkv, const at::Tensor &qk_norm, doub
     /* threads: one per sequence at most, or per row where rows in sequences run in two passes */
     const int64_t nt = row_threads(attn_two_passes(B, nseq, at::get_num_threads(), starts) ? B : nseq,
                                    positions * h * hd * 4);
-    const int64_t stride = (h + kvh) * hd + h / kvh * (hd + width * bs);
+    const int64_t stride = attn_work_stride(h, kvh, hd, width * bs);
     auto work = at::empty({nt * stride}, at::kFloat);
     attn_decode(B, h, kvh, hd, rd, qkv.data_ptr(), qkv.stride(0), qk_norm.data_ptr<float>(), (float)eps,
                 cos.data_ptr(), sin.data_ptr(), kv_pool.data_ptr(), kv_pool.stride(0), kv_pool.stride(1),

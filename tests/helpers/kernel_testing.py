@@ -62,3 +62,26 @@ def head_major(pool: torch.Tensor) -> torch.Tensor:
 
 def to_dev(*xs):
     return tuple(None if x is None else x.to(DEVICE) for x in xs)
+
+
+def attn_rows_case(g: torch.Generator, dtype, h: int, kvh: int, hd: int, rd: int, bs: int, lens, ctx, nblocks, width):
+    """Inputs of cpu_ops.attn_decode for rows of sequences: sequence i's `lens[i]` new tokens end
+    at position `ctx[i]`, its pages a random row of `tables`. Returns a dict: qkv, qk_norm, pool
+    (the kernels' view of a random head-major pool), tables [S, width], seq (each row's sequence),
+    pos, slots, cos, sin [B, rd], starts (seq_starts)."""
+    from engine.cache.allocator import kv_pool_view
+
+    B, S = sum(lens), len(lens)
+    qkv = torch.randn(B, 2 * (h + kvh) * hd, generator=g).to(dtype)
+    qk_norm = 1 + 0.1 * torch.randn(h + kvh, hd, generator=g)
+    pool = kv_pool_view(torch.randn(kvh, nblocks, 2, bs, hd, generator=g).to(dtype))
+    tables = torch.randperm(nblocks, generator=g)[: S * width].view(S, width)
+    seq = torch.repeat_interleave(torch.arange(S), torch.tensor(lens))
+    pos = torch.cat([torch.arange(c - n, c) for n, c in zip(lens, ctx)])
+    slots = tables[seq, pos // bs] * bs + pos % bs
+    ang = pos[:, None].float() * torch.rand(rd // 2, generator=g)[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(dtype)
+    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    return dict(qkv=qkv, qk_norm=qk_norm, pool=pool, tables=tables, seq=seq, pos=pos, slots=slots, cos=cos, sin=sin,
+                starts=starts)  # fmt: skip

@@ -23,7 +23,7 @@ from kernels import (
     rms_norm,
     store_kv,
 )
-from tests.helpers.kernel_testing import assert_close
+from tests.helpers.kernel_testing import assert_close, attn_rows_case
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -156,18 +156,10 @@ def test_attn_decode_rows_of_one_sequence_match_pytorch(dtype, nthreads, scale):
     g = torch.Generator().manual_seed(4)
     h, kvh, hd, rd, bs, nblocks, width = 4, 2, 32, 16, 4, 40 * scale, 6 * scale
     lens, ctx = [3, 1, 5, 2], [7 * scale, 20 * scale, 24 * scale, 2 * scale]  # new tokens per sequence; context after
-    B, S = sum(lens), len(lens)
-    qkv = torch.randn(B, 2 * (h + kvh) * hd, generator=g).to(dtype)
-    qk_norm = 1 + 0.1 * torch.randn(h + kvh, hd, generator=g)
-    kv_pool = kv_pool_view(torch.randn(kvh, nblocks, 2, bs, hd, generator=g).to(dtype))
-    tables = torch.randperm(nblocks, generator=g)[: S * width].view(S, width)
-    seq = torch.repeat_interleave(torch.arange(S), torch.tensor(lens))
-    pos = torch.cat([torch.arange(c - n, c) for n, c in zip(lens, ctx)])
-    slot_mapping = tables[seq, pos // bs] * bs + pos % bs
-    ang = pos[:, None].float() * torch.rand(rd // 2, generator=g)[None, :]
-    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None, :].to(dtype)
-    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None, :].to(dtype)
-    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    c = attn_rows_case(g, dtype, h, kvh, hd, rd, bs, lens, ctx, nblocks, width)
+    qkv, qk_norm, kv_pool, tables, seq, pos = c["qkv"], c["qk_norm"], c["pool"], c["tables"], c["seq"], c["pos"]
+    slot_mapping, starts, B = c["slots"], c["starts"], sum(lens)
+    cos, sin = c["cos"][:, None, :], c["sin"][:, None, :]
     pool_ref = kv_pool.clone()
     qk, gate, v = qkv.split([(h + kvh) * hd, h * hd, kvh * hd], dim=-1)
     qk = F.rms_norm(qk.reshape(B, h + kvh, hd).float(), (hd,), None, 1e-6)
