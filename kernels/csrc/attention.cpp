@@ -218,6 +218,42 @@ static inline __attribute__((always_inline)) void pv_any(const AttnJob *a, const
     }
 }
 
+/* s[t] *= scale for t < n, and the largest of them (NaN passed over; exact in any order). */
+static inline float scale_max(float *s, int64_t n, float scale) {
+    v8f m8 = bcast(-INFINITY);
+    const v8f sc = bcast(scale);
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        v8f x;
+        memcpy(&x, s + t, 32);
+        x *= sc;
+        memcpy(s + t, &x, 32);
+        m8 = sel8(x > m8, x, m8);
+    }
+    float m = -INFINITY;
+    for (int l = 0; l < 8; l++) m = m8[l] > m ? m8[l] : m;
+    for (; t < n; t++) {
+        s[t] *= scale;
+        m = s[t] > m ? s[t] : m;
+    }
+    return m;
+}
+
+/* sum of s[t] for t < n: lanes t % 8 in order of t, ((a0+a4)+(a1+a5)) + ((a2+a6)+(a3+a7)), then
+ * the last n % 8 in order. A function of the row's values alone, whichever rows run beside it. */
+static inline float sum_lanes(const float *s, int64_t n) {
+    v8f A = {};
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        v8f x;
+        memcpy(&x, s + t, 32);
+        A += x;
+    }
+    float v = ((A[0] + A[4]) + (A[1] + A[5])) + ((A[2] + A[6]) + (A[3] + A[7]));
+    for (; t < n; t++) v += s[t];
+    return v;
+}
+
 /* Rows b .. b+r-1 attend together when each reads, from the same pages, every position row b
  * reads (the rows of one sequence in a prefill): then the positions [0, seq_lens[b]) are shared. */
 static int64_t tile_rows(const AttnJob *a, int64_t b, int64_t rmax) {
@@ -297,14 +333,9 @@ static inline __attribute__((always_inline)) void attn_rows(const AttnJob *a, co
                 for (int i = 0; i < T.nq; i++) {
                     const int64_t n = a->seq_lens[b + (q0 + i) / grp];
                     float *si = T.s[i];
-                    mx[i] = -INFINITY;
-                    for (int64_t t = 0; t < n; t++) {
-                        si[t] *= a->scale;
-                        mx[i] = si[t] > mx[i] ? si[t] : mx[i];
-                    }
+                    mx[i] = scale_max(si, n, a->scale);
                     exp_rows(si, n, mx[i]);
-                    sum[i] = 0.0f;
-                    for (int64_t t = 0; t < n; t++) sum[i] += si[t];
+                    sum[i] = sum_lanes(si, n);
                 }
                 pv_any(a, T, bt0, g, 0, n0, bf16);
                 for (int i = 0; i < T.nq; i++) {
