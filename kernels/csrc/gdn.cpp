@@ -248,6 +248,9 @@ static void gdn_rows_run(const gdn_rows_job *j, int64_t r, int64_t tid) { /* one
 /* Tokens per block of gdn_rows_unit: a block's conv outputs are made first, then each value head
  * runs the block's tokens on its state while that state stays in the L1 cache. */
 constexpr int64_t GDN_ROWS_BLOCK = 32;
+/* gdn_rows_unit asks for a token's inputs this many tokens ahead (each unit reads a few hundred
+ * bytes of every token's projection row, a stride the hardware's prefetch follows late) */
+constexpr int64_t GDN_PREFETCH = 8;
 
 /* Whether gdn_rows runs in (row, key head) units (else a row at a time, without state points) */
 bool gdn_rows_in_units(int64_t Hk, int64_t Hv, int64_t dk, int64_t dv) { return dk % 8 == 0 && dv % 8 == 0 && Hv % Hk == 0; }
@@ -304,6 +307,10 @@ static void gdn_rows_unit(const gdn_rows_job *j, int64_t r, int64_t kh, int64_t 
         if (pt < pt_end && j->pt_off[pt] - b0 < nb) nb = j->pt_off[pt] - b0;
         for (int64_t t = b0; t < b0 + nb; t++) { /* the block's conv, silu, q/k norms and gates */
             float *y = Y + (t - b0) * nch;
+            if (t + GDN_PREFETCH < n) /* the unit's inputs of a later token: proj rows lie a row apart */
+                for (const auto &sp : span)
+                    for (int64_t c = 0; c < sp[2]; c += 64 / (BF16 ? 2 : 4))
+                        __builtin_prefetch((const char *)j->proj + ((t0 + t + GDN_PREFETCH) * ld + sp[0] + c) * (BF16 ? 2 : 4), 0, 3);
             for (const auto &sp : span) {
                 float *yl = y + sp[1];
                 for (int64_t i = 0; i <= K1; i++) {
