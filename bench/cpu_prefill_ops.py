@@ -15,25 +15,20 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench.timing import call_times  # noqa: E402
 from kernels import cpu_ops  # noqa: E402
 from tests.helpers.kernel_testing import attn_rows_case  # noqa: E402
 
 
 def timed(fn, reps: int) -> tuple[float, float]:
     """(median, fastest) seconds of fn over reps calls after one warm-up."""
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
+    ts = call_times(fn, reps)
     return statistics.median(ts), min(ts)
 
 

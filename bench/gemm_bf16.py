@@ -15,7 +15,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from unittest import mock
 
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench.timing import call_times  # noqa: E402
 from engine.model.linear import Linear, row_invariant  # noqa: E402
 from kernels import cpu_ops  # noqa: E402
 
@@ -31,13 +31,7 @@ SHAPES = [(784, 256), (768, 256), (1024, 256), (256, 512), (256, 256), (12288, 2
 
 
 def _median_us(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+    return statistics.median(call_times(fn, reps)) * 1e6
 
 
 def main() -> None:

@@ -25,6 +25,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.timing import call_times  # noqa: E402
+
 HK, HV, DK, DV = 16, 32, 128, 128
 
 
@@ -36,13 +38,7 @@ def _ms(fn) -> float:
 
 def _wall_us(call, n: int = 200) -> tuple[float, float, float]:
     """(median, min, max) microseconds of single calls that end in a host read."""
-    for _ in range(10):
-        call()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        call()
-        ts.append(time.perf_counter() - t0)
+    ts = call_times(call, n, warmup=10)
     return statistics.median(ts) * 1e6, min(ts) * 1e6, max(ts) * 1e6
 
 

@@ -10,7 +10,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -21,17 +20,12 @@ if "--smoke" in sys.argv:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.timing import call_times  # noqa: E402
 from kernels.gdn import l2norm  # noqa: E402
 
 
 def _median_s(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(call_times(fn, reps))
 
 
 def _gdn_inputs(B, T, hk, hv, dk, dv, dtype, device, seed=0):
