@@ -106,12 +106,19 @@ static inline void prefetch_span(const void *p, int64_t bytes) {
 }
 
 /* One query tile's view of one KV head: nq query vectors q[i] whose scores go to s[i] (by position)
- * and whose weighted values add into acc[i] (hd floats), over positions [0, n) of pages bt. */
+ * and whose weighted values add into acc[i] (hd floats). */
 struct QTile {
     int nq;
     const float *q[ATTN_TILE_Q];
     float *s[ATTN_TILE_Q], *acc[ATTN_TILE_Q];
 };
+
+/* The tile of T's query i alone. */
+static inline QTile single(const QTile &T, int i) {
+    QTile U;
+    U.nq = 1, U.q[0] = T.q[i], U.s[0] = T.s[i], U.acc[0] = T.acc[i];
+    return U;
+}
 
 /* The scores of a tile's queries with positions [t0, t1) of head g's keys (page table bt). */
 template <int NQ, int NK>
@@ -197,11 +204,8 @@ static inline __attribute__((always_inline)) void scores_any(const AttnJob *a, c
     else if (T.nq == 2) tile_scores<2, 8>(a, T, bt, g, t0, t1, bf16);
     else if (T.nq == 1) tile_scores<1, 8>(a, T, bt, g, t0, t1, bf16);
     else {
-        QTile U = T;
-        U.nq = 2;
-        tile_scores<2, 8>(a, U, bt, g, t0, t1, bf16);
-        U.nq = 1, U.q[0] = T.q[2], U.s[0] = T.s[2], U.acc[0] = T.acc[2];
-        tile_scores<1, 8>(a, U, bt, g, t0, t1, bf16);
+        tile_scores<2, 8>(a, T, bt, g, t0, t1, bf16); /* its first two queries */
+        tile_scores<1, 8>(a, single(T, 2), bt, g, t0, t1, bf16);
     }
 }
 
@@ -211,10 +215,8 @@ static inline __attribute__((always_inline)) void pv_any(const AttnJob *a, const
     else if (T.nq == 2) tile_pv<2>(a, T, bt, g, t0, t1, bf16);
     else if (T.nq == 1) tile_pv<1>(a, T, bt, g, t0, t1, bf16);
     else {
-        QTile U = T;
-        tile_pv<2>(a, U, bt, g, t0, t1, bf16);
-        U.q[0] = T.q[2], U.s[0] = T.s[2], U.acc[0] = T.acc[2];
-        tile_pv<1>(a, U, bt, g, t0, t1, bf16);
+        tile_pv<2>(a, T, bt, g, t0, t1, bf16); /* its first two queries */
+        tile_pv<1>(a, single(T, 2), bt, g, t0, t1, bf16);
     }
 }
 
@@ -278,8 +280,9 @@ static inline __attribute__((always_inline)) void attn_rows(const AttnJob *a, co
         for (int64_t w = 0; w < r; w++) {
             const int64_t rb = b + w, row = rb * a->ld;
             float *qkw = qk + w * nqk * hd;
-            /* q and k heads: RMS norm times (1 + w), rounded, then rotary on the first rd dims */
-            for (int64_t i = 0; i < nqk; i++) {
+            /* q and k heads: RMS norm times (1 + w), rounded, then rotary on the first rd dims (a
+             * first pass stores k alone; a second attends with q alone) */
+            for (int64_t i = a->pass == 1 ? H : 0; i < (a->pass == 2 ? H : nqk); i++) {
                 float *x = qkw + i * hd;
                 for (int64_t j = 0; j < hd; j++) x[j] = load(a->qkv, row + i * hd + j, bf16);
                 const float ss = dot_f32(x, x, hd);
@@ -324,26 +327,18 @@ static inline __attribute__((always_inline)) void attn_rows(const AttnJob *a, co
                 scores_any(a, T, bt0, g, 0, n0, bf16);
                 for (int i = 0; i < T.nq; i++) { /* a row's positions past n0, from its own pages */
                     const int64_t w = (q0 + i) / grp, n = a->seq_lens[b + w];
-                    if (n == n0) continue;
-                    QTile U;
-                    U.nq = 1, U.q[0] = T.q[i], U.s[0] = T.s[i], U.acc[0] = T.acc[i];
-                    tile_scores<1, 8>(a, U, a->block_tables + (b + w) * a->bt_width, g, n0, n, bf16);
+                    if (n > n0) tile_scores<1, 8>(a, single(T, i), a->block_tables + (b + w) * a->bt_width, g, n0, n, bf16);
                 }
-                float mx[ATTN_TILE_Q], sum[ATTN_TILE_Q];
-                for (int i = 0; i < T.nq; i++) {
+                float sum[ATTN_TILE_Q];
+                for (int i = 0; i < T.nq; i++) { /* softmax weights, unnormalised, and their sum */
                     const int64_t n = a->seq_lens[b + (q0 + i) / grp];
-                    float *si = T.s[i];
-                    mx[i] = scale_max(si, n, a->scale);
-                    exp_rows(si, n, mx[i]);
-                    sum[i] = sum_lanes(si, n);
+                    exp_rows(T.s[i], n, scale_max(T.s[i], n, a->scale));
+                    sum[i] = sum_lanes(T.s[i], n);
                 }
                 pv_any(a, T, bt0, g, 0, n0, bf16);
                 for (int i = 0; i < T.nq; i++) {
                     const int64_t w = (q0 + i) / grp, n = a->seq_lens[b + w];
-                    if (n == n0) continue;
-                    QTile U;
-                    U.nq = 1, U.q[0] = T.q[i], U.s[0] = T.s[i], U.acc[0] = T.acc[i];
-                    tile_pv<1>(a, U, a->block_tables + (b + w) * a->bt_width, g, n0, n, bf16);
+                    if (n > n0) tile_pv<1>(a, single(T, i), a->block_tables + (b + w) * a->bt_width, g, n0, n, bf16);
                 }
                 for (int i = 0; i < T.nq; i++) { /* the gate, into the row's output */
                     const int64_t qi = q0 + i, w = qi / grp, h = g * grp + qi % grp, row = (b + w) * a->ld;
