@@ -4,7 +4,7 @@ run's CPU went: router, nodes with their rank processes, client); `--overload` m
 p99 TTFT and failures by code at twice and four times the load the pools sustain.
 
     python bench/serve.py [--overload] [--requests 64] [--prompt-len 512] [--new-tokens 64] [--concurrency 16]
-    python bench/serve.py --configs colocated offline --rounds 3 [--dtype bfloat16] [--node-option worker_process=false]"""
+    python bench/serve.py --configs colocated offline --rounds 3 [--dtype bfloat16] [--node-option worker_process=false] [--no-token-streams]"""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
 
+TOKEN_STREAMS = [True]  # the SDK's token streams (client/mux.py); main() sets --no-token-streams
 NODE_OPTIONS: dict = {"dtype": "float32", "kv_cache_memory": "512MiB"}  # main() adds --dtype, --node-option
 
 
@@ -47,7 +48,7 @@ def cluster_client(model, prompts, prefill: int, **router_options):
     )
     with Cluster(spec, out=sys.stderr) as cl:
         cl.start()
-        with Client(cl.address, timeout=600) as c:
+        with Client(cl.address, timeout=600, token_streams=TOKEN_STREAMS[0]) as c:
             c.wait_ready(timeout=60)
             for p in prompts[:2]:  # warm-up
                 c.generate(prompt_token_ids=p, max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -303,10 +304,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1, help="run the configs this many times, alternated")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument(
+        "--no-token-streams", action="store_true", help="the SDK client streams every request on its own call"
+    )
+    ap.add_argument(
         "--node-option", action="append", default=[], metavar="KEY=VALUE", help="a node option for `up` (repeatable)"
     )
     args = ap.parse_args()
     NODE_OPTIONS.update(dtype=args.dtype, **dict(node_option(o) for o in args.node_option))
+    TOKEN_STREAMS[0] = not args.no_token_streams
 
     import torch
 

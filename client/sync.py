@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+import uuid
 
 import grpc
 from grpc_health.v1 import health_pb2
 
+from client.mux import MuxedCall, TokenStreams
 from client.routers import GENERATION, Routers, StreamBase, connection
-from client.types import GenerateResult, PdserveError, StreamChunk, build_request, chunk_from
+from client.types import GenerateResult, PdserveError, StreamChunk, build_request, chunk_from, chunk_from_delta
 from proto import pb
 
 
@@ -20,9 +22,11 @@ class TokenStream(StreamBase):
         while True:
             try:
                 for m in self._call:
+                    if self.closed:  # what came in before the close is not the caller's any more
+                        return
                     yielded = True
                     self.got += m.token_ids
-                    yield chunk_from(m)
+                    yield chunk_from_delta(m) if isinstance(m, pb.TokenDelta) else chunk_from(m)
                 return
             except grpc.RpcError as e:
                 if not self._on_error(e, yielded):
@@ -58,14 +62,19 @@ class Client:
         tls_cert=None,
         tls_key=None,
         tls_server_name: str | None = None,
+        token_streams: bool = True,
     ):
         """addr: the router's host:port, or several routers of the same pools ("a:1,b:2" or a list),
         tried in turn (client/routers.py). timeout: default deadline of every call (seconds).
         api_key: the router's client key (default: PDSERVE_API_KEY). TLS: tls_ca (PEM bytes or a
         file) verifies the router's certificate; tls_cert + tls_key show the client's; tls_server_name
-        is the name the router's certificate is checked against (default: the host dialed)."""
+        is the name the router's certificate is checked against (default: the host dialed).
+        token_streams: the tokens of every stream come on one token stream per router, batched one
+        message per engine step (client/mux.py; docs/api.md, "Token streams"); False: each on its
+        own call."""
         self.timeout = timeout
         self._r = Routers(addr, False, *connection(api_key, tls_ca, tls_cert, tls_key, tls_server_name))
+        self._streams = TokenStreams(self._r.stubs, self._r.md) if token_streams else None
 
     @property
     def addr(self) -> str:
@@ -114,7 +123,31 @@ class Client:
         "json_object" | "regex" | "grammar" | "choice", "value": ..., "start_after_token": id})
         (docs/api.md)."""
         req = build_request(prompt, prompt_token_ids, **sampling)
-        return TokenStream(self._r.generate(req, timeout or self.timeout), self._r)
+        start = self._r.generate(req, timeout or self.timeout)
+        return TokenStream(start if self._streams is None else self._muxed(start, req), self._r)
+
+    def _muxed(self, start, req: pb.GenerateRequest):
+        """`start` naming router i's token stream (a MuxedCall), or as it is when there is none."""
+        streams, n = self._streams, len(self._r.addrs)
+        assert streams is not None
+        if not req.request_id:  # the stream's deltas are keyed by it
+            req.request_id = uuid.uuid4().hex
+        rid = req.request_id
+
+        def go(i: int, got: list[int]):
+            s = streams.stream(i % n)
+            q = s.register(rid) if s is not None else None
+            if s is None or q is None:
+                req.token_stream = ""
+                return start(i, got)
+            req.token_stream = s.stream_id
+            try:
+                return MuxedCall(start(i, got), s, rid, q)
+            except BaseException:
+                s.unregister(rid)
+                raise
+
+        return go
 
     def generate(
         self, prompt: str | None = None, prompt_token_ids=None, timeout: float | None = None, **sampling
@@ -126,6 +159,8 @@ class Client:
         return res
 
     def close(self) -> None:
+        if self._streams is not None:
+            self._streams.close()
         for c in self._r.chans:
             c.close()
 

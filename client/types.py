@@ -107,6 +107,21 @@ def chunk_from(m: pb.GenerateResponse) -> StreamChunk:
     )
 
 
+_NO_TIMINGS = pb.Timings()  # a token stream's chunks carry none (the call's last message has them)
+
+
+def chunk_from_delta(d: pb.TokenDelta) -> StreamChunk:
+    """A chunk that came on the client's token stream (client/mux.py)."""
+    return StreamChunk(
+        request_id=d.request_id,
+        token_ids=list(d.token_ids),
+        text=d.text,
+        finish_reason=None,
+        timings=_NO_TIMINGS,
+        logprobs=_logprobs(d.logprobs),
+    )
+
+
 def _logprobs(entries) -> list[TokenLogprob]:
     return [TokenLogprob(e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top]) for e in entries]
 

@@ -47,6 +47,11 @@ class GenerationStub:
                 request_serializer=proto_dot_pdserve__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.TokenStream = channel.unary_stream(
+                '/pdserve.v1.Generation/TokenStream',
+                request_serializer=proto_dot_pdserve__pb2.TokenStreamRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.TokenBatch.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -67,6 +72,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TokenStream(self, request, context):
+        """The chunks of every Generate call that names this stream, between their first and last
+        messages, one message per engine step (GenerateRequest.token_stream).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +92,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=proto_dot_pdserve__pb2.ListModelsRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'TokenStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.TokenStream,
+                    request_deserializer=proto_dot_pdserve__pb2.TokenStreamRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.TokenBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -138,6 +156,33 @@ class Generation:
             '/pdserve.v1.Generation/ListModels',
             proto_dot_pdserve__pb2.ListModelsRequest.SerializeToString,
             proto_dot_pdserve__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TokenStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Generation/TokenStream',
+            proto_dot_pdserve__pb2.TokenStreamRequest.SerializeToString,
+            proto_dot_pdserve__pb2.TokenBatch.FromString,
             options,
             channel_credentials,
             insecure,

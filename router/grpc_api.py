@@ -1,5 +1,6 @@
 """The router's gRPC services on `grpc.aio`: `Generation` for clients (each Generate call is one
-`GenerateService.generate`, its chunks as GenerateResponse messages) and `Registry` for nodes
+`GenerateService.generate`, its chunks as GenerateResponse messages, the middle ones on the
+client's token stream when the call names one: router/client_streams.py) and `Registry` for nodes
 (Register, Heartbeat) and operators (ListNodes).
 
 A client that cancels its call cancels the servicer's task: the request's generator unwinds and
@@ -20,9 +21,14 @@ from proto import pb, rpc
 from router.client_hints import HINTS, from_metadata
 from router.errors import Abort, Draining
 from router.request import Chunk
-from serving.rpc import DRAINING_KEY
+from serving.rpc import DRAINING_KEY, MAX_REQUEST_ID_LEN
 
 RETRY_AFTER_KEY = "pdserve-retry-after-s"  # trailing metadata of a refusal at arrival: the estimated wait
+
+
+def delta(c: Chunk) -> pb.TokenDelta:
+    """A middle chunk as its token stream carries it (no timings: the last message has them)."""
+    return pb.TokenDelta(request_id=c.request_id, token_ids=c.token_ids, logprobs=c.logprobs, text=c.text)
 
 
 def response(c: Chunk) -> pb.GenerateResponse:
@@ -47,19 +53,48 @@ class GenerationApi(rpc.GenerationServicer):
 
     async def Generate(self, request, context):
         HINTS.set(from_metadata(context.invocation_metadata() or (), self.service.creds))
+        stream = self.service.client_streams.get(context.peer(), request.token_stream)
+        muxed = 0  # tokens of this call put on its token stream
+        first, rid = True, ""
         try:
             async with aclosing(self.service.generate(request)) as chunks:
                 async for c in chunks:
-                    yield response(c)
+                    if stream is not None and not first and not c.finish_reason:
+                        if stream.add(delta(c)):
+                            muxed += len(c.token_ids)
+                            continue
+                        stream = None  # it closed: the rest comes on this call
+                    m = response(c)
+                    m.muxed_tokens, m.token_stream, first = muxed, first and stream is not None, False
+                    rid = m.request_id
+                    yield m
         except Abort as a:
             if isinstance(a, Draining):
                 context.set_trailing_metadata(((DRAINING_KEY, "1"),))
             elif a.retry_after_s is not None:
                 context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{math.ceil(a.retry_after_s * 1000) / 1000:.3f}"),))
             await context.abort(a.code, a.msg)
+        finally:
+            if stream is not None and not first:  # the client reads the rest of this call
+                stream.add(pb.TokenDelta(request_id=rid, last=True))
 
     async def ListModels(self, request, context):
         return pb.ListModelsResponse(models=self.service.models())
+
+    async def TokenStream(self, request, context):
+        """A client's token stream (router/client_streams.py), open until the client cancels it
+        or the router stops."""
+        if not request.stream_id or len(request.stream_id) > MAX_REQUEST_ID_LEN:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"stream_id must be 1 to {MAX_REQUEST_ID_LEN} characters"
+            )
+        streams = self.service.client_streams
+        s = streams.open(context.peer(), request.stream_id)
+        try:
+            async for b in s.batches():
+                yield b
+        finally:
+            streams.close(s)
 
 
 class RegistryApi(rpc.RegistryServicer):

@@ -129,6 +129,7 @@ class Router:
             await self._health.enter_graceful_shutdown()
         for h in self._https:
             await h.stop()
+        self.service.client_streams.close_all()  # their calls end with the server's stop
         if self.server is not None:
             await self.server.stop(grace)
         await self.service.close()

@@ -18,6 +18,7 @@ from proto import pb
 from proto.convert import sampling_kwargs
 from router.admission import BATCH, CLASS_NAMES, INTERACTIVE, Admission, Ask
 from router.client_hints import HINTS, Hints
+from router.client_streams import ClientStreams
 from router.config import RouterConfig
 from router.encode import EncodePool
 from router.errors import Abort, Draining
@@ -71,6 +72,7 @@ class GenerateService:
         self.tpot_s: float | None = None  # time per output token of the last requests (moving)
         self.idle = asyncio.Event()  # set while active == 0 (the drain waits on it)
         self.idle.set()
+        self.client_streams = ClientStreams()  # clients' token streams (router/client_streams.py)
         self.draining = False
         self.metrics = ServingMetrics("pdserve_router", self._gauges)
         reg = self.metrics.registry

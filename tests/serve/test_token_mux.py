@@ -162,9 +162,12 @@ def test_cancelled_muxed_streams_free_the_nodes_pages(routed):
                 next(it)
         assert r.registry.mux_totals.tokens > 0
         wait_for(lambda: node.loop.snapshot.streaming == 6, 10, "six streams on the node")
+        assert r.service.client_streams.deltas > 0  # the client's token stream carried them too
         for s in streams:
             s.close()
+        assert all(list(it) == [] for it in its)  # a closed stream ends, no error
     wait_for(lambda: node.loop.snapshot.streaming == 0, 20, "the node ended every cancelled stream")
+    wait_for(lambda: len(r.service.client_streams) == 0, 10, "the client's token stream closed")
 
     def back() -> bool:
         c = node.loop.snapshot
