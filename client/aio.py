@@ -8,8 +8,9 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2
 
-from client.routers import GENERATION, Routers, StreamBase, connection
-from client.types import GenerateResult, PdserveError, build_request, chunk_from
+from client.aio_mux import AsyncMuxedCall, AsyncTokenStreams
+from client.routers import GENERATION, Routers, StreamBase, connection, muxed_start
+from client.types import GenerateResult, PdserveError, build_request, chunk_from, chunk_from_delta
 from proto import pb
 
 
@@ -24,9 +25,11 @@ class AsyncTokenStream(StreamBase):
         while True:
             try:
                 async for m in self._call:
+                    if self.closed:  # what came in before the close is not the caller's any more
+                        return
                     yielded = True
                     self.got += m.token_ids
-                    yield chunk_from(m)
+                    yield chunk_from_delta(m) if isinstance(m, pb.TokenDelta) else chunk_from(m)
                 return
             except grpc.RpcError as e:
                 if not self._on_error(e, yielded):
@@ -59,11 +62,13 @@ class AsyncClient:
         tls_cert=None,
         tls_key=None,
         tls_server_name: str | None = None,
+        token_streams: bool = True,
     ):
         """addr: one router's host:port, or several of the same pools ("a:1,b:2" or a list); the
         rest as Client's."""
         self.timeout = timeout
         self._r = Routers(addr, True, *connection(api_key, tls_ca, tls_cert, tls_key, tls_server_name))
+        self._streams = AsyncTokenStreams(self._r.stubs, self._r.md) if token_streams else None
 
     @property
     def addr(self) -> str:
@@ -106,7 +111,13 @@ class AsyncClient:
         self, prompt: str | None = None, prompt_token_ids=None, timeout: float | None = None, **sampling
     ) -> AsyncTokenStream:
         req = build_request(prompt, prompt_token_ids, **sampling)
-        return AsyncTokenStream(self._r.generate(req, timeout or self.timeout), self._r)
+        start = self._r.generate(req, timeout or self.timeout)
+        return AsyncTokenStream(
+            start
+            if self._streams is None
+            else muxed_start(start, req, self._streams, len(self._r.addrs), AsyncMuxedCall),
+            self._r,
+        )
 
     async def generate(
         self, prompt: str | None = None, prompt_token_ids=None, timeout: float | None = None, **sampling
@@ -118,6 +129,8 @@ class AsyncClient:
         return res
 
     async def close(self) -> None:
+        if self._streams is not None:
+            await self._streams.close()
         for c in self._r.chans:
             await c.close()
 

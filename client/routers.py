@@ -9,6 +9,7 @@ becomes the current one: before its first token as it was, after it with the tok
 from __future__ import annotations
 
 import os
+import uuid
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -99,3 +100,27 @@ class StreamBase:
             self._routers.use(self._i)
             return True
         raise PdserveError.from_rpc(e) from None
+
+
+def muxed_start(start, req: pb.GenerateRequest, streams, n: int, wrap):
+    """`start` (Routers.generate's) naming router i's token stream from `streams` (client/mux.py or
+    client/aio_mux.py), its call wrapped by `wrap(call, stream, request_id, queue)`; as it is for
+    a router whose stream is closed or already carries this request id."""
+    if not req.request_id:  # the stream's deltas are keyed by it
+        req.request_id = uuid.uuid4().hex
+    rid = req.request_id
+
+    def go(i: int, got: list[int]):
+        s = streams.stream(i % n)
+        q = s.register(rid) if s is not None else None
+        if s is None or q is None:
+            req.token_stream = ""
+            return start(i, got)
+        req.token_stream = s.stream_id
+        try:
+            return wrap(start(i, got), s, rid, q)
+        except BaseException:
+            s.unregister(rid)
+            raise
+
+    return go

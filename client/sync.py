@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import time
-import uuid
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 from client.mux import MuxedCall, TokenStreams
-from client.routers import GENERATION, Routers, StreamBase, connection
+from client.routers import GENERATION, Routers, StreamBase, connection, muxed_start
 from client.types import GenerateResult, PdserveError, StreamChunk, build_request, chunk_from, chunk_from_delta
 from proto import pb
 
@@ -124,30 +123,10 @@ class Client:
         (docs/api.md)."""
         req = build_request(prompt, prompt_token_ids, **sampling)
         start = self._r.generate(req, timeout or self.timeout)
-        return TokenStream(start if self._streams is None else self._muxed(start, req), self._r)
-
-    def _muxed(self, start, req: pb.GenerateRequest):
-        """`start` naming router i's token stream (a MuxedCall), or as it is when there is none."""
-        streams, n = self._streams, len(self._r.addrs)
-        assert streams is not None
-        if not req.request_id:  # the stream's deltas are keyed by it
-            req.request_id = uuid.uuid4().hex
-        rid = req.request_id
-
-        def go(i: int, got: list[int]):
-            s = streams.stream(i % n)
-            q = s.register(rid) if s is not None else None
-            if s is None or q is None:
-                req.token_stream = ""
-                return start(i, got)
-            req.token_stream = s.stream_id
-            try:
-                return MuxedCall(start(i, got), s, rid, q)
-            except BaseException:
-                s.unregister(rid)
-                raise
-
-        return go
+        return TokenStream(
+            start if self._streams is None else muxed_start(start, req, self._streams, len(self._r.addrs), MuxedCall),
+            self._r,
+        )
 
     def generate(
         self, prompt: str | None = None, prompt_token_ids=None, timeout: float | None = None, **sampling

@@ -5,8 +5,9 @@ router and decode node:
   between come on the stream with their text, then the request's `last` delta; the last message
   counts the tokens; a stream id the router does not know, or one opened on another connection,
   leaves every chunk on the call;
-- through the SDK, concurrent streams with token streams on get exactly what they get with them off
-  (tokens, text, logprobs, stop strings), while the router sends far fewer messages than chunks;
+- through the SDK (Client and AsyncClient), concurrent streams with token streams on get exactly
+  what they get with them off (tokens, text, logprobs, stop strings), while the router sends far
+  fewer messages than chunks;
 - a token stream the router ends mid-request: the rest comes on the calls, exact, and the next
   request opens a new stream.
 Cancelled streams (the node's pages back, the client's token stream closed): test_token_mux.py."""
@@ -183,3 +184,33 @@ def test_a_stream_the_router_ends_mid_request_leaves_the_rest_on_the_calls(route
         # the next request opens a new token stream
         again = c.generate(prompt_token_ids=prompts[0], **greedy)
         assert again.token_ids == want[0][0] and len(streams) == 1
+
+
+def test_async_client_streams_are_the_same_with_token_streams(routed):
+    import asyncio
+
+    from client import AsyncClient
+
+    r, addr, _ = routed
+    prompts = [[2 + i % 7, 3, 5 + i % 4, 1] for i in range(12)]
+    greedy = dict(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=0)
+    want = _run(addr, prompts, False, **greedy)
+
+    async def run() -> list:
+        async with AsyncClient(addr, timeout=120) as c:
+            await c.wait_ready(timeout=30)
+
+            async def one(p):
+                toks, text = [], ""
+                async for chunk in c.stream(prompt_token_ids=p, **greedy):
+                    toks += chunk.token_ids
+                    text += chunk.text
+                return toks, text
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    before = r.service.client_streams.deltas
+    got = asyncio.run(run())
+    assert [list(g) for g in got] == [list(w[:2]) for w in want]
+    assert r.service.client_streams.deltas - before >= len(prompts) * 10  # they came on its stream
+    wait_for(lambda: len(r.service.client_streams) == 0, 10, "the client's token stream closed")
