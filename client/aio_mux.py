@@ -21,6 +21,7 @@ class AsyncRouterStream:
         self.stream_id = uuid.uuid4().hex
         self._queues: dict[str, asyncio.Queue] = {}
         self.ended = False
+        self.unsupported = False  # the router has no Generation.TokenStream (an older one)
         self._call = stub.TokenStream(pb.TokenStreamRequest(stream_id=self.stream_id), metadata=metadata)
         self._task = asyncio.get_running_loop().create_task(self._read())
 
@@ -40,8 +41,10 @@ class AsyncRouterStream:
                     q = self._queues.get(d.request_id)
                     if q is not None:
                         q.put_nowait(d)
-        except (grpc.RpcError, asyncio.CancelledError):
-            pass  # cancelled (the client closed) or the router went away: the calls say which
+        except grpc.RpcError as e:  # cancelled (the client closed) or the router went away: the calls say which
+            self.unsupported = e.code() == grpc.StatusCode.UNIMPLEMENTED
+        except asyncio.CancelledError:
+            pass
         finally:
             self.ended = True
             for q in self._queues.values():
@@ -65,6 +68,8 @@ class AsyncTokenStreams:
         if self.closed:
             return None
         s = self._open.get(i)
+        if s is not None and s.unsupported:
+            return None  # every chunk on its call
         if s is None or s.ended:
             s = self._open[i] = AsyncRouterStream(self._stubs[i], self._md)
         return s

@@ -25,6 +25,7 @@ class RouterStream:
         self._lock = threading.Lock()
         self._queues: dict[str, SimpleQueue] = {}
         self.ended = False
+        self.unsupported = False  # the router has no Generation.TokenStream (an older one)
         self._call = stub.TokenStream(pb.TokenStreamRequest(stream_id=self.stream_id), metadata=metadata)
         threading.Thread(target=self._read, name="pdserve-token-stream", daemon=True).start()
 
@@ -48,8 +49,8 @@ class RouterStream:
                         q = self._queues.get(d.request_id)
                         if q is not None:
                             q.put(d)
-        except grpc.RpcError:
-            pass  # cancelled (the client closed) or the router went away: the calls say which
+        except grpc.RpcError as e:  # cancelled (the client closed) or the router went away: the calls say which
+            self.unsupported = e.code() == grpc.StatusCode.UNIMPLEMENTED
         finally:
             with self._lock:
                 self.ended = True
@@ -76,6 +77,8 @@ class TokenStreams:
             if self.closed:
                 return None
             s = self._open.get(i)
+            if s is not None and s.unsupported:
+                return None  # every chunk on its call
             if s is None or s.ended:
                 s = self._open[i] = RouterStream(self._stubs[i], self._md)
             return s

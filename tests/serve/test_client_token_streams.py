@@ -14,6 +14,7 @@ Cancelled streams (the node's pages back, the client's token stream closed): tes
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,12 @@ from tests.helpers.serve_harness import wait_for
 
 @pytest.fixture()
 def routed(ckpt):
+    with _routed(ckpt) as r:
+        yield r
+
+
+@contextlib.contextmanager
+def _routed(ckpt):
     from decode_node.config import DecodeNodeConfig
     from decode_node.server import serve as serve_node
     from router.server import RouterConfig, serve
@@ -37,9 +44,11 @@ def routed(ckpt):
     )
     node, _ = serve_node("127.0.0.1:0", cfg)
     wait_for(lambda: r.registry.live(pb.NODE_KIND_DECODE), 30, "the decode node registered")
-    yield r, f"127.0.0.1:{port}", node
-    node.stop(0)
-    r.stop(0)
+    try:
+        yield r, f"127.0.0.1:{port}", node
+    finally:
+        node.stop(0)
+        r.stop(0)
 
 
 def _sp(new: int, **kw) -> pb.SamplingParams:
@@ -214,3 +223,27 @@ def test_async_client_streams_are_the_same_with_token_streams(routed):
     assert [list(g) for g in got] == [list(w[:2]) for w in want]
     assert r.service.client_streams.deltas - before >= len(prompts) * 10  # they came on its stream
     wait_for(lambda: len(r.service.client_streams) == 0, 10, "the client's token stream closed")
+
+
+def test_a_router_without_token_streams_gets_every_chunk_on_the_calls(ckpt, monkeypatch):
+    """An older router (no Generation.TokenStream: the generated base answers UNIMPLEMENTED): the
+    SDK streams each request on its own call, exact, and stops asking for a stream."""
+    from client import Client
+    from router.grpc_api import GenerationApi
+
+    monkeypatch.delattr(GenerationApi, "TokenStream")
+    prompts = [[4 + i, 5, 6] for i in range(6)]
+    greedy = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with _routed(ckpt) as (r, addr, _), Client(addr, timeout=120) as c:
+        want = _run(addr, prompts, False, **greedy)
+        c.wait_ready(timeout=30)
+        first = c.generate(prompt_token_ids=prompts[0], **greedy)
+        streams = c._streams
+        assert streams is not None
+        wait_for(lambda: streams._open[0].unsupported, 10, "the stream refused")
+        tried = streams._open[0]
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            got = list(ex.map(lambda p: c.generate(prompt_token_ids=p, **greedy).token_ids, prompts))
+        assert [first.token_ids, *got] == [want[0][0], *[w[0] for w in want]]
+        assert streams._open[0] is tried  # not asked again
+        assert r.service.client_streams.deltas == 0
