@@ -122,7 +122,7 @@ class GenerateService:
     def _gauges(self) -> dict[str, tuple[str, float]]:
         dec = self.registry.live(pb.NODE_KIND_DECODE)
         caps = [e.info.capacity for e in dec]
-        mux = self.registry.mux_totals
+        mux, cs = self.registry.mux_totals, self.client_streams
         return {
             "queue_depth": ("Requests waiting for admission", self.admission.depth()),
             "active_requests": ("Requests in flight through the router", self.active),
@@ -155,6 +155,9 @@ class GenerateService:
             ),
             "token_stream_tokens_total": ("Tokens read on the decode nodes' token streams", mux.tokens),
             "token_streams_broken_total": ("Token streams that broke with requests on them", mux.broken),
+            "client_token_streams_open": ("Clients' token streams open (Generation.TokenStream)", len(cs)),
+            "client_token_stream_messages_total": ("Messages sent on the clients' token streams", cs.messages),
+            "client_token_stream_chunks_total": ("Chunks those messages carried", cs.deltas),
         }
 
     def models(self) -> list[pb.ModelInfo]:

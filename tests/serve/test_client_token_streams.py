@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from prometheus_client import generate_latest
 
 from proto import pb, rpc
 from tests.helpers.serve_harness import wait_for
@@ -160,6 +161,8 @@ def test_sdk_streams_are_the_same_with_token_streams_and_batched(routed):
     chunks = r.service.client_streams.deltas - before[1]
     assert chunks >= len(prompts) * 10  # most chunks came on the stream ...
     assert messages * 3 < chunks  # ... several requests' to a message
+    text = generate_latest(r.service.metrics.registry).decode()
+    assert f"pdserve_router_client_token_stream_chunks_total {float(r.service.client_streams.deltas)}" in text
 
     # a stop string inside the output: cut at the same place, finish reason "stop"
     stops = [w[1][len(w[1]) // 2 : len(w[1]) // 2 + 3] for w in want[:6]]
