@@ -162,6 +162,9 @@ def test_overload_waits_unreserved_in_the_router_or_is_refused_before_work(ckpt,
             admission_timeout=6,
         ),
         *STEP,
+        # prefill throttled (1 ms a prompt token): the queue stays full long enough to be seen, on
+        # a machine fast enough to clear a 20-request burst in a fifth of a second otherwise
+        env={"PDSERVE_TEST_PREFILL_DELAY_PER_TOKEN_S": "0.001"},
     )
     try:
         d = node_info(up.address, "decode-0")
