@@ -27,7 +27,7 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
 
-TOKEN_STREAMS = [True]  # the SDK's token streams (client/mux.py); main() sets --no-token-streams
+CLIENT_OPTIONS: dict = {"token_streams": True}  # the SDK's (client/mux.py); main() sets --no-token-streams
 NODE_OPTIONS: dict = {"dtype": "float32", "kv_cache_memory": "512MiB"}  # main() adds --dtype, --node-option
 
 
@@ -48,7 +48,7 @@ def cluster_client(model, prompts, prefill: int, **router_options):
     )
     with Cluster(spec, out=sys.stderr) as cl:
         cl.start()
-        with Client(cl.address, timeout=600, token_streams=TOKEN_STREAMS[0]) as c:
+        with Client(cl.address, timeout=600, **CLIENT_OPTIONS) as c:
             c.wait_ready(timeout=60)
             for p in prompts[:2]:  # warm-up
                 c.generate(prompt_token_ids=p, max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -311,7 +311,7 @@ def main() -> int:
     )
     args = ap.parse_args()
     NODE_OPTIONS.update(dtype=args.dtype, **dict(node_option(o) for o in args.node_option))
-    TOKEN_STREAMS[0] = not args.no_token_streams
+    CLIENT_OPTIONS["token_streams"] = not args.no_token_streams
 
     import torch
 

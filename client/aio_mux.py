@@ -10,7 +10,7 @@ import uuid
 
 import grpc
 
-from client.mux import ENDED, OwedTokens
+from client.mux import ENDED, OwedTokens, StreamTable
 from proto import pb
 
 
@@ -56,28 +56,17 @@ class AsyncRouterStream:
             await self._task
 
 
-class AsyncTokenStreams:
-    """An AsyncClient's token streams, one per router, opened on first use (again after one ended)."""
+class AsyncTokenStreams(StreamTable):
+    """An AsyncClient's token streams (its loop's only)."""
 
     def __init__(self, stubs: list, metadata: tuple) -> None:
-        self._stubs, self._md = stubs, metadata
-        self._open: dict[int, AsyncRouterStream] = {}
-        self.closed = False
+        super().__init__(stubs, metadata, AsyncRouterStream)
 
     def stream(self, i: int) -> AsyncRouterStream | None:
-        if self.closed:
-            return None
-        s = self._open.get(i)
-        if s is not None and s.unsupported:
-            return None  # every chunk on its call
-        if s is None or s.ended:
-            s = self._open[i] = AsyncRouterStream(self._stubs[i], self._md)
-        return s
+        return self._current(i)
 
     async def close(self) -> None:
-        self.closed = True
-        streams, self._open = list(self._open.values()), {}
-        for s in streams:
+        for s in self._take_all():
             await s.close()
 
 

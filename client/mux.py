@@ -62,31 +62,46 @@ class RouterStream:
         self._call.cancel()
 
 
-class TokenStreams:
-    """A Client's token streams, one per router, opened on first use (again after one ended)."""
+class StreamTable:
+    """One token stream per router, opened on first use and again after one ended; none for a
+    router without the RPC. `make(stub, metadata)` opens one (RouterStream or its asyncio twin)."""
 
-    def __init__(self, stubs: list, metadata: tuple) -> None:
-        self._stubs, self._md = stubs, metadata
-        self._lock = threading.Lock()
-        self._open: dict[int, RouterStream] = {}
+    def __init__(self, stubs: list, metadata: tuple, make) -> None:
+        self._stubs, self._md, self._make = stubs, metadata, make
+        self._open: dict = {}
         self.closed = False
 
+    def _current(self, i: int):
+        if self.closed:
+            return None
+        s = self._open.get(i)
+        if s is not None and s.unsupported:
+            return None  # every chunk on its call
+        if s is None or s.ended:
+            s = self._open[i] = self._make(self._stubs[i], self._md)
+        return s
+
+    def _take_all(self) -> list:
+        self.closed = True
+        streams, self._open = list(self._open.values()), {}
+        return streams
+
+
+class TokenStreams(StreamTable):
+    """A Client's token streams (any thread may ask for one)."""
+
+    def __init__(self, stubs: list, metadata: tuple) -> None:
+        super().__init__(stubs, metadata, RouterStream)
+        self._lock = threading.Lock()
+
     def stream(self, i: int) -> RouterStream | None:
-        """Router i's stream (None once the client closed)."""
+        """Router i's stream (None once the client closed, or where the router has none)."""
         with self._lock:
-            if self.closed:
-                return None
-            s = self._open.get(i)
-            if s is not None and s.unsupported:
-                return None  # every chunk on its call
-            if s is None or s.ended:
-                s = self._open[i] = RouterStream(self._stubs[i], self._md)
-            return s
+            return self._current(i)
 
     def close(self) -> None:
         with self._lock:
-            self.closed = True
-            streams, self._open = list(self._open.values()), {}
+            streams = self._take_all()
         for s in streams:
             s.close()
 

@@ -107,9 +107,6 @@ def chunk_from(m: pb.GenerateResponse) -> StreamChunk:
     )
 
 
-_NO_TIMINGS = pb.Timings()  # a token stream's chunks carry none (the call's last message has them)
-
-
 def chunk_from_delta(d: pb.TokenDelta) -> StreamChunk:
     """A chunk that came on the client's token stream (client/mux.py)."""
     return StreamChunk(
@@ -117,7 +114,7 @@ def chunk_from_delta(d: pb.TokenDelta) -> StreamChunk:
         token_ids=list(d.token_ids),
         text=d.text,
         finish_reason=None,
-        timings=_NO_TIMINGS,
+        timings=pb.Timings(),  # none on a token stream: the call's last message has them
         logprobs=_logprobs(d.logprobs),
     )
 

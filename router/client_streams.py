@@ -16,10 +16,9 @@ from proto import pb
 class ClientStream:
     """One client's token stream: the batch being built and the batches ready to send."""
 
-    def __init__(self, stream_id: str, totals: ClientStreams | None = None) -> None:
-        self.stream_id = stream_id
+    def __init__(self, key: tuple[str, str], totals: ClientStreams) -> None:
+        self.key = key  # (peer, id) in ClientStreams
         self._totals = totals
-        self.key = ("", stream_id)  # (peer, id) in ClientStreams
         self.closed = False
         self._batch: list[pb.TokenDelta] = []
         self._ready: asyncio.Queue[list[pb.TokenDelta] | None] = asyncio.Queue()
@@ -52,9 +51,8 @@ class ClientStream:
 
     async def batches(self) -> AsyncIterator[pb.TokenBatch]:
         while (b := await self._ready.get()) is not None:
-            if self._totals is not None:
-                self._totals.messages += 1
-                self._totals.deltas += len(b)
+            self._totals.messages += 1
+            self._totals.deltas += len(b)
             yield pb.TokenBatch(deltas=b)
 
 
@@ -69,12 +67,10 @@ class ClientStreams:
 
     def open(self, peer: str, stream_id: str) -> ClientStream:
         """A new stream under this id; one already open under it ends (the client reopened it)."""
-        s = ClientStream(stream_id, self)
-        key = (peer, stream_id)
-        old, self._open[key] = self._open.get(key), s
+        s = ClientStream((peer, stream_id), self)
+        old, self._open[s.key] = self._open.get(s.key), s
         if old is not None:
             old.close()
-        s.key = key
         return s
 
     def get(self, peer: str, stream_id: str) -> ClientStream | None:
