@@ -2,17 +2,21 @@
 build (compiled and eager), one server at a time, alternated, each restarted per run (not a test).
 
     python bench/served_stream.py [--vllm-python PATH] [--pairs 2] [--sampled] [--model tiny-qvocab]
-        [--systems pdserve-disagg pdserve-disagg-bound pdserve-colo pdserve-disagg-variant pdserve-colo-variant
+        [--systems pdserve-disagg pdserve-disagg-bound pdserve-disagg-nice0 pdserve-disagg-nice5 pdserve-colo
+                   pdserve-disagg-variant pdserve-colo-variant
                    vllm vllm-eager]
 
 Streaming /v1/completions, 64 requests x 512 random prompt tokens, 64 output tokens with
 ignore_eos, concurrency 16, bfloat16 on bench/vs_vllm_cpu.py's `tiny` checkpoint (head dims 64;
 `--model tiny-qvocab`: the same with Qwen's 151,936-token vocabulary).
 Reports per system: output tokens/s, TTFT p50/p99 and stream reads per request (median, min-max
-across runs), with the load average at each run. `--aiperf PATH` (an `aiperf` 0.13 executable, in a
-virtual environment of its own) also runs NVIDIA's AIPerf client with the same workload against the
-same server right after this one's (greedy; output tokens as the server counts them), and reports
-its output tokens/s and TTFT p50/p99 beside.
+across runs), with the load average at each run, and the CPU time per output token of each part
+(the client; pdserve's router and each node with its ranks; a peer's server as one).
+`--aiperf PATH` (an `aiperf` 0.13 executable, in a virtual environment of its own) also runs
+NVIDIA's AIPerf client with the same workload against the same server right after this one's
+(greedy; output tokens as the server counts them), and reports its output tokens/s and TTFT
+p50/p99 beside, and the parts' CPU under it (AIPerf's own includes its start-up: imports, tokenizer,
+dataset).
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ import http.client
 import importlib.util
 import itertools
 import json
+import resource
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,10 +40,16 @@ _spec = importlib.util.spec_from_file_location("vs_vllm_cpu", ROOT / "bench" / "
 assert _spec and _spec.loader
 vs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(vs)
+sys.path.insert(0, str(ROOT))
+from bench.proc_cpu import children, cpu_s, self_cpu_s, tree_cpu_s  # noqa: E402
 
 SERVER = {
     "pdserve-disagg": ("pdserve-disagg", []),
     "pdserve-disagg-bound": ("pdserve-disagg", ["--cpu-binding", "auto"]),  # each node on CPUs of its own
+    # decode nodes at other priorities than the shared-CPU default (router/cpu_binding.py decode_nice)
+    "pdserve-disagg-nice0": ("pdserve-disagg", ["--decode-nice", "0"]),
+    "pdserve-disagg-nice5": ("pdserve-disagg", ["--decode-nice", "5"]),
+    "pdserve-disagg-nice7": ("pdserve-disagg", ["--decode-nice", "7"]),
     "pdserve-colo": ("pdserve", []),
     # the same with batch-invariant mode off (its default is on for bfloat16 on a CPU with avx512_bf16)
     "pdserve-disagg-variant": ("pdserve-disagg", ["--no-batch-invariant"]),
@@ -99,10 +111,13 @@ def run(system: str, model: Path, args) -> dict:
         for p in vs.prompts(2, 16, 0):  # warm-up
             stream_one(base, body(p, 4))
         ps = vs.prompts(args.requests, args.prompt_len, 7)
+        c0, me0 = server_cpu(proc.pid), self_cpu_s()
         t0, l0 = time.perf_counter(), vs.load1()
         with ThreadPoolExecutor(args.concurrency) as ex:
             rs = list(ex.map(lambda p: stream_one(base, body(p, args.new_tokens)), ps))
         dt = time.perf_counter() - t0
+        c1, me1 = server_cpu(proc.pid), self_cpu_s()
+        n_out = sum(r[1] for r in rs) or 1
         ttfts = sorted(r[0] for r in rs)
         out = dict(
             tps=sum(r[1] for r in rs) / dt,
@@ -110,16 +125,39 @@ def run(system: str, model: Path, args) -> dict:
             ttft_p99=ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))],
             reads=statistics.median(r[2] for r in rs),
             load=max(l0, vs.load1()),
+            client_us=(me1 - me0) / n_out * 1e6,
         )
+        out |= {f"{k}_us": (c1[k] - c0.get(k, 0.0)) / n_out * 1e6 for k in c1}
         if args.aiperf:
-            out |= aiperf(args, base, name, model, vllm=kind == "vllm")
+            out |= aiperf(args, base, name, model, vllm=kind == "vllm", pid=proc.pid)
         return out
     finally:
         vs.stop_server(proc)
         log.close()
 
 
-def aiperf(args, base: str, name: str, model: Path, vllm: bool) -> dict:
+def server_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of a server's parts: pdserve `up`'s router and nodes (each with its ranks), or
+    the whole of another server's process tree as `server`."""
+    kids = children(pid)
+    if not any("router" in _cmdline(k) for k in kids):
+        return {"server": tree_cpu_s(pid)}
+    out: dict[str, float] = {"up": cpu_s(pid)}
+    for k in kids:
+        argv = _cmdline(k).split()
+        name = argv[argv.index("--node-id") + 1] if "--node-id" in argv else "router"
+        out[name] = tree_cpu_s(k)
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def aiperf(args, base: str, name: str, model: Path, vllm: bool, pid: int) -> dict:
     """AIPerf's figures for the workload against the server at `base` (see the module docstring)."""
     extra: dict = {"ignore_eos": True, "temperature": 0.0} | ({"min_tokens": args.new_tokens} if vllm else {})
     with tempfile.TemporaryDirectory(prefix="aiperf-") as d:
@@ -128,18 +166,22 @@ def aiperf(args, base: str, name: str, model: Path, vllm: bool) -> dict:
         cmd += ["--isl", str(args.prompt_len), "--isl-stddev", "0", "--osl", str(args.new_tokens), "--osl-stddev", "0"]
         cmd += ["--extra-inputs", json.dumps(extra), "--tokenizer", str(model), "--use-server-token-count"]
         cmd += ["--artifact-dir", d, "--ui-type", "none", "--random-seed", "7"]
-        l0 = vs.load1()
+        l0, u0 = vs.load1(), resource.getrusage(resource.RUSAGE_CHILDREN)
+        c0 = server_cpu(pid)
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        c1, u1 = server_cpu(pid), resource.getrusage(resource.RUSAGE_CHILDREN)
         if r.returncode != 0:
             raise RuntimeError(f"aiperf failed ({r.returncode}): {r.stderr[-500:] or r.stdout[-500:]}")
         res = json.loads((Path(d) / "profile_export_aiperf.json").read_text())
     ttft = res["time_to_first_token"]
+    n_out = res["output_token_throughput"]["avg"] * res["benchmark_duration"]["avg"]
     return dict(
         aiperf_tps=res["output_token_throughput"]["avg"],
         aiperf_ttft_p50=ttft["p50"] / 1e3,
         aiperf_ttft_p99=ttft["p99"] / 1e3,
         aiperf_load=max(l0, vs.load1()),
-    )
+        aiperf_client_us=(u1.ru_utime + u1.ru_stime - u0.ru_utime - u0.ru_stime) / n_out * 1e6,
+    ) | {f"aiperf_{k}_us": (c1[k] - c0.get(k, 0.0)) / n_out * 1e6 for k in c1}
 
 
 def summary(runs: list[dict], key: str) -> str:
@@ -178,6 +220,13 @@ def main() -> int:
         for s, runs in results.items():
             cols = [summary(runs, k) for k in ("aiperf_tps", "aiperf_ttft_p50", "aiperf_ttft_p99", "aiperf_load")]
             print(f"{s} | " + " | ".join(cols))
+    print("CPU microseconds per output token, median (min-max): system | part: ours[, under AIPerf]")
+    for s, runs in results.items():
+        parts = [k for k in runs[0] if k.endswith("_us") and not k.startswith("aiperf_") and k != "up_us"]
+        cols = [
+            f"{k[:-3]} {summary(runs, k)}" + (f", {summary(runs, 'aiperf_' + k)}" if args.aiperf else "") for k in parts
+        ]
+        print(f"{s} | " + " | ".join(cols))
     return 0
 
 

@@ -13,8 +13,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 CpuBinding = Literal["auto", "none"]
-# the nice value decode nodes get where they share CPUs with prefill nodes on the CPU (0-19)
-SHARED_DECODE_NICE = 10
+# the nice value decode nodes get where they share CPUs with prefill nodes on the CPU (0-19): the
+# kernel then weighs a prefill node about 4.8 times a decode node (1024 against 215); at 10 (9.3
+# times) every other process at nice 0 on the host, a benchmark client's included, starved the
+# decode steps too (docs/router.md, `up`, "Priority")
+SHARED_DECODE_NICE = 7
 CPU_BINDINGS: tuple[CpuBinding, ...] = ("auto", "none")
 # who gets a CPU left over after the even split, first to last
 _REMAINDER_ORDER = ("prefill", "decode", "encode")

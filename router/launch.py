@@ -74,7 +74,7 @@ class PoolSpec:
     insecure_open_cluster: bool = False
     # the nodes' CPUs on this host (router/cpu_binding.py): auto, a share each; none, all of them each
     cpu_binding: CpuBinding = "none"
-    # decode nodes' nice value (router/cpu_binding.py decode_nice); None: 10 where they share CPUs
+    # decode nodes' nice value (router/cpu_binding.py decode_nice); None: SHARED_DECODE_NICE where they share CPUs
     # with prefill nodes on the CPU, else 0
     decode_nice: int | None = None
     # the router's; with metrics_port set, every node serves /metrics on a free port

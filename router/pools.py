@@ -62,7 +62,7 @@ OWN: dict[str, tuple[type, Any, str]] = {
         int,
         None,
         "nice value (0-19) of decode nodes: prefill nodes' compute goes first where they share CPUs, so a first "
-        "token waits for no decode step (default: 10 on the CPU with --cpu-binding none and a prefill pool, else 0)",
+        "token waits for no decode step (default: 7 on the CPU with --cpu-binding none and a prefill pool, else 0)",
     ),
     "drain_timeout": (
         float,

@@ -56,7 +56,7 @@ def test_split_is_a_partition(cpus, shape):
 
 
 def test_decode_nice_rule():
-    assert decode_nice(None, "none", 1, "cpu") == SHARED_DECODE_NICE == 10  # sharing the CPUs: prefill first
+    assert decode_nice(None, "none", 1, "cpu") == SHARED_DECODE_NICE == 7  # sharing the CPUs: prefill first
     assert decode_nice(None, "auto", 1, "cpu") == 0  # CPUs of their own
     assert decode_nice(None, "none", 0, "cpu") == 0  # colocated: no prefill node to give way to
     assert decode_nice(None, "none", 1, "cuda") == 0  # the compute is on GPUs
