@@ -1,4 +1,4 @@
-"""A whole float32 decode step through the decoder layers in one call:
+"""A whole float32 or bfloat16 decode step through the decoder layers in one call:
 `torch.classes.pdserve.DecodeLayers` (kernels/csrc/decode_layers.cpp), bit-identical to the
 per-op path of engine/model/layers.py. Why: docs/cpu.md, "Module notes"."""
 
@@ -15,11 +15,11 @@ __all__ = ["GDNLayerSpec", "AttnLayerSpec", "DecodeLayers"]
 
 @dataclass(frozen=True)
 class GDNLayerSpec:
-    """A GDN layer's float32 tensors (the arguments of `cpu_ops.gdn_decode`) and its MLP."""
+    """A GDN layer's tensors (the arguments of `cpu_ops.gdn_decode`) and its MLP."""
 
     in_norm: torch.Tensor  # [H] float32 (1 + w)
     post_norm: torch.Tensor
-    w_in: torch.Tensor  # packed (cpu_ops.pack_f32) [hidden -> D + Hv*dv + 2*Hv]
+    w_in: torch.Tensor  # packed (cpu_ops.pack_f32 or pack_bf16) [hidden -> D + Hv*dv + 2*Hv]
     w_out: torch.Tensor  # packed [Hv*dv -> hidden]
     w_gu: torch.Tensor  # packed [hidden -> 2I]
     w_down: torch.Tensor  # packed [I -> hidden]
@@ -40,7 +40,7 @@ class GDNLayerSpec:
 
 @dataclass(frozen=True)
 class AttnLayerSpec:
-    """A gated attention layer's float32 tensors (the arguments of `cpu_ops.attn_decode`) and its MLP."""
+    """A gated attention layer's tensors (the arguments of `cpu_ops.attn_decode`) and its MLP."""
 
     in_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -59,12 +59,17 @@ class AttnLayerSpec:
 
 
 class DecodeLayers:
-    """The decoder layers of one model, float32 on the CPU, as one call per decode step."""
+    """The decoder layers of one model, float32 or bfloat16 (`dtype`) on the CPU, as one call per
+    decode step; bfloat16 takes weights packed by `cpu_ops.pack_bf16`, float32 by `pack_f32`."""
 
-    def __init__(self, hidden: int, eps: float, layers: list[GDNLayerSpec | AttnLayerSpec]):
-        if not cpu_ops.available(torch.float32):
+    def __init__(
+        self, hidden: int, eps: float, layers: list[GDNLayerSpec | AttnLayerSpec], dtype: torch.dtype = torch.float32
+    ):
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the one-call decode runs float32 or bfloat16, not {dtype}")
+        if not cpu_ops.available(dtype):
             raise RuntimeError(f"the CPU operators are not loaded ({cpu_ops.status()})")
-        self._c = torch.classes.pdserve.DecodeLayers(hidden, eps)
+        self._c = torch.classes.pdserve.DecodeLayers(hidden, eps, dtype == torch.bfloat16)
         for s in layers:
             common = (s.in_norm, s.post_norm, s.w_in, s.w_out, s.w_gu, s.w_down)
             if isinstance(s, GDNLayerSpec):
@@ -96,10 +101,10 @@ class DecodeLayers:
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
-        """x [B, hidden] float32 (the embeddings) -> the residual stream after every layer, in
-        place. One token per row: gdn_slots / slot_mapping / seq_lens [B] int64, block_tables
-        [B, max_blocks] int64, cos / sin [B, rd] (or [B, 1, rd]) float32; the rows' GDN slots and
-        KV pages are updated as the per-op path updates them."""
+        """x [B, hidden] in the model's dtype (the embeddings) -> the residual stream after every
+        layer, in place. One token per row: gdn_slots / slot_mapping / seq_lens [B] int64,
+        block_tables [B, max_blocks] int64, cos / sin [B, rd] (or [B, 1, rd]) in the model's
+        dtype; the rows' GDN slots and KV pages are updated as the per-op path updates them."""
         B, rd = x.shape[0], cos.shape[-1]
         cos, sin = cos.reshape(B, rd).contiguous(), sin.reshape(B, rd).contiguous()
         return self._c.run(x, gdn_slots, slot_mapping, block_tables.contiguous(), seq_lens, cos, sin)

@@ -212,9 +212,10 @@ def gemm_bf16(x: torch.Tensor, wp: torch.Tensor, n: int, threads: int = 1, dot: 
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    """gu [M, 2I] float32 (unit stride on the last axis) -> silu(gu[:, :I]) * gu[:, I:] [M, I]:
-    the MLP's gate in one pass (engine/model/layers.py MLP is the reference), rows split over
-    torch's threads when there are many."""
+    """gu [M, 2I] float32 or bfloat16 (unit stride on the last axis) -> silu(gu[:, :I]) *
+    gu[:, I:] [M, I] in its dtype (bfloat16: the silu rounded before the product, as
+    F.silu(gate).mul_(up) rounds): the MLP's gate in one pass (engine/model/layers.py MLP is the
+    reference), rows split over torch's threads when there are many."""
     return _ops().silu_mul(gu)
 
 

@@ -1,11 +1,11 @@
-"""The float32 CPU decode step as one C call through the decoder layers (kernels/cpu_decode.py).
+"""The CPU decode step as one C call through the decoder layers (kernels/cpu_decode.py).
 
 `fused_decode(model, pools)` describes the model's layers to the C side once (weights and cache
-pools stay where they are), or returns None when the model is not one the call covers: float32
-packed weights (engine/model/linear.py "packed"), dense MLPs, a float32 GDN state, one
-tensor-parallel rank, C ops built. Qwen35Model.forward takes it for steps of decode rows of one
-token each without MTP's hidden states; every other step (prefill, drafts, MoE, bfloat16, CUDA)
-runs layer by layer.
+pools stay where they are), or returns None when the model is not one the call covers: packed
+weights (engine/model/linear.py "packed": float32, or bfloat16 in batch-invariant mode), dense
+MLPs, a float32 GDN state, one tensor-parallel rank, C ops built. Qwen35Model.forward takes it
+for steps of decode rows of one token each without MTP's hidden states; every other step
+(prefill, drafts, MoE, bfloat16 without batch-invariant mode, CUDA) runs layer by layer.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ def _packed(*lins) -> bool:
 
 
 def fused_decode(model, pools: CachePools, tp: int) -> DecodeLayers | None:
-    if tp != 1 or model.embed.dtype != torch.float32 or model.embed.device.type != "cpu":
+    dtype = model.embed.dtype
+    if tp != 1 or dtype not in (torch.float32, torch.bfloat16) or model.embed.device.type != "cpu":
         return None
-    if not cpu_ops.available(torch.float32):
+    if not cpu_ops.available(dtype):
         return None
     if any(t.dtype != torch.float32 for t in pools.recurrent.values()):  # --mamba-ssm-cache-dtype bfloat16
         log.info("decode steps run layer by layer: the one-call decode takes a float32 GDN state only")
@@ -89,7 +90,7 @@ def fused_decode(model, pools: CachePools, tp: int) -> DecodeLayers | None:
         else:
             return None
     try:
-        return DecodeLayers(model.embed.shape[1], model.eps, specs)
+        return DecodeLayers(model.embed.shape[1], model.eps, specs, dtype)
     except (ValueError, RuntimeError) as e:
         log.info("decode steps run layer by layer: %s", e)
         return None

@@ -288,8 +288,9 @@ class Attention:
 class MLP:
     def __init__(self, w: MLPWeights, all_reduce: AllReduce):
         self.w, self.all_reduce = w, all_reduce
-        # float32 on a CPU with the C ops: the gate in one C pass
-        self.fused = w.w_gate_up.kind == "packed" and w.w_gate_up.dtype == torch.float32
+        # packed weights on a CPU with the C ops (float32, or bfloat16 in batch-invariant mode): the
+        # gate in one C pass, the one the one-call decode runs too (engine/model/fused_decode.py)
+        self.fused = w.w_gate_up.kind == "packed"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and x.dim() == 2:

@@ -51,12 +51,7 @@ namespace {
 
 constexpr int MR = 12;
 
-struct Job {
-    int64_t M, N, K, K2, mb, groups, P, pstep;
-    const bf16_t *x, *wp;
-    bf16_t *y;
-    int64_t chunks() const { return (M > 0 ? (M + mb - 1) / mb : 0) * groups; }
-};
+using Job = Bf16GemmJob;
 
 /* x's pair j of row r as one 32-bit word: (x[2j], x[2j+1]), the second zero past K */
 static inline uint32_t x_pair(const bf16_t *xr, int64_t j, int64_t K) {
@@ -210,8 +205,8 @@ struct FlushDenormals {
 
 }  // namespace
 
-void gemm_bf16(int64_t M, int64_t N, int64_t K, const bf16_t *x, const bf16_t *wp, bf16_t *y, int64_t nthreads,
-               bool dot) {
+Bf16GemmJob gemm_bf16_job(int64_t M, int64_t N, int64_t K, const bf16_t *x, const bf16_t *wp, bf16_t *y,
+                          int64_t nthreads, bool dot) {
     /* blocks of rows whose x stays in L2 (about 384 KiB) while the panels pass, at least four per
      * thread where M allows; fewer blocks are cut into about four panel groups per thread of at
      * least 64K multiply-adds each */
@@ -231,20 +226,28 @@ void gemm_bf16(int64_t M, int64_t N, int64_t K, const bf16_t *x, const bf16_t *w
         groups = groups < 1 ? 1 : groups;
     }
     const int64_t pstep = 8 * (1 + (256 * 1024 / (K2 * 64 + 1)) / 8); /* about 256 KiB of panels, 8 at least */
-    const Job j{M, N, K, K2, mb, groups, P, pstep, x, wp, y};
-    const int64_t per_thread = (M < mb ? M : mb) * K2; /* a block's x as pairs */
-    std::vector<uint32_t> scratch(dot ? (nthreads > 1 ? nthreads : 1) * per_thread : 0);
-    parallel_chunks(j.chunks(), nthreads, [&](int64_t c, int64_t tid) {
-        const int64_t g = c % groups, m0 = c / groups * mb, m1 = m0 + mb < M ? m0 + mb : M;
-        /* panel groups start at even panels, so a tile of two panels never straddles groups */
-        const int64_t pairs = (P + 1) / 2, p0 = 2 * (pairs * g / groups), p1 = 2 * (pairs * (g + 1) / groups);
-        if (dot) {
-            dot_chunk(j, m0, m1, p0, p1 < P ? p1 : P, scratch.data() + tid * per_thread);
-        } else {
-            FlushDenormals flush;
-            fma_chunk(j, m0, m1, p0, p1 < P ? p1 : P);
-        }
-    });
+    const int64_t per_thread = dot ? (M < mb ? M : mb) * K2 : 0;       /* a block's x as pairs */
+    return Bf16GemmJob{M, N, K, K2, mb, groups, P, pstep, per_thread, x, wp, y, dot};
+}
+
+void gemm_bf16_chunk(const Bf16GemmJob &j, int64_t c, uint32_t *scratch) {
+    const int64_t g = c % j.groups, m0 = c / j.groups * j.mb, m1 = m0 + j.mb < j.M ? m0 + j.mb : j.M;
+    /* panel groups start at even panels, so a tile of two panels never straddles groups */
+    const int64_t pairs = (j.P + 1) / 2, p0 = 2 * (pairs * g / j.groups), p1 = 2 * (pairs * (g + 1) / j.groups);
+    if (j.dot) {
+        dot_chunk(j, m0, m1, p0, p1 < j.P ? p1 : j.P, scratch);
+    } else {
+        FlushDenormals flush;
+        fma_chunk(j, m0, m1, p0, p1 < j.P ? p1 : j.P);
+    }
+}
+
+void gemm_bf16(int64_t M, int64_t N, int64_t K, const bf16_t *x, const bf16_t *wp, bf16_t *y, int64_t nthreads,
+               bool dot) {
+    const Bf16GemmJob j = gemm_bf16_job(M, N, K, x, wp, y, nthreads, dot);
+    std::vector<uint32_t> scratch((nthreads > 1 ? nthreads : 1) * j.per_thread);
+    parallel_chunks(j.chunks(), nthreads,
+                    [&](int64_t c, int64_t tid) { gemm_bf16_chunk(j, c, scratch.data() + tid * j.per_thread); });
 }
 
 }  // namespace pdserve

@@ -41,7 +41,7 @@ void add_rms_norm(int64_t b0, int64_t b1, int64_t H, const void *x, const void *
                   float eps, void *y, int bf16);
 void add_rms_norm_mt(int64_t T, int64_t H, const void *x, const void *h, void *xo, const float *w, float eps,
                      void *y, int bf16, int64_t nthreads);
-void silu_mul_f32(int64_t M, int64_t I, const float *gu, int64_t ld, float *out, int64_t nthreads);
+void silu_mul(int64_t M, int64_t I, const void *gu, int64_t ld, void *out, int bf16, int64_t nthreads);
 
 void gemv_bf16(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *w, void *y, int bf16,
                int64_t nthreads);
@@ -51,6 +51,18 @@ void pack_bf16(int64_t N, int64_t K, const uint16_t *w, uint16_t *wp);
 bool bf16_dot_supported();
 void gemm_bf16(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uint16_t *wp, uint16_t *y, int64_t nthreads,
                bool dot);
+/* gemm_bf16 planned for nthreads: chunks of (a block of mb rows, a group of panels); a chunk with
+ * the instruction packs its rows' x pairs into `scratch` (per_thread uint32 of the thread's own) */
+struct Bf16GemmJob {
+    int64_t M, N, K, K2, mb, groups, P, pstep, per_thread;
+    const uint16_t *x, *wp;
+    uint16_t *y;
+    bool dot;
+    int64_t chunks() const { return (M > 0 ? (M + mb - 1) / mb : 0) * groups; }
+};
+Bf16GemmJob gemm_bf16_job(int64_t M, int64_t N, int64_t K, const uint16_t *x, const uint16_t *wp, uint16_t *y,
+                          int64_t nthreads, bool dot);
+void gemm_bf16_chunk(const Bf16GemmJob &job, int64_t chunk, uint32_t *scratch);
 
 /* ---- The same kernels as independent chunks, for a caller that runs several of them in one
  * parallel region (decode_layers.cpp); the functions above run these over parallel_chunks. */
@@ -101,10 +113,11 @@ struct GemmJob { /* gemm_f32 planned for nthreads: chunks of (a block of mb rows
 GemmJob gemm_job(int64_t M, int64_t N, int64_t K, const float *x, const float *wp, float *y, int64_t nthreads);
 void gemm_chunk(const GemmJob &job, int64_t chunk);
 
-struct SiluMulJob { /* silu_mul_f32's arguments; a chunk is 64 rows */
+struct SiluMulJob { /* silu_mul's arguments; a chunk is 64 rows */
     int64_t M, I, ld;
-    const float *gu;
-    float *out;
+    const void *gu;
+    void *out;
+    int bf16;
     int64_t chunks() const { return (M + 63) / 64; }
 };
 void silu_mul_chunk(const SiluMulJob &job, int64_t chunk);

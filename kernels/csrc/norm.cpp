@@ -1,5 +1,5 @@
 /* Row-wise ops: the residual add with the RMS norm after it (add_rms_norm, add_rms_norm_mt)
- * and the MLP's gate (silu_mul_f32). PyTorch reference: kernels/norm.py rms_norm, and
+ * and the MLP's gate (silu_mul). PyTorch reference: kernels/norm.py rms_norm, and
  * F.silu(gate) * up (engine/model/layers.py MLP).
  */
 #include "common.h"
@@ -45,17 +45,49 @@ void add_rms_norm(int64_t b0, int64_t b1, int64_t H, const void *x, const void *
 
 /* ======================================================================================
  * The MLP's gate: out [M, I] = silu(gu[:, :I]) * gu[:, I:] for gu [M, 2I] (rows ld apart),
- * float32, silu(x) = x / (1 + exp(-x)) with exp8; rows shared by up to nthreads threads in
- * blocks of 64. PyTorch reference: F.silu(gate) * up (engine/model/layers.py MLP).
+ * silu(x) = x / (1 + exp(-x)) with exp8; rows shared by up to nthreads threads in blocks of 64.
+ * float32 throughout, or bfloat16 in and out with the silu rounded to bfloat16 before the
+ * product and the product rounded (where F.silu(gate).mul_(up) rounds). PyTorch reference:
+ * F.silu(gate) * up (engine/model/layers.py MLP).
  * ====================================================================================== */
+
+/* f2bf on eight lanes: the bfloat16 bits of each (nearest even, NaN kept quiet) */
+static inline v8u bf_bits8(v8f x) {
+    v8u u;
+    memcpy(&u, &x, 32);
+    const v8u quiet = (u >> 16) | 0x40u, rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const v8u nan = (v8u)((u & 0x7fffffffu) > 0x7f800000u);
+    return (quiet & nan) | (rounded & ~nan);
+}
+
+/* rnd(x, 1) on eight lanes */
+static inline v8f rnd8(v8f x) {
+    const v8u b = bf_bits8(x) << 16;
+    v8f y;
+    memcpy(&y, &b, 32);
+    return y;
+}
 
 void silu_mul_chunk(const SiluMulJob &job, int64_t chunk) {
     const SiluMulJob *j = &job;
     const int64_t m1 = (chunk + 1) * 64 < j->M ? (chunk + 1) * 64 : j->M;
     for (int64_t m = chunk * 64; m < m1; m++) {
-        const float *g = j->gu + m * j->ld, *u = g + j->I;
-        float *o = j->out + m * j->I;
         int64_t i = 0;
+        if (j->bf16) {
+            const bf16_t *g = (const bf16_t *)j->gu + m * j->ld, *u = g + j->I;
+            bf16_t *o = (bf16_t *)j->out + m * j->I;
+            for (; i + 8 <= j->I; i += 8) {
+                v8f x = ld_bf8(g + i);
+                const v8f y = ld_bf8(u + i);
+                x = rnd8(x / (1.0f + exp8(-x))) * y;
+                const v8h b = __builtin_convertvector(bf_bits8(x), v8h);
+                memcpy(o + i, &b, 16);
+            }
+            for (; i < j->I; i++) o[i] = f2bf(rnd(silu(bf2f(g[i])), 1) * bf2f(u[i]));
+            continue;
+        }
+        const float *g = (const float *)j->gu + m * j->ld, *u = g + j->I;
+        float *o = (float *)j->out + m * j->I;
         for (; i + 8 <= j->I; i += 8) {
             v8f x, y;
             memcpy(&x, g + i, 32);
@@ -67,8 +99,8 @@ void silu_mul_chunk(const SiluMulJob &job, int64_t chunk) {
     }
 }
 
-void silu_mul_f32(int64_t M, int64_t I, const float *gu, int64_t ld, float *out, int64_t nthreads) {
-    const SiluMulJob job = {M, I, ld, gu, out};
+void silu_mul(int64_t M, int64_t I, const void *gu, int64_t ld, void *out, int bf16, int64_t nthreads) {
+    const SiluMulJob job = {M, I, ld, gu, out, bf16};
     parallel_chunks(job.chunks(), nthreads, [&](int64_t c, int64_t) { silu_mul_chunk(job, c); });
 }
 

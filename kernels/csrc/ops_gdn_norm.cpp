@@ -242,12 +242,12 @@ at::Tensor rms_norm_op(const at::Tensor &x, const at::Tensor &w, double eps) {
 
 at::Tensor silu_mul_op(const at::Tensor &gu) {
     const Args a{"pdserve.silu_mul"};
-    a.dtype(gu, "gu", at::kFloat);
+    const int bf16 = a.model_dtype(gu, "gu");
     TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, a.op, ": gu must be [M, 2I], got ", gu.sizes());
     a.unit_last_stride(gu, "gu");
     const int64_t M = gu.size(0), I = gu.size(1) / 2;
     auto out = at::empty({M, I}, gu.options());
-    silu_mul_f32(M, I, floats(gu), gu.stride(0), floats(out), M * 2 * I >= 1 << 16 ? at::get_num_threads() : 1);
+    silu_mul(M, I, gu.data_ptr(), gu.stride(0), out.data_ptr(), bf16, M * 2 * I >= 1 << 16 ? at::get_num_threads() : 1);
     return out;
 }
 

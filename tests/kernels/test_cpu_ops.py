@@ -231,6 +231,23 @@ def test_silu_mul_matches_pytorch(M, I):
     assert_close("silu_mul", cpu_ops.silu_mul(gu), ref, 1e-6)
 
 
+@pytest.mark.parametrize("M,I", [(3, 20), (130, 72)])
+def test_silu_mul_bfloat16_rounds_where_pytorch_does(M, I):
+    """bfloat16: F.silu(gate).mul_(up) rounds the silu, then the product; the C pass does the
+    same, so it is within one bfloat16 step of it (its exp is not PyTorch's) and exact on the
+    float32 values it rounds."""
+    g = torch.Generator().manual_seed(7)
+    wide = (torch.randn(M, 2 * I + 5, generator=g) * 4).bfloat16()
+    gu = wide[:, : 2 * I]
+    got = cpu_ops.silu_mul(gu)
+    assert got.dtype == torch.bfloat16 and got.shape == (M, I)
+    ref = F.silu(gu[:, :I].clone()).mul_(gu[:, I:])
+    step = ref.float().abs() * 2**-7 + 1e-30  # one bfloat16 step at each value
+    assert ((got.float() - ref.float()).abs() <= step * 1.01).all()
+    silu_f32 = F.silu(gu[:, :I].float()).bfloat16().float()  # rounded, then the product rounded
+    assert_close("silu_mul bf16", got.float(), (silu_f32 * gu[:, I:].float()).bfloat16().float(), 1e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("V", [1000, 151936])
 def test_mask_logits_matches_unpacked_mask(dtype, V):

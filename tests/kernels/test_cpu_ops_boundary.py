@@ -158,7 +158,7 @@ def test_decode_layers_refuse_a_layer_that_does_not_fit():
     H, hv, dv, I = 32, a["hv"], a["dv"], 24
     D = a["conv_w"].shape[0]
     pack = cpu_ops.pack_f32
-    layers = torch.classes.pdserve.DecodeLayers(H, 1e-6)
+    layers = torch.classes.pdserve.DecodeLayers(H, 1e-6, False)
     common = (torch.ones(H), torch.ones(H), pack(torch.randn(D + hv * dv + 2 * hv, H)))
     mlp = (pack(torch.randn(2 * I, H)), pack(torch.randn(H, I)), 2 * I)
     gdn = (a["conv_w"], a["conv_pool"], a["rec_pool"], a["neg_A"], a["dt_bias"], a["norm_w"], 2, hv, 16, dv, 1e-6)
