@@ -4,8 +4,8 @@
  *     h = norm(x);  mix = gdn_decode / attn_decode(h @ w_in^T);  x = x + mix @ w_out^T;
  *     h = norm(x);  x = x + silu_mul(h @ w_gu^T) @ w_down^T
  * with the same arithmetic, so its result is the same to the bit; it only saves the Python
- * between them and the threads' wake-ups (about a third of a step at one row, a sixth of its CPU
- * at 16). The per-op path (engine/model/layers.py) is the reference. Dense MLPs, one
+ * between them and the threads' wake-ups (about a third of a step at one row, a fifth of its
+ * wall time at 16). The per-op path (engine/model/layers.py) is the reference. Dense MLPs, one
  * tensor-parallel rank; float32 packed weights (pack_f32), or bfloat16 ones (pack_bf16, the
  * batch-invariant mode's) with the activations in bfloat16 where the per-op path keeps them.
  * kernels/cpu_decode.py builds it from a model's layers (add_gdn / add_attn) and calls run.
@@ -210,15 +210,10 @@ struct DecodeLayers : torch::CustomClassHolder {
             A.index(slot_mapping, "slot_mapping", B, 0, blocks * bs);
             A.index(seq_lens, "seq_lens", B, 1, W * bs + 1);
         }
-        /* bfloat16: a GEMM splits over the threads where engine/model/linear.py splits it (a weight
-         * of 2^20 elements or more, or 2^26 multiply-adds); where none does, the whole step runs on
-         * the calling thread: the others would only spin between phases, which costs more CPU
-         * than the attention's and GDN rows' split saves (docs/cpu.md, "Module notes") */
+        const int64_t nt = std::min<int64_t>(at::get_num_threads(), 8), esz = bf16 ? 2 : 4;
+        /* a bfloat16 GEMM splits over the threads where engine/model/linear.py splits it (a weight
+         * of 2^20 elements or more, or 2^26 multiply-adds) */
         auto split = [&](int64_t N, int64_t K) { return N * K >= (1 << 20) || B * N * K >= (1 << 26); };
-        bool any_split = !bf16;
-        for (const Layer &l : layers)
-            any_split = any_split || split(l.n_in, H) || split(H, l.k_out) || split(l.n_gu, H) || split(H, l.n_gu / 2);
-        const int64_t nt = any_split ? std::min<int64_t>(at::get_num_threads(), 8) : 1, esz = bf16 ? 2 : 4;
         const int b16 = bf16 ? 1 : 0;
         auto buf = at::empty({B * (2 * H + max_in + max_out + max_gu + max_gu / 2) * esz}, at::kByte);
         auto work = at::empty({nt * stride}, at::kFloat);
