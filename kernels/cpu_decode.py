@@ -107,4 +107,8 @@ class DecodeLayers:
         dtype; the rows' GDN slots and KV pages are updated as the per-op path updates them."""
         B, rd = x.shape[0], cos.shape[-1]
         cos, sin = cos.reshape(B, rd).contiguous(), sin.reshape(B, rd).contiguous()
-        return self._c.run(x, gdn_slots, slot_mapping, block_tables.contiguous(), seq_lens, cos, sin)
+        # through torch.ops, which lets go of the GIL while the step runs (the class's own method does not)
+        torch.ops.pdserve.decode_layers_run(
+            self._c, x, gdn_slots, slot_mapping, block_tables.contiguous(), seq_lens, cos, sin
+        )
+        return x
