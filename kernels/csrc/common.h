@@ -60,6 +60,23 @@ static inline v8f ld_bf8(const bf16_t *p) {
     return (v8f)u;
 }
 
+/* f2bf on eight lanes: the bfloat16 bits of each (nearest even, NaN kept quiet) */
+static inline v8u bf_bits8(v8f x) {
+    v8u u;
+    memcpy(&u, &x, 32);
+    const v8u quiet = (u >> 16) | 0x40u, rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const v8u nan = (v8u)((u & 0x7fffffffu) > 0x7f800000u);
+    return (quiet & nan) | (rounded & ~nan);
+}
+
+/* rnd(x, 1) on eight lanes */
+static inline v8f rnd8(v8f x) {
+    const v8u b = bf_bits8(x) << 16;
+    v8f y;
+    memcpy(&y, &b, 32);
+    return y;
+}
+
 /* exp(x), relative error ~2e-7 (libm's expf: 0.5 ulp): Cody-Waite range reduction and a
  * degree-6 polynomial, branch-free so that loops over it vectorise (a libm call does not). */
 static inline float exp_fast(float x) {

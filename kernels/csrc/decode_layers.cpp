@@ -294,8 +294,8 @@ struct DecodeLayers : torch::CustomClassHolder {
     }
 };
 
-/* run as an operator: a call through torch.ops lets go of Python's GIL while the step runs (a
- * custom class's own method keeps it, and the node's request threads waited for every step) */
+/* run only as an operator: a call through torch.ops lets go of Python's GIL while the step runs
+ * (a custom class's own method keeps it, and the node's request threads waited for every step) */
 void decode_layers_run(const c10::intrusive_ptr<DecodeLayers> &layers, at::Tensor x, const at::Tensor &gdn_slots,
                        const at::Tensor &slot_mapping, const at::Tensor &block_tables, const at::Tensor &seq_lens,
                        const at::Tensor &cos, const at::Tensor &sin) {
@@ -306,8 +306,7 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
     m.class_<DecodeLayers>("DecodeLayers")
         .def(torch::init<int64_t, double, bool>())
         .def("add_gdn", &DecodeLayers::add_gdn)
-        .def("add_attn", &DecodeLayers::add_attn)
-        .def("run", &DecodeLayers::run);
+        .def("add_attn", &DecodeLayers::add_attn);
     m.def("decode_layers_run(__torch__.torch.classes.pdserve.DecodeLayers layers, Tensor(a!) x, Tensor gdn_slots, "
           "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor cos, Tensor sin) -> ()",
           &decode_layers_run);

@@ -51,23 +51,6 @@ void add_rms_norm(int64_t b0, int64_t b1, int64_t H, const void *x, const void *
  * F.silu(gate) * up (engine/model/layers.py MLP).
  * ====================================================================================== */
 
-/* f2bf on eight lanes: the bfloat16 bits of each (nearest even, NaN kept quiet) */
-static inline v8u bf_bits8(v8f x) {
-    v8u u;
-    memcpy(&u, &x, 32);
-    const v8u quiet = (u >> 16) | 0x40u, rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const v8u nan = (v8u)((u & 0x7fffffffu) > 0x7f800000u);
-    return (quiet & nan) | (rounded & ~nan);
-}
-
-/* rnd(x, 1) on eight lanes */
-static inline v8f rnd8(v8f x) {
-    const v8u b = bf_bits8(x) << 16;
-    v8f y;
-    memcpy(&y, &b, 32);
-    return y;
-}
-
 void silu_mul_chunk(const SiluMulJob &job, int64_t chunk) {
     const SiluMulJob *j = &job;
     const int64_t m1 = (chunk + 1) * 64 < j->M ? (chunk + 1) * 64 : j->M;

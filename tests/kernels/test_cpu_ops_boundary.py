@@ -166,7 +166,8 @@ def test_decode_layers_refuse_a_layer_that_does_not_fit():
     with pytest.raises(RuntimeError, match=r"w_out takes 48 inputs, the GDN gives 64"):
         layers.add_gdn(*common, pack(torch.randn(H, 48)), *mlp, *gdn)
     with pytest.raises(RuntimeError, match=r"x must be \[\*, 32\], got \[2, 16\]"):
-        layers.run(
+        torch.ops.pdserve.decode_layers_run(
+            layers,
             torch.randn(2, 16),
             torch.arange(2),
             torch.zeros(2, dtype=torch.long),
