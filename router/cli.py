@@ -15,6 +15,8 @@ import typing
 from dataclasses import fields
 from pathlib import Path
 
+from router.child_env import apply_launch_env
+
 DEFAULT_HOME = Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
 DEMO_PROMPTS = [
     "Hello world! How are you today?",
@@ -400,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_launch_env()  # before any thread starts: what the process that started this one asked
     args = build_parser().parse_args(argv)
     level = args.log_level or ("INFO" if args.cmd in SERVER_COMMANDS else "WARNING")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,10 +1,10 @@
 """`pdserve up`: a router and node pools as local child processes, each in its own process group
-with PR_SET_PDEATHSIG so none outlives it; ready once every node registered; `stop()` drains, then
-kills what is left. Secrets travel in the environment, never on a command line."""
+and dying with `up` (PR_SET_PDEATHSIG, which the child sets: router/child_env.py); ready once
+every node registered; `stop()` drains, then kills what is left. Secrets travel in the
+environment, never on a command line."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import secrets
 import signal
@@ -20,18 +20,12 @@ from decode_node.config import DecodeNodeConfig
 from encode_node.config import EncodeNodeConfig
 from engine.options import options, to_argv
 from prefill_node.config import PrefillNodeConfig
+from router.child_env import launch_env
 from router.config import RouterConfig
-from router.cpu_binding import CpuBinding, NodeSlot, bound_env, decode_nice, lower_priority, split_cpus, usable_cpus
+from router.cpu_binding import CpuBinding, NodeSlot, bound_env, decode_nice, split_cpus, usable_cpus
 from serving.security import API_KEY_ENV, TOKEN_ENV, Credentials, Tls
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
 
 
 NODE_CONFIGS = {"prefill": PrefillNodeConfig, "decode": DecodeNodeConfig, "encode": EncodeNodeConfig}
@@ -197,14 +191,8 @@ class Cluster:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         log_level, drain = ["--log-level", self.spec.log_level], ["--drain-timeout", str(self.spec.drain_timeout_s)]
         cmd = [sys.executable, "-m", "router.cli", *log_level, *args, *drain]
-
-        def pre_exec() -> None:  # in the child, between fork and exec
-            die_with_parent()
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-            lower_priority(nice)
-
-        self.procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=pre_exec)
+        env.update(launch_env(cpus, nice))  # applied by the child after exec (router/child_env.py)
+        self.procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True)
 
     def start(self, ready_timeout: float = 300.0) -> None:
         s = self.spec

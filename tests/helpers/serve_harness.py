@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from router.launch import die_with_parent
+from router.child_env import launch_env
 from tests.helpers import hybrid_ckpt as hc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,6 +47,7 @@ class Proc:
             "PDSERVE_LOG": "INFO",
             "PDSERVE_CLUSTER_TOKEN": CLUSTER_TOKEN,
             **(env or {}),
+            **launch_env(),  # a killed test run takes its processes down with it
         }
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "router.cli", *args],
@@ -55,7 +56,6 @@ class Proc:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            preexec_fn=die_with_parent,  # a killed test run takes its processes down with it
         )
         self.lines: list[str] = []
         self._pattern = re.compile(ready)
