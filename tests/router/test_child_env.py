@@ -34,17 +34,23 @@ def test_child_takes_its_cpus_and_nice_and_passes_nothing_on():
     assert out.split() == [f"[{cpu}]", str(min(19, start + 3)), "[]"]
 
 
-def test_child_dies_with_the_process_that_started_it():
-    # a parent starts a child with launch_env, says its pid and exits: the kernel SIGTERMs the child
-    child = APPLY + "import time; time.sleep(120)"
+def _orphan(asked: bool) -> int:
+    """The pid of a child whose parent started it (with launch_env if `asked`) and exited."""
+    child = APPLY + f"import time; time.sleep({120 if asked else 5})"
+    env = "{**os.environ, **launch_env()}" if asked else "os.environ"
     parent = (
-        "import subprocess, sys, os; from router.child_env import launch_env; "
-        f"p = subprocess.Popen([sys.executable, '-c', {child!r}], env={{**os.environ, **launch_env()}}); "
-        "print(p.pid, flush=True); import time; time.sleep(1.5)"
+        "import subprocess, sys, os, time; from router.child_env import launch_env; "
+        f"p = subprocess.Popen([sys.executable, '-c', {child!r}], env={env}); "
+        "print(p.pid, flush=True); time.sleep(1.5)"
     )
     p = _python(parent, {})
     pid = int(p.stdout.readline())
     p.wait(60)
+    return pid
+
+
+def test_child_dies_with_the_process_that_started_it():
+    pid = _orphan(asked=True)
     deadline = time.monotonic() + 30
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -53,15 +59,7 @@ def test_child_dies_with_the_process_that_started_it():
 
 def test_no_parent_asked_no_death_signal():
     # without launch_env the child outlives its parent: the test above is not passing by accident
-    child = APPLY + "import time; time.sleep(5)"
-    parent = (
-        "import subprocess, sys; "
-        f"p = subprocess.Popen([sys.executable, '-c', {child!r}]); print(p.pid, flush=True); "
-        "import time; time.sleep(1.5)"
-    )
-    p = _python(parent, {})
-    pid = int(p.stdout.readline())
-    p.wait(60)
+    pid = _orphan(asked=False)
     time.sleep(0.5)
     try:
         assert _alive(pid), "the child died with its parent although nothing asked it to"
