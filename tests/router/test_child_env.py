@@ -44,6 +44,7 @@ def _orphan(asked: bool) -> int:
         "print(p.pid, flush=True); time.sleep(1.5)"
     )
     p = _python(parent, {})
+    assert p.stdout is not None
     pid = int(p.stdout.readline())
     p.wait(60)
     return pid
