@@ -34,6 +34,8 @@ from tests.helpers.serve_harness import (
 )
 
 LEASE = 2.0  # seconds; the prefill node renews every third of it, between engine steps
+# how late after a lease a loaded 2-core runner may free it (the decode node's tick, the stats call)
+LEASE_SLACK = 3.0
 # the burst test's lease: well under the burst's prefill time (its last request waited 1.7 s on
 # the loaded 2-core machine with the float32 C paths), so renewals happen on a fast one too
 BURST_LEASE = 0.75
@@ -62,6 +64,9 @@ def _unwindowed(ckpt, lease: float = LEASE, *extra: str) -> Up:
             reservation_lease=lease,
             prefill_window_tokens=0,
             admission_timeout=300,
+            # these tests time leases to the second: a decode node at `up`'s shared-CPU nice value
+            # (7) is starved by the other test worker's processes at nice 0 on a 2-core runner
+            decode_nice=0,
         ),
         *STEP,
         *extra,
@@ -318,7 +323,9 @@ def test_hung_prefill_node_stops_renewing_and_its_reservations_expire(ckpt, burs
     from client import Client
 
     ps, want = burst
-    up = _unwindowed(ckpt)
+    # the router declares the frozen node dead only well after a lease: the leases, not its
+    # release of a dead node's reservations, are what must free them
+    up = _unwindowed(ckpt, LEASE, "--dead-after", "10")
     try:
         d = node_info(up.address, "decode-0")
         initial = decode_stats(d.address).capacity
@@ -331,16 +338,21 @@ def test_hung_prefill_node_stops_renewing_and_its_reservations_expire(ckpt, burs
                 futs = [ex.submit(_run, c, ps[i % 3]) for i in range(n)]
                 wait_for(lambda: decode_stats(d.address).capacity.reserved >= n // 2, 30, "reservations held")
                 os.kill(victim, signal.SIGSTOP)
-                held = decode_stats(d.address).capacity.reserved
-                t_stop = time.monotonic()
-                wait_for(lambda: decode_stats(d.address).capacity.reserved <= 2, LEASE + 2, "leases expired")
-                assert time.monotonic() - t_stop < LEASE + 2
-                expired = scrape(durl)[("pdserve_decode_lease_expiries_total", ())]
-                # all but those a write was granted for (the last step's, at most 2 of 128 tokens) and
-                # one whose state was in when the node froze
-                assert expired >= held - 3, (held, expired)
-                assert "lease expired (no source began)" in up.output()
-                os.kill(victim, signal.SIGKILL)
+                try:
+                    held = decode_stats(d.address).capacity.reserved
+                    t_stop = time.monotonic()
+                    bound = LEASE + LEASE_SLACK
+                    wait_for(lambda: decode_stats(d.address).capacity.reserved <= 2, bound, "leases expired")
+                    assert time.monotonic() - t_stop < bound
+                    expired = scrape(durl)[("pdserve_decode_lease_expiries_total", ())]
+                    # all but those a write was granted for (the last step's, at most 2 of 128 tokens)
+                    # and one whose state was in when the node froze
+                    assert expired >= held - 3, (held, expired)
+                    # the log line (its reader runs behind on a loaded box); a source that had begun
+                    # its push when the node froze expires as incomplete
+                    up.find(r"(lease expired \((?:no source began|transfer incomplete)\))")
+                finally:
+                    os.kill(victim, signal.SIGKILL)  # what is left is freed, and no call waits on it
                 outs = [f.result(timeout=300) for f in futs]
         failed = [(i, r) for i, r in enumerate(outs) if isinstance(r, Exception)]
         assert len(failed) <= 1, failed
