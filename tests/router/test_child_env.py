@@ -75,3 +75,48 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+SPAWN_BESIDE_GRPC = """
+import threading, time, grpc
+from concurrent import futures
+from router.launch import Cluster, PoolSpec
+
+server = grpc.server(futures.ThreadPoolExecutor(2))
+port = server.add_insecure_port("127.0.0.1:0")
+server.start()
+channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+busy = True
+
+def calls():  # gRPC threads in calls whenever a child is started
+    while busy:
+        try:
+            channel.unary_unary("/none/Method")(b"", timeout=0.05)
+        except grpc.RpcError:
+            pass
+
+threading.Thread(target=calls, daemon=True).start()
+time.sleep(0.3)
+cluster = Cluster(PoolSpec(model="unused", port=0))
+for i in range(5):
+    cluster._spawn(f"probe-{i}", ["--help"])
+codes = [p.wait(60) for p in cluster.procs.values()]
+busy = False
+print("exit codes", codes)
+"""
+
+
+def test_up_starts_children_without_forking_grpc_state():
+    """`up` starts its children the way that runs none of gRPC's fork handlers (vfork, no
+    preexec_fn): started from a process whose gRPC threads are busy, every child runs, and gRPC
+    never says it skipped its fork handlers (what it logs when a plain fork meets them)."""
+    p = subprocess.run(
+        [sys.executable, "-c", SPAWN_BESIDE_GRPC],
+        env={**os.environ, "PYTHONPATH": str(ROOT), "GRPC_VERBOSITY": "INFO"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "exit codes [0, 0, 0, 0, 0]" in p.stdout
+    assert "fork() handlers" not in p.stderr, p.stderr[-2000:]
