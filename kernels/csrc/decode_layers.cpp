@@ -8,7 +8,8 @@
  * wall time at 16). The per-op path (engine/model/layers.py) is the reference. Dense MLPs, one
  * tensor-parallel rank; float32 packed weights (pack_f32), or bfloat16 ones (pack_bf16, the
  * batch-invariant mode's) with the activations in bfloat16 where the per-op path keeps them.
- * kernels/cpu_decode.py builds it from a model's layers (add_gdn / add_attn) and calls run.
+ * kernels/cpu_decode.py builds it from a model's layers (add_gdn / add_attn) and steps it through
+ * the decode_layers_run operator.
  */
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
@@ -178,9 +179,9 @@ struct DecodeLayers : torch::CustomClassHolder {
      * layer, in place. gdn_slots / slot_mapping / seq_lens [B] int64, block_tables [B, W] int64,
      * cos / sin [B, rd] in the model's dtype; the rows' GDN slots and KV pages are updated as the
      * per-op path updates them. */
-    at::Tensor run(at::Tensor x, const at::Tensor &gdn_slots, const at::Tensor &slot_mapping,
-                   const at::Tensor &block_tables, const at::Tensor &seq_lens, const at::Tensor &cos,
-                   const at::Tensor &sin) const {
+    void run(at::Tensor x, const at::Tensor &gdn_slots, const at::Tensor &slot_mapping,
+             const at::Tensor &block_tables, const at::Tensor &seq_lens, const at::Tensor &cos,
+             const at::Tensor &sin) const {
         TORCH_CHECK(!layers.empty(), A.op, ": no layers");
         const int64_t H = hidden;
         md(x, "x", {-1, H}, bf16);
@@ -290,7 +291,6 @@ struct DecodeLayers : torch::CustomClassHolder {
         }
         step.push_back({1, residual});
         run_phases(step, nt);
-        return x;
     }
 };
 
