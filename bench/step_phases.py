@@ -5,10 +5,13 @@ step, on the CPU or CUDA; then the Python functions by own time over the batch-6
 (cProfile). Greedy or Qwen's chat sampling (--sampled). Not a test.
 
     python bench/step_phases.py [--device cuda] [--batch 1 64] [--sampled] [--width model|tiny]
+        [--graph-buffers]
 
 `--width model` is bench/gpu_check.py's decode stack (4 layers at Qwen3.5-35B-A3B's widths);
 `tiny` keeps the model's own time small so the host's stands out on the CPU. On CUDA the forward
-phase is timed to its end (a synchronize after it), so the phases add up to the step."""
+phase is timed to its end (a synchronize after it), so the phases add up to the step.
+`--graph-buffers` (the CPU): decode steps staged into the graphs' buffers and run eagerly on them,
+the host side of a graphed step without a GPU."""
 
 from __future__ import annotations
 
@@ -64,7 +67,14 @@ class Phases:
 
 
 def run(
-    device: str, batches: list[int], sampled: bool, width: str, steps: int, vocab: int, torch_profile: bool = False
+    device: str,
+    batches: list[int],
+    sampled: bool,
+    width: str,
+    steps: int,
+    vocab: int,
+    torch_profile: bool = False,
+    buffers: bool = False,
 ) -> None:
     spec = TinyModelSpec(layers=4, vocab=vocab, dtype="bfloat16", tokenizer=False, seed=0, **WIDTHS[width])
 
@@ -78,6 +88,10 @@ def run(
         with llm:
             eng = llm.engine
             w = eng.executor.worker
+            if buffers and w.graphs is None:  # the graphs' staged steps without graphs (the CPU)
+                from engine.model.graphs import DecodeGraphs
+
+                w.graphs = DecodeGraphs(w.model, w.pools, w.max_pages_per_row(), capture=False)
             ph = Phases(sync)
             ph.wrap(eng.scheduler, "schedule", "schedule")
             ph.wrap(eng, "_step_input", "row inputs")
@@ -163,9 +177,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--torch-profile", action="store_true", help="also PyTorch's profiler at the largest batch")
+    ap.add_argument(
+        "--graph-buffers", action="store_true", help="on the CPU: decode steps staged as for CUDA graphs (not captured)"
+    )
     a = ap.parse_args()
     os.environ.setdefault("PDSERVE_CUDA_GRAPHS", "1")
-    run(a.device, a.batch, a.sampled, a.width, a.steps, a.vocab, a.torch_profile)
+    run(a.device, a.batch, a.sampled, a.width, a.steps, a.vocab, a.torch_profile, a.graph_buffers)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,10 @@ class DeviceMark(Protocol):
 
 class StepFence:
     """An event recorded on the device's current stream after each step; `wait` blocks the host
-    until the kernels queued before the last `record` have finished (a no-op on the CPU)."""
+    until the kernels queued before the last `record` have finished (a no-op on the CPU). One
+    event, recorded again each step (a new one a step cost an event's creation and destruction):
+    a `wait` that comes after a later step's record waits for that step too, which only waits
+    longer."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -89,7 +92,8 @@ class StepFence:
 
     def record(self) -> None:
         if self.device.type == "cuda":
-            self._event = torch.cuda.Event()
+            if self._event is None:
+                self._event = torch.cuda.Event()
             self._event.record(torch.cuda.current_stream(self.device))
 
     def wait(self) -> None:

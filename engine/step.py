@@ -78,6 +78,9 @@ class StepInput:
     layer_posts: list[str] = field(default_factory=list)
     # decode side: states landed from a prefill node, saved from their slots before the forward
     landed: list[SnapshotCopy] = field(default_factory=list)
+    # every row is a plain decode row (engine/model/graphs.py plain_decode), known where the rows
+    # were built: the worker skips checking each row again
+    plain: bool = False
 
 
 @dataclass

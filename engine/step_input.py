@@ -14,6 +14,7 @@ def step_input(so: SchedulerOutput, mtp: bool, merge: int, layer_posts: list[str
     """merge: the vision tower's spatial merge size (0 without one); layer_posts: the requests
     whose state the step hands over layer by layer."""
     rows = []
+    short = 0  # rows that took _decode_row without a rotary offset: plain decode rows
     for r in so.rows:
         req = r.request
         start = req.num_computed_tokens
@@ -21,6 +22,7 @@ def step_input(so: SchedulerOutput, mtp: bool, merge: int, layer_posts: list[str
         plain = r.is_decode and r.samples and start >= len(req.prompt_token_ids)
         if plain and not (mtp or r.draft_token_ids or req.want_logits):
             rows.append(_decode_row(req, start, p))
+            short += not req.rope_delta
             continue
         n_known = r.num_new_tokens - len(r.draft_token_ids)
         # prompt logprobs: every position of a chunk that still predicts prompt tokens
@@ -51,19 +53,24 @@ def step_input(so: SchedulerOutput, mtp: bool, merge: int, layer_posts: list[str
         )
     saves = [c for _, c in so.saves]
     landed = [c for _, c in so.landed]
-    return StepInput(rows, so.finished_ids, [c for _, c in so.restores], saves, layer_posts, landed)
+    restores = [c for _, c in so.restores]
+    return StepInput(
+        rows, so.finished_ids, restores, saves, layer_posts, landed, plain=bool(rows) and short == len(rows)
+    )
 
 
 def _decode_row(req: Request, start: int, p: SamplingParams) -> RowInput:
     """A plain decode row (past the prompt, no drafts, MTP or wanted logits): its one pending
-    token, sampled; the same row as the general path builds, in a third of its time."""
+    token, sampled; the same row as the general path builds, in a third of its time. Its page
+    list is the request's own, not a copy (a copy cost O(context) a row each step): the scheduler
+    adds pages only between steps, and a worker in another process gets the step pickled."""
     out = req.output_token_ids
     return RowInput(
         req.request_id,
         [out[start - len(req.prompt_token_ids)]],
         start,
         _slot(req),
-        list(req.block_ids),
+        req.block_ids,
         True,
         True,
         params=p,

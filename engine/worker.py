@@ -181,7 +181,7 @@ class Worker:
         return fn(self, *args, **kwargs)
 
     def build_batch(self, step: StepInput) -> ForwardBatch:
-        if self.graphs is not None and not step.layer_posts and plain_decode(step.rows):
+        if self.graphs is not None and not step.layer_posts and (step.plain or plain_decode(step.rows)):
             staged = self.graphs.stage(step.rows, self.block_tables, self.block_size)
             if staged is not None:
                 return staged
@@ -389,6 +389,11 @@ class Worker:
     def _sample(self, step: StepInput, logits: torch.Tensor, out: StepOutput, static: bool = False) -> None:
         """Rank 0: sample every sampling row and verify drafts in one batch (engine/sampling),
         keep wanted logits and logprobs (into `out`)."""
+        if step.plain:  # one token a row, each sampled, nothing else asked
+            emitted, logprobs = self.sampler(logits, step.rows, list(range(len(step.rows))), static)
+            out.sampled.update((r.request_id, toks) for r, toks in zip(step.rows, emitted))
+            out.logprobs.update(logprobs)
+            return
         i = 0
         rows, first, wanted = [], [], []  # sampling rows and their first logit row; want_logits rows
         for r in step.rows:

@@ -1,8 +1,11 @@
 """CUDA graphs for plain decode steps (one token per row, no prefill rows, no drafts, TP 1): the
 step's inputs are copied into buffers the graph owns, one graph per batch size. A decode step the
 graphs take is staged by `stage` straight into its size's buffers: its ids, positions, slots and
-page tables written to pinned host memory, then one upload (two with the page tables), no
-per-field copies. The first step of
+its page tables (packed [rows, widest row]) written to pinned host memory, then one upload; the
+graph itself spreads the packed tables into the [rows, max pages] tensor the kernels read
+(`_Buffers.expand`). Each host-to-device copy, event or launch costs the host tens of
+microseconds on the GPU hosts measured (docs/benchmarks.md, "CUDA (H100)"), so a staged step makes
+one upload and reuses its events. The first step of
 a size runs eagerly on those buffers (compiling every kernel for their exact shapes and strides),
 the next one captures the graph and replays it from then on. Any other step, and any size whose
 capture failed, runs eagerly. PDSERVE_CUDA_GRAPHS=0 turns graphs off (docs/engine.md, "CUDA
@@ -49,23 +52,27 @@ def plain_decode(rows) -> bool:
 
 @dataclass
 class _Buffers:
-    """The inputs of a decode step of B rows, in tensors that outlive the step. `flat` holds the
-    STAGED fields back to back (`batch`'s tensors are views of it); `host` is its pinned twin."""
+    """The inputs of a decode step of B rows, in tensors that outlive the step. For a staged size,
+    `flat` holds the STAGED fields back to back (`batch`'s tensors are views of it), then the
+    packed page tables' width w, then the tables packed [B, w]; `host` is its pinned twin, of
+    which a step uploads the prefix it wrote. `expand` spreads the packed tables into
+    `batch.decode.block_tables` [B, max pages], inside the graph."""
 
     batch: ForwardBatch
     flat: torch.Tensor | None = None
     host: torch.Tensor | None = None
-    host_tables: torch.Tensor | None = None
-    pending: Any = None  # a CUDA event after the last upload from `host` (pinned on CUDA)
+    pending: Any = None  # a CUDA event recorded after each upload from `host` (pinned on CUDA)
     stepped: bool = False  # a step has run on these buffers
+    row_ids: torch.Tensor | None = None  # [B, 1]: 0 .. B-1, for `expand`
+    col_ids: torch.Tensor | None = None  # [max pages]: 0 .. max pages - 1
 
     @classmethod
     def staged(cls, n: int, width: int, device: torch.device) -> _Buffers:
         """Buffers for n plain decode rows: each row's one token is scored (logits_indices and
         cu_seqlens 0 .. n) and continues its slot's sequence (has_initial_state: a decode row has
         tokens in the cache), fixed here."""
-        flat = torch.zeros(len(STAGED) * n, dtype=torch.int64, device=device)
-        f = dict(zip(STAGED, flat.view(len(STAGED), n)))
+        flat = torch.zeros(len(STAGED) * n + 1 + n * width, dtype=torch.int64, device=device)
+        f = dict(zip(STAGED, flat[: len(STAGED) * n].view(len(STAGED), n)))
         steps = torch.arange(n + 1, dtype=torch.int64, device=device)
         group = RowGroup(
             tok_start=0,
@@ -87,8 +94,26 @@ class _Buffers:
             logits_indices=steps[:n],
         )
         pinned = device.type == "cuda"
-        host = torch.zeros(len(STAGED) * n, dtype=torch.int64, pin_memory=pinned)
-        return cls(batch, flat, host, torch.zeros(n * width, dtype=torch.int64, pin_memory=pinned))
+        host = torch.zeros(flat.numel(), dtype=torch.int64, pin_memory=pinned)
+        made = cls(batch, flat, host, torch.cuda.Event() if pinned else None)
+        made.row_ids = steps[:n, None]
+        made.col_ids = torch.arange(width, dtype=torch.int64, device=device)
+        return made
+
+    def expand(self) -> None:
+        """The packed page tables (w columns a row, w in the buffer) into the [B, max pages]
+        tensor the kernels read: entry (r, c) from packed place r * w + c. Device ops of fixed
+        shapes that read w on the device, so one graph replays them for any w; the columns past
+        a row's w get other rows' pages, which the kernels never read (they stop at seq_lens)."""
+        if self.flat is None:
+            return
+        dec = self.batch.decode
+        assert dec is not None and self.row_ids is not None and self.col_ids is not None
+        n, width = dec.block_tables.shape
+        head = len(STAGED) * n
+        at = self.row_ids * self.flat[head] + self.col_ids  # [B, max pages]: r * w + c
+        at.clamp_(max=n * width - 1)
+        torch.index_select(self.flat[head + 1 :], 0, at.view(-1), out=dec.block_tables.view(-1))
 
     @classmethod
     def like(cls, b: ForwardBatch, width: int) -> _Buffers:
@@ -132,6 +157,12 @@ class _Buffers:
             (sd.seq_lens, bd.seq_lens),
         ):
             dst.copy_(x, non_blocking=True)
+        if self.flat is not None:  # a staged size's tables come from its packed ones (`expand`)
+            n, w = bd.block_tables.shape
+            head = len(STAGED) * n
+            self.flat[head].fill_(w)
+            self.flat[head + 1 : head + 1 + n * w].copy_(bd.block_tables.reshape(-1), non_blocking=True)
+            return
         # columns past a row's pages are never read (the kernels stop at seq_lens)
         sd.block_tables[:, : bd.block_tables.shape[1]].copy_(bd.block_tables, non_blocking=True)
 
@@ -183,7 +214,7 @@ class DecodeGraphs:
         elif g.buffers.flat is None:  # this size's buffers came from a general batch: loaded by `run`
             return None
         buf = g.buffers
-        assert buf.host is not None and buf.flat is not None and buf.host_tables is not None
+        assert buf.host is not None and buf.flat is not None
         if buf.pending is not None:  # the last upload from these host buffers must be done
             buf.pending.synchronize()
         bs = block_size
@@ -193,19 +224,15 @@ class DecodeGraphs:
         vals += [r.block_ids[q // bs] * bs + q % bs for r, q in zip(rows, pos)]
         vals += [r.slot for r in rows]
         vals += [q + 1 for q in pos]
-        buf.host.copy_(torch.tensor(vals, dtype=torch.int64))
-        table = tables.rows(rows)
-        w = table.shape[1]
+        host = buf.host.numpy()
+        head = len(vals) + 1
+        w = tables.rows_into(rows, host[head:])
         assert w <= self.width, f"a row of {w} pages, past the widest a request can have ({self.width})"
-        host_t = buf.host_tables[: n * w].view(n, w)
-        host_t.copy_(table)
-        dec = buf.batch.decode
-        assert dec is not None
-        buf.flat.copy_(buf.host, non_blocking=True)
-        # columns past a row's pages are never read (the kernels stop at seq_lens)
-        dec.block_tables[:, :w].copy_(host_t, non_blocking=True)
-        if buf.flat.is_cuda:
-            buf.pending = torch.cuda.Event()
+        vals.append(w)
+        host[:head] = vals
+        end = head + n * w
+        buf.flat[:end].copy_(buf.host[:end], non_blocking=True)  # the step's one upload
+        if buf.pending is not None:
             buf.pending.record()
         return buf.batch
 
@@ -238,13 +265,17 @@ class DecodeGraphs:
         self.replayed = True
         return g.logits
 
+    def _forward(self, g: _Graph) -> torch.Tensor:
+        g.buffers.expand()
+        return self.model.forward(g.buffers.batch, self.pools)
+
     def _eager(self, g: _Graph) -> torch.Tensor:
         if self.stream is None:
-            return self.model.forward(g.buffers.batch, self.pools)
+            return self._forward(g)
         cur = torch.cuda.current_stream()
         self.stream.wait_stream(cur)
         with torch.cuda.stream(self.stream):  # the stream the capture will use: same handles, same workspaces
-            out = self.model.forward(g.buffers.batch, self.pools)
+            out = self._forward(g)
         cur.wait_stream(self.stream)
         return out
 
@@ -254,7 +285,7 @@ class DecodeGraphs:
         try:
             torch.cuda.synchronize()
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                g.logits = self.model.forward(g.buffers.batch, self.pools)
+                g.logits = self._forward(g)
         except Exception as e:  # capture refused (a host sync in some op): this size stays eager
             self.failed.add(n)
             self.sizes.pop(n, None)

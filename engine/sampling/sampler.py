@@ -266,6 +266,9 @@ class Sampler:
     @staticmethod
     def _emitted(rows, pos: list[int], got: list[int]) -> list[list[int]]:
         """Each row's emitted tokens: its first, then one more for each draft the draws agree with."""
+        # no drafts (each row one place, the last too): one token a row
+        if not rows or (pos[-1] == len(rows) - 1 and not rows[-1].num_draft):
+            return [[t] for t in got[: len(rows)]]
         emitted = []
         for r, q in zip(rows, pos):
             k = r.num_draft

@@ -1,13 +1,15 @@
 """Decode rows' page tables kept between steps (engine/block_tables.py) against the table made from
 each step's page lists, as build_batch made it before: random runs of steps where requests grow a
 page at a time, leave and come back, lose draft pages and get others at the same length, change
-slots, and slots pass from one request to another."""
+slots, and slots pass from one request to another; as a tensor and packed into a staged step's
+buffer."""
 
 from __future__ import annotations
 
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from engine.block_tables import BlockTables
@@ -53,7 +55,13 @@ def test_kept_tables_equal_tables_from_the_lists():
             continue
         running.sort(key=lambda r: slot_of[r])
         rows = [SimpleNamespace(request_id=r, slot=slot_of[r], block_ids=list(pages[r])) for r in running]
-        got = bt.rows(rows)
+        if step % 2:  # the tables as a tensor, or packed into a buffer as a staged step writes them
+            got = bt.rows(rows)
+        else:
+            out = np.full(len(rows) * 64 + 5, -7, dtype=np.int64)
+            w = bt.rows_into(rows, out)
+            assert (out[len(rows) * w :] == -7).all(), step  # nothing past the packed tables
+            got = torch.from_numpy(out[: len(rows) * w].reshape(len(rows), w))
         assert torch.equal(got, _from_lists(rows)), step
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.model.graphs import DecodeGraphs, plain_decode
+from engine.model.graphs import DecodeGraphs, _Buffers, plain_decode
 from tests.helpers import hybrid_ckpt as hc
 
 
@@ -65,6 +65,8 @@ def test_staged_batch_equals_the_general_one(ckpt):
         def both(step):  # staged first: the page tables it grows are written by the general path after
             g = DecodeGraphs(w.model, w.pools, w.max_pages_per_row(), capture=False)
             staged = g.stage(step.rows, w.block_tables, w.block_size) if plain_decode(step.rows) else None
+            if staged is not None:  # the packed page tables into the kernels' [rows, max pages], as a replay does
+                g.sizes[len(step.rows)].buffers.expand()
             general = real(step)
             seen.append((general, staged))
             return general
@@ -81,6 +83,12 @@ def test_staged_batch_equals_the_general_one(ckpt):
             assert torch.equal(getattr(a.decode, f), getattr(b.decode, f)), f
         w_ = a.decode.block_tables.shape[1]
         assert torch.equal(a.decode.block_tables, b.decode.block_tables[:, :w_])
+        # a batch built the general way, loaded into a staged size's buffers, reads the same tables
+        other = _Buffers.staged(a.decode.num_rows, b.decode.block_tables.shape[1], torch.device("cpu"))
+        other.load(a)
+        other.expand()
+        assert torch.equal(a.decode.block_tables, other.batch.decode.block_tables[:, :w_])
+        assert torch.equal(a.input_ids, other.batch.input_ids)
 
 
 def test_other_steps_are_not_covered(ckpt):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.model.graphs import plain_decode
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import ScheduledRow, SchedulerOutput
@@ -32,4 +33,31 @@ def test_short_path_builds_the_general_rows(params):
     general = step_input(so, mtp=True, merge=0, layer_posts=[]).rows[0]
     assert short == general
     assert short.token_ids == [9] and short.start_pos == 42 and short.block_ids == [4, 9, 2]
-    assert short.block_ids is not req.block_ids  # a copy: the scheduler grows the request's list
+    # the request's own list, not an O(context) copy: the scheduler grows it only between steps
+    assert short.block_ids is req.block_ids
+
+
+def _decode_row(rid: str, rope_delta: int = 0, want_logits: bool = False) -> ScheduledRow:
+    req = Request(rid, list(range(40)), SamplingParams(temperature=0.0), output_token_ids=[7], slot=1, block_ids=[4])
+    req.num_computed_tokens = 40
+    req.rope_delta = rope_delta
+    req.want_logits = want_logits
+    return ScheduledRow(req, 1)
+
+
+def test_a_step_of_plain_decode_rows_says_so_and_agrees_with_the_check():
+    """StepInput.plain, set where the rows are built, is true only where engine/model/graphs.py
+    plain_decode, row by row, is true too: every row a plain decode row."""
+    cases = {  # rows, plain_decode, StepInput.plain
+        "decode rows": ([_decode_row("a"), _decode_row("b")], True, True),
+        "a rotary offset": ([_decode_row("a"), _decode_row("b", rope_delta=3)], False, False),
+        "wanted logits": ([_decode_row("a", want_logits=True)], True, False),  # built the general way
+        "no rows": ([], True, False),  # the worker returns before building a batch
+    }
+    for name, (rows, checked, said) in cases.items():
+        step = step_input(SchedulerOutput(rows, [], []), mtp=False, merge=0, layer_posts=[])
+        assert plain_decode(step.rows) == checked, name
+        assert step.plain == said, name
+    prompt = Request("p", list(range(40)), SamplingParams(), slot=2, block_ids=[5, 6, 7])
+    step = step_input(SchedulerOutput([_decode_row("a"), ScheduledRow(prompt, 40)], [], []), False, 0, [])
+    assert not step.plain and not plain_decode(step.rows)
