@@ -13,7 +13,7 @@ import torch
 class BlockTables:
     def __init__(self, max_pages: int, num_slots: int = 0):
         self.table = torch.zeros(num_slots, max_pages, dtype=torch.int64)
-        self._np = self.table.numpy()  # the same memory: numpy's gather is a quarter of torch's here
+        self._np: np.ndarray | None = None  # `table`'s memory seen by numpy (`rows_into`), made once a table
         self._rid: list[str | None] = [None] * num_slots
         self._n = [0] * num_slots  # pages written in the slot's row
         self._tail = [-1] * num_slots  # the last of them
@@ -33,6 +33,8 @@ class BlockTables:
         """The same tables written packed into `out` (at least len(rows) x widest entries, from its
         start): [len(rows), w] in row order. Returns w, the widest row's pages."""
         slots, width = self._update(rows)
+        if self._np is None:  # numpy's gather is a quarter of torch's on these sizes
+            self._np = self.table.numpy()
         np.take(self._np[:, :width], slots, axis=0, out=out[: len(slots) * width].reshape(len(slots), width))
         return width
 
@@ -58,7 +60,7 @@ class BlockTables:
         """Room for slot s (the table is sized by the slots seen: a profile step's, then the pools')."""
         extra = max(s + 1, 2 * len(self._n)) - len(self._n)
         self.table = torch.cat([self.table, self.table.new_zeros(extra, self.table.shape[1])])
-        self._np = self.table.numpy()
+        self._np = None
         self._rid += [None] * extra
         self._n += [0] * extra
         self._tail += [-1] * extra

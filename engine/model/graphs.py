@@ -61,6 +61,7 @@ class _Buffers:
     batch: ForwardBatch
     flat: torch.Tensor | None = None
     host: torch.Tensor | None = None
+    host_np: Any = None  # `host` seen by numpy, made with it
     pending: Any = None  # a CUDA event recorded after each upload from `host` (pinned on CUDA)
     stepped: bool = False  # a step has run on these buffers
     row_ids: torch.Tensor | None = None  # [B, 1]: 0 .. B-1, for `expand`
@@ -95,7 +96,7 @@ class _Buffers:
         )
         pinned = device.type == "cuda"
         host = torch.zeros(flat.numel(), dtype=torch.int64, pin_memory=pinned)
-        made = cls(batch, flat, host, torch.cuda.Event() if pinned else None)
+        made = cls(batch, flat, host, host.numpy(), torch.cuda.Event() if pinned else None)
         made.row_ids = steps[:n, None]
         made.col_ids = torch.arange(width, dtype=torch.int64, device=device)
         return made
@@ -224,7 +225,7 @@ class DecodeGraphs:
         vals += [r.block_ids[q // bs] * bs + q % bs for r, q in zip(rows, pos)]
         vals += [r.slot for r in rows]
         vals += [q + 1 for q in pos]
-        host = buf.host.numpy()
+        host = buf.host_np
         head = len(vals) + 1
         w = tables.rows_into(rows, host[head:])
         assert w <= self.width, f"a row of {w} pages, past the widest a request can have ({self.width})"
