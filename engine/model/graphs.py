@@ -35,6 +35,12 @@ def graphs_wanted(device: torch.device, tp: int) -> bool:
 STAGED = ("input_ids", "positions", "slot_mapping", "slot_ids", "seq_lens")
 
 
+def _width_at(n: int) -> int:
+    """Where a staged size of n rows keeps, in its flat buffers, the packed page tables' width
+    (after the STAGED fields; the packed tables follow it)."""
+    return len(STAGED) * n
+
+
 def plain_decode(rows) -> bool:
     """Whether a step's rows (engine/step.py RowInput) are all plain decode rows as `stage` takes
     them: one token continuing its sequence, scoring it, no drafts, prompt logprobs or images."""
@@ -72,8 +78,8 @@ class _Buffers:
         """Buffers for n plain decode rows: each row's one token is scored (logits_indices and
         cu_seqlens 0 .. n) and continues its slot's sequence (has_initial_state: a decode row has
         tokens in the cache), fixed here."""
-        flat = torch.zeros(len(STAGED) * n + 1 + n * width, dtype=torch.int64, device=device)
-        f = dict(zip(STAGED, flat[: len(STAGED) * n].view(len(STAGED), n)))
+        flat = torch.zeros(_width_at(n) + 1 + n * width, dtype=torch.int64, device=device)
+        f = dict(zip(STAGED, flat[: _width_at(n)].view(len(STAGED), n)))
         steps = torch.arange(n + 1, dtype=torch.int64, device=device)
         group = RowGroup(
             tok_start=0,
@@ -96,10 +102,9 @@ class _Buffers:
         )
         pinned = device.type == "cuda"
         host = torch.zeros(flat.numel(), dtype=torch.int64, pin_memory=pinned)
-        made = cls(batch, flat, host, host.numpy(), torch.cuda.Event() if pinned else None)
-        made.row_ids = steps[:n, None]
-        made.col_ids = torch.arange(width, dtype=torch.int64, device=device)
-        return made
+        cols = torch.arange(width, dtype=torch.int64, device=device)
+        event = torch.cuda.Event() if pinned else None
+        return cls(batch, flat, host, host.numpy(), event, row_ids=steps[:n, None], col_ids=cols)
 
     def expand(self) -> None:
         """The packed page tables (w columns a row, w in the buffer) into the [B, max pages]
@@ -111,7 +116,7 @@ class _Buffers:
         dec = self.batch.decode
         assert dec is not None and self.row_ids is not None and self.col_ids is not None
         n, width = dec.block_tables.shape
-        head = len(STAGED) * n
+        head = _width_at(n)
         at = self.row_ids * self.flat[head] + self.col_ids  # [B, max pages]: r * w + c
         at.clamp_(max=n * width - 1)
         torch.index_select(self.flat[head + 1 :], 0, at.view(-1), out=dec.block_tables.view(-1))
@@ -160,7 +165,7 @@ class _Buffers:
             dst.copy_(x, non_blocking=True)
         if self.flat is not None:  # a staged size's tables come from its packed ones (`expand`)
             n, w = bd.block_tables.shape
-            head = len(STAGED) * n
+            head = _width_at(n)
             self.flat[head].fill_(w)
             self.flat[head + 1 : head + 1 + n * w].copy_(bd.block_tables.reshape(-1), non_blocking=True)
             return
@@ -226,7 +231,7 @@ class DecodeGraphs:
         vals += [r.slot for r in rows]
         vals += [q + 1 for q in pos]
         host = buf.host_np
-        head = len(vals) + 1
+        head = _width_at(n) + 1  # the width, then the packed tables
         w = tables.rows_into(rows, host[head:])
         assert w <= self.width, f"a row of {w} pages, past the widest a request can have ({self.width})"
         vals.append(w)
