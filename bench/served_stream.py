@@ -2,7 +2,7 @@
 build (compiled and eager), one server at a time, alternated, each restarted per run (not a test).
 
     python bench/served_stream.py [--vllm-python PATH] [--pairs 2] [--sampled] [--model tiny-qvocab]
-        [--systems pdserve-disagg pdserve-disagg-bound pdserve-disagg-nice0 pdserve-disagg-nice5 pdserve-colo
+        [--systems pdserve-disagg pdserve-disagg-bound pdserve-disagg-hold0 pdserve-disagg-nice7 pdserve-colo
                    pdserve-disagg-variant pdserve-colo-variant
                    vllm vllm-eager]
 
@@ -46,10 +46,11 @@ from bench.proc_cpu import children, cpu_s, self_cpu_s, tree_cpu_s  # noqa: E402
 SERVER = {
     "pdserve-disagg": ("pdserve-disagg", []),
     "pdserve-disagg-bound": ("pdserve-disagg", ["--cpu-binding", "auto"]),  # each node on CPUs of its own
-    # decode nodes at other priorities than the shared-CPU default (router/cpu_binding.py decode_nice)
-    "pdserve-disagg-nice0": ("pdserve-disagg", ["--decode-nice", "0"]),
-    "pdserve-disagg-nice5": ("pdserve-disagg", ["--decode-nice", "5"]),
+    # decode nodes sharing the CPUs with other priorities than the default (router/cpu_binding.py:
+    # steps held for prompts computing for them, --yield-to-prefill-ms, at nice 0)
+    "pdserve-disagg-hold0": ("pdserve-disagg", ["--yield-to-prefill-ms", "0"]),
     "pdserve-disagg-nice7": ("pdserve-disagg", ["--decode-nice", "7"]),
+    "pdserve-disagg-nice7-hold0": ("pdserve-disagg", ["--decode-nice", "7", "--yield-to-prefill-ms", "0"]),
     "pdserve-colo": ("pdserve", []),
     # the same with batch-invariant mode off (its default is on for bfloat16 on a CPU with avx512_bf16)
     "pdserve-disagg-variant": ("pdserve-disagg", ["--no-batch-invariant"]),

@@ -36,6 +36,12 @@ class DecodeNodeConfig(NodeArgs):
         "here nor makes every one of them wait for the longest step (default 128 on cpu, 2048 on cuda; 0: no cap); "
         "only while a prefill node is ready for this node (without one, every prompt is its own)",
     )
+    yield_to_prefill_ms: float = option(
+        0.0,
+        "on CPUs shared with prefill nodes: while a prompt reserved here is still computed or pushed, hold decode "
+        "steps back up to this many milliseconds after the last one, so the prompt gets the CPUs first (0: off; "
+        "`up` sets 50 where its nodes share the CPUs)",
+    )
     reservation_lease_s: float = option(30.0, "seconds a reservation lives unrenewed when Reserve names no lease",
                                         flag="--default-reservation-lease")  # fmt: skip
 
@@ -50,6 +56,8 @@ class DecodeNodeConfig(NodeArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.yield_to_prefill_ms < 0:
+            raise ValueError(f"yield_to_prefill_ms must be >= 0 (got {self.yield_to_prefill_ms})")
         if self.drain_handoff_s < 0:
             raise ValueError(f"drain_handoff_s must be >= 0 (got {self.drain_handoff_s})")
         if self.local_prefill_step_tokens is not None and self.local_prefill_step_tokens < 0:

@@ -91,7 +91,12 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         except Exception as e:  # no data plane here: the node still serves colocated requests
             log.warning("decode node %s: no %s transfer endpoint (%s); prefilling locally only", cfg.node_id,
                         self.backend, e)  # fmt: skip
-        self.loop = EngineLoop(self.engine, name=f"{cfg.node_id}-engine", on_change=self.changes.changed).start()
+        self.loop = EngineLoop(
+            self.engine,
+            name=f"{cfg.node_id}-engine",
+            on_change=self.changes.changed,
+            yield_to_prefill_s=cfg.yield_to_prefill_ms / 1e3,
+        ).start()
         self.metrics = ServingMetrics("pdserve_decode", self._gauges)
         self._streams: set[str] = set()  # request ids a Generate call streams now
         self.sinks = TokenSinks()  # the callers' token streams (TokenStream, serving/mux.py)
@@ -112,6 +117,10 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
             "lease_expiries_total": (
                 "Reservations failed because their lease ran out (no renewal)",
                 s.transfer.lease_expiries,
+            ),
+            "prefill_yield_seconds_total": (
+                "Time decode steps were held back for prompts computing for this node (--yield-to-prefill-ms)",
+                round(self.loop.yielded_s, 3),
             ),
         }
 

@@ -135,6 +135,11 @@ class Connector(ABC):
     def has_work(self) -> bool:
         """True while poll() has something to drive (the loop keeps polling, even when idle)."""
 
+    def writes_awaited(self) -> int:
+        """Decode side: reservations whose state is still being computed or written elsewhere (a
+        prefill node works for this node now)."""
+        return 0
+
     def current(self, request_id: str) -> TransferRecord | None:
         """The standing record of a transfer, for a waiter that comes after it was reported
         (a reservation READY or failing), else None."""

@@ -299,6 +299,10 @@ class EngineCore:
         """End a request's transfer (its memory back once quiet). False: none in flight."""
         return self.connector is not None and self.connector.abort(request_id, reason)
 
+    def writes_awaited(self) -> int:
+        """Reservations here whose state a prefill node still computes or writes (Connector.writes_awaited)."""
+        return 0 if self.connector is None else self.connector.writes_awaited()
+
     def has_transfers(self) -> bool:
         return self.connector is not None and self.connector.has_work()
 

@@ -2,9 +2,10 @@
 the host's usable CPUs split between the nodes, in proportion to their ranks, contiguous, the
 remainder to prefill nodes first (their compute is the first token's); each node's torch then runs
 one OpenMP thread per CPU of its own. `none` (the default): every node sees every CPU (and
-oversubscribes them when they are few); decode nodes on the CPU then run at a lower priority than
-prefill nodes (`decode_nice`), so a prompt's compute goes ahead of decode steps and a first token
-waits for none of them (docs/router.md, `up`, "Priority")."""
+oversubscribes them when they are few); decode nodes on the CPU then hold their steps back while a
+prompt for them computes (`decode_yield_ms`), optionally at a lower priority too (`decode_nice`), so
+a prompt's compute goes ahead of decode steps and a first token waits for none of them
+(docs/router.md, `up`, "Priority")."""
 
 from __future__ import annotations
 
@@ -13,11 +14,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 CpuBinding = Literal["auto", "none"]
-# the nice value decode nodes get where they share CPUs with prefill nodes on the CPU (0-19): the
-# kernel then weighs a prefill node about 4.8 times a decode node (1024 against 215); at 10 (9.3
-# times) every other process at nice 0 on the host, a benchmark client's included, starved the
-# decode steps too (docs/router.md, `up`, "Priority")
-SHARED_DECODE_NICE = 7
+# How a decode node that shares CPUs with prefill nodes on the CPU lets a prompt's compute go first
+# (docs/router.md, `up`, "Priority"): it holds its steps back, up to this many milliseconds after
+# the last one, while a prompt reserved on it is still computed or pushed (the decode option
+# --yield-to-prefill-ms) ...
+SHARED_DECODE_YIELD_MS = 50.0
+# ... and runs at this nice value (0-19). A lower priority alone (7 until the hold came) kept the
+# first tokens behind decode steps on a crowded host and starved the decode steps beside a benchmark
+# client's own processes; with the hold, nice 0 served both faster (docs/benchmarks.md, CPU path)
+SHARED_DECODE_NICE = 0
 CPU_BINDINGS: tuple[CpuBinding, ...] = ("auto", "none")
 # who gets a CPU left over after the even split, first to last
 _REMAINDER_ORDER = ("prefill", "decode", "encode")
@@ -75,8 +80,23 @@ def decode_nice(given: int | None, mode: CpuBinding, prefill_nodes: int, device:
         if not 0 <= given <= 19:
             raise ValueError(f"--decode-nice must be in 0..19 (got {given})")
         return given
-    shared = mode == "none" and prefill_nodes > 0 and str(device).startswith("cpu")
-    return SHARED_DECODE_NICE if shared else 0
+    return SHARED_DECODE_NICE if _shared(mode, prefill_nodes, device) else 0
+
+
+def decode_yield_ms(given: float | None, mode: CpuBinding, prefill_nodes: int, device: str) -> float:
+    """The --yield-to-prefill-ms `up` starts decode nodes with: `given` wins; None:
+    SHARED_DECODE_YIELD_MS where prefill and decode nodes compute on the same CPUs (decode_nice's
+    rule), else 0."""
+    if given is not None:
+        if given < 0:
+            raise ValueError(f"--yield-to-prefill-ms must be >= 0 (got {given})")
+        return float(given)
+    return SHARED_DECODE_YIELD_MS if _shared(mode, prefill_nodes, device) else 0.0
+
+
+def _shared(mode: CpuBinding, prefill_nodes: int, device: str) -> bool:
+    """Prefill and decode nodes compute on the same CPUs."""
+    return mode == "none" and prefill_nodes > 0 and str(device).startswith("cpu")
 
 
 def lower_priority(nice: int) -> None:

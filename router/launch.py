@@ -22,7 +22,15 @@ from engine.options import options, to_argv
 from prefill_node.config import PrefillNodeConfig
 from router.child_env import launch_env
 from router.config import RouterConfig
-from router.cpu_binding import CpuBinding, NodeSlot, bound_env, decode_nice, split_cpus, usable_cpus
+from router.cpu_binding import (
+    CpuBinding,
+    NodeSlot,
+    bound_env,
+    decode_nice,
+    decode_yield_ms,
+    split_cpus,
+    usable_cpus,
+)
 from serving.security import API_KEY_ENV, TOKEN_ENV, Credentials, Tls
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,6 +95,7 @@ class PoolSpec:
             raise ValueError(f"--encode must be >= 0 (got {self.encode})")
         split_cpus([], [], self.cpu_binding)  # a bad mode refused before anything starts
         self.decode_nice_value()  # a bad value too
+        self.decode_yield_value()
         if self.insecure_open_cluster and self.cluster_token:
             raise ValueError("--insecure-open-cluster and --cluster-token-file exclude each other")
         _check_keys("router", self.router_options, settable(RouterConfig, ROUTER_MANAGED))
@@ -102,6 +111,11 @@ class PoolSpec:
     def decode_nice_value(self) -> int:
         device = self.pool_options("decode").get("device", "cpu")
         return decode_nice(self.decode_nice, self.cpu_binding, self.prefill, device)
+
+    def decode_yield_value(self) -> float:
+        """The decode nodes' --yield-to-prefill-ms (router/cpu_binding.py decode_yield_ms)."""
+        o = self.pool_options("decode")
+        return decode_yield_ms(o.get("yield_to_prefill_ms"), self.cpu_binding, self.prefill, o.get("device", "cpu"))
 
     def router_argv(self) -> list[str]:
         """The router's flags; client API keys go through its environment instead (router_env)."""
@@ -119,8 +133,10 @@ class PoolSpec:
 
     def node_argv(self, pool: str) -> list[str]:
         """The options every node of `pool` is started with (beyond model, router, id, tp)."""
-        metrics = {} if self.router_options.get("metrics_port") is None else {"metrics_port": 0}
-        return to_argv(options(NODE_CONFIGS[pool]), {**self.pool_options(pool), **metrics})
+        extra: dict[str, Any] = {} if self.router_options.get("metrics_port") is None else {"metrics_port": 0}
+        if pool == "decode":
+            extra["yield_to_prefill_ms"] = self.decode_yield_value()
+        return to_argv(options(NODE_CONFIGS[pool]), {**self.pool_options(pool), **extra})
 
 
 def _names(cls) -> set[str]:
@@ -209,9 +225,11 @@ class Cluster:
             shown = " ".join(f"{n}={','.join(map(str, c))}" for n, c in self.cpus.items())
             print(f"  cpu binding: {shown}", file=self.out, flush=True)
         self.nice = s.decode_nice_value()
-        if self.nice:
+        held = s.decode_yield_value()
+        if self.nice or held:
             print(
-                f"  decode nodes at nice {self.nice}: prefill first on shared CPUs (--decode-nice 0: off)",
+                f"  decode nodes at nice {self.nice}, steps held up to {held:g} ms while a prompt for them computes: "
+                "prefill first on shared CPUs (--decode-nice 0 --yield-to-prefill-ms 0: off)",
                 file=self.out,
                 flush=True,
             )

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TypeVar
 
-from engine.connector import RecvFreed, SendDone, TransferRecord
+from engine.connector import TransferRecord
 from engine.core import EngineCore
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -39,13 +39,12 @@ from serving.commands import (
     Snapshot,
     UnknownRequest,
     Wake,
-    refuse,
     refuse_queued,
-    settle,
     take_snapshot,
 )
 from serving.mux import TokenSink
 from serving.step_rate import StepRate
+from serving.transfer_waits import TransferWaits
 
 log = logging.getLogger("pdserve.engine")
 
@@ -62,7 +61,12 @@ class EngineLoop:
     With no step to run and transfers in flight, the loop polls them every poll_interval_s,
     doubling the wait after each poll that found nothing up to max_poll_interval_s (back to the
     first interval when one ends or a command comes): an idle decode node waiting for pushes does
-    not spend a core asking its ranks (one round trip each when they are processes)."""
+    not spend a core asking its ranks (one round trip each when they are processes).
+
+    yield_to_prefill_s > 0 (a decode node on CPUs it shares with prefill nodes): while a prompt
+    reserved here is still being computed or pushed, the loop holds its next step back until
+    yield_to_prefill_s after the last one, polling the transfers meanwhile, so the prompt gets the
+    CPUs and the decode rows wait instead (docs/router.md, `up`, "Priority")."""
 
     def __init__(
         self,
@@ -71,8 +75,14 @@ class EngineLoop:
         poll_interval_s: float = 0.001,
         on_change: Callable[[], None] | None = None,
         max_poll_interval_s: float = 0.004,
+        yield_to_prefill_s: float = 0.0,
     ) -> None:
+        if yield_to_prefill_s < 0:
+            raise ValueError(f"yield_to_prefill_s must be >= 0 (got {yield_to_prefill_s})")
         self.engine = engine
+        self.yield_to_prefill_s = yield_to_prefill_s
+        self._last_step = 0.0  # when the last step began (monotonic)
+        self.yielded_s = 0.0  # time steps were held back for prompts computed elsewhere (yield_to_prefill_s)
         self.poll_interval_s = poll_interval_s
         self.max_poll_interval_s = max(poll_interval_s, max_poll_interval_s)
         self._wait_s = poll_interval_s  # the idle wait before the next poll
@@ -81,9 +91,7 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         # loop thread only:
         self._handles: dict[str, RequestHandle] = {}  # requests streaming
-        self._pushing: dict[str, RequestHandle] = {}  # prefilled requests whose push runs
-        self._awaiting: dict[str, list[Future[TransferRecord]]] = {}  # AwaitTransfer, by request
-        self._releasing: dict[str, list[Future[None]]] = {}  # Release waiting for the memory
+        self._waits = TransferWaits()  # who waits on which transfer
         self._lock = threading.Lock()  # orders posts against stop
         self._closed = False
         self._stop = threading.Event()
@@ -228,7 +236,7 @@ class EngineLoop:
                 self._closed = True
             err = ShuttingDown("the node is shutting down")
             self._fail_all(err)
-            self._fail_transfers(err)
+            self._waits.fail(err)
             self._drain_inbox()
             if self._on_change is not None:
                 self._on_change()
@@ -237,11 +245,13 @@ class EngineLoop:
         eng = self.engine
         while not self._stop.is_set():
             busy = eng.has_unfinished()
+            held = busy and self._yielding()
             cmd: Command | None
+            waited = time.monotonic()
             try:
-                if busy:
+                if busy and not held:
                     cmd = self._inbox.get_nowait()
-                elif self._pending:  # transfers in flight: keep polling them
+                elif self._pending or held:  # transfers in flight (held: a prompt's push to come): keep polling them
                     cmd = self._inbox.get(timeout=self._wait_s)
                 else:
                     cmd = self._inbox.get()  # idle: sleep until a command
@@ -249,7 +259,8 @@ class EngineLoop:
                 cmd = None
             woke = time.monotonic()
             self.iterations += 1
-            if cmd is not None:  # new work may start a transfer: poll soon again
+            handled = cmd is not None
+            if handled:  # new work may start a transfer: poll soon again
                 self._wait_s = self.poll_interval_s
             while cmd is not None:
                 self._handle(cmd)
@@ -260,15 +271,27 @@ class EngineLoop:
             if self._stop.is_set():
                 break
             done = eng.prompt_tokens_computed
-            if eng.has_unfinished():
+            if held:
+                self.yielded_s += woke - waited
+            stepped = eng.has_unfinished() and not self._yielding()
+            if stepped:
                 self._step()
             # once a pass: the previous pass's poll came just before this step (only commands between),
             # and with the model in a rank process every poll is a round trip to it
-            self._poll()
+            ended = self._poll()
             self.prefill_rate.passed(eng.prompt_tokens_computed - done, woke, busy)
-            self._snap(fresh=not eng.has_unfinished())  # the loop may sleep next: what it reports stays
+            if stepped or ended or handled or not held:  # a held pass that changed nothing: nothing new to report
+                self._snap(fresh=not eng.has_unfinished())  # the loop may sleep next: what it reports stays
+
+    def _yielding(self) -> bool:
+        """Hold the next step back (yield_to_prefill_s): a prompt reserved here is still computed or
+        written elsewhere and the last step began less than yield_to_prefill_s ago."""
+        if self.yield_to_prefill_s <= 0 or time.monotonic() - self._last_step >= self.yield_to_prefill_s:
+            return False
+        return self.engine.writes_awaited() > 0
 
     def _step(self) -> None:
+        self._last_step = time.monotonic()
         try:
             outs = self.engine.step()
         except Exception as e:  # the engine is broken: fail what is in flight, keep serving
@@ -291,34 +314,26 @@ class EngineLoop:
     def _after(self, h: RequestHandle, out: RequestOutput) -> None:
         """A handle's request finished: a prefilled one waits for its push, the others wait for nothing."""
         if out.finish_reason == "prefilled" and self.engine.tracks_transfer(h.request_id):
-            self._pushing[h.request_id] = h
+            self._waits.pushing[h.request_id] = h
         else:
             h._transfer_ended(None)
 
-    def _poll(self) -> None:
-        """Drive the engine's transfers; hand what ended to whoever waits for it."""
+    def _poll(self) -> int:
+        """Drive the engine's transfers; hand what ended to whoever waits for it. Returns how many
+        records the poll brought."""
         eng = self.engine
         if not eng.has_transfers():
             self._pending = False
-            return
+            return 0
         try:
             records = eng.poll_transfers()
         except Exception:
             log.exception("polling the transfers failed")
             records = []
         self._wait_s = self.poll_interval_s if records else min(2 * self._wait_s, self.max_poll_interval_s)
-        for r in records:
-            rid = r.request_id
-            if isinstance(r, SendDone):
-                h = self._pushing.pop(rid, None)
-                if h is not None:
-                    h._transfer_ended(r)
-            for fut in self._awaiting.pop(rid, []):
-                settle(fut, r)
-            if isinstance(r, (SendDone, RecvFreed)):
-                for done in self._releasing.pop(rid, []):
-                    settle(done, None)
+        self._waits.settle(records)
         self._pending = eng.has_transfers()
+        return len(records)
 
     def _handle(self, cmd: Command) -> None:
         match cmd:
@@ -357,7 +372,7 @@ class EngineLoop:
 
     def _start(self, h: RequestHandle, add: Callable[[], RequestOutput | None]) -> None:
         """Put a request into the engine; its first output (if the start produced one) first."""
-        if h.request_id in self._handles or h.request_id in self._pushing:
+        if h.request_id in self._handles or h.request_id in self._waits.pushing:
             h._put(Failed(ValueError(f"request id {h.request_id!r} is already in flight")))
             return
         try:
@@ -400,7 +415,7 @@ class EngineLoop:
             cur._transfer_ended(None)
             cur._put(out if out is not None else Failed(LoopError(f"request {rid} aborted")))
             return Aborted(rid, out)
-        pushing = self._pushing.get(rid)
+        pushing = self._waits.pushing.get(rid)
         if pushing is not None and (h is None or pushing is h):
             self.engine.abort_transfer(rid, reason)  # the handle gets the push's end (SendDone)
             return Aborted(rid, None)
@@ -440,7 +455,7 @@ class EngineLoop:
         if cur is not None:
             fut.set_result(cur)
         else:
-            self._awaiting.setdefault(rid, []).append(fut)
+            self._waits.awaiting.setdefault(rid, []).append(fut)
 
     def _release(self, rid: str, fut: Future[None], reason: str) -> None:
         if rid not in self.engine.requests or rid in self._handles:
@@ -454,7 +469,7 @@ class EngineLoop:
         if freed:
             fut.set_result(None)
         else:  # answered by the poll that frees it
-            self._releasing.setdefault(rid, []).append(fut)
+            self._waits.releasing.setdefault(rid, []).append(fut)
 
     def _fail_all(self, err: Exception) -> None:
         for rid, h in list(self._handles.items()):
@@ -466,18 +481,6 @@ class EngineLoop:
             h._put(Failed(err))
         self._handles.clear()
 
-    def _fail_transfers(self, err: Exception) -> None:
-        """The loop stops: nobody waits on a transfer any more."""
-        for h in self._pushing.values():
-            h._transfer_ended(None, err)
-        for waits in self._awaiting.values():
-            for fut in waits:
-                refuse(fut, err)
-        for dones in self._releasing.values():
-            for done in dones:
-                refuse(done, err)
-        self._pushing, self._awaiting, self._releasing = {}, {}, {}
-
     def _drain_inbox(self) -> None:
         """Answer every command still queued (the loop stopped before it ran)."""
         refuse_queued(self._inbox, ShuttingDown("the engine loop has stopped: the node is shutting down"))
@@ -485,7 +488,7 @@ class EngineLoop:
     def _snap(self, fresh: bool = True) -> None:
         """Renew `snapshot`; fresh=False lets a busy loop keep a prefix digest up to
         DIGEST_REFRESH_S old (serving/commands.py take_snapshot)."""
-        streaming = len(self._handles) + len(self._pushing)
+        streaming = len(self._handles) + len(self._waits.pushing)
         rate = self.prefill_rate.rate() or 0.0
         self.snapshot = take_snapshot(self.engine, self.snapshot, streaming, rate, fresh)
         if self._on_change is not None:

@@ -7,6 +7,7 @@ thread), over a real engine whose memory must come back on every path."""
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import pytest
 
@@ -54,6 +55,9 @@ class Scripted(Connector):
 
     def has_work(self) -> bool:
         return bool(self.live or self.queued)
+
+    def writes_awaited(self) -> int:  # reserved and not yet reported ready: a prefill node computes it
+        return sum(1 for rid, r in self.live.items() if r is None and rid.startswith("d"))
 
     def poll(self) -> list[TransferRecord]:
         self.polls += 1
@@ -155,6 +159,41 @@ def test_an_idle_loop_polls_a_pending_transfer_less_and_less_often(loop):
     _report(lp, conn, RecvReady("d3"))
     assert ready.result(0.1 + lp.max_poll_interval_s) == RecvReady("d3")
     assert list(lp.admit("d3", len(PROMPT), 7))[-1].finish_reason == "length"
+
+
+def _decoded(h, seconds: float) -> int:
+    """Tokens a streaming handle delivers within `seconds` (fewer if it finishes first)."""
+    n, end = 0, time.monotonic() + seconds
+    try:
+        while (left := end - time.monotonic()) > 0:
+            out = h.next(left)
+            n += len(out.new_token_ids)
+            if out.finished:
+                break
+    except TimeoutError:
+        pass
+    return n
+
+
+def test_decode_steps_give_way_while_a_prompt_for_this_node_computes(setup):
+    """yield_to_prefill_s: a reservation whose state is still to come holds the decode steps back
+    (up to the cap after the last one, so they still move), and they go on at once when its state
+    is in; without a reservation waiting nothing is held."""
+    engine, conn = setup
+    lp = EngineLoop(engine, name="yielding", yield_to_prefill_s=0.25).start()
+    try:
+        free = list(lp.submit("free", PROMPT, GREEDY))  # no reservation: no step held
+        assert free[-1].finish_reason == "length" and lp.yielded_s == 0.0
+        lp.reserve("d5", PROMPT, GREEDY, transfer=30.0).result(5)
+        h = lp.submit("held", PROMPT, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+        first = _decoded(h, 1.0)  # the prompt's step, then a step at most every 0.25 s
+        assert 1 <= first <= 1 + 1.0 / 0.25 + 1, first
+        assert lp.yielded_s > 0.5
+        _report(lp, conn, RecvReady("d5"))  # the state is in: nothing to give way to
+        assert first + _decoded(h, 10.0) == 64
+        assert list(lp.admit("d5", len(PROMPT), 7))[-1].finish_reason == "length"
+    finally:
+        lp.stop()
 
 
 def test_a_release_is_answered_once_the_memory_is_back(loop):

@@ -1,7 +1,8 @@
-"""`up --cpu-binding` and `--decode-nice`: the CPUs each node on one host gets and the priority
-decode nodes run at (router/cpu_binding.py), from the pure rules and as the started node processes
-hold them (their affinity, OpenMP width, nice value and autogroup nice, read from /proc), with
-tokens still served through the 1P+1D path."""
+"""`up --cpu-binding`, `--decode-nice` and `--yield-to-prefill-ms`: the CPUs each node on one host
+gets, the priority decode nodes run at and how long they hold their steps for prompts computing for
+them (router/cpu_binding.py), from the pure rules and as the started node processes hold them (their
+affinity, OpenMP width, nice value, autogroup nice and command line, read from /proc), with tokens
+still served through the 1P+1D path."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import os
 
 import pytest
 
-from router.cpu_binding import SHARED_DECODE_NICE, NodeSlot, decode_nice, split_cpus
+from router.cpu_binding import (
+    SHARED_DECODE_NICE,
+    SHARED_DECODE_YIELD_MS,
+    NodeSlot,
+    decode_nice,
+    decode_yield_ms,
+    split_cpus,
+)
 from tests.helpers.serve_harness import Up, flags, node_pid
 
 P, D, E = NodeSlot("prefill-0", "prefill"), NodeSlot("decode-0", "decode"), NodeSlot("encode-0", "encode")
@@ -55,8 +63,18 @@ def test_split_is_a_partition(cpus, shape):
         assert list(got[n.name]) == list(range(got[n.name][0], got[n.name][0] + len(got[n.name])))  # contiguous
 
 
+def test_decode_yield_rule():
+    assert decode_yield_ms(None, "none", 1, "cpu") == SHARED_DECODE_YIELD_MS > 0  # sharing the CPUs: prefill first
+    assert decode_yield_ms(None, "auto", 1, "cpu") == 0.0  # CPUs of their own
+    assert decode_yield_ms(None, "none", 0, "cpu") == 0.0  # colocated: no prefill node to give way to
+    assert decode_yield_ms(None, "none", 1, "cuda") == 0.0  # the compute is on GPUs
+    assert decode_yield_ms(20, "auto", 1, "cuda") == 20.0  # given: wins
+    with pytest.raises(ValueError, match="--yield-to-prefill-ms must be >= 0"):
+        decode_yield_ms(-1, "none", 1, "cpu")
+
+
 def test_decode_nice_rule():
-    assert decode_nice(None, "none", 1, "cpu") == SHARED_DECODE_NICE == 7  # sharing the CPUs: prefill first
+    assert decode_nice(None, "none", 1, "cpu") == SHARED_DECODE_NICE  # sharing the CPUs
     assert decode_nice(None, "auto", 1, "cpu") == 0  # CPUs of their own
     assert decode_nice(None, "none", 0, "cpu") == 0  # colocated: no prefill node to give way to
     assert decode_nice(None, "none", 1, "cuda") == 0  # the compute is on GPUs
@@ -75,6 +93,12 @@ def _group_nice(pid: int) -> int | None:
         return int(open(f"/proc/{pid}/autogroup").read().split()[-1])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _held_ms(pid: int) -> float:
+    """The --yield-to-prefill-ms a started node was given."""
+    argv = open(f"/proc/{pid}/cmdline", "rb").read().decode().split("\0")
+    return float(argv[argv.index("--yield-to-prefill-ms") + 1])
 
 
 def _allowed(pid: int) -> set[int]:
@@ -100,6 +124,7 @@ def test_started_nodes_hold_their_share(ckpt):
         assert _env(pre)["OMP_NUM_THREADS"] == str(len(want["prefill-0"]))
         assert _env(dec)["OMP_NUM_THREADS"] == str(len(want["decode-0"]))
         assert _nice(dec) == _nice(pre) == os.nice(0)  # on CPUs of their own: no priority given away
+        assert _held_ms(dec) == 0.0  # ... and no step held back
         with Client(up.address, timeout=60) as c:
             c.wait_ready(timeout=30)
             r = c.generate(prompt_token_ids=[1, 2, 3, 4], max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -114,6 +139,7 @@ def test_started_nodes_hold_their_share(ckpt):
             assert _env(pid).get("OMP_NUM_THREADS") == os.environ.get("OMP_NUM_THREADS")  # as inherited
         pre, dec = node_pid(up, "prefill-0"), node_pid(up, "decode-0")
         assert _nice(pre) == os.nice(0) and _nice(dec) == min(19, os.nice(0) + SHARED_DECODE_NICE)
+        assert _held_ms(dec) == SHARED_DECODE_YIELD_MS  # sharing the CPUs: decode steps give way to prompts
         if _group_nice(dec) is not None:  # autogroups: each node's session is a group, weighed by its nice
             assert (_group_nice(pre), _group_nice(dec)) == (0, SHARED_DECODE_NICE)
         with Client(up.address, timeout=60) as c:

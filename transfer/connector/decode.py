@@ -122,6 +122,9 @@ class DecodeConnector(RankEndpoints, Connector):
     def has_work(self) -> bool:
         return bool(self._res)
 
+    def writes_awaited(self) -> int:
+        return sum(1 for r in self._res.values() if r.phase is ReservationPhase.WAITING)
+
     def stats(self) -> ConnectorStats:
         return ConnectorStats(
             in_flight=len(self._res),
