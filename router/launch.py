@@ -226,13 +226,11 @@ class Cluster:
             print(f"  cpu binding: {shown}", file=self.out, flush=True)
         self.nice = s.decode_nice_value()
         held = s.decode_yield_value()
-        if self.nice or held:
-            print(
-                f"  decode nodes at nice {self.nice}, steps held up to {held:g} ms while a prompt for them computes: "
-                "prefill first on shared CPUs (--decode-nice 0 --yield-to-prefill-ms 0: off)",
-                file=self.out,
-                flush=True,
-            )
+        ways = [f"decode steps held up to {held:g} ms while a prompt for them computes"] if held else []
+        ways += [f"decode nodes at nice {self.nice}"] if self.nice else []
+        if ways:
+            off = " ".join(f for f, on in (("--yield-to-prefill-ms 0", held), ("--decode-nice 0", self.nice)) if on)
+            print(f"  {', '.join(ways)}: prefill first on shared CPUs ({off}: off)", file=self.out, flush=True)
         for i in range(s.prefill):
             self._spawn_node("prefill", i, s.prefill_tp)
         for i in range(s.decode):
