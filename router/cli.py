@@ -16,6 +16,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from router.child_env import apply_launch_env
+from router.console import say
 
 DEFAULT_HOME = Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
 DEMO_PROMPTS = [
@@ -39,7 +40,7 @@ def default_model_dir() -> Path:
     if not (d / "config.json").is_file():
         from engine.tiny_model import make_tiny_model
 
-        print(f"making the built-in tiny model in {d} ...", flush=True)
+        say(f"making the built-in tiny model in {d} ...")
         make_tiny_model(d)
     return d
 
@@ -93,10 +94,10 @@ def cmd_demo(args) -> int:
         node_options={"dtype": "float32"},
         log_level=args.log_level or "WARNING",
     )
-    print(f"starting a router, 1 prefill and 1 decode node (tp={args.tp}) on {model} ...", flush=True)
+    say(f"starting a router, 1 prefill and 1 decode node (tp={args.tp}) on {model} ...")
     with Cluster(spec) as cl:
         cl.start()
-        print(f"ready at {cl.address}", flush=True)
+        say(f"ready at {cl.address}")
         with Client(cl.address) as c:
             c.wait_ready(timeout=60)
             t0 = time.perf_counter()
@@ -171,7 +172,7 @@ def _serve_node(kind: str, serve, cfg, args) -> int:
 
     require_token(credentials(cfg), cfg.insecure_open_cluster, f"pdserve {kind}")
     node, _ = serve(f"{args.host}:{args.port}", cfg)
-    print(f"{kind} node {cfg.node_id} listening on {node.address}", flush=True)
+    say(f"{kind} node {cfg.node_id} listening on {node.address}")
     return _serve_until_signal(node, args.drain_timeout)
 
 
@@ -211,24 +212,23 @@ def cmd_up(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     cl = Cluster(spec, should_stop=stop.is_set)
     try:
-        print(
+        say(
             f"pdserve up: router + {spec.prefill} prefill (tp={spec.prefill_tp}) + {spec.decode} decode "
-            f"(tp={spec.decode_tp}){f' + {spec.encode} encode' if spec.encode else ''} node(s) on {spec.model}",
-            flush=True,
+            f"(tp={spec.decode_tp}){f' + {spec.encode} encode' if spec.encode else ''} node(s) on {spec.model}"
         )
         try:
             cl.start()
         except KeyboardInterrupt:
-            print("pdserve up: interrupted during start-up; stopping", flush=True)
+            say("pdserve up: interrupted during start-up; stopping")
             return 130
-        print(f"pdserve up: ready at {cl.address}", flush=True)
+        say(f"pdserve up: ready at {cl.address}")
         while not stop.wait(0.2):
             for name, rc in cl.poll_exited():
                 if name == "router":
                     raise RuntimeError(f"the router exited with status {rc}; stopping everything")
                 # the router notices through missing heartbeats and routes around the node
-                print(f"pdserve up: {name} exited with status {rc}", flush=True)
-        print("pdserve up: stopping", flush=True)
+                say(f"pdserve up: {name} exited with status {rc}")
+        say("pdserve up: stopping")
         return 0
     finally:
         cl.stop()

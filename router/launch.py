@@ -22,6 +22,7 @@ from engine.options import options, to_argv
 from prefill_node.config import PrefillNodeConfig
 from router.child_env import launch_env
 from router.config import RouterConfig
+from router.console import say
 from router.cpu_binding import (
     CpuBinding,
     NodeSlot,
@@ -223,14 +224,14 @@ class Cluster:
         self.cpus = split_cpus(usable_cpus(), self.node_slots(), s.cpu_binding)
         if self.cpus:
             shown = " ".join(f"{n}={','.join(map(str, c))}" for n, c in self.cpus.items())
-            print(f"  cpu binding: {shown}", file=self.out, flush=True)
+            say(f"  cpu binding: {shown}", self.out)
         self.nice = s.decode_nice_value()
         held = s.decode_yield_value()
         ways = [f"decode steps held up to {held:g} ms while a prompt for them computes"] if held else []
         ways += [f"decode nodes at nice {self.nice}"] if self.nice else []
         if ways:
             off = " ".join(f for f, on in (("--yield-to-prefill-ms 0", held), ("--decode-nice 0", self.nice)) if on)
-            print(f"  {', '.join(ways)}: prefill first on shared CPUs ({off}: off)", file=self.out, flush=True)
+            say(f"  {', '.join(ways)}: prefill first on shared CPUs ({off}: off)", self.out)
         for i in range(s.prefill):
             self._spawn_node("prefill", i, s.prefill_tp)
         for i in range(s.decode):
@@ -274,7 +275,7 @@ class Cluster:
                 up = sorted(n.node.node_id for n in nodes if n.alive and n.node.node_id in want)
                 if len(up) != shown:
                     shown = len(up)
-                    print(f"  nodes registered: {len(up)}/{len(want)} {' '.join(up)}", file=self.out, flush=True)
+                    say(f"  nodes registered: {len(up)}/{len(want)} {' '.join(up)}", self.out)
                 if len(up) == len(want):
                     return
                 time.sleep(0.1)

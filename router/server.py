@@ -17,6 +17,7 @@ from prometheus_client import make_asgi_app
 from proto import pb
 from router.auth import HttpGuard, KeyLimits
 from router.config import RouterConfig
+from router.console import say
 from router.grpc_api import add_services
 from router.net import HttpServer, start_grpc, start_http
 from router.service import GenerateService
@@ -148,10 +149,10 @@ def run(
             tmp = Path(port_file + ".tmp")
             tmp.write_text(str(bound))
             tmp.rename(port_file)
-        print(f"router listening on {cfg.host}:{bound}", flush=True)
+        say(f"router listening on {cfg.host}:{bound}")
         if router.http_port is not None:
             scheme = "https" if cfg.tls_cert else "http"
-            print(f"router OpenAI-compatible HTTP on {scheme}://{cfg.host}:{router.http_port}/v1", flush=True)
+            say(f"router OpenAI-compatible HTTP on {scheme}://{cfg.host}:{router.http_port}/v1")
         stop, now = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
