@@ -77,8 +77,6 @@ class EngineLoop:
         max_poll_interval_s: float = 0.004,
         yield_to_prefill_s: float = 0.0,
     ) -> None:
-        if yield_to_prefill_s < 0:
-            raise ValueError(f"yield_to_prefill_s must be >= 0 (got {yield_to_prefill_s})")
         self.engine = engine
         self.yield_to_prefill_s = yield_to_prefill_s
         self._last_step = 0.0  # when the last step began (monotonic)
@@ -259,8 +257,7 @@ class EngineLoop:
                 cmd = None
             woke = time.monotonic()
             self.iterations += 1
-            handled = cmd is not None
-            if handled:  # new work may start a transfer: poll soon again
+            if cmd is not None:  # new work may start a transfer: poll soon again
                 self._wait_s = self.poll_interval_s
             while cmd is not None:
                 self._handle(cmd)
@@ -280,7 +277,7 @@ class EngineLoop:
             # and with the model in a rank process every poll is a round trip to it
             ended = self._poll()
             self.prefill_rate.passed(eng.prompt_tokens_computed - done, woke, busy)
-            if stepped or ended or handled or not held:  # a held pass that changed nothing: nothing new to report
+            if stepped or ended or not held:  # a held pass that stepped and polled nothing has nothing new
                 self._snap(fresh=not eng.has_unfinished())  # the loop may sleep next: what it reports stays
 
     def _yielding(self) -> bool:

@@ -30,12 +30,14 @@ class Scripted(Connector):
         self.queued: list[TransferRecord] = []
         self.aborted: list[tuple[str, str]] = []
         self.polls = 0
+        self.reserved: set[str] = set()  # ids it took reservations for
 
     def prompt_prefilled(self, request: Request) -> None:
         self.live[request.request_id] = None
 
     def request_reserved(self, request: Request) -> object:
         self.live[request.request_id] = None
+        self.reserved.add(request.request_id)
         return f"where to write {request.request_id}"
 
     def request_activating(self, request: Request) -> None:
@@ -56,8 +58,8 @@ class Scripted(Connector):
     def has_work(self) -> bool:
         return bool(self.live or self.queued)
 
-    def writes_awaited(self) -> int:  # reserved and not yet reported ready: a prefill node computes it
-        return sum(1 for rid, r in self.live.items() if r is None and rid.startswith("d"))
+    def writes_awaited(self) -> int:  # reserved and nothing reported yet: a prefill node computes it
+        return sum(1 for rid in self.reserved if rid in self.live and self.live[rid] is None)
 
     def poll(self) -> list[TransferRecord]:
         self.polls += 1
