@@ -22,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from engine import heap
 from engine.cache.allocator import Capacity
 from engine.config import EngineConfig
 from engine.devices import bind, node_devices
@@ -113,6 +114,7 @@ def _rank_main(cfg: EngineConfig, rank: int, port: int, conn, device: str, steps
 
         worker = Worker(cfg, rank, all_reduce, broadcast, dev)
         steps = StepReader(steps_path)
+        heap.settle()  # the rank's weights and modules: out of the collector's walk
         conn.send(("ready", worker.capacity))
     except ValueError as e:  # a setting to change (the cache too small, ...): its message, as with one rank
         log.debug("rank %d: start-up refused", rank, exc_info=True)

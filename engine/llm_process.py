@@ -76,6 +76,7 @@ def main(fd: int) -> None:
     import traceback
 
     import engine  # noqa: F401  (before torch: the engine's OpenMP policy)
+    from engine import heap
     from engine.llm import LLM
     from engine.step_channel import messages
 
@@ -85,6 +86,7 @@ def main(fd: int) -> None:
         try:
             if name == "__init__":
                 llm = LLM(**args[0], engine_process=False)
+                heap.settle()  # a process of the engine's own: its start-up heap out of the collector's walk
                 conn.send(("ok", None))
                 continue
             assert llm is not None

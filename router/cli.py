@@ -168,10 +168,12 @@ def _node_config(cls, args):
 
 
 def _serve_node(kind: str, serve, cfg, args) -> int:
+    from engine import heap
     from serving.security import credentials, require_token
 
     require_token(credentials(cfg), cfg.insecure_open_cluster, f"pdserve {kind}")
     node, _ = serve(f"{args.host}:{args.port}", cfg)
+    heap.settle()  # the model and the server are up: what they hold is out of the collector's walk
     say(f"{kind} node {cfg.node_id} listening on {node.address}")
     return _serve_until_signal(node, args.drain_timeout)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from grpc_health.v1 import health_pb2
 from prometheus_client import make_asgi_app
 
+from engine import heap
 from proto import pb
 from router.auth import HttpGuard, KeyLimits
 from router.config import RouterConfig
@@ -149,6 +150,7 @@ def run(
             tmp = Path(port_file + ".tmp")
             tmp.write_text(str(bound))
             tmp.rename(port_file)
+        heap.settle()  # the tokenizers and the server are loaded: out of the collector's walk
         say(f"router listening on {cfg.host}:{bound}")
         if router.http_port is not None:
             scheme = "https" if cfg.tls_cert else "http"
