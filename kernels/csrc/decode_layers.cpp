@@ -212,9 +212,11 @@ struct DecodeLayers : torch::CustomClassHolder {
             A.index(seq_lens, "seq_lens", B, 1, W * bs + 1);
         }
         const int64_t nt = std::min<int64_t>(at::get_num_threads(), 8), esz = bf16 ? 2 : 4;
-        /* a bfloat16 GEMM splits over the threads where engine/model/linear.py splits it (a weight
-         * of 2^20 elements or more, or 2^26 multiply-adds) */
-        auto split = [&](int64_t N, int64_t K) { return N * K >= (1 << 20) || B * N * K >= (1 << 26); };
+        /* a bfloat16 GEMM splits over every thread, however small: the step's threads are awake
+         * already (one region for the step), so a split costs a phase's spin, not the wake-up that
+         * makes engine/model/linear.py keep small GEMMs on one thread; its bits do not depend on
+         * the split (gemm_bf16.cpp). At 16 rows of a 256-wide model this took a decode step from
+         * 5.7 to 4.7 ms on two threads (docs/benchmarks.md, CPU path). */
         const int b16 = bf16 ? 1 : 0;
         auto buf = at::empty({B * (2 * H + max_in + max_out + max_gu + max_gu / 2) * esz}, at::kByte);
         auto work = at::empty({nt * stride}, at::kFloat);
@@ -230,7 +232,7 @@ struct DecodeLayers : torch::CustomClassHolder {
         auto gemm = [&](const char *in, const at::Tensor &wp, char *out, int64_t N, int64_t K) {
             if (bf16) { /* the same bits whatever the split (gemm_bf16.cpp) */
                 const Bf16GemmJob j = gemm_bf16_job(B, N, K, (const uint16_t *)in, (const uint16_t *)wp.data_ptr(),
-                                                    (uint16_t *)out, split(N, K) ? nt : 1, dot);
+                                                    (uint16_t *)out, nt, dot);
                 TORCH_CHECK(j.per_thread <= xt_stride, A.op, ": gemm scratch too small");
                 step.push_back({j.chunks(), [j, xtp, xt_stride](int64_t c, int64_t t) {
                                     gemm_bf16_chunk(j, c, xtp + t * xt_stride);
