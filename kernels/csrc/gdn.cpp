@@ -12,45 +12,61 @@ namespace pdserve {
  * loops of gdn_head_out's generic branch below with the [dv] accumulators in registers (in
  * memory, each state row's multiply-add waits for the previous row's store). Every element takes
  * the same operations in the same order as there, so the same result to the bit whatever the
- * vector width. o [dv] receives S^T q. */
+ * vector width. o [dv] receives S^T q.
+ * The decay is applied to S^T k after the sum, (a S)^T k = a (S^T k), so the first pass only reads
+ * S and the state is stored once, by the second pass; each pass sums the even and the odd rows of
+ * S in two accumulator sets (added at the end) so that 2 * NV independent chains hide the
+ * multiply-add's latency (one set of NV chains at dv = 64 waited on it). */
 typedef float v16f __attribute__((vector_size(64)));
 static inline v16f bcast16(float x) { return v16f{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 template <int NV>
 static inline __attribute__((always_inline)) void gdn_head(float *S, int64_t dk, const float *q, const float *k,
                                                            const float *v, float a, float beta, float *o) {
-    v16f acc[NV] = {}, d[NV];
-    const v16f av = bcast16(a);
-    for (int64_t i = 0; i < dk; i++) { /* decay, and S^T k */
-        float *Si = S + i * 16 * NV;
-        const v16f kb = bcast16(k[i]);
+    v16f e[NV] = {}, f[NV] = {}, d[NV]; /* even rows' sums, odd rows' sums */
+    int64_t i = 0;
+    for (; i + 2 <= dk; i += 2) { /* S^T k */
+        const float *Si = S + i * 16 * NV;
+        const v16f k0 = bcast16(k[i]), k1 = bcast16(k[i + 1]);
         for (int r = 0; r < NV; r++) {
-            v16f x;
+            v16f x, y;
             memcpy(&x, Si + 16 * r, 64);
-            x *= av;
-            memcpy(Si + 16 * r, &x, 64);
-            acc[r] += x * kb;
+            memcpy(&y, Si + 16 * (NV + r), 64);
+            e[r] += x * k0;
+            f[r] += y * k1;
         }
     }
-    const v16f bv = bcast16(beta);
-    for (int r = 0; r < NV; r++) {
+    if (i < dk) { /* an odd dk's last row */
+        const v16f k0 = bcast16(k[i]);
+        for (int r = 0; r < NV; r++) {
+            v16f x;
+            memcpy(&x, S + i * 16 * NV + 16 * r, 64);
+            e[r] += x * k0;
+        }
+    }
+    const v16f av = bcast16(a), bv = bcast16(beta);
+    for (int r = 0; r < NV; r++) { /* d = beta (v - a S^T k) */
         v16f x;
         memcpy(&x, v + 16 * r, 64);
-        d[r] = (x - acc[r]) * bv;
-        acc[r] = v16f{};
+        const v16f kv = av * (e[r] + f[r]);
+        d[r] = (x - kv) * bv;
+        e[r] = v16f{}, f[r] = v16f{};
     }
-    for (int64_t i = 0; i < dk; i++) { /* the rank-one write, and S^T q */
+    for (i = 0; i < dk; i++) { /* S = a S + k d^T, and S^T q over the new S */
         float *Si = S + i * 16 * NV;
         const v16f kb = bcast16(k[i]), qb = bcast16(q[i]);
+        v16f *acc = (i & 1) ? f : e;
         for (int r = 0; r < NV; r++) {
             v16f x;
             memcpy(&x, Si + 16 * r, 64);
-            x += kb * d[r];
+            const v16f w = kb * d[r];
+            x = x * av + w;
             memcpy(Si + 16 * r, &x, 64);
             acc[r] += x * qb;
         }
     }
-    memcpy(o, acc, NV * 64);
+    for (int r = 0; r < NV; r++) e[r] += f[r];
+    memcpy(o, e, NV * 64);
 }
 
 /* One value head of one token after its q, k, v, decay a and beta are known: the delta rule on
@@ -65,18 +81,25 @@ static inline __attribute__((always_inline)) void gdn_head_out(float *S, int64_t
     if (dv == 32) gdn_head<2>(S, dk, q, k, v, a, beta, o);
     else if (dv == 64) gdn_head<4>(S, dk, q, k, v, a, beta, o);
     else if (dv == 128) gdn_head<8>(S, dk, q, k, v, a, beta, o);
-    else {
-        for (int64_t j = 0; j < dv; j++) kv[j] = 0.0f;
+    else { /* gdn_head's arithmetic, element by element (its even / odd row sums included) */
+        float od[dv];
+        for (int64_t j = 0; j < dv; j++) kv[j] = 0.0f, od[j] = 0.0f;
         for (int64_t i = 0; i < dk; i++) {
-            float *Si = S + i * dv;
-            for (int64_t j = 0; j < dv; j++) { Si[j] *= a; kv[j] += Si[j] * k[i]; }
+            const float *Si = S + i * dv;
+            float *acc = (i & 1) ? od : kv;
+            for (int64_t j = 0; j < dv; j++) acc[j] += Si[j] * k[i];
         }
-        for (int64_t j = 0; j < dv; j++) { kv[j] = (v[j] - kv[j]) * beta; o[j] = 0.0f; }
+        for (int64_t j = 0; j < dv; j++) {
+            const float skv = a * (kv[j] + od[j]);
+            kv[j] = (v[j] - skv) * beta, o[j] = 0.0f, od[j] = 0.0f;
+        }
         for (int64_t i = 0; i < dk; i++) {
             float *Si = S + i * dv;
+            float *acc = (i & 1) ? od : o;
             const float ki = k[i], qi = q[i];
-            for (int64_t j = 0; j < dv; j++) { Si[j] += ki * kv[j]; o[j] += Si[j] * qi; }
+            for (int64_t j = 0; j < dv; j++) { Si[j] = Si[j] * a + ki * kv[j]; acc[j] += Si[j] * qi; }
         }
+        for (int64_t j = 0; j < dv; j++) o[j] += od[j];
     }
     /* gated RMS norm: rnd(rnd(rnd(o) * rsqrt(mean + eps)) * w) * silu(z) */
     float ss = 0.0f;
