@@ -49,9 +49,7 @@ def main() -> None:
                 t = time.perf_counter()
                 eng.step()
                 steps.append((time.perf_counter() - t, eng.prompt_tokens_computed))
-            last_prompt = max(
-                i for i, (_, n) in enumerate(steps) if n == steps[-1][1] and (i == 0 or steps[i - 1][1] != n)
-            )
+            last_prompt = next(i for i, (_, n) in enumerate(steps) if n == steps[-1][1])  # its last tokens' step
             decode = [d for d, _ in steps[last_prompt + 1 :]]
             meds.append(statistics.median(decode) * 1e3)
     print(f"batch {args.batch}: decode step ms, median of each repetition: " + " ".join(f"{m:.3f}" for m in meds))

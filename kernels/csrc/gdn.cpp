@@ -24,27 +24,22 @@ template <int NV>
 static inline __attribute__((always_inline)) void gdn_head(float *S, int64_t dk, const float *q, const float *k,
                                                            const float *v, float a, float beta, float *o) {
     v16f e[NV] = {}, f[NV] = {}, d[NV]; /* even rows' sums, odd rows' sums */
-    int64_t i = 0;
-    for (; i + 2 <= dk; i += 2) { /* S^T k */
-        const float *Si = S + i * 16 * NV;
-        const v16f k0 = bcast16(k[i]), k1 = bcast16(k[i + 1]);
-        for (int r = 0; r < NV; r++) {
-            v16f x, y;
-            memcpy(&x, Si + 16 * r, 64);
-            memcpy(&y, Si + 16 * (NV + r), 64);
-            e[r] += x * k0;
-            f[r] += y * k1;
-        }
-    }
-    if (i < dk) { /* an odd dk's last row */
-        const v16f k0 = bcast16(k[i]);
+    const v16f av = bcast16(a), bv = bcast16(beta);
+    /* each pass runs rows in pairs, the even row into e and the odd one into f (a fixed array per
+     * call, so the sums stay in registers), then an odd dk's last row into e */
+    auto pairs = [&](auto row) {
+        int64_t i = 0;
+        for (; i + 2 <= dk; i += 2) row(i, e), row(i + 1, f);
+        if (i < dk) row(i, e);
+    };
+    pairs([&](int64_t i, v16f *acc) __attribute__((always_inline)) { /* S^T k */
+        const v16f kb = bcast16(k[i]);
         for (int r = 0; r < NV; r++) {
             v16f x;
             memcpy(&x, S + i * 16 * NV + 16 * r, 64);
-            e[r] += x * k0;
+            acc[r] += x * kb;
         }
-    }
-    const v16f av = bcast16(a), bv = bcast16(beta);
+    });
     for (int r = 0; r < NV; r++) { /* d = beta (v - a S^T k) */
         v16f x;
         memcpy(&x, v + 16 * r, 64);
@@ -52,10 +47,9 @@ static inline __attribute__((always_inline)) void gdn_head(float *S, int64_t dk,
         d[r] = (x - kv) * bv;
         e[r] = v16f{}, f[r] = v16f{};
     }
-    for (i = 0; i < dk; i++) { /* S = a S + k d^T, and S^T q over the new S */
+    pairs([&](int64_t i, v16f *acc) __attribute__((always_inline)) { /* S = a S + k d^T, and S^T q over the new S */
         float *Si = S + i * 16 * NV;
         const v16f kb = bcast16(k[i]), qb = bcast16(q[i]);
-        v16f *acc = (i & 1) ? f : e;
         for (int r = 0; r < NV; r++) {
             v16f x;
             memcpy(&x, Si + 16 * r, 64);
@@ -64,7 +58,7 @@ static inline __attribute__((always_inline)) void gdn_head(float *S, int64_t dk,
             memcpy(Si + 16 * r, &x, 64);
             acc[r] += x * qb;
         }
-    }
+    });
     for (int r = 0; r < NV; r++) e[r] += f[r];
     memcpy(o, e, NV * 64);
 }
