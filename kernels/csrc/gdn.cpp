@@ -63,6 +63,37 @@ static inline __attribute__((always_inline)) void gdn_head(float *S, int64_t dk,
     memcpy(o, e, NV * 64);
 }
 
+/* sum_i v[i]^2 for i < n: lanes i % 8 of the 8-blocks, the even blocks and the odd ones in two sets
+ * (two chains, not one of n multiply-adds in a row), the sets added, their lanes added
+ * ((a0+a4)+(a1+a5)) + ((a2+a6)+(a3+a7)), then the last n % 8 one by one. Every GDN norm (q, k and
+ * the gated output norm, in decode and in prefill rows) sums through it, so each path gets the
+ * same bits. */
+static inline __attribute__((always_inline)) float sum_sq(const float *v, int64_t n) {
+    v8f A = {}, B = {};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        v8f x, y;
+        memcpy(&x, v + i, 32);
+        memcpy(&y, v + i + 8, 32);
+        A += x * x, B += y * y;
+    }
+    if (i + 8 <= n) {
+        v8f x;
+        memcpy(&x, v + i, 32);
+        A += x * x, i += 8;
+    }
+    A += B;
+    float s = ((A[0] + A[4]) + (A[1] + A[5])) + ((A[2] + A[6]) + (A[3] + A[7]));
+    for (; i < n; i++) s += v[i] * v[i];
+    return s;
+}
+
+/* q or k of one head in place: L2 norm (eps 1e-6) times sc */
+static inline __attribute__((always_inline)) void l2_norm(float *v, int64_t n, float sc) {
+    const float inv = 1.0f / sqrtf(sum_sq(v, n) + 1e-6f);
+    for (int64_t i = 0; i < n; i++) v[i] = v[i] * inv * sc;
+}
+
 /* One value head of one token after its q, k, v, decay a and beta are known: the delta rule on
  * its state S [dk, dv], then the gated RMS norm of S^T q with z = proj[zo .. zo + dv), written to
  * out[oo .. oo + dv). Shared by every op below, so that a token's arithmetic is the same whichever
@@ -96,9 +127,8 @@ static inline __attribute__((always_inline)) void gdn_head_out(float *S, int64_t
         for (int64_t j = 0; j < dv; j++) o[j] += od[j];
     }
     /* gated RMS norm: rnd(rnd(rnd(o) * rsqrt(mean + eps)) * w) * silu(z) */
-    float ss = 0.0f;
-    for (int64_t j = 0; j < dv; j++) { o[j] = rnd(o[j], bf16); ss += o[j] * o[j]; }
-    const float inv = 1.0f / sqrtf(ss / (float)dv + eps);
+    for (int64_t j = 0; j < dv; j++) o[j] = rnd(o[j], bf16);
+    const float inv = 1.0f / sqrtf(sum_sq(o, dv) / (float)dv + eps);
     float zs[dv];
     for (int64_t j = 0; j < dv; j++) zs[j] = load(proj, zo + j, bf16);
     silu_rows(zs, dv);
@@ -147,12 +177,7 @@ gdn_decode_rows(int64_t b0, int64_t b1, int64_t Hk, int64_t Hv, int64_t dk, int6
         if (bf16)
             for (int64_t c = 0; c < D; c++) y[c] = rnd(y[c], bf16);
         /* q, k: L2 norm per head (eps 1e-6), q also scaled by dk^-1/2 */
-        for (int64_t h = 0; h < 2 * Hk; h++) {
-            float *v = y + h * dk, ss = 0.0f;
-            for (int64_t i = 0; i < dk; i++) ss += v[i] * v[i];
-            const float inv = 1.0f / sqrtf(ss + 1e-6f), sc = h < Hk ? q_scale : 1.0f;
-            for (int64_t i = 0; i < dk; i++) v[i] = v[i] * inv * sc;
-        }
+        for (int64_t h = 0; h < 2 * Hk; h++) l2_norm(y + h * dk, dk, h < Hk ? q_scale : 1.0f);
         const int64_t zo = b * ld_proj + D, bo = zo + Hv * dv, ao = bo + Hv;
         for (int64_t h = 0; h < Hv; h++) {
             beta[h] = rnd(1.0f / (1.0f + expf(-load(proj, bo + h, bf16))), bf16);
@@ -324,10 +349,14 @@ static void gdn_rows_unit(const gdn_rows_job *j, int64_t r, int64_t kh, int64_t 
         if (pt < pt_end && j->pt_off[pt] - b0 < nb) nb = j->pt_off[pt] - b0;
         for (int64_t t = b0; t < b0 + nb; t++) { /* the block's conv, silu, q/k norms and gates */
             float *y = Y + (t - b0) * nch;
-            if (t + GDN_PREFETCH < n) /* the unit's inputs of a later token: proj rows lie a row apart */
+            if (t + GDN_PREFETCH < n) { /* the unit's inputs of a later token: proj rows lie a row apart */
+                const char *pr = (const char *)j->proj + (t0 + t + GDN_PREFETCH) * ld * (BF16 ? 2 : 4);
                 for (const auto &sp : span)
                     for (int64_t c = 0; c < sp[2]; c += 64 / (BF16 ? 2 : 4))
-                        __builtin_prefetch((const char *)j->proj + ((t0 + t + GDN_PREFETCH) * ld + sp[0] + c) * (BF16 ? 2 : 4), 0, 3);
+                        __builtin_prefetch(pr + (sp[0] + c) * (BF16 ? 2 : 4), 0, 3);
+                for (int64_t c = 0; c < grp * dv; c += 64 / (BF16 ? 2 : 4)) /* its z, read by the heads' norms */
+                    __builtin_prefetch(pr + (D + kh * grp * dv + c) * (BF16 ? 2 : 4), 0, 3);
+            }
             for (const auto &sp : span) {
                 float *yl = y + sp[1];
                 for (int64_t i = 0; i <= K1; i++) {
@@ -350,12 +379,8 @@ static void gdn_rows_unit(const gdn_rows_job *j, int64_t r, int64_t kh, int64_t 
                 if (BF16)
                     for (int64_t c = 0; c < sp[2]; c++) yl[c] = rnd(yl[c], 1);
             }
-            for (int64_t h = 0; h < 2; h++) { /* q, k: L2 norm (eps 1e-6), q also scaled by dk^-1/2 */
-                float *v = y + h * dk, ss = 0.0f;
-                for (int64_t i = 0; i < dk; i++) ss += v[i] * v[i];
-                const float inv = 1.0f / sqrtf(ss + 1e-6f), sc = h == 0 ? q_scale : 1.0f;
-                for (int64_t i = 0; i < dk; i++) v[i] = v[i] * inv * sc;
-            }
+            l2_norm(y, dk, q_scale); /* q, k: L2 norm (eps 1e-6), q also scaled by dk^-1/2 */
+            l2_norm(y + dk, dk, 1.0f);
             const int64_t bo = (t0 + t) * ld + D + Hv * dv + kh * grp, ao = bo + Hv;
             for (int64_t h = 0; h < grp; h++) {
                 const int64_t hg = kh * grp + h;
