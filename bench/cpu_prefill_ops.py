@@ -4,7 +4,7 @@ prefill's attention, two passes on two threads) and over 16 decode rows at 600 p
 and `gdn_rows` over 4 x 512 rows (bench/vs_vllm_cpu.py's tiny checkpoint: 4 query / 2 KV heads
 of 64; 4 key / 8 value heads of 64). Prints each op's median and fastest time.
 
-    python bench/cpu_prefill_ops.py [--reps 30] [--threads 2] [--ops LIB]
+    python bench/cpu_prefill_ops.py [--reps 30] [--threads 2] [--ops LIB] [--only attn_prefill attn_decode gdn_rows]
 
 `--ops LIB`: time another build of the operators (kernels/_ops/pdserve_cpu_ops.so of a git
 worktree at an older commit, built there with `python -m kernels.build`) in place of this tree's,
@@ -65,6 +65,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ops", default=None, help="another build of the operator library to time")
+    ap.add_argument("--only", nargs="+", choices=["attn_prefill", "attn_decode", "gdn_rows"], default=None)
     args = ap.parse_args()
     if args.ops:
         torch.ops.load_library(args.ops)
@@ -75,11 +76,15 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     lib = args.ops or "this tree's operators"
     print(f"{lib}, {args.threads} threads, bfloat16, median (fastest) of {args.reps}")
-    rows = {
-        "attn_decode, 4 x 512 prefill rows": attention([512] * 4, [512] * 4, args.reps),
-        "attn_decode, 16 decode rows x 600 positions": attention([1] * 16, [600] * 16, args.reps),
-        "gdn_rows, 4 x 512 rows": gdn(args.reps),
+    cases = {
+        "attn_prefill": ("attn_decode, 4 x 512 prefill rows", lambda: attention([512] * 4, [512] * 4, args.reps)),
+        "attn_decode": (
+            "attn_decode, 16 decode rows x 600 positions",
+            lambda: attention([1] * 16, [600] * 16, args.reps),
+        ),
+        "gdn_rows": ("gdn_rows, 4 x 512 rows", lambda: gdn(args.reps)),
     }
+    rows = {name: run() for key, (name, run) in cases.items() if args.only is None or key in args.only}
     for name, (med, best) in rows.items():
         print(f"  {name:<46}{med * 1e3:8.3f} ms ({best * 1e3:.3f})")
     return 0
