@@ -10,21 +10,6 @@
 
 namespace pdserve {
 
-/* sum_j a[j] * b[j] with eight partial sums (a plain loop is one serial chain of adds). */
-static inline float dot_f32(const float *a, const float *b, int64_t n) {
-    v8f acc = {};
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        v8f x, y;
-        memcpy(&x, a + j, 32);
-        memcpy(&y, b + j, 32);
-        acc += x * y;
-    }
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; j < n; j++) s += a[j] * b[j];
-    return s;
-}
-
 /* out[p] = the sum of A[p]'s lanes, ((a0+a4)+(a1+a5)) +
  * ((a2+a6)+(a3+a7)), for p < 8, the 8 reductions done together by shuffles. */
 static inline __attribute__((always_inline)) void reduce8(const v8f *A, float *out) {
@@ -64,7 +49,7 @@ static inline __attribute__((always_inline)) float dot_one(const float *q, const
         memcpy(&x, q + j, 32);
         A = fma8(x, ld8(k, j, bf16), A);
     }
-    float v = ((A[0] + A[4]) + (A[1] + A[5])) + ((A[2] + A[6]) + (A[3] + A[7]));
+    float v = hsum8(A);
     for (int64_t j = hd8; j < hd; j++) v = __builtin_fmaf(q[j], load(k, j, bf16), v);
     return v;
 }
@@ -251,7 +236,7 @@ static inline float sum_lanes(const float *s, int64_t n) {
         memcpy(&x, s + t, 32);
         A += x;
     }
-    float v = ((A[0] + A[4]) + (A[1] + A[5])) + ((A[2] + A[6]) + (A[3] + A[7]));
+    float v = hsum8(A);
     for (; t < n; t++) v += s[t];
     return v;
 }

@@ -60,6 +60,26 @@ static inline v8f ld_bf8(const bf16_t *p) {
     return (v8f)u;
 }
 
+/* The sum of an eight-lane vector's lanes, ((a0+a4)+(a1+a5)) + ((a2+a6)+(a3+a7)): the one order
+ * every eight-lane reduction here takes. */
+static inline float hsum8(v8f A) { return ((A[0] + A[4]) + (A[1] + A[5])) + ((A[2] + A[6]) + (A[3] + A[7])); }
+
+/* sum_j a[j] * b[j] with eight partial sums (a plain loop is one serial chain of adds), then the
+ * last n % 8 in order. */
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    v8f acc = {};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        v8f x, y;
+        memcpy(&x, a + j, 32);
+        memcpy(&y, b + j, 32);
+        acc += x * y;
+    }
+    float s = hsum8(acc);
+    for (; j < n; j++) s += a[j] * b[j];
+    return s;
+}
+
 /* f2bf on eight lanes: the bfloat16 bits of each (nearest even, NaN kept quiet) */
 static inline v8u bf_bits8(v8f x) {
     v8u u;

@@ -63,34 +63,11 @@ static inline __attribute__((always_inline)) void gdn_head(float *S, int64_t dk,
     memcpy(o, e, NV * 64);
 }
 
-/* sum_i v[i]^2 for i < n: lanes i % 8 of the 8-blocks, the even blocks and the odd ones in two sets
- * (two chains, not one of n multiply-adds in a row), the sets added, their lanes added
- * ((a0+a4)+(a1+a5)) + ((a2+a6)+(a3+a7)), then the last n % 8 one by one. Every GDN norm (q, k and
- * the gated output norm, in decode and in prefill rows) sums through it, so each path gets the
- * same bits. */
-static inline __attribute__((always_inline)) float sum_sq(const float *v, int64_t n) {
-    v8f A = {}, B = {};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        v8f x, y;
-        memcpy(&x, v + i, 32);
-        memcpy(&y, v + i + 8, 32);
-        A += x * x, B += y * y;
-    }
-    if (i + 8 <= n) {
-        v8f x;
-        memcpy(&x, v + i, 32);
-        A += x * x, i += 8;
-    }
-    A += B;
-    float s = ((A[0] + A[4]) + (A[1] + A[5])) + ((A[2] + A[6]) + (A[3] + A[7]));
-    for (; i < n; i++) s += v[i] * v[i];
-    return s;
-}
-
-/* q or k of one head in place: L2 norm (eps 1e-6) times sc */
+/* q or k of one head in place: L2 norm (eps 1e-6) times sc. Every GDN norm (q, k and the gated
+ * output norm, in decode and in prefill rows) sums its squares with dot_f32 (eight lanes, not one
+ * chain of n multiply-adds), so each path gets the same bits. */
 static inline __attribute__((always_inline)) void l2_norm(float *v, int64_t n, float sc) {
-    const float inv = 1.0f / sqrtf(sum_sq(v, n) + 1e-6f);
+    const float inv = 1.0f / sqrtf(dot_f32(v, v, n) + 1e-6f);
     for (int64_t i = 0; i < n; i++) v[i] = v[i] * inv * sc;
 }
 
@@ -128,7 +105,7 @@ static inline __attribute__((always_inline)) void gdn_head_out(float *S, int64_t
     }
     /* gated RMS norm: rnd(rnd(rnd(o) * rsqrt(mean + eps)) * w) * silu(z) */
     for (int64_t j = 0; j < dv; j++) o[j] = rnd(o[j], bf16);
-    const float inv = 1.0f / sqrtf(sum_sq(o, dv) / (float)dv + eps);
+    const float inv = 1.0f / sqrtf(dot_f32(o, o, dv) / (float)dv + eps);
     float zs[dv];
     for (int64_t j = 0; j < dv; j++) zs[j] = load(proj, zo + j, bf16);
     silu_rows(zs, dv);
