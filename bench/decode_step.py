@@ -5,7 +5,7 @@
 `--batch` requests of random `--prompt-len`-token prompts go in at once (the engine's
 max_num_seqs is the batch), greedy; every step is timed and the steps after the last prompt
 token was computed are the decode-only ones. Prints the median of each repetition, in ms. The
-threads are torch's (OMP_NUM_THREADS). The checkpoint defaults to the served benchmark's
+threads are torch's (OMP_NUM_THREADS); the loaded engine's heap is frozen, as in a serving node. The checkpoint defaults to the served benchmark's
 (/root/.cache/bench-bf16-tiny, bfloat16). Alternate two builds of the operators run by run under
 `flock /tmp/pdserve-bench.lock` for a before / after.
 """
@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=200)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    from engine import LLM, SamplingParams
+    from engine import LLM, SamplingParams, heap
 
     rng = random.Random(0)
     sp = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
@@ -41,6 +41,7 @@ def main() -> None:
     with LLM(args.model, max_num_seqs=args.batch, dtype=args.dtype, engine_process=False) as llm:
         eng = llm.engine
         assert eng is not None
+        heap.settle()  # as a serving node does once it is up (engine/heap.py): no collector walk in the steps
         for _ in range(args.reps):
             for _ in range(args.batch):
                 eng.add_request([rng.randrange(1, 1000) for _ in range(args.prompt_len)], sp)
