@@ -24,13 +24,6 @@ static inline __attribute__((always_inline)) void reduce8(const v8f *A, float *o
     memcpy(out, &r, 32);
 }
 
-static inline __attribute__((always_inline)) v8f ld8(const void *p, int64_t i, const int bf16) {
-    if (bf16) return ld_bf8((const bf16_t *)p + i);
-    v8f y;
-    memcpy(&y, (const float *)p + i, 32);
-    return y;
-}
-
 /* c + a * b rounded once, lane by lane. Scores and weighted values use it rather than `c += a * b`,
  * which the compiler may fuse in one place and not in another (a sum it unrolls and vectorises
  * wider multiplies first): every path to a row's scores then gives the same bits. */
@@ -241,6 +234,27 @@ static inline float sum_lanes(const float *s, int64_t n) {
     return v;
 }
 
+/* A query vector's output: out[oo + j] = rnd(acc[j] * inv) * rnd(sigmoid(qkv[gate + j])) for j < hd,
+ * eight lanes at a time (exp8; exp_fast, its one-lane form, for the dims past the last multiple of
+ * 8). Every row goes through it, so decode and prefill rows get the same bits. */
+static inline __attribute__((always_inline)) void gate_out(const float *acc, float inv, const void *qkv, int64_t gate,
+                                                           void *out, int64_t oo, int64_t hd, const int bf16) {
+    const v8f iv = bcast(inv);
+    int64_t j = 0;
+    for (; j + 8 <= hd; j += 8) {
+        v8f o;
+        memcpy(&o, acc + j, 32);
+        o = o * iv;
+        const v8f sg = 1.0f / (1.0f + exp8(-ld8(qkv, gate + j, bf16)));
+        st8(out, oo + j, rnd8_if(o, bf16) * rnd8_if(sg, bf16), bf16);
+    }
+    for (; j < hd; j++) {
+        const float o = rnd(acc[j] * inv, bf16);
+        const float sg = rnd(1.0f / (1.0f + exp_fast(-load(qkv, gate + j, bf16))), bf16);
+        store(out, oo + j, o * sg, bf16);
+    }
+}
+
 /* Rows b .. b+r-1 attend together when each reads, from the same pages, every position row b
  * reads (the rows of one sequence in a prefill): then the positions [0, seq_lens[b]) are shared. */
 static int64_t tile_rows(const AttnJob *a, int64_t b, int64_t rmax) {
@@ -269,25 +283,42 @@ static inline __attribute__((always_inline)) void attn_rows(const AttnJob *a, co
              * first pass stores k alone; a second attends with q alone) */
             for (int64_t i = a->pass == 1 ? H : 0; i < (a->pass == 2 ? H : nqk); i++) {
                 float *x = qkw + i * hd;
-                for (int64_t j = 0; j < hd; j++) x[j] = load(a->qkv, row + i * hd + j, bf16);
+                const int64_t hd8 = hd - hd % 8, h8 = half - half % 8;
+                for (int64_t j = 0; j < hd8; j += 8) st8(x, j, ld8(a->qkv, row + i * hd + j, bf16), 0);
+                for (int64_t j = hd8; j < hd; j++) x[j] = load(a->qkv, row + i * hd + j, bf16);
                 const float ss = dot_f32(x, x, hd);
                 const float inv = 1.0f / sqrtf(ss / (float)hd + a->eps);
-                for (int64_t j = 0; j < hd; j++) x[j] = rnd(x[j] * inv * a->qk_norm[i * hd + j], bf16);
-                for (int64_t j = 0; j < half; j++) {
+                const float *nw = a->qk_norm + i * hd;
+                for (int64_t j = 0; j < hd8; j += 8) st8(x, j, rnd8_if(ld8(x, j, 0) * bcast(inv) * ld8(nw, j, 0), bf16), 0);
+                for (int64_t j = hd8; j < hd; j++) x[j] = rnd(x[j] * inv * nw[j], bf16);
+                const int64_t cs = rb * rd;
+                for (int64_t j = 0; j < h8; j += 8) {
+                    const v8f x1 = ld8(x, j, 0), x2 = ld8(x, j + half, 0);
+                    const v8f c1 = ld8(a->cos, cs + j, bf16), s1 = ld8(a->sin, cs + j, bf16);
+                    const v8f c2 = ld8(a->cos, cs + j + half, bf16), s2 = ld8(a->sin, cs + j + half, bf16);
+                    st8(x, j, rnd8_if(rnd8_if(x1 * c1, bf16) + rnd8_if(-x2 * s1, bf16), bf16), 0);
+                    st8(x, j + half, rnd8_if(rnd8_if(x2 * c2, bf16) + rnd8_if(x1 * s2, bf16), bf16), 0);
+                }
+                for (int64_t j = h8; j < half; j++) {
                     const float x1 = x[j], x2 = x[j + half];
-                    const float c1 = load(a->cos, rb * rd + j, bf16), s1 = load(a->sin, rb * rd + j, bf16);
-                    const float c2 = load(a->cos, rb * rd + j + half, bf16), s2 = load(a->sin, rb * rd + j + half, bf16);
+                    const float c1 = load(a->cos, cs + j, bf16), s1 = load(a->sin, cs + j, bf16);
+                    const float c2 = load(a->cos, cs + j + half, bf16), s2 = load(a->sin, cs + j + half, bf16);
                     x[j] = rnd(rnd(x1 * c1, bf16) + rnd(-x2 * s1, bf16), bf16);
                     x[j + half] = rnd(rnd(x2 * c2, bf16) + rnd(x1 * s2, bf16), bf16);
                 }
             }
             /* the new k and v into the row's page slot (not in a second pass: the first stored them) */
             const int64_t slot = a->slot_mapping[rb], blk = slot / a->bs, off = slot % a->bs;
-            const int64_t v_col = row + nqk * hd + H * hd;
+            const int64_t v_col = row + nqk * hd + H * hd, hd8 = hd - hd % 8;
             for (int64_t g = 0; g < KVH && a->pass != 2; g++) {
                 const int64_t kp = blk * a->s_blk + g * a->s_head + off * a->s_tok;
-                for (int64_t j = 0; j < hd; j++) {
-                    store(a->kv, kp + j, qkw[(H + g) * hd + j], bf16);
+                const float *kx = qkw + (H + g) * hd;
+                for (int64_t j = 0; j < hd8; j += 8) {
+                    st8(a->kv, kp + j, ld8(kx, j, 0), bf16);
+                    st8(a->kv, kp + a->s_kv + j, ld8(a->qkv, v_col + g * hd + j, bf16), bf16);
+                }
+                for (int64_t j = hd8; j < hd; j++) {
+                    store(a->kv, kp + j, kx[j], bf16);
                     store(a->kv, kp + a->s_kv + j, load(a->qkv, v_col + g * hd + j, bf16), bf16);
                 }
             }
@@ -328,12 +359,8 @@ static inline __attribute__((always_inline)) void attn_rows(const AttnJob *a, co
                 for (int i = 0; i < T.nq; i++) { /* the gate, into the row's output */
                     const int64_t qi = q0 + i, w = qi / grp, h = g * grp + qi % grp, row = (b + w) * a->ld;
                     const float inv = 1.0f / sum[i];
-                    const int64_t gate = row + nqk * hd + h * hd;
-                    for (int64_t j = 0; j < hd; j++) {
-                        const float o = rnd(T.acc[i][j] * inv, bf16);
-                        const float sg = rnd(1.0f / (1.0f + expf(-load(a->qkv, gate + j, bf16))), bf16);
-                        store(a->out, (b + w) * H * hd + h * hd + j, o * sg, bf16);
-                    }
+                    gate_out(T.acc[i], inv, a->qkv, row + nqk * hd + h * hd, a->out, (b + w) * H * hd + h * hd, hd,
+                             bf16);
                 }
             }
         }

@@ -18,6 +18,10 @@
 #include <cstring>
 #include <thread>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace pdserve {
 
 typedef uint16_t bf16_t;
@@ -53,11 +57,26 @@ static inline void store(void *p, int64_t i, float x, int bf16) {
 
 static inline v8f bcast(float x) { return v8f{x, x, x, x, x, x, x, x}; }
 
+/* eight bfloat16 from p as float32 (exact). With AVX2 one widening load and a shift: GCC's
+ * generic vector conversion split it into two 128-bit halves (six instructions, a third of the
+ * prefill attention's score loop). */
 static inline v8f ld_bf8(const bf16_t *p) {
+#if defined(__AVX2__)
+    return (v8f)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
     v8h h;
     memcpy(&h, p, 16);
     v8u u = __builtin_convertvector(h, v8u) << 16;
     return (v8f)u;
+#endif
+}
+
+/* eight values of a model-dtype tensor p from element i, as float32 */
+static inline __attribute__((always_inline)) v8f ld8(const void *p, int64_t i, const int bf16) {
+    if (bf16) return ld_bf8((const bf16_t *)p + i);
+    v8f y;
+    memcpy(&y, (const float *)p + i, 32);
+    return y;
 }
 
 /* The sum of an eight-lane vector's lanes, ((a0+a4)+(a1+a5)) + ((a2+a6)+(a3+a7)): the one order
@@ -95,6 +114,19 @@ static inline v8f rnd8(v8f x) {
     v8f y;
     memcpy(&y, &b, 32);
     return y;
+}
+
+/* x rounded to bfloat16 when bf16 (rnd on eight lanes), else x */
+static inline __attribute__((always_inline)) v8f rnd8_if(v8f x, const int bf16) { return bf16 ? rnd8(x) : x; }
+
+/* store on eight lanes: p[i .. i+8) = x, rounded to bfloat16 (f2bf's rounding) when bf16 */
+static inline __attribute__((always_inline)) void st8(void *p, int64_t i, v8f x, const int bf16) {
+    if (bf16) {
+        const v8h h = __builtin_convertvector(bf_bits8(x), v8h);
+        memcpy((bf16_t *)p + i, &h, 16);
+    } else {
+        memcpy((float *)p + i, &x, 32);
+    }
 }
 
 /* exp(x), relative error ~2e-7 (libm's expf: 0.5 ulp): Cody-Waite range reduction and a

@@ -9,31 +9,44 @@ namespace pdserve {
 
 /* Residual add and RMS norm of rows b0 <= b < b1:  xo[b] = rnd(x[b] + h[b]) (when h is not
  * nullptr, else x is normed as it is), y[b] = rnd(xo[b] * rsqrt(mean(xo[b]^2) + eps) * w), with
- * w [H] float32 (the 1 + w of a zero-centred norm). x, h, xo, y [B, H] model dtype. */
+ * w [H] float32 (the 1 + w of a zero-centred norm). x, h, xo, y [B, H] model dtype.
+ * A row at a time, eight lanes along it: the sum of squares in lanes i % 8 (hsum8's order, then
+ * the last H % 8 elements in order), so every caller (prefill rows, decode steps, the one-call
+ * step) gets the same bits for a row whatever rows run beside it. */
 static inline __attribute__((always_inline)) void add_rms_norm_rows(int64_t b0, int64_t b1, int64_t H,
                                                                     const void *x, const void *h, void *xo,
                                                                     const float *w, float eps, void *y, const int bf16) {
-    /* eight rows at a time: each row's sum of squares is still one chain in element order (the
-     * same rounding as a row alone), and the eight chains run side by side */
-    for (int64_t r0 = b0; r0 < b1; r0 += 8) {
-        const int64_t nr = b1 - r0 < 8 ? b1 - r0 : 8;
-        const void *src = h ? xo : x; /* the rows' values after the add */
-        float ss[8] = {0};
-        for (int64_t i = 0; i < H; i++)
-            for (int64_t r = 0; r < nr; r++) {
-                const int64_t e = (r0 + r) * H + i;
-                float v = load(x, e, bf16);
-                if (h) {
-                    v = rnd(v + load(h, e, bf16), bf16);
-                    store(xo, e, v, bf16);
-                }
-                ss[r] += v * v;
+    const void *src = h ? xo : x; /* the rows' values after the add */
+    const int64_t H8 = H - H % 8;
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t e0 = b * H;
+        v8f acc = {};
+        for (int64_t i = 0; i < H8; i += 8) {
+            v8f v = ld8(x, e0 + i, bf16);
+            if (h) {
+                v = v + ld8(h, e0 + i, bf16);
+                if (bf16) v = rnd8(v);
+                st8(xo, e0 + i, v, bf16);
             }
-        for (int64_t r = 0; r < nr; r++) {
-            const float inv = 1.0f / sqrtf(ss[r] / (float)H + eps);
-            const int64_t e0 = (r0 + r) * H;
-            for (int64_t i = 0; i < H; i++) store(y, e0 + i, load(src, e0 + i, bf16) * inv * w[i], bf16);
+            acc += v * v;
         }
+        float ss = hsum8(acc);
+        for (int64_t i = H8; i < H; i++) {
+            float v = load(x, e0 + i, bf16);
+            if (h) {
+                v = rnd(v + load(h, e0 + i, bf16), bf16);
+                store(xo, e0 + i, v, bf16);
+            }
+            ss += v * v;
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        const v8f iv = bcast(inv);
+        for (int64_t i = 0; i < H8; i += 8) {
+            v8f wv;
+            memcpy(&wv, w + i, 32);
+            st8(y, e0 + i, ld8(src, e0 + i, bf16) * iv * wv, bf16);
+        }
+        for (int64_t i = H8; i < H; i++) store(y, e0 + i, load(src, e0 + i, bf16) * inv * w[i], bf16);
     }
 }
 
