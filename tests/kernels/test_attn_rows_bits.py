@@ -19,12 +19,14 @@ from tests.helpers.kernel_testing import attn_rows_case
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the CPU operators are not built")
 
 # h, kvh, hd, bs: query vectors per KV head 2 (a tile of two rows), 1 (four rows), 3 (a tile of
-# 2 + 1), 8 (two tiles of 4 in one row); hd 48 and 72 leave a part of a 64-dim block
+# 2 + 1), 8 (two tiles of 4 in one row); hd 48 and 72 leave a part of a 64-dim block; hd 36 (rotary
+# half 9) runs the per-row loops' one-lane tails past the last multiple of 8
 SHAPES = {
     "gqa2-hd64-p16": (4, 2, 64, 16),
     "mha-hd48-p4": (3, 3, 48, 4),
     "gqa3-hd72-p16": (6, 2, 72, 16),
     "gqa8-hd64-p4": (8, 1, 64, 4),
+    "gqa2-hd36-p4": (4, 2, 36, 4),
 }
 # new rows per sequence and the positions each sequence reaches
 LAYOUTS = {

@@ -81,11 +81,12 @@ def test_gdn_decode_matches_pytorch(dtype, B, hk, hv, dk, dv):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("with_h", [True, False], ids=["add", "norm-only"])
 @pytest.mark.parametrize("T", [6, 701], ids=["rows6", "rows701-threads"])  # 701 x 96: blocks of 64 over threads
-def test_add_rms_norm_matches_pytorch(dtype, with_h, T):
+@pytest.mark.parametrize("H", [96, 100], ids=["h96", "h100-tail"])  # 100: four past the last eight lanes
+def test_add_rms_norm_matches_pytorch(dtype, with_h, T, H):
     g = torch.Generator().manual_seed(1)
-    x = (torch.randn(T, 96, generator=g) * 3).to(dtype)
-    h = torch.randn(T, 96, generator=g).to(dtype) if with_h else None
-    w = 1 + 0.1 * torch.randn(96, generator=g)
+    x = (torch.randn(T, H, generator=g) * 3).to(dtype)
+    h = torch.randn(T, H, generator=g).to(dtype) if with_h else None
+    w = 1 + 0.1 * torch.randn(H, generator=g)
     xs = x + h if with_h else x
     xo, y = cpu_ops.add_rms_norm(x, h, w, 1e-6)
     assert torch.equal(xo, xs), "the residual sum is rounded once, like x + h"
@@ -119,9 +120,17 @@ def _eager_attn(qkv, qk_norm, eps, cos, sin, kv_pool, slot_mapping, block_tables
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize(
     "B,h,kvh,hd,rd,bs",
-    [(1, 4, 2, 64, 32, 4), (5, 4, 2, 64, 16, 4), (3, 3, 3, 48, 48, 4), (4, 4, 2, 64, 16, 16), (3, 2, 1, 72, 72, 16)],
-    ids=["b1-gqa", "b5-partial", "b3-mha", "b4-pages16", "b3-hd72-pages16"],
-)  # pages of 16: the scores 8 positions at a time; hd 72: a value tail past 64
+    [
+        (1, 4, 2, 64, 32, 4),
+        (5, 4, 2, 64, 16, 4),
+        (3, 3, 3, 48, 48, 4),
+        (4, 4, 2, 64, 16, 16),
+        (3, 2, 1, 72, 72, 16),
+        (2, 2, 1, 36, 20, 4),
+    ],
+    ids=["b1-gqa", "b5-partial", "b3-mha", "b4-pages16", "b3-hd72-pages16", "b2-hd36"],
+)  # pages of 16: the scores 8 positions at a time; hd 72: a value tail past 64; hd 36 (rotary half 10):
+# the per-row loops' one-lane tails past the last multiple of 8
 def test_attn_decode_matches_pytorch(dtype, B, h, kvh, hd, rd, bs):
     g = torch.Generator().manual_seed(3)
     nblocks, width = 40, 6
