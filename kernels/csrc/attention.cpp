@@ -83,10 +83,29 @@ static inline void prefetch_span(const void *p, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
 }
 
+/* The pages KV_L2_AHEAD on from page pg of a row (the first call of a pass, first: pages 2 .. KV_L2_AHEAD)
+ * into the L2 cache, `bytes` of each position from element `col` of its page. The next page alone
+ * (prefetch_span, into L1) left the memory idle most of the time: a decode step's KV comes from
+ * scattered 2 KB pages, and at 3 GB/s its attention waited on memory. Four pages ahead in L2 took a
+ * cold 16-row step's attention to about 0.45x (docs/benchmarks.md, CPU path). Inlined by force: GCC
+ * dropped the prefetches of an out-of-line copy. */
+constexpr int64_t KV_L2_AHEAD = 4;
+
+static inline __attribute__((always_inline)) void prefetch_l2(const AttnJob *a, const int64_t *bt, int64_t pg, bool first, int64_t t1, int64_t col,
+                               int64_t bytes, int64_t esz) {
+    for (int64_t d = first ? 2 : KV_L2_AHEAD; d <= KV_L2_AHEAD && (pg + d) * a->bs < t1; d++) {
+        const char *p = (const char *)a->kv + (bt[pg + d] * a->s_blk + col) * esz;
+        for (int64_t i = 0; i < a->bs; i++)
+            for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + i * a->s_tok * esz + o, 0, 1);
+    }
+}
+
 /* One query tile's view of one KV head: nq query vectors q[i] whose scores go to s[i] (by position)
  * and whose weighted values add into acc[i] (hd floats). */
 struct QTile {
     int nq;
+    bool far; /* the first tile of its chunk: its pages come from memory (prefetch_l2); later tiles of a
+               * sequence's rows find them in the cache */
     const float *q[ATTN_TILE_Q];
     float *s[ATTN_TILE_Q], *acc[ATTN_TILE_Q];
 };
@@ -94,7 +113,7 @@ struct QTile {
 /* The tile of T's query i alone. */
 static inline QTile single(const QTile &T, int i) {
     QTile U;
-    U.nq = 1, U.q[0] = T.q[i], U.s[0] = T.s[i], U.acc[0] = T.acc[i];
+    U.nq = 1, U.far = T.far, U.q[0] = T.q[i], U.s[0] = T.s[i], U.acc[0] = T.acc[i];
     return U;
 }
 
@@ -110,6 +129,7 @@ static inline __attribute__((always_inline)) void tile_scores(const AttnJob *a, 
             const int64_t kn = bt[pg + 1] * a->s_blk + g * a->s_head;
             for (int64_t i = 0; i < a->bs; i++) prefetch_span((const char *)a->kv + (kn + i * a->s_tok) * esz, hd * esz);
         }
+        if (T.far) prefetch_l2(a, bt, pg, t == t0, t1, g * a->s_head, hd * esz, esz);
         for (; t + NK <= end; t += NK) {
             float *o[NQ];
             for (int i = 0; i < NQ; i++) o[i] = T.s[i] + t;
@@ -138,6 +158,7 @@ static inline __attribute__((always_inline)) void tile_values(const AttnJob *a, 
             const int64_t on = bt[pg + 1] * a->s_blk + vp;
             for (int64_t i = 0; i < a->bs; i++) prefetch_span((const char *)a->kv + (on + i * a->s_tok) * esz, nv * 8 * esz);
         }
+        if (T.far) prefetch_l2(a, bt, pg, t == t0, t1, vp, nv * 8 * esz, esz);
         for (; t < end; t++) {
             const int64_t o = o0 + t * a->s_tok;
             v8f y[NV];
@@ -335,6 +356,7 @@ static inline __attribute__((always_inline)) void attn_rows(const AttnJob *a, co
             for (int64_t q0 = 0; q0 < nq; q0 += ATTN_TILE_Q) {
                 QTile T;
                 T.nq = (int)(nq - q0 < ATTN_TILE_Q ? nq - q0 : ATTN_TILE_Q);
+                T.far = b == a->b0;
                 for (int i = 0; i < T.nq; i++) {
                     const int64_t qi = q0 + i, w = qi / grp;
                     T.q[i] = qk + w * nqk * hd + (g * grp + qi % grp) * hd;
