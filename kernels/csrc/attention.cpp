@@ -86,8 +86,8 @@ static inline void prefetch_span(const void *p, int64_t bytes) {
 /* The pages KV_L2_AHEAD on from page pg of a row (the first call of a pass, first: pages 2 .. KV_L2_AHEAD)
  * into the L2 cache, `bytes` of each position from element `col` of its page. The next page alone
  * (prefetch_span, into L1) left the memory idle most of the time: a decode step's KV comes from
- * scattered 2 KB pages, and at 3 GB/s its attention waited on memory. Four pages ahead in L2 took a
- * cold 16-row step's attention to about 0.45x (docs/benchmarks.md, CPU path). Inlined by force: GCC
+ * scattered 2 KB pages, and at 3 GB/s its attention waited on memory. Four pages ahead in L2 more than
+ * halved a cold 16-row step's attention (docs/benchmarks.md, CPU path). Inlined by force: GCC
  * dropped the prefetches of an out-of-line copy. */
 constexpr int64_t KV_L2_AHEAD = 4;
 
