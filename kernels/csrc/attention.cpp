@@ -91,8 +91,9 @@ static inline void prefetch_span(const void *p, int64_t bytes) {
  * dropped the prefetches of an out-of-line copy. */
 constexpr int64_t KV_L2_AHEAD = 4;
 
-static inline __attribute__((always_inline)) void prefetch_l2(const AttnJob *a, const int64_t *bt, int64_t pg, bool first, int64_t t1, int64_t col,
-                               int64_t bytes, int64_t esz) {
+static inline __attribute__((always_inline)) void prefetch_l2(const AttnJob *a, const int64_t *bt, int64_t pg,
+                                                              bool first, int64_t t1, int64_t col, int64_t bytes,
+                                                              int64_t esz) {
     for (int64_t d = first ? 2 : KV_L2_AHEAD; d <= KV_L2_AHEAD && (pg + d) * a->bs < t1; d++) {
         const char *p = (const char *)a->kv + (bt[pg + d] * a->s_blk + col) * esz;
         for (int64_t i = 0; i < a->bs; i++)
@@ -292,6 +293,7 @@ static int64_t tile_rows(const AttnJob *a, int64_t b, int64_t rmax) {
 static inline __attribute__((always_inline)) void attn_rows(const AttnJob *a, const int bf16) {
     const int64_t H = a->H, KVH = a->KVH, hd = a->hd, rd = a->rd, half = rd / 2, nqk = H + KVH, grp = H / KVH;
     const int64_t R = attn_tile_rows(grp), nmax = a->bt_width * a->bs;
+    const int64_t hd8 = hd - hd % 8, h8 = half - half % 8; /* the eight-lane parts of a head and of its rotary half */
     /* per tile row its q and k heads [R][nqk, hd]; per query vector (row, head of a group) its
      * values' sum [R * grp][hd] and its scores [R * grp][nmax] */
     float *qk = a->work, *acc = qk + R * nqk * hd, *sc = acc + R * grp * hd;
@@ -304,7 +306,6 @@ static inline __attribute__((always_inline)) void attn_rows(const AttnJob *a, co
              * first pass stores k alone; a second attends with q alone) */
             for (int64_t i = a->pass == 1 ? H : 0; i < (a->pass == 2 ? H : nqk); i++) {
                 float *x = qkw + i * hd;
-                const int64_t hd8 = hd - hd % 8, h8 = half - half % 8;
                 for (int64_t j = 0; j < hd8; j += 8) st8(x, j, ld8(a->qkv, row + i * hd + j, bf16), 0);
                 for (int64_t j = hd8; j < hd; j++) x[j] = load(a->qkv, row + i * hd + j, bf16);
                 const float ss = dot_f32(x, x, hd);
@@ -330,7 +331,7 @@ static inline __attribute__((always_inline)) void attn_rows(const AttnJob *a, co
             }
             /* the new k and v into the row's page slot (not in a second pass: the first stored them) */
             const int64_t slot = a->slot_mapping[rb], blk = slot / a->bs, off = slot % a->bs;
-            const int64_t v_col = row + nqk * hd + H * hd, hd8 = hd - hd % 8;
+            const int64_t v_col = row + nqk * hd + H * hd;
             for (int64_t g = 0; g < KVH && a->pass != 2; g++) {
                 const int64_t kp = blk * a->s_blk + g * a->s_head + off * a->s_tok;
                 const float *kx = qkw + (H + g) * hd;

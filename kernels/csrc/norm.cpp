@@ -24,8 +24,7 @@ static inline __attribute__((always_inline)) void add_rms_norm_rows(int64_t b0, 
         for (int64_t i = 0; i < H8; i += 8) {
             v8f v = ld8(x, e0 + i, bf16);
             if (h) {
-                v = v + ld8(h, e0 + i, bf16);
-                if (bf16) v = rnd8(v);
+                v = rnd8_if(v + ld8(h, e0 + i, bf16), bf16);
                 st8(xo, e0 + i, v, bf16);
             }
             acc += v * v;
@@ -75,9 +74,7 @@ void silu_mul_chunk(const SiluMulJob &job, int64_t chunk) {
             for (; i + 8 <= j->I; i += 8) {
                 v8f x = ld_bf8(g + i);
                 const v8f y = ld_bf8(u + i);
-                x = rnd8(x / (1.0f + exp8(-x))) * y;
-                const v8h b = __builtin_convertvector(bf_bits8(x), v8h);
-                memcpy(o + i, &b, 16);
+                st8(o, i, rnd8(x / (1.0f + exp8(-x))) * y, 1);
             }
             for (; i < j->I; i++) o[i] = f2bf(rnd(silu(bf2f(g[i])), 1) * bf2f(u[i]));
             continue;
