@@ -3,7 +3,7 @@
 device on CUDA (engine/cache/memory_plan.py), where a given `--kv-cache-memory` wins.
 `PDSERVE_GPU_MEMORY_UTILIZATION` sets that share where no flag gives one: engines sharing a GPU
 (a test run's parallel workers, several nodes on one device) each take a part of it. And
-`--batch-invariant` left unset: on for bfloat16 on a CPU with AVX512-BF16 (`default_batch_invariant`)."""
+`--batch-invariant` left unset: on for bfloat16 on the CPU with the C operators (`default_batch_invariant`)."""
 
 from __future__ import annotations
 
@@ -73,10 +73,11 @@ def default_local_prefill_step_tokens(device: str) -> int:
 
 
 def default_batch_invariant(model: ModelConfig, args: EngineArgs) -> bool:
-    """--batch-invariant left unset: on for a bfloat16 model on a CPU with AVX512-BF16 (where the
-    mode costs about nothing) and the C operators, a float32 GDN state and no weights kept in FP8
-    (what the mode runs), off otherwise (docs/engine.md, "Batch-invariant mode"). Nodes of
-    different CPUs may resolve it differently: the transfer handshake then names the option."""
+    """--batch-invariant left unset: on for a bfloat16 model on the CPU with the C operators, a
+    float32 GDN state and no weights kept in FP8 (what the mode runs), off otherwise (docs/engine.md,
+    "Batch-invariant mode"): its GEMM beats oneDNN's at a decode step's rows with or without
+    AVX512-BF16 (the same bits either way). A node without the C operators resolves it off: the
+    transfer handshake then names the option."""
     import torch
 
     from kernels import cpu_ops
@@ -85,4 +86,4 @@ def default_batch_invariant(model: ModelConfig, args: EngineArgs) -> bool:
         return False
     if model.fp8_block_size is not None and "keep" in (args.fp8_experts, args.fp8_dense):
         return False
-    return cpu_ops.available(torch.bfloat16) and cpu_ops.bf16_dot_supported()
+    return cpu_ops.available(torch.bfloat16)

@@ -17,14 +17,34 @@ namespace pdserve {
  * S and the state is stored once, by the second pass; each pass sums the even and the odd rows of
  * S in two accumulator sets (added at the end) so that 2 * NV independent chains hide the
  * multiply-add's latency (one set of NV chains at dv = 64 waited on it). */
-typedef float v16f __attribute__((vector_size(64)));
-static inline v16f bcast16(float x) { return v16f{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+#if defined(__AVX512F__)
+#define GDN_LANES 16
+#else
+#define GDN_LANES 8
+#endif
+typedef float vgf __attribute__((vector_size(GDN_LANES * 4)));
+static inline vgf bcastg(float x) {
+#if GDN_LANES == 16
+    return vgf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#else
+    return vgf{x, x, x, x, x, x, x, x};
+#endif
+}
+
+#ifndef GDN_COLS
+#if defined(__AVX512F__)
+#define GDN_COLS 128
+#else
+#define GDN_COLS 32
+#endif
+#endif
 
 template <int NV>
-static inline __attribute__((always_inline)) void gdn_head(float *S, int64_t dk, const float *q, const float *k,
-                                                           const float *v, float a, float beta, float *o) {
-    v16f e[NV] = {}, f[NV] = {}, d[NV]; /* even rows' sums, odd rows' sums */
-    const v16f av = bcast16(a), bv = bcast16(beta);
+static inline __attribute__((always_inline)) void gdn_head(float *S, int64_t ld, int64_t dk, const float *q,
+                                                           const float *k, const float *v, float a, float beta,
+                                                           float *o) {
+    vgf e[NV] = {}, f[NV] = {}, d[NV]; /* even rows' sums, odd rows' sums */
+    const vgf av = bcastg(a), bv = bcastg(beta);
     /* each pass runs rows in pairs, the even row into e and the odd one into f (a fixed array per
      * call, so the sums stay in registers), then an odd dk's last row into e */
     auto pairs = [&](auto row) {
@@ -32,35 +52,35 @@ static inline __attribute__((always_inline)) void gdn_head(float *S, int64_t dk,
         for (; i + 2 <= dk; i += 2) row(i, e), row(i + 1, f);
         if (i < dk) row(i, e);
     };
-    pairs([&](int64_t i, v16f *acc) __attribute__((always_inline)) { /* S^T k */
-        const v16f kb = bcast16(k[i]);
+    pairs([&](int64_t i, vgf *acc) __attribute__((always_inline)) { /* S^T k */
+        const vgf kb = bcastg(k[i]);
         for (int r = 0; r < NV; r++) {
-            v16f x;
-            memcpy(&x, S + i * 16 * NV + 16 * r, 64);
+            vgf x;
+            memcpy(&x, S + i * ld + GDN_LANES * r, sizeof(vgf));
             acc[r] += x * kb;
         }
     });
     for (int r = 0; r < NV; r++) { /* d = beta (v - a S^T k) */
-        v16f x;
-        memcpy(&x, v + 16 * r, 64);
-        const v16f kv = av * (e[r] + f[r]);
+        vgf x;
+        memcpy(&x, v + GDN_LANES * r, sizeof(vgf));
+        const vgf kv = av * (e[r] + f[r]);
         d[r] = (x - kv) * bv;
-        e[r] = v16f{}, f[r] = v16f{};
+        e[r] = vgf{}, f[r] = vgf{};
     }
-    pairs([&](int64_t i, v16f *acc) __attribute__((always_inline)) { /* S = a S + k d^T, and S^T q over the new S */
-        float *Si = S + i * 16 * NV;
-        const v16f kb = bcast16(k[i]), qb = bcast16(q[i]);
+    pairs([&](int64_t i, vgf *acc) __attribute__((always_inline)) { /* S = a S + k d^T, and S^T q over the new S */
+        float *Si = S + i * ld;
+        const vgf kb = bcastg(k[i]), qb = bcastg(q[i]);
         for (int r = 0; r < NV; r++) {
-            v16f x;
-            memcpy(&x, Si + 16 * r, 64);
-            const v16f w = kb * d[r];
+            vgf x;
+            memcpy(&x, Si + GDN_LANES * r, sizeof(vgf));
+            const vgf w = kb * d[r];
             x = x * av + w;
-            memcpy(Si + 16 * r, &x, 64);
+            memcpy(Si + GDN_LANES * r, &x, sizeof(vgf));
             acc[r] += x * qb;
         }
     });
     for (int r = 0; r < NV; r++) e[r] += f[r];
-    memcpy(o, e, NV * 64);
+    memcpy(o, e, NV * sizeof(vgf));
 }
 
 /* q or k of one head in place: L2 norm (eps 1e-6) times sc. Every GDN norm (q, k and the gated
@@ -80,10 +100,16 @@ static inline __attribute__((always_inline)) void gdn_head_out(float *S, int64_t
                                                                const void *proj, int64_t zo, const void *norm_w,
                                                                float eps, void *out, int64_t oo, const int bf16) {
     float kv[dv], o[dv];
-    if (dv == 32) gdn_head<2>(S, dk, q, k, v, a, beta, o);
-    else if (dv == 64) gdn_head<4>(S, dk, q, k, v, a, beta, o);
-    else if (dv == 128) gdn_head<8>(S, dk, q, k, v, a, beta, o);
-    else { /* gdn_head's arithmetic, element by element (its even / odd row sums included) */
+    if (dv == 32 || dv == 64 || dv == 128) {
+        /* columns are independent in both passes: a block of them at a time gives the same bits */
+        const int64_t bw = dv < GDN_COLS ? dv : GDN_COLS;
+        for (int64_t c = 0; c < dv; c += bw) {
+            if (bw == 16) gdn_head<16 / GDN_LANES>(S + c, dv, dk, q, k, v + c, a, beta, o + c);
+            else if (bw == 32) gdn_head<32 / GDN_LANES>(S + c, dv, dk, q, k, v + c, a, beta, o + c);
+            else if (bw == 64) gdn_head<64 / GDN_LANES>(S + c, dv, dk, q, k, v + c, a, beta, o + c);
+            else gdn_head<128 / GDN_LANES>(S + c, dv, dk, q, k, v + c, a, beta, o + c);
+        }
+    } else { /* gdn_head's arithmetic, element by element (its even / odd row sums included) */
         float od[dv];
         for (int64_t j = 0; j < dv; j++) kv[j] = 0.0f, od[j] = 0.0f;
         for (int64_t i = 0; i < dk; i++) {

@@ -157,6 +157,9 @@ static void dot_chunk(const Job &j, int64_t m0, int64_t m1, int64_t p0, int64_t 
 
 /* ---- the same steps as float32 multiply-adds (MXCSR's DAZ and FTZ set by the caller) */
 
+#if defined(__AVX512F__)
+constexpr int FR = 6; /* rows per tile: 6 accumulators of 16 lanes */
+constexpr int64_t FMA_X_BYTES = 2;
 template <int mr>
 static inline __attribute__((always_inline)) void fma_tile(const Job &j, const bf16_t *x, int64_t p, bf16_t *y) {
     const int64_t K = j.K, K2 = j.K2;
@@ -178,7 +181,6 @@ static inline __attribute__((always_inline)) void fma_tile(const Job &j, const b
 }
 
 static void fma_chunk(const Job &j, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
-    constexpr int FR = 6;
     for (int64_t p = p0; p < p1; p++)
         for (int64_t m = m0; m < m1; m += FR) {
             const bf16_t *x = j.x + m * j.K;
@@ -193,6 +195,80 @@ static void fma_chunk(const Job &j, int64_t m0, int64_t m1, int64_t p0, int64_t 
             }
         }
 }
+#else
+/* 8-lane registers (AVX2: 16 of them): a panel's 16 columns as two halves, 4 rows a tile, so the
+ * 8 accumulators, the panel row's 4 halves and a broadcast stay in registers (16-lane vectors are
+ * split by the compiler through the stack). The tile's x comes widened to float32 (xf [K2][mr][2]:
+ * each pair's low and high element), so a broadcast is one load. The same steps per element as above. */
+typedef float v8f_ __attribute__((vector_size(32)));
+typedef uint32_t v8u_ __attribute__((vector_size(32)));
+constexpr int FR = 4;
+constexpr int64_t FMA_X_BYTES = 4;
+template <int mr>
+static inline __attribute__((always_inline)) void fma_tile(const Job &j, const float *xf, int64_t p, bf16_t *y) {
+    const int64_t K2 = j.K2;
+    const bf16_t *pan = j.wp + p * K2 * 32;
+    v8f_ acc[mr][2] = {};
+    for (int64_t k = 0; k < K2; k++) {
+        v8u_ p0, p1;
+        memcpy(&p0, pan + k * 32, 32);
+        memcpy(&p1, pan + k * 32 + 16, 32);
+        const v8f_ lo0 = (v8f_)(p0 << 16), hi0 = (v8f_)(p0 & 0xffff0000u);
+        const v8f_ lo1 = (v8f_)(p1 << 16), hi1 = (v8f_)(p1 & 0xffff0000u);
+        const float *xk = xf + k * mr * 2;
+        for (int r = 0; r < mr; r++) {
+            const float h = xk[2 * r + 1], l = xk[2 * r];
+            const v8f_ xh = {h, h, h, h, h, h, h, h};
+            acc[r][0] = acc[r][0] + xh * hi0;
+            acc[r][1] = acc[r][1] + xh * hi1;
+            const v8f_ xl = {l, l, l, l, l, l, l, l};
+            acc[r][0] = acc[r][0] + xl * lo0;
+            acc[r][1] = acc[r][1] + xl * lo1;
+        }
+    }
+    const int64_t n0 = p * 16, nc = j.N - n0 < 16 ? j.N - n0 : 16;
+    for (int r = 0; r < mr; r++) {
+        v16f s;
+        memcpy(&s, &acc[r][0], 32);
+        memcpy((char *)&s + 32, &acc[r][1], 32);
+        store16(y + r * j.N + n0, s, nc);
+    }
+}
+
+/* rows m .. m + mr of x as xf [K2][mr][2] float32 (fma_tile's layout) */
+static inline void widen_rows(const Job &j, const bf16_t *x, int mr, float *xf) {
+    for (int64_t k = 0; k < j.K2; k++)
+        for (int r = 0; r < mr; r++) {
+            const uint32_t v = x_pair(x + r * j.K, k, j.K);
+            xf[(k * mr + r) * 2] = bf2f((bf16_t)v), xf[(k * mr + r) * 2 + 1] = bf2f((bf16_t)(v >> 16));
+        }
+}
+
+static void fma_chunk(const Job &j, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
+    /* the chunk's rows widened once (tile by tile, fma_tile's layout; gemm_bf16_job sizes the
+     * blocks so that they stay in L2), then each panel against every tile while it is in L1 */
+    thread_local std::vector<float> xf;
+    const int64_t tiles = (m1 - m0 + FR - 1) / FR, tsz = j.K2 * FR * 2;
+    if ((int64_t)xf.size() < tiles * tsz) xf.resize(tiles * tsz);
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t m = m0 + t * FR;
+        widen_rows(j, j.x + m * j.K, m1 - m < FR ? (int)(m1 - m) : FR, xf.data() + t * tsz);
+    }
+    for (int64_t p = p0; p < p1; p++)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t m = m0 + t * FR;
+            bf16_t *y = j.y + m * j.N;
+            const float *xt = xf.data() + t * tsz;
+            switch (m1 - m < FR ? m1 - m : FR) {
+            case 1: fma_tile<1>(j, xt, p, y); break;
+            case 2: fma_tile<2>(j, xt, p, y); break;
+            case 3: fma_tile<3>(j, xt, p, y); break;
+            default: fma_tile<FR>(j, xt, p, y); break;
+            }
+        }
+}
+
+#endif
 
 /* MXCSR with DAZ (bit 6) and FTZ (bit 15) for the float32 steps, restored after */
 struct FlushDenormals {
@@ -211,7 +287,8 @@ Bf16GemmJob gemm_bf16_job(int64_t M, int64_t N, int64_t K, const bf16_t *x, cons
      * thread where M allows; fewer blocks are cut into about four panel groups per thread of at
      * least 64K multiply-adds each */
     const int64_t P = (N + 15) / 16, K2 = (K + 1) / 2;
-    int64_t mb = K > 0 ? MR * (1 + (384 * 1024 / (K * 2)) / MR) : M;
+    const int64_t xbytes = dot ? 2 : FMA_X_BYTES; /* the float32 path without 16-lane registers widens x first */
+    int64_t mb = K > 0 ? MR * (1 + (384 * 1024 / (K * xbytes)) / MR) : M;
     if (nthreads > 1 && M > 4 * nthreads * MR) { /* enough blocks for the threads: no panel groups, */
         const int64_t even = MR * ((M + 4 * nthreads * MR - 1) / (4 * nthreads * MR)); /* whose x is packed twice */
         mb = even < mb ? even : mb;

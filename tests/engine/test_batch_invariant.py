@@ -169,19 +169,22 @@ def test_bf16_drafts_keep_the_same_bits(ckpt_drafts):
 
 
 def test_bfloat16_on_the_cpu_is_batch_invariant_unless_turned_off(ckpt_bf16, monkeypatch):
-    """Unset, the option resolves on for bfloat16 on a CPU with AVX512-BF16 and off where the mode
-    does not apply (float32 needs no help; a bfloat16 GDN state it does not cover) or costs more
-    (float32 multiply-adds for the projections); given, it is what was given."""
+    """Unset, the option resolves on for bfloat16 on the CPU with the C operators, AVX512-BF16 or
+    not (the float32 multiply-adds give the same bits), and off where the mode does not apply
+    (float32 needs no help; a bfloat16 GDN state it does not cover; no C operators); given, it is
+    what was given."""
 
     def resolved(**kw) -> bool:
         return EngineArgs(ckpt_bf16, **kw).engine_config().model.batch_invariant
 
-    assert resolved(dtype="bfloat16") is cpu_ops.bf16_dot_supported()
+    assert resolved(dtype="bfloat16") is True
     assert resolved(dtype="bfloat16", batch_invariant=False) is False
     assert resolved(dtype="float32") is False
     assert resolved(dtype="float32", batch_invariant=True) is True
     assert resolved(dtype="bfloat16", mamba_ssm_cache_dtype="bfloat16") is False
     monkeypatch.setattr(cpu_ops, "bf16_dot_supported", lambda: False)  # as on a CPU without AVX512-BF16
+    assert resolved(dtype="bfloat16") is True
+    monkeypatch.setattr(cpu_ops, "available", lambda dtype=None: False)  # the C operators not built
     assert resolved(dtype="bfloat16") is False
     assert resolved(dtype="bfloat16", batch_invariant=True) is True
     parser = argparse.ArgumentParser()
