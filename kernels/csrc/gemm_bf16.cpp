@@ -200,28 +200,25 @@ static void fma_chunk(const Job &j, int64_t m0, int64_t m1, int64_t p0, int64_t 
  * 8 accumulators, the panel row's 4 halves and a broadcast stay in registers (16-lane vectors are
  * split by the compiler through the stack). The tile's x comes widened to float32 (xf [K2][mr][2]:
  * each pair's low and high element), so a broadcast is one load. The same steps per element as above. */
-typedef float v8f_ __attribute__((vector_size(32)));
-typedef uint32_t v8u_ __attribute__((vector_size(32)));
 constexpr int FR = 4;
 constexpr int64_t FMA_X_BYTES = 4;
 template <int mr>
 static inline __attribute__((always_inline)) void fma_tile(const Job &j, const float *xf, int64_t p, bf16_t *y) {
     const int64_t K2 = j.K2;
     const bf16_t *pan = j.wp + p * K2 * 32;
-    v8f_ acc[mr][2] = {};
+    v8f acc[mr][2] = {};
     for (int64_t k = 0; k < K2; k++) {
-        v8u_ p0, p1;
+        v8u p0, p1;
         memcpy(&p0, pan + k * 32, 32);
         memcpy(&p1, pan + k * 32 + 16, 32);
-        const v8f_ lo0 = (v8f_)(p0 << 16), hi0 = (v8f_)(p0 & 0xffff0000u);
-        const v8f_ lo1 = (v8f_)(p1 << 16), hi1 = (v8f_)(p1 & 0xffff0000u);
+        const v8f lo0 = (v8f)(p0 << 16), hi0 = (v8f)(p0 & 0xffff0000u);
+        const v8f lo1 = (v8f)(p1 << 16), hi1 = (v8f)(p1 & 0xffff0000u);
         const float *xk = xf + k * mr * 2;
         for (int r = 0; r < mr; r++) {
-            const float h = xk[2 * r + 1], l = xk[2 * r];
-            const v8f_ xh = {h, h, h, h, h, h, h, h};
+            const v8f xh = bcast(xk[2 * r + 1]);
             acc[r][0] = acc[r][0] + xh * hi0;
             acc[r][1] = acc[r][1] + xh * hi1;
-            const v8f_ xl = {l, l, l, l, l, l, l, l};
+            const v8f xl = bcast(xk[2 * r]);
             acc[r][0] = acc[r][0] + xl * lo0;
             acc[r][1] = acc[r][1] + xl * lo1;
         }
