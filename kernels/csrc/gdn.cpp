@@ -8,11 +8,13 @@
 
 namespace pdserve {
 
-/* One value head's delta-rule step on its state S [dk, dv] for dv = 16 * NV (32, 64 or 128): the
+/* One value head's delta-rule step on NV * GDN_LANES columns of its state S [dk, dv] (rows ld floats
+ * apart; gdn_head_out runs dv = 32, 64 or 128 in blocks of GDN_COLS, as many as the registers hold:
+ * the columns are independent, so any block gives the same bits): the
  * loops of gdn_head_out's generic branch below with the [dv] accumulators in registers (in
  * memory, each state row's multiply-add waits for the previous row's store). Every element takes
  * the same operations in the same order as there, so the same result to the bit whatever the
- * vector width. o [dv] receives S^T q.
+ * vector width. o [the block's columns] receives S^T q.
  * The decay is applied to S^T k after the sum, (a S)^T k = a (S^T k), so the first pass only reads
  * S and the state is stored once, by the second pass; each pass sums the even and the odd rows of
  * S in two accumulator sets (added at the end) so that 2 * NV independent chains hide the
