@@ -19,26 +19,16 @@ namespace pdserve {
  * S and the state is stored once, by the second pass; each pass sums the even and the odd rows of
  * S in two accumulator sets (added at the end) so that 2 * NV independent chains hide the
  * multiply-add's latency (one set of NV chains at dv = 64 waited on it). */
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) /* 32 registers of 16 lanes: a whole head of up to 128 columns at once */
 #define GDN_LANES 16
-#else
-#define GDN_LANES 8
-#endif
-typedef float vgf __attribute__((vector_size(GDN_LANES * 4)));
-static inline vgf bcastg(float x) {
-#if GDN_LANES == 16
-    return vgf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
-#else
-    return vgf{x, x, x, x, x, x, x, x};
-#endif
-}
-
-#ifndef GDN_COLS
-#if defined(__AVX512F__)
 #define GDN_COLS 128
-#else
+typedef float vgf __attribute__((vector_size(64)));
+static inline vgf bcastg(float x) { return vgf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+#else /* AVX2's 16 registers of 8 lanes: 32 columns at a time */
+#define GDN_LANES 8
 #define GDN_COLS 32
-#endif
+typedef v8f vgf;
+static inline vgf bcastg(float x) { return bcast(x); }
 #endif
 
 template <int NV>
@@ -104,10 +94,9 @@ static inline __attribute__((always_inline)) void gdn_head_out(float *S, int64_t
     float kv[dv], o[dv];
     if (dv == 32 || dv == 64 || dv == 128) {
         /* columns are independent in both passes: a block of them at a time gives the same bits */
-        const int64_t bw = dv < GDN_COLS ? dv : GDN_COLS;
+        const int64_t bw = dv < GDN_COLS ? dv : GDN_COLS; /* 32, 64 or 128 */
         for (int64_t c = 0; c < dv; c += bw) {
-            if (bw == 16) gdn_head<16 / GDN_LANES>(S + c, dv, dk, q, k, v + c, a, beta, o + c);
-            else if (bw == 32) gdn_head<32 / GDN_LANES>(S + c, dv, dk, q, k, v + c, a, beta, o + c);
+            if (bw == 32) gdn_head<32 / GDN_LANES>(S + c, dv, dk, q, k, v + c, a, beta, o + c);
             else if (bw == 64) gdn_head<64 / GDN_LANES>(S + c, dv, dk, q, k, v + c, a, beta, o + c);
             else gdn_head<128 / GDN_LANES>(S + c, dv, dk, q, k, v + c, a, beta, o + c);
         }
