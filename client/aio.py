@@ -95,7 +95,7 @@ class AsyncClient:
                     else:
                         r.why[a] = "no live node"
                 except grpc.RpcError as e:
-                    r.why[a] = e.code().name
+                    r.refusal(e, a)
             await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
     async def list_models(self) -> list[pb.ModelInfo]:

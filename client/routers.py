@@ -19,6 +19,7 @@ from proto import pb, rpc
 from serving.security import API_KEY_ENV, AUTH_KEY, Tls, addresses, channel_credentials, channel_options, read_file
 
 GENERATION = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+_REFUSED = (grpc.StatusCode.UNAUTHENTICATED.name, grpc.StatusCode.PERMISSION_DENIED.name)
 
 
 def connection(api_key: str | None, tls_ca, tls_cert, tls_key, tls_server_name) -> tuple:
@@ -71,6 +72,14 @@ class Routers:
             return self.stubs[i % len(self.stubs)].Generate(r, timeout=timeout, metadata=self.md)
 
         return start
+
+    def refusal(self, e: grpc.RpcError, addr: str) -> None:
+        """Records why `addr` was not ready; raises PdserveError once every router has refused the
+        credentials (UNAUTHENTICATED, PERMISSION_DENIED): waiting cannot change that answer, and a
+        wrong key waited out the whole readiness timeout before."""
+        self.why[addr] = e.code().name
+        if all(self.why.get(a) in _REFUSED for a in self.addrs):
+            raise PdserveError.from_rpc(e) from None
 
     def not_ready(self, timeout: float) -> TimeoutError:
         why = ", ".join(f"{a}: {self.why.get(a, 'not reachable')}" for a in self.addrs)

@@ -98,7 +98,7 @@ class Client:
                     else:
                         r.why[a] = "no live node"
                 except grpc.RpcError as e:
-                    r.why[a] = e.code().name
+                    r.refusal(e, a)
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
     def list_models(self) -> list[pb.ModelInfo]:

@@ -69,9 +69,9 @@ class DecodeNodeConfig(NodeArgs):
         if self.reservation_lease_s <= 0:
             raise ValueError(f"reservation_lease_s must be positive (got {self.reservation_lease_s})")
 
-    def engine_config(self) -> EngineConfig:
+    def engine_config(self, check_only: bool = False) -> EngineConfig:
         """The engine's, with the short-prompt cap of the prompts the thresholds keep here."""
-        cfg = super().engine_config()
+        cfg = super().engine_config(check_only)
         cap = self.local_prefill_step_tokens
         if cap is None:
             cap = default_local_prefill_step_tokens(self.device)

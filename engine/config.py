@@ -7,11 +7,12 @@ start-up. `ModelConfig.from_dir` reads a checkpoint's config.json (no transforme
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Literal, cast, get_args
 
 from engine.config_fields import ARCHITECTURES, WRAPPERS, fp8_block_size, has_processor, moe_fields
 from engine.device_defaults import budget_source, default_batch_invariant, default_draft_cost
@@ -34,8 +35,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The text model of a Qwen3.5 / Qwen3.5-MoE / Qwen3-Next hybrid checkpoint, global
-    (unsharded) sizes."""
+    """The text model of a Qwen3.5 / Qwen3.5-MoE / Qwen3-Next checkpoint, global (unsharded) sizes."""
 
     path: str
     architecture: str
@@ -141,9 +141,8 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
-    def from_dir(cls, path: str | os.PathLike, dtype: DTypeName = "auto") -> ModelConfig:
-        import torch  # noqa: PLC0415 (the command line imports this module without torch)
-
+    def from_dir(cls, path: str | os.PathLike, dtype: DTypeName = "auto", *, check_only: bool = False) -> ModelConfig:
+        """check_only: the dtype left as its name, torch not imported (`pdserve up`'s checks: 3 s less)."""
         cfg_path = Path(path) / "config.json"
         if not cfg_path.is_file():
             raise FileNotFoundError(f"no config.json in {path}: pass a checkpoint directory written by save_pretrained")
@@ -200,7 +199,7 @@ class ModelConfig:
             partial_rotary_factor=rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)),
             max_position_embeddings=text.get("max_position_embeddings", 32768),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            dtype=getattr(torch, want),
+            dtype=cast("torch.dtype", want) if check_only else getattr(importlib.import_module("torch"), want),
             eos_token_ids=eos_ids,
             weight_prefix=prefix,
             fp8_block_size=fp8_block,
@@ -460,10 +459,12 @@ class EngineArgs:
         None, "cuda: share of each GPU for weights, a step's peak and the cache (default 0.9); ignored on cpu"
     )
 
-    def engine_config(self) -> EngineConfig:
+    def engine_config(self, check_only: bool = False) -> EngineConfig:
+        """check_only: `pdserve up`'s checks, without torch, C operators or tokenizer (the dtype a name)."""
         kv, share = budget_source(self.kv_cache_memory, self.gpu_memory_utilization, self.device)
-        model = ModelConfig.from_dir(self.model, self.dtype)
-        invariant = default_batch_invariant(model, self) if self.batch_invariant is None else self.batch_invariant
+        model = ModelConfig.from_dir(self.model, self.dtype, check_only=check_only)
+        auto = self.batch_invariant is None and not check_only  # checks alone: unresolved (False)
+        invariant = default_batch_invariant(model, self) if auto else bool(self.batch_invariant)
         return EngineConfig(
             model=dataclasses.replace(
                 model, fp8_experts=self.fp8_experts, fp8_dense=self.fp8_dense, batch_invariant=invariant
@@ -476,7 +477,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 snapshot_interval=self.prefix_snapshot_interval,
                 snapshot_fraction=self.prefix_snapshot_memory,
-                message_break=message_break(self.model) if self.enable_prefix_caching else (),
+                message_break=message_break(self.model) if self.enable_prefix_caching and not check_only else (),
                 encoder_cache_memory=self.encoder_cache_memory,
                 recurrent_dtype="float32" if self.mamba_ssm_cache_dtype == "auto" else self.mamba_ssm_cache_dtype,
             ),

@@ -167,11 +167,15 @@ def _node_config(cls, args):
     return cls(**vals)
 
 
-def _serve_node(kind: str, serve, cfg, args) -> int:
+def _serve_node(kind: str, cfg, args) -> int:
+    """The node's checks first, then its server module (torch with it: seconds), then the node."""
+    import importlib
+
     from engine import heap
     from serving.security import credentials, require_token
 
     require_token(credentials(cfg), cfg.insecure_open_cluster, f"pdserve {kind}")
+    serve = importlib.import_module(f"{kind}_node.server").serve
     node, _ = serve(f"{args.host}:{args.port}", cfg)
     heap.settle()  # the model and the server are up: what they hold is out of the collector's walk
     say(f"{kind} node {cfg.node_id} listening on {node.address}")
@@ -180,23 +184,20 @@ def _serve_node(kind: str, serve, cfg, args) -> int:
 
 def cmd_decode(args) -> int:
     from decode_node.config import DecodeNodeConfig
-    from decode_node.server import serve
 
-    return _serve_node("decode", serve, _node_config(DecodeNodeConfig, args), args)
+    return _serve_node("decode", _node_config(DecodeNodeConfig, args), args)
 
 
 def cmd_prefill(args) -> int:
     from prefill_node.config import PrefillNodeConfig
-    from prefill_node.server import serve
 
-    return _serve_node("prefill", serve, _node_config(PrefillNodeConfig, args), args)
+    return _serve_node("prefill", _node_config(PrefillNodeConfig, args), args)
 
 
 def cmd_encode(args) -> int:
     from encode_node.config import EncodeNodeConfig
-    from encode_node.server import serve
 
-    return _serve_node("encode", serve, _node_config(EncodeNodeConfig, args), args)
+    return _serve_node("encode", _node_config(EncodeNodeConfig, args), args)
 
 
 def _up_spec(args):

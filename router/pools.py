@@ -176,10 +176,15 @@ def spec_from_args(args: argparse.Namespace, default_model: Callable[[], Any]) -
     RouterConfig(model=model, **opts["router"])  # every check (a bad directory too), before anything starts
     for pool in POOLS:
         if pool == "encode":  # one rank; checked only when the pool is on
-            if own["encode"] and EncodeNodeConfig(model=model, **opts[pool]).engine_config().model.vision is None:
+            if (
+                own["encode"]
+                and EncodeNodeConfig(model=model, **opts[pool]).engine_config(check_only=True).model.vision is None
+            ):
                 raise ValueError(f"--encode {own['encode']}: {model} has no vision tower (or no image processor)")
             continue
-        NODE_CONFIGS[pool](model=model, tensor_parallel_size=own[f"{pool}_tp"], **opts[pool]).engine_config()
+        NODE_CONFIGS[pool](model=model, tensor_parallel_size=own[f"{pool}_tp"], **opts[pool]).engine_config(
+            check_only=True
+        )
     return PoolSpec(
         model=model,
         prefill=own["prefill"],

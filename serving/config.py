@@ -73,8 +73,8 @@ class NodeArgs(SecurityArgs, EngineArgs):
         "round trip to the rank (docs/benchmarks.md, served against offline)",
     )
 
-    def engine_config(self) -> EngineConfig:
-        cfg = super().engine_config()
+    def engine_config(self, check_only: bool = False) -> EngineConfig:
+        cfg = super().engine_config(check_only)
         return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, worker_process=self.worker_process))
 
     @property

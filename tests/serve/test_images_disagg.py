@@ -36,7 +36,8 @@ def _generate(c, text, images):
 
 # (2, 1) in the slow tier: a TP 2 prefill's replicated encoder is tested in the engine
 # (tests/engine/test_vision_engine.py); (1, 2) stays, two receiving ranks taking rope_delta
-TPS = [(1, 1), pytest.param((2, 1), marks=pytest.mark.slow), (1, 2)]
+# p1d2 (the decode pool resharding the vision rows) runs in the suite; p1d1 and p2d1 in the slow tier
+TPS = [pytest.param((1, 1), marks=pytest.mark.slow), pytest.param((2, 1), marks=pytest.mark.slow), (1, 2)]
 
 
 @pytest.mark.parametrize("tp", TPS, ids=lambda t: f"p{t[0]}d{t[1]}")

@@ -57,7 +57,7 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-@pytest.mark.parametrize("a,b", [(1, 2), (2, 1)], ids=["tp1to2", "tp2to1"])
+@pytest.mark.parametrize("a,b", [(1, 2), pytest.param(2, 1, marks=pytest.mark.slow)], ids=["tp1to2", "tp2to1"])
 def test_mtp_greedy_matches_transformers_across_tp(ckpt_mtp, mtp_refs, a, b):
     """Nodes at k = 3; each request caps its drafts (num_speculative_tokens 1, then 2, then the
     nodes' 3): every k gives transformers' tokens, and the decode node's drafts per position show

@@ -18,6 +18,7 @@ import os
 import ssl
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -148,8 +149,10 @@ def test_grpc_needs_an_api_key(secure):
     env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"} | {"PYTHONPATH": str(ROOT)}
     ok = subprocess.run(cmd, env=env | {"PDSERVE_API_KEY": KEY_B}, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and "3 tokens" in ok.stderr, ok.stderr
+    t0 = time.monotonic()
     bad = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "UNAUTHENTICATED" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+    assert time.monotonic() - t0 < 10, "a refused key waited out --wait 20"
 
 
 def test_node_plane_needs_the_cluster_token(secure):
