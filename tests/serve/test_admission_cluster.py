@@ -46,7 +46,25 @@ def burst(ckpt):
     """Distinct prompts (none finds another's prefix in the prefill node's cache) and
     transformers' greedy tokens after each."""
     ps = hc.prompts(lens=[PROMPT_LEN + i % 7 for i in range(56)], seed=31)
-    return ps, [hc.hf_greedy(ckpt, p, NEW) for p in ps]
+    return ps, _Refs(ckpt, ps)
+
+
+class _Refs:
+    """transformers' tokens after ps[i], computed when first read (refused requests need none)."""
+
+    def __init__(self, ckpt, ps, start: int = 0, done: dict | None = None):
+        self.ckpt, self.ps, self.start, self.done = ckpt, ps, start, {} if done is None else done
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            assert i.step is None and (i.start or 0) >= 0 and (i.stop is None or i.stop >= 0)
+            at = self.start + (i.start or 0)
+            view = _Refs(self.ckpt, self.ps, at, self.done)
+            return view if i.stop is None else [view[k] for k in range(min(i.stop - (i.start or 0), len(self.ps) - at))]
+        k = self.start + i
+        if k not in self.done:
+            self.done[k] = hc.hf_greedy(self.ckpt, self.ps[k], NEW)
+        return self.done[k]
 
 
 def _timed(c, p, **kw):
