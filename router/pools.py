@@ -174,17 +174,13 @@ def spec_from_args(args: argparse.Namespace, default_model: Callable[[], Any]) -
                 opts[comp][o.name] = coerce(o, top[d])
     model = str(Path(own["model"] or default_model()).resolve())
     RouterConfig(model=model, **opts["router"])  # every check (a bad directory too), before anything starts
-    for pool in POOLS:
-        if pool == "encode":  # one rank; checked only when the pool is on
-            if (
-                own["encode"]
-                and EncodeNodeConfig(model=model, **opts[pool]).engine_config(check_only=True).model.vision is None
-            ):
-                raise ValueError(f"--encode {own['encode']}: {model} has no vision tower (or no image processor)")
+    for pool in POOLS:  # each pool's engine settings checked as its nodes will (without torch)
+        if pool == "encode" and not own["encode"]:  # one rank; checked only when the pool is on
             continue
-        NODE_CONFIGS[pool](model=model, tensor_parallel_size=own[f"{pool}_tp"], **opts[pool]).engine_config(
-            check_only=True
-        )
+        tp = {} if pool == "encode" else {"tensor_parallel_size": own[f"{pool}_tp"]}
+        checked = NODE_CONFIGS[pool](model=model, **tp, **opts[pool]).engine_config(check_only=True)
+        if pool == "encode" and checked.model.vision is None:
+            raise ValueError(f"--encode {own['encode']}: {model} has no vision tower (or no image processor)")
     return PoolSpec(
         model=model,
         prefill=own["prefill"],
