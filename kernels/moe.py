@@ -106,12 +106,13 @@ def fused_moe(
     expert is dequantized into x's dtype as it is used.
     row_invariant (--batch-invariant): every expert through the C GEMV, whose sums for a row do
     not depend on how many rows the expert has, so a token's result does not depend on its step
-    (bfloat16 experts on the CPU only).
+    (bfloat16 experts on the CPU; on CUDA the Triton kernels at one fixed block of rows).
     """
     if x.is_cuda or _force_triton():
         from kernels.triton.moe import fused_moe_triton
 
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size)
+        args = (x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size)
+        return fused_moe_triton(*args, row_invariant=row_invariant)
     check_moe_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size)
     if row_invariant and not (
         x.dtype == w13.dtype == w2.dtype == torch.bfloat16 and w13.is_contiguous() and w2.is_contiguous()

@@ -7,7 +7,9 @@ float32 copy of a 16-bit weight on CPUs without native 16-bit matmul, output rou
 with an optional unquantized tail of rows).
 A bfloat16 weight may be "packed" too (`row_invariant`, --batch-invariant): panels of bfloat16 pairs
 for `cpu_ops.gemm_bf16` (AVX512-BF16's dot product where the CPU has it), each output row the same
-float32 sum in the same order at any number of rows, rounded to bfloat16.
+float32 sum in the same order at any number of rows, rounded to bfloat16. On CUDA `row_invariant`
+makes it "invariant": the weight as it is, multiplied by `kernels.gemm_invariant` (Triton at one
+fixed tile configuration, no split-K), whose rows do not depend on the number of rows either.
 Every layout or GEMM choice lives here (docs/engine.md, "Module notes"; figures in
 docs/benchmarks.md)."""
 
@@ -21,8 +23,9 @@ import torch.nn.functional as F
 from kernels import cpu_ops
 from kernels.checks import check_fp8_block
 from kernels.fp8 import dequant_fp8_block, fp8_block_linear
+from kernels.gemm import gemm_invariant
 
-Kind = Literal["packed", "onednn", "native", "fp32", "fp8"]
+Kind = Literal["packed", "onednn", "native", "fp32", "fp8", "invariant"]
 
 GEMV_MAX_ROWS = 4  # up to this many rows, a bfloat16 weight is read as it is (kernels/cpu_ops.py)
 _GEMV_THREADED = 1 << 20  # weights of at least this many elements split over torch's threads
@@ -140,6 +143,9 @@ class Linear:
                 threads = torch.get_num_threads() if big else 1
                 y = cpu_ops.gemm_bf16(x2.to(self.dtype), self.w, self.shape[0], threads)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], self.shape[0])
+        if self.kind == "invariant":
+            y = gemm_invariant(x.reshape(-1, self.shape[1]).to(self.dtype), self.w)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.shape[0])
         if self.w16 is not None and x.shape[0] <= GEMV_MAX_ROWS and x.dim() == 2:
             return cpu_ops.gemv_bf16(x, self.w16, self.dtype, self.threads)
         if self.small and x.numel() * self.shape[0] < _ONE_THREAD_MACS and (n := torch.get_num_threads()) > 1:
@@ -168,14 +174,17 @@ class Linear:
 
 
 def row_invariant(lin: Linear) -> Linear:
-    """The same projection over panels ("packed": `gemm_f32` or `gemm_bf16`): each output row is
-    the same float32 sum of exact products in the same order whatever the number of rows, so a
-    token's result does not depend on its step (oneDNN's blocking, and so its sums, change with
-    the rows)."""
-    if lin.device.type != "cpu" or lin.dtype not in (torch.float32, torch.bfloat16):
+    """The same projection with each output row the same float32 sum in the same order whatever
+    the number of rows, so a token's result does not depend on its step (oneDNN's blocking, and
+    cuBLAS's choice of kernel, change the sums with the rows). On the CPU "packed" (`gemm_f32` or
+    `gemm_bf16`, exact products); on CUDA "invariant" (`kernels.gemm_invariant`). A weight kept in
+    FP8 is dequantized into the model's dtype first."""
+    if lin.device.type not in ("cpu", "cuda") or lin.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(
-            f"batch-invariant projections run on the CPU in float32 or bfloat16, not {lin.dtype} on {lin.device}"
+            f"batch-invariant projections run on the CPU or CUDA in float32 or bfloat16, not {lin.dtype} on {lin.device}"
         )
+    if lin.device.type == "cuda":
+        return lin if lin.kind == "invariant" else Linear(lin.weight, "invariant")
     if not cpu_ops.available(lin.dtype):
         raise ValueError(f"batch-invariant projections need the CPU operators: {cpu_ops.status()}")
     return lin if lin.kind == "packed" else Linear(lin.weight, "packed")

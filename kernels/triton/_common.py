@@ -26,6 +26,11 @@ def round_to(x, DT: tl.constexpr):
         return x.to(DT).to(tl.float32)
 
 
+def interpreted() -> bool:
+    """Whether the kernels run under Triton's interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def dot_in_f32(dtype: torch.dtype) -> bool:
     """Whether `dot` should multiply in float32 (IEEE): for float32 operands (no TF32), and under
     the interpreter, whose 16-bit dots are wrong. A 16-bit dot accumulates in float32 and products

@@ -1,7 +1,8 @@
 """Fused MoE (the routed experts), Triton, with kernels.moe.fused_moe's contract: (token, expert)
 pairs sorted by expert into blocks of one expert, built on the device without a host sync, then
 two grouped GEMMs (gate/up with SwiGLU, down with the routing weight); optional FP8 experts
-(docs/kernels.md, "Module notes")."""
+(docs/kernels.md, "Module notes"). Row-invariant (--batch-invariant): one block of rows at every
+size and the top-k sum in a fixed order, so a token's bits do not depend on its step."""
 
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ from kernels.triton._common import (
 )
 from kernels.triton.fp8 import k_tile, weight_tile
 
-__all__ = ["fused_moe_triton", "align_by_expert"]
+__all__ = ["fused_moe_triton", "align_by_expert", "INVARIANT_BM"]
+
+# Rows per block when row-invariant: fixed (a decode step's few rows per expert fill little more)
+INVARIANT_BM = 16
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,9 +171,12 @@ def fused_moe_triton(
     w13_scale_inv: torch.Tensor | None = None,
     w2_scale_inv: torch.Tensor | None = None,
     block_size: tuple[int, int] | None = None,
+    row_invariant: bool = False,
 ) -> torch.Tensor:
     """Triton fused_moe (see kernels.moe and the module). Returns [T, H] in x's dtype. Expert ids
-    outside [0, E) are refused for CPU tensors (one host sync); on CUDA they are not checked."""
+    outside [0, E) are refused for CPU tensors (one host sync); on CUDA they are not checked.
+    row_invariant: every block INVARIANT_BM rows (else chosen from the average expert's rows),
+    the k experts' outputs added in order."""
     check_moe_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, block_size)
     if x.dtype not in TL_DTYPES:
         raise ValueError(f"x must be float32, bfloat16 or float16 (got x={tuple(x.shape)}:{x.dtype})")
@@ -192,7 +199,7 @@ def fused_moe_triton(
         qn, qk, BK, aligned = 1, 1, 64, True
         s13 = s2 = x.new_empty((1, 1, 1), dtype=torch.float32)
     # Rows per block: enough for the average expert's run, at least tl.dot's 16.
-    BM = min(64, max(16, triton.next_power_of_2(-(-P // min(E, P)))))
+    BM = INVARIANT_BM if row_invariant else min(64, max(16, triton.next_power_of_2(-(-P // min(E, P)))))
     BN = 64
     slot_pair, block_expert = align_by_expert(topk_ids, E, BM)
     n_blocks = block_expert.numel()
@@ -246,4 +253,10 @@ def fused_moe_triton(
         qk,
         **common,
     )
+    if row_invariant:  # elementwise adds in a fixed order (a reduction's may change with the shape)
+        per = out.view(T, k, H).unbind(1)
+        acc = per[0].clone()
+        for o in per[1:]:
+            acc += o
+        return acc.to(x.dtype)
     return out.view(T, k, H).sum(1).to(x.dtype)

@@ -1,4 +1,4 @@
-"""Compile the MoE and FP8 Triton kernels for sm_90 (Hopper) without a GPU: type and lowering
+"""Compile the MoE, FP8, sampling, top-k and batch-invariant GEMM Triton kernels for sm_90 (Hopper) without a GPU: type and lowering
 errors that the interpreter does not see show up here. Run by test_moe.py in a process without
 TRITON_INTERPRET (the interpreter's kernels cannot be compiled).
 
@@ -17,7 +17,7 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.triton import fp8, moe, sampling, topk  # noqa: E402
+from kernels.triton import fp8, gemm_invariant, moe, sampling, topk  # noqa: E402
 
 DTYPES = (("bf16", tl.bfloat16, False), ("fp32", tl.float32, True))
 # Pointer arguments by name (without _ptr); the others are activations, or weights ("w").
@@ -48,6 +48,7 @@ def main() -> None:
             compile_kernel(fp8._fp8_block_linear_kernel, xdt, True, ce)
     compile_sampling()
     compile_topk()
+    compile_gemm_invariant()
     print("compiled")
 
 
@@ -94,6 +95,21 @@ def compile_topk() -> None:
         build(topk._stage1, dict(x=xdt, thr="*i64", cand="*i64"), {"KPAD": 32, "BLOCK": 1024})
     build(topk._threshold, dict(bmax="*i64", thr="*i64"), {"SB": 256})
     build(topk._stage2, dict(cand="*i64", out_v="*fp32", out_i="*i64"), {"KPAD": 32, "CBLOCK": 8192})
+
+
+def compile_gemm_invariant() -> None:
+    """The batch-invariant GEMM at its one configuration, float32 and bfloat16 (M a plain i32:
+    one binary for every row count)."""
+    g = gemm_invariant
+    for xdt, tdt, f32 in DTYPES:
+        ptr = "*" + xdt
+        sig = {n: ptr if n.endswith("_ptr") else "i32" for n in g._gemm_invariant_kernel.arg_names}
+        ce = dict(BM=g.BLOCK_M, BN=g.BLOCK_N, BK=g.BLOCK_K, YDT=tdt, DOT_F32=f32, ROW_SUMS=False)
+        sig |= dict.fromkeys(ce, "constexpr")
+        src = ASTSource(fn=g._gemm_invariant_kernel, signature=sig, constexprs=ce)
+        triton.compile(
+            src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=g.NUM_WARPS, num_stages=g.NUM_STAGES)
+        )
 
 
 if __name__ == "__main__":
