@@ -30,6 +30,20 @@ class RowGroup:
     max_row_tokens: int = 1  # > 1 in a decode group: speculative rows (k+1 tokens) are present
     points: StatePoints | None = None  # prefill: GDN states to keep inside rows (prefix snapshots)
     fresh: bool = False  # every row starts its sequence (no tokens in the cache before this step's)
+    _phases: list | None = None  # point_phases(), made once per step
+
+    def point_phases(self) -> list[tuple[torch.Tensor, tuple, list[tuple[int, int]]]]:
+        """This prefill group's rows cut at their state points, as `ForwardBatch.gdn_row_phases`
+        cuts the step's, over the group's own tokens (the recurrent GDN prefill of batch-invariant
+        mode on CUDA). Made on first use and kept for the step's layers."""
+        if self._phases is None:
+            assert self.points is not None
+            pts = self.points
+            ptr, offs, dest = pts.ptr.tolist(), pts.offsets.tolist(), pts.dest.tolist()
+            cuts = [[(offs[m], dest[m]) for m in range(ptr[b], ptr[b + 1])] for b in range(len(ptr) - 1)]
+            rows = (self.cu_seqlens.tolist(), self.slot_ids.tolist(), self.has_initial_state.tolist())
+            self._phases = _phases(*rows, cuts, self.cu_seqlens.device)
+        return self._phases
 
     @property
     def num_rows(self) -> int:
@@ -58,6 +72,7 @@ class ForwardBatch:
     _step_rows: tuple | None = None  # step_token_rows(), made once per step
     _points: tuple | None = None  # gdn_row_points(), made once per step
     _phases: list | None = None  # gdn_row_phases(), made once per step
+    _token_cu: torch.Tensor | None = None  # token_cu(), made once per step
 
     @property
     def groups(self) -> list[RowGroup]:
@@ -99,32 +114,21 @@ class ForwardBatch:
         if self._phases is None:
             cu, slots, init, _ = (t.tolist() for t in self.gdn_rows())
             n_dec = self.decode.num_rows if self.decode is not None else 0
+            assert self.prefill is not None and self.prefill.points is not None
             pts = self.prefill.points
             ptr, offs, dest = pts.ptr.tolist(), pts.offsets.tolist(), pts.dest.tolist()
-            cuts = [[] for _ in slots]
+            cuts: list[list[tuple[int, int]]] = [[] for _ in slots]
             for b in range(len(ptr) - 1):
                 cuts[n_dec + b] = [(offs[m], dest[m]) for m in range(ptr[b], ptr[b + 1])]
-            done = [0] * len(slots)
-            phases = []
-            for ph in range(1 + max(len(c) for c in cuts)):
-                idx, rcu, rslots, rinit, tslots, copies = [], [0], [], [], [], []
-                for r, (s, c) in enumerate(zip(slots, cuts)):
-                    if ph > len(c):
-                        continue  # the row ended in an earlier phase
-                    end = c[ph][0] if ph < len(c) else cu[r + 1] - cu[r]
-                    idx += range(cu[r] + done[r], cu[r] + end)
-                    tslots += [s] * (end - done[r])
-                    rcu.append(len(idx))
-                    rslots.append(s)
-                    rinit.append(bool(init[r]) or done[r] > 0)
-                    if ph < len(c):
-                        copies.append((s, c[ph][1]))
-                    done[r] = end
-                dev = self.input_ids.device
-                rows = tuple(torch.tensor(x, device=dev) for x in (rcu, rslots, rinit, tslots))
-                phases.append((torch.tensor(idx, device=dev), rows, copies))
-            self._phases = phases
+            self._phases = _phases(cu, slots, init, cuts, self.input_ids.device)
         return self._phases
+
+    def token_cu(self) -> torch.Tensor:
+        """[T+1] 0, 1, ..., T: every token of the step a row of its own (with `step_token_rows`).
+        Made on first use and kept for the step's layers."""
+        if self._token_cu is None:
+            self._token_cu = torch.arange(self.input_ids.numel() + 1, device=self.input_ids.device)
+        return self._token_cu
 
     def decode_token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode group token by token, for the C attention op when its rows carry several
@@ -157,6 +161,37 @@ class ForwardBatch:
             )
             self._step_rows = (tables, self.positions + 1, self.gdn_rows()[0])
         return self._step_rows
+
+
+def _phases(cu: list, slots: list, init: list, cuts: list[list[tuple[int, int]]], device) -> list:
+    """Rows (cu over their tokens, slots, init) cut at points (cuts[r]: (offset, dest) ascending):
+    phase i runs every row's tokens up to its i-th point (from where phase i - 1 stopped). Per
+    phase: (token indices, (row_cu, row_slots, row_init, tok_slots) over those tokens,
+    [(slot, snapshot entry)] to copy after it)."""
+    done = [0] * len(slots)
+    phases = []
+    for ph in range(1 + max(len(c) for c in cuts)):
+        idx, rcu, rslots, rinit, tslots, copies = [], [0], [], [], [], []
+        for r, (s, c) in enumerate(zip(slots, cuts)):
+            if ph > len(c):
+                continue  # the row ended in an earlier phase
+            end = c[ph][0] if ph < len(c) else cu[r + 1] - cu[r]
+            idx += range(cu[r] + done[r], cu[r] + end)
+            tslots += [s] * (end - done[r])
+            rcu.append(len(idx))
+            rslots.append(s)
+            rinit.append(bool(init[r]) or done[r] > 0)
+            if ph < len(c):
+                copies.append((s, c[ph][1]))
+            done[r] = end
+        i64 = dict(dtype=torch.int64, device=device)
+        rows = (
+            torch.tensor(rcu, **i64),
+            torch.tensor(rslots, **i64),
+            torch.tensor(rinit, dtype=torch.bool, device=device),
+        )
+        phases.append((torch.tensor(idx, **i64), (*rows, torch.tensor(tslots, **i64)), copies))
+    return phases
 
 
 def _gdn_rows_of(groups: list[RowGroup]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

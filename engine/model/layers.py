@@ -79,9 +79,20 @@ def _pick(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
 
 class GatedDeltaNet:
     def __init__(
-        self, layer: int, w: GDNWeights, hk: int, hv: int, dk: int, dv: int, eps: float, all_reduce: AllReduce
+        self,
+        layer: int,
+        w: GDNWeights,
+        hk: int,
+        hv: int,
+        dk: int,
+        dv: int,
+        eps: float,
+        all_reduce: AllReduce,
+        invariant: bool = False,
     ):
-        self.layer = layer
+        """invariant (--batch-invariant): a prompt's tokens through the recurrent kernel, one at a
+        time as a decode step computes them (the C `gdn_rows` on the CPU, `gdn_recurrent` on CUDA)."""
+        self.layer, self.invariant = layer, invariant
         self.w, self.hk, self.hv, self.dk, self.dv, self.eps = w, hk, hv, dk, dv, eps
         self.all_reduce = all_reduce
         self.key_dim, self.value_dim = hk * dk, hv * dv
@@ -127,10 +138,30 @@ class GatedDeltaNet:
             return gdn_decode_step_(q, k, v, g, beta, rec_pool[grp.slot_start : grp.slot_start + grp.num_rows], 1.0)
         if grp.decode:
             return gdn_recurrent(q, k, v, g, beta, grp.cu_seqlens, rec_pool, grp.slot_ids, scale=1.0, max_len=1)
+        if self.invariant and q.is_cuda:  # the CPU's invariant prefill is gdn_rows (above)
+            return self._recurrent_prefill(pools, grp, q, k, v, g, beta)
         snaps = pools.snapshots.recurrent.get(self.layer) if grp.points is not None else None
         rows = (grp.cu_seqlens, rec_pool, grp.slot_ids, grp.has_initial_state)
         kw = dict(points=grp.points, points_pool=snaps, max_len=grp.max_row_tokens)
         return gdn_chunk_prefill(q, k, v, g, beta, *rows, scale=1.0, **kw)
+
+    def _recurrent_prefill(self, pools, grp, q, k, v, g, beta) -> torch.Tensor:
+        """A prefill group through `gdn_recurrent`, token by token as decode steps run (the float32
+        state is exact between calls); with prefix snapshots inside rows, in phases cut at them
+        (`RowGroup.point_phases`), each point's state copied into the snapshot pool after its phase."""
+        rec_pool = pools.recurrent[self.layer]
+        if grp.points is None:
+            rows = (grp.cu_seqlens, rec_pool, grp.slot_ids, grp.has_initial_state)
+            return gdn_recurrent(q, k, v, g, beta, *rows, scale=1.0, max_len=grp.max_row_tokens)
+        snaps = pools.snapshots.recurrent[self.layer]
+        o = v.new_empty(v.shape)
+        for idx, (cu, slots, init, _), copies in grp.point_phases():
+            if idx.numel():
+                part = (x.index_select(0, idx) for x in (q, k, v, g, beta))
+                o.index_copy_(0, idx, gdn_recurrent(*part, cu, rec_pool, slots, init, scale=1.0))
+            for slot, entry in copies:
+                snaps[entry].copy_(rec_pool[slot])
+        return o
 
     def _rows_in_phases(self, proj, batch: ForwardBatch, pools: CachePools, consts) -> torch.Tensor:
         """cpu_ops.gdn_rows phase by phase; after each, the states at the points it ended on are
@@ -216,7 +247,8 @@ class Attention:
         invariant: bool = False,
     ):
         """invariant (--batch-invariant): prefill tokens too go through the C decode op, one token
-        at a time in order, so each token's arithmetic is a decode step's whatever its chunk."""
+        at a time in order (on CUDA: each a one-token row of the paged kernel), so each token's
+        arithmetic is a decode step's whatever its chunk."""
         self.w, self.h, self.kvh, self.hd, self.eps = w, n_heads, n_kv, hd, eps
         self.invariant = invariant
         self.all_reduce = all_reduce
@@ -248,7 +280,10 @@ class Attention:
             if batch.prefill is not None:
                 o = torch.cat([o, self._attend(qkv[n:], batch, kv_pool, cos[n:], sin[n:], n)])
         else:
-            o = self._attend(qkv, batch, kv_pool, cos, sin, 0)
+            # CUDA, batch-invariant: a step with prompt or drafted tokens runs every token as a
+            # decode row of the paged kernel (a plain decode step already does)
+            each = self.invariant and (batch.prefill is not None or (dec is not None and dec.max_row_tokens > 1))
+            o = self._attend(qkv, batch, kv_pool, cos, sin, 0, each)
         return self.all_reduce(self.w.w_o(_pick(o, rows)))
 
     def _c_op(self, qkv, cos, sin, kv_pool, slot_mapping, tables, lens, starts) -> torch.Tensor:
@@ -258,9 +293,13 @@ class Attention:
             qkv, self.qk_norm, self.eps, cos, sin, kv_pool, slot_mapping, tables, lens, h, kvh, self.scale, starts
         )
 
-    def _attend(self, qkv: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor, cos, sin, skip: int):
+    def _attend(
+        self, qkv: torch.Tensor, batch: ForwardBatch, kv_pool: torch.Tensor, cos, sin, skip: int, each: bool = False
+    ):
         """Attention * sigmoid(gate) [T, H*hd] of the tokens qkv holds: the step's tokens from
-        `skip` on (skip: the decode group's tokens, done apart; 0: every group here)."""
+        `skip` on (skip: the decode group's tokens, done apart; 0: every group here). each: every
+        token of the step a one-token row over its own context (`ForwardBatch.step_token_rows`),
+        so it attends exactly as a decode step's token would."""
         T = qkv.shape[0]
         nqk = (self.h + self.kvh) * self.hd
         qk, gate, v = qkv.split([nqk, self.h * self.hd, self.kvh * self.hd], dim=-1)
@@ -277,7 +316,10 @@ class Attention:
             )
 
         qkv_t = (q, k, v.view(T, self.kvh, self.hd))
-        if skip:  # the prefill group alone
+        if each:
+            tables, lens, _ = batch.step_token_rows()
+            o = paged_attention(q, kv_pool, batch.token_cu(), lens, tables, self.scale, max_len=1)
+        elif skip:  # the prefill group alone
             assert batch.prefill is not None
             o = attend(batch.prefill, *qkv_t)
         else:

@@ -59,6 +59,7 @@ def build_layer(cfg: ModelConfig, i: int, kind: str, lw: dict, tp: int, all_redu
             cfg.linear_value_head_dim,
             eps,
             all_reduce,
+            cfg.batch_invariant,
         )
     else:
         kvh = max(1, cfg.num_kv_heads // tp)

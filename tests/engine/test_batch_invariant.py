@@ -107,16 +107,12 @@ def _run(core, jobs, logprobs: int | None = 5, new: int = NEW) -> list[tuple[lis
     return [got[rids[i]] for i in range(len(jobs))]
 
 
-@pytest.mark.parametrize("model", ["dense", "moe"])
-def test_bf16_request_is_the_same_bits_whole_chunked_resumed_or_batched(model, request):
-    """Dense, and MoE: the routed experts' rows differ with the batch, and each expert's GEMV
-    gives a row the same sums whatever the number of rows it shares the expert with."""
-    ckpt_bf16 = request.getfixturevalue("ckpt_bf16" if model == "dense" else "ckpt_moe")
-    vocab = 1024 if model == "dense" else hc.SPEC_MOE["qwen3_5_moe"].vocab
+def same_bits_every_way(ckpt: str, vocab: int, kw: dict) -> tuple[list[int], list[int]]:
+    """Engines with `kw` (one with chunks of 16): a request's tokens and logprobs are the same bits
+    whole, chunked, resumed or batched. Returns (its prompt, its tokens)."""
     prompts = hc.prompts(vocab, lens=(40, 100, 7, 63, 130), seed=5)
     target = prompts[1]
-    kw = dict(dtype="bfloat16", engine_process=False, enable_prefix_caching=False, batch_invariant=True)
-    with LLM(ckpt_bf16, **kw) as llm, LLM(ckpt_bf16, max_num_batched_tokens=16, batch_chunk_tokens=16, **kw) as small:
+    with LLM(ckpt, **kw) as llm, LLM(ckpt, max_num_batched_tokens=16, batch_chunk_tokens=16, **kw) as small:
         core, chunked = llm.engine, small.engine
         assert core is not None and chunked is not None
         alone = _run(core, [(target, None, 0)])[0]
@@ -133,6 +129,17 @@ def test_bf16_request_is_the_same_bits_whole_chunked_resumed_or_batched(model, r
         assert _run(core, [(target, None, 2), *others])[0] == alone
         assert _run(chunked, [*others, (target, toks[:HALF], 1)])[-1] == cont
         assert core.blocks.num_free == llm.capacity().num_blocks
+    return target, toks
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_bf16_request_is_the_same_bits_whole_chunked_resumed_or_batched(model, request):
+    """Dense, and MoE: the routed experts' rows differ with the batch, and each expert's GEMV
+    gives a row the same sums whatever the number of rows it shares the expert with."""
+    ckpt_bf16 = request.getfixturevalue("ckpt_bf16" if model == "dense" else "ckpt_moe")
+    vocab = 1024 if model == "dense" else hc.SPEC_MOE["qwen3_5_moe"].vocab
+    kw = dict(dtype="bfloat16", engine_process=False, enable_prefix_caching=False, batch_invariant=True)
+    target, toks = same_bits_every_way(ckpt_bf16, vocab, kw)
     # and the tokens are transformers' bfloat16 argmax but for near-ties (the bound of test_bf16.py)
     short = hc.hf_logit_shortfall(ckpt_bf16, target, toks, dtype=torch.bfloat16)
     assert float(short.max()) <= TOL, short.tolist()
