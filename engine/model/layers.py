@@ -282,7 +282,8 @@ class Attention:
         else:
             # CUDA, batch-invariant: a step with prompt or drafted tokens runs every token as a
             # decode row of the paged kernel (a plain decode step already does)
-            each = self.invariant and (batch.prefill is not None or (dec is not None and dec.max_row_tokens > 1))
+            steps = batch.prefill is not None or (dec is not None and dec.max_row_tokens > 1)
+            each = self.invariant and x.is_cuda and steps
             o = self._attend(qkv, batch, kv_pool, cos, sin, 0, each)
         return self.all_reduce(self.w.w_o(_pick(o, rows)))
 
