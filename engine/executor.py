@@ -2,7 +2,8 @@
 
 `InProcExecutor` (t = 1): the worker lives in the caller's process.
 `MultiProcExecutor` (t > 1, or t = 1 with ParallelConfig.worker_process: a node's
---worker-process): one spawned process per rank, joined by torch.distributed
+--worker-process): one process per rank, forked from a server that imported torch and the worker
+once for the process (`rank_context`), joined by torch.distributed
 (gloo on CPU, nccl on CUDA), rank r on the device engine/devices.py maps it to; each step is
 pickled once into a buffer every rank maps (engine/step_channel.py), its length sent down each
 rank's pipe, and rank 0 answers.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -81,8 +83,24 @@ def _rendezvous_store(t: int):
                          timeout=timedelta(seconds=STARTUP_TIMEOUT_S))  # fmt: skip
 
 
-def _rank_main(cfg: EngineConfig, rank: int, port: int, conn, device: str, steps_path: str) -> None:
+def rank_context():
+    """Where ranks start: a fork server that has imported the worker (torch with it) once, in the
+    first executor's process. A spawned rank imported them again, about 3 s of CPU per rank on a
+    2-core AVX2 host (docs/benchmarks.md, "Start-up and the test suite"). The server starts no
+    thread and touches no CUDA device before a rank forks; each rank takes the environment its
+    executor had when it started (`_rank_main`), not the server's."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["engine.worker"])
+    return ctx
+
+
+def _rank_main(
+    cfg: EngineConfig, rank: int, port: int, conn, device: str, steps_path: str, env: dict[str, str]
+) -> None:
     import signal
+
+    os.environ.clear()
+    os.environ.update(env)  # the executor's, as a spawned rank would inherit it
 
     import torch.distributed as dist
 
@@ -142,7 +160,7 @@ class MultiProcExecutor:
     def __init__(self, cfg: EngineConfig):
         t = cfg.parallel.tensor_parallel_size
         devices = node_devices(cfg.device, t)  # raises before any rank starts
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         self._store = _rendezvous_store(t)
         self._steps = StepWriter()  # each step pickled once, for every rank (engine/step_channel.py)
         port = self._store.port
@@ -151,7 +169,7 @@ class MultiProcExecutor:
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_rank_main,
-                args=(cfg, rank, port, child, str(devices[rank]), self._steps.path),
+                args=(cfg, rank, port, child, str(devices[rank]), self._steps.path, dict(os.environ)),
                 daemon=True,
                 name=f"pdserve-rank{rank}",
             )
@@ -211,13 +229,24 @@ class MultiProcExecutor:
                 c.send(None)
             except (OSError, BrokenPipeError):
                 pass
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        for c, p in zip(self.conns, self.procs):
+            if not _closed(c, 10.0):  # a rank's exit status passes through the fork server, which a
+                p.kill()  # signal to the node's group may have stopped: its pipe's end says it exited
+            p.join(timeout=1)
         self.conns, self.procs = [], []
         self._store = None  # after the ranks: they may use the store until they exit
         self._steps.close()
+
+
+def _closed(conn, timeout: float) -> bool:
+    """True once the other end of `conn` has closed (its rank exited) within `timeout` s."""
+    end = time.monotonic() + timeout
+    try:
+        while conn.poll(max(0.0, end - time.monotonic())):
+            conn.recv()  # an answer still in the pipe
+    except (EOFError, OSError):
+        return True
+    return False
 
 
 def make_executor(cfg: EngineConfig) -> InProcExecutor | MultiProcExecutor:
