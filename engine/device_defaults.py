@@ -75,8 +75,9 @@ def default_local_prefill_step_tokens(device: str) -> int:
 def default_batch_invariant(model: ModelConfig, args: EngineArgs) -> bool:
     """--batch-invariant left unset: on for a bfloat16 model on the CPU with the C operators, a
     float32 GDN state and no weights kept in FP8 (what the mode runs), off otherwise (docs/engine.md,
-    "Batch-invariant mode"; on CUDA only when asked for: its Triton path has not yet run on a GPU): its GEMM beats oneDNN's at a decode step's rows with or without
-    AVX512-BF16 (the same bits either way). A node without the C operators resolves it off: the
+    "Batch-invariant mode"): its GEMM beats oneDNN's at a decode step's rows with or without
+    AVX512-BF16 (the same bits either way). On CUDA it is on only when asked for: its Triton path
+    has not yet run on a GPU. A node without the C operators resolves it off: the
     transfer handshake then names the option."""
     import torch
 

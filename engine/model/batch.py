@@ -72,7 +72,6 @@ class ForwardBatch:
     _step_rows: tuple | None = None  # step_token_rows(), made once per step
     _points: tuple | None = None  # gdn_row_points(), made once per step
     _phases: list | None = None  # gdn_row_phases(), made once per step
-    _token_cu: torch.Tensor | None = None  # token_cu(), made once per step
 
     @property
     def groups(self) -> list[RowGroup]:
@@ -122,13 +121,6 @@ class ForwardBatch:
                 cuts[n_dec + b] = [(offs[m], dest[m]) for m in range(ptr[b], ptr[b + 1])]
             self._phases = _phases(cu, slots, init, cuts, self.input_ids.device)
         return self._phases
-
-    def token_cu(self) -> torch.Tensor:
-        """[T+1] 0, 1, ..., T: every token of the step a row of its own (with `step_token_rows`).
-        Made on first use and kept for the step's layers."""
-        if self._token_cu is None:
-            self._token_cu = torch.arange(self.input_ids.numel() + 1, device=self.input_ids.device)
-        return self._token_cu
 
     def decode_token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode group token by token, for the C attention op when its rows carry several

@@ -319,7 +319,8 @@ class Attention:
         qkv_t = (q, k, v.view(T, self.kvh, self.hd))
         if each:
             tables, lens, _ = batch.step_token_rows()
-            o = paged_attention(q, kv_pool, batch.token_cu(), lens, tables, self.scale, max_len=1)
+            one_each = torch.arange(T + 1, device=q.device)  # every token a row of its own
+            o = paged_attention(q, kv_pool, one_each, lens, tables, self.scale, max_len=1)
         elif skip:  # the prefill group alone
             assert batch.prefill is not None
             o = attend(batch.prefill, *qkv_t)

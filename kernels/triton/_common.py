@@ -35,14 +35,14 @@ def dot_in_f32(dtype: torch.dtype) -> bool:
     """Whether `dot` should multiply in float32 (IEEE): for float32 operands (no TF32), and under
     the interpreter, whose 16-bit dots are wrong. A 16-bit dot accumulates in float32 and products
     of 16-bit floats are exact in float32, so both ways give the same sums."""
-    return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return dtype == torch.float32 or interpreted()
 
 
 def f32_precision() -> str:
     """input_precision for products of computed float32 values: "tf32x3" on a GPU (three TF32
     tensor-core passes, float32-level error), "ieee" under the interpreter. PDSERVE_TRITON_F32_DOT
     (ieee, tf32x3) overrides it on a GPU, to check a result against plain float32 products."""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if interpreted():
         return "ieee"
     prec = os.environ.get("PDSERVE_TRITON_F32_DOT", "tf32x3")
     if prec not in ("ieee", "tf32x3"):

@@ -16,6 +16,17 @@ def ckpt_hv1(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def ckpt_bf16(tmp_path_factory):
+    return hc.make(tmp_path_factory.mktemp("bf16") / "ckpt", hc.SPEC_BF16)
+
+
+@pytest.fixture(scope="session")
+def ckpt_moe(tmp_path_factory):
+    """Qwen3.5-MoE's tiny checkpoint (hc.SPEC_MOE)."""
+    return hc.make(tmp_path_factory.mktemp("moe35") / "ckpt", hc.SPEC_MOE["qwen3_5_moe"])
+
+
+@pytest.fixture(scope="session")
 def prompts():
     return hc.prompts()
 

@@ -74,16 +74,6 @@ def test_row_invariant_experts_give_each_token_the_same_bits_in_any_batch(H, I, 
     assert float((whole.double() - ref).abs().max()) <= 0.02 * float(ref.abs().max())
 
 
-@pytest.fixture(scope="module")
-def ckpt_bf16(tmp_path_factory):
-    return hc.make(tmp_path_factory.mktemp("bf16inv") / "ckpt", hc.SPEC_BF16)
-
-
-@pytest.fixture(scope="module")
-def ckpt_moe(tmp_path_factory):
-    return hc.make(tmp_path_factory.mktemp("bf16inv-moe") / "ckpt", hc.SPEC_MOE["qwen3_5_moe"])
-
-
 def _run(core, jobs, logprobs: int | None = 5, new: int = NEW) -> list[tuple[list[int], list]]:
     """jobs: (prompt, output so far or None, engine steps to run before adding it) -> each job's
     (new tokens, their logprobs) once every job has finished (a request asking for logprobs

@@ -13,16 +13,6 @@ from tests.engine.test_batch_invariant import same_bits_every_way
 from tests.helpers import hybrid_ckpt as hc
 
 
-@pytest.fixture(scope="module")
-def ckpt_bf16(tmp_path_factory):
-    return hc.make(tmp_path_factory.mktemp("bf16inv-cuda") / "ckpt", hc.SPEC_BF16)
-
-
-@pytest.fixture(scope="module")
-def ckpt_moe(tmp_path_factory):
-    return hc.make(tmp_path_factory.mktemp("bf16inv-cuda-moe") / "ckpt", hc.SPEC_MOE["qwen3_5_moe"])
-
-
 @pytest.mark.gpu
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])

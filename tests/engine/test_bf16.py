@@ -17,11 +17,6 @@ NEW = 16
 TOL = 0.25  # a logit gap bfloat16 rounding cannot bridge: the engine's token is never further below the max
 
 
-@pytest.fixture(scope="module")
-def ckpt_bf16(tmp_path_factory):
-    return hc.make(tmp_path_factory.mktemp("bf16") / "ckpt", hc.SPEC_BF16)
-
-
 @pytest.mark.parametrize("cpu_ops_on", [True, False], ids=["fused", "eager"])
 def test_bf16_greedy_follows_transformers_bf16(ckpt_bf16, cpu_ops_on, monkeypatch):
     if not cpu_ops_on:

@@ -46,11 +46,6 @@ def _float32_case(path: str, budget: int) -> None:
             )
 
 
-@pytest.fixture(scope="module")
-def ckpt_bf16(tmp_path_factory):
-    return hc.make(tmp_path_factory.mktemp("bf16-cuda") / "ckpt", hc.SPEC_BF16)
-
-
 @pytest.mark.parametrize("budget", [64, 4096], ids=["chunk64", "whole-prompts"])
 def test_float32_greedy_equals_transformers_hv_twice_hk(ckpt_hv2, budget):
     _float32_case(ckpt_hv2, budget)
