@@ -62,7 +62,8 @@ class Proc:
         self._ready = threading.Event()
         self.address: str | None = None
         self._what = args[0]
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         if wait:
             self.wait_ready(timeout)
 
@@ -94,11 +95,13 @@ class Proc:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout)
+            rc = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
             raise
+        self._reader.join(5)  # its last lines (a child holding the pipe open keeps it no longer)
+        return rc
 
 
 class Up(Proc):
