@@ -174,6 +174,7 @@ class MultiProcExecutor:
                 name=f"pdserve-rank{rank}",
             )
             p.start()
+            child.close()  # the rank has its own copy: ours open, its pipe would never show it gone
             self.conns.append(parent)
             self.procs.append(p)
         caps = [self._recv(c, STARTUP_TIMEOUT_S, "start") for c in self.conns]

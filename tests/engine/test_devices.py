@@ -61,12 +61,18 @@ def test_node_without_gpus_refuses_cuda_ranks_before_starting_them(ckpt_hv2):
         make_executor(cfg)
 
 
-def test_a_refused_setting_at_tp2_is_the_one_line_of_tp1(ckpt_hv2):
+def test_a_refused_setting_at_tp2_is_the_one_line_of_tp1(ckpt_hv2, monkeypatch):
     """A cache too small for the state slots: the ranks' refusal reaches the caller as the same
-    ValueError one rank raises (the CLI prints it as one line), not a worker's traceback."""
+    ValueError one rank raises (the CLI prints it as one line), not a worker's traceback; every
+    rank's pipe shows it gone (none left for close() to wait out and kill)."""
+    import engine.executor as ex
     from engine.config import EngineArgs
     from engine.executor import make_executor
 
+    closed: list[bool] = []
+    monkeypatch.setattr(
+        ex, "_closed", lambda conn, timeout, f=ex._closed: closed.append(f(conn, timeout)) or closed[-1]
+    )
     msgs = []
     for tp in (1, 2):
         cfg = EngineArgs(model=str(ckpt_hv2), tensor_parallel_size=tp, kv_cache_memory="1KiB").engine_config()
@@ -75,6 +81,7 @@ def test_a_refused_setting_at_tp2_is_the_one_line_of_tp1(ckpt_hv2):
         assert "Traceback" not in str(e.value)
         msgs.append(str(e.value))
     assert msgs[1].split(" leaves")[0] == msgs[0].split(" leaves")[0]
+    assert closed == [True, True]
 
 
 def test_fence_is_a_no_op_on_the_cpu():
