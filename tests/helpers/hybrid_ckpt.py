@@ -86,21 +86,33 @@ def _hf_model(path: str, cls_name: str | None = None, dtype: torch.dtype = torch
     return getattr(transformers, cls_name).from_pretrained(path, dtype=dtype).to(device).eval()
 
 
+# (path, prompt, dtype, device) -> the longest greedy continuation computed so far
+_GREEDY: dict[tuple, list[int]] = {}
+
+
 def hf_greedy(
     path: str, prompt: list[int], new_tokens: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> list[int]:
-    """transformers' own generate, one prompt at a time (no padding), greedy."""
-    model = _hf_model(path, dtype=dtype, device=device)
-    ids = torch.tensor([prompt], device=device)
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-        )
-    return out[0, len(prompt) :].tolist()
+    """transformers' own generate, one prompt at a time (no padding), greedy.
+
+    Kept for the session per checkpoint path and prompt: a shorter call is the first tokens of a
+    longer one (`min_new_tokens` bans EOS over the same first steps either way), so the longest
+    continuation asked for answers every shorter one. Checkpoints are never rewritten in place."""
+    key = (str(path), tuple(prompt), dtype, str(device))
+    have = _GREEDY.get(key)
+    if have is None or len(have) < new_tokens:
+        model = _hf_model(path, dtype=dtype, device=device)
+        ids = torch.tensor([prompt], device=device)
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+            )
+        have = _GREEDY[key] = out[0, len(prompt) :].tolist()
+    return have[:new_tokens]
 
 
 def hf_biased_greedy(path: str, prompt: list[int], new_tokens: int, bias: dict[int, float]) -> list[int]:
