@@ -13,11 +13,15 @@ rank's pipe, and rank 0 answers.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import multiprocessing as mp
+import multiprocessing.spawn as mp_spawn
 import os
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol, TypeVar
@@ -156,6 +160,40 @@ def _rank_main(
     dist.destroy_process_group()
 
 
+# executors whose ranks are up: closed at interpreter exit, before multiprocessing's own exit
+# hook (registered earlier, so run later) joins the ranks, which ignore its SIGTERM and would
+# wait for a pipe that only close() ends: a script that never called close() hung at exit
+_LIVE: weakref.WeakSet[MultiProcExecutor] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live() -> None:
+    for ex in list(_LIVE):
+        ex.close()
+
+
+@contextlib.contextmanager
+def _without_callers_main():
+    """Ranks start without running the caller's `__main__` again. multiprocessing has a started
+    process re-import the parent's main module (a script: run again from its path); a rank needs
+    none of it (it runs `_rank_main` with engine objects), and a user's script without an
+    `if __name__ == "__main__":` guard would build its LLM again inside each rank, which
+    multiprocessing refuses: the rank died at start."""
+    prepare = mp_spawn.get_preparation_data
+
+    def without_main(name: str) -> dict[str, Any]:
+        d = prepare(name)
+        d.pop("init_main_from_path", None)
+        d.pop("init_main_from_name", None)
+        return d
+
+    mp_spawn.get_preparation_data = without_main
+    try:
+        yield
+    finally:
+        mp_spawn.get_preparation_data = prepare
+
+
 class MultiProcExecutor:
     def __init__(self, cfg: EngineConfig):
         t = cfg.parallel.tensor_parallel_size
@@ -173,10 +211,12 @@ class MultiProcExecutor:
                 daemon=True,
                 name=f"pdserve-rank{rank}",
             )
-            p.start()
+            with _without_callers_main():
+                p.start()
             child.close()  # the rank has its own copy: ours open, its pipe would never show it gone
             self.conns.append(parent)
             self.procs.append(p)
+        _LIVE.add(self)
         caps = [self._recv(c, STARTUP_TIMEOUT_S, "start") for c in self.conns]
         self._steps.unlink()  # every rank has mapped it
         self.capacity: Capacity = caps[0]
@@ -225,6 +265,7 @@ class MultiProcExecutor:
         return outs
 
     def close(self) -> None:
+        _LIVE.discard(self)
         for c in self.conns:
             try:
                 c.send(None)

@@ -60,3 +60,32 @@ def test_script_importing_torch_first_gets_an_engine_process(ckpt_hv2, llm_hv2):
     assert got["error"] is not None and got["error"].startswith("prompt 0:")
     assert got["blocks"] == llm_hv2.capacity().num_blocks
     assert got["exited"]
+
+
+# a script file as users write one: no `if __name__ == "__main__":` guard around the LLM, no close()
+UNGUARDED = """
+import json, sys
+from engine import LLM, SamplingParams
+
+llm = LLM(sys.argv[1], tensor_parallel_size=2, dtype="float32")
+sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+print(json.dumps([o.output_token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=sp)]))
+""".replace("PROMPTS", repr(PROMPTS))
+
+
+def test_unguarded_script_at_tp2_starts_its_ranks(ckpt_hv2, tmp_path):
+    """Ranks start without running the script's module again (multiprocessing would, and the
+    script's LLM built inside a rank killed it at start); tokens are transformers'; the script
+    exits without closing its LLM (the ranks ignore multiprocessing's SIGTERM at exit and waited
+    on a pipe only close() ends: it hung)."""
+    from tests.helpers import hybrid_ckpt as hc
+
+    script = tmp_path / "generate.py"
+    script.write_text(UNGUARDED)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run(
+        [sys.executable, str(script), str(ckpt_hv2)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "bootstrapping phase" not in r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [hc.hf_greedy(str(ckpt_hv2), p, 8) for p in PROMPTS]
