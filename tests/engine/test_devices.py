@@ -69,10 +69,14 @@ def test_a_refused_setting_at_tp2_is_the_one_line_of_tp1(ckpt_hv2, monkeypatch):
     from engine.config import EngineArgs
     from engine.executor import make_executor
 
-    closed: list[bool] = []
-    monkeypatch.setattr(
-        ex, "_closed", lambda conn, timeout, f=ex._closed: closed.append(f(conn, timeout)) or closed[-1]
-    )
+    closed: list[bool] = []  # what close() saw of each rank's pipe
+    real_closed = ex._closed
+
+    def recording(conn, timeout: float) -> bool:
+        closed.append(real_closed(conn, timeout))
+        return closed[-1]
+
+    monkeypatch.setattr(ex, "_closed", recording)
     msgs = []
     for tp in (1, 2):
         cfg = EngineArgs(model=str(ckpt_hv2), tensor_parallel_size=tp, kv_cache_memory="1KiB").engine_config()
