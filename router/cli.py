@@ -176,10 +176,27 @@ def _serve_node(kind: str, cfg, args) -> int:
 
     require_token(credentials(cfg), cfg.insecure_open_cluster, f"pdserve {kind}")
     serve = importlib.import_module(f"{kind}_node.server").serve
+    _log_host_share(kind, cfg)
     node, _ = serve(f"{args.host}:{args.port}", cfg)
     heap.settle()  # the model and the server are up: what they hold is out of the collector's walk
     say(f"{kind} node {cfg.node_id} listening on {node.address}")
     return _serve_until_signal(node, args.drain_timeout)
+
+
+def _log_host_share(kind: str, cfg) -> None:
+    """What the node runs on: torch threads, CPUs, nice value, and a decode node's step hold."""
+    import torch
+
+    held = getattr(cfg, "yield_to_prefill_ms", 0.0)
+    logging.getLogger("pdserve.node").info(
+        "%s node %s: %d torch threads on CPUs %s, nice %d%s",
+        kind,
+        cfg.node_id,
+        torch.get_num_threads(),
+        ",".join(map(str, sorted(os.sched_getaffinity(0)))),
+        os.nice(0),
+        f", decode steps held up to {held:g} ms for prompts" if held else "",
+    )
 
 
 def cmd_decode(args) -> int:

@@ -32,6 +32,7 @@ from router.cpu_binding import (
     split_cpus,
     usable_cpus,
 )
+from router.node_forks import ForkedNode, Launcher
 from serving.security import API_KEY_ENV, TOKEN_ENV, Credentials, Tls
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,6 +81,8 @@ class PoolSpec:
     # decode nodes' nice value (router/cpu_binding.py decode_nice); None: SHARED_DECODE_NICE where they share CPUs
     # with prefill nodes on the CPU, else 0
     decode_nice: int | None = None
+    # fork: nodes forked from one launcher process (router/node_forks.py); spawn: each exec'd on its own
+    node_start: str = "fork"
     # the router's; with metrics_port set, every node serves /metrics on a free port
     router_options: dict[str, Any] = field(default_factory=dict)
     node_options: dict[str, Any] = field(default_factory=dict)
@@ -97,6 +100,8 @@ class PoolSpec:
         split_cpus([], [], self.cpu_binding)  # a bad mode refused before anything starts
         self.decode_nice_value()  # a bad value too
         self.decode_yield_value()
+        if self.node_start not in ("fork", "spawn"):
+            raise ValueError(f"--node-start must be fork or spawn (got {self.node_start!r})")
         if self.insecure_open_cluster and self.cluster_token:
             raise ValueError("--insecure-open-cluster and --cluster-token-file exclude each other")
         _check_keys("router", self.router_options, settable(RouterConfig, ROUTER_MANAGED))
@@ -165,7 +170,8 @@ class Cluster:
         self.spec = spec
         self.should_stop = should_stop  # checked while waiting: a signal during start-up
         self.out = out
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen | ForkedNode] = {}
+        self.launcher: Launcher | None = None  # forks the nodes (node_start fork)
         self.port: int | None = None
         self._reported: set[str] = set()
         self.cpus: dict[str, tuple[int, ...]] = {}  # node name -> its CPUs (start() decides)
@@ -193,6 +199,12 @@ class Cluster:
         tp = {"prefill": s.prefill_tp, "decode": s.decode_tp, "encode": 1}
         return [NodeSlot(name, name.split("-")[0], tp[name.split("-")[0]]) for name in self.node_ids()]
 
+    def _env(self, extra_env: dict[str, str] | None = None, cpus: tuple[int, ...] = ()) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, TOKEN_ENV)}  # client keys: the router's
+        env.update({TOKEN_ENV: self._token} if self._token else {}, **(extra_env or {}), **bound_env(cpus))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        return env
+
     def _spawn(
         self,
         name: str,
@@ -201,19 +213,25 @@ class Cluster:
         cpus: tuple[int, ...] = (),
         nice: int = 0,
     ) -> None:
-        env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, TOKEN_ENV)}  # client keys: the router's
-        env.update({TOKEN_ENV: self._token} if self._token else {}, **(extra_env or {}), **bound_env(cpus))
+        env = self._env(extra_env, cpus)
         if self.spec.insecure_open_cluster:
             args = [*args, "--insecure-open-cluster"]
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         log_level, drain = ["--log-level", self.spec.log_level], ["--drain-timeout", str(self.spec.drain_timeout_s)]
-        cmd = [sys.executable, "-m", "router.cli", *log_level, *args, *drain]
-        env.update(launch_env(cpus, nice))  # applied by the child after exec (router/child_env.py)
-        self.procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True)
+        argv = [*log_level, *args, *drain]
+        env.update(launch_env(cpus, nice))  # applied by the child first thing (router/child_env.py)
+        if self.launcher is not None and name != "router":
+            self.procs[name] = self.launcher.spawn(name, argv, env)
+        else:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "router.cli", *argv], env=env, start_new_session=True
+            )
 
     def start(self, ready_timeout: float = 300.0) -> None:
         s = self.spec
         port_file = Path(self._tmp.name) / "router.port"
+        if s.node_start == "fork":  # it imports the node code while the router starts
+            kinds = [k for k in ("prefill", "decode", "encode") if getattr(s, k)]
+            self.launcher = Launcher(self._env() | launch_env(), kinds)
         bind = ["--host", s.host, "--port", str(s.port), "--port-file", str(port_file)]
         self._spawn("router", ["router", *bind, "--model", s.model, *s.router_argv()], s.router_env())
         deadline = time.monotonic() + ready_timeout
@@ -284,9 +302,9 @@ class Cluster:
         """Children that exited since the last call (each reported once)."""
         out = []
         for name, p in self.procs.items():
-            if p.poll() is not None and name not in self._reported:
+            if (rc := p.poll()) is not None and name not in self._reported:
                 self._reported.add(name)
-                out.append((name, p.returncode))
+                out.append((name, rc))
         return out
 
     def stop(self, timeout: float | None = None) -> None:
@@ -312,6 +330,8 @@ class Cluster:
                 pass
             if p.poll() is None:
                 p.wait(timeout=5)
+        if self.launcher is not None:
+            self.launcher.close()
         self._tmp.cleanup()
 
     def __enter__(self):

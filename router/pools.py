@@ -64,6 +64,12 @@ OWN: dict[str, tuple[type, Any, str]] = {
         "nice value (0-19) of decode nodes: prefill nodes' compute goes first where they share CPUs, so a first "
         "token waits for no decode step (default: 7 on the CPU with --cpu-binding none and a prefill pool, else 0)",
     ),
+    "node_start": (
+        str,
+        "fork",
+        "fork: every node forked from one process that imported the node code once (about 3 s of CPU less a "
+        "node); spawn: each node its own python process",
+    ),
     "drain_timeout": (
         float,
         30.0,
@@ -200,6 +206,7 @@ def spec_from_args(args: argparse.Namespace, default_model: Callable[[], Any]) -
         insecure_open_cluster=own["insecure_open_cluster"],
         cpu_binding=own["cpu_binding"],
         decode_nice=own["decode_nice"],
+        node_start=own["node_start"],
     )
 
 

@@ -59,3 +59,8 @@ def test_a_bad_pool_option_is_still_refused_before_anything_starts(ckpt):
 def test_a_directory_without_a_checkpoint_is_refused(tmp_path):
     got = _check(str(tmp_path), "--decode", "1")
     assert "no config.json" in got.get("refused", ""), got
+
+
+def test_an_unknown_way_to_start_nodes_is_refused(ckpt):
+    got = _check(ckpt, "--node-start", "thread")
+    assert got.get("refused") == "--node-start must be fork or spawn (got 'thread')", got

@@ -1,12 +1,15 @@
 """`up --cpu-binding`, `--decode-nice` and `--yield-to-prefill-ms`: the CPUs each node on one host
 gets, the priority decode nodes run at and how long they hold their steps for prompts computing for
 them (router/cpu_binding.py), from the pure rules and as the started node processes hold them (their
-affinity, OpenMP width, nice value, autogroup nice and command line, read from /proc), with tokens
-still served through the 1P+1D path."""
+affinity, nice value and autogroup nice, read from /proc; their torch threads and step hold, from
+each node's start-up line; under `--node-start spawn` also their environment and command line),
+with tokens still served through the 1P+1D path. The nodes are forked by `up`'s launcher in the
+first cluster and started as processes of their own in the second."""
 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -101,6 +104,14 @@ def _held_ms(pid: int) -> float:
     return float(argv[argv.index("--yield-to-prefill-ms") + 1])
 
 
+def _share(up: Up, node: str) -> tuple[int, set[int], int, float]:
+    """A node's start-up line: (torch threads, CPUs, nice, decode step hold in ms)."""
+    line = up.find(rf"( {node}: \d+ torch threads on CPUs .*)")
+    m = re.search(r"(\d+) torch threads on CPUs ([\d,]+), nice (\d+)(?:, decode steps held up to ([\d.]+) ms)?", line)
+    assert m, line
+    return int(m[1]), {int(c) for c in m[2].split(",")}, int(m[3]), float(m[4] or 0)
+
+
 def _allowed(pid: int) -> set[int]:
     return set(os.sched_getaffinity(pid))
 
@@ -121,17 +132,17 @@ def test_started_nodes_hold_their_share(ckpt):
         want = split_cpus(mine, [P, D], "auto")
         assert _allowed(pre) == set(want["prefill-0"]) and _allowed(dec) == set(want["decode-0"])
         assert not _allowed(pre) & _allowed(dec) and _allowed(pre) | _allowed(dec) == set(mine)
-        assert _env(pre)["OMP_NUM_THREADS"] == str(len(want["prefill-0"]))
-        assert _env(dec)["OMP_NUM_THREADS"] == str(len(want["decode-0"]))
+        # forked by the launcher: threads sized to each node's share, though OpenMP loaded before it
+        assert _share(up, "prefill-0") == (len(want["prefill-0"]), set(want["prefill-0"]), os.nice(0), 0.0)
+        assert _share(up, "decode-0") == (len(want["decode-0"]), set(want["decode-0"]), os.nice(0), 0.0)
         assert _nice(dec) == _nice(pre) == os.nice(0)  # on CPUs of their own: no priority given away
-        assert _held_ms(dec) == 0.0  # ... and no step held back
         with Client(up.address, timeout=60) as c:
             c.wait_ready(timeout=30)
             r = c.generate(prompt_token_ids=[1, 2, 3, 4], max_tokens=4, temperature=0.0, ignore_eos=True)
             assert len(r.token_ids) == 4 and r.prefill_node == "prefill-0"
     finally:
         up.stop()
-    up = Up("--model", ckpt, *flags(dtype="float32", decode=1, prefill=1))  # the default: none
+    up = Up("--model", ckpt, *flags(dtype="float32", decode=1, prefill=1, node_start="spawn"))  # binding: none
     try:
         for node in ("prefill-0", "decode-0"):
             pid = node_pid(up, node)
@@ -140,6 +151,8 @@ def test_started_nodes_hold_their_share(ckpt):
         pre, dec = node_pid(up, "prefill-0"), node_pid(up, "decode-0")
         assert _nice(pre) == os.nice(0) and _nice(dec) == min(19, os.nice(0) + SHARED_DECODE_NICE)
         assert _held_ms(dec) == SHARED_DECODE_YIELD_MS  # sharing the CPUs: decode steps give way to prompts
+        threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or len(mine)
+        assert _share(up, "decode-0") == (threads, set(mine), _nice(dec), SHARED_DECODE_YIELD_MS)
         if _group_nice(dec) is not None:  # autogroups: each node's session is a group, weighed by its nice
             assert (_group_nice(pre), _group_nice(dec)) == (0, SHARED_DECODE_NICE)
         with Client(up.address, timeout=60) as c:
