@@ -150,9 +150,8 @@ def _show_as(kind: str, name: str) -> None:
         fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
         start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48 and 49)
         title = b"\0".join([b"pdserve", kind.encode(), b"--node-id", name.encode()])[: end - start - 1]
-        with open("/proc/self/mem", "r+b", buffering=0) as mem:
-            mem.seek(start)
-            mem.write(title.ljust(end - start, b"\0"))
+        if 0 < start < end:  # the process's own argv strings, on its stack: written in place
+            ctypes.memmove(start, title.ljust(end - start, b"\0"), end - start)
     except (OSError, AttributeError, ValueError, IndexError):
         pass  # the name stays the launcher's: the node runs the same
 

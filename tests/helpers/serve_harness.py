@@ -142,10 +142,30 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def _is_node(pid: int, node_id: str) -> bool:
+    """A spawned node has --node-id in its command line; a forked one (router/node_forks.py) its
+    name as comm, and the command line when the launcher's could be written over."""
+    try:
+        cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+        comm = open(f"/proc/{pid}/comm").read().strip()
+    except OSError:
+        return False
+    return f"--node-id\0{node_id}\0".encode() in cmd or comm == node_id
+
+
 def node_pid(up: Up, node_id: str) -> int:
-    """The process of one node `up` started (not its TP workers)."""
-    want = f"--node-id\0{node_id}\0".encode()
-    return next(p for p in descendants(up.proc.pid) if want in open(f"/proc/{p}/cmdline", "rb").read())
+    """The process of one node `up` started (not its TP workers, nor a child that kept its name)."""
+    found = [p for p in descendants(up.proc.pid) if _is_node(p, node_id)]
+    top = [p for p in found if _ppid(p) not in found]
+    assert len(top) == 1, f"{node_id}: processes {found}"
+    return top[0]
+
+
+def _ppid(pid: int) -> int:
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return -1
 
 
 def nodes(address: str, c=None):

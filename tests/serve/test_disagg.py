@@ -20,9 +20,9 @@ from tests.helpers.serve_harness import (
     check_decode_prefix_reuse,
     check_disaggregated_greedy,
     decode_stats,
-    descendants,
     flags,
     node_info,
+    node_pid,
     wait_for,
 )
 
@@ -64,9 +64,7 @@ def test_prefill_node_killed_with_requests_in_flight(ckpt):
                 except PdserveError as e:
                     return i, e.code, e.message
 
-            victim = next(
-                p for p in descendants(up.proc.pid) if b"prefill-0" in open(f"/proc/{p}/cmdline", "rb").read()
-            )
+            victim = node_pid(up, "prefill-0")
             with ThreadPoolExecutor(16) as ex:
                 futs = [ex.submit(one, i) for i in range(16)]
                 wait_for(
@@ -107,7 +105,7 @@ def test_prefill_node_killed_mid_stream(ckpt):
     try:
         d, p = node_info(up.address, "decode-0"), node_info(up.address, "prefill-0")
         initial = decode_stats(d.address).capacity
-        victim = next(x for x in descendants(up.proc.pid) if b"prefill-0" in open(f"/proc/{x}/cmdline", "rb").read())
+        victim = node_pid(up, "prefill-0")
         with Client(up.address, timeout=90) as c, ThreadPoolExecutor(1) as ex:
             c.wait_ready(timeout=60)
 

@@ -24,10 +24,10 @@ from tests.helpers import hybrid_ckpt as hc
 from tests.helpers.serve_harness import (
     Up,
     decode_stats,
-    descendants,
     flags,
     log_url,
     node_info,
+    node_pid,
     prefill_stats,
     scrape,
     wait_for,
@@ -253,7 +253,7 @@ def test_client_that_leaves_the_queue_is_gone_from_it_at_once(ckpt, burst):
         def depth() -> float:
             return scrape(rurl)[("pdserve_router_queue_depth", ())]
 
-        victim = next(p for p in descendants(up.proc.pid) if b"prefill-0" in open(f"/proc/{p}/cmdline", "rb").read())
+        victim = node_pid(up, "prefill-0")
         with Client(up.address, timeout=300) as c:
             c.wait_ready(timeout=60)
             os.kill(victim, signal.SIGSTOP)
@@ -292,7 +292,7 @@ def test_prefill_node_killed_mid_queue_frees_reservations_within_the_lease(ckpt,
     try:
         d = node_info(up.address, "decode-0")
         initial = decode_stats(d.address).capacity
-        victim = next(p for p in descendants(up.proc.pid) if b"prefill-0" in open(f"/proc/{p}/cmdline", "rb").read())
+        victim = node_pid(up, "prefill-0")
         n = 12
         with Client(up.address, timeout=300) as c:
             c.wait_ready(timeout=60)
@@ -330,7 +330,7 @@ def test_hung_prefill_node_stops_renewing_and_its_reservations_expire(ckpt, burs
         d = node_info(up.address, "decode-0")
         initial = decode_stats(d.address).capacity
         durl = log_url(up, r"decode node decode-0 metrics at (http://\S+/metrics)")
-        victim = next(p for p in descendants(up.proc.pid) if b"prefill-0" in open(f"/proc/{p}/cmdline", "rb").read())
+        victim = node_pid(up, "prefill-0")
         n = 12
         with Client(up.address, timeout=300) as c:
             c.wait_ready(timeout=60)

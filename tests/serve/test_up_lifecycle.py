@@ -14,7 +14,7 @@ import time
 import grpc
 import pytest
 
-from tests.helpers.serve_harness import NEW, Up, alive, descendants, flags, nodes, wait_for
+from tests.helpers.serve_harness import NEW, Up, alive, descendants, flags, node_pid, nodes, wait_for
 
 
 def test_tp2_tokens_admission_node_death_and_no_orphans(ckpt, refs):
@@ -51,9 +51,7 @@ def test_tp2_tokens_admission_node_death_and_no_orphans(ckpt, refs):
             assert len(r.token_ids) == 3
         procs |= descendants(up.proc.pid)
         # a node that dies is marked dead by the router (missed heartbeats); `up` reports it and goes on
-        prefill = [p for p in procs if b"prefill-0" in open(f"/proc/{p}/cmdline", "rb").read()]
-        assert len(prefill) == 1
-        os.kill(prefill[0], signal.SIGKILL)
+        os.kill(node_pid(up, "prefill-0"), signal.SIGKILL)
         wait_for(
             lambda: {n.node.node_id: n.alive for n in nodes(up.address)} == {"decode-0": True, "prefill-0": False},
             15,
