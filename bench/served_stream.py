@@ -3,7 +3,7 @@ build (compiled and eager), one server at a time, alternated, each restarted per
 
     python bench/served_stream.py [--vllm-python PATH] [--pairs 2] [--sampled] [--model tiny-qvocab]
         [--systems pdserve-disagg pdserve-disagg-bound pdserve-disagg-hold0 pdserve-disagg-nice7 pdserve-colo
-                   pdserve-disagg-variant pdserve-colo-variant
+                   pdserve-disagg-variant pdserve-colo-variant pdserve-disagg-spawn
                    vllm vllm-eager]
 
 Streaming /v1/completions, 64 requests x 512 random prompt tokens, 64 output tokens with
@@ -55,6 +55,8 @@ SERVER = {
     # the same with batch-invariant mode off (its default is on for bfloat16 on a CPU with avx512_bf16)
     "pdserve-disagg-variant": ("pdserve-disagg", ["--no-batch-invariant"]),
     "pdserve-colo-variant": ("pdserve", ["--no-batch-invariant"]),
+    # every node its own python instead of forked from `up`'s launcher (router/node_forks.py)
+    "pdserve-disagg-spawn": ("pdserve-disagg", ["--node-start", "spawn"]),
     "vllm": ("vllm", ["--max-model-len", "1024"]),
     "vllm-eager": ("vllm", ["--max-model-len", "1024", "--enforce-eager"]),
 }
@@ -145,6 +147,10 @@ def server_cpu(pid: int) -> dict[str, float]:
         return {"server": tree_cpu_s(pid)}
     out: dict[str, float] = {"up": cpu_s(pid)}
     for k in kids:
+        if "router.node_forks" in _cmdline(k):  # the launcher: the nodes forked from it are its children
+            out["launcher"] = cpu_s(k)
+            kids += children(k)
+            continue
         argv = _cmdline(k).split()
         name = argv[argv.index("--node-id") + 1] if "--node-id" in argv else "router"
         out[name] = tree_cpu_s(k)
