@@ -113,13 +113,12 @@ class ForkedNode:
 
     def wait(self, timeout: float | None = None) -> int:
         end = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
+        while (rc := self.poll()) is None:
             left = 1.0 if end is None else end - time.monotonic()
             if left <= 0:
                 raise subprocess.TimeoutExpired(f"node {self.pid}", timeout or 0.0)
-            self._launcher.status(self.pid, min(left, 1.0))
-        assert self.returncode is not None
-        return self.returncode
+            self.returncode = self._launcher.status(self.pid, min(left, 1.0))
+        return rc
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -132,10 +131,16 @@ class ForkedNode:
         self.send_signal(signal.SIGKILL)
 
 
+def _stat(pid: int | str) -> list[str]:
+    """/proc/PID/stat's fields from the third (state) on: field n is at n - 3."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def _exists(pid: int) -> bool:
     """Whether the process runs (an exited one that nobody reaped yet does not)."""
     try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        return _stat(pid)[0] not in ("Z", "X")
     except OSError:
         return False
 
@@ -147,7 +152,7 @@ def _show_as(kind: str, name: str) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     try:
         libc.prctl(_PR_SET_NAME, name.encode()[:15])
-        fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+        fields = _stat("self")
         start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48 and 49)
         title = b"\0".join([b"pdserve", kind.encode(), b"--node-id", name.encode()])[: end - start - 1]
         if 0 < start < end:  # the process's own argv strings, on its stack: written in place

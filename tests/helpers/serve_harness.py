@@ -156,16 +156,10 @@ def _is_node(pid: int, node_id: str) -> bool:
 def node_pid(up: Up, node_id: str) -> int:
     """The process of one node `up` started (not its TP workers, nor a child that kept its name)."""
     found = [p for p in descendants(up.proc.pid) if _is_node(p, node_id)]
-    top = [p for p in found if _ppid(p) not in found]
+    kids = _children()
+    top = [p for p in found if not any(p in kids.get(q, ()) for q in found)]
     assert len(top) == 1, f"{node_id}: processes {found}"
     return top[0]
-
-
-def _ppid(pid: int) -> int:
-    try:
-        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return -1
 
 
 def nodes(address: str, c=None):
