@@ -32,8 +32,15 @@ ops: $(OPS)
 demo: $(STAMP) $(OPS)
 	$(VENV)/bin/pdserve demo
 
+# Two pytest-xdist workers (a test file stays on one worker, with its module's cluster), then the
+# tests marked `serial` alone: their assertions time the machine (tests/conftest.py).
+# TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(OPS)
-	$(VPY) -m pytest -q $(PYTEST_ARGS)
+	@rc=0; \
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 -m "not serial" $(PYTEST_ARGS) || rc=$$?; \
+	$(VPY) -m pytest -q -m serial $(PYTEST_ARGS) || rc=$$?; \
+	exit $$rc
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -45,7 +52,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 
 test-slow: $(STAMP) $(OPS)
-	PDSERVE_SLOW=1 $(VPY) -m pytest -q $(PYTEST_ARGS)
+	PDSERVE_SLOW=1 $(MAKE) test
 
 proto: $(STAMP)
 	$(VPY) proto/generate.py

@@ -74,6 +74,8 @@ class InProcExecutor:
         return [self.worker.call(fn, *args, **kwargs)]
 
     def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
         self.worker = None
 
 
@@ -156,6 +158,7 @@ def _rank_main(
             conn.send(("ok", worker.execute(msg)))
         except BaseException:
             conn.send(("error", traceback.format_exc()))
+    worker.close()  # its transfer endpoints drain their writes before the process's sockets close
     steps.close()
     dist.destroy_process_group()
 

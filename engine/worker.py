@@ -175,6 +175,16 @@ class Worker:
         """The widest block table a request can have: its longest context plus drafts."""
         return -(-(self.cfg.max_model_len + self.cfg.speculative.num_tokens + 1) // self.block_size) + 1
 
+    def close(self) -> None:
+        """Close what node packages keep on this rank (transfer endpoints drain their writes first)."""
+        for key, obj in list(self.ext.items()):
+            close = getattr(obj, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception:  # noqa: BLE001 (a rank on its way out: log and close the rest)
+                    log.warning("rank %d: closing %s failed", self.rank, key, exc_info=True)
+
     def call(self, fn, *args, **kwargs):
         """Run fn(worker, ...) on this rank: how node packages (transfer endpoints, stats) reach
         a rank's pools without the engine importing them."""

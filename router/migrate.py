@@ -21,7 +21,8 @@ CAUSES = ("unavailable", "node_dead", "draining")
 
 
 class Moved(Exception):
-    """Place the request again on another decode node, resuming from the tokens sent."""
+    """Place the request again on another decode node (or the same one, when the node that failed
+    was the prefill node pushing to it), resuming from the tokens sent."""
 
     def __init__(self, cause: str, node_id: str) -> None:
         super().__init__(f"{cause} on {node_id}")
@@ -102,7 +103,7 @@ class Migration:
             code = e.code() if not node_lost else grpc.StatusCode.UNAVAILABLE
             raise Abort(
                 code,
-                f"decode node {node_id} failed after {sent} tokens ({cause}: {e.details() or e.code().name}); "
+                f"node {node_id} failed after {sent} tokens ({cause}: {e.details() or e.code().name}); "
                 f"the request already moved {self.count} time(s), the limit (--max-migrations {self.limit})",
             )
         self.count += 1

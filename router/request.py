@@ -157,11 +157,11 @@ class RequestRun:
                 async for c in self._attempt(d, p):
                     yield c
                 return
-            except Moved:
+            except Moved as mv:
                 self.tr.moves = " ".join(self.migration.path)
                 log.warning(
-                    "request %s: decode node %s failed after %d tokens (%s): moving it (%d of at most %d)",
-                    self.tr.request_id, d.node_id, len(self.sent), self.migration.path[-1],
+                    "request %s: node %s failed after %d tokens (%s): moving it (%d of at most %d)",
+                    self.tr.request_id, mv.node_id, len(self.sent), self.migration.path[-1],
                     self.migration.count, self.migration.limit,
                 )  # fmt: skip
                 continue
@@ -299,7 +299,12 @@ class RequestRun:
             log.info("request %s: decode node %s is draining, placing it elsewhere", self.tr.request_id, d.node_id)
             raise _Retry
         if pre is not None and code == grpc.StatusCode.ABORTED and await pre.wait(5.0) and pre.error is not None:
-            pe = pre.error  # D gave up because the push failed: report why
+            pe = pre.error  # D gave up because the push failed
+            if pe.code() == grpc.StatusCode.UNAVAILABLE and self.sent:
+                # the prefill node was lost mid-push, after the first token went out; D is not at
+                # fault: place the request again (D too) to compute prompt + the tokens sent itself
+                self.tried.discard(d.node_id)
+                self.migration.move(pe, pre.p.node_id, len(self.sent), False)
             raise Abort(pe.code(), f"pushing the state from {pre.p.node_id} failed: {pe.details() or pe.code().name}")
         others = [n for n in self.svc.registry.routable(pb.NODE_KIND_DECODE) if n.node_id not in self.tried]
         if code == grpc.StatusCode.UNAVAILABLE and self.tr.n == 0 and len(self.tried) < 2 and others:

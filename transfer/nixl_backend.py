@@ -22,6 +22,11 @@ Rows = npt.NDArray[np.uint64]  # descriptor / registration rows (addr, len, devi
 Indices = npt.NDArray[np.int32]  # indices into a prepared descriptor list
 Bases = dict[tuple[int, int], int]  # (pair index, template index) -> first descriptor index
 
+# How long close() waits for this agent's WRITEs still in flight. Over TCP, UCX emulates a WRITE
+# with messages the destination answers; a destination that reads one after the writer's socket
+# closed cannot answer, and UCX aborts that process (docs/transfer.md, "A writer that exits").
+CLOSE_DRAIN_S = 2.0
+
 
 class _Handle(Protocol):
     """A NIXL prepared descriptor list or transfer handle."""
@@ -235,7 +240,16 @@ class NixlTransport(Transport):
             out.extend(msgs)
         return out
 
+    def in_flight(self) -> int:
+        """WRITEs posted and not yet finished (checking their state progresses UCX)."""
+        return sum(self.nx.check_xfer_state(h) == "PROC" for hs in self.handles.values() for h in hs)
+
     def close(self) -> None:
+        end = time.monotonic() + CLOSE_DRAIN_S
+        while (n := self.in_flight()) and time.monotonic() < end:
+            time.sleep(0.001)
+        if n:
+            log.warning("NIXL agent closing with %d WRITEs still in flight after %.0f s", n, CLOSE_DRAIN_S)
         for agent in list(self.handles):
             self.remove_peer(agent)
         for reg in self.reg:

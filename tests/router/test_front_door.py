@@ -233,6 +233,7 @@ def test_a_20mb_prompt_is_refused_at_once_while_a_small_request_streams(door):
     assert _rss_mb() - rss0 < 200, "the router kept the refused bodies"
 
 
+@pytest.mark.serial  # compares two latencies: run alone, not beside another test worker
 def test_a_long_prompt_is_tokenized_off_the_event_loop(ckpt):
     """A prompt within every limit but long to tokenize (1 M characters here, under a raised
     limit): the loop stays free, so heartbeats keep the node alive and a small request finishes

@@ -73,3 +73,42 @@ def test_the_watch_cancels_once_the_node_is_dead():
         return before, w.lost and cancelled == [1]
 
     assert asyncio.run(run()) == (False, True)
+
+
+class _Push:
+    """What _decode_failed reads of a prefill node's push: its node and how it ended."""
+
+    def __init__(self, error: grpc.RpcError) -> None:
+        self.error, self.p = error, type("P", (), {"node_id": "prefill-0"})()
+
+    async def wait(self, timeout: float) -> bool:
+        return True
+
+
+def _run(sent: list[int]):
+    from types import SimpleNamespace
+
+    from router.request import RequestRun
+
+    run = RequestRun.__new__(RequestRun)  # the decision alone: no service, no nodes
+    run.sent, run.tried = sent, {"decode-0"}
+    run.tr = SimpleNamespace(n=len(sent), request_id="r1")  # type: ignore[assignment]
+    run.migration = Migration(2, MigrationMetrics(CollectorRegistry()))
+    return run
+
+
+def test_a_prefill_node_lost_mid_push_moves_the_request_and_its_decode_node_may_take_it():
+    """D gave up (ABORTED) because the push from a prefill node that died failed, after the first
+    token went out: the request moves with that token as output, and D, not at fault, may take it."""
+    d = type("D", (), {"node_id": "decode-0"})()
+    run = _run([7])
+    lost = _Push(_Err(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)"))
+    with pytest.raises(Moved) as mv:
+        asyncio.run(run._decode_failed(_Err(grpc.StatusCode.ABORTED, "the push failed"), d, lost))
+    assert mv.value.node_id == "prefill-0" and "decode-0" not in run.tried
+    assert run.migration.path == ["prefill-0(unavailable@1)"]
+    # a push that failed for the request's own reason still ends it, with the push's error
+    run = _run([7])
+    bad = _Push(_Err(grpc.StatusCode.INVALID_ARGUMENT, "bad state"))
+    with pytest.raises(Abort, match="pushing the state from prefill-0 failed: bad state"):
+        asyncio.run(run._decode_failed(_Err(grpc.StatusCode.ABORTED, "the push failed"), d, bad))

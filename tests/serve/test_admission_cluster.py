@@ -84,6 +84,7 @@ def _warm(c, ps, want):
         assert r.token_ids == w and r.prefill_node == "prefill-0"
 
 
+@pytest.mark.serial  # a refusal within 0.5 s of arrival: run alone, not beside another test worker
 def test_burst_refused_at_arrival_admitted_exact(cluster, burst):
     from client import Client
 

@@ -26,6 +26,9 @@ import pytest
 from tests.helpers import hybrid_ckpt as hc
 from tests.helpers.serve_harness import Up, flags, log_url, scrape
 
+# The estimates checked here are wall-clock times: run alone, not beside another test worker.
+pytestmark = pytest.mark.serial
+
 DELAY = 0.01  # seconds per prompt token: 100 tokens/s (the compute of a step is a few % of it)
 L, NEW = 50, 2
 KEY_I, KEY_B = "key-interactive-0123456789", "key-batch-0123456789abcd"

@@ -14,6 +14,8 @@ import pytest
 
 from serving.rpc import Changes, Interrupt, wait_idle
 
+pytestmark = pytest.mark.serial  # bounds of tens of milliseconds: run alone, not beside another test worker
+
 PROMPT_S = 0.05  # how soon after the count drops (or the interrupt) the wait must return
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Literal
 
 import pytest
@@ -48,16 +49,18 @@ def prompt_and_want(ckpt):
 
 @contextmanager
 def engines(
-    ckpt: str, a: int, b: int, backend: Literal["nixl", "ucxx"] = "nixl", **extra: Any
+    ckpt: str, a: int, b: int, backend: Literal["nixl", "ucxx"] = "nixl", decode_progress: bool = False, **extra: Any
 ) -> Iterator[tuple[EngineCore, EngineCore, PrefillConnector, DecodeConnector]]:
     """A prefill engine at TP a and a decode engine at TP b in 32-token chunks (and `extra` LLM
-    options), their connectors joined (NIXL unless `backend` says, checksums on)."""
+    options), their connectors joined (NIXL unless `backend` says, checksums on). With
+    `decode_progress`, the decode side's NIXL agents progress on their own thread, as a decode
+    node's loop progresses them while this test's thread waits on the prefill side."""
     kw: dict[str, Any] = dict(dtype="float32", kv_cache_memory="24MiB", max_num_seqs=4, max_num_batched_tokens=CHUNK)
     kw.update(extra)
     with LLM(ckpt, tensor_parallel_size=a, **kw) as p, LLM(ckpt, tensor_parallel_size=b, **kw) as d:
         cfg = TransferConfig(backend=backend, checksum=True, lease_s=30.0)
         pc = PrefillConnector(p.engine.executor, "P", cfg, push_timeout_s=30.0)
-        dc = DecodeConnector(d.engine.executor, "D", cfg)
+        dc = DecodeConnector(d.engine.executor, "D", replace(cfg, nixl_progress_thread=decode_progress))
         p.engine.use_connector(pc)
         d.engine.use_connector(dc)
         assert pc.add_peers(dc.blobs) and dc.add_peers(pc.blobs)
