@@ -177,7 +177,8 @@ class Worker:
 
     def close(self) -> None:
         """Close what node packages keep on this rank (transfer endpoints drain their writes first)."""
-        for key, obj in list(self.ext.items()):
+        while self.ext:
+            key, obj = self.ext.popitem()
             close = getattr(obj, "close", None)
             if callable(close):
                 try:
