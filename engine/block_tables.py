@@ -12,8 +12,10 @@ import torch
 
 class BlockTables:
     def __init__(self, max_pages: int, num_slots: int = 0):
-        self.table = torch.zeros(num_slots, max_pages, dtype=torch.int64)
-        self._np: np.ndarray | None = None  # `table`'s memory seen by numpy (`rows_into`), made once a table
+        # the tables in numpy, and `table` over the same memory: numpy's gathers and small writes
+        # cost a fraction of torch's on these sizes
+        self._np = np.zeros((num_slots, max_pages), dtype=np.int64)
+        self.table = torch.from_numpy(self._np)
         self._rid: list[str | None] = [None] * num_slots
         self._n = [0] * num_slots  # pages written in the slot's row
         self._tail = [-1] * num_slots  # the last of them
@@ -29,12 +31,12 @@ class BlockTables:
             return self.table[first : first + len(slots), :width].contiguous()
         return self.table[slots, :width]
 
-    def rows_into(self, rows, out: np.ndarray) -> int:
-        """The same tables written packed into `out` (at least len(rows) x widest entries, from its
-        start): [len(rows), w] in row order. Returns w, the widest row's pages."""
+    def rows_into(self, rows, out: np.ndarray, slack: int = 0) -> int:
+        """The same tables written packed into `out` (at least len(rows) x w entries, from its
+        start): [len(rows), w] in row order, w the widest row's pages and `slack` more columns
+        (zeros, or pages a row has beyond its length), at most the table's. Returns w."""
         slots, width = self._update(rows)
-        if self._np is None:  # numpy's gather is a quarter of torch's on these sizes
-            self._np = self.table.numpy()
+        width = min(width + slack, self.table.shape[1])
         np.take(self._np[:, :width], slots, axis=0, out=out[: len(slots) * width].reshape(len(slots), width))
         return width
 
@@ -59,8 +61,8 @@ class BlockTables:
     def _grow(self, s: int) -> None:
         """Room for slot s (the table is sized by the slots seen: a profile step's, then the pools')."""
         extra = max(s + 1, 2 * len(self._n)) - len(self._n)
-        self.table = torch.cat([self.table, self.table.new_zeros(extra, self.table.shape[1])])
-        self._np = None
+        self._np = np.concatenate([self._np, np.zeros((extra, self._np.shape[1]), dtype=np.int64)])
+        self.table = torch.from_numpy(self._np)
         self._rid += [None] * extra
         self._n += [0] * extra
         self._tail += [-1] * extra
@@ -71,10 +73,11 @@ class BlockTables:
             self._grow(s)
         n, m = self._n[s], len(pages)
         same = self._rid[s] == rid and self._seen[s] == self._step - 1 and n <= m
+        t = self._np
         if not same or (n and pages[n - 1] != self._tail[s]):
             if m < n:
-                self.table[s, m:n] = 0
+                t[s, m:n] = 0
             n = 0
         if m > n:
-            self.table[s, n:m] = torch.tensor(pages[n:m], dtype=torch.int64) if m - n > 1 else pages[n]
+            t[s, n:m] = pages[n:m]
         self._rid[s], self._n[s], self._tail[s], self._seen[s] = rid, m, pages[-1] if m else -1, self._step

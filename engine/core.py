@@ -26,7 +26,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import NgramProposer
 from engine.step import StepInput
-from engine.step_input import step_input
+from engine.step_input import advance, step_input
 from engine.tokenizer import Tokenizer
 from engine.vision.inputs import ImageInput
 from engine.vision.processing import load_processor
@@ -60,6 +60,7 @@ class EngineCore:
         self.image_totals: tuple[int, float, int] = (0, 0.0, 0)  # images encoded, seconds, encoder-cache hits
         self.prompt_tokens_computed = 0  # total since start: prompt tokens its steps computed
         self.connector: Connector | None = None  # set once by use_connector
+        self._last_plain: StepInput | None = None  # the last step, when plain: the next may advance it
         self._test_delay_s = float(os.environ.get(TEST_PREFILL_DELAY_ENV) or 0.0)
         if self._test_delay_s:
             log.warning("%s=%g: prefill throttled (a test setting)", TEST_PREFILL_DELAY_ENV, self._test_delay_s)
@@ -333,8 +334,16 @@ class EngineCore:
 
     # ---- steps ----------------------------------------------------------------------
     def _step_input(self, so: SchedulerOutput, layer_posts: list[str] | None = None) -> StepInput:
-        merge = self.cfg.model.vision.spatial_merge_size if self.cfg.model.vision is not None else 0
-        return step_input(so, self.cfg.speculative.mtp, merge, layer_posts or [])
+        last, self._last_plain = self._last_plain, None  # a step that fails leaves nothing to advance
+        step = advance(last, so) if last is not None and not layer_posts else None
+        if step is None:
+            merge = self.cfg.model.vision.spatial_merge_size if self.cfg.model.vision is not None else 0
+            step = step_input(so, self.cfg.speculative.mtp, merge, layer_posts or [])
+        return step
+
+    def _ran(self, step: StepInput) -> None:
+        """After a step ran: a plain one is kept, the next step may advance it."""
+        self._last_plain = step if step.plain else None
 
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()
@@ -343,17 +352,20 @@ class EngineCore:
         layer_posts: list[str] = []
         if so.rows and conn is not None:  # e.g. a prefill side opening pushes that this step's rows finish
             layer_posts = list(conn.rows_scheduled(so) or ())
-        starts = [r.request.num_computed_tokens for r in so.rows]
-        prompt_tokens = sum(r.num_new_tokens for r in so.rows if not r.is_decode)
+        # where each row starts (for the connector's prompt chunks) and the prompt tokens: none in a steady step
+        starts = None if so.steady else [r.request.num_computed_tokens for r in so.rows]
+        prompt_tokens = 0 if so.steady else sum(r.num_new_tokens for r in so.rows if not r.is_decode)
         if so.rows:
             t0 = time.monotonic()
             try:
-                res = self.executor.execute(self._step_input(so, layer_posts))
+                step = self._step_input(so, layer_posts)
+                res = self.executor.execute(step)
             except BaseException:
                 self.scheduler.abandon(so)  # the step's snapshot pins must not outlive it
                 raise
-            if all(not r.is_decode for r in so.rows):  # a decode row's time is not the prompt's
+            if not so.steady and all(not r.is_decode for r in so.rows):  # a decode row's time is not the prompt's
                 self.scheduler.classes.observe(prompt_tokens, time.monotonic() - t0)
+            self._ran(step)
             self.prompt_tokens_computed += prompt_tokens
             (n, secs, hits), (dn, dsecs, dhits) = self.image_totals, res.images
             self.image_totals = (n + dn, secs + dsecs, hits + dhits)
@@ -371,7 +383,9 @@ class EngineCore:
                 self._tell_connector(conn, so, starts, touched)
             self._save_final()
         # requests finished without a new token this step (stopped for lack of pages)
-        finals = [req for req in self.requests.values() if req.status in FINAL]
+        ended, self.scheduler.ended = self.scheduler.ended, []
+        # those still here: abort, activate and release let theirs go themselves
+        finals = [req for req in ended if self.requests.get(req.request_id) is req]
         if finals:
             sent = {o.request_id for o in outputs}
             for req in finals:
@@ -381,9 +395,10 @@ class EngineCore:
         return outputs
 
     @staticmethod
-    def _tell_connector(conn: Connector, so: SchedulerOutput, starts: list[int], touched: list[Request]) -> None:
-        """After a step: the prompt chunks it computed, then the requests it left HELD."""
-        for row, start in zip(so.rows, starts):
+    def _tell_connector(conn: Connector, so: SchedulerOutput, starts: list[int] | None, touched: list[Request]) -> None:
+        """After a step: the prompt chunks it computed (none: starts None), then the requests it
+        left HELD."""
+        for row, start in zip(so.rows, starts or ()):
             req = row.request
             n = len(req.prompt_token_ids)
             if start < n and not req.received:
@@ -416,9 +431,46 @@ class EngineCore:
                 req.prompt_logprobs += lps[have - start : end - start]
 
     def _output(self, req: Request) -> RequestOutput:
+        ids = req.output_token_ids
+        sent, req._sent = req._sent, len(ids)
+        first = req.first_token_time
+        if req.status is Status.RUNNING:  # most outputs: a running request's new tokens
+            metrics = {"num_preemptions": req.num_preemptions, "cached_tokens": req.num_cached_tokens}
+            if first is not None:
+                metrics["ttft_s"] = first - req.arrival_time
+            out = RequestOutput(
+                req.request_id,
+                req.prompt_token_ids,
+                ids,
+                ids[sent:],
+                False,
+                req.finish_reason,
+                None,
+                metrics,
+                [],
+                None,
+                None,
+                req.num_cached_tokens,
+            )
+        else:
+            out = self._other_output(req, ids[sent:])
+        if req.params.logprobs is not None:
+            out.logprobs = req.output_logprobs[req._sent_logprobs :]
+            req._sent_logprobs = len(req.output_logprobs)
+        if (
+            req.params.prompt_logprobs is not None
+            and not req._sent_prompt_logprobs
+            and (out.new_token_ids or out.finished)
+        ):
+            out.prompt_logprobs = list(req.prompt_logprobs)
+            req._sent_prompt_logprobs = True
+        return out
+
+    @staticmethod
+    def _other_output(req: Request, new: list[int]) -> RequestOutput:
+        """The output of a request that is not running: finished, held for a transfer, or waiting
+        (preempted)."""
         ids, status = req.output_token_ids, req.status
-        new = ids[req._sent :]
-        req._sent = len(ids)
         held = status is Status.HELD
         done = held or status in FINAL
         metrics = {"num_preemptions": req.num_preemptions, "cached_tokens": req.num_cached_tokens}
@@ -426,7 +478,7 @@ class EngineCore:
             metrics["ttft_s"] = req.first_token_time - req.arrival_time
         if done and req.finish_time is not None:
             metrics["e2e_s"] = req.finish_time - req.arrival_time
-        out = RequestOutput(
+        return RequestOutput(
             req.request_id,
             req.prompt_token_ids,
             list(ids) if done else ids,
@@ -438,13 +490,6 @@ class EngineCore:
             list(req.draft_token_ids) if held else [],
             num_cached_tokens=req.num_cached_tokens,
         )
-        if req.params.logprobs is not None:
-            out.logprobs = req.output_logprobs[req._sent_logprobs :]
-            req._sent_logprobs = len(req.output_logprobs)
-        if req.params.prompt_logprobs is not None and not req._sent_prompt_logprobs and (new or done):
-            out.prompt_logprobs = list(req.prompt_logprobs)
-            req._sent_prompt_logprobs = True
-        return out
 
     def close(self) -> None:
         if self.executor is not None:

@@ -81,6 +81,11 @@ class StepInput:
     # every row is a plain decode row (engine/model/graphs.py plain_decode), known where the rows
     # were built: the worker skips checking each row again
     plain: bool = False
+    # the rows are the last step's (the same RowInput objects where the engine runs in-process), every
+    # one a token further on: a plain step after a plain step over the same requests in the same
+    # order (engine/step_input.py advance). Workers update what they kept from the last step instead
+    # of building it again (docs/engine.md, "The persistent decode batch")
+    steady: bool = False
 
 
 @dataclass

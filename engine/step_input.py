@@ -59,6 +59,36 @@ def step_input(so: SchedulerOutput, mtp: bool, merge: int, layer_posts: list[str
     )
 
 
+def advance(last: StepInput, so: SchedulerOutput) -> StepInput | None:
+    """The step after `last` (a plain step) as its own rows moved on by one token, where `so`
+    schedules the same requests in the same order, each a plain decode row one token past its row
+    in `last`: the persistent decode batch (docs/engine.md). The RowInputs are updated in place
+    (three fields a row, against a new row's twenty); None where any row differs, after which the
+    caller builds the step afresh and `last`'s rows are not used again. A row crossing its
+    min_tokens changes what the sampler plans for it: not advanced."""
+    rows = last.rows
+    if len(so.rows) != len(rows) or so.restores or so.saves or so.landed:
+        return None
+    for r, row in zip(rows, so.rows):
+        req = row.request
+        start = req.num_computed_tokens
+        out = req.output_token_ids
+        if (
+            req.request_id != r.request_id
+            or start != r.start_pos + 1
+            or r.block_ids is not req.block_ids
+            or row.num_new_tokens != 1
+            or row.draft_token_ids
+            or not row.samples
+            or len(out) == req.params.min_tokens
+        ):
+            return None
+        r.token_ids = [out[start - len(req.prompt_token_ids)]]
+        r.start_pos = start
+        r.num_output = len(out)
+    return StepInput(rows, so.finished_ids, plain=True, steady=True)
+
+
 def _decode_row(req: Request, start: int, p: SamplingParams) -> RowInput:
     """A plain decode row (past the prompt, no drafts, MTP or wanted logits): its one pending
     token, sampled; the same row as the general path builds, in a third of its time. Its page

@@ -193,9 +193,11 @@ class Worker:
 
     def build_batch(self, step: StepInput) -> ForwardBatch:
         if self.graphs is not None and not step.layer_posts and (step.plain or plain_decode(step.rows)):
-            staged = self.graphs.stage(step.rows, self.block_tables, self.block_size)
+            staged = self.graphs.stage(step.rows, self.block_tables, self.block_size, step.steady)
             if staged is not None:
                 return staged
+        if self.graphs is not None:
+            self.graphs.last_staged = None  # a batch built here: the next step is staged afresh
         ids, pos, slots, logit_idx = [], [], [], []
         bs = self.block_size
         for r in step.rows:
@@ -401,7 +403,7 @@ class Worker:
         """Rank 0: sample every sampling row and verify drafts in one batch (engine/sampling),
         keep wanted logits and logprobs (into `out`)."""
         if step.plain:  # one token a row, each sampled, nothing else asked
-            emitted, logprobs = self.sampler(logits, step.rows, list(range(len(step.rows))), static)
+            emitted, logprobs = self.sampler(logits, step.rows, list(range(len(step.rows))), static, step.steady)
             out.sampled.update((r.request_id, toks) for r, toks in zip(step.rows, emitted))
             out.logprobs.update(logprobs)
             return

@@ -5,10 +5,11 @@ its page tables (packed [rows, widest row]) written to pinned host memory, then 
 graph itself spreads the packed tables into the [rows, max pages] tensor the kernels read
 (`_Buffers.expand`). Each host-to-device copy, event or launch costs the host tens of
 microseconds on the GPU hosts measured (docs/benchmarks.md, "CUDA (H100)"), so a staged step makes
-one upload and reuses its events. The first step of
-a size runs eagerly on those buffers (compiling every kernel for their exact shapes and strides),
-the next one captures the graph and replays it from then on. Any other step, and any size whose
-capture failed, runs eagerly. PDSERVE_CUDA_GRAPHS=0 turns graphs off (docs/engine.md, "CUDA
+one upload and reuses its events. A steady step (StepInput.steady: the last step's rows, a token
+on) moves the last step's host buffer on in place (`_advance`; docs/engine.md, "The persistent
+decode batch"). The first step of a size runs eagerly on those buffers (compiling every kernel
+for their exact shapes and strides), the next one captures the graph and replays it from then on.
+Any other step, and any size whose capture failed, runs eagerly. PDSERVE_CUDA_GRAPHS=0 turns graphs off (docs/engine.md, "CUDA
 graphs")."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,7 +33,13 @@ def graphs_wanted(device: torch.device, tp: int) -> bool:
 
 
 # the staged fields of a decode step of n rows, in this order in one int64 buffer of STAGED * n
-STAGED = ("input_ids", "positions", "slot_mapping", "slot_ids", "seq_lens")
+STAGED = ("input_ids", "slot_ids", "positions", "slot_mapping", "seq_lens")  # the last three move on together
+
+
+# columns the packed page tables keep past the widest row's pages: the steps staged by
+# `DecodeGraphs._advance` pack them again only when a row outgrows them (every SLACK_PAGES pages of
+# the longest row), for 8 bytes a row and column more in the step's upload
+SLACK_PAGES = 4
 
 
 def _width_at(n: int) -> int:
@@ -71,6 +78,10 @@ class _Buffers:
     pending: Any = None  # a CUDA event recorded after each upload from `host` (pinned on CUDA)
     stepped: bool = False  # a step has run on these buffers
     row_ids: torch.Tensor | None = None  # [B, 1]: 0 .. B-1, for `expand`
+    # `DecodeGraphs._advance`: steps moved on since the last full write, and the rows by their
+    # position's offset in a page at that write
+    ahead: int = 0
+    by_offset: dict[int, list[int]] = field(default_factory=dict)
     col_ids: torch.Tensor | None = None  # [max pages]: 0 .. max pages - 1
 
     @classmethod
@@ -192,6 +203,7 @@ class DecodeGraphs:
         self.replays = 0  # steps replayed from a graph
         self.covered = 0  # steps run on the buffers (replayed or eager)
         self.replayed = False  # the last `run` replayed a graph (its logits are the graph's)
+        self.last_staged: int | None = None  # the size `stage` staged the last step in (None: built otherwise)
 
     def covers(self, b: ForwardBatch) -> bool:
         dec = b.decode
@@ -207,11 +219,14 @@ class DecodeGraphs:
             and dec.num_rows not in self.failed
         )
 
-    def stage(self, rows, tables, block_size: int) -> ForwardBatch | None:
+    def stage(self, rows, tables, block_size: int, steady: bool = False) -> ForwardBatch | None:
         """A plain decode step's batch (`plain_decode(rows)`; tables: engine/block_tables.py) made
         in this size's buffers, which `run` then finds loaded; None where the graphs do not take
-        the step (the worker builds it the general way)."""
+        the step (the worker builds it the general way). steady (StepInput.steady): the rows are
+        the last step's, a token further on; where that step was staged here too, its host
+        buffers are moved on in place (`_advance`)."""
         n = len(rows)
+        staged, self.last_staged = self.last_staged, None
         if n in self.failed:
             return None
         g = self.sizes.get(n)
@@ -223,24 +238,59 @@ class DecodeGraphs:
         assert buf.host is not None and buf.flat is not None
         if buf.pending is not None:  # the last upload from these host buffers must be done
             buf.pending.synchronize()
-        bs = block_size
-        pos = [r.start_pos for r in rows]
-        vals = [r.token_ids[0] for r in rows]
-        vals += pos
-        vals += [r.block_ids[q // bs] * bs + q % bs for r, q in zip(rows, pos)]
-        vals += [r.slot for r in rows]
-        vals += [q + 1 for q in pos]
-        host = buf.host_np
-        head = _width_at(n) + 1  # the width, then the packed tables
-        w = tables.rows_into(rows, host[head:])
-        assert w <= self.width, f"a row of {w} pages, past the widest a request can have ({self.width})"
-        vals.append(w)
-        host[:head] = vals
-        end = head + n * w
+        if steady and staged == n:
+            end = self._advance(buf, rows, tables, block_size)
+        else:
+            end = self._write(buf, rows, tables, block_size)
         buf.flat[:end].copy_(buf.host[:end], non_blocking=True)  # the step's one upload
         if buf.pending is not None:
             buf.pending.record()
+        self.last_staged = n
         return buf.batch
+
+    def _write(self, buf: _Buffers, rows, tables, block_size: int) -> int:
+        """Every staged field of the rows into the host buffer; returns the end of what it wrote."""
+        n = len(rows)
+        bs = block_size
+        pos = [r.start_pos for r in rows]
+        vals = [r.token_ids[0] for r in rows]
+        vals += [r.slot for r in rows]
+        vals += pos
+        vals += [r.block_ids[q // bs] * bs + q % bs for r, q in zip(rows, pos)]
+        vals += [q + 1 for q in pos]
+        host = buf.host_np
+        head = _width_at(n) + 1  # the width, then the packed tables
+        w = tables.rows_into(rows, host[head:], SLACK_PAGES)
+        assert w <= self.width, f"a row of {w} pages, past the widest a request can have ({self.width})"
+        vals.append(w)
+        host[:head] = vals
+        buf.ahead = 0
+        buf.by_offset = {}
+        for i, q in enumerate(pos):
+            buf.by_offset.setdefault(q % bs, []).append(i)
+        return head + n * w
+
+    def _advance(self, buf: _Buffers, rows, tables, block_size: int) -> int:
+        """The host buffer of the last step, staged from these rows a token back, moved on in
+        place: the new ids; positions, slots in the cache and lengths one on, but for the rows
+        whose new token opens a page (known from their offsets in a page at the last `_write`),
+        which get that page in their packed table and their slot at its start. A row past the
+        packed width has every table packed again (`_write`). No per-row Python but the ids'
+        list and the rows that open a page (one in block_size a step)."""
+        n, bs, host = len(rows), block_size, buf.host_np
+        head = _width_at(n) + 1
+        buf.ahead += 1
+        opening = buf.by_offset.get(-buf.ahead % bs, ())
+        w = int(host[head - 1])
+        if any((rows[i].start_pos // bs) >= w for i in opening):  # a page past the packed width
+            return self._write(buf, rows, tables, bs)
+        host[:n] = [r.token_ids[0] for r in rows]
+        host[2 * n : 5 * n] += 1
+        for i in opening:
+            page = rows[i].block_ids[rows[i].start_pos // bs]
+            host[head + i * w + rows[i].start_pos // bs] = page
+            host[3 * n + i] = page * bs
+        return head + n * w
 
     @torch.inference_mode()
     def run(self, b: ForwardBatch) -> torch.Tensor | None:

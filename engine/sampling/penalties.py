@@ -31,6 +31,7 @@ class TokenCounts:
         self.cnt = torch.zeros(0, 0, dtype=torch.int32, device=device)
         self.inp = torch.zeros(0, 0, dtype=torch.bool, device=device)
         self.size = torch.zeros(0, dtype=torch.long, device=device)
+        self.widest = 0  # the largest bound of the requests `rows` or `current` last saw, advanced since
 
     def _resize(self, rows: int, width: int) -> None:
         n, w = self.tok.shape
@@ -63,6 +64,7 @@ class TokenCounts:
                 built.append((e.row, entries))
             out.append(e.row)
         need = max(self.entries[r].bound for r in request_ids) + 1
+        self.widest = need - 1
         if need > self.tok.shape[1]:
             self._resize(self.tok.shape[0], max(need, 2 * self.tok.shape[1], 64))
         if built:
@@ -76,12 +78,19 @@ class TokenCounts:
     def current(self, request_ids: list[str], histories) -> bool:
         """Whether `rows` would build nothing for these requests and needs no wider table: each
         has its table, counting its outputs so far, with room for one more entry."""
-        w = self.tok.shape[1]
+        w, widest = self.tok.shape[1], 0
         for rid, (_, output) in zip(request_ids, histories):
             e = self.entries.get(rid)
             if e is None or e.covered != len(output) or e.last != (output[-1] if output else None) or e.bound >= w:
                 return False
+            widest = max(widest, e.bound)
+        self.widest = widest
         return True
+
+    def room(self) -> bool:
+        """Whether the requests `rows` or `current` last saw (advanced since) each have room for
+        one more entry: `current` for a call over them again, their histories known to be counted."""
+        return self.widest < self.tok.shape[1]
 
     def _build(self, rid: str, prompt: list[int], output: list[int]) -> tuple[_Entry, list[tuple[int, int, int]]]:
         """The request's entry (a table row taken where it has none) and its table on the host:
@@ -131,6 +140,8 @@ class TokenCounts:
         for rid, t in zip(request_ids, tokens):
             e = self.entries[rid]
             e.covered, e.last, e.bound = e.covered + 1, t, e.bound + 1
+            if e.bound > self.widest:
+                self.widest = e.bound
 
     def apply(
         self, x: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor, rep: torch.Tensor | None, pf: torch.Tensor | None

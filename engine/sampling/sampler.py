@@ -82,6 +82,7 @@ class _CallPlan:
     s: Sections
     counters: list[str]  # int sections of the draws' counters (num_output + draft index)
     graphable: bool = False  # its device work may be replayed from a CUDA graph (`Sampler._graphed`)
+    constrained: bool = False  # a row has a grammar (and the sampler one to apply: `Sampler._constrain`)
     reuses: int = 0  # calls that reused it
     graph: Any = None  # (torch.cuda.CUDAGraph, the logits it reads, the tokens it writes)
 
@@ -205,19 +206,22 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(
-        self, logits: torch.Tensor, rows, first: list[int], static: bool = False
+        self, logits: torch.Tensor, rows, first: list[int], static: bool = False, steady: bool = False
     ) -> tuple[list[list[int]], dict[str, list]]:
         """logits [L, V] float32 of a step, which the sampler may overwrite; rows: the RowInputs
         that sample (engine/step.py), row i scoring positions first[i] .. first[i] + num_draft.
         Returns the emitted tokens of each row and {request id: [TokenLogprob]} for rows with
         params.logprobs (of the model's own distribution: log-softmax of the logits before any
         adjustment). static: the logits are at the same address each call (a CUDA graph's output),
-        so a plan's device work may be replayed from a graph of its own."""
+        so a plan's device work may be replayed from a graph of its own. steady (StepInput.steady):
+        the rows are the last call's, each a token further on, so its plan holds as it is."""
         dev, v = logits.device, logits.shape[-1]
-        key = _call_key(rows, first, logits.shape[0])
-        cp = self._reuse(rows, key)
+        cp = self._steady(len(rows), logits.shape[0]) if steady else None
         if cp is None:
-            cp = self._plan = self._plan_call(rows, first, key, v, dev)
+            key = _call_key(rows, first, logits.shape[0])
+            cp = self._reuse(rows, key)
+            if cp is None:
+                cp = self._plan = self._plan_call(rows, first, key, v, dev)
         n, pos, s, adj, dp, lp_rows = cp.n, cp.pos, cp.s, cp.adj, cp.dp, cp.lp_rows
         nlp = max((rows[i].params.logprobs for i in lp_rows), default=0)
         tokens = self._graphed(cp, logits) if static and cp.graphable and cp.reuses >= 2 else None
@@ -228,7 +232,8 @@ class Sampler:
             lsm = torch.log_softmax(logits[s["lp.first"]], -1) if lp_rows else None  # before the adjustments
             if adj is not None:
                 self._apply_adjust(x, adj, s)
-            tokens, held = self._pick(cp, x, self._constrain(x, rows, pos, all_greedy=dp is None))
+            grammar = self._constrain(x, rows, pos, all_greedy=dp is None) if cp.constrained else None
+            tokens, held = self._pick(cp, x, grammar)
             got, lp = self._read(tokens, held, lsm, s if lp_rows else None, nlp)
             if held is not None and not all(got[n : n + len(held)]):
                 per = _positions(rows)
@@ -360,15 +365,31 @@ class Sampler:
         cp = _CallPlan(
             key, nums, len(idx), pos, everything, lp_rows, adj, sampled, greedy, dp, pack.upload(dev), counters
         )
+        cp.constrained = self.grammar is not None and any(r.params.constraint is not None for r in rows)
         cp.graphable = (
             dev.type == "cuda"
             and self.fused
             and os.environ.get("PDSERVE_CUDA_GRAPHS", "1") != "0"
             and not lp_rows
-            and not (self.grammar is not None and any(r.params.constraint is not None for r in rows))
+            and not cp.constrained
             and (adj is not None or dp is not None)  # greedy alone is one launch: nothing to gain
             and (dp is None or ("head" not in dp.groups and not dp.num_unseeded and not any(dp.fused.values())))
         )
+        return cp
+
+    def _steady(self, num_rows: int, num_logits: int) -> _CallPlan | None:
+        """The last call's plan for a steady call (its rows, each a token on, none crossing its
+        min_tokens: the same key, and penalty tables the last call advanced): its draws' counters
+        one on. None where there is none for as many rows and logits (a plan dropped since)."""
+        cp = self._plan
+        if cp is None or cp.key[0] != num_logits or len(cp.nums) != num_rows or cp.n != num_rows:
+            return None
+        if cp.adj is not None and cp.adj.pen and not (self.counts is not None and self.counts.room()):
+            return None  # a table to widen: `_reuse` finds it and plans the call again
+        for name in cp.counters:
+            cp.s[name].add_(1)
+        cp.nums = [c + 1 for c in cp.nums]
+        cp.reuses += 1
         return cp
 
     def _reuse(self, rows, key: tuple) -> _CallPlan | None:
@@ -396,8 +417,7 @@ class Sampler:
     def _constrain(self, x: torch.Tensor, rows, pos: list[int], all_greedy: bool) -> torch.Tensor | None:
         """The grammar on x (engine/structured): the tokens when every position is greedy and one
         CPU op takes the masked argmax; else None, with x masked for the draws."""
-        if self.grammar is None or not any(r.params.constraint is not None for r in rows):
-            return None
+        assert self.grammar is not None
         tokens = self.grammar.greedy(x, rows, pos) if all_greedy else None
         if tokens is None:
             self.grammar.apply(x, rows, pos)

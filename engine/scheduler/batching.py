@@ -18,6 +18,7 @@ from engine.scheduler import priority, spec_depth
 from engine.scheduler.output import FinalSave, ScheduledRow, SchedulerOutput
 from engine.scheduler.prefix_plan import PrefixPlanner
 from engine.scheduler.priority import BATCH, INTERACTIVE
+from engine.scheduler.steady import SteadyRows
 from engine.step import SnapshotCopy
 
 log = logging.getLogger("pdserve.scheduler")
@@ -34,6 +35,7 @@ class _Plan:
         self.short_cap = short  # SchedulerConfig.short_step_tokens (0: none) ...
         self.short_left = short  # ... and what short prompts may still take
         self.rows: list[ScheduledRow] = []
+        self.plain = 0  # rows planned by `_running_rows`' first test (one token, room in its pages)
         self.preempted: list[Request] = []
         self.restores: list[tuple[Snapshot, SnapshotCopy]] = []
         self.saves: list[tuple[Snapshot, SnapshotCopy]] = []
@@ -70,6 +72,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.classes = priority.Classes()
         self._finished_ids: list[str] = []
+        # every request `finish` ended, for the engine to report and let go (EngineCore.step
+        # empties it each step): not a scan of every request the engine holds
+        self.ended: list[Request] = []
         self.num_draft_tokens = 0  # drafts verified so far (speculative decoding), and accepted
         self.num_accepted_tokens = 0
         self.drafts_per_position = [0] * num_spec_tokens  # drafts verified at position i of a row
@@ -77,6 +82,7 @@ class Scheduler:
         # the short-prompt cap (SchedulerConfig.short_step_tokens) holds: a decode node sets it
         # while the router reports a prefill pool ready for it (without one, every prompt is its own)
         self.short_active = True
+        self.steady = SteadyRows()  # the last step's rows, where all were plain decode rows
 
     def add(self, req: Request) -> None:
         req.spec = spec_depth.started(req.spec, req.params, self.num_spec_tokens)
@@ -90,6 +96,9 @@ class Scheduler:
         """Running rows, then waiting requests, class by class (engine/scheduler/priority.py):
         interactive ones first; batch prompt chunks get `priority.batch_allowance` tokens, none in
         a step that computes an interactive prompt chunk."""
+        steady = self._steady()
+        if steady is not None:
+            return steady
         short = self.cfg.short_step_tokens if self.cfg.short_prompt_tokens and self.short_active else 0
         plan = _Plan(self.cfg.max_num_batched_tokens, short)
         allowance = self.classes.batch_allowance(self.running, self.waiting, self.cfg)
@@ -103,7 +112,19 @@ class Scheduler:
         rows.sort(key=lambda r: (not r.is_decode, (r.request.slot or 0) if r.is_decode else 0))
         finished, self._finished_ids = self._finished_ids, []
         landed = self.plan.take_landed(rows) if self.plan is not None else []
+        plain = rows and plan.plain == len(rows) and not (plan.preempted or plan.restores or plan.saves or plan.points)
+        self.steady.keep(self.running, rows if plain else None)
         return SchedulerOutput(rows, plan.preempted, finished, plan.restores, plan.saves, landed, plan.points)
+
+    def _steady(self) -> SchedulerOutput | None:
+        """The last step's rows again where nothing else would be planned (engine/scheduler/steady.py)."""
+        rows = self.steady.take(self.running, self.waiting, self.cfg, self.blocks)
+        if rows is None:
+            return None
+        self.classes.batch_allowance(self.running, self.waiting, self.cfg)  # it notes an interactive request's presence
+        finished, self._finished_ids = self._finished_ids, []
+        landed = self.plan.take_landed(rows) if self.plan is not None else []
+        return SchedulerOutput(rows, [], finished, [], [], landed, [], steady=True)
 
     def _running_rows(self, plan: _Plan, i: int, cls: int) -> int:
         """Schedule the running requests of class `cls` from index i (the running list is kept in
@@ -119,6 +140,7 @@ class Scheduler:
             if plain and left == 1 and done >= len(req.prompt_token_ids) and len(req.block_ids) * bs > done:
                 plan.rows.append(ScheduledRow(req, 1))
                 plan.budget -= 1
+                plan.plain += 1
                 i += 1
                 continue
             n = min(left, plan.budget)
@@ -154,6 +176,8 @@ class Scheduler:
             if need > 0:
                 req.block_ids += self.blocks.allocate(need)
             self._plan_row(plan, req, n, drafts)
+            if plain and left == 1 and done >= len(req.prompt_token_ids):  # a plain row that took a page
+                plan.plain += 1
             if cls == BATCH and left > 1:
                 plan.batch_left -= n
             i += 1
@@ -290,6 +314,7 @@ class Scheduler:
         req.finish_reason = reason
         req.finish_time = time.monotonic()
         self._finished_ids.append(req.request_id)
+        self.ended.append(req)
 
     # ---- speculative decoding: drafts and the depth policy (spec_depth.py) -------------------
     def _drafts(self, req: Request, budget: int) -> list[int]:
@@ -403,6 +428,8 @@ class Scheduler:
         if self.plan is not None:
             self.plan.step_ran(out)
         bs = self.blocks.block_size
+        if out.steady:
+            return self._update_steady(out, sampled, eos)
         for row in out.rows:
             req = row.request
             if req.status is not Status.RUNNING:
@@ -415,7 +442,7 @@ class Scheduler:
             toks = sampled[req.request_id]
             if row.draft_token_ids:
                 self._record(req, len(row.draft_token_ids), len(toks) - 1)
-            else:
+            elif self.num_spec_tokens:  # without speculation the depth record never moves
                 self._tick(req)
             if self.mtp:
                 req.draft_token_ids = drafts.get(req.request_id, []) if drafts else []
@@ -429,16 +456,35 @@ class Scheduler:
                 self._hold(req)
         return touched
 
+    def _update_steady(
+        self, out: SchedulerOutput, sampled: dict[str, list[int]], eos: tuple[int, ...]
+    ) -> list[Request]:
+        """`update` of a steady step: every row a running request's plain decode row, which the
+        step moved on by its one token."""
+        touched = []
+        bs, plan, tick = self.blocks.block_size, self.plan, self.num_spec_tokens
+        for row in out.rows:
+            req = row.request
+            toks = sampled[req.request_id]
+            if tick:
+                self._tick(req)
+            req.num_computed_tokens += len(toks)
+            if plan is not None and req.num_computed_tokens // bs > req.num_registered:  # a page filled
+                plan.register(req, toks)
+            touched.append(req)
+            self._emit(req, toks, eos)
+        return touched
+
     def _emit(self, req: Request, toks: list[int], eos: tuple[int, ...]) -> None:
         """Append tokens one by one, finishing on a stop token, EOS, max_tokens or max_model_len."""
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        p = req.params
+        p, out = req.params, req.output_token_ids
         for tok in toks:
-            req.output_token_ids.append(tok)
+            out.append(tok)
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
                 reason = "stop"
-            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            elif len(out) >= p.max_tokens or len(req.prompt_token_ids) + len(out) >= self.max_model_len:
                 reason = "length"
             else:
                 continue

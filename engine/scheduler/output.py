@@ -45,6 +45,8 @@ class SchedulerOutput:
     landed: list[tuple[Snapshot, SnapshotCopy]] = field(default_factory=list)
     # snapshots (saved now or earlier) whose prompt logprobs a request with them computes this step
     logprob_points: list[tuple[Snapshot, Request]] = field(default_factory=list)
+    # the last step's rows again, each a plain decode row (Scheduler._steady): no prompt chunk
+    steady: bool = False
 
     @property
     def num_tokens(self) -> int:
