@@ -438,20 +438,11 @@ class EngineCore:
             metrics = {"num_preemptions": req.num_preemptions, "cached_tokens": req.num_cached_tokens}
             if first is not None:
                 metrics["ttft_s"] = first - req.arrival_time
+            new = ids[sent:]
             out = RequestOutput(
-                req.request_id,
-                req.prompt_token_ids,
-                ids,
-                ids[sent:],
-                False,
-                req.finish_reason,
-                None,
-                metrics,
-                [],
-                None,
-                None,
-                req.num_cached_tokens,
-            )
+                req.request_id, req.prompt_token_ids, ids, new, False, req.finish_reason, None, metrics,
+                num_cached_tokens=req.num_cached_tokens,
+            )  # fmt: skip
         else:
             out = self._other_output(req, ids[sent:])
         if req.params.logprobs is not None:
