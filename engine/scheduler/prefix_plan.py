@@ -154,9 +154,11 @@ class PrefixPlanner:
         if full <= req.num_registered:  # no page filled since (most decode steps)
             return
         hashes = self.hashes(req, full)
+        out = req.output_token_ids
         for j in range(req.num_registered, full):
             e = (j + 1) * bs
-            after = req.hash_prompt[e] if e < plen else (req.output_token_ids + list(toks))[e - plen]
+            i = e - plen  # the token after the page, in the output (then in toks) where not in the prompt
+            after = req.hash_prompt[e] if e < plen else (out[i] if i < len(out) else toks[i - len(out)])
             self.blocks.register(req.block_ids[j], hashes[j], after)
         req.num_registered = max(req.num_registered, full)
 
