@@ -10,8 +10,9 @@ step, on the CPU or CUDA; then the Python functions by own time over the batch-6
 `--width model` is bench/gpu_check.py's decode stack (4 layers at Qwen3.5-35B-A3B's widths);
 `tiny` keeps the model's own time small so the host's stands out on the CPU. On CUDA the forward
 phase is timed to its end (a synchronize after it), so the phases add up to the step.
-`--graph-buffers` (the CPU): decode steps staged into the graphs' buffers and run eagerly on them,
-the host side of a graphed step without a GPU."""
+`--graph-buffers` (the CPU): decode steps staged into the graphs' buffers as on CUDA (an upload,
+the tables spread to their full width) and run eagerly on them, the host side of a graphed step
+without a GPU; without it the CPU's own path (staged in place, packed tables)."""
 
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def run(
         with llm:
             eng = llm.engine
             w = eng.executor.worker
-            if buffers and w.graphs is None:  # the graphs' staged steps without graphs (the CPU)
+            if buffers and (w.graphs is None or w.graphs.packed):  # CUDA's staged steps, no graph (the CPU)
                 from engine.model.graphs import DecodeGraphs
 
                 w.graphs = DecodeGraphs(w.model, w.pools, w.max_pages_per_row(), capture=False)

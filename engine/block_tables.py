@@ -31,12 +31,13 @@ class BlockTables:
             return self.table[first : first + len(slots), :width].contiguous()
         return self.table[slots, :width]
 
-    def rows_into(self, rows, out: np.ndarray, slack: int = 0) -> int:
+    def rows_into(self, rows, out: np.ndarray, slack: int = 0, cap: int = 0) -> int:
         """The same tables written packed into `out` (at least len(rows) x w entries, from its
         start): [len(rows), w] in row order, w the widest row's pages and `slack` more columns
-        (zeros, or pages a row has beyond its length), at most the table's. Returns w."""
+        (zeros, or pages a row has beyond its length), at most `cap` (where given) and the
+        table's. Returns w."""
         slots, width = self._update(rows)
-        width = min(width + slack, self.table.shape[1])
+        width = max(width, min(width + slack, cap or self.table.shape[1], self.table.shape[1]))
         np.take(self._np[:, :width], slots, axis=0, out=out[: len(slots) * width].reshape(len(slots), width))
         return width
 

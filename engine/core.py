@@ -438,11 +438,10 @@ class EngineCore:
             metrics = {"num_preemptions": req.num_preemptions, "cached_tokens": req.num_cached_tokens}
             if first is not None:
                 metrics["ttft_s"] = first - req.arrival_time
-            new = ids[sent:]
+            rid, new, why, cached = req.request_id, ids[sent:], req.finish_reason, req.num_cached_tokens
             out = RequestOutput(
-                req.request_id, req.prompt_token_ids, ids, new, False, req.finish_reason, None, metrics,
-                num_cached_tokens=req.num_cached_tokens,
-            )  # fmt: skip
+                rid, req.prompt_token_ids, ids, new, False, why, None, metrics, num_cached_tokens=cached
+            )
         else:
             out = self._other_output(req, ids[sent:])
         if req.params.logprobs is not None:

@@ -124,8 +124,12 @@ class Worker:
             if rank == 0:
                 log.info("%s", self.memory_plan.summary())
         self.pools = CachePools(self.specs, self.capacity, self.device, k)
+        # no row holds more pages than the cache has: the staged tables are no wider
+        width = min(self.max_pages_per_row(), self.capacity.num_blocks)
         if graphs_wanted(self.device, t) and self.drafter is None:
-            self.graphs = DecodeGraphs(self.model, self.pools, self.max_pages_per_row())
+            self.graphs = DecodeGraphs(self.model, self.pools, width)
+        elif self.device.type == "cpu" and t == 1 and self.drafter is None:  # the same staged steps, no graph
+            self.graphs = DecodeGraphs(self.model, self.pools, width, capture=False, packed=True)
 
     def _plan(self, probe: MemoryProbe, fraction: float, plan_args: tuple) -> MemoryPlan:
         """Run the profile steps on pools of their own, freed after, and plan from what was measured."""

@@ -9,8 +9,9 @@ one upload and reuses its events. A steady step (StepInput.steady: the last step
 on) moves the last step's host buffer on in place (`_advance`; docs/engine.md, "The persistent
 decode batch"). The first step of a size runs eagerly on those buffers (compiling every kernel
 for their exact shapes and strides), the next one captures the graph and replays it from then on.
-Any other step, and any size whose capture failed, runs eagerly. PDSERVE_CUDA_GRAPHS=0 turns graphs off (docs/engine.md, "CUDA
-graphs")."""
+Any other step, and any size whose capture failed, runs eagerly. PDSERVE_CUDA_GRAPHS=0 turns graphs
+off (docs/engine.md, "CUDA graphs"). On the CPU (TP 1) the same staged steps run without a graph
+(`packed`): written where the forward reads them, the page tables read as packed."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.cache.allocator import CachePools
@@ -85,11 +87,14 @@ class _Buffers:
     col_ids: torch.Tensor | None = None  # [max pages]: 0 .. max pages - 1
 
     @classmethod
-    def staged(cls, n: int, width: int, device: torch.device) -> _Buffers:
+    def staged(cls, n: int, width: int, device: torch.device, packed: bool = False) -> _Buffers:
         """Buffers for n plain decode rows: each row's one token is scored (logits_indices and
         cu_seqlens 0 .. n) and continues its slot's sequence (has_initial_state: a decode row has
-        tokens in the cache), fixed here."""
-        flat = torch.zeros(_width_at(n) + 1 + n * width, dtype=torch.int64, device=device)
+        tokens in the cache), fixed here. packed (the CPU, no graph): `flat` is its own host
+        buffer, and the batch reads the packed tables as they are ([B, w], set by `stage`)."""
+        size = _width_at(n) + 1 + n * width
+        arr = np.zeros(size, dtype=np.int64) if packed else None  # the CPU's: numpy's memory, no view made of a tensor
+        flat = torch.from_numpy(arr) if arr is not None else torch.zeros(size, dtype=torch.int64, device=device)
         f = dict(zip(STAGED, flat[: _width_at(n)].view(len(STAGED), n)))
         steps = torch.arange(n + 1, dtype=torch.int64, device=device)
         group = RowGroup(
@@ -99,7 +104,7 @@ class _Buffers:
             slot_ids=f["slot_ids"],
             has_initial_state=torch.ones(n, dtype=torch.bool, device=device),
             seq_lens=f["seq_lens"],
-            block_tables=torch.zeros(n, width, dtype=torch.int64, device=device),
+            block_tables=torch.zeros(n, 0 if packed else width, dtype=torch.int64, device=device),
             decode=True,
             max_row_tokens=1,
         )
@@ -111,6 +116,8 @@ class _Buffers:
             prefill=None,
             logits_indices=steps[:n],
         )
+        if arr is not None:
+            return cls(batch, flat, flat, arr)
         pinned = device.type == "cuda"
         host = torch.zeros(flat.numel(), dtype=torch.int64, pin_memory=pinned)
         cols = torch.arange(width, dtype=torch.int64, device=device)
@@ -192,10 +199,13 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, model, pools: CachePools, max_pages_per_row: int, capture: bool = True):
+    def __init__(self, model, pools: CachePools, max_pages_per_row: int, capture: bool = True, packed: bool = False):
         """capture False: the buffers alone, every step run eagerly on them (what the CPU tests
-        check: the copying, not the graph)."""
-        self.model, self.pools, self.width, self.capture = model, pools, max_pages_per_row, capture
+        check: the copying, not the graph). packed (the CPU's own decode steps, no graph): a staged
+        step is written where the forward reads it and its page tables are read packed, as they
+        are (no upload, no spreading); a batch built the general way runs as it is."""
+        self.model, self.pools, self.width, self.capture = model, pools, max_pages_per_row, capture and not packed
+        self.packed = packed
         self.sizes: dict[int, _Graph] = {}
         self.failed: set[int] = set()
         self.pool: Any = None  # the graphs' shared memory pool (a handle)
@@ -231,7 +241,7 @@ class DecodeGraphs:
             return None
         g = self.sizes.get(n)
         if g is None:
-            g = self.sizes[n] = _Graph(_Buffers.staged(n, self.width, self.model.embed.device))
+            g = self.sizes[n] = _Graph(_Buffers.staged(n, self.width, self.model.embed.device, self.packed))
         elif g.buffers.flat is None:  # this size's buffers came from a general batch: loaded by `run`
             return None
         buf = g.buffers
@@ -242,10 +252,16 @@ class DecodeGraphs:
             end = self._advance(buf, rows, tables, block_size)
         else:
             end = self._write(buf, rows, tables, block_size)
+        self.last_staged = n
+        if self.packed:  # written in place: the batch reads the packed tables
+            head = _width_at(n) + 1
+            w = int(buf.host_np[head - 1])
+            assert buf.batch.decode is not None
+            buf.batch.decode.block_tables = buf.flat[head : head + n * w].view(n, w)
+            return buf.batch
         buf.flat[:end].copy_(buf.host[:end], non_blocking=True)  # the step's one upload
         if buf.pending is not None:
             buf.pending.record()
-        self.last_staged = n
         return buf.batch
 
     def _write(self, buf: _Buffers, rows, tables, block_size: int) -> int:
@@ -260,7 +276,7 @@ class DecodeGraphs:
         vals += [q + 1 for q in pos]
         host = buf.host_np
         head = _width_at(n) + 1  # the width, then the packed tables
-        w = tables.rows_into(rows, host[head:], SLACK_PAGES)
+        w = tables.rows_into(rows, host[head:], SLACK_PAGES, self.width)
         assert w <= self.width, f"a row of {w} pages, past the widest a request can have ({self.width})"
         vals.append(w)
         host[:head] = vals
@@ -304,6 +320,8 @@ class DecodeGraphs:
         n = b.decode.num_rows
         self.covered += 1
         g = self.sizes.get(n)
+        if self.packed and (g is None or g.buffers.batch is not b):  # built the general way: as it is
+            return None
         if g is None:
             g = self.sizes[n] = _Graph(_Buffers.like(b, self.width))
         if g.buffers.batch is not b:  # a batch built the general way: into the buffers
@@ -322,7 +340,8 @@ class DecodeGraphs:
         return g.logits
 
     def _forward(self, g: _Graph) -> torch.Tensor:
-        g.buffers.expand()
+        if not self.packed:
+            g.buffers.expand()
         return self.model.forward(g.buffers.batch, self.pools)
 
     def _eager(self, g: _Graph) -> torch.Tensor:
