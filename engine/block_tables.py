@@ -34,10 +34,10 @@ class BlockTables:
     def rows_into(self, rows, out: np.ndarray, slack: int = 0, cap: int = 0) -> int:
         """The same tables written packed into `out` (at least len(rows) x w entries, from its
         start): [len(rows), w] in row order, w the widest row's pages and `slack` more columns
-        (zeros, or pages a row has beyond its length), at most `cap` (where given) and the
-        table's. Returns w."""
+        (zeros, or pages a row has beyond its length) up to `cap` (at most the table's; 0: the
+        table's). Returns w."""
         slots, width = self._update(rows)
-        width = max(width, min(width + slack, cap or self.table.shape[1], self.table.shape[1]))
+        width = max(width, min(width + slack, cap or self.table.shape[1]))
         np.take(self._np[:, :width], slots, axis=0, out=out[: len(slots) * width].reshape(len(slots), width))
         return width
 

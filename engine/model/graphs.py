@@ -298,13 +298,14 @@ class DecodeGraphs:
         buf.ahead += 1
         opening = buf.by_offset.get(-buf.ahead % bs, ())
         w = int(host[head - 1])
-        if any((rows[i].start_pos // bs) >= w for i in opening):  # a page past the packed width
+        new_pages = [(i, rows[i].start_pos // bs) for i in opening]  # (row, index of its page)
+        if any(j >= w for _, j in new_pages):  # a page past the packed width
             return self._write(buf, rows, tables, bs)
         host[:n] = [r.token_ids[0] for r in rows]
         host[2 * n : 5 * n] += 1
-        for i in opening:
-            page = rows[i].block_ids[rows[i].start_pos // bs]
-            host[head + i * w + rows[i].start_pos // bs] = page
+        for i, j in new_pages:
+            page = rows[i].block_ids[j]
+            host[head + i * w + j] = page
             host[3 * n + i] = page * bs
         return head + n * w
 

@@ -386,9 +386,16 @@ class Sampler:
             return None
         if cp.adj is not None and cp.adj.pen and not (self.counts is not None and self.counts.room()):
             return None  # a table to widen: `_reuse` finds it and plans the call again
-        for name in cp.counters:
-            cp.s[name].add_(1)
-        cp.nums = [c + 1 for c in cp.nums]
+        return self._moved(cp, 1, [c + 1 for c in cp.nums])
+
+    @staticmethod
+    def _moved(cp: _CallPlan, d: int, nums: list[int]) -> _CallPlan:
+        """The plan reused for rows each d tokens further on (their num_output now `nums`): its
+        draws' counters advanced on the device, nothing uploaded."""
+        if d:
+            for name in cp.counters:
+                cp.s[name].add_(d)
+            cp.nums = nums
         cp.reuses += 1
         return cp
 
@@ -407,12 +414,7 @@ class Sampler:
             pen = [rows[i] for i in cp.adj.pen]
             if not self.counts.current([r.request_id for r in pen], [r.history for r in pen]):
                 return None
-        if d:
-            for name in cp.counters:
-                cp.s[name].add_(d)
-            cp.nums = [r.num_output for r in rows]
-        cp.reuses += 1
-        return cp
+        return self._moved(cp, d, [r.num_output for r in rows] if d else cp.nums)
 
     def _constrain(self, x: torch.Tensor, rows, pos: list[int], all_greedy: bool) -> torch.Tensor | None:
         """The grammar on x (engine/structured): the tokens when every position is greedy and one

@@ -428,8 +428,6 @@ class Scheduler:
         if self.plan is not None:
             self.plan.step_ran(out)
         bs = self.blocks.block_size
-        if out.steady:
-            return self._update_steady(out, sampled, eos)
         for row in out.rows:
             req = row.request
             if req.status is not Status.RUNNING:
@@ -454,25 +452,6 @@ class Scheduler:
             self._emit(req, toks, eos)
             if req.prefill_only and req.status is Status.RUNNING:
                 self._hold(req)
-        return touched
-
-    def _update_steady(
-        self, out: SchedulerOutput, sampled: dict[str, list[int]], eos: tuple[int, ...]
-    ) -> list[Request]:
-        """`update` of a steady step: every row a running request's plain decode row, which the
-        step moved on by its one token."""
-        touched = []
-        bs, plan, tick = self.blocks.block_size, self.plan, self.num_spec_tokens
-        for row in out.rows:
-            req = row.request
-            toks = sampled[req.request_id]
-            if tick:
-                self._tick(req)
-            req.num_computed_tokens += len(toks)
-            if plan is not None and req.num_computed_tokens // bs > req.num_registered:  # a page filled
-                plan.register(req, toks)
-            touched.append(req)
-            self._emit(req, toks, eos)
         return touched
 
     def _emit(self, req: Request, toks: list[int], eos: tuple[int, ...]) -> None:
