@@ -5,14 +5,16 @@ step, on the CPU or CUDA; then the Python functions by own time over the batch-6
 (cProfile). Greedy or Qwen's chat sampling (--sampled). Not a test.
 
     python bench/step_phases.py [--device cuda] [--batch 1 64] [--sampled] [--width model|tiny]
-        [--graph-buffers]
+        [--graph-buffers] [--waiting N]
 
 `--width model` is bench/gpu_check.py's decode stack (4 layers at Qwen3.5-35B-A3B's widths);
 `tiny` keeps the model's own time small so the host's stands out on the CPU. On CUDA the forward
 phase is timed to its end (a synchronize after it), so the phases add up to the step.
 `--graph-buffers` (the CPU): decode steps staged into the graphs' buffers as on CUDA (an upload,
 the tables spread to their full width) and run eagerly on them, the host side of a graphed step
-without a GPU; without it the CPU's own path (staged in place, packed tables)."""
+without a GPU; without it the CPU's own path (staged in place, packed tables). `--waiting N`: N
+more requests wait while the batch decodes (overload: max_num_seqs is the batch plus N, and the
+spare GDN state slots are taken away first)."""
 
 from __future__ import annotations
 
@@ -76,6 +78,7 @@ def run(
     vocab: int,
     torch_profile: bool = False,
     buffers: bool = False,
+    waiting: int = 0,
 ) -> None:
     spec = TinyModelSpec(layers=4, vocab=vocab, dtype="bfloat16", tokenizer=False, seed=0, **WIDTHS[width])
 
@@ -85,7 +88,10 @@ def run(
 
     with tempfile.TemporaryDirectory() as d:
         path = str(make_tiny_model(Path(d) / "ckpt", spec))
-        llm = LLM(path, dtype="bfloat16", device=device, kv_cache_memory="2GiB", max_num_seqs=64, engine_process=False)
+        seqs = max(64, max(batches) + waiting)
+        llm = LLM(
+            path, dtype="bfloat16", device=device, kv_cache_memory="2GiB", max_num_seqs=seqs, engine_process=False
+        )
         with llm:
             eng = llm.engine
             w = eng.executor.worker
@@ -113,6 +119,7 @@ def run(
                     rids.append(eng.add_request(torch.randint(0, vocab, (128,), generator=gen).tolist(), p))
                 while any(not eng.requests[r].output_token_ids for r in rids):
                     eng.step()
+                held = _wait_for_slots(eng, waiting, vocab, gen) if waiting else []
                 for _ in range(5):
                     eng.step()
                 ph.times.clear()
@@ -148,6 +155,19 @@ def run(
                     eng.abort(r)
                 while eng.has_unfinished():
                     eng.step()
+                for slot in held:
+                    eng.slots.free(slot)
+
+
+def _wait_for_slots(eng, waiting: int, vocab: int, gen) -> list[int]:
+    """A node short of GDN state slots, as under overload: the free slots are taken away
+    (returned, to give back), then `waiting` requests arrive, fewer running than max_num_seqs:
+    they wait while the batch decodes."""
+    held = [eng.slots.allocate() for _ in range(eng.slots.num_free)]
+    p = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for _ in range(waiting):
+        eng.add_request(torch.randint(0, vocab, (128,), generator=gen).tolist(), p)
+    return held
 
 
 def _torch_profile(eng, steps: int, device: str) -> None:
@@ -181,9 +201,12 @@ def main() -> None:
     ap.add_argument(
         "--graph-buffers", action="store_true", help="on the CPU: decode steps staged as for CUDA graphs (not captured)"
     )
+    ap.add_argument(
+        "--waiting", type=int, default=0, help="this many more requests wait for a state slot while the batch decodes"
+    )
     a = ap.parse_args()
     os.environ.setdefault("PDSERVE_CUDA_GRAPHS", "1")
-    run(a.device, a.batch, a.sampled, a.width, a.steps, a.vocab, a.torch_profile, a.graph_buffers)
+    run(a.device, a.batch, a.sampled, a.width, a.steps, a.vocab, a.torch_profile, a.graph_buffers, a.waiting)
 
 
 if __name__ == "__main__":

@@ -118,13 +118,31 @@ class Scheduler:
 
     def _steady(self) -> SchedulerOutput | None:
         """The last step's rows again where nothing else would be planned (engine/scheduler/steady.py)."""
-        rows = self.steady.take(self.running, self.waiting, self.cfg, self.blocks)
+        rows = self.steady.take(self.running, self.waiting, self.cfg, self.blocks, self._could_admit)
         if rows is None:
             return None
-        self.classes.batch_allowance(self.running, self.waiting, self.cfg)  # it notes an interactive request's presence
+        if not self.waiting or len(self.running) >= self.cfg.max_num_seqs:  # else `_could_admit` called it
+            self.classes.batch_allowance(self.running, self.waiting, self.cfg)  # it notes an interactive request
         finished, self._finished_ids = self._finished_ids, []
         landed = self.plan.take_landed(rows) if self.plan is not None else []
         return SchedulerOutput(rows, [], finished, [], [], landed, [], steady=True)
+
+    def _could_admit(self) -> bool:
+        """Whether `schedule` would start a waiting request in a step whose every running request
+        is a plain decode row with its page (one token each): `_admit_waiting` asked without
+        admitting, class by class, with the budget the running rows leave it."""
+        short = self.cfg.short_step_tokens if self.cfg.short_prompt_tokens and self.short_active else 0
+        plan = _Plan(self.cfg.max_num_batched_tokens, short)
+        allowance = self.classes.batch_allowance(self.running, self.waiting, self.cfg)
+        i = 0
+        for cls in (INTERACTIVE, BATCH):
+            while i < len(self.running) and self.running[i].params.priority == cls:
+                i += 1
+            plan.budget = self.cfg.max_num_batched_tokens - i
+            plan.batch_left = allowance
+            if self._admit_waiting(plan, i, cls, dry=True) > i:
+                return True
+        return False
 
     def _running_rows(self, plan: _Plan, i: int, cls: int) -> int:
         """Schedule the running requests of class `cls` from index i (the running list is kept in
@@ -187,9 +205,10 @@ class Scheduler:
             i += 1
         return i
 
-    def _admit_waiting(self, plan: _Plan, i: int, cls: int) -> int:
+    def _admit_waiting(self, plan: _Plan, i: int, cls: int, dry: bool = False) -> int:
         """Admit waiting requests of class `cls` into the running list at index i (the end of
-        their class there); returns the index after them."""
+        their class there); returns the index after them. dry: admit none, return i + 1 at the
+        first that would start (`_could_admit`)."""
         w = 0  # held requests (engine/cache/inflight.py) keep their place; those behind them go on
         while (
             not plan.preempted
@@ -205,7 +224,8 @@ class Scheduler:
                 continue
             hit = self.plan.lookup(req) if self.plan is not None else None
             p = hit.num_tokens if hit else 0
-            if self.plan is not None and self.plan.held(req, p, self.running, self.waiting):
+            # dry (`_could_admit`): every running request decodes, none computes a prompt to wait for
+            if not dry and self.plan is not None and self.plan.held(req, p, self.running, self.waiting):
                 w += 1
                 continue
             n = min(req.num_tokens - p, plan.budget)
@@ -224,6 +244,8 @@ class Scheduler:
             taken = sum(self.blocks.is_free(b) for b in shared)  # cached pages nobody used: now in use
             if not self.blocks.can_allocate(need + taken) or self.slots.num_free == 0:
                 break
+            if dry:
+                return i + 1
             del self.waiting[w]
             req.slot = self.slots.allocate()
             self.blocks.touch(shared)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, MutableSequence
+from collections.abc import MutableSequence, Sequence
 
 from engine.config import SchedulerConfig
 from engine.rate_window import RateWindow
@@ -50,10 +50,11 @@ class Classes:
         if req.params.priority == INTERACTIVE:
             self.last_interactive = time.monotonic()
 
-    def batch_allowance(self, running: Iterable[Request], waiting: Iterable[Request], cfg: SchedulerConfig) -> int:
-        """Prompt tokens batch requests may compute in the next step (before the no-chunk rule)."""
+    def batch_allowance(self, running: Sequence[Request], waiting: Sequence[Request], cfg: SchedulerConfig) -> int:
+        """Prompt tokens batch requests may compute in the next step (before the no-chunk rule).
+        Both lists are in class order: an interactive request in one is at its front."""
         now = time.monotonic()
-        if any(r.params.priority == INTERACTIVE for q in (running, waiting) for r in q):
+        if any(q and q[0].params.priority == INTERACTIVE for q in (running, waiting)):
             self.last_interactive = now
         if now - self.last_interactive >= RECENT_S:
             return cfg.max_num_batched_tokens

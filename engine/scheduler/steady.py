@@ -6,7 +6,7 @@ list takes them again instead of planning each request."""
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from engine.cache.block_manager import BlockManager
 from engine.config import SchedulerConfig
@@ -23,19 +23,25 @@ class SteadyRows:
         self._last = (list(running), rows) if rows else None
 
     def take(
-        self, running: list[Request], waiting: Sequence[Request], cfg: SchedulerConfig, blocks: BlockManager
+        self,
+        running: list[Request],
+        waiting: Sequence[Request],
+        cfg: SchedulerConfig,
+        blocks: BlockManager,
+        could_admit: Callable[[], bool],
     ) -> list[ScheduledRow] | None:
         """The last plan's rows, where `schedule` would plan them again and nothing else: the same
-        running list, each request still a plain decode row, no waiting request that could start.
-        A row whose token opens a page gets that page here; where the pages are short, None (the
-        general path preempts for them). None otherwise, and the rows are forgotten."""
+        running list, each request still a plain decode row, no waiting request that could start
+        (`could_admit`, asked after this step's pages are taken, as `schedule` admits after the
+        running rows). A row whose token opens a page gets that page here; where the pages are
+        short, None (the general path preempts for them). None otherwise, and the rows are
+        forgotten; pages taken by then stay with their rows, which the general path plans again."""
         last, self._last = self._last, None
         if last is None:
             return None
         before, rows = last
         if (
             len(running) != len(before)
-            or (waiting and len(running) < cfg.max_num_seqs)
             or len(rows) > cfg.max_num_batched_tokens
             or not all(map(operator.is_, running, before))
         ):
@@ -54,5 +60,7 @@ class SteadyRows:
                 return None
             for req in opening:
                 req.block_ids += blocks.allocate(1)
+        if waiting and len(running) < cfg.max_num_seqs and could_admit():
+            return None
         self._last = last
         return rows

@@ -25,38 +25,46 @@ def ckpt(tmp_path_factory):
     return hc.make(tmp_path_factory.mktemp("persistent") / "ckpt", hc.SPEC_HV2)
 
 
-def _work() -> tuple[list[list[int]], list[SamplingParams]]:
+def _work(priority: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
     """Six requests of different prompt and output lengths: greedy, Qwen-sampled with seeds, one
     unseeded (the longest, alone at the end), one with logit_bias, min_tokens and a repetition
     penalty."""
     prompts = hc.prompts(lens=(3, 17, 30, 5, 64, 9), seed=1)
     params = [
-        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_tokens=37, seed=7, ignore_eos=True, **QWEN),
-        SamplingParams(max_tokens=29, seed=8, ignore_eos=True, **QWEN),
-        SamplingParams(max_tokens=60, ignore_eos=True, **QWEN),
-        SamplingParams(max_tokens=31, seed=9, logit_bias={5: 2.0}, min_tokens=12, repetition_penalty=1.2),
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, priority=priority),
+        SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True, priority=priority),
+        SamplingParams(max_tokens=37, seed=7, ignore_eos=True, priority=priority, **QWEN),
+        SamplingParams(max_tokens=29, seed=8, ignore_eos=True, priority=priority, **QWEN),
+        SamplingParams(max_tokens=60, ignore_eos=True, priority=priority, **QWEN),
+        SamplingParams(
+            max_tokens=31, seed=9, logit_bias={5: 2.0}, min_tokens=12, repetition_penalty=1.2, priority=priority
+        ),
     ]
     return prompts, params
 
 
-def _run(path, monkeypatch, steady: bool = True, inspect=None) -> tuple[list[int], list[list[int]]]:
+def _run(
+    path, monkeypatch, steady: bool = True, inspect=None, priority: int = 0, late=None, **engine
+) -> tuple[list[int], list[list[int]]]:
     """The free pages after each step and every request's tokens; with steady False the
     persistent paths are off (the general path every step). KV pages of 4 tokens: rows open
-    pages often, at different steps."""
+    pages often, at different steps. late: (step, prompt, params) added before that step.
+    engine: more LLM arguments."""
     with monkeypatch.context() as m:
         if not steady:
             m.setattr(Scheduler, "_steady", lambda self: None)
             m.setattr("engine.core.advance", lambda last, so: None)
-        prompts, params = _work()
-        with LLM(path, dtype="float32", block_size=4, engine_process=False, seed=3) as llm:
+        prompts, params = _work(priority)
+        with LLM(path, dtype="float32", block_size=4, engine_process=False, seed=3, **engine) as llm:
             eng = llm.engine
             if inspect is not None:
                 inspect(eng)
             rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-            trace, done = [], {}
+            trace: list[int] = []
+            done: dict[str, list[int]] = {}
             while eng.has_unfinished():
+                if late is not None and len(trace) == late[0]:
+                    rids.append(eng.add_request(late[1], late[2]))
                 for o in eng.step():
                     if o.finished:
                         done[o.request_id] = list(o.output_token_ids)
@@ -94,6 +102,44 @@ def test_steady_steps_give_the_general_paths_tokens(ckpt, monkeypatch):
     assert [len(t) for t in got] == [p.max_tokens for p in params]
     for i in (0, 1):
         assert got[i] == hc.hf_greedy(ckpt, prompts[i], params[i].max_tokens)
+
+
+# 6 GDN state slots and 40 KV pages of 4 tokens (the checkpoint's: 233,472 and 8,192 bytes):
+# the six requests need 91 pages in all, so some wait for pages while the others decode. Batch
+# prompt chunks capped by tokens alone, not by the measured prompt rate (a timing)
+SHORT_OF_PAGES = dict(max_num_seqs=6, kv_cache_memory=6 * 233_472 + 40 * 8_192, batch_step_ms=0)
+
+
+def test_steady_steps_while_requests_wait_for_pages(ckpt, monkeypatch):
+    """Requests waiting for pages (fewer running than max_num_seqs) do not stop the steady path
+    while none of them could start: the same tokens, page use and admission steps as the general
+    path, which admits each waiting request as soon as pages free up, and an interactive request
+    that arrives while batch ones wait at once (its short prompt fits where theirs do not)."""
+    seen = {"steady": 0, "waiting": 0, "admitted": 0}
+
+    def inspect(eng):
+        sched = eng.scheduler
+        real = sched.schedule
+
+        def spy():
+            before = len(sched.waiting)
+            so = real()
+            seen["steady"] += so.steady
+            seen["waiting"] += so.steady and before > 0
+            seen["admitted"] += len(sched.waiting) < before
+            return so
+
+        sched.schedule = spy
+
+    late = (12, hc.prompts(lens=(2,), seed=5)[0], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    run = dict(priority=1, late=late, **SHORT_OF_PAGES)
+    trace, got = _run(ckpt, monkeypatch, inspect=inspect, **run)
+    ref_trace, ref = _run(ckpt, monkeypatch, steady=False, **run)
+    assert got == ref
+    assert trace == ref_trace  # admissions (and any preemption) at the same steps
+    assert seen["waiting"] >= 10 and seen["admitted"] >= 2, seen
+    prompts, params = _work()
+    assert got[0] == hc.hf_greedy(ckpt, prompts[0], params[0].max_tokens)
 
 
 def test_advanced_rows_equal_fresh_rows(ckpt, monkeypatch):
