@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 
-@dataclass(slots=True)  # made for every request every step: slots make it a third cheaper
-class RequestOutput:
+class RequestOutput(msgspec.Struct):
+    """Made for every request every step: a msgspec Struct is built in about a third of a slotted
+    dataclass's time (docs/benchmarks.md, "The persistent decode batch")."""
+
     request_id: str
     prompt_token_ids: list[int]
     # every token so far: the request's own list while it runs (it grows with later steps; copying
@@ -16,8 +18,9 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     text: str | None = None
-    metrics: dict = field(default_factory=dict)  # ttft_s, e2e_s, num_preemptions, cached_tokens
-    draft_token_ids: list[int] = field(default_factory=list)  # prefill-only with MTP: drafts for the first decode step
+    metrics: dict = msgspec.field(default_factory=dict)  # ttft_s, e2e_s, num_preemptions, cached_tokens
+    # prefill-only with MTP: drafts for the first decode step
+    draft_token_ids: list[int] = msgspec.field(default_factory=list)
     # params.logprobs: (token, logprob, [(id, logprob) most likely first]) for each of new_token_ids
     logprobs: list | None = None
     # params.prompt_logprobs: the same for prompt tokens 1..n-1, on the request's first output
