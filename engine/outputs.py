@@ -7,7 +7,8 @@ import msgspec
 
 class RequestOutput(msgspec.Struct):
     """Made for every request every step: a msgspec Struct is built in about a third of a slotted
-    dataclass's time (docs/benchmarks.md, "The persistent decode batch")."""
+    dataclass's time (docs/benchmarks.md, "Steady steps under overload; outputs as msgspec
+    Structs")."""
 
     request_id: str
     prompt_token_ids: list[int]
