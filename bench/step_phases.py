@@ -5,7 +5,7 @@ step, on the CPU or CUDA; then the Python functions by own time over the batch-6
 (cProfile). Greedy or Qwen's chat sampling (--sampled). Not a test.
 
     python bench/step_phases.py [--device cuda] [--batch 1 64] [--sampled] [--width model|tiny]
-        [--graph-buffers] [--waiting N]
+        [--graph-buffers] [--waiting N] [--mtp K]
 
 `--width model` is bench/gpu_check.py's decode stack (4 layers at Qwen3.5-35B-A3B's widths);
 `tiny` keeps the model's own time small so the host's stands out on the CPU. On CUDA the forward
@@ -14,7 +14,9 @@ phase is timed to its end (a synchronize after it), so the phases add up to the 
 the tables spread to their full width) and run eagerly on them, the host side of a graphed step
 without a GPU; without it the CPU's own path (staged in place, packed tables). `--waiting N`: N
 more requests wait while the batch decodes (overload: max_num_seqs is the batch plus N, and the
-spare GDN state slots are taken away first)."""
+spare GDN state slots are taken away first). `--mtp K`: the checkpoint has an MTP block, which
+drafts K tokens a step (random weights: most drafts are rejected and the depth policy soon
+drafts none; "the rest" then holds the MTP block's pass)."""
 
 from __future__ import annotations
 
@@ -79,8 +81,10 @@ def run(
     torch_profile: bool = False,
     buffers: bool = False,
     waiting: int = 0,
+    mtp: int = 0,
 ) -> None:
-    spec = TinyModelSpec(layers=4, vocab=vocab, dtype="bfloat16", tokenizer=False, seed=0, **WIDTHS[width])
+    spec = TinyModelSpec(layers=4, vocab=vocab, dtype="bfloat16", tokenizer=False, seed=0, mtp=mtp > 0, **WIDTHS[width])
+    drafts = dict(speculative_method="mtp", num_speculative_tokens=mtp) if mtp else {}
 
     def sync() -> None:  # not inside a graph's capture (the forward is captured on a later step)
         if device == "cuda" and not torch.cuda.is_current_stream_capturing():
@@ -90,7 +94,13 @@ def run(
         path = str(make_tiny_model(Path(d) / "ckpt", spec))
         seqs = max(64, max(batches) + waiting)
         llm = LLM(
-            path, dtype="bfloat16", device=device, kv_cache_memory="2GiB", max_num_seqs=seqs, engine_process=False
+            path,
+            dtype="bfloat16",
+            device=device,
+            kv_cache_memory="2GiB",
+            max_num_seqs=seqs,
+            engine_process=False,
+            **drafts,
         )
         with llm:
             eng = llm.engine
@@ -204,9 +214,10 @@ def main() -> None:
     ap.add_argument(
         "--waiting", type=int, default=0, help="this many more requests wait for a state slot while the batch decodes"
     )
+    ap.add_argument("--mtp", type=int, default=0, help="the checkpoint's MTP block drafts this many tokens a step")
     a = ap.parse_args()
     os.environ.setdefault("PDSERVE_CUDA_GRAPHS", "1")
-    run(a.device, a.batch, a.sampled, a.width, a.steps, a.vocab, a.torch_profile, a.graph_buffers, a.waiting)
+    run(a.device, a.batch, a.sampled, a.width, a.steps, a.vocab, a.torch_profile, a.graph_buffers, a.waiting, a.mtp)
 
 
 if __name__ == "__main__":
