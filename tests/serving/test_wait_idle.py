@@ -68,8 +68,8 @@ def test_each_change_is_one_read_and_only_zero_ends_it():
             count.n = n
             changes.changed()
 
+    t0 = time.monotonic()  # before the thread: its sleeps may begin before this line runs
     threading.Thread(target=steps, daemon=True).start()
-    t0 = time.monotonic()
     assert wait_idle("test", count, changes, timeout_s=10)
     assert 0.3 <= time.monotonic() - t0 < 0.3 + 0.2
     assert count.reads == 4
