@@ -4,7 +4,8 @@ all-reduces) shows: the median wall time of `EngineCore.step()` over decode-only
 executor's share of it that is not a rank's forward (`execute` minus rank 0's step seconds); then
 one gloo all-reduce between two bare processes, the floor under TP 2's collectives on this machine.
 
-    python bench/tp_step.py [--batch 8] [--steps 64] [--layers 2] [--hidden 128] [--tree CHECKOUT]"""
+    python bench/tp_step.py [--batch 8] [--steps 64] [--layers 2] [--hidden 128] [--prompt-len 16]
+        [--sampled] [--tree CHECKOUT]"""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the nodes run, before torch loads
+CHAT = dict(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5)
 
 
 def main() -> None:
@@ -25,6 +27,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=16, help="tokens of each request's prompt (its context)")
+    ap.add_argument("--sampled", action="store_true", help="Qwen's chat settings (a presence penalty), a seed each")
     ap.add_argument("--tree", default=str(Path(__file__).resolve().parents[1]), help="the checkout whose engine runs")
     args = ap.parse_args()
     sys.path.insert(0, args.tree)
@@ -38,7 +42,13 @@ def main() -> None:
         ckpt = make_tiny_model(Path(d) / "ckpt", spec)
         res = {}
         for tp in (1, 2):
-            llm = LLM(str(ckpt), tensor_parallel_size=tp, enable_prefix_caching=False)
+            llm = LLM(
+                str(ckpt),
+                tensor_parallel_size=tp,
+                enable_prefix_caching=False,
+                max_model_len=args.prompt_len + args.steps + 64,
+                kv_cache_memory="2GiB",
+            )
             e = llm.engine
             ex = e.executor
             real = ex.execute
@@ -51,10 +61,12 @@ def main() -> None:
                 return out
 
             ex.execute = timed
-            sp = SamplingParams(max_tokens=args.steps + 4, temperature=0.0, ignore_eos=True)
+            how = CHAT if args.sampled else dict(temperature=0.0)
             for b in range(args.batch):
-                e.add_request([(7 * b + i) % 1000 + 1 for i in range(16)], sp)
-            e.step()  # the prompts
+                sp = SamplingParams(max_tokens=args.steps + 8, ignore_eos=True, seed=b, **how)
+                e.add_request([(7 * b + i) % 1000 + 1 for i in range(args.prompt_len)], sp)
+            while any(not r.output_token_ids for r in e.requests.values()):  # the prompts
+                e.step()
             for _ in range(3):
                 e.step()
             walls = []
@@ -69,7 +81,8 @@ def main() -> None:
             llm.close()
     load = os.getloadavg()
     print(
-        f"batch {args.batch}, {args.layers} layers, hidden {args.hidden}, float32, {args.steps} decode steps; "
+        f"batch {args.batch}, {args.layers} layers, hidden {args.hidden}, float32, {args.steps} decode steps, "
+        f"prompts of {args.prompt_len} tokens, {'sampled' if args.sampled else 'greedy'}; "
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
     )
     for tp, (wall, extra) in res.items():

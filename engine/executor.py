@@ -153,7 +153,7 @@ def _rank_main(
                 _, fn, args, kwargs = msg
                 conn.send(("ok", worker.call(fn, *args, **kwargs)))
                 continue
-            if isinstance(msg, int):  # the step's length in the shared buffer
+            if isinstance(msg, int | bytes):  # the step's length in the shared buffer, or the step pickled
                 msg = steps.read(msg)
             conn.send(("ok", worker.execute(msg)))
         except BaseException:
@@ -243,8 +243,7 @@ class MultiProcExecutor:
         return payload
 
     def execute(self, step: StepInput) -> StepOutput:
-        n = self._steps.write(step)
-        msg = step if n is None else n  # a step over the buffer's size goes whole down each pipe
+        msg = self._steps.write(step)  # its length in the buffer, or (too large) the pickled step
         for c in self.conns:
             c.send(msg)
         outs = [self._recv(c, STEP_TIMEOUT_S, "a step") for c in self.conns]

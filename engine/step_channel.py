@@ -1,6 +1,7 @@
 """Step inputs from a node's engine process to its tensor-parallel ranks: each step is pickled
 once into a shared-memory buffer that every rank maps, and a rank's pipe carries only the length
-(a step larger than the buffer travels whole in the pipes instead). The engine writes a step only
+(a step larger than the buffer travels pickled in the pipes instead). A row's page list and ids
+travel as what they gained since the last step (engine/step_lists.py). The engine writes a step only
 after every rank answered the previous one, so one buffer is never read and written at once."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from engine.step import StepInput
+from engine.step_lists import ListReceiver, ListSender
 
 BUFFER_BYTES = 8 << 20
 
@@ -27,6 +29,7 @@ class StepWriter:
     nothing is left behind if the engine dies later) or at close."""
 
     def __init__(self, size: int = BUFFER_BYTES):
+        self._lists = ListSender()
         fd, self.path = tempfile.mkstemp(prefix="pdserve-steps-", dir=_shm_dir())
         try:
             os.ftruncate(fd, size)
@@ -34,12 +37,18 @@ class StepWriter:
         finally:
             os.close(fd)
 
-    def write(self, step: StepInput) -> int | None:
-        """Pickle `step` into the buffer: its length, or None when it does not fit."""
+    def write(self, step: StepInput) -> int | bytes:
+        """Pickle `step` into the buffer, its rows' long lists as what they gained since the last
+        step (engine/step_lists.py): its length, or the pickled step itself where it does not fit
+        (it then goes down the pipes; `StepReader.read` takes either)."""
         assert self._buf is not None, "the step channel is closed"
-        blob = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+        self._lists.swap_in(step)
+        try:
+            blob = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+        finally:
+            self._lists.swap_out()
         if len(blob) > len(self._buf):
-            return None
+            return blob
         self._buf[: len(blob)] = blob
         return len(blob)
 
@@ -60,13 +69,15 @@ class StepReader:
     """A rank's side: maps the engine's buffer read-only."""
 
     def __init__(self, path: str):
+        self._lists = ListReceiver()
         with open(path, "rb") as f:
             self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
-    def read(self, n: int) -> StepInput:
-        step = pickle.loads(self._buf[:n])
+    def read(self, msg: int | bytes) -> StepInput:
+        """The step `StepWriter.write` wrote: its length in the buffer, or the step pickled."""
+        step = pickle.loads(self._buf[:msg] if isinstance(msg, int) else msg)
         assert isinstance(step, StepInput)
-        return step
+        return self._lists.restore(step)
 
     def close(self) -> None:
         self._buf.close()

@@ -35,7 +35,7 @@ def step_input(so: SchedulerOutput, mtp: bool, merge: int, layer_posts: list[str
                 token_ids=req.token_ids(start, start + n_known) + r.draft_token_ids,
                 start_pos=start,
                 slot=_slot(req),
-                block_ids=list(req.block_ids),
+                block_ids=req.block_ids,  # the request's own list, not an O(context) copy (`_decode_row`)
                 is_decode=r.is_decode,
                 sample=r.samples,
                 want_logits=req.want_logits and r.samples,
