@@ -42,11 +42,12 @@ class StepWriter:
         step (engine/step_lists.py): its length, or the pickled step itself where it does not fit
         (it then goes down the pipes; `StepReader.read` takes either)."""
         assert self._buf is not None, "the step channel is closed"
-        self._lists.swap_in(step)
+        blob = None
         try:
+            self._lists.swap_in(step)
             blob = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
         finally:
-            self._lists.swap_out()
+            self._lists.swap_out(sent=blob is not None)
         if len(blob) > len(self._buf):
             return blob
         self._buf[: len(blob)] = blob

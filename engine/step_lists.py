@@ -21,10 +21,6 @@ from engine.step import RowInput, StepInput
 # JSON schema or a logit_bias table is not pickled again each step.
 KEPT = "kept"
 
-# what each side keeps per request of the last step with rows: [pages, their length, prompt,
-# its length, output, its length, parameters] (None where the row had none)
-_Entry = list
-
 
 def _tail(prev: object, n: int, items: list[int]) -> list[int] | tuple[int, list[int]]:
     return (n, items[n:]) if prev is items and n <= len(items) else items
@@ -32,23 +28,29 @@ def _tail(prev: object, n: int, items: list[int]) -> list[int] | tuple[int, list
 
 class ListSender:
     """The engine's side: `swap_in` replaces the rows' lists by what travels, `swap_out` puts the
-    rows' own lists back once the step is pickled (the engine keeps using its rows)."""
+    rows' own lists back once the step is pickled (the engine keeps using its rows), and keeps
+    what was sent only if it was (`sent`)."""
 
     def __init__(self) -> None:
-        self._sent: dict[str, _Entry] = {}
+        # per request of the last step sent with rows: (pages, their length, prompt, its length,
+        # output, its length, parameters), None where the row had none
+        self._sent: dict[str, tuple] = {}
+        self._next: dict[str, tuple] | None = None
         self._saved: list[tuple[RowInput, list[int], tuple[list[int], list[int]] | None, object]] = []
 
     def swap_in(self, step: StepInput) -> None:
         if not step.rows:  # a step of snapshot copies alone: the lists stay as they were
             return
-        last, now = self._sent, {}
+        last = self._sent
+        now: dict[str, tuple] = {}
         saved = self._saved = []
+        self._next = now
         for r in step.rows:
             pages, history, params = r.block_ids, r.history, r.params
             saved.append((r, pages, history, params))
             e = last.get(r.request_id)
             prompt, output = history if history is not None else (None, None)
-            now[r.request_id] = [pages, len(pages), prompt, len(prompt or ()), output, len(output or ()), params]
+            now[r.request_id] = (pages, len(pages), prompt, len(prompt or ()), output, len(output or ()), params)
             if e is None:
                 continue
             # RowInput's fields are typed as what the engine gives them, not the wire's forms
@@ -57,12 +59,14 @@ class ListSender:
                 r.history = (_tail(e[2], e[3], prompt), _tail(e[4], e[5], output))  # type: ignore[assignment]
             if params is not None and e[6] is params:
                 r.params = KEPT  # type: ignore[assignment]
-        self._sent = now
 
-    def swap_out(self) -> None:
+    def swap_out(self, sent: bool) -> None:
+        """The rows' own lists back; `sent`: the step was pickled, the ranks will hold its lists."""
         for r, pages, history, params in self._saved:
             r.block_ids, r.history, r.params = pages, history, params  # type: ignore[assignment]
-        self._saved = []
+        if sent and self._next is not None:
+            self._sent = self._next
+        self._saved, self._next = [], None
 
 
 class ListReceiver:
@@ -70,7 +74,7 @@ class ListReceiver:
     kept, grown) and KEPT back into the parameters, in place."""
 
     def __init__(self) -> None:
-        self._held: dict[str, _Entry] = {}
+        self._held: dict[str, tuple] = {}  # per request of the last step: (pages, prompt, output, parameters)
 
     def restore(self, step: StepInput) -> StepInput:
         if not step.rows:
@@ -81,16 +85,16 @@ class ListReceiver:
             pages = r.block_ids = _whole(e, 0, r.block_ids)
             if isinstance(r.params, str):  # KEPT
                 assert e is not None
-                r.params = e[6]
+                r.params = e[3]
             prompt = output = None
             if r.history is not None:
-                prompt, output = r.history = (_whole(e, 2, r.history[0]), _whole(e, 4, r.history[1]))
-            now[r.request_id] = [pages, len(pages), prompt, 0, output, 0, r.params]
+                prompt, output = r.history = (_whole(e, 1, r.history[0]), _whole(e, 2, r.history[1]))
+            now[r.request_id] = (pages, prompt, output, r.params)
         self._held = now
         return step
 
 
-def _whole(e: _Entry | None, i: int, got: list[int] | tuple[int, list[int]]) -> list[int]:
+def _whole(e: tuple | None, i: int, got: list[int] | tuple[int, list[int]]) -> list[int]:
     """The list a field carried: itself, or (a tail) the one kept in e[i], grown."""
     if not isinstance(got, tuple):
         return got

@@ -96,12 +96,11 @@ class Scheduler:
         """Running rows, then waiting requests, class by class (engine/scheduler/priority.py):
         interactive ones first; batch prompt chunks get `priority.batch_allowance` tokens, none in
         a step that computes an interactive prompt chunk."""
-        steady = self._steady()
+        allowance = self.classes.batch_allowance(self.running, self.waiting, self.cfg)
+        steady = self._steady(allowance)
         if steady is not None:
             return steady
-        short = self.cfg.short_step_tokens if self.cfg.short_prompt_tokens and self.short_active else 0
-        plan = _Plan(self.cfg.max_num_batched_tokens, short)
-        allowance = self.classes.batch_allowance(self.running, self.waiting, self.cfg)
+        plan = self._new_plan()
         i = 0
         for cls in (INTERACTIVE, BATCH):
             if cls == BATCH:
@@ -116,24 +115,26 @@ class Scheduler:
         self.steady.keep(self.running, rows if plain else None)
         return SchedulerOutput(rows, plan.preempted, finished, plan.restores, plan.saves, landed, plan.points)
 
-    def _steady(self) -> SchedulerOutput | None:
-        """The last step's rows again where nothing else would be planned (engine/scheduler/steady.py)."""
-        rows = self.steady.take(self.running, self.waiting, self.cfg, self.blocks, self._could_admit)
+    def _steady(self, allowance: int) -> SchedulerOutput | None:
+        """The last step's rows again where nothing else would be planned (engine/scheduler/steady.py);
+        allowance: the step's `batch_allowance`."""
+        rows = self.steady.take(self.running, self.waiting, self.cfg, self.blocks, lambda: self._could_admit(allowance))
         if rows is None:
             return None
-        if not self.waiting or len(self.running) >= self.cfg.max_num_seqs:  # else `_could_admit` called it
-            self.classes.batch_allowance(self.running, self.waiting, self.cfg)  # it notes an interactive request
         finished, self._finished_ids = self._finished_ids, []
         landed = self.plan.take_landed(rows) if self.plan is not None else []
         return SchedulerOutput(rows, [], finished, [], [], landed, [], steady=True)
 
-    def _could_admit(self) -> bool:
+    def _new_plan(self) -> _Plan:
+        short = self.cfg.short_step_tokens if self.cfg.short_prompt_tokens and self.short_active else 0
+        return _Plan(self.cfg.max_num_batched_tokens, short)
+
+    def _could_admit(self, allowance: int) -> bool:
         """Whether `schedule` would start a waiting request in a step whose every running request
         is a plain decode row with its page (one token each): `_admit_waiting` asked without
-        admitting, class by class, with the budget the running rows leave it."""
-        short = self.cfg.short_step_tokens if self.cfg.short_prompt_tokens and self.short_active else 0
-        plan = _Plan(self.cfg.max_num_batched_tokens, short)
-        allowance = self.classes.batch_allowance(self.running, self.waiting, self.cfg)
+        admitting, class by class, with the budget the running rows leave it (`allowance`: the
+        step's `batch_allowance`)."""
+        plan = self._new_plan()
         i = 0
         for cls in (INTERACTIVE, BATCH):
             while i < len(self.running) and self.running[i].params.priority == cls:

@@ -52,7 +52,7 @@ def _run(
     engine: more LLM arguments."""
     with monkeypatch.context() as m:
         if not steady:
-            m.setattr(Scheduler, "_steady", lambda self: None)
+            m.setattr(Scheduler, "_steady", lambda self, allowance: None)
             m.setattr("engine.core.advance", lambda last, so: None)
         prompts, params = _work(priority)
         with LLM(path, dtype="float32", block_size=4, engine_process=False, seed=3, **engine) as llm:

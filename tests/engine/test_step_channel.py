@@ -14,6 +14,8 @@ import os
 import pickle
 import random
 
+import pytest
+
 from engine.sampling_params import SamplingParams
 from engine.step import RowInput, SnapshotCopy, StepInput
 from engine.step_channel import StepReader, StepWriter
@@ -151,3 +153,30 @@ def test_rows_lists_travel_as_what_they_gained():
     # rows of hundreds of pages and thousands of ids: whole in the first step, then their tails
     assert sizes[0][0] > sizes[0][1] * 0.9, sizes[0]
     assert all(sent * 4 < as_is for sent, as_is in sizes[70:]), sizes[70:]
+
+
+def test_a_step_that_fails_to_pickle_leaves_the_lists_in_step():
+    """What a failed write meant to send is not taken as sent: the next step's tails are relative
+    to the last step the rank read, and the engine's rows keep their own lists."""
+    rng = random.Random(1)
+    q = _Req("r0", 50, rng)
+    w = StepWriter()
+    r = StepReader(w.path)
+    try:
+        q.output.append(1)
+        first = StepInput([q.row(penalized=True)], [])
+        assert r.read(w.write(first)) == copy.deepcopy(first)
+        q.output.append(2)
+        q.pages.append(99)
+        bad = q.row(penalized=True)
+        bad.mrope = [[lambda: 0]]  # not picklable
+        with pytest.raises((pickle.PicklingError, AttributeError)):
+            w.write(StepInput([bad], []))
+        assert bad.block_ids is q.pages and bad.history == (q.prompt, q.output)
+        q.output.append(3)
+        q.pages.append(100)
+        after = StepInput([q.row(penalized=True)], [])
+        assert r.read(w.write(after)) == copy.deepcopy(after)
+    finally:
+        r.close()
+        w.close()
