@@ -21,6 +21,8 @@ $(VPY):
 $(STAMP): pyproject.toml | $(VPY)
 	$(VPY) -m pip install "$(TORCH)"
 	$(VPY) -m pip install -e '.[dev]'
+	@# Hugging Face's `kernels` (left by transformers>=5.25) takes the import name of kernels/
+	$(VPY) -m pip uninstall -y -q kernels 2>/dev/null || true
 	touch $(STAMP)
 
 # the CPU operators (torch.ops.pdserve.*): kernels/cpu_ops.py warns and runs the PyTorch path without them

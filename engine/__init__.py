@@ -19,6 +19,26 @@ import sys
 TORCH_LOADED_FIRST = "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+
+def _foreign_kernels() -> str | None:
+    """Where another distribution named `kernels` is installed (Hugging Face's, which
+    transformers>=5.25 requires), or None. It takes the import name of this project's kernels/:
+    whichever of the two comes first on sys.path breaks the other (transformers' model imports in
+    the repository, this engine everywhere else)."""
+    for d in sys.path:
+        if d and os.path.isdir(d):
+            found = [n for n in os.listdir(d) if n.startswith("kernels-") and n.endswith(".dist-info")]
+            if found:
+                return os.path.join(d, found[0])
+    return None
+
+
+if (_found := _foreign_kernels()) is not None:
+    raise ImportError(
+        f"a package named `kernels` is installed ({_found}); it hides pdserve's kernels/ package. "
+        "It comes with transformers>=5.25: run `pip install 'transformers>=5.3,<5.25' && pip uninstall -y kernels`"
+    )
+
 _EXPORTS = {
     "LLM": "engine.llm",
     "CacheConfig": "engine.config",

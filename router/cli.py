@@ -423,7 +423,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     apply_launch_env()  # before any thread starts: what the process that started this one asked
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()
+    except ImportError as e:  # an environment the engine cannot load in (engine/__init__.py says why)
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     level = args.log_level or ("INFO" if args.cmd in SERVER_COMMANDS else "WARNING")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -268,6 +268,10 @@ def test_openai_n2_stream_moves_and_counts_usage_once(ckpt):
     u = Up("--model", ckpt, "--dtype", "float32", "--decode", "2", "--prefill", "1", "--http-port", "0")
     try:
         url = log_url(u, r"OpenAI-compatible HTTP on (http://\S+/v1)")
+        # resolved before the stream: the kill lands within a few milliseconds of both choices'
+        # first text, not after the imports and process walks the first lookups take
+        decode = {d.node.node_id: d.node.address for d in _nodes(u.address)}
+        pids = {n: node_pid(u, n) for n in decode}
         with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120) as oc:
             model = oc.models.list().data[0].id
             texts, usage, killed = ["", ""], None, False
@@ -280,7 +284,7 @@ def test_openai_n2_stream_moves_and_counts_usage_once(ckpt):
                     texts[ch.index] += ch.text
                 usage = ev.usage or usage
                 if not killed and all(texts):
-                    os.kill(node_pid(u, _busiest(u.address)), signal.SIGKILL)
+                    os.kill(pids[_busiest(decode)], signal.SIGKILL)
                     killed = True
         assert killed and texts == [want, want]
         assert usage is not None and usage.completion_tokens == 2 * n and usage.prompt_tokens == len(p)
@@ -290,12 +294,13 @@ def test_openai_n2_stream_moves_and_counts_usage_once(ckpt):
         u.stop()
 
 
-def _busiest(address: str) -> str:
-    """The decode node running the most streams, once a node's reported stats show any running
-    (a node's stats are a snapshot from its last engine pass and can trail a stream's start)."""
+def _busiest(decode: dict[str, str]) -> str:
+    """The decode node (of {node id: address}) running the most streams, once a node's reported
+    stats show any running (a node's stats are a snapshot from its last engine pass and can trail
+    a stream's start)."""
 
     def busy() -> dict[str, int] | None:
-        b = {d.node.node_id: decode_stats(d.node.address).capacity.running for d in _nodes(address)}
+        b = {n: decode_stats(a).capacity.running for n, a in decode.items()}
         return b if any(b.values()) else None
 
     b = wait_for(busy, 20, "a decode node reporting a running stream")
