@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast, get_args
 
-from engine.config_fields import ARCHITECTURES, WRAPPERS, fp8_block_size, has_processor, moe_fields
+from engine import config_fields
 from engine.device_defaults import budget_source, default_batch_invariant, default_draft_cost
 from engine.options import option
 from engine.rope import RopeScaling
@@ -147,22 +147,18 @@ class ModelConfig:
         if not cfg_path.is_file():
             raise FileNotFoundError(f"no config.json in {path}: pass a checkpoint directory written by save_pretrained")
         raw = json.loads(cfg_path.read_text())
-        archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs or raw.get('model_type')!r} in {cfg_path}; "
-                f"supported: {', '.join(ARCHITECTURES)}"
-            )
+        arch = config_fields.architecture(raw, cfg_path)
         prefix = "model."
         text = raw
-        if arch in WRAPPERS:
+        if arch in config_fields.WRAPPERS:
             text = raw.get("text_config") or {}
             prefix = "model.language_model."
-        want_type = ARCHITECTURES[arch]
+        want_type = config_fields.ARCHITECTURES[arch]
         if text.get("model_type", want_type) != want_type:
             raise ValueError(f"{arch} expects a {want_type} text model, found model_type {text.get('model_type')!r}")
-        fp8_block = fp8_block_size(raw.get("quantization_config") or text.get("quantization_config"), cfg_path)
+        fp8_block = config_fields.fp8_block_size(
+            raw.get("quantization_config") or text.get("quantization_config"), cfg_path
+        )
         n_layers = text["num_hidden_layers"]
         layer_types = text.get("layer_types") or [
             "full_attention" if (i + 1) % text.get("full_attention_interval", 4) == 0 else "linear_attention"
@@ -174,11 +170,6 @@ class ModelConfig:
         want = cfg_dtype if dtype == "auto" else dtype
         if want not in _DTYPES:
             raise ValueError(f"unsupported dtype {want!r}; supported: auto, {', '.join(_DTYPES)}")
-        eos = text.get("eos_token_id", raw.get("eos_token_id"))
-        gen_cfg = Path(path) / "generation_config.json"
-        if eos is None and gen_cfg.is_file():
-            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
             path=str(path),
             architecture=arch,
@@ -200,13 +191,15 @@ class ModelConfig:
             max_position_embeddings=text.get("max_position_embeddings", 32768),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             dtype=cast("torch.dtype", want) if check_only else getattr(importlib.import_module("torch"), want),
-            eos_token_ids=eos_ids,
+            eos_token_ids=config_fields.eos_token_ids(path, raw, text),
             weight_prefix=prefix,
             fp8_block_size=fp8_block,
-            **moe_fields(text, want_type),
+            **config_fields.moe_fields(text, want_type),
             mtp_num_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
             rope_scaling=scaling,
-            vision=VisionConfig.from_raw(raw, text) if arch in WRAPPERS and has_processor(path) else None,
+            vision=VisionConfig.from_raw(raw, text)
+            if arch in config_fields.WRAPPERS and config_fields.has_processor(path)
+            else None,
         )
 
 
@@ -354,6 +347,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     device: str = "cpu"
     seed: int = 0
+    cuda_graphs: bool = True  # --cuda-graphs: decode steps replayed from graphs captured at start-up (cuda, TP 1)
 
     def __post_init__(self):
         self.parallel.check_model(self.model)
@@ -458,6 +452,9 @@ class EngineArgs:
     gpu_memory_utilization: float | None = option(
         None, "cuda: share of each GPU for weights, a step's peak and the cache (default 0.9); ignored on cpu"
     )
+    cuda_graphs: bool = option(
+        True, "cuda, TP 1: replay decode steps from CUDA graphs captured at start-up", flag="--cuda-graphs"
+    )
 
     def engine_config(self, check_only: bool = False) -> EngineConfig:
         """check_only: `pdserve up`'s checks, without torch, C operators or tokenizer (the dtype a name)."""
@@ -497,4 +494,5 @@ class EngineArgs:
             ),
             device=self.device,
             seed=self.seed,
+            cuda_graphs=self.cuda_graphs,
         )

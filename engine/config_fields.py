@@ -1,9 +1,10 @@
 """The parts of a checkpoint's config.json that config.py's ModelConfig reads through a rule of
 their own: the architectures, the MoE sizes of each architecture, the FP8 quantization block,
-whether images are served."""
+the end-of-sequence ids, whether images are served."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 SUPPORTED_QUANTIZATION = ("fp8",)
@@ -16,6 +17,27 @@ ARCHITECTURES = {
     "Qwen3NextForCausalLM": "qwen3_next",
 }
 WRAPPERS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")  # text under text_config
+
+
+def architecture(raw: dict, where: Path) -> str:
+    """The first of the config's `architectures` that pdserve serves (ValueError naming them)."""
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(
+            f"unsupported architecture {archs or raw.get('model_type')!r} in {where}; "
+            f"supported: {', '.join(ARCHITECTURES)}"
+        )
+    return arch
+
+
+def eos_token_ids(path, raw: dict, text: dict) -> tuple[int, ...]:
+    """The text model's eos_token_id, the config's, else generation_config.json's: one or several."""
+    eos = text.get("eos_token_id", raw.get("eos_token_id"))
+    gen_cfg = Path(path) / "generation_config.json"
+    if eos is None and gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
 
 
 def moe_fields(text: dict, model_type: str) -> dict:

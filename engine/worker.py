@@ -22,7 +22,7 @@ from engine.devices import StepFence, bind, node_devices
 from engine.loader import load_mtp_weights, load_weights
 from engine.memory_profile import CudaProbe, MemoryProbe, profile_steps
 from engine.model.batch import ForwardBatch, IntPack, group_fields, make_group
-from engine.model.graphs import DecodeGraphs, graphs_wanted, plain_decode
+from engine.model.graphs import DecodeGraphs, decode_buckets, graphs_wanted, plain_decode
 from engine.model.layers import AllReduce
 from engine.model.mtp import MTPBlock, MTPDrafter
 from engine.model.qwen3_5 import Qwen35Model
@@ -72,7 +72,9 @@ class Worker:
         self.specs = build_specs(cfg, rank)
         k = cfg.speculative.num_tokens
         hidden = cfg.model.hidden_size if cfg.speculative.mtp else 0
-        plan_args = (cfg.num_state_slots, cfg.cache.block_size, k, cfg.snapshot_fraction, hidden)
+        # CUDA graphs pad a decode step to a bucket's size: its padding rows write a slot and page of their own
+        padded = graphs_wanted(self.device, t, cfg.cuda_graphs) and not cfg.speculative.mtp
+        plan_args = (cfg.num_state_slots, cfg.cache.block_size, k, cfg.snapshot_fraction, hidden, int(padded))
         self.memory_plan: MemoryPlan | None = None  # set when planned from the device
         if fraction is None:  # a fixed budget: planned before the weights load
             self.capacity: Capacity = plan_capacity(self.specs, cfg.cache.memory_bytes, *plan_args)
@@ -108,7 +110,7 @@ class Worker:
             )
         # structured outputs' masks (rank 0 samples): prepared before each forward, applied in the sampler
         self.grammar = GrammarMask(cfg.model.path, cfg.model.eos_token_ids, cfg.model.vocab_size) if rank == 0 else None
-        self.sampler = Sampler(cfg.seed, cfg.model.eos_token_ids, self.device, self.grammar)
+        self.sampler = Sampler(cfg.seed, cfg.model.eos_token_ids, self.device, self.grammar, cfg.cuda_graphs)
         self.block_size = cfg.cache.block_size
         self.block_tables = BlockTables(self.max_pages_per_row())  # decode rows' page tables between steps
         self.graphs: DecodeGraphs | None = None  # plain decode steps through CUDA graphs (engine/model/graphs.py)
@@ -126,8 +128,10 @@ class Worker:
         self.pools = CachePools(self.specs, self.capacity, self.device, k)
         # no row holds more pages than the cache has: the staged tables are no wider
         width = min(self.max_pages_per_row(), self.capacity.num_blocks)
-        if graphs_wanted(self.device, t) and self.drafter is None:
-            self.graphs = DecodeGraphs(self.model, self.pools, width)
+        if padded and self.drafter is None:
+            buckets = decode_buckets(cfg.scheduler.max_num_seqs)
+            self.graphs = DecodeGraphs(self.model, self.pools, width, buckets=buckets)
+            self.graphs.capture_all(self.block_size)
         elif self.device.type == "cpu" and t == 1 and self.drafter is None:  # the same staged steps, no graph
             self.graphs = DecodeGraphs(self.model, self.pools, width, capture=False, packed=True)
 

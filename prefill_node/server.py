@@ -5,6 +5,7 @@ the decode node's reservation. Lifecycle and drain: docs/serving.md, "Module not
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -51,7 +52,8 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
     def __init__(self, cfg: PrefillNodeConfig) -> None:
         self._init_lifecycle()
         self.cfg = cfg
-        self.ecfg = cfg.engine_config()
+        # its steps compute prompts: no decode step to capture CUDA graphs for at start-up
+        self.ecfg = dataclasses.replace(cfg.engine_config(), cuda_graphs=False)
         self.incarnation = int.from_bytes(os.urandom(7), "little")
         self.backend = cfg.transfer_backend
         self.engine = EngineCore(self.ecfg)

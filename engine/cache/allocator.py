@@ -25,6 +25,9 @@ class Capacity:
     num_snapshots: int = 0  # prefix-cache snapshots the snapshot pool holds
     snapshot_bytes: int = 0  # the snapshot pool, all layers
     snapshot_hidden: int = 0  # H: snapshots keep a hidden state for the MTP layer (0: none)
+    # 1: one GDN state slot and one KV page past the counted ones, never handed out, which the rows
+    # padding a decode step to its CUDA graph's batch size write (engine/model/graphs.py)
+    padding: int = 0
 
     @property
     def max_tokens(self) -> int:
@@ -41,6 +44,8 @@ class Capacity:
         spec = f", speculative scratch {self.spec_scratch_bytes / mib:.1f} MiB" if self.spec_scratch_bytes else ""
         if self.snapshot_bytes:
             spec += f"; {self.num_snapshots} prefix snapshots ({self.snapshot_bytes / mib:.1f} MiB)"
+        if self.padding:
+            spec += "; one more slot and page for padded decode rows"
         return (
             f"cache {self.cache_bytes / mib:.1f} MiB: {self.num_blocks} KV blocks x {self.block_size} tokens "
             f"= {self.max_tokens} tokens ({self.kv_bytes_per_token} B/token over attention layers, "
@@ -57,8 +62,10 @@ def plan_capacity(
     num_spec_tokens: int = 0,
     snapshot_fraction: float = 0.0,
     snapshot_hidden: int = 0,
+    padding: int = 0,
 ) -> Capacity:
-    """snapshot_hidden: the hidden size when MTP drafts (each snapshot keeps one hidden state)."""
+    """snapshot_hidden: the hidden size when MTP drafts (each snapshot keeps one hidden state).
+    padding 1: the budget pays for one slot and one page more than it counts (`Capacity.padding`)."""
     attn = [s for s in specs if isinstance(s, PagedAttentionSpec)]
     gdn = [s for s in specs if isinstance(s, GDNStateSpec)]
     state_bytes = num_slots * sum(s.page_size_bytes for s in gdn)
@@ -69,7 +76,8 @@ def plan_capacity(
     snap = PrefixSnapshotSpec.of(specs, snapshot_hidden).page_size_bytes
     num_snapshots = int(budget * snapshot_fraction) // snap
     snapshot_bytes = num_snapshots * snap
-    num_blocks = (budget - state_bytes - scratch - snapshot_bytes) // block_bytes
+    pad_bytes = padding * (sum(s.page_size_bytes for s in gdn) + block_bytes)
+    num_blocks = (budget - state_bytes - scratch - snapshot_bytes - pad_bytes) // block_bytes
     if num_blocks < 1:
         raise ValueError(
             f"kv_cache_memory={budget} B leaves no room for KV pages after {num_slots} GDN state slots "
@@ -89,6 +97,7 @@ def plan_capacity(
         num_snapshots=num_snapshots,
         snapshot_bytes=snapshot_bytes,
         snapshot_hidden=snapshot_hidden if num_snapshots else 0,
+        padding=padding,
     )
 
 
@@ -125,19 +134,22 @@ class CachePools:
         # speculative rows: the state after every verified token, row-indexed [rows, k+1, ...]
         self.conv_scratch: dict[int, torch.Tensor] = {}
         self.recurrent_scratch: dict[int, torch.Tensor] = {}
+        # (slot, page) that padded decode rows write, past the counted ones (`Capacity.padding`)
+        self.pad: tuple[int, int] | None = (capacity.num_state_slots, capacity.num_blocks) if capacity.padding else None
         for s in specs:  # zeroed: pages and slots never hold NaN, even before first use
             if isinstance(s, PagedAttentionSpec):
-                storage = torch.zeros(s.storage_shape(capacity.num_blocks), dtype=s.dtype, device=device)
+                pages = capacity.num_blocks + capacity.padding
+                storage = torch.zeros(s.storage_shape(pages), dtype=s.dtype, device=device)
                 self.kv[s.layer] = kv_pool_view(storage)
             else:
-                n = capacity.num_state_slots
+                n = capacity.num_state_slots + capacity.padding
                 self.conv[s.layer] = torch.zeros((n, *s.conv_shape), dtype=s.conv_dtype, device=device)
                 self.recurrent[s.layer] = torch.zeros((n, *s.recurrent_shape), dtype=s.recurrent_dtype, device=device)
                 if num_spec_tokens:
-                    k1 = num_spec_tokens + 1
-                    self.conv_scratch[s.layer] = torch.zeros((n, k1, *s.conv_shape), dtype=s.conv_dtype, device=device)
+                    k1, m = num_spec_tokens + 1, capacity.num_state_slots
+                    self.conv_scratch[s.layer] = torch.zeros((m, k1, *s.conv_shape), dtype=s.conv_dtype, device=device)
                     self.recurrent_scratch[s.layer] = torch.zeros(
-                        (n, k1, *s.recurrent_shape), dtype=s.recurrent_dtype, device=device
+                        (m, k1, *s.recurrent_shape), dtype=s.recurrent_dtype, device=device
                     )
 
         self.snapshots = SnapshotPool(

@@ -69,6 +69,7 @@ def plan_memory(
     num_spec_tokens: int = 0,
     snapshot_fraction: float = 0.0,
     snapshot_hidden: int = 0,
+    padding: int = 0,
     kv_cache_memory: int | None = None,
     agreed: int | None = None,
 ) -> MemoryPlan:
@@ -108,7 +109,9 @@ def plan_memory(
             "or --max-num-seqs, or raise --tp"
         )
     try:
-        cap = plan_capacity(specs, budget, num_slots, block_size, num_spec_tokens, snapshot_fraction, snapshot_hidden)
+        cap = plan_capacity(
+            specs, budget, num_slots, block_size, num_spec_tokens, snapshot_fraction, snapshot_hidden, padding
+        )
     except ValueError as e:
         if kv_cache_memory is not None:
             raise

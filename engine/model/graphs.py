@@ -1,23 +1,28 @@
 """CUDA graphs for plain decode steps (one token per row, no prefill rows, no drafts, TP 1): the
-step's inputs are copied into buffers the graph owns, one graph per batch size. A decode step the
-graphs take is staged by `stage` straight into its size's buffers: its ids, positions, slots and
-its page tables (packed [rows, widest row]) written to pinned host memory, then one upload; the
-graph itself spreads the packed tables into the [rows, max pages] tensor the kernels read
-(`_Buffers.expand`). Each host-to-device copy, event or launch costs the host tens of
+step's inputs are copied into buffers the graph owns, one graph per batch size (or bucket). A
+decode step the graphs take is staged by `stage` straight into its size's buffers: its ids,
+positions, slots and its page tables (packed [rows, widest row]) written to pinned host memory,
+then one upload; the graph itself spreads the packed tables into the [rows, max pages] tensor the
+kernels read (`_Buffers.expand`). Each host-to-device copy, event or launch costs the host tens of
 microseconds on the GPU hosts measured (docs/benchmarks.md, "CUDA (H100)"), so a staged step makes
 one upload and reuses its events. A steady step (StepInput.steady: the last step's rows, a token
 on) moves the last step's host buffer on in place (`_advance`; docs/engine.md, "The persistent
 decode batch"). The first step of a size runs eagerly on those buffers (compiling every kernel
 for their exact shapes and strides), the next one captures the graph and replays it from then on.
-Any other step, and any size whose capture failed, runs eagerly. PDSERVE_CUDA_GRAPHS=0 turns graphs
-off (docs/engine.md, "CUDA graphs"). On the CPU (TP 1) the same staged steps run without a graph
-(`packed`): written where the forward reads them, the page tables read as packed."""
+Any other step, and any size whose capture failed, runs eagerly. With `buckets` (CUDA), a step of n
+rows runs in the graph of the smallest bucket of at least n, its other rows padding that write the
+pools' padding slot and page (`CachePools.pad`); `capture_all` captures every bucket at start-up.
+--no-cuda-graphs (or PDSERVE_CUDA_GRAPHS=0) turns graphs off (docs/engine.md, "CUDA graphs"). On
+the CPU (TP 1) the same staged steps run without a graph (`packed`): written where the forward
+reads them, the page tables read as packed."""
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +35,9 @@ from engine.model.batch import ForwardBatch, RowGroup
 log = logging.getLogger("pdserve.engine")
 
 
-def graphs_wanted(device: torch.device, tp: int) -> bool:
-    return device.type == "cuda" and tp == 1 and os.environ.get("PDSERVE_CUDA_GRAPHS", "1") != "0"
+def graphs_wanted(device: torch.device, tp: int, on: bool = True) -> bool:
+    """on: the engine's --cuda-graphs (EngineConfig.cuda_graphs); PDSERVE_CUDA_GRAPHS=0 also turns them off."""
+    return on and device.type == "cuda" and tp == 1 and os.environ.get("PDSERVE_CUDA_GRAPHS", "1") != "0"
 
 
 # the staged fields of a decode step of n rows, in this order in one int64 buffer of STAGED * n
@@ -48,6 +54,14 @@ def _width_at(n: int) -> int:
     """Where a staged size of n rows keeps, in its flat buffers, the packed page tables' width
     (after the STAGED fields; the packed tables follow it)."""
     return len(STAGED) * n
+
+
+def decode_buckets(max_rows: int) -> tuple[int, ...]:
+    """The batch sizes the decode graphs are captured for, up to max_rows (which is one): 1, 2, 4,
+    every 8 to 64, every 16 to 128, every 32 past: a step has at most 7, 15 or 31 padding rows, which
+    cost little in a decode step bound by reading the weights."""
+    sizes = [1, 2, 4, *range(8, 65, 8), *range(80, 129, 16), *range(160, max_rows, 32)]
+    return tuple(sorted({b for b in sizes if b < max_rows} | {max_rows}))
 
 
 def plain_decode(rows) -> bool:
@@ -85,6 +99,8 @@ class _Buffers:
     ahead: int = 0
     by_offset: dict[int, list[int]] = field(default_factory=dict)
     col_ids: torch.Tensor | None = None  # [max pages]: 0 .. max pages - 1
+    size: int = 0  # B, for a staged size
+    rows: int = 0  # the real rows of the last step staged here; the rest pad it
 
     @classmethod
     def staged(cls, n: int, width: int, device: torch.device, packed: bool = False) -> _Buffers:
@@ -117,12 +133,12 @@ class _Buffers:
             logits_indices=steps[:n],
         )
         if arr is not None:
-            return cls(batch, flat, flat, arr)
+            return cls(batch, flat, flat, arr, size=n)
         pinned = device.type == "cuda"
         host = torch.zeros(flat.numel(), dtype=torch.int64, pin_memory=pinned)
         cols = torch.arange(width, dtype=torch.int64, device=device)
         event = torch.cuda.Event() if pinned else None
-        return cls(batch, flat, host, host.numpy(), event, row_ids=steps[:n, None], col_ids=cols)
+        return cls(batch, flat, host, host.numpy(), event, row_ids=steps[:n, None], col_ids=cols, size=n)
 
     def expand(self) -> None:
         """The packed page tables (w columns a row, w in the buffer) into the [B, max pages]
@@ -199,13 +215,27 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, model, pools: CachePools, max_pages_per_row: int, capture: bool = True, packed: bool = False):
+    def __init__(
+        self,
+        model,
+        pools: CachePools,
+        max_pages_per_row: int,
+        capture: bool = True,
+        packed: bool = False,
+        buckets: Sequence[int] = (),
+    ):
         """capture False: the buffers alone, every step run eagerly on them (what the CPU tests
         check: the copying, not the graph). packed (the CPU's own decode steps, no graph): a staged
         step is written where the forward reads it and its page tables are read packed, as they
-        are (no upload, no spreading); a batch built the general way runs as it is."""
+        are (no upload, no spreading); a batch built the general way runs as it is. buckets
+        (`decode_buckets`; the pools need their padding slot and page): the sizes steps are padded
+        to; a step of more rows, or built the general way, runs eagerly. Empty: one size per batch
+        size met."""
         self.model, self.pools, self.width, self.capture = model, pools, max_pages_per_row, capture and not packed
         self.packed = packed
+        self.buckets = tuple(sorted(buckets))
+        if self.buckets and pools.pad is None:
+            raise ValueError("padded decode graphs need the pools' padding slot and page (Capacity.padding)")
         self.sizes: dict[int, _Graph] = {}
         self.failed: set[int] = set()
         self.pool: Any = None  # the graphs' shared memory pool (a handle)
@@ -229,35 +259,49 @@ class DecodeGraphs:
             and dec.num_rows not in self.failed
         )
 
+    def size_for(self, n: int) -> int | None:
+        """The staged size a step of n rows runs in: n, or with buckets the smallest of at least
+        n (None past the largest)."""
+        if not self.buckets:
+            return n
+        i = bisect.bisect_left(self.buckets, n)
+        return self.buckets[i] if i < len(self.buckets) else None
+
     def stage(self, rows, tables, block_size: int, steady: bool = False) -> ForwardBatch | None:
         """A plain decode step's batch (`plain_decode(rows)`; tables: engine/block_tables.py) made
-        in this size's buffers, which `run` then finds loaded; None where the graphs do not take
+        in its size's buffers, which `run` then finds loaded; None where the graphs do not take
         the step (the worker builds it the general way). steady (StepInput.steady): the rows are
         the last step's, a token further on; where that step was staged here too, its host
         buffers are moved on in place (`_advance`)."""
         n = len(rows)
+        size = self.size_for(n)
         staged, self.last_staged = self.last_staged, None
-        if n in self.failed:
+        if size is None or size in self.failed:
             return None
-        g = self.sizes.get(n)
+        g = self.sizes.get(size)
         if g is None:
-            g = self.sizes[n] = _Graph(_Buffers.staged(n, self.width, self.model.embed.device, self.packed))
+            g = self.sizes[size] = _Graph(_Buffers.staged(size, self.width, self.model.embed.device, self.packed))
         elif g.buffers.flat is None:  # this size's buffers came from a general batch: loaded by `run`
             return None
         buf = g.buffers
         assert buf.host is not None and buf.flat is not None
         if buf.pending is not None:  # the last upload from these host buffers must be done
             buf.pending.synchronize()
-        if steady and staged == n:
+        if steady and staged == size and buf.rows == n:
             end = self._advance(buf, rows, tables, block_size)
         else:
             end = self._write(buf, rows, tables, block_size)
-        self.last_staged = n
+        self.last_staged = size
+        return self._loaded(buf, end)
+
+    def _loaded(self, buf: _Buffers, end: int) -> ForwardBatch:
+        """The staged batch once the host buffer's first `end` entries are where the forward reads
+        them: uploaded (one copy), or on the CPU read in place with the packed tables."""
+        assert buf.host is not None and buf.flat is not None and buf.batch.decode is not None
         if self.packed:  # written in place: the batch reads the packed tables
-            head = _width_at(n) + 1
+            head = _width_at(buf.size) + 1
             w = int(buf.host_np[head - 1])
-            assert buf.batch.decode is not None
-            buf.batch.decode.block_tables = buf.flat[head : head + n * w].view(n, w)
+            buf.batch.decode.block_tables = buf.flat[head : head + buf.size * w].view(buf.size, w)
             return buf.batch
         buf.flat[:end].copy_(buf.host[:end], non_blocking=True)  # the step's one upload
         if buf.pending is not None:
@@ -265,26 +309,40 @@ class DecodeGraphs:
         return buf.batch
 
     def _write(self, buf: _Buffers, rows, tables, block_size: int) -> int:
-        """Every staged field of the rows into the host buffer; returns the end of what it wrote."""
-        n = len(rows)
-        bs = block_size
+        """Every staged field of the rows into the host buffer, then the padding rows past them
+        (their token 0 at position 0 of the padding slot and page); returns the end of what it
+        wrote."""
+        n, size, bs = len(rows), buf.size, block_size
+        pad = size - n
         pos = [r.start_pos for r in rows]
         vals = [r.token_ids[0] for r in rows]
-        vals += [r.slot for r in rows]
-        vals += pos
-        vals += [r.block_ids[q // bs] * bs + q % bs for r, q in zip(rows, pos)]
-        vals += [q + 1 for q in pos]
+        if pad:
+            assert self.pools.pad is not None
+            slot, page = self.pools.pad
+            vals += [0] * pad
+            vals += [r.slot for r in rows] + [slot] * pad
+            vals += pos + [0] * pad
+            vals += [r.block_ids[q // bs] * bs + q % bs for r, q in zip(rows, pos)] + [page * bs] * pad
+            vals += [q + 1 for q in pos] + [1] * pad
+        else:
+            vals += [r.slot for r in rows]
+            vals += pos
+            vals += [r.block_ids[q // bs] * bs + q % bs for r, q in zip(rows, pos)]
+            vals += [q + 1 for q in pos]
         host = buf.host_np
-        head = _width_at(n) + 1  # the width, then the packed tables
-        w = tables.rows_into(rows, host[head:], SLACK_PAGES, self.width)
+        head = _width_at(size) + 1  # the width, then the packed tables
+        w = tables.rows_into(rows, host[head:], SLACK_PAGES, self.width) if rows else 1
         assert w <= self.width, f"a row of {w} pages, past the widest a request can have ({self.width})"
+        if pad:
+            host[head + n * w : head + size * w] = page
         vals.append(w)
         host[:head] = vals
+        buf.rows = n
         buf.ahead = 0
         buf.by_offset = {}
         for i, q in enumerate(pos):
             buf.by_offset.setdefault(q % bs, []).append(i)
-        return head + n * w
+        return head + size * w
 
     def _advance(self, buf: _Buffers, rows, tables, block_size: int) -> int:
         """The host buffer of the last step, staged from these rows a token back, moved on in
@@ -293,8 +351,8 @@ class DecodeGraphs:
         which get that page in their packed table and their slot at its start. A row past the
         packed width has every table packed again (`_write`). No per-row Python but the ids'
         list and the rows that open a page (one in block_size a step)."""
-        n, bs, host = len(rows), block_size, buf.host_np
-        head = _width_at(n) + 1
+        n, size, bs, host = len(rows), buf.size, block_size, buf.host_np
+        head = _width_at(size) + 1
         buf.ahead += 1
         opening = buf.by_offset.get(-buf.ahead % bs, ())
         w = int(host[head - 1])
@@ -302,43 +360,77 @@ class DecodeGraphs:
         if any(j >= w for _, j in new_pages):  # a page past the packed width
             return self._write(buf, rows, tables, bs)
         host[:n] = [r.token_ids[0] for r in rows]
-        host[2 * n : 5 * n] += 1
+        if n == size:
+            host[2 * n : 5 * n] += 1
+        else:  # the padding rows stay at their position 0
+            host[2 * size : 5 * size].reshape(3, size)[:, :n] += 1
         for i, j in new_pages:
             page = rows[i].block_ids[j]
             host[head + i * w + j] = page
-            host[3 * n + i] = page * bs
-        return head + n * w
+            host[3 * size + i] = page * bs
+        return head + size * w
 
     @torch.inference_mode()
     def run(self, b: ForwardBatch) -> torch.Tensor | None:
-        """The step's logits [B, vocab] float32 through this size's graph (or its buffers), or
+        """The step's logits [rows, vocab] float32 through its size's graph (or its buffers), or
         None: the caller runs the step eagerly. The logits live in the graph's memory until the
-        next replay of that size."""
+        next replay of that size; a padded step's are the first rows of its size's."""
         self.replayed = False
         if not self.covers(b):
             return None
         assert b.decode is not None
         n = b.decode.num_rows
-        self.covered += 1
         g = self.sizes.get(n)
-        if self.packed and (g is None or g.buffers.batch is not b):  # built the general way: as it is
+        if (self.packed or self.buckets) and (g is None or g.buffers.batch is not b):  # general: as it is
             return None
+        self.covered += 1
         if g is None:
             g = self.sizes[n] = _Graph(_Buffers.like(b, self.width))
         if g.buffers.batch is not b:  # a batch built the general way: into the buffers
             g.buffers.load(b)
+        rows = g.buffers.rows if g.buffers.flat is not None else n
         if not g.buffers.stepped:  # first step of this size: eagerly, on the buffers
             g.buffers.stepped = True
-            return self._eager(g)
+            return self._eager(g)[:rows]
         if not self.capture:
-            return self._eager(g)
+            return self._eager(g)[:rows]
         if g.graph is None and not self._capture(n, g):
-            return self._eager(g)
-        assert g.graph is not None
+            return self._eager(g)[:rows]
+        assert g.graph is not None and g.logits is not None
         g.graph.replay()
         self.replays += 1
         self.replayed = True
-        return g.logits
+        return g.logits[:rows]
+
+    def capture_all(self, block_size: int) -> None:
+        """Every bucket's graph, largest first (the smaller ones reuse its memory), each on a step
+        of padding rows alone: run once eagerly (every kernel built for its shapes), then captured.
+        With capture off (the CPU tests), the eager steps alone. Logs its progress every few
+        seconds and what it took."""
+        t0 = last = time.perf_counter()
+        sizes = sorted(self.buckets, reverse=True)
+        log.info("capturing the decode step's CUDA graphs for %d batch sizes (%s)", len(sizes), _ranges(sizes[::-1]))
+        for i, size in enumerate(sizes):
+            if size in self.failed:
+                continue
+            g = self.sizes.get(size)
+            if g is None or g.buffers.flat is None:
+                g = self.sizes[size] = _Graph(_Buffers.staged(size, self.width, self.model.embed.device, self.packed))
+            buf = g.buffers
+            if buf.pending is not None:
+                buf.pending.synchronize()
+            self._loaded(buf, self._write(buf, [], None, block_size))
+            buf.stepped = True
+            with torch.inference_mode():  # as `run` steps (the buffers themselves are made outside it)
+                self._eager(g)
+                if self.capture and g.graph is None:
+                    self._capture(size, g)
+            if time.perf_counter() - last > 2.0 and i + 1 < len(sizes):
+                last = time.perf_counter()
+                log.info("  %d of %d decode graphs captured (%.1f s)", i + 1, len(sizes), last - t0)
+        self.last_staged = None
+        captured = sum(1 for b in sizes if b in self.sizes and self.sizes[b].graph is not None)
+        log.info("decode graphs: %d of %d captured in %.1f s", captured, len(sizes), time.perf_counter() - t0)
 
     def _forward(self, g: _Graph) -> torch.Tensor:
         if not self.packed:
@@ -372,3 +464,8 @@ class DecodeGraphs:
         g.graph = graph
         log.info("captured the decode step's CUDA graph for batch %d in %.0f ms", n, 1e3 * (time.perf_counter() - t0))
         return True
+
+
+def _ranges(sizes: Sequence[int]) -> str:
+    """1, 2, 4, 8 .. 64 by 8: sizes as a short text for the log."""
+    return ", ".join(str(b) for b in sizes) if len(sizes) <= 6 else f"{sizes[0]} .. {sizes[-1]}"

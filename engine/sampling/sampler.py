@@ -102,9 +102,15 @@ def _positions(rows) -> list[tuple]:
 
 class Sampler:
     def __init__(
-        self, seed: int = 0, eos_token_ids: tuple[int, ...] = (), device: str | torch.device = "cpu", grammar=None
+        self,
+        seed: int = 0,
+        eos_token_ids: tuple[int, ...] = (),
+        device: str | torch.device = "cpu",
+        grammar=None,
+        graphs: bool = True,
     ):
         self.device = torch.device(device)
+        self.graphs = graphs  # cuda: a reused call plan may be replayed from a CUDA graph (--cuda-graphs)
         self.grammar = grammar  # engine.structured.GrammarMask: structured outputs' token masks
         self.gen = torch.Generator(device=self.device).manual_seed(seed)  # unseeded requests' draws
         self.eos = tuple(eos_token_ids)
@@ -369,6 +375,7 @@ class Sampler:
         cp.graphable = (
             dev.type == "cuda"
             and self.fused
+            and self.graphs
             and os.environ.get("PDSERVE_CUDA_GRAPHS", "1") != "0"
             and not lp_rows
             and not cp.constrained
