@@ -6,6 +6,7 @@ with `all_reduce`. Rank 0 computes the logits it needs and samples.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from engine.devices import StepFence, bind, node_devices
 from engine.loader import load_mtp_weights, load_weights
 from engine.memory_profile import CudaProbe, MemoryProbe, profile_steps
 from engine.model.batch import ForwardBatch, IntPack, group_fields, make_group
-from engine.model.graphs import DecodeGraphs, decode_buckets, graphs_wanted, plain_decode
+from engine.model.graphs import DecodeGraphs, decode_buckets, graphs_wanted, logits_bytes, plain_decode
 from engine.model.layers import AllReduce
 from engine.model.mtp import MTPBlock, MTPDrafter
 from engine.model.qwen3_5 import Qwen35Model
@@ -74,6 +75,7 @@ class Worker:
         hidden = cfg.model.hidden_size if cfg.speculative.mtp else 0
         # CUDA graphs pad a decode step to a bucket's size: its padding rows write a slot and page of their own
         padded = graphs_wanted(self.device, t, cfg.cuda_graphs) and not cfg.speculative.mtp
+        self.buckets = decode_buckets(cfg.scheduler.max_num_seqs) if padded else ()
         plan_args = (cfg.num_state_slots, cfg.cache.block_size, k, cfg.snapshot_fraction, hidden, int(padded))
         self.memory_plan: MemoryPlan | None = None  # set when planned from the device
         if fraction is None:  # a fixed budget: planned before the weights load
@@ -128,9 +130,8 @@ class Worker:
         self.pools = CachePools(self.specs, self.capacity, self.device, k)
         # no row holds more pages than the cache has: the staged tables are no wider
         width = min(self.max_pages_per_row(), self.capacity.num_blocks)
-        if padded and self.drafter is None:
-            buckets = decode_buckets(cfg.scheduler.max_num_seqs)
-            self.graphs = DecodeGraphs(self.model, self.pools, width, buckets=buckets)
+        if self.buckets and self.drafter is None:
+            self.graphs = DecodeGraphs(self.model, self.pools, width, buckets=self.buckets)
             self.graphs.capture_all(self.block_size)
         elif self.device.type == "cpu" and t == 1 and self.drafter is None:  # the same staged steps, no graph
             self.graphs = DecodeGraphs(self.model, self.pools, width, capture=False, packed=True)
@@ -159,7 +160,8 @@ class Worker:
                 self.drafter.drop(ids)
             del self.pools
             self._tail_hidden = (None, {})
-        facts = probe.facts()
+        # the decode graphs, captured after the plan, keep their logits
+        facts = dataclasses.replace(probe.facts(), graphs=logits_bytes(self.buckets, self.cfg.model.vocab_size))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         given = self.cfg.cache.memory_bytes or None

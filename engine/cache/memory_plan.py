@@ -20,6 +20,7 @@ class DeviceFacts:
     weights: int  # held after the model was built (weights, persistent buffers)
     peak: int  # the profile steps' peak above that (activations, MoE/GDN scratch, the sampler)
     outside: int = 0  # taken during start-up outside PyTorch's allocator (NCCL, CUDA modules)
+    graphs: int = 0  # the decode graphs' logits, each size's kept between replays (engine/model/graphs.py)
 
     @property
     def others(self) -> int:
@@ -40,7 +41,8 @@ class MemoryPlan:
         source = "--kv-cache-memory" if self.explicit else f"{self.fraction:g} x {_size(f.total)}"
         return (
             f"memory plan ({source}): weights {_size(f.weights)}, profile peak {_size(f.peak)}, "
-            f"outside PyTorch {_size(f.outside)}, other processes {_size(f.others)}; cache {_size(self.budget)} = {c.num_blocks} KV pages "
+            f"outside PyTorch {_size(f.outside)}, decode graphs {_size(f.graphs)}, "
+            f"other processes {_size(f.others)}; cache {_size(self.budget)} = {c.num_blocks} KV pages "
             f"({_size(c.kv_bytes)}, {c.max_tokens} tokens), {c.num_state_slots} GDN state slots "
             f"({_size(c.state_bytes)}), speculative scratch {_size(c.spec_scratch_bytes)}, "
             f"{c.num_snapshots} prefix snapshots ({_size(c.snapshot_bytes)})"
@@ -57,7 +59,7 @@ def own_budget(facts: DeviceFacts, fraction: float, kv_cache_memory: int | None 
     not taken off: it is checked against the share at start (`plan_memory`)."""
     if kv_cache_memory is not None:
         return kv_cache_memory
-    return int(fraction * facts.total) - (facts.weights + facts.peak + facts.outside)
+    return int(fraction * facts.total) - (facts.weights + facts.peak + facts.outside + facts.graphs)
 
 
 def plan_memory(
@@ -79,10 +81,11 @@ def plan_memory(
     scratch and the snapshots."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1] (got {fraction})")
-    used = facts.weights + facts.peak + facts.outside + facts.others
+    used = facts.weights + facts.peak + facts.outside + facts.graphs + facts.others
     sizes = (
         f"weights {_size(facts.weights)}, profile peak {_size(facts.peak)}, outside PyTorch "
-        f"{_size(facts.outside)}, other processes {_size(facts.others)} of {_size(facts.total)}"
+        f"{_size(facts.outside)}, decode graphs {_size(facts.graphs)}, other processes "
+        f"{_size(facts.others)} of {_size(facts.total)}"
     )
     budget = own_budget(facts, fraction, kv_cache_memory)
     if agreed is not None and agreed < budget:

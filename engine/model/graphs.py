@@ -64,6 +64,11 @@ def decode_buckets(max_rows: int) -> tuple[int, ...]:
     return tuple(sorted({b for b in sizes if b < max_rows} | {max_rows}))
 
 
+def logits_bytes(buckets: Sequence[int], vocab: int) -> int:
+    """What the graphs of these sizes keep between replays: each one's logits, [B, vocab] float32."""
+    return 4 * vocab * sum(buckets)
+
+
 def plain_decode(rows) -> bool:
     """Whether a step's rows (engine/step.py RowInput) are all plain decode rows as `stage` takes
     them: one token continuing its sequence, scoring it, no drafts, prompt logprobs or images."""

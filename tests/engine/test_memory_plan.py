@@ -44,6 +44,23 @@ def test_fraction_less_weights_and_peak():
         assert part in line
 
 
+def test_padded_decode_graphs_are_planned():
+    """CUDA graphs padded to buckets: the graphs' logits (B x vocabulary float32, per size) come
+    off the budget, and the padding slot and page out of it (each as computed by hand)."""
+    import dataclasses
+
+    from engine.model.graphs import decode_buckets, logits_bytes
+
+    buckets = decode_buckets(64)
+    graphs = 4 * 151936 * sum(buckets)
+    assert logits_bytes(buckets, 151936) == graphs == 4 * 151936 * (1 + 2 + 4 + 8 * 36)
+    plan = plan_memory(dataclasses.replace(FACTS, graphs=graphs), 0.5, specs(), 10, 16, padding=1)
+    budget = 4 * GiB - 1 * GiB - 512 * MiB - graphs
+    assert plan.budget == budget and f"decode graphs {graphs / MiB:.1f} MiB" in plan.summary()
+    c = plan.capacity
+    assert c.padding == 1 and c.num_blocks == (budget - 11 * SLOT - PAGE) // PAGE
+
+
 def test_another_process_holding_memory_leaves_the_share_alone_or_refuses():
     """The fraction is this instance's share, as in vLLM: a share that fits in what was free at
     start is planned whole (less this instance's own weights, peak and outside); one that does not
