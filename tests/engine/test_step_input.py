@@ -1,7 +1,6 @@
-"""engine/step_input.py: a plain decode row's short path builds the row the general path builds.
-With MTP on, the same row takes the general path (a row without drafts gets no draft depths and
-no known next token there), so the two are compared field by field over sampling settings that
-do and do not need the request's ids."""
+"""engine/step_input.py: a decode row's short path builds the row the general path
+(`general_row`) builds, field by field, over sampling settings that do and do not need the
+request's ids, without and with drafts, with MTP's draft depths."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from engine.model.graphs import plain_decode
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import ScheduledRow, SchedulerOutput
-from engine.step_input import step_input
+from engine.step_input import general_row, step_input
 
 CASES = {
     "greedy": SamplingParams(temperature=0.0),
@@ -21,20 +20,21 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp"])
+@pytest.mark.parametrize("drafts", [[], [11, 12]], ids=["no-drafts", "drafts"])
 @pytest.mark.parametrize("params", CASES.values(), ids=CASES.keys())
-def test_short_path_builds_the_general_rows(params):
+def test_short_path_builds_the_general_rows(params, drafts, mtp):
     req = Request("r", list(range(40)), params, output_token_ids=[7, 8, 9], slot=3, block_ids=[4, 9, 2])
     req.num_computed_tokens = 42  # the last output token is pending
     req.rope_delta = 2
-    row = ScheduledRow(req, 1)
+    row = ScheduledRow(req, 1 + len(drafts), list(drafts), (1, 2, 2) if drafts else (2,))
     assert row.is_decode and row.samples
-    so = SchedulerOutput([row], [], [])
-    short = step_input(so, mtp=False, merge=0, layer_posts=[]).rows[0]
-    general = step_input(so, mtp=True, merge=0, layer_posts=[]).rows[0]
-    assert short == general
-    assert short.token_ids == [9] and short.start_pos == 42 and short.block_ids == [4, 9, 2]
+    short = step_input(SchedulerOutput([row], [], []), mtp=mtp, merge=0, layer_posts=[]).rows[0]
+    assert short == general_row(row, mtp, 0)
+    assert short.token_ids == [9, *drafts] and short.num_draft == len(drafts) and short.start_pos == 42
+    assert short.draft_depths == (row.draft_depths if mtp else ()) and short.next_token is None
     # the request's own list, not an O(context) copy: the scheduler grows it only between steps
-    assert short.block_ids is req.block_ids
+    assert short.block_ids is req.block_ids and short.block_ids == [4, 9, 2]
 
 
 def _decode_row(rid: str, rope_delta: int = 0, want_logits: bool = False) -> ScheduledRow:
@@ -58,6 +58,12 @@ def test_a_step_of_plain_decode_rows_says_so_and_agrees_with_the_check():
         step = step_input(SchedulerOutput(rows, [], []), mtp=False, merge=0, layer_posts=[])
         assert plain_decode(step.rows) == checked, name
         assert step.plain == said, name
+    # MTP, or a row with drafts: not plain (the graphs and the persistent batch leave them)
+    assert not step_input(SchedulerOutput([_decode_row("a")], [], []), mtp=True, merge=0, layer_posts=[]).plain
+    drafted = _decode_row("d")
+    drafted = ScheduledRow(drafted.request, 3, [5, 6])
+    step = step_input(SchedulerOutput([_decode_row("a"), drafted], [], []), mtp=False, merge=0, layer_posts=[])
+    assert not step.plain and not plain_decode(step.rows)
     prompt = Request("p", list(range(40)), SamplingParams(), slot=2, block_ids=[5, 6, 7])
     step = step_input(SchedulerOutput([_decode_row("a"), ScheduledRow(prompt, 40)], [], []), False, 0, [])
     assert not step.plain and not plain_decode(step.rows)
