@@ -429,7 +429,7 @@ class DecodeGraphs:
             with torch.inference_mode():  # as `run` steps (the buffers themselves are made outside it)
                 self._eager(g)
                 if self.capture and g.graph is None:
-                    self._capture(size, g)
+                    self._capture(size, g, logging.DEBUG)
             if time.perf_counter() - last > 2.0 and i + 1 < len(sizes):
                 last = time.perf_counter()
                 log.info("  %d of %d decode graphs captured (%.1f s)", i + 1, len(sizes), last - t0)
@@ -452,7 +452,7 @@ class DecodeGraphs:
         cur.wait_stream(self.stream)
         return out
 
-    def _capture(self, n: int, g: _Graph) -> bool:
+    def _capture(self, n: int, g: _Graph, level: int = logging.INFO) -> bool:
         t0 = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         try:
@@ -467,7 +467,9 @@ class DecodeGraphs:
             return False
         self.pool = graph.pool()
         g.graph = graph
-        log.info("captured the decode step's CUDA graph for batch %d in %.0f ms", n, 1e3 * (time.perf_counter() - t0))
+        log.log(
+            level, "captured the decode step's CUDA graph for batch %d in %.0f ms", n, 1e3 * (time.perf_counter() - t0)
+        )
         return True
 
 
