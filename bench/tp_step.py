@@ -2,7 +2,8 @@
 that what a step costs beyond its arithmetic (step inputs to the ranks, their answers, the
 all-reduces) shows: the median wall time of `EngineCore.step()` over decode-only steps, and the
 executor's share of it that is not a rank's forward (`execute` minus rank 0's step seconds); then
-one gloo all-reduce between two bare processes, the floor under TP 2's collectives on this machine.
+one all-reduce between two bare processes, gloo's and the shared-memory one the CPU ranks use
+(engine/shm_all_reduce.py): the floor under TP 2's collectives on this machine.
 
     python bench/tp_step.py [--batch 8] [--steps 64] [--layers 2] [--hidden 128] [--prompt-len 16]
         [--sampled] [--tree CHECKOUT]"""
@@ -15,6 +16,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the nodes run, before torch loads
@@ -88,27 +90,32 @@ def main() -> None:
     for tp, (wall, extra) in res.items():
         print(f"TP {tp}: step {wall * 1e3:.3f} ms (median), executor beyond rank 0's step {extra * 1e3:.3f} ms")
     print(f"TP 2 - TP 1: {(res[2][0] - res[1][0]) * 1e3:.3f} ms a step")
-    med, p90 = _allreduce_us(args.batch, args.hidden)
-    print(
-        f"this machine: a gloo all-reduce of {args.batch} x {args.hidden} float32 between two processes, "
-        f"{med:.0f} us median, {p90:.0f} us p90 (what each of TP 2's all-reduces costs at least)"
-    )
+    for kind in ("gloo", "shm"):
+        med, p90 = _allreduce_us(args.batch, args.hidden, kind)
+        print(
+            f"this machine: a {kind} all-reduce of {args.batch} x {args.hidden} float32 between two processes, "
+            f"{med:.0f} us median, {p90:.0f} us p90 (what each of TP 2's all-reduces costs at least)"
+        )
 
 
-def _allreduce_us(rows: int, width: int, calls: int = 300) -> tuple[float, float]:
-    """Median and 90th percentile microseconds of one gloo all-reduce between two processes of one
-    thread each (the TP 2 ranks' collective, alone)."""
+def _allreduce_us(rows: int, width: int, kind: str, calls: int = 300) -> tuple[float, float]:
+    """Median and 90th percentile microseconds of one all-reduce (gloo's, or the shared-memory one:
+    "shm") between two processes of one thread each (the TP 2 ranks' collective, alone)."""
     import multiprocessing as mp
+
+    from engine import shm_all_reduce
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = _free_port() if kind == "gloo" else shm_all_reduce.create(2)
     ps = [ctx.Process(target=_allreduce_rank, args=(r, port, rows, width, calls, q)) for r in range(2)]
     for p in ps:
         p.start()
     got = q.get(timeout=120)
     for p in ps:
         p.join()
+    if kind == "shm":
+        os.unlink(str(port))
     return got
 
 
@@ -120,21 +127,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _allreduce_rank(rank: int, port: int, rows: int, width: int, calls: int, q) -> None:
+def _allreduce_rank(rank: int, where: int | str, rows: int, width: int, calls: int, q) -> None:
+    """where: gloo's port, or the shared-memory all-reduce's buffer."""
     import torch
     import torch.distributed as dist
 
+    from engine.shm_all_reduce import ShmAllReduce
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    reduce: Callable[[torch.Tensor], object]
+    if isinstance(where, int):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{where}", rank=rank, world_size=2)
+        reduce = dist.all_reduce
+    else:
+        reduce = ShmAllReduce(where, rank, 2)
     x = torch.ones(rows, width)
     for _ in range(20):
-        dist.all_reduce(x)
+        reduce(x)
     ts = []
     for _ in range(calls):
         t0 = time.perf_counter()
-        dist.all_reduce(x)
+        reduce(x)
         ts.append(time.perf_counter() - t0)
-    dist.destroy_process_group()
+    if isinstance(where, int):
+        dist.destroy_process_group()
     if rank == 0:
         ts.sort()
         q.put((ts[len(ts) // 2] * 1e6, ts[len(ts) * 9 // 10] * 1e6))

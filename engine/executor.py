@@ -28,10 +28,11 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from engine import heap
+from engine import heap, shm_all_reduce
 from engine.cache.allocator import Capacity
 from engine.config import EngineConfig
 from engine.devices import bind, node_devices
+from engine.shm_all_reduce import ShmAllReduce
 from engine.step import StepInput, StepOutput
 from engine.step_channel import StepReader, StepWriter, messages
 
@@ -101,7 +102,14 @@ def rank_context():
 
 
 def _rank_main(
-    cfg: EngineConfig, rank: int, port: int, conn, device: str, steps_path: str, env: dict[str, str]
+    cfg: EngineConfig,
+    rank: int,
+    port: int,
+    conn,
+    device: str,
+    steps_path: str,
+    env: dict[str, str],
+    reduce_path: str | None = None,
 ) -> None:
     import signal
 
@@ -132,11 +140,13 @@ def _rank_main(
             dist.all_reduce(x)
             return x
 
+        shm = ShmAllReduce(reduce_path, rank, t) if reduce_path is not None else None  # the CPU's
+
         def broadcast(x: torch.Tensor) -> torch.Tensor:
             dist.broadcast(x, src=0)
             return x
 
-        worker = Worker(cfg, rank, all_reduce, broadcast, dev)
+        worker = Worker(cfg, rank, shm or all_reduce, broadcast, dev)
         steps = StepReader(steps_path)
         heap.settle()  # the rank's weights and modules: out of the collector's walk
         conn.send(("ready", worker.capacity))
@@ -160,6 +170,8 @@ def _rank_main(
             conn.send(("error", traceback.format_exc()))
     worker.close()  # its transfer endpoints drain their writes before the process's sockets close
     steps.close()
+    if shm is not None:
+        shm.close()
     dist.destroy_process_group()
 
 
@@ -204,13 +216,16 @@ class MultiProcExecutor:
         ctx = rank_context()
         self._store = _rendezvous_store(t)
         self._steps = StepWriter()  # each step pickled once, for every rank (engine/step_channel.py)
+        # CPU ranks sum their activations over shared memory (engine/shm_all_reduce.py), not gloo's TCP
+        cpu = all(torch.device(d).type == "cpu" for d in devices)
+        self._reduce = shm_all_reduce.create(t) if t > 1 and cpu and shm_all_reduce.supported() else None
         port = self._store.port
         self.conns, self.procs = [], []
         for rank in range(t):
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_rank_main,
-                args=(cfg, rank, port, child, str(devices[rank]), self._steps.path, dict(os.environ)),
+                args=(cfg, rank, port, child, str(devices[rank]), self._steps.path, dict(os.environ), self._reduce),
                 daemon=True,
                 name=f"pdserve-rank{rank}",
             )
@@ -222,6 +237,7 @@ class MultiProcExecutor:
         _LIVE.add(self)
         caps = [self._recv(c, STARTUP_TIMEOUT_S, "start") for c in self.conns]
         self._steps.unlink()  # every rank has mapped it
+        self._unlink_reduce()
         self.capacity: Capacity = caps[0]
 
     def _recv(self, conn, timeout: float, what: str, fatal: bool = True):
@@ -280,6 +296,13 @@ class MultiProcExecutor:
         self.conns, self.procs = [], []
         self._store = None  # after the ranks: they may use the store until they exit
         self._steps.close()
+        self._unlink_reduce()
+
+    def _unlink_reduce(self) -> None:
+        if self._reduce is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._reduce)
+            self._reduce = None
 
 
 def _closed(conn, timeout: float) -> bool:

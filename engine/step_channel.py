@@ -19,7 +19,7 @@ from engine.step_lists import ListReceiver, ListSender
 BUFFER_BYTES = 8 << 20
 
 
-def _shm_dir() -> str | None:
+def shm_dir() -> str | None:
     """/dev/shm where it exists (memory, not disk), else the temporary directory."""
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
@@ -30,7 +30,7 @@ class StepWriter:
 
     def __init__(self, size: int = BUFFER_BYTES):
         self._lists = ListSender()
-        fd, self.path = tempfile.mkstemp(prefix="pdserve-steps-", dir=_shm_dir())
+        fd, self.path = tempfile.mkstemp(prefix="pdserve-steps-", dir=shm_dir())
         try:
             os.ftruncate(fd, size)
             self._buf: mmap.mmap | None = mmap.mmap(fd, size)
