@@ -35,8 +35,9 @@ def _foreign_kernels() -> str | None:
 
 if (_found := _foreign_kernels()) is not None:
     raise ImportError(
-        f"a package named `kernels` is installed ({_found}); it hides pdserve's kernels/ package. "
-        "It comes with transformers>=5.25: run `pip install 'transformers>=5.3,<5.25' && pip uninstall -y kernels`"
+        f"a package named `kernels` is installed ({_found}); it hides pdserve's kernels/ package. It comes with "
+        "transformers>=5.25: run `pip uninstall -y kernels` (transformers' from_pretrained then needs "
+        "USE_HUB_KERNELS=0), or install 'transformers>=5.3,<5.25' and uninstall it"
     )
 
 _EXPORTS = {

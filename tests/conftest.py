@@ -23,6 +23,10 @@ import torch  # noqa: E402
 # whose kernels its Qwen3.5 modules would otherwise pick when first imported.
 for _pkg in ("fla", "causal_conv1d"):
     sys.modules.setdefault(_pkg, None)
+# transformers 5.25 and later kernelize a model from_pretrained loads with kernels fetched from the
+# Hugging Face Hub unless told not to: the reference runs its own PyTorch code, offline, and works
+# where Hugging Face's `kernels` package is absent (it takes our kernels/ import name: README.md)
+os.environ.setdefault("USE_HUB_KERNELS", "0")
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
