@@ -50,7 +50,7 @@ def create(world: int) -> str:
 
 
 class ShmAllReduce:
-    """Rank `rank` of `world`'s side, called as `all_reduce(x)`: x (CPU, contiguous) summed over the
+    """Rank `rank` of `world`'s side, called as `all_reduce(x)`: x (a CPU tensor) summed over the
     ranks in place and returned. A rank that waits longer than `timeout_s` for the others raises
     RuntimeError (a peer died or hangs)."""
 
@@ -70,7 +70,9 @@ class ShmAllReduce:
         self._fence = threading.Lock()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        assert x.device.type == "cpu" and x.is_contiguous(), "the shared-memory all-reduce takes contiguous CPU tensors"
+        assert x.device.type == "cpu", "the shared-memory all-reduce takes CPU tensors"
+        if not x.is_contiguous():  # summed in a contiguous copy, written back
+            return x.copy_(self(x.contiguous()))
         rows = self._typed.get(x.dtype)
         if rows is None:  # each parity's and rank's slot seen as this dtype
             typed = self._slots.view(x.dtype)
