@@ -28,21 +28,30 @@ def started(s: SpecDepth, params: SamplingParams, num_spec_tokens: int) -> SpecD
     return replace(s, depth=cap, cap=cap)
 
 
-def after_verify(s: SpecDepth, cfg: SpeculativeConfig, proposed: int, accepted: int) -> SpecDepth:
-    """The record after verifying `proposed` drafts of which `accepted` held."""
+def _verified(s: SpecDepth, cfg: SpeculativeConfig, proposed: int, accepted: int) -> tuple[float, float, int]:
+    """(acceptance, first-draft rate, depth) after verifying `proposed` drafts of which `accepted`
+    held; depth 0: under the draft cost."""
     probe = s.probing
     # the text may have changed since the request stopped drafting: the probe alone counts
     w = 1.0 if probe else cfg.depth_ema
     a = (1 - w) * s.acceptance + w * accepted / proposed
     first = (1 - w) * s.first + w * (accepted > 0)
     if first < cfg.draft_cost:
-        gap = min(2 * s.gap, cfg.probe_max) if probe else cfg.probe_interval
-        return SpecDepth(0, a, first, False, gap, gap, s.cap)
+        return a, first, 0
     depth = s.depth
     if a < cfg.depth_lower and depth > 1:
         depth -= 1
     elif a > cfg.depth_raise and depth < s.cap and not probe:
         depth += 1
+    return a, first, depth
+
+
+def after_verify(s: SpecDepth, cfg: SpeculativeConfig, proposed: int, accepted: int) -> SpecDepth:
+    """The record after verifying `proposed` drafts of which `accepted` held."""
+    a, first, depth = _verified(s, cfg, proposed, accepted)
+    if first < cfg.draft_cost:
+        gap = min(2 * s.gap, cfg.probe_max) if s.probing else cfg.probe_interval
+        return SpecDepth(0, a, first, False, gap, gap, s.cap)
     # built field by field: dataclasses.replace costs 2.5x as much, once per row and step
     return SpecDepth(depth, a, first, False, s.gap, s.wait, s.cap)
 
@@ -60,6 +69,6 @@ def after_plain(s: SpecDepth) -> SpecDepth:
 def depths_after(s: SpecDepth, cfg: SpeculativeConfig, num_drafts: int) -> tuple[int, ...]:
     """The depth after a step carrying `num_drafts` drafts, for each number accepted (one entry
     without drafts): `ScheduledRow.draft_depths`, which the MTP drafter reads ahead."""
-    if not num_drafts:
-        return (after_plain(s).depth,)
-    return tuple(after_verify(s, cfg, num_drafts, a).depth for a in range(num_drafts + 1))
+    if not num_drafts:  # after_plain's depth, without its record
+        return (s.depth if s.depth or not s.cap else int(s.wait - 1 <= 0),)
+    return tuple(_verified(s, cfg, num_drafts, a)[2] for a in range(num_drafts + 1))

@@ -95,3 +95,21 @@ def test_depths_announced_ahead_match_the_recorded_depth():
     assert depths_after(r.spec, cfg, 0) == (1,)
     sched._tick(r)
     assert r.spec.depth == 1
+
+
+def test_depths_ahead_equal_the_records_depths():
+    """depths_after (what the MTP drafter reads ahead, computed without building records) gives the
+    depth of the record after_plain / after_verify would build, over a grid of states."""
+    states = [
+        D(depth=d, acceptance=a, first=f, probing=p, gap=g, wait=w, cap=c)
+        for d in (0, 1, 3)
+        for a in (0.1, 0.5, 0.9)
+        for f in (0.2, 0.8)
+        for p in (False, True)
+        for g, w in ((2, 0), (2, 1), (4, 3))
+        for c in (0, 3)
+    ]
+    for s in states:
+        assert depths_after(s, CFG, 0) == (after_plain(s).depth,), s
+        for k in (1, 2, 3):
+            assert depths_after(s, CFG, k) == tuple(after_verify(s, CFG, k, a).depth for a in range(k + 1)), s
