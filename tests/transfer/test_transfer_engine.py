@@ -277,3 +277,46 @@ def test_mtp_state_and_drafts_cross_the_pools(ckpt_mtp, mtp_colocated, a, b):
         for llm in llms:
             llm.engine.executor.call_all(xr.close, backend)
             llm.close()
+
+
+# ---- a decode engine whose pools carry the padding slot and page of padded CUDA graphs
+
+
+@pytest.fixture(scope="module")
+def padded(ckpt):
+    """A decode engine at TP 1 with the pools a CUDA decode node has (one GDN slot and one KV page
+    past the counted ones, engine/model/graphs.py) and padded graph buffers (no capture: the CPU)."""
+    import dataclasses
+
+    from engine.cache.allocator import CachePools
+    from engine.model.graphs import DecodeGraphs
+
+    llm = engine(ckpt, 1)
+    w = llm.engine.executor.worker
+    w.pools = CachePools(w.specs, dataclasses.replace(w.capacity, padding=1), w.device)
+    w.graphs = DecodeGraphs(w.model, w.pools, w.max_pages_per_row(), capture=False, buckets=(4, 8))
+    w.graphs.capture_all(w.block_size)
+    llm.engine.executor.call_all(xr.open_endpoint, "receiver", "Dpad", TransferConfig(backend="nixl", checksum=True))
+    yield llm.engine
+    llm.engine.executor.call_all(xr.close, "nixl")
+    llm.close()
+
+
+@pytest.mark.parametrize("a", [1, 2], ids=["tp1", "tp2"])
+def test_a_decode_engine_with_padded_pools_takes_the_state(engines, padded, colocated, a):
+    """The source's pools have no padding, the destination's have a slot and a page more: the
+    state still lands bit for bit (each side's plan reads its own pool shapes), and the padded
+    decode steps give the colocated engine's tokens."""
+    P, D = engines[("P", a)], padded
+    _connect(P, D, "nixl", _connected)
+    digest = D.executor.call_all(xr.digest, "nixl")[0]
+    g = D.executor.worker.graphs
+    before = g.covered
+    for i, prompt in enumerate(hc.prompts(lens=PROMPT_LENS)):
+        rid = f"pad-{a}-{i}"
+        out, _ = _prefill_and_push(P, D, "nixl", rid, prompt, 1, digest)
+        toks = D.activate(rid, out.output_token_ids[0]).new_token_ids
+        while D.has_unfinished():
+            toks += sum((o.new_token_ids for o in D.step() if o.request_id == rid), [])
+        assert toks == colocated[i], f"prompt of {len(prompt)} tokens"
+    assert g.covered - before >= 10  # the decode steps ran padded: one row in a bucket of 4
