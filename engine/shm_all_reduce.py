@@ -28,6 +28,8 @@ LINE = 64  # each rank's sequence number on a cache line of its own
 # bytes of one rank's slot: a larger tensor goes in pieces; under glibc's threshold for the
 # non-temporal stores a large copy may use (those would need a fence of their own)
 SLOT_BYTES = 1 << 20
+SPINS = 256  # checks of the others' numbers before yielding between them (some tens of microseconds)
+YIELD_S = 0.02  # then yielding the core between checks for this long, then sleeping
 
 
 def supported() -> bool:
@@ -103,22 +105,30 @@ class ShmAllReduce:
 
     def _wait(self, s: int) -> None:
         """Until every rank has raised its number to s: spinning at first (the ranks of a step
-        arrive together), then yielding the core, then sleeping briefly."""
+        arrive together), then yielding the core between checks (a rank waiting for one the OS
+        has descheduled, with more processes than cores, lets that one run; a sleep would cost a
+        wake-up, which on the virtual machines measured takes hundreds of microseconds), and
+        past YIELD_S sleeping between checks."""
         seqs, spins, since = self._seqs, 0, 0.0
         while True:
             if all(seqs[r] >= s for r in self._others):
                 return
             spins += 1
-            if spins < 256:
+            if spins < SPINS:
                 continue
-            if spins == 256:
+            if spins == SPINS:
                 since = time.monotonic()
-            elif time.monotonic() - since > self.timeout_s:
+                continue
+            waited = time.monotonic() - since
+            if waited < YIELD_S:
+                os.sched_yield()
+            elif waited > self.timeout_s:
                 raise RuntimeError(
                     f"tensor-parallel rank {self.rank} waited {self.timeout_s:.0f} s for the others' all-reduce "
                     "(a rank died or hangs)"
                 )
-            time.sleep(0 if spins < 4096 else 1e-4)
+            else:
+                time.sleep(1e-4)
 
     def close(self) -> None:
         self._slots = self._seqs = None  # type: ignore[assignment]
