@@ -122,9 +122,10 @@ def cmd_demo(args) -> int:
 
 
 # ---- serving components ---------------------------------------------------------------------
-def _serve_until_signal(server, drain_timeout: float) -> int:
-    """Block until SIGINT / SIGTERM; then drain (take nothing new, let what is in flight finish,
-    at most drain_timeout seconds; a second signal cuts it short) and stop cleanly."""
+def _serve_until_signal(server, drain_timeout: float, ready: str) -> int:
+    """Say `ready` once SIGINT / SIGTERM are ours (a signal right after it drains, never kills),
+    block until one comes; then drain (take nothing new, let what is in flight finish, at most
+    drain_timeout seconds; a second signal cuts it short) and stop cleanly."""
     from serving.rpc import Interrupt
 
     stop, now = threading.Event(), Interrupt()  # `now` wakes the drain's wait at once
@@ -134,6 +135,7 @@ def _serve_until_signal(server, drain_timeout: float) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    say(ready)
     while not stop.wait(0.5):
         pass
     if drain_timeout > 0:
@@ -179,8 +181,7 @@ def _serve_node(kind: str, cfg, args) -> int:
     _log_host_share(kind, cfg)
     node, _ = serve(f"{args.host}:{args.port}", cfg)
     heap.settle()  # the model and the server are up: what they hold is out of the collector's walk
-    say(f"{kind} node {cfg.node_id} listening on {node.address}")
-    return _serve_until_signal(node, args.drain_timeout)
+    return _serve_until_signal(node, args.drain_timeout, f"{kind} node {cfg.node_id} listening on {node.address}")
 
 
 def _log_host_share(kind: str, cfg) -> None:

@@ -146,6 +146,10 @@ def run(
     async def main() -> int:
         router = Router(cfg, creds)
         bound = await router.start(f"{cfg.host}:{port}")
+        stop, now = asyncio.Event(), asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # before it says where it listens: a signal then drains
+            loop.add_signal_handler(sig, lambda: (now if stop.is_set() else stop).set())
         if port_file:
             tmp = Path(port_file + ".tmp")
             tmp.write_text(str(bound))
@@ -155,10 +159,6 @@ def run(
         if router.http_port is not None:
             scheme = "https" if cfg.tls_cert else "http"
             say(f"router OpenAI-compatible HTTP on {scheme}://{cfg.host}:{router.http_port}/v1")
-        stop, now = asyncio.Event(), asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, lambda: (now if stop.is_set() else stop).set())
         await stop.wait()
         if drain_timeout > 0:
             await router.drain(drain_timeout, interrupt=now)
