@@ -32,7 +32,6 @@ from engine import heap, shm_all_reduce
 from engine.cache.allocator import Capacity
 from engine.config import EngineConfig
 from engine.devices import bind, node_devices
-from engine.shm_all_reduce import ShmAllReduce
 from engine.step import StepInput, StepOutput
 from engine.step_channel import StepReader, StepWriter, messages
 
@@ -140,7 +139,7 @@ def _rank_main(
             dist.all_reduce(x)
             return x
 
-        shm = ShmAllReduce(reduce_path, rank, t) if reduce_path is not None else None  # the CPU's
+        shm = shm_all_reduce.ShmAllReduce(reduce_path, rank, t) if reduce_path is not None else None  # the CPU's
 
         def broadcast(x: torch.Tensor) -> torch.Tensor:
             dist.broadcast(x, src=0)

@@ -202,6 +202,7 @@ class _Buffers:
             (sd.seq_lens, bd.seq_lens),
         ):
             dst.copy_(x, non_blocking=True)
+        self.rows = bd.num_rows
         if self.flat is not None:  # a staged size's tables come from its packed ones (`expand`)
             n, w = bd.block_tables.shape
             head = _width_at(n)
@@ -319,21 +320,22 @@ class DecodeGraphs:
         wrote."""
         n, size, bs = len(rows), buf.size, block_size
         pad = size - n
-        pos = [r.start_pos for r in rows]
-        vals = [r.token_ids[0] for r in rows]
+        slot, page = 0, 0
         if pad:
-            assert self.pools.pad is not None
+            assert self.pools.pad is not None, "padding rows need the pools' padding slot and page"
             slot, page = self.pools.pad
-            vals += [0] * pad
-            vals += [r.slot for r in rows] + [slot] * pad
-            vals += pos + [0] * pad
-            vals += [r.block_ids[q // bs] * bs + q % bs for r, q in zip(rows, pos)] + [page * bs] * pad
-            vals += [q + 1 for q in pos] + [1] * pad
-        else:
-            vals += [r.slot for r in rows]
-            vals += pos
-            vals += [r.block_ids[q // bs] * bs + q % bs for r, q in zip(rows, pos)]
-            vals += [q + 1 for q in pos]
+        pos = [r.start_pos for r in rows]
+        fields = (
+            [r.token_ids[0] for r in rows],
+            [r.slot for r in rows],
+            pos,
+            [r.block_ids[q // bs] * bs + q % bs for r, q in zip(rows, pos)],
+            [q + 1 for q in pos],
+        )
+        vals: list[int] = []
+        for values, fill in zip(fields, (0, slot, 0, page * bs, 1)):  # STAGED's order, each padded to size
+            vals += values
+            vals += [fill] * pad
         host = buf.host_np
         head = _width_at(size) + 1  # the width, then the packed tables
         w = tables.rows_into(rows, host[head:], SLACK_PAGES, self.width) if rows else 1
@@ -365,10 +367,7 @@ class DecodeGraphs:
         if any(j >= w for _, j in new_pages):  # a page past the packed width
             return self._write(buf, rows, tables, bs)
         host[:n] = [r.token_ids[0] for r in rows]
-        if n == size:
-            host[2 * n : 5 * n] += 1
-        else:  # the padding rows stay at their position 0
-            host[2 * size : 5 * size].reshape(3, size)[:, :n] += 1
+        host[2 * size : 5 * size].reshape(3, size)[:, :n] += 1  # the padding rows stay at position 0
         for i, j in new_pages:
             page = rows[i].block_ids[j]
             host[head + i * w + j] = page
@@ -393,7 +392,7 @@ class DecodeGraphs:
             g = self.sizes[n] = _Graph(_Buffers.like(b, self.width))
         if g.buffers.batch is not b:  # a batch built the general way: into the buffers
             g.buffers.load(b)
-        rows = g.buffers.rows if g.buffers.flat is not None else n
+        rows = g.buffers.rows
         if not g.buffers.stepped:  # first step of this size: eagerly, on the buffers
             g.buffers.stepped = True
             return self._eager(g)[:rows]
