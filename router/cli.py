@@ -224,6 +224,18 @@ def _up_spec(args):
     return spec_from_args(args, default_model=default_model_dir)
 
 
+def _exit_cause(rc: int) -> str:
+    """What a node's exit status says beyond itself: the signal that ended it, and what to do."""
+    if rc >= 0:
+        return "" if rc == 0 else "; the router routes around it (its log above says why)"
+    try:
+        name = signal.Signals(-rc).name
+    except ValueError:
+        name = f"signal {-rc}"
+    crash = ", a crash in native code: report it with its log above" if -rc in (4, 6, 7, 8, 11) else ""
+    return f" ({name}{crash}); the router routes around it"
+
+
 def cmd_up(args) -> int:
     from router.launch import Cluster
 
@@ -248,7 +260,7 @@ def cmd_up(args) -> int:
                 if name == "router":
                     raise RuntimeError(f"the router exited with status {rc}; stopping everything")
                 # the router notices through missing heartbeats and routes around the node
-                say(f"pdserve up: {name} exited with status {rc}")
+                say(f"pdserve up: {name} exited with status {rc}{_exit_cause(rc)}")
         say("pdserve up: stopping")
         return 0
     finally:

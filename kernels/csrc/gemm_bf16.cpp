@@ -292,7 +292,7 @@ Bf16GemmJob gemm_bf16_job(int64_t M, int64_t N, int64_t K, const bf16_t *x, cons
     }
     const int64_t blocks = M > 0 ? (M + mb - 1) / mb : 0, rows = M < mb ? M : mb;
     int64_t groups = 1;
-    if (nthreads > 1 && blocks < 4 * nthreads) {
+    if (nthreads > 1 && blocks > 0 && blocks < 4 * nthreads) { /* no rows: no chunk to cut */
         groups = (4 * nthreads + blocks - 1) / blocks;
         const int64_t most = rows * K * 16 * P / (64 * 1024);
         groups = groups > most ? most : groups;
@@ -318,6 +318,7 @@ void gemm_bf16_chunk(const Bf16GemmJob &j, int64_t c, uint32_t *scratch) {
 
 void gemm_bf16(int64_t M, int64_t N, int64_t K, const bf16_t *x, const bf16_t *wp, bf16_t *y, int64_t nthreads,
                bool dot) {
+    if (M <= 0 || N <= 0) return; /* an empty y (a prompt chunk without logits, under MTP) */
     const Bf16GemmJob j = gemm_bf16_job(M, N, K, x, wp, y, nthreads, dot);
     std::vector<uint32_t> scratch((nthreads > 1 ? nthreads : 1) * j.per_thread);
     parallel_chunks(j.chunks(), nthreads,

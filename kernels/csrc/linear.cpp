@@ -186,7 +186,7 @@ GemmJob gemm_job(int64_t M, int64_t N, int64_t K, const float *x, const float *w
     const int64_t P = (N + 15) / 16, mb = K > 0 ? MR * (1 + (96 * 1024 / (K * 4)) / MR) : M;
     const int64_t blocks = M > 0 ? (M + mb - 1) / mb : 0, rows = M < mb ? M : mb;
     int64_t groups = 1;
-    if (nthreads > 1 && blocks < 4 * nthreads) {
+    if (nthreads > 1 && blocks > 0 && blocks < 4 * nthreads) { /* no rows: no chunk to cut */
         groups = (4 * nthreads + blocks - 1) / blocks;
         const int64_t most = rows * K * 16 * P / (64 * 1024);
         if (groups > most) groups = most;
@@ -197,6 +197,7 @@ GemmJob gemm_job(int64_t M, int64_t N, int64_t K, const float *x, const float *w
 }
 
 void gemm_f32(int64_t M, int64_t N, int64_t K, const float *x, const float *wp, float *y, int64_t nthreads) {
+    if (M <= 0 || N <= 0) return; /* an empty y (a prompt chunk without logits, under MTP) */
     const GemmJob job = gemm_job(M, N, K, x, wp, y, nthreads);
     parallel_chunks(job.chunks(), nthreads, [&](int64_t c, int64_t) { gemm_chunk(job, c); });
 }

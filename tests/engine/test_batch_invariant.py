@@ -165,6 +165,32 @@ def test_bf16_drafts_keep_the_same_bits(ckpt_drafts):
     assert seen[2] == seen[0]
 
 
+def test_bf16_mtp_prompt_in_chunks_keeps_the_same_bits(ckpt_drafts, monkeypatch):
+    """MTP drafting wants every prompt token's hidden state, so a prompt chunk that is not the last
+    one runs the head's projection over no rows. On two threads, with every projection split over
+    them (as Qwen's 151,936-row head is), that once trapped in the GEMM (no rows, no row blocks
+    to divide among the threads: SIGILL, the prefill node gone). Prompts in chunks of 16 with MTP
+    drafts give the tokens of whole prompts without drafts."""
+    import engine.model.linear as linear
+
+    monkeypatch.setattr(linear, "_GEMV_THREADED", 1)  # every weight counts as one to split
+    kw = dict(dtype="bfloat16", engine_process=False, enable_prefix_caching=False, batch_invariant=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = {}
+        for k, chunk in ((0, {}), (2, dict(max_num_batched_tokens=16, batch_chunk_tokens=16))):
+            with LLM(ckpt_drafts, num_speculative_tokens=k, speculative_method="mtp", **chunk, **kw) as llm:
+                core = llm.engine
+                assert core is not None
+                got[k] = [_run(core, [(t, None, 0)], None, 32)[0][0] for t in _DRAFT_PROMPTS]
+                if k:
+                    assert core.scheduler.num_accepted_tokens > 0, "no draft was accepted"
+    finally:
+        torch.set_num_threads(threads)
+    assert got[2] == got[0]
+
+
 def test_bfloat16_on_the_cpu_is_batch_invariant_unless_turned_off(ckpt_bf16, monkeypatch):
     """Unset, the option resolves on for bfloat16 on the CPU with the C operators, AVX512-BF16 or
     not (the float32 multiply-adds give the same bits), and off where the mode does not apply

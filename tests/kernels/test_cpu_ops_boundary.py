@@ -120,6 +120,33 @@ def test_gemm_and_norm_quote_their_shapes():
         cpu_ops.silu_mul(torch.randn(3, 5))
 
 
+_NO_ROWS = """
+import torch
+from kernels import cpu_ops
+N, K = 40, 24
+w = torch.randn(N, K)
+for threads in (1, 2, 4):
+    assert cpu_ops.gemm_f32(torch.zeros(0, K), cpu_ops.pack_f32(w), N, threads).shape == (0, N)
+    if cpu_ops.available(torch.bfloat16):
+        wp = cpu_ops.pack_bf16(w.bfloat16())
+        for dot in [False] + [True] * cpu_ops.bf16_dot_supported():
+            assert cpu_ops.gemm_bf16(torch.zeros(0, K, dtype=torch.bfloat16), wp, N, threads, dot).shape == (0, N)
+        assert cpu_ops.gemv_bf16(torch.zeros(0, K, dtype=torch.bfloat16), w.bfloat16(), torch.float32, threads).shape == (0, N)
+print("ok")
+"""
+
+
+def test_gemms_take_no_rows_on_any_thread_count():
+    """A projection over no rows (a prompt chunk without logits, under MTP) returns [0, N]: with
+    threads, the GEMMs once divided the row blocks among them by zero, which gcc compiles to a
+    trap (SIGILL). In a process of its own, so a trap fails this test alone."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _NO_ROWS], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+
+
 @pytest.mark.parametrize("how", ["missing", "stale"])
 def test_loader_falls_back_with_a_warning_naming_the_command(how, monkeypatch, tmp_path, caplog):
     if how == "missing":

@@ -57,7 +57,7 @@ def test_tp2_tokens_admission_node_death_and_no_orphans(ckpt, refs):
             15,
             "the router to mark prefill-0 dead",
         )
-        wait_for(lambda: "prefill-0 exited with status -9" in up.output(), 10, "up to report the exit")
+        wait_for(lambda: "prefill-0 exited with status -9 (SIGKILL)" in up.output(), 10, "the exit and its signal")
         assert up.proc.poll() is None
         with Client(up.address, timeout=60) as c:  # no prefill node left: the decode node prefills
             r = c.generate(prompt_token_ids=ps[2], max_tokens=NEW, temperature=0.0, ignore_eos=True)
