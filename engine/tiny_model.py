@@ -384,13 +384,16 @@ def load_mtp_tensors(mods: dict, weights: dict) -> None:
 
 def add_mtp_block(out_dir: str | Path, cfg, seed: int, dtype) -> None:
     """Add random `mtp.*` tensors under the published names to the checkpoint written by
-    save_pretrained, and `mtp_num_hidden_layers: 1` to its config.json. Norm weights are random
-    too (not zero), so a reader that gets the (1 + w) convention wrong is caught."""
+    save_pretrained, and `mtp_num_hidden_layers: 1` to its config.json (to its `text_config` in a
+    vision-language checkpoint, as the releases have it; the block's tensors are `mtp.*` there too,
+    beside `model.language_model.*`). Norm weights are random too (not zero), so a reader that
+    gets the (1 + w) convention wrong is caught."""
     import torch
     from safetensors.torch import load_file, save_file
 
     out = Path(out_dir)
     g = torch.Generator().manual_seed(seed + 7)
+    cfg = cfg.get_text_config()
     mods = mtp_modules(cfg)
     with torch.no_grad():
         for prefix, mod in mods.items():
@@ -406,7 +409,7 @@ def add_mtp_block(out_dir: str | Path, cfg, seed: int, dtype) -> None:
     save_file(weights, str(files[0]), metadata={"format": "pt"})
     cfg_path = out / "config.json"
     raw = json.loads(cfg_path.read_text())
-    raw["mtp_num_hidden_layers"] = 1
+    raw.get("text_config", raw)["mtp_num_hidden_layers"] = 1
     cfg_path.write_text(json.dumps(raw, indent=2))
 
 

@@ -84,7 +84,7 @@ class Trace:
             "%d tokens, %s; transfer %d B in %.1f ms%s",
             self.request_id,
             self.prompt_len,
-            f" ({self.images} images)" if self.images else "",
+            f" ({self.images} image{'s' if self.images > 1 else ''})" if self.images else "",
             self.decode,
             self.prefill,
             self.queue_s * 1e3,

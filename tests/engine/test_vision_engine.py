@@ -143,3 +143,18 @@ def test_reserved_image_request_is_never_recomputed(vl):
             done.update((o.request_id, o) for o in eng.step() if o.finished)
         assert done["alone"].finish_reason == "abort"
         assert eng.blocks.num_free == eng.capacity.num_blocks
+
+
+def test_mtp_drafts_in_a_released_layout(tmp_path):
+    """A vision-language MoE checkpoint with its MTP block as the releases ship it
+    (`mtp_num_hidden_layers` in `text_config`, `mtp.*` beside `model.language_model.*`): MTP
+    drafts (k = 2) over image and text prompts keep transformers' tokens, and drafts were made."""
+    spec = dataclasses.replace(vc.SPEC_VL["qwen3_5_moe"], mtp=True)
+    path = vc.make(tmp_path / "ckpt", spec)
+    cases = {}
+    for name in vc.CASES:
+        ids, imgs = vc.case(path, name)
+        cases[name] = (ids, imgs, vc.hf_greedy(path, ids, imgs, NEW))
+    with LLM(path, dtype="float32", speculative_method="mtp", num_speculative_tokens=2) as llm:
+        _run(llm, cases)
+        assert sum(llm.engine.scheduler.drafts_per_position) > 0

@@ -169,7 +169,7 @@ def test_cli_generate_with_an_image(vl_up, tmp_path):
     run = dict(capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120, cwd=ROOT)
     r = subprocess.run([*gen, "What is it?", "--max-tokens", "3", "--temperature", "0", "--ignore-eos"], **run)
     assert r.returncode == 0 and "3 tokens, length" in r.stderr, r.stderr
-    assert wait_for(lambda: [ln for ln in vl_up.lines if "(1 images)" in ln and "pdserve.router" in ln], 10, "log")
+    assert wait_for(lambda: [ln for ln in vl_up.lines if "(1 image)" in ln and "pdserve.router" in ln], 10, "log")
 
 
 def test_two_images_of_one_size_are_told_apart_and_a_repeat_hits_the_cache(vl_up, vl_model):
