@@ -8,7 +8,9 @@ image parts (`image_url`, or Responses' `input_image`) keeps its parts as a list
 as an ImageRef naming the part (`Rendered.images`, in order); video parts are refused ("video
 input is not supported yet"), audio and file parts with a 400 naming `messages[i].content[j].type`
 (content is never dropped silently); an assistant message's `tool_calls[k].function.arguments`,
-a JSON string on the wire, becomes the object templates iterate over. After rendering,
+a JSON string on the wire, becomes the object templates iterate over; a `developer` message
+(OpenAI's newer name for the system message, which agent clients send) is a `system` one unless
+the template itself names the role. After rendering,
 `Rendered.think_open` says whether the prompt leaves a `<think>` block open (the output starts
 inside the reasoning)."""
 
@@ -60,10 +62,15 @@ class ChatTemplate:
         env.filters["tojson"] = _tojson
         self.source = source
         self._tmpl = env.from_string(source)
+        self._developer = "developer" in source  # the template has a role of that name: it is passed on
 
     def render(self, req: ChatRequest) -> Rendered:
         images: list[ImageRef] = []
         messages = [_message(i, m.model_dump(), images, req.part_names) for i, m in enumerate(req.messages)]
+        if not self._developer:
+            for m in messages:
+                if m.get("role") == "developer":
+                    m["role"] = "system"
         gen, cont = req.add_generation_prompt, req.continue_final_message
         if cont and gen:
             raise bad(

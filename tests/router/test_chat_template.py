@@ -97,6 +97,19 @@ def test_enable_thinking_changes_the_prompt(tmpl):
     assert off.prompt.endswith("<think>\n\n</think>\n\n")
 
 
+def test_a_developer_message_is_the_system_message_unless_the_template_names_the_role(hf, tmpl):
+    """OpenAI's `developer` role (what agent clients send for instructions) renders as transformers
+    renders the same message as `system`; a template that has a `developer` role gets it as sent."""
+    dev = [{"role": "developer", "content": "Be brief."}] + CONVERSATION[1:]
+    assert tmpl.render(request(dev)).prompt == hf.apply_chat_template(
+        CONVERSATION, tokenize=False, add_generation_prompt=True
+    )
+    own = ChatTemplate(
+        "{% for m in messages %}{% if m.role == 'developer' %}D:{% else %}{{ m.role }}:{% endif %}{{ m.content }};{% endfor %}"
+    )
+    assert own.render(request([{"role": "developer", "content": "x"}])).prompt == "D:x;"
+
+
 def test_continue_final_message_equals_transformers(hf, tmpl):
     msgs = [{"role": "user", "content": "Count:"}, {"role": "assistant", "content": "1, 2, "}]
     r = tmpl.render(request(msgs, add_generation_prompt=False, continue_final_message=True))
