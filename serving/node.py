@@ -135,13 +135,22 @@ class NodeServer:
     # ---- new work ----------------------------------------------------------------------------
     def loop_api(self, context: grpc.ServicerContext, fn: Callable[[], _T]) -> _T:
         """fn() (a call of the engine loop's API); the loop having stopped ends the RPC with
-        UNAVAILABLE."""
+        UNAVAILABLE, and so does a wait for the loop that ran out (it was in one step all that
+        time: a CPU computing a long prompt chunk of a wide model), which the caller may retry."""
         from serving.commands import ShuttingDown
 
         try:
             return fn()
         except ShuttingDown as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name}: {e}")
+            raise  # abort raised already
+        except TimeoutError:
+            log.warning("%s: the engine loop did not answer in time (one step ran that long)", self.name)
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{self.name}: the engine loop did not answer in time (one step ran that long); try again, "
+                "or lower --max-num-batched-tokens so that a step is shorter",
+            )
             raise  # abort raised already
 
     def refuse_if_draining(self, context: grpc.ServicerContext) -> None:

@@ -153,3 +153,25 @@ def test_a_request_aborted_before_its_first_token_ends_its_opened_push(pair):
     assert len(sent) == 1 and sent[0].aborted and sent[0].error == "the request ended before its first token"
     assert _free(P) == p0 and _free(D) == d0 and not P.requests and not D.requests
     assert not pc.has_work()  # its lease is no longer renewed
+
+
+def test_a_late_lease_renewal_says_what_to_change(pair, caplog):
+    """Renewals run between engine steps: one that comes more than two thirds of the lease after
+    the last (a step that long) logs a WARNING naming the options that fix it; the push still lands."""
+    P, D, pc, dc = pair
+    p0, d0 = _free(P), _free(D)
+    prompt = hc.prompts(lens=(40,), seed=9)[0]
+    target = _target(D, "r5", prompt, lease_s=3.0)
+    P.add_request(prompt, SP, "r5", prefill_only=True, transfer=PushParams(target, lease_s=3.0))
+    P.poll_transfers()  # on time: nothing said
+    assert "reservation-lease" not in caplog.text
+    time.sleep(2.2)  # a step of 2.2 s: 73 % of the lease since its last renewal
+    with caplog.at_level("WARNING", logger="pdserve.transfer"):
+        P.poll_transfers()
+        warned = [r.getMessage() for r in caplog.records if "--reservation-lease" in r.getMessage()]
+        assert len(warned) == 1 and "max-num-batched-tokens" in warned[0], warned
+        records: list[TransferRecord] = []
+        _drive(P, D, lambda: not pc.tracks("r5") and dc.phase("r5") is ReservationPhase.READY, records)
+    D.release("r5")
+    _drive(P, D, lambda: RecvFreed("r5") in records, records)
+    assert _free(P) == p0 and _free(D) == d0

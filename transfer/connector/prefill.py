@@ -101,6 +101,7 @@ class PrefillConnector(RankEndpoints, Connector):
         self.by_layer = stream and by_layer
         self._pushes: dict[str, _Push] = {}
         self._leases: dict[str, _Lease] = {}
+        self._warned_late = float("-inf")  # when the last late-renewal WARNING was logged (monotonic)
         self._done = self._failed = self._bytes = 0
 
     # ---- the engine's calls ----------------------------------------------------------------------
@@ -307,10 +308,22 @@ class PrefillConnector(RankEndpoints, Connector):
     def _renew(self) -> None:
         now = time.monotonic()
         due = []
+        late = 0.0  # the most time since a lease's last renewal past two thirds of it
         for lease in self._leases.values():
             if now >= lease.due:
+                since = now - lease.due + lease.lease_s / 3
+                if since > 2 * lease.lease_s / 3:
+                    late = max(late, since / lease.lease_s)
                 lease.due = now + lease.lease_s / 3
                 due.append(lease.target)
+        if late and now >= self._warned_late + 60:  # renewals run between steps (docs/router.md, "Leases")
+            self._warned_late = now
+            log.warning(
+                "a reservation's lease was renewed %.0f%% of it after the last renewal: engine steps run "
+                "that long, and a lease that runs out fails the request; raise the router's "
+                "--reservation-lease or lower this node's --max-num-batched-tokens",
+                100 * late,
+            )
         if due:
             self.call_all(xr.renew, self.backend, due)
 
