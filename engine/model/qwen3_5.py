@@ -163,6 +163,8 @@ class Qwen35Model:
                     after_layer(i)
         if want_hidden:
             _, h = add_rms_norm(x, None, self.final_norm, self.eps)  # one C call on the CPU
+            if not n_out:  # a prompt chunk short of its end: no logits, and no head GEMM over no rows
+                return h.new_empty(0, self.lm_head.out_features, dtype=torch.float32), h
             return self._float(self.lm_head(h[batch.logits_indices])), h
         if last is None:
             x = x[batch.logits_indices]
