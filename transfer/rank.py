@@ -41,6 +41,7 @@ class RecvStatus(msgspec.Struct, frozen=True):
     freed: bool = True  # no write can still land in its memory
     renewals: int = 0  # lease renewals counted so far
     expired: bool = False  # failed because its lease ran out
+    ended: bool = False  # failed because a source's request ended on its own (Abort.ended)
 
 
 _SENDS = "transfer.sends"  # request id -> SendRequest, until forgotten
@@ -215,10 +216,10 @@ def poll_sends(worker: Worker, backend: str, rids: list[str]) -> list[SendStatus
     return out
 
 
-def abort_send(worker: Worker, backend: str, rid: str, reason: str) -> None:
+def abort_send(worker: Worker, backend: str, rid: str, reason: str, ended: bool = False) -> None:
     r = _sends(worker).get(rid)
     if r is not None:
-        r.abort(reason)
+        r.abort(reason, ended)
 
 
 def forget_send(worker: Worker, backend: str, rid: str) -> None:
@@ -258,9 +259,9 @@ def poll_reservations(worker: Worker, backend: str, keys: list[tuple[str, int]])
     for key in keys:
         r = ep.requests.get(key)
         if r is None:  # ended (taken, or failed and freed): say why it failed, if it did
-            out.append(RecvStatus(GONE, ep.recent.get(key), True, 0, key in ep.recent_expired))
+            out.append(RecvStatus(GONE, ep.recent.get(key), True, 0, key in ep.recent_expired, key in ep.recent_ended))
         else:
-            out.append(RecvStatus(r.state.value, r.error, r.freed, r.renewals, r.expired))
+            out.append(RecvStatus(r.state.value, r.error, r.freed, r.renewals, r.expired, r.ended))
     return out
 
 

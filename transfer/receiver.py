@@ -40,6 +40,7 @@ class RecvRequest:
         self.deadline = time.monotonic() + lease_s
         self.renewals = 0  # Renew messages that restarted the lease
         self.expired = False  # failed because the lease ran out
+        self.ended = False  # failed because a source's request ended on its own (Abort.ended)
         self.state = TransferState.PENDING
         self.error: str | None = None
         self.node: str | None = None  # the source node, bound by the first Begin
@@ -99,6 +100,7 @@ class Receiver(Endpoint):
         self.requests: dict[tuple[str, int], RecvRequest] = {}
         self.recent: OrderedDict[tuple[str, int], str] = OrderedDict()  # ended reservations -> why
         self.recent_expired: set[tuple[str, int]] = set()  # those of `recent` whose lease ran out
+        self.recent_ended: set[tuple[str, int]] = set()  # those of `recent` a source's own end failed
 
     def _pairs(self, info: PeerInfo) -> tuple[RegionPair, ...]:
         return pair_templates(info.schema, self.schema)
@@ -173,6 +175,7 @@ class Receiver(Endpoint):
             req = self.requests.get((msg.request_id, msg.incarnation))
             b = req.begins.get(msg.rank) if req is not None else None
             if req is not None and b is None and isinstance(msg, Abort) and msg.src in self.peers:
+                req.ended = msg.ended
                 self._fail(req, f"source rank {msg.rank} aborted before writing: {msg.reason}")
                 return
             if req is None or b is None or b.src != msg.src or msg.rank in req.quiet:
@@ -183,6 +186,7 @@ class Receiver(Endpoint):
                 req.dones[msg.rank] = msg
             else:
                 req.quiet.add(msg.rank)
+                req.ended = msg.ended
                 self._fail(req, f"source rank {msg.rank} aborted: {msg.reason}")
         else:
             self._stale(f"{type(msg).__name__} from {msg.src}: not a receiver message")
@@ -308,8 +312,12 @@ class Receiver(Endpoint):
         self.recent[key] = req.error or req.state.value
         if req.expired:
             self.recent_expired.add(key)
+        if req.ended:
+            self.recent_ended.add(key)
         while len(self.recent) > 4096:
-            self.recent_expired.discard(self.recent.popitem(last=False)[0])
+            old = self.recent.popitem(last=False)[0]
+            self.recent_expired.discard(old)
+            self.recent_ended.discard(old)
 
     def _tick(self, now: float) -> None:
         for req in list(self.requests.values()):

@@ -101,6 +101,7 @@ class SendRequest:
         self.xfer_blocks, _ = skip_cached(src_blocks, src_blocks, target.cached_blocks)  # the pages read
         self.state = TransferState.PENDING
         self.error: str | None = None
+        self.ended = False  # aborted because the request ended on its own (Abort.ended)
         self.channels: dict[int, _Channel] = {}
         self.queued: list[_Post] = []  # posts waiting for grants
         self.opened_at = time.monotonic()
@@ -145,7 +146,9 @@ class SendRequest:
     def failure(self) -> str | None:
         return self.error
 
-    def abort(self, reason: str = "aborted by the sender") -> None:
+    def abort(self, reason: str = "aborted by the sender", ended: bool = False) -> None:
+        """ended: the request ended on its own before its push (the receiver need not warn)."""
+        self.ended = ended
         self.sender._fail(self, reason)
 
     def release(self) -> None:
@@ -429,7 +432,8 @@ class Sender(Endpoint):
                     ch.peer.agent, unsent, req.xfer_blocks, ch.dst_blocks, req.src_slot, ch.dst.slot, ch.tag_base
                 )
             self._send(
-                ch.peer.agent, Abort(req.request_id, ch.dst.incarnation, self.agent, self.rank, req.error or "aborted")
+                ch.peer.agent,
+                Abort(req.request_id, ch.dst.incarnation, self.agent, self.rank, req.error or "aborted", req.ended),
             )
             ch.closed = True
         req.quiet = True

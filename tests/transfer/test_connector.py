@@ -175,3 +175,34 @@ def test_a_late_lease_renewal_says_what_to_change(pair, caplog):
     D.release("r5")
     _drive(P, D, lambda: RecvFreed("r5") in records, records)
     assert _free(P) == p0 and _free(D) == d0
+
+
+def test_a_request_that_ends_at_its_first_token_frees_its_reservation_quietly(pair, caplog):
+    """max_tokens 1: the prefill's first token ends the request (length) after its push opened
+    and began but before it was posted, so the push is aborted; the decode side fails the
+    reservation saying so at INFO, not as a WARNING (nothing went wrong, and an evaluation harness
+    sends thousands of these), and frees it once the router releases it."""
+    P, D, pc, dc = pair
+    p0, d0 = _free(P), _free(D)
+    prompt = hc.prompts(lens=(40,), seed=10)[0]
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    target = _target(D, "r6", prompt)
+    P.add_request(prompt, one, "r6", prefill_only=True, transfer=PushParams(target))
+    P.step()
+    so = P.scheduler.schedule()  # the last chunk's scheduling hook alone: the push opens
+    P.connector.rows_scheduled(so)
+    P.scheduler.abandon(so)
+    records: list[TransferRecord] = []
+    with caplog.at_level("INFO", logger="pdserve.transfer"):
+        for _ in range(20):  # the Begin reaches the decode side
+            records += P.poll_transfers() + D.poll_transfers()
+            time.sleep(0.005)
+        _drive(P, D, lambda: not pc.tracks("r6") and RecvFailed in {type(r) for r in records}, records)
+        D.release("r6")
+        _drive(P, D, lambda: RecvFreed("r6") in records, records)
+    mine = [(r.levelname, r.getMessage()) for r in caplog.records if "r6" in r.getMessage()]
+    assert any("aborted: the request ended before its push (length)" in m for _, m in mine), mine
+    assert not [m for lv, m in mine if lv == "WARNING"], mine
+    sent = [r for r in records if isinstance(r, SendDone)]
+    assert len(sent) == 1 and sent[0].aborted and sent[0].nbytes == 0
+    assert _free(P) == p0 and _free(D) == d0

@@ -141,8 +141,9 @@ class DecodeConnector(RankEndpoints, Connector):
         return out
 
     # ---- inside --------------------------------------------------------------------------------
-    def _fail(self, r: _Reservation, why: str, expired: bool = False) -> None:
-        log.warning("reservation %s: %s", r.rid, why)
+    def _fail(self, r: _Reservation, why: str, expired: bool = False, ended: bool = False) -> None:
+        """ended: its source's request ended on its own first (INFO: nothing went wrong)."""
+        (log.info if ended else log.warning)("reservation %s: %s", r.rid, why)
         r.to(ReservationPhase.FAILING)
         r.error, r.expired = why, expired
         self._failed += 1
@@ -167,7 +168,7 @@ class DecodeConnector(RankEndpoints, Connector):
                     self._out.append(RecvReady(r.rid))
                 elif any(p.state in ("failed", xr.GONE) for p in per):
                     why = next((p.error for p in per if p.error), None) or "the transfer failed"
-                    self._fail(r, why, expired=any(p.expired for p in per))
+                    self._fail(r, why, expired=any(p.expired for p in per), ended=any(p.ended for p in per))
                     continue
             if r.phase is ReservationPhase.READY and now > r.deadline:
                 self._fail(r, "lease expired before decode began", expired=True)

@@ -216,7 +216,7 @@ class PrefillConnector(RankEndpoints, Connector):
                 if reason == "abort"
                 else f"the request ended before its push ({reason})"
             )
-            self._fail(push, why, aborted=True)
+            self._fail(push, why, aborted=True, ended=reason != "abort")
 
     # ---- the transfers ---------------------------------------------------------------------------
     def tracks(self, request_id: str) -> bool:
@@ -293,15 +293,17 @@ class PrefillConnector(RankEndpoints, Connector):
         push.started = time.monotonic()
         push.deadline = push.started + self.push_timeout_s
 
-    def _fail(self, push: _Push, why: str, aborted: bool = False) -> None:
-        """Some ranks may have started: abort them all; the push ends once every rank is quiet."""
+    def _fail(self, push: _Push, why: str, aborted: bool = False, ended: bool = False) -> None:
+        """Some ranks may have started: abort them all; the push ends once every rank is quiet.
+        ended: the request ended on its own (length, stop) before its push; the receiver says so
+        at INFO."""
         if push.phase is PushPhase.FAILING:
             return
         (log.info if aborted else log.warning)("request %s: %s", push.rid, why)
         push.to(PushPhase.FAILING)
         push.error, push.aborted = why, aborted
         try:
-            self.call_all(xr.abort_send, self.backend, push.rid, why)
+            self.call_all(xr.abort_send, self.backend, push.rid, why, ended)
         except Exception:
             log.exception("aborting the push of %s failed", push.rid)
 
