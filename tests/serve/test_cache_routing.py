@@ -15,6 +15,8 @@ from tests.helpers import hybrid_ckpt as hc
 from tests.helpers.serve_harness import BLOCK, Up, decode_stats, flags, node_info, wait_for
 
 MEMORY_S = 2.0  # --prefix-memory: turn 3 waits past it, routed by the digests alone
+BUSY = 200  # tokens of the request that keeps decode-0 busy: still decoding when turn 1 is routed,
+# even on a loaded machine (40 were done before turn 1 arrived in one CI run)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def test_next_turn_goes_where_the_conversation_is(up, ckpt):
     with Client(up.address, timeout=180) as c:
         c.wait_ready(timeout=90)
         # a request decoding on decode-0 (the least-loaded tie goes to the first id): turn 1 goes to decode-1
-        busy = iter(c.stream(prompt_token_ids=hold, max_tokens=40, **greedy))
+        busy = iter(c.stream(prompt_token_ids=hold, max_tokens=BUSY, **greedy))
         h = GenerateResult()
         h.add(next(busy))
         assert h.decode_node == "decode-0"
@@ -66,7 +68,7 @@ def test_next_turn_goes_where_the_conversation_is(up, ckpt):
         # 9 new tokens after turn 2's reply: computed on decode-1 from turn 2's final state (its
         # last sampled token has no KV yet)
         assert (r3.decode_node, r3.prefill_node, r3.cached_tokens) == ("decode-1", "", len(turn2) + 40 - 1)
-    assert h.token_ids == hc.hf_greedy(ckpt, hold, 40)
+    assert h.token_ids == hc.hf_greedy(ckpt, hold, BUSY)
     assert r1.token_ids == hc.hf_greedy(ckpt, turn1, new)
     assert r2.token_ids == hc.hf_greedy(ckpt, turn2, 40)
     assert ru.token_ids == hc.hf_greedy(ckpt, unrelated, new)
