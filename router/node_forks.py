@@ -179,6 +179,7 @@ def _run_node(name: str, argv: list[str], env: dict[str, str]) -> int:
 
 
 def _fork(req: dict, own: list[int]) -> int:
+    launcher = os.getpid()  # read here: in the child, getppid() is 1 once this process has died
     pid = os.fork()
     if pid:
         return pid
@@ -189,7 +190,7 @@ def _fork(req: dict, own: list[int]) -> int:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in own:
             os.close(fd)
-        code = _run_node(req["name"], req["argv"], {**req["env"], PARENT_ENV: str(os.getppid())})
+        code = _run_node(req["name"], req["argv"], {**req["env"], PARENT_ENV: str(launcher)})
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:

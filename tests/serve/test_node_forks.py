@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
 
 from router.child_env import launch_env
 from router.node_forks import GONE, Launcher
@@ -43,3 +46,34 @@ def test_statuses_identity_environment_and_death_with_the_launcher(ckpt, tmp_pat
         assert last.wait(10) == GONE
     finally:
         la.close()
+
+
+_DIES_FIRST = """
+import os, sys, time
+import router.node_forks as nf
+from router.child_env import apply_launch_env
+
+def run(name, argv, env):  # the node's first steps: what it does once its parent is known
+    os.environ.update(env)
+    apply_launch_env()
+    open(sys.argv[1], "w").write("alive")
+    return 0
+
+nf._run_node = run
+setsid = os.setsid
+os.setsid = lambda: (setsid(), time.sleep(1.0))  # the child is slow to start: the launcher is gone by then
+print(nf._fork({"name": "decode-0", "argv": [], "env": dict(os.environ)}, []), flush=True)
+os._exit(0)
+"""
+
+
+def test_a_node_forked_just_before_its_launcher_dies_dies_too(tmp_path):
+    """The launcher dies between the fork and the node's first line (`up` SIGKILLed then): the
+    node must not take its new parent (init) for the launcher and live on orphaned; it reads the
+    launcher's pid from before the fork, sees it gone and ends itself."""
+    out = tmp_path / "alive"
+    r = subprocess.run([sys.executable, "-c", _DIES_FIRST, str(out)], cwd=ROOT, capture_output=True, text=True)
+    pid = int(r.stdout.split()[0])
+    wait_for(lambda: not alive(pid), 20, "the node to end")
+    time.sleep(0.2)
+    assert not out.exists(), "the node outlived its launcher"
