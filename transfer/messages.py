@@ -87,6 +87,7 @@ class Release(msgspec.Struct, tag="release", frozen=True):
     incarnation: int
     src: str
     reason: str
+    asked: bool = False  # the receiver's caller asked for it (a cancel, an end seen first): not a fault
 
 
 class Renew(msgspec.Struct, tag="renew", frozen=True):

@@ -31,6 +31,7 @@ class SendStatus(msgspec.Struct, frozen=True):
     quiet: bool = True  # no write can still read the source pages
     nbytes: int = 0  # bytes this rank wrote so far
     writes: int = 0  # WRITEs this rank posted so far (page, layer and final posts)
+    asked: bool = False  # failed because a destination's caller asked (Release.asked): not a fault
 
 
 class RecvStatus(msgspec.Struct, frozen=True):
@@ -212,7 +213,9 @@ def poll_sends(worker: Worker, backend: str, rids: list[str]) -> list[SendStatus
     out = []
     for rid in rids:
         r = store.get(rid)
-        out.append(SendStatus(GONE) if r is None else SendStatus(r.state.value, r.error, r.quiet, r.nbytes, r.writes))
+        out.append(
+            SendStatus(GONE) if r is None else SendStatus(r.state.value, r.error, r.quiet, r.nbytes, r.writes, r.asked)
+        )
     return out
 
 
@@ -265,11 +268,12 @@ def poll_reservations(worker: Worker, backend: str, keys: list[tuple[str, int]])
     return out
 
 
-def abort_reservation(worker: Worker, backend: str, rid: str, inc: int, reason: str) -> None:
-    """Fail (or, when done, release) a reservation; its memory is freed once no write can land."""
+def abort_reservation(worker: Worker, backend: str, rid: str, inc: int, reason: str, asked: bool = False) -> None:
+    """Fail (or, when done, release) a reservation; its memory is freed once no write can land.
+    asked: the router asked for it (a cancel), which the sources are told (Release.asked)."""
     r = _receiver(worker, backend).requests.get((rid, inc))
     if r is not None:
-        r.abort(reason)
+        r.abort(reason, asked)
 
 
 def take(worker: Worker, backend: str, rid: str, inc: int) -> int | None:

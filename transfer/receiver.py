@@ -41,6 +41,7 @@ class RecvRequest:
         self.renewals = 0  # Renew messages that restarted the lease
         self.expired = False  # failed because the lease ran out
         self.ended = False  # failed because a source's request ended on its own (Abort.ended)
+        self.asked = False  # failed because the caller asked (Release.asked)
         self.state = TransferState.PENDING
         self.error: str | None = None
         self.node: str | None = None  # the source node, bound by the first Begin
@@ -66,10 +67,12 @@ class RecvRequest:
     def failure(self) -> str | None:
         return self.error
 
-    def abort(self, reason: str = "aborted by the receiver") -> None:
+    def abort(self, reason: str = "aborted by the receiver", asked: bool = False) -> None:
+        """asked: the caller (the router, through the decode node) asked for it: Release.asked."""
         if self.state is TransferState.DONE:
             self.release()
         else:
+            self.asked = asked
             self.receiver._fail(self, reason)
 
     @property
@@ -280,7 +283,7 @@ class Receiver(Endpoint):
         req.state, req.error = TransferState.FAILED, reason
         for rank, b in req.begins.items():
             if rank not in req.quiet and rank not in req.finished:
-                self._send(b.src, Release(req.request_id, req.incarnation, self.agent, reason))
+                self._send(b.src, Release(req.request_id, req.incarnation, self.agent, reason, req.asked))
         self._maybe_free(req)
 
     def _maybe_free(self, req: RecvRequest) -> None:

@@ -102,6 +102,7 @@ class SendRequest:
         self.state = TransferState.PENDING
         self.error: str | None = None
         self.ended = False  # aborted because the request ended on its own (Abort.ended)
+        self.asked = False  # failed because a destination's caller asked (Release.asked)
         self.channels: dict[int, _Channel] = {}
         self.queued: list[_Post] = []  # posts waiting for grants
         self.opened_at = time.monotonic()
@@ -365,6 +366,7 @@ class Sender(Endpoint):
             ch.closed = True  # a refused channel holds nothing on the destination
             self._fail(req, f"destination rank {ch.dst.rank} refused: {msg.reason}")
         else:
+            req.asked = req.asked or (msg.asked and not req.state.terminal)
             self._fail(req, f"destination rank {ch.dst.rank} released the reservation: {msg.reason}")
 
     def _fail(self, req: SendRequest, reason: str) -> None:

@@ -177,6 +177,22 @@ def test_a_late_lease_renewal_says_what_to_change(pair, caplog):
     assert _free(P) == p0 and _free(D) == d0
 
 
+def _opened_and_begun(P: EngineCore, D: EngineCore, rid: str, prompt: list[int], sp: SamplingParams) -> list:
+    """A push of `prompt` (two chunks) opened by its last chunk's scheduling hook, run alone as
+    the step would, and its Begin received by the decode side; returns the records polled."""
+    P.add_request(prompt, sp, rid, prefill_only=True, transfer=PushParams(_target(D, rid, prompt)))
+    P.step()
+    so = P.scheduler.schedule()
+    assert P.connector is not None
+    P.connector.rows_scheduled(so)
+    P.scheduler.abandon(so)
+    records: list[TransferRecord] = []
+    for _ in range(20):
+        records += P.poll_transfers() + D.poll_transfers()
+        time.sleep(0.005)
+    return records
+
+
 def test_a_request_that_ends_at_its_first_token_frees_its_reservation_quietly(pair, caplog):
     """max_tokens 1: the prefill's first token ends the request (length) after its push opened
     and began but before it was posted, so the push is aborted; the decode side fails the
@@ -186,17 +202,8 @@ def test_a_request_that_ends_at_its_first_token_frees_its_reservation_quietly(pa
     p0, d0 = _free(P), _free(D)
     prompt = hc.prompts(lens=(40,), seed=10)[0]
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    target = _target(D, "r6", prompt)
-    P.add_request(prompt, one, "r6", prefill_only=True, transfer=PushParams(target))
-    P.step()
-    so = P.scheduler.schedule()  # the last chunk's scheduling hook alone: the push opens
-    P.connector.rows_scheduled(so)
-    P.scheduler.abandon(so)
-    records: list[TransferRecord] = []
     with caplog.at_level("INFO", logger="pdserve.transfer"):
-        for _ in range(20):  # the Begin reaches the decode side
-            records += P.poll_transfers() + D.poll_transfers()
-            time.sleep(0.005)
+        records = _opened_and_begun(P, D, "r6", prompt, one)
         _drive(P, D, lambda: not pc.tracks("r6") and RecvFailed in {type(r) for r in records}, records)
         D.release("r6")
         _drive(P, D, lambda: RecvFreed("r6") in records, records)
@@ -206,3 +213,22 @@ def test_a_request_that_ends_at_its_first_token_frees_its_reservation_quietly(pa
     sent = [r for r in records if isinstance(r, SendDone)]
     assert len(sent) == 1 and sent[0].aborted and sent[0].nbytes == 0
     assert _free(P) == p0 and _free(D) == d0
+
+
+def test_a_cancelled_request_fails_its_push_and_reservation_quietly(pair, caplog):
+    """The router releases a reservation whose client went away while the push is open: the decode
+    side fails it and tells the source the release was asked for (Release.asked), so neither side
+    logs the cancel as a WARNING; memory comes back on both."""
+    P, D, pc, dc = pair
+    p0, d0 = _free(P), _free(D)
+    prompt = hc.prompts(lens=(40,), seed=11)[0]
+    with caplog.at_level("INFO", logger="pdserve.transfer"):
+        records = _opened_and_begun(P, D, "r7", prompt, SP)
+        D.release("r7", "the caller went away")
+        _drive(P, D, lambda: pc.phase("r7") in (PushPhase.FAILING, None), records)
+        P.abort("r7")  # as the router cancels the prefill too
+        _drive(P, D, lambda: not pc.tracks("r7") and RecvFreed("r7") in records, records)
+    mine = [(r.levelname, r.getMessage()) for r in caplog.records if "r7" in r.getMessage()]
+    assert any("released the reservation: the caller went away" in m for _, m in mine), mine
+    assert not [m for lv, m in mine if lv == "WARNING"], mine
+    assert _free(P) == p0 and _free(D) == d0 and "r7" not in P.requests

@@ -112,7 +112,7 @@ class DecodeConnector(RankEndpoints, Connector):
         if r is None:
             return False
         if r.phase is not ReservationPhase.FAILING:
-            self._fail(r, reason)
+            self._fail(r, reason, asked=True)
         return True
 
     def current(self, request_id: str) -> TransferRecord | None:
@@ -141,15 +141,16 @@ class DecodeConnector(RankEndpoints, Connector):
         return out
 
     # ---- inside --------------------------------------------------------------------------------
-    def _fail(self, r: _Reservation, why: str, expired: bool = False, ended: bool = False) -> None:
-        """ended: its source's request ended on its own first (INFO: nothing went wrong)."""
-        (log.info if ended else log.warning)("reservation %s: %s", r.rid, why)
+    def _fail(self, r: _Reservation, why: str, expired: bool = False, ended: bool = False, asked: bool = False) -> None:
+        """ended: its source's request ended on its own first; asked: the router asked (a cancel,
+        an end it saw first), which the sources are told. Either is no fault: INFO."""
+        (log.info if ended or asked else log.warning)("reservation %s: %s", r.rid, why)
         r.to(ReservationPhase.FAILING)
         r.error, r.expired = why, expired
         self._failed += 1
         self._expiries += expired
         self._out.append(RecvFailed(r.rid, why, expired))
-        self.call_all(xr.abort_reservation, self.backend, r.rid, r.inc, why)
+        self.call_all(xr.abort_reservation, self.backend, r.rid, r.inc, why, asked)
 
     def _poll_once(self) -> None:
         rs = list(self._res.values())

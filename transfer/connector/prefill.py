@@ -293,13 +293,14 @@ class PrefillConnector(RankEndpoints, Connector):
         push.started = time.monotonic()
         push.deadline = push.started + self.push_timeout_s
 
-    def _fail(self, push: _Push, why: str, aborted: bool = False, ended: bool = False) -> None:
+    def _fail(self, push: _Push, why: str, aborted: bool = False, ended: bool = False, asked: bool = False) -> None:
         """Some ranks may have started: abort them all; the push ends once every rank is quiet.
         ended: the request ended on its own (length, stop) before its push; the receiver says so
-        at INFO."""
+        at INFO. asked: a destination released the reservation because its caller asked (a
+        cancel): said at INFO here."""
         if push.phase is PushPhase.FAILING:
             return
-        (log.info if aborted else log.warning)("request %s: %s", push.rid, why)
+        (log.info if aborted or asked else log.warning)("request %s: %s", push.rid, why)
         push.to(PushPhase.FAILING)
         push.error, push.aborted = why, aborted
         try:
@@ -339,7 +340,8 @@ class PrefillConnector(RankEndpoints, Connector):
             if push.phase is not PushPhase.FAILING:
                 failed = [s for s in per if s.state == "failed"]
                 if failed:
-                    self._fail(push, next((s.error for s in failed if s.error), "failed"))  # the other ranks too
+                    why = next((s.error for s in failed if s.error), "failed")
+                    self._fail(push, why, asked=all(s.asked for s in failed))  # the other ranks too
                 elif now > push.deadline:
                     self._fail(push, f"not done within {self.push_timeout_s:g} s")
             ended = all(s.state in ("done", "failed", xr.GONE) and s.quiet for s in per)
