@@ -79,7 +79,7 @@ class Abort(msgspec.Struct, tag="abort", frozen=True):
     src: str
     rank: int
     reason: str
-    ended: bool = False  # the request itself ended (length, stop) before its push: nothing went wrong
+    ended: bool = False  # the request ended (length, stop, or its caller cancelled it) before its push: no fault
 
 
 class Release(msgspec.Struct, tag="release", frozen=True):

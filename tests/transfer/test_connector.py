@@ -193,6 +193,21 @@ def _opened_and_begun(P: EngineCore, D: EngineCore, rid: str, prompt: list[int],
     return records
 
 
+def _fail_then_release(P: EngineCore, D: EngineCore, pc: PrefillConnector, rid: str, records: list) -> None:
+    """Drive until the push ended and the reservation failed, then release it as the router does
+    and drive until its memory is back."""
+    _drive(P, D, lambda: not pc.tracks(rid) and RecvFailed in {type(r) for r in records}, records)
+    D.release(rid)
+    _drive(P, D, lambda: RecvFreed(rid) in records, records)
+
+
+def _said_without_warning(caplog, rid: str, phrase: str) -> None:
+    """The transfer logger said `phrase` of request `rid`, and nothing of it as a WARNING."""
+    mine = [(r.levelname, r.getMessage()) for r in caplog.records if rid in r.getMessage()]
+    assert any(phrase in m for _, m in mine), mine
+    assert not [m for lv, m in mine if lv == "WARNING"], mine
+
+
 def test_a_request_that_ends_at_its_first_token_frees_its_reservation_quietly(pair, caplog):
     """max_tokens 1: the prefill's first token ends the request (length) after its push opened
     and began but before it was posted, so the push is aborted; the decode side fails the
@@ -204,12 +219,8 @@ def test_a_request_that_ends_at_its_first_token_frees_its_reservation_quietly(pa
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     with caplog.at_level("INFO", logger="pdserve.transfer"):
         records = _opened_and_begun(P, D, "r6", prompt, one)
-        _drive(P, D, lambda: not pc.tracks("r6") and RecvFailed in {type(r) for r in records}, records)
-        D.release("r6")
-        _drive(P, D, lambda: RecvFreed("r6") in records, records)
-    mine = [(r.levelname, r.getMessage()) for r in caplog.records if "r6" in r.getMessage()]
-    assert any("aborted: the request ended before its push (length)" in m for _, m in mine), mine
-    assert not [m for lv, m in mine if lv == "WARNING"], mine
+        _fail_then_release(P, D, pc, "r6", records)
+    _said_without_warning(caplog, "r6", "aborted: the request ended before its push (length)")
     sent = [r for r in records if isinstance(r, SendDone)]
     assert len(sent) == 1 and sent[0].aborted and sent[0].nbytes == 0
     assert _free(P) == p0 and _free(D) == d0
@@ -228,7 +239,19 @@ def test_a_cancelled_request_fails_its_push_and_reservation_quietly(pair, caplog
         _drive(P, D, lambda: pc.phase("r7") in (PushPhase.FAILING, None), records)
         P.abort("r7")  # as the router cancels the prefill too
         _drive(P, D, lambda: not pc.tracks("r7") and RecvFreed("r7") in records, records)
-    mine = [(r.levelname, r.getMessage()) for r in caplog.records if "r7" in r.getMessage()]
-    assert any("released the reservation: the caller went away" in m for _, m in mine), mine
-    assert not [m for lv, m in mine if lv == "WARNING"], mine
+    _said_without_warning(caplog, "r7", "released the reservation: the caller went away")
     assert _free(P) == p0 and _free(D) == d0 and "r7" not in P.requests
+
+
+def test_a_prefill_cancelled_before_its_push_frees_the_reservation_quietly(pair, caplog):
+    """The router cancels a prefill (its client went away) whose push began: the source's Abort
+    says the request ended, so the decode side fails the reservation at INFO, not as a WARNING."""
+    P, D, pc, dc = pair
+    p0, d0 = _free(P), _free(D)
+    prompt = hc.prompts(lens=(40,), seed=12)[0]
+    with caplog.at_level("INFO", logger="pdserve.transfer"):
+        records = _opened_and_begun(P, D, "r8", prompt, SP)
+        P.abort("r8")
+        _fail_then_release(P, D, pc, "r8", records)
+    _said_without_warning(caplog, "r8", "source rank 0 aborted")
+    assert _free(P) == p0 and _free(D) == d0

@@ -216,7 +216,7 @@ class PrefillConnector(RankEndpoints, Connector):
                 if reason == "abort"
                 else f"the request ended before its push ({reason})"
             )
-            self._fail(push, why, aborted=True, ended=reason != "abort")
+            self._fail(push, why, aborted=True, ended=True)  # not the transfer's fault: INFO on both sides
 
     # ---- the transfers ---------------------------------------------------------------------------
     def tracks(self, request_id: str) -> bool:
@@ -231,8 +231,8 @@ class PrefillConnector(RankEndpoints, Connector):
         push = self._pushes.get(request_id)
         if push is None:
             return False
-        if push.phase is not PushPhase.FAILING:
-            self._fail(push, reason, aborted=True)
+        if push.phase is not PushPhase.FAILING:  # asked for (a cancel): the receiver says it at INFO
+            self._fail(push, reason, aborted=True, ended=True)
         return True
 
     def has_work(self) -> bool:
@@ -295,7 +295,7 @@ class PrefillConnector(RankEndpoints, Connector):
 
     def _fail(self, push: _Push, why: str, aborted: bool = False, ended: bool = False, asked: bool = False) -> None:
         """Some ranks may have started: abort them all; the push ends once every rank is quiet.
-        ended: the request ended on its own (length, stop) before its push; the receiver says so
+        ended: the request ended (length, stop, a cancel) before its push; the receiver says so
         at INFO. asked: a destination released the reservation because its caller asked (a
         cancel): said at INFO here."""
         if push.phase is PushPhase.FAILING:
