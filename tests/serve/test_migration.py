@@ -137,17 +137,21 @@ def _engine_constraint(schema):
 
 
 def _under_fault(u: Up, ps, n: int, fault) -> tuple[list[list[int]], str]:
-    """Greedy streams of n tokens after each prompt; once each has its first chunk, fault(victim)
-    on the decode node holding most of them. Returns every stream's tokens and the victim."""
+    """Greedy streams of n tokens after each prompt; once each has its first chunk, fault(victim,
+    its pid) on the decode node holding most of them. Returns every stream's tokens and the victim.
+    The pids are found before the streams start: a lookup after their first chunks took long
+    enough on a loaded machine for the streams to end before the fault."""
     from client import Client
 
+    assert u.address is not None
     with Client(u.address, timeout=120) as c:
         c.wait_ready(timeout=60)
+        pids = {d.node.node_id: node_pid(u, d.node.node_id) for d in _nodes(u.address)}
         its = [iter(c.stream(prompt_token_ids=p, max_tokens=n, temperature=0.0, ignore_eos=True)) for p in ps]
         got = [next(it) for it in its]
         nodes_of = [g.decode_node for g in got]
         victim = max(set(nodes_of), key=nodes_of.count)
-        fault(victim)
+        fault(victim, pids[victim])
         toks = [list(g.token_ids) for g in got]
         for i, it in enumerate(its):
             for ch in it:
@@ -162,9 +166,9 @@ def test_a_hung_decode_node_is_declared_dead_and_its_streams_move(ckpt):
     u = Up("--model", ckpt, "--dtype", "float32", "--decode", "2", "--prefill", "1")
     stopped: list[int] = []
 
-    def hang(victim: str) -> None:
-        stopped.append(node_pid(u, victim))
-        os.kill(stopped[0], signal.SIGSTOP)
+    def hang(victim: str, pid: int) -> None:
+        stopped.append(pid)
+        os.kill(pid, signal.SIGSTOP)
 
     try:
         n = FAULTED // 2  # the node stops right after every stream's first chunk: half as long is long enough
@@ -185,7 +189,7 @@ def test_a_tp2_decode_node_killed_mid_stream(ckpt):
     ps = hc.prompts(lens=(30, 60, 45, 75), seed=37)
     u = Up("--model", ckpt, "--dtype", "float32", "--decode", "2", "--decode-tp", "2", "--prefill", "1")
     try:
-        toks, victim = _under_fault(u, ps, FAULTED, lambda v: os.kill(node_pid(u, v), signal.SIGKILL))
+        toks, victim = _under_fault(u, ps, FAULTED, lambda v, pid: os.kill(pid, signal.SIGKILL))
         for p, t in zip(ps, toks):
             assert len(t) == FAULTED and hc.hf_greedy_violations(ckpt, p, t) == []
         # the stream's error or the heartbeats' verdict, whichever the router saw first; every line
@@ -208,8 +212,8 @@ def test_drain_hands_long_streams_off(ckpt):
            "--drain-timeout", "120")  # fmt: skip
     exited: list[float] = []
 
-    def term(victim: str) -> None:
-        os.kill(node_pid(u, victim), signal.SIGTERM)
+    def term(victim: str, pid: int) -> None:
+        os.kill(pid, signal.SIGTERM)
         t0 = time.monotonic()
         wait_for(lambda: f"{victim} exited with status 0" in u.output(), 30, f"{victim} to exit")
         exited.append(time.monotonic() - t0)
