@@ -72,8 +72,7 @@ class RecvRequest:
         if self.state is TransferState.DONE:
             self.release()
         else:
-            self.asked = asked
-            self.receiver._fail(self, reason)
+            self.receiver._fail(self, reason, asked=asked)
 
     @property
     def rope_delta(self) -> int | None:
@@ -178,8 +177,7 @@ class Receiver(Endpoint):
             req = self.requests.get((msg.request_id, msg.incarnation))
             b = req.begins.get(msg.rank) if req is not None else None
             if req is not None and b is None and isinstance(msg, Abort) and msg.src in self.peers:
-                req.ended = msg.ended
-                self._fail(req, f"source rank {msg.rank} aborted before writing: {msg.reason}")
+                self._fail(req, f"source rank {msg.rank} aborted before writing: {msg.reason}", ended=msg.ended)
                 return
             if req is None or b is None or b.src != msg.src or msg.rank in req.quiet:
                 why = self.recent.get((msg.request_id, msg.incarnation), "no live reservation")
@@ -189,8 +187,7 @@ class Receiver(Endpoint):
                 req.dones[msg.rank] = msg
             else:
                 req.quiet.add(msg.rank)
-                req.ended = msg.ended
-                self._fail(req, f"source rank {msg.rank} aborted: {msg.reason}")
+                self._fail(req, f"source rank {msg.rank} aborted: {msg.reason}", ended=msg.ended)
         else:
             self._stale(f"{type(msg).__name__} from {msg.src}: not a receiver message")
 
@@ -276,9 +273,12 @@ class Receiver(Endpoint):
 
     # -- state changes -------------------------------------------------------------------------
 
-    def _fail(self, req: RecvRequest, reason: str) -> None:
+    def _fail(self, req: RecvRequest, reason: str, ended: bool = False, asked: bool = False) -> None:
+        """ended (Abort.ended) and asked (the caller's abort: Release.asked) say the failure is no
+        fault; they are recorded only by the failure that ends the request, never over an earlier one."""
         if req.state.terminal:
             return
+        req.ended, req.asked = ended, asked
         log.info("%s: request %s/%s failed: %s", self.agent, req.request_id, req.incarnation, reason)
         req.state, req.error = TransferState.FAILED, reason
         for rank, b in req.begins.items():

@@ -149,8 +149,7 @@ class SendRequest:
 
     def abort(self, reason: str = "aborted by the sender", ended: bool = False) -> None:
         """ended: the request ended on its own before its push (the receiver need not warn)."""
-        self.ended = ended
-        self.sender._fail(self, reason)
+        self.sender._fail(self, reason, ended=ended)
 
     def release(self) -> None:
         """Check that a request is over: terminal and quiet (then its owned memory is back and the
@@ -366,12 +365,14 @@ class Sender(Endpoint):
             ch.closed = True  # a refused channel holds nothing on the destination
             self._fail(req, f"destination rank {ch.dst.rank} refused: {msg.reason}")
         else:
-            req.asked = req.asked or (msg.asked and not req.state.terminal)
-            self._fail(req, f"destination rank {ch.dst.rank} released the reservation: {msg.reason}")
+            self._fail(req, f"destination rank {ch.dst.rank} released the reservation: {msg.reason}", asked=msg.asked)
 
-    def _fail(self, req: SendRequest, reason: str) -> None:
+    def _fail(self, req: SendRequest, reason: str, ended: bool = False, asked: bool = False) -> None:
+        """ended (Abort.ended) and asked (Release.asked) say the failure is no fault; they are
+        recorded only by the failure that ends the request, never over an earlier one."""
         if req.state.terminal:
             return
+        req.ended, req.asked = ended, asked
         log.info("%s: request %s failed: %s", self.agent, req.request_id, reason)
         req.state, req.error, req.failed_at = TransferState.FAILED, reason, time.monotonic()
         req.queued.clear()

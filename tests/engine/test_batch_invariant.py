@@ -167,10 +167,11 @@ def test_bf16_drafts_keep_the_same_bits(ckpt_drafts):
 
 def test_bf16_mtp_prompt_in_chunks_keeps_the_same_bits(ckpt_drafts, monkeypatch):
     """MTP drafting wants every prompt token's hidden state, so a prompt chunk that is not the last
-    one runs the head's projection over no rows. On two threads, with every projection split over
-    them (as Qwen's 151,936-row head is), that once trapped in the GEMM (no rows, no row blocks
-    to divide among the threads: SIGILL, the prefill node gone). Prompts in chunks of 16 with MTP
-    drafts give the tokens of whole prompts without drafts."""
+    one has no logits rows. On two threads, with every projection split over them (as Qwen's
+    151,936-row head is), its head's GEMM over no rows once trapped (SIGILL, the prefill node
+    gone); the head is now skipped there, and the GEMM itself takes no rows
+    (tests/kernels/test_cpu_ops_boundary.py). Prompts in chunks of 16 with MTP drafts give the
+    tokens of whole prompts without drafts."""
     import engine.model.linear as linear
 
     monkeypatch.setattr(linear, "_GEMV_THREADED", 1)  # every weight counts as one to split
