@@ -46,6 +46,13 @@ class RateMeter:
         self._idle.discard(node)
         self._seen.setdefault(node, RateWindow(WINDOW)).add(tokens, dt, idle=idle)
 
+    def since(self, node: str, now: float | None = None) -> float:
+        """Seconds the node has worked since its last completion (or since it was sent a prompt
+        while idle): what it computed of the prompts still outstanding there; 0 when never seen."""
+        now = time.monotonic() if now is None else now
+        mark = self._mark.get(node)
+        return 0.0 if mark is None else max(now - mark, 0.0)
+
     def rate(self, node: str) -> float | None:
         """Tokens per second, None before the node's first completion while busy."""
         seen = self._seen.get(node)
@@ -106,15 +113,21 @@ def estimate(
         if not tokens:
             return wait, what
         pool = [p for p in registry.routable(pb.NODE_KIND_PREFILL) if p.info.prefill_ready]
-        rates = [r for p in pool if (r := node_rate(p, meter)) is not None]
-        if not rates:
+        rated = [(p, r) for p in pool if (r := node_rate(p, meter)) is not None]
+        if not rated:
             return wait, what + "; no prefill measured yet"
         # a node not measured yet counts at the mean rate of those that are
-        rate = sum(rates) / len(rates) * len(pool)
+        rate = sum(r for _, r in rated) / len(rated) * len(pool)
         if batch:
             outstanding = sum(p.queued_prefill_tokens() for p in pool)
         else:
-            outstanding = sum(p.inflight_interactive_tokens for p in pool)
+            # the router counts a prompt in full until its first token: take off what each node
+            # computed of them since its last completion (a long prompt half done waits half)
+            now = time.monotonic()
+            outstanding = sum(
+                max(0, p.inflight_interactive_tokens - int(r * meter.since(p.node_id, now))) for p, r in rated
+            )
+            outstanding += sum(p.inflight_interactive_tokens for p in pool if node_rate(p, meter) is None)
     work = outstanding + ahead_tokens
     pre = work / rate
     pre_what = f"{work:,} prompt tokens ahead at {rate:,.0f} tokens/s"

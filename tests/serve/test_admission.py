@@ -210,3 +210,34 @@ def test_the_nodes_own_rate_goes_before_the_routers_measure():
     e.info.prefill_tokens_per_s = 9000.0
     assert node_rate(e, m) == pytest.approx(9000.0 * NODE_RATE_MARGIN)
     assert node_rate(NodeEntry(pb.NodeInfo(node_id="q")), m) is None  # neither
+
+
+def test_a_prompt_under_way_counts_what_is_left_of_it():
+    """The router counts a prompt in full until its first token comes back; the estimate takes off
+    what the node computed since its last completion, so a request arriving while a long prompt
+    is half done waits for the other half, not the whole. Counted against an independent sum:
+    the tokens ahead over the node's rate, less the node's rate times the seconds it has worked."""
+    from proto import pb
+    from router.registry import NodeRegistry
+    from router.wait_estimate import NODE_RATE_MARGIN, estimate
+
+    reg = NodeRegistry()
+    cap = pb.Capacity(total_blocks=1000, free_blocks=1000, block_size=16, total_slots=64, free_slots=64)
+    reg.register(pb.NodeInfo(node_id="d", kind=pb.NODE_KIND_DECODE, capacity=cap))
+    p = reg.register(
+        pb.NodeInfo(node_id="p", kind=pb.NODE_KIND_PREFILL, prefill_ready=True, prefill_tokens_per_s=1000.0)
+    )
+    rate = 1000.0 * NODE_RATE_MARGIN
+    m = RateMeter()
+    m.busy("p", now=time.monotonic() - 2.0)  # sent an 8000-token prompt 2 s ago, idle before it
+    p.prefill_sent(8000, interactive=True)
+    est, what = estimate(reg, m, 100, 100, ahead_tokens=500, ahead=1, ends=[])
+    assert est == pytest.approx((8000 - 2.0 * rate + 500) / rate, rel=0.01), what
+    m.done("p", 8000)  # it came back, and another prompt went in its place just now
+    p.prefill_back(8000, interactive=True)
+    p.prefill_sent(3000, interactive=True)
+    est, _ = estimate(reg, m, 100, 100, ahead_tokens=0, ahead=0, ends=[])
+    assert est == pytest.approx(3000 / rate, rel=0.01)
+    m.busy("p", now=time.monotonic() - 60.0)  # a node slower than its rate: never less than nothing
+    est, _ = estimate(reg, m, 100, 100, ahead_tokens=200, ahead=0, ends=[])
+    assert est == pytest.approx(200 / rate, rel=0.01)

@@ -32,6 +32,7 @@ pytestmark = pytest.mark.serial
 DELAY = 0.01  # seconds per prompt token: 100 tokens/s (the compute of a step is a few % of it)
 L, NEW = 50, 2
 KEY_I, KEY_B = "key-interactive-0123456789", "key-batch-0123456789abcd"
+GAP = 0.02  # seconds between arrivals: a 25th of a prefill, so every request waits for those before it
 CHUNK = 32  # --batch-chunk-tokens: a batch step while interactive requests are about is 32 x DELAY
 
 
@@ -95,24 +96,28 @@ def test_estimate_matches_the_start_and_a_refusal_delays_nobody(cluster, data):
             futs = {}
             for i in order:
                 futs[i] = ex.submit(_go, c, ps[i], request_id=f"est-{i}")
-                time.sleep(0.01)  # arrival order fixed
+                time.sleep(GAP)  # arrival order fixed
                 if i == 9:  # 400 tokens (4 s of prefill) with 0.1 s to start: refused at arrival
                     futs[24] = ex.submit(_go, c, ps[24], request_id="big", admission_timeout_s=0.1)
-                    time.sleep(0.01)
+                    time.sleep(GAP)
             outs = {i: f.result(timeout=120) for i, f in futs.items()}
     err, sent, answered = outs.pop(24)
     assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and answered - sent < 0.5, err
+    started = sorted(outs, key=lambda i: outs[i][2])  # the order the prefills ran in
     checked = 0
     for i, (toks, sent, first) in outs.items():
         assert toks == want[i], i
         actual = first - sent - L * DELAY  # when its prefill started, by the throttle's own clock
         est = _estimate_s(cluster, f"est-{i}")
-        if actual >= 0.4:
-            assert abs(est - actual) <= 0.2 * actual, (i, est, actual)
+        # each request's handshake with the decode node comes before its prefill: on a slow box two
+        # close arrivals' handshakes can swap their prefills, which no estimate at arrival foresees
+        if actual >= 0.4 and started.index(i) == order.index(i):
+            assert abs(est - actual) <= 0.2 * actual, (i, est, actual, started)
             checked += 1
     assert checked >= 4
     # the refused request's 400 tokens never queued: the one after it starts as its predecessor ends
-    assert outs[10][2] - outs[9][2] < 1.5 * L * DELAY + 0.1, (outs[9][2], outs[10][2])
+    after = started[started.index(9) + 1]
+    assert outs[after][2] - outs[9][2] < 1.5 * L * DELAY + 0.1, (outs[9][2], outs[after][2], started)
 
 
 def test_interactive_under_a_batch_flood_and_the_key_class(cluster, data, ckpt):
