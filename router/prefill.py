@@ -124,29 +124,38 @@ class PrefillPhase:
         window: bool,
         q: PrefixQuery | None = None,
         batch: bool = False,
-    ) -> NodeEntry | None:
-        """A ready prefill node for D (within its window when `window`), with the prompt counted
-        against it until `_given_back`; None when there is none. q: the prompt's page hashes, for
-        a policy that weighs what each node has cached. An interactive prompt's window counts
-        only the interactive prompts outstanding there: the node schedules it before batch ones."""
+    ) -> tuple[NodeEntry, int] | None:
+        """A ready prefill node for D (within its window when `window`) and the prompt tokens it
+        is counted to compute (the prompt less what it has cached, as the router knows its cache),
+        counted against it until `_given_back`; None when there is none. q: the prompt's page
+        hashes, for a policy that weighs what each node has cached (and for the count). An
+        interactive prompt's window counts only the interactive prompts outstanding there: the
+        node schedules it before batch ones."""
         w = self.cfg.prefill_window_tokens
+
+        def work(p: NodeEntry) -> int:
+            return prompt_len - (p.cache.usable(q, compute=True) if q is not None else 0)
+
         with self.registry.lock:
             nodes = self.ready(d, exclude)
             if window and w:
-                nodes = [p for p in nodes if (n := _outstanding(p, batch)) == 0 or n + prompt_len <= w]
+                nodes = [p for p in nodes if (n := _outstanding(p, batch)) == 0 or n + work(p) <= w]
             p = self.policy.choose_prefill(nodes, prompt_len, q)
-            if p is not None:
-                if not p.inflight_prefill_tokens:
-                    self.meter.busy(p.node_id)
-                p.prefill_sent(prompt_len, interactive=not batch)
-        return p
+            if p is None:
+                return None
+            tokens = work(p)
+            if not p.inflight_prefill_tokens:
+                self.meter.busy(p.node_id)
+            p.prefill_sent(tokens, interactive=not batch)
+        return p, tokens
 
-    def _given_back(self, p: NodeEntry, prompt_len: int, ok: bool, batch: bool) -> None:
-        """ok: the first token came back (the prefill is measured)."""
+    def _given_back(self, p: NodeEntry, tokens: int, ok: bool, batch: bool) -> None:
+        """What `choose` counted against p leaves it. ok: the first token came back (the prefill is
+        measured)."""
         if ok:
-            self.meter.done(p.node_id, prompt_len)
+            self.meter.done(p.node_id, tokens)
         with self.registry.lock:
-            p.prefill_back(prompt_len, interactive=not batch)
+            p.prefill_back(tokens, interactive=not batch)
         self.registry.on_change()  # within its window again: admit the next
 
     @staticmethod
@@ -234,11 +243,20 @@ class PrefillPhase:
             await asyncio.sleep(0.02)  # the node's memory frees on its own schedule: ask again shortly
 
     async def run(
-        self, d: NodeEntry, p: NodeEntry, request, ids: list[int], request_id: str, images: Sequence[pb.ImageInput] = ()
+        self,
+        d: NodeEntry,
+        chosen: tuple[NodeEntry, int],
+        request,
+        ids: list[int],
+        request_id: str,
+        images: Sequence[pb.ImageInput] = (),
     ) -> Push | None:
-        """Reserve on D, prefill on P (counted against it by admission; one retry elsewhere) until
-        it streams the first token. Returns the Push (first token, the push still running), or
-        None to prefill on D. `images`: the prompt's, for P (D gets their hashes only)."""
+        """Reserve on D, prefill on P (`chosen`: P and the tokens admission counted against it;
+        one retry elsewhere) until it streams the first token. Returns the Push (first token, the
+        push still running), or None to prefill on D. `images`: the prompt's, for P (D gets their
+        hashes only)."""
+        p: NodeEntry | None
+        p, counted = chosen
         tried: set[str] = set()
         batch = request.sampling.priority == pb.PRIORITY_BATCH
         attempt = 0  # reservations made (each under its own id)
@@ -246,9 +264,10 @@ class PrefillPhase:
         while True:
             if p is None:
                 q = PrefixQuery(ids, images) if self.policy.uses_prefix else None
-                p = self.choose(d, len(ids), tried, window=False, q=q, batch=batch)  # a retry: admitted already
-                if p is None:
+                again = self.choose(d, len(ids), tried, window=False, q=q, batch=batch)  # a retry: admitted already
+                if again is None:
                     return None
+                p, counted = again
             tried.add(p.node_id)
             rid = request_id if attempt == 0 else f"{request_id}~{attempt}"
             ok = False
@@ -263,7 +282,7 @@ class PrefillPhase:
                 if retry is not True:
                     return retry
             finally:
-                self._given_back(p, len(ids), ok, batch)
+                self._given_back(p, counted, ok, batch)
                 p = None
 
     async def _attempt(

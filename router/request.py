@@ -20,6 +20,7 @@ from router.migrate import Migration, Moved, NodeLost, NodeWatch
 from router.prefill import Push
 from router.registry import NodeEntry
 from router.token_mux import Route, merged
+from router.wait_estimate import OutputLengths
 from serving.rpc import is_draining
 
 log = logging.getLogger("pdserve.router")
@@ -185,14 +186,19 @@ class RequestRun:
 
         return int(SamplingParams(**sampling_kwargs(self.request.sampling)).max_tokens)
 
-    def expected_end_s(self, tpot_s: float | None) -> float:
-        """Seconds until this placed request is expected to end: its tokens left at its own time per
-        token, else `tpot_s` (the router's last measured), else TPOT_PRIOR_S."""
+    def expected_end_s(self, tpot_s: float | None, lengths: OutputLengths) -> float:
+        """Seconds until this placed request is expected to end: its expected tokens left (`lengths`:
+        the recent requests' typical output, within its own limit) at its own time per token, else
+        `tpot_s` (the router's last measured), else TPOT_PRIOR_S."""
         tp = self.tr.tpot() or tpot_s or TPOT_PRIOR_S
-        return max(0, self.max_new - self.tr.n) * tp
+        sp = self.request.sampling
+        only_its_limit = sp.ignore_eos and not sp.stop_token_ids and not sp.stop
+        least = self.max_new if only_its_limit else sp.min_tokens
+        return lengths.left(self.tr.n, self.max_new, least) * tp
 
-    async def _attempt(self, d: NodeEntry, p: NodeEntry | None) -> AsyncIterator[Chunk]:
-        """Prefill (on P, or none), then D's stream, relayed."""
+    async def _attempt(self, d: NodeEntry, p: tuple[NodeEntry, int] | None) -> AsyncIterator[Chunk]:
+        """Prefill (on P, with the tokens admission counted against it; or none), then D's stream,
+        relayed."""
         pre: Push | None = None
         call = None
         settled = False  # the reservation (if any) is activated, released or never made

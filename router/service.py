@@ -32,7 +32,7 @@ from router.registry import NodeEntry, NodeRegistry
 from router.request import Chunk, RequestRun, Trace
 from router.stops import with_stops
 from router.text import TextPool, default_workers
-from router.wait_estimate import estimate
+from router.wait_estimate import OutputLengths, estimate
 from serving.metrics import ServingMetrics
 from serving.rpc import MAX_REQUEST_ID_LEN
 from serving.security import OPEN, Credentials, key_id
@@ -70,6 +70,7 @@ class GenerateService:
         self.active = 0  # requests in generate
         self.placed: set[RequestRun] = set()  # requests on a decode node now (their expected ends)
         self.tpot_s: float | None = None  # time per output token of the last requests (moving)
+        self.lengths = OutputLengths()  # the last requests' output lengths (their expected ends)
         self.idle = asyncio.Event()  # set while active == 0 (the drain waits on it)
         self.idle.set()
         self.client_streams = ClientStreams()  # clients' token streams (router/client_streams.py)
@@ -217,6 +218,8 @@ class GenerateService:
         finally:
             tr.log()
             self.metrics.request_done(tr.outcome(), tr.ttft(), tr.tpot(), tr.n)
+            if tr.decode != "-":  # it was placed: it held its decode room for its output
+                self.lengths.ended(tr.n)
             if (tp := tr.tpot()) is not None:
                 self.tpot_s = tp if self.tpot_s is None else self.tpot_s + 0.25 * (tp - self.tpot_s)
             if tr.transfer_bytes:
@@ -355,10 +358,10 @@ class GenerateService:
         resumed: bool = False,
         trace: Trace | None = None,
         images: Sequence[pb.ImageInput] = (),
-    ) -> tuple[NodeEntry, NodeEntry | None, int]:
+    ) -> tuple[NodeEntry, tuple[NodeEntry, int] | None, int]:
         """Decide at arrival, then wait in turn until the prompt `ids` is placed: (decode node,
-        prefill node or None to prefill on the decode node, the prompt tokens the decode node
-        computes itself), both nodes counted against until `done` (and the prefill phase's own
+        the prefill node and the prompt tokens counted against it, or None to prefill on the
+        decode node; the prompt tokens the decode node computes itself), both nodes counted against until `done` (and the prefill phase's own
         give-back; the decode node's own prompt tokens: `local_prefill_done`). local: prefill on
         the decode node (logprobs: P returns none). resumed: admitted before (a retry, a failover): never refused for lack of
         budget. Refused (RESOURCE_EXHAUSTED, retry_after_s) at arrival only."""
@@ -366,9 +369,13 @@ class GenerateService:
         q = PrefixQuery(ids, images) if self.policy.uses_prefix else None
         dec = [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]
         pooled = not local and bool(dec) and self.prefill.use_pool(dec[0], prompt_len)
-        ask = self.ask(request, prompt_len if pooled else 0, resumed)
+        cached = 0  # what it brings to the prefill pool: its prompt less the most a prefill node has cached
+        if pooled and q is not None:
+            with self.registry.lock:
+                cached = max((p.cache.usable(q, compute=True) for p in self.prefill.ready(dec[0], set())), default=0)
+        ask = self.ask(request, prompt_len - cached if pooled else 0, resumed)
         ahead_tokens, ahead = self.admission.ahead(ask.priority)
-        ends = [r.expected_end_s(self.tpot_s) for r in self.placed]
+        ends = [r.expected_end_s(self.tpot_s, self.lengths) for r in self.placed]
         est, what = estimate(
             self.registry, self.prefill.meter, prompt_len, ask.tokens, ahead_tokens, ahead, ends, ask.priority == BATCH
         )
@@ -388,7 +395,7 @@ class GenerateService:
 
     def _place(
         self, prompt_len: int, exclude: set[str], local: bool, q: PrefixQuery | None, batch: bool
-    ) -> tuple[NodeEntry, NodeEntry | None, int] | None:
+    ) -> tuple[NodeEntry, tuple[NodeEntry, int] | None, int] | None:
         """A decode node with room and, when the prompt goes through the prefill pool, a prefill
         node within its window; None: not now. With a PrefixQuery (cache-aware), the pool decision
         counts only what the decode node would still compute, and both nodes remember the prompt."""
@@ -401,12 +408,13 @@ class GenerateService:
             d = self.policy.choose_decode(nodes, prompt_len, q, pooled)
             if d is None:
                 return None
-            p = None
+            chosen = None
             uncached = prompt_len - (d.cache.usable(q, compute=True) if q is not None else 0)
             if pooled(d, uncached):
-                p = self.prefill.choose(d, prompt_len, set(), window=True, q=q, batch=batch)
-                if p is None:
+                chosen = self.prefill.choose(d, prompt_len, set(), window=True, q=q, batch=batch)
+                if chosen is None:
                     return None  # every prefill node has its window of work: wait, reserving nothing
+            p = chosen[0] if chosen is not None else None
             if q is not None:
                 ttl = self.cfg.prefix_memory_s
                 d.cache.remember(q, compute=p is None, ttl_s=ttl)
@@ -417,7 +425,7 @@ class GenerateService:
             # computed on d: its queue until the first token (its reports lag by a heartbeat)
             own = 0 if p is not None else uncached
             d.prefill_sent(own)
-            return d, p, own
+            return d, chosen, own
 
     def local_prefill_done(self, d: NodeEntry, tokens: int) -> None:
         """Give back what `admit` counted against decode node d's queue for a prompt it computes

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 
 from engine.rate_window import RateWindow
 from proto import pb
@@ -17,6 +18,11 @@ WINDOW = 16  # completions per prefill node the rate is measured over
 # same host or PCIe link) and the dispatch gaps take some of it: measured, a float32 burst ran
 # at 0.93x what the prefill node had measured one prompt at a time just before (bfloat16: 1.0x).
 NODE_RATE_MARGIN = 0.9
+LENGTHS_WINDOW = 64  # ended requests the typical output length is taken over
+# a placed request's expected output before any request has ended: a chat answer's length, not
+# its limit (a request without max_tokens may run to the context's end, and taken at that it
+# made a burst of 24 against 16 slots, done in 24 s, estimate 30 s to 170 s and refused 3 of 4)
+OUTPUT_PRIOR_TOKENS = 256
 
 
 class RateMeter:
@@ -57,6 +63,27 @@ class RateMeter:
         """Tokens per second, None before the node's first completion while busy."""
         seen = self._seen.get(node)
         return seen.rate() if seen is not None else None
+
+
+class OutputLengths:
+    """The output tokens of the last `LENGTHS_WINDOW` requests that ended after decoding: how long a
+    placed request holds its decode room. A request's expected tokens left are the smaller of what
+    its limit leaves and this window's mean, whatever it has already made (no length is read from
+    a prompt: past the mean, another mean is as good a guess as any)."""
+
+    def __init__(self) -> None:
+        self._seen: deque[int] = deque(maxlen=LENGTHS_WINDOW)
+
+    def ended(self, tokens: int) -> None:
+        if tokens > 0:
+            self._seen.append(tokens)
+
+    def left(self, made: int, most: int, least: int = 0) -> int:
+        """Expected tokens left of a request that made `made` of at most `most` and at least `least`
+        (its min_tokens; its max_tokens where nothing but its limit can end it: ignore_eos, no stop
+        ids or strings, as benchmark clients send)."""
+        typical = sum(self._seen) / len(self._seen) if self._seen else OUTPUT_PRIOR_TOKENS
+        return max(0, min(most - made, max(math.ceil(typical), least - made)))
 
 
 def node_rate(p: NodeEntry, meter: RateMeter) -> float | None:

@@ -241,3 +241,60 @@ def test_a_prompt_under_way_counts_what_is_left_of_it():
     m.busy("p", now=time.monotonic() - 60.0)  # a node slower than its rate: never less than nothing
     est, _ = estimate(reg, m, 100, 100, ahead_tokens=200, ahead=0, ends=[])
     assert est == pytest.approx(200 / rate, rel=0.01)
+
+
+def test_a_placed_request_is_expected_to_end_at_a_typical_length():
+    """A placed request's tokens left are the recent requests' mean output within its own limit, not
+    the limit: one without max_tokens may run to the context's end, and counted at that a burst of
+    24 requests against 16 slots that was done in 24 s was estimated 30 s to 170 s and refused."""
+    from router.wait_estimate import LENGTHS_WINDOW, OUTPUT_PRIOR_TOKENS, OutputLengths
+
+    lengths = OutputLengths()
+    assert lengths.left(0, 8000) == OUTPUT_PRIOR_TOKENS  # nothing ended yet: a chat answer's length
+    assert lengths.left(0, 16) == 16  # its own limit is nearer
+    lengths.ended(0)  # ended before any token (refused, failed): says nothing of lengths
+    for n in (100, 300, 200):
+        lengths.ended(n)
+    assert lengths.left(0, 8000) == 200
+    assert lengths.left(150, 8000) == 200  # past part of it: another mean to go, as good a guess as any
+    assert lengths.left(7950, 8000) == 50
+    assert lengths.left(8000, 8000) == 0
+    assert lengths.left(10, 8000, least=8000) == 7990  # only its limit ends it (ignore_eos, no stops)
+    assert lengths.left(10, 8000, least=500) == 490  # min_tokens past the typical length
+    assert lengths.left(10, 8000, least=50) == 200
+    for _ in range(LENGTHS_WINDOW):  # the window holds the last LENGTHS_WINDOW ends
+        lengths.ended(40)
+    assert lengths.left(0, 8000) == 40
+
+
+def test_a_prefill_node_is_counted_the_prompt_less_what_it_has_cached():
+    """The prompt tokens counted against a prefill node (its window, admission's estimate) are what
+    it will compute: a conversation's next turn sent where its history is cached counts its new
+    tokens, not the whole history again (counted in full, agents' long shared system prompts had
+    the estimate err long by the size of their prefix per request, and refuse them). Given back,
+    the node's count returns to nothing."""
+    from proto import pb
+    from router.config import RouterConfig
+    from router.policy import make_policy
+    from router.prefill import PrefillPhase
+    from router.prefix import PrefixQuery
+    from router.registry import NodeRegistry
+
+    reg = NodeRegistry()
+    d = reg.register(pb.NodeInfo(node_id="d", kind=pb.NODE_KIND_DECODE))
+    p = reg.register(pb.NodeInfo(node_id="p", kind=pb.NODE_KIND_PREFILL, prefill_ready=True))
+    p.cache.block_size = 16
+    phase = PrefillPhase(RouterConfig(), reg, make_policy("cache-aware"), spawn=lambda c: c.close())
+    first = list(range(100, 164))  # 64 tokens: 4 full pages
+    q1 = PrefixQuery(first)
+    p1, n1 = phase.choose(d, len(first), set(), window=True, q=q1)
+    assert (p1, n1) == (p, 64) and p.inflight_interactive_tokens == 64  # nothing cached yet
+    p.cache.remember(q1, compute=True, ttl_s=60.0)  # as the router does once it placed the prompt
+    turn = first + list(range(500, 540))  # the next turn: the history and 40 new tokens
+    p2, n2 = phase.choose(d, len(turn), set(), window=True, q=PrefixQuery(turn))
+    assert (p2, n2) == (p, len(turn) - 64) and p.inflight_interactive_tokens == 64 + 40
+    phase._given_back(p, n1, ok=True, batch=False)
+    phase._given_back(p, n2, ok=True, batch=False)
+    assert p.inflight_interactive_tokens == p.inflight_prefill_tokens == 0
+    other = list(range(900, 964))  # a prompt sharing none of it: counted in full
+    assert phase.choose(d, len(other), set(), window=True, q=PrefixQuery(other)) == (p, 64)
