@@ -80,6 +80,9 @@ class Abort(msgspec.Struct, tag="abort", frozen=True):
     rank: int
     reason: str
     ended: bool = False  # the request ended (length, stop, or its caller cancelled it) before its push: no fault
+    # the source had the destination's Grant, and a two-sided transport's receives posted for it are
+    # completed (written or drained) before this Abort; False: it never had it, nothing will come
+    granted: bool = True
 
 
 class Release(msgspec.Struct, tag="release", frozen=True):

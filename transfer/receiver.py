@@ -187,6 +187,8 @@ class Receiver(Endpoint):
                 req.dones[msg.rank] = msg
             else:
                 req.quiet.add(msg.rank)
+                if not msg.granted:  # it never had our Grant: nothing comes for the receives posted for it
+                    self.transport.release(req.expects.pop(msg.rank, None), force=True)
                 self._fail(req, f"source rank {msg.rank} aborted: {msg.reason}", ended=msg.ended)
         else:
             self._stale(f"{type(msg).__name__} from {msg.src}: not a receiver message")

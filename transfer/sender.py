@@ -426,6 +426,13 @@ class Sender(Endpoint):
             return
         if any(ch.xfers for ch in req.channels.values()):
             return
+        # a destination that has the Begin may be granting it as the request fails (a client gone at
+        # its first token): wait for its answer, within the grant timeout from the Begin, so that the
+        # receives a two-sided transport posted for that Grant are drained below, not left waiting
+        if time.monotonic() - req.opened_at < self.config.grant_timeout_s and any(
+            ch.granted is None and not ch.closed and ch.peer.agent in self.peers for ch in req.channels.values()
+        ):
+            return
         for ch in req.channels.values():
             if ch.closed or ch.peer.agent not in self.peers:
                 continue
@@ -436,7 +443,15 @@ class Sender(Endpoint):
                 )
             self._send(
                 ch.peer.agent,
-                Abort(req.request_id, ch.dst.incarnation, self.agent, self.rank, req.error or "aborted", req.ended),
+                Abort(
+                    req.request_id,
+                    ch.dst.incarnation,
+                    self.agent,
+                    self.rank,
+                    req.error or "aborted",
+                    req.ended,
+                    granted=ch.granted is True,
+                ),
             )
             ch.closed = True
         req.quiet = True

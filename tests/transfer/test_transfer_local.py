@@ -165,17 +165,47 @@ def test_incompatible_peer_is_refused_at_add_peer():
         rx.close()
 
 
-def test_grant_timeout_then_late_begin_is_settled():
-    model, sc, dc, tx, rx = _pair(grant_timeout_s=0.2)
+@pytest.mark.parametrize("backend", ["nixl", "ucxx"])
+def test_grant_timeout_then_late_begin_is_settled(backend):
+    model, sc, dc, tx, rx = _pair(backend, grant_timeout_s=0.2)
     try:
         blocks, slot = _fill(tx, sc, model)
+        free0 = (rx.blocks.num_free, rx.slots.num_free)
         r = rx.reserve("q", TOKENS)
         s = tx.send("q", rx.target([r.target], "q", TOKENS), blocks, slot, TOKENS, owned=True)
         _drive(tx, until=lambda: s.state.terminal)  # the receiver does not poll: no grant
         assert s.state.value == "failed" and "no grant from destination ranks [0]" in s.error
         assert s.quiet and tx.blocks.num_free == tx.blocks.num_blocks
-        _drive(tx, rx, until=lambda: r.state.terminal and r.freed)  # late Begin granted, then the sender's Abort
+        # the late Begin is granted (receives posted, on a two-sided transport), then the sender's Abort:
+        # the sender never had the Grant, so nothing comes for those receives and the memory is back
+        _drive(tx, rx, until=lambda: r.state.terminal and r.freed, timeout=5.0)
         assert "source rank 0 aborted" in r.error
+        assert (rx.blocks.num_free, rx.slots.num_free) == free0
+    finally:
+        tx.close()
+        rx.close()
+
+
+@pytest.mark.parametrize("backend", ["nixl", "ucxx"])
+def test_a_cancel_crossing_the_grant_frees_the_reservation(backend, caplog):
+    """The caller cancels the push after the sender sent its Begin and before the receiver's Grant
+    reached it (a client that disconnects at its first token): the receiver grants, then reads the
+    Abort. Nothing was or will be written: the reservation's memory is back at once, and the sender
+    took the Grant (it settles after it: a two-sided transport's posted receives are drained, not
+    left behind)."""
+    caplog.set_level("INFO", logger="transfer")
+    model, sc, dc, tx, rx = _pair(backend)
+    try:
+        blocks, slot = _fill(tx, sc, model)
+        free0 = (rx.blocks.num_free, rx.slots.num_free)
+        r = rx.reserve("q", TOKENS)
+        s = tx.send("q", rx.target([r.target], "q", TOKENS), blocks, slot, TOKENS, owned=True)
+        s.abort("cancelled by the caller", ended=True)  # before any poll: the Grant is not back
+        _drive(tx, rx, until=lambda: s.quiet and r.state.terminal and r.freed, timeout=5.0)
+        assert r.state.value == "failed" and "source rank 0 aborted" in r.error
+        assert (rx.blocks.num_free, rx.slots.num_free) == free0
+        assert tx.blocks.num_free == tx.blocks.num_blocks
+        assert not [m for m in caplog.messages if "no such channel" in m], caplog.messages
     finally:
         tx.close()
         rx.close()
