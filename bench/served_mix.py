@@ -1,7 +1,8 @@
 """A mixed OpenAI workload against `pdserve up` (not a test; it looks for what breaks): chat with
 tools (`required`, `auto`), JSON schemas, `n` > 1, logprobs, streams with usage, stop strings,
-client disconnects mid-stream, thinking on and off, sampled and greedy, prompts from a few tokens
-to past `--max-model-len` sharing long system prefixes, and images when the checkpoint takes them.
+client disconnects mid-stream, agents' multi-turn loops with tool results, thinking on and off,
+sampled and greedy, prompts from a few tokens to past `--max-model-len` sharing long system
+prefixes, and images when the checkpoint takes them.
 Reports the answers by status, the node exits and the WARNING / ERROR lines of the cluster's log,
 and whether every KV page and state slot is back once the load is gone. Exit status 1 when a node
 exited, an answer was a 5xx, or memory was not back.
@@ -78,6 +79,34 @@ def _disconnect(base: str, body: dict) -> tuple[int, str]:
         return -1, type(e).__name__
 
 
+def _agent(base: str, body: dict, turns: int = 3) -> tuple[int, str]:
+    """An agent's loop: each turn sends the conversation so far, the assistant's last answer (its
+    tool calls when it made some) and a tool result after it, so every turn after the first
+    repeats a growing prefix (the decode node's own cache, or the prefill pool's). The last
+    turn's answer, or the first that failed."""
+    msgs = list(body["messages"])  # type: ignore[arg-type]
+    code, text = 0, ""
+    for t in range(turns):
+        code, text = _post(base, "/chat/completions", {**body, "messages": msgs}, 900)
+        if code != 200:
+            return code, text
+        choice = json.loads(text)["choices"][0]
+        if choice["finish_reason"] == "length":  # a call cut by max_tokens is no call to run
+            return code, text
+        said = choice["message"]
+        calls = said.get("tool_calls") or []
+        turn: dict[str, object] = {"role": "assistant", "content": said.get("content") or ""}
+        if calls:
+            turn["tool_calls"] = calls
+        msgs.append(turn)
+        for c in calls:
+            msgs.append({"role": "tool", "tool_call_id": c["id"], "content": f"result {t}: " + "ok " * 40})
+        if not calls:
+            msgs.append({"role": "user", "content": f"and then step {t + 1}?"})
+        body = {**body, "tool_choice": "auto"}
+    return code, text
+
+
 def _images(k: int) -> list[str]:
     import numpy as np
     from PIL import Image
@@ -130,6 +159,7 @@ def _request(
         (0.56, "max0", dict(max_tokens=0)),
         (0.66, "stream-usage", dict(stream=True, stream_options={"include_usage": True})),
         (0.74, "disconnect", dict(max_tokens=400)),
+        (0.82, "agent", dict(tools=TOOLS, tool_choice="required", max_tokens=400)),
     ]
     for upto, kind, extra in kinds:
         if q < upto:
@@ -194,9 +224,12 @@ def main() -> int:
 
         def one(i: int) -> tuple[str, int, str]:
             kind, body = _request(args.seed * 100_000 + i, name, systems, images, long_words)
-            code, text = (
-                _disconnect(base, body) if kind == "disconnect" else _post(base, "/chat/completions", body, 900)
-            )
+            if kind == "disconnect":
+                code, text = _disconnect(base, body)
+            elif kind == "agent":
+                code, text = _agent(base, body)
+            else:
+                code, text = _post(base, "/chat/completions", body, 900)
             return kind, code, text
 
         t0 = time.monotonic()
