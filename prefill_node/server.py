@@ -22,7 +22,7 @@ from engine.vision.inputs import ImageInput
 from prefill_node.config import PrefillNodeConfig
 from prefill_node.encoded import EncodedInputs
 from proto import pb, rpc
-from proto.convert import sampling_kwargs
+from proto.convert import logprobs_pb, sampling_kwargs
 from serving.commands import LoopError, RequestHandle, ShuttingDown, UnknownRequest
 from serving.loop import EngineLoop
 from serving.metrics import ServingMetrics, capacity_gauges
@@ -195,12 +195,20 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
                 )
             self._log(rid, len(ids), first, t, out.finish_reason or "", target, out.num_cached_tokens)
             yield pb.PrefillResponse(
-                first_token_id=first, timings=t, finish_reason=out.finish_reason, cached_tokens=out.num_cached_tokens
+                first_token_id=first,
+                timings=t,
+                finish_reason=out.finish_reason,
+                cached_tokens=out.num_cached_tokens,
+                logprobs=logprobs_pb(out.logprobs or ()),
             )
             return
-        # the first token (and MTP drafts), while the push runs
+        # the first token (its logprobs when asked, MTP drafts), while the push runs
         yield pb.PrefillResponse(
-            first_token_id=first, timings=t, draft_token_ids=out.draft_token_ids, cached_tokens=out.num_cached_tokens
+            first_token_id=first,
+            timings=t,
+            draft_token_ids=out.draft_token_ids,
+            cached_tokens=out.num_cached_tokens,
+            logprobs=logprobs_pb(out.logprobs or ()),
         )
         if not context.is_active():
             handle.abort()

@@ -125,7 +125,8 @@ class RequestRun:
         self.tried: set[str] = set()
         self.max_new = 0  # new tokens at most, once placed
         sp = request.sampling
-        self.local = sp.HasField("logprobs") or sp.HasField("prompt_logprobs")  # P returns no logprobs
+        # P returns the first token's logprobs, not the prompt's: those are computed where they are sent
+        self.local = sp.HasField("prompt_logprobs")
         self.sent: list[int] = resume  # the tokens relayed so far: a moved request's output
         self.migration = Migration(svc.cfg.max_migrations, svc.migrations)
         self.push: Push | None = None  # the prefill node's push, kept for its figures after a move
@@ -225,7 +226,12 @@ class RequestRun:
                 self.tr.prefill, self.tr.reserve_s = pre.p.node_id, pre.reserve_s
                 # the first token goes to the client at once, while the push runs
                 yield self._relay(
-                    pb.GenerateResponse(token_ids=[f.first_token_id], finish_reason=f.finish_reason, timings=f.timings),
+                    pb.GenerateResponse(
+                        token_ids=[f.first_token_id],
+                        finish_reason=f.finish_reason,
+                        timings=f.timings,
+                        logprobs=f.logprobs,
+                    ),
                     pre,
                     first=True,
                 )

@@ -152,8 +152,10 @@ def test_chat_with_images_equals_transformers(vl_up, vl_model):
             r = c.generate(prompt=text, images=images, max_tokens=NEW, temperature=0.0, ignore_eos=True)
             assert r.token_ids == want, f"{name}: the SDK's tokens differ from transformers'"
             assert r.prompt_tokens == len(ids) and r.prefill_node == "prefill-0", name
-            # with logprobs the decode node prefills the prompt itself, images and all
-            r = c.generate(prompt=text, images=images, max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=0)
+            # with prompt logprobs the decode node prefills the prompt itself, images and all
+            r = c.generate(
+                prompt=text, images=images, max_tokens=NEW, temperature=0.0, ignore_eos=True, prompt_logprobs=0
+            )
             assert r.token_ids == want and r.prefill_node == "", f"{name}: prefilled on the decode node"
 
 

@@ -93,7 +93,7 @@ def test_echo_logprobs_match_transformers(oai, model, sdk, ckpt, tok, max_tokens
     g = sdk.generate(
         prompt_token_ids=ids, max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=3
     )
-    assert g.prefill_node == ""  # logprobs make the request prefill on the decode node
+    assert g.prefill_node == ""  # prompt logprobs make the request prefill on the decode node
     every = ids + g.token_ids
     ref = _hf_logprobs(ckpt, every)
     for pos, e in enumerate(g.prompt_logprobs + g.logprobs, start=1):  # the entry of token `pos`
@@ -108,6 +108,24 @@ def test_echo_logprobs_match_transformers(oai, model, sdk, ckpt, tok, max_tokens
     assert lp.tokens[: len(ids)] == [tok.decode([t]) for t in ids]
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     assert r.usage.completion_tokens == max_tokens and r.usage.prompt_tokens == len(ids)
+
+
+def test_token_logprobs_come_through_the_prefill_pool(sdk, ckpt):
+    """A request asking for its tokens' logprobs (not the prompt's) is prefilled by the prefill node,
+    which sends the first token's logprobs with it; the decode node sends the rest. Each equals the
+    log-softmax of transformers' float32 logits at its position, top entries in order. (Such
+    requests used to be prefilled on the decode node, a long prompt stalling its streams.)"""
+    ids = hc.prompts(lens=[150], seed=77)[0]
+    r = sdk.generate(prompt_token_ids=ids, max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2)
+    assert r.prefill_node == "prefill-0" and r.transfer_bytes > 0
+    ref = _hf_logprobs(ckpt, ids + r.token_ids)
+    assert [e.token_id for e in r.logprobs] == r.token_ids
+    for k, e in enumerate(r.logprobs):
+        row = ref[len(ids) + k - 1]
+        assert e.logprob == pytest.approx(row[e.token_id].item(), abs=1e-4), k
+        vals, top_ids = torch.topk(row, 2)
+        assert [v for _, v in e.top] == pytest.approx(vals.tolist(), abs=1e-4), k
+        assert e.top[0][0] == top_ids[0].item()
 
 
 def test_chat_top_logprobs_in_order(oai, model, ckpt):
@@ -166,8 +184,9 @@ def test_penalties_match_naive_reference(oai, model, sdk, ckpt):
 
 
 def test_logit_bias_matches_transformers(oai, model, sdk, ckpt, tok):
-    """HTTP and the SDK, through the prefill node (which samples the first token) and prefilled on
-    the decode node (logprobs), against transformers' generate with its own additive bias."""
+    """HTTP and the SDK, through the prefill node (which samples the first token, and with logprobs
+    sends its logprobs: the model's own, before the bias), against transformers' generate with
+    its own additive bias."""
     import openai
 
     from client import PdserveError
@@ -179,11 +198,11 @@ def test_logit_bias_matches_transformers(oai, model, sdk, ckpt, tok):
     assert want[0] == torch.topk(hc.hf_last_logits(ckpt, prompt), 2).indices[1].item() and want != plain
     g = sdk.generate(prompt_token_ids=prompt, max_tokens=n, temperature=0.0, ignore_eos=True, logit_bias=bias)
     assert g.token_ids == want and g.prefill_node
-    local = sdk.generate(
+    lp = sdk.generate(
         prompt_token_ids=prompt, max_tokens=n, temperature=0.0, ignore_eos=True, logit_bias=bias, logprobs=1
     )
-    assert local.token_ids == want and local.prefill_node == ""
-    assert local.logprobs[0].top[0][0] == plain[0]  # the model's own log-probabilities, before the bias
+    assert lp.token_ids == want and lp.prefill_node == "prefill-0"
+    assert lp.logprobs[0].top[0][0] == plain[0]  # the model's own log-probabilities, before the bias
     http_bias = {str(t): b for t, b in bias.items()}
     r = oai.completions.create(model=model, prompt=prompt, max_tokens=n, logit_bias=http_bias, **GREEDY)
     assert r.choices[0].text == g.text == tok.decode(want)
