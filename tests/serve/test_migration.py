@@ -205,9 +205,10 @@ def test_drain_hands_long_streams_off(ckpt):
     its longest stream would end); its streams move and complete with transformers' tokens."""
     import time
 
-    n = 400
+    # 1,200 tokens: about 5 s at CI's 4 ms a token, under way when the drain hands off after 0.1 s
+    # (400 had all ended on CI before the SIGTERM, the four prompts' prefills taking their turns)
+    n = 1200
     ps = hc.prompts(lens=(30, 60, 45, 75), seed=29)
-    # hand off after 0.1 s: at 2 ms a token a 400-token stream ends within a second of its start
     u = Up("--model", ckpt, "--dtype", "float32", "--decode", "2", "--prefill", "1", "--drain-handoff", "0.1",
            "--drain-timeout", "120")  # fmt: skip
     exited: list[float] = []
