@@ -66,7 +66,11 @@ class RouterConfig(ImageArgs, SecurityArgs):
         "seconds a decode reservation lives without a renewal; prefill nodes renew it while they work on "
         "the request, so it runs out only for a dead or hung prefill node",
     )
-    prefill_timeout_s: float = option(120.0, "seconds one Prefill call (queue + compute + push) may take")
+    prefill_timeout_s: float = option(
+        120.0,
+        "seconds one Prefill call (queue + compute + push) may take, plus twice its prompt's time at the "
+        "prefill node's measured rate",
+    )
     # The encode pool (docs/images.md): past this the prefill node encodes the images itself.
     encode_timeout_s: float = option(30.0, "seconds one Encode call (encode + push into the prefill node) may take")
     # Conditional disaggregation by load: counts a node's last report plus what the router sent since.

@@ -17,8 +17,10 @@ from router.encode import EncodePool
 from router.errors import Abort, DecodeFailed
 from router.prefix import PrefixQuery
 from router.registry import NodeEntry, NodeRegistry
-from router.wait_estimate import RateMeter
+from router.wait_estimate import RateMeter, node_rate
 from serving.rpc import is_draining
+
+PREFILL_DEADLINE_MARGIN = 2.0  # a Prefill call's deadline allows twice its tokens' time at the node's rate
 
 log = logging.getLogger("pdserve.router")
 
@@ -272,7 +274,7 @@ class PrefillPhase:
             rid = request_id if attempt == 0 else f"{request_id}~{attempt}"
             ok = False
             try:
-                push = await self._attempt(d, p, request, ids, rid, images)
+                push = await self._attempt(d, p, request, ids, rid, images, self.deadline_s(p, counted))
                 ok = True
                 return push
             except _Failed as f:
@@ -285,8 +287,22 @@ class PrefillPhase:
                 self._given_back(p, counted, ok, batch)
                 p = None
 
+    def deadline_s(self, p: NodeEntry, tokens: int) -> float:
+        """How long one Prefill call on p may take: --prefill-timeout plus twice the time its
+        measured rate gives `tokens` (a long prompt on a slow node is work, not a hang: on a
+        2-core box a 60,000-token prompt ran past a fixed 120 s). Before any rate: the timeout."""
+        rate = node_rate(p, self.meter)
+        return self.cfg.prefill_timeout_s + (PREFILL_DEADLINE_MARGIN * tokens / rate if rate else 0.0)
+
     async def _attempt(
-        self, d: NodeEntry, p: NodeEntry, request, ids: list[int], rid: str, images: Sequence[pb.ImageInput]
+        self,
+        d: NodeEntry,
+        p: NodeEntry,
+        request,
+        ids: list[int],
+        rid: str,
+        images: Sequence[pb.ImageInput],
+        deadline_s: float,
     ) -> Push:
         """One reservation and one Prefill call, to P's first token."""
         encoded: list[bytes] = []
@@ -313,7 +329,7 @@ class PrefillPhase:
                     images=images,
                     encoded=encoded,
                 ),
-                timeout=self.cfg.prefill_timeout_s,
+                timeout=deadline_s,
             )
             first = await call.read()
             if first is grpc.aio.EOF:  # a stream with no message: a broken node

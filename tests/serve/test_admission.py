@@ -298,3 +298,25 @@ def test_a_prefill_node_is_counted_the_prompt_less_what_it_has_cached():
     assert p.inflight_interactive_tokens == p.inflight_prefill_tokens == 0
     other = list(range(900, 964))  # a prompt sharing none of it: counted in full
     assert phase.choose(d, len(other), set(), window=True, q=PrefixQuery(other)) == (p, 64)
+
+
+def test_a_prefill_calls_deadline_grows_with_its_prompt():
+    """--prefill-timeout plus twice the prompt's time at the node's measured rate: a long prompt on
+    a slow node is work, not a hang (on a 2-core box a 60,000-token prompt ran past a fixed 120 s
+    and the client got 504). Before any rate is known, the timeout alone."""
+    from proto import pb
+    from router.config import RouterConfig
+    from router.policy import make_policy
+    from router.prefill import PREFILL_DEADLINE_MARGIN, PrefillPhase
+    from router.registry import NodeRegistry
+    from router.wait_estimate import NODE_RATE_MARGIN
+
+    reg = NodeRegistry()
+    p = reg.register(pb.NodeInfo(node_id="p", kind=pb.NODE_KIND_PREFILL, prefill_ready=True))
+    cfg = RouterConfig()
+    phase = PrefillPhase(cfg, reg, make_policy("cache-aware"), spawn=lambda c: c.close())
+    assert phase.deadline_s(p, 60_000) == cfg.prefill_timeout_s  # nothing measured yet
+    p.info.prefill_tokens_per_s = 500.0
+    rate = 500.0 * NODE_RATE_MARGIN
+    assert phase.deadline_s(p, 60_000) == pytest.approx(cfg.prefill_timeout_s + PREFILL_DEADLINE_MARGIN * 60_000 / rate)
+    assert phase.deadline_s(p, 100) == pytest.approx(cfg.prefill_timeout_s + PREFILL_DEADLINE_MARGIN * 100 / rate)
