@@ -140,11 +140,12 @@ def estimate(
         if not tokens:
             return wait, what
         pool = [p for p in registry.routable(pb.NODE_KIND_PREFILL) if p.info.prefill_ready]
-        rated = [(p, r) for p in pool if (r := node_rate(p, meter)) is not None]
-        if not rated:
+        rates = {p.node_id: node_rate(p, meter) for p in pool}
+        measured = [r for r in rates.values() if r is not None]
+        if not measured:
             return wait, what + "; no prefill measured yet"
         # a node not measured yet counts at the mean rate of those that are
-        rate = sum(r for _, r in rated) / len(rated) * len(pool)
+        rate = sum(measured) / len(measured) * len(pool)
         if batch:
             outstanding = sum(p.queued_prefill_tokens() for p in pool)
         else:
@@ -152,9 +153,9 @@ def estimate(
             # computed of them since its last completion (a long prompt half done waits half)
             now = time.monotonic()
             outstanding = sum(
-                max(0, p.inflight_interactive_tokens - int(r * meter.since(p.node_id, now))) for p, r in rated
+                max(0, p.inflight_interactive_tokens - int((rates[p.node_id] or 0.0) * meter.since(p.node_id, now)))
+                for p in pool
             )
-            outstanding += sum(p.inflight_interactive_tokens for p in pool if node_rate(p, meter) is None)
     work = outstanding + ahead_tokens
     pre = work / rate
     pre_what = f"{work:,} prompt tokens ahead at {rate:,.0f} tokens/s"
