@@ -55,7 +55,7 @@ class LeastLoaded:
     def decode_key(e: NodeEntry):
         c = e.info.capacity
         free = min(e.est_free_slots() / max(1, c.total_slots), e.est_free_blocks() / max(1, c.total_blocks))
-        return (-round(free, 3), max(c.running, e.inflight), e.node_id)
+        return (-round(free, 3), e.est_running(), e.node_id)
 
     def choose_decode(self, nodes, prompt_len, q=None, pooled=None):
         ok = [e for e in nodes if fits_decode(e, prompt_len)]

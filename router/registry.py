@@ -99,6 +99,11 @@ class NodeEntry:
         c = self.info.capacity
         return min(c.free_blocks + self.freed_blocks, c.total_blocks - self.inflight_blocks)
 
+    def est_running(self) -> int:
+        """Requests running on the node: its last report less those the router saw end since (a
+        heartbeat can lag a request's end), at least the router's own in flight there."""
+        return max(self.info.capacity.running - self.freed_slots, self.inflight)
+
     def reported(self) -> None:
         """A fresh capacity report arrived: it includes what the router saw finish."""
         self.last_seen = time.monotonic()

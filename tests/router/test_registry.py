@@ -162,6 +162,22 @@ def test_least_loaded_policy():
         make_policy("random")
 
 
+def test_a_request_that_ended_since_the_report_is_not_counted_running():
+    """A node's report lags a request's end by up to a heartbeat: the router saw it end (its
+    stream), so an idle node whose last report still shows it running ties with another idle node
+    (the first id wins), and is not passed over for the node that ran a request after it."""
+    from router.policy import make_policy
+    from router.registry import NodeEntry
+
+    pol = make_policy("least-loaded")
+    d0 = NodeEntry(_info("d0", "x:1", free_slots=7, free_blocks=90, running=1))  # reported mid-request
+    d1 = NodeEntry(_info("d1", "x:2", free_slots=8, free_blocks=90))
+    d0.freed_slots = 1  # ... which ended since (RouterService.done)
+    assert d0.est_running() == 0 and pol.choose_decode([d0, d1], 10) is d0
+    d0.inflight = 1  # one of the router's own is placed there now
+    assert d0.est_running() == 1 and pol.choose_decode([d0, d1], 10) is d1
+
+
 class _FakeDecode(rpc.DecodeNodeServicer):
     def __init__(self):
         self.address = ""
