@@ -248,9 +248,16 @@ def main() -> int:
     print(f"{args.requests} requests at {args.concurrency} at once in {took:.0f} s")
     for (kind, code), n in sorted(Counter((k, c) for k, c, _ in got).items()):
         print(f"  {kind:15s} {code:4d} x{n}")
-    errors = Counter(re.sub(r"\b[0-9a-f]{32}\b(-\d+)?", "<id>", t[:160]) for _, c, t in got if c >= 400)
-    for text, n in errors.most_common(8):
-        print(f"  x{n}: {text}")
+    # one line per kind of answer (ids and figures as #), the first of its kind in full
+    errors: Counter[str] = Counter()
+    first: dict[str, str] = {}
+    for _, c, t in got:
+        if c >= 400:
+            key = re.sub(r"\b[0-9a-f]{32}\b(-\d+)?|\d+(\.\d+)?", "#", t)[:160]
+            errors[key] += 1
+            first.setdefault(key, t[:160])
+    for key, n in errors.most_common(8):
+        print(f"  x{n}: {first[key]}")
     exits = re.findall(r"^pdserve up: .* exited with status .*$", log_text, re.M)
     warns = Counter(
         re.sub(r"\b[0-9a-f]{32}\b(-\d+)?|\d+(\.\d+)?", "#", ln.split(" ", 3)[-1])[:200]

@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from proto import pb
+from router import structured_fields
 from router.client_hints import HINTS, from_headers
 from router.errors import Abort
 from router.http_limits import check_expansion, read_json
@@ -136,6 +137,10 @@ class OpenAIFront:
             if prep.constraint is not None:
                 sp.constraint.CopyFrom(prep.constraint)
             images = await self.service.images.prepare(prep.images) if prep.images else []
+        else:
+            c = structured_fields.constraint(req)
+            if c is not None:
+                sp.constraint.CopyFrom(c)
         ps = [prep.prompt] if prep is not None else prompts(req)
         echo = not chat and req.echo
         n, rid = req.n, uuid.uuid4().hex

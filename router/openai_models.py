@@ -136,6 +136,16 @@ class _Request(BaseModel):
     tool_choice: Any = None
     function_call: Any = None
     response_format: Any = None
+    # the structured-output fields other engines' clients send (router/structured_fields.py)
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None  # accepted, not used: one backend
+    guided_whitespace_pattern: Any = None  # accepted, not used: JSON whitespace is bounded already
+    regex: Any = None
+    ebnf: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -215,9 +225,6 @@ def _refuse_unsupported(req: _Request) -> None:
     for name in ("function_call",) if chat else ("tool_choice", "function_call"):
         if getattr(req, name) not in (None, "none", "auto"):
             raise bad(f"'{name}' is not supported (no tools)", name)
-    rf = req.response_format
-    if not chat and rf not in (None, {}) and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad("'response_format' is a chat option", "response_format")
     if req.best_of not in (None, req.n):
         raise bad("best_of other than n is not supported", "best_of")
 

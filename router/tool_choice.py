@@ -1,5 +1,6 @@
-"""`tools`, `tool_choice` and `response_format` of a chat request -> what the router does with the
-output: whether calls are parsed, and the Constraint (proto `Constraint`) the decoding obeys.
+"""`tools`, `tool_choice` and the output constraint (router/structured_fields.py) of a chat
+request -> what the router does with the output: whether calls are parsed, and the Constraint
+(proto `Constraint`) the decoding obeys.
 
 `tool_choice` `none`: calls are not parsed (the text stays content); `auto` (the default with
 tools): calls are parsed; `required`: at least one call (exactly one with `parallel_tool_calls`
@@ -7,8 +8,8 @@ false); a named function: exactly one call of it. `required` and named calls are
 Lark grammar (llguidance's dialect) of the checkpoint's call format whose values follow each
 tool's parameter schema: in the XML format a string parameter is text without `</`, an enum one
 of its strings, any other a JSON value of its schema (`%json`); required parameters in the
-schema's order, optional ones may follow in that order. `response_format` `json_object` and
-`json_schema` become the JSON constraints. With the template's think block open in the prompt the
+schema's order, optional ones may follow in that order; the other constraints (`response_format`
+and the like) exclude them. With the template's think block open in the prompt the
 constraint starts after `</think>` (`start_after_token`), so the reasoning stays free."""
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Any
 
 from engine.structured.grammar import WHITESPACE
 from proto import pb
-from router.openai_models import ApiError, ChatRequest, bad
+from router import structured_fields
+from router.openai_models import ChatRequest, bad
 from router.parsers.tool_calls import ToolFormat
 
 
@@ -72,7 +74,7 @@ def plan(req: ChatRequest, fmt: ToolFormat | None, think_close: int | None) -> T
         )
     if choice in ("required", "named") and not tools:
         raise bad(f"'tool_choice' {choice} needs 'tools'", "tool_choice")
-    constraint = _response_format(req.response_format)
+    constraint = structured_fields.constraint(req)
     if not tools or choice == "none":
         return ToolPlan(False, _start(constraint, think_close))
     if fmt is None:
@@ -85,7 +87,10 @@ def plan(req: ChatRequest, fmt: ToolFormat | None, think_close: int | None) -> T
         return ToolPlan(False, _start(constraint, think_close))
     if choice in ("required", "named"):
         if constraint is not None:
-            raise bad("'response_format' and a required tool call exclude each other", "response_format")
+            raise bad(
+                "a required tool call and a response format (or another output constraint) exclude each other",
+                "tool_choice",
+            )
         fns = [t["function"] for t in tools]
         if named is not None:
             fns = [f for f in fns if f["name"] == named]
@@ -100,25 +105,6 @@ def _start(c: pb.Constraint | None, think_close: int | None) -> pb.Constraint | 
     if c is not None and think_close is not None:
         c.start_after_token = think_close
     return c
-
-
-def _response_format(rf: Any) -> pb.Constraint | None:
-    if rf in (None, {}) or isinstance(rf, dict) and rf.get("type") == "text":
-        return None
-    kind = rf.get("type") if isinstance(rf, dict) else None
-    if kind == "json_object":
-        return pb.Constraint(json_object=True)
-    if kind == "json_schema":
-        js = rf.get("json_schema")
-        schema = js.get("schema") if isinstance(js, dict) else None
-        if not isinstance(schema, dict):
-            raise bad(
-                "response_format json_schema needs 'json_schema': {'name': ..., 'schema': {...}}", "response_format"
-            )
-        return pb.Constraint(json_schema=json.dumps(schema))
-    raise ApiError(
-        400, f"response_format type must be text, json_object or json_schema (got {kind!r})", param="response_format"
-    )
 
 
 # ---- the call grammars ----------------------------------------------------------------------------

@@ -217,6 +217,51 @@ def test_response_format_json(oai, model, hf, thinking):
     assert isinstance(json.loads(obj), dict)
 
 
+def test_other_engines_structured_output_fields_constrain(oai, model, hf):
+    """vLLM's `structured_outputs` and `guided_*` fields, SGLang's `regex`, and `response_format`
+    on completions: each constrains the output (a random model's free text matches none of them);
+    a GBNF grammar is taken as a grammar."""
+    import re
+
+    import jsonschema
+
+    kw = dict(model=model, temperature=0.0, max_tokens=24)
+    prompt = "Answer:"
+    choices = ["yes", "no", "maybe"]
+
+    def text(**extra) -> str:
+        return oai.completions.create(prompt=prompt, extra_body=extra, **kw).choices[0].text
+
+    free = text()
+    assert free not in choices and not re.fullmatch(r"[0-9]{3}-[a-c]{2}", free)
+    assert text(structured_outputs={"choice": choices}) in choices
+    assert text(guided_choice=choices) in choices
+    assert re.fullmatch(r"[0-9]{3}-[a-c]{2}", text(guided_regex=r"[0-9]{3}-[a-c]{2}"))
+    assert re.fullmatch(r"[0-9]{2}:[xy]{2}", text(regex=r"[0-9]{2}:[xy]{2}"))
+    gbnf = 'root ::= "id-" digit digit digit\ndigit ::= [0-9]'
+    assert re.fullmatch(r"id-[0-9]{3}", text(structured_outputs={"grammar": gbnf}))
+    assert re.fullmatch(r"id-[0-9]{3}", text(guided_grammar='start: "id-" D D D\nD: /[0-9]/'))
+    schema = {
+        "type": "object",
+        "properties": {"k": {"type": "integer"}},
+        "required": ["k"],
+        "additionalProperties": False,
+    }
+    jsonschema.validate(json.loads(text(guided_json=schema)), schema)
+    rf = {"response_format": {"type": "json_schema", "json_schema": {"name": "k", "schema": schema}}}
+    r = oai.completions.create(prompt=prompt, extra_body=rf, **kw).choices[0]
+    assert r.finish_reason == "stop"
+    jsonschema.validate(json.loads(r.text), schema)
+    # chat, the think block left open: the reasoning is free, the answer one of the choices
+    bias = {str(hf.convert_tokens_to_ids("</think>")): 100}
+    m = oai.chat.completions.create(
+        messages=MESSAGES,
+        extra_body={"guided_choice": choices, "chat_template_kwargs": {"enable_thinking": True}, "logit_bias": bias},
+        **kw,
+    ).choices[0]
+    assert m.message.content in choices and m.finish_reason == "stop"
+
+
 def test_bad_agent_inputs_are_400s(oai, model, base_url_agents):
     """Malformed tools, tool choices, formats, messages and Responses items: a 400 each, never a
     500, and the server keeps answering."""
@@ -273,6 +318,13 @@ def test_bad_agent_inputs_are_400s(oai, model, base_url_agents):
             },
         ),
         ("chat/completions", {"messages": user, "response_format": "json"}),
+        ("chat/completions", {"messages": user, "structured_outputs": {"choice": ["a"], "regex": "a"}}),
+        ("chat/completions", {"messages": user, "structured_outputs": {"structural_tag": "x"}}),
+        ("chat/completions", {"messages": user, "guided_choice": []}),
+        ("chat/completions", {"messages": user, "guided_json": {}, "response_format": {"type": "json_object"}}),
+        ("completions", {"prompt": "x", "guided_regex": "("}),
+        ("completions", {"prompt": "x", "guided_grammar": "root ::= ("}),
+        ("completions", {"prompt": "x", "structured_outputs": {"json": "{not json"}}),
         ("chat/completions", {"messages": user, "chat_template_kwargs": [1]}),
         ("chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": "x"}]}),
         ("chat/completions", {"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{"}}]}]}),

@@ -1,0 +1,129 @@
+"""The structured-output fields of a chat or completions body -> one proto `Constraint`.
+
+Clients write the same constraint several ways, and each is read here rather than ignored (an
+ignored field would return unconstrained text that looks like an answer):
+- OpenAI's `response_format` (`json_object`, `json_schema`), on chat and on completions;
+- vLLM's `structured_outputs` object: exactly one of `json` (a schema, object or JSON text),
+  `regex`, `choice` (a list of strings), `grammar`, `json_object` (true);
+- vLLM's older top-level `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`
+  (`guided_decoding_backend` and `guided_whitespace_pattern` are accepted and not used: the
+  engine has one backend and bounds JSON whitespace itself, docs/api.md);
+- SGLang's top-level `regex` and `ebnf`.
+A grammar is llguidance's Lark dialect or GBNF (llama.cpp's and xgrammar's `root ::= ...`),
+converted to Lark here. Two fields naming constraints at once are a 400 naming both."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from proto import pb
+from router.openai_models import ApiError, bad
+
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM's structured_outputs options that change nothing here: the engine has one backend (no
+# fallback to choose), and its JSON whitespace is bounded already
+IGNORED_KEYS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def constraint(req: Any) -> pb.Constraint | None:
+    """The request's constraint (None: free text); ApiError 400 naming the field that is wrong."""
+    found: list[tuple[str, pb.Constraint]] = []
+    c = response_format(req.response_format)
+    if c is not None:
+        found.append(("response_format", c))
+    so = req.structured_outputs
+    if so is not None:
+        found.append(("structured_outputs", _structured(so)))
+    for name in GUIDED:
+        v = getattr(req, name)
+        if v is not None:
+            found.append((name, _one(name, name.removeprefix("guided_"), v)))
+    for name, kind in (("regex", "regex"), ("ebnf", "grammar")):
+        v = getattr(req, name)
+        if v is not None:
+            found.append((name, _one(name, kind, v)))
+    if len(found) > 1:
+        a, b = found[0][0], found[1][0]
+        raise bad(f"'{a}' and '{b}' both constrain the output: send one", b)
+    return found[0][1] if found else None
+
+
+def response_format(rf: Any) -> pb.Constraint | None:
+    """OpenAI's `response_format`: text (None), json_object or json_schema."""
+    if rf in (None, {}) or isinstance(rf, dict) and rf.get("type") == "text":
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "json_object":
+        return pb.Constraint(json_object=True)
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        schema = js.get("schema") if isinstance(js, dict) else None
+        if not isinstance(schema, dict):
+            raise bad(
+                "response_format json_schema needs 'json_schema': {'name': ..., 'schema': {...}}", "response_format"
+            )
+        return pb.Constraint(json_schema=json.dumps(schema))
+    raise ApiError(
+        400, f"response_format type must be text, json_object or json_schema (got {kind!r})", param="response_format"
+    )
+
+
+def _structured(so: Any) -> pb.Constraint:
+    if not isinstance(so, dict):
+        raise bad(
+            f"'structured_outputs' must be an object with one of {', '.join(STRUCTURED_KEYS)}", "structured_outputs"
+        )
+    unknown = sorted(k for k in so if k not in STRUCTURED_KEYS and k not in IGNORED_KEYS)
+    if unknown:
+        raise bad(
+            f"'structured_outputs' {', '.join(unknown)} not supported (supported: {', '.join(STRUCTURED_KEYS)})",
+            "structured_outputs",
+        )
+    named = [k for k in STRUCTURED_KEYS if so.get(k) not in (None, False)]
+    if len(named) != 1:
+        raise bad(
+            f"'structured_outputs' needs exactly one of {', '.join(STRUCTURED_KEYS)} (got {len(named)})",
+            "structured_outputs",
+        )
+    return _one(f"structured_outputs.{named[0]}", named[0], so[named[0]])
+
+
+def _one(param: str, kind: str, v: Any) -> pb.Constraint:
+    """One constraint of `kind` (json, regex, choice, grammar, json_object) from the value the
+    client sent under `param`."""
+    if kind == "json":
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError as e:
+                raise bad(f"'{param}' is not JSON: {e}", param) from None
+        if not isinstance(v, dict):
+            raise bad(f"'{param}' must be a JSON schema object (got {type(v).__name__})", param)
+        return pb.Constraint(json_schema=json.dumps(v))
+    if kind == "json_object":
+        if v is not True:
+            raise bad(f"'{param}' must be true (got {v!r})", param)
+        return pb.Constraint(json_object=True)
+    if kind == "choice":
+        if not isinstance(v, list) or not v or not all(isinstance(s, str) for s in v):
+            raise bad(f"'{param}' must be a non-empty list of strings", param)
+        return pb.Constraint(choice=pb.ChoiceList(choices=v))
+    if not isinstance(v, str) or not v.strip():
+        raise bad(f"'{param}' must be a non-empty string", param)
+    if kind == "regex":
+        return pb.Constraint(regex=v)
+    return pb.Constraint(grammar=_lark(param, v))
+
+
+def _lark(param: str, text: str) -> str:
+    """A grammar in llguidance's Lark dialect; GBNF (`name ::= ...` rules) is converted."""
+    from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax  # noqa: PLC0415 (the router's only use)
+
+    if is_lark_syntax(text):
+        return text
+    try:
+        return gbnf_to_lark(text)
+    except Exception as e:  # noqa: BLE001 (the converter raises its own error types)
+        raise bad(f"'{param}' is neither a Lark grammar nor GBNF that converts to one: {e}", param) from None
