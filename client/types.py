@@ -162,6 +162,8 @@ def build_request(
     admission_timeout_s: float | None = None,
     priority: str | None = None,
     images: Sequence[bytes | str | os.PathLike[str]] = (),
+    include_stop_str_in_output: bool = False,
+    skip_special_tokens: bool | None = None,
 ) -> pb.GenerateRequest:
     """Unset options (None) take the server's defaults. docs/api.md describes each. `images`: the
     prompt's, in order, each encoded bytes, a file path or a URL (data:, or http(s) for a router
@@ -176,6 +178,7 @@ def build_request(
         min_tokens=min_tokens,
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
+        include_stop_str_in_output=include_stop_str_in_output,
     )
     for name, v in (
         ("repetition_penalty", repetition_penalty),
@@ -183,6 +186,7 @@ def build_request(
         ("prompt_logprobs", prompt_logprobs),
         ("num_speculative_tokens", num_speculative_tokens),
         ("min_p", min_p),
+        ("skip_special_tokens", skip_special_tokens),
     ):
         if v is not None:
             setattr(sp, name, v)

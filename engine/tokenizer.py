@@ -27,8 +27,8 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # `encode` and `decode` hold the GIL while they work; the batch calls release it, so these are
     # what a thread off an event loop calls (a 2 MB text takes seconds to encode).

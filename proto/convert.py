@@ -43,6 +43,10 @@ def image_kwargs(images: Iterable[pb.ImageInput], need_data: bool = True) -> lis
     return out
 
 
+# SamplingParams fields about the output's text, applied by the router (the nodes see token ids only)
+ROUTER_FIELDS = frozenset({"stop", "include_stop_str_in_output", "skip_special_tokens"})
+
+
 class SamplingKwargs(TypedDict, total=False):
     """Keyword arguments of the engine's SamplingParams (named here, not imported)."""
 
@@ -101,7 +105,7 @@ def sampling_kwargs(sp: pb.SamplingParams) -> SamplingKwargs:
         kw["constraint"] = constraint_kwargs(sp.constraint)
     if sp.priority:  # PRIORITY_INTERACTIVE -> 0, PRIORITY_BATCH -> 1; an unknown value is the engine's to refuse
         kw["priority"] = sp.priority - pb.PRIORITY_INTERACTIVE
-    return kw  # `stop` (text) is the router's: nodes see token ids only
+    return kw  # ROUTER_FIELDS are the router's: nodes see token ids only
 
 
 def constraint_kwargs(c: pb.Constraint) -> ConstraintKwargs:

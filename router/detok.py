@@ -9,16 +9,18 @@ from __future__ import annotations
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, context_ids: list[int] = ()):
+    def __init__(self, tokenizer, context_ids: list[int] = (), skip_special_tokens: bool = True):
         self.tok = tokenizer
+        # special tokens (<|im_end|>) left out of the text, or decoded too (the request's choice)
+        self.kw = {} if skip_special_tokens else {"skip_special_tokens": False}
         self.ids: list[int] = list(context_ids[-4:])  # a little prompt context for leading spaces
         self.prefix = 0
         self.read = len(self.ids)
 
     def push(self, new_ids: list[int], final: bool = False) -> str:
         self.ids.extend(new_ids)
-        before = self.tok.decode(self.ids[self.prefix : self.read])
-        after = self.tok.decode(self.ids[self.prefix :])
+        before = self.tok.decode(self.ids[self.prefix : self.read], **self.kw)
+        after = self.tok.decode(self.ids[self.prefix :], **self.kw)
         if after.endswith("\ufffd") and not final:
             return ""
         delta = after[len(before) :]

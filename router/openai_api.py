@@ -10,7 +10,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
 from contextlib import aclosing
 from pathlib import Path
 
@@ -147,6 +147,7 @@ class OpenAIFront:
         check_expansion(len(ps), n, self.service.expansion_limit())
         job = Job(model, chat, rid, n, req.no_output, sp.logprobs if sp.HasField("logprobs") else None)
         job.output = prep.output if prep is not None else None
+        job.token_ids, job.ids_as_text = bool(req.return_token_ids), bool(req.return_tokens_as_token_ids)
         job.images = images
         for j, p in enumerate(ps):
             base = pb.GenerateRequest(sampling=sp)
@@ -213,6 +214,8 @@ class OpenAIFront:
                 choices[i].add(c)
         out = job.head(chunk=False)
         out["choices"] = [c.whole() for c in choices]
+        if job.chat and job.token_ids:  # one prompt for every choice
+            out["prompt_token_ids"] = choices[0].prompt_ids if choices else []
         out["usage"] = usage(choices)
         return _json(200, out)
 
@@ -246,15 +249,28 @@ class OpenAIFront:
         head = job.head(chunk=True)
 
         async def body() -> AsyncIterator[bytes]:
+            roles = job.chat  # chat opens each choice with its role, before the first event's delta
+
+            def opening(prompt_ids) -> Iterator[bytes]:
+                for k, ch in enumerate(choices):
+                    role = {"index": ch.index, "delta": {"role": "assistant", "content": ""}}
+                    obj = dict(head, choices=[dict(role, logprobs=None, finish_reason=None)])
+                    if k == 0 and job.token_ids:  # the prompt's ids, once, on the stream's first chunk
+                        obj["prompt_token_ids"] = list(prompt_ids)
+                    yield _sse(obj)
+
             try:
-                if job.chat:
-                    for c in choices:
-                        role = {"index": c.index, "delta": {"role": "assistant", "content": ""}}
-                        yield _sse(dict(head, choices=[dict(role, logprobs=None, finish_reason=None)]))
                 async for i, c in ev:
+                    if roles:
+                        roles = False
+                        for b in opening(c.prompt_token_ids):
+                            yield b
                     d = choices[i].delta(c)
                     if d is not None:
                         yield _sse(dict(head, choices=[d]))
+                if roles:
+                    for b in opening(()):
+                        yield b
                 if include_usage:
                     yield _sse(dict(head, choices=[], usage=usage(choices)))
             except Abort as a:  # mid-stream: an error event, then the end

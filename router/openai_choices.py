@@ -36,6 +36,8 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
     output: Callable[[], ChatOutput] | None = None  # chat: each choice's output parsers
     images: list[Prepared] = field(default_factory=list)  # chat: the prompt's images, decoded once for every choice
+    token_ids: bool = False  # return_token_ids: the prompt's and each choice's token ids in the answer
+    ids_as_text: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:N"
 
     def head(self, chunk: bool) -> dict:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -61,6 +63,8 @@ class Choice:
         self.offset = 0  # completions text_offset of the next token
         self.started = False
         self.out = job.output() if job.output is not None else None
+        self.prompt_ids: list[int] = []  # the prompt the nodes got (return_token_ids)
+        self.ids: list[int] = []  # the tokens returned (return_token_ids)
 
     def _take(self, c: Chunk) -> tuple[str, list]:
         """The text and logprob entries this chunk adds (echo: the prompt's on the first)."""
@@ -68,6 +72,7 @@ class Choice:
         if not self.started:
             self.started = True
             self.prompt_tokens, self.cached_tokens = c.prompt_tokens, c.cached_tokens
+            self.prompt_ids = list(c.prompt_token_ids)
             echo, ids = self.job.echoes[self.index], self.job.prompt_ids[self.index]
             if echo is not None:
                 text = echo
@@ -78,6 +83,8 @@ class Choice:
             text += c.text
             entries += list(c.logprobs)
             self.n += len(c.token_ids)
+            if self.job.token_ids:
+                self.ids += c.token_ids
         self.finish = c.finish_reason or self.finish
         return text, entries
 
@@ -105,12 +112,17 @@ class Choice:
             out["logprobs"] = lp
         else:
             out.update(text="".join(self.text), logprobs=lp)
+            if self.job.token_ids:
+                out["prompt_token_ids"] = self.prompt_ids
+        if self.job.token_ids:
+            out["token_ids"] = self.ids
         return out
 
     def delta(self, c: Chunk) -> dict | None:
         """The stream delta of this chunk; None when it adds nothing. A chunk with new tokens is an
         event even when their text is held back (an incomplete character, the start of a possible
         stop string): each token reaches the client in the step it is made, its text follows."""
+        first = not self.started
         text, entries = self._take(c)
         ended = bool(c.finish_reason)
         out = self.out
@@ -120,16 +132,17 @@ class Choice:
             return None
         lp = self._logprobs(entries) if self.job.logprobs is not None else None
         if self.job.chat:
-            return {
-                "index": self.index,
-                "delta": fields,
-                "logprobs": lp,
-                "finish_reason": fin,
-            }
-        return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": fin}
+            d = {"index": self.index, "delta": fields, "logprobs": lp, "finish_reason": fin}
+        else:
+            d = {"index": self.index, "text": text, "logprobs": lp, "finish_reason": fin}
+            if self.job.token_ids and first:
+                d["prompt_token_ids"] = self.prompt_ids
+        if self.job.token_ids:
+            d["token_ids"] = [] if self.job.no_output else list(c.token_ids)
+        return d
 
     def _str(self, token_id: int) -> str:
-        return self.tok.decode([token_id])
+        return f"token_id:{token_id}" if self.job.ids_as_text else self.tok.decode([token_id])
 
     def _logprobs(self, entries) -> dict:
         if self.job.chat:

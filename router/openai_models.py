@@ -146,6 +146,17 @@ class _Request(BaseModel):
     guided_whitespace_pattern: Any = None  # accepted, not used: JSON whitespace is bounded already
     regex: Any = None
     ebnf: Any = None
+    # vLLM's output extensions
+    include_stop_str_in_output: bool = False  # a matched stop string stays at the end of the text
+    skip_special_tokens: bool = True  # false: special tokens (<|im_end|>) are in the text too
+    return_token_ids: bool | None = None  # prompt_token_ids and each choice's token_ids in the answer
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N"
+    # vLLM's, refused by name unless empty / the default (an ignored one would change the answer unseen)
+    use_beam_search: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -217,6 +228,16 @@ def prompts(req: CompletionRequest) -> list[str | list[int]]:
     )
 
 
+# other engines' request fields that would change the answer, and what to send instead
+UNSUPPORTED_EXTENSIONS = {
+    "use_beam_search": "",
+    "allowed_token_ids": " (a 'structured_outputs' choice or regex constrains the output)",
+    "bad_words": " ('logit_bias' of -100 bans a token)",
+    "truncate_prompt_tokens": "",
+    "prompt_logprobs": " (completions: 'echo': true with 'logprobs' gives the prompt's)",
+}
+
+
 def _refuse_unsupported(req: _Request) -> None:
     chat = isinstance(req, ChatRequest)  # chat takes tools, tool_choice and response_format
     for name in ("suffix", "functions") if chat else ("suffix", "tools", "functions"):
@@ -227,6 +248,9 @@ def _refuse_unsupported(req: _Request) -> None:
             raise bad(f"'{name}' is not supported (no tools)", name)
     if req.best_of not in (None, req.n):
         raise bad("best_of other than n is not supported", "best_of")
+    for name, hint in UNSUPPORTED_EXTENSIONS.items():
+        if getattr(req, name) not in (None, False, [], {}):
+            raise bad(f"'{name}' is not supported{hint}", name)
 
 
 def _logit_bias(bias: Any) -> dict[int, float]:
@@ -279,6 +303,9 @@ def sampling(req: CompletionRequest | ChatRequest) -> pb.SamplingParams:
     if any(t < 0 for t in ids):
         raise bad(f"stop token ids must be non-negative integers (got {ids!r})", "stop_token_ids")
     sp.stop_token_ids.extend(ids)
+    sp.include_stop_str_in_output = req.include_stop_str_in_output
+    if not req.skip_special_tokens:
+        sp.skip_special_tokens = False
     for t, b in _logit_bias(req.logit_bias).items():
         sp.logit_bias[t] = b
     if chat:

@@ -39,6 +39,7 @@ class Chunk:
     request_id: str = ""
     first: bool = False  # the first chunk: prompt_tokens and the nodes below are set
     prompt_tokens: int = 0
+    prompt_token_ids: Sequence[int] = ()  # the first chunk: the prompt as the nodes got it (images expanded)
     cached_tokens: int = 0  # prompt tokens the prefilling node took from its prefix cache
     decode_node: str = ""
     prefill_node: str = ""
@@ -121,7 +122,8 @@ class RequestRun:
         # a resumed stream (GenerateRequest.resume_token_ids, the SDK on its next router) goes on
         # from the tokens the client has: they are its output so far
         resume = list(request.resume_token_ids)
-        self.detok = IncrementalDetokenizer(svc.tokenizer, ids + resume) if svc.tokenizer is not None else None
+        skip = not request.sampling.HasField("skip_special_tokens") or request.sampling.skip_special_tokens
+        self.detok = IncrementalDetokenizer(svc.tokenizer, ids + resume, skip) if svc.tokenizer is not None else None
         self.tried: set[str] = set()
         self.max_new = 0  # new tokens at most, once placed
         sp = request.sampling
@@ -342,7 +344,7 @@ class RequestRun:
         if self.detok is not None and (m.token_ids or m.finish_reason):
             c.text = self.detok.push(list(m.token_ids), final=bool(m.finish_reason))
         if first:
-            c.first, c.prompt_tokens = True, tr.prompt_len
+            c.first, c.prompt_tokens, c.prompt_token_ids = True, tr.prompt_len, self.ids
             c.decode_node, c.prefill_node = tr.decode, "" if pre is None else pre.p.node_id
             c.cached_tokens = m.cached_tokens if pre is None else pre.first.cached_tokens
         t, node = c.timings, m.timings

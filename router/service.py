@@ -205,7 +205,13 @@ class GenerateService:
             run = RequestRun(self, request, ids, tr, to_pb(inputs))
             sp = request.sampling
             min_tokens = max(0, sp.min_tokens - len(run.sent))  # a resumed stream's tokens count
-            stream = with_stops(run.chunks(), list(sp.stop), min_tokens, lambda: setattr(tr, "finish", "stop"))
+            stream = with_stops(
+                run.chunks(),
+                list(sp.stop),
+                min_tokens,
+                lambda: setattr(tr, "finish", "stop"),
+                sp.include_stop_str_in_output,
+            )
             async with aclosing(stream) as chunks:
                 async for c in chunks:
                     yield c

@@ -5,7 +5,8 @@ request then finishes with reason "stop" (the decode node's work is cancelled). 
 be the start of a match (a suffix of what has been decoded that is a prefix of a stop string)
 is held back until more text shows it is not, so a client never sees part of a stop string,
 even one split across several tokens. As with min_tokens for stop token ids, matching starts
-once the request has min_tokens new tokens.
+once the request has min_tokens new tokens. With `include` (SamplingParams
+include_stop_str_in_output) the matched string stays at the end of the text.
 """
 
 from __future__ import annotations
@@ -14,17 +15,19 @@ from collections.abc import AsyncIterator, Callable
 
 
 class StopMatcher:
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include: bool = False):
         self.stops = [s for s in stops if s]
+        self.include = include
         self.held = ""
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add decoded text; returns (text safe to emit now, whether a stop string matched)."""
         buf = self.held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-        if hits:
+        hits = [(i, -len(s)) for s in self.stops if (i := buf.find(s)) >= 0]
+        if hits:  # the first match; of those starting there, the longest
             self.held = ""
-            return buf[: min(hits)], True
+            i, neg = min(hits)
+            return buf[: i - neg if self.include else i], True
         # the longest tail of buf that begins a stop string (a stop it may yet complete)
         starts = (k for s in self.stops for k in range(1, min(len(s) - 1, len(buf)) + 1) if buf.endswith(s[:k]))
         keep = max(starts, default=0)
@@ -37,7 +40,11 @@ class StopMatcher:
 
 
 async def with_stops(
-    chunks: AsyncIterator, stops: list[str], min_tokens: int = 0, on_stop: Callable[[], None] | None = None
+    chunks: AsyncIterator,
+    stops: list[str],
+    min_tokens: int = 0,
+    on_stop: Callable[[], None] | None = None,
+    include: bool = False,
 ) -> AsyncIterator:
     """Wrap a stream of chunks with text deltas (router/request.py `Chunk`): hold back and cut at
     stop strings; on a match, the chunk that completed it is the last one (finish_reason "stop")
@@ -46,7 +53,7 @@ async def with_stops(
         async for c in chunks:
             yield c
         return
-    m = StopMatcher(list(stops))
+    m = StopMatcher(list(stops), include)
     n = 0
     try:
         async for c in chunks:

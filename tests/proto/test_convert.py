@@ -6,14 +6,14 @@ import dataclasses
 
 from engine.sampling_params import SamplingParams
 from proto import pb
-from proto.convert import SamplingKwargs, logprobs_pb, sampling_kwargs
+from proto.convert import ROUTER_FIELDS, SamplingKwargs, logprobs_pb, sampling_kwargs
 
 
 def test_kwargs_name_the_wire_fields_and_the_engines():
     """The TypedDict is written out by hand (proto imports nothing of the engine): one key per
-    wire field but `stop` (the router's), each a SamplingParams field."""
+    wire field but the text's (ROUTER_FIELDS: the router's), each a SamplingParams field."""
     keys = set(SamplingKwargs.__annotations__)
-    assert keys == set(pb.SamplingParams.DESCRIPTOR.fields_by_name) - {"stop"}
+    assert keys == set(pb.SamplingParams.DESCRIPTOR.fields_by_name) - ROUTER_FIELDS
     assert keys <= {f.name for f in dataclasses.fields(SamplingParams)}
 
 

@@ -262,6 +262,75 @@ def test_other_engines_structured_output_fields_constrain(oai, model, hf):
     assert m.message.content in choices and m.finish_reason == "stop"
 
 
+def test_token_ids_stop_strings_and_special_tokens_as_vllm_returns_them(oai, model, hf):
+    """vLLM's output extensions: `return_token_ids` (the prompt's ids against transformers'
+    tokenization and chat template, the output's decoding to the text; streamed the same),
+    `return_tokens_as_token_ids`, `include_stop_str_in_output` (against the free output cut by
+    hand) and `skip_special_tokens: false` (the text of the output's ids as transformers decodes
+    them, special tokens kept)."""
+    kw = dict(model=model, temperature=0.0, max_tokens=16)
+    prompt = "Once upon a time"
+    r = oai.completions.create(prompt=prompt, extra_body={"return_token_ids": True}, **kw)
+    c = r.choices[0].model_extra
+    assert c["prompt_token_ids"] == hf.encode(prompt, add_special_tokens=False)
+    assert len(c["token_ids"]) == r.usage.completion_tokens
+    assert hf.decode(c["token_ids"], skip_special_tokens=True) == r.choices[0].text
+    plain = oai.completions.create(prompt=prompt, **kw).choices[0]
+    assert "token_ids" not in (plain.model_extra or {}) and plain.text == r.choices[0].text
+    got: dict = {"prompt": None, "ids": [], "tokens": []}
+    for ch in oai.completions.create(
+        prompt=prompt,
+        stream=True,
+        logprobs=0,
+        extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True},
+        **kw,
+    ):
+        for x in ch.choices:
+            e = x.model_extra or {}
+            got["prompt"] = got["prompt"] or e.get("prompt_token_ids")
+            got["ids"] += e.get("token_ids") or []
+            got["tokens"] += x.logprobs.tokens if x.logprobs else []
+    assert got["prompt"] == c["prompt_token_ids"] and got["ids"] == c["token_ids"]
+    assert got["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
+
+    messages = [{"role": "user", "content": "Hi there"}]
+    tk = {"chat_template_kwargs": {"enable_thinking": False}, "return_token_ids": True}
+    ref = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, enable_thinking=False)
+    ref = list(ref["input_ids"] if isinstance(ref, dict) or hasattr(ref, "keys") else ref)
+    cr = oai.chat.completions.create(messages=messages, extra_body=tk, **kw)
+    assert cr.model_extra["prompt_token_ids"] == ref
+    ids = cr.choices[0].model_extra["token_ids"]
+    assert hf.decode(ids, skip_special_tokens=True) == cr.choices[0].message.content
+    first, streamed = None, []
+    for ch in oai.chat.completions.create(messages=messages, stream=True, extra_body=tk, **kw):
+        first = first if first is not None else (ch.model_extra or {}).get("prompt_token_ids")
+        for x in ch.choices:
+            streamed += (x.model_extra or {}).get("token_ids") or []
+    assert first == ref and streamed == ids
+
+    free = plain.text
+    stop = free[6:9]
+    assert stop.strip(), free
+    at = free.find(stop)
+    cut = oai.completions.create(prompt=prompt, stop=[stop], **kw).choices[0]
+    kept = oai.completions.create(prompt=prompt, stop=[stop], extra_body={"include_stop_str_in_output": True}, **kw)
+    assert (cut.text, cut.finish_reason) == (free[:at], "stop")
+    assert (kept.choices[0].text, kept.choices[0].finish_reason) == (free[: at + len(stop)], "stop")
+
+    end = hf.convert_tokens_to_ids("<|im_end|>")
+    assert hf.decode([end], skip_special_tokens=True) == "" and hf.decode([end]) == "<|im_end|>"  # special
+    sp = dict(
+        kw, max_tokens=3, extra_body={"logit_bias": {str(end): 100}, "ignore_eos": True, "return_token_ids": True}
+    )
+    skipped = oai.completions.create(prompt=prompt, **sp).choices[0]
+    sp["extra_body"] = dict(sp["extra_body"], skip_special_tokens=False)
+    shown = oai.completions.create(prompt=prompt, **sp).choices[0]
+    ids = shown.model_extra["token_ids"]
+    assert end in ids and skipped.model_extra["token_ids"] == ids
+    assert skipped.text == hf.decode(ids, skip_special_tokens=True) != shown.text
+    assert shown.text == hf.decode(ids, skip_special_tokens=False)
+
+
 def test_bad_agent_inputs_are_400s(oai, model, base_url_agents):
     """Malformed tools, tool choices, formats, messages and Responses items: a 400 each, never a
     500, and the server keeps answering."""
@@ -325,6 +394,11 @@ def test_bad_agent_inputs_are_400s(oai, model, base_url_agents):
         ("completions", {"prompt": "x", "guided_regex": "("}),
         ("completions", {"prompt": "x", "guided_grammar": "root ::= ("}),
         ("completions", {"prompt": "x", "structured_outputs": {"json": "{not json"}}),
+        ("completions", {"prompt": "x", "use_beam_search": True}),
+        ("completions", {"prompt": "x", "allowed_token_ids": [1, 2]}),
+        ("chat/completions", {"messages": user, "bad_words": ["x"]}),
+        ("completions", {"prompt": "x", "prompt_logprobs": 1}),
+        ("completions", {"prompt": "x", "truncate_prompt_tokens": 5}),
         ("chat/completions", {"messages": user, "chat_template_kwargs": [1]}),
         ("chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": "x"}]}),
         ("chat/completions", {"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{"}}]}]}),

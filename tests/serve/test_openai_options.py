@@ -67,6 +67,10 @@ def test_stop_string_split_across_two_tokens(oai, model, sdk, tok):
     # the SDK (gRPC) takes the same stop strings
     g = sdk.generate(prompt=PROMPT, max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
     assert (g.text, g.finish_reason) == (want, "stop")
+    g = sdk.generate(
+        prompt=PROMPT, max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop], include_stop_str_in_output=True
+    )
+    assert (g.text, g.finish_reason) == (want + stop, "stop")
     # chat: the same text-level matching
     chat = oai.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=12, **NO_THINK
@@ -348,3 +352,5 @@ def test_stop_matcher_holds_back_partial_matches():
     assert m.push("ion: next") == ("", True)  # the match and everything after it are dropped
     m = StopMatcher(["ab"])
     assert m.push("xa") == ("x", False) and m.flush() == "a"
+    m = StopMatcher(["cd", "bc", "b"], include=True)  # the first match kept, the longest of those starting there
+    assert m.push("abcde") == ("abc", True)
