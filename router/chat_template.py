@@ -82,6 +82,8 @@ class ChatTemplate:
         if cont:  # the prompt ends where the final message's text does: mark it, render, cut there
             messages[-1]["content"] = (messages[-1]["content"] or "") + mark
         kwargs = dict(req.chat_template_kwargs or {})
+        if req.enable_thinking is not None:  # Qwen's own API takes the switch at the top level
+            kwargs.setdefault("enable_thinking", req.enable_thinking)
         kwargs.update(messages=messages, tools=req.tools or None, add_generation_prompt=gen)
         try:
             prompt = self._tmpl.render(**kwargs)

@@ -188,6 +188,7 @@ class ChatRequest(_Request):
     echo: Any = None
     # the chat template's inputs (router/chat_template.py); tools and tool_choice: router/tool_choice.py
     chat_template_kwargs: dict[str, Any] | None = None
+    enable_thinking: bool | None = None  # as Qwen's own API takes it; chat_template_kwargs' wins
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     parallel_tool_calls: bool | None = None  # None: true, as OpenAI

@@ -96,6 +96,13 @@ def test_template_switches_reach_the_prompt(oai, model, hf):
     closed = hf.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False, enable_thinking=False)
     assert closed.endswith("<think>\n\n</think>\n\n")
     assert off == len(hf.encode(closed, add_special_tokens=False)) > on
+    # Qwen's own API takes the switch at the top level; chat_template_kwargs' wins where both are sent
+    top = oai.chat.completions.create(model=model, messages=MESSAGES, extra_body={"enable_thinking": False}, **GREEDY)
+    both = {"enable_thinking": False, "chat_template_kwargs": {"enable_thinking": True}}
+    assert top.usage.prompt_tokens == off
+    assert (
+        oai.chat.completions.create(model=model, messages=MESSAGES, extra_body=both, **GREEDY).usage.prompt_tokens == on
+    )
 
 
 @pytest.mark.parametrize("bias", [0, 0.5, 100], ids=["no-close", "close-later", "close-first"])
