@@ -43,6 +43,13 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def vocab_size(self) -> int:
+        """Ids the tokenizer knows, its added tokens included."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
 
 def message_break(path: str | Path) -> tuple[int, ...]:
     """The token ids between two messages of a ChatML prompt (Qwen's: `<|im_end|>`, a newline,

@@ -378,4 +378,8 @@ def make_app(service) -> FastAPI:
         hints(request)
         return await respond(front, await read_json(request, limit), request)
 
+    from router.openai_tokenize import register  # noqa: PLC0415
+
+    register(app, front, limit)
+
     return app

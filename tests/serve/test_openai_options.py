@@ -354,3 +354,39 @@ def test_stop_matcher_holds_back_partial_matches():
     assert m.push("xa") == ("x", False) and m.flush() == "a"
     m = StopMatcher(["cd", "bc", "b"], include=True)  # the first match kept, the longest of those starting there
     assert m.push("abcde") == ("abc", True)
+
+
+def test_tokenize_and_detokenize_as_vllm_answers_them(oai, model, ckpt):
+    """`/tokenize` (a prompt, or chat messages as the chat route renders them) against
+    transformers' tokenizer and chat template, `/detokenize` back; bad bodies are 400s."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(ckpt)
+    root = str(oai.base_url).removesuffix("/").removesuffix("/v1")
+
+    def post(path: str, body: dict) -> tuple[int, dict]:
+        r = oai._client.post(root + path, json=body)
+        return r.status_code, r.json()
+
+    code, t = post("/tokenize", {"model": model, "prompt": PROMPT, "return_token_strs": True})
+    ids = hf.encode(PROMPT, add_special_tokens=False)
+    assert code == 200 and (t["tokens"], t["count"]) == (ids, len(ids))
+    assert t["token_strs"] == hf.convert_ids_to_tokens(ids) and t["max_model_len"] > len(ids)
+    msgs = [{"role": "user", "content": "hi"}]
+    code, c = post("/tokenize", {"messages": msgs, "chat_template_kwargs": {"enable_thinking": False}})
+    want = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    assert code == 200 and c["tokens"] == hf.encode(want, add_special_tokens=False) and c["token_strs"] is None
+    chat = oai.chat.completions.create(model=model, messages=msgs, max_tokens=1, **NO_THINK)
+    assert chat.usage.prompt_tokens == c["count"]  # what the chat route sends
+    code, d = post("/detokenize", {"model": model, "tokens": ids})
+    assert code == 200 and d["prompt"] == hf.decode(ids)
+    for path, body, status in [
+        ("/tokenize", {"prompt": 5}, 400),
+        ("/tokenize", {}, 400),
+        ("/tokenize", {"model": "nope", "prompt": "x"}, 404),
+        ("/tokenize", {"messages": "x"}, 400),
+        ("/detokenize", {"tokens": [10**9]}, 400),
+        ("/detokenize", {"tokens": "x"}, 400),
+    ]:
+        code, e = post(path, body)
+        assert code == status and "message" in e["error"], (path, body, code, e)

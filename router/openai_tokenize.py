@@ -1,0 +1,83 @@
+"""`POST /tokenize` and `POST /detokenize`, as vLLM's server answers them: a text prompt, or chat
+messages rendered by the checkpoint's template exactly as `/v1/chat/completions` renders them, to
+the token ids the nodes would get; and ids back to text. Clients count tokens with these before
+they send (RL rollouts, context budgeting) without loading the tokenizer themselves."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.openai_models import I32, ChatRequest, bad, parse
+
+
+class TokenizeText(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    prompt: str
+    return_token_strs: bool = False
+
+
+class Detokenize(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=I32)]]
+
+
+def register(app: FastAPI, front: Any, limit: int) -> None:
+    """The two routes on `app`; `front` is the OpenAIFront (its tokenizer, model names, chat)."""
+    from router.http_limits import read_json  # noqa: PLC0415 (beside the other routes' reader)
+
+    service = front.service
+
+    def tokenizer():
+        if front.tok is None:
+            raise bad("this router has no tokenizer (the checkpoint has no tokenizer.json)")
+        return front.tok
+
+    def model_len(name: str | None) -> int:
+        ms = service.models()
+        if name is not None:
+            front.model(name)  # 404 when no node serves it
+        return max((m.max_model_len for m in ms), default=0)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await read_json(request, limit)
+        tok = tokenizer()
+        if isinstance(body, dict) and "messages" in body:
+            req = parse(ChatRequest, dict(body, model=body.get("model") or "-"))
+            assert isinstance(req, ChatRequest)
+            if body.get("model") is not None:
+                front.model(req.model)
+            service.check_prompt_chars(req.text_chars(), "messages")
+            prep = front.chat.prepare(req)
+            if prep.images:
+                raise bad(
+                    "messages with images are not tokenized here (an image's tokens depend on its size)", "messages"
+                )
+            text, strs, name = prep.prompt, bool(body.get("return_token_strs")), body.get("model")
+        else:
+            t = parse(TokenizeText, body)
+            assert isinstance(t, TokenizeText)
+            text, strs, name = t.prompt, t.return_token_strs, t.model
+        ids = await service.encode(text)
+        out = {"count": len(ids), "max_model_len": model_len(name), "tokens": ids}
+        out["token_strs"] = [tok.id_to_token(i) for i in ids] if strs else None
+        return JSONResponse(out)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        d = parse(Detokenize, await read_json(request, limit))
+        assert isinstance(d, Detokenize)
+        tok = tokenizer()
+        if d.model is not None:
+            front.model(d.model)
+        vocab = tok.vocab_size()
+        bad_ids = [i for i in d.tokens if i >= vocab]
+        if bad_ids:
+            raise bad(f"token ids past the vocabulary ({vocab}): {bad_ids[:5]}", "tokens")
+        return JSONResponse({"prompt": await service.text.decode(list(d.tokens))})
