@@ -1,6 +1,7 @@
 """A mixed OpenAI workload against `pdserve up` (not a test; it looks for what breaks): chat with
 tools (`required`, `auto`), JSON schemas, `n` > 1, logprobs, streams with usage, stop strings,
-client disconnects mid-stream, agents' multi-turn loops with tool results, thinking on and off,
+client disconnects mid-stream, agents' multi-turn loops with tool results, vLLM's fields
+(`structured_outputs` choice, `return_token_ids`, `skip_special_tokens`; checked), thinking on and off,
 sampled and greedy, prompts from a few tokens to past `--max-model-len` sharing long system
 prefixes, and images when the checkpoint takes them.
 Reports the answers by status, the node exits and the WARNING / ERROR lines of the cluster's log,
@@ -51,6 +52,26 @@ SCHEMA = {
     "type": "object",
     "properties": {"x": {"type": "number"}, "tags": {"type": "array", "items": {"type": "string"}}},
 }
+
+
+CHOICES = ["alpha", "beta gamma", "delta"]
+
+
+def _checked(code: int, text: str) -> tuple[int, str]:
+    """A vllm-fields answer that broke its promise (content outside the choices, no token ids) as
+    a 5xx, so the run fails."""
+    if code != 200:
+        return code, text
+    body = json.loads(text)
+    c = body["choices"][0]
+    ids = c.get("token_ids")
+    if not body.get("prompt_token_ids") or ids is None or len(ids) != body["usage"]["completion_tokens"]:
+        return 599, "return_token_ids: ids missing or not the completion's " + text[:300]
+    # skip_special_tokens false: the EOS that ended it shows (<|im_end|> or <|endoftext|>)
+    said = re.sub(r"(<\|[a-z_]+\|>)+$", "", c["message"].get("content") or "")
+    if c["finish_reason"] == "stop" and said.strip() not in CHOICES:
+        return 599, "structured_outputs choice not followed: " + json.dumps(c)[:600]
+    return code, text
 
 
 def _post(base: str, path: str, body: dict, timeout: float) -> tuple[int, str]:
@@ -160,6 +181,11 @@ def _request(
         (0.66, "stream-usage", dict(stream=True, stream_options={"include_usage": True})),
         (0.74, "disconnect", dict(max_tokens=400)),
         (0.82, "agent", dict(tools=TOOLS, tool_choice="required", max_tokens=400)),
+        (
+            0.88,
+            "vllm-fields",
+            dict(structured_outputs={"choice": CHOICES}, return_token_ids=True, skip_special_tokens=False),
+        ),
     ]
     for upto, kind, extra in kinds:
         if q < upto:
@@ -230,6 +256,8 @@ def main() -> int:
                 code, text = _agent(base, body)
             else:
                 code, text = _post(base, "/chat/completions", body, 900)
+            if kind == "vllm-fields":
+                code, text = _checked(code, text)
             return kind, code, text
 
         t0 = time.monotonic()
