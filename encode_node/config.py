@@ -25,7 +25,5 @@ class EncodeNodeConfig(NodeArgs):
         super().__post_init__()
         if parse_bytes(self.encode_staging_memory) <= 0 or self.encode_push_timeout_s <= 0:
             raise ValueError("encode_staging_memory and encode_push_timeout_s must be positive")
-        if self.transfer_backend != "nixl":
-            raise ValueError(f"an encode node pushes over NIXL (got --transfer-backend {self.transfer_backend})")
         if self.tensor_parallel_size != 1:
             raise ValueError("an encode node runs the encoder on one rank (--tp 1); run more encode nodes instead")

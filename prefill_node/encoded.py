@@ -42,7 +42,8 @@ class EncodedInputs:
         self.cfg, self.loop = cfg, loop
         self.merge = m.vision.spatial_merge_size if m.vision is not None else 1
         self.landing: Landing | None = None
-        if m.vision is not None and size > 0 and cfg.transfer_backend == "nixl":
+        # encoder outputs land over NIXL whichever backend moves the KV pages and states
+        if m.vision is not None and size > 0:
             digest = vision_digest(m.vision, dtype_name(m.dtype))
             self.landing = Landing(
                 cfg.node_id,

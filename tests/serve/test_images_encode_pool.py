@@ -3,7 +3,7 @@ float32 greedy tokens equal transformers' `generate` (and so the same requests w
 tests/serve/test_images_disagg.py) for one image and two of different sizes; the encoder ran on
 the encode node, never on the prefill node, which took the pushed outputs into its encoder cache;
 an encode node killed as requests arrive leaves them exact (the prefill node encodes); bad
-images are still refused at the router."""
+images are still refused at the router; the pool works beside a UCXX data plane."""
 
 from __future__ import annotations
 
@@ -138,6 +138,30 @@ def test_encode_pool_into_a_tp2_prefill(refs):
                 assert _generate(c, text, images).token_ids == want, key
             assert _metric(up, "prefill-0", "pdserve_prefill_images_received_total") == 3
             assert _metric(up, "prefill-0", "pdserve_prefill_images_total") == 0
+    except BaseException:
+        print(up.output()[-8000:])
+        raise
+    finally:
+        up.stop()
+
+
+def test_encode_pool_beside_a_ucxx_data_plane(refs):
+    """`--transfer-backend ucxx` moves pages and states over UCXX; encoder outputs still land over
+    NIXL in the same processes: exact tokens, the images encoded on the encode node only."""
+    from client import Client
+
+    path, cases = refs
+    opts = flags(dtype="float32", prefill=1, decode=1, encode=1, local_prefill_threshold=0, metrics_port=0)
+    up = Up("--model", path, *opts, "--transfer-backend", "ucxx")
+    try:
+        with Client(up.address, timeout=180) as c:
+            c.wait_ready(timeout=90)
+            text, images, want = cases[("one_image", 0)]
+            r = _generate(c, text, images)
+            assert r.token_ids == want and r.prefill_node == "prefill-0" and r.transfer_bytes > 0
+            assert _metric(up, "prefill-0", "pdserve_prefill_images_received_total") == 1
+            assert _metric(up, "prefill-0", "pdserve_prefill_images_total") == 0
+            assert "Traceback" not in up.output()
     except BaseException:
         print(up.output()[-8000:])
         raise
