@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -31,6 +32,24 @@ def refs(tmp_path_factory):
     return path, out
 
 
+@contextmanager
+def _cluster(path, *extra, **options):
+    """`pdserve up` with an encode pool and a client to it; its log printed when the test fails."""
+    from client import Client
+
+    up = Up("--model", path, *flags(dtype="float32", **options), *extra)
+    try:
+        with Client(up.address, timeout=180) as c:
+            c.wait_ready(timeout=90)
+            yield up, c
+            assert "Traceback" not in up.output()
+    except BaseException:
+        print(up.output()[-8000:])
+        raise
+    finally:
+        up.stop()
+
+
 def _generate(c, text, images):
     return c.generate(prompt=text, images=images, max_tokens=NEW, temperature=0.0, ignore_eos=True)
 
@@ -42,63 +61,54 @@ def _metric(up: Up, node: str, name: str, labels: tuple = ()) -> float:
 
 
 def test_encode_pool_exact_and_falls_back(refs):
-    from client import Client, PdserveError
+    from client import PdserveError
 
     path, cases = refs
-    opts = flags(dtype="float32", prefill=1, decode=1, encode=1, local_prefill_threshold=0, metrics_port=0)
-    up = Up("--model", path, *opts)
-    try:
+    pool = dict(prefill=1, decode=1, encode=1, local_prefill_threshold=0, metrics_port=0)
+    with _cluster(path, **pool) as (up, c):
         router_metrics = log_url(up, r"router metrics at (http://\S+/metrics)")
-        with Client(up.address, timeout=180) as c:
-            c.wait_ready(timeout=90)
-            for key in (("one_image", 0), ("two_sizes", 0)):
-                text, images, want = cases[key]
-                r = _generate(c, text, images)
-                assert r.token_ids == want, key
-                assert r.prefill_node == "prefill-0" and r.transfer_bytes > 0, key
-            # the encoder ran on the encode node only; the prefill node took three pushed outputs
-            assert _metric(up, "encode-0", "pdserve_encode_images_total") == 3
-            assert _metric(up, "prefill-0", "pdserve_prefill_images_received_total") == 3
-            assert _metric(up, "prefill-0", "pdserve_prefill_images_total") == 0
-            assert _metric(up, "prefill-0", "pdserve_prefill_encoder_cache_hits_total") >= 3
-            m = scrape(router_metrics)
-            assert m[("pdserve_router_encode_images_total", (("where", "encode_pool"),))] == 3
-            assert up.find(r"(image \w+ encoded on encode-0)")
+        for key in (("one_image", 0), ("two_sizes", 0)):
+            text, images, want = cases[key]
+            r = _generate(c, text, images)
+            assert r.token_ids == want, key
+            assert r.prefill_node == "prefill-0" and r.transfer_bytes > 0, key
+        # the encoder ran on the encode node only; the prefill node took three pushed outputs
+        assert _metric(up, "encode-0", "pdserve_encode_images_total") == 3
+        assert _metric(up, "prefill-0", "pdserve_prefill_images_received_total") == 3
+        assert _metric(up, "prefill-0", "pdserve_prefill_images_total") == 0
+        assert _metric(up, "prefill-0", "pdserve_prefill_encoder_cache_hits_total") >= 3
+        m = scrape(router_metrics)
+        assert m[("pdserve_router_encode_images_total", (("where", "encode_pool"),))] == 3
+        assert up.find(r"(image \w+ encoded on encode-0)")
 
-            # bad images: still 400 at the router, nothing reaches a node
-            text, images, _ = cases[("one_image", 0)]
-            with pytest.raises(PdserveError) as bad:
-                _generate(c, text, [b"junk" * 10])
-            assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT and "images[0]" in bad.value.message
+        # bad images: still 400 at the router, nothing reaches a node
+        text, images, _ = cases[("one_image", 0)]
+        with pytest.raises(PdserveError) as bad:
+            _generate(c, text, [b"junk" * 10])
+        assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT and "images[0]" in bad.value.message
 
-            _bad_calls_at_the_nodes(up)
+        _bad_calls_at_the_nodes(up)
 
-            # the encode node dies as requests arrive, before the router has noticed (killed just
-            # before them: killed after, it could have encoded every image first): every answer
-            # stays exact, each new image encoded once, on the prefill node
-            later = [("one_image", 7), ("one_image", 8), ("two_sizes", 9)]
-            os.kill(node_pid(up, "encode-0"), signal.SIGKILL)
-            with ThreadPoolExecutor(len(later)) as ex:
-                futs = [ex.submit(_generate, c, cases[k][0], cases[k][1]) for k in later]
-                outs = [f.result() for f in futs]
-            for k, r in zip(later, outs):
-                assert r.token_ids == cases[k][2], k
-            encoded_here = _metric(up, "prefill-0", "pdserve_prefill_images_total")
-            received = _metric(up, "prefill-0", "pdserve_prefill_images_received_total")
-            assert (encoded_here, received) == (4, 3)
-            # with the pool gone, the next image request is encoded on the prefill node at once
-            gone = lambda: not any(n.alive for n in nodes(up.address) if n.node.node_id == "encode-0")  # noqa: E731
-            wait_for(gone, 20, "encode-0 marked dead")
-            text, images, want = cases[("one_image", 0)]
-            assert _generate(c, text, [vc.png(120, 90, seed=21)]).finish_reason == "length"
-            m = scrape(router_metrics)
-            assert m[("pdserve_router_encode_images_total", (("where", "prefill_no_pool"),))] >= 1
-            assert "Traceback" not in up.output()
-    except BaseException:
-        print(up.output()[-8000:])
-        raise
-    finally:
-        up.stop()
+        # the encode node dies as requests arrive, before the router has noticed (killed just
+        # before them: killed after, it could have encoded every image first): every answer
+        # stays exact, each new image encoded once, on the prefill node
+        later = [("one_image", 7), ("one_image", 8), ("two_sizes", 9)]
+        os.kill(node_pid(up, "encode-0"), signal.SIGKILL)
+        with ThreadPoolExecutor(len(later)) as ex:
+            futs = [ex.submit(_generate, c, cases[k][0], cases[k][1]) for k in later]
+            outs = [f.result() for f in futs]
+        for k, r in zip(later, outs):
+            assert r.token_ids == cases[k][2], k
+        encoded_here = _metric(up, "prefill-0", "pdserve_prefill_images_total")
+        received = _metric(up, "prefill-0", "pdserve_prefill_images_received_total")
+        assert (encoded_here, received) == (4, 3)
+        # with the pool gone, the next image request is encoded on the prefill node at once
+        gone = lambda: not any(n.alive for n in nodes(up.address) if n.node.node_id == "encode-0")  # noqa: E731
+        wait_for(gone, 20, "encode-0 marked dead")
+        text, images, want = cases[("one_image", 0)]
+        assert _generate(c, text, [vc.png(120, 90, seed=21)]).finish_reason == "length"
+        m = scrape(router_metrics)
+        assert m[("pdserve_router_encode_images_total", (("where", "prefill_no_pool"),))] >= 1
 
 
 def _bad_calls_at_the_nodes(up: Up) -> None:
@@ -124,46 +134,26 @@ def _bad_calls_at_the_nodes(up: Up) -> None:
 def test_encode_pool_into_a_tp2_prefill(refs):
     """Every rank of a TP 2 prefill node takes the whole pushed output (replicated): exact tokens,
     and no rank ran the encoder."""
-    from client import Client
 
     path, cases = refs
     tp2 = dict(prefill=1, decode=1, encode=1, prefill_tp=2, local_prefill_threshold=0, metrics_port=0)
-    opts = flags(dtype="float32", **tp2)
-    up = Up("--model", path, *opts)
-    try:
-        with Client(up.address, timeout=180) as c:
-            c.wait_ready(timeout=90)
-            for key in (("one_image", 0), ("two_sizes", 0)):
-                text, images, want = cases[key]
-                assert _generate(c, text, images).token_ids == want, key
-            assert _metric(up, "prefill-0", "pdserve_prefill_images_received_total") == 3
-            assert _metric(up, "prefill-0", "pdserve_prefill_images_total") == 0
-    except BaseException:
-        print(up.output()[-8000:])
-        raise
-    finally:
-        up.stop()
+    with _cluster(path, **tp2) as (up, c):
+        for key in (("one_image", 0), ("two_sizes", 0)):
+            text, images, want = cases[key]
+            assert _generate(c, text, images).token_ids == want, key
+        assert _metric(up, "prefill-0", "pdserve_prefill_images_received_total") == 3
+        assert _metric(up, "prefill-0", "pdserve_prefill_images_total") == 0
 
 
 def test_encode_pool_beside_a_ucxx_data_plane(refs):
     """`--transfer-backend ucxx` moves pages and states over UCXX; encoder outputs still land over
     NIXL in the same processes: exact tokens, the images encoded on the encode node only."""
-    from client import Client
 
     path, cases = refs
-    opts = flags(dtype="float32", prefill=1, decode=1, encode=1, local_prefill_threshold=0, metrics_port=0)
-    up = Up("--model", path, *opts, "--transfer-backend", "ucxx")
-    try:
-        with Client(up.address, timeout=180) as c:
-            c.wait_ready(timeout=90)
-            text, images, want = cases[("one_image", 0)]
-            r = _generate(c, text, images)
-            assert r.token_ids == want and r.prefill_node == "prefill-0" and r.transfer_bytes > 0
-            assert _metric(up, "prefill-0", "pdserve_prefill_images_received_total") == 1
-            assert _metric(up, "prefill-0", "pdserve_prefill_images_total") == 0
-            assert "Traceback" not in up.output()
-    except BaseException:
-        print(up.output()[-8000:])
-        raise
-    finally:
-        up.stop()
+    pool = dict(prefill=1, decode=1, encode=1, local_prefill_threshold=0, metrics_port=0)
+    with _cluster(path, "--transfer-backend", "ucxx", **pool) as (up, c):
+        text, images, want = cases[("one_image", 0)]
+        r = _generate(c, text, images)
+        assert r.token_ids == want and r.prefill_node == "prefill-0" and r.transfer_bytes > 0
+        assert _metric(up, "prefill-0", "pdserve_prefill_images_received_total") == 1
+        assert _metric(up, "prefill-0", "pdserve_prefill_images_total") == 0
