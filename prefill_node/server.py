@@ -115,15 +115,21 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         rid = request.request_id
         if not rid or len(rid) > MAX_REQUEST_ID_LEN:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id must have 1..{MAX_REQUEST_ID_LEN} characters")
-        if not request.HasField("target") or not request.target.ranks:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a TransferTarget with every destination rank is required")
-        if request.target.num_tokens != len(request.prompt_token_ids):
+        # a request that ends at its first token (max_tokens 1) needs no decode node: no target
+        alone = not request.HasField("target") and request.sampling.HasField("max_tokens")
+        alone = alone and request.sampling.max_tokens == 1
+        if not alone and (not request.HasField("target") or not request.target.ranks):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a TransferTarget with every destination rank is required (none only with max_tokens 1)",
+            )
+        if not alone and request.target.num_tokens != len(request.prompt_token_ids):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"target reserved for {request.target.num_tokens} tokens, the prompt has "
                 f"{len(request.prompt_token_ids)}",
             )
-        if request.target.schema_digest != self.digest:
+        if not alone and request.target.schema_digest != self.digest:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"target model digest {request.target.schema_digest} differs from this node's {self.digest}",
@@ -132,7 +138,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             params = SamplingParams(**sampling_kwargs(request.sampling))  # type: ignore[no-untyped-call]  # its **kwargs init
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        push = PushParams(_target(request.target), max(0.0, request.target.lease_s))
+        push = None if alone else PushParams(_target(request.target), max(0.0, request.target.lease_s))
         ids = list(request.prompt_token_ids)
         images = images_of(
             request.images, context, model=self.ecfg.model.path if request.images and self.ecfg.model.vision else None
@@ -168,15 +174,17 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         rid: str,
         ids: list[int],
         params: SamplingParams,
-        push: PushParams,
+        push: PushParams | None,
         t0: float,
         context: grpc.ServicerContext,
         images: tuple[ImageInput, ...] = (),
     ) -> Iterator[pb.PrefillResponse]:
-        """Yields the first-token message at once, then (state pushed) the `pushed` message."""
-        target = push.target
+        """Yields the first-token message at once, then (state pushed) the `pushed` message. No
+        push (a request ending at its first token): the first message only."""
+        target = push.target if push is not None else None
         handle = self.loop_api(
-            context, lambda: self.loop.submit(rid, ids, params, prefill_only=True, transfer=push, images=images)
+            context,
+            lambda: self.loop.submit(rid, ids, params, prefill_only=push is not None, transfer=push, images=images),
         )
         # the call ended (the caller cancelled, or it is over): aborts the request before its
         # first token, its push after; a no-op once both are over
@@ -188,7 +196,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         first = out.output_token_ids[0] if out.output_token_ids else -1
         added = handle.added or t0
         t = pb.Timings(queue_s=added - t0, prefill_s=t_first - added, ttft_s=t_first - t0)
-        if out.finish_reason != "prefilled":
+        if out.finish_reason != "prefilled" or target is None:
             if out.finish_reason not in ("stop", "length"):
                 context.abort(
                     grpc.StatusCode.ABORTED, f"request {rid} ended before its first token ({out.finish_reason})"
@@ -247,11 +255,13 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             context.abort(grpc.StatusCode.INTERNAL, str(e))
         return None
 
-    def _log(self, rid: str, n: int, first: int, t: pb.Timings, what: str, target: Target, cached: int = 0) -> None:
+    def _log(
+        self, rid: str, n: int, first: int, t: pb.Timings, what: str, target: Target | None, cached: int = 0
+    ) -> None:
         log.info(
             "request %s: prompt %d (cached %d) -> %s, first token %d, %s; queue %.1f ms, prefill %.1f ms, "
             "transfer %d B in %.1f ms",
-            rid, n, cached, target.node, first, what, t.queue_s * 1e3, t.prefill_s * 1e3, t.transfer_bytes, t.transfer_s * 1e3,
+            rid, n, cached, target.node if target is not None else "-", first, what, t.queue_s * 1e3, t.prefill_s * 1e3, t.transfer_bytes, t.transfer_s * 1e3,
         )  # fmt: skip
 
     # ---- Abort ------------------------------------------------------------------------------------

@@ -89,8 +89,10 @@ class PrefillPhase:
         self.meter = RateMeter()  # each prefill node's measured rate (admission's estimate)
         self.encode: EncodePool | None = None  # the encode pool's step (set by the service)
 
-    def ready(self, d: NodeEntry, exclude: set[str]) -> list[NodeEntry]:
-        dg = d.info.schema_digest
+    def ready(self, d: NodeEntry | None, exclude: set[str]) -> list[NodeEntry]:
+        """Prefill nodes that take prompts now for decode node d (its model's schema; None: for a
+        request that needs no decode node)."""
+        dg = d.info.schema_digest if d is not None else ""
         return [
             p
             for p in self.registry.routable(pb.NODE_KIND_PREFILL)
@@ -120,7 +122,7 @@ class PrefillPhase:
 
     def choose(
         self,
-        d: NodeEntry,
+        d: NodeEntry | None,
         prompt_len: int,
         exclude: set[str],
         window: bool,
@@ -286,6 +288,49 @@ class PrefillPhase:
             finally:
                 self._given_back(p, counted, ok, batch)
                 p = None
+
+    async def alone(
+        self, chosen: tuple[NodeEntry, int], request, ids: list[int], rid: str, images: Sequence[pb.ImageInput] = ()
+    ) -> pb.PrefillResponse | None:
+        """A request that ends at its first token (max_tokens 1), computed on P with no decode
+        node: no reservation, no push. Its first (and last) message; None when P failed in a way
+        another placement may mend (the caller places it again the usual way); Abort on a bad
+        request."""
+        p, counted = chosen
+        batch = request.sampling.priority == pb.PRIORITY_BATCH
+        ok = False
+        call = None
+        try:
+            encoded = await self.encode.prepare(p, rid, images) if images and self.encode is not None else []
+            call = p.stub.Prefill(
+                pb.PrefillRequest(
+                    request_id=rid, prompt_token_ids=ids, sampling=request.sampling, images=images, encoded=encoded
+                ),
+                timeout=self.deadline_s(p, counted),
+            )
+            first = await call.read()
+            ok = first is not grpc.aio.EOF and bool(first.finish_reason)
+            if not ok:
+                log.warning("request %s: prefill node %s did not end it at its first token", rid, p.node_id)
+                return None
+            return first
+        except grpc.RpcError as e:
+            code = e.code()
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise Abort(code, e.details() or code.name) from None
+            if code == grpc.StatusCode.UNAVAILABLE and not is_draining(e):
+                with self.registry.lock:
+                    p.alive = False  # back with its next heartbeat, if it is alive after all
+            elif is_draining(e):
+                self.registry.mark_draining(p)
+            log.warning(
+                "request %s: prefill on %s failed (%s: %s); placing it again", rid, p.node_id, code.name, e.details()
+            )
+            return None
+        finally:
+            if call is not None:
+                call.cancel()  # a no-op once it ended
+            self._given_back(p, counted, ok, batch)
 
     def deadline_s(self, p: NodeEntry, tokens: int) -> float:
         """How long one Prefill call on p may take: --prefill-timeout plus twice the time its

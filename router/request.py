@@ -133,6 +133,7 @@ class RequestRun:
         self.migration = Migration(svc.cfg.max_migrations, svc.migrations)
         self.push: Push | None = None  # the prefill node's push, kept for its figures after a move
         self.own_tokens = 0  # prompt tokens the decode node computes itself, counted in its queue
+        self.alone_failed = False  # computing it on a prefill node alone failed once: the usual way
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         while True:
@@ -143,16 +144,35 @@ class RequestRun:
             # prefilled there (a prefill node samples a prompt's first token, not the next one)
             ids = self.ids + self.sent
             t0 = time.monotonic()
+            # it ends at its first token: a prefill node computes it with no decode node
+            alone = not (self.local or self.sent or self.alone_failed) and self._max_tokens() == 1
             d, p, self.own_tokens = await self.svc.admit(
                 ids,
                 self.tried,
                 self.local or bool(self.sent),
                 self.request,
-                resumed=bool(self.tried),
+                resumed=bool(self.tried) or self.alone_failed,
                 trace=self.tr,
                 images=self.images,
+                alone=alone,
             )
             self.tr.queue_s += time.monotonic() - t0
+            if d is None:
+                assert p is not None
+                first = await self.svc.prefill.alone(p, self.request, self.ids, self.tr.request_id, self.images)
+                if first is None:  # the prefill node failed it: placed again, the usual way
+                    self.alone_failed = True
+                    continue
+                self.max_new, self.tr.prefill = 1, p[0].node_id
+                m = pb.GenerateResponse(
+                    token_ids=[first.first_token_id],
+                    finish_reason=first.finish_reason,
+                    timings=first.timings,
+                    logprobs=first.logprobs,
+                    cached_tokens=first.cached_tokens,
+                )
+                yield self._relay(m, None, first=True, prefill_node=p[0].node_id)
+                return
             self.tr.decode = d.node_id
             self.tried.add(d.node_id)
             self.max_new = min(self._max_tokens(), max(1, d.info.max_model_len - len(self.ids)))
@@ -326,7 +346,8 @@ class RequestRun:
             raise _Retry
         raise Abort(code, e.details() or code.name)
 
-    def _relay(self, m: pb.GenerateResponse, pre: Push | None, first: bool) -> Chunk:
+    def _relay(self, m: pb.GenerateResponse, pre: Push | None, first: bool, prefill_node: str = "") -> Chunk:
+        """The node's message as a Chunk; prefill_node: the node that computed a request alone."""
         tr, now = self.tr, time.monotonic()
         if m.token_ids:
             tr.first = tr.first or now
@@ -345,7 +366,8 @@ class RequestRun:
             c.text = self.detok.push(list(m.token_ids), final=bool(m.finish_reason))
         if first:
             c.first, c.prompt_tokens, c.prompt_token_ids = True, tr.prompt_len, self.ids
-            c.decode_node, c.prefill_node = tr.decode, "" if pre is None else pre.p.node_id
+            c.decode_node = "" if tr.decode == "-" else tr.decode  # none: computed on a prefill node alone
+            c.prefill_node = prefill_node if pre is None else pre.p.node_id
             c.cached_tokens = m.cached_tokens if pre is None else pre.first.cached_tokens
         t, node = c.timings, m.timings
         t.queue_s = tr.queue_s + node.queue_s

@@ -364,17 +364,21 @@ class GenerateService:
         resumed: bool = False,
         trace: Trace | None = None,
         images: Sequence[pb.ImageInput] = (),
-    ) -> tuple[NodeEntry, tuple[NodeEntry, int] | None, int]:
+        alone: bool = False,
+    ) -> tuple[NodeEntry | None, tuple[NodeEntry, int] | None, int]:
         """Decide at arrival, then wait in turn until the prompt `ids` is placed: (decode node,
         the prefill node and the prompt tokens counted against it, or None to prefill on the
         decode node; the prompt tokens the decode node computes itself), both nodes counted against until `done` (and the prefill phase's own
         give-back; the decode node's own prompt tokens: `local_prefill_done`). local: prefill on
         the decode node (logprobs: P returns none). resumed: admitted before (a retry, a failover): never refused for lack of
-        budget. Refused (RESOURCE_EXHAUSTED, retry_after_s) at arrival only."""
+        budget. alone: the request ends at its first token; a prompt for the prefill pool then
+        takes no decode node (None): neither its room nor its wait. Refused (RESOURCE_EXHAUSTED,
+        retry_after_s) at arrival only."""
         prompt_len = len(ids)
         q = PrefixQuery(ids, images) if self.policy.uses_prefix else None
         dec = [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]
         pooled = not local and bool(dec) and self.prefill.use_pool(dec[0], prompt_len)
+        alone = alone and pooled
         cached = 0  # what it brings to the prefill pool: its prompt less the most a prefill node has cached
         if pooled and q is not None:
             with self.registry.lock:
@@ -383,7 +387,15 @@ class GenerateService:
         ahead_tokens, ahead = self.admission.ahead(ask.priority)
         ends = [r.expected_end_s(self.tpot_s, self.lengths) for r in self.placed]
         est, what = estimate(
-            self.registry, self.prefill.meter, prompt_len, ask.tokens, ahead_tokens, ahead, ends, ask.priority == BATCH
+            self.registry,
+            self.prefill.meter,
+            prompt_len,
+            ask.tokens,
+            ahead_tokens,
+            ahead,
+            ends,
+            ask.priority == BATCH,
+            decode=not alone,
         )
         pool = "prefill" if ask.tokens else "decode"
         self.estimated_wait.labels(pool=pool, **{"class": ask.class_name}).set(est)
@@ -397,7 +409,23 @@ class GenerateService:
             return None
 
         batch = ask.priority == BATCH
+        if alone:
+            return await self.admission.wait(ask, lambda: self._place_alone(prompt_len, exclude, q, batch), unavailable)
         return await self.admission.wait(ask, lambda: self._place(prompt_len, exclude, local, q, batch), unavailable)
+
+    def _place_alone(
+        self, prompt_len: int, exclude: set[str], q: PrefixQuery | None, batch: bool
+    ) -> tuple[NodeEntry | None, tuple[NodeEntry, int] | None, int] | None:
+        """A prefill node within its window for a request that ends at its first token, and no
+        decode node; the usual placement when no prefill node takes prompts any more."""
+        if not self.prefill.ready(None, set()):
+            return self._place(prompt_len, exclude, False, q, batch)
+        chosen = self.prefill.choose(None, prompt_len, set(), window=True, q=q, batch=batch)
+        if chosen is None:
+            return None  # every prefill node has its window of work: wait
+        if q is not None:
+            chosen[0].cache.remember(q, compute=True, ttl_s=self.cfg.prefix_memory_s)
+        return None, chosen, 0
 
     def _place(
         self, prompt_len: int, exclude: set[str], local: bool, q: PrefixQuery | None, batch: bool

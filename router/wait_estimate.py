@@ -121,20 +121,22 @@ def estimate(
     ahead: int,
     ends: list[float],
     batch: bool = False,
+    decode: bool = True,
 ) -> tuple[float, str]:
     """(seconds until a request starts, what the figure is made of). tokens: what it brings to
     the prefill pool (0: prefilled on the decode node); ahead_tokens / ahead: the pool tokens and
     the requests queued before it; ends: when each request placed on a decode node is expected
     to end. The later of the decode room and the prefill pool's turn; 0 where nothing is known
     yet (no decode node, no prefill measured: admitted). An interactive request (not `batch`)
-    counts only the interactive prompts outstanding on the pool: the nodes schedule it first."""
+    counts only the interactive prompts outstanding on the pool: the nodes schedule it first.
+    decode false: the request takes no decode node (it ends at its first token)."""
     with registry.lock:
         dec = registry.routable(pb.NODE_KIND_DECODE)
         if not dec:
             return 0.0, "no decode node"
         room = decode_room(dec, prompt_len)
         wait, what = 0.0, "decode room"
-        if room < ahead + 1:
+        if decode and room < ahead + 1:
             wait = decode_wait(ahead + 1 - room, ends)
             what = f"no decode node had room: {ahead} requests wait, room for {room}, {len(ends)} placed"
         if not tokens:

@@ -324,7 +324,7 @@ def test_urls_are_fetched_within_limits(fetching):
         took = time.monotonic() - t0
         assert status == 400 and words in out["error"]["message"], (path, out)
         assert out["error"]["message"].startswith("messages[1].content[0]: ")
-        assert took < 4, (path, took)
+        assert took < 8, (path, took)  # 1.5 s and the loaded box's slack (a hang would be minutes)
     assert len(fake.requests) == before + 2
     assert _refused(r, "url") == 7
     img = _image(srv.url + "/img.png")

@@ -320,3 +320,21 @@ def test_a_prefill_calls_deadline_grows_with_its_prompt():
     rate = 500.0 * NODE_RATE_MARGIN
     assert phase.deadline_s(p, 60_000) == pytest.approx(cfg.prefill_timeout_s + PREFILL_DEADLINE_MARGIN * 60_000 / rate)
     assert phase.deadline_s(p, 100) == pytest.approx(cfg.prefill_timeout_s + PREFILL_DEADLINE_MARGIN * 100 / rate)
+
+
+def test_a_request_ending_at_its_first_token_waits_for_the_pool_only():
+    """With no decode room (every slot held, ends far off), a request that takes no decode node
+    (decode=False: it ends at its first token) is estimated at the prefill pool's turn alone."""
+    from proto import pb
+    from router.registry import NodeRegistry
+    from router.wait_estimate import NODE_RATE_MARGIN, estimate
+
+    reg = NodeRegistry()
+    full = pb.Capacity(total_blocks=1000, free_blocks=1000, block_size=16, total_slots=4, free_slots=0)
+    reg.register(pb.NodeInfo(node_id="d", kind=pb.NODE_KIND_DECODE, capacity=full))
+    reg.register(pb.NodeInfo(node_id="p", kind=pb.NODE_KIND_PREFILL, prefill_ready=True, prefill_tokens_per_s=1000.0))
+    m = RateMeter()
+    held, _ = estimate(reg, m, 100, 100, ahead_tokens=400, ahead=0, ends=[50.0] * 4)
+    alone, what = estimate(reg, m, 100, 100, ahead_tokens=400, ahead=0, ends=[50.0] * 4, decode=False)
+    assert held == pytest.approx(50.0)
+    assert alone == pytest.approx(400 / (1000.0 * NODE_RATE_MARGIN), rel=0.01), what

@@ -1,0 +1,67 @@
+"""A request that ends at its first token (max_tokens 1: classifiers, rerankers, TTFT probes)
+through `pdserve up` (one prefill node, one decode node with a single sequence slot): a prefill
+node computes it with no decode node, so it neither reserves decode memory nor waits for a
+decode slot. While a long stream holds the decode node's only slot, such requests complete, their
+token transformers' greedy first token, their logprobs transformers' log-softmax, and the decode
+node never hears of them; a request that asks for two tokens waits for the slot."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.helpers import hybrid_ckpt as hc
+from tests.helpers.serve_harness import Up, flags
+
+BUSY = 1500  # tokens of the stream that holds the decode slot: still going when the rest are done
+
+
+@pytest.fixture(scope="module")
+def up(ckpt):
+    u = Up("--model", ckpt, *flags(dtype="float32", prefill=1, decode=1, max_num_seqs=1, local_prefill_threshold=0))
+    yield u
+    rc = u.stop()
+    assert rc == 0, u.output()
+
+
+def test_first_token_only_needs_no_decode_node(up, ckpt):
+    from client import Client
+
+    hold, *asks = hc.prompts(lens=(12, 40, 57, 33), seed=5)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    with Client(up.address, timeout=180) as c:
+        c.wait_ready(timeout=90)
+        busy_end: list[float] = []
+        stream = iter(c.stream(prompt_token_ids=hold, max_tokens=BUSY, **greedy))
+        first = next(stream)
+        assert first.decode_node == "decode-0"
+
+        def drain():
+            for _ in stream:
+                pass
+            busy_end.append(time.monotonic())
+
+        t = threading.Thread(target=drain)
+        t.start()
+        outs = [
+            c.generate(prompt_token_ids=p, max_tokens=1, logprobs=2, request_id=f"one-{i}", **greedy)
+            for i, p in enumerate(asks)
+        ]
+        done = time.monotonic()
+        two = c.generate(prompt_token_ids=asks[0], max_tokens=2, request_id="two", **greedy)
+        t.join()
+    assert busy_end and done < busy_end[0]  # the decode slot was held all along
+    for p, r in zip(asks, outs, strict=True):
+        assert r.token_ids == hc.hf_greedy(ckpt, p, 1) and r.finish_reason == "length"
+        assert (r.prefill_node, r.decode_node) == ("prefill-0", "")
+        with torch.inference_mode():
+            ref = torch.log_softmax(hc._hf_model(ckpt)(torch.tensor([p])).logits[0, -1].float(), -1)
+        assert abs(r.logprobs[0].logprob - ref[r.token_ids[0]].item()) < 1e-4
+        assert [t for t, _ in r.logprobs[0].top] == ref.topk(2).indices.tolist()
+    assert two.token_ids == hc.hf_greedy(ckpt, asks[0], 2) and two.decode_node == "decode-0"
+    log = up.output()
+    assert "request one-0" in log  # the router's and the prefill node's lines
+    assert not [ln for ln in log.splitlines() if "pdserve.decode" in ln and "request one-" in ln]
