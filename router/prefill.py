@@ -316,7 +316,9 @@ class PrefillPhase:
             return first
         except grpc.RpcError as e:
             code = e.code()
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
+            # a node of an earlier release wants a target: the usual way (a rolling upgrade)
+            older = "TransferTarget" in (e.details() or "")
+            if code == grpc.StatusCode.INVALID_ARGUMENT and not older:
                 raise Abort(code, e.details() or code.name) from None
             if code == grpc.StatusCode.UNAVAILABLE and not is_draining(e):
                 with self.registry.lock:
