@@ -84,6 +84,11 @@ class RouterConfig(ImageArgs, SecurityArgs):
     max_migrations: int = option(
         2, "times one request may move to another decode node when its node fails mid-stream (0: never)"
     )
+    served_model_name: tuple[str, ...] = option(
+        (),
+        "a name clients call the model by (repeatable: aliases; the first is the id /v1/models lists); "
+        "default: the checkpoint directory's name, ORG/NAME for a Hugging Face cache snapshot",
+    )
     metrics_port: int | None = option(None, "Prometheus /metrics on this port (0 picks one; default off)")
     http_port: int | None = option(None, "OpenAI-compatible HTTP on this port (0 picks one; default off)")
     host: str = option("127.0.0.1", "address the router binds (gRPC, metrics and HTTP)")

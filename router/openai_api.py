@@ -12,7 +12,6 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
 from contextlib import aclosing
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -100,7 +99,7 @@ class OpenAIFront:
                 503, "no live node serves a model now; retry shortly", "service_unavailable", None, "unavailable"
             )
         for m in known:
-            if name in (m.id, m.path, Path(m.path).name):
+            if name in self.service.model_names(m):
                 return m.id
         ids = ", ".join(m.id for m in known)
         raise ApiError(

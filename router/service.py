@@ -9,7 +9,6 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import aclosing
-from pathlib import Path
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
@@ -25,6 +24,7 @@ from router.errors import Abort, Draining
 from router.images.prepare import ImageRef, Images, Prepared, to_pb
 from router.images.vision import IMAGE_PAD, VisionSpec
 from router.migrate import MigrationMetrics
+from router.model_names import names_of, served_models
 from router.policy import make_policy
 from router.prefill import PrefillPhase
 from router.prefix import PrefixQuery
@@ -162,17 +162,10 @@ class GenerateService:
         }
 
     def models(self) -> list[pb.ModelInfo]:
-        seen: dict[str, pb.ModelInfo] = {}
-        for e, _ in self.registry.snapshot():
-            if e.alive and e.info.model and e.info.model not in seen:
-                seen[e.info.model] = pb.ModelInfo(
-                    id=Path(e.info.model).name,
-                    path=e.info.model,
-                    vocab_size=e.info.vocab_size,
-                    max_model_len=e.info.max_model_len,
-                    has_tokenizer=self.tokenizer is not None,
-                )
-        return list(seen.values())
+        return served_models(self.registry, self.cfg.served_model_name, self.tokenizer is not None)
+
+    def model_names(self, m: pb.ModelInfo) -> tuple[str, ...]:
+        return names_of(m, self.cfg.served_model_name)
 
     # ---- the request path -------------------------------------------------------------------
     async def generate(

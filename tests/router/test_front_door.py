@@ -303,3 +303,30 @@ def test_wrong_method_and_unknown_path_say_which(door, method, path, status):
         assert allow.split(",")[0].strip() in err["message"]
     else:
         assert err["message"] == f"no route {method} {path}"
+
+
+def test_served_model_names_are_the_names_clients_call(ckpt):
+    """--served-model-name: the first is the id /v1/models lists and the answers carry; every one
+    of them (and the path's forms) reaches the model; another name is a 404 listing the id. The
+    default name of a Hugging Face cache snapshot is its ORG/NAME."""
+    from router.model_names import model_id
+
+    r, fake, srv, hb, _ = _start(ckpt, served_model_name=("Qwen/Qwen3.5-35B-A3B", "qwen"))
+    port = r.http_port
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/v1/models")
+        listed = json.loads(conn.getresponse().read())["data"]
+        assert [m["id"] for m in listed] == ["Qwen/Qwen3.5-35B-A3B"]
+        for name in ("Qwen/Qwen3.5-35B-A3B", "qwen", "/models/m", "m"):
+            status, out = post(port, json.dumps({"model": name, "prompt": [1, 2], "max_tokens": 2}).encode())
+            assert status == 200 and out["model"] == "Qwen/Qwen3.5-35B-A3B", (name, out)
+        status, out = post(port, json.dumps({"model": "Qwen/Qwen3.5-122B", "prompt": [1], "max_tokens": 2}).encode())
+        assert status == 404 and "serving: Qwen/Qwen3.5-35B-A3B" in out["error"]["message"]
+    finally:
+        hb.stop()
+        r.stop(0)
+        srv.stop(0)
+    snap = "/root/.cache/huggingface/hub/models--Qwen--Qwen3.5-35B-A3B-FP8/snapshots/0a1b2c3d"
+    assert model_id(snap) == "Qwen/Qwen3.5-35B-A3B-FP8" and model_id(snap + "/") == "Qwen/Qwen3.5-35B-A3B-FP8"
+    assert model_id("/data/ckpts/Qwen3.5-35B-A3B") == "Qwen3.5-35B-A3B"

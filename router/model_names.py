@@ -1,0 +1,45 @@
+"""The names clients call the model by: `--served-model-name` (the first is the id, the others
+aliases), else a default from the checkpoint's path (ORG/NAME for a Hugging Face cache snapshot,
+else the directory's name); the path and its last part are accepted too (docs/api.md)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from proto import pb
+from router.registry import NodeRegistry
+
+_HF_SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
+
+
+def model_id(path: str) -> str:
+    """A model's default name: ORG/NAME for a Hugging Face cache snapshot
+    (`.../models--ORG--NAME/snapshots/HASH`), else the checkpoint directory's name."""
+    m = _HF_SNAPSHOT.search(path)
+    return f"{m.group(1)}/{m.group(2)}" if m else Path(path).name
+
+
+def served_models(registry: NodeRegistry, served: tuple[str, ...], has_tokenizer: bool) -> list[pb.ModelInfo]:
+    """The models the live nodes serve, each under its id (the first of `served` for the
+    router's one model; else `model_id` of its path)."""
+    seen: dict[str, pb.ModelInfo] = {}
+    for e, _ in registry.snapshot():
+        if e.alive and e.info.model and e.info.model not in seen:
+            seen[e.info.model] = pb.ModelInfo(
+                id=model_id(e.info.model),
+                path=e.info.model,
+                vocab_size=e.info.vocab_size,
+                max_model_len=e.info.max_model_len,
+                has_tokenizer=has_tokenizer,
+            )
+    if served and len(seen) == 1:  # the router fronts one checkpoint: its served names
+        next(iter(seen.values())).id = served[0]
+    return list(seen.values())
+
+
+def names_of(m: pb.ModelInfo, served: tuple[str, ...]) -> tuple[str, ...]:
+    """Every name a request may call model m by: its id, the served names' aliases, its path and
+    the path's last part."""
+    aliases = served if m.id in served else ()
+    return (m.id, *aliases, m.path, Path(m.path).name)
