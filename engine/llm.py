@@ -49,8 +49,12 @@ class LLM:
     ):
         """engine_process: run the engine in a process of its own (engine/llm_process.py); None
         (default): on the CPU when torch was imported before the engine, whose OpenMP threads would
-        otherwise spin on the engine's cores; in this process otherwise."""
-        kwargs = {k: v for k, v in locals().items() if k not in ("self", "engine_process")}
+        otherwise spin on the engine's cores; in this process otherwise. model: a checkpoint
+        directory, or a Hugging Face repo id (engine/hub.py)."""
+        from engine.hub import resolve
+
+        model = resolve(model)
+        kwargs = {k: v for k, v in locals().items() if k not in ("self", "engine_process", "resolve")}
         if engine_process is None:
             import engine
 

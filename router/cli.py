@@ -15,6 +15,7 @@ import typing
 from dataclasses import fields
 from pathlib import Path
 
+from engine.hub import resolve
 from router.child_env import apply_launch_env
 from router.console import say
 
@@ -445,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     level = args.log_level or ("INFO" if args.cmd in SERVER_COMMANDS else "WARNING")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if isinstance(getattr(args, "model", None), str):  # a Hugging Face repo id: its cached snapshot
+            args.model = resolve(args.model)
         return args.func(args)
     except KeyboardInterrupt:
         return 130
