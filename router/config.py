@@ -132,16 +132,25 @@ class RouterConfig(ImageArgs, SecurityArgs):
     )
 
     # Chat output parsers (docs/api.md "Chat: the template's inputs, reasoning, tool calls"); auto: from the chat template's text
-    reasoning_parser: Literal["auto", "think", "none"] = option(
-        "auto", "split <think>...</think> into reasoning_content (auto: when the chat template writes <think>)"
+    reasoning_parser: Literal["auto", "think", "none", "qwen3", "deepseek_r1"] = option(
+        "auto",
+        "split <think>...</think> into reasoning_content (auto: when the chat template writes <think>; "
+        "vLLM's qwen3 and deepseek_r1 are think)",
     )
-    tool_call_parser: Literal["auto", "xml", "json", "none"] = option(
+    tool_call_parser: Literal["auto", "xml", "json", "none", "qwen3_coder", "qwen3_xml", "hermes"] = option(
         "auto",
         "tool-call format parsed out of chat output: xml (<function=NAME>, Qwen3.5), json (Qwen2.5 / Qwen3) "
-        "(auto: from the chat template)",
+        "(auto: from the chat template; vLLM's qwen3_coder and qwen3_xml are xml, hermes is json)",
+    )
+    enable_auto_tool_choice: bool = option(
+        True, "accepted for vLLM's command lines: tool_choice auto is always on (with tools)"
     )
 
     def __post_init__(self):
+        # vLLM's parser names, as users copy them from its command lines
+        named = {"qwen3": "think", "deepseek_r1": "think", "qwen3_coder": "xml", "qwen3_xml": "xml", "hermes": "json"}
+        object.__setattr__(self, "reasoning_parser", named.get(self.reasoning_parser, self.reasoning_parser))
+        object.__setattr__(self, "tool_call_parser", named.get(self.tool_call_parser, self.tool_call_parser))
         self.check_security()
         self.check_images()
         if self.max_body_bytes < 1024 or self.max_prompt_chars < 1 or self.tokenizer_workers < 0:

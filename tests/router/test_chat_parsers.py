@@ -234,3 +234,21 @@ def test_streamed_pieces_reassemble_to_the_message(tok, case):
     assert assemble(fmt, reasoning, think_open, pieces) == want
     for cut in range(1, len(text)):  # and at every character
         assert assemble(fmt, reasoning, think_open, [text[:cut], text[cut:]]) == want, cut
+
+
+def test_vllm_parser_names_are_taken():
+    """vLLM's command-line names for the parsers (users copy its Qwen3.5 recipes) map onto the
+    router's; `--enable-auto-tool-choice` is accepted; an unknown name is still refused."""
+    from router.config import RouterConfig
+
+    for name, want in (("qwen3_coder", "xml"), ("qwen3_xml", "xml"), ("hermes", "json"), ("xml", "xml")):
+        assert RouterConfig(tool_call_parser=name).tool_call_parser == want  # type: ignore[arg-type]
+    for name, want in (("qwen3", "think"), ("deepseek_r1", "think"), ("none", "none")):
+        assert RouterConfig(reasoning_parser=name).reasoning_parser == want  # type: ignore[arg-type]
+    from router.cli import build_parser
+
+    p = build_parser()
+    a = p.parse_args(["router", "--tool-call-parser", "qwen3_coder", "--enable-auto-tool-choice"])
+    assert a.tool_call_parser == "qwen3_coder" and a.enable_auto_tool_choice is True
+    with pytest.raises(SystemExit):
+        p.parse_args(["router", "--tool-call-parser", "mistral"])
