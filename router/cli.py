@@ -16,6 +16,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from engine.hub import resolve
+from router import vllm_flags
 from router.child_env import apply_launch_env
 from router.console import say
 
@@ -440,6 +441,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
     except ImportError as e:  # an environment the engine cannot load in (engine/__init__.py says why)
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        argv = vllm_flags.rewrite(sys.argv[1:] if argv is None else list(argv))
+    except ValueError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
