@@ -182,7 +182,7 @@ def test_a_node_killed_with_muxed_streams_moves_them_exact(ckpt):
     from engine.sampling_params import SamplingParams
 
     ps = hc.prompts(lens=(30, 44, 52, 61, 37, 70), seed=53)
-    new = 300
+    new = 1000  # streams still running at the kill on a loaded box (300 ended first in one CI run)
     with LLM(ckpt, dtype="float32") as llm:
         want = [
             list(o.output_token_ids)
