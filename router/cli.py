@@ -15,7 +15,6 @@ import typing
 from dataclasses import fields
 from pathlib import Path
 
-from engine.hub import resolve
 from router import vllm_flags
 from router.child_env import apply_launch_env
 from router.console import say
@@ -453,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if isinstance(getattr(args, "model", None), str):  # a Hugging Face repo id: its cached snapshot
+            from engine.hub import resolve  # noqa: PLC0415 (the engine package may refuse to import: its error)
+
             args.model = resolve(args.model)
         return args.func(args)
     except KeyboardInterrupt:

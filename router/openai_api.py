@@ -26,6 +26,7 @@ from router.errors import Abort
 from router.http_limits import check_expansion, read_json
 from router.images.decode import ImageRefused
 from router.images.prepare import Prepared
+from router.model_names import names_of
 from router.openai_chat import ChatFront
 from router.openai_choices import Choice, Job, usage
 from router.openai_models import (
@@ -99,7 +100,7 @@ class OpenAIFront:
                 503, "no live node serves a model now; retry shortly", "service_unavailable", None, "unavailable"
             )
         for m in known:
-            if name in self.service.model_names(m):
+            if name in names_of(m, getattr(getattr(self.service, "cfg", None), "served_model_name", ())):
                 return m.id
         ids = ", ".join(m.id for m in known)
         raise ApiError(

@@ -12,7 +12,6 @@ from typing import Any
 
 from decode_node.config import DecodeNodeConfig
 from encode_node.config import EncodeNodeConfig
-from engine.hub import resolve
 from engine.options import Opt, add_options, coerce, options
 from prefill_node.config import PrefillNodeConfig
 from router.config import RouterConfig
@@ -179,6 +178,8 @@ def spec_from_args(args: argparse.Namespace, default_model: Callable[[], Any]) -
                 opts[comp][o.name] = coerce(o, pools[comp][d])
             elif d in top:
                 opts[comp][o.name] = coerce(o, top[d])
+    from engine.hub import resolve  # noqa: PLC0415
+
     model = str(Path(resolve(own["model"]) if own["model"] else default_model()).resolve())
     RouterConfig(model=model, **opts["router"])  # every check (a bad directory too), before anything starts
     for pool in POOLS:  # each pool's engine settings checked as its nodes will (without torch)

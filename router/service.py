@@ -24,7 +24,7 @@ from router.errors import Abort, Draining
 from router.images.prepare import ImageRef, Images, Prepared, to_pb
 from router.images.vision import IMAGE_PAD, VisionSpec
 from router.migrate import MigrationMetrics
-from router.model_names import names_of, served_models
+from router.model_names import served_models
 from router.policy import make_policy
 from router.prefill import PrefillPhase
 from router.prefix import PrefixQuery
@@ -163,9 +163,6 @@ class GenerateService:
 
     def models(self) -> list[pb.ModelInfo]:
         return served_models(self.registry, self.cfg.served_model_name, self.tokenizer is not None)
-
-    def model_names(self, m: pb.ModelInfo) -> tuple[str, ...]:
-        return names_of(m, self.cfg.served_model_name)
 
     # ---- the request path -------------------------------------------------------------------
     async def generate(

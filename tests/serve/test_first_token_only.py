@@ -51,7 +51,8 @@ def test_first_token_only_needs_no_decode_node(up, ckpt):
             for i, p in enumerate(asks)
         ]
         done = time.monotonic()
-        two = c.generate(prompt_token_ids=asks[0], max_tokens=2, request_id="two", **greedy)
+        # it waits for the slot: as long as it takes (the estimate, up to the whole stream, may pass the budget)
+        two = c.generate(prompt_token_ids=asks[0], max_tokens=2, request_id="two", admission_timeout_s=0, **greedy)
         t.join()
     assert busy_end and done < busy_end[0]  # the decode slot was held all along
     for p, r in zip(asks, outs, strict=True):
