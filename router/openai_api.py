@@ -330,19 +330,24 @@ def make_app(service) -> FastAPI:
     async def metrics():
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card(m: pb.ModelInfo) -> dict:
+        return {
+            "id": m.id,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "pdserve",
+            "max_model_len": m.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models():
-        data = [
-            {
-                "id": m.id,
-                "object": "model",
-                "created": int(time.time()),
-                "owned_by": "pdserve",
-                "max_model_len": m.max_model_len,
-            }
-            for m in service.models()
-        ]
-        return _json(200, {"object": "list", "data": data})
+        return _json(200, {"object": "list", "data": [model_card(m) for m in service.models()]})
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        """OpenAI's retrieve: the model called `name` (any of its names; ORG/NAME ids hold a slash)."""
+        wanted = front.model(name)  # 404 naming the ids, or 503 with no node
+        return _json(200, next(model_card(m) for m in service.models() if m.id == wanted))
 
     async def answer(req: CompletionRequest | ChatRequest, request: Request) -> Response:
         hints(request)

@@ -306,8 +306,9 @@ def test_wrong_method_and_unknown_path_say_which(door, method, path, status):
 
 
 def test_served_model_names_are_the_names_clients_call(ckpt):
-    """--served-model-name: the first is the id /v1/models lists and the answers carry; every one
-    of them (and the path's forms) reaches the model; another name is a 404 listing the id. The
+    """--served-model-name: the first is the id /v1/models lists (and retrieves, under any of the
+    names) and the answers carry; every one of them (and the path's forms) reaches the model;
+    another name is a 404 listing the id. The
     default name of a Hugging Face cache snapshot is its ORG/NAME."""
     from router.model_names import model_id
 
@@ -318,6 +319,12 @@ def test_served_model_names_are_the_names_clients_call(ckpt):
         conn.request("GET", "/v1/models")
         listed = json.loads(conn.getresponse().read())["data"]
         assert [m["id"] for m in listed] == ["Qwen/Qwen3.5-35B-A3B"]
+        for name, status in (("Qwen/Qwen3.5-35B-A3B", 200), ("qwen", 200), ("Qwen/Other", 404)):
+            conn.request("GET", f"/v1/models/{name}")  # OpenAI's retrieve
+            resp = conn.getresponse()
+            got = json.loads(resp.read())
+            assert resp.status == status, (name, got)
+            assert got["id"] == "Qwen/Qwen3.5-35B-A3B" if status == 200 else got["error"]["code"] == "model_not_found"
         for name in ("Qwen/Qwen3.5-35B-A3B", "qwen", "/models/m", "m"):
             status, out = post(port, json.dumps({"model": name, "prompt": [1, 2], "max_tokens": 2}).encode())
             assert status == 200 and out["model"] == "Qwen/Qwen3.5-35B-A3B", (name, out)
