@@ -38,11 +38,9 @@ def register(app: FastAPI, front: Any, limit: int) -> None:
             raise bad("this router has no tokenizer (the checkpoint has no tokenizer.json)")
         return front.tok
 
-    def model_len(name: str | None) -> int:
-        ms = service.models()
+    def served(name: str | None) -> None:
         if name is not None:
             front.model(name)  # 404 when no node serves it
-        return max((m.max_model_len for m in ms), default=0)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -51,21 +49,22 @@ def register(app: FastAPI, front: Any, limit: int) -> None:
         if isinstance(body, dict) and "messages" in body:
             req = parse(ChatRequest, dict(body, model=body.get("model") or "-"))
             assert isinstance(req, ChatRequest)
-            if body.get("model") is not None:
-                front.model(req.model)
+            served(body.get("model"))
             service.check_prompt_chars(req.text_chars(), "messages")
             prep = front.chat.prepare(req)
             if prep.images:
                 raise bad(
                     "messages with images are not tokenized here (an image's tokens depend on its size)", "messages"
                 )
-            text, strs, name = prep.prompt, bool(body.get("return_token_strs")), body.get("model")
+            text, strs = prep.prompt, bool(body.get("return_token_strs"))
         else:
             t = parse(TokenizeText, body)
             assert isinstance(t, TokenizeText)
-            text, strs, name = t.prompt, t.return_token_strs, t.model
+            served(t.model)
+            text, strs = t.prompt, t.return_token_strs
         ids = await service.encode(text)
-        out = {"count": len(ids), "max_model_len": model_len(name), "tokens": ids}
+        ctx = max((m.max_model_len for m in service.models()), default=0)
+        out = {"count": len(ids), "max_model_len": ctx, "tokens": ids}
         out["token_strs"] = [tok.id_to_token(i) for i in ids] if strs else None
         return JSONResponse(out)
 
@@ -74,8 +73,7 @@ def register(app: FastAPI, front: Any, limit: int) -> None:
         d = parse(Detokenize, await read_json(request, limit))
         assert isinstance(d, Detokenize)
         tok = tokenizer()
-        if d.model is not None:
-            front.model(d.model)
+        served(d.model)
         vocab = tok.vocab_size()
         bad_ids = [i for i in d.tokens if i >= vocab]
         if bad_ids:

@@ -204,6 +204,13 @@ class PrefillPhase:
         finally:
             self._warming.discard(key)
 
+    def mark_dead(self, p: NodeEntry) -> None:
+        """A call found P unreachable: no new prompts until it reports again (back with its next
+        heartbeat, if it is alive after all), and its handshakes are made again then."""
+        with self.registry.lock:
+            p.alive = False
+        self.forget_prefill(p)
+
     def forget_prefill(self, p: NodeEntry) -> None:
         self._pairs = {k for k in self._pairs if k[0] != p.node_id}
         self._pair_locks = {k: v for k, v in self._pair_locks.items() if k[0] != p.node_id}
@@ -321,8 +328,7 @@ class PrefillPhase:
             if code == grpc.StatusCode.INVALID_ARGUMENT and not older:
                 raise Abort(code, e.details() or code.name) from None
             if code == grpc.StatusCode.UNAVAILABLE and not is_draining(e):
-                with self.registry.lock:
-                    p.alive = False  # back with its next heartbeat, if it is alive after all
+                self.mark_dead(p)
             elif is_draining(e):
                 self.registry.mark_draining(p)
             log.warning(
@@ -405,9 +411,7 @@ class PrefillPhase:
             return True if self.ready(d, tried) else None  # none other: D prefills the prompt itself
         dead = code == grpc.StatusCode.UNAVAILABLE
         if dead:
-            with self.registry.lock:
-                p.alive = False  # back with its next heartbeat, if it is alive after all
-            self.forget_prefill(p)
+            self.mark_dead(p)
         self.forget_pair(p, d)
         if f.reserved:
             await self.release(d, f.rid, f"prefill on {p.node_id} failed: {code.name}", p.node_id if dead else "")
@@ -435,9 +439,7 @@ class PrefillPhase:
         dead = e.code() == grpc.StatusCode.UNAVAILABLE and not is_draining(e)
         log.warning("request %s: push from %s failed (%s: %s)", push.rid, push.p.node_id, e.code().name, e.details())
         if dead:
-            with self.registry.lock:
-                push.p.alive = False
-            self.forget_prefill(push.p)
+            self.mark_dead(push.p)
         await self.release(
             push.d, push.rid, f"push from {push.p.node_id} failed: {e.code().name}", push.p.node_id if dead else ""
         )

@@ -102,6 +102,17 @@ class Trace:
         )
 
 
+def _first_message(f: pb.PrefillResponse) -> pb.GenerateResponse:
+    """A prefill node's first message (the first token, its logprobs) as a decode node's."""
+    return pb.GenerateResponse(
+        token_ids=[f.first_token_id],
+        finish_reason=f.finish_reason,
+        timings=f.timings,
+        logprobs=f.logprobs,
+        cached_tokens=f.cached_tokens,
+    )
+
+
 class _Retry(Exception):
     """Place the request again (on another decode node)."""
 
@@ -164,14 +175,7 @@ class RequestRun:
                     self.alone_failed = True
                     continue
                 self.max_new, self.tr.prefill = 1, p[0].node_id
-                m = pb.GenerateResponse(
-                    token_ids=[first.first_token_id],
-                    finish_reason=first.finish_reason,
-                    timings=first.timings,
-                    logprobs=first.logprobs,
-                    cached_tokens=first.cached_tokens,
-                )
-                yield self._relay(m, None, first=True, prefill_node=p[0].node_id)
+                yield self._relay(_first_message(first), None, first=True, prefill_node=p[0].node_id)
                 return
             self.tr.decode = d.node_id
             self.tried.add(d.node_id)
@@ -247,16 +251,7 @@ class RequestRun:
                 f = pre.first
                 self.tr.prefill, self.tr.reserve_s = pre.p.node_id, pre.reserve_s
                 # the first token goes to the client at once, while the push runs
-                yield self._relay(
-                    pb.GenerateResponse(
-                        token_ids=[f.first_token_id],
-                        finish_reason=f.finish_reason,
-                        timings=f.timings,
-                        logprobs=f.logprobs,
-                    ),
-                    pre,
-                    first=True,
-                )
+                yield self._relay(_first_message(f), pre, first=True)
                 if f.finish_reason:  # the first token ended it: nothing was pushed
                     settled = True
                     self.svc.prefill.release_later(d, pre.rid, "finished at the first token")
