@@ -164,6 +164,7 @@ def build_request(
     images: Sequence[bytes | str | os.PathLike[str]] = (),
     include_stop_str_in_output: bool = False,
     skip_special_tokens: bool | None = None,
+    cache_salt: str = "",
 ) -> pb.GenerateRequest:
     """Unset options (None) take the server's defaults. docs/api.md describes each. `images`: the
     prompt's, in order, each encoded bytes, a file path or a URL (data:, or http(s) for a router
@@ -179,6 +180,7 @@ def build_request(
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
         include_stop_str_in_output=include_stop_str_in_output,
+        cache_salt=cache_salt,  # share cached prompt state only with requests of the same salt
     )
     for name, v in (
         ("repetition_penalty", repetition_penalty),

@@ -1,6 +1,6 @@
 """The prefix cache's content names, shared by the engine (engine/cache/prefix.py) and the router
-(router/prefix.py): chained page hashes, snapshot keys, their low 64 bits for the digest and, with
-MTP, `page_name`. Pure Python (hashlib), so importing it loads no torch."""
+(router/prefix.py): chained page hashes, snapshot keys, their low 64 bits for the digest, with
+MTP `page_name`, and a tenant's salted view of a prompt. Pure Python (hashlib), so importing it loads no torch."""
 
 from __future__ import annotations
 
@@ -24,6 +24,21 @@ def prompt_hashes(tokens: list[int], block_size: int) -> list[int]:
     for j in range(len(tokens) // block_size):
         parent = block_hash(parent, tokens[j * block_size : (j + 1) * block_size])
         out.append(parent)
+    return out
+
+
+def salted(ids: list[int], salt: str) -> list[int]:
+    """A tenant's view of a prompt (`cache_salt`, docs/prefix-caching.md): its first token replaced
+    by a number from (salt, that token), 63 bits with bit 61 set, far above any vocabulary. Every
+    page hash and snapshot key chains through the first token, so a salted prompt shares no cached
+    state with an unsalted or differently salted one, and prompts with the same salt still do.
+    No salt: `ids` itself."""
+    if not salt or not ids:
+        return ids
+    h = hashlib.blake2b(salt.encode(), digest_size=8, person=b"pdserve-salt")
+    h.update(ids[0].to_bytes(8, "little", signed=True))
+    out = list(ids)
+    out[0] = (int.from_bytes(h.digest(), "little") >> 3) | (1 << 61)
     return out
 
 

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.prefix_hash import salted
 from engine.request_state import Status, TransitionError, check_transition
 from engine.sampling_params import SamplingParams
 from engine.vision.inputs import ImageInput, hash_view
@@ -94,11 +95,14 @@ class Request:
     @property
     def hash_prompt(self) -> list[int]:
         """The prompt as the prefix cache names it: image placeholders carry their image's pixel
-        hash (engine/vision/inputs.py `hash_view`), so different images never share pages."""
+        hash (engine/vision/inputs.py `hash_view`), so different images never share pages, and a
+        request with a `cache_salt` has its first token salted (engine/prefix_hash.py `salted`), so
+        it shares pages only with requests of the same salt."""
         if self._hash_prompt is None:
-            if not self.images:
+            if not self.images and not self.params.cache_salt:
                 return self.prompt_token_ids
-            self._hash_prompt = hash_view(self.prompt_token_ids, self.images)
+            view = hash_view(self.prompt_token_ids, self.images) if self.images else self.prompt_token_ids
+            self._hash_prompt = salted(view, self.params.cache_salt)
         return self._hash_prompt
 
     def hash_ids(self, start: int, end: int) -> list[int]:

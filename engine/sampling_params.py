@@ -12,6 +12,7 @@ from engine.structured.spec import Constraint
 MAX_LOGPROBS = 20  # most alternatives per position (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 300  # most logit_bias entries (OpenAI's limit)
 LOGIT_BIAS_RANGE = 100.0  # a bias is in [-this, this]
+MAX_CACHE_SALT = 1024  # characters
 
 
 @dataclass(frozen=True, init=False)
@@ -43,6 +44,9 @@ class SamplingParams:
     # scheduling class (engine/scheduler/batching.py): 0 interactive, 1 batch; waiting interactive
     # prompts are scheduled first and batch prompts get short chunks while interactive ones are about
     priority: int = 0
+    # prefix-cache isolation (docs/prefix-caching.md): a request shares cached prompt state only
+    # with requests of the same salt; "" shares with every other request without one
+    cache_salt: str = ""
 
     def __init__(self, **kwargs):
         names = {f.name for f in fields(self)}
@@ -89,6 +93,8 @@ class SamplingParams:
             raise ValueError(f"num_speculative_tokens must be a non-negative integer (got {v!r})")
         if self.priority not in (0, 1) or isinstance(self.priority, bool):
             raise ValueError(f"priority must be 0 (interactive) or 1 (batch) (got {self.priority!r})")
+        if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT:
+            raise ValueError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters")
         if self.constraint is not None and self.min_tokens:
             raise ValueError(
                 "min_tokens cannot be combined with a constraint: the grammar decides where the output ends"

@@ -68,6 +68,7 @@ class SamplingKwargs(TypedDict, total=False):
     num_speculative_tokens: int
     constraint: ConstraintKwargs
     priority: int
+    cache_salt: str
 
 
 def sampling_kwargs(sp: pb.SamplingParams) -> SamplingKwargs:
@@ -103,6 +104,8 @@ def sampling_kwargs(sp: pb.SamplingParams) -> SamplingKwargs:
         kw["logit_bias"] = dict(sp.logit_bias)
     if sp.HasField("constraint"):
         kw["constraint"] = constraint_kwargs(sp.constraint)
+    if sp.cache_salt:
+        kw["cache_salt"] = sp.cache_salt
     if sp.priority:  # PRIORITY_INTERACTIVE -> 0, PRIORITY_BATCH -> 1; an unknown value is the engine's to refuse
         kw["priority"] = sp.priority - pb.PRIORITY_INTERACTIVE
     return kw  # ROUTER_FIELDS are the router's: nodes see token ids only

@@ -15,6 +15,7 @@ from proto import pb
 MAX_LOGIT_BIAS = 300  # most logit_bias entries (OpenAI's limit; the engine's too)
 MAX_N = 16  # most choices per request
 MAX_BATCH = 64  # most prompts in one completions request
+MAX_CACHE_SALT = 1024  # characters (the engine's limit too)
 
 _HTTP_OF = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -151,6 +152,8 @@ class _Request(BaseModel):
     skip_special_tokens: bool = True  # false: special tokens (<|im_end|>) are in the text too
     return_token_ids: bool | None = None  # prompt_token_ids and each choice's token_ids in the answer
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N"
+    # prefix-cache isolation: shares cached prompt state only with requests of the same salt
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
     # vLLM's, refused by name unless empty / the default (an ignored one would change the answer unseen)
     use_beam_search: Any = None
     allowed_token_ids: Any = None
@@ -305,6 +308,7 @@ def sampling(req: CompletionRequest | ChatRequest) -> pb.SamplingParams:
         raise bad(f"stop token ids must be non-negative integers (got {ids!r})", "stop_token_ids")
     sp.stop_token_ids.extend(ids)
     sp.include_stop_str_in_output = req.include_stop_str_in_output
+    sp.cache_salt = req.cache_salt or ""
     if not req.skip_special_tokens:
         sp.skip_special_tokens = False
     for t, b in _logit_bias(req.logit_bias).items():

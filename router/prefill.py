@@ -274,7 +274,7 @@ class PrefillPhase:
         failures = 0  # prefill calls that failed (a drain refusal is not one)
         while True:
             if p is None:
-                q = PrefixQuery(ids, images) if self.policy.uses_prefix else None
+                q = PrefixQuery(ids, images, request.sampling.cache_salt) if self.policy.uses_prefix else None
                 again = self.choose(d, len(ids), tried, window=False, q=q, batch=batch)  # a retry: admitted already
                 if again is None:
                     return None

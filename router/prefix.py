@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.prefix_hash import ROOT_HASH, page_name, prefix_key, prompt_hashes, short
+from engine.prefix_hash import ROOT_HASH, page_name, prefix_key, prompt_hashes, salted, short
 from engine.vision.inputs import hash_view
 
 if TYPE_CHECKING:
@@ -21,10 +21,11 @@ RECENT_MAX = 16384  # names remembered per node (oldest dropped first)
 class PrefixQuery:
     """A prompt's names under a node's page size, computed once per page size on first use. With
     images, the names are over the prompt's hash view (each image's placeholder run carrying its
-    pixel hash, engine/vision/inputs.py), as the nodes name their pages."""
+    pixel hash, engine/vision/inputs.py) and, with a `cache_salt`, the first token salted
+    (engine/prefix_hash.py `salted`), as the nodes name their pages."""
 
-    def __init__(self, ids: list[int], images: Sequence[pb.ImageInput] = ()):
-        self.ids = hash_view(ids, images) if images else ids
+    def __init__(self, ids: list[int], images: Sequence[pb.ImageInput] = (), salt: str = ""):
+        self.ids = salted(hash_view(ids, images) if images else ids, salt)
         self.prompt_len = len(ids)
         self._full: dict[int, list[int]] = {}  # block size -> 128-bit chained page hashes
         self._short: dict[tuple[int, bool], list[int]] = {}

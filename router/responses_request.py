@@ -43,6 +43,7 @@ class ResponsesRequest(BaseModel):
     top_k: int | None = None
     ignore_eos: bool = False
     logit_bias: Any = None
+    cache_salt: Any = None  # checked as chat's
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -165,7 +166,7 @@ def to_chat(req: ResponsesRequest) -> ChatRequest:
         "chat_template_kwargs": req.chat_template_kwargs,
         "ignore_eos": req.ignore_eos,
     }
-    for name in ("temperature", "top_p", "seed", "top_k", "logit_bias"):
+    for name in ("temperature", "top_p", "seed", "top_k", "logit_bias", "cache_salt"):
         body[name] = getattr(req, name)
     chat = parse(ChatRequest, {k: v for k, v in body.items() if v is not None})
     assert isinstance(chat, ChatRequest)

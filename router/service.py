@@ -365,7 +365,8 @@ class GenerateService:
         takes no decode node (None): neither its room nor its wait. Refused (RESOURCE_EXHAUSTED,
         retry_after_s) at arrival only."""
         prompt_len = len(ids)
-        q = PrefixQuery(ids, images) if self.policy.uses_prefix else None
+        salt = request.sampling.cache_salt if request is not None else ""
+        q = PrefixQuery(ids, images, salt) if self.policy.uses_prefix else None
         dec = [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]
         pooled = not local and bool(dec) and self.prefill.use_pool(dec[0], prompt_len)
         alone = alone and pooled

@@ -73,3 +73,33 @@ def test_next_turn_goes_where_the_conversation_is(up, ckpt):
     assert r2.token_ids == hc.hf_greedy(ckpt, turn2, 40)
     assert ru.token_ids == hc.hf_greedy(ckpt, unrelated, new)
     assert r3.token_ids == hc.hf_greedy(ckpt, turn3, new)
+
+
+def test_cache_salt_keeps_tenants_apart(up, ckpt):
+    """`cache_salt` across the pools: the nodes' digests name a salted prompt's pages as the
+    router names them with the salt (and not as without it), so a tenant's next turn is routed by
+    the digests to the decode node holding its conversation and resumes there from the state its
+    turn 1 ended with, while the same turn with another salt or none takes nothing cached."""
+    from client import Client
+    from router.prefix import PrefixQuery
+
+    new = 5
+    turn1, user2 = hc.prompts(lens=(3 * BLOCK + 5, 9), seed=43)
+    greedy = dict(temperature=0.0, ignore_eos=True, max_tokens=new)
+    with Client(up.address, timeout=180) as c:
+        c.wait_ready(timeout=90)
+        a1 = c.generate(prompt_token_ids=turn1, cache_salt="tenant-a", **greedy)
+        assert a1.cached_tokens == 0
+        d = node_info(up.address, a1.decode_node).address
+        mine, plain = set(PrefixQuery(turn1, salt="tenant-a").pages(BLOCK)), set(PrefixQuery(turn1).pages(BLOCK))
+        wait_for(lambda: mine <= set(decode_stats(d).prefix.pages), 10, "the decode node's digest to hold a's pages")
+        assert not plain & set(decode_stats(d).prefix.pages)
+        time.sleep(MEMORY_S + 1.0)  # the router routes a's next turn by the digests alone
+        turn2 = turn1 + a1.token_ids + user2
+        b = c.generate(prompt_token_ids=turn2, cache_salt="tenant-b", **greedy)
+        u = c.generate(prompt_token_ids=turn2, **greedy)
+        a2 = c.generate(prompt_token_ids=turn2, cache_salt="tenant-a", **greedy)
+    assert (b.cached_tokens, u.cached_tokens) == (0, 0)
+    assert (a2.decode_node, a2.prefill_node, a2.cached_tokens) == (a1.decode_node, "", len(turn1) + new - 1)
+    assert a1.token_ids == hc.hf_greedy(ckpt, turn1, new)
+    assert b.token_ids == u.token_ids == a2.token_ids == hc.hf_greedy(ckpt, turn2, new)

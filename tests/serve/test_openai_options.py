@@ -330,6 +330,8 @@ def test_unsupported_options_name_the_parameter(oai, model):
         (dict(n=0), "n"),
         (dict(extra_body={"best_of": 3}), "best_of"),
         (dict(extra_body={"tool_choice": "required"}), "tool_choice"),
+        (dict(extra_body={"cache_salt": ""}), "cache_salt"),
+        (dict(extra_body={"cache_salt": "x" * 1025}), "cache_salt"),
     ):
         with pytest.raises(openai.BadRequestError) as ei:
             oai.completions.create(model=model, prompt=PROMPT, max_tokens=2, **kw)
@@ -339,6 +341,36 @@ def test_unsupported_options_name_the_parameter(oai, model):
             model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2, top_logprobs=2
         )
     assert ei.value.body["param"] == "top_logprobs"
+
+
+def test_cache_salt_over_http(oai, model, ckpt):
+    """vLLM's `cache_salt` on completions, chat and responses: a later prompt shares a cached one
+    only under the same salt (usage's cached_tokens); the tokens are transformers' greedy."""
+    from transformers import AutoTokenizer
+
+    def run(p, salt=None):
+        body = {"ignore_eos": True, "return_token_ids": True} | ({"cache_salt": salt} if salt else {})
+        r = oai.completions.create(model=model, prompt=p, max_tokens=3, temperature=0.0, extra_body=body)
+        return r.usage.prompt_tokens_details.cached_tokens, r.choices[0].token_ids  # type: ignore[attr-defined]
+
+    prompt = hc.prompts(lens=(70,), seed=47)[0]
+    more = prompt + [11, 12, 13]
+    first = run(prompt, "s1")
+    other, plain, mine = run(more, "s2"), run(more), run(more, "s1")
+    assert (first[0], other[0], plain[0], mine[0]) == (0, 0, 0, len(prompt))
+    assert other[1] == plain[1] == mine[1] == hc.hf_greedy(ckpt, more, 3)
+    # a chat and a responses request leave their prompts cached under their salts only
+    hf = AutoTokenizer.from_pretrained(ckpt)
+    text = "a salted conversation"
+    ids = hf.encode(
+        hf.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
+    oai.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": text}], max_tokens=2, extra_body={"cache_salt": "s3"}
+    )
+    oai.responses.create(model=model, input=text, max_output_tokens=2, extra_body={"cache_salt": "s4"})
+    assert [run(ids + [11], salt)[0] for salt in ("s5", "s3", "s4")] == [0, len(ids), len(ids)]
 
 
 def test_stop_matcher_holds_back_partial_matches():
