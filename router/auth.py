@@ -11,7 +11,7 @@ from contextlib import aclosing
 
 import grpc
 
-from serving.security import AUTH_KEY, Credentials, bearer, key_id, match, refusal, refusing_handler
+from serving.security import AUTH_KEY, Credentials, authorization, bearer, key_id, match, refusal, refusing_handler
 
 log = logging.getLogger("pdserve.router")
 
@@ -89,11 +89,11 @@ class HttpGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not self.creds.api_keys or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
-        d = match(bearer(auth), self.creds.api_keys)
+        headers = {k: v.decode("latin-1") for k, v in scope["headers"] if k in (b"authorization", b"x-api-key")}
+        d = match(bearer(authorization(headers.get(b"authorization"), headers.get(b"x-api-key"))), self.creds.api_keys)
         if d is None:
             log.info("refused HTTP %s %s: missing or invalid API key", scope["method"], scope["path"])
-            msg = "missing or invalid API key: send the header 'Authorization: Bearer KEY'"
+            msg = "missing or invalid API key: send the header 'Authorization: Bearer KEY' (or 'x-api-key: KEY')"
             return await _reply(
                 send,
                 401,

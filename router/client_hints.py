@@ -1,6 +1,7 @@
 """What a client asks of admission besides its request fields: its API key's id (turns within a
 class), and over HTTP the headers `x-pdserve-admission-timeout` (seconds; 0: wait as long as it
-takes) and `x-pdserve-priority` (interactive | batch). The front ends set `HINTS` for the
+takes) and `x-pdserve-priority` (interactive | batch); `x-api-key` stands for `Authorization:
+Bearer` when that is absent. The front ends set `HINTS` for the
 request's task; `GenerateService.admit` reads it (docs/api.md, "Admission")."""
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 from router.admission import CLASS_NAMES
-from serving.security import AUTH_KEY, Credentials, bearer, key_id, match
+from serving.security import AUTH_KEY, Credentials, authorization, bearer, key_id, match
 
 TIMEOUT_HEADER = "x-pdserve-admission-timeout"
 PRIORITY_HEADER = "x-pdserve-priority"
+API_KEY_HEADER = "x-api-key"
 
 
 @dataclass(frozen=True)
@@ -53,4 +55,5 @@ def from_headers(headers: Mapping[str, str], creds: Credentials) -> Hints:
         if v.strip().lower() not in CLASS_NAMES:
             raise ValueError(f"header {PRIORITY_HEADER} must be one of {', '.join(CLASS_NAMES)}, got {v!r}")
         priority = CLASS_NAMES.index(v.strip().lower())
-    return Hints(tenant_of(headers.get(AUTH_KEY), creds), priority, budget)
+    auth = authorization(headers.get(AUTH_KEY), headers.get(API_KEY_HEADER))
+    return Hints(tenant_of(auth, creds), priority, budget)

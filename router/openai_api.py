@@ -386,5 +386,8 @@ def make_app(service) -> FastAPI:
     from router.openai_tokenize import register  # noqa: PLC0415
 
     register(app, front, limit)
+    from router.anthropic_messages import register as register_messages  # noqa: PLC0415
+
+    register_messages(app, front, limit, hints)
 
     return app

@@ -43,6 +43,7 @@ class Chunk:
     cached_tokens: int = 0  # prompt tokens the prefilling node took from its prefix cache
     decode_node: str = ""
     prefill_node: str = ""
+    stop: str = ""  # the last chunk of a request a stop string ended: that string
 
 
 @dataclass

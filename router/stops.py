@@ -19,6 +19,7 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self.include = include
         self.held = ""
+        self.matched = ""  # the stop string that matched
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add decoded text; returns (text safe to emit now, whether a stop string matched)."""
@@ -27,6 +28,7 @@ class StopMatcher:
         if hits:  # the first match; of those starting there, the longest
             self.held = ""
             i, neg = min(hits)
+            self.matched = buf[i : i - neg]
             return buf[: i - neg if self.include else i], True
         # the longest tail of buf that begins a stop string (a stop it may yet complete)
         starts = (k for s in self.stops for k in range(1, min(len(s) - 1, len(buf)) + 1) if buf.endswith(s[:k]))
@@ -63,7 +65,7 @@ async def with_stops(
                 continue
             text, hit = m.push(c.text)
             if hit:
-                c.text, c.finish_reason = text, "stop"
+                c.text, c.finish_reason, c.stop = text, "stop", m.matched
                 if on_stop is not None:
                     on_stop()
                 yield c

@@ -72,6 +72,12 @@ def match(given: str | bytes | None, digests: tuple[bytes, ...]) -> bytes | None
     return hit
 
 
+def authorization(value: str | None, api_key: str | None) -> str | None:
+    """The `Authorization` value of an HTTP request: its own, else one from an `x-api-key` header
+    (how Anthropic's clients send their key)."""
+    return value if value is not None else f"Bearer {api_key}" if api_key else None
+
+
 def bearer(value: str | None) -> str | None:
     """The key of an `authorization: Bearer KEY` value."""
     if not value:

@@ -202,6 +202,37 @@ def test_no_field_value_gets_a_500(door):
     wait_for(lambda: r.service.active == 0, 10, "nothing in flight")
 
 
+MESSAGES_FIELDS = """model max_tokens messages system stop_sequences stream temperature top_p top_k tools
+    tool_choice thinking output_config output_format metadata cache_salt logit_bias mcp_servers""".split()
+BLOCK_KEYS = "type text source tool_use_id content id name input thinking".split()
+
+
+def test_no_messages_value_gets_a_500(door):
+    """The same for Anthropic's /v1/messages (and count_tokens): every top-level field, and every
+    key of a user's and an assistant's content block, set to each value of the table."""
+    r, _, _ = door
+    rng = random.Random(1)
+    seen: dict[int, int] = {}
+    base = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    bodies = [{**base, f: v} for f in MESSAGES_FIELDS for v in _values(rng)]
+    for role in ("user", "assistant"):
+        for k in BLOCK_KEYS:
+            for v in _values(rng):
+                turn = {"role": role, "content": [{"type": "text", "text": "hi", k: v}]}
+                bodies.append({**base, "messages": [*base["messages"], turn] if role == "assistant" else [turn]})
+    for i, b in enumerate(bodies):
+        path = "/v1/messages/count_tokens" if i % 5 == 0 else "/v1/messages"
+        body = json.dumps(b, allow_nan=True).replace('"\\\\ud800"', '"\\ud800"').encode()
+        status, out = post(r.http_port, body, path)
+        seen[status] = seen.get(status, 0) + 1
+        assert status in (200, 400, 404), (path, b, status, out)
+        if status != 200:
+            assert out["type"] == "error" and out["error"]["message"], (b, out)
+            assert "internal" not in out["error"]["message"], (b, out)
+    assert seen.get(200) and seen.get(400), seen
+    wait_for(lambda: r.service.active == 0, 10, "nothing in flight")
+
+
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20

@@ -79,9 +79,11 @@ def secure(ckpt, tmp_path_factory):
         assert secret not in "".join(up.lines), "a secret reached the logs"
 
 
-def _https(up, method: str, path: str, key: str | None = None, body: dict | None = None):
-    """(status, parsed body, headers) of one HTTPS request that checks the router's certificate."""
-    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+def _https(up, method: str, path: str, key: str | None = None, body: dict | None = None, x_api_key: bool = False):
+    """(status, parsed body, headers) of one HTTPS request that checks the router's certificate
+    (the key as `Authorization: Bearer`, or as Anthropic's clients send it, `x-api-key`)."""
+    auth = ({"x-api-key": key} if x_api_key else {"Authorization": f"Bearer {key}"}) if key else {}
+    headers = {"Content-Type": "application/json"} | auth
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(up.http + path, data=data, headers=headers, method=method)
     ctx = ssl.create_default_context(cafile=up.ca.ca)
@@ -121,6 +123,10 @@ def test_http_needs_an_api_key(secure, refs):
     assert status == 200, out
     assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == NEW
     assert _https(secure, "GET", "/v1/models", KEY_A)[0] == 200
+    msg = {"model": body["model"], "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    assert _https(secure, "POST", "/v1/messages", KEY_A + "x", msg, x_api_key=True)[0] == 401
+    status, out, _ = _https(secure, "POST", "/v1/messages", KEY_A, msg, x_api_key=True)
+    assert status == 200 and out["usage"]["output_tokens"] == 2, out
     assert _https(secure, "GET", "/health")[0] == 200  # open, as /metrics
     status, text, _ = _https(secure, "GET", "/metrics")
     assert status == 200 and "pdserve_router_requests_total" in text

@@ -1,0 +1,114 @@
+"""`POST /v1/messages` answers: a choice's chat deltas (router/parsers/output.py) as Anthropic
+content blocks (`thinking`, `text`, `tool_use`) and the stream events that build them
+(`content_block_start`, `content_block_delta` with `thinking_delta` / `text_delta` /
+`input_json_delta`, `content_block_stop`). A block opens when its first piece arrives and closes
+when a piece of another block (or the end) comes, so the stream and the whole message hold the
+same blocks in the same order; the whole message is built by the same code."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def stop_reason(finish: str | None, stop: str) -> str:
+    """Anthropic's stop_reason of a chat finish_reason (`stop`: the stop sequence matched, if any)."""
+    if finish == "length":
+        return "max_tokens"
+    if finish == "tool_calls":
+        return "tool_use"
+    return "stop_sequence" if stop else "end_turn"
+
+
+def usage(prompt: int, cached: int, output: int) -> dict[str, int]:
+    """Anthropic counts the prompt tokens read from the cache apart from `input_tokens`."""
+    return {
+        "input_tokens": prompt - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": output,
+    }
+
+
+class Blocks:
+    def __init__(self) -> None:
+        self.blocks: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None
+        self.args: dict[int, str] = {}  # tool-call index -> its arguments' JSON so far
+        self.calls: dict[int, int] = {}  # tool-call index -> its block's index
+
+    def feed(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        """The events of one chat delta: thinking first, then text, then tool calls."""
+        ev: list[dict[str, Any]] = []
+        if delta.get("reasoning_content"):
+            self._text(ev, "thinking", delta["reasoning_content"])
+        if delta.get("content"):
+            self._text(ev, "text", delta["content"])
+        for tc in delta.get("tool_calls", ()):
+            self._call(ev, tc)
+        return ev
+
+    def close(self) -> list[dict[str, Any]]:
+        """Close the open block (the output ended, or another block begins)."""
+        b, self.open = self.open, None
+        if b is None:
+            return []
+        at = self.blocks.index(b)
+        if b["type"] == "tool_use":
+            b["input"] = _input(self.args.get(next(k for k, v in self.calls.items() if v == at), ""))
+        return [{"type": "content_block_stop", "index": at}]
+
+    def _begin(self, ev: list[dict[str, Any]], block: dict[str, Any], shown: dict[str, Any]) -> None:
+        ev += self.close()
+        self.blocks.append(block)
+        self.open = block
+        ev.append({"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": shown})
+
+    def _text(self, ev: list[dict[str, Any]], kind: str, s: str) -> None:
+        b = self.open
+        if b is None or b["type"] != kind:
+            b = (
+                {"type": "thinking", "thinking": "", "signature": ""}
+                if kind == "thinking"
+                else {"type": "text", "text": ""}
+            )
+            self._begin(ev, b, dict(b))
+        b[kind] += s
+        d = {"type": "thinking_delta", "thinking": s} if kind == "thinking" else {"type": "text_delta", "text": s}
+        ev.append({"type": "content_block_delta", "index": self.blocks.index(b), "delta": d})
+
+    def _call(self, ev: list[dict[str, Any]], tc: dict[str, Any]) -> None:
+        fn, k = tc.get("function", {}), tc["index"]
+        if "id" in tc:  # a new call
+            b = {"type": "tool_use", "id": "toolu_" + tc["id"].removeprefix("call_"), "name": fn.get("name", "")}
+            b["input"] = {}
+            self._begin(ev, b, dict(b))
+            self.calls[k], self.args[k] = len(self.blocks) - 1, ""
+        piece = fn.get("arguments") or ""
+        if piece:
+            self.args[k] += piece
+            d = {"type": "input_json_delta", "partial_json": piece}
+            ev.append({"type": "content_block_delta", "index": self.calls[k], "delta": d})
+
+
+def _input(args: str) -> dict[str, Any]:
+    """A call's input: its arguments' JSON object ({} when cut off before it closed)."""
+    try:
+        v = json.loads(args) if args else {}
+    except ValueError:
+        return {}
+    return v if isinstance(v, dict) else {}
+
+
+def message(mid: str, model: str, blocks: list[dict[str, Any]], reason: str | None, stop: str, use: dict) -> dict:
+    """The message object (`reason`: None while it streams)."""
+    return {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": blocks,
+        "stop_reason": reason,
+        "stop_sequence": stop or None,
+        "usage": use,
+    }

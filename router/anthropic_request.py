@@ -1,0 +1,259 @@
+"""`POST /v1/messages` bodies (Anthropic's Messages API, as coding agents send it) as the chat
+request they mean, served by the chat path (router/openai_chat.py) as one choice:
+
+- `system` (a string or text blocks) -> a system message; each user message's `tool_result`
+  blocks -> `tool` messages (in their order, before the message's text and images); `image`
+  blocks (`base64` or `url` sources) -> image parts; an assistant's `thinking` -> its
+  `reasoning_content`, `tool_use` -> its `tool_calls` (`input` as the arguments' JSON);
+- `tools` (`name`, `description`, `input_schema`) -> function tools; `tool_choice` `auto`, `any`
+  (-> `required`), `tool` (-> named), `none`; `disable_parallel_tool_use` -> `parallel_tool_calls`;
+- `thinking` `enabled` / `disabled` -> the template's `enable_thinking` (unset: the template's
+  default); `stop_sequences` -> `stop`; `output_config.format` (or the earlier `output_format`)
+  `json_schema` -> `response_format`; `temperature`, `top_p`, `top_k` as earlier clients send them;
+- `cache_control` marks are accepted and have no effect (the prefix cache needs none).
+
+Anything it cannot honour is a 400 naming it (server tools, documents, MCP servers)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.openai_models import ChatRequest, Float, bad, parse
+
+# sampling fields passed on as the chat route takes them (earlier clients send the first three;
+# the rest are the chat route's extensions)
+_PASSED = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "logit_bias",
+    "cache_salt",
+)
+
+
+class MessagesRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: Annotated[str, Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None  # required by /v1/messages, not by count_tokens
+    messages: list[dict[str, Any]]
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: Annotated[Float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # `format` (json_schema); `effort` accepted, not used
+    output_format: dict[str, Any] | None = None  # the earlier name of output_config.format
+    metadata: dict[str, Any] | None = None  # accepted (`user_id`), not used
+    service_tier: str | None = None  # accepted, not used: one tier
+    mcp_servers: Any = None  # refused by name
+    container: Any = None  # refused by name
+    # extensions, as on chat completions
+    seed: Annotated[int, Field(ge=0)] | None = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    ignore_eos: bool | None = None
+    logit_bias: Any = None
+    cache_salt: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def _text(content: Any, where: str) -> str:
+    """A string, or text blocks joined (what a system prompt and a tool result may hold)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"{where} must be a string or a list of content blocks", where)
+    out = []
+    for j, b in enumerate(content):
+        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
+            kind = b.get("type") if isinstance(b, dict) else type(b).__name__
+            raise bad(f"{where}[{j}]: only text blocks are supported here (got {kind!r})", f"{where}[{j}]")
+        out.append(b["text"])
+    return "".join(out)
+
+
+def _image(b: dict[str, Any], where: str) -> dict[str, Any]:
+    src: dict[str, Any] = b["source"] if isinstance(b.get("source"), dict) else {}
+    if src.get("type") == "base64" and isinstance(src.get("data"), str):
+        url = f"data:{src.get('media_type') or 'image/png'};base64,{src['data']}"
+    elif src.get("type") == "url" and isinstance(src.get("url"), str):
+        url = src["url"]
+    else:
+        raise bad(f"{where}.source: an image needs a 'base64' source with 'data' or a 'url' source", f"{where}.source")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _user(content: Any, i: int, msgs: list[dict[str, Any]], names: dict[tuple[int, int], str]) -> None:
+    """A user message: its tool results as tool messages, then its text and images (if any)."""
+    where = f"messages[{i}].content"
+    if isinstance(content, str):
+        msgs.append({"role": "user", "content": content})
+        return
+    if not isinstance(content, list):
+        raise bad(f"{where} must be a string or a list of content blocks", where)
+    parts: list[tuple[int, dict[str, Any]]] = []
+    for j, b in enumerate(content):
+        kind = b.get("type") if isinstance(b, dict) else None
+        w = f"{where}[{j}]"
+        if kind == "tool_result":
+            if not isinstance(b.get("tool_use_id"), str):
+                raise bad(f"{w}: a tool_result needs its 'tool_use_id'", f"{w}.tool_use_id")
+            text = _text(b.get("content", ""), f"{w}.content")
+            msgs.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": text})
+        elif kind == "text" and isinstance(b.get("text"), str):
+            parts.append((j, {"type": "text", "text": b["text"]}))
+        elif kind == "image":
+            parts.append((j, _image(b, w)))
+        else:
+            raise bad(
+                f"{w}: {kind!r} blocks are not supported in user messages (text, image, tool_result)", f"{w}.type"
+            )
+    if not parts:
+        return
+    if all(p["type"] == "text" for _, p in parts):
+        msgs.append({"role": "user", "content": "".join(p["text"] for _, p in parts)})
+        return
+    for k, (j, _) in enumerate(parts):  # an image's errors name the block it came from
+        names[(len(msgs), k)] = f"{where}[{j}]"
+    msgs.append({"role": "user", "content": [p for _, p in parts]})
+
+
+def _assistant(content: Any, i: int) -> dict[str, Any]:
+    where = f"messages[{i}].content"
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    if not isinstance(content, list):
+        raise bad(f"{where} must be a string or a list of content blocks", where)
+    msg: dict[str, Any] = {"role": "assistant", "content": ""}
+    for j, b in enumerate(content):
+        kind = b.get("type") if isinstance(b, dict) else None
+        w = f"{where}[{j}]"
+        if kind == "text" and isinstance(b.get("text"), str):
+            msg["content"] += b["text"]
+        elif kind == "thinking" and isinstance(b.get("thinking"), str):
+            msg["reasoning_content"] = msg.get("reasoning_content", "") + b["thinking"]
+        elif kind == "redacted_thinking":
+            continue  # another provider's encrypted reasoning: nothing to render
+        elif kind == "tool_use":
+            if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
+                raise bad(f"{w}: a tool_use needs 'id' and 'name'", w)
+            fn = {"name": b["name"], "arguments": json.dumps(b.get("input") or {})}
+            msg.setdefault("tool_calls", []).append({"id": b["id"], "type": "function", "function": fn})
+        else:
+            raise bad(f"{w}: {kind!r} blocks are not supported in assistant messages", f"{w}.type")
+    return msg
+
+
+def _messages(req: MessagesRequest, names: dict[tuple[int, int], str]) -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = []
+    if req.system:
+        msgs.append({"role": "system", "content": _text(req.system, "system")})
+    if not req.messages:
+        raise bad("'messages' must hold at least one message", "messages")
+    for i, m in enumerate(req.messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role == "user":
+            _user(m.get("content"), i, msgs, names)
+        elif role == "assistant":
+            msgs.append(_assistant(m.get("content"), i))
+        else:
+            raise bad(f"messages[{i}].role must be 'user' or 'assistant' (got {role!r})", f"messages[{i}].role")
+    return msgs
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if t.get("type") not in (None, "custom"):
+            raise bad(
+                f"tools[{i}]: {t.get('type')!r} tools run on Anthropic's servers; define it as a custom tool "
+                "(name, description, input_schema)",
+                f"tools[{i}].type",
+            )
+        if not isinstance(t.get("name"), str):
+            raise bad(f"tools[{i}] needs a 'name'", f"tools[{i}].name")
+        fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
+        if isinstance(t.get("description"), str):
+            fn["description"] = t["description"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | None]:
+    """(chat's tool_choice, parallel_tool_calls)."""
+    if choice is None:
+        return None, None
+    kind = choice.get("type")
+    parallel = False if choice.get("disable_parallel_tool_use") else None
+    if kind == "auto":
+        return "auto", parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "none":
+        return "none", None
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    raise bad("tool_choice.type must be auto, any, none, or tool with a 'name'", "tool_choice")
+
+
+def _thinking(req: MessagesRequest) -> dict[str, Any] | None:
+    kw = dict(req.chat_template_kwargs or {})
+    kind = (req.thinking or {}).get("type")
+    if kind in ("enabled", "adaptive", "between_tools"):
+        kw.setdefault("enable_thinking", True)
+    elif kind == "disabled":
+        kw.setdefault("enable_thinking", False)
+    elif req.thinking is not None:
+        raise bad("thinking.type must be 'enabled' or 'disabled'", "thinking.type")
+    return kw or None
+
+
+def _format(req: MessagesRequest) -> dict[str, Any] | None:
+    fmt, name = (req.output_config or {}).get("format"), "output_config.format"
+    if fmt is None:
+        fmt, name = req.output_format, "output_format"
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise bad(f"{name} must be {{'type': 'json_schema', 'schema': {{...}}}}", name)
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
+
+def to_chat(req: MessagesRequest) -> ChatRequest:
+    """The chat request `req` means (module docstring); ApiError 400 naming a bad field."""
+    for name in ("mcp_servers", "container"):
+        if getattr(req, name) is not None:
+            raise bad(f"'{name}' is not supported by this server", name)
+    names: dict[tuple[int, int], str] = {}
+    choice, parallel = _tool_choice(req.tool_choice)
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": _messages(req, names),
+        "tools": _tools(req.tools),
+        "tool_choice": choice if req.tools else None,
+        "parallel_tool_calls": parallel if req.tools else None,
+        "max_tokens": req.max_tokens,
+        "stop": req.stop_sequences or None,
+        "response_format": _format(req),
+        "chat_template_kwargs": _thinking(req),
+    }
+    for name in _PASSED:
+        body[name] = getattr(req, name)
+    chat = parse(ChatRequest, {k: v for k, v in body.items() if v is not None})
+    assert isinstance(chat, ChatRequest)
+    chat.part_names.update(names)
+    return chat
