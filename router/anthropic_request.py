@@ -17,7 +17,7 @@ Anything it cannot honour is a 400 naming it (server tools, documents, MCP serve
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,7 +39,8 @@ _PASSED = (
 
 
 class MessagesRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")  # unknown fields: logged once, no effect
+    ROUTE: ClassVar[str] = "/v1/messages"
 
     model: Annotated[str, Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None  # required by /v1/messages, not by count_tokens

@@ -84,6 +84,10 @@ class ChatTemplate:
         kwargs = dict(req.chat_template_kwargs or {})
         if req.enable_thinking is not None:  # Qwen's own API takes the switch at the top level
             kwargs.setdefault("enable_thinking", req.enable_thinking)
+        if req.reasoning_effort is not None:  # for templates that read it; "none" also turns thinking off
+            kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+            if req.reasoning_effort == "none":
+                kwargs.setdefault("enable_thinking", False)
         kwargs.update(messages=messages, tools=req.tools or None, add_generation_prompt=gen)
         try:
             prompt = self._tmpl.render(**kwargs)

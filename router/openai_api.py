@@ -242,8 +242,9 @@ class OpenAIFront:
 
         return rest()
 
-    async def stream(self, job: Job, include_usage: bool, request: Request) -> Response:
-        """Errors before the first chunk get an HTTP status; later ones an error event, then the end."""
+    async def stream(self, job: Job, include_usage: bool, request: Request, continuous: bool = False) -> Response:
+        """Errors before the first chunk get an HTTP status; later ones an error event, then the end.
+        continuous: every chunk with a choice carries the usage so far (vLLM's continuous_usage_stats)."""
         ev = await self.opened(job, request)
         choices = [Choice(job, i, self.tok) for i in range(len(job.reqs))]
         head = job.head(chunk=True)
@@ -267,7 +268,7 @@ class OpenAIFront:
                             yield b
                     d = choices[i].delta(c)
                     if d is not None:
-                        yield _sse(dict(head, choices=[d]))
+                        yield _sse(dict(head, choices=[d], **({"usage": usage(choices)} if continuous else {})))
                 if roles:
                     for b in opening(()):
                         yield b
@@ -354,7 +355,7 @@ def make_app(service) -> FastAPI:
         job = await front.job(req)
         try:
             if req.stream:
-                return await front.stream(job, req.include_usage, request)
+                return await front.stream(job, req.include_usage, request, req.continuous_usage)
             return await _until_disconnect(request, front.whole(job))
         except _Gone:
             return Response(status_code=499)  # nobody reads it

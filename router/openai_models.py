@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar, Literal
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from proto import pb
+
+log = logging.getLogger("pdserve.http")
 
 MAX_LOGIT_BIAS = 300  # most logit_bias entries (OpenAI's limit; the engine's too)
 MAX_N = 16  # most choices per request
@@ -85,11 +88,29 @@ def from_validation(errors: list[dict]) -> ApiError:
 
 
 def parse(model: type[BaseModel], body: Any) -> BaseModel:
-    """Validate a decoded body; ApiError 400 on failure."""
+    """Validate a decoded body; ApiError 400 on failure. The fields a request model does not
+    know (it keeps them: extra="allow") have no effect; each is logged once (`note_ignored`)."""
     try:
-        return model.model_validate(body)
+        out = model.model_validate(body)
     except ValidationError as e:
         raise from_validation(e.errors()) from None
+    if out.model_extra:
+        note_ignored(getattr(model, "ROUTE", model.__name__), out.model_extra)
+    return out
+
+
+_NOTED: set[str] = set()
+MAX_NOTED = 256  # field names remembered (a client sending random names cannot grow it further)
+
+
+def note_ignored(route: str, fields: dict[str, Any]) -> None:
+    """A WARNING the first time a route receives a field it does not know, so an operator learns
+    which of the clients' options have no effect here (once per process and field, not per request)."""
+    for name in sorted(fields):
+        key = f"{route} {name}"
+        if key not in _NOTED and len(_NOTED) < MAX_NOTED:
+            _NOTED.add(key)
+            log.warning("%s: request field %r is not supported here and is ignored (logged once)", route, name)
 
 
 Float = Annotated[float, Field(allow_inf_nan=False)]
@@ -101,12 +122,13 @@ TokenIds = list[Count]
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class _Request(BaseModel):
     """What completions and chat completions share."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")  # unknown fields: logged once, no effect (`parse`)
 
     model: Annotated[str, Field(min_length=1)]
     max_tokens: Count | None = None
@@ -166,6 +188,10 @@ class _Request(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    @property
     def no_output(self) -> bool:
         """max_tokens 0: the one token generated is not returned."""
         mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -173,6 +199,7 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
+    ROUTE: ClassVar[str] = "/v1/completions"
     # a string, token ids, or a batch of up to MAX_BATCH of either (checked in `prompts`)
     prompt: str | list[int] | list[str | list[int]]
     echo: bool = False
@@ -186,12 +213,15 @@ class Message(BaseModel):
 
 
 class ChatRequest(_Request):
+    ROUTE: ClassVar[str] = "/v1/chat/completions"
     messages: Annotated[list[Message], Field(min_length=1)]
     logprobs: bool = False
     echo: Any = None
     # the chat template's inputs (router/chat_template.py); tools and tool_choice: router/tool_choice.py
     chat_template_kwargs: dict[str, Any] | None = None
     enable_thinking: bool | None = None  # as Qwen's own API takes it; chat_template_kwargs' wins
+    # OpenAI's: passed to the template as `reasoning_effort`; "none" is enable_thinking false too
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     parallel_tool_calls: bool | None = None  # None: true, as OpenAI

@@ -47,7 +47,8 @@ def register(app: FastAPI, front: Any, limit: int) -> None:
         body = await read_json(request, limit)
         tok = tokenizer()
         if isinstance(body, dict) and "messages" in body:
-            req = parse(ChatRequest, dict(body, model=body.get("model") or "-"))
+            chat = {k: v for k, v in body.items() if k not in ("return_token_strs", "add_special_tokens")}
+            req = parse(ChatRequest, dict(chat, model=body.get("model") or "-"))
             assert isinstance(req, ChatRequest)
             served(body.get("model"))
             service.check_prompt_chars(req.text_chars(), "messages")

@@ -10,7 +10,7 @@ stores no responses (shared state across routers has no design yet)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,7 +20,8 @@ _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_t
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")  # unknown fields: logged once, no effect
+    ROUTE: ClassVar[str] = "/v1/responses"
 
     model: Annotated[str, Field(min_length=1)]
     input: str | list[dict[str, Any]]
@@ -33,7 +34,7 @@ class ResponsesRequest(BaseModel):
     top_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None
     stream: bool = False
     text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None  # accepted; the checkpoint's template decides (chat_template_kwargs)
+    reasoning: dict[str, Any] | None = None  # `effort`: chat's reasoning_effort; `summary` accepted, not used
     previous_response_id: Any = None
     conversation: Any = None
     metadata: dict[str, Any] | None = None
@@ -165,6 +166,7 @@ def to_chat(req: ResponsesRequest) -> ChatRequest:
         "response_format": _response_format(req.text),
         "chat_template_kwargs": req.chat_template_kwargs,
         "ignore_eos": req.ignore_eos,
+        "reasoning_effort": (req.reasoning or {}).get("effort"),
     }
     for name in ("temperature", "top_p", "seed", "top_k", "logit_bias", "cache_salt"):
         body[name] = getattr(req, name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import random
 import socket
 import threading
@@ -231,6 +232,19 @@ def test_no_messages_value_gets_a_500(door):
             assert "internal" not in out["error"]["message"], (b, out)
     assert seen.get(200) and seen.get(400), seen
     wait_for(lambda: r.service.active == 0, 10, "nothing in flight")
+
+
+def test_unknown_fields_are_logged_once(door, caplog):
+    """A field a route does not know has no effect; the router says so once per field, not per request."""
+    r, _, _ = door
+    body = {"model": "m", "prompt": [1, 2], "max_tokens": 1, "frobnicate_level": 3}
+    with caplog.at_level(logging.WARNING, logger="pdserve.http"):
+        for _ in range(3):
+            assert post(r.http_port, json.dumps(body).encode())[0] == 200
+    said = [m.getMessage() for m in caplog.records if "frobnicate_level" in m.getMessage()]
+    assert said == [
+        "/v1/completions: request field 'frobnicate_level' is not supported here and is ignored (logged once)"
+    ]
 
 
 def _rss_mb() -> float:

@@ -100,6 +100,12 @@ def test_template_switches_reach_the_prompt(oai, model, hf):
     top = oai.chat.completions.create(model=model, messages=MESSAGES, extra_body={"enable_thinking": False}, **GREEDY)
     both = {"enable_thinking": False, "chat_template_kwargs": {"enable_thinking": True}}
     assert top.usage.prompt_tokens == off
+    # OpenAI's reasoning_effort (and the Responses API's reasoning.effort): "none" is thinking off
+    for effort, want in (("none", off), ("high", on)):
+        r = oai.chat.completions.create(model=model, messages=MESSAGES, reasoning_effort=effort, **GREEDY)
+        assert r.usage.prompt_tokens == want, effort
+        r = oai.responses.create(model=model, input=MESSAGES, reasoning={"effort": effort}, max_output_tokens=2)
+        assert r.usage.input_tokens == want, effort
     assert (
         oai.chat.completions.create(model=model, messages=MESSAGES, extra_body=both, **GREEDY).usage.prompt_tokens == on
     )

@@ -373,6 +373,18 @@ def test_cache_salt_over_http(oai, model, ckpt):
     assert [run(ids + [11], salt)[0] for salt in ("s5", "s3", "s4")] == [0, len(ids), len(ids)]
 
 
+def test_continuous_usage_stats(oai, model):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far (its
+    completion tokens rising to the final count), the last chunk the whole usage as without it."""
+    kw = dict(model=model, prompt=PROMPT, max_tokens=6, stream=True, **GREEDY)
+    chunks = list(oai.completions.create(stream_options={"include_usage": True, "continuous_usage_stats": True}, **kw))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 6 and len(counts) >= 2
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+    plain = list(oai.completions.create(stream_options={"include_usage": True}, **kw))
+    assert all(c.usage is None for c in plain if c.choices) and plain[-1].usage == chunks[-1].usage
+
+
 def test_stop_matcher_holds_back_partial_matches():
     from router.stops import StopMatcher
 
