@@ -2,7 +2,8 @@
 arrival: refused at once (RESOURCE_EXHAUSTED, with the estimated wait) when the router estimates
 it could not start within its budget, else queued until `place()` succeeds, however long that
 takes. Priority classes go in order; within a class, API keys take turns (docs/router.md,
-"Leases and admission")."""
+"Leases and admission"). One exception to the order: while the head waits for decode room, a
+request that needs none (it ends at its first token) may be placed from behind it."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class Ask:
     budget_s: float = 0.0  # the longest it may wait to start; 0: as long as it takes
     tokens: int = 0  # prompt tokens it brings to the prefill pool (0: prefilled on the decode node)
     resumed: bool = False  # admitted before (failover): never refused for lack of budget
+    alone: bool = False  # ends at its first token: needs a prefill node's window only, no decode room
 
     @property
     def class_name(self) -> str:
@@ -64,6 +66,10 @@ class Admission:
         self._tokens = [0] * len(CLASS_NAMES)
         self._count = [0] * len(CLASS_NAMES)
         self._on_leave = on_leave or (lambda outcome, ask, wait_s: None)
+        # the head's last try found no decode room: requests needing none may go first
+        self._decode_bound = False
+        self._lacked: bool | None = None  # what the try under way lacked (`blocked`)
+        self._alone: set[_Waiter] = set()
 
     def depth(self, priority: int | None = None) -> int:
         return sum(self._count) if priority is None else self._count[priority]
@@ -79,10 +85,19 @@ class Admission:
         return None
 
     def wake(self) -> None:
-        """Something changed: the head tries to place itself again (on the loop's thread)."""
+        """Something changed: the head tries to place itself again (on the loop's thread), and
+        while the head waits for decode room, so do the requests that need none."""
         h = self._head()
         if h is not None:
             h.event.set()
+        if self._decode_bound:
+            for w in self._alone:
+                w.event.set()
+
+    def blocked(self, on_decode: bool) -> None:
+        """Called by `place()` when it fails: for lack of decode room (True) or of a prefill
+        node's window (False)."""
+        self._lacked = on_decode
 
     def decide(self, ask: Ask, estimate_s: float, what: str) -> None:
         """Refuse at arrival (Refused) when the queue is full or the estimated wait passes the
@@ -110,13 +125,21 @@ class Admission:
         me = _Waiter(ask)
         p = ask.priority
         self._classes[p].setdefault(ask.tenant, deque()).append(me)
+        if ask.alone:
+            self._alone.add(me)
         self._tokens[p] += ask.tokens
         self._count[p] += 1
         outcome = "cancelled"
         try:
             while True:
-                if self._head() is me:
+                head = self._head() is me
+                if head or (ask.alone and self._decode_bound):
+                    self._lacked = None
                     got = place()
+                    if head:  # only the head's own try says what the queue waits for
+                        was, self._decode_bound = self._decode_bound, got is None and self._lacked is True
+                        if self._decode_bound and not was:
+                            self.wake()
                     if got is not None:
                         outcome = "admitted"
                         return got
@@ -133,6 +156,7 @@ class Admission:
                 except TimeoutError:
                     pass
         finally:
+            self._alone.discard(me)
             tenants = self._classes[p]
             q = tenants[ask.tenant]
             q.remove(me)

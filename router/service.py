@@ -327,7 +327,7 @@ class GenerateService:
             asked = BATCH if request is not None and request.priority == pb.PRIORITY_BATCH else INTERACTIVE
         return max(asked, self.key_classes.get(h.tenant, INTERACTIVE))
 
-    def ask(self, request: pb.GenerateRequest | None, tokens: int, resumed: bool) -> Ask:
+    def ask(self, request: pb.GenerateRequest | None, tokens: int, resumed: bool, alone: bool = False) -> Ask:
         """What the request asks of admission: its class (`priority`), its budget from its
         field, the HTTP header or the router's default, and its API key."""
         h = HINTS.get() or Hints()
@@ -336,7 +336,7 @@ class GenerateService:
             budget = request.admission_timeout_s
         if budget is None:
             budget = self.cfg.admission_timeout_s
-        return Ask(self.priority(request), h.tenant, budget, tokens, resumed)
+        return Ask(self.priority(request), h.tenant, budget, tokens, resumed, alone)
 
     def check_ask(self, request: pb.GenerateRequest) -> None:
         t = request.admission_timeout_s
@@ -374,7 +374,7 @@ class GenerateService:
         if pooled and q is not None:
             with self.registry.lock:
                 cached = max((p.cache.usable(q, compute=True) for p in self.prefill.ready(dec[0], set())), default=0)
-        ask = self.ask(request, prompt_len - cached if pooled else 0, resumed)
+        ask = self.ask(request, prompt_len - cached if pooled else 0, resumed, alone)
         ahead_tokens, ahead = self.admission.ahead(ask.priority)
         ends = [r.expected_end_s(self.tpot_s, self.lengths) for r in self.placed]
         est, what = estimate(
@@ -413,6 +413,7 @@ class GenerateService:
             return self._place(prompt_len, exclude, False, q, batch)
         chosen = self.prefill.choose(None, prompt_len, set(), window=True, q=q, batch=batch)
         if chosen is None:
+            self.admission.blocked(on_decode=False)
             return None  # every prefill node has its window of work: wait
         if q is not None:
             chosen[0].cache.remember(q, compute=True, ttl_s=self.cfg.prefix_memory_s)
@@ -432,12 +433,14 @@ class GenerateService:
             nodes = [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]
             d = self.policy.choose_decode(nodes, prompt_len, q, pooled)
             if d is None:
+                self.admission.blocked(on_decode=True)
                 return None
             chosen = None
             uncached = prompt_len - (d.cache.usable(q, compute=True) if q is not None else 0)
             if pooled(d, uncached):
                 chosen = self.prefill.choose(d, prompt_len, set(), window=True, q=q, batch=batch)
                 if chosen is None:
+                    self.admission.blocked(on_decode=False)
                     return None  # every prefill node has its window of work: wait, reserving nothing
             p = chosen[0] if chosen is not None else None
             if q is not None:

@@ -16,10 +16,13 @@ class FakeDecode(rpc.DecodeNodeServicer):
         self.tokens = tokens  # streamed in turn
         self.delay_s = delay_s
         self.calls: list[str] = []  # how each Generate ended: "done" or "cancelled"
+        self.started = 0  # Generate calls received
         self.lock = threading.Lock()
 
     def Generate(self, request, context):
         ended = threading.Event()
+        with self.lock:
+            self.started += 1
 
         def cancelled():
             if not ended.is_set():

@@ -128,6 +128,7 @@ def test_a_prompt_the_decode_node_computes_counts_in_its_queue_until_its_first_t
         list(s)
         s = c.stream(prompt_token_ids=[1, 2, 3], max_tokens=2)
         wait_for(lambda: e.inflight_prefill_tokens == 3, 10, "the second request placed")
+        wait_for(lambda: fake.started == 2, 10, "the second call at the node")  # a cancel before it: no call
         s.cancel()
     _idle(r, fake, 2)
     assert (e.inflight, e.inflight_prefill_tokens, e.prefilled_tokens) == (0, 0, 5 + 3)

@@ -322,6 +322,69 @@ def test_a_prefill_calls_deadline_grows_with_its_prompt():
     assert phase.deadline_s(p, 100) == pytest.approx(cfg.prefill_timeout_s + PREFILL_DEADLINE_MARGIN * 100 / rate)
 
 
+async def _alone_passes_a_decode_bound_head():
+    adm = Admission(max_queued=0)
+    decode, window = _Room(), _Room()  # free decode places, free places in the prefill window
+    order: list[str] = []
+
+    def needs_both(name: str):
+        def fn():
+            if decode.n == 0:
+                adm.blocked(on_decode=True)
+                return None
+            if window.n == 0:
+                adm.blocked(on_decode=False)
+                return None
+            decode.n, window.n = decode.n - 1, window.n - 1
+            order.append(name)
+            return name
+
+        return fn
+
+    def needs_window(name: str):
+        def fn():
+            if window.n == 0:
+                adm.blocked(on_decode=False)
+                return None
+            window.n -= 1
+            order.append(name)
+            return name
+
+        return fn
+
+    tasks = {}
+
+    async def arrive(name: str, alone: bool) -> None:
+        place = needs_window(name) if alone else needs_both(name)
+        tasks[name] = asyncio.create_task(adm.wait(Ask(alone=alone), place, _never))
+        await asyncio.sleep(0.01)  # it has tried once (and may be placed already)
+
+    window.n = 1
+    await arrive("head", False)  # no decode room: it waits for it
+    await arrive("one", True)  # needs no decode room: placed past the head, in the free window place
+    assert await asyncio.wait_for(tasks["one"], 2) == "one" and not tasks["head"].done()
+    await arrive("two", True)  # the window is full now: it waits, like everyone
+    await asyncio.sleep(0.05)
+    assert not tasks["two"].done()
+    decode.n = 1  # decode room: the head now waits for the window only, so "two" keeps its turn
+    adm.wake()
+    await asyncio.sleep(0.05)
+    window.n = 1
+    adm.wake()
+    assert await asyncio.wait_for(tasks["head"], 2) == "head"
+    window.n = 1
+    adm.wake()
+    assert await asyncio.wait_for(tasks["two"], 2) == "two"
+    assert order == ["one", "head", "two"] and adm.depth() == 0
+
+
+def test_a_first_token_only_request_passes_a_head_waiting_for_decode_room():
+    """FIFO has one exception: while the head waits for decode room, a request that needs none
+    (it ends at its first token) is placed from behind it if a prefill node's window has room;
+    while the head waits for the window itself, it keeps its turn."""
+    asyncio.run(_alone_passes_a_decode_bound_head())
+
+
 def test_a_request_ending_at_its_first_token_waits_for_the_pool_only():
     """With no decode room (every slot held, ends far off), a request that takes no decode node
     (decode=False: it ends at its first token) is estimated at the prefill pool's turn alone."""

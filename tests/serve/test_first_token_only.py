@@ -1,9 +1,10 @@
 """A request that ends at its first token (max_tokens 1: classifiers, rerankers, TTFT probes)
 through `pdserve up` (one prefill node, one decode node with a single sequence slot): a prefill
 node computes it with no decode node, so it neither reserves decode memory nor waits for a
-decode slot. While a long stream holds the decode node's only slot, such requests complete, their
+decode slot. While a long stream holds the decode node's only slot and a request that asks for two
+tokens waits for it at the head of the router's queue, such requests complete, passing it, their
 token transformers' greedy first token, their logprobs transformers' log-softmax, and the decode
-node never hears of them; a request that asks for two tokens waits for the slot."""
+node never hears of them; the two-token request gets the slot when the stream ends."""
 
 from __future__ import annotations
 
@@ -46,14 +47,22 @@ def test_first_token_only_needs_no_decode_node(up, ckpt):
 
         t = threading.Thread(target=drain)
         t.start()
+        # a request for two tokens waits for the slot at the head of the queue, as long as it
+        # takes (the estimate, up to the whole stream, may pass the budget) ...
+        twos: list = []
+        kw2 = dict(prompt_token_ids=asks[0], max_tokens=2, request_id="two", admission_timeout_s=0, **greedy)
+        t2 = threading.Thread(target=lambda: twos.append(c.generate(**kw2)))
+        t2.start()
+        time.sleep(0.5)
+        # ... and the first-token-only requests sent after it pass it
         outs = [
             c.generate(prompt_token_ids=p, max_tokens=1, logprobs=2, request_id=f"one-{i}", **greedy)
             for i, p in enumerate(asks)
         ]
         done = time.monotonic()
-        # it waits for the slot: as long as it takes (the estimate, up to the whole stream, may pass the budget)
-        two = c.generate(prompt_token_ids=asks[0], max_tokens=2, request_id="two", admission_timeout_s=0, **greedy)
         t.join()
+        t2.join()
+        (two,) = twos
     assert busy_end and done < busy_end[0]  # the decode slot was held all along
     for p, r in zip(asks, outs, strict=True):
         assert r.token_ids == hc.hf_greedy(ckpt, p, 1) and r.finish_reason == "length"
