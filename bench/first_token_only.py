@@ -4,7 +4,10 @@ until all are done, and the long streams' time. Run it from each tree to compare
 the working directory are the tree's).
 
     python bench/first_token_only.py --model DIR [--classifiers 24] [--prompt 1000] [--streams 4]
-        [--stream-tokens 1500] [--max-tokens 1] [--tree PATH]
+        [--queued 0] [--stream-tokens 1500] [--max-tokens 1] [--tree PATH]
+
+--queued N sends N more long streams than there are slots: they wait for decode room at the head
+of the router's queue, in front of the classifiers.
 """
 
 from __future__ import annotations
@@ -40,12 +43,15 @@ def main() -> int:
     ap.add_argument("--classifiers", type=int, default=24)
     ap.add_argument("--prompt", type=int, default=1000, help="prompt tokens of each classifier")
     ap.add_argument("--streams", type=int, default=4, help="long streams (and the decode node's --max-num-seqs)")
+    ap.add_argument("--queued", type=int, default=0, help="more long streams, waiting for a slot")
     ap.add_argument("--stream-tokens", type=int, default=1500)
     ap.add_argument("--max-tokens", type=int, default=1, help="of the classifiers")
     args = ap.parse_args()
     cmd = [sys.executable, "-m", "router.cli", "up", "--model", args.model, "--port", "0", "--http-port", "0"]
     cmd += ["--prefill", "1", "--decode", "1", "--max-num-seqs", str(args.streams), "--local-prefill-threshold", "0"]
     cmd += ["--dtype", "bfloat16"]
+    if args.queued:  # the queued streams wait as long as it takes (their estimate passes the default budget)
+        cmd += ["--admission-timeout", "0"]
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     env = {**os.environ, "PYTHONPATH": args.tree, "PDSERVE_LOG": "INFO"}
     up = subprocess.Popen(cmd, cwd=args.tree, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -69,7 +75,7 @@ def main() -> int:
         ignore = {"ignore_eos": True, "temperature": 0.0}
         longs = [
             {"model": name, "prompt": [5 + i] * 20, "max_tokens": args.stream_tokens, **ignore}
-            for i in range(args.streams)
+            for i in range(args.streams + args.queued)
         ]
         ask = {"max_tokens": args.max_tokens, "temperature": 0.0}
         cls = [
@@ -77,7 +83,7 @@ def main() -> int:
             for k in range(args.classifiers)
         ]
         _post(base, {"model": name, "prompt": [1, 2, 3], "max_tokens": 2})  # warm
-        with ThreadPoolExecutor(args.streams + 8) as ex:
+        with ThreadPoolExecutor(args.streams + args.queued + 8) as ex:
             running = [ex.submit(_post, base, b) for b in longs]
             time.sleep(1.0)  # the streams hold the decode slots
             t0 = time.monotonic()
