@@ -96,6 +96,24 @@ def _image(b: dict[str, Any], where: str) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
+def _result(content: Any, where: str, msg: int, names: dict[tuple[int, int], str]) -> str | list[dict[str, Any]]:
+    """A tool result's content: its text, or with images (a screenshot a tool took) the parts,
+    for templates that render images in tool messages (Qwen3.5's do)."""
+    if not isinstance(content, list) or not any(isinstance(x, dict) and x.get("type") == "image" for x in content):
+        return _text(content, where)
+    parts = []
+    for k, x in enumerate(content):
+        wk = names[(msg, k)] = f"{where}[{k}]"
+        kind = x.get("type") if isinstance(x, dict) else type(x).__name__
+        if kind == "image":
+            parts.append(_image(x, wk))
+        elif kind == "text" and isinstance(x.get("text"), str):
+            parts.append({"type": "text", "text": x["text"]})
+        else:
+            raise bad(f"{wk}: only text and image blocks are supported in a tool result (got {kind!r})", wk)
+    return parts
+
+
 def _user(content: Any, i: int, msgs: list[dict[str, Any]], names: dict[tuple[int, int], str]) -> None:
     """A user message: its tool results as tool messages, then its text and images (if any)."""
     where = f"messages[{i}].content"
@@ -111,8 +129,8 @@ def _user(content: Any, i: int, msgs: list[dict[str, Any]], names: dict[tuple[in
         if kind == "tool_result":
             if not isinstance(b.get("tool_use_id"), str):
                 raise bad(f"{w}: a tool_result needs its 'tool_use_id'", f"{w}.tool_use_id")
-            text = _text(b.get("content", ""), f"{w}.content")
-            msgs.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": text})
+            content = _result(b.get("content", ""), f"{w}.content", len(msgs), names)
+            msgs.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": content})
         elif kind == "text" and isinstance(b.get("text"), str):
             parts.append((j, {"type": "text", "text": b["text"]}))
         elif kind == "image":

@@ -77,9 +77,11 @@ class Router:
             self.metrics_port = h.port
             log.info("router metrics at http://%s:%d/metrics", host, self.metrics_port)
         if self.cfg.http_port is not None:
+            from router.http_metrics import HttpCounter
             from router.openai_api import make_app
 
-            guard = lambda app: HttpGuard(app, self.creds, self.limits)  # noqa: E731
+            registry = self.metrics.registry
+            guard = lambda app: HttpCounter(HttpGuard(app, self.creds, self.limits), registry)  # noqa: E731
             h = await start_http(make_app(self.service), host, self.cfg.http_port, tls, guard)
             self._https.append(h)
             self.http_port = h.port

@@ -247,6 +247,43 @@ def test_unknown_fields_are_logged_once(door, caplog):
     ]
 
 
+def test_http_requests_are_counted_by_route_and_status(door):
+    """pdserve_router_http_requests_total{route, status}: an answered request, a bad body, an
+    unknown path (`other`, whatever its name) and a model retrieve each count once."""
+    from tests.helpers.serve_harness import scrape
+
+    r, _, _ = door
+    url = f"http://127.0.0.1:{r.http_port}/metrics"
+
+    def counts() -> dict:
+        m = scrape(url)
+        return {k[1]: v for k, v in m.items() if k[0] == "pdserve_router_http_requests_total"}
+
+    def key(route: str, status: int) -> tuple:
+        return (("route", route), ("status", str(status)))
+
+    before = counts()
+    assert post(r.http_port, _js())[0] == 200
+    assert post(r.http_port, b"{")[0] == 400
+    for path in ("/v2/nothing", "/v2/other-thing", "/v1/models/m"):
+        conn = http.client.HTTPConnection("127.0.0.1", r.http_port, timeout=30)
+        conn.request("GET", path)
+        conn.getresponse().read()
+        conn.close()
+    after = counts()
+    for k, n in (
+        (key("/v1/completions", 200), 1),
+        (key("/v1/completions", 400), 1),
+        (key("other", 404), 2),
+    ):
+        assert after.get(k, 0) - before.get(k, 0) == n, (k, before, after)
+    assert (
+        sum(v for k, v in after.items() if k[0][1] == "/v1/models/{id}")
+        - sum(v for k, v in before.items() if k[0][1] == "/v1/models/{id}")
+        == 1
+    )
+
+
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20

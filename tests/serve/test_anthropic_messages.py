@@ -192,6 +192,11 @@ def test_bad_requests_are_anthropic_errors(claude, model):
             "messages[0].content[0]",
         ),
     ]
+    shot = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "x"}, shot]}
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}
+    history = [*USER, {"role": "assistant", "content": [call]}, {"role": "user", "content": [result]}]
+    cases.append((dict(messages=history, max_tokens=4), anthropic.BadRequestError, "messages[2].content[0].content[1]"))
     for kw, err, where in cases:
         with pytest.raises(err) as e:
             claude.messages.create(**{"model": model, **kw})
