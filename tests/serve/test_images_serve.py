@@ -1,5 +1,5 @@
 """Images through `pdserve up` (router + one prefill node + one decode node, every prompt through
-the prefill node) on the tiny vision-language checkpoint: OpenAI chat with one image, two of
+the prefill node) on the tiny vision-language checkpoint: OpenAI chat (and Anthropic messages) with one image, two of
 different sizes, an image in an earlier turn and text only answers what transformers' `generate`
 answers on the same processed inputs (the same text over HTTP, the same tokens through the SDK,
 prefilled on the prefill node or, with logprobs, on the decode node; usage counting the
@@ -157,6 +157,45 @@ def test_chat_with_images_equals_transformers(vl_up, vl_model):
                 prompt=text, images=images, max_tokens=NEW, temperature=0.0, ignore_eos=True, prompt_logprobs=0
             )
             assert r.token_ids == want and r.prefill_node == "", f"{name}: prefilled on the decode node"
+
+
+def test_anthropic_image_blocks_equal_transformers(vl_up, vl_model):
+    """/v1/messages with `image` blocks (base64 sources, one image and two of different sizes):
+    the text block is transformers' greedy answer on the same processed inputs, and
+    count_tokens is the expanded prompt's length."""
+    import base64
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(vl_model)
+    root = log_url(vl_up, r"OpenAI-compatible HTTP on (http://\S+)/v1")
+
+    def block(p: dict) -> dict:
+        if p["type"] == "text":
+            return p
+        data = A if p["image_url"]["url"] == im.data_url(A) else B
+        return {
+            "type": "image",
+            "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(data).decode()},
+        }
+
+    for name in ("one image", "two images"):
+        msgs = CASES[name]
+        _, ids, _, want = _reference(vl_model, tok, msgs)
+        turns = [{"role": m["role"], "content": [block(p) for p in m["content"]]} for m in msgs]
+        body = {"model": "ckpt", "messages": turns, "max_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+        req = urllib.request.Request(
+            root + "/v1/messages", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out = json.loads(r.read())
+        assert out["content"] == [{"type": "text", "text": tok.decode(want, skip_special_tokens=True)}], name
+        assert out["usage"]["input_tokens"] + out["usage"]["cache_read_input_tokens"] == len(ids), name
+        req = urllib.request.Request(
+            root + "/v1/messages/count_tokens", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert json.loads(r.read()) == {"input_tokens": len(ids)}, name
 
 
 def test_cli_generate_with_an_image(vl_up, tmp_path):
