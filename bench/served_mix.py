@@ -1,7 +1,9 @@
 """A mixed OpenAI workload against `pdserve up` (not a test; it looks for what breaks): chat with
 tools (`required`, `auto`), JSON schemas, `n` > 1, logprobs, streams with usage, stop strings,
 client disconnects mid-stream, agents' multi-turn loops with tool results, vLLM's fields
-(`structured_outputs` choice, `return_token_ids`, `skip_special_tokens`; checked), thinking on and off,
+(`structured_outputs` choice, `return_token_ids`, `skip_special_tokens`; checked), Anthropic's
+`/v1/messages` streamed with a required tool call (its events and the call's input checked),
+thinking on and off,
 sampled and greedy, prompts from a few tokens to past `--max-model-len` sharing long system
 prefixes, and images when the checkpoint takes them.
 Reports the answers by status, the node exits and the WARNING / ERROR lines of the cluster's log,
@@ -128,6 +130,59 @@ def _agent(base: str, body: dict, turns: int = 3) -> tuple[int, str]:
     return code, text
 
 
+def _anthropic(root: str, body: dict) -> tuple[int, str]:
+    """The same request as Anthropic's Messages API, streamed, with a required call of the tool:
+    599 when the stream does not end with message_stop or a tool_use's input is no JSON object."""
+    msgs: list = body["messages"]  # type: ignore[assignment]
+    user = msgs[-1]["content"]
+    if isinstance(user, list):
+        user = [
+            {"type": "text", "text": p["text"]}
+            if p["type"] == "text"
+            else {
+                "type": "image",
+                "source": {"type": "base64", "media_type": "image/png", "data": p["image_url"]["url"].split(",", 1)[1]},
+            }
+            for p in user
+        ]
+    fn: dict = TOOLS[0]["function"]  # type: ignore[assignment]
+    a: dict[str, object] = {
+        "model": body["model"],
+        "max_tokens": max(1, int(body["max_tokens"])),  # type: ignore[call-overload]
+        "messages": [{"role": "user", "content": user}],
+        "stream": True,
+        "tools": [{"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}],
+        "tool_choice": {"type": "any"},
+        "thinking": {"type": "enabled" if body["chat_template_kwargs"]["enable_thinking"] else "disabled"},  # type: ignore[index]
+    }
+    if msgs[0]["role"] == "system":
+        a["system"] = msgs[0]["content"]
+    for k in ("temperature", "top_p", "top_k", "seed"):
+        if k in body:
+            a[k] = body[k]
+    code, text = _post(root, "/v1/messages", a, 900)
+    if code != 200:
+        return code, text
+    events = [json.loads(ln[6:]) for ln in text.splitlines() if ln.startswith("data: ")]
+    if not events or events[-1]["type"] != "message_stop":
+        return 599, "anthropic stream did not end with message_stop: " + text[-300:]
+    reason = next(e["delta"]["stop_reason"] for e in events if e["type"] == "message_delta")
+    args: dict[int, str] = {}
+    for e in events:
+        if e["type"] == "content_block_start" and e["content_block"]["type"] == "tool_use":
+            args[e["index"]] = ""
+        elif e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta":
+            args[e["index"]] += e["delta"]["partial_json"]
+    if reason == "tool_use":
+        try:
+            ok = bool(args) and all(isinstance(json.loads(v), dict) for v in args.values())
+        except ValueError:
+            ok = False
+        if not ok:
+            return 599, "anthropic tool_use input is no JSON object: " + json.dumps(args)[:300]
+    return code, text
+
+
 def _images(k: int) -> list[str]:
     import numpy as np
     from PIL import Image
@@ -186,6 +241,7 @@ def _request(
             "vllm-fields",
             dict(structured_outputs={"choice": CHOICES}, return_token_ids=True, skip_special_tokens=False),
         ),
+        (0.94, "anthropic", {}),
     ]
     for upto, kind, extra in kinds:
         if q < upto:
@@ -254,6 +310,8 @@ def main() -> int:
                 code, text = _disconnect(base, body)
             elif kind == "agent":
                 code, text = _agent(base, body)
+            elif kind == "anthropic":
+                code, text = _anthropic(base.removesuffix("/v1"), body)
             else:
                 code, text = _post(base, "/chat/completions", body, 900)
             if kind == "vllm-fields":
