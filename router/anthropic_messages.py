@@ -102,8 +102,7 @@ def register(app: FastAPI, front: OpenAIFront, limit: int, hints: Callable[[Requ
             front.model(chat.model)
             if front.tok is None:
                 raise ApiError(400, "this router has no tokenizer (the checkpoint has no tokenizer.json)")
-            front.service.check_prompt_chars(chat.text_chars(), "messages")
-            prep = front.chat.prepare(chat)
+            prep = await front.render(chat)
             ids = await front.service.encode(prep.prompt)
             if prep.images:  # each image's placeholder becomes its tokens (a size-dependent count)
                 ids, _ = front.service.images.expand(ids, await front.service.images.prepare(prep.images))

@@ -15,7 +15,7 @@ from serving.security import AUTH_KEY, Credentials, authorization, bearer, key_i
 
 log = logging.getLogger("pdserve.router")
 
-OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = ("/health", "/ping", "/version", "/metrics")
 _GENERATE = "/pdserve.v1.Generation/Generate"
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from router import vllm_flags
 from router.child_env import apply_launch_env
 from router.console import say
+from router.version import pdserve_version
 
 DEFAULT_HOME = Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
 DEMO_PROMPTS = [
@@ -368,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     from router.pools import add_up_options
 
     ap = argparse.ArgumentParser(prog="pdserve", description="Disaggregated serving for hybrid LLMs")
+    ap.add_argument("--version", action="version", version=f"pdserve {pdserve_version()}")
     ap.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG"), help="default INFO for servers, else WARNING")
     sub = ap.add_subparsers(dest="cmd", required=True)
 

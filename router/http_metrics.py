@@ -18,6 +18,8 @@ ROUTES = frozenset(
         "/tokenize",
         "/detokenize",
         "/health",
+        "/ping",
+        "/version",
         "/metrics",
     }
 )

@@ -40,6 +40,7 @@ from router.openai_models import (
     sampling,
 )
 from router.request import Chunk
+from router.version import pdserve_version
 
 log = logging.getLogger("pdserve.http")
 RENDER_INLINE_CHARS = 65536  # chat messages up to this many characters are rendered on the loop
@@ -116,6 +117,18 @@ class OpenAIFront:
             )
         return self._chat
 
+    async def render(self, req: ChatRequest):
+        """The chat request's prompt (openai_chat.ChatFront.prepare). The template's input is
+        bounded like a prompt before it is rendered, and a long conversation renders in a thread,
+        so the loop keeps relaying other streams."""
+        chars = req.text_chars()
+        self.service.check_prompt_chars(chars, "messages")
+        cf = self.chat
+        try:
+            return cf.prepare(req) if chars <= RENDER_INLINE_CHARS else await asyncio.to_thread(cf.prepare, req)
+        except ImageRefused as e:
+            raise self.service.images.refuse(e.reason, str(e)) from None
+
     async def job(self, req: CompletionRequest | ChatRequest) -> Job:
         """The GenerateRequests of an HTTP body: n per prompt (completions take a batch of
         prompts; choice j * n + i is sample i of prompt j; with a seed, sample i uses seed + i)."""
@@ -126,14 +139,8 @@ class OpenAIFront:
             raise bad("logprobs need a tokenizer on the router", "logprobs")
         prep = None
         images: list[Prepared] = []
-        if isinstance(req, ChatRequest):  # the template's input is bounded like a prompt, before it is rendered
-            chars = req.text_chars()
-            self.service.check_prompt_chars(chars, "messages")
-            cf = self.chat
-            try:  # a long conversation renders in a thread, so the loop keeps relaying other streams
-                prep = cf.prepare(req) if chars <= RENDER_INLINE_CHARS else await asyncio.to_thread(cf.prepare, req)
-            except ImageRefused as e:
-                raise self.service.images.refuse(e.reason, str(e)) from None
+        if isinstance(req, ChatRequest):
+            prep = await self.render(req)
             if prep.constraint is not None:
                 sp.constraint.CopyFrom(prep.constraint)
             images = await self.service.images.prepare(prep.images) if prep.images else []
@@ -326,6 +333,15 @@ def make_app(service) -> FastAPI:
             return _json(503, {"status": "draining"})
         live = [e for e in service.registry.routable(pb.NODE_KIND_DECODE)]
         return _json(200, {"status": "ok", "decode_nodes": len(live)})
+
+    @app.get("/version")
+    async def version():
+        return _json(200, {"version": pdserve_version()})
+
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping():  # what some hosting platforms probe; the same answer as /health
+        return await health()
 
     @app.get("/metrics")
     async def metrics():

@@ -51,8 +51,7 @@ def register(app: FastAPI, front: Any, limit: int) -> None:
             req = parse(ChatRequest, dict(chat, model=body.get("model") or "-"))
             assert isinstance(req, ChatRequest)
             served(body.get("model"))
-            service.check_prompt_chars(req.text_chars(), "messages")
-            prep = front.chat.prepare(req)
+            prep = await front.render(req)
             if prep.images:
                 raise bad(
                     "messages with images are not tokenized here (an image's tokens depend on its size)", "messages"

@@ -42,3 +42,12 @@ def test_what_pdserve_cannot_take_is_one_line(argv, words, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("pdserve: error: ") and words in err[0], err
+
+
+def test_version_is_the_installed_distributions(capsys):
+    """`pdserve --version`: the version pip installed (the distribution's metadata), exit 0."""
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"pdserve {version('pdserve')}"

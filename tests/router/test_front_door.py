@@ -247,6 +247,25 @@ def test_unknown_fields_are_logged_once(door, caplog):
     ]
 
 
+def test_version_and_ping(door):
+    """GET /version is the installed distribution's version; /ping (GET or POST) answers as /health."""
+    from importlib.metadata import version
+
+    r, _, _ = door
+
+    def call(method: str, path: str) -> tuple[int, dict]:
+        conn = http.client.HTTPConnection("127.0.0.1", r.http_port, timeout=30)
+        conn.request(method, path)
+        resp = conn.getresponse()
+        out = resp.status, json.loads(resp.read())
+        conn.close()
+        return out
+
+    assert call("GET", "/version") == (200, {"version": version("pdserve")})
+    health = call("GET", "/health")
+    assert health[0] == 200 and call("GET", "/ping") == health == call("POST", "/ping")
+
+
 def test_http_requests_are_counted_by_route_and_status(door):
     """pdserve_router_http_requests_total{route, status}: an answered request, a bad body, an
     unknown path (`other`, whatever its name) and a model retrieve each count once."""
