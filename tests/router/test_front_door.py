@@ -234,6 +234,32 @@ def test_no_messages_value_gets_a_500(door):
     wait_for(lambda: r.service.active == 0, 10, "nothing in flight")
 
 
+RESPONSES_FIELDS = """model input instructions tools tool_choice parallel_tool_calls max_output_tokens
+    temperature top_p stream text reasoning previous_response_id metadata seed top_k logit_bias""".split()
+ITEM_KEYS = "type role content call_id name arguments output summary".split()
+
+
+def test_no_responses_value_gets_a_500(door):
+    """The same for /v1/responses: every top-level field, and every key of an input item."""
+    r, _, _ = door
+    rng = random.Random(2)
+    seen: dict[int, int] = {}
+    base = {"model": "m", "max_output_tokens": 1, "input": "hi"}
+    bodies = [{**base, f: v} for f in RESPONSES_FIELDS for v in _values(rng)]
+    for k in ITEM_KEYS:
+        for v in _values(rng):
+            bodies.append({**base, "input": [{"type": "message", "role": "user", "content": "hi", k: v}]})
+    for b in bodies:
+        body = json.dumps(b, allow_nan=True).replace('"\\\\ud800"', '"\\ud800"').encode()
+        status, out = post(r.http_port, body, "/v1/responses")
+        seen[status] = seen.get(status, 0) + 1
+        assert status in (200, 400, 404), (b, status, out)
+        if status != 200:
+            assert out["error"]["message"] and "internal" not in out["error"]["message"], (b, out)
+    assert seen.get(200) and seen.get(400), seen
+    wait_for(lambda: r.service.active == 0, 10, "nothing in flight")
+
+
 def test_unknown_fields_are_logged_once(door, caplog):
     """A field a route does not know has no effect; the router says so once per field, not per request."""
     r, _, _ = door
