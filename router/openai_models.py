@@ -317,6 +317,8 @@ def sampling(req: CompletionRequest | ChatRequest) -> pb.SamplingParams:
     mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if mt is not None:
         sp.max_tokens = max(mt, 1)  # 0: generate one token and return none (prompt logprobs only)
+    elif chat:  # OpenAI's chat default: as many as the context leaves (the nodes stop at max_model_len)
+        sp.max_tokens = I32
     for name in (
         "temperature",
         "top_p",

@@ -17,6 +17,7 @@ class FakeDecode(rpc.DecodeNodeServicer):
         self.delay_s = delay_s
         self.calls: list[str] = []  # how each Generate ended: "done" or "cancelled"
         self.started = 0  # Generate calls received
+        self.max_model_len = 512  # decode_info's default
         self.lock = threading.Lock()
 
     def Generate(self, request, context):
@@ -30,7 +31,8 @@ class FakeDecode(rpc.DecodeNodeServicer):
                     self.calls.append("cancelled")
 
         context.add_callback(cancelled)
-        n = request.sampling.max_tokens
+        # as a real node: at most what its context (decode_info's max_model_len) leaves after the prompt
+        n = min(request.sampling.max_tokens or 16, self.max_model_len - len(request.prompt_token_ids))
         for i in range(n):
             time.sleep(self.delay_s)
             if not context.is_active():

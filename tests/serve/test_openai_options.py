@@ -385,6 +385,18 @@ def test_continuous_usage_stats(oai, model):
     assert all(c.usage is None for c in plain if c.choices) and plain[-1].usage == chunks[-1].usage
 
 
+def test_max_tokens_defaults(oai, model):
+    """Without max_tokens, chat generates as many tokens as the context leaves, as OpenAI's chat
+    does, not 16: here until a stop token that logit_bias forces once
+    min_tokens allows it (token 21); completions keep OpenAI's legacy default of 16."""
+    stop = {"stop_token_ids": [42], "logit_bias": {"42": 100}, "min_tokens": 20}
+    msgs = [{"role": "user", "content": "Count."}]
+    r = oai.chat.completions.create(model=model, messages=msgs, temperature=0.0, extra_body=stop)
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (21, "stop")
+    c = oai.completions.create(model=model, prompt=PROMPT, temperature=0.0, extra_body={"ignore_eos": True})
+    assert (c.usage.completion_tokens, c.choices[0].finish_reason) == (16, "length")
+
+
 def test_stop_matcher_holds_back_partial_matches():
     from router.stops import StopMatcher
 
