@@ -241,6 +241,16 @@ def _thinking(req: MessagesRequest) -> dict[str, Any] | None:
     return kw or None
 
 
+def _budget(req: MessagesRequest) -> int | None:
+    """`thinking.budget_tokens` (with `enabled`): enforced as chat's thinking_token_budget."""
+    b = (req.thinking or {}).get("budget_tokens")
+    if b is None:
+        return None
+    if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+        raise bad("thinking.budget_tokens must be a non-negative integer", "thinking.budget_tokens")
+    return b
+
+
 def _format(req: MessagesRequest) -> dict[str, Any] | None:
     fmt, name = (req.output_config or {}).get("format"), "output_config.format"
     if fmt is None:
@@ -269,6 +279,7 @@ def to_chat(req: MessagesRequest) -> ChatRequest:
         "stop": req.stop_sequences or None,
         "response_format": _format(req),
         "chat_template_kwargs": _thinking(req),
+        "thinking_token_budget": _budget(req),
     }
     for name in _PASSED:
         body[name] = getattr(req, name)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from proto import pb
+from router import thinking_budget
 from router.chat_template import THINK_CLOSE, THINK_OPEN, ChatTemplate
 from router.images.prepare import ImageRef
 from router.openai_models import ChatRequest, bad
@@ -52,4 +53,7 @@ class ChatFront:
         p = plan(req, self.fmt, think_close)
         tools = req.tools if p.parse else None
         out = partial(ChatOutput, self.fmt if p.parse else None, tools, self.reasoning, r.think_open)
-        return ChatPrep(r.prompt, p.constraint, out, r.images)
+        constraint = p.constraint
+        if req.thinking_token_budget is not None and think_close is not None:
+            constraint = thinking_budget.constrain(constraint, think_close, req.thinking_token_budget)
+        return ChatPrep(r.prompt, constraint, out, r.images)

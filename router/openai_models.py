@@ -220,6 +220,8 @@ class ChatRequest(_Request):
     # the chat template's inputs (router/chat_template.py); tools and tool_choice: router/tool_choice.py
     chat_template_kwargs: dict[str, Any] | None = None
     enable_thinking: bool | None = None  # as Qwen's own API takes it; chat_template_kwargs' wins
+    # vLLM's: at most this many tokens of thinking, then </think> is forced (router/thinking_budget.py)
+    thinking_token_budget: Count | None = None
     # OpenAI's: passed to the template as `reasoning_effort`; "none" is enable_thinking false too
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     add_generation_prompt: bool = True

@@ -45,6 +45,7 @@ class ResponsesRequest(BaseModel):
     ignore_eos: bool = False
     logit_bias: Any = None
     cache_salt: Any = None  # checked as chat's
+    thinking_token_budget: Any = None  # checked as chat's
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -168,7 +169,7 @@ def to_chat(req: ResponsesRequest) -> ChatRequest:
         "ignore_eos": req.ignore_eos,
         "reasoning_effort": (req.reasoning or {}).get("effort"),
     }
-    for name in ("temperature", "top_p", "seed", "top_k", "logit_bias", "cache_salt"):
+    for name in ("temperature", "top_p", "seed", "top_k", "logit_bias", "cache_salt", "thinking_token_budget"):
         body[name] = getattr(req, name)
     chat = parse(ChatRequest, {k: v for k, v in body.items() if v is not None})
     assert isinstance(chat, ChatRequest)

@@ -131,6 +131,38 @@ def test_reasoning_and_content_split(oai, model, hf, bias):
     assert streamed["content"] == want["content"] and fin == "length"
 
 
+@pytest.mark.parametrize("budget", [0, 5])
+def test_thinking_token_budget(oai, model, hf, budget):
+    """vLLM's thinking_token_budget: with `</think>` made all but impossible (logit_bias -100),
+    thinking still stops after `budget` tokens (without a budget it runs to max_tokens); the
+    answer is the raw completion of the prompt + those tokens + `</think>` (the completions
+    endpoint: the answer is not masked); with a JSON schema too, the answer follows the schema.
+    (The thinking tokens are the model's most likely text tokens: the tiny model also ranks ids
+    past its tokenizer's vocabulary, which are no text.)"""
+    import jsonschema
+
+    close = hf.convert_tokens_to_ids("</think>")
+    extra = {"logit_bias": {str(close): -100}, "ignore_eos": True, "return_token_ids": True}
+    kw = dict(model=model, messages=MESSAGES, temperature=0.0, max_tokens=12)
+    free = oai.chat.completions.create(extra_body=extra, **kw)
+    assert free.usage.completion_tokens_details.reasoning_tokens == 12
+    r = oai.chat.completions.create(extra_body=dict(extra, thinking_token_budget=budget), **kw)
+    ids = r.choices[0].token_ids  # type: ignore[attr-defined]
+    assert close not in ids[:budget] and ids[budget] == close
+    assert r.usage.completion_tokens_details.reasoning_tokens == budget + 1
+    assert (r.choices[0].message.model_extra["reasoning_content"] or "") == hf.decode(ids[:budget]).strip("\n")
+    head = r.prompt_token_ids + ids[: budget + 1]  # type: ignore[attr-defined]
+    rest = oai.completions.create(model=model, prompt=head, temperature=0.0, max_tokens=11 - budget, extra_body=extra)
+    assert rest.choices[0].token_ids == ids[budget + 1 :]  # type: ignore[attr-defined]
+    assert r.choices[0].message.content == rest.choices[0].text.lstrip("\n").rstrip()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "o", "schema": dict(schema, additionalProperties=False)}}
+    bias = {"thinking_token_budget": budget, "logit_bias": extra["logit_bias"]}
+    j = oai.chat.completions.create(response_format=fmt, extra_body=bias, **dict(kw, max_tokens=40))
+    assert j.usage.completion_tokens_details.reasoning_tokens == budget + 1
+    jsonschema.validate(json.loads(j.choices[0].message.content), schema)
+
+
 def test_tool_choice_auto_answers(oai, model):
     r = oai.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="auto", **GREEDY)
     assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")

@@ -154,6 +154,24 @@ def test_forced_tool_call_and_its_history(claude, model, hf):
     assert n2.input_tokens == len(_rendered(hf, ref2))
 
 
+def test_thinking_budget_tokens(claude, oai, model, hf):
+    """thinking.budget_tokens is enforced as chat's thinking_token_budget: the same thinking and
+    text as a chat request with that budget, `</think>` made all but impossible (logit_bias)."""
+    close = hf.convert_tokens_to_ids("</think>")
+    extra = {"logit_bias": {str(close): -100}, "ignore_eos": True, "temperature": 0.0}
+    thinking = {"type": "enabled", "budget_tokens": 4}
+    m = claude.messages.create(
+        model=model, system=SYSTEM, messages=USER, max_tokens=12, extra_body=extra, thinking=thinking
+    )
+    c = oai.chat.completions.create(
+        model=model, messages=OAI_MSGS, max_tokens=12, extra_body=dict(extra, thinking_token_budget=4)
+    )
+    assert c.usage.completion_tokens_details.reasoning_tokens == 5
+    want = [("thinking", c.choices[0].message.model_extra["reasoning_content"]), ("text", c.choices[0].message.content)]
+    got = [(b.type, b.thinking if b.type == "thinking" else b.text) for b in m.content]
+    assert got == [(k, v) for k, v in want if v], m.content
+
+
 def test_bad_requests_are_anthropic_errors(claude, model):
     import anthropic
 
