@@ -3,6 +3,7 @@ tools (`required`, `auto`), JSON schemas, `n` > 1, logprobs, streams with usage,
 client disconnects mid-stream, agents' multi-turn loops with tool results, vLLM's fields
 (`structured_outputs` choice, `return_token_ids`, `skip_special_tokens`; checked), Anthropic's
 `/v1/messages` streamed with a required tool call (its events and the call's input checked),
+`thinking_token_budget` (the reasoning tokens checked against it),
 thinking on and off,
 sampled and greedy, prompts from a few tokens to past `--max-model-len` sharing long system
 prefixes, and images when the checkpoint takes them.
@@ -241,7 +242,8 @@ def _request(
             "vllm-fields",
             dict(structured_outputs={"choice": CHOICES}, return_token_ids=True, skip_special_tokens=False),
         ),
-        (0.94, "anthropic", {}),
+        (0.91, "anthropic", {}),
+        (0.96, "think-budget", dict(thinking_token_budget=rnd.randint(0, 40), max_tokens=rnd.randint(40, 160))),
     ]
     for upto, kind, extra in kinds:
         if q < upto:
@@ -316,6 +318,13 @@ def main() -> int:
                 code, text = _post(base, "/chat/completions", body, 900)
             if kind == "vllm-fields":
                 code, text = _checked(code, text)
+            if kind == "think-budget" and code == 200:
+                used = (json.loads(text)["usage"].get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+                if used > body["thinking_token_budget"] + 1:  # type: ignore[operator]
+                    code, text = (
+                        599,
+                        f"thinking_token_budget {body['thinking_token_budget']} not kept: {used} " + text[:300],
+                    )
             return kind, code, text
 
         t0 = time.monotonic()
