@@ -174,7 +174,8 @@ OTHERS: tuple[object, ...] = (
 )
 FIELDS = """model prompt max_completion_tokens temperature top_p top_k min_p presence_penalty frequency_penalty
     repetition_penalty seed num_speculative_tokens n best_of stop stop_token_ids stream stream_options logprobs
-    top_logprobs logit_bias echo suffix tools tool_choice response_format messages user""".split()
+    top_logprobs logit_bias echo suffix tools tool_choice response_format messages user cache_salt
+    reasoning_effort thinking_token_budget""".split()
 
 
 def _values(rng: random.Random) -> list:
@@ -216,6 +217,7 @@ def test_no_messages_value_gets_a_500(door):
     seen: dict[int, int] = {}
     base = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
     bodies = [{**base, f: v} for f in MESSAGES_FIELDS for v in _values(rng)]
+    bodies += [{**base, "thinking": {"type": "enabled", "budget_tokens": v}} for v in _values(rng)]
     for role in ("user", "assistant"):
         for k in BLOCK_KEYS:
             for v in _values(rng):
