@@ -158,6 +158,9 @@ class OpenAIFront:
         job.images = images
         for j, p in enumerate(ps):
             base = pb.GenerateRequest(sampling=sp)
+            if req.priority is not None:
+                batch = req.priority == "batch" or (isinstance(req.priority, int) and req.priority > 0)
+                base.priority = pb.PRIORITY_BATCH if batch else pb.PRIORITY_INTERACTIVE
             if isinstance(p, str) and (not echo or not sp.HasField("prompt_logprobs")):
                 base.prompt = p
             elif isinstance(p, str):  # echo with logprobs: the ids the logprobs are for

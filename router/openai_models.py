@@ -174,6 +174,9 @@ class _Request(BaseModel):
     skip_special_tokens: bool = True  # false: special tokens (<|im_end|>) are in the text too
     return_token_ids: bool | None = None  # prompt_token_ids and each choice's token_ids in the answer
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N"
+    # the admission class: vLLM's integer priority (above 0: batch, else interactive) or the name;
+    # the x-pdserve-priority header wins, and an API key's class caps it (router/service.py)
+    priority: Annotated[int, Field(ge=-(2**31), le=I32)] | Literal["interactive", "batch"] | None = None
     # prefix-cache isolation: shares cached prompt state only with requests of the same salt
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
     # vLLM's, refused by name unless empty / the default (an ignored one would change the answer unseen)

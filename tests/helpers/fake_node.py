@@ -18,12 +18,14 @@ class FakeDecode(rpc.DecodeNodeServicer):
         self.calls: list[str] = []  # how each Generate ended: "done" or "cancelled"
         self.started = 0  # Generate calls received
         self.max_model_len = 512  # decode_info's default
+        self.last = None
         self.lock = threading.Lock()
 
     def Generate(self, request, context):
         ended = threading.Event()
         with self.lock:
             self.started += 1
+            self.last = request  # the DecodeRequest as the router sent it
 
         def cancelled():
             if not ended.is_set():

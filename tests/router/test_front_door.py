@@ -275,6 +275,19 @@ def test_unknown_fields_are_logged_once(door, caplog):
     ]
 
 
+def test_priority_in_the_body(door):
+    """A body's `priority`: vLLM's integer (above 0 is batch, else interactive) or the class's name,
+    as the nodes get it (SamplingParams.priority); anything else is a 400 naming it."""
+    r, fake, _ = door
+    batch, interactive = pb.PRIORITY_BATCH, pb.PRIORITY_INTERACTIVE
+    cases = [(5, batch), (0, interactive), (-3, interactive), ("batch", batch), ("interactive", interactive)]
+    for value, want in cases:
+        assert post(r.http_port, _js(priority=value))[0] == 200
+        assert fake.last.sampling.priority == want, value
+    status, out = post(r.http_port, _js(priority="urgent"))
+    assert status == 400 and out["error"]["param"] == "priority"
+
+
 def test_version_and_ping(door):
     """GET /version is the installed distribution's version; /ping (GET or POST) answers as /health."""
     from importlib.metadata import version
