@@ -9,7 +9,6 @@ is (router/auth.py)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
@@ -20,7 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 from router.anthropic_output import Blocks, message, stop_reason, usage
 from router.anthropic_request import MessagesRequest, to_chat
 from router.errors import Abort
-from router.openai_api import OpenAIFront, _Gone, _json, _until_disconnect
+from router.openai_api import OpenAIFront, _Gone, _json, _sse_event, _until_disconnect
 from router.openai_choices import Choice, Job
 from router.openai_models import ApiError, parse
 
@@ -40,8 +39,10 @@ def _error_body(e: ApiError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": _TYPES.get(e.status, "api_error"), "message": msg}}
 
 
-def _event(ev: dict[str, Any]) -> bytes:
-    return f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n".encode()
+def _refused(e: ApiError | Abort) -> Response:
+    """An error before the answer began, as Anthropic's clients read it."""
+    err = e if isinstance(e, ApiError) else ApiError.from_abort(e)
+    return _json(err.status, _error_body(err), err.retry_after_s)
 
 
 class _Turn:
@@ -89,11 +90,8 @@ def register(app: FastAPI, front: OpenAIFront, limit: int, hints: Callable[[Requ
             return await _until_disconnect(request, _whole(front, job))
         except _Gone:
             return Response(status_code=499)
-        except ApiError as e:
-            return _json(e.status, _error_body(e), e.retry_after_s)
-        except Abort as a:
-            err = ApiError.from_abort(a)
-            return _json(err.status, _error_body(err), err.retry_after_s)
+        except (ApiError, Abort) as e:
+            return _refused(e)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
@@ -107,11 +105,8 @@ def register(app: FastAPI, front: OpenAIFront, limit: int, hints: Callable[[Requ
             if prep.images:  # each image's placeholder becomes its tokens (a size-dependent count)
                 ids, _ = front.service.images.expand(ids, await front.service.images.prepare(prep.images))
             return _json(200, {"input_tokens": len(ids)})
-        except ApiError as e:
-            return _json(e.status, _error_body(e), e.retry_after_s)
-        except Abort as a:
-            err = ApiError.from_abort(a)
-            return _json(err.status, _error_body(err), err.retry_after_s)
+        except (ApiError, Abort) as e:
+            return _refused(e)
 
 
 async def _whole(front: OpenAIFront, job: Job) -> Response:
@@ -132,7 +127,7 @@ async def _stream(front: OpenAIFront, job: Job, request: Request) -> Response:
 
         def start() -> bytes:
             use = dict(turn.usage(), output_tokens=0)
-            return _event({"type": "message_start", "message": message(turn.mid, turn.model, [], None, "", use)})
+            return _sse_event({"type": "message_start", "message": message(turn.mid, turn.model, [], None, "", use)})
 
         try:
             async for _, c in ev:
@@ -141,16 +136,16 @@ async def _stream(front: OpenAIFront, job: Job, request: Request) -> Response:
                     started = True
                     yield start()
                 for e in out:
-                    yield _event(e)
+                    yield _sse_event(e)
             if not started:
                 yield start()
             for e in turn.blocks.close():
-                yield _event(e)
+                yield _sse_event(e)
             delta = {"stop_reason": turn.reason(), "stop_sequence": turn.stop or None}
-            yield _event({"type": "message_delta", "delta": delta, "usage": turn.usage()})
-            yield _event({"type": "message_stop"})
+            yield _sse_event({"type": "message_delta", "delta": delta, "usage": turn.usage()})
+            yield _sse_event({"type": "message_stop"})
         except Abort as a:  # mid-stream: an error event, then the end
-            yield _event(_error_body(ApiError.from_abort(a)))
+            yield _sse_event(_error_body(ApiError.from_abort(a)))
         finally:
             await ev.aclose()
 

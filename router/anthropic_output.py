@@ -31,11 +31,13 @@ def usage(prompt: int, cached: int, output: int) -> dict[str, int]:
 
 
 class Blocks:
+    """The blocks so far; the open one, if any, is the last."""
+
     def __init__(self) -> None:
         self.blocks: list[dict[str, Any]] = []
-        self.open: dict[str, Any] | None = None
-        self.args: dict[int, str] = {}  # tool-call index -> its arguments' JSON so far
+        self.open = False
         self.calls: dict[int, int] = {}  # tool-call index -> its block's index
+        self.args: dict[int, str] = {}  # a tool_use block's index -> its arguments' JSON so far
 
     def feed(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
         """The events of one chat delta: thinking first, then text, then tool calls."""
@@ -50,45 +52,49 @@ class Blocks:
 
     def close(self) -> list[dict[str, Any]]:
         """Close the open block (the output ended, or another block begins)."""
-        b, self.open = self.open, None
-        if b is None:
+        if not self.open:
             return []
-        at = self.blocks.index(b)
-        if b["type"] == "tool_use":
-            b["input"] = _input(self.args.get(next(k for k, v in self.calls.items() if v == at), ""))
+        self.open, at = False, len(self.blocks) - 1
+        if at in self.args:
+            self.blocks[at]["input"] = _input(self.args[at])
         return [{"type": "content_block_stop", "index": at}]
 
-    def _begin(self, ev: list[dict[str, Any]], block: dict[str, Any], shown: dict[str, Any]) -> None:
+    def _begin(self, ev: list[dict[str, Any]], block: dict[str, Any]) -> None:
         ev += self.close()
         self.blocks.append(block)
-        self.open = block
-        ev.append({"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": shown})
+        self.open = True
+        ev.append({"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": dict(block)})
 
     def _text(self, ev: list[dict[str, Any]], kind: str, s: str) -> None:
-        b = self.open
-        if b is None or b["type"] != kind:
-            b = (
+        if not self.open or self.blocks[-1]["type"] != kind:
+            self._begin(
+                ev,
                 {"type": "thinking", "thinking": "", "signature": ""}
                 if kind == "thinking"
-                else {"type": "text", "text": ""}
+                else {"type": "text", "text": ""},
             )
-            self._begin(ev, b, dict(b))
-        b[kind] += s
+        self.blocks[-1][kind] += s
         d = {"type": "thinking_delta", "thinking": s} if kind == "thinking" else {"type": "text_delta", "text": s}
-        ev.append({"type": "content_block_delta", "index": self.blocks.index(b), "delta": d})
+        ev.append({"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": d})
 
     def _call(self, ev: list[dict[str, Any]], tc: dict[str, Any]) -> None:
-        fn, k = tc.get("function", {}), tc["index"]
+        fn = tc.get("function", {})
         if "id" in tc:  # a new call
-            b = {"type": "tool_use", "id": "toolu_" + tc["id"].removeprefix("call_"), "name": fn.get("name", "")}
-            b["input"] = {}
-            self._begin(ev, b, dict(b))
-            self.calls[k], self.args[k] = len(self.blocks) - 1, ""
+            call_id = "toolu_" + tc["id"].removeprefix("call_")
+            self._begin(ev, {"type": "tool_use", "id": call_id, "name": fn.get("name", ""), "input": {}})
+            self.calls[tc["index"]] = at = len(self.blocks) - 1
+            self.args[at] = ""
         piece = fn.get("arguments") or ""
         if piece:
-            self.args[k] += piece
-            d = {"type": "input_json_delta", "partial_json": piece}
-            ev.append({"type": "content_block_delta", "index": self.calls[k], "delta": d})
+            at = self.calls[tc["index"]]
+            self.args[at] += piece
+            ev.append(
+                {
+                    "type": "content_block_delta",
+                    "index": at,
+                    "delta": {"type": "input_json_delta", "partial_json": piece},
+                }
+            )
 
 
 def _input(args: str) -> dict[str, Any]:

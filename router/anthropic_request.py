@@ -96,22 +96,26 @@ def _image(b: dict[str, Any], where: str) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
+def _part(b: Any, where: str) -> dict[str, Any]:
+    """A text or image block as a chat content part (the chat path joins text-only parts)."""
+    kind = b.get("type") if isinstance(b, dict) else type(b).__name__
+    if kind == "text" and isinstance(b.get("text"), str):
+        return {"type": "text", "text": b["text"]}
+    if kind == "image":
+        return _image(b, where)
+    raise bad(f"{where}: {kind!r} blocks are not supported here (text, image)", f"{where}.type")
+
+
 def _result(content: Any, where: str, msg: int, names: dict[tuple[int, int], str]) -> str | list[dict[str, Any]]:
-    """A tool result's content: its text, or with images (a screenshot a tool took) the parts,
-    for templates that render images in tool messages (Qwen3.5's do)."""
-    if not isinstance(content, list) or not any(isinstance(x, dict) and x.get("type") == "image" for x in content):
-        return _text(content, where)
-    parts = []
-    for k, x in enumerate(content):
-        wk = names[(msg, k)] = f"{where}[{k}]"
-        kind = x.get("type") if isinstance(x, dict) else type(x).__name__
-        if kind == "image":
-            parts.append(_image(x, wk))
-        elif kind == "text" and isinstance(x.get("text"), str):
-            parts.append({"type": "text", "text": x["text"]})
-        else:
-            raise bad(f"{wk}: only text and image blocks are supported in a tool result (got {kind!r})", wk)
-    return parts
+    """A tool result's content: a string, or its text and image blocks (a screenshot a tool took)
+    as parts, for templates that render images in tool messages (Qwen3.5's do)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"{where} must be a string or a list of content blocks", where)
+    for k in range(len(content)):
+        names[(msg, k)] = f"{where}[{k}]"
+    return [_part(x, f"{where}[{k}]") for k, x in enumerate(content)]
 
 
 def _user(content: Any, i: int, msgs: list[dict[str, Any]], names: dict[tuple[int, int], str]) -> None:
@@ -122,31 +126,20 @@ def _user(content: Any, i: int, msgs: list[dict[str, Any]], names: dict[tuple[in
         return
     if not isinstance(content, list):
         raise bad(f"{where} must be a string or a list of content blocks", where)
-    parts: list[tuple[int, dict[str, Any]]] = []
+    parts: list[tuple[str, dict[str, Any]]] = []  # (the block's name, its part)
     for j, b in enumerate(content):
-        kind = b.get("type") if isinstance(b, dict) else None
         w = f"{where}[{j}]"
-        if kind == "tool_result":
+        if isinstance(b, dict) and b.get("type") == "tool_result":
             if not isinstance(b.get("tool_use_id"), str):
                 raise bad(f"{w}: a tool_result needs its 'tool_use_id'", f"{w}.tool_use_id")
             content = _result(b.get("content", ""), f"{w}.content", len(msgs), names)
             msgs.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": content})
-        elif kind == "text" and isinstance(b.get("text"), str):
-            parts.append((j, {"type": "text", "text": b["text"]}))
-        elif kind == "image":
-            parts.append((j, _image(b, w)))
         else:
-            raise bad(
-                f"{w}: {kind!r} blocks are not supported in user messages (text, image, tool_result)", f"{w}.type"
-            )
-    if not parts:
-        return
-    if all(p["type"] == "text" for _, p in parts):
-        msgs.append({"role": "user", "content": "".join(p["text"] for _, p in parts)})
-        return
-    for k, (j, _) in enumerate(parts):  # an image's errors name the block it came from
-        names[(len(msgs), k)] = f"{where}[{j}]"
-    msgs.append({"role": "user", "content": [p for _, p in parts]})
+            parts.append((w, _part(b, w)))
+    if parts:
+        for k, (w, _) in enumerate(parts):  # an image's errors name the block it came from
+            names[(len(msgs), k)] = w
+        msgs.append({"role": "user", "content": [p for _, p in parts]})
 
 
 def _assistant(content: Any, i: int) -> dict[str, Any]:

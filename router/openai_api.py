@@ -58,6 +58,11 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
+def _sse_event(ev: dict) -> bytes:
+    """A server-sent event named by its `type` (the Responses and Anthropic streams)."""
+    return f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n".encode()
+
+
 class _Gone(Exception):
     """The HTTP client disconnected."""
 
@@ -156,11 +161,12 @@ class OpenAIFront:
         job.output = prep.output if prep is not None else None
         job.token_ids, job.ids_as_text = bool(req.return_token_ids), bool(req.return_tokens_as_token_ids)
         job.images = images
+        prio = pb.PRIORITY_UNSPECIFIED  # the body's class: its name, or vLLM's integer (above 0: batch)
+        if req.priority is not None:
+            batch = req.priority == "batch" or (isinstance(req.priority, int) and req.priority > 0)
+            prio = pb.PRIORITY_BATCH if batch else pb.PRIORITY_INTERACTIVE
         for j, p in enumerate(ps):
-            base = pb.GenerateRequest(sampling=sp)
-            if req.priority is not None:
-                batch = req.priority == "batch" or (isinstance(req.priority, int) and req.priority > 0)
-                base.priority = pb.PRIORITY_BATCH if batch else pb.PRIORITY_INTERACTIVE
+            base = pb.GenerateRequest(sampling=sp, priority=prio)
             if isinstance(p, str) and (not echo or not sp.HasField("prompt_logprobs")):
                 base.prompt = p
             elif isinstance(p, str):  # echo with logprobs: the ids the logprobs are for

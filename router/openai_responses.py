@@ -6,7 +6,6 @@ before the first token is an HTTP status, after it an `error` event."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -15,15 +14,11 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from router.errors import Abort
-from router.openai_api import OpenAIFront, _Gone, _json, _until_disconnect
+from router.openai_api import OpenAIFront, _Gone, _json, _sse_event, _until_disconnect
 from router.openai_choices import Choice, Job, usage
 from router.openai_models import ApiError, parse
 from router.responses_output import ResponseItems, response
 from router.responses_request import ResponsesRequest, to_chat
-
-
-def _event(ev: dict[str, Any]) -> bytes:
-    return f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n".encode()
 
 
 def _status(finish: str | None) -> str:
@@ -61,21 +56,21 @@ async def _stream(front: OpenAIFront, job: Job, req: ResponsesRequest, rid: str,
 
     async def body() -> AsyncIterator[bytes]:
         head = response(rid, job.model, req, [], "in_progress", None, None)
-        yield _event(items.event("response.created", response=head))
-        yield _event(items.event("response.in_progress", response=head))
+        yield _sse_event(items.event("response.created", response=head))
+        yield _sse_event(items.event("response.in_progress", response=head))
         try:
             async for _, c in ev:
                 d = choice.delta(c)
                 for e in items.feed(d["delta"]) if d is not None else ():
-                    yield _event(e)
+                    yield _sse_event(e)
             status = _status(choice.finish)
             for e in items.close(status):
-                yield _event(e)
+                yield _sse_event(e)
             done = response(rid, job.model, req, items.items, status, choice.finish, usage([choice]))
-            yield _event(items.event(f"response.{status}", response=done))
+            yield _sse_event(items.event(f"response.{status}", response=done))
         except Abort as a:  # mid-stream: an error event, then the end
             err = ApiError.from_status(a.code, a.msg)
-            yield _event(items.event("error", code=err.code, message=err.message, param=err.param))
+            yield _sse_event(items.event("error", code=err.code, message=err.message, param=err.param))
         finally:
             await ev.aclose()
 
