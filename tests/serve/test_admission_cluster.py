@@ -8,6 +8,8 @@ the queued batch ones; two API keys in one class take turns."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -17,7 +19,7 @@ import grpc
 import pytest
 
 from tests.helpers import hybrid_ckpt as hc
-from tests.helpers.serve_harness import Up, flags, log_url, scrape, wait_for
+from tests.helpers.serve_harness import Up, flags, log_url, node_pid, scrape, wait_for
 
 PROMPT_LEN, NEW = 300, 4
 KEY_A, KEY_B = "key-a-0123456789abcdef", "key-b-0123456789abcdef"
@@ -33,6 +35,7 @@ def cluster(ckpt, tmp_path_factory):
         ckpt,
         *flags(dtype="float32", prefill=1, decode=1, http_port=0, metrics_port=0, admission_timeout=1.0),
         *flags(api_key_file=keys, prefill_window_tokens=2 * PROMPT_LEN + 20),
+        *flags(dead_after=30),  # the prefill node is frozen for a moment in the ordering test
         *STEP,
     )
     try:
@@ -147,15 +150,26 @@ def test_interactive_before_batch_and_keys_take_turns(cluster, burst):
         def depth() -> float:
             return scrape(router_metrics)[("pdserve_router_queue_depth", ())]
 
+        def active() -> float:
+            return scrape(router_metrics)[("pdserve_router_active_requests", ())]
+
         def send(c, i: int, **kw):
             return ex.submit(_timed, c, ps[i], admission_timeout_s=0.0, **kw)
 
+        # the prefill node frozen while the requests arrive: the window takes A's first two and
+        # everything else queues, however fast the machine would have drained the burst
+        victim = node_pid(cluster, "prefill-0")
         with ThreadPoolExecutor(24) as ex:
-            batch_a = [send(a, i, priority="batch") for i in range(14)]
-            wait_for(lambda: depth() >= 10, 60, "key A's batch requests queued")
-            batch_b = [send(b, 14 + i, priority="batch") for i in range(4)]
-            time.sleep(0.3)
-            inter = [send(b, 18 + i) for i in range(3)]
+            os.kill(victim, signal.SIGSTOP)
+            try:
+                batch_a = [send(a, i, priority="batch") for i in range(14)]
+                wait_for(lambda: depth() == 12, 60, "key A's batch requests queued")
+                batch_b = [send(b, 14 + i, priority="batch") for i in range(4)]
+                wait_for(lambda: depth() == 16, 60, "key B's batch requests queued")
+                inter = [send(b, 18 + i) for i in range(3)]
+                wait_for(lambda: active() == 21, 60, "every request at the router")
+            finally:
+                os.kill(victim, signal.SIGCONT)
             ra, rb, ri = ([f.result(timeout=600) for f in fs] for fs in (batch_a, batch_b, inter))
     for i, (toks, _, _) in enumerate(ra + rb + ri):
         assert toks == want[35 + i], i
