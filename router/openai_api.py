@@ -106,7 +106,7 @@ class OpenAIFront:
                 503, "no live node serves a model now; retry shortly", "service_unavailable", None, "unavailable"
             )
         for m in known:
-            if name in names_of(m, getattr(getattr(self.service, "cfg", None), "served_model_name", ())):
+            if name in names_of(m, self.service.cfg.served_model_name):
                 return m.id
         ids = ", ".join(m.id for m in known)
         raise ApiError(
@@ -116,10 +116,8 @@ class OpenAIFront:
     @property
     def chat(self) -> ChatFront:
         if self._chat is None:
-            cfg = getattr(self.service, "cfg", None)
-            self._chat = ChatFront(
-                self.tok, getattr(cfg, "reasoning_parser", "auto"), getattr(cfg, "tool_call_parser", "auto")
-            )
+            cfg = self.service.cfg
+            self._chat = ChatFront(self.tok, cfg.reasoning_parser, cfg.tool_call_parser)
         return self._chat
 
     async def render(self, req: ChatRequest):

@@ -237,10 +237,12 @@ def test_a_long_conversation_renders_off_the_loop(ckpt, hf, monkeypatch):
     import threading
     from types import SimpleNamespace
 
+    from router.config import RouterConfig
     from router.openai_api import RENDER_INLINE_CHARS, OpenAIFront
     from router.openai_chat import ChatFront
 
     service = SimpleNamespace(
+        cfg=RouterConfig(),
         tokenizer=Tokenizer(ckpt),
         models=lambda: [SimpleNamespace(id="m", path=ckpt)],
         check_prompt_chars=lambda chars, what: None,
