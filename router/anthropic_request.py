@@ -9,7 +9,7 @@ request they mean, served by the chat path (router/openai_chat.py) as one choice
   (-> `required`), `tool` (-> named), `none`; `disable_parallel_tool_use` -> `parallel_tool_calls`;
 - `thinking` `enabled` / `disabled` -> the template's `enable_thinking` (unset: the template's
   default); `stop_sequences` -> `stop`; `output_config.format` (or the earlier `output_format`)
-  `json_schema` -> `response_format`; `temperature`, `top_p`, `top_k` as earlier clients send them;
+  `json_schema` -> `response_format`; `output_config.effort` -> `reasoning_effort`; `temperature`, `top_p`, `top_k` as earlier clients send them;
 - `cache_control` marks are accepted and have no effect (the prefix cache needs none).
 
 Anything it cannot honour is a 400 naming it (server tools, documents, MCP servers)."""
@@ -54,7 +54,7 @@ class MessagesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
-    output_config: dict[str, Any] | None = None  # `format` (json_schema); `effort` accepted, not used
+    output_config: dict[str, Any] | None = None  # `format` (json_schema); `effort`: chat's reasoning_effort
     output_format: dict[str, Any] | None = None  # the earlier name of output_config.format
     metadata: dict[str, Any] | None = None  # accepted (`user_id`), not used
     service_tier: str | None = None  # accepted, not used: one tier
@@ -255,6 +255,17 @@ def _format(req: MessagesRequest) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
+_EFFORTS = ("low", "medium", "high")
+
+
+def _effort(req: MessagesRequest) -> str | None:
+    """`output_config.effort`: reaches the template as chat's `reasoning_effort`."""
+    e = (req.output_config or {}).get("effort")
+    if e is not None and e not in _EFFORTS:
+        raise bad(f"output_config.effort must be one of {', '.join(_EFFORTS)}", "output_config.effort")
+    return e
+
+
 def to_chat(req: MessagesRequest) -> ChatRequest:
     """The chat request `req` means (module docstring); ApiError 400 naming a bad field."""
     for name in ("mcp_servers", "container"):
@@ -273,6 +284,7 @@ def to_chat(req: MessagesRequest) -> ChatRequest:
         "response_format": _format(req),
         "chat_template_kwargs": _thinking(req),
         "thinking_token_budget": _budget(req),
+        "reasoning_effort": _effort(req),
     }
     for name in _PASSED:
         body[name] = getattr(req, name)
