@@ -8,7 +8,8 @@ image parts (`image_url`, or Responses' `input_image`) keeps its parts as a list
 as an ImageRef naming the part (`Rendered.images`, in order); video parts are refused ("video
 input is not supported yet"), audio and file parts with a 400 naming `messages[i].content[j].type`
 (content is never dropped silently); an assistant message's `tool_calls[k].function.arguments`,
-a JSON string on the wire, becomes the object templates iterate over; a `developer` message
+a JSON string on the wire, becomes the object templates iterate over (a custom tool's call:
+router/custom_tools.py); a `developer` message
 (OpenAI's newer name for the system message, which agent clients send) is a `system` one unless
 the template itself names the role. After rendering,
 `Rendered.think_open` says whether the prompt leaves a `<think>` block open (the output starts
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from router.custom_tools import history_call
 from router.images.decode import ImageRefused
 from router.images.prepare import ImageRef
 from router.openai_models import ApiError, ChatRequest, bad
@@ -156,6 +158,8 @@ def _image_url(part: dict[str, Any], where: str) -> str:
 
 def _call(i: int, k: int, c: Any) -> dict[str, Any]:
     where = f"messages[{i}].tool_calls[{k}]"
+    if isinstance(c, dict) and c.get("type") == "custom":
+        c = history_call(c, where)
     f = c.get("function") if isinstance(c, dict) else None
     if not isinstance(f, dict) or not isinstance(f.get("name"), str):
         raise bad(f"{where}: expected {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}", where)

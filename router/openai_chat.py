@@ -1,6 +1,7 @@
 """A chat request's prompt, constraint and output parsers: the checkpoint's template renders the
 messages (router/chat_template.py), router/tool_choice.py turns tools, tool_choice and
-response_format into what is parsed and constrained, and each choice gets a ChatOutput
+response_format into what is parsed and constrained (custom tools as functions of one input,
+router/custom_tools.py), and each choice gets a ChatOutput
 (router/parsers/output.py). The parsers are chosen from the template's text unless the router's
 `--reasoning-parser` / `--tool-call-parser` say otherwise."""
 
@@ -13,6 +14,7 @@ from functools import partial
 from proto import pb
 from router import thinking_budget
 from router.chat_template import THINK_CLOSE, THINK_OPEN, ChatTemplate
+from router.custom_tools import as_functions
 from router.images.prepare import ImageRef
 from router.openai_models import ChatRequest, bad
 from router.parsers.output import ChatOutput
@@ -48,11 +50,12 @@ class ChatFront:
     def prepare(self, req: ChatRequest) -> ChatPrep:
         if self.template is None:
             raise bad("this model's tokenizer has no chat_template", "messages")
+        req, customs = as_functions(req)
         r = self.template.render(req)
         think_close = self.think_close if r.think_open else None
-        p = plan(req, self.fmt, think_close)
+        p = plan(req, self.fmt, think_close, customs)
         tools = req.tools if p.parse else None
-        out = partial(ChatOutput, self.fmt if p.parse else None, tools, self.reasoning, r.think_open)
+        out = partial(ChatOutput, self.fmt if p.parse else None, tools, self.reasoning, r.think_open, tuple(customs))
         constraint = p.constraint
         if req.thinking_token_budget is not None and think_close is not None:
             constraint = thinking_budget.constrain(constraint, think_close, req.thinking_token_budget)

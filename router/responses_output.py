@@ -1,6 +1,6 @@
 """`POST /v1/responses` answers: a choice's chat deltas (router/parsers/output.py) as Responses
 output items (`reasoning` with `reasoning_text` content, `message` with `output_text`,
-`function_call`) and the stream events that build them. An item opens when its first piece
+`function_call`, `custom_tool_call`) and the stream events that build them. An item opens when its first piece
 arrives and closes when a piece of another item (or the end) comes, so the streamed events and the
 whole response list the same items in the same order; the whole response is built by the same
 code without sending the events."""
@@ -48,6 +48,8 @@ class ResponseItems:
         base = {"item_id": item["id"], "output_index": at}
         if item["type"] == "function_call":
             done = [self.event("response.function_call_arguments.done", arguments=item["arguments"], **base)]
+        elif item["type"] == "custom_tool_call":
+            done = [self.event("response.custom_tool_call_input.done", input=item["input"], **base)]
         else:
             part = item["content"][0]
             text_done = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
@@ -88,27 +90,27 @@ class ResponseItems:
         ev.append(self.event(kind_ev, item_id=item["id"], output_index=at, content_index=0, delta=s, **extra))
 
     def _call(self, ev: list[dict[str, Any]], tc: dict[str, Any]) -> None:
-        fn = tc.get("function", {})
+        """A function call's arguments, or a custom tool call's input (`custom_tool_call`)."""
+        custom = "custom" in tc
+        fn = tc.get("custom" if custom else "function", {})
+        field = "input" if custom else "arguments"
         if "id" in tc:  # a new call
             item = {
-                "type": "function_call",
-                "id": _id("fc"),
+                "type": "custom_tool_call" if custom else "function_call",
+                "id": _id("ctc" if custom else "fc"),
                 "call_id": tc["id"],
                 "name": fn.get("name", ""),
-                "arguments": "",
+                field: "",
                 "status": "in_progress",
             }
             self.calls[tc["index"]] = item
             self._begin(ev, item)
         item = self.calls[tc["index"]]
-        if fn.get("arguments"):
-            item["arguments"] += fn["arguments"]
+        if fn.get(field):
+            item[field] += fn[field]
             at = self.items.index(item)
-            ev.append(
-                self.event(
-                    "response.function_call_arguments.delta", item_id=item["id"], output_index=at, delta=fn["arguments"]
-                )
-            )
+            kind = "response.custom_tool_call_input.delta" if custom else "response.function_call_arguments.delta"
+            ev.append(self.event(kind, item_id=item["id"], output_index=at, delta=fn[field]))
 
 
 def response(

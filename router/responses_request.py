@@ -2,9 +2,11 @@
 chat request it means (`to_chat`), which the chat path then serves (template, parsers,
 constraints). Input items: messages (roles user / system / developer / assistant; content a
 string or `input_text` / `output_text` parts, and `input_image` parts in user, system and
-developer messages, named `input[i].content[j]` in errors), `function_call` (an assistant turn's calls),
-`function_call_output` (a tool message), `reasoning` (the next assistant turn's
-reasoning_content). `instructions` is the system message; `tools` are flat function tools;
+developer messages, named `input[i].content[j]` in errors), `function_call` and
+`custom_tool_call` (an assistant turn's calls), `function_call_output` and
+`custom_tool_call_output` (a tool message), `reasoning` (the next assistant turn's
+reasoning_content). `instructions` is the system message; `tools` are flat function and custom
+tools (router/custom_tools.py);
 `text.format` is the response format. `previous_response_id` is a 400 naming it: this router
 stores no responses (shared state across routers has no design yet)."""
 
@@ -117,7 +119,12 @@ def _messages(req: ResponsesRequest, names: dict[tuple[int, int], str]) -> list[
                 raise bad(f"{where}: a function_call needs 'name' and 'call_id'", where)
             fn = {"name": it["name"], "arguments": it.get("arguments") or "{}"}
             assistant().setdefault("tool_calls", []).append({"id": it["call_id"], "type": "function", "function": fn})
-        elif kind == "function_call_output":
+        elif kind == "custom_tool_call":
+            if not all(isinstance(it.get(k), str) for k in ("name", "call_id", "input")):
+                raise bad(f"{where}: a custom_tool_call needs 'name', 'call_id' and 'input'", where)
+            cu = {"name": it["name"], "input": it["input"]}
+            assistant().setdefault("tool_calls", []).append({"id": it["call_id"], "type": "custom", "custom": cu})
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             out = it.get("output")
             text = out if isinstance(out, str) else _text_of(out, where)
             msgs.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": text})
@@ -130,9 +137,28 @@ def _messages(req: ResponsesRequest, names: dict[tuple[int, int], str]) -> list[
 
 
 def _tool_choice(choice: Any) -> Any:
-    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
-        return {"type": "function", "function": {"name": choice["name"]}}
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom") and "name" in choice:
+        return {"type": choice["type"], choice["type"]: {"name": choice["name"]}}
     return choice
+
+
+def _tool(t: Any, i: int) -> dict[str, Any]:
+    """A flat function or custom tool as chat's."""
+    kind = t.get("type") if isinstance(t, dict) else None
+    if kind not in ("function", "custom") or not isinstance(t.get("name"), str):
+        raise bad(f"tools[{i}]: function or custom tools only ({{'type': 'function', 'name': ...}})", f"tools[{i}]")
+    if kind == "function":
+        return {
+            "type": "function",
+            "function": {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t},
+        }
+    c = {k: t[k] for k in ("name", "description") if k in t}
+    fmt = t.get("format")
+    if isinstance(fmt, dict) and fmt.get("type") == "grammar":  # flat here, nested on chat
+        fmt = {"type": "grammar", "grammar": {k: fmt.get(k) for k in ("syntax", "definition")}}
+    if fmt is not None:
+        c["format"] = fmt
+    return {"type": "custom", "custom": c}
 
 
 def _response_format(text: dict[str, Any] | None) -> Any:
@@ -148,14 +174,7 @@ def to_chat(req: ResponsesRequest) -> ChatRequest:
     for name in ("previous_response_id", "conversation"):
         if getattr(req, name) is not None:
             raise bad(f"'{name}' is not supported: this router stores no responses; send the whole input", name)
-    tools = None
-    if req.tools:
-        tools = []
-        for i, t in enumerate(req.tools):
-            if t.get("type") != "function" or not isinstance(t.get("name"), str):
-                raise bad(f"tools[{i}]: only function tools ({{'type': 'function', 'name': ...}})", f"tools[{i}]")
-            fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
-            tools.append({"type": "function", "function": fn})
+    tools = [_tool(t, i) for i, t in enumerate(req.tools)] if req.tools else None
     names: dict[tuple[int, int], str] = {}
     body: dict[str, Any] = {
         "model": req.model,

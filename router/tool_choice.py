@@ -8,8 +8,9 @@ false); a named function: exactly one call of it. `required` and named calls are
 Lark grammar (llguidance's dialect) of the checkpoint's call format whose values follow each
 tool's parameter schema: in the XML format a string parameter is text without `</`, an enum one
 of its strings, any other a JSON value of its schema (`%json`); required parameters in the
-schema's order, optional ones may follow in that order; the other constraints (`response_format`
-and the like) exclude them. With the template's think block open in the prompt the
+schema's order, optional ones may follow in that order; a custom tool's `input` follows its own
+Lark or regex grammar (router/custom_tools.py); the other constraints (`response_format` and the
+like) exclude them. With the template's think block open in the prompt the
 constraint starts after `</think>` (`start_after_token`), so the reasoning stays free."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from engine.structured.grammar import WHITESPACE
 from proto import pb
 from router import structured_fields
+from router.custom_tools import INPUT, CustomTool
 from router.openai_models import ChatRequest, bad
 from router.parsers.tool_calls import ToolFormat
 
@@ -57,9 +59,12 @@ def _tools(req: ChatRequest) -> list[dict[str, Any]]:
     return tools
 
 
-def plan(req: ChatRequest, fmt: ToolFormat | None, think_close: int | None) -> ToolPlan:
+def plan(
+    req: ChatRequest, fmt: ToolFormat | None, think_close: int | None, customs: dict[str, CustomTool] | None = None
+) -> ToolPlan:
     """What to do for `req`; `fmt` is the checkpoint's call format (None: no parser), `think_close`
-    the `</think>` id when the prompt leaves a think block open."""
+    the `</think>` id when the prompt leaves a think block open, `customs` the custom tools among
+    `req.tools` (router/custom_tools.py: seen as functions of one `input`)."""
     tools, choice = _tools(req), req.tool_choice
     named = None
     if isinstance(choice, dict):
@@ -97,7 +102,7 @@ def plan(req: ChatRequest, fmt: ToolFormat | None, think_close: int | None) -> T
             if not fns:
                 raise bad(f"'tool_choice' names {named!r}, which is not in 'tools'", "tool_choice")
         many = named is None and req.parallel_tool_calls is not False
-        constraint = pb.Constraint(grammar=call_grammar(fmt, fns, many))
+        constraint = pb.Constraint(grammar=call_grammar(fmt, fns, many, customs))
     return ToolPlan(True, _start(constraint, think_close))
 
 
@@ -119,12 +124,27 @@ def _json(schema: dict[str, Any]) -> str:
 _TEXT = r"/([^<]|<[^\/]){%s}\n<\/parameter>\n/"  # a string value: no "</" inside, then its close tag
 
 
-def call_grammar(fmt: ToolFormat, fns: list[dict[str, Any]], many: bool) -> str:
-    """A Lark grammar of one call (`many`: one or more, a newline apart) of any of `fns`."""
+def call_grammar(
+    fmt: ToolFormat, fns: list[dict[str, Any]], many: bool, customs: dict[str, CustomTool] | None = None
+) -> str:
+    """A Lark grammar of one call (`many`: one or more, a newline apart) of any of `fns`; a custom
+    tool's `input` follows its own grammar."""
     rules = ["start: call" + (' ("\\n" call)*' if many else "")]
     rules.append('call: <tool_call> "\\n" (' + " | ".join(f"fn{i}" for i in range(len(fns))) + ") </tool_call>")
     for i, f in enumerate(fns):
         params = f.get("parameters") or {}
+        custom = (customs or {}).get(f["name"])
+        rule = custom.rule() if custom is not None else None
+        if rule is not None:
+            if fmt == "json":
+                raise bad(
+                    "a custom tool's grammar is enforced in the XML call format only (this model writes JSON calls); "
+                    "send it with format 'text'",
+                    "tools",
+                )
+            head = json.dumps(f"<function={f['name']}>\n<parameter={INPUT}>\n")
+            rules.append(f'fn{i}: {head} {rule} "\\n</parameter>\\n</function>\\n"')
+            continue
         if fmt == "json":
             obj = {
                 "type": "object",

@@ -10,6 +10,7 @@ the bytes of the longest part of an agent's stream."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from router.parsers.reasoning import Kind, ReasoningParser
@@ -18,9 +19,14 @@ from router.parsers.tool_calls import Item, ToolCallParser, ToolDelta, ToolForma
 
 class ChatOutput:
     def __init__(
-        self, tool_format: ToolFormat | None, tools: list[dict[str, Any]] | None, reasoning: bool, think_open: bool
+        self,
+        tool_format: ToolFormat | None,
+        tools: list[dict[str, Any]] | None,
+        reasoning: bool,
+        think_open: bool,
+        customs: Collection[str] = (),
     ):
-        self.tools = ToolCallParser(tool_format, tools) if tool_format is not None else None
+        self.tools = ToolCallParser(tool_format, tools, customs) if tool_format is not None else None
         self.reasoning = ReasoningParser(think_open) if reasoning else None
         self.content: list[str] = []
         self.thought: list[str] = []
@@ -66,15 +72,22 @@ class ChatOutput:
             delta[name] = delta.get(name, "") + s
 
     def _call(self, delta: dict[str, Any], d: ToolDelta) -> None:
+        """A call's piece: a function's `arguments`, or a custom tool's `input` (OpenAI's custom
+        tool call, `{"type": "custom", "custom": {"name", "input"}}`, streamed the same way)."""
         entries = delta.setdefault("tool_calls", [])
         if d.name is not None:
-            self.calls.append({"id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}})
-            entries.append({"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name}})
-        self.calls[d.index]["function"]["arguments"] += d.arguments
+            kind, field = ("custom", "input") if d.custom else ("function", "arguments")
+            self.calls.append({"id": d.id, "type": kind, kind: {"name": d.name, field: ""}})
+            entries.append({"index": d.index, "id": d.id, "type": kind, kind: {"name": d.name}})
+        call = self.calls[d.index]
+        kind = call["type"]
+        field = "input" if kind == "custom" else "arguments"
+        call[kind][field] += d.arguments
         if not entries or entries[-1]["index"] != d.index:
-            entries.append({"index": d.index, "function": {}})
-        fn = entries[-1]["function"]
-        fn["arguments"] = fn.get("arguments", "") + d.arguments
+            entries.append({"index": d.index, kind: {}})
+        part = entries[-1][kind]
+        if d.arguments or field not in part:
+            part[field] = part.get(field, "") + d.arguments
 
     def message(self) -> dict[str, Any]:
         """The whole message: the fold of every delta."""

@@ -8,6 +8,9 @@ certain. Two formats, chosen from the checkpoint's chat template or `--tool-call
 - `json` (Qwen2.5, Qwen3): `<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>`. The name
   goes out once it is read; the arguments when the call closes.
 
+A custom tool's call (router/custom_tools.py) gives its `input` parameter's text instead, streamed
+as it comes (`ToolDelta.arguments` then carries the input, `custom` marks the call's start).
+
 Text outside calls passes through in order (`str` items). A call cut off (the output ended inside
 it) keeps what was sent: its name and the arguments so far; cut off before its name, the raw text
 passes through instead. A block that does not parse as a call passes through as text, whole.
@@ -18,9 +21,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from router.custom_tools import INPUT
 from router.parsers.held import first, safe_end
 from router.parsers.values import convert, is_text, param_schemas
 
@@ -33,9 +38,10 @@ class ToolDelta:
     """One piece of call `index`: its start (id and name set) or more of its arguments."""
 
     index: int
-    arguments: str = ""
+    arguments: str = ""  # a custom tool's call: its input's text
     id: str | None = None
     name: str | None = None
+    custom: bool = False
 
 
 Item = str | ToolDelta
@@ -51,8 +57,10 @@ def detect_format(template: str | None) -> ToolFormat | None:
 class ToolCallParser:
     """Calls in one choice's text (module docstring); `tools` gives the parameters' schemas."""
 
-    def __init__(self, fmt: ToolFormat, tools: list[dict[str, Any]] | None):
-        self.fmt, self.schemas = fmt, param_schemas(tools)
+    def __init__(self, fmt: ToolFormat, tools: list[dict[str, Any]] | None, customs: Collection[str] = ()):
+        self.fmt, self.schemas, self.customs = fmt, param_schemas(tools), frozenset(customs)
+        self.custom = False  # the current call is a custom tool's: only its input's text goes out
+        self.skip = False  # inside a custom call's parameter other than its input: nothing goes out
         self.buf = ""
         self.calls = 0  # calls started
         self.inside = False  # between <tool_call> and </tool_call>
@@ -100,8 +108,8 @@ class ToolCallParser:
         return s
 
     def _start(self, out: list[Item], name: str) -> None:
-        self.named = True
-        out.append(ToolDelta(self.calls, "", "call_" + uuid.uuid4().hex[:24], name))
+        self.named, self.custom = True, name in self.customs
+        out.append(ToolDelta(self.calls, "", "call_" + uuid.uuid4().hex[:24], name, self.custom))
         self.name = name
 
     def _end_call(self, out: list[Item]) -> bool:
@@ -151,7 +159,7 @@ class ToolCallParser:
                 return True
             if stripped.startswith("</function>"):
                 self._take(skip + len("</function>"))
-                out.append(ToolDelta(self.calls, "}" if self.params else "{}"))
+                self._close_args(out)
                 self.step = "end"
                 return True
             return self._give_up_or_wait(out, stripped, "<parameter=", "</function>")
@@ -170,7 +178,7 @@ class ToolCallParser:
             return False
         if self.named:  # its name and arguments so far were sent: close them; the rest is text
             if self.step != "end":
-                out.append(ToolDelta(self.calls, "}" if self.params else "{}"))
+                self._close_args(out)
             out.append(self.buf[:i])
             self.buf = self.buf[i + len(CALL_CLOSE) :]
         else:
@@ -178,7 +186,14 @@ class ToolCallParser:
             self.buf = self.buf[len(CALL_CLOSE) :]
         return self._end_call(out)
 
+    def _close_args(self, out: list[Item]) -> None:
+        if not self.custom:
+            out.append(ToolDelta(self.calls, "}" if self.params else "{}"))
+
     def _value_start(self, out: list[Item], key: str) -> None:
+        if self.custom:  # only the input's text goes out, as it is
+            self.key, self.text, self.skip = key, True, key != INPUT
+            return
         schema = self.schemas.get(self.name, {}).get(key)
         self.key, self.text = key, is_text(schema)
         head = ("{" if not self.params else ", ") + json.dumps(key, ensure_ascii=False) + ": "
@@ -186,10 +201,13 @@ class ToolCallParser:
         out.append(ToolDelta(self.calls, head + ('"' if self.text else "")))
 
     def _value_piece(self, out: list[Item], s: str) -> None:
-        if s:
-            out.append(ToolDelta(self.calls, json.dumps(s, ensure_ascii=False)[1:-1]))
+        if s and not (self.custom and self.skip):
+            out.append(ToolDelta(self.calls, s if self.custom else json.dumps(s, ensure_ascii=False)[1:-1]))
 
     def _value_end(self, out: list[Item], rest: str) -> None:
+        if self.custom:
+            self._value_piece(out, rest)
+            return
         if self.text:
             self._value_piece(out, rest)
             out.append(ToolDelta(self.calls, '"'))
@@ -215,6 +233,8 @@ class ToolCallParser:
         if isinstance(call, dict) and isinstance(call.get("name"), str):
             if not self.named:
                 self._start(out, call["name"])
+            if self.custom and isinstance(args, dict) and isinstance(args.get(INPUT), str):
+                args = args[INPUT]
             out.append(ToolDelta(self.calls, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
         elif self.named:  # named, but the block is not a call object: its text passes through
             out.append(body)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import hybrid_ckpt as hc
+from tests.helpers.front_door import start
 from tests.helpers.serve_harness import SPEC
 
 
@@ -12,3 +13,13 @@ from tests.helpers.serve_harness import SPEC
 def ckpt(tmp_path_factory):
     """A tiny Qwen3.5 checkpoint with a tokenizer (the serving tests' own)."""
     return hc.make(tmp_path_factory.mktemp("router") / "ckpt", SPEC)
+
+
+@pytest.fixture(scope="module")
+def door(ckpt):
+    """The front door (tests/helpers/front_door.py), one per test module."""
+    r, fake, srv, hb, port = start(ckpt, max_queued_requests=64)
+    yield r, fake, port
+    hb.stop()
+    r.stop(0)
+    srv.stop(0)

@@ -11,55 +11,15 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import random
 import socket
 import threading
 import time
 
 import pytest
 
-from proto import pb, rpc
-from serving.rpc import start_server
-from tests.helpers.fake_node import FakeDecode, decode_info, heartbeat
+from proto import pb
+from tests.helpers.front_door import CTX, post, start
 from tests.helpers.serve_harness import wait_for
-
-CTX = 512  # the fake node's max_model_len: text prompts longer than 16 x CTX characters are refused
-
-
-def _start(ckpt, ctx: int = CTX, **cfg):
-    from router.server import RouterConfig, serve
-
-    fake = FakeDecode([5, 6, 7], delay_s=0.02)
-    srv, nport, _ = start_server("127.0.0.1:0", lambda s: rpc.add_DecodeNodeServicer_to_server(fake, s), ["DecodeNode"])
-    r, port = serve(
-        "127.0.0.1:0",
-        RouterConfig(model=str(ckpt), heartbeat_interval_s=0.1, dead_after_s=1.0, http_port=0, **cfg),
-    )
-    hb = heartbeat(f"127.0.0.1:{port}", decode_info(f"127.0.0.1:{nport}", max_model_len=ctx, vocab_size=1024), 0.1)
-    wait_for(lambda: r.registry.live(pb.NODE_KIND_DECODE), 10, "the fake node registered")
-    return r, fake, srv, hb, port
-
-
-@pytest.fixture(scope="module")
-def door(ckpt):
-    r, fake, srv, hb, port = _start(ckpt, max_queued_requests=64)
-    yield r, fake, port
-    hb.stop()
-    r.stop(0)
-    srv.stop(0)
-
-
-def post(port: int, body: bytes, path: str = "/v1/completions", timeout: float = 60) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("POST", path, body, {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        raw = resp.read()
-        if resp.getheader("content-type", "").startswith("text/event-stream"):
-            return resp.status, {"events": raw.decode().split("\n\n")}
-        return resp.status, json.loads(raw) if raw else {}
-    finally:
-        conn.close()
 
 
 def _js(**kw) -> bytes:
@@ -153,113 +113,6 @@ def test_a_surrogate_pair_is_text(door):
     r, _, _ = door
     status, out = post(r.http_port, b'{"model": "m", "prompt": "\\ud83d\\ude00", "max_tokens": 1}')
     assert status == 200 and out["usage"]["prompt_tokens"] > 0, out
-
-
-NUMBERS = (0, -1, 1, 2**31, 2**63, 10**30, -(10**30), 0.5, -0.0, 1e308, float("inf"), float("nan"))
-OTHERS: tuple[object, ...] = (
-    None,
-    True,
-    "",
-    "x",
-    "\x00",
-    "é" * 3,
-    [],
-    [1],
-    [[1]],
-    ["a"],
-    [None],
-    {},
-    {"1": 1},
-    {"a": [1]},
-)
-FIELDS = """model prompt max_completion_tokens temperature top_p top_k min_p presence_penalty frequency_penalty
-    repetition_penalty seed num_speculative_tokens n best_of stop stop_token_ids stream stream_options logprobs
-    top_logprobs logit_bias echo suffix tools tool_choice response_format messages user cache_salt
-    reasoning_effort thinking_token_budget""".split()
-
-
-def _values(rng: random.Random) -> list:
-    return [*NUMBERS, *OTHERS, rng.choice(["\\ud800", "NaN"]), [rng.randrange(-5, 2**33) for _ in range(3)]]
-
-
-def test_no_field_value_gets_a_500(door):
-    """Every field of a small valid body, in turn, set to each value of a table of JSON values of
-    every type and edge (both routes, max_tokens kept at 1 so that a valid body is quick)."""
-    r, _, _ = door
-    rng = random.Random(0)
-    seen = {}
-    for path, base in (
-        ("/v1/completions", {"model": "m", "prompt": [1, 2], "max_tokens": 1}),
-        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
-    ):
-        for f in FIELDS:
-            for v in _values(rng):
-                body = json.dumps({**base, f: v}, allow_nan=True).replace('"\\\\ud800"', '"\\ud800"').encode()
-                status, out = post(r.http_port, body, path)
-                seen[status] = seen.get(status, 0) + 1
-                assert status in (200, 400, 404), (path, f, v, status, out)
-                if status != 200:
-                    assert out["error"]["message"] and "internal" not in out["error"]["message"], (f, v, out)
-    assert seen.get(200) and seen.get(400), seen
-    wait_for(lambda: r.service.active == 0, 10, "nothing in flight")
-
-
-MESSAGES_FIELDS = """model max_tokens messages system stop_sequences stream temperature top_p top_k tools
-    tool_choice thinking output_config output_format metadata cache_salt logit_bias mcp_servers""".split()
-BLOCK_KEYS = "type text source tool_use_id content id name input thinking".split()
-
-
-def test_no_messages_value_gets_a_500(door):
-    """The same for Anthropic's /v1/messages (and count_tokens): every top-level field, and every
-    key of a user's and an assistant's content block, set to each value of the table."""
-    r, _, _ = door
-    rng = random.Random(1)
-    seen: dict[int, int] = {}
-    base = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
-    bodies = [{**base, f: v} for f in MESSAGES_FIELDS for v in _values(rng)]
-    bodies += [{**base, "thinking": {"type": "enabled", "budget_tokens": v}} for v in _values(rng)]
-    for role in ("user", "assistant"):
-        for k in BLOCK_KEYS:
-            for v in _values(rng):
-                turn = {"role": role, "content": [{"type": "text", "text": "hi", k: v}]}
-                bodies.append({**base, "messages": [*base["messages"], turn] if role == "assistant" else [turn]})
-    for i, b in enumerate(bodies):
-        path = "/v1/messages/count_tokens" if i % 5 == 0 else "/v1/messages"
-        body = json.dumps(b, allow_nan=True).replace('"\\\\ud800"', '"\\ud800"').encode()
-        status, out = post(r.http_port, body, path)
-        seen[status] = seen.get(status, 0) + 1
-        assert status in (200, 400, 404), (path, b, status, out)
-        if status != 200:
-            assert out["type"] == "error" and out["error"]["message"], (b, out)
-            assert "internal" not in out["error"]["message"], (b, out)
-    assert seen.get(200) and seen.get(400), seen
-    wait_for(lambda: r.service.active == 0, 10, "nothing in flight")
-
-
-RESPONSES_FIELDS = """model input instructions tools tool_choice parallel_tool_calls max_output_tokens
-    temperature top_p stream text reasoning previous_response_id metadata seed top_k logit_bias""".split()
-ITEM_KEYS = "type role content call_id name arguments output summary".split()
-
-
-def test_no_responses_value_gets_a_500(door):
-    """The same for /v1/responses: every top-level field, and every key of an input item."""
-    r, _, _ = door
-    rng = random.Random(2)
-    seen: dict[int, int] = {}
-    base = {"model": "m", "max_output_tokens": 1, "input": "hi"}
-    bodies = [{**base, f: v} for f in RESPONSES_FIELDS for v in _values(rng)]
-    for k in ITEM_KEYS:
-        for v in _values(rng):
-            bodies.append({**base, "input": [{"type": "message", "role": "user", "content": "hi", k: v}]})
-    for b in bodies:
-        body = json.dumps(b, allow_nan=True).replace('"\\\\ud800"', '"\\ud800"').encode()
-        status, out = post(r.http_port, body, "/v1/responses")
-        seen[status] = seen.get(status, 0) + 1
-        assert status in (200, 400, 404), (b, status, out)
-        if status != 200:
-            assert out["error"]["message"] and "internal" not in out["error"]["message"], (b, out)
-    assert seen.get(200) and seen.get(400), seen
-    wait_for(lambda: r.service.active == 0, 10, "nothing in flight")
 
 
 def test_unknown_fields_are_logged_once(door, caplog):
@@ -383,7 +236,7 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(ckpt):
     from engine.tokenizer import Tokenizer
     from router.text import INLINE_CHARS
 
-    r, fake, srv, hb, _ = _start(ckpt, ctx=10**6, max_prompt_chars=2 << 20)
+    r, fake, srv, hb, _ = start(ckpt, ctx=10**6, max_prompt_chars=2 << 20)
     try:
         long_text = "hello world, how are you? " * 40_000
         assert len(long_text) > 100 * INLINE_CHARS
@@ -413,7 +266,7 @@ def test_the_largest_documented_request_fits_an_idle_router(ckpt):
     """64 prompts x n = 16: 1,024 sequences, with the default admission queue."""
     from router.openai_models import MAX_BATCH, MAX_N
 
-    r, fake, srv, hb, _ = _start(ckpt)
+    r, fake, srv, hb, _ = start(ckpt)
     fake.delay_s = 0.001
     try:
         status, out = post(r.http_port, _js(prompt=[[1, 2]] * MAX_BATCH, n=MAX_N), timeout=300)
@@ -454,7 +307,7 @@ def test_served_model_names_are_the_names_clients_call(ckpt):
     default name of a Hugging Face cache snapshot is its ORG/NAME."""
     from router.model_names import model_id
 
-    r, fake, srv, hb, _ = _start(ckpt, served_model_name=("Qwen/Qwen3.5-35B-A3B", "qwen"))
+    r, fake, srv, hb, _ = start(ckpt, served_model_name=("Qwen/Qwen3.5-35B-A3B", "qwen"))
     port = r.http_port
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)

@@ -3,7 +3,9 @@
 (reasoning item = reasoning_content, message = content, function_call = tool call), streamed
 events assemble to the same items, function_call / function_call_output input items render as
 transformers renders the equivalent chat messages, `tool_choice` required gives a call valid
-under the schema, and previous_response_id and image parts are 400s naming them."""
+under the schema, and previous_response_id and image parts are 400s naming them; custom tools
+(chat and Responses) give calls whose input is in the tool's grammar (checked with `re`), streamed
+the same, and a custom call sent back renders as transformers renders the equivalent function call."""
 
 from __future__ import annotations
 
@@ -146,3 +148,94 @@ def test_refusals_name_the_parameter(oai, model):
         with pytest.raises(openai.BadRequestError) as e:
             oai.responses.create(model=model, max_output_tokens=2, **kw)
         assert e.value.body["param"] == param
+
+
+# ---- custom tools (router/custom_tools.py): input text in the tool's own grammar ----------------
+PATCH_RE = r"(add|del) [a-z]{1,8}\.py"  # the language of both grammars below, checked with `re`
+LARK = 'start: op " " name ".py"\nop: "add" | "del"\nname: /[a-z]{1,8}/'
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_custom_tool_call_on_chat_follows_its_grammar(oai, model, sampled):
+    import re
+
+    tool = {
+        "type": "custom",
+        "custom": {
+            "name": "apply_patch",
+            "description": "Edit files",
+            "format": {"type": "grammar", "grammar": {"syntax": "regex", "definition": PATCH_RE}},
+        },
+    }
+    sampling = dict(temperature=1.0, top_p=0.95, seed=7) if sampled else dict(temperature=0.0)
+    kw = dict(
+        model=model,
+        messages=[{"role": "user", "content": "Patch it"}],
+        tools=[tool, CHAT_TOOL],
+        tool_choice={"type": "custom", "custom": {"name": "apply_patch"}},
+        max_tokens=200,
+        extra_body=NO_THINK,
+        **sampling,
+    )
+    c = oai.chat.completions.create(**kw).choices[0]
+    (call,) = c.message.tool_calls
+    assert c.finish_reason == "tool_calls" and call.type == "custom" and call.custom.name == "apply_patch"
+    assert re.fullmatch(PATCH_RE, call.custom.input), call.custom.input
+    pieces, fin = {}, None
+    for ch in oai.chat.completions.create(stream=True, **kw):
+        for ci in ch.choices:
+            for tc in ci.delta.tool_calls or ():
+                part = (tc.model_extra or {})["custom"]
+                got = pieces.setdefault(tc.index, {"name": "", "input": ""})
+                got["name"] += part.get("name", "")
+                got["input"] += part.get("input", "")
+            fin = ci.finish_reason or fin
+    assert fin == "tool_calls" and pieces == {0: {"name": "apply_patch", "input": call.custom.input}}
+
+
+def test_custom_tool_call_items(oai, model, hf):
+    import re
+
+    tool = {
+        "type": "custom",
+        "name": "apply_patch",
+        "description": "Edit files",
+        "format": {"type": "grammar", "syntax": "lark", "definition": LARK},
+    }
+    kw = dict(
+        model=model,
+        input="Patch it",
+        tools=[tool, TOOL],
+        tool_choice={"type": "custom", "name": "apply_patch"},
+        temperature=0.0,
+        max_output_tokens=200,
+        extra_body=NO_THINK,
+    )
+    r = oai.responses.create(**kw)
+    (call,) = [it for it in r.output if it.type == "custom_tool_call"]
+    assert call.name == "apply_patch" and re.fullmatch(PATCH_RE, call.input), call.input
+    items, final, kinds = _streamed(oai, **kw)
+    assert _plain(items) == _plain(r.output) and kinds[-1] == "response.completed"
+    assert {"response.custom_tool_call_input.delta", "response.custom_tool_call_input.done"} <= set(kinds)
+    # the call and its output sent back render as the template renders the equivalent function call
+    history = [
+        {"role": "user", "content": "Patch it"},
+        {"type": "custom_tool_call", "call_id": "call_1", "name": "apply_patch", "input": call.input},
+        {"type": "custom_tool_call_output", "call_id": "call_1", "output": "done"},
+    ]
+    r2 = oai.responses.create(model=model, input=history, tools=[tool], temperature=0.0, max_output_tokens=2)
+    fn = {"name": "apply_patch", "arguments": {"input": call.input}}
+    msgs = [
+        {"role": "user", "content": "Patch it"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": fn}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "done"},
+    ]
+    note = f"\n\nThe input is text of this lark grammar:\n{LARK}"
+    params = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
+    as_fn = {
+        "type": "function",
+        "function": {"name": "apply_patch", "description": "Edit files" + note, "parameters": params},
+    }
+    want = hf.apply_chat_template(msgs, tools=[as_fn], add_generation_prompt=True, tokenize=False)
+    assert r2.usage.input_tokens == len(hf.encode(want, add_special_tokens=False))

@@ -1,0 +1,193 @@
+"""OpenAI's custom tools (router/custom_tools.py) on the router tests' checkpoint's Qwen3.5-shaped template:
+the prompt is transformers' rendering of the same tool as a function of one string `input` (and of
+a custom call in the history as that function's call); a forced call's grammar accepts a call whose
+input is in the tool's own grammar and refuses one that is not (llguidance on the checkpoint's
+tokenizer, the language checked independently with Python's `re`); the parser gives the input back
+as `{"type": "custom", "custom": {"name", "input"}}`, streamed pieces folding to the whole; bad
+formats are a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from engine.tokenizer import Tokenizer
+from router.openai_chat import ChatFront
+from router.openai_models import ApiError, ChatRequest
+from router.parsers.output import ChatOutput
+
+PATCH_RE = r"(add|del) [a-z]{1,8}\.py"
+LARK = 'start: op " " name ".py"\nop: "add" | "del"\nname: /[a-z]{1,8}/'
+USER = [{"role": "user", "content": "patch it"}]
+
+
+def custom(syntax: str | None, name: str = "apply_patch") -> dict:
+    fmt = {"type": "text"} if syntax is None else {"type": "grammar", "grammar": {"syntax": syntax, "definition": ""}}
+    if syntax is not None:
+        fmt["grammar"]["definition"] = PATCH_RE if syntax == "regex" else LARK
+    return {"type": "custom", "custom": {"name": name, "description": "Edit files", "format": fmt}}
+
+
+def as_function(tool: dict) -> dict:
+    """What the template must see, written out independently of the code under test."""
+    fmt = tool["custom"]["format"]
+    note = ""
+    if fmt["type"] == "grammar":
+        g = fmt["grammar"]
+        note = f"\n\nThe input is text of this {g['syntax']} grammar:\n{g['definition']}"
+    params = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
+    fn = {"name": tool["custom"]["name"], "description": tool["custom"]["description"] + note, "parameters": params}
+    return {"type": "function", "function": fn}
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ckpt)
+
+
+@pytest.fixture(scope="module")
+def front(ckpt):
+    return ChatFront(Tokenizer(ckpt))
+
+
+def req(**kw) -> ChatRequest:
+    return ChatRequest.model_validate({"model": "m", "messages": USER, **kw})
+
+
+@pytest.mark.parametrize("syntax", [None, "regex", "lark"])
+def test_prompt_is_the_function_rendering(front, hf, syntax):
+    tool = custom(syntax)
+    history = [
+        *USER,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "custom", "custom": {"name": "apply_patch", "input": "add a.py"}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "done"},
+    ]
+    want_history = [
+        *USER,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "apply_patch", "arguments": {"input": "add a.py"}},
+                }
+            ],
+        },
+        history[2],
+    ]
+    got = front.prepare(ChatRequest.model_validate({"model": "m", "messages": history, "tools": [tool]}))
+    want = hf.apply_chat_template(want_history, tools=[as_function(tool)], add_generation_prompt=True, tokenize=False)
+    assert got.prompt == want
+
+
+def _call_text(hf, name: str, value: str) -> str:
+    """A call as the template itself renders it (transformers), cut out of the conversation."""
+    prefix = hf.apply_chat_template(USER, tokenize=False)
+    call = {"id": "c", "type": "function", "function": {"name": name, "arguments": {"input": value}}}
+    full = hf.apply_chat_template([*USER, {"role": "assistant", "content": None, "tool_calls": [call]}], tokenize=False)
+    return full[len(prefix) :].removeprefix("<|im_start|>assistant\n").removesuffix("<|im_end|>\n")
+
+
+@pytest.mark.parametrize("syntax", ["regex", "lark"])
+def test_forced_call_follows_the_tools_grammar(front, hf, syntax):
+    import llguidance
+    import llguidance.hf
+
+    choice = {"type": "custom", "custom": {"name": "apply_patch"}}
+    other = {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}
+    p = front.prepare(req(tools=[other, custom(syntax)], tool_choice=choice))
+    lt = llguidance.hf.from_tokenizer(hf)
+
+    def accepts(s: str) -> bool:
+        m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_lark(p.constraint.grammar), log_level=0)
+        return m.consume_tokens(hf.encode(s, add_special_tokens=False)) and m.is_accepting()
+
+    for value in ("add main.py", "del x.py", "add main.js", "mv a.py", "add toolongname.py"):
+        assert accepts(_call_text(hf, "apply_patch", value)) == bool(re.fullmatch(PATCH_RE, value)), value
+    assert not accepts(_call_text(hf, "noop", "add a.py"))  # the named tool only
+
+
+@pytest.mark.parametrize("pieces", [1, 3, 7])
+def test_parsed_call_is_the_input(front, hf, pieces):
+    value = 'line one\n  "quoted" <b> \\ back'
+    text = "</think>\n\nok" + _call_text(hf, "apply_patch", value)  # the prompt leaves a think block open
+    other = {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}
+    p = front.prepare(req(tools=[custom(None), other]))
+    out: ChatOutput = p.output()
+    step = max(1, len(text) // pieces)
+    deltas = [out.push(text[i : i + step]) for i in range(0, len(text), step)] + [out.push("", final=True)]
+    msg = out.message()
+    (call,) = msg["tool_calls"]
+    assert call["type"] == "custom" and call["custom"] == {"name": "apply_patch", "input": value}
+    assert msg["content"] == "ok"
+    streamed = [tc for d in deltas for tc in d.get("tool_calls", ())]
+    assert streamed[0]["type"] == "custom" and streamed[0]["custom"]["name"] == "apply_patch"
+    assert "".join(tc["custom"].get("input", "") for tc in streamed) == value
+    # a function call beside it stays a function call with JSON arguments
+    out2: ChatOutput = p.output()
+    out2.push("</think>" + _call_text(hf, "apply_patch", "x") + "\n" + _call_text(hf, "noop", "y"), final=True)
+    kinds = [(c["type"], c.get("function", c.get("custom"))) for c in out2.message()["tool_calls"]]
+    assert kinds[0] == ("custom", {"name": "apply_patch", "input": "x"})
+    assert kinds[1][0] == "function" and json.loads(kinds[1][1]["arguments"]) == {"input": "y"}
+
+
+@pytest.mark.parametrize(
+    "tool, param",
+    [
+        ({"type": "custom", "custom": {}}, "tools[0]"),
+        ({"type": "custom", "custom": {"name": "t", "format": {"type": "yaml"}}}, "tools[0].custom.format"),
+        (
+            {"type": "custom", "custom": {"name": "t", "format": {"type": "grammar", "grammar": {"syntax": "peg"}}}},
+            "tools[0].custom.format",
+        ),
+        (
+            {
+                "type": "custom",
+                "custom": {
+                    "name": "t",
+                    "format": {"type": "grammar", "grammar": {"syntax": "lark", "definition": "x"}},
+                },
+            },
+            "tools[0].custom.format",
+        ),
+        (
+            {
+                "type": "custom",
+                "custom": {
+                    "name": "t",
+                    "format": {"type": "grammar", "grammar": {"syntax": "regex", "definition": "("}},
+                },
+            },
+            "tools[0].custom.format",
+        ),
+    ],
+)
+def test_bad_custom_tools_are_a_400_naming_the_field(front, tool, param):
+    with pytest.raises(ApiError) as e:
+        front.prepare(req(tools=[tool]))
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+
+
+def test_choice_naming_a_missing_custom_tool(front):
+    with pytest.raises(ApiError) as e:
+        front.prepare(req(tools=[custom(None)], tool_choice={"type": "custom", "custom": {"name": "nope"}}))
+    assert e.value.param == "tool_choice"
+
+
+def test_grammar_needs_the_xml_call_format(ckpt):
+    front = ChatFront(Tokenizer(ckpt), tool_format="json")
+    choice = {"type": "custom", "custom": {"name": "apply_patch"}}
+    with pytest.raises(ApiError) as e:
+        front.prepare(req(tools=[custom("regex")], tool_choice=choice))
+    assert "XML call format" in e.value.message
+    assert front.prepare(req(tools=[custom(None)], tool_choice=choice)).constraint is not None
