@@ -10,7 +10,9 @@ tool's parameter schema: in the XML format a string parameter is text without `<
 of its strings, any other a JSON value of its schema (`%json`); required parameters in the
 schema's order, optional ones may follow in that order; a custom tool's `input` follows its own
 Lark or regex grammar (router/custom_tools.py); the other constraints (`response_format` and the
-like) exclude them. With the template's think block open in the prompt the
+like) exclude them. Under `auto`, when a function tool is `strict: true` or a custom tool has a
+grammar, the output is free text (no special tokens) then optionally calls under the same
+grammar, unless another constraint is set. With the template's think block open in the prompt the
 constraint starts after `</think>` (`start_after_token`), so the reasoning stays free."""
 
 from __future__ import annotations
@@ -103,7 +105,19 @@ def plan(
                 raise bad(f"'tool_choice' names {named!r}, which is not in 'tools'", "tool_choice")
         many = named is None and req.parallel_tool_calls is not False
         constraint = pb.Constraint(grammar=call_grammar(fmt, fns, many, customs))
+    elif constraint is None and _strict(tools, customs):  # auto: text, then calls that follow their schemas
+        many = req.parallel_tool_calls is not False
+        fns = [t["function"] for t in tools]
+        constraint = pb.Constraint(grammar=call_grammar(fmt, fns, many, customs, text_first=True))
     return ToolPlan(True, _start(constraint, think_close))
+
+
+def _strict(tools: list[dict[str, Any]], customs: dict[str, CustomTool] | None) -> bool:
+    """A function tool marked `strict: true`, or a custom tool with a grammar: under `auto`, calls
+    are constrained too."""
+    return any(t["function"].get("strict") is True for t in tools) or any(
+        c.syntax is not None for c in (customs or {}).values()
+    )
 
 
 def _start(c: pb.Constraint | None, think_close: int | None) -> pb.Constraint | None:
@@ -125,11 +139,17 @@ _TEXT = r"/([^<]|<[^\/]){%s}\n<\/parameter>\n/"  # a string value: no "</" insid
 
 
 def call_grammar(
-    fmt: ToolFormat, fns: list[dict[str, Any]], many: bool, customs: dict[str, CustomTool] | None = None
+    fmt: ToolFormat,
+    fns: list[dict[str, Any]],
+    many: bool,
+    customs: dict[str, CustomTool] | None = None,
+    text_first: bool = False,
 ) -> str:
     """A Lark grammar of one call (`many`: one or more, a newline apart) of any of `fns`; a custom
-    tool's `input` follows its own grammar."""
-    rules = ["start: call" + (' ("\\n" call)*' if many else "")]
+    tool's `input` follows its own grammar. `text_first`: free text (no special tokens), then
+    optionally the calls (`auto` with strict tools)."""
+    calls = "call" + (' ("\\n" call)*' if many else "")
+    rules = [f"start: text ({calls})?\ntext: /(?s:.*)/" if text_first else f"start: {calls}"]
     rules.append('call: <tool_call> "\\n" (' + " | ".join(f"fn{i}" for i in range(len(fns))) + ") </tool_call>")
     for i, f in enumerate(fns):
         params = f.get("parameters") or {}

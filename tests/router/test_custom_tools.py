@@ -4,7 +4,8 @@ a custom call in the history as that function's call); a forced call's grammar a
 input is in the tool's own grammar and refuses one that is not (llguidance on the checkpoint's
 tokenizer, the language checked independently with Python's `re`); the parser gives the input back
 as `{"type": "custom", "custom": {"name", "input"}}`, streamed pieces folding to the whole; bad
-formats are a 400 naming the field."""
+formats are a 400 naming the field; under `auto`, a strict function tool or a custom tool's
+grammar constrains the calls after free text."""
 
 from __future__ import annotations
 
@@ -191,3 +192,47 @@ def test_grammar_needs_the_xml_call_format(ckpt):
         front.prepare(req(tools=[custom("regex")], tool_choice=choice))
     assert "XML call format" in e.value.message
     assert front.prepare(req(tools=[custom(None)], tool_choice=choice)).constraint is not None
+
+
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"]},
+    },
+}
+
+
+def _fn_call_text(hf, args: dict) -> str:
+    prefix = hf.apply_chat_template(USER, tokenize=False)
+    call = {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": args}}
+    full = hf.apply_chat_template([*USER, {"role": "assistant", "content": None, "tool_calls": [call]}], tokenize=False)
+    return full[len(prefix) :].removeprefix("<|im_start|>assistant\n").removesuffix("<|im_end|>\n")
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_with_strict_tools_constrains_the_calls_only(front, hf, parallel):
+    """`auto` with a strict function tool (or a custom tool with a grammar): free text, then calls
+    that follow their schemas; without one, or with a response format, as before."""
+    import llguidance
+    import llguidance.hf
+
+    strict = {"type": "function", "function": dict(TIME["function"], strict=True)}
+    think_off = {"chat_template_kwargs": {"enable_thinking": False}}
+    lt = llguidance.hf.from_tokenizer(hf)
+
+    def accepts(grammar: str, s: str) -> bool:
+        m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+        return m.consume_tokens(hf.encode(s, add_special_tokens=False)) and m.is_accepting()
+
+    ok, bad = _fn_call_text(hf, {"utc": True}), _fn_call_text(hf, {"utc": "maybe"})
+    for tools in ([strict], [TIME, custom("regex")]):
+        g = front.prepare(req(tools=tools, parallel_tool_calls=parallel, **think_off)).constraint.grammar
+        assert accepts(g, "Just text, no call.") and accepts(g, "Let me check.\n\n" + ok)
+        assert not accepts(g, "Let me check.\n\n" + bad)
+        assert not accepts(g, ok + "\nand text after it")
+        assert accepts(g, ok + "\n" + ok) == parallel
+    assert front.prepare(req(tools=[TIME], **think_off)).constraint is None
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    assert front.prepare(req(tools=[strict], response_format=fmt, **think_off)).constraint.json_schema
+    assert front.prepare(req(tools=[strict], tool_choice="none", **think_off)).constraint is None

@@ -5,7 +5,8 @@ events assemble to the same items, function_call / function_call_output input it
 transformers renders the equivalent chat messages, `tool_choice` required gives a call valid
 under the schema, and previous_response_id and image parts are 400s naming them; custom tools
 (chat and Responses) give calls whose input is in the tool's grammar (checked with `re`), streamed
-the same, and a custom call sent back renders as transformers renders the equivalent function call."""
+the same, and a custom call sent back renders as transformers renders the equivalent function call;
+tool_choice auto with a strict tool gives calls whose arguments validate."""
 
 from __future__ import annotations
 
@@ -239,3 +240,30 @@ def test_custom_tool_call_items(oai, model, hf):
     }
     want = hf.apply_chat_template(msgs, tools=[as_fn], add_generation_prompt=True, tokenize=False)
     assert r2.usage.input_tokens == len(hf.encode(want, add_special_tokens=False))
+
+
+def test_auto_with_a_strict_tool_gives_calls_that_follow_the_schema(oai, model, hf):
+    """tool_choice auto with a `strict: true` tool: text, then calls whose arguments validate (the
+    random model is pushed towards `<tool_call>` by a logit bias; sampled, several seeds)."""
+    import jsonschema
+
+    strict = {"type": "function", "function": dict(CHAT_TOOL["function"], strict=True)}
+    bias = {str(hf.convert_tokens_to_ids("<tool_call>")): 6}
+    calls = 0
+    for seed in range(4):
+        c = oai.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Time?"}],
+            tools=[strict],
+            temperature=1.0,
+            seed=seed,
+            max_tokens=200,
+            logit_bias=bias,
+            extra_body=NO_THINK,
+        ).choices[0]
+        for call in c.message.tool_calls or ():
+            calls += 1
+            assert call.function.name == "get_time"
+            jsonschema.validate(json.loads(call.function.arguments), TOOL["parameters"])
+        assert c.finish_reason in ("tool_calls", "length", "stop"), c
+    assert calls
