@@ -3,7 +3,8 @@ tools (`required`, `auto`), JSON schemas, `n` > 1, logprobs, streams with usage,
 client disconnects mid-stream, agents' multi-turn loops with tool results, vLLM's fields
 (`structured_outputs` choice, `return_token_ids`, `skip_special_tokens`; checked), Anthropic's
 `/v1/messages` streamed with a required tool call (its events and the call's input checked),
-`thinking_token_budget` (the reasoning tokens checked against it),
+`thinking_token_budget` (the reasoning tokens checked against it), `auto` with a strict tool and
+a custom tool's grammar (their calls checked against the schema and the regex),
 thinking on and off,
 sampled and greedy, prompts from a few tokens to past `--max-model-len` sharing long system
 prefixes, and images when the checkpoint takes them.
@@ -58,6 +59,33 @@ SCHEMA = {
 
 
 CHOICES = ["alpha", "beta gamma", "delta"]
+STRICT = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]  # type: ignore[dict-item]
+PATCH = r"(add|del) [a-z]{1,8}\.py"
+CUSTOM = [
+    {
+        "type": "custom",
+        "custom": {"name": "patch", "format": {"type": "grammar", "grammar": {"syntax": "regex", "definition": PATCH}}},
+    }
+]
+
+
+def _calls_kept(kind: str, code: int, text: str) -> tuple[int, str]:
+    """A strict-auto call whose arguments miss the schema, or a custom call whose input is not in
+    its grammar, as a 5xx, so the run fails."""
+    if code != 200:
+        return code, text
+    for c in json.loads(text)["choices"]:
+        if c["finish_reason"] == "length":
+            continue  # a call cut off is incomplete by right
+        for call in c["message"].get("tool_calls") or ():
+            if kind == "custom-tool":
+                if call["type"] != "custom" or not re.fullmatch(PATCH, call["custom"]["input"]):
+                    return 599, "custom tool input outside its grammar: " + json.dumps(call)[:300]
+                continue
+            args = json.loads(call["function"]["arguments"])
+            if not isinstance(args.get("cmd"), str) or not isinstance(args.get("n"), int):
+                return 599, "strict tool call misses its schema: " + json.dumps(call)[:300]
+    return code, text
 
 
 def _checked(code: int, text: str) -> tuple[int, str]:
@@ -243,7 +271,9 @@ def _request(
             dict(structured_outputs={"choice": CHOICES}, return_token_ids=True, skip_special_tokens=False),
         ),
         (0.91, "anthropic", {}),
-        (0.96, "think-budget", dict(thinking_token_budget=rnd.randint(0, 40), max_tokens=rnd.randint(40, 160))),
+        (0.94, "think-budget", dict(thinking_token_budget=rnd.randint(0, 40), max_tokens=rnd.randint(40, 160))),
+        (0.965, "strict-auto", dict(tools=STRICT, max_tokens=rnd.randint(60, 200))),
+        (0.985, "custom-tool", dict(tools=CUSTOM, tool_choice="required", max_tokens=200)),
     ]
     for upto, kind, extra in kinds:
         if q < upto:
@@ -318,6 +348,8 @@ def main() -> int:
                 code, text = _post(base, "/chat/completions", body, 900)
             if kind == "vllm-fields":
                 code, text = _checked(code, text)
+            if kind in ("strict-auto", "custom-tool"):
+                code, text = _calls_kept(kind, code, text)
             if kind == "think-budget" and code == 200:
                 used = (json.loads(text)["usage"].get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
                 if used > body["thinking_token_budget"] + 1:  # type: ignore[operator]

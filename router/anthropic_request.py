@@ -5,7 +5,7 @@ request they mean, served by the chat path (router/openai_chat.py) as one choice
   blocks -> `tool` messages (in their order, before the message's text and images); `image`
   blocks (`base64` or `url` sources) -> image parts; an assistant's `thinking` -> its
   `reasoning_content`, `tool_use` -> its `tool_calls` (`input` as the arguments' JSON);
-- `tools` (`name`, `description`, `input_schema`) -> function tools; `tool_choice` `auto`, `any`
+- `tools` (`name`, `description`, `input_schema`, `strict`) -> function tools; `tool_choice` `auto`, `any`
   (-> `required`), `tool` (-> named), `none`; `disable_parallel_tool_use` -> `parallel_tool_calls`;
 - `thinking` `enabled` / `disabled` -> the template's `enable_thinking` (unset: the template's
   default); `stop_sequences` -> `stop`; `output_config.format` (or the earlier `output_format`)
@@ -201,6 +201,8 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
+        if t.get("strict") is True:  # structured outputs: under `auto` too, its calls follow the schema
+            fn["strict"] = True
         out.append({"type": "function", "function": fn})
     return out
 

@@ -1,7 +1,7 @@
-"""Anthropic's `output_config.effort` reaches the chat template as OpenAI's `reasoning_effort`
-(router/anthropic_request.py): a template that reads it renders what transformers'
-`apply_chat_template` renders with that keyword; a value outside low / medium / high is a 400
-naming the field."""
+"""Anthropic request fields mapped onto chat's (router/anthropic_request.py): `output_config.effort`
+reaches the chat template as OpenAI's `reasoning_effort` (a template that reads it renders what
+transformers' `apply_chat_template` renders with that keyword; a value outside low / medium / high
+is a 400 naming the field); a tool's `strict: true` is chat's strict tool."""
 
 from __future__ import annotations
 
@@ -45,3 +45,17 @@ def test_unknown_effort_is_a_400_naming_it(effort):
     with pytest.raises(ApiError) as ei:
         to_chat(_body(output_config={"effort": effort}))
     assert ei.value.status == 400 and ei.value.param == "output_config.effort", ei.value
+
+
+def test_strict_tools_are_chat_strict_tools():
+    """A tool's `strict: true` (Anthropic's structured outputs) is chat's: under `auto`, the
+    calls are constrained (router/tool_choice.py); without it, as before."""
+    from router.tool_choice import plan
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    for strict in (True, None):
+        tool = {"name": "t", "input_schema": schema} | ({"strict": strict} if strict else {})
+        chat = to_chat(_body(tools=[tool]))
+        assert chat.tools[0]["function"].get("strict") is strict
+        c = plan(chat, "xml", None).constraint
+        assert (c is not None and c.grammar.startswith("start: text")) == bool(strict)
