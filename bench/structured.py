@@ -2,9 +2,11 @@
 (`mask`), and constrained vs unconstrained decode throughput of the offline engine (`throughput`).
 
     python bench/structured.py mask [--engines llguidance,xgrammar] [--reps 3] [--max-length]
+    python bench/structured.py calls [--reps 3]
     python bench/structured.py throughput [--batch 16] [--new-tokens 64] [--reps 3] [--device cpu] [--sampled]
         [--layers 2] [--hidden 256] [--max-length]
 
+`calls`: the grammar of `tool_choice: auto` with a strict tool, over free text then a call.
 `mask` walks a JSON document (a list of records under a schema with strings, enums, integers,
 booleans and nested arrays) token by token through each engine's matcher: at each token, one
 bitmask over 151,936 ids and the token's consumption, timed together; the tokens are chosen
@@ -159,6 +161,52 @@ def mask_main(args) -> None:
             )
 
 
+CALL_TEXT = "Let me run that for you now, it takes a second. " * 4
+CALL = (
+    "<tool_call>\n<function=run>\n<parameter=cmd>\nls -la /tmp\n</parameter>\n<parameter=n>\n3\n</parameter>\n"
+    "</function>\n</tool_call>"
+)
+
+
+def calls_main(args) -> None:
+    """The grammar of `tool_choice: auto` with a strict tool (router/tool_choice.py): free text,
+    then a call under its schema; mask + consume per token over the vocabulary with Qwen's call
+    tokens added as special tokens (ids 151,936 and 151,937)."""
+    import llguidance
+    import torch
+    from tokenizers import Tokenizer
+
+    from router.tool_choice import call_grammar
+
+    with tempfile.TemporaryDirectory() as d:
+        tok = Tokenizer.from_file(str(write_tokenizer(Path(d)) / "tokenizer.json"))
+        tok.add_special_tokens(["<tool_call>", "</tool_call>"])
+        n = tok.get_vocab_size()
+        lt = llguidance.LLTokenizer(tok.to_str(), n_vocab=n, eos_token=[0])
+    props = {"cmd": {"type": "string"}, "n": {"type": "integer"}}
+    fn = {"name": "run", "parameters": {"type": "object", "properties": props, "required": ["cmd", "n"]}}
+    grammar = llguidance.LLMatcher.grammar_from_lark(call_grammar("xml", [fn], True, text_first=True))
+    ids = tok.encode(CALL_TEXT + CALL, add_special_tokens=False).ids
+    k = len(tok.encode(CALL_TEXT, add_special_tokens=False).ids)
+    bm = torch.empty((1, (n + 31) // 32), dtype=torch.int32)
+    text_us: list[float] = []
+    call_us: list[float] = []
+    for _ in range(args.reps):
+        m = llguidance.LLMatcher(lt, grammar, log_level=0)
+        for i, t in enumerate(ids):
+            s = time.perf_counter()
+            m.unsafe_compute_mask_ptr(bm.data_ptr(), bm.numel() * 4)
+            assert m.consume_token(t), m.get_error()
+            (text_us if i < k else call_us).append((time.perf_counter() - s) * 1e6)
+        assert m.is_accepting()
+    print(f"auto with a strict tool: {k} text tokens, then a call of {len(ids) - k}; vocabulary {n:,}")
+    for name, us in (("text", text_us), ("call", call_us)):
+        us.sort()
+        print(
+            f"  {name}: mask + consume per token p50 {us[len(us) // 2]:.1f} us, p90 {us[int(0.9 * len(us))]:.1f}, max {us[-1]:.0f}"
+        )
+
+
 def throughput_main(args) -> None:
     from engine import LLM, SamplingParams  # first: the engine sets OpenMP's policy before torch loads
     from engine.tiny_model import TinyModelSpec, make_tiny_model
@@ -214,6 +262,8 @@ def main() -> None:
     m = sub.add_parser("mask")
     m.add_argument("--engines", default="llguidance,xgrammar")
     m.add_argument("--reps", type=int, default=3)
+    c = sub.add_parser("calls")
+    c.add_argument("--reps", type=int, default=3)
     t = sub.add_parser("throughput")
     t.add_argument("--batch", type=int, default=16)
     t.add_argument("--new-tokens", type=int, default=64)
@@ -225,7 +275,7 @@ def main() -> None:
     t.add_argument("--layers", type=int, default=2)
     t.add_argument("--hidden", type=int, default=256)
     args = ap.parse_args()
-    (mask_main if args.cmd == "mask" else throughput_main)(args)
+    {"mask": mask_main, "calls": calls_main, "throughput": throughput_main}[args.cmd](args)
 
 
 if __name__ == "__main__":
