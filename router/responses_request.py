@@ -137,8 +137,12 @@ def _messages(req: ResponsesRequest, names: dict[tuple[int, int], str]) -> list[
 
 
 def _tool_choice(choice: Any) -> Any:
+    """Responses' flat tool_choice forms as chat's nested ones."""
     if isinstance(choice, dict) and choice.get("type") in ("function", "custom") and "name" in choice:
         return {"type": choice["type"], choice["type"]: {"name": choice["name"]}}
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools" and isinstance(choice.get("tools"), list):
+        listed = [_tool_choice(t) if isinstance(t, dict) else t for t in choice["tools"]]
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode"), "tools": listed}}
     return choice
 
 

@@ -12,7 +12,8 @@ schema's order, optional ones may follow in that order; a custom tool's `input` 
 Lark or regex grammar (router/custom_tools.py); the other constraints (`response_format` and the
 like) exclude them. Under `auto`, when a function tool is `strict: true` or a custom tool has a
 grammar, the output is free text (no special tokens) then optionally calls under the same
-grammar, unless another constraint is set. With the template's think block open in the prompt the
+grammar, unless another constraint is set. `allowed_tools` keeps every tool in the prompt and
+limits the calls (`required` or `auto`, both enforced) to the tools it lists. With the template's think block open in the prompt the
 constraint starts after `</think>` (`start_after_token`), so the reasoning stays free."""
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def plan(
     `req.tools` (router/custom_tools.py: seen as functions of one `input`)."""
     tools, choice = _tools(req), req.tool_choice
     named = None
+    allowed = None  # names the calls may use (`allowed_tools`); None: every tool
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        choice, allowed = _allowed(choice, tools)
     if isinstance(choice, dict):
         f = choice.get("function") if choice.get("type") == "function" else None
         named = f.get("name") if isinstance(f, dict) else None
@@ -92,6 +96,8 @@ def plan(
                 "tool_choice",
             )
         return ToolPlan(False, _start(constraint, think_close))
+    if allowed is not None:
+        tools = [t for t in tools if t["function"]["name"] in allowed]
     if choice in ("required", "named"):
         if constraint is not None:
             raise bad(
@@ -105,11 +111,39 @@ def plan(
                 raise bad(f"'tool_choice' names {named!r}, which is not in 'tools'", "tool_choice")
         many = named is None and req.parallel_tool_calls is not False
         constraint = pb.Constraint(grammar=call_grammar(fmt, fns, many, customs))
-    elif constraint is None and _strict(tools, customs):  # auto: text, then calls that follow their schemas
+    elif constraint is None and (allowed is not None or _strict(tools, customs)):  # auto: text, then calls
         many = req.parallel_tool_calls is not False
         fns = [t["function"] for t in tools]
         constraint = pb.Constraint(grammar=call_grammar(fmt, fns, many, customs, text_first=True))
     return ToolPlan(True, _start(constraint, think_close))
+
+
+def _allowed(choice: dict[str, Any], tools: list[dict[str, Any]]) -> tuple[str, set[str]]:
+    """OpenAI's `{"type": "allowed_tools", "allowed_tools": {"mode": "auto" | "required", "tools":
+    [{"type": "function", "function": {"name"}} | {"type": "custom", "custom": {"name"}}]}}`: the
+    prompt keeps every tool, the calls may use these only."""
+    spec = choice.get("allowed_tools")
+    mode = spec.get("mode") if isinstance(spec, dict) else None
+    listed = spec.get("tools") if isinstance(spec, dict) else None
+    if mode not in ("auto", "required") or not isinstance(listed, list) or not listed:
+        raise bad(
+            "'tool_choice' allowed_tools needs 'mode' ('auto' or 'required') and a non-empty 'tools' list",
+            "tool_choice.allowed_tools",
+        )
+    have = {t["function"]["name"] for t in tools}
+    names = set()
+    for i, t in enumerate(listed):
+        kind = t.get("type") if isinstance(t, dict) else None
+        ref = t.get(kind) if kind in ("function", "custom") else None
+        name = ref.get("name") if isinstance(ref, dict) else None
+        if not isinstance(name, str) or name not in have:
+            raise bad(
+                f"'tool_choice' allowed_tools.tools[{i}] must name a tool in 'tools' "
+                "({'type': 'function', 'function': {'name': ...}})",
+                f"tool_choice.allowed_tools.tools[{i}]",
+            )
+        names.add(name)
+    return mode, names
 
 
 def _strict(tools: list[dict[str, Any]], customs: dict[str, CustomTool] | None) -> bool:

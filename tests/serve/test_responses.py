@@ -6,7 +6,7 @@ transformers renders the equivalent chat messages, `tool_choice` required gives 
 under the schema, and previous_response_id and image parts are 400s naming them; custom tools
 (chat and Responses) give calls whose input is in the tool's grammar (checked with `re`), streamed
 the same, and a custom call sent back renders as transformers renders the equivalent function call;
-tool_choice auto with a strict tool gives calls whose arguments validate."""
+tool_choice auto with a strict tool gives calls whose arguments validate; allowed_tools limits the calls."""
 
 from __future__ import annotations
 
@@ -267,3 +267,25 @@ def test_auto_with_a_strict_tool_gives_calls_that_follow_the_schema(oai, model, 
             jsonschema.validate(json.loads(call.function.arguments), TOOL["parameters"])
         assert c.finish_reason in ("tool_calls", "length", "stop"), c
     assert calls
+
+
+def test_allowed_tools_limit_the_calls(oai, model):
+    """Responses' `allowed_tools` (flat): both tools are offered, the calls name the allowed one."""
+    import jsonschema
+
+    other = {"type": "function", "name": "noop", "parameters": {"type": "object", "properties": {}}}
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]}
+    for seed in range(3):
+        r = oai.responses.create(
+            model=model,
+            input="Time?",
+            tools=[other, TOOL],
+            tool_choice=choice,
+            temperature=1.0,
+            extra_body={**NO_THINK, "seed": seed},
+            max_output_tokens=200,
+        )
+        calls = [it for it in r.output if it.type == "function_call"]
+        assert calls and all(c.name == "get_time" for c in calls), r.output
+        for c in calls:
+            jsonschema.validate(json.loads(c.arguments), TOOL["parameters"])

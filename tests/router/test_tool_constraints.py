@@ -5,7 +5,8 @@ input is in the tool's own grammar and refuses one that is not (llguidance on th
 tokenizer, the language checked independently with Python's `re`); the parser gives the input back
 as `{"type": "custom", "custom": {"name", "input"}}`, streamed pieces folding to the whole; bad
 formats are a 400 naming the field; under `auto`, a strict function tool or a custom tool's
-grammar constrains the calls after free text."""
+grammar constrains the calls after free text; `allowed_tools` limits the calls to the tools it
+lists."""
 
 from __future__ import annotations
 
@@ -236,3 +237,45 @@ def test_auto_with_strict_tools_constrains_the_calls_only(front, hf, parallel):
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
     assert front.prepare(req(tools=[strict], response_format=fmt, **think_off)).constraint.json_schema
     assert front.prepare(req(tools=[strict], tool_choice="none", **think_off)).constraint is None
+
+
+def test_allowed_tools_limit_the_calls(front, hf):
+    """`allowed_tools`: every tool stays in the prompt; the calls may name the listed ones only
+    (`required`: at least one of them; `auto`: text, then optionally calls of them)."""
+    import llguidance
+    import llguidance.hf
+
+    other = {
+        "type": "function",
+        "function": {"name": "noop", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+    }
+    tools = [TIME, other]
+    think_off = {"chat_template_kwargs": {"enable_thinking": False}}
+    lt = llguidance.hf.from_tokenizer(hf)
+
+    def accepts(grammar: str, s: str) -> bool:
+        m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+        return m.consume_tokens(hf.encode(s, add_special_tokens=False)) and m.is_accepting()
+
+    time_call = _fn_call_text(hf, {"utc": True})
+    noop_call = time_call.replace("get_time", "noop").replace("<parameter=utc>\ntrue", "<parameter=x>\n1")
+    assert accepts(front.prepare(req(tools=tools, tool_choice="required", **think_off)).constraint.grammar, noop_call)
+    only = {"type": "function", "function": {"name": "get_time"}}
+    for mode in ("required", "auto"):
+        choice = {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [only]}}
+        p = front.prepare(req(tools=tools, tool_choice=choice, **think_off))
+        assert p.prompt == front.prepare(req(tools=tools, **think_off)).prompt  # every tool is in the prompt
+        g = p.constraint.grammar
+        assert accepts(g, time_call) and not accepts(g, noop_call)
+        assert accepts(g, "Text only.") == (mode == "auto")
+    for spec, param in (
+        ({"mode": "sometimes", "tools": [only]}, "tool_choice.allowed_tools"),
+        ({"mode": "auto", "tools": []}, "tool_choice.allowed_tools"),
+        (
+            {"mode": "auto", "tools": [{"type": "function", "function": {"name": "nope"}}]},
+            "tool_choice.allowed_tools.tools[0]",
+        ),
+    ):
+        with pytest.raises(ApiError) as e:
+            front.prepare(req(tools=tools, tool_choice={"type": "allowed_tools", "allowed_tools": spec}))
+        assert e.value.param == param, e.value.message
