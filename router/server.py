@@ -161,6 +161,8 @@ def run(
         if router.http_port is not None:
             scheme = "https" if cfg.tls_cert else "http"
             say(f"router OpenAI-compatible HTTP on {scheme}://{cfg.host}:{router.http_port}/v1")
+        else:  # OpenAI-style clients are most users: say how to get it
+            say("router: gRPC only; add --http-port 8000 for the OpenAI-compatible HTTP API (/v1)")
         await stop.wait()
         if drain_timeout > 0:
             await router.drain(drain_timeout, interrupt=now)

@@ -189,13 +189,21 @@ def call_grammar(
         params = f.get("parameters") or {}
         custom = (customs or {}).get(f["name"])
         rule = custom.rule() if custom is not None else None
-        if rule is not None:
-            if fmt == "json":
+        if rule is not None and fmt == "json":  # the input is a JSON string: a regex as its pattern
+            if custom is None or custom.syntax != "regex":
                 raise bad(
-                    "a custom tool's grammar is enforced in the XML call format only (this model writes JSON calls); "
-                    "send it with format 'text'",
+                    "a custom tool's Lark grammar is enforced in the XML call format only (this model writes "
+                    "JSON calls); a regex grammar works in both",
                     "tools",
                 )
+            pattern = {"type": "string", "pattern": f"^(?:{custom.definition})$"}
+            params = {
+                "type": "object",
+                "properties": {INPUT: pattern},
+                "required": [INPUT],
+                "additionalProperties": False,
+            }
+        elif rule is not None:
             head = json.dumps(f"<function={f['name']}>\n<parameter={INPUT}>\n")
             rules.append(f'fn{i}: {head} {rule} "\\n</parameter>\\n</function>\\n"')
             continue

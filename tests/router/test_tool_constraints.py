@@ -186,13 +186,31 @@ def test_choice_naming_a_missing_custom_tool(front):
     assert e.value.param == "tool_choice"
 
 
-def test_grammar_needs_the_xml_call_format(ckpt):
+def test_json_call_format_takes_regex_grammars(ckpt, hf):
+    """Qwen3-Next's JSON calls: a regex grammar becomes the input string's pattern (anchored); a
+    Lark grammar cannot be nested in a JSON string and is a 400 saying so; the parser gives the
+    input back."""
+    import llguidance
+    import llguidance.hf
+
     front = ChatFront(Tokenizer(ckpt), tool_format="json")
     choice = {"type": "custom", "custom": {"name": "apply_patch"}}
     with pytest.raises(ApiError) as e:
-        front.prepare(req(tools=[custom("regex")], tool_choice=choice))
+        front.prepare(req(tools=[custom("lark")], tool_choice=choice))
     assert "XML call format" in e.value.message
-    assert front.prepare(req(tools=[custom(None)], tool_choice=choice)).constraint is not None
+    p = front.prepare(req(tools=[custom("regex")], tool_choice=choice))
+    lt = llguidance.hf.from_tokenizer(hf)
+
+    def call(value: str) -> str:
+        return "<tool_call>\n" + json.dumps({"name": "apply_patch", "arguments": {"input": value}}) + "\n</tool_call>"
+
+    for value in ("add main.py", "xadd main.py", "add main.pyx", "del q.js"):
+        m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_lark(p.constraint.grammar), log_level=0)
+        ok = m.consume_tokens(hf.encode(call(value), add_special_tokens=False)) and m.is_accepting()
+        assert ok == bool(re.fullmatch(PATCH_RE, value)), value
+    out: ChatOutput = p.output()
+    out.push("</think>" + call("add a.py"), final=True)
+    assert out.message()["tool_calls"][0]["custom"] == {"name": "apply_patch", "input": "add a.py"}
 
 
 TIME = {

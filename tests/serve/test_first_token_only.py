@@ -73,5 +73,6 @@ def test_first_token_only_needs_no_decode_node(up, ckpt):
         assert [t for t, _ in r.logprobs[0].top] == ref.topk(2).indices.tolist()
     assert two.token_ids == hc.hf_greedy(ckpt, asks[0], 2) and two.decode_node == "decode-0"
     log = up.output()
+    assert "add --http-port 8000 for the OpenAI-compatible HTTP API" in log  # no --http-port: says how
     assert "request one-0" in log  # the router's and the prefill node's lines
     assert not [ln for ln in log.splitlines() if "pdserve.decode" in ln and "request one-" in ln]
