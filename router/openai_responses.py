@@ -39,7 +39,7 @@ async def respond(front: OpenAIFront, body: Any, request: Request) -> Response:
 
 
 async def _whole(front: OpenAIFront, job: Job, req: ResponsesRequest, rid: str) -> Response:
-    choice, items = Choice(job, 0, front.tok), ResponseItems()
+    choice, items = Choice(job, 0, front.tok), ResponseItems(req.carries_reasoning)
     async with aclosing(front.events(job)) as ev:
         async for _, c in ev:
             d = choice.delta(c)
@@ -52,7 +52,7 @@ async def _whole(front: OpenAIFront, job: Job, req: ResponsesRequest, rid: str) 
 
 async def _stream(front: OpenAIFront, job: Job, req: ResponsesRequest, rid: str, request: Request) -> Response:
     ev = await front.opened(job, request)
-    choice, items = Choice(job, 0, front.tok), ResponseItems()
+    choice, items = Choice(job, 0, front.tok), ResponseItems(req.carries_reasoning)
 
     async def body() -> AsyncIterator[bytes]:
         head = response(rid, job.model, req, [], "in_progress", None, None)

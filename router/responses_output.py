@@ -7,6 +7,7 @@ code without sending the events."""
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from typing import Any
@@ -16,8 +17,28 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
+CARRIED = "pdserve-reasoning-v1:"  # encrypted_content here: the reasoning text, base64 (not encrypted)
+
+
+def carry(text: str) -> str:
+    """A reasoning item's `encrypted_content` (asked for with `include: ["reasoning.encrypted_content"]`):
+    its text in an opaque string a stateless client sends back, so the next turn renders it."""
+    return CARRIED + base64.b64encode(text.encode()).decode()
+
+
+def carried(value: Any) -> str | None:
+    """The reasoning text `carry` put in `value`, or None (another server's, or none)."""
+    if not isinstance(value, str) or not value.startswith(CARRIED):
+        return None
+    try:
+        return base64.b64decode(value[len(CARRIED) :], validate=True).decode()
+    except ValueError:
+        return None
+
+
 class ResponseItems:
-    def __init__(self) -> None:
+    def __init__(self, carry_reasoning: bool = False) -> None:
+        self.carry_reasoning = carry_reasoning
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None
         self.calls: dict[int, dict[str, Any]] = {}  # tool-call index -> its item
@@ -45,6 +66,8 @@ class ResponseItems:
             return []
         at = self.items.index(item)
         item["status"] = status
+        if item["type"] == "reasoning" and self.carry_reasoning:
+            item["encrypted_content"] = carry(item["content"][0]["text"])
         base = {"item_id": item["id"], "output_index": at}
         if item["type"] == "function_call":
             done = [self.event("response.function_call_arguments.done", arguments=item["arguments"], **base)]

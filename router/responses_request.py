@@ -5,7 +5,8 @@ string or `input_text` / `output_text` parts, and `input_image` parts in user, s
 developer messages, named `input[i].content[j]` in errors), `function_call` and
 `custom_tool_call` (an assistant turn's calls), `function_call_output` and
 `custom_tool_call_output` (a tool message), `reasoning` (the next assistant turn's
-reasoning_content). `instructions` is the system message; `tools` are flat function and custom
+reasoning_content: its content or summary text, else what router/responses_output.py carried in
+its `encrypted_content`). `instructions` is the system message; `tools` are flat function and custom
 tools (router/custom_tools.py);
 `text.format` is the response format. `previous_response_id` is a 400 naming it: this router
 stores no responses (shared state across routers has no design yet)."""
@@ -17,6 +18,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.openai_models import ChatRequest, Float, bad, parse
+from router.responses_output import carried
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
@@ -40,6 +42,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: Any = None
     conversation: Any = None
     metadata: dict[str, Any] | None = None
+    include: list[str] | None = None  # "reasoning.encrypted_content": reasoning carried opaquely (responses_output)
     # extensions, as on chat completions
     chat_template_kwargs: dict[str, Any] | None = None
     seed: Annotated[int, Field(ge=0)] | None = None
@@ -48,6 +51,10 @@ class ResponsesRequest(BaseModel):
     logit_bias: Any = None
     cache_salt: Any = None  # checked as chat's
     thinking_token_budget: Any = None  # checked as chat's
+
+    @property
+    def carries_reasoning(self) -> bool:
+        return "reasoning.encrypted_content" in (self.include or ())
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -130,7 +137,7 @@ def _messages(req: ResponsesRequest, names: dict[tuple[int, int], str]) -> list[
             msgs.append({"role": "tool", "tool_call_id": it.get("call_id"), "content": text})
         elif kind == "reasoning":
             parts = it.get("content") or it.get("summary") or []
-            thought = _text_of(parts, where)
+            thought = _text_of(parts, where) or carried(it.get("encrypted_content")) or ""
         else:
             raise bad(f"{where}: items of type {kind!r} are not supported", f"{where}.type")
     return msgs

@@ -26,9 +26,9 @@ USER = [{"role": "user", "content": "patch it"}]
 
 
 def custom(syntax: str | None, name: str = "apply_patch") -> dict:
-    fmt = {"type": "text"} if syntax is None else {"type": "grammar", "grammar": {"syntax": syntax, "definition": ""}}
+    fmt: dict = {"type": "text"}
     if syntax is not None:
-        fmt["grammar"]["definition"] = PATCH_RE if syntax == "regex" else LARK
+        fmt = {"type": "grammar", "grammar": {"syntax": syntax, "definition": PATCH_RE if syntax == "regex" else LARK}}
     return {"type": "custom", "custom": {"name": name, "description": "Edit files", "format": fmt}}
 
 

@@ -6,7 +6,8 @@ transformers renders the equivalent chat messages, `tool_choice` required gives 
 under the schema, and previous_response_id and image parts are 400s naming them; custom tools
 (chat and Responses) give calls whose input is in the tool's grammar (checked with `re`), streamed
 the same, and a custom call sent back renders as transformers renders the equivalent function call;
-tool_choice auto with a strict tool gives calls whose arguments validate; allowed_tools limits the calls."""
+tool_choice auto with a strict tool gives calls whose arguments validate; allowed_tools limits the calls;
+reasoning sent back only as encrypted_content renders as the reasoning it carried."""
 
 from __future__ import annotations
 
@@ -289,3 +290,38 @@ def test_allowed_tools_limit_the_calls(oai, model):
         assert calls and all(c.name == "get_time" for c in calls), r.output
         for c in calls:
             jsonschema.validate(json.loads(c.arguments), TOOL["parameters"])
+
+
+def test_reasoning_comes_back_through_encrypted_content(oai, model, hf):
+    """`include: ["reasoning.encrypted_content"]`: a reasoning item carries its text opaquely, and
+    a stateless client that sends back only that (no content, no summary, as clients do with
+    OpenAI's) gets it rendered in the next turn as transformers renders that reasoning_content."""
+    r = oai.responses.create(
+        model=model,
+        input="Time?",
+        tools=[TOOL],
+        include=["reasoning.encrypted_content"],
+        temperature=0.0,
+        max_output_tokens=8,
+        extra_body=BIAS,
+    )
+    (rs,) = [it for it in r.output if it.type == "reasoning"]
+    text = rs.content[0].text
+    assert text and rs.encrypted_content and text not in rs.encrypted_content
+    items = [
+        {"role": "user", "content": "Time?"},
+        {"type": "reasoning", "id": rs.id, "summary": [], "encrypted_content": rs.encrypted_content},
+        {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": '{"utc": true}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "12:00"},
+    ]
+    r2 = oai.responses.create(model=model, input=items, tools=[TOOL], temperature=0.0, max_output_tokens=2)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": {"utc": True}}}
+    msgs = [
+        {"role": "user", "content": "Time?"},
+        {"role": "assistant", "content": None, "reasoning_content": text.strip("\n"), "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
+    want = hf.apply_chat_template(msgs, tools=[CHAT_TOOL], add_generation_prompt=True, tokenize=False)
+    assert r2.usage.input_tokens == len(hf.encode(want, add_special_tokens=False))
+    plain = oai.responses.create(model=model, input="Time?", tools=[TOOL], temperature=0.0, max_output_tokens=8)
+    assert all(getattr(it, "encrypted_content", None) is None for it in plain.output)  # only when asked
