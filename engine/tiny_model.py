@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from engine.tiny_template import CHAT_TEMPLATE, SPECIAL_TOKENS, TEXT_TOKENS, VISION_TOKENS
+from engine.tiny_template import CHAT_TEMPLATE, CHAT_TEMPLATE_JSON_CALLS, SPECIAL_TOKENS, TEXT_TOKENS, VISION_TOKENS
 
 _CORPUS = """
 Hybrid language models mix linear attention layers with full attention layers. A gated delta
@@ -309,8 +309,9 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) 
     if spec.fp8:
         quantize_checkpoint_fp8(out, spec.fp8_block)
     if tok is not None:
+        template = CHAT_TEMPLATE_JSON_CALLS if spec.arch == "qwen3_next" else CHAT_TEMPLATE  # as published
         fast = PreTrainedTokenizerFast(
-            tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+            tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=template
         )
         fast.save_pretrained(out)
     (out / "pdserve_tiny.json").write_text(json.dumps(spec.__dict__, indent=2))

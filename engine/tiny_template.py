@@ -1,7 +1,10 @@
 """The tiny checkpoint's tokens and chat template (engine/tiny_model.py): Qwen's added tokens and
 a Jinja2 template written here that renders tools, tool calls, tool results, thinking and image or
 video parts in the layout Qwen3.5's published template uses, so the router's template inputs and
-output parsers (docs/api.md) are tested on a checkpoint shaped like the real ones.
+output parsers (docs/api.md) are tested on a checkpoint shaped like the real ones. Qwen3-Next's
+checkpoints write their calls as Qwen3's did, one JSON object each (`<tool_call>\\n{"name": NAME,
+"arguments": {...}}\\n</tool_call>`): `CHAT_TEMPLATE_JSON_CALLS`, the same template with that
+call layout.
 
 Layout: tools are listed as JSON lines inside `<tools>` in the system turn; an assistant's calls
 are `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`
@@ -42,9 +45,7 @@ _SYSTEM = """
 {%- if has_system -%}{{- '\\n\\n' -}}{%- endif -%}
 {{- '# Functions\\n\\nYou may call these functions, each described by one JSON object:\\n<tools>' -}}
 {%- for t in tools -%}{{- '\\n' ~ (t | tojson) -}}{%- endfor -%}
-{{- '\\n</tools>\\n\\nTo call functions, answer with calls only, each written as:\\n'
-    '<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>\\n'
-    'with one parameter block per argument and every required argument given.' -}}
+@@HOW_TO_CALL@@
 {%- endif -%}
 {{- '<|im_end|>\\n' -}}
 {%- endif -%}
@@ -66,15 +67,7 @@ _TURNS = """
 {%- for c in m.tool_calls or [] -%}
 {%- set f = c.function if c.function is defined else c -%}
 {%- if not loop.first or m.content -%}{{- '\\n' -}}{%- endif -%}
-{{- '<tool_call>\\n<function=' ~ f.name ~ '>\\n' -}}
-{%- if f.arguments is mapping -%}
-{%- for k, v in f.arguments.items() -%}
-{{- '<parameter=' ~ k ~ '>\\n' -}}
-{%- if v is string -%}{{- v -}}{%- else -%}{{- v | tojson -}}{%- endif -%}
-{{- '\\n</parameter>\\n' -}}
-{%- endfor -%}
-{%- endif -%}
-{{- '</function>\\n</tool_call>' -}}
+@@CALL@@
 {%- endfor -%}
 {{- '<|im_end|>\\n' -}}
 {%- elif m.role == 'tool' -%}
@@ -92,4 +85,29 @@ _TURNS = """
 {%- endif -%}
 """
 
-CHAT_TEMPLATE = (_PARTS + _SYSTEM + _TURNS).strip()
+_XML_HOW = """{{- '\\n</tools>\\n\\nTo call functions, answer with calls only, each written as:\\n'
+    '<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>\\n'
+    'with one parameter block per argument and every required argument given.' -}}"""
+_XML_CALL = """{{- '<tool_call>\\n<function=' ~ f.name ~ '>\\n' -}}
+{%- if f.arguments is mapping -%}
+{%- for k, v in f.arguments.items() -%}
+{{- '<parameter=' ~ k ~ '>\\n' -}}
+{%- if v is string -%}{{- v -}}{%- else -%}{{- v | tojson -}}{%- endif -%}
+{{- '\\n</parameter>\\n' -}}
+{%- endfor -%}
+{%- endif -%}
+{{- '</function>\\n</tool_call>' -}}"""
+# Qwen3-Next's (and Qwen3's) published layout: one JSON object a call
+_JSON_HOW = """{{- '\\n</tools>\\n\\nTo call a function, answer with one JSON object a call, its name and its '
+    'arguments, between the call tags:\\n<tool_call>\\n{\"name\": NAME, \"arguments\": {...}}\\n</tool_call>' -}}"""
+_JSON_CALL = """{{- '<tool_call>\\n{\"name\": ' ~ (f.name | tojson) ~ ', \"arguments\": ' -}}
+{%- if f.arguments is string -%}{{- f.arguments -}}{%- else -%}{{- f.arguments | tojson -}}{%- endif -%}
+{{- '}\\n</tool_call>' -}}"""
+
+
+def _template(how: str, call: str) -> str:
+    return (_PARTS + _SYSTEM.replace("@@HOW_TO_CALL@@", how) + _TURNS.replace("@@CALL@@", call)).strip()
+
+
+CHAT_TEMPLATE = _template(_XML_HOW, _XML_CALL)  # Qwen3.5's calls
+CHAT_TEMPLATE_JSON_CALLS = _template(_JSON_HOW, _JSON_CALL)  # Qwen3-Next's

@@ -1,20 +1,22 @@
-"""`tools`, `tool_choice` and the output constraint (router/structured_fields.py) of a chat
-request -> what the router does with the output: whether calls are parsed, and the Constraint
-(proto `Constraint`) the decoding obeys.
+"""`tools`, `tool_choice` and the output constraint (router/structured_fields.py) of a chat request ->
+what the router does with the output: whether calls are parsed, and the Constraint (proto
+`Constraint`) the decoding obeys.
 
 `tool_choice` `none`: calls are not parsed (the text stays content); `auto` (the default with
 tools): calls are parsed; `required`: at least one call (exactly one with `parallel_tool_calls`
-false); a named function: exactly one call of it. `required` and named calls are enforced by a
-Lark grammar (llguidance's dialect) of the checkpoint's call format whose values follow each
-tool's parameter schema: in the XML format a string parameter is text without `</`, an enum one
-of its strings, any other a JSON value of its schema (`%json`); required parameters in the
-schema's order, optional ones may follow in that order; a custom tool's `input` follows its own
-Lark or regex grammar (router/custom_tools.py); the other constraints (`response_format` and the
-like) exclude them. Under `auto`, when a function tool is `strict: true` or a custom tool has a
-grammar, the output is free text (no special tokens) then optionally calls under the same
-grammar, unless another constraint is set. `allowed_tools` keeps every tool in the prompt and
-limits the calls (`required` or `auto`, both enforced) to the tools it lists. With the template's think block open in the prompt the
-constraint starts after `</think>` (`start_after_token`), so the reasoning stays free."""
+false); a named function: exactly one call of it. `required` and named calls are enforced by a Lark
+grammar (llguidance's dialect) of the checkpoint's call format whose values follow each tool's
+parameter schema: in the XML format a string parameter is text without `</`, an enum one of its
+strings, any other a JSON value of its schema (`%json`); required parameters in the schema's order,
+optional ones may follow in that order (in the JSON format, the arguments object has no parameter
+its schema does not name, unless the schema says `additionalProperties`); a custom tool's `input`
+follows its own Lark or regex grammar (router/custom_tools.py); the other constraints
+(`response_format` and the like) exclude them. Under `auto`, when a function tool is `strict: true`
+or a custom tool has a grammar, the output is free text (no special tokens) then optionally calls
+under the same grammar, unless another constraint is set. `allowed_tools` keeps every tool in the
+prompt and limits the calls (`required` or `auto`, both enforced) to the tools it lists. With the
+template's think block open in the prompt the constraint starts after `</think>`
+(`start_after_token`), so the reasoning stays free."""
 
 from __future__ import annotations
 
@@ -208,9 +210,12 @@ def call_grammar(
             rules.append(f'fn{i}: {head} {rule} "\\n</parameter>\\n</function>\\n"')
             continue
         if fmt == "json":
+            args = params or {"type": "object"}
+            if "properties" in args and "additionalProperties" not in args:
+                args = {**args, "additionalProperties": False}  # only the named parameters, as in the XML calls
             obj = {
                 "type": "object",
-                "properties": {"name": {"const": f["name"]}, "arguments": params or {"type": "object"}},
+                "properties": {"name": {"const": f["name"]}, "arguments": args},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }

@@ -297,3 +297,27 @@ def test_allowed_tools_limit_the_calls(front, hf):
         with pytest.raises(ApiError) as e:
             front.prepare(req(tools=tools, tool_choice={"type": "allowed_tools", "allowed_tools": spec}))
         assert e.value.param == param, e.value.message
+
+
+@pytest.mark.parametrize("extra_allowed", [None, True])
+def test_json_calls_name_only_the_schemas_parameters(hf, extra_allowed):
+    """In the JSON call format the arguments object holds the schema's parameters only (as the XML
+    format's grammar does), unless the schema itself allows more."""
+    import llguidance
+    import llguidance.hf
+
+    from router.tool_choice import call_grammar
+
+    params = dict(TIME["function"]["parameters"])
+    if extra_allowed is not None:
+        params["additionalProperties"] = extra_allowed
+    g = call_grammar("json", [{"name": "get_time", "parameters": params}], many=False)
+    lt = llguidance.hf.from_tokenizer(hf)
+
+    def accepts(args: dict) -> bool:
+        s = "<tool_call>\n" + json.dumps({"name": "get_time", "arguments": args}) + "\n</tool_call>"
+        m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_lark(g), log_level=0)
+        return m.consume_tokens(hf.encode(s, add_special_tokens=False)) and m.is_accepting()
+
+    assert accepts({"utc": True})
+    assert accepts({"utc": True, "zone": "x"}) == bool(extra_allowed)
