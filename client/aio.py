@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 from client.aio_mux import AsyncMuxedCall, AsyncTokenStreams
+from client.chat import ChatResult, chat_request, chunk_of
 from client.routers import GENERATION, Routers, StreamBase, connection, muxed_start
 from client.types import GenerateResult, PdserveError, build_request, chunk_from, chunk_from_delta
 from proto import pb
@@ -69,6 +71,7 @@ class AsyncClient:
         self.timeout = timeout
         self._r = Routers(addr, True, *connection(api_key, tls_ca, tls_cert, tls_key, tls_server_name))
         self._streams = AsyncTokenStreams(self._r.stubs, self._r.md) if token_streams else None
+        self._first_model: str | None = None
 
     @property
     def addr(self) -> str:
@@ -127,6 +130,37 @@ class AsyncClient:
             async for c in s:
                 res.add(c)
         return res
+
+    async def chat_stream(
+        self, messages: list[dict], model: str | None = None, timeout: float | None = None, **fields
+    ) -> AsyncIterator[dict]:
+        """As Client.chat_stream: OpenAI's chat chunks as dicts, then `{"usage": ...}`."""
+        r = self._r
+        req = chat_request(messages, model or await self._model(), fields)
+        call = r.stubs[r.cur].Chat(req, timeout=timeout or self.timeout, metadata=r.md)
+        try:
+            async for m in call:
+                yield chunk_of(m)
+        except grpc.RpcError as e:
+            raise PdserveError.from_rpc(e) from None
+        finally:
+            call.cancel()
+
+    async def chat(
+        self, messages: list[dict], model: str | None = None, timeout: float | None = None, **fields
+    ) -> ChatResult:
+        res = ChatResult()
+        async for chunk in self.chat_stream(messages, model, timeout, **fields):
+            res.add(chunk)
+        return res
+
+    async def _model(self) -> str:
+        if self._first_model is None:
+            models = await self.list_models()
+            if not models:
+                raise PdserveError(grpc.StatusCode.UNAVAILABLE, "the router serves no model yet")
+            self._first_model = models[0].id
+        return self._first_model
 
     async def close(self) -> None:
         if self._streams is not None:

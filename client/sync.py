@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2
 
+from client.chat import ChatResult, chat_request, chunk_of
 from client.mux import MuxedCall, TokenStreams
 from client.routers import GENERATION, Routers, StreamBase, connection, muxed_start
 from client.types import GenerateResult, PdserveError, StreamChunk, build_request, chunk_from, chunk_from_delta
@@ -74,6 +76,7 @@ class Client:
         self.timeout = timeout
         self._r = Routers(addr, False, *connection(api_key, tls_ca, tls_cert, tls_key, tls_server_name))
         self._streams = TokenStreams(self._r.stubs, self._r.md) if token_streams else None
+        self._first_model: str | None = None
 
     @property
     def addr(self) -> str:
@@ -136,6 +139,41 @@ class Client:
             for c in s:
                 res.add(c)
         return res
+
+    def chat_stream(
+        self, messages: list[dict], model: str | None = None, timeout: float | None = None, **fields
+    ) -> Iterator[dict]:
+        """OpenAI's chat chunks as dicts, then `{"usage": ...}` (client/chat.py). `fields`: the rest
+        of a chat completions body (tools, tool_choice, response_format, temperature, max_tokens,
+        chat_template_kwargs, ...); `model` defaults to the router's first."""
+        r = self._r
+        call = r.stubs[r.cur].Chat(
+            chat_request(messages, model or self._model(), fields), timeout=timeout or self.timeout, metadata=r.md
+        )
+        try:
+            for m in call:
+                yield chunk_of(m)
+        except grpc.RpcError as e:
+            raise PdserveError.from_rpc(e) from None
+        finally:
+            call.cancel()
+
+    def chat(
+        self, messages: list[dict], model: str | None = None, timeout: float | None = None, **fields
+    ) -> ChatResult:
+        """The whole chat answer (`ChatResult`: `message` with content, reasoning_content, tool_calls)."""
+        res = ChatResult()
+        for chunk in self.chat_stream(messages, model, timeout, **fields):
+            res.add(chunk)
+        return res
+
+    def _model(self) -> str:
+        if self._first_model is None:
+            models = self.list_models()
+            if not models:
+                raise PdserveError(grpc.StatusCode.UNAVAILABLE, "the router serves no model yet")
+            self._first_model = models[0].id
+        return self._first_model
 
     def close(self) -> None:
         if self._streams is not None:

@@ -216,6 +216,20 @@ class ListModelsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ChatRequest(_message.Message):
+    __slots__ = ("body_json",)
+    BODY_JSON_FIELD_NUMBER: _ClassVar[int]
+    body_json: str
+    def __init__(self, body_json: _Optional[str] = ...) -> None: ...
+
+class ChatChunk(_message.Message):
+    __slots__ = ("choice_json", "usage_json")
+    CHOICE_JSON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_JSON_FIELD_NUMBER: _ClassVar[int]
+    choice_json: str
+    usage_json: str
+    def __init__(self, choice_json: _Optional[str] = ..., usage_json: _Optional[str] = ...) -> None: ...
+
 class ModelInfo(_message.Message):
     __slots__ = ("id", "path", "vocab_size", "max_model_len", "has_tokenizer")
     ID_FIELD_NUMBER: _ClassVar[int]

@@ -52,6 +52,11 @@ class GenerationStub:
                 request_serializer=proto_dot_pdserve__pb2.TokenStreamRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.TokenBatch.FromString,
                 _registered_method=True)
+        self.Chat = channel.unary_stream(
+                '/pdserve.v1.Generation/Chat',
+                request_serializer=proto_dot_pdserve__pb2.ChatRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.ChatChunk.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -80,6 +85,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Chat(self, request, context):
+        """A chat request (OpenAI's body), its answer streamed as OpenAI's chunks (ChatChunk).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +109,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.TokenStream,
                     request_deserializer=proto_dot_pdserve__pb2.TokenStreamRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.TokenBatch.SerializeToString,
+            ),
+            'Chat': grpc.unary_stream_rpc_method_handler(
+                    servicer.Chat,
+                    request_deserializer=proto_dot_pdserve__pb2.ChatRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.ChatChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -183,6 +200,33 @@ class Generation:
             '/pdserve.v1.Generation/TokenStream',
             proto_dot_pdserve__pb2.TokenStreamRequest.SerializeToString,
             proto_dot_pdserve__pb2.TokenBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Chat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Generation/Chat',
+            proto_dot_pdserve__pb2.ChatRequest.SerializeToString,
+            proto_dot_pdserve__pb2.ChatChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,7 @@
 """The router's gRPC services on `grpc.aio`: `Generation` for clients (each Generate call is one
 `GenerateService.generate`, its chunks as GenerateResponse messages, the middle ones on the
-client's token stream when the call names one: router/client_streams.py) and `Registry` for nodes
+client's token stream when the call names one: router/client_streams.py; Chat: router/grpc_chat.py)
+and `Registry` for nodes
 (Register, Heartbeat) and operators (ListNodes).
 
 A client that cancels its call cancels the servicer's task: the request's generator unwinds and
@@ -20,6 +21,9 @@ import grpc
 from proto import pb, rpc
 from router.client_hints import HINTS, from_metadata
 from router.errors import Abort, Draining
+from router.grpc_chat import GRPC_OF, chat_chunks
+from router.openai_api import OpenAIFront
+from router.openai_models import ApiError
 from router.request import Chunk
 from serving.rpc import DRAINING_KEY, MAX_REQUEST_ID_LEN
 
@@ -50,6 +54,15 @@ def response(c: Chunk) -> pb.GenerateResponse:
 class GenerationApi(rpc.GenerationServicer):
     def __init__(self, service):
         self.service = service
+        self.front = OpenAIFront(service)  # Chat's: the HTTP chat path's template, constraint and parsers
+
+    @staticmethod
+    async def _abort(a: Abort, context) -> None:
+        if isinstance(a, Draining):
+            context.set_trailing_metadata(((DRAINING_KEY, "1"),))
+        elif a.retry_after_s is not None:
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{math.ceil(a.retry_after_s * 1000) / 1000:.3f}"),))
+        await context.abort(a.code, a.msg)
 
     async def Generate(self, request, context):
         HINTS.set(from_metadata(context.invocation_metadata() or (), self.service.creds))
@@ -69,14 +82,22 @@ class GenerationApi(rpc.GenerationServicer):
                     rid = m.request_id
                     yield m
         except Abort as a:
-            if isinstance(a, Draining):
-                context.set_trailing_metadata(((DRAINING_KEY, "1"),))
-            elif a.retry_after_s is not None:
-                context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{math.ceil(a.retry_after_s * 1000) / 1000:.3f}"),))
-            await context.abort(a.code, a.msg)
+            await self._abort(a, context)
         finally:
             if stream is not None and not first:  # the client reads the rest of this call
                 stream.add(pb.TokenDelta(request_id=rid, last=True))
+
+    async def Chat(self, request, context):
+        """An OpenAI chat body (router/grpc_chat.py)."""
+        HINTS.set(from_metadata(context.invocation_metadata() or (), self.service.creds))
+        try:
+            async with aclosing(chat_chunks(self.front, request.body_json)) as chunks:
+                async for m in chunks:
+                    yield m
+        except ApiError as e:
+            await context.abort(GRPC_OF.get(e.status, grpc.StatusCode.INTERNAL), e.message)
+        except Abort as a:
+            await self._abort(a, context)
 
     async def ListModels(self, request, context):
         return pb.ListModelsResponse(models=self.service.models())

@@ -14,21 +14,9 @@ import re
 import pytest
 
 from tests.helpers import hybrid_ckpt as hc
+from tests.helpers.agent_tools import WEATHER
 
-TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 12},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            },
-            "required": ["city", "days"],
-        },
-    },
-}
+TOOL = WEATHER
 PATCH_RE = r"(add|del) [a-z]{1,8}\.py"
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
