@@ -280,6 +280,8 @@ def cmd_generate(args) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
+    if args.chat and (args.token_ids or args.image or args.prompt is None):
+        raise ValueError("--chat takes a text prompt (no --token-ids, no --image)")
     if args.token_ids:
         kw["prompt_token_ids"] = [int(t) for t in args.token_ids.replace(",", " ").split()]
     elif args.prompt is None:
@@ -296,6 +298,10 @@ def cmd_generate(args) -> int:
     with Client(args.addr, api_key=args.api_key, **tls) as c:
         try:
             c.wait_ready(timeout=args.wait)
+            if args.chat:
+                from router.cli_chat import run_chat
+
+                return run_chat(c, args, kw) or 0
             res = GenerateResult()
             with c.stream(**kw) as s:
                 for chunk in s:
@@ -431,6 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="an image file or URL (repeatable); placed before the prompt unless the prompt holds "
         "<|vision_start|><|image_pad|><|vision_end|> once per image",
     )
+    p.add_argument("--chat", action="store_true", help="the prompt as a user message, in the model's chat template")
+    p.add_argument("--system", default=None, help="with --chat: a system message first")
+    p.add_argument("--no-thinking", action="store_true", help="with --chat: the template's enable_thinking off")
     p.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the router to be ready")
     _add_client_security(p, node_plane=False)
     p.set_defaults(func=cmd_generate)

@@ -205,6 +205,28 @@ def test_cli_generate_streams_text(cluster):
     assert "INVALID_ARGUMENT" in bad.stderr and "max_tokens" in bad.stderr
 
 
+def test_cli_generate_chat(cluster, ckpt):
+    """`pdserve generate --chat`: the router renders the chat template (prompt tokens as
+    transformers counts them) and the answer on stdout is transformers' greedy continuation."""
+    from transformers import AutoTokenizer
+
+    from tests.helpers import hybrid_ckpt as hc
+
+    hf = AutoTokenizer.from_pretrained(ckpt)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+    ids = hf.encode(
+        hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, enable_thinking=False),
+        add_special_tokens=False,
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "router.cli", "generate", "--addr", cluster.address, "hello", "--chat"]
+    cmd += ["--system", "Be brief.", "--no-thinking", "--max-tokens", "6", "--temperature", "0", "--ignore-eos"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert f"[{len(ids)} prompt tokens, 6 new, length;" in r.stderr, r.stderr
+    assert r.stdout.rstrip("\n") == hf.decode(hc.hf_greedy(ckpt, ids, 6), skip_special_tokens=True).rstrip("\n")
+
+
 def test_one_log_line_per_request(client, cluster):
     r = client.generate(prompt_token_ids=[7, 8, 9], max_tokens=5, temperature=0.0, ignore_eos=True, request_id="log-me")
     assert r.request_id == "log-me"

@@ -1,0 +1,41 @@
+"""`pdserve generate --chat`: the prompt as a user message (after `--system`), sent through the
+SDK's `Client.chat_stream` so the router applies the checkpoint's chat template; the reasoning
+streams to stderr, the answer to stdout, then its tool calls (one JSON object a line) and one
+line of totals."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def run_chat(c, args, sampling: dict) -> None:
+    from client import ChatResult
+
+    msgs = [{"role": "system", "content": args.system}] if args.system else []
+    msgs.append({"role": "user", "content": args.prompt})
+    names = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos")
+    fields = {k: sampling[k] for k in names if sampling.get(k) is not None}
+    for k in ("top_k", "ignore_eos"):  # their defaults, not sent
+        if not fields.get(k):
+            fields.pop(k, None)
+    if args.no_thinking:
+        fields["chat_template_kwargs"] = {"enable_thinking": False}
+    t0, first, res = time.monotonic(), None, ChatResult()
+    for chunk in c.chat_stream(msgs, **fields):
+        res.add(chunk)
+        d = chunk.get("delta") or {}
+        first = first or (time.monotonic() if d else None)
+        if d.get("reasoning_content"):
+            print(d["reasoning_content"], end="", file=sys.stderr, flush=True)
+        if d.get("content"):
+            print(d["content"], end="", flush=True)
+    for call in res.message.get("tool_calls") or ():
+        print("\n" + json.dumps(call), end="")
+    ttft = f"{(first - t0) * 1e3:.1f} ms" if first else "-"
+    u, fin = res.usage, res.choices[0].finish_reason if res.choices else None
+    print(
+        f"\n[{u.get('prompt_tokens', 0)} prompt tokens, {u.get('completion_tokens', 0)} new, {fin}; TTFT {ttft}]",
+        file=sys.stderr,
+    )
