@@ -35,10 +35,14 @@ class CustomTool:
         return None
 
 
-def _custom(t: dict[str, Any], where: str) -> tuple[dict[str, Any], CustomTool]:
+def _custom(t: dict[str, Any], where: str, flat: bool = False) -> tuple[dict[str, Any], CustomTool]:
+    """(the function the template sees, the tool); `where` names the tool in errors, and `flat`:
+    its fields as Responses writes them (`tools[i].format`), not chat's (`tools[i].custom.format`)."""
     c = t.get("custom")
     if not isinstance(c, dict) or not isinstance(c.get("name"), str) or not c["name"]:
         raise bad(f"{where} must be {{'type': 'custom', 'custom': {{'name': ..., ...}}}}", where)
+    at = where if flat else where + ".custom"
+    g_at = f"{at}.format" if flat else f"{at}.format.grammar"  # where syntax and definition are
     fmt = c.get("format") or {"type": "text"}
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     tool = CustomTool(c["name"])
@@ -49,26 +53,32 @@ def _custom(t: dict[str, Any], where: str) -> tuple[dict[str, Any], CustomTool]:
         definition = g.get("definition") if isinstance(g, dict) else None
         if syntax not in SYNTAXES or not isinstance(definition, str) or not definition:
             raise bad(
-                f"{where}.custom.format.grammar must be {{'syntax': 'lark' or 'regex', 'definition': ...}}",
-                f"{where}.custom.format",
+                f"{g_at} must have 'syntax' ('lark' or 'regex') and a 'definition'",
+                f"{at}.format",
             )
         try:
             check("grammar" if syntax == "lark" else "regex", definition)
         except ValueError as e:
-            raise bad(f"{where}.custom.format.grammar: {e}", f"{where}.custom.format") from None
+            raise bad(f"{g_at}: {e}", f"{at}.format") from None
         tool = CustomTool(c["name"], syntax, definition)
         note = f"\n\nThe input is text of this {syntax} grammar:\n{definition}"
     elif kind != "text":
-        raise bad(f"{where}.custom.format.type must be 'text' or 'grammar'", f"{where}.custom.format")
+        raise bad(f"{at}.format.type must be 'text' or 'grammar'", f"{at}.format")
     desc = c.get("description")
     if desc is not None and not isinstance(desc, str):
-        raise bad(f"{where}.custom.description must be a string", f"{where}.custom.description")
+        raise bad(f"{at}.description must be a string", f"{at}.description")
     fn = {
         "name": c["name"],
         "description": (desc or "") + note,
         "parameters": {"type": "object", "properties": {INPUT: {"type": "string"}}, "required": [INPUT]},
     }
     return {"type": "function", "function": fn}, tool
+
+
+def check_flat(chat_form: dict[str, Any], where: str) -> None:
+    """ApiError naming the Responses body's fields (`tools[i].format`) if the custom tool, in
+    chat's form, is malformed."""
+    _custom(chat_form, where, flat=True)
 
 
 def as_functions(req: ChatRequest) -> tuple[ChatRequest, dict[str, CustomTool]]:

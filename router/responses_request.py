@@ -17,6 +17,7 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from router import custom_tools
 from router.openai_models import ChatRequest, Float, bad, parse
 from router.responses_output import carried
 
@@ -169,7 +170,9 @@ def _tool(t: Any, i: int) -> dict[str, Any]:
         fmt = {"type": "grammar", "grammar": {k: fmt.get(k) for k in ("syntax", "definition")}}
     if fmt is not None:
         c["format"] = fmt
-    return {"type": "custom", "custom": c}
+    tool = {"type": "custom", "custom": c}
+    custom_tools.check_flat(tool, f"tools[{i}]")  # errors name the flat fields this body has
+    return tool
 
 
 def _response_format(text: dict[str, Any] | None) -> Any:

@@ -321,3 +321,17 @@ def test_json_calls_name_only_the_schemas_parameters(hf, extra_allowed):
 
     assert accepts({"utc": True})
     assert accepts({"utc": True, "zone": "x"}) == bool(extra_allowed)
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [{"type": "grammar", "syntax": "lark", "definition": "x"}, {"type": "grammar", "syntax": "peg"}, {"type": "yaml"}],
+)
+def test_responses_custom_tool_errors_name_its_flat_fields(fmt):
+    """On /v1/responses a custom tool is flat: a bad format is named as the client wrote it."""
+    from router.responses_request import ResponsesRequest, to_chat
+
+    body = {"model": "m", "input": "x", "tools": [{"type": "custom", "name": "t", "format": fmt}]}
+    with pytest.raises(ApiError) as e:
+        to_chat(ResponsesRequest.model_validate(body))
+    assert e.value.param == "tools[0].format" and ".custom." not in e.value.message, e.value.message
