@@ -185,7 +185,10 @@ def call_grammar(
     tool's `input` follows its own grammar. `text_first`: free text (no special tokens), then
     optionally the calls (`auto` with strict tools)."""
     calls = "call" + (' ("\\n" call)*' if many else "")
-    rules = [f"start: text ({calls})?\ntext: /(?s:.*)/" if text_first else f"start: {calls}"]
+    # the text a call may follow: anything but the call tag spelled out in ordinary tokens (which
+    # the parser would read as a call the grammar never constrained)
+    text = "TEXT: /(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/"
+    rules = [f"start: TEXT ({calls})?\n{text}" if text_first else f"start: {calls}"]
     rules.append('call: <tool_call> "\\n" (' + " | ".join(f"fn{i}" for i in range(len(fns))) + ") </tool_call>")
     for i, f in enumerate(fns):
         params = f.get("parameters") or {}

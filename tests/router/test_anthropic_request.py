@@ -58,4 +58,4 @@ def test_strict_tools_are_chat_strict_tools():
         chat = to_chat(_body(tools=[tool]))
         assert chat.tools[0]["function"].get("strict") is strict
         c = plan(chat, "xml", None).constraint
-        assert (c is not None and c.grammar.startswith("start: text")) == bool(strict)
+        assert (c is not None and c.grammar.startswith("start: TEXT")) == bool(strict)

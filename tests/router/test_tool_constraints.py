@@ -251,6 +251,12 @@ def test_auto_with_strict_tools_constrains_the_calls_only(front, hf, parallel):
         assert not accepts(g, "Let me check.\n\n" + bad)
         assert not accepts(g, ok + "\nand text after it")
         assert accepts(g, ok + "\n" + ok) == parallel
+        # the call tag spelled in ordinary tokens (which the parser would read as a call) is refused
+        spelled = [
+            t for piece in ("Sure ", "<", "tool", "_call", ">") for t in hf.encode(piece, add_special_tokens=False)
+        ]
+        m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_lark(g), log_level=0)
+        assert hf.convert_tokens_to_ids("<tool_call>") not in spelled and not m.consume_tokens(spelled)
     assert front.prepare(req(tools=[TIME], **think_off)).constraint is None
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
     assert front.prepare(req(tools=[strict], response_format=fmt, **think_off)).constraint.json_schema
