@@ -346,11 +346,22 @@ def test_hung_prefill_node_stops_renewing_and_its_reservations_expire(ckpt, burs
                     held = decode_stats(d.address).capacity.reserved
                     t_stop = time.monotonic()
                     bound = LEASE + LEASE_SLACK
-                    wait_for(lambda: decode_stats(d.address).capacity.reserved <= 2, bound, "leases expired")
+                    # all but those a write was granted for (the last step's, at most 2 of 128 tokens)
+                    # and one whose state was in when the node froze: at most 3 stay reserved
+                    seen: list[int] = []
+
+                    def left() -> bool:
+                        seen.append(decode_stats(d.address).capacity.reserved)
+                        return seen[-1] <= 3
+
+                    try:
+                        wait_for(left, bound, "leases expired")
+                    except AssertionError as e:  # say what stayed reserved
+                        raise AssertionError(
+                            f"{e}: reserved {held} at the freeze, then {seen[:2]} ... {seen[-3:]}"
+                        ) from None
                     assert time.monotonic() - t_stop < bound
                     expired = scrape(durl)[("pdserve_decode_lease_expiries_total", ())]
-                    # all but those a write was granted for (the last step's, at most 2 of 128 tokens)
-                    # and one whose state was in when the node froze
                     assert expired >= held - 3, (held, expired)
                     # the log line (its reader runs behind on a loaded box); a source that had begun
                     # its push when the node froze expires as incomplete
