@@ -268,7 +268,7 @@ def test_openai_n2_stream_moves_and_counts_usage_once(ckpt):
 
     from engine.tokenizer import Tokenizer
 
-    p, n = hc.prompts(lens=(45,), seed=41)[0], 300
+    p, n = hc.prompts(lens=(45,), seed=41)[0], 600  # long enough that a lagging client still kills mid-stream
     want = Tokenizer(ckpt).decode(hc.hf_greedy(ckpt, p, n))
     u = Up("--model", ckpt, "--dtype", "float32", "--decode", "2", "--prefill", "1", "--http-port", "0")
     try:
