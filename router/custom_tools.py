@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.structured.grammar import check
+from proto import pb
 from router.openai_models import ChatRequest, bad
+from router.structured_fields import as_lark
 
 INPUT = "input"  # the one parameter the template sees
 SYNTAXES = ("lark", "regex")
@@ -28,11 +30,10 @@ class CustomTool:
 
     def rule(self) -> str | None:
         """The Lark expression of its input in a call grammar (None: free text)."""
-        if self.syntax == "regex":
-            return "/" + self.definition.replace("/", "\\/") + "/"
-        if self.syntax == "lark":
-            return "%lark {\n" + self.definition + "\n}"
-        return None
+        if self.syntax is None:
+            return None
+        c = pb.Constraint(regex=self.definition) if self.syntax == "regex" else pb.Constraint(grammar=self.definition)
+        return as_lark(c)
 
 
 def _custom(t: dict[str, Any], where: str, flat: bool = False) -> tuple[dict[str, Any], CustomTool]:

@@ -14,16 +14,15 @@ that it never reads as within the budget it exceeded).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import aclosing
+from typing import Any
 
 import grpc
 
 from proto import pb, rpc
 from router.client_hints import HINTS, from_metadata
 from router.errors import Abort, Draining
-from router.grpc_chat import GRPC_OF, chat_chunks
-from router.openai_api import OpenAIFront
-from router.openai_models import ApiError
 from router.request import Chunk
 from serving.rpc import DRAINING_KEY, MAX_REQUEST_ID_LEN
 
@@ -52,9 +51,9 @@ def response(c: Chunk) -> pb.GenerateResponse:
 
 
 class GenerationApi(rpc.GenerationServicer):
-    def __init__(self, service):
+    def __init__(self, service, front: Callable[[], Any]):
         self.service = service
-        self.front = OpenAIFront(service)  # Chat's: the HTTP chat path's template, constraint and parsers
+        self.front = front  # the router's OpenAIFront, made on first use (Chat; router/server.py)
 
     @staticmethod
     async def _abort(a: Abort, context) -> None:
@@ -88,10 +87,14 @@ class GenerationApi(rpc.GenerationServicer):
                 stream.add(pb.TokenDelta(request_id=rid, last=True))
 
     async def Chat(self, request, context):
-        """An OpenAI chat body (router/grpc_chat.py)."""
+        """An OpenAI chat body (router/grpc_chat.py; imported here: the HTTP stack it shares loads
+        only once a router serves chat)."""
+        from router.grpc_chat import GRPC_OF, chat_chunks
+        from router.openai_models import ApiError
+
         HINTS.set(from_metadata(context.invocation_metadata() or (), self.service.creds))
         try:
-            async with aclosing(chat_chunks(self.front, request.body_json)) as chunks:
+            async with aclosing(chat_chunks(self.front(), request.body_json)) as chunks:
                 async for m in chunks:
                     yield m
         except ApiError as e:
@@ -151,6 +154,6 @@ class RegistryApi(rpc.RegistryServicer):
         )
 
 
-def add_services(server: grpc.aio.Server, service) -> None:
-    rpc.add_GenerationServicer_to_server(GenerationApi(service), server)
+def add_services(server: grpc.aio.Server, service, front: Callable[[], Any]) -> None:
+    rpc.add_GenerationServicer_to_server(GenerationApi(service, front), server)
     rpc.add_RegistryServicer_to_server(RegistryApi(service), server)

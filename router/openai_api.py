@@ -297,10 +297,11 @@ class OpenAIFront:
         return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def make_app(service) -> FastAPI:
-    """The router's HTTP app over `service` (router/service.py)."""
+def make_app(service, front: OpenAIFront | None = None) -> FastAPI:
+    """The router's HTTP app over `service` (router/service.py); `front`: the router's, shared with
+    its gRPC Chat (made here when not given)."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
-    front = OpenAIFront(service)
+    front = front or OpenAIFront(service)
 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):

@@ -43,6 +43,16 @@ class Router:
         self.http_port: int | None = None
         self._sweeper: asyncio.Task | None = None
         self._stopped = False
+        self._front = None  # the OpenAI routes' front, one for HTTP and gRPC Chat (`front`)
+
+    def front(self):
+        """The chat path's front (router/openai_api.py), made on first use: its HTTP stack loads
+        only when the router serves HTTP or a Chat call."""
+        if self._front is None:
+            from router.openai_api import OpenAIFront
+
+            self._front = OpenAIFront(self.service)
+        return self._front
 
     @property
     def draining(self) -> bool:
@@ -61,7 +71,7 @@ class Router:
         self.registry.loop, self.registry.on_change = loop, changed
         self.server, port, self._health = await start_grpc(
             addr,
-            lambda s: add_services(s, self.service),
+            lambda s: add_services(s, self.service, self.front),
             ["Generation", "Registry"],
             self.creds,
             self.limits,
@@ -82,7 +92,7 @@ class Router:
 
             registry = self.metrics.registry
             guard = lambda app: HttpCounter(HttpGuard(app, self.creds, self.limits), registry)  # noqa: E731
-            h = await start_http(make_app(self.service), host, self.cfg.http_port, tls, guard)
+            h = await start_http(make_app(self.service, self.front()), host, self.cfg.http_port, tls, guard)
             self._https.append(h)
             self.http_port = h.port
             log.info("router OpenAI-compatible HTTP at %s://%s:%d/v1", scheme, host, self.http_port)

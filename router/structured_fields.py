@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from engine.structured.grammar import bounded_json
 from proto import pb
 from router.openai_models import ApiError, bad
 
@@ -127,3 +128,23 @@ def _lark(param: str, text: str) -> str:
         return gbnf_to_lark(text)
     except Exception as e:  # noqa: BLE001 (the converter raises its own error types)
         raise bad(f"'{param}' is neither a Lark grammar nor GBNF that converts to one: {e}", param) from None
+
+
+ANY = "<[*]>*"  # any tokens: no constraint of its own
+
+
+def as_lark(c: pb.Constraint | None) -> str:
+    """A constraint as a Lark expression to nest in a larger grammar (a thinking budget's answer,
+    a custom tool's input)."""
+    kind = c.WhichOneof("kind") if c is not None else None
+    if c is None or kind is None:
+        return ANY
+    if kind == "json_object":
+        return "%json " + json.dumps(bounded_json({"type": "object"}))
+    if kind == "json_schema":
+        return "%json " + json.dumps(bounded_json(json.loads(c.json_schema)))
+    if kind == "regex":
+        return "/" + c.regex.replace("/", "\\/") + "/"
+    if kind == "choice":
+        return "(" + " | ".join(json.dumps(s) for s in c.choice.choices) + ")"
+    return "%lark {\n" + c.grammar + "\n}"

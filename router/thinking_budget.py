@@ -7,28 +7,8 @@ starts right after `</think>` as it does without a budget (docs/api.md)."""
 
 from __future__ import annotations
 
-import json
-
-from engine.structured.grammar import bounded_json
 from proto import pb
-
-ANY = "<[*]>*"  # any tokens: an answer with no constraint of its own
-
-
-def _answer(c: pb.Constraint | None) -> str:
-    """The Lark expression of what follows `</think>`."""
-    kind = c.WhichOneof("kind") if c is not None else None
-    if c is None or kind is None:
-        return ANY
-    if kind == "json_object":
-        return "%json " + json.dumps(bounded_json({"type": "object"}))
-    if kind == "json_schema":
-        return "%json " + json.dumps(bounded_json(json.loads(c.json_schema)))
-    if kind == "regex":
-        return "/" + c.regex.replace("/", "\\/") + "/"
-    if kind == "choice":
-        return "(" + " | ".join(json.dumps(s) for s in c.choice.choices) + ")"
-    return "%lark {\n" + c.grammar + "\n}"
+from router.structured_fields import as_lark
 
 
 def constrain(c: pb.Constraint | None, think_close: int, budget: int) -> pb.Constraint:
@@ -37,4 +17,4 @@ def constrain(c: pb.Constraint | None, think_close: int, budget: int) -> pb.Cons
     `</think>`, is implied by the grammar's order)."""
     think = f"think[max_tokens={budget}]: /(?s:.*)/\n" if budget > 0 else ""
     start = f"start: {'think ' if budget > 0 else ''}<[{think_close}]> answer\n"
-    return pb.Constraint(grammar=start + think + f"answer: {_answer(c)}\n")
+    return pb.Constraint(grammar=start + think + f"answer: {as_lark(c)}\n")

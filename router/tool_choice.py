@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engine.structured.grammar import WHITESPACE
+from engine.structured.grammar import bounded_json
 from proto import pb
 from router import structured_fields
 from router.custom_tools import INPUT, CustomTool
@@ -163,12 +163,9 @@ def _start(c: pb.Constraint | None, think_close: int | None) -> pb.Constraint | 
 
 
 # ---- the call grammars ----------------------------------------------------------------------------
-# JSON inside a call has the JSON constraints' bounded whitespace (engine/structured/grammar.py)
-_WS = {"whitespace_pattern": WHITESPACE}
-
-
 def _json(schema: dict[str, Any]) -> str:
-    return "%json " + json.dumps(dict(schema, **{"x-guidance": _WS}))
+    """JSON inside a call, with the JSON constraints' bounded whitespace (engine/structured/grammar.py)."""
+    return "%json " + json.dumps(bounded_json(schema))
 
 
 _TEXT = r"/([^<]|<[^\/]){%s}\n<\/parameter>\n/"  # a string value: no "</" inside, then its close tag

@@ -16,6 +16,8 @@ from typing import Any
 from router.parsers.reasoning import Kind, ReasoningParser
 from router.parsers.tool_calls import Item, ToolCallParser, ToolDelta, ToolFormat
 
+_TEXT = {"function": "arguments", "custom": "input"}  # what a call's pieces add to, by its type
+
 
 class ChatOutput:
     def __init__(
@@ -76,12 +78,12 @@ class ChatOutput:
         tool call, `{"type": "custom", "custom": {"name", "input"}}`, streamed the same way)."""
         entries = delta.setdefault("tool_calls", [])
         if d.name is not None:
-            kind, field = ("custom", "input") if d.custom else ("function", "arguments")
-            self.calls.append({"id": d.id, "type": kind, kind: {"name": d.name, field: ""}})
+            kind = "custom" if d.custom else "function"
+            self.calls.append({"id": d.id, "type": kind, kind: {"name": d.name, _TEXT[kind]: ""}})
             entries.append({"index": d.index, "id": d.id, "type": kind, kind: {"name": d.name}})
         call = self.calls[d.index]
         kind = call["type"]
-        field = "input" if kind == "custom" else "arguments"
+        field = _TEXT[kind]
         call[kind][field] += d.arguments
         if not entries or entries[-1]["index"] != d.index:
             entries.append({"index": d.index, kind: {}})
