@@ -16,7 +16,8 @@ from tests.helpers.serve_harness import BLOCK, Up, decode_stats, flags, node_inf
 
 MEMORY_S = 2.0  # --prefix-memory: turn 3 waits past it, routed by the digests alone
 BUSY = 200  # tokens of the request that keeps decode-0 busy: still decoding when turn 1 is routed,
-# even on a loaded machine (40 were done before turn 1 arrived in one CI run)
+# even on a loaded machine (40 were done before turn 1 arrived in one CI run); turn 2 on decode-1
+# is as long, to be still decoding when the unrelated prompt is routed (40 were not, in one)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def test_next_turn_goes_where_the_conversation_is(up, ckpt):
             h.add(ch)
         # both idle now: least-loaded would pick decode-0; the conversation is on decode-1
         turn2 = turn1 + r1.token_ids + user2
-        s2 = iter(c.stream(prompt_token_ids=turn2, max_tokens=40, **greedy))
+        s2 = iter(c.stream(prompt_token_ids=turn2, max_tokens=BUSY, **greedy))
         r2 = GenerateResult()
         r2.add(next(s2))
         assert (r2.decode_node, r2.prefill_node) == ("decode-1", "prefill-0")
@@ -67,10 +68,10 @@ def test_next_turn_goes_where_the_conversation_is(up, ckpt):
         r3 = c.generate(prompt_token_ids=turn3, max_tokens=new, **greedy)
         # 9 new tokens after turn 2's reply: computed on decode-1 from turn 2's final state (its
         # last sampled token has no KV yet)
-        assert (r3.decode_node, r3.prefill_node, r3.cached_tokens) == ("decode-1", "", len(turn2) + 40 - 1)
+        assert (r3.decode_node, r3.prefill_node, r3.cached_tokens) == ("decode-1", "", len(turn2) + BUSY - 1)
     assert h.token_ids == hc.hf_greedy(ckpt, hold, BUSY)
     assert r1.token_ids == hc.hf_greedy(ckpt, turn1, new)
-    assert r2.token_ids == hc.hf_greedy(ckpt, turn2, 40)
+    assert r2.token_ids == hc.hf_greedy(ckpt, turn2, BUSY)
     assert ru.token_ids == hc.hf_greedy(ckpt, unrelated, new)
     assert r3.token_ids == hc.hf_greedy(ckpt, turn3, new)
 
