@@ -127,6 +127,11 @@ class RouterConfig(ImageArgs, SecurityArgs):
         "longest text prompt (or chat messages), in characters, refused (400) before it is tokenized; prompts are "
         "also refused beyond 16 characters per token of the longest context a live decode node serves",
     )
+    responses_store_mb: int = option(
+        256,
+        "memory, in MiB, for the /v1/responses this router keeps (store, previous_response_id); the least "
+        "recently used go first (0: none kept, previous_response_id refused)",
+    )
     tokenizer_workers: int = option(
         0, "threads that tokenize long prompts and detokenize long texts off the event loop (0: one per core, 2-8)"
     )
@@ -155,6 +160,8 @@ class RouterConfig(ImageArgs, SecurityArgs):
         self.check_images()
         if self.max_body_bytes < 1024 or self.max_prompt_chars < 1 or self.tokenizer_workers < 0:
             raise ValueError("max_body_bytes must be >= 1024, max_prompt_chars >= 1, tokenizer_workers >= 0")
+        if self.responses_store_mb < 0:
+            raise ValueError(f"responses_store_mb must be >= 0 (got {self.responses_store_mb})")
         if self.max_requests_per_key < 0:
             raise ValueError("max_requests_per_key must be >= 0 (0: no limit)")
         if self.dead_after_s <= self.heartbeat_interval_s:

@@ -40,6 +40,7 @@ from router.openai_models import (
     sampling,
 )
 from router.request import Chunk
+from router.responses_store import ResponseStore
 from router.version import pdserve_version
 
 log = logging.getLogger("pdserve.http")
@@ -94,6 +95,7 @@ class OpenAIFront:
     def __init__(self, service):
         self.service = service
         self._chat: ChatFront | None = None
+        self.responses = ResponseStore(service.cfg.responses_store_mb << 20)  # stored /v1/responses
 
     @property
     def tok(self):
@@ -401,13 +403,9 @@ def make_app(service, front: OpenAIFront | None = None) -> FastAPI:
     async def chat_completions(request: Request):
         return await answer(parse(ChatRequest, await read_json(request, limit)), request)
 
-    from router.openai_responses import respond  # it builds on this module's helpers
+    from router.openai_responses import register as register_responses  # it builds on this module's helpers
 
-    @app.post("/v1/responses")
-    async def responses(request: Request):
-        hints(request)
-        return await respond(front, await read_json(request, limit), request)
-
+    register_responses(app, front, limit, hints)
     from router.openai_tokenize import register  # noqa: PLC0415
 
     register(app, front, limit)

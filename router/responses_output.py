@@ -144,8 +144,9 @@ def response(
     status: str,
     finish: str | None,
     usage: dict[str, Any] | None,
+    store: bool = False,
 ) -> dict[str, Any]:
-    """The response object (`req`: the ResponsesRequest it answers)."""
+    """The response object (`req`: the ResponsesRequest it answers; `store`: it is kept)."""
     incomplete = {"reason": "max_output_tokens"} if finish == "length" else None
     out = {
         "id": rid,
@@ -160,9 +161,9 @@ def response(
         "max_output_tokens": req.max_output_tokens,
         "metadata": req.metadata or {},
         "parallel_tool_calls": req.parallel_tool_calls is not False,
-        "previous_response_id": None,
+        "previous_response_id": req.previous_response_id,
         "reasoning": req.reasoning,
-        "store": False,
+        "store": store,
         "temperature": req.temperature,
         "text": req.text or {"format": {"type": "text"}},
         "tool_choice": req.tool_choice or "auto",

@@ -1,4 +1,4 @@
-"""`POST /v1/responses` request bodies, stateless: the body (`ResponsesRequest`) turned into the
+"""`POST /v1/responses` request bodies: the body (`ResponsesRequest`) turned into the
 chat request it means (`to_chat`), which the chat path then serves (template, parsers,
 constraints). Input items: messages (roles user / system / developer / assistant; content a
 string or `input_text` / `output_text` parts, and `input_image` parts in user, system and
@@ -8,8 +8,8 @@ developer messages, named `input[i].content[j]` in errors), `function_call` and
 reasoning_content: its content or summary text, else what router/responses_output.py carried in
 its `encrypted_content`). `instructions` is the system message; `tools` are flat function and custom
 tools (router/custom_tools.py);
-`text.format` is the response format. `previous_response_id` is a 400 naming it: this router
-stores no responses (shared state across routers has no design yet)."""
+`text.format` is the response format. `previous_response_id`'s conversation (router/responses_store.py)
+comes before `input`; `conversation` is a 400 naming it."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None  # `effort`: chat's reasoning_effort; `summary` accepted, not used
-    previous_response_id: Any = None
+    previous_response_id: Any = None  # a stored response this one continues (router/responses_store.py)
+    store: bool | None = None  # keep it for previous_response_id / GET (unset: kept, OpenAI's default)
     conversation: Any = None
     metadata: dict[str, Any] | None = None
     include: list[str] | None = None  # "reasoning.encrypted_content": reasoning carried opaquely (responses_output)
@@ -92,11 +93,13 @@ def _parts_of(content: Any, where: str, msg: int, names: dict[tuple[int, int], s
     return parts
 
 
-def _messages(req: ResponsesRequest, names: dict[tuple[int, int], str]) -> list[dict[str, Any]]:
+def _messages(
+    req: ResponsesRequest, names: dict[tuple[int, int], str], prior: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     msgs: list[dict[str, Any]] = []
     if req.instructions:
         msgs.append({"role": "system", "content": req.instructions})
-    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    items = prior + ([{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input)
     thought: str | None = None  # a reasoning item waits for the assistant turn it belongs to
 
     def assistant() -> dict[str, Any]:
@@ -109,9 +112,20 @@ def _messages(req: ResponsesRequest, names: dict[tuple[int, int], str]) -> list[
             last["reasoning_content"], thought = thought, None
         return last
 
+    def settle() -> None:
+        """A reasoning item no assistant item followed (an output that ended while reasoning) is
+        an assistant turn of its own, with no content."""
+        if thought is not None:
+            a = assistant()
+            a["content"] = a["content"] or ""
+
     for i, it in enumerate(items):
-        where = f"input[{i}]"
+        where = f"input[{i - len(prior)}]" if i >= len(prior) else f"previous_response_id's input[{i}]"
         kind = it.get("type", "message")
+        if kind in ("function_call_output", "custom_tool_call_output") or (
+            kind == "message" and it.get("role") != "assistant"
+        ):
+            settle()
         if kind == "message":
             role = it.get("role")
             if role not in ("user", "system", "developer", "assistant"):
@@ -141,6 +155,7 @@ def _messages(req: ResponsesRequest, names: dict[tuple[int, int], str]) -> list[
             thought = _text_of(parts, where) or carried(it.get("encrypted_content")) or ""
         else:
             raise bad(f"{where}: items of type {kind!r} are not supported", f"{where}.type")
+    settle()
     return msgs
 
 
@@ -183,16 +198,20 @@ def _response_format(text: dict[str, Any] | None) -> Any:
     return {"type": "json_schema", "json_schema": js}
 
 
-def to_chat(req: ResponsesRequest) -> ChatRequest:
-    """The chat request `req` means (module docstring); ApiError 400 naming a bad field."""
-    for name in ("previous_response_id", "conversation"):
-        if getattr(req, name) is not None:
-            raise bad(f"'{name}' is not supported: this router stores no responses; send the whole input", name)
+def to_chat(req: ResponsesRequest, prior: list[dict[str, Any]] | None = None) -> ChatRequest:
+    """The chat request `req` means (module docstring), after the input items `prior` (the
+    conversation of its previous_response_id); ApiError 400 naming a bad field."""
+    if req.conversation is not None:
+        raise bad(
+            "'conversation' is not supported: continue a stored response with previous_response_id, "
+            "or send the whole input",
+            "conversation",
+        )
     tools = [_tool(t, i) for i, t in enumerate(req.tools)] if req.tools else None
     names: dict[tuple[int, int], str] = {}
     body: dict[str, Any] = {
         "model": req.model,
-        "messages": _messages(req, names),
+        "messages": _messages(req, names, prior or []),
         "tools": tools,
         "tool_choice": _tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls,

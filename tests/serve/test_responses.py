@@ -1,13 +1,15 @@
-"""`POST /v1/responses` (stateless) through the official `openai` client against `pdserve up`
+"""`POST /v1/responses` through the official `openai` client against `pdserve up`
 (1 prefill + 1 decode node): its answers equal the chat completion of the same conversation
 (reasoning item = reasoning_content, message = content, function_call = tool call), streamed
 events assemble to the same items, function_call / function_call_output input items render as
 transformers renders the equivalent chat messages, `tool_choice` required gives a call valid
-under the schema, and previous_response_id and image parts are 400s naming them; custom tools
+under the schema, and an unknown previous_response_id and image parts are 400s naming them; custom tools
 (chat and Responses) give calls whose input is in the tool's grammar (checked with `re`), streamed
 the same, and a custom call sent back renders as transformers renders the equivalent function call;
 tool_choice auto with a strict tool gives calls whose arguments validate; allowed_tools limits the calls;
-reasoning sent back only as encrypted_content renders as the reasoning it carried."""
+reasoning sent back only as encrypted_content renders as the reasoning it carried; a stored response
+continued by previous_response_id renders as the whole conversation sent as input, and retrieve,
+delete and input_items see what was stored."""
 
 from __future__ import annotations
 
@@ -325,3 +327,80 @@ def test_reasoning_comes_back_through_encrypted_content(oai, model, hf):
     assert r2.usage.input_tokens == len(hf.encode(want, add_special_tokens=False))
     plain = oai.responses.create(model=model, input="Time?", tools=[TOOL], temperature=0.0, max_output_tokens=8)
     assert all(getattr(it, "encrypted_content", None) is None for it in plain.output)  # only when asked
+
+
+# ---- stored responses (router/responses_store.py) ------------------------------------------------
+def _dicts(items) -> list[dict]:
+    return [it.model_dump(exclude_none=True) for it in items]
+
+
+def test_previous_response_id_continues_the_stored_conversation(oai, model, hf):
+    """A response continued by previous_response_id sees the prompt of the whole conversation sent
+    as input (its items, then the first response's output, then the new input), which is
+    transformers' rendering of those turns, and answers it alike (greedy); retrieve gives the
+    stored response back and input_items lists the conversation in order."""
+    kw = dict(model=model, temperature=0.0, max_output_tokens=8, extra_body=BIAS)
+    r1 = oai.responses.create(input="Hello there.", **kw)
+    assert r1.store is True and r1.previous_response_id is None
+    r2 = oai.responses.create(previous_response_id=r1.id, input="And then?", instructions="Be brief.", **kw)
+    assert r2.previous_response_id == r1.id and r2.store is True
+    whole = [{"role": "user", "content": "Hello there."}, *_dicts(r1.output), {"role": "user", "content": "And then?"}]
+    r3 = oai.responses.create(input=whole, instructions="Be brief.", store=False, **kw)
+    assert r3.store is False
+    assert r2.usage.input_tokens == r3.usage.input_tokens and _plain(r2.output) == _plain(r3.output)
+    said = {it.type: it.content[0].text for it in r1.output}
+    turn = {"role": "assistant", "content": said.get("message", "")}
+    if "reasoning" in said:
+        turn["reasoning_content"] = said["reasoning"].strip("\n")
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello there."},
+        turn,
+        {"role": "user", "content": "And then?"},
+    ]
+    want = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert r2.usage.input_tokens == len(hf.encode(want, add_special_tokens=False))
+    got = oai.responses.retrieve(r1.id)
+    assert got.id == r1.id and _plain(got.output) == _plain(r1.output) and got.usage == r1.usage
+    listed = oai.responses.input_items.list(r2.id, order="asc")
+    kinds = [(it.type, getattr(it, "role", None)) for it in listed.data]
+    assert kinds == [
+        ("message", "user"),
+        *[(it.type, getattr(it, "role", None)) for it in r1.output],
+        ("message", "user"),
+    ]
+    assert listed.data[0].content[0].text == "Hello there." and listed.data[-1].content[0].text == "And then?"
+    newest = oai.responses.input_items.list(r2.id, limit=1)  # desc by default: the newest first
+    assert [it.id for it in newest.data] == [listed.data[-1].id] and newest.has_more
+
+
+def test_a_chain_outlives_its_first_response_and_unknown_ids_are_refused(oai, model):
+    import openai
+
+    kw = dict(model=model, temperature=0.0, max_output_tokens=4, extra_body=BIAS)
+    r1 = oai.responses.create(input="One.", **kw)
+    r2 = oai.responses.create(previous_response_id=r1.id, input="Two.", **kw)
+    deleted = oai.responses.delete(r1.id)
+    assert deleted is None or getattr(deleted, "deleted", True)  # the SDK returns None for it
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(r1.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(previous_response_id=r1.id, input="Three.", **kw)
+    assert e.value.body["param"] == "previous_response_id" and e.value.body["code"] == "previous_response_not_found"
+    r3 = oai.responses.create(previous_response_id=r2.id, input="Three.", **kw)  # r2 holds r1's turns
+    assert r3.usage.input_tokens > r2.usage.input_tokens > r1.usage.input_tokens
+    kinds = [it.type for it in oai.responses.input_items.list(r3.id, order="asc", limit=100).data]
+    assert kinds[0] == "message" and len(kinds) == 3 + len(r1.output) + len(r2.output)
+    unstored = oai.responses.create(input="Four.", store=False, **kw)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(unstored.id)
+
+
+def test_a_streamed_response_is_stored_once_complete(oai, model):
+    kw = dict(model=model, input="Stream it.", temperature=0.0, max_output_tokens=6, extra_body=BIAS)
+    items, final, kinds = _streamed(oai, **kw)
+    assert final.store is True
+    got = oai.responses.retrieve(final.id)
+    assert _plain(got.output) == _plain(items) and got.status == final.status
+    nxt = oai.responses.create(previous_response_id=final.id, **dict(kw, input="More."))
+    assert nxt.previous_response_id == final.id and nxt.usage.input_tokens > final.usage.input_tokens
