@@ -259,8 +259,10 @@ def greedy_through_transfer(address: str, ps, want, requests: int, what: str = "
         c.wait_ready(timeout=90)
         jobs = [i % len(ps) for i in range(requests)]
 
-        def one(i):
-            return c.generate(prompt_token_ids=ps[i], max_tokens=len(want[i]), temperature=0.0, ignore_eos=True)
+        def one(i):  # no admission budget: a loaded runner's slow prefill estimate refused one (730 tokens at 24/s)
+            return c.generate(
+                prompt_token_ids=ps[i], max_tokens=len(want[i]), temperature=0.0, ignore_eos=True, admission_timeout_s=0
+            )
 
         with ThreadPoolExecutor(requests) as ex:
             outs = list(ex.map(one, jobs))
