@@ -10,7 +10,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from client.aio_mux import AsyncMuxedCall, AsyncTokenStreams
-from client.chat import ChatResult, chat_request, chunk_of
+from client.chat import ChatProgress, ChatResult, chat_request
 from client.routers import GENERATION, Routers, StreamBase, connection, muxed_start
 from client.types import GenerateResult, PdserveError, build_request, chunk_from, chunk_from_delta
 from proto import pb
@@ -136,15 +136,17 @@ class AsyncClient:
     ) -> AsyncIterator[dict]:
         """As Client.chat_stream: OpenAI's chat chunks as dicts, then `{"usage": ...}`."""
         r = self._r
-        req = chat_request(messages, model or await self._model(), fields)
-        call = r.stubs[r.cur].Chat(req, timeout=timeout or self.timeout, metadata=r.md)
-        try:
-            async for m in call:
-                yield chunk_of(m)
-        except grpc.RpcError as e:
-            raise PdserveError.from_rpc(e) from None
-        finally:
-            call.cancel()
+        go = ChatProgress(chat_request(messages, model or await self._model(), fields), len(r.addrs), r.cur)
+        while True:
+            call = go.call(r, timeout or self.timeout)
+            try:
+                async for m in call:
+                    yield go.add(m)
+                return
+            except grpc.RpcError as e:
+                go.failed(e, r)
+            finally:
+                call.cancel()
 
     async def chat(
         self, messages: list[dict], model: str | None = None, timeout: float | None = None, **fields

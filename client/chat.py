@@ -2,7 +2,9 @@
 body in (`messages`, `tools`, `tool_choice`, `response_format`, sampling fields, ...), rendered with
 the checkpoint's chat template on the router; out, OpenAI's chunks as dicts (`index`, `delta` with
 `content`, `reasoning_content`, `tool_calls`, `finish_reason`), then `{"usage": ...}`, folded by
-`ChatResult` into one message per choice as OpenAI's whole answer has it."""
+`ChatResult` into one message per choice as OpenAI's whole answer has it. A router that fails
+mid-answer (UNAVAILABLE) is replaced by the next, which continues each choice after the tokens
+received (`ChatProgress`)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,54 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
+
+from client.types import PdserveError
 from proto import pb
 
 
 def chat_request(messages: list[dict[str, Any]], model: str, fields: dict[str, Any]) -> pb.ChatRequest:
     return pb.ChatRequest(body_json=json.dumps({**fields, "model": model, "messages": messages}))
+
+
+class ChatProgress:
+    """What a chat stream has received, per choice: its tokens and whether it finished; the
+    request to make on the next router when the current one fails (ChatRequest.resume), so the
+    answer goes on from there (client/routers.py)."""
+
+    def __init__(self, req: pb.ChatRequest, routers: int, cur: int) -> None:
+        self.req, self.i, self.left = req, cur, routers - 1
+        self.tokens: dict[int, list[int]] = {}
+        self.finished: set[int] = set()
+
+    def call(self, routers: Any, timeout: float | None) -> Any:
+        """The Chat call on the router to try now (a resume after a failure)."""
+        return routers.stubs[self.i % len(routers.stubs)].Chat(self.request(), timeout=timeout, metadata=routers.md)
+
+    def add(self, m: pb.ChatChunk) -> dict[str, Any]:
+        chunk = chunk_of(m)
+        if "index" in chunk:
+            self.tokens.setdefault(chunk["index"], []).extend(m.token_ids)
+            if chunk.get("finish_reason"):
+                self.finished.add(chunk["index"])
+        return chunk
+
+    def failed(self, e: grpc.RpcError, routers: Any) -> None:
+        """After the call failed: the next router becomes current (the caller calls again), or
+        PdserveError when none is left or the failure is not UNAVAILABLE."""
+        if self.left <= 0 or e.code() != grpc.StatusCode.UNAVAILABLE:
+            raise PdserveError.from_rpc(e) from None
+        self.left -= 1
+        self.i += 1
+        routers.use(self.i)
+
+    def request(self) -> pb.ChatRequest:
+        if not self.tokens and not self.finished:
+            return self.req
+        r = pb.ChatRequest(body_json=self.req.body_json)
+        for i in sorted(set(self.tokens) | self.finished):
+            r.resume.append(pb.ChatResume(index=i, token_ids=self.tokens.get(i, []), finished=i in self.finished))
+        return r
 
 
 def chunk_of(m: pb.ChatChunk) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import grpc
 from grpc_health.v1 import health_pb2
 
-from client.chat import ChatResult, chat_request, chunk_of
+from client.chat import ChatProgress, ChatResult, chat_request
 from client.mux import MuxedCall, TokenStreams
 from client.routers import GENERATION, Routers, StreamBase, connection, muxed_start
 from client.types import GenerateResult, PdserveError, StreamChunk, build_request, chunk_from, chunk_from_delta
@@ -145,18 +145,20 @@ class Client:
     ) -> Iterator[dict]:
         """OpenAI's chat chunks as dicts, then `{"usage": ...}` (client/chat.py). `fields`: the rest
         of a chat completions body (tools, tool_choice, response_format, temperature, max_tokens,
-        chat_template_kwargs, ...); `model` defaults to the router's first."""
+        chat_template_kwargs, ...); `model` defaults to the router's first. A router that fails
+        mid-answer is replaced by the next, which goes on after the tokens received."""
         r = self._r
-        call = r.stubs[r.cur].Chat(
-            chat_request(messages, model or self._model(), fields), timeout=timeout or self.timeout, metadata=r.md
-        )
-        try:
-            for m in call:
-                yield chunk_of(m)
-        except grpc.RpcError as e:
-            raise PdserveError.from_rpc(e) from None
-        finally:
-            call.cancel()
+        go = ChatProgress(chat_request(messages, model or self._model(), fields), len(r.addrs), r.cur)
+        while True:
+            call = go.call(r, timeout or self.timeout)
+            try:
+                for m in call:
+                    yield go.add(m)
+                return
+            except grpc.RpcError as e:
+                go.failed(e, r)
+            finally:
+                call.cancel()
 
     def chat(
         self, messages: list[dict], model: str | None = None, timeout: float | None = None, **fields

@@ -217,18 +217,32 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("body_json",)
+    __slots__ = ("body_json", "resume")
     BODY_JSON_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     body_json: str
-    def __init__(self, body_json: _Optional[str] = ...) -> None: ...
+    resume: _containers.RepeatedCompositeFieldContainer[ChatResume]
+    def __init__(self, body_json: _Optional[str] = ..., resume: _Optional[_Iterable[_Union[ChatResume, _Mapping]]] = ...) -> None: ...
+
+class ChatResume(_message.Message):
+    __slots__ = ("index", "token_ids", "finished")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finished: bool
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class ChatChunk(_message.Message):
-    __slots__ = ("choice_json", "usage_json")
+    __slots__ = ("choice_json", "usage_json", "token_ids")
     CHOICE_JSON_FIELD_NUMBER: _ClassVar[int]
     USAGE_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     choice_json: str
     usage_json: str
-    def __init__(self, choice_json: _Optional[str] = ..., usage_json: _Optional[str] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, choice_json: _Optional[str] = ..., usage_json: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("id", "path", "vocab_size", "max_model_len", "has_tokenizer")

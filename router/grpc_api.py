@@ -94,7 +94,7 @@ class GenerationApi(rpc.GenerationServicer):
 
         HINTS.set(from_metadata(context.invocation_metadata() or (), self.service.creds))
         try:
-            async with aclosing(chat_chunks(self.front(), request.body_json)) as chunks:
+            async with aclosing(chat_chunks(self.front(), request.body_json, request.resume)) as chunks:
                 async for m in chunks:
                     yield m
         except ApiError as e:

@@ -189,12 +189,14 @@ class OpenAIFront:
                 job.prompt_ids.append(list(base.prompt_token_ids))
         return job
 
-    async def events(self, job: Job) -> AsyncGenerator[tuple[int, Chunk], None]:
-        """(choice, chunk) as they come, over every choice's generate; raises the first Abort."""
-        if len(job.reqs) == 1:
-            async with aclosing(self.service.generate(job.reqs[0], job.images)) as g:
+    async def events(self, job: Job, only: list[int] | None = None) -> AsyncGenerator[tuple[int, Chunk], None]:
+        """(choice, chunk) as they come, over every choice's generate (`only`: these choices');
+        raises the first Abort."""
+        run = list(range(len(job.reqs))) if only is None else only
+        if len(run) == 1:
+            async with aclosing(self.service.generate(job.reqs[run[0]], job.images)) as g:
                 async for c in g:
-                    yield 0, c
+                    yield run[0], c
             return
         q: asyncio.Queue = asyncio.Queue()
 
@@ -207,7 +209,7 @@ class OpenAIFront:
             except Abort as a:
                 q.put_nowait((i, a))
 
-        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(job.reqs)]
+        tasks = [asyncio.ensure_future(pump(i, job.reqs[i])) for i in run]
         try:
             left = len(tasks)
             while left:

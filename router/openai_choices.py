@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from proto import pb
+from router.detok import IncrementalDetokenizer
 from router.images.prepare import Prepared
 from router.parsers.output import ChatOutput
 from router.request import Chunk
@@ -95,6 +96,24 @@ class Choice:
         if self.out is not None:
             self.out.push(text, final=bool(c.finish_reason), tokens=self._new(c))
 
+    def replay(self, token_ids: list[int], finished: bool, prompt: list[int]) -> None:
+        """A resumed answer (ChatRequest.resume): the tokens its client already has go through
+        this choice's parsers and counts without being sent, so its stream goes on from their
+        state; a finished choice is not continued. Its prompt is counted here (its cached tokens
+        as none: the first router had them)."""
+        req = self.job.reqs[self.index]
+        sp = req.sampling
+        skip = not sp.HasField("skip_special_tokens") or sp.skip_special_tokens
+        text = IncrementalDetokenizer(self.tok, prompt, skip).push(token_ids, final=finished)  # as the client has it
+        self.n += len(token_ids)
+        if self.job.token_ids:
+            self.ids += token_ids
+        if self.out is not None:
+            self.out.push(text, finished, len(token_ids))
+        self.text.append(text)
+        if token_ids or finished:  # its stream's first chunk, with the prompt's figures, was sent already
+            self.started, self.prompt_tokens = True, len(prompt)
+
     def _new(self, c: Chunk) -> int:
         """The chunk's tokens the answer counts."""
         return 0 if self.job.no_output else len(c.token_ids)
@@ -170,9 +189,12 @@ class Choice:
 
 
 def usage(choices: list[Choice]) -> dict:
-    p = sum(c.prompt_tokens for c in choices if c.index % c.job.n == 0)  # once per prompt
+    groups: dict[int, list[Choice]] = {}  # the choices of each prompt, whose prompt counts once
+    for c in choices:
+        groups.setdefault(c.index // c.job.n, []).append(c)
+    firsts = [next((c for c in cs if c.started), cs[0]) for cs in groups.values()]
+    p, cached = sum(c.prompt_tokens for c in firsts), sum(c.cached_tokens for c in firsts)
     n = sum(c.n for c in choices)
-    cached = sum(c.cached_tokens for c in choices if c.index % c.job.n == 0)
     out = {
         "prompt_tokens": p,
         "completion_tokens": n,

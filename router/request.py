@@ -135,7 +135,9 @@ class RequestRun:
         # from the tokens the client has: they are its output so far
         resume = list(request.resume_token_ids)
         skip = not request.sampling.HasField("skip_special_tokens") or request.sampling.skip_special_tokens
-        self.detok = IncrementalDetokenizer(svc.tokenizer, ids + resume, skip) if svc.tokenizer is not None else None
+        self.detok = IncrementalDetokenizer(svc.tokenizer, ids, skip) if svc.tokenizer is not None else None
+        if self.detok is not None and resume:  # the client has their text: the next delta follows it
+            self.detok.push(resume)
         self.tried: set[str] = set()
         self.max_new = 0  # new tokens at most, once placed
         sp = request.sampling

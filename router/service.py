@@ -258,6 +258,10 @@ class GenerateService:
         self.check_prompt_chars(len(text), what)
         return await self.text.encode(text)
 
+    async def prompt_ids(self, request, images: Sequence[Prepared] | None) -> list[int]:
+        """The prompt's token ids as the nodes get them (images expanded)."""
+        return list((await self._prompt_ids(request, images))[0])
+
     async def _prompt_ids(self, request, images: Sequence[Prepared] | None):
         """The prompt's token ids, each image's placeholder expanded, and its images (ImageInputs)."""
         bad = grpc.StatusCode.INVALID_ARGUMENT

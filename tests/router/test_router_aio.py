@@ -13,7 +13,7 @@ import socket
 
 import pytest
 
-from proto import rpc
+from proto import pb, rpc
 from serving.rpc import start_server
 from tests.helpers.fake_node import FakeDecode, decode_info
 from tests.helpers.serve_harness import wait_for
@@ -145,3 +145,32 @@ def test_http_connections_do_not_wait_for_delayed_acks(cluster):
     socks = [c.transport.get_extra_info("socket") for c in list(h.server.server_state.connections)]
     assert socks and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in socks)
     conn.close()
+
+
+def test_a_resumed_chat_continues_the_unfinished_choices_only(cluster):
+    """Generation.Chat with `resume` (the SDK on its next router): a finished choice is not
+    generated again, an unfinished one is sent to the node with its tokens as its output so far,
+    and the usage counts the resumed tokens; a resume naming no choice of the answer is
+    INVALID_ARGUMENT."""
+    import grpc
+
+    r, port, fake = cluster
+    r.registry.nodes["d0"].info.vocab_size = 1024  # the chat template's tokens (decode_info says 100)
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 6})
+    done, part = fake.tokens[:3] * 2, fake.tokens[:2]
+    req = pb.ChatRequest(
+        body_json=body,
+        resume=[pb.ChatResume(index=0, token_ids=done, finished=True), pb.ChatResume(index=1, token_ids=part)],
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = rpc.GenerationStub(ch)
+        msgs = list(stub.Chat(req, timeout=30))
+        assert fake.started == 1 and list(fake.last.resume_token_ids) == part  # choice 1 alone, after its tokens
+        choices = [json.loads(m.choice_json) for m in msgs if m.choice_json]
+        assert {c["index"] for c in choices} == {1}
+        new = sum(len(m.token_ids) for m in msgs if m.choice_json)
+        use = json.loads(msgs[-1].usage_json)
+        assert use["completion_tokens"] == len(done) + len(part) + new and new > 0
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Chat(pb.ChatRequest(body_json=body, resume=[pb.ChatResume(index=5)]), timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "resume" in e.value.details()

@@ -2,7 +2,8 @@
 node SIGKILLed while long streams are under way on both. Every stream completes with no error, no
 duplicate and no gap: greedy ones are transformers' tokens (checked teacher-forced), seeded and
 constrained ones the offline engine's, a stop string and max_tokens hold across the move; the
-surviving nodes' pages and slots come back; the router counts the migrations."""
+surviving nodes' pages and slots come back; the router counts the migrations. A router killed
+mid-stream: the SDK's Generate and Chat streams go on through the next router."""
 
 from __future__ import annotations
 
@@ -256,6 +257,51 @@ def test_sdk_resumes_on_the_next_router(ckpt):
         resumed = int(rb.find(r"prompt 50, .* (\d+) tokens, length"))  # what the second router streamed
         assert 0 < resumed <= LONG - 8, resumed
         wait_for(lambda: decode_stats(d.address).capacity == initial, 30, "the decode node's memory back")
+    finally:
+        for pr in reversed(procs):
+            pr.stop()
+
+
+def test_sdk_chat_resumes_on_the_next_router(ckpt):
+    """Chat over gRPC (Client.chat_stream), two seeded sampled choices, through two routers over
+    the same pools; the router streaming it is SIGKILLed mid-answer: the SDK resumes on the other
+    with each choice's tokens (ChatRequest.resume), and the answer (each choice's text, its finish
+    and the usage) equals the same request answered by one router with no fault."""
+    import re
+
+    from client import Client
+    from client.chat import ChatResult
+    from tests.helpers.serve_harness import Proc, two_routers
+
+    msgs = [{"role": "user", "content": "Tell me a long story."}]
+    kw = dict(max_tokens=LONG, temperature=1.0, top_p=0.9, seed=7, n=2, ignore_eos=True)
+    kw["chat_template_kwargs"] = {"enable_thinking": False}
+    done = re.compile(r"prompt \d+, .* (\d+) tokens, length")
+    procs: list[Proc] = []
+    try:
+        ra, rb = two_routers(ckpt, procs)
+        with Client(rb.address, timeout=120) as c:
+            c.wait_ready(60)
+            want = c.chat(msgs, **kw)
+        ended = lambda: [int(m.group(1)) for ln in list(rb.lines) if (m := done.search(ln))]  # noqa: E731
+        wait_for(lambda: len(ended()) == 2, 20, "the unfaulted choices' log lines")
+        got, chunks = ChatResult(), [0, 0]
+        with Client([ra.address, rb.address], timeout=120) as c:
+            c.wait_ready(60)
+            for ch in c.chat_stream(msgs, **kw):
+                got.add(ch)
+                if "index" in ch:
+                    chunks[ch["index"]] += 1
+                if min(chunks) >= 8 and ra.proc.poll() is None:
+                    ra.proc.send_signal(signal.SIGKILL)
+            assert c.addr == rb.address
+        assert ra.proc.poll() is not None
+        assert [ch.message for ch in got.choices] == [ch.message for ch in want.choices]
+        assert got.choices[0].message["content"] != got.choices[1].message["content"]  # two seeds
+        assert [ch.finish_reason for ch in got.choices] == ["length", "length"] and got.usage == want.usage
+        wait_for(lambda: len(ended()) == 4, 20, "the resumed choices' log lines")
+        resumed = ended()[2:]
+        assert all(0 < k <= LONG - 8 for k in resumed), resumed  # each went on from its tokens
     finally:
         for pr in reversed(procs):
             pr.stop()
