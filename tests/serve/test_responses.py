@@ -404,3 +404,28 @@ def test_a_streamed_response_is_stored_once_complete(oai, model):
     assert _plain(got.output) == _plain(items) and got.status == final.status
     nxt = oai.responses.create(previous_response_id=final.id, **dict(kw, input="More."))
     assert nxt.previous_response_id == final.id and nxt.usage.input_tokens > final.usage.input_tokens
+
+
+def test_a_tool_call_continued_by_previous_response_id(oai, model, hf):
+    """The agent loop over stored responses: a required call, then only its output sent with
+    previous_response_id; the prompt is transformers' rendering of the user turn, the call and
+    the tool's answer."""
+    kw = dict(model=model, tools=[TOOL], temperature=0.0, extra_body=NO_THINK)
+    r1 = oai.responses.create(input="Time?", tool_choice="required", max_output_tokens=100, **kw)
+    calls = [it for it in r1.output if it.type == "function_call"]
+    assert r1.status == "completed" and calls
+    outs = [{"type": "function_call_output", "call_id": c.call_id, "output": "12:00"} for c in calls]
+    r2 = oai.responses.create(previous_response_id=r1.id, input=outs, max_output_tokens=2, **kw)
+    tool_calls = [
+        {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+        for c in calls
+    ]
+    msgs = [
+        {"role": "user", "content": "Time?"},
+        {"role": "assistant", "content": "", "tool_calls": tool_calls},
+        *[{"role": "tool", "tool_call_id": c.call_id, "content": "12:00"} for c in calls],
+    ]
+    want = hf.apply_chat_template(
+        msgs, tools=[CHAT_TOOL], add_generation_prompt=True, tokenize=False, enable_thinking=False
+    )
+    assert r2.usage.input_tokens == len(hf.encode(want, add_special_tokens=False))
