@@ -62,6 +62,13 @@ class ResponseStore:
     def enabled(self) -> bool:
         return self.max_bytes > 0
 
+    def gauges(self) -> dict[str, tuple[str, float]]:
+        """The router's /metrics gauges of the store."""
+        return {
+            "responses_stored": ("Responses kept for previous_response_id and GET /v1/responses/{id}", len(self)),
+            "responses_stored_bytes": ("Bytes the stored responses count against --responses-store-mb", self.bytes),
+        }
+
     def put(self, response: dict[str, Any], prior: list[dict[str, Any]], own: list[dict[str, Any]]) -> bool:
         """Keep `response` (input: `prior` + `own`); False when it alone is over the limit."""
         size = len(json.dumps(response, separators=(",", ":"))) + len(json.dumps(own, separators=(",", ":")))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import aclosing
 
 import grpc
@@ -74,6 +74,7 @@ class GenerateService:
         self.idle = asyncio.Event()  # set while active == 0 (the drain waits on it)
         self.idle.set()
         self.client_streams = ClientStreams()  # clients' token streams (router/client_streams.py)
+        self.gauge_sources: list[Callable[[], dict[str, tuple[str, float]]]] = []  # more, as the HTTP front's
         self.draining = False
         self.metrics = ServingMetrics("pdserve_router", self._gauges)
         reg = self.metrics.registry
@@ -124,7 +125,7 @@ class GenerateService:
         dec = self.registry.live(pb.NODE_KIND_DECODE)
         caps = [e.info.capacity for e in dec]
         mux, cs = self.registry.mux_totals, self.client_streams
-        return {
+        out = {
             "queue_depth": ("Requests waiting for admission", self.admission.depth()),
             "active_requests": ("Requests in flight through the router", self.active),
             "decode_nodes_live": ("Live decode nodes", len(dec)),
@@ -160,6 +161,9 @@ class GenerateService:
             "client_token_stream_messages_total": ("Messages sent on the clients' token streams", cs.messages),
             "client_token_stream_chunks_total": ("Chunks those messages carried", cs.deltas),
         }
+        for more in self.gauge_sources:
+            out.update(more())
+        return out
 
     def models(self) -> list[pb.ModelInfo]:
         return served_models(self.registry, self.cfg.served_model_name, self.tokenizer is not None)

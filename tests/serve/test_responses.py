@@ -429,3 +429,18 @@ def test_a_tool_call_continued_by_previous_response_id(oai, model, hf):
         msgs, tools=[CHAT_TOOL], add_generation_prompt=True, tokenize=False, enable_thinking=False
     )
     assert r2.usage.input_tokens == len(hf.encode(want, add_special_tokens=False))
+
+
+def test_the_store_shows_in_the_router_metrics(oai, model, http_up):
+    from tests.helpers.serve_harness import log_url, scrape
+
+    url = log_url(http_up, r"OpenAI-compatible HTTP on (http://\S+)/v1") + "/metrics"  # the HTTP app's own
+    before = scrape(url)[("pdserve_router_responses_stored", ())]
+    r = oai.responses.create(model=model, input="Count me.", temperature=0.0, max_output_tokens=2)
+    m = scrape(url)
+    assert (
+        m[("pdserve_router_responses_stored", ())] == before + 1
+        and m[("pdserve_router_responses_stored_bytes", ())] > 0
+    )
+    oai.responses.delete(r.id)
+    assert scrape(url)[("pdserve_router_responses_stored", ())] == before
