@@ -323,6 +323,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                 first_msg = False
             box.n = total
             if done:
+                msg.node_ended = int(item.metrics.get("ended", 0))
                 box.outcome = "cancelled" if item.finish_reason == "abort" else "ok"
                 box.ttft = t.ttft_s if first_tok is not None else None
                 box.tpot = t.tpot_s if total > 1 else None

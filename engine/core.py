@@ -468,6 +468,8 @@ class EngineCore:
             metrics["ttft_s"] = req.first_token_time - req.arrival_time
         if done and req.finish_time is not None:
             metrics["e2e_s"] = req.finish_time - req.arrival_time
+        if req.ended_seq:
+            metrics["ended"] = req.ended_seq  # the decode node's last message carries it (node_ended)
         return RequestOutput(
             req.request_id,
             req.prompt_token_ids,

@@ -50,6 +50,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
+    ended_seq: int = 0  # the scheduler's count of ended requests once this one ended (0: not ended)
     logits: object = None  # last-position logits when want_logits (a [vocab] float32 tensor)
     draft_token_ids: list[int] = field(default_factory=list)  # MTP drafts proposed for the next step
     spec: SpecDepth = field(default_factory=SpecDepth)  # draft depth, replaced whole by the policy

@@ -19,6 +19,8 @@ from router.prefix import NodeCache
 from router.token_mux import MuxTotals, TokenMux
 from serving.security import OPEN, Credentials
 
+CREDIT_MAX_S = 10.0  # an end no report has counted by then is dropped (a node that stopped reporting)
+
 log = logging.getLogger("pdserve.router")
 
 # each node kind's service (all of them answer Stats)
@@ -42,9 +44,13 @@ class NodeEntry:
     # cached prefix left out), first token not back
     inflight_prefill_tokens: int = 0
     inflight_interactive_tokens: int = 0  # ... of them, interactive ones (the node schedules them first)
-    # finished by the router since the node's last report: free on the node, not yet reported
+    # finished by the router, not yet in the node's reports: free on the node (sums of `credits`)
     freed_slots: int = 0
     freed_blocks: int = 0
+    # per end: (the node's count of ended requests once it had ended, 0 unknown; slots; blocks;
+    # when): kept until a report counts that end (Capacity.ended), not merely until the next report,
+    # which the node may have built before the end
+    credits: list[tuple[int, int, int, float]] = field(default_factory=list)
     prefilled_tokens: int = 0  # prompt tokens whose first token came back (no longer queued there)
     reported_inflight: int = 0  # inflight_prefill_tokens when the last report came: counted in it
     chan: grpc.aio.Channel | None = None
@@ -104,10 +110,21 @@ class NodeEntry:
         heartbeat can lag a request's end), at least the router's own in flight there."""
         return max(self.info.capacity.running - self.freed_slots, self.inflight)
 
+    def credit(self, slots: int, blocks: int, seq: int) -> None:
+        """A request on this node ended (registry lock held); `seq`: its node_ended, 0 unknown."""
+        self.freed_slots += slots
+        self.freed_blocks += blocks
+        self.credits.append((seq, slots, blocks, time.monotonic()))
+
     def reported(self) -> None:
-        """A fresh capacity report arrived: it includes what the router saw finish."""
-        self.last_seen = time.monotonic()
-        self.freed_slots = self.freed_blocks = self.prefilled_tokens = 0
+        """A fresh capacity report arrived: it includes the ends it counts (and those of unknown
+        order), not those after it."""
+        self.last_seen = now = time.monotonic()
+        ended = self.info.capacity.ended
+        self.credits = [c for c in self.credits if c[0] > ended and now - c[3] < CREDIT_MAX_S]
+        self.freed_slots = sum(c[1] for c in self.credits)
+        self.freed_blocks = sum(c[2] for c in self.credits)
+        self.prefilled_tokens = 0
         self.reported_inflight = self.inflight_prefill_tokens
         self.unreachable = False
 

@@ -148,6 +148,7 @@ class RequestRun:
         self.push: Push | None = None  # the prefill node's push, kept for its figures after a move
         self.own_tokens = 0  # prompt tokens the decode node computes itself, counted in its queue
         self.alone_failed = False  # computing it on a prefill node alone failed once: the usual way
+        self.node_ended = 0  # the decode node's count of ended requests once this one ended (0: unknown)
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         while True:
@@ -184,6 +185,7 @@ class RequestRun:
             self.tried.add(d.node_id)
             self.max_new = min(self._max_tokens(), max(1, d.info.max_model_len - len(self.ids)))
             self.svc.placed.add(self)
+            self.node_ended = 0
             try:
                 async for c in self._attempt(d, p):
                     yield c
@@ -200,7 +202,7 @@ class RequestRun:
                 continue
             finally:
                 self.svc.placed.discard(self)
-                self.svc.done(d, len(ids))
+                self.svc.done(d, len(ids), self.node_ended)
                 self._own_given_back(d)
 
     def _own_given_back(self, d: NodeEntry) -> None:
@@ -275,6 +277,8 @@ class RequestRun:
             watch = NodeWatch(lambda: d.alive, call.cancel, self.svc.cfg.heartbeat_interval_s)
             async for m in merged(call, route):
                 settled = True  # D activated the reservation (or failed and released it)
+                if m.finish_reason:
+                    self.node_ended = m.node_ended  # the node's reports count this end from then on
                 if pre is not None and m.finish_reason:
                     await pre.wait(5.0)  # the transfer figures, complete on the last message
                 self._own_given_back(d)  # its first token: no longer queued there

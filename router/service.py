@@ -470,12 +470,12 @@ class GenerateService:
             d.prefill_back(tokens)
         self.registry.on_change()
 
-    def done(self, d: NodeEntry, prompt_len: int) -> None:
+    def done(self, d: NodeEntry, prompt_len: int, seq: int = 0) -> None:
+        """A request placed on d ended; `seq`: the node's count of ends with it (node_ended)."""
         with self.registry.lock:
             d.inflight -= 1
             d.inflight_blocks -= d.blocks_for(prompt_len + 1)
-            d.freed_slots += 1
-            d.freed_blocks += d.blocks_for(prompt_len + 1)
+            d.credit(1, d.blocks_for(prompt_len + 1), seq)
         self.registry.on_change()
 
     async def close(self) -> None:

@@ -75,6 +75,7 @@ class Scheduler:
         # every request `finish` ended, for the engine to report and let go (EngineCore.step
         # empties it each step): not a scan of every request the engine holds
         self.ended: list[Request] = []
+        self.ended_total = 0  # requests finished or aborted since start (Capacity.ended)
         self.num_draft_tokens = 0  # drafts verified so far (speculative decoding), and accepted
         self.num_accepted_tokens = 0
         self.drafts_per_position = [0] * num_spec_tokens  # drafts verified at position i of a row
@@ -338,6 +339,8 @@ class Scheduler:
         req.finish_time = time.monotonic()
         self._finished_ids.append(req.request_id)
         self.ended.append(req)
+        self.ended_total += 1
+        req.ended_seq = self.ended_total
 
     # ---- speculative decoding: drafts and the depth policy (spec_depth.py) -------------------
     def _drafts(self, req: Request, budget: int) -> list[int]:

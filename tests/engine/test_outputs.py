@@ -18,3 +18,30 @@ def test_new_tokens_add_up_and_the_final_list_is_its_own(llm_hv2):
     assert [t for o in outs for t in o.new_token_ids] == final.output_token_ids and len(final.output_token_ids) == 6
     assert all(o.output_token_ids is not final.output_token_ids for o in outs[:-1])
     assert all(o.output_token_ids == final.output_token_ids for o in outs[:-1])  # the list they shared grew
+
+
+def test_each_end_carries_the_count_of_ends_the_node_reports(llm_hv2):
+    """A finished (or aborted) request's last output carries the scheduler's count of ended
+    requests once it ended (metrics["ended"], the decode node's node_ended), and the capacity
+    snapshot reports the same count (Capacity.ended): a report counts an end iff its count is at
+    least the end's."""
+    from serving.commands import Snapshot, take_snapshot
+
+    e = llm_hv2.engine
+    before = e.scheduler.ended_total
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    short = e.add_request([5, 17, 300], sp)
+    long = e.add_request([7, 8, 9], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
+    gone = e.add_request([1, 2, 3], sp)
+    aborted = e.abort(gone)
+    assert aborted is not None and aborted.finished
+    ends, running = {gone: aborted.metrics["ended"]}, []
+    while e.has_unfinished():
+        for o in e.step():
+            if o.finished:
+                ends[o.request_id] = o.metrics["ended"]
+            elif o.request_id == long:
+                running.append(o.metrics.get("ended"))
+    assert sorted(ends.values()) == [before + 1, before + 2, before + 3]
+    assert ends[gone] < ends[short] < ends[long] and running and set(running) == {None}
+    assert take_snapshot(e, Snapshot()).ended == e.scheduler.ended_total == before + 3

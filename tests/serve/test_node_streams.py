@@ -84,6 +84,33 @@ def test_a_node_serves_more_streams_than_64_at_once(ckpt):
         assert got[i] == got[i % 7], i
 
 
+def test_the_last_message_carries_the_count_of_ends_the_reports_give(ckpt):
+    """A request's last message carries the node's count of ended requests with it (node_ended),
+    which its capacity reports give from then on (Capacity.ended): the router drops a finished
+    request's credit only with a report that counts it."""
+    import grpc
+
+    from tests.helpers.serve_harness import wait_for
+
+    node, port, _ = _decode_node(ckpt)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = rpc.DecodeNodeStub(ch)
+            seqs = []
+            for i in range(2):
+                sp = pb.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+                msgs = list(
+                    stub.Generate(pb.DecodeRequest(request_id=f"e{i}", prompt_token_ids=[1, 2, 3], sampling=sp))
+                )
+                assert msgs[-1].finish_reason and all(m.node_ended == 0 for m in msgs[:-1])
+                seqs.append(msgs[-1].node_ended)
+            assert seqs[0] > 0 and seqs[1] == seqs[0] + 1
+            ended = lambda: stub.Stats(pb.StatsRequest(), timeout=10).capacity.ended  # noqa: E731
+            wait_for(lambda: ended() >= seqs[1], 10, "a report counting both ends")
+    finally:
+        node.stop(0)
+
+
 @pytest.fixture()
 def routed(ckpt):
     from router.server import RouterConfig, serve
