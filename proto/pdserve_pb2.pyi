@@ -267,7 +267,7 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class Capacity(_message.Message):
-    __slots__ = ("total_blocks", "free_blocks", "block_size", "total_slots", "free_slots", "running", "waiting", "queued_prefill_tokens", "reserved", "ended")
+    __slots__ = ("total_blocks", "free_blocks", "block_size", "total_slots", "free_slots", "running", "waiting", "queued_prefill_tokens", "reserved")
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -277,7 +277,6 @@ class Capacity(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_FIELD_NUMBER: _ClassVar[int]
-    ENDED_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     free_blocks: int
     block_size: int
@@ -287,11 +286,10 @@ class Capacity(_message.Message):
     waiting: int
     queued_prefill_tokens: int
     reserved: int
-    ended: int
-    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., total_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., reserved: _Optional[int] = ..., ended: _Optional[int] = ...) -> None: ...
+    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., total_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., reserved: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "kind", "address", "incarnation", "tp_size", "model", "vocab_size", "max_model_len", "local_prefill_threshold", "schema_digest", "prefill_ready", "capacity", "draining", "speculation", "prefix", "prefill_tokens_per_s", "local_resume_threshold")
+    __slots__ = ("node_id", "kind", "address", "incarnation", "tp_size", "model", "vocab_size", "max_model_len", "local_prefill_threshold", "schema_digest", "prefill_ready", "capacity", "draining", "speculation", "prefix", "prefill_tokens_per_s", "local_resume_threshold", "requests_ended")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +307,7 @@ class NodeInfo(_message.Message):
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RESUME_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_ENDED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     kind: NodeKind
     address: str
@@ -326,7 +325,8 @@ class NodeInfo(_message.Message):
     prefix: PrefixDigest
     prefill_tokens_per_s: float
     local_resume_threshold: int
-    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[_Union[NodeKind, str]] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., tp_size: _Optional[int] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., local_prefill_threshold: _Optional[int] = ..., schema_digest: _Optional[str] = ..., prefill_ready: _Optional[bool] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., draining: _Optional[bool] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., prefix: _Optional[_Union[PrefixDigest, _Mapping]] = ..., prefill_tokens_per_s: _Optional[float] = ..., local_resume_threshold: _Optional[int] = ...) -> None: ...
+    requests_ended: int
+    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[_Union[NodeKind, str]] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., tp_size: _Optional[int] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., local_prefill_threshold: _Optional[int] = ..., schema_digest: _Optional[str] = ..., prefill_ready: _Optional[bool] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., draining: _Optional[bool] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., prefix: _Optional[_Union[PrefixDigest, _Mapping]] = ..., prefill_tokens_per_s: _Optional[float] = ..., local_resume_threshold: _Optional[int] = ..., requests_ended: _Optional[int] = ...) -> None: ...
 
 class PrefixDigest(_message.Message):
     __slots__ = ("version", "block_size", "snapshot_interval", "pages", "snapshot_keys", "snapshot_tokens", "mtp")
@@ -371,20 +371,22 @@ class RegisterResponse(_message.Message):
     def __init__(self, heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "incarnation", "capacity", "draining", "prefix", "prefill_tokens_per_s")
+    __slots__ = ("node_id", "incarnation", "capacity", "draining", "prefix", "prefill_tokens_per_s", "requests_ended")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_ENDED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     incarnation: int
     capacity: Capacity
     draining: bool
     prefix: PrefixDigest
     prefill_tokens_per_s: float
-    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., draining: _Optional[bool] = ..., prefix: _Optional[_Union[PrefixDigest, _Mapping]] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
+    requests_ended: int
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., draining: _Optional[bool] = ..., prefix: _Optional[_Union[PrefixDigest, _Mapping]] = ..., prefill_tokens_per_s: _Optional[float] = ..., requests_ended: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known", "prefill_pool")

@@ -48,7 +48,7 @@ class NodeEntry:
     freed_slots: int = 0
     freed_blocks: int = 0
     # per end: (the node's count of ended requests once it had ended, 0 unknown; slots; blocks;
-    # when): kept until a report counts that end (Capacity.ended), not merely until the next report,
+    # when): kept until a report counts that end (requests_ended), not merely until the next report,
     # which the node may have built before the end
     credits: list[tuple[int, int, int, float]] = field(default_factory=list)
     prefilled_tokens: int = 0  # prompt tokens whose first token came back (no longer queued there)
@@ -120,7 +120,7 @@ class NodeEntry:
         """A fresh capacity report arrived: it includes the ends it counts (and those of unknown
         order), not those after it."""
         self.last_seen = now = time.monotonic()
-        ended = self.info.capacity.ended
+        ended = self.info.requests_ended
         self.credits = [c for c in self.credits if c[0] > ended and now - c[3] < CREDIT_MAX_S]
         self.freed_slots = sum(c[1] for c in self.credits)
         self.freed_blocks = sum(c[2] for c in self.credits)
@@ -213,6 +213,7 @@ class NodeRegistry:
         draining: bool = False,
         prefix: pb.PrefixDigest | None = None,
         prefill_tokens_per_s: float = 0.0,
+        requests_ended: int = 0,
     ) -> bool:
         """prefix: the node's prefix digest when it changed since its last report (else None)."""
         with self.lock:
@@ -220,6 +221,7 @@ class NodeRegistry:
             if e is None or e.info.incarnation != incarnation:
                 return False
             e.info.capacity.CopyFrom(capacity)
+            e.info.requests_ended = requests_ended
             e.info.prefill_tokens_per_s = prefill_tokens_per_s
             if prefix is not None:
                 e.cache.update(prefix)

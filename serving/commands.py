@@ -262,7 +262,7 @@ class Snapshot:
     waiting: int = 0
     queued_prefill_tokens: int = 0
     reserved: int = 0
-    ended: int = 0  # requests ended since start (Capacity.ended)
+    ended: int = 0  # requests ended since start (NodeInfo.requests_ended)
     spec_draft_tokens: int = 0  # totals since start (speculative decoding)
     prefix_query_tokens: int = 0  # totals since start (prefix caching): prompt tokens looked up ...
     prefix_hit_tokens: int = 0  # ... and found in the cache

@@ -85,8 +85,9 @@ class NodeServer:
             capacity=pb.Capacity(
                 total_blocks=s.total_blocks, free_blocks=s.free_blocks, block_size=s.block_size,
                 total_slots=s.total_slots, free_slots=s.free_slots, running=s.running, waiting=s.waiting,
-                queued_prefill_tokens=s.queued_prefill_tokens, reserved=s.reserved, ended=s.ended,
+                queued_prefill_tokens=s.queued_prefill_tokens, reserved=s.reserved,
             ),
+            requests_ended=s.ended,
             prefill_tokens_per_s=s.prefill_tokens_per_s,
             speculation=pb.Speculation(
                 method=self.ecfg.speculative.method if self.ecfg.speculative.num_tokens else "",

@@ -229,6 +229,7 @@ class Heartbeater:
             capacity=node.capacity,
             draining=node.draining,
             prefill_tokens_per_s=node.prefill_tokens_per_s,
+            requests_ended=node.requests_ended,
         )
         if node.HasField("prefix") and node.prefix.version != self._prefix_version:
             req.prefix.CopyFrom(node.prefix)

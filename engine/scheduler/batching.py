@@ -75,7 +75,7 @@ class Scheduler:
         # every request `finish` ended, for the engine to report and let go (EngineCore.step
         # empties it each step): not a scan of every request the engine holds
         self.ended: list[Request] = []
-        self.ended_total = 0  # requests finished or aborted since start (Capacity.ended)
+        self.ended_total = 0  # requests finished or aborted since start (NodeInfo.requests_ended)
         self.num_draft_tokens = 0  # drafts verified so far (speculative decoding), and accepted
         self.num_accepted_tokens = 0
         self.drafts_per_position = [0] * num_spec_tokens  # drafts verified at position i of a row

@@ -23,7 +23,7 @@ def test_new_tokens_add_up_and_the_final_list_is_its_own(llm_hv2):
 def test_each_end_carries_the_count_of_ends_the_node_reports(llm_hv2):
     """A finished (or aborted) request's last output carries the scheduler's count of ended
     requests once it ended (metrics["ended"], the decode node's node_ended), and the capacity
-    snapshot reports the same count (Capacity.ended): a report counts an end iff its count is at
+    snapshot reports the same count (NodeInfo.requests_ended): a report counts an end iff its count is at
     least the end's."""
     from serving.commands import Snapshot, take_snapshot
 

@@ -179,21 +179,20 @@ def test_a_request_that_ended_since_the_report_is_not_counted_running():
 
 
 def test_an_end_stays_credited_until_a_report_counts_it():
-    """A report the node built before a request ended (Capacity.ended below the end's node_ended)
+    """A report the node built before a request ended (NodeInfo.requests_ended below the end's node_ended)
     still shows that request's slot and pages in use: the router keeps its credit (the node is not
     taken for busier than it is) and drops it with the first report that counts the end; an end of
     unknown order (node_ended 0) goes with the next report, as before."""
     from router.registry import NodeEntry
 
     e = NodeEntry(_info("d0", "x:1", free_slots=7, free_blocks=90, running=1))
-    e.info.capacity.ended = 4
+    e.info.requests_ended = 4
     e.credit(1, 10, 5)  # it ended as the node's 5th end
     assert (e.est_free_slots(), e.est_free_blocks(), e.est_running()) == (8, 100, 0)
     e.reported()  # a report built before the end: 4 ended, the request still in it
     assert (e.est_free_slots(), e.est_free_blocks(), e.est_running()) == (8, 100, 0)
-    e.info.capacity.CopyFrom(
-        pb.Capacity(total_blocks=100, free_blocks=100, block_size=16, total_slots=8, free_slots=8, ended=5)
-    )
+    e.info.capacity.CopyFrom(pb.Capacity(total_blocks=100, free_blocks=100, block_size=16, total_slots=8, free_slots=8))
+    e.info.requests_ended = 5
     e.reported()  # the one after: it counts the end, and the credit goes
     assert (e.freed_slots, e.freed_blocks, e.credits) == (0, 0, [])
     assert (e.est_free_slots(), e.est_free_blocks(), e.est_running()) == (8, 100, 0)

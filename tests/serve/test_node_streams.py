@@ -86,7 +86,7 @@ def test_a_node_serves_more_streams_than_64_at_once(ckpt):
 
 def test_the_last_message_carries_the_count_of_ends_the_reports_give(ckpt):
     """A request's last message carries the node's count of ended requests with it (node_ended),
-    which its capacity reports give from then on (Capacity.ended): the router drops a finished
+    which its capacity reports give from then on (NodeInfo.requests_ended): the router drops a finished
     request's credit only with a report that counts it."""
     import grpc
 
@@ -105,7 +105,7 @@ def test_the_last_message_carries_the_count_of_ends_the_reports_give(ckpt):
                 assert msgs[-1].finish_reason and all(m.node_ended == 0 for m in msgs[:-1])
                 seqs.append(msgs[-1].node_ended)
             assert seqs[0] > 0 and seqs[1] == seqs[0] + 1
-            ended = lambda: stub.Stats(pb.StatsRequest(), timeout=10).capacity.ended  # noqa: E731
+            ended = lambda: stub.Stats(pb.StatsRequest(), timeout=10).requests_ended  # noqa: E731
             wait_for(lambda: ended() >= seqs[1], 10, "a report counting both ends")
     finally:
         node.stop(0)
