@@ -172,7 +172,7 @@ def test_a_hung_decode_node_is_declared_dead_and_its_streams_move(ckpt):
         os.kill(pid, signal.SIGSTOP)
 
     try:
-        n = FAULTED // 2  # the node stops right after every stream's first chunk: half as long is long enough
+        n = FAULTED  # the node stops after every stream's first chunk (with 200 a loaded run's streams had ended)
         toks, _ = _under_fault(u, ps, n, hang)
         for p, t in zip(ps, toks):
             assert len(t) == n and hc.hf_greedy_violations(ckpt, p, t) == []
