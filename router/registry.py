@@ -44,10 +44,7 @@ class NodeEntry:
     # cached prefix left out), first token not back
     inflight_prefill_tokens: int = 0
     inflight_interactive_tokens: int = 0  # ... of them, interactive ones (the node schedules them first)
-    # finished by the router, not yet in the node's reports: free on the node (sums of `credits`)
-    freed_slots: int = 0
-    freed_blocks: int = 0
-    # per end: (the node's count of ended requests once it had ended, 0 unknown; slots; blocks;
+    # finished by the router, not yet in the node's reports (free on the node), per end: (the node's count of ended requests once it had ended, 0 unknown; slots; blocks;
     # when): kept until a report counts that end (requests_ended), not merely until the next report,
     # which the node may have built before the end
     credits: list[tuple[int, int, int, float]] = field(default_factory=list)
@@ -110,10 +107,16 @@ class NodeEntry:
         heartbeat can lag a request's end), at least the router's own in flight there."""
         return max(self.info.capacity.running - self.freed_slots, self.inflight)
 
+    @property
+    def freed_slots(self) -> int:
+        return sum(c[1] for c in self.credits)
+
+    @property
+    def freed_blocks(self) -> int:
+        return sum(c[2] for c in self.credits)
+
     def credit(self, slots: int, blocks: int, seq: int) -> None:
         """A request on this node ended (registry lock held); `seq`: its node_ended, 0 unknown."""
-        self.freed_slots += slots
-        self.freed_blocks += blocks
         self.credits.append((seq, slots, blocks, time.monotonic()))
 
     def reported(self) -> None:
@@ -122,8 +125,6 @@ class NodeEntry:
         self.last_seen = now = time.monotonic()
         ended = self.info.requests_ended
         self.credits = [c for c in self.credits if c[0] > ended and now - c[3] < CREDIT_MAX_S]
-        self.freed_slots = sum(c[1] for c in self.credits)
-        self.freed_blocks = sum(c[2] for c in self.credits)
         self.prefilled_tokens = 0
         self.reported_inflight = self.inflight_prefill_tokens
         self.unreachable = False

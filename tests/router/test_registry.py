@@ -172,7 +172,7 @@ def test_a_request_that_ended_since_the_report_is_not_counted_running():
     pol = make_policy("least-loaded")
     d0 = NodeEntry(_info("d0", "x:1", free_slots=7, free_blocks=90, running=1))  # reported mid-request
     d1 = NodeEntry(_info("d1", "x:2", free_slots=8, free_blocks=90))
-    d0.freed_slots = 1  # ... which ended since (RouterService.done)
+    d0.credit(1, 0, 0)  # ... which ended since (RouterService.done)
     assert d0.est_running() == 0 and pol.choose_decode([d0, d1], 10) is d0
     d0.inflight = 1  # one of the router's own is placed there now
     assert d0.est_running() == 1 and pol.choose_decode([d0, d1], 10) is d1
