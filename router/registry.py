@@ -44,9 +44,10 @@ class NodeEntry:
     # cached prefix left out), first token not back
     inflight_prefill_tokens: int = 0
     inflight_interactive_tokens: int = 0  # ... of them, interactive ones (the node schedules them first)
-    # finished by the router, not yet in the node's reports (free on the node), per end: (the node's count of ended requests once it had ended, 0 unknown; slots; blocks;
-    # when): kept until a report counts that end (requests_ended), not merely until the next report,
-    # which the node may have built before the end
+    # ended by the router's view, not yet in the node's reports (free on the node), one per end:
+    # (the node's count of ended requests with it, 0 unknown; slots; blocks; when), kept until a
+    # report counts that end (requests_ended), not merely until the next report, which the node
+    # may have built before the end
     credits: list[tuple[int, int, int, float]] = field(default_factory=list)
     prefilled_tokens: int = 0  # prompt tokens whose first token came back (no longer queued there)
     reported_inflight: int = 0  # inflight_prefill_tokens when the last report came: counted in it
