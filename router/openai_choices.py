@@ -19,6 +19,7 @@ from router.detok import IncrementalDetokenizer
 from router.images.prepare import Prepared
 from router.parsers.output import ChatOutput
 from router.request import Chunk
+from router.stops import held_back
 
 
 @dataclass
@@ -104,7 +105,9 @@ class Choice:
         req = self.job.reqs[self.index]
         sp = req.sampling
         skip = not sp.HasField("skip_special_tokens") or sp.skip_special_tokens
-        text = IncrementalDetokenizer(self.tok, prompt, skip).push(token_ids, final=finished)  # as the client has it
+        text = IncrementalDetokenizer(self.tok, prompt, skip).push(token_ids, final=finished)
+        if not finished and len(token_ids) >= sp.min_tokens:  # as the client has it: less a held stop's start
+            text = text[: len(text) - len(held_back(text, list(sp.stop)))]
         self.n += len(token_ids)
         if self.job.token_ids:
             self.ids += token_ids

@@ -136,8 +136,8 @@ class RequestRun:
         resume = list(request.resume_token_ids)
         skip = not request.sampling.HasField("skip_special_tokens") or request.sampling.skip_special_tokens
         self.detok = IncrementalDetokenizer(svc.tokenizer, ids, skip) if svc.tokenizer is not None else None
-        if self.detok is not None and resume:  # the client has their text: the next delta follows it
-            self.detok.push(resume)
+        # the client has their text (less what stop strings held back): the next delta follows it
+        self.resumed_text = self.detok.push(resume) if self.detok is not None and resume else ""
         self.tried: set[str] = set()
         self.max_new = 0  # new tokens at most, once placed
         sp = request.sampling

@@ -30,7 +30,7 @@ from router.prefill import PrefillPhase
 from router.prefix import PrefixQuery
 from router.registry import NodeEntry, NodeRegistry
 from router.request import Chunk, RequestRun, Trace
-from router.stops import with_stops
+from router.stops import held_back, with_stops
 from router.text import TextPool, default_workers
 from router.wait_estimate import OutputLengths, estimate
 from serving.metrics import ServingMetrics
@@ -199,12 +199,14 @@ class GenerateService:
             run = RequestRun(self, request, ids, tr, to_pb(inputs))
             sp = request.sampling
             min_tokens = max(0, sp.min_tokens - len(run.sent))  # a resumed stream's tokens count
+            held = held_back(run.resumed_text, list(sp.stop)) if not min_tokens else ""
             stream = with_stops(
                 run.chunks(),
                 list(sp.stop),
                 min_tokens,
                 lambda: setattr(tr, "finish", "stop"),
                 sp.include_stop_str_in_output,
+                held,
             )
             async with aclosing(stream) as chunks:
                 async for c in chunks:

@@ -6,7 +6,10 @@ be the start of a match (a suffix of what has been decoded that is a prefix of a
 is held back until more text shows it is not, so a client never sees part of a stop string,
 even one split across several tokens. As with min_tokens for stop token ids, matching starts
 once the request has min_tokens new tokens. With `include` (SamplingParams
-include_stop_str_in_output) the matched string stays at the end of the text.
+include_stop_str_in_output) the matched string stays at the end of the text. A stream resumed
+on another router (the SDK's resume) starts its matcher holding what the first router held
+(`held_back` of the text the client's tokens make), so that text is sent once, and a stop string
+split across the move still matches.
 """
 
 from __future__ import annotations
@@ -15,10 +18,10 @@ from collections.abc import AsyncIterator, Callable
 
 
 class StopMatcher:
-    def __init__(self, stops: list[str], include: bool = False):
+    def __init__(self, stops: list[str], include: bool = False, held: str = ""):
         self.stops = [s for s in stops if s]
         self.include = include
-        self.held = ""
+        self.held = held  # text not sent yet: it may be the start of a stop string
         self.matched = ""  # the stop string that matched
 
     def push(self, text: str) -> tuple[str, bool]:
@@ -41,21 +44,31 @@ class StopMatcher:
         return held
 
 
+def held_back(text: str, stops: list[str]) -> str:
+    """The tail of `text` a matcher holds once it has seen it (however it came in pieces): the
+    part of a resumed stream's text its client has not been sent."""
+    m = StopMatcher(stops)
+    _, hit = m.push(text)
+    return "" if hit else m.held
+
+
 async def with_stops(
     chunks: AsyncIterator,
     stops: list[str],
     min_tokens: int = 0,
     on_stop: Callable[[], None] | None = None,
     include: bool = False,
+    held: str = "",
 ) -> AsyncIterator:
     """Wrap a stream of chunks with text deltas (router/request.py `Chunk`): hold back and cut at
     stop strings; on a match, the chunk that completed it is the last one (finish_reason "stop")
-    and `chunks` is closed, which cancels the request upstream."""
+    and `chunks` is closed, which cancels the request upstream. `held`: text held back before
+    the first chunk (a resumed stream's), sent before that chunk's own unless a stop matches."""
     if not [s for s in stops if s]:
         async for c in chunks:
             yield c
         return
-    m = StopMatcher(list(stops), include)
+    m = StopMatcher(list(stops), include, held)
     n = 0
     try:
         async for c in chunks:

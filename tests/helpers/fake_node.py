@@ -34,8 +34,10 @@ class FakeDecode(rpc.DecodeNodeServicer):
 
         context.add_callback(cancelled)
         # as a real node: at most what its context (decode_info's max_model_len) leaves after the prompt
+        # a resumed request goes on after the tokens it has (max_tokens counts them), as a real node
+        off = len(request.resume_token_ids)
         n = min(request.sampling.max_tokens or 16, self.max_model_len - len(request.prompt_token_ids))
-        for i in range(n):
+        for i in range(off, n):
             time.sleep(self.delay_s)
             if not context.is_active():
                 return

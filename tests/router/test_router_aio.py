@@ -174,3 +174,43 @@ def test_a_resumed_chat_continues_the_unfinished_choices_only(cluster):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Chat(pb.ChatRequest(body_json=body, resume=[pb.ChatResume(index=5)]), timeout=30))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "resume" in e.value.details()
+
+
+def test_a_resumed_stream_sends_the_text_its_first_router_held_for_a_stop_string(cluster):
+    """Generate with `resume_token_ids`, and Chat with `resume`, after a stop string's start that
+    the first router held back (its client never got it): the resumed stream sends that text
+    first, so the client's text is the uncut stream's."""
+    import grpc
+
+    r, port, fake = cluster
+    r.registry.nodes["d0"].info.vocab_size = 1024  # the tokenizer's ids (decode_info says 100)
+    texts = [r.service.tokenizer.decode(fake.tokens[: i + 1]) for i in range(len(fake.tokens))]
+    cut = 3  # the client has three tokens; the last one's text starts this stop string
+    stop = texts[cut - 1][len(texts[cut - 2]) :].strip() + "\x07"
+    assert stop != "\x07"
+
+    def had(msgs) -> list:  # the messages a client had when its router failed after `cut` tokens
+        return [m for i, m in enumerate(msgs) if sum(len(w.token_ids) for w in msgs[: i + 1]) <= cut]
+
+    def text(msgs) -> str:  # a Generate stream's text, or a chat choice's (reasoning or content)
+        if not msgs or isinstance(msgs[0], pb.GenerateResponse):
+            return "".join(m.text for m in msgs)
+        ds = [json.loads(m.choice_json)["delta"] for m in msgs]
+        return "".join(d.get("reasoning_content") or d.get("content") or "" for d in ds)
+
+    def check(whole: list, rest: list) -> None:
+        before = had(whole)
+        assert [t for m in before for t in m.token_ids] == fake.tokens[:cut]
+        assert not text(before).endswith(stop[:-1])  # the start was held back
+        assert text(before) + text(rest) == text(whole)
+
+    sp = pb.SamplingParams(max_tokens=6, stop=[stop])
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stop": [stop]})
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = rpc.GenerationStub(ch)
+        whole = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=sp), timeout=30))
+        req = pb.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=sp, resume_token_ids=fake.tokens[:cut])
+        check(whole, list(stub.Generate(req, timeout=30)))
+        whole = [m for m in stub.Chat(pb.ChatRequest(body_json=body), timeout=30) if m.choice_json]
+        chat = pb.ChatRequest(body_json=body, resume=[pb.ChatResume(index=0, token_ids=fake.tokens[:cut])])
+        check(whole, [m for m in stub.Chat(chat, timeout=30) if m.choice_json])
