@@ -5,7 +5,8 @@ items and events, router/responses_output.py) and, for responses kept with `stor
 /v1/responses/{id}/input_items`. Streamed: `response.created`, `response.in_progress`, each
 item's events, then `response.completed` (or `response.incomplete` at max_output_tokens); an
 error before the first token is an HTTP status, after it an `error` event. A response is stored
-once it is complete, not when it failed or its client went away."""
+once it is complete, not when it failed or its client went away. `truncation: "auto"` drops the
+conversation's oldest turns until its prompt and max_output_tokens fit the context."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from router.openai_api import OpenAIFront, _Gone, _json, _sse_event, _until_disc
 from router.openai_choices import Choice, Job, usage
 from router.openai_models import ApiError, parse
 from router.responses_output import ResponseItems, response
-from router.responses_request import ResponsesRequest, to_chat
+from router.responses_request import ResponsesRequest, to_chat, turn_starts
 from router.responses_store import input_items, not_found
 
 
@@ -48,7 +49,7 @@ async def respond(front: OpenAIFront, body: Any, request: Request) -> Response:
     req = parse(ResponsesRequest, body)
     assert isinstance(req, ResponsesRequest)
     turn = _Turn(front, req)
-    job = await front.job(to_chat(req, turn.prior))
+    job = await _fitted(front, req, turn.prior)
     rid = "resp_" + job.id
     try:
         if req.stream:
@@ -56,6 +57,33 @@ async def respond(front: OpenAIFront, body: Any, request: Request) -> Response:
         return await _until_disconnect(request, _whole(front, job, req, rid, turn))
     except _Gone:
         return Response(status_code=499)
+
+
+async def _fitted(front: OpenAIFront, req: ResponsesRequest, prior: list[dict[str, Any]]) -> Job:
+    """The request's job; with `truncation: "auto"`, of the longest end of the conversation that
+    starts a turn and leaves max_output_tokens (at least 1) of the context, found by bisection
+    (when not even the last turn fits, that turn, which the context check then refuses)."""
+    job = await front.job(to_chat(req, prior))
+    ctx = max((m.max_model_len for m in front.service.models()), default=0)
+    room = req.max_output_tokens or 1
+
+    async def fits(j: Job) -> bool:
+        return len(await front.service.prompt_ids(j.reqs[0], j.images)) + room <= ctx
+
+    if req.truncation != "auto" or not ctx or await fits(job):
+        return job
+    cuts, best = turn_starts(req, prior), None
+    lo, hi = 0, len(cuts) - 1
+    while lo <= hi:  # the first cut that fits: dropping more turns only shortens the prompt
+        mid = (lo + hi) // 2
+        j = await front.job(to_chat(req, prior, cuts[mid]))
+        if await fits(j):
+            best, hi = j, mid - 1
+        else:
+            lo = mid + 1
+    if best is None and cuts:
+        best = await front.job(to_chat(req, prior, cuts[-1]))
+    return best or job
 
 
 async def _whole(front: OpenAIFront, job: Job, req: ResponsesRequest, rid: str, turn: _Turn) -> Response:

@@ -169,7 +169,7 @@ def response(
         "tool_choice": req.tool_choice or "auto",
         "tools": req.tools or [],
         "top_p": req.top_p,
-        "truncation": "disabled",
+        "truncation": req.truncation or "disabled",
         "usage": None,
     }
     if usage is not None:

@@ -9,11 +9,13 @@ reasoning_content: its content or summary text, else what router/responses_outpu
 its `encrypted_content`). `instructions` is the system message; `tools` are flat function and custom
 tools (router/custom_tools.py);
 `text.format` is the response format. `previous_response_id`'s conversation (router/responses_store.py)
-comes before `input`; `conversation` is a 400 naming it."""
+comes before `input`; `conversation` is a 400 naming it. `truncation: "auto"` drops whole turns from
+the conversation's start until the prompt fits (router/openai_responses.py `_fitted`; `turn_starts`
+says where a turn may begin)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -43,6 +45,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: Any = None  # a stored response this one continues (router/responses_store.py)
     store: bool | None = None  # keep it for previous_response_id / GET (unset: kept, OpenAI's default)
     conversation: Any = None
+    truncation: Literal["auto", "disabled"] | None = None  # auto: the oldest turns go when it does not fit
     metadata: dict[str, Any] | None = None
     include: list[str] | None = None  # "reasoning.encrypted_content": reasoning carried opaquely (responses_output)
     # extensions, as on chat completions
@@ -93,13 +96,27 @@ def _parts_of(content: Any, where: str, msg: int, names: dict[tuple[int, int], s
     return parts
 
 
+def _items(req: ResponsesRequest, prior: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation's input items: the stored ones, then the request's."""
+    return prior + ([{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input)
+
+
+def turn_starts(req: ResponsesRequest, prior: list[dict[str, Any]]) -> list[int]:
+    """Where the conversation may be cut for `truncation: "auto"`: at a user message after the
+    first item (the last one's turn is never dropped)."""
+    items = _items(req, prior)
+    return [
+        i for i, it in enumerate(items) if i and it.get("type", "message") == "message" and it.get("role") == "user"
+    ]
+
+
 def _messages(
-    req: ResponsesRequest, names: dict[tuple[int, int], str], prior: list[dict[str, Any]]
+    req: ResponsesRequest, names: dict[tuple[int, int], str], prior: list[dict[str, Any]], skip: int = 0
 ) -> list[dict[str, Any]]:
     msgs: list[dict[str, Any]] = []
     if req.instructions:
         msgs.append({"role": "system", "content": req.instructions})
-    items = prior + ([{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input)
+    items = _items(req, prior)
     thought: str | None = None  # a reasoning item waits for the assistant turn it belongs to
 
     def assistant() -> dict[str, Any]:
@@ -120,6 +137,8 @@ def _messages(
             a["content"] = a["content"] or ""
 
     for i, it in enumerate(items):
+        if i < skip:  # truncated
+            continue
         where = f"input[{i - len(prior)}]" if i >= len(prior) else f"previous_response_id's input[{i}]"
         kind = it.get("type", "message")
         if kind in ("function_call_output", "custom_tool_call_output") or (
@@ -198,9 +217,10 @@ def _response_format(text: dict[str, Any] | None) -> Any:
     return {"type": "json_schema", "json_schema": js}
 
 
-def to_chat(req: ResponsesRequest, prior: list[dict[str, Any]] | None = None) -> ChatRequest:
+def to_chat(req: ResponsesRequest, prior: list[dict[str, Any]] | None = None, skip: int = 0) -> ChatRequest:
     """The chat request `req` means (module docstring), after the input items `prior` (the
-    conversation of its previous_response_id); ApiError 400 naming a bad field."""
+    conversation of its previous_response_id), less the conversation's first `skip` items;
+    ApiError 400 naming a bad field."""
     if req.conversation is not None:
         raise bad(
             "'conversation' is not supported: continue a stored response with previous_response_id, "
@@ -211,7 +231,7 @@ def to_chat(req: ResponsesRequest, prior: list[dict[str, Any]] | None = None) ->
     names: dict[tuple[int, int], str] = {}
     body: dict[str, Any] = {
         "model": req.model,
-        "messages": _messages(req, names, prior or []),
+        "messages": _messages(req, names, prior or [], skip),
         "tools": tools,
         "tool_choice": _tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls,

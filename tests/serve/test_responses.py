@@ -444,3 +444,34 @@ def test_the_store_shows_in_the_router_metrics(oai, model, http_up):
     )
     oai.responses.delete(r.id)
     assert scrape(url)[("pdserve_router_responses_stored", ())] == before
+
+
+def test_truncation_auto_drops_the_oldest_turns_until_it_fits(oai, model, hf):
+    """A conversation longer than the context: refused with truncation disabled (the default);
+    with truncation "auto" its first turns are dropped, the fewest that leave max_output_tokens,
+    and the prompt is transformers' rendering of the turns left (a naive loop finds them)."""
+    import openai
+
+    ctx = oai.models.list().data[0].model_extra["max_model_len"]
+    out = 8
+
+    def conversation(n: int) -> list[tuple[str, str]]:
+        return [(f"Turn {t}: " + "lorem ipsum " * 40, f"Reply {t}.") for t in range(n)]
+
+    def rendered(kept) -> int:
+        msgs = [m for u, a in kept for m in ({"role": "user", "content": u}, {"role": "assistant", "content": a})]
+        msgs = msgs[:-1]  # the last turn's question is the input's end
+        text = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return len(hf.encode(text, add_special_tokens=False))
+
+    per = rendered(conversation(2)) - rendered(conversation(1))
+    n = max(3, ctx // per + 3)  # enough turns to overflow the context, each a part of it
+    turns = conversation(n)
+    assert rendered(turns) + out > ctx
+    want = next(rendered(turns[k:]) for k in range(n) if rendered(turns[k:]) + out <= ctx)
+    items = [m for u, a in turns for m in ({"role": "user", "content": u}, {"role": "assistant", "content": a})][:-1]
+    kw = dict(model=model, input=items, temperature=0.0, max_output_tokens=out, extra_body=BIAS, store=False)
+    with pytest.raises(openai.BadRequestError):
+        oai.responses.create(**kw)
+    r = oai.responses.create(truncation="auto", **kw)
+    assert r.truncation == "auto" and r.usage.input_tokens == want and r.usage.output_tokens == out
