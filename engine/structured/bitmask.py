@@ -6,7 +6,9 @@ fills one 32-bit-word bitmask per scored position straight into a CPU tensor, in
 the rows and, when the worker prepared the step, on a thread of its own while the forward runs: for a row with drafts, the mask of the pending position, then the mask after each
 draft the grammar allows (stopping at the first it forbids, which the masked draw then cannot
 equal, so verification rejects it), rolled back after. The mask goes to the logits' device and
-forbidden tokens become -inf. The model's EOS ids are allowed only where the grammar accepts."""
+forbidden tokens become -inf. The model's EOS ids are allowed only where the grammar accepts,
+and not before a constraint's start token (`start_after_token`: the output may not end before the
+part that must follow the constraint, e.g. a required tool call after the thinking)."""
 
 from __future__ import annotations
 
@@ -169,8 +171,10 @@ class GrammarMask:
                 m, first = ms.sync(r.request_id, c, output), p
                 if m is None:  # the start token is not in the output: maybe among the drafts
                     if c.start_after_token not in drafts:
+                        at += self._no_end(bm, p, k + 1, vocab_size)
                         continue
                     j = drafts.index(c.start_after_token) + 1
+                    at += self._no_end(bm, p, j, vocab_size)
                     m, first, drafts = ms.fresh(c), p + j, drafts[j:]
             at += range(first, first + len(drafts) + 1)
             if m is None or m.is_error():
@@ -183,6 +187,14 @@ class GrammarMask:
                 continue
             jobs.append((m, first, drafts))
         return _Plan(self._key(rows), bm, at), jobs
+
+    def _no_end(self, bm: torch.Tensor, first: int, count: int, vocab_size: int) -> range:
+        """Positions [first, first + count) come before the constraint's start token: anything
+        but the model's EOS (the output may not end before its constrained part)."""
+        for t in self.eos:
+            if t < vocab_size:
+                bm[first : first + count, t // 32] &= ~_bit(t % 32)
+        return range(first, first + count)
 
     def _run(self, jobs: list[_Job], bm: torch.Tensor) -> None:
         """llguidance fills the masks, in parallel over the rows: for a row with drafts, one after

@@ -119,3 +119,24 @@ def test_tensor_parallel_two_ranks(tok_ckpt):
         for k, o in zip(kinds, outs):
             check(k, o.text)
     assert got[1] == got[2]
+
+
+def test_no_end_before_the_start_token(llm, tok_ckpt):
+    """Before its start token a constrained output may not end (the constrained part must come):
+    with EOS all but forced, the unconstrained request ends at once, the constrained one runs to
+    max_tokens without EOS; once the start token is drawn the grammar holds and may end."""
+    tok = Tokenizer(tok_ckpt)
+    eos, start = llm.engine.cfg.model.eos_token_ids, tok.encode("#")[0]
+    ends = {t: 30.0 for t in eos}
+    c = {**CONSTRAINTS["regex"], "start_after_token": start}
+    free = SamplingParams(max_tokens=12, temperature=0.0, logit_bias=ends)
+    held = SamplingParams(max_tokens=12, temperature=0.0, logit_bias=ends, constraint=c)
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=3, logit_bias=ends, constraint=c)
+    o_free, o_held, o_sampled = llm.generate([PROMPT] * 3, [free, held, sampled])
+    assert o_free.finish_reason == "stop" and len(o_free.output_token_ids) == 1  # the bias works
+    for o in (o_held, o_sampled):
+        assert o.finish_reason == "length" and not set(o.output_token_ids) & set(eos)
+    bias = {**ends, start: 60.0}  # the start token first, then the grammar, which may end
+    o = llm.generate(PROMPT, SamplingParams(max_tokens=40, temperature=0.0, constraint=c, logit_bias=bias))[0]
+    assert o.output_token_ids[0] == start and o.finish_reason == "stop"
+    check("regex", tok.decode(o.output_token_ids[1:]))
