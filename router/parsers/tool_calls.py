@@ -13,7 +13,9 @@ as it comes (`ToolDelta.arguments` then carries the input, `custom` marks the ca
 
 Text outside calls passes through in order (`str` items). A call cut off (the output ended inside
 it) keeps what was sent: its name and the arguments so far; cut off before its name, the raw text
-passes through instead. A block that does not parse as a call passes through as text, whole.
+passes through instead when it was the first call, and is dropped after calls (markup, not
+content: the answer is the calls that came). A block that does not parse as a call passes
+through as text, whole.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class ToolCallParser:
         out: list[Item] = []
         if not self.inside:
             out.append(self.buf)
-        elif not self.named:
+        elif not self.named and not self.calls:
             out.append(CALL_OPEN + self.raw + self.buf)
         self.buf = ""
         return [x for x in out if x]

@@ -144,6 +144,14 @@ CASES = [
         {"content": "ok <tool_call>\n<functi"},
     ),
     (
+        "a second call truncated before its name",
+        "xml",
+        False,
+        False,
+        PARIS + "\n<tool_call>\n<funct",
+        {"content": None, "tool_calls": [call("get_weather", PARIS_ARGS)]},
+    ),
+    (
         "not a call",
         "xml",
         False,
