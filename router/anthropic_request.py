@@ -293,4 +293,5 @@ def to_chat(req: MessagesRequest) -> ChatRequest:
     chat = parse(ChatRequest, {k: v for k, v in body.items() if v is not None})
     assert isinstance(chat, ChatRequest)
     chat.part_names.update(names)
+    chat.name_schemas("tools[{i}].input_schema")
     return chat

@@ -233,10 +233,20 @@ class ChatRequest(_Request):
     # (message, part) -> the part's name in the body the client sent, where that was not a chat
     # request (router/responses_request.py): error messages name what the client wrote
     _part_names: dict[tuple[int, int], str] = PrivateAttr(default_factory=dict)
+    # tool i's parameter schema, named as the client's body has it (Anthropic's `tools[{i}].input_schema`)
+    _schema_field: str = PrivateAttr(default="tools[{i}].function.parameters")
 
     @property
     def part_names(self) -> dict[tuple[int, int], str]:
         return self._part_names
+
+    def schema_field(self, i: int) -> str:
+        """Where tool i's parameter schema is in the body the client sent."""
+        return self._schema_field.format(i=i)
+
+    def name_schemas(self, field: str) -> None:
+        """Name tool i's schema `field.format(i=i)` in errors (a body converted to chat)."""
+        self._schema_field = field
 
     def text_chars(self) -> int:
         """Characters of the messages' text (image parts' URLs not counted: they are no prompt text)."""

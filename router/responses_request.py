@@ -246,4 +246,5 @@ def to_chat(req: ResponsesRequest, prior: list[dict[str, Any]] | None = None, sk
     chat = parse(ChatRequest, {k: v for k, v in body.items() if v is not None})
     assert isinstance(chat, ChatRequest)
     chat.part_names.update(names)
+    chat.name_schemas("tools[{i}].parameters")
     return chat

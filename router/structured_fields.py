@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.structured.grammar import bounded_json
+from engine.structured.grammar import bounded_json, check
 from proto import pb
+from proto.convert import constraint_kwargs
 from router.openai_models import ApiError, bad
 
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
@@ -48,7 +49,23 @@ def constraint(req: Any) -> pb.Constraint | None:
     if len(found) > 1:
         a, b = found[0][0], found[1][0]
         raise bad(f"'{a}' and '{b}' both constrain the output: send one", b)
-    return found[0][1] if found else None
+    return checked(*found[0]) if found else None
+
+
+def checked(param: str, c: pb.Constraint) -> pb.Constraint:
+    """`c`, or a 400 naming `param` when it does not compile (a schema's unknown type, a bad
+    regex or grammar), rather than the nodes' refusal of the grammar it became."""
+    k = constraint_kwargs(c)
+    try:
+        check(k["kind"], tuple(k["value"]) if isinstance(k["value"], list) else k["value"])
+    except ValueError as e:
+        raise bad(f"'{param}': {e}", param) from None
+    return c
+
+
+def check_schema(param: str, schema: Any) -> None:
+    """A 400 naming `param` when the JSON schema (a tool's parameters) does not compile."""
+    checked(param, pb.Constraint(json_schema=json.dumps(schema)))
 
 
 def response_format(rf: Any) -> pb.Constraint | None:

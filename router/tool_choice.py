@@ -112,12 +112,23 @@ def plan(
             if not fns:
                 raise bad(f"'tool_choice' names {named!r}, which is not in 'tools'", "tool_choice")
         many = named is None and req.parallel_tool_calls is not False
+        _compiles(req, fns, customs)
         constraint = pb.Constraint(grammar=call_grammar(fmt, fns, many, customs))
     elif constraint is None and (allowed is not None or _strict(tools, customs)):  # auto: text, then calls
         many = req.parallel_tool_calls is not False
         fns = [t["function"] for t in tools]
+        _compiles(req, fns, customs)
         constraint = pb.Constraint(grammar=call_grammar(fmt, fns, many, customs, text_first=True))
     return ToolPlan(True, _start(constraint, think_close))
+
+
+def _compiles(req: ChatRequest, fns: list[dict[str, Any]], customs: dict[str, CustomTool] | None) -> None:
+    """Each function schema the call grammar follows compiles alone: a 400 naming the tool's
+    parameters (not the nodes' refusal of the whole grammar)."""
+    at = {t["function"]["name"]: i for i, t in enumerate(req.tools or [])}
+    for f in fns:
+        if f["name"] not in (customs or {}):
+            structured_fields.check_schema(req.schema_field(at[f["name"]]), f.get("parameters") or {})
 
 
 def _allowed(choice: dict[str, Any], tools: list[dict[str, Any]]) -> tuple[str, set[str]]:

@@ -332,3 +332,38 @@ def test_served_model_names_are_the_names_clients_call(ckpt):
     snap = "/root/.cache/huggingface/hub/models--Qwen--Qwen3.5-35B-A3B-FP8/snapshots/0a1b2c3d"
     assert model_id(snap) == "Qwen/Qwen3.5-35B-A3B-FP8" and model_id(snap + "/") == "Qwen/Qwen3.5-35B-A3B-FP8"
     assert model_id("/data/ckpts/Qwen3.5-35B-A3B") == "Qwen3.5-35B-A3B"
+
+
+def test_schemas_that_do_not_compile_are_refused_naming_their_field(door):
+    """A schema the output must follow that does not compile (an unknown type, at the top or in a
+    parameter) is a 400 naming the field the client wrote, on chat, Responses and Anthropic
+    Messages; under tool_choice auto, where no tool's schema is compiled, the same tools pass."""
+    r, _, _ = door
+    msgs = [{"role": "user", "content": "hi"}]
+    inner = {"type": "object", "properties": {"mode": {"type": "strin"}}, "required": ["mode"]}
+    good = {"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}}
+    for bad_schema in (inner, {"type": "objekt"}):
+        tools = [good, {"type": "function", "function": {"name": "f", "parameters": bad_schema}}]
+        body = {"model": "m", "messages": msgs, "max_tokens": 1, "tools": tools, "tool_choice": "required"}
+        status, out = post(r.http_port, json.dumps(body).encode(), "/v1/chat/completions")
+        assert status == 400 and out["error"]["param"] == "tools[1].function.parameters", out
+        assert "Invalid type" in out["error"]["message"] and "start:" not in out["error"]["message"], out
+        body["tool_choice"] = "auto"  # no schema compiled: served
+        assert post(r.http_port, json.dumps(body).encode(), "/v1/chat/completions")[0] == 200
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}
+    body = {"model": "m", "messages": msgs, "max_tokens": 1, "response_format": fmt}
+    status, out = post(r.http_port, json.dumps(body).encode(), "/v1/chat/completions")
+    assert status == 400 and out["error"]["param"] == "response_format" and "objekt" in out["error"]["message"]
+    status, out = post(r.http_port, _js(structured_outputs={"regex": "a(b"}))
+    assert status == 400 and out["error"]["param"] == "structured_outputs", out
+    flat = [
+        {"type": "function", "name": "ok", "parameters": {"type": "object"}},
+        {"type": "function", "name": "f", "parameters": inner},
+    ]
+    body = {"model": "m", "input": "hi", "max_output_tokens": 1, "tools": flat, "tool_choice": "required"}
+    status, out = post(r.http_port, json.dumps(body).encode(), "/v1/responses")
+    assert status == 400 and out["error"]["param"] == "tools[1].parameters", out
+    anth = [{"name": "f", "input_schema": inner}]
+    body = {"model": "m", "messages": msgs, "max_tokens": 1, "tools": anth, "tool_choice": {"type": "any"}}
+    status, out = post(r.http_port, json.dumps(body).encode(), "/v1/messages")
+    assert status == 400 and "tools[0].input_schema" in out["error"]["message"], out
