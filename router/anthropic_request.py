@@ -10,7 +10,9 @@ request they mean, served by the chat path (router/openai_chat.py) as one choice
 - `thinking` `enabled` / `disabled` -> the template's `enable_thinking` (unset: the template's
   default); `stop_sequences` -> `stop`; `output_config.format` (or the earlier `output_format`)
   `json_schema` -> `response_format`; `output_config.effort` -> `reasoning_effort`; `temperature`, `top_p`, `top_k` as earlier clients send them;
-- `cache_control` marks are accepted and have no effect (the prefix cache needs none).
+- `cache_control` marks are accepted and have no effect (the prefix cache needs none);
+- a last message from the assistant with text (no `tool_use`) is continued, as Anthropic's API
+  does (chat's `continue_final_message`): the answer starts right after its text.
 
 Anything it cannot honour is a 400 naming it (server tools, documents, MCP servers)."""
 
@@ -275,9 +277,14 @@ def to_chat(req: MessagesRequest) -> ChatRequest:
             raise bad(f"'{name}' is not supported by this server", name)
     names: dict[tuple[int, int], str] = {}
     choice, parallel = _tool_choice(req.tool_choice)
+    msgs = _messages(req, names)
+    last = msgs[-1]
+    prefill = last["role"] == "assistant" and not last.get("tool_calls") and bool(last.get("content"))
     body: dict[str, Any] = {
         "model": req.model,
-        "messages": _messages(req, names),
+        "messages": msgs,
+        "continue_final_message": prefill,
+        "add_generation_prompt": not prefill,
         "tools": _tools(req.tools),
         "tool_choice": choice if req.tools else None,
         "parallel_tool_calls": parallel if req.tools else None,

@@ -108,6 +108,25 @@ def test_thinking_switch_and_stop_sequences(claude, model, hf, ckpt):
     assert (f.stop_reason, f.stop_sequence, _plain(f.content)) == ("stop_sequence", stop, _plain(s.content))
 
 
+def test_a_final_assistant_message_is_continued(claude, model, hf, ckpt):
+    """A last assistant message (an agent's prefill, `{"answer":`) is continued, not closed: the
+    prompt is transformers' rendering with continue_final_message, counted the same by
+    count_tokens, and the text is transformers' greedy continuation of it."""
+    prefill = [*USER, {"role": "assistant", "content": '{"answer":'}]
+    msgs = [{"role": "system", "content": SYSTEM}, *prefill]
+    text = hf.apply_chat_template(
+        msgs, continue_final_message=True, add_generation_prompt=False, tokenize=False, enable_thinking=False
+    )
+    ids = hf.encode(text, add_special_tokens=False)
+    assert text.endswith('{"answer":')
+    want = hf.decode(hc.hf_greedy(ckpt, ids, 8), skip_special_tokens=True)
+    kw = dict(model=model, system=SYSTEM, messages=prefill, thinking={"type": "disabled"})
+    m = claude.messages.create(max_tokens=8, extra_body={"ignore_eos": True, "temperature": 0.0}, **kw)
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(ids)
+    assert claude.messages.count_tokens(**kw).input_tokens == len(ids)
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == want.strip()
+
+
 def test_forced_tool_call_and_its_history(claude, model, hf):
     """tool_choice `tool` gives one tool_use block whose input follows the schema (stop_reason
     `tool_use`), streamed the same (input_json_delta pieces); sending it back with a tool_result
