@@ -102,12 +102,18 @@ class OpenAIFront:
     def tok(self):
         return self.service.tokenizer
 
-    def model(self, name: str) -> str:
+    def model(self, name: str | None) -> str:
+        """The served model a body's `model` names; unset: the one model served (several: a 400)."""
         known = self.service.models()
         if not known:  # nothing registered (yet, or any more): a state to wait out, not a bad name
             raise ApiError(
                 503, "no live node serves a model now; retry shortly", "service_unavailable", None, "unavailable"
             )
+        if name is None:
+            if len(known) == 1:
+                return known[0].id
+            ids = ", ".join(m.id for m in known)
+            raise ApiError(400, f"'model' is required: this router serves {ids}", "invalid_request_error", "model")
         for m in known:
             if name in names_of(m, self.service.cfg.served_model_name):
                 return m.id

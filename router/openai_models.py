@@ -130,7 +130,7 @@ class _Request(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="allow")  # unknown fields: logged once, no effect (`parse`)
 
-    model: Annotated[str, Field(min_length=1)]
+    model: Annotated[str, Field(min_length=1)] | None = None  # unset: the one model served (as vLLM)
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
     temperature: Annotated[Float, Field(ge=0.0, le=2.0)] | None = None

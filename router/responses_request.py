@@ -30,7 +30,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")  # unknown fields: logged once, no effect
     ROUTE: ClassVar[str] = "/v1/responses"
 
-    model: Annotated[str, Field(min_length=1)]
+    model: Annotated[str, Field(min_length=1)] | None = None  # unset: the one model served
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None

@@ -367,3 +367,20 @@ def test_schemas_that_do_not_compile_are_refused_naming_their_field(door):
     body = {"model": "m", "messages": msgs, "max_tokens": 1, "tools": anth, "tool_choice": {"type": "any"}}
     status, out = post(r.http_port, json.dumps(body).encode(), "/v1/messages")
     assert status == 400 and "tools[0].input_schema" in out["error"]["message"], out
+
+
+def test_a_body_without_a_model_is_served_by_the_one_model(door):
+    """`model` left out (as vLLM's server allows): completions, chat and Responses are answered by
+    the model the router serves, named in the answer; a wrong name is still a 404."""
+    r, _, _ = door
+    served = r.service.models()[0].id
+    msgs = [{"role": "user", "content": "hi"}]
+    for path, body in [
+        ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": msgs, "max_tokens": 1}),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 1}),
+    ]:
+        status, out = post(r.http_port, json.dumps(body).encode(), path)
+        assert status == 200 and out["model"] == served, (path, out)
+        status, out = post(r.http_port, json.dumps({**body, "model": "nope"}).encode(), path)
+        assert status == 404 and out["error"]["param"] == "model", (path, out)
