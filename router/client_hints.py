@@ -1,12 +1,14 @@
 """What a client asks of admission besides its request fields: its API key's id (turns within a
 class), and over HTTP the headers `x-pdserve-admission-timeout` (seconds; 0: wait as long as it
 takes) and `x-pdserve-priority` (interactive | batch); `x-api-key` stands for `Authorization:
-Bearer` when that is absent. The front ends set `HINTS` for the
+Bearer` when that is absent; `x-request-id` names the request (its answer's id; its node request
+ids and log lines start with it). The front ends set `HINTS` for the
 request's task; `GenerateService.admit` reads it (docs/api.md, "Admission")."""
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -15,6 +17,8 @@ from router.admission import CLASS_NAMES
 from serving.security import AUTH_KEY, Credentials, authorization, bearer, key_id, match
 
 TIMEOUT_HEADER = "x-pdserve-admission-timeout"
+REQUEST_ID_HEADER = "x-request-id"  # the client's id for the request: the answer's id, the log lines'
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 PRIORITY_HEADER = "x-pdserve-priority"
 API_KEY_HEADER = "x-api-key"
 
@@ -24,6 +28,7 @@ class Hints:
     tenant: str = ""
     priority: int | None = None  # None: the request's field
     budget_s: float | None = None  # None: the request's field, else the router's default
+    request_id: str | None = None  # the client's X-Request-Id (HTTP)
 
 
 HINTS: ContextVar[Hints | None] = ContextVar("pdserve_admission_hints", default=None)
@@ -55,5 +60,8 @@ def from_headers(headers: Mapping[str, str], creds: Credentials) -> Hints:
         if v.strip().lower() not in CLASS_NAMES:
             raise ValueError(f"header {PRIORITY_HEADER} must be one of {', '.join(CLASS_NAMES)}, got {v!r}")
         priority = CLASS_NAMES.index(v.strip().lower())
+    rid = headers.get(REQUEST_ID_HEADER)
+    if rid is not None and not _REQUEST_ID.fullmatch(rid):
+        raise ValueError(f"header {REQUEST_ID_HEADER} must be 1-64 of A-Z a-z 0-9 . _ : - (got {rid[:80]!r})")
     auth = authorization(headers.get(AUTH_KEY), headers.get(API_KEY_HEADER))
-    return Hints(tenant_of(auth, creds), priority, budget)
+    return Hints(tenant_of(auth, creds), priority, budget, rid)

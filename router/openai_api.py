@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 
 from proto import pb
 from router import structured_fields
-from router.client_hints import HINTS, from_headers
+from router.client_hints import HINTS, Hints, from_headers
 from router.errors import Abort
 from router.http_limits import check_expansion, read_json
 from router.images.decode import ImageRefused
@@ -163,8 +163,11 @@ class OpenAIFront:
         ps = [prep.prompt] if prep is not None else prompts(req)
         echo = not chat and req.echo
         n, rid = req.n, uuid.uuid4().hex
+        named = (HINTS.get() or Hints()).request_id  # the client's X-Request-Id: the answer's id
         check_expansion(len(ps), n, self.service.expansion_limit())
-        job = Job(model, chat, rid, n, req.no_output, sp.logprobs if sp.HasField("logprobs") else None)
+        job = Job(model, chat, named or rid, n, req.no_output, sp.logprobs if sp.HasField("logprobs") else None)
+        if named:  # the nodes' ids start with it, and stay unique when a client sends one twice
+            rid = f"{named}-{rid[:8]}"
         job.output = prep.output if prep is not None else None
         job.token_ids, job.ids_as_text = bool(req.return_token_ids), bool(req.return_tokens_as_token_ids)
         job.images = images

@@ -50,7 +50,7 @@ async def respond(front: OpenAIFront, body: Any, request: Request) -> Response:
     assert isinstance(req, ResponsesRequest)
     turn = _Turn(front, req)
     job = await _fitted(front, req, turn.prior)
-    rid = "resp_" + job.id
+    rid = "resp_" + job.reqs[0].request_id  # unique (stored), even under a client's X-Request-Id
     try:
         if req.stream:
             return await _stream(front, job, req, rid, request, turn)

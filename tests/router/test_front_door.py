@@ -384,3 +384,28 @@ def test_a_body_without_a_model_is_served_by_the_one_model(door):
         assert status == 200 and out["model"] == served, (path, out)
         status, out = post(r.http_port, json.dumps({**body, "model": "nope"}).encode(), path)
         assert status == 404 and out["error"]["param"] == "model", (path, out)
+
+
+def test_a_client_request_id_names_the_answer_and_the_log_lines(door, caplog):
+    """`X-Request-Id` (as vLLM's benchmark sends it): the answer's id is built on it, the router's
+    log line and the node's request id start with it (a second request with the same id stays
+    distinct), and an id that could forge log text is a 400 naming the header."""
+    r, fake, _ = door
+    body = _js()
+    for _ in range(2):
+        with caplog.at_level(logging.INFO, logger="pdserve.router"):
+            conn = http.client.HTTPConnection("127.0.0.1", r.http_port, timeout=30)
+            conn.request(
+                "POST", "/v1/completions", body, {"Content-Type": "application/json", "X-Request-Id": "bench-7"}
+            )
+            resp = conn.getresponse()
+            out = json.loads(resp.read())
+            conn.close()
+        assert resp.status == 200 and out["id"] == "cmpl-bench-7", out
+    ids = [m.split()[1].rstrip(":") for m in caplog.messages if m.startswith("request bench-7-")]
+    assert len(ids) == 2 and ids[0] != ids[1] and fake.last.request_id in ids
+    conn = http.client.HTTPConnection("127.0.0.1", r.http_port, timeout=30)
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json", "X-Request-Id": "a b;c"})
+    resp = conn.getresponse()
+    err = json.loads(resp.read())["error"]
+    assert resp.status == 400 and "x-request-id" in err["message"]
