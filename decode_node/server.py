@@ -51,13 +51,27 @@ def _digest(ecfg: EngineConfig) -> str:
 
 @dataclass
 class _Tally:
-    """How one relayed request went, for the metrics (counted once, however it ends)."""
+    """How one relayed request went, for the metrics and its log line (once, however it ends:
+    finished, failed, or its caller gone)."""
 
     outcome: str = "cancelled"
+    finish: str = "cancelled"  # the finish reason; "cancelled" when the call ended before it
     ttft: float | None = None
     tpot: float | None = None
     n: int = 0
     cached: int = 0
+    queue_s: float = 0.0
+    first_s: float | None = None  # to the first token, for the log line (ttft counts finished requests only)
+
+    def log(self, h: RequestHandle) -> None:
+        def ms(s: float | None) -> str:
+            return "-" if s is None else f"{s * 1e3:.1f} ms"
+
+        log.info(
+            "request %s: prompt %d (cached %d), output %d, %s; queue %s, ttft %s, tpot %s, e2e %s",
+            h.request_id, h.num_prompt_tokens, self.cached, self.n, self.finish,
+            ms(self.queue_s), ms(self.first_s), ms(self.tpot), ms(time.monotonic() - h.received),
+        )  # fmt: skip
 
 
 class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
@@ -258,6 +272,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         finally:
             self._streams.discard(h.request_id)
             self.metrics.request_done(box.outcome, box.ttft, box.tpot, box.n)
+            box.log(h)
 
     def _relay_loop(
         self, h: RequestHandle, context: grpc.ServicerContext, skip: int, box: _Tally
@@ -276,7 +291,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                     code = grpc.StatusCode.UNAVAILABLE
                 else:
                     code = grpc.StatusCode.INTERNAL
-                box.outcome = "error"
+                box.outcome = box.finish = "error"
                 context.abort(code, str(e))
             now = time.monotonic()
             new, lps = item.new_token_ids, item.logprobs
@@ -294,12 +309,13 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                     yield pb.GenerateResponse(
                         request_id=h.request_id, token_ids=new, logprobs=logprobs_pb(lps or []), muxed_tokens=h.muxed
                     )
+                box.finish = "handed off"
                 refuse_draining(context, f"decode node {self.cfg.node_id}")
             t = pb.Timings()
             if first_tok is not None:
-                t.ttft_s = first_tok - h.received
+                t.ttft_s = box.first_s = first_tok - h.received
             if h.added is not None:
-                t.queue_s = h.added - h.received
+                t.queue_s = box.queue_s = h.added - h.received
             total = n + h.muxed  # the tokens sent on the token stream too
             if done:
                 t.e2e_s = now - h.received
@@ -325,17 +341,12 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
             if done:
                 msg.node_ended = int(item.metrics.get("ended", 0))
                 box.outcome = "cancelled" if item.finish_reason == "abort" else "ok"
+                box.finish = box.outcome if item.finish_reason == "abort" else item.finish_reason or "stop"
                 box.ttft = t.ttft_s if first_tok is not None else None
                 box.tpot = t.tpot_s if total > 1 else None
             if new or done:
                 yield msg
             if done:
-                log.info(
-                    "request %s: prompt %d (cached %d), output %d, %s; queue %.1f ms, ttft %.1f ms, tpot %.1f ms, "
-                    "e2e %.1f ms",
-                    h.request_id, h.num_prompt_tokens, box.cached, total, item.finish_reason,
-                    t.queue_s * 1e3, t.ttft_s * 1e3, t.tpot_s * 1e3, t.e2e_s * 1e3,
-                )  # fmt: skip
                 return
 
     def TokenStream(self, request: pb.TokenStreamRequest, context: grpc.ServicerContext) -> Iterator[pb.TokenBatch]:

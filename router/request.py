@@ -384,7 +384,8 @@ class RequestRun:
         if push is not None:  # the transfer figures, complete on the last message
             pt = push.timings()
             t.prefill_s, t.transfer_s, t.transfer_bytes = pt.prefill_s, pt.transfer_s, pt.transfer_bytes
+        if m.finish_reason or t.transfer_bytes:  # known once pushed: a request cancelled later has them too
+            tr.transfer_bytes, tr.transfer_s = t.transfer_bytes, t.transfer_s
         if m.finish_reason:
             tr.finish = m.finish_reason
-            tr.transfer_bytes, tr.transfer_s = t.transfer_bytes, t.transfer_s
         return c

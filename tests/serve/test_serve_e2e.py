@@ -116,6 +116,14 @@ def test_cancelled_stream_frees_pages_and_slots(client, cluster):
     wait_for(lambda: _all_free(prefill_stats(pnode.address).capacity), 20, "the prefill node's memory back")
     # the router's view (heartbeats) agrees
     wait_for(lambda: _decode_node(cluster).capacity.free_slots == initial.free_slots, 10, "heartbeat")
+    # the decode node logs the cancelled request's line too, with the tokens it sent
+    line = r"pdserve\.decode: request (\S+): prompt 99 \(cached \d+\), output \d+, cancelled;"
+    rid = cluster.find(line)
+    sent = int(cluster.find(rf"pdserve\.decode: request {rid}: prompt 99 \(cached \d+\), output (\d+), cancelled;"))
+    assert sent >= 3
+    # and the router's line the bytes the prefill node pushed for it (known before the cancel)
+    pushed = cluster.find(rf"pdserve\.prefill: request {rid}: .* transfer (\d+) B")
+    assert int(pushed) > 0 and cluster.find(rf"pdserve\.router: request {rid}: .*cancelled; transfer (\d+) B") == pushed
 
 
 @pytest.mark.parametrize(
