@@ -257,6 +257,8 @@ def cmd_up(args) -> int:
             say("pdserve up: interrupted during start-up; stopping")
             return 130
         say(f"pdserve up: ready at {cl.address}")
+        if cl.token_file is not None:  # a token made for this cluster: where `pdserve nodes` finds it
+            say(f"pdserve up: cluster token in {cl.token_file} (pdserve nodes --cluster-token-file {cl.token_file})")
         while not stop.wait(0.2):
             for name, rc in cl.poll_exited():
                 if name == "router":
@@ -333,7 +335,13 @@ def cmd_nodes(args) -> int:
         try:
             nodes = rpc.RegistryStub(ch).ListNodes(pb.ListNodesRequest(), timeout=args.wait).nodes
         except grpc.RpcError as e:
-            raise ValueError(f"router {args.addr}: {e.code().name}: {e.details()}") from None
+            hint = ""
+            if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                hint = (
+                    "; give the cluster's token with --cluster-token-file FILE or PDSERVE_CLUSTER_TOKEN "
+                    "(pdserve up prints where the one it made is)"
+                )
+            raise ValueError(f"router {args.addr}: {e.code().name}: {e.details()}{hint}") from None
     head = ("node", "kind", "address", "state", "tp", "pages free", "slots free")
     head += ("running", "waiting", "queued tokens", "seen")
     rows = []

@@ -177,7 +177,14 @@ class Cluster:
         self.cpus: dict[str, tuple[int, ...]] = {}  # node name -> its CPUs (start() decides)
         self.nice = 0  # decode nodes' nice value (start() decides)
         self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-up-")
-        self._token = spec.cluster_token or os.environ.get(TOKEN_ENV, "").strip() or secrets.token_urlsafe(32)
+        self._token = spec.cluster_token or os.environ.get(TOKEN_ENV, "").strip()
+        self.token_file: str | None = None  # where a token made here is kept, for the operator's tools
+        if not self._token and not spec.insecure_open_cluster:
+            self._token = secrets.token_urlsafe(32)
+            self.token_file = os.path.join(self._tmp.name, "cluster-token")
+            fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self._token)
         if spec.insecure_open_cluster:
             self._token = ""
         self.credentials = spec.credentials(self._token)
