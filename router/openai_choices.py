@@ -62,6 +62,7 @@ class Choice:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.finish: str | None = None
+        self.stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
         self.offset = 0  # completions text_offset of the next token
         self.started = False
         self.out = job.output() if job.output is not None else None
@@ -88,6 +89,9 @@ class Choice:
             if self.job.token_ids:
                 self.ids += c.token_ids
         self.finish = c.finish_reason or self.finish
+        if c.finish_reason == "stop":  # a stop string, else one of the request's stop ids (not EOS: None)
+            ids = self.job.reqs[self.index].sampling.stop_token_ids
+            self.stop_reason = c.stop or (c.token_ids[-1] if c.token_ids and c.token_ids[-1] in ids else None)
         return text, entries
 
     def add(self, c: Chunk) -> None:
@@ -126,7 +130,7 @@ class Choice:
         return "tool_calls" if fin == "stop" and self.out is not None and self.out.calls else fin
 
     def whole(self) -> dict:
-        out = {"index": self.index, "finish_reason": self._finish(self.finish)}
+        out = {"index": self.index, "finish_reason": self._finish(self.finish), "stop_reason": self.stop_reason}
         lp = self._logprobs(self.entries) if self.job.logprobs is not None else None
         if self.job.chat:
             msg = self.out.message() if self.out is not None else None
@@ -159,6 +163,8 @@ class Choice:
             d = {"index": self.index, "text": text, "logprobs": lp, "finish_reason": fin}
             if self.job.token_ids and first:
                 d["prompt_token_ids"] = self.prompt_ids
+        if fin is not None:
+            d["stop_reason"] = self.stop_reason
         if self.job.token_ids:
             d["token_ids"] = [] if self.job.no_output else list(c.token_ids)
         return d

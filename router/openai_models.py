@@ -298,7 +298,8 @@ def _refuse_unsupported(req: _Request) -> None:
     if req.best_of not in (None, req.n):
         raise bad("best_of other than n is not supported", "best_of")
     for name, hint in UNSUPPORTED_EXTENSIONS.items():
-        if getattr(req, name) not in (None, False, [], {}):
+        v = getattr(req, name)  # unset, false or empty: as if not sent (0 is a value: prompt_logprobs 0 asks)
+        if v is not None and v is not False and v != [] and v != {}:
             raise bad(f"'{name}' is not supported{hint}", name)
 
 

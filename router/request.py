@@ -55,7 +55,7 @@ class Trace:
     prompt_len: int = 0
     images: int = 0  # images in the prompt (their tokens are in prompt_len)
     decode: str = "-"
-    prefill: str = "local"
+    prefill: str = "-"  # the prefill node; "local": computed on the decode node; "-": not placed
     queue_s: float = 0.0
     estimate_s: float | None = None  # admission's estimate at arrival of the wait to start
     first: float | None = None
@@ -239,6 +239,7 @@ class RequestRun:
         route: Route | None = None  # the request's tokens on the node's token stream
         try:
             if p is not None:
+                self.tr.prefill = p[0].node_id  # the node computing it (a cancel during prefill names it)
                 pre = await self.svc.prefill.run(d, p, self.request, ids, rid, self.images)
                 self.push = pre
             route = d.mux.route(rid if pre is None else pre.rid)

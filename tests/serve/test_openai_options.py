@@ -60,9 +60,10 @@ def test_stop_string_split_across_two_tokens(oai, model, sdk, tok):
     want = text[: text.find(stop)]
     r = oai.completions.create(model=model, prompt=PROMPT, max_tokens=24, stop=[stop, "never-seen"], **GREEDY)
     assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+    assert r.choices[0].model_extra["stop_reason"] == stop  # vLLM's: which stop ended it
     chunks = list(oai.completions.create(model=model, prompt=PROMPT, max_tokens=24, stop=stop, stream=True, **GREEDY))
     assert "".join(c.choices[0].text for c in chunks) == want
-    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].choices[0].model_extra["stop_reason"] == stop
     assert len(chunks) >= 2  # text deltas, then the last with finish_reason; none carried any of `stop`
     # the SDK (gRPC) takes the same stop strings
     g = sdk.generate(prompt=PROMPT, max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
@@ -393,8 +394,10 @@ def test_max_tokens_defaults(oai, model):
     msgs = [{"role": "user", "content": "Count."}]
     r = oai.chat.completions.create(model=model, messages=msgs, temperature=0.0, extra_body=stop)
     assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (21, "stop")
+    assert r.choices[0].model_extra["stop_reason"] == 42  # the stop id that ended it, as vLLM says
     c = oai.completions.create(model=model, prompt=PROMPT, temperature=0.0, extra_body={"ignore_eos": True})
     assert (c.usage.completion_tokens, c.choices[0].finish_reason) == (16, "length")
+    assert c.choices[0].model_extra["stop_reason"] is None
 
 
 def test_stop_matcher_holds_back_partial_matches():

@@ -392,6 +392,14 @@ def test_cancel_during_prefill_releases_both_nodes(cluster, client):
             assert ei.value.code() == grpc.StatusCode.CANCELLED
     wait_for(lambda: _all_free(decode_stats(d.address).capacity), 20, "the decode node's memory back")
     wait_for(lambda: _all_free(prefill_stats(p.address).capacity), 20, "the prefill node's memory back")
+
+    # the router's lines name where each was (the prefill node, or "-" not yet placed), never "local"
+    def logged():
+        got = [ln for ln in cluster.lines if "pdserve.router: request" in ln and "prompt 2000," in ln]
+        return got if len(got) == 2 else None
+
+    lines = wait_for(logged, 20, "the router's two lines")
+    assert all(re.search(r"prefill (prefill-0|-),", ln) for ln in lines), lines
     # a prompt no earlier test sent (the decode node would compute the next turn of one it holds)
     r = client.generate(prompt_token_ids=[901, 902, 903], max_tokens=4, temperature=0.0, ignore_eos=True)
     assert len(r.token_ids) == 4 and r.prefill_node == "prefill-0"
