@@ -30,12 +30,17 @@ class ImageInput:
 
 
 def decode_rgb(data: bytes) -> Image.Image:
-    """The image's first frame as RGB pixels (PIL raises on bytes it cannot decode)."""
+    """The image's first frame as RGB pixels (PIL raises on bytes it cannot decode). Transparency
+    is composited onto white, as the checkpoints' image processors (transformers' convert_to_rgb)
+    and vLLM do: a transparent logo is seen on white, not on whatever its hidden pixels hold."""
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as img:
         img.seek(0)
-        return img.convert("RGB")
+        if "A" not in img.getbands() and img.info.get("transparency") is None:
+            return img.convert("RGB")
+        rgba = img.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba).convert("RGB")
 
 
 def hash_pixels(img: Image.Image) -> bytes:

@@ -82,3 +82,36 @@ def test_images_must_sit_on_their_placeholders(vl_dense):
         check_images(ids, [], pad, 2)
     with pytest.raises(ValueError, match="not a positive grid"):
         check_images(ids, [type(img)(img.data, img.pixel_hash, img.offset, (1, 3, 4))], pad, 2)
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA"])
+def test_transparent_images_are_seen_as_the_processor_sees_them(vl_dense, mode):
+    """An image with transparency (hidden pixels black, as encoders store them): decoded, its pixel
+    values equal what the checkpoint's processor makes of the image itself (composited onto white)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rgb = Image.open(io.BytesIO(vc.png(40, 30, 3))).convert("RGB")
+    alpha = np.zeros((30, 40), np.uint8)
+    alpha[8:22, 10:30] = 255  # a visible rectangle; around it fully transparent
+    alpha[8:22, 10:14] = 128  # and a half-transparent band
+    img = rgb.copy()
+    img.putalpha(Image.fromarray(alpha))
+    arr = np.array(img)
+    arr[alpha == 0, :3] = 0  # what a transparent pixel hides
+    img = Image.fromarray(arr, "RGBA")
+    if mode == "LA":
+        img = img.convert("LA")
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    proc = vc.processor(vl_dense)
+
+    def pixels(im) -> torch.Tensor:  # a copy: the processor may hand back its own buffer
+        return proc(images=[im], return_tensors="pt")["pixel_values"].clone()
+
+    got = pixels(decode_rgb(buf.getvalue()))
+    want = pixels(Image.open(io.BytesIO(buf.getvalue())))
+    dropped = pixels(Image.open(io.BytesIO(buf.getvalue())).convert("RGB"))  # the alpha thrown away
+    assert torch.equal(got, want) and not torch.equal(got, dropped)
