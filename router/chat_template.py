@@ -150,6 +150,8 @@ def _image_url(part: dict[str, Any], where: str) -> str:
     """An image part's URL: chat's `{"image_url": {"url": ...}}` or Responses' `{"image_url": "..."}`."""
     u = part.get("image_url")
     if isinstance(u, dict):
+        if u.get("detail") not in (None, "auto", "low", "high"):  # OpenAI's values (all served alike)
+            raise bad(f"{where}.image_url.detail must be 'auto', 'low' or 'high'", f"{where}.image_url.detail")
         u = u.get("url")
     if not isinstance(u, str) or not u:
         raise bad(f"{where}: an image part needs image_url.url, a data: URL (or an http(s) URL where allowed)", where)

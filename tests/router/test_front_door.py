@@ -411,3 +411,11 @@ def test_a_client_request_id_names_the_answer_and_the_log_lines(door, caplog):
     resp = conn.getresponse()
     err = json.loads(resp.read())["error"]
     assert resp.status == 400 and "x-request-id" in err["message"]
+
+
+def test_an_image_detail_outside_openais_values_is_named(door):
+    r, _, _ = door
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "bogus"}}
+    body = {"model": "m", "messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
+    status, out = post(r.http_port, json.dumps(body).encode(), "/v1/chat/completions")
+    assert status == 400 and out["error"]["param"] == "messages[0].content[0].image_url.detail", out
