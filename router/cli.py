@@ -282,15 +282,17 @@ def cmd_generate(args) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
-    if args.chat and (args.token_ids or args.image or args.prompt is None):
-        raise ValueError("--chat takes a text prompt (no --token-ids, no --image)")
+    if args.chat and (args.token_ids or args.prompt is None):
+        raise ValueError("--chat takes a text prompt (no --token-ids)")
     if args.token_ids:
         kw["prompt_token_ids"] = [int(t) for t in args.token_ids.replace(",", " ").split()]
     elif args.prompt is None:
         raise ValueError("give a prompt (text) or --token-ids")
     else:
         kw["prompt"] = args.prompt
-    if args.image:  # each a file or a URL; the prompt holds one placeholder per image (docs/images.md)
+    if (
+        args.image and not args.chat
+    ):  # each a file or a URL; the prompt holds one placeholder per image (docs/images.md)
         from client import IMAGE_PLACEHOLDER
 
         if IMAGE_PLACEHOLDER not in (args.prompt or ""):
@@ -443,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="an image file or URL (repeatable); placed before the prompt unless the prompt holds "
-        "<|vision_start|><|image_pad|><|vision_end|> once per image",
+        "<|vision_start|><|image_pad|><|vision_end|> once per image (with --chat: image parts before the text)",
     )
     p.add_argument("--chat", action="store_true", help="the prompt as a user message, in the model's chat template")
     p.add_argument("--system", default=None, help="with --chat: a system message first")

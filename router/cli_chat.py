@@ -1,20 +1,36 @@
-"""`pdserve generate --chat`: the prompt as a user message (after `--system`), sent through the
+"""`pdserve generate --chat`: the prompt as a user message (after `--system`; `--image` parts before
+its text, files sent as data: URLs), sent through the
 SDK's `Client.chat_stream` so the router applies the checkpoint's chat template; the reasoning
 streams to stderr, the answer to stdout, then its tool calls (one JSON object a line) and one
 line of totals."""
 
 from __future__ import annotations
 
+import base64
 import json
+import mimetypes
 import sys
 import time
+from pathlib import Path
+
+
+def image_url(x: str) -> str:
+    """A chat image part's URL: a URL as it is, a file as a data: URL (its type from its name)."""
+    if "://" in x or x.startswith("data:"):
+        return x
+    kind = mimetypes.guess_type(x)[0] or "application/octet-stream"
+    return f"data:{kind};base64,{base64.b64encode(Path(x).read_bytes()).decode()}"
 
 
 def run_chat(c, args, sampling: dict) -> None:
     from client import ChatResult
 
     msgs = [{"role": "system", "content": args.system}] if args.system else []
-    msgs.append({"role": "user", "content": args.prompt})
+    if args.image:  # image parts (files as data: URLs), then the text, as an OpenAI client writes them
+        parts: list[dict] = [{"type": "image_url", "image_url": {"url": image_url(x)}} for x in args.image]
+        msgs.append({"role": "user", "content": [*parts, {"type": "text", "text": args.prompt}]})
+    else:
+        msgs.append({"role": "user", "content": args.prompt})
     names = ("max_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos")
     fields = {k: sampling[k] for k in names if sampling.get(k) is not None}
     for k in ("top_k", "ignore_eos"):  # their defaults, not sent

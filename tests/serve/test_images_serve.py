@@ -198,7 +198,7 @@ def test_anthropic_image_blocks_equal_transformers(vl_up, vl_model):
             assert json.loads(r.read()) == {"input_tokens": len(ids)}, name
 
 
-def test_cli_generate_with_an_image(vl_up, tmp_path):
+def test_cli_generate_with_an_image(vl_up, vl_model, tmp_path):
     import os
     import subprocess
     import sys
@@ -211,6 +211,16 @@ def test_cli_generate_with_an_image(vl_up, tmp_path):
     r = subprocess.run([*gen, "What is it?", "--max-tokens", "3", "--temperature", "0", "--ignore-eos"], **run)
     assert r.returncode == 0 and "3 tokens, length" in r.stderr, r.stderr
     assert wait_for(lambda: [ln for ln in vl_up.lines if "(1 image)" in ln and "pdserve.router" in ln], 10, "log")
+    # --chat: the image as a chat image part before the text, in the chat template (transformers' count)
+    from transformers import AutoTokenizer
+
+    hf = [{"role": "user", "content": [{"type": "image"}, _text("What is it?")]}]
+    tok = AutoTokenizer.from_pretrained(vl_model)
+    ids, _ = vl.expand(vl_model, tok.apply_chat_template(hf, add_generation_prompt=True, return_dict=False), [A])
+    r = subprocess.run(
+        [*gen, "What is it?", "--chat", "--max-tokens", "3", "--temperature", "0", "--ignore-eos"], **run
+    )
+    assert r.returncode == 0 and f"[{len(ids)} prompt tokens, 3 new, length" in r.stderr, r.stderr
 
 
 def test_two_images_of_one_size_are_told_apart_and_a_repeat_hits_the_cache(vl_up, vl_model):
