@@ -63,7 +63,10 @@ def paged_attention(
     B = seq_lens.numel()
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     q_max = int(q_lens.max())
-    K, V = gather_kv(kv_pool, block_tables)
+    # only the pages the longest row has filled: a long prompt's table holds all its pages from
+    # its first chunk on, and attending over them all cost each chunk what the last one costs
+    bs = kv_pool.shape[3]
+    K, V = gather_kv(kv_pool, block_tables[:, : -(-int(seq_lens.max()) // bs)])
     n_kv = K.shape[2]
     k_pos = torch.arange(n_kv, device=q.device)
     if q.shape[0] == B:  # one new token per row (decode): no padding of queries

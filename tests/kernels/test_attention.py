@@ -214,3 +214,30 @@ def test_causal_attention_matches_naive_softmax(lens):
                 ref[t, h] = torch.softmax(s, 0) @ v[start : t + 1, h // 2].double()
         start += n
     assert_close("o", got, ref.float(), 1e-5)
+
+
+def test_pages_past_every_rows_context_are_not_read():
+    """A long prompt's table holds all its pages from its first chunk on: the PyTorch path attends
+    over the pages the batch's longest row has filled (NaN in the later ones would poison the
+    output were they read), against a per-token float64 softmax loop over each row's context."""
+    gen = torch.Generator().manual_seed(6)
+    bs, H, kvh, rows = 16, 4, 2, [(20, 50), (4, 36)]  # (new tokens, context so far)
+    n_pages = 8  # each row owns 8 pages (128 tokens), fewer than 4 of them filled
+    pool = torch.randn(1 + len(rows) * n_pages, 2, kvh, bs, HD, generator=gen)
+    tables = (1 + torch.arange(len(rows) * n_pages)).view(len(rows), n_pages).int()
+    longest = -(-max(ctx for _, ctx in rows) // bs)
+    pool[tables[:, longest:].reshape(-1).long()] = float("nan")  # past every row's context: not yet written
+    q = torch.randn(sum(n for n, _ in rows), H, HD, generator=gen)
+    seq_lens = torch.tensor([ctx for _, ctx in rows])
+    got = paged_attention(q, pool, cu_seqlens([n for n, _ in rows]), seq_lens, tables, 0.2)
+    ref, t0 = torch.empty_like(got, dtype=torch.float64), 0
+    for b, (n, ctx) in enumerate(rows):
+        kv = pool[tables[b].long()].permute(1, 2, 0, 3, 4).reshape(2, kvh, -1, HD)[:, :, :ctx].double()
+        for i in range(n):
+            see = ctx - n + i + 1
+            for h in range(H):
+                s = (kv[0, h // 2, :see] @ q[t0 + i, h].double()) * 0.2
+                ref[t0 + i, h] = torch.softmax(s, 0) @ kv[1, h // 2, :see]
+        t0 += n
+    assert not got.isnan().any()
+    assert_close("o", got, ref.float(), 1e-5)
