@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from engine.connector import Connector, ConnectorStats, RecvFreed, SendDone, TransferRecord
 from engine.executor import make_executor
 from engine.outputs import RequestOutput
+from engine.rate_window import attended_pairs
 from engine.request import Request, Status
 from engine.request_state import FINAL
 from engine.sampling_params import SamplingParams
@@ -59,6 +60,7 @@ class EngineCore:
         self._ids = itertools.count()
         self.image_totals: tuple[int, float, int] = (0, 0.0, 0)  # images encoded, seconds, encoder-cache hits
         self.prompt_tokens_computed = 0  # total since start: prompt tokens its steps computed
+        self.prompt_pairs_computed = 0  # ... and their (token, context) pairs: attention's work (PrefillCost)
         self.connector: Connector | None = None  # set once by use_connector
         self._last_plain: StepInput | None = None  # the last step, when plain: the next may advance it
         self._test_delay_s = float(os.environ.get(TEST_PREFILL_DELAY_ENV) or 0.0)
@@ -355,6 +357,7 @@ class EngineCore:
         # where each row starts (for the connector's prompt chunks) and the prompt tokens: none in a steady step
         starts = None if so.steady else [r.request.num_computed_tokens for r in so.rows]
         prompt_tokens = 0 if so.steady else sum(r.num_new_tokens for r in so.rows if not r.is_decode)
+        pairs = 0 if so.steady else sum(attended_pairs(r) for r in so.rows if not r.is_decode)
         if so.rows:
             t0 = time.monotonic()
             try:
@@ -367,6 +370,7 @@ class EngineCore:
                 self.scheduler.classes.observe(prompt_tokens, time.monotonic() - t0)
             self._ran(step)
             self.prompt_tokens_computed += prompt_tokens
+            self.prompt_pairs_computed += pairs
             (n, secs, hits), (dn, dsecs, dhits) = self.image_totals, res.images
             self.image_totals = (n + dn, secs + dsecs, hits + dhits)
             for rid, lg in res.logits.items():

@@ -14,15 +14,24 @@ from collections import deque
 IDLE_MIN_TOKENS = 256
 
 
+def attended_pairs(row) -> int:
+    """(token, context) pairs of a prompt row's new tokens: token i after `start` computed ones sees
+    start + i + 1 positions, so attention's work is n start + n (n + 1) / 2 (proto PrefillCost)."""
+    n, start = row.num_new_tokens, row.request.num_computed_tokens
+    return n * start + n * (n + 1) // 2
+
+
 class RateWindow:
     def __init__(self, window: int) -> None:
         self._seen: deque[tuple[int, float]] = deque(maxlen=window)
 
-    def add(self, amount: int, seconds: float, idle: bool = False) -> None:
-        """One sample; none of anything (amount <= 0) is not counted, nor one taken from idle (`idle`:
-        a lone prompt on an idle node) of fewer than IDLE_MIN_TOKENS."""
+    def add(self, amount: int, seconds: float, idle: bool = False) -> bool:
+        """One sample, and whether it counts: none of anything (amount <= 0) does not, nor one
+        taken from idle (`idle`: a lone prompt on an idle node) of fewer than IDLE_MIN_TOKENS."""
         if amount > 0 and not (idle and amount < IDLE_MIN_TOKENS):
             self._seen.append((amount, max(seconds, 0.0)))
+            return True
+        return False
 
     def rate(self) -> float | None:
         """Amount per second over the window; None before the first sample."""

@@ -289,7 +289,7 @@ class Capacity(_message.Message):
     def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., total_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., reserved: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "kind", "address", "incarnation", "tp_size", "model", "vocab_size", "max_model_len", "local_prefill_threshold", "schema_digest", "prefill_ready", "capacity", "draining", "speculation", "prefix", "prefill_tokens_per_s", "local_resume_threshold", "requests_ended")
+    __slots__ = ("node_id", "kind", "address", "incarnation", "tp_size", "model", "vocab_size", "max_model_len", "local_prefill_threshold", "schema_digest", "prefill_ready", "capacity", "draining", "speculation", "prefix", "prefill_tokens_per_s", "local_resume_threshold", "requests_ended", "prefill_cost")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +308,7 @@ class NodeInfo(_message.Message):
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RESUME_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_ENDED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COST_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     kind: NodeKind
     address: str
@@ -326,7 +327,16 @@ class NodeInfo(_message.Message):
     prefill_tokens_per_s: float
     local_resume_threshold: int
     requests_ended: int
-    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[_Union[NodeKind, str]] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., tp_size: _Optional[int] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., local_prefill_threshold: _Optional[int] = ..., schema_digest: _Optional[str] = ..., prefill_ready: _Optional[bool] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., draining: _Optional[bool] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., prefix: _Optional[_Union[PrefixDigest, _Mapping]] = ..., prefill_tokens_per_s: _Optional[float] = ..., local_resume_threshold: _Optional[int] = ..., requests_ended: _Optional[int] = ...) -> None: ...
+    prefill_cost: PrefillCost
+    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[_Union[NodeKind, str]] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., tp_size: _Optional[int] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., local_prefill_threshold: _Optional[int] = ..., schema_digest: _Optional[str] = ..., prefill_ready: _Optional[bool] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., draining: _Optional[bool] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., prefix: _Optional[_Union[PrefixDigest, _Mapping]] = ..., prefill_tokens_per_s: _Optional[float] = ..., local_resume_threshold: _Optional[int] = ..., requests_ended: _Optional[int] = ..., prefill_cost: _Optional[_Union[PrefillCost, _Mapping]] = ...) -> None: ...
+
+class PrefillCost(_message.Message):
+    __slots__ = ("s_per_token", "s_per_pair")
+    S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    S_PER_PAIR_FIELD_NUMBER: _ClassVar[int]
+    s_per_token: float
+    s_per_pair: float
+    def __init__(self, s_per_token: _Optional[float] = ..., s_per_pair: _Optional[float] = ...) -> None: ...
 
 class PrefixDigest(_message.Message):
     __slots__ = ("version", "block_size", "snapshot_interval", "pages", "snapshot_keys", "snapshot_tokens", "mtp")
@@ -371,7 +381,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "incarnation", "capacity", "draining", "prefix", "prefill_tokens_per_s", "requests_ended")
+    __slots__ = ("node_id", "incarnation", "capacity", "draining", "prefix", "prefill_tokens_per_s", "requests_ended", "prefill_cost")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
@@ -379,6 +389,7 @@ class HeartbeatRequest(_message.Message):
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_ENDED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COST_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     incarnation: int
     capacity: Capacity
@@ -386,7 +397,8 @@ class HeartbeatRequest(_message.Message):
     prefix: PrefixDigest
     prefill_tokens_per_s: float
     requests_ended: int
-    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., draining: _Optional[bool] = ..., prefix: _Optional[_Union[PrefixDigest, _Mapping]] = ..., prefill_tokens_per_s: _Optional[float] = ..., requests_ended: _Optional[int] = ...) -> None: ...
+    prefill_cost: PrefillCost
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., draining: _Optional[bool] = ..., prefix: _Optional[_Union[PrefixDigest, _Mapping]] = ..., prefill_tokens_per_s: _Optional[float] = ..., requests_ended: _Optional[int] = ..., prefill_cost: _Optional[_Union[PrefillCost, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known", "prefill_pool")

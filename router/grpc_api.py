@@ -141,6 +141,7 @@ class RegistryApi(rpc.RegistryServicer):
             request.prefix if request.HasField("prefix") else None,
             request.prefill_tokens_per_s,
             request.requests_ended,
+            request.prefill_cost if request.HasField("prefill_cost") else None,
         )
         e = self.registry.nodes.get(request.node_id) if known else None
         pool = e is not None and e.info.kind == pb.NODE_KIND_DECODE and bool(self.service.prefill.ready(e, set()))

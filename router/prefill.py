@@ -344,7 +344,7 @@ class PrefillPhase:
         """How long one Prefill call on p may take: --prefill-timeout plus twice the time its
         measured rate gives `tokens` (a long prompt on a slow node is work, not a hang: on a
         2-core box a 60,000-token prompt ran past a fixed 120 s). Before any rate: the timeout."""
-        rate = node_rate(p, self.meter)
+        rate = node_rate(p, self.meter, tokens)  # at its own length: a long prompt's chunks run slower
         return self.cfg.prefill_timeout_s + (PREFILL_DEADLINE_MARGIN * tokens / rate if rate else 0.0)
 
     async def _attempt(

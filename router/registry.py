@@ -44,6 +44,7 @@ class NodeEntry:
     # cached prefix left out), first token not back
     inflight_prefill_tokens: int = 0
     inflight_interactive_tokens: int = 0  # ... of them, interactive ones (the node schedules them first)
+    inflight_prompts: int = 0  # ... in how many prompts (their mean length prices them: PrefillCost)
     # ended by the router's view, not yet in the node's reports (free on the node), one per end:
     # (the node's count of ended requests with it, 0 unknown; slots; blocks; when), kept until a
     # report counts that end (requests_ended), not merely until the next report, which the node
@@ -134,12 +135,14 @@ class NodeEntry:
         """The router sent the node `tokens` prompt tokens to compute (registry lock held)."""
         self.inflight_prefill_tokens += tokens
         self.inflight_interactive_tokens += tokens if interactive else 0
+        self.inflight_prompts += 1
 
     def prefill_back(self, tokens: int, interactive: bool = False) -> None:
         """What `prefill_sent` counted is no longer queued there, computed or given up (registry
         lock held), though the node's last report may still count it."""
         self.inflight_prefill_tokens -= tokens
         self.inflight_interactive_tokens -= tokens if interactive else 0
+        self.inflight_prompts = max(0, self.inflight_prompts - 1)
         self.prefilled_tokens += tokens
 
     def queued_prefill_tokens(self) -> int:
@@ -216,6 +219,7 @@ class NodeRegistry:
         prefix: pb.PrefixDigest | None = None,
         prefill_tokens_per_s: float = 0.0,
         requests_ended: int = 0,
+        prefill_cost: pb.PrefillCost | None = None,
     ) -> bool:
         """prefix: the node's prefix digest when it changed since its last report (else None)."""
         with self.lock:
@@ -225,6 +229,8 @@ class NodeRegistry:
             e.info.capacity.CopyFrom(capacity)
             e.info.requests_ended = requests_ended
             e.info.prefill_tokens_per_s = prefill_tokens_per_s
+            if prefill_cost is not None:
+                e.info.prefill_cost.CopyFrom(prefill_cost)
             if prefix is not None:
                 e.cache.update(prefix)
             if draining and not e.info.draining:

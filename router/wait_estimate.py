@@ -86,9 +86,13 @@ class OutputLengths:
         return max(0, min(most - made, max(math.ceil(typical), least - made)))
 
 
-def node_rate(p: NodeEntry, meter: RateMeter) -> float | None:
-    """A prefill node's prompt tokens per second: `NODE_RATE_MARGIN` of its own report, else what
-    the router measured."""
+def node_rate(p: NodeEntry, meter: RateMeter, length: int = 0) -> float | None:
+    """A prefill node's prompt tokens per second for prompts of `length` tokens (computed from
+    the start): `NODE_RATE_MARGIN` of what its fitted cost gives (PrefillCost: a token, and the
+    context it attends to), else of its own rate, else what the router measured."""
+    c = p.info.prefill_cost
+    if p.info.HasField("prefill_cost") and (c.s_per_token > 0 or c.s_per_pair > 0):
+        return NODE_RATE_MARGIN / (c.s_per_token + c.s_per_pair * (length + 1) / 2)
     own = p.info.prefill_tokens_per_s
     return own * NODE_RATE_MARGIN if own else meter.rate(p.node_id)
 
@@ -142,7 +146,11 @@ def estimate(
         if not tokens:
             return wait, what
         pool = [p for p in registry.routable(pb.NODE_KIND_PREFILL) if p.info.prefill_ready]
-        rates = {p.node_id: node_rate(p, meter) for p in pool}
+        # the prompts ahead priced at their mean length (a burst's are alike; one long prompt
+        # ahead of it counts at that length, not at the rate its own long chunks ran)
+        count = ahead + sum(p.inflight_prompts for p in pool)
+        length = (sum(p.inflight_prefill_tokens for p in pool) + ahead_tokens) // count if count else prompt_len
+        rates = {p.node_id: node_rate(p, meter, length) for p in pool}
         measured = [r for r in rates.values() if r is not None]
         if not measured:
             return wait, what + "; no prefill measured yet"

@@ -279,6 +279,7 @@ class Snapshot:
     streaming: int = 0  # requests a handle streams or whose push it waits for
     images: tuple[int, float, int] = (0, 0.0, 0)  # totals: images encoded, encoder seconds, encoder-cache hits
     prefill_tokens_per_s: float = 0.0  # its recent passes' prompt tokens per second (serving/step_rate.py)
+    prefill_cost: tuple[float, float] | None = None  # (s per token, s per pair) fitted over them (StepRate.cost)
 
 
 # While the loop is busy, the prefix digest is rebuilt at most this often: the cache changes with
@@ -288,7 +289,12 @@ DIGEST_REFRESH_S = 0.1
 
 
 def take_snapshot(
-    eng: EngineCore, previous: Snapshot, streaming: int = 0, prefill_rate: float = 0.0, fresh: bool = True
+    eng: EngineCore,
+    previous: Snapshot,
+    streaming: int = 0,
+    prefill_rate: float = 0.0,
+    fresh: bool = True,
+    prefill_cost: tuple[float, float] | None = None,
 ) -> Snapshot:
     """The engine's counters now (loop thread). The prefix digest is rebuilt when the cache changed:
     at once when `fresh` (the loop is going idle, or someone asked), else once DIGEST_REFRESH_S has
@@ -314,6 +320,7 @@ def take_snapshot(
         streaming=streaming,
         images=eng.image_totals,
         prefill_tokens_per_s=prefill_rate,
+        prefill_cost=prefill_cost,
     )
     pc = eng.prefix
     if pc is None:

@@ -267,7 +267,7 @@ class EngineLoop:
                     cmd = None
             if self._stop.is_set():
                 break
-            done = eng.prompt_tokens_computed
+            done, paired = eng.prompt_tokens_computed, eng.prompt_pairs_computed
             if held:
                 self.yielded_s += woke - waited
             stepped = eng.has_unfinished() and not self._yielding()
@@ -276,7 +276,9 @@ class EngineLoop:
             # once a pass: the previous pass's poll came just before this step (only commands between),
             # and with the model in a rank process every poll is a round trip to it
             ended = self._poll()
-            self.prefill_rate.passed(eng.prompt_tokens_computed - done, woke, busy)
+            self.prefill_rate.passed(
+                eng.prompt_tokens_computed - done, woke, busy, pairs=eng.prompt_pairs_computed - paired
+            )
             if stepped or ended or not held:  # a held pass that stepped and polled nothing has nothing new
                 self._snap(fresh=not eng.has_unfinished())  # the loop may sleep next: what it reports stays
 
@@ -487,6 +489,7 @@ class EngineLoop:
         DIGEST_REFRESH_S old (serving/commands.py take_snapshot)."""
         streaming = len(self._handles) + len(self._waits.pushing)
         rate = self.prefill_rate.rate() or 0.0
-        self.snapshot = take_snapshot(self.engine, self.snapshot, streaming, rate, fresh)
+        cost = self.prefill_rate.cost()
+        self.snapshot = take_snapshot(self.engine, self.snapshot, streaming, rate, fresh, cost)
         if self._on_change is not None:
             self._on_change()

@@ -89,6 +89,7 @@ class NodeServer:
             ),
             requests_ended=s.ended,
             prefill_tokens_per_s=s.prefill_tokens_per_s,
+            prefill_cost=None if s.prefill_cost is None else pb.PrefillCost(s_per_token=s.prefill_cost[0], s_per_pair=s.prefill_cost[1]),
             speculation=pb.Speculation(
                 method=self.ecfg.speculative.method if self.ecfg.speculative.num_tokens else "",
                 num_tokens=self.ecfg.speculative.num_tokens, drafts_per_position=s.spec_drafts_per_position,

@@ -230,6 +230,7 @@ class Heartbeater:
             draining=node.draining,
             prefill_tokens_per_s=node.prefill_tokens_per_s,
             requests_ended=node.requests_ended,
+            prefill_cost=node.prefill_cost if node.HasField("prefill_cost") else None,
         )
         if node.HasField("prefix") and node.prefix.version != self._prefix_version:
             req.prefix.CopyFrom(node.prefix)

@@ -146,3 +146,18 @@ def test_a_resumed_request_continues_like_the_uninterrupted_one(llm, recorder):
 def _run_one(e, prompt: list[int], rid: str) -> list[int]:
     e.add_request(prompt, GREEDY, rid)
     return _run(e)[rid]
+
+
+def test_the_engine_counts_the_pairs_its_prompt_chunks_attend(llm):
+    """PrefillCost's work measure: prompts computed in 32-token chunks beside each other count
+    each token's positions seen, n (n + 1) / 2 for a whole prompt of n, however it was chunked."""
+    from engine.sampling_params import SamplingParams
+
+    e = llm.engine
+    tokens, pairs = e.prompt_tokens_computed, e.prompt_pairs_computed
+    lens = [70, 45]
+    for i, n in enumerate(lens):
+        e.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=1), request_id=f"pairs-{i}")
+    _run(e)
+    assert e.prompt_tokens_computed - tokens == sum(lens)
+    assert e.prompt_pairs_computed - pairs == sum(n * (n + 1) // 2 for n in lens)

@@ -212,6 +212,61 @@ def test_the_nodes_own_rate_goes_before_the_routers_measure():
     assert node_rate(NodeEntry(pb.NodeInfo(node_id="q")), m) is None  # neither
 
 
+def test_the_prefill_cost_is_fitted_to_tokens_and_context():
+    """A node's passes timed by a known cost (a per token, b per attended pair): the chunks of one
+    long prompt (contexts 0 to 30k) give back a and b; passes alike in context give one rate
+    (b 0, a the window's seconds over its tokens)."""
+    from serving.step_rate import StepRate
+
+    def pairs(start: int, n: int) -> int:  # token i sees start + i + 1 positions
+        return sum(start + i + 1 for i in range(n))
+
+    a, b, chunk = 2e-4, 4e-8, 2048
+    r, now = StepRate(), 0.0
+    assert r.cost() is None
+    for start in range(0, 32768, chunk):  # one 32k prompt, chunked; the first pass from idle
+        now += a * chunk + b * pairs(start, chunk)
+        r.passed(chunk, woke=0.0, busy=start > 0, now=now, pairs=pairs(start, chunk))
+    fa, fb = r.cost()
+    assert (fa, fb) == (pytest.approx(a, rel=1e-6), pytest.approx(b, rel=1e-6))
+    r, now = StepRate(), 0.0
+    for i in range(8):  # 3k prompts alone
+        now += 0.5
+        r.passed(3000, woke=0.0, busy=i > 0, now=now, pairs=pairs(0, 3000))
+    assert r.cost() == (pytest.approx(0.5 / 3000), 0.0) and r.rate() == pytest.approx(6000.0)
+
+
+def test_prompts_ahead_are_priced_at_their_own_length():
+    """After a long prompt a node's window rate is its long chunks' rate; with its fitted cost
+    the estimate prices a burst of short prompts at their own cost (a + b (n + 1) / 2 a token,
+    computed here by hand), and a long prompt among them at the mean length."""
+    from proto import pb
+    from router.registry import NodeRegistry
+    from router.wait_estimate import NODE_RATE_MARGIN, estimate
+
+    reg = NodeRegistry()
+    cap = pb.Capacity(total_blocks=10**6, free_blocks=10**6, block_size=16, total_slots=512, free_slots=512)
+    reg.register(pb.NodeInfo(node_id="d", kind=pb.NODE_KIND_DECODE, capacity=cap))
+    a, b = 2e-4, 4e-8
+    p = reg.register(
+        pb.NodeInfo(
+            node_id="p",
+            kind=pb.NODE_KIND_PREFILL,
+            prefill_ready=True,
+            prefill_tokens_per_s=1000.0,
+            prefill_cost=pb.PrefillCost(s_per_token=a, s_per_pair=b),
+        )
+    )
+    m = RateMeter()
+    est, what = estimate(reg, m, 3000, 3000, ahead_tokens=20 * 3000, ahead=20, ends=[], batch=True)
+    assert est == pytest.approx(20 * 3000 * (a + b * 3001 / 2) / NODE_RATE_MARGIN, rel=1e-6), what
+    assert est < 20 * 3000 / (1000.0 * NODE_RATE_MARGIN) / 2  # the window rate says over twice as long
+    p.prefill_sent(30000, interactive=False)  # one long prompt ahead as well: the mean length prices all
+    est, _ = estimate(reg, m, 3000, 3000, ahead_tokens=20 * 3000, ahead=20, ends=[], batch=True)
+    n = (30000 + 60000) // 21
+    assert est == pytest.approx(90000 * (a + b * (n + 1) / 2) / NODE_RATE_MARGIN, rel=1e-6)
+
+
 def test_a_prompt_under_way_counts_what_is_left_of_it():
     """The router counts a prompt in full until its first token comes back; the estimate takes off
     what the node computed since its last completion, so a request arriving while a long prompt
@@ -320,6 +375,10 @@ def test_a_prefill_calls_deadline_grows_with_its_prompt():
     rate = 500.0 * NODE_RATE_MARGIN
     assert phase.deadline_s(p, 60_000) == pytest.approx(cfg.prefill_timeout_s + PREFILL_DEADLINE_MARGIN * 60_000 / rate)
     assert phase.deadline_s(p, 100) == pytest.approx(cfg.prefill_timeout_s + PREFILL_DEADLINE_MARGIN * 100 / rate)
+    a, b = 2e-4, 4e-8  # a fitted cost: the prompt's time at its own length (its context grows as it goes)
+    p.info.prefill_cost.CopyFrom(pb.PrefillCost(s_per_token=a, s_per_pair=b))
+    took = 60_000 * (a + b * 60_001 / 2) / NODE_RATE_MARGIN
+    assert phase.deadline_s(p, 60_000) == pytest.approx(cfg.prefill_timeout_s + PREFILL_DEADLINE_MARGIN * took)
 
 
 async def _alone_passes_a_decode_bound_head():
