@@ -214,8 +214,9 @@ def test_a_busy_loop_rebuilds_the_prefix_digest_at_most_every_refresh(cached):
     while cached.has_unfinished():
         cached.step()
     assert pc.version() != s0.prefix_digest.version  # its pages are cached now
-    stale = take_snapshot(cached, s0, fresh=False)
-    assert stale.prefix_digest is s0.prefix_digest and stale.prefix_digest_at == s0.prefix_digest_at
+    recent = replace(s0, prefix_digest_at=time.monotonic())  # built just now (the steps above may take longer)
+    stale = take_snapshot(cached, recent, fresh=False)
+    assert stale.prefix_digest is s0.prefix_digest and stale.prefix_digest_at == recent.prefix_digest_at
     assert take_snapshot(cached, s0, fresh=True).prefix_digest == pc.digest()
     old = replace(s0, prefix_digest_at=s0.prefix_digest_at - DIGEST_REFRESH_S)
     assert take_snapshot(cached, old, fresh=False).prefix_digest == pc.digest()
