@@ -290,9 +290,8 @@ def cmd_generate(args) -> int:
         raise ValueError("give a prompt (text) or --token-ids")
     else:
         kw["prompt"] = args.prompt
-    if (
-        args.image and not args.chat
-    ):  # each a file or a URL; the prompt holds one placeholder per image (docs/images.md)
+    # each image a file or a URL; the prompt holds one placeholder per image (docs/images.md)
+    if args.image and not args.chat:
         from client import IMAGE_PLACEHOLDER
 
         if IMAGE_PLACEHOLDER not in (args.prompt or ""):

@@ -96,7 +96,7 @@ class OpenAIFront:
         self.service = service
         self._chat: ChatFront | None = None
         self.responses = ResponseStore(service.cfg.responses_store_mb << 20)  # stored /v1/responses
-        getattr(service, "gauge_sources", []).append(self.responses.gauges)
+        service.gauge_sources.append(self.responses.gauges)
 
     @property
     def tok(self):

@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.structured.grammar import bounded_json, check
+from engine.structured.grammar import bounded_json
+from engine.structured.spec import Constraint
 from proto import pb
 from proto.convert import constraint_kwargs
 from router.openai_models import ApiError, bad
@@ -55,9 +56,8 @@ def constraint(req: Any) -> pb.Constraint | None:
 def checked(param: str, c: pb.Constraint) -> pb.Constraint:
     """`c`, or a 400 naming `param` when it does not compile (a schema's unknown type, a bad
     regex or grammar), rather than the nodes' refusal of the grammar it became."""
-    k = constraint_kwargs(c)
     try:
-        check(k["kind"], tuple(k["value"]) if isinstance(k["value"], list) else k["value"])
+        Constraint.from_value(constraint_kwargs(c))  # the engine's own check, as the nodes run it
     except ValueError as e:
         raise bad(f"'{param}': {e}", param) from None
     return c

@@ -247,6 +247,7 @@ def test_a_long_conversation_renders_off_the_loop(ckpt, hf, monkeypatch):
         models=lambda: [SimpleNamespace(id="m", path=ckpt)],
         check_prompt_chars=lambda chars, what: None,
         expansion_limit=lambda: 64,
+        gauge_sources=[],
     )
     front = OpenAIFront(service)
     threads = []
