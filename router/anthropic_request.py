@@ -3,7 +3,8 @@ request they mean, served by the chat path (router/openai_chat.py) as one choice
 
 - `system` (a string or text blocks) -> a system message; each user message's `tool_result`
   blocks -> `tool` messages (in their order, before the message's text and images); `image`
-  blocks (`base64` or `url` sources) -> image parts; an assistant's `thinking` -> its
+  blocks (`base64` sources of Anthropic's four media types, checked against their bytes, or `url`
+  sources) -> image parts; an assistant's `thinking` -> its
   `reasoning_content`, `tool_use` -> its `tool_calls` (`input` as the arguments' JSON);
 - `tools` (`name`, `description`, `input_schema`, `strict`) -> function tools; `tool_choice` `auto`, `any`
   (-> `required`), `tool` (-> named), `none`; `disable_parallel_tool_use` -> `parallel_tool_calls`;
@@ -18,6 +19,8 @@ Anything it cannot honour is a 400 naming it (server tools, documents, MCP serve
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from typing import Annotated, Any, ClassVar
 
@@ -87,10 +90,40 @@ def _text(content: Any, where: str) -> str:
     return "".join(out)
 
 
+_MEDIA = {"image/jpeg": (b"\xff\xd8\xff",), "image/png": (b"\x89PNG\r\n\x1a\n",), "image/gif": (b"GIF87a", b"GIF89a")}
+
+
+def _kind(head: bytes) -> str | None:
+    """The media type that an image's first bytes say (Anthropic's four), or None."""
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "image/webp"
+    return next((m for m, magic in _MEDIA.items() if head.startswith(magic)), None)
+
+
+def _base64(src: dict[str, Any], where: str) -> str:
+    """A base64 source as a data: URL, refused as Anthropic refuses it: a media type outside its
+    four, data that is not base64, or data whose bytes are another format than the type it names."""
+    media = src.get("media_type")
+    if media not in (*_MEDIA, "image/webp"):
+        raise bad(
+            f"{where}.media_type must be one of image/jpeg, image/png, image/gif, image/webp", f"{where}.media_type"
+        )
+    try:
+        head = base64.b64decode(src["data"][:24], validate=True)
+        base64.b64decode(src["data"], validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise bad(f"{where}.data is not valid base64 ({e})", f"{where}.data") from None
+    kind = _kind(head)
+    if kind != media:
+        what = f"{kind} data" if kind else "data that is none of those formats"
+        raise bad(f"{where}: the image is {what}, but media_type says {media}", f"{where}.media_type")
+    return f"data:{media};base64,{src['data']}"
+
+
 def _image(b: dict[str, Any], where: str) -> dict[str, Any]:
     src: dict[str, Any] = b["source"] if isinstance(b.get("source"), dict) else {}
     if src.get("type") == "base64" and isinstance(src.get("data"), str):
-        url = f"data:{src.get('media_type') or 'image/png'};base64,{src['data']}"
+        url = _base64(src, f"{where}.source")
     elif src.get("type") == "url" and isinstance(src.get("url"), str):
         url = src["url"]
     else:
@@ -245,6 +278,8 @@ def _budget(req: MessagesRequest) -> int | None:
         return None
     if isinstance(b, bool) or not isinstance(b, int) or b < 0:
         raise bad("thinking.budget_tokens must be a non-negative integer", "thinking.budget_tokens")
+    if (req.thinking or {}).get("type") == "enabled" and req.max_tokens is not None and b >= req.max_tokens:
+        raise bad(f"max_tokens ({req.max_tokens}) must be greater than thinking.budget_tokens ({b})", "max_tokens")
     return b
 
 

@@ -59,3 +59,60 @@ def test_strict_tools_are_chat_strict_tools():
         assert chat.tools[0]["function"].get("strict") is strict
         c = plan(chat, "xml", None).constraint
         assert (c is not None and c.grammar.startswith("start: TEXT")) == bool(strict)
+
+
+def _encoded(fmt: str) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 4), (200, 10, 10)).save(buf, format=fmt)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _with_image(media_type, data) -> MessagesRequest:
+    image = {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}}
+    return _body(messages=[{"role": "user", "content": [image, {"type": "text", "text": "?"}]}])
+
+
+@pytest.mark.parametrize(
+    "fmt,media", [("PNG", "image/png"), ("JPEG", "image/jpeg"), ("GIF", "image/gif"), ("WEBP", "image/webp")]
+)
+def test_an_image_of_its_declared_type_is_a_data_url(fmt, media):
+    data = _encoded(fmt)
+    chat = to_chat(_with_image(media, data))
+    part = chat.messages[0].content[0]
+    assert part["image_url"]["url"] == f"data:{media};base64,{data}"
+
+
+@pytest.mark.parametrize(
+    "media,data,param,words",
+    [
+        ("image/jpeg", "PNG", "messages[0].content[0].source.media_type", "the image is image/png data"),
+        ("image/png", "GIF", "messages[0].content[0].source.media_type", "the image is image/gif data"),
+        ("image/bmp", "PNG", "messages[0].content[0].source.media_type", "must be one of"),
+        (None, "PNG", "messages[0].content[0].source.media_type", "must be one of"),
+        ("image/png", "!!not base64!!", "messages[0].content[0].source.data", "is not valid base64"),
+        ("image/png", "AAAA", "messages[0].content[0].source.media_type", "none of those formats"),
+    ],
+)
+def test_base64_images_are_refused_as_anthropic_refuses_them(media, data, param, words):
+    """Anthropic's four media types only, valid base64, and bytes of the type the block names
+    (its API answers a PNG sent as image/jpeg with a 400); the message names the source's field,
+    not a data: URL the client never wrote."""
+    if data in ("PNG", "GIF"):
+        data = _encoded(data)
+    with pytest.raises(ApiError) as ei:
+        to_chat(_with_image(media, data))
+    e = ei.value
+    assert e.status == 400 and e.param == param and words in str(e) and "data: URL" not in str(e), e
+
+
+def test_a_thinking_budget_must_be_below_max_tokens():
+    """As Anthropic's API: `max_tokens` must be greater than `thinking.budget_tokens`."""
+    with pytest.raises(ApiError) as ei:
+        to_chat(_body(thinking={"type": "enabled", "budget_tokens": 8}))
+    assert ei.value.status == 400 and ei.value.param == "max_tokens", ei.value
+    assert to_chat(_body(thinking={"type": "enabled", "budget_tokens": 7})).thinking_token_budget == 7
