@@ -222,6 +222,7 @@ class ChatRequest(_Request):
     echo: Any = None
     # the chat template's inputs (router/chat_template.py); tools and tool_choice: router/tool_choice.py
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: Any = None  # vLLM's per-request template: refused (an ignored one would change the prompt)
     enable_thinking: bool | None = None  # as Qwen's own API takes it; chat_template_kwargs' wins
     # vLLM's: at most this many tokens of thinking, then </think> is forced (router/thinking_budget.py)
     thinking_token_budget: Count | None = None
@@ -295,6 +296,12 @@ def _refuse_unsupported(req: _Request) -> None:
     for name in ("function_call",) if chat else ("tool_choice", "function_call"):
         if getattr(req, name) not in (None, "none", "auto"):
             raise bad(f"'{name}' is not supported (no tools)", name)
+    if chat and req.chat_template not in (None, ""):
+        raise bad(
+            "'chat_template' in a request is not supported: the model's own template renders the messages "
+            "(a custom one can be saved into the checkpoint's tokenizer_config.json)",
+            "chat_template",
+        )
     if req.best_of not in (None, req.n):
         raise bad("best_of other than n is not supported", "best_of")
     for name, hint in UNSUPPORTED_EXTENSIONS.items():

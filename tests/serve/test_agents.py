@@ -445,6 +445,7 @@ def test_bad_agent_inputs_are_400s(oai, model, base_url_agents):
         ("completions", {"prompt": "x", "prompt_logprobs": 1}),
         ("completions", {"prompt": "x", "truncate_prompt_tokens": 5}),
         ("chat/completions", {"messages": user, "chat_template_kwargs": [1]}),
+        ("chat/completions", {"messages": user, "chat_template": "{{ messages[0].content }}"}),
         ("chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": "x"}]}),
         ("chat/completions", {"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{"}}]}]}),
         ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}),
