@@ -492,6 +492,8 @@ class GenerateService:
 
 def _ref(i: int, part: pb.ImagePart) -> ImageRef:
     where = f"images[{i}]"
-    if bool(part.data) == bool(part.url):
-        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: give the image's data or its url (one of them)")
+    if not part.data and not part.url:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where} is empty: give the image's bytes (data) or its url")
+    if part.data and part.url:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: give the image's data or its url, not both")
     return ImageRef(where, url=part.url, data=part.data)

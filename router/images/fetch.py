@@ -105,6 +105,12 @@ def check_host(url: str, args: ImageArgs) -> None:
 
 def _get(url: str, args: ImageArgs, deadline: float) -> bytes | str:
     """One GET: the body, or the Location of a redirect."""
+    if "@" in urllib.parse.urlsplit(url).netloc:  # urllib would read "user:pass@host" as a host and port
+        raise ImageRefused(
+            "url",
+            "image URLs with credentials (user:password@host) are not fetched: send a URL "
+            "the router can fetch without them, or the image as a data: URL",
+        )
     check_host(url, args)
     limit = args.image_url_max_bytes
     req = urllib.request.Request(url, headers={"Accept": "image/*", "User-Agent": "pdserve-router"})

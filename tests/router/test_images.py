@@ -363,3 +363,14 @@ def test_non_public_hosts_are_not_fetched_by_default(url):
         fetch_url(url, args)
     check_host("http://8.8.8.8/a.png", args)  # a public address passes (a literal: no lookup)
     check_host(url, ImageArgs(allow_image_urls=True, allow_private_image_urls=True))
+
+
+@pytest.mark.parametrize("url", ["http://user:secret@8.8.8.8/a.png", "https://token@8.8.8.8/a.png"])
+def test_urls_with_credentials_are_refused_saying_so(url):
+    """urllib reads `user:secret@host` as a host with a port; the refusal names the credentials."""
+    from router.images.config import ImageArgs
+    from router.images.decode import ImageRefused
+    from router.images.fetch import fetch_url
+
+    with pytest.raises(ImageRefused, match=r"credentials \(user:password@host\) are not fetched"):
+        fetch_url(url, ImageArgs(allow_image_urls=True, allow_private_image_urls=True))

@@ -89,6 +89,13 @@ def test_bad_images_are_refused_naming_the_part_and_nothing_leaks(vl_up):
         status, out = _post(url, _chat(parts))
         assert status == 400 and words in out["error"]["message"], (words, status, out)
         assert out["error"]["param"] == out["error"]["message"].split(":")[0]
+    import grpc
+
+    from client import IMAGE_PLACEHOLDER, Client, PdserveError
+
+    with Client(vl_up.address, timeout=60) as c, pytest.raises(PdserveError) as e:  # gRPC: empty bytes named so
+        c.generate(prompt=f"What is {IMAGE_PLACEHOLDER}?", images=[b""], max_tokens=2)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.message.startswith("images[0] is empty")
     status, out = _post(url, {**_chat([]), "messages": [{"role": "user", "content": "Hello"}]})
     assert status == 200 and out["choices"][0]["finish_reason"] == "length", out  # the cluster serves on
     assert out["usage"]["completion_tokens"] == 4
