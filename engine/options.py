@@ -96,7 +96,7 @@ def add_options(
     defaults = defaults or {}
     for o in opts:
         default = defaults.get(o.name, o.default)
-        shown = "" if default in (None, ()) else f" (default {_shown(default)})"
+        shown = "" if default in (None, (), "") else f" (default {_shown(default)})"
         kw: dict[str, Any] = dict(default=None if unset else default, help=o.help + shown + note)
         if o.type is bool:
             kw["action"] = argparse.BooleanOptionalAction

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from engine.options import option
@@ -147,6 +148,11 @@ class RouterConfig(ImageArgs, SecurityArgs):
         "tool-call format parsed out of chat output: xml (<function=NAME>, Qwen3.5), json (Qwen2.5 / Qwen3) "
         "(auto: from the chat template; vLLM's qwen3_coder and qwen3_xml are xml, hermes is json)",
     )
+    chat_template: str = option(
+        "",
+        "a Jinja chat template, a file or the text itself, rendering every chat request instead of the "
+        "checkpoint's (vLLM's --chat-template; empty: the checkpoint's)",
+    )
     enable_auto_tool_choice: bool = option(
         True, "accepted for vLLM's command lines: tool_choice auto is always on (with tools)"
     )
@@ -158,6 +164,7 @@ class RouterConfig(ImageArgs, SecurityArgs):
         object.__setattr__(self, "tool_call_parser", named.get(self.tool_call_parser, self.tool_call_parser))
         self.check_security()
         self.check_images()
+        self.chat_template_text()  # read and compiled now: a bad one stops the start
         if self.max_body_bytes < 1024 or self.max_prompt_chars < 1 or self.tokenizer_workers < 0:
             raise ValueError("max_body_bytes must be >= 1024, max_prompt_chars >= 1, tokenizer_workers >= 0")
         if self.responses_store_mb < 0:
@@ -180,6 +187,28 @@ class RouterConfig(ImageArgs, SecurityArgs):
             raise ValueError("prefix_load_weight and prefix_memory_s must be >= 0")
         make_policy(self.policy)
         self.key_classes  # noqa: B018  (checks the entries)
+
+    def chat_template_text(self) -> str:
+        """--chat-template's text ("" for the checkpoint's): a file's content, or the value itself
+        when it holds Jinja; ValueError for neither, or for a template that does not compile."""
+        v = self.chat_template
+        if not v:
+            return ""
+        path = Path(v).expanduser()
+        if "{{" not in v and "{%" not in v:
+            try:
+                v = path.read_text()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(
+                    f"--chat-template {self.chat_template!r}: not a readable file ({e}) nor a template"
+                ) from None
+        from router.chat_template import ChatTemplate
+
+        try:
+            ChatTemplate(v)
+        except Exception as e:  # jinja2's TemplateSyntaxError and kin
+            raise ValueError(f"--chat-template {self.chat_template[:80]!r} does not compile: {e}") from None
+        return v
 
     @property
     def key_classes(self) -> dict[str, int]:

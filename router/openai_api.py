@@ -126,7 +126,7 @@ class OpenAIFront:
     def chat(self) -> ChatFront:
         if self._chat is None:
             cfg = self.service.cfg
-            self._chat = ChatFront(self.tok, cfg.reasoning_parser, cfg.tool_call_parser)
+            self._chat = ChatFront(self.tok, cfg.reasoning_parser, cfg.tool_call_parser, cfg.chat_template_text())
         return self._chat
 
     async def render(self, req: ChatRequest):

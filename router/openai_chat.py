@@ -33,8 +33,9 @@ class ChatPrep:
 class ChatFront:
     """The parts of the checkpoint's tokenizer and the router's options chat requests need."""
 
-    def __init__(self, tok, reasoning: str = "auto", tool_format: str = "auto"):
-        source: str = (tok.chat_template if tok is not None else None) or ""
+    def __init__(self, tok, reasoning: str = "auto", tool_format: str = "auto", template: str = ""):
+        """`template`: --chat-template's text, in place of the tokenizer's ("" for the tokenizer's)."""
+        source: str = template or (tok.chat_template if tok is not None else None) or ""
         self.template = ChatTemplate(source) if source else None
         self.think_close = tok.token_to_id(THINK_CLOSE) if tok is not None else None
         if reasoning == "auto":

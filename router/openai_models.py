@@ -299,7 +299,7 @@ def _refuse_unsupported(req: _Request) -> None:
     if chat and req.chat_template not in (None, ""):
         raise bad(
             "'chat_template' in a request is not supported: the model's own template renders the messages "
-            "(a custom one can be saved into the checkpoint's tokenizer_config.json)",
+            "(the router's --chat-template sets another for every request)",
             "chat_template",
         )
     if req.best_of not in (None, req.n):

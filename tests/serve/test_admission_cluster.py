@@ -153,6 +153,14 @@ def test_interactive_before_batch_and_keys_take_turns(cluster, burst):
         def active() -> float:
             return scrape(router_metrics)[("pdserve_router_active_requests", ())]
 
+        def until(gauge, want: float, what: str) -> None:
+            """wait_for, and on a timeout the gauges and the cluster's warnings (a rare CI timeout)."""
+            try:
+                wait_for(lambda: gauge() == want, 60, what)
+            except AssertionError:
+                warned = [ln for ln in cluster.output().splitlines() if "WARNING" in ln or "ERROR" in ln]
+                raise AssertionError(f"{what}: depth {depth()}, active {active()}; {warned[-12:]}") from None
+
         def send(c, i: int, **kw):
             return ex.submit(_timed, c, ps[i], admission_timeout_s=0.0, **kw)
 
@@ -163,11 +171,11 @@ def test_interactive_before_batch_and_keys_take_turns(cluster, burst):
             os.kill(victim, signal.SIGSTOP)
             try:
                 batch_a = [send(a, i, priority="batch") for i in range(14)]
-                wait_for(lambda: depth() == 12, 60, "key A's batch requests queued")
+                until(depth, 12, "key A's batch requests queued")
                 batch_b = [send(b, 14 + i, priority="batch") for i in range(4)]
-                wait_for(lambda: depth() == 16, 60, "key B's batch requests queued")
+                until(depth, 16, "key B's batch requests queued")
                 inter = [send(b, 18 + i) for i in range(3)]
-                wait_for(lambda: active() == 21, 60, "every request at the router")
+                until(active, 21, "every request at the router")
             finally:
                 os.kill(victim, signal.SIGCONT)
             ra, rb, ri = ([f.result(timeout=600) for f in fs] for fs in (batch_a, batch_b, inter))
