@@ -346,7 +346,8 @@ class Scheduler:
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request, never past its depth, max_tokens, max_model_len
         or the budget."""
-        if not self.num_spec_tokens or (self.proposer is None and not self.mtp):
+        c = req.params.constraint  # one whose matcher cannot roll back a rejected draft: none
+        if not self.num_spec_tokens or (self.proposer is None and not self.mtp) or (c and not c.drafts_ok):
             return []
         room = min(
             req.spec.depth,

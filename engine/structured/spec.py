@@ -6,13 +6,18 @@ It travels on the wire as pdserve.v1.Constraint and in dicts as {kind, value, st
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal, cast
 
 Kind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
 KINDS: tuple[Kind, ...] = ("json_schema", "json_object", "regex", "grammar", "choice")
 MAX_VALUE_CHARS = 200_000  # a schema / grammar / regex / the choices together, at most
+# a Lark rule with a max_tokens= or stop= attribute (`think[max_tokens=64]: ...`): llguidance
+# cannot roll such a matcher back, which verifying drafts needs
+_NO_ROLLBACK = re.compile(r"^[ \t]*\??[A-Za-z_]\w*[ \t]*\[[^\]\n]*\b(?:max_tokens|stop)[ \t]*=", re.M)
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,13 @@ class Constraint:
         from engine.structured.grammar import check
 
         check(self.kind, self.value)
+
+    @cached_property
+    def drafts_ok(self) -> bool:
+        """Whether its matcher can be rolled back, as verifying draft tokens needs: not for a
+        grammar with a `max_tokens=` or `stop=` rule (a thinking budget's); such a request is
+        decoded without drafts (docs/speculative.md)."""
+        return not (self.kind == "grammar" and isinstance(self.value, str) and _NO_ROLLBACK.search(self.value))
 
     @property
     def key(self) -> tuple[str, str | tuple[str, ...]]:

@@ -98,3 +98,34 @@ def test_tokenizer_llguidance_cannot_read_ends_the_row(tmp_path, caplog):
     emitted, _ = sampler(logits, [_row(params, []), _row(SamplingParams(temperature=0.0), [], "free")], [0, 1])
     assert emitted == [[EOS], [7]]
     assert "does not load into llguidance" in caplog.text
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_a_thinking_budget_under_drafting_is_decoded_as_without(tok_ckpt, mtp_ckpt, method, caplog):
+    """A thinking budget is a grammar with a `max_tokens=` rule (router/thinking_budget.py), whose
+    matcher llguidance cannot roll back: such a row takes no drafts, so greedy and seeded rows give
+    the tokens they give without drafting, `</think>` within the budget, and no row is cut to EOS."""
+    from engine import LLM
+    from router.thinking_budget import constrain
+
+    path = tok_ckpt if method == "ngram" else mtp_ckpt
+    tok = Tokenizer(path)
+    close = tok.token_to_id("</think>")
+    ids = tok.encode("<think>" + "ab ab ab ab " * 6)
+    grammar = constrain(None, close, 5).grammar
+    assert "[max_tokens=5]" in grammar
+    c = {"kind": "grammar", "value": grammar}
+    ps = [SamplingParams(max_tokens=24, temperature=0.0, constraint=c)] + [
+        SamplingParams(max_tokens=24, temperature=1.0, seed=s, constraint=c) for s in (1, 2)
+    ]
+    outs = {}
+    for spec in (0, 3):
+        llm = LLM(path, dtype="float32", num_speculative_tokens=spec, speculative_method=method)
+        try:
+            outs[spec] = llm.generate(prompt_token_ids=[ids] * len(ps), sampling_params=ps)
+        finally:
+            llm.close()
+    for i, (a, b) in enumerate(zip(outs[0], outs[3], strict=True)):
+        assert close in a.output_token_ids[:6], (i, a.output_token_ids)
+        assert a.output_token_ids == b.output_token_ids, i
+    assert "no grammar matcher" not in caplog.text
