@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from router.custom_tools import INPUT
 from router.parsers.held import first, safe_end
-from router.parsers.values import convert, is_text, param_schemas
+from router.parsers.values import convert, dumps_exact, is_text, loads_exact, param_schemas
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 ToolFormat = Literal["xml", "json"]
@@ -215,7 +215,7 @@ class ToolCallParser:
             out.append(ToolDelta(self.calls, '"'))
             return
         schema = self.schemas.get(self.name, {}).get(self.key)
-        out.append(ToolDelta(self.calls, json.dumps(convert(rest, schema), ensure_ascii=False)))
+        out.append(ToolDelta(self.calls, dumps_exact(convert(rest, schema))))
 
     def _json(self, out: list[Item]) -> bool:
         if not self.named:
@@ -228,7 +228,7 @@ class ToolCallParser:
         body = self._take(i)
         self.buf = self.buf[len(CALL_CLOSE) :]
         try:
-            call = json.loads(body)
+            call = loads_exact(body)
             args = call.get("arguments", call.get("parameters", {}))
         except (ValueError, AttributeError):
             call, args = None, None
@@ -237,7 +237,7 @@ class ToolCallParser:
                 self._start(out, call["name"])
             if self.custom and isinstance(args, dict) and isinstance(args.get(INPUT), str):
                 args = args[INPUT]
-            out.append(ToolDelta(self.calls, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+            out.append(ToolDelta(self.calls, args if isinstance(args, str) else dumps_exact(args)))
         elif self.named:  # named, but the block is not a call object: its text passes through
             out.append(body)
         return self._end_call(out)

@@ -4,6 +4,7 @@ values by the type the tool's JSON schema declares for that parameter."""
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 
@@ -36,6 +37,38 @@ def is_text(schema: Any) -> bool:
     return ts == ["string"] or (schema is None)
 
 
+class RawFloat(float):
+    """A JSON number as the model wrote it: `dumps_exact` writes its text back (1e+3997 stays
+    that, where a float would be Infinity, which is no JSON)."""
+
+    text: str
+
+    def __new__(cls, text: str) -> RawFloat:
+        f = super().__new__(cls, text)
+        f.text = text
+        return f
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads_exact(s: str) -> Any:
+    """json.loads, numbers kept as written (RawFloat) and NaN / Infinity refused (ValueError)."""
+    return json.loads(s, parse_float=RawFloat, parse_constant=_no_constant)
+
+
+def dumps_exact(v: Any) -> str:
+    """json.dumps (its separators, non-ASCII kept) with each RawFloat written as its text."""
+    if isinstance(v, RawFloat):
+        return v.text
+    if isinstance(v, dict):
+        return "{" + ", ".join(json.dumps(k, ensure_ascii=False) + ": " + dumps_exact(x) for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ", ".join(dumps_exact(x) for x in v) + "]"
+    return json.dumps(v, ensure_ascii=False)
+
+
 def convert(text: str, schema: Any) -> Any:
     """The JSON value of a parameter's text under its schema; the text itself when it does not
     parse as the declared type."""
@@ -54,10 +87,10 @@ def convert(text: str, schema: Any) -> Any:
             except ValueError:
                 pass
         try:
-            v = json.loads(s)
+            v = loads_exact(s)
         except ValueError:
             continue
-        if t == "integer" and isinstance(v, float) and v.is_integer():
+        if t == "integer" and isinstance(v, float) and math.isfinite(v) and v.is_integer():
             return int(v)
         if t in ("json", "object", "array", "number", "integer"):
             return v

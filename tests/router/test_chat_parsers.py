@@ -260,3 +260,31 @@ def test_vllm_parser_names_are_taken():
     assert a.tool_call_parser == "qwen3_coder" and a.enable_auto_tool_choice is True
     with pytest.raises(SystemExit):
         p.parse_args(["router", "--tool-call-parser", "mistral"])
+
+
+def _strict(text: str):
+    """RFC 8259 JSON: Python's json.loads, its NaN / Infinity extension refused."""
+    return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in {text!r}"))
+
+
+@pytest.mark.parametrize("fmt", ["xml", "json"])
+def test_call_arguments_stay_json_with_huge_numbers(fmt):
+    """A number too large for a float (the grammar allows any exponent) is JSON as written, not
+    Python's `Infinity`, which strict parsers (JavaScript's JSON.parse) refuse; NaN or Infinity
+    the model writes itself are no JSON numbers: a string (XML) or text (JSON) as any unparsable
+    value."""
+    if fmt == "xml":
+        text = xml_call("get_weather", city="Oslo", days="1e999", where='{"lat": 1e+3997, "lon": -2.50}')
+    else:
+        text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1e999, "lat": -2.50}}\n</tool_call>'
+    msg = ChatOutput(fmt, TOOLS, False, False)
+    msg.push(text, final=True)
+    args = msg.message()["tool_calls"][0]["function"]["arguments"]
+    got = _strict(args)
+    assert got["city"] == "Oslo" and got["days"] == float("inf")  # as JSON reads 1e999: a number
+    assert "1e999" in args and "-2.50" in args
+    if fmt == "xml":
+        assert got["where"]["lat"] == float("inf") and "1e+3997" in args
+        nan = ChatOutput(fmt, TOOLS, False, False)
+        nan.push(xml_call("get_weather", city="Oslo", where="NaN"), final=True)
+        assert _strict(nan.message()["tool_calls"][0]["function"]["arguments"])["where"] == "NaN"
