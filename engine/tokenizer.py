@@ -19,6 +19,7 @@ class Tokenizer:
         if isinstance(ct, list):  # named templates: [{"name": "default", "template": ...}, ...]
             ct = next((t.get("template") for t in ct if t.get("name") == "default"), None)
         self.chat_template: str | None = ct or (tmpl.read_text() if tmpl.is_file() else None)
+        self._bytes: tuple[dict[str, int] | None, dict[int, tuple[str, bool]]] | None = None  # token_bytes'
 
     @staticmethod
     def exists(path: str | Path) -> bool:
@@ -46,6 +47,21 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes | None:
+        """The bytes token_id stands for in decoded text (an added token: its content's UTF-8; a
+        special one skipped: none), or None for a tokenizer that is not byte-level (its tokens
+        are no byte strings)."""
+        if self._bytes is None:
+            self._bytes = _byte_table(self._tok)
+        table, added = self._bytes
+        if token_id in added:
+            content, special = added[token_id]
+            return b"" if special and skip_special_tokens else content.encode()
+        if table is None:
+            return None
+        piece = self._tok.id_to_token(token_id)
+        return b"" if piece is None else bytes(table[c] for c in piece if c in table)
+
     def vocab_size(self) -> int:
         """Ids the tokenizer knows, its added tokens included."""
         return self._tok.get_vocab_size(with_added_tokens=True)
@@ -63,3 +79,18 @@ def message_break(path: str | Path) -> tuple[int, ...]:
     if end is None or start is None or len(newline) != 1:
         return ()
     return (end, newline[0], start)
+
+
+def _byte_table(tok) -> tuple[dict[str, int] | None, dict[int, tuple[str, bool]]]:
+    """(character -> byte of a byte-level BPE's alphabet, or None when the decoder is not
+    byte-level; added token id -> (content, special)). The alphabet: each byte that prints as
+    itself (33-126, 161-172, 174-255) is its own character; the others, in byte order, are
+    256, 257, ..."""
+    added = {i: (t.content, bool(t.special)) for i, t in tok.get_added_tokens_decoder().items()}
+    if type(tok.decoder).__name__ != "ByteLevel":
+        return None, added
+    shown = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    table = {chr(b): b for b in shown}
+    rest = (b for b in range(256) if b not in table.values())
+    table.update({chr(256 + k): b for k, b in enumerate(rest)})
+    return table, added

@@ -196,6 +196,7 @@ class OpenAIFront:
                     r.sampling.seed = sp.seed + i
                 job.reqs.append(r)
                 job.echoes.append(text)
+                job.typed.append(isinstance(p, str))
                 job.prompt_ids.append(list(base.prompt_token_ids))
         return job
 

@@ -34,6 +34,7 @@ class Job:
     logprobs: int | None  # alternatives per position, when logprobs were asked for
     reqs: list[pb.GenerateRequest] = field(default_factory=list)  # per choice, in choice order
     echoes: list[str | None] = field(default_factory=list)  # per choice: with echo, its prompt's text
+    typed: list[bool] = field(default_factory=list)  # per choice: its prompt was sent as text (echoed as written)
     prompt_ids: list[list[int]] = field(default_factory=list)  # per choice: its prompt's ids, when sent as ids
     created: int = field(default_factory=lambda: int(time.time()))
     output: Callable[[], ChatOutput] | None = None  # chat: each choice's output parsers
@@ -64,6 +65,8 @@ class Choice:
         self.finish: str | None = None
         self.stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
         self.offset = 0  # completions text_offset of the next token
+        self._echoed = 0  # logprob entries of the echoed prompt
+        self._shaped = 0  # logprob entries shaped so far
         self.started = False
         self.out = job.output() if job.output is not None else None
         self.prompt_ids: list[int] = []  # the prompt the nodes got (return_token_ids)
@@ -82,6 +85,7 @@ class Choice:
                 if self.job.logprobs is not None and ids:  # NaN: the first token has no logprob
                     entries = [pb.TokenLogprob(token_id=ids[0], logprob=float("nan"))]
                     entries += list(c.prompt_logprobs)
+                    self._echoed = len(entries)
         if not self.job.no_output:
             text += c.text
             entries += list(c.logprobs)
@@ -169,31 +173,54 @@ class Choice:
             d["token_ids"] = [] if self.job.no_output else list(c.token_ids)
         return d
 
-    def _str(self, token_id: int) -> str:
-        return f"token_id:{token_id}" if self.job.ids_as_text else self.tok.decode([token_id])
+    def _skip(self) -> bool:
+        """Whether the entry about to be shaped skips special tokens as its text does: an echoed
+        prompt sent as text holds them as written; ids are decoded as the request says."""
+        if self._shaped < self._echoed:
+            return not (self.index < len(self.job.typed) and self.job.typed[self.index])
+        sp = self.job.reqs[self.index].sampling
+        return not sp.HasField("skip_special_tokens") or sp.skip_special_tokens
+
+    def _str(self, token_id: int, skip: bool) -> str:
+        return f"token_id:{token_id}" if self.job.ids_as_text else self.tok.decode([token_id], skip)
+
+    def _bytes(self, token_id: int, skip: bool) -> bytes:
+        raw = self.tok.token_bytes(token_id, skip)
+        return raw if raw is not None else self.tok.decode([token_id], skip).encode()
+
+    def _at(self, token_id: int, skip: bool) -> int:
+        """completions' text_offset of the token, into `text`: the characters before it, by its
+        bytes (a token that ends a character others began is at that character)."""
+        raw = self.tok.token_bytes(token_id, skip)
+        if raw is None:  # not byte-level: its decoded text's length
+            at, self.offset = self.offset, self.offset + len(self.tok.decode([token_id], skip))
+            return at
+        at = self.offset - 1 if raw and raw[0] & 0xC0 == 0x80 and self.offset else self.offset
+        self.offset += sum(b & 0xC0 != 0x80 for b in raw)
+        return at
 
     def _logprobs(self, entries) -> dict:
         if self.job.chat:
 
-            def one(t, lp):
-                s = self._str(t)
-                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+            def one(t, lp, skip):
+                return {"token": self._str(t, skip), "logprob": lp, "bytes": list(self._bytes(t, skip))}
 
-            return {
-                "content": [
-                    dict(one(e.token_id, e.logprob), top_logprobs=[one(t.token_id, t.logprob) for t in e.top])
-                    for e in entries
-                ]
-            }
+            content = []
+            for e in entries:
+                skip = self._skip()
+                self._shaped += 1
+                tops = [one(t.token_id, t.logprob, skip) for t in e.top]
+                content.append(dict(one(e.token_id, e.logprob, skip), top_logprobs=tops))
+            return {"content": content}
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for e in entries:
-            s = self._str(e.token_id)
+            skip = self._skip()
+            self._shaped += 1
             first = e.logprob != e.logprob  # NaN marks the prompt's first token: no logprob
-            out["tokens"].append(s)
+            out["tokens"].append(self._str(e.token_id, skip))
             out["token_logprobs"].append(None if first else e.logprob)
-            out["top_logprobs"].append(None if first else {self._str(t.token_id): t.logprob for t in e.top})
-            out["text_offset"].append(self.offset)
-            self.offset += len(s)
+            out["top_logprobs"].append(None if first else {self._str(t.token_id, skip): t.logprob for t in e.top})
+            out["text_offset"].append(self._at(e.token_id, skip))
         return out
 
 
