@@ -219,7 +219,11 @@ class Choice:
             first = e.logprob != e.logprob  # NaN marks the prompt's first token: no logprob
             out["tokens"].append(self._str(e.token_id, skip))
             out["token_logprobs"].append(None if first else e.logprob)
-            out["top_logprobs"].append(None if first else {self._str(t.token_id, skip): t.logprob for t in e.top})
+            # the N most likely and, as OpenAI's, the token itself (up to N + 1 entries)
+            top = None if first else {self._str(t.token_id, skip): t.logprob for t in e.top}
+            if top is not None:
+                top.setdefault(out["tokens"][-1], e.logprob)
+            out["top_logprobs"].append(top)
             out["text_offset"].append(self._at(e.token_id, skip))
         return out
 
