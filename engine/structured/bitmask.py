@@ -13,6 +13,7 @@ part that must follow the constraint, e.g. a required tool call after the thinki
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,9 @@ class GrammarMask:
         self._thread: ThreadPoolExecutor | None = None
         self._plan: _Plan | None = None
         self._failed: str | None = None  # why the tokenizer did not load
+        self._warned: OrderedDict[str, None] = (
+            OrderedDict()
+        )  # requests whose failed matcher was logged (the last 1,024)
         # llguidance reads the tokenizer (a second or so at 151,936 ids) on the mask thread from
         # the start, beside the weights' loading, rather than before the first constrained token
         self._tokenizer: Future[llguidance.LLTokenizer] | None = None
@@ -179,7 +183,11 @@ class GrammarMask:
             at += range(first, first + len(drafts) + 1)
             if m is None or m.is_error():
                 why = self._failed if m is None else m.get_error()
-                log.warning("request %s: no grammar matcher (%s); only EOS is allowed", r.request_id, why)
+                if r.request_id not in self._warned:  # once a request: it stays failed for every step after
+                    self._warned[r.request_id] = None
+                    if len(self._warned) > 1024:
+                        self._warned.popitem(last=False)
+                    log.warning("request %s: no grammar matcher (%s); only EOS is allowed", r.request_id, why)
                 bm[first] = 0
                 for t in self.eos:
                     if t < vocab_size:

@@ -129,3 +129,20 @@ def test_a_thinking_budget_under_drafting_is_decoded_as_without(tok_ckpt, mtp_ck
         assert close in a.output_token_ids[:6], (i, a.output_token_ids)
         assert a.output_token_ids == b.output_token_ids, i
     assert "no grammar matcher" not in caplog.text
+
+
+def test_a_failed_matcher_is_logged_once_a_request(tok_ckpt, caplog):
+    """ignore_eos past a finished grammar: the matcher stops at EOS and every later step allows
+    EOS alone; the WARNING comes once for the request, not once a step."""
+    from engine import LLM
+
+    c = {"kind": "choice", "value": ["green"]}
+    llm = LLM(tok_ckpt, dtype="float32")
+    try:
+        (out,) = llm.generate(
+            prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=12, ignore_eos=True, constraint=c)
+        )
+    finally:
+        llm.close()
+    assert len(out.output_token_ids) == 12 and out.output_token_ids[-1] == EOS
+    assert caplog.text.count("no grammar matcher") == 1
