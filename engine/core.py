@@ -112,6 +112,9 @@ class EngineCore:
         bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias token id(s) {bad[:5]} out of range [0, {vocab}) for this model's vocabulary")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} out of range [0, {vocab}) for this model's vocabulary")
         if params.constraint is not None and not Tokenizer.exists(self.cfg.model.path):
             raise ValueError(
                 "structured outputs (constraint) need the checkpoint's tokenizer: it has no tokenizer.json"

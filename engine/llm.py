@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
 from engine.cache.allocator import Capacity
 from engine.config import EngineArgs
 from engine.core import EngineCore
-from engine.llm_process import EngineProcess
+from engine.llm_process import EngineProcess, Interrupted
+from engine.llm_prompts import parse_prompts
+from engine.llm_results import finish
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -60,6 +64,8 @@ class LLM:
 
             engine_process = str(device).startswith("cpu") and engine.TORCH_LOADED_FIRST
         self._proc: EngineProcess | None = None
+        # between engine steps: True when the call is given up (set by the engine process's loop)
+        self.interrupted: Callable[[], bool] | None = None
         if engine_process:
             self._proc = EngineProcess(kwargs)
             self.engine: EngineCore | None = None
@@ -94,92 +100,114 @@ class LLM:
         self.engine = EngineCore(self.config)
         warn_openmp_policy(device)
 
+    def _engine(self) -> EngineCore:
+        if self.engine is None:
+            raise RuntimeError("the LLM is closed")
+        return self.engine
+
     def capacity(self) -> Capacity:
         if self._proc is not None:
             return self._proc.call("capacity")  # type: ignore[no-any-return]
-        assert self.engine is not None
-        return self.engine.capacity
-
-    def _prompts(self, prompts, prompt_token_ids) -> list[list[int]]:
-        if (prompts is None) == (prompt_token_ids is None):
-            raise ValueError("give exactly one of prompts=[str, ...] or prompt_token_ids=[[int, ...], ...]")
-        if prompt_token_ids is not None:
-            return [list(p) for p in prompt_token_ids]
-        if self.tokenizer is None:
-            raise ValueError("this checkpoint has no tokenizer.json: pass prompt_token_ids")
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        return [self.tokenizer.encode(p) for p in prompts]
+        return self._engine().capacity
 
     def generate(
         self,
-        prompts: list[str] | str | None = None,
+        prompts: Any = None,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
-        prompt_token_ids: list[list[int]] | None = None,
+        prompt_token_ids: Any = None,
         images: list[tuple[ImageInput, ...]] | None = None,
     ) -> list[RequestOutput]:
-        """images: per prompt, its images on their <|image_pad|> runs (docs/images.md)."""
+        """prompts: a str, {"prompt": str}, {"prompt_token_ids": [int, ...]} or a list of them;
+        or prompt_token_ids: [[int, ...], ...] (engine/llm_prompts.py). images: per prompt, its
+        images on their <|image_pad|> runs (docs/images.md)."""
         if self._proc is not None:
             return self._proc.call("generate", prompts, sampling_params, prompt_token_ids, images)  # type: ignore[no-any-return]
-        assert self.engine is not None
-        ids = self._prompts(prompts, prompt_token_ids)
+        engine = self._engine()
+        given = parse_prompts(prompts, prompt_token_ids, self.tokenizer)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids)
-        if len(params) != len(ids):
-            raise ValueError(f"{len(params)} sampling_params for {len(ids)} prompts")
-        imgs = images if images is not None else [()] * len(ids)
-        if len(imgs) != len(ids):
-            raise ValueError(f"{len(imgs)} image lists for {len(ids)} prompts")
-        for i, (p, sp) in enumerate(zip(ids, params)):  # refuse the batch before any of it runs
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(given)
+        if len(params) != len(given):
+            raise ValueError(f"{len(params)} sampling_params for {len(given)} prompts")
+        imgs = images if images is not None else [()] * len(given)
+        if len(imgs) != len(given):
+            raise ValueError(f"{len(imgs)} image lists for {len(given)} prompts")
+        for i, (p, sp) in enumerate(zip(given, params)):  # refuse the batch before any of it runs
             try:
-                self.engine.validate(p, sp)
+                engine.validate(p.token_ids, sp)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        rids = []
-        for i, (p, sp, im) in enumerate(zip(ids, params, imgs)):
-            try:
-                rids.append(self.engine.add_request(p, sp, images=tuple(im)))
-            except ValueError as e:
-                for r in rids:
-                    self.engine.abort(r)
-                raise ValueError(f"prompt {i}: {e}") from None
+        rids: list[str] = []
         done: dict[str, RequestOutput] = {}
-        logprobs: dict[str, list] = {r: [] for r in rids}
+        logprobs: dict[str, list] = {}
         prompt_logprobs: dict[str, list] = {}
-        while len(done) < len(rids):
-            for out in self.engine.step():
-                logprobs[out.request_id] += out.logprobs or []
-                if out.prompt_logprobs is not None:
-                    prompt_logprobs[out.request_id] = out.prompt_logprobs
-                if out.finished:
-                    done[out.request_id] = out
-        outs = [done[r] for r in rids]
-        for o, sp in zip(outs, params):  # the whole request's, not the last step's
-            o.logprobs = logprobs[o.request_id] if sp.logprobs is not None else None
-            o.prompt_logprobs = prompt_logprobs.get(o.request_id) if sp.prompt_logprobs is not None else None
-        if self.tokenizer is not None:
-            for o in outs:
-                o.text = self.tokenizer.decode(o.output_token_ids)
-        return outs
+        try:
+            for i, (p, sp, im) in enumerate(zip(given, params, imgs)):
+                try:
+                    rids.append(engine.add_request(p.token_ids, sp, images=tuple(im)))
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from None
+                logprobs[rids[-1]] = []
+            while len(done) < len(rids):
+                self._check_interrupt()
+                for out in engine.step():
+                    if out.request_id not in logprobs:  # not this call's (a request added on the engine itself)
+                        continue
+                    logprobs[out.request_id] += out.logprobs or []
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs[out.request_id] = out.prompt_logprobs
+                    if out.finished:
+                        done[out.request_id] = out
+        except BaseException:
+            self._abort(r for r in rids if r not in done)
+            raise
+        return [
+            finish(done[r], sp, p.text, logprobs[r], prompt_logprobs.get(r), self.tokenizer)
+            for r, sp, p in zip(rids, params, given)
+        ]
 
     def compute_logits(self, prompt_token_ids: list[list[int]]) -> list[torch.Tensor]:
         """Next-token logits [vocab] (float32) after each prompt, through the serving path."""
         if self._proc is not None:
             return self._proc.call("compute_logits", prompt_token_ids)  # type: ignore[no-any-return]
-        assert self.engine is not None
+        engine = self._engine()
         sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        rids = [self.engine.add_request(list(p), sp, want_logits=True) for p in prompt_token_ids]
-        reqs = {r: self.engine.requests[r] for r in rids}
-        while any(r.logits is None for r in reqs.values()):
-            self.engine.step()
+        rids: list[str] = []
+        try:
+            for p in parse_prompts(None, prompt_token_ids, None):
+                rids.append(engine.add_request(p.token_ids, sp, want_logits=True))
+            reqs = {r: engine.requests[r] for r in rids}
+            while any(r.logits is None for r in reqs.values()):
+                self._check_interrupt()
+                engine.step()
+        except BaseException:
+            self._abort(rids)
+            raise
         return [reqs[r].logits for r in rids]
+
+    def _check_interrupt(self) -> None:
+        """Between engine steps: raise Interrupted when the caller gave the call up (the engine
+        process's parent sent another message: engine/llm_process.py)."""
+        if self.interrupted is not None and self.interrupted():
+            raise Interrupted
+
+    def _abort(self, rids: Iterable[str]) -> None:
+        """End a call's unfinished requests (it was interrupted or failed), so that they neither
+        hold memory nor hand their outputs to a later call."""
+        assert self.engine is not None
+        for r in list(rids):
+            try:
+                self.engine.abort(r)
+            except Exception:  # noqa: BLE001 (the call's own error is the one to raise)
+                log.exception("aborting %s after a failed call", r)
 
     def close(self) -> None:
         if self._proc is not None:
             self._proc.close()
         elif getattr(self, "engine", None) is not None:
-            self.engine.close()
+            engine, self.engine = self.engine, None
+            assert engine is not None
+            engine.close()
 
     def __enter__(self):
         return self

@@ -1,8 +1,31 @@
-"""What the engine hands back per request."""
+"""What the engine hands back per request: `RequestOutput` (every step), and the vLLM-shaped
+parts the offline `LLM.generate` adds to a finished one (`CompletionOutput`, `Logprob`;
+engine/llm_results.py fills them)."""
 
 from __future__ import annotations
 
 import msgspec
+
+
+class Logprob(msgspec.Struct):
+    """vLLM's Logprob: one candidate token's log-probability at a position, its rank there (1:
+    the most likely; None where unknown) and its text (None without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+class CompletionOutput(msgspec.Struct):
+    """vLLM's CompletionOutput: the one completion of a request (index 0)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None  # sum of the chosen tokens' logprobs when logprobs were asked
+    logprobs: list[dict[int, Logprob]] | None  # per position: the chosen token and the top ones
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    stop_reason: int | None = None  # the stop_token_ids entry that ended it, else None
 
 
 class RequestOutput(msgspec.Struct):
@@ -27,3 +50,7 @@ class RequestOutput(msgspec.Struct):
     # params.prompt_logprobs: the same for prompt tokens 1..n-1, on the request's first output
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    # vLLM's shape, filled by LLM.generate: the prompt's text when it was given as text, and the
+    # completion (one CompletionOutput); empty on the engine's own outputs
+    prompt: str | None = None
+    outputs: list[CompletionOutput] = msgspec.field(default_factory=list)

@@ -55,7 +55,7 @@ class SamplingParams:
             raise ValueError(f"unknown sampling option(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
         for f in fields(self):
             object.__setattr__(self, f.name, kwargs.get(f.name, f.default))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "stop_token_ids", _stop_ids(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         object.__setattr__(self, "constraint", Constraint.from_value(self.constraint))
         self._check()
@@ -65,13 +65,13 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be a positive integer (got {self.max_tokens!r})")
         if not isinstance(self.temperature, (int, float)) or not (0.0 <= self.temperature <= 100.0):
             raise ValueError(f"temperature must be in [0, 100] (got {self.temperature!r})")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer (got {self.top_k!r})")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] (got {self.top_p!r})")
         if not isinstance(self.min_p, (int, float)) or isinstance(self.min_p, bool) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1] (got {self.min_p!r})")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer (got {self.seed!r})")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be a non-negative integer (got {self.min_tokens!r})")
@@ -99,7 +99,7 @@ class SamplingParams:
             raise ValueError(
                 "min_tokens cannot be combined with a constraint: the grammar decides where the output ends"
             )
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers (got {list(self.stop_token_ids)!r})")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
@@ -147,6 +147,16 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:
         return cls(**d)
+
+
+def _stop_ids(ids) -> tuple:
+    """stop_token_ids as a tuple, numpy / torch integers as ints; a non-list is refused here, its
+    entries by _check (EngineCore.validate refuses ids outside the model's vocabulary)."""
+    if ids is None:
+        return ()
+    if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, (list, tuple, set, frozenset)):
+        raise ValueError(f"stop_token_ids must be a list of token ids (integers) (got {ids!r})")
+    return tuple(int(t) if isinstance(t, Integral) and not isinstance(t, bool) else t for t in ids)
 
 
 def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:

@@ -7,6 +7,7 @@ drafts and give the same tokens."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -172,6 +173,12 @@ def test_speculation_off_only_for_such_requests():
         (dict(logit_bias={"5": 1.0}), "logit_bias"),
         (dict(logit_bias={i: 1.0 for i in range(301)}), "logit_bias"),
         (dict(logit_bias=[5, 1.0]), "logit_bias"),
+        (dict(seed=True), "seed"),
+        (dict(top_k=True), "top_k"),
+        (dict(stop_token_ids=5), "stop_token_ids must be a list of token ids"),
+        (dict(stop_token_ids="5"), "stop_token_ids must be a list of token ids"),
+        (dict(stop_token_ids=[True]), "stop_token_ids"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
     ],
 )
 def test_bad_options_refused(kw, msg):
@@ -234,3 +241,14 @@ def test_logit_bias_outside_the_vocabulary_refused(llm_hv2):
     vocab = llm_hv2.engine.cfg.model.vocab_size
     with pytest.raises(ValueError, match="logit_bias"):
         llm_hv2.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=SamplingParams(logit_bias={vocab: 1.0}))
+
+
+def test_stop_token_ids_outside_the_vocabulary_refused(llm_hv2):
+    """As logit_bias ids are: the vocabulary is the model's, known to the engine."""
+    vocab = llm_hv2.engine.cfg.model.vocab_size
+    with pytest.raises(ValueError, match=rf"prompt 0: stop_token_ids \[{vocab}\] out of range \[0, {vocab}\)"):
+        llm_hv2.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=SamplingParams(stop_token_ids=[3, vocab]))
+    last = SamplingParams(stop_token_ids=(np.int64(vocab - 1),))  # numpy ids are ints
+    assert last.stop_token_ids == (vocab - 1,) and type(last.stop_token_ids[0]) is int
+    out = llm_hv2.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=last)[0]
+    assert out.finish_reason in ("stop", "length")

@@ -1,0 +1,59 @@
+"""The finished outputs `LLM.generate` returns: each request's whole logprobs (not its last
+step's), its text, and vLLM's shape beside the engine's fields: `prompt` and `outputs` (one
+`CompletionOutput` whose logprobs are vLLM's {token_id: Logprob} per position)."""
+
+from __future__ import annotations
+
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+
+def finish(
+    out: RequestOutput,
+    params: SamplingParams,
+    prompt: str | None,
+    logprobs: list,
+    prompt_logprobs: list | None,
+    tokenizer: Tokenizer | None,
+) -> RequestOutput:
+    out.logprobs = logprobs if params.logprobs is not None else None
+    out.prompt_logprobs = prompt_logprobs if params.prompt_logprobs is not None else None
+    if tokenizer is not None:
+        out.text = tokenizer.decode(out.output_token_ids)
+    out.prompt = prompt
+    ids = out.output_token_ids
+    stop = ids[-1] if out.finish_reason == "stop" and ids and ids[-1] in params.stop_token_ids else None
+    out.outputs = [
+        CompletionOutput(
+            index=0,
+            text=out.text or "",
+            token_ids=list(ids),
+            cumulative_logprob=sum(lp for _, lp, _ in out.logprobs) if out.logprobs is not None else None,
+            logprobs=_vllm_logprobs(out.logprobs, tokenizer) if out.logprobs is not None else None,
+            finish_reason=out.finish_reason,
+            stop_reason=stop,
+        )
+    ]
+    return out
+
+
+def _vllm_logprobs(entries: list, tokenizer: Tokenizer | None) -> list[dict[int, Logprob]]:
+    """(token, logprob, [(id, logprob) most likely first]) per position -> {id: Logprob}, the
+    chosen token first; a top entry's rank is its place (1-based), the chosen token's that place
+    when it is among them, else None (the engine does not rank it)."""
+    texts: dict[int, str | None] = {}
+
+    def text(t: int) -> str | None:
+        if t not in texts:
+            texts[t] = None if tokenizer is None else tokenizer.decode([t], skip_special_tokens=False)
+        return texts[t]
+
+    out = []
+    for tok, lp, top in entries:
+        ranks = {t: r for r, (t, _) in enumerate(top, 1)}
+        pos = {tok: Logprob(lp, ranks.get(tok), text(tok))}
+        for r, (t, tlp) in enumerate(top, 1):
+            pos.setdefault(t, Logprob(tlp, r, text(t)))
+        out.append(pos)
+    return out
