@@ -17,16 +17,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from router import custom_tools
-from router.openai_models import ChatRequest, Float, bad, parse
+from router.openai_models import ChatRequest, Float, NullIsUnset, bad, parse
 from router.responses_output import carried
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(NullIsUnset):
     model_config = ConfigDict(strict=True, extra="allow")  # unknown fields: logged once, no effect
     ROUTE: ClassVar[str] = "/v1/responses"
 
@@ -50,7 +50,7 @@ class ResponsesRequest(BaseModel):
     include: list[str] | None = None  # "reasoning.encrypted_content": reasoning carried opaquely (responses_output)
     # extensions, as on chat completions
     chat_template_kwargs: dict[str, Any] | None = None
-    seed: Annotated[int, Field(ge=0)] | None = None
+    seed: int | None = None  # checked as chat's
     top_k: int | None = None
     ignore_eos: bool = False
     logit_bias: Any = None
