@@ -139,8 +139,8 @@ def _messages(
     calls: set[Any] = set()  # the call ids so far, truncated turns' included
     for i, it in enumerate(items):
         kind = it.get("type", "message")
-        if kind in ("function_call", "custom_tool_call"):
-            calls.add(it.get("call_id"))
+        if kind in ("function_call", "custom_tool_call") and isinstance(it.get("call_id"), str):
+            calls.add(it["call_id"])  # (another value is refused below, naming the item)
         if i < skip:  # truncated
             continue
         where = f"input[{i - len(prior)}]" if i >= len(prior) else f"previous_response_id's input[{i}]"
@@ -169,7 +169,7 @@ def _messages(
             cu = {"name": it["name"], "input": it["input"]}
             assistant().setdefault("tool_calls", []).append({"id": it["call_id"], "type": "custom", "custom": cu})
         elif kind in ("function_call_output", "custom_tool_call_output"):
-            if it.get("call_id") not in calls:  # as OpenAI's API: an output answers a call before it
+            if not isinstance(it.get("call_id"), str) or it["call_id"] not in calls:  # as OpenAI's: after its call
                 raise bad(f"{where}: no tool call before it has call_id {it.get('call_id')!r}", f"{where}.call_id")
             out = it.get("output")
             text = out if isinstance(out, str) else _text_of(out, where)
