@@ -66,7 +66,7 @@ class MessagesRequest(BaseModel):
     mcp_servers: Any = None  # refused by name
     container: Any = None  # refused by name
     # extensions, as on chat completions
-    seed: Annotated[int, Field(ge=0)] | None = None
+    seed: int | None = None  # checked as chat's
     min_p: Any = None
     repetition_penalty: Any = None
     ignore_eos: bool | None = None

@@ -73,10 +73,14 @@ class ChatTemplate:
             for m in messages:
                 if m.get("role") == "developer":
                     m["role"] = "system"
-        gen, cont = req.add_generation_prompt, req.continue_final_message
+        cont = req.continue_final_message
+        # unsent, add_generation_prompt is the opposite of continue_final_message (vLLM refuses both sent true)
+        gen = req.add_generation_prompt if "add_generation_prompt" in req.model_fields_set else not cont
         if cont and gen:
             raise bad(
-                "'continue_final_message' and 'add_generation_prompt' exclude each other", "continue_final_message"
+                "'continue_final_message' and 'add_generation_prompt' exclude each other: send "
+                "'add_generation_prompt': false, or leave it out",
+                "continue_final_message",
             )
         if cont and messages[-1]["role"] != "assistant":
             raise bad("'continue_final_message' needs an assistant message last", "continue_final_message")
@@ -128,7 +132,10 @@ def _message(i: int, d: dict[str, Any], images: list[ImageRef], names: dict[tupl
                     "dropped, so the request is refused)",
                     param=f"{where}.type",
                 )
-            if kind != "text" or not isinstance(part.get("text"), str):
+            if kind == "text" and not isinstance(part.get("text"), str):
+                got = type(part.get("text")).__name__ if "text" in part else "nothing"
+                raise bad(f"{where}.text must be a string (got {got})", f"{where}.text")
+            if kind != "text":
                 raise bad(
                     f"{where}: unknown content part (type {kind!r}); expected 'text' with a string or 'image_url'",
                     f"{where}.type",

@@ -92,6 +92,7 @@ async def read_json(request: Request, limit: int) -> object:
             f"the request body is not UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start} ({e.reason})",
             "invalid_encoding",
         ) from None
+    text = text.removeprefix("\ufeff")  # a byte order mark before the JSON (as FastAPI's own parsing takes it)
     if not text.strip():
         raise _refuse("the request body is empty: send a JSON object with the request's fields", "invalid_json")
     # a cheap count first: a body with fewer brackets than the limit cannot nest deeper

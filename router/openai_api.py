@@ -38,6 +38,7 @@ from router.openai_models import (
     parse,
     prompts,
     sampling,
+    seed_of,
 )
 from router.request import Chunk
 from router.responses_store import ResponseStore
@@ -45,6 +46,8 @@ from router.version import pdserve_version
 
 log = logging.getLogger("pdserve.http")
 RENDER_INLINE_CHARS = 65536  # chat messages up to this many characters are rendered on the loop
+# OpenAI's routes of other kinds of model: a 404 saying what this server serves
+_NOT_SERVED = ("/v1/embeddings", "/v1/audio/", "/v1/images/", "/v1/moderations")
 
 
 def _json(status: int, obj: dict, retry_after_s: float | None = None) -> Response:
@@ -143,7 +146,7 @@ class OpenAIFront:
 
     async def job(self, req: CompletionRequest | ChatRequest) -> Job:
         """The GenerateRequests of an HTTP body: n per prompt (completions take a batch of
-        prompts; choice j * n + i is sample i of prompt j; with a seed, sample i uses seed + i)."""
+        prompts; choice j * n + i is sample i of prompt j; with a seed, sample i uses seed + i, wrapped: `seed_of`)."""
         chat = isinstance(req, ChatRequest)
         model = self.model(req.model)
         sp = sampling(req)
@@ -193,7 +196,7 @@ class OpenAIFront:
                 r.CopyFrom(base)
                 r.request_id = rid if len(ps) * n == 1 else f"{rid}-{j * n + i}"
                 if sp.HasField("seed"):
-                    r.sampling.seed = sp.seed + i
+                    r.sampling.seed = seed_of(sp.seed, i)  # wraps within the engine's range
                 job.reqs.append(r)
                 job.echoes.append(text)
                 job.typed.append(isinstance(p, str))
@@ -348,14 +351,20 @@ def make_app(service, front: OpenAIFront | None = None) -> FastAPI:
                 r.headers["Allow"] = allow
             return r
         msg = f"no route {where}" if e.status_code == 404 else (str(e.detail) or where)
+        if e.status_code == 404 and request.url.path.startswith(_NOT_SERVED):
+            msg = f"{where}: this server serves text generation only (completions, chat, responses, messages)"
         return _json(e.status_code, ApiError(e.status_code, msg).body())
 
     @app.get("/health")
     async def health():
+        """200 while the router can serve; 503 saying why while it cannot (a load balancer's probe)."""
         if service.draining:
             return _json(503, {"status": "draining"})
-        live = [e for e in service.registry.routable(pb.NODE_KIND_DECODE)]
-        return _json(200, {"status": "ok", "decode_nodes": len(live)})
+        live = len(service.registry.routable(pb.NODE_KIND_DECODE))
+        if not live:  # requests would wait for one, then be refused
+            why = "no live decode node: requests are refused (503) until one registers"
+            return _json(503, {"status": "no_decode_node", "decode_nodes": 0, "message": why})
+        return _json(200, {"status": "ok", "decode_nodes": live})
 
     @app.get("/version")
     async def version():
@@ -391,6 +400,8 @@ def make_app(service, front: OpenAIFront | None = None) -> FastAPI:
 
     async def answer(req: CompletionRequest | ChatRequest, request: Request) -> Response:
         hints(request)
+        if req.stream_options is not None and not req.stream:  # as vLLM and OpenAI's reference
+            raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
         job = await front.job(req)
         try:
             if req.stream:

@@ -9,9 +9,10 @@ import re
 from typing import Annotated, Any, ClassVar, Literal
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from proto import pb
+from router.stops import check_stops
 
 log = logging.getLogger("pdserve.http")
 
@@ -19,6 +20,7 @@ MAX_LOGIT_BIAS = 300  # most logit_bias entries (OpenAI's limit; the engine's to
 MAX_N = 16  # most choices per request
 MAX_BATCH = 64  # most prompts in one completions request
 MAX_CACHE_SALT = 1024  # characters (the engine's limit too)
+SEEDS = 2**63  # the engine's seeds are [0, 2^63): a body's (any int64, as vLLM) is taken modulo this
 
 _HTTP_OF = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -119,13 +121,30 @@ Count = Annotated[int, Field(ge=0, le=I32)]
 TokenIds = list[Count]
 
 
-class StreamOptions(BaseModel):
+class NullIsUnset(BaseModel):
+    """A field sent as JSON null is as if not sent (its default): OpenAI types its optional fields
+    "or null", and clients' serializers send null for what they leave unset."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(v is None for v in data.values()):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
+
+
+def seed_of(seed: int, i: int = 0) -> int:
+    """Choice i's seed for a body's `seed`: seed + i, wrapped into the engine's range."""
+    return (seed + i) % SEEDS
+
+
+class StreamOptions(NullIsUnset):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
-class _Request(BaseModel):
+class _Request(NullIsUnset):
     """What completions and chat completions share."""
 
     model_config = ConfigDict(strict=True, extra="allow")  # unknown fields: logged once, no effect (`parse`)
@@ -140,7 +159,7 @@ class _Request(BaseModel):
     presence_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[Float, Field(ge=0.0, le=10.0)] | None = None
-    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None  # any int64: `seed_of`
     min_tokens: Count | None = None
     num_speculative_tokens: Count | None = None  # at most the nodes' own
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
@@ -349,15 +368,21 @@ def sampling(req: CompletionRequest | ChatRequest) -> pb.SamplingParams:
         "presence_penalty",
         "frequency_penalty",
         "repetition_penalty",
-        "seed",
         "min_tokens",
         "num_speculative_tokens",
     ):
         v = getattr(req, name)
         if v is not None:
             setattr(sp, name, v)
+    if req.seed is not None:
+        sp.seed = seed_of(req.seed)
     stop = [] if req.stop is None else [req.stop] if isinstance(req.stop, str) else req.stop
-    sp.stop.extend(t for t in stop if isinstance(t, str))
+    strings = [t for t in stop if isinstance(t, str)]
+    try:
+        check_stops(strings)
+    except ValueError as e:
+        raise bad(str(e), "stop") from None
+    sp.stop.extend(strings)
     ids = [t for t in stop if isinstance(t, int)] + list(req.stop_token_ids or ())
     if any(t < 0 for t in ids):
         raise bad(f"stop token ids must be non-negative integers (got {ids!r})", "stop_token_ids")

@@ -17,16 +17,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from router import custom_tools
-from router.openai_models import ChatRequest, Float, bad, parse
+from router.openai_models import ChatRequest, Float, NullIsUnset, bad, parse
 from router.responses_output import carried
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(NullIsUnset):
     model_config = ConfigDict(strict=True, extra="allow")  # unknown fields: logged once, no effect
     ROUTE: ClassVar[str] = "/v1/responses"
 
@@ -50,7 +50,7 @@ class ResponsesRequest(BaseModel):
     include: list[str] | None = None  # "reasoning.encrypted_content": reasoning carried opaquely (responses_output)
     # extensions, as on chat completions
     chat_template_kwargs: dict[str, Any] | None = None
-    seed: Annotated[int, Field(ge=0)] | None = None
+    seed: int | None = None  # checked as chat's
     top_k: int | None = None
     ignore_eos: bool = False
     logit_bias: Any = None
@@ -139,8 +139,8 @@ def _messages(
     calls: set[Any] = set()  # the call ids so far, truncated turns' included
     for i, it in enumerate(items):
         kind = it.get("type", "message")
-        if kind in ("function_call", "custom_tool_call"):
-            calls.add(it.get("call_id"))
+        if kind in ("function_call", "custom_tool_call") and isinstance(it.get("call_id"), str):
+            calls.add(it["call_id"])  # (another value is refused below, naming the item)
         if i < skip:  # truncated
             continue
         where = f"input[{i - len(prior)}]" if i >= len(prior) else f"previous_response_id's input[{i}]"
@@ -169,7 +169,7 @@ def _messages(
             cu = {"name": it["name"], "input": it["input"]}
             assistant().setdefault("tool_calls", []).append({"id": it["call_id"], "type": "custom", "custom": cu})
         elif kind in ("function_call_output", "custom_tool_call_output"):
-            if it.get("call_id") not in calls:  # as OpenAI's API: an output answers a call before it
+            if not isinstance(it.get("call_id"), str) or it["call_id"] not in calls:  # as OpenAI's: after its call
                 raise bad(f"{where}: no tool call before it has call_id {it.get('call_id')!r}", f"{where}.call_id")
             out = it.get("output")
             text = out if isinstance(out, str) else _text_of(out, where)

@@ -30,7 +30,7 @@ from router.prefill import PrefillPhase
 from router.prefix import PrefixQuery
 from router.registry import NodeEntry, NodeRegistry
 from router.request import Chunk, RequestRun, Trace
-from router.stops import held_back, with_stops
+from router.stops import check_stops, held_back, with_stops
 from router.text import TextPool, default_workers
 from router.wait_estimate import OutputLengths, estimate
 from serving.metrics import ServingMetrics
@@ -291,6 +291,7 @@ class GenerateService:
         bad = grpc.StatusCode.INVALID_ARGUMENT
         try:
             SamplingParams(**sampling_kwargs(request.sampling))
+            check_stops(list(request.sampling.stop))
         except ValueError as e:
             raise Abort(bad, str(e)) from None
         if request.sampling.stop and self.tokenizer is None:

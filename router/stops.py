@@ -16,31 +16,62 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 
+MAX_STOPS = 64  # stop strings per request at most (docs/api.md): their matching runs on the router's loop
+MAX_STOP_CHARS = 256  # characters per stop string at most
+
+
+def check_stops(stops: list[str]) -> None:
+    """ValueError saying why (opening with `stop`) when `stops` is past the bounds: beyond them the
+    matcher's work per chunk, on the router's event loop, would slow every other stream."""
+    if len(stops) > MAX_STOPS:
+        raise ValueError(f"stop has {len(stops):,} strings; at most {MAX_STOPS}")
+    for i, s in enumerate(stops):
+        if len(s) > MAX_STOP_CHARS:
+            raise ValueError(f"stop[{i}] has {len(s):,} characters; at most {MAX_STOP_CHARS} per stop string")
+
+
+def _tail(buf: str, s: str, lo: int) -> int:
+    """The longest tail of `buf`, starting at `lo` or later, that is a prefix of `s`."""
+    p = buf.find(s[0], lo)
+    while p >= 0:
+        if s.startswith(buf[p:]):
+            return len(buf) - p
+        p = buf.find(s[0], p + 1)
+    return 0
+
 
 class StopMatcher:
+    """Each stop string's tail (the longest end of the text that begins it) is kept: the next
+    chunk's search for it starts there, so a chunk costs the stop strings' count times its own
+    length plus the tails it drops (as with KMP), not the stop strings' length each time."""
+
     def __init__(self, stops: list[str], include: bool = False, held: str = ""):
         self.stops = [s for s in stops if s]
         self.include = include
         self.held = held  # text not sent yet: it may be the start of a stop string
         self.matched = ""  # the stop string that matched
+        self.tails = [len(held)] * len(self.stops)  # at most each one's tail (a resumed matcher's: held)
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add decoded text; returns (text safe to emit now, whether a stop string matched)."""
-        buf = self.held + text
-        hits = [(i, -len(s)) for s in self.stops if (i := buf.find(s)) >= 0]
+        h, buf = len(self.held), self.held + text
+        # a match not seen before ends in `text`: it starts in its stop string's tail at the earliest
+        hits = [(i, -len(s)) for s, t in zip(self.stops, self.tails) if (i := buf.find(s, h - t)) >= 0]
         if hits:  # the first match; of those starting there, the longest
             self.held = ""
             i, neg = min(hits)
             self.matched = buf[i : i - neg]
             return buf[: i - neg if self.include else i], True
-        # the longest tail of buf that begins a stop string (a stop it may yet complete)
-        starts = (k for s in self.stops for k in range(1, min(len(s) - 1, len(buf)) + 1) if buf.endswith(s[:k]))
-        keep = max(starts, default=0)
-        self.held = buf[len(buf) - keep :]
-        return buf[: len(buf) - keep], False
+        n, keep = len(buf), 0
+        for j, s in enumerate(self.stops):  # each tail grows by `text` at most
+            t = self.tails[j] = _tail(buf, s, n - min(len(s) - 1, self.tails[j] + len(text)))
+            keep = max(keep, t)
+        self.held = buf[n - keep :]
+        return buf[: n - keep], False
 
     def flush(self) -> str:
         held, self.held = self.held, ""
+        self.tails = [0] * len(self.stops)
         return held
 
 

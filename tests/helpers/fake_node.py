@@ -19,6 +19,7 @@ class FakeDecode(rpc.DecodeNodeServicer):
         self.started = 0  # Generate calls received
         self.max_model_len = 512  # decode_info's default
         self.last = None
+        self.seen: list = []  # every DecodeRequest received, in order
         self.lock = threading.Lock()
 
     def Generate(self, request, context):
@@ -26,6 +27,7 @@ class FakeDecode(rpc.DecodeNodeServicer):
         with self.lock:
             self.started += 1
             self.last = request  # the DecodeRequest as the router sent it
+            self.seen.append(request)
 
         def cancelled():
             if not ended.is_set():

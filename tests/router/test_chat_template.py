@@ -114,8 +114,10 @@ def test_continue_final_message_equals_transformers(hf, tmpl):
     msgs = [{"role": "user", "content": "Count:"}, {"role": "assistant", "content": "1, 2, "}]
     r = tmpl.render(request(msgs, add_generation_prompt=False, continue_final_message=True))
     assert r.prompt == hf.apply_chat_template(msgs, tokenize=False, continue_final_message=True)
+    # unsent, add_generation_prompt follows continue_final_message (vLLM's); both sent true: refused
+    assert tmpl.render(request(msgs, continue_final_message=True)).prompt == r.prompt
     with pytest.raises(ApiError) as e:
-        tmpl.render(request(msgs, continue_final_message=True))
+        tmpl.render(request(msgs, continue_final_message=True, add_generation_prompt=True))
     assert e.value.param == "continue_final_message"
 
 

@@ -39,3 +39,12 @@ def test_an_output_with_no_call_before_it_is_a_400(call_id):
             to_chat(_req(items))
         e = ei.value
         assert e.status == 400 and e.param.endswith("].call_id") and "no tool call" in str(e), e
+
+
+@pytest.mark.parametrize("call_id", [["call_1"], {"id": 1}, 7])
+def test_a_call_id_that_is_not_a_string_is_a_400(call_id):
+    """OpenAI types call_id as a string: another value is a 400 naming the item (a list was a 500)."""
+    for items in ([USER, {**CALL, "call_id": call_id}], [USER, CALL, _out(call_id)]):
+        with pytest.raises(ApiError) as ei:
+            to_chat(_req(items))
+        assert ei.value.status == 400 and ei.value.param.startswith("input["), ei.value

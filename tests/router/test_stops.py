@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 from router.request import Chunk
-from router.stops import held_back, with_stops
+from router.stops import MAX_STOP_CHARS, MAX_STOPS, StopMatcher, held_back, with_stops
 
 
 def _stream(pieces: list[str], stops: list[str], held: str = "", ends: bool = True) -> tuple[str, bool]:
@@ -46,3 +47,42 @@ def test_a_stream_resumed_anywhere_sends_what_an_uncut_one_does():
             assert "".join(pieces[:cut]) == before + got
             after, hit = _stream(pieces[cut:], stops, got)
             assert (before + after, hit) == want, (pieces, stops, cut)
+
+
+def _naive_held(text: str, stops: list[str]) -> str:
+    """The longest tail of `text` that begins a stop string (without completing it)."""
+    return max((text[i:] for i in range(len(text)) if any(s.startswith(text[i:]) for s in stops)), key=len, default="")
+
+
+def test_many_stop_strings_hold_back_and_cut_as_a_naive_reference():
+    """Each push holds back exactly the longest tail that may begin a stop string (each stop
+    string's search resumes from its own tail: it must still find every one)."""
+    rng = random.Random(1)
+    for _ in range(300):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 7))) for _ in range(rng.randint(1, 8))]
+        pieces = ["".join(rng.choice("abc") for _ in range(rng.randint(0, 4))) for _ in range(rng.randint(1, 12))]
+        m, seen, sent = StopMatcher(stops), "", ""
+        for p in pieces:
+            seen += p
+            out, hit = m.push(p)
+            sent += out
+            if hit:
+                assert (sent, True) == _naive(seen, stops) and not _naive(seen[: -len(p) or None], stops)[1]
+                break
+            assert sent + m.held == seen and m.held == _naive_held(seen, stops), (stops, pieces)
+
+
+def test_matching_at_the_bounds_is_not_quadratic_in_the_stop_strings_length():
+    """MAX_STOPS strings of MAX_STOP_CHARS characters, against the output that makes a naive
+    matcher rescan every tail (one string keeps a long one held, the others begin with it): a chunk
+    costs about the same as with short strings, far from milliseconds on the router's loop."""
+    n, long = MAX_STOP_CHARS, "a" * (MAX_STOP_CHARS - 1)
+    stops = [long + "z"] + [("ab" * n)[:n] for _ in range(MAX_STOPS - 1)]
+    m = StopMatcher(stops)
+    for _ in range(n):
+        m.push("a")
+    t0 = time.perf_counter()
+    for _ in range(1000):
+        assert m.push("a")[1] is False
+    per_chunk = (time.perf_counter() - t0) / 1000
+    assert m.held == long and per_chunk < 1e-3, per_chunk  # the naive scan took several ms per chunk

@@ -241,6 +241,18 @@ def test_n_with_seed(oai, model):
     assert texts == singles and chunks[-1].usage.completion_tokens == 24
 
 
+def test_seeds_at_the_ends_of_int64_with_n(oai, model):
+    """vLLM takes any int64 seed: near 2^63 - 1, choice i's seed + i wraps (modulo 2^63, docs/api.md)
+    and equals a single request with that seed; -1 is 2^63 - 1; the same request, the same text."""
+    kw = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    top = 2**63 - 1
+    r = oai.completions.create(n=2, seed=top, **kw)
+    singles = [oai.completions.create(seed=s, **kw).choices[0].text for s in (top, 0)]
+    assert [c.text for c in r.choices] == singles
+    assert oai.completions.create(seed=-1, **kw).choices[0].text == singles[0]
+    assert [c.text for c in oai.completions.create(n=2, seed=top, **kw).choices] == singles
+
+
 def test_min_p_one_is_greedy(oai, model, sdk):
     """min_p through HTTP and the SDK: at 1 only the most likely token stays, so a hot seeded
     request decodes greedily; below, it does not."""
