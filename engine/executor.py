@@ -47,6 +47,11 @@ class WorkerError(RuntimeError):
     pass
 
 
+class WorkerLost(WorkerError):
+    """A tensor-parallel rank is gone (its process exited or its pipe broke): the engine cannot
+    step again; the node stops so that it is restarted (docs/serving.md)."""
+
+
 class Executor(Protocol):
     capacity: Capacity
 
@@ -57,6 +62,10 @@ class Executor(Protocol):
         ...
 
     def close(self) -> None: ...
+
+    def lost(self) -> str | None:
+        """Why a rank is gone (WorkerLost's message), or None while every rank runs."""
+        ...
 
 
 class InProcExecutor:
@@ -77,6 +86,9 @@ class InProcExecutor:
         if self.worker is not None:
             self.worker.close()
         self.worker = None
+
+    def lost(self) -> str | None:
+        return None  # the one rank is this process
 
 
 def _rendezvous_store(t: int):
@@ -220,6 +232,7 @@ class MultiProcExecutor:
         self._reduce = shm_all_reduce.create(t) if t > 1 and cpu and shm_all_reduce.supported() else None
         port = self._store.port
         self.conns, self.procs = [], []
+        self._lost: str | None = None  # why a rank is gone, once one is (`lost`)
         for rank in range(t):
             parent, child = ctx.Pipe()
             p = ctx.Process(
@@ -245,9 +258,10 @@ class MultiProcExecutor:
             raise WorkerError(f"a tensor-parallel worker did not answer {what} within {timeout:.0f} s")
         try:
             kind, payload = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):
+            why = self._lost = self.lost() or "its pipe closed"
             self.close()
-            raise WorkerError(f"a tensor-parallel worker died during {what}; see its log above") from None
+            raise WorkerLost(f"a tensor-parallel worker died during {what} ({why}); see its log above") from None
         if kind == "invalid":  # start-up refused a setting: the one line a single rank would raise
             self.close()
             raise ValueError(payload)
@@ -257,18 +271,32 @@ class MultiProcExecutor:
             raise WorkerError(f"a tensor-parallel worker failed during {what}:\n{payload}")
         return payload
 
-    def execute(self, step: StepInput) -> StepOutput:
-        msg = self._steps.write(step)  # its length in the buffer, or (too large) the pickled step
+    def _send(self, msg: Any, what: str) -> None:
         for c in self.conns:
-            c.send(msg)
+            try:
+                c.send(msg)
+            except OSError:  # a broken pipe: the rank exited
+                why = self._lost = self.lost() or "its pipe broke"
+                self.close()
+                raise WorkerLost(f"a tensor-parallel worker is gone before {what} ({why})") from None
+
+    def lost(self) -> str | None:
+        for rank, p in enumerate(self.procs):
+            if not p.is_alive():
+                self._lost = f"rank {rank}, pid {p.pid}, exited with status {p.exitcode}"
+        return self._lost
+
+    def execute(self, step: StepInput) -> StepOutput:
+        if not self.conns:
+            raise WorkerLost("the tensor-parallel workers were stopped after one was lost")
+        self._send(self._steps.write(step), "a step")  # its length in the buffer, or (too large) the pickled step
         outs = [self._recv(c, STEP_TIMEOUT_S, "a step") for c in self.conns]
         return outs[0]
 
     def call_all(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> list[_T]:
         """fn(worker, *args, **kwargs) on every rank (fn must be importable by name); results by rank."""
-        for c in self.conns:
-            c.send(("call", fn, args, kwargs))
         what = f"call {getattr(fn, '__name__', fn)}"
+        self._send(("call", fn, args, kwargs), what)
         outs, err = [], None
         for c in self.conns:  # drain every rank's answer before raising, to keep the pipes in step
             try:

@@ -139,7 +139,10 @@ def _serve_until_signal(server, drain_timeout: float, ready: str) -> int:
         signal.signal(sig, on_signal)
     say(ready)
     while not stop.wait(0.5):
-        pass
+        if fatal := getattr(server, "fatal", None):  # a node that can serve no more: stop, non-zero
+            logging.getLogger("pdserve.node").error("%s; stopping with status 1 so it is restarted", fatal)
+            server.stop(grace=1.0)
+            return 1
     if drain_timeout > 0:
         server.drain(drain_timeout, interrupt=now)
     server.stop()

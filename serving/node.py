@@ -207,6 +207,14 @@ class NodeServer:
             self.server.stop(grace).wait(timeout=(grace or 0) + 5)
         self._close()
 
+    @property
+    def fatal(self) -> str | None:
+        """Why this node can serve no more (a tensor-parallel rank is gone: engine/executor.py
+        WorkerLost), or None: the command line then stops it with a non-zero status, so that its
+        supervisor (`pdserve up`, Kubernetes) sees it and restarts it (docs/serving.md)."""
+        engine = getattr(self, "engine", None)
+        return engine.executor.lost() if engine is not None else None
+
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         assert self.server is not None, "the node was not started"
         return self.server.wait_for_termination(timeout)

@@ -62,8 +62,28 @@ def test_tp2_tokens_admission_node_death_and_no_orphans(ckpt, refs):
         with Client(up.address, timeout=60) as c:  # no prefill node left: the decode node prefills
             r = c.generate(prompt_token_ids=ps[2], max_tokens=NEW, temperature=0.0, ignore_eos=True)
             assert r.token_ids == want[2] and r.prefill_node == ""
+        # a TP worker of the decode node dies: the node can step no more, so it stops with status 1
+        # (its supervisor restarts it), rather than stay up failing every request
+        decode = node_pid(up, "decode-0")
+        ranks = _ranks(decode)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        wait_for(lambda: not alive(decode), 15, "the decode node to stop after losing a TP worker")
+        wait_for(lambda: "decode-0 exited with status 1" in up.output(), 10, "`up` to report the exit")
+        assert "stopping with status 1 so it is restarted" in up.output()
+        wait_for(lambda: not any(n.alive for n in nodes(up.address)), 15, "the router to mark decode-0 dead")
     finally:
         rc = up.stop()
     assert rc == 0, up.output()
     wait_for(lambda: not [p for p in procs if alive(p)], 30, "every child of `pdserve up` to exit")
     assert "pdserve up: stopping" in up.output()
+
+
+def _ranks(node: int) -> list[int]:
+    """A node's TP worker processes: the children of its fork server (engine/executor.py)."""
+    from tests.helpers.serve_harness import _children
+
+    kids = _children()
+    server = [p for p in kids.get(node, []) if b"forkserver" in open(f"/proc/{p}/cmdline", "rb").read()]
+    assert len(server) == 1, server
+    return sorted(kids.get(server[0], []))
