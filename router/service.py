@@ -30,6 +30,7 @@ from router.prefill import PrefillPhase
 from router.prefix import PrefixQuery
 from router.registry import NodeEntry, NodeRegistry
 from router.request import Chunk, RequestRun, Trace
+from router.service_gauges import gauges
 from router.stops import check_stops, held_back, with_stops
 from router.text import TextPool, default_workers
 from router.wait_estimate import OutputLengths, estimate
@@ -68,6 +69,7 @@ class GenerateService:
                 self.tokenizer = Tokenizer(cfg.model)
                 self.text = TextPool(self.tokenizer, cfg.tokenizer_workers)
         self.active = 0  # requests in generate
+        self.ids: set[str] = set()  # the request ids clients gave the requests in generate
         self.placed: set[RequestRun] = set()  # requests on a decode node now (their expected ends)
         self.tpot_s: float | None = None  # time per output token of the last requests (moving)
         self.lengths = OutputLengths()  # the last requests' output lengths (their expected ends)
@@ -76,7 +78,7 @@ class GenerateService:
         self.client_streams = ClientStreams()  # clients' token streams (router/client_streams.py)
         self.gauge_sources: list[Callable[[], dict[str, tuple[str, float]]]] = []  # more, as the HTTP front's
         self.draining = False
-        self.metrics = ServingMetrics("pdserve_router", self._gauges)
+        self.metrics = ServingMetrics("pdserve_router", lambda: gauges(self))
         reg = self.metrics.registry
         self.queue_wait = Histogram(
             "pdserve_router_queue_wait_seconds",
@@ -121,50 +123,6 @@ class GenerateService:
         t.add_done_callback(self._tasks.discard)
         return t
 
-    def _gauges(self) -> dict[str, tuple[str, float]]:
-        dec = self.registry.live(pb.NODE_KIND_DECODE)
-        caps = [e.info.capacity for e in dec]
-        mux, cs = self.registry.mux_totals, self.client_streams
-        out = {
-            "queue_depth": ("Requests waiting for admission", self.admission.depth()),
-            "active_requests": ("Requests in flight through the router", self.active),
-            "decode_nodes_live": ("Live decode nodes", len(dec)),
-            "prefill_nodes_live": ("Live prefill nodes", len(self.registry.live(pb.NODE_KIND_PREFILL))),
-            "encode_nodes_live": ("Live encode nodes", len(self.registry.live(pb.NODE_KIND_ENCODE))),
-            "nodes_draining": (
-                "Live nodes that drain (finish what they hold, take nothing new)",
-                sum(1 for e, _ in self.registry.snapshot() if e.alive and e.info.draining),
-            ),
-            "kv_pages_free": (
-                "KV pages free over live decode nodes (last heartbeat)",
-                sum(c.free_blocks for c in caps),
-            ),
-            "kv_pages_used": (
-                "KV pages in use over live decode nodes (last heartbeat)",
-                sum(c.total_blocks - c.free_blocks for c in caps),
-            ),
-            "state_slots_free": (
-                "State slots free over live decode nodes (last heartbeat)",
-                sum(c.free_slots for c in caps),
-            ),
-            "state_slots_used": (
-                "State slots in use over live decode nodes (last heartbeat)",
-                sum(c.total_slots - c.free_slots for c in caps),
-            ),
-            "token_stream_messages_total": (
-                "Messages read on the decode nodes' token streams (one per engine step with tokens)",
-                mux.messages,
-            ),
-            "token_stream_tokens_total": ("Tokens read on the decode nodes' token streams", mux.tokens),
-            "token_streams_broken_total": ("Token streams that broke with requests on them", mux.broken),
-            "client_token_streams_open": ("Clients' token streams open (Generation.TokenStream)", len(cs)),
-            "client_token_stream_messages_total": ("Messages sent on the clients' token streams", cs.messages),
-            "client_token_stream_chunks_total": ("Chunks those messages carried", cs.deltas),
-        }
-        for more in self.gauge_sources:
-            out.update(more())
-        return out
-
     def models(self) -> list[pb.ModelInfo]:
         return served_models(self.registry, self.cfg.served_model_name, self.tokenizer is not None)
 
@@ -184,6 +142,10 @@ class GenerateService:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the router has {self.generate_limit} requests in flight, its limit: try again later",
             )
+        if rid := request.request_id:  # a second stream of an id would take the first's tokens
+            if rid in self.ids:
+                raise Abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight at this router")
+            self.ids.add(rid)
         self.active += 1
         self.idle.clear()
         try:
@@ -227,6 +189,7 @@ class GenerateService:
             if tr.transfer_bytes:
                 self.metrics.transfer_done(tr.transfer_bytes, tr.transfer_s)
             self.active -= 1
+            self.ids.discard(rid)
             if not self.active:
                 self.idle.set()
 

@@ -419,3 +419,23 @@ def test_an_image_detail_outside_openais_values_is_named(door):
     body = {"model": "m", "messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
     status, out = post(r.http_port, json.dumps(body).encode(), "/v1/chat/completions")
     assert status == 400 and out["error"]["param"] == "messages[0].content[0].image_url.detail", out
+
+
+def test_a_request_id_in_flight_is_refused_for_a_second_request(door):
+    """Two requests under one client-given id: the second is refused ALREADY_EXISTS at once and
+    the first streams on to its end (a second stream of the id took the first's tokens: it hung to
+    its deadline); once it ended the id is free again."""
+    from client import Client, PdserveError
+
+    _, _, port = door
+    with Client(f"127.0.0.1:{port}", timeout=30) as c:
+        s = c.stream(prompt_token_ids=[1, 2, 3], max_tokens=40, ignore_eos=True, request_id="req-1")
+        it = iter(s)
+        got = list(next(it).token_ids)
+        with pytest.raises(PdserveError) as e:
+            c.generate(prompt_token_ids=[4, 5], max_tokens=2, request_id="req-1")
+        assert e.value.code.name == "ALREADY_EXISTS" and "'req-1' is already in flight" in e.value.message
+        for ch in it:
+            got += ch.token_ids
+        assert len(got) == 40
+        assert len(c.generate(prompt_token_ids=[4, 5], max_tokens=2, request_id="req-1").token_ids) == 2
