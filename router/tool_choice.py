@@ -180,6 +180,8 @@ def _json(schema: dict[str, Any]) -> str:
 
 
 _TEXT = r"/([^<]|<[^\/]){%s}\n<\/parameter>\n/"  # a string value: no "</" inside, then its close tag
+# with a maxLength: no "<" at all, each unit one character (a "<x" unit is two: it ran past the bound)
+_SHORT_TEXT = r"/[^<]{%s}\n<\/parameter>\n/"
 
 
 def call_grammar(
@@ -251,5 +253,5 @@ def _value(schema: Any) -> str:
         lo, hi = s.get("minLength"), s.get("maxLength")  # bounds that are not counts are left out
         lo = lo if isinstance(lo, int) and lo >= 0 else 0
         hi = hi if isinstance(hi, int) and hi >= lo else None
-        return _TEXT % f"{lo},{'' if hi is None else hi}"
+        return _TEXT % f"{lo}," if hi is None else _SHORT_TEXT % f"{lo},{hi}"
     return f"{_json(s)} {close}"

@@ -341,3 +341,29 @@ def test_responses_custom_tool_errors_name_its_flat_fields(fmt):
     with pytest.raises(ApiError) as e:
         to_chat(ResponsesRequest.model_validate(body))
     assert e.value.param == "tools[0].format" and ".custom." not in e.value.message, e.value.message
+
+
+def test_a_string_parameters_max_length_counts_characters(front, hf):
+    """A string value's maxLength bounds its characters: "a<b<c<d" (7) is past a bound of 5, which
+    it passed when "<x" counted as one; with a bound the value holds no "<" (documented); without
+    one, "<" is allowed (no "</")."""
+    import llguidance
+    import llguidance.hf
+
+    def tool(**bounds):
+        city = {"type": "string", **bounds}
+        params = {"type": "object", "properties": {"city": city}, "required": ["city"]}
+        return {"type": "function", "function": {"name": "get_time", "parameters": params}}
+
+    lt = llguidance.hf.from_tokenizer(hf)
+
+    def accepts(t: dict, city: str) -> bool:
+        r = req(tools=[t], tool_choice="required", chat_template_kwargs={"enable_thinking": False})
+        g = front.prepare(r).constraint.grammar
+        m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_lark(g), log_level=0)
+        return m.consume_tokens(hf.encode(_fn_call_text(hf, {"city": city}), add_special_tokens=False))
+
+    bounded, floor = tool(maxLength=5), tool(minLength=3)
+    assert accepts(bounded, "Paris") and not accepts(bounded, "Parist")
+    assert not accepts(bounded, "a<b<c<d") and not accepts(bounded, "a<b")
+    assert accepts(floor, "a<b<c<d") and not accepts(floor, "ab") and not accepts(floor, "a</b")
