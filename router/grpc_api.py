@@ -128,6 +128,12 @@ class RegistryApi(rpc.RegistryServicer):
     async def Register(self, request, context):
         if not request.node.node_id or not request.node.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node_id and address are required")
+        if (holder := self.registry.taken(request.node)) is not None:  # two nodes under one id: refuse the second
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"node id {request.node.node_id!r} is taken by a live node at {holder.info.address}: "
+                "give this node its own --node-id",
+            )
         self.registry.register(request.node)
         self.service.prefill.warm_pairs()  # its transfer handshakes before its first request
         return pb.RegisterResponse(heartbeat_interval_s=self.service.cfg.heartbeat_interval_s)

@@ -173,6 +173,16 @@ class NodeRegistry:
         self.mux_totals = MuxTotals()  # every node's token stream (router/token_mux.py)
 
     # ---- registration ---------------------------------------------------------------------
+    def taken(self, info: pb.NodeInfo) -> NodeEntry | None:
+        """The live node that already has info's node_id, when info is another process: another
+        incarnation at another address, the holder heard from within dead_after_s (a node that
+        restarts takes its id back at once at its old address, or once the old one is dead)."""
+        with self.lock:
+            old = self.nodes.get(info.node_id)
+            if old is None or old.info.incarnation == info.incarnation or old.info.address == info.address:
+                return None
+            return old if old.alive and time.monotonic() - old.last_seen <= self.dead_after_s else None
+
     def register(self, info: pb.NodeInfo, static: bool = False) -> NodeEntry:
         with self.lock:
             old = self.nodes.get(info.node_id)

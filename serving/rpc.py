@@ -252,7 +252,11 @@ class Heartbeater:
                 self._registered = False
                 if not self._warned:
                     code = e.code()
-                    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    if code in (
+                        grpc.StatusCode.UNAUTHENTICATED,
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        grpc.StatusCode.ALREADY_EXISTS,
+                    ):
                         log.error("router %s refused this node: %s; retrying", self.router_addr, e.details())
                     else:
                         log.warning("router %s unreachable (%s); retrying", self.router_addr, code.name)

@@ -304,3 +304,23 @@ def test_queued_prompt_tokens_count_each_prompt_once_across_reports():
             e.info.capacity.queued_prefill_tokens = sum(node)
             e.reported()
         assert e.queued_prefill_tokens() == sum(node)
+
+
+def test_a_second_live_node_under_one_id_is_refused(router):
+    """Two processes under one node id (two nodes started without --node-id): the second's Register
+    is refused ALREADY_EXISTS naming the holder, which stays registered (they replaced each other
+    twice a second, breaking the transfers); the same id at the same address is a restart and is
+    taken back at once; once the holder is dead the id is free."""
+    import grpc
+
+    _, stub = router
+    stub.Register(pb.RegisterRequest(node=_info("d0", "127.0.0.1:1", inc=1)), timeout=5)
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.Register(pb.RegisterRequest(node=_info("d0", "127.0.0.1:2", inc=2)), timeout=5)
+    assert ei.value.code() == grpc.StatusCode.ALREADY_EXISTS and "127.0.0.1:1" in ei.value.details()
+    assert stub.Heartbeat(pb.HeartbeatRequest(node_id="d0", incarnation=1, capacity=pb.Capacity()), timeout=5).known
+    stub.Register(pb.RegisterRequest(node=_info("d0", "127.0.0.1:1", inc=3)), timeout=5)  # restarted in place
+    assert stub.Heartbeat(pb.HeartbeatRequest(node_id="d0", incarnation=3, capacity=pb.Capacity()), timeout=5).known
+    wait_for(lambda: _alive(stub) == {"d0": False}, 5, "d0 marked dead")
+    stub.Register(pb.RegisterRequest(node=_info("d0", "127.0.0.1:2", inc=4)), timeout=5)  # on a new address
+    assert _alive(stub) == {"d0": True}
