@@ -181,7 +181,8 @@ class GenerateService:
             raise
         finally:
             tr.log()
-            self.metrics.request_done(tr.outcome(), tr.ttft(), tr.tpot(), tr.n)
+            e2e, done = (tr.last - tr.received, tr.prompt_len) if tr.last is not None else (None, 0)  # computed
+            self.metrics.request_done(tr.outcome(), tr.ttft(), tr.tpot(), tr.n, e2e, done)
             if tr.decode != "-":  # it was placed: it held its decode room for its output
                 self.lengths.ended(tr.n)
             if (tp := tr.tpot()) is not None:

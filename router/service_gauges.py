@@ -45,6 +45,10 @@ def gauges(svc: GenerateService) -> dict[str, tuple[str, float]]:
         f, t = sum(getattr(c, free) for c in caps), sum(getattr(c, total) for c in caps)
         out[f"{name}_free"] = (f"{what} free over live decode nodes (last heartbeat)", f)
         out[f"{name}_used"] = (f"{what} in use over live decode nodes (last heartbeat)", t - f)
+        out[f"{name}_usage"] = (
+            f"Fraction of the {what.lower()} in use over live decode nodes, 0-1",
+            (t - f) / t if t else 0.0,
+        )
     for more in svc.gauge_sources:
         out.update(more())
     return out

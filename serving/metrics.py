@@ -27,6 +27,7 @@ log = logging.getLogger("pdserve.metrics")
 OUTCOMES = ("ok", "error", "cancelled")
 _LAT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 # name -> (help, value): a number, or {label value: number} for one series per label value
 Gauges = Mapping[str, tuple[str, float | Mapping[int, float]]]
@@ -75,6 +76,10 @@ class ServingMetrics:
             f"{prefix}_tpot_seconds", "Time per output token after the first", buckets=_TPOT_BUCKETS, registry=r
         )
         self.tokens = Counter(f"{prefix}_generated_tokens", "Tokens generated", registry=r)
+        self.prompt_tokens = Counter(f"{prefix}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.e2e = Histogram(
+            f"{prefix}_e2e_seconds", "Request received to its last token", buckets=_E2E_BUCKETS, registry=r
+        )
         self.transfer_bytes = Counter(f"{prefix}_transfer_bytes", "State bytes transferred", registry=r)
         self.transfer_seconds = Counter(f"{prefix}_transfer_seconds", "Time spent transferring state", registry=r)
         self.transfers = Counter(f"{prefix}_transfers", "State transfers completed", registry=r)
@@ -84,9 +89,19 @@ class ServingMetrics:
         self._server: _ThreadingWSGIServer | None = None
 
     def request_done(
-        self, outcome: str, ttft_s: float | None = None, tpot_s: float | None = None, tokens: int = 0
+        self,
+        outcome: str,
+        ttft_s: float | None = None,
+        tpot_s: float | None = None,
+        tokens: int = 0,
+        e2e_s: float | None = None,
+        prompt_tokens: int = 0,
     ) -> None:
         self.requests.labels(outcome=outcome).inc()
+        if e2e_s is not None:
+            self.e2e.observe(e2e_s)
+        if prompt_tokens:
+            self.prompt_tokens.inc(prompt_tokens)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
         if tpot_s is not None:

@@ -158,6 +158,9 @@ def test_metrics_count_requests(up, sdk):
     assert moved("router", f"{r}_generated_tokens_total") == k * new
     assert moved("router", f"{r}_ttft_seconds_count") == k
     assert moved("router", f"{r}_tpot_seconds_count") == k
+    assert moved("router", f"{r}_e2e_seconds_count") == k  # the refused one made no token
+    assert moved("router", f"{r}_prompt_tokens_total") == k * 20
+    assert 0 <= after["router"][(f"{r}_kv_pages_usage", ())] <= 1
     assert moved("router", f"{r}_transfers_total") == k
     assert moved("router", f"{r}_transfer_bytes_total") > 0
     assert after["router"][(f"{r}_queue_depth", ())] == 0
