@@ -92,6 +92,11 @@ class RouterConfig(ImageArgs, SecurityArgs):
     )
     metrics_port: int | None = option(None, "Prometheus /metrics on this port (0 picks one; default off)")
     http_port: int | None = option(None, "OpenAI-compatible HTTP on this port (0 picks one; default off)")
+    allowed_origins: tuple[str, ...] = option(
+        ("*",),
+        "an origin browsers may call the HTTP API from (CORS; repeatable; '*': any, as vLLM's default; "
+        "'none': no CORS headers)",
+    )
     host: str = option("127.0.0.1", "address the router binds (gRPC, metrics and HTTP)")
     # Client API keys (serving/security.py): none given, the client plane is open.
     api_key: tuple[str, ...] = option(

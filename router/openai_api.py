@@ -320,6 +320,13 @@ def make_app(service, front: OpenAIFront | None = None) -> FastAPI:
     its gRPC Chat (made here when not given)."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     front = front or OpenAIFront(service)
+    origins = [o for o in service.cfg.allowed_origins if o != "none"]
+    if origins:  # browsers' cross-origin calls (a preflight OPTIONS, then the call with the header)
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"], expose_headers=["*"]
+        )
 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):

@@ -439,3 +439,50 @@ def test_a_request_id_in_flight_is_refused_for_a_second_request(door):
             got += ch.token_ids
         assert len(got) == 40
         assert len(c.generate(prompt_token_ids=[4, 5], max_tokens=2, request_id="req-1").token_ids) == 2
+
+
+def _raw(port: int, method: str, path: str, headers: dict, body: bytes | None = None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request(method, path, body, headers)
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}
+    finally:
+        conn.close()
+
+
+def test_browsers_may_call_from_any_origin_by_default(door):
+    """CORS as vLLM's default (`--allowed-origins '*'`): a preflight OPTIONS is answered with the
+    methods and headers asked for, and the call itself carries Access-Control-Allow-Origin."""
+    r, _, _ = door
+    asks = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    status, h = _raw(
+        r.http_port,
+        "OPTIONS",
+        "/v1/chat/completions",
+        {**asks, "Access-Control-Request-Headers": "authorization,content-type"},
+    )
+    assert status == 200 and h["access-control-allow-origin"] in ("*", "https://app.example"), h
+    assert "POST" in h["access-control-allow-methods"] and "authorization" in h["access-control-allow-headers"].lower()
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    status, h = _raw(
+        r.http_port,
+        "POST",
+        "/v1/completions",
+        {"Origin": "https://app.example", "Content-Type": "application/json"},
+        body,
+    )
+    assert status == 200 and h["access-control-allow-origin"] in ("*", "https://app.example"), h
+
+
+def test_allowed_origins_restrict_cors(ckpt):
+    r, fake, srv, hb, _ = start(ckpt, allowed_origins=("https://ok.example",))
+    try:
+        for origin, allowed in (("https://ok.example", True), ("https://evil.example", False)):
+            _, h = _raw(r.http_port, "GET", "/v1/models", {"Origin": origin})
+            assert (h.get("access-control-allow-origin") == origin) == allowed, (origin, h)
+    finally:
+        hb.stop()
+        r.stop(0)
+        srv.stop(0)
