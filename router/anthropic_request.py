@@ -27,6 +27,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.openai_models import ChatRequest, Float, bad, parse
+from router.stops import check_stops
 
 # sampling fields passed on as the chat route takes them (earlier clients send the first three;
 # the rest are the chat route's extensions)
@@ -310,6 +311,10 @@ def to_chat(req: MessagesRequest) -> ChatRequest:
     for name in ("mcp_servers", "container"):
         if getattr(req, name) is not None:
             raise bad(f"'{name}' is not supported by this server", name)
+    try:  # chat's bounds, named as this body has them
+        check_stops(list(req.stop_sequences or ()))
+    except ValueError as e:
+        raise bad(str(e).replace("stop", "stop_sequences", 1), "stop_sequences") from None
     names: dict[tuple[int, int], str] = {}
     choice, parallel = _tool_choice(req.tool_choice)
     msgs = _messages(req, names)

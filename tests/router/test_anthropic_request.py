@@ -116,3 +116,12 @@ def test_a_thinking_budget_must_be_below_max_tokens():
         to_chat(_body(thinking={"type": "enabled", "budget_tokens": 8}))
     assert ei.value.status == 400 and ei.value.param == "max_tokens", ei.value
     assert to_chat(_body(thinking={"type": "enabled", "budget_tokens": 7})).thinking_token_budget == 7
+
+
+def test_too_many_stop_sequences_are_named_as_sent():
+    with pytest.raises(ApiError) as ei:
+        to_chat(_body(stop_sequences=[f"s{i}" for i in range(65)]))
+    assert ei.value.param == "stop_sequences" and str(ei.value).startswith("stop_sequences has 65 strings")
+    with pytest.raises(ApiError) as ei:
+        to_chat(_body(stop_sequences=["ok", "x" * 300]))
+    assert ei.value.param == "stop_sequences" and str(ei.value).startswith("stop_sequences[1] has 300 characters")
