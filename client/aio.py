@@ -17,33 +17,40 @@ from proto import pb
 
 
 class AsyncTokenStream(StreamBase):
-    """`async for` StreamChunks; `await close()` (or `async with`) cancels the request."""
+    """`async for` StreamChunks; `await close()` (or `async with`) cancels the request, and so does
+    leaving the loop early (`break`, an exception, a cancelled task) or dropping the stream: as
+    Client's TokenStream, an unfinished request does not decode on for nobody."""
 
     def __aiter__(self):
         return self._gen()
 
     async def _gen(self):
-        yielded = False
-        while True:
-            try:
-                async for m in self._call:
-                    if self.closed:  # what came in before the close is not the caller's any more
-                        return
-                    yielded = True
-                    self.got += m.token_ids
-                    yield chunk_from_delta(m) if isinstance(m, pb.TokenDelta) else chunk_from(m)
-                return
-            except grpc.RpcError as e:
-                if not self._on_error(e, yielded):
+        yielded, finished = False, False
+        try:
+            while True:
+                try:
+                    async for m in self._call:
+                        if self.closed:  # what came in before the close is not the caller's any more
+                            return
+                        yielded = True
+                        self.got += m.token_ids
+                        yield chunk_from_delta(m) if isinstance(m, pb.TokenDelta) else chunk_from(m)
+                    finished = True
                     return
-            except asyncio.CancelledError:
-                self._call.cancel()
-                raise
+                except grpc.RpcError as e:
+                    if not self._on_error(e, yielded):
+                        return
+        finally:  # GeneratorExit (left early: break, or the generator collected), CancelledError, errors
+            if not finished:
+                self._cancel()
 
-    async def close(self) -> None:
+    def _cancel(self) -> None:
         if not self.closed:
             self.closed = True
             self._call.cancel()
+
+    async def close(self) -> None:
+        self._cancel()
 
     cancel = close
 
@@ -52,6 +59,12 @@ class AsyncTokenStream(StreamBase):
 
     async def __aexit__(self, *exc):
         await self.close()
+
+    def __del__(self):  # dropped unfinished (no `async with`, no close): the request ends with it
+        try:
+            self._cancel()
+        except Exception:
+            pass
 
 
 class AsyncClient:
