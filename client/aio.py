@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2
 
 from client import args
 from client.aio_mux import AsyncMuxedCall, AsyncTokenStreams
-from client.chat import ChatProgress, ChatResult, chat_request
+from client.chat import ChatProgress, ChatResult, chat_request, check_fields
 from client.routers import GENERATION, Routers, StreamBase, connection, deadline, muxed_start
 from client.types import GenerateResult, PdserveError, build_request, chunk_from, chunk_from_delta
 from proto import pb
@@ -163,12 +163,16 @@ class AsyncClient:
         messages: list[dict],
         model: str | None = None,
         timeout: float | None = None,
+        *,
+        extra_body: dict | None = None,
         **fields,
     ) -> AsyncIterator[dict]:
         """As Client.chat_stream: OpenAI's chat chunks as dicts, then `{"usage": ...}`."""
         r = self._r
         r.check_open()
-        go = ChatProgress(chat_request(messages, model or await self._model(), fields), len(r.addrs), r.cur)
+        check_fields(fields, extra_body)
+        body = chat_request(messages, model or await self._model(), fields, extra_body)
+        go = ChatProgress(body, len(r.addrs), r.cur)
         while True:
             call = go.call(r, deadline(timeout, self.timeout))
             try:
@@ -186,11 +190,13 @@ class AsyncClient:
         messages: list[dict],
         model: str | None = None,
         timeout: float | None = None,
+        *,
+        extra_body: dict | None = None,
         **fields,
     ) -> ChatResult:
         """As Client.chat: the whole chat answer (`ChatResult`)."""
         res = ChatResult()
-        async for chunk in self.chat_stream(messages, model, timeout, **fields):
+        async for chunk in self.chat_stream(messages, model, timeout, extra_body=extra_body, **fields):
             res.add(chunk)
         return res
 

@@ -9,7 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from client import args
-from client.chat import ChatProgress, ChatResult, chat_request
+from client.chat import ChatProgress, ChatResult, chat_request, check_fields
 from client.mux import MuxedCall, TokenStreams
 from client.routers import GENERATION, Routers, StreamBase, connection, deadline, muxed_start
 from client.types import GenerateResult, PdserveError, StreamChunk, build_request, chunk_from, chunk_from_delta
@@ -164,16 +164,22 @@ class Client:
         messages: list[dict],
         model: str | None = None,
         timeout: float | None = None,
+        *,
+        extra_body: dict | None = None,
         **fields,
     ) -> Iterator[dict]:
         """OpenAI's chat chunks as dicts, then `{"usage": ...}` (client/chat.py). `fields`: the rest
         of a chat completions body (tools, tool_choice, response_format, temperature, max_tokens,
-        chat_template_kwargs, ...); `model` defaults to the router's first; `timeout` as `stream`'s. A
+        chat_template_kwargs, ...: router/openai_models.py ChatRequest's fields; another name is a
+        TypeError naming it), `extra_body`: fields sent as they are, whatever their names (OpenAI's
+        SDK's convention); `model` defaults to the router's first; `timeout` as `stream`'s. A
         router that fails mid-answer is replaced by the next, which goes on after the tokens
         received."""
         r = self._r
         r.check_open()
-        go = ChatProgress(chat_request(messages, model or self._model(), fields), len(r.addrs), r.cur)
+        check_fields(fields, extra_body)
+        body = chat_request(messages, model or self._model(), fields, extra_body)
+        go = ChatProgress(body, len(r.addrs), r.cur)
         while True:
             call = go.call(r, deadline(timeout, self.timeout))
             try:
@@ -191,12 +197,14 @@ class Client:
         messages: list[dict],
         model: str | None = None,
         timeout: float | None = None,
+        *,
+        extra_body: dict | None = None,
         **fields,
     ) -> ChatResult:
         """The whole chat answer (`ChatResult`: `message` with content, reasoning_content,
         tool_calls); the arguments as `chat_stream`'s."""
         res = ChatResult()
-        for chunk in self.chat_stream(messages, model, timeout, **fields):
+        for chunk in self.chat_stream(messages, model, timeout, extra_body=extra_body, **fields):
             res.add(chunk)
         return res
 
