@@ -17,9 +17,40 @@ import grpc
 from client.types import PdserveError
 from proto import pb
 
+# The chat body's fields besides `model` and `messages`: router/openai_models.py ChatRequest's
+# (tests/client/test_sdk_chat_fields.py keeps the two the same). Another name given to `chat` is a
+# TypeError, a misspelling the router would ignore; `extra_body` sends any field as it is.
+CHAT_FIELDS = frozenset(
+    """add_generation_prompt allowed_token_ids bad_words best_of cache_salt chat_template
+    chat_template_kwargs continue_final_message ebnf echo enable_thinking frequency_penalty
+    function_call functions guided_choice guided_decoding_backend guided_grammar guided_json
+    guided_regex guided_whitespace_pattern ignore_eos include_stop_str_in_output logit_bias logprobs
+    max_completion_tokens max_tokens min_p min_tokens n num_speculative_tokens parallel_tool_calls
+    presence_penalty priority prompt_logprobs reasoning_effort regex repetition_penalty
+    response_format return_token_ids return_tokens_as_token_ids seed skip_special_tokens stop
+    stop_token_ids stream stream_options structured_outputs suffix temperature thinking_token_budget
+    tool_choice tools top_k top_logprobs top_p truncate_prompt_tokens use_beam_search""".split()
+)
 
-def chat_request(messages: list[dict[str, Any]], model: str, fields: dict[str, Any]) -> pb.ChatRequest:
-    return pb.ChatRequest(body_json=json.dumps({**fields, "model": model, "messages": messages}))
+
+def check_fields(fields: dict[str, Any], extra_body: Any) -> None:
+    """TypeError naming the `fields` that are not chat request fields (send those in `extra_body`)."""
+    unknown = sorted(set(fields) - CHAT_FIELDS)
+    if unknown:
+        raise TypeError(
+            f"chat got unknown field(s) {', '.join(unknown)}: not chat request fields (docs/api.md); "
+            "send other fields with extra_body={...}"
+        )
+    if extra_body is not None and not isinstance(extra_body, dict):
+        raise TypeError(f"extra_body must be a dict of body fields, not {type(extra_body).__name__}")
+
+
+def chat_request(
+    messages: list[dict[str, Any]], model: str, fields: dict[str, Any], extra_body: dict[str, Any] | None = None
+) -> pb.ChatRequest:
+    """The Chat call's body: `fields` (checked by `check_fields`), `extra_body`'s (any names, as
+    OpenAI's SDK sends them), then `model` and `messages`."""
+    return pb.ChatRequest(body_json=json.dumps({**fields, **(extra_body or {}), "model": model, "messages": messages}))
 
 
 class ChatProgress:

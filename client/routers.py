@@ -14,6 +14,7 @@ import uuid
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
+from client import args
 from client.types import PdserveError
 from proto import pb, rpc
 from serving.security import API_KEY_ENV, AUTH_KEY, Tls, addresses, channel_credentials, channel_options, read_file
@@ -24,16 +25,39 @@ _REFUSED = (grpc.StatusCode.UNAUTHENTICATED.name, grpc.StatusCode.PERMISSION_DEN
 
 def connection(api_key: str | None, tls_ca, tls_cert, tls_key, tls_server_name) -> tuple:
     """(call metadata, Tls or None) from the SDK's arguments: the key (else PDSERVE_API_KEY, its
-    first key) as `authorization: Bearer KEY`; TLS when a CA or a client certificate is given
-    (PEM bytes or file paths)."""
-    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV, "").split(",")[0].strip()
+    first key), surrounding whitespace dropped (a key read from a file ends in a newline), as
+    `authorization: Bearer KEY`; TLS when a CA or a client certificate is given, each PEM bytes,
+    PEM text (a str starting "-----BEGIN") or a file path. ValueError for a key a header cannot
+    carry, or a certificate without its key."""
+    if api_key is not None and not isinstance(api_key, str):
+        raise TypeError(f"api_key must be a str, not {type(api_key).__name__}")
+    key = (api_key if api_key is not None else os.environ.get(API_KEY_ENV, "").split(",")[0]).strip()
+    if not all(" " <= ch <= "~" for ch in key):  # it travels as gRPC metadata: printable ASCII
+        where = "api_key" if api_key is not None else API_KEY_ENV
+        raise ValueError(f"{where}: an API key is printable ASCII (it travels as the authorization header)")
     md = ((AUTH_KEY, f"Bearer {key}"),) if key else ()
-    pems = [
-        None if v is None else v if isinstance(v, bytes) else read_file(str(v), what)
-        for v, what in ((tls_cert, "tls_cert"), (tls_key, "tls_key"), (tls_ca, "tls_ca"))
-    ]
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("tls_cert and tls_key go together: the client's certificate and its private key")
+    pems = [_pem(v, what) for v, what in ((tls_cert, "tls_cert"), (tls_key, "tls_key"), (tls_ca, "tls_ca"))]
     tls = Tls(*pems, server_name=tls_server_name) if any(p is not None for p in pems) else None
     return md, tls
+
+
+def _pem(v, what: str) -> bytes | None:
+    """PEM bytes from PEM bytes, PEM text or a file path (str or os.PathLike)."""
+    if v is None or isinstance(v, bytes):
+        return v
+    if isinstance(v, str) and v.lstrip().startswith("-----BEGIN"):
+        return v.encode()
+    if not isinstance(v, (str, os.PathLike)):
+        raise TypeError(f"{what} must be PEM bytes, PEM text or a file path, not {type(v).__name__}")
+    return read_file(os.fspath(v), what)
+
+
+def deadline(timeout, default: float | None) -> float | None:
+    """A call's timeout: its own when given (0 or less: already past, DEADLINE_EXCEEDED), else the
+    client's."""
+    return default if timeout is None else args.timeout(timeout)
 
 
 class Routers:
@@ -55,6 +79,13 @@ class Routers:
         self.healths = [health_pb2_grpc.HealthStub(c) for c in self.chans]
         self.cur = 0
         self.why: dict[str, str] = {}  # per router, why it was not ready at the last check
+        self.closed = False  # the client closed its channels
+
+    def check_open(self) -> None:
+        """PdserveError FAILED_PRECONDITION once the client is closed (gRPC's own errors on a
+        closed channel, ValueError or grpc.aio.UsageError, said nothing of it)."""
+        if self.closed:
+            raise closed_error()
 
     def use(self, i: int) -> None:
         self.cur = i % len(self.addrs)
@@ -102,6 +133,8 @@ class StreamBase:
         when closing the stream ended it; raises PdserveError otherwise."""
         if self.closed and e.code() == grpc.StatusCode.CANCELLED:
             return False
+        if self._routers.closed:  # the client closed under the stream
+            raise closed_error() from None
         if self._left > 0 and not self.closed and e.code() == grpc.StatusCode.UNAVAILABLE:
             self._left -= 1
             self._i += 1
@@ -109,6 +142,10 @@ class StreamBase:
             self._routers.use(self._i)
             return True
         raise PdserveError.from_rpc(e) from None
+
+
+def closed_error() -> PdserveError:
+    return PdserveError(grpc.StatusCode.FAILED_PRECONDITION, "the client is closed")
 
 
 def muxed_start(start, req: pb.GenerateRequest, streams, n: int, wrap):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 
+from client import args
 from proto import pb
 from proto.convert import constraint_pb
 
@@ -161,70 +162,90 @@ def build_request(
     constraint: pb.Constraint | dict | None = None,
     admission_timeout_s: float | None = None,
     priority: str | None = None,
-    images: Sequence[bytes | str | os.PathLike[str]] = (),
+    images: Sequence[bytes | str | os.PathLike[str]] | bytes | str | os.PathLike[str] = (),
     include_stop_str_in_output: bool = False,
     skip_special_tokens: bool | None = None,
     cache_salt: str = "",
 ) -> pb.GenerateRequest:
     """Unset options (None) take the server's defaults. docs/api.md describes each. `images`: the
     prompt's, in order, each encoded bytes, a file path or a URL (data:, or http(s) for a router
-    started with --allow-image-urls); the prompt holds IMAGE_PLACEHOLDER once per image."""
+    started with --allow-image-urls), or one such image alone; the prompt holds IMAGE_PLACEHOLDER
+    once per image. A badly typed argument raises TypeError (a value the wire cannot carry,
+    ValueError) naming it (client/args.py); the router checks the ranges (INVALID_ARGUMENT)."""
     if (prompt is None) == (prompt_token_ids is None):
         raise ValueError("give exactly one of prompt= (text) or prompt_token_ids=")
+    if prompt is not None and not isinstance(prompt, str):
+        what = "; token ids go in prompt_token_ids=" if not isinstance(prompt, (bytes, bytearray)) else ""
+        raise TypeError(f"prompt must be a str (text), not {type(prompt).__name__}{what}")
     sp = pb.SamplingParams(
-        top_k=top_k,
-        stop_token_ids=list(stop_token_ids or ()),
-        ignore_eos=ignore_eos,
-        stop=[stop] if isinstance(stop, str) else list(stop or ()),
-        min_tokens=min_tokens,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        include_stop_str_in_output=include_stop_str_in_output,
-        cache_salt=cache_salt,  # share cached prompt state only with requests of the same salt
+        top_k=args.integer("top_k", _or(top_k, 0)),
+        stop_token_ids=args.token_ids("stop_token_ids", _or(stop_token_ids, ())),
+        ignore_eos=args.flag("ignore_eos", _or(ignore_eos, False)),
+        stop=args.strings("stop", _or(stop, ())),
+        min_tokens=args.integer("min_tokens", _or(min_tokens, 0)),
+        presence_penalty=args.number("presence_penalty", _or(presence_penalty, 0.0)),
+        frequency_penalty=args.number("frequency_penalty", _or(frequency_penalty, 0.0)),
+        include_stop_str_in_output=args.flag("include_stop_str_in_output", _or(include_stop_str_in_output, False)),
+        cache_salt=args.text("cache_salt", _or(cache_salt, "")),  # cached prompt state shared only within a salt
     )
-    for name, v in (
-        ("repetition_penalty", repetition_penalty),
-        ("logprobs", logprobs),
-        ("prompt_logprobs", prompt_logprobs),
-        ("num_speculative_tokens", num_speculative_tokens),
-        ("min_p", min_p),
-        ("skip_special_tokens", skip_special_tokens),
+    for name, v, check in (
+        ("max_tokens", max_tokens, args.integer),
+        ("temperature", temperature, args.number),
+        ("top_p", top_p, args.number),
+        ("seed", seed, lambda n, v: args.integer(n, v, args.I64)),
+        ("repetition_penalty", repetition_penalty, args.number),
+        ("logprobs", logprobs, args.integer),
+        ("prompt_logprobs", prompt_logprobs, args.integer),
+        ("num_speculative_tokens", num_speculative_tokens, args.integer),
+        ("min_p", min_p, args.number),
+        ("skip_special_tokens", skip_special_tokens, args.flag),
     ):
         if v is not None:
-            setattr(sp, name, v)
-    if max_tokens is not None:
-        sp.max_tokens = max_tokens
-    if temperature is not None:
-        sp.temperature = temperature
-    if top_p is not None:
-        sp.top_p = top_p
-    if seed is not None:
-        sp.seed = seed
-    for t, b in (logit_bias or {}).items():  # token id -> bias in [-100, 100]
-        sp.logit_bias[int(t)] = float(b)
+            setattr(sp, name, check(name, v))
+    if logit_bias is not None:  # token id -> bias in [-100, 100]
+        for t, b in args.logit_bias(logit_bias).items():
+            sp.logit_bias[t] = b
     if constraint is not None:
         sp.constraint.CopyFrom(_constraint(constraint))
-    req = pb.GenerateRequest(request_id=request_id or "", sampling=sp)
+    req = pb.GenerateRequest(request_id=args.text("request_id", _or(request_id, "")), sampling=sp)
     if admission_timeout_s is not None:  # the longest wait to start (0: no limit); else the router's default
-        req.admission_timeout_s = admission_timeout_s
+        req.admission_timeout_s = args.number("admission_timeout_s", admission_timeout_s)
     if priority is not None:  # "interactive" (the default) or "batch"
-        req.priority = {"interactive": pb.PRIORITY_INTERACTIVE, "batch": pb.PRIORITY_BATCH}[priority]
+        req.priority = _priority(priority)
     if prompt is not None:
         req.prompt = prompt
     else:
-        req.prompt_token_ids.extend(int(t) for t in prompt_token_ids)
-    req.images.extend(image_part(x) for x in images)
+        req.prompt_token_ids.extend(args.token_ids("prompt_token_ids", prompt_token_ids))
+    req.images.extend(image_part(x, f"images[{i}]") for i, x in enumerate(args.images(_or(images, ()))))
     return req
+
+
+def _or(v, default):
+    return default if v is None else v
+
+
+_PRIORITIES = {"interactive": pb.PRIORITY_INTERACTIVE, "batch": pb.PRIORITY_BATCH}
+
+
+def _priority(v: object) -> int:
+    if not isinstance(v, str):
+        raise TypeError(f"priority must be 'interactive' or 'batch', not {type(v).__name__} {v!r}")
+    if v not in _PRIORITIES:
+        raise ValueError(f"priority must be 'interactive' or 'batch', not {v!r}")
+    return _PRIORITIES[v]
 
 
 # What a text prompt holds per image (Qwen3.5's vision tokens); the router expands each to the image's tokens
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def image_part(x: bytes | str | os.PathLike[str]) -> pb.ImagePart:
-    """An ImagePart from encoded bytes, a URL (a str with a scheme: data:, http:, https:) or a file path."""
+def image_part(x: bytes | str | os.PathLike[str], name: str = "image") -> pb.ImagePart:
+    """An ImagePart from encoded bytes, a URL (a str with a scheme: data:, http:, https:) or a file
+    path; anything else is a TypeError naming `name`."""
     if isinstance(x, (bytes, bytearray, memoryview)):
         return pb.ImagePart(data=bytes(x))
     if isinstance(x, str) and x.split(":", 1)[0].lower() in ("data", "http", "https"):
         return pb.ImagePart(url=x)
+    if not isinstance(x, (str, os.PathLike)):
+        raise TypeError(f"{name} must be bytes, a file path or a URL, not {type(x).__name__}")
     return pb.ImagePart(data=Path(x).read_bytes())

@@ -21,6 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -142,6 +143,9 @@ def test_grpc_needs_an_api_key(secure):
                     call()
                 assert ei.value.code == grpc.StatusCode.UNAUTHENTICATED, ei.value
     with Client(secure.address, api_key=KEY_A, tls_ca=secure.ca.ca) as c:
+        assert len(c.generate(prompt_token_ids=[1, 2, 3], max_tokens=2, ignore_eos=True).token_ids) == 2
+    # a key read from a file (its newline dropped), the CA as PEM text
+    with Client(secure.address, api_key=KEY_A + "\n", tls_ca=Path(secure.ca.ca).read_text()) as c:
         assert len(c.generate(prompt_token_ids=[1, 2, 3], max_tokens=2, ignore_eos=True).token_ids) == 2
     # in plain text the router is not reached; under another CA its certificate is not trusted
     for kw in ({}, {"tls_ca": secure.other_ca.ca}):

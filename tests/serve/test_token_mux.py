@@ -216,3 +216,34 @@ def test_a_node_killed_with_muxed_streams_moves_them_exact(ckpt):
         assert f"moved from {victim}(" in "".join(u.lines)
     finally:
         u.stop()
+
+
+def test_async_streams_left_early_or_dropped_cancel_their_requests(routed):
+    """AsyncClient as Client: a `break` out of `async for`, or a stream dropped after a chunk (no
+    close, no `async with`), cancels the request; it does not decode on to max_tokens."""
+    import asyncio
+    import gc
+
+    from client import AsyncClient
+
+    r, addr, node, _ = routed
+    long = dict(max_tokens=100_000, temperature=0.0, ignore_eos=True)  # cut to what the context leaves
+
+    def idle() -> bool:
+        return node.loop.snapshot.running == 0
+
+    async def run() -> None:
+        async with AsyncClient(addr, timeout=120) as c:
+            await c.wait_ready(timeout=30)
+            async for _ in c.stream(prompt_token_ids=[3, 4, 5, 6] * 10, **long):
+                break
+            await asyncio.to_thread(wait_for, idle, 10, "the request cancelled after a break")
+            s = c.stream(prompt_token_ids=[7, 4, 5, 6] * 10, **long)
+            it = s.__aiter__()
+            await it.__anext__()
+            assert node.loop.snapshot.running == 1
+            del s, it
+            gc.collect()
+            await asyncio.to_thread(wait_for, idle, 10, "the request cancelled with its stream dropped")
+
+    asyncio.run(run())
