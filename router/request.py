@@ -46,6 +46,10 @@ class Chunk:
     stop: str = ""  # the last chunk of a request a stop string ended: that string
 
 
+# the finishes that are the cluster's failure, not the client's: their log line is a WARNING
+SERVER_FAULTS = ("UNAVAILABLE", "INTERNAL", "ABORTED", "UNKNOWN", "DATA_LOSS")
+
+
 @dataclass
 class Trace:
     """What the per-request log line reports."""
@@ -81,8 +85,10 @@ class Trace:
         return (self.last - self.first) / (self.n - 1) if self.n > 1 else None
 
     def log(self) -> None:
+        """One line at INFO; at WARNING when the cluster failed it (not the client's request)."""
         ttft, tpot = self.ttft(), self.tpot()
-        log.info(
+        log.log(
+            logging.WARNING if self.finish in SERVER_FAULTS else logging.INFO,
             "request %s: prompt %d%s, decode %s, prefill %s, queue %.1f ms (estimated %s), %sttft %s, tpot %s, "
             "%d tokens, %s; transfer %d B in %.1f ms%s",
             self.request_id,
