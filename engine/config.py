@@ -244,13 +244,11 @@ class CacheConfig:
     kv_cache_memory: int | str | None = "256MiB"  # budget for KV pages + GDN state slots, per rank
     num_state_slots: int | None = None  # GDN state slots; default max_num_seqs
     # prefix caching (engine/cache/prefix.py): shared full pages + GDN state snapshots taken every
-    # `snapshot_interval` prompt tokens and at each prompt's end, in a pool of
-    # `snapshot_fraction` of the budget
+    # `snapshot_interval` prompt tokens and at each prompt's end, in a pool of `snapshot_fraction` of the budget
     enable_prefix_caching: bool = True
     snapshot_interval: int = 256
     snapshot_fraction: float = 0.1
-    # and before the last token of each occurrence of this sequence (a ChatML message break)
-    message_break: tuple[int, ...] = ()
+    message_break: tuple[int, ...] = ()  # snapshots also before the last token of each of these (ChatML message breaks)
     encoder_cache_memory: int | str = "64MiB"  # vision-language models: image embeddings kept per rank
     recurrent_dtype: str = "float32"  # GDN recurrent state, a torch dtype name (--mamba-ssm-cache-dtype)
     gpu_memory_utilization: float | None = None  # share of the device to plan from (cache/memory_plan.py)
@@ -351,6 +349,7 @@ class EngineConfig:
 
     def __post_init__(self):
         self.parallel.check_model(self.model)
+        self.max_model_len  # noqa: B018  (checks max_model_len against the checkpoint's positions)
         if self.speculative.mtp and self.model.mtp_num_layers < 1:
             raise ValueError(
                 f"speculative_method='mtp' needs the checkpoint's mtp.* weights; {self.model.path} declares none "
@@ -363,7 +362,7 @@ class EngineConfig:
 
     @property
     def max_model_len(self) -> int:
-        return self.scheduler.max_model_len or self.model.rope_scaling.max_positions(self.model.max_position_embeddings)
+        return config_fields.max_model_len(self.scheduler.max_model_len, self.model)
 
     @property
     def num_state_slots(self) -> int:
@@ -395,7 +394,10 @@ class EngineArgs:
         "this long, and a reservation lease must outlast one",
     )
     block_size: int = option(16, "tokens per KV page (a power of two); prefill and decode nodes must agree")
-    max_model_len: int | None = option(None, "prompt + output tokens at most (default: the model's max positions)")
+    max_model_len: int | None = option(
+        None,
+        "prompt + output tokens at most (default or 0: the checkpoint's positions; more: VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)",
+    )
     seed: int = option(0, "seed of the sampler for requests that name none")
     device: str = option("cpu", "cpu, cuda (rank r on visible GPU r) or cuda:N,M,... (rank r on the r-th listed)")
     num_speculative_tokens: int = option(

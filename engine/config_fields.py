@@ -1,13 +1,21 @@
 """The parts of a checkpoint's config.json that config.py's ModelConfig reads through a rule of
 their own: the architectures, the MoE sizes of each architecture, the FP8 quantization block,
-the end-of-sequence ids, whether images are served."""
+the end-of-sequence ids, whether images are served; and the context a server runs with against the
+checkpoint's (`max_model_len`)."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.config import ModelConfig
 
 SUPPORTED_QUANTIZATION = ("fp8",)
+# set to 1 (or true): a max_model_len past the checkpoint's positions is taken (vLLM's name, as recipes set it)
+ALLOW_LONG_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
 # architecture -> the text model's model_type (a wrapper's text_config holds the text model)
 ARCHITECTURES = {
     "Qwen3_5ForCausalLM": "qwen3_5_text",
@@ -83,3 +91,21 @@ def has_processor(path) -> bool:
     """A vision-language checkpoint serves images when it ships its image processor; without one
     its text model is served and the vision tower left out (docs/images.md)."""
     return (Path(path) / "preprocessor_config.json").is_file()
+
+
+def max_model_len(requested: int | None, model: ModelConfig) -> int:
+    """The context (prompt + output tokens) a server runs with: `requested`, or the checkpoint's
+    positions (max_position_embeddings, scaled by its rope scaling) when None or 0. ValueError,
+    naming both numbers, for a negative one or one past `positions` (unless ALLOW_LONG_ENV is set:
+    positions the model was never trained on, its output there not vouched for)."""
+    positions = model.rope_scaling.max_positions(model.max_position_embeddings)
+    if requested is None or requested == 0:
+        return positions
+    if requested < 0:
+        raise ValueError(f"max_model_len {requested} must be >= 1 (0: the checkpoint's {positions})")
+    if requested > positions and os.environ.get(ALLOW_LONG_ENV, "").strip().lower() not in ("1", "true"):
+        raise ValueError(
+            f"max_model_len {requested} exceeds the checkpoint's {positions} positions (max_position_embeddings); "
+            f"set {ALLOW_LONG_ENV}=1 to run past them anyway"
+        )
+    return requested

@@ -16,7 +16,7 @@ import time
 
 from engine.cache.block_manager import BlockManager, SlotPool
 from engine.cache.prefix import PrefixCache
-from engine.config import EngineConfig
+from engine.config import EngineConfig, dtype_name
 from engine.connector import Connector, ConnectorStats, RecvFreed, SendDone, TransferRecord
 from engine.executor import make_executor
 from engine.outputs import RequestOutput
@@ -67,9 +67,11 @@ class EngineCore:
         if self._test_delay_s:
             log.warning("%s=%g: prefill throttled (a test setting)", TEST_PREFILL_DELAY_ENV, self._test_delay_s)
         log.info(
-            "engine ready in %.1f s: %s, tp=%d, %s",
+            "engine ready in %.1f s: %s, %s, max_model_len %d, tp=%d, %s",
             time.perf_counter() - t0,
             cfg.model.architecture,
+            dtype_name(cfg.model.dtype),
+            cfg.max_model_len,
             cfg.parallel.tensor_parallel_size,
             self.capacity.summary(),
         )

@@ -1,7 +1,7 @@
 """A model named by its Hugging Face repo id (`ORG/NAME`, as vLLM takes it) rather than a
 directory: the snapshot in the local Hugging Face cache, fetched into it first (with the hub's
-progress bars) when it is not there and the hub may be reached. Anything else is left as given
-(a directory; an error about it comes from the loader)."""
+progress bars) when it is not there and the hub may be reached. A path that exists is left as given
+(an error about its content comes from the loader); anything else is refused here, in one line."""
 
 from __future__ import annotations
 
@@ -17,10 +17,13 @@ FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 
 
 def resolve(model: str) -> str:
-    """`model` as a directory: itself when it exists or is no repo id, else the repo's cached
-    snapshot (downloaded first if need be). FileNotFoundError, saying what to do, when neither."""
-    if Path(model).exists() or not REPO_ID.match(model):
+    """`model` as a directory: itself when it exists, else the repo's cached snapshot (downloaded
+    first if need be). FileNotFoundError, saying what to do, when neither (at once for a path that
+    is no repo id)."""
+    if Path(model).exists():
         return model
+    if not REPO_ID.match(model):
+        raise FileNotFoundError(f"{model}: no such checkpoint directory (nor a Hugging Face repo id, ORG/NAME)")
     from huggingface_hub import constants, snapshot_download  # noqa: PLC0415 (only for a repo id)
 
     try:

@@ -29,6 +29,22 @@ def option(
     )
 
 
+class PortError(ValueError, argparse.ArgumentTypeError):
+    """A value that is no TCP port: argparse prints its message as it is, and a ValueError elsewhere."""
+
+
+def port(text: Any) -> int:
+    """A TCP port, 0-65535 (0: the system picks a free one), from a flag's text or a file's value;
+    the type of every port flag (`--port`, and each option whose field ends in `_port`)."""
+    try:
+        v = int(text)
+    except (TypeError, ValueError):
+        raise PortError(f"{text!r} is not a port number") from None
+    if not 0 <= v <= 65535:
+        raise PortError(f"{v} is not a port (0-65535)")
+    return v
+
+
 @dataclass(frozen=True)
 class Opt:
     """One option of a config dataclass, as the command line sees it."""
@@ -41,6 +57,11 @@ class Opt:
     choices: tuple | None = None
     repeat: bool = False  # tuple[...] field: the flag may be given several times
     metavar: str | None = None
+
+    @property
+    def is_port(self) -> bool:
+        """A TCP port (a field named `*_port`): values outside 0-65535 are refused as they are read."""
+        return self.type is int and self.name.endswith("_port")
 
     @property
     def dest(self) -> str:
@@ -101,7 +122,7 @@ def add_options(
         if o.type is bool:
             kw["action"] = argparse.BooleanOptionalAction
         else:
-            kw.update(type=o.type, metavar=o.metavar)
+            kw.update(type=port if o.is_port else o.type, metavar=o.metavar)
             if o.choices:
                 kw["choices"] = o.choices
             if o.repeat:
@@ -132,6 +153,11 @@ def coerce(o: Opt, v: Any) -> Any:
         v = o.type(v)
     except (TypeError, ValueError):
         raise ValueError(f"{o.dest}: cannot read {v!r} as {o.type.__name__}") from None
+    if o.is_port:
+        try:
+            port(v)
+        except PortError as e:
+            raise ValueError(f"{o.dest}: {e}") from None
     if o.choices and v not in o.choices:
         raise ValueError(f"{o.dest}: {v!r} is not one of {', '.join(map(str, o.choices))}")
     return v

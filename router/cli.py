@@ -12,11 +12,12 @@ import sys
 import threading
 import time
 import typing
-from dataclasses import fields
 from pathlib import Path
 
 from router import vllm_flags
 from router.child_env import apply_launch_env
+from router.cli_client import add_client_commands
+from router.cli_tiny import add_tiny_args, cmd_make_tiny_model
 from router.console import say
 from router.version import pdserve_version
 
@@ -36,6 +37,29 @@ DRAIN_HELP = (
 )
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line (`pdserve CMD: error: ...`, exit status 2), not
+    the usage text and then the error: `pdserve CMD --help` lists the options."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def log_level(text: str) -> str:
+    """--log-level's type: a logging level's name, any case."""
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"unknown log level {text!r}; one of {', '.join(LOG_LEVELS)}")
+    return text.upper()
+
+
+def error_line(who: str, e: BaseException) -> str:
+    """`who: error: message`, the message's own leading `who: ` dropped (said once, not twice)."""
+    return f"{who}: error: {str(e).removeprefix(who + ': ').removeprefix('error: ')}"
+
+
 def default_model_dir() -> Path:
     """The embedded default: a tiny random Qwen3.5 checkpoint, made on first use."""
     d = DEFAULT_HOME / "tiny-qwen3.5"
@@ -45,36 +69,6 @@ def default_model_dir() -> Path:
         say(f"making the built-in tiny model in {d} ...")
         make_tiny_model(d)
     return d
-
-
-def _add_tiny_args(p: argparse.ArgumentParser) -> None:
-    from engine.tiny_model import TinyModelSpec
-
-    hints = typing.get_type_hints(TinyModelSpec)
-    for f in fields(TinyModelSpec):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        elif typing.get_origin(hints[f.name]) is typing.Literal:
-            p.add_argument(flag, choices=typing.get_args(hints[f.name]), default=f.default)
-        else:
-            typ = {"int": int, "float": float, "str": str}.get(str(f.type), type(f.default))
-            p.add_argument(flag, type=typ, default=f.default)
-
-
-def cmd_make_tiny_model(args) -> int:
-    from engine.tiny_model import TinyModelSpec, make_tiny_model
-
-    spec = TinyModelSpec(**{f.name: getattr(args, f.name) for f in fields(TinyModelSpec)})
-    out = make_tiny_model(args.dir, spec)
-    moe = f", {spec.experts} experts top-{spec.top_k}" if spec.arch != "qwen3_5" else ""
-    fp8 = f", fp8 blocks {spec.fp8_block}" if spec.fp8 else ""
-    vl = f", vision tower depth {spec.vision_depth} + image processor" if spec.vision else ""
-    print(
-        f"wrote {out} ({spec.arch}, {spec.layers} layers, hidden {spec.hidden}{moe}{fp8}{vl}, vocab {spec.vocab}, "
-        f"seed {spec.seed})"
-    )
-    return 0
 
 
 def cmd_demo(args) -> int:
@@ -274,134 +268,35 @@ def cmd_up(args) -> int:
         cl.stop()
 
 
-def cmd_generate(args) -> int:
-    from client import Client, GenerateResult, PdserveError
-
-    kw = dict(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-    )
-    if args.chat and (args.token_ids or args.prompt is None):
-        raise ValueError("--chat takes a text prompt (no --token-ids)")
-    if args.token_ids:
-        kw["prompt_token_ids"] = [int(t) for t in args.token_ids.replace(",", " ").split()]
-    elif args.prompt is None:
-        raise ValueError("give a prompt (text) or --token-ids")
-    else:
-        kw["prompt"] = args.prompt
-    # each image a file or a URL; the prompt holds one placeholder per image (docs/images.md)
-    if args.image and not args.chat:
-        from client import IMAGE_PLACEHOLDER
-
-        if IMAGE_PLACEHOLDER not in (args.prompt or ""):
-            kw["prompt"] = IMAGE_PLACEHOLDER * len(args.image) + (args.prompt or "")
-        kw["images"] = [x if "://" in x or x.startswith("data:") else Path(x) for x in args.image]
-    tls = dict(tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_server_name=args.tls_server_name)
-    with Client(args.addr, api_key=args.api_key, **tls) as c:
-        try:
-            c.wait_ready(timeout=args.wait)
-            if args.chat:
-                from router.cli_chat import run_chat
-
-                return run_chat(c, args, kw) or 0
-            res = GenerateResult()
-            with c.stream(**kw) as s:
-                for chunk in s:
-                    res.add(chunk)
-                    print(
-                        chunk.text if chunk.text or not chunk.token_ids else f" {chunk.token_ids}", end="", flush=True
-                    )
-        except PdserveError as e:
-            raise ValueError(f"{e.code.name}: {e.message}") from None
-        except TimeoutError as e:
-            raise ValueError(str(e)) from None
-    print(
-        f"\n[{len(res.token_ids)} tokens, {res.finish_reason}; TTFT {res.ttft_s * 1e3:.1f} ms, "
-        f"TPOT {res.tpot_s * 1e3:.1f} ms]",
-        file=sys.stderr,
-    )
-    return 0
-
-
-def cmd_nodes(args) -> int:
-    """The nodes a router knows, one line each (what an operator checks first)."""
-    import grpc
-
-    from proto import pb, rpc
-    from serving.rpc import channel
-    from serving.security import credentials
-
-    with channel(args.addr, credentials(args)) as ch:
-        try:
-            nodes = rpc.RegistryStub(ch).ListNodes(pb.ListNodesRequest(), timeout=args.wait).nodes
-        except grpc.RpcError as e:
-            hint = ""
-            if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                hint = (
-                    "; give the cluster's token with --cluster-token-file FILE or PDSERVE_CLUSTER_TOKEN "
-                    "(pdserve up prints where the one it made is)"
-                )
-            raise ValueError(f"router {args.addr}: {e.code().name}: {e.details()}{hint}") from None
-    head = ("node", "kind", "address", "state", "tp", "pages free", "slots free")
-    head += ("running", "waiting", "queued tokens", "seen")
-    rows = []
-    for n in sorted(nodes, key=lambda n: (n.node.kind, n.node.node_id)):
-        i, c = n.node, n.node.capacity
-        state = "dead" if not n.alive else "draining" if i.draining else "up"
-        kind = pb.NodeKind.Name(i.kind).removeprefix("NODE_KIND_").lower()
-        room = (f"{c.free_blocks}/{c.total_blocks}", f"{c.free_slots}/{c.total_slots}")
-        load = (str(c.running), str(c.waiting), str(c.queued_prefill_tokens))
-        rows.append((i.node_id, kind, i.address, state, str(i.tp_size), *room, *load, f"{n.last_seen_s:.1f}s ago"))
-    widths = [max(len(r[k]) for r in [head, *rows]) for k in range(len(head))]
-    for r in [head, *rows]:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
-    if not rows:
-        print(f"(no node has registered with {args.addr})")
-    return 0
-
-
-def _add_client_security(p: argparse.ArgumentParser, node_plane: bool) -> None:
-    """A client's credentials: the API key (generate) or the cluster token (nodes), and TLS."""
-    if node_plane:
-        p.add_argument(
-            "--cluster-token-file", default=None, help="file holding the cluster token (default: PDSERVE_CLUSTER_TOKEN)"
-        )
-    else:
-        p.add_argument("--api-key", default=None, help="the router's client API key (default: PDSERVE_API_KEY)")
-    p.add_argument("--tls-ca", default=None, help="PEM CA bundle the router's certificate is checked against (TLS)")
-    p.add_argument("--tls-cert", default=None, help="PEM client certificate to show (with --tls-key)")
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    p.add_argument("--tls-server-name", default=None, help="the name the router's certificate is checked against")
-
-
 def build_parser() -> argparse.ArgumentParser:
     from decode_node.config import DecodeNodeConfig
     from encode_node.config import EncodeNodeConfig
-    from engine.options import add_options, options
+    from engine.options import add_options, options, port
     from prefill_node.config import PrefillNodeConfig
     from router.config import RouterConfig
     from router.pools import add_up_options
 
-    ap = argparse.ArgumentParser(prog="pdserve", description="Disaggregated serving for hybrid LLMs")
+    ap = OneLineParser(prog="pdserve", description="Disaggregated serving for hybrid LLMs")
     ap.add_argument("--version", action="version", version=f"pdserve {pdserve_version()}")
-    ap.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG"), help="default INFO for servers, else WARNING")
+    ap.add_argument(
+        "--log-level",
+        type=log_level,
+        default=os.environ.get("PDSERVE_LOG"),
+        help=f"{', '.join(LOG_LEVELS)} (default: PDSERVE_LOG, else INFO for servers and WARNING for the rest)",
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser(
         "make-tiny-model", help="write a small random Qwen3.5 / Qwen3.5-MoE / Qwen3-Next checkpoint + tokenizer"
     )
-    p.add_argument("dir")
-    _add_tiny_args(p)
+    p.add_argument("dir", help="directory to write the checkpoint to")
+    add_tiny_args(p)
     p.set_defaults(func=cmd_make_tiny_model)
 
     p = sub.add_parser("demo", help="serve the built-in tiny model and stream a few prompts through it")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of each node (default 1)")
+    p.add_argument("--max-tokens", type=int, default=32, help="new tokens per prompt (default 32)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("up", help="run a router and node pools as local processes")
@@ -409,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("router", help="run the router")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--port", type=port, default=50051, help="gRPC port (0 picks one; default 50051)")
     p.add_argument("--port-file", default=None, help="write the bound port here (for --port 0)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help=DRAIN_HELP)
     add_options(p, options(RouterConfig))
@@ -421,40 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
             kind, help=f"run one {kind} node" + (" (the vision encoder only)" if kind == "encode" else "")
         )
         p.add_argument("--host", default="127.0.0.1", help="address the node binds")
-        p.add_argument("--port", type=int, default=0, help="gRPC port (0 picks one)")
+        p.add_argument("--port", type=port, default=0, help="gRPC port (0 picks one; default 0)")
         p.add_argument("--drain-timeout", type=float, default=30.0, help=DRAIN_HELP)
         add_options(p, options(cls), defaults={"advertise_host": None})
         p.set_defaults(func=commands[kind])
 
-    p = sub.add_parser("nodes", help="list the nodes a router knows: state, capacity, load")
-    p.add_argument("--addr", default="127.0.0.1:50051")
-    p.add_argument("--wait", type=float, default=10.0, help="seconds to wait for the router")
-    _add_client_security(p, node_plane=True)
-    p.set_defaults(func=cmd_nodes)
-
-    p = sub.add_parser("generate", help="stream a completion from a router")
-    p.add_argument("prompt", nargs="?", default=None)
-    p.add_argument("--addr", default="127.0.0.1:50051")
-    p.add_argument("--token-ids", default=None, help="send token ids instead of text: '1,2,3'")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument(
-        "--image",
-        action="append",
-        default=[],
-        help="an image file or URL (repeatable); placed before the prompt unless the prompt holds "
-        "<|vision_start|><|image_pad|><|vision_end|> once per image (with --chat: image parts before the text)",
-    )
-    p.add_argument("--chat", action="store_true", help="the prompt as a user message, in the model's chat template")
-    p.add_argument("--system", default=None, help="with --chat: a system message first")
-    p.add_argument("--no-thinking", action="store_true", help="with --chat: the template's enable_thinking off")
-    p.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the router to be ready")
-    _add_client_security(p, node_plane=False)
-    p.set_defaults(func=cmd_generate)
+    add_client_commands(sub)
     return ap
 
 
@@ -463,16 +330,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
     except ImportError as e:  # an environment the engine cannot load in (engine/__init__.py says why)
-        print(f"pdserve: error: {e}", file=sys.stderr)
+        print(error_line("pdserve", e), file=sys.stderr)
         return 2
+    notes: list[str] = []
     try:
-        argv = vllm_flags.rewrite(sys.argv[1:] if argv is None else list(argv))
+        argv = vllm_flags.rewrite(sys.argv[1:] if argv is None else list(argv), notes)
     except ValueError as e:
-        print(f"pdserve: error: {e}", file=sys.stderr)
+        print(error_line("pdserve", e), file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
     level = args.log_level or ("INFO" if args.cmd in SERVER_COMMANDS else "WARNING")
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for note in notes:  # vLLM's flags that mean nothing here, said once
+        logging.getLogger("pdserve.cli").info("%s", note)
     try:
         if isinstance(getattr(args, "model", None), str):  # a Hugging Face repo id: its cached snapshot
             from engine.hub import resolve  # noqa: PLC0415 (the engine package may refuse to import: its error)
@@ -482,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except (ValueError, FileNotFoundError, OSError, RuntimeError, TimeoutError) as e:
-        print(f"pdserve {args.cmd}: error: {e}", file=sys.stderr)
+        print(error_line(f"pdserve {args.cmd}", e), file=sys.stderr)
         return 2
 
 

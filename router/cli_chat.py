@@ -22,7 +22,8 @@ def image_url(x: str) -> str:
     return f"data:{kind};base64,{base64.b64encode(Path(x).read_bytes()).decode()}"
 
 
-def run_chat(c, args, sampling: dict) -> None:
+def run_chat(c, args, sampling: dict, echo) -> None:
+    """echo: router.cli_client.Echo, which ends a line left open when an error follows."""
     from client import ChatResult
 
     msgs = [{"role": "system", "content": args.system}] if args.system else []
@@ -44,9 +45,9 @@ def run_chat(c, args, sampling: dict) -> None:
         d = chunk.get("delta") or {}
         first = first or (time.monotonic() if d else None)
         if d.get("reasoning_content"):
-            print(d["reasoning_content"], end="", file=sys.stderr, flush=True)
+            echo(d["reasoning_content"], sys.stderr)
         if d.get("content"):
-            print(d["content"], end="", flush=True)
+            echo(d["content"])
     for call in res.message.get("tool_calls") or ():
         print("\n" + json.dumps(call), end="")
     ttft = f"{(first - t0) * 1e3:.1f} ms" if first else "-"

@@ -12,7 +12,7 @@ from typing import Any
 
 from decode_node.config import DecodeNodeConfig
 from encode_node.config import EncodeNodeConfig
-from engine.options import Opt, add_options, coerce, options
+from engine.options import Opt, PortError, add_options, coerce, options, port
 from prefill_node.config import PrefillNodeConfig
 from router.config import RouterConfig
 from router.launch import NODE_CONFIGS, NODE_MANAGED, ROUTER_MANAGED, PoolSpec
@@ -27,7 +27,7 @@ LABELS = {"router": "the router", "decode": "decode nodes", "prefill": "prefill 
 POOLS = tuple(NODE_CONFIGS)
 POOL_ORDER = ("decode", "prefill", "encode")  # as COMPONENTS lists them
 # up's own options: dest -> (type, default, help); the file takes them at the top level
-OWN: dict[str, tuple[type, Any, str]] = {
+OWN: dict[str, tuple[Callable[[Any], Any], Any, str]] = {
     "model": (str, None, "checkpoint directory, for the router and every node (default: the built-in tiny model)"),
     "prefill": (int, 1, "prefill nodes (0: decode nodes prefill); in the file, a number or {count: N, tp: a, ...}"),
     "decode": (int, 1, "decode nodes; in the file, a number or {count: N, tp: b, ...}"),
@@ -40,7 +40,7 @@ OWN: dict[str, tuple[type, Any, str]] = {
     "prefill_tp": (int, 1, "tensor-parallel ranks of each prefill node"),
     "decode_tp": (int, 1, "tensor-parallel ranks of each decode node"),
     "host": (str, "127.0.0.1", "address every component binds"),
-    "port": (int, 50051, "router port (0 picks one)"),
+    "port": (port, 50051, "router port (0 picks one)"),
     "cluster_token_file": (
         str,
         None,
@@ -167,8 +167,10 @@ def spec_from_args(args: argparse.Namespace, default_model: Callable[[], Any]) -
             if typ is bool and not isinstance(v, bool):
                 raise ValueError
             own[d] = None if v is None else typ(v)
+        except PortError as e:
+            raise ValueError(f"{d}: {e}") from None
         except (TypeError, ValueError):
-            raise ValueError(f"{d}: cannot read {v!r} as {typ.__name__}") from None
+            raise ValueError(f"{d}: cannot read {v!r} as {getattr(typ, '__name__', typ)}") from None
     opts: dict[str, dict[str, Any]] = {comp: {} for comp in COMPONENTS}
     for d, u in table.items():
         for comp, o in u.fields.items():

@@ -35,6 +35,8 @@ class Router:
         self.creds = credentials(cfg, api_keys=True) if creds is None else creds
         self.limits = KeyLimits(cfg.max_requests_per_key)
         self.service = GenerateService(cfg, self.creds)
+        if cfg.model and self.service.tokenizer is None:  # said at start, not at the first text prompt
+            log.warning("%s has no tokenizer.json: text prompts and chat need one (token ids are served)", cfg.model)
         self.registry, self.prefill, self.metrics = self.service.registry, self.service.prefill, self.service.metrics
         self.server = None
         self._health = None
@@ -79,6 +81,15 @@ class Router:
         )
         self._sweeper = loop.create_task(self._sweep())
         log.info("router serving on port %d (policy %s; %s)", port, self.service.policy.name, self.creds)
+        try:
+            await self._start_http()
+        except BaseException:  # a busy port: what started is stopped here, not left to the collector
+            await self.stop(0)
+            raise
+        return port
+
+    async def _start_http(self) -> None:
+        """/metrics and the OpenAI HTTP API, each where its option asks."""
         host, tls = self.cfg.host, self.creds.tls
         scheme = "https" if tls is not None and tls.cert is not None else "http"
         if self.cfg.metrics_port is not None:
@@ -96,7 +107,6 @@ class Router:
             self._https.append(h)
             self.http_port = h.port
             log.info("router OpenAI-compatible HTTP at %s://%s:%d/v1", scheme, host, self.http_port)
-        return port
 
     async def _sweep(self) -> None:
         while True:

@@ -5,7 +5,17 @@ pdserve's before the command line is parsed (so `--help` and the errors stay pds
   "num_speculative_tokens": N}'` -> `--speculative-method`, `--num-speculative-tokens`;
 - `--tensor-parallel-size N` / `-tp N` -> `--tp N` for one node, `--prefill-tp N --decode-tp N`
   for `up`;
-- `--enable-prefix-caching` / `--no-enable-prefix-caching` -> `--[no-]prefix-caching`.
+- `--enable-prefix-caching` / `--no-enable-prefix-caching` -> `--[no-]prefix-caching`;
+- `--served-model-name a b ...` (several names after one flag) -> `--served-model-name a
+  --served-model-name b ...` (pdserve's repeatable form is taken as it is);
+- `--dtype half | bf16 | float` -> `--dtype float16 | bfloat16 | float32`;
+- `--enforce-eager` -> `--no-cuda-graphs`;
+- `--kv-cache-dtype auto` dropped (the KV cache is kept in the model's dtype); any other value refused;
+- `--trust-remote-code`, `--disable-log-requests`, `--enable-chunked-prefill` dropped, with one
+  INFO line saying they have no effect here (`notes`).
+
+The subcommand is the first word that is neither an option nor the value of a global option
+(`GLOBAL_VALUED`: `pdserve --log-level DEBUG up ...`).
 """
 
 from __future__ import annotations
@@ -14,20 +24,47 @@ import json
 
 MTP = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
 SPEC_KEYS = ("method", "num_speculative_tokens")
-RENAMED = {"--enable-prefix-caching": "--prefix-caching", "--no-enable-prefix-caching": "--no-prefix-caching"}
+RENAMED = {
+    "--enable-prefix-caching": "--prefix-caching",
+    "--no-enable-prefix-caching": "--no-prefix-caching",
+    "--enforce-eager": "--no-cuda-graphs",
+}
 TP = ("--tensor-parallel-size", "-tp")
+DTYPES = {"half": "float16", "bf16": "bfloat16", "float": "float32"}  # vLLM's aliases -> pdserve's names
+# flags vLLM's recipes carry that change nothing here: why, for the INFO line
+NO_OPS = {
+    "--trust-remote-code": "no remote code runs (pdserve's own model classes)",
+    "--disable-log-requests": "the router logs one INFO line per request (--log-level WARNING hides them)",
+    "--enable-chunked-prefill": "prompts are always chunked (--max-num-batched-tokens)",
+}
+VALUED = (*TP, "--speculative-config", "--dtype", "--kv-cache-dtype")  # vLLM flags whose value is read here
+GLOBAL_VALUED = ("--log-level",)  # pdserve's options before the subcommand that take a value (cli.build_parser)
 
 
-def rewrite(argv: list[str]) -> list[str]:
-    """argv with vLLM's spellings in pdserve's; ValueError naming a value pdserve cannot take."""
-    cmd = next((a for a in argv if not a.startswith("-")), "")
+def subcommand(argv: list[str]) -> str:
+    """The subcommand: the first word that is not an option or a global option's value ("" if none)."""
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in GLOBAL_VALUED:
+            skip = True
+        elif not a.startswith("-"):
+            return a
+    return ""
+
+
+def rewrite(argv: list[str], notes: list[str] | None = None) -> list[str]:
+    """argv with vLLM's spellings in pdserve's; ValueError naming a value pdserve cannot take.
+    `notes` (if given) gets one line naming the flags dropped because they have no effect here."""
+    cmd = subcommand(argv)
     out: list[str] = []
+    dropped: list[str] = []
     i = 0
     while i < len(argv):
         a = argv[i]
         name, eq, value = a.partition("=")
-        takes = name in TP or name == "--speculative-config"
-        if takes and not eq:
+        if name in VALUED and not eq:
             if i + 1 >= len(argv):
                 raise ValueError(f"{name} needs a value")
             value, i = argv[i + 1], i + 1
@@ -35,9 +72,26 @@ def rewrite(argv: list[str]) -> list[str]:
             out += _speculative(value)
         elif name in TP:
             out += ["--prefill-tp", value, "--decode-tp", value] if cmd == "up" else ["--tp", value]
+        elif name == "--dtype":
+            out += ["--dtype", DTYPES.get(value, value)]
+        elif name == "--kv-cache-dtype":
+            if value != "auto":
+                raise ValueError(
+                    f"--kv-cache-dtype {value}: pdserve keeps the KV cache in the model's dtype (--dtype); only auto"
+                )
+        elif a in NO_OPS:
+            dropped.append(a)
+        elif a == "--served-model-name":  # vLLM's several names after one flag
+            names = []
+            while i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+                names.append(argv[i + 1])
+                i += 1
+            out += [x for n in names for x in ("--served-model-name", n)] or [a]
         else:
             out.append(RENAMED.get(a, a))
         i += 1
+    if dropped and notes is not None:
+        notes.append("; ".join(f"{f} has no effect here: {NO_OPS[f]}" for f in dropped))
     return out
 
 

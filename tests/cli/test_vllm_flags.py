@@ -51,3 +51,48 @@ def test_version_is_the_installed_distributions(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"pdserve {version('pdserve')}"
+
+
+def test_global_options_values_are_not_the_subcommand():
+    """`pdserve --log-level DEBUG up -tp 2`: up's meaning of -tp, not a node's (`--tp`)."""
+    a = _parse("--log-level", "DEBUG", "up", "--model", "m", "--tensor-parallel-size", "2")
+    assert (a.cmd, a.log_level, a.prefill_tp, a.decode_tp) == ("up", "DEBUG", 2, 2)
+
+
+def test_global_valued_options_are_the_parsers():
+    """vllm_flags.GLOBAL_VALUED lists every option before the subcommand that takes a value."""
+    import argparse
+
+    from router.vllm_flags import GLOBAL_VALUED
+
+    valued = {
+        s
+        for a in build_parser()._actions
+        if a.option_strings and a.nargs != 0 and not isinstance(a, argparse._SubParsersAction)
+        for s in a.option_strings
+    }
+    assert valued == set(GLOBAL_VALUED)
+
+
+def test_recipe_spellings_of_names_dtypes_and_eager_mode():
+    a = _parse("up", "--model", "m", "--served-model-name", "a", "b", "--dtype", "half", "--enforce-eager")
+    assert (a.served_model_name, a.dtype, a.cuda_graphs) == (["a", "b"], "float16", False)
+    r = _parse("router", "--served-model-name", "a", "--served-model-name", "b")  # pdserve's own form stays
+    assert r.served_model_name == ["a", "b"]
+    for vllm, ours in (("bf16", "bfloat16"), ("float", "float32"), ("half", "float16"), ("bfloat16", "bfloat16")):
+        assert _parse("decode", f"--dtype={vllm}").dtype == ours
+    assert _parse("up", "--kv-cache-dtype", "auto", "--dtype", "bf16").dtype == "bfloat16"
+
+
+def test_flags_with_no_effect_here_are_dropped_with_one_note():
+    notes: list[str] = []
+    argv = ["up", "--trust-remote-code", "--disable-log-requests", "--enable-chunked-prefill", "--model", "m"]
+    assert rewrite(argv, notes) == ["up", "--model", "m"]
+    assert len(notes) == 1 and all(f in notes[0] for f in argv[1:4]) and "no effect" in notes[0]
+    assert build_parser().parse_args(rewrite(argv)).model == "m"
+
+
+def test_kv_cache_dtype_other_than_auto_is_one_line(capsys):
+    assert main(["up", "--kv-cache-dtype", "fp8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "KV cache in the model's dtype" in err[0], err

@@ -1,0 +1,177 @@
+"""The operator's side of the CLI: a bad value is one line and exit status 2 at parse time (ports
+outside 0-65535, an unknown log level, a model path that does not exist), an error names its
+command once, `generate`'s error starts a line of its own after partial output, every flag says
+what it does, and a busy HTTP or metrics port is the one line (the gRPC server already started is
+stopped, not left to the collector)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _one_line(capsys, words: str) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+    return err[0]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["up", "--model", "m", "--port", "70000"],
+        ["up", "--model", "m", "--http-port", "65536"],
+        ["up", "--model", "m", "--metrics-port", "-1"],
+        ["router", "--port", "70000"],
+        ["router", "--http-port", "70000"],
+        ["router", "--metrics-port", "70000"],
+        ["decode", "--port", "70000"],
+        ["prefill", "--metrics-port", "99999"],
+        ["encode", "--port", "-5"],
+    ],
+)
+def test_ports_outside_0_65535_are_refused_at_parse_time(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    line = _one_line(capsys, "is not a port (0-65535)")
+    assert line.startswith(f"pdserve {argv[0]}: error: argument --")
+
+
+def test_a_pools_file_port_is_checked_too():
+    from engine.options import coerce, options
+    from router.config import RouterConfig
+    from router.pools import OWN
+
+    (metrics,) = [o for o in options(RouterConfig) if o.name == "metrics_port"]
+    with pytest.raises(ValueError, match="metrics_port: 70000 is not a port"):
+        coerce(metrics, 70000)
+    assert coerce(metrics, 9090) == 9090
+    with pytest.raises(ValueError, match="is not a port"):
+        OWN["port"][0](65536)
+
+
+def test_unknown_log_level_is_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--log-level", "foo", "nodes"])
+    assert e.value.code == 2
+    _one_line(capsys, "unknown log level 'foo'")
+    assert build_parser().parse_args(["--log-level", "debug", "nodes"]).log_level == "DEBUG"
+
+
+def test_an_error_names_its_command_once(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("PDSERVE_CLUSTER_TOKEN", raising=False)
+    assert main(["decode", "--model", str(tmp_path)]) == 2
+    line = _one_line(capsys, "no cluster token")
+    assert line.startswith("pdserve decode: error: no cluster token"), line
+
+
+def test_a_model_path_that_does_not_exist_is_refused_at_start(tmp_path, capsys):
+    assert main(["router", "--insecure-open-cluster", "--model", str(tmp_path / "nope")]) == 2
+    _one_line(capsys, "no such checkpoint directory")
+
+
+def test_a_model_without_a_tokenizer_warns_once_at_start(tmp_path, caplog):
+    from router.server import Router, RouterConfig
+
+    with caplog.at_level("WARNING", logger="pdserve"):
+        Router(RouterConfig(model=str(tmp_path), insecure_open_cluster=True))
+    warned = [r.getMessage() for r in caplog.records if "tokenizer.json" in r.getMessage()]
+    assert len(warned) == 1 and "text prompts and chat need one" in warned[0], warned
+
+
+def test_generate_error_after_partial_output_starts_a_new_line(monkeypatch, capsys):
+    import grpc
+
+    import client
+    from client import PdserveError
+
+    class Chunk:
+        def __init__(self, text):
+            self.text, self.token_ids, self.request_id, self.logprobs, self.prompt_logprobs = text, [1], "r", [], []
+            self.prompt_tokens, self.finish_reason = 0, ""
+            self.timings = argparse.Namespace(ttft_s=0.0, queue_s=0.0)
+
+    class Stream:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def __iter__(self):
+            yield Chunk("Hell")
+            raise PdserveError(grpc.StatusCode.UNAVAILABLE, "the decode node went away")
+
+    class FakeClient:
+        def __init__(self, *a, **kw):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def wait_ready(self, timeout):
+            pass
+
+        def stream(self, **kw):
+            return Stream()
+
+    monkeypatch.setattr(client, "Client", FakeClient)
+    assert main(["generate", "Hello"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "Hell\n", out
+    assert out.err.strip() == "pdserve generate: error: UNAVAILABLE: the decode node went away"
+
+
+def _actions(cmd: str) -> list[argparse.Action]:
+    ap = build_parser()
+    (sub,) = [a for a in ap._actions if isinstance(a, argparse._SubParsersAction)]
+    return [a for a in sub.choices[cmd]._actions if not isinstance(a, argparse._HelpAction)]
+
+
+@pytest.mark.parametrize("cmd", ["generate", "nodes", "demo", "router", "make-tiny-model", "up", "decode"])
+def test_every_flag_says_what_it_does(cmd):
+    bare = [a.option_strings or a.dest for a in _actions(cmd) if not a.help]
+    assert not bare, f"pdserve {cmd}: flags without help: {bare}"
+
+
+def test_defaults_are_shown():
+    shown = {a.dest: a.help for a in _actions("generate")}
+    for dest in ("addr", "max_tokens", "top_k"):
+        assert "default" in shown[dest], (dest, shown[dest])
+    assert "default 50051" in {a.dest: a.help for a in _actions("router")}["port"]
+    assert "default 1" in {a.dest: a.help for a in _actions("demo")}["tp"]
+
+
+@pytest.mark.parametrize("flag", ["--http-port", "--metrics-port"])
+def test_a_busy_http_port_is_one_line(flag):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PDSERVE_LOG="ERROR")
+        r = subprocess.run(
+            [sys.executable, "-m", "router.cli", "router", "--insecure-open-cluster", "--port", "0", flag, str(port)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+            cwd=ROOT,
+        )
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"pdserve router: error: cannot bind HTTP 127.0.0.1:{port}: Address already in use"
+    ]
