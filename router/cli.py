@@ -223,16 +223,25 @@ def _up_spec(args):
     return spec_from_args(args, default_model=default_model_dir)
 
 
-def _exit_cause(rc: int) -> str:
-    """What a node's exit status says beyond itself: the signal that ended it, and what to do."""
+_NONE_LEFT = {
+    "decode": "no decode node is left: every request fails until one registers",
+    "prefill": "no prefill node is left: decode nodes compute the prompts",
+    "encode": "no encode node is left: prefill nodes encode the images",
+}
+
+
+def _exit_cause(rc: int, last: str = "") -> str:
+    """What a node's exit status says beyond itself: the signal that ended it, and what follows
+    (`last`: the node was its pool's last, of that kind)."""
+    after = _NONE_LEFT.get(last, "the router routes around it")
     if rc >= 0:
-        return "" if rc == 0 else "; the router routes around it (its log above says why)"
+        return "" if rc == 0 and not last else f"; {after} (its log above says why)"
     try:
         name = signal.Signals(-rc).name
     except ValueError:
         name = f"signal {-rc}"
     crash = ", a crash in native code: report it with its log above" if -rc in (4, 6, 7, 8, 11) else ""
-    return f" ({name}{crash}); the router routes around it"
+    return f" ({name}{crash}); {after}"
 
 
 def cmd_up(args) -> int:
@@ -256,12 +265,16 @@ def cmd_up(args) -> int:
         say(f"pdserve up: ready at {cl.address}")
         if cl.token_file is not None:  # a token made for this cluster: where `pdserve nodes` finds it
             say(f"pdserve up: cluster token in {cl.token_file} (pdserve nodes --cluster-token-file {cl.token_file})")
+        gone: dict[str, int] = {}  # nodes of each kind that exited
         while not stop.wait(0.2):
             for name, rc in cl.poll_exited():
                 if name == "router":
                     raise RuntimeError(f"the router exited with status {rc}; stopping everything")
                 # the router notices through missing heartbeats and routes around the node
-                say(f"pdserve up: {name} exited with status {rc}{_exit_cause(rc)}")
+                kind = name.rsplit("-", 1)[0]
+                gone[kind] = gone.get(kind, 0) + 1
+                last = kind if gone[kind] >= getattr(spec, kind, 0) else ""
+                say(f"pdserve up: {name} exited with status {rc}{_exit_cause(rc, last)}")
         say("pdserve up: stopping")
         return 0
     finally:
