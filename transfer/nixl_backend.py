@@ -14,6 +14,7 @@ import numpy.typing as npt
 import torch
 
 from transfer.backend import TransferState, Transport, WriteJob
+from transfer.nixl_api import nixl_api
 from transfer.plan import RegionPair, block_order
 
 log = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ class NixlTransport(Transport):
 
     def __init__(self, agent: str, regions: dict[tuple[int, str], torch.Tensor], progress_thread: bool = False) -> None:
         super().__init__(agent, regions)
-        from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415
+        nixl_agent, nixl_agent_config = nixl_api()
 
         self.nx: _Agent = nixl_agent(agent, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
         self.reg = [self.nx.register_memory(rows, mem) for mem, rows in registration(regions.values())]

@@ -35,6 +35,7 @@ from transfer.encoded.messages import (
     decode_output,
 )
 from transfer.netif import ucx_net_devices
+from transfer.nixl_api import nixl_api
 
 if TYPE_CHECKING:
     from engine.core import EngineCore
@@ -72,7 +73,7 @@ class Landing:
         tp_size: int,
         bind_host: str | None = "127.0.0.1",
     ) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415
+        nixl_agent, nixl_agent_config = nixl_api()
 
         if region_bytes <= 0:
             raise ValueError(f"the landing region needs a positive size (got {region_bytes})")

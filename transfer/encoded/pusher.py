@@ -20,6 +20,7 @@ from transfer.backend import host_bytes
 from transfer.encoded.messages import ENCODED_VERSION, EncodedOutput, EncodedTensor, LandingSlot, LandingTarget
 from transfer.encoded.messages import encode_output as encode_record
 from transfer.netif import ucx_net_devices
+from transfer.nixl_api import nixl_api
 
 log = logging.getLogger("pdserve.encoded")
 
@@ -30,7 +31,7 @@ class PushError(RuntimeError):
 
 class Pusher:
     def __init__(self, node: str, staging_bytes: int, digest: str, bind_host: str | None = "127.0.0.1") -> None:
-        from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415
+        nixl_agent, nixl_agent_config = nixl_api()
 
         self.node, self.digest = node, digest
         self.agent = f"{node}.{int.from_bytes(os.urandom(7), 'little'):x}"
