@@ -80,7 +80,7 @@ class Router:
             self.cfg.max_body_bytes,  # a Generate message's images are bounded as an HTTP body's
         )
         self._sweeper = loop.create_task(self._sweep())
-        log.info("router serving on port %d (policy %s; %s)", port, self.service.policy.name, self.creds)
+        log.info("router serving on port %d (policy %s; %s)", port, self.service.policy.name, self.creds.describe())
         try:
             await self._start_http()
         except BaseException:  # a busy port: what started is stopped here, not left to the collector

@@ -144,6 +144,19 @@ class Credentials:
             f"api_keys={len(self.api_keys)}, tls={self.tls!r})"
         )
 
+    def describe(self) -> str:
+        """For a start-up log line, in words and never the secrets."""
+        token = "cluster token set" if self.cluster_token else "no cluster token (open node plane)"
+        keys = (
+            f"{len(self.api_keys)} client API key{'s' if len(self.api_keys) != 1 else ''}"
+            if self.api_keys
+            else "no client API keys"
+        )
+        tls = (
+            "TLS off" if self.tls is None else "TLS" + (" with client certificates" if self.tls.ca is not None else "")
+        )
+        return f"{token}, {keys}, {tls}"
+
 
 OPEN = Credentials()
 

@@ -268,3 +268,12 @@ def test_a_server_without_a_cluster_token_does_not_start(cmd, tmp_path):
     empty.write_text("\n")
     r = subprocess.run([*base, "--cluster-token-file", str(empty)], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "is empty" in r.stderr, r.stderr
+
+
+def test_credentials_are_described_in_words_without_secrets():
+    from serving.security import Credentials
+
+    c = Credentials(cluster_token=b"s3cret-token", api_keys=(b"d1", b"d2"))
+    assert c.describe() == "cluster token set, 2 client API keys, TLS off"
+    assert "s3cret" not in c.describe() + repr(c)
+    assert Credentials().describe() == "no cluster token (open node plane), no client API keys, TLS off"
