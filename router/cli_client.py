@@ -59,7 +59,13 @@ def cmd_generate(args) -> int:
     echo = Echo()
     with Client(args.addr, api_key=args.api_key, **tls) as c:
         try:
-            c.wait_ready(timeout=args.wait)
+            try:
+                c.wait_ready(timeout=min(args.wait, 2.0))
+            except TimeoutError as e:  # not at once: say so, then wait out --wait
+                if args.wait <= 2.0:
+                    raise
+                print(f"pdserve generate: {e}; waiting up to {args.wait:g} s in all (--wait)", file=sys.stderr)
+                c.wait_ready(timeout=args.wait - 2.0)
             if args.chat:
                 from router.cli_chat import run_chat
 

@@ -175,3 +175,19 @@ def test_a_busy_http_port_is_one_line(flag):
     assert r.stderr.strip().splitlines() == [
         f"pdserve router: error: cannot bind HTTP 127.0.0.1:{port}: Address already in use"
     ]
+
+
+def test_generate_says_it_waits_for_a_router_that_is_not_up(capsys):
+    """No router at the address: after 2 s a line says it waits (up to --wait), then one error line."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    assert main(["generate", "--addr", f"127.0.0.1:{port}", "--wait", "3", "Hello"]) == 2
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "waiting up to 3 s in all (--wait)" in err[0], err
+    assert err[1].startswith("pdserve generate: error: no router ready") and 2.5 < took < 10, (err, took)
