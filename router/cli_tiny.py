@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import typing
 from dataclasses import fields
+from pathlib import Path
 
 HELP = {
     "arch": "architecture: dense Qwen3.5, Qwen3.5-MoE or Qwen3-Next",
@@ -72,6 +73,9 @@ def cmd_make_tiny_model(args) -> int:
     from engine.tiny_model import TinyModelSpec, make_tiny_model
 
     spec = TinyModelSpec(**{f.name: getattr(args, f.name) for f in fields(TinyModelSpec)})
+    d = Path(args.dir)
+    if d.is_dir() and any(d.iterdir()) and not (d / "pdserve_tiny.json").is_file():  # a real checkpoint, maybe
+        raise ValueError(f"{d} is not empty and holds no tiny model: give an empty or new directory")
     out = make_tiny_model(args.dir, spec)
     moe = f", {spec.experts} experts top-{spec.top_k}" if spec.arch != "qwen3_5" else ""
     fp8 = f", fp8 blocks {spec.fp8_block}" if spec.fp8 else ""

@@ -191,3 +191,13 @@ def test_generate_says_it_waits_for_a_router_that_is_not_up(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "waiting up to 3 s in all (--wait)" in err[0], err
     assert err[1].startswith("pdserve generate: error: no router ready") and 2.5 < took < 10, (err, took)
+
+
+def test_make_tiny_model_does_not_write_over_a_checkpoint(tmp_path, capsys):
+    """A directory holding something other than a tiny model (a real checkpoint, say) is refused,
+    untouched; an empty one is written."""
+    (tmp_path / "config.json").write_text('{"architectures": ["Qwen3_5MoeForCausalLM"]}')
+    assert main(["make-tiny-model", str(tmp_path)]) == 2
+    assert "holds no tiny model" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+    assert (tmp_path / "config.json").read_text().startswith('{"architectures": ["Qwen3_5Moe')
