@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from engine.config import ModelConfig
 
 SUPPORTED_QUANTIZATION = ("fp8",)
+DTYPE_ALIASES = {"half": "float16", "bf16": "bfloat16", "float": "float32"}  # vLLM's names -> torch's
 # set to 1 (or true): a max_model_len past the checkpoint's positions is taken (vLLM's name, as recipes set it)
 ALLOW_LONG_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
 # architecture -> the text model's model_type (a wrapper's text_config holds the text model)

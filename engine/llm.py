@@ -10,6 +10,7 @@ import torch
 
 from engine.cache.allocator import Capacity
 from engine.config import EngineArgs
+from engine.config_fields import DTYPE_ALIASES
 from engine.core import EngineCore
 from engine.llm_process import EngineProcess, Interrupted
 from engine.llm_prompts import parse_prompts
@@ -57,7 +58,7 @@ class LLM:
         directory, or a Hugging Face repo id (engine/hub.py)."""
         from engine.hub import resolve
 
-        model = resolve(model)
+        model, dtype = resolve(model), DTYPE_ALIASES.get(dtype, dtype)  # vLLM's "half", "bf16", "float" too
         kwargs = {k: v for k, v in locals().items() if k not in ("self", "engine_process", "resolve")}
         if engine_process is None:
             import engine

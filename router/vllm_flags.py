@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import json
 
+from engine.config_fields import DTYPE_ALIASES
+
 MTP = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
 SPEC_KEYS = ("method", "num_speculative_tokens")
 RENAMED = {
@@ -30,7 +32,6 @@ RENAMED = {
     "--enforce-eager": "--no-cuda-graphs",
 }
 TP = ("--tensor-parallel-size", "-tp")
-DTYPES = {"half": "float16", "bf16": "bfloat16", "float": "float32"}  # vLLM's aliases -> pdserve's names
 # flags vLLM's recipes carry that change nothing here: why, for the INFO line
 NO_OPS = {
     "--trust-remote-code": "no remote code runs (pdserve's own model classes)",
@@ -73,7 +74,7 @@ def rewrite(argv: list[str], notes: list[str] | None = None) -> list[str]:
         elif name in TP:
             out += ["--prefill-tp", value, "--decode-tp", value] if cmd == "up" else ["--tp", value]
         elif name == "--dtype":
-            out += ["--dtype", DTYPES.get(value, value)]
+            out += ["--dtype", DTYPE_ALIASES.get(value, value)]
         elif name == "--kv-cache-dtype":
             if value != "auto":
                 raise ValueError(

@@ -149,3 +149,10 @@ def test_closed_llm_says_so(ckpt):
         with pytest.raises(RuntimeError, match="the LLM is closed"):
             call()
     llm.close()  # a second close is quiet
+
+
+@pytest.mark.parametrize("alias,name", [("half", "float16"), ("bf16", "bfloat16"), ("float", "float32")])
+def test_vllm_dtype_names(ckpt, alias, name):
+    """`LLM(dtype=...)` takes vLLM's short names as the command line does."""
+    with LLM(ckpt, dtype=alias, engine_process=False) as llm:
+        assert llm.config.model.dtype == getattr(torch, name)
