@@ -83,7 +83,7 @@ class HttpServer:
         await self.server.shutdown()
 
 
-async def start_http(app, host: str, port: int, tls: Tls | None = None, guard=None) -> HttpServer:
+async def start_http(app, host: str, port: int, tls: Tls | None = None, guard=None, what: str = "HTTP") -> HttpServer:
     # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say so (with proto 0, a
     # response's body waits behind its headers for the client's delayed ACK, ~40 ms)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -93,7 +93,8 @@ async def start_http(app, host: str, port: int, tls: Tls | None = None, guard=No
         sock.listen(1024)
     except OSError as e:
         sock.close()
-        raise OSError(f"cannot bind HTTP {host}:{port}: {e.strerror}") from None
+        flag = "--metrics-port" if what == "metrics" else "--http-port"
+        raise OSError(f"cannot bind {what} {host}:{port}: {e.strerror} (choose another {flag})") from None
     sock.setblocking(False)
     if guard is not None:
         app = guard(app)

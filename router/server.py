@@ -93,7 +93,7 @@ class Router:
         host, tls = self.cfg.host, self.creds.tls
         scheme = "https" if tls is not None and tls.cert is not None else "http"
         if self.cfg.metrics_port is not None:
-            h = await start_http(make_asgi_app(self.metrics.registry), host, self.cfg.metrics_port)
+            h = await start_http(make_asgi_app(self.metrics.registry), host, self.cfg.metrics_port, what="metrics")
             self._https.append(h)
             self.metrics_port = h.port
             log.info("router metrics at http://%s:%d/metrics", host, self.metrics_port)

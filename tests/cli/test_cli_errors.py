@@ -172,8 +172,9 @@ def test_a_busy_http_port_is_one_line(flag):
             cwd=ROOT,
         )
     assert r.returncode == 2
+    what = "metrics" if flag == "--metrics-port" else "HTTP"
     assert r.stderr.strip().splitlines() == [
-        f"pdserve router: error: cannot bind HTTP 127.0.0.1:{port}: Address already in use"
+        f"pdserve router: error: cannot bind {what} 127.0.0.1:{port}: Address already in use (choose another {flag})"
     ]
 
 
