@@ -173,9 +173,10 @@ def _serve_node(kind: str, cfg, args) -> int:
     import importlib
 
     from engine import heap
-    from serving.security import credentials, require_token
+    from serving.security import credentials, port_free, require_token
 
     require_token(credentials(cfg), cfg.insecure_open_cluster, f"pdserve {kind}")
+    port_free(f"{args.host}:{args.port}")  # before the model loads: a busy port says so at once
     serve = importlib.import_module(f"{kind}_node.server").serve
     _log_host_share(kind, cfg)
     node, _ = serve(f"{args.host}:{args.port}", cfg)

@@ -5,11 +5,13 @@ dials with TLS and the token (docs/deploy.md, "Security")."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import hmac
 import logging
 import os
+import socket
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -253,7 +255,9 @@ def server_credentials(tls: Tls, mutual: bool) -> grpc.ServerCredentials:
 
 def add_port(server: grpc.Server | grpc.aio.Server, addr: str, tls: Tls | None, mutual: bool) -> int:
     """Bind addr (plain, or TLS with `tls.cert`; `mutual`: callers must show a certificate the CA
-    signed). Returns the port; OSError naming addr when it cannot bind."""
+    signed). Returns the port; OSError naming addr when it cannot bind (a port in use is found
+    first, so gRPC's own log line about it never comes)."""
+    port_free(addr)
     try:
         if tls is not None and tls.cert is not None:
             port = server.add_secure_port(addr, server_credentials(tls, mutual))
@@ -264,6 +268,26 @@ def add_port(server: grpc.Server | grpc.aio.Server, addr: str, tls: Tls | None, 
     if port == 0:
         raise OSError(f"cannot bind {addr}")
     return port
+
+
+def port_free(addr: str) -> None:
+    """OSError when addr's port is in use (a numeric port other than 0 on a host that resolves)."""
+    host, _, port = addr.rpartition(":")
+    host = host.strip("[]")
+    if not port.isdigit() or int(port) == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return  # gRPC says what is wrong with the host
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: a port in TIME_WAIT is free
+        try:
+            s.bind(sockaddr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise OSError(f"cannot bind {addr}: address already in use (choose another --port)") from None
 
 
 def refusal(

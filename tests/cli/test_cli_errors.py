@@ -156,28 +156,6 @@ def test_defaults_are_shown():
     assert "default 1" in {a.dest: a.help for a in _actions("demo")}["tp"]
 
 
-@pytest.mark.parametrize("flag", ["--http-port", "--metrics-port"])
-def test_a_busy_http_port_is_one_line(flag):
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PDSERVE_LOG="ERROR")
-        r = subprocess.run(
-            [sys.executable, "-m", "router.cli", "router", "--insecure-open-cluster", "--port", "0", flag, str(port)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=120,
-            cwd=ROOT,
-        )
-    assert r.returncode == 2
-    what = "metrics" if flag == "--metrics-port" else "HTTP"
-    assert r.stderr.strip().splitlines() == [
-        f"pdserve router: error: cannot bind {what} 127.0.0.1:{port}: Address already in use (choose another {flag})"
-    ]
-
-
 def test_generate_says_it_waits_for_a_router_that_is_not_up(capsys):
     """No router at the address: after 2 s a line says it waits (up to --wait), then one error line."""
     import socket
@@ -202,3 +180,30 @@ def test_make_tiny_model_does_not_write_over_a_checkpoint(tmp_path, capsys):
     assert "holds no tiny model" in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
     assert (tmp_path / "config.json").read_text().startswith('{"architectures": ["Qwen3_5Moe')
+
+
+@pytest.mark.parametrize(
+    "cmd,flag,what",
+    [
+        ("router", "--http-port", "HTTP"),
+        ("router", "--metrics-port", "metrics"),
+        ("router", "--port", ""),
+        ("decode", "--port", ""),
+    ],
+)
+def test_a_busy_port_is_one_line(cmd, flag, what):
+    """One line naming the port and the flag to change: no gRPC log line about it, no event-loop
+    noise, and a node says it before loading its model."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PDSERVE_LOG="ERROR")
+        ports = ["--port", "0", flag, str(port)] if flag != "--port" else ["--port", str(port)]
+        argv = [sys.executable, "-m", "router.cli", cmd, "--insecure-open-cluster", *ports]
+        r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert r.returncode == 2
+    busy_words = "Address already in use" if what else "address already in use"
+    assert r.stderr.strip().splitlines() == [
+        f"pdserve {cmd}: error: cannot bind {what + ' ' if what else ''}127.0.0.1:{port}: {busy_words} (choose another {flag})"
+    ]
