@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -165,6 +166,29 @@ def _check_keys(what: str, opts: dict, known: list[str]) -> None:
         raise ValueError(f"unknown {what} option(s) {', '.join(bad)}; known: {', '.join(known)}")
 
 
+TMP_PREFIX = "pdserve-up-"  # then the pid of the `up` that made it: a dead one's is swept
+
+
+def sweep_stale_dirs(root: str | None = None) -> list[str]:
+    """Remove the temporary directories (and cluster tokens in them) of `pdserve up` processes
+    that are gone without cleaning up (SIGKILL); the ones removed."""
+    root = root or tempfile.gettempdir()
+    gone = []
+    for name in os.listdir(root):
+        pid = name.removeprefix(TMP_PREFIX).split("-", 1)[0]
+        path = os.path.join(root, name)
+        if not name.startswith(TMP_PREFIX) or not pid.isdigit() or os.stat(path).st_uid != os.getuid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            gone.append(path)
+        except PermissionError:
+            pass  # alive, another user's
+    return gone
+
+
 class Cluster:
     def __init__(self, spec: PoolSpec, out=sys.stdout, should_stop=lambda: False):
         self.spec = spec
@@ -176,7 +200,8 @@ class Cluster:
         self._reported: set[str] = set()
         self.cpus: dict[str, tuple[int, ...]] = {}  # node name -> its CPUs (start() decides)
         self.nice = 0  # decode nodes' nice value (start() decides)
-        self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-up-")
+        sweep_stale_dirs()
+        self._tmp = tempfile.TemporaryDirectory(prefix=f"{TMP_PREFIX}{os.getpid()}-")
         self._token = spec.cluster_token or os.environ.get(TOKEN_ENV, "").strip()
         self.token_file: str | None = None  # where a token made here is kept, for the operator's tools
         if not self._token and not spec.insecure_open_cluster:
