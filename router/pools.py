@@ -184,13 +184,16 @@ def spec_from_args(args: argparse.Namespace, default_model: Callable[[], Any]) -
 
     model = str(Path(resolve(own["model"]) if own["model"] else default_model()).resolve())
     RouterConfig(model=model, **opts["router"])  # every check (a bad directory too), before anything starts
+    engines = {}
     for pool in POOLS:  # each pool's engine settings checked as its nodes will (without torch)
         if pool == "encode" and not own["encode"]:  # one rank; checked only when the pool is on
             continue
         tp = {} if pool == "encode" else {"tensor_parallel_size": own[f"{pool}_tp"]}
-        checked = NODE_CONFIGS[pool](model=model, **tp, **opts[pool]).engine_config(check_only=True)
+        checked = engines[pool] = NODE_CONFIGS[pool](model=model, **tp, **opts[pool]).engine_config(check_only=True)
         if pool == "encode" and checked.model.vision is None:
             raise ValueError(f"--encode {own['encode']}: {model} has no vision tower (or no image processor)")
+    if own["prefill"] and own["decode"]:
+        _same_state(engines["prefill"], engines["decode"])
     return PoolSpec(
         model=model,
         prefill=own["prefill"],
@@ -219,3 +222,23 @@ def _token(path: str | None) -> str | None:
 
     raw = read_token(path, {}) if path else None
     return None if raw is None else raw.decode()
+
+
+def _same_state(pre, dec) -> None:
+    """ValueError when the pools differ in a setting the transferred state depends on: the
+    handshake would refuse every pair, and the decode nodes compute every prompt themselves."""
+    what = {
+        "dtype": lambda c: c.model.dtype,
+        "mamba_ssm_cache_dtype": lambda c: c.cache.recurrent_dtype,
+        "block_size": lambda c: c.cache.block_size,
+        "speculative method": lambda c: c.speculative.method if c.speculative.num_tokens else "none",
+        "num_speculative_tokens": lambda c: c.speculative.num_tokens,
+        "batch_invariant": lambda c: c.model.batch_invariant,
+    }
+    for name, read in what.items():
+        a, b = read(pre), read(dec)
+        if a != b:
+            raise ValueError(
+                f"the prefill and decode pools differ in {name} ({a} vs {b}): a prefill node hands its state "
+                "only to decode nodes that match; give both pools the same value"
+            )

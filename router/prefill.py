@@ -86,6 +86,7 @@ class PrefillPhase:
         self._pairs: set[tuple] = set()  # (prefill id, incarnation, decode id, incarnation) handshaken
         self._pair_locks: dict[tuple, asyncio.Lock] = {}  # one a pair: a slow pair holds up no other
         self._warming: set[tuple] = set()  # pairs `warm_pairs` is handshaking ahead of any request
+        self._told: set[tuple] = set()  # pairs whose state schemas differ, logged once (`_explain`)
         self.meter = RateMeter()  # each prefill node's measured rate (admission's estimate)
         self.encode: EncodePool | None = None  # the encode pool's step (set by the service)
 
@@ -195,6 +196,34 @@ class PrefillPhase:
                 if key not in self._pairs and key not in self._warming:
                     self._warming.add(key)
                     self._spawn(self._warm(p, d, key))
+            for p in self.registry.routable(pb.NODE_KIND_PREFILL):  # a pair that can never hand off: say why
+                key = self._pair_key(p, d)
+                if (
+                    p.info.prefill_ready
+                    and p.info.schema_digest not in ("", d.info.schema_digest)
+                    and key not in self._told
+                ):
+                    self._told.add(key)
+                    self._spawn(self._explain(p, d))
+
+    async def _explain(self, p: NodeEntry, d: NodeEntry) -> None:
+        """P's state cannot go to D (their model digests differ): one WARNING with the handshake's
+        reason, which names the setting (docs/router.md)."""
+        why = f"their state schemas differ ({p.info.schema_digest} vs {d.info.schema_digest})"
+        try:
+            await self.handshake(p, d)
+        except grpc.RpcError as e:
+            why = e.details() or why
+        except Exception:  # noqa: BLE001 (the digests' difference is reason enough)
+            pass
+        log.warning(
+            "prefill node %s cannot hand prompts to decode node %s: %s; %s computes its prompts itself "
+            "until both pools run the same model and settings",
+            p.node_id,
+            d.node_id,
+            why,
+            d.node_id,
+        )
 
     async def _warm(self, p: NodeEntry, d: NodeEntry, key: tuple) -> None:
         try:

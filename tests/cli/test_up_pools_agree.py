@@ -1,0 +1,30 @@
+"""`pdserve up` refuses pools whose nodes could never hand state to each other (router/pools.py
+`_same_state`): a prefill pool with another recurrent-state dtype, speculative method or count,
+dtype, page size or batch-invariance than the decode pool would be passed over by the router for
+good, every prompt computed on the decode nodes. One line, before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.cli import main
+
+
+@pytest.mark.parametrize(
+    "prefill,words",
+    [
+        ("mamba_ssm_cache_dtype: bfloat16", "mamba_ssm_cache_dtype (bfloat16 vs float32)"),
+        ("block_size: 32", "block_size (32 vs 16)"),
+        ("{num_speculative_tokens: 2, speculative_method: ngram}", "speculative method (ngram vs none)"),
+    ],
+)
+def test_pools_that_cannot_hand_off_are_refused(tmp_path, capsys, prefill, words):
+    from engine.tiny_model import TinyModelSpec, make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", TinyModelSpec(layers=2, hidden=64))
+    cfg = tmp_path / "pools.yaml"
+    body = f"  {prefill}" if not prefill.startswith("{") else "  " + prefill[1:-1].replace(", ", "\n  ")
+    cfg.write_text(f"prefill:\n  count: 1\n{body}\ndecode:\n  count: 1\n")
+    assert main(["up", "--model", str(model), "--config", str(cfg), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"the prefill and decode pools differ in {words}" in err, err
