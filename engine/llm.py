@@ -15,6 +15,7 @@ from engine.core import EngineCore
 from engine.llm_process import EngineProcess, Interrupted
 from engine.llm_prompts import parse_prompts
 from engine.llm_results import finish
+from engine.options import options
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -71,7 +72,7 @@ class LLM:
             self._proc = EngineProcess(kwargs)
             self.engine: EngineCore | None = None
             return
-        self.config = EngineArgs(
+        args = EngineArgs(
             model,
             tensor_parallel_size,
             dtype,
@@ -96,7 +97,13 @@ class LLM:
             mamba_ssm_cache_dtype,
             batch_invariant,
             gpu_memory_utilization,
-        ).engine_config()
+        )
+        for o in options(EngineArgs):  # what the command line's choices refuse, refused here too
+            if o.choices and getattr(args, o.name) not in o.choices:
+                raise ValueError(
+                    f"{o.name} must be one of {', '.join(map(str, o.choices))} (got {getattr(args, o.name)!r})"
+                )
+        self.config = args.engine_config()
         self.tokenizer = Tokenizer(model) if Tokenizer.exists(model) else None
         self.engine = EngineCore(self.config)
         warn_openmp_policy(device)

@@ -65,6 +65,14 @@ class Worker:
         t = cfg.parallel.tensor_parallel_size
         self.device = device if device is not None else node_devices(cfg.device, t)[rank]
         bind(self.device)  # before any allocation
+        m, cuda = cfg.model, self.device.type == "cuda"
+        modes = {"--fp8-experts": m.fp8_experts, "--fp8-dense": m.fp8_dense}
+        kept = [f"{flag} {v}" for flag, v in modes.items() if v == "keep" or (v == "auto" and cuda)]
+        if m.batch_invariant and m.fp8_block_size is not None and kept:  # refused at start, not at every step
+            raise ValueError(
+                f"--batch-invariant runs bfloat16 weights, not FP8 ones ({', '.join(kept)}): give --fp8-experts and "
+                "--fp8-dense dequantize, or leave --batch-invariant off (docs/engine.md, 'Batch-invariant mode')"
+            )
         fraction = cfg.cache.gpu_memory_utilization
         if fraction is not None:
             probe = probe if probe is not None else CudaProbe(self.device)

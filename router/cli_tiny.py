@@ -34,7 +34,7 @@ HELP = {
     "moe_intermediate": "each routed expert's intermediate size",
     "shared_intermediate": "the shared expert's intermediate size",
     "mlp_only_layers": "qwen3_next: comma-separated layers with a dense MLP instead of experts",
-    "decoder_sparse_step": "qwen3_next: layer i is MoE when (i + 1) % step == 0",
+    "decoder_sparse_step": "qwen3_next: layer i is MoE when (i + 1) %% step == 0",
     "norm_topk_prob": "qwen3_next: renormalise the top-k routing weights",
     "fp8": "store the projections block-quantized to float8_e4m3fn (with weight_scale_inv)",
     "fp8_block": "the square FP8 quantization block's side",

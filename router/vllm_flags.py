@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import json
 
-from engine.config_fields import DTYPE_ALIASES
-
 MTP = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
 SPEC_KEYS = ("method", "num_speculative_tokens")
 RENAMED = {
@@ -74,6 +72,8 @@ def rewrite(argv: list[str], notes: list[str] | None = None) -> list[str]:
         elif name in TP:
             out += ["--prefill-tp", value, "--decode-tp", value] if cmd == "up" else ["--tp", value]
         elif name == "--dtype":
+            from engine.config_fields import DTYPE_ALIASES  # noqa: PLC0415 (the engine's package: imported once argv is read)
+
             out += ["--dtype", DTYPE_ALIASES.get(value, value)]
         elif name == "--kv-cache-dtype":
             if value != "auto":

@@ -173,3 +173,12 @@ def test_weight_memory_arithmetic_matches_the_loader(tmp_path):
         moe = [lw["mlp"] for lw in layers]
         got["experts"] = sum(sum(m[k].nbytes for k in ("w13", "w2", "w13_scale_inv", "w2_scale_inv")) for m in moe)
     assert (got["keep"], got["dequantize"], got["experts"]) == (want.dense_fp8, want.dense_bf16, want.experts)
+
+
+@pytest.mark.parametrize("kept", [{"fp8_experts": "keep"}, {"fp8_dense": "keep"}])
+def test_batch_invariant_with_fp8_weights_kept_is_refused_at_start(fp8_ckpt, kept):
+    """The batch-invariant GEMMs run bfloat16 weights: asked for with FP8 weights kept, the engine
+    refuses at start, naming both options (it started, then failed every request at its step)."""
+    with pytest.raises(ValueError, match="--batch-invariant runs bfloat16 weights, not FP8 ones") as e:
+        LLM(fp8_ckpt("qwen3_5_moe"), dtype="bfloat16", batch_invariant=True, engine_process=False, **kept)
+    assert "keep" in str(e.value)

@@ -156,3 +156,12 @@ def test_vllm_dtype_names(ckpt, alias, name):
     """`LLM(dtype=...)` takes vLLM's short names as the command line does."""
     with LLM(ckpt, dtype=alias, engine_process=False) as llm:
         assert llm.config.model.dtype == getattr(torch, name)
+
+
+@pytest.mark.parametrize(
+    "kw,name", [({"fp8_experts": "yes"}, "fp8_experts"), ({"fp8_dense": "on"}, "fp8_dense"), ({"dtype": "fp8"}, "dtype")]
+)
+def test_an_option_outside_its_choices_is_refused(ckpt, kw, name):
+    """As the command line's choices refuse it (an unknown value was taken as its default)."""
+    with pytest.raises(ValueError, match=f"{name} must be one of"):
+        LLM(ckpt, engine_process=False, **kw)
