@@ -159,7 +159,8 @@ def test_vllm_dtype_names(ckpt, alias, name):
 
 
 @pytest.mark.parametrize(
-    "kw,name", [({"fp8_experts": "yes"}, "fp8_experts"), ({"fp8_dense": "on"}, "fp8_dense"), ({"dtype": "fp8"}, "dtype")]
+    "kw,name",
+    [({"fp8_experts": "yes"}, "fp8_experts"), ({"fp8_dense": "on"}, "fp8_dense"), ({"dtype": "fp8"}, "dtype")],
 )
 def test_an_option_outside_its_choices_is_refused(ckpt, kw, name):
     """As the command line's choices refuse it (an unknown value was taken as its default)."""
