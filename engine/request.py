@@ -57,6 +57,7 @@ class Request:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token (params.logprobs)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per prompt token after the first
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at first admission
+    expected_hit: int | None = None  # while it waits: the prefix-cache hit it would get (serving/commands.py)
     # a record, not a state: admission once waited for a running request's snapshot
     # (engine/cache/inflight.py), counted once in the prefix stats
     held_back: bool = False

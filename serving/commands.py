@@ -16,8 +16,9 @@ from engine.cache.prefix import Digest
 from engine.connector import ConnectorStats, SendDone, TransferRecord
 from engine.core import EngineCore
 from engine.outputs import RequestOutput
-from engine.request import Status
+from engine.request import Request, Status
 from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
 from engine.vision.inputs import ImageInput
 from serving.mux import TokenSink
 
@@ -288,6 +289,18 @@ class Snapshot:
 DIGEST_REFRESH_S = 0.1
 
 
+def _computed(sched: Scheduler, r: Request) -> int:
+    """Prompt tokens of r the node need not compute: what it computed, or, before its first
+    admission, the prefix-cache hit it would get now (looked up once: it changes nothing). The
+    queue the router reads is then in the router's own unit, prompts less their cached prefixes."""
+    if r.num_computed_tokens or sched.plan is None:
+        return r.num_computed_tokens
+    if r.expected_hit is None:
+        hit = sched.plan.lookup(r)
+        r.expected_hit = hit.num_tokens if hit is not None else 0
+    return r.expected_hit
+
+
 def take_snapshot(
     eng: EngineCore,
     previous: Snapshot,
@@ -300,7 +313,7 @@ def take_snapshot(
     at once when `fresh` (the loop is going idle, or someone asked), else once DIGEST_REFRESH_S has
     passed since the last build."""
     sched = eng.scheduler
-    queued = sum(max(0, len(r.prompt_token_ids) - r.num_computed_tokens) for r in [*sched.waiting, *sched.running])
+    queued = sum(max(0, len(r.prompt_token_ids) - _computed(sched, r)) for r in [*sched.waiting, *sched.running])
     snap = Snapshot(
         total_blocks=eng.capacity.num_blocks,
         free_blocks=eng.blocks.num_free,

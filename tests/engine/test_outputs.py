@@ -45,3 +45,26 @@ def test_each_end_carries_the_count_of_ends_the_node_reports(llm_hv2):
     assert sorted(ends.values()) == [before + 1, before + 2, before + 3]
     assert ends[gone] < ends[short] < ends[long] and running and set(running) == {None}
     assert take_snapshot(e, Snapshot()).ended == e.scheduler.ended_total == before + 3
+
+
+def test_the_reported_queue_is_net_of_the_prefix_hits_the_waiting_will_get(llm_hv2):
+    """The queued prompt tokens a node reports (what the router prices it by) count each waiting
+    request's prompt less the cached prefix it starts from, as the router counts what it sent:
+    three prompts sharing a cached 200-token prefix queue their new tokens, not 3 x 220. The
+    reference is the hit each got at its admission."""
+    from serving.commands import Snapshot, take_snapshot
+
+    e = llm_hv2.engine
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    prefix = [(7 * i + 3) % 500 + 10 for i in range(200)]
+    e.add_request(prefix, sp)
+    while e.has_unfinished():
+        e.step()
+    rids = [e.add_request(prefix + [20 + k] * 20, sp) for k in range(3)]
+    reqs = [e.requests[r] for r in rids]
+    queued = take_snapshot(e, Snapshot()).queued_prefill_tokens
+    while e.has_unfinished():
+        e.step()
+    hits = [r.num_cached_tokens for r in reqs]
+    assert min(hits) > 0, hits  # the prefix was taken from the cache
+    assert queued == sum(220 - h for h in hits), (queued, hits)
