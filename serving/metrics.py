@@ -76,10 +76,13 @@ class ServingMetrics:
             f"{prefix}_tpot_seconds", "Time per output token after the first", buckets=_TPOT_BUCKETS, registry=r
         )
         self.tokens = Counter(f"{prefix}_generated_tokens", "Tokens generated", registry=r)
-        self.prompt_tokens = Counter(f"{prefix}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.e2e = Histogram(
-            f"{prefix}_e2e_seconds", "Request received to its last token", buckets=_E2E_BUCKETS, registry=r
-        )
+        self.prompt_tokens: Counter | None = None  # the router's: it sees each request whole
+        self.e2e: Histogram | None = None
+        if prefix == "pdserve_router":
+            self.prompt_tokens = Counter(f"{prefix}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+            self.e2e = Histogram(
+                f"{prefix}_e2e_seconds", "Request received to its last token", buckets=_E2E_BUCKETS, registry=r
+            )
         self.transfer_bytes = Counter(f"{prefix}_transfer_bytes", "State bytes transferred", registry=r)
         self.transfer_seconds = Counter(f"{prefix}_transfer_seconds", "Time spent transferring state", registry=r)
         self.transfers = Counter(f"{prefix}_transfers", "State transfers completed", registry=r)
@@ -98,9 +101,9 @@ class ServingMetrics:
         prompt_tokens: int = 0,
     ) -> None:
         self.requests.labels(outcome=outcome).inc()
-        if e2e_s is not None:
+        if e2e_s is not None and self.e2e is not None:
             self.e2e.observe(e2e_s)
-        if prompt_tokens:
+        if prompt_tokens and self.prompt_tokens is not None:
             self.prompt_tokens.inc(prompt_tokens)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)

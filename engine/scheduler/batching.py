@@ -381,9 +381,8 @@ class Scheduler:
     # ---- disaggregation: memory held outside the running batch ------------------------------
     def reserve(self, req: Request) -> bool:
         """Decode side: pages for the prompt and the first decoded token, and a GDN slot, or False.
-        The prompt's leading full pages this node has cached are shared (by reference), not
-        allocated: `req.num_cached_blocks` of them, which the transfer skips. No snapshot is
-        needed: the GDN state always travels."""
+        The prompt's leading full pages this node has cached are shared (by reference), not allocated:
+        `req.num_cached_blocks` of them, which the transfer skips (no snapshot: the state travels)."""
         shared = self.plan.cached_pages(req) if self.plan is not None else []
         need = self.blocks.blocks_for(req.num_tokens + 1) - len(shared)
         taken = sum(self.blocks.is_free(b) for b in shared)  # cached pages nobody used: now in use
@@ -395,9 +394,10 @@ class Scheduler:
         req.slot = self.slots.allocate()
         req.move(Status.RESERVED)
         req.received = True
-        if self.prefix is not None:  # the shared pages are hits: the transfer skips them
+        req.num_cached_tokens = len(shared) * self.blocks.block_size  # hits, which the transfer skips (its log line)
+        if self.prefix is not None:
             self.prefix.stats.query_tokens += len(req.prompt_token_ids)
-            self.prefix.stats.hit_tokens += len(shared) * self.blocks.block_size
+            self.prefix.stats.hit_tokens += req.num_cached_tokens
         return True
 
     def activate(self, req: Request, first_token: int, eos: tuple[int, ...], drafts: Sequence[int] = ()) -> None:

@@ -274,4 +274,6 @@ def test_second_turn_moves_only_its_new_pages(up, ckpt):
 
     held = (len(turn1) + NEW - 1) // BLOCK * BLOCK  # turn 1's full pages of computed tokens
     assert moved("prefix_hit_tokens_total") == held
+    # the decode node's line for turn 2 names the pages it had (it said "cached 0")
+    wait_for(lambda: f"prompt {len(turn2)} (cached {held})," in up.output(), 10, "the decode node's line for turn 2")
     assert moved("prefix_miss_tokens_total") == len(turn1) + len(turn2) - held
