@@ -64,7 +64,7 @@ def test_bf16_state_halves_the_slots_and_feeds_the_kv_pages(ckpts, caplog):
 
 
 def test_unknown_state_dtype_is_refused(ckpts):
-    with pytest.raises(ValueError, match="mamba_ssm_cache_dtype must be auto, float32 or bfloat16"):
+    with pytest.raises(ValueError, match="mamba_ssm_cache_dtype must be one of auto, float32, bfloat16"):
         LLM(ckpts["float32"], mamba_ssm_cache_dtype="float16")
 
 
