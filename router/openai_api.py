@@ -276,7 +276,7 @@ class OpenAIFront:
 
     async def stream(self, job: Job, include_usage: bool, request: Request, continuous: bool = False) -> Response:
         """Errors before the first chunk get an HTTP status; later ones an error event, then the end.
-        continuous: every chunk with a choice carries the usage so far (vLLM's continuous_usage_stats)."""
+        continuous: every chunk with a choice carries its choice's usage so far (vLLM's continuous_usage_stats)."""
         ev = await self.opened(job, request)
         choices = [Choice(job, i, self.tok) for i in range(len(job.reqs))]
         head = job.head(chunk=True)
@@ -300,7 +300,8 @@ class OpenAIFront:
                             yield b
                     d = choices[i].delta(c)
                     if d is not None:
-                        yield _sse(dict(head, choices=[d], **({"usage": usage(choices)} if continuous else {})))
+                        # vLLM's: each chunk's usage is its own choice's so far (its prompt and its tokens)
+                        yield _sse(dict(head, choices=[d], **({"usage": usage([choices[i]])} if continuous else {})))
                 if roles:
                     for b in opening(()):
                         yield b

@@ -377,6 +377,14 @@ def test_continuous_usage_stats(oai, model):
     assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
     plain = list(oai.completions.create(stream_options={"include_usage": True}, **kw))
     assert all(c.usage is None for c in plain if c.choices) and plain[-1].usage == chunks[-1].usage
+    # n = 2: a chunk's usage is its own choice's so far, as vLLM's; the last one the whole request's
+    two = list(
+        oai.completions.create(n=2, stream_options={"include_usage": True, "continuous_usage_stats": True}, **kw)
+    )
+    for i in (0, 1):
+        mine = [c.usage.completion_tokens for c in two if c.choices and c.choices[0].index == i]
+        assert mine == sorted(mine) and mine[-1] == 6, (i, mine)
+    assert two[-1].usage.completion_tokens == 12
 
 
 def test_max_tokens_defaults(oai, model):
