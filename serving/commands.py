@@ -269,6 +269,8 @@ class Snapshot:
     prefix_hit_tokens: int = 0  # ... and found in the cache
     prefix_held_admissions: int = 0  # requests whose admission waited for a running request's snapshot
     prefix_snapshots_used: int = 0  # GDN state snapshots held, of prefix_snapshots
+    prefix_snapshots_evicted: int = 0  # totals since start: snapshots dropped for newer ones ...
+    prefix_pages_evicted: int = 0  # ... and cached pages handed out again
     prefix_snapshots: int = 0
     prefix_snapshot_bytes: int = 0  # the snapshot pool's memory, per rank
     prefix_digest: Digest | None = None  # what the prefix cache holds (None: no cache)
@@ -351,6 +353,8 @@ def take_snapshot(
         prefix_hit_tokens=pc.stats.hit_tokens,
         prefix_held_admissions=pc.stats.held,
         prefix_snapshots_used=pc.num_used,
+        prefix_snapshots_evicted=pc.stats.evicted,
+        prefix_pages_evicted=eng.blocks.num_evicted,
         prefix_snapshots=pc.num_snapshots,
         prefix_snapshot_bytes=eng.capacity.snapshot_bytes,
     )

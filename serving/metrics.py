@@ -164,6 +164,14 @@ def capacity_gauges(snapshot: Snapshot) -> Gauges:
             s.prefix_held_admissions,
         ),
         "prefix_snapshots_used": ("GDN state snapshots held by the prefix cache", s.prefix_snapshots_used),
+        "prefix_snapshots_evicted_total": (
+            "Prefix-cache snapshots dropped for newer ones (the pool is full)",
+            s.prefix_snapshots_evicted,
+        ),
+        "prefix_pages_evicted_total": (
+            "Prefix-cache pages handed out again (cached, then needed)",
+            s.prefix_pages_evicted,
+        ),
         "prefix_snapshot_memory_bytes": (
             "Memory of the prefix cache's GDN state snapshots held, per rank",
             s.prefix_snapshot_bytes * s.prefix_snapshots_used // max(s.prefix_snapshots, 1),

@@ -68,3 +68,30 @@ def test_the_reported_queue_is_net_of_the_prefix_hits_the_waiting_will_get(llm_h
     hits = [r.num_cached_tokens for r in reqs]
     assert min(hits) > 0, hits  # the prefix was taken from the cache
     assert queued == sum(220 - h for h in hits), (queued, hits)
+
+
+def test_evictions_are_counted_for_the_metrics(ckpt_hv2):
+    """More prompts than the cache holds: its pages and snapshots are handed out again, and the
+    node's snapshot (its /metrics) counts both, never fewer than what cannot fit."""
+    from engine import LLM
+    from serving.commands import Snapshot, take_snapshot
+    from serving.metrics import capacity_gauges
+
+    with LLM(ckpt_hv2, dtype="float32", kv_cache_memory="20MiB", max_num_seqs=4, engine_process=False) as llm:
+        e = llm.engine
+        sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        pages, bs = 0, e.capacity.block_size
+        for k in range(150):
+            prompt = [(k * 37 + 11 * i) % 900 + 5 for i in range(300)]
+            llm.generate(prompt_token_ids=[prompt], sampling_params=sp)
+            pages += 300 // bs
+            if pages > 2 * e.capacity.num_blocks and e.scheduler.plan.prefix.stats.saved > 2 * e.capacity.num_snapshots:
+                break
+        snap = take_snapshot(e, Snapshot())
+        saved = e.scheduler.plan.prefix.stats.saved
+    assert pages > 2 * snap.total_blocks and saved > 2 * snap.prefix_snapshots, (pages, saved)
+    assert snap.prefix_pages_evicted >= pages - snap.total_blocks > 0
+    assert snap.prefix_snapshots_evicted >= saved - snap.prefix_snapshots > 0
+    g = capacity_gauges(snap)
+    assert g["prefix_pages_evicted_total"][1] == snap.prefix_pages_evicted
+    assert g["prefix_snapshots_evicted_total"][1] == snap.prefix_snapshots_evicted
