@@ -15,6 +15,14 @@ if TYPE_CHECKING:
 
 SUPPORTED_QUANTIZATION = ("fp8",)
 DTYPE_ALIASES = {"half": "float16", "bf16": "bfloat16", "float": "float32"}  # vLLM's names -> torch's
+
+
+def keeps_fp8(mode: str, cuda: bool) -> bool:
+    """Whether --fp8-experts / --fp8-dense `mode` keeps an FP8 checkpoint's weights in FP8 on a
+    device (`cuda`: a GPU): "keep", or "auto" on CUDA; "dequantize" never."""
+    return mode == "keep" or (mode == "auto" and cuda)
+
+
 # set to 1 (or true): a max_model_len past the checkpoint's positions is taken (vLLM's name, as recipes set it)
 ALLOW_LONG_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
 # architecture -> the text model's model_type (a wrapper's text_config holds the text model)

@@ -14,6 +14,7 @@ import torch
 
 from engine.checkpoint import SCALE_SUFFIX, Reader, Shapes, check_checkpoint, check_mtp_checkpoint, fused_experts
 from engine.config import ModelConfig
+from engine.config_fields import keeps_fp8
 from engine.model.linear import Linear
 from engine.shard import conv_channel_index, head_range, intermediate_range, kv_head_range
 from kernels.fp8 import cat_fp8_block, dequant_fp8_block, narrow_fp8_block
@@ -48,8 +49,7 @@ class _Weights:
 
     def __init__(self, cfg: ModelConfig, reader: Reader, scales: Shapes, device):
         self.cfg, self.reader, self.scales, self.device = cfg, reader, scales, device
-        mode, cuda = cfg.fp8_dense, torch.device(device).type == "cuda"
-        self.keep_fp8 = cfg.fp8_block_size is not None and (mode == "keep" or (mode == "auto" and cuda))
+        self.keep_fp8 = cfg.fp8_block_size is not None and keeps_fp8(cfg.fp8_dense, torch.device(device).type == "cuda")
 
     def full(self, name: str) -> torch.Tensor:
         w = self.reader.get(name)
@@ -216,8 +216,7 @@ def _load_moe(cfg: ModelConfig, get: _Weights, m: str, tp: int, rank: int) -> di
 
 def _fp8_experts(cfg: ModelConfig, get: _Weights, m: str, rows: torch.Tensor) -> FP8Experts | None:
     """The routed experts of one MoE layer kept in FP8 (module docstring), or None: dequantize."""
-    mode = cfg.fp8_experts
-    if mode == "dequantize" or (mode == "auto" and torch.device(get.device).type != "cuda"):
+    if not keeps_fp8(cfg.fp8_experts, torch.device(get.device).type == "cuda"):
         return None
     e0 = f"{m}experts.0."
     if cfg.fp8_block_size is None or e0 + "gate_proj.weight" + SCALE_SUFFIX not in get.scales:

@@ -18,6 +18,7 @@ from engine.cache.allocator import CachePools, Capacity, plan_capacity
 from engine.cache.memory_plan import MemoryPlan, own_budget, plan_memory
 from engine.cache.spec import build_specs
 from engine.config import EngineConfig
+from engine.config_fields import keeps_fp8
 from engine.connector import LayerConnector
 from engine.devices import StepFence, bind, node_devices
 from engine.loader import load_mtp_weights, load_weights
@@ -67,7 +68,7 @@ class Worker:
         bind(self.device)  # before any allocation
         m, cuda = cfg.model, self.device.type == "cuda"
         modes = {"--fp8-experts": m.fp8_experts, "--fp8-dense": m.fp8_dense}
-        kept = [f"{flag} {v}" for flag, v in modes.items() if v == "keep" or (v == "auto" and cuda)]
+        kept = [f"{flag} {v}" for flag, v in modes.items() if keeps_fp8(v, cuda)]
         if m.batch_invariant and m.fp8_block_size is not None and kept:  # refused at start, not at every step
             raise ValueError(
                 f"--batch-invariant runs bfloat16 weights, not FP8 ones ({', '.join(kept)}): give --fp8-experts and "

@@ -110,8 +110,7 @@ def _base64(src: dict[str, Any], where: str) -> str:
             f"{where}.media_type must be one of image/jpeg, image/png, image/gif, image/webp", f"{where}.media_type"
         )
     try:
-        head = base64.b64decode(src["data"][:24], validate=True)
-        base64.b64decode(src["data"], validate=True)
+        head = base64.b64decode(src["data"], validate=True)[:16]
     except (binascii.Error, ValueError) as e:
         raise bad(f"{where}.data is not valid base64 ({e})", f"{where}.data") from None
     kind = _kind(head)

@@ -78,7 +78,7 @@ class GenerateService:
         self.client_streams = ClientStreams()  # clients' token streams (router/client_streams.py)
         self.gauge_sources: list[Callable[[], dict[str, tuple[str, float]]]] = []  # more, as the HTTP front's
         self.draining = False
-        self.metrics = ServingMetrics("pdserve_router", lambda: gauges(self))
+        self.metrics = ServingMetrics("pdserve_router", lambda: gauges(self), whole=True)
         reg = self.metrics.registry
         self.queue_wait = Histogram(
             "pdserve_router_queue_wait_seconds",

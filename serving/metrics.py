@@ -65,7 +65,9 @@ class _Gauges:
 class ServingMetrics:
     """The metrics of one server; `prefix` is pdserve_router / pdserve_decode / pdserve_prefill."""
 
-    def __init__(self, prefix: str, gauges: Callable[[], Gauges] | None = None) -> None:
+    def __init__(self, prefix: str, gauges: Callable[[], Gauges] | None = None, whole: bool = False) -> None:
+        """whole: the server sees each request from arrival to its last token (the router): it also
+        keeps e2e_seconds and prompt_tokens_total."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(f"{prefix}_requests", "Finished requests by outcome", ["outcome"], registry=r)
@@ -78,7 +80,7 @@ class ServingMetrics:
         self.tokens = Counter(f"{prefix}_generated_tokens", "Tokens generated", registry=r)
         self.prompt_tokens: Counter | None = None  # the router's: it sees each request whole
         self.e2e: Histogram | None = None
-        if prefix == "pdserve_router":
+        if whole:
             self.prompt_tokens = Counter(f"{prefix}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
             self.e2e = Histogram(
                 f"{prefix}_e2e_seconds", "Request received to its last token", buckets=_E2E_BUCKETS, registry=r
