@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from router.anthropic_output import Blocks, message, stop_reason, usage
+from router.anthropic_output import Blocks, body, message, stop_reason, usage
 from router.anthropic_request import MessagesRequest, to_chat
 from router.errors import Abort
 from router.openai_api import OpenAIFront, _Gone, _json, _sse_event, _until_disconnect
@@ -115,7 +115,7 @@ async def _whole(front: OpenAIFront, job: Job) -> Response:
         async for _, c in ev:
             turn.feed(c)
     turn.blocks.close()
-    return _json(200, turn.whole())
+    return Response(body(turn.whole()), 200, media_type="application/json")
 
 
 async def _stream(front: OpenAIFront, job: Job, request: Request) -> Response:

@@ -7,8 +7,9 @@ same blocks in the same order; the whole message is built by the same code."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from router.parsers.values import dumps_exact, loads_exact
 
 
 def stop_reason(finish: str | None, stop: str) -> str:
@@ -98,12 +99,18 @@ class Blocks:
 
 
 def _input(args: str) -> dict[str, Any]:
-    """A call's input: its arguments' JSON object ({} when cut off before it closed)."""
+    """A call's input: its arguments' JSON object ({} when cut off before it closed), numbers kept
+    as written (`1e999` stays that in the answer, where a float would be Infinity, no JSON)."""
     try:
-        v = json.loads(args) if args else {}
+        v = loads_exact(args) if args else {}
     except ValueError:
         return {}
     return v if isinstance(v, dict) else {}
+
+
+def body(msg: dict[str, Any]) -> str:
+    """A whole message's JSON text: tool inputs' numbers as the model wrote them."""
+    return dumps_exact(msg)
 
 
 def message(mid: str, model: str, blocks: list[dict[str, Any]], reason: str | None, stop: str, use: dict) -> dict:
