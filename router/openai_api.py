@@ -284,26 +284,34 @@ class OpenAIFront:
         async def body() -> AsyncIterator[bytes]:
             roles = job.chat  # chat opens each choice with its role, before the first event's delta
 
-            def opening(prompt_ids) -> Iterator[bytes]:
+            def opening(first: Chunk | None) -> Iterator[bytes]:
                 for k, ch in enumerate(choices):
                     role = {"index": ch.index, "delta": {"role": "assistant", "content": ""}}
                     obj = dict(head, choices=[dict(role, logprobs=None, finish_reason=None)])
                     if k == 0 and job.token_ids:  # the prompt's ids, once, on the stream's first chunk
-                        obj["prompt_token_ids"] = list(prompt_ids)
+                        obj["prompt_token_ids"] = list(first.prompt_token_ids) if first else []
+                    if continuous and first is not None:  # vLLM's: the prompt so far, no tokens yet
+                        p = first.prompt_tokens
+                        obj["usage"] = {
+                            "prompt_tokens": p,
+                            "completion_tokens": 0,
+                            "total_tokens": p,
+                            "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+                        }
                     yield _sse(obj)
 
             try:
                 async for i, c in ev:
                     if roles:
                         roles = False
-                        for b in opening(c.prompt_token_ids):
+                        for b in opening(c):
                             yield b
                     d = choices[i].delta(c)
                     if d is not None:
                         # vLLM's: each chunk's usage is its own choice's so far (its prompt and its tokens)
                         yield _sse(dict(head, choices=[d], **({"usage": usage([choices[i]])} if continuous else {})))
                 if roles:
-                    for b in opening(()):
+                    for b in opening(None):
                         yield b
                 if include_usage:
                     yield _sse(dict(head, choices=[], usage=usage(choices)))

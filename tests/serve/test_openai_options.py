@@ -385,6 +385,23 @@ def test_continuous_usage_stats(oai, model):
         mine = [c.usage.completion_tokens for c in two if c.choices and c.choices[0].index == i]
         assert mine == sorted(mine) and mine[-1] == 6, (i, mine)
     assert two[-1].usage.completion_tokens == 12
+    # chat: the role chunk opening each choice too (the prompt, no tokens yet), as vLLM's does
+    msgs = [{"role": "user", "content": PROMPT}]
+    chat = list(
+        oai.chat.completions.create(
+            model=model,
+            messages=msgs,
+            max_tokens=4,
+            stream=True,
+            n=2,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            **GREEDY,
+        )
+    )
+    roles = [c for c in chat if c.choices and c.choices[0].delta.role == "assistant"]
+    assert len(roles) == 2 and all(c.usage is not None for c in chat if c.choices)
+    p = chat[-1].usage.prompt_tokens
+    assert [(c.usage.prompt_tokens, c.usage.completion_tokens) for c in roles] == [(p, 0), (p, 0)]
 
 
 def test_max_tokens_defaults(oai, model):
