@@ -143,10 +143,11 @@ class EngineCore:
         self.validate(prompt_token_ids, params)
         state = image_state(self.cfg.model, list(prompt_token_ids), tuple(images), pixels)
         done = kw.get("output_token_ids", ())
-        if done and len(prompt_token_ids) + len(done) >= self.cfg.max_model_len:
+        limit = self.scheduler.context_len  # max_model_len, or the KV cache's tokens where fewer
+        if done and len(prompt_token_ids) + len(done) >= limit:
             raise ValueError(
                 f"prompt of {len(prompt_token_ids)} tokens and {len(done)} output tokens leave no room to generate: "
-                f"max_model_len is {self.cfg.max_model_len}"
+                f"a context stops at {limit} tokens (max_model_len {self.cfg.max_model_len}, KV cache {self.capacity.max_tokens})"
             )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:

@@ -15,7 +15,7 @@ class Status(enum.Enum):
     PREEMPTED = "preempted"  # queued again with nothing allocated; recomputes prompt + output
     HELD = "held"  # prefill side: prompt computed, first token sampled, memory kept for the push
     RESERVED = "reserved"  # decode side: memory set aside for a state another node is writing
-    FINISHED = "finished"  # stopped (stop token, EOS, max_tokens, max_model_len) or pushed
+    FINISHED = "finished"  # stopped (stop token, EOS, max_tokens, max_model_len or a full cache) or pushed
     ABORTED = "aborted"  # cancelled, or its transfer abandoned
 
     @property
@@ -37,8 +37,7 @@ TRANSITIONS: Mapping[Status, frozenset[Status]] = MappingProxyType(
     {
         _S.WAITING: frozenset({_S.RUNNING, _S.RESERVED, _S.ABORTED}),
         _S.RUNNING: frozenset({_S.PREEMPTED, _S.HELD, _S.FINISHED, _S.ABORTED}),
-        # FINISHED: preempted while alone in the batch and still too big for the cache ("length")
-        _S.PREEMPTED: frozenset({_S.RUNNING, _S.FINISHED, _S.ABORTED}),
+        _S.PREEMPTED: frozenset({_S.RUNNING, _S.ABORTED}),
         _S.HELD: frozenset({_S.FINISHED, _S.ABORTED}),
         _S.RESERVED: frozenset({_S.RUNNING, _S.ABORTED}),
         _S.FINISHED: frozenset(),

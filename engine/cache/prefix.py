@@ -104,6 +104,11 @@ class PrefixCache:
     def num_used(self) -> int:
         return self.num_snapshots - len(self._free_idx)
 
+    @property
+    def num_available(self) -> int:
+        """Entries `reserve` can give now: free ones and those it may evict (none pinned)."""
+        return len(self._free_idx) + len(self._cold) + len(self._lru)
+
     # ---- lookup ----------------------------------------------------------------------
     def shared_pages(self, p: int) -> int:
         """The cached full pages a request resuming at p shares; with MTP the page holding token

@@ -11,39 +11,18 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from engine.cache.block_manager import BlockManager, SlotPool
-from engine.cache.prefix import PrefixCache, Snapshot
+from engine.cache.prefix import PrefixCache
 from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.request import Request, Status, TransitionError
 from engine.scheduler import priority, spec_depth
-from engine.scheduler.output import FinalSave, ScheduledRow, SchedulerOutput
+from engine.scheduler.output import FinalSave, ScheduledRow, SchedulerOutput, StepPlan
 from engine.scheduler.prefix_plan import PrefixPlanner
 from engine.scheduler.priority import BATCH, INTERACTIVE
 from engine.scheduler.steady import SteadyRows
-from engine.step import SnapshotCopy
 
 log = logging.getLogger("pdserve.scheduler")
 
 Proposer = Callable[[list[int], int], list[int]]
-
-
-class _Plan:
-    """One step's plan while `schedule` builds it."""
-
-    def __init__(self, budget: int, short: int = 0) -> None:
-        self.budget = budget  # tokens left in the step
-        self.batch_left = 0  # prompt tokens batch requests may still take (set at their turn)
-        self.short_cap = short  # SchedulerConfig.short_step_tokens (0: none) ...
-        self.short_left = short  # ... and what short prompts may still take
-        self.rows: list[ScheduledRow] = []
-        self.plain = 0  # rows planned by `_running_rows`' first test (one token, room in its pages)
-        self.preempted: list[Request] = []
-        self.restores: list[tuple[Snapshot, SnapshotCopy]] = []
-        self.saves: list[tuple[Snapshot, SnapshotCopy]] = []
-        self.points: list[tuple[Snapshot, Request]] = []
-
-    def urgent(self) -> bool:
-        """An interactive prompt chunk is in the step: batch prompts wait for the next."""
-        return any(not r.is_decode and r.request.params.priority == INTERACTIVE for r in self.rows)
 
 
 class Scheduler:
@@ -68,6 +47,16 @@ class Scheduler:
         self.prefix = prefix
         self.plan = PrefixPlanner(prefix, blocks, slots, self.mtp) if prefix is not None else None
         self.max_model_len = max_model_len
+        # where a request's context stops: max_model_len, or where the cache holds fewer tokens, its
+        # KV pages' tokens and the pending one (it needs no page): "length" and a warning (`_emit`)
+        self.context_len = min(max_model_len, blocks.num_blocks * blocks.block_size + 1)
+        if self.context_len < max_model_len:  # vLLM refuses to start here; the engine serves shorter contexts
+            log.warning(
+                "max_model_len %d is more than the KV cache holds (%d tokens): a request stops (length) where its "
+                "context fills the cache; raise --kv-cache-memory or lower --max-model-len",
+                max_model_len,
+                self.context_len - 1,
+            )
         self.waiting: deque[Request] = deque()  # both in class order (engine/scheduler/priority.py)
         self.running: list[Request] = []
         self.classes = priority.Classes()
@@ -126,9 +115,9 @@ class Scheduler:
         landed = self.plan.take_landed(rows) if self.plan is not None else []
         return SchedulerOutput(rows, [], finished, [], [], landed, [], steady=True)
 
-    def _new_plan(self) -> _Plan:
+    def _new_plan(self) -> StepPlan:
         short = self.cfg.short_step_tokens if self.cfg.short_prompt_tokens and self.short_active else 0
-        return _Plan(self.cfg.max_num_batched_tokens, short)
+        return StepPlan(self.cfg.max_num_batched_tokens, short)
 
     def _could_admit(self, allowance: int) -> bool:
         """Whether `schedule` would start a waiting request in a step whose every running request
@@ -146,7 +135,7 @@ class Scheduler:
                 return True
         return False
 
-    def _running_rows(self, plan: _Plan, i: int, cls: int) -> int:
+    def _running_rows(self, plan: StepPlan, i: int, cls: int) -> int:
         """Schedule the running requests of class `cls` from index i (the running list is kept in
         class order); returns the index after them."""
         # a row past its prompt with one token left, no drafts and room for it in its pages takes
@@ -187,12 +176,9 @@ class Scheduler:
                     plan.preempted.append(victim)
                 if victim is req:
                     break
-            if req.status is not Status.RUNNING:
-                if not self.running and req.status is Status.PREEMPTED:  # alone and still does not fit: it never will
-                    self.finish(req, "length")
-                    log.warning("request %s needs more KV pages than the cache holds; stopped", req.request_id)
-                plan.budget = 0
-                break
+            if req.status is not Status.RUNNING:  # gave its own pages up (a request never outgrows the
+                plan.budget = 0  # cache, `context_len`): the rest are held outside the batch, by a decode
+                break  # node's reservations or a prefill node's holds; it recomputes once they are free
             if need > 0:
                 req.block_ids += self.blocks.allocate(need)
             self._plan_row(plan, req, n, drafts)
@@ -207,7 +193,7 @@ class Scheduler:
             i += 1
         return i
 
-    def _admit_waiting(self, plan: _Plan, i: int, cls: int, dry: bool = False) -> int:
+    def _admit_waiting(self, plan: StepPlan, i: int, cls: int, dry: bool = False) -> int:
         """Admit waiting requests of class `cls` into the running list at index i (the end of
         their class there); returns the index after them. dry: admit none, return i + 1 at the
         first that would start (`_could_admit`)."""
@@ -265,7 +251,7 @@ class Scheduler:
         return i
 
     @staticmethod
-    def _short_share(plan: _Plan, n: int) -> int:
+    def _short_share(plan: StepPlan, n: int) -> int:
         """The tokens a short prompt's chunk of n gets in this step: all of them within what short
         prompts have left, none when they do not fit (it waits a step: cut, it would need one
         more), unless none has run yet in the step (a prompt longer than the cap is chunked)."""
@@ -275,7 +261,7 @@ class Scheduler:
         plan.short_left -= n
         return n
 
-    def _plan_row(self, plan: _Plan, req: Request, n: int, drafts: list[int]) -> None:
+    def _plan_row(self, plan: StepPlan, req: Request, n: int, drafts: list[int]) -> None:
         depths = self._depths_after(req, len(drafts)) if self.mtp else ()
         self._lookahead(req, n, len(drafts), max(depths, default=0))
         if self.plan is not None:
@@ -294,12 +280,12 @@ class Scheduler:
 
     def _lookahead(self, req: Request, n: int, num_drafts: int, depth: int) -> None:
         """With MTP, a row that samples also takes pages, while free ones remain, for the positions
-        its next drafts occupy (capped at max_model_len); it never preempts for them: without
+        its next drafts occupy (capped at `context_len`); it never preempts for them: without
         them the worker drafts fewer tokens."""
         end = req.num_computed_tokens + n
         if not self.mtp or end - num_drafts < req.num_tokens:
             return
-        end = min(end + max(depth - 1, 0), self.max_model_len)
+        end = min(end + max(depth - 1, 0), self.context_len)
         extra = min(self.blocks.blocks_for(end) - len(req.block_ids), self.blocks.num_free)
         if extra > 0:
             req.block_ids += self.blocks.allocate(extra)
@@ -344,7 +330,7 @@ class Scheduler:
 
     # ---- speculative decoding: drafts and the depth policy (spec_depth.py) -------------------
     def _drafts(self, req: Request, budget: int) -> list[int]:
-        """Draft tokens for a decoding request, never past its depth, max_tokens, max_model_len
+        """Draft tokens for a decoding request, never past its depth, max_tokens, `context_len`
         or the budget."""
         c = req.params.constraint  # one whose matcher cannot roll back a rejected draft: none
         if not self.num_spec_tokens or (self.proposer is None and not self.mtp) or (c and not c.drafts_ok):
@@ -353,7 +339,7 @@ class Scheduler:
             req.spec.depth,
             budget - 1,
             req.params.max_tokens - len(req.output_token_ids) - 1,
-            self.max_model_len - req.num_tokens - 1,
+            self.context_len - req.num_tokens - 1,
         )
         if room <= 0:
             return []
@@ -482,7 +468,8 @@ class Scheduler:
         return touched
 
     def _emit(self, req: Request, toks: list[int], eos: tuple[int, ...]) -> None:
-        """Append tokens one by one, finishing on a stop token, EOS, max_tokens or max_model_len."""
+        """Append tokens one by one, finishing on a stop token, EOS, max_tokens or max_model_len (or
+        the cache's tokens where they are fewer: `context_len`)."""
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         p, out = req.params, req.output_token_ids
@@ -490,8 +477,17 @@ class Scheduler:
             out.append(tok)
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
                 reason = "stop"
-            elif len(out) >= p.max_tokens or len(req.prompt_token_ids) + len(out) >= self.max_model_len:
+            elif len(out) >= p.max_tokens or len(req.prompt_token_ids) + len(out) >= self.context_len:
                 reason = "length"
+                if len(out) < p.max_tokens and len(req.prompt_token_ids) + len(out) < self.max_model_len:
+                    log.warning(
+                        "request %s stopped (length) after %d tokens: its context fills the KV cache's %d tokens "
+                        "before max_model_len %d; raise --kv-cache-memory or lower --max-model-len",
+                        req.request_id,
+                        len(out),
+                        self.context_len - 1,
+                        self.max_model_len,
+                    )
             else:
                 continue
             if self.plan is not None:

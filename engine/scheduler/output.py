@@ -1,5 +1,5 @@
 """The scheduler's typed records: one step's plan (`SchedulerOutput` of `ScheduledRow`s, with the
-prefix snapshots it restores and saves) and a finished request's final-state save (`FinalSave`).
+prefix snapshots it restores and saves; `StepPlan` while it is built) and a finished request's final-state save (`FinalSave`).
 EngineCore turns a plan into the workers' `StepInput` (engine/step.py) and hands it back to
 `Scheduler.update` (or `abandon`) once the step ran (or failed).
 """
@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from engine.cache.prefix import Snapshot
 from engine.request import Request
+from engine.scheduler.priority import INTERACTIVE
 from engine.step import SnapshotCopy
 
 
@@ -51,6 +52,27 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(r.num_new_tokens for r in self.rows)
+
+
+class StepPlan:
+    """One step's plan while `Scheduler.schedule` builds it (its rows, preemptions and snapshot
+    copies become the `SchedulerOutput`)."""
+
+    def __init__(self, budget: int, short: int = 0) -> None:
+        self.budget = budget  # tokens left in the step
+        self.batch_left = 0  # prompt tokens batch requests may still take (set at their turn)
+        self.short_cap = short  # SchedulerConfig.short_step_tokens (0: none) ...
+        self.short_left = short  # ... and what short prompts may still take
+        self.rows: list[ScheduledRow] = []
+        self.plain = 0  # rows planned by `_running_rows`' first test (one token, room in its pages)
+        self.preempted: list[Request] = []
+        self.restores: list[tuple[Snapshot, SnapshotCopy]] = []
+        self.saves: list[tuple[Snapshot, SnapshotCopy]] = []
+        self.points: list[tuple[Snapshot, Request]] = []
+
+    def urgent(self) -> bool:
+        """An interactive prompt chunk is in the step: batch prompts wait for the next."""
+        return any(not r.is_decode and r.request.params.priority == INTERACTIVE for r in self.rows)
 
 
 @dataclass

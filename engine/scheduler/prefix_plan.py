@@ -122,7 +122,14 @@ class PrefixPlanner:
         grid = range((start // step + 1) * step, end + 1, step)
         extra = [q for q in req.snapshot_points if start < q <= end]
         points = sorted(set(grid).union(extra, [plen] if end == plen else []))
-        for p in points:
+        # a pool with fewer entries to give than the chunk's points gives them first to the prompt's
+        # end, then to its message and branch points, then to the grid from the chunk's end back:
+        # what a next turn resumes from (in position order the first grid points took them all)
+        ranked = points
+        if len(points) > self.prefix.num_available:
+            ranked = sorted(points, key=lambda p: (p != plen, p not in req.snapshot_points, -p))
+        got: list[tuple[int, Snapshot]] = []
+        for p in ranked:
             parent, tail = self.prefix.key_for(req.hash_prompt, self.hashes(req), p)
             cold = p != plen and p not in req.snapshot_points  # on the grid only
             s = self.prefix.reserve(parent, tail, p, cold, end=p == plen)
@@ -131,10 +138,12 @@ class PrefixPlanner:
                 if kept is not None:
                     logprob_points.append((kept, req))
             if s is not None:
-                offset = None if p == start + n else p - start
-                j = self.prefix.tail_page(p)
-                page = req.block_ids[j] if j is not None else None
-                saves.append((s, SnapshotCopy(s.index, self._slot(req), page, offset, self._last(p))))
+                got.append((p, s))
+        for p, s in sorted(got, key=lambda x: x[0]):  # in position order: the forward's points
+            offset = None if p == start + n else p - start
+            j = self.prefix.tail_page(p)
+            page = req.block_ids[j] if j is not None else None
+            saves.append((s, SnapshotCopy(s.index, self._slot(req), page, offset, self._last(p))))
 
     def _last(self, p: int) -> int | None:
         """MTP: the position whose hidden state a snapshot at p keeps (p - 1: the drafter's KV
