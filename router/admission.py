@@ -64,6 +64,7 @@ class Admission:
         # per class, tenant -> its waiters in arrival order; the dict's order is the turn order
         self._classes: list[dict[str, deque[_Waiter]]] = [{} for _ in CLASS_NAMES]
         self._tokens = [0] * len(CLASS_NAMES)
+        self._squares = [0] * len(CLASS_NAMES)  # the sum of each one's tokens squared (wait_estimate)
         self._count = [0] * len(CLASS_NAMES)
         self._on_leave = on_leave or (lambda outcome, ask, wait_s: None)
         # the head's last try found no decode room: requests needing none may go first
@@ -74,9 +75,11 @@ class Admission:
     def depth(self, priority: int | None = None) -> int:
         return sum(self._count) if priority is None else self._count[priority]
 
-    def ahead(self, priority: int) -> tuple[int, int]:
-        """(prefill-pool tokens, requests) queued in this class and the ones before it."""
-        return sum(self._tokens[: priority + 1]), sum(self._count[: priority + 1])
+    def ahead(self, priority: int) -> tuple[int, int, int]:
+        """(prefill-pool tokens, requests, the sum of each request's tokens squared) queued in this
+        class and the ones before it: the squares price prompts of mixed lengths (wait_estimate)."""
+        k = priority + 1
+        return sum(self._tokens[:k]), sum(self._count[:k]), sum(self._squares[:k])
 
     def _head(self) -> _Waiter | None:
         for tenants in self._classes:
@@ -128,6 +131,7 @@ class Admission:
         if ask.alone:
             self._alone.add(me)
         self._tokens[p] += ask.tokens
+        self._squares[p] += ask.tokens**2
         self._count[p] += 1
         outcome = "cancelled"
         try:
@@ -165,6 +169,7 @@ class Admission:
             elif outcome == "admitted":  # placed: the tenant's turn passes to the next one
                 tenants[ask.tenant] = tenants.pop(ask.tenant)
             self._tokens[p] -= ask.tokens
+            self._squares[p] -= ask.tokens**2
             self._count[p] -= 1
             self.wake()  # the next one may be the head now
             self._on_leave(outcome, ask, time.monotonic() - t0)

@@ -350,7 +350,7 @@ class GenerateService:
             with self.registry.lock:
                 cached = max((p.cache.usable(q, compute=True) for p in self.prefill.ready(dec[0], set())), default=0)
         ask = self.ask(request, prompt_len - cached if pooled else 0, resumed, alone)
-        ahead_tokens, ahead = self.admission.ahead(ask.priority)
+        ahead_tokens, ahead, ahead_squares = self.admission.ahead(ask.priority)
         ends = [r.expected_end_s(self.tpot_s, self.lengths) for r in self.placed]
         est, what = estimate(
             self.registry,
@@ -359,6 +359,7 @@ class GenerateService:
             ask.tokens,
             ahead_tokens,
             ahead,
+            ahead_squares,
             ends,
             ask.priority == BATCH,
             decode=not alone,
