@@ -22,6 +22,7 @@ from router.errors import Abort
 T = TypeVar("T")
 
 INTERACTIVE, BATCH = 0, 1
+QUEUE_FULL_RETRY_S = 1.0  # a full queue's Retry-After where the estimate says less (or nothing)
 CLASS_NAMES = ("interactive", "batch")
 
 
@@ -103,13 +104,17 @@ class Admission:
         self._lacked = on_decode
 
     def decide(self, ask: Ask, estimate_s: float, what: str) -> None:
-        """Refuse at arrival (Refused) when the queue is full or the estimated wait passes the
-        budget; `what` says what the estimate is made of, for the message."""
+        """Refuse at arrival (Refused) when the queue is full (to retry after the estimated wait)
+        or the estimated wait passes the budget; `what` says what the estimate is made of."""
         if ask.resumed:
             return
         if self.max_queued and self.depth() >= self.max_queued:
             self._on_leave("queue_full", ask, 0.0)
-            raise Refused(f"{self.depth()} requests already wait for admission (the limit): try again later", 1.0)
+            # come back when the queue ahead would have let it start, not in a second: a full queue
+            # takes the pools that long to drain, and clients told 1 s retry it dozens of times
+            after = estimate_s if math.isfinite(estimate_s) and estimate_s > QUEUE_FULL_RETRY_S else QUEUE_FULL_RETRY_S
+            when = f" in about {after:.0f} s" if after > QUEUE_FULL_RETRY_S else " later"
+            raise Refused(f"{self.depth()} requests already wait for admission (the limit): try again{when}", after)
         if not ask.budget_s or estimate_s <= ask.budget_s:
             return
         self._on_leave("estimate", ask, 0.0)

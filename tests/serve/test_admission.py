@@ -57,6 +57,13 @@ async def _fifo_limit_estimate_cancel():
     with pytest.raises(Refused) as ei:  # a fourth finds the queue full: refused at once
         adm.decide(ask, 0.0, "test")
     assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "already wait" in ei.value.msg
+    assert ei.value.retry_after_s == 1.0  # nothing known of when it drains: in a second
+    with pytest.raises(Refused) as ei:  # the queue ahead takes 12.3 s to start: come back then
+        adm.decide(Ask(budget_s=0.0), 12.3, "test")
+    assert ei.value.retry_after_s == 12.3 and "in about 12 s" in ei.value.msg, ei.value.msg
+    with pytest.raises(Refused) as ei:
+        adm.decide(ask, math.inf, "test")
+    assert ei.value.retry_after_s == 1.0
     adm.decide(Ask(resumed=True), math.inf, "test")  # a resumed request is never refused
     t = time.monotonic()
     tasks[1].cancel()  # the middle one leaves at once
@@ -78,7 +85,7 @@ async def _fifo_limit_estimate_cancel():
     with pytest.raises(Refused) as ei:  # no decode room: the budget is the hint
         adm.decide(Ask(budget_s=2.0), math.inf, "no room")
     assert ei.value.retry_after_s == 2.0
-    assert sorted(left) == ["admitted", "admitted", "cancelled", "estimate", "estimate", "queue_full"]
+    assert sorted(left) == ["admitted", "admitted", "cancelled", "estimate", "estimate"] + ["queue_full"] * 3
 
 
 def test_fifo_limit_estimate_and_cancel():
