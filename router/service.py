@@ -47,6 +47,7 @@ STREAMING = 1024
 # node serves cannot fit it (tokenizers' pieces average 3-5 characters of text; a whole context
 # averaging 16 is far beyond any real prompt): refused before it is tokenized.
 CHARS_PER_TOKEN = 16
+WAIT_POOLS = ("prefill", "decode")  # estimated_wait_seconds{pool}: what a request waits for
 
 
 class GenerateService:
@@ -94,14 +95,15 @@ class GenerateService:
         )
         self.estimated_wait = Gauge(
             "pdserve_router_estimated_wait_seconds",
-            "The last estimate at arrival of when a request would start, per class (inf: no decode room)",
+            "The last estimate at arrival of when a request would start, per class (inf: no decode room; "
+            "0 while no request is in flight)",
             ["pool", "class"],
             registry=reg,
         )
         for c in CLASS_NAMES:
             for reason in ("queue_full", "estimate"):
                 self.refused.labels(reason=reason, **{"class": c})
-            for pool in ("prefill", "decode"):
+            for pool in WAIT_POOLS:
                 self.estimated_wait.labels(pool=pool, **{"class": c})
         self.migrations = MigrationMetrics(reg)
         self.prefill.encode = EncodePool(cfg, self.registry, reg)
@@ -193,6 +195,11 @@ class GenerateService:
             self.ids.discard(rid)
             if not self.active:
                 self.idle.set()
+                # nothing in flight: the last arrival's estimate no longer holds (a dashboard read a
+                # burst's last figure, +Inf at worst, on an idle router until the next request)
+                for c in CLASS_NAMES:
+                    for pool in WAIT_POOLS:
+                        self.estimated_wait.labels(pool=pool, **{"class": c}).set(0.0)
 
     def prompt_chars_limit(self) -> tuple[int, str]:
         """The most characters a text prompt may have, and what sets it (checked before tokenizing)."""
