@@ -150,9 +150,14 @@ def estimate(
         # the prompts ahead priced at their length-weighted mean length, sum L^2 / sum L: under the
         # fitted cost (a + b (L + 1) / 2 a token) exactly the sum of their own times. Their plain
         # mean (186 for 40-token prompts with a 1,500-token one in ten, against 1,217) priced such a
-        # burst on the tiny model at 6.5 times that rate, and requests told 7 s waited 64 s
-        tokens_ahead = sum(p.inflight_prefill_tokens for p in pool) + ahead_tokens
-        squares = sum(p.inflight_prefill_squares for p in pool) + ahead_squares
+        # burst on the tiny model at 6.5 times that rate, and requests told 7 s waited 64 s. An
+        # interactive request's are the interactive ones (a batch flood's long prompts, which its
+        # node computes after it, would price its short ones ahead at their length)
+        if batch:
+            sent = sum(p.inflight_prefill_tokens for p in pool), sum(p.inflight_prefill_squares for p in pool)
+        else:
+            sent = sum(p.inflight_interactive_tokens for p in pool), sum(p.inflight_interactive_squares for p in pool)
+        tokens_ahead, squares = sent[0] + ahead_tokens, sent[1] + ahead_squares
         length = squares // tokens_ahead if tokens_ahead else prompt_len
         rates = {p.node_id: node_rate(p, meter, length) for p in pool}
         measured = [r for r in rates.values() if r is not None]

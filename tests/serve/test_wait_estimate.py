@@ -141,3 +141,29 @@ def test_a_request_ending_at_its_first_token_waits_for_the_pool_only():
     )
     assert held == pytest.approx(50.0)
     assert alone == pytest.approx(400 / (1000.0 * NODE_RATE_MARGIN), rel=0.01), what
+
+
+def test_an_interactive_request_prices_only_the_interactive_prompts_ahead():
+    """A batch flood of 8,000-token prompts sent to the prefill node, and 100-token interactive
+    ones (one sent, five queued): the node computes the interactive ones first, and an interactive
+    arrival's estimate is their own time at the fitted cost, the flood's lengths left out (priced
+    at the mix's length-weighted mean, 7,854 tokens, they would cost 40 times as much a token)."""
+    from proto import pb
+    from router.registry import NodeRegistry
+    from router.wait_estimate import NODE_RATE_MARGIN, estimate
+
+    reg = NodeRegistry()
+    cap = pb.Capacity(total_blocks=10**6, free_blocks=10**6, block_size=16, total_slots=512, free_slots=512)
+    reg.register(pb.NodeInfo(node_id="d", kind=pb.NODE_KIND_DECODE, capacity=cap))
+    a, b = 1e-5, 2e-7
+    cost = pb.PrefillCost(s_per_token=a, s_per_pair=b)
+    p = reg.register(pb.NodeInfo(node_id="p", kind=pb.NODE_KIND_PREFILL, prefill_ready=True, prefill_cost=cost))
+    for _ in range(4):
+        p.prefill_sent(8000, interactive=False)
+    p.prefill_sent(100, interactive=True)
+    est, what = estimate(reg, RateMeter(), 100, 100, 500, 5, 5 * 100**2, ends=[])
+    assert est == pytest.approx(6 * 100 * (a + b * 101 / 2) / NODE_RATE_MARGIN, rel=1e-6), what
+    for _ in range(4):
+        p.prefill_back(8000, interactive=False)
+    p.prefill_back(100, interactive=True)
+    assert p.inflight_prefill_squares == p.inflight_interactive_squares == 0
