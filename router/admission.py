@@ -108,13 +108,21 @@ class Admission:
         or the estimated wait passes the budget; `what` says what the estimate is made of."""
         if ask.resumed:
             return
-        if self.max_queued and self.depth() >= self.max_queued:
+        # the limit counts the requests that start before it: its class and the ones before it (an
+        # interactive request was refused while a batch flood filled the queue, though it would
+        # have started ahead of all of it); the queue then holds at most the limit once per class
+        ahead = self.ahead(ask.priority)[1]
+        if self.max_queued and ahead >= self.max_queued:
             self._on_leave("queue_full", ask, 0.0)
             # come back when the queue ahead would have let it start, not in a second: a full queue
             # takes the pools that long to drain, and clients told 1 s retry it dozens of times
             after = estimate_s if math.isfinite(estimate_s) and estimate_s > QUEUE_FULL_RETRY_S else QUEUE_FULL_RETRY_S
             when = f" in about {after:.0f} s" if after > QUEUE_FULL_RETRY_S else " later"
-            raise Refused(f"{self.depth()} requests already wait for admission (the limit): try again{when}", after)
+            raise Refused(
+                f"{ahead} requests that start before this {ask.class_name} one already wait for admission (the "
+                f"limit): try again{when}",
+                after,
+            )
         if not ask.budget_s or estimate_s <= ask.budget_s:
             return
         self._on_leave("estimate", ask, 0.0)

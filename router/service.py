@@ -116,7 +116,8 @@ class GenerateService:
         known = {key_id(d) for d in creds.api_keys}
         if unknown := sorted(set(self.key_classes) - known):
             raise ValueError(f"--api-key-priority names key id(s) {', '.join(unknown)}: no client API key has them")
-        self.generate_limit = (cfg.max_queued_requests or 4096) + STREAMING
+        # the queue holds up to its limit once per class (Admission.decide), and the streaming beside it
+        self.generate_limit = len(CLASS_NAMES) * (cfg.max_queued_requests or 4096) + STREAMING
 
     def spawn(self, coro: Coroutine) -> asyncio.Task:
         """Run a coroutine as a task held until it ends (releases, push watchers)."""

@@ -136,6 +136,39 @@ def test_interactive_before_batch_and_keys_take_turns():
     asyncio.run(_classes_and_turns())
 
 
+async def _limit_by_class():
+    adm = Admission(max_queued=3)
+    tasks = []
+
+    async def arrive(ask: Ask) -> None:
+        adm.decide(ask, 0.0, "test")
+        tasks.append(asyncio.create_task(adm.wait(ask, _never, _never)))
+        await _queued(adm, len(tasks))
+
+    for _ in range(3):  # a batch flood fills the queue
+        await arrive(Ask(BATCH))
+    for _ in range(3):  # interactive ones start before all of it: queued up to the limit of their own
+        await arrive(Ask(INTERACTIVE))
+    with pytest.raises(Refused) as ei:  # another batch request finds it full
+        adm.decide(Ask(BATCH), 0.0, "test")
+    assert "6 requests that start before this batch one" in ei.value.msg, ei.value.msg
+    with pytest.raises(Refused) as ei:
+        adm.decide(Ask(INTERACTIVE), 0.0, "test")
+    assert "3 requests that start before this interactive one" in ei.value.msg, ei.value.msg
+    assert adm.depth() == 6
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert adm.depth() == 0
+
+
+def test_the_queue_limit_counts_the_requests_that_start_first():
+    """A batch flood that fills --max-queued-requests does not refuse interactive requests, which
+    would start before every batch one: each class is refused at the limit counted over itself and
+    the classes before it."""
+    asyncio.run(_limit_by_class())
+
+
 def test_rate_meter_over_its_last_completions():
     from router.wait_estimate import WINDOW
 
