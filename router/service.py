@@ -380,7 +380,11 @@ class GenerateService:
 
         def unavailable() -> Abort | None:
             if not [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]:
-                return Abort(grpc.StatusCode.UNAVAILABLE, "no live decode node takes new requests")
+                return Abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"no live decode node took new requests for {ask.budget_s:g} s, this request's admission "
+                    "budget: retry shortly, or with a longer budget",
+                )
             return None
 
         batch = ask.priority == BATCH
