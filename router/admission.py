@@ -22,6 +22,7 @@ from router.errors import Abort
 T = TypeVar("T")
 
 INTERACTIVE, BATCH = 0, 1
+QUEUE_FULL_RETRY_S = 1.0  # a full queue's Retry-After where the estimate says less (or nothing)
 CLASS_NAMES = ("interactive", "batch")
 
 
@@ -64,6 +65,7 @@ class Admission:
         # per class, tenant -> its waiters in arrival order; the dict's order is the turn order
         self._classes: list[dict[str, deque[_Waiter]]] = [{} for _ in CLASS_NAMES]
         self._tokens = [0] * len(CLASS_NAMES)
+        self._squares = [0] * len(CLASS_NAMES)  # the sum of each one's tokens squared (wait_estimate)
         self._count = [0] * len(CLASS_NAMES)
         self._on_leave = on_leave or (lambda outcome, ask, wait_s: None)
         # the head's last try found no decode room: requests needing none may go first
@@ -74,9 +76,11 @@ class Admission:
     def depth(self, priority: int | None = None) -> int:
         return sum(self._count) if priority is None else self._count[priority]
 
-    def ahead(self, priority: int) -> tuple[int, int]:
-        """(prefill-pool tokens, requests) queued in this class and the ones before it."""
-        return sum(self._tokens[: priority + 1]), sum(self._count[: priority + 1])
+    def ahead(self, priority: int) -> tuple[int, int, int]:
+        """(prefill-pool tokens, requests, the sum of each request's tokens squared) queued in this
+        class and the ones before it: the squares price prompts of mixed lengths (wait_estimate)."""
+        k = priority + 1
+        return sum(self._tokens[:k]), sum(self._count[:k]), sum(self._squares[:k])
 
     def _head(self) -> _Waiter | None:
         for tenants in self._classes:
@@ -100,13 +104,25 @@ class Admission:
         self._lacked = on_decode
 
     def decide(self, ask: Ask, estimate_s: float, what: str) -> None:
-        """Refuse at arrival (Refused) when the queue is full or the estimated wait passes the
-        budget; `what` says what the estimate is made of, for the message."""
+        """Refuse at arrival (Refused) when the queue is full (to retry after the estimated wait)
+        or the estimated wait passes the budget; `what` says what the estimate is made of."""
         if ask.resumed:
             return
-        if self.max_queued and self.depth() >= self.max_queued:
+        # the limit counts the requests that start before it: its class and the ones before it (an
+        # interactive request was refused while a batch flood filled the queue, though it would
+        # have started ahead of all of it); the queue then holds at most the limit once per class
+        ahead = self.ahead(ask.priority)[1]
+        if self.max_queued and ahead >= self.max_queued:
             self._on_leave("queue_full", ask, 0.0)
-            raise Refused(f"{self.depth()} requests already wait for admission (the limit): try again later", 1.0)
+            # come back when the queue ahead would have let it start, not in a second: a full queue
+            # takes the pools that long to drain, and clients told 1 s retry it dozens of times
+            after = estimate_s if math.isfinite(estimate_s) and estimate_s > QUEUE_FULL_RETRY_S else QUEUE_FULL_RETRY_S
+            when = f" in about {after:.0f} s" if after > QUEUE_FULL_RETRY_S else " later"
+            raise Refused(
+                f"{ahead} requests that start before this {ask.class_name} one already wait for admission (the "
+                f"limit): try again{when}",
+                after,
+            )
         if not ask.budget_s or estimate_s <= ask.budget_s:
             return
         self._on_leave("estimate", ask, 0.0)
@@ -128,6 +144,7 @@ class Admission:
         if ask.alone:
             self._alone.add(me)
         self._tokens[p] += ask.tokens
+        self._squares[p] += ask.tokens**2
         self._count[p] += 1
         outcome = "cancelled"
         try:
@@ -165,6 +182,7 @@ class Admission:
             elif outcome == "admitted":  # placed: the tenant's turn passes to the next one
                 tenants[ask.tenant] = tenants.pop(ask.tenant)
             self._tokens[p] -= ask.tokens
+            self._squares[p] -= ask.tokens**2
             self._count[p] -= 1
             self.wake()  # the next one may be the head now
             self._on_leave(outcome, ask, time.monotonic() - t0)

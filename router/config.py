@@ -40,7 +40,9 @@ class RouterConfig(ImageArgs, SecurityArgs):
     admission_timeout_s: float = option(30.0, ADMISSION_HELP)
     # 1024: the largest completions request (64 prompts x n = 16) fits an idle router
     max_queued_requests: int = option(
-        1024, "requests that may wait for admission; one more is refused RESOURCE_EXHAUSTED at once (0: no limit)"
+        1024,
+        "requests that may wait for admission ahead of a new one (its class and the classes before it); one "
+        "more is refused RESOURCE_EXHAUSTED at once (0: no limit)",
     )
     # Beyond the window requests wait in the admission queue and reserve no decode memory. A prompt
     # larger than the window still goes to an idle node.

@@ -44,7 +44,11 @@ class NodeEntry:
     # cached prefix left out), first token not back
     inflight_prefill_tokens: int = 0
     inflight_interactive_tokens: int = 0  # ... of them, interactive ones (the node schedules them first)
-    inflight_prompts: int = 0  # ... in how many prompts (their mean length prices them: PrefillCost)
+    # ... the sum of each prompt's tokens squared (all, interactive): with the tokens, their
+    # length-weighted mean length, which prices them exactly under the node's fitted cost
+    # (router/wait_estimate.py)
+    inflight_prefill_squares: int = 0
+    inflight_interactive_squares: int = 0
     # ended by the router's view, not yet in the node's reports (free on the node), one per end:
     # (the node's count of ended requests with it, 0 unknown; slots; blocks; when), kept until a
     # report counts that end (requests_ended), not merely until the next report, which the node
@@ -135,14 +139,17 @@ class NodeEntry:
         """The router sent the node `tokens` prompt tokens to compute (registry lock held)."""
         self.inflight_prefill_tokens += tokens
         self.inflight_interactive_tokens += tokens if interactive else 0
-        self.inflight_prompts += 1
+        self.inflight_prefill_squares += tokens**2
+        self.inflight_interactive_squares += tokens**2 if interactive else 0
 
     def prefill_back(self, tokens: int, interactive: bool = False) -> None:
         """What `prefill_sent` counted is no longer queued there, computed or given up (registry
         lock held), though the node's last report may still count it."""
         self.inflight_prefill_tokens -= tokens
         self.inflight_interactive_tokens -= tokens if interactive else 0
-        self.inflight_prompts = max(0, self.inflight_prompts - 1)
+        self.inflight_prefill_squares = max(0, self.inflight_prefill_squares - tokens**2)
+        if interactive:
+            self.inflight_interactive_squares = max(0, self.inflight_interactive_squares - tokens**2)
         self.prefilled_tokens += tokens
 
     def queued_prefill_tokens(self) -> int:

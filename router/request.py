@@ -167,17 +167,19 @@ class RequestRun:
             t0 = time.monotonic()
             # it ends at its first token: a prefill node computes it with no decode node
             alone = not (self.local or self.sent or self.alone_failed) and self._max_tokens() == 1
-            d, p, self.own_tokens = await self.svc.admit(
-                ids,
-                self.tried,
-                self.local or bool(self.sent),
-                self.request,
-                resumed=bool(self.tried) or self.alone_failed,
-                trace=self.tr,
-                images=self.images,
-                alone=alone,
-            )
-            self.tr.queue_s += time.monotonic() - t0
+            try:
+                d, p, self.own_tokens = await self.svc.admit(
+                    ids,
+                    self.tried,
+                    self.local or bool(self.sent),
+                    self.request,
+                    resumed=bool(self.tried) or self.alone_failed,
+                    trace=self.tr,
+                    images=self.images,
+                    alone=alone,
+                )
+            finally:  # a client that left the queue waited too (its INFO line says how long)
+                self.tr.queue_s += time.monotonic() - t0
             if d is None:
                 assert p is not None
                 first = await self.svc.prefill.alone(p, self.request, self.ids, self.tr.request_id, self.images)

@@ -47,6 +47,7 @@ STREAMING = 1024
 # node serves cannot fit it (tokenizers' pieces average 3-5 characters of text; a whole context
 # averaging 16 is far beyond any real prompt): refused before it is tokenized.
 CHARS_PER_TOKEN = 16
+WAIT_POOLS = ("prefill", "decode")  # estimated_wait_seconds{pool}: what a request waits for
 
 
 class GenerateService:
@@ -94,14 +95,15 @@ class GenerateService:
         )
         self.estimated_wait = Gauge(
             "pdserve_router_estimated_wait_seconds",
-            "The last estimate at arrival of when a request would start, per class (inf: no decode room)",
+            "The last estimate at arrival of when a request would start, per class (inf: no decode room; "
+            "0 while no request is in flight)",
             ["pool", "class"],
             registry=reg,
         )
         for c in CLASS_NAMES:
             for reason in ("queue_full", "estimate"):
                 self.refused.labels(reason=reason, **{"class": c})
-            for pool in ("prefill", "decode"):
+            for pool in WAIT_POOLS:
                 self.estimated_wait.labels(pool=pool, **{"class": c})
         self.migrations = MigrationMetrics(reg)
         self.prefill.encode = EncodePool(cfg, self.registry, reg)
@@ -114,7 +116,8 @@ class GenerateService:
         known = {key_id(d) for d in creds.api_keys}
         if unknown := sorted(set(self.key_classes) - known):
             raise ValueError(f"--api-key-priority names key id(s) {', '.join(unknown)}: no client API key has them")
-        self.generate_limit = (cfg.max_queued_requests or 4096) + STREAMING
+        # the queue holds up to its limit once per class (Admission.decide), and the streaming beside it
+        self.generate_limit = len(CLASS_NAMES) * (cfg.max_queued_requests or 4096) + STREAMING
 
     def spawn(self, coro: Coroutine) -> asyncio.Task:
         """Run a coroutine as a task held until it ends (releases, push watchers)."""
@@ -193,6 +196,11 @@ class GenerateService:
             self.ids.discard(rid)
             if not self.active:
                 self.idle.set()
+                # nothing in flight: the last arrival's estimate no longer holds (a dashboard read a
+                # burst's last figure, +Inf at worst, on an idle router until the next request)
+                for c in CLASS_NAMES:
+                    for pool in WAIT_POOLS:
+                        self.estimated_wait.labels(pool=pool, **{"class": c}).set(0.0)
 
     def prompt_chars_limit(self) -> tuple[int, str]:
         """The most characters a text prompt may have, and what sets it (checked before tokenizing)."""
@@ -350,7 +358,7 @@ class GenerateService:
             with self.registry.lock:
                 cached = max((p.cache.usable(q, compute=True) for p in self.prefill.ready(dec[0], set())), default=0)
         ask = self.ask(request, prompt_len - cached if pooled else 0, resumed, alone)
-        ahead_tokens, ahead = self.admission.ahead(ask.priority)
+        ahead_tokens, ahead, ahead_squares = self.admission.ahead(ask.priority)
         ends = [r.expected_end_s(self.tpot_s, self.lengths) for r in self.placed]
         est, what = estimate(
             self.registry,
@@ -359,6 +367,7 @@ class GenerateService:
             ask.tokens,
             ahead_tokens,
             ahead,
+            ahead_squares,
             ends,
             ask.priority == BATCH,
             decode=not alone,
@@ -371,7 +380,11 @@ class GenerateService:
 
         def unavailable() -> Abort | None:
             if not [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]:
-                return Abort(grpc.StatusCode.UNAVAILABLE, "no live decode node takes new requests")
+                return Abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"no live decode node took new requests for {ask.budget_s:g} s, this request's admission "
+                    "budget: retry shortly, or with a longer budget",
+                )
             return None
 
         batch = ask.priority == BATCH

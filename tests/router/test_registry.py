@@ -237,6 +237,7 @@ def test_static_node_is_polled():
             import grpc
 
             assert ei.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "for 0.3 s, this request's admission budget: retry shortly" in ei.value.message, ei.value
     finally:
         r.stop(0)
         srv.stop(0)

@@ -57,6 +57,13 @@ async def _fifo_limit_estimate_cancel():
     with pytest.raises(Refused) as ei:  # a fourth finds the queue full: refused at once
         adm.decide(ask, 0.0, "test")
     assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "already wait" in ei.value.msg
+    assert ei.value.retry_after_s == 1.0  # nothing known of when it drains: in a second
+    with pytest.raises(Refused) as ei:  # the queue ahead takes 12.3 s to start: come back then
+        adm.decide(Ask(budget_s=0.0), 12.3, "test")
+    assert ei.value.retry_after_s == 12.3 and "in about 12 s" in ei.value.msg, ei.value.msg
+    with pytest.raises(Refused) as ei:
+        adm.decide(ask, math.inf, "test")
+    assert ei.value.retry_after_s == 1.0
     adm.decide(Ask(resumed=True), math.inf, "test")  # a resumed request is never refused
     t = time.monotonic()
     tasks[1].cancel()  # the middle one leaves at once
@@ -78,7 +85,7 @@ async def _fifo_limit_estimate_cancel():
     with pytest.raises(Refused) as ei:  # no decode room: the budget is the hint
         adm.decide(Ask(budget_s=2.0), math.inf, "no room")
     assert ei.value.retry_after_s == 2.0
-    assert sorted(left) == ["admitted", "admitted", "cancelled", "estimate", "estimate", "queue_full"]
+    assert sorted(left) == ["admitted", "admitted", "cancelled", "estimate", "estimate"] + ["queue_full"] * 3
 
 
 def test_fifo_limit_estimate_and_cancel():
@@ -114,7 +121,7 @@ async def _classes_and_turns():
     for i in range(3):  # interactive ones sent after it, key A thrice then key B once
         await arrive(f"iA{i}", Ask(INTERACTIVE, "A", tokens=10))
     await arrive("iB0", Ask(INTERACTIVE, "B", tokens=10))
-    assert adm.ahead(INTERACTIVE) == (40, 4) and adm.ahead(BATCH) == (40, 10)
+    assert adm.ahead(INTERACTIVE) == (40, 4, 400) and adm.ahead(BATCH) == (40, 10, 400)
     for _ in range(len(tasks)):
         room.n = 1
         adm.wake()
@@ -127,6 +134,39 @@ async def _classes_and_turns():
 
 def test_interactive_before_batch_and_keys_take_turns():
     asyncio.run(_classes_and_turns())
+
+
+async def _limit_by_class():
+    adm = Admission(max_queued=3)
+    tasks = []
+
+    async def arrive(ask: Ask) -> None:
+        adm.decide(ask, 0.0, "test")
+        tasks.append(asyncio.create_task(adm.wait(ask, _never, _never)))
+        await _queued(adm, len(tasks))
+
+    for _ in range(3):  # a batch flood fills the queue
+        await arrive(Ask(BATCH))
+    for _ in range(3):  # interactive ones start before all of it: queued up to the limit of their own
+        await arrive(Ask(INTERACTIVE))
+    with pytest.raises(Refused) as ei:  # another batch request finds it full
+        adm.decide(Ask(BATCH), 0.0, "test")
+    assert "6 requests that start before this batch one" in ei.value.msg, ei.value.msg
+    with pytest.raises(Refused) as ei:
+        adm.decide(Ask(INTERACTIVE), 0.0, "test")
+    assert "3 requests that start before this interactive one" in ei.value.msg, ei.value.msg
+    assert adm.depth() == 6
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert adm.depth() == 0
+
+
+def test_the_queue_limit_counts_the_requests_that_start_first():
+    """A batch flood that fills --max-queued-requests does not refuse interactive requests, which
+    would start before every batch one: each class is refused at the limit counted over itself and
+    the classes before it."""
+    asyncio.run(_limit_by_class())
 
 
 def test_rate_meter_over_its_last_completions():
@@ -234,68 +274,6 @@ def test_the_prefill_cost_is_fitted_to_tokens_and_context():
         now += 0.5
         r.passed(3000, woke=0.0, busy=i > 0, now=now, pairs=pairs(0, 3000))
     assert r.cost() == (pytest.approx(0.5 / 3000), 0.0) and r.rate() == pytest.approx(6000.0)
-
-
-def test_prompts_ahead_are_priced_at_their_own_length():
-    """After a long prompt a node's window rate is its long chunks' rate; with its fitted cost
-    the estimate prices a burst of short prompts at their own cost (a + b (n + 1) / 2 a token,
-    computed here by hand), and a long prompt among them at the mean length."""
-    from proto import pb
-    from router.registry import NodeRegistry
-    from router.wait_estimate import NODE_RATE_MARGIN, estimate
-
-    reg = NodeRegistry()
-    cap = pb.Capacity(total_blocks=10**6, free_blocks=10**6, block_size=16, total_slots=512, free_slots=512)
-    reg.register(pb.NodeInfo(node_id="d", kind=pb.NODE_KIND_DECODE, capacity=cap))
-    a, b = 2e-4, 4e-8
-    p = reg.register(
-        pb.NodeInfo(
-            node_id="p",
-            kind=pb.NODE_KIND_PREFILL,
-            prefill_ready=True,
-            prefill_tokens_per_s=1000.0,
-            prefill_cost=pb.PrefillCost(s_per_token=a, s_per_pair=b),
-        )
-    )
-    m = RateMeter()
-    est, what = estimate(reg, m, 3000, 3000, ahead_tokens=20 * 3000, ahead=20, ends=[], batch=True)
-    assert est == pytest.approx(20 * 3000 * (a + b * 3001 / 2) / NODE_RATE_MARGIN, rel=1e-6), what
-    assert est < 20 * 3000 / (1000.0 * NODE_RATE_MARGIN) / 2  # the window rate says over twice as long
-    p.prefill_sent(30000, interactive=False)  # one long prompt ahead as well: the mean length prices all
-    est, _ = estimate(reg, m, 3000, 3000, ahead_tokens=20 * 3000, ahead=20, ends=[], batch=True)
-    n = (30000 + 60000) // 21
-    assert est == pytest.approx(90000 * (a + b * (n + 1) / 2) / NODE_RATE_MARGIN, rel=1e-6)
-
-
-def test_a_prompt_under_way_counts_what_is_left_of_it():
-    """The router counts a prompt in full until its first token comes back; the estimate takes off
-    what the node computed since its last completion, so a request arriving while a long prompt
-    is half done waits for the other half, not the whole. Counted against an independent sum:
-    the tokens ahead over the node's rate, less the node's rate times the seconds it has worked."""
-    from proto import pb
-    from router.registry import NodeRegistry
-    from router.wait_estimate import NODE_RATE_MARGIN, estimate
-
-    reg = NodeRegistry()
-    cap = pb.Capacity(total_blocks=1000, free_blocks=1000, block_size=16, total_slots=64, free_slots=64)
-    reg.register(pb.NodeInfo(node_id="d", kind=pb.NODE_KIND_DECODE, capacity=cap))
-    p = reg.register(
-        pb.NodeInfo(node_id="p", kind=pb.NODE_KIND_PREFILL, prefill_ready=True, prefill_tokens_per_s=1000.0)
-    )
-    rate = 1000.0 * NODE_RATE_MARGIN
-    m = RateMeter()
-    m.busy("p", now=time.monotonic() - 2.0)  # sent an 8000-token prompt 2 s ago, idle before it
-    p.prefill_sent(8000, interactive=True)
-    est, what = estimate(reg, m, 100, 100, ahead_tokens=500, ahead=1, ends=[])
-    assert est == pytest.approx((8000 - 2.0 * rate + 500) / rate, rel=0.01), what
-    m.done("p", 8000)  # it came back, and another prompt went in its place just now
-    p.prefill_back(8000, interactive=True)
-    p.prefill_sent(3000, interactive=True)
-    est, _ = estimate(reg, m, 100, 100, ahead_tokens=0, ahead=0, ends=[])
-    assert est == pytest.approx(3000 / rate, rel=0.01)
-    m.busy("p", now=time.monotonic() - 60.0)  # a node slower than its rate: never less than nothing
-    est, _ = estimate(reg, m, 100, 100, ahead_tokens=200, ahead=0, ends=[])
-    assert est == pytest.approx(200 / rate, rel=0.01)
 
 
 def test_a_placed_request_is_expected_to_end_at_a_typical_length():
@@ -442,21 +420,3 @@ def test_a_first_token_only_request_passes_a_head_waiting_for_decode_room():
     (it ends at its first token) is placed from behind it if a prefill node's window has room;
     while the head waits for the window itself, it keeps its turn."""
     asyncio.run(_alone_passes_a_decode_bound_head())
-
-
-def test_a_request_ending_at_its_first_token_waits_for_the_pool_only():
-    """With no decode room (every slot held, ends far off), a request that takes no decode node
-    (decode=False: it ends at its first token) is estimated at the prefill pool's turn alone."""
-    from proto import pb
-    from router.registry import NodeRegistry
-    from router.wait_estimate import NODE_RATE_MARGIN, estimate
-
-    reg = NodeRegistry()
-    full = pb.Capacity(total_blocks=1000, free_blocks=1000, block_size=16, total_slots=4, free_slots=0)
-    reg.register(pb.NodeInfo(node_id="d", kind=pb.NODE_KIND_DECODE, capacity=full))
-    reg.register(pb.NodeInfo(node_id="p", kind=pb.NODE_KIND_PREFILL, prefill_ready=True, prefill_tokens_per_s=1000.0))
-    m = RateMeter()
-    held, _ = estimate(reg, m, 100, 100, ahead_tokens=400, ahead=0, ends=[50.0] * 4)
-    alone, what = estimate(reg, m, 100, 100, ahead_tokens=400, ahead=0, ends=[50.0] * 4, decode=False)
-    assert held == pytest.approx(50.0)
-    assert alone == pytest.approx(400 / (1000.0 * NODE_RATE_MARGIN), rel=0.01), what

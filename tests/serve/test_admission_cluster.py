@@ -109,6 +109,10 @@ def test_burst_refused_at_arrival_admitted_exact(cluster, burst):
                 urllib.request.urlopen(short, timeout=60)
             assert ei.value.code == 429 and int(ei.value.headers["Retry-After"]) >= 1
             assert "past its admission budget of 0.01 s" in json.loads(ei.value.read())["error"]["message"]
+            wait = scrape(router_metrics)[
+                ("pdserve_router_estimated_wait_seconds", (("class", "interactive"), ("pool", "prefill")))
+            ]
+            assert wait > 0.01  # what refused it, while the burst is in flight
             ok = urllib.request.Request(base + "/completions", body, {**hdr, "x-pdserve-admission-timeout": "0"})
             with urllib.request.urlopen(ok, timeout=300) as r:
                 assert json.loads(r.read())["usage"]["completion_tokens"] == NEW
@@ -131,7 +135,12 @@ def test_burst_refused_at_arrival_admitted_exact(cluster, burst):
     assert m[("pdserve_router_admission_refused_total", (("class", "interactive"), ("reason", "estimate")))] >= len(
         refused
     )
-    assert m[("pdserve_router_estimated_wait_seconds", (("class", "interactive"), ("pool", "prefill")))] >= 0
+
+    # the burst over, no estimate stands: every class and pool reads 0 again
+    def waits() -> list[float]:
+        return [v for (k, _), v in scrape(router_metrics).items() if k == "pdserve_router_estimated_wait_seconds"]
+
+    wait_for(lambda: waits() == [0.0] * 4, 10, f"the estimated waits back at 0 (now {waits()})")
 
 
 def test_interactive_before_batch_and_keys_take_turns(cluster, burst):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -41,6 +42,7 @@ LEASE_SLACK = 3.0
 BURST_LEASE = 0.75
 STEP = ("--max-num-batched-tokens", "128")  # prefill steps well inside a lease on a slow machine
 PROMPT_LEN, NEW = 300, 8
+QUEUED_S = 0.5  # how long the cancelled stream waits in the queue before it leaves
 
 
 @pytest.fixture(scope="module")
@@ -265,8 +267,11 @@ def test_client_that_leaves_the_queue_is_gone_from_it_at_once(ckpt, burst):
                 with ThreadPoolExecutor(5) as ex:
                     futs = [ex.submit(_run, c, ps[0]) for _ in range(5)]  # two in the window, three queued
                     wait_for(lambda: depth() == 3, 30, "three requests queued")
-                    s = c.stream(prompt_token_ids=ps[1], max_tokens=NEW, temperature=0.0, ignore_eos=True)
+                    s = c.stream(
+                        prompt_token_ids=ps[1], max_tokens=NEW, temperature=0.0, ignore_eos=True, request_id="left"
+                    )
                     wait_for(lambda: depth() == 4, 30, "the stream queued")
+                    time.sleep(QUEUED_S)
                     t = time.monotonic()
                     s.cancel()
                     wait_for(lambda: depth() == 3, 5, "the cancelled request out of the queue")
@@ -280,6 +285,9 @@ def test_client_that_leaves_the_queue_is_gone_from_it_at_once(ckpt, burst):
             assert r.token_ids == want[0] and r.prefill_node == "prefill-0", i
         assert depth() == 0
         wait_for(lambda: decode_stats(d.address).capacity == initial, 20, "the decode node's pages and slots back")
+        # its INFO line says how long it waited in the queue before it left (not 0 ms)
+        line = wait_for(lambda: re.search(r"request left: .*queue ([\d.]+) ms.*", up.output()), 10, "its log line")
+        assert float(line.group(1)) >= QUEUED_S * 1e3 and "cancelled" in line.group(0), line.group(0)
     finally:
         rc = up.stop()
     assert rc == 0, up.output()
