@@ -219,10 +219,14 @@ class Choice:
             first = e.logprob != e.logprob  # NaN marks the prompt's first token: no logprob
             out["tokens"].append(self._str(e.token_id, skip))
             out["token_logprobs"].append(None if first else e.logprob)
-            # the N most likely and, as OpenAI's, the token itself (up to N + 1 entries)
-            top = None if first else {self._str(t.token_id, skip): t.logprob for t in e.top}
-            if top is not None:
-                top.setdefault(out["tokens"][-1], e.logprob)
+            # the N most likely and, as OpenAI's, the token itself (up to N + 1 entries); ids whose
+            # texts are the same share a key, which keeps the likeliest of them
+            top: dict[str, float] | None = None
+            if not first:
+                top = {}
+                for t_id, t_lp in [(t.token_id, t.logprob) for t in e.top] + [(e.token_id, e.logprob)]:
+                    key = self._str(t_id, skip)
+                    top[key] = max(t_lp, top.get(key, t_lp))
             out["top_logprobs"].append(top)
             out["text_offset"].append(self._at(e.token_id, skip))
         return out
