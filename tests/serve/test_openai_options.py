@@ -442,6 +442,11 @@ def test_tokenize_and_detokenize_as_vllm_answers_them(oai, model, ckpt):
     assert chat.usage.prompt_tokens == c["count"]  # what the chat route sends
     code, d = post("/detokenize", {"model": model, "tokens": ids})
     assert code == 200 and d["prompt"] == hf.decode(ids)
+    # the chat prompt's ids back to its text, special tokens and all (as vLLM's and transformers'
+    # decode), and that text to the same ids
+    code, d = post("/detokenize", {"tokens": c["tokens"]})
+    assert code == 200 and d["prompt"] == want == hf.decode(c["tokens"]) and "<|im_start|>" in want
+    assert post("/tokenize", {"prompt": d["prompt"]})[1]["tokens"] == c["tokens"]
     for path, body, status in [
         ("/tokenize", {"prompt": 5}, 400),
         ("/tokenize", {}, 400),
