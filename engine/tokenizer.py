@@ -37,9 +37,9 @@ class Tokenizer:
         """`encode(text)`, releasing the GIL while the tokenizer works."""
         return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
-    def decode_released(self, ids: list[int]) -> str:
+    def decode_released(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """`decode(ids)`, releasing the GIL while the tokenizer works."""
-        return self._tok.decode_batch([ids], skip_special_tokens=True)[0]
+        return self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -74,8 +74,7 @@ class ChatTemplate:
                 if m.get("role") == "developer":
                     m["role"] = "system"
         cont = req.continue_final_message
-        # unsent, add_generation_prompt is the opposite of continue_final_message (vLLM refuses both sent true)
-        gen = req.add_generation_prompt if "add_generation_prompt" in req.model_fields_set else not cont
+        gen = req.adds_generation_prompt
         if cont and gen:
             raise bad(
                 "'continue_final_message' and 'add_generation_prompt' exclude each other: send "

@@ -172,6 +172,7 @@ class OpenAIFront:
         if named:  # the nodes' ids start with it, and stay unique when a client sends one twice
             rid = f"{named}-{rid[:8]}"
         job.output = prep.output if prep is not None else None
+        job.chat_echo = prep.echo if prep is not None else ""
         job.token_ids, job.ids_as_text = bool(req.return_token_ids), bool(req.return_tokens_as_token_ids)
         job.images = images
         prio = pb.PRIORITY_UNSPECIFIED  # the body's class: its name, or vLLM's integer (above 0: batch)

@@ -28,6 +28,20 @@ class ChatPrep:
     constraint: pb.Constraint | None
     output: Callable[[], ChatOutput]  # a fresh one per choice
     images: tuple[ImageRef, ...] = ()  # the messages' image parts, in prompt order
+    echo: str = ""  # with `echo`: the text each choice's content starts with (`echoed`)
+
+
+def echoed(req: ChatRequest) -> str:
+    """vLLM's chat `echo`: the last message's text when its role is the answer's (the assistant's
+    with a generation prompt, else the last message's own: a continued assistant message), put
+    before each choice's content; "" otherwise. Text parts are joined by newlines, as vLLM's."""
+    last = req.messages[-1]
+    role = "assistant" if req.adds_generation_prompt else last.role
+    if not req.echo or last.role != role or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(str(p.get("text", "")) for p in last.content if p.get("type") == "text")
 
 
 class ChatFront:
@@ -60,4 +74,4 @@ class ChatFront:
         constraint = p.constraint
         if req.thinking_token_budget is not None and think_close is not None:
             constraint = thinking_budget.constrain(constraint, think_close, req.thinking_token_budget)
-        return ChatPrep(r.prompt, constraint, out, r.images)
+        return ChatPrep(r.prompt, constraint, out, r.images, echoed(req))

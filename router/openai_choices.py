@@ -41,6 +41,7 @@ class Job:
     images: list[Prepared] = field(default_factory=list)  # chat: the prompt's images, decoded once for every choice
     token_ids: bool = False  # return_token_ids: the prompt's and each choice's token ids in the answer
     ids_as_text: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:N"
+    chat_echo: str = ""  # chat `echo`: the text each choice's content starts with (openai_chat.echoed)
 
     def head(self, chunk: bool) -> dict:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -138,7 +139,10 @@ class Choice:
         lp = self._logprobs(self.entries) if self.job.logprobs is not None else None
         if self.job.chat:
             msg = self.out.message() if self.out is not None else None
-            out["message"] = msg or {"role": "assistant", "content": "".join(self.text)}
+            msg = msg or {"role": "assistant", "content": "".join(self.text)}
+            if self.job.chat_echo:
+                msg = dict(msg, content=self.job.chat_echo + (msg.get("content") or ""))
+            out["message"] = msg
             out["logprobs"] = lp
         else:
             out.update(text="".join(self.text), logprobs=lp)
@@ -157,6 +161,8 @@ class Choice:
         ended = bool(c.finish_reason)
         out = self.out
         fields = out.push(text, ended, self._new(c)) if out is not None else {"content": text} if text else {}
+        if first and self.job.chat_echo:  # the choice's first delta opens with the echoed text
+            fields = dict(fields, content=self.job.chat_echo + (fields.get("content") or ""))
         fin = self._finish(c.finish_reason or None)
         if not fields and not entries and fin is None and not self._new(c):
             return None
@@ -219,10 +225,14 @@ class Choice:
             first = e.logprob != e.logprob  # NaN marks the prompt's first token: no logprob
             out["tokens"].append(self._str(e.token_id, skip))
             out["token_logprobs"].append(None if first else e.logprob)
-            # the N most likely and, as OpenAI's, the token itself (up to N + 1 entries)
-            top = None if first else {self._str(t.token_id, skip): t.logprob for t in e.top}
-            if top is not None:
-                top.setdefault(out["tokens"][-1], e.logprob)
+            # the N most likely and, as OpenAI's, the token itself (up to N + 1 entries); ids whose
+            # texts are the same share a key, which keeps the likeliest of them
+            top: dict[str, float] | None = None
+            if not first:
+                top = {}
+                for t_id, t_lp in [(t.token_id, t.logprob) for t in e.top] + [(e.token_id, e.logprob)]:
+                    key = self._str(t_id, skip)
+                    top[key] = max(t_lp, top.get(key, t_lp))
             out["top_logprobs"].append(top)
             out["text_offset"].append(self._at(e.token_id, skip))
         return out

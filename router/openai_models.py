@@ -238,7 +238,7 @@ class ChatRequest(_Request):
     ROUTE: ClassVar[str] = "/v1/chat/completions"
     messages: Annotated[list[Message], Field(min_length=1)]
     logprobs: bool = False
-    echo: Any = None
+    echo: bool = False  # vLLM's: the last message's text before each choice's content (router/openai_chat.py)
     # the chat template's inputs (router/chat_template.py); tools and tool_choice: router/tool_choice.py
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: Any = None  # vLLM's per-request template: refused (an ignored one would change the prompt)
@@ -249,6 +249,16 @@ class ChatRequest(_Request):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+
+    @property
+    def adds_generation_prompt(self) -> bool:
+        """add_generation_prompt as sent; unsent, the opposite of continue_final_message (vLLM refuses both true)."""
+        return (
+            self.add_generation_prompt
+            if "add_generation_prompt" in self.model_fields_set
+            else not self.continue_final_message
+        )
+
     parallel_tool_calls: bool | None = None  # None: true, as OpenAI
     # (message, part) -> the part's name in the body the client sent, where that was not a chat
     # request (router/responses_request.py): error messages name what the client wrote
@@ -398,8 +408,6 @@ def sampling(req: CompletionRequest | ChatRequest) -> pb.SamplingParams:
             sp.logprobs = req.top_logprobs or 0
         elif req.top_logprobs is not None:
             raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        if req.echo:
-            raise bad("'echo' is not supported for chat completions", "echo")
         return sp
     if req.top_logprobs is not None:
         raise bad("'top_logprobs' is a chat option; completions take 'logprobs': N", "top_logprobs")

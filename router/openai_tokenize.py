@@ -78,4 +78,5 @@ def register(app: FastAPI, front: Any, limit: int) -> None:
         bad_ids = [i for i in d.tokens if i >= vocab]
         if bad_ids:
             raise bad(f"token ids past the vocabulary ({vocab}): {bad_ids[:5]}", "tokens")
-        return JSONResponse({"prompt": await service.text.decode(list(d.tokens))})
+        # special tokens stay, as vLLM's: a /tokenize round trip gives the text back (a chat prompt's template too)
+        return JSONResponse({"prompt": await service.text.decode(list(d.tokens), skip_special_tokens=False)})

@@ -41,10 +41,11 @@ class TextPool:
             return self.tok.encode(text)
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.tok.encode_released, text)
 
-    async def decode(self, ids: list[int]) -> str:
+    async def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if len(ids) <= INLINE_IDS:
-            return self.tok.decode(ids)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.tok.decode_released, ids)
+            return self.tok.decode(ids, skip_special_tokens)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.tok.decode_released, ids, skip_special_tokens)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -228,3 +228,37 @@ def test_other_kinds_of_model_are_a_404_saying_so(door, path):
     status, out = post(r.http_port, json.dumps({"model": "m", "input": "x"}).encode(), path)
     assert status == 404 and set(out["error"]) == {"message", "type", "param", "code"}, out
     assert out["error"]["param"] is None and "generation only" in out["error"]["message"]
+
+
+def _content(out: dict) -> list[str]:
+    """Each choice's content: a whole answer's, or a stream's deltas joined."""
+    if "events" not in out:
+        return [c["message"]["content"] for c in out["choices"]]
+    got: dict[int, str] = {}
+    for ev in out["events"]:
+        if ev.startswith("data: {"):
+            for c in json.loads(ev[6:])["choices"]:
+                got[c["index"]] = got.get(c["index"], "") + (c["delta"].get("content") or "")
+    return [got[i] for i in sorted(got)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_echo_puts_the_last_message_first(door, stream):
+    """vLLM's `echo` on chat: each choice's content starts with the last message's text when that
+    message has the answer's role (an assistant message continued; any last message without a
+    generation prompt), else is as without echo; streamed, a choice's deltas join to the same."""
+    r, _, _ = door
+    ask = [{"role": "user", "content": "Say hi"}]
+    part = [{"role": "assistant", "content": [{"type": "text", "text": "Hello,"}, {"type": "text", "text": "I am"}]}]
+    no_think = {"chat_template_kwargs": {"enable_thinking": False}, "n": 2, "max_tokens": 3, "stream": stream}
+    for msgs, kw, echo in (
+        (ask + [{"role": "assistant", "content": "Hello, I am"}], {"continue_final_message": True}, "Hello, I am"),
+        (ask + part, {"continue_final_message": True}, "Hello,\nI am"),  # text parts joined by newlines
+        (ask, {"add_generation_prompt": False}, "Say hi"),  # no generation prompt: the last message's role
+        (ask, {}, ""),  # a user message before the assistant's answer: nothing echoed
+    ):
+        status, plain = _post(r.http_port, CHAT, messages=msgs, **kw, **no_think)
+        assert status == 200, plain
+        status, out = _post(r.http_port, CHAT, messages=msgs, echo=True, **kw, **no_think)
+        assert status == 200, out
+        assert _content(out) == [echo + c for c in _content(plain)] and len(_content(out)) == 2, (msgs, kw)

@@ -96,3 +96,38 @@ def test_chat_top_logprobs_in_order(oai, model, ckpt):
     # logprobs by float rounding only
     assert [e.token for e in streamed] == [e.token for e in content]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], rel=1e-5, abs=1e-6)
+
+
+def test_top_logprobs_of_ids_with_one_text_keep_the_likeliest(oai, model, ckpt):
+    """lm-evaluation-harness's loglikelihood with `logprobs: N` > 1: a prompt and its greedy
+    continuation, echoed. Several of the 20 most likely ids decode to the same text (here ids past
+    the tokenizer's vocabulary, all ""; in Qwen's, the byte tokens of a split character, all "�"):
+    their shared key holds the likeliest of them, so a greedy token is the largest value of its
+    position, as the harness's `is_greedy` check reads it. Reference: transformers' log-softmax,
+    top 20, each id decoded alone."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from tests.helpers import hybrid_ckpt as hc
+
+    hf = AutoTokenizer.from_pretrained(ckpt)
+    ctx = hf.encode("Question: what is the colour of the sky?\nAnswer:", add_special_tokens=False)
+    cont = hc.hf_greedy(ckpt, ctx, 4)
+    every = ctx + cont
+    with torch.inference_mode():
+        ref = torch.log_softmax(hc._hf_model(ckpt)(torch.tensor([every])).logits[0].float(), -1)
+    r = oai.completions.create(model=model, prompt=[every], max_tokens=0, echo=True, logprobs=20, temperature=0)
+    lp = r.choices[0].logprobs
+    assert lp.top_logprobs[0] is None and len(lp.top_logprobs) == len(every)
+    shared = 0
+    for pos in range(1, len(every)):
+        vals, ids = torch.topk(ref[pos - 1], 20)
+        want: dict[str, float] = {}
+        for i, v in [*zip(ids.tolist(), vals.tolist()), (every[pos], ref[pos - 1, every[pos]].item())]:
+            key = hf.decode([i], skip_special_tokens=True)
+            want[key] = max(v, want.get(key, v))
+        shared += len(want) < 20
+        assert lp.top_logprobs[pos] == pytest.approx(want, abs=1e-4), pos
+    assert shared  # the case this checks did occur
+    tokens_lp, tops = lp.token_logprobs[len(ctx) :], lp.top_logprobs[len(ctx) :]
+    assert all(t == max(top.values()) for t, top in zip(tokens_lp, tops))  # lm-eval's is_greedy
