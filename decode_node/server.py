@@ -27,7 +27,7 @@ from serving.loop import EngineLoop
 from serving.metrics import Gauges, ServingMetrics, capacity_gauges
 from serving.mux import TokenSinks
 from serving.node import NodeServer, on_cancel, serve_node
-from serving.rpc import MAX_REQUEST_ID_LEN, Interrupt, images_of, refuse_draining
+from serving.rpc import MAX_REQUEST_ID_LEN, Interrupt, images_of, refuse_draining, refuse_memory
 from transfer import TransferConfig
 from transfer.connector import DecodeConnector
 from transfer.messages import TargetRank
@@ -311,6 +311,15 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
                     )
                 box.finish = "handed off"
                 refuse_draining(context, f"decode node {self.cfg.node_id}")
+            if done and item.finish_reason == "abort" and context.is_active():  # not the caller's cancel:
+                if new or h.muxed:  # the node gave its memory up (an image request without pixels here)
+                    yield pb.GenerateResponse(
+                        request_id=h.request_id, token_ids=new, logprobs=logprobs_pb(lps or []), muxed_tokens=h.muxed
+                    )
+                box.finish = "memory given up"
+                refuse_memory(
+                    context, f"decode node {self.cfg.node_id} gave the request's memory up: its images are not there"
+                )
             t = pb.Timings()
             if first_tok is not None:
                 t.ttft_s = box.first_s = first_tok - h.received

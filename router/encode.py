@@ -3,13 +3,15 @@ pool"): when encode nodes are registered, before the Prefill call the router ask
 prefill node which of the images its encoder cache lacks (ReserveEncoded: landing slots for
 those), and one encode node to encode them and push each output into its slot (Encode). The
 prefill then finds them in its encoder cache. Nothing here fails a request: no encode node, a
-dead one, a refused or failed call, no room at the prefill node, and the prefill node encodes
+dead one (also one found dead while it encodes), a refused or failed call, no room at the prefill node, and the prefill node encodes
 the images itself, as without the pool."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter
@@ -23,6 +25,10 @@ log = logging.getLogger("pdserve.router")
 
 # where each image of a request prefilled on a prefill node was to be encoded
 OUTCOMES = ("encode_pool", "cached", "prefill_no_pool", "prefill_fallback", "prefill_no_room")
+
+
+class _Gone(Exception):
+    """The encode node was marked dead (or replaced) while an Encode call to it ran."""
 
 
 class EncodePool:
@@ -82,9 +88,19 @@ class EncodePool:
             self.images.labels(where="prefill_no_pool").inc(len(missing))
             return []
         try:
-            got = await e.stub.Encode(
+            call = e.stub.Encode(
                 pb.EncodeRequest(request_id=rid, images=missing, landing=r.landing), timeout=self.cfg.encode_timeout_s
             )
+            got = await self._unless_gone(e, call)
+        except _Gone:
+            log.warning(
+                "request %s: %s was marked dead during its Encode call; %s encodes the images itself",
+                rid,
+                e.node_id,
+                p.node_id,
+            )
+            self.images.labels(where="prefill_fallback").inc(len(missing))
+            return []
         except grpc.RpcError as err:
             self._failed(e, rid, p, err)
             self.images.labels(where="prefill_fallback").inc(len(missing))
@@ -97,6 +113,28 @@ class EncodePool:
         self.images.labels(where="prefill_no_room").inc(len(missing) - done)  # no slot for them at P
         log.info("request %s: %d image(s) encoded on %s for %s", rid, done, e.node_id, p.node_id)
         return [bytes(i.pixel_hash) for i in got.images]
+
+    async def _unless_gone(self, e: NodeEntry, call: Any) -> pb.EncodeResponse:
+        """The Encode call's answer; _Gone (the call cancelled) once the node is marked dead or
+        unreachable, or replaced, while it runs: a node that stopped answering (hung, paused, its
+        host gone) leaves its callers to the prefill node within the heartbeats' dead_after_s, not
+        after the whole --encode-timeout."""
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.cfg.heartbeat_interval_s)
+                if done:
+                    if task.cancelled():  # the node's channel closed under it (the node re-registered)
+                        raise _Gone
+                    return task.result()  # type: ignore[no-any-return]
+                with self.registry.lock:
+                    gone = not e.alive or e.unreachable or self.registry.nodes.get(e.node_id) is not e
+                if gone:
+                    raise _Gone
+        finally:
+            if not task.done():
+                call.cancel()
+                task.cancel()
 
     def _failed(self, e: NodeEntry, rid: str, p: NodeEntry, err: grpc.RpcError) -> None:
         code = err.code()

@@ -1,7 +1,8 @@
 """Mid-stream migration (docs/router.md, "Migration"): when the decode node of a request that has
-streamed tokens fails (UNAVAILABLE, declared dead by the heartbeats, or a drain that ends the
-stream), the request is placed again on another decode node with the tokens already sent as its
-output so far (DecodeRequest.resume_token_ids). This module owns the decision (which failures
+streamed tokens fails (UNAVAILABLE, declared dead by the heartbeats, a drain that ends the
+stream, or the node giving up the memory of an image request it has no pixels to recompute), the
+request is placed again on a decode node (another one, but for memory given up) with the tokens
+already sent as its output so far (DecodeRequest.resume_token_ids). This module owns the decision (which failures
 move, the --max-migrations bound), the watcher that turns heartbeat loss into a failure, and the
 migration metrics."""
 
@@ -15,9 +16,9 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from router.errors import Abort
-from serving.rpc import is_draining
+from serving.rpc import gave_memory_up, is_draining
 
-CAUSES = ("unavailable", "node_dead", "draining")
+CAUSES = ("unavailable", "node_dead", "draining", "memory")
 
 
 class Moved(Exception):
@@ -30,10 +31,13 @@ class Moved(Exception):
 
 
 def cause_of(e: grpc.RpcError, node_lost: bool) -> str | None:
-    """Why a decode stream that failed may move ("unavailable" | "node_dead" | "draining"), or None:
+    """Why a decode stream that failed may move ("unavailable" | "node_dead" | "draining" | "memory":
+    the node gave the memory of an image request it cannot recompute up), or None:
     the failure is the request's own (bad input, an internal error) and moving would not help."""
     if node_lost:
         return "node_dead"
+    if gave_memory_up(e):
+        return "memory"
     if is_draining(e):
         return "draining"
     if e.code() == grpc.StatusCode.UNAVAILABLE:

@@ -22,9 +22,12 @@ def model_id(path: str) -> str:
 
 def served_models(registry: NodeRegistry, served: tuple[str, ...], has_tokenizer: bool) -> list[pb.ModelInfo]:
     """The models the live nodes serve, each under its id (the first of `served` for the
-    router's one model; else `model_id` of its path)."""
+    router's one model; else `model_id` of its path). Encode nodes are left out: they hold only
+    the vision tower (no vocabulary, no context length) and serve no text on their own."""
     seen: dict[str, pb.ModelInfo] = {}
     for e, _ in registry.snapshot():
+        if e.info.kind == pb.NODE_KIND_ENCODE:
+            continue
         if e.alive and e.info.model and e.info.model not in seen:
             seen[e.info.model] = pb.ModelInfo(
                 id=model_id(e.info.model),

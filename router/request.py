@@ -21,7 +21,7 @@ from router.prefill import Push
 from router.registry import NodeEntry
 from router.token_mux import Route, merged
 from router.wait_estimate import OutputLengths
-from serving.rpc import is_draining
+from serving.rpc import gave_memory_up, is_draining
 
 log = logging.getLogger("pdserve.router")
 
@@ -337,6 +337,8 @@ class RequestRun:
         if e.code() == grpc.StatusCode.UNAVAILABLE and not lost and not is_draining(e):
             self.svc.registry.mark_unreachable(d, e.details() or "UNAVAILABLE")
         if self.sent:
+            if gave_memory_up(e):  # D may take it again: placed with its images, it can recompute there
+                self.tried.discard(d.node_id)
             self.migration.move(e, d.node_id, len(self.sent), lost)  # raises unless not D's failure
         code = grpc.StatusCode.UNAVAILABLE if lost else e.code()
         if not self.tr.n and is_draining(e):  # D drains (before any token): place it on another node

@@ -1,6 +1,7 @@
 """gRPC plumbing shared by the router and the nodes: `start_server` (health, reflection, the
 credentials given), `channel`, the `Heartbeater` thread, the drain's refusal (`DRAINING_KEY`,
-`is_draining`) and its wait (`wait_idle`, woken by `Changes`, never on a timer)."""
+`is_draining`) and its wait (`wait_idle`, woken by `Changes`, never on a timer), and a stream
+ended because the node gave its memory up (`MEMORY_KEY`, `gave_memory_up`)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ MAX_MESSAGE_BYTES = 256 << 20
 
 # Trailing metadata on the UNAVAILABLE a draining server refuses new work with.
 DRAINING_KEY = "pdserve-draining"
+MEMORY_KEY = "pdserve-memory-given-up"
 
 
 class HealthStatus(Protocol):
@@ -76,6 +78,22 @@ def is_draining(err: grpc.RpcError) -> bool:
         return False
     # (key, value) pairs: named tuples from sync gRPC, plain tuples from grpc.aio
     return any(isinstance(m, tuple) and m[0] == DRAINING_KEY for m in md)
+
+
+def gave_memory_up(err: grpc.RpcError) -> bool:
+    """The node ended the stream because it gave the request's memory up and cannot recompute it
+    there (an image request reserved without its pixels): place it again, with the tokens sent."""
+    try:
+        md: Iterable[object] = err.trailing_metadata() or ()
+    except Exception:  # not a call error (e.g. a cancelled future)
+        return False
+    return any(isinstance(m, tuple) and m[0] == MEMORY_KEY for m in md)
+
+
+def refuse_memory(context: grpc.ServicerContext, what: str) -> None:
+    """End the call with RESOURCE_EXHAUSTED, marked as memory given up (`gave_memory_up`)."""
+    context.set_trailing_metadata(((MEMORY_KEY, "1"),))
+    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, what)
 
 
 def refuse_draining(context: grpc.ServicerContext, what: str) -> None:

@@ -1,7 +1,7 @@
 """One image in a prompt, as the router hands it to the node that prefills the prompt: the
 client's encoded bytes, a hash of the decoded pixels (the identity the encoder cache and the
 prefix cache key on), where its placeholder tokens start and its patch grid (docs/images.md).
-`decode_rgb` and `hash_pixels` are the one definition of that decode and that hash."""
+`decode_rgb` (`to_rgb`) and `hash_pixels` are the one definition of that decode and that hash."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from PIL import Image
 
-__all__ = ["ImageInput", "decode_rgb", "hash_pixels", "hash_view"]
+__all__ = ["ImageInput", "decode_rgb", "hash_pixels", "hash_view", "to_rgb"]
 
 
 @dataclass(frozen=True)
@@ -30,17 +30,25 @@ class ImageInput:
 
 
 def decode_rgb(data: bytes) -> Image.Image:
-    """The image's first frame as RGB pixels (PIL raises on bytes it cannot decode). Transparency
-    is composited onto white, as the checkpoints' image processors (transformers' convert_to_rgb)
-    and vLLM do: a transparent logo is seen on white, not on whatever its hidden pixels hold."""
+    """The image's first frame as RGB pixels (PIL raises on bytes it cannot decode), by `to_rgb`."""
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as img:
         img.seek(0)
-        if "A" not in img.getbands() and img.info.get("transparency") is None:
-            return img.convert("RGB")
-        rgba = img.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba).convert("RGB")
+        return to_rgb(img)
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """An opened image's current frame as RGB pixels, the one conversion the router and the nodes
+    hash and encode. Transparency is composited onto white, as the checkpoints' image processors
+    (transformers' convert_to_rgb) and vLLM do: a transparent logo is seen on white, not on
+    whatever its hidden pixels hold."""
+    from PIL import Image
+
+    if "A" not in img.getbands() and img.info.get("transparency") is None:
+        return img.convert("RGB")
+    rgba = img.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba).convert("RGB")
 
 
 def hash_pixels(img: Image.Image) -> bytes:

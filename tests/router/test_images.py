@@ -201,6 +201,56 @@ def test_the_same_pixels_hash_the_same_and_different_ones_do_not(vl):
     assert decode(rgba, 10**6).pixel_hash == _rgb_sha(rgba)
 
 
+def _transparent() -> dict[str, bytes]:
+    """Images with transparency: hidden pixels hold colours a flattening would show."""
+    import io
+
+    import numpy as np
+
+    px = np.random.default_rng(9).integers(0, 256, (40, 48, 4), dtype=np.uint8)
+    px[:, :20, 3] = 0  # a transparent band, a half-transparent one, the rest opaque
+    px[:, 20:30, 3] = 128
+    px[:, 30:, 3] = 255
+    out: dict[str, bytes] = {}
+    for name, img, fmt in (
+        ("rgba", Image.fromarray(px, "RGBA"), "PNG"),
+        ("la", Image.fromarray(px, "RGBA").convert("LA"), "PNG"),
+        ("p_png", Image.fromarray(px[..., :3]).convert("P"), "PNG"),
+        ("p_gif", Image.fromarray(px[..., :3]).convert("P"), "GIF"),
+    ):
+        buf = io.BytesIO()
+        img.save(buf, format=fmt, **({"transparency": 0} if name.startswith("p_") else {}))
+        out[name] = buf.getvalue()
+    return out
+
+
+@pytest.mark.parametrize("name", ["rgba", "la", "p_png", "p_gif"])
+def test_a_transparent_image_hashes_as_the_processor_sees_it_and_the_node_takes_it(vl_dir, name):
+    """The router's pixel hash of an image with transparency is that of transformers' convert_to_rgb
+    (composited onto white), the pixels the node decodes: the node's check then passes (it refused
+    every such image with 'pixel_hash is not the SHA-256 of its decoded pixels')."""
+    import io
+
+    from transformers.image_transforms import convert_to_rgb
+
+    from engine.tokenizer import Tokenizer
+    from engine.vision.inputs import ImageInput
+    from engine.vision.processing import check_image
+    from router.images.decode import decode
+    from router.images.prepare import _decode
+    from router.images.vision import VisionSpec
+
+    data = _transparent()[name]
+    with Image.open(io.BytesIO(data)) as x:
+        rgb = convert_to_rgb(x, return_numpy=True)
+    want = hashlib.sha256(rgb.shape[1].to_bytes(4, "little") + rgb.shape[0].to_bytes(4, "little") + rgb.tobytes())
+    assert decode(data, 10**6).pixel_hash == want.digest()
+    spec = VisionSpec.load(vl_dir, Tokenizer(vl_dir).token_to_id("<|image_pad|>"))
+    assert spec is not None
+    p = _decode("messages[0].content[0]", data, spec, 10**6)
+    check_image(vl_dir, 0, ImageInput(p.data, p.pixel_hash, 0, p.grid_thw))  # no ValueError
+
+
 def test_grpc_images(vl, tmp_path):
     from client import Client, PdserveError
 

@@ -2,7 +2,8 @@
 float32 greedy tokens equal transformers' `generate` (and so the same requests without the pool,
 tests/serve/test_images_disagg.py) for one image and two of different sizes; the encoder ran on
 the encode node, never on the prefill node, which took the pushed outputs into its encoder cache;
-an encode node killed as requests arrive leaves them exact (the prefill node encodes); bad
+an encode node killed as requests arrive leaves them exact (the prefill node encodes), and one
+that stops answering is given up once marked dead, not after the whole Encode timeout; bad
 images are still refused at the router; the pool works beside a UCXX data plane."""
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def test_encode_pool_exact_and_falls_back(refs):
         assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT and "images[0]" in bad.value.message
 
         _bad_calls_at_the_nodes(up)
+        _paused_encode_node(up, c, path)
 
         # the encode node dies as requests arrive, before the router has noticed (killed just
         # before them: killed after, it could have encoded every image first): every answer
@@ -101,7 +103,7 @@ def test_encode_pool_exact_and_falls_back(refs):
             assert r.token_ids == cases[k][2], k
         encoded_here = _metric(up, "prefill-0", "pdserve_prefill_images_total")
         received = _metric(up, "prefill-0", "pdserve_prefill_images_received_total")
-        assert (encoded_here, received) == (4, 3)
+        assert (encoded_here, received) == (5, 3)  # 4 here, and the one the paused node left
         # with the pool gone, the next image request is encoded on the prefill node at once
         gone = lambda: not any(n.alive for n in nodes(up.address) if n.node.node_id == "encode-0")  # noqa: E731
         wait_for(gone, 20, "encode-0 marked dead")
@@ -109,6 +111,31 @@ def test_encode_pool_exact_and_falls_back(refs):
         assert _generate(c, text, [vc.png(120, 90, seed=21)]).finish_reason == "length"
         m = scrape(router_metrics)
         assert m[("pdserve_router_encode_images_total", (("where", "prefill_no_pool"),))] >= 1
+
+
+def _paused_encode_node(up: Up, c, path: str) -> None:
+    """The encode node stops answering (SIGSTOP: connections accepted, nothing answered, no
+    heartbeats) while a request's Encode call waits on it: once the router marks it dead (3 s
+    without heartbeats) the call is given up and the prefill node encodes the image, exact,
+    rather than after the whole --encode-timeout (30 s). Resumed, it serves again."""
+    import time
+
+    assert up.address is not None
+    pid = node_pid(up, "encode-0")
+    image = vc.png(96, 72, seed=31)
+    text = vc.chat_text(path, vc.CASES["one_image"][0])
+    want = vc.hf_greedy(path, *vc.chat(path, vc.CASES["one_image"][0], [image]), NEW)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        r = _generate(c, text, [image])
+        took = time.monotonic() - t0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert r.token_ids == want and took < 15, took
+    assert up.find(r"(encode-0 was marked dead during its Encode call)")
+    back = lambda: any(n.alive for n in nodes(up.address) if n.node.node_id == "encode-0")  # noqa: E731
+    wait_for(back, 20, "encode-0 back")
 
 
 def _bad_calls_at_the_nodes(up: Up) -> None:
