@@ -112,3 +112,55 @@ def test_a_prefill_node_lost_mid_push_moves_the_request_and_its_decode_node_may_
     bad = _Push(_Err(grpc.StatusCode.INVALID_ARGUMENT, "bad state"))
     with pytest.raises(Abort, match="pushing the state from prefill-0 failed: bad state"):
         asyncio.run(run._decode_failed(_Err(grpc.StatusCode.ABORTED, "the push failed"), d, bad))
+
+
+class _HungCall:
+    """A Prefill stream whose node hangs after its first message: read() waits until cancel(),
+    then raises CancelledError, as a cancelled grpc.aio call's read does."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self._waiting: asyncio.Future | None = None
+
+    async def read(self):
+        self._waiting = asyncio.get_running_loop().create_future()
+        return await self._waiting
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self._waiting is not None:
+            self._waiting.cancel()
+
+
+def test_a_push_from_a_prefill_node_declared_dead_fails_unavailable():
+    """P hangs mid-push (its process alive, its heartbeats gone): once the registry marks it dead
+    the push's reader cancels the call and fails the push UNAVAILABLE, which releases D's
+    reservation and moves the request (above), instead of waiting for D's lease to end it ABORTED."""
+    from types import SimpleNamespace
+
+    from proto import pb
+    from router.prefill import Push
+
+    async def run():
+        p, d = SimpleNamespace(node_id="prefill-0", alive=True), SimpleNamespace(node_id="decode-0")
+        failed: list[grpc.RpcError] = []
+
+        async def on_fail(push, e) -> None:
+            failed.append(e)
+
+        tasks: list[asyncio.Task] = []
+        call = _HungCall()
+
+        def spawn(c) -> None:
+            tasks.append(asyncio.get_running_loop().create_task(c))
+
+        first = pb.PrefillResponse(first_token_id=5)
+        push = Push(p, d, "r1", first, call, on_fail, spawn, 0.01)  # type: ignore[arg-type]
+        alive_wait = await push.wait(0.1)
+        p.alive = False
+        return alive_wait, await push.wait(2.0), call.cancelled, push.error, failed
+
+    alive_wait, ended, cancelled, error, failed = asyncio.run(run())
+    assert not alive_wait and ended and cancelled  # read on while alive, cancelled once dead
+    assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "prefill node prefill-0 was declared dead" in error.details() and failed == [error]
