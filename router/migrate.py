@@ -63,6 +63,27 @@ class NodeLost(grpc.RpcError):
         return ()
 
 
+class Tried:
+    """The decode nodes a request was placed on, each at the incarnation it had then: admission
+    places the request on none of them again, unless that node restarted since (a new incarnation
+    under the same id, as a StatefulSet's pod comes back), which holds nothing of the request."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, int] = {}
+
+    def add(self, e: NodeEntry) -> None:
+        self._at[e.node_id] = e.info.incarnation
+
+    def discard(self, node_id: str) -> None:
+        self._at.pop(node_id, None)
+
+    def __contains__(self, e: NodeEntry) -> bool:
+        return self._at.get(e.node_id) == e.info.incarnation
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+
 class MigrationMetrics:
     """pdserve_router_migrations_total{cause} and the gap a migration adds to a stream."""
 

@@ -223,6 +223,35 @@ def test_a_hung_prefill_node_is_declared_dead_and_its_prompt_goes_on(ckpt):
         u.stop()
 
 
+def test_the_only_decode_node_killed_and_started_again_takes_its_streams_back(ckpt):
+    """One decode node, SIGKILLed mid-stream and started again under its id (as a StatefulSet's
+    pod comes back): the stream waits in admission and goes on on the new incarnation, ending with
+    transformers' tokens; the failed incarnation is excluded, not its id."""
+    from client import Client
+    from tests.helpers.serve_harness import Proc, flags
+
+    p = hc.prompts(lens=(40,), seed=53)[0]
+    u = Up("--model", ckpt, "--dtype", "float32", "--decode", "1", "--prefill", "1")
+    again = None
+    try:
+        pid = node_pid(u, "decode-0")
+        with Client(u.address, timeout=60) as c:
+            c.wait_ready(60)
+            it = iter(c.stream(prompt_token_ids=p, max_tokens=LONG, temperature=0.0, ignore_eos=True))
+            toks = list(next(it).token_ids)
+            os.kill(pid, signal.SIGKILL)
+            node = flags(dtype="float32", router=u.address, node_id="decode-0")
+            again = Proc("decode", "--model", ckpt, *node, ready=r"decode node \S+ listening on (\S+)")
+            for ch in it:
+                toks += ch.token_ids
+        assert len(toks) == LONG and hc.hf_greedy_violations(ckpt, p, toks) == []
+        assert "moved from decode-0(" in u.find(r"(pdserve.router: request .*moved from .*)")
+    finally:
+        if again is not None:
+            again.stop()
+        u.stop()
+
+
 @pytest.mark.slow  # the acceptance test (test_migration_acceptance.py) kills a TP 2 decode node too
 def test_a_tp2_decode_node_killed_mid_stream(ckpt):
     """Decode nodes at TP 2 (a node and its worker process): one SIGKILLed, its streams move to
