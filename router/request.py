@@ -167,16 +167,21 @@ class RequestRun:
             t0 = time.monotonic()
             # it ends at its first token: a prefill node computes it with no decode node
             alone = not (self.local or self.sent or self.alone_failed) and self._max_tokens() == 1
-            d, p, self.own_tokens = await self.svc.admit(
-                ids,
-                self.tried,
-                self.local or bool(self.sent),
-                self.request,
-                resumed=bool(self.tried) or self.alone_failed,
-                trace=self.tr,
-                images=self.images,
-                alone=alone,
-            )
+            try:
+                d, p, self.own_tokens = await self.svc.admit(
+                    ids,
+                    self.tried,
+                    self.local or bool(self.sent),
+                    self.request,
+                    resumed=bool(self.tried) or self.alone_failed,
+                    trace=self.tr,
+                    images=self.images,
+                    alone=alone,
+                )
+            except Abort as a:  # no node took it again: say it had streamed and moved
+                if self.migration.count:
+                    a.msg += f" (after {len(self.sent)} tokens; moved {self.migration.count} time(s): {self.tr.moves})"
+                raise
             self.tr.queue_s += time.monotonic() - t0
             if d is None:
                 assert p is not None

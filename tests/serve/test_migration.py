@@ -252,6 +252,32 @@ def test_the_only_decode_node_killed_and_started_again_takes_its_streams_back(ck
         u.stop()
 
 
+def test_the_last_decode_node_killed_ends_the_stream_with_a_clear_error(ckpt):
+    """No decode node left to move to: the stream ends UNAVAILABLE once its admission time is
+    out (2 s here), no hang, and the message says it had streamed and moved (docs/router.md)."""
+    import time
+
+    from client import Client, PdserveError
+
+    p = hc.prompts(lens=(40,), seed=59)[0]
+    u = Up("--model", ckpt, "--dtype", "float32", "--decode", "1", "--prefill", "0", "--admission-timeout", "2")
+    try:
+        pid = node_pid(u, "decode-0")
+        with Client(u.address, timeout=60) as c:
+            c.wait_ready(60)
+            it = iter(c.stream(prompt_token_ids=p, max_tokens=LONG, temperature=0.0, ignore_eos=True))
+            n = len(next(it).token_ids)
+            os.kill(pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(PdserveError) as e:
+                for ch in it:
+                    n += len(ch.token_ids)
+        assert time.monotonic() - t0 < 20 and e.value.code.name == "UNAVAILABLE"
+        assert "no live decode node" in str(e.value) and f"after {n} tokens; moved 1 time(s): decode-0(" in str(e.value)
+    finally:
+        u.stop()
+
+
 @pytest.mark.slow  # the acceptance test (test_migration_acceptance.py) kills a TP 2 decode node too
 def test_a_tp2_decode_node_killed_mid_stream(ckpt):
     """Decode nodes at TP 2 (a node and its worker process): one SIGKILLed, its streams move to
