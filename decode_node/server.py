@@ -267,6 +267,8 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         request in the metrics once, however it ends."""
         box = _Tally()
         self._streams.add(h.request_id)
+        if self.handing_off:  # it began decoding after the drain handed the streams off (its push was
+            self.loop.abort(h.request_id, "handed off (drain)")  # under way then): it goes too
         try:
             yield from self._relay_loop(h, context, skip, box)
         finally:

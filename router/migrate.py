@@ -4,13 +4,14 @@ stream, or the node giving up the memory of an image request it has no pixels to
 request is placed again on a decode node (another one, but for memory given up) with the tokens
 already sent as its output so far (DecodeRequest.resume_token_ids). This module owns the decision (which failures
 move, the --max-migrations bound), the watcher that turns heartbeat loss into a failure, and the
-migration metrics."""
+migration metrics; `watched` gives a prefill node's calls the same heartbeat watch."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -18,7 +19,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from router.errors import Abort
 from serving.rpc import gave_memory_up, is_draining
 
+if TYPE_CHECKING:
+    from router.registry import NodeEntry
+
 CAUSES = ("unavailable", "node_dead", "draining", "memory")
+T = TypeVar("T")
 
 
 class Moved(Exception):
@@ -46,10 +51,10 @@ def cause_of(e: grpc.RpcError, node_lost: bool) -> str | None:
 
 
 class NodeLost(grpc.RpcError):
-    """A decode call the router cancelled because the heartbeats declared its node dead."""
+    """A node call the router cancelled because the heartbeats declared its node dead."""
 
-    def __init__(self, node_id: str, what: str = "was declared dead (no heartbeat)") -> None:
-        super().__init__(f"decode node {node_id} {what}")
+    def __init__(self, node_id: str, what: str = "was declared dead (no heartbeat)", kind: str = "decode") -> None:
+        super().__init__(f"{kind} node {node_id} {what}")
         self.node_id = node_id
 
     def code(self) -> grpc.StatusCode:
@@ -60,6 +65,27 @@ class NodeLost(grpc.RpcError):
 
     def trailing_metadata(self) -> tuple[()]:
         return ()
+
+
+class Tried:
+    """The decode nodes a request was placed on, each at the incarnation it had then: admission
+    places the request on none of them again, unless that node restarted since (a new incarnation
+    under the same id, as a StatefulSet's pod comes back), which holds nothing of the request."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, int] = {}
+
+    def add(self, e: NodeEntry) -> None:
+        self._at[e.node_id] = e.info.incarnation
+
+    def discard(self, node_id: str) -> None:
+        self._at.pop(node_id, None)
+
+    def __contains__(self, e: NodeEntry) -> bool:
+        return self._at.get(e.node_id) == e.info.incarnation
+
+    def __len__(self) -> int:
+        return len(self._at)
 
 
 class MigrationMetrics:
@@ -140,3 +166,21 @@ class NodeWatch:
 
     def stop(self) -> None:
         self._task.cancel()
+
+
+async def watched(
+    node: NodeEntry, read: Callable[[], Awaitable[T]], cancel: Callable[[], object], interval_s: float
+) -> T:
+    """`await read()` (a prefill node's next message) unless the heartbeats declare `node` dead
+    first: then `cancel()` and NodeLost (UNAVAILABLE), the failure of a node that died, where a
+    hung node's call would wait out its deadline (--prefill-timeout and more)."""
+    watch = NodeWatch(lambda: node.alive, cancel, interval_s)
+    try:
+        return await read()
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if not watch.lost or (task is not None and task.cancelling()):
+            raise
+        raise NodeLost(node.node_id, kind="prefill") from None
+    finally:
+        watch.stop()

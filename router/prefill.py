@@ -15,6 +15,7 @@ from proto import pb
 from router.config import RouterConfig
 from router.encode import EncodePool
 from router.errors import Abort, DecodeFailed
+from router.migrate import watched
 from router.prefix import PrefixQuery
 from router.registry import NodeEntry, NodeRegistry
 from router.wait_estimate import RateMeter, node_rate
@@ -30,8 +31,8 @@ class Push:
     reads the rest of the Prefill stream (the `pushed` message with the transfer figures, or the
     status of a failed push) while D already waits for the state and then decodes."""
 
-    def __init__(self, p: NodeEntry, d: NodeEntry, rid: str, first: pb.PrefillResponse, call, on_fail, spawn):
-        self.p, self.d, self.rid, self.first, self.call = p, d, rid, first, call
+    def __init__(self, p: NodeEntry, d: NodeEntry, rid: str, first: pb.PrefillResponse, call, on_fail, spawn, beat_s):
+        self.p, self.d, self.rid, self.first, self.call, self.beat_s = p, d, rid, first, call, beat_s
         self.pushed: pb.Timings | None = None
         self.reserve_s = 0.0  # the handshake and the reservation on D, before P was called
         self.error: grpc.RpcError | None = None
@@ -44,7 +45,8 @@ class Push:
 
     async def _watch(self) -> None:
         try:
-            while (m := await self.call.read()) is not grpc.aio.EOF:  # read(), as for the first message
+            # read(), as for the first message; a P the heartbeats declare dead fails the push (NodeLost)
+            while (m := await watched(self.p, self.call.read, self.call.cancel, self.beat_s)) is not grpc.aio.EOF:
                 if m.pushed:
                     self.pushed = m.timings
         except grpc.RpcError as e:
@@ -344,7 +346,7 @@ class PrefillPhase:
                 ),
                 timeout=self.deadline_s(p, counted),
             )
-            first = await call.read()
+            first = await watched(p, call.read, call.cancel, self.cfg.heartbeat_interval_s)
             ok = first is not grpc.aio.EOF and bool(first.finish_reason)
             if not ok:
                 log.warning("request %s: prefill node %s did not end it at its first token", rid, p.node_id)
@@ -413,7 +415,7 @@ class PrefillPhase:
                 ),
                 timeout=deadline_s,
             )
-            first = await call.read()
+            first = await watched(p, call.read, call.cancel, self.cfg.heartbeat_interval_s)  # a hung P: NodeLost
             if first is grpc.aio.EOF:  # a stream with no message: a broken node
                 call.cancel()
                 self.release_later(d, rid, f"prefill node {p.node_id} answered nothing")
@@ -425,7 +427,7 @@ class PrefillPhase:
                 call.cancel()
             self.release_later(d, rid, "the client went away")
             raise
-        push = Push(p, d, rid, first, call, self.push_failed, self._spawn)
+        push = Push(p, d, rid, first, call, self.push_failed, self._spawn, self.cfg.heartbeat_interval_s)
         push.reserve_s = reserve_s
         return push
 

@@ -16,7 +16,7 @@ import grpc
 from proto import pb
 from router.detok import IncrementalDetokenizer
 from router.errors import Abort, DecodeFailed
-from router.migrate import Migration, Moved, NodeLost, NodeWatch
+from router.migrate import Migration, Moved, NodeLost, NodeWatch, Tried
 from router.prefill import Push
 from router.registry import NodeEntry
 from router.token_mux import Route, merged
@@ -144,7 +144,7 @@ class RequestRun:
         self.detok = IncrementalDetokenizer(svc.tokenizer, ids, skip) if svc.tokenizer is not None else None
         # the client has their text (less what stop strings held back): the next delta follows it
         self.resumed_text = self.detok.push(resume) if self.detok is not None and resume else ""
-        self.tried: set[str] = set()
+        self.tried = Tried()  # the decode nodes it was placed on (a restarted one may take it again)
         self.max_new = 0  # new tokens at most, once placed
         sp = request.sampling
         # P returns the first token's logprobs, not the prompt's: those are computed where they are sent
@@ -178,6 +178,10 @@ class RequestRun:
                     images=self.images,
                     alone=alone,
                 )
+            except Abort as a:  # no node took it again: say it had streamed and moved
+                if self.migration.count:
+                    a.msg += f" (after {len(self.sent)} tokens; moved {self.migration.count} time(s): {self.tr.moves})"
+                raise
             finally:  # a client that left the queue waited too (its INFO line says how long)
                 self.tr.queue_s += time.monotonic() - t0
             if d is None:
@@ -190,7 +194,7 @@ class RequestRun:
                 yield self._relay(_first_message(first), None, first=True, prefill_node=p[0].node_id)
                 return
             self.tr.decode = d.node_id
-            self.tried.add(d.node_id)
+            self.tried.add(d)
             self.max_new = min(self._max_tokens(), max(1, d.info.max_model_len - len(self.ids)))
             self.svc.placed.add(self)
             self.node_ended = 0
@@ -353,7 +357,7 @@ class RequestRun:
                 self.tried.discard(d.node_id)
                 self.migration.move(pe, pre.p.node_id, len(self.sent), False)
             raise Abort(pe.code(), f"pushing the state from {pre.p.node_id} failed: {pe.details() or pe.code().name}")
-        others = [n for n in self.svc.registry.routable(pb.NODE_KIND_DECODE) if n.node_id not in self.tried]
+        others = [n for n in self.svc.registry.routable(pb.NODE_KIND_DECODE) if n not in self.tried]
         if code == grpc.StatusCode.UNAVAILABLE and self.tr.n == 0 and len(self.tried) < 2 and others:
             log.warning("request %s: decode node %s unavailable, retrying elsewhere", self.tr.request_id, d.node_id)
             raise _Retry

@@ -23,7 +23,7 @@ from router.encode import EncodePool
 from router.errors import Abort, Draining
 from router.images.prepare import ImageRef, Images, Prepared, to_pb
 from router.images.vision import IMAGE_PAD, VisionSpec
-from router.migrate import MigrationMetrics
+from router.migrate import MigrationMetrics, Tried
 from router.model_names import served_models
 from router.policy import make_policy
 from router.prefill import PrefillPhase
@@ -331,7 +331,7 @@ class GenerateService:
     async def admit(
         self,
         ids: list[int],
-        exclude: set[str],
+        exclude: Tried,
         local: bool,
         request: pb.GenerateRequest | None = None,
         resumed: bool = False,
@@ -350,7 +350,7 @@ class GenerateService:
         prompt_len = len(ids)
         salt = request.sampling.cache_salt if request is not None else ""
         q = PrefixQuery(ids, images, salt) if self.policy.uses_prefix else None
-        dec = [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]
+        dec = [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e not in exclude]
         pooled = not local and bool(dec) and self.prefill.use_pool(dec[0], prompt_len)
         alone = alone and pooled
         cached = 0  # what it brings to the prefill pool: its prompt less the most a prefill node has cached
@@ -379,7 +379,7 @@ class GenerateService:
         self.admission.decide(ask, est, what)
 
         def unavailable() -> Abort | None:
-            if not [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]:
+            if not [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e not in exclude]:
                 return Abort(
                     grpc.StatusCode.UNAVAILABLE,
                     f"no live decode node took new requests for {ask.budget_s:g} s, this request's admission "
@@ -393,7 +393,7 @@ class GenerateService:
         return await self.admission.wait(ask, lambda: self._place(prompt_len, exclude, local, q, batch), unavailable)
 
     def _place_alone(
-        self, prompt_len: int, exclude: set[str], q: PrefixQuery | None, batch: bool
+        self, prompt_len: int, exclude: Tried, q: PrefixQuery | None, batch: bool
     ) -> tuple[NodeEntry | None, tuple[NodeEntry, int] | None, int] | None:
         """A prefill node within its window for a request that ends at its first token, and no
         decode node; the usual placement when no prefill node takes prompts any more."""
@@ -408,7 +408,7 @@ class GenerateService:
         return None, chosen, 0
 
     def _place(
-        self, prompt_len: int, exclude: set[str], local: bool, q: PrefixQuery | None, batch: bool
+        self, prompt_len: int, exclude: Tried, local: bool, q: PrefixQuery | None, batch: bool
     ) -> tuple[NodeEntry, tuple[NodeEntry, int] | None, int] | None:
         """A decode node with room and, when the prompt goes through the prefill pool, a prefill
         node within its window; None: not now. With a PrefixQuery (cache-aware), the pool decision
@@ -418,7 +418,7 @@ class GenerateService:
             return not local and self.prefill.use_pool(e, uncached, prompt_len - uncached)
 
         with self.registry.lock:
-            nodes = [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e.node_id not in exclude]
+            nodes = [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e not in exclude]
             d = self.policy.choose_decode(nodes, prompt_len, q, pooled)
             if d is None:
                 self.admission.blocked(on_decode=True)

@@ -4,13 +4,14 @@ and its error, the metrics, and the watcher that turns heartbeat loss into a fai
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
 from router.errors import Abort
-from router.migrate import Migration, MigrationMetrics, Moved, NodeWatch, cause_of
+from router.migrate import Migration, MigrationMetrics, Moved, NodeWatch, Tried, cause_of
 from serving.rpc import DRAINING_KEY
 
 
@@ -85,13 +86,15 @@ class _Push:
         return True
 
 
-def _run(sent: list[int]):
-    from types import SimpleNamespace
+_D = SimpleNamespace(node_id="decode-0", info=SimpleNamespace(incarnation=1))
 
+
+def _run(sent: list[int]):
     from router.request import RequestRun
 
     run = RequestRun.__new__(RequestRun)  # the decision alone: no service, no nodes
-    run.sent, run.tried = sent, {"decode-0"}
+    run.sent, run.tried = sent, Tried()
+    run.tried.add(_D)  # type: ignore[arg-type]
     run.tr = SimpleNamespace(n=len(sent), request_id="r1")  # type: ignore[assignment]
     run.migration = Migration(2, MigrationMetrics(CollectorRegistry()))
     return run
@@ -100,15 +103,75 @@ def _run(sent: list[int]):
 def test_a_prefill_node_lost_mid_push_moves_the_request_and_its_decode_node_may_take_it():
     """D gave up (ABORTED) because the push from a prefill node that died failed, after the first
     token went out: the request moves with that token as output, and D, not at fault, may take it."""
-    d = type("D", (), {"node_id": "decode-0"})()
+    d = _D
     run = _run([7])
     lost = _Push(_Err(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)"))
     with pytest.raises(Moved) as mv:
         asyncio.run(run._decode_failed(_Err(grpc.StatusCode.ABORTED, "the push failed"), d, lost))
-    assert mv.value.node_id == "prefill-0" and "decode-0" not in run.tried
+    assert mv.value.node_id == "prefill-0" and d not in run.tried
     assert run.migration.path == ["prefill-0(unavailable@1)"]
     # a push that failed for the request's own reason still ends it, with the push's error
     run = _run([7])
     bad = _Push(_Err(grpc.StatusCode.INVALID_ARGUMENT, "bad state"))
     with pytest.raises(Abort, match="pushing the state from prefill-0 failed: bad state"):
         asyncio.run(run._decode_failed(_Err(grpc.StatusCode.ABORTED, "the push failed"), d, bad))
+
+
+class _HungCall:
+    """A Prefill stream whose node hangs after its first message: read() waits until cancel(),
+    then raises CancelledError, as a cancelled grpc.aio call's read does."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self._waiting: asyncio.Future | None = None
+
+    async def read(self):
+        self._waiting = asyncio.get_running_loop().create_future()
+        return await self._waiting
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self._waiting is not None:
+            self._waiting.cancel()
+
+
+def test_a_push_from_a_prefill_node_declared_dead_fails_unavailable():
+    """P hangs mid-push (its process alive, its heartbeats gone): once the registry marks it dead
+    the push's reader cancels the call and fails the push UNAVAILABLE, which releases D's
+    reservation and moves the request (above), instead of waiting for D's lease to end it ABORTED."""
+    from proto import pb
+    from router.prefill import Push
+
+    async def run():
+        p, d = SimpleNamespace(node_id="prefill-0", alive=True), SimpleNamespace(node_id="decode-0")
+        failed: list[grpc.RpcError] = []
+
+        async def on_fail(push, e) -> None:
+            failed.append(e)
+
+        tasks: list[asyncio.Task] = []
+        call = _HungCall()
+
+        def spawn(c) -> None:
+            tasks.append(asyncio.get_running_loop().create_task(c))
+
+        first = pb.PrefillResponse(first_token_id=5)
+        push = Push(p, d, "r1", first, call, on_fail, spawn, 0.01)  # type: ignore[arg-type]
+        alive_wait = await push.wait(0.1)
+        p.alive = False
+        return alive_wait, await push.wait(2.0), call.cancelled, push.error, failed
+
+    alive_wait, ended, cancelled, error, failed = asyncio.run(run())
+    assert not alive_wait and ended and cancelled  # read on while alive, cancelled once dead
+    assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "prefill node prefill-0 was declared dead" in error.details() and failed == [error]
+
+
+def test_a_node_restarted_since_may_take_the_request_again():
+    """The decode nodes a request was placed on are excluded at the incarnation they had: the same
+    id back as a new incarnation (a restarted pod) holds nothing of the request and may take it."""
+    tried = Tried()
+    tried.add(_D)  # type: ignore[arg-type]
+    again = SimpleNamespace(node_id="decode-0", info=SimpleNamespace(incarnation=2))
+    other = SimpleNamespace(node_id="decode-1", info=SimpleNamespace(incarnation=1))
+    assert _D in tried and again not in tried and other not in tried and len(tried) == 1

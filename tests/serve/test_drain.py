@@ -211,3 +211,47 @@ def test_router_http_statuses_and_drain(ckpt, tmp_path):
             if p is not None:
                 p.stop()
     assert decode.proc.returncode == 0, decode.output()
+
+
+def test_drain_hands_off_a_request_whose_push_was_under_way(ckpt):
+    """--drain-handoff: a decode node SIGTERMed while a prompt is still computed for it on the
+    prefill node (its reservation made, the push to come) hands that request off too as soon as it
+    would start decoding, as it does the streams running at the hand-off, rather than streaming all
+    of it while the node waits to exit: the request moves to the other decode node with the first
+    token and ends with transformers' tokens; the node exits 0."""
+    import threading
+
+    from client import Client
+    from proto import pb
+    from tests.helpers.serve_harness import decode_stats
+
+    # the prompt takes about 1 s to prefill (the test throttle), well past the 0.1 s hand-off
+    env = {"PDSERVE_TEST_PREFILL_DELAY_PER_TOKEN_S": "0.001"}
+    u = Up("--model", ckpt, *flags(dtype="float32", prefill=1, decode=2, drain_handoff=0.1, drain_timeout=120), env=env)
+    p, n = hc.prompts(lens=(1000,), seed=47)[0], 600
+    try:
+        decode = {d.node.node_id: d.node.address for d in nodes(u.address) if d.node.kind == pb.NODE_KIND_DECODE}
+        pids = {name: node_pid(u, name) for name in decode}
+        termed: list[str] = []
+
+        def term_the_reserving_node() -> None:
+            def reserving():
+                return next((k for k, a in decode.items() if decode_stats(a).capacity.reserved), None)
+
+            victim = wait_for(reserving, 60, "a decode node's reservation")
+            os.kill(pids[victim], signal.SIGTERM)
+            termed.append(victim)
+
+        t = threading.Thread(target=term_the_reserving_node)
+        t.start()
+        with Client(u.address, timeout=120) as c:
+            c.wait_ready(60)
+            r = c.generate(prompt_token_ids=p, max_tokens=n, temperature=0.0, ignore_eos=True)
+        t.join(60)
+        (victim,) = termed
+        assert len(r.token_ids) == n and hc.hf_greedy_violations(ckpt, p, r.token_ids) == []
+        wait_for(lambda: f"{victim} exited with status 0" in u.output(), 30, f"{victim} to exit")
+        assert f"moved from {victim}(draining@" in u.find(rf"(pdserve.router: request {r.request_id}: prompt .*)")
+    finally:
+        rc = u.stop()
+    assert rc == 0, u.output()

@@ -183,6 +183,101 @@ def test_a_hung_decode_node_is_declared_dead_and_its_streams_move(ckpt):
         u.stop()
 
 
+def test_a_hung_prefill_node_is_declared_dead_and_its_prompt_goes_on(ckpt):
+    """A prefill node SIGSTOPped (hung, its process alive) with a prompt sent to it: once the
+    heartbeats declare it dead the router cancels its Prefill call and the decode node computes the
+    prompt itself, so the request ends with transformers' tokens within seconds, not when the
+    call's deadline (--prefill-timeout, 120 s, and more) ends it with an error. Back (SIGCONT),
+    the node prefills again, and the decode node's memory is all back."""
+    import time
+
+    from client import Client
+
+    p, fresh = hc.prompts(lens=(200, 150), seed=43)
+    want = hc.hf_greedy(ckpt, p, 16)
+    u = Up("--model", ckpt, "--dtype", "float32", "--decode", "1", "--prefill", "1")
+    pid = node_pid(u, "prefill-0")
+    stopped = False
+    try:
+        d = node_info(u.address, "decode-0")
+        initial = decode_stats(d.address).capacity
+        kw = dict(max_tokens=16, temperature=0.0, ignore_eos=True, admission_timeout_s=0)
+        with Client(u.address, timeout=40) as c:
+            c.wait_ready(60)
+            os.kill(pid, signal.SIGSTOP)
+            stopped, t0 = True, time.monotonic()
+            r = c.generate(prompt_token_ids=p, **kw)
+            took = time.monotonic() - t0
+            assert r.token_ids == want
+            assert "prefill node prefill-0 was declared dead" in u.output()
+            assert took < 25, took  # the heartbeats' 3 s, then the prompt on the decode node
+            os.kill(pid, signal.SIGCONT)
+            stopped = False
+            u.find(r"node (prefill-0) .*is back")
+            r = c.generate(prompt_token_ids=fresh, **kw)
+            assert r.token_ids == hc.hf_greedy(ckpt, fresh, 16) and r.prefill_node == "prefill-0"
+        wait_for(lambda: decode_stats(d.address).capacity == initial, 30, "the decode node's memory back")
+    finally:
+        if stopped:
+            os.kill(pid, signal.SIGCONT)
+        u.stop()
+
+
+def test_the_only_decode_node_killed_and_started_again_takes_its_streams_back(ckpt):
+    """One decode node, SIGKILLed mid-stream and started again under its id (as a StatefulSet's
+    pod comes back): the stream waits in admission and goes on on the new incarnation, ending with
+    transformers' tokens; the failed incarnation is excluded, not its id."""
+    from client import Client
+    from tests.helpers.serve_harness import Proc, flags
+
+    p = hc.prompts(lens=(40,), seed=53)[0]
+    u = Up("--model", ckpt, "--dtype", "float32", "--decode", "1", "--prefill", "1")
+    again = None
+    try:
+        pid = node_pid(u, "decode-0")
+        with Client(u.address, timeout=60) as c:
+            c.wait_ready(60)
+            it = iter(c.stream(prompt_token_ids=p, max_tokens=LONG, temperature=0.0, ignore_eos=True))
+            toks = list(next(it).token_ids)
+            os.kill(pid, signal.SIGKILL)
+            node = flags(dtype="float32", router=u.address, node_id="decode-0")
+            again = Proc("decode", "--model", ckpt, *node, ready=r"decode node \S+ listening on (\S+)")
+            for ch in it:
+                toks += ch.token_ids
+        assert len(toks) == LONG and hc.hf_greedy_violations(ckpt, p, toks) == []
+        assert "moved from decode-0(" in u.find(r"(pdserve.router: request .*moved from .*)")
+    finally:
+        if again is not None:
+            again.stop()
+        u.stop()
+
+
+def test_the_last_decode_node_killed_ends_the_stream_with_a_clear_error(ckpt):
+    """No decode node left to move to: the stream ends UNAVAILABLE once its admission time is
+    out (2 s here), no hang, and the message says it had streamed and moved (docs/router.md)."""
+    import time
+
+    from client import Client, PdserveError
+
+    p = hc.prompts(lens=(40,), seed=59)[0]
+    u = Up("--model", ckpt, "--dtype", "float32", "--decode", "1", "--prefill", "0", "--admission-timeout", "2")
+    try:
+        pid = node_pid(u, "decode-0")
+        with Client(u.address, timeout=60) as c:
+            c.wait_ready(60)
+            it = iter(c.stream(prompt_token_ids=p, max_tokens=LONG, temperature=0.0, ignore_eos=True))
+            n = len(next(it).token_ids)
+            os.kill(pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(PdserveError) as e:
+                for ch in it:
+                    n += len(ch.token_ids)
+        assert time.monotonic() - t0 < 20 and e.value.code.name == "UNAVAILABLE"
+        assert "no live decode node" in str(e.value) and f"after {n} tokens; moved 1 time(s): decode-0(" in str(e.value)
+    finally:
+        u.stop()
+
+
 @pytest.mark.slow  # the acceptance test (test_migration_acceptance.py) kills a TP 2 decode node too
 def test_a_tp2_decode_node_killed_mid_stream(ckpt):
     """Decode nodes at TP 2 (a node and its worker process): one SIGKILLed, its streams move to
