@@ -255,3 +255,40 @@ def test_a_prefill_cancelled_before_its_push_frees_the_reservation_quietly(pair,
         _fail_then_release(P, D, pc, "r8", records)
     _said_without_warning(caplog, "r8", "source rank 0 aborted")
     assert _free(P) == p0 and _free(D) == d0
+
+
+def test_a_failed_push_renews_no_lease(pair, monkeypatch):
+    """A push that failed (its destination gone, or its request released) while its ranks are not
+    yet quiet renews no lease: the reservation it kept alive is given up, and a destination that
+    died is not asked again every third of the lease while the push settles."""
+    import transfer.rank as xr
+
+    P, D, pc, dc = pair
+    p0, d0 = _free(P), _free(D)
+    prompt = hc.prompts(lens=(70,), seed=13)[0]
+    target = _target(D, "r9", prompt, lease_s=0.3)
+    P.add_request(prompt, SP, "r9", prefill_only=True, transfer=PushParams(target, lease_s=0.3))
+    P.step()
+    P.step()
+    so = P.scheduler.schedule()  # the last chunk's scheduling hook opens the push
+    pc.rows_scheduled(so)
+    P.scheduler.abandon(so)
+    assert pc.phase("r9") is PushPhase.OPENED
+    renewed: list = []
+    real = pc.call_all
+
+    def spy(fn, *args, **kw):
+        if fn is xr.renew:
+            renewed.extend(args[1])
+        return real(fn, *args, **kw)
+
+    monkeypatch.setattr(pc, "call_all", spy)
+    pc.abort("r9", "the decode node is gone")
+    time.sleep(0.15)  # past a third of the lease: a live lease is renewed at the next poll
+    P.poll_transfers()
+    assert target not in renewed and pc.phase("r9") is PushPhase.FAILING
+    P.abort("r9")
+    D.release("r9")
+    records: list[TransferRecord] = []
+    _drive(P, D, lambda: not pc.tracks("r9") and RecvFreed("r9") in records, records)
+    assert _free(P) == p0 and _free(D) == d0 and not pc.has_work()

@@ -303,6 +303,7 @@ class PrefillConnector(RankEndpoints, Connector):
         (log.info if aborted or asked else log.warning)("request %s: %s", push.rid, why)
         push.to(PushPhase.FAILING)
         push.error, push.aborted = why, aborted
+        self._leases.pop(push.rid, None)  # a failed push keeps no reservation alive (its node may be gone)
         try:
             self.call_all(xr.abort_send, self.backend, push.rid, why, ended)
         except Exception:
