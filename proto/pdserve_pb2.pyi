@@ -587,12 +587,14 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[str] = ..., pushed: _Optional[bool] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id", "reason")
+    __slots__ = ("request_id", "reason", "dead_decode_node")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    DEAD_DECODE_NODE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reason: str
-    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    dead_decode_node: str
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ..., dead_decode_node: _Optional[str] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("aborted",)

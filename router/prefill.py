@@ -242,6 +242,9 @@ class PrefillPhase:
             p.alive = False
         self.forget_prefill(p)
 
+    def forget_decode(self, d: NodeEntry) -> None:
+        self._pairs = {k for k in self._pairs if k[2] != d.node_id}
+
     def forget_prefill(self, p: NodeEntry) -> None:
         self._pairs = {k for k in self._pairs if k[0] != p.node_id}
         self._pair_locks = {k: v for k, v in self._pair_locks.items() if k[0] != p.node_id}

@@ -264,13 +264,16 @@ class NodeRegistry:
         self.static_addrs[address] = kind
 
     # ---- health -------------------------------------------------------------------------------
-    async def sweep(self) -> None:
-        """Mark nodes without a recent heartbeat dead; poll static nodes that are not heartbeating."""
+    async def sweep(self) -> list[NodeEntry]:
+        """Mark nodes without a recent heartbeat dead; poll static nodes that are not heartbeating.
+        Returns the nodes it marked dead."""
         now = time.monotonic()
+        dead: list[NodeEntry] = []
         with self.lock:
             for e in self.nodes.values():
                 if e.alive and now - e.last_seen > self.dead_after_s:
                     e.alive = False
+                    dead.append(e)
                     log.warning(
                         "node %s (%s): no heartbeat for %.1f s, marked dead",
                         e.node_id,
@@ -288,6 +291,7 @@ class NodeRegistry:
                 except grpc.RpcError:
                     continue
             self.register(info, static=True)
+        return dead
 
     def snapshot(self) -> list[tuple[NodeEntry, float]]:
         now = time.monotonic()

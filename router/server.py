@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 from grpc_health.v1 import health_pb2
 from prometheus_client import make_asgi_app
 
@@ -112,11 +113,28 @@ class Router:
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
             try:
-                await self.registry.sweep()
+                for e in await self.registry.sweep():
+                    if e.kind == pb.NODE_KIND_DECODE:
+                        self._decode_dead(e)
                 # pairs a node's registration did not make: a prefill node ready since, static nodes
                 self.service.prefill.warm_pairs()
             except Exception:
                 log.exception("registry sweep failed")
+
+    def _decode_dead(self, d) -> None:
+        """The heartbeats declared D dead: each live prefill node drops D's transfer agents, so a
+        push to D ends now, not after a write's 30 s timeout (docs/router.md); its pairs are
+        handshaken again if it comes back."""
+        self.service.prefill.forget_decode(d)
+
+        async def tell(p) -> None:
+            try:
+                await p.stub.Abort(pb.AbortRequest(dead_decode_node=d.node_id, reason="declared dead"), timeout=10)
+            except grpc.RpcError as e:
+                log.info("telling %s that %s is dead failed: %s", p.node_id, d.node_id, e.code().name)
+
+        for p in self.registry.live(pb.NODE_KIND_PREFILL):
+            self.service.spawn(tell(p))
 
     async def drain(self, timeout_s: float, interrupt: asyncio.Event | None = None) -> bool:
         """Refuse new requests (UNAVAILABLE, `pdserve-draining`; readiness NOT_SERVING) and wait,
