@@ -285,7 +285,7 @@ def cmd_up(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from decode_node.config import DecodeNodeConfig
     from encode_node.config import EncodeNodeConfig
-    from engine.options import add_options, options, port
+    from engine.options import add_options, options, port, seconds
     from prefill_node.config import PrefillNodeConfig
     from router.config import RouterConfig
     from router.pools import add_up_options
@@ -320,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("router", help="run the router")
     p.add_argument("--port", type=port, default=50051, help="gRPC port (0 picks one; default 50051)")
     p.add_argument("--port-file", default=None, help="write the bound port here (for --port 0)")
-    p.add_argument("--drain-timeout", type=float, default=30.0, help=DRAIN_HELP)
+    p.add_argument("--drain-timeout", type=seconds, default=30.0, help=DRAIN_HELP)
     add_options(p, options(RouterConfig))
     p.set_defaults(func=cmd_router)
 
@@ -331,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--host", default="127.0.0.1", help="address the node binds")
         p.add_argument("--port", type=port, default=0, help="gRPC port (0 picks one; default 0)")
-        p.add_argument("--drain-timeout", type=float, default=30.0, help=DRAIN_HELP)
+        p.add_argument("--drain-timeout", type=seconds, default=30.0, help=DRAIN_HELP)
         add_options(p, options(cls), defaults={"advertise_host": None})
         p.set_defaults(func=commands[kind])
 

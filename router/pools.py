@@ -12,7 +12,7 @@ from typing import Any
 
 from decode_node.config import DecodeNodeConfig
 from encode_node.config import EncodeNodeConfig
-from engine.options import Opt, PortError, add_options, coerce, options, port
+from engine.options import NumberError, Opt, PortError, add_options, coerce, options, port, read_value, seconds
 from prefill_node.config import PrefillNodeConfig
 from router.config import RouterConfig
 from router.launch import NODE_CONFIGS, NODE_MANAGED, ROUTER_MANAGED, PoolSpec
@@ -71,7 +71,7 @@ OWN: dict[str, tuple[Callable[[Any], Any], Any, str]] = {
         "node); spawn: each node its own python process",
     ),
     "drain_timeout": (
-        float,
+        seconds,
         30.0,
         "on SIGTERM, every component finishes what is in flight for at most this many "
         "seconds, taking nothing new (0: stop at once)",
@@ -128,7 +128,12 @@ def _read_file(path: str, table: dict[str, UpOption]) -> tuple[dict, dict[str, d
     """(top-level keys, {pool: its keys}) of a pools file, keys as dests; unknown keys refused."""
     import yaml
 
-    raw = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as e:  # its text spans lines (the offending one, a caret)
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping of options at the top level")
     top: dict[str, Any] = {}
@@ -164,10 +169,13 @@ def spec_from_args(args: argparse.Namespace, default_model: Callable[[], Any]) -
     for d, (typ, default, _) in OWN.items():
         v = cli.get(d, top.get(d, default))
         try:
-            if typ is bool and not isinstance(v, bool):
-                raise ValueError
-            own[d] = None if v is None else typ(v)
-        except PortError as e:
+            if v is None and default is None:  # left to `up` (the built-in model, a token made here)
+                own[d] = None
+            elif typ in (bool, int, float, str):
+                own[d] = read_value(typ, v)
+            else:
+                own[d] = typ(v)
+        except (PortError, NumberError) as e:
             raise ValueError(f"{d}: {e}") from None
         except (TypeError, ValueError):
             raise ValueError(f"{d}: cannot read {v!r} as {getattr(typ, '__name__', typ)}") from None
