@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--log-level",
         type=log_level,
-        default=os.environ.get("PDSERVE_LOG"),
+        default=None,  # PDSERVE_LOG, checked in main(): argparse's own check would blame --log-level
         help=f"{', '.join(LOG_LEVELS)} (default: PDSERVE_LOG, else INFO for servers and WARNING for the rest)",
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -353,6 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         print(error_line("pdserve", e), file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    if args.log_level is None and os.environ.get("PDSERVE_LOG"):
+        try:
+            args.log_level = log_level(os.environ["PDSERVE_LOG"])
+        except argparse.ArgumentTypeError as e:
+            print(f"pdserve: error: PDSERVE_LOG: {e}", file=sys.stderr)
+            return 2
     level = args.log_level or ("INFO" if args.cmd in SERVER_COMMANDS else "WARNING")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for note in notes:  # vLLM's flags that mean nothing here, said once
