@@ -2,7 +2,9 @@
 anything starts: a YAML syntax error and an empty pool key are `pdserve up: error: ...` (they
 were tracebacks), a fractional number for a whole one is refused (`max_num_seqs: 8.5` ran 8
 sequences), a boolean is no number, NaN and infinity are no number of seconds, null is no name.
-The command line's number flags refuse NaN too, and a node refuses an empty --node-id, which the
+A key given twice (a second `decode:` further down, `max-model-len` beside `max_model_len`,
+`prefill_tp` beside `prefill: {tp}`) is refused; the last one won unseen. The command line's
+number flags refuse NaN too, and a node refuses an empty --node-id, which the
 router would refuse at every Register while the node only logged it and retried."""
 
 from __future__ import annotations
@@ -41,6 +43,15 @@ def _refused(capsys, argv: list[str]) -> str:
         ("served_model_name: [a, null]\n", "served_model_name: cannot read ['a', None] as str"),
         ("policy: [round-robin]\n", "policy: cannot read ['round-robin'] as str"),
         ("dtype: {x: 1}\n", "dtype: cannot read {'x': 1} as str"),
+        # a key twice: PyYAML kept the last one silently
+        ("decode: 1\nprefill: 1\ndecode: {count: 2}\n", "not valid YAML at line 3, column 1: decode is given twice"),
+        ("decode: {count: 1, count: 2}\n", "line 1, column 20: count is given twice"),
+        (
+            "max-model-len: 100\nmax_model_len: 200\n",
+            "max_model_len is given twice (as max-model-len and max_model_len)",
+        ),
+        ("decode: {max_num_seqs: 2, max-num-seqs: 3}\n", "max_num_seqs is given twice under decode"),
+        ("prefill_tp: 4\nprefill: {tp: 2}\n", "prefill_tp is given twice (as prefill_tp and prefill: {tp: ...})"),
     ],
 )
 def test_a_bad_file_value_is_one_line(tmp_path, capsys, text, words):
