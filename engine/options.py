@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -37,12 +38,56 @@ def port(text: Any) -> int:
     """A TCP port, 0-65535 (0: the system picks a free one), from a flag's text or a file's value;
     the type of every port flag (`--port`, and each option whose field ends in `_port`)."""
     try:
-        v = int(text)
+        v = read_value(int, text)
     except (TypeError, ValueError):
         raise PortError(f"{text!r} is not a port number") from None
     if not 0 <= v <= 65535:
         raise PortError(f"{v} is not a port (0-65535)")
     return v
+
+
+class NumberError(ValueError, argparse.ArgumentTypeError):
+    """A value that is no usable number: argparse prints its message as it is."""
+
+
+def real(text: Any) -> float:
+    """A finite number, the type of every float flag: NaN passes every `<` and `<=` check unseen
+    (`--heartbeat-interval nan` started), and no option means anything by infinity."""
+    try:
+        v = read_value(float, text)
+    except (TypeError, ValueError):
+        raise NumberError(f"{text!r} is not a finite number") from None
+    return v
+
+
+def seconds(text: Any) -> float:
+    """A finite number of seconds >= 0 (`--drain-timeout`: 0 stops at once)."""
+    v = real(text)
+    if v < 0:
+        raise NumberError(f"{text!r} is not a number of seconds >= 0")
+    return v
+
+
+def read_value(typ: Any, v: Any) -> Any:
+    """A file's (YAML) value as `typ` (bool, int, float, str) reads it, or ValueError where reading
+    would change it: a bool or None for anything else, a fractional number for an int (`int(8.5)`
+    is 8), NaN or infinity for a float, a list or mapping for a single value."""
+    if typ is bool:
+        if not isinstance(v, bool):
+            raise ValueError(f"{v!r} is not true or false")
+        return v
+    if v is None or isinstance(v, bool | list | tuple | dict):
+        raise ValueError(f"{v!r} is not a single {typ.__name__}")
+    if typ is int:
+        if isinstance(v, float) and not v.is_integer():
+            raise ValueError(f"{v!r} is not a whole number")
+        return int(v)
+    if typ is float:
+        x = float(v)
+        if not math.isfinite(x):
+            raise ValueError(f"{v!r} is not a finite number")
+        return x
+    return typ(v)
 
 
 @dataclass(frozen=True)
@@ -122,7 +167,7 @@ def add_options(
         if o.type is bool:
             kw["action"] = argparse.BooleanOptionalAction
         else:
-            kw.update(type=port if o.is_port else o.type, metavar=o.metavar)
+            kw.update(type=port if o.is_port else real if o.type is float else o.type, metavar=o.metavar)
             if o.choices:
                 kw["choices"] = o.choices
             if o.repeat:
@@ -145,12 +190,8 @@ def coerce(o: Opt, v: Any) -> Any:
     """A value from a file (YAML) as the flag would have read it; ValueError naming the option."""
     try:
         if o.repeat:
-            return tuple(o.type(x) for x in (v if isinstance(v, list | tuple) else [v]))
-        if o.type is bool:
-            if not isinstance(v, bool):
-                raise ValueError
-            return v
-        v = o.type(v)
+            return tuple(read_value(o.type, x) for x in (v if isinstance(v, list | tuple) else [v]))
+        v = read_value(o.type, v)
     except (TypeError, ValueError):
         raise ValueError(f"{o.dest}: cannot read {v!r} as {o.type.__name__}") from None
     if o.is_port:

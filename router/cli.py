@@ -285,7 +285,7 @@ def cmd_up(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from decode_node.config import DecodeNodeConfig
     from encode_node.config import EncodeNodeConfig
-    from engine.options import add_options, options, port
+    from engine.options import add_options, options, port, seconds
     from prefill_node.config import PrefillNodeConfig
     from router.config import RouterConfig
     from router.pools import add_up_options
@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--log-level",
         type=log_level,
-        default=os.environ.get("PDSERVE_LOG"),
+        default=None,  # PDSERVE_LOG, checked in main(): argparse's own check would blame --log-level
         help=f"{', '.join(LOG_LEVELS)} (default: PDSERVE_LOG, else INFO for servers and WARNING for the rest)",
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -320,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("router", help="run the router")
     p.add_argument("--port", type=port, default=50051, help="gRPC port (0 picks one; default 50051)")
     p.add_argument("--port-file", default=None, help="write the bound port here (for --port 0)")
-    p.add_argument("--drain-timeout", type=float, default=30.0, help=DRAIN_HELP)
+    p.add_argument("--drain-timeout", type=seconds, default=30.0, help=DRAIN_HELP)
     add_options(p, options(RouterConfig))
     p.set_defaults(func=cmd_router)
 
@@ -331,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--host", default="127.0.0.1", help="address the node binds")
         p.add_argument("--port", type=port, default=0, help="gRPC port (0 picks one; default 0)")
-        p.add_argument("--drain-timeout", type=float, default=30.0, help=DRAIN_HELP)
+        p.add_argument("--drain-timeout", type=seconds, default=30.0, help=DRAIN_HELP)
         add_options(p, options(cls), defaults={"advertise_host": None})
         p.set_defaults(func=commands[kind])
 
@@ -353,6 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         print(error_line("pdserve", e), file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    if args.log_level is None and os.environ.get("PDSERVE_LOG"):
+        try:
+            args.log_level = log_level(os.environ["PDSERVE_LOG"])
+        except argparse.ArgumentTypeError as e:
+            print(f"pdserve: error: PDSERVE_LOG: {e}", file=sys.stderr)
+            return 2
     level = args.log_level or ("INFO" if args.cmd in SERVER_COMMANDS else "WARNING")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for note in notes:  # vLLM's flags that mean nothing here, said once

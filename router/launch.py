@@ -101,6 +101,8 @@ class PoolSpec:
         split_cpus([], [], self.cpu_binding)  # a bad mode refused before anything starts
         self.decode_nice_value()  # a bad value too
         self.decode_yield_value()
+        if not self.drain_timeout_s >= 0:  # NaN too
+            raise ValueError(f"--drain-timeout must be >= 0 (got {self.drain_timeout_s})")
         if self.node_start not in ("fork", "spawn"):
             raise ValueError(f"--node-start must be fork or spawn (got {self.node_start!r})")
         if self.insecure_open_cluster and self.cluster_token:

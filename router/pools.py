@@ -12,7 +12,7 @@ from typing import Any
 
 from decode_node.config import DecodeNodeConfig
 from encode_node.config import EncodeNodeConfig
-from engine.options import Opt, PortError, add_options, coerce, options, port
+from engine.options import NumberError, Opt, PortError, add_options, coerce, options, port, read_value, seconds
 from prefill_node.config import PrefillNodeConfig
 from router.config import RouterConfig
 from router.launch import NODE_CONFIGS, NODE_MANAGED, ROUTER_MANAGED, PoolSpec
@@ -71,7 +71,7 @@ OWN: dict[str, tuple[Callable[[Any], Any], Any, str]] = {
         "node); spawn: each node its own python process",
     ),
     "drain_timeout": (
-        float,
+        seconds,
         30.0,
         "on SIGTERM, every component finishes what is in flight for at most this many "
         "seconds, taking nothing new (0: stop at once)",
@@ -124,32 +124,72 @@ def _key(k: Any) -> str:
     return str(k).replace("-", "_")
 
 
+def _load_yaml(text: str) -> Any:
+    """yaml.safe_load, but a key given twice in one mapping is an error: PyYAML keeps the last
+    silently, so a second `decode:` further down replaced the first unseen."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
+        loader.flatten_mapping(node)  # `<<:` merges, as safe_load does them
+        seen: dict[Any, Any] = {}
+        for key_node, value_node in node.value:
+            k = loader.construct_object(key_node, deep=True)
+            if k in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"{k} is given twice", key_node.start_mark)
+            seen[k] = loader.construct_object(value_node, deep=True)
+        return seen
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return yaml.load(text, Loader=Loader)  # a SafeLoader: no Python objects
+
+
+def _dests(path: str, where: str, mapping: dict) -> dict[str, Any]:
+    """A mapping's keys as dests (`max-model-len` -> `max_model_len`); two spellings of one refused."""
+    out: dict[str, Any] = {}
+    spelled: dict[str, Any] = {}
+    for k, v in mapping.items():
+        if (d := _key(k)) in out:
+            raise ValueError(f"{path}: {d} is given twice{where} (as {spelled[d]} and {k})")
+        out[d], spelled[d] = v, k
+    return out
+
+
 def _read_file(path: str, table: dict[str, UpOption]) -> tuple[dict, dict[str, dict]]:
     """(top-level keys, {pool: its keys}) of a pools file, keys as dests; unknown keys refused."""
     import yaml
 
-    raw = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        raw = _load_yaml(Path(path).read_text()) or {}
+    except yaml.YAMLError as e:  # its text spans lines (the offending one, a caret)
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping of options at the top level")
     top: dict[str, Any] = {}
     pools: dict[str, dict] = {pool: {} for pool in POOLS}
+    raw = _dests(path, "", raw)
     for k, v in raw.items():
-        k = _key(k)
         if k in POOLS and isinstance(v, dict):
             known = ["count", *(["tp"] if k != "encode" else []), *(d for d, u in table.items() if k in u.fields)]
-            keys = {_key(kk): vv for kk, vv in v.items()}
+            keys = _dests(path, f" under {k}", v)
             bad = sorted(set(keys) - set(known))
             if bad:
                 raise ValueError(f"{path}: unknown key(s) under {k}: {', '.join(bad)}; known: {', '.join(known)}")
             if "count" in keys:
                 top[k] = keys.pop("count")
             if "tp" in keys:
+                if f"{k}_tp" in raw:
+                    raise ValueError(f"{path}: {k}_tp is given twice (as {k}_tp and {k}: {{tp: ...}})")
                 top[f"{k}_tp"] = keys.pop("tp")
             pools[k] = keys
         elif k in OWN or k in table:
             top[k] = v
         else:
-            bad = sorted({_key(x) for x in raw} - set(OWN) - set(table))
+            bad = sorted(set(raw) - set(OWN) - set(table))
             raise ValueError(f"{path}: unknown key(s) {', '.join(bad)}; known: {', '.join([*OWN, *table])}")
     return top, pools
 
@@ -164,10 +204,13 @@ def spec_from_args(args: argparse.Namespace, default_model: Callable[[], Any]) -
     for d, (typ, default, _) in OWN.items():
         v = cli.get(d, top.get(d, default))
         try:
-            if typ is bool and not isinstance(v, bool):
-                raise ValueError
-            own[d] = None if v is None else typ(v)
-        except PortError as e:
+            if v is None and default is None:  # left to `up` (the built-in model, a token made here)
+                own[d] = None
+            elif typ in (bool, int, float, str):
+                own[d] = read_value(typ, v)
+            else:
+                own[d] = typ(v)
+        except (PortError, NumberError) as e:
             raise ValueError(f"{d}: {e}") from None
         except (TypeError, ValueError):
             raise ValueError(f"{d}: cannot read {v!r} as {getattr(typ, '__name__', typ)}") from None

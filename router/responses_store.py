@@ -44,7 +44,12 @@ def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def not_found(rid: str) -> ApiError:
-    return ApiError(404, f"Response with id '{rid}' not found on this router.", param="response_id")
+    return ApiError(
+        404,
+        f"Response with id '{rid}' not found on this router (responses are kept in the memory of the router "
+        "that made them, while it runs).",
+        param="response_id",
+    )
 
 
 class ResponseStore:
@@ -111,9 +116,9 @@ class ResponseStore:
             raise ApiError(
                 400,
                 f"Previous response with id '{rid}' not found: it was not stored (store: false), was deleted, "
-                "was dropped to keep this router's store within --responses-store-mb, or another router "
-                "answered it (responses are kept by the router that made them); send the whole conversation "
-                "as input",
+                "was dropped to keep this router's store within --responses-store-mb, this router restarted since, "
+                "or another router answered it (responses are kept in the memory of the router that made them); "
+                "send the whole conversation as input",
                 param="previous_response_id",
                 code="previous_response_not_found",
             )

@@ -84,5 +84,8 @@ class NodeArgs(SecurityArgs, EngineArgs):
 
     def __post_init__(self) -> None:
         self.check_security()
+        # the router refuses an empty id at Register, and the node would only log that and retry
+        if not self.node_id.strip() or self.node_id != self.node_id.strip():
+            raise ValueError(f"--node-id {self.node_id!r}: give the node a name, with no space at either end")
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s must be positive (got {self.heartbeat_interval_s})")

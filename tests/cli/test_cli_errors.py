@@ -69,6 +69,18 @@ def test_unknown_log_level_is_one_line(capsys):
     assert build_parser().parse_args(["--log-level", "debug", "nodes"]).log_level == "DEBUG"
 
 
+def test_a_bad_pdserve_log_names_the_variable(monkeypatch, capsys):
+    # set in a ConfigMap, not on the command line: the error named --log-level, which nobody gave
+    monkeypatch.setenv("PDSERVE_LOG", "verbose")
+    assert main(["nodes", "--addr", "127.0.0.1:1"]) == 2
+    line = _one_line(capsys, "unknown log level 'verbose'")
+    assert line.startswith("pdserve: error: PDSERVE_LOG: "), line
+    monkeypatch.setenv("PDSERVE_LOG", "debug")
+    with pytest.raises(SystemExit) as e:  # the flag still wins, and is checked as before
+        main(["--log-level", "loud", "nodes"])
+    assert e.value.code == 2 and "argument --log-level" in capsys.readouterr().err
+
+
 def test_an_error_names_its_command_once(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("PDSERVE_CLUSTER_TOKEN", raising=False)
     assert main(["decode", "--model", str(tmp_path)]) == 2
