@@ -20,6 +20,7 @@ from router.token_mux import MuxTotals, TokenMux
 from serving.security import OPEN, Credentials
 
 CREDIT_MAX_S = 10.0  # an end no report has counted by then is dropped (a node that stopped reporting)
+FORGET_AFTER_S = 600.0  # a node dead this long leaves the registry (`pdserve nodes`); back, it registers again
 
 log = logging.getLogger("pdserve.router")
 
@@ -172,6 +173,8 @@ class NodeRegistry:
         self.creds = creds
         self.heartbeat_interval_s = heartbeat_interval_s
         self.dead_after_s = dead_after_s
+        # a node dead this long is forgotten (a pool scaled down): it registers again if it comes back
+        self.forget_after_s = FORGET_AFTER_S
         self.nodes: dict[str, NodeEntry] = {}
         self.static_addrs: dict[str, int] = {}  # address -> expected kind
         self.lock = threading.RLock()
@@ -280,6 +283,13 @@ class NodeRegistry:
                         e.info.address,
                         now - e.last_seen,
                     )
+            gone = [
+                e for e in self.nodes.values() if not e.alive and not e.static and now - e.last_seen > self.forget_after_s
+            ]
+            for e in gone:
+                del self.nodes[e.node_id]
+                e.close(self.loop)
+                log.info("node %s (%s): dead for %.0f s, forgotten", e.node_id, e.info.address, now - e.last_seen)
             fresh = {e.info.address for e in self.nodes.values() if now - e.last_seen < self.heartbeat_interval_s}
         for addr, kind in list(self.static_addrs.items()):
             if addr in fresh:

@@ -67,6 +67,19 @@ def test_register_heartbeat_death_and_new_incarnation(router):
     assert _alive(stub)["d0"]
 
 
+def test_a_node_dead_long_enough_is_forgotten_and_may_register_again(router):
+    """A node dead for the registry's forget_after_s (a pool scaled down) leaves `pdserve nodes`;
+    its heartbeat, if it comes back, asks it to register again, and it does."""
+    r, stub = router
+    r.service.registry.forget_after_s = 1.0
+    stub.Register(pb.RegisterRequest(node=_info("d9", "127.0.0.1:9")), timeout=5)
+    wait_for(lambda: _alive(stub) == {"d9": False}, 5, "d9 marked dead")
+    wait_for(lambda: _alive(stub) == {}, 5, "d9 forgotten")
+    assert not stub.Heartbeat(pb.HeartbeatRequest(node_id="d9", incarnation=1), timeout=5).known
+    stub.Register(pb.RegisterRequest(node=_info("d9", "127.0.0.1:9")), timeout=5)
+    assert _alive(stub) == {"d9": True}
+
+
 def test_draining_node_is_alive_but_not_routable(router):
     r, stub = router
     for nid in ("d0", "d1"):
