@@ -284,7 +284,9 @@ class NodeRegistry:
                         now - e.last_seen,
                     )
             gone = [
-                e for e in self.nodes.values() if not e.alive and not e.static and now - e.last_seen > self.forget_after_s
+                e
+                for e in self.nodes.values()
+                if not e.alive and not e.static and now - e.last_seen > self.forget_after_s
             ]
             for e in gone:
                 del self.nodes[e.node_id]
