@@ -9,7 +9,11 @@ whose tokens first differ where the idle cluster's top two logprobs were within 
 counted apart from one that differs elsewhere (which would be a fault).
 
     python bench/admission_burst.py [--requests 96] [--prompt-len 3000] [--admission-timeout 10]
-    python bench/admission_burst.py --priority [--requests 48]   # interactive TTFT under a batch flood"""
+    python bench/admission_burst.py --priority [--requests 48]   # interactive TTFT under a batch flood
+    python bench/admission_burst.py --long-every 10 --long-len 6000   # mixed lengths: one long in ten
+
+With mixed lengths the queue's work is priced at its length-weighted mean prompt (docs/router.md,
+"Leases and admission"): `late` counts admitted requests that started after their budget."""
 
 from __future__ import annotations
 
@@ -91,6 +95,7 @@ def run(model, prompts, warm, new_tokens: int, budget: float, dtype: str = "floa
             alone = {i: _reference(c, prompts[i], new_tokens) for i in done}  # the idle cluster's tokens
     refused = [(r, s) for r, s, _ in outs if not isinstance(r, list)]
     starts = [outs[i][2] for i in done]
+    late = sum(s > budget for s in starts) if budget else 0
     return {
         "budget": budget,
         "done": len(done),
@@ -101,9 +106,10 @@ def run(model, prompts, warm, new_tokens: int, budget: float, dtype: str = "floa
         "refuse_max_s": max((s for _, s in refused), default=0.0),
         "retry_after": [e.retry_after_s for e, _ in refused],
         "start_max_s": max(starts, default=0.0),
+        "late": late,
         "rate": rate,
         # the pool's rate in the burst: the prompts it prefilled over the time to the last first token
-        "burst_rate": len(done) * len(prompts[0]) / max(starts, default=1.0),
+        "burst_rate": sum(len(prompts[i]) for i in done) / max(starts, default=1.0),
     }
 
 
@@ -147,6 +153,8 @@ def main() -> int:
         "--admission-timeout", type=float, action="append", help="budget(s), seconds, in order (default: 0 then 10)"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--long-every", type=int, default=0, help="every Nth burst prompt is long (0: none)")
+    ap.add_argument("--long-len", type=int, default=6000, help="--long-every: the long prompts' tokens")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the nodes' dtype")
     ap.add_argument("--priority", action="store_true", help="interactive TTFT, idle vs under a batch flood")
     ap.add_argument("--probe-len", type=int, default=500, help="--priority: interactive prompt tokens")
@@ -163,7 +171,11 @@ def main() -> int:
     model = Path(args.model) if args.model else default_model_dir()
     g = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(1, 1000, (args.requests + 2, args.prompt_len), generator=g).tolist()
-    print(f"{args.requests} distinct prompts of {args.prompt_len} tokens at once, 1P+1D; model {model}")
+    if args.long_every:  # after the two warm-up prompts
+        for i in range(2, len(prompts), args.long_every):
+            prompts[i] = torch.randint(1, 1000, (args.long_len,), generator=g).tolist()
+    mix = f", one in {args.long_every} of {args.long_len}" if args.long_every else ""
+    print(f"{args.requests} distinct prompts of {args.prompt_len} tokens{mix} at once, 1P+1D; model {model}")
     if args.priority:
         probes = torch.randint(1, 1000, (3 * args.probes, args.probe_len), generator=g).tolist()
         idle, loaded = run_priority(
@@ -181,7 +193,8 @@ def main() -> int:
         m = run(model, prompts[2:], prompts[:2], args.new_tokens, budget, args.dtype)
         if not budget:
             rate = m["burst_rate"]
-        can = budget * (rate or m["rate"]) / args.prompt_len if budget else args.requests
+        mean = statistics.mean(map(len, prompts[2:]))
+        can = budget * (rate or m["rate"]) / mean if budget else args.requests
         m["can_start"] = min(can, args.requests)  # a budget that fits the whole burst admits all of it
         ra = [x for x in m["retry_after"] if x is not None]
         print(
@@ -190,7 +203,7 @@ def main() -> int:
             + f", {m['done'] - m['exact'] - m['near_tie']} other), "
             f"{m['refused']} refused {m['codes']} within {m['refuse_max_s'] * 1e3:.0f} ms of being sent"
             + (f" (Retry-After {min(ra):.1f}-{max(ra):.1f} s)" if ra else "")
-            + f"; admitted ones started within {m['start_max_s']:.1f} s; rate {m['rate']:,.0f} tokens/s warm-up, "
+            + f"; admitted ones started within {m['start_max_s']:.1f} s ({m['late']} after the budget); rate {m['rate']:,.0f} tokens/s warm-up, "
             f"{m['burst_rate']:,.0f} in the burst: {m['can_start']:.1f} prompts can start in the budget, {m['done'] / max(m['can_start'], 1e-9):.0%} admitted"
         )
     return 0
