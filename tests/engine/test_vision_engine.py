@@ -114,7 +114,9 @@ def test_bad_images_are_refused(vl, tmp_path):
 
 def test_reserved_image_request_is_never_recomputed(vl):
     """A decode node's request with image placeholders has no pixels (docs/images.md): under memory
-    pressure another request gives its pages up; alone, it is aborted rather than recomputed."""
+    pressure another request gives its pages up; when only such requests are left, the one that
+    gives its pages up is aborted rather than recomputed (the router moves it, with its images),
+    and the other runs until its context fills the cache ("length")."""
     path, cases = vl("qwen3_5")
     ids = cases["one_image"][0]
     long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
@@ -137,11 +139,14 @@ def test_reserved_image_request_is_never_recomputed(vl):
             done.update((o.request_id, o) for o in eng.step() if o.finished)
         assert done["img"].finish_reason == "length" and done["img"].metrics["num_preemptions"] == 0
         assert done["text"].finish_reason == "length" and done["text"].metrics["num_preemptions"] > 0
-        assert eng.reserve(ids, SamplingParams(max_tokens=300, ignore_eos=True), "alone") is not None
-        eng.activate("alone", 5)
+        for rid in ("a", "b"):
+            assert eng.reserve(ids, SamplingParams(max_tokens=300, ignore_eos=True), rid) is not None
+            eng.activate(rid, 5)
         while eng.has_unfinished():
             done.update((o.request_id, o) for o in eng.step() if o.finished)
-        assert done["alone"].finish_reason == "abort"
+        assert sorted(done[r].finish_reason for r in "ab") == ["abort", "length"]
+        (kept,) = [done[r] for r in "ab" if done[r].finish_reason == "length"]
+        assert len(ids) + len(kept.output_token_ids) == 16 * 16 + 1  # the cache's tokens and the last one
         assert eng.blocks.num_free == eng.capacity.num_blocks
 
 
