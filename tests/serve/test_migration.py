@@ -437,7 +437,10 @@ def test_openai_n2_stream_moves_and_counts_usage_once(ckpt):
         assert killed and texts == [want, want]
         assert usage is not None and usage.completion_tokens == 2 * n and usage.prompt_tokens == len(p)
         # the router logs the request once it has ended, after the client saw its last chunk
-        assert u.find(r"(moved from decode-\d)")
+        assert u.find(r"(moved from decode-\d)", timeout=45)
+    except AssertionError:
+        print(u.output())
+        raise
     finally:
         u.stop()
 
