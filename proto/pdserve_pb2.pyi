@@ -331,12 +331,14 @@ class NodeInfo(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[_Union[NodeKind, str]] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., tp_size: _Optional[int] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., local_prefill_threshold: _Optional[int] = ..., schema_digest: _Optional[str] = ..., prefill_ready: _Optional[bool] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., draining: _Optional[bool] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., prefix: _Optional[_Union[PrefixDigest, _Mapping]] = ..., prefill_tokens_per_s: _Optional[float] = ..., local_resume_threshold: _Optional[int] = ..., requests_ended: _Optional[int] = ..., prefill_cost: _Optional[_Union[PrefillCost, _Mapping]] = ...) -> None: ...
 
 class PrefillCost(_message.Message):
-    __slots__ = ("s_per_token", "s_per_pair")
+    __slots__ = ("s_per_token", "s_per_pair", "s_per_token_min")
     S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     S_PER_PAIR_FIELD_NUMBER: _ClassVar[int]
+    S_PER_TOKEN_MIN_FIELD_NUMBER: _ClassVar[int]
     s_per_token: float
     s_per_pair: float
-    def __init__(self, s_per_token: _Optional[float] = ..., s_per_pair: _Optional[float] = ...) -> None: ...
+    s_per_token_min: float
+    def __init__(self, s_per_token: _Optional[float] = ..., s_per_pair: _Optional[float] = ..., s_per_token_min: _Optional[float] = ...) -> None: ...
 
 class PrefixDigest(_message.Message):
     __slots__ = ("version", "block_size", "snapshot_interval", "pages", "snapshot_keys", "snapshot_tokens", "mtp")

@@ -89,10 +89,11 @@ class OutputLengths:
 def node_rate(p: NodeEntry, meter: RateMeter, length: int = 0) -> float | None:
     """A prefill node's prompt tokens per second for prompts of `length` tokens (computed from
     the start): `NODE_RATE_MARGIN` of what its fitted cost gives (PrefillCost: a token, and the
-    context it attends to), else of its own rate, else what the router measured."""
+    context it attends to; never faster a token than the fastest of the passes it was fitted
+    over), else of its own rate, else what the router measured."""
     c = p.info.prefill_cost
     if p.info.HasField("prefill_cost") and (c.s_per_token > 0 or c.s_per_pair > 0):
-        return NODE_RATE_MARGIN / (c.s_per_token + c.s_per_pair * (length + 1) / 2)
+        return NODE_RATE_MARGIN / max(c.s_per_token_min, c.s_per_token + c.s_per_pair * (length + 1) / 2)
     own = p.info.prefill_tokens_per_s
     return own * NODE_RATE_MARGIN if own else meter.rate(p.node_id)
 

@@ -21,6 +21,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.vision.inputs import ImageInput
 from serving.mux import TokenSink
+from serving.step_rate import Cost
 
 _T = TypeVar("_T")
 
@@ -282,7 +283,7 @@ class Snapshot:
     streaming: int = 0  # requests a handle streams or whose push it waits for
     images: tuple[int, float, int] = (0, 0.0, 0)  # totals: images encoded, encoder seconds, encoder-cache hits
     prefill_tokens_per_s: float = 0.0  # its recent passes' prompt tokens per second (serving/step_rate.py)
-    prefill_cost: tuple[float, float] | None = None  # (s per token, s per pair) fitted over them (StepRate.cost)
+    prefill_cost: Cost | None = None  # (s per token, s per pair, least s per token) fitted over them (StepRate.cost)
 
 
 # While the loop is busy, the prefix digest is rebuilt at most this often: the cache changes with
@@ -309,7 +310,7 @@ def take_snapshot(
     streaming: int = 0,
     prefill_rate: float = 0.0,
     fresh: bool = True,
-    prefill_cost: tuple[float, float] | None = None,
+    prefill_cost: Cost | None = None,
 ) -> Snapshot:
     """The engine's counters now (loop thread). The prefix digest is rebuilt when the cache changed:
     at once when `fresh` (the loop is going idle, or someone asked), else once DIGEST_REFRESH_S has

@@ -89,7 +89,7 @@ class NodeServer:
             ),
             requests_ended=s.ended,
             prefill_tokens_per_s=s.prefill_tokens_per_s,
-            prefill_cost=None if s.prefill_cost is None else pb.PrefillCost(s_per_token=s.prefill_cost[0], s_per_pair=s.prefill_cost[1]),
+            prefill_cost=None if s.prefill_cost is None else pb.PrefillCost(s_per_token=s.prefill_cost.per_token, s_per_pair=s.prefill_cost.per_pair, s_per_token_min=s.prefill_cost.fastest),
             speculation=pb.Speculation(
                 method=self.ecfg.speculative.method if self.ecfg.speculative.num_tokens else "",
                 num_tokens=self.ecfg.speculative.num_tokens, drafts_per_position=s.spec_drafts_per_position,

@@ -267,13 +267,14 @@ def test_the_prefill_cost_is_fitted_to_tokens_and_context():
     for start in range(0, 32768, chunk):  # one 32k prompt, chunked; the first pass from idle
         now += a * chunk + b * pairs(start, chunk)
         r.passed(chunk, woke=0.0, busy=start > 0, now=now, pairs=pairs(start, chunk))
-    fa, fb = r.cost()
+    fa, fb, fastest = r.cost()
     assert (fa, fb) == (pytest.approx(a, rel=1e-6), pytest.approx(b, rel=1e-6))
+    assert fastest == pytest.approx(a + b * pairs(0, chunk) / chunk)  # the first chunk, context 0 to 2k
     r, now = StepRate(), 0.0
     for i in range(8):  # 3k prompts alone
         now += 0.5
         r.passed(3000, woke=0.0, busy=i > 0, now=now, pairs=pairs(0, 3000))
-    assert r.cost() == (pytest.approx(0.5 / 3000), 0.0) and r.rate() == pytest.approx(6000.0)
+    assert r.cost() == (pytest.approx(0.5 / 3000), 0.0, pytest.approx(0.5 / 3000)) and r.rate() == pytest.approx(6000.0)
 
 
 def test_a_placed_request_is_expected_to_end_at_a_typical_length():
