@@ -54,10 +54,18 @@ class Snapshot:
     tail: tuple[int, ...]  # the tokens after them
     ref: int = 0  # steps reading (restore) or writing (save) it now; > 0: not evictable
     ready: bool = False  # written: lookups may use it
-    cold: bool = False  # a grid point nobody has resumed from yet: first in line for eviction
+    cold: bool = False  # a grid point nobody has resumed from yet, or a superseded point: first out
     prompt_logprobs: PromptLogprobs | None = None  # kept by a request that asked for them
     end: bool = False  # a prompt's end (or a landed prompt's state): one conversation's point
     resumes: int = 0  # requests that have resumed from it
+    final: bool = False  # a finished request's last state: its conversation's deepest point
+
+    @property
+    def tier(self) -> int:
+        """Its place in the eviction order (PrefixCache.reserve): 0 cold, 1 a final state nobody
+        has resumed from yet, 2 the rest (prompt ends, message and branch points, points resumed
+        from)."""
+        return 0 if self.cold else 1 if self.final and not self.resumes else 2
 
 
 @dataclass
@@ -98,16 +106,21 @@ class PrefixCache:
         self._by_parent: dict[int, list[Snapshot]] = {}
         self._lru: OrderedDict[Snapshot, None] = OrderedDict()  # ready, ref 0; oldest first
         self._cold: OrderedDict[Snapshot, None] = OrderedDict()  # ... grid points: evicted before those
+        self._finals: OrderedDict[Snapshot, None] = OrderedDict()  # ... final states: between the two
         self.stats = PrefixStats()
+
+    def _queues(self) -> tuple[OrderedDict[Snapshot, None], ...]:
+        """The eviction order by tier (`Snapshot.tier`), each oldest first."""
+        return self._cold, self._finals, self._lru
 
     @property
     def num_used(self) -> int:
         return self.num_snapshots - len(self._free_idx)
 
     @property
-    def num_available(self) -> int:
-        """Entries `reserve` can give now: free ones and those it may evict (none pinned)."""
-        return len(self._free_idx) + len(self._cold) + len(self._lru)
+    def num_free(self) -> int:
+        """Entries `reserve` can give without evicting any."""
+        return len(self._free_idx)
 
     # ---- lookup ----------------------------------------------------------------------
     def shared_pages(self, p: int) -> int:
@@ -200,52 +213,80 @@ class PrefixCache:
     # ---- pins ------------------------------------------------------------------------
     def acquire(self, s: Snapshot) -> None:
         """Pin `s` for a request resuming from it. Resumed from, it earns its place, except a
-        prompt's end at its first resume: that is the conversation's next turn, which saves its
-        own longer end, and a third turn resumes from that, so this one goes to the front of the
-        eviction order (a second resume, a regenerated turn say, brings it back)."""
+        prompt's end or a final state at its first resume: that is the conversation's next turn,
+        which saves its own longer end and final state, and a third turn resumes from those, so
+        this one goes to the front of the eviction order (a second resume, a regenerated turn
+        say, brings it back)."""
         s.ref += 1
         s.resumes += 1
-        s.cold = s.end and s.resumes == 1
-        self._lru.pop(s, None)
-        self._cold.pop(s, None)
+        s.cold = (s.end or s.final) and s.resumes == 1
+        for q in self._queues():
+            q.pop(s, None)
 
     def release(self, s: Snapshot) -> None:
         if s.ref < 1:
             raise ValueError(f"snapshot {s.index} released more often than acquired")
         s.ref -= 1
         if s.ref == 0 and s.ready and self._by_key.get((s.parent, s.tail)) is s:
-            (self._cold if s.cold else self._lru)[s] = None
+            self._queues()[s.tier][s] = None
+
+    def supersede(self, s: Snapshot) -> None:
+        """A deeper point of the same conversation was saved (a finished request's final state
+        after its prompt's end): `s`, if nobody has resumed from it, goes cold, so that a pool
+        short of entries keeps each conversation's deepest point before its intermediate ones."""
+        if s.resumes or s.cold:
+            return
+        queued = [q for q in self._queues() if s in q]
+        for q in queued:
+            del q[s]
+        s.cold = True
+        if queued:
+            self._cold[s] = None
 
     # ---- saving ----------------------------------------------------------------------
     def reserve(
-        self, parent: int, tail: tuple[int, ...], num_tokens: int, cold: bool = False, end: bool = False
+        self,
+        parent: int,
+        tail: tuple[int, ...],
+        num_tokens: int,
+        cold: bool = False,
+        end: bool = False,
+        final: bool = False,
     ) -> Snapshot | None:
         """An entry to save the state after `num_tokens` tokens into (pinned until `commit`), or
-        None: that prefix is saved already, or every entry is in use. cold: a grid point inside
-        a prompt, which joins the eviction order at its front (evicted before the prompt ends,
-        branch points and final states, which a conversation's next turn resumes from) until a
-        request resumes from it. end: a prompt's end (`acquire`)."""
+        None: that prefix is saved already, or no entry is free or evictable for it. cold: a grid
+        point inside a prompt, which joins the eviction order at its front until a request
+        resumes from it. final: a finished request's last state (`keep_final`), next: a
+        conversation's next turn resumes from it when its history keeps the reply id for id.
+        end: a prompt's end (`acquire`). An entry evicts the oldest of the lowest tier
+        (`Snapshot.tier`) and never one above its own: a running prompt's grid points take
+        only other grid points, not the final state of the conversation that runs next (with
+        three conversations taking turns on five entries, each turn's grid points evicted the
+        others' final states and no turn after the second resumed at all)."""
         old = self._by_key.get((parent, tail))
         if old is not None:
             old.end = old.end or end
             if old.cold and not cold:  # a grid point that is now a prompt's end, say
-                old.cold = False
-                if old in self._cold:
-                    del self._cold[old]
-                    self._lru[old] = None
+                queued = old in self._cold
+                self._cold.pop(old, None)
+                old.cold, old.final = False, old.final or final
+                if queued:
+                    self._queues()[old.tier][old] = None
             if old in self._lru:
                 self._lru.move_to_end(old)
             return None
+        tier = 0 if cold else 1 if final else 2
+        victims = next((q for q in self._queues()[: tier + 1] if q), None)
         if self._free_idx:
             idx = self._free_idx.pop()
-        elif self._cold or self._lru:
-            victim, _ = (self._cold or self._lru).popitem(last=False)
+        elif victims is not None:
+            victim, _ = victims.popitem(last=False)
             self._drop(victim)
             idx = victim.index
             self.stats.evicted += 1
         else:
             return None
-        s = Snapshot(idx, num_tokens, parent, tail, ref=1, cold=cold, end=end)
+        s = Snapshot(idx, num_tokens, parent, tail, ref=1, cold=cold, end=end, final=final)
         self._by_key[(parent, tail)] = s
         self._by_parent.setdefault(parent, []).append(s)
         return s
@@ -286,7 +327,7 @@ class PrefixCache:
         """Pages in use first, then free cached pages most recently freed first; snapshots being
         read, then the most recently used. Capped at DIGEST_PAGES / DIGEST_SNAPSHOTS."""
         snaps = [s for s in self._by_key.values() if s.ready and s.ref > 0]
-        snaps += [*reversed(self._lru), *reversed(self._cold)]
+        snaps += [*reversed(self._lru), *reversed(self._finals), *reversed(self._cold)]
         snaps = snaps[:DIGEST_SNAPSHOTS]
         b = self.blocks
         pages = b.recent_pages(DIGEST_PAGES)

@@ -122,11 +122,13 @@ class PrefixPlanner:
         grid = range((start // step + 1) * step, end + 1, step)
         extra = [q for q in req.snapshot_points if start < q <= end]
         points = sorted(set(grid).union(extra, [plen] if end == plen else []))
-        # a pool with fewer entries to give than the chunk's points gives them first to the prompt's
+        # a pool with fewer free entries than the chunk's points gives them first to the prompt's
         # end, then to its message and branch points, then to the grid from the chunk's end back:
-        # what a next turn resumes from (in position order the first grid points took them all)
+        # what a next turn resumes from. In position order the first grid points took a short
+        # pool's entries, or its cold ones, and left the prompt's end to evict another
+        # conversation's final state (PrefixCache.reserve)
         ranked = points
-        if len(points) > self.prefix.num_available:
+        if len(points) > self.prefix.num_free:
             ranked = sorted(points, key=lambda p: (p != plen, p not in req.snapshot_points, -p))
         got: list[tuple[int, Snapshot]] = []
         for p in ranked:
@@ -238,11 +240,16 @@ class PrefixPlanner:
             return
         hashes = self.hashes(req, c // bs)
         parent, tail = self.prefix.key_for(req.hash_prompt + req.output_token_ids, hashes, c)
-        # cold: a next turn resumes here only if its history holds the reply id for id, where any
-        # next turn extends the prompt (whose end is kept warm): under pressure this goes first
-        s = self.prefix.reserve(parent, tail, c, cold=True)
+        # the conversation's deepest point: under pressure it goes after the grid points of the
+        # prompts running now and before prompt ends, message and branch points (a next turn
+        # resumes here only when its history holds the reply id for id)
+        s = self.prefix.reserve(parent, tail, c, final=True)
         if s is None:
             return
+        plen = len(req.prompt_token_ids)
+        end = self.prefix.find(*self.prefix.key_for(req.hash_prompt, self.hashes(req), plen)) if c > plen else None
+        if end is not None:  # this prompt's end, on the way to the final state: an intermediate point now
+            self.prefix.supersede(end)
         j = self.prefix.tail_page(c)
         page = req.block_ids.pop(j) if j is not None else None  # freed by reference after the copy
         self._final.append(FinalSave(s, SnapshotCopy(s.index, self._slot(req), page, last=self._last(c))))

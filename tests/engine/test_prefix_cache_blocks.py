@@ -312,34 +312,43 @@ def test_landed_state_of_a_request_gone_before_its_first_step_is_not_kept():
     assert blocks.ref == {} and slots.num_free == 2
 
 
-def test_grid_points_and_final_states_are_evicted_before_prompt_ends():
+def test_grid_points_and_the_superseded_prompt_end_go_before_the_final_state():
     """a's snapshots: grid points 4 and 8 (entries 0, 1), its prompt's end 10 (2) and its final
-    state 11 (3). Newer saves take the grid points and the final state first (cold: a next turn
-    resumes from a final state only if it keeps the reply id for id), the older first; the
-    prompt's end, which any next turn extends, is the last to go."""
+    state 11 (3), the conversation's deepest point, which its next turn resumes from when it keeps
+    the reply id for id: saving it made the prompt's end an intermediate point (cold, behind the
+    grid points). A grid point of a prompt running now takes only cold entries, never the final
+    state (None once they are gone); a prompt's end or another final state takes it last."""
     sched, blocks, slots, prefix = make()
     run_first(sched)
-    cold = [s for s in prefix._by_key.values() if s.num_tokens in (4, 8, 11)]
-    assert sorted(s.index for s in cold) == [0, 1, 3] and all(s.cold for s in cold)
+    by_n = {s.num_tokens: s for s in prefix._by_key.values()}
+    assert [(n, by_n[n].index, by_n[n].tier) for n in sorted(by_n)] == [(4, 0, 0), (8, 1, 0), (10, 2, 0), (11, 3, 1)]
     taken = []
-    for tail in [(30,), (31,), (32,), (33,)]:
-        s = prefix.reserve(ROOT_HASH, tail, 1)
+    for tail in [(30,), (31,), (32,)]:
+        s = prefix.reserve(ROOT_HASH, tail, 1, cold=True)
         taken.append(s.index)
         prefix.commit(s)
-    # entries 0 and 1 (the grid), then 3 (the final state), then the prompt's end
-    assert taken == [0, 1, 3, 2]
-    assert sorted(s.num_tokens for s in prefix._by_key.values()) == [1, 1, 1, 1]
+    assert taken == [0, 1, 2]  # the grid, then the superseded end
+    for tail in [(30,), (31,), (32,)]:  # the new grid points themselves
+        prefix.acquire(prefix.find(ROOT_HASH, tail))  # pinned: a step reads them
+    assert prefix.reserve(ROOT_HASH, (33,), 1, cold=True) is None  # the final state stays
+    later = prefix.reserve(ROOT_HASH, (34,), 1, final=True)  # another conversation's: the older goes
+    assert later is not None and later.index == 3
+    assert prefix._by_key.get((by_n[11].parent, by_n[11].tail)) is None
 
 
-def test_a_final_state_resumed_from_is_kept_warm():
-    """A next turn that resumes from a's final state (its history keeps the reply) makes it warm:
-    newer saves then take the grid points and the prompt's end before it."""
+def test_a_final_state_resumed_once_goes_cold_and_twice_is_kept_warm():
+    """A next turn that resumes from a's final state (its history keeps the reply) saves its own,
+    deeper one: the resumed one is superseded and goes cold behind the grid points and the prompt's
+    end. Resumed a second time (a regenerated turn), it is warm: newer saves take the others."""
     sched, blocks, slots, prefix = make()
     run_first(sched)
     final = next(s for s in prefix._by_key.values() if s.num_tokens == 11)
     prefix.acquire(final)  # a step restores from it
     prefix.release(final)
-    assert not final.cold
+    assert final.cold and list(prefix._cold)[-1] is final
+    prefix.acquire(final)
+    prefix.release(final)
+    assert not final.cold and final.tier == 2
     taken = []
     for tail in [(30,), (31,), (32,)]:
         s = prefix.reserve(ROOT_HASH, tail, 1)
