@@ -99,6 +99,8 @@ def plan(
                 "tool_choice",
             )
         return ToolPlan(False, _start(constraint, think_close))
+    if fmt == "xml":
+        _xml_names(req, tools)
     if allowed is not None:
         tools = [t for t in tools if t["function"]["name"] in allowed]
     if choice in ("required", "named"):
@@ -121,6 +123,24 @@ def plan(
         _compiles(req, fns, customs)
         constraint = pb.Constraint(grammar=call_grammar(fmt, fns, many, customs, text_first=True))
     return ToolPlan(True, _start(constraint, think_close))
+
+
+def _xml_names(req: ChatRequest, tools: list[dict[str, Any]]) -> None:
+    """The XML call format writes names between `<function=` / `<parameter=` and `>`, one line:
+    a tool or parameter name with `>`, a line break or blanks at its ends would be read back as
+    another name (and the call's text as content): a 400 naming it."""
+    for i, t in enumerate(tools):
+        params = t["function"].get("parameters") or {}
+        where = req.schema_field(i)
+        named = [(t["function"]["name"], where.rsplit(".", 1)[0] + ".name")]
+        named += [(k, f"{where}.properties") for k in params.get("properties", {})]
+        for name, field in named:
+            if ">" in name or "\n" in name or "\r" in name or name != name.strip() or not name:
+                raise bad(
+                    f"{field}: {name!r} cannot be written in this model's tool-call format "
+                    "(no '>', line break or surrounding blanks in a tool or parameter name)",
+                    field,
+                )
 
 
 def _compiles(req: ChatRequest, fns: list[dict[str, Any]], customs: dict[str, CustomTool] | None) -> None:

@@ -165,3 +165,40 @@ def test_a_union_with_string_converts_to_a_value_of_its_types(schema, cases):
         text = f"<tool_call>\n<function=f>\n<parameter=p>\n{written}\n</parameter>\n</function>\n</tool_call>"
         args = "".join(i.arguments for i in [*p.push(text), *p.flush()] if isinstance(i, ToolDelta))
         assert json.loads(args) == {"p": want}, (written, args)
+
+
+@pytest.mark.parametrize(
+    ("name", "param", "field"),
+    [
+        ("a>b", "x", "tools[0].function.name"),
+        ("get\nweather", "x", "tools[0].function.name"),
+        (" spaced ", "x", "tools[0].function.name"),
+        ("f", "x>y", "tools[0].function.parameters.properties"),
+    ],
+    ids=["gt-name", "newline-name", "blank-ends", "gt-parameter"],
+)
+def test_names_the_xml_format_cannot_carry_are_a_400(front, hf, name, param, field):
+    """The template writes `<function=NAME>` and `<parameter=KEY>`: a name with `>`, a line break
+    or blanks at its ends does not parse back as itself from the text the template writes (checked
+    here), so the request is refused naming the field rather than answered with calls of another
+    name and the rest of the call as content."""
+    from router.openai_models import ApiError
+
+    params = {"type": "object", "properties": {param: {"type": "string"}}, "required": [param]}
+    prefix = hf.apply_chat_template(USER, tokenize=False)
+    call = {"id": "c", "type": "function", "function": {"name": name, "arguments": {param: "v"}}}
+    full = hf.apply_chat_template([*USER, {"role": "assistant", "content": None, "tool_calls": [call]}], tokenize=False)
+    text = full[len(prefix) :].removeprefix("<|im_start|>assistant\n").removesuffix("<|im_end|>\n")
+    tool = {"type": "function", "function": {"name": name, "parameters": params}}
+    p = ToolCallParser("xml", [tool])
+    items = [*p.push(text), *p.flush()]
+    names = [i.name for i in items if isinstance(i, ToolDelta) and i.name is not None]
+    args = "".join(i.arguments for i in items if isinstance(i, ToolDelta))
+    assert names != [name] or json.loads(args or "null") != {param: "v"}, "the format carries it: no reason to refuse"
+    for choice in ("auto", "required"):
+        body = {"model": "m", "messages": USER, "tools": [tool], "tool_choice": choice}
+        with pytest.raises(ApiError) as e:
+            front.prepare(ChatRequest.model_validate(body))
+        assert e.value.status == 400 and e.value.param == field, e.value.message
+    body = {"model": "m", "messages": USER, "tools": [tool], "tool_choice": "none"}  # calls are not read
+    front.prepare(ChatRequest.model_validate(body))
