@@ -131,8 +131,9 @@ class Choice:
         return 0 if self.job.no_output else len(c.token_ids)
 
     def _finish(self, fin: str | None) -> str | None:
-        """finish_reason: "tool_calls" when the output ended on its own after calls."""
-        return "tool_calls" if fin == "stop" and self.out is not None and self.out.calls else fin
+        """finish_reason: "tool_calls" when the output ended on its own after calls, not inside one
+        (a stop string matched in a call's text: "stop", its arguments cut short as with "length")."""
+        return "tool_calls" if fin == "stop" and self.out is not None and self.out.calls_done else fin
 
     def whole(self) -> dict:
         out = {"index": self.index, "finish_reason": self._finish(self.finish), "stop_reason": self.stop_reason}

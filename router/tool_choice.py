@@ -30,6 +30,7 @@ from router import structured_fields
 from router.custom_tools import INPUT, CustomTool
 from router.openai_models import ChatRequest, bad
 from router.parsers.tool_calls import ToolFormat
+from router.parsers.values import is_text, nullable_text, resolve
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,8 @@ def plan(
                 "tool_choice",
             )
         return ToolPlan(False, _start(constraint, think_close))
+    if fmt == "xml":
+        _xml_names(req, tools)
     if allowed is not None:
         tools = [t for t in tools if t["function"]["name"] in allowed]
     if choice in ("required", "named"):
@@ -120,6 +123,24 @@ def plan(
         _compiles(req, fns, customs)
         constraint = pb.Constraint(grammar=call_grammar(fmt, fns, many, customs, text_first=True))
     return ToolPlan(True, _start(constraint, think_close))
+
+
+def _xml_names(req: ChatRequest, tools: list[dict[str, Any]]) -> None:
+    """The XML call format writes names between `<function=` / `<parameter=` and `>`, one line:
+    a tool or parameter name with `>`, a line break or blanks at its ends would be read back as
+    another name (and the call's text as content): a 400 naming it."""
+    for i, t in enumerate(tools):
+        params = t["function"].get("parameters") or {}
+        where = req.schema_field(i)
+        named = [(t["function"]["name"], where.rsplit(".", 1)[0] + ".name")]
+        named += [(k, f"{where}.properties") for k in params.get("properties", {})]
+        for name, field in named:
+            if ">" in name or "\n" in name or "\r" in name or name != name.strip() or not name:
+                raise bad(
+                    f"{field}: {name!r} cannot be written in this model's tool-call format "
+                    "(no '>', line break or surrounding blanks in a tool or parameter name)",
+                    field,
+                )
 
 
 def _compiles(req: ChatRequest, fns: list[dict[str, Any]], customs: dict[str, CustomTool] | None) -> None:
@@ -174,9 +195,15 @@ def _start(c: pb.Constraint | None, think_close: int | None) -> pb.Constraint | 
 
 
 # ---- the call grammars ----------------------------------------------------------------------------
-def _json(schema: dict[str, Any]) -> str:
-    """JSON inside a call, with the JSON constraints' bounded whitespace (engine/structured/grammar.py)."""
-    return "%json " + json.dumps(bounded_json(schema))
+def _json(schema: dict[str, Any], defs: dict[str, Any] | None = None) -> str:
+    """JSON inside a call, with the JSON constraints' bounded whitespace (engine/structured/grammar.py);
+    `defs`: the tool's `$defs` / `definitions`, which the schema's `$ref`s point into."""
+    return "%json " + json.dumps(bounded_json({**(defs or {}), **schema}))
+
+
+def _defs(params: dict[str, Any]) -> dict[str, Any]:
+    """The parameters' `$defs` and `definitions`: embedded with each schema that may refer to them."""
+    return {k: params[k] for k in ("$defs", "definitions") if isinstance(params.get(k), dict)}
 
 
 _TEXT = r"/([^<]|<[^\/]){%s}\n<\/parameter>\n/"  # a string value: no "</" inside, then its close tag
@@ -232,26 +259,33 @@ def call_grammar(
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
-            rules.append(f'fn{i}: {_json(obj)} "\\n"')
+            # the arguments' `#/$defs/...` references resolve against the root of the embedded schema
+            rules.append(f'fn{i}: {_json(obj, _defs(args))} "\\n"')
             continue
         props, required = params.get("properties", {}), set(params.get("required", ()))
         body = []
         for j, (k, schema) in enumerate(props.items()):
-            rules.append(f"fn{i}p{j}: {json.dumps(f'<parameter={k}>' + chr(10))} {_value(schema)}")
+            rules.append(f"fn{i}p{j}: {json.dumps(f'<parameter={k}>' + chr(10))} {_value(schema, params)}")
             body.append(f"fn{i}p{j}" + ("" if k in required else "?"))
         head = json.dumps(f"<function={f['name']}>\n")
         rules.append(f'fn{i}: {head} {" ".join(body)} "</function>\\n"')
     return "\n".join(rules) + "\n"
 
 
-def _value(schema: Any) -> str:
+def _value(schema: Any, params: dict[str, Any]) -> str:
+    """One parameter's value as the template writes it (and router/parsers/values.py reads it back):
+    a string as it is (an enum: one of its strings), a string-or-null as a string (`null` among
+    them), anything else as JSON of its schema, which may refer to the tool's `$defs`."""
     close = '"\\n</parameter>\\n"'
-    s = schema if isinstance(schema, dict) else {}
-    if s.get("type") == "string" and isinstance(s.get("enum"), list):
-        return "(" + " | ".join(json.dumps(str(v)) for v in s["enum"]) + ") " + close
-    if s.get("type") == "string" or schema is None:
-        lo, hi = s.get("minLength"), s.get("maxLength")  # bounds that are not counts are left out
+    resolved = resolve(schema, params)
+    s = resolved if isinstance(resolved, dict) else {}
+    text = s if is_text(resolved) and schema is not None else nullable_text(resolved)
+    if text is not None and isinstance(text.get("enum"), list):
+        return "(" + " | ".join(json.dumps(str(v)) for v in text["enum"]) + ") " + close
+    if text is not None or schema is None:
+        t = text or {}
+        lo, hi = t.get("minLength"), t.get("maxLength")  # bounds that are not counts are left out
         lo = lo if isinstance(lo, int) and lo >= 0 else 0
         hi = hi if isinstance(hi, int) and hi >= lo else None
         return _TEXT % f"{lo}," if hi is None else _SHORT_TEXT % f"{lo},{hi}"
-    return f"{_json(s)} {close}"
+    return f"{_json(s, _defs(params))} {close}"

@@ -91,6 +91,11 @@ class ChatOutput:
         if d.arguments or field not in part:
             part[field] = part.get(field, "") + d.arguments
 
+    @property
+    def calls_done(self) -> bool:
+        """Calls came and the output did not end inside one (a stop string or EOS cut it short)."""
+        return bool(self.calls) and not (self.tools is not None and self.tools.cut)
+
     def message(self) -> dict[str, Any]:
         """The whole message: the fold of every delta."""
         content = "".join(self.content)

@@ -68,6 +68,7 @@ class ToolCallParser:
         self.inside = False  # between <tool_call> and </tool_call>
         self.raw = ""  # the current call's text so far, passed through if it never gets a name
         self.named = False
+        self.cut = False  # the output ended inside a named call (its arguments are incomplete)
         # xml: "fn" (before <function=), "params" (between parameters), "value" (inside one), "end"
         self.step, self.params = "fn", 0
         self.name, self.key, self.text = "", "", False  # the call's name; the parameter being read; a string?
@@ -80,8 +81,9 @@ class ToolCallParser:
         return out
 
     def flush(self) -> list[Item]:
-        """The output ended: a call cut off keeps what was sent (module docstring)."""
+        """The output ended: a call cut off keeps what was sent (module docstring) and sets `cut`."""
         out: list[Item] = []
+        self.cut = self.inside and self.named
         if not self.inside:
             out.append(self.buf)
         elif not self.named and not self.calls:

@@ -244,3 +244,43 @@ def test_bad_requests_are_anthropic_errors(claude, model):
         claude.messages.create(model="nope", messages=USER, max_tokens=4)
     assert e.value.body["error"]["type"] == "not_found_error"
     assert claude.messages.create(model=model, messages=USER, max_tokens=1).stop_reason == "max_tokens"  # still serving
+
+
+@pytest.mark.parametrize("api", ["chat", "chat-streamed", "messages"])
+def test_a_stop_string_inside_a_call_leaves_no_finished_call(oai, claude, model, api):
+    """A stop string that matches inside a forced call's text (the grammar writes `</parameter>`
+    after the first value) cuts the call short: the answer ends as at any stop string ("stop" with
+    that string; Anthropic's `stop_sequence`), never "tool_calls" / `tool_use`, which tells a
+    client to run calls whose arguments here are no JSON (json.loads says so); the call's name and
+    arguments so far stay, as with "length"."""
+    import json
+
+    stop = "</parameter>"
+    extra = {"chat_template_kwargs": {"enable_thinking": False}, "temperature": 0.7, "seed": 3, "top_k": 20}
+    if api == "messages":
+        forced = dict(tools=[WEATHER], tool_choice={"type": "any"}, stop_sequences=[stop], extra_body=extra)
+        m = claude.messages.create(model=model, messages=USER, max_tokens=100, **forced)
+        assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop), m
+        assert [b.type for b in m.content] == ["tool_use"] and m.content[0].name == "get_weather"
+        return
+    kw = dict(model=model, messages=OAI_MSGS, tools=OAI_TOOLS, tool_choice="required", max_tokens=100, stop=[stop])
+    if api == "chat":
+        c = oai.chat.completions.create(**kw, extra_body=extra).choices[0]
+        fin, calls = c.finish_reason, [(t.function.name, t.function.arguments) for t in c.message.tool_calls or ()]
+        assert (c.model_extra or {}).get("stop_reason") == stop
+    else:
+        got: dict[int, list[str]] = {}
+        fin = None
+        for ch in oai.chat.completions.create(stream=True, **kw, extra_body=extra):
+            for c in ch.choices:
+                for tc in c.delta.tool_calls or ():
+                    call = got.setdefault(tc.index, ["", ""])
+                    call[0] += tc.function.name or ""
+                    call[1] += tc.function.arguments or ""
+                fin = c.finish_reason or fin
+        calls = [(n, a) for n, a in got.values()]
+    assert fin == "stop", (fin, calls)
+    ((name, arguments),) = calls
+    assert name == "get_weather"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(arguments)
