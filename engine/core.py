@@ -128,7 +128,7 @@ class EngineCore:
                 f"ask for at most {k}" + (" (speculative decoding is off)" if k == 0 else "")
             )
         n, limit = len(prompt_token_ids), self.cfg.max_model_len
-        if n >= limit:
+        if n > limit or (n == limit and params.max_tokens != 1):  # one token fits (a prompt scored, as vLLM)
             raise ValueError(f"prompt of {n} tokens leaves no room to generate: max_model_len is {limit}")
         need = self.blocks.blocks_for(n + 1)
         if need > self.capacity.num_blocks:

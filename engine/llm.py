@@ -13,7 +13,7 @@ from engine.config import EngineArgs
 from engine.config_fields import DTYPE_ALIASES
 from engine.core import EngineCore
 from engine.llm_process import EngineProcess, Interrupted
-from engine.llm_prompts import parse_prompts
+from engine.llm_prompts import expand_prompts, parse_prompts
 from engine.llm_results import finish
 from engine.options import options
 from engine.outputs import RequestOutput
@@ -125,9 +125,10 @@ class LLM:
         prompt_token_ids: Any = None,
         images: list[tuple[ImageInput, ...]] | None = None,
     ) -> list[RequestOutput]:
-        """prompts: a str, {"prompt": str}, {"prompt_token_ids": [int, ...]} or a list of them;
-        or prompt_token_ids: [[int, ...], ...] (engine/llm_prompts.py). images: per prompt, its
-        images on their <|image_pad|> runs (docs/images.md)."""
+        """prompts: a str, {"prompt": str}, {"prompt_token_ids": [int, ...]} (either with
+        "multi_modal_data": {"image": ...}) or a list of them; or prompt_token_ids: [[int, ...], ...]
+        (engine/llm_prompts.py). images: per prompt, its images on their <|image_pad|> runs
+        (docs/images.md)."""
         if self._proc is not None:
             return self._proc.call("generate", prompts, sampling_params, prompt_token_ids, images)  # type: ignore[no-any-return]
         engine = self._engine()
@@ -138,6 +139,10 @@ class LLM:
         if len(params) != len(given):
             raise ValueError(f"{len(params)} sampling_params for {len(given)} prompts")
         imgs = images if images is not None else [()] * len(given)
+        if any(p.images is not None for p in given):  # vLLM's multi_modal_data: placed here, as the router places them
+            if images is not None:
+                raise ValueError("give images either as images= or in the prompts' multi_modal_data, not both")
+            given, imgs = expand_prompts(self.config.model.path, self.config.model.vision, given)
         if len(imgs) != len(given):
             raise ValueError(f"{len(imgs)} image lists for {len(given)} prompts")
         for i, (p, sp) in enumerate(zip(given, params)):  # refuse the batch before any of it runs

@@ -1,6 +1,8 @@
 """The prompts `LLM.generate` takes, in vLLM's forms, made token ids: `prompts=` a str, a
 `{"prompt": str}` dict (vLLM's TextPrompt), a `{"prompt_token_ids": [int, ...]}` dict (its
-TokensPrompt, which may also carry its text as "prompt"), or a list mixing them; or
+TokensPrompt, which may also carry its text as "prompt"), either with vLLM's
+`"multi_modal_data": {"image": image or [images]}` (engine/vision/prompt_images.py), or a list
+mixing them; or
 `prompt_token_ids=` a list of token lists, or one prompt as a flat list of ints (vLLM's older
 form). Numpy and torch integers count as ints. Anything else is a ValueError naming the prompt's
 index and what was expected; the engine's own checks (vocabulary, length) come after."""
@@ -12,14 +14,16 @@ from numbers import Integral
 from typing import Any, NamedTuple
 
 from engine.tokenizer import Tokenizer
+from engine.vision.prompt_images import expand, images_of
 
 EXPECTED = "a str, {'prompt': str} or {'prompt_token_ids': [int, ...]}"
-KEYS = ("prompt", "prompt_token_ids")
+KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
 
 
 class Prompt(NamedTuple):
     token_ids: list[int]
     text: str | None  # the prompt's text where it was given as text (RequestOutput.prompt)
+    images: list[Any] | None = None  # multi_modal_data's images, one per <|image_pad|> in the prompt
 
 
 def parse_prompts(prompts: Any, prompt_token_ids: Any, tokenizer: Tokenizer | None) -> list[Prompt]:
@@ -47,11 +51,23 @@ def _prompt(i: int, p: Any, tokenizer: Tokenizer | None) -> Prompt:
     text = p.get("prompt")
     if text is not None and not isinstance(text, str):
         raise ValueError(f"prompt {i}: 'prompt' must be a str (got {type(text).__name__})")
+    images = images_of(i, p["multi_modal_data"]) if p.get("multi_modal_data") is not None else None
     if "prompt_token_ids" in p:
-        return Prompt(_ids(i, p["prompt_token_ids"]), text)
+        return Prompt(_ids(i, p["prompt_token_ids"]), text, images)
     if text is None:
         raise ValueError(f"prompt {i}: expected {EXPECTED} (got a dict without either key)")
-    return Prompt(_encode(i, text, tokenizer), text)
+    return Prompt(_encode(i, text, tokenizer), text, images)
+
+
+def expand_prompts(path: str, vision: Any, given: list[Prompt]) -> tuple[list[Prompt], list[tuple]]:
+    """Prompts with multi_modal_data images: each <|image_pad|> expanded to its image's tokens, and
+    per prompt its ImageInputs (LLM.generate's `images=`)."""
+    out, imgs = [], []
+    for i, p in enumerate(given):
+        ids, placed = expand(path, vision, i, p.token_ids, p.images) if p.images is not None else (p.token_ids, ())
+        out.append(Prompt(ids, p.text))
+        imgs.append(placed)
+    return out, imgs
 
 
 def _encode(i: int, text: str, tokenizer: Tokenizer | None) -> list[int]:

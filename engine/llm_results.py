@@ -1,6 +1,7 @@
 """The finished outputs `LLM.generate` returns: each request's whole logprobs (not its last
-step's), its text, and vLLM's shape beside the engine's fields: `prompt` and `outputs` (one
-`CompletionOutput` whose logprobs are vLLM's {token_id: Logprob} per position)."""
+step's), its text, and vLLM's shape beside the engine's fields: `prompt`, `outputs` (one
+`CompletionOutput` whose logprobs are vLLM's {token_id: Logprob} per position) and
+`prompt_logprobs` as vLLM's (None for the first prompt token, then {token_id: Logprob})."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ def finish(
     tokenizer: Tokenizer | None,
 ) -> RequestOutput:
     out.logprobs = logprobs if params.logprobs is not None else None
-    out.prompt_logprobs = prompt_logprobs if params.prompt_logprobs is not None else None
+    out.prompt_logprobs = (
+        [None, *_vllm_logprobs(prompt_logprobs or [], tokenizer)] if params.prompt_logprobs is not None else None
+    )
     if tokenizer is not None:
         out.text = tokenizer.decode(out.output_token_ids)
     out.prompt = prompt
@@ -39,9 +42,10 @@ def finish(
 
 
 def _vllm_logprobs(entries: list, tokenizer: Tokenizer | None) -> list[dict[int, Logprob]]:
-    """(token, logprob, [(id, logprob) most likely first]) per position -> {id: Logprob}, the
-    chosen token first; a top entry's rank is its place (1-based), the chosen token's that place
-    when it is among them, else None (the engine does not rank it)."""
+    """(token, logprob, [(id, logprob) most likely first][, rank]) per position -> {id: Logprob},
+    the chosen token first; a top entry's rank is its place (1-based); the chosen token's is the
+    engine's rank where it has one (prompt logprobs), else that place when it is among them,
+    else None (output logprobs are not ranked)."""
     texts: dict[int, str | None] = {}
 
     def text(t: int) -> str | None:
@@ -50,9 +54,10 @@ def _vllm_logprobs(entries: list, tokenizer: Tokenizer | None) -> list[dict[int,
         return texts[t]
 
     out = []
-    for tok, lp, top in entries:
+    for e in entries:
+        tok, lp, top = e[0], e[1], e[2]
         ranks = {t: r for r, (t, _) in enumerate(top, 1)}
-        pos = {tok: Logprob(lp, ranks.get(tok), text(tok))}
+        pos = {tok: Logprob(lp, e[3] if len(e) > 3 else ranks.get(tok), text(tok))}
         for r, (t, tlp) in enumerate(top, 1):
             pos.setdefault(t, Logprob(tlp, r, text(t)))
         out.append(pos)

@@ -47,7 +47,8 @@ class RequestOutput(msgspec.Struct):
     draft_token_ids: list[int] = msgspec.field(default_factory=list)
     # params.logprobs: (token, logprob, [(id, logprob) most likely first]) for each of new_token_ids
     logprobs: list | None = None
-    # params.prompt_logprobs: the same for prompt tokens 1..n-1, on the request's first output
+    # params.prompt_logprobs: (token, logprob, top, rank) for prompt tokens 1..n-1, on the request's
+    # first output; LLM.generate's finished outputs hold vLLM's [None, {token_id: Logprob}, ...] here
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     # vLLM's shape, filled by LLM.generate: the prompt's text when it was given as text, and the

@@ -16,6 +16,7 @@ from engine.vision.inputs import ImageInput, hash_view
 
 if TYPE_CHECKING:
     from engine.sampling import TokenLogprob
+    from engine.sampling.prompt_logprobs import PromptLogprob
 
 __all__ = ["Request", "SpecDepth", "Status", "TransitionError"]
 
@@ -55,7 +56,7 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)  # MTP drafts proposed for the next step
     spec: SpecDepth = field(default_factory=SpecDepth)  # draft depth, replaced whole by the policy
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token (params.logprobs)
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per prompt token after the first
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)  # one per prompt token after the first
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at first admission
     expected_hit: int | None = None  # while it waits: the prefix-cache hit it would get (serving/commands.py)
     # a record, not a state: admission once waited for a running request's snapshot

@@ -11,6 +11,7 @@ from engine.vision.inputs import ImageInput
 
 if TYPE_CHECKING:
     from engine.sampling import TokenLogprob
+    from engine.sampling.prompt_logprobs import PromptLogprob
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class StepOutput:
     drafts: dict[str, list[int]] = field(default_factory=dict)  # MTP drafts for each sampling row's next step
     # params.logprobs: (token, logprob, top) per emitted token (engine.sampling.TokenLogprob)
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
-    # params.prompt_logprobs: (position of the row's first token, [TokenLogprob of the token after each position])
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    # params.prompt_logprobs: (position of the row's first token, [PromptLogprob of the token after each position])
+    prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
     seconds: float = 0.0
     images: tuple[int, float, int] = (0, 0.0, 0)  # this step: images encoded, their seconds, encoder-cache hits

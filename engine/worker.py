@@ -28,7 +28,8 @@ from engine.model.graphs import DecodeGraphs, decode_buckets, graphs_wanted, log
 from engine.model.layers import AllReduce
 from engine.model.mtp import MTPBlock, MTPDrafter
 from engine.model.qwen3_5 import Qwen35Model
-from engine.sampling import Sampler, token_logprobs
+from engine.sampling import Sampler
+from engine.sampling.prompt_logprobs import prompt_logprobs
 from engine.step import StepInput, StepOutput
 from engine.structured.bitmask import GrammarMask
 from engine.units import parse_bytes
@@ -235,8 +236,6 @@ class Worker:
             slots += [r.block_ids[q // bs] * bs + q % bs for q in p]
             if r.num_draft:  # score the pending token and every draft
                 logit_idx += range(len(ids) - r.num_draft - 1, len(ids))
-            elif r.prompt_logprobs is not None:  # prompt logprobs: every position
-                logit_idx += range(len(ids) - n, len(ids))
             elif r.sample or r.want_logits:
                 logit_idx.append(len(ids) - 1)
         n_dec = sum(r.is_decode for r in step.rows)
@@ -343,6 +342,9 @@ class Worker:
         if self.drafter is not None:
             self._resume_drafts(step)
             logits, hidden = self.model.forward(batch, self.pools, want_hidden=True, after_layer=after)
+        elif any(r.prompt_logprobs is not None for r in step.rows):  # their logprobs come from the hidden states
+            logits, hidden = self.model.forward(batch, self.pools, want_hidden=True, after_layer=after)
+            self.pools.snapshots.save(self.pools, step.saves)
         else:
             logits = self.graphs.run(batch) if self.graphs is not None and after is None else None
             # replayed: the logits are in the graph's memory, where the sampler may replay its own graph
@@ -352,7 +354,7 @@ class Worker:
             self.pools.snapshots.save(self.pools, step.saves)
         out = StepOutput({})
         if self.rank == 0:
-            self._sample(step, logits, out, static)
+            self._sample(step, logits, out, static, hidden)
         spec_rows = [(b, r) for b, r in enumerate(step.rows) if r.num_draft]  # decode rows come first
         if not spec_rows and self.drafter is None:
             out.seconds = time.perf_counter() - t0
@@ -418,7 +420,9 @@ class Worker:
             out[c.index] = hidden[o + c.last - p]
         return out
 
-    def _sample(self, step: StepInput, logits: torch.Tensor, out: StepOutput, static: bool = False) -> None:
+    def _sample(
+        self, step: StepInput, logits: torch.Tensor, out: StepOutput, static: bool = False, hidden=None
+    ) -> None:
         """Rank 0: sample every sampling row and verify drafts in one batch (engine/sampling),
         keep wanted logits and logprobs (into `out`)."""
         if step.plain:  # one token a row, each sampled, nothing else asked
@@ -426,20 +430,17 @@ class Worker:
             out.sampled.update((r.request_id, toks) for r, toks in zip(step.rows, emitted))
             out.logprobs.update(logprobs)
             return
-        i = 0
+        i = off = 0  # the row's first logit row; its first position in `hidden`
         rows, first, wanted = [], [], []  # sampling rows and their first logit row; want_logits rows
         for r in step.rows:
+            off += len(r.token_ids)
             if r.num_draft:  # the pending token and every draft are scored
                 rows.append(r)
                 first.append(i)
                 i += r.num_draft + 1
                 continue
-            if r.prompt_logprobs is not None:  # the row has a logit at every position; its last samples
-                self._prompt_logprobs(r, logits[i : i + len(r.token_ids)], out)
-                i += len(r.token_ids) - 1
-                if not (r.sample or r.want_logits):
-                    i += 1
-                    continue
+            if r.prompt_logprobs is not None:
+                self._prompt_logprobs(r, hidden[off - len(r.token_ids) : off], out)
             if r.sample:
                 rows.append(r)
                 first.append(i)
@@ -454,12 +455,11 @@ class Worker:
             out.sampled.update((r.request_id, toks) for r, toks in zip(rows, emitted))
             out.logprobs.update(logprobs)
 
-    @staticmethod
-    def _prompt_logprobs(r, logits: torch.Tensor, out: StepOutput) -> None:
-        """logits [n, V] at every position of a prompt chunk: the log-probability of the token
-        after each position that has a known next token (not the last one of a sampling row)."""
+    def _prompt_logprobs(self, r, hidden: torch.Tensor, out: StepOutput) -> None:
+        """hidden [n, H] at every position of a prompt chunk: the log-probability and rank of the
+        token after each position that has a known next token (not the last one of a sampling
+        row), computed a few hundred positions at a time (engine/sampling/prompt_logprobs.py)."""
         targets = list(r.token_ids[1:]) + ([] if r.next_token is None else [r.next_token])
-        if not targets:
-            return
-        lsm = torch.log_softmax(logits[: len(targets)].float(), -1)
-        out.prompt_logprobs[r.request_id] = (r.start_pos, token_logprobs(lsm, targets, r.prompt_logprobs))
+        if targets:
+            lps = prompt_logprobs(self.model.lm_head, hidden[: len(targets)], targets, r.prompt_logprobs)
+            out.prompt_logprobs[r.request_id] = (r.start_pos, lps)

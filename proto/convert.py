@@ -142,9 +142,14 @@ def constraint_pb(kind: str, value: str | Iterable[str] = "", start_after_token:
     return c
 
 
-def logprobs_pb(entries: Iterable[tuple[int, float, Iterable[tuple[int, float]]]]) -> list[pb.TokenLogprob]:
-    """engine TokenLogprob tuples -> their wire form."""
-    return [
-        pb.TokenLogprob(token_id=t, logprob=lp, top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in top])
-        for t, lp, top in entries
-    ]
+Top = Iterable[tuple[int, float]]
+
+
+def logprobs_pb(entries: Iterable[tuple[int, float, Top] | tuple[int, float, Top, int]]) -> list[pb.TokenLogprob]:
+    """engine TokenLogprob tuples (token, logprob, top) -> their wire form; a PromptLogprob's
+    fourth element, the token's rank, becomes `rank`."""
+    out = []
+    for e in entries:
+        top = [pb.TopLogprob(token_id=i, logprob=v) for i, v in e[2]]
+        out.append(pb.TokenLogprob(token_id=e[0], logprob=e[1], top=top, rank=e[3] if len(e) == 4 else 0))
+    return out

@@ -174,6 +174,7 @@ class OpenAIFront:
         job.output = prep.output if prep is not None else None
         job.chat_echo = prep.echo if prep is not None else ""
         job.token_ids, job.ids_as_text = bool(req.return_token_ids), bool(req.return_tokens_as_token_ids)
+        job.prompt_logprobs = None if chat else req.prompt_logprobs
         job.images = images
         prio = pb.PRIORITY_UNSPECIFIED  # the body's class: its name, or vLLM's integer (above 0: batch)
         if req.priority is not None:
@@ -191,7 +192,14 @@ class OpenAIFront:
                 base.prompt_token_ids.extend(p)
             text = None
             if echo:
-                text = p if isinstance(p, str) else await self.service.text.decode(p) if self.tok is not None else ""
+                # ids are echoed as vLLM detokenizes a prompt: special tokens kept (<|im_start|> ...)
+                text = (
+                    p
+                    if isinstance(p, str)
+                    else await self.service.text.decode(p, False)
+                    if self.tok is not None
+                    else ""
+                )
             for i in range(n):
                 r = pb.GenerateRequest()
                 r.CopyFrom(base)

@@ -42,6 +42,7 @@ class Job:
     token_ids: bool = False  # return_token_ids: the prompt's and each choice's token ids in the answer
     ids_as_text: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:N"
     chat_echo: str = ""  # chat `echo`: the text each choice's content starts with (openai_chat.echoed)
+    prompt_logprobs: int | None = None  # completions' vLLM `prompt_logprobs`: alternatives per prompt token
 
     def head(self, chunk: bool) -> dict:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -72,6 +73,7 @@ class Choice:
         self.out = job.output() if job.output is not None else None
         self.prompt_ids: list[int] = []  # the prompt the nodes got (return_token_ids)
         self.ids: list[int] = []  # the tokens returned (return_token_ids)
+        self.prompt_lps: list | None = None  # vLLM's prompt_logprobs, from the first chunk
 
     def _take(self, c: Chunk) -> tuple[str, list]:
         """The text and logprob entries this chunk adds (echo: the prompt's on the first)."""
@@ -81,11 +83,16 @@ class Choice:
             self.prompt_tokens, self.cached_tokens = c.prompt_tokens, c.cached_tokens
             self.prompt_ids = list(c.prompt_token_ids)
             echo, ids = self.job.echoes[self.index], self.job.prompt_ids[self.index]
+            if self.job.prompt_logprobs is not None:
+                self.prompt_lps = self._prompt_logprobs(c.prompt_logprobs, self.job.prompt_logprobs)
             if echo is not None:
                 text = echo
                 if self.job.logprobs is not None and ids:  # NaN: the first token has no logprob
                     entries = [pb.TokenLogprob(token_id=ids[0], logprob=float("nan"))]
-                    entries += list(c.prompt_logprobs)
+                    for e in c.prompt_logprobs:  # computed with max(logprobs, prompt_logprobs) alternatives
+                        entries.append(
+                            pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob, top=e.top[: self.job.logprobs])
+                        )
                     self._echoed = len(entries)
         if not self.job.no_output:
             text += c.text
@@ -149,6 +156,8 @@ class Choice:
             out.update(text="".join(self.text), logprobs=lp)
             if self.job.token_ids:
                 out["prompt_token_ids"] = self.prompt_ids
+            if self.job.prompt_logprobs is not None:
+                out["prompt_logprobs"] = self.prompt_lps
         if self.job.token_ids:
             out["token_ids"] = self.ids
         return out
@@ -174,11 +183,28 @@ class Choice:
             d = {"index": self.index, "text": text, "logprobs": lp, "finish_reason": fin}
             if self.job.token_ids and first:
                 d["prompt_token_ids"] = self.prompt_ids
+            if self.job.prompt_logprobs is not None and first:
+                d["prompt_logprobs"] = self.prompt_lps
         if fin is not None:
             d["stop_reason"] = self.stop_reason
         if self.job.token_ids:
             d["token_ids"] = [] if self.job.no_output else list(c.token_ids)
         return d
+
+    def _prompt_logprobs(self, entries, k: int) -> list[dict[str, dict] | None]:
+        """vLLM's prompt_logprobs: None for the first prompt token, then per token {id: {logprob,
+        rank, decoded_token}}, the prompt's token first and the k most likely after it (ranks
+        1..k); each id decoded alone, special tokens kept, as vLLM's; -inf as vLLM clamps it."""
+        out: list[dict[str, dict] | None] = [None]
+        for e in entries:
+            d = {str(e.token_id): self._plp(e.token_id, e.logprob, e.rank or None)}
+            for r, t in enumerate(e.top[:k], 1):
+                d.setdefault(str(t.token_id), self._plp(t.token_id, t.logprob, r))
+            out.append(d)
+        return out
+
+    def _plp(self, token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": self._str(token_id, False)}
 
     def _skip(self) -> bool:
         """Whether the entry about to be shaped skips special tokens as its text does: an echoed

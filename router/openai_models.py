@@ -203,6 +203,7 @@ class _Request(NullIsUnset):
     allowed_token_ids: Any = None
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
+    # vLLM's: per prompt token after the first, its logprob and rank and the N most likely (completions)
     prompt_logprobs: Any = None
 
     @property
@@ -313,7 +314,7 @@ UNSUPPORTED_EXTENSIONS = {
     "allowed_token_ids": " (a 'structured_outputs' choice or regex constrains the output)",
     "bad_words": " ('logit_bias' of -100 bans a token)",
     "truncate_prompt_tokens": "",
-    "prompt_logprobs": " (completions: 'echo': true with 'logprobs' gives the prompt's)",
+    "prompt_logprobs": " on chat completions (/v1/completions takes it)",
 }
 
 
@@ -334,6 +335,8 @@ def _refuse_unsupported(req: _Request) -> None:
     if req.best_of not in (None, req.n):
         raise bad("best_of other than n is not supported", "best_of")
     for name, hint in UNSUPPORTED_EXTENSIONS.items():
+        if name == "prompt_logprobs" and not chat:
+            continue
         v = getattr(req, name)  # unset, false or empty: as if not sent (0 is a value: prompt_logprobs 0 asks)
         if v is not None and v is not False and v != [] and v != {}:
             raise bad(f"'{name}' is not supported{hint}", name)
@@ -415,6 +418,14 @@ def sampling(req: CompletionRequest | ChatRequest) -> pb.SamplingParams:
         raise bad("'logprobs' takes the number of alternatives per token, 0 to 20 (got true)", "logprobs")
     if req.logprobs is not None and req.logprobs is not False:
         sp.logprobs = req.logprobs
-    if req.echo and sp.HasField("logprobs"):
-        sp.prompt_logprobs = sp.logprobs
+    k = req.prompt_logprobs
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20):
+        raise bad(
+            f"'prompt_logprobs' takes the number of alternatives per prompt token, 0 to 20 (got {k!r})",
+            "prompt_logprobs",
+        )
+    if req.echo and sp.HasField("logprobs"):  # the prompt's entries come first
+        k = max(sp.logprobs, -1 if k is None else k)
+    if k is not None:
+        sp.prompt_logprobs = k
     return sp

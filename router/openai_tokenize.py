@@ -1,6 +1,7 @@
 """`POST /tokenize` and `POST /detokenize`, as vLLM's server answers them: a text prompt, or chat
-messages rendered by the checkpoint's template exactly as `/v1/chat/completions` renders them, to
-the token ids the nodes would get; and ids back to text. Clients count tokens with these before
+messages rendered by the checkpoint's template exactly as `/v1/chat/completions` renders them
+(each image's placeholder expanded to its tokens), to the token ids the nodes would get; and ids
+back to text. Clients count tokens with these before
 they send (RL rollouts, context budgeting) without loading the tokenizer themselves."""
 
 from __future__ import annotations
@@ -52,17 +53,14 @@ def register(app: FastAPI, front: Any, limit: int) -> None:
             assert isinstance(req, ChatRequest)
             served(body.get("model"))
             prep = await front.render(req)
-            if prep.images:
-                raise bad(
-                    "messages with images are not tokenized here (an image's tokens depend on its size)", "messages"
-                )
-            text, strs = prep.prompt, bool(body.get("return_token_strs"))
+            ids, strs = await service.encode(prep.prompt), bool(body.get("return_token_strs"))
+            if prep.images:  # as vLLM's: each image's placeholder is its tokens, as many as its size makes
+                ids, _ = service.images.expand(ids, await service.images.prepare(prep.images))
         else:
             t = parse(TokenizeText, body)
             assert isinstance(t, TokenizeText)
             served(t.model)
-            text, strs = t.prompt, t.return_token_strs
-        ids = await service.encode(text)
+            ids, strs = await service.encode(t.prompt), t.return_token_strs
         ctx = max((m.max_model_len for m in service.models()), default=0)
         out = {"count": len(ids), "max_model_len": ctx, "tokens": ids}
         out["token_strs"] = [tok.id_to_token(i) for i in ids] if strs else None

@@ -275,7 +275,8 @@ class GenerateService:
             return
         # refuse what no node could ever take, rather than queueing it
         limit = max(e.info.max_model_len for e in nodes)
-        if len(ids) >= limit:
+        one = request.sampling.HasField("max_tokens") and request.sampling.max_tokens == 1  # scoring a full prompt
+        if len(ids) > limit or (len(ids) == limit and not one):
             raise Abort(bad, f"prompt of {len(ids)} tokens leaves no room to generate: max_model_len is {limit}")
         most = max(e.info.capacity.total_blocks for e in nodes)
         need = nodes[0].blocks_for(len(ids) + 1)

@@ -43,7 +43,7 @@ class PromptLogprobs:
 
     def entries(self, token: int, num_top: int) -> list:
         """Entries 0 .. p - 1 for a prompt whose token p is `token`, top lists cut to num_top."""
-        return [(t, lp, top[:num_top]) for t, lp, top in [*self.prefix, self.next[token]]]
+        return [(e[0], e[1], e[2][:num_top], *e[3:]) for e in [*self.prefix, self.next[token]]]
 
 
 @dataclass(eq=False)

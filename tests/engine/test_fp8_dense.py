@@ -51,8 +51,9 @@ def _run(path: str, prompts, **kw):
 
 def _logprob_table(out) -> dict[tuple[int, int], float]:
     """(position, token id) -> logprob over the prompt's and the output's top-20 alternatives."""
-    rows = [lp for lp in (out.prompt_logprobs or []) if lp is not None] + list(out.logprobs)
-    return {(i, t): lp for i, (_, _, top) in enumerate(rows) for t, lp in top}
+    rows = [{t: x.logprob for t, x in d.items() if x.rank <= TOP} for d in (out.prompt_logprobs or [])[1:]]
+    rows += [dict(top) for _, _, top in out.logprobs]
+    return {(i, t): lp for i, top in enumerate(rows) for t, lp in top.items()}
 
 
 def _linears(llm) -> list[tuple[str, Linear]]:

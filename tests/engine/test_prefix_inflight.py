@@ -89,7 +89,7 @@ def test_prompt_logprob_burst_resumes_with_the_same_entries(ckpt_hv2):
     the context, two more wait for its snapshot and take its kept entries; one asking for more
     alternatives than the sharer computes cannot use its snapshot, so it is not held. Every entry
     equals the cache-off run's, and the resumed ones transformers'."""
-    from tests.engine.test_sampling_options import _check_logprobs
+    from tests.engine.test_sampling_options import _check_logprobs, _prompt_entries
 
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=2)
     wide = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=5)
@@ -101,9 +101,10 @@ def test_prompt_logprob_burst_resumes_with_the_same_entries(ckpt_hv2):
         assert llm.engine.prefix.stats.held == 2
         _all_free(llm)
     assert [o.num_cached_tokens for o in on] == [0, 64, 64, 0]
-    for a, b in zip(on, off):
-        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(ENDINGS[0]) - 1
-        for pos, ((ta, la, topa), (tb, lb, topb)) in enumerate(zip(a.prompt_logprobs, b.prompt_logprobs)):
+    for a, b, p in zip(on, off, params):
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(ENDINGS[0])
+        rows = zip(_prompt_entries(a, p.prompt_logprobs), _prompt_entries(b, p.prompt_logprobs))
+        for pos, ((ta, la, topa), (tb, lb, topb)) in enumerate(rows):
             assert ta == tb and [i for i, _ in topa] == [i for i, _ in topb], f"position {pos}"
             assert la == pytest.approx(lb, abs=1e-4) and [v for _, v in topa] == pytest.approx(
                 [v for _, v in topb], abs=1e-4

@@ -22,10 +22,29 @@ def _hf_logprobs(ckpt, tokens: list[int]) -> torch.Tensor:
         return torch.log_softmax(hc._hf_model(ckpt)(torch.tensor([tokens])).logits[0].float(), -1)
 
 
+def _prompt_entries(out, k: int) -> list:
+    """vLLM's prompt logprobs ([None, {token_id: Logprob}, ...]: the prompt token first, then the k
+    most likely) as (token, logprob, top) per prompt token after the first, its rank checked
+    against the top list."""
+    assert out.prompt_logprobs[0] is None
+    rows = []
+    for d in out.prompt_logprobs[1:]:
+        tok = next(iter(d))
+        top = sorted(((t, x.logprob) for t, x in d.items() if x.rank <= k), key=lambda e: -e[1])
+        assert len(top) == k and [d[t].rank for t, _ in top] == list(range(1, k + 1))
+        rows.append((tok, d[tok].logprob, top))
+    return rows
+
+
 def _check_logprobs(ckpt, prompt, out, n_prompt, n_out):
     ref = _hf_logprobs(ckpt, prompt + out.output_token_ids)
-    entries = out.prompt_logprobs + out.logprobs
-    assert len(out.prompt_logprobs) == len(prompt) - 1 and len(out.logprobs) == len(out.output_token_ids)
+    assert len(out.prompt_logprobs) == len(prompt) and len(out.logprobs) == len(out.output_token_ids)
+    for pos, d in enumerate(out.prompt_logprobs[1:]):  # the prompt token's rank: 1 + the more likely tokens
+        tok = prompt[pos + 1]
+        row, lp = ref[pos], ref[pos, tok].item()
+        assert next(iter(d)) == tok
+        assert 1 + (row > lp + 1e-4).sum().item() <= d[tok].rank <= 1 + (row > lp - 1e-4).sum().item(), pos
+    entries = _prompt_entries(out, n_prompt) + out.logprobs
     for pos, (tok, lp, top) in enumerate(entries):  # entry pos: token pos + 1, predicted at position pos
         assert tok == (prompt + out.output_token_ids)[pos + 1]
         assert lp == pytest.approx(ref[pos, tok].item(), abs=1e-4), f"position {pos}"

@@ -163,3 +163,36 @@ def test_mtp_drafts_in_a_released_layout(tmp_path):
     with LLM(path, dtype="float32", speculative_method="mtp", num_speculative_tokens=2) as llm:
         _run(llm, cases)
         assert sum(llm.engine.scheduler.drafts_per_position) > 0
+
+
+def test_vllm_multi_modal_data_prompts(vl):
+    """vLLM's prompt form: {"prompt": text with one <|vision_start|><|image_pad|><|vision_end|> per
+    image, "multi_modal_data": {"image": PIL image or a list}}: the engine expands each placeholder by
+    the processor's grid and answers as transformers does on the processed inputs, mixed with a
+    text prompt in one call, and as a token-id prompt. An image count that does not match the
+    placeholders and another modality are refused naming the prompt."""
+    import io
+
+    from PIL import Image
+
+    path, cases = vl("qwen3_5")
+    pil = {n: [Image.open(io.BytesIO(b)) for b in vc.case_images(n)] for n in ("one_image", "two_sizes")}
+    prompts = [
+        {"prompt": vc.chat_text(path, vc.CASES["one_image"][0]), "multi_modal_data": {"image": pil["one_image"][0]}},
+        {"prompt": vc.chat_text(path, vc.CASES["two_sizes"][0]), "multi_modal_data": {"image": pil["two_sizes"]}},
+        {"prompt": vc.chat_text(path, vc.CASES["text_only"][0])},
+    ]
+    with LLM(path, dtype="float32") as llm:
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.output_token_ids for o in outs] == [cases[n][2] for n in ("one_image", "two_sizes", "text_only")]
+        assert [o.prompt_token_ids for o in outs] == [cases[n][0] for n in ("one_image", "two_sizes", "text_only")]
+        one = {
+            "prompt_token_ids": vc.chat_ids(path, vc.CASES["one_image"][0]),
+            "multi_modal_data": {"image": pil["one_image"]},
+        }
+        assert llm.generate([one], GREEDY)[0].output_token_ids == cases["one_image"][2]
+        with pytest.raises(ValueError, match=r"prompt 1: 2 image\(s\) for 1 <\|image_pad\|>"):
+            llm.generate([prompts[0], dict(prompts[0], multi_modal_data={"image": pil["two_sizes"]})], GREEDY)
+        with pytest.raises(ValueError, match="prompt 0: multi_modal_data video is not supported"):
+            llm.generate([dict(prompts[0], multi_modal_data={"video": [pil["one_image"][0]]})], GREEDY)
+        assert llm.engine.blocks.num_free == llm.capacity().num_blocks

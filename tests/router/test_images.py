@@ -190,6 +190,37 @@ def test_a_chat_image_reaches_the_node_expanded(vl, vl_dir):
     assert reg.get_sample_value("pdserve_router_image_tokens_total") >= len(want) - len(ids) + 2
 
 
+def test_tokenize_counts_a_chat_images_tokens_as_the_processor_sizes_it(vl, vl_dir):
+    """vLLM's /tokenize takes chat messages with images: each placeholder is expanded to as many
+    tokens as transformers' processor makes of that image (its grid / merge^2)."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    r, fake, _ = vl
+    a = im.encoded(100, 77, seed=1)
+    before = len(fake.requests)
+    body = json.loads(_chat([_image(im.data_url(a)), {"type": "text", "text": "What is it?"}]))
+    status, out = post(
+        r.http_port, json.dumps({"messages": body["messages"], "return_token_strs": True}).encode(), "/tokenize"
+    )
+    assert status == 200, out
+    tok, proc = AutoTokenizer.from_pretrained(vl_dir), AutoImageProcessor.from_pretrained(vl_dir)
+    msgs = [
+        {"role": "system", "content": "Look."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
+    ]
+    ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    t, h, w = (int(x) for x in proc(images=[Image.open(__import__("io").BytesIO(a))])["image_grid_thw"][0])
+    at = ids.index(pad)
+    want = ids[:at] + [pad] * (t * h * w // 4) + ids[at + 1 :]
+    assert out["tokens"] == want and out["count"] == len(want)
+    assert out["token_strs"] == tok.convert_ids_to_tokens(want)
+    assert len(fake.requests) == before  # counted on the router: no node ran
+    bad = json.loads(_chat([_image("data:image/png;base64,AAAA")]))
+    status, out = post(r.http_port, json.dumps({"messages": bad["messages"]}).encode(), "/tokenize")
+    assert status == 400 and out["error"]["message"].startswith("messages[1].content[0]"), out
+
+
 def test_the_same_pixels_hash_the_same_and_different_ones_do_not(vl):
     from router.images.decode import decode
 
