@@ -17,7 +17,7 @@ from proto import pb
 from router.detok import IncrementalDetokenizer
 from router.errors import Abort, DecodeFailed
 from router.migrate import Migration, Moved, NodeLost, NodeWatch, Tried
-from router.prefill import Push
+from router.push import Push
 from router.registry import NodeEntry
 from router.token_mux import Route, merged
 from router.wait_estimate import OutputLengths
