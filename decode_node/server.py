@@ -438,12 +438,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         return True
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
-        conn = self.connector
-        if request.dead_prefill_node and conn is not None:
-            node = request.dead_prefill_node
-            gone = self.loop_api(context, lambda: self.loop.call(lambda e: conn.drop_node(node)))
-            if gone:
-                log.warning("dropped the transfer agents of %s (declared dead): %s", node, ", ".join(gone))
+        self.drop_dead_node(context, request.dead_prefill_node)
         if not request.request_id:
             return pb.ReleaseResponse(released=False)
         reason = request.reason or "released by the caller"

@@ -268,12 +268,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
         """Abort the request still computing its prompt, or its push (opened or running)."""
         reason = request.reason or "aborted by the router"
-        conn = self.connector
-        if request.dead_decode_node and conn is not None:
-            node = request.dead_decode_node
-            gone = self.loop_api(context, lambda: self.loop.call(lambda e: conn.drop_node(node)))
-            if gone:
-                log.warning("dropped the transfer agents of %s (declared dead): %s", node, ", ".join(gone))
+        self.drop_dead_node(context, request.dead_decode_node)
         if not request.request_id:
             return pb.AbortResponse(aborted=False)
         try:
