@@ -410,6 +410,10 @@ class PrefillPhase:
             await self.release(d, f.rid, f"prefill on {p.node_id} failed: {code.name}", p.node_id if dead else "")
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             raise Abort(code, e.details() or code.name)
+        if code == grpc.StatusCode.ALREADY_EXISTS and failures < 2:  # P holds the id (a copy from a router
+            tried.discard(p.node_id)  # that went away): P again, the next attempt under an id of its own
+            log.info("request %s: %s holds its id still; again under another", request_id, p.node_id)
+            return True
         others = self.ready(d, tried)
         log.warning(
             "request %s: prefill on %s failed (%s: %s)%s",
