@@ -19,6 +19,7 @@ from decode_node.config import DecodeNodeConfig
 from engine.config import EngineConfig
 from engine.connector import RecvFailed
 from engine.core import EngineCore
+from engine.request import RequestIdInUse
 from engine.sampling_params import SamplingParams
 from proto import pb, rpc
 from proto.convert import logprobs_pb, sampling_kwargs
@@ -287,7 +288,9 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
             try:
                 item = h.next()  # every handle ends: finished, aborted (the caller's cancel) or failed
             except Exception as e:
-                if isinstance(e, ValueError):
+                if isinstance(e, RequestIdInUse):  # held here still (a reservation not quiet yet)
+                    code = grpc.StatusCode.ALREADY_EXISTS
+                elif isinstance(e, ValueError):
                     code = grpc.StatusCode.INVALID_ARGUMENT
                 elif isinstance(e, ShuttingDown):
                     code = grpc.StatusCode.UNAVAILABLE
@@ -395,6 +398,9 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
             got = self.loop_api(
                 context, lambda: self.loop.reserve(rid, ids, params, transfer=lease, images=images).result()
             )
+        except RequestIdInUse as e:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+            raise
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             raise
@@ -438,12 +444,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         return True
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
-        conn = self.connector
-        if request.dead_prefill_node and conn is not None:
-            node = request.dead_prefill_node
-            gone = self.loop_api(context, lambda: self.loop.call(lambda e: conn.drop_node(node)))
-            if gone:
-                log.warning("dropped the transfer agents of %s (declared dead): %s", node, ", ".join(gone))
+        self.drop_dead_node(context, request.dead_prefill_node)
         if not request.request_id:
             return pb.ReleaseResponse(released=False)
         reason = request.reason or "released by the caller"

@@ -21,7 +21,7 @@ from engine.connector import Connector, ConnectorStats, RecvFreed, SendDone, Tra
 from engine.executor import make_executor
 from engine.outputs import RequestOutput
 from engine.rate_window import attended_pairs
-from engine.request import Request, Status
+from engine.request import Request, RequestIdInUse, Status
 from engine.request_state import FINAL
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -151,7 +151,7 @@ class EngineCore:
             )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
-            raise ValueError(f"request id {rid!r} is already in flight")
+            raise RequestIdInUse(f"request id {rid!r} is already in flight")
         req = Request(rid, list(prompt_token_ids), params, **kw)
         req.images, req.mrope, req.rope_delta = state
         return req

@@ -18,7 +18,12 @@ if TYPE_CHECKING:
     from engine.sampling import TokenLogprob
     from engine.sampling.prompt_logprobs import PromptLogprob
 
-__all__ = ["Request", "SpecDepth", "Status", "TransitionError"]
+__all__ = ["Request", "RequestIdInUse", "SpecDepth", "Status", "TransitionError"]
+
+
+class RequestIdInUse(ValueError):
+    """A new request under an id the engine (or the node's loop) still holds: a request in flight,
+    or one ending (a reservation whose transfer is not quiet yet). Nodes answer ALREADY_EXISTS."""
 
 
 @dataclass(frozen=True)

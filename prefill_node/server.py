@@ -17,6 +17,7 @@ import grpc
 from engine.connector import SendDone
 from engine.core import EngineCore
 from engine.outputs import RequestOutput
+from engine.request import RequestIdInUse
 from engine.sampling_params import SamplingParams
 from engine.vision.inputs import ImageInput
 from prefill_node.config import PrefillNodeConfig
@@ -148,7 +149,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             taken = rid in self._calls
             self._calls.add(rid)
         if taken:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already in flight here")
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight here")
         outcome = "error"
         try:
             self.loop_api(context, lambda: self.encoded.take(rid, images, request.encoded))
@@ -247,6 +248,8 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
                     return None if out.finish_reason == "abort" else out
         except ShuttingDown as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except RequestIdInUse as e:  # its id is still held here (a push not quiet yet)
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except LoopError:  # aborted by id with nothing left in the engine
@@ -268,12 +271,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
         """Abort the request still computing its prompt, or its push (opened or running)."""
         reason = request.reason or "aborted by the router"
-        conn = self.connector
-        if request.dead_decode_node and conn is not None:
-            node = request.dead_decode_node
-            gone = self.loop_api(context, lambda: self.loop.call(lambda e: conn.drop_node(node)))
-            if gone:
-                log.warning("dropped the transfer agents of %s (declared dead): %s", node, ", ".join(gone))
+        self.drop_dead_node(context, request.dead_decode_node)
         if not request.request_id:
             return pb.AbortResponse(aborted=False)
         try:

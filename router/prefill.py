@@ -1,6 +1,7 @@
 """The prefill phase of a disaggregated request: the prefill window, the brokered handshake, the
-decode node's reservation, the Prefill stream (first token, then the push), one retry elsewhere,
-and the task that watches each push (docs/router.md, "Life of a request across the pools")."""
+decode node's reservation, the Prefill stream (first token, then the push) and one retry
+elsewhere; the task that watches each push is router/push.py (docs/router.md, "Life of a request
+across the pools")."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from proto import pb
 from router.config import RouterConfig
 from router.encode import EncodePool
 from router.errors import Abort, DecodeFailed
-from router.migrate import watched
+from router.migrate import NodeLost, watched
 from router.prefix import PrefixQuery
+from router.push import Push
 from router.registry import NodeEntry, NodeRegistry
 from router.wait_estimate import RateMeter, node_rate
 from serving.rpc import is_draining
@@ -24,58 +26,6 @@ from serving.rpc import is_draining
 PREFILL_DEADLINE_MARGIN = 2.0  # a Prefill call's deadline allows twice its tokens' time at the node's rate
 
 log = logging.getLogger("pdserve.router")
-
-
-class Push:
-    """A prefill node's push into D's reservation, after it streamed the first token: a task
-    reads the rest of the Prefill stream (the `pushed` message with the transfer figures, or the
-    status of a failed push) while D already waits for the state and then decodes."""
-
-    def __init__(self, p: NodeEntry, d: NodeEntry, rid: str, first: pb.PrefillResponse, call, on_fail, spawn, beat_s):
-        self.p, self.d, self.rid, self.first, self.call, self.beat_s = p, d, rid, first, call, beat_s
-        self.pushed: pb.Timings | None = None
-        self.reserve_s = 0.0  # the handshake and the reservation on D, before P was called
-        self.error: grpc.RpcError | None = None
-        self.done = asyncio.Event()
-        self._on_fail = on_fail
-        if first.finish_reason:  # the first token ended the request: nothing is pushed
-            self.done.set()
-        else:
-            spawn(self._watch())
-
-    async def _watch(self) -> None:
-        try:
-            # read(), as for the first message; a P the heartbeats declare dead fails the push (NodeLost)
-            while (m := await watched(self.p, self.call.read, self.call.cancel, self.beat_s)) is not grpc.aio.EOF:
-                if m.pushed:
-                    self.pushed = m.timings
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED:
-                self.error = e
-                await self._on_fail(self, e)
-        except asyncio.CancelledError:
-            self.call.cancel()
-            raise
-        except Exception:  # a bug here must not go unseen: D's lease frees the reservation
-            log.exception("request %s: reading the push from %s failed", self.rid, self.p.node_id)
-        finally:
-            self.done.set()
-
-    async def wait(self, timeout_s: float) -> bool:
-        """True once the push has ended (pushed, failed or cancelled), waiting at most timeout_s."""
-        if not self.done.is_set() and timeout_s > 0:
-            try:
-                await asyncio.wait_for(self.done.wait(), timeout_s)
-            except TimeoutError:
-                pass
-        return self.done.is_set()
-
-    def timings(self) -> pb.Timings:
-        """prefill_s from the first message; transfer_s and bytes once pushed."""
-        t = pb.Timings(prefill_s=self.first.timings.prefill_s)
-        if self.pushed is not None:
-            t.transfer_s, t.transfer_bytes = self.pushed.transfer_s, self.pushed.transfer_bytes
-        return t
 
 
 class PrefillPhase:
@@ -170,13 +120,22 @@ class PrefillPhase:
         return (p.node_id, p.info.incarnation, d.node_id, d.info.incarnation)
 
     async def handshake(self, p: NodeEntry, d: NodeEntry) -> None:
-        """Broker the transfer handshake of (P, D) once per pair of incarnations."""
+        """Broker the transfer handshake of (P, D) once per pair of incarnations. A P the heartbeats
+        declare dead meanwhile ends it with NodeLost (UNAVAILABLE), as it ends a Prefill call: the
+        Handshake of a hung P otherwise held the pair's lock, and every request for the pair
+        waiting behind it, for the calls' 60 s."""
         key = self._pair_key(p, d)
         if key in self._pairs:
             return
+        shake = asyncio.ensure_future(self._handshake(p, d, key))  # cancelled with the caller
+        await watched(p, lambda: shake, shake.cancel, self.cfg.heartbeat_interval_s)
+
+    async def _handshake(self, p: NodeEntry, d: NodeEntry, key: tuple) -> None:
         async with self._pair_locks.setdefault(key, asyncio.Lock()):
             if key in self._pairs:
                 return
+            if not p.alive:  # declared dead while this waited for the pair's lock
+                raise NodeLost(p.node_id, kind="prefill")
             pr = await p.stub.Handshake(pb.HandshakeRequest(node_id="router"), timeout=60)
             dr = await d.stub.Handshake(
                 pb.HandshakeRequest(node_id=p.node_id, incarnation=p.info.incarnation, schema=pr.schema), timeout=60
@@ -451,6 +410,10 @@ class PrefillPhase:
             await self.release(d, f.rid, f"prefill on {p.node_id} failed: {code.name}", p.node_id if dead else "")
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             raise Abort(code, e.details() or code.name)
+        if code == grpc.StatusCode.ALREADY_EXISTS and failures < 2:  # P holds the id (a copy from a router
+            tried.discard(p.node_id)  # that went away): P again, the next attempt under an id of its own
+            log.info("request %s: %s holds its id still; again under another", request_id, p.node_id)
+            return True
         others = self.ready(d, tried)
         log.warning(
             "request %s: prefill on %s failed (%s: %s)%s",

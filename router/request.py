@@ -17,7 +17,7 @@ from proto import pb
 from router.detok import IncrementalDetokenizer
 from router.errors import Abort, DecodeFailed
 from router.migrate import Migration, Moved, NodeLost, NodeWatch, Tried
-from router.prefill import Push
+from router.push import Push
 from router.registry import NodeEntry
 from router.token_mux import Route, merged
 from router.wait_estimate import OutputLengths
@@ -126,6 +126,7 @@ class _Retry(Exception):
 
 # admission's time per output token before any is measured: a decode step of a loaded node
 TPOT_PRIOR_S = 0.02
+MAX_RENAMES = 2  # times a request goes on under a new id on the nodes (a node held its id still)
 
 
 class RequestRun:
@@ -155,6 +156,9 @@ class RequestRun:
         self.own_tokens = 0  # prompt tokens the decode node computes itself, counted in its queue
         self.alone_failed = False  # computing it on a prefill node alone failed once: the usual way
         self.node_ended = 0  # the decode node's count of ended requests once this one ended (0: unknown)
+        # its id on the nodes: the client's, until a node still holds that (`_renamed`)
+        self.node_rid = trace.request_id
+        self.renames = 0
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         while True:
@@ -246,7 +250,7 @@ class RequestRun:
         pre: Push | None = None
         call = None
         settled = False  # the reservation (if any) is activated, released or never made
-        rid, sp, ids = self.tr.request_id, self.request.sampling, self.ids
+        rid, sp, ids = self.node_rid, self.request.sampling, self.ids
         watch: NodeWatch | None = None
         route: Route | None = None  # the request's tokens on the node's token stream
         try:
@@ -340,6 +344,8 @@ class RequestRun:
         place it elsewhere with the tokens sent) or Abort. lost: the heartbeats declared D dead."""
         if e.code() == grpc.StatusCode.UNAVAILABLE and not lost and not is_draining(e):
             self.svc.registry.mark_unreachable(d, e.details() or "UNAVAILABLE")
+        if e.code() == grpc.StatusCode.ALREADY_EXISTS and self.renames < MAX_RENAMES:
+            self._renamed(d)
         if self.sent:
             if gave_memory_up(e):  # D may take it again: placed with its images, it can recompute there
                 self.tried.discard(d.node_id)
@@ -362,6 +368,17 @@ class RequestRun:
             log.warning("request %s: decode node %s unavailable, retrying elsewhere", self.tr.request_id, d.node_id)
             raise _Retry
         raise Abort(code, e.details() or code.name)
+
+    def _renamed(self, d: NodeEntry) -> None:
+        """D holds the request's id still: the copy of a router that went away, whose stream the SDK
+        resumed here under the same id, its reservation or its cancel not settled yet (or another
+        router's request under that id). Place it again at once, under an id of its own on the
+        nodes; the client keeps its id (docs/router.md, "Request ids on the nodes")."""
+        self.renames += 1
+        self.node_rid = f"{self.tr.request_id}~r{self.renames}"
+        self.tried.discard(d.node_id)  # D may take it again
+        log.info("request %s: %s holds its id still; placed again as %s", self.tr.request_id, d.node_id, self.node_rid)
+        raise _Retry
 
     def _relay(self, m: pb.GenerateResponse, pre: Push | None, first: bool, prefill_node: str = "") -> Chunk:
         """The node's message as a Chunk; prefill_node: the node that computed a request alone."""

@@ -16,6 +16,7 @@ from typing import TypeVar
 from engine.connector import TransferRecord
 from engine.core import EngineCore
 from engine.outputs import RequestOutput
+from engine.request import RequestIdInUse
 from engine.sampling_params import SamplingParams
 from engine.vision.inputs import ImageInput
 from serving.commands import (
@@ -372,7 +373,7 @@ class EngineLoop:
     def _start(self, h: RequestHandle, add: Callable[[], RequestOutput | None]) -> None:
         """Put a request into the engine; its first output (if the start produced one) first."""
         if h.request_id in self._handles or h.request_id in self._waits.pushing:
-            h._put(Failed(ValueError(f"request id {h.request_id!r} is already in flight")))
+            h._put(Failed(RequestIdInUse(f"request id {h.request_id!r} is already in flight")))
             return
         try:
             first = add()

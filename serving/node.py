@@ -238,6 +238,18 @@ class NodeServer:
             node_id=self.cfg.node_id, incarnation=self.incarnation, schema=msgspec.msgpack.encode(conn.blobs)
         )
 
+    def drop_dead_node(self, context: grpc.ServicerContext, node: str) -> None:
+        """A router declared the peer `node` dead (Release's dead_prefill_node, Abort's
+        dead_decode_node): drop its transfer agents on every rank, so that a transfer with it fails
+        now rather than after the wait a write to a vanished peer takes. No-op for "" or a node with
+        no transfer endpoint."""
+        conn = self.connector
+        if not node or conn is None:
+            return
+        gone = self.loop_api(context, lambda: self.loop.call(lambda e: conn.drop_node(node)))
+        if gone:
+            log.warning("dropped the transfer agents of %s (declared dead): %s", node, ", ".join(gone))
+
 
 def on_cancel(context: grpc.ServicerContext, fn: Callable[[], None]) -> None:
     """Run fn once the RPC ends (the caller cancelled, or the call is over); at once when it

@@ -39,18 +39,20 @@ class _Prefill(_Shake, rpc.PrefillNodeServicer):
 
 
 @contextmanager
-def _pair(ckpt, d, p, digests=("", "")):
+def _pair(ckpt, d, p, digests=("", ""), dead_after_s=600.0):
     """The router, and fake decode node d ("d0") and prefill node p ("p0") registered and beating
-    (their schema digests: `digests`); everything stopped after."""
+    (their schema digests: `digests`); everything stopped after. The router's port is `r.port`,
+    the nodes' Heartbeaters `r.beats` (decode node's first)."""
     from router.server import RouterConfig, serve
 
     dsrv, dport, _ = start_server("127.0.0.1:0", lambda s: rpc.add_DecodeNodeServicer_to_server(d, s), ["DecodeNode"])
     psrv, pport, _ = start_server("127.0.0.1:0", lambda s: rpc.add_PrefillNodeServicer_to_server(p, s), ["PrefillNode"])
-    r, port = serve("127.0.0.1:0", RouterConfig(model=str(ckpt), heartbeat_interval_s=0.1, dead_after_s=600.0))
+    r, port = serve("127.0.0.1:0", RouterConfig(model=str(ckpt), heartbeat_interval_s=0.1, dead_after_s=dead_after_s))
     dinfo, prefill = decode_info(f"127.0.0.1:{dport}"), decode_info(f"127.0.0.1:{pport}", node_id="p0")
     dinfo.schema_digest, prefill.schema_digest = digests
     prefill.kind, prefill.prefill_ready = pb.NODE_KIND_PREFILL, True
     beats = [heartbeat(f"127.0.0.1:{port}", dinfo, 0.1), heartbeat(f"127.0.0.1:{port}", prefill, 0.1)]
+    r.port, r.beats = port, beats
     try:
         yield r
     finally:
@@ -95,3 +97,43 @@ def test_a_pair_whose_schemas_differ_is_named_once_with_the_reason(ckpt, caplog)
         time.sleep(0.5)  # more heartbeats and registrations: said once
         assert caplog.text.count(said) == 1 and "recurrent_dtype differs" in caplog.text
         assert not r.service.prefill.ready(r.registry.nodes["d0"], set())
+
+
+class _Hung(_Prefill):
+    """A prefill node that hangs in its first Handshake (a process stopped mid-handshake) until
+    `go` is set."""
+
+    def __init__(self, node_id: str):
+        super().__init__(node_id)
+        self.go = threading.Event()
+
+    def Handshake(self, request, context):
+        with self.lock:
+            self.calls.append(request.node_id)
+        self.go.wait(30)
+        return pb.HandshakeResponse(node_id=self.node_id, incarnation=1, schema=b"schema-" + self.node_id.encode())
+
+
+def test_a_prefill_node_hung_in_the_handshake_is_given_up_once_declared_dead(ckpt):
+    """The pair's early handshake is under way when the prefill node hangs: a request for the pair
+    waits behind it only until the heartbeats declare the node dead, then the decode node computes
+    the prompt (its fake streams its tokens), within seconds; it waited out the handshake's 60 s
+    before (the client's deadline first)."""
+    from client import Client
+
+    d, p = _Decode(), _Hung("p0")
+    with _pair(ckpt, d, p, digests=("same", "same"), dead_after_s=1.0) as r:
+        try:
+            wait_for(lambda: p.calls == ["router"], 10, "the early handshake to reach the prefill node")
+            assert r.service.prefill.ready(r.registry.nodes["d0"], set())  # alive: the request is sent to it
+            threading.Timer(0.5, r.beats[1].stop).start()  # its heartbeats stop too, while the request waits
+            t0 = time.monotonic()
+            with Client(f"127.0.0.1:{r.port}", timeout=20) as c:
+                got = c.generate(prompt_token_ids=[1, 2, 3], max_tokens=4, admission_timeout_s=0)
+            took = time.monotonic() - t0
+            assert got.token_ids == [1, 1, 1, 1] and got.prefill_node in ("", "local", "d0"), got
+            assert d.seen and not d.seen[-1].reserved  # computed on the decode node, nothing reserved
+            assert took < 8, took  # 0.5 s, the 1 s dead_after_s and a watch's poll
+            assert p.calls == ["router"]  # never asked again while hung
+        finally:
+            p.go.set()
