@@ -57,6 +57,29 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+def _stops_cut_at_their_token(base: str, model: str, ckpt: str, prompt: list[int], want: list[int]) -> int:
+    """A stop string that is token j's text, j inside a run of accepted drafts: the text ends
+    before it and the output (token ids, usage) at token j, not at the end of the step's run.
+    Returns the stop strings checked."""
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(ckpt)
+    checked = 0
+    for j in range(1, len(want)):
+        piece, before = tok.decode([want[j]]), tok.decode(want[:j])
+        if not (piece.isprintable() and piece.strip() == piece != "" and "\ufffd" not in piece) or tok.decode(
+            want[: j + 1]
+        ).find(piece) != len(before):
+            continue  # not a clean piece, or its text first appears elsewhere
+        body = {"model": model, "prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True}
+        st, got = _post(base + "/completions", {**body, "stop": [piece], "return_token_ids": True})
+        c = got["choices"][0]
+        assert st == 200 and (c["text"], c["finish_reason"], c["stop_reason"]) == (before, "stop", piece), got
+        assert c["token_ids"] == want[: j + 1] and got["usage"]["completion_tokens"] == j + 1, (j, got)
+        checked += 1
+    return checked
+
+
 @pytest.mark.parametrize("a,b", [(1, 2), pytest.param(2, 1, marks=pytest.mark.slow)], ids=["tp1to2", "tp2to1"])
 def test_mtp_greedy_matches_transformers_across_tp(ckpt_mtp, mtp_refs, a, b):
     """Nodes at k = 3; each request caps its drafts (num_speculative_tokens 1, then 2, then the
@@ -121,6 +144,7 @@ def test_mtp_greedy_matches_transformers_across_tp(ckpt_mtp, mtp_refs, a, b):
         assert st == 400 and "num_speculative_tokens" in got["error"]["message"], got
         st, got = _post(base + "/completions", {**body, "num_speculative_tokens": 1})
         assert st == 200, got
+        assert sum(_stops_cut_at_their_token(base, model, ckpt_mtp, p, w) for p, w in zip(ps, want)) >= 3
         url = up.find(r"decode node decode-0 metrics at (http://\S+/metrics)", 20)
         got = _scrape(url)
         key = ("pdserve_decode_spec_position_drafts_total", (("position", "1"),))
