@@ -3,8 +3,9 @@
 checkpoint's block fitted to the prompts' greedy continuations so that drafts after the
 transfer are accepted and verified (tests/helpers/hybrid_ckpt.py `make_fitted_mtp`); the decode node reports its
 drafts per position in Stats and as Prometheus counters; a conversation's second turn resumes
-from the first's cached prefix with MTP on and still gives transformers' tokens; a method
-mismatch is refused at the transfer handshake, naming both values."""
+past the first's reply with MTP on and still gives transformers' tokens; a stop string inside a
+run of accepted drafts ends the text, token ids and usage at its token; a method mismatch is
+refused at the transfer handshake, naming both values."""
 
 from __future__ import annotations
 
@@ -127,10 +128,13 @@ def test_mtp_greedy_matches_transformers_across_tp(ckpt_mtp, mtp_refs, a, b):
                 depth = k or K
                 assert all(g > 0 for g in grew[:depth]) and not any(grew[depth:]), (k, grew)
                 before = drafts
-            # a conversation's second turn resumes from the first's cached prefix (prefix caching stays on)
+            # a conversation's second turn resumes past the first's reply (prefix caching stays on):
+            # from the decode node's final state of it, every token but the last, its reply pages
+            # (filled by runs of accepted drafts) cached under their own tokens
             turn2 = ps[1] + want[1] + hc.prompts(lens=(4,), seed=10)[0]
             r2 = c.generate(prompt_token_ids=turn2, max_tokens=NEW, temperature=0.0, ignore_eos=True)
-            assert r2.cached_tokens == len(ps[1]) and r2.token_ids == hc.hf_greedy(ckpt_mtp, turn2, NEW)
+            assert r2.token_ids == hc.hf_greedy(ckpt_mtp, turn2, NEW)
+            assert r2.cached_tokens == len(ps[1]) + NEW - 1
             with pytest.raises(PdserveError) as e:
                 c.generate(prompt_token_ids=ps[0], max_tokens=4, num_speculative_tokens=K + 1)
             assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "num_speculative_tokens" in str(e.value)
