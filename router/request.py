@@ -44,6 +44,9 @@ class Chunk:
     decode_node: str = ""
     prefill_node: str = ""
     stop: str = ""  # the last chunk of a request a stop string ended: that string
+    # each token's share of `text` (joined, `text`), where the chunk has several tokens (a step
+    # that accepted drafts): a stop string completed by one of them cuts the tokens after it
+    token_text: Sequence[str] = ()
 
 
 # the finishes that are the cluster's failure, not the client's: their log line is a WARNING
@@ -70,6 +73,10 @@ class Trace:
     transfer_s: float = 0.0
     reserve_s: float | None = None  # 1P+1D: the handshake and reservation on D before the Prefill call
     moves: str = ""  # where it moved mid-stream: "decode-0(unavailable@12) ..."
+
+    def stopped(self, dropped: int) -> None:
+        """A stop string ended it; the `dropped` tokens after the match are not its output."""
+        self.finish, self.n = "stop", self.n - dropped
 
     def outcome(self) -> str:
         if self.finish in ("stop", "length"):
@@ -397,7 +404,12 @@ class RequestRun:
             request_id=tr.request_id,
         )
         if self.detok is not None and (m.token_ids or m.finish_reason):
-            c.text = self.detok.push(list(m.token_ids), final=bool(m.finish_reason))
+            ids, final = list(m.token_ids), bool(m.finish_reason)
+            if len(ids) > 1 and self.request.sampling.stop:  # per token: where a stop string ends
+                c.token_text = [self.detok.push([t], final=final and i == len(ids) - 1) for i, t in enumerate(ids)]
+                c.text = "".join(c.token_text)
+            else:
+                c.text = self.detok.push(ids, final=final)
         if first:
             c.first, c.prompt_tokens, c.prompt_token_ids = True, tr.prompt_len, self.ids
             c.decode_node = "" if tr.decode == "-" else tr.decode  # none: computed on a prefill node alone

@@ -169,7 +169,7 @@ class GenerateService:
                 run.chunks(),
                 list(sp.stop),
                 min_tokens,
-                lambda: setattr(tr, "finish", "stop"),
+                tr.stopped,
                 sp.include_stop_str_in_output,
                 held,
             )

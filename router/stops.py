@@ -50,6 +50,7 @@ class StopMatcher:
         self.include = include
         self.held = held  # text not sent yet: it may be the start of a stop string
         self.matched = ""  # the stop string that matched
+        self.end = 0  # characters of the last pushed text up to the match's end (once matched)
         self.tails = [len(held)] * len(self.stops)  # at most each one's tail (a resumed matcher's: held)
 
     def push(self, text: str) -> tuple[str, bool]:
@@ -61,6 +62,7 @@ class StopMatcher:
             self.held = ""
             i, neg = min(hits)
             self.matched = buf[i : i - neg]
+            self.end = i - neg - h
             return buf[: i - neg if self.include else i], True
         n, keep = len(buf), 0
         for j, s in enumerate(self.stops):  # each tail grows by `text` at most
@@ -87,13 +89,14 @@ async def with_stops(
     chunks: AsyncIterator,
     stops: list[str],
     min_tokens: int = 0,
-    on_stop: Callable[[], None] | None = None,
+    on_stop: Callable[[int], None] | None = None,
     include: bool = False,
     held: str = "",
 ) -> AsyncIterator:
     """Wrap a stream of chunks with text deltas (router/request.py `Chunk`): hold back and cut at
     stop strings; on a match, the chunk that completed it is the last one (finish_reason "stop")
-    and `chunks` is closed, which cancels the request upstream. `held`: text held back before
+    and `chunks` is closed, which cancels the request upstream; its tokens after the one that
+    completed the match are dropped, and `on_stop` gets their count. `held`: text held back before
     the first chunk (a resumed stream's), sent before that chunk's own unless a stop matches."""
     if not [s for s in stops if s]:
         async for c in chunks:
@@ -110,11 +113,32 @@ async def with_stops(
             text, hit = m.push(c.text)
             if hit:
                 c.text, c.finish_reason, c.stop = text, "stop", m.matched
+                dropped = _cut_after_match(c, m.end)
                 if on_stop is not None:
-                    on_stop()
+                    on_stop(dropped)
                 yield c
                 return
             c.text = text + (m.flush() if c.finish_reason else "")
             yield c
     finally:
         await chunks.aclose()
+
+
+def _cut_after_match(c, end: int) -> int:
+    """Drop the chunk's tokens after the one whose text completes the match, `end` characters
+    into the chunk's text: a step that accepted several drafts may have made tokens past it,
+    which are not part of the output (its token ids, logprobs and usage end at that token).
+    Returns how many were dropped."""
+    if len(c.token_ids) < 2 or not c.token_text:
+        return 0
+    keep, seen = len(c.token_ids), 0
+    for j, piece in enumerate(c.token_text):
+        seen += len(piece)
+        if seen >= end:
+            keep = j + 1
+            break
+    if len(c.logprobs) == len(c.token_ids):
+        c.logprobs = c.logprobs[:keep]
+    dropped = len(c.token_ids) - keep
+    c.token_ids, c.token_text = c.token_ids[:keep], c.token_text[:keep]
+    return dropped

@@ -32,16 +32,21 @@ class PrefixPlanner:
         # changes them (take_landed): (request, its preemption count then, entry, copy)
         self._landed: list[tuple[Request, int, Snapshot, SnapshotCopy]] = []
 
-    def hashes(self, req: Request, pages: int = 0) -> list[int]:
+    def hashes(self, req: Request, pages: int = 0, pending: Sequence[int] = ()) -> list[int]:
         """The chained hashes of the prompt's full pages, extended over the output tokens to at
-        least `pages` pages."""
-        bs = self.blocks.block_size
+        least `pages` pages, but only over pages whose every token is known: the output's, then
+        `pending` (a step's tokens not appended yet: accepted drafts fill pages before the
+        update appends them)."""
+        bs, n = self.blocks.block_size, req.num_tokens
         if req.block_hashes is None:
             req.block_hashes = prompt_hashes(req.hash_prompt, bs)
         h = req.block_hashes
-        while len(h) < pages:
+        while len(h) < pages and (len(h) + 1) * bs <= n + len(pending):
             j = len(h)
-            h.append(block_hash(h[-1] if j else ROOT_HASH, req.hash_ids(j * bs, (j + 1) * bs)))
+            ids = req.hash_ids(j * bs, (j + 1) * bs)
+            if (j + 1) * bs > n:
+                ids = ids + list(pending[max(j * bs, n) - n : (j + 1) * bs - n])
+            h.append(block_hash(h[-1] if j else ROOT_HASH, ids))
         return h
 
     def lookup(self, req: Request) -> PrefixHit | None:
@@ -164,7 +169,7 @@ class PrefixPlanner:
         full = done // bs
         if full <= req.num_registered:  # no page filled since (most decode steps)
             return
-        hashes = self.hashes(req, full)
+        hashes = self.hashes(req, full, toks)
         out = req.output_token_ids
         for j in range(req.num_registered, full):
             e = (j + 1) * bs
@@ -237,6 +242,8 @@ class PrefixPlanner:
         if req.status is not Status.RUNNING or c == 0:
             return
         if self.mtp and req.spec.depth == 0:
+            return
+        if c >= req.num_tokens:  # drafts accepted past a stop token: the state holds tokens not in the output
             return
         hashes = self.hashes(req, c // bs)
         parent, tail = self.prefix.key_for(req.hash_prompt + req.output_token_ids, hashes, c)

@@ -95,3 +95,19 @@ def test_mtp_with_prefix_caching_matches_a_run_without(case):
         assert [int(logits[n - 2].argmax()) for n, _ in a[1]] == [d for _, d in a[1]], what
         drafted += a[2][0]
     assert drafted > 0 and sum(a[2][1] for a in on) > 0
+
+
+def test_reply_pages_filled_by_accepted_drafts_are_cached_for_the_next_turn(ckpt_mtp, mtp_prompts):
+    """The 1-token prompt the block was fitted to: its reply fills pages 0 and 1 with runs of
+    accepted drafts, which the step verifies before it appends them. Its next turn resumes from
+    its final state (every token but the last: docs/prefix-caching.md), as without drafting, and
+    gives transformers' tokens."""
+    prompt = mtp_prompts[0]
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    with LLM(ckpt_mtp, **ARGS) as llm:
+        first = llm.generate(prompt_token_ids=[prompt], sampling_params=sp)[0]
+        assert llm.engine.scheduler.num_accepted_tokens > 20  # the pages were filled by accepted runs
+        turn2 = prompt + first.output_token_ids + _rand(5, 27)
+        second = llm.generate(prompt_token_ids=[turn2], sampling_params=GREEDY)[0]
+    assert second.num_cached_tokens == len(prompt) + 40 - 1
+    assert not hc.hf_greedy_violations(ckpt_mtp, turn2, second.output_token_ids)

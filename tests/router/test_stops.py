@@ -86,3 +86,40 @@ def test_matching_at_the_bounds_is_not_quadratic_in_the_stop_strings_length():
         assert m.push("a")[1] is False
     per_chunk = (time.perf_counter() - t0) / 1000
     assert m.held == long and per_chunk < 1e-3, per_chunk  # the naive scan took several ms per chunk
+
+
+def test_a_stop_inside_a_multi_token_chunk_cuts_the_tokens_after_it():
+    """A step that accepted drafts sends several tokens in one chunk: a stop string completed by
+    one of them ends the output at that token (ids, logprobs and so usage), as a stream of one
+    token a chunk would, against the naive reference (the first token whose text completes it)."""
+    rng = random.Random(2)
+    for _ in range(300):
+        pieces = ["".join(rng.choice("ab ") for _ in range(rng.randint(0, 3))) for _ in range(rng.randint(1, 10))]
+        stops = [rng.choice(["ab a", "b b", "bb", "a", "zz"]) for _ in range(rng.randint(1, 2))]
+        text, hit = _naive("".join(pieces), stops)
+        want_n = next((n for n in range(1, len(pieces) + 1) if _naive("".join(pieces[:n]), stops)[1]), len(pieces))
+        cuts = sorted(rng.sample(range(1, len(pieces)), rng.randint(0, len(pieces) - 1)))
+
+        async def chunks(cuts=cuts, pieces=pieces):
+            for a, b in zip([0, *cuts], [*cuts, len(pieces)]):
+                last = b == len(pieces)
+                yield Chunk(
+                    token_ids=list(range(a, b)),
+                    text="".join(pieces[a:b]),
+                    finish_reason="length" if last else "",
+                    logprobs=[f"lp{i}" for i in range(a, b)],
+                    token_text=pieces[a:b] if b - a > 1 else (),
+                )
+
+        dropped = []
+
+        async def run(chunks=chunks, stops=stops, dropped=dropped):
+            return [c async for c in with_stops(chunks(), stops, on_stop=lambda *k: dropped.extend(k))]
+
+        out = asyncio.run(run())
+        ids = [t for c in out for t in c.token_ids]
+        assert "".join(c.text for c in out) == text and (out[-1].finish_reason == "stop") == hit
+        assert ids == list(range(want_n)), (pieces, stops, cuts)
+        assert [lp for c in out for lp in c.logprobs] == [f"lp{i}" for i in ids]
+        end = next(b for b in [*cuts, len(pieces)] if b >= want_n)  # of the chunk that completed it
+        assert sum(dropped) == (end - want_n if hit else 0)

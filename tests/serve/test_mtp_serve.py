@@ -3,8 +3,9 @@
 checkpoint's block fitted to the prompts' greedy continuations so that drafts after the
 transfer are accepted and verified (tests/helpers/hybrid_ckpt.py `make_fitted_mtp`); the decode node reports its
 drafts per position in Stats and as Prometheus counters; a conversation's second turn resumes
-from the first's cached prefix with MTP on and still gives transformers' tokens; a method
-mismatch is refused at the transfer handshake, naming both values."""
+past the first's reply with MTP on and still gives transformers' tokens; a stop string inside a
+run of accepted drafts ends the text, token ids and usage at its token; a method mismatch is
+refused at the transfer handshake, naming both values."""
 
 from __future__ import annotations
 
@@ -57,6 +58,29 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+def _stops_cut_at_their_token(base: str, model: str, ckpt: str, prompt: list[int], want: list[int]) -> int:
+    """A stop string that is token j's text, j inside a run of accepted drafts: the text ends
+    before it and the output (token ids, usage) at token j, not at the end of the step's run.
+    Returns the stop strings checked."""
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(ckpt)
+    checked = 0
+    for j in range(1, len(want)):
+        piece, before = tok.decode([want[j]]), tok.decode(want[:j])
+        if not (piece.isprintable() and piece.strip() == piece != "" and "\ufffd" not in piece) or tok.decode(
+            want[: j + 1]
+        ).find(piece) != len(before):
+            continue  # not a clean piece, or its text first appears elsewhere
+        body = {"model": model, "prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True}
+        st, got = _post(base + "/completions", {**body, "stop": [piece], "return_token_ids": True})
+        c = got["choices"][0]
+        assert st == 200 and (c["text"], c["finish_reason"], c["stop_reason"]) == (before, "stop", piece), got
+        assert c["token_ids"] == want[: j + 1] and got["usage"]["completion_tokens"] == j + 1, (j, got)
+        checked += 1
+    return checked
+
+
 @pytest.mark.parametrize("a,b", [(1, 2), pytest.param(2, 1, marks=pytest.mark.slow)], ids=["tp1to2", "tp2to1"])
 def test_mtp_greedy_matches_transformers_across_tp(ckpt_mtp, mtp_refs, a, b):
     """Nodes at k = 3; each request caps its drafts (num_speculative_tokens 1, then 2, then the
@@ -104,10 +128,13 @@ def test_mtp_greedy_matches_transformers_across_tp(ckpt_mtp, mtp_refs, a, b):
                 depth = k or K
                 assert all(g > 0 for g in grew[:depth]) and not any(grew[depth:]), (k, grew)
                 before = drafts
-            # a conversation's second turn resumes from the first's cached prefix (prefix caching stays on)
+            # a conversation's second turn resumes past the first's reply (prefix caching stays on):
+            # from the decode node's final state of it, every token but the last, its reply pages
+            # (filled by runs of accepted drafts) cached under their own tokens
             turn2 = ps[1] + want[1] + hc.prompts(lens=(4,), seed=10)[0]
             r2 = c.generate(prompt_token_ids=turn2, max_tokens=NEW, temperature=0.0, ignore_eos=True)
-            assert r2.cached_tokens == len(ps[1]) and r2.token_ids == hc.hf_greedy(ckpt_mtp, turn2, NEW)
+            assert r2.token_ids == hc.hf_greedy(ckpt_mtp, turn2, NEW)
+            assert r2.cached_tokens == len(ps[1]) + NEW - 1
             with pytest.raises(PdserveError) as e:
                 c.generate(prompt_token_ids=ps[0], max_tokens=4, num_speculative_tokens=K + 1)
             assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "num_speculative_tokens" in str(e.value)
@@ -121,6 +148,7 @@ def test_mtp_greedy_matches_transformers_across_tp(ckpt_mtp, mtp_refs, a, b):
         assert st == 400 and "num_speculative_tokens" in got["error"]["message"], got
         st, got = _post(base + "/completions", {**body, "num_speculative_tokens": 1})
         assert st == 200, got
+        assert sum(_stops_cut_at_their_token(base, model, ckpt_mtp, p, w) for p, w in zip(ps, want)) >= 3
         url = up.find(r"decode node decode-0 metrics at (http://\S+/metrics)", 20)
         got = _scrape(url)
         key = ("pdserve_decode_spec_position_drafts_total", (("position", "1"),))
