@@ -58,7 +58,8 @@ class _Tally:
     finish: str = "cancelled"  # the finish reason; "cancelled" when the call ended before it
     ttft: float | None = None
     tpot: float | None = None
-    n: int = 0
+    n: int = 0  # tokens this node sent (the metrics' count)
+    prefilled: int = 0  # the request's tokens the prefill node sampled (its first): the log line counts them too
     cached: int = 0
     queue_s: float = 0.0
     first_s: float | None = None  # to the first token, for the log line (ttft counts finished requests only)
@@ -67,9 +68,11 @@ class _Tally:
         def ms(s: float | None) -> str:
             return "-" if s is None else f"{s * 1e3:.1f} ms"
 
+        # the request's output tokens, as the router's line counts them: the prefill node's first one too
+        output = f"{self.n + self.prefilled}" + (f" ({self.prefilled} from the prefill node)" if self.prefilled else "")
         log.info(
-            "request %s: prompt %d (cached %d), output %d, %s; queue %s, ttft %s, tpot %s, e2e %s",
-            h.request_id, h.num_prompt_tokens, self.cached, self.n, self.finish,
+            "request %s: prompt %d (cached %d), output %s, %s; queue %s, ttft %s, tpot %s, e2e %s",
+            h.request_id, h.num_prompt_tokens, self.cached, output, self.finish,
             ms(self.queue_s), ms(self.first_s), ms(self.tpot), ms(time.monotonic() - h.received),
         )  # fmt: skip
 
@@ -265,7 +268,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
     def _relay(self, h: RequestHandle, context: grpc.ServicerContext, skip: int = 0) -> Iterator[pb.GenerateResponse]:
         """skip: leading tokens the caller already has (the prefill node's first token). Counts the
         request in the metrics once, however it ends."""
-        box = _Tally()
+        box = _Tally(prefilled=skip)
         self._streams.add(h.request_id)
         if self.handing_off:  # it began decoding after the drain handed the streams off (its push was
             self.loop.abort(h.request_id, "handed off (drain)")  # under way then): it goes too
