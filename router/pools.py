@@ -42,6 +42,12 @@ OWN: dict[str, tuple[Callable[[Any], Any], Any, str]] = {
     "prefill_tp": (int, 1, "tensor-parallel ranks of each prefill node"),
     "decode_tp": (int, 1, "tensor-parallel ranks of each decode node"),
     "host": (str, "127.0.0.1", "address every component binds"),
+    "advertise_host": (
+        str,
+        None,
+        "address the nodes give the router and their peers to dial, and `up` prints for clients "
+        "(default --host; with a wildcard --host such as 0.0.0.0, this machine's primary address)",
+    ),
     "port": (port, 50051, "router port (0 picks one)"),
     "cluster_token_file": (
         str,
@@ -213,6 +219,7 @@ def spec_from_args(args: argparse.Namespace, default_model: Callable[[], Any]) -
         prefill_tp=own["prefill_tp"],
         decode_tp=own["decode_tp"],
         host=own["host"],
+        advertise_host=own["advertise_host"],
         port=own["port"],
         log_level=args.log_level or "INFO",
         drain_timeout_s=own["drain_timeout"],
