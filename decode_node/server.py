@@ -158,12 +158,25 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
             return super().drain(timeout_s, interrupt)
         if super().drain(wait, interrupt):
             return True
+        if not self._someone_to_take_over():  # the router could only fail them once its admission wait ran out
+            why = f"no other decode node is up to take its {len(self._streams)} stream(s)"
+            log.warning("decode node %s: --drain-handoff: %s; finishing them here", self.cfg.node_id, why)
+            return super().drain(timeout_s - wait, interrupt)
         self.handing_off = True
         rids = list(self._streams)
         log.info("decode node %s: handing %d stream(s) off to the router", self.cfg.node_id, len(rids))
         for rid in rids:
             self.loop.abort(rid, "handed off (drain)")
         return super().drain(timeout_s - wait, interrupt)
+
+    def _someone_to_take_over(self) -> bool:
+        """A router of this node knows another decode node that is up and not draining."""
+        for hb in self._hbs:
+            for n in hb.nodes() or ():
+                if n.alive and n.node.kind == pb.NODE_KIND_DECODE and n.node.node_id != self.cfg.node_id:
+                    if not n.node.draining:
+                        return True
+        return False
 
     def _add_servicer(self, server: grpc.Server) -> None:
         rpc.add_DecodeNodeServicer_to_server(self, server)
