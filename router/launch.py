@@ -34,7 +34,7 @@ from router.cpu_binding import (
     usable_cpus,
 )
 from router.node_forks import ForkedNode, Launcher
-from serving.hosts import advertised_host
+from serving.hosts import WILDCARDS, advertised_host
 from serving.security import API_KEY_ENV, TOKEN_ENV, Credentials, Tls
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,6 +107,8 @@ class PoolSpec:
         self.decode_yield_value()
         if not self.drain_timeout_s >= 0:  # NaN too
             raise ValueError(f"--drain-timeout must be >= 0 (got {self.drain_timeout_s})")
+        if self.advertise_host is not None and self.advertise_host in WILDCARDS:
+            raise ValueError(f"--advertise-host {self.advertise_host!r} is no address a peer can dial")
         if self.node_start not in ("fork", "spawn"):
             raise ValueError(f"--node-start must be fork or spawn (got {self.node_start!r})")
         if self.insecure_open_cluster and self.cluster_token:

@@ -41,6 +41,15 @@ def test_a_wildcard_bind_advertises_this_machines_address():
         _config("--host", "0.0.0.0", "--advertise-host", "0.0.0.0")
 
 
+def test_up_refuses_a_wildcard_to_advertise(capsys):
+    """Refused before anything starts (the router started, then each node refused it)."""
+    from router.cli import main
+
+    assert main(["up", "--advertise-host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["pdserve up: error: --advertise-host '0.0.0.0' is no address a peer can dial"], err
+
+
 def test_up_on_a_wildcard_registers_dialable_nodes(ckpt):
     from client import Client
 
