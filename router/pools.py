@@ -134,6 +134,8 @@ def _read_file(path: str, table: dict[str, UpOption]) -> tuple[dict, dict[str, d
 
     try:
         raw = load_yaml(Path(path).read_text()) or {}
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--config {path}: cannot read the pools file ({getattr(e, 'strerror', None) or e})") from None
     except yaml.YAMLError as e:  # its text spans lines (the offending one, a caret)
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

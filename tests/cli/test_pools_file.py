@@ -70,6 +70,14 @@ def test_vllm_keys_read_as_its_flags(tmp_path, ckpt):
     assert (spec.prefill_tp, spec.decode_tp) == (2, 1) and spec.prefill_options["speculative_method"] == "ngram"
 
 
+def test_a_pools_file_that_cannot_be_read_is_named(tmp_path, capsys):
+    assert main(["up", "--config", str(tmp_path / "nope.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"pdserve up: error: --config {tmp_path / 'nope.yaml'}: cannot read the pools file (No such file or directory)"
+    ]
+
+
 @pytest.mark.parametrize(
     ("text", "words"),
     [
