@@ -9,8 +9,6 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from engine.options import seconds
-
 DEFAULT_ADDR = "127.0.0.1:50051"
 
 
@@ -155,6 +153,8 @@ def _add_client_security(p: argparse.ArgumentParser, node_plane: bool) -> None:
 
 
 def add_client_commands(sub) -> None:
+    from engine.options import seconds  # noqa: PLC0415 (the engine package may refuse to import: build_parser says why)
+
     """`nodes` and `generate` on the CLI's subparsers."""
     addr_help = f"the router's gRPC address, HOST:PORT (default {DEFAULT_ADDR})"
     p = sub.add_parser("nodes", help="list the nodes a router knows: state, capacity, load")
