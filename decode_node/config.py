@@ -51,7 +51,8 @@ class DecodeNodeConfig(NodeArgs):
     drain_handoff_s: float = option(
         0.0,
         "on SIGTERM, streams still running after this many seconds are handed off (ended UNAVAILABLE, draining: "
-        "the router moves them to another decode node with the tokens sent); 0: finish them here",
+        "the router moves them to another decode node with the tokens sent; with no other decode node up, they "
+        "finish here); 0: finish them here",
     )
 
     def __post_init__(self) -> None:

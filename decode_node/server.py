@@ -59,7 +59,8 @@ class _Tally:
     finish: str = "cancelled"  # the finish reason; "cancelled" when the call ended before it
     ttft: float | None = None
     tpot: float | None = None
-    n: int = 0
+    n: int = 0  # tokens this node sent (the metrics' count)
+    prefilled: int = 0  # the request's tokens the prefill node sampled (its first): the log line counts them too
     cached: int = 0
     queue_s: float = 0.0
     first_s: float | None = None  # to the first token, for the log line (ttft counts finished requests only)
@@ -68,9 +69,11 @@ class _Tally:
         def ms(s: float | None) -> str:
             return "-" if s is None else f"{s * 1e3:.1f} ms"
 
+        # the request's output tokens, as the router's line counts them: the prefill node's first one too
+        output = f"{self.n + self.prefilled}" + (f" ({self.prefilled} from the prefill node)" if self.prefilled else "")
         log.info(
-            "request %s: prompt %d (cached %d), output %d, %s; queue %s, ttft %s, tpot %s, e2e %s",
-            h.request_id, h.num_prompt_tokens, self.cached, self.n, self.finish,
+            "request %s: prompt %d (cached %d), output %s, %s; queue %s, ttft %s, tpot %s, e2e %s",
+            h.request_id, h.num_prompt_tokens, self.cached, output, self.finish,
             ms(self.queue_s), ms(self.first_s), ms(self.tpot), ms(time.monotonic() - h.received),
         )  # fmt: skip
 
@@ -156,12 +159,25 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
             return super().drain(timeout_s, interrupt)
         if super().drain(wait, interrupt):
             return True
+        if not self._someone_to_take_over():  # the router could only fail them once its admission wait ran out
+            why = f"no other decode node is up to take its {len(self._streams)} stream(s)"
+            log.warning("decode node %s: --drain-handoff: %s; finishing them here", self.cfg.node_id, why)
+            return super().drain(timeout_s - wait, interrupt)
         self.handing_off = True
         rids = list(self._streams)
         log.info("decode node %s: handing %d stream(s) off to the router", self.cfg.node_id, len(rids))
         for rid in rids:
             self.loop.abort(rid, "handed off (drain)")
         return super().drain(timeout_s - wait, interrupt)
+
+    def _someone_to_take_over(self) -> bool:
+        """A router of this node knows another decode node that is up and not draining."""
+        for hb in self._hbs:
+            for n in hb.nodes() or ():
+                if n.alive and n.node.kind == pb.NODE_KIND_DECODE and n.node.node_id != self.cfg.node_id:
+                    if not n.node.draining:
+                        return True
+        return False
 
     def _add_servicer(self, server: grpc.Server) -> None:
         rpc.add_DecodeNodeServicer_to_server(self, server)
@@ -266,7 +282,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
     def _relay(self, h: RequestHandle, context: grpc.ServicerContext, skip: int = 0) -> Iterator[pb.GenerateResponse]:
         """skip: leading tokens the caller already has (the prefill node's first token). Counts the
         request in the metrics once, however it ends."""
-        box = _Tally()
+        box = _Tally(prefilled=skip)
         self._streams.add(h.request_id)
         if self.handing_off:  # it began decoding after the drain handed the streams off (its push was
             self.loop.abort(h.request_id, "handed off (drain)")  # under way then): it goes too

@@ -59,6 +59,7 @@ class EncodedInputs:
         self._seen: OrderedDict[bytes, int] = OrderedDict()  # what the ranks' encoder caches hold, by pixel hash
         self._seen_bytes = 0
         self._lock = threading.Lock()
+        self._claims: dict[bytes, threading.Event] = {}  # outputs a Prefill call is taking now, by pixel hash
         self.received = Counter(
             "pdserve_prefill_images_received",
             "Images whose encoder output an encode node pushed here (not encoded on this node)",
@@ -91,11 +92,25 @@ class EncodedInputs:
             return
         deadline = time.monotonic() + self.cfg.encoded_wait_s
         for img in {i.pixel_hash: i for i in images if i.pixel_hash in pushed}.values():
-            got = land.take(img.pixel_hash, max(0.0, deadline - time.monotonic()))
-            if got is None:
+            key = img.pixel_hash
+            with self._lock:  # one request takes an output that several name (the router shares a push)
+                claim, mine = self._claims.get(key), key not in self._claims
+                if mine:
+                    claim = self._claims[key] = threading.Event()
+            assert claim is not None
+            if not mine:  # set once its install is queued on the loop, ahead of this request's prefill
+                claim.wait(max(0.0, deadline - time.monotonic()))
                 continue
-            done = self.loop.run(lambda e, g=got: install(e, g))  # type: ignore[misc]
-            done.add_done_callback(lambda f, g=got: self._installed(rid, g, f))  # type: ignore[misc]
+            try:
+                got = land.take(key, max(0.0, deadline - time.monotonic()))
+                if got is None:
+                    continue
+                done = self.loop.run(lambda e, g=got: install(e, g))  # type: ignore[misc]
+                done.add_done_callback(lambda f, g=got: self._installed(rid, g, f))  # type: ignore[misc]
+            finally:
+                with self._lock:
+                    del self._claims[key]
+                claim.set()
 
     def _installed(self, rid: str, got: Landed, f: Future[bool]) -> None:
         if f.exception() is None and f.result():

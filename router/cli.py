@@ -160,7 +160,9 @@ def _node_config(cls, args):
 
     vals = values(options(cls), args)
     vals["model"] = str(vals["model"] or default_model_dir())
-    vals["advertise_host"] = vals["advertise_host"] or args.host
+    from serving.hosts import advertised_host
+
+    vals["advertise_host"] = advertised_host(args.host, vals["advertise_host"])
     # the data plane binds where the node binds (bound to a wildcard: where it is dialed, advertise_host,
     # which the config falls back on)
     if not vals["transfer_host"] and args.host not in ("0.0.0.0", "::") and args.host != vals["advertise_host"]:

@@ -36,6 +36,14 @@ class Echo:
         self.open.clear()
 
 
+def token_ids(text: str) -> list[int]:
+    """--token-ids' type: token ids separated by commas or blanks, each a whole number >= 0."""
+    parts = text.replace(",", " ").split()
+    if not parts or not all(t.isdigit() for t in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of token ids (whole numbers >= 0: '1,2,3')")
+    return [int(t) for t in parts]
+
+
 def cmd_generate(args) -> int:
     from client import Client, GenerateResult, PdserveError
 
@@ -43,7 +51,7 @@ def cmd_generate(args) -> int:
     if args.chat and (args.token_ids or args.prompt is None):
         raise ValueError("--chat takes a text prompt (no --token-ids)")
     if args.token_ids:
-        kw["prompt_token_ids"] = [int(t) for t in args.token_ids.replace(",", " ").split()]
+        kw["prompt_token_ids"] = args.token_ids
     elif args.prompt is None:
         raise ValueError("give a prompt (text) or --token-ids")
     else:
@@ -145,18 +153,20 @@ def _add_client_security(p: argparse.ArgumentParser, node_plane: bool) -> None:
 
 
 def add_client_commands(sub) -> None:
+    from engine.options import seconds  # noqa: PLC0415 (the engine package may refuse to import: build_parser says why)
+
     """`nodes` and `generate` on the CLI's subparsers."""
     addr_help = f"the router's gRPC address, HOST:PORT (default {DEFAULT_ADDR})"
     p = sub.add_parser("nodes", help="list the nodes a router knows: state, capacity, load")
     p.add_argument("--addr", default=DEFAULT_ADDR, help=addr_help)
-    p.add_argument("--wait", type=float, default=10.0, help="seconds to wait for the router (default 10)")
+    p.add_argument("--wait", type=seconds, default=10.0, help="seconds to wait for the router (default 10)")
     _add_client_security(p, node_plane=True)
     p.set_defaults(func=cmd_nodes)
 
     p = sub.add_parser("generate", help="stream a completion from a router")
     p.add_argument("prompt", nargs="?", default=None, help="the prompt text")
     p.add_argument("--addr", default=DEFAULT_ADDR, help=addr_help)
-    p.add_argument("--token-ids", default=None, help="send token ids instead of text: '1,2,3'")
+    p.add_argument("--token-ids", type=token_ids, default=None, help="send token ids instead of text: '1,2,3'")
     p.add_argument("--max-tokens", type=int, default=32, help="new tokens at most (default 32)")
     p.add_argument(
         "--temperature", type=float, default=None, help="sampling temperature (default: the server's, 1.0; 0: greedy)"
@@ -177,6 +187,6 @@ def add_client_commands(sub) -> None:
     p.add_argument("--chat", action="store_true", help="the prompt as a user message, in the model's chat template")
     p.add_argument("--system", default=None, help="with --chat: a system message first")
     p.add_argument("--no-thinking", action="store_true", help="with --chat: the template's enable_thinking off")
-    p.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the router to be ready (default 30)")
+    p.add_argument("--wait", type=seconds, default=30.0, help="seconds to wait for the router to be ready (default 30)")
     _add_client_security(p, node_plane=False)
     p.set_defaults(func=cmd_generate)

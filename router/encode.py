@@ -24,7 +24,8 @@ from serving.rpc import is_draining
 log = logging.getLogger("pdserve.router")
 
 # where each image of a request prefilled on a prefill node was to be encoded
-OUTCOMES = ("encode_pool", "cached", "prefill_no_pool", "prefill_fallback", "prefill_no_room")
+# (shared: pushed by an encode node for another request that had it encoded for the same prefill node at once)
+OUTCOMES = ("encode_pool", "shared", "cached", "prefill_no_pool", "prefill_fallback", "prefill_no_room")
 
 
 class _Gone(Exception):
@@ -37,6 +38,7 @@ class EncodePool:
         self.images = Counter(
             "pdserve_router_encode_images",
             "Images of prefill-node requests by where they were encoded: encode_pool (pushed by an encode node), "
+            "shared (pushed by an encode node for a concurrent request with the same image), "
             "cached (in the prefill node's encoder cache), prefill_no_pool / prefill_fallback / prefill_no_room "
             "(the prefill node encoded: no encode node, the encode call failed, no landing room)",
             ["where"],
@@ -44,6 +46,8 @@ class EncodePool:
         )
         for w in OUTCOMES:
             self.images.labels(where=w)
+        # (prefill node, pixel hash) -> where the encode in flight for it ends up (an OUTCOMES name)
+        self._pending: dict[tuple[str, bytes], asyncio.Future[str]] = {}
 
     def _choose(self) -> NodeEntry | None:
         with self.registry.lock:
@@ -55,13 +59,40 @@ class EncodePool:
 
     async def prepare(self, p: NodeEntry, rid: str, images: Sequence[pb.ImageInput]) -> list[bytes]:
         """Have an encode node push the images P lacks into P's landing slots (best effort); the
-        pixel hashes pushed, for the Prefill call (PrefillRequest.encoded)."""
+        pixel hashes pushed, for the Prefill call (PrefillRequest.encoded). An image another request
+        is having pushed into P now is not asked for again: this one waits for that push and names
+        it too (P takes it into its encoder cache once, for both)."""
         unique = list({bytes(i.pixel_hash): i for i in images}.values())
         if not unique:
             return []
+        shared = {h: f for i in unique if (f := self._pending.get((p.node_id, h := bytes(i.pixel_hash)))) is not None}
+        own = [i for i in unique if bytes(i.pixel_hash) not in shared]
+        mine = {bytes(i.pixel_hash): asyncio.get_running_loop().create_future() for i in own}
+        self._pending.update({(p.node_id, h): f for h, f in mine.items()})
+        where: dict[bytes, str] = {}
+        try:
+            if own:
+                where = await self._encode(p, rid, own)
+        finally:
+            for h, f in mine.items():  # the requests waiting on these go on, whatever became of them
+                if self._pending.get((p.node_id, h)) is f:
+                    del self._pending[(p.node_id, h)]
+                f.set_result(where.get(h, "prefill_fallback"))
+        for h, f in shared.items():
+            theirs = await asyncio.shield(f)  # this request's cancel leaves the others' wait alone
+            where[h] = "shared" if theirs == "encode_pool" else theirs
+        for w in where.values():
+            self.images.labels(where=w).inc()
+        if shared:
+            log.info("request %s: %d image(s) shared with requests encoding them for %s", rid, len(shared), p.node_id)
+        return [h for h, w in where.items() if w in ("encode_pool", "shared")]
+
+    async def _encode(self, p: NodeEntry, rid: str, unique: list[pb.ImageInput]) -> dict[bytes, str]:
+        """Where each image gets encoded (OUTCOMES): pushed by an encode node into P's landing, or
+        left to P, and why."""
+        hashes = [bytes(i.pixel_hash) for i in unique]
         if not self.registry.routable(pb.NODE_KIND_ENCODE):
-            self.images.labels(where="prefill_no_pool").inc(len(unique))
-            return []
+            return dict.fromkeys(hashes, "prefill_no_pool")
         bare = [pb.ImageInput(pixel_hash=i.pixel_hash, offset=i.offset, grid_thw=i.grid_thw) for i in unique]
         try:
             r = await p.stub.ReserveEncoded(pb.ReserveEncodedRequest(request_id=rid, images=bare), timeout=10)
@@ -73,20 +104,17 @@ class EncodePool:
                 err.code().name,
                 err.details(),
             )
-            self.images.labels(where="prefill_fallback").inc(len(unique))
-            return []
+            return dict.fromkeys(hashes, "prefill_fallback")
         cached = set(r.cached)
+        where = {h: "cached" for h in hashes if h in cached}
         missing = [i for i in unique if bytes(i.pixel_hash) not in cached]
-        self.images.labels(where="cached").inc(len(unique) - len(missing))
         if not missing:
-            return []
+            return where
         if not r.landing:
-            self.images.labels(where="prefill_no_room").inc(len(missing))
-            return []
+            return where | dict.fromkeys((bytes(i.pixel_hash) for i in missing), "prefill_no_room")
         e = self._choose()
         if e is None:
-            self.images.labels(where="prefill_no_pool").inc(len(missing))
-            return []
+            return where | dict.fromkeys((bytes(i.pixel_hash) for i in missing), "prefill_no_pool")
         try:
             call = e.stub.Encode(
                 pb.EncodeRequest(request_id=rid, images=missing, landing=r.landing), timeout=self.cfg.encode_timeout_s
@@ -99,20 +127,19 @@ class EncodePool:
                 e.node_id,
                 p.node_id,
             )
-            self.images.labels(where="prefill_fallback").inc(len(missing))
-            return []
+            return where | dict.fromkeys((bytes(i.pixel_hash) for i in missing), "prefill_fallback")
         except grpc.RpcError as err:
             self._failed(e, rid, p, err)
-            self.images.labels(where="prefill_fallback").inc(len(missing))
-            return []
+            return where | dict.fromkeys((bytes(i.pixel_hash) for i in missing), "prefill_fallback")
         finally:
             with self.registry.lock:
                 e.inflight -= 1
-        done = len(got.images)
-        self.images.labels(where="encode_pool").inc(done)
-        self.images.labels(where="prefill_no_room").inc(len(missing) - done)  # no slot for them at P
-        log.info("request %s: %d image(s) encoded on %s for %s", rid, done, e.node_id, p.node_id)
-        return [bytes(i.pixel_hash) for i in got.images]
+        pushed = {bytes(i.pixel_hash) for i in got.images}
+        log.info("request %s: %d image(s) encoded on %s for %s", rid, len(pushed), e.node_id, p.node_id)
+        # no slot at P for the rest
+        return where | {
+            bytes(i.pixel_hash): "encode_pool" if bytes(i.pixel_hash) in pushed else "prefill_no_room" for i in missing
+        }
 
     async def _unless_gone(self, e: NodeEntry, call: Any) -> pb.EncodeResponse:
         """The Encode call's answer; _Gone (the call cancelled) once the node is marked dead or

@@ -34,6 +34,7 @@ from router.cpu_binding import (
     usable_cpus,
 )
 from router.node_forks import ForkedNode, Launcher
+from serving.hosts import WILDCARDS, advertised_host
 from serving.security import API_KEY_ENV, TOKEN_ENV, Credentials, Tls
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +70,9 @@ class PoolSpec:
     prefill_tp: int = 1
     decode_tp: int = 1
     host: str = "127.0.0.1"
+    # what the nodes advertise and `up` prints (transfer/netif.py advertised_host); None: host, or the
+    # machine's primary address when host is a wildcard
+    advertise_host: str | None = None
     port: int = 50051
     log_level: str = "INFO"
     drain_timeout_s: float = 30.0  # every component's --drain-timeout
@@ -103,6 +107,8 @@ class PoolSpec:
         self.decode_yield_value()
         if not self.drain_timeout_s >= 0:  # NaN too
             raise ValueError(f"--drain-timeout must be >= 0 (got {self.drain_timeout_s})")
+        if self.advertise_host is not None and self.advertise_host in WILDCARDS:
+            raise ValueError(f"--advertise-host {self.advertise_host!r} is no address a peer can dial")
         if self.node_start not in ("fork", "spawn"):
             raise ValueError(f"--node-start must be fork or spawn (got {self.node_start!r})")
         if self.insecure_open_cluster and self.cluster_token:
@@ -215,10 +221,12 @@ class Cluster:
         if spec.insecure_open_cluster:
             self._token = ""
         self.credentials = spec.credentials(self._token)
+        self.advertised = advertised_host(spec.host, spec.advertise_host)
 
     @property
     def address(self) -> str:
-        return f"{self.spec.host}:{self.port}"
+        """The router's address as the nodes and clients dial it (never a wildcard)."""
+        return f"{self.advertised}:{self.port}"
 
     def node_ids(self) -> list[str]:
         s = self.spec
@@ -295,7 +303,8 @@ class Cluster:
     def _spawn_node(self, kind: str, i: int, tp: int) -> None:
         s = self.spec
         name = f"{kind}-{i}"
-        where = ["--router", self.address, "--host", s.host, "--port", "0", "--node-id", name]
+        where = ["--router", self.address, "--host", s.host, "--advertise-host", self.advertised]
+        where += ["--port", "0", "--node-id", name]
         argv = [kind, "--model", s.model, *where, "--tp", str(tp), *s.node_argv(kind)]
         self._spawn(name, argv, cpus=self.cpus.get(name, ()), nice=self.nice if kind == "decode" else 0)
 

@@ -1,6 +1,7 @@
 """`pdserve up`'s options and its pools file, resolved into a PoolSpec: every router and node option
 as a flag or key; top-level keys for every component, `prefill:` / `decode:` keys per pool, the
-command line wins; an unknown key is refused listing the known ones."""
+command line wins; an unknown key is refused listing the known ones. Reading the file (vLLM's
+key spellings, relative paths from its directory) is router/pools_file.py."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from engine.options import NumberError, Opt, PortError, add_options, coerce, opt
 from prefill_node.config import PrefillNodeConfig
 from router.config import RouterConfig
 from router.launch import NODE_CONFIGS, NODE_MANAGED, ROUTER_MANAGED, PoolSpec
+from router.pools_file import dests, load_yaml, resolve_paths
 
 COMPONENTS = {
     "router": RouterConfig,
@@ -40,6 +42,12 @@ OWN: dict[str, tuple[Callable[[Any], Any], Any, str]] = {
     "prefill_tp": (int, 1, "tensor-parallel ranks of each prefill node"),
     "decode_tp": (int, 1, "tensor-parallel ranks of each decode node"),
     "host": (str, "127.0.0.1", "address every component binds"),
+    "advertise_host": (
+        str,
+        None,
+        "address the nodes give the router and their peers to dial, and `up` prints for clients "
+        "(default --host; with a wildcard --host such as 0.0.0.0, this machine's primary address)",
+    ),
     "port": (port, 50051, "router port (0 picks one)"),
     "cluster_token_file": (
         str,
@@ -120,49 +128,14 @@ def add_up_options(p: argparse.ArgumentParser) -> None:
         add_options(p, [u.flag], unset=True, note=f" [{'; '.join(who)}]")
 
 
-def _key(k: Any) -> str:
-    return str(k).replace("-", "_")
-
-
-def _load_yaml(text: str) -> Any:
-    """yaml.safe_load, but a key given twice in one mapping is an error: PyYAML keeps the last
-    silently, so a second `decode:` further down replaced the first unseen."""
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        pass
-
-    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
-        loader.flatten_mapping(node)  # `<<:` merges, as safe_load does them
-        seen: dict[Any, Any] = {}
-        for key_node, value_node in node.value:
-            k = loader.construct_object(key_node, deep=True)
-            if k in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"{k} is given twice", key_node.start_mark)
-            seen[k] = loader.construct_object(value_node, deep=True)
-        return seen
-
-    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
-    return yaml.load(text, Loader=Loader)  # a SafeLoader: no Python objects
-
-
-def _dests(path: str, where: str, mapping: dict) -> dict[str, Any]:
-    """A mapping's keys as dests (`max-model-len` -> `max_model_len`); two spellings of one refused."""
-    out: dict[str, Any] = {}
-    spelled: dict[str, Any] = {}
-    for k, v in mapping.items():
-        if (d := _key(k)) in out:
-            raise ValueError(f"{path}: {d} is given twice{where} (as {spelled[d]} and {k})")
-        out[d], spelled[d] = v, k
-    return out
-
-
 def _read_file(path: str, table: dict[str, UpOption]) -> tuple[dict, dict[str, dict]]:
     """(top-level keys, {pool: its keys}) of a pools file, keys as dests; unknown keys refused."""
     import yaml
 
     try:
-        raw = _load_yaml(Path(path).read_text()) or {}
+        raw = load_yaml(Path(path).read_text()) or {}
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--config {path}: cannot read the pools file ({getattr(e, 'strerror', None) or e})") from None
     except yaml.YAMLError as e:  # its text spans lines (the offending one, a caret)
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -171,11 +144,12 @@ def _read_file(path: str, table: dict[str, UpOption]) -> tuple[dict, dict[str, d
         raise ValueError(f"{path}: expected a mapping of options at the top level")
     top: dict[str, Any] = {}
     pools: dict[str, dict] = {pool: {} for pool in POOLS}
-    raw = _dests(path, "", raw)
+    base = Path(path).resolve().parent  # relative paths in the file are the file's, not the shell's
+    raw, spelled = dests(path, "", raw)
     for k, v in raw.items():
         if k in POOLS and isinstance(v, dict):
             known = ["count", *(["tp"] if k != "encode" else []), *(d for d, u in table.items() if k in u.fields)]
-            keys = _dests(path, f" under {k}", v)
+            keys, under = dests(path, f" under {k}", v, pool=k)
             bad = sorted(set(keys) - set(known))
             if bad:
                 raise ValueError(f"{path}: unknown key(s) under {k}: {', '.join(bad)}; known: {', '.join(known)}")
@@ -183,15 +157,17 @@ def _read_file(path: str, table: dict[str, UpOption]) -> tuple[dict, dict[str, d
                 top[k] = keys.pop("count")
             if "tp" in keys:
                 if f"{k}_tp" in raw:
-                    raise ValueError(f"{path}: {k}_tp is given twice (as {k}_tp and {k}: {{tp: ...}})")
+                    raise ValueError(
+                        f"{path}: {k}_tp is given twice (as {spelled[f'{k}_tp']} and {k}: {{{under['tp']}: ...}})"
+                    )
                 top[f"{k}_tp"] = keys.pop("tp")
-            pools[k] = keys
+            pools[k] = resolve_paths(keys, base)
         elif k in OWN or k in table:
             top[k] = v
         else:
             bad = sorted(set(raw) - set(OWN) - set(table))
             raise ValueError(f"{path}: unknown key(s) {', '.join(bad)}; known: {', '.join([*OWN, *table])}")
-    return top, pools
+    return resolve_paths(top, base), pools
 
 
 def spec_from_args(args: argparse.Namespace, default_model: Callable[[], Any]) -> PoolSpec:
@@ -245,6 +221,7 @@ def spec_from_args(args: argparse.Namespace, default_model: Callable[[], Any]) -
         prefill_tp=own["prefill_tp"],
         decode_tp=own["decode_tp"],
         host=own["host"],
+        advertise_host=own["advertise_host"],
         port=own["port"],
         log_level=args.log_level or "INFO",
         drain_timeout_s=own["drain_timeout"],

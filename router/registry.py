@@ -277,11 +277,14 @@ class NodeRegistry:
                 if e.alive and now - e.last_seen > self.dead_after_s:
                     e.alive = False
                     dead.append(e)
-                    log.warning(
-                        "node %s (%s): no heartbeat for %.1f s, marked dead",
+                    # a draining node that goes quiet has stopped, as its drain ends: no fault
+                    log.log(
+                        logging.INFO if e.info.draining else logging.WARNING,
+                        "node %s (%s): no heartbeat for %.1f s, marked dead%s",
                         e.node_id,
                         e.info.address,
                         now - e.last_seen,
+                        " (it was draining: stopped)" if e.info.draining else "",
                     )
             gone = [
                 e

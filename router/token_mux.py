@@ -125,7 +125,10 @@ class TokenMux:
             self._task = None
             routes, self._routes = self._routes, {}
             if not self.unsupported:
-                if routes:
+                if routes and clean:  # the node stops (a drain's end): each request ends with its own call
+                    n = len(routes)
+                    log.info("decode node %s: token stream ended with %d requests on it", self.node_id, n)
+                elif routes:
                     self.totals.broken += 1
                     n = len(routes)
                     log.warning("decode node %s: token stream broke (%s) with %d requests on it", self.node_id, why, n)

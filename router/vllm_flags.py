@@ -101,24 +101,28 @@ def _speculative(text: str) -> list[str]:
         spec = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"--speculative-config is not JSON: {e}") from None
+    return [x for k, v in speculative(spec).items() for x in ("--" + k.replace("_", "-"), str(v))]
+
+
+def speculative(spec: object, where: str = "--speculative-config") -> dict[str, str | int]:
+    """vLLM's speculative config (a JSON object on the command line, a mapping in a pools file) as
+    pdserve's options: {"speculative_method": ..., "num_speculative_tokens": ...}, each if given."""
     if not isinstance(spec, dict):
-        raise ValueError("--speculative-config must be a JSON object")
+        raise ValueError(f"{where} must be a JSON object")
     unknown = sorted(set(spec) - set(SPEC_KEYS))
     if unknown:
-        raise ValueError(
-            f"--speculative-config: {', '.join(unknown)} not supported (supported: {', '.join(SPEC_KEYS)})"
-        )
-    out = []
+        raise ValueError(f"{where}: {', '.join(unknown)} not supported (supported: {', '.join(SPEC_KEYS)})")
+    out: dict[str, str | int] = {}
     method = spec.get("method")
     if method is not None:
         if method in MTP:
             method = "mtp"
         elif method not in ("ngram",):
-            raise ValueError(f"--speculative-config method {method!r}: pdserve drafts with {', '.join(MTP)} or ngram")
-        out += ["--speculative-method", method]
+            raise ValueError(f"{where} method {method!r}: pdserve drafts with {', '.join(MTP)} or ngram")
+        out["speculative_method"] = method
     n = spec.get("num_speculative_tokens")
     if n is not None:
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"--speculative-config num_speculative_tokens must be an integer >= 0 (got {n!r})")
-        out += ["--num-speculative-tokens", str(n)]
+            raise ValueError(f"{where} num_speculative_tokens must be an integer >= 0 (got {n!r})")
+        out["num_speculative_tokens"] = n
     return out

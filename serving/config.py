@@ -9,6 +9,7 @@ from typing import Literal
 
 from engine.config import EngineArgs, EngineConfig
 from engine.options import option
+from serving.hosts import WILDCARDS
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,9 @@ class NodeArgs(SecurityArgs, EngineArgs):
         "then route here); none: standalone",
     )
     advertise_host: str = option(
-        "127.0.0.1", "the host part of the address the router dials (on the command line, default --host)"
+        "127.0.0.1",
+        "the host part of the address the router and peers dial (on the command line, default --host, or this "
+        "machine's primary address when --host is a wildcard such as 0.0.0.0)",
     )
     heartbeat_interval_s: float = option(0.5, "seconds between heartbeats until the router names its own")
     transfer_backend: Literal["nixl", "ucxx"] = option("nixl", "data plane of the transfer endpoints")
@@ -84,6 +87,11 @@ class NodeArgs(SecurityArgs, EngineArgs):
 
     def __post_init__(self) -> None:
         self.check_security()
+        if self.advertise_host in WILDCARDS:
+            raise ValueError(
+                f"--advertise-host {self.advertise_host!r} is no address a peer can dial: give this machine's "
+                "address (or leave it out: the primary address is advertised)"
+            )
         # the router refuses an empty id at Register, and the node would only log that and retry
         if not self.node_id.strip() or self.node_id != self.node_id.strip():
             raise ValueError(f"--node-id {self.node_id!r}: give the node a name, with no space at either end")

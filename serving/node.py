@@ -179,7 +179,8 @@ class NodeServer:
             self._hbs = [Heartbeater(a, self.info, hb, creds, self.heard).start() for a in addresses(self.cfg.router)]
         log.info("%s serving on %s (%s)", self.name, self.address, self.summary())
         if self.cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.cfg.advertise_host, self.cfg.metrics_port)
+            bind = addr.rsplit(":", 1)[0].strip("[]")  # where the node binds (a wildcard: every interface)
+            self.metrics_port = self.metrics.serve(bind, self.cfg.metrics_port)
             log.info("%s metrics at http://%s:%d/metrics", self.name, self.cfg.advertise_host, self.metrics_port)
         return port
 

@@ -50,6 +50,7 @@ class _Registry(Protocol):
 
     def Register(self, request: pb.RegisterRequest, timeout: float) -> pb.RegisterResponse: ...
     def Heartbeat(self, request: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatResponse: ...
+    def ListNodes(self, request: pb.ListNodesRequest, timeout: float) -> pb.ListNodesResponse: ...
 
 
 def images_of(
@@ -281,6 +282,13 @@ class Heartbeater:
                     self._warned = True
             self._wake.wait(self.interval_s)
             self._wake.clear()
+
+    def nodes(self, timeout: float = 2.0) -> list[pb.NodeStatus] | None:
+        """The nodes this router knows, as it sees them; None when it cannot be asked."""
+        try:
+            return list(self._stub.ListNodes(pb.ListNodesRequest(), timeout=timeout).nodes)
+        except grpc.RpcError:
+            return None
 
     def beat_now(self) -> None:
         """Send the next heartbeat at once (the node's state changed: draining)."""

@@ -48,6 +48,24 @@ def test_ports_outside_0_65535_are_refused_at_parse_time(argv, capsys):
     assert line.startswith(f"pdserve {argv[0]}: error: argument --")
 
 
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        # were Python's "invalid literal for int() with base 10: 'a'", after the wait for the router
+        (["generate", "--token-ids", "a,b", "x"], "argument --token-ids: 'a,b' is not a list of token ids"),
+        (["generate", "--token-ids", "1,-2"], "argument --token-ids: '1,-2' is not a list of token ids"),
+        # were taken: "no router ready after -5 s", a DEADLINE_EXCEEDED from `nodes`
+        (["generate", "--wait", "-5", "hi"], "argument --wait: '-5' is not a number of seconds >= 0"),
+        (["nodes", "--wait", "nan"], "argument --wait: 'nan' is not a finite number"),
+    ],
+)
+def test_client_commands_refuse_a_bad_value_at_parse_time(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert _one_line(capsys, words).startswith(f"pdserve {argv[0]}: error: ")
+
+
 def test_a_pools_file_port_is_checked_too():
     from engine.options import coerce, options
     from router.config import RouterConfig

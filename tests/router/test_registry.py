@@ -98,6 +98,24 @@ def test_draining_node_is_alive_but_not_routable(router):
     assert [e.node_id for e in r.registry.routable(pb.NODE_KIND_DECODE)] == ["d1"]
 
 
+def test_a_draining_node_that_goes_quiet_is_no_warning(router, caplog):
+    """A node that stops at the end of its drain (every clean shutdown, `pdserve up`'s Ctrl-C) was
+    logged at WARNING like a node that died; now at INFO, saying it was draining."""
+    import logging
+
+    r, stub = router
+    for nid in ("d0", "d1"):
+        stub.Register(pb.RegisterRequest(node=_info(nid, "127.0.0.1:1")), timeout=5)
+    stub.Heartbeat(pb.HeartbeatRequest(node_id="d0", incarnation=1, capacity=pb.Capacity(), draining=True), timeout=5)
+    with caplog.at_level(logging.INFO, logger="pdserve.router"):
+        wait_for(lambda: _alive(stub) == {"d0": False, "d1": False}, 5, "both marked dead")
+        time.sleep(0.2)
+    levels = {
+        rec.getMessage().split(" ")[1]: rec.levelno for rec in caplog.records if "marked dead" in rec.getMessage()
+    }
+    assert levels == {"d0": logging.INFO, "d1": logging.WARNING}, levels
+
+
 def test_unreachable_node_is_alive_but_not_routable_until_it_reports(router):
     """A call that found a node gone keeps new requests off it at once (not after the heartbeats'
     dead_after), leaves it live for the calls it has, and its next heartbeat brings it back."""

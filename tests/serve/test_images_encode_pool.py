@@ -184,3 +184,26 @@ def test_encode_pool_beside_a_ucxx_data_plane(refs):
         assert r.token_ids == want and r.prefill_node == "prefill-0" and r.transfer_bytes > 0
         assert _metric(up, "prefill-0", "pdserve_prefill_images_received_total") == 1
         assert _metric(up, "prefill-0", "pdserve_prefill_images_total") == 0
+
+
+def test_one_new_image_in_concurrent_requests_is_encoded_once(refs):
+    """Requests that arrive together with the same new image share one encode: the later ones
+    wait for the encode node's push the first asked for (the router keys what is in flight by
+    prefill node and pixel hash) instead of finding its landing slot taken and leaving the image to
+    the prefill node's own encoder (counted prefill_no_room). Every answer exact."""
+    path, cases = refs
+    text, images, want = cases[("one_image", 0)]
+    pool = dict(prefill=1, decode=1, encode=1, local_prefill_threshold=0, metrics_port=0)
+    with _cluster(path, **pool) as (up, c):
+        n = 4
+        with ThreadPoolExecutor(n) as ex:
+            outs = list(ex.map(lambda _: _generate(c, text, images), range(n)))
+        assert all(r.token_ids == want for r in outs)
+        assert _metric(up, "encode-0", "pdserve_encode_images_total") == 1
+        assert _metric(up, "prefill-0", "pdserve_prefill_images_total") == 0  # the prefill node encoded none
+        m = scrape(log_url(up, r"router metrics at (http://\S+/metrics)"))
+        where = {
+            w: m.get(("pdserve_router_encode_images_total", (("where", w),)), 0)
+            for w in ("encode_pool", "shared", "cached")
+        }
+        assert where["encode_pool"] == 1 and where["shared"] + where["cached"] == n - 1, where

@@ -117,13 +117,28 @@ def test_cancelled_stream_frees_pages_and_slots(client, cluster):
     # the router's view (heartbeats) agrees
     wait_for(lambda: _decode_node(cluster).capacity.free_slots == initial.free_slots, 10, "heartbeat")
     # the decode node logs the cancelled request's line too, with the tokens it sent
-    line = r"pdserve\.decode: request (\S+): prompt 99 \(cached \d+\), output \d+, cancelled;"
+    line = (
+        r"pdserve\.decode: request (\S+): prompt 99 \(cached \d+\), output \d+ \(1 from the prefill node\), cancelled;"
+    )
     rid = cluster.find(line)
-    sent = int(cluster.find(rf"pdserve\.decode: request {rid}: prompt 99 \(cached \d+\), output (\d+), cancelled;"))
+    sent = int(cluster.find(rf"pdserve\.decode: request {rid}: prompt 99 \(cached \d+\), output (\d+) .*, cancelled;"))
     assert sent >= 3
     # and the router's line the bytes the prefill node pushed for it (known before the cancel)
     pushed = cluster.find(rf"pdserve\.prefill: request {rid}: .* transfer (\d+) B")
     assert int(pushed) > 0 and cluster.find(rf"pdserve\.router: request {rid}: .*cancelled; transfer (\d+) B") == pushed
+
+
+def test_router_and_decode_lines_count_the_same_output(client, cluster):
+    """The router's line and the decode node's count the request's output tokens, the ones the
+    client got: the decode node's said one fewer (it left out the prefill node's first token)."""
+    r = client.generate(prompt_token_ids=list(range(1, 40)), max_tokens=7, temperature=0.0, ignore_eos=True)
+    assert len(r.token_ids) == 7 and r.prefill_node == "prefill-0"
+    rid = r.request_id
+    router = cluster.find(rf"pdserve\.router: request {rid}: prompt 39, .* (\d+) tokens, length")
+    decode = cluster.find(
+        rf"pdserve\.decode: request {rid}: prompt 39 \(cached \d+\), output (\d+ \(1 from the prefill node\)), length"
+    )
+    assert (int(router), decode) == (7, "7 (1 from the prefill node)")
 
 
 @pytest.mark.parametrize(

@@ -62,8 +62,8 @@ def test_the_old_flags_and_defaults_still_parse():
     assert (ns.tp, ns.kv_cache_memory, ns.local_prefill_threshold, ns.port, ns.host) == (2, "1GiB", 8, 0, "127.0.0.1")
     from router.cli import _node_config
 
-    cfg = _node_config(DecodeNodeConfig, build_parser().parse_args(["decode", "--model", "m", "--host", "0.0.0.0"]))
-    assert cfg == DecodeNodeConfig(model="m", advertise_host="0.0.0.0")  # every other field at its default
+    cfg = _node_config(DecodeNodeConfig, build_parser().parse_args(["decode", "--model", "m", "--host", "10.0.0.1"]))
+    assert cfg == DecodeNodeConfig(model="m", advertise_host="10.0.0.1")  # every other field at its default
     ns = build_parser().parse_args(
         ["router", "--decode", "a:1", "--decode", "b:2", "--admission-timeout", "3", "--reservation-lease", "9"]
     )
