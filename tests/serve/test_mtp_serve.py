@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 
 from tests.helpers import hybrid_ckpt as hc
-from tests.helpers.serve_harness import Up, decode_stats, flags, log_url, nodes
+from tests.helpers.serve_harness import Up, decode_stats, flags, log_url, nodes, wait_for
 
 NEW = 16
 K = 3  # the nodes' --num-speculative-tokens; requests cap it at 1 and 2
@@ -150,9 +150,14 @@ def test_mtp_greedy_matches_transformers_across_tp(ckpt_mtp, mtp_refs, a, b):
         assert st == 200, got
         assert sum(_stops_cut_at_their_token(base, model, ckpt_mtp, p, w) for p, w in zip(ps, want)) >= 3
         url = up.find(r"decode node decode-0 metrics at (http://\S+/metrics)", 20)
-        got = _scrape(url)
         key = ("pdserve_decode_spec_position_drafts_total", (("position", "1"),))
-        assert got[key] == decode_stats(d.address).speculation.drafts_per_position[0]
+        # a stop string cancels its request upstream: the decode node may still be ending its
+        # last step when the client has the answer, so the two reads agree once it is idle
+        wait_for(
+            lambda: _scrape(url)[key] == decode_stats(d.address).speculation.drafts_per_position[0],
+            10,
+            "the metrics page to agree with Stats",
+        )
     finally:
         rc = up.stop()
     assert rc == 0, up.output()
