@@ -5,12 +5,15 @@ request they mean, served by the chat path (router/openai_chat.py) as one choice
   blocks -> `tool` messages (in their order, before the message's text and images); `image`
   blocks (`base64` sources of Anthropic's four media types, checked against their bytes, or `url`
   sources) -> image parts; an assistant's `thinking` -> its
-  `reasoning_content`, `tool_use` -> its `tool_calls` (`input` as the arguments' JSON);
-- `tools` (`name`, `description`, `input_schema`, `strict`) -> function tools; `tool_choice` `auto`, `any`
-  (-> `required`), `tool` (-> named), `none`; `disable_parallel_tool_use` -> `parallel_tool_calls`;
-- `thinking` `enabled` / `disabled` -> the template's `enable_thinking` (unset: the template's
-  default); `stop_sequences` -> `stop`; `output_config.format` (or the earlier `output_format`)
-  `json_schema` -> `response_format`; `output_config.effort` -> `reasoning_effort`; `temperature`, `top_p`, `top_k` as earlier clients send them;
+  `reasoning_content`, `tool_use` -> its `tool_calls` (`input`, an object, as the arguments' JSON);
+- `tools` (`name`, `description`, `input_schema` (required), `strict`) -> function tools;
+  `tool_choice` `auto`, `any` (-> `required`), `tool` (-> named), `none` (`any` and `tool` need
+  `tools`); `disable_parallel_tool_use` -> `parallel_tool_calls`;
+- `thinking` `enabled` / `adaptive` / `between_tools` / `disabled` -> the template's
+  `enable_thinking` (unset: the template's default); `stop_sequences` -> `stop`;
+  `output_config.format` (or the earlier `output_format`) `json_schema` -> `response_format`;
+  `output_config.effort` -> `reasoning_effort`; `temperature`, `top_p`, `top_k` as earlier
+  clients send them;
 - `cache_control` marks are accepted and have no effect (the prefix cache needs none);
 - a last message from the assistant with text (no `tool_use`) is continued, as Anthropic's API
   does (chat's `continue_final_message`): the answer starts right after its text.
@@ -196,7 +199,9 @@ def _assistant(content: Any, i: int) -> dict[str, Any]:
         elif kind == "tool_use":
             if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
                 raise bad(f"{w}: a tool_use needs 'id' and 'name'", w)
-            fn = {"name": b["name"], "arguments": json.dumps(b.get("input") or {})}
+            if not isinstance(b.get("input"), dict):  # as Anthropic's API: an object, always present
+                raise bad(f"{w}.input must be an object (the tool's arguments)", f"{w}.input")
+            fn = {"name": b["name"], "arguments": json.dumps(b["input"])}
             msg.setdefault("tool_calls", []).append({"id": b["id"], "type": "function", "function": fn})
         else:
             raise bad(f"{w}: {kind!r} blocks are not supported in assistant messages", f"{w}.type")
@@ -233,7 +238,9 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
             )
         if not isinstance(t.get("name"), str):
             raise bad(f"tools[{i}] needs a 'name'", f"tools[{i}].name")
-        fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
+        if not isinstance(t.get("input_schema"), dict):  # required by Anthropic's API
+            raise bad(f"tools[{i}].input_schema is required (a JSON schema object)", f"tools[{i}].input_schema")
+        fn = {"name": t["name"], "parameters": t["input_schema"]}
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
         if t.get("strict") is True:  # structured outputs: under `auto` too, its calls follow the schema
@@ -242,11 +249,14 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     return out
 
 
-def _tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | None]:
-    """(chat's tool_choice, parallel_tool_calls)."""
+def _tool_choice(choice: dict[str, Any] | None, tools: bool) -> tuple[Any, bool | None]:
+    """(chat's tool_choice, parallel_tool_calls); `any` or `tool` with no tools is a 400, as
+    Anthropic's API answers it (there is nothing to call)."""
     if choice is None:
         return None, None
     kind = choice.get("type")
+    if kind in ("any", "tool") and not tools:
+        raise bad(f"tool_choice {kind!r} needs 'tools' (there is no tool to call)", "tool_choice")
     parallel = False if choice.get("disable_parallel_tool_use") else None
     if kind == "auto":
         return "auto", parallel
@@ -259,15 +269,18 @@ def _tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | None]:
     raise bad("tool_choice.type must be auto, any, none, or tool with a 'name'", "tool_choice")
 
 
+_THINKING_ON = ("enabled", "adaptive", "between_tools")  # the `thinking.type`s that turn it on
+
+
 def _thinking(req: MessagesRequest) -> dict[str, Any] | None:
     kw = dict(req.chat_template_kwargs or {})
     kind = (req.thinking or {}).get("type")
-    if kind in ("enabled", "adaptive", "between_tools"):
+    if kind in _THINKING_ON:
         kw.setdefault("enable_thinking", True)
     elif kind == "disabled":
         kw.setdefault("enable_thinking", False)
     elif req.thinking is not None:
-        raise bad("thinking.type must be 'enabled' or 'disabled'", "thinking.type")
+        raise bad(f"thinking.type must be one of {', '.join((*_THINKING_ON, 'disabled'))}", "thinking.type")
     return kw or None
 
 
@@ -315,7 +328,7 @@ def to_chat(req: MessagesRequest) -> ChatRequest:
     except ValueError as e:
         raise bad(str(e).replace("stop", "stop_sequences", 1), "stop_sequences") from None
     names: dict[tuple[int, int], str] = {}
-    choice, parallel = _tool_choice(req.tool_choice)
+    choice, parallel = _tool_choice(req.tool_choice, bool(req.tools))
     msgs = _messages(req, names)
     last = msgs[-1]
     prefill = last["role"] == "assistant" and not last.get("tool_calls") and bool(last.get("content"))

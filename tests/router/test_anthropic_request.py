@@ -125,3 +125,57 @@ def test_too_many_stop_sequences_are_named_as_sent():
     with pytest.raises(ApiError) as ei:
         to_chat(_body(stop_sequences=["ok", "x" * 300]))
     assert ei.value.param == "stop_sequences" and str(ei.value).startswith("stop_sequences[1] has 300 characters")
+
+
+_TOOL = {"name": "t", "input_schema": {"type": "object"}}
+
+
+@pytest.mark.parametrize(
+    "kw,param",
+    [
+        ({"tool_choice": {"type": "any"}}, "tool_choice"),
+        ({"tool_choice": {"type": "tool", "name": "t"}}, "tool_choice"),
+        ({"tool_choice": {"type": "any"}, "tools": []}, "tool_choice"),
+        ({"tools": [{"name": "t"}]}, "tools[0].input_schema"),
+        ({"tools": [{"name": "t", "input_schema": "object"}]}, "tools[0].input_schema"),
+        ({"tools": [_TOOL, {"name": "u", "input_schema": None}]}, "tools[1].input_schema"),
+    ],
+)
+def test_tool_fields_anthropic_refuses_are_400s_naming_them(kw, param):
+    """Anthropic's API answers these with a 400: a forced tool choice (`any`, `tool`) with no
+    tools to call, and a tool without an `input_schema` object (a required field there)."""
+    with pytest.raises(ApiError) as ei:
+        to_chat(_body(**kw))
+    assert ei.value.status == 400 and ei.value.param == param and param in str(ei.value), ei.value
+
+
+@pytest.mark.parametrize("choice", [None, {"type": "auto"}, {"type": "none"}])
+def test_an_unforced_tool_choice_without_tools_is_served(choice):
+    assert to_chat(_body(tool_choice=choice)).tools is None
+
+
+@pytest.mark.parametrize("bad_input", ["{}", ["x"], 3, None, "missing"])
+def test_a_tool_use_whose_input_is_not_an_object_is_a_400(bad_input):
+    """An assistant `tool_use` block's `input` is an object in Anthropic's API (required); any
+    other value (or none) is a 400 naming the block's field, not a call rendered with `{}`."""
+    call = {"type": "tool_use", "id": "toolu_1", "name": "t"} | ({} if bad_input == "missing" else {"input": bad_input})
+    msgs = [*MESSAGES, {"role": "assistant", "content": [call]}, {"role": "user", "content": "ok"}]
+    with pytest.raises(ApiError) as ei:
+        to_chat(_body(messages=msgs, tools=[_TOOL]))
+    e = ei.value
+    assert e.status == 400 and e.param == "messages[1].content[0].input" and e.param in str(e), e
+    call["input"] = {"a": 1}
+    fn = to_chat(_body(messages=msgs, tools=[_TOOL])).messages[1].tool_calls[0]["function"]
+    assert fn["name"] == "t" and fn["arguments"] in ('{"a": 1}', {"a": 1})
+
+
+@pytest.mark.parametrize("kind", ["enabled", "adaptive", "between_tools", "disabled"])
+def test_every_thinking_type_the_error_lists_is_accepted(kind):
+    """The 400 for an unknown `thinking.type` lists what is accepted, and each listed type is."""
+    with pytest.raises(ApiError) as ei:
+        to_chat(_body(thinking={"type": "sometimes"}))
+    msg = str(ei.value)
+    assert ei.value.param == "thinking.type" and "must be one of " in msg, msg
+    assert kind in msg.split("must be one of ", 1)[1].split(", "), msg
+    want = kind != "disabled"
+    assert to_chat(_body(thinking={"type": kind})).chat_template_kwargs == {"enable_thinking": want}
