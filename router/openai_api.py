@@ -174,7 +174,7 @@ class OpenAIFront:
         job.output = prep.output if prep is not None else None
         job.chat_echo = prep.echo if prep is not None else ""
         job.token_ids, job.ids_as_text = bool(req.return_token_ids), bool(req.return_tokens_as_token_ids)
-        job.prompt_logprobs = None if chat else req.prompt_logprobs
+        job.prompt_logprobs = req.prompt_logprobs
         job.images = images
         prio = pb.PRIORITY_UNSPECIFIED  # the body's class: its name, or vLLM's integer (above 0: batch)
         if req.priority is not None:
@@ -257,6 +257,8 @@ class OpenAIFront:
         out["choices"] = [c.whole() for c in choices]
         if job.chat and job.token_ids:  # one prompt for every choice
             out["prompt_token_ids"] = choices[0].prompt_ids if choices else []
+        if job.chat and job.prompt_logprobs is not None:  # vLLM's chat: the one prompt's, at the top
+            out["prompt_logprobs"] = choices[0].prompt_lps if choices else None
         out["usage"] = usage(choices)
         return _json(200, out)
 

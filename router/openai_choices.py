@@ -42,7 +42,7 @@ class Job:
     token_ids: bool = False  # return_token_ids: the prompt's and each choice's token ids in the answer
     ids_as_text: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:N"
     chat_echo: str = ""  # chat `echo`: the text each choice's content starts with (openai_chat.echoed)
-    prompt_logprobs: int | None = None  # completions' vLLM `prompt_logprobs`: alternatives per prompt token
+    prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs`: alternatives per prompt token
 
     def head(self, chunk: bool) -> dict:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"

@@ -203,7 +203,8 @@ class _Request(NullIsUnset):
     allowed_token_ids: Any = None
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
-    # vLLM's: per prompt token after the first, its logprob and rank and the N most likely (completions)
+    # vLLM's: per prompt token after the first, its logprob and rank and the N most likely (chat: over
+    # the rendered prompt, at the answer's top level)
     prompt_logprobs: Any = None
 
     @property
@@ -314,7 +315,6 @@ UNSUPPORTED_EXTENSIONS = {
     "allowed_token_ids": " (a 'structured_outputs' choice or regex constrains the output)",
     "bad_words": " ('logit_bias' of -100 bans a token)",
     "truncate_prompt_tokens": "",
-    "prompt_logprobs": " on chat completions (/v1/completions takes it)",
 }
 
 
@@ -335,9 +335,7 @@ def _refuse_unsupported(req: _Request) -> None:
     if req.best_of not in (None, req.n):
         raise bad("best_of other than n is not supported", "best_of")
     for name, hint in UNSUPPORTED_EXTENSIONS.items():
-        if name == "prompt_logprobs" and not chat:
-            continue
-        v = getattr(req, name)  # unset, false or empty: as if not sent (0 is a value: prompt_logprobs 0 asks)
+        v = getattr(req, name)  # unset, false or empty: as if not sent
         if v is not None and v is not False and v != [] and v != {}:
             raise bad(f"'{name}' is not supported{hint}", name)
 
@@ -362,6 +360,17 @@ def _logit_bias(bias: Any) -> dict[int, float]:
             raise bad(f"'logit_bias' names token {int(k)} more than once", "logit_bias")
         out[int(k)] = float(v)
     return out
+
+
+def _prompt_logprobs(req: CompletionRequest | ChatRequest) -> int | None:
+    """vLLM's `prompt_logprobs` (0 is a value: the prompt's tokens alone), checked."""
+    k = req.prompt_logprobs
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20):
+        raise bad(
+            f"'prompt_logprobs' takes the number of alternatives per prompt token, 0 to 20 (got {k!r})",
+            "prompt_logprobs",
+        )
+    return k
 
 
 def sampling(req: CompletionRequest | ChatRequest) -> pb.SamplingParams:
@@ -406,11 +415,16 @@ def sampling(req: CompletionRequest | ChatRequest) -> pb.SamplingParams:
         sp.skip_special_tokens = False
     for t, b in _logit_bias(req.logit_bias).items():
         sp.logit_bias[t] = b
+    k = _prompt_logprobs(req)
     if chat:
         if req.logprobs:
             sp.logprobs = req.top_logprobs or 0
         elif req.top_logprobs is not None:
             raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if k is not None:  # over the rendered prompt; the whole answer carries them (not a stream, as vLLM)
+            if req.stream:
+                raise bad("'prompt_logprobs' is not available with 'stream' on chat completions", "prompt_logprobs")
+            sp.prompt_logprobs = k
         return sp
     if req.top_logprobs is not None:
         raise bad("'top_logprobs' is a chat option; completions take 'logprobs': N", "top_logprobs")
@@ -418,12 +432,6 @@ def sampling(req: CompletionRequest | ChatRequest) -> pb.SamplingParams:
         raise bad("'logprobs' takes the number of alternatives per token, 0 to 20 (got true)", "logprobs")
     if req.logprobs is not None and req.logprobs is not False:
         sp.logprobs = req.logprobs
-    k = req.prompt_logprobs
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20):
-        raise bad(
-            f"'prompt_logprobs' takes the number of alternatives per prompt token, 0 to 20 (got {k!r})",
-            "prompt_logprobs",
-        )
     if req.echo and sp.HasField("logprobs"):  # the prompt's entries come first
         k = max(sp.logprobs, -1 if k is None else k)
     if k is not None:

@@ -3,7 +3,8 @@ one decode node, --max-model-len 64): vLLM's `prompt_logprobs` (per prompt token
 {token_id: {logprob, rank, decoded_token}}, the prompt's token first, then the N most likely)
 equal transformers' log-softmax over the prompt, whole and streamed, beside echo's logprobs; a
 prompt of exactly max_model_len tokens is scored with echo and max_tokens 0; a prompt sent as
-token ids is echoed with its special tokens, as vLLM detokenizes it."""
+token ids is echoed with its special tokens, as vLLM detokenizes it; chat's `prompt_logprobs` (vLLM's,
+at the answer's top level) over the rendered chat prompt."""
 
 from __future__ import annotations
 
@@ -138,7 +139,33 @@ def test_prompt_logprobs_refusals(url):
     ):
         status, out = _post(url, body)
         assert status == 400 and out["error"]["param"] == param, out
-    status, out = _post(
-        url, {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}, "/chat/completions"
-    )
-    assert status == 400 and out["error"]["param"] == "prompt_logprobs", out
+    msgs = [{"role": "user", "content": "hi"}]
+    for body in ({"prompt_logprobs": 21}, {"prompt_logprobs": 1, "stream": True}):  # as vLLM: not streamed
+        status, out = _post(url, {"messages": msgs, "max_tokens": 1, **body}, "/chat/completions")
+        assert status == 400 and out["error"]["param"] == "prompt_logprobs", out
+
+
+def test_chat_prompt_logprobs_match_transformers(url, ckpt, hf_tok):
+    """vLLM's chat: `prompt_logprobs` at the answer's top level, over the rendered chat prompt
+    (transformers' apply_chat_template), equal to transformers' log-softmax over those tokens."""
+    msgs = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Paris?"}]
+    text = hf_tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    ids = hf_tok.encode(text, add_special_tokens=False)
+    k = 2
+    body = {"messages": msgs, "max_tokens": 1, "prompt_logprobs": k, "return_token_ids": True, "n": 2}
+    status, out = _post(url, body, "/chat/completions")
+    assert status == 200, out
+    assert out["prompt_token_ids"] == ids
+    plp = out["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    assert all("prompt_logprobs" not in c for c in out["choices"])
+    ref = _ref(ckpt, ids)
+    for pos in range(1, len(ids)):
+        row, tok = ref[pos - 1], ids[pos]
+        d = {int(t): v for t, v in plp[pos].items()}
+        assert next(iter(d)) == tok and d[tok]["logprob"] == pytest.approx(row[tok].item(), abs=1e-4), pos
+        top = sorted((v["rank"], t, v["logprob"]) for t, v in d.items() if v["rank"] <= k)
+        assert [v for _, _, v in top] == pytest.approx(torch.topk(row, k).values.tolist(), abs=1e-4), pos
+        assert all(v["decoded_token"] == hf_tok.decode([t]) for t, v in d.items()), pos
+    status, out = _post(url, {"messages": msgs, "max_tokens": 1}, "/chat/completions")
+    assert status == 200 and "prompt_logprobs" not in out, out  # not asked: not there
