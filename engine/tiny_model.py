@@ -38,6 +38,13 @@ FP8_KEEP = (
 )
 
 
+# the shape's sizes and counts that cannot be 0
+_AT_LEAST_ONE = (
+    "layers hidden intermediate heads kv_heads head_dim linear_key_heads linear_value_heads linear_key_head_dim "
+    "linear_value_head_dim conv_kernel full_attention_interval vocab max_positions"
+).split()
+
+
 @dataclass(frozen=True)
 class TinyModelSpec:
     arch: Literal["qwen3_5", "qwen3_5_moe", "qwen3_next"] = "qwen3_5"
@@ -82,6 +89,9 @@ class TinyModelSpec:
     def __post_init__(self):
         if self.arch not in ARCHS:
             raise ValueError(f"unknown arch {self.arch!r}; known: {', '.join(ARCHS)}")
+        for name in _AT_LEAST_ONE:  # a checkpoint with none of them loads nowhere
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
         if self.vision and self.arch not in VL_ARCHS:
             raise ValueError(f"--vision needs one of {', '.join(VL_ARCHS)} (got {self.arch!r})")
         if self.vision and not self.tokenizer:

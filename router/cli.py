@@ -76,10 +76,14 @@ def cmd_demo(args) -> int:
     through the SDK with per-request TTFT / TPOT / transfer figures."""
     from client import Client, GenerateResult
     from engine.config import ModelConfig
-    from router.launch import Cluster, PoolSpec
+    from router.launch import NODE_CONFIGS, Cluster, PoolSpec
 
     model = Path(args.model) if args.model else default_model_dir()
     ModelConfig.from_dir(model)  # a bad directory fails here, in one line
+    for pool in ("prefill", "decode"):  # as `up` checks its pools: before anything starts, in one line
+        NODE_CONFIGS[pool](model=str(model), tensor_parallel_size=args.tp, dtype="float32").engine_config(
+            check_only=True
+        )
     spec = PoolSpec(
         model=str(model),
         prefill=1,

@@ -18,6 +18,7 @@ from prefill_node.config import PrefillNodeConfig
 from router.config import RouterConfig
 from router.launch import NODE_CONFIGS, NODE_MANAGED, ROUTER_MANAGED, PoolSpec
 from router.pools_file import dests, load_yaml, resolve_paths
+from serving.hosts import unresolved
 
 COMPONENTS = {
     "router": RouterConfig,
@@ -200,6 +201,9 @@ def spec_from_args(args: argparse.Namespace, default_model: Callable[[], Any]) -
             elif d in top:
                 opts[comp][o.name] = coerce(o, top[d])
     from engine.hub import resolve  # noqa: PLC0415
+
+    if (why := unresolved(own["host"])) is not None:  # before any server starts (gRPC would log it first)
+        raise ValueError(f"--host {why}")
 
     model = str(Path(resolve(own["model"]) if own["model"] else default_model()).resolve())
     RouterConfig(model=model, **opts["router"])  # every check (a bad directory too), before anything starts

@@ -1,6 +1,7 @@
 """Which host a server tells its peers to dial: the one it binds, or, bound to a wildcard
 (0.0.0.0, every interface), this machine's primary address: 0.0.0.0 is no address a peer on
-another machine can dial, and it says nothing in a log."""
+another machine can dial, and it says nothing in a log. And whether a host to bind resolves at
+all, checked before any server starts."""
 
 from __future__ import annotations
 
@@ -37,3 +38,15 @@ def advertised_host(bind: str, given: str | None = None) -> str:
     if given:
         return given
     return primary_address() if bind in WILDCARDS else bind
+
+
+def unresolved(host: str) -> str | None:
+    """Why `host` (to bind; a wildcard binds every interface) names no address here, or None when
+    it resolves."""
+    if host in WILDCARDS:
+        return None
+    try:
+        socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        return f"{host!r} does not resolve ({e.strerror or e})"
+    return None

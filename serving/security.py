@@ -20,6 +20,8 @@ from typing import Protocol, TypeVar, runtime_checkable
 import grpc
 import grpc.aio
 
+from serving.hosts import unresolved
+
 log = logging.getLogger("pdserve.security")
 
 TOKEN_KEY = "pdserve-cluster-token"  # metadata of the node plane
@@ -271,15 +273,19 @@ def add_port(server: grpc.Server | grpc.aio.Server, addr: str, tls: Tls | None, 
 
 
 def port_free(addr: str) -> None:
-    """OSError when addr's port is in use (a numeric port other than 0 on a host that resolves)."""
+    """OSError when addr's host does not resolve (before gRPC logs its own line about it) or its
+    port is in use (a numeric port other than 0)."""
     host, _, port = addr.rpartition(":")
+    why = unresolved(host)
+    if why is not None:
+        raise OSError(f"cannot bind {addr}: {why}")
     host = host.strip("[]")
     if not port.isdigit() or int(port) == 0:
         return
     try:
         infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError:
-        return  # gRPC says what is wrong with the host
+        return  # gRPC says what is wrong with the address
     family, kind, proto, _, sockaddr = infos[0]
     with socket.socket(family, kind, proto) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: a port in TIME_WAIT is free

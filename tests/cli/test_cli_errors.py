@@ -212,6 +212,27 @@ def test_make_tiny_model_does_not_write_over_a_checkpoint(tmp_path, capsys):
     assert (tmp_path / "config.json").read_text().startswith('{"architectures": ["Qwen3_5Moe')
 
 
+@pytest.mark.parametrize("layers", ["0", "-1"])
+def test_make_tiny_model_refuses_a_model_without_layers(tmp_path, layers, capsys):
+    """Was: a checkpoint of 0 layers written, that no node serves."""
+    out = tmp_path / "ck"
+    assert main(["make-tiny-model", str(out), "--layers", layers]) == 2
+    line = _one_line(capsys, "")
+    assert line == f"pdserve make-tiny-model: error: --layers must be at least 1 (got {layers})", line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("cmd", ["router", "decode"])
+def test_a_host_that_does_not_resolve_is_one_line(cmd):
+    """No gRPC `add_port.cc` log line before pdserve's own error."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PDSERVE_LOG="ERROR")
+    argv = [sys.executable, "-m", "router.cli", cmd, "--insecure-open-cluster", "--host", "nonexistent.invalid"]
+    r = subprocess.run([*argv, "--port", "0"], capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert r.returncode == 2
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith(f"pdserve {cmd}: error: cannot bind nonexistent.invalid:0: 'nonexistent.invalid' does not")
+
+
 @pytest.mark.parametrize(
     "cmd,flag,what",
     [

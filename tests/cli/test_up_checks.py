@@ -64,3 +64,20 @@ def test_a_directory_without_a_checkpoint_is_refused(tmp_path):
 def test_an_unknown_way_to_start_nodes_is_refused(ckpt):
     got = _check(ckpt, "--node-start", "thread")
     assert got.get("refused") == "--node-start must be fork or spawn (got 'thread')", got
+
+
+def test_a_host_that_does_not_resolve_is_refused_before_anything_starts(ckpt):
+    """Was: the router started, gRPC logged its own `add_port.cc` line, then pdserve's error."""
+    got = _check(ckpt, "--host", "nonexistent.invalid")
+    assert got.get("refused", "").startswith("--host 'nonexistent.invalid' does not resolve"), got
+    assert _check(ckpt, "--host", "localhost")["ok"] == [1, 1, 1]
+
+
+def test_demo_checks_its_nodes_before_it_starts_them(ckpt):
+    """`pdserve demo --tp 3`: one line and status 2, as `up` refuses it, not a router started and
+    then a node's refusal."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PDSERVE_LOG="ERROR")
+    argv = [sys.executable, "-m", "router.cli", "demo", "--model", ckpt, "--tp", "3"]
+    r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.strip().splitlines() == ["pdserve demo: error: tensor_parallel_size must be 1, 2, 4 or 8 (got 3)"]
