@@ -158,7 +158,7 @@ def capacity_gauges(snapshot: Snapshot) -> Gauges:
         "queued_prefill_tokens": ("Prompt tokens waiting for prefill", s.queued_prefill_tokens),
         "prefix_hit_tokens_total": ("Prompt tokens taken from the prefix cache", s.prefix_hit_tokens),
         "prefix_miss_tokens_total": (
-            "Prompt tokens computed: not in the prefix cache",
+            "Prompt tokens not in the prefix cache (computed here, or on a decode node received by transfer)",
             s.prefix_query_tokens - s.prefix_hit_tokens,
         ),
         "prefix_held_admissions_total": (
