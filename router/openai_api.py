@@ -152,6 +152,8 @@ class OpenAIFront:
         sp = sampling(req)
         if sp.HasField("logprobs") and self.tok is None:
             raise bad("logprobs need a tokenizer on the router", "logprobs")
+        if req.prompt_logprobs is not None and self.tok is None:  # each alternative's text
+            raise bad("prompt_logprobs need a tokenizer on the router", "prompt_logprobs")
         prep = None
         images: list[Prepared] = []
         if isinstance(req, ChatRequest):
