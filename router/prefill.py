@@ -16,7 +16,7 @@ from proto import pb
 from router.config import RouterConfig
 from router.encode import EncodePool
 from router.errors import Abort, DecodeFailed
-from router.migrate import NodeLost, watched
+from router.migrate import NodeLost, NodeWatch, watched
 from router.prefix import PrefixQuery
 from router.push import Push
 from router.registry import NodeEntry, NodeRegistry
@@ -123,14 +123,26 @@ class PrefillPhase:
         """Broker the transfer handshake of (P, D) once per pair of incarnations. A P the heartbeats
         declare dead meanwhile ends it with NodeLost (UNAVAILABLE), as it ends a Prefill call: the
         Handshake of a hung P otherwise held the pair's lock, and every request for the pair
-        waiting behind it, for the calls' 60 s. A failure of D's (D's own Handshake failing, or P
+        waiting behind it, for the calls' 60 s. A D declared dead meanwhile ends it the same way,
+        as D's failure (DecodeFailed: the request goes to another decode node). A failure of D's (D's own Handshake failing, or P
         answering that D's transfer agent is unreachable: `peer_at_fault`) raises DecodeFailed,
         which places the request on another decode node; any other is P's."""
         key = self._pair_key(p, d)
         if key in self._pairs:
             return
         shake = asyncio.ensure_future(self._handshake(p, d, key))  # cancelled with the caller
-        await watched(p, lambda: shake, shake.cancel, self.cfg.heartbeat_interval_s)
+        dwatch = NodeWatch(lambda: d.alive, shake.cancel, self.cfg.heartbeat_interval_s)  # a hung D, likewise
+        try:
+            await watched(p, lambda: shake, shake.cancel, self.cfg.heartbeat_interval_s)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not dwatch.lost or (task is not None and task.cancelling()):
+                raise
+            raise DecodeFailed(
+                NodeLost(d.node_id, "was declared dead (no heartbeat) during the transfer handshake")
+            ) from None
+        finally:
+            dwatch.stop()
 
     async def _handshake(self, p: NodeEntry, d: NodeEntry, key: tuple) -> None:
         async with self._pair_locks.setdefault(key, asyncio.Lock()):
@@ -138,6 +150,8 @@ class PrefillPhase:
                 return
             if not p.alive:  # declared dead while this waited for the pair's lock
                 raise NodeLost(p.node_id, kind="prefill")
+            if not d.alive:
+                raise DecodeFailed(NodeLost(d.node_id))
             pr = await p.stub.Handshake(pb.HandshakeRequest(node_id="router"), timeout=60)
             try:  # D's own failure is D's (the request goes to another decode node); P's agent unreachable is P's
                 dr = await d.stub.Handshake(

@@ -6,6 +6,7 @@ Fake nodes (real gRPC servers on loopback) register and heartbeat as real nodes 
 from __future__ import annotations
 
 import threading
+import time
 
 from proto import pb, rpc
 from serving.rpc import refuse_peer, start_server
@@ -83,6 +84,70 @@ def test_a_decode_agent_the_prefill_node_cannot_reach_blames_the_decode_node(ckp
         assert entry.alive and not entry.unreachable  # the prefill node that answered is healthy
         assert "node d0 unreachable" in caplog.text and "node p0 unreachable" not in caplog.text
     finally:
+        for b in beats:
+            b.stop()
+        r.stop(0)
+        for s in servers:
+            s.stop(0)
+
+
+class _HungDecode(_Decode):
+    """A decode node that hangs in every Handshake (a process stopped mid-handshake) until `go`."""
+
+    def __init__(self):
+        super().__init__("d0", 1)
+        self.go = threading.Event()
+        self.shakes = 0
+
+    def Handshake(self, request, context):
+        with self.lock:
+            self.shakes += 1
+        self.go.wait(30)
+        return super().Handshake(request, context)
+
+
+def test_a_decode_node_hung_in_the_handshake_is_given_up_once_declared_dead(ckpt):
+    """The pair's handshake waits on a decode node that hangs: once the heartbeats declare it dead
+    the request waiting for the pair goes to another decode node within seconds, where it waited
+    out the handshake's 60 s (the client's deadline first); the prefill node is not blamed."""
+    from client import Client
+    from router.server import RouterConfig, serve
+
+    servers, beats = [], []
+
+    def start(servicer, add, name):
+        srv, port, _ = start_server("127.0.0.1:0", lambda s: add(servicer, s), [name])
+        servers.append(srv)
+        return f"127.0.0.1:{port}"
+
+    d0, d1 = _HungDecode(), _Decode("d1", 2)
+    p = _Prefill(lambda: None)
+    r, port = serve("127.0.0.1:0", RouterConfig(model=str(ckpt), heartbeat_interval_s=0.1, dead_after_s=1.0))
+    try:
+        dinfo = decode_info(start(d0, rpc.add_DecodeNodeServicer_to_server, "DecodeNode"))
+        pinfo = decode_info(start(p, rpc.add_PrefillNodeServicer_to_server, "PrefillNode"), node_id="p0")
+        dinfo.schema_digest = pinfo.schema_digest = "same"
+        pinfo.kind, pinfo.prefill_ready = pb.NODE_KIND_PREFILL, True
+        beats += [heartbeat(f"127.0.0.1:{port}", dinfo, 0.1), heartbeat(f"127.0.0.1:{port}", pinfo, 0.1)]
+        wait_for(lambda: d0.shakes == 1, 10, "the early handshake to reach the decode node")
+
+        def then():  # d0's heartbeats stop while the request waits; d1 (its own model: no pair) joins
+            beats[0].stop()
+            info = decode_info(start(d1, rpc.add_DecodeNodeServicer_to_server, "DecodeNode"), node_id="d1")
+            info.schema_digest = "other"
+            beats.append(heartbeat(f"127.0.0.1:{port}", info, 0.1))
+
+        threading.Timer(0.5, then).start()
+        t0 = time.monotonic()
+        with Client(f"127.0.0.1:{port}", timeout=20) as c:
+            got = c.generate(prompt_token_ids=[1, 2, 3], max_tokens=4, admission_timeout_s=0)
+        took = time.monotonic() - t0
+        assert got.token_ids == [2, 2, 2, 2] and got.decode_node == "d1", got
+        assert took < 8, took  # 0.5 s, the 1 s dead_after_s and a watch's poll
+        assert r.registry.nodes["p0"].alive and not r.registry.nodes["p0"].unreachable
+        assert not d0.seen
+    finally:
+        d0.go.set()
         for b in beats:
             b.stop()
         r.stop(0)
