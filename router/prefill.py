@@ -16,12 +16,12 @@ from proto import pb
 from router.config import RouterConfig
 from router.encode import EncodePool
 from router.errors import Abort, DecodeFailed
-from router.migrate import NodeLost, watched
+from router.migrate import NodeLost, NodeWatch, watched
 from router.prefix import PrefixQuery
 from router.push import Push
 from router.registry import NodeEntry, NodeRegistry
 from router.wait_estimate import RateMeter, node_rate
-from serving.rpc import is_draining
+from serving.rpc import is_draining, peer_at_fault
 
 PREFILL_DEADLINE_MARGIN = 2.0  # a Prefill call's deadline allows twice its tokens' time at the node's rate
 
@@ -123,12 +123,26 @@ class PrefillPhase:
         """Broker the transfer handshake of (P, D) once per pair of incarnations. A P the heartbeats
         declare dead meanwhile ends it with NodeLost (UNAVAILABLE), as it ends a Prefill call: the
         Handshake of a hung P otherwise held the pair's lock, and every request for the pair
-        waiting behind it, for the calls' 60 s."""
+        waiting behind it, for the calls' 60 s. A D declared dead meanwhile ends it the same way,
+        as D's failure (DecodeFailed: the request goes to another decode node). A failure of D's (D's own Handshake failing, or P
+        answering that D's transfer agent is unreachable: `peer_at_fault`) raises DecodeFailed,
+        which places the request on another decode node; any other is P's."""
         key = self._pair_key(p, d)
         if key in self._pairs:
             return
         shake = asyncio.ensure_future(self._handshake(p, d, key))  # cancelled with the caller
-        await watched(p, lambda: shake, shake.cancel, self.cfg.heartbeat_interval_s)
+        dwatch = NodeWatch(lambda: d.alive, shake.cancel, self.cfg.heartbeat_interval_s)  # a hung D, likewise
+        try:
+            await watched(p, lambda: shake, shake.cancel, self.cfg.heartbeat_interval_s)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not dwatch.lost or (task is not None and task.cancelling()):
+                raise
+            raise DecodeFailed(
+                NodeLost(d.node_id, "was declared dead (no heartbeat) during the transfer handshake")
+            ) from None
+        finally:
+            dwatch.stop()
 
     async def _handshake(self, p: NodeEntry, d: NodeEntry, key: tuple) -> None:
         async with self._pair_locks.setdefault(key, asyncio.Lock()):
@@ -136,13 +150,27 @@ class PrefillPhase:
                 return
             if not p.alive:  # declared dead while this waited for the pair's lock
                 raise NodeLost(p.node_id, kind="prefill")
+            if not d.alive:
+                raise DecodeFailed(NodeLost(d.node_id))
             pr = await p.stub.Handshake(pb.HandshakeRequest(node_id="router"), timeout=60)
-            dr = await d.stub.Handshake(
-                pb.HandshakeRequest(node_id=p.node_id, incarnation=p.info.incarnation, schema=pr.schema), timeout=60
-            )
-            await p.stub.Handshake(
-                pb.HandshakeRequest(node_id=d.node_id, incarnation=d.info.incarnation, schema=dr.schema), timeout=60
-            )
+            try:  # D's own failure is D's (the request goes to another decode node); P's agent unreachable is P's
+                dr = await d.stub.Handshake(
+                    pb.HandshakeRequest(node_id=p.node_id, incarnation=p.info.incarnation, schema=pr.schema),
+                    timeout=60,
+                )
+            except grpc.RpcError as e:
+                if peer_at_fault(e) == p.node_id:
+                    raise
+                raise DecodeFailed(e) from None
+            try:
+                await p.stub.Handshake(
+                    pb.HandshakeRequest(node_id=d.node_id, incarnation=d.info.incarnation, schema=dr.schema),
+                    timeout=60,
+                )
+            except grpc.RpcError as e:  # P answered that D's transfer agent cannot be reached: D's fault
+                if peer_at_fault(e) == d.node_id:
+                    raise DecodeFailed(e) from None
+                raise
             self._pairs.add(key)
             log.info("transfer handshake %s <-> %s done", p.node_id, d.node_id)
 
@@ -175,6 +203,8 @@ class PrefillPhase:
             await self.handshake(p, d)
         except grpc.RpcError as e:
             why = e.details() or why
+        except DecodeFailed as e:
+            why = e.err.details() or why
         except Exception:  # noqa: BLE001 (the digests' difference is reason enough)
             pass
         log.warning(

@@ -19,6 +19,7 @@ from serving.rpc import (
     Interrupt,
     not_serving,
     refuse_draining,
+    refuse_peer,
     start_server,
     wait_idle,
 )
@@ -228,12 +229,16 @@ class NodeServer:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} has no transfer endpoint")
         peers = msgspec.msgpack.decode(request.schema, type=list[bytes]) if request.schema else []
         if peers:
-            from transfer.errors import HandshakeError
+            from transfer.errors import HandshakeError, PeerUnreachable
 
             try:  # on the loop thread, like every other use of the endpoints
                 self.loop_api(context, lambda: self.loop.call(lambda e: conn.add_peers(peers)))
             except HandshakeError as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"handshake with {request.node_id} refused: {e}")
+            except PeerUnreachable as e:  # the caller's peer is at fault, not this node: one line, its name
+                what = f"handshake with {request.node_id} failed: {e}"
+                log.warning("%s", what)
+                refuse_peer(context, request.node_id, f"{self.name}: {what}")
             log.info("handshake with %s (%d ranks)", request.node_id, len(peers))
         return pb.HandshakeResponse(
             node_id=self.cfg.node_id, incarnation=self.incarnation, schema=msgspec.msgpack.encode(conn.blobs)

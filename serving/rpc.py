@@ -1,7 +1,8 @@
 """gRPC plumbing shared by the router and the nodes: `start_server` (health, reflection, the
 credentials given), `channel`, the `Heartbeater` thread, the drain's refusal (`DRAINING_KEY`,
 `is_draining`) and its wait (`wait_idle`, woken by `Changes`, never on a timer), and a stream
-ended because the node gave its memory up (`MEMORY_KEY`, `gave_memory_up`)."""
+ended because the node gave its memory up (`MEMORY_KEY`, `gave_memory_up`), and a handshake
+refused because the peer's transfer agent is unreachable (`PEER_KEY`, `peer_at_fault`)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ MAX_MESSAGE_BYTES = 256 << 20
 # Trailing metadata on the UNAVAILABLE a draining server refuses new work with.
 DRAINING_KEY = "pdserve-draining"
 MEMORY_KEY = "pdserve-memory-given-up"
+# On the UNAVAILABLE of a Handshake whose caller-named peer could not be connected to: the node
+# that answered is fine, the peer (the value: its node id) is not.
+PEER_KEY = "pdserve-peer-unreachable"
 
 
 class HealthStatus(Protocol):
@@ -89,6 +93,22 @@ def gave_memory_up(err: grpc.RpcError) -> bool:
     except Exception:  # not a call error (e.g. a cancelled future)
         return False
     return any(isinstance(m, tuple) and m[0] == MEMORY_KEY for m in md)
+
+
+def peer_at_fault(err: grpc.RpcError) -> str:
+    """The peer node a Handshake named as unreachable (`refuse_peer`), or "": the failure, if any,
+    is the answering node's own."""
+    try:
+        md: Iterable[object] = err.trailing_metadata() or ()
+    except Exception:  # not a call error (e.g. a cancelled future)
+        return ""
+    return next((str(m[1]) for m in md if isinstance(m, tuple) and m[0] == PEER_KEY), "")
+
+
+def refuse_peer(context: grpc.ServicerContext, peer: str, what: str) -> None:
+    """End a Handshake with UNAVAILABLE, marked as the fault of the peer node `peer`."""
+    context.set_trailing_metadata(((PEER_KEY, peer),))
+    context.abort(grpc.StatusCode.UNAVAILABLE, what)
 
 
 def refuse_memory(context: grpc.ServicerContext, what: str) -> None:

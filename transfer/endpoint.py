@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.devices import StepFence
 from transfer.backend import TransferState, Transport, byte_view, get_transport
 from transfer.config import TransferConfig
+from transfer.errors import PeerUnreachable
 from transfer.handshake import check_peer
 from transfer.links import check_link, local_host
 from transfer.messages import Control, decode_control, encode_control
@@ -138,7 +139,10 @@ class Endpoint:
         if info.agent in self.peers:
             return info.agent
         peer = Peer(info, self._pairs(info))
-        self.transport.add_peer(info.agent, info.transport)
+        try:
+            self.transport.add_peer(info.agent, info.transport)
+        except PeerUnreachable as e:
+            raise PeerUnreachable(e.why, info.node, info.agent) from None
         try:
             self._peer_added(peer)
         except Exception:

@@ -18,3 +18,13 @@ class HandshakeError(TransferError):
 
 class PlanError(TransferError):
     """The request's block ids or slots do not fit the schemas."""
+
+
+class PeerUnreachable(TransferError):
+    """A peer's transfer agent could not be connected to at handshake (its process is gone, or its
+    data-plane address is not reachable from here): the peer is at fault, not this endpoint."""
+
+    def __init__(self, why: str, node: str = "", agent: str = ""):
+        self.why, self.node, self.agent = why, node, agent
+        who = f"transfer agent {agent} of {node}" if node else "the peer's transfer agent"
+        super().__init__(f"{who} unreachable: {why}")

@@ -14,6 +14,7 @@ import numpy.typing as npt
 import torch
 
 from transfer.backend import TransferState, Transport, WriteJob
+from transfer.errors import PeerUnreachable
 from transfer.nixl_api import nixl_api
 from transfer.plan import RegionPair, block_order
 
@@ -27,6 +28,10 @@ Bases = dict[tuple[int, int], int]  # (pair index, template index) -> first desc
 # with messages the destination answers; a destination that reads one after the writer's socket
 # closed cannot answer, and UCX aborts that process (docs/transfer.md, "A writer that exits").
 CLOSE_DRAIN_S = 2.0
+
+# NIXL's errors when add_remote_agent cannot connect to the peer (by name: the classes live in the
+# build's own module, nixl_cu12 or nixl_cu13)
+_UNREACHABLE = ("nixlBackendError", "nixlRemoteDisconnectError")
 
 
 class _Handle(Protocol):
@@ -165,7 +170,12 @@ class NixlTransport(Transport):
         return self.nx.get_agent_metadata()
 
     def add_peer(self, agent: str, blob: bytes) -> None:
-        name = self.nx.add_remote_agent(blob)
+        try:
+            name = self.nx.add_remote_agent(blob)  # UCX connects to the peer's worker here
+        except Exception as e:
+            if type(e).__name__ not in _UNREACHABLE:
+                raise
+            raise PeerUnreachable(f"{e} (its process is gone, or its data-plane address cannot be reached)") from None
         name = name.decode() if isinstance(name, bytes) else name
         if name != agent:
             self.nx.remove_remote_agent(name)

@@ -206,6 +206,12 @@ def renew(worker: Worker, backend: str, targets: list[Target]) -> int:
     return sum(ep.renew(t) for t in targets)
 
 
+def withdraw(worker: Worker, backend: str, target: Target, reason: str) -> int:
+    """Tell the destination ranks this rank writes that the request ended before its push
+    (Abort, never granted): its reservation is freed now. Returns the ranks told."""
+    return _sender(worker, backend).withdraw(target, reason)
+
+
 def poll_sends(worker: Worker, backend: str, rids: list[str]) -> list[SendStatus]:
     """Drive the endpoint once; one SendStatus per request id."""
     _sender(worker, backend).poll()

@@ -258,6 +258,17 @@ class Sender(Endpoint):
                 n += self._send(tr.agent, Renew(target.request_id, tr.incarnation, self.agent, self.node))
         return n
 
+    def withdraw(self, target: Target, reason: str) -> int:
+        """The request ended here before its push opened: an Abort (never granted, no fault) to
+        every destination rank this rank has bytes for, which frees the reservation there."""
+        n = 0
+        for tr in target.ranks:
+            peer = self.peers.get(tr.agent)
+            if peer is not None and peer.pairs:
+                msg = Abort(target.request_id, tr.incarnation, self.agent, self.rank, reason, True, granted=False)
+                n += self._send(tr.agent, msg)
+        return n
+
     def send(
         self,
         request_id: str,

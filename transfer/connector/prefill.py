@@ -101,12 +101,15 @@ class PrefillConnector(RankEndpoints, Connector):
         self.by_layer = stream and by_layer
         self._pushes: dict[str, _Push] = {}
         self._leases: dict[str, _Lease] = {}
+        self._unopened: dict[str, Target] = {}  # requests here whose push has not opened yet
         self._warned_late = float("-inf")  # when the last late-renewal WARNING was logged (monotonic)
         self._done = self._failed = self._bytes = 0
 
     # ---- the engine's calls ----------------------------------------------------------------------
     def request_added(self, request: Request) -> None:
         p = request.kv_transfer
+        if isinstance(p, PushParams):
+            self._unopened[request.request_id] = p.target
         if isinstance(p, PushParams) and p.lease_s > 0:
             self._leases[request.request_id] = _Lease(p.target, p.lease_s, time.monotonic() + p.lease_s / 3)
 
@@ -206,8 +209,11 @@ class PrefillConnector(RankEndpoints, Connector):
     def request_finished(self, request: Request, reason: str) -> None:
         rid = request.request_id
         self._leases.pop(rid, None)
+        target = self._unopened.pop(rid, None)
         push = self._pushes.get(rid)
         if push is None:
+            if target is not None:  # queued or computing, no push yet: the reservation goes now, not with its lease
+                self._withdraw(rid, target, reason)
             return
         push.computing = False
         if push.phase is PushPhase.OPENED:
@@ -261,7 +267,18 @@ class PrefillConnector(RankEndpoints, Connector):
         bs = self.block_size
         return (len(req.prompt_token_ids) + bs - 1) // bs
 
+    def _withdraw(self, rid: str, target: Target, reason: str) -> None:
+        """The request ended here before its push opened (its caller cancelled it: a router gone):
+        tell the destination ranks that nothing will come, so that the decode node frees its
+        reservation now rather than when the lease this node no longer renews runs out."""
+        why = "the request ended before its push" + (" (cancelled)" if reason == "abort" else f" ({reason})")
+        try:
+            self.call_all(xr.withdraw, self.backend, target, why)
+        except Exception:
+            log.exception("telling %s's decode node that its push will not come failed", rid)
+
     def _new(self, rid: str, target: Target, phase: PushPhase) -> _Push:
+        self._unopened.pop(rid, None)
         push = _Push(rid, target, time.monotonic() + self.push_timeout_s, phase)
         self._pushes[rid] = push
         return push

@@ -1,0 +1,42 @@
+"""A transfer handshake naming a peer whose transfer agent cannot be reached (its process exited)
+ends with UNAVAILABLE naming that peer, marked as the peer's fault (`pdserve-peer-unreachable`),
+and one log line on the node that answered: not an "Exception calling application" traceback and
+INTERNAL, which the router blamed on the node that answered (a prefill node resumed from SIGSTOP
+after its decode node had exited was marked dead). Real nodes, standalone, no router."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from tests.helpers.serve_harness import Proc, creds, flags
+
+
+def test_handshake_with_an_exited_peer_names_it_and_blames_it(ckpt):
+    from proto import pb, rpc
+    from serving.rpc import channel, peer_at_fault
+
+    def node(kind: str) -> Proc:
+        return Proc(
+            kind, "--model", ckpt, *flags(dtype="float32"), ready=rf"{kind} node \S+ listening on (\S+)", wait=False
+        )
+
+    d, p = node("decode"), node("prefill")
+    try:
+        d.wait_ready()
+        p.wait_ready()
+        with channel(d.address, creds()) as ch:  # the decode node's rank blobs, as the router asks for them
+            blobs = rpc.DecodeNodeStub(ch).Handshake(pb.HandshakeRequest(node_id="router"), timeout=30).schema
+        assert d.stop() == 0  # its transfer agents are gone with it
+        with channel(p.address, creds()) as ch, pytest.raises(grpc.RpcError) as ei:
+            rpc.PrefillNodeStub(ch).Handshake(pb.HandshakeRequest(node_id="decode-0", schema=blobs), timeout=30)
+        e = ei.value
+        assert e.code() == grpc.StatusCode.UNAVAILABLE, (e.code(), e.details())
+        assert "decode-0" in e.details() and "unreachable" in e.details(), e.details()
+        assert peer_at_fault(e) == "decode-0"
+        out = p.output()
+        assert "Traceback" not in out and "Exception calling application" not in out, out
+        assert out.count("handshake with decode-0 failed") == 1, out
+    finally:
+        for x in (p, d):
+            x.stop()
