@@ -124,18 +124,10 @@ class SamplingParams:
 
     @property
     def speculates(self) -> bool:
-        """Whether speculative decoding may draft for this request: not with penalties,
-        logit_bias, min_tokens or logprobs, which the draft verification does not apply (such a
-        request decodes one token per step in the same batch), nor with num_speculative_tokens 0."""
-        if self.num_speculative_tokens == 0:
-            return False
-        return not (
-            self.penalized
-            or self.biased
-            or self.min_tokens
-            or self.logprobs is not None
-            or self.prompt_logprobs is not None
-        )
+        """Whether speculative decoding may draft for this request: always but with
+        num_speculative_tokens 0. Penalties, logit_bias, min_tokens and logprobs apply at every
+        draft position as if the drafts before it were emitted (engine/sampling/adjust.py)."""
+        return self.num_speculative_tokens != 0
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -51,10 +51,11 @@ class TokenCounts:
             if e is not None:
                 self.free.append(e.row)
 
-    def rows(self, request_ids: list[str], histories, pack: HostPack) -> list[int]:
-        """The table row of each request, with room for one more entry each. Rows missing or
-        stale are built from their (prompt, output) ids into `pack` (sections "counts.*", all
-        new rows in one upload) for `load` to write on the device."""
+    def rows(self, request_ids: list[str], histories, pack: HostPack, drafts: list[int] | None = None) -> list[int]:
+        """The table row of each request, with room for one more entry each (and one per draft,
+        `drafts[i]` of them). Rows missing or stale are built from their (prompt, output) ids
+        into `pack` (sections "counts.*", all new rows in one upload) for `load` to write on the
+        device."""
         out, built = [], []
         for rid, (prompt, output) in zip(request_ids, histories):
             e = self.entries.get(rid)
@@ -63,7 +64,8 @@ class TokenCounts:
                 e, entries = self._build(rid, prompt, output)
                 built.append((e.row, entries))
             out.append(e.row)
-        need = max(self.entries[r].bound for r in request_ids) + 1
+        more = drafts if drafts else [0] * len(request_ids)
+        need = max(self.entries[r].bound + k for r, k in zip(request_ids, more)) + 1
         self.widest = need - 1
         if need > self.tok.shape[1]:
             self._resize(self.tok.shape[0], max(need, 2 * self.tok.shape[1], 64))
@@ -107,6 +109,25 @@ class TokenCounts:
         e.covered, e.last, e.bound = len(output), (output[-1] if output else None), len(toks)
         return e, [(t, counts[t], int(t in in_prompt)) for t in toks]
 
+    def take(self, n: int) -> list[int]:
+        """n table rows lent to a call (draft positions' tables, engine/sampling/adjust.py)."""
+        while len(self.free) < n:
+            self._resize(max(4, 2 * self.tok.shape[0]), self.tok.shape[1])
+        return [self.free.pop() for _ in range(n)]
+
+    def give(self, rows: list[int]) -> None:
+        """Rows `take` lent, back."""
+        self.free += rows
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Table rows dst [S] become copies of rows src [S], on the device."""
+        self.tok[dst], self.cnt[dst], self.inp[dst], self.size[dst] = (
+            self.tok[src],
+            self.cnt[src],
+            self.inp[src],
+            self.size[src],
+        )
+
     def load(self, s: Sections) -> None:
         """Write the rows `rows` built into the uploaded sections, on the device."""
         rows, flat = s["counts.rows"], s["counts.flat"]
@@ -118,28 +139,38 @@ class TokenCounts:
         self.inp.view(-1)[flat] = ent[:, 2].bool()
         self.size[rows] = s["counts.size"]
 
-    def record(self, rows: torch.Tensor, tokens: torch.Tensor, at: torch.Tensor) -> None:
-        """Table row rows[i] (distinct rows) counts the sampled token tokens[at[i]], on the device:
-        its count goes up, in a new entry when the row has none for it."""
-        if self.fused:
+    def record(
+        self, rows: torch.Tensor, tokens: torch.Tensor, at: torch.Tensor | None, keep: torch.Tensor | None = None
+    ) -> None:
+        """Table row rows[i] (distinct rows) counts the sampled token tokens[at[i]] (at None:
+        tokens[i]), on the device: its count goes up, in a new entry when the row has none for
+        it. keep bool [P]: only the rows where it is set count (in PyTorch ops on every device)."""
+        if self.fused and keep is None and at is not None:
             from kernels.triton.sampling import record_triton
 
             return record_triton(rows, at, tokens, self.tok, self.cnt, self.size)
-        tokens = tokens[at]
+        if at is not None:
+            tokens = tokens[at]
         size = self.size[rows]
         used = torch.arange(self.tok.shape[1], device=rows.device) < size[:, None]
         match = (self.tok[rows] == tokens[:, None]) & used
         found = match.any(-1)
         slot = torch.where(found, match.int().argmax(-1), size)
-        self.tok[rows, slot] = tokens
-        self.cnt[rows, slot] += 1
-        self.size[rows] = size + (~found).long()
+        if keep is None:
+            self.tok[rows, slot] = tokens
+            self.cnt[rows, slot] += 1
+            self.size[rows] = size + (~found).long()
+            return
+        # a row not kept writes its own entry back (slot < width: `rows` left room for its drafts)
+        self.tok[rows, slot] = torch.where(keep, tokens, self.tok[rows, slot])
+        self.cnt[rows, slot] += keep.int()
+        self.size[rows] = size + (~found & keep).long()
 
-    def advance(self, request_ids: list[str], tokens: list[int]) -> None:
-        """The host's side of `record`, once the sampled ids are read."""
-        for rid, t in zip(request_ids, tokens):
+    def advance(self, request_ids: list[str], emitted: list[list[int]]) -> None:
+        """The host's side of `record`, once the sampled ids are read: each request's emitted ids."""
+        for rid, ts in zip(request_ids, emitted):
             e = self.entries[rid]
-            e.covered, e.last, e.bound = e.covered + 1, t, e.bound + 1
+            e.covered, e.last, e.bound = e.covered + len(ts), ts[-1], e.bound + len(ts)
             if e.bound > self.widest:
                 self.widest = e.bound
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from engine.sampling import adjust as adjusting
 from engine.sampling import draw as drawing
 from engine.sampling.pack import HostPack, Sections
 from engine.sampling.penalties import TokenCounts
@@ -53,18 +54,6 @@ def _entry(token: int, r: list[float], n: int) -> TokenLogprob:
 
 
 @dataclass
-class _Adjust:
-    """The host's plan of a call's adjustments: which rows are penalized, which sections exist."""
-
-    pen: list[int]  # index in rows of each penalized row
-    rep: bool = False
-    pf: bool = False
-    built: bool = False
-    bias: bool = False
-    ban: bool = False
-
-
-@dataclass
 class _CallPlan:
     """A call's plan (the positions, the adjustments, the draws) and its uploaded sections, kept
     for a next call over the same rows (`Sampler._reuse`)."""
@@ -75,7 +64,8 @@ class _CallPlan:
     pos: list[int]
     everything: bool
     lp_rows: list[int]
-    adj: _Adjust | None
+    lp_at: list[tuple[int, int]]  # (index in rows, draft position) of each logprobs position
+    adj: adjusting.Adjust | None
     sampled: list[int]
     greedy: list[int]
     dp: drawing.DrawPlan | None
@@ -89,9 +79,9 @@ class _CallPlan:
 
 def _call_key(rows, first: list[int], num_logits: int) -> tuple:
     """What a plan depends on besides the rows' token counts: the rows, their positions and
-    params, whether each is still under its min_tokens."""
+    params, how many of each one's positions are still under its min_tokens."""
     return (num_logits,) + tuple(
-        (r.request_id, r.num_draft, j, id(r.params), r.num_output < r.params.min_tokens) for r, j in zip(rows, first)
+        (r.request_id, r.num_draft, j, id(r.params), adjusting.banned(r)) for r, j in zip(rows, first)
     )
 
 
@@ -147,68 +137,23 @@ class Sampler:
     def adjust(self, x: torch.Tensor, rows, pos: list[int]) -> list[int]:
         """In place on x [N, V] float32, the logits the positions sample from: penalties, then
         logit_bias, then EOS and stop ids at -inf while fewer than min_tokens new tokens exist
-        (docs/api.md). rows: each has .request_id, .params, .num_output and .history =
-        (prompt ids, output ids) where it has penalties; pos[i]: the position of row i's first
-        draw. Rows with drafts have none of these (SamplingParams.speculates). Returns the index
-        in `rows` of each penalized row."""
+        (docs/api.md; engine/sampling/adjust.py). rows: each has .request_id, .params,
+        .num_output, .num_draft, .token_ids and .history = (prompt ids, output ids) where it has
+        penalties; pos[i]: the position of row i's first draw, its drafts' after it. Returns the
+        index in `rows` of each penalized row."""
         pack = HostPack()
         a = self._plan_adjust(pack, rows, pos, x.shape[1], x.device)
         self._apply_adjust(x, a, pack.upload(x.device))
+        adjusting.release(a, self.counts)
         return a.pen
 
-    def _plan_adjust(self, pack: HostPack, rows, pos: list[int], v: int, dev: torch.device) -> _Adjust:
-        a = _Adjust([i for i, r in enumerate(rows) if r.params.penalized])
-        if a.pen:
-            if self.counts is None:
-                self.counts = TokenCounts(v, dev, self.fused)
-            got = self.counts.rows([rows[i].request_id for i in a.pen], [rows[i].history for i in a.pen], pack)
-            a.built = "counts.rows" in pack
-            pack.ints("pen.rows", got)
-            pack.ints("pen.at", [pos[i] for i in a.pen])
-            params = [rows[i].params for i in a.pen]
-            if any(p.repetition_penalty != 1.0 for p in params):
-                a.rep = True
-                pack.floats("pen.rep", [p.repetition_penalty for p in params])
-            if any(p.presence_penalty or p.frequency_penalty for p in params):
-                a.pf = True
-                pack.floats("pen.pf", [x for p in params for x in (p.presence_penalty, p.frequency_penalty)])
-        bias_at, bias_tok, bias_val, ban_at, ban_tok = [], [], [], [], []
-        for i, r in enumerate(rows):
-            p = r.params
-            for t, b in p.logit_bias:
-                if t < v:
-                    bias_at.append(pos[i])
-                    bias_tok.append(t)
-                    bias_val.append(b)
-            if r.num_output < p.min_tokens:
-                for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos)):
-                    if t < v:
-                        ban_at.append(pos[i])
-                        ban_tok.append(t)
-        if bias_at:
-            a.bias = True
-            pack.ints("bias.at", bias_at)
-            pack.ints("bias.tok", bias_tok)
-            pack.floats("bias.val", bias_val)
-        if ban_at:
-            a.ban = True
-            pack.ints("ban.at", ban_at)
-            pack.ints("ban.tok", ban_tok)
-            pack.floats("ban.val", [float("-inf")] * len(ban_at))  # on the device: a graph copies no host value
-        return a
+    def _plan_adjust(self, pack: HostPack, rows, pos: list[int], v: int, dev: torch.device) -> adjusting.Adjust:
+        if self.counts is None and any(r.params.penalized for r in rows):
+            self.counts = TokenCounts(v, dev, self.fused)
+        return adjusting.plan(self.counts, pack, rows, pos, v, self.eos)
 
-    def _apply_adjust(self, x: torch.Tensor, a: _Adjust, s: Sections) -> None:
-        if a.pen:
-            assert self.counts is not None
-            if a.built:
-                self.counts.load(s)
-            rep = s["pen.rep"] if a.rep else None
-            pf = s["pen.pf"].view(-1, 2) if a.pf else None
-            self.counts.apply(x, s["pen.at"], s["pen.rows"], rep, pf)
-        if a.bias:
-            x.index_put_((s["bias.at"], s["bias.tok"]), s["bias.val"], accumulate=True)
-        if a.ban:
-            x.index_put_((s["ban.at"], s["ban.tok"]), s["ban.val"])
+    def _apply_adjust(self, x: torch.Tensor, a: adjusting.Adjust, s: Sections) -> None:
+        adjusting.apply(x, a, s, self.counts)
 
     @torch.inference_mode()
     def __call__(
@@ -249,17 +194,19 @@ class Sampler:
                 adj.built = False  # loaded: a call that reuses the plan has nothing more to load
             if adj is not None and adj.pen:
                 assert self.counts is not None
-                self.counts.record(s["pen.rows"], tokens, s["pen.at"])
+                adjusting.record(adj, s, self.counts, tokens)
+        emitted = self._emitted(rows, pos, got)
         if adj is not None and adj.pen:
             assert self.counts is not None
-            self.counts.advance([rows[i].request_id for i in adj.pen], [got[pos[i]] for i in adj.pen])
-        emitted = self._emitted(rows, pos, got)
+            self.counts.advance([rows[i].request_id for i in adj.pen], [emitted[i] for i in adj.pen])
+            adjusting.release(adj, self.counts)
         if not lp_rows:
             return emitted, {}
-        out_lp = {}
-        for i, r in zip(lp_rows, lp):
-            t, val, top = _entry(got[pos[i]], r, nlp)
-            out_lp[rows[i].request_id] = [(t, val, top[: rows[i].params.logprobs])]
+        out_lp: dict[str, list] = {}
+        for (i, d), r in zip(cp.lp_at, lp):
+            if d < len(emitted[i]):  # a position whose token the row emits
+                t, val, top = _entry(got[pos[i] + d], r, nlp)
+                out_lp.setdefault(rows[i].request_id, []).append((t, val, top[: rows[i].params.logprobs]))
         return emitted, out_lp
 
     def _argmax(self, x: torch.Tensor) -> torch.Tensor:
@@ -314,7 +261,7 @@ class Sampler:
         tokens, _ = self._pick(cp, x, None)
         if adj is not None and adj.pen:
             assert self.counts is not None
-            self.counts.record(s["pen.rows"], tokens, s["pen.at"])
+            adjusting.record(adj, s, self.counts, tokens)
         return tokens
 
     def _graphed(self, cp: _CallPlan, logits: torch.Tensor) -> torch.Tensor | None:
@@ -354,9 +301,10 @@ class Sampler:
         if not everything:
             pack.ints("idx", idx)
         lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        lp_at = [(i, d) for i in lp_rows for d in range(rows[i].num_draft + 1)]  # each position a row scores
         if lp_rows:
-            pack.ints("lp.first", [first[i] for i in lp_rows])
-            pack.ints("lp.pos", [pos[i] for i in lp_rows])
+            pack.ints("lp.first", [first[i] + d for i, d in lp_at])
+            pack.ints("lp.pos", [pos[i] + d for i, d in lp_at])
         adj = None
         if any(r.params.penalized or r.params.biased or r.num_output < r.params.min_tokens for r in rows):
             adj = self._plan_adjust(pack, rows, pos, v, dev)
@@ -369,7 +317,7 @@ class Sampler:
         counters = [name for name in pack.names() if name.startswith("draw.") and name.endswith(".ctr")]
         nums = [r.num_output for r in rows]
         cp = _CallPlan(
-            key, nums, len(idx), pos, everything, lp_rows, adj, sampled, greedy, dp, pack.upload(dev), counters
+            key, nums, len(idx), pos, everything, lp_rows, lp_at, adj, sampled, greedy, dp, pack.upload(dev), counters
         )
         cp.constrained = self.grammar is not None and any(r.params.constraint is not None for r in rows)
         cp.graphable = (
@@ -379,6 +327,7 @@ class Sampler:
             and os.environ.get("PDSERVE_CUDA_GRAPHS", "1") != "0"
             and not lp_rows
             and not cp.constrained
+            and not (adj is not None and adj.depth)  # its scratch rows are the call's own
             and (adj is not None or dp is not None)  # greedy alone is one launch: nothing to gain
             and (dp is None or ("head" not in dp.groups and not dp.num_unseeded and not any(dp.fused.values())))
         )
@@ -416,6 +365,8 @@ class Sampler:
         d = rows[0].num_output - cp.nums[0]
         if any(r.num_output - c != d for r, c in zip(rows, cp.nums)):
             return None
+        if cp.adj is not None and cp.adj.depth:
+            return None  # its drafts (and the scratch rows lent for them) were the last call's
         if cp.adj is not None and cp.adj.pen:
             assert self.counts is not None
             pen = [rows[i] for i in cp.adj.pen]

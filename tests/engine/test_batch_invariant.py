@@ -76,8 +76,7 @@ def test_row_invariant_experts_give_each_token_the_same_bits_in_any_batch(H, I, 
 
 def _run(core, jobs, logprobs: int | None = 5, new: int = NEW) -> list[tuple[list[int], list]]:
     """jobs: (prompt, output so far or None, engine steps to run before adding it) -> each job's
-    (new tokens, their logprobs) once every job has finished (a request asking for logprobs
-    does not draft: logprobs=None lets speculative decoding run)."""
+    (new tokens, their logprobs) once every job has finished (logprobs=None: the tokens alone)."""
     sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, logprobs=logprobs)
     rids: dict[int, str] = {}
     got: dict[str, tuple[list[int], list]] = {}

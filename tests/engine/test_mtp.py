@@ -220,8 +220,8 @@ def test_depth_drops_to_zero_and_probes_with_a_growing_wait():
     s._record(req, 1, 1)
     s._record(req, 2, 2)
     assert req.spec.depth == 3
-    # a request that may not speculate (logprobs) never probes
-    other = Request("o", [1], SamplingParams(max_tokens=4, logprobs=1))
+    # a request that may not speculate (num_speculative_tokens 0) never probes
+    other = Request("o", [1], SamplingParams(max_tokens=4, num_speculative_tokens=0))
     s.add(other)
     for _ in range(20):
         s._tick(other)

@@ -164,18 +164,22 @@ def test_min_tokens_holds_back_stop_tokens(llm_hv2):
     assert first[0][0] == stop and held.output_token_ids[0] == first[1][0]  # the runner-up
 
 
-def test_speculation_off_only_for_such_requests():
-    assert SamplingParams().speculates and SamplingParams(temperature=0.5, seed=1).speculates
+def test_every_request_speculates_unless_it_asks_for_no_drafts():
+    """Penalties, logit_bias, min_tokens and logprobs apply at each draft position (the sampler's
+    verification), so they keep their drafts; num_speculative_tokens=0 alone turns them off."""
     for kw in (
+        dict(),
+        dict(temperature=0.5, seed=1),
         dict(logprobs=0),
         dict(prompt_logprobs=1),
         dict(min_tokens=1),
-        dict(presence_penalty=0.1),
+        dict(presence_penalty=1.5),
         dict(frequency_penalty=-0.1),
         dict(repetition_penalty=1.1),
         dict(logit_bias={3: 0.5}),
     ):
-        assert not SamplingParams(**kw).speculates, kw
+        assert SamplingParams(**kw).speculates, kw
+    assert not SamplingParams(presence_penalty=1.5, num_speculative_tokens=0).speculates
 
 
 @pytest.mark.parametrize(
@@ -248,12 +252,13 @@ def test_logit_bias_matches_transformers(ckpt_hv2, llm_hv2, llm_chunked):
     mixed = {plain[1]: -3.5, plain[2]: -2.0, top2[1]: 0.5, 77: 1.25}
     got = run(llm_hv2, logit_bias=mixed).output_token_ids
     assert got != plain and got == hc.hf_biased_greedy(ckpt_hv2, prompt, n, mixed)
-    # n-gram speculation would draft the repeats of `forced`; the request takes none, same tokens
+    # n-gram speculation drafts the repeats of `forced`: verified with the bias at each draft
+    # position, the same tokens
     sched = llm_chunked.engine.scheduler
     drafts = sched.num_draft_tokens
     assert run(llm_chunked, logit_bias={forced: 100}).output_token_ids == [forced] * n
+    assert sched.num_draft_tokens > drafts
     assert run(llm_chunked, logit_bias=mixed).output_token_ids == got
-    assert sched.num_draft_tokens == drafts
 
 
 def test_logit_bias_outside_the_vocabulary_refused(llm_hv2):

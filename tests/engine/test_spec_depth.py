@@ -75,7 +75,7 @@ def test_max_depth_and_the_starting_record():
     assert max_depth(SamplingParams(), 3) == 3
     assert max_depth(SamplingParams(num_speculative_tokens=1), 3) == 1
     assert max_depth(SamplingParams(num_speculative_tokens=0), 3) == 0
-    assert max_depth(SamplingParams(logprobs=1), 3) == 0
+    assert max_depth(SamplingParams(logprobs=1, presence_penalty=1.5), 3) == 3  # verified at every position
     assert started(SpecDepth(), SamplingParams(num_speculative_tokens=2), 3) == SpecDepth(depth=2, cap=2)
 
 

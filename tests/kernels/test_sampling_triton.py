@@ -13,6 +13,7 @@ from engine.sampling.filters import candidate_probs, head_suffices, race
 from engine.sampling.penalties import TokenCounts
 from engine.sampling.rng import RACE_BITS, as_int64, splitmix64, token_exponentials
 from kernels.triton.sampling import draw_triton, penalties_triton, record_triton
+from tests.helpers.kernel_testing import DEVICE
 
 FILTERS = {
     "top_k": (5, 1.0, 0.0, 1.0),
@@ -200,3 +201,13 @@ def test_compiled_kernels_on_cuda_match_the_cpu_references():
     for r in range(6):
         n = int(ref.size[r])
         assert tab[0][r, :n].tolist() == ref.tok[r, :n].tolist() and tab[1][r, :n].tolist() == ref.cnt[r, :n].tolist()
+
+
+def test_drafted_penalty_rows_in_the_kernels(monkeypatch):
+    """Rows with penalties, logit_bias, min_tokens and logprobs carrying drafts, the penalties,
+    count updates and draws in the kernels: the tokens and logprobs of one-token steps
+    (tests/engine/test_sampler_drafts.py)."""
+    from tests.engine.test_sampler_drafts import check_drafted_batch
+
+    monkeypatch.setenv("PDSERVE_FORCE_TRITON", "1")
+    check_drafted_batch(DEVICE)
