@@ -175,31 +175,34 @@ class Sampler:
                 cp = self._plan = self._plan_call(rows, first, key, v, dev)
         n, pos, s, adj, dp, lp_rows = cp.n, cp.pos, cp.s, cp.adj, cp.dp, cp.lp_rows
         nlp = max((rows[i].params.logprobs for i in lp_rows), default=0)
-        tokens = self._graphed(cp, logits) if static and cp.graphable and cp.reuses >= 2 else None
-        if tokens is not None:  # the graph records the penalties' counts too
-            got, lp = self._read(tokens, None, None, None, 0)
-        else:
-            x = logits if cp.everything else logits[s["idx"]]
-            lsm = torch.log_softmax(logits[s["lp.first"]], -1) if lp_rows else None  # before the adjustments
-            if adj is not None:
-                self._apply_adjust(x, adj, s)
-            grammar = self._constrain(x, rows, pos, all_greedy=dp is None) if cp.constrained else None
-            tokens, held = self._pick(cp, x, grammar)
-            got, lp = self._read(tokens, held, lsm, s if lp_rows else None, nlp)
-            if held is not None and not all(got[n : n + len(held)]):
-                per = _positions(rows)
-                tokens = self._redraw(x, dp, cp.sampled, per, got[n : n + len(held)], tokens, cp.everything)
-                got, lp = self._read(tokens, None, lsm, s if lp_rows else None, nlp)
-            if adj is not None:
-                adj.built = False  # loaded: a call that reuses the plan has nothing more to load
+        try:
+            tokens = self._graphed(cp, logits) if static and cp.graphable and cp.reuses >= 2 else None
+            if tokens is not None:  # the graph records the penalties' counts too
+                got, lp = self._read(tokens, None, None, None, 0)
+            else:
+                x = logits if cp.everything else logits[s["idx"]]
+                lsm = torch.log_softmax(logits[s["lp.first"]], -1) if lp_rows else None  # before the adjustments
+                if adj is not None:
+                    self._apply_adjust(x, adj, s)
+                grammar = self._constrain(x, rows, pos, all_greedy=dp is None) if cp.constrained else None
+                tokens, held = self._pick(cp, x, grammar)
+                got, lp = self._read(tokens, held, lsm, s if lp_rows else None, nlp)
+                if held is not None and not all(got[n : n + len(held)]):
+                    per = _positions(rows)
+                    tokens = self._redraw(x, dp, cp.sampled, per, got[n : n + len(held)], tokens, cp.everything)
+                    got, lp = self._read(tokens, None, lsm, s if lp_rows else None, nlp)
+                if adj is not None:
+                    adj.built = False  # loaded: a call that reuses the plan has nothing more to load
+                if adj is not None and adj.pen:
+                    assert self.counts is not None
+                    adjusting.record(adj, s, self.counts, tokens)
+            emitted = self._emitted(rows, pos, got)
             if adj is not None and adj.pen:
                 assert self.counts is not None
-                adjusting.record(adj, s, self.counts, tokens)
-        emitted = self._emitted(rows, pos, got)
-        if adj is not None and adj.pen:
-            assert self.counts is not None
-            self.counts.advance([rows[i].request_id for i in adj.pen], [emitted[i] for i in adj.pen])
-            adjusting.release(adj, self.counts)
+                self.counts.advance([rows[i].request_id for i in adj.pen], [emitted[i] for i in adj.pen])
+        finally:  # a call that raised gives its lent scratch rows back too (adjust.release)
+            if adj is not None:
+                adjusting.release(adj, self.counts)
         if not lp_rows:
             return emitted, {}
         out_lp: dict[str, list] = {}

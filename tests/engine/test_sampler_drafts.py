@@ -125,3 +125,25 @@ def check_drafted_batch(device: str) -> None:
                 assert [a for a, _ in top] == [a for a, _ in rtop]
     # min_tokens held back the stop ids through the draft positions too
     assert 4 not in outs[3][:5] and 5 not in outs[5][:4] and 7 not in outs[5][:4]
+
+
+def test_a_call_that_raises_gives_its_scratch_rows_back():
+    """A draw that fails (a grammar error, say) after the draft positions' table rows were lent:
+    the rows go back, so failed steps cannot drain the table."""
+    params = [SamplingParams(**kw) for kw in PARAMS[:3]]
+    rows = [_row(f"r{i}", p, prompt=PROMPTS[i], output=[1, 2], drafts=[3, 4]) for i, p in enumerate(params)]
+    sampler = Sampler(seed=2, eos_token_ids=EOS)
+
+    def fail(*a, **k):
+        raise RuntimeError("draw failed")
+
+    sampler._pick = fail  # type: ignore[method-assign]
+    for _ in range(3):
+        try:
+            sampler(torch.randn(9, V), rows, [0, 3, 6])
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("the draw did not fail")
+        c = sampler.counts
+        assert len(c.free) + len(c.entries) == c.tok.shape[0], "scratch rows kept by a failed call"
