@@ -18,7 +18,7 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def door(ckpt):
     """The front door (tests/helpers/front_door.py), one per test module."""
-    r, fake, srv, hb, port = start(ckpt, max_queued_requests=64)
+    r, fake, srv, hb, port = start(ckpt, dead_after_s=3.0, max_queued_requests=64)
     yield r, fake, port
     hb.stop()
     r.stop(0)
