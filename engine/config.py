@@ -160,10 +160,7 @@ class ModelConfig:
             raw.get("quantization_config") or text.get("quantization_config"), cfg_path
         )
         n_layers = text["num_hidden_layers"]
-        layer_types = text.get("layer_types") or [
-            "full_attention" if (i + 1) % text.get("full_attention_interval", 4) == 0 else "linear_attention"
-            for i in range(n_layers)
-        ]
+        layer_types = config_fields.layer_types(text, n_layers, cfg_path)
         rope = text.get("rope_parameters") or {}
         scaling = RopeScaling.parse(rope, text.get("rope_scaling"))
         cfg_dtype = text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or "float32"
@@ -176,7 +173,7 @@ class ModelConfig:
             vocab_size=text["vocab_size"],
             hidden_size=text["hidden_size"],
             intermediate_size=text.get("intermediate_size", 0),  # Qwen3.5-MoE has no dense MLP
-            layer_types=tuple(layer_types[:n_layers]),
+            layer_types=layer_types,
             num_attention_heads=text["num_attention_heads"],
             num_kv_heads=text["num_key_value_heads"],
             head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],

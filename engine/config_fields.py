@@ -57,6 +57,26 @@ def eos_token_ids(path, raw: dict, text: dict) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
 
 
+def layer_types(text: dict, n_layers: int, where: Path) -> tuple[str, ...]:
+    """Each layer's kind ("full_attention" / "linear_attention"): the config's list, else every
+    full_attention_interval-th layer full. A model without a full-attention layer is refused
+    here, where `pdserve up` checks before it starts anything (engine/cache/allocator.py sizes
+    pages from those layers, and refused it only in the nodes)."""
+    types = tuple(
+        text.get("layer_types")
+        or [
+            "full_attention" if (i + 1) % text.get("full_attention_interval", 4) == 0 else "linear_attention"
+            for i in range(n_layers)
+        ]
+    )[:n_layers]
+    if "full_attention" not in types:
+        raise ValueError(
+            f"{where}: the model has no full-attention layer ({n_layers} layers, full_attention_interval "
+            f"{text.get('full_attention_interval', 4)}); pdserve serves hybrid models"
+        )
+    return types
+
+
 def moe_fields(text: dict, model_type: str) -> dict:
     """The MoE sizes of a text config. Qwen3.5-MoE has every layer sparse and always renormalises
     its top-k weights (its config has no norm_topk_prob, decoder_sparse_step or mlp_only_layers);

@@ -61,6 +61,21 @@ def test_a_directory_without_a_checkpoint_is_refused(tmp_path):
     assert "no config.json" in got.get("refused", ""), got
 
 
+def test_a_model_without_a_full_attention_layer_is_refused_before_anything_starts(tmp_path):
+    """3 layers, a full-attention layer every 4th (transformers' own config writes it so): a model
+    with no paged KV at all. Was: the up-front checks passed it, the router started, and each node
+    then refused it."""
+    import json as js
+
+    from engine.tiny_model import TinyModelSpec, make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", TinyModelSpec(layers=3, hidden=64))
+    kinds = js.loads((tmp_path / "m" / "config.json").read_text())["layer_types"]
+    assert "full_attention" not in kinds, kinds  # transformers' reading of the config agrees
+    got = _check(str(model), "--decode", "1")
+    assert "no full-attention layer (3 layers, full_attention_interval 4)" in got.get("refused", ""), got
+
+
 def test_an_unknown_way_to_start_nodes_is_refused(ckpt):
     got = _check(ckpt, "--node-start", "thread")
     assert got.get("refused") == "--node-start must be fork or spawn (got 'thread')", got

@@ -21,7 +21,7 @@ from router.cli import main
 def test_pools_that_cannot_hand_off_are_refused(tmp_path, capsys, prefill, words):
     from engine.tiny_model import TinyModelSpec, make_tiny_model
 
-    model = make_tiny_model(tmp_path / "m", TinyModelSpec(layers=2, hidden=64))
+    model = make_tiny_model(tmp_path / "m", TinyModelSpec(layers=2, hidden=64, full_attention_interval=2))
     cfg = tmp_path / "pools.yaml"
     body = f"  {prefill}" if not prefill.startswith("{") else "  " + prefill[1:-1].replace(", ", "\n  ")
     cfg.write_text(f"prefill:\n  count: 1\n{body}\ndecode:\n  count: 1\n")
