@@ -16,6 +16,23 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def hf(ckpt):
+    """transformers' tokenizer of `ckpt`: the reference for rendered chats and calls."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ckpt)
+
+
+@pytest.fixture(scope="module")
+def front(ckpt):
+    """The router's chat front of `ckpt` (rendering, tool grammars, output parsers)."""
+    from engine.tokenizer import Tokenizer
+    from router.openai_chat import ChatFront
+
+    return ChatFront(Tokenizer(ckpt))
+
+
+@pytest.fixture(scope="module")
 def door(ckpt):
     """The front door (tests/helpers/front_door.py), one per test module."""
     r, fake, srv, hb, port = start(ckpt, dead_after_s=3.0, max_queued_requests=64)

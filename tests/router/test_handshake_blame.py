@@ -45,36 +45,58 @@ class _Prefill(rpc.PrefillNodeServicer):
         return pb.HandshakeResponse(node_id="p0", incarnation=1, schema=b"schema-p0")
 
 
+class _Nodes:
+    """The fake nodes' gRPC servers and heartbeats, for one router: `pair` registers a decode node
+    and a prefill node whose states can go to each other; `stop` ends them all."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.servers: list = []
+        self.beats: list = []
+
+    def start(self, servicer, add, name) -> str:
+        srv, port, _ = start_server("127.0.0.1:0", lambda s: add(servicer, s), [name])
+        self.servers.append(srv)
+        return f"127.0.0.1:{port}"
+
+    def pair(self, d, p) -> None:
+        dinfo = decode_info(self.start(d, rpc.add_DecodeNodeServicer_to_server, "DecodeNode"))
+        pinfo = decode_info(self.start(p, rpc.add_PrefillNodeServicer_to_server, "PrefillNode"), node_id="p0")
+        dinfo.schema_digest = pinfo.schema_digest = "same"
+        pinfo.kind, pinfo.prefill_ready = pb.NODE_KIND_PREFILL, True
+        self.beats += [heartbeat(f"127.0.0.1:{self.port}", dinfo, 0.1), heartbeat(f"127.0.0.1:{self.port}", pinfo, 0.1)]
+
+    def join_other(self, d) -> None:
+        """A decode node whose model a prefill node's state cannot go to: it computes prompts itself."""
+        info = decode_info(self.start(d, rpc.add_DecodeNodeServicer_to_server, "DecodeNode"), node_id="d1")
+        info.schema_digest = "other"
+        self.beats.append(heartbeat(f"127.0.0.1:{self.port}", info, 0.1))
+
+    def stop(self) -> None:
+        for b in self.beats:
+            b.stop()
+        for s in self.servers:
+            s.stop(0)
+
+
 def test_a_decode_agent_the_prefill_node_cannot_reach_blames_the_decode_node(ckpt, caplog):
     import logging
 
     from client import Client
     from router.server import RouterConfig, serve
 
-    servers, beats = [], []
-
-    def start(servicer, add, name):
-        srv, port, _ = start_server("127.0.0.1:0", lambda s: add(servicer, s), [name])
-        servers.append(srv)
-        return f"127.0.0.1:{port}"
-
     d0, d1 = _Decode("d0", 1), _Decode("d1", 2)
     r, port = serve("127.0.0.1:0", RouterConfig(model=str(ckpt), heartbeat_interval_s=0.1, dead_after_s=600))
+    nodes = _Nodes(port)
 
     def join_d1():  # a second decode node, with a model P's state cannot go to: it computes prompts itself
-        info = decode_info(start(d1, rpc.add_DecodeNodeServicer_to_server, "DecodeNode"), node_id="d1")
-        info.schema_digest = "other"
-        beats.append(heartbeat(f"127.0.0.1:{port}", info, 0.1))
+        nodes.join_other(d1)
         wait_for(lambda: "d1" in r.registry.nodes, 10, "d1 registered")
 
     p = _Prefill(join_d1)
     caplog.set_level(logging.WARNING, logger="pdserve.router")
     try:
-        dinfo = decode_info(start(d0, rpc.add_DecodeNodeServicer_to_server, "DecodeNode"))
-        pinfo = decode_info(start(p, rpc.add_PrefillNodeServicer_to_server, "PrefillNode"), node_id="p0")
-        dinfo.schema_digest = pinfo.schema_digest = "same"
-        pinfo.kind, pinfo.prefill_ready = pb.NODE_KIND_PREFILL, True
-        beats += [heartbeat(f"127.0.0.1:{port}", dinfo, 0.1), heartbeat(f"127.0.0.1:{port}", pinfo, 0.1)]
+        nodes.pair(d0, p)
         wait_for(lambda: p.calls.count("d0") == 1, 10, "the early handshake refused")
         with Client(f"127.0.0.1:{port}", timeout=20) as c:
             got = c.generate(prompt_token_ids=[1, 2, 3], max_tokens=4, admission_timeout_s=0)
@@ -84,11 +106,8 @@ def test_a_decode_agent_the_prefill_node_cannot_reach_blames_the_decode_node(ckp
         assert entry.alive and not entry.unreachable  # the prefill node that answered is healthy
         assert "node d0 unreachable" in caplog.text and "node p0 unreachable" not in caplog.text
     finally:
-        for b in beats:
-            b.stop()
+        nodes.stop()
         r.stop(0)
-        for s in servers:
-            s.stop(0)
 
 
 class _HungDecode(_Decode):
@@ -113,29 +132,17 @@ def test_a_decode_node_hung_in_the_handshake_is_given_up_once_declared_dead(ckpt
     from client import Client
     from router.server import RouterConfig, serve
 
-    servers, beats = [], []
-
-    def start(servicer, add, name):
-        srv, port, _ = start_server("127.0.0.1:0", lambda s: add(servicer, s), [name])
-        servers.append(srv)
-        return f"127.0.0.1:{port}"
-
     d0, d1 = _HungDecode(), _Decode("d1", 2)
     p = _Prefill(lambda: None)
     r, port = serve("127.0.0.1:0", RouterConfig(model=str(ckpt), heartbeat_interval_s=0.1, dead_after_s=1.0))
+    nodes = _Nodes(port)
     try:
-        dinfo = decode_info(start(d0, rpc.add_DecodeNodeServicer_to_server, "DecodeNode"))
-        pinfo = decode_info(start(p, rpc.add_PrefillNodeServicer_to_server, "PrefillNode"), node_id="p0")
-        dinfo.schema_digest = pinfo.schema_digest = "same"
-        pinfo.kind, pinfo.prefill_ready = pb.NODE_KIND_PREFILL, True
-        beats += [heartbeat(f"127.0.0.1:{port}", dinfo, 0.1), heartbeat(f"127.0.0.1:{port}", pinfo, 0.1)]
+        nodes.pair(d0, p)
         wait_for(lambda: d0.shakes == 1, 10, "the early handshake to reach the decode node")
 
         def then():  # d0's heartbeats stop while the request waits; d1 (its own model: no pair) joins
-            beats[0].stop()
-            info = decode_info(start(d1, rpc.add_DecodeNodeServicer_to_server, "DecodeNode"), node_id="d1")
-            info.schema_digest = "other"
-            beats.append(heartbeat(f"127.0.0.1:{port}", info, 0.1))
+            nodes.beats[0].stop()
+            nodes.join_other(d1)
 
         threading.Timer(0.5, then).start()
         t0 = time.monotonic()
@@ -148,8 +155,5 @@ def test_a_decode_node_hung_in_the_handshake_is_given_up_once_declared_dead(ckpt
         assert not d0.seen
     finally:
         d0.go.set()
-        for b in beats:
-            b.stop()
+        nodes.stop()
         r.stop(0)
-        for s in servers:
-            s.stop(0)

@@ -44,18 +44,6 @@ def as_function(tool: dict) -> dict:
     return {"type": "function", "function": fn}
 
 
-@pytest.fixture(scope="module")
-def hf(ckpt):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(ckpt)
-
-
-@pytest.fixture(scope="module")
-def front(ckpt):
-    return ChatFront(Tokenizer(ckpt))
-
-
 def req(**kw) -> ChatRequest:
     return ChatRequest.model_validate({"model": "m", "messages": USER, **kw})
 

@@ -14,8 +14,6 @@ import json
 import jsonschema
 import pytest
 
-from engine.tokenizer import Tokenizer
-from router.openai_chat import ChatFront
 from router.openai_models import ChatRequest
 from router.parsers.tool_calls import ToolCallParser, ToolDelta
 
@@ -52,18 +50,6 @@ BAD = [
     {**GOOD[0], "mode": "medium"},
 ]
 USER = [{"role": "user", "content": "Plan it"}]
-
-
-@pytest.fixture(scope="module")
-def hf(ckpt):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(ckpt)
-
-
-@pytest.fixture(scope="module")
-def front(ckpt):
-    return ChatFront(Tokenizer(ckpt))
 
 
 def _rendered_call(hf, args: dict) -> str:
