@@ -37,11 +37,11 @@ demo: $(STAMP) $(OPS)
 # Two pytest-xdist workers (a test file stays on one worker, with its module's cluster), then the
 # tests marked `serial` alone: their assertions time the machine (the marker: pyproject.toml).
 # TEST_WORKERS=0 runs everything in one process. A part that PYTEST_ARGS leaves empty (pytest's
-# exit status 5) is no failure.
+# exit status 5) is no failure. The 25 slowest tests are listed at the end (the suite's budget: 20 minutes).
 TEST_WORKERS ?= 2
 test: $(STAMP) $(OPS)
 	@rc=0; \
-	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 -m "not serial" $(PYTEST_ARGS) \
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 --durations=25 -m "not serial" $(PYTEST_ARGS) \
 		|| { r=$$?; [ $$r -eq 5 ] || rc=$$r; }; \
 	$(VPY) -m pytest -q -m serial $(PYTEST_ARGS) || { r=$$?; [ $$r -eq 5 ] || rc=$$r; }; \
 	exit $$rc

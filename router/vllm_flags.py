@@ -14,6 +14,10 @@ pdserve's before the command line is parsed (so `--help` and the errors stay pds
 - `--trust-remote-code`, `--disable-log-requests`, `--enable-chunked-prefill` dropped, with one
   INFO line saying they have no effect here (`notes`).
 
+A vLLM spelling given beside pdserve's own spelling of the same option (`-tp 2 --decode-tp 1`,
+`--speculative-config ... --num-speculative-tokens 3`) is refused as given twice, as in a pools
+file: the parser would silently keep whichever came last.
+
 The subcommand is the first word that is neither an option nor the value of a global option
 (`GLOBAL_VALUED`: `pdserve --log-level DEBUG up ...`).
 """
@@ -37,6 +41,15 @@ NO_OPS = {
     "--enable-chunked-prefill": "prompts are always chunked (--max-num-batched-tokens)",
 }
 VALUED = (*TP, "--speculative-config", "--dtype", "--kv-cache-dtype")  # vLLM flags whose value is read here
+# pdserve's options each vLLM spelling stands for: both on one command line are refused (`_twice`)
+SAME_OPTION = {
+    "--tensor-parallel-size": ("--tp", "--prefill-tp", "--decode-tp"),
+    "-tp": ("--tp", "--prefill-tp", "--decode-tp"),
+    "--speculative-config": ("--speculative-method", "--num-speculative-tokens"),
+    "--enable-prefix-caching": ("--prefix-caching", "--no-prefix-caching"),
+    "--no-enable-prefix-caching": ("--prefix-caching", "--no-prefix-caching"),
+    "--enforce-eager": ("--cuda-graphs", "--no-cuda-graphs"),
+}
 GLOBAL_VALUED = ("--log-level",)  # pdserve's options before the subcommand that take a value (cli.build_parser)
 
 
@@ -56,6 +69,7 @@ def subcommand(argv: list[str]) -> str:
 def rewrite(argv: list[str], notes: list[str] | None = None) -> list[str]:
     """argv with vLLM's spellings in pdserve's; ValueError naming a value pdserve cannot take.
     `notes` (if given) gets one line naming the flags dropped because they have no effect here."""
+    _twice(argv)
     cmd = subcommand(argv)
     out: list[str] = []
     dropped: list[str] = []
@@ -94,6 +108,15 @@ def rewrite(argv: list[str], notes: list[str] | None = None) -> list[str]:
     if dropped and notes is not None:
         notes.append("; ".join(f"{f} has no effect here: {NO_OPS[f]}" for f in dropped))
     return out
+
+
+def _twice(argv: list[str]) -> None:
+    """ValueError when a vLLM spelling and pdserve's spelling of the same option are both given."""
+    names = {a.partition("=")[0] for a in argv if a.startswith("-")}
+    for theirs, ours in SAME_OPTION.items():
+        both = [o for o in ours if o in names]
+        if theirs in names and both:
+            raise ValueError(f"{theirs} and {both[0]} set the same option: give one of them")
 
 
 def _speculative(text: str) -> list[str]:

@@ -36,6 +36,11 @@ def test_a_copied_vllm_recipe_parses_as_its_meaning():
         (["up", "--speculative-config", '{"method": "mtp", "draft_model": "x"}'], "draft_model not supported"),
         (["up", "--speculative-config", '{"num_speculative_tokens": -1}'], "integer >= 0"),
         (["up", "--tensor-parallel-size"], "needs a value"),
+        (["up", "-tp", "2", "--decode-tp", "1"], "-tp and --decode-tp set the same option"),
+        (["decode", "--tp=2", "--tensor-parallel-size=4"], "--tensor-parallel-size and --tp set the same"),
+        (["up", '--speculative-config={"method": "mtp"}', "--num-speculative-tokens", "3"], "give one of them"),
+        (["up", "--enable-prefix-caching", "--no-prefix-caching"], "--enable-prefix-caching and --no-prefix"),
+        (["up", "--enforce-eager", "--cuda-graphs"], "--enforce-eager and --cuda-graphs"),
     ],
 )
 def test_what_pdserve_cannot_take_is_one_line(argv, words, capsys):
