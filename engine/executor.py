@@ -44,7 +44,9 @@ _T = TypeVar("_T")
 
 
 class WorkerError(RuntimeError):
-    pass
+    """A rank failed: its traceback, as text. An exception class with a true `crosses_ranks`
+    attribute (the transfer layer's errors) is raised by `call_all` as the rank raised it instead,
+    so that the caller handles it by its type as with one rank; it must pickle."""
 
 
 class WorkerLost(WorkerError):
@@ -172,7 +174,12 @@ def _rank_main(
         try:
             if isinstance(msg, tuple) and msg and msg[0] == "call":
                 _, fn, args, kwargs = msg
-                conn.send(("ok", worker.call(fn, *args, **kwargs)))
+                try:
+                    conn.send(("ok", worker.call(fn, *args, **kwargs)))
+                except Exception as e:
+                    if not getattr(type(e), "crosses_ranks", False):
+                        raise
+                    conn.send(("raise", e))  # handled by its type (pickled first: a failure sends nothing)
                 continue
             if isinstance(msg, int | bytes):  # the step's length in the shared buffer, or the step pickled
                 msg = steps.read(msg)
@@ -265,6 +272,8 @@ class MultiProcExecutor:
         if kind == "invalid":  # start-up refused a setting: the one line a single rank would raise
             self.close()
             raise ValueError(payload)
+        if kind == "raise":  # a typed error the caller handles (a class with `crosses_ranks`): as the rank raised it
+            raise payload
         if kind == "error":
             if fatal:
                 self.close()
@@ -301,7 +310,7 @@ class MultiProcExecutor:
         for c in self.conns:  # drain every rank's answer before raising, to keep the pipes in step
             try:
                 outs.append(self._recv(c, STEP_TIMEOUT_S, what, fatal=False))
-            except WorkerError as e:
+            except Exception as e:  # a WorkerError, or a rank's typed error (`crosses_ranks`)
                 if not self.conns:
                     raise
                 err = err or e

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 
 class TransferError(RuntimeError):
-    """A transfer could not be set up or did not complete."""
+    """A transfer could not be set up or did not complete. Raised in a tensor-parallel rank, it
+    reaches the node as itself (`crosses_ranks`, engine/executor.py), so each subclass pickles."""
+
+    crosses_ranks = True
 
 
 class HandshakeError(TransferError):
@@ -13,7 +16,11 @@ class HandshakeError(TransferError):
     def __init__(self, field: str, local: object, remote: object, detail: str = ""):
         self.field, self.local, self.remote = field, local, remote
         extra = f"; {detail}" if detail else ""
+        self.detail = detail
         super().__init__(f"transfer handshake refused: {field} differs (local {local!r}, remote {remote!r}){extra}")
+
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        return type(self), (self.field, self.local, self.remote, self.detail)
 
 
 class PlanError(TransferError):
@@ -28,3 +35,6 @@ class PeerUnreachable(TransferError):
         self.why, self.node, self.agent = why, node, agent
         who = f"transfer agent {agent} of {node}" if node else "the peer's transfer agent"
         super().__init__(f"{who} unreachable: {why}")
+
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        return type(self), (self.why, self.node, self.agent)

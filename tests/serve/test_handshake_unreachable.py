@@ -2,7 +2,9 @@
 ends with UNAVAILABLE naming that peer, marked as the peer's fault (`pdserve-peer-unreachable`),
 and one log line on the node that answered: not an "Exception calling application" traceback and
 INTERNAL, which the router blamed on the node that answered (a prefill node resumed from SIGSTOP
-after its decode node had exited was marked dead). Real nodes, standalone, no router."""
+after its decode node had exited was marked dead). Real nodes, standalone, no router; the
+prefill node at TP 1 and at TP 2, where the error is raised in a rank process and must reach the
+node as itself, not as a rank's traceback (engine/executor.py, `crosses_ranks`)."""
 
 from __future__ import annotations
 
@@ -12,16 +14,16 @@ import pytest
 from tests.helpers.serve_harness import Proc, creds, flags
 
 
-def test_handshake_with_an_exited_peer_names_it_and_blames_it(ckpt):
+@pytest.mark.parametrize("prefill_tp", [1, 2])
+def test_handshake_with_an_exited_peer_names_it_and_blames_it(ckpt, prefill_tp):
     from proto import pb, rpc
     from serving.rpc import channel, peer_at_fault
 
-    def node(kind: str) -> Proc:
-        return Proc(
-            kind, "--model", ckpt, *flags(dtype="float32"), ready=rf"{kind} node \S+ listening on (\S+)", wait=False
-        )
+    def node(kind: str, tp: int = 1) -> Proc:
+        ready = rf"{kind} node \S+ listening on (\S+)"
+        return Proc(kind, "--model", ckpt, *flags(dtype="float32", tp=tp), ready=ready, wait=False)
 
-    d, p = node("decode"), node("prefill")
+    d, p = node("decode"), node("prefill", prefill_tp)
     try:
         d.wait_ready()
         p.wait_ready()
