@@ -1,0 +1,73 @@
+"""Image encodings as phones and apps send them, through the router in process against a fake
+decode node (tests/router/test_images.py's): a photo stored sideways with an EXIF orientation
+tag reaches the node with the grid and pixel hash of the upright image, as transformers'
+`load_image` (and vLLM) decode the same bytes, and the node's own check of those bytes passes."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.helpers import images as im
+from tests.router.test_front_door import post
+from tests.router.test_images import _router
+
+
+@pytest.fixture(scope="module")
+def vl_dir(ckpt, tmp_path_factory):
+    return im.vl_router_dir(ckpt, tmp_path_factory.mktemp("vl"))
+
+
+@pytest.fixture(scope="module")
+def vl(vl_dir):
+    r, fake, port, stop = _router(vl_dir)
+    yield r, fake
+    stop()
+
+
+def _turned(orientation: int, fmt: str) -> bytes:
+    """A 120 x 40 picture of random pixels stored with EXIF `orientation` (6: shown turned 90
+    degrees clockwise, a phone's portrait photo; 8: 90 counter-clockwise; 3: upside down)."""
+    px = np.random.default_rng(orientation).integers(0, 256, (40, 120, 3), dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    Image.fromarray(px).save(buf, format=fmt, exif=exif.tobytes())
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("orientation,fmt", [(6, "JPEG"), (8, "PNG"), (3, "JPEG")])
+def test_a_photo_with_an_exif_orientation_is_seen_upright(vl, vl_dir, orientation, fmt):
+    """Before, the router and the nodes used the stored pixels: a portrait photo was seen lying
+    on its side, with its grid's height and width swapped against transformers' and vLLM's."""
+    from transformers import AutoImageProcessor
+    from transformers.image_utils import load_image
+
+    from engine.vision.inputs import ImageInput
+    from engine.vision.processing import check_image
+
+    r, fake = vl
+    url = im.data_url(_turned(orientation, fmt), f"image/{fmt.lower()}")
+    ref = load_image(url)  # transformers: the bytes, turned upright, as RGB
+    grid = tuple(int(x) for x in AutoImageProcessor.from_pretrained(vl_dir)(images=[ref])["image_grid_thw"][0])
+    upright = ref.size == (120, 40) if orientation == 3 else ref.size == (40, 120)
+    assert upright, ref.size
+    body = {
+        "model": "m",
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
+    }
+    before = len(fake.requests)
+    status, out = post(r.http_port, json.dumps(body).encode(), "/v1/chat/completions")
+    assert status == 200, out
+    (req,) = fake.requests[before:]
+    (got,) = req.images
+    assert tuple(got.grid_thw) == grid
+    size = ref.width.to_bytes(4, "little") + ref.height.to_bytes(4, "little")
+    assert got.pixel_hash == hashlib.sha256(size + ref.tobytes()).digest()
+    check_image(vl_dir, 0, ImageInput(got.data, got.pixel_hash, got.offset, grid))  # the node decodes it so too
