@@ -1,7 +1,9 @@
 """Image encodings as phones and apps send them, through the router in process against a fake
 decode node (tests/router/test_images.py's): a photo stored sideways with an EXIF orientation
 tag reaches the node with the grid and pixel hash of the upright image, as transformers'
-`load_image` (and vLLM) decode the same bytes, and the node's own check of those bytes passes."""
+`load_image` (and vLLM) decode the same bytes, and the node's own check of those bytes passes; in
+a Responses message with an `input_image`, a bad part (video, file, a text that is not a string,
+an unknown `detail`) is a 400 naming that part, with no node call."""
 
 from __future__ import annotations
 
@@ -71,3 +73,37 @@ def test_a_photo_with_an_exif_orientation_is_seen_upright(vl, vl_dir, orientatio
     size = ref.width.to_bytes(4, "little") + ref.height.to_bytes(4, "little")
     assert got.pixel_hash == hashlib.sha256(size + ref.tobytes()).digest()
     check_image(vl_dir, 0, ImageInput(got.data, got.pixel_hash, got.offset, grid))  # the node decodes it so too
+
+
+VIDEO = "'input_video' parts are not supported (input_text, output_text and input_image only)"
+RESPONSES_BAD = [  # a Responses user message with an image: each bad part is named by its own index
+    (
+        [{"type": "input_text", "text": "x"}, {"type": "input_video", "video_url": "v.mp4"}],
+        "input[0].content[2]",
+        VIDEO,
+    ),
+    ([{"type": "input_file", "file_data": "x"}], "input[0].content[1]", "'input_file' parts are not supported"),
+    ([{"type": "input_text", "text": 5}], "input[0].content[1].text", " must be a string"),
+    ([{"type": "input_image", "image_url": "IMG", "detail": "ultra"}], "input[0].content[1].detail", " must be 'auto'"),
+]
+
+
+@pytest.mark.parametrize("after,where,words", RESPONSES_BAD, ids=["video", "file", "text", "detail"])
+def test_a_responses_message_with_an_image_names_its_bad_part(vl, after, where, words):
+    """Before, every bad part after an `input_image` was named `content[0]` (the image) and the
+    message said the parts could be text only."""
+    r, fake = vl
+    url = im.data_url(im.encoded(40, 30, seed=2))
+    parts = [{"type": "input_image", "image_url": url}] + [
+        {**p, "image_url": url} if p.get("image_url") == "IMG" else p for p in after
+    ]
+    body = {"model": "m", "max_output_tokens": 2, "input": [{"role": "user", "content": parts}]}
+    before = len(fake.requests)
+    status, out = post(r.http_port, json.dumps(body).encode(), "/v1/responses")
+    assert status == 400 and out["error"]["message"].startswith(where) and words in out["error"]["message"], out
+    param = where if where.endswith(("text", "detail")) else where + ".type"
+    assert out["error"]["param"] == param and len(fake.requests) == before
+    parts[1:] = [{"type": "input_text", "text": "What is it?"}]  # the same image with text is served
+    body["input"] = [{"role": "user", "content": parts}]
+    status, out = post(r.http_port, json.dumps(body).encode(), "/v1/responses")
+    assert status == 200 and len(fake.requests) == before + 1, out
