@@ -3,7 +3,8 @@ decode node (tests/router/test_images.py's): a photo stored sideways with an EXI
 tag reaches the node with the grid and pixel hash of the upright image, as transformers'
 `load_image` (and vLLM) decode the same bytes, and the node's own check of those bytes passes; in
 a Responses message with an `input_image`, a bad part (video, file, a text that is not a string,
-an unknown `detail`) is a 400 naming that part, with no node call."""
+an unknown `detail`) is a 400 naming that part, with no node call; so is vLLM's per-request
+mm_processor_kwargs or media_io_kwargs, named as a field."""
 
 from __future__ import annotations
 
@@ -106,4 +107,23 @@ def test_a_responses_message_with_an_image_names_its_bad_part(vl, after, where, 
     parts[1:] = [{"type": "input_text", "text": "What is it?"}]  # the same image with text is served
     body["input"] = [{"role": "user", "content": parts}]
     status, out = post(r.http_port, json.dumps(body).encode(), "/v1/responses")
+    assert status == 200 and len(fake.requests) == before + 1, out
+
+
+@pytest.mark.parametrize(
+    "field,value", [("mm_processor_kwargs", {"max_pixels": 4096}), ("media_io_kwargs", {"image": {}})]
+)
+def test_vllms_per_request_image_options_are_refused_by_name(vl, field, value):
+    """vLLM's per-request image size (mm_processor_kwargs) and decoding (media_io_kwargs) options:
+    before, ignored with a log line, so a client asking for fewer pixels got the checkpoint's
+    full-size grid and prompt without a word; now a 400 naming the field, and empty is as unsent."""
+    r, fake = vl
+    url = im.data_url(im.encoded(300, 200, seed=3))
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+    before = len(fake.requests)
+    body = {"model": "m", "max_tokens": 2, "messages": msgs, field: value}
+    status, out = post(r.http_port, json.dumps(body).encode(), "/v1/chat/completions")
+    assert status == 400 and out["error"]["param"] == field and f"'{field}' is not supported" in out["error"]["message"]
+    assert len(fake.requests) == before
+    status, out = post(r.http_port, json.dumps({**body, field: {}}).encode(), "/v1/chat/completions")
     assert status == 200 and len(fake.requests) == before + 1, out
