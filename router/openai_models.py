@@ -203,6 +203,8 @@ class _Request(NullIsUnset):
     allowed_token_ids: Any = None
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
+    mm_processor_kwargs: Any = None  # per-request image processor options (min_pixels, max_pixels, ...)
+    media_io_kwargs: Any = None  # per-request image decoding options (rgba_background_color, ...)
     # vLLM's: per prompt token after the first, its logprob and rank and the N most likely (chat: over
     # the rendered prompt, at the answer's top level)
     prompt_logprobs: Any = None
@@ -315,6 +317,9 @@ UNSUPPORTED_EXTENSIONS = {
     "allowed_token_ids": " (a 'structured_outputs' choice or regex constrains the output)",
     "bad_words": " ('logit_bias' of -100 bans a token)",
     "truncate_prompt_tokens": "",
+    "mm_processor_kwargs": " (the model's image processor sizes every image: min_pixels and max_pixels of its "
+    "preprocessor_config.json)",
+    "media_io_kwargs": " (images are decoded as RGB, transparency on white)",
 }
 
 

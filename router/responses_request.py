@@ -24,6 +24,8 @@ from router.openai_models import ChatRequest, Float, NullIsUnset, bad, parse
 from router.responses_output import carried
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+_TEXT_ONLY = "text only: input_text, output_text"  # what an error says a message's parts may be
+_WITH_IMAGES = "input_text, output_text and input_image only"
 
 
 class ResponsesRequest(NullIsUnset):
@@ -62,21 +64,23 @@ class ResponsesRequest(NullIsUnset):
         return "reasoning.encrypted_content" in (self.include or ())
 
 
-def _text_of(content: Any, where: str) -> str:
+def _text_of(content: Any, where: str, allowed: str = _TEXT_ONLY) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad(f"{where}.content must be a string or a list of parts", f"{where}.content")
-    out = []
-    for j, p in enumerate(content):
-        kind = p.get("type") if isinstance(p, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(p.get("text"), str):
-            raise bad(
-                f"{where}.content[{j}]: '{kind}' parts are not supported (text only: {', '.join(_TEXT_PARTS[:2])})",
-                f"{where}.content[{j}].type",
-            )
-        out.append(p["text"])
-    return "".join(out)
+    return "".join(_part_text(p, f"{where}.content[{j}]", allowed) for j, p in enumerate(content))
+
+
+def _part_text(p: Any, at: str, allowed: str) -> str:
+    """One text part's text; a 400 naming the part `at` for any other part (`allowed`: what the
+    message takes, for the error)."""
+    kind = p.get("type") if isinstance(p, dict) else None
+    if kind not in _TEXT_PARTS:
+        raise bad(f"{at}: '{kind}' parts are not supported ({allowed})", f"{at}.type")
+    if not isinstance(p.get("text"), str):
+        raise bad(f"{at}.text must be a string", f"{at}.text")
+    return str(p["text"])
 
 
 def _parts_of(content: Any, where: str, msg: int, names: dict[tuple[int, int], str]) -> str | list[dict[str, Any]]:
@@ -85,14 +89,16 @@ def _parts_of(content: Any, where: str, msg: int, names: dict[tuple[int, int], s
     if not isinstance(content, list) or not any(
         isinstance(p, dict) and p.get("type") == "input_image" for p in content
     ):
-        return _text_of(content, where)
+        return _text_of(content, where, _WITH_IMAGES)
     parts: list[dict[str, Any]] = []
     for j, p in enumerate(content):
-        names[(msg, j)] = f"{where}.content[{j}]"
+        at = names[(msg, j)] = f"{where}.content[{j}]"
         if p.get("type") == "input_image":
+            if p.get("detail") not in (None, "auto", "low", "high"):  # OpenAI's values (all served alike)
+                raise bad(f"{at}.detail must be 'auto', 'low' or 'high'", f"{at}.detail")
             parts.append({"type": "input_image", "image_url": p.get("image_url")})
         else:
-            parts.append({"type": "text", "text": _text_of([p], where)})
+            parts.append({"type": "text", "text": _part_text(p, at, _WITH_IMAGES)})
     return parts
 
 

@@ -1,7 +1,7 @@
 """One image in a prompt, as the router hands it to the node that prefills the prompt: the
 client's encoded bytes, a hash of the decoded pixels (the identity the encoder cache and the
 prefix cache key on), where its placeholder tokens start and its patch grid (docs/images.md).
-`decode_rgb` (`to_rgb`) and `hash_pixels` are the one definition of that decode and that hash."""
+`decode_rgb` (`upright`, `to_rgb`) and `hash_pixels` are the one definition of that decode and that hash."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from PIL import Image
 
-__all__ = ["ImageInput", "decode_rgb", "hash_pixels", "hash_view", "to_rgb"]
+__all__ = ["ImageInput", "decode_rgb", "hash_pixels", "hash_view", "to_rgb", "upright"]
 
 
 @dataclass(frozen=True)
@@ -30,12 +30,29 @@ class ImageInput:
 
 
 def decode_rgb(data: bytes) -> Image.Image:
-    """The image's first frame as RGB pixels (PIL raises on bytes it cannot decode), by `to_rgb`."""
+    """The image's first frame, turned upright, as RGB pixels (PIL raises on bytes it cannot
+    decode), by `upright` and `to_rgb`."""
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as img:
         img.seek(0)
-        return to_rgb(img)
+        return to_rgb(upright(img))
+
+
+def upright(img: Image.Image) -> Image.Image:
+    """A decoded image turned as its EXIF orientation says (a phone's portrait photo is stored
+    sideways with an orientation tag), as vLLM and transformers' `load_image` turn the bytes they
+    are sent; `img` itself when it has no such tag. The pixels are decoded first (PIL raises on
+    bytes it cannot decode); an orientation that cannot be read leaves the image as stored."""
+    from PIL import ImageOps
+
+    img.load()
+    try:
+        if img.getexif().get(0x0112, 1) == 1:  # ExifTags.Base.Orientation: 1 is upright
+            return img
+        return ImageOps.exif_transpose(img)
+    except Exception:  # a malformed EXIF block: PIL raises several kinds; the image is used as stored
+        return img
 
 
 def to_rgb(img: Image.Image) -> Image.Image:

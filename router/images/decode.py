@@ -1,6 +1,7 @@
 """Decoding one encoded image on the router (in a worker thread, never on the event loop): its
 size is read from the header and checked against the pixel limit before any pixel is decoded,
-then the first frame is decoded and converted to RGB (engine/vision/inputs.py's `to_rgb`, as the nodes convert it), and its identity is hashed from the
+then the first frame is decoded, turned upright by its EXIF orientation and converted to RGB
+(engine/vision/inputs.py's `upright` and `to_rgb`, as the nodes decode it), and its identity is hashed from the
 result (engine/vision/inputs.py's `hash_pixels`, the one definition the nodes share). Only the formats in FORMATS are opened: others (SVG, PDF, EPS, ...) are
 refused before a decoder for them runs."""
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from engine.vision.inputs import hash_pixels, to_rgb
+from engine.vision.inputs import hash_pixels, to_rgb, upright
 
 # What clients send (the JPEG decoder also opens cameras' MPO files); the processor sees the
 # first frame as RGB whatever the format.
@@ -47,7 +48,7 @@ def decode(data: bytes, max_pixels: int) -> Decoded:
                 if width * height > max_pixels:
                     raise _too_large(width, height, max_pixels)
                 im.seek(0)
-                rgb = to_rgb(im)  # as the nodes decode it (transparency onto white): the hash must agree
+                rgb = to_rgb(upright(im))  # as the nodes decode it (turned, alpha onto white): the hashes must agree
         except ImageRefused:
             raise
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:  # raised by open: no size yet
@@ -58,7 +59,7 @@ def decode(data: bytes, max_pixels: int) -> Decoded:
             raise ImageRefused("format", f"not an image in a format this server reads ({', '.join(FORMATS)})") from None
         except (OSError, ValueError, SyntaxError, EOFError, struct.error) as e:  # what PIL's decoders raise
             raise ImageRefused("corrupt", f"the image is corrupt or truncated ({e})") from None
-    return Decoded(width, height, hash_pixels(rgb))
+    return Decoded(rgb.width, rgb.height, hash_pixels(rgb))  # upright: a turned photo's sides swap
 
 
 def _too_large(width: int, height: int, limit: int) -> ImageRefused:

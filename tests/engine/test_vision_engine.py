@@ -191,8 +191,37 @@ def test_vllm_multi_modal_data_prompts(vl):
             "multi_modal_data": {"image": pil["one_image"]},
         }
         assert llm.generate([one], GREEDY)[0].output_token_ids == cases["one_image"][2]
+        # encoded bytes are decoded as the router decodes them: a photo stored sideways with an EXIF
+        # orientation is seen upright, as transformers' load_image turns it (the reference: its pixels)
+        turned, upright = _turned_jpeg()
+        msgs = [vc.user("What is", None)]
+        ids, inputs = vc.chat(path, msgs, [upright])
+        got = llm.generate([{"prompt": vc.chat_text(path, msgs), "multi_modal_data": {"image": turned}}], GREEDY)
+        assert got[0].prompt_token_ids == ids and got[0].output_token_ids == vc.hf_greedy(path, ids, inputs, NEW)
         with pytest.raises(ValueError, match=r"prompt 1: 2 image\(s\) for 1 <\|image_pad\|>"):
             llm.generate([prompts[0], dict(prompts[0], multi_modal_data={"image": pil["two_sizes"]})], GREEDY)
         with pytest.raises(ValueError, match="prompt 0: multi_modal_data video is not supported"):
             llm.generate([dict(prompts[0], multi_modal_data={"video": [pil["one_image"][0]]})], GREEDY)
         assert llm.engine.blocks.num_free == llm.capacity().num_blocks
+
+
+def _turned_jpeg() -> tuple[bytes, bytes]:
+    """A JPEG stored 120 x 40 with EXIF orientation 6 (shown turned 90 degrees clockwise), and
+    PNG bytes of the upright RGB pixels transformers' `load_image` makes of it."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from transformers.image_utils import load_image
+
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    px = np.random.default_rng(6).integers(0, 256, (40, 120, 3), dtype=np.uint8)
+    Image.fromarray(px).save(buf, format="JPEG", exif=exif.tobytes())
+    ref = load_image(base64.b64encode(buf.getvalue()).decode())  # as transformers loads a base64 image
+    assert ref.size == (40, 120)
+    out = io.BytesIO()
+    ref.save(out, format="PNG")
+    return buf.getvalue(), out.getvalue()
