@@ -423,6 +423,9 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
         except NoRoom as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             raise
+        if not context.is_active():  # the caller went away meanwhile: nobody will fill or release it
+            self._release(rid, "the caller went away before its reservation was answered", wait_s=0)
+            context.abort(grpc.StatusCode.CANCELLED, f"reservation {rid}: the caller went away")
         res = got.reservation
         ranks: list[TargetRank] = res.transfer if isinstance(res.transfer, list) else []
         return pb.ReserveResponse(

@@ -393,6 +393,9 @@ class PrefillPhase:
             target = await self.reserve(d, rid, ids, request, images)
         except grpc.RpcError as e:
             raise DecodeFailed(e) from None
+        except asyncio.CancelledError:  # the client went away while D reserved: D may hold it already
+            self.release_later(d, rid, "the client went away")
+            raise
         reserve_s = time.monotonic() - t0
         call = None
         try:

@@ -292,3 +292,33 @@ def test_a_failed_push_renews_no_lease(pair, monkeypatch):
     records: list[TransferRecord] = []
     _drive(P, D, lambda: not pc.tracks("r9") and RecvFreed("r9") in records, records)
     assert _free(P) == p0 and _free(D) == d0 and not pc.has_work()
+
+
+def test_a_push_into_a_reservation_released_just_before_is_refused_at_once(pair):
+    """The router released a reservation (its client went away) just before the prefill node
+    opened the push into it: the decode side, idle now, still reads the Begin and refuses it, so
+    the prefill side frees its pages and slot at once; it held them for the source's whole grant
+    timeout (30 s) while nothing polled the decode side's endpoint."""
+    P, D, pc, dc = pair
+    p0, d0 = _free(P), _free(D)
+    prompt = hc.prompts(lens=(40,), seed=13)[0]
+    target = _target(D, "r9", prompt)
+    D.release("r9", "the client went away")
+    records: list[TransferRecord] = []
+    _drive(P, D, lambda: RecvFreed("r9") in records, records)
+    assert not dc.tracks("r9") and _free(D) == d0
+    P.add_request(prompt, SP, "r9", prefill_only=True, transfer=PushParams(target))
+    P.step()
+    so = P.scheduler.schedule()  # the last chunk's scheduling hook opens the push: its Begin goes out
+    P.connector.rows_scheduled(so)
+    P.scheduler.abandon(so)
+    assert pc.phase("r9") is PushPhase.OPENED
+    P.abort("r9")  # the router cancelled the prefill too
+    deadline = time.monotonic() + 5.0
+    while pc.tracks("r9"):
+        assert time.monotonic() < deadline, f"the prefill side still holds r9's memory: {records}"
+        records += P.poll_transfers() + D.poll_transfers()
+        time.sleep(0.005)
+    sent = [r for r in records if isinstance(r, SendDone)]
+    assert len(sent) == 1 and sent[0].aborted
+    assert _free(P) == p0 and _free(D) == d0 and "r9" not in P.requests

@@ -21,6 +21,12 @@ from transfer.messages import TargetRank
 
 log = logging.getLogger("pdserve.transfer")
 
+# After a reservation ends a receiver keeps reading its endpoints, at this cadence, for a grant
+# timeout (TransferConfig.grant_timeout_s): a source may open a push into a reservation released a
+# moment before (the client went away while the prompt computed), and it holds its pages and slot
+# until this side answers its Begin (Refuse) or that timeout runs out. An idle loop reads nothing.
+LINGER_POLL_S = 0.02
+
 
 class ReservationPhase(enum.Enum):
     WAITING = "waiting"  # writes may land; the prefill node renews the lease
@@ -67,6 +73,8 @@ class DecodeConnector(RankEndpoints, Connector):
         self._res: dict[str, _Reservation] = {}
         self._out: list[TransferRecord] = []  # reported by the next poll
         self._ready = self._failed = self._renewals = self._expiries = 0
+        self._linger_until = 0.0  # keep reading the endpoints until then (LINGER_POLL_S)
+        self._last_poll = 0.0
 
     # ---- the engine's calls ----------------------------------------------------------------------
     def request_reserved(self, request: Request) -> list[TargetRank]:
@@ -120,7 +128,7 @@ class DecodeConnector(RankEndpoints, Connector):
         return None if r is None else r.record()
 
     def has_work(self) -> bool:
-        return bool(self._res)
+        return bool(self._res) or time.monotonic() < self._linger_until
 
     def writes_awaited(self) -> int:
         return sum(1 for r in self._res.values() if r.phase is ReservationPhase.WAITING)
@@ -135,8 +143,10 @@ class DecodeConnector(RankEndpoints, Connector):
         )
 
     def poll(self) -> list[TransferRecord]:
-        if self._res:
-            self._poll_once()
+        now = time.monotonic()
+        if self._res or (now < self._linger_until and now - self._last_poll >= LINGER_POLL_S):
+            self._last_poll = now
+            self._poll_once()  # with no reservation: reads the endpoints (a late Begin is refused)
         out, self._out = self._out, []
         return out
 
@@ -176,4 +186,5 @@ class DecodeConnector(RankEndpoints, Connector):
                 continue
             if r.phase is ReservationPhase.FAILING and all(p.freed for p in per):
                 del self._res[r.rid]
+                self._linger_until = now + self.config.grant_timeout_s
                 self._out.append(RecvFreed(r.rid))
