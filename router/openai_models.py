@@ -184,10 +184,11 @@ class _Request(NullIsUnset):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    guided_decoding_backend: Any = None  # accepted, not used: one backend
-    guided_whitespace_pattern: Any = None  # accepted, not used: JSON whitespace is bounded already
+    guided_decoding_backend: Any = None  # one backend; its `:disable-any-whitespace` style options are read
+    guided_whitespace_pattern: Any = None  # the JSON whitespace of guided_json (router/json_shape.py)
     regex: Any = None
     ebnf: Any = None
+    json_schema: Any = None  # SGLang's: a schema's JSON text (or object)
     # vLLM's output extensions
     include_stop_str_in_output: bool = False  # a matched stop string stays at the end of the text
     skip_special_tokens: bool = True  # false: special tokens (<|im_end|>) are in the text too
