@@ -207,6 +207,17 @@ class _Request(NullIsUnset):
     # vLLM's: per prompt token after the first, its logprob and rank and the N most likely (chat: over
     # the rendered prompt, at the answer's top level)
     prompt_logprobs: Any = None
+    # where `response_format` is in the body the client sent (Responses' `text.format`, Anthropic's
+    # `output_config.format`): error messages name what the client wrote
+    _format_field: str = PrivateAttr(default="response_format")
+
+    @property
+    def format_field(self) -> str:
+        return self._format_field
+
+    def name_format(self, field: str) -> None:
+        """Name `response_format` `field` in errors (a body converted to chat)."""
+        self._format_field = field
 
     @property
     def include_usage(self) -> bool:

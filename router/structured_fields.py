@@ -48,16 +48,16 @@ TOP_LEVEL = (
 def constraint(req: Any) -> pb.Constraint | None:
     """The request's constraint (None: free text); ApiError 400 naming the field that is wrong."""
     found: list[tuple[str, pb.Constraint]] = []
-    c = response_format(req.response_format)
+    c = response_format(req.response_format, req.format_field)
     if c is not None:
-        found.append(("response_format", c))
+        found.append((req.format_field, c))
     for name, kind in TOP_LEVEL:
         v = getattr(req, name)
         if v is not None:
             found.append((name, _one(name, kind, v)))
     so = req.structured_outputs
     if so is not None and (c := _structured(so, alone=not found)) is not None:
-        found.insert(1 if found and found[0][0] == "response_format" else 0, ("structured_outputs", c))
+        found.insert(1 if found and found[0][0] == req.format_field else 0, ("structured_outputs", c))
     if len(found) > 1:
         a, b = found[0][0], found[1][0]
         raise bad(f"'{a}' and '{b}' both constrain the output: send one", b)
@@ -85,8 +85,9 @@ def check_schema(param: str, schema: Any) -> None:
     checked(param, pb.Constraint(json_schema=json.dumps(schema)))
 
 
-def response_format(rf: Any) -> pb.Constraint | None:
-    """OpenAI's `response_format`: text (None), json_object or json_schema."""
+def response_format(rf: Any, param: str = "response_format") -> pb.Constraint | None:
+    """OpenAI's `response_format`: text (None), json_object or json_schema; `param`: where the
+    client's body has it (Responses' `text.format`), named in a 400."""
     if rf in (None, {}) or isinstance(rf, dict) and rf.get("type") == "text":
         return None
     kind = rf.get("type") if isinstance(rf, dict) else None
@@ -96,13 +97,10 @@ def response_format(rf: Any) -> pb.Constraint | None:
         js = rf.get("json_schema")
         schema = js.get("schema") if isinstance(js, dict) else None
         if not isinstance(schema, dict):
-            raise bad(
-                "response_format json_schema needs 'json_schema': {'name': ..., 'schema': {...}}", "response_format"
-            )
+            shape = "'schema': {...}" if param != "response_format" else "'json_schema': {'name': ..., 'schema': {...}}"
+            raise bad(f"{param} json_schema needs {shape}", param)
         return pb.Constraint(json_schema=json.dumps(schema))
-    raise ApiError(
-        400, f"response_format type must be text, json_object or json_schema (got {kind!r})", param="response_format"
-    )
+    raise ApiError(400, f"{param} type must be text, json_object or json_schema (got {kind!r})", param=param)
 
 
 def _structured(so: Any, alone: bool) -> pb.Constraint | None:

@@ -166,3 +166,50 @@ def test_malformed_or_doubled_constraints_are_400s_naming_the_field(body, param)
     with pytest.raises(ApiError) as e:
         _c(**body)
     assert e.value.status == 400 and e.value.param == param, str(e.value)
+
+
+def _responses(fmt):
+    from router.responses_request import ResponsesRequest, to_chat
+
+    return constraint(to_chat(ResponsesRequest.model_validate({"model": "m", "input": "x", "text": {"format": fmt}})))
+
+
+def _messages(**fmt):
+    from router.anthropic_request import MessagesRequest, to_chat
+
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}], **fmt}
+    return constraint(to_chat(MessagesRequest.model_validate(body)))
+
+
+@pytest.mark.parametrize(
+    "make,param",
+    [
+        (lambda: _responses({"type": "json_schema", "name": "n", "schema": {"type": "frob"}}), "text.format"),
+        (lambda: _responses({"type": "json_schema", "name": "n"}), "text.format"),
+        (lambda: _responses({"type": "regex"}), "text.format"),
+        (
+            lambda: _messages(output_config={"format": {"type": "json_schema", "schema": {"not": {}}}}),
+            "output_config.format",
+        ),
+        (lambda: _messages(output_format={"type": "json_schema", "schema": {"type": "frob"}}), "output_format"),
+    ],
+    ids=[
+        "responses-schema",
+        "responses-no-schema",
+        "responses-type",
+        "messages-output_config",
+        "messages-output_format",
+    ],
+)
+def test_a_bad_format_is_named_as_the_body_has_it(make, param):
+    with pytest.raises(ApiError) as e:
+        make()
+    assert e.value.status == 400 and e.value.param == param, str(e.value)
+    assert "response_format" not in str(e.value), str(e.value)
+
+
+def test_formats_of_other_bodies_constrain():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert json.loads(_responses({"type": "json_schema", "name": "n", "schema": schema}).json_schema) == schema
+    assert _responses({"type": "json_object"}).json_object
+    assert json.loads(_messages(output_format={"type": "json_schema", "schema": schema}).json_schema) == schema
