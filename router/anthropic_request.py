@@ -353,4 +353,5 @@ def to_chat(req: MessagesRequest) -> ChatRequest:
     assert isinstance(chat, ChatRequest)
     chat.part_names.update(names)
     chat.name_schemas("tools[{i}].input_schema")
+    chat.name_format("output_config.format" if (req.output_config or {}).get("format") is not None else "output_format")
     return chat

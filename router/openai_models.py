@@ -184,10 +184,11 @@ class _Request(NullIsUnset):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    guided_decoding_backend: Any = None  # accepted, not used: one backend
-    guided_whitespace_pattern: Any = None  # accepted, not used: JSON whitespace is bounded already
+    guided_decoding_backend: Any = None  # one backend; its `:disable-any-whitespace` style options are read
+    guided_whitespace_pattern: Any = None  # the JSON whitespace of guided_json (router/json_shape.py)
     regex: Any = None
     ebnf: Any = None
+    json_schema: Any = None  # SGLang's: a schema's JSON text (or object)
     # vLLM's output extensions
     include_stop_str_in_output: bool = False  # a matched stop string stays at the end of the text
     skip_special_tokens: bool = True  # false: special tokens (<|im_end|>) are in the text too
@@ -208,6 +209,17 @@ class _Request(NullIsUnset):
     # vLLM's: per prompt token after the first, its logprob and rank and the N most likely (chat: over
     # the rendered prompt, at the answer's top level)
     prompt_logprobs: Any = None
+    # where `response_format` is in the body the client sent (Responses' `text.format`, Anthropic's
+    # `output_config.format`): error messages name what the client wrote
+    _format_field: str = PrivateAttr(default="response_format")
+
+    @property
+    def format_field(self) -> str:
+        return self._format_field
+
+    def name_format(self, field: str) -> None:
+        """Name `response_format` `field` in errors (a body converted to chat)."""
+        self._format_field = field
 
     @property
     def include_usage(self) -> bool:

@@ -258,4 +258,5 @@ def to_chat(req: ResponsesRequest, prior: list[dict[str, Any]] | None = None, sk
     assert isinstance(chat, ChatRequest)
     chat.part_names.update(names)
     chat.name_schemas("tools[{i}].parameters")
+    chat.name_format("text.format")
     return chat

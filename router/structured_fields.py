@@ -4,11 +4,15 @@ Clients write the same constraint several ways, and each is read here rather tha
 ignored field would return unconstrained text that looks like an answer):
 - OpenAI's `response_format` (`json_object`, `json_schema`), on chat and on completions;
 - vLLM's `structured_outputs` object: exactly one of `json` (a schema, object or JSON text),
-  `regex`, `choice` (a list of strings), `grammar`, `json_object` (true);
-- vLLM's older top-level `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`
-  (`guided_decoding_backend` and `guided_whitespace_pattern` are accepted and not used: the
-  engine has one backend and bounds JSON whitespace itself, docs/api.md);
-- SGLang's top-level `regex` and `ebnf`.
+  `regex`, `choice` (a list of strings), `grammar`, `json_object` (true); its JSON options
+  `disable_any_whitespace` (compact JSON), `whitespace_pattern` and
+  `disable_additional_properties` (objects take only the properties they name) shape a JSON
+  constraint, its own or one another field names (`response_format`, as vLLM merges them);
+  `disable_fallback` changes nothing (one backend);
+- vLLM's older top-level `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, with
+  `guided_whitespace_pattern` and `guided_decoding_backend`'s options (`xgrammar:disable-any-whitespace`,
+  `guidance:no-additional-properties`; the backend's name itself changes nothing);
+- SGLang's top-level `regex`, `ebnf` and `json_schema` (a schema's JSON text or object).
 A grammar is llguidance's Lark dialect or GBNF (llama.cpp's and xgrammar's `root ::= ...`),
 converted to Lark here. Two fields naming constraints at once are a 400 naming both."""
 
@@ -21,36 +25,49 @@ from engine.structured.grammar import bounded_json
 from engine.structured.spec import Constraint
 from proto import pb
 from proto.convert import constraint_kwargs
+from router import json_shape
 from router.openai_models import ApiError, bad
 
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
-# vLLM's structured_outputs options that change nothing here: the engine has one backend (no
-# fallback to choose), and its JSON whitespace is bounded already
-IGNORED_KEYS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
-GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+# vLLM's structured_outputs options: those that shape a JSON constraint (json_shape.py), and one
+# that changes nothing here (the engine has one backend, no fallback to choose)
+JSON_OPTION_KEYS = ("disable_any_whitespace", "whitespace_pattern", "disable_additional_properties")
+IGNORED_KEYS = ("disable_fallback",)
+# top-level fields naming a constraint of one kind: vLLM's older ones, then SGLang's
+TOP_LEVEL = (
+    ("guided_json", "json"),
+    ("guided_regex", "regex"),
+    ("guided_choice", "choice"),
+    ("guided_grammar", "grammar"),
+    ("regex", "regex"),
+    ("ebnf", "grammar"),
+    ("json_schema", "json"),
+)
 
 
 def constraint(req: Any) -> pb.Constraint | None:
     """The request's constraint (None: free text); ApiError 400 naming the field that is wrong."""
     found: list[tuple[str, pb.Constraint]] = []
-    c = response_format(req.response_format)
+    c = response_format(req.response_format, req.format_field)
     if c is not None:
-        found.append(("response_format", c))
-    so = req.structured_outputs
-    if so is not None:
-        found.append(("structured_outputs", _structured(so)))
-    for name in GUIDED:
-        v = getattr(req, name)
-        if v is not None:
-            found.append((name, _one(name, name.removeprefix("guided_"), v)))
-    for name, kind in (("regex", "regex"), ("ebnf", "grammar")):
+        found.append((req.format_field, c))
+    for name, kind in TOP_LEVEL:
         v = getattr(req, name)
         if v is not None:
             found.append((name, _one(name, kind, v)))
+    so = req.structured_outputs
+    if so is not None and (c := _structured(so, alone=not found)) is not None:
+        found.insert(1 if found and found[0][0] == req.format_field else 0, ("structured_outputs", c))
     if len(found) > 1:
         a, b = found[0][0], found[1][0]
         raise bad(f"'{a}' and '{b}' both constrain the output: send one", b)
-    return checked(*found[0]) if found else None
+    if not found:
+        return None
+    param, c = found[0]
+    options = json_shape.options(req)
+    if options is not None:
+        c = json_shape.shaped(c, options)
+    return checked(param, c)
 
 
 def checked(param: str, c: pb.Constraint) -> pb.Constraint:
@@ -68,8 +85,9 @@ def check_schema(param: str, schema: Any) -> None:
     checked(param, pb.Constraint(json_schema=json.dumps(schema)))
 
 
-def response_format(rf: Any) -> pb.Constraint | None:
-    """OpenAI's `response_format`: text (None), json_object or json_schema."""
+def response_format(rf: Any, param: str = "response_format") -> pb.Constraint | None:
+    """OpenAI's `response_format`: text (None), json_object or json_schema; `param`: where the
+    client's body has it (Responses' `text.format`), named in a 400."""
     if rf in (None, {}) or isinstance(rf, dict) and rf.get("type") == "text":
         return None
     kind = rf.get("type") if isinstance(rf, dict) else None
@@ -79,27 +97,28 @@ def response_format(rf: Any) -> pb.Constraint | None:
         js = rf.get("json_schema")
         schema = js.get("schema") if isinstance(js, dict) else None
         if not isinstance(schema, dict):
-            raise bad(
-                "response_format json_schema needs 'json_schema': {'name': ..., 'schema': {...}}", "response_format"
-            )
+            shape = "'schema': {...}" if param != "response_format" else "'json_schema': {'name': ..., 'schema': {...}}"
+            raise bad(f"{param} json_schema needs {shape}", param)
         return pb.Constraint(json_schema=json.dumps(schema))
-    raise ApiError(
-        400, f"response_format type must be text, json_object or json_schema (got {kind!r})", param="response_format"
-    )
+    raise ApiError(400, f"{param} type must be text, json_object or json_schema (got {kind!r})", param=param)
 
 
-def _structured(so: Any) -> pb.Constraint:
+def _structured(so: Any, alone: bool) -> pb.Constraint | None:
+    """The constraint `structured_outputs` names; None when it holds JSON options alone and
+    `alone` is false (they shape the constraint another field names)."""
     if not isinstance(so, dict):
         raise bad(
             f"'structured_outputs' must be an object with one of {', '.join(STRUCTURED_KEYS)}", "structured_outputs"
         )
-    unknown = sorted(k for k in so if k not in STRUCTURED_KEYS and k not in IGNORED_KEYS)
+    unknown = sorted(k for k in so if k not in (*STRUCTURED_KEYS, *JSON_OPTION_KEYS, *IGNORED_KEYS))
     if unknown:
         raise bad(
             f"'structured_outputs' {', '.join(unknown)} not supported (supported: {', '.join(STRUCTURED_KEYS)})",
             "structured_outputs",
         )
     named = [k for k in STRUCTURED_KEYS if so.get(k) not in (None, False)]
+    if not named and not alone:
+        return None
     if len(named) != 1:
         raise bad(
             f"'structured_outputs' needs exactly one of {', '.join(STRUCTURED_KEYS)} (got {len(named)})",

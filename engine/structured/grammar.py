@@ -3,7 +3,9 @@ that refuses a bad one without a tokenizer (so the router and both node kinds ca
 
 JSON (json_schema, json_object) is compiled with bounded whitespace between tokens: one blank or
 none, or a newline and an indentation of at most INDENT_MAX blanks, so a weak model cannot loop
-on whitespace while pretty-printed output stays possible. `choice` is a Lark
+on whitespace while pretty-printed output stays possible, unless the schema's own `x-guidance`
+fixes its whitespace: `"whitespace_flexible": false` (compact JSON, `,` and `:` with no blank, as
+vLLM's `disable_any_whitespace` asks) or a `whitespace_pattern` of its own. `choice` is a Lark
 alternative of JSON-quoted literals; `grammar` is passed through (llguidance's Lark dialect): a
 schema it embeds with `%json` bounds its whitespace only if it says so (`bounded_json` adds it)."""
 
@@ -25,8 +27,18 @@ _JSON_OPTIONS: JsonCompileOptions = {"whitespace_pattern": WHITESPACE}
 
 def bounded_json(schema: dict[str, object]) -> dict[str, object]:
     """A JSON schema to embed in a Lark grammar (`%json {...}`) with the same bounded whitespace
-    as json_schema constraints (an embedded schema otherwise gets llguidance's unbounded default)."""
+    as json_schema constraints (an embedded schema otherwise gets llguidance's unbounded default);
+    one whose `x-guidance` fixes its whitespace already (`own_whitespace`) is left as it is."""
+    if own_whitespace(schema):
+        return schema
     return {**schema, "x-guidance": {**_x_guidance(schema), "whitespace_pattern": WHITESPACE}}
+
+
+def own_whitespace(schema: object) -> bool:
+    """Whether a schema's `x-guidance` says how its JSON is spaced: compact
+    (`"whitespace_flexible": false`) or a `whitespace_pattern` of its own."""
+    x = _x_guidance(schema) if isinstance(schema, dict) else {}
+    return x.get("whitespace_flexible") is False or "whitespace_pattern" in x
 
 
 def _x_guidance(schema: dict[str, object]) -> dict[str, object]:
@@ -49,7 +61,7 @@ def grammar_text(kind: str, value: str | tuple[str, ...]) -> str:
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"json_schema must be a JSON object (got {type(schema).__name__})")
         try:
-            return M.grammar_from_json_schema(value, overrides=_JSON_OPTIONS)
+            return M.grammar_from_json_schema(value, overrides=None if own_whitespace(schema) else _JSON_OPTIONS)
         except ValueError as e:
             raise ValueError(f"json_schema: {e}") from None
     if kind == "regex":
