@@ -20,6 +20,14 @@ def model_id(path: str) -> str:
     return f"{m.group(1)}/{m.group(2)}" if m else Path(path).name
 
 
+def model_root(path: str) -> str:
+    """What a model card's `root` names, as vLLM's does (the checkpoint a client loads the tokenizer
+    from: `vllm bench serve` without --model reads it): ORG/NAME for a Hugging Face cache snapshot,
+    else the checkpoint's path."""
+    m = _HF_SNAPSHOT.search(path)
+    return f"{m.group(1)}/{m.group(2)}" if m else path
+
+
 def served_models(registry: NodeRegistry, served: tuple[str, ...], has_tokenizer: bool) -> list[pb.ModelInfo]:
     """The models the live nodes serve, each under its id (the first of `served` for the
     router's one model; else `model_id` of its path). Encode nodes are left out: they hold only

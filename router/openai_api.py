@@ -26,7 +26,7 @@ from router.errors import Abort
 from router.http_limits import check_expansion, read_json
 from router.images.decode import ImageRefused
 from router.images.prepare import Prepared
-from router.model_names import names_of
+from router.model_names import model_root, names_of
 from router.openai_chat import ChatFront
 from router.openai_choices import Choice, Job, usage
 from router.openai_models import (
@@ -414,6 +414,8 @@ def make_app(service, front: OpenAIFront | None = None) -> FastAPI:
             "object": "model",
             "created": int(time.time()),
             "owned_by": "pdserve",
+            "root": model_root(m.path),  # vLLM's: where clients load the tokenizer (vllm bench serve does)
+            "parent": None,
             "max_model_len": m.max_model_len,
         }
 

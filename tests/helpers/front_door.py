@@ -30,6 +30,16 @@ def start(ckpt, ctx: int = CTX, dead_after_s: float = 1.0, **cfg):
     return r, fake, srv, hb, port
 
 
+def get(port: int, path: str, timeout: float = 30) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
 def post(port: int, body: bytes, path: str = "/v1/completions", timeout: float = 60) -> tuple[int, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:

@@ -7,26 +7,15 @@ routes of other kinds of model."""
 
 from __future__ import annotations
 
-import http.client
 import json
 
 import pytest
 
 from router.stops import MAX_STOP_CHARS, MAX_STOPS
-from tests.helpers.front_door import post
+from tests.helpers.front_door import get, post
 
 CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "Hi"}]
-
-
-def _get(port: int, path: str) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        return resp.status, json.loads(resp.read())
-    finally:
-        conn.close()
 
 
 def _post(port: int, path: str = "/v1/completions", **body) -> tuple[int, dict]:
@@ -164,7 +153,7 @@ def test_health_is_503_without_a_live_decode_node(ckpt):
     r, _ = serve("127.0.0.1:0", RouterConfig(model=str(ckpt), http_port=0))
     try:
         for path in ("/health", "/ping"):
-            status, out = _get(r.http_port, path)
+            status, out = get(r.http_port, path)
             assert status == 503 and out["status"] == "no_decode_node" and out["decode_nodes"] == 0, out
             assert "no live decode node" in out["message"]
     finally:
@@ -173,7 +162,7 @@ def test_health_is_503_without_a_live_decode_node(ckpt):
 
 def test_health_is_200_with_a_decode_node(door):
     r, _, _ = door
-    assert _get(r.http_port, "/health") == (200, {"status": "ok", "decode_nodes": 1})
+    assert get(r.http_port, "/health") == (200, {"status": "ok", "decode_nodes": 1})
 
 
 def _prompt(port: int, **chat) -> tuple[int, dict]:
