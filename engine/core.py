@@ -24,7 +24,7 @@ from engine.rate_window import attended_pairs
 from engine.request import Request, RequestIdInUse, Status
 from engine.request_state import FINAL
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerOutput, final_step
 from engine.spec_decode import NgramProposer
 from engine.step import StepInput
 from engine.step_input import advance, step_input
@@ -424,7 +424,7 @@ class EngineCore:
         if not saves:
             return
         try:
-            self.executor.execute(StepInput([], [], [], [f.copy for f in saves]))
+            self.executor.execute(final_step(saves))
         except BaseException:
             self.scheduler.end_final(saves, ran=False)
             raise

@@ -59,13 +59,27 @@ class SnapshotCopy:
     inside a prefill row, kernels/points.py), and only the page is copied after it. With MTP,
     `last` is the prefix's last position p - 1: a save keeps the main model's hidden state there,
     a restore hands it to the drafter, which computes its KV at p - 1 again with the request's
-    own token p (docs/ARCHITECTURE.md "Prefix caching with MTP drafting")."""
+    own token p (docs/ARCHITECTURE.md "Prefix caching with MTP drafting"). `back`: a finished
+    request's save whose accepted drafts ran past its stop token: the state (and hidden state)
+    that many tokens before the last step's row ended, from the verification's per-token states."""
 
     index: int
     slot: int
     page: int | None = None
     offset: int | None = None
     last: int | None = None
+    back: int = 0
+
+
+@dataclass
+class DraftFill:
+    """A finished request's positions whose MTP pass the drafter deferred (engine/model/mtp.py,
+    `pending`: its draft depth was 0), computed before its final snapshot is copied, so that the
+    snapshot's tail page holds the drafter's KV as a drafting request's does. block_ids: its pages
+    up to the tail page (the positions attend to the ones before)."""
+
+    request_id: str
+    block_ids: list[int]
 
 
 @dataclass
@@ -87,6 +101,8 @@ class StepInput:
     # order (engine/step_input.py advance). Workers update what they kept from the last step instead
     # of building it again (docs/engine.md, "The persistent decode batch")
     steady: bool = False
+    # a step without rows: finished requests' deferred MTP positions, computed before the saves
+    fills: list[DraftFill] = field(default_factory=list)
 
 
 @dataclass

@@ -102,7 +102,7 @@ class Worker:
         self.drafter: MTPDrafter | None = None
         # MTP: the last step's hidden states and, per sampling row's slot, the row of its last
         # position (what a final snapshot keeps; read only when one is saved, `_last_hidden`)
-        self._tail_hidden: tuple[torch.Tensor | None, dict[int, int]] = (None, {})
+        self._tail_hidden: tuple[torch.Tensor | None, dict[int, tuple[int, int, int]]] = (None, {})
         if cfg.speculative.mtp:
             block = MTPBlock(
                 cfg.model,
@@ -328,8 +328,12 @@ class Worker:
         if self.drafter is not None:
             self.drafter.drop(step.finished_ids)
         if not step.rows:  # at most snapshots of finished requests' final state to save
+            if step.fills and self.drafter is not None:  # the drafter's deferred KV first, into their tail pages
+                self.drafter.fill(step.fills, self.pools.kv)
             hidden, row = self._tail_hidden
-            last = {c.index: hidden[row[c.slot]] for c in step.saves if c.last is not None}
+            # accepted drafts past a stop token: the slot takes the state `back` tokens earlier
+            self.pools.rollback([(c.slot, row[c.slot][1], row[c.slot][2] - c.back) for c in step.saves if c.back])
+            last = {c.index: hidden[row[c.slot][0] - c.back] for c in step.saves if c.last is not None}
             self.pools.snapshots.save(self.pools, step.saves, last)
             return StepOutput({}) if self.rank == 0 else None
         batch = self.build_batch(step)
@@ -394,16 +398,19 @@ class Worker:
             self.drafter.resume(r.request_id, c.last, r.token_ids[0], self.pools.snapshots.hidden[c.index])
 
     @staticmethod
-    def _last_hidden(step: StepInput, hidden: torch.Tensor, emitted: list[list[int]]) -> tuple[torch.Tensor, dict]:
-        """(hidden, slot -> row of hidden at the last position whose next token this step made
-        known, num_computed_tokens - 1 after it) for each row that sampled: what a finished
-        request's final-state snapshot keeps (PrefixPlanner.keep_final), saved right after the step.
-        Nothing is gathered unless a snapshot is saved."""
+    def _last_hidden(
+        step: StepInput, hidden: torch.Tensor, emitted: list[list[int]]
+    ) -> tuple[torch.Tensor, dict[int, tuple[int, int, int]]]:
+        """(hidden, slot -> (row of hidden at the last position whose next token this step made
+        known, num_computed_tokens - 1 after it; the row's index in the step; its accepted
+        drafts)) for each row that sampled: what a finished request's final-state snapshot keeps
+        (PrefixPlanner.keep_final), saved right after the step (`SnapshotCopy.back` goes back from
+        there through the rollback states). Nothing is gathered unless a snapshot is saved."""
         row, off = {}, 0
-        for r, toks in zip(step.rows, emitted):
+        for b, (r, toks) in enumerate(zip(step.rows, emitted)):
             n = len(r.token_ids)
             if r.sample and toks:
-                row[r.slot] = off + n - 1 - r.num_draft + len(toks) - 1
+                row[r.slot] = (off + n - 1 - r.num_draft + len(toks) - 1, b, len(toks) - 1)
             off += n
         return hidden, row
 

@@ -124,19 +124,30 @@ class NodeCache:
         bs = self.block_size
         if not bs:
             return
-        now = time.monotonic() if now is None else now
-        exp = now + ttl_s
-        for h in q.pages(bs, self.mtp):
-            self.recent_pages.pop(h, None)  # re-inserted: the newest last
-            self.recent_pages[h] = exp
         # computing it: snapshots on the grid and at its end; receiving it: at its end (a decode
         # node keeps the state that landed, PrefixPlanner.keep_landed), but not with MTP
         points = list(range(self.interval, q.prompt_len, self.interval)) if compute and self.interval else []
-        if compute or not self.mtp:
-            for n in [*points, q.prompt_len]:
-                k = (n, q.key(bs, n))
-                self.recent_snapshots.pop(k, None)
-                self.recent_snapshots[k] = exp
+        ends = [*points, q.prompt_len] if compute or not self.mtp else []
+        self._note(q.pages(bs, self.mtp), [(n, q.key(bs, n)) for n in ends], ttl_s, now)
+
+    def remember_end(self, q: PrefixQuery, ttl_s: float, now: float | None = None) -> None:
+        """A request placed here ended there (stop or length), `q` its prompt and output: the
+        node keeps its final state, every token but the last (PrefixPlanner.keep_final), and
+        the reply's full pages before it, which its next digest reports; known at once, so that
+        the conversation's next turn sent right after finds them."""
+        bs, n = self.block_size, q.prompt_len - 1
+        if bs and n > 0:
+            self._note(q.pages(bs, self.mtp)[: n // bs], [(n, q.key(bs, n))], ttl_s, now)
+
+    def _note(self, pages: list[int], snaps: list[tuple[int, int]], ttl_s: float, now: float | None) -> None:
+        now = time.monotonic() if now is None else now
+        exp = now + ttl_s
+        for h in pages:
+            self.recent_pages.pop(h, None)  # re-inserted: the newest last
+            self.recent_pages[h] = exp
+        for k in snaps:
+            self.recent_snapshots.pop(k, None)
+            self.recent_snapshots[k] = exp
         for d in (self.recent_pages, self.recent_snapshots):  # in expiry order: the oldest first
             while d and (len(d) > RECENT_MAX or next(iter(d.values())) <= now):
                 del d[next(iter(d))]

@@ -299,16 +299,20 @@ class RequestRun:
                 )
             first = pre is None and not self.sent
             watch = NodeWatch(lambda: d.alive, call.cancel, self.svc.cfg.heartbeat_interval_s)
+            end = ""
             async for m in merged(call, route):
                 settled = True  # D activated the reservation (or failed and released it)
                 if m.finish_reason:
                     self.node_ended = m.node_ended  # the node's reports count this end from then on
+                    end = m.finish_reason
                 if pre is not None and m.finish_reason:
                     await pre.wait(5.0)  # the transfer figures, complete on the last message
                 self._own_given_back(d)  # its first token: no longer queued there
                 yield self._relay(m, pre, first=first)
                 first = False
             settled = True
+            if end in ("stop", "length"):  # D ended it (not a stop string here, nor a cancel)
+                self.svc.remember_end(d, self.ids + self.sent, self.request, self.images)
         except DecodeFailed as df:
             await self._decode_failed(df.err, d, None)
         except grpc.RpcError as e:

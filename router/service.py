@@ -444,6 +444,14 @@ class GenerateService:
             d.prefill_sent(own)
             return d, chosen, own
 
+    def remember_end(self, d: NodeEntry, seq: list[int], request: pb.GenerateRequest, images) -> None:
+        """Decode node d ended a request itself (`seq`: its prompt and output): it keeps the
+        final state and the reply's pages (NodeCache.remember_end)."""
+        if self.policy.uses_prefix:
+            q = PrefixQuery(seq, images, request.sampling.cache_salt)
+            with self.registry.lock:
+                d.cache.remember_end(q, self.cfg.prefix_memory_s)
+
     def local_prefill_done(self, d: NodeEntry, tokens: int) -> None:
         """Give back what `admit` counted against decode node d's queue for a prompt it computes
         itself (NodeEntry.prefill_back)."""

@@ -14,7 +14,7 @@ from engine.model.layers import AllReduce
 from engine.model.linear import Linear
 from engine.model.qwen3_5 import DecoderLayer, build_layer, run_layer
 from engine.model.rotary import Rotary
-from engine.step import RowInput
+from engine.step import DraftFill, RowInput
 from kernels import add_rms_norm
 
 
@@ -115,6 +115,23 @@ class MTPDrafter:
         pos, cached with another prompt's next token, is computed again with `token` (its own)
         in its first chunk."""
         self.pending[request_id] = [pos, [token], [hidden.unsqueeze(0).clone()]]
+
+    @torch.inference_mode()
+    def fill(self, fills: list[DraftFill], kv) -> None:
+        """Finished requests' deferred positions (a step without rows, before their final
+        snapshots are copied: PrefixPlanner.keep_final), as one MTP pass without drafts."""
+        rows, ids, hid = [], [], []
+        for f in fills:
+            p = self.pending.pop(f.request_id, None)
+            # not past the tail page: positions after a stop token that accepted drafts ran past
+            n = min(len(p[1]), len(f.block_ids) * self.block_size - p[0]) if p is not None else 0
+            if n > 0:
+                rows.append((p[0], n, f.block_ids))
+                ids += p[1][:n]
+                hid.append(torch.cat(p[2])[:n])
+        if rows:
+            batch = mtp_batch(rows, self.block_size, self.device)
+            self._run(torch.tensor(ids, device=self.device), torch.cat(hid), batch, kv)
 
     def _take(self, r: RowInput) -> tuple[int, list[int], list[torch.Tensor]]:
         """The request's deferred positions, if they end where this row starts (a preempted

@@ -9,6 +9,6 @@
 """
 
 from engine.scheduler.batching import Scheduler
-from engine.scheduler.output import FinalSave, ScheduledRow, SchedulerOutput
+from engine.scheduler.output import FinalSave, ScheduledRow, SchedulerOutput, final_step
 
-__all__ = ["FinalSave", "ScheduledRow", "Scheduler", "SchedulerOutput"]
+__all__ = ["FinalSave", "ScheduledRow", "Scheduler", "SchedulerOutput", "final_step"]

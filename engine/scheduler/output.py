@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from engine.cache.prefix import Snapshot
 from engine.request import Request
 from engine.scheduler.priority import INTERACTIVE
-from engine.step import SnapshotCopy
+from engine.step import DraftFill, SnapshotCopy, StepInput
 
 
 @dataclass(slots=True)
@@ -82,3 +82,12 @@ class FinalSave:
 
     snapshot: Snapshot
     copy: SnapshotCopy
+    # MTP at draft depth 0: the drafter's deferred positions, run before the copy (their pages
+    # before the tail page are held until then, and freed with it)
+    fill: DraftFill | None = None
+
+
+def final_step(saves: list[FinalSave]) -> StepInput:
+    """The executor call that copies finished requests' final states: no rows, their deferred
+    MTP positions computed first."""
+    return StepInput([], saves=[f.copy for f in saves], fills=[f.fill for f in saves if f.fill is not None])

@@ -13,7 +13,7 @@ from engine.cache.inflight import hold_point
 from engine.cache.prefix import ROOT_HASH, PrefixCache, PrefixHit, Snapshot, block_hash, prompt_hashes
 from engine.request import Request, Status
 from engine.scheduler.output import FinalSave, ScheduledRow, SchedulerOutput
-from engine.step import SnapshotCopy
+from engine.step import DraftFill, SnapshotCopy
 
 log = logging.getLogger("pdserve.scheduler")
 
@@ -236,15 +236,20 @@ class PrefixPlanner:
         page (`PrefixCache.tail_page`) out of the release until `take_final`'s copy ran; on a
         decode node too, for a request whose prompt state came from a prefill node (its next
         turn starts with the whole of this one when the history keeps the reply). With MTP the snapshot also keeps the hidden state at its last position (the worker holds
-        it from the step), and a request whose draft depth is 0 keeps none: the drafter may have
-        deferred its last positions' KV (engine/model/mtp.py), so its tail page lacks it."""
+        it from the step); at draft depth 0 the drafter may have deferred its last positions' KV
+        (engine/model/mtp.py), all in the tail page: the copy's call computes them first
+        (`DraftFill`), the pages before the tail held for their attention until then."""
         c, bs = req.num_computed_tokens, self.blocks.block_size
         if req.status is not Status.RUNNING or c == 0:
             return
-        if self.mtp and req.spec.depth == 0:
+        if self.mtp and req.received and len(req.output_token_ids) == 1:  # ended by its first token
+            return  # on activation: no step ran it here, so no hidden state at its last position
+        # drafts accepted past a stop token: the state holds tokens the output does not; the
+        # snapshot takes the one `back` tokens earlier, from the verification's per-token states
+        back = max(0, c - (req.num_tokens - 1))
+        if back and not self.mtp:  # n-gram drafts: not done (its rows keep no hidden state map)
             return
-        if c >= req.num_tokens:  # drafts accepted past a stop token: the state holds tokens not in the output
-            return
+        c -= back
         hashes = self.hashes(req, c // bs)
         parent, tail = self.prefix.key_for(req.hash_prompt + req.output_token_ids, hashes, c)
         # the conversation's deepest point: under pressure it goes after the grid points of the
@@ -258,8 +263,14 @@ class PrefixPlanner:
         if end is not None:  # this prompt's end, on the way to the final state: an intermediate point now
             self.prefix.supersede(end)
         j = self.prefix.tail_page(c)
-        page = req.block_ids.pop(j) if j is not None else None  # freed by reference after the copy
-        self._final.append(FinalSave(s, SnapshotCopy(s.index, self._slot(req), page, last=self._last(c))))
+        fill = None
+        if self.mtp and req.spec.depth == 0 and j is not None:
+            fill = DraftFill(req.request_id, req.block_ids[: j + 1])
+            del req.block_ids[:j]  # the tail page goes below; all are freed by reference after the copy
+        page = req.block_ids.pop(j if fill is None else 0) if j is not None else None
+        self._final.append(
+            FinalSave(s, SnapshotCopy(s.index, self._slot(req), page, last=self._last(c), back=back), fill)
+        )
         req.slot = None
 
     def take_final(self) -> list[FinalSave]:
@@ -272,6 +283,8 @@ class PrefixPlanner:
         for f in saves:
             (self.prefix.commit if ran else self.prefix.discard)(f.snapshot)
             self.slots.free(f.copy.slot)
+            if f.fill is not None:  # the pages before the tail page, the last first (as `_release`)
+                self.blocks.free(f.fill.block_ids[-2::-1])
             if f.copy.page is not None:
                 self.blocks.free([f.copy.page])
 

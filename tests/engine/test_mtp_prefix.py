@@ -42,8 +42,8 @@ def case(ckpt_mtp, mtp_prompts):
         (b1, 10),  # snapshots at 32 (the grid) and 40 (its end)
         (b1 + _rand(14, 23), 40),  # between snapshots: b1's end, mid-page
         (c1, 32),  # exactly at a grid snapshot, on a page boundary; ends on one (48)
-        # c1's next turn: page 1 was cached with b1's token 32 after it; c1 (not fitted) ends at
-        # draft depth 0, so it left no final snapshot
+        # c1's next turn: page 1 was cached with b1's token 32 after it, so neither c1's end nor
+        # its final state (which need page 1) is usable: the snapshot at 32 keeps page 1 itself
         (c1 + out_c1 + _rand(6, 25), 32),
         (d1, 40),  # ends on a page boundary
         # d1's next turn: past d1's reply (its final snapshot: 48 + NEW - 1 computed tokens)
@@ -57,17 +57,9 @@ def case(ckpt_mtp, mtp_prompts):
 def _run(llm, prompt):
     """One request to the end: its output, its drafts (tokens so far, first draft) after every
     step, (drafted, accepted), and the MTP layer's KV [len(prompt), 2, KVH, hd] over the prompt."""
-    e, s = llm.engine, llm.engine.scheduler
+    s = llm.engine.scheduler
     n0, a0 = s.num_draft_tokens, s.num_accepted_tokens
-    req = e.requests[e.add_request(prompt, GREEDY)]
-    blocks, seen = [], []
-    while e.has_unfinished():
-        blocks = list(req.block_ids) or blocks
-        e.step()
-        if req.draft_token_ids and req.status.value == "running":
-            seen.append((len(prompt) + len(req.output_token_ids), req.draft_token_ids[0]))
-    pool = e.executor.worker.pools.kv[llm.config.model.num_layers]  # [blocks, 2, KVH, bs, hd]
-    kv = torch.cat([pool[b] for b in blocks], dim=2)[:, :, : len(prompt)].permute(2, 0, 1, 3).clone()
+    req, seen, kv = hc.mtp_run(llm, prompt, GREEDY)
     return req, seen, (s.num_draft_tokens - n0, s.num_accepted_tokens - a0), kv
 
 

@@ -169,6 +169,24 @@ def first_step_drafts(llm, prompt: list[int], params) -> tuple[int, list[int]]:
     return req.output_token_ids[0], list(req.draft_token_ids)
 
 
+def mtp_run(llm, prompt: list[int], params):
+    """One request through an MTP engine to its end: the request, (tokens so far, first draft)
+    after every step that left it drafts, and the MTP layer's KV [len(prompt), 2, KVH, hd] over
+    the prompt."""
+    e = llm.engine
+    req = e.requests[e.add_request(prompt, params)]
+    blocks: list[int] = []
+    seen: list[tuple[int, int]] = []
+    while e.has_unfinished():
+        blocks = list(req.block_ids) or blocks
+        e.step()
+        if req.draft_token_ids and req.status.value == "running":
+            seen.append((len(prompt) + len(req.output_token_ids), req.draft_token_ids[0]))
+    pool = e.executor.worker.pools.kv[llm.config.model.num_layers]  # [blocks, 2, KVH, bs, hd]
+    kv = torch.cat([pool[b] for b in blocks], dim=2)[:, :, : len(prompt)].permute(2, 0, 1, 3).clone()
+    return req, seen, kv
+
+
 def hf_mtp_logits(
     path: str, tokens: list[int], extra: list[tuple[int, torch.Tensor]] = ()
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -184,6 +184,45 @@ def test_a_finished_reply_is_seen_in_the_digest():
     assert nc.usable(q, compute=False) == _engine_pages(pc, turn2) == (len(BASE) + 3) // BS * BS
 
 
+@pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp"])
+def test_a_finished_reply_is_remembered_before_the_digest(mtp):
+    """A node's scheduler runs turn 1 to the end (with MTP drafting too, its drafts all rejected:
+    depth 0); the router, whose last digest predates it, remembers what the request it placed
+    ends with there (`remember_end`: turn 1's prompt and reply) and finds the usable prefix of
+    turn 2 that the engine's own lookup finds, before the next digest. Before, only the prompt
+    was remembered: turn 2 saw turn 1's prompt end and went to the prefill pool."""
+    from engine.cache.block_manager import SlotPool
+    from engine.config import SchedulerConfig, SpeculativeConfig
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import Scheduler
+
+    bm = BlockManager(64, BS)
+    pc = PrefixCache(bm, num_snapshots=8, interval=8, mtp=mtp)
+    spec = SpeculativeConfig(num_tokens=1 if mtp else 0, method="mtp")
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
+    sched = Scheduler(cfg, bm, SlotPool(2), 1000, spec.num_tokens, spec=spec, prefix=pc)
+    r = Request("t1", list(BASE), SamplingParams(max_tokens=6, ignore_eos=True))
+    sched.add(r)
+    nc = NodeCache()
+    nc.update(_digest(pc))  # before turn 1: nothing cached
+    nc.remember(PrefixQuery(BASE), compute=True, ttl_s=10.0, now=100.0)  # placed (computed there)
+    while sched.has_unfinished():
+        out = sched.schedule()
+        sampled = {row.request.request_id: [7] for row in out.rows if row.samples}
+        drafts = {rid: [8] for rid in sampled} if mtp else None  # always rejected (7 is drawn)
+        sched.update(out, sampled, (), drafts)
+        sched.end_final(sched.take_final(), ran=True)
+    assert (not mtp or r.spec.depth == 0) and bm.num_free == 64 and not bm.ref  # the held pages are back
+    turn2 = PrefixQuery(BASE + r.output_token_ids + [1, 2, 3])
+    engine = _engine_usable(pc, turn2.ids)
+    assert engine == len(BASE) + 6 - 1  # its final state
+    assert nc.usable(turn2, compute=True, now=101.0) == len(BASE)  # the prompt's end alone
+    nc.remember_end(PrefixQuery(BASE + r.output_token_ids), ttl_s=10.0, now=101.0)
+    assert nc.usable(turn2, compute=True, now=102.0) == engine
+    assert nc.usable(turn2, compute=True, now=112.0) == 0  # expired
+
+
 def test_remembered_placement_counts_until_it_expires():
     """A prompt placed on a node counts as cached there before its digest says so."""
     nc = NodeCache()

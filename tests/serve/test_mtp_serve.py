@@ -135,6 +135,21 @@ def test_mtp_greedy_matches_transformers_across_tp(ckpt_mtp, mtp_refs, a, b):
             r2 = c.generate(prompt_token_ids=turn2, max_tokens=NEW, temperature=0.0, ignore_eos=True)
             assert r2.token_ids == hc.hf_greedy(ckpt_mtp, turn2, NEW)
             assert r2.cached_tokens == len(ps[1]) + NEW - 1
+            # a prompt the block was not fitted to: its drafts are rejected and the reply ends at
+            # draft depth 0 (deferred MTP passes); its next turn resumes past it all the same,
+            # greedy (transformers' tokens) and seeded with Qwen's sampling settings (the tokens
+            # of the same turn under another cache_salt, which finds nothing cached)
+            p3, msg = hc.prompts(lens=(24, 4), seed=11)
+            qwen = dict(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5, seed=3)
+            for i, kw in enumerate([dict(temperature=0.0), qwen]):
+                r3 = c.generate(prompt_token_ids=p3, max_tokens=NEW, ignore_eos=True, **kw)
+                turn = p3 + r3.token_ids + msg
+                r4 = c.generate(prompt_token_ids=turn, max_tokens=NEW, ignore_eos=True, **kw)
+                fresh = c.generate(prompt_token_ids=turn, max_tokens=NEW, ignore_eos=True, cache_salt=f"t{i}", **kw)
+                assert (r4.cached_tokens, fresh.cached_tokens) == (len(p3) + NEW - 1, 0), kw
+                assert r4.token_ids == fresh.token_ids, kw
+                if not i:
+                    assert r4.token_ids == hc.hf_greedy(ckpt_mtp, turn, NEW)
             with pytest.raises(PdserveError) as e:
                 c.generate(prompt_token_ids=ps[0], max_tokens=4, num_speculative_tokens=K + 1)
             assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "num_speculative_tokens" in str(e.value)
