@@ -29,6 +29,7 @@ from serving.metrics import Gauges, ServingMetrics, capacity_gauges
 from serving.mux import TokenSinks
 from serving.node import NodeServer, on_cancel, serve_node
 from serving.rpc import MAX_REQUEST_ID_LEN, Interrupt, images_of, refuse_draining, refuse_memory
+from serving.vllm_metrics import register_node as register_vllm
 from transfer import TransferConfig
 from transfer.connector import DecodeConnector
 from transfer.messages import TargetRank
@@ -116,6 +117,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
             yield_to_prefill_s=cfg.yield_to_prefill_ms / 1e3,
         ).start()
         self.metrics = ServingMetrics("pdserve_decode", self._gauges)
+        register_vllm(self.metrics.registry, cfg.model, lambda: self.loop.snapshot)
         self._streams: set[str] = set()  # request ids a Generate call streams now
         self.sinks = TokenSinks()  # the callers' token streams (TokenStream, serving/mux.py)
         self.handing_off = False  # the drain hands the streams left to the router (drain_handoff_s)

@@ -29,6 +29,7 @@ from serving.loop import EngineLoop
 from serving.metrics import ServingMetrics, capacity_gauges
 from serving.node import NodeServer, on_cancel, serve_node
 from serving.rpc import MAX_REQUEST_ID_LEN, images_of
+from serving.vllm_metrics import register_node as register_vllm
 from transfer import TransferConfig
 from transfer.connector import PrefillConnector, PushParams
 from transfer.messages import Target, TargetRank
@@ -77,6 +78,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         self._calls: set[str] = set()  # request ids a Prefill call is serving (guarded by _lock)
         self.loop = EngineLoop(self.engine, name=f"{cfg.node_id}-engine", on_change=self.changes.changed).start()
         self.metrics = ServingMetrics("pdserve_prefill", lambda: capacity_gauges(self.loop.snapshot))
+        register_vllm(self.metrics.registry, cfg.model, lambda: self.loop.snapshot)
         try:
             self.encoded = EncodedInputs(cfg, self.ecfg, self.loop, self.metrics)
         except Exception:

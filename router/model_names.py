@@ -4,20 +4,13 @@ else the directory's name); the path and its last part are accepted too (docs/ap
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from proto import pb
 from router.registry import NodeRegistry
+from serving.vllm_metrics import model_id
 
-_HF_SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
-
-
-def model_id(path: str) -> str:
-    """A model's default name: ORG/NAME for a Hugging Face cache snapshot
-    (`.../models--ORG--NAME/snapshots/HASH`), else the checkpoint directory's name."""
-    m = _HF_SNAPSHOT.search(path)
-    return f"{m.group(1)}/{m.group(2)}" if m else Path(path).name
+__all__ = ["model_id", "names_of", "served_models"]
 
 
 def model_root(path: str) -> str:

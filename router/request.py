@@ -395,6 +395,10 @@ class RequestRun:
         """The node's message as a Chunk; prefill_node: the node that computed a request alone."""
         tr, now = self.tr, time.monotonic()
         if m.token_ids:
+            if tr.first is None:
+                self.svc.vllm.first_token(tr, now)
+            elif tr.last is not None:
+                self.svc.vllm.next_output(now - tr.last)
             tr.first = tr.first or now
             tr.last = now
             tr.n += len(m.token_ids)

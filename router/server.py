@@ -47,6 +47,8 @@ class Router:
         self._sweeper: asyncio.Task | None = None
         self._stopped = False
         self._front = None  # the OpenAI routes' front, one for HTTP and gRPC Chat (`front`)
+        self._ready = True  # Generation's readiness as last set (start_grpc sets SERVING)
+        self._readiness_due = False
 
     def front(self):
         """The chat path's front (router/openai_api.py), made on first use: its HTTP stack loads
@@ -65,11 +67,17 @@ class Router:
         loop, me = asyncio.get_running_loop(), threading.get_ident()
         wake = self.service.admission.wake
 
+        def on_loop() -> None:
+            wake()
+            if not self._readiness_due:
+                self._readiness_due = True
+                loop.create_task(self._readiness())
+
         def changed() -> None:  # from the loop, or a thread that touched the registry
             if threading.get_ident() == me:
-                wake()
+                on_loop()
             elif not loop.is_closed():
-                loop.call_soon_threadsafe(wake)
+                loop.call_soon_threadsafe(on_loop)
 
         self.registry.loop, self.registry.on_change = loop, changed
         self.server, port, self._health = await start_grpc(
@@ -80,6 +88,7 @@ class Router:
             self.limits,
             self.cfg.max_body_bytes,  # a Generate message's images are bounded as an HTTP body's
         )
+        await self._readiness()  # no decode node yet: not ready
         self._sweeper = loop.create_task(self._sweep())
         log.info("router serving on port %d (policy %s; %s)", port, self.service.policy.name, self.creds.describe())
         try:
@@ -118,8 +127,28 @@ class Router:
                         self._decode_dead(e)
                 # pairs a node's registration did not make: a prefill node ready since, static nodes
                 self.service.prefill.warm_pairs()
+                await self._readiness()  # a node declared dead or unreachable calls no on_change
             except Exception:
                 log.exception("registry sweep failed")
+
+    async def _readiness(self) -> None:
+        """Generation's readiness (what a Kubernetes readiness probe asks): SERVING while a decode
+        node takes new requests and the router does not drain, as HTTP `/health` answers 200;
+        NOT_SERVING otherwise, while the overall status (liveness) stays SERVING. A router with no
+        decode node would only queue requests and refuse them: its pod leaves the Service's
+        endpoints, and comes back when one registers (nodes reach it by the headless Service)."""
+        self._readiness_due = False
+        if self._health is None or self._stopped:
+            return
+        ready = not self.service.draining and bool(self.registry.routable(pb.NODE_KIND_DECODE))
+        if ready == self._ready:
+            return
+        self._ready = ready
+        full = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+        status = health_pb2.HealthCheckResponse
+        await self._health.set(full, status.SERVING if ready else status.NOT_SERVING)
+        if not self.service.draining:
+            log.info("router %s", "ready: a decode node takes requests" if ready else "not ready: no decode node")
 
     def _decode_dead(self, d) -> None:
         """The heartbeats declared D dead: each live prefill node drops D's transfer agents, so a
@@ -142,6 +171,7 @@ class Router:
         svc = self.service
         if not svc.draining:
             svc.draining = True
+            self._ready = False
             if self._health is not None:
                 full = pb.DESCRIPTOR.services_by_name["Generation"].full_name
                 await self._health.set(full, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -23,6 +23,7 @@ from router.encode import EncodePool
 from router.errors import Abort, Draining
 from router.images.prepare import ImageRef, Images, Prepared, to_pb
 from router.images.vision import IMAGE_PAD, VisionSpec
+from router.inflight_gauges import InflightGauges
 from router.migrate import MigrationMetrics, Tried
 from router.model_names import served_models
 from router.policy import make_policy
@@ -33,6 +34,7 @@ from router.request import Chunk, RequestRun, Trace
 from router.service_gauges import gauges
 from router.stops import check_stops, held_back, with_stops
 from router.text import TextPool, default_workers
+from router.vllm_metrics import RouterVllm
 from router.wait_estimate import OutputLengths, estimate
 from serving.metrics import ServingMetrics
 from serving.rpc import MAX_REQUEST_ID_LEN
@@ -112,6 +114,10 @@ class GenerateService:
             vision = VisionSpec.load(cfg.model, self.tokenizer.token_to_id(IMAGE_PAD))
         self.images = Images(cfg, vision, reg, cfg.tokenizer_workers or default_workers(), cfg.max_body_bytes)
         self.admission = Admission(cfg.max_queued_requests, self._left_queue)
+        self.vllm = RouterVllm(self, reg)  # vLLM's names (router/vllm_metrics.py)
+        reg.register(InflightGauges(self.registry))  # what it holds against each node
+        if self.vllm.model():
+            self.vllm.labelled()
         self.key_classes = cfg.key_classes
         known = {key_id(d) for d in creds.api_keys}
         if unknown := sorted(set(self.key_classes) - known):
@@ -186,6 +192,7 @@ class GenerateService:
             tr.log()
             e2e, done = (tr.last - tr.received, tr.prompt_len) if tr.last is not None else (None, 0)  # computed
             self.metrics.request_done(tr.outcome(), tr.ttft(), tr.tpot(), tr.n, e2e, done)
+            self.vllm.ended(tr)
             if tr.decode != "-":  # it was placed: it held its decode room for its output
                 self.lengths.ended(tr.n)
             if (tp := tr.tpot()) is not None:

@@ -265,6 +265,7 @@ class Snapshot:
     queued_prefill_tokens: int = 0
     reserved: int = 0
     ended: int = 0  # requests ended since start (NodeInfo.requests_ended)
+    preemptions: int = 0  # requests preempted since start (pages ran out; they recompute)
     spec_draft_tokens: int = 0  # totals since start (speculative decoding)
     prefix_query_tokens: int = 0  # totals since start (prefix caching): prompt tokens looked up ...
     prefix_hit_tokens: int = 0  # ... and found in the cache
@@ -328,6 +329,7 @@ def take_snapshot(
         queued_prefill_tokens=queued,
         reserved=sum(1 for r in eng.requests.values() if r.status is Status.RESERVED),
         ended=sched.ended_total,
+        preemptions=sched.preemptions_total,
         spec_draft_tokens=sched.num_draft_tokens,
         spec_accepted_tokens=sched.num_accepted_tokens,
         spec_drafts_per_position=tuple(sched.drafts_per_position),

@@ -65,6 +65,7 @@ class Scheduler:
         # empties it each step): not a scan of every request the engine holds
         self.ended: list[Request] = []
         self.ended_total = 0  # requests finished or aborted since start (NodeInfo.requests_ended)
+        self.preemptions_total = 0  # requests preempted since start (vllm:num_preemptions)
         self.num_draft_tokens = 0  # drafts verified so far (speculative decoding), and accepted
         self.num_accepted_tokens = 0
         self.drafts_per_position = [0] * num_spec_tokens  # drafts verified at position i of a row
@@ -302,6 +303,7 @@ class Scheduler:
         req.move(Status.PREEMPTED)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.preemptions_total += 1
         priority.insert(self.waiting, req, front=True)
         log.info("preempted %s (recompute %d tokens later)", req.request_id, req.num_tokens)
 

@@ -70,6 +70,7 @@ def test_request_waits_for_pages_a_reservation_holds(ckpt_hv2, llm_hv2, prompts,
                 break
         req = D.requests["local"]
         assert not req.status.is_final and req.num_preemptions == 1, (req.status, req.output_token_ids)
+        assert D.scheduler.preemptions_total == 1  # vllm:num_preemptions_total on a node
         D.release("transfer")
         out = _drain(D, "local")
         assert out.finish_reason == "length" and out.output_token_ids == hf_ref_hv2[5]

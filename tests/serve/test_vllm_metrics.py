@@ -1,0 +1,221 @@
+"""vLLM's metric names, the router's per-node bookkeeping and the router's readiness, on a real
+router, prefill node and decode node on loopback (in-process), scraped over HTTP and parsed with
+prometheus_client's text parser:
+
+- what a vLLM dashboard, autoscaler or gateway reads agrees with what the clients saw: requests
+  by finished_reason, prompt and generated tokens equal the usage fields summed, one histogram
+  sample per request, a refused request is not one (vLLM counts none either);
+- a request in flight shows on the router (running, its decode node's in-flight request and
+  blocks) and on the decode node, and every gauge returns to 0 once it ends;
+- gRPC readiness of pdserve.v1.Generation (the Kubernetes readiness probe) follows HTTP /health:
+  not ready with no decode node, ready once one registers, not ready when it dies or the router
+  drains, while liveness (the overall status) stays SERVING."""
+
+from __future__ import annotations
+
+import contextlib
+import urllib.error
+import urllib.request
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto import pb
+from tests.helpers.serve_harness import scrape, wait_for
+
+M = "tiny"  # --served-model-name: the model_name label
+BLOCK = 16
+
+
+@contextlib.contextmanager
+def _nodes(port: int, ckpt, prefill: bool = True):
+    from decode_node.config import DecodeNodeConfig
+    from decode_node.server import serve as serve_decode
+    from prefill_node.config import PrefillNodeConfig
+    from prefill_node.server import serve as serve_prefill
+
+    common: dict[str, Any] = dict(
+        model=str(ckpt), dtype="float32", router=f"127.0.0.1:{port}", heartbeat_interval_s=0.2
+    )
+    d, _ = serve_decode(
+        "127.0.0.1:0", DecodeNodeConfig(**common, metrics_port=0, block_size=BLOCK, local_prefill_threshold=0)
+    )
+    p = (
+        serve_prefill("127.0.0.1:0", PrefillNodeConfig(**common, metrics_port=0, block_size=BLOCK))[0]
+        if prefill
+        else None
+    )
+    try:
+        yield d, p
+    finally:
+        for n in (p, d):
+            if n is not None:
+                n.stop(0)
+
+
+@pytest.fixture(scope="module")
+def cluster(ckpt):
+    from router.server import RouterConfig, serve
+
+    cfg = RouterConfig(model=str(ckpt), heartbeat_interval_s=0.2, http_port=0, metrics_port=0, served_model_name=(M,))
+    r, port = serve("127.0.0.1:0", cfg)
+    try:
+        with _nodes(port, ckpt) as (d, p):
+            wait_for(lambda: r.registry.live(pb.NODE_KIND_DECODE) and r.registry.live(pb.NODE_KIND_PREFILL), 60)
+            urls = {
+                "router": f"http://127.0.0.1:{r.metrics_port}/metrics",
+                "decode": f"http://127.0.0.1:{d.metrics_port}/metrics",
+                "prefill": f"http://127.0.0.1:{p.metrics_port}/metrics",
+            }
+            yield r, urls, f"127.0.0.1:{port}"
+    finally:
+        r.stop(0)
+
+
+@pytest.fixture(scope="module")
+def oai(cluster):
+    import openai
+
+    r, _, _ = cluster
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{r.http_port}/v1", api_key="x", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def _moved(before: dict, after: dict):
+    def moved(name: str, **labels) -> float:
+        key = (name, tuple(sorted({"model_name": M, **labels}.items())))
+        assert key in after, f"{name}{labels} missing"
+        return after[key] - before.get(key, 0.0)
+
+    return moved
+
+
+def test_vllm_series_count_what_the_clients_got(cluster, oai):
+    import openai
+
+    _, urls, _ = cluster
+    before = scrape(urls["router"])
+    usage = []  # (prompt tokens, completion tokens) as each client was told
+    for i in range(3):
+        x = oai.completions.create(
+            model=M, prompt="Hello there " * (i + 1), max_tokens=4 + i, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert x.choices[0].finish_reason == "length"
+        usage.append((x.usage.prompt_tokens, x.usage.completion_tokens))
+    stream = oai.chat.completions.create(
+        model=M,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    usage += [(c.usage.prompt_tokens, c.usage.completion_tokens) for c in stream if c.usage]
+    with pytest.raises(openai.BadRequestError):  # refused at the door: no request in vLLM's sense
+        oai.completions.create(model=M, prompt=[10**6], max_tokens=2)
+    after = scrape(urls["router"])
+    moved, k = _moved(before, after), len(usage)
+    assert k == 4
+    assert moved("vllm:request_success_total", finished_reason="length") == k
+    for reason in ("stop", "abort", "error"):
+        assert moved("vllm:request_success_total", finished_reason=reason) == 0
+    assert moved("vllm:prompt_tokens_total") == sum(u[0] for u in usage)
+    assert moved("vllm:generation_tokens_total") == sum(u[1] for u in usage)
+    assert moved("vllm:request_prompt_tokens_sum") == sum(u[0] for u in usage)
+    assert moved("vllm:request_generation_tokens_sum") == sum(u[1] for u in usage)
+    for h in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_time_per_output_token_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+    ):
+        assert moved(f"vllm:{h}_count") == k, h
+    # one sample per output after a request's first: at most one per token after the first
+    itl = moved("vllm:inter_token_latency_seconds_count")
+    assert 0 < itl <= sum(u[1] - 1 for u in usage)
+    assert moved("vllm:time_per_output_token_seconds_count") == itl
+    for server in ("router", "decode", "prefill"):
+        s = scrape(urls[server])
+        for g in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            assert (f"vllm:{g}", (("model_name", M if server == "router" else s_model(s)),)) in s, (server, g)
+
+
+def s_model(s: dict) -> str:
+    """The model_name a node labels with: its checkpoint's directory name."""
+    return next(dict(k[1])["model_name"] for k in s if k[0] == "vllm:num_requests_running")
+
+
+def test_a_request_in_flight_shows_then_every_gauge_returns_to_zero(cluster):
+    from client import Client
+
+    _, urls, addr = cluster
+    prompt = list(range(5, 45))  # 40 tokens: 3 blocks of 16 with its next token
+    before = scrape(urls["router"])
+    with Client(addr, timeout=60) as c:
+        s = c.stream(prompt_token_ids=prompt, max_tokens=4000, temperature=0.0, ignore_eos=True)
+        next(iter(s))  # its first token is back: it decodes now
+        mid = {k: scrape(u) for k, u in urls.items()}
+        s.close()  # the client leaves: an abort
+    rt, dn = mid["router"], mid["decode"]
+    assert rt[("vllm:num_requests_running", (("model_name", M),))] == 1
+    assert rt[("vllm:num_requests_waiting", (("model_name", M),))] == 0
+    node = (("kind", "decode"), ("node", "decode-0"))
+    assert rt[("pdserve_router_node_inflight_requests", node)] == 1
+    assert rt[("pdserve_router_node_inflight_blocks", node)] == -(-(len(prompt) + 1) // BLOCK)
+    assert rt[("pdserve_router_node_up", node)] == 1
+    assert dn[("vllm:num_requests_running", (("model_name", s_model(dn)),))] == 1
+    assert dn[("vllm:kv_cache_usage_perc", (("model_name", s_model(dn)),))] > 0
+
+    def idle() -> bool:
+        now = {k: scrape(u) for k, u in urls.items()}
+        for v in now.values():
+            for (name, _), x in v.items():
+                if name in ("vllm:num_requests_running", "vllm:num_requests_waiting") and x != 0:
+                    return False
+                if name.startswith("pdserve_router_node_inflight") and x != 0:
+                    return False
+        return True
+
+    wait_for(idle, 10, "every running / waiting / in-flight gauge back to 0")
+    after = scrape(urls["router"])
+    assert _moved(before, after)("vllm:request_success_total", finished_reason="abort") == 1
+
+
+def _ready(addr: str, service: str) -> int:
+    with grpc.insecure_channel(addr) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def _http_health(port: int) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_readiness_needs_a_decode_node_and_liveness_stays(ckpt):
+    from router.server import RouterConfig, serve
+
+    SERVING, NOT = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    cfg = RouterConfig(model=str(ckpt), heartbeat_interval_s=0.2, dead_after_s=0.8, http_port=0)
+    r, port = serve("127.0.0.1:0", cfg)
+    addr, gen = f"127.0.0.1:{port}", "pdserve.v1.Generation"
+    try:
+        assert (_ready(addr, gen), _ready(addr, ""), _http_health(r.http_port)) == (NOT, SERVING, 503)
+        with _nodes(port, ckpt, prefill=False):
+            wait_for(lambda: _ready(addr, gen) == SERVING, 30, "ready once a decode node registered")
+            assert _http_health(r.http_port) == 200
+        wait_for(lambda: _ready(addr, gen) == NOT, 10, "not ready once the decode node is gone")
+        assert (_ready(addr, ""), _http_health(r.http_port)) == (SERVING, 503)
+        with _nodes(port, ckpt, prefill=False):
+            wait_for(lambda: _ready(addr, gen) == SERVING, 30, "ready again")
+            r.drain(0)
+            assert (_ready(addr, gen), _ready(addr, ""), _http_health(r.http_port)) == (NOT, SERVING, 503)
+    finally:
+        r.stop(0)
