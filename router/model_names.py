@@ -8,16 +8,16 @@ from pathlib import Path
 
 from proto import pb
 from router.registry import NodeRegistry
-from serving.vllm_metrics import model_id
+from serving.vllm_metrics import HF_SNAPSHOT, model_id
 
-__all__ = ["model_id", "names_of", "served_models"]
+__all__ = ["model_id", "model_root", "names_of", "served_models"]
 
 
 def model_root(path: str) -> str:
     """What a model card's `root` names, as vLLM's does (the checkpoint a client loads the tokenizer
     from: `vllm bench serve` without --model reads it): ORG/NAME for a Hugging Face cache snapshot,
     else the checkpoint's path."""
-    m = _HF_SNAPSHOT.search(path)
+    m = HF_SNAPSHOT.search(path)
     return f"{m.group(1)}/{m.group(2)}" if m else path
 
 

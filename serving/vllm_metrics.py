@@ -24,13 +24,13 @@ if TYPE_CHECKING:  # the type only
     from serving.commands import Snapshot
 
 LABEL = "model_name"
-_HF_SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
+HF_SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
 
 
 def model_id(path: str) -> str:
     """A model's default name: ORG/NAME for a Hugging Face cache snapshot
     (`.../models--ORG--NAME/snapshots/HASH`), else the checkpoint directory's name."""
-    m = _HF_SNAPSHOT.search(path)
+    m = HF_SNAPSHOT.search(path)
     return f"{m.group(1)}/{m.group(2)}" if m else Path(path).name
 
 
