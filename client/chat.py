@@ -24,12 +24,13 @@ CHAT_FIELDS = frozenset(
     """add_generation_prompt allowed_token_ids bad_words best_of cache_salt chat_template
     chat_template_kwargs continue_final_message ebnf echo enable_thinking frequency_penalty
     function_call functions guided_choice guided_decoding_backend guided_grammar guided_json
-    guided_regex guided_whitespace_pattern ignore_eos include_stop_str_in_output logit_bias logprobs
-    max_completion_tokens max_tokens min_p min_tokens n num_speculative_tokens parallel_tool_calls
-    presence_penalty priority prompt_logprobs reasoning_effort regex repetition_penalty
-    response_format return_token_ids return_tokens_as_token_ids seed skip_special_tokens stop
-    stop_token_ids stream stream_options structured_outputs suffix temperature thinking_token_budget
-    tool_choice tools top_k top_logprobs top_p truncate_prompt_tokens use_beam_search""".split()
+    guided_regex guided_whitespace_pattern ignore_eos include_stop_str_in_output json_schema
+    logit_bias logprobs max_completion_tokens max_tokens media_io_kwargs min_p min_tokens
+    mm_processor_kwargs n num_speculative_tokens parallel_tool_calls presence_penalty priority
+    prompt_logprobs reasoning_effort regex repetition_penalty response_format return_token_ids
+    return_tokens_as_token_ids seed skip_special_tokens stop stop_token_ids stream stream_options
+    structured_outputs suffix temperature thinking_token_budget tool_choice tools top_k top_logprobs
+    top_p truncate_prompt_tokens use_beam_search""".split()
 )
 
 
