@@ -13,24 +13,25 @@ MAX_LOGPROBS = 20  # most alternatives per position (OpenAI's top_logprobs limit
 MAX_LOGIT_BIAS = 300  # most logit_bias entries (OpenAI's limit)
 LOGIT_BIAS_RANGE = 100.0  # a bias is in [-this, this]
 MAX_CACHE_SALT = 1024  # characters
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (vLLM's _SAMPLING_EPS): logits / t stay finite
 
 
 @dataclass(frozen=True, init=False)
 class SamplingParams:
     max_tokens: int = 16  # new tokens at most (finish reason "length")
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (and anything below GREEDY_BELOW) means greedy
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 keeps all
     top_p: float = 1.0  # keep the smallest set whose probability reaches top_p
-    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (after top-p)
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (before top-k, top-p)
     seed: int | None = None  # same seed, same tokens, whatever else is in the batch
     stop_token_ids: tuple[int, ...] = ()  # finish (reason "stop") after emitting one of these
     ignore_eos: bool = False  # keep going past the model's end-of-sequence tokens
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many new tokens
-    # Penalties (docs/api.md), applied to the logits before temperature, top-k and top-p:
+    # Penalties (docs/api.md), applied to the logits after logit_bias, before temperature and the filters:
     presence_penalty: float = 0.0  # minus this for every token already in the output
     frequency_penalty: float = 0.0  # minus this times the token's count in the output
     repetition_penalty: float = 1.0  # logits of prompt or output tokens: positive / it, negative * it
-    # token id -> bias in [-100, 100] added to its logit after the penalties (-100 all but bans
+    # token id -> bias in [-100, 100] added to its logit before the penalties (-100 all but bans
     # it, 100 all but forces it); given as a mapping, kept as (id, bias) pairs sorted by id
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # per new token: its log-probability and the n most likely (0..20)
@@ -116,7 +117,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def penalized(self) -> bool:

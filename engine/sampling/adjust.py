@@ -1,7 +1,7 @@
-"""The sampler's logit adjustments over a call's positions: the presence / frequency / repetition
-penalties from the token-count tables (engine/sampling/penalties.py), then logit_bias, then the
-min_tokens ban of the stop and EOS ids (docs/api.md, "Sampling applies, in order"), planned on the
-host into the call's HostPack and applied on the device.
+"""The sampler's logit adjustments over a call's positions: logit_bias, then the min_tokens ban of
+the stop and EOS ids, then the repetition / presence / frequency penalties from the token-count
+tables (engine/sampling/penalties.py) (vLLM's order: docs/api.md, "Sampling applies, in order"),
+planned on the host into the call's HostPack and applied on the device.
 
 Rows with drafts are adjusted at every position they score: draft position d is verified as if
 the row's drafts 0 .. d-1 had already been emitted, which they have whenever that position's
@@ -136,8 +136,12 @@ def _plan_drafts(a: Adjust, counts: TokenCounts, pack: HostPack, pen, got: list[
 
 
 def apply(x: torch.Tensor, a: Adjust, s: Sections, counts: TokenCounts | None) -> None:
-    """In place on x [N, V], the call's logits: new tables loaded, draft positions' scratch rows
-    filled, then the penalties, the bias and the ban."""
+    """In place on x [N, V], the call's logits: the bias and the ban, then (new tables loaded,
+    draft positions' scratch rows filled) the penalties, as vLLM orders them."""
+    if a.bias:
+        x.index_put_((s["bias.at"], s["bias.tok"]), s["bias.val"], accumulate=True)
+    if a.ban:
+        x.index_put_((s["ban.at"], s["ban.tok"]), s["ban.val"])
     if a.pen:
         assert counts is not None
         if a.built:
@@ -150,10 +154,6 @@ def apply(x: torch.Tensor, a: Adjust, s: Sections, counts: TokenCounts | None) -
         rep = s["pen.rep"] if a.rep else None
         pf = s["pen.pf"].view(-1, 2) if a.pf else None
         counts.apply(x, q, qrows, rep, pf)
-    if a.bias:
-        x.index_put_((s["bias.at"], s["bias.tok"]), s["bias.val"], accumulate=True)
-    if a.ban:
-        x.index_put_((s["ban.at"], s["ban.tok"]), s["ban.val"])
 
 
 def record(a: Adjust, s: Sections, counts: TokenCounts, tokens: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling.filters import candidate_probs, head_suffices, inverse_cdf, race
+from engine.sampling.filters import candidate_probs, head_suffices, inverse_cdf, kept_log_total, race
 from engine.sampling.pack import HostPack, Sections
 from engine.sampling.rng import as_int64, seeded_uniforms, token_exponentials
 from engine.sampling_params import SamplingParams
@@ -49,6 +49,8 @@ class DrawPlan:
     num_unseeded: int
     tag: str
     fused: dict[str, int]  # groups one Triton kernel draws (kernels/triton/sampling.py): members without a seed
+    # groups with a member with both min-p and top-p: top-p divides by the mass min-p keeps of the whole row
+    min_p_top_p: frozenset[str] = frozenset()
 
 
 def plan(
@@ -93,7 +95,10 @@ def plan(
             pack.floats(f"{tag}.{name}.p", [p.top_p for p in g])
             pack.floats(f"{tag}.{name}.m", [p.min_p for p in g])
     counts = {n: sum(per[j][0].seed is None for j in groups[n][0]) for n in own}
-    return DrawPlan(groups, len(unseeded), tag, counts)
+    with_min_p = frozenset(
+        n for n, (members, _) in groups.items() if any(per[j][0].min_p and per[j][0].top_p < 1 for j in members)
+    )
+    return DrawPlan(groups, len(unseeded), tag, counts, with_min_p)
 
 
 def draw(
@@ -122,7 +127,7 @@ def draw(
             k = HEAD if name == "head" else max(ks)
             # small k: two launches of ours (ties to the lower id) where torch.topk takes about 17
             vals, ids = topk_triton(xs, k) if k <= TOPK_SMALL else torch.topk(xs, k, dim=-1)
-            total = torch.logsumexp(xs / t[:, None], dim=-1) if name == "head" else None
+            total = _log_total(xs, t, s[f"{tag}.{name}.m"], name in dp.min_p_top_p) if name == "head" else None
             ctr = s[f"{tag}.{name}.ctr"]
             rand = random_seeds(len(members), gen, dev) if dp.fused[name] else ctr
             p = [s[f"{tag}.{name}.{c}"] for c in ("k", "p", "m", "seed", "seeded")]
@@ -150,7 +155,7 @@ def draw(
                 vals, ids = _topk(xs, max(ks))
             elif name == "head":
                 vals, ids = torch.topk(xs, HEAD, dim=-1)
-                log_total = torch.logsumexp(xs / t[:, None], dim=-1)
+                log_total = _log_total(xs, t, min_p, name in dp.min_p_top_p)
                 held = head_suffices(vals, log_total, t, top_p, min_p)
             else:
                 vals, ids = torch.sort(xs, dim=-1, descending=True)
@@ -166,6 +171,13 @@ def draw(
         else:
             tokens[q] = pick
     return held
+
+
+def _log_total(x: torch.Tensor, t: torch.Tensor, min_p: torch.Tensor, both: bool) -> torch.Tensor:
+    """A head group's whole-row total for top-p: over min-p's tokens where a member has both
+    (without top-p the total only scales what the draw renormalizes; without min-p it is the
+    row's logsumexp either way)."""
+    return kept_log_total(x, t, min_p) if both else torch.logsumexp(x / t[:, None], dim=-1)
 
 
 def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -135,8 +135,8 @@ class Sampler:
 
     @torch.inference_mode()
     def adjust(self, x: torch.Tensor, rows, pos: list[int]) -> list[int]:
-        """In place on x [N, V] float32, the logits the positions sample from: penalties, then
-        logit_bias, then EOS and stop ids at -inf while fewer than min_tokens new tokens exist
+        """In place on x [N, V] float32, the logits the positions sample from: logit_bias, EOS and
+        stop ids at -inf while fewer than min_tokens new tokens exist, then the penalties
         (docs/api.md; engine/sampling/adjust.py). rows: each has .request_id, .params,
         .num_output, .num_draft, .token_ids and .history = (prompt ids, output ids) where it has
         penalties; pos[i]: the position of row i's first draw, its drafts' after it. Returns the

@@ -69,20 +69,25 @@ def _draw_kernel(
     min_p = tl.load(minp_ptr + m)
     cut = tl.where(k > 0, k, C)
     v = tl.where(r < cut, v, float("-inf"))
-    if HAS_TOTAL:
-        p = tl.exp(v / t - tl.load(total_ptr + m))
+    z = v / t
+    top = tl.max(z, axis=0)
+    # min-p before top-k and top-p (vLLM's order): z >= top + log(min_p), every token at min_p 0
+    floor = tl.where(min_p > 0, top + tl.log(tl.maximum(min_p, 1e-30)), float("-inf"))
+    kept = (z >= floor) & valid
+    if HAS_TOTAL:  # total: the logsumexp of the whole row's min-p tokens
+        p = tl.exp(z - tl.load(total_ptr + m))
         p = tl.where(valid, p, 0.0)
-        raw_last = tl.sum(tl.where(r == C - 1, p, 0.0), axis=0)
-        first = tl.max(p, axis=0)
+        z_last = tl.max(tl.where(r == C - 1, z, float("-inf")), axis=0)
         by_p = (top_p < 1.0).to(tl.int32) * (tl.sum(p, axis=0) >= top_p).to(tl.int32)
-        by_min = (min_p > 0).to(tl.int32) * (raw_last < min_p * first).to(tl.int32)
+        by_min = (min_p > 0).to(tl.int32) * (z_last < floor).to(tl.int32)
         tl.store(held_ptr + m, tl.maximum(by_p, by_min).to(tl.int8))
+        p = tl.where(kept, p, 0.0)
     else:
-        e = tl.exp(v / t - tl.max(v, axis=0) / t)
-        e = tl.where(valid & (r < cut), e, 0.0)
+        e = tl.exp(z - top)
+        e = tl.where(kept & (r < cut), e, 0.0)
         p = e / tl.sum(e, axis=0)
     before = tl.cumsum(p, axis=0) - p
-    keep = (before < tl.where(top_p >= 1.0, float("inf"), top_p)) & (p >= min_p * tl.max(p, axis=0)) & valid
+    keep = (before < tl.where(top_p >= 1.0, float("inf"), top_p)) & kept
     p = tl.where(keep, p, 0.0)
     seeded = tl.load(seeded_ptr + m)
     seed = tl.where(seeded != 0, tl.load(seed_ptr + m), tl.load(rand_ptr + m))

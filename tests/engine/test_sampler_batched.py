@@ -35,13 +35,15 @@ def _splitmix64_ref(seed: int, n: int) -> int:
 
 
 def _naive_probs(logits: list[float], p: SamplingParams) -> dict[int, float]:
-    """One row, as docs/api.md reads: temperature, top-k, top-p, min-p; float64 on Python lists."""
+    """One row, as docs/api.md reads (vLLM's order): temperature, min-p, top-k, then top-p over
+    what those keep, renormalized; float64 on Python lists."""
     order = sorted(range(len(logits)), key=lambda t: -logits[t])
+    m = logits[order[0]]
+    w = {t: math.exp((logits[t] - m) / p.temperature) for t in order}
+    order = [t for t in order if w[t] >= p.min_p]  # the most likely token's weight is 1
     if 0 < p.top_k < len(logits):
         order = order[: p.top_k]
-    m = max(logits[t] for t in order)
-    w = {t: math.exp((logits[t] - m) / p.temperature) for t in order}
-    z = sum(w.values())
+    z = sum(w[t] for t in order)
     probs = {t: w[t] / z for t in order}
     kept, mass = [], 0.0
     for t in order:  # the most likely first; stop once the kept mass reaches top_p
@@ -49,8 +51,6 @@ def _naive_probs(logits: list[float], p: SamplingParams) -> dict[int, float]:
             break
         kept.append(t)
         mass += probs[t]
-    best = probs[kept[0]]
-    kept = [t for t in kept if probs[t] >= p.min_p * best]
     z = sum(probs[t] for t in kept)
     return {t: probs[t] / z for t in kept}
 
@@ -242,17 +242,19 @@ def test_mixed_batch_distributions_match_reference(seeded):
 
 
 def _naive_adjusted(logits: list[float], p: SamplingParams, prompt, output, eos) -> list[float]:
+    """vLLM's order: logit_bias, the min_tokens ban, then the repetition, frequency and presence
+    penalties."""
     row = list(logits)
-    for t in set(prompt) | set(output):
-        if p.repetition_penalty != 1.0:
-            row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
-    for t in set(output):
-        row[t] -= p.presence_penalty + p.frequency_penalty * output.count(t)
     for t, b in p.logit_bias:
         row[t] += b
     if len(output) < p.min_tokens:
         for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos)):
             row[t] = float("-inf")
+    for t in set(prompt) | set(output):
+        if p.repetition_penalty != 1.0:
+            row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
+    for t in set(output):
+        row[t] -= p.presence_penalty + p.frequency_penalty * output.count(t)
     return row
 
 
@@ -263,18 +265,20 @@ ADJUST = [
     dict(logit_bias={3: 2.5, 9: -100.0}, min_tokens=3, stop_token_ids=[4], max_tokens=20),
     dict(temperature=0.0),
     dict(presence_penalty=-1.0, logit_bias={0: 1.0}, min_tokens=2, ignore_eos=True, stop_token_ids=[5], seed=1),
+    # the bias before the repetition penalty (vLLM's order): a biased prompt token's sum is divided
+    dict(repetition_penalty=2.0, logit_bias={8: 3.0, 2: -4.0, 5: 1.5}, min_tokens=1, stop_token_ids=[2]),
 ]
 
 
 def test_penalties_bias_and_ban_match_reference_step_after_step(monkeypatch):
-    """Six rows with different adjustments in one batch for eight steps: the adjusted logits equal
+    """Seven rows with different adjustments in one batch for eight steps: the adjusted logits equal
     the per-row reference from the whole history every step, while the token counts are built
     once per request and then only updated by the steps."""
     v, eos = 40, (7,)
     g = torch.Generator().manual_seed(11)
     sampler = Sampler(seed=2, eos_token_ids=eos)
     params = [SamplingParams(**{"temperature": 1.0, **kw}) for kw in ADJUST]
-    prompts = [[1, 2, 3, 3, 30], [4, 4, 9], [0, 39, 12], [5, 6], [1], [8, 8, 8, 2]]
+    prompts = [[1, 2, 3, 3, 30], [4, 4, 9], [0, 39, 12], [5, 6], [1], [8, 8, 8, 2], [8, 5, 2]]
     outputs: list[list[int]] = [[] for _ in params]
     builds = 0
     real_build = TokenCounts._build

@@ -210,7 +210,8 @@ def test_bad_options_refused(kw, msg):
 
 
 def test_logit_bias_arithmetic_order():
-    """Penalties, then the bias, then the min_tokens ban (docs/api.md), against the definitions."""
+    """The bias, the min_tokens ban, then the penalties (vLLM's order, docs/api.md), against the
+    definitions: a biased token in the prompt has its biased logit divided or multiplied."""
     logits = torch.randn(64, generator=torch.Generator().manual_seed(1)) * 3
     prompt, output = [1, 2, 3], [3, 5, 5]
     bias = {3: 2.5, 5: -1.0, 7: 100.0, 9: -100.0, 63: 0.75}
@@ -223,10 +224,11 @@ def test_logit_bias_arithmetic_order():
         max_tokens=8,
         stop_token_ids=[7],
     )
-    want = _naive_penalized(logits, prompt, output, p)
+    biased = logits.clone()
     for t, b in bias.items():
-        want[t] += b
-    want[7] = want[11] = float("-inf")  # the stop id and the EOS, whatever their bias
+        biased[t] += b
+    biased[7] = biased[11] = float("-inf")  # the stop id and the EOS, whatever their bias
+    want = _naive_penalized(biased, prompt, output, p)
     got = _adjusted(logits, p, prompt, output, eos=(11,))
     assert torch.allclose(got, want, atol=1e-5)
 

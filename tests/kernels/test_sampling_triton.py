@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling.filters import candidate_probs, head_suffices, race
+from engine.sampling.filters import candidate_probs, head_suffices, kept_log_total, race
 from engine.sampling.penalties import TokenCounts
 from engine.sampling.rng import RACE_BITS, as_int64, splitmix64, token_exponentials
 from kernels.triton.sampling import draw_triton, penalties_triton, record_triton
@@ -20,6 +20,7 @@ FILTERS = {
     "top_p": (0, 0.7, 0.0, 0.8),
     "min_p": (0, 1.0, 0.2, 1.2),
     "k_p_min": (8, 0.9, 0.05, 0.6),
+    "min_p_then_p": (0, 0.5, 0.1, 0.5),  # top-p over what min-p keeps (vLLM's order) draws apart here
     "plain_topk_all": (0, 1.0, 0.0, 1.0),
 }
 
@@ -68,10 +69,10 @@ def test_head_draw_and_check_match_the_reference(scale):
     m, head = 16, 256
     logits = torch.randn(m, 4000, generator=g) * scale
     temperature = torch.full((m,), 0.9)
-    top_p = torch.tensor([0.9, 1.0] * (m // 2))
-    min_p = torch.tensor([0.0, 0.3] * (m // 2))
+    top_p = torch.tensor([0.9, 1.0, 0.8, 0.95] * (m // 4))
+    min_p = torch.tensor([0.0, 0.3, 0.1, 0.02] * (m // 4))
     vals, ids = torch.topk(logits, head, dim=-1)
-    total = torch.logsumexp(logits / temperature[:, None], -1)
+    total = kept_log_total(logits, temperature, min_p)  # over min-p's tokens: top-p comes after it
     want_held = head_suffices(vals, total, temperature, top_p, min_p)
     seeds, ctr = torch.arange(m, dtype=torch.long), torch.zeros(m, dtype=torch.long)
     tokens = torch.zeros(m, dtype=torch.long)

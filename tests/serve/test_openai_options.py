@@ -268,6 +268,14 @@ def test_min_p_one_is_greedy(oai, model, sdk):
     )
 
 
+def test_temperature_below_1e5_is_greedy(oai, model):
+    """A temperature the logits cannot be divided by (1e-40: they overflow to infinity) decodes
+    greedily, as vLLM's below 1e-5; it was an HTTP 500 naming an index out of range."""
+    greedy = oai.completions.create(model=model, prompt=PROMPT, max_tokens=6, **GREEDY).choices[0].text
+    kw = dict(model=model, prompt=PROMPT, max_tokens=6, seed=1, extra_body={"ignore_eos": True})
+    assert oai.completions.create(temperature=1e-40, **kw).choices[0].text == greedy
+
+
 def test_min_tokens_and_max_completion_tokens(oai, model, sdk, tok):
     ids = sdk.generate(prompt=PROMPT, max_tokens=3, temperature=0.0, ignore_eos=True).token_ids
     r = oai.chat.completions.create(
