@@ -162,7 +162,7 @@ class ModelConfig:
         n_layers = text["num_hidden_layers"]
         layer_types = config_fields.layer_types(text, n_layers, cfg_path)
         rope = text.get("rope_parameters") or {}
-        scaling = RopeScaling.parse(rope, text.get("rope_scaling"))
+        scaling = RopeScaling.from_text(text)
         cfg_dtype = text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or "float32"
         want = cfg_dtype if dtype == "auto" else dtype
         if want not in _DTYPES:

@@ -134,7 +134,8 @@ def max_model_len(requested: int | None, model: ModelConfig) -> int:
         raise ValueError(f"max_model_len {requested} must be >= 1 (0: the checkpoint's {positions})")
     if requested > positions and os.environ.get(ALLOW_LONG_ENV, "").strip().lower() not in ("1", "true"):
         raise ValueError(
-            f"max_model_len {requested} exceeds the checkpoint's {positions} positions (max_position_embeddings); "
+            f"max_model_len {requested} exceeds the checkpoint's {positions} positions "
+            f"({model.rope_scaling.positions_source(model.max_position_embeddings)}); "
             f"set {ALLOW_LONG_ENV}=1 to run past them anyway"
         )
     return requested

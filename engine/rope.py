@@ -28,23 +28,49 @@ class RopeScaling:
     truncate: bool = True  # yarn: the blend's bounds rounded outwards to whole dimensions
 
     @classmethod
-    def parse(cls, rope: dict | None, legacy: dict | None = None) -> RopeScaling:
-        """From a text config's `rope_parameters` (or, in older configs, `rope_scaling`)."""
+    def from_text(cls, text: dict) -> RopeScaling:
+        """From a text config, as transformers reads it: its `rope_parameters` (or, in older
+        configs, `rope_scaling`), with YaRN's original context defaulting to the config's
+        `original_max_position_embeddings` beside them, else its max_position_embeddings."""
+        return cls.parse(
+            text.get("rope_parameters"),
+            text.get("rope_scaling"),
+            text.get("max_position_embeddings"),
+            text.get("original_max_position_embeddings"),
+        )
+
+    @classmethod
+    def parse(
+        cls,
+        rope: dict | None,
+        legacy: dict | None = None,
+        max_positions: int | None = None,
+        original: int | None = None,
+    ) -> RopeScaling:
+        """From a text config's `rope_parameters` (or, in older configs, `rope_scaling`).
+        max_positions, original: the config's max_position_embeddings and a top-level
+        original_max_position_embeddings, where YaRN's parameters name no original context (the
+        top-level one wins, as in transformers)."""
         p = dict(legacy or {})
-        p.update({k: v for k, v in (rope or {}).items() if v is not None})
+        p.update({k: v for k, v in (rope or {}).items() if v is not None or k == "factor"})
         kind = p.get("rope_type", p.get("type", "default"))
         if kind not in SUPPORTED:
             raise ValueError(f"unsupported rope_type {kind!r}; supported: {', '.join(SUPPORTED)}")
         if kind == "default":
             return cls()
-        factor = float(p.get("factor", 1.0))
-        if not factor >= 1.0:
-            raise ValueError(f"rope {kind} factor must be >= 1 (got {factor})")
+        if "factor" not in p:  # transformers refuses it too; taking 1 would drop the scaling unseen
+            raise ValueError(f"rope {kind} needs factor, a number >= 1")
+        orig = original if original is not None else p.get("original_max_position_embeddings", max_positions)
+        if kind == "yarn" and (not isinstance(orig, int) or orig <= 0):
+            raise ValueError(f"rope yarn needs original_max_position_embeddings, a positive integer (got {orig!r})")
+        factor = p["factor"]
+        if factor is None and kind == "yarn" and max_positions and isinstance(orig, int):
+            factor = max_positions / orig  # DeepSeek-V3's form: the ratio of the two contexts
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor >= 1.0:
+            raise ValueError(f"rope {kind} factor must be a number >= 1 (got {factor!r})")
+        factor = float(factor)
         if kind == "linear":
             return cls(kind, factor)
-        orig = p.get("original_max_position_embeddings")
-        if not isinstance(orig, int) or orig <= 0:
-            raise ValueError(f"rope yarn needs original_max_position_embeddings, a positive integer (got {orig!r})")
         att = p.get("attention_factor")
         if att is None:
             mscale, mscale_all = p.get("mscale"), p.get("mscale_all_dim")
@@ -65,6 +91,13 @@ class RopeScaling:
         if self.kind == "yarn" and self.original_max_positions is not None:
             return max(max_position_embeddings, int(self.original_max_positions * self.factor))
         return max_position_embeddings
+
+    def positions_source(self, max_position_embeddings: int) -> str:
+        """Where `max_positions` comes from, for an error that names it."""
+        n = self.max_positions(max_position_embeddings)
+        if self.kind == "yarn" and n > max_position_embeddings:
+            return f"original_max_position_embeddings {self.original_max_positions} x yarn factor {self.factor:g}"
+        return f"max_position_embeddings {max_position_embeddings}"
 
     def inv_freq(self, rotary_dim: int, theta: float) -> torch.Tensor:
         """[rotary_dim / 2] float32 rotary frequencies."""

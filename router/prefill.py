@@ -42,29 +42,34 @@ class PrefillPhase:
         self.meter = RateMeter()  # each prefill node's measured rate (admission's estimate)
         self.encode: EncodePool | None = None  # the encode pool's step (set by the service)
 
-    def ready(self, d: NodeEntry | None, exclude: set[str]) -> list[NodeEntry]:
+    def ready(self, d: NodeEntry | None, exclude: set[str], prompt_len: int = 0) -> list[NodeEntry]:
         """Prefill nodes that take prompts now for decode node d (its model's schema; None: for a
-        request that needs no decode node)."""
+        request that needs no decode node) and whose cache can hold a prompt of `prompt_len`
+        tokens (0: any prompt)."""
         dg = d.info.schema_digest if d is not None else ""
         return [
             p
             for p in self.registry.routable(pb.NODE_KIND_PREFILL)
-            if p.info.prefill_ready and p.node_id not in exclude and (not dg or p.info.schema_digest in ("", dg))
+            if p.info.prefill_ready
+            and p.node_id not in exclude
+            and (not dg or p.info.schema_digest in ("", dg))
+            and holds(p, prompt_len)
         ]
 
     def use_pool(self, d: NodeEntry, prompt_len: int, cached: int = 0) -> bool:
         """Conditional disaggregation: short prompts (under D's threshold) prefill on D, as do
         the next turns of conversations D holds (`cached` tokens usable there, fewer new ones
         than D's resume threshold: their state is on D, a prefill node would compute it again),
-        and all prompts when no prefill node is ready or every one is loaded past
+        and all prompts when no prefill node is ready (or none holds the whole prompt: a prefill
+        node at TP 1 beside a decode node at TP 2 holds half the tokens) or every one is loaded past
         `max_prefill_queue_tokens`. prompt_len: what D would compute (cache-aware routing passes
-        the prompt less D's usable cached prefix)."""
+        the prompt less D's usable cached prefix, `cached`)."""
         info = d.info
         if prompt_len < info.local_prefill_threshold or not info.schema_digest:
             return False
         if cached and prompt_len < info.local_resume_threshold:
             return False
-        ready = self.ready(d, set())
+        ready = self.ready(d, set(), prompt_len + cached)
         limit = self.cfg.max_prefill_queue_tokens
         if limit and ready:
             with self.registry.lock:
@@ -94,7 +99,7 @@ class PrefillPhase:
             return prompt_len - (p.cache.usable(q, compute=True) if q is not None else 0)
 
         with self.registry.lock:
-            nodes = self.ready(d, exclude)
+            nodes = self.ready(d, exclude, prompt_len)
             if window and w:
                 nodes = [p for p in nodes if (n := _outstanding(p, batch)) == 0 or n + work(p) <= w]
             p = self.policy.choose_prefill(nodes, prompt_len, q)
@@ -473,6 +478,14 @@ class PrefillPhase:
         await self.release(
             push.d, push.rid, f"push from {push.p.node_id} failed: {e.code().name}", push.p.node_id if dead else ""
         )
+
+
+def holds(p: NodeEntry, prompt_len: int) -> bool:
+    """Whether prefill node p's cache can ever hold a prompt of `prompt_len` tokens (its pages for
+    prompt_len + 1, as the engine counts them); one that cannot refuses it (INVALID_ARGUMENT), while
+    the decode node, sized on its own, may well compute it. True before p reports its capacity."""
+    total = p.info.capacity.total_blocks
+    return not prompt_len or not total or p.blocks_for(prompt_len + 1) <= total
 
 
 def _outstanding(p: NodeEntry, batch: bool) -> int:

@@ -364,7 +364,9 @@ class GenerateService:
         cached = 0  # what it brings to the prefill pool: its prompt less the most a prefill node has cached
         if pooled and q is not None:
             with self.registry.lock:
-                cached = max((p.cache.usable(q, compute=True) for p in self.prefill.ready(dec[0], set())), default=0)
+                cached = max(
+                    (p.cache.usable(q, compute=True) for p in self.prefill.ready(dec[0], set(), prompt_len)), default=0
+                )
         ask = self.ask(request, prompt_len - cached if pooled else 0, resumed, alone)
         ahead_tokens, ahead, ahead_squares = self.admission.ahead(ask.priority)
         ends = [r.expected_end_s(self.tpot_s, self.lengths) for r in self.placed]
@@ -405,7 +407,7 @@ class GenerateService:
     ) -> tuple[NodeEntry | None, tuple[NodeEntry, int] | None, int] | None:
         """A prefill node within its window for a request that ends at its first token, and no
         decode node; the usual placement when no prefill node takes prompts any more."""
-        if not self.prefill.ready(None, set()):
+        if not self.prefill.ready(None, set(), prompt_len):
             return self._place(prompt_len, exclude, False, q, batch)
         chosen = self.prefill.choose(None, prompt_len, set(), window=True, q=q, batch=batch)
         if chosen is None:
