@@ -53,7 +53,7 @@ class PrefillPhase:
             if p.info.prefill_ready
             and p.node_id not in exclude
             and (not dg or p.info.schema_digest in ("", dg))
-            and holds(p, prompt_len)
+            and p.holds(prompt_len)
         ]
 
     def use_pool(self, d: NodeEntry, prompt_len: int, cached: int = 0) -> bool:
@@ -478,14 +478,6 @@ class PrefillPhase:
         await self.release(
             push.d, push.rid, f"push from {push.p.node_id} failed: {e.code().name}", push.p.node_id if dead else ""
         )
-
-
-def holds(p: NodeEntry, prompt_len: int) -> bool:
-    """Whether prefill node p's cache can ever hold a prompt of `prompt_len` tokens (its pages for
-    prompt_len + 1, as the engine counts them); one that cannot refuses it (INVALID_ARGUMENT), while
-    the decode node, sized on its own, may well compute it. True before p reports its capacity."""
-    total = p.info.capacity.total_blocks
-    return not prompt_len or not total or p.blocks_for(prompt_len + 1) <= total
 
 
 def _outstanding(p: NodeEntry, batch: bool) -> int:

@@ -167,6 +167,14 @@ class NodeEntry:
         bs = self.info.capacity.block_size or 1
         return -(-num_tokens // bs)
 
+    def holds(self, prompt_len: int) -> bool:
+        """Whether this node's cache can ever hold a prompt of `prompt_len` tokens (its pages for
+        prompt_len + 1, as the engine counts them): a prefill node that cannot refuses it
+        (INVALID_ARGUMENT), while the decode node, sized on its own, may well compute it
+        (router/prefill.py). True for 0 tokens and before the node reports its capacity."""
+        total = self.info.capacity.total_blocks
+        return not prompt_len or not total or self.blocks_for(prompt_len + 1) <= total
+
 
 class NodeRegistry:
     def __init__(self, heartbeat_interval_s: float = 0.5, dead_after_s: float = 3.0, creds: Credentials = OPEN):

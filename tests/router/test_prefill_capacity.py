@@ -1,5 +1,5 @@
-"""A prompt goes to a prefill node only when that node's cache can hold it (router/prefill.py
-`holds`): prefill and decode pools are sized apart (a prefill node at TP 1 beside a decode node
+"""A prompt goes to a prefill node only when that node's cache can hold it (router/registry.py
+`NodeEntry.holds`, asked by router/prefill.py): prefill and decode pools are sized apart (a prefill node at TP 1 beside a decode node
 at TP 2 holds half the tokens on the same --kv-cache-memory), and a prompt that fits the decode
 node but no prefill node was sent to a prefill node anyway, which refused it with a 400. Now a
 larger prefill node takes it, or, with none, the decode node computes it itself."""
