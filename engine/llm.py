@@ -14,7 +14,9 @@ from engine.config_fields import DTYPE_ALIASES
 from engine.core import EngineCore
 from engine.llm_process import EngineProcess, Interrupted
 from engine.llm_prompts import expand_prompts, parse_prompts
-from engine.llm_results import finish
+from engine.llm_results import by_prompt, each_completion, finish
+from engine.llm_text import Stopped, TextWatch
+from engine.llm_vllm import check_image_counts, conversations, mm_limits, render_chat, speculative
 from engine.options import options
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -22,6 +24,16 @@ from engine.tokenizer import Tokenizer
 from engine.vision.inputs import ImageInput
 
 log = logging.getLogger("pdserve.llm")
+# LLM.__init__'s locals that are not handed to an engine process (read, or mapped, in this one)
+NOT_FORWARDED = (
+    "self",
+    "engine_process",
+    "resolve",
+    "speculative_config",
+    "enforce_eager",
+    "trust_remote_code",
+    "spec",
+)
 
 
 class LLM:
@@ -52,15 +64,34 @@ class LLM:
         mamba_ssm_cache_dtype: str = "auto",
         batch_invariant: bool | None = None,
         gpu_memory_utilization: float | None = None,
+        cuda_graphs: bool | None = None,
+        speculative_config: dict | None = None,
+        enforce_eager: bool = False,
+        trust_remote_code: bool = False,
+        limit_mm_per_prompt: dict | None = None,
     ):
         """engine_process: run the engine in a process of its own (engine/llm_process.py); None
         (default): on the CPU when torch was imported before the engine, whose OpenMP threads would
         otherwise spin on the engine's cores; in this process otherwise. model: a checkpoint
-        directory, or a Hugging Face repo id (engine/hub.py)."""
+        directory, or a Hugging Face repo id (engine/hub.py). vLLM's speculative_config,
+        enforce_eager (no CUDA graphs), trust_remote_code (no effect: no remote code runs) and
+        limit_mm_per_prompt are read as pdserve's options (engine/llm_vllm.py)."""
         from engine.hub import resolve
 
         model, dtype = resolve(model), DTYPE_ALIASES.get(dtype, dtype)  # vLLM's "half", "bf16", "float" too
-        kwargs = {k: v for k, v in locals().items() if k not in ("self", "engine_process", "resolve")}
+        if speculative_config is not None:
+            if num_speculative_tokens != 0 or speculative_method != "ngram":
+                raise ValueError("give speculative_config or num_speculative_tokens / speculative_method, not both")
+            spec = speculative(speculative_config, "speculative_config")
+            num_speculative_tokens = int(spec.get("num_speculative_tokens", 0))
+            speculative_method = str(spec.get("speculative_method", "ngram"))
+        if enforce_eager and cuda_graphs:
+            raise ValueError("enforce_eager=True and cuda_graphs=True contradict each other")
+        cuda_graphs = not enforce_eager if cuda_graphs is None else cuda_graphs
+        self._mm_limits = mm_limits(limit_mm_per_prompt)
+        self._model_path = model
+        self._hf_tokenizer: Any = None
+        kwargs = {k: v for k, v in locals().items() if k not in NOT_FORWARDED}
         if engine_process is None:
             import engine
 
@@ -97,6 +128,7 @@ class LLM:
             mamba_ssm_cache_dtype,
             batch_invariant,
             gpu_memory_utilization,
+            cuda_graphs,
         )
         for o in options(EngineArgs):  # what the command line's choices refuse, refused here too
             if o.choices and getattr(args, o.name) not in o.choices:
@@ -124,15 +156,22 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         prompt_token_ids: Any = None,
         images: list[tuple[ImageInput, ...]] | None = None,
+        use_tqdm: Any = True,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """prompts: a str, {"prompt": str}, {"prompt_token_ids": [int, ...]} (either with
         "multi_modal_data": {"image": ...}) or a list of them; or prompt_token_ids: [[int, ...], ...]
         (engine/llm_prompts.py). images: per prompt, its images on their <|image_pad|> runs
-        (docs/images.md)."""
+        (docs/images.md). vLLM's use_tqdm is accepted (no progress bar is drawn); lora_request
+        must be None (no LoRA adapters)."""
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported")
         if self._proc is not None:
             return self._proc.call("generate", prompts, sampling_params, prompt_token_ids, images)  # type: ignore[no-any-return]
         engine = self._engine()
         given = parse_prompts(prompts, prompt_token_ids, self.tokenizer)
+        if self._mm_limits:
+            check_image_counts(self._mm_limits, [len(p.images or ()) for p in given])
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(given)
@@ -145,39 +184,104 @@ class LLM:
             given, imgs = expand_prompts(self.config.model.path, self.config.model.vision, given)
         if len(imgs) != len(given):
             raise ValueError(f"{len(imgs)} image lists for {len(given)} prompts")
-        for i, (p, sp) in enumerate(zip(given, params)):  # refuse the batch before any of it runs
+        rows = each_completion(params)  # vLLM's n: a request per completion
+        given, imgs, params = [given[i] for i, _ in rows], [imgs[i] for i, _ in rows], [sp for _, sp in rows]
+        watches: dict[int, TextWatch] = {}
+        for k, ((i, sp), p) in enumerate(zip(rows, given)):  # refuse the batch before any of it runs
             try:
                 engine.validate(p.token_ids, sp)
+                if sp.stop:
+                    if self.tokenizer is None:
+                        raise ValueError("stop strings need the checkpoint's tokenizer (it has no tokenizer.json)")
+                    watches[k] = TextWatch(self.tokenizer, sp)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         rids: list[str] = []
         done: dict[str, RequestOutput] = {}
         logprobs: dict[str, list] = {}
         prompt_logprobs: dict[str, list] = {}
+        stopped: dict[str, Stopped] = {}
+        watch: dict[str, TextWatch] = {}
         try:
-            for i, (p, sp, im) in enumerate(zip(given, params, imgs)):
+            for k, ((i, sp), p, im) in enumerate(zip(rows, given, imgs)):
                 try:
                     rids.append(engine.add_request(p.token_ids, sp, images=tuple(im)))
                 except ValueError as e:
                     raise ValueError(f"prompt {i}: {e}") from None
                 logprobs[rids[-1]] = []
+                if k in watches:
+                    watch[rids[-1]] = watches[k]
             while len(done) < len(rids):
                 self._check_interrupt()
                 for out in engine.step():
-                    if out.request_id not in logprobs:  # not this call's (a request added on the engine itself)
+                    rid = out.request_id
+                    if rid not in logprobs or rid in done:  # not this call's (or ended by a stop string)
                         continue
-                    logprobs[out.request_id] += out.logprobs or []
+                    logprobs[rid] += out.logprobs or []
                     if out.prompt_logprobs is not None:
-                        prompt_logprobs[out.request_id] = out.prompt_logprobs
+                        prompt_logprobs[rid] = out.prompt_logprobs
+                    hit = watch[rid].push(out.new_token_ids) if rid in watch else None
+                    if hit is not None:
+                        if not out.finished:
+                            engine.abort(rid)
+                        out.output_token_ids = list(out.output_token_ids[: hit.keep])
+                        out.finished, out.finish_reason = True, "stop"
+                        logprobs[rid] = logprobs[rid][: hit.keep]
+                        stopped[rid] = hit
                     if out.finished:
-                        done[out.request_id] = out
+                        done[rid] = out
         except BaseException:
             self._abort(r for r in rids if r not in done)
             raise
-        return [
-            finish(done[r], sp, p.text, logprobs[r], prompt_logprobs.get(r), self.tokenizer)
+        outs = [
+            finish(done[r], sp, p.text, logprobs[r], prompt_logprobs.get(r), self.tokenizer, stopped.get(r))
             for r, sp, p in zip(rids, params, given)
         ]
+        return by_prompt(outs, rows)
+
+    def chat(
+        self,
+        messages: Any,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: Any = True,
+        lora_request: Any = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's chat: one conversation (a list of {"role", "content"} dicts) or a list of them,
+        each rendered by the checkpoint's chat template (transformers' apply_chat_template, with
+        tools, the switches and chat_template_kwargs such as {"enable_thinking": False}) and
+        generated as `generate` does; each output's `prompt` is the rendered text."""
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(
+                f"chat_template_content_format must be auto, string or openai (got {chat_template_content_format!r})"
+            )
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("chat needs the checkpoint's tokenizer and chat template (it has no tokenizer.json)")
+        texts = render_chat(
+            tok,
+            conversations(messages),
+            tools=tools,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return self.generate(texts, sampling_params, lora_request=lora_request)
+
+    def get_tokenizer(self) -> Any:
+        """The checkpoint's tokenizer as transformers loads it (what vLLM's get_tokenizer returns:
+        encode, decode, apply_chat_template, eos_token_id), or None when it has none."""
+        if self._hf_tokenizer is None and Tokenizer.exists(self._model_path):
+            from transformers import AutoTokenizer  # noqa: PLC0415 (loaded on first use)
+
+            self._hf_tokenizer = AutoTokenizer.from_pretrained(self._model_path)
+        return self._hf_tokenizer
 
     def compute_logits(self, prompt_token_ids: list[list[int]]) -> list[torch.Tensor]:
         """Next-token logits [vocab] (float32) after each prompt, through the serving path."""
@@ -221,6 +325,10 @@ class LLM:
             engine, self.engine = self.engine, None
             assert engine is not None
             engine.close()
+
+    def shutdown(self) -> None:
+        """vLLM's name for close()."""
+        self.close()
 
     def __enter__(self):
         return self

@@ -5,9 +5,37 @@ step's), its text, and vLLM's shape beside the engine's fields: `prompt`, `outpu
 
 from __future__ import annotations
 
+import dataclasses
+
+from engine.llm_text import Stopped
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+
+
+def each_completion(params: list[SamplingParams]) -> list[tuple[int, SamplingParams]]:
+    """vLLM's `n`: (prompt index, params) per completion, each a request of its own with n 1; a
+    seeded prompt's i-th completion is seeded seed + i, as vLLM seeds them."""
+    out = []
+    for i, sp in enumerate(params):
+        for k in range(sp.n):
+            seed = sp.seed + k if sp.seed is not None else None
+            out.append((i, sp if sp.n == 1 else dataclasses.replace(sp, n=1, seed=seed)))
+    return out
+
+
+def by_prompt(outs: list[RequestOutput], rows: list[tuple[int, SamplingParams]]) -> list[RequestOutput]:
+    """One RequestOutput per prompt: its first completion's, holding every completion of the prompt
+    in `outputs` (index 0..n-1)."""
+    grouped: dict[int, RequestOutput] = {}
+    for out, (i, _) in zip(outs, rows):
+        if i not in grouped:
+            grouped[i] = out
+        else:
+            c = out.outputs[0]
+            c.index = len(grouped[i].outputs)
+            grouped[i].outputs.append(c)
+    return [grouped[i] for i in sorted(grouped)]
 
 
 def finish(
@@ -17,16 +45,22 @@ def finish(
     logprobs: list,
     prompt_logprobs: list | None,
     tokenizer: Tokenizer | None,
+    stopped: Stopped | None = None,
 ) -> RequestOutput:
     out.logprobs = logprobs if params.logprobs is not None else None
     out.prompt_logprobs = (
         [None, *_vllm_logprobs(prompt_logprobs or [], tokenizer)] if params.prompt_logprobs is not None else None
     )
-    if tokenizer is not None:
-        out.text = tokenizer.decode(out.output_token_ids)
+    if stopped is not None:
+        out.text = stopped.text
+    elif tokenizer is not None:
+        text = params.detokenize
+        out.text = tokenizer.decode(out.output_token_ids, params.skip_special_tokens) if text else ""
     out.prompt = prompt
     ids = out.output_token_ids
-    stop = ids[-1] if out.finish_reason == "stop" and ids and ids[-1] in params.stop_token_ids else None
+    stop: int | str | None = stopped.stop if stopped is not None else None
+    if stop is None and out.finish_reason == "stop" and ids and ids[-1] in params.stop_token_ids:
+        stop = ids[-1]
     out.outputs = [
         CompletionOutput(
             index=0,

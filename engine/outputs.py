@@ -25,7 +25,7 @@ class CompletionOutput(msgspec.Struct):
     cumulative_logprob: float | None  # sum of the chosen tokens' logprobs when logprobs were asked
     logprobs: list[dict[int, Logprob]] | None  # per position: the chosen token and the top ones
     finish_reason: str | None  # "stop" | "length" | "abort"
-    stop_reason: int | None = None  # the stop_token_ids entry that ended it, else None
+    stop_reason: int | str | None = None  # the stop string or stop_token_ids entry that ended it, else None
 
 
 class RequestOutput(msgspec.Struct):

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from numbers import Integral, Real
 
+from engine.sampling_vllm import check_output_options, stop_strings, vllm_forms
 from engine.structured.spec import Constraint
 
 MAX_LOGPROBS = 20  # most alternatives per position (OpenAI's top_logprobs limit)
@@ -48,14 +49,24 @@ class SamplingParams:
     # prefix-cache isolation (docs/prefix-caching.md): a request shares cached prompt state only
     # with requests of the same salt; "" shares with every other request without one
     cache_salt: str = ""
+    # vLLM's output options, applied by the offline LLM (engine/llm_text.py; the engine core reads
+    # none of them, and the served route carries its own: docs/api.md)
+    n: int = 1  # completions per prompt (seeded: seed + i for the i-th)
+    stop: tuple[str, ...] = ()  # the text ends before the first of these (finish "stop")
+    include_stop_str_in_output: bool = False  # the matched stop string stays at the text's end
+    skip_special_tokens: bool = True  # special tokens are left out of the text
+    spaces_between_special_tokens: bool = True  # vLLM's; a fast tokenizer's text is the same either way
+    detokenize: bool = True  # False: no text (token ids only)
 
     def __init__(self, **kwargs):
+        kwargs = vllm_forms(kwargs)
         names = {f.name for f in fields(self)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise ValueError(f"unknown sampling option(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
         for f in fields(self):
             object.__setattr__(self, f.name, kwargs.get(f.name, f.default))
+        object.__setattr__(self, "stop", stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _stop_ids(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         object.__setattr__(self, "constraint", Constraint.from_value(self.constraint))
@@ -96,6 +107,7 @@ class SamplingParams:
             raise ValueError(f"priority must be 0 (interactive) or 1 (batch) (got {self.priority!r})")
         if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT:
             raise ValueError(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters")
+        check_output_options(self)
         if self.constraint is not None and self.min_tokens:
             raise ValueError(
                 "min_tokens cannot be combined with a constraint: the grammar decides where the output ends"
@@ -134,6 +146,7 @@ class SamplingParams:
         d = asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["logit_bias"] = dict(self.logit_bias)
+        d["stop"] = list(self.stop)
         d["constraint"] = self.constraint.to_dict() if self.constraint else None
         return d
 

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import json
 
-MTP = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
-SPEC_KEYS = ("method", "num_speculative_tokens")
 RENAMED = {
     "--enable-prefix-caching": "--prefix-caching",
     "--no-enable-prefix-caching": "--no-prefix-caching",
@@ -128,24 +126,9 @@ def _speculative(text: str) -> list[str]:
 
 
 def speculative(spec: object, where: str = "--speculative-config") -> dict[str, str | int]:
-    """vLLM's speculative config (a JSON object on the command line, a mapping in a pools file) as
-    pdserve's options: {"speculative_method": ..., "num_speculative_tokens": ...}, each if given."""
-    if not isinstance(spec, dict):
-        raise ValueError(f"{where} must be a JSON object")
-    unknown = sorted(set(spec) - set(SPEC_KEYS))
-    if unknown:
-        raise ValueError(f"{where}: {', '.join(unknown)} not supported (supported: {', '.join(SPEC_KEYS)})")
-    out: dict[str, str | int] = {}
-    method = spec.get("method")
-    if method is not None:
-        if method in MTP:
-            method = "mtp"
-        elif method not in ("ngram",):
-            raise ValueError(f"{where} method {method!r}: pdserve drafts with {', '.join(MTP)} or ngram")
-        out["speculative_method"] = method
-    n = spec.get("num_speculative_tokens")
-    if n is not None:
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"{where} num_speculative_tokens must be an integer >= 0 (got {n!r})")
-        out["num_speculative_tokens"] = n
-    return out
+    """vLLM's speculative config as pdserve's options (engine/llm_vllm.py reads it for the
+    command line, pools files and `LLM(speculative_config=...)` alike). Imported here, not at the
+    top: the command line reports an engine that fails to import on its own (cli.py)."""
+    from engine.llm_vllm import speculative as read  # noqa: PLC0415
+
+    return read(spec, where)
