@@ -127,7 +127,7 @@ def test_a_long_prompt_streams_chunk_by_chunk_and_decodes_like_transformers(pair
     while D.has_unfinished():
         toks += [t for o in D.step() for t in o.new_token_ids]
     assert toks == want
-    assert _free(P) == p0 and _free(D) == d0 and not pc.has_work() and not dc.has_work()
+    assert _free(P) == p0 and _free(D) == d0 and not pc.has_work() and not dc.stats().in_flight
 
 
 def test_a_prompt_streaming_longer_than_the_push_timeout_is_no_failed_push(pair):
@@ -176,7 +176,7 @@ def test_a_request_preempted_mid_stream_fails_its_push_and_frees_everything(pair
     sent = [r for r in records if isinstance(r, SendDone)]
     assert len(sent) == 1 and "preempted" in (sent[0].error or ""), sent
     assert _free(P) == p0 and _free(D) == d0 and not P.requests and not D.requests
-    assert not pc.has_work() and not dc.has_work()
+    assert not pc.has_work() and not dc.stats().in_flight
 
 
 def test_a_cancel_mid_stream_leaves_nothing_on_either_side(pair):
@@ -196,4 +196,4 @@ def test_a_cancel_mid_stream_leaves_nothing_on_either_side(pair):
     sent = [r for r in records if isinstance(r, SendDone)]
     assert len(sent) == 1 and sent[0].aborted
     assert _free(P) == p0 and _free(D) == d0 and not P.requests and not D.requests
-    assert not pc.has_work() and not dc.has_work()  # no lease renewed, no reservation left
+    assert not pc.has_work() and not dc.stats().in_flight  # no lease renewed, no reservation left

@@ -96,7 +96,7 @@ def test_a_step_failing_mid_last_chunk_then_a_cancel_leaves_nothing(ckpt):
         sent = [r for r in records if isinstance(r, SendDone)]
         assert len(sent) == 1 and sent[0].aborted, sent
         assert _free(P) == p0 and _free(D) == d0 and not P.requests and not D.requests
-        assert not pc.has_work() and not dc.has_work()
+        assert not pc.has_work() and not dc.stats().in_flight
 
 
 def test_a_prefill_node_killed_mid_last_chunk_leaves_the_decode_node_nothing(ckpt):
@@ -115,7 +115,7 @@ def test_a_prefill_node_killed_mid_last_chunk_leaves_the_decode_node_nothing(ckp
             records += D.poll_transfers()
         failed = [r for r in records if isinstance(r, RecvFailed)]
         assert len(failed) == 1 and failed[0].request_id == "k2", records
-        assert _free(D) == d0 and not D.requests and not dc.has_work()  # no page, slot or lease left
+        assert _free(D) == d0 and not D.requests and not dc.stats().in_flight  # no page, slot or lease left
 
 
 @pytest.mark.gpu
