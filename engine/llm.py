@@ -52,15 +52,19 @@ class LLM:
         mamba_ssm_cache_dtype: str = "auto",
         batch_invariant: bool | None = None,
         gpu_memory_utilization: float | None = None,
+        hf_overrides: dict | str | None = None,
     ):
         """engine_process: run the engine in a process of its own (engine/llm_process.py); None
         (default): on the CPU when torch was imported before the engine, whose OpenMP threads would
         otherwise spin on the engine's cores; in this process otherwise. model: a checkpoint
-        directory, or a Hugging Face repo id (engine/hub.py)."""
+        directory, or a Hugging Face repo id (engine/hub.py). hf_overrides: a dict (or its JSON text)
+        merged into the checkpoint's config.json, as vLLM's (engine/config_overrides.py)."""
+        from engine.config_overrides import text
         from engine.hub import resolve
 
         model, dtype = resolve(model), DTYPE_ALIASES.get(dtype, dtype)  # vLLM's "half", "bf16", "float" too
-        kwargs = {k: v for k, v in locals().items() if k not in ("self", "engine_process", "resolve")}
+        hf_overrides = text(hf_overrides, "hf_overrides")
+        kwargs = {k: v for k, v in locals().items() if k not in ("self", "engine_process", "resolve", "text")}
         if engine_process is None:
             import engine
 
@@ -97,6 +101,7 @@ class LLM:
             mamba_ssm_cache_dtype,
             batch_invariant,
             gpu_memory_utilization,
+            hf_overrides=hf_overrides,
         )
         for o in options(EngineArgs):  # what the command line's choices refuse, refused here too
             if o.choices and getattr(args, o.name) not in o.choices:
