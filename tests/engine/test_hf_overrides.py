@@ -4,7 +4,7 @@ engine serve 256 positions, which the checkpoint alone refuses, and its prompt l
 past the original context, at TP 1 and TP 2, equal transformers' forward of the checkpoint with
 those fields written into its config.json. vLLM's older spellings (`rope_scaling`, `rope_theta`)
 land in the text config's `rope_parameters`; an override that leaves the config unreadable is one
-line naming the file."""
+line naming the file, and so is a checkpoint's own config.json that lacks a size."""
 
 from __future__ import annotations
 
@@ -112,3 +112,15 @@ def test_an_override_that_leaves_the_config_unreadable_is_one_line(ckpts, overri
     assert says in str(e.value) and "\n" not in str(e.value)
     if "JSON" not in says:
         assert "with --hf-overrides" in str(e.value)
+
+
+def test_a_config_missing_a_size_is_one_line_on_the_command_line(ckpts, tmp_path, capsys):
+    """Without any override too: a config.json with no num_hidden_layers printed a KeyError's stack trace."""
+    from router.cli import main
+
+    cfg = json.loads((Path(ckpts[0]) / "config.json").read_text())
+    del cfg["num_hidden_layers"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["up", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"pdserve up: error: cannot read {tmp_path / 'config.json'}: no 'num_hidden_layers'"], err
