@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast, get_args
 
-from engine import config_fields
+from engine import config_fields, config_overrides
 from engine.device_defaults import budget_source, default_batch_invariant, default_draft_cost
 from engine.options import option
 from engine.rope import RopeScaling
@@ -141,12 +139,17 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
-    def from_dir(cls, path: str | os.PathLike, dtype: DTypeName = "auto", *, check_only: bool = False) -> ModelConfig:
-        """check_only: the dtype left as its name, torch not imported (`pdserve up`'s checks: 3 s less)."""
-        cfg_path = Path(path) / "config.json"
-        if not cfg_path.is_file():
-            raise FileNotFoundError(f"no config.json in {path}: pass a checkpoint directory written by save_pretrained")
-        raw = json.loads(cfg_path.read_text())
+    @config_overrides.one_line_errors
+    def from_dir(
+        cls,
+        path: str | os.PathLike,
+        dtype: DTypeName = "auto",
+        *,
+        check_only: bool = False,
+        hf_overrides: str | None = None,
+    ) -> ModelConfig:
+        """check_only: the dtype a name, no torch (`up`'s checks); hf_overrides: engine/config_overrides.py."""
+        cfg_path, raw = config_overrides.read_config(path, hf_overrides)
         arch = config_fields.architecture(raw, cfg_path)
         prefix = "model."
         text = raw
@@ -162,7 +165,6 @@ class ModelConfig:
         n_layers = text["num_hidden_layers"]
         layer_types = config_fields.layer_types(text, n_layers, cfg_path)
         rope = text.get("rope_parameters") or {}
-        scaling = RopeScaling.from_text(text)
         cfg_dtype = text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or "float32"
         want = cfg_dtype if dtype == "auto" else dtype
         if want not in _DTYPES:
@@ -193,7 +195,7 @@ class ModelConfig:
             fp8_block_size=fp8_block,
             **config_fields.moe_fields(text, want_type),
             mtp_num_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
-            rope_scaling=scaling,
+            rope_scaling=RopeScaling.from_text(text),
             vision=VisionConfig.from_raw(raw, text)
             if arch in config_fields.WRAPPERS and config_fields.has_processor(path)
             else None,
@@ -454,11 +456,12 @@ class EngineArgs:
     cuda_graphs: bool = option(
         True, "cuda, TP 1: replay decode steps from CUDA graphs captured at start-up", flag="--cuda-graphs"
     )
+    hf_overrides: str | None = option(None, config_overrides.HELP)  # JSON text (engine/config_overrides.py)
 
     def engine_config(self, check_only: bool = False) -> EngineConfig:
         """check_only: `pdserve up`'s checks, without torch, C operators or tokenizer (the dtype a name)."""
         kv, share = budget_source(self.kv_cache_memory, self.gpu_memory_utilization, self.device)
-        model = ModelConfig.from_dir(self.model, self.dtype, check_only=check_only)
+        model = ModelConfig.from_dir(self.model, self.dtype, check_only=check_only, hf_overrides=self.hf_overrides)
         auto = self.batch_invariant is None and not check_only  # checks alone: unresolved (False)
         invariant = default_batch_invariant(model, self) if auto else bool(self.batch_invariant)
         return EngineConfig(

@@ -33,6 +33,7 @@ NOT_FORWARDED = (
     "enforce_eager",
     "trust_remote_code",
     "spec",
+    "text",
 )
 
 
@@ -69,16 +70,21 @@ class LLM:
         enforce_eager: bool = False,
         trust_remote_code: bool = False,
         limit_mm_per_prompt: dict | None = None,
+        hf_overrides: dict | str | None = None,
     ):
         """engine_process: run the engine in a process of its own (engine/llm_process.py); None
         (default): on the CPU when torch was imported before the engine, whose OpenMP threads would
         otherwise spin on the engine's cores; in this process otherwise. model: a checkpoint
         directory, or a Hugging Face repo id (engine/hub.py). vLLM's speculative_config,
         enforce_eager (no CUDA graphs), trust_remote_code (no effect: no remote code runs) and
-        limit_mm_per_prompt are read as pdserve's options (engine/llm_vllm.py)."""
+        limit_mm_per_prompt are read as pdserve's options (engine/llm_vllm.py). hf_overrides: a dict
+        (or its JSON text) merged into the checkpoint's config.json, as vLLM's
+        (engine/config_overrides.py)."""
+        from engine.config_overrides import text
         from engine.hub import resolve
 
         model, dtype = resolve(model), DTYPE_ALIASES.get(dtype, dtype)  # vLLM's "half", "bf16", "float" too
+        hf_overrides = text(hf_overrides, "hf_overrides")
         if speculative_config is not None:
             if num_speculative_tokens != 0 or speculative_method != "ngram":
                 raise ValueError("give speculative_config or num_speculative_tokens / speculative_method, not both")
@@ -129,6 +135,7 @@ class LLM:
             batch_invariant,
             gpu_memory_utilization,
             cuda_graphs,
+            hf_overrides=hf_overrides,
         )
         for o in options(EngineArgs):  # what the command line's choices refuse, refused here too
             if o.choices and getattr(args, o.name) not in o.choices:

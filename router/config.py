@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from engine import config_overrides
 from engine.options import option
 from router.admission import CLASS_NAMES
 from router.images.config import ImageArgs
@@ -26,6 +27,8 @@ ADMISSION_HELP = (
 @dataclass(frozen=True)
 class RouterConfig(ImageArgs, SecurityArgs):
     model: str | None = option(None, "checkpoint directory: its tokenizer serves text prompts")
+    # read with the nodes' overrides: the router reads config.json's vision side (router/images/vision.py)
+    hf_overrides: str | None = option(None, config_overrides.HELP)
     static_decode: tuple[str, ...] = option(
         (), "a static decode node, polled with Stats (repeatable)", flag="--decode", metavar="ADDR"
     )
@@ -170,6 +173,7 @@ class RouterConfig(ImageArgs, SecurityArgs):
         object.__setattr__(self, "reasoning_parser", named.get(self.reasoning_parser, self.reasoning_parser))
         object.__setattr__(self, "tool_call_parser", named.get(self.tool_call_parser, self.tool_call_parser))
         self.check_security()
+        config_overrides.parse(self.hf_overrides)  # not an object: one line, before anything starts
         self.check_images()
         self.chat_template_text()  # read and compiled now: a bad one stops the start
         if self.max_body_bytes < 1024 or self.max_prompt_chars < 1 or self.tokenizer_workers < 0:

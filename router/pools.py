@@ -258,6 +258,8 @@ def _same_state(pre, dec) -> None:
         "speculative method": lambda c: c.speculative.method if c.speculative.num_tokens else "none",
         "num_speculative_tokens": lambda c: c.speculative.num_tokens,
         "batch_invariant": lambda c: c.model.batch_invariant,
+        "rotary scaling (hf_overrides)": lambda c: c.model.rope_scaling,
+        "rope_theta (hf_overrides)": lambda c: c.model.rope_theta,
     }
     for name, read in what.items():
         a, b = read(pre), read(dec)

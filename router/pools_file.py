@@ -1,6 +1,7 @@
 """`pdserve up --config FILE`, the pools file read into keys: YAML read strictly (a key given twice
 is refused), keys as option names (`max-model-len` is `max_model_len`), vLLM's spellings of the
-options its command line takes too (router/vllm_flags.py) as pdserve's, and relative paths in it
+options its command line takes too (router/vllm_flags.py) as pdserve's (`hf_overrides` a mapping or
+its JSON text), and relative paths in it
 resolved from the file's own directory, as compose files and Kubernetes manifests do. What the
 keys mean and which win is router/pools.py."""
 
@@ -75,6 +76,11 @@ def _vllm_key(path: str, k: str, v: Any, pool: str | None) -> list[tuple[str, An
         if v != "auto":
             raise ValueError(f"{path}: kv_cache_dtype {v}: pdserve keeps the KV cache in the model's dtype; only auto")
         return []
+    if k == "hf_overrides":  # a mapping, or its JSON text (as on the command line)
+        from engine.config_overrides import text  # noqa: PLC0415
+
+        over = text(v, f"{path}: hf_overrides")
+        return [] if over is None else [(k, over)]
     if k == "speculative_config":
         if isinstance(v, str):
             import json

@@ -111,7 +111,7 @@ class GenerateService:
         self.prefill.encode = EncodePool(cfg, self.registry, reg)
         vision = None
         if self.tokenizer is not None and cfg.model:
-            vision = VisionSpec.load(cfg.model, self.tokenizer.token_to_id(IMAGE_PAD))
+            vision = VisionSpec.load(cfg.model, self.tokenizer.token_to_id(IMAGE_PAD), cfg.hf_overrides)
         self.images = Images(cfg, vision, reg, cfg.tokenizer_workers or default_workers(), cfg.max_body_bytes)
         self.admission = Admission(cfg.max_queued_requests, self._left_queue)
         self.vllm = RouterVllm(self, reg)  # vLLM's names (router/vllm_metrics.py)

@@ -11,6 +11,10 @@ pdserve's before the command line is parsed (so `--help` and the errors stay pds
 - `--dtype half | bf16 | float` -> `--dtype float16 | bfloat16 | float32`;
 - `--enforce-eager` -> `--no-cuda-graphs`;
 - `--kv-cache-dtype auto` dropped (the KV cache is kept in the model's dtype); any other value refused;
+- `--rope-scaling JSON` and `--rope-theta N` (removed from vLLM, still in recipes) -> `--hf-overrides
+  '{"rope_scaling": JSON}'` / `'{"rope_theta": N}'`, the text model's rotary settings
+  (engine/config_overrides.py); these and `--hf-overrides` itself, given together, are merged in
+  command-line order into one `--hf-overrides` (each checked: not JSON, or not an object, is refused);
 - `--trust-remote-code`, `--disable-log-requests`, `--enable-chunked-prefill` dropped, with one
   INFO line saying they have no effect here (`notes`).
 
@@ -38,7 +42,8 @@ NO_OPS = {
     "--disable-log-requests": "the router logs one INFO line per request (--log-level WARNING hides them)",
     "--enable-chunked-prefill": "prompts are always chunked (--max-num-batched-tokens)",
 }
-VALUED = (*TP, "--speculative-config", "--dtype", "--kv-cache-dtype")  # vLLM flags whose value is read here
+OVERRIDES = ("--hf-overrides", "--rope-scaling", "--rope-theta")  # merged into one --hf-overrides
+VALUED = (*TP, "--speculative-config", "--dtype", "--kv-cache-dtype", *OVERRIDES)  # flags whose value is read here
 # pdserve's options each vLLM spelling stands for: both on one command line are refused (`_twice`)
 SAME_OPTION = {
     "--tensor-parallel-size": ("--tp", "--prefill-tp", "--decode-tp"),
@@ -71,6 +76,8 @@ def rewrite(argv: list[str], notes: list[str] | None = None) -> list[str]:
     cmd = subcommand(argv)
     out: list[str] = []
     dropped: list[str] = []
+    overrides: dict | None = None  # every override flag's, merged, at the first one's place (`at`)
+    at = 0
     i = 0
     while i < len(argv):
         a = argv[i]
@@ -87,6 +94,11 @@ def rewrite(argv: list[str], notes: list[str] | None = None) -> list[str]:
             from engine.config_fields import DTYPE_ALIASES  # noqa: PLC0415 (the engine's package: imported once argv is read)
 
             out += ["--dtype", DTYPE_ALIASES.get(value, value)]
+        elif name in OVERRIDES:
+            if overrides is None:
+                at, overrides = len(out) + 1, {}
+                out.append(OVERRIDES[0])
+            overrides = _override(name, value, overrides)
         elif name == "--kv-cache-dtype":
             if value != "auto":
                 raise ValueError(
@@ -105,7 +117,27 @@ def rewrite(argv: list[str], notes: list[str] | None = None) -> list[str]:
         i += 1
     if dropped and notes is not None:
         notes.append("; ".join(f"{f} has no effect here: {NO_OPS[f]}" for f in dropped))
+    if overrides is not None:
+        import json
+
+        out.insert(at, json.dumps(overrides, separators=(",", ":")))
     return out
+
+
+def _override(flag: str, value: str, merged: dict) -> dict:
+    """`merged` with one override flag's value merged in; ValueError naming the flag for a bad value."""
+    from engine import config_overrides as co  # noqa: PLC0415 (the engine's package: imported once argv is read)
+
+    if flag == "--rope-theta":
+        try:
+            theta = float(value)
+        except ValueError:
+            raise ValueError(f"--rope-theta {value!r} is not a number") from None
+        if not theta > 0 or theta == float("inf"):
+            raise ValueError(f"--rope-theta {value!r} must be a positive number")
+        return co.merge(merged, {"rope_theta": theta})
+    over = co.parse(value, flag)
+    return co.merge(merged, {"rope_scaling": over} if flag == "--rope-scaling" else over)
 
 
 def _twice(argv: list[str]) -> None:

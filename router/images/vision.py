@@ -38,12 +38,15 @@ class VisionSpec:
             raise ValueError(f"the image processor's max_pixels {self.max_pixels} < min_pixels {self.min_pixels}")
 
     @classmethod
-    def load(cls, ckpt: str | Path, pad_id: int | None) -> VisionSpec | None:
+    def load(cls, ckpt: str | Path, pad_id: int | None, overrides: str | None = None) -> VisionSpec | None:
         """The checkpoint's vision spec; None when it takes no images (no `vision_config`, no image
         processor config, or a processor whose resize rule this router does not know). `pad_id`:
-        the tokenizer's id of <|image_pad|>, checked against config.json's image_token_id."""
+        the tokenizer's id of <|image_pad|>, checked against config.json's image_token_id (with
+        --hf-overrides merged in, as the nodes read it: engine/config_overrides.py)."""
+        from engine.config_overrides import apply, parse
+
         d = Path(ckpt)
-        cfg = _read(d / "config.json")
+        cfg = apply(_read(d / "config.json"), parse(overrides))
         if not isinstance(cfg.get("vision_config"), dict):
             return None
         proc = _read(d / "preprocessor_config.json")

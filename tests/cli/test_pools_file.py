@@ -70,6 +70,33 @@ def test_vllm_keys_read_as_its_flags(tmp_path, ckpt):
     assert (spec.prefill_tp, spec.decode_tp) == (2, 1) and spec.prefill_options["speculative_method"] == "ngram"
 
 
+def test_hf_overrides_key_reaches_the_router_and_every_node(tmp_path, ckpt, monkeypatch):
+    """vLLM's `hf_overrides` as a mapping (or its JSON text): the router and both pools get it, and
+    `up`'s checks read the config with it (a max_model_len past the checkpoint's context is taken);
+    pools given different rotary settings are refused before anything starts."""
+    import json
+
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    f = tmp_path / "pools.yaml"
+    f.write_text(
+        f"model: {ckpt}\nmax-model-len: 16384\n"
+        "hf_overrides:\n  rope_parameters: {rope_type: yarn, factor: 4.0, original_max_position_embeddings: 4096}\n"
+    )
+    spec = _spec(f)
+    for opts in (spec.router_options, spec.decode_options, spec.prefill_options):
+        assert json.loads(opts["hf_overrides"]) == {"rope_parameters": yarn}
+    f.write_text(f"model: {ckpt}\nmax-model-len: 16384\nhf-overrides: '{json.dumps({'rope_parameters': yarn})}'\n")
+    assert json.loads(_spec(f).decode_options["hf_overrides"]) == {"rope_parameters": yarn}
+    f.write_text(f"model: {ckpt}\nmax-model-len: 16384\n")
+    with pytest.raises(ValueError, match="max_model_len 16384 exceeds the checkpoint's 4096 positions"):
+        _spec(f)
+    # one pool's own: its nodes would rotate keys as the other pool's do not
+    f.write_text(f"model: {ckpt}\ndecode: {{count: 1, hf_overrides: {{rope_theta: 5000.0}}}}\n")
+    with pytest.raises(ValueError, match=r"pools differ in rope_theta \(hf_overrides\) \(10000.0 vs 5000.0\)"):
+        _spec(f)
+
+
 def test_a_pools_file_that_cannot_be_read_is_named(tmp_path, capsys):
     assert main(["up", "--config", str(tmp_path / "nope.yaml")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -98,6 +125,8 @@ def test_a_pools_file_that_cannot_be_read_is_named(tmp_path, capsys):
         ("kv_cache_dtype: fp8\n", "kv_cache_dtype fp8: pdserve keeps the KV cache in the model's dtype"),
         ("speculative_config: {method: eagle3}\n", "speculative_config method 'eagle3'"),
         ("encode: {count: 1, tensor_parallel_size: 2}\n", "unknown key(s) under encode: tp"),
+        ("hf_overrides: [rope_theta]\n", "hf_overrides must be a JSON object"),
+        ("hf-overrides: '{rope'\n", "hf_overrides is not JSON"),
     ],
 )
 def test_two_spellings_or_a_value_pdserve_cannot_take_are_refused(tmp_path, capsys, text, words):

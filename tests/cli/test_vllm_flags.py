@@ -41,6 +41,12 @@ def test_a_copied_vllm_recipe_parses_as_its_meaning():
         (["up", '--speculative-config={"method": "mtp"}', "--num-speculative-tokens", "3"], "give one of them"),
         (["up", "--enable-prefix-caching", "--no-prefix-caching"], "--enable-prefix-caching and --no-prefix"),
         (["up", "--enforce-eager", "--cuda-graphs"], "--enforce-eager and --cuda-graphs"),
+        (["up", "--hf-overrides", "{rope"], "--hf-overrides is not JSON"),
+        (["decode", "--hf-overrides=[1, 2]"], "--hf-overrides must be a JSON object"),
+        (["up", "--rope-scaling", '"yarn"'], "--rope-scaling must be a JSON object"),
+        (["up", "--rope-theta", "ten"], "--rope-theta 'ten' is not a number"),
+        (["prefill", "--rope-theta=-1"], "--rope-theta '-1' must be a positive number"),
+        (["up", "--hf-overrides"], "--hf-overrides needs a value"),
     ],
 )
 def test_what_pdserve_cannot_take_is_one_line(argv, words, capsys):
@@ -101,3 +107,35 @@ def test_kv_cache_dtype_other_than_auto_is_one_line(capsys):
     assert main(["up", "--kv-cache-dtype", "fp8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "KV cache in the model's dtype" in err[0], err
+
+
+def test_model_card_overrides_parse_as_one_hf_overrides():
+    """Qwen3.5's card (`--hf-overrides` with the text config's rope_parameters) as it is; Qwen3-Next's
+    (`--rope-scaling`, removed from vLLM) and `--rope-theta` as the overrides they stand for, merged
+    in command-line order with an `--hf-overrides` beside them, on `up` and on a node."""
+    import json
+
+    card = {
+        "text_config": {
+            "rope_parameters": {
+                "mrope_interleaved": True,
+                "mrope_section": [11, 11, 10],
+                "rope_type": "yarn",
+                "rope_theta": 10000000,
+                "partial_rotary_factor": 0.25,
+                "factor": 4.0,
+                "original_max_position_embeddings": 262144,
+            }
+        }
+    }
+    a = _parse("up", "--model", "m", "--hf-overrides", json.dumps(card), "--max-model-len", "1010000")
+    assert json.loads(a.hf_overrides) == card and a.max_model_len == 1010000
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144}
+    for cmd in ("up", "decode", "prefill"):
+        n = _parse(cmd, "--rope-scaling", json.dumps(yarn), "--model", "m", "--rope-theta=1e6")
+        assert json.loads(n.hf_overrides) == {"rope_scaling": yarn, "rope_theta": 1e6} and n.model == "m"
+    both = _parse(
+        "up", "--hf-overrides", '{"rope_scaling": {"factor": 2.0}, "x": 1}', "--rope-scaling", json.dumps(yarn)
+    )
+    assert json.loads(both.hf_overrides) == {"rope_scaling": yarn, "x": 1}
+    assert _parse("up", "--model", "m").hf_overrides is None

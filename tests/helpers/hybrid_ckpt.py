@@ -60,6 +60,18 @@ def make(path, spec: TinyModelSpec) -> str:
     return str(make_tiny_model(path, spec))
 
 
+def with_rope(src: str, dst: Path, rope: dict) -> str:
+    """A copy of checkpoint `src` at `dst` whose config.json's rope_parameters has `rope` written in
+    (the reference for a checkpoint served with those fields given as an override)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["rope_parameters"].update(rope)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
 def prompts(vocab: int = 1024, lens=PROMPT_LENS, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
