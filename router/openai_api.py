@@ -40,6 +40,7 @@ from router.openai_models import (
     sampling,
     seed_of,
 )
+from router.prompt_truncation import kept_tokens, truncated
 from router.request import Chunk
 from router.responses_store import ResponseStore
 from router.version import pdserve_version
@@ -182,8 +183,12 @@ class OpenAIFront:
         if req.priority is not None:
             batch = req.priority == "batch" or (isinstance(req.priority, int) and req.priority > 0)
             prio = pb.PRIORITY_BATCH if batch else pb.PRIORITY_INTERACTIVE
+        keep = kept_tokens(req, self.service, bool(images))
         for j, p in enumerate(ps):
             base = pb.GenerateRequest(sampling=sp, priority=prio)
+            typed = isinstance(p, str)
+            if keep is not None:  # the model sees the last `keep` tokens: they are the prompt from here on
+                p = await truncated(self.service, p, keep)
             if isinstance(p, str) and (not echo or not sp.HasField("prompt_logprobs")):
                 base.prompt = p
             elif isinstance(p, str):  # echo with logprobs: the ids the logprobs are for
@@ -210,7 +215,7 @@ class OpenAIFront:
                     r.sampling.seed = seed_of(sp.seed, i)  # wraps within the engine's range
                 job.reqs.append(r)
                 job.echoes.append(text)
-                job.typed.append(isinstance(p, str))
+                job.typed.append(typed)
                 job.prompt_ids.append(list(base.prompt_token_ids))
         return job
 
