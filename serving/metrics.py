@@ -154,7 +154,11 @@ def capacity_gauges(snapshot: Snapshot) -> Gauges:
         "state_slots_free": ("GDN state slots free", s.free_slots),
         "state_slots_used": ("GDN state slots in use", s.total_slots - s.free_slots),
         "running": ("Requests running", s.running),
-        "queue_depth": ("Requests waiting to be scheduled", s.waiting),
+        "queue_depth": ("Requests waiting in the engine's queue to be scheduled", s.waiting),
+        "reservations": (
+            "Reservations: memory set aside for a prompt a prefill node computes, until the request joins the batch",
+            s.reserved,
+        ),
         "queued_prefill_tokens": ("Prompt tokens waiting for prefill", s.queued_prefill_tokens),
         "prefix_hit_tokens_total": ("Prompt tokens taken from the prefix cache", s.prefix_hit_tokens),
         "prefix_miss_tokens_total": (

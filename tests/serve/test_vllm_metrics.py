@@ -22,7 +22,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proto import pb
+from proto import pb, rpc
 from tests.helpers.serve_harness import scrape, wait_for
 
 M = "tiny"  # --served-model-name: the model_name label
@@ -219,3 +219,30 @@ def test_readiness_needs_a_decode_node_and_liveness_stays(ckpt):
             assert (_ready(addr, gen), _ready(addr, ""), _http_health(r.http_port)) == (NOT, SERVING, 503)
     finally:
         r.stop(0)
+
+
+def test_a_reservation_waiting_for_its_transfer_is_a_waiting_request(cluster):
+    """vLLM counts a request whose KV is still to come from a remote prefill as waiting: so does a
+    decode node's vllm:num_requests_waiting (its own gauges keep the two apart: queue_depth, the
+    engine's queue; reservations, those set aside for a transfer), back to 0 once released."""
+    from serving.rpc import channel
+    from serving.security import OPEN
+
+    r, urls, _ = cluster
+    d = r.registry.live(pb.NODE_KIND_DECODE)[0].info.address
+    waiting = next(k for k in scrape(urls["decode"]) if k[0] == "vllm:num_requests_waiting")
+    wait_for(lambda: scrape(urls["decode"])[waiting] == 0, 10, "an idle decode node")
+    with channel(d, OPEN) as ch:
+        stub = rpc.DecodeNodeStub(ch)
+        sp = pb.SamplingParams(max_tokens=4)
+        stub.Reserve(
+            pb.ReserveRequest(request_id="held", prompt_token_ids=[3] * 20, sampling=sp, lease_s=30), timeout=30
+        )
+        try:
+            s = scrape(urls["decode"])
+            assert s[waiting] == 1 and s[("vllm:num_requests_running", waiting[1])] == 0
+            assert (s[("pdserve_decode_reservations", ())], s[("pdserve_decode_queue_depth", ())]) == (1, 0)
+        finally:
+            stub.Release(pb.ReleaseRequest(request_id="held"), timeout=30)
+    s = scrape(urls["decode"])
+    assert s[waiting] == 0 and s[("pdserve_decode_reservations", ())] == 0
