@@ -23,6 +23,7 @@ from proto import pb
 from router import structured_fields
 from router.client_hints import HINTS, Hints, from_headers
 from router.errors import Abort
+from router.health import readiness
 from router.http_limits import check_expansion, read_json
 from router.images.decode import ImageRefused
 from router.images.prepare import Prepared
@@ -392,13 +393,7 @@ def make_app(service, front: OpenAIFront | None = None) -> FastAPI:
     @app.get("/health")
     async def health():
         """200 while the router can serve; 503 saying why while it cannot (a load balancer's probe)."""
-        if service.draining:
-            return _json(503, {"status": "draining"})
-        live = len(service.registry.routable(pb.NODE_KIND_DECODE))
-        if not live:  # requests would wait for one, then be refused
-            why = "no live decode node: requests are refused (503) until one registers"
-            return _json(503, {"status": "no_decode_node", "decode_nodes": 0, "message": why})
-        return _json(200, {"status": "ok", "decode_nodes": live})
+        return _json(*readiness(service))
 
     @app.get("/version")
     async def version():
