@@ -95,9 +95,9 @@ def test_stop_token_text_is_left_out_on_completions(oai, model, hf, stream):
     # a non-special stop token with text, first seen at k > 0
     k = next(i for i in range(1, len(ids)) if hf.decode(ids[i : i + 1]).strip() and ids[i] not in ids[:i])
     stop = ids[k]
-    got = _completion(oai, model, stream, stop_token_ids=[stop])
+    got = _completion(oai, model, stream, stop_token_ids=[stop], ignore_eos=True)
     assert got == (hf.decode(ids[:k]), ids[: k + 1], "stop", stop)
-    got = _completion(oai, model, stream, stop_token_ids=[stop], include_stop_str_in_output=True)
+    got = _completion(oai, model, stream, stop_token_ids=[stop], ignore_eos=True, include_stop_str_in_output=True)
     assert got == (hf.decode(ids[: k + 1]), ids[: k + 1], "stop", stop)
     # a special EOS, its text asked for with skip_special_tokens false: left out all the same
     eos = dict(logit_bias={"0": 100}, skip_special_tokens=False)
