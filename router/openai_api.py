@@ -23,6 +23,7 @@ from proto import pb
 from router import structured_fields
 from router.client_hints import HINTS, Hints, from_headers
 from router.errors import Abort
+from router.health import readiness
 from router.http_limits import check_expansion, read_json
 from router.images.decode import ImageRefused
 from router.images.prepare import Prepared
@@ -40,6 +41,7 @@ from router.openai_models import (
     sampling,
     seed_of,
 )
+from router.prompt_truncation import kept_tokens, truncated
 from router.request import Chunk
 from router.responses_store import ResponseStore
 from router.version import pdserve_version
@@ -182,8 +184,12 @@ class OpenAIFront:
         if req.priority is not None:
             batch = req.priority == "batch" or (isinstance(req.priority, int) and req.priority > 0)
             prio = pb.PRIORITY_BATCH if batch else pb.PRIORITY_INTERACTIVE
+        keep = kept_tokens(req, self.service, bool(images))
         for j, p in enumerate(ps):
             base = pb.GenerateRequest(sampling=sp, priority=prio)
+            typed = isinstance(p, str)
+            if keep is not None:  # the model sees the last `keep` tokens: they are the prompt from here on
+                p = await truncated(self.service, p, keep)
             if isinstance(p, str) and (not echo or not sp.HasField("prompt_logprobs")):
                 base.prompt = p
             elif isinstance(p, str):  # echo with logprobs: the ids the logprobs are for
@@ -210,7 +216,7 @@ class OpenAIFront:
                     r.sampling.seed = seed_of(sp.seed, i)  # wraps within the engine's range
                 job.reqs.append(r)
                 job.echoes.append(text)
-                job.typed.append(isinstance(p, str))
+                job.typed.append(typed)
                 job.prompt_ids.append(list(base.prompt_token_ids))
         return job
 
@@ -387,13 +393,7 @@ def make_app(service, front: OpenAIFront | None = None) -> FastAPI:
     @app.get("/health")
     async def health():
         """200 while the router can serve; 503 saying why while it cannot (a load balancer's probe)."""
-        if service.draining:
-            return _json(503, {"status": "draining"})
-        live = len(service.registry.routable(pb.NODE_KIND_DECODE))
-        if not live:  # requests would wait for one, then be refused
-            why = "no live decode node: requests are refused (503) until one registers"
-            return _json(503, {"status": "no_decode_node", "decode_nodes": 0, "message": why})
-        return _json(200, {"status": "ok", "decode_nodes": live})
+        return _json(*readiness(service))
 
     @app.get("/version")
     async def version():

@@ -203,9 +203,10 @@ class _Request(NullIsUnset):
     use_beam_search: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
-    truncate_prompt_tokens: Any = None
     mm_processor_kwargs: Any = None  # per-request image processor options (min_pixels, max_pixels, ...)
     media_io_kwargs: Any = None  # per-request image decoding options (rgba_background_color, ...)
+    # vLLM's: the model sees only the prompt's last N tokens (-1: max_model_len); router/prompt_truncation.py
+    truncate_prompt_tokens: Annotated[int, Field(ge=-(2**31), le=I32)] | None = None
     # vLLM's: per prompt token after the first, its logprob and rank and the N most likely (chat: over
     # the rendered prompt, at the answer's top level)
     prompt_logprobs: Any = None
@@ -328,7 +329,6 @@ UNSUPPORTED_EXTENSIONS = {
     "use_beam_search": "",
     "allowed_token_ids": " (a 'structured_outputs' choice or regex constrains the output)",
     "bad_words": " ('logit_bias' of -100 bans a token)",
-    "truncate_prompt_tokens": "",
     "mm_processor_kwargs": " (the model's image processor sizes every image: min_pixels and max_pixels of its "
     "preprocessor_config.json)",
     "media_io_kwargs": " (images are decoded as RGB, transparency on white)",

@@ -391,6 +391,23 @@ class RequestRun:
         log.info("request %s: %s holds its id still; placed again as %s", self.tr.request_id, d.node_id, self.node_rid)
         raise _Retry
 
+    def _text(self, c: Chunk, ids: list[int], finish: str) -> None:
+        """c.text (and, for a stop string's cut, each token's share in c.token_text) of the node's
+        new tokens. A node's finish "stop" is an EOS or a stop_token_ids entry, the last token (stop
+        strings are matched after this, router/stops.py): as vLLM's detokenizer, its id stays in the
+        output and its text is left out unless include_stop_str_in_output."""
+        assert self.detok is not None
+        sp, final = self.request.sampling, bool(finish)
+        hidden = finish == "stop" and bool(ids) and not sp.include_stop_str_in_output
+        shown = ids[:-1] if hidden else ids
+        if len(ids) > 1 and sp.stop:  # per token: where a stop string ends
+            pieces = [self.detok.push([t]) for t in shown] + ([""] if hidden else [])
+            if final:  # a character the last shown token left incomplete comes out whole or not at all
+                pieces[len(shown) - 1] += self.detok.push([], final=True)
+            c.token_text, c.text = pieces, "".join(pieces)
+        else:
+            c.text = self.detok.push(shown, final=final)
+
     def _relay(self, m: pb.GenerateResponse, pre: Push | None, first: bool, prefill_node: str = "") -> Chunk:
         """The node's message as a Chunk; prefill_node: the node that computed a request alone."""
         tr, now = self.tr, time.monotonic()
@@ -412,12 +429,7 @@ class RequestRun:
             request_id=tr.request_id,
         )
         if self.detok is not None and (m.token_ids or m.finish_reason):
-            ids, final = list(m.token_ids), bool(m.finish_reason)
-            if len(ids) > 1 and self.request.sampling.stop:  # per token: where a stop string ends
-                c.token_text = [self.detok.push([t], final=final and i == len(ids) - 1) for i, t in enumerate(ids)]
-                c.text = "".join(c.token_text)
-            else:
-                c.text = self.detok.push(ids, final=final)
+            self._text(c, list(m.token_ids), m.finish_reason)
         if first:
             c.first, c.prompt_tokens, c.prompt_token_ids = True, tr.prompt_len, self.ids
             c.decode_node = "" if tr.decode == "-" else tr.decode  # none: computed on a prefill node alone

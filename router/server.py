@@ -21,8 +21,10 @@ from router.auth import HttpGuard, KeyLimits
 from router.config import RouterConfig
 from router.console import say
 from router.grpc_api import add_services
+from router.health import probes
 from router.net import HttpServer, start_grpc, start_http
 from router.service import GenerateService
+from serving.probes import asgi
 from serving.security import Credentials, credentials
 
 log = logging.getLogger("pdserve.router")
@@ -62,6 +64,10 @@ class Router:
     @property
     def draining(self) -> bool:
         return self.service.draining
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
 
     async def start(self, addr: str) -> int:
         loop, me = asyncio.get_running_loop(), threading.get_ident()
@@ -103,7 +109,8 @@ class Router:
         host, tls = self.cfg.host, self.creds.tls
         scheme = "https" if tls is not None and tls.cert is not None else "http"
         if self.cfg.metrics_port is not None:
-            h = await start_http(make_asgi_app(self.metrics.registry), host, self.cfg.metrics_port, what="metrics")
+            app = asgi(make_asgi_app(self.metrics.registry), probes(self))  # and /health, /live
+            h = await start_http(app, host, self.cfg.metrics_port, what="metrics")
             self._https.append(h)
             self.metrics_port = h.port
             log.info("router metrics at http://%s:%d/metrics", host, self.metrics_port)

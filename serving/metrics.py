@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_a
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from serving.probes import Probes, wsgi
+
 if TYPE_CHECKING:  # the type only: the router reads no engine-loop state
     from serving.commands import Snapshot
 
@@ -122,9 +124,13 @@ class ServingMetrics:
         else:
             self.transfer_failures.inc()
 
-    def serve(self, host: str, port: int) -> int:
-        """Serve `/metrics` on host:port (0 picks a free port) from a daemon thread; returns the port."""
-        server = make_server(host, port, make_wsgi_app(self.registry), _ThreadingWSGIServer, _QuietHandler)
+    def serve(self, host: str, port: int, probes: Probes | None = None) -> int:
+        """Serve `/metrics` (and with `probes`, `/health` and `/live`: serving/probes.py) on host:port
+        (0 picks a free port) from a daemon thread; returns the port."""
+        app = make_wsgi_app(self.registry)
+        server = make_server(
+            host, port, app if probes is None else wsgi(app, probes), _ThreadingWSGIServer, _QuietHandler
+        )
         self._server = server
         threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
         return server.server_port
@@ -154,7 +160,11 @@ def capacity_gauges(snapshot: Snapshot) -> Gauges:
         "state_slots_free": ("GDN state slots free", s.free_slots),
         "state_slots_used": ("GDN state slots in use", s.total_slots - s.free_slots),
         "running": ("Requests running", s.running),
-        "queue_depth": ("Requests waiting to be scheduled", s.waiting),
+        "queue_depth": ("Requests waiting in the engine's queue to be scheduled", s.waiting),
+        "reservations": (
+            "Reservations: memory set aside for a prompt a prefill node computes, until the request joins the batch",
+            s.reserved,
+        ),
         "queued_prefill_tokens": ("Prompt tokens waiting for prefill", s.queued_prefill_tokens),
         "prefix_hit_tokens_total": ("Prompt tokens taken from the prefix cache", s.prefix_hit_tokens),
         "prefix_miss_tokens_total": (

@@ -13,6 +13,7 @@ import grpc
 import msgspec
 
 from proto import pb
+from serving.probes import Answer, Probes
 from serving.rpc import (
     Changes,
     Heartbeater,
@@ -62,6 +63,7 @@ class NodeServer:
         self.server: grpc.Server | None = None
         self.metrics_port: int | None = None
         self.draining = False
+        self._serving = False  # the gRPC server serves (start() is done)
         self._health: HealthStatus | None = None
         self._hbs: list[Heartbeater] = []  # one per router
         self._stopped = threading.Event()
@@ -171,6 +173,9 @@ class NodeServer:
 
     def start(self, addr: str) -> int:
         creds = credentials(self.cfg)  # the cluster token, TLS (serving/security.py)
+        if self.cfg.metrics_port is not None:  # first: its /health says "starting" until the gRPC server serves
+            bind = addr.rsplit(":", 1)[0].strip("[]")  # where the node binds (a wildcard: every interface)
+            self.metrics_port = self.metrics.serve(bind, self.cfg.metrics_port, Probes(self.readiness, self.liveness))
         self.server, port, self._health = start_server(
             addr, self._add_servicer, [self.SERVICE], max_workers=self.handler_threads(), creds=creds
         )
@@ -178,12 +183,30 @@ class NodeServer:
         if self.cfg.router:
             hb = self.cfg.heartbeat_interval_s
             self._hbs = [Heartbeater(a, self.info, hb, creds, self.heard).start() for a in addresses(self.cfg.router)]
+        self._serving = True
         log.info("%s serving on %s (%s)", self.name, self.address, self.summary())
-        if self.cfg.metrics_port is not None:
-            bind = addr.rsplit(":", 1)[0].strip("[]")  # where the node binds (a wildcard: every interface)
-            self.metrics_port = self.metrics.serve(bind, self.cfg.metrics_port)
+        if self.metrics_port is not None:
             log.info("%s metrics at http://%s:%d/metrics", self.name, self.cfg.advertise_host, self.metrics_port)
         return port
+
+    def readiness(self) -> Answer:
+        """The metrics port's /health (serving/probes.py): 200 while the node takes new work, as
+        its gRPC readiness (SERVING for its service) says."""
+        if self._stopped.is_set():
+            return 503, {"status": "stopping"}
+        if self.draining:
+            return 503, {"status": "draining"}
+        if not self._serving:
+            return 503, {"status": "starting"}
+        return 200, {"status": "ok"}
+
+    def liveness(self) -> Answer:
+        """The metrics port's /live: 200 while the node runs (a drain too); 503 once it stops, or
+        when it lost a tensor-parallel rank and can serve no more (`fatal`)."""
+        if self._stopped.is_set():
+            return 503, {"status": "stopping"}
+        why = self.fatal
+        return (503, {"status": "failed", "message": why}) if why else (200, {"status": "ok"})
 
     def drain(self, timeout_s: float, interrupt: Interrupt | None = None) -> bool:
         """Take no new work and wait (at most timeout_s, or until `interrupt` is set) for what is

@@ -61,7 +61,14 @@ class NodeVllm:
     def collect(self) -> Iterator[Metric]:
         s, m = self.snapshot(), self.model
         yield gauge("vllm:num_requests_running", "Requests in the engine's running batch", m, s.running)
-        yield gauge("vllm:num_requests_waiting", "Requests waiting in the engine to be scheduled", m, s.waiting)
+        # vLLM counts a request whose KV a remote prefill still sends (WAITING_FOR_REMOTE_KVS) as
+        # waiting: a decode node's reservations are those requests, until they join the batch
+        yield gauge(
+            "vllm:num_requests_waiting",
+            "Requests waiting to be scheduled, reservations waiting for their state transfer included",
+            m,
+            s.waiting + s.reserved,
+        )
         yield gauge(
             "vllm:kv_cache_usage_perc",
             "Fraction of the node's KV cache pages in use, 0-1",

@@ -20,9 +20,10 @@ fail) against the newest Kubernetes schema the package ships. Then what a schema
 - every component drains on SIGTERM (--drain-timeout > 0), and any preStop plus the drain plus
   the stop fit in the grace period; one PodDisruptionBudget selects each pool;
 - the TLS overlays (components/tls) give every server --tls-cert / --tls-key / --tls-ca naming
-  the files of the mounted Secret pdserve-tls and one --tls-server-name, and probe with TCP
-  (Kubernetes' gRPC probe does not speak TLS) on the same port with the same timings; the
-  others run no TLS and probe with gRPC.
+  the files of the mounted Secret pdserve-tls and one --tls-server-name, and probe with HTTP
+  (Kubernetes' gRPC probe does not speak TLS) on the plain-HTTP metrics port, readiness at
+  /health and startup and liveness at /live, with the same timings; the others run no TLS and
+  probe with gRPC.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import pytest
 import yaml
 from kubernetes_validate import utils as kv_utils
 
+from serving.probes import HEALTH, LIVE, PATHS
 from tests.helpers.k8s_render import render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -239,10 +241,10 @@ def test_probes_name_the_ports_the_servers_listen_on(rendered, parser):
         assert ns.host == "0.0.0.0", f"{component} must bind every interface to be reachable from other pods"
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert ports["grpc"] == ns.port
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert _probe_port(c, probe) == ns.port, f"{name}: {component} {probe} port != --port {ns.port}"
         if ns.tls_cert:  # test_tls_overlay checks those probes
             continue
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert _probe_port(c, probe) == ns.port, f"{name}: {component} {probe} port != --port {ns.port}"
         full = c["readinessProbe"]["grpc"].get("service", "")
         assert full == pb.DESCRIPTOR.services_by_name[service].full_name
         assert "service" not in c["livenessProbe"]["grpc"]  # "" is the server's overall health
@@ -442,8 +444,9 @@ def test_the_cluster_token_and_api_keys_come_from_secrets(rendered, parser):
 # ---- TLS -----------------------------------------------------------------------------------
 def test_tls_overlay(rendered, parser):
     """components/tls: every server gets --tls-cert / --tls-key / --tls-ca naming the files of
-    the Secret pdserve-tls it mounts, and the shared --tls-server-name; no probe uses gRPC, each
-    keeps the timings the overlay without TLS gives it. Without the component nothing has TLS."""
+    the Secret pdserve-tls it mounts, and the shared --tls-server-name; no probe uses gRPC: each
+    asks the metrics port's /health or /live over plain HTTP, with the timings the overlay without
+    TLS gives it. Without the component nothing has TLS."""
     name, objs = rendered
     plain = render(TARGETS[_flavour(name)])
     for component, w, c, ns in _servers(parser, objs):
@@ -461,10 +464,13 @@ def test_tls_overlay(rendered, parser):
         base_args = _container(_workload(plain, component), component)["args"]
         assert c["args"][: len(base_args)] == base_args and len(c["args"]) == len(base_args) + 4
         before = _container(_workload(plain, component), component)
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            kept = {k: v for k, v in c[probe].items() if k != "tcpSocket"}
+        for probe, path in (("startupProbe", LIVE), ("readinessProbe", HEALTH), ("livenessProbe", LIVE)):
+            kept = {k: v for k, v in c[probe].items() if k != "httpGet"}
             assert kept == {k: v for k, v in before[probe].items() if k != "grpc"}, f"{name}: {component} {probe}"
-            assert "grpc" not in c[probe] and _probe_port(c, probe) == ns.port
+            # plain HTTP on the metrics port, a path it serves (serving/probes.py)
+            assert "grpc" not in c[probe] and _probe_port(c, probe) == ns.metrics_port, f"{name}: {component}"
+            assert c[probe]["httpGet"]["path"] == path and path in PATHS
+            assert c[probe]["httpGet"].get("scheme", "HTTP") == "HTTP"
         # the init container (cpu-dev's model maker) serves nothing and gets no TLS
         for ic in w["spec"]["template"]["spec"].get("initContainers", []):
             assert not any(a.startswith("--tls") for a in ic.get("args", []))

@@ -70,3 +70,32 @@ def test_a_primed_detokenizer_goes_on_as_the_one_that_streamed(hf):
             assert primed.push(ids[:k]) == sent
             rest = "".join(primed.push([t], final=i == len(ids) - 1) for i, t in enumerate(ids[k:], k))
             assert sent + rest == hf.decode(ids, skip_special_tokens=True), k
+
+
+@pytest.mark.parametrize("include", [False, True], ids=["left_out", "included"])
+def test_a_stop_token_in_a_step_of_several_tokens(hf, include):
+    """A decode step that accepted drafts ends on a stop token (the node's finish "stop"), with stop
+    strings set (each token's text kept apart for their cut): the stop token's text is left out
+    unless include_stop_str_in_output, as vLLM's detokenizer leaves it, and a character the tokens
+    before it left incomplete comes out as transformers decodes it."""
+    from engine.tokenizer import Tokenizer
+    from proto import pb
+    from router.detok import IncrementalDetokenizer
+    from router.request import Chunk, RequestRun
+
+    tok = Tokenizer(hf.name_or_path)
+    ids = hf.encode("ab 你好", add_special_tokens=False)
+    split = next(k for k in range(1, len(ids)) if hf.decode(ids[:k]).endswith("\ufffd"))  # inside a character
+    stop = hf.encode("xyz", add_special_tokens=False)[0]
+    for first, rest in (([], ids[:split] + [stop]), (ids[:1], ids[1:split] + [stop])):
+        run = object.__new__(RequestRun)
+        run.request = pb.GenerateRequest(
+            sampling=pb.SamplingParams(stop=["never"], stop_token_ids=[stop], include_stop_str_in_output=include)
+        )
+        run.detok = IncrementalDetokenizer(tok)
+        sent = run.detok.push(first)
+        c = Chunk(token_ids=rest)
+        run._text(c, rest, "stop")
+        assert sent + c.text == hf.decode(first + rest if include else first + rest[:-1])
+        assert len(c.token_text) == len(rest) and "".join(c.token_text) == c.text
+        assert c.token_text[-1].endswith(hf.decode([stop])) if include else c.token_text[-1] == ""

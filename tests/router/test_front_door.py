@@ -45,7 +45,7 @@ BAD = [
     ("huge top_k", _js(top_k=2**40), None, "top_k"),
     ("huge stop id", _js(stop_token_ids=[2**40]), None, "stop"),
     ("prompt_logprobs 21", _js(prompt_logprobs=21), None, "'prompt_logprobs' takes the number"),
-    ("truncate 0", _js(truncate_prompt_tokens=0), None, "'truncate_prompt_tokens' is not supported"),
+    ("truncate 0", _js(truncate_prompt_tokens=0), None, "'truncate_prompt_tokens' must be -1"),
 ]
 
 

@@ -444,7 +444,7 @@ def test_bad_agent_inputs_are_400s(oai, model, base_url_agents):
         ("chat/completions", {"messages": user, "bad_words": ["x"]}),
         ("completions", {"prompt": "x", "prompt_logprobs": 21}),
         ("chat/completions", {"messages": user, "prompt_logprobs": 1, "stream": True}),
-        ("completions", {"prompt": "x", "truncate_prompt_tokens": 5}),
+        ("completions", {"prompt": "x", "truncate_prompt_tokens": 0}),
         ("chat/completions", {"messages": user, "chat_template_kwargs": [1]}),
         ("chat/completions", {"messages": user, "chat_template": "{{ messages[0].content }}"}),
         ("chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": "x"}]}),

@@ -14,6 +14,7 @@ prometheus_client's text parser:
 from __future__ import annotations
 
 import contextlib
+import json
 import urllib.error
 import urllib.request
 from typing import Any
@@ -22,7 +23,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proto import pb
+from proto import pb, rpc
 from tests.helpers.serve_harness import scrape, wait_for
 
 M = "tiny"  # --served-model-name: the model_name label
@@ -191,31 +192,113 @@ def _ready(addr: str, service: str) -> int:
         return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
 
-def _http_health(port: int) -> int:
+def _http_get(port: int, path: str = "/health") -> tuple[int, str]:
+    """(HTTP status, the JSON body's status) of a GET."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
-            return resp.status
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, json.loads(resp.read())["status"]
     except urllib.error.HTTPError as e:
-        return e.code
+        return e.code, json.loads(e.read())["status"]
+
+
+def _http_health(port: int) -> int:
+    return _http_get(port)[0]
 
 
 def test_readiness_needs_a_decode_node_and_liveness_stays(ckpt):
+    """gRPC readiness, the HTTP port's /health and the plain-HTTP metrics port's /health (what the
+    TLS overlay's httpGet probes ask) agree through no decode node / ready / draining; the metrics
+    port's /live stays 200."""
     from router.server import RouterConfig, serve
 
     SERVING, NOT = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-    cfg = RouterConfig(model=str(ckpt), heartbeat_interval_s=0.2, dead_after_s=0.8, http_port=0)
+    cfg = RouterConfig(model=str(ckpt), heartbeat_interval_s=0.2, dead_after_s=0.8, http_port=0, metrics_port=0)
     r, port = serve("127.0.0.1:0", cfg)
     addr, gen = f"127.0.0.1:{port}", "pdserve.v1.Generation"
+
+    def probes() -> tuple:
+        return _http_get(r.metrics_port), _http_get(r.metrics_port, "/live")
+
     try:
         assert (_ready(addr, gen), _ready(addr, ""), _http_health(r.http_port)) == (NOT, SERVING, 503)
+        assert probes() == ((503, "no_decode_node"), (200, "ok"))
         with _nodes(port, ckpt, prefill=False):
             wait_for(lambda: _ready(addr, gen) == SERVING, 30, "ready once a decode node registered")
-            assert _http_health(r.http_port) == 200
+            assert _http_health(r.http_port) == 200 and probes() == ((200, "ok"), (200, "ok"))
         wait_for(lambda: _ready(addr, gen) == NOT, 10, "not ready once the decode node is gone")
         assert (_ready(addr, ""), _http_health(r.http_port)) == (SERVING, 503)
+        assert probes() == ((503, "no_decode_node"), (200, "ok"))
         with _nodes(port, ckpt, prefill=False):
             wait_for(lambda: _ready(addr, gen) == SERVING, 30, "ready again")
             r.drain(0)
             assert (_ready(addr, gen), _ready(addr, ""), _http_health(r.http_port)) == (NOT, SERVING, 503)
+            assert probes() == ((503, "draining"), (200, "ok"))
     finally:
         r.stop(0)
+
+
+def test_a_node_metrics_port_answers_its_readiness_and_liveness(ckpt, monkeypatch):
+    """A decode node's plain-HTTP metrics port: /health 503 "starting" while its gRPC server is not
+    serving yet (held here), 200 once it serves, 503 "draining" once it drains, as its gRPC
+    readiness; /live 200 throughout; /metrics still served beside them."""
+    import threading
+
+    import serving.node
+    from decode_node.config import DecodeNodeConfig
+    from decode_node.server import DecodeNode
+
+    SERVING, NOT = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    node = DecodeNode(DecodeNodeConfig(model=str(ckpt), dtype="float32", metrics_port=0, block_size=BLOCK))
+    go, real = threading.Event(), serving.node.start_server
+
+    def held(*a, **kw):
+        assert go.wait(30)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(serving.node, "start_server", held)
+    t = threading.Thread(target=node.start, args=("127.0.0.1:0",), daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: node.metrics_port is not None, 10, "the metrics port bound")
+        mp = node.metrics_port
+        assert (_http_get(mp), _http_get(mp, "/live")) == ((503, "starting"), (200, "ok"))
+        go.set()
+        t.join(30)
+        assert (_http_get(mp), _http_get(mp, "/live")) == ((200, "ok"), (200, "ok"))
+        assert _ready(node.address, "pdserve.v1.DecodeNode") == SERVING
+        with urllib.request.urlopen(f"http://127.0.0.1:{mp}/metrics", timeout=5) as resp:
+            assert b"vllm:num_requests_waiting" in resp.read()
+        assert node.drain(0)
+        assert (_http_get(mp), _http_get(mp, "/live")) == ((503, "draining"), (200, "ok"))
+        assert _ready(node.address, "pdserve.v1.DecodeNode") == NOT
+    finally:
+        go.set()
+        t.join(30)
+        node.stop(0)
+
+
+def test_a_reservation_waiting_for_its_transfer_is_a_waiting_request(cluster):
+    """vLLM counts a request whose KV is still to come from a remote prefill as waiting: so does a
+    decode node's vllm:num_requests_waiting (its own gauges keep the two apart: queue_depth, the
+    engine's queue; reservations, those set aside for a transfer), back to 0 once released."""
+    from serving.rpc import channel
+    from serving.security import OPEN
+
+    r, urls, _ = cluster
+    d = r.registry.live(pb.NODE_KIND_DECODE)[0].info.address
+    waiting = next(k for k in scrape(urls["decode"]) if k[0] == "vllm:num_requests_waiting")
+    wait_for(lambda: scrape(urls["decode"])[waiting] == 0, 10, "an idle decode node")
+    with channel(d, OPEN) as ch:
+        stub = rpc.DecodeNodeStub(ch)
+        sp = pb.SamplingParams(max_tokens=4)
+        stub.Reserve(
+            pb.ReserveRequest(request_id="held", prompt_token_ids=[3] * 20, sampling=sp, lease_s=30), timeout=30
+        )
+        try:
+            s = scrape(urls["decode"])
+            assert s[waiting] == 1 and s[("vllm:num_requests_running", waiting[1])] == 0
+            assert (s[("pdserve_decode_reservations", ())], s[("pdserve_decode_queue_depth", ())]) == (1, 0)
+        finally:
+            stub.Release(pb.ReleaseRequest(request_id="held"), timeout=30)
+    s = scrape(urls["decode"])
+    assert s[waiting] == 0 and s[("pdserve_decode_reservations", ())] == 0
