@@ -54,8 +54,12 @@ def finish(
     if stopped is not None:
         out.text = stopped.text
     elif tokenizer is not None:
-        text = params.detokenize
-        out.text = tokenizer.decode(out.output_token_ids, params.skip_special_tokens) if text else ""
+        # a "stop" finish is its last token (EOS or a stop_token_ids entry): as vLLM's detokenizer,
+        # its id stays and its text is left out unless include_stop_str_in_output
+        shown = out.output_token_ids
+        if out.finish_reason == "stop" and shown and not params.include_stop_str_in_output:
+            shown = shown[:-1]
+        out.text = tokenizer.decode(shown, params.skip_special_tokens) if params.detokenize else ""
     out.prompt = prompt
     ids = out.output_token_ids
     stop: int | str | None = stopped.stop if stopped is not None else None

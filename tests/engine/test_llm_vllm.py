@@ -95,6 +95,23 @@ def test_skip_special_tokens_and_detokenize(llm, ckpt, hf_tok):
     assert llm.generate("Hello", SamplingParams(detokenize=False, **base))[0].outputs[0].text == ""
 
 
+def test_a_stop_token_s_text_is_left_out_as_vllm_does(llm):
+    """A stop_token_ids entry (or EOS) that ends the output keeps its id and loses its text unless
+    include_stop_str_in_output, as vLLM's detokenizer (the reference: the tokenizer's own decode)."""
+    base = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
+    free = llm.generate({"prompt_token_ids": IDS}, SamplingParams(**base))[0].outputs[0]
+    tok = llm.get_tokenizer()
+    stop = next(t for t in free.token_ids[1:] if tok.decode([t]).strip())  # a visible token it makes
+    for include in (False, True):
+        c = llm.generate(
+            {"prompt_token_ids": IDS},
+            SamplingParams(stop_token_ids=[stop], include_stop_str_in_output=include, **base),
+        )[0].outputs[0]
+        assert c.finish_reason == "stop" and c.stop_reason == stop and c.token_ids[-1] == stop
+        shown = c.token_ids if include else c.token_ids[:-1]
+        assert c.text == tok.decode(shown, skip_special_tokens=True), (include, c.text)
+
+
 def test_structured_outputs_forms(llm):
     def text(**kw):
         return llm.generate("Hello", SamplingParams(max_tokens=12, temperature=0.0, **kw))[0].outputs[0].text
