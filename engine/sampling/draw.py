@@ -6,8 +6,10 @@ over the sorted row (larger top-k, small vocabularies, and head rows the head do
 over the whole row (temperature alone). The first two, and sorted rows of at most RACE_LIMIT
 columns that may hold kept tokens, draw by the exponential race of engine/sampling/filters.py;
 the others by one inverse-CDF uniform over the kept tokens in id order (a key for each of a
-large vocabulary's tokens costs more than the sort on the CPU). The host plans the groups into
-the call's HostPack; the device draws from the uploaded sections."""
+large vocabulary's tokens costs more than the sort on the CPU). On a vocabulary above
+RACE_LIMIT, sorted rows without a top-k (and, on the CPU, a head group whose heads are all too
+flat to hold their kept sets) find their kept set without the sort (engine/sampling/cut.py).
+The host plans the groups into the call's HostPack; the device draws from the uploaded sections."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sampling import cut
 from engine.sampling.filters import candidate_probs, head_suffices, inverse_cdf, kept_log_total, race
 from engine.sampling.pack import HostPack, Sections
 from engine.sampling.rng import as_int64, seeded_uniforms, token_exponentials
@@ -150,12 +153,21 @@ def draw(
         else:
             top_k = s[f"{tag}.{name}.k"] if any(ks) else None
             top_p, min_p = s[f"{tag}.{name}.p"], s[f"{tag}.{name}.m"]
-            log_total = None
+            log_total = cut.logsumexp(xs, t) if name == "head" else None
+            if _unsorted(name, xs, top_k, log_total, t, top_p, min_p):  # the kept set without a sort
+                pick = cut.draw(xs, t, top_p, min_p, seeded_uniforms(gs, gc))
+                if whole:
+                    tokens.copy_(pick)
+                else:
+                    tokens[q] = pick
+                continue
             if name == "topk":
                 vals, ids = _topk(xs, max(ks))
             elif name == "head":
                 vals, ids = torch.topk(xs, HEAD, dim=-1)
-                log_total = _log_total(xs, t, min_p, name in dp.min_p_top_p)
+                if name in dp.min_p_top_p:  # top-p over min-p's tokens: their total, not the row's
+                    log_total = kept_log_total(xs, t, min_p)
+                assert log_total is not None
                 held = head_suffices(vals, log_total, t, top_p, min_p)
             else:
                 vals, ids = torch.sort(xs, dim=-1, descending=True)
@@ -177,7 +189,33 @@ def _log_total(x: torch.Tensor, t: torch.Tensor, min_p: torch.Tensor, both: bool
     """A head group's whole-row total for top-p: over min-p's tokens where a member has both
     (without top-p the total only scales what the draw renormalizes; without min-p it is the
     row's logsumexp either way)."""
-    return kept_log_total(x, t, min_p) if both else torch.logsumexp(x / t[:, None], dim=-1)
+    return kept_log_total(x, t, min_p) if both else cut.logsumexp(x, t)
+
+
+def _unsorted(
+    name: str,
+    x: torch.Tensor,
+    top_k: torch.Tensor | None,
+    log_total: torch.Tensor | None,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> bool:
+    """Whether a group draws from the kept set of engine/sampling/cut.py, found without sorting its
+    rows, on a vocabulary above RACE_LIMIT (where the sorted draw is the inverse CDF over the kept
+    tokens in id order too, so the tokens are the same): a sort group without a top-k, and on the
+    CPU a head group none of whose heads can hold its kept set (flat rows, which would spend a
+    top-k of HEAD and a second draw to find that out)."""
+    if x.shape[-1] <= RACE_LIMIT:
+        return False
+    if name == "sort":
+        return top_k is None
+    return (
+        name == "head"
+        and x.device.type == "cpu"
+        and log_total is not None
+        and bool(cut.head_cannot_hold(x, log_total, temperature, top_p, min_p, HEAD).all())
+    )
 
 
 def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
