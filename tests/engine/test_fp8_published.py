@@ -19,8 +19,6 @@ from tests.helpers import hybrid_ckpt as hc
 
 NEW = 8
 BLOCK = 16
-# left in the compute dtype by the releases (quantization_config.modules_to_not_convert)
-UNCONVERTED = ("mlp.gate.weight", "mlp.shared_expert_gate.weight", "mtp.fc.weight")
 
 
 def _edit(d, fn) -> None:
@@ -28,17 +26,6 @@ def _edit(d, fn) -> None:
         w = load_file(f)
         fn(w)
         save_file(w, f, metadata={"format": "pt"})
-
-
-def _as_published(w: dict) -> None:
-    """The MTP decoder layer's projections to FP8, every scale to bfloat16, as released."""
-    for n in list(w):
-        t = w[n]
-        quantize = n.startswith("mtp.layers.") and n.endswith(".weight") and t.dim() == 2
-        if quantize and not n.endswith(UNCONVERTED):
-            w[n], w[n + "_scale_inv"] = quant_fp8_block(t, (BLOCK, BLOCK))
-    for n in [n for n in w if n.endswith("_scale_inv")]:
-        w[n] = w[n].to(torch.bfloat16)
 
 
 def _naive_dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -51,12 +38,12 @@ def _naive_dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def published(tmp_path_factory):
-    """A tiny Qwen3.5-MoE FP8 checkpoint with an MTP block, as published, and its dequantized copy."""
+    """A tiny Qwen3.5-MoE FP8 checkpoint with an MTP block, as make-tiny-model --fp8 writes the
+    releases' layout, and its dequantized copy."""
     root = tmp_path_factory.mktemp("fp8-published")
     spec = dataclasses.replace(hc.SPEC_MOE["qwen3_5_moe"], mtp=True, fp8=True, fp8_block=BLOCK)
     d = root / "fp8"
     hc.make(d, spec)
-    _edit(d, _as_published)
     ref = root / "dequantized"
     shutil.copytree(d, ref)
     cfg = json.loads((ref / "config.json").read_text())
@@ -144,3 +131,18 @@ def test_bf16_compute_follows_transformers_bf16(published, moe_prompts):
     for p, o in zip(moe_prompts, outs):
         short = hc.hf_logit_shortfall(str(ref), p, o.output_token_ids, dtype=torch.bfloat16)
         assert float(short.max()) <= 0.25, (len(p), short.tolist())
+
+
+def test_tiny_vision_fp8_keeps_the_tower_unquantized(tmp_path):
+    """make-tiny-model --vision --fp8 leaves the vision tower unquantized, as the releases do (it
+    used to quantize it, writing a checkpoint the engine refuses), and the checkpoint serves."""
+    from engine.tiny_model import TinyModelSpec, make_tiny_model
+
+    d = make_tiny_model(tmp_path / "vl", TinyModelSpec(layers=4, vision=True, fp8=True, fp8_block=32))
+    w = load_file(next(d.glob("*.safetensors")))
+    visual = [n for n in w if n.startswith("model.visual.")]
+    assert visual and not any(w[n].dtype == torch.float8_e4m3fn for n in visual)
+    assert w["model.language_model.layers.0.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn
+    with LLM(str(d), dtype="float32") as llm:
+        out = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=2, temperature=0.0))
+    assert len(out[0].output_token_ids) == 2
