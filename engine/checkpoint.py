@@ -24,6 +24,7 @@ IGNORED = {  # what the text model does not use: pattern -> what it is, for the 
 }
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = (torch.float8_e4m3fn,)
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 Shapes = dict[str, tuple[int, ...]]
 
 
@@ -62,10 +63,13 @@ class Reader:
         self._handles: dict[Path, Any] = {}  # safetensors handles (untyped)
 
     def get(self, name: str) -> torch.Tensor:
+        """The tensor as stored; a `*_scale_inv` in float32 whatever its stored float dtype (the FP8
+        releases store bfloat16 scales; bfloat16 and float16 widen to float32 exactly)."""
         f = self.where[name]
         if f not in self._handles:
             self._handles[f] = safe_open(str(f), framework="pt")
-        return self._handles[f].get_tensor(name)
+        t = self._handles[f].get_tensor(name)
+        return t.float() if name.endswith(SCALE_SUFFIX) else t
 
 
 # ---- expected shapes, one function per block ----------------------------------------------
@@ -186,9 +190,34 @@ def check_checkpoint(cfg: ModelConfig, reader: Reader) -> Shapes:
     if unexpected:
         raise ValueError(f"checkpoint {where} has {len(unexpected)} unexpected weight(s): {', '.join(unexpected[:8])}")
     _check_shapes(cfg, reader, expected, scales)
+    _check_unconverted(cfg, reader)
     for what, count in ignored.items():
         log.info("main model: leaving out %d weight(s) of the %s in %s", count, what, where)
     return scales
+
+
+def _unconverted(cfg: ModelConfig) -> tuple[str, list[str]]:
+    """The modules config.json's quantization_config leaves unquantized, under the key it uses."""
+    raw = json.loads((Path(cfg.path) / "config.json").read_text())
+    for qc in (raw.get("quantization_config"), (raw.get("text_config") or {}).get("quantization_config")):
+        for key in ("modules_to_not_convert", "ignored_layers"):
+            if isinstance(qc, dict) and qc.get(key):
+                return key, [str(m) for m in qc[key]]
+    return "modules_to_not_convert", []
+
+
+def _check_unconverted(cfg: ModelConfig, reader: Reader) -> None:
+    """Refuse a float8 tensor of a module the config lists as left unquantized: the checkpoint
+    contradicts itself. An entry names a module by whole dotted parts ("lm_head", "mlp.gate",
+    "model.layers.0.linear_attn.in_proj_a"), so "mlp.gate" is not "mlp.gate_proj"."""
+    if cfg.fp8_block_size is None:
+        return
+    key, modules = _unconverted(cfg)
+    for n in (n for n in reader.where if reader.dtype[n] in FP8_DTYPES):
+        dotted = "." + n.rsplit(".", 1)[0] + "."
+        hit = next((m for m in modules if "." + m.strip(".") + "." in dotted), None)
+        if hit is not None:
+            raise ValueError(f"checkpoint {cfg.path}: {n} is float8 but quantization_config.{key} lists {hit!r}")
 
 
 def _fp8_scales(cfg: ModelConfig, reader: Reader, expected: Shapes) -> Shapes:
@@ -202,6 +231,9 @@ def _check_shapes(cfg: ModelConfig, reader: Reader, expected: Shapes, scales: Sh
     for n, want in {**expected, **scales}.items():
         if reader.shape[n] != want:
             raise ValueError(f"checkpoint {cfg.path}: {n} has shape {list(reader.shape[n])}, expected {list(want)}")
+    for n in scales:
+        if reader.dtype[n] not in SCALE_DTYPES:
+            raise ValueError(f"checkpoint {cfg.path}: {n} is {reader.dtype[n]}, expected float32, bfloat16 or float16")
     for n in expected:
         if reader.dtype[n] in FP8_DTYPES and n + SCALE_SUFFIX not in scales:
             why = (

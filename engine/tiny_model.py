@@ -28,13 +28,14 @@ Tokens stream back to the client one at a time until the request stops or reache
 
 ARCHS = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 VL_ARCHS = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
-# Left unquantized by fp8 (besides 1-D tensors, conv1d, embeddings and lm_head)
+# Left unquantized by fp8 as released (besides 1-D tensors, conv1d, embeddings, lm_head, vision)
 FP8_KEEP = (
     "mlp.gate",
     "mlp.shared_expert_gate",
     "linear_attn.in_proj_b",
     "linear_attn.in_proj_a",
     "linear_attn.in_proj_ba",
+    "mtp.fc",
 )
 
 
@@ -250,7 +251,8 @@ def _quantizable(name: str, shape) -> bool:
         len(shape) != 2
         or not name.endswith(".weight")
         or "embed_tokens" in name
-        or name.startswith(("lm_head", "mtp."))
+        or name.startswith("lm_head")
+        or ".visual." in "." + name
     ):
         return False
     module = name.removesuffix(".weight")
@@ -260,6 +262,7 @@ def _quantizable(name: str, shape) -> bool:
 def quantize_checkpoint_fp8(out: Path, block: int) -> None:
     """Rewrite a save_pretrained checkpoint's projections as FP8 blocks with `*_scale_inv`
     (module docstring), in place, shard by shard."""
+    import torch
     from safetensors.torch import load_file, save_file
 
     from kernels.fp8 import quant_fp8_block
@@ -271,7 +274,7 @@ def quantize_checkpoint_fp8(out: Path, block: int) -> None:
         tensors = load_file(f)
         for name in [n for n, t in tensors.items() if _quantizable(n, t.shape)]:
             q, scale = quant_fp8_block(tensors[name], (block, block))
-            tensors[name], tensors[name + "_scale_inv"] = q, scale
+            tensors[name], tensors[name + "_scale_inv"] = q, scale.to(torch.bfloat16)  # as released
             if weight_map is not None:
                 weight_map[name + "_scale_inv"] = f.name
         save_file(tensors, f, metadata={"format": "pt"})
@@ -283,7 +286,7 @@ def quantize_checkpoint_fp8(out: Path, block: int) -> None:
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
         "weight_block_size": [block, block],
-        "modules_to_not_convert": ["lm_head", "embed_tokens", "norm", "conv1d", *FP8_KEEP],
+        "modules_to_not_convert": ["lm_head", "embed_tokens", "norm", "conv1d", "visual", *FP8_KEEP],
     }
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
 

@@ -98,7 +98,7 @@ def _dequantized_copy(src, dst):
     w = load_file(dst / "model.safetensors")
     for name in [n for n in w if n.endswith("_scale_inv")]:
         base = name.removesuffix("_scale_inv")
-        w[base] = dequant_fp8_block(w[base], w.pop(name), block, torch.float32).contiguous()
+        w[base] = dequant_fp8_block(w[base], w.pop(name).float(), block, torch.float32).contiguous()
     save_file(w, dst / "model.safetensors", metadata={"format": "pt"})
     return str(dst)
 
