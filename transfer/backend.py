@@ -53,6 +53,10 @@ class Transport(ABC):
         self.agent = agent
         self.regions = regions  # (layer, kind) -> pool tensor, registered once
 
+    def add_regions(self, regions: dict[tuple[int, str], torch.Tensor]) -> None:
+        """Sender side: register more source memory (a cast's staging regions) after start-up."""
+        self.regions.update(regions)
+
     @abstractmethod
     def metadata(self) -> bytes:
         """What a peer needs to reach this endpoint (NIXL agent metadata, UCX worker address)."""

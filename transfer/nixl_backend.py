@@ -166,6 +166,12 @@ class NixlTransport(Transport):
         self.handles: dict[str, set[_Handle]] = {}  # peer -> live xfer handles
         self.last_post: dict[str, float] = {}  # indices, make_s, post_s of the latest write (observability)
 
+    def add_regions(self, regions: dict[tuple[int, str], torch.Tensor]) -> None:
+        """Local memory only (staging the sender writes from): peers never address it, so the
+        metadata published at start-up stays valid."""
+        super().add_regions(regions)
+        self.reg.extend(self.nx.register_memory(rows, mem) for mem, rows in registration(regions.values()))
+
     def metadata(self) -> bytes:
         return self.nx.get_agent_metadata()
 

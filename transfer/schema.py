@@ -56,7 +56,7 @@ class TensorDesc(msgspec.Struct, frozen=True):
 
     kind: Kind
     layer: int
-    dtype: str  # e.g. "bfloat16"; the recurrent state is always "float32"
+    dtype: str  # e.g. "bfloat16"; the recurrent state's is --mamba-ssm-cache-dtype
     global_shape: tuple[int, ...]  # unsharded sizes of the axes other than the page axis, in memory
     # order: (KVH, 2, bs, hd) | (conv_dim, Kc-1) | (Hv, dk, dv)
     local_shape: tuple[int, ...]  # the whole pool on this rank, in memory order (row-major, contiguous)
@@ -114,7 +114,11 @@ class ModelDigest(msgspec.Struct, frozen=True):
     batch_invariant: bool = False  # --batch-invariant: the state's bits depend on it (docs/engine.md)
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
+        """Names the state family nodes are matched by (router, targets). The recurrent dtype is
+        left out: a float32 prefill node feeds a bfloat16 decode node through a cast, and the
+        handshake refuses the one direction no plan bridges (transfer/handshake.py)."""
+        same = msgspec.structs.replace(self, recurrent_dtype="")
+        return hashlib.sha256(msgspec.msgpack.encode(same)).hexdigest()[:16]
 
 
 class RankSchema(msgspec.Struct, frozen=True):

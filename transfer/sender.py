@@ -28,8 +28,9 @@ from transfer.messages import (
     TargetRank,
     encode_control,
 )
-from transfer.plan import RegionPair, check_ids, expand_arrays, pair_templates, plan_nbytes, skip_cached
+from transfer.plan import RegionPair, check_ids, expand_arrays, pair_templates, plan_nbytes, skip_cached, src_key
 from transfer.schema import PeerInfo
+from transfer.staging import Staging
 
 if TYPE_CHECKING:
     from engine.devices import DeviceMark
@@ -46,12 +47,14 @@ def channel_checksum(
     src_slot: int,
     dst_slot: int,
 ) -> tuple[int, int]:
-    """(crc32, bytes) over a channel's ranges in plan order, read on `side` ("src" | "dst")."""
+    """(crc32, bytes) over a channel's ranges in plan order, read on `side` ("src" | "dst"): on
+    the source, what is written (a cast pair's staging region)."""
     reg, so, do, ln = expand_arrays(pairs, src_blocks, dst_blocks, src_slot, dst_slot)
     offs = so if side == "src" else do
     crc, total = 0, 0
     for r, o, n in zip(reg.tolist(), offs.tolist(), ln.tolist()):
-        crc = zlib.crc32(host_bytes(views[(pairs[r].layer, pairs[r].kind)][o : o + n]), crc)
+        p = pairs[r]
+        crc = zlib.crc32(host_bytes(views[src_key(p) if side == "src" else (p.layer, p.kind)][o : o + n]), crc)
         total += n
     return crc, total
 
@@ -110,6 +113,7 @@ class SendRequest:
         self.quiet = False  # no write can still read the source memory; owned memory freed
         self.nbytes = 0
         self.writes = 0  # WRITEs of data posted (to every destination rank), for observability
+        self.staged: set[tuple[int, str]] = set()  # staging regions its slot was cast into
 
     # -- caller API ----------------------------------------------------------------------------
 
@@ -163,9 +167,10 @@ class Sender(Endpoint):
 
     def _init_role(self) -> None:
         self.requests: dict[str, SendRequest] = {}
+        self.staging = Staging(self.transport, self.views if self.config.checksum else None)
 
     def _pairs(self, info: PeerInfo) -> tuple[RegionPair, ...]:
-        return pair_templates(self.schema, info.schema)
+        return self.staging.bind(pair_templates(self.schema, info.schema))
 
     def _peer_added(self, peer: Peer) -> None:
         if peer.pairs:
@@ -325,6 +330,7 @@ class Sender(Endpoint):
         src_blocks, dst_blocks = req.xfer_blocks[first:upto], ch.dst_blocks[first:upto]
         if post.pages is not None and not src_blocks:
             return
+        self.staging.cast([pairs[i] for i in todo], req.src_slot, req.staged)  # before any read of staging
         notif = None
         if post.final:
             ch.final_posted = True
