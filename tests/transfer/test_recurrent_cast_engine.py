@@ -67,11 +67,13 @@ def reference(ckpt):
 def _node(path: str, tp: int, state: str, role: str, name: str) -> Iterator[EngineCore]:
     """An engine with a NIXL endpoint of `role` next to each rank's pools."""
     llm = _engine(path, tp, state)
+    core = llm.engine
+    assert core is not None
     try:
-        llm.engine.executor.call_all(xr.open_endpoint, role, name, TransferConfig(backend="nixl", checksum=True))
-        yield llm.engine
+        core.executor.call_all(xr.open_endpoint, role, name, TransferConfig(backend="nixl", checksum=True))
+        yield core
     finally:
-        llm.engine.executor.call_all(xr.close, "nixl")
+        core.executor.call_all(xr.close, "nixl")
         llm.close()
 
 
