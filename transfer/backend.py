@@ -41,6 +41,7 @@ class WriteJob(NamedTuple):
     dst_slot: int
     notif: bytes | None  # delivered to the destination once the job's bytes have landed
     tag_base: int = 0
+    stage_slot: int | None = None  # the staging slot a cast pair reads (transfer/staging.py)
 
 
 class Transport(ABC):

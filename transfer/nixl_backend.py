@@ -123,7 +123,8 @@ def job_indices(
                 li.append(lbase[(i, j)] + sb)
                 ri.append(rbase[(i, j)] + db)
         else:
-            li.append(lbase[(i, 0)] + job.src_slot * nt + np.arange(nt))
+            slot = job.stage_slot if p.cast and job.stage_slot is not None else job.src_slot
+            li.append(lbase[(i, 0)] + slot * nt + np.arange(nt))
             ri.append(rbase[(i, 0)] + job.dst_slot * nt + np.arange(nt))
     if not li:
         return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32)

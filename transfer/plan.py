@@ -199,7 +199,8 @@ def check_ids(
                 if len(ids) and (min(ids) < 0 or max(ids) >= desc.num_pages):
                     raise PlanError(f"{name} block ids {min(ids)}..{max(ids)} outside 0..{desc.num_pages - 1}")
         else:
-            for name, slot, desc in (("source", src_slot, p.src), ("destination", dst_slot, p.dst)):
+            sides = (("source", src_slot, p.src), ("destination", dst_slot, p.dst))
+            for name, slot, desc in sides[1:] if p.cast else sides:  # a cast reads the sender's staging slot
                 if not 0 <= slot < desc.num_pages:
                     raise PlanError(f"{name} state slot {slot} outside 0..{desc.num_pages - 1}")
 
@@ -219,9 +220,15 @@ def selected(
 
 
 def expand_arrays(
-    pairs: Sequence[RegionPair], src_blocks: Sequence[int], dst_blocks: Sequence[int], src_slot: int, dst_slot: int
+    pairs: Sequence[RegionPair],
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    src_slot: int,
+    dst_slot: int,
+    stage_slot: int | None = None,
 ) -> tuple[Ids, Ids, Ids, Ids]:
-    """(region index, src offset, dst offset, length) arrays, coalesced; region index into `pairs`."""
+    """(region index, src offset, dst offset, length) arrays, coalesced; region index into `pairs`.
+    A cast pair reads staging slot `stage_slot` (None: `src_slot`, for the destination's view)."""
     check_ids(pairs, src_blocks, dst_blocks, src_slot, dst_slot)
     sb, db = block_order(src_blocks, dst_blocks)
     reg: list[Ids] = []
@@ -234,7 +241,8 @@ def expand_arrays(
                 s = sb * p.src.page_stride + t.src_off
                 d = db * p.dst.page_stride + t.dst_off
             else:
-                s = np.array([src_slot * p.src.page_stride + t.src_off], dtype=np.int64)
+                slot = stage_slot if p.cast and stage_slot is not None else src_slot
+                s = np.array([slot * p.src.page_stride + t.src_off], dtype=np.int64)
                 d = np.array([dst_slot * p.dst.page_stride + t.dst_off], dtype=np.int64)
             reg.append(np.full(len(s), i, dtype=np.int64))
             so.append(s)

@@ -114,11 +114,17 @@ class ModelDigest(msgspec.Struct, frozen=True):
     batch_invariant: bool = False  # --batch-invariant: the state's bits depend on it (docs/engine.md)
 
     def fingerprint(self) -> str:
-        """Names the state family nodes are matched by (router, targets). The recurrent dtype is
-        left out: a float32 prefill node feeds a bfloat16 decode node through a cast, and the
-        handshake refuses the one direction no plan bridges (transfer/handshake.py)."""
-        same = msgspec.structs.replace(self, recurrent_dtype="")
-        return hashlib.sha256(msgspec.msgpack.encode(same)).hexdigest()[:16]
+        """What nodes are matched by (router, targets): a hash of every field but the recurrent
+        dtype, followed by "+bfloat16" for a bfloat16 recurrent state, so that `feeds` can tell
+        the one cast a plan declares (float32 -> bfloat16) from any other difference."""
+        h = hashlib.sha256(msgspec.msgpack.encode(msgspec.structs.replace(self, recurrent_dtype=""))).hexdigest()
+        return h[:16] if self.recurrent_dtype == "float32" else f"{h[:16]}+{self.recurrent_dtype}"
+
+
+def feeds(src: str, dst: str) -> bool:
+    """Whether a node of fingerprint `src` can hand its state to one of fingerprint `dst`: the
+    same fingerprint, or a float32 recurrent state feeding a bfloat16 one (transfer.plan.CASTS)."""
+    return src == dst or ("+" not in src and dst == f"{src}+bfloat16")
 
 
 class RankSchema(msgspec.Struct, frozen=True):

@@ -135,7 +135,9 @@ class UcxxTransport(Transport):
         ep = self.eps[agent]
         pairs = [p for _, p in job.pairs]
         index = [i for i, _ in job.pairs]
-        reg, so, _, ln = expand_arrays(pairs, job.src_blocks, job.dst_blocks, job.src_slot, job.dst_slot)
+        reg, so, _, ln = expand_arrays(
+            pairs, job.src_blocks, job.dst_blocks, job.src_slot, job.dst_slot, job.stage_slot
+        )
         reqs, keep, j, last = [], [], 0, -1
         for r, s, n in zip(reg.tolist(), so.tolist(), ln.tolist()):
             j = j + 1 if r == last else 0

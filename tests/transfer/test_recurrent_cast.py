@@ -7,6 +7,7 @@ the checksum, which covers every written byte)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -114,3 +115,62 @@ def test_handshake_accepts_only_float32_to_bfloat16():
         with pytest.raises(HandshakeError, match="cannot give back float32 bits") as e:
             check_peer(local, remote)
         assert e.value.field == "recurrent_dtype"
+
+
+def test_requests_share_the_staging_slots_in_turn():
+    """One staging slot, three requests in flight on source slots past it: each waits for the
+    slot, casts into it once the one before is over, and every destination slot holds its own
+    request's cast state; the staging slot is free at the end."""
+    model = tiny_model()
+    tc = TransferConfig(backend="nixl", checksum=True, staging_slots=1)
+    sc, dc = engine_cfg(model, 1), _bf16_state(engine_cfg(model, 1))
+    tx, rx = Sender(sc, 0, make_pools(sc, 0), "P", tc), Receiver(dc, 0, make_pools(dc, 0), "D", tc)
+    try:
+        tx.add_peer(rx.metadata())
+        rx.add_peer(tx.metadata())
+        tx.slots.allocate()  # the requests' source slots are 1, 2, 3: none is the staging slot's index
+        reqs = []
+        for n in range(3):
+            state = global_state(model, TOKENS, 4, 30 + n)
+            blocks, slot = tx.blocks.allocate(-(-TOKENS // 4)), tx.slots.allocate()
+            place(tx.pools, sc, 0, state, blocks, slot)
+            r = rx.reserve(f"q{n}", TOKENS)
+            s = tx.send(f"q{n}", rx.target([r.target], f"q{n}", TOKENS), blocks, slot, TOKENS, owned=True)
+            reqs.append((state, r, s))
+        waited, deadline = False, time.monotonic() + 10
+        while not all(s.quiet and r.state.terminal for _, r, s in reqs):
+            assert time.monotonic() < deadline, "timed out"
+            tx.poll()
+            rx.poll()
+            assert sum(s.stage_slot is not None and not s.quiet for _, _, s in reqs) <= 1
+            waited |= any(s.queued and s.stage_slot is None and s.channels[0].granted for _, _, s in reqs)
+        assert waited  # a granted request waited for the slot
+        for state, r, s in reqs:
+            assert (s.state.value, r.state.value) == ("done", "done"), (s.error, r.error)
+            for layer, rec in state["rec"].items():
+                got = rx.pools.recurrent[layer][r.slot]
+                assert torch.equal(got.view(torch.int16), rec.to(torch.bfloat16).view(torch.int16)), layer
+        assert tx.staging.free_slots == [0]
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_digests_pair_a_float32_prefill_node_with_a_bfloat16_decode_node_only():
+    """The schema digest nodes are matched by (the router, a Prefill call's target, Sender.open)
+    lets a float32 state feed a bfloat16 one and nothing else; the router's copy of the rule
+    (it imports no torch) agrees with the transfer's."""
+    from router.state_digest import feeds as router_feeds  # noqa: PLC0415
+    from transfer.schema import feeds, model_digest  # noqa: PLC0415
+
+    f32 = engine_cfg(tiny_model(), 1)
+    fps = {
+        "f32": model_digest(f32).fingerprint(),
+        "bf16": model_digest(_bf16_state(f32)).fingerprint(),
+        "f32-model": model_digest(engine_cfg(tiny_model(dtype=torch.float32), 1)).fingerprint(),
+        "f32-model-bf16": model_digest(_bf16_state(engine_cfg(tiny_model(dtype=torch.float32), 1))).fingerprint(),
+    }
+    allowed = {(a, a) for a in fps} | {("f32", "bf16"), ("f32-model", "f32-model-bf16")}
+    for a, fa in fps.items():
+        for b, fb in fps.items():
+            assert feeds(fa, fb) == ((a, b) in allowed) == router_feeds(fa, fb), (a, b)
