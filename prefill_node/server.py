@@ -33,6 +33,7 @@ from serving.vllm_metrics import register_node as register_vllm
 from transfer import TransferConfig
 from transfer.connector import PrefillConnector, PushParams
 from transfer.messages import Target, TargetRank
+from transfer.schema import feeds
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -132,7 +133,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
                 f"target reserved for {request.target.num_tokens} tokens, the prompt has "
                 f"{len(request.prompt_token_ids)}",
             )
-        if not alone and request.target.schema_digest != self.digest:
+        if not alone and not feeds(self.digest, request.target.schema_digest):
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"target model digest {request.target.schema_digest} differs from this node's {self.digest}",

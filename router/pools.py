@@ -263,7 +263,15 @@ def _same_state(pre, dec) -> None:
     }
     for name, read in what.items():
         a, b = read(pre), read(dec)
+        if name == "mamba_ssm_cache_dtype" and (a, b) == ("float32", "bfloat16"):
+            continue  # the one cast a transfer plan declares: the prefill nodes round the state once
         if a != b:
+            if name == "mamba_ssm_cache_dtype":
+                raise ValueError(
+                    f"the prefill and decode pools differ in {name} ({a} vs {b}): a bfloat16 recurrent state "
+                    "cannot be handed to a float32 decode node (only float32 prefill -> bfloat16 decode is cast); "
+                    "give the decode pool bfloat16 or both the same value"
+                )
             raise ValueError(
                 f"the prefill and decode pools differ in {name} ({a} vs {b}): a prefill node hands its state "
                 "only to decode nodes that match; give both pools the same value"

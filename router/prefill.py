@@ -20,6 +20,7 @@ from router.migrate import NodeLost, NodeWatch, watched
 from router.prefix import PrefixQuery
 from router.push import Push
 from router.registry import NodeEntry, NodeRegistry
+from router.state_digest import feeds
 from router.wait_estimate import RateMeter, node_rate
 from serving.rpc import is_draining, peer_at_fault
 
@@ -52,7 +53,7 @@ class PrefillPhase:
             for p in self.registry.routable(pb.NODE_KIND_PREFILL)
             if p.info.prefill_ready
             and p.node_id not in exclude
-            and (not dg or p.info.schema_digest in ("", dg))
+            and (not dg or not p.info.schema_digest or feeds(p.info.schema_digest, dg))
             and p.holds(prompt_len)
         ]
 
@@ -194,7 +195,8 @@ class PrefillPhase:
                 key = self._pair_key(p, d)
                 if (
                     p.info.prefill_ready
-                    and p.info.schema_digest not in ("", d.info.schema_digest)
+                    and p.info.schema_digest
+                    and not feeds(p.info.schema_digest, d.info.schema_digest)
                     and key not in self._told
                 ):
                     self._told.add(key)

@@ -41,6 +41,7 @@ class WriteJob(NamedTuple):
     dst_slot: int
     notif: bytes | None  # delivered to the destination once the job's bytes have landed
     tag_base: int = 0
+    stage_slot: int | None = None  # the staging slot a cast pair reads (transfer/staging.py)
 
 
 class Transport(ABC):
@@ -52,6 +53,10 @@ class Transport(ABC):
     def __init__(self, agent: str, regions: dict[tuple[int, str], torch.Tensor]) -> None:
         self.agent = agent
         self.regions = regions  # (layer, kind) -> pool tensor, registered once
+
+    def add_regions(self, regions: dict[tuple[int, str], torch.Tensor]) -> None:
+        """Sender side: register more source memory (a cast's staging regions) after start-up."""
+        self.regions.update(regions)
 
     @abstractmethod
     def metadata(self) -> bytes:

@@ -26,6 +26,10 @@ class TransferConfig:
     # GPU pools on different machines without RDMA on both: refused at handshake unless set
     # (every byte would be staged through host memory over TCP; transfer/links.py)
     allow_tcp_staging: bool = False
+    # sender: slots of bfloat16 staging per GDN layer for a float32 state feeding a bfloat16 node
+    # (transfer/staging.py); a request holds one from its state's cast until its writes are over,
+    # and a request finding none free waits for one
+    staging_slots: int = 4
 
     def __post_init__(self) -> None:
         from transfer.backend import TRANSPORTS  # noqa: PLC0415
@@ -34,6 +38,8 @@ class TransferConfig:
             raise ValueError(
                 f"unknown transfer backend {self.backend!r}; known backends: {', '.join(sorted(TRANSPORTS))}"
             )
+        if self.staging_slots < 1:
+            raise ValueError(f"staging_slots must be at least 1 (got {self.staging_slots})")
         for name in ("lease_s", "grant_timeout_s", "quiesce_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive (got {getattr(self, name)})")

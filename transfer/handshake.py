@@ -3,12 +3,15 @@
 Order: schema version, backend, the model digest field by field, then the per-tensor schema
 (block size, dtypes, axis labels, conv segments, global shapes). The first difference that no
 plan can bridge raises `HandshakeError(field, local, remote)`; nothing is coerced, transposed or
-re-derived by heuristic. Tensor-parallel sizes may differ: the plan re-shards a -> b.
+re-derived by heuristic. Tensor-parallel sizes may differ: the plan re-shards a -> b. One dtype
+difference is bridged, in one direction: a float32 GDN recurrent state on the sender feeding a
+bfloat16 one on the receiver (the sender casts it, `transfer.plan.CASTS`).
 """
 
 from __future__ import annotations
 
 from transfer.errors import HandshakeError
+from transfer.plan import castable
 from transfer.schema import SCHEMA_VERSION, ModelDigest, PeerInfo, RankSchema
 
 # Digest fields in the order they are compared: the layer count before the layer kinds, so a
@@ -43,25 +46,35 @@ assert set(DIGEST_FIELDS) == set(ModelDigest.__struct_fields__), "compare every 
 
 # why a difference cannot be bridged, where the field alone does not say it
 _DETAIL = {
-    "recurrent_dtype": "the GDN recurrent state (--mamba-ssm-cache-dtype) must have one dtype on both nodes: "
-    "no transfer plan casts it in this version (docs/transfer.md)",
+    "recurrent_dtype": "the GDN recurrent state (--mamba-ssm-cache-dtype) may differ only from a float32 "
+    "prefill node to a bfloat16 decode node, which the sender casts; a bfloat16 state cannot give back "
+    "float32 bits, and no other pair is cast (docs/transfer.md)",
     "batch_invariant": "--batch-invariant must be set on every node or on none: a request's tokens after a "
     "hand-off or a move are exact only when both nodes compute the same bits (docs/engine.md)",
 }
 
 
-def check_digest(local: ModelDigest, remote: ModelDigest) -> None:
+def _cast(kind: str, a: str, b: str, local_sends: bool | None) -> bool:
+    """The dtypes differ in the one way a plan casts, sender -> receiver (None: no direction known)."""
+    if local_sends is None:
+        return False
+    return castable(kind, a, b) if local_sends else castable(kind, b, a)
+
+
+def check_digest(local: ModelDigest, remote: ModelDigest, local_sends: bool | None = None) -> None:
+    """`local_sends`: True when `local` is the sender, False when the receiver; with None no
+    difference is bridged (the recurrent dtype's cast has a direction)."""
     for name in DIGEST_FIELDS:
         a, b = getattr(local, name), getattr(remote, name)
-        if a != b:
+        if a != b and not (name == "recurrent_dtype" and _cast("gdn_recurrent", a, b, local_sends)):
             raise HandshakeError(name, a, b, _DETAIL.get(name, ""))
 
 
-def check_schema(local: RankSchema, remote: RankSchema) -> None:
+def check_schema(local: RankSchema, remote: RankSchema, local_sends: bool | None = None) -> None:
     """Refuse two rank schemas that no plan can bridge (see the module docstring for the order)."""
     if local.version != remote.version:
         raise HandshakeError("schema_version", local.version, remote.version)
-    check_digest(local.digest, remote.digest)
+    check_digest(local.digest, remote.digest, local_sends)
     if local.block_size != remote.block_size:
         raise HandshakeError(
             "block_size",
@@ -76,7 +89,7 @@ def check_schema(local: RankSchema, remote: RankSchema) -> None:
     for key in sorted(mine):
         a, b = mine[key], theirs[key]
         what = f"{a.kind} layer {a.layer}"
-        if a.dtype != b.dtype:
+        if a.dtype != b.dtype and not _cast(a.kind, a.dtype, b.dtype, local_sends):
             raise HandshakeError(f"dtype of {what}", a.dtype, b.dtype)
         if a.axes != b.axes:
             field = {"gdn_conv": "conv layout", "gdn_recurrent": "recurrent axis order"}.get(a.kind, "kv page layout")
@@ -101,4 +114,4 @@ def check_peer(local: PeerInfo, remote: PeerInfo) -> None:
         raise HandshakeError("backend", local.backend, remote.backend)
     if local.role == remote.role:
         raise HandshakeError("role", local.role, remote.role, "a sender pairs with a receiver")
-    check_schema(local.schema, remote.schema)
+    check_schema(local.schema, remote.schema, local.role == "sender")

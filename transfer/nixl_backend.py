@@ -123,7 +123,8 @@ def job_indices(
                 li.append(lbase[(i, j)] + sb)
                 ri.append(rbase[(i, j)] + db)
         else:
-            li.append(lbase[(i, 0)] + job.src_slot * nt + np.arange(nt))
+            slot = job.stage_slot if p.cast and job.stage_slot is not None else job.src_slot
+            li.append(lbase[(i, 0)] + slot * nt + np.arange(nt))
             ri.append(rbase[(i, 0)] + job.dst_slot * nt + np.arange(nt))
     if not li:
         return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32)
@@ -165,6 +166,12 @@ class NixlTransport(Transport):
         self.prepped: dict[str, _Prepped] = {}
         self.handles: dict[str, set[_Handle]] = {}  # peer -> live xfer handles
         self.last_post: dict[str, float] = {}  # indices, make_s, post_s of the latest write (observability)
+
+    def add_regions(self, regions: dict[tuple[int, str], torch.Tensor]) -> None:
+        """Local memory only (staging the sender writes from): peers never address it, so the
+        metadata published at start-up stays valid."""
+        super().add_regions(regions)
+        self.reg.extend(self.nx.register_memory(rows, mem) for mem, rows in registration(regions.values()))
 
     def metadata(self) -> bytes:
         return self.nx.get_agent_metadata()

@@ -7,12 +7,13 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from engine.cache.spec import PagedAttentionSpec
 from transfer.errors import PlanError
-from transfer.schema import KINDS, PAGED_KINDS, RankSchema, TensorDesc
+from transfer.schema import KINDS, PAGED_KINDS, ModelDigest, RankSchema, TensorDesc
 
 Ids = npt.NDArray[np.int64]  # block ids, byte offsets and lengths as numpy arrays
 
@@ -26,18 +27,63 @@ class Template(NamedTuple):
     length: int
 
 
+# The one cast a plan declares: (kind, source dtype, destination dtype). A float32 recurrent state
+# feeding a bfloat16 one is rounded once by the sender into a staging region of the destination's
+# dtype, and written from there; the reverse cannot restore the float32 bits and is refused.
+CASTS: frozenset[tuple[str, str, str]] = frozenset({("gdn_recurrent", "float32", "bfloat16")})
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def castable(kind: str, src_dtype: str, dst_dtype: str) -> bool:
+    return (kind, src_dtype, dst_dtype) in CASTS
+
+
+def digest_bridged(src: ModelDigest, dst: ModelDigest) -> bool:
+    """The digests are equal, or differ only in a recurrent dtype the plan casts."""
+    if src == dst:
+        return True
+    return castable("gdn_recurrent", src.recurrent_dtype, dst.recurrent_dtype) and src == msgspec.structs.replace(
+        dst, recurrent_dtype=src.recurrent_dtype
+    )
+
+
+def staged(s: TensorDesc, dtype: str) -> TensorDesc:
+    """The layout of the staging region the sender casts `s`'s pool into: the same shape, the
+    same page count, `dtype`'s item size (its address is the sender's to fill in)."""
+    size = _ITEMSIZE[dtype]
+    return msgspec.structs.replace(
+        s,
+        dtype=dtype,
+        itemsize=size,
+        page_stride=s.page_stride // s.itemsize * size,
+        head_stride=s.head_stride // s.itemsize * size,
+        nbytes=s.nbytes // s.itemsize * size,
+        base_addr=0,
+        region=f"{s.region}.{dtype}",
+    )
+
+
 class RegionPair(NamedTuple):
-    """The templates of one layer and kind for one (source rank, destination rank) pair."""
+    """The templates of one layer and kind for one (source rank, destination rank) pair.
+
+    `cast`: "" when the bytes move as they lie; else the dtype the sender casts the source pool's
+    pages into (a staging region laid out as `src`, which then describes the staging region)."""
 
     layer: int
     kind: str
     src: TensorDesc
     dst: TensorDesc
     templates: tuple[Template, ...]
+    cast: str = ""
 
     @property
     def paged(self) -> bool:
         return self.kind in PAGED_KINDS
+
+
+def src_key(p: RegionPair) -> tuple[int, str]:
+    """The source region a pair reads: the pool (layer, kind), or its staging region of `p.cast`."""
+    return (p.layer, f"{p.kind}.{p.cast}" if p.cast else p.kind)
 
 
 class Range(NamedTuple):
@@ -120,17 +166,20 @@ def pair_templates(src: RankSchema, dst: RankSchema) -> tuple[RegionPair, ...]:
     Regions the pair does not share (e.g. KV heads another source replica serves) are left out,
     so an empty result means this source sends nothing to this destination.
     """
-    if src.digest != dst.digest or src.block_size != dst.block_size:
+    if not digest_bridged(src.digest, dst.digest) or src.block_size != dst.block_size:
         raise PlanError("schemas differ in model digest or block size; run the handshake first")
     dst_t = {t.key: t for t in dst.tensors}
     out = []
     for s in src.tensors:
         d = dst_t[s.key]
+        cast = d.dtype if s.dtype != d.dtype and castable(s.kind, s.dtype, d.dtype) else ""
+        if cast:
+            s = staged(s, cast)  # noqa: PLW2901 (the pair reads the staging region)
         if s.dtype != d.dtype or s.axes != d.axes:
             raise PlanError(f"{s.kind} layer {s.layer}: dtype/axes differ ({s.dtype} {s.axes} vs {d.dtype} {d.axes})")
         t = _coalesce_templates(_TEMPLATES[s.kind](s, d))
         if t:
-            out.append(RegionPair(s.layer, s.kind, s, d, t))
+            out.append(RegionPair(s.layer, s.kind, s, d, t, cast))
     out.sort(key=lambda p: (p.layer, KINDS.index(p.kind)))
     return tuple(out)
 
@@ -150,7 +199,8 @@ def check_ids(
                 if len(ids) and (min(ids) < 0 or max(ids) >= desc.num_pages):
                     raise PlanError(f"{name} block ids {min(ids)}..{max(ids)} outside 0..{desc.num_pages - 1}")
         else:
-            for name, slot, desc in (("source", src_slot, p.src), ("destination", dst_slot, p.dst)):
+            sides = (("source", src_slot, p.src), ("destination", dst_slot, p.dst))
+            for name, slot, desc in sides[1:] if p.cast else sides:  # a cast reads the sender's staging slot
                 if not 0 <= slot < desc.num_pages:
                     raise PlanError(f"{name} state slot {slot} outside 0..{desc.num_pages - 1}")
 
@@ -170,9 +220,15 @@ def selected(
 
 
 def expand_arrays(
-    pairs: Sequence[RegionPair], src_blocks: Sequence[int], dst_blocks: Sequence[int], src_slot: int, dst_slot: int
+    pairs: Sequence[RegionPair],
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    src_slot: int,
+    dst_slot: int,
+    stage_slot: int | None = None,
 ) -> tuple[Ids, Ids, Ids, Ids]:
-    """(region index, src offset, dst offset, length) arrays, coalesced; region index into `pairs`."""
+    """(region index, src offset, dst offset, length) arrays, coalesced; region index into `pairs`.
+    A cast pair reads staging slot `stage_slot` (None: `src_slot`, for the destination's view)."""
     check_ids(pairs, src_blocks, dst_blocks, src_slot, dst_slot)
     sb, db = block_order(src_blocks, dst_blocks)
     reg: list[Ids] = []
@@ -185,7 +241,8 @@ def expand_arrays(
                 s = sb * p.src.page_stride + t.src_off
                 d = db * p.dst.page_stride + t.dst_off
             else:
-                s = np.array([src_slot * p.src.page_stride + t.src_off], dtype=np.int64)
+                slot = stage_slot if p.cast and stage_slot is not None else src_slot
+                s = np.array([slot * p.src.page_stride + t.src_off], dtype=np.int64)
                 d = np.array([dst_slot * p.dst.page_stride + t.dst_off], dtype=np.int64)
             reg.append(np.full(len(s), i, dtype=np.int64))
             so.append(s)

@@ -56,7 +56,7 @@ class TensorDesc(msgspec.Struct, frozen=True):
 
     kind: Kind
     layer: int
-    dtype: str  # e.g. "bfloat16"; the recurrent state is always "float32"
+    dtype: str  # e.g. "bfloat16"; the recurrent state's is --mamba-ssm-cache-dtype
     global_shape: tuple[int, ...]  # unsharded sizes of the axes other than the page axis, in memory
     # order: (KVH, 2, bs, hd) | (conv_dim, Kc-1) | (Hv, dk, dv)
     local_shape: tuple[int, ...]  # the whole pool on this rank, in memory order (row-major, contiguous)
@@ -114,7 +114,17 @@ class ModelDigest(msgspec.Struct, frozen=True):
     batch_invariant: bool = False  # --batch-invariant: the state's bits depend on it (docs/engine.md)
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
+        """What nodes are matched by (router, targets): a hash of every field but the recurrent
+        dtype, followed by "+bfloat16" for a bfloat16 recurrent state, so that `feeds` can tell
+        the one cast a plan declares (float32 -> bfloat16) from any other difference."""
+        h = hashlib.sha256(msgspec.msgpack.encode(msgspec.structs.replace(self, recurrent_dtype=""))).hexdigest()
+        return h[:16] if self.recurrent_dtype == "float32" else f"{h[:16]}+{self.recurrent_dtype}"
+
+
+def feeds(src: str, dst: str) -> bool:
+    """Whether a node of fingerprint `src` can hand its state to one of fingerprint `dst`: the
+    same fingerprint, or a float32 recurrent state feeding a bfloat16 one (transfer.plan.CASTS)."""
+    return src == dst or ("+" not in src and dst == f"{src}+bfloat16")
 
 
 class RankSchema(msgspec.Struct, frozen=True):

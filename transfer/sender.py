@@ -28,8 +28,9 @@ from transfer.messages import (
     TargetRank,
     encode_control,
 )
-from transfer.plan import RegionPair, check_ids, expand_arrays, pair_templates, plan_nbytes, skip_cached
-from transfer.schema import PeerInfo
+from transfer.plan import RegionPair, check_ids, expand_arrays, pair_templates, plan_nbytes, skip_cached, src_key
+from transfer.schema import PeerInfo, feeds
+from transfer.staging import Staging, casts_in
 
 if TYPE_CHECKING:
     from engine.devices import DeviceMark
@@ -45,13 +46,16 @@ def channel_checksum(
     dst_blocks: Sequence[int],
     src_slot: int,
     dst_slot: int,
+    stage_slot: int | None = None,
 ) -> tuple[int, int]:
-    """(crc32, bytes) over a channel's ranges in plan order, read on `side` ("src" | "dst")."""
-    reg, so, do, ln = expand_arrays(pairs, src_blocks, dst_blocks, src_slot, dst_slot)
+    """(crc32, bytes) over a channel's ranges in plan order, read on `side` ("src" | "dst"): on
+    the source, what is written (a cast pair's staging region)."""
+    reg, so, do, ln = expand_arrays(pairs, src_blocks, dst_blocks, src_slot, dst_slot, stage_slot)
     offs = so if side == "src" else do
     crc, total = 0, 0
     for r, o, n in zip(reg.tolist(), offs.tolist(), ln.tolist()):
-        crc = zlib.crc32(host_bytes(views[(pairs[r].layer, pairs[r].kind)][o : o + n]), crc)
+        p = pairs[r]
+        crc = zlib.crc32(host_bytes(views[src_key(p) if side == "src" else (p.layer, p.kind)][o : o + n]), crc)
         total += n
     return crc, total
 
@@ -110,6 +114,8 @@ class SendRequest:
         self.quiet = False  # no write can still read the source memory; owned memory freed
         self.nbytes = 0
         self.writes = 0  # WRITEs of data posted (to every destination rank), for observability
+        self.staged: set[tuple[int, str]] = set()  # staging regions its slot was cast into
+        self.stage_slot: int | None = None  # its staging slot (transfer/staging.py), held until quiet
 
     # -- caller API ----------------------------------------------------------------------------
 
@@ -163,9 +169,10 @@ class Sender(Endpoint):
 
     def _init_role(self) -> None:
         self.requests: dict[str, SendRequest] = {}
+        self.staging = Staging(self.transport, self.views if self.config.checksum else None, self.config.staging_slots)
 
     def _pairs(self, info: PeerInfo) -> tuple[RegionPair, ...]:
-        return pair_templates(self.schema, info.schema)
+        return self.staging.bind(pair_templates(self.schema, info.schema))
 
     def _peer_added(self, peer: Peer) -> None:
         if peer.pairs:
@@ -202,7 +209,7 @@ class Sender(Endpoint):
         old = self.requests.get(request_id)
         if old is not None:
             raise TransferError(f"request {request_id} is already open on {self.agent} ({old.state.value})")
-        if target.digest != self.digest:
+        if not feeds(self.digest, target.digest):
             raise TransferError(
                 f"target {request_id} is for model digest {target.digest}, this rank serves {self.digest}"
             )
@@ -292,6 +299,11 @@ class Sender(Endpoint):
             fenced = False
             while req.queued:
                 post = req.queued[0]
+                chans = ((ch.peer.pairs, ch.sent) for ch in req.channels.values())
+                if req.stage_slot is None and post.pages is None and casts_in(chans, post.layers, post.final):
+                    req.stage_slot = self.staging.allocate()
+                    if req.stage_slot is None:  # every staging slot held: retried from _tick
+                        break
                 if post.ready is not None:  # a layer of a step still running: posted once it ran
                     if not post.ready.query():
                         break
@@ -325,13 +337,15 @@ class Sender(Endpoint):
         src_blocks, dst_blocks = req.xfer_blocks[first:upto], ch.dst_blocks[first:upto]
         if post.pages is not None and not src_blocks:
             return
+        if req.stage_slot is not None:  # before any read of the staging slot
+            self.staging.cast([pairs[i] for i in todo], req.src_slot, req.stage_slot, req.staged)
         notif = None
         if post.final:
             ch.final_posted = True
             crc = None
             if self.config.checksum:
                 crc, _ = channel_checksum(
-                    pairs, self.views, "src", req.xfer_blocks, ch.dst_blocks, req.src_slot, ch.dst.slot
+                    pairs, self.views, "src", req.xfer_blocks, ch.dst_blocks, req.src_slot, ch.dst.slot, req.stage_slot
                 )
             nbytes = plan_nbytes(pairs, len(req.xfer_blocks))  # on the post's path: no expansion
             req.nbytes += nbytes
@@ -340,9 +354,8 @@ class Sender(Endpoint):
             if ch.xfers:  # earlier parts still in flight: Done goes standalone once they landed
                 ch.pending_done = notif
                 notif = None
-        job = WriteJob(
-            [(i, pairs[i]) for i in todo], src_blocks, dst_blocks, req.src_slot, ch.dst.slot, notif, ch.tag_base
-        )
+        items = [(i, pairs[i]) for i in todo]
+        job = WriteJob(items, src_blocks, dst_blocks, req.src_slot, ch.dst.slot, notif, ch.tag_base, req.stage_slot)
         if todo or notif is not None:
             x = self.transport.write(ch.peer.agent, job)
             ch.xfers.append((x, notif is not None))
@@ -466,6 +479,8 @@ class Sender(Endpoint):
             )
             ch.closed = True
         req.quiet = True
+        if req.stage_slot is not None:
+            self.staging.free(req.stage_slot)
         if req.owned:
             self.blocks.free(req.src_blocks)
             self.slots.free(req.src_slot)

@@ -15,7 +15,7 @@ import numpy.typing as npt
 import torch
 
 from transfer.backend import TransferState, Transport, WriteJob, byte_view
-from transfer.plan import RegionPair, expand_arrays
+from transfer.plan import RegionPair, expand_arrays, src_key
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,12 @@ class UcxxTransport(Transport):
         self._empty = np.zeros(0, dtype=np.uint8)
         self._channels = 0
 
+    def add_regions(self, regions: dict[tuple[int, str], torch.Tensor]) -> None:
+        if any(t.device.type != "cpu" for t in regions.values()):
+            raise NotImplementedError("the UCXX backend moves CPU pools only in this version")
+        super().add_regions(regions)
+        self.views.update({k: byte_view(t).numpy() for k, t in regions.items()})
+
     def metadata(self) -> bytes:
         return self.worker.address.tobytes()
 
@@ -129,13 +135,15 @@ class UcxxTransport(Transport):
         ep = self.eps[agent]
         pairs = [p for _, p in job.pairs]
         index = [i for i, _ in job.pairs]
-        reg, so, _, ln = expand_arrays(pairs, job.src_blocks, job.dst_blocks, job.src_slot, job.dst_slot)
+        reg, so, _, ln = expand_arrays(
+            pairs, job.src_blocks, job.dst_blocks, job.src_slot, job.dst_slot, job.stage_slot
+        )
         reqs, keep, j, last = [], [], 0, -1
         for r, s, n in zip(reg.tolist(), so.tolist(), ln.tolist()):
             j = j + 1 if r == last else 0
             last = r
             p = pairs[r]
-            buf = self.views[(p.layer, p.kind)][s : s + n]
+            buf = self.views[src_key(p)][s : s + n]
             keep.append(buf)
             reqs.append(ep.tag_send(self.Array(buf), self._tag(job.tag_base, index[r], j)))
         return _Requests(agent, reqs, keep, job.notif)

@@ -13,7 +13,7 @@ from router.cli import main
 @pytest.mark.parametrize(
     "prefill,words",
     [
-        ("mamba_ssm_cache_dtype: bfloat16", "mamba_ssm_cache_dtype (bfloat16 vs float32)"),
+        ("mamba_ssm_cache_dtype: bfloat16", "mamba_ssm_cache_dtype (bfloat16 vs float32): a bfloat16 recurrent"),
         ("block_size: 32", "block_size (32 vs 16)"),
         ("{num_speculative_tokens: 2, speculative_method: ngram}", "speculative method (ngram vs none)"),
     ],
@@ -28,3 +28,21 @@ def test_pools_that_cannot_hand_off_are_refused(tmp_path, capsys, prefill, words
     assert main(["up", "--model", str(model), "--config", str(cfg), "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert f"the prefill and decode pools differ in {words}" in err, err
+
+
+def test_a_float32_prefill_pool_may_feed_a_bfloat16_decode_pool(tmp_path):
+    """The one recurrent dtype difference a transfer plan casts (float32 prefill -> bfloat16
+    decode, docs/transfer.md) is accepted; each pool's nodes get their own value."""
+    from engine.tiny_model import TinyModelSpec, make_tiny_model
+    from router.cli import build_parser
+    from router.pools import spec_from_args
+
+    model = make_tiny_model(tmp_path / "m", TinyModelSpec(layers=2, hidden=64, full_attention_interval=2))
+    cfg = tmp_path / "pools.yaml"
+    cfg.write_text(
+        f"model: {model}\nprefill:\n  count: 1\n  mamba_ssm_cache_dtype: float32\n"
+        "decode:\n  count: 1\n  mamba_ssm_cache_dtype: bfloat16\n"
+    )
+    spec = spec_from_args(build_parser().parse_args(["up", "--config", str(cfg)]), default_model=lambda: None)
+    assert spec.prefill_options["mamba_ssm_cache_dtype"] == "float32"
+    assert spec.decode_options["mamba_ssm_cache_dtype"] == "bfloat16"

@@ -69,8 +69,16 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def engine(path: str, tp: int) -> LLM:
-    return LLM(path, dtype="float32", tensor_parallel_size=tp, kv_cache_memory="24MiB", max_num_seqs=8)
+def decode_after(D: EngineCore, rid: str, first: int) -> list[int]:
+    """Activate a handed-off request on the decode engine with its first token; its tokens to the end."""
+    toks = D.activate(rid, first).new_token_ids
+    while D.has_unfinished():
+        toks += sum((o.new_token_ids for o in D.step() if o.request_id == rid), [])
+    return toks
+
+
+def engine(path: str, tp: int, **kw) -> LLM:
+    return LLM(path, dtype="float32", tensor_parallel_size=tp, kv_cache_memory="24MiB", max_num_seqs=8, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -174,10 +182,7 @@ def test_engine_prefill_transfer_decode(engines, colocated, backend, a, b):
     for i, prompt in enumerate(hc.prompts(lens=PROMPT_LENS)):
         rid = f"{backend}-{a}{b}-{i}"
         out, _ = _prefill_and_push(P, D, backend, rid, prompt, b, digest)
-        toks = D.activate(rid, out.output_token_ids[0]).new_token_ids
-        while D.has_unfinished():
-            toks += sum((o.new_token_ids for o in D.step() if o.request_id == rid), [])
-        assert toks == colocated[i], f"prompt of {len(prompt)} tokens"
+        assert decode_after(D, rid, out.output_token_ids[0]) == colocated[i], f"prompt of {len(prompt)} tokens"
     assert (P.blocks.num_free, P.slots.num_free, D.blocks.num_free, D.slots.num_free) == free
 
 
@@ -315,8 +320,5 @@ def test_a_decode_engine_with_padded_pools_takes_the_state(engines, padded, colo
     for i, prompt in enumerate(hc.prompts(lens=PROMPT_LENS)):
         rid = f"pad-{a}-{i}"
         out, _ = _prefill_and_push(P, D, "nixl", rid, prompt, 1, digest)
-        toks = D.activate(rid, out.output_token_ids[0]).new_token_ids
-        while D.has_unfinished():
-            toks += sum((o.new_token_ids for o in D.step() if o.request_id == rid), [])
-        assert toks == colocated[i], f"prompt of {len(prompt)} tokens"
+        assert decode_after(D, rid, out.output_token_ids[0]) == colocated[i], f"prompt of {len(prompt)} tokens"
     assert g.covered - before >= 10  # the decode steps ran padded: one row in a bucket of 4

@@ -152,16 +152,28 @@ def test_schema_carries_a_bfloat16_recurrent_state():
     check_schema(_bf16_state_schema(tp=1), _bf16_state_schema(tp=2, rank=1))  # same dtype: any TP pair
 
 
-@pytest.mark.parametrize("sender_bf16", [False, True], ids=["f32-to-bf16", "bf16-to-f32"])
-def test_handshake_refuses_a_recurrent_dtype_mismatch_naming_both(sender_bf16):
-    """Either way round: no plan casts the state in this version (docs/transfer.md)."""
-    bf16, f32 = _bf16_state_schema(), schema()
-    sender, receiver = (bf16, f32) if sender_bf16 else (f32, bf16)
+@pytest.mark.parametrize("sender_local", [True, False], ids=["checked-by-sender", "checked-by-receiver"])
+def test_handshake_refuses_a_bfloat16_state_feeding_a_float32_one_naming_both(sender_local):
+    """bfloat16 -> float32 cannot give back the float32 bits: refused whichever end checks
+    (float32 -> bfloat16 is the one cast a plan declares, tests/transfer/test_recurrent_cast.py)."""
+    sender, receiver = peer(_bf16_state_schema(), "sender"), peer(schema())
     with pytest.raises(HandshakeError, match="--mamba-ssm-cache-dtype") as e:
-        check_peer(peer(sender, "sender"), peer(receiver))
+        check_peer(sender, receiver) if sender_local else check_peer(receiver, sender)
     assert e.value.field == "recurrent_dtype"
     assert {e.value.local, e.value.remote} == {"float32", "bfloat16"}
     assert "'float32'" in str(e.value) and "'bfloat16'" in str(e.value)
+
+
+def test_the_cast_bridges_the_recurrent_dtype_only():
+    """With the recurrent cast in play, any other difference is refused as before: the model
+    dtype, and a recurrent dtype compared with no direction (check_schema alone)."""
+    c = engine_cfg(tiny_model(dtype=torch.float32), 1)
+    f32_model = build_schema(c, 0, make_pools(c, 0))
+    with pytest.raises(HandshakeError) as e:
+        check_peer(peer(f32_model, "sender"), peer(_bf16_state_schema()))
+    assert e.value.field == "dtype"
+    with pytest.raises(HandshakeError, match="--mamba-ssm-cache-dtype"):
+        check_schema(schema(), _bf16_state_schema())
 
 
 @pytest.mark.parametrize("sender_invariant", [False, True], ids=["plain-to-invariant", "invariant-to-plain"])
