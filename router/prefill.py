@@ -232,8 +232,7 @@ class PrefillPhase:
             self._warming.discard(key)
 
     def mark_dead(self, p: NodeEntry) -> None:
-        """A call found P unreachable: no new prompts until it reports again (back with its next
-        heartbeat, if it is alive after all), and its handshakes are made again then."""
+        """A call found P unreachable: no new prompts until its next heartbeat; handshakes again then."""
         with self.registry.lock:
             p.alive = False
         self.forget_prefill(p)
@@ -244,6 +243,13 @@ class PrefillPhase:
     def forget_prefill(self, p: NodeEntry) -> None:
         self._pairs = {k for k in self._pairs if k[0] != p.node_id}
         self._pair_locks = {k: v for k, v in self._pair_locks.items() if k[0] != p.node_id}
+
+    def prune(self, known: dict[str, int]) -> None:
+        """Drop the pairs (locks, warnings) of node incarnations the registry no longer knows."""
+        keys = {*self._pairs, *self._pair_locks, *self._told}
+        cur = {k for k in keys if (k[1], k[3]) == (known.get(k[0]), known.get(k[2]))}
+        self._pairs, self._told = self._pairs & cur, self._told & cur
+        self._pair_locks = {k: v for k, v in self._pair_locks.items() if k in cur or v.locked()}
 
     def forget_pair(self, p: NodeEntry, d: NodeEntry) -> None:
         """Handshake (P, D) again next time: a failed prefill may mean D dropped P's agents (another

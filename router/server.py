@@ -132,6 +132,10 @@ class Router:
                 for e in await self.registry.sweep():
                     if e.kind == pb.NODE_KIND_DECODE:
                         self._decode_dead(e)
+                with self.registry.lock:  # what is kept per node goes with a restarted or forgotten node
+                    known = {e.node_id: e.info.incarnation for e in self.registry.nodes.values()}
+                self.service.prefill.prune(known)
+                self.service.prefill.meter.keep(set(known))
                 # pairs a node's registration did not make: a prefill node ready since, static nodes
                 self.service.prefill.warm_pairs()
                 await self._readiness()  # a node declared dead or unreachable calls no on_change

@@ -59,6 +59,13 @@ class RateMeter:
         mark = self._mark.get(node)
         return 0.0 if mark is None else max(now - mark, 0.0)
 
+    def keep(self, nodes: set[str]) -> None:
+        """Forget the nodes not in `nodes` (the registry forgot them: a pool scaled down, a pod replaced)."""
+        for d in (self._mark, self._seen):
+            for n in [n for n in d if n not in nodes]:
+                del d[n]
+        self._idle &= nodes
+
     def rate(self, node: str) -> float | None:
         """Tokens per second, None before the node's first completion while busy."""
         seen = self._seen.get(node)
