@@ -102,7 +102,7 @@ class PrefillPhase:
         with self.registry.lock:
             nodes = self.ready(d, exclude, prompt_len)
             if window and w:
-                nodes = [p for p in nodes if (n := _outstanding(p, batch)) == 0 or n + work(p) <= w]
+                nodes = [p for p in nodes if (n := p.outstanding(batch)) == 0 or n + work(p) <= w]
             p = self.policy.choose_prefill(nodes, prompt_len, q)
             if p is None:
                 return None
@@ -486,11 +486,6 @@ class PrefillPhase:
         await self.release(
             push.d, push.rid, f"push from {push.p.node_id} failed: {e.code().name}", push.p.node_id if dead else ""
         )
-
-
-def _outstanding(p: NodeEntry, batch: bool) -> int:
-    """Prompt tokens this router has outstanding on P that a new prompt of its class queues behind."""
-    return p.inflight_prefill_tokens if batch else p.inflight_interactive_tokens
 
 
 class _Failed(Exception):

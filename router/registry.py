@@ -167,6 +167,11 @@ class NodeEntry:
         bs = self.info.capacity.block_size or 1
         return -(-num_tokens // bs)
 
+    def outstanding(self, batch: bool) -> int:
+        """Prompt tokens this router has outstanding on this prefill node that a new prompt of its
+        class (batch or interactive) queues behind."""
+        return self.inflight_prefill_tokens if batch else self.inflight_interactive_tokens
+
     def holds(self, prompt_len: int) -> bool:
         """Whether this node's cache can ever hold a prompt of `prompt_len` tokens (its pages for
         prompt_len + 1, as the engine counts them): a prefill node that cannot refuses it
