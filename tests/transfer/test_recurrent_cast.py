@@ -32,7 +32,7 @@ def _bf16_state(cfg):
 CUDA = pytest.param(
     "nixl",
     "cuda",
-    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")],
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
     id="nixl-vram",
 )
 
