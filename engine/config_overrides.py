@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
+from engine.json_text import json_value
+
 FLAG = "--hf-overrides"
 HELP = (
     "a JSON object merged into the checkpoint's config.json (objects key by key; vLLM's --hf-overrides), e.g. "
@@ -40,11 +42,7 @@ def parse(value: str | dict | None, where: str = FLAG) -> dict[str, Any]:
     that is not JSON or JSON that is not an object."""
     if value is None or value == "":
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where} is not JSON: {e}") from None
+    value = json_value(value, where)
     if not isinstance(value, dict):
         raise ValueError(f'{where} must be a JSON object, such as {{"rope_theta": 1000000}} (got {value!r:.60})')
     return value

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.json_text import json_value
+
 MTP = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
 SPEC_KEYS = ("method", "num_speculative_tokens")
 MODALITIES = ("image", "video")
 
 
 def speculative(spec: object, where: str = "--speculative-config") -> dict[str, str | int]:
-    """vLLM's speculative config (a JSON object on the command line, a mapping in a pools file or
-    `LLM(speculative_config=...)`) as pdserve's options: {"speculative_method": ...,
-    "num_speculative_tokens": ...}, each if given."""
+    """vLLM's speculative config (a JSON object on the command line, a mapping or its JSON text in
+    a pools file or `LLM(speculative_config=...)`) as pdserve's options: {"speculative_method":
+    ..., "num_speculative_tokens": ...}, each if given."""
+    spec = json_value(spec, where)
     if not isinstance(spec, dict):
         raise ValueError(f"{where} must be a JSON object")
     unknown = sorted(set(spec) - set(SPEC_KEYS))

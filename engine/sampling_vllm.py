@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from engine.json_text import json_value
+
 # max_tokens None: as many as max_model_len leaves (the engine ends the request there, "length")
 UNBOUNDED_TOKENS = 2**31 - 1
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -89,11 +91,7 @@ def structured_constraint(so: Any, name: str = "structured_outputs") -> dict[str
     kind, v = named[0], get(named[0])
     where = f"{name}.{kind}"
     if kind == "json":
-        if isinstance(v, str):
-            try:
-                v = json.loads(v)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where} is not JSON: {e}") from None
+        v = json_value(v, where)
         if not isinstance(v, dict):
             raise ValueError(f"{where} must be a JSON schema object (got {type(v).__name__})")
         return {"kind": "json_schema", "value": json.dumps(v)}

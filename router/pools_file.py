@@ -82,13 +82,6 @@ def _vllm_key(path: str, k: str, v: Any, pool: str | None) -> list[tuple[str, An
         over = text(v, f"{path}: hf_overrides")
         return [] if over is None else [(k, over)]
     if k == "speculative_config":
-        if isinstance(v, str):
-            import json
-
-            try:
-                v = json.loads(v)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: speculative_config is not JSON: {e}") from None
         return list(speculative(v, f"{path}: speculative_config").items())
     if (flag := "--" + k.replace("_", "-")) in NO_OPS:
         logging.getLogger("pdserve.cli").info("%s: %s has no effect here: %s", path, k, NO_OPS[flag])

@@ -28,8 +28,6 @@ The subcommand is the first word that is neither an option nor the value of a gl
 
 from __future__ import annotations
 
-import json
-
 RENAMED = {
     "--enable-prefix-caching": "--prefix-caching",
     "--no-enable-prefix-caching": "--no-prefix-caching",
@@ -150,11 +148,7 @@ def _twice(argv: list[str]) -> None:
 
 
 def _speculative(text: str) -> list[str]:
-    try:
-        spec = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--speculative-config is not JSON: {e}") from None
-    return [x for k, v in speculative(spec).items() for x in ("--" + k.replace("_", "-"), str(v))]
+    return [x for k, v in speculative(text).items() for x in ("--" + k.replace("_", "-"), str(v))]
 
 
 def speculative(spec: object, where: str = "--speculative-config") -> dict[str, str | int]:
