@@ -76,13 +76,14 @@ def kept(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p:
     # min-p first (vLLM's order): tokens under min_p times the largest leave, and top-p counts
     # its share of the mass they leave (top_p times their total), not of the whole row's
     floor = (min_p * p.amax(-1)).view(torch.int32)[:, None]
-    if bool((min_p > 0).any()):
+    any_min = bool((min_p > 0).any())  # one read: rows without min-p skip its pass
+    if any_min:
         p.mul_(p.view(torch.int32) >= floor)
-    bits = p.view(torch.int32)
-    share = torch.where(min_p > 0, p.double().sum(-1), 1.0) if bool((min_p > 0).any()) else 1.0  # min_p 0: 1
+    bits, wide = p.view(torch.int32), p.double()
+    share = torch.where(min_p > 0, wide.sum(-1), 1.0) if any_min else 1.0  # min_p 0: the softmax's 1
     tp = torch.where(top_p < 1.0, top_p.double() * share, float("inf"))[:, None]  # top_p 1: no cut
     bucket = (bits >> 16).clamp_(0, TOP - 1)  # clamped: a NaN row (every logit -inf) stays in range
-    mass = torch.zeros(n, TOP, dtype=torch.float64, device=dev).scatter_add_(1, bucket.long(), p.double())
+    mass = torch.zeros(n, TOP, dtype=torch.float64, device=dev).scatter_add_(1, bucket.long(), wide)
     mass = mass.flip(-1)  # the most likely bucket first
     reach = mass.cumsum(-1)
     j = torch.searchsorted(reach, tp)  # the bucket where the mass from the top reaches top_p (TOP: none)
