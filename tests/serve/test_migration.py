@@ -395,7 +395,12 @@ def test_sdk_chat_resumes_on_the_next_router(ckpt):
         assert ra.proc.poll() is not None
         assert [ch.message for ch in got.choices] == [ch.message for ch in want.choices]
         assert got.choices[0].message["content"] != got.choices[1].message["content"]  # two seeds
-        assert [ch.finish_reason for ch in got.choices] == ["length", "length"] and got.usage == want.usage
+        assert [ch.finish_reason for ch in got.choices] == ["length", "length"]
+        # cached_tokens is what the prefix cache held when each prefill ran: the resumed prefills
+        # and the unfaulted one's two choices race for it, so it is bounded, not compared
+        cached = lambda u: u.pop("prompt_tokens_details")["cached_tokens"]  # noqa: E731
+        assert 0 <= cached(got.usage) <= got.usage["prompt_tokens"] and cached(want.usage) >= 0
+        assert got.usage == want.usage
         wait_for(lambda: len(ended()) == 4, 20, "the resumed choices' log lines")
         resumed = ended()[2:]
         assert all(0 < k <= FAULTED - 8 for k in resumed), resumed  # each went on from its tokens
