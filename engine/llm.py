@@ -34,6 +34,7 @@ NOT_FORWARDED = (
     "trust_remote_code",
     "spec",
     "text",
+    "defaults",
 )
 
 
@@ -71,6 +72,8 @@ class LLM:
         trust_remote_code: bool = False,
         limit_mm_per_prompt: dict | None = None,
         hf_overrides: dict | str | None = None,
+        generation_config: str = "auto",
+        override_generation_config: dict | str | None = None,
     ):
         """engine_process: run the engine in a process of its own (engine/llm_process.py); None
         (default): on the CPU when torch was imported before the engine, whose OpenMP threads would
@@ -79,12 +82,15 @@ class LLM:
         enforce_eager (no CUDA graphs), trust_remote_code (no effect: no remote code runs) and
         limit_mm_per_prompt are read as pdserve's options (engine/llm_vllm.py). hf_overrides: a dict
         (or its JSON text) merged into the checkpoint's config.json, as vLLM's
-        (engine/config_overrides.py)."""
+        (engine/config_overrides.py). generation_config, override_generation_config: the sampling
+        parameters `generate` uses when it is given none, as vLLM's (engine/generation_defaults.py)."""
         from engine.config_overrides import text
+        from engine.generation_defaults import defaults
         from engine.hub import resolve
 
         model, dtype = resolve(model), DTYPE_ALIASES.get(dtype, dtype)  # vLLM's "half", "bf16", "float" too
         hf_overrides = text(hf_overrides, "hf_overrides")
+        self._sampling_defaults = defaults(model, generation_config, override_generation_config)
         if speculative_config is not None:
             if num_speculative_tokens != 0 or speculative_method != "ngram":
                 raise ValueError("give speculative_config or num_speculative_tokens / speculative_method, not both")
@@ -152,6 +158,11 @@ class LLM:
             raise RuntimeError("the LLM is closed")
         return self.engine
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no sampling_params: the checkpoint's generation_config.json
+        values (vLLM's method), or the neutral defaults."""
+        return SamplingParams(**self._sampling_defaults)
+
     def capacity(self) -> Capacity:
         if self._proc is not None:
             return self._proc.call("capacity")  # type: ignore[no-any-return]
@@ -180,7 +191,7 @@ class LLM:
         if self._mm_limits:
             check_image_counts(self._mm_limits, [len(p.images or ()) for p in given])
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(given)
         if len(params) != len(given):
             raise ValueError(f"{len(params)} sampling_params for {len(given)} prompts")

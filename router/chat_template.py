@@ -53,7 +53,8 @@ class ChatTemplate:
     """One checkpoint's template (a Jinja2 string) in a sandboxed environment shaped like
     transformers' (trim_blocks, lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, `tojson`)."""
 
-    def __init__(self, source: str):
+    def __init__(self, source: str, defaults: dict[str, Any] | None = None):
+        """`defaults`: --default-chat-template-kwargs, under every request's own chat_template_kwargs."""
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(
@@ -63,6 +64,7 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)  # some templates date the prompt
         env.filters["tojson"] = _tojson
         self.source = source
+        self.defaults = dict(defaults or {})
         self._tmpl = env.from_string(source)
         self._developer = "developer" in source  # the template has a role of that name: it is passed on
 
@@ -93,6 +95,8 @@ class ChatTemplate:
             kwargs.setdefault("reasoning_effort", req.reasoning_effort)
             if req.reasoning_effort == "none":
                 kwargs.setdefault("enable_thinking", False)
+        for k, v in self.defaults.items():  # the server's, under the request's (vLLM's order)
+            kwargs.setdefault(k, v)
         kwargs.update(messages=messages, tools=req.tools or None, add_generation_prompt=gen)
         try:
             prompt = self._tmpl.render(**kwargs)

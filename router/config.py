@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Literal
 
 from engine import config_overrides
+from engine import generation_defaults as gen_defaults
+from engine.json_text import json_value
 from engine.options import option
 from router.admission import CLASS_NAMES
 from router.images.config import ImageArgs
@@ -166,6 +168,14 @@ class RouterConfig(ImageArgs, SecurityArgs):
     enable_auto_tool_choice: bool = option(
         True, "accepted for vLLM's command lines: tool_choice auto is always on (with tools)"
     )
+    default_chat_template_kwargs: str | None = option(
+        None,
+        "a JSON object of chat template arguments every chat request gets unless it sends its own (vLLM's), "
+        "e.g. '{\"enable_thinking\": false}' to answer without thinking by default",
+    )
+    # engine/generation_defaults.py: applied to every request's unset sampling fields (router/service.py)
+    generation_config: str = option("auto", gen_defaults.HELP)
+    override_generation_config: str | None = option(None, gen_defaults.OVERRIDE_HELP)
 
     def __post_init__(self):
         # vLLM's parser names, as users copy them from its command lines
@@ -176,6 +186,8 @@ class RouterConfig(ImageArgs, SecurityArgs):
         config_overrides.parse(self.hf_overrides)  # not an object: one line, before anything starts
         self.check_images()
         self.chat_template_text()  # read and compiled now: a bad one stops the start
+        self.template_kwargs  # noqa: B018  (an object, or one line)
+        self.sampling_defaults  # noqa: B018  (read and checked now, as vLLM reads generation_config.json at start)
         if self.max_body_bytes < 1024 or self.max_prompt_chars < 1 or self.tokenizer_workers < 0:
             raise ValueError("max_body_bytes must be >= 1024, max_prompt_chars >= 1, tokenizer_workers >= 0")
         if self.responses_store_mb < 0:
@@ -220,6 +232,23 @@ class RouterConfig(ImageArgs, SecurityArgs):
         except Exception as e:  # jinja2's TemplateSyntaxError and kin
             raise ValueError(f"--chat-template {self.chat_template[:80]!r} does not compile: {e}") from None
         return v
+
+    @property
+    def template_kwargs(self) -> dict:
+        """--default-chat-template-kwargs as a dict ({} for none); ValueError, one line, for other than an object."""
+        if not self.default_chat_template_kwargs:
+            return {}
+        v = json_value(self.default_chat_template_kwargs, "--default-chat-template-kwargs")
+        if not isinstance(v, dict):
+            raise ValueError(
+                f'--default-chat-template-kwargs must be a JSON object, such as {{"enable_thinking": false}} (got {v!r:.60})'
+            )
+        return v
+
+    @property
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """The default sampling parameters (engine/generation_defaults.py), read from the checkpoint."""
+        return gen_defaults.defaults(self.model, self.generation_config, self.override_generation_config)
 
     @property
     def key_classes(self) -> dict[str, int]:

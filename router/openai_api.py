@@ -131,7 +131,9 @@ class OpenAIFront:
     def chat(self) -> ChatFront:
         if self._chat is None:
             cfg = self.service.cfg
-            self._chat = ChatFront(self.tok, cfg.reasoning_parser, cfg.tool_call_parser, cfg.chat_template_text())
+            self._chat = ChatFront(
+                self.tok, cfg.reasoning_parser, cfg.tool_call_parser, cfg.chat_template_text(), cfg.template_kwargs
+            )
         return self._chat
 
     async def render(self, req: ChatRequest):

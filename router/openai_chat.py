@@ -47,10 +47,13 @@ def echoed(req: ChatRequest) -> str:
 class ChatFront:
     """The parts of the checkpoint's tokenizer and the router's options chat requests need."""
 
-    def __init__(self, tok, reasoning: str = "auto", tool_format: str = "auto", template: str = ""):
-        """`template`: --chat-template's text, in place of the tokenizer's ("" for the tokenizer's)."""
+    def __init__(
+        self, tok, reasoning: str = "auto", tool_format: str = "auto", template: str = "", kwargs: dict | None = None
+    ):
+        """`template`: --chat-template's text, in place of the tokenizer's ("" for the tokenizer's);
+        `kwargs`: --default-chat-template-kwargs."""
         source: str = template or (tok.chat_template if tok is not None else None) or ""
-        self.template = ChatTemplate(source) if source else None
+        self.template = ChatTemplate(source, kwargs) if source else None
         self.think_close = tok.token_to_id(THINK_CLOSE) if tok is not None else None
         if reasoning == "auto":
             self.reasoning = THINK_OPEN in source and THINK_CLOSE in source

@@ -394,7 +394,9 @@ def sampling(req: CompletionRequest | ChatRequest) -> pb.SamplingParams:
     """The request's SamplingParams; the engine checks the rest (INVALID_ARGUMENT -> 400)."""
     _refuse_unsupported(req)
     chat = isinstance(req, ChatRequest)
-    sp = pb.SamplingParams(top_k=req.top_k or 0, ignore_eos=req.ignore_eos)
+    # top_k 0 on the wire is unset (the server's default applies: router/sampling_defaults.py); a
+    # client's own 0 means off, as -1 does
+    sp = pb.SamplingParams(top_k=-1 if req.top_k == 0 else req.top_k or 0, ignore_eos=req.ignore_eos)
     mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if mt is not None:
         sp.max_tokens = max(mt, 1)  # 0: generate one token and return none (prompt logprobs only)

@@ -7,6 +7,7 @@ keys mean and which win is router/pools.py."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,8 @@ def _vllm_key(path: str, k: str, v: Any, pool: str | None) -> list[tuple[str, An
 
         over = text(v, f"{path}: hf_overrides")
         return [] if over is None else [(k, over)]
+    if k in ("override_generation_config", "default_chat_template_kwargs") and isinstance(v, dict):
+        return [(k, json.dumps(v))]  # a mapping, or its JSON text (as on the command line)
     if k == "speculative_config":
         return list(speculative(v, f"{path}: speculative_config").items())
     if (flag := "--" + k.replace("_", "-")) in NO_OPS:

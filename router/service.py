@@ -31,6 +31,8 @@ from router.prefill import PrefillPhase
 from router.prefix import PrefixQuery
 from router.registry import NodeEntry, NodeRegistry
 from router.request import Chunk, RequestRun, Trace
+from router.sampling_defaults import apply as apply_defaults
+from router.sampling_defaults import load as load_defaults
 from router.service_gauges import gauges
 from router.stops import check_stops, held_back, with_stops
 from router.text import TextPool, default_workers
@@ -119,6 +121,7 @@ class GenerateService:
         if self.vllm.model():
             self.vllm.labelled()
         self.key_classes = cfg.key_classes
+        self.sampling_defaults = load_defaults(cfg)  # for each request's unset sampling fields
         known = {key_id(d) for d in creds.api_keys}
         if unknown := sorted(set(self.key_classes) - known):
             raise ValueError(f"--api-key-priority names key id(s) {', '.join(unknown)}: no client API key has them")
@@ -158,6 +161,7 @@ class GenerateService:
         self.active += 1
         self.idle.clear()
         try:
+            apply_defaults(request.sampling, self.sampling_defaults)
             ids, inputs = await self._prompt_ids(request, images)
             tr.prompt_len, tr.images = len(ids), len(inputs)
             self.check_ask(request)

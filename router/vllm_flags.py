@@ -15,8 +15,15 @@ pdserve's before the command line is parsed (so `--help` and the errors stay pds
   '{"rope_scaling": JSON}'` / `'{"rope_theta": N}'`, the text model's rotary settings
   (engine/config_overrides.py); these and `--hf-overrides` itself, given together, are merged in
   command-line order into one `--hf-overrides` (each checked: not JSON, or not an object, is refused);
-- `--trust-remote-code`, `--disable-log-requests`, `--enable-chunked-prefill` dropped, with one
-  INFO line saying they have no effect here (`notes`).
+- `--limit-mm-per-prompt '{"image": N}'` -> `--max-images-per-request N`;
+- flags of its recipes that change nothing here (`NO_OPS`: `--trust-remote-code`,
+  `--enable-expert-parallel`, `--async-scheduling`, ...; `VALUED_NO_OPS`, with their value:
+  `--mm-encoder-tp-mode data`, `--load-format safetensors`, ...) dropped, with one INFO line saying
+  why (`notes`); a value that would change something (`--load-format gguf`) is refused;
+- `--data-parallel-size` / `-dp` refused, naming what scales out here (`REFUSED`).
+
+`--generation-config`, `--override-generation-config` and `--default-chat-template-kwargs` are
+pdserve's own options under vLLM's names (router/config.py).
 
 A vLLM spelling given beside pdserve's own spelling of the same option (`-tp 2 --decode-tp 1`,
 `--speculative-config ... --num-speculative-tokens 3`) is refused as given twice, as in a pools
@@ -38,10 +45,48 @@ TP = ("--tensor-parallel-size", "-tp")
 NO_OPS = {
     "--trust-remote-code": "no remote code runs (pdserve's own model classes)",
     "--disable-log-requests": "the router logs one INFO line per request (--log-level WARNING hides them)",
+    "--enable-log-requests": "the router logs one INFO line per request (--log-level WARNING hides them)",
     "--enable-chunked-prefill": "prompts are always chunked (--max-num-batched-tokens)",
+    "--disable-uvicorn-access-log": "the HTTP front keeps no access log; the router's request lines stand in",
+    "--async-scheduling": "the decode node schedules its steps its own way (docs/engine.md)",
+    "--enable-expert-parallel": "routed experts are split over the tensor-parallel ranks (docs/engine.md)",
+    "--disable-custom-all-reduce": "the ranks' all-reduce is pdserve's own",
+    "--language-model-only": "the vision tower is loaded, and runs only for requests with images",
+}
+# flags of vLLM's that take a value and change nothing here: the values taken (None: any), why
+VALUED_NO_OPS: dict[str, tuple[tuple[str, ...] | None, str]] = {
+    "--uvicorn-log-level": (None, "the HTTP front logs at --log-level"),
+    "--mm-processor-cache-type": (None, "the router keeps its own cache of prepared images (docs/images.md)"),
+    "--mm-encoder-tp-mode": (("data", "weights"), "the vision tower runs where pdserve places it (docs/images.md)"),
+    "--distributed-executor-backend": (("mp", "uni"), "tensor-parallel ranks are local processes"),
+    "--swap-space": (None, "no CPU swap space is kept for preempted requests"),
+    "--tokenizer-mode": (("auto", "hf"), "the checkpoint's tokenizer.json is read"),
+    "--load-format": (("auto", "safetensors"), "weights load from the checkpoint's safetensors"),
+    "--quantization": (
+        ("fp8",),
+        "the checkpoint's own quantization_config is read (FP8 as published); a bfloat16 checkpoint is not "
+        "quantized at load",
+    ),
+    "--max-logprobs": (None, "up to 20 alternatives per token are returned (OpenAI's limit)"),
+    "--compilation-config": (None, "CUDA graphs are --cuda-graphs / --no-cuda-graphs (docs/gpu.md)"),
+}
+# vLLM's flags with no counterpart here, and what to do instead
+REFUSED = {
+    "--data-parallel-size": "pdserve scales out by node count: --decode N (and --prefill N)",
+    "-dp": "pdserve scales out by node count: --decode N (and --prefill N)",
 }
 OVERRIDES = ("--hf-overrides", "--rope-scaling", "--rope-theta")  # merged into one --hf-overrides
-VALUED = (*TP, "--speculative-config", "--dtype", "--kv-cache-dtype", *OVERRIDES)  # flags whose value is read here
+# flags whose value is read here
+VALUED = (
+    *TP,
+    "--speculative-config",
+    "--dtype",
+    "--kv-cache-dtype",
+    *OVERRIDES,
+    *VALUED_NO_OPS,
+    *REFUSED,
+    "--limit-mm-per-prompt",
+)
 # pdserve's options each vLLM spelling stands for: both on one command line are refused (`_twice`)
 SAME_OPTION = {
     "--tensor-parallel-size": ("--tp", "--prefill-tp", "--decode-tp"),
@@ -50,6 +95,7 @@ SAME_OPTION = {
     "--enable-prefix-caching": ("--prefix-caching", "--no-prefix-caching"),
     "--no-enable-prefix-caching": ("--prefix-caching", "--no-prefix-caching"),
     "--enforce-eager": ("--cuda-graphs", "--no-cuda-graphs"),
+    "--limit-mm-per-prompt": ("--max-images-per-request",),
 }
 GLOBAL_VALUED = ("--log-level",)  # pdserve's options before the subcommand that take a value (cli.build_parser)
 
@@ -74,6 +120,7 @@ def rewrite(argv: list[str], notes: list[str] | None = None) -> list[str]:
     cmd = subcommand(argv)
     out: list[str] = []
     dropped: list[str] = []
+    notes_valued: list[str] = []
     overrides: dict | None = None  # every override flag's, merged, at the first one's place (`at`)
     at = 0
     i = 0
@@ -104,6 +151,15 @@ def rewrite(argv: list[str], notes: list[str] | None = None) -> list[str]:
                 )
         elif a in NO_OPS:
             dropped.append(a)
+        elif name in VALUED_NO_OPS:
+            taken, why = VALUED_NO_OPS[name]
+            if taken is not None and value not in taken:
+                raise ValueError(f"{name} {value}: pdserve takes {' or '.join(taken)} only ({why})")
+            notes_valued.append(f"{name} has no effect here: {why}")
+        elif name in REFUSED:
+            raise ValueError(f"{name}: {REFUSED[name]}")
+        elif name == "--limit-mm-per-prompt":
+            out += _mm_limits(value)
         elif a == "--served-model-name":  # vLLM's several names after one flag
             names = []
             while i + 1 < len(argv) and not argv[i + 1].startswith("-"):
@@ -113,8 +169,9 @@ def rewrite(argv: list[str], notes: list[str] | None = None) -> list[str]:
         else:
             out.append(RENAMED.get(a, a))
         i += 1
-    if dropped and notes is not None:
-        notes.append("; ".join(f"{f} has no effect here: {NO_OPS[f]}" for f in dropped))
+    said = [f"{f} has no effect here: {NO_OPS[f]}" for f in dropped] + notes_valued
+    if said and notes is not None:
+        notes.append("; ".join(said))
     if overrides is not None:
         import json
 
@@ -136,6 +193,20 @@ def _override(flag: str, value: str, merged: dict) -> dict:
         return co.merge(merged, {"rope_theta": theta})
     over = co.parse(value, flag)
     return co.merge(merged, {"rope_scaling": over} if flag == "--rope-scaling" else over)
+
+
+def _mm_limits(text: str) -> list[str]:
+    """vLLM's `--limit-mm-per-prompt '{"image": N}'` as `--max-images-per-request N` (no other
+    modality is served: a video count is checked, and has nothing to limit)."""
+    import json
+
+    from engine.llm_vllm import mm_limits  # noqa: PLC0415 (the engine's package: imported once argv is read)
+
+    try:
+        limits = mm_limits(json.loads(text))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--limit-mm-per-prompt is not JSON: {e}") from None
+    return ["--max-images-per-request", str(limits["image"])] if "image" in limits else []
 
 
 def _twice(argv: list[str]) -> None:

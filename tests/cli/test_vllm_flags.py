@@ -47,6 +47,12 @@ def test_a_copied_vllm_recipe_parses_as_its_meaning():
         (["up", "--rope-theta", "ten"], "--rope-theta 'ten' is not a number"),
         (["prefill", "--rope-theta=-1"], "--rope-theta '-1' must be a positive number"),
         (["up", "--hf-overrides"], "--hf-overrides needs a value"),
+        (["up", "--load-format", "gguf"], "--load-format gguf: pdserve takes auto or safetensors only"),
+        (["up", "--quantization=awq"], "--quantization awq: pdserve takes fp8 only"),
+        (["up", "--data-parallel-size", "2"], "--decode N"),
+        (["up", "--limit-mm-per-prompt", '{"audio": 1}'], "unknown modality 'audio'"),
+        (["up", "--limit-mm-per-prompt", "{image"], "--limit-mm-per-prompt is not JSON"),
+        (["up", "--limit-mm-per-prompt", '{"image": 1}', "--max-images-per-request", "2"], "give one of them"),
     ],
 )
 def test_what_pdserve_cannot_take_is_one_line(argv, words, capsys):
@@ -101,6 +107,24 @@ def test_flags_with_no_effect_here_are_dropped_with_one_note():
     assert rewrite(argv, notes) == ["up", "--model", "m"]
     assert len(notes) == 1 and all(f in notes[0] for f in argv[1:4]) and "no effect" in notes[0]
     assert build_parser().parse_args(rewrite(argv)).model == "m"
+
+
+def test_a_qwen35_card_command_line_parses_with_its_notes():
+    """The flags of Qwen3.5's vLLM recipes (multimodal, expert-parallel and scheduling switches):
+    dropped with one note naming each, or read as pdserve's option."""
+    notes: list[str] = []
+    argv = ["up", "--model", "m", "--enable-expert-parallel", "--mm-encoder-tp-mode", "data", "--async-scheduling"]
+    argv += [
+        "--mm-processor-cache-type=shm",
+        "--language-model-only",
+        "--limit-mm-per-prompt",
+        '{"image": 3, "video": 0}',
+    ]
+    out = rewrite(argv, notes)
+    assert out == ["up", "--model", "m", "--max-images-per-request", "3"]
+    assert len(notes) == 1 and all(f in notes[0] for f in ("--enable-expert-parallel", "--mm-encoder-tp-mode"))
+    a = build_parser().parse_args(out + ["--generation-config", "vllm", "--default-chat-template-kwargs", "{}"])
+    assert (a.max_images_per_request, a.generation_config) == (3, "vllm")
 
 
 def test_kv_cache_dtype_other_than_auto_is_one_line(capsys):

@@ -1,0 +1,69 @@
+"""The checkpoint's generation_config.json as default sampling parameters (vLLM's
+`--generation-config auto`), `--override-generation-config` over it, and
+`--default-chat-template-kwargs`, served by `pdserve up` and read by the OpenAI client: a request
+that sets nothing gets the model's top_k 1 (transformers' greedy tokens) and its max_new_tokens as
+a cap; a request's own top_k wins; the server's enable_thinking false renders the prompt as
+transformers' tokenizer renders it with that switch, unless the request sends its own."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.helpers import hybrid_ckpt as hc
+from tests.helpers.serve_harness import Up, log_url
+
+CAP = 5  # the checkpoint's max_new_tokens
+
+
+@pytest.fixture(scope="module")
+def model(ckpt, tmp_path_factory):
+    from transformers import GenerationConfig
+
+    dst = tmp_path_factory.mktemp("gen-defaults") / "ckpt"
+    shutil.copytree(ckpt, dst)
+    g = GenerationConfig.from_pretrained(ckpt)
+    g.update(do_sample=True, top_k=1, temperature=0.9, max_new_tokens=CAP)
+    g.save_pretrained(dst)  # transformers writes the file, as a published checkpoint's
+    return str(dst)
+
+
+def test_defaults_from_the_checkpoint_and_the_server_template_kwargs(model):
+    import openai
+    from transformers import AutoTokenizer
+
+    msgs = [{"role": "user", "content": "Tell me a story."}]
+    tok = AutoTokenizer.from_pretrained(model)
+    rendered = {
+        t: tok.apply_chat_template(msgs, add_generation_prompt=True, enable_thinking=t, tokenize=False) for t in (0, 1)
+    }
+    assert rendered[0] != rendered[1]  # the switch changes the prompt: what the server's default decides
+    kwargs = '{"enable_thinking": false}'
+    up = Up("--model", model, "--dtype", "float32", "--http-port", "0", "--default-chat-template-kwargs", kwargs)
+    try:
+        url = log_url(up, r"OpenAI-compatible HTTP on (http://\S+/v1)")
+        assert up.find(r"default sampling parameters \(--generation-config auto\): (.*top_k 1)", timeout=30)
+        with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120) as oc:
+            m = oc.models.list().data[0].id
+            body = {"ignore_eos": True, "return_token_ids": True}
+
+            def chat(**kw):
+                extra = {**body, **kw.pop("extra_body", {})}
+                r = oc.chat.completions.create(model=m, messages=msgs, extra_body=extra, **kw)
+                return r.model_dump()
+
+            plain = chat()  # nothing set: the checkpoint's top_k 1 and cap
+            capped = chat(max_tokens=CAP + 3, seed=3)  # more than the cap asked: the cap
+            own = chat(max_tokens=CAP, seed=3, temperature=1.0, extra_body={"top_k": -1})  # its own top_k: sampled
+            thinking = chat(max_tokens=1, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    finally:
+        assert up.stop() == 0, up.output()
+    prompt = plain["prompt_token_ids"]
+    assert tok.decode(prompt) == rendered[0]  # the server's enable_thinking false
+    assert tok.decode(thinking["prompt_token_ids"]) == rendered[1]  # the request's own wins
+    greedy = hc.hf_greedy(model, prompt, CAP)
+    for r in (plain, capped):
+        assert r["usage"]["completion_tokens"] == CAP and r["choices"][0]["finish_reason"] == "length"
+        assert r["choices"][0]["token_ids"] == greedy
+    assert own["choices"][0]["token_ids"] != greedy
