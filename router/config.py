@@ -173,6 +173,14 @@ class RouterConfig(ImageArgs, SecurityArgs):
         "a JSON object of chat template arguments every chat request gets unless it sends its own (vLLM's), "
         "e.g. '{\"enable_thinking\": false}' to answer without thinking by default",
     )
+    return_tokens_as_token_ids: bool = option(
+        False,
+        "logprobs name their tokens as 'token_id:N' unless a request says otherwise (vLLM's; for clients that "
+        "need ids where a token's text is not valid UTF-8 alone)",
+    )
+    enable_force_include_usage: bool = option(
+        False, "every stream ends with a usage chunk, as if each request sent stream_options.include_usage (vLLM's)"
+    )
     # engine/generation_defaults.py: applied to every request's unset sampling fields (router/service.py)
     generation_config: str = option("auto", gen_defaults.HELP)
     override_generation_config: str | None = option(None, gen_defaults.OVERRIDE_HELP)

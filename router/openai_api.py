@@ -179,7 +179,9 @@ class OpenAIFront:
             rid = f"{named}-{rid[:8]}"
         job.output = prep.output if prep is not None else None
         job.chat_echo = prep.echo if prep is not None else ""
-        job.token_ids, job.ids_as_text = bool(req.return_token_ids), bool(req.return_tokens_as_token_ids)
+        as_ids = req.return_tokens_as_token_ids
+        job.token_ids = bool(req.return_token_ids)
+        job.ids_as_text = self.service.cfg.return_tokens_as_token_ids if as_ids is None else as_ids
         job.prompt_logprobs = req.prompt_logprobs
         job.images = images
         prio = pb.PRIORITY_UNSPECIFIED  # the body's class: its name, or vLLM's integer (above 0: batch)
@@ -438,7 +440,8 @@ def make_app(service, front: OpenAIFront | None = None) -> FastAPI:
         job = await front.job(req)
         try:
             if req.stream:
-                return await front.stream(job, req.include_usage, request, req.continuous_usage)
+                usage = req.include_usage or service.cfg.enable_force_include_usage
+                return await front.stream(job, usage, request, req.continuous_usage)
             return await _until_disconnect(request, front.whole(job))
         except _Gone:
             return Response(status_code=499)  # nobody reads it

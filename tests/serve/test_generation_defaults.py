@@ -3,7 +3,9 @@
 `--default-chat-template-kwargs`, served by `pdserve up` and read by the OpenAI client: a request
 that sets nothing gets the model's top_k 1 (transformers' greedy tokens) and its max_new_tokens as
 a cap; a request's own top_k wins; the server's enable_thinking false renders the prompt as
-transformers' tokenizer renders it with that switch, unless the request sends its own."""
+transformers' tokenizer renders it with that switch, unless the request sends its own. With
+`--return-tokens-as-token-ids` logprobs name tokens `token_id:N` unless a request says false, and
+with `--enable-force-include-usage` a stream that asked for no usage ends with it."""
 
 from __future__ import annotations
 
@@ -40,7 +42,10 @@ def test_defaults_from_the_checkpoint_and_the_server_template_kwargs(model):
     }
     assert rendered[0] != rendered[1]  # the switch changes the prompt: what the server's default decides
     kwargs = '{"enable_thinking": false}'
-    up = Up("--model", model, "--dtype", "float32", "--http-port", "0", "--default-chat-template-kwargs", kwargs)
+    switches = ("--return-tokens-as-token-ids", "--enable-force-include-usage")
+    up = Up(
+        "--model", model, "--dtype", "float32", "--http-port", "0", "--default-chat-template-kwargs", kwargs, *switches
+    )
     try:
         url = log_url(up, r"OpenAI-compatible HTTP on (http://\S+/v1)")
         assert up.find(r"default sampling parameters \(--generation-config auto\): (.*top_k 1)", timeout=30)
@@ -57,6 +62,9 @@ def test_defaults_from_the_checkpoint_and_the_server_template_kwargs(model):
             capped = chat(max_tokens=CAP + 3, seed=3)  # more than the cap asked: the cap
             own = chat(max_tokens=CAP, seed=3, temperature=1.0, extra_body={"top_k": -1})  # its own top_k: sampled
             thinking = chat(max_tokens=1, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+            named = chat(logprobs=True, top_logprobs=2)["choices"][0]["logprobs"]["content"]
+            texts = chat(logprobs=True, extra_body={"return_tokens_as_token_ids": False})
+            stream = list(oc.chat.completions.create(model=m, messages=msgs, stream=True, extra_body=body))
     finally:
         assert up.stop() == 0, up.output()
     prompt = plain["prompt_token_ids"]
@@ -67,3 +75,8 @@ def test_defaults_from_the_checkpoint_and_the_server_template_kwargs(model):
         assert r["usage"]["completion_tokens"] == CAP and r["choices"][0]["finish_reason"] == "length"
         assert r["choices"][0]["token_ids"] == greedy
     assert own["choices"][0]["token_ids"] != greedy
+    assert [e["token"] for e in named] == [f"token_id:{t}" for t in greedy]
+    assert all(a["token"].startswith("token_id:") for e in named for a in e["top_logprobs"])
+    text = texts["choices"][0]["logprobs"]["content"]
+    assert "".join(e["token"] for e in text) == texts["choices"][0]["message"]["content"]
+    assert stream[-1].usage is not None and stream[-1].usage.completion_tokens == CAP
