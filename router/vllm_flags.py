@@ -15,7 +15,8 @@ pdserve's before the command line is parsed (so `--help` and the errors stay pds
   '{"rope_scaling": JSON}'` / `'{"rope_theta": N}'`, the text model's rotary settings
   (engine/config_overrides.py); these and `--hf-overrides` itself, given together, are merged in
   command-line order into one `--hf-overrides` (each checked: not JSON, or not an object, is refused);
-- `--limit-mm-per-prompt '{"image": N}'` -> `--max-images-per-request N`;
+- `--limit-mm-per-prompt '{"image": N}'` -> `--max-images-per-request N`; `--language-model-only`
+  -> `--max-images-per-request 0` (images refused; the vision tower is still loaded);
 - flags of its recipes that change nothing here (`NO_OPS`: `--trust-remote-code`,
   `--enable-expert-parallel`, `--async-scheduling`, ...; `VALUED_NO_OPS`, with their value:
   `--mm-encoder-tp-mode data`, `--load-format safetensors`, ...) dropped, with one INFO line saying
@@ -51,7 +52,6 @@ NO_OPS = {
     "--async-scheduling": "the decode node schedules its steps its own way (docs/engine.md)",
     "--enable-expert-parallel": "routed experts are split over the tensor-parallel ranks (docs/engine.md)",
     "--disable-custom-all-reduce": "the ranks' all-reduce is pdserve's own",
-    "--language-model-only": "the vision tower is loaded, and runs only for requests with images",
 }
 # flags of vLLM's that take a value and change nothing here: the values taken (None: any), why
 VALUED_NO_OPS: dict[str, tuple[tuple[str, ...] | None, str]] = {
@@ -95,7 +95,8 @@ SAME_OPTION = {
     "--enable-prefix-caching": ("--prefix-caching", "--no-prefix-caching"),
     "--no-enable-prefix-caching": ("--prefix-caching", "--no-prefix-caching"),
     "--enforce-eager": ("--cuda-graphs", "--no-cuda-graphs"),
-    "--limit-mm-per-prompt": ("--max-images-per-request",),
+    "--limit-mm-per-prompt": ("--max-images-per-request", "--language-model-only"),
+    "--language-model-only": ("--max-images-per-request",),
 }
 GLOBAL_VALUED = ("--log-level",)  # pdserve's options before the subcommand that take a value (cli.build_parser)
 
@@ -160,6 +161,9 @@ def rewrite(argv: list[str], notes: list[str] | None = None) -> list[str]:
             raise ValueError(f"{name}: {REFUSED[name]}")
         elif name == "--limit-mm-per-prompt":
             out += _mm_limits(value)
+        elif a == "--language-model-only":  # requests with images are refused, as vLLM's
+            out += ["--max-images-per-request", "0"]
+            notes_valued.append("--language-model-only: images are refused; the nodes still load the vision tower")
         elif a == "--served-model-name":  # vLLM's several names after one flag
             names = []
             while i + 1 < len(argv) and not argv[i + 1].startswith("-"):

@@ -53,6 +53,7 @@ def test_a_copied_vllm_recipe_parses_as_its_meaning():
         (["up", "--limit-mm-per-prompt", '{"audio": 1}'], "unknown modality 'audio'"),
         (["up", "--limit-mm-per-prompt", "{image"], "--limit-mm-per-prompt is not JSON"),
         (["up", "--limit-mm-per-prompt", '{"image": 1}', "--max-images-per-request", "2"], "give one of them"),
+        (["up", "--language-model-only", "--limit-mm-per-prompt", '{"image": 1}'], "give one of them"),
     ],
 )
 def test_what_pdserve_cannot_take_is_one_line(argv, words, capsys):
@@ -114,15 +115,12 @@ def test_a_qwen35_card_command_line_parses_with_its_notes():
     dropped with one note naming each, or read as pdserve's option."""
     notes: list[str] = []
     argv = ["up", "--model", "m", "--enable-expert-parallel", "--mm-encoder-tp-mode", "data", "--async-scheduling"]
-    argv += [
-        "--mm-processor-cache-type=shm",
-        "--language-model-only",
-        "--limit-mm-per-prompt",
-        '{"image": 3, "video": 0}',
-    ]
+    argv += ["--mm-processor-cache-type=shm", "--limit-mm-per-prompt", '{"image": 3, "video": 0}']
     out = rewrite(argv, notes)
     assert out == ["up", "--model", "m", "--max-images-per-request", "3"]
     assert len(notes) == 1 and all(f in notes[0] for f in ("--enable-expert-parallel", "--mm-encoder-tp-mode"))
+    text_only = build_parser().parse_args(rewrite(["up", "--model", "m", "--language-model-only"]))
+    assert text_only.max_images_per_request == 0  # images refused, as vLLM's
     a = build_parser().parse_args(out + ["--generation-config", "vllm", "--default-chat-template-kwargs", "{}"])
     assert (a.max_images_per_request, a.generation_config) == (3, "vllm")
 
