@@ -30,7 +30,7 @@ DEMO_PROMPTS = [
 ]
 
 
-SERVER_COMMANDS = ("up", "router", "decode", "prefill", "encode")
+SERVER_COMMANDS = ("up", "serve", "router", "decode", "prefill", "encode")
 DRAIN_HELP = (
     "on SIGTERM / SIGINT, finish what is in flight for at most this many seconds, taking nothing new, "
     "then stop (0: stop at once; a second signal cuts the wait short)"
@@ -319,7 +319,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=32, help="new tokens per prompt (default 32)")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("up", help="run a router and node pools as local processes")
+    p = sub.add_parser("up", aliases=["serve"], help="run a router and node pools as local processes")
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the checkpoint, given as `vllm serve MODEL` gives it (the same as --model)",
+    )
     add_up_options(p)
     p.set_defaults(func=cmd_up)
 
@@ -370,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     for note in notes:  # vLLM's flags that mean nothing here, said once
         logging.getLogger("pdserve.cli").info("%s", note)
     try:
+        if tag := getattr(args, "model_tag", None):  # `pdserve up MODEL`, as `vllm serve MODEL`
+            if args.model not in (None, tag):
+                raise ValueError(f"the model is given twice ({tag} and --model {args.model}): give one")
+            args.model = tag
         if isinstance(getattr(args, "model", None), str):  # a Hugging Face repo id: its cached snapshot
             from engine.hub import resolve  # noqa: PLC0415 (the engine package may refuse to import: its error)
 

@@ -4,7 +4,7 @@ pdserve's before the command line is parsed (so `--help` and the errors stay pds
 - `--speculative-config '{"method": "mtp" | "qwen3_next_mtp" | "qwen3_5_mtp" | "ngram",
   "num_speculative_tokens": N}'` -> `--speculative-method`, `--num-speculative-tokens`;
 - `--tensor-parallel-size N` / `-tp N` -> `--tp N` for one node, `--prefill-tp N --decode-tp N`
-  for `up`;
+  for `up` (and its alias `serve`, which takes the model as its first word, as `vllm serve MODEL`);
 - `--enable-prefix-caching` / `--no-enable-prefix-caching` -> `--[no-]prefix-caching`;
 - `--served-model-name a b ...` (several names after one flag) -> `--served-model-name a
   --served-model-name b ...` (pdserve's repeatable form is taken as it is);
@@ -135,7 +135,7 @@ def rewrite(argv: list[str], notes: list[str] | None = None) -> list[str]:
         if name == "--speculative-config":
             out += _speculative(value)
         elif name in TP:
-            out += ["--prefill-tp", value, "--decode-tp", value] if cmd == "up" else ["--tp", value]
+            out += ["--prefill-tp", value, "--decode-tp", value] if cmd in ("up", "serve") else ["--tp", value]
         elif name == "--dtype":
             from engine.config_fields import DTYPE_ALIASES  # noqa: PLC0415 (the engine's package: imported once argv is read)
 

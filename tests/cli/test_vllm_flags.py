@@ -125,6 +125,15 @@ def test_a_qwen35_card_command_line_parses_with_its_notes():
     assert (a.max_images_per_request, a.generation_config) == (3, "vllm")
 
 
+def test_serve_takes_the_model_first_as_vllm_serve(capsys):
+    a = _parse("serve", "Qwen/Qwen3.5-35B-A3B-FP8", "--tensor-parallel-size", "2", "--max-model-len", "8192")
+    assert (a.model_tag, a.prefill_tp, a.decode_tp, a.max_model_len) == ("Qwen/Qwen3.5-35B-A3B-FP8", 2, 2, 8192)
+    assert _parse("up", "--decode", "2", "m").model_tag == "m"
+    assert main(["serve", "a", "--model", "b"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the model is given twice" in err[0], err
+
+
 def test_kv_cache_dtype_other_than_auto_is_one_line(capsys):
     assert main(["up", "--kv-cache-dtype", "fp8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -5,7 +5,8 @@ that sets nothing gets the model's top_k 1 (transformers' greedy tokens) and its
 a cap; a request's own top_k wins; the server's enable_thinking false renders the prompt as
 transformers' tokenizer renders it with that switch, unless the request sends its own. With
 `--return-tokens-as-token-ids` logprobs name tokens `token_id:N` unless a request says false, and
-with `--enable-force-include-usage` a stream that asked for no usage ends with it."""
+with `--enable-force-include-usage` a stream that asked for no usage ends with it. The cluster is
+started as vLLM's recipes start it: `pdserve serve MODEL` and their flags."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import shutil
 import pytest
 
 from tests.helpers import hybrid_ckpt as hc
-from tests.helpers.serve_harness import Up, log_url
+from tests.helpers.serve_harness import Proc, log_url
 
 CAP = 5  # the checkpoint's max_new_tokens
+READY = r"pdserve up: ready at (\S+)"
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +44,16 @@ def test_defaults_from_the_checkpoint_and_the_server_template_kwargs(model):
     }
     assert rendered[0] != rendered[1]  # the switch changes the prompt: what the server's default decides
     kwargs = '{"enable_thinking": false}'
-    switches = ("--return-tokens-as-token-ids", "--enable-force-include-usage")
-    up = Up(
-        "--model", model, "--dtype", "float32", "--http-port", "0", "--default-chat-template-kwargs", kwargs, *switches
+    # started as `vllm serve MODEL` with a Qwen3.5 recipe's flags is
+    recipe = ("--tensor-parallel-size", "1", "--reasoning-parser", "qwen3", "--tool-call-parser", "qwen3_coder")
+    recipe += ("--enable-auto-tool-choice", "--enable-expert-parallel", "--async-scheduling", "--port", "0")
+    switches = (
+        "--return-tokens-as-token-ids",
+        "--enable-force-include-usage",
+        "--default-chat-template-kwargs",
+        kwargs,
     )
+    up = Proc("serve", model, *recipe, "--dtype", "float32", "--http-port", "0", *switches, ready=READY)
     try:
         url = log_url(up, r"OpenAI-compatible HTTP on (http://\S+/v1)")
         assert up.find(r"default sampling parameters \(--generation-config auto\): (.*top_k 1)", timeout=30)
