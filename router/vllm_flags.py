@@ -4,7 +4,9 @@ pdserve's before the command line is parsed (so `--help` and the errors stay pds
 - `--speculative-config '{"method": "mtp" | "qwen3_next_mtp" | "qwen3_5_mtp" | "ngram",
   "num_speculative_tokens": N}'` -> `--speculative-method`, `--num-speculative-tokens`;
 - `--tensor-parallel-size N` / `-tp N` -> `--tp N` for one node, `--prefill-tp N --decode-tp N`
-  for `up` (and its alias `serve`, which takes the model as its first word, as `vllm serve MODEL`);
+  for `up`;
+- `serve` is `up` as vLLM's command line has it: the model as its first word (`vllm serve MODEL`),
+  `--port` the OpenAI HTTP port (8000 when not given) and `--grpc-port` the router's (`up`'s `--port`);
 - `--enable-prefix-caching` / `--no-enable-prefix-caching` -> `--[no-]prefix-caching`;
 - `--served-model-name a b ...` (several names after one flag) -> `--served-model-name a
   --served-model-name b ...` (pdserve's repeatable form is taken as it is);
@@ -119,6 +121,8 @@ def rewrite(argv: list[str], notes: list[str] | None = None) -> list[str]:
     `notes` (if given) gets one line naming the flags dropped because they have no effect here."""
     _twice(argv)
     cmd = subcommand(argv)
+    if cmd == "serve":
+        argv = _serve_ports(argv)
     out: list[str] = []
     dropped: list[str] = []
     notes_valued: list[str] = []
@@ -197,6 +201,19 @@ def _override(flag: str, value: str, merged: dict) -> dict:
         return co.merge(merged, {"rope_theta": theta})
     over = co.parse(value, flag)
     return co.merge(merged, {"rope_scaling": over} if flag == "--rope-scaling" else over)
+
+
+def _serve_ports(argv: list[str]) -> list[str]:
+    """`serve` speaks vLLM's ports: `--port` is the OpenAI HTTP port (8000 when none is given),
+    `--grpc-port` the router's gRPC port (`up`'s `--port`)."""
+    names = {a.partition("=")[0] for a in argv}
+    if "--port" in names and "--http-port" in names:
+        raise ValueError("serve: --port is the HTTP port there, as vLLM's, and --http-port sets it too: give one")
+    out = []
+    for a in argv:
+        name, eq, value = a.partition("=")
+        out.append({"--port": "--http-port", "--grpc-port": "--port"}.get(name, name) + eq + value)
+    return out if names & {"--port", "--http-port"} else [*out, "--http-port", "8000"]
 
 
 def _mm_limits(text: str) -> list[str]:

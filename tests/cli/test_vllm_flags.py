@@ -54,6 +54,7 @@ def test_a_copied_vllm_recipe_parses_as_its_meaning():
         (["up", "--limit-mm-per-prompt", "{image"], "--limit-mm-per-prompt is not JSON"),
         (["up", "--limit-mm-per-prompt", '{"image": 1}', "--max-images-per-request", "2"], "give one of them"),
         (["up", "--language-model-only", "--limit-mm-per-prompt", '{"image": 1}'], "give one of them"),
+        (["serve", "m", "--port", "1", "--http-port", "2"], "--port is the HTTP port there"),
     ],
 )
 def test_what_pdserve_cannot_take_is_one_line(argv, words, capsys):
@@ -129,6 +130,10 @@ def test_serve_takes_the_model_first_as_vllm_serve(capsys):
     a = _parse("serve", "Qwen/Qwen3.5-35B-A3B-FP8", "--tensor-parallel-size", "2", "--max-model-len", "8192")
     assert (a.model_tag, a.prefill_tp, a.decode_tp, a.max_model_len) == ("Qwen/Qwen3.5-35B-A3B-FP8", 2, 2, 8192)
     assert _parse("up", "--decode", "2", "m").model_tag == "m"
+    assert (a.http_port, a.port) == (8000, None)  # vLLM's HTTP port when none is given; gRPC: up's default
+    b = _parse("serve", "m", "--port", "9000", "--grpc-port=7000")
+    assert (b.http_port, b.port) == (9000, 7000)  # serve's --port is vLLM's: the HTTP port
+    assert _parse("up", "m", "--port", "9000").http_port is None  # up's is the router's gRPC port
     assert main(["serve", "a", "--model", "b"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the model is given twice" in err[0], err

@@ -47,13 +47,14 @@ def test_defaults_from_the_checkpoint_and_the_server_template_kwargs(model):
     # started as `vllm serve MODEL` with a Qwen3.5 recipe's flags is
     recipe = ("--tensor-parallel-size", "1", "--reasoning-parser", "qwen3", "--tool-call-parser", "qwen3_coder")
     recipe += ("--enable-auto-tool-choice", "--enable-expert-parallel", "--async-scheduling", "--port", "0")
+    recipe += ("--grpc-port", "0")  # serve's --port is the HTTP port, as vLLM's
     switches = (
         "--return-tokens-as-token-ids",
         "--enable-force-include-usage",
         "--default-chat-template-kwargs",
         kwargs,
     )
-    up = Proc("serve", model, *recipe, "--dtype", "float32", "--http-port", "0", *switches, ready=READY)
+    up = Proc("serve", model, *recipe, "--dtype", "float32", *switches, ready=READY)
     try:
         url = log_url(up, r"OpenAI-compatible HTTP on (http://\S+/v1)")
         assert up.find(r"default sampling parameters \(--generation-config auto\): (.*top_k 1)", timeout=30)
