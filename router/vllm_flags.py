@@ -12,6 +12,8 @@ pdserve's before the command line is parsed (so `--help` and the errors stay pds
   --served-model-name b ...` (pdserve's repeatable form is taken as it is);
 - `--dtype half | bf16 | float` -> `--dtype float16 | bfloat16 | float32`;
 - `--enforce-eager` -> `--no-cuda-graphs`;
+- `--ssl-certfile`, `--ssl-keyfile`, `--ssl-ca-certs` -> `--tls-cert`, `--tls-key`, `--tls-ca` (TLS
+  on the router's gRPC and HTTP ports, and between the components);
 - `--kv-cache-dtype auto` dropped (the KV cache is kept in the model's dtype); any other value refused;
 - `--rope-scaling JSON` and `--rope-theta N` (removed from vLLM, still in recipes) -> `--hf-overrides
   '{"rope_scaling": JSON}'` / `'{"rope_theta": N}'`, the text model's rotary settings
@@ -42,6 +44,10 @@ RENAMED = {
     "--enable-prefix-caching": "--prefix-caching",
     "--no-enable-prefix-caching": "--no-prefix-caching",
     "--enforce-eager": "--no-cuda-graphs",
+    # vLLM's TLS for its HTTP server; pdserve's serves gRPC and HTTP with it
+    "--ssl-certfile": "--tls-cert",
+    "--ssl-keyfile": "--tls-key",
+    "--ssl-ca-certs": "--tls-ca",
 }
 TP = ("--tensor-parallel-size", "-tp")
 # flags vLLM's recipes carry that change nothing here: why, for the INFO line
@@ -71,6 +77,7 @@ VALUED_NO_OPS: dict[str, tuple[tuple[str, ...] | None, str]] = {
     ),
     "--max-logprobs": (None, "up to 20 alternatives per token are returned (OpenAI's limit)"),
     "--compilation-config": (None, "CUDA graphs are --cuda-graphs / --no-cuda-graphs (docs/gpu.md)"),
+    "--kv-transfer-config": (None, "prefill and decode pools hand state over through pdserve's own transfer layer"),
 }
 # vLLM's flags with no counterpart here, and what to do instead
 REFUSED = {
@@ -99,6 +106,9 @@ SAME_OPTION = {
     "--enforce-eager": ("--cuda-graphs", "--no-cuda-graphs"),
     "--limit-mm-per-prompt": ("--max-images-per-request", "--language-model-only"),
     "--language-model-only": ("--max-images-per-request",),
+    "--ssl-certfile": ("--tls-cert",),
+    "--ssl-keyfile": ("--tls-key",),
+    "--ssl-ca-certs": ("--tls-ca",),
 }
 GLOBAL_VALUED = ("--log-level",)  # pdserve's options before the subcommand that take a value (cli.build_parser)
 
@@ -175,7 +185,7 @@ def rewrite(argv: list[str], notes: list[str] | None = None) -> list[str]:
                 i += 1
             out += [x for n in names for x in ("--served-model-name", n)] or [a]
         else:
-            out.append(RENAMED.get(a, a))
+            out.append(RENAMED[name] + eq + value if name in RENAMED else a)
         i += 1
     said = [f"{f} has no effect here: {NO_OPS[f]}" for f in dropped] + notes_valued
     if said and notes is not None:

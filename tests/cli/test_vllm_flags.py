@@ -120,6 +120,8 @@ def test_a_qwen35_card_command_line_parses_with_its_notes():
     out = rewrite(argv, notes)
     assert out == ["up", "--model", "m", "--max-images-per-request", "3"]
     assert len(notes) == 1 and all(f in notes[0] for f in ("--enable-expert-parallel", "--mm-encoder-tp-mode"))
+    tls = _parse("serve", "m", "--ssl-certfile", "c.pem", "--ssl-keyfile=k.pem", "--kv-transfer-config", "{}")
+    assert (tls.tls_cert, tls.tls_key) == ("c.pem", "k.pem")
     text_only = build_parser().parse_args(rewrite(["up", "--model", "m", "--language-model-only"]))
     assert text_only.max_images_per_request == 0  # images refused, as vLLM's
     a = build_parser().parse_args(out + ["--generation-config", "vllm", "--default-chat-template-kwargs", "{}"])
