@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from router.vllm_flags import NO_OPS, speculative
+from router.vllm_flags import NO_OPS, VALUED_NO_OPS, speculative
 
 # options whose value is a file or directory: a relative one is read from the pools file's directory
 PATH_KEYS = ("cluster_token_file", "tls_cert", "tls_key", "tls_ca", "api_key_file")
@@ -89,6 +89,19 @@ def _vllm_key(path: str, k: str, v: Any, pool: str | None) -> list[tuple[str, An
     if (flag := "--" + k.replace("_", "-")) in NO_OPS:
         logging.getLogger("pdserve.cli").info("%s: %s has no effect here: %s", path, k, NO_OPS[flag])
         return []
+    if flag in VALUED_NO_OPS:
+        taken, why = VALUED_NO_OPS[flag]
+        if taken is not None and v not in taken:
+            raise ValueError(f"{path}: {k} {v}: pdserve takes {' or '.join(taken)} only ({why})")
+        logging.getLogger("pdserve.cli").info("%s: %s has no effect here: %s", path, k, why)
+        return []
+    if k == "limit_mm_per_prompt":
+        from engine.llm_vllm import mm_limits  # noqa: PLC0415
+
+        limits = mm_limits(v)
+        return [("max_images_per_request", limits["image"])] if "image" in limits else []
+    if k == "language_model_only":
+        return [("max_images_per_request", 0)] if v else []
     if k == DTYPE_KEY and isinstance(v, str):
         from engine.config_fields import DTYPE_ALIASES  # noqa: PLC0415 (the engine's package: once a file is read)
 

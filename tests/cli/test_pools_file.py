@@ -5,6 +5,8 @@ vLLM's key spellings, which `up`'s command line already takes as flags, are take
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from router.cli import build_parser, main
@@ -68,6 +70,14 @@ def test_vllm_keys_read_as_its_flags(tmp_path, ckpt):
     )
     spec = _spec(f)
     assert (spec.prefill_tp, spec.decode_tp) == (2, 1) and spec.prefill_options["speculative_method"] == "ngram"
+    f.write_text(
+        f"model: {ckpt}\nlimit-mm-per-prompt: {{image: 2, video: 0}}\nmm-encoder-tp-mode: data\n"
+        "enable-expert-parallel: true\noverride-generation-config: {temperature: 0.5}\n"
+    )
+    r = _spec(f).router_options
+    assert r["max_images_per_request"] == 2 and json.loads(r["override_generation_config"]) == {"temperature": 0.5}
+    f.write_text(f"model: {ckpt}\nlanguage_model_only: true\n")
+    assert _spec(f).router_options["max_images_per_request"] == 0
 
 
 def test_hf_overrides_key_reaches_the_router_and_every_node(tmp_path, ckpt, monkeypatch):
@@ -127,6 +137,7 @@ def test_a_pools_file_that_cannot_be_read_is_named(tmp_path, capsys):
         ("encode: {count: 1, tensor_parallel_size: 2}\n", "unknown key(s) under encode: tp"),
         ("hf_overrides: [rope_theta]\n", "hf_overrides must be a JSON object"),
         ("hf-overrides: '{rope'\n", "hf_overrides is not JSON"),
+        ("load_format: gguf\n", "load_format gguf: pdserve takes auto or safetensors only"),
     ],
 )
 def test_two_spellings_or_a_value_pdserve_cannot_take_are_refused(tmp_path, capsys, text, words):
