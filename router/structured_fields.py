@@ -2,9 +2,11 @@
 
 Clients write the same constraint several ways, and each is read here rather than ignored (an
 ignored field would return unconstrained text that looks like an answer):
-- OpenAI's `response_format` (`json_object`, `json_schema`), on chat and on completions;
+- OpenAI's `response_format` (`json_object`, `json_schema`), on chat and on completions, and
+  vLLM's and SGLang's `structural_tag` type there (engine/structured/struct_tag.py);
 - vLLM's `structured_outputs` object: exactly one of `json` (a schema, object or JSON text),
-  `regex`, `choice` (a list of strings), `grammar`, `json_object` (true); its JSON options
+  `regex`, `choice` (a list of strings), `grammar`, `json_object` (true), `structural_tag` (the
+  same tag as its JSON text); its JSON options
   `disable_any_whitespace` (compact JSON), `whitespace_pattern` and
   `disable_additional_properties` (objects take only the properties they name) shape a JSON
   constraint, its own or one another field names (`response_format`, as vLLM merges them);
@@ -23,12 +25,13 @@ from typing import Any
 
 from engine.structured.grammar import bounded_json
 from engine.structured.spec import Constraint
+from engine.structured.struct_tag import structural_tag_grammar
 from proto import pb
 from proto.convert import constraint_kwargs
 from router import json_shape
 from router.openai_models import ApiError, bad
 
-STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # vLLM's structured_outputs options: those that shape a JSON constraint (json_shape.py), and one
 # that changes nothing here (the engine has one backend, no fallback to choose)
 JSON_OPTION_KEYS = ("disable_any_whitespace", "whitespace_pattern", "disable_additional_properties")
@@ -100,7 +103,11 @@ def response_format(rf: Any, param: str = "response_format") -> pb.Constraint | 
             shape = "'schema': {...}" if param != "response_format" else "'json_schema': {'name': ..., 'schema': {...}}"
             raise bad(f"{param} json_schema needs {shape}", param)
         return pb.Constraint(json_schema=json.dumps(schema))
-    raise ApiError(400, f"{param} type must be text, json_object or json_schema (got {kind!r})", param=param)
+    if kind == "structural_tag":
+        return _structural_tag(param, rf)
+    raise ApiError(
+        400, f"{param} type must be text, json_object, json_schema or structural_tag (got {kind!r})", param=param
+    )
 
 
 def _structured(so: Any, alone: bool) -> pb.Constraint | None:
@@ -128,8 +135,10 @@ def _structured(so: Any, alone: bool) -> pb.Constraint | None:
 
 
 def _one(param: str, kind: str, v: Any) -> pb.Constraint:
-    """One constraint of `kind` (json, regex, choice, grammar, json_object) from the value the
-    client sent under `param`."""
+    """One constraint of `kind` (json, regex, choice, grammar, json_object, structural_tag) from
+    the value the client sent under `param`."""
+    if kind == "structural_tag":
+        return _structural_tag(param, v)
     if kind == "json":
         if isinstance(v, str):
             try:
@@ -152,6 +161,14 @@ def _one(param: str, kind: str, v: Any) -> pb.Constraint:
     if kind == "regex":
         return pb.Constraint(regex=v)
     return pb.Constraint(grammar=_lark(param, v))
+
+
+def _structural_tag(param: str, tag: Any) -> pb.Constraint:
+    """A structural tag (its JSON text or object) as the grammar it compiles to."""
+    try:
+        return pb.Constraint(grammar=structural_tag_grammar(tag, param))
+    except ValueError as e:
+        raise bad(str(e), param) from None
 
 
 def _lark(param: str, text: str) -> str:

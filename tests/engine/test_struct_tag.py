@@ -1,0 +1,210 @@
+"""Structural tags compiled to Lark (engine/structured/struct_tag.py), run by llguidance's own
+matcher byte by byte: which strings the grammar takes is compared with a direct scan of the
+legacy semantics (tests/helpers/struct_tags.py), and xgrammar's format objects
+with the strings its documentation gives; malformed tags are ValueErrors naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+
+from engine.structured.spec import Constraint
+from engine.structured.struct_tag import structural_tag_grammar
+from tests.helpers.struct_tags import scan
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"utc": {"type": "boolean"}},
+    "required": ["utc"],
+    "additionalProperties": False,
+}
+LEGACY = {
+    "type": "structural_tag",
+    "structures": [
+        {"begin": "<function=get_weather>", "schema": WEATHER, "end": "</function>"},
+        {"begin": "<function=get_time>", "schema": TIME, "end": "</function>"},
+        {"begin": "[[t]]", "schema": TIME, "end": ""},
+    ],
+    "triggers": ["<function=", "[["],
+}
+
+
+def accepts(tag, text: str) -> bool:
+    g = llguidance.LLMatcher.grammar_from_lark(structural_tag_grammar(tag, "t"))
+    m = llguidance.LLMatcher(llguidance.LLTokenizer("byte"), g)
+    assert not m.is_error(), m.get_error()
+    return all(m.consume_token(b) for b in text.encode()) and m.is_accepting()
+
+
+def reference(tag: dict, text: str) -> bool:
+    return scan(tag, text) is not None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "just text, no call",
+        'I will check. <function=get_weather>{"city": "Paris"}</function> Done.',
+        '<function=get_weather>{"city":"Oslo","days":3}</function><function=get_time>{"utc":true}</function>',
+        'a [[t]]{"utc": false} b <function=get_time>{"utc":true}</function>\nend',
+        "text ending in a half trigger <function",
+        '<function=get_weather>{"city": 3}</function>',  # schema: city is a string
+        '<function=get_weather>{"city": "x", "zip": 1}</function>',  # no other key
+        '<function=get_time>{"utc": true}</func>',  # wrong end
+        '<function=get_time>{"utc": true}',  # no end
+        '<function=get_forecast>{"city": "x"}</function>',  # no such structure
+        "free, then a trigger alone: <function=",
+        "two [[ triggers",
+        '<function=get_time>{"utc": true}</function> then <function=get_time>{}</function>',
+        'é ünïcode [[t]]{"utc":true}',
+    ],
+)
+def test_legacy_tag_takes_what_the_direct_scan_takes(text):
+    assert accepts(LEGACY, text) == reference(LEGACY, text), text
+    assert accepts(json.dumps(LEGACY), text) == reference(LEGACY, text)  # as vLLM's JSON text
+
+
+def test_a_trigger_that_prefixes_another_reaches_every_structure_it_begins():
+    tag = {
+        "structures": [
+            {"begin": "<f>", "schema": TIME, "end": "</f>"},
+            {"begin": "<fun>", "schema": WEATHER, "end": "</fun>"},
+        ],
+        "triggers": ["<f", "<fun"],
+    }
+    for text in ('x <fun>{"city": "a"}</fun> <f>{"utc": true}</f>', 'x <fun>{"utc": true}</fun>', "<f"):
+        assert accepts(tag, text) == reference(tag, text), text
+    assert accepts(tag, 'x <fun>{"city": "a"}</fun>')
+
+
+def test_a_begin_that_is_its_trigger_goes_straight_to_the_schema():
+    name = {"type": "object", "properties": {"name": {"const": "f"}}, "required": ["name"]}
+    tag = {"structures": [{"begin": "<tool_call>", "schema": name, "end": "</tool_call>"}], "triggers": ["<tool_call>"]}
+    for text in ('a <tool_call>{"name": "f"}</tool_call> b', '<tool_call>{"name": "g"}</tool_call>', "<tool_call>"):
+        assert accepts(tag, text) == reference(tag, text), text
+    assert accepts(tag, '<tool_call>{"name": "f"}</tool_call>')
+
+
+FN = {"type": "json_schema", "json_schema": WEATHER}
+
+
+def tag(begin, content, end):
+    return {"type": "tag", "begin": begin, "content": content, "end": end}
+
+
+@pytest.mark.parametrize(
+    "fmt,good,bad",
+    [
+        (
+            {"type": "triggered_tags", "triggers": ["<function="], "tags": [tag("<function=w>", FN, "</function>")]},
+            ['x <function=w>{"city": "P"}</function> y', "no call"],
+            ["<function=v>{}</function>", '<function=w>{"city": 1}</function>'],
+        ),
+        (
+            {
+                "type": "triggered_tags",
+                "triggers": ["<function="],
+                "tags": [tag("<function=w>", FN, "</function>")],
+                "at_least_one": True,
+                "stop_after_first": True,
+            },
+            ['<function=w>{"city": "P"}</function>'],
+            ["", "text first", '<function=w>{"city": "P"}</function> and more'],
+        ),
+        (
+            {
+                "type": "triggered_tags",
+                "triggers": ["<t>"],
+                "tags": [tag("<t>", {"type": "const_string", "value": "ok"}, "</t>")],
+                "stop_after_first": True,
+                "excludes": ["STOP"],
+            },
+            ["a <t>ok</t>", "plain"],
+            ["a <t>ok</t> b", "a STOP", "<t>no</t>"],
+        ),
+        (
+            {
+                "type": "sequence",
+                "elements": [
+                    tag("<think>", {"type": "any_text"}, "</think>"),
+                    {"type": "or", "elements": [{"type": "regex", "pattern": "[0-9]{2}"}, FN]},
+                ],
+            },
+            ["<think>hmm</think>42", '<think></think>{"city": "P"}'],
+            ["<think>a</think>b</think>42", "<think>x</think>4", "42"],
+        ),
+        (
+            {
+                "type": "tags_with_separator",
+                "tags": [tag("<i>", {"type": "grammar", "grammar": "root ::= [0-9]+"}, ["</i>", "</I>"])],
+                "separator": ",",
+                "at_least_one": True,
+            },
+            ["<i>1</i>", "<i>12</I>,<i>3</i>"],
+            ["", "<i>1</i>,", "<i>a</i>", "<i>1</i><i>2</i>"],
+        ),
+        (
+            {"type": "repeat", "min": 1, "max": 2, "content": {"type": "const_string", "value": "ab"}},
+            ["ab", "abab"],
+            ["", "ababab"],
+        ),
+    ],
+)
+def test_format_objects(fmt, good, bad):
+    for s in good:
+        assert accepts({"type": "structural_tag", "format": fmt}, s), s
+    for s in bad:
+        assert not accepts({"type": "structural_tag", "format": fmt}, s), s
+
+
+def test_json_in_a_tag_has_bounded_whitespace_as_every_schema():
+    assert accepts(LEGACY, '[[t]]{\n  "utc": true\n}')
+    assert not accepts(LEGACY, "[[t]]{" + " " * 40 + '"utc": true}')
+
+
+def test_the_grammar_is_a_constraint_the_nodes_take():
+    c = Constraint(kind="grammar", value=structural_tag_grammar(LEGACY, "t"))
+    assert c.drafts_ok  # lazy lexemes roll back: drafts stay on
+
+
+@pytest.mark.parametrize(
+    "value,words",
+    [
+        ("{not json", "t is not JSON"),
+        ([1], "t must be a JSON object"),
+        ({"type": "json_schema"}, "t.type must be 'structural_tag'"),
+        ({"type": "structural_tag"}, "needs 'structures' and 'triggers', or a 'format'"),
+        ({"structures": [], "triggers": ["<"]}, "t.structures must be a non-empty list"),
+        ({"structures": [{"begin": "<a>", "schema": {}}], "triggers": ["<"]}, "t.structures[0] needs 'end'"),
+        ({"structures": [{"begin": "<a>", "schema": [], "end": ""}], "triggers": ["<"]}, "t.structures[0].schema"),
+        ({"structures": [{"begin": 3, "schema": {}, "end": ""}], "triggers": ["<"]}, "t.structures[0].begin"),
+        ({"structures": [{"begin": "<a>", "schema": {}, "end": ""}], "triggers": ["["]}, "starts with none"),
+        ({"structures": [{"begin": "<a>", "schema": {}, "end": ""}], "triggers": ["<", "["]}, "t.triggers[1] '['"),
+        ({"structures": [{"begin": "<a>", "schema": {}, "end": ""}], "triggers": [""]}, "t.triggers[0] must be"),
+        ({"structures": [{"begin": "<a>", "schema": {}, "end": "", "x": 1}], "triggers": ["<"]}, "unknown field"),
+        ({"format": {"type": "token", "token": 1}}, "t.format.type 'token' not supported"),
+        ({"format": {"type": "sequence", "elements": [{"type": "any_text"}, FN]}}, "any_text must end"),
+        ({"format": {"type": "json_schema", "json_schema": {}, "style": "qwen_xml"}}, "t.format.style"),
+        ({"format": {"type": "tag", "begin": "<a>", "content": FN}}, "t.format needs 'end'"),
+        ({"format": {"type": "const_string", "value": "a", "extra": 1}}, "t.format: unknown field(s) extra"),
+        ({"format": {"type": "repeat", "min": 2, "max": 1, "content": FN}}, "t.format.max (1) is below min"),
+        ({"format": {"type": "grammar", "grammar": "root ::= ("}}, "t.format.grammar"),
+        (
+            {"format": {"type": "or", "elements": [FN, {"type": "triggered_tags", "triggers": ["<"], "tags": []}]}},
+            "t.format.elements[1].tags must be a non-empty list",
+        ),
+    ],
+)
+def test_malformed_tags_name_the_field(value, words):
+    with pytest.raises(ValueError) as e:
+        structural_tag_grammar(value, "t")
+    assert words in str(e.value), str(e.value)
