@@ -208,3 +208,17 @@ def test_malformed_tags_name_the_field(value, words):
     with pytest.raises(ValueError) as e:
         structural_tag_grammar(value, "t")
     assert words in str(e.value), str(e.value)
+
+
+def test_rolled_back_matcher_masks_as_a_fresh_one():
+    """Drafts stay on for a structural tag (its lazy lexemes roll back): after consuming three
+    bytes past each point and rolling them back, the matcher's mask equals that of a matcher fed
+    only up to that point, in free text, inside a tag and after it."""
+    text = b'ok <function=get_time>{"utc": true}</function> x [[t]]{"utc":false}'
+    grammar = llguidance.LLMatcher.grammar_from_lark(structural_tag_grammar(LEGACY, "t"))
+    tok = llguidance.LLTokenizer("byte")
+    for i in range(len(text) - 3):
+        fresh, drafted = llguidance.LLMatcher(tok, grammar), llguidance.LLMatcher(tok, grammar)
+        assert fresh.consume_tokens(list(text[:i])) and drafted.consume_tokens(list(text[: i + 3]))
+        assert drafted.rollback(3)
+        assert drafted.compute_logit_bias() == fresh.compute_logit_bias(), i
