@@ -10,32 +10,20 @@ Two forms are read:
   `star`, `plus`, `repeat`, `tag` (string `begin`, `end` a string or strings), `triggered_tags`
   (`at_least_one`, `stop_after_first`, `excludes`) and `tags_with_separator`.
 Free text is a lazy lexeme ended by the first trigger (llguidance's tool-calling pattern); the
-text after the last tag may contain no trigger. JSON whitespace is bounded as everywhere else."""
+text after the last tag may contain no trigger. JSON whitespace is bounded as everywhere else.
+A string that holds the text of one of the checkpoint's added tokens (`<tool_call>`; llguidance
+reads those as special tokens, never as text) matches that token or its spelling."""
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Mapping
 
 from engine.json_text import json_value
 from engine.structured.grammar import bounded_json
 
-FORMATS = (
-    "const_string",
-    "json_schema",
-    "regex",
-    "grammar",
-    "any_text",
-    "sequence",
-    "or",
-    "optional",
-    "star",
-    "plus",
-    "repeat",
-    "tag",
-    "triggered_tags",
-    "tags_with_separator",
-)
-# the fields each format may have besides `type` (any other is refused, not ignored)
+# the formats taken, and the fields each may have besides `type` (any other is refused, not ignored)
 FIELDS = {
     "const_string": ("value",),
     "json_schema": ("json_schema", "style", "any_order"),
@@ -52,20 +40,21 @@ FIELDS = {
     "triggered_tags": ("triggers", "tags", "at_least_one", "stop_after_first", "excludes"),
     "tags_with_separator": ("tags", "separator", "at_least_one", "stop_after_first"),
 }
+FORMATS = tuple(FIELDS)
 ANY = "/(?s:.*)/"
 REPEATS = {"optional": "?", "star": "*", "plus": "+"}
 
 
-def structural_tag_grammar(value: object, where: str) -> str:
+def structural_tag_grammar(value: object, where: str, specials: Mapping[str, int] | None = None) -> str:
     """The Lark grammar of a structural tag given as its JSON text or as a dict; `where` (the
-    client's field) starts every error message."""
+    client's field) starts every error message; `specials`: the added tokens' texts and ids."""
     tag = json_value(value, where)
     if not isinstance(tag, dict):
         raise ValueError(f"{where} must be a JSON object (got {type(tag).__name__})")
     kind = tag.get("type", "structural_tag")
     if kind != "structural_tag":
         raise ValueError(f"{where}.type must be 'structural_tag' (got {kind!r})")
-    b = _Builder()
+    b = _Builder(specials or {})
     if "structures" in tag or "triggers" in tag:
         _only(tag, where, ("type", "structures", "triggers"))
         start = b.legacy(tag.get("structures"), tag.get("triggers"), where)
@@ -117,8 +106,28 @@ def _alt(items: list[str]) -> str:
 
 
 class _Builder:
-    def __init__(self) -> None:
+    def __init__(self, specials: Mapping[str, int]) -> None:
         self.rules: list[str] = []
+        self.specials = specials
+
+    def lit(self, s: str) -> str:
+        """A Lark expression of the string `s`: an added token's text in it matches the token (by
+        id) or its spelling."""
+        names = sorted((n for n in self.specials if n and n in s), key=len, reverse=True)
+        if not names:
+            return _lit(s)
+        parts, pos = [], 0
+        for m in re.finditer("|".join(map(re.escape, names)), s):
+            parts += [_lit(s[pos : m.start()]), f"(<[{self.specials[m.group()]}]> | {_lit(m.group())})"]
+            pos = m.end()
+        return " ".join(p for p in (*parts, _lit(s[pos:])) if p)
+
+    def token_first(self, s: str) -> str | None:
+        """`s` as the added token it starts with, then the rest (None: it starts with none)."""
+        name = max((n for n in self.specials if n and s.startswith(n)), key=len, default=None)
+        if name is None:
+            return None
+        return " ".join(p for p in (f"<[{self.specials[name]}]>", self.lit(s[len(name) :])) if p)
 
     def rule(self, body: str, name: str = "r", lazy: bool = False) -> str:
         n = f"{name}_{len(self.rules)}"
@@ -162,7 +171,7 @@ class _Builder:
         kind = f["type"]
         _only(f, where, ("type", *FIELDS[kind]))
         if kind == "const_string":
-            return _lit(_string(f.get("value"), f"{where}.value", empty=False))
+            return self.lit(_string(f.get("value"), f"{where}.value", empty=False))
         if kind == "json_schema":
             return self.json_schema(f, where)
         if kind == "regex":
@@ -230,14 +239,18 @@ class _Builder:
         ends = _strings(end, f"{where}.end", empty=False) if isinstance(end, list) else [_string(end, f"{where}.end")]
         content = t["content"]
         if isinstance(content, dict) and content.get("type") == "any_text" and any(ends):
-            # free text up to the first end string: one lazy lexeme that takes the end with it
+            # free text up to the first end string: one lazy lexeme that takes the end with it, or
+            # text holding no end, then an end that is an added token
             _only(content, f"{where}.content", ("type", *FIELDS["any_text"]))
             excl = _strings(content.get("excludes", []), f"{where}.content.excludes", empty=True)
-            body = self.rule(f"{self.free(excl)} {_alt([_lit(e) for e in ends])}", "text", lazy=True)
-            return f"{_lit(begin[skip:])} {body}".strip()
+            bodies = [self.rule(f"{self.free(excl)} {_alt([_lit(e) for e in ends])}", "text", lazy=True)]
+            tokens = [t for t in map(self.token_first, ends) if t is not None]
+            if tokens:
+                bodies.append(f"{self.free([*excl, *ends])} {_alt(tokens)}")
+            return f"{self.lit(begin[skip:])} {_alt(bodies)}".strip()
         inner = self.fmt(content, f"{where}.content", tail=tail and not any(ends))
-        close = _alt([_lit(e) for e in ends]) if any(ends) else ""
-        return " ".join(p for p in (_lit(begin[skip:]), inner, close) if p)
+        close = _alt([self.lit(e) for e in ends]) if any(ends) else ""
+        return " ".join(p for p in (self.lit(begin[skip:]), inner, close) if p)
 
     def triggered(
         self,
@@ -271,6 +284,9 @@ class _Builder:
         for j, tr in enumerate(triggers):
             bodies = [self.tag(tags[i], f"{where}.{tags_key}[{i}]", False, len(tr)) for i in mine[j]]
             head = self.rule(f"{self.free(excludes)} {_lit(tr)}", "head", lazy=True)
+            token = self.token_first(tr)  # a trigger an added token starts: that token ends the text too
+            if token is not None:
+                head = f"({head} | {self.free([*triggers, *excludes])} {token})"
             segments.append(f"{head} {_alt(bodies)}")
         seg = self.rule(" | ".join(segments), "seg")
         rest = self.free([*triggers, *excludes])
@@ -286,7 +302,7 @@ class _Builder:
         first = _flag(f.get("at_least_one", False), f"{where}.at_least_one")
         stop = _flag(f.get("stop_after_first", False), f"{where}.stop_after_first")
         one = self.rule(" | ".join(self.tag(t, f"{where}.tags[{i}]", False, 0) for i, t in enumerate(tags)), "tag")
-        more = f"({_lit(sep)} {one})*" if sep else f"{one}*"
+        more = f"({self.lit(sep)} {one})*" if sep else f"{one}*"
         body = one if stop else f"{one} {more}"
         return body if first else f"({body})?"
 

@@ -6,6 +6,7 @@ with the strings its documentation gives; malformed tags are ValueErrors naming 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import llguidance
 import pytest
@@ -222,3 +223,44 @@ def test_rolled_back_matcher_masks_as_a_fresh_one():
         assert fresh.consume_tokens(list(text[:i])) and drafted.consume_tokens(list(text[: i + 3]))
         assert drafted.rollback(3)
         assert drafted.compute_logit_bias() == fresh.compute_logit_bias(), i
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny checkpoint's tokenizer (Qwen's layout: `<think>`, `<tool_call>` are added tokens)."""
+    from engine.tiny_model import TinyModelSpec
+    from engine.tokenizer import Tokenizer
+    from tests.helpers import hybrid_ckpt as hc
+
+    path = hc.make(tmp_path_factory.mktemp("tag") / "ckpt", TinyModelSpec(layers=1))
+    return Tokenizer(path), llguidance.LLTokenizer((Path(path) / "tokenizer.json").read_text())
+
+
+def test_an_added_token_in_a_tag_matches_the_token_or_its_spelling(tiny):
+    """llguidance reads `<tool_call>` (an added token) as a special token, never as text: given
+    the tokenizer's added tokens, a trigger, begin or end that holds one takes the token (as the
+    model writes it) or its spelling; without them the token is refused."""
+    tok, llt = tiny
+    tag = {
+        "structures": [{"begin": "<tool_call>\n", "schema": TIME, "end": "\n</tool_call>"}],
+        "triggers": ["<tool_call>"],
+    }
+    think = {"type": "tag", "begin": "<think>", "content": {"type": "any_text"}, "end": "</think>"}
+    fmt = {"format": {"type": "sequence", "elements": [think, {"type": "const_string", "value": "ok"}]}}
+
+    def takes(t, ids, specials) -> bool:
+        m = llguidance.LLMatcher(llt, llguidance.LLMatcher.grammar_from_lark(structural_tag_grammar(t, "t", specials)))
+        assert not m.is_error(), m.get_error()
+        return all(m.consume_token(i) for i in ids) and m.is_accepting()
+
+    call = 'hi <tool_call>\n{"utc": true}\n</tool_call> ok'
+    as_model = tok.encode(call)  # the added tokens' ids
+    assert tok.added_tokens["<tool_call>"] in as_model and tok.added_tokens["</tool_call>"] in as_model
+    spelled = [i for piece in call.split("<") for i in [*tok.encode(piece), *tok.encode("<")]][: -len(tok.encode("<"))]
+    assert tok.decode(spelled) == call
+    assert tok.added_tokens["<tool_call>"] not in spelled
+    assert takes(tag, as_model, tok.added_tokens) and takes(tag, spelled, tok.added_tokens)
+    assert not takes(tag, tok.encode('hi <tool_call>\n{"utc": 1}\n</tool_call>'), tok.added_tokens)
+    assert not takes(tag, as_model, {})
+    thought = tok.encode("<think>hmm</think>ok")
+    assert takes(fmt, thought, tok.added_tokens) and not takes(fmt, thought, {})

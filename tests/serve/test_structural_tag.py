@@ -97,3 +97,25 @@ def test_completions_structured_outputs_structural_tag(oai, model):
     assert r.finish_reason == "stop", r
     assert r.text.startswith("<function=get_weather>") and r.text.endswith("</function>"), r.text
     jsonschema.validate(json.loads(r.text[len("<function=get_weather>") : -len("</function>")]), WEATHER)
+
+
+def test_a_trigger_the_model_writes_as_its_added_token(oai, model, hf):
+    """`<tool_call>` is an added token (Qwen's layout): with logit_bias pushing it, the model
+    writes the token, which starts a tag as its spelling would; every tag in the output is
+    valid (its JSON per the schema, its end)."""
+    call = hf.convert_tokens_to_ids("<tool_call>")
+    schema = {"type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"]}
+    tag = {
+        "type": "structural_tag",
+        "structures": [
+            {"begin": "<tool_call>\n", "schema": dict(schema, additionalProperties=False), "end": "\n</tool_call>"}
+        ],
+        "triggers": ["<tool_call>"],
+    }
+    extra = {"ignore_eos": True, "logit_bias": {str(call): 30}, "return_token_ids": True}
+    r = oai.completions.create(
+        model=model, prompt="Time?", temperature=0.0, max_tokens=40, extra_body=dict(extra, response_format=tag)
+    ).choices[0]
+    assert r.model_extra["token_ids"].count(call) >= 2, r.text
+    n = scan(tag, r.text, cut=r.finish_reason == "length")
+    assert n is not None and n >= 2, r.text
