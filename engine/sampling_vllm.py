@@ -14,9 +14,9 @@ from engine.json_text import json_value
 
 # max_tokens None: as many as max_model_len leaves (the engine ends the request there, "length")
 UNBOUNDED_TOKENS = 2**31 - 1
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # vLLM's options that change what a JSON constraint allows: applied on the served route only
-JSON_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern", "structural_tag")
+JSON_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 # vLLM's SamplingParams fields pdserve has no counterpart for, and what to use instead
 NOT_SUPPORTED = {
     "allowed_token_ids": "logit_bias (up to 300 ids) or structured_outputs",
@@ -32,7 +32,8 @@ NOT_SUPPORTED = {
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """vLLM's StructuredOutputsParams: exactly one of json (a schema as a dict or its JSON text),
-    regex, choice (strings), grammar (Lark, or GBNF rules), json_object=True. `backend` and
+    regex, choice (strings), grammar (Lark, or GBNF rules), json_object=True, structural_tag (its
+    JSON text, engine/structured/struct_tag.py). `backend` and
     `disable_fallback` are accepted and unused (one backend)."""
 
     json: str | dict | None = None
@@ -103,6 +104,10 @@ def structured_constraint(so: Any, name: str = "structured_outputs") -> dict[str
         if not isinstance(v, list | tuple) or not v or not all(isinstance(s, str) for s in v):
             raise ValueError(f"{where} must be a non-empty list of strings")
         return {"kind": "choice", "value": tuple(v)}
+    if kind == "structural_tag":
+        from engine.structured.struct_tag import structural_tag_grammar  # noqa: PLC0415 (as a grammar's import)
+
+        return {"kind": "grammar", "value": structural_tag_grammar(v, where)}
     if not isinstance(v, str) or not v.strip():
         raise ValueError(f"{where} must be a non-empty string")
     if kind == "regex":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -20,6 +21,12 @@ class Tokenizer:
             ct = next((t.get("template") for t in ct if t.get("name") == "default"), None)
         self.chat_template: str | None = ct or (tmpl.read_text() if tmpl.is_file() else None)
         self._bytes: tuple[dict[str, int] | None, dict[int, tuple[str, bool]]] | None = None  # token_bytes'
+
+    @functools.cached_property
+    def added_tokens(self) -> dict[str, int]:
+        """The added tokens' texts (`<tool_call>`, `<|im_end|>`) and ids: llguidance reads each as
+        a special token that a grammar names by id (`<[151657]>`), not as the text it spells."""
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}
 
     @staticmethod
     def exists(path: str | Path) -> bool:

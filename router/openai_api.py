@@ -153,6 +153,8 @@ class OpenAIFront:
         prompts; choice j * n + i is sample i of prompt j; with a seed, sample i uses seed + i, wrapped: `seed_of`)."""
         chat = isinstance(req, ChatRequest)
         model = self.model(req.model)
+        if self.tok is not None:
+            req.know_special_tokens(self.tok.added_tokens)
         sp = sampling(req)
         if sp.HasField("logprobs") and self.tok is None:
             raise bad("logprobs need a tokenizer on the router", "logprobs")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 import grpc
@@ -221,6 +222,16 @@ class _Request(NullIsUnset):
     def name_format(self, field: str) -> None:
         """Name `response_format` `field` in errors (a body converted to chat)."""
         self._format_field = field
+
+    # the checkpoint's added tokens' texts, which a structural tag's strings may be (struct_tag.py)
+    _special_tokens: Mapping[str, int] = PrivateAttr(default_factory=dict)
+
+    @property
+    def special_tokens(self) -> Mapping[str, int]:
+        return self._special_tokens
+
+    def know_special_tokens(self, ids: Mapping[str, int]) -> None:
+        self._special_tokens = ids
 
     @property
     def include_usage(self) -> bool:

@@ -2,9 +2,11 @@
 
 Clients write the same constraint several ways, and each is read here rather than ignored (an
 ignored field would return unconstrained text that looks like an answer):
-- OpenAI's `response_format` (`json_object`, `json_schema`), on chat and on completions;
+- OpenAI's `response_format` (`json_object`, `json_schema`), on chat and on completions, and
+  vLLM's and SGLang's `structural_tag` type there (engine/structured/struct_tag.py);
 - vLLM's `structured_outputs` object: exactly one of `json` (a schema, object or JSON text),
-  `regex`, `choice` (a list of strings), `grammar`, `json_object` (true); its JSON options
+  `regex`, `choice` (a list of strings), `grammar`, `json_object` (true), `structural_tag` (the
+  same tag as its JSON text); its JSON options
   `disable_any_whitespace` (compact JSON), `whitespace_pattern` and
   `disable_additional_properties` (objects take only the properties they name) shape a JSON
   constraint, its own or one another field names (`response_format`, as vLLM merges them);
@@ -19,16 +21,19 @@ converted to Lark here. Two fields naming constraints at once are a 400 naming b
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from engine.structured.grammar import bounded_json
 from engine.structured.spec import Constraint
+from engine.structured.struct_tag import structural_tag_grammar
 from proto import pb
 from proto.convert import constraint_kwargs
 from router import json_shape
 from router.openai_models import ApiError, bad
 
-STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+EMPTY: Mapping[str, int] = {}  # no added tokens known (no tokenizer on the router)
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # vLLM's structured_outputs options: those that shape a JSON constraint (json_shape.py), and one
 # that changes nothing here (the engine has one backend, no fallback to choose)
 JSON_OPTION_KEYS = ("disable_any_whitespace", "whitespace_pattern", "disable_additional_properties")
@@ -48,7 +53,8 @@ TOP_LEVEL = (
 def constraint(req: Any) -> pb.Constraint | None:
     """The request's constraint (None: free text); ApiError 400 naming the field that is wrong."""
     found: list[tuple[str, pb.Constraint]] = []
-    c = response_format(req.response_format, req.format_field)
+    specials = req.special_tokens
+    c = response_format(req.response_format, req.format_field, specials)
     if c is not None:
         found.append((req.format_field, c))
     for name, kind in TOP_LEVEL:
@@ -56,7 +62,7 @@ def constraint(req: Any) -> pb.Constraint | None:
         if v is not None:
             found.append((name, _one(name, kind, v)))
     so = req.structured_outputs
-    if so is not None and (c := _structured(so, alone=not found)) is not None:
+    if so is not None and (c := _structured(so, alone=not found, specials=specials)) is not None:
         found.insert(1 if found and found[0][0] == req.format_field else 0, ("structured_outputs", c))
     if len(found) > 1:
         a, b = found[0][0], found[1][0]
@@ -85,9 +91,12 @@ def check_schema(param: str, schema: Any) -> None:
     checked(param, pb.Constraint(json_schema=json.dumps(schema)))
 
 
-def response_format(rf: Any, param: str = "response_format") -> pb.Constraint | None:
-    """OpenAI's `response_format`: text (None), json_object or json_schema; `param`: where the
-    client's body has it (Responses' `text.format`), named in a 400."""
+def response_format(
+    rf: Any, param: str = "response_format", specials: Mapping[str, int] = EMPTY
+) -> pb.Constraint | None:
+    """OpenAI's `response_format`: text (None), json_object, json_schema or structural_tag;
+    `param`: where the client's body has it (Responses' `text.format`), named in a 400;
+    `specials`: the checkpoint's added tokens' texts and ids (a structural tag's strings may be tokens)."""
     if rf in (None, {}) or isinstance(rf, dict) and rf.get("type") == "text":
         return None
     kind = rf.get("type") if isinstance(rf, dict) else None
@@ -100,10 +109,14 @@ def response_format(rf: Any, param: str = "response_format") -> pb.Constraint | 
             shape = "'schema': {...}" if param != "response_format" else "'json_schema': {'name': ..., 'schema': {...}}"
             raise bad(f"{param} json_schema needs {shape}", param)
         return pb.Constraint(json_schema=json.dumps(schema))
-    raise ApiError(400, f"{param} type must be text, json_object or json_schema (got {kind!r})", param=param)
+    if kind == "structural_tag":
+        return _structural_tag(param, rf, specials)
+    raise ApiError(
+        400, f"{param} type must be text, json_object, json_schema or structural_tag (got {kind!r})", param=param
+    )
 
 
-def _structured(so: Any, alone: bool) -> pb.Constraint | None:
+def _structured(so: Any, alone: bool, specials: Mapping[str, int]) -> pb.Constraint | None:
     """The constraint `structured_outputs` names; None when it holds JSON options alone and
     `alone` is false (they shape the constraint another field names)."""
     if not isinstance(so, dict):
@@ -124,12 +137,14 @@ def _structured(so: Any, alone: bool) -> pb.Constraint | None:
             f"'structured_outputs' needs exactly one of {', '.join(STRUCTURED_KEYS)} (got {len(named)})",
             "structured_outputs",
         )
-    return _one(f"structured_outputs.{named[0]}", named[0], so[named[0]])
+    return _one(f"structured_outputs.{named[0]}", named[0], so[named[0]], specials)
 
 
-def _one(param: str, kind: str, v: Any) -> pb.Constraint:
-    """One constraint of `kind` (json, regex, choice, grammar, json_object) from the value the
-    client sent under `param`."""
+def _one(param: str, kind: str, v: Any, specials: Mapping[str, int] = EMPTY) -> pb.Constraint:
+    """One constraint of `kind` (json, regex, choice, grammar, json_object, structural_tag) from
+    the value the client sent under `param`."""
+    if kind == "structural_tag":
+        return _structural_tag(param, v, specials)
     if kind == "json":
         if isinstance(v, str):
             try:
@@ -152,6 +167,14 @@ def _one(param: str, kind: str, v: Any) -> pb.Constraint:
     if kind == "regex":
         return pb.Constraint(regex=v)
     return pb.Constraint(grammar=_lark(param, v))
+
+
+def _structural_tag(param: str, tag: Any, specials: Mapping[str, int]) -> pb.Constraint:
+    """A structural tag (its JSON text or object) as the grammar it compiles to."""
+    try:
+        return pb.Constraint(grammar=structural_tag_grammar(tag, param, specials))
+    except ValueError as e:
+        raise bad(str(e), param) from None
 
 
 def _lark(param: str, text: str) -> str:

@@ -9,6 +9,7 @@ ValueError naming them."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -119,6 +120,17 @@ def test_structured_outputs_forms(llm):
     assert text(structured_outputs=StructuredOutputsParams(choice=["yes", "no"])) in ("yes", "no")
     assert re.fullmatch(r"[0-9]{3}", text(guided_decoding=GuidedDecodingParams(regex="[0-9]{3}")))
     assert text(structured_outputs={"choice": ["red", "blue"]}) in ("red", "blue")
+    # a structural tag (its JSON text, as vLLM's field holds it): one call and nothing else
+    call = {"type": "tag", "begin": "<f=n>", "content": {"type": "regex", "pattern": "[0-9]{2}"}, "end": "</f>"}
+    fmt = {
+        "type": "triggered_tags",
+        "triggers": ["<f="],
+        "tags": [call],
+        "at_least_one": True,
+        "stop_after_first": True,
+    }
+    tag = json.dumps({"type": "structural_tag", "format": fmt})
+    assert re.fullmatch(r"<f=n>[0-9]{2}</f>", text(structured_outputs=StructuredOutputsParams(structural_tag=tag)))
 
 
 def test_max_tokens_none_runs_to_max_model_len(llm):
@@ -141,6 +153,10 @@ def test_max_tokens_none_runs_to_max_model_len(llm):
         ),
         ({"structured_outputs": {"choice": ["a"]}, "guided_decoding": {"regex": "b"}}, "give one of"),
         ({"structured_outputs": StructuredOutputsParams(json={}, whitespace_pattern=" ")}, "whitespace_pattern"),
+        (
+            {"structured_outputs": {"structural_tag": '{"triggers": ["<"]}'}},
+            "structured_outputs.structural_tag.structures",
+        ),
         ({"use_beam_search": True}, "unknown sampling option.*use_beam_search"),
     ],
 )

@@ -50,6 +50,61 @@ def test_each_spelling_names_its_constraint():
     assert constraint(chat).choice.choices == ["x"]
 
 
+TAG = {
+    "structures": [{"begin": "<function=f>", "schema": {"type": "object"}, "end": "</function>"}],
+    "triggers": ["<function="],
+}
+
+
+def test_structural_tags_become_their_grammar_on_chat_and_completions():
+    """vLLM's response_format type structural_tag (SGLang's too) and structured_outputs'
+    structural_tag (the tag's JSON text) both give the tag's grammar, which takes a tagged call
+    in free text and refuses a call the tag does not name."""
+    rf = dict(TAG, type="structural_tag")
+    g = _c(response_format=rf).grammar
+    assert g == _c(structured_outputs={"structural_tag": json.dumps(rf)}).grammar
+    chat = parse(ChatRequest, dict(model="m", messages=MSGS, response_format=rf))
+    assert constraint(chat).grammar == g
+
+    def takes(text: str) -> bool:
+        m = llguidance.LLMatcher(llguidance.LLTokenizer("byte"), grammar_text("grammar", g), log_level=0)
+        return all(m.consume_token(b) for b in text.encode()) and m.is_accepting()
+
+    assert takes('hi <function=f>{"a": 1}</function> bye') and not takes("hi <function=g>{}</function>")
+
+
+@pytest.mark.parametrize(
+    "body,param,words",
+    [
+        (dict(response_format={"type": "structural_tag"}), "response_format", "'structures' and 'triggers'"),
+        (
+            dict(response_format=dict(TAG, type="structural_tag", triggers=["<tool>"])),
+            "response_format",
+            "response_format.structures[0].begin '<function=f>' starts with none of the triggers",
+        ),
+        (
+            dict(structured_outputs={"structural_tag": json.dumps(dict(TAG, structures=[{"begin": "<function=f>"}]))}),
+            "structured_outputs.structural_tag",
+            "structured_outputs.structural_tag.structures[0] needs 'schema'",
+        ),
+        (
+            dict(response_format={"type": "structural_tag", "format": {"type": "regex", "pattern": "("}}),
+            "response_format",
+            "response_format",
+        ),
+        (
+            dict(structured_outputs={"structural_tag": "{}", "regex": "a"}),
+            "structured_outputs",
+            "exactly one of",
+        ),
+    ],
+)
+def test_malformed_structural_tags_are_400s_naming_the_field(body, param, words):
+    with pytest.raises(ApiError) as e:
+        _c(**body)
+    assert e.value.status == 400 and e.value.param == param and words in str(e.value), str(e.value)
+
+
 def _accepts(c, text: str) -> bool:
     """Whether the constraint's grammar takes `text` (llguidance's byte tokenizer)."""
     kind = c.WhichOneof("kind")
@@ -142,7 +197,7 @@ def test_gbnf_is_converted_to_a_grammar_that_accepts_the_same_strings():
         (dict(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}), "structured_outputs"),
         (dict(structured_outputs={"choice": ["a"], "regex": "a"}), "structured_outputs"),
         (dict(structured_outputs={}), "structured_outputs"),
-        (dict(structured_outputs={"structural_tag": "t"}), "structured_outputs"),
+        (dict(structured_outputs={"structural_tag": "t"}), "structured_outputs.structural_tag"),
         (dict(structured_outputs="json"), "structured_outputs"),
         (dict(guided_choice=[]), "guided_choice"),
         (dict(guided_choice=["a", 1]), "guided_choice"),
