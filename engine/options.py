@@ -60,6 +60,36 @@ def real(text: Any) -> float:
     return v
 
 
+# token counts that take vLLM's human-readable forms (`--max-model-len 128k`)
+COUNTS = ("max_model_len", "max_num_batched_tokens")
+_DECIMAL = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+class CountError(ValueError, argparse.ArgumentTypeError):
+    """Text that is no count: argparse prints its message as it is, and a ValueError elsewhere."""
+
+
+def count(text: Any) -> int:
+    """An integer, or vLLM's human-readable form of one: SI suffixes are decimal (`128k` is 128,000,
+    `25.6k` 25,600, `1M` 1,000,000), IEC ones binary (`32Ki` is 32,768), and `K`, as vLLM's older
+    releases read it, too (`32K` is 32,768)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    t = str(text).strip()
+    num, suffix = t.rstrip("kmgtKMGTi"), t[len(t.rstrip("kmgtKMGTi")) :]
+    try:
+        if not suffix:
+            return int(num)
+        if suffix in _DECIMAL:
+            return int(float(num) * _DECIMAL[suffix])
+        if suffix in _BINARY:
+            return int(num) * _BINARY[suffix]
+    except ValueError:
+        pass
+    raise CountError(f"{text!r} is not a count (an integer, or 128k / 1M / 32Ki as vLLM writes them)")
+
+
 def seconds(text: Any) -> float:
     """A finite number of seconds >= 0 (`--drain-timeout`: 0 stops at once)."""
     v = real(text)
@@ -167,7 +197,8 @@ def add_options(
         if o.type is bool:
             kw["action"] = argparse.BooleanOptionalAction
         else:
-            kw.update(type=port if o.is_port else real if o.type is float else o.type, metavar=o.metavar)
+            typ = port if o.is_port else count if o.name in COUNTS else real if o.type is float else o.type
+            kw.update(type=typ, metavar=o.metavar)
             if o.choices:
                 kw["choices"] = o.choices
             if o.repeat:
@@ -191,7 +222,7 @@ def coerce(o: Opt, v: Any) -> Any:
     try:
         if o.repeat:
             return tuple(read_value(o.type, x) for x in (v if isinstance(v, list | tuple) else [v]))
-        v = read_value(o.type, v)
+        v = count(v) if o.name in COUNTS and isinstance(v, str) else read_value(o.type, v)
     except (TypeError, ValueError):
         raise ValueError(f"{o.dest}: cannot read {v!r} as {o.type.__name__}") from None
     if o.is_port:
