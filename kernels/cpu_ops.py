@@ -30,6 +30,8 @@ __all__ = [
     "gdn_verify",
     "mask_logits",
     "masked_argmax",
+    "topk",
+    "top_p_draw",
 ]
 
 _log = logging.getLogger("pdserve.kernels")
@@ -232,6 +234,20 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     (values float32 [N, k] descending, ids int64 [N, k]): ties to the lower id, NaN as -inf, one
     pass over each row. Reference: engine/sampling/filters.py topk_reference (a stable sort)."""
     return _ops().topk(x, k)  # type: ignore[no-any-return]
+
+
+def top_p_draw(
+    p: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """p [N, V] float32 probabilities (a softmax's rows, unit stride on the last axis); top_p (in
+    (0, 1]), min_p and u (in [0, 1)) float32 [N] -> (tokens int64 [N], cut int64 [N, 2], largest
+    float32 [N]): each row's kept set as engine/sampling/cut.py `kept` finds it (min-p, then top-p
+    over what it keeps, ties to the lower id), without a sort; the token the inverse CDF of the
+    kept probabilities in id order draws at u (engine/sampling/filters.py inverse_cdf; V where a
+    row keeps no mass or holds a NaN); and the row's largest probability. A row keeps the tokens
+    whose probability's int32 bits are above cut[r, 0], or equal to them with an id below
+    cut[r, 1]. Rows split over torch's threads. Reference: `cut.kept`, then `inverse_cdf`."""
+    return _ops().top_p_draw(p, top_p, min_p, u)  # type: ignore[no-any-return]
 
 
 def masked_argmax(x: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,9 @@ ones below leave, and its own members (a few hundred to a few thousand tokens on
 151,936) are sorted by (probability descending, id) and cut by their running mass. On the CPU
 the rows go through in chunks of about a million logits, so that each chunk's temporaries stay
 in cache (16 x 151,936 in one piece took about twice as long); elsewhere in one piece (the
-members' nonzero waits for the device once). Tokens of probability 0 are never drawn, kept or not."""
+members' nonzero waits for the device once). Tokens of probability 0 are never drawn, kept or not.
+With the CPU operators built, `draw` and `draw_flat` take the kept set and the draw from
+kernels/cpu_ops.py top_p_draw (the same bits: `kept` and inverse_cdf are its reference)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from collections.abc import Iterator
 import torch
 
 from engine.sampling.filters import inverse_cdf
+from kernels import cpu_ops
 
 TOP = (0x3F800000 >> 16) + 1  # buckets: the high 16 bits of a float32 probability (<= 1)
 CHUNK_ELEMENTS = 1 << 20  # on the CPU, rows go through in chunks of about this many logits (cache-sized)
@@ -51,19 +54,53 @@ def head_cannot_hold(
     min_p: torch.Tensor,
     head: int,
 ) -> torch.Tensor:
-    """bool [N]: rows with top-p alone whose `head` most likely tokens surely miss top_p's mass
-    (head times the largest probability is below it, with room for rounding), so that the check
-    of engine/sampling/filters.py head_suffices would fail. log_total [N]: logsumexp(x / T)."""
-    largest = torch.exp(x.amax(-1) / temperature - log_total)
+    """bool [N]: rows with top-p alone whose `head` most likely tokens surely miss top_p's mass,
+    so that the check of engine/sampling/filters.py head_suffices would fail (`cannot_hold`).
+    log_total [N]: logsumexp(x / T)."""
+    return cannot_hold(torch.exp(x.amax(-1) / temperature - log_total), top_p, min_p, head)
+
+
+def cannot_hold(largest: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, head: int) -> torch.Tensor:
+    """bool [N]: `head_cannot_hold` from each row's largest probability [N] (head times it is below
+    top_p, with room for rounding: a largest found another way, within float32's rounding of the
+    softmax, gives the same answer wherever head_suffices could hold the row)."""
     return (min_p <= 0) & (top_p < 1.0) & (largest * head < top_p * (1 - 1e-3))
+
+
+def draw_flat(
+    x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor, head: int
+) -> torch.Tensor | None:
+    """On the CPU with the operators built: `draw`'s tokens when no row's `head` most likely
+    tokens can hold its kept set (`cannot_hold` on the largest probability of the softmax the
+    draw takes, so that no logsumexp and no top-k are spent on flat rows), else None (as soon as
+    a chunk holds such a row)."""
+    if not bool(((min_p <= 0) & (top_p < 1.0)).all()):
+        return None
+    picks = []
+    for a, t, p, m, v in _chunks(x, temperature, top_p, min_p, u):
+        tokens, _, largest = cpu_ops.top_p_draw(probabilities(a, t), p, m, v)
+        if not bool(cannot_hold(largest, p, m, head).all()):
+            return None
+        picks.append(tokens)
+    return torch.cat(picks)
+
+
+def native(x: torch.Tensor) -> bool:
+    """Whether `draw` and `draw_flat` run kernels/cpu_ops.py top_p_draw for x's rows."""
+    return x.device.type == "cpu" and cpu_ops.available()
 
 
 def draw(
     x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor
 ) -> torch.Tensor:
     """int64 [N]: each row's token by the inverse CDF of its kept probabilities in id order at u
-    float32 [N] in [0, 1) (engine/sampling/filters.py inverse_cdf); arguments as `kept`."""
-    return torch.cat([inverse_cdf(kept(*a), b) for *a, b in _chunks(x, temperature, top_p, min_p, u)])
+    float32 [N] in [0, 1) (engine/sampling/filters.py inverse_cdf); arguments as `kept`. On the
+    CPU with the operators built, the kept set and the draw are kernels/cpu_ops.py top_p_draw's
+    (the same tokens, `kept` and inverse_cdf its reference), after the softmax of each chunk."""
+    chunks = _chunks(x, temperature, top_p, min_p, u)
+    if native(x):
+        return torch.cat([cpu_ops.top_p_draw(probabilities(a, t), p, m, v)[0] for a, t, p, m, v in chunks])
+    return torch.cat([inverse_cdf(kept(*a), b) for *a, b in chunks])
 
 
 def kept(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -80,27 +117,29 @@ def kept(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p:
     if any_min:
         p.mul_(p.view(torch.int32) >= floor)
     bits, wide = p.view(torch.int32), p.double()
-    share = torch.where(min_p > 0, wide.sum(-1), 1.0) if any_min else 1.0  # min_p 0: the softmax's 1
-    tp = torch.where(top_p < 1.0, top_p.double() * share, float("inf"))[:, None]  # top_p 1: no cut
     bucket = (bits >> 16).clamp_(0, TOP - 1)  # clamped: a NaN row (every logit -inf) stays in range
     mass = torch.zeros(n, TOP, dtype=torch.float64, device=dev).scatter_add_(1, bucket.long(), wide)
     mass = mass.flip(-1)  # the most likely bucket first
     reach = mass.cumsum(-1)
+    # top-p's total: min-p's tokens summed bucket by bucket from the top (top_p_draw's order), or the softmax's 1
+    share = torch.where(min_p > 0, reach[:, -1], 1.0) if any_min else 1.0
+    tp = torch.where(top_p < 1.0, top_p.double() * share, float("inf"))[:, None]  # top_p 1: no cut
     j = torch.searchsorted(reach, tp)  # the bucket where the mass from the top reaches top_p (TOP: none)
     at = j.clamp(max=TOP - 1)
     above = reach.gather(1, at) - mass.gather(1, at)  # the mass of the buckets above it
     b = torch.where(j < TOP, TOP - 1 - j, -1).to(torch.int32)  # that bucket's high bits (-1: keep all)
-    # its members in order (probability descending, then id), their mass in float64 from `above`
+    # its members in order (probability descending, then id), their mass from `above` (their own
+    # running sum exact, in units of their mantissa: one bucket's members share their exponent)
     rows, cols = (bucket == b).nonzero(as_tuple=True)
     mine = p[rows, cols]
     shift = max(p.shape[-1] - 1, 1).bit_length()
     key = (rows << (31 + shift)) | ((0x7FFFFFFF - mine.view(torch.int32)).long() << shift) | cols
     order = torch.argsort(key)
-    rows, cols, mine = rows[order], cols[order], mine[order].double()
+    rows, cols, mine = rows[order], cols[order], mine[order]
     counts = torch.bincount(rows, minlength=n)
-    cum = mine.cumsum(0) - mine  # the members before each, all rows' together
+    cum = _exclusive_sums(mine)
     start = (counts.cumsum(0) - counts).clamp(max=max(rows.shape[0] - 1, 0))
-    before = above[rows, 0] + cum - (cum[start] if rows.shape[0] else cum)[rows]
+    before = above[rows, 0] + (cum - (cum[start] if rows.shape[0] else cum)[rows]).double() * _unit(mine)
     gone = before >= tp[rows, 0]
     # the buckets below b leave (and the tokens under min-p's floor, already 0)
     least = torch.maximum(b.clamp(min=0) << 16, floor)  # the bits of the least probability kept
@@ -112,6 +151,21 @@ def kept(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p:
         p.mul_(bits >= least)
     p[rows[gone], cols[gone]] = 0.0
     return p
+
+
+def _exclusive_sums(p: torch.Tensor) -> torch.Tensor:
+    """int64: the running sum before each of p (float32, >= 0) in units of `_unit`, all rows'
+    members together (exact: a row's members share their exponent, so its own sums, the
+    difference of two of these, are exact in float64 too)."""
+    b = p.view(torch.int32)
+    m = ((b & 0x7FFFFF) | torch.where(b >= 1 << 23, 1 << 23, 0)).long()  # the mantissa, its leading 1
+    return m.cumsum(0) - m
+
+
+def _unit(p: torch.Tensor) -> torch.Tensor:
+    """float64: the value of a mantissa unit of each of p (float32, >= 0), 2^(exponent - 150)."""
+    e = (p.view(torch.int32) >> 23).clamp(min=1)
+    return ((e + 1023 - 150).long() << 52).view(torch.float64)
 
 
 def _chunks(*rows: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:

@@ -153,9 +153,13 @@ def draw(
         else:
             top_k = s[f"{tag}.{name}.k"] if any(ks) else None
             top_p, min_p = s[f"{tag}.{name}.p"], s[f"{tag}.{name}.m"]
-            log_total = cut.logsumexp(xs, t) if name == "head" else None
-            if _unsorted(name, xs, top_k, log_total, t, top_p, min_p):  # the kept set without a sort
-                pick = cut.draw(xs, t, top_p, min_p, seeded_uniforms(gs, gc))
+            # flat rows on the CPU: the operator's draw, unless a row's head may hold its kept set
+            checked = name == "head" and cut.native(xs) and xs.shape[-1] > RACE_LIMIT
+            pick = cut.draw_flat(xs, t, top_p, min_p, seeded_uniforms(gs, gc), HEAD) if checked else None
+            log_total = cut.logsumexp(xs, t) if name == "head" and pick is None else None
+            if pick is None and _unsorted(name, xs, top_k, log_total, t, top_p, min_p, checked):
+                pick = cut.draw(xs, t, top_p, min_p, seeded_uniforms(gs, gc))  # the kept set without a sort
+            if pick is not None:
                 if whole:
                     tokens.copy_(pick)
                 else:
@@ -200,18 +204,20 @@ def _unsorted(
     temperature: torch.Tensor,
     top_p: torch.Tensor,
     min_p: torch.Tensor,
+    checked: bool = False,
 ) -> bool:
     """Whether a group draws from the kept set of engine/sampling/cut.py, found without sorting its
     rows, on a vocabulary above RACE_LIMIT (where the sorted draw is the inverse CDF over the kept
     tokens in id order too, so the tokens are the same): a sort group without a top-k, and on the
     CPU a head group none of whose heads can hold its kept set (flat rows, which would spend a
-    top-k of HEAD and a second draw to find that out)."""
+    top-k of HEAD and a second draw to find that out; checked: cut.draw_flat found one that may)."""
     if x.shape[-1] <= RACE_LIMIT:
         return False
     if name == "sort":
         return top_k is None
     return (
-        name == "head"
+        not checked
+        and name == "head"
         and x.device.type == "cpu"
         and log_total is not None
         and bool(cut.head_cannot_hold(x, log_total, temperature, top_p, min_p, HEAD).all())

@@ -41,4 +41,5 @@ TORCH_LIBRARY(pdserve, m) {
     m.def("mask_logits(Tensor(a!) x, Tensor bitmask, Tensor rows) -> ()");
     m.def("masked_argmax(Tensor x, Tensor bitmask) -> Tensor");
     m.def("topk(Tensor x, int k) -> (Tensor, Tensor)");
+    m.def("top_p_draw(Tensor p, Tensor top_p, Tensor min_p, Tensor u) -> (Tensor, Tensor, Tensor)");
 }

@@ -146,3 +146,31 @@ def test_sampler_draws_flat_top_p_rows_without_a_sort(mixed, monkeypatch):
         flat = range(1, n, 2) if mixed else range(n)
         assert [got[i][0] for i in flat] == [int(want[i]) for i in flat], f"step {step}"
     assert redrawn == ([[i % 2 == 1 for i in range(n)]] * 2 if mixed else [])
+
+
+def test_flat_rows_on_the_cpu_cost_no_logsumexp_and_no_top_k(monkeypatch):
+    """With the CPU operators, a head group of flat rows is drawn by kernels/cpu_ops.py top_p_draw
+    from the softmax alone (no head can hold a row, found from its largest probability): neither
+    the rows' logsumexp nor a top-k of the head is spent, and each row draws the reference's token."""
+    from kernels import cpu_ops
+
+    assert cpu_ops.available(), f"the CPU operators are not active: {cpu_ops.status()}"
+    g = torch.Generator().manual_seed(12)
+    n = 6
+    x = (torch.randn(n, QWEN_VOCAB, generator=g) * 0.5).bfloat16().float()
+    params = [
+        SamplingParams(temperature=[1.0, 0.7][i % 2], top_p=[0.9, 0.8, 0.99][i % 3], seed=40 + i) for i in range(n)
+    ]
+
+    def spent(*a, **k):
+        raise AssertionError("a logsumexp or a top-k of the flat rows")
+
+    monkeypatch.setattr(cut, "logsumexp", spent)
+    monkeypatch.setattr(torch, "topk", spent)
+    sampler = Sampler()
+    t = torch.tensor([p.temperature for p in params])
+    want = _reference(x, t, torch.tensor([p.top_p for p in params]), 0.0)
+    for step in (0, 1, 2):
+        got, _ = sampler(x.clone(), [_row(f"r{i}", p, step) for i, p in enumerate(params)], list(range(n)))
+        u = _uniforms([p.seed for p in params], [step] * n)
+        assert [g[0] for g in got] == inverse_cdf(want, u).tolist(), f"step {step}"
