@@ -17,9 +17,10 @@ from engine.config import EngineConfig, dtype_name
 from transfer.errors import HandshakeError
 from transfer.links import Host
 
-SCHEMA_VERSION = 5  # 2: head-major KV pools, described by axes + page_stride + head_stride;
+SCHEMA_VERSION = 6  # 2: head-major KV pools, described by axes + page_stride + head_stride;
 # 3: the MTP layer's KV ("mtp_kv", layers num_layers + j) and the speculative method in the digest;
-# 4: the MoE sizes, sparse layers and weight quantization in the digest; 5: Begin carries rope_delta
+# 4: the MoE sizes, sparse layers and weight quantization in the digest; 5: Begin carries rope_delta;
+# 6: the rotary settings (theta, rotary dims, mrope sections), attention heads and norm epsilon in the digest
 
 Kind = Literal["paged_kv", "gdn_conv", "gdn_recurrent", "mtp_kv"]
 KINDS: tuple[Kind, ...] = ("paged_kv", "gdn_conv", "gdn_recurrent", "mtp_kv")
@@ -92,6 +93,7 @@ class ModelDigest(msgspec.Struct, frozen=True):
     num_layers: int
     layer_types: tuple[str, ...]
     hidden_size: int
+    num_attention_heads: int
     num_kv_heads: int
     head_dim: int
     linear_num_key_heads: int
@@ -99,6 +101,12 @@ class ModelDigest(msgspec.Struct, frozen=True):
     linear_key_head_dim: int
     linear_value_head_dim: int
     linear_conv_kernel_dim: int
+    # the rotary positions keys are cached with and the norms every layer's state passes through:
+    # what --rope-theta, --rope-scaling and --hf-overrides can change (engine/config_overrides.py)
+    rope_theta: float
+    rotary_dim: int  # head dims rotated: head_dim x partial_rotary_factor
+    mrope_section: tuple[int, ...]  # rotary frequencies of (t, h, w) for images; () without a vision tower
+    rms_norm_eps: float
     dtype: str  # model dtype: KV pages and conv state
     recurrent_dtype: str
     num_speculative_slots: int  # draft tokens verified per decode row (EngineConfig.speculative.num_tokens)
@@ -171,6 +179,7 @@ def model_digest(cfg: EngineConfig) -> ModelDigest:
         num_layers=m.num_layers,
         layer_types=tuple(m.layer_types),
         hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
         num_kv_heads=m.num_kv_heads,
         head_dim=m.head_dim,
         linear_num_key_heads=m.linear_num_key_heads,
@@ -178,6 +187,10 @@ def model_digest(cfg: EngineConfig) -> ModelDigest:
         linear_key_head_dim=m.linear_key_head_dim,
         linear_value_head_dim=m.linear_value_head_dim,
         linear_conv_kernel_dim=m.linear_conv_kernel_dim,
+        rope_theta=float(m.rope_theta),
+        rotary_dim=m.rotary_dim,
+        mrope_section=m.vision.mrope_section if m.vision is not None else (),
+        rms_norm_eps=float(m.rms_norm_eps),
         dtype=dtype_name(m.dtype),
         recurrent_dtype=cfg.cache.recurrent_dtype,
         num_speculative_slots=cfg.speculative.num_tokens,
