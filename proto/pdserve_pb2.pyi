@@ -173,16 +173,20 @@ class ImagePart(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., url: _Optional[str] = ...) -> None: ...
 
 class ImageInput(_message.Message):
-    __slots__ = ("data", "pixel_hash", "offset", "grid_thw")
+    __slots__ = ("data", "pixel_hash", "offset", "grid_thw", "min_pixels", "max_pixels")
     DATA_FIELD_NUMBER: _ClassVar[int]
     PIXEL_HASH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
+    MIN_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     pixel_hash: bytes
     offset: int
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, data: _Optional[bytes] = ..., pixel_hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ...) -> None: ...
+    min_pixels: int
+    max_pixels: int
+    def __init__(self, data: _Optional[bytes] = ..., pixel_hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "timings", "prompt_tokens", "decode_node", "prefill_node", "logprobs", "prompt_logprobs", "cached_tokens", "muxed_tokens", "token_stream", "node_ended")

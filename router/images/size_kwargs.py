@@ -1,0 +1,57 @@
+"""A request's `mm_processor_kwargs` (vLLM's field): the image processor's pixel bounds for that
+request's images, `min_pixels` / `max_pixels` or transformers' `size` {shortest_edge,
+longest_edge} (both keys, as the processor requires; `min_pixels` / `max_pixels` win over them,
+as in the processor). `size_bounds` turns them into (min_pixels, max_pixels) over the
+checkpoint's own, or None where they leave the checkpoint's; anything else is a ValueError whose
+message names the key (a 400 on the field)."""
+
+from __future__ import annotations
+
+from router.images.vision import VisionSpec
+
+FIELD = "mm_processor_kwargs"
+KEYS = ("min_pixels", "max_pixels", "size")
+EDGES = ("shortest_edge", "longest_edge")
+MOST = 2**32 - 1  # the node messages carry the bounds as uint32
+
+
+def _count(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MOST:
+        raise ValueError(f"{FIELD}.{where} must be a positive integer (pixels) below 2^32, got {value!r:.40}")
+    return value
+
+
+def size_bounds(kwargs: object, spec: VisionSpec | None, max_image_pixels: int) -> tuple[int, int] | None:
+    """(min_pixels, max_pixels) for the request's images; None for none given (or the checkpoint's
+    own). `max_image_pixels`: the router's limit on an image's pixels, which min_pixels may not
+    pass (the processor would scale a small image up to it)."""
+    if kwargs is None or kwargs == {}:
+        return None
+    if not isinstance(kwargs, dict):
+        raise ValueError(f'{FIELD} must be an object, such as {{"max_pixels": 1003520}}, got {kwargs!r:.60}')
+    for key in kwargs:
+        if key not in KEYS:
+            raise ValueError(
+                f"{FIELD} key {key!r} is not supported: this server takes {', '.join(KEYS)} "
+                "(the image processor's pixel bounds)"
+            )
+    if spec is None:
+        return None  # no images can come (an image part is refused on its own)
+    lo, hi = spec.min_pixels, spec.max_pixels
+    size = kwargs.get("size")
+    if size is not None:
+        if not isinstance(size, dict) or set(size) != set(EDGES):
+            raise ValueError(f"{FIELD}.size must be an object with exactly shortest_edge and longest_edge (pixels)")
+        lo, hi = _count(size["shortest_edge"], "size.shortest_edge"), _count(size["longest_edge"], "size.longest_edge")
+    if "min_pixels" in kwargs:
+        lo = _count(kwargs["min_pixels"], "min_pixels")
+    if "max_pixels" in kwargs:
+        hi = _count(kwargs["max_pixels"], "max_pixels")
+    if lo > hi:
+        raise ValueError(f"{FIELD}: min_pixels {lo} is above max_pixels {hi}")
+    if lo > max_image_pixels:
+        raise ValueError(
+            f"{FIELD}: min_pixels {lo} is above this router's limit of {max_image_pixels} pixels an image "
+            "(--max-image-pixels)"
+        )
+    return None if (lo, hi) == (spec.min_pixels, spec.max_pixels) else (lo, hi)

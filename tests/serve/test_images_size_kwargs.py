@@ -1,0 +1,91 @@
+"""`mm_processor_kwargs` through `pdserve up` (router + one prefill node + one decode node, every
+prompt through the prefill node) on the tiny vision-language checkpoint: the same image asked for
+at different pixel bounds, one request after another and several at once, gets for each the
+prompt token count and the greedy answer transformers gives on the same image processed with
+those keyword arguments. Each sizing is its own entry in the prefill node's encoder cache and
+prefix cache (the image's identity includes the bounds): were they keyed by the pixels alone, a
+request would be given the embeddings or the cached pages of the image sized another way."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+
+import pytest
+
+from tests.helpers import images as im
+from tests.helpers import vl_ckpt as vl
+from tests.helpers.serve_harness import Up, flags, log_url
+
+NEW = 8
+SIZINGS = [None, {"max_pixels": 16384}, {"size": {"shortest_edge": 4096, "longest_edge": 32768}}]
+
+
+@pytest.fixture(scope="module")
+def vl_model(tmp_path_factory):
+    return vl.make(tmp_path_factory.mktemp("vl") / "ckpt", vl.SPEC_VL["qwen3_5"])
+
+
+@pytest.fixture(scope="module")
+def vl_up(vl_model):
+    opts = flags(dtype="float32", decode=1, prefill=1, local_prefill_threshold=0, http_port=0)
+    up = Up("--model", vl_model, *opts, "--reasoning-parser", "none", "--tool-call-parser", "none")
+    yield up
+    assert up.stop() == 0, up.output()
+
+
+def _messages(image: bytes, parts: str) -> list[dict]:
+    url = {"type": "image_url", "image_url": {"url": im.data_url(image)}}
+    return [{"role": "user", "content": [{"type": "text", "text": parts}, url]}]
+
+
+def _reference(model: str, image: bytes, text: str, kwargs: dict | None) -> tuple[int, str]:
+    """(prompt tokens, greedy answer) of transformers with its processor called with `kwargs`."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    hf_msgs: list = [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image"}]}]
+    rendered = str(tok.apply_chat_template(hf_msgs, tokenize=False, add_generation_prompt=True))
+    ids, inputs = vl.expand(model, tok.encode(rendered, add_special_tokens=False), [image], kwargs)
+    answer = tok.decode(vl.hf_greedy(model, ids, inputs, NEW, kwargs=kwargs), skip_special_tokens=True)
+    return len(ids), str(answer)
+
+
+def _ask(url: str, image: bytes, text: str, kwargs: dict | None) -> tuple[int, str]:
+    body: dict = {"model": "ckpt", "messages": _messages(image, text), "max_tokens": NEW, "temperature": 0.0}
+    body["ignore_eos"] = True
+    if kwargs is not None:
+        body["mm_processor_kwargs"] = kwargs
+    req = urllib.request.Request(
+        url + "/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        out = json.loads(r.read())
+    return out["usage"]["prompt_tokens"], out["choices"][0]["message"]["content"]
+
+
+def test_one_image_at_several_sizes_one_after_another(vl_up, vl_model):
+    url = log_url(vl_up, r"OpenAI-compatible HTTP on (http://\S+/v1)")
+    image, text = vl.png(240, 180, seed=5), "Describe this picture:"
+    want = [_reference(vl_model, image, text, kw) for kw in SIZINGS]
+    assert len({n for n, _ in want}) == len(SIZINGS), want  # each sizing has its own token count
+    for kw, ref in zip(SIZINGS + SIZINGS[::-1], want + want[::-1], strict=True):  # each after another sizing
+        assert _ask(url, image, text, kw) == ref, kw
+
+
+def test_one_image_at_several_sizes_at_once(vl_up, vl_model):
+    url = log_url(vl_up, r"OpenAI-compatible HTTP on (http://\S+/v1)")
+    image, text = vl.png(200, 150, seed=6), "What is in it?"
+    want = [_reference(vl_model, image, text, kw) for kw in SIZINGS]
+    got: dict[int, tuple[int, str]] = {}
+
+    def one(k: int) -> None:
+        got[k] = _ask(url, image, text, SIZINGS[k % len(SIZINGS)])
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(2 * len(SIZINGS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert {k: got.get(k) for k in range(len(threads))} == {k: want[k % len(SIZINGS)] for k in range(len(threads))}
