@@ -25,14 +25,19 @@ def load_processor(path: str):
         raise ValueError(f"{path}: no image processor (preprocessor_config.json) for the vision model: {e}") from None
 
 
+def own_bounds(path: str) -> tuple[int, int]:
+    """The processor's own (min_pixels, max_pixels): its `size` {shortest_edge, longest_edge}."""
+    size = dict(load_processor(path).size)
+    return int(size["shortest_edge"]), int(size["longest_edge"])
+
+
 def grid_of(path: str, width: int, height: int, bounds: tuple[int, int] | None = None) -> tuple[int, int, int]:
     """The (t, h, w) patch grid the processor resizes a width x height image to, within its own
     pixel bounds or `bounds` (min_pixels, max_pixels: a request's mm_processor_kwargs)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
     p = load_processor(path)
-    size = dict(p.size)
-    lo, hi = bounds or (int(size["shortest_edge"]), int(size["longest_edge"]))
+    lo, hi = bounds or own_bounds(path)
     h, w = smart_resize(height, width, p.patch_size * p.merge_size, lo, hi)
     return 1, h // p.patch_size, w // p.patch_size
 

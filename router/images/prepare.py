@@ -17,12 +17,12 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from engine.vision.inputs import ImageInput, sized_hash
+from engine.vision.size_kwargs import size_bounds
 from proto import pb
 from router.errors import Abort
 from router.images.config import ImageArgs
 from router.images.decode import ImageRefused, decode
 from router.images.fetch import fetch_url, from_data_url
-from router.images.size_kwargs import size_bounds
 from router.images.vision import IMAGE_PAD, PLACEHOLDER, VisionSpec
 
 REASONS = ("no_vision", "too_many", "video", "corrupt", "too_large", "format", "aspect", "url", "url_off", "count")
@@ -74,9 +74,10 @@ class Images:
         return Abort(grpc.StatusCode.INVALID_ARGUMENT, msg)
 
     def size_bounds(self, kwargs: object) -> tuple[int, int] | None:
-        """A request's mm_processor_kwargs as pixel bounds for its images (router/images/size_kwargs.py);
+        """A request's mm_processor_kwargs as pixel bounds for its images (engine/vision/size_kwargs.py);
         ValueError naming the key."""
-        return size_bounds(kwargs, self.spec, self.args.max_image_pixels)
+        own = None if self.spec is None else (self.spec.min_pixels, self.spec.max_pixels)
+        return size_bounds(kwargs, own, self.args.max_image_pixels)
 
     async def prepare(self, refs: Sequence[ImageRef], bounds: tuple[int, int] | None = None) -> list[Prepared]:
         """Every image of a request decoded and checked, in order (Abort on the first refused);

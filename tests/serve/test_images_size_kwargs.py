@@ -1,10 +1,12 @@
 """`mm_processor_kwargs` through `pdserve up` (router + one prefill node + one decode node, every
-prompt through the prefill node) on the tiny vision-language checkpoint: the same image asked for
+prompt through the prefill node; and with an encode node, `--encode 1`) on the tiny
+vision-language checkpoint: the same image asked for
 at different pixel bounds, one request after another and several at once, gets for each the
 prompt token count and the greedy answer transformers gives on the same image processed with
 those keyword arguments. Each sizing is its own entry in the prefill node's encoder cache and
-prefix cache (the image's identity includes the bounds): were they keyed by the pixels alone, a
-request would be given the embeddings or the cached pages of the image sized another way."""
+prefix cache (the image's identity includes the bounds), and the encode node encodes each sizing
+into a landing slot of its own: were they keyed by the pixels alone, a request would be given the
+embeddings or the cached pages of the image sized another way."""
 
 from __future__ import annotations
 
@@ -27,11 +29,11 @@ def vl_model(tmp_path_factory):
     return vl.make(tmp_path_factory.mktemp("vl") / "ckpt", vl.SPEC_VL["qwen3_5"])
 
 
-@pytest.fixture(scope="module")
-def vl_up(vl_model):
-    opts = flags(dtype="float32", decode=1, prefill=1, local_prefill_threshold=0, http_port=0)
+@pytest.fixture(scope="module", params=[0, 1], ids=["no-pool", "encode-pool"])
+def vl_up(vl_model, request):
+    opts = flags(dtype="float32", decode=1, prefill=1, encode=request.param, local_prefill_threshold=0, http_port=0)
     up = Up("--model", vl_model, *opts, "--reasoning-parser", "none", "--tool-call-parser", "none")
-    yield up
+    yield up, bool(request.param)
     assert up.stop() == 0, up.output()
 
 
@@ -66,15 +68,19 @@ def _ask(url: str, image: bytes, text: str, kwargs: dict | None) -> tuple[int, s
 
 
 def test_one_image_at_several_sizes_one_after_another(vl_up, vl_model):
+    vl_up, pool = vl_up
     url = log_url(vl_up, r"OpenAI-compatible HTTP on (http://\S+/v1)")
     image, text = vl.png(240, 180, seed=5), "Describe this picture:"
     want = [_reference(vl_model, image, text, kw) for kw in SIZINGS]
     assert len({n for n, _ in want}) == len(SIZINGS), want  # each sizing has its own token count
     for kw, ref in zip(SIZINGS + SIZINGS[::-1], want + want[::-1], strict=True):  # each after another sizing
         assert _ask(url, image, text, kw) == ref, kw
+    if pool:  # each sizing encoded there once, the repeats cached on the prefill node
+        assert vl_up.output().count("encoded here") == len(SIZINGS), vl_up.output()[-4000:]
 
 
 def test_one_image_at_several_sizes_at_once(vl_up, vl_model):
+    vl_up, _ = vl_up
     url = log_url(vl_up, r"OpenAI-compatible HTTP on (http://\S+/v1)")
     image, text = vl.png(200, 150, seed=6), "What is in it?"
     want = [_reference(vl_model, image, text, kw) for kw in SIZINGS]

@@ -1,13 +1,12 @@
-"""A request's `mm_processor_kwargs` (vLLM's field): the image processor's pixel bounds for that
-request's images, `min_pixels` / `max_pixels` or transformers' `size` {shortest_edge,
-longest_edge} (both keys, as the processor requires; `min_pixels` / `max_pixels` win over them,
-as in the processor). `size_bounds` turns them into (min_pixels, max_pixels) over the
-checkpoint's own, or None where they leave the checkpoint's; anything else is a ValueError whose
-message names the key (a 400 on the field)."""
+"""A request's `mm_processor_kwargs` (vLLM's field, on the router's chat requests and the offline
+`LLM`'s prompts): the image processor's pixel bounds for that request's images, `min_pixels` /
+`max_pixels` or transformers' `size` {shortest_edge, longest_edge} (both keys, as the processor
+requires; `min_pixels` / `max_pixels` win over them, as in the processor). `size_bounds` turns
+them into (min_pixels, max_pixels) over the checkpoint's own, or None where they leave the
+checkpoint's; anything else is a ValueError whose message names the key (the router's 400 on the
+field). Imports nothing but the standard library (the router reads it without torch)."""
 
 from __future__ import annotations
-
-from router.images.vision import VisionSpec
 
 FIELD = "mm_processor_kwargs"
 KEYS = ("min_pixels", "max_pixels", "size")
@@ -21,10 +20,13 @@ def _count(value: object, where: str) -> int:
     return value
 
 
-def size_bounds(kwargs: object, spec: VisionSpec | None, max_image_pixels: int) -> tuple[int, int] | None:
+def size_bounds(
+    kwargs: object, own: tuple[int, int] | None, max_image_pixels: int | None = None
+) -> tuple[int, int] | None:
     """(min_pixels, max_pixels) for the request's images; None for none given (or the checkpoint's
-    own). `max_image_pixels`: the router's limit on an image's pixels, which min_pixels may not
-    pass (the processor would scale a small image up to it)."""
+    `own` bounds; `own` None: the model takes no images, only the keys are checked).
+    `max_image_pixels`: the router's limit on an image's pixels, which min_pixels may not pass
+    (the processor would scale a small image up to it); None: no limit."""
     if kwargs is None or kwargs == {}:
         return None
     if not isinstance(kwargs, dict):
@@ -35,9 +37,9 @@ def size_bounds(kwargs: object, spec: VisionSpec | None, max_image_pixels: int) 
                 f"{FIELD} key {key!r} is not supported: this server takes {', '.join(KEYS)} "
                 "(the image processor's pixel bounds)"
             )
-    if spec is None:
-        return None  # no images can come (an image part is refused on its own)
-    lo, hi = spec.min_pixels, spec.max_pixels
+    if own is None:
+        return None  # no images can come (an image is refused on its own)
+    lo, hi = own
     size = kwargs.get("size")
     if size is not None:
         if not isinstance(size, dict) or set(size) != set(EDGES):
@@ -49,9 +51,9 @@ def size_bounds(kwargs: object, spec: VisionSpec | None, max_image_pixels: int) 
         hi = _count(kwargs["max_pixels"], "max_pixels")
     if lo > hi:
         raise ValueError(f"{FIELD}: min_pixels {lo} is above max_pixels {hi}")
-    if lo > max_image_pixels:
+    if max_image_pixels is not None and lo > max_image_pixels:
         raise ValueError(
             f"{FIELD}: min_pixels {lo} is above this router's limit of {max_image_pixels} pixels an image "
             "(--max-image-pixels)"
         )
-    return None if (lo, hi) == (spec.min_pixels, spec.max_pixels) else (lo, hi)
+    return None if (lo, hi) == own else (lo, hi)
