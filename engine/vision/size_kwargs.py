@@ -16,25 +16,26 @@ MOST = 2**32 - 1  # the node messages carry the bounds as uint32
 
 def _count(value: object, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MOST:
-        raise ValueError(f"{FIELD}.{where} must be a positive integer (pixels) below 2^32, got {value!r:.40}")
+        raise ValueError(f"{where} must be a positive integer (pixels) below 2^32, got {value!r:.40}")
     return value
 
 
 def size_bounds(
-    kwargs: object, own: tuple[int, int] | None, max_image_pixels: int | None = None
+    kwargs: object, own: tuple[int, int] | None, max_image_pixels: int | None = None, field: str = FIELD
 ) -> tuple[int, int] | None:
     """(min_pixels, max_pixels) for the request's images; None for none given (or the checkpoint's
     `own` bounds; `own` None: the model takes no images, only the keys are checked).
     `max_image_pixels`: the router's limit on an image's pixels, which min_pixels may not pass
-    (the processor would scale a small image up to it); None: no limit."""
+    (the processor would scale a small image up to it); None: no limit. `field`: what the
+    messages call the request's field."""
     if kwargs is None or kwargs == {}:
         return None
     if not isinstance(kwargs, dict):
-        raise ValueError(f'{FIELD} must be an object, such as {{"max_pixels": 1003520}}, got {kwargs!r:.60}')
+        raise ValueError(f'{field} must be an object, such as {{"max_pixels": 1003520}}, got {kwargs!r:.60}')
     for key in kwargs:
         if key not in KEYS:
             raise ValueError(
-                f"{FIELD} key {key!r} is not supported: this server takes {', '.join(KEYS)} "
+                f"{field} key {key!r} is not supported: this server takes {', '.join(KEYS)} "
                 "(the image processor's pixel bounds)"
             )
     if own is None:
@@ -43,17 +44,18 @@ def size_bounds(
     size = kwargs.get("size")
     if size is not None:
         if not isinstance(size, dict) or set(size) != set(EDGES):
-            raise ValueError(f"{FIELD}.size must be an object with exactly shortest_edge and longest_edge (pixels)")
-        lo, hi = _count(size["shortest_edge"], "size.shortest_edge"), _count(size["longest_edge"], "size.longest_edge")
+            raise ValueError(f"{field}.size must be an object with exactly shortest_edge and longest_edge (pixels)")
+        lo = _count(size["shortest_edge"], f"{field}.size.shortest_edge")
+        hi = _count(size["longest_edge"], f"{field}.size.longest_edge")
     if "min_pixels" in kwargs:
-        lo = _count(kwargs["min_pixels"], "min_pixels")
+        lo = _count(kwargs["min_pixels"], f"{field}.min_pixels")
     if "max_pixels" in kwargs:
-        hi = _count(kwargs["max_pixels"], "max_pixels")
+        hi = _count(kwargs["max_pixels"], f"{field}.max_pixels")
     if lo > hi:
-        raise ValueError(f"{FIELD}: min_pixels {lo} is above max_pixels {hi}")
+        raise ValueError(f"{field}: min_pixels {lo} is above max_pixels {hi}")
     if max_image_pixels is not None and lo > max_image_pixels:
         raise ValueError(
-            f"{FIELD}: min_pixels {lo} is above this router's limit of {max_image_pixels} pixels an image "
+            f"{field}: min_pixels {lo} is above this router's limit of {max_image_pixels} pixels an image "
             "(--max-image-pixels)"
         )
     return None if (lo, hi) == own else (lo, hi)

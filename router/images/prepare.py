@@ -76,8 +76,21 @@ class Images:
     def size_bounds(self, kwargs: object) -> tuple[int, int] | None:
         """A request's mm_processor_kwargs as pixel bounds for its images (engine/vision/size_kwargs.py);
         ValueError naming the key."""
-        own = None if self.spec is None else (self.spec.min_pixels, self.spec.max_pixels)
-        return size_bounds(kwargs, own, self.args.max_image_pixels)
+        return size_bounds(kwargs, self._own(), self.args.max_image_pixels)
+
+    def _own(self) -> tuple[int, int] | None:
+        return None if self.spec is None else (self.spec.min_pixels, self.spec.max_pixels)
+
+    def request_bounds(self, request: pb.GenerateRequest) -> tuple[int, int] | None:
+        """A gRPC GenerateRequest's image_size as pixel bounds (INVALID_ARGUMENT naming the field)."""
+        if not request.HasField("image_size"):
+            return None
+        size = request.image_size
+        kw = {k: getattr(size, k) for k in ("min_pixels", "max_pixels") if size.HasField(k)}
+        try:
+            return size_bounds(kw, self._own(), self.args.max_image_pixels, "image_size")
+        except ValueError as e:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
     async def prepare(self, refs: Sequence[ImageRef], bounds: tuple[int, int] | None = None) -> list[Prepared]:
         """Every image of a request decoded and checked, in order (Abort on the first refused);

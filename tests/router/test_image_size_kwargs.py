@@ -4,8 +4,8 @@
 number of prompt tokens, that transformers' own image processor gives with those keyword
 arguments, an identity (pixel_hash) of its own per sizing, and the bounds on the node message,
 which the node's own check of the image accepts; keys the processor's size does not take, and
-values it would refuse, are a 400 naming the key, with no node call. Before, the field was a 400
-whatever it held."""
+values it would refuse, are a 400 naming the key, with no node call. The SDK's generate (gRPC
+GenerateRequest.image_size) takes the same kwargs. Before, the field was a 400 whatever it held."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def vl_dir(ckpt, tmp_path_factory):
 @pytest.fixture(scope="module")
 def vl(vl_dir):
     r, fake, port, stop = _router(vl_dir, max_image_pixels=1_000_000)
-    yield r, fake
+    yield r, fake, port
     stop()
 
 
@@ -66,7 +66,7 @@ def test_each_sizing_gets_transformers_grid_and_an_identity_of_its_own(vl, vl_di
     from engine.vision.inputs import ImageInput
     from engine.vision.processing import check_image
 
-    r, fake = vl
+    r, fake, _ = vl
     pad = r.service.images.spec.image_token_id
     hashes, counts = set(), set()
     for kw in SIZINGS:
@@ -92,7 +92,7 @@ def test_each_sizing_gets_transformers_grid_and_an_identity_of_its_own(vl, vl_di
 
 def test_the_checkpoints_own_bounds_are_the_plain_image(vl):
     """Bounds equal to the checkpoint's name the image as no kwargs do (its cached pages serve both)."""
-    r, fake = vl
+    r, fake, _ = vl
     seen = []
     for kw in (None, {"min_pixels": im.MIN_PIXELS, "max_pixels": im.MAX_PIXELS}):
         before = len(fake.requests)
@@ -118,7 +118,7 @@ BAD = [
 
 @pytest.mark.parametrize("kwargs,words", BAD, ids=[str(i) for i in range(len(BAD))])
 def test_what_the_processor_size_does_not_take_is_a_400_naming_it(vl, kwargs, words):
-    r, fake = vl
+    r, fake, _ = vl
     before = len(fake.requests)
     status, out = post(r.http_port, json.dumps(_body(kwargs)).encode(), "/v1/chat/completions")
     assert status == 400 and words in out["error"]["message"], out
@@ -127,3 +127,30 @@ def test_what_the_processor_size_does_not_take_is_a_400_naming_it(vl, kwargs, wo
     body = {"model": "m", "prompt": "Hi", "max_tokens": 2, "mm_processor_kwargs": kwargs}
     status, out = post(r.http_port, json.dumps(body).encode(), "/v1/completions")
     assert status == 400 and words in out["error"]["message"], out
+
+
+def test_the_sdks_generate_takes_them_as_image_size(vl, vl_dir):
+    import grpc
+
+    from client import IMAGE_PLACEHOLDER, Client, PdserveError
+
+    r, fake, port = vl
+    prompt = f"Describe {IMAGE_PLACEHOLDER} please"
+    with Client(f"127.0.0.1:{port}", timeout=30) as c:
+        for kw in SIZINGS[1:]:
+            before = len(fake.requests)
+            res = c.generate(prompt=prompt, images=[IMAGE], max_tokens=2, mm_processor_kwargs=kw)
+            (req,) = fake.requests[before:]
+            assert tuple(req.images[0].grid_thw) == _hf_grid(vl_dir, kw), kw
+            assert res.prompt_tokens == len(req.prompt_token_ids), kw
+        with pytest.raises(ValueError, match="mm_processor_kwargs key 'fps' is not supported"):
+            c.generate(prompt=prompt, images=[IMAGE], max_tokens=2, mm_processor_kwargs={"fps": 1})
+        with pytest.raises(PdserveError) as e:
+            c.generate(
+                prompt=prompt,
+                images=[IMAGE],
+                max_tokens=2,
+                mm_processor_kwargs={"min_pixels": 9000, "max_pixels": 5000},
+            )
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.message == "image_size: min_pixels 9000 is above max_pixels 5000", e.value.message
