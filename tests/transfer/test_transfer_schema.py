@@ -100,6 +100,7 @@ def _with_tensor(s, kind, **changes):
         ("rope_theta", lambda: schema(rope_theta=1e6)),
         ("rotary_dim", lambda: schema(partial_rotary_factor=0.5)),
         ("rms_norm_eps", lambda: schema(rms_norm_eps=1e-5)),
+        ("norm_topk_prob", lambda: schema(norm_topk_prob=False)),
         (
             "num_speculative_slots",
             lambda: build_schema(
