@@ -1,12 +1,12 @@
-"""`mm_processor_kwargs` through `pdserve up` (router + one prefill node + one decode node, every
-prompt through the prefill node; and with an encode node, `--encode 1`) on the tiny
-vision-language checkpoint: the same image asked for
-at different pixel bounds, one request after another and several at once, gets for each the
-prompt token count and the greedy answer transformers gives on the same image processed with
-those keyword arguments. Each sizing is its own entry in the prefill node's encoder cache and
-prefix cache (the image's identity includes the bounds), and the encode node encodes each sizing
-into a landing slot of its own: were they keyed by the pixels alone, a request would be given the
-embeddings or the cached pages of the image sized another way."""
+"""`mm_processor_kwargs` through `pdserve up` (router + one prefill node + one decode node; and
+with an encode node, `--encode 1`) on the tiny vision-language checkpoint, over HTTP chat and the
+SDK's generate (prefilled on the prefill node, or with prompt logprobs on the decode node): the
+same image asked for at different pixel bounds, one request after another and several at once,
+gets for each the prompt token count and the greedy answer transformers gives on the same image
+processed with those keyword arguments. Each sizing is its own entry in the prefill node's
+encoder cache and prefix cache (the image's identity includes the bounds), and the encode node
+encodes each sizing into a landing slot of its own: were they keyed by the pixels alone, a
+request would be given the embeddings or the cached pages of the image sized another way."""
 
 from __future__ import annotations
 
@@ -44,14 +44,21 @@ def _messages(image: bytes, parts: str) -> list[dict]:
 
 def _reference(model: str, image: bytes, text: str, kwargs: dict | None) -> tuple[int, str]:
     """(prompt tokens, greedy answer) of transformers with its processor called with `kwargs`."""
+    n, tokens, _ = _reference_ids(model, image, text, kwargs)
+    from transformers import AutoTokenizer
+
+    return n, str(AutoTokenizer.from_pretrained(model).decode(tokens, skip_special_tokens=True))
+
+
+def _reference_ids(model: str, image: bytes, text: str, kwargs: dict | None) -> tuple[int, list[int], str]:
+    """(prompt tokens, transformers' greedy token ids, the rendered prompt)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
     hf_msgs: list = [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image"}]}]
     rendered = str(tok.apply_chat_template(hf_msgs, tokenize=False, add_generation_prompt=True))
     ids, inputs = vl.expand(model, tok.encode(rendered, add_special_tokens=False), [image], kwargs)
-    answer = tok.decode(vl.hf_greedy(model, ids, inputs, NEW, kwargs=kwargs), skip_special_tokens=True)
-    return len(ids), str(answer)
+    return len(ids), vl.hf_greedy(model, ids, inputs, NEW, kwargs=kwargs), rendered
 
 
 def _ask(url: str, image: bytes, text: str, kwargs: dict | None) -> tuple[int, str]:
@@ -95,3 +102,26 @@ def test_one_image_at_several_sizes_at_once(vl_up, vl_model):
     for t in threads:
         t.join(180)
     assert {k: got.get(k) for k in range(len(threads))} == {k: want[k % len(SIZINGS)] for k in range(len(threads))}
+
+
+def test_the_sdk_on_either_node(vl_up, vl_model):
+    """The SDK's generate (GenerateRequest.image_size): prefilled on the prefill node, and, with
+    prompt logprobs, on the decode node, which sizes the image by the bounds on its DecodeRequest."""
+    from client import Client
+
+    vl_up, _ = vl_up
+    image = vl.png(220, 160, seed=7)
+    with Client(vl_up.address, timeout=120) as c:
+        for kw in SIZINGS:
+            n, want, prompt = _reference_ids(vl_model, image, "Look:", kw)  # the prompt holds one placeholder
+            for extra, where in (({}, "prefill-0"), ({"prompt_logprobs": 0}, "")):
+                r = c.generate(
+                    prompt=prompt,
+                    images=[image],
+                    max_tokens=NEW,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    mm_processor_kwargs=kw,
+                    **extra,
+                )
+                assert (r.prompt_tokens, r.token_ids, r.prefill_node) == (n, want, where), (kw, extra)
