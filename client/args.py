@@ -13,6 +13,7 @@ from typing import Any
 
 I32 = (-(2**31), 2**31 - 1)
 I64 = (-(2**63), 2**63 - 1)
+U32 = (0, 2**32 - 1)
 IMAGE_TYPES = (bytes, bytearray, memoryview, str, os.PathLike)
 
 

@@ -166,11 +166,13 @@ def build_request(
     include_stop_str_in_output: bool = False,
     skip_special_tokens: bool | None = None,
     cache_salt: str = "",
+    mm_processor_kwargs: dict | None = None,
 ) -> pb.GenerateRequest:
     """Unset options (None) take the server's defaults. docs/api.md describes each. `images`: the
     prompt's, in order, each encoded bytes, a file path or a URL (data:, or http(s) for a router
     started with --allow-image-urls), or one such image alone; the prompt holds IMAGE_PLACEHOLDER
-    once per image. A badly typed argument raises TypeError (a value the wire cannot carry,
+    once per image; `mm_processor_kwargs`: vLLM's image pixel bounds, {"min_pixels": N,
+    "max_pixels": N} or {"size": {"shortest_edge": N, "longest_edge": N}}. A badly typed argument raises TypeError (a value the wire cannot carry,
     ValueError) naming it (client/args.py); the router checks the ranges (INVALID_ARGUMENT)."""
     if (prompt is None) == (prompt_token_ids is None):
         raise ValueError("give exactly one of prompt= (text) or prompt_token_ids=")
@@ -217,7 +219,36 @@ def build_request(
     else:
         req.prompt_token_ids.extend(args.token_ids("prompt_token_ids", prompt_token_ids))
     req.images.extend(image_part(x, f"images[{i}]") for i, x in enumerate(args.images(_or(images, ()))))
+    if mm_processor_kwargs:
+        req.image_size.CopyFrom(_image_size(mm_processor_kwargs))
     return req
+
+
+_SIZE_KEYS = {"min_pixels": "min_pixels", "max_pixels": "max_pixels"}
+_EDGES = {"shortest_edge": "min_pixels", "longest_edge": "max_pixels"}
+
+
+def _image_size(kw: object) -> pb.ImageSize:
+    """mm_processor_kwargs as GenerateRequest.image_size: min_pixels / max_pixels, or transformers'
+    size {shortest_edge, longest_edge} (min_pixels / max_pixels win, as in the processor)."""
+    if not isinstance(kw, dict):
+        raise TypeError(f"mm_processor_kwargs must be a dict, not {type(kw).__name__}")
+    out = pb.ImageSize()
+    for key, v in kw.items():
+        if key == "size":
+            if not isinstance(v, dict) or set(v) != set(_EDGES):
+                raise ValueError("mm_processor_kwargs size must be a dict with exactly shortest_edge and longest_edge")
+            for edge, field in _EDGES.items():
+                if not out.HasField(field):
+                    setattr(out, field, args.integer(f"mm_processor_kwargs size.{edge}", v[edge], args.U32))
+        elif key in _SIZE_KEYS:
+            setattr(out, key, args.integer(f"mm_processor_kwargs {key}", v, args.U32))
+        else:
+            raise ValueError(
+                f"mm_processor_kwargs key {key!r} is not supported: min_pixels, max_pixels or size (the image "
+                "processor's pixel bounds)"
+            )
+    return out
 
 
 def _or(v, default):

@@ -1,7 +1,8 @@
 """The prompts `LLM.generate` takes, in vLLM's forms, made token ids: `prompts=` a str, a
 `{"prompt": str}` dict (vLLM's TextPrompt), a `{"prompt_token_ids": [int, ...]}` dict (its
 TokensPrompt, which may also carry its text as "prompt"), either with vLLM's
-`"multi_modal_data": {"image": image or [images]}` (engine/vision/prompt_images.py), or a list
+`"multi_modal_data": {"image": image or [images]}` (engine/vision/prompt_images.py) and its
+`"mm_processor_kwargs"` (the images' pixel bounds, engine/vision/size_kwargs.py), or a list
 mixing them; or
 `prompt_token_ids=` a list of token lists, or one prompt as a flat list of ints (vLLM's older
 form). Numpy and torch integers count as ints. Anything else is a ValueError naming the prompt's
@@ -15,15 +16,17 @@ from typing import Any, NamedTuple
 
 from engine.tokenizer import Tokenizer
 from engine.vision.prompt_images import expand, images_of
+from engine.vision.size_kwargs import size_bounds
 
 EXPECTED = "a str, {'prompt': str} or {'prompt_token_ids': [int, ...]}"
-KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
+KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs")
 
 
 class Prompt(NamedTuple):
     token_ids: list[int]
     text: str | None  # the prompt's text where it was given as text (RequestOutput.prompt)
     images: list[Any] | None = None  # multi_modal_data's images, one per <|image_pad|> in the prompt
+    image_kwargs: Any = None  # mm_processor_kwargs: the images' pixel bounds (engine/vision/size_kwargs.py)
 
 
 def parse_prompts(prompts: Any, prompt_token_ids: Any, tokenizer: Tokenizer | None) -> list[Prompt]:
@@ -52,11 +55,16 @@ def _prompt(i: int, p: Any, tokenizer: Tokenizer | None) -> Prompt:
     if text is not None and not isinstance(text, str):
         raise ValueError(f"prompt {i}: 'prompt' must be a str (got {type(text).__name__})")
     images = images_of(i, p["multi_modal_data"]) if p.get("multi_modal_data") is not None else None
+    kw = p.get("mm_processor_kwargs")
+    try:
+        size_bounds(kw, None)  # its keys (the bounds are checked where the images are placed)
+    except ValueError as e:
+        raise ValueError(f"prompt {i}: {e}") from None
     if "prompt_token_ids" in p:
-        return Prompt(_ids(i, p["prompt_token_ids"]), text, images)
+        return Prompt(_ids(i, p["prompt_token_ids"]), text, images, kw)
     if text is None:
         raise ValueError(f"prompt {i}: expected {EXPECTED} (got a dict without either key)")
-    return Prompt(_encode(i, text, tokenizer), text, images)
+    return Prompt(_encode(i, text, tokenizer), text, images, kw)
 
 
 def expand_prompts(path: str, vision: Any, given: list[Prompt]) -> tuple[list[Prompt], list[tuple]]:
@@ -64,7 +72,11 @@ def expand_prompts(path: str, vision: Any, given: list[Prompt]) -> tuple[list[Pr
     per prompt its ImageInputs (LLM.generate's `images=`)."""
     out, imgs = [], []
     for i, p in enumerate(given):
-        ids, placed = expand(path, vision, i, p.token_ids, p.images) if p.images is not None else (p.token_ids, ())
+        ids, placed = (
+            expand(path, vision, i, p.token_ids, p.images, p.image_kwargs)
+            if p.images is not None
+            else (p.token_ids, ())
+        )
         out.append(Prompt(ids, p.text))
         imgs.append(placed)
     return out, imgs

@@ -24,6 +24,7 @@ class ImageKwargs(TypedDict):
     pixel_hash: bytes
     offset: int
     grid_thw: tuple[int, int, int]
+    size_bounds: tuple[int, int] | None  # (min_pixels, max_pixels) the request gave; None: the checkpoint's
 
 
 def image_kwargs(images: Iterable[pb.ImageInput], need_data: bool = True) -> list[ImageKwargs]:
@@ -37,8 +38,17 @@ def image_kwargs(images: Iterable[pb.ImageInput], need_data: bool = True) -> lis
         if need_data and not m.data:
             raise ValueError(f"images[{k}]: no image bytes (data)")
         t, h, w = (int(x) for x in m.grid_thw)
+        lo, hi = int(m.min_pixels), int(m.max_pixels)
+        if (lo, hi) != (0, 0) and not 1 <= lo <= hi:
+            raise ValueError(f"images[{k}]: min_pixels {lo} and max_pixels {hi} need 1 <= min_pixels <= max_pixels")
         out.append(
-            ImageKwargs(data=bytes(m.data), pixel_hash=bytes(m.pixel_hash), offset=int(m.offset), grid_thw=(t, h, w))
+            ImageKwargs(
+                data=bytes(m.data),
+                pixel_hash=bytes(m.pixel_hash),
+                offset=int(m.offset),
+                grid_thw=(t, h, w),
+                size_bounds=None if (lo, hi) == (0, 0) else (lo, hi),
+            )
         )
     return out
 

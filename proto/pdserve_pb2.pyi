@@ -143,7 +143,7 @@ class Timings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., transfer_bytes: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "admission_timeout_s", "priority", "resume_token_ids", "images", "token_stream")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "admission_timeout_s", "priority", "resume_token_ids", "images", "token_stream", "image_size")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class GenerateRequest(_message.Message):
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_STREAM_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -162,7 +163,16 @@ class GenerateRequest(_message.Message):
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     images: _containers.RepeatedCompositeFieldContainer[ImagePart]
     token_stream: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., admission_timeout_s: _Optional[float] = ..., priority: _Optional[_Union[Priority, str]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[ImagePart, _Mapping]]] = ..., token_stream: _Optional[str] = ...) -> None: ...
+    image_size: ImageSize
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., admission_timeout_s: _Optional[float] = ..., priority: _Optional[_Union[Priority, str]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[ImagePart, _Mapping]]] = ..., token_stream: _Optional[str] = ..., image_size: _Optional[_Union[ImageSize, _Mapping]] = ...) -> None: ...
+
+class ImageSize(_message.Message):
+    __slots__ = ("min_pixels", "max_pixels")
+    MIN_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    min_pixels: int
+    max_pixels: int
+    def __init__(self, min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ...) -> None: ...
 
 class ImagePart(_message.Message):
     __slots__ = ("data", "url")
@@ -173,16 +183,20 @@ class ImagePart(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., url: _Optional[str] = ...) -> None: ...
 
 class ImageInput(_message.Message):
-    __slots__ = ("data", "pixel_hash", "offset", "grid_thw")
+    __slots__ = ("data", "pixel_hash", "offset", "grid_thw", "min_pixels", "max_pixels")
     DATA_FIELD_NUMBER: _ClassVar[int]
     PIXEL_HASH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
+    MIN_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     pixel_hash: bytes
     offset: int
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, data: _Optional[bytes] = ..., pixel_hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ...) -> None: ...
+    min_pixels: int
+    max_pixels: int
+    def __init__(self, data: _Optional[bytes] = ..., pixel_hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "timings", "prompt_tokens", "decode_node", "prefill_node", "logprobs", "prompt_logprobs", "cached_tokens", "muxed_tokens", "token_stream", "node_ended")

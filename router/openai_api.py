@@ -148,6 +148,13 @@ class OpenAIFront:
         except ImageRefused as e:
             raise self.service.images.refuse(e.reason, str(e)) from None
 
+    def image_bounds(self, req: CompletionRequest | ChatRequest) -> tuple[int, int] | None:
+        """The request's mm_processor_kwargs as its images' pixel bounds (400 naming the key)."""
+        try:
+            return self.service.images.size_bounds(req.mm_processor_kwargs)
+        except ValueError as e:
+            raise bad(str(e), "mm_processor_kwargs") from None
+
     async def job(self, req: CompletionRequest | ChatRequest) -> Job:
         """The GenerateRequests of an HTTP body: n per prompt (completions take a batch of
         prompts; choice j * n + i is sample i of prompt j; with a seed, sample i uses seed + i, wrapped: `seed_of`)."""
@@ -162,11 +169,12 @@ class OpenAIFront:
             raise bad("prompt_logprobs need a tokenizer on the router", "prompt_logprobs")
         prep = None
         images: list[Prepared] = []
+        bounds = self.image_bounds(req)
         if isinstance(req, ChatRequest):
             prep = await self.render(req)
             if prep.constraint is not None:
                 sp.constraint.CopyFrom(prep.constraint)
-            images = await self.service.images.prepare(prep.images) if prep.images else []
+            images = await self.service.images.prepare(prep.images, bounds) if prep.images else []
         else:
             c = structured_fields.constraint(req)
             if c is not None:

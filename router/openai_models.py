@@ -204,7 +204,8 @@ class _Request(NullIsUnset):
     use_beam_search: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
-    mm_processor_kwargs: Any = None  # per-request image processor options (min_pixels, max_pixels, ...)
+    # per-request image processor pixel bounds: min_pixels, max_pixels, size (router/images/size_kwargs.py)
+    mm_processor_kwargs: Any = None
     media_io_kwargs: Any = None  # per-request image decoding options (rgba_background_color, ...)
     # vLLM's: the model sees only the prompt's last N tokens (-1: max_model_len); router/prompt_truncation.py
     truncate_prompt_tokens: Annotated[int, Field(ge=-(2**31), le=I32)] | None = None
@@ -340,8 +341,6 @@ UNSUPPORTED_EXTENSIONS = {
     "use_beam_search": "",
     "allowed_token_ids": " (a 'structured_outputs' choice or regex constrains the output)",
     "bad_words": " ('logit_bias' of -100 bans a token)",
-    "mm_processor_kwargs": " (the model's image processor sizes every image: min_pixels and max_pixels of its "
-    "preprocessor_config.json)",
     "media_io_kwargs": " (images are decoded as RGB, transparency on white)",
 }
 

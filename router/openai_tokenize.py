@@ -52,10 +52,11 @@ def register(app: FastAPI, front: Any, limit: int) -> None:
             req = parse(ChatRequest, dict(chat, model=body.get("model") or "-"))
             assert isinstance(req, ChatRequest)
             served(body.get("model"))
+            bounds = front.image_bounds(req)
             prep = await front.render(req)
             ids, strs = await service.encode(prep.prompt), bool(body.get("return_token_strs"))
             if prep.images:  # as vLLM's: each image's placeholder is its tokens, as many as its size makes
-                ids, _ = service.images.expand(ids, await service.images.prepare(prep.images))
+                ids, _ = service.images.expand(ids, await service.images.prepare(prep.images, bounds))
         else:
             t = parse(TokenizeText, body)
             assert isinstance(t, TokenizeText)

@@ -260,6 +260,8 @@ def _same_state(pre, dec) -> None:
         "batch_invariant": lambda c: c.model.batch_invariant,
         "rotary scaling (hf_overrides)": lambda c: c.model.rope_scaling,
         "rope_theta (hf_overrides)": lambda c: c.model.rope_theta,
+        "partial_rotary_factor (hf_overrides)": lambda c: c.model.partial_rotary_factor,
+        "rms_norm_eps (hf_overrides)": lambda c: c.model.rms_norm_eps,
     }
     for name, read in what.items():
         a, b = read(pre), read(dec)

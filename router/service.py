@@ -265,7 +265,8 @@ class GenerateService:
         if not ids:
             raise Abort(bad, "empty prompt: give at least one token")
         if images is None:
-            images = await self.images.prepare([_ref(i, p) for i, p in enumerate(request.images)])
+            refs = [_ref(i, p) for i, p in enumerate(request.images)]
+            images = await self.images.prepare(refs, self.images.request_bounds(request))
         return self.images.expand(ids, images)
 
     def _check(self, request, ids: list[int]) -> None:

@@ -21,6 +21,7 @@ DIGEST_FIELDS: tuple[str, ...] = (
     "num_layers",
     "layer_types",
     "hidden_size",
+    "num_attention_heads",
     "num_kv_heads",
     "head_dim",
     "linear_num_key_heads",
@@ -28,6 +29,11 @@ DIGEST_FIELDS: tuple[str, ...] = (
     "linear_key_head_dim",
     "linear_value_head_dim",
     "linear_conv_kernel_dim",
+    "rope_theta",
+    "rotary_dim",
+    "mrope_section",
+    "rms_norm_eps",
+    "vision",
     "dtype",
     "recurrent_dtype",
     "num_speculative_slots",
@@ -37,6 +43,7 @@ DIGEST_FIELDS: tuple[str, ...] = (
     "moe_intermediate_size",
     "shared_expert_intermediate_size",
     "moe_layers",
+    "norm_topk_prob",
     "weight_quantization",
     "rope_scaling",
     "batch_invariant",
@@ -44,8 +51,18 @@ DIGEST_FIELDS: tuple[str, ...] = (
 assert set(DIGEST_FIELDS) == set(ModelDigest.__struct_fields__), "compare every digest field"
 
 
+_ROTARY = (
+    "the decode node would continue keys cached with one rotary setting with another and produce wrong "
+    "tokens: give both nodes the same --rope-theta, --rope-scaling and --hf-overrides (docs/transfer.md)"
+)
 # why a difference cannot be bridged, where the field alone does not say it
 _DETAIL = {
+    "rope_theta": _ROTARY,
+    "rotary_dim": _ROTARY,
+    "mrope_section": _ROTARY,
+    "rope_scaling": _ROTARY,
+    "rms_norm_eps": "the state each layer hands on depends on its norms: give both nodes the same config.json "
+    "and --hf-overrides",
     "recurrent_dtype": "the GDN recurrent state (--mamba-ssm-cache-dtype) may differ only from a float32 "
     "prefill node to a bfloat16 decode node, which the sender casts; a bfloat16 state cannot give back "
     "float32 bits, and no other pair is cast (docs/transfer.md)",

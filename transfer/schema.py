@@ -14,12 +14,15 @@ import torch
 from engine.cache.allocator import CachePools, kv_storage
 from engine.cache.spec import GDNStateSpec, PagedAttentionSpec, build_specs
 from engine.config import EngineConfig, dtype_name
+from transfer.encoded.messages import vision_digest
 from transfer.errors import HandshakeError
 from transfer.links import Host
 
-SCHEMA_VERSION = 5  # 2: head-major KV pools, described by axes + page_stride + head_stride;
+SCHEMA_VERSION = 6  # 2: head-major KV pools, described by axes + page_stride + head_stride;
 # 3: the MTP layer's KV ("mtp_kv", layers num_layers + j) and the speculative method in the digest;
-# 4: the MoE sizes, sparse layers and weight quantization in the digest; 5: Begin carries rope_delta
+# 4: the MoE sizes, sparse layers and weight quantization in the digest; 5: Begin carries rope_delta;
+# 6: the rotary settings (theta, rotary dims, mrope sections), attention heads, norm epsilon, the vision
+# tower's digest and the MoE top-k renormalisation in the digest
 
 Kind = Literal["paged_kv", "gdn_conv", "gdn_recurrent", "mtp_kv"]
 KINDS: tuple[Kind, ...] = ("paged_kv", "gdn_conv", "gdn_recurrent", "mtp_kv")
@@ -92,6 +95,7 @@ class ModelDigest(msgspec.Struct, frozen=True):
     num_layers: int
     layer_types: tuple[str, ...]
     hidden_size: int
+    num_attention_heads: int
     num_kv_heads: int
     head_dim: int
     linear_num_key_heads: int
@@ -99,6 +103,14 @@ class ModelDigest(msgspec.Struct, frozen=True):
     linear_key_head_dim: int
     linear_value_head_dim: int
     linear_conv_kernel_dim: int
+    # the rotary positions keys are cached with and the norms every layer's state passes through:
+    # what --rope-theta, --rope-scaling and --hf-overrides can change (engine/config_overrides.py)
+    rope_theta: float
+    rotary_dim: int  # head dims rotated: head_dim x partial_rotary_factor
+    mrope_section: tuple[int, ...]  # rotary frequencies of (t, h, w) for images; () without a vision tower
+    rms_norm_eps: float
+    # an image prompt's state depends on its tower: vision_digest of the vision config ("" without one)
+    vision: str
     dtype: str  # model dtype: KV pages and conv state
     recurrent_dtype: str
     num_speculative_slots: int  # draft tokens verified per decode row (EngineConfig.speculative.num_tokens)
@@ -109,6 +121,7 @@ class ModelDigest(msgspec.Struct, frozen=True):
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1
     weight_quantization: str = ""  # "" or "fp8 [bn, bk]": the checkpoint's block-quantized weights
     rope_scaling: str = ""  # "" or the scaling's parameters: keys are rotated with them (engine/rope.py)
     batch_invariant: bool = False  # --batch-invariant: the state's bits depend on it (docs/engine.md)
@@ -171,6 +184,7 @@ def model_digest(cfg: EngineConfig) -> ModelDigest:
         num_layers=m.num_layers,
         layer_types=tuple(m.layer_types),
         hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
         num_kv_heads=m.num_kv_heads,
         head_dim=m.head_dim,
         linear_num_key_heads=m.linear_num_key_heads,
@@ -178,6 +192,11 @@ def model_digest(cfg: EngineConfig) -> ModelDigest:
         linear_key_head_dim=m.linear_key_head_dim,
         linear_value_head_dim=m.linear_value_head_dim,
         linear_conv_kernel_dim=m.linear_conv_kernel_dim,
+        rope_theta=float(m.rope_theta),
+        rotary_dim=m.rotary_dim,
+        mrope_section=m.vision.mrope_section if m.vision is not None else (),
+        rms_norm_eps=float(m.rms_norm_eps),
+        vision="" if m.vision is None else vision_digest(m.vision, dtype_name(m.dtype)),
         dtype=dtype_name(m.dtype),
         recurrent_dtype=cfg.cache.recurrent_dtype,
         num_speculative_slots=cfg.speculative.num_tokens,
@@ -187,6 +206,7 @@ def model_digest(cfg: EngineConfig) -> ModelDigest:
         moe_intermediate_size=m.moe_intermediate_size,
         shared_expert_intermediate_size=m.shared_expert_intermediate_size,
         moe_layers=m.moe_layers,
+        norm_topk_prob=m.norm_topk_prob,
         weight_quantization="" if m.fp8_block_size is None else f"fp8 {list(m.fp8_block_size)}",
         rope_scaling="" if m.rope_scaling.kind == "default" else repr(m.rope_scaling),
         batch_invariant=m.batch_invariant,

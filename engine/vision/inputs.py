@@ -1,7 +1,8 @@
 """One image in a prompt, as the router hands it to the node that prefills the prompt: the
 client's encoded bytes, a hash of the decoded pixels (the identity the encoder cache and the
 prefix cache key on), where its placeholder tokens start and its patch grid (docs/images.md).
-`decode_rgb` (`upright`, `to_rgb`) and `hash_pixels` are the one definition of that decode and that hash."""
+`decode_rgb` (`upright`, `to_rgb`) and `hash_pixels` are the one definition of that decode and that hash;
+`sized_hash` names an image sized by a request's own pixel bounds (mm_processor_kwargs)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,20 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from PIL import Image
 
-__all__ = ["ImageInput", "decode_rgb", "hash_pixels", "hash_view", "to_rgb", "upright"]
+__all__ = ["ImageInput", "decode_rgb", "hash_pixels", "hash_view", "sized_hash", "to_rgb", "upright"]
 
 
 @dataclass(frozen=True)
 class ImageInput:
     data: bytes  # the encoded image (PNG, JPEG, WebP, ...) as the client sent it
-    pixel_hash: bytes  # SHA-256 of the decoded RGB pixels and their size (32 bytes)
+    # the image's identity, what every cache keys on (32 bytes): SHA-256 of the decoded RGB pixels
+    # and their size; with size_bounds, `sized_hash` of that and the bounds
+    pixel_hash: bytes
     offset: int  # index in prompt_token_ids of the image's first placeholder (<|image_pad|>) token
     grid_thw: tuple[int, int, int]  # patch grid (t, h, w) before the merge, from the processor's resize
+    # (min_pixels, max_pixels) the request gave the image processor (mm_processor_kwargs); None: the
+    # checkpoint's own (preprocessor_config.json)
+    size_bounds: tuple[int, int] | None = None
 
     def num_tokens(self, merge_size: int) -> int:
         """Placeholder tokens the image takes in the prompt: one per merged patch."""
@@ -75,6 +81,17 @@ def hash_pixels(img: Image.Image) -> bytes:
     h.update(rgb.width.to_bytes(4, "little") + rgb.height.to_bytes(4, "little"))
     h.update(rgb.tobytes())
     return h.digest()
+
+
+def sized_hash(pixel_hash: bytes, bounds: tuple[int, int] | None) -> bytes:
+    """The identity of an image resized within `bounds` (min_pixels, max_pixels) rather than the
+    checkpoint's own: SHA-256 of its pixel hash and the bounds, so the encoder cache, the prefix
+    cache and the encode pool never give one sizing's embeddings to another; `pixel_hash` itself
+    for None."""
+    if bounds is None:
+        return pixel_hash
+    lo, hi = bounds
+    return hashlib.sha256(b"size-bounds" + pixel_hash + lo.to_bytes(8, "little") + hi.to_bytes(8, "little")).digest()
 
 
 def hash_view(prompt: list[int], images) -> list[int]:

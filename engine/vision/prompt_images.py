@@ -3,7 +3,9 @@ image or [images]}}`, each image a PIL image (or its encoded bytes), its place i
 `<|image_pad|>` (Qwen's `<|vision_start|><|image_pad|><|vision_end|>`), as vLLM's Qwen-VL prompts
 write it. `expand` turns such a prompt into what the router would hand a node: each
 `<|image_pad|>` repeated to the image's placeholder tokens (its patch grid from the checkpoint's
-image processor), and each image as an `ImageInput` (PNG bytes of its RGB pixels and their hash).
+image processor, within the prompt's `mm_processor_kwargs` pixel bounds where it gives them:
+engine/vision/size_kwargs.py), and each image as an `ImageInput` (PNG bytes of its RGB pixels and
+their hash).
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import io
 from typing import Any
 
 from engine.vision.config import VisionConfig
-from engine.vision.inputs import ImageInput, decode_rgb, hash_pixels, to_rgb
-from engine.vision.processing import grid_of
+from engine.vision.inputs import ImageInput, decode_rgb, hash_pixels, sized_hash, to_rgb
+from engine.vision.processing import grid_of, own_bounds
+from engine.vision.size_kwargs import size_bounds
 
 
 def images_of(i: int, data: Any) -> list[Any]:
@@ -35,11 +38,16 @@ def images_of(i: int, data: Any) -> list[Any]:
 
 
 def expand(
-    path: str, vision: VisionConfig | None, i: int, ids: list[int], images: list[Any]
+    path: str, vision: VisionConfig | None, i: int, ids: list[int], images: list[Any], kwargs: object = None
 ) -> tuple[list[int], tuple[ImageInput, ...]]:
-    """ids with one <|image_pad|> per image -> ids with each expanded, and the images placed on them."""
+    """ids with one <|image_pad|> per image -> ids with each expanded, and the images placed on
+    them; `kwargs`: the prompt's mm_processor_kwargs."""
     if vision is None:
         raise ValueError(f"prompt {i}: this model does not take images")
+    try:
+        bounds = size_bounds(kwargs, own_bounds(path))
+    except ValueError as e:
+        raise ValueError(f"prompt {i}: {e}") from None
     pad = vision.image_token_id
     at = [j for j, t in enumerate(ids) if t == pad]
     if len(at) != len(images):
@@ -56,7 +64,8 @@ def expand(
         buf = io.BytesIO()
         rgb.save(buf, format="PNG")  # lossless: the node's decode hashes to the same pixels
         out += ids[prev:j]
-        image = ImageInput(buf.getvalue(), hash_pixels(rgb), len(out), grid_of(path, rgb.width, rgb.height))
+        grid = grid_of(path, rgb.width, rgb.height, bounds)
+        image = ImageInput(buf.getvalue(), sized_hash(hash_pixels(rgb), bounds), len(out), grid, bounds)
         inputs.append(image)
         out += [pad] * image.num_tokens(merge)
         prev = j + 1

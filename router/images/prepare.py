@@ -7,6 +7,7 @@ an INVALID_ARGUMENT Abort (HTTP 400) naming the part, counted by reason; nothing
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import CollectorRegistry, Counter
 
-from engine.vision.inputs import ImageInput
+from engine.vision.inputs import ImageInput, sized_hash
+from engine.vision.size_kwargs import size_bounds
 from proto import pb
 from router.errors import Abort
 from router.images.config import ImageArgs
@@ -41,8 +43,9 @@ class Prepared:
 
     where: str
     data: bytes
-    pixel_hash: bytes
+    pixel_hash: bytes  # its identity: engine/vision/inputs.py `sized_hash` of the pixels' hash and size_bounds
     grid_thw: tuple[int, int, int]
+    size_bounds: tuple[int, int] | None = None  # the request's (min_pixels, max_pixels); None: the checkpoint's
 
 
 class Images:
@@ -70,8 +73,28 @@ class Images:
         self.refused.labels(reason=reason).inc()
         return Abort(grpc.StatusCode.INVALID_ARGUMENT, msg)
 
-    async def prepare(self, refs: Sequence[ImageRef]) -> list[Prepared]:
-        """Every image of a request decoded and checked, in order (Abort on the first refused)."""
+    def size_bounds(self, kwargs: object) -> tuple[int, int] | None:
+        """A request's mm_processor_kwargs as pixel bounds for its images (engine/vision/size_kwargs.py);
+        ValueError naming the key."""
+        return size_bounds(kwargs, self._own(), self.args.max_image_pixels)
+
+    def _own(self) -> tuple[int, int] | None:
+        return None if self.spec is None else (self.spec.min_pixels, self.spec.max_pixels)
+
+    def request_bounds(self, request: pb.GenerateRequest) -> tuple[int, int] | None:
+        """A gRPC GenerateRequest's image_size as pixel bounds (INVALID_ARGUMENT naming the field)."""
+        if not request.HasField("image_size"):
+            return None
+        size = request.image_size
+        kw = {k: getattr(size, k) for k in ("min_pixels", "max_pixels") if size.HasField(k)}
+        try:
+            return size_bounds(kw, self._own(), self.args.max_image_pixels, "image_size")
+        except ValueError as e:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
+    async def prepare(self, refs: Sequence[ImageRef], bounds: tuple[int, int] | None = None) -> list[Prepared]:
+        """Every image of a request decoded and checked, in order (Abort on the first refused);
+        `bounds`: the request's own (min_pixels, max_pixels) for the processor's resize."""
         if not refs:
             return []
         if self.spec is None:
@@ -82,7 +105,7 @@ class Images:
                 "too_many",
                 f"{refs[most].where}: the request has {len(refs)} images, the limit is {most} (--max-images-per-request)",
             )
-        tasks = [asyncio.ensure_future(self._one(r)) for r in refs]
+        tasks = [asyncio.ensure_future(self._one(r, bounds)) for r in refs]
         try:
             out = list(await asyncio.gather(*tasks))
         finally:
@@ -98,7 +121,7 @@ class Images:
                 )
         return out
 
-    async def _one(self, ref: ImageRef) -> Prepared:
+    async def _one(self, ref: ImageRef, bounds: tuple[int, int] | None) -> Prepared:
         loop = asyncio.get_running_loop()
         try:
             data = ref.data
@@ -106,7 +129,8 @@ class Images:
                 data = await self._bytes(ref.url)
             spec = self.spec
             assert spec is not None
-            return await loop.run_in_executor(self._pool, _decode, ref.where, data, spec, self.args.max_image_pixels)
+            args = (ref.where, data, spec, self.args.max_image_pixels, bounds)
+            return await loop.run_in_executor(self._pool, _decode, *args)
         except ImageRefused as e:
             raise self.refuse(e.reason, f"{ref.where}: {e}") from None
 
@@ -154,7 +178,7 @@ class Images:
         prev = 0
         for pos, img in zip(at, images, strict=True):
             out += ids[prev:pos]
-            inputs.append(ImageInput(img.data, img.pixel_hash, len(out), img.grid_thw))
+            inputs.append(ImageInput(img.data, img.pixel_hash, len(out), img.grid_thw, img.size_bounds))
             n = spec.num_tokens(img.grid_thw)
             out += [pad] * n
             prev = pos + 1
@@ -173,15 +197,29 @@ class Images:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _decode(where: str, data: bytes, spec: VisionSpec, max_pixels: int) -> Prepared:
+def _decode(
+    where: str, data: bytes, spec: VisionSpec, max_pixels: int, bounds: tuple[int, int] | None = None
+) -> Prepared:
     d = decode(data, max_pixels)
+    if bounds is not None:
+        spec = dataclasses.replace(spec, min_pixels=bounds[0], max_pixels=bounds[1])
     try:
         grid = spec.grid(d.width, d.height)
     except ValueError as e:
         raise ImageRefused("aspect", f"the image processor refuses it: {e}") from None
-    return Prepared(where, data, d.pixel_hash, grid)
+    return Prepared(where, data, sized_hash(d.pixel_hash, bounds), grid, bounds)
 
 
 def to_pb(inputs: Sequence[ImageInput]) -> list[pb.ImageInput]:
-    """The images as the node messages carry them."""
-    return [pb.ImageInput(data=i.data, pixel_hash=i.pixel_hash, offset=i.offset, grid_thw=i.grid_thw) for i in inputs]
+    """The images as the node messages carry them (bounds 0, 0: the checkpoint's own)."""
+    return [
+        pb.ImageInput(
+            data=i.data,
+            pixel_hash=i.pixel_hash,
+            offset=i.offset,
+            grid_thw=i.grid_thw,
+            min_pixels=i.size_bounds[0] if i.size_bounds else 0,
+            max_pixels=i.size_bounds[1] if i.size_bounds else 0,
+        )
+        for i in inputs
+    ]

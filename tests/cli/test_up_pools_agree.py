@@ -16,6 +16,11 @@ from router.cli import main
         ("mamba_ssm_cache_dtype: bfloat16", "mamba_ssm_cache_dtype (bfloat16 vs float32): a bfloat16 recurrent"),
         ("block_size: 32", "block_size (32 vs 16)"),
         ("{num_speculative_tokens: 2, speculative_method: ngram}", "speculative method (ngram vs none)"),
+        (
+            'hf_overrides: \'{"rope_parameters": {"partial_rotary_factor": 0.5}}\'',
+            "partial_rotary_factor (hf_overrides) (0.5 vs 0.25)",
+        ),
+        ("hf_overrides: '{\"rms_norm_eps\": 0.001}'", "rms_norm_eps (hf_overrides) (0.001 vs 1e-06)"),
     ],
 )
 def test_pools_that_cannot_hand_off_are_refused(tmp_path, capsys, prefill, words):

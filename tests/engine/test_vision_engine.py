@@ -225,3 +225,31 @@ def _turned_jpeg() -> tuple[bytes, bytes]:
     out = io.BytesIO()
     ref.save(out, format="PNG")
     return buf.getvalue(), out.getvalue()
+
+
+def test_vllm_prompts_mm_processor_kwargs_size_the_images(vl):
+    """A prompt's mm_processor_kwargs (vLLM's): its images are sized within those pixel bounds,
+    the prompt's tokens and the answer are transformers' with its processor called with the same
+    keyword arguments, and the same image at another size in the same batch is its own encoder
+    cache entry (its answer is its own sizing's). An unknown key is refused naming it."""
+    path, _ = vl("qwen3_5")
+    img = vc.png(240, 180, seed=4)
+    msgs = [vc.user(None, "What is in this picture?")]
+    text = vc.chat_text(path, msgs)
+    sizings = [None, {"max_pixels": 16384}, {"size": {"shortest_edge": 4096, "longest_edge": 32768}}]
+    want = []
+    for kw in sizings:
+        ids, inputs = vc.expand(path, vc.chat_ids(path, msgs), [img], kw)
+        want.append((ids, vc.hf_greedy(path, ids, inputs, NEW, kwargs=kw)))
+    assert len({len(ids) for ids, _ in want}) == len(sizings)
+    prompts = [
+        {"prompt": text, "multi_modal_data": {"image": img}} | ({} if kw is None else {"mm_processor_kwargs": kw})
+        for kw in sizings
+    ]
+    with LLM(path, dtype="float32") as llm:
+        for batch in (prompts, prompts[::-1]):  # together, then each after the others are cached
+            outs = llm.generate(batch, GREEDY)
+            got = [(o.prompt_token_ids, o.output_token_ids) for o in outs]
+            assert got == (want if batch is prompts else want[::-1])
+        with pytest.raises(ValueError, match="prompt 0: mm_processor_kwargs key 'fps' is not supported"):
+            llm.generate([dict(prompts[0], mm_processor_kwargs={"fps": 1})], GREEDY)

@@ -50,10 +50,22 @@ def _config(path: str):
     return AutoConfig.from_pretrained(path)
 
 
-def expand(path: str, ids: list[int], images: list[bytes]) -> tuple[list[int], list[ImageInput]]:
+def _processed(path: str, images: list, kwargs: dict | None) -> dict:
+    """transformers' image processor on `images` (PIL), with the request's keyword arguments."""
+    import warnings
+
+    with warnings.catch_warnings():  # min_pixels / max_pixels at call time are deprecated in transformers 5
+        warnings.simplefilter("ignore", FutureWarning)
+        return processor(path)(images=images, return_tensors="pt", **(kwargs or {}))
+
+
+def expand(
+    path: str, ids: list[int], images: list[bytes], kwargs: dict | None = None
+) -> tuple[list[int], list[ImageInput]]:
     """`ids` with one <|image_pad|> per image (in order) replaced by the image's placeholder
-    tokens, and the images as the router hands them over (hash, offset, grid from the processor)."""
-    cfg, proc = _config(path), processor(path)
+    tokens, and the images as the router hands them over (hash, offset, grid from the processor,
+    called with `kwargs`: a request's mm_processor_kwargs, whose hash and bounds are not filled in)."""
+    cfg = _config(path)
     merge = cfg.vision_config.spatial_merge_size
     out: list[int] = []
     inputs: list[ImageInput] = []
@@ -64,7 +76,7 @@ def expand(path: str, ids: list[int], images: list[bytes]) -> tuple[list[int], l
             continue
         data = next(it)
         img = decode_rgb(data)
-        grid = tuple(int(x) for x in proc(images=[img], return_tensors="pt")["image_grid_thw"][0])
+        grid = tuple(int(x) for x in _processed(path, [img], kwargs)["image_grid_thw"][0])
         image = ImageInput(data, hash_pixels(img), len(out), grid)  # type: ignore[arg-type]
         inputs.append(image)
         out += [cfg.image_token_id] * image.num_tokens(merge)
@@ -72,14 +84,14 @@ def expand(path: str, ids: list[int], images: list[bytes]) -> tuple[list[int], l
     return out, inputs
 
 
-def hf_inputs(path: str, ids: list[int], images: list[ImageInput]) -> dict:
-    """transformers' model inputs for an expanded prompt: pixel values from its image processor,
-    grids, and the token types its M-RoPE index needs."""
+def hf_inputs(path: str, ids: list[int], images: list[ImageInput], kwargs: dict | None = None) -> dict:
+    """transformers' model inputs for an expanded prompt: pixel values from its image processor
+    (called with `kwargs`), grids, and the token types its M-RoPE index needs."""
     cfg = _config(path)
     kw: dict = {"input_ids": torch.tensor([ids])}
     kw["mm_token_type_ids"] = (kw["input_ids"] == cfg.image_token_id).int()
     if images:
-        got = processor(path)(images=[decode_rgb(i.data) for i in images], return_tensors="pt")
+        got = _processed(path, [decode_rgb(i.data) for i in images], kwargs)
         kw["pixel_values"] = got["pixel_values"]
         kw["image_grid_thw"] = got["image_grid_thw"]
     return kw
@@ -93,8 +105,15 @@ def hf_model(path: str, device: str = "cpu"):
     return getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval().to(device)
 
 
-def hf_greedy(path: str, ids: list[int], images: list[ImageInput], new_tokens: int, device: str = "cpu") -> list[int]:
-    kw = {k: v.to(device) for k, v in hf_inputs(path, ids, images).items()}
+def hf_greedy(
+    path: str,
+    ids: list[int],
+    images: list[ImageInput],
+    new_tokens: int,
+    device: str = "cpu",
+    kwargs: dict | None = None,
+) -> list[int]:
+    kw = {k: v.to(device) for k, v in hf_inputs(path, ids, images, kwargs).items()}
     with torch.inference_mode():
         out = hf_model(path, device).generate(
             **kw, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens

@@ -4,7 +4,7 @@ tag reaches the node with the grid and pixel hash of the upright image, as trans
 `load_image` (and vLLM) decode the same bytes, and the node's own check of those bytes passes; in
 a Responses message with an `input_image`, a bad part (video, file, a text that is not a string,
 an unknown `detail`) is a 400 naming that part, with no node call; so is vLLM's per-request
-mm_processor_kwargs or media_io_kwargs, named as a field."""
+media_io_kwargs, named as a field (mm_processor_kwargs: tests/router/test_image_size_kwargs.py)."""
 
 from __future__ import annotations
 
@@ -110,13 +110,10 @@ def test_a_responses_message_with_an_image_names_its_bad_part(vl, after, where, 
     assert status == 200 and len(fake.requests) == before + 1, out
 
 
-@pytest.mark.parametrize(
-    "field,value", [("mm_processor_kwargs", {"max_pixels": 4096}), ("media_io_kwargs", {"image": {}})]
-)
+@pytest.mark.parametrize("field,value", [("media_io_kwargs", {"image": {}})])
 def test_vllms_per_request_image_options_are_refused_by_name(vl, field, value):
-    """vLLM's per-request image size (mm_processor_kwargs) and decoding (media_io_kwargs) options:
-    before, ignored with a log line, so a client asking for fewer pixels got the checkpoint's
-    full-size grid and prompt without a word; now a 400 naming the field, and empty is as unsent."""
+    """vLLM's per-request image decoding options (media_io_kwargs): before, ignored with a log
+    line; now a 400 naming the field, and empty is as unsent."""
     r, fake = vl
     url = im.data_url(im.encoded(300, 200, seed=3))
     msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]

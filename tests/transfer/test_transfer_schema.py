@@ -95,6 +95,12 @@ def _with_tensor(s, kind, **changes):
         ("linear_conv_kernel_dim", lambda: schema(linear_conv_kernel_dim=3)),
         ("num_kv_heads", lambda: schema(kvh=4)),
         ("head_dim", lambda: schema(head_dim=16)),
+        # what --rope-theta, --rope-scaling and --hf-overrides change: before, not in the digest
+        ("num_attention_heads", lambda: schema(num_attention_heads=4)),
+        ("rope_theta", lambda: schema(rope_theta=1e6)),
+        ("rotary_dim", lambda: schema(partial_rotary_factor=0.5)),
+        ("rms_norm_eps", lambda: schema(rms_norm_eps=1e-5)),
+        ("norm_topk_prob", lambda: schema(norm_topk_prob=False)),
         (
             "num_speculative_slots",
             lambda: build_schema(
