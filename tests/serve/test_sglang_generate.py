@@ -2,7 +2,8 @@
 `input_ids` give transformers' greedy tokens, their logprobs and the prompt's (logprob_start_len 0,
 top_logprobs_num 2) transformers' log-softmax; the stream's events are cumulative and end with the
 whole answer; a text prompt stops at a stop string (trimmed, and kept with no_stop_trim); a batch
-answers a list; json_schema output validates; bad input is a 400 naming the field."""
+answers a list; json_schema output validates, greedy and sampled (n=2, streamed, each event naming
+its output); bad input is a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -111,6 +112,15 @@ def test_text_stop_string_batch_and_json_schema(http_up):
     assert status == 200 and isinstance(out, dict), out
     assert out["meta_info"]["finish_reason"]["type"] == "stop", out
     jsonschema.validate(json.loads(out["text"]), SCHEMA)
+    # sampled, n=2, streamed: each event names its output; the last of each validates
+    js |= {"temperature": 1.0, "top_p": 0.9, "n": 2, "sampling_seed": 3}
+    status, events = _post(base, {"text": "JSON:", "sampling_params": js, "stream": True})
+    assert status == 200 and isinstance(events, list), events
+    last = {e["index"]: e for e in events}
+    assert sorted(last) == [0, 1]
+    for e in last.values():
+        assert e["meta_info"]["finish_reason"]["type"] == "stop", e
+        jsonschema.validate(json.loads(e["text"]), SCHEMA)
 
 
 def test_bad_input_names_the_field(http_up):
