@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP on the router (FastAPI on the router's loop): `/v1/models`,
-`/v1/completions`, `/v1/chat/completions`, `/health`, `/metrics`. Each choice is one in-process
-`GenerateService.generate`; errors take OpenAI's shape (docs/api.md)."""
+`/v1/completions`, `/v1/chat/completions`, `/health`, `/metrics`, and SGLang's `/generate`
+(router/sglang_generate.py). Each choice is one in-process `GenerateService.generate`; errors
+take OpenAI's shape (docs/api.md)."""
 
 from __future__ import annotations
 
@@ -482,5 +483,8 @@ def make_app(service, front: OpenAIFront | None = None) -> FastAPI:
     from router.anthropic_messages import register as register_messages  # noqa: PLC0415
 
     register_messages(app, front, limit, hints)
+    from router.sglang_generate import register as register_generate  # noqa: PLC0415
+
+    register_generate(app, front, limit, hints, _until_disconnect, _Gone)
 
     return app
