@@ -64,7 +64,12 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             self.connector = PrefillConnector(
                 self.engine.executor,
                 cfg.node_id,
-                TransferConfig(backend=self.backend, bind_host=cfg.data_host, allow_tcp_staging=cfg.allow_tcp_staging),
+                TransferConfig(
+                    backend=self.backend,
+                    bind_host=cfg.data_host,
+                    allow_tcp_staging=cfg.allow_tcp_staging,
+                    staging_slots=cfg.transfer_staging_slots,
+                ),
                 push_timeout_s=cfg.push_timeout_s,
                 spin_s=cfg.push_spin_s,
                 stream=cfg.stream_kv,
