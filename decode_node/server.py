@@ -117,7 +117,7 @@ class DecodeNode(NodeServer, rpc.DecodeNodeServicer):
             yield_to_prefill_s=cfg.yield_to_prefill_ms / 1e3,
         ).start()
         self.metrics = ServingMetrics("pdserve_decode", self._gauges)
-        register_vllm(self.metrics.registry, cfg.model, lambda: self.loop.snapshot)
+        register_vllm(self.metrics.registry, cfg.model, cfg.served_model_name, lambda: self.loop.snapshot)
         self._streams: set[str] = set()  # request ids a Generate call streams now
         self.sinks = TokenSinks()  # the callers' token streams (TokenStream, serving/mux.py)
         self.handing_off = False  # the drain hands the streams left to the router (drain_handoff_s)

@@ -242,15 +242,15 @@ class CacheConfig:
     block_size: int = 16  # tokens per KV page
     kv_cache_memory: int | str | None = "256MiB"  # budget for KV pages + GDN state slots, per rank
     num_state_slots: int | None = None  # GDN state slots; default max_num_seqs
-    # prefix caching (engine/cache/prefix.py): shared full pages + GDN state snapshots taken every
-    # `snapshot_interval` prompt tokens and at each prompt's end, in a pool of `snapshot_fraction` of the budget
+    # prefix caching (engine/cache/prefix.py): shared pages + GDN snapshots (every `snapshot_interval` tokens, prompt ends)
     enable_prefix_caching: bool = True
     snapshot_interval: int = 256
-    snapshot_fraction: float = 0.1
+    snapshot_fraction: float = 0.1  # the snapshot pool's share of the budget
     message_break: tuple[int, ...] = ()  # snapshots also before the last token of each of these (ChatML message breaks)
     encoder_cache_memory: int | str = "64MiB"  # vision-language models: image embeddings kept per rank
     recurrent_dtype: str = "float32"  # GDN recurrent state, a torch dtype name (--mamba-ssm-cache-dtype)
     gpu_memory_utilization: float | None = None  # share of the device to plan from (cache/memory_plan.py)
+    staging_slots: int = 0  # a sender's bfloat16 slots for float32 GDN states (transfer/staging.py), in the budget
 
     def __post_init__(self):
         if self.recurrent_dtype not in ("float32", "bfloat16"):

@@ -86,7 +86,15 @@ class Worker:
         # CUDA graphs pad a decode step to a bucket's size: its padding rows write a slot and page of their own
         padded = graphs_wanted(self.device, t, cfg.cuda_graphs) and not cfg.speculative.mtp
         self.buckets = decode_buckets(cfg.scheduler.max_num_seqs) if padded else ()
-        plan_args = (cfg.num_state_slots, cfg.cache.block_size, k, cfg.snapshot_fraction, hidden, int(padded))
+        plan_args = (
+            cfg.num_state_slots,
+            cfg.cache.block_size,
+            k,
+            cfg.snapshot_fraction,
+            hidden,
+            int(padded),
+            cfg.cache.staging_slots,
+        )
         self.memory_plan: MemoryPlan | None = None  # set when planned from the device
         if fraction is None:  # a fixed budget: planned before the weights load
             self.capacity: Capacity = plan_capacity(self.specs, cfg.cache.memory_bytes, *plan_args)

@@ -4,8 +4,10 @@ Every field is an option of `pdserve prefill` and `pdserve up` (engine/options.p
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from engine.config import EngineConfig
 from engine.options import option
 from engine.units import parse_bytes
 from serving.config import NodeArgs
@@ -28,6 +30,14 @@ class PrefillNodeConfig(NodeArgs):
     # With stream_kv, the last chunk's state goes layer by layer as its forward finishes each layer
     # (docs/transfer.md, "The last chunk, layer by layer"); off: all of it once the first token exists.
     kv_by_layer: bool = option(True, "write the last prefill chunk's KV and GDN state layer by layer as computed")
+    # A float32 GDN state sent to a decode node that keeps it in bfloat16 (--mamba-ssm-cache-dtype) is cast
+    # into a bfloat16 staging slot per GDN layer first (transfer/staging.py); the slots come out of the cache
+    # budget where this node's state is float32, and a push finding none free waits for one.
+    transfer_staging_slots: int = option(
+        4,
+        "bfloat16 staging slots for pushing a float32 GDN state to bfloat16 decode nodes, one request each; "
+        "taken from the cache budget when this node's state is float32 (the memory plan shows them)",
+    )
 
     # The encode pool (docs/images.md): a host region encode nodes WRITE image encoder outputs into.
     encoder_landing_memory: int | str = option(
@@ -42,7 +52,14 @@ class PrefillNodeConfig(NodeArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.transfer_staging_slots < 1:
+            raise ValueError(f"--transfer-staging-slots must be at least 1 (got {self.transfer_staging_slots})")
         if self.push_timeout_s <= 0 or self.push_spin_s < 0:
             raise ValueError("push_timeout_s must be positive and push_spin_s >= 0")
         if parse_bytes(self.encoder_landing_memory) < 0 or self.encoder_landing_lease_s <= 0 or self.encoded_wait_s < 0:
             raise ValueError("encoder_landing_memory and encoded_wait_s must be >= 0, encoder_landing_lease_s positive")
+
+    def engine_config(self, check_only: bool = False) -> EngineConfig:
+        """The engine's, its budget paying for the transfer's staging slots."""
+        cfg = super().engine_config(check_only)
+        return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, staging_slots=self.transfer_staging_slots))

@@ -64,7 +64,12 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
             self.connector = PrefillConnector(
                 self.engine.executor,
                 cfg.node_id,
-                TransferConfig(backend=self.backend, bind_host=cfg.data_host, allow_tcp_staging=cfg.allow_tcp_staging),
+                TransferConfig(
+                    backend=self.backend,
+                    bind_host=cfg.data_host,
+                    allow_tcp_staging=cfg.allow_tcp_staging,
+                    staging_slots=cfg.transfer_staging_slots,
+                ),
                 push_timeout_s=cfg.push_timeout_s,
                 spin_s=cfg.push_spin_s,
                 stream=cfg.stream_kv,
@@ -79,7 +84,7 @@ class PrefillNode(NodeServer, rpc.PrefillNodeServicer):
         self._calls: set[str] = set()  # request ids a Prefill call is serving (guarded by _lock)
         self.loop = EngineLoop(self.engine, name=f"{cfg.node_id}-engine", on_change=self.changes.changed).start()
         self.metrics = ServingMetrics("pdserve_prefill", lambda: capacity_gauges(self.loop.snapshot))
-        register_vllm(self.metrics.registry, cfg.model, lambda: self.loop.snapshot)
+        register_vllm(self.metrics.registry, cfg.model, cfg.served_model_name, lambda: self.loop.snapshot)
         try:
             self.encoded = EncodedInputs(cfg, self.ecfg, self.loop, self.metrics)
         except Exception:

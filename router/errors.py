@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import grpc
 
+# what every front door (gRPC, HTTP /v1/*, /health) says while no decode node takes requests
+NO_DECODE = "no decode node is ready: start one or wait"
+
 
 class DecodeFailed(Exception):
     """The decode node refused or could not take a reservation (retry on another decode node)."""

@@ -7,6 +7,7 @@ router does not drain."""
 from __future__ import annotations
 
 from proto import pb
+from router.errors import NO_DECODE
 from serving.probes import Answer, Probes
 
 
@@ -16,8 +17,7 @@ def readiness(service) -> Answer:
         return 503, {"status": "draining"}
     live = len(service.registry.routable(pb.NODE_KIND_DECODE))
     if not live:  # requests would wait for one, then be refused
-        why = "no live decode node: requests are refused (503) until one registers"
-        return 503, {"status": "no_decode_node", "decode_nodes": 0, "message": why}
+        return 503, {"status": "no_decode_node", "decode_nodes": 0, "message": NO_DECODE}
     return 200, {"status": "ok", "decode_nodes": live}
 
 

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 from proto import pb
 from router import structured_fields
 from router.client_hints import HINTS, Hints, from_headers
-from router.errors import Abort
+from router.errors import NO_DECODE, Abort
 from router.health import readiness
 from router.http_limits import check_expansion, read_json
 from router.images.decode import ImageRefused
@@ -112,9 +112,7 @@ class OpenAIFront:
         """The served model a body's `model` names; unset: the one model served (several: a 400)."""
         known = self.service.models()
         if not known:  # nothing registered (yet, or any more): a state to wait out, not a bad name
-            raise ApiError(
-                503, "no live node serves a model now; retry shortly", "service_unavailable", None, "unavailable"
-            )
+            raise ApiError(503, NO_DECODE, "service_unavailable", None, "unavailable")
         if name is None:
             if len(known) == 1:
                 return known[0].id

@@ -15,7 +15,7 @@ import grpc
 
 from proto import pb
 from router.detok import IncrementalDetokenizer
-from router.errors import Abort, DecodeFailed
+from router.errors import NO_DECODE, Abort, DecodeFailed
 from router.migrate import Migration, Moved, NodeLost, NodeWatch, Tried
 from router.push import Push
 from router.registry import NodeEntry
@@ -378,6 +378,10 @@ class RequestRun:
         if code == grpc.StatusCode.UNAVAILABLE and self.tr.n == 0 and len(self.tried) < 2 and others:
             log.warning("request %s: decode node %s unavailable, retrying elsewhere", self.tr.request_id, d.node_id)
             raise _Retry
+        if code == grpc.StatusCode.UNAVAILABLE and self.tr.n == 0 and not others:
+            # the last decode node stopped answering (crashed, killed): its connection error is in
+            # the log (registry.mark_unreachable); the client learns what is missing
+            raise Abort(code, f"{NO_DECODE} ({d.node_id} stopped answering)")
         raise Abort(code, e.details() or code.name)
 
     def _renamed(self, d: NodeEntry) -> None:

@@ -20,7 +20,7 @@ from router.client_hints import HINTS, Hints
 from router.client_streams import ClientStreams
 from router.config import RouterConfig
 from router.encode import EncodePool
-from router.errors import Abort, Draining
+from router.errors import NO_DECODE, Abort, Draining
 from router.images.prepare import ImageRef, Images, Prepared, to_pb
 from router.images.vision import IMAGE_PAD, VisionSpec
 from router.inflight_gauges import InflightGauges
@@ -397,8 +397,7 @@ class GenerateService:
             if not [e for e in self.registry.routable(pb.NODE_KIND_DECODE) if e not in exclude]:
                 return Abort(
                     grpc.StatusCode.UNAVAILABLE,
-                    f"no live decode node took new requests for {ask.budget_s:g} s, this request's admission "
-                    "budget: retry shortly, or with a longer budget",
+                    f"{NO_DECODE} (none took new requests within this request's {ask.budget_s:g} s admission budget)",
                 )
             return None
 

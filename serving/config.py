@@ -69,6 +69,12 @@ class NodeArgs(SecurityArgs, EngineArgs):
         "(refused at the transfer handshake otherwise; docs/transfer.md)",
     )
     metrics_port: int | None = option(None, "Prometheus /metrics on this port (0 picks one; default off)")
+    served_model_name: tuple[str, ...] = option(
+        (),
+        "the router's --served-model-name: the first is the model_name label of this node's vllm:* series, as "
+        "the router's (repeatable; default: the checkpoint directory's name, ORG/NAME for a Hugging Face cache "
+        "snapshot)",
+    )
     worker_process: bool = option(
         False,
         "run the model in a process of its own also at --tp 1, as each rank runs at --tp > 1: the node's gRPC "

@@ -82,6 +82,9 @@ class NodeVllm:
         yield counter("vllm:num_preemptions", "Requests preempted (out of KV pages; they recompute)", m, s.preemptions)
 
 
-def register_node(registry: CollectorRegistry, model_path: str, snapshot: Callable[[], Snapshot]) -> None:
-    """Add a node's vLLM series to its registry, labelled with the model's default name."""
-    registry.register(NodeVllm(model_id(model_path), snapshot))
+def register_node(
+    registry: CollectorRegistry, model_path: str, served: tuple[str, ...], snapshot: Callable[[], Snapshot]
+) -> None:
+    """Add a node's vLLM series to its registry, labelled as the router labels its own: the first
+    served name (--served-model-name), else the model's default name."""
+    registry.register(NodeVllm(served[0] if served else model_id(model_path), snapshot))

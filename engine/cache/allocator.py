@@ -28,6 +28,9 @@ class Capacity:
     # 1: one GDN state slot and one KV page past the counted ones, never handed out, which the rows
     # padding a decode step to its CUDA graph's batch size write (engine/model/graphs.py)
     padding: int = 0
+    # the transfer sender's bfloat16 staging of float32 recurrent states, all GDN layers
+    # (transfer/staging.py: `staging_slots` slots each); 0 where the states are not float32
+    staging_bytes: int = 0
 
     @property
     def max_tokens(self) -> int:
@@ -46,6 +49,8 @@ class Capacity:
             spec += f"; {self.num_snapshots} prefix snapshots ({self.snapshot_bytes / mib:.1f} MiB)"
         if self.padding:
             spec += "; one more slot and page for padded decode rows"
+        if self.staging_bytes:
+            spec += f"; transfer staging {self.staging_bytes / mib:.1f} MiB"
         return (
             f"cache {self.cache_bytes / mib:.1f} MiB: {self.num_blocks} KV blocks x {self.block_size} tokens "
             f"= {self.max_tokens} tokens ({self.kv_bytes_per_token} B/token over attention layers, "
@@ -63,9 +68,14 @@ def plan_capacity(
     snapshot_fraction: float = 0.0,
     snapshot_hidden: int = 0,
     padding: int = 0,
+    staging_slots: int = 0,
 ) -> Capacity:
     """snapshot_hidden: the hidden size when MTP drafts (each snapshot keeps one hidden state).
-    padding 1: the budget pays for one slot and one page more than it counts (`Capacity.padding`)."""
+    padding 1: the budget pays for one slot and one page more than it counts (`Capacity.padding`).
+    staging_slots: the transfer sender's bfloat16 staging slots for float32 recurrent states
+    (`staging_bytes`), paid from the budget like the state slots."""
+    if staging_slots < 0:
+        raise ValueError(f"transfer staging slots must be >= 0 (got {staging_slots})")
     attn = [s for s in specs if isinstance(s, PagedAttentionSpec)]
     gdn = [s for s in specs if isinstance(s, GDNStateSpec)]
     state_bytes = num_slots * sum(s.page_size_bytes for s in gdn)
@@ -77,12 +87,13 @@ def plan_capacity(
     num_snapshots = int(budget * snapshot_fraction) // snap
     snapshot_bytes = num_snapshots * snap
     pad_bytes = padding * (sum(s.page_size_bytes for s in gdn) + block_bytes)
-    num_blocks = (budget - state_bytes - scratch - snapshot_bytes - pad_bytes) // block_bytes
+    staging = staging_slots * sum(staging_slot_bytes(s) for s in gdn)
+    num_blocks = (budget - state_bytes - scratch - snapshot_bytes - pad_bytes - staging) // block_bytes
     if num_blocks < 1:
         raise ValueError(
             f"kv_cache_memory={budget} B leaves no room for KV pages after {num_slots} GDN state slots "
-            f"({state_bytes + scratch} B with speculative scratch), {snapshot_bytes} B of prefix snapshots "
-            f"and one {block_bytes} B block; "
+            f"({state_bytes + scratch} B with speculative scratch), {snapshot_bytes} B of prefix snapshots, "
+            f"{staging} B of transfer staging and one {block_bytes} B block; "
             "raise kv_cache_memory or lower max_num_seqs"
         )
     return Capacity(
@@ -98,7 +109,16 @@ def plan_capacity(
         snapshot_bytes=snapshot_bytes,
         snapshot_hidden=snapshot_hidden if num_snapshots else 0,
         padding=padding,
+        staging_bytes=staging,
     )
+
+
+def staging_slot_bytes(spec: GDNStateSpec) -> int:
+    """One transfer staging slot of a GDN layer: its recurrent state in bfloat16, where the pool
+    holds it in float32 (the one cast the transfer plans, transfer/plan.py CASTS); else 0."""
+    if spec.recurrent_dtype != torch.float32:
+        return 0
+    return spec.recurrent_bytes // spec.recurrent_dtype.itemsize * torch.bfloat16.itemsize
 
 
 def kv_pool_view(storage: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ class DeviceFacts:
 class MemoryPlan:
     fraction: float
     facts: DeviceFacts
-    budget: int  # bytes for snapshots, GDN state slots, speculative scratch and KV pages
+    budget: int  # bytes for snapshots, GDN state slots, speculative scratch, transfer staging and KV pages
     capacity: Capacity
     explicit: bool  # the budget is --kv-cache-memory, not the fraction's share
 
@@ -45,7 +45,7 @@ class MemoryPlan:
             f"other processes {_size(f.others)}; cache {_size(self.budget)} = {c.num_blocks} KV pages "
             f"({_size(c.kv_bytes)}, {c.max_tokens} tokens), {c.num_state_slots} GDN state slots "
             f"({_size(c.state_bytes)}), speculative scratch {_size(c.spec_scratch_bytes)}, "
-            f"{c.num_snapshots} prefix snapshots ({_size(c.snapshot_bytes)})"
+            f"{c.num_snapshots} prefix snapshots ({_size(c.snapshot_bytes)}), transfer staging {_size(c.staging_bytes)}"
         )
 
 
@@ -72,6 +72,7 @@ def plan_memory(
     snapshot_fraction: float = 0.0,
     snapshot_hidden: int = 0,
     padding: int = 0,
+    staging_slots: int = 0,
     kv_cache_memory: int | None = None,
     agreed: int | None = None,
 ) -> MemoryPlan:
@@ -113,7 +114,15 @@ def plan_memory(
         )
     try:
         cap = plan_capacity(
-            specs, budget, num_slots, block_size, num_spec_tokens, snapshot_fraction, snapshot_hidden, padding
+            specs,
+            budget,
+            num_slots,
+            block_size,
+            num_spec_tokens,
+            snapshot_fraction,
+            snapshot_hidden,
+            padding,
+            staging_slots,
         )
     except ValueError as e:
         if kv_cache_memory is not None:

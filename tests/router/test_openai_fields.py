@@ -155,7 +155,7 @@ def test_health_is_503_without_a_live_decode_node(ckpt):
         for path in ("/health", "/ping"):
             status, out = get(r.http_port, path)
             assert status == 503 and out["status"] == "no_decode_node" and out["decode_nodes"] == 0, out
-            assert "no live decode node" in out["message"]
+            assert out["message"] == "no decode node is ready: start one or wait"
     finally:
         r.stop(0)
 

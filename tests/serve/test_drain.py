@@ -166,7 +166,7 @@ def test_router_http_statuses_and_drain(ckpt, tmp_path):
         completion = {"model": name, "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
         # no node registered: 503, not a 404 for the model
         msg = _error_shape(*_post(f"{base}/completions", completion), 503, "service_unavailable")
-        assert "no live node" in msg
+        assert msg == "no decode node is ready: start one or wait"
         with Client(router.address, timeout=60) as c:
             with pytest.raises(PdserveError) as ei:
                 c.generate(prompt_token_ids=[1, 2, 3], max_tokens=2)

@@ -5,6 +5,8 @@ prometheus_client's text parser:
 - what a vLLM dashboard, autoscaler or gateway reads agrees with what the clients saw: requests
   by finished_reason, prompt and generated tokens equal the usage fields summed, one histogram
   sample per request, a refused request is not one (vLLM counts none either);
+- every server labels its vllm:* series with the same model_name, the first --served-model-name
+  (`pdserve up` passes it to the nodes), as vLLM's dashboards filter by one;
 - a request in flight shows on the router (running, its decode node's in-flight request and
   blocks) and on the decode node, and every gauge returns to 0 once it ends;
 - gRPC readiness of pdserve.v1.Generation (the Kubernetes readiness probe) follows HTTP /health:
@@ -38,7 +40,7 @@ def _nodes(port: int, ckpt, prefill: bool = True):
     from prefill_node.server import serve as serve_prefill
 
     common: dict[str, Any] = dict(
-        model=str(ckpt), dtype="float32", router=f"127.0.0.1:{port}", heartbeat_interval_s=0.2
+        model=str(ckpt), dtype="float32", router=f"127.0.0.1:{port}", heartbeat_interval_s=0.2, served_model_name=(M,)
     )
     d, _ = serve_decode(
         "127.0.0.1:0", DecodeNodeConfig(**common, metrics_port=0, block_size=BLOCK, local_prefill_threshold=0)
@@ -143,12 +145,35 @@ def test_vllm_series_count_what_the_clients_got(cluster, oai):
     for server in ("router", "decode", "prefill"):
         s = scrape(urls[server])
         for g in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
-            assert (f"vllm:{g}", (("model_name", M if server == "router" else s_model(s)),)) in s, (server, g)
+            assert (f"vllm:{g}", (("model_name", M),)) in s, (server, g)
 
 
-def s_model(s: dict) -> str:
-    """The model_name a node labels with: its checkpoint's directory name."""
-    return next(dict(k[1])["model_name"] for k in s if k[0] == "vllm:num_requests_running")
+def _vllm_labels(s: dict) -> set[str]:
+    """The model_name labels of a /metrics page's vllm:* series."""
+    return {dict(labels).get("model_name", "") for name, labels in s if name.startswith("vllm:")}
+
+
+def test_up_labels_every_server_with_the_first_served_name(ckpt):
+    """vLLM's dashboards filter every panel by one model_name: `up --served-model-name` gives the
+    router and both node kinds the same label, the first name (an alias is no label)."""
+    from tests.helpers.serve_harness import Up, flags, log_url
+
+    u = Up(
+        "--model",
+        str(ckpt),
+        *flags(dtype="float32", decode=1, prefill=1, metrics_port=0),
+        "--served-model-name",
+        M,
+        "--served-model-name",
+        "alias",
+    )
+    try:
+        for who in ("router", "decode node decode-0", "prefill node prefill-0"):
+            s = scrape(log_url(u, rf"{who} metrics at (http://\S+/metrics)"))
+            assert ("vllm:num_requests_running", (("model_name", M),)) in s, who
+            assert _vllm_labels(s) == {M}, who
+    finally:
+        assert u.stop() == 0, u.output()
 
 
 def test_a_request_in_flight_shows_then_every_gauge_returns_to_zero(cluster):
@@ -171,8 +196,8 @@ def test_a_request_in_flight_shows_then_every_gauge_returns_to_zero(cluster):
     assert rt[("pdserve_router_node_inflight_requests", node)] == 1
     assert rt[("pdserve_router_node_inflight_blocks", node)] == -(-(len(prompt) + 1) // BLOCK)
     assert rt[("pdserve_router_node_up", node)] == 1
-    assert dn[("vllm:num_requests_running", (("model_name", s_model(dn)),))] == 1
-    assert dn[("vllm:kv_cache_usage_perc", (("model_name", s_model(dn)),))] > 0
+    assert dn[("vllm:num_requests_running", (("model_name", M),))] == 1
+    assert dn[("vllm:kv_cache_usage_perc", (("model_name", M),))] > 0
 
     def idle() -> bool:
         now = {k: scrape(u) for k, u in urls.items()}
