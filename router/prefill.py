@@ -112,9 +112,11 @@ class PrefillPhase:
             p.prefill_sent(tokens, interactive=not batch)
         return p, tokens
 
-    def _given_back(self, p: NodeEntry, tokens: int, ok: bool, batch: bool) -> None:
-        """What `choose` counted against p leaves it. ok: the first token came back (the prefill is
-        measured)."""
+    def _given_back(self, p: NodeEntry, rid: str, tokens: int, ok: bool, batch: bool) -> None:
+        """What `choose` counted against p leaves it, and the encode pool the pushes for `rid`. ok:
+        the first token came back (the prefill is measured)."""
+        if self.encode is not None:
+            self.encode.taken(p, rid)
         if ok:
             self.meter.done(p.node_id, tokens)
         with self.registry.lock:
@@ -329,7 +331,7 @@ class PrefillPhase:
                 if retry is not True:
                     return retry
             finally:
-                self._given_back(p, counted, ok, batch)
+                self._given_back(p, rid, counted, ok, batch)
                 p = None
 
     async def alone(
@@ -374,7 +376,7 @@ class PrefillPhase:
         finally:
             if call is not None:
                 call.cancel()  # a no-op once it ended
-            self._given_back(p, counted, ok, batch)
+            self._given_back(p, rid, counted, ok, batch)
 
     def deadline_s(self, p: NodeEntry, tokens: int) -> float:
         """How long one Prefill call on p may take: --prefill-timeout plus twice the time its
