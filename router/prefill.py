@@ -478,11 +478,12 @@ class PrefillPhase:
         raise Abort(code, f"prefill failed on {p.node_id}: {e.details() or code.name}")
 
     async def push_failed(self, push: Push, e: grpc.RpcError) -> None:
-        """The push failed after the first token went out (its watcher task): free D's
-        reservation, which ends D's Generate(reserved) with ABORTED; a prefill node that became
-        unreachable is marked dead and D drops its transfer agents."""
+        """The push failed after the first token went out (its watcher task): free D's reservation
+        (D's Generate(reserved) ends ABORTED); an unreachable P is marked dead and D drops its agents.
+        The pair is handshaken again: P may have dropped D's agents (another router declared D dead)."""
         dead = e.code() == grpc.StatusCode.UNAVAILABLE and not is_draining(e)
         log.warning("request %s: push from %s failed (%s: %s)", push.rid, push.p.node_id, e.code().name, e.details())
+        self.forget_pair(push.p, push.d)
         if dead:
             self.mark_dead(push.p)
         await self.release(

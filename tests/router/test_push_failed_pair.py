@@ -21,7 +21,9 @@ from tests.router.test_prefill_alone import _Err
 
 class _Node:
     def __init__(self, node_id: str):
-        self.node_id, self.shakes, self.released = node_id, [], []
+        self.node_id = node_id
+        self.shakes: list[str] = []
+        self.released: list[str] = []
 
     async def Handshake(self, req, timeout=None):
         self.shakes.append(req.node_id)
