@@ -46,8 +46,10 @@ class EncodePool:
         )
         for w in OUTCOMES:
             self.images.labels(where=w)
-        # (prefill node, pixel hash) -> where the encode in flight for it ends up (an OUTCOMES name)
-        self._pending: dict[tuple[str, bytes], asyncio.Future[str]] = {}
+        # (prefill node, pixel hash) -> where the encode in flight for it ends up (an OUTCOMES name),
+        # and the request that asked for it: a push stays listed until that request's Prefill call
+        # is answered (`taken`), as P notes the image cached only when a Prefill call takes it
+        self._pending: dict[tuple[str, bytes], tuple[asyncio.Future[str], str]] = {}
 
     def _choose(self) -> NodeEntry | None:
         with self.registry.lock:
@@ -65,19 +67,21 @@ class EncodePool:
         unique = list({bytes(i.pixel_hash): i for i in images}.values())
         if not unique:
             return []
-        shared = {h: f for i in unique if (f := self._pending.get((p.node_id, h := bytes(i.pixel_hash)))) is not None}
+        shared = {h: e[0] for i in unique if (e := self._pending.get((p.node_id, h := bytes(i.pixel_hash))))}
         own = [i for i in unique if bytes(i.pixel_hash) not in shared]
         mine = {bytes(i.pixel_hash): asyncio.get_running_loop().create_future() for i in own}
-        self._pending.update({(p.node_id, h): f for h, f in mine.items()})
+        self._pending.update({(p.node_id, h): (f, rid) for h, f in mine.items()})
         where: dict[bytes, str] = {}
         try:
             if own:
                 where = await self._encode(p, rid, own)
         finally:
             for h, f in mine.items():  # the requests waiting on these go on, whatever became of them
-                if self._pending.get((p.node_id, h)) is f:
-                    del self._pending[(p.node_id, h)]
                 f.set_result(where.get(h, "prefill_fallback"))
+                # one pushed waits in P's landing (its slot taken: a request that asked P now would
+                # find no room) until this request's Prefill takes it: shared until `taken`
+                if f.result() != "encode_pool":
+                    self._drop(p.node_id, h, f)
         for h, f in shared.items():
             theirs = await asyncio.shield(f)  # this request's cancel leaves the others' wait alone
             where[h] = "shared" if theirs == "encode_pool" else theirs
@@ -86,6 +90,17 @@ class EncodePool:
         if shared:
             log.info("request %s: %d image(s) shared with requests encoding them for %s", rid, len(shared), p.node_id)
         return [h for h, w in where.items() if w in ("encode_pool", "shared")]
+
+    def taken(self, p: NodeEntry, rid: str) -> None:
+        """The request's Prefill call on P was answered or failed: P took the images pushed for it
+        into its encoder cache (ReserveEncoded names them cached now), or left them to its lease."""
+        for (node, h), (f, owner) in list(self._pending.items()):
+            if node == p.node_id and owner == rid:
+                self._drop(node, h, f)
+
+    def _drop(self, node: str, h: bytes, f: asyncio.Future[str]) -> None:
+        if (e := self._pending.get((node, h))) is not None and e[0] is f:
+            del self._pending[(node, h)]
 
     async def _encode(self, p: NodeEntry, rid: str, unique: list[pb.ImageInput]) -> dict[bytes, str]:
         """Where each image gets encoded (OUTCOMES): pushed by an encode node into P's landing, or

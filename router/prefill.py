@@ -112,9 +112,11 @@ class PrefillPhase:
             p.prefill_sent(tokens, interactive=not batch)
         return p, tokens
 
-    def _given_back(self, p: NodeEntry, tokens: int, ok: bool, batch: bool) -> None:
-        """What `choose` counted against p leaves it. ok: the first token came back (the prefill is
-        measured)."""
+    def _given_back(self, p: NodeEntry, rid: str, tokens: int, ok: bool, batch: bool) -> None:
+        """What `choose` counted against p leaves it, and the encode pool the pushes for `rid`. ok:
+        the first token came back (the prefill is measured)."""
+        if self.encode is not None:
+            self.encode.taken(p, rid)
         if ok:
             self.meter.done(p.node_id, tokens)
         with self.registry.lock:
@@ -329,7 +331,7 @@ class PrefillPhase:
                 if retry is not True:
                     return retry
             finally:
-                self._given_back(p, counted, ok, batch)
+                self._given_back(p, rid, counted, ok, batch)
                 p = None
 
     async def alone(
@@ -374,7 +376,7 @@ class PrefillPhase:
         finally:
             if call is not None:
                 call.cancel()  # a no-op once it ended
-            self._given_back(p, counted, ok, batch)
+            self._given_back(p, rid, counted, ok, batch)
 
     def deadline_s(self, p: NodeEntry, tokens: int) -> float:
         """How long one Prefill call on p may take: --prefill-timeout plus twice the time its
@@ -476,11 +478,12 @@ class PrefillPhase:
         raise Abort(code, f"prefill failed on {p.node_id}: {e.details() or code.name}")
 
     async def push_failed(self, push: Push, e: grpc.RpcError) -> None:
-        """The push failed after the first token went out (its watcher task): free D's
-        reservation, which ends D's Generate(reserved) with ABORTED; a prefill node that became
-        unreachable is marked dead and D drops its transfer agents."""
+        """The push failed after the first token went out (its watcher task): free D's reservation
+        (D's Generate(reserved) ends ABORTED); an unreachable P is marked dead and D drops its agents.
+        The pair is handshaken again: P may have dropped D's agents (another router declared D dead)."""
         dead = e.code() == grpc.StatusCode.UNAVAILABLE and not is_draining(e)
         log.warning("request %s: push from %s failed (%s: %s)", push.rid, push.p.node_id, e.code().name, e.details())
+        self.forget_pair(push.p, push.d)
         if dead:
             self.mark_dead(push.p)
         await self.release(

@@ -312,8 +312,14 @@ def check_decode_prefix_reuse(model: str, address: str, new: int = NEW, block_si
 
 def two_routers(model: str, procs: list[Proc]) -> tuple[Proc, Proc]:
     """Two routers, and a prefill and a decode node registered with both (`--router A,B`); every
-    process is appended to `procs` (the caller stops them)."""
-    ra, rb = (Proc("router", "--port", "0", "--model", model, ready=r"router listening on (\S+)") for _ in "ab")
+    process is appended to `procs` (the caller stops them). The routers declare a node dead after
+    30 s without a heartbeat: the callers kill routers, never nodes, and on a loaded box a node's
+    heartbeats lapsed past the 3 s default (the request failed UNAVAILABLE, or the other router's
+    pushes found the node's agents dropped)."""
+    ra, rb = (
+        Proc("router", "--port", "0", "--model", model, "--dead-after", "30", ready=r"router listening on (\S+)")
+        for _ in "ab"
+    )
     procs += [ra, rb]
     both = f"{ra.address},{rb.address}"
     for kind in ("prefill", "decode"):

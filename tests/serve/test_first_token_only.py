@@ -15,14 +15,18 @@ import pytest
 import torch
 
 from tests.helpers import hybrid_ckpt as hc
-from tests.helpers.serve_harness import Up, flags
+from tests.helpers.serve_harness import Up, flags, log_url, scrape, wait_for
 
 BUSY = 1500  # tokens of the stream that holds the decode slot: still going when the rest are done
 
 
 @pytest.fixture(scope="module")
 def up(ckpt):
-    u = Up("--model", ckpt, *flags(dtype="float32", prefill=1, decode=1, max_num_seqs=1, local_prefill_threshold=0))
+    u = Up(
+        "--model",
+        ckpt,
+        *flags(dtype="float32", prefill=1, decode=1, max_num_seqs=1, local_prefill_threshold=0, metrics_port=0),
+    )
     yield u
     rc = u.stop()
     assert rc == 0, u.output()
@@ -33,6 +37,7 @@ def test_first_token_only_needs_no_decode_node(up, ckpt):
 
     hold, *asks = hc.prompts(lens=(12, 40, 57, 33), seed=5)
     greedy = dict(temperature=0.0, ignore_eos=True)
+    rurl = log_url(up, r"router metrics at (http://\S+/metrics)")
     with Client(up.address, timeout=180) as c:
         c.wait_ready(timeout=90)
         busy_end: list[float] = []
@@ -53,7 +58,8 @@ def test_first_token_only_needs_no_decode_node(up, ckpt):
         kw2 = dict(prompt_token_ids=asks[0], max_tokens=2, request_id="two", admission_timeout_s=0, **greedy)
         t2 = threading.Thread(target=lambda: twos.append(c.generate(**kw2)))
         t2.start()
-        time.sleep(0.5)
+        queued = lambda: scrape(rurl)[("pdserve_router_queue_depth", ())] == 1  # noqa: E731
+        wait_for(queued, 30, "the two-token request waiting in the router's queue")
         # ... and the first-token-only requests sent after it pass it
         outs = [
             c.generate(prompt_token_ids=p, max_tokens=1, logprobs=2, request_id=f"one-{i}", **greedy)

@@ -14,7 +14,19 @@ import time
 import grpc
 import pytest
 
-from tests.helpers.serve_harness import NEW, Up, alive, descendants, flags, node_pid, nodes, wait_for
+from tests.helpers.serve_harness import (
+    NEW,
+    Up,
+    alive,
+    descendants,
+    flags,
+    log_url,
+    node_info,
+    node_pid,
+    nodes,
+    scrape,
+    wait_for,
+)
 
 
 def test_tp2_tokens_admission_node_death_and_no_orphans(ckpt, refs):
@@ -23,7 +35,9 @@ def test_tp2_tokens_admission_node_death_and_no_orphans(ckpt, refs):
     up = Up(
         "--model",
         ckpt,
-        *flags(dtype="float32", decode=1, decode_tp=2, prefill=1, max_num_seqs=1, admission_timeout=0.5),
+        *flags(
+            dtype="float32", decode=1, decode_tp=2, prefill=1, max_num_seqs=1, admission_timeout=0.5, metrics_port=0
+        ),
     )
     try:
         procs = descendants(up.proc.pid)
@@ -46,7 +60,14 @@ def test_tp2_tokens_admission_node_death_and_no_orphans(ckpt, refs):
             assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "no decode node had room" in ei.value.message
             assert time.monotonic() - t0 < 2 and ei.value.retry_after_s > 0.5  # at arrival: the slot frees in seconds
             s.close()
-            # the slot comes back, and the next request is admitted
+            # the slot comes back: the cancel reaches the router and the decode node after close()
+            # returns, and the router admits by its own count and the node's last report
+            held = ("pdserve_router_node_inflight_requests", (("kind", "decode"), ("node", "decode-0")))
+            router = log_url(up, r"router metrics at (http://\S+/metrics)")
+            wait_for(
+                lambda: _slot_free(up.address) and scrape(router)[held] == 0, 30, "the router to see the slot free"
+            )
+            # and the next request is admitted
             r = c.generate(prompt_token_ids=[4, 5], max_tokens=3, temperature=0.0, ignore_eos=True)
             assert len(r.token_ids) == 3
         procs |= descendants(up.proc.pid)
@@ -77,6 +98,12 @@ def test_tp2_tokens_admission_node_death_and_no_orphans(ckpt, refs):
     assert rc == 0, up.output()
     wait_for(lambda: not [p for p in procs if alive(p)], 30, "every child of `pdserve up` to exit")
     assert "pdserve up: stopping" in up.output()
+
+
+def _slot_free(address: str) -> bool:
+    """The decode node's last report to the router shows its one state slot free."""
+    cap = node_info(address, "decode-0").capacity
+    return cap.free_slots == cap.total_slots >= 1
 
 
 def _ranks(node: int) -> list[int]:
