@@ -149,6 +149,8 @@ class OpenAIFront:
 
     def image_bounds(self, req: CompletionRequest | ChatRequest) -> tuple[int, int] | None:
         """The request's mm_processor_kwargs as its images' pixel bounds (400 naming the key)."""
+        if req.mm_processor_kwargs is None:
+            return None
         try:
             return self.service.images.size_bounds(req.mm_processor_kwargs)
         except ValueError as e:

@@ -180,6 +180,7 @@ def _constraint(s: SamplingIn) -> pb.Constraint | None:
         structured_outputs=None,
         guided_whitespace_pattern=None,
         guided_decoding_backend=None,
+        special_tokens={},  # only a structural tag reads them: SGLang's fields here are none
         **{name: None for name, _ in structured_fields.TOP_LEVEL},
     )
     view.json_schema, view.regex, view.ebnf = s.json_schema, s.regex, s.ebnf
