@@ -327,8 +327,8 @@ def test_a_prefill_node_is_counted_the_prompt_less_what_it_has_cached():
     turn = first + list(range(500, 540))  # the next turn: the history and 40 new tokens
     p2, n2 = phase.choose(d, len(turn), set(), window=True, q=PrefixQuery(turn))
     assert (p2, n2) == (p, len(turn) - 64) and p.inflight_interactive_tokens == 64 + 40
-    phase._given_back(p, n1, ok=True, batch=False)
-    phase._given_back(p, n2, ok=True, batch=False)
+    phase._given_back(p, "r1", n1, ok=True, batch=False)
+    phase._given_back(p, "r2", n2, ok=True, batch=False)
     assert p.inflight_interactive_tokens == p.inflight_prefill_tokens == 0
     other = list(range(900, 964))  # a prompt sharing none of it: counted in full
     assert phase.choose(d, len(other), set(), window=True, q=PrefixQuery(other)) == (p, 64)
