@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from router.vllm_flags import NO_OPS, VALUED_NO_OPS, speculative
+from router.vllm_flags import NO_OPS, VALUED_NO_OPS, image_limit, speculative
 
 # options whose value is a file or directory: a relative one is read from the pools file's directory
 PATH_KEYS = ("cluster_token_file", "tls_cert", "tls_key", "tls_ca", "api_key_file")
@@ -96,10 +96,8 @@ def _vllm_key(path: str, k: str, v: Any, pool: str | None) -> list[tuple[str, An
         logging.getLogger("pdserve.cli").info("%s: %s has no effect here: %s", path, k, why)
         return []
     if k == "limit_mm_per_prompt":
-        from engine.llm_vllm import mm_limits  # noqa: PLC0415
-
-        limits = mm_limits(v)
-        return [("max_images_per_request", limits["image"])] if "image" in limits else []
+        n = image_limit(v, f"{path}: limit_mm_per_prompt")
+        return [] if n is None else [("max_images_per_request", n)]
     if k == "language_model_only":
         return [("max_images_per_request", 0)] if v else []
     if k == DTYPE_KEY and isinstance(v, str):

@@ -226,18 +226,19 @@ def _serve_ports(argv: list[str]) -> list[str]:
     return out if names & {"--port", "--http-port"} else [*out, "--http-port", "8000"]
 
 
+def image_limit(value: object, where: str = "--limit-mm-per-prompt") -> int | None:
+    """vLLM's limit_mm_per_prompt (JSON text or a mapping) as the images a request may carry, for
+    `--max-images-per-request` (None: it names no image count; no other modality is served, so a
+    video count is checked and has nothing to limit)."""
+    from engine.json_text import json_value  # noqa: PLC0415 (the engine's package: imported once argv is read)
+    from engine.llm_vllm import mm_limits  # noqa: PLC0415
+
+    return mm_limits(json_value(value, where)).get("image")
+
+
 def _mm_limits(text: str) -> list[str]:
-    """vLLM's `--limit-mm-per-prompt '{"image": N}'` as `--max-images-per-request N` (no other
-    modality is served: a video count is checked, and has nothing to limit)."""
-    import json
-
-    from engine.llm_vllm import mm_limits  # noqa: PLC0415 (the engine's package: imported once argv is read)
-
-    try:
-        limits = mm_limits(json.loads(text))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--limit-mm-per-prompt is not JSON: {e}") from None
-    return ["--max-images-per-request", str(limits["image"])] if "image" in limits else []
+    n = image_limit(text)
+    return [] if n is None else ["--max-images-per-request", str(n)]
 
 
 def _twice(argv: list[str]) -> None:
