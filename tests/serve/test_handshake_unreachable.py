@@ -11,7 +11,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from tests.helpers.serve_harness import Proc, creds, flags
+from tests.helpers.serve_harness import Proc, creds, flags, wait_for
 
 
 @pytest.mark.parametrize("prefill_tp", [1, 2])
@@ -36,6 +36,8 @@ def test_handshake_with_an_exited_peer_names_it_and_blames_it(ckpt, prefill_tp):
         assert e.code() == grpc.StatusCode.UNAVAILABLE, (e.code(), e.details())
         assert "decode-0" in e.details() and "unreachable" in e.details(), e.details()
         assert peer_at_fault(e) == "decode-0"
+        # the node's log is read by a thread: its line may land just after the answer
+        wait_for(lambda: "handshake with decode-0 failed" in p.output(), 10, "the node's log line")
         out = p.output()
         assert "Traceback" not in out and "Exception calling application" not in out, out
         assert out.count("handshake with decode-0 failed") == 1, out
